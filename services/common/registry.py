@@ -1,0 +1,245 @@
+"""Registry: this process's membership keys in etcd, under one lease that it keeps alive.
+
+Keys are `/ferry/<cluster>/<kind>/<id>` with JSON values (kinds: `instances`, `transfer`,
+`frontends`, ...). `config/*` keys are persistent (no lease): `get_json`/`put_json`.
+
+Losing the lease never interrupts the caller's work. When renewals fail for longer than
+the TTL, or etcd says the lease is gone, the registry marks itself unregistered (the
+holder should stop taking new work; see `is_registered` and `on_registration_change`),
+keeps trying, grants a new lease when etcd is back, and puts every entry again under
+the same ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+from etcd3aio import Etcd3Client
+
+from services.common.backoff import Backoff
+from services.common.errors import Unavailable
+from services.common.etcd_client import DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, Lease, connect_etcd
+from services.common.membership import MembershipView
+
+log = structlog.get_logger(__name__)
+
+RegistrationCallback = Callable[[bool], None]
+
+
+def cluster_prefix(cluster: str) -> str:
+    return f"/ferry/{cluster}/"
+
+
+class Registry:
+    """Registers this process's entries under one lease and watches other members."""
+
+    def __init__(self, endpoints: Sequence[str], cluster: str, ttl_s: float = 5.0,
+                 rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> None:
+        self.endpoints = list(endpoints)
+        self.cluster = cluster
+        self.ttl_s = ttl_s
+        self._rpc_timeout_s = min(rpc_timeout_s, ttl_s / 2)  # a hung etcd is noticed within the TTL
+        self._client: Etcd3Client | None = None
+        self._lease: Lease | None = None
+        self._entries: dict[str, dict[str, Any]] = {}  # key → value this process wants in etcd
+        self._needs_put = False  # entries must be written again (lease lost, or an update failed)
+        self._lock = asyncio.Lock()  # guards _lease and writes of _entries
+        self._renewed_at = 0.0  # monotonic time of the last successful grant or renewal
+        self.is_registered = False
+        self.num_reregistrations = 0
+        self._has_registered = False
+        self._callbacks: list[RegistrationCallback] = []
+        self._views: list[MembershipView] = []
+        self._keepalive_task: asyncio.Task[None] | None = None
+
+    # -- keys --------------------------------------------------------------------------
+
+    def key(self, kind: str, member_id: str) -> str:
+        return f"{cluster_prefix(self.cluster)}{kind}/{member_id}"
+
+    def prefix(self, kind: str) -> str:
+        return f"{cluster_prefix(self.cluster)}{kind}/"
+
+    @property
+    def lease_id(self) -> int | None:
+        return self._lease.lease_id if self._lease else None
+
+    # -- registration ------------------------------------------------------------------
+
+    async def register(self, kind: str, member_id: str, value: dict[str, Any]) -> None:
+        """Put the key under this registry's lease and keep it there until close().
+
+        Raises Unavailable if etcd cannot be reached now (startup should fail fast).
+        """
+        client = await self._connect()
+        key = self.key(kind, member_id)
+        try:
+            async with self._lock:
+                if self._lease is None:
+                    self._lease = await Lease.grant(client, self.ttl_s, self._rpc_timeout_s)
+                    self._renewed_at = time.monotonic()
+                await self._put(key, value)
+                self._entries[key] = value
+        except ETCD_ERRORS as exc:
+            raise Unavailable(f"cannot register {key} in etcd at {','.join(self.endpoints)}: {exc!r}; "
+                              "check that etcd runs there (--etcd-endpoints)") from exc
+        log.info("member_registered", key=key, lease_id=f"{self._lease.lease_id:x}")
+        self._set_registered(True)
+        if self._keepalive_task is None:
+            self._keepalive_task = asyncio.create_task(self._keepalive_loop(), name="registry_keepalive_loop")
+
+    async def update(self, kind: str, member_id: str, value: dict[str, Any]) -> None:
+        """Change a registered value. If etcd is unreachable the keepalive loop writes it later."""
+        key = self.key(kind, member_id)
+        if key not in self._entries:
+            raise KeyError(f"{key} is not registered; call register() first")
+        async with self._lock:
+            self._entries[key] = value
+            if not self.is_registered:
+                return  # written on re-registration
+            try:
+                await self._put(key, value)
+            except ETCD_ERRORS as exc:
+                self._needs_put = True
+                log.warning("member_update_deferred", key=key, error=repr(exc))
+
+    async def unregister(self, kind: str, member_id: str) -> None:
+        """Delete one entry (e.g. when draining); raises Unavailable if etcd cannot be reached."""
+        key = self.key(kind, member_id)
+        async with self._lock:
+            self._entries.pop(key, None)
+            try:
+                await self._client.kv.delete(key, timeout=self._rpc_timeout_s)
+            except ETCD_ERRORS as exc:
+                raise Unavailable(f"cannot delete {key} from etcd: {exc!r}; it expires with the lease") from exc
+        log.info("member_unregistered", key=key)
+
+    def on_registration_change(self, callback: RegistrationCallback) -> Callable[[], None]:
+        """Call `callback(is_registered)` whenever registration is lost or restored."""
+        self._callbacks.append(callback)
+        return lambda: self._callbacks.remove(callback)
+
+    async def _keepalive_loop(self) -> None:
+        # Renew every TTL/3. A failed renewal is retried with backoff; after a TTL without
+        # one the registration counts as lost. Once etcd answers again: renew the old lease
+        # if it survived, else grant a new one, and write every entry again.
+        backoff = Backoff(initial_s=0.1, max_s=self.ttl_s / 3)
+        while True:
+            try:
+                await self._renew_or_reregister()
+                backoff.reset()
+                await asyncio.sleep(self.ttl_s / 3)
+            except ETCD_ERRORS as exc:
+                self._note_renew_failed(exc)
+                await backoff.sleep()
+
+    async def _renew_or_reregister(self) -> None:
+        async with self._lock:
+            if self._lease is not None and not await self._lease.keepalive():
+                log.warning("lease_expired", lease_id=f"{self._lease.lease_id:x}")
+                self._lease = None
+                self._lost_registration()
+            if self._lease is None:
+                self._lease = await Lease.grant(self._client, self.ttl_s, self._rpc_timeout_s)
+            self._renewed_at = time.monotonic()
+            if self._needs_put or not self.is_registered:
+                await self._put_all()
+        self._set_registered(True)
+
+    async def _put_all(self) -> None:
+        for key, value in self._entries.items():
+            await self._put(key, value)
+        if not self.is_registered and self._has_registered:
+            self.num_reregistrations += 1
+            log.info("members_reregistered", keys=sorted(self._entries), lease_id=f"{self._lease.lease_id:x}",
+                     num_reregistrations=self.num_reregistrations)
+        self._needs_put = False
+
+    async def _put(self, key: str, value: dict[str, Any]) -> None:
+        await self._client.kv.put(key, json.dumps(value, sort_keys=True), lease=self._lease.lease_id,
+                                  timeout=self._rpc_timeout_s)
+
+    def _note_renew_failed(self, exc: BaseException) -> None:
+        silent_s = time.monotonic() - self._renewed_at
+        log.debug("lease_renew_failed", error=repr(exc), silent_s=round(silent_s, 2))
+        if self.is_registered and silent_s > self.ttl_s:
+            log.warning("lease_lost", error=repr(exc), silent_s=round(silent_s, 2), ttl_s=self.ttl_s)
+            self._lost_registration()
+
+    def _lost_registration(self) -> None:
+        self._needs_put = True
+        self._set_registered(False)
+
+    def _set_registered(self, is_registered: bool) -> None:
+        if is_registered == self.is_registered:
+            return
+        self.is_registered = is_registered
+        self._has_registered = self._has_registered or is_registered
+        for callback in list(self._callbacks):
+            try:
+                callback(is_registered)
+            except Exception:  # noqa: BLE001 — one broken subscriber must not stop renewals
+                log.exception("registration_callback_failed", callback=repr(callback))
+
+    # -- watching and config -----------------------------------------------------------
+
+    async def watch(self, kind: str, resync_interval_s: float = 5.0, initial_sync_timeout_s: float = 2.0
+                    ) -> MembershipView:
+        """A live view of `/ferry/<cluster>/<kind>/`, after its first read (or the timeout)."""
+        view = MembershipView(await self._connect(), self.prefix(kind), resync_interval_s, self._rpc_timeout_s)
+        view.start()
+        self._views.append(view)
+        if not await view.wait_synced(initial_sync_timeout_s):
+            log.warning("membership_not_synced", prefix=view.prefix, timeout_s=initial_sync_timeout_s)
+        return view
+
+    async def get_json(self, key: str) -> Any | None:
+        """Value of `/ferry/<cluster>/<key>` (e.g. key="config/policy"), None if absent."""
+        client = await self._connect()
+        response = await client.kv.get(cluster_prefix(self.cluster) + key, timeout=self._rpc_timeout_s)
+        return json.loads(response.kvs[0].value) if response.kvs else None
+
+    async def put_json(self, key: str, value: Any) -> None:
+        """Persistent (lease-less) put of `/ferry/<cluster>/<key>`."""
+        client = await self._connect()
+        await client.kv.put(cluster_prefix(self.cluster) + key, json.dumps(value, sort_keys=True),
+                            timeout=self._rpc_timeout_s)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def _connect(self) -> Etcd3Client:
+        if self._client is None:
+            self._client = await connect_etcd(self.endpoints)
+        return self._client
+
+    async def close(self) -> None:
+        """Stop renewing, revoke the lease (deleting our keys), stop views, close the client."""
+        if self._keepalive_task is not None:
+            self._keepalive_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keepalive_task
+            self._keepalive_task = None
+        for view in self._views:
+            await view.close()
+        if self._lease is not None:
+            with contextlib.suppress(*ETCD_ERRORS):  # unreachable etcd: the lease expires by itself
+                await self._lease.revoke()
+            log.info("lease_revoked", lease_id=f"{self._lease.lease_id:x}")
+            self._lease = None
+        self.is_registered = False
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def __aenter__(self) -> Registry:
+        await self._connect()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

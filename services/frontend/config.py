@@ -1,0 +1,87 @@
+"""Configuration of one frontend process (`python -m services.frontend`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common.config import knob, parse_config
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    """The OpenAI-compatible HTTP API of a ferry cluster (completions, chat, streaming)."""
+
+    model: pathlib.Path = knob(pathlib.Path("models/smollm2-135m-instruct"), "model folder (config.json, tokenizer.json, tokenizer_config.json) the cluster serves")
+    served_model_name: str = knob("", "model name clients put in `model` (default: the model folder's name)")
+    host: str = knob("0.0.0.0", "address to bind the HTTP server to")
+    port: int = knob(8000, "HTTP port")
+    etcd_endpoints: list[str] = knob([], "etcd endpoints host:port (comma-separated); empty = only --manager-address")
+    cluster: str = knob("ferry", "cluster name: etcd keys live under /ferry/<cluster>/")
+    manager_address: str = knob("", "leader manager host:port (default: read /ferry/<cluster>/manager/leader from etcd)")
+    api_key: list[str] = knob([], "accepted API keys (repeat the flag or separate with commas); empty = no auth")
+    max_body_bytes: int = knob(MIB, "largest request body in bytes; larger ones get 413")
+    max_inflight: int = knob(256, "most requests in flight; more get 429")
+    max_model_len: int = knob(0, "longest prompt + output in tokens (0 = max_position_embeddings from config.json)")
+    dispatch_timeout_s: float = knob(0.2, "deadline of ManagerService/Dispatch; past it the frontend picks an instance itself")
+    generate_timeout_s: float = knob(600.0, "deadline of one InstanceService/Generate stream")
+    abort_timeout_s: float = knob(2.0, "deadline of InstanceService/Abort sent when a client goes away")
+    max_resumes: int = knob(3, "how often a request is re-dispatched after its instance failed mid-stream")
+    failed_instance_cooldown_s: float = knob(5.0, "seconds the local fallback skips an instance whose stream just failed")
+    shutdown_grace_s: float = knob(5.0, "seconds running requests get to finish on SIGTERM")
+    log_format: str = knob("console", "log format: console or json")
+    log_level: str = knob("info", "log level: debug, info, warning, error")
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_inflight", "dispatch_timeout_s", "generate_timeout_s", "abort_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.max_resumes < 0:
+            raise ValueError(f"--max-resumes must be >= 0, got {self.max_resumes}")
+        if self.max_model_len < 0:
+            raise ValueError(f"--max-model-len must be >= 0 (0 = from config.json), got {self.max_model_len}")
+        if not self.etcd_endpoints and not self.manager_address:
+            raise ValueError("set --etcd-endpoints (membership and leader) or --manager-address (or both)")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.name
+
+
+def load_config(argv: Sequence[str] | None = None) -> FrontendConfig:
+    """Parse the frontend's flags; list flags may be repeated (`--api-key a --api-key b`)."""
+    return parse_config(FrontendConfig, "frontend", _join_repeated_list_flags(argv))
+
+
+def _join_repeated_list_flags(argv: Sequence[str] | None) -> list[str] | None:
+    """`--api-key a --api-key b` → `--api-key a,b` (the common parser keeps only the last)."""
+    if argv is None:
+        import sys
+        argv = sys.argv[1:]
+    hints = typing.get_type_hints(FrontendConfig)
+    list_flags = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(FrontendConfig)
+                  if typing.get_origin(hints[f.name]) is list}
+    out: list[str] = []
+    joined: dict[str, int] = {}  # flag -> index of its value in `out`
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        flag, has_eq, value = args[i].partition("=")
+        if flag in list_flags and (has_eq or i + 1 < len(args)):
+            if not has_eq:
+                i += 1
+                value = args[i]
+            if flag in joined:
+                out[joined[flag]] += "," + value
+            else:
+                out.extend([flag, value])
+                joined[flag] = len(out) - 1
+        else:
+            out.append(args[i])
+        i += 1
+    return out

@@ -1,0 +1,63 @@
+"""proto ↔ domain for the frontend (with the client modules, the only frontend code that
+touches generated code)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2
+from services.frontend.generation import (FinishReason, GenerateSpec, InstanceId, Sampling, Target, TokenChunk,
+                                          TokenLogprob)
+
+_FINISH_REASON_FROM_PROTO = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: None,
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
+}
+
+
+def sampling_to_proto(sampling: Sampling) -> common_pb2.SamplingParams:
+    if sampling.max_tokens is None:
+        raise ValueError("sampling.max_tokens must be resolved (resolve_max_tokens) before sending")
+    msg = common_pb2.SamplingParams(
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+        max_tokens=sampling.max_tokens, stop=list(sampling.stop), ignore_eos=sampling.ignore_eos,
+        logprobs=sampling.num_logprobs)
+    if sampling.seed is not None:
+        msg.seed = sampling.seed
+    return msg
+
+
+def generate_request_to_proto(spec: GenerateSpec) -> instance_pb2.GenerateRequest:
+    return instance_pb2.GenerateRequest(
+        request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids),
+        sampling=sampling_to_proto(spec.sampling), priority=spec.priority,
+        resume_token_ids=list(spec.resume_token_ids))
+
+
+def chunk_from_proto(msg: instance_pb2.GenerateChunk) -> TokenChunk:
+    return TokenChunk(
+        token_index=msg.token_index, token_ids=tuple(msg.token_ids), text=msg.text,
+        finish_reason=_FINISH_REASON_FROM_PROTO.get(msg.finish_reason), epoch=msg.epoch,
+        logprobs=tuple(_logprob_from_proto(entry) for entry in msg.logprobs),
+        num_prompt_tokens=msg.num_prompt_tokens)
+
+
+def dispatch_request_to_proto(spec: GenerateSpec, exclude: Sequence[InstanceId]) -> manager_pb2.DispatchRequest:
+    return manager_pb2.DispatchRequest(
+        request_id=spec.request_id,
+        num_prompt_tokens=len(spec.prompt_token_ids) + len(spec.resume_token_ids),
+        max_tokens=(spec.sampling.max_tokens or 0) - len(spec.resume_token_ids),
+        priority=spec.priority, exclude_instance_ids=list(exclude))
+
+
+def target_from_proto(msg: manager_pb2.DispatchResponse) -> Target | None:
+    if not msg.instance_id or not msg.address:
+        return None
+    return Target(InstanceId(msg.instance_id), msg.address)
+
+
+def _logprob_from_proto(msg: instance_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(token_id=msg.token_id, logprob=msg.logprob,
+                        top=tuple(zip(msg.top_token_ids, msg.top_logprobs, strict=False)))

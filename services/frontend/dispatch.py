@@ -1,0 +1,91 @@
+"""Where a request runs: the leader manager decides; if it does not answer in time, we pick
+ourselves from our own view of `instances/` (round robin over serving instances).
+
+The fallback skips instances the caller excludes (the one whose stream just broke) and,
+while others are left, instances whose stream failed within the last cooldown seconds.
+No transport here: the manager call and the membership view are passed in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from services.common.errors import Unavailable
+from services.frontend.generation import GenerateSpec, InstanceId, Target
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceEntry:
+    """One instance in the frontend's etcd view."""
+
+    instance_id: InstanceId
+    address: str
+    is_serving: bool
+
+
+class ManagerDispatch(Protocol):
+    async def dispatch(self, spec: GenerateSpec, exclude: Sequence[InstanceId]) -> Target | None:
+        """The leader's choice; None when no manager answered in time (any error included)."""
+
+
+class Membership(Protocol):
+    def instances(self) -> Sequence[InstanceEntry]:
+        """The last known instances (kept while etcd is unreachable)."""
+
+
+class Dispatcher:
+    def __init__(self, manager: ManagerDispatch | None, membership: Membership, *, cooldown_s: float,
+                 on_fallback: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._manager = manager
+        self._membership = membership
+        self._cooldown_s = cooldown_s
+        self._on_fallback = on_fallback
+        self._clock = clock
+        self._failed_at: dict[InstanceId, float] = {}  # instance → when its stream last failed
+        self._turn = itertools.count()
+
+    async def pick(self, spec: GenerateSpec, exclude: Sequence[InstanceId] = ()) -> Target:
+        """An instance for `spec`, never one in `exclude`; Unavailable if none is known."""
+        if self._manager is not None:
+            target = await self._manager.dispatch(spec, exclude)
+            if target is not None and target.instance_id not in exclude:
+                return target
+        target = self.pick_locally(exclude)
+        self._on_fallback()
+        log.info("dispatch_fell_back", request_id=spec.request_id, instance_id=target.instance_id)
+        return target
+
+    def pick_locally(self, exclude: Sequence[InstanceId] = ()) -> Target:
+        candidates = sorted((e for e in self._membership.instances() if e.is_serving and e.instance_id not in exclude),
+                            key=lambda e: e.instance_id)
+        healthy = [e for e in candidates if not self._recently_failed(e.instance_id)]
+        pool = healthy or candidates
+        if not pool:
+            raise Unavailable(f"no serving instance is known (excluded: {', '.join(exclude) or 'none'}); "
+                              "check that instances run and register in etcd (--etcd-endpoints, --cluster)")
+        entry = pool[next(self._turn) % len(pool)]
+        return Target(entry.instance_id, entry.address)
+
+    def report_failure(self, instance_id: InstanceId) -> None:
+        self._failed_at[instance_id] = self._clock()
+
+    def has_instances(self) -> bool:
+        return any(e.is_serving for e in self._membership.instances())
+
+    def _recently_failed(self, instance_id: InstanceId) -> bool:
+        failed_at = self._failed_at.get(instance_id)
+        if failed_at is None:
+            return False
+        if self._clock() - failed_at > self._cooldown_s:
+            del self._failed_at[instance_id]
+            return False
+        return True

@@ -1,0 +1,62 @@
+"""The frontend's own view of the cluster in etcd: the instances (for the local dispatch
+fallback and /health) and the leader manager's address. Both read a `MembershipView`,
+which keeps the last known members while etcd is unreachable."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from services.common.membership import MembershipView
+from services.frontend.dispatch import InstanceEntry
+from services.frontend.generation import InstanceId
+
+_SERVING_STATES = frozenset({"serving", "instance_state_serving"})
+LEADER_KEY = "leader"
+
+
+def instances_prefix(cluster: str) -> str:
+    return f"/ferry/{cluster}/instances/"
+
+
+def manager_prefix(cluster: str) -> str:
+    return f"/ferry/{cluster}/manager/"
+
+
+def instance_entry(instance_id: str, value: Mapping[str, Any]) -> InstanceEntry | None:
+    """An entry from an `instances/<id>` value (JSON with address and state); None if unusable."""
+    address = value.get("address")
+    if not isinstance(address, str) or not address:
+        return None
+    state = str(value.get("state", "serving")).lower()
+    return InstanceEntry(InstanceId(instance_id), address, is_serving=state in _SERVING_STATES)
+
+
+class EtcdInstances:
+    """`Membership` over `/ferry/<cluster>/instances/`."""
+
+    def __init__(self, view: MembershipView) -> None:
+        self._view = view
+
+    def instances(self) -> Sequence[InstanceEntry]:
+        entries = (instance_entry(member_id, value) for member_id, value in self._view.members.items())
+        return [entry for entry in entries if entry is not None]
+
+
+class EtcdLeader:
+    """`LeaderSource` over `/ferry/<cluster>/manager/leader` (JSON with an "address" field)."""
+
+    def __init__(self, view: MembershipView) -> None:
+        self._view = view
+
+    def leader_address(self) -> str | None:
+        value = self._view.get(LEADER_KEY)
+        address = value.get("address") if isinstance(value, Mapping) else None
+        return address if isinstance(address, str) and address else None
+
+
+class NoInstances:
+    """`Membership` when the frontend runs without etcd (only --manager-address)."""
+
+    def instances(self) -> Sequence[InstanceEntry]:
+        return []

@@ -1,0 +1,70 @@
+"""Domain types of one generation as the frontend sees it: what it asks an instance for and
+what comes back. No transport here; convert.py maps them to and from ferry.v1 protos."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NewType
+
+RequestId = NewType("RequestId", str)
+InstanceId = NewType("InstanceId", str)
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # eos, stop token id or stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # aborted by an operator (a client that left never reads it)
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling parameters after validation (ranges hold; see openai_protocol)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # uint64
+    max_tokens: int | None = None  # None until the prompt is tokenized: then the rest of the context
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    num_logprobs: int = 0  # what the engine computes: chosen token + top n (0 = off)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateSpec:
+    """One request as sent to an instance; `resume_token_ids` grow across a resume."""
+
+    request_id: RequestId
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling
+    priority: int = 0
+    resume_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """One GenerateChunk: tokens `token_index .. token_index + len(token_ids)` of the output."""
+
+    token_index: int
+    token_ids: tuple[int, ...]
+    text: str  # detokenized delta, as the instance produced it
+    finish_reason: FinishReason | None
+    epoch: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    num_prompt_tokens: int = 0  # set on the first chunk
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a request runs."""
+
+    instance_id: InstanceId
+    address: str

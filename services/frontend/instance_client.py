@@ -1,0 +1,73 @@
+"""Typed async client of `ferry.v1.InstanceService` as the frontend uses it: one channel per
+instance address, a deadline on every call, `x-request-id` metadata, errors mapped to
+`FerryError`s, and fire-and-forget `Abort`s whose tasks are kept until they end."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from services.common.errors import error_from_rpc
+from services.common.grpc_server import insecure_channel
+from services.common.logging import request_metadata
+from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
+from services.frontend.convert import chunk_from_proto, generate_request_to_proto
+from services.frontend.generation import GenerateSpec, RequestId, Target, TokenChunk
+
+log = structlog.get_logger(__name__)
+
+
+class InstanceClients:
+    def __init__(self, generate_timeout_s: float, abort_timeout_s: float) -> None:
+        self._generate_timeout_s = generate_timeout_s
+        self._abort_timeout_s = abort_timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, instance_pb2_grpc.InstanceServiceStub] = {}
+        self._abort_tasks: set[asyncio.Task[None]] = set()
+
+    async def generate(self, target: Target, spec: GenerateSpec) -> AsyncIterator[TokenChunk]:
+        call = self._stub(target.address).Generate(
+            generate_request_to_proto(spec), timeout=self._generate_timeout_s,
+            metadata=request_metadata(spec.request_id))
+        try:
+            async for msg in call:
+                yield chunk_from_proto(msg)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from exc
+        finally:
+            call.cancel()  # no-op after the stream ended; stops it when we leave early
+
+    def abort_soon(self, target: Target, request_id: RequestId) -> None:
+        task = asyncio.get_running_loop().create_task(self._abort(target, request_id), name=f"abort:{request_id}")
+        self._abort_tasks.add(task)
+        task.add_done_callback(self._abort_tasks.discard)
+
+    async def close(self) -> None:
+        if self._abort_tasks:
+            await asyncio.wait(list(self._abort_tasks), timeout=self._abort_timeout_s)
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+        self._stubs.clear()
+
+    async def _abort(self, target: Target, request_id: RequestId) -> None:
+        try:
+            await self._stub(target.address).Abort(
+                instance_pb2.AbortRequest(request_id=request_id), timeout=self._abort_timeout_s,
+                metadata=request_metadata(request_id))
+            log.info("request_aborted", request_id=request_id, instance_id=target.instance_id)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.NOT_FOUND:  # finished or already freed: nothing to do
+                return
+            log.warning("abort_failed", request_id=request_id, instance_id=target.instance_id,
+                        code=exc.code().name, details=exc.details())
+
+    def _stub(self, address: str) -> instance_pb2_grpc.InstanceServiceStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            self._channels[address] = insecure_channel(address)
+            stub = self._stubs[address] = instance_pb2_grpc.InstanceServiceStub(self._channels[address])
+        return stub

@@ -1,0 +1,68 @@
+"""Typed async client of `ManagerService/Dispatch` as the frontend uses it: the leader's
+address comes from a `LeaderSource`, the call has a short deadline, and any failure means
+"no manager answered" (None), which sends the caller to its local fallback."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import grpc
+import structlog
+
+from services.common.grpc_server import insecure_channel
+from services.common.logging import request_metadata
+from services.common.gen.ferry.v1 import manager_pb2_grpc
+from services.frontend.convert import dispatch_request_to_proto, target_from_proto
+from services.frontend.generation import GenerateSpec, InstanceId, Target
+
+log = structlog.get_logger(__name__)
+
+
+class LeaderSource(Protocol):
+    def leader_address(self) -> str | None:
+        """The leader manager's host:port, None if unknown."""
+
+
+class StaticLeader:
+    def __init__(self, address: str) -> None:
+        self._address = address
+
+    def leader_address(self) -> str | None:
+        return self._address
+
+
+class ManagerClient:
+    def __init__(self, leader: LeaderSource, timeout_s: float) -> None:
+        self._leader = leader
+        self._timeout_s = timeout_s
+        self._address: str | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: manager_pb2_grpc.ManagerServiceStub | None = None
+
+    async def dispatch(self, spec: GenerateSpec, exclude: Sequence[InstanceId]) -> Target | None:
+        stub = await self._stub_for(self._leader.leader_address())
+        if stub is None:
+            return None
+        try:
+            response = await stub.Dispatch(dispatch_request_to_proto(spec, exclude), timeout=self._timeout_s,
+                                           metadata=request_metadata(spec.request_id))
+        except grpc.aio.AioRpcError as exc:  # no answer in time, a standby, no instance: fall back
+            log.info("manager_dispatch_failed", request_id=spec.request_id, address=self._address,
+                     code=exc.code().name, details=exc.details())
+            return None
+        return target_from_proto(response)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub = None
+
+    async def _stub_for(self, address: str | None) -> manager_pb2_grpc.ManagerServiceStub | None:
+        if address != self._address:  # the leader moved: drop the old channel
+            await self.close()
+            self._address = address
+            if address:
+                self._channel = insecure_channel(address)
+                self._stub = manager_pb2_grpc.ManagerServiceStub(self._channel)
+        return self._stub

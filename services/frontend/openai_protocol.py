@@ -1,0 +1,343 @@
+"""OpenAI request bodies → validated `ParsedRequest`s, with OpenAI-style error bodies.
+
+No sockets and no tokenizer here: the server tokenizes the prompt, then calls
+`resolve_max_tokens` and `check_prompt_token_ids`. Every problem with the input raises
+`RequestError` (HTTP 400) whose message names the field; nothing here may raise anything
+else for a bad body.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from services.common.errors import FerryError, InvalidArgument
+from services.frontend.generation import Sampling
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+_UINT64 = 1 << 64
+_INT32_MAX = (1 << 31) - 1
+_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+class Endpoint(enum.Enum):
+    COMPLETIONS = "completions"
+    CHAT = "chat.completions"
+
+
+class RequestError(InvalidArgument):
+    """A bad request body: HTTP 400 with the OpenAI error shape."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    endpoint: Endpoint
+    model: str
+    prompt: str | tuple[int, ...] | None  # completions: text or token ids
+    messages: tuple[dict[str, Any], ...] | None  # chat: role + text content
+    sampling: Sampling
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    return_token_ids: bool = False  # ferry extension: choices and chunks carry token_ids
+    priority: int = 0  # ferry extension: higher runs first when the cache is short
+    num_top_logprobs: int | None = None  # None = no logprobs; n = chosen token + top n
+
+
+def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+_ERROR_TYPE_BY_STATUS = {401: "invalid_request_error", 403: "invalid_request_error", 404: "invalid_request_error",
+                         409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def error_body_for(error: FerryError) -> dict[str, Any]:
+    """The OpenAI error body of any ferry error (400s keep their param and code)."""
+    status = error.http_status
+    type_ = _ERROR_TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return error_body(error.message, type_=type_, param=getattr(error, "param", None),
+                      code=getattr(error, "code", None))
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {_json_type(body)}", code="invalid_json")
+    return body
+
+
+def parse_completion_request(body: Mapping[str, Any], served_model: str) -> ParsedRequest:
+    _reject_unsupported(body, Endpoint.COMPLETIONS)
+    logprobs = _opt_int(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
+    return _parsed(body, served_model, Endpoint.COMPLETIONS, prompt=_prompt(body), messages=None,
+                   max_tokens=_opt_int(body, "max_tokens", low=1), default_max_tokens=16,
+                   num_top_logprobs=logprobs)
+
+
+def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequest:
+    _reject_unsupported(body, Endpoint.CHAT)
+    max_tokens = _opt_int(body, "max_completion_tokens", low=1)
+    if max_tokens is None:
+        max_tokens = _opt_int(body, "max_tokens", low=1)
+    return _parsed(body, served_model, Endpoint.CHAT, prompt=None, messages=_messages(body),
+                   max_tokens=max_tokens, default_max_tokens=None, num_top_logprobs=_chat_logprobs(body))
+
+
+def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int) -> ParsedRequest:
+    """Fix max_tokens against the context: the rest of it by default, 400 if the request can't fit."""
+    room = max_model_len - num_prompt_tokens
+    if room <= 0:
+        raise RequestError(
+            f"the prompt is {num_prompt_tokens} tokens, but this model's maximum context length is "
+            f"{max_model_len} tokens (prompt and output together); shorten the prompt",
+            param="messages" if parsed.endpoint is Endpoint.CHAT else "prompt", code="context_length_exceeded")
+    max_tokens = parsed.sampling.max_tokens
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens > room:
+        raise RequestError(
+            f"this model's maximum context length is {max_model_len} tokens; you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
+            f"output); reduce max_tokens to at most {room} or shorten the prompt",
+            param="max_tokens", code="context_length_exceeded")
+    return replace(parsed, sampling=replace(parsed.sampling, max_tokens=max_tokens))
+
+
+def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
+    if not token_ids:
+        raise RequestError("the prompt is empty; send at least one token", param="prompt")
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")
+
+
+def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, prompt, messages,
+            max_tokens: int | None, default_max_tokens: int | None, num_top_logprobs: int | None) -> ParsedRequest:
+    stream = _opt_bool(body, "stream") or False
+    sampling = Sampling(
+        temperature=_opt_float(body, "temperature", 1.0, low=0.0, high=2.0),
+        top_p=_top_p(body),
+        top_k=_top_k(body),
+        seed=_seed(body),
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        stop=_stop(body),
+        ignore_eos=_opt_bool(body, "ignore_eos") or False,
+        num_logprobs=0 if num_top_logprobs is None else max(1, num_top_logprobs),
+    )
+    return ParsedRequest(
+        endpoint=endpoint, model=_model(body, served_model), prompt=prompt, messages=messages,
+        sampling=sampling, stream=stream, include_usage=_include_usage(body, stream),
+        return_token_ids=_opt_bool(body, "return_token_ids") or False,
+        priority=_opt_int(body, "priority", low=-_INT32_MAX, high=_INT32_MAX) or 0,
+        num_top_logprobs=num_top_logprobs)
+
+
+def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
+    n = _opt_int(body, "n", low=1)
+    if n not in (None, 1):
+        raise RequestError(f"n: only n=1 is supported, got {n}; send {n} requests instead", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _opt_float(body, name, 0.0, low=-2.0, high=2.0) != 0.0:
+            raise RequestError(f"{name}: penalties are not supported; leave {name} at 0", param=name)
+    if body.get("logit_bias"):
+        raise RequestError("logit_bias: not supported; leave it out", param="logit_bias")
+    if endpoint is Endpoint.COMPLETIONS:
+        if _opt_bool(body, "echo"):
+            raise RequestError("echo: not supported; leave it out or set it to false", param="echo")
+        best_of = _opt_int(body, "best_of", low=1)
+        if best_of not in (None, 1):
+            raise RequestError(f"best_of: only best_of=1 is supported, got {best_of}", param="best_of")
+        if body.get("suffix") is not None:
+            raise RequestError("suffix: not supported; leave it out", param="suffix")
+
+
+def _model(body: Mapping[str, Any], served_model: str) -> str:
+    model = body.get("model")
+    if model is None:
+        return served_model
+    if not isinstance(model, str):
+        raise RequestError(f"model: expected a string, got {_json_type(model)}", param="model")
+    if model != served_model:
+        raise RequestError(f"the model {model!r} does not exist; this server serves {served_model!r}",
+                           param="model", code="model_not_found")
+    return model
+
+
+def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
+    if "prompt" not in body or body["prompt"] is None:
+        raise RequestError("prompt: required (a string or a list of token ids)", param="prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("prompt: must not be empty", param="prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError(f"prompt: batches of prompts are not supported (got {len(prompt)}); "
+                           "send one prompt per request", param="prompt")
+    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        if not prompt:
+            raise RequestError("prompt: must not be empty", param="prompt")
+        return tuple(prompt)
+    raise RequestError(f"prompt: expected a string or a list of token ids (integers), got {_json_type(prompt)}",
+                       param="prompt")
+
+
+def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+    messages = body.get("messages")
+    if messages is None:
+        raise RequestError("messages: required (a list of {role, content} objects)", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(f"messages: expected a non-empty list, got {_json_type(messages)}", param="messages")
+    return tuple(_message(m, i) for i, m in enumerate(messages))
+
+
+def _message(message: Any, index: int) -> dict[str, Any]:
+    param = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise RequestError(f"{param}: expected an object with role and content, got {_json_type(message)}",
+                           param=param)
+    role = message.get("role")
+    if not isinstance(role, str) or role not in _CHAT_ROLES:
+        raise RequestError(f"{param}.role: expected one of {', '.join(sorted(_CHAT_ROLES))}, got {role!r}",
+                           param=f"{param}.role")
+    out = {"role": role, "content": _content(message.get("content"), role, f"{param}.content")}
+    if isinstance(message.get("name"), str):
+        out["name"] = message["name"]
+    return out
+
+
+def _content(content: Any, role: str, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(f"{param}[{i}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                   "are supported", param=param)
+            texts.append(part["text"])
+        return "".join(texts)
+    raise RequestError(f"{param}: expected a string or a list of text parts, got {_json_type(content)}", param=param)
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    wants = _opt_bool(body, "logprobs") or False
+    top = _opt_int(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+    if top is not None and top > 0 and not wants:
+        raise RequestError("top_logprobs: needs logprobs=true", param="top_logprobs")
+    return (top or 0) if wants else None
+
+
+def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise RequestError(f"stream_options: expected an object, got {_json_type(options)}", param="stream_options")
+    if not stream:
+        raise RequestError("stream_options: only allowed when stream is true", param="stream_options")
+    return _opt_bool(options, "include_usage", param="stream_options.include_usage") or False
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError(f"stop: expected a string or a list of strings, got {_json_type(stop)}", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
+    if any(not s for s in stops):
+        raise RequestError("stop: stop strings must not be empty", param="stop")
+    return tuple(stops)
+
+
+def _top_p(body: Mapping[str, Any]) -> float:
+    top_p = _opt_float(body, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise RequestError(f"top_p: must be in (0, 1], got {top_p}", param="top_p")
+    return top_p
+
+
+def _top_k(body: Mapping[str, Any]) -> int:
+    top_k = _opt_int(body, "top_k", low=-1, high=_INT32_MAX)
+    return 0 if top_k is None or top_k == -1 else top_k
+
+
+def _seed(body: Mapping[str, Any]) -> int | None:
+    seed = _opt_int(body, "seed", low=-(1 << 63), high=_UINT64 - 1)
+    return None if seed is None else seed % _UINT64  # OpenAI seeds are int64; the engine takes uint64
+
+
+def _opt_bool(body: Mapping[str, Any], name: str, param: str | None = None) -> bool | None:
+    value = body.get(name)
+    if value is None or isinstance(value, bool):
+        return value
+    raise RequestError(f"{param or name}: expected true or false, got {_json_type(value)}", param=param or name)
+
+
+def _opt_int(body: Mapping[str, Any], name: str, low: int | None = None, high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value):
+        raise RequestError(f"{name}: expected an integer, got {_json_type(value)}", param=name)
+    _check_range(name, value, low, high)
+    return value
+
+
+def _opt_float(body: Mapping[str, Any], name: str, default: float, low: float | None = None,
+               high: float | None = None) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"{name}: expected a number, got {_json_type(value)}", param=name)
+    _check_range(name, value, low, high)
+    return float(value)
+
+
+def _check_range(name: str, value: float, low: float | None, high: float | None) -> None:
+    if low is not None and value < low or high is not None and value > high:
+        bounds = f"between {low} and {high}" if low is not None and high is not None else (
+            f">= {low}" if low is not None else f"<= {high}")
+        raise RequestError(f"{name}: must be {bounds}, got {value}", param=name)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"number {value}"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"

@@ -1,0 +1,108 @@
+"""Per-request state in the frontend (SGLang's `ReqState`): the instance stream feeds it, the
+HTTP handler drains it.
+
+Tokens are keyed by their index in the output. `token_ids` only ever grows, and a token
+index is accepted once: a chunk (or the part of one) below what we hold is a repeat from
+a resumed or handed-off stream and is dropped; a chunk above it is a gap, which the
+stream that sent it must not be trusted with (`StreamGap`). So a resume that sends
+`resume_token_ids = token_ids` continues with no token lost and none repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from services.common.errors import FerryError, Unavailable
+from services.frontend.generation import FinishReason, RequestId, TokenChunk, TokenLogprob
+
+Decode = Callable[[Sequence[int]], str]
+
+
+class StreamGap(Unavailable):
+    """A chunk skipped token indexes: the stream is broken; resume from what we hold."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What is new for the client since the last delta."""
+
+    token_index: int  # index of token_ids[0] in the output
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+
+
+class ReqState:
+    def __init__(self, request_id: RequestId, prompt_token_ids: Sequence[int], decode: Decode) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = tuple(prompt_token_ids)
+        self.token_ids: list[int] = []  # invariant: token_ids[i] is output token i; never shrinks
+        self.text = ""  # text of token_ids as streamed to the client
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: FinishReason | None = None
+        self.error: FerryError | None = None  # set once; ends the stream
+        self.created = int(time.time())
+        self.num_resumes = 0
+        self._decode = decode
+        self._pending: list[Delta] = []
+        self._event = asyncio.Event()
+
+    @property
+    def is_done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def accept(self, chunk: TokenChunk) -> Delta | None:
+        """Take the new part of `chunk`; None if it held nothing new."""
+        if self.is_done:
+            return None
+        have = len(self.token_ids)
+        if chunk.token_index > have:
+            raise StreamGap(f"request {self.request_id}: chunk starts at token {chunk.token_index}, "
+                            f"but only {have} tokens arrived")
+        skip = have - chunk.token_index
+        new_ids = chunk.token_ids[skip:] if skip < len(chunk.token_ids) else ()
+        if not new_ids and chunk.finish_reason is None:
+            return None
+        text = chunk.text if skip == 0 else self._text_of(new_ids)
+        delta = Delta(have, tuple(new_ids), text, tuple(chunk.logprobs[skip:]), chunk.finish_reason)
+        self.token_ids.extend(new_ids)
+        self.text += text
+        self.logprobs.extend(delta.logprobs)
+        self.finish_reason = chunk.finish_reason
+        self._publish(delta)
+        return delta
+
+    def fail(self, error: FerryError) -> None:
+        if not self.is_done:
+            self.error = error
+            self._event.set()
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """New deltas as they arrive; ends after the finishing delta, raises the error on failure."""
+        while True:
+            await self._event.wait()
+            self._event.clear()
+            pending, self._pending = self._pending, []
+            for delta in pending:
+                yield delta
+            if self.finish_reason is not None and not self._pending:
+                return
+            if self.error is not None:
+                raise self.error
+
+    def _text_of(self, new_ids: Sequence[int]) -> str:
+        """Text of `new_ids` after what we hold (used when a chunk overlapped what we had)."""
+        before = self._decode(self.token_ids)
+        return self._decode([*self.token_ids, *new_ids])[len(before):]
+
+    def _publish(self, delta: Delta) -> None:
+        self._pending.append(delta)
+        self._event.set()

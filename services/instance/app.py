@@ -1,0 +1,141 @@
+"""Wiring of one instance process: engine, runner, gRPC server, etcd registration, load reports.
+
+Shutdown order (STYLE.md): health NOT_SERVING → revoke the etcd lease → let running
+requests finish (bounded) → server.stop(grace) → cancel background tasks → stop the
+engine thread → free the shared KV memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from services.common.config import as_dict
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2_grpc
+from services.common.grpc_server import start_grpc_server
+from services.common.registry import Registry
+from services.instance.config import InstanceConfig
+from services.instance.engine.engine import EngineConfig, LLMEngine
+from services.instance.engine.kv_cache import KvCache, KvGeometry
+from services.instance.engine.model import load_model
+from services.instance.engine.tokenizer import Tokenizer
+from services.instance.load_reporter import load_report_loop
+from services.instance.runner import EngineRunner
+from services.instance.server import InstanceIdentity, InstanceServicer
+
+log = structlog.get_logger(__name__)
+
+INSTANCE_SERVICE = "ferry.v1.InstanceService"
+
+
+@dataclass(slots=True)
+class LoadedEngine:
+    engine: LLMEngine
+    kv_cache: KvCache
+    max_model_len: int
+
+
+async def main(config: InstanceConfig) -> None:
+    log.info("config_resolved", **as_dict(config))
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+    loaded = build_engine(config, kv_name=f"ferry-kv-{os.getpid()}")
+    runner = EngineRunner(loaded.engine, asyncio.get_running_loop())
+    runner.start()
+    try:
+        await serve(config, loaded, runner)
+    finally:
+        runner.stop()
+        loaded.kv_cache.close()
+        loaded.kv_cache.unlink()
+
+
+async def serve(config: InstanceConfig, loaded: LoadedEngine, runner: EngineRunner) -> None:
+    servicer = InstanceServicer(runner)
+    server = await start_grpc_server(config.host, config.port,
+                                     [(instance_pb2_grpc.add_InstanceServiceServicer_to_server, servicer)],
+                                     [INSTANCE_SERVICE], advertise_host=config.advertise_host or None)
+    await server.set_serving(False)  # until registered
+    instance_id = config.instance_id or f"{socket.gethostname()}-{server.port}"
+    identity = InstanceIdentity(instance_id, server.address, config.role, config.model.name,
+                                loaded.max_model_len, geometry_to_proto(loaded.kv_cache.geometry))
+    servicer.identity = identity
+    registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s) if config.etcd_endpoints else None
+    stop = _stop_event()
+    async with asyncio.TaskGroup() as tasks:
+        if registry is not None:
+            await registry.register("instances", instance_id, instance_record(identity, loaded))
+            report_task = tasks.create_task(load_report_loop(registry, servicer, config.load_report_interval_s))
+        await server.set_serving(True)
+        log.info("instance_ready", instance_id=instance_id, address=identity.address, kv_blocks=loaded.kv_cache.geometry.num_blocks)
+        print(f"ready {instance_id} {identity.address}", flush=True)
+        await stop.wait()
+        await shutdown(config, server, servicer, runner, registry)
+        if registry is not None:
+            report_task.cancel()
+
+
+async def shutdown(config: InstanceConfig, server, servicer: InstanceServicer, runner: EngineRunner,
+                   registry: Registry | None) -> None:
+    log.info("instance_stopping", num_active=runner.num_active)
+    await server.set_serving(False)
+    servicer.is_accepting = False
+    if registry is not None:
+        await registry.close()
+    deadline = asyncio.get_running_loop().time() + config.shutdown_grace_s
+    while runner.num_active and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(grace=1.0)
+    log.info("instance_stopped", num_cut=runner.num_active)
+
+
+def build_engine(config: InstanceConfig, kv_name: str) -> LoadedEngine:
+    dtype = getattr(torch, config.dtype)
+    model = load_model(config.model, dtype=dtype)
+    tokenizer = Tokenizer.from_folder(config.model)
+    model_config = model.config
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    geometry = KvGeometry(
+        num_layers=model_config.num_hidden_layers, num_kv_heads=model_config.num_key_value_heads,
+        head_dim=model_config.head_dim, block_size=config.block_size, num_blocks=1, dtype=dtype)
+    num_blocks = config.num_blocks or max(1, config.kv_cache_mib * 2**20 // geometry.bytes_per_block)
+    geometry = KvGeometry(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
+                          geometry.block_size, num_blocks, dtype)
+    kv_cache = KvCache.create(kv_name, geometry)
+    engine_config = EngineConfig(
+        block_size=config.block_size, num_blocks=num_blocks, max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len)
+    engine = LLMEngine(model, tokenizer, kv_cache, engine_config)
+    return LoadedEngine(engine, kv_cache, max_model_len)
+
+
+def geometry_to_proto(geometry: KvGeometry) -> common_pb2.KvGeometry:
+    return common_pb2.KvGeometry(
+        num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
+        block_size=geometry.block_size, num_blocks=geometry.num_blocks, dtype=geometry.dtype_name)
+
+
+def instance_record(identity: InstanceIdentity, loaded: LoadedEngine) -> dict:
+    geometry = loaded.kv_cache.geometry
+    return {
+        "instance_id": identity.instance_id, "address": identity.address, "role": identity.role.value,
+        "model": identity.model, "state": "serving", "pid": os.getpid(), "host": socket.gethostname(),
+        "max_model_len": loaded.max_model_len, "kv_shm_name": loaded.kv_cache.name,
+        "kv": {"num_layers": geometry.num_layers, "num_kv_heads": geometry.num_kv_heads, "head_dim": geometry.head_dim,
+               "block_size": geometry.block_size, "num_blocks": geometry.num_blocks,
+               "dtype": geometry.dtype_name},
+    }
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

@@ -1,0 +1,55 @@
+"""Configuration of one instance process (`python -m services.instance`)."""
+
+import enum
+import pathlib
+from dataclasses import dataclass
+
+from services.common.config import knob
+
+
+class InstanceRole(enum.Enum):
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class EngineKind(enum.Enum):
+    TORCH = "torch"
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceConfig:
+    """One inference engine with a paged KV cache, served over gRPC (ferry.v1.InstanceService)."""
+
+    model: pathlib.Path = knob(pathlib.Path("models/smollm2-135m-instruct"), "Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
+    instance_id: str = knob("", "unique id of this instance in the cluster (default: <host>-<port>)")
+    host: str = knob("127.0.0.1", "address to bind the gRPC server to")
+    port: int = knob(0, "gRPC port (0 = pick a free one)")
+    advertise_host: str = knob("", "host other processes use to reach this instance (default: --host)")
+    role: InstanceRole = knob(InstanceRole.BOTH, "what the instance serves in prefill/decode disaggregation")
+    engine: EngineKind = knob(EngineKind.TORCH, "inference engine")
+    etcd_endpoints: list[str] = knob([], "etcd endpoints host:port (comma-separated); empty = run without registering")
+    cluster: str = knob("ferry", "cluster name: etcd keys live under /ferry/<cluster>/")
+    lease_ttl_s: float = knob(5.0, "etcd lease TTL in seconds; the instance re-registers if it loses its lease")
+    dtype: str = knob("float32", "weights and KV cache dtype: float32, bfloat16 or float16")
+    block_size: int = knob(16, "tokens per KV cache block")
+    num_blocks: int = knob(0, "KV cache blocks (0 = size from --kv-cache-mib)")
+    kv_cache_mib: int = knob(512, "KV cache size in MiB when --num-blocks is 0")
+    max_num_seqs: int = knob(64, "most requests running in one batch")
+    max_num_batched_tokens: int = knob(2048, "most tokens (prefill chunks + decodes) in one engine step")
+    max_model_len: int = knob(0, "longest sequence (prompt + output) in tokens (0 = the model's max_position_embeddings)")
+    num_threads: int = knob(0, "torch threads for the engine (0 = torch's default)")
+    load_report_interval_s: float = knob(0.075, "seconds between load reports streamed to the leader manager")
+    shutdown_grace_s: float = knob(5.0, "seconds running requests get to finish on SIGTERM before they are cut")
+    log_format: str = knob("console", "log format: console or json")
+    log_level: str = knob("info", "log level: debug, info, warning, error")
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"--block-size must be positive, got {self.block_size}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -1,0 +1,155 @@
+"""Paged attention in plain PyTorch: the per-step plan and the per-layer kernel.
+
+Design: everything that depends only on the batch (which tokens belong to which
+sequence, which cache blocks each sequence reads, the causal mask) is computed
+once per forward in `AttentionPlan.build` and shared by every layer. A layer
+then does a few big ops: write its new K/V into their slots, gather each
+sequence's blocks into a padded `[seqs, blocks * block_size, kv_heads, head_dim]`
+view, run `scaled_dot_product_attention` with a boolean mask, and put the
+outputs back in packed token order.
+
+Sequences are split into two groups, so a long prefill does not make every decode
+sequence pay for its padding: decode sequences (1 new token; the query heads are
+folded onto their KV head, so GQA needs no copy) and prefill sequences (queries
+padded to the longest one, GQA through `enable_gqa`). The mask is by position:
+the query at position p sees cached token j iff j <= p, which is causal within
+the new tokens, sees everything cached before them (continued/chunked prefill),
+and hides the stale tail of each sequence's last block and the padding blocks.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.instance.engine.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    block_tables: torch.Tensor  # [num_seqs, num_blocks] cache blocks each sequence reads, padded with 0
+    mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, num_blocks * block_size] bool, True = visible
+    token_index: torch.Tensor | None  # [num_seqs, max_query_len] packed token of each query row; None = all tokens in order
+    is_valid: torch.Tensor | None  # [num_seqs * max_query_len] bool, False for padding rows; None = no padding
+    out_index: torch.Tensor | None  # [num_valid] packed token each valid row belongs to; None = all tokens in order
+
+    @property
+    def max_query_len(self) -> int:
+        return 1 if self.token_index is None else self.token_index.shape[1]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    slot_mapping: torch.Tensor  # [num_tokens] flat KV slot for each new token
+    num_tokens: int
+    decode: AttentionGroup | None  # sequences with exactly one new token
+    prefill: AttentionGroup | None  # sequences with more than one new token
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, block_size: int) -> "AttentionPlan":
+        query_lens = torch.tensor(batch.query_lens, dtype=torch.int64)
+        starts = torch.cumsum(query_lens, 0) - query_lens
+        is_decode = query_lens == 1
+        num_tokens = int(batch.input_ids.shape[0])
+        decode = prefill = None
+        if bool(is_decode.all()):
+            decode = _decode_group(batch, None, block_size)
+        elif bool(is_decode.any()):
+            decode_seqs = torch.nonzero(is_decode).flatten()
+            decode = _decode_group(batch, decode_seqs, block_size)
+        if not bool(is_decode.all()):
+            prefill_seqs = torch.nonzero(~is_decode).flatten()
+            prefill = _prefill_group(batch, prefill_seqs, query_lens, starts, block_size)
+        return cls(slot_mapping=batch.slot_mapping, num_tokens=num_tokens, decode=decode, prefill=prefill)
+
+
+def _trimmed_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    num_blocks = (int(context_lens.max()) + block_size - 1) // block_size
+    return block_tables[:, :num_blocks]
+
+
+def _decode_group(batch: ForwardBatch, seqs: torch.Tensor | None, block_size: int) -> AttentionGroup:
+    context_lens = batch.context_lens if seqs is None else batch.context_lens[seqs]
+    block_tables = batch.block_tables if seqs is None else batch.block_tables[seqs]
+    block_tables = _trimmed_block_tables(block_tables, context_lens, block_size)
+    num_keys = block_tables.shape[1] * block_size
+    mask = None
+    if bool((context_lens != num_keys).any()):
+        mask = torch.arange(num_keys) < context_lens[:, None]
+        mask = mask.view(-1, 1, 1, num_keys)
+    # In a mixed batch a decode sequence's only token sits at its start offset.
+    token_index = None
+    if seqs is not None:
+        starts = torch.cumsum(torch.tensor(batch.query_lens, dtype=torch.int64), 0) - 1
+        token_index = starts[seqs].view(-1, 1)
+    out_index = None if token_index is None else token_index.flatten()
+    return AttentionGroup(block_tables, mask, token_index, None, out_index)
+
+
+def _prefill_group(
+    batch: ForwardBatch, seqs: torch.Tensor, query_lens: torch.Tensor, starts: torch.Tensor, block_size: int
+) -> AttentionGroup:
+    lens = query_lens[seqs]
+    context_lens = batch.context_lens[seqs]
+    block_tables = _trimmed_block_tables(batch.block_tables[seqs], context_lens, block_size)
+    num_keys = block_tables.shape[1] * block_size
+    offsets = torch.arange(int(lens.max()))
+    is_valid = offsets < lens[:, None]
+    token_index = torch.where(is_valid, starts[seqs][:, None] + offsets, 0)
+    positions = batch.positions[token_index]  # padding rows read token 0's position: they see key 0 at least
+    mask = torch.arange(num_keys) <= positions[:, :, None]
+    is_valid = is_valid.flatten()
+    out_index = token_index.flatten()[is_valid]
+    if bool(is_valid.all()):
+        is_valid = None
+    return AttentionGroup(block_tables, mask.unsqueeze(1), token_index, is_valid, out_index)
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V ([num_tokens, kv_heads, head_dim]) in their slots of one layer's cache."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
+    num_slots = num_blocks * block_size
+    kv_layer[0].view(num_slots, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_layer[1].view(num_slots, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def attend(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
+    """Attention of the new queries ([num_tokens, heads, head_dim]) over each sequence's cached
+    context (already including the new tokens); returns [num_tokens, heads * head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    if plan.prefill is None:
+        return _attend_decode(q, kv_layer, plan.decode, scale).view(num_tokens, num_heads * head_dim)
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    if plan.decode is not None:
+        out[plan.decode.out_index] = _attend_decode(q, kv_layer, plan.decode, scale).flatten(1)
+    out[plan.prefill.out_index] = _attend_prefill(q, kv_layer, plan.prefill, scale)
+    return out
+
+
+def _gather(kv_layer: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's K and V as [num_seqs, kv_heads, num_keys, head_dim] (views, no extra copy)."""
+    num_seqs, num_blocks = block_tables.shape
+    _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
+    kv = kv_layer[:, block_tables].view(2, num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+
+
+def _attend_decode(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGroup, scale: float) -> torch.Tensor:
+    """One query per sequence; the query heads of a KV head become its query rows (GQA without copies)."""
+    k, v = _gather(kv_layer, group.block_tables)
+    num_seqs, num_kv_heads, _, head_dim = k.shape
+    if group.token_index is not None:
+        q = q[group.token_index.flatten()]
+    q = q.view(num_seqs, num_kv_heads, -1, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+    return out.view(num_seqs, -1, head_dim)
+
+
+def _attend_prefill(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGroup, scale: float) -> torch.Tensor:
+    k, v = _gather(kv_layer, group.block_tables)
+    num_seqs, max_query_len = group.token_index.shape
+    head_dim = q.shape[-1]
+    q = q[group.token_index].transpose(1, 2)  # [num_seqs, heads, max_query_len, head_dim]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True)
+    out = out.transpose(1, 2).reshape(num_seqs * max_query_len, -1)
+    return out if group.is_valid is None else out[group.is_valid]

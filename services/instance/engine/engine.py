@@ -1,0 +1,265 @@
+"""The inference engine as plain logic: requests in, one step at a time, tokens out.
+
+No threads, no asyncio, no gRPC: `EngineRunner` drives it from one thread. A step is
+
+    schedule (which requests, how many tokens)  →  run the model  →  sample and finish requests
+
+A request finishes on eos (unless `ignore_eos`), a stop token id, a stop string (the
+text ends before it), `max_tokens` (resumed tokens included) or the model's context
+(`max_model_len`). Finished and aborted requests free their KV blocks at once and
+leave the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.common.errors import InvalidArgument, ResourceExhausted
+from services.instance.engine.block_manager import BlockManager, num_blocks_for
+from services.instance.engine.kv_cache import KvCache
+from services.instance.engine.request import (
+    FinishReason,
+    Request,
+    RequestId,
+    RequestStatus,
+    SamplingParams,
+)
+from services.instance.engine.sampler import SampledToken, Sampler, SamplingRow, TokenLogprob
+from services.instance.engine.scheduler import Scheduler, SchedulerOutput
+from services.instance.engine.text_output import TextOutput
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    num_blocks: int  # KV cache blocks; must match the KvCache's geometry
+    max_model_len: int  # longest sequence, prompt + output
+    block_size: int = 16  # tokens per KV block; must match the KvCache's geometry
+    max_num_seqs: int = 64  # batch slots: most running requests
+    max_num_batched_tokens: int = 2048  # most tokens (prefill chunks + decodes) in one step
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    request_id: RequestId
+    token_index: int  # output index of new_token_ids[0] (resumed tokens count)
+    new_token_ids: tuple[int, ...]  # empty when the request finished without a new token
+    text: str  # detokenized delta
+    finish_reason: FinishReason | None  # None while the request runs
+    logprobs: tuple[TokenLogprob, ...] | None  # one per new token, if the request asked for them
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_blocks_needed_by_waiting: int
+    freeness: float  # (free - needed by waiting) / (running + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSnapshot:
+    request_id: RequestId
+    status: RequestStatus
+    priority: int
+    num_prompt_tokens: int
+    num_output_tokens: int  # resumed tokens included
+    num_computed_tokens: int
+    num_blocks: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def state(self) -> str:
+        return self.status.value
+
+
+class LLMEngine:
+    def __init__(self, model: Any, tokenizer: Any, kv_cache: KvCache, config: EngineConfig) -> None:
+        _check_geometry(config, kv_cache)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.kv_cache = kv_cache
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   device=kv_cache.tensor.device)
+        self.sampler = Sampler()
+        self.vocab_size: int = model.config.vocab_size
+        self.eos_token_ids = frozenset(model.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
+        self._requests: dict[RequestId, Request] = {}  # waiting + running; finished ones leave at once
+        self._arrivals = itertools.count()
+
+    # Requests in and out.
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
+                    priority: int = 0, resume_token_ids: Sequence[int] = ()) -> None:
+        """Queue a request; raises InvalidArgument (bad input, duplicate id) or ResourceExhausted."""
+        request_id = RequestId(request_id)
+        if request_id in self._requests:
+            raise InvalidArgument(f"request_id: {request_id!r} is already on this instance; ids must be unique")
+        prompt = tuple(int(t) for t in prompt_token_ids)
+        resumed = [int(t) for t in resume_token_ids]
+        sampling.validate(self.config.max_model_len, len(prompt))
+        self._check_tokens(prompt, resumed, sampling)
+        text = TextOutput(self.tokenizer.incremental_detokenizer(), tuple(sampling.stop))
+        text.prime(resumed)
+        request = Request(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+            seed=sampling.seed if sampling.seed is not None else secrets.randbits(64),
+            arrival_order=next(self._arrivals), text=text, priority=priority,
+            num_resumed_tokens=len(resumed), output_token_ids=resumed,
+        )  # fmt: skip
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request now and free its blocks; False if the engine does not have it."""
+        request = self._requests.pop(RequestId(request_id), None)
+        if request is None:
+            return False
+        self.scheduler.remove(request, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # One step.
+
+    def step(self) -> list[StepOutput]:
+        scheduled = self.scheduler.schedule()
+        logits = self._run(scheduled)
+        return self._postprocess(scheduled, logits)
+
+    def _run(self, scheduled: SchedulerOutput) -> torch.Tensor | None:
+        if scheduled.batch is None:
+            return None
+        with torch.inference_mode():
+            return self.model(scheduled.batch, self.kv_cache.tensor)
+
+    def _postprocess(self, scheduled: SchedulerOutput, logits: torch.Tensor | None) -> list[StepOutput]:
+        outputs = [self._output(request, request.num_output_tokens, None, request.finish_reason)
+                   for request in scheduled.finished]  # too long for the whole cache
+        rows = [i for i, s in enumerate(scheduled.scheduled) if s.is_sampled]
+        if not rows or logits is None:
+            return outputs
+        requests = [scheduled.scheduled[i].request for i in rows]
+        sampling_rows = [SamplingRow(r.sampling, r.seed, r.num_output_tokens) for r in requests]
+        for request, token in zip(requests, self.sampler(logits[rows], sampling_rows)):
+            outputs.append(self._append_token(request, token))
+        return outputs
+
+    def _append_token(self, request: Request, token: SampledToken) -> StepOutput:
+        token_index = request.num_output_tokens
+        request.output_token_ids.append(token.token_id)
+        reason = self._stop_reason(request, token.token_id)
+        if reason is not None:
+            self.scheduler.remove(request, reason)
+        return self._output(request, token_index, token, reason)
+
+    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        sampling = request.sampling
+        if token_id in sampling.stop_token_ids:
+            return FinishReason.STOP  # its text is left out
+        if token_id in self.eos_token_ids and not sampling.ignore_eos:
+            return FinishReason.STOP
+        if request.text.append(token_id):
+            return FinishReason.STOP
+        if request.num_output_tokens >= sampling.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _output(self, request: Request, token_index: int, token: SampledToken | None,
+                reason: FinishReason | None) -> StepOutput:
+        if reason is not None:
+            self._requests.pop(request.request_id, None)
+        return StepOutput(
+            request_id=request.request_id,
+            token_index=token_index,
+            new_token_ids=() if token is None else (token.token_id,),
+            text=request.text.take_delta(is_final=reason is not None),
+            finish_reason=reason,
+            logprobs=None if token is None or token.logprob is None else (token.logprob,),
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
+
+    # Reports.
+
+    def load(self) -> LoadSnapshot:
+        num_running, num_free = len(self.scheduler.running), self.block_manager.num_free_blocks
+        num_needed = self.scheduler.num_blocks_needed_by_waiting()
+        return LoadSnapshot(
+            num_running=num_running, num_waiting=len(self.scheduler.waiting), num_free_blocks=num_free,
+            num_total_blocks=self.block_manager.num_blocks, num_blocks_needed_by_waiting=num_needed,
+            freeness=(num_free - num_needed) / (num_running + 1),
+        )  # fmt: skip
+
+    def list_requests(self) -> list[RequestSnapshot]:
+        return [
+            RequestSnapshot(
+                request_id=r.request_id, status=r.status, priority=r.priority,
+                num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens,
+                num_computed_tokens=r.num_computed_tokens, num_blocks=len(r.block_table),
+            )  # fmt: skip
+            for r in self._requests.values()
+        ]
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[int]]:
+        """Run `prompts` (token ids) to completion; their output token ids, in order. For tests and benchmarks."""
+        request_ids = [f"generate-{next(self._arrivals)}" for _ in prompts]
+        for request_id, prompt in zip(request_ids, prompts):
+            self.add_request(request_id, prompt, sampling)
+        tokens: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
+        num_unfinished = len(request_ids)
+        while num_unfinished:
+            for output in self.step():
+                if output.request_id in tokens:
+                    tokens[output.request_id] += output.new_token_ids
+                    num_unfinished -= output.finish_reason is not None
+        return [tokens[request_id] for request_id in request_ids]
+
+    def _check_tokens(self, prompt: tuple[int, ...], resumed: list[int], sampling: SamplingParams) -> None:
+        for field, ids in (("prompt_token_ids", prompt), ("resume_token_ids", resumed)):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidArgument(f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) + len(resumed) > self.config.max_model_len:
+            raise InvalidArgument(
+                f"resume_token_ids: prompt + resumed tokens ({len(prompt) + len(resumed)}) exceed the model's "
+                f"context of {self.config.max_model_len} (max_model_len)"
+            )
+        if len(resumed) >= sampling.max_tokens:
+            raise InvalidArgument(
+                f"resume_token_ids: {len(resumed)} tokens already generated, max_tokens is {sampling.max_tokens}; "
+                "nothing is left to generate"
+            )
+        num_needed = num_blocks_for(len(prompt) + len(resumed), self.config.block_size)
+        if num_needed > self.config.num_blocks:
+            raise ResourceExhausted(
+                f"prompt needs {num_needed} KV blocks but this instance's cache has {self.config.num_blocks} "
+                "(--num-blocks); send it to an instance with a larger cache"
+            )
+
+
+def _check_geometry(config: EngineConfig, kv_cache: KvCache) -> None:
+    geometry = kv_cache.geometry
+    if (geometry.num_blocks, geometry.block_size) != (config.num_blocks, config.block_size):
+        raise ValueError(
+            f"the KV cache has {geometry.num_blocks} blocks of {geometry.block_size} tokens but the engine was "
+            f"configured with --num-blocks {config.num_blocks} --block-size {config.block_size}"
+        )

@@ -1,0 +1,145 @@
+"""The paged KV cache: one tensor in named shared memory that other processes can map.
+
+Layout `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` (dim 1: 0 = K,
+1 = V). The instance creates it (`KvCache.create`); the co-located transfer service
+maps the same bytes by name (`KvCache.attach`) and reads/writes blocks in place.
+
+The segment is a POSIX shared memory object (`/dev/shm/<name>`, Linux). It is created
+with `multiprocessing.shared_memory` (fresh pages read as zeros) and mapped with
+`torch.from_file(..., shared=True)`, so the mapping lives exactly as long as the
+tensor and its views: closing never leaves a tensor pointing at unmapped memory.
+Only the creator unlinks the name: explicitly with `unlink()`, at interpreter exit,
+and, if the process is killed, through multiprocessing's resource tracker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+from pathlib import Path
+
+import torch
+
+from services.common.errors import Internal, InvalidArgument, NotFound
+
+SHM_DIR = Path("/dev/shm")
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True, slots=True)
+class KvGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int  # tokens per block
+    num_blocks: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_NAMES:
+            raise InvalidArgument(f"kv dtype: {self.dtype} is not supported; use {', '.join(DTYPE_NAMES.values())}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"kv geometry: {name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_dtype_name(cls, dtype_name: str, **fields: int) -> KvGeometry:
+        by_name = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+        if dtype_name not in by_name:
+            raise InvalidArgument(f"kv dtype: {dtype_name!r} is not supported; use {', '.join(by_name)}")
+        return cls(dtype=by_name[dtype_name], **fields)
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers, K and V (not contiguous in the layout)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def num_bytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks
+
+
+class KvCache:
+    """A KV tensor in named shared memory. Use `create` (owner) or `attach` (reader/writer)."""
+
+    def __init__(self, name: str, geometry: KvGeometry, tensor: torch.Tensor, owner: shared_memory.SharedMemory | None) -> None:
+        self.name = name
+        self.geometry = geometry
+        self.tensor = tensor
+        self._owner = owner  # set in the creating process only; it alone unlinks the name
+
+    @staticmethod
+    def name_for(instance_id: str) -> str:
+        return f"ferry-kv-{instance_id}"
+
+    @classmethod
+    def create(cls, name: str, geometry: KvGeometry) -> KvCache:
+        """Create the segment `name`, zero-filled, and map it."""
+        try:
+            shm = shared_memory.SharedMemory(name=name, create=True, size=geometry.num_bytes)
+        except FileExistsError:
+            raise Internal(
+                f"shared memory {name!r} already exists: another instance uses this --instance-id, or a crashed "
+                f"one left {SHM_DIR / name} behind (remove it)"
+            ) from None
+        shm.close()  # the name stays; torch maps the bytes itself below
+        cache = cls(name, geometry, _map(name, geometry), owner=shm)
+        atexit.register(cache.unlink)
+        return cache
+
+    @classmethod
+    def attach(cls, name: str, geometry: KvGeometry) -> KvCache:
+        """Map the existing segment `name` created with the same `geometry`."""
+        path = SHM_DIR / name
+        if not path.exists():
+            raise NotFound(f"no KV cache shared memory named {name!r} ({path}); is the instance running?")
+        size = path.stat().st_size
+        if size < geometry.num_bytes:
+            raise InvalidArgument(
+                f"KV cache {name!r} has {size} bytes but the geometry needs {geometry.num_bytes}; "
+                "attach with the geometry the instance registered"
+            )
+        return cls(name, geometry, _map(name, geometry), owner=None)
+
+    @property
+    def is_owner(self) -> bool:
+        return self._owner is not None
+
+    def close(self) -> None:
+        """Drop this object's mapping (views others hold stay valid until they are dropped)."""
+        self.tensor = torch.empty(0, dtype=self.geometry.dtype)
+
+    def unlink(self) -> None:
+        """Remove the name (creator only); existing mappings stay valid. Idempotent."""
+        if self._owner is None:
+            return
+        owner, self._owner = self._owner, None
+        atexit.unregister(self.unlink)
+        try:
+            owner.unlink()  # also unregisters it from the resource tracker
+        except FileNotFoundError:
+            resource_tracker.unregister(owner._name, "shared_memory")  # type: ignore[attr-defined]
+
+    def __enter__(self) -> KvCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        self.unlink()
+
+
+def _map(name: str, geometry: KvGeometry) -> torch.Tensor:
+    numel = geometry.num_bytes // torch.empty((), dtype=geometry.dtype).element_size()
+    flat = torch.from_file(os.fspath(SHM_DIR / name), shared=True, size=numel, dtype=geometry.dtype)
+    return flat.view(geometry.shape)

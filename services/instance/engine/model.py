@@ -1,0 +1,180 @@
+"""A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV cache.
+
+`LlamaModel.forward(batch, kv_cache)` runs one step: the packed new tokens of every
+sequence go through all layers at once and the logits of each sequence's last
+new token come back. Per forward, the attention plan (block gathers, masks) and
+the RoPE cos/sin are computed once and shared by all layers; per layer the work
+is a handful of big ops (fused q/k/v and gate/up projections). The LM head only
+runs on the last token of each sequence.
+
+The KV cache is any tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads,
+head_dim]`; `allocate_kv_cache` makes a plain one (the runtime may hand in one
+that lives in shared memory instead).
+"""
+
+from pathlib import Path
+
+import structlog
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.instance.engine.attention import AttentionPlan, attend, write_kv
+from services.instance.engine.forward_batch import ForwardBatch
+from services.instance.engine.model_config import ModelConfig, rope_inv_freq
+from services.instance.engine.weights import load_state_dict
+
+log = structlog.get_logger(__name__)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of every position up to max_position_embeddings, each [max_positions, head_dim // 2]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+
+    def build(self, dtype: torch.dtype, device: torch.device | str) -> None:
+        positions = torch.arange(self.config.max_position_embeddings, dtype=torch.int64).float()
+        freqs = positions[:, None] * rope_inv_freq(self.config)[None, :]
+        self.cos = freqs.cos().to(dtype=dtype, device=device)
+        self.sin = freqs.sin().to(dtype=dtype, device=device)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the given positions, shaped [num_tokens, 1, head_dim // 2] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [num_tokens, heads, head_dim] by position (the half-split "rotate_half" convention of HF Llama)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        write_kv(kv_layer, k, qkv[:, self.num_heads + self.num_kv_heads :], plan.slot_mapping)
+        return self.o_proj(attend(q, kv_layer, plan, self.scale))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, kv_layer, plan)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+
+    @classmethod
+    def from_pretrained(
+        cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> "LlamaModel":
+        config = ModelConfig.from_dir(model_dir)
+        with torch.device("meta"):
+            model = cls(config)
+        model.load_state_dict(load_state_dict(model_dir, config, dtype, device), strict=True, assign=True)
+        model.rotary.build(dtype, device)
+        model.requires_grad_(False)
+        log.info("model_loaded", model_dir=str(model_dir), dtype=str(dtype), device=str(device))
+        return model.eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """float32 logits [num_seqs, vocab] of each sequence's last new token; writes the new K/V to kv_cache."""
+        plan = AttentionPlan.build(batch, block_size=kv_cache.shape[3])
+        rope = self.rotary(batch.positions)
+        h = self.embed_tokens(batch.input_ids)
+        for layer, kv_layer in zip(self.layers, kv_cache, strict=True):
+            h = layer(h, rope, kv_layer, plan)
+        last = torch.cumsum(torch.tensor(batch.query_lens, dtype=torch.int64), 0) - 1
+        h = self.norm(h[last])
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> LlamaModel:
+    return LlamaModel.from_pretrained(model_dir, dtype=dtype, device=device)
+
+
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    return (config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+
+
+def allocate_kv_cache(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """A zeroed KV cache. Zeroed, not empty: masked-out keys must still be finite numbers."""
+    return torch.zeros(kv_cache_shape(config, num_blocks, block_size), dtype=dtype, device=device)

@@ -1,0 +1,124 @@
+"""A request as the engine sees it: what was asked (`SamplingParams`) and how far it got (`Request`).
+
+Token numbering: a request's context is `prompt_token_ids + output_token_ids`.
+`output_token_ids` starts with the `resume_token_ids` a request was added with
+(tokens another instance generated before it died), so output index i is the
+same on every instance the request ever ran on, and `max_tokens` counts them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NewType
+
+from services.common.errors import InvalidArgument
+from services.instance.engine.block_manager import BlockId
+from services.instance.engine.text_output import TextOutput
+
+RequestId = NewType("RequestId", str)
+
+MAX_LOGPROBS = 20
+MAX_SEED = 2**64 - 1
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # in the waiting queue; holds no KV blocks
+    RUNNING = "running"  # in the running batch; holds the blocks in its block table
+    FINISHED = "finished"  # done; its blocks are back in the free list
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # eos, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens, the model's context, or more KV blocks than the cache has
+    ABORT = "abort"  # aborted by the client or an operator
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]: keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # 0 = off; otherwise keep the k most likely tokens
+    seed: int | None = None  # same seed, same tokens, whatever the batch; None = drawn at admission
+    max_tokens: int = 16  # most output tokens, resumed ones included
+    stop: tuple[str, ...] = ()  # stop strings; the text ends before the first one
+    stop_token_ids: tuple[int, ...] = ()  # finish after any of these (kept in the token ids, not the text)
+    ignore_eos: bool = False  # keep going after the model's eos tokens
+    logprobs: int = 0  # 0 = off; n = logprob of the chosen token plus the top n
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, max_model_len: int, num_prompt_tokens: int) -> None:
+        """Raise `InvalidArgument` naming the first field that cannot be served."""
+        if num_prompt_tokens <= 0:
+            raise InvalidArgument("prompt_token_ids: the prompt is empty; send at least one token")
+        if num_prompt_tokens > max_model_len:
+            raise InvalidArgument(
+                f"prompt_token_ids: the prompt has {num_prompt_tokens} tokens, more than the model's "
+                f"context of {max_model_len} (max_model_len); shorten the prompt"
+            )
+        if self.max_tokens <= 0:
+            raise InvalidArgument(f"max_tokens: must be positive, got {self.max_tokens}")
+        if self.temperature < 0.0:
+            raise InvalidArgument(f"temperature: must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgument(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k: must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise InvalidArgument(f"seed: must be in [0, 2**64 - 1], got {self.seed}")
+        if any(not s for s in self.stop):
+            raise InvalidArgument("stop: stop strings must not be empty")
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Engine-side state of one request; owned and mutated by the engine thread only."""
+
+    request_id: RequestId
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    seed: int  # effective seed: sampling.seed, or drawn at admission so the request can move
+    arrival_order: int  # engine-wide admission counter; earlier wins ties in priority
+    text: TextOutput  # detokenizer state, stop strings and what text was already emitted
+    priority: int = 0  # higher is admitted first and preempted last
+    num_resumed_tokens: int = 0  # leading output tokens that came with the request (failover)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Invariant: while RUNNING, block_table covers at least num_computed_tokens tokens;
+    # while WAITING or FINISHED it is empty and num_computed_tokens is 0.
+    block_table: list[BlockId] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Context tokens [start, stop) of prompt + output, without copying the whole context."""
+        num_prompt = len(self.prompt_token_ids)
+        head = list(self.prompt_token_ids[start:min(stop, num_prompt)]) if start < num_prompt else []
+        tail = self.output_token_ids[max(start - num_prompt, 0):max(stop - num_prompt, 0)]
+        return head + tail

@@ -1,0 +1,117 @@
+"""Each sequence's next token from its logits: greedy, or seeded sampling that resumes anywhere.
+
+Randomness: the noise for output token i of a request comes from a generator seeded
+with `mix(seed, i)` and nothing else. So a request samples the same tokens whatever
+else is in the batch, and a request resumed at token i on another instance (same
+torch build) continues exactly as it would have. Sampling is the exponential race:
+`argmax(p / q)` with `q ~ Exp(1)` i.i.d. picks token j with probability `p_j`.
+
+Logprobs are those of the raw logits (`log_softmax`, temperature and top-k/top-p not
+applied), like vLLM's default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.instance.engine.request import SamplingParams
+
+_MASK64 = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    seed: int  # the request's effective seed
+    token_index: int  # output index of the token being sampled
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int  # the chosen token
+    logprob: float
+    top_token_ids: tuple[int, ...]  # the n most likely tokens, most likely first
+    top_logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None  # None unless the request asked for logprobs
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        """Sample one token per row of `logits` [num_rows, vocab]."""
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
+        logits = logits.float().cpu()
+        token_ids = self._choose(logits, rows)
+        logprobs = _logprobs(logits, token_ids, rows)
+        return [SampledToken(token_id, logprob) for token_id, logprob in zip(token_ids.tolist(), logprobs)]
+
+    def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if not random_rows:
+            return token_ids
+        params = [rows[i].params for i in random_rows]
+        scaled = logits[random_rows] / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            scaled = _apply_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
+        probs = scaled.softmax(dim=-1)
+        noise = torch.stack([exponential_noise(logits.shape[1], rows[i].seed, rows[i].token_index)
+                             for i in random_rows])
+        token_ids[random_rows] = (probs / noise).argmax(dim=-1)
+        return token_ids
+
+
+def exponential_noise(vocab_size: int, seed: int, token_index: int) -> torch.Tensor:
+    """Exp(1) noise for output token `token_index` of a request seeded `seed`."""
+    generator = torch.Generator().manual_seed(mix_seed(seed, token_index))
+    return torch.rand(vocab_size, generator=generator).log_().neg_()  # u = 0 gives +inf: never chosen
+
+
+def mix_seed(seed: int, token_index: int) -> int:
+    """A 64-bit seed for one (seed, token index) pair (splitmix64 finalizer)."""
+    z = (seed + (token_index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Set to -inf the logits outside each row's top-k, then outside its top-p nucleus."""
+    vocab_size = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    k = torch.tensor([vocab_size if n <= 0 else min(n, vocab_size) for n in top_k])
+    kth_largest = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
+    sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    outside_nucleus = cumulative <= 1.0 - torch.tensor(top_p).unsqueeze(1)
+    outside_nucleus[:, -1] = False  # the most likely token always stays
+    sorted_logits.masked_fill_(outside_nucleus, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]) -> list[TokenLogprob | None]:
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs > 0]
+    result: list[TokenLogprob | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    logprobs = logits[wanted].log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids[wanted].unsqueeze(1)).squeeze(1).tolist()
+    num_top = max(rows[i].params.logprobs for i in wanted)
+    top_values, top_ids = logprobs.topk(min(num_top, logits.shape[1]), dim=-1)
+    for j, i in enumerate(wanted):
+        n = rows[i].params.logprobs
+        result[i] = TokenLogprob(
+            token_id=int(token_ids[i]), logprob=chosen[j],
+            top_token_ids=tuple(top_ids[j, :n].tolist()), top_logprobs=tuple(top_values[j, :n].tolist()),
+        )
+    return result

@@ -1,0 +1,213 @@
+"""Continuous batching: which requests run in the next step, and with how many tokens.
+
+Every step, in this order:
+
+1. Running requests, decodes before unfinished prefills, each in priority order
+   (higher `priority` first, then earlier arrival). Each gets as many of its
+   uncomputed tokens as the step's token budget has left (`max_num_batched_tokens`),
+   so long prompts are prefilled in chunks over several steps.
+2. A running request that needs a block when none is free preempts the worst
+   other unscheduled running request (lowest priority, then latest arrival) that
+   is worse than itself; if there is none, a prefill chunk shrinks to the blocks
+   left, and a request that cannot take a single token preempts itself. Preemption is by recompute: the blocks are freed and
+   the request goes back to waiting with the tokens it generated; its next
+   prefill recomputes prompt + generated tokens.
+3. If nothing was preempted, waiting requests are admitted in priority order while
+   batch slots (`max_num_seqs`), budget and free blocks allow. The head of the
+   queue blocks the rest (strict priority).
+
+Scheduled tokens count as computed as soon as they are scheduled: the step that
+`schedule()` returns must run.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import torch
+
+from services.instance.engine.block_manager import BlockManager, num_blocks_for
+from services.instance.engine.forward_batch import ForwardBatch
+from services.instance.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens fed this step: a prefill chunk, or 1 to decode
+    is_sampled: bool  # the step reaches the end of the context, so its logits give the next token
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # row i of the model's logits belongs to scheduled[i]
+    batch: ForwardBatch | None  # None when nothing runs this step
+    preempted: list[Request] = field(default_factory=list)  # moved back to waiting this step
+    finished: list[Request] = field(default_factory=list)  # finished here: longer than the whole cache
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def _priority_order(request: Request) -> tuple[int, int]:
+    return (-request.priority, request.arrival_order)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 device: torch.device | None = None) -> None:
+        if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_seqs and max_num_batched_tokens must be positive, got {max_num_seqs} and {max_num_batched_tokens}"
+            )
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.device = device or torch.device("cpu")
+        # Invariant: both queues stay sorted by _priority_order; running requests hold blocks, waiting ones none.
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=_priority_order)
+
+    def remove(self, request: Request, reason: FinishReason) -> None:
+        """Take `request` out of whichever queue holds it, free its blocks and finish it."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.block_manager.free(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.num_computed_tokens = 0
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_blocks_needed_by_waiting(self) -> int:
+        return sum(num_blocks_for(r.num_tokens, self.block_manager.block_size) for r in self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        step = _StepPlan(budget=self.max_num_batched_tokens)
+        decodes_first = sorted(self.running, key=lambda r: (r.num_uncomputed_tokens > 1, _priority_order(r)))
+        for request in decodes_first:
+            if step.budget == 0:
+                break
+            if request.status is RequestStatus.RUNNING:  # not preempted earlier in this loop
+                self._schedule_running(request, step)
+        if not step.preempted:
+            self._admit_waiting(step)
+        for scheduled in step.scheduled:
+            scheduled.request.num_computed_tokens += scheduled.num_new_tokens
+        return step.to_output(self.block_manager.block_size, self.device)
+
+    def _schedule_running(self, request: Request, step: _StepPlan) -> None:
+        if num_blocks_for(request.num_tokens, self.block_manager.block_size) > self.block_manager.num_blocks:
+            self.remove(request, FinishReason.LENGTH)  # could never fit, even alone in the cache
+            step.finished.append(request)
+            return
+        num_new = min(request.num_uncomputed_tokens, step.budget)
+        self._make_room(request, request.num_computed_tokens + num_new, step)
+        num_new = min(num_new, self._num_tokens_that_fit(request))  # a prefill chunk may shrink
+        if num_new == 0:
+            self._preempt(request, step)
+            return
+        self.block_manager.allocate(request, request.num_computed_tokens + num_new)
+        step.add(request, num_new)
+
+    def _make_room(self, request: Request, num_tokens: int, step: _StepPlan) -> None:
+        """Preempt worse unscheduled requests until `request` can hold `num_tokens` tokens, or none is left."""
+        while not self.block_manager.can_allocate(self.block_manager.num_blocks_needed(request, num_tokens)):
+            victim = self._pick_victim(request, step)
+            if victim is None:
+                return
+            self._preempt(victim, step)
+
+    def _num_tokens_that_fit(self, request: Request) -> int:
+        """New tokens `request` can take with its blocks plus every free block."""
+        num_blocks = len(request.block_table) + self.block_manager.num_free_blocks
+        return num_blocks * self.block_manager.block_size - request.num_computed_tokens
+
+    def _pick_victim(self, request: Request, step: _StepPlan) -> Request | None:
+        for candidate in reversed(self.running):  # worst first
+            if _priority_order(candidate) <= _priority_order(request):
+                return None  # everyone left is at least as important as `request`
+            if not step.is_scheduled(candidate):
+                return candidate
+        return None
+
+    def _preempt(self, request: Request, step: _StepPlan) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.add(request)
+        step.preempted.append(request)
+
+    def _admit_waiting(self, step: _StepPlan) -> None:
+        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_uncomputed_tokens, step.budget)
+            if not self.block_manager.can_allocate(self.block_manager.num_blocks_needed(request, num_new)):
+                return
+            self.waiting.pop(0)
+            self.block_manager.allocate(request, num_new)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=_priority_order)
+            step.add(request, num_new)
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """The step being put together."""
+
+    budget: int  # tokens still allowed this step
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    _scheduled_ids: set[int] = field(default_factory=set)
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        is_sampled = request.num_computed_tokens + num_new_tokens == request.num_tokens
+        self.scheduled.append(ScheduledRequest(request, num_new_tokens, is_sampled))
+        self._scheduled_ids.add(id(request))
+        self.budget -= num_new_tokens
+
+    def is_scheduled(self, request: Request) -> bool:
+        return id(request) in self._scheduled_ids
+
+    def to_output(self, block_size: int, device: torch.device) -> SchedulerOutput:
+        """Call after the scheduled tokens were counted as computed."""
+        batch = build_forward_batch(self.scheduled, block_size, device) if self.scheduled else None
+        return SchedulerOutput(self.scheduled, batch, self.preempted, self.finished)
+
+
+def build_forward_batch(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ForwardBatch:
+    """The packed model input of the scheduled chunks (their tokens already count as computed)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    for s in scheduled:
+        request, stop = s.request, s.request.num_computed_tokens
+        start = stop - s.num_new_tokens
+        input_ids += request.token_ids(start, stop)
+        positions += range(start, stop)
+        slots += [request.block_table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+    max_blocks = max(len(s.request.block_table) for s in scheduled)
+    block_tables = [s.request.block_table + [0] * (max_blocks - len(s.request.block_table)) for s in scheduled]
+
+    def tensor(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return ForwardBatch(
+        input_ids=tensor(input_ids),
+        positions=tensor(positions),
+        slot_mapping=tensor(slots),
+        query_lens=[s.num_new_tokens for s in scheduled],
+        context_lens=tensor([s.request.num_computed_tokens for s in scheduled]),
+        block_tables=tensor(block_tables),
+    )

@@ -1,0 +1,59 @@
+"""The output text of one request: detokenized as tokens come, cut at the first stop string.
+
+Stop strings may span tokens. So that a client never sees the start of a stop string
+that later completes, the last `len(longest stop) - 1` characters are held back until
+more text shows they are not a stop string, or the request finishes.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Detokenizer(Protocol):
+    def feed(self, token_ids: list[int]) -> str:
+        """Text the tokens add to what was fed before (may be empty mid-character)."""
+        ...
+
+
+class TextOutput:
+    def __init__(self, detokenizer: Detokenizer, stop: tuple[str, ...]) -> None:
+        self._detokenizer = detokenizer
+        self._stop = stop
+        self._hold_back = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # every character so far, cut before the stop string once one is found
+        self.num_emitted_chars = 0  # text[:num_emitted_chars] was handed out already
+
+    def prime(self, token_ids: list[int]) -> None:
+        """Feed tokens generated (and streamed) elsewhere before a resume."""
+        if token_ids:
+            self.text += self._detokenizer.feed(token_ids)
+        self.num_emitted_chars = len(self.text)
+
+    def append(self, token_id: int) -> bool:
+        """Add one token's text; True when a stop string appeared (the text is then cut before it)."""
+        num_old_chars = len(self.text)
+        self.text += self._detokenizer.feed([token_id])
+        if not self._stop or len(self.text) == num_old_chars:
+            return False
+        return self._cut_at_stop(num_old_chars)
+
+    def take_delta(self, is_final: bool) -> str:
+        """Text not handed out yet; all of it once the request is final."""
+        end = len(self.text) if is_final else len(self.text) - self._hold_back
+        if end <= self.num_emitted_chars:
+            return ""
+        delta = self.text[self.num_emitted_chars:end]
+        self.num_emitted_chars = end
+        return delta
+
+    def _cut_at_stop(self, num_old_chars: int) -> bool:
+        found = [
+            index
+            for stop in self._stop
+            if (index := self.text.find(stop, max(num_old_chars - len(stop) + 1, 0))) >= 0
+        ]
+        if not found:
+            return False
+        self.text = self.text[:min(found)]
+        return True

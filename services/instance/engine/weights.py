@@ -1,0 +1,84 @@
+"""Hugging Face safetensors checkpoints → the state dict of `LlamaModel`.
+
+Reads `model.safetensors`, or the shards listed in `model.safetensors.index.json`,
+renames the Hugging Face tensors to the model's and fuses q/k/v and gate/up into
+one matrix each. Tensors are converted to the requested dtype as they are read.
+Extra tensors in the checkpoint (e.g. `rotary_emb.inv_freq`) are ignored; a
+missing one is an error that names it.
+"""
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import structlog
+import torch
+from safetensors import safe_open
+
+from services.instance.engine.model_config import ModelConfig
+
+log = structlog.get_logger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
+    """Which file holds each tensor name."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors in {model_dir}: the torch engine loads safetensors checkpoints only")
+    names = {}
+    for file in files:
+        with safe_open(file, framework="pt") as reader:
+            names.update({name: file for name in reader.keys()})
+    return names
+
+
+def _layer_sources(config: ModelConfig, i: int) -> Iterator[tuple[str, list[str]]]:
+    """(model name, HF names concatenated along dim 0 to make it) for one decoder layer."""
+    hf, ours = f"model.layers.{i}.", f"layers.{i}."
+    suffixes = ["weight"] + (["bias"] if config.attention_bias else [])
+    for s in suffixes:
+        yield f"{ours}self_attn.qkv_proj.{s}", [f"{hf}self_attn.{p}_proj.{s}" for p in "qkv"]
+        yield f"{ours}self_attn.o_proj.{s}", [f"{hf}self_attn.o_proj.{s}"]
+    for s in ["weight"] + (["bias"] if config.mlp_bias else []):
+        yield f"{ours}mlp.gate_up_proj.{s}", [f"{hf}mlp.gate_proj.{s}", f"{hf}mlp.up_proj.{s}"]
+        yield f"{ours}mlp.down_proj.{s}", [f"{hf}mlp.down_proj.{s}"]
+    yield f"{ours}input_layernorm.weight", [f"{hf}input_layernorm.weight"]
+    yield f"{ours}post_attention_layernorm.weight", [f"{hf}post_attention_layernorm.weight"]
+
+
+def tensor_sources(config: ModelConfig) -> dict[str, list[str]]:
+    """Every model tensor and the HF tensors it is made of."""
+    sources = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    if not config.tie_word_embeddings:
+        sources["lm_head.weight"] = ["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        sources.update(_layer_sources(config, i))
+    return sources
+
+
+def load_state_dict(
+    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    files = checkpoint_files(model_dir)
+    sources = tensor_sources(config)
+    missing = sorted(hf for parts in sources.values() for hf in parts if hf not in files)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint in {model_dir} lacks tensors: {shown}")
+    state = {}
+    with ExitStack() as stack:
+        readers = {f: stack.enter_context(safe_open(f, framework="pt")) for f in set(files.values())}
+        for name, parts in sources.items():
+            tensors = [readers[files[hf]].get_tensor(hf).to(dtype) for hf in parts]
+            state[name] = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).to(device)
+    log.info("weights_loaded", model_dir=str(model_dir), num_tensors=len(state), num_files=len(readers))
+    return state

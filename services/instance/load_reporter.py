@@ -1,0 +1,84 @@
+"""Streams this instance's load to the leader manager (`ManagerService/ReportLoad`).
+
+Load never goes through etcd: etcd only tells us who the leader is. The loop keeps
+one client stream open to the current leader, sends a report every interval and at
+once when the load changed a lot, and re-dials when the leader changes or the
+stream breaks (with bounded backoff).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from services.common.backoff import Backoff
+from services.common.election import LeaderView, watch_leader
+from services.common.gen.ferry.v1 import common_pb2, manager_pb2_grpc
+from services.common.grpc_server import insecure_channel
+from services.common.registry import Registry
+from services.instance.server import InstanceServicer
+
+log = structlog.get_logger(__name__)
+
+
+async def load_report_loop(registry: Registry, servicer: InstanceServicer, interval_s: float) -> None:
+    leader_view = await watch_leader(registry)
+    backoff = Backoff(initial_s=0.1, max_s=2.0)
+    while True:
+        leader = leader_view.leader
+        if leader is None:
+            await _wait_for_leader(leader_view, timeout_s=2.0)
+            continue
+        try:
+            await _report_to(leader.address, leader_view, servicer, interval_s)
+            backoff.reset()
+        except grpc.aio.AioRpcError as exc:
+            log.info("load_stream_broken", leader=leader.address, code=exc.code().name)
+            await asyncio.sleep(backoff.next_delay())
+
+
+async def _report_to(address: str, leader_view: LeaderView, servicer: InstanceServicer, interval_s: float) -> None:
+    """Stream reports to `address` until the leader changes (returns) or the stream breaks (raises)."""
+    async with insecure_channel(address) as channel:
+        stub = manager_pb2_grpc.ManagerServiceStub(channel)
+        leader_changed = asyncio.ensure_future(leader_view.changed())
+        call = stub.ReportLoad(_reports(servicer, interval_s, leader_changed))
+        log.info("load_stream_opened", leader=address)
+        try:
+            await call
+        finally:
+            leader_changed.cancel()
+            call.cancel()
+
+
+async def _reports(servicer: InstanceServicer, interval_s: float,
+                   leader_changed: asyncio.Future) -> AsyncIterator[common_pb2.LoadReport]:
+    changed = asyncio.Event()
+    servicer.on_load_change(changed.set)
+    last = None
+    while not leader_changed.done():
+        report = servicer.load_report()
+        if last is None or _differs(report, last) or report.timestamp - last.timestamp >= interval_s:
+            yield report
+            last = report
+        changed.clear()
+        try:
+            await asyncio.wait_for(changed.wait(), timeout=interval_s)
+        except TimeoutError:
+            pass
+
+
+def _differs(a: common_pb2.LoadReport, b: common_pb2.LoadReport) -> bool:
+    """A big change: requests started or finished, or blocks moved by more than 1/16 of the cache."""
+    return (a.num_running != b.num_running or a.num_waiting != b.num_waiting
+            or abs(a.num_free_blocks - b.num_free_blocks) * 16 > max(1, a.num_total_blocks))
+
+
+async def _wait_for_leader(leader_view: LeaderView, timeout_s: float) -> None:
+    try:
+        await asyncio.wait_for(leader_view.changed(), timeout=timeout_s)
+    except TimeoutError:
+        pass

@@ -1,0 +1,174 @@
+"""Runs the engine on its own thread so the event loop never blocks.
+
+Design: the engine (`LLMEngine`) is plain, single-threaded logic. `EngineRunner`
+owns it on one thread whose loop reads aloud:
+
+    run queued commands  →  step if there is work  →  publish outputs  →  snapshot load
+
+Commands (add, abort, list) are closures queued from the event loop; their
+results come back as asyncio futures. Outputs go to one asyncio queue per request,
+fed with `loop.call_soon_threadsafe`, so the gRPC side only ever awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from services.instance.engine.engine import LLMEngine, LoadSnapshot, StepOutput
+
+log = structlog.get_logger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """The outputs of one request, in order; ends after the output with a finish reason."""
+
+    request_id: str
+    outputs: asyncio.Queue[StepOutput | BaseException]
+    is_finished: bool = False
+
+    async def __aiter__(self) -> AsyncIterator[StepOutput]:
+        while not self.is_finished:
+            item = await self.outputs.get()
+            if isinstance(item, BaseException):
+                self.is_finished = True
+                raise item
+            self.is_finished = item.finish_reason is not None
+            yield item
+
+
+class EngineRunner:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self._engine = engine
+        self._loop = loop
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopping = threading.Event()
+        self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
+        self._load = engine.load()  # replaced whole after every step; readers never see a torn value
+        self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
+        self.num_requests_served = 0
+        self.on_load_change: Callable[[LoadSnapshot], None] | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()
+        self._wakeup.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine; touch it only inside `call()`, which runs on the engine thread."""
+        return self._engine
+
+    @property
+    def load(self) -> LoadSnapshot:
+        return self._load
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    async def add(self, request_id: str, prompt_token_ids: list[int], sampling: Any,
+                  priority: int = 0, resume_token_ids: tuple[int, ...] = ()) -> RequestStream:
+        """Admit a request; raises the engine's validation errors (InvalidArgument, ...)."""
+        stream = RequestStream(request_id, asyncio.Queue())
+
+        def admit() -> None:
+            self._engine.add_request(request_id, prompt_token_ids, sampling,
+                                     priority=priority, resume_token_ids=resume_token_ids)
+
+        await self.call(admit)
+        self._streams[request_id] = stream
+        return stream
+
+    def abort_soon(self, request_id: str) -> None:
+        """Abort without waiting (safe from a cancelled coroutine's finally block)."""
+        self._streams.pop(request_id, None)
+        self._submit(lambda: self._engine.abort(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        stream = self._streams.pop(request_id, None)
+        was_running = await self.call(lambda: self._engine.abort(request_id))
+        if stream is not None and not stream.is_finished:
+            stream.outputs.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+        return was_running
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between two steps and return its result."""
+        future: asyncio.Future[Any] = self._loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:  # handed back to the awaiting coroutine
+                self._loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                self._loop.call_soon_threadsafe(_settle, future, result, None)
+
+        self._submit(run)
+        return await future
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _engine_loop(self) -> None:
+        # Invariant: only this thread touches self._engine.
+        while not self._stopping.is_set():
+            self._run_commands()
+            if self._engine.has_unfinished():
+                self._publish(self._engine.step())
+            else:
+                self._wakeup.wait(_IDLE_WAIT_S)
+                self._wakeup.clear()
+            self._snapshot_load()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _snapshot_load(self) -> None:
+        load = self._engine.load()
+        if load != self._load:
+            self._load = load
+            if self.on_load_change is not None:
+                self._loop.call_soon_threadsafe(self.on_load_change, load)
+
+    def _publish(self, outputs: list[StepOutput]) -> None:
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            stream.outputs.put_nowait(output)
+            if output.finish_reason is not None:
+                del self._streams[output.request_id]
+                self.num_requests_served += 1
+
+
+def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -1,0 +1,98 @@
+"""gRPC servicer of one instance: thin, proto → domain → runner → proto."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from services.common.errors import InvalidArgument, NotFound, Unavailable
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
+from services.instance.config import InstanceRole
+from services.instance.convert import check_request_id, chunk_to_proto, load_to_proto, sampling_from_proto
+from services.instance.runner import EngineRunner
+
+log = structlog.get_logger(__name__)
+
+_ROLE_TO_PROTO = {
+    InstanceRole.BOTH: common_pb2.ROLE_BOTH,
+    InstanceRole.PREFILL: common_pb2.ROLE_PREFILL,
+    InstanceRole.DECODE: common_pb2.ROLE_DECODE,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceIdentity:
+    instance_id: str
+    address: str
+    role: InstanceRole
+    model: str
+    max_model_len: int
+    kv_geometry: common_pb2.KvGeometry
+
+
+class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
+    def __init__(self, runner: EngineRunner) -> None:
+        self.identity: InstanceIdentity | None = None  # set once the server knows its port
+        self._runner = runner
+        self.is_accepting = True  # False while draining or shutting down
+
+    async def Generate(self, request: instance_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[instance_pb2.GenerateChunk]:
+        request_id = check_request_id(request.request_id)
+        if not self.is_accepting:
+            raise Unavailable(f"instance {self.identity.instance_id} is not accepting new requests")
+        if not request.HasField("sampling"):
+            raise InvalidArgument("sampling: required (at least sampling.max_tokens)")
+        stream = await self._runner.add(
+            request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
+            priority=request.priority, resume_token_ids=tuple(request.resume_token_ids))
+        log.info("request_started", request_id=request_id, num_prompt_tokens=len(request.prompt_token_ids),
+                 num_resume_tokens=len(request.resume_token_ids))
+        try:
+            async for output in stream:
+                yield chunk_to_proto(output, epoch=0)
+        finally:
+            if not stream.is_finished:  # the client went away (or we are shutting down)
+                self._runner.abort_soon(request_id)
+                log.info("request_cancelled", request_id=request_id)
+
+    async def Abort(self, request: instance_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> instance_pb2.AbortResponse:
+        request_id = check_request_id(request.request_id)
+        was_running = await self._runner.abort(request_id)
+        if not was_running:
+            raise NotFound(f"request {request_id} is not on instance {self.identity.instance_id}")
+        log.info("request_aborted", request_id=request_id)
+        return instance_pb2.AbortResponse(was_running=True)
+
+    async def GetStatus(self, request: instance_pb2.GetStatusRequest,
+                        context: grpc.aio.ServicerContext) -> instance_pb2.GetStatusResponse:
+        identity = self.identity
+        return instance_pb2.GetStatusResponse(
+            instance_id=identity.instance_id, address=identity.address, role=_ROLE_TO_PROTO[identity.role],
+            model=identity.model, kv=identity.kv_geometry, load=self.load_report(), pid=os.getpid(),
+            host=socket.gethostname(), max_model_len=identity.max_model_len)
+
+    async def ListRequests(self, request: instance_pb2.ListRequestsRequest,
+                           context: grpc.aio.ServicerContext) -> instance_pb2.ListRequestsResponse:
+        infos = await self._runner.call(lambda: self._runner.engine.list_requests())
+        return instance_pb2.ListRequestsResponse(requests=[
+            instance_pb2.RequestInfo(request_id=info.request_id, instance_id=self.identity.instance_id,
+                                     num_tokens=info.num_tokens, state=info.state,
+                                     num_output_tokens=info.num_output_tokens)
+            for info in infos])
+
+    def on_load_change(self, callback: Callable[[], None]) -> None:
+        """Call `callback` on the event loop whenever the engine's load changes."""
+        self._runner.on_load_change = lambda _load: callback()
+
+    def load_report(self) -> common_pb2.LoadReport:
+        return load_to_proto(self.identity.instance_id, self._runner.load,
+                             self._runner.num_requests_served, time.time())
+

@@ -1,0 +1,114 @@
+"""Wiring of one manager process: gRPC server, etcd membership/config watches, election, metrics.
+
+Every manager watches instances/ and config/ and serves AdminService; only the elected
+leader serves Dispatch and takes load reports (see server.py).
+
+Shutdown order (STYLE.md): health NOT_SERVING → resign (revoke the election lease, so a
+standby takes over at once) → server.stop(grace) → cancel background loops → close
+channels and etcd clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import structlog
+
+from services.common.config import as_dict
+from services.common.etcd_client import connect_etcd
+from services.common.grpc_server import GrpcServer, start_grpc_server
+from services.common.membership import MembershipChange
+from services.common.registry import Registry
+from services.manager.cluster_view import ClusterView
+from services.manager.config import ManagerConfig
+from services.manager.config_store import ClusterSettings, ConfigStore
+from services.manager.dispatcher import Dispatcher
+from services.manager.domain import InstanceRecord
+from services.manager.election_loop import Campaign
+from services.manager.instance_client import InstanceChannels
+from services.manager.leadership import Leadership
+from services.manager.metrics import serve_metrics
+from services.manager.server import ADMIN_SERVICE, MANAGER_SERVICE, AdminServicer, ManagerServicer, add_servicers
+
+log = structlog.get_logger(__name__)
+
+
+async def main(config: ManagerConfig) -> None:
+    log.info("config_resolved", **as_dict(config))
+    server = await start_grpc_server(config.host, config.port, [], [MANAGER_SERVICE, ADMIN_SERVICE],
+                                     advertise_host=config.advertise_host or None)
+    manager_id = config.manager_id or f"{socket.gethostname()}-{server.port}"
+    leadership = Leadership(manager_id, server.address)
+    view = ClusterView(config.report_timeout_s)
+    dispatcher = Dispatcher(view, leadership, config.dispatch_policy)
+    etcd = await connect_etcd(config.etcd_endpoints)
+    registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s)
+    store = ConfigStore(etcd, config.cluster, manager_id)
+    instances = InstanceChannels()
+    admin = AdminServicer(view, dispatcher, leadership, store, instances,
+                          config.list_requests_timeout_s, config.admin_forward_timeout_s)
+    add_servicers(server.server, ManagerServicer(dispatcher, view, leadership), admin)
+    if config.metrics_port:
+        serve_metrics(config.metrics_port, view, leadership)
+    campaign = Campaign(etcd, config.cluster, leadership, view, config.lease_ttl_s)
+    stop = _stop_event()
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            members = await registry.watch("instances", resync_interval_s=config.resync_interval_s)
+            members.on_change(lambda change: _apply_members(view, change.members))
+            _apply_members(view, members.members)
+            loops = [tasks.create_task(store.watch_loop(lambda s: _apply_settings(dispatcher, view, config, s)),
+                                       name="config_watch_loop"),
+                     tasks.create_task(campaign.campaign_loop(), name="campaign_loop")]
+            log.info("manager_ready", manager_id=manager_id, address=server.address)
+            print(f"ready {manager_id} {server.address}", flush=True)
+            await stop.wait()
+            await _shutdown(config, server, campaign, loops)
+    finally:
+        await admin.close()
+        await instances.close()
+        await registry.close()
+        await etcd.close()
+
+
+async def _shutdown(config: ManagerConfig, server: GrpcServer, campaign: Campaign, loops: list[asyncio.Task]) -> None:
+    log.info("manager_stopping")
+    await server.set_serving(False)
+    for loop in loops:
+        loop.cancel()
+    await campaign.resign()
+    await server.stop(config.shutdown_grace_s)
+    log.info("manager_stopped")
+
+
+def _apply_members(view: ClusterView, members: Mapping[str, dict[str, Any]]) -> None:
+    records = []
+    for instance_id, value in members.items():
+        try:
+            records.append(InstanceRecord.from_json(instance_id, _as_json(value)))
+        except ValueError as exc:
+            log.warning("instance_record_invalid", instance_id=instance_id, error=str(exc))
+    view.replace_members(records)
+
+
+def _apply_settings(dispatcher: Dispatcher, view: ClusterView, config: ManagerConfig, settings: ClusterSettings) -> None:
+    dispatcher.set_policy(settings.dispatch_policy or config.dispatch_policy)
+    view.replace_drained(settings.drained)
+
+
+def _as_json(value: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

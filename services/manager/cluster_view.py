@@ -1,0 +1,198 @@
+"""The manager's picture of the cluster: who is there (etcd), how loaded (ReportLoad), in what state.
+
+Membership comes from the etcd MembershipView of instances/ (replaced wholesale on each
+resync, patched by watch events in between). Load comes from the instances' ReportLoad
+streams: the view keeps the last report of each instance and when it arrived. The state
+of an instance is derived, never stored:
+
+* DRAINING  — an operator drained it (mark kept in etcd config/), or its record says so;
+* UNHEALTHY — its last report (or, before the first one, its first sighting) is older
+              than `report_timeout_s`;
+* SERVING   — otherwise.
+
+Dispatch only ever picks SERVING instances that can prefill. Each dispatch is counted at
+once as a reservation on the chosen instance (+1 running, + its prompt blocks needed),
+until that instance's next report, which counts the request itself, replaces it. So a
+burst of dispatches between two reports spreads out instead of piling on one instance.
+
+No transport here: the server feeds records and reports in, the clock is injectable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from services.manager.domain import (
+    Candidate, InstanceId, InstanceRecord, InstanceState, InstanceView, Load, Reservation,
+)
+
+Clock = Callable[[], float]
+_NO_RESERVATION = Reservation()
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterTotals:
+    num_instances: int
+    num_serving: int
+    num_draining: int
+    num_unhealthy: int
+    num_running: int
+    num_waiting: int
+    average_freeness: float  # over serving instances; 0 when none serves
+    num_dispatched: int
+
+
+class ClusterView:
+    def __init__(self, report_timeout_s: float, clock: Clock = time.monotonic) -> None:
+        self._report_timeout_s = report_timeout_s
+        self._clock = clock
+        self._records: dict[InstanceId, InstanceRecord] = {}
+        self._sorted_ids: list[InstanceId] = []  # invariant: sorted(self._records); ties break by id
+        self._first_seen: dict[InstanceId, float] = {}  # members only; the grace before a first report
+        self._reports: dict[InstanceId, tuple[Load, float]] = {}  # last report and its arrival time
+        self._reserved: dict[InstanceId, Reservation] = {}  # dispatched since the last report
+        self._drained: set[InstanceId] = set()  # operator drain marks (may name absent instances)
+        self._num_dispatched: dict[InstanceId, int] = {}
+
+    # membership (from etcd)
+
+    def replace_members(self, records: Iterable[InstanceRecord]) -> None:
+        """Make the members exactly `records` (a full resync); keeps what is known of survivors."""
+        fresh = {r.instance_id: r for r in records}
+        for instance_id in set(self._records) - set(fresh):
+            self.remove_member(instance_id)
+        for record in fresh.values():
+            self.put_member(record)
+
+    def put_member(self, record: InstanceRecord) -> None:
+        is_new = record.instance_id not in self._records
+        self._records[record.instance_id] = record
+        if is_new:
+            self._first_seen[record.instance_id] = self._clock()
+            self._sorted_ids = sorted(self._records)
+
+    def remove_member(self, instance_id: InstanceId) -> None:
+        if self._records.pop(instance_id, None) is None:
+            return
+        self._sorted_ids = sorted(self._records)
+        self._first_seen.pop(instance_id, None)
+        self._reports.pop(instance_id, None)
+        self._reserved.pop(instance_id, None)
+
+    def has_member(self, instance_id: str) -> bool:
+        return instance_id in self._records
+
+    def record(self, instance_id: InstanceId) -> InstanceRecord:
+        return self._records[instance_id]
+
+    def member_ids(self) -> list[InstanceId]:
+        return list(self._sorted_ids)
+
+    # load (from ReportLoad streams)
+
+    def apply_report(self, instance_id: InstanceId, load: Load) -> None:
+        """Keep `load` as the instance's last report; it supersedes the reservations made so far."""
+        self._reports[instance_id] = (load, self._clock())
+        self._reserved.pop(instance_id, None)
+
+    def start_leading(self) -> None:
+        """Forget reports from an earlier term and give every member a fresh grace to report to us."""
+        now = self._clock()
+        self._reports.clear()
+        self._reserved.clear()
+        self._first_seen = {instance_id: now for instance_id in self._records}
+
+    # drain marks (from etcd config/drain/)
+
+    def replace_drained(self, instance_ids: Iterable[InstanceId]) -> None:
+        self._drained = set(instance_ids)
+
+    def mark_drained(self, instance_id: InstanceId) -> None:
+        self._drained.add(instance_id)
+
+    # derived state
+
+    def state_of(self, instance_id: InstanceId) -> InstanceState:
+        if instance_id in self._drained or self._records[instance_id].is_draining:
+            return InstanceState.DRAINING
+        if self._silence_s(instance_id) > self._report_timeout_s:
+            return InstanceState.UNHEALTHY
+        return InstanceState.SERVING
+
+    def load_of(self, instance_id: InstanceId) -> Load:
+        """Last reported load plus reservations; before any report, an empty cache of the record's size."""
+        report = self._reports.get(instance_id)
+        if report is None:
+            num_blocks = self._records[instance_id].num_blocks
+            load = Load(num_free_blocks=num_blocks, num_total_blocks=num_blocks)
+        else:
+            load = report[0]
+        return load.plus(self._reserved.get(instance_id, _NO_RESERVATION))
+
+    def candidates(self, exclude: frozenset[InstanceId] = frozenset()) -> list[Candidate]:
+        """Serving, prefill-capable instances not in `exclude`, sorted by id."""
+        out = []
+        for instance_id in self._sorted_ids:
+            if instance_id in exclude or not self._records[instance_id].can_prefill:
+                continue
+            if self.state_of(instance_id) is InstanceState.SERVING:
+                out.append(Candidate(instance_id, self._records[instance_id].address, self.load_of(instance_id)))
+        return out
+
+    def explain_no_candidate(self, exclude: frozenset[InstanceId] = frozenset()) -> str:
+        """Why `candidates(exclude)` is empty, in words an operator can act on."""
+        if not self._records:
+            return "no instance is registered in etcd (start one with python -m services.instance --etcd-endpoints ...)"
+        counts: dict[str, int] = {}
+        for instance_id in self._sorted_ids:
+            if instance_id in exclude:
+                reason = "excluded by the caller"
+            elif not self._records[instance_id].can_prefill:
+                reason = "decode-only"
+            else:
+                reason = self.state_of(instance_id).value
+            counts[reason] = counts.get(reason, 0) + 1
+        detail = ", ".join(f"{n} {reason}" for reason, n in sorted(counts.items()))
+        return f"no serving instance to dispatch to ({len(self._records)} registered: {detail})"
+
+    # dispatch bookkeeping
+
+    def reserve(self, instance_id: InstanceId, num_blocks: int) -> None:
+        """Count a request just dispatched to `instance_id` until its next report."""
+        self._reserved[instance_id] = self._reserved.get(instance_id, _NO_RESERVATION).add(num_blocks)
+        self._num_dispatched[instance_id] = self._num_dispatched.get(instance_id, 0) + 1
+
+    # admin views
+
+    def instances(self) -> list[InstanceView]:
+        return [self._instance_view(instance_id) for instance_id in self._sorted_ids]
+
+    def instance(self, instance_id: InstanceId) -> InstanceView:
+        return self._instance_view(instance_id)
+
+    def totals(self) -> ClusterTotals:
+        views = self.instances()
+        serving = [v for v in views if v.state is InstanceState.SERVING]
+        return ClusterTotals(
+            num_instances=len(views), num_serving=len(serving),
+            num_draining=sum(v.state is InstanceState.DRAINING for v in views),
+            num_unhealthy=sum(v.state is InstanceState.UNHEALTHY for v in views),
+            num_running=sum(v.load.num_running for v in views), num_waiting=sum(v.load.num_waiting for v in views),
+            average_freeness=sum(v.load.freeness for v in serving) / len(serving) if serving else 0.0,
+            num_dispatched=sum(self._num_dispatched.values()),
+        )
+
+    def _instance_view(self, instance_id: InstanceId) -> InstanceView:
+        report = self._reports.get(instance_id)
+        return InstanceView(
+            record=self._records[instance_id], state=self.state_of(instance_id), load=self.load_of(instance_id),
+            num_dispatched=self._num_dispatched.get(instance_id, 0),
+            report_age_s=None if report is None else self._clock() - report[1],
+        )
+
+    def _silence_s(self, instance_id: InstanceId) -> float:
+        report = self._reports.get(instance_id)
+        since = report[1] if report is not None else self._first_seen[instance_id]
+        return self._clock() - since

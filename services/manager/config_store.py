@@ -1,0 +1,102 @@
+"""Cluster-wide settings the admin API changes, kept in etcd under /ferry/<cluster>/config/.
+
+| key                  | value                                            |
+|----------------------|--------------------------------------------------|
+| config/policy        | {"dispatch": "load"}                             |
+| config/drain/<id>    | {"instance_id": id, "drained_by": manager_id, "drained_at": unix s} |
+
+Keys have no lease: they outlive every manager, so a restarted manager and a new leader
+see the same policy and drain marks. Every manager runs `watch_loop`, so a change made
+through any manager reaches all of them. config/ is tiny: on any event the loop re-reads
+all of it rather than patching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+from etcd3aio import Etcd3Client
+
+from services.common.backoff import Backoff
+from services.common.etcd_client import ETCD_ERRORS, prefix_range_end
+from services.manager.domain import InstanceId
+from services.manager.policies import POLICY_NAMES
+
+log = structlog.get_logger(__name__)
+
+ETCD_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    dispatch_policy: str | None  # None: nothing stored yet; use --dispatch-policy
+    drained: frozenset[InstanceId]
+
+
+class ConfigStore:
+    def __init__(self, client: Etcd3Client, cluster: str, manager_id: str) -> None:
+        self._client = client
+        self._manager_id = manager_id
+        self._prefix = f"/ferry/{cluster}/config/"
+        self._policy_key = f"{self._prefix}policy"
+        self._drain_prefix = f"{self._prefix}drain/"
+
+    async def read(self) -> tuple[ClusterSettings, int]:
+        """The stored settings and the etcd revision they were read at."""
+        reply = await self._client.kv.get(self._prefix, range_end=prefix_range_end(self._prefix), timeout=ETCD_TIMEOUT_S)
+        policy, drained = None, set()
+        for kv in reply.kvs:
+            key = kv.key.decode()
+            if key == self._policy_key:
+                policy = self._parse_policy(kv.value)
+            elif key.startswith(self._drain_prefix):
+                drained.add(InstanceId(key.removeprefix(self._drain_prefix)))
+        return ClusterSettings(policy, frozenset(drained)), reply.header.revision
+
+    async def put_policy(self, dispatch: str) -> None:
+        await self._client.kv.put(self._policy_key, json.dumps({"dispatch": dispatch}), timeout=ETCD_TIMEOUT_S)
+
+    async def put_drain(self, instance_id: InstanceId) -> None:
+        mark = {"instance_id": instance_id, "drained_by": self._manager_id, "drained_at": time.time()}
+        await self._client.kv.put(f"{self._drain_prefix}{instance_id}", json.dumps(mark), timeout=ETCD_TIMEOUT_S)
+
+    async def watch_loop(self, apply: Callable[[ClusterSettings], None]) -> None:
+        """Keep `apply`ing the stored settings: read all, watch, re-read on each change.
+
+        On an etcd failure the last applied settings stay in force; the loop backs off and
+        starts over with a full read, so nothing written meanwhile is missed.
+        """
+        backoff = Backoff(initial_s=0.2, max_s=5.0)
+        while True:
+            try:
+                settings, revision = await self.read()
+                apply(settings)
+                backoff.reset()
+                await self._wait_for_change(revision)
+            except ETCD_ERRORS as exc:
+                log.warning("config_watch_failed", error=str(exc) or type(exc).__name__)
+                await backoff.sleep()
+
+    async def _wait_for_change(self, revision: int) -> None:
+        watch = self._client.watch.watch(self._prefix, range_end=prefix_range_end(self._prefix),
+                                         start_revision=revision + 1)
+        async with contextlib.aclosing(watch):
+            async for reply in watch:
+                if reply.events:
+                    return
+
+    def _parse_policy(self, raw: bytes) -> str | None:
+        try:
+            name = json.loads(raw).get("dispatch")
+        except (json.JSONDecodeError, AttributeError):
+            name = None
+        if name not in POLICY_NAMES:
+            log.warning("stored_policy_ignored", key=self._policy_key, value=raw.decode(errors="replace"),
+                        valid=list(POLICY_NAMES))
+            return None
+        return name

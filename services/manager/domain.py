@@ -1,0 +1,153 @@
+"""Domain objects of the manager: instances as etcd records them, load reports, dispatch asks.
+
+Nothing here knows about gRPC or etcd clients; `convert.py` maps these to and from protos.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, NewType
+
+InstanceId = NewType("InstanceId", str)
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block when an instance's record has no KV geometry
+
+
+class Role(enum.Enum):
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class InstanceState(enum.Enum):
+    SERVING = "serving"
+    DRAINING = "draining"
+    UNHEALTHY = "unhealthy"
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceRecord:
+    """What an instance wrote under /ferry/<cluster>/instances/<id> (its etcd registration)."""
+
+    instance_id: InstanceId
+    address: str
+    role: Role = Role.BOTH
+    model: str = ""
+    pid: int = 0
+    host: str = ""
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_blocks: int = 0
+    is_draining: bool = False  # the instance itself says it takes no new work (record state "draining")
+
+    @property
+    def can_prefill(self) -> bool:
+        """New requests go to prefill-capable instances; decode-only ones get work by migration."""
+        return self.role is not Role.DECODE
+
+    @classmethod
+    def from_json(cls, instance_id: str, raw: bytes | str) -> InstanceRecord:
+        """Parse a registration; ValueError names what is wrong with it."""
+        try:
+            data: dict[str, Any] = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"instance {instance_id}: record is not JSON ({exc})") from None
+        if not isinstance(data, dict) or not data.get("address"):
+            raise ValueError(f"instance {instance_id}: record has no address")
+        kv = data.get("kv") or data.get("kv_geometry") or {}
+        try:
+            role = Role(str(data.get("role") or "both").lower())
+        except ValueError:
+            raise ValueError(f"instance {instance_id}: role {data.get('role')!r} is not both, prefill or decode") from None
+        return cls(
+            instance_id=InstanceId(instance_id), address=str(data["address"]), role=role,
+            model=str(data.get("model", "")), pid=int(data.get("pid") or 0), host=str(data.get("host", "")),
+            block_size=int(kv.get("block_size") or DEFAULT_BLOCK_SIZE), num_blocks=int(kv.get("num_blocks") or 0),
+            is_draining=str(data.get("state", "")).lower() == "draining",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """One load report of an instance (or the load the manager assumes for it)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_blocks_needed_by_waiting: int = 0
+    num_requests_served: int = 0
+
+    @property
+    def freeness(self) -> float:
+        """(free blocks - blocks needed by queued requests) / (running requests + 1)."""
+        return (self.num_free_blocks - self.num_blocks_needed_by_waiting) / (self.num_running + 1)
+
+    def plus(self, reservation: Reservation) -> Load:
+        """This load with the manager's not-yet-reported dispatches added."""
+        if not reservation.num_requests:
+            return self
+        return Load(self.num_running + reservation.num_requests, self.num_waiting, self.num_free_blocks,
+                    self.num_total_blocks, self.num_blocks_needed_by_waiting + reservation.num_blocks,
+                    self.num_requests_served)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Requests dispatched to an instance since its last load report (it has not counted them yet)."""
+
+    num_requests: int = 0
+    num_blocks: int = 0
+
+    def add(self, num_blocks: int) -> Reservation:
+        return Reservation(self.num_requests + 1, self.num_blocks + num_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A serving instance as a dispatch policy sees it: its last load plus reservations."""
+
+    instance_id: InstanceId
+    address: str
+    load: Load
+
+    @property
+    def freeness(self) -> float:
+        return self.load.freeness
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchAsk:
+    """A frontend's question: where should this request run?"""
+
+    request_id: str
+    num_prompt_tokens: int = 0
+    max_tokens: int = 0
+    priority: int = 0
+    exclude_instance_ids: frozenset[InstanceId] = field(default_factory=frozenset)
+
+    def num_prompt_blocks(self, block_size: int) -> int:
+        """KV blocks the prompt fills (plus the slot of the first generated token)."""
+        return math.ceil((max(self.num_prompt_tokens, 0) + 1) / max(block_size, 1))
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Dispatch's answer."""
+
+    instance_id: InstanceId
+    address: str
+    policy: str
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """One instance as the admin API shows it."""
+
+    record: InstanceRecord
+    state: InstanceState
+    load: Load  # last report plus reservations
+    num_dispatched: int
+    report_age_s: float | None  # None: no report received yet

@@ -1,0 +1,62 @@
+"""This manager's campaign for leadership, and its knowledge of who else leads.
+
+Design: campaign (blocks while another manager leads) → lead until the election says
+the lease is lost → step down → campaign again. Taking over starts a new term in the
+cluster view: reports from an earlier term are forgotten and every instance gets a
+fresh grace to open its load stream to us. Alongside, `leader_watch_loop` follows the
+leader key so a standby can name the leader in its refusals and forward admin reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import structlog
+
+from services.common.election import Election, LeaderInfo, LeaderView
+from services.manager.cluster_view import ClusterView
+from services.manager.leadership import Leader, Leadership
+
+log = structlog.get_logger(__name__)
+
+
+class Campaign:
+    def __init__(self, election: Election, leader_view: LeaderView, leadership: Leadership, view: ClusterView) -> None:
+        self._election = election
+        self._leader_view = leader_view
+        self._leadership = leadership
+        self._view = view
+
+    async def campaign_loop(self) -> None:
+        while True:
+            await self._election.campaign()
+            self._take_over()
+            await self._election.lost.wait()
+            self._step_down()
+
+    async def leader_watch_loop(self) -> None:
+        while True:
+            self._note_leader(self._leader_view.leader)
+            await self._leader_view.changed()
+
+    async def resign(self) -> None:
+        """Step down and free the leader key at once, so a standby need not wait for the TTL."""
+        self._leadership.is_leader = False
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._election.close()
+
+    def _take_over(self) -> None:
+        self._view.start_leading()
+        self._leadership.is_leader = True
+        log.info("leadership_taken", manager_id=self._leadership.me.manager_id, epoch=self._election.epoch)
+
+    def _step_down(self) -> None:
+        self._leadership.is_leader = False
+        log.warning("leadership_lost", manager_id=self._leadership.me.manager_id)
+
+    def _note_leader(self, info: LeaderInfo | None) -> None:
+        leader = Leader(info.leader_id, info.address) if info else None
+        if leader != self._leadership.leader:
+            log.info("leader_seen", leader_id=info.leader_id if info else None, address=info.address if info else None)
+        self._leadership.set_watched_leader(leader)

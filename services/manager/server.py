@@ -1,0 +1,186 @@
+"""gRPC servicers of the manager: thin, proto -> domain -> core -> proto.
+
+ManagerService (Dispatch, ReportLoad) is served by the leader only; a standby answers
+UNAVAILABLE "not the leader; leader is at ADDR".
+
+AdminService is served by every manager:
+* writes (SetPolicy, Drain) go to etcd config/, which every manager watches, so any
+  manager can take them;
+* GetPolicy and ListRequests (a fan-out to the instances) are answered locally;
+* ListInstances and GetClusterStatus need the load reports, which only the leader has:
+  a standby forwards them to the leader, and answers from its own view (membership and
+  drain marks, no load; instances show UNHEALTHY) only if no leader answers in time.
+  `GetClusterStatusResponse.answered_by` says whose view it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import structlog
+
+from services.common.errors import FerryError, InvalidArgument, NotFound, Unavailable
+from services.common.etcd_client import ETCD_ERRORS
+from services.common.gen.ferry.v1 import instance_pb2, manager_pb2, manager_pb2_grpc
+from services.manager import convert, metrics
+from services.manager.client import FORWARDED_KEY, ManagerClient
+from services.manager.cluster_view import ClusterView
+from services.manager.config_store import ConfigStore
+from services.manager.dispatcher import Dispatcher
+from services.manager.domain import InstanceId
+from services.manager.instance_client import InstanceChannels
+from services.manager.leadership import Leadership
+from services.manager.policies import POLICY_NAMES
+
+log = structlog.get_logger(__name__)
+
+MANAGER_SERVICE = manager_pb2.DESCRIPTOR.services_by_name["ManagerService"].full_name
+ADMIN_SERVICE = manager_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
+UNREACHABLE_KEY = "x-ferry-unreachable-instances"  # trailing metadata of a partial ListRequests
+
+
+class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
+    def __init__(self, dispatcher: Dispatcher, view: ClusterView, leadership: Leadership) -> None:
+        self._dispatcher = dispatcher
+        self._view = view
+        self._leadership = leadership
+
+    async def Dispatch(self, request: manager_pb2.DispatchRequest, context) -> manager_pb2.DispatchResponse:
+        started = time.perf_counter()
+        try:
+            placement = self._dispatcher.dispatch(convert.dispatch_ask_from_proto(request))
+        except FerryError:
+            metrics.DISPATCH_REFUSALS.inc()
+            raise
+        metrics.DISPATCH_LATENCY.observe(time.perf_counter() - started)
+        metrics.DISPATCHES.labels(placement.policy).inc()
+        log.debug("request_dispatched", request_id=request.request_id, instance_id=placement.instance_id,
+                  policy=placement.policy)
+        return convert.placement_to_proto(placement)
+
+    async def ReportLoad(self, request_iterator, context) -> manager_pb2.ReportLoadResponse:
+        """Keep each report as the instance's load; end the stream (UNAVAILABLE) once we stop leading."""
+        instance_id = None
+        try:
+            async for report in request_iterator:
+                self._leadership.check_leader()
+                if not report.instance_id:
+                    raise InvalidArgument("LoadReport.instance_id is empty; set it to the instance's --instance-id")
+                if instance_id is None:
+                    instance_id = report.instance_id
+                    log.info("load_stream_opened", instance_id=instance_id, peer=context.peer())
+                self._view.apply_report(InstanceId(report.instance_id), convert.load_from_proto(report))
+                metrics.LOAD_REPORTS.inc()
+        finally:
+            if instance_id is not None:
+                log.info("load_stream_closed", instance_id=instance_id)
+        return manager_pb2.ReportLoadResponse()
+
+
+class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
+    def __init__(self, view: ClusterView, dispatcher: Dispatcher, leadership: Leadership, store: ConfigStore,
+                 instances: InstanceChannels, list_requests_timeout_s: float, forward_timeout_s: float) -> None:
+        self._view = view
+        self._dispatcher = dispatcher
+        self._leadership = leadership
+        self._store = store
+        self._instances = instances
+        self._list_requests_timeout_s = list_requests_timeout_s
+        self._forward_timeout_s = forward_timeout_s
+        self._leader_client: ManagerClient | None = None
+
+    async def ListInstances(self, request, context) -> manager_pb2.ListInstancesResponse:
+        client = await self._leader_to_forward_to(context)
+        if client is not None:
+            try:
+                return manager_pb2.ListInstancesResponse(instances=await client.list_instances(is_forwarded=True))
+            except Unavailable as exc:
+                log.warning("admin_forward_failed", method="ListInstances", leader=client.address, error=exc.message)
+        return manager_pb2.ListInstancesResponse(instances=[convert.instance_to_proto(v) for v in self._view.instances()])
+
+    async def GetClusterStatus(self, request, context) -> manager_pb2.GetClusterStatusResponse:
+        client = await self._leader_to_forward_to(context)
+        if client is not None:
+            try:
+                return await client.get_cluster_status(is_forwarded=True)
+            except Unavailable as exc:
+                log.warning("admin_forward_failed", method="GetClusterStatus", leader=client.address, error=exc.message)
+        leader = self._leadership.leader
+        return convert.cluster_status_to_proto(
+            self._view.totals(), leader_id=leader.manager_id if leader else "", answered_by=self._leadership.me.manager_id,
+            leader_address=leader.address if leader else "", policy=self._dispatcher.policy_name)
+
+    async def ListRequests(self, request: manager_pb2.AdminListRequestsRequest, context) -> instance_pb2.ListRequestsResponse:
+        """Ask every instance (or the one named) for its requests, each with a deadline."""
+        if request.instance_id and not self._view.has_member(request.instance_id):
+            raise NotFound(f"instance {request.instance_id!r} is not registered; see ListInstances for the ids")
+        ids = [InstanceId(request.instance_id)] if request.instance_id else self._view.member_ids()
+        addresses = {i: self._view.record(i).address for i in ids}
+        await self._instances.keep_only({r.address for r in map(self._view.record, self._view.member_ids())})
+        replies = await asyncio.gather(*(self._instances.list_requests(a, self._list_requests_timeout_s)
+                                         for a in addresses.values()), return_exceptions=True)
+        requests, unreachable = [], []
+        for instance_id, reply in zip(addresses, replies, strict=True):
+            if isinstance(reply, FerryError):
+                if request.instance_id:
+                    raise Unavailable(f"instance {instance_id} did not answer ListRequests: {reply.message}")
+                unreachable.append(instance_id)
+                log.warning("instance_list_requests_failed", instance_id=instance_id, error=reply.message)
+            elif isinstance(reply, BaseException):
+                raise reply
+            else:
+                requests.extend(reply)
+        if unreachable:
+            context.set_trailing_metadata(((UNREACHABLE_KEY, ",".join(unreachable)),))
+        return instance_pb2.ListRequestsResponse(requests=requests)
+
+    async def GetPolicy(self, request, context) -> manager_pb2.Policy:
+        return manager_pb2.Policy(dispatch=self._dispatcher.policy_name)
+
+    async def SetPolicy(self, request: manager_pb2.Policy, context) -> manager_pb2.Policy:
+        """Validate, store in etcd config/policy (all managers watch it), apply here at once."""
+        if request.dispatch not in POLICY_NAMES:
+            raise InvalidArgument(f"dispatch: unknown policy {request.dispatch!r}; one of: {', '.join(POLICY_NAMES)}")
+        try:
+            await self._store.put_policy(request.dispatch)
+        except ETCD_ERRORS as exc:
+            raise Unavailable(f"policy not changed: etcd did not store it ({exc or type(exc).__name__}); retry") from exc
+        self._dispatcher.set_policy(request.dispatch)
+        log.info("policy_set", dispatch=request.dispatch)
+        return manager_pb2.Policy(dispatch=self._dispatcher.policy_name)
+
+    async def Drain(self, request: manager_pb2.DrainRequest, context) -> manager_pb2.DrainResponse:
+        """Mark DRAINING (no new dispatches) in etcd config/drain/<id>, so a new leader keeps the mark."""
+        if not self._view.has_member(request.instance_id):
+            raise NotFound(f"instance {request.instance_id!r} is not registered; see ListInstances for the ids")
+        instance_id = InstanceId(request.instance_id)
+        try:
+            await self._store.put_drain(instance_id)
+        except ETCD_ERRORS as exc:
+            raise Unavailable(f"instance not drained: etcd did not store the mark ({exc or type(exc).__name__}); retry") from exc
+        self._view.mark_drained(instance_id)
+        log.info("instance_drained", instance_id=instance_id)
+        return manager_pb2.DrainResponse(instance_id=instance_id, state=convert.state_to_proto(self._view.state_of(instance_id)))
+
+    async def close(self) -> None:
+        if self._leader_client is not None:
+            await self._leader_client.close()
+
+    async def _leader_to_forward_to(self, context) -> ManagerClient | None:
+        """A client of the leader if this manager should forward an admin read, else None."""
+        leader = self._leadership.leader
+        is_forwarded = any(key == FORWARDED_KEY for key, _ in context.invocation_metadata() or ())
+        if leader is None or self._leadership.is_leader or is_forwarded:
+            return None
+        if self._leader_client is None or self._leader_client.address != leader.address:
+            if self._leader_client is not None:
+                await self._leader_client.close()
+            self._leader_client = ManagerClient(leader.address, timeout_s=self._forward_timeout_s)
+        return self._leader_client
+
+
+def add_servicers(server: grpc.aio.Server, manager: ManagerServicer, admin: AdminServicer) -> None:
+    manager_pb2_grpc.add_ManagerServiceServicer_to_server(manager, server)
+    manager_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)

@@ -1,0 +1,248 @@
+"""The torch engine's Llama model against transformers, on tiny random checkpoints."""
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.instance.engine.forward_batch import ForwardBatch
+from services.instance.engine.model import LlamaModel, allocate_kv_cache, load_model
+from services.instance.engine.model_config import ModelConfig
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.timeout(120)
+
+SHAPES = {
+    # multi-head attention, separate LM head, default RoPE
+    "mha_untied": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=320, tie_word_embeddings=False,
+    ),
+    # grouped-query attention, tied embeddings, non-default theta with llama3 scaling
+    "gqa_tied": dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=500, tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500.0, "factor": 4.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        },
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def checkpoint(request, tmp_path_factory) -> tuple[Path, object]:
+    """A saved random Llama and the transformers model it came from."""
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        **SHAPES[request.param], max_position_embeddings=256, initializer_range=0.15,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="eager",
+    )
+    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model.save_pretrained(path)
+    return path, hf_model
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint) -> LlamaModel:
+    return load_model(checkpoint[0])
+
+
+@dataclass
+class Sequence:
+    tokens: list[int]  # every token the sequence has, prompt and generated
+    num_cached: int = 0  # tokens whose K/V are in the cache
+    blocks: list[int] = field(default_factory=list)
+
+
+class PagedRunner:
+    """Builds ForwardBatches the way a scheduler would, over shuffled, non-contiguous blocks."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int = 96, block_size: int = 4) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size)
+        self.free_blocks = list(range(num_blocks))
+        random.Random(1).shuffle(self.free_blocks)
+
+    def step(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Run `n` uncached tokens of each sequence; returns the last-token logits."""
+        ids, positions, slots = [], [], []
+        for seq, n in work:
+            new = range(seq.num_cached, seq.num_cached + n)
+            while len(seq.blocks) * self.block_size < new.stop:
+                seq.blocks.append(self.free_blocks.pop())
+            ids += seq.tokens[new.start : new.stop]
+            positions += new
+            slots += [seq.blocks[p // self.block_size] * self.block_size + p % self.block_size for p in new]
+            seq.num_cached = new.stop
+        max_blocks = max(len(seq.blocks) for seq, _ in work)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor(positions),
+            slot_mapping=torch.tensor(slots),
+            query_lens=[n for _, n in work],
+            context_lens=torch.tensor([seq.num_cached for seq, _ in work]),
+            block_tables=torch.tensor([seq.blocks + [0] * (max_blocks - len(seq.blocks)) for seq, _ in work]),
+        )
+        return self.model(batch, self.kv_cache)
+
+
+def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_last_logits(hf_model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([prompt])).logits[0, -1]
+
+
+def test_packed_prefill_matches_transformers(checkpoint, model):
+    _, hf_model = checkpoint
+    prompts = [random_prompt(n, model.config.vocab_size, seed=n) for n in (1, 6, 13, 31)]
+    logits = PagedRunner(model).step([(Sequence(p), len(p)) for p in prompts])
+    assert logits.shape == (len(prompts), model.config.vocab_size)
+    assert logits.dtype == torch.float32
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(logits[i], hf_last_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_decoding_matches_generate(checkpoint, model):
+    """Staggered arrivals mix prefill and decode sequences in one batch; one prompt is prefilled in chunks."""
+    _, hf_model = checkpoint
+    num_new = 24
+    prompts = [random_prompt(n, model.config.vocab_size, seed=100 + n) for n in (3, 11, 7, 19)]
+    seqs = [Sequence(list(p)) for p in prompts]
+    runner = PagedRunner(model)
+    num_generated = [0] * len(seqs)
+    for step in range(num_new + 20):
+        work = []
+        for i, seq in enumerate(seqs[: step + 1]):
+            remaining = len(seq.tokens) - seq.num_cached
+            chunk = min(remaining, 5) if i == 3 else remaining  # the 19-token prompt goes in chunks of 5
+            if num_generated[i] < num_new:
+                work.append((i, chunk))
+        if not work:
+            break
+        logits = runner.step([(seqs[i], n) for i, n in work])
+        for (i, _), row in zip(work, logits):
+            if seqs[i].num_cached == len(seqs[i].tokens):  # prompt fully cached: the logits predict a new token
+                seqs[i].tokens.append(int(row.argmax()))
+                num_generated[i] += 1
+    assert num_generated == [num_new] * len(seqs)
+    for prompt, seq in zip(prompts, seqs):
+        expected = hf_model.generate(
+            torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False, pad_token_id=0,
+        )[0].tolist()
+        assert len(expected) == len(prompt) + num_new
+        assert seq.tokens == expected
+
+
+def test_chunked_prefill_matches_single_chunk(model):
+    prompt = random_prompt(23, model.config.vocab_size, seed=7)
+    whole = PagedRunner(model).step([(Sequence(prompt), len(prompt))])
+    runner = PagedRunner(model, block_size=8)
+    seq = Sequence(prompt)
+    runner.step([(seq, 9)])
+    chunked = runner.step([(seq, 14)])
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_logits_match_transformers(checkpoint, model):
+    """A decode-only batch of sequences with different context lengths, against full recomputation."""
+    _, hf_model = checkpoint
+    prompts = [random_prompt(n, model.config.vocab_size, seed=200 + n) for n in (4, 9, 17)]
+    seqs = [Sequence(list(p)) for p in prompts]
+    runner = PagedRunner(model, block_size=8)
+    runner.step([(s, len(s.tokens) - 1) for s in seqs])
+    logits = runner.step([(s, 1) for s in seqs])
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(logits[i], hf_last_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint_loads_like_single_file(checkpoint, model, tmp_path):
+    _, hf_model = checkpoint
+    hf_model.save_pretrained(tmp_path, max_shard_size="50KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    sharded = load_model(tmp_path)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(sharded.state_dict()[name], tensor, atol=0, rtol=0)
+
+
+def test_bfloat16_load_gives_float32_logits(checkpoint):
+    path, hf_model = checkpoint
+    model = load_model(path, dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    prompt = random_prompt(10, model.config.vocab_size, seed=3)
+    logits = PagedRunner(model).step([(Sequence(prompt), len(prompt))])
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits[0], hf_last_logits(hf_model, prompt), atol=0.15, rtol=0.05)
+
+
+def test_missing_tensor_is_named(checkpoint, tmp_path):
+    path, _ = checkpoint
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(tmp_path)
+
+
+def base_config(**changes) -> dict:
+    raw = {
+        "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+        "rope_theta": 100000, "rope_scaling": None, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": [2, 7], "torch_dtype": "bfloat16",
+    }
+    raw.update(changes)
+    return raw
+
+
+def test_config_reads_old_style_fields():
+    config = ModelConfig.from_dict(base_config())
+    assert config.head_dim == 64
+    assert config.rope_theta == 100000.0 and config.rope_scaling is None
+    assert config.eos_token_ids == (2, 7)
+    assert config.num_queries_per_kv == 3
+    assert config.torch_dtype == "bfloat16"
+    assert ModelConfig.from_dict(base_config(eos_token_id=2)).eos_token_ids == (2,)
+
+
+def test_config_reads_checkpoint(checkpoint):
+    path, hf_model = checkpoint
+    config = ModelConfig.from_dir(path)
+    assert config.num_key_value_heads == hf_model.config.num_key_value_heads
+    assert config.tie_word_embeddings == hf_model.config.tie_word_embeddings
+    assert config.rope_theta == hf_model.config.rope_parameters["rope_theta"]
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
+        ({"hidden_size": None}, "hidden_size"),
+        ({"num_key_value_heads": 4}, "num_key_value_heads"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"torch_dtype": "int8"}, "torch_dtype"),
+    ],
+)
+def test_config_rejects_unsupported(changes, named):
+    with pytest.raises(ValueError, match=named):
+        ModelConfig.from_dict(base_config(**changes))
+
+
+def test_config_json_is_required(tmp_path):
+    (tmp_path / "unrelated.json").write_text(json.dumps({}))
+    with pytest.raises(ValueError, match="config.json"):
+        ModelConfig.from_dir(tmp_path)

@@ -1,0 +1,100 @@
+"""Tiny random Llamas: deterministic bytes, loadable and runnable by transformers."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from services.instance.models import TINY_SHAPES, build_tiny_model
+from services.instance.models.model_folder import REQUIRED_FILES
+
+torch.set_num_threads(2)
+PROMPTS = ("What is the capital of France?", "Once upon a time", "def add(a, b):")
+
+
+def _file_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("shape", sorted(TINY_SHAPES))
+def test_same_shape_and_seed_give_identical_files(tmp_path, shape):
+    started = time.monotonic()
+    first = build_tiny_model(tmp_path / "a", shape)
+    assert time.monotonic() - started < 2.0
+    second = build_tiny_model(tmp_path / "b", shape, seed=0)
+    assert sorted(p.name for p in first.iterdir()) == sorted(REQUIRED_FILES)
+    assert _file_bytes(first) == _file_bytes(second)
+
+
+def test_different_seed_changes_only_weights_and_source(tmp_path):
+    a = _file_bytes(build_tiny_model(tmp_path / "a", "gqa-tied", seed=0))
+    b = _file_bytes(build_tiny_model(tmp_path / "b", "gqa-tied", seed=1))
+    assert [name for name in a if a[name] != b[name]] == ["config.json", "model.safetensors"]
+    assert json.loads(b["config.json"])["ferry_source"] == "tiny:gqa-tied:seed=1"
+
+
+def test_existing_model_is_reused_and_other_content_needs_force(tmp_path):
+    out = build_tiny_model(tmp_path / "m", "mha-untied")
+    mtime = (out / "model.safetensors").stat().st_mtime_ns
+    assert build_tiny_model(out, "mha-untied") == out
+    assert (out / "model.safetensors").stat().st_mtime_ns == mtime
+    with pytest.raises(FileExistsError, match="--force"):
+        build_tiny_model(out, "gqa-tied")
+    build_tiny_model(out, "gqa-tied", force=True)
+    assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temporary folders left behind
+
+
+def test_unknown_shape_names_the_choices(tmp_path):
+    with pytest.raises(ValueError, match="gqa-tied"):
+        build_tiny_model(tmp_path / "m", "huge")
+
+
+def test_config_matches_shape_and_tokenizer(tmp_path):
+    out = build_tiny_model(tmp_path / "m", "gqa-tied")
+    config = json.loads((out / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert config["vocab_size"] >= len(tokenizer)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["num_hidden_layers"]) == (4, 2, 3)
+    assert config["tie_word_embeddings"] is True and config["rope_theta"] == 500000.0
+    for token in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        assert tokenizer.convert_tokens_to_ids(token) in tokenizer.all_special_ids
+    assert tokenizer.eos_token == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("shape", sorted(TINY_SHAPES))
+def test_transformers_loads_and_generates_varied_text(tmp_path, shape):
+    out = build_tiny_model(tmp_path / "m", shape)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = LlamaForCausalLM.from_pretrained(out)
+    generations = set()
+    for prompt in PROMPTS:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        assert text == f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+        inputs = tokenizer(text, return_tensors="pt")
+        output = model.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs["input_ids"].shape[1] :].tolist()
+        assert len(set(output)) > 3, output  # not stuck repeating one token
+        generations.add(tuple(output))
+    assert len(generations) == len(PROMPTS)
+
+
+def test_tokenizer_round_trips_any_text(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "m", "mha-untied"))
+    text = "Grüße, 世界! <|im_start|>x\n  tabs\tand emoji 🚢"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_cli_builds_and_documents_flags(tmp_path):
+    run = [sys.executable, "-m", "services.instance.models"]
+    out = tmp_path / "cli"
+    done = subprocess.run([*run, "build-tiny", "--out", str(out), "--shape", "gqa-tied", "--seed", "3"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert _file_bytes(out) == _file_bytes(build_tiny_model(tmp_path / "api", "gqa-tied", seed=3))
+    helped = subprocess.run([*run, "build-tiny", "--help"], capture_output=True, text=True).stdout
+    for flag in ("--out", "--shape", "--seed", "--force", "mha-untied"):
+        assert flag in helped

@@ -1,0 +1,151 @@
+"""The cluster view and the dispatcher over it: states, exclusion, reservations."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import Unavailable
+from services.manager.cluster_view import ClusterView
+from services.manager.dispatcher import Dispatcher
+from services.manager.domain import DispatchAsk, InstanceId, InstanceRecord, InstanceState, Role
+from services.manager.leadership import Leader, Leadership
+from tests.unit.manager.factories import FakeClock, make_load, make_record, make_view
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def leading() -> Leadership:
+    leadership = Leadership("m-1", "127.0.0.1:50051")
+    leadership.leader = leadership.me
+    return leadership
+
+
+def ask(request_id: str = "r", num_prompt_tokens: int = 160, exclude: tuple[str, ...] = ()) -> DispatchAsk:
+    return DispatchAsk(request_id, num_prompt_tokens=num_prompt_tokens,
+                       exclude_instance_ids=frozenset(InstanceId(i) for i in exclude))
+
+
+def test_burst_spreads_over_equal_instances_through_reservations():
+    view = make_view("a", "b", "c", "d", num_free_blocks=1000)
+    dispatcher = Dispatcher(view, leading(), "load")
+    picks = [dispatcher.dispatch(ask(f"r-{n}")).instance_id for n in range(8)]
+    assert sorted(picks) == ["a", "a", "b", "b", "c", "c", "d", "d"]
+    assert picks[:4] == ["a", "b", "c", "d"]  # ties by id
+
+
+def test_reservation_adds_prompt_blocks_and_a_running_request():
+    view = make_view("a", num_free_blocks=1000)
+    view.reserve(InstanceId("a"), 11)
+    load = view.load_of(InstanceId("a"))
+    assert (load.num_running, load.num_blocks_needed_by_waiting) == (1, 11)
+    assert load.freeness == pytest.approx((1000 - 11) / 2)
+
+
+def test_next_report_supersedes_reservations():
+    view = make_view("a", "b")
+    dispatcher = Dispatcher(view, leading(), "load")
+    assert dispatcher.dispatch(ask()).instance_id == "a"
+    assert dispatcher.dispatch(ask()).instance_id == "b"
+    view.apply_report(InstanceId("a"), make_load(num_free_blocks=1000))  # a reports, b still reserved
+    assert dispatcher.dispatch(ask()).instance_id == "a"
+    assert view.instance(InstanceId("a")).num_dispatched == 2
+
+
+def test_queue_policy_burst_spreads_too():
+    view = make_view("a", "b", "c")
+    dispatcher = Dispatcher(view, leading(), "queue")
+    assert [dispatcher.dispatch(ask()).instance_id for _ in range(3)] == ["a", "b", "c"]
+
+
+def test_draining_instance_is_never_chosen():
+    view = make_view("a", "b", num_free_blocks=1000)
+    view.apply_report(InstanceId("b"), make_load(num_free_blocks=10))
+    view.mark_drained(InstanceId("a"))
+    dispatcher = Dispatcher(view, leading(), "load")
+    assert {dispatcher.dispatch(ask()).instance_id for _ in range(5)} == {"b"}
+    assert view.state_of(InstanceId("a")) is InstanceState.DRAINING
+
+
+def test_record_saying_draining_counts_as_draining():
+    view = make_view("a")
+    view.put_member(make_record("a", is_draining=True))
+    assert view.state_of(InstanceId("a")) is InstanceState.DRAINING
+    assert view.candidates() == []
+
+
+def test_silent_instance_turns_unhealthy_and_back():
+    clock = FakeClock()
+    view = make_view("a", "b", clock=clock, report_timeout_s=3.0)
+    clock.advance(2.0)
+    view.apply_report(InstanceId("b"), make_load())
+    clock.advance(2.0)  # a silent for 4 s, b for 2 s
+    assert view.state_of(InstanceId("a")) is InstanceState.UNHEALTHY
+    assert [c.instance_id for c in view.candidates()] == ["b"]
+    view.apply_report(InstanceId("a"), make_load())
+    assert view.state_of(InstanceId("a")) is InstanceState.SERVING
+
+
+def test_new_member_gets_a_grace_before_its_first_report():
+    clock = FakeClock()
+    view = ClusterView(report_timeout_s=3.0, clock=clock)
+    view.put_member(make_record("a", num_blocks=500))
+    assert view.state_of(InstanceId("a")) is InstanceState.SERVING
+    assert view.load_of(InstanceId("a")).num_free_blocks == 500
+    clock.advance(3.5)
+    assert view.state_of(InstanceId("a")) is InstanceState.UNHEALTHY
+
+
+def test_start_leading_restarts_the_grace():
+    clock = FakeClock()
+    view = make_view("a", clock=clock)
+    clock.advance(60)
+    assert view.state_of(InstanceId("a")) is InstanceState.UNHEALTHY
+    view.start_leading()
+    assert view.state_of(InstanceId("a")) is InstanceState.SERVING
+
+
+def test_exclude_and_decode_only_are_skipped():
+    view = make_view("a", "b", "c")
+    view.put_member(make_record("c", role=Role.DECODE))
+    dispatcher = Dispatcher(view, leading(), "flood")
+    assert dispatcher.dispatch(ask(exclude=("a",))).instance_id == "b"
+    with pytest.raises(Unavailable, match=r"1 decode-only, 2 excluded by the caller"):
+        dispatcher.dispatch(ask(exclude=("a", "b")))
+
+
+def test_no_instance_is_unavailable_with_a_hint():
+    dispatcher = Dispatcher(ClusterView(report_timeout_s=3.0), leading())
+    with pytest.raises(Unavailable, match="no instance is registered"):
+        dispatcher.dispatch(ask())
+
+
+def test_standby_refuses_and_names_the_leader():
+    leadership = Leadership("m-2", "127.0.0.1:50052")
+    leadership.leader = Leader("m-1", "127.0.0.1:50051")
+    with pytest.raises(Unavailable, match="not the leader; leader is at 127.0.0.1:50051"):
+        Dispatcher(make_view("a"), leadership).dispatch(ask())
+
+
+def test_replace_members_drops_the_gone_and_keeps_survivors_load():
+    view = make_view("a", "b", num_free_blocks=123)
+    view.replace_members([make_record("b"), make_record("c")])
+    assert view.member_ids() == ["b", "c"]
+    assert view.load_of(InstanceId("b")).num_free_blocks == 123
+
+
+def test_totals_average_serving_freeness():
+    view = make_view("a", "b", num_free_blocks=100, num_running=1)
+    view.mark_drained(InstanceId("b"))
+    totals = view.totals()
+    assert (totals.num_instances, totals.num_serving, totals.num_running) == (2, 1, 2)
+    assert totals.average_freeness == pytest.approx(50.0)
+
+
+def test_record_from_json_reads_kv_geometry_and_rejects_garbage():
+    record = InstanceRecord.from_json("i-1", b'{"address": "h:1", "role": "prefill", "pid": 7, "host": "h",'
+                                             b' "model": "m", "kv": {"block_size": 32, "num_blocks": 64}}')
+    assert (record.role, record.block_size, record.num_blocks, record.pid) == (Role.PREFILL, 32, 64, 7)
+    with pytest.raises(ValueError, match="no address"):
+        InstanceRecord.from_json("i-2", b"{}")
+    with pytest.raises(ValueError, match="role 'gpu'"):
+        InstanceRecord.from_json("i-3", b'{"address": "h:1", "role": "gpu"}')

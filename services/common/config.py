@@ -22,6 +22,7 @@ import yaml
 
 C = TypeVar("C")
 _HELP = "help"
+_REQUIRED = "required"
 
 
 def knob(default: Any, help: str) -> Any:
@@ -41,17 +42,22 @@ def parse_config(cls: type[C], service: str, argv: Sequence[str] | None = None,
     env = os.environ if env is None else env
     parser = build_parser(cls, service, description)
     args = parser.parse_args(argv)
-    file_values = _load_file(args.config, parser)
+    config_path = args.config or env.get(env_name(service, "config"))
+    file_values = _load_file(config_path, parser)
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         kind = _field_type(cls, field)
-        raw = getattr(args, field.name)
-        source = f"--{_flag(field.name)}"
+        raw, source = getattr(args, field.name), f"--{_flag(field.name)}"
         if raw is None and env_name(service, field.name) in env:
             raw, source = env[env_name(service, field.name)], env_name(service, field.name)
-        if raw is None and field.name in file_values:
-            raw, source = file_values[field.name], f"{args.config}:{field.name}"
+        if raw is None and field.name in file_values:  # an explicit `null` in the file means None
+            raw, source = file_values[field.name], f"{config_path}:{field.name}"
+            if raw is None:
+                values[field.name] = None
+                continue
         if raw is None:
+            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                parser.error(f"--{_flag(field.name)} is required (or set {env_name(service, field.name)})")
             continue
         try:
             values[field.name] = convert(raw, kind)
@@ -69,12 +75,14 @@ def build_parser(cls: type, service: str, description: str | None = None) -> arg
         epilog=f"Every flag can also be set as FERRY_{service.upper()}_<FLAG> (e.g. "
                f"{env_name(service, 'port')}) or in the --config YAML file. CLI beats env beats file beats default.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="YAML file with any of the options below (field names as keys)")
+    parser.add_argument("--config", default=None, help="YAML file with any of the options below (field names as "
+                        f"keys) [env {env_name(service, 'config')}]")
     for field in dataclasses.fields(cls):
         kind = _field_type(cls, field)
         help_text = f"{field.metadata.get(_HELP, '')} [env {env_name(service, field.name)}]"
         if isinstance(kind, type) and issubclass(kind, enum.Enum):
-            help_text += f" (one of: {', '.join(m.value for m in kind)})"
+            help_text += f" (one of: {', '.join(str(m.value) for m in kind)})"
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %
         parser.add_argument(f"--{_flag(field.name)}", dest=field.name, default=None, help=help_text,
                             metavar=field.name.upper(), nargs="?" if kind is bool else None,
                             const="true" if kind is bool else None)
@@ -104,10 +112,7 @@ def convert(raw: Any, kind: Any) -> Any:
             return False
         raise ValueError(f"expected true or false, got {raw!r}")
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        try:
-            return kind(str(raw).lower() if isinstance(raw, str) else raw)
-        except ValueError:
-            raise ValueError(f"expected one of {', '.join(m.value for m in kind)}, got {raw!r}") from None
+        return _convert_enum(raw, kind)
     if kind is pathlib.Path:
         return pathlib.Path(raw)
     if kind in (int, float, str):
@@ -116,6 +121,17 @@ def convert(raw: Any, kind: Any) -> Any:
         except ValueError:
             raise ValueError(f"expected {kind.__name__}, got {raw!r}") from None
     raise TypeError(f"unsupported config type {kind!r}")
+
+
+def _convert_enum(raw: Any, kind: type[enum.Enum]) -> enum.Enum:
+    """By value, case-insensitively, or by member name (`fast`, `FAST`, `ROLE_BOTH`)."""
+    if isinstance(raw, kind):
+        return raw
+    text = str(raw).strip().lower()
+    for member in kind:
+        if text in (str(member.value).lower(), member.name.lower()):
+            return member
+    raise ValueError(f"expected one of {', '.join(str(m.value) for m in kind)}, got {raw!r}")
 
 
 def as_dict(config: Any) -> dict[str, Any]:
@@ -145,7 +161,7 @@ def _show_defaults(parser: argparse.ArgumentParser, cls: type) -> None:
     defaults = {f.name: _default(f) for f in dataclasses.fields(cls)}
     for action in parser._actions:
         if action.dest in defaults and action.help:
-            action.help += f" (default: {defaults[action.dest]})"
+            action.help += f" (default: {defaults[action.dest]})".replace("%", "%%")
 
 
 def _default(field: dataclasses.Field) -> Any:
@@ -154,7 +170,7 @@ def _default(field: dataclasses.Field) -> Any:
     elif field.default_factory is not dataclasses.MISSING:
         value = field.default_factory()
     else:
-        return "required"
+        return _REQUIRED
     return value.value if isinstance(value, enum.Enum) else value
 
 

@@ -78,8 +78,8 @@ class Dispatcher:
     def report_failure(self, instance_id: InstanceId) -> None:
         self._failed_at[instance_id] = self._clock()
 
-    def has_instances(self) -> bool:
-        return any(e.is_serving for e in self._membership.instances())
+    def num_serving(self) -> int:
+        return sum(e.is_serving for e in self._membership.instances())
 
     def _recently_failed(self, instance_id: InstanceId) -> bool:
         failed_at = self._failed_at.get(instance_id)

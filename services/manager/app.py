@@ -19,9 +19,9 @@ from typing import Any
 import structlog
 
 from services.common.config import as_dict
+from services.common.election import Election, watch_leader
 from services.common.etcd_client import connect_etcd
 from services.common.grpc_server import GrpcServer, start_grpc_server
-from services.common.membership import MembershipChange
 from services.common.registry import Registry
 from services.manager.cluster_view import ClusterView
 from services.manager.config import ManagerConfig
@@ -54,21 +54,24 @@ async def main(config: ManagerConfig) -> None:
     add_servicers(server.server, ManagerServicer(dispatcher, view, leadership), admin)
     if config.metrics_port:
         serve_metrics(config.metrics_port, view, leadership)
-    campaign = Campaign(etcd, config.cluster, leadership, view, config.lease_ttl_s)
+    election = Election(config.etcd_endpoints, config.cluster, manager_id, server.address, config.lease_ttl_s)
     stop = _stop_event()
     try:
+        members = await registry.watch("instances", resync_interval_s=config.resync_interval_s)
+        members.on_change(lambda change: _apply_members(view, change.members))
+        _apply_members(view, members.members)
+        campaign = Campaign(election, await watch_leader(registry), leadership, view)
         async with asyncio.TaskGroup() as tasks:
-            members = await registry.watch("instances", resync_interval_s=config.resync_interval_s)
-            members.on_change(lambda change: _apply_members(view, change.members))
-            _apply_members(view, members.members)
             loops = [tasks.create_task(store.watch_loop(lambda s: _apply_settings(dispatcher, view, config, s)),
                                        name="config_watch_loop"),
+                     tasks.create_task(campaign.leader_watch_loop(), name="leader_watch_loop"),
                      tasks.create_task(campaign.campaign_loop(), name="campaign_loop")]
             log.info("manager_ready", manager_id=manager_id, address=server.address)
             print(f"ready {manager_id} {server.address}", flush=True)
             await stop.wait()
             await _shutdown(config, server, campaign, loops)
     finally:
+        await election.close()
         await admin.close()
         await instances.close()
         await registry.close()
@@ -89,7 +92,7 @@ def _apply_members(view: ClusterView, members: Mapping[str, dict[str, Any]]) -> 
     records = []
     for instance_id, value in members.items():
         try:
-            records.append(InstanceRecord.from_json(instance_id, _as_json(value)))
+            records.append(InstanceRecord.from_dict(instance_id, value))
         except ValueError as exc:
             log.warning("instance_record_invalid", instance_id=instance_id, error=str(exc))
     view.replace_members(records)
@@ -98,12 +101,6 @@ def _apply_members(view: ClusterView, members: Mapping[str, dict[str, Any]]) -> 
 def _apply_settings(dispatcher: Dispatcher, view: ClusterView, config: ManagerConfig, settings: ClusterSettings) -> None:
     dispatcher.set_policy(settings.dispatch_policy or config.dispatch_policy)
     view.replace_drained(settings.drained)
-
-
-def _as_json(value: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(value)
 
 
 def _stop_event() -> asyncio.Event:

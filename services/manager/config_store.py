@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
-from etcd3aio import Etcd3Client
+from etcd3aio import Etcd3Client, prefix_range_end
 
 from services.common.backoff import Backoff
-from services.common.etcd_client import ETCD_ERRORS, prefix_range_end
+from services.common.etcd_client import ETCD_ERRORS
 from services.manager.domain import InstanceId
 from services.manager.policies import POLICY_NAMES
 

@@ -51,22 +51,30 @@ class InstanceRecord:
     def from_json(cls, instance_id: str, raw: bytes | str) -> InstanceRecord:
         """Parse a registration; ValueError names what is wrong with it."""
         try:
-            data: dict[str, Any] = json.loads(raw)
+            data = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise ValueError(f"instance {instance_id}: record is not JSON ({exc})") from None
+        return cls.from_dict(instance_id, data)
+
+    @classmethod
+    def from_dict(cls, instance_id: str, data: Any) -> InstanceRecord:
+        """Build from the decoded JSON of a registration; ValueError names what is wrong with it."""
         if not isinstance(data, dict) or not data.get("address"):
             raise ValueError(f"instance {instance_id}: record has no address")
-        kv = data.get("kv") or data.get("kv_geometry") or {}
         try:
             role = Role(str(data.get("role") or "both").lower())
         except ValueError:
             raise ValueError(f"instance {instance_id}: role {data.get('role')!r} is not both, prefill or decode") from None
-        return cls(
-            instance_id=InstanceId(instance_id), address=str(data["address"]), role=role,
-            model=str(data.get("model", "")), pid=int(data.get("pid") or 0), host=str(data.get("host", "")),
-            block_size=int(kv.get("block_size") or DEFAULT_BLOCK_SIZE), num_blocks=int(kv.get("num_blocks") or 0),
-            is_draining=str(data.get("state", "")).lower() == "draining",
-        )
+        kv = data.get("kv") or {}
+        try:
+            return cls(
+                instance_id=InstanceId(instance_id), address=str(data["address"]), role=role,
+                model=str(data.get("model", "")), pid=int(data.get("pid") or 0), host=str(data.get("host", "")),
+                block_size=int(kv.get("block_size") or DEFAULT_BLOCK_SIZE), num_blocks=int(kv.get("num_blocks") or 0),
+                is_draining=str(data.get("state", "")).lower() == "draining",
+            )
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"instance {instance_id}: malformed record ({exc})") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,7 +68,7 @@ class PagedRunner:
     def __init__(self, model: LlamaModel, num_blocks: int = 96, block_size: int = 4) -> None:
         self.model = model
         self.block_size = block_size
-        self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size)
+        self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, dtype=model.dtype)
         self.free_blocks = list(range(num_blocks))
         random.Random(1).shuffle(self.free_blocks)
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(10)
 
 def leading() -> Leadership:
     leadership = Leadership("m-1", "127.0.0.1:50051")
-    leadership.leader = leadership.me
+    leadership.is_leader = True
     return leadership
 
 
@@ -113,6 +113,11 @@ def test_exclude_and_decode_only_are_skipped():
         dispatcher.dispatch(ask(exclude=("a", "b")))
 
 
+def test_standby_without_a_known_leader_says_so():
+    with pytest.raises(Unavailable, match="no leader is elected yet"):
+        Dispatcher(make_view("a"), Leadership("m-2", "x:1")).dispatch(ask())
+
+
 def test_no_instance_is_unavailable_with_a_hint():
     dispatcher = Dispatcher(ClusterView(report_timeout_s=3.0), leading())
     with pytest.raises(Unavailable, match="no instance is registered"):
@@ -121,7 +126,7 @@ def test_no_instance_is_unavailable_with_a_hint():
 
 def test_standby_refuses_and_names_the_leader():
     leadership = Leadership("m-2", "127.0.0.1:50052")
-    leadership.leader = Leader("m-1", "127.0.0.1:50051")
+    leadership.set_watched_leader(Leader("m-1", "127.0.0.1:50051"))
     with pytest.raises(Unavailable, match="not the leader; leader is at 127.0.0.1:50051"):
         Dispatcher(make_view("a"), leadership).dispatch(ask())
 

@@ -1,0 +1,88 @@
+"""`python -m services.cluster up`: a whole ferry cluster on this machine.
+
+Starts a local etcd, the manager, the instances and the frontend as child
+processes, waits until each is healthy, writes STATE_DIR/cluster.json, prints
+`ready`, and stops every child on Ctrl-C / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pathlib
+import sys
+
+from services.cluster.launcher import ClusterSpec, LocalCluster, run_until_signalled
+from services.cluster.processes import ROOT, ProcessDied
+from services.common.logging import LogFormat, setup_logging
+
+DEFAULT_MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m services.cluster", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="start a local cluster and run until Ctrl-C",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    up.add_argument("--model", default="smollm2",
+                    help="Hugging Face model folder, or 'smollm2' for the embedded SmolLM2-135M-Instruct "
+                         f"(converted once into {DEFAULT_MODEL_DIR.relative_to(ROOT)})")
+    up.add_argument("--instances", type=int, default=2, help="number of instances with role 'both'")
+    up.add_argument("--prefill-instances", type=int, default=0, help="instances with role 'prefill' (PD disaggregation)")
+    up.add_argument("--decode-instances", type=int, default=0, help="instances with role 'decode' (PD disaggregation)")
+    up.add_argument("--engine", default="torch", choices=["torch"], help="inference engine of every instance")
+    up.add_argument("--transfer-backend", default="grpc", choices=["grpc", "gloo", "nccl", "shm"],
+                    help="how KV blocks move between instances during migration")
+    up.add_argument("--http-port", type=int, default=8000, help="frontend's OpenAI-compatible HTTP port")
+    up.add_argument("--admin-port", type=int, default=50051, help="manager's gRPC port (ManagerService + AdminService)")
+    up.add_argument("--state-dir", type=pathlib.Path, default=None,
+                    help="where cluster.json, logs and etcd data go (default: a temp dir removed on exit)")
+    up.add_argument("--cluster", default="ferry", help="cluster name (etcd keys live under /ferry/<cluster>/)")
+    up.add_argument("--threads-per-instance", type=int, default=0,
+                    help="torch threads per instance (0 = cores / instances, at least 1)")
+    up.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per instance in MiB")
+    up.add_argument("--log-format", default="console", choices=["console", "json"], help="log format of every process")
+    args = parser.parse_args(argv)
+    if args.instances < 0 or args.prefill_instances < 0 or args.decode_instances < 0:
+        parser.error("--instances, --prefill-instances and --decode-instances must be >= 0")
+    if args.instances + args.prefill_instances + args.decode_instances == 0:
+        parser.error("the cluster needs at least one instance: pass --instances N or --prefill-instances/--decode-instances")
+    return args
+
+
+def resolve_model(model: str) -> pathlib.Path:
+    if model != "smollm2":
+        path = pathlib.Path(model)
+        if not (path / "config.json").is_file():
+            sys.exit(f"--model {model}: no config.json there; pass a Hugging Face model folder or 'smollm2'")
+        return path.resolve()
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        from services.instance.models.smollm2 import import_smollm2
+        import_smollm2(DEFAULT_MODEL_DIR)
+    return DEFAULT_MODEL_DIR
+
+
+def build_spec(args: argparse.Namespace) -> ClusterSpec:
+    roles = ("both",) * args.instances + ("prefill",) * args.prefill_instances + ("decode",) * args.decode_instances
+    threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // len(roles))
+    return ClusterSpec(model_dir=resolve_model(args.model), roles=roles, engine=args.engine,
+                       transfer_backend=args.transfer_backend, http_port=args.http_port, admin_port=args.admin_port,
+                       state_dir=args.state_dir.resolve() if args.state_dir else None, cluster=args.cluster,
+                       threads_per_instance=threads, kv_cache_mib=args.kv_cache_mib, log_format=args.log_format)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging("cluster", LogFormat(args.log_format))
+    try:
+        asyncio.run(run_until_signalled(LocalCluster(build_spec(args))))
+    except (ProcessDied, TimeoutError) as exc:
+        print(f"cluster failed to start: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Single-machine cluster: etcd, manager, instances and frontend as child processes.
+
+Start order follows dependencies (etcd → manager → instances → frontend); each
+child must be healthy before the next starts. On SIGINT/SIGTERM every child is
+stopped by its PID, newest first, and nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import tempfile
+from dataclasses import dataclass
+
+import structlog
+
+from services.cluster.processes import ServiceProcess
+from services.common.etcd_launcher import LocalEtcd, free_port
+
+log = structlog.get_logger(__name__)
+
+_HEALTH_TIMEOUT_S = 180.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    model_dir: pathlib.Path
+    roles: tuple[str, ...]  # one entry per instance: both | prefill | decode
+    engine: str
+    transfer_backend: str
+    http_port: int
+    admin_port: int
+    state_dir: pathlib.Path | None
+    cluster: str
+    threads_per_instance: int
+    kv_cache_mib: int
+    log_format: str
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self._tmp = None if spec.state_dir else tempfile.TemporaryDirectory(prefix="ferry-cluster-")
+        self.state_dir = spec.state_dir or pathlib.Path(self._tmp.name)
+        self.etcd: LocalEtcd | None = None
+        self.processes: list[ServiceProcess] = []
+
+    @property
+    def frontend_url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.http_port}"
+
+    @property
+    def admin_address(self) -> str:
+        return f"127.0.0.1:{self.spec.admin_port}"
+
+    async def start(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        data_dir = self.state_dir / "etcd" if self.spec.state_dir else None
+        self.etcd = await LocalEtcd(data_dir=data_dir).start_async()
+        log.info("etcd_started", endpoint=self.etcd.endpoint, pid=self.etcd.pid)
+        await self._start_and_wait([self._manager()])
+        await self._start_and_wait([self._instance(i, role) for i, role in enumerate(self.spec.roles)])
+        await self._start_and_wait([self._frontend()])
+        self.write_state()
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+            log.info("process_stopped", name=process.name, pid=process.pid)
+        if self.etcd is not None:
+            self.etcd.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def state(self) -> dict:
+        processes = [{"name": "etcd", "pid": self.etcd.pid, "address": self.etcd.endpoint}]
+        processes += [{"name": p.name, "pid": p.pid, "address": p.address} for p in self.processes]
+        return {"frontend_url": self.frontend_url, "admin_address": self.admin_address,
+                "etcd_endpoint": self.etcd.endpoint, "cluster": self.spec.cluster,
+                "model": str(self.spec.model_dir), "processes": processes}
+
+    def write_state(self) -> pathlib.Path:
+        path = self.state_dir / "cluster.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.state(), indent=2))
+        os.replace(tmp, path)
+        return path
+
+    async def _start_and_wait(self, processes: list[ServiceProcess]) -> None:
+        for process in processes:
+            process.start()
+            self.processes.append(process)
+            log.info("process_started", name=process.name, pid=process.pid, address=process.address)
+        await asyncio.gather(*(p.wait_healthy(_HEALTH_TIMEOUT_S) for p in processes))
+
+    def _common_args(self) -> list[str]:
+        return ["--etcd-endpoints", self.etcd.endpoint, "--cluster", self.spec.cluster,
+                "--log-format", self.spec.log_format]
+
+    def _manager(self) -> ServiceProcess:
+        return ServiceProcess(
+            "manager-0", "manager", ["--port", str(self.spec.admin_port), "--manager-id", "manager-0", *self._common_args()],
+            self.admin_address, self.state_dir / "logs")
+
+    def _instance(self, index: int, role: str) -> ServiceProcess:
+        port = free_port()
+        args = ["--model", str(self.spec.model_dir), "--port", str(port), "--instance-id", f"instance-{index}",
+                "--role", role, "--engine", self.spec.engine, "--num-threads", str(self.spec.threads_per_instance),
+                "--kv-cache-mib", str(self.spec.kv_cache_mib), *self._common_args()]
+        return ServiceProcess(f"instance-{index}", "instance", args, f"127.0.0.1:{port}", self.state_dir / "logs")
+
+    def _frontend(self) -> ServiceProcess:
+        args = ["--model", str(self.spec.model_dir), "--port", str(self.spec.http_port), *self._common_args()]
+        return ServiceProcess("frontend-0", "frontend", args, self.frontend_url, self.state_dir / "logs")
+
+
+async def run_until_signalled(cluster: LocalCluster) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        start = asyncio.ensure_future(cluster.start())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([start, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if start.done():
+            start.result()  # raises if a child failed to come up
+            print_ready(cluster)
+            await _watch_children(cluster, stop)
+        else:
+            start.cancel()
+    finally:
+        cluster.stop()
+
+
+async def _watch_children(cluster: LocalCluster, stop: asyncio.Event) -> None:
+    """Wait for a signal; report (but survive) children that exit on their own."""
+    reported: set[str] = set()
+    while not stop.is_set():
+        for process in cluster.processes:
+            if not process.is_alive() and process.name not in reported:
+                reported.add(process.name)
+                log.warning("process_exited", name=process.name, pid=process.pid,
+                            returncode=process.popen.returncode, log=str(process.log_path))
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+        except TimeoutError:
+            pass
+
+
+def print_ready(cluster: LocalCluster) -> None:
+    model = cluster.spec.model_dir.name
+    print(f"""
+ferry cluster is up ({len(cluster.spec.roles)} instances, model {model})
+  OpenAI API : {cluster.frontend_url}/v1
+  admin gRPC : {cluster.admin_address}   (grpcurl -plaintext {cluster.admin_address} list)
+  etcd       : {cluster.etcd.endpoint}
+  state file : {cluster.state_dir / 'cluster.json'}
+  logs       : {cluster.state_dir / 'logs'}
+
+try:
+  curl -s {cluster.frontend_url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
+
+Ctrl-C stops everything.
+ready""", flush=True)

@@ -1,0 +1,119 @@
+"""Child service processes: start, wait until healthy, stop by PID.
+
+Used by the single-machine launcher and by integration tests, so both start
+services exactly the way an operator would (`python -m services.<name> ...`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+class ProcessDied(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class ServiceProcess:
+    """One child process running `python -m services.<module> <args>`."""
+
+    name: str
+    module: str
+    args: list[str]
+    address: str  # host:port of its gRPC server, or its HTTP base URL
+    log_dir: pathlib.Path
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    @property
+    def log_path(self) -> pathlib.Path:
+        return self.log_dir / f"{self.name}.log"
+
+    def start(self) -> ServiceProcess:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **self.env}
+        with open(self.log_path, "ab") as log_file:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", f"services.{self.module}", *self.args],
+                cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def is_alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    async def wait_healthy(self, timeout_s: float) -> None:
+        """Poll gRPC health (or GET /health for HTTP) until SERVING; raise if the process dies."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.is_alive():
+                raise ProcessDied(f"{self.name} exited with {self.popen.returncode}; last log lines:\n{self.log_tail()}")
+            if await self._probe():
+                return
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"{self.name} not healthy after {timeout_s:.0f} s; last log lines:\n{self.log_tail()}")
+
+    def signal(self, sig: int) -> None:
+        if self.is_alive():
+            os.kill(self.popen.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL (fault tests)."""
+        self.signal(signal.SIGKILL)
+        if self.popen is not None:
+            self.popen.wait(10)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`."""
+        if not self.is_alive():
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def log_tail(self, num_lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        except OSError:
+            return "(no log)"
+
+    async def _probe(self) -> bool:
+        if self.address.startswith("http"):
+            return await _http_healthy(self.address)
+        return await grpc_healthy(self.address)
+
+
+async def grpc_healthy(address: str, timeout_s: float = 1.0) -> bool:
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def _http_healthy(base_url: str, timeout_s: float = 1.0) -> bool:
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            async with session.get(f"{base_url}/health") as response:
+                return response.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False

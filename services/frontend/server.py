@@ -1,0 +1,249 @@
+"""The HTTP server: thin aiohttp handlers (body → openai_protocol → RequestRunner →
+openai_response → body) plus middlewares for errors, API keys and body size.
+
+A generation request: parse and validate, admit (bounded in-flight), tokenize, start the
+runner task that feeds the request's `ReqState`, then answer from the state's deltas. A
+streaming request waits for its first delta before it sends the 200, so an error the
+instance raises early still gets its own status. A client that goes away cancels the
+handler (handler_cancellation), which cancels the runner, which aborts the request on
+its instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import structlog
+from aiohttp import web
+
+from services.common.errors import FerryError, ResourceExhausted, Unauthenticated
+from services.frontend.dispatch import Dispatcher
+from services.frontend.generation import GenerateSpec, RequestId
+from services.frontend.metrics import FrontendMetrics
+from services.frontend.openai_protocol import (Endpoint, ParsedRequest, error_body, error_body_for,
+                                               parse_chat_request, parse_completion_request, parse_json_body,
+                                               resolve_max_tokens)
+from services.frontend.openai_response import SSE_DONE, ResponseFormatter, sse, sse_error
+from services.frontend.req_state import Delta, ReqState
+from services.frontend.request_runner import RequestRunner
+from services.frontend.served_model import ServedModel
+
+log = structlog.get_logger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+_REQUEST_ID_KEY = web.RequestKey("request_id", str)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class PayloadTooLarge(FerryError):
+    http_status = 413
+
+
+class FrontendServer:
+    def __init__(self, model: ServedModel, runner: RequestRunner, dispatcher: Dispatcher, metrics: FrontendMetrics,
+                 *, api_keys: Sequence[str], max_inflight: int, max_body_bytes: int) -> None:
+        self._model = model
+        self._runner = runner
+        self._dispatcher = dispatcher
+        self._metrics = metrics
+        self._api_keys = tuple(api_keys)
+        self._max_inflight = max_inflight
+        self._max_body_bytes = max_body_bytes
+        self._num_inflight = 0
+        self._started_at = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self._max_body_bytes,
+                              middlewares=[self._error_middleware, self._auth_middleware])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    # ---- handlers ----------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, Endpoint.COMPLETIONS)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, Endpoint.CHAT)
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self._model.name, "object": "model", "created": self._started_at, "owned_by": "ferry",
+                "max_model_len": self._model.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        num_instances = self._dispatcher.num_serving()
+        status = "ok" if num_instances else "no_instances"
+        return web.json_response({"status": status, "num_instances": num_instances},
+                                 status=200 if num_instances else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._metrics.render(), headers={"Content-Type": self._metrics.content_type})
+
+    # ---- one generation ----------------------------------------------------------------
+
+    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        arrived_at = time.monotonic()
+        parsed = await self._parse(request, endpoint)
+        with self._admitted():
+            prompt_ids = await asyncio.to_thread(self._model.prompt_token_ids, parsed)
+            parsed = resolve_max_tokens(parsed, len(prompt_ids), self._model.max_model_len)
+            request_id = new_request_id(endpoint)
+            request[_REQUEST_ID_KEY] = request_id
+            state = ReqState(request_id, prompt_ids, self._model.decode)
+            spec = GenerateSpec(request_id, tuple(prompt_ids), parsed.sampling, parsed.priority)
+            log.info("request_received", request_id=request_id, endpoint=endpoint.value, stream=parsed.stream,
+                     num_prompt_tokens=len(prompt_ids), max_tokens=parsed.sampling.max_tokens)
+            task = asyncio.create_task(self._runner.run(state, spec), name=f"request:{request_id}")
+            try:
+                formatter = ResponseFormatter(parsed, request_id, state.created, self._model.token_text)
+                deltas = self._timed(state.deltas(), arrived_at)
+                if parsed.stream:
+                    return await self._stream(request, parsed, state, formatter, deltas)
+                return await self._complete(state, formatter, deltas)
+            finally:
+                await _cancel(task)
+                log.info("request_finished", request_id=request_id, num_output_tokens=state.num_output_tokens,
+                         finish_reason=state.finish_reason and state.finish_reason.value,
+                         error=state.error and state.error.message, num_resumes=state.num_resumes)
+
+    async def _parse(self, request: web.Request, endpoint: Endpoint) -> ParsedRequest:
+        if request.content_length is not None and request.content_length > self._max_body_bytes:
+            raise _too_large(self._max_body_bytes)
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _too_large(self._max_body_bytes) from None
+        body = parse_json_body(raw)
+        if endpoint is Endpoint.CHAT:
+            return parse_chat_request(body, self._model.name)
+        return parse_completion_request(body, self._model.name)
+
+    async def _complete(self, state: ReqState, formatter: ResponseFormatter,
+                        deltas: AsyncIterator[Delta]) -> web.Response:
+        async for _ in deltas:
+            pass
+        return web.json_response(formatter.response(state), headers={REQUEST_ID_HEADER: state.request_id})
+
+    async def _stream(self, request: web.Request, parsed: ParsedRequest, state: ReqState,
+                      formatter: ResponseFormatter, deltas: AsyncIterator[Delta]) -> web.StreamResponse:
+        first = await anext(deltas)  # an early error raises here, before the 200
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               REQUEST_ID_HEADER: state.request_id})
+        await response.prepare(request)
+        try:
+            for chunk in formatter.first_chunks(state.prompt_token_ids):
+                await response.write(sse(chunk))
+            await response.write(sse(formatter.chunk(first)))
+            try:
+                async for delta in deltas:
+                    await response.write(sse(formatter.chunk(delta)))
+            except FerryError as exc:  # after the 200: an error event ends the stream
+                log.warning("stream_failed", request_id=state.request_id, error=exc.message)
+                await response.write(sse_error(exc))
+            if parsed.include_usage and state.error is None:
+                await response.write(sse(formatter.usage_chunk(state)))
+            await response.write(SSE_DONE)
+            await response.write_eof()
+        except ConnectionResetError:
+            log.info("client_disconnected", request_id=state.request_id, num_output_tokens=state.num_output_tokens)
+        return response
+
+    async def _timed(self, deltas: AsyncIterator[Delta], arrived_at: float) -> AsyncIterator[Delta]:
+        last_token_at: float | None = None
+        async for delta in deltas:
+            now = time.monotonic()
+            self._metrics.observe_tokens(arrived_at, last_token_at, now, len(delta.token_ids))
+            if delta.token_ids:
+                last_token_at = now
+            yield delta
+
+    @contextlib.contextmanager
+    def _admitted(self):
+        if self._num_inflight >= self._max_inflight:
+            raise ResourceExhausted(f"{self._num_inflight} requests are in flight, the limit (--max-inflight "
+                                    f"{self._max_inflight}); retry later")
+        self._num_inflight += 1
+        self._metrics.in_flight.inc()
+        try:
+            yield
+        finally:
+            self._num_inflight -= 1
+            self._metrics.in_flight.dec()
+
+    # ---- middlewares -------------------------------------------------------------------
+
+    @web.middleware
+    async def _error_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except FerryError as exc:
+            response = self._error_response(request, exc.http_status, error_body_for(exc))
+        except web.HTTPException as exc:  # the router's 404/405, aiohttp's own 413
+            response = self._error_response(request, exc.status, error_body(exc.reason, code=exc.status))
+        except Exception:  # a bug: a 500 without details; the traceback goes to the log
+            log.exception("request_crashed", path=request.path, request_id=request.get(_REQUEST_ID_KEY))
+            response = self._error_response(request, 500, error_body(
+                "internal error; the server logged it under this request's x-request-id", type_="server_error"))
+        self._metrics.requests.labels(_endpoint_label(request), str(response.status)).inc()
+        return response
+
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self._api_keys and request.path not in OPEN_PATHS and not self._is_authorized(request):
+            raise ApiKeyError("missing or incorrect API key; send it as 'Authorization: Bearer <key>' "
+                              "(keys are set with --api-key)")
+        return await handler(request)
+
+    def _is_authorized(self, request: web.Request) -> bool:
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return False
+        key_bytes = key.strip().encode()
+        return any(hmac.compare_digest(key_bytes, allowed.encode()) for allowed in self._api_keys)
+
+    def _error_response(self, request: web.Request, status: int, body: dict) -> web.Response:
+        headers = {}
+        if request_id := request.get(_REQUEST_ID_KEY):
+            headers[REQUEST_ID_HEADER] = request_id
+        if status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return web.json_response(body, status=status, headers=headers)
+
+
+class ApiKeyError(Unauthenticated):
+    code = "invalid_api_key"
+    param = None
+
+
+def new_request_id(endpoint: Endpoint) -> RequestId:
+    prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
+    return RequestId(f"{prefix}-{uuid.uuid4().hex}")
+
+
+def _too_large(limit: int) -> PayloadTooLarge:
+    error = PayloadTooLarge(f"the request body is larger than {limit} bytes (--max-body-bytes)")
+    return error
+
+
+def _endpoint_label(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+async def _cancel(task: asyncio.Task) -> None:
+    if task.done():
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

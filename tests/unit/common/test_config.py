@@ -1,0 +1,164 @@
+"""services.common.config: precedence, parsing of each field type, --help text."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import pathlib
+
+import pytest
+
+from services.common.config import as_dict, build_parser, convert, env_name, knob, parse_config
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+    SAFE = "safe"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DemoConfig:
+    """Demo service."""
+
+    port: int = knob(50051, "gRPC port (50% of the time 0)")
+    ratio: float = knob(0.5, "a fraction")
+    name: str = knob("demo", "display name")
+    is_verbose: bool = knob(False, "log more")
+    mode: Mode = knob(Mode.FAST, "how to run")
+    peers: list[str] = knob([], "peer addresses, comma separated")
+    sizes: tuple[int, ...] = knob((1, 2), "bucket sizes")
+    model_dir: pathlib.Path | None = knob(None, "model folder")
+    limit: int | None = knob(8, "optional cap; none for no cap")
+    api_key: str = knob("", "secret key")
+
+    def __post_init__(self) -> None:
+        if self.ratio > 1:
+            raise ValueError(f"--ratio must be at most 1, got {self.ratio}")
+
+
+def parse(argv=(), env=None) -> DemoConfig:
+    return parse_config(DemoConfig, "demo", list(argv), env or {})
+
+
+def test_defaults() -> None:
+    config = parse()
+    assert config == DemoConfig()
+    assert config.peers == [] and config.peers is not DemoConfig().peers
+
+
+def test_cli_beats_env_beats_file_beats_default(tmp_path: pathlib.Path) -> None:
+    file = tmp_path / "demo.yaml"
+    file.write_text("port: 1\nname: from-file\nratio: 0.25\nmode: safe\n")
+    env = {"FERRY_DEMO_PORT": "2", "FERRY_DEMO_NAME": "from-env"}
+    config = parse(["--config", str(file), "--port", "3"], env)
+    assert (config.port, config.name, config.ratio, config.mode) == (3, "from-env", 0.25, Mode.SAFE)
+    assert config.is_verbose is False  # default
+
+
+def test_file_keys_may_use_dashes(tmp_path: pathlib.Path) -> None:
+    file = tmp_path / "demo.yaml"
+    file.write_text("is-verbose: true\npeers: [a:1, b:2]\n")
+    config = parse(["--config", str(file)])
+    assert config.is_verbose is True and config.peers == ["a:1", "b:2"]
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    ("true", True), ("1", True), ("Yes", True), ("on", True),
+    ("false", False), ("0", False), ("no", False), ("OFF", False),
+])
+def test_bool_from_env(raw: str, expected: bool) -> None:
+    assert parse(env={"FERRY_DEMO_IS_VERBOSE": raw}).is_verbose is expected
+
+
+def test_bool_flag_alone_or_with_value() -> None:
+    assert parse(["--is-verbose"]).is_verbose is True
+    assert parse(["--is-verbose", "false"]).is_verbose is False
+
+
+def test_enum_is_case_insensitive_and_errors_list_choices(capsys) -> None:
+    assert parse(["--mode", "SAFE"]).mode is Mode.SAFE
+    with pytest.raises(SystemExit):
+        parse(["--mode", "turbo"])
+    assert "expected one of fast, safe" in capsys.readouterr().err
+
+
+def test_lists_and_tuples() -> None:
+    config = parse(["--peers", "a:1, b:2,", "--sizes", "4,8"])
+    assert config.peers == ["a:1", "b:2"]
+    assert config.sizes == (4, 8)
+    assert parse(env={"FERRY_DEMO_PEERS": ""}).peers == []
+
+
+def test_optionals() -> None:
+    assert parse(["--model-dir", "/m"]).model_dir == pathlib.Path("/m")
+    assert parse().limit == 8
+    assert parse(["--limit", "none"]).limit is None
+    assert parse(env={"FERRY_DEMO_LIMIT": "16"}).limit == 16
+
+
+def test_file_null_sets_optional_to_none(tmp_path: pathlib.Path) -> None:
+    file = tmp_path / "demo.yaml"
+    file.write_text("limit: null\n")
+    assert parse(["--config", str(file)]).limit is None
+
+
+def test_bad_value_names_its_source(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse(env={"FERRY_DEMO_PORT": "eighty"})
+    assert "FERRY_DEMO_PORT: expected int, got 'eighty'" in capsys.readouterr().err
+
+
+def test_post_init_validation_becomes_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse(["--ratio", "2"])
+    assert "--ratio must be at most 1" in capsys.readouterr().err
+
+
+def test_config_file_errors(tmp_path: pathlib.Path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse(["--config", str(tmp_path / "missing.yaml")])
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(SystemExit):
+        parse(["--config", str(tmp_path / "list.yaml")])
+    assert "expected a mapping" in capsys.readouterr().err
+
+
+def test_config_file_from_env(tmp_path: pathlib.Path) -> None:
+    file = tmp_path / "demo.yaml"
+    file.write_text("port: 7\n")
+    assert parse(env={"FERRY_DEMO_CONFIG": str(file)}).port == 7
+
+
+def test_help_mentions_env_names_defaults_and_choices() -> None:
+    text = build_parser(DemoConfig, "demo").format_help()
+    assert "FERRY_DEMO_PORT" in text and "FERRY_DEMO_IS_VERBOSE" in text
+    assert "(default: 50051)" in text
+    assert "one of: fast, safe" in text
+    assert "50% of the time" in text
+
+
+def test_required_field_missing_is_a_usage_error(capsys) -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Required:
+        instance_id: str = dataclasses.field(metadata={"help": "this instance's id"})
+        etcd: str = knob("x", "etcd")
+
+    with pytest.raises(SystemExit):
+        parse_config(Required, "demo", [], {})
+    assert "--instance-id" in capsys.readouterr().err
+    assert parse_config(Required, "demo", ["--instance-id", "i-1"], {}).instance_id == "i-1"
+
+
+def test_convert_errors() -> None:
+    with pytest.raises(ValueError, match="expected true or false"):
+        convert("maybe", bool)
+    with pytest.raises(TypeError, match="unsupported"):
+        convert("x", dict)
+
+
+def test_env_name_and_as_dict_hides_secrets() -> None:
+    assert env_name("frontend", "http_port") == "FERRY_FRONTEND_HTTP_PORT"
+    shown = as_dict(parse(["--api-key", "s3cret", "--model-dir", "/m"]))
+    assert shown["api_key"] == "***" and shown["mode"] == "fast" and shown["model_dir"] == "/m"

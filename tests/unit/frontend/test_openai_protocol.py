@@ -1,0 +1,241 @@
+"""Parsing and validation of OpenAI request bodies (no sockets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.frontend.generation import Sampling
+from services.frontend.openai_protocol import (Endpoint, RequestError, check_prompt_token_ids, error_body_for,
+                                               parse_chat_request, parse_completion_request, parse_json_body,
+                                               resolve_max_tokens)
+
+pytestmark = pytest.mark.timeout(10)
+
+MODEL = "tiny"
+
+
+def completion(**fields):
+    return parse_completion_request({"model": MODEL, "prompt": "hello", **fields}, MODEL)
+
+
+def chat(**fields):
+    return parse_chat_request({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}, MODEL)
+
+
+def rejects(parse, fields, *words, param=None):
+    with pytest.raises(RequestError) as info:
+        parse(**fields)
+    for word in words:
+        assert word in info.value.message, info.value.message
+    if param is not None:
+        assert info.value.param == param
+    assert info.value.http_status == 400
+    return info.value
+
+
+# ---- body ---------------------------------------------------------------------------
+
+
+def test_json_body_must_parse_and_be_an_object():
+    assert parse_json_body(b'{"a": 1}') == {"a": 1}
+    with pytest.raises(RequestError, match="not valid JSON"):
+        parse_json_body(b'{"a": ')
+    with pytest.raises(RequestError, match="not valid JSON"):
+        parse_json_body(b"\xff\xfe")
+    with pytest.raises(RequestError, match="must be a JSON object, got an array"):
+        parse_json_body(b"[1, 2]")
+    with pytest.raises(RequestError, match="must be a JSON object, got null"):
+        parse_json_body(b"null")
+
+
+# ---- completions --------------------------------------------------------------------
+
+
+def test_completion_defaults():
+    parsed = completion()
+    assert parsed.endpoint is Endpoint.COMPLETIONS
+    assert parsed.prompt == "hello"
+    assert parsed.sampling == Sampling(temperature=1.0, top_p=1.0, top_k=0, seed=None, max_tokens=16)
+    assert not parsed.stream and not parsed.include_usage and not parsed.return_token_ids
+    assert parsed.num_top_logprobs is None
+    assert parsed.priority == 0
+
+
+def test_completion_all_fields():
+    parsed = completion(prompt=[1, 2, 3], max_tokens=5, temperature=0, top_p=0.5, top_k=7, seed=-1,
+                        stop="\n", stream=True, stream_options={"include_usage": True}, logprobs=2,
+                        return_token_ids=True, ignore_eos=True, priority=3, n=1)
+    assert parsed.prompt == (1, 2, 3)
+    s = parsed.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens, s.stop, s.ignore_eos) == (0.0, 0.5, 7, 5, ("\n",), True)
+    assert s.seed == 2**64 - 1  # int64 -1 as uint64
+    assert s.num_logprobs == 2 and parsed.num_top_logprobs == 2
+    assert parsed.stream and parsed.include_usage and parsed.return_token_ids and parsed.priority == 3
+
+
+def test_completion_logprobs_zero_still_asks_the_engine_for_the_chosen_token():
+    parsed = completion(logprobs=0)
+    assert parsed.num_top_logprobs == 0 and parsed.sampling.num_logprobs == 1
+
+
+def test_prompt_batch_of_one_is_unwrapped():
+    assert completion(prompt=["hi"]).prompt == "hi"
+    assert completion(prompt=[[5, 6]]).prompt == (5, 6)
+
+
+@pytest.mark.parametrize("prompt, words", [
+    (None, ["prompt", "required"]),
+    ("", ["prompt", "empty"]),
+    ([], ["prompt", "empty"]),
+    (5, ["prompt", "expected a string or a list of token ids", "number 5"]),
+    ([1, "a"], ["prompt", "expected a string or a list of token ids"]),
+    ([1, True], ["prompt", "expected a string or a list of token ids"]),
+    (["a", "b"], ["batches", "one prompt per request"]),
+    ({"text": "x"}, ["prompt", "an object"]),
+])
+def test_bad_prompts(prompt, words):
+    rejects(completion, {"prompt": prompt}, *words, param="prompt")
+
+
+def test_missing_prompt():
+    with pytest.raises(RequestError, match="prompt: required"):
+        parse_completion_request({"model": MODEL}, MODEL)
+
+
+@pytest.mark.parametrize("fields, words, param", [
+    ({"n": 2}, ["n", "only n=1"], "n"),
+    ({"n": 0}, ["n", ">= 1"], "n"),
+    ({"max_tokens": 0}, ["max_tokens", ">= 1", "got 0"], "max_tokens"),
+    ({"max_tokens": -3}, ["max_tokens", ">= 1"], "max_tokens"),
+    ({"max_tokens": "10"}, ["max_tokens", "expected an integer", "a string"], "max_tokens"),
+    ({"max_tokens": 1.5}, ["max_tokens", "expected an integer"], "max_tokens"),
+    ({"max_tokens": True}, ["max_tokens", "expected an integer", "boolean"], "max_tokens"),
+    ({"temperature": -0.1}, ["temperature", "between 0.0 and 2.0"], "temperature"),
+    ({"temperature": 2.5}, ["temperature", "between 0.0 and 2.0"], "temperature"),
+    ({"temperature": "hot"}, ["temperature", "expected a number"], "temperature"),
+    ({"top_p": 0}, ["top_p", "(0, 1]"], "top_p"),
+    ({"top_p": 1.5}, ["top_p", "(0, 1]"], "top_p"),
+    ({"top_k": -2}, ["top_k"], "top_k"),
+    ({"seed": "x"}, ["seed", "expected an integer"], "seed"),
+    ({"stop": 5}, ["stop", "a string or a list of strings"], "stop"),
+    ({"stop": ["a", 1]}, ["stop", "a string or a list of strings"], "stop"),
+    ({"stop": [""]}, ["stop", "empty"], "stop"),
+    ({"stop": ["x"] * 17}, ["stop", "at most 16"], "stop"),
+    ({"stream": "yes"}, ["stream", "true or false"], "stream"),
+    ({"stream_options": {"include_usage": True}}, ["stream_options", "stream is true"], "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, ["include_usage", "true or false"],
+     "stream_options.include_usage"),
+    ({"logprobs": 21}, ["logprobs", "between 0 and 20"], "logprobs"),
+    ({"logprobs": True}, ["logprobs", "expected an integer"], "logprobs"),
+    ({"return_token_ids": "yes"}, ["return_token_ids", "true or false"], "return_token_ids"),
+    ({"ignore_eos": 1}, ["ignore_eos", "true or false"], "ignore_eos"),
+    ({"priority": "high"}, ["priority", "expected an integer"], "priority"),
+    ({"echo": True}, ["echo", "not supported"], "echo"),
+    ({"best_of": 3}, ["best_of"], "best_of"),
+    ({"presence_penalty": 0.5}, ["presence_penalty", "not supported"], "presence_penalty"),
+    ({"logit_bias": {"1": 5}}, ["logit_bias", "not supported"], "logit_bias"),
+    ({"model": "gpt-4"}, ["gpt-4", "does not exist", "'tiny'"], "model"),
+    ({"model": 7}, ["model", "expected a string"], "model"),
+])
+def test_bad_completion_fields(fields, words, param):
+    rejects(completion, fields, *words, param=param)
+
+
+def test_unknown_model_has_model_not_found_code():
+    error = rejects(completion, {"model": "other"})
+    assert error_body_for(error)["error"]["code"] == "model_not_found"
+
+
+def test_missing_model_means_the_served_one():
+    assert parse_completion_request({"prompt": "x"}, MODEL).model == MODEL
+
+
+def test_penalties_of_zero_and_unknown_fields_are_accepted():
+    assert completion(presence_penalty=0, frequency_penalty=0.0, user="u", whatever=1).prompt == "hello"
+
+
+# ---- chat ---------------------------------------------------------------------------
+
+
+def test_chat_defaults_and_content_parts():
+    parsed = chat(messages=[{"role": "system", "content": "be brief"},
+                            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                            {"role": "assistant", "content": None}])
+    assert parsed.endpoint is Endpoint.CHAT
+    assert parsed.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"},
+                               {"role": "assistant", "content": ""})
+    assert parsed.sampling.max_tokens is None  # rest of the context, once the prompt is known
+    assert parsed.num_top_logprobs is None
+
+
+def test_chat_max_completion_tokens_wins():
+    assert chat(max_tokens=5, max_completion_tokens=7).sampling.max_tokens == 7
+    assert chat(max_tokens=5).sampling.max_tokens == 5
+
+
+def test_chat_logprobs():
+    assert chat(logprobs=True).num_top_logprobs == 0
+    parsed = chat(logprobs=True, top_logprobs=3)
+    assert parsed.num_top_logprobs == 3 and parsed.sampling.num_logprobs == 3
+    assert chat(logprobs=False).num_top_logprobs is None
+
+
+@pytest.mark.parametrize("fields, words, param", [
+    ({"messages": None}, ["messages", "required"], "messages"),
+    ({"messages": []}, ["messages", "non-empty list"], "messages"),
+    ({"messages": "hi"}, ["messages", "non-empty list", "a string"], "messages"),
+    ({"messages": ["hi"]}, ["messages[0]", "object with role"], "messages[0]"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, ["messages[0].role", "wizard"], "messages[0].role"),
+    ({"messages": [{"content": "x"}]}, ["messages[0].role"], "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, ["messages[0].content"], "messages[0].content"),
+    ({"messages": [{"role": "user"}]}, ["messages[0].content"], "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     ["only text parts"], "messages[0].content"),
+    ({"max_completion_tokens": 0}, ["max_completion_tokens", ">= 1"], "max_completion_tokens"),
+    ({"logprobs": 1}, ["logprobs", "true or false"], "logprobs"),
+    ({"top_logprobs": 2}, ["top_logprobs", "logprobs=true"], "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 50}, ["top_logprobs", "between 0 and 20"], "top_logprobs"),
+    ({"n": 3}, ["only n=1"], "n"),
+])
+def test_bad_chat_fields(fields, words, param):
+    rejects(chat, fields, *words, param=param)
+
+
+def test_missing_messages():
+    with pytest.raises(RequestError, match="messages: required"):
+        parse_chat_request({"model": MODEL}, MODEL)
+
+
+# ---- against the context ------------------------------------------------------------
+
+
+def test_max_tokens_defaults_to_the_rest_of_the_context():
+    assert resolve_max_tokens(chat(), num_prompt_tokens=10, max_model_len=64).sampling.max_tokens == 54
+    assert resolve_max_tokens(completion(max_tokens=4), 10, 64).sampling.max_tokens == 4
+
+
+def test_prompt_longer_than_the_context_is_rejected():
+    with pytest.raises(RequestError) as info:
+        resolve_max_tokens(completion(), num_prompt_tokens=64, max_model_len=64)
+    assert "64 tokens" in info.value.message and "maximum context length" in info.value.message
+    assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_rejected():
+    with pytest.raises(RequestError, match="reduce max_tokens to at most 14") as info:
+        resolve_max_tokens(completion(max_tokens=20), num_prompt_tokens=50, max_model_len=64)
+    assert info.value.param == "max_tokens"
+
+
+def test_prompt_token_ids_must_be_in_the_vocabulary():
+    check_prompt_token_ids([0, 5, 9], vocab_size=10)
+    with pytest.raises(RequestError, match="token id 10 is outside the vocabulary"):
+        check_prompt_token_ids([1, 10], vocab_size=10)
+    with pytest.raises(RequestError, match="token id -1"):
+        check_prompt_token_ids([-1], vocab_size=10)
+
+
+def test_error_body_shape():
+    error = rejects(completion, {"temperature": 9})
+    assert error_body_for(error) == {"error": {
+        "message": error.message, "type": "invalid_request_error", "param": "temperature", "code": None}}

@@ -1,0 +1,221 @@
+"""Scheduler on CPU without a model: budgets, chunked prefill, preemption, priority."""
+
+import itertools
+
+import pytest
+
+from services.instance.engine.block_manager import BlockManager
+from services.instance.engine.request import FinishReason, Request, RequestId, RequestStatus, SamplingParams
+from services.instance.engine.scheduler import Scheduler, SchedulerOutput
+from services.instance.engine.text_output import TextOutput
+
+pytestmark = pytest.mark.timeout(20)
+
+_arrivals = itertools.count()
+
+
+class _NoText:
+    def feed(self, token_ids: list[int]) -> str:
+        return ""
+
+
+def make_request(num_prompt_tokens: int, name: str, priority: int = 0) -> Request:
+    return Request(RequestId(name), tuple(range(1, num_prompt_tokens + 1)), SamplingParams(), seed=0,
+                   arrival_order=next(_arrivals), text=TextOutput(_NoText(), ()), priority=priority)
+
+
+def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
+                   max_num_batched_tokens: int = 64) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens)
+
+
+def run_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
+    """One step with a fake model: every sampled request gets `token`."""
+    output = scheduler.schedule()
+    for s in output.scheduled:
+        if s.is_sampled:
+            s.request.output_token_ids.append(token)
+    check_invariants(scheduler)
+    return output
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    manager = scheduler.block_manager
+    held = [b for r in scheduler.running for b in r.block_table]
+    assert len(held) == len(set(held)) == manager.num_used_blocks
+    assert all(not r.block_table and r.num_computed_tokens == 0 for r in scheduler.waiting)
+    assert all(r.status is RequestStatus.RUNNING for r in scheduler.running)
+    assert all(len(r.block_table) * manager.block_size >= r.num_computed_tokens for r in scheduler.running)
+    assert len(scheduler.running) <= scheduler.max_num_seqs
+
+
+def new_tokens(output: SchedulerOutput) -> dict[str, int]:
+    return {s.request.request_id: s.num_new_tokens for s in output.scheduled}
+
+
+def test_forward_batch_packs_tokens_positions_and_slots():
+    scheduler = make_scheduler(block_size=4)
+    a, b = make_request(6, "a"), make_request(3, "b")
+    scheduler.add(a)
+    scheduler.add(b)
+    batch = run_step(scheduler).batch
+    assert batch.query_lens == [6, 3]
+    assert batch.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    assert batch.positions.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    expected_slots = [a.block_table[p // 4] * 4 + p % 4 for p in range(6)] + [b.block_table[0] * 4 + p for p in range(3)]
+    assert batch.slot_mapping.tolist() == expected_slots
+    assert batch.context_lens.tolist() == [6, 3]
+    assert batch.block_tables.tolist() == [a.block_table, b.block_table + [0]]
+    decode = run_step(scheduler).batch
+    assert decode.is_decode_only
+    assert decode.input_ids.tolist() == [7, 7] and decode.positions.tolist() == [6, 3]
+    assert decode.context_lens.tolist() == [7, 4]
+
+
+def test_token_budget_and_batch_slots_are_respected():
+    scheduler = make_scheduler(num_blocks=256, max_num_seqs=5, max_num_batched_tokens=20)
+    for i in range(12):
+        scheduler.add(make_request(3 + 5 * i, f"r{i}"))
+    for _ in range(40):
+        output = run_step(scheduler)
+        assert output.num_batched_tokens <= 20
+        assert len(output.scheduled) <= 5
+        for r in list(scheduler.running):
+            if r.num_output_tokens >= 4:
+                scheduler.remove(r, FinishReason.LENGTH)
+    assert not scheduler.has_unfinished()
+    assert scheduler.block_manager.num_free_blocks == 256
+
+
+def test_long_prompt_is_prefilled_in_chunks():
+    scheduler = make_scheduler(max_num_batched_tokens=16)
+    request = make_request(50, "long")
+    scheduler.add(request)
+    chunks = []
+    for _ in range(4):
+        (s,) = run_step(scheduler).scheduled
+        chunks.append((s.num_new_tokens, s.is_sampled))
+    assert chunks == [(16, False), (16, False), (16, False), (2, True)]
+    assert request.output_token_ids == [7]
+    (s,) = run_step(scheduler).scheduled
+    assert (s.num_new_tokens, s.is_sampled) == (1, True)
+
+
+def test_decodes_run_before_new_prefills_take_the_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    a = make_request(4, "a")
+    scheduler.add(a)
+    run_step(scheduler)
+    scheduler.add(make_request(30, "b"))
+    assert new_tokens(run_step(scheduler)) == {"a": 1, "b": 7}
+    assert new_tokens(run_step(scheduler)) == {"a": 1, "b": 7}
+
+
+def test_higher_priority_is_admitted_first():
+    scheduler = make_scheduler(max_num_seqs=1)
+    low, high = make_request(4, "low", priority=0), make_request(4, "high", priority=5)
+    scheduler.add(low)
+    scheduler.add(high)
+    assert list(new_tokens(run_step(scheduler))) == ["high"]
+    scheduler.remove(high, FinishReason.STOP)
+    assert list(new_tokens(run_step(scheduler))) == ["low"]
+
+
+def test_same_priority_is_first_come_first_served():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for name in ("a", "b", "c"):
+        scheduler.add(make_request(4, name))
+    assert list(new_tokens(run_step(scheduler))) == ["a", "b"]
+
+
+def test_preemption_frees_the_latest_and_it_resumes_with_its_tokens():
+    # 4 blocks of 4 tokens; two 7-token prompts take 2 blocks each; decoding needs more.
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    first, second = make_request(7, "first"), make_request(7, "second")
+    scheduler.add(first)
+    scheduler.add(second)
+    run_step(scheduler, token=11)  # prefill both, each samples a token (8 tokens = 2 full blocks)
+    output = run_step(scheduler, token=12)  # `first` needs a 3rd block: `second` (later) is preempted
+    assert output.preempted == [second]
+    assert second.status is RequestStatus.WAITING and second.block_table == []
+    assert second.output_token_ids == [11] and second.num_preemptions == 1
+    assert new_tokens(output) == {"first": 1}
+    scheduler.remove(first, FinishReason.STOP)
+    output = run_step(scheduler, token=13)
+    assert new_tokens(output) == {"second": 8}  # recomputes prompt + its generated token
+    assert output.batch.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 11]
+    assert second.output_token_ids == [11, 13]
+
+
+def test_lower_priority_is_preempted_even_if_it_arrived_first():
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    low, high = make_request(7, "low", priority=0), make_request(7, "high", priority=1)
+    scheduler.add(low)
+    scheduler.add(high)
+    run_step(scheduler)
+    output = run_step(scheduler)
+    assert output.preempted == [low] and new_tokens(output) == {"high": 1}
+
+
+def test_no_admission_in_a_step_that_preempted():
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    first, second = make_request(7, "first"), make_request(7, "second")
+    scheduler.add(first)
+    scheduler.add(second)
+    run_step(scheduler)
+    output = run_step(scheduler)
+    assert output.preempted == [second] and second in scheduler.waiting
+    assert new_tokens(output) == {"first": 1}
+
+
+def test_request_longer_than_the_cache_finishes_with_length():
+    scheduler = make_scheduler(num_blocks=2, block_size=4)
+    request = make_request(7, "r")
+    scheduler.add(request)
+    run_step(scheduler)  # 8 tokens fill both blocks
+    output = run_step(scheduler)
+    assert output.finished == [request] and output.scheduled == []
+    assert request.finish_reason is FinishReason.LENGTH
+    assert scheduler.block_manager.num_free_blocks == 2 and not scheduler.has_unfinished()
+
+
+def test_prefill_chunk_shrinks_to_free_blocks_instead_of_preempting_a_better_request():
+    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
+    high = make_request(7, "high", priority=1)
+    scheduler.add(high)
+    run_step(scheduler)  # high: 8 tokens, 2 blocks
+    low = make_request(40, "low")
+    scheduler.add(low)
+    output = run_step(scheduler)  # high decodes (needs a 3rd block); low gets the 3 blocks left
+    assert new_tokens(output) == {"high": 1, "low": 12}
+    output = run_step(scheduler)  # no block left for low's next chunk, and it may not preempt high
+    assert output.preempted == [low] and new_tokens(output) == {"high": 1}
+
+
+def test_remove_frees_blocks_from_either_queue():
+    scheduler = make_scheduler(num_blocks=8, max_num_seqs=1)
+    a, b = make_request(5, "a"), make_request(5, "b")
+    scheduler.add(a)
+    scheduler.add(b)
+    run_step(scheduler)
+    scheduler.remove(b, FinishReason.ABORT)
+    scheduler.remove(a, FinishReason.ABORT)
+    assert a.status is b.status is RequestStatus.FINISHED
+    assert scheduler.block_manager.num_free_blocks == 8 and not scheduler.has_unfinished()
+
+
+def test_many_requests_under_pressure_all_finish_and_free_everything():
+    scheduler = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=10)
+    requests = [make_request(3 + (7 * i) % 13, f"r{i}", priority=i % 3) for i in range(15)]
+    for r in requests:
+        scheduler.add(r)
+    for _ in range(500):
+        run_step(scheduler)
+        for r in list(scheduler.running):
+            if r.num_output_tokens >= 6:
+                scheduler.remove(r, FinishReason.LENGTH)
+        if not scheduler.has_unfinished():
+            break
+    assert not scheduler.has_unfinished()
+    assert all(r.num_output_tokens == 6 for r in requests)
+    assert scheduler.block_manager.num_free_blocks == 12

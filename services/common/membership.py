@@ -55,6 +55,7 @@ class MembershipView:
         self._is_reachable = True
         self._changed = asyncio.Event()
         self._last_change: MembershipChange | None = None
+        self._version = 0
         self._callbacks: list[ChangeCallback] = []
         self._synced = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -89,10 +90,18 @@ class MembershipView:
                 await self._synced.wait()
         return self._synced.is_set()
 
-    async def changed(self) -> MembershipChange:
-        """Wait for the next change. If several land at once you get the last; read `members`."""
-        event = self._changed
-        await event.wait()
+    @property
+    def version(self) -> int:
+        """Number of changes so far; pass it to `changed(since=...)` to miss none in between."""
+        return self._version
+
+    async def changed(self, since: int | None = None) -> MembershipChange:
+        """Wait for the next change (or return at once if `version` moved past `since`).
+
+        If several land before the waiter runs it gets the last one; read `members` for the state.
+        """
+        if since is None or since >= self._version:
+            await self._changed.wait()
         assert self._last_change is not None
         return self._last_change
 
@@ -167,6 +176,7 @@ class MembershipView:
         log.info("membership_changed", prefix=self.prefix, added=sorted(change.added),
                  removed=sorted(change.removed), updated=sorted(change.updated))
         self._last_change = change
+        self._version += 1
         event, self._changed = self._changed, asyncio.Event()
         event.set()
         for callback in list(self._callbacks):

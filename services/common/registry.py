@@ -90,7 +90,8 @@ class Registry:
             raise Unavailable(f"cannot register {key} in etcd at {','.join(self.endpoints)}: {exc!r}; "
                               "check that etcd runs there (--etcd-endpoints)") from exc
         log.info("member_registered", key=key, lease_id=f"{self._lease.lease_id:x}")
-        self._set_registered(True)
+        if not self._needs_put:  # otherwise the keepalive loop is re-registering the others
+            self._set_registered(True)
         if self._keepalive_task is None:
             self._keepalive_task = asyncio.create_task(self._keepalive_loop(), name="registry_keepalive_loop")
 
@@ -112,10 +113,11 @@ class Registry:
     async def unregister(self, kind: str, member_id: str) -> None:
         """Delete one entry (e.g. when draining); raises Unavailable if etcd cannot be reached."""
         key = self.key(kind, member_id)
+        client = await self._connect()
         async with self._lock:
             self._entries.pop(key, None)
             try:
-                await self._client.kv.delete(key, timeout=self._rpc_timeout_s)
+                await client.kv.delete(key, timeout=self._rpc_timeout_s)
             except ETCD_ERRORS as exc:
                 raise Unavailable(f"cannot delete {key} from etcd: {exc!r}; it expires with the lease") from exc
         log.info("member_unregistered", key=key)

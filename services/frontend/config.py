@@ -19,6 +19,7 @@ class FrontendConfig:
 
     model: pathlib.Path = knob(pathlib.Path("models/smollm2-135m-instruct"), "model folder (config.json, tokenizer.json, tokenizer_config.json) the cluster serves")
     served_model_name: str = knob("", "model name clients put in `model` (default: the model folder's name)")
+    frontend_id: str = knob("", "id of this frontend in etcd (default: <host>-<port>)")
     host: str = knob("0.0.0.0", "address to bind the HTTP server to")
     port: int = knob(8000, "HTTP port")
     etcd_endpoints: list[str] = knob([], "etcd endpoints host:port (comma-separated); empty = only --manager-address")

@@ -1,26 +1,18 @@
 """The frontend's own view of the cluster in etcd: the instances (for the local dispatch
-fallback and /health) and the leader manager's address. Both read a `MembershipView`,
-which keeps the last known members while etcd is unreachable."""
+fallback and /health) and the leader manager's address. Both read watches that keep the
+last known values while etcd is unreachable."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from services.common.election import LeaderView
 from services.common.membership import MembershipView
 from services.frontend.dispatch import InstanceEntry
 from services.frontend.generation import InstanceId
 
 _SERVING_STATES = frozenset({"serving", "instance_state_serving"})
-LEADER_KEY = "leader"
-
-
-def instances_prefix(cluster: str) -> str:
-    return f"/ferry/{cluster}/instances/"
-
-
-def manager_prefix(cluster: str) -> str:
-    return f"/ferry/{cluster}/manager/"
 
 
 def instance_entry(instance_id: str, value: Mapping[str, Any]) -> InstanceEntry | None:
@@ -46,13 +38,12 @@ class EtcdInstances:
 class EtcdLeader:
     """`LeaderSource` over `/ferry/<cluster>/manager/leader` (JSON with an "address" field)."""
 
-    def __init__(self, view: MembershipView) -> None:
+    def __init__(self, view: LeaderView) -> None:
         self._view = view
 
     def leader_address(self) -> str | None:
-        value = self._view.get(LEADER_KEY)
-        address = value.get("address") if isinstance(value, Mapping) else None
-        return address if isinstance(address, str) and address else None
+        leader = self._view.leader
+        return leader.address if leader is not None and leader.address else None
 
 
 class NoInstances:

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import structlog
 from aiohttp import web
 
-from services.common.errors import FerryError, ResourceExhausted, Unauthenticated
+from services.common.errors import FerryError, ResourceExhausted, Unauthenticated, Unavailable
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import GenerateSpec, RequestId
 from services.frontend.metrics import FrontendMetrics
@@ -57,6 +57,7 @@ class FrontendServer:
         self._max_body_bytes = max_body_bytes
         self._num_inflight = 0
         self._started_at = int(time.time())
+        self.is_accepting = True  # False while shutting down: /health and new requests answer 503
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self._max_body_bytes,
@@ -83,9 +84,10 @@ class FrontendServer:
 
     async def health(self, request: web.Request) -> web.Response:
         num_instances = self._dispatcher.num_serving()
-        status = "ok" if num_instances else "no_instances"
+        is_healthy = self.is_accepting and num_instances > 0
+        status = "ok" if is_healthy else ("no_instances" if self.is_accepting else "stopping")
         return web.json_response({"status": status, "num_instances": num_instances},
-                                 status=200 if num_instances else 503)
+                                 status=200 if is_healthy else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": self._metrics.content_type})
@@ -111,6 +113,9 @@ class FrontendServer:
                 if parsed.stream:
                     return await self._stream(request, parsed, state, formatter, deltas)
                 return await self._complete(state, formatter, deltas)
+            except asyncio.CancelledError:  # the client went away (handler_cancellation)
+                log.info("client_disconnected", request_id=request_id, num_output_tokens=state.num_output_tokens)
+                raise
             finally:
                 await _cancel(task)
                 log.info("request_finished", request_id=request_id, num_output_tokens=state.num_output_tokens,
@@ -170,6 +175,8 @@ class FrontendServer:
 
     @contextlib.contextmanager
     def _admitted(self):
+        if not self.is_accepting:
+            raise Unavailable("this frontend is shutting down; retry on another one")
         if self._num_inflight >= self._max_inflight:
             raise ResourceExhausted(f"{self._num_inflight} requests are in flight, the limit (--max-inflight "
                                     f"{self._max_inflight}); retry later")

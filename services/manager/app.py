@@ -83,6 +83,7 @@ async def _shutdown(config: ManagerConfig, server: GrpcServer, campaign: Campaig
     await server.set_serving(False)
     for loop in loops:
         loop.cancel()
+    await asyncio.gather(*loops, return_exceptions=True)
     await campaign.resign()
     await server.stop(config.shutdown_grace_s)
     log.info("manager_stopped")

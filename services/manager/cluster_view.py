@@ -50,11 +50,15 @@ class ClusterView:
         self._clock = clock
         self._records: dict[InstanceId, InstanceRecord] = {}
         self._sorted_ids: list[InstanceId] = []  # invariant: sorted(self._records); ties break by id
-        self._first_seen: dict[InstanceId, float] = {}  # members only; the grace before a first report
-        self._reports: dict[InstanceId, tuple[Load, float]] = {}  # last report and its arrival time
+        self._heard_at: dict[InstanceId, float] = {}  # members only: last report, or first sighting before one
+        self._reports: dict[InstanceId, Load] = {}  # last report of each instance
         self._reserved: dict[InstanceId, Reservation] = {}  # dispatched since the last report
         self._drained: set[InstanceId] = set()  # operator drain marks (may name absent instances)
         self._num_dispatched: dict[InstanceId, int] = {}
+        # Dispatch runs hundreds of times a second over every member, so two caches:
+        self._eligible_ids: list[InstanceId] = []  # sorted members that can prefill and are not draining;
+        #   rebuilt on every membership or drain change
+        self._candidates: dict[InstanceId, Candidate] = {}  # dropped on each report, reservation, record change
 
     # membership (from etcd)
 
@@ -67,19 +71,23 @@ class ClusterView:
             self.put_member(record)
 
     def put_member(self, record: InstanceRecord) -> None:
-        is_new = record.instance_id not in self._records
+        old = self._records.get(record.instance_id)
+        if old == record:
+            return
         self._records[record.instance_id] = record
-        if is_new:
-            self._first_seen[record.instance_id] = self._clock()
+        self._candidates.pop(record.instance_id, None)
+        if old is None:
+            self._heard_at[record.instance_id] = self._clock()
             self._sorted_ids = sorted(self._records)
+        self._rebuild_eligible()
 
     def remove_member(self, instance_id: InstanceId) -> None:
         if self._records.pop(instance_id, None) is None:
             return
         self._sorted_ids = sorted(self._records)
-        self._first_seen.pop(instance_id, None)
-        self._reports.pop(instance_id, None)
-        self._reserved.pop(instance_id, None)
+        for per_instance in (self._heard_at, self._reports, self._reserved, self._candidates):
+            per_instance.pop(instance_id, None)
+        self._rebuild_eligible()
 
     def has_member(self, instance_id: str) -> bool:
         return instance_id in self._records
@@ -94,51 +102,59 @@ class ClusterView:
 
     def apply_report(self, instance_id: InstanceId, load: Load) -> None:
         """Keep `load` as the instance's last report; it supersedes the reservations made so far."""
-        self._reports[instance_id] = (load, self._clock())
+        self._reports[instance_id] = load
         self._reserved.pop(instance_id, None)
+        self._candidates.pop(instance_id, None)
+        if instance_id in self._records:
+            self._heard_at[instance_id] = self._clock()
 
     def start_leading(self) -> None:
         """Forget reports from an earlier term and give every member a fresh grace to report to us."""
         now = self._clock()
         self._reports.clear()
         self._reserved.clear()
-        self._first_seen = {instance_id: now for instance_id in self._records}
+        self._candidates.clear()
+        self._heard_at = {instance_id: now for instance_id in self._records}
 
     # drain marks (from etcd config/drain/)
 
     def replace_drained(self, instance_ids: Iterable[InstanceId]) -> None:
         self._drained = set(instance_ids)
+        self._rebuild_eligible()
 
     def mark_drained(self, instance_id: InstanceId) -> None:
         self._drained.add(instance_id)
+        self._rebuild_eligible()
 
     # derived state
 
     def state_of(self, instance_id: InstanceId) -> InstanceState:
-        if instance_id in self._drained or self._records[instance_id].is_draining:
+        if self._is_draining(instance_id):
             return InstanceState.DRAINING
-        if self._silence_s(instance_id) > self._report_timeout_s:
+        if self._clock() - self._heard_at[instance_id] > self._report_timeout_s:
             return InstanceState.UNHEALTHY
         return InstanceState.SERVING
 
     def load_of(self, instance_id: InstanceId) -> Load:
         """Last reported load plus reservations; before any report, an empty cache of the record's size."""
-        report = self._reports.get(instance_id)
-        if report is None:
+        load = self._reports.get(instance_id)
+        if load is None:
             num_blocks = self._records[instance_id].num_blocks
             load = Load(num_free_blocks=num_blocks, num_total_blocks=num_blocks)
-        else:
-            load = report[0]
         return load.plus(self._reserved.get(instance_id, _NO_RESERVATION))
 
     def candidates(self, exclude: frozenset[InstanceId] = frozenset()) -> list[Candidate]:
         """Serving, prefill-capable instances not in `exclude`, sorted by id."""
+        heard_since = self._clock() - self._report_timeout_s
         out = []
-        for instance_id in self._sorted_ids:
-            if instance_id in exclude or not self._records[instance_id].can_prefill:
+        for instance_id in self._eligible_ids:
+            if instance_id in exclude or self._heard_at[instance_id] < heard_since:
                 continue
-            if self.state_of(instance_id) is InstanceState.SERVING:
-                out.append(Candidate(instance_id, self._records[instance_id].address, self.load_of(instance_id)))
+            candidate = self._candidates.get(instance_id)
+            if candidate is None:
+                candidate = Candidate.of(instance_id, self._records[instance_id].address, self.load_of(instance_id))
+                self._candidates[instance_id] = candidate
+            out.append(candidate)
         return out
 
     def explain_no_candidate(self, exclude: frozenset[InstanceId] = frozenset()) -> str:
@@ -163,6 +179,7 @@ class ClusterView:
         """Count a request just dispatched to `instance_id` until its next report."""
         self._reserved[instance_id] = self._reserved.get(instance_id, _NO_RESERVATION).add(num_blocks)
         self._num_dispatched[instance_id] = self._num_dispatched.get(instance_id, 0) + 1
+        self._candidates.pop(instance_id, None)
 
     # admin views
 
@@ -185,14 +202,15 @@ class ClusterView:
         )
 
     def _instance_view(self, instance_id: InstanceId) -> InstanceView:
-        report = self._reports.get(instance_id)
+        has_report = instance_id in self._reports
         return InstanceView(
             record=self._records[instance_id], state=self.state_of(instance_id), load=self.load_of(instance_id),
             num_dispatched=self._num_dispatched.get(instance_id, 0),
-            report_age_s=None if report is None else self._clock() - report[1],
+            report_age_s=self._clock() - self._heard_at[instance_id] if has_report else None,
         )
 
-    def _silence_s(self, instance_id: InstanceId) -> float:
-        report = self._reports.get(instance_id)
-        since = report[1] if report is not None else self._first_seen[instance_id]
-        return self._clock() - since
+    def _is_draining(self, instance_id: InstanceId) -> bool:
+        return instance_id in self._drained or self._records[instance_id].is_draining
+
+    def _rebuild_eligible(self) -> None:
+        self._eligible_ids = [i for i in self._sorted_ids if self._records[i].can_prefill and not self._is_draining(i)]

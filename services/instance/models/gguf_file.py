@@ -38,5 +38,6 @@ def dequantized_tensors(reader: gguf.GGUFReader, *, desc: str = "dequantizing") 
     """
     for tensor in tqdm(reader.tensors, desc=desc, unit="tensor"):
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        array = np.require(array, dtype=np.float32, requirements=["C", "W"])  # F32 tensors are read-only views of the file
+        # F32 tensors come back as read-only views of the file; torch wants writable memory
+        array = np.require(array, dtype=np.float32, requirements=["C", "W"])
         yield tensor.name, array.reshape(tuple(reversed(tensor.shape.tolist())))

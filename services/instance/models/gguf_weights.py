@@ -65,12 +65,17 @@ def llama_weights(reader: gguf.GGUFReader, shape: LlamaShape) -> dict[str, torch
 
 def _check_complete(tensors: dict[str, torch.Tensor], shape: LlamaShape) -> None:
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    expected |= {f"model.layers.{i}.{part}.weight" for i in range(shape.num_hidden_layers) for part in _LAYER_NAMES.values()}
+    for i in range(shape.num_hidden_layers):
+        expected |= {f"model.layers.{i}.{part}.weight" for part in _LAYER_NAMES.values()}
     if not shape.tie_word_embeddings:
         expected.add("lm_head.weight")
     missing, extra = expected - tensors.keys(), tensors.keys() - expected
     if missing or extra:
-        raise ValueError(f"GGUF tensors do not match a {shape.num_hidden_layers}-layer Llama: missing {sorted(missing)[:5]}, extra {sorted(extra)[:5]}")
+        raise ValueError(
+            f"GGUF tensors do not match a {shape.num_hidden_layers}-layer Llama: "
+            f"missing {sorted(missing)[:5]}, extra {sorted(extra)[:5]}"
+        )
     embed = tensors["model.embed_tokens.weight"].shape
     if tuple(embed) != (shape.vocab_size, shape.hidden_size):
-        raise ValueError(f"token_embd is {tuple(embed)}, expected (vocab_size, hidden_size) = {(shape.vocab_size, shape.hidden_size)}")
+        expected_embed = (shape.vocab_size, shape.hidden_size)
+        raise ValueError(f"token_embd is {tuple(embed)}, expected (vocab_size, hidden_size) = {expected_embed}")

@@ -18,10 +18,13 @@ class LlamaShape:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}")
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
-                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}"
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
             )
 
     @property

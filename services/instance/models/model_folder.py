@@ -62,16 +62,20 @@ def is_complete(folder: Path, source: str) -> bool:
 def write_model_folder(out_dir: Path, files: ModelFiles, *, force: bool) -> Path:
     """Write `files` to `out_dir` atomically; replace an existing folder only with `force`."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and not force:
-        raise FileExistsError(f"{out_dir} exists and is not a model built from {files.source!r}; pass --force to replace it")
+    _check_replaceable(out_dir, files.source, force=force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         _write_files(tmp, files)
-        _replace(tmp, out_dir)
+        _move_into_place(tmp, out_dir, files.source, force=force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _check_replaceable(out_dir: Path, source: str, *, force: bool) -> None:
+    if out_dir.exists() and not force:
+        raise FileExistsError(f"{out_dir} exists and is not a model built from {source!r}; pass --force to replace it")
 
 
 def _write_files(folder: Path, files: ModelFiles) -> None:
@@ -88,11 +92,19 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _replace(tmp: Path, out_dir: Path) -> None:
-    if not out_dir.exists():
-        os.rename(tmp, out_dir)
+def _move_into_place(tmp: Path, out_dir: Path, source: str, *, force: bool) -> None:
+    """Rename `tmp` to `out_dir`; a concurrent build of the same model finishing first is fine."""
+    if is_complete(out_dir, source) and not force:
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
-    os.rename(out_dir, old / "folder")
-    os.rename(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    _check_replaceable(out_dir, source, force=force)  # again: out_dir may have appeared meanwhile
+    if out_dir.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
+        os.rename(out_dir, old / "folder")
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        if not is_complete(out_dir, source):
+            raise

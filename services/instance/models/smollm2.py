@@ -86,7 +86,9 @@ def llama_shape(metadata: dict[str, Any], *, tie_word_embeddings: bool) -> Llama
     hidden, heads = require(metadata, "llama.embedding_length"), require(metadata, "llama.attention.head_count")
     rope_dims = metadata.get("llama.rope.dimension_count", hidden // heads)
     if rope_dims != hidden // heads:
-        raise ValueError(f"llama.rope.dimension_count {rope_dims} != head_dim {hidden // heads}; partial RoPE is not supported")
+        raise ValueError(
+            f"llama.rope.dimension_count {rope_dims} != head_dim {hidden // heads}; partial RoPE is not supported"
+        )
     return LlamaShape(
         hidden_size=hidden,
         intermediate_size=require(metadata, "llama.feed_forward_length"),

@@ -4,7 +4,14 @@ from tokenizers import Tokenizer
 
 
 def tokenizer_config_json(
-    tokenizer: Tokenizer, *, bos: str, eos: str, pad: str, unk: str | None = None, chat_template: str, model_max_length: int
+    tokenizer: Tokenizer,
+    *,
+    bos: str,
+    eos: str,
+    pad: str,
+    unk: str | None = None,
+    chat_template: str,
+    model_max_length: int,
 ) -> dict:
     """Special tokens by content, the added tokens by id, and the chat template."""
     added = {

@@ -129,12 +129,12 @@ def test_same_priority_is_first_come_first_served():
 
 
 def test_preemption_frees_the_latest_and_it_resumes_with_its_tokens():
-    # 4 blocks of 4 tokens; two 7-token prompts take 2 blocks each; decoding needs more.
+    # 4 blocks of 4 tokens; two 8-token prompts take 2 blocks each; decoding needs more.
     scheduler = make_scheduler(num_blocks=4, block_size=4)
-    first, second = make_request(7, "first"), make_request(7, "second")
+    first, second = make_request(8, "first"), make_request(8, "second")
     scheduler.add(first)
     scheduler.add(second)
-    run_step(scheduler, token=11)  # prefill both, each samples a token (8 tokens = 2 full blocks)
+    run_step(scheduler, token=11)  # prefill both; each samples a token at position 8
     output = run_step(scheduler, token=12)  # `first` needs a 3rd block: `second` (later) is preempted
     assert output.preempted == [second]
     assert second.status is RequestStatus.WAITING and second.block_table == []
@@ -142,14 +142,14 @@ def test_preemption_frees_the_latest_and_it_resumes_with_its_tokens():
     assert new_tokens(output) == {"first": 1}
     scheduler.remove(first, FinishReason.STOP)
     output = run_step(scheduler, token=13)
-    assert new_tokens(output) == {"second": 8}  # recomputes prompt + its generated token
-    assert output.batch.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 11]
+    assert new_tokens(output) == {"second": 9}  # recomputes prompt + its generated token
+    assert output.batch.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 11]
     assert second.output_token_ids == [11, 13]
 
 
 def test_lower_priority_is_preempted_even_if_it_arrived_first():
     scheduler = make_scheduler(num_blocks=4, block_size=4)
-    low, high = make_request(7, "low", priority=0), make_request(7, "high", priority=1)
+    low, high = make_request(8, "low", priority=0), make_request(8, "high", priority=1)
     scheduler.add(low)
     scheduler.add(high)
     run_step(scheduler)
@@ -159,7 +159,7 @@ def test_lower_priority_is_preempted_even_if_it_arrived_first():
 
 def test_no_admission_in_a_step_that_preempted():
     scheduler = make_scheduler(num_blocks=4, block_size=4)
-    first, second = make_request(7, "first"), make_request(7, "second")
+    first, second = make_request(8, "first"), make_request(8, "second")
     scheduler.add(first)
     scheduler.add(second)
     run_step(scheduler)
@@ -170,9 +170,9 @@ def test_no_admission_in_a_step_that_preempted():
 
 def test_request_longer_than_the_cache_finishes_with_length():
     scheduler = make_scheduler(num_blocks=2, block_size=4)
-    request = make_request(7, "r")
+    request = make_request(8, "r")
     scheduler.add(request)
-    run_step(scheduler)  # 8 tokens fill both blocks
+    run_step(scheduler)  # 8 tokens fill both blocks, a 9th is sampled
     output = run_step(scheduler)
     assert output.finished == [request] and output.scheduled == []
     assert request.finish_reason is FinishReason.LENGTH
@@ -180,15 +180,17 @@ def test_request_longer_than_the_cache_finishes_with_length():
 
 
 def test_prefill_chunk_shrinks_to_free_blocks_instead_of_preempting_a_better_request():
-    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=64)
-    high = make_request(7, "high", priority=1)
+    scheduler = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=8)
+    high = make_request(24, "high", priority=1)
     scheduler.add(high)
-    run_step(scheduler)  # high: 8 tokens, 2 blocks
+    for _ in range(3):
+        run_step(scheduler)  # high: 24 tokens in 6 blocks, samples a 25th
     low = make_request(40, "low")
     scheduler.add(low)
-    output = run_step(scheduler)  # high decodes (needs a 3rd block); low gets the 3 blocks left
-    assert new_tokens(output) == {"high": 1, "low": 12}
-    output = run_step(scheduler)  # no block left for low's next chunk, and it may not preempt high
+    assert new_tokens(run_step(scheduler)) == {"high": 1, "low": 7}  # 9 blocks used
+    assert new_tokens(run_step(scheduler)) == {"high": 1, "low": 7}  # 11 blocks used
+    assert new_tokens(run_step(scheduler)) == {"high": 1, "low": 6}  # the chunk shrinks to the last block
+    output = run_step(scheduler)  # no block left for low, and it may not preempt high
     assert output.preempted == [low] and new_tokens(output) == {"high": 1}
 
 

@@ -50,6 +50,32 @@ def test_existing_model_is_reused_and_other_content_needs_force(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temporary folders left behind
 
 
+def test_interrupted_build_leaves_nothing(tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("services.instance.models.model_folder.save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_tiny_model(tmp_path / "m", "gqa-tied")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_concurrent_build_of_the_same_model_is_fine(tmp_path, monkeypatch):
+    from services.instance.models import model_folder
+
+    write_files, raced = model_folder._write_files, []
+
+    def racing(folder, files):
+        write_files(folder, files)
+        if not raced:  # another process finishes the same model while this one writes
+            raced.append(True)
+            build_tiny_model(tmp_path / "m", "gqa-tied")
+
+    monkeypatch.setattr(model_folder, "_write_files", racing)
+    build_tiny_model(tmp_path / "m", "gqa-tied")
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]
+
+
 def test_unknown_shape_names_the_choices(tmp_path):
     with pytest.raises(ValueError, match="gqa-tied"):
         build_tiny_model(tmp_path / "m", "huge")
@@ -74,10 +100,12 @@ def test_transformers_loads_and_generates_varied_text(tmp_path, shape):
     model = LlamaForCausalLM.from_pretrained(out)
     generations = set()
     for prompt in PROMPTS:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        messages = [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert text == f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
         inputs = tokenizer(text, return_tensors="pt")
-        output = model.generate(**inputs, max_new_tokens=12, do_sample=False)[0, inputs["input_ids"].shape[1] :].tolist()
+        num_prompt = inputs["input_ids"].shape[1]
+        output = model.generate(**inputs, max_new_tokens=12, do_sample=False)[0, num_prompt:].tolist()
         assert len(set(output)) > 3, output  # not stuck repeating one token
         generations.add(tuple(output))
     assert len(generations) == len(PROMPTS)
@@ -92,7 +120,8 @@ def test_tokenizer_round_trips_any_text(tmp_path):
 def test_cli_builds_and_documents_flags(tmp_path):
     run = [sys.executable, "-m", "services.instance.models"]
     out = tmp_path / "cli"
-    done = subprocess.run([*run, "build-tiny", "--out", str(out), "--shape", "gqa-tied", "--seed", "3"], capture_output=True, text=True)
+    args = ["build-tiny", "--out", str(out), "--shape", "gqa-tied", "--seed", "3"]
+    done = subprocess.run([*run, *args], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert _file_bytes(out) == _file_bytes(build_tiny_model(tmp_path / "api", "gqa-tied", seed=3))
     helped = subprocess.run([*run, "build-tiny", "--help"], capture_output=True, text=True).stdout

@@ -31,7 +31,7 @@ def make_load(num_free_blocks: int = 1000, num_running: int = 0, num_waiting: in
 
 
 def make_candidate(instance_id: str, **load) -> Candidate:
-    return Candidate(InstanceId(instance_id), f"addr-{instance_id}", make_load(**load))
+    return Candidate.of(InstanceId(instance_id), f"addr-{instance_id}", make_load(**load))
 
 
 def make_view(*instance_ids: str, clock: FakeClock | None = None, report_timeout_s: float = 3.0,

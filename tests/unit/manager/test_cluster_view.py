@@ -154,3 +154,24 @@ def test_record_from_json_reads_kv_geometry_and_rejects_garbage():
         InstanceRecord.from_json("i-2", b"{}")
     with pytest.raises(ValueError, match="role 'gpu'"):
         InstanceRecord.from_json("i-3", b'{"address": "h:1", "role": "gpu"}')
+
+
+def test_candidates_follow_record_changes_and_reports():
+    view = make_view("a", num_free_blocks=100)
+    assert view.candidates()[0].freeness == pytest.approx(100)
+    moved = InstanceRecord(InstanceId("a"), "10.0.0.9:1", num_blocks=1000)
+    view.put_member(moved)
+    assert view.candidates()[0].address == "10.0.0.9:1"
+    view.apply_report(InstanceId("a"), make_load(num_free_blocks=40, num_running=1))
+    assert view.candidates()[0].freeness == pytest.approx(20)
+    view.put_member(make_record("a", role=Role.DECODE))
+    assert view.candidates() == []
+
+
+def test_report_age_is_none_before_the_first_report_of_this_term():
+    clock = FakeClock()
+    view = make_view("a", clock=clock)
+    clock.advance(0.5)
+    assert view.instance(InstanceId("a")).report_age_s == pytest.approx(0.5)
+    view.start_leading()
+    assert view.instance(InstanceId("a")).report_age_s is None

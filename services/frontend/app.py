@@ -1,0 +1,105 @@
+"""Wiring of one frontend process: model files, etcd views, dispatcher, clients, HTTP server.
+
+Shutdown order (STYLE.md): stop accepting (/health 503, new requests 503) → revoke the
+etcd lease → stop the HTTP server, giving running requests --shutdown-grace-s → close
+the gRPC channels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+
+import structlog
+from aiohttp import web
+
+from services.common.config import as_dict
+from services.common.election import watch_leader
+from services.common.registry import Registry
+from services.frontend.config import FrontendConfig
+from services.frontend.dispatch import Dispatcher, Membership
+from services.frontend.etcd_view import EtcdInstances, EtcdLeader, NoInstances
+from services.frontend.instance_client import InstanceClients
+from services.frontend.manager_client import LeaderSource, ManagerClient, StaticLeader
+from services.frontend.metrics import FrontendMetrics
+from services.frontend.request_runner import RequestRunner
+from services.frontend.served_model import ServedModel
+from services.frontend.server import FrontendServer
+
+log = structlog.get_logger(__name__)
+
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+async def main(config: FrontendConfig) -> None:
+    log.info("config_resolved", **as_dict(config))
+    model = await asyncio.to_thread(ServedModel.load, config.model, config.model_name, config.max_model_len)
+    registry = Registry(config.etcd_endpoints, config.cluster) if config.etcd_endpoints else None
+    membership, leader = await watch_cluster(config, registry)
+    metrics = FrontendMetrics()
+    manager = ManagerClient(leader, config.dispatch_timeout_s) if leader is not None else None
+    dispatcher = Dispatcher(manager, membership, cooldown_s=config.failed_instance_cooldown_s,
+                            on_fallback=metrics.dispatch_fallbacks.inc)
+    instances = InstanceClients(config.generate_timeout_s, config.abort_timeout_s)
+    runner = RequestRunner(dispatcher, instances, max_resumes=config.max_resumes, on_resume=metrics.resumes.inc)
+    server = FrontendServer(model, runner, dispatcher, metrics, api_keys=config.api_key,
+                            max_inflight=config.max_inflight, max_body_bytes=config.max_body_bytes)
+    try:
+        await serve(config, server, registry)
+    finally:
+        await instances.close()
+        if manager is not None:
+            await manager.close()
+        if registry is not None:
+            await registry.close()
+
+
+async def watch_cluster(config: FrontendConfig, registry: Registry | None) -> tuple[Membership, LeaderSource | None]:
+    membership: Membership = NoInstances()
+    leader: LeaderSource | None = StaticLeader(config.manager_address) if config.manager_address else None
+    if registry is not None:
+        membership = EtcdInstances(await registry.watch("instances"))
+        if leader is None:
+            leader = EtcdLeader(await watch_leader(registry))
+    return membership, leader
+
+
+async def serve(config: FrontendConfig, server: FrontendServer, registry: Registry | None) -> None:
+    http = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
+                         shutdown_timeout=config.shutdown_grace_s)
+    await http.setup()
+    site = web.TCPSite(http, config.host, config.port)
+    await site.start()
+    port = _bound_port(http, config.port)
+    address = f"{'127.0.0.1' if config.host in _WILDCARD_HOSTS else config.host}:{port}"
+    frontend_id = config.frontend_id or f"{socket.gethostname()}-{port}"
+    if registry is not None:
+        await registry.register("frontends", frontend_id, {"frontend_id": frontend_id, "address": address,
+                                                           "pid": os.getpid(), "host": socket.gethostname()})
+    stop = _stop_event()
+    log.info("frontend_ready", frontend_id=frontend_id, address=address, model=config.model_name)
+    print(f"ready {frontend_id} http://{address}", flush=True)
+    await stop.wait()
+    log.info("frontend_stopping", frontend_id=frontend_id)
+    server.is_accepting = False
+    if registry is not None:
+        await registry.close()  # revokes the lease: our frontends/<id> key goes with it
+    await http.cleanup()
+    log.info("frontend_stopped", frontend_id=frontend_id)
+
+
+def _bound_port(http: web.AppRunner, configured: int) -> int:
+    for address in http.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    return configured
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

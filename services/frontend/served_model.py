@@ -1,0 +1,83 @@
+"""The model the frontend serves, as far as the frontend needs it: its name, its context
+length (config.json), and its tokenizer (tokenizer.json + the chat template in
+tokenizer_config.json) for prompts, chat templates and logprob token strings."""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jinja2
+
+from services.frontend.openai_protocol import Endpoint, ParsedRequest, RequestError, check_prompt_token_ids
+
+
+class Tokenizer(Protocol):
+    """What the frontend uses of services.instance.engine.tokenizer.Tokenizer."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int] | str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    name: str  # what clients put in `model`
+    max_model_len: int  # prompt + output, in tokens
+    vocab_size: int
+    tokenizer: Tokenizer
+
+    @classmethod
+    def load(cls, folder: pathlib.Path, name: str, max_model_len: int = 0) -> ServedModel:
+        """Read `folder`; `max_model_len` 0 means config.json's max_position_embeddings."""
+        config_path = folder / "config.json"
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--model {folder}: cannot read {config_path}: {exc}") from exc
+        from services.instance.engine.tokenizer import Tokenizer as FolderTokenizer  # tokenizers + jinja2, no torch
+
+        context = max_model_len or int(config["max_position_embeddings"])
+        return cls(name=name, max_model_len=context, vocab_size=int(config["vocab_size"]),
+                   tokenizer=FolderTokenizer.from_folder(folder))
+
+    def prompt_token_ids(self, parsed: ParsedRequest) -> list[int]:
+        """The prompt's token ids: as given, encoded, or rendered through the chat template."""
+        if parsed.endpoint is Endpoint.CHAT:
+            token_ids = self._chat_token_ids(parsed.messages or ())
+        elif isinstance(parsed.prompt, str):
+            token_ids = list(self.tokenizer.encode(parsed.prompt))
+        else:
+            token_ids = list(parsed.prompt or ())
+        check_prompt_token_ids(token_ids, self.vocab_size)
+        return token_ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids))
+
+    def token_text(self, token_id: int) -> str:
+        return _token_text(self.tokenizer, token_id)
+
+    def _chat_token_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        try:
+            rendered = self.tokenizer.apply_chat_template(list(messages))
+        except jinja2.TemplateError as exc:  # the template's raise_exception, e.g. roles out of order
+            raise RequestError(f"messages: the model's chat template rejected them: {exc}", param="messages") from None
+        if isinstance(rendered, str):
+            return list(self.tokenizer.encode(rendered, add_special_tokens=False))
+        return list(rendered)
+
+
+@functools.lru_cache(maxsize=65536)
+def _token_text_cached(tokenizer_id: int, tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return _token_text_cached(id(tokenizer), tokenizer, token_id)

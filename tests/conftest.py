@@ -1,0 +1,21 @@
+"""Fixtures shared by every test layer: tiny random-weight models built on the fly."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from services.instance.models.tiny import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A tiny GQA Llama with tied embeddings and a real byte-level BPE tokenizer."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-gqa-tied", "gqa-tied", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_mha_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A tiny MHA Llama with untied embeddings."""
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-mha-untied", "mha-untied", seed=0)

@@ -1,0 +1,100 @@
+"""Leader election against a real etcd: one leader, hand-over on resign and on lease loss."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from etcd3aio import Etcd3Client
+
+from services.common.election import Election, LeaderInfo, watch_leader
+from services.common.etcd_launcher import LocalEtcd
+from services.common.registry import Registry
+
+pytestmark = pytest.mark.timeout(60)
+
+TTL_S = 2.0
+
+
+@pytest.fixture
+async def candidates(etcd: LocalEtcd, cluster: str):
+    a = Election([etcd.endpoint], cluster, "m-a", "127.0.0.1:1001", ttl_s=TTL_S)
+    b = Election([etcd.endpoint], cluster, "m-b", "127.0.0.1:1002", ttl_s=TTL_S)
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+@pytest.fixture
+async def leader_view(etcd: LocalEtcd, cluster: str):
+    registry = Registry([etcd.endpoint], cluster, ttl_s=TTL_S)
+    yield await watch_leader(registry)
+    await registry.close()
+
+
+async def test_one_leader_then_hand_over_on_resign(candidates, leader_view) -> None:
+    a, b = candidates
+    await asyncio.wait_for(a.campaign(), 5)
+    assert a.is_leader
+    b_campaign = asyncio.create_task(b.campaign())
+    await asyncio.sleep(0.5)
+    assert not b_campaign.done() and not b.is_leader
+    leader = await b.leader()
+    assert (leader.leader_id, leader.address) == ("m-a", "127.0.0.1:1001") and leader.epoch == a.epoch
+    await asyncio.wait_for(_until(lambda: leader_view.leader is not None), 5)
+    assert leader_view.leader == LeaderInfo("m-a", "127.0.0.1:1001")
+
+    await a.resign()
+    assert not a.is_leader and not a.lost.is_set()
+    await asyncio.wait_for(b_campaign, 3)  # the watch wakes b at once, well within a TTL
+    assert b.is_leader and b.epoch > leader.epoch
+    assert (await a.leader()).leader_id == "m-b"
+    await asyncio.wait_for(_until(lambda: leader_view.leader == LeaderInfo("m-b", "127.0.0.1:1002")), 5)
+
+
+async def test_leader_whose_lease_is_revoked_steps_down(candidates, etcd: LocalEtcd) -> None:
+    a, b = candidates
+    await asyncio.wait_for(a.campaign(), 5)
+    b_campaign = asyncio.create_task(b.campaign())
+    async with Etcd3Client([etcd.endpoint]) as client:
+        lease_id = (await client.kv.get(a.key, timeout=5)).kvs[0].lease
+        await client.lease.revoke(lease_id, timeout=5)  # a "dies" as far as etcd is concerned
+    await asyncio.wait_for(a.lost.wait(), TTL_S + 1)
+    assert not a.is_leader
+    await asyncio.wait_for(b_campaign, 5)
+    assert b.is_leader
+
+    await asyncio.wait_for(b.close(), 5)  # b goes away; a may lead again
+    await asyncio.wait_for(a.campaign(), 5)
+    assert a.is_leader and not a.lost.is_set()
+
+
+async def test_no_leader_and_campaign_after_close(candidates) -> None:
+    a, _ = candidates
+    assert await a.leader() is None
+    await asyncio.wait_for(a.campaign(), 5)
+    await a.close()
+    assert await Election.leader(a) is None
+
+
+async def _until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.05)
+
+
+async def test_leader_cut_off_from_etcd_notices_and_someone_leads_after(candidates, running_etcd: LocalEtcd) -> None:
+    a, b = candidates
+    await asyncio.wait_for(a.campaign(), 5)
+    b_campaign = asyncio.create_task(b.campaign())
+    running_etcd.pause()
+    try:
+        await asyncio.wait_for(a.lost.wait(), 2 * TTL_S + 1)
+        assert not a.is_leader
+    finally:
+        running_etcd.resume()
+    a_campaign = asyncio.create_task(a.campaign())
+    done, _ = await asyncio.wait([a_campaign, b_campaign], timeout=3 * TTL_S + 2,
+                                 return_when=asyncio.FIRST_COMPLETED)
+    assert len(done) == 1 and a.is_leader != b.is_leader
+    for task in (a_campaign, b_campaign):
+        task.cancel()

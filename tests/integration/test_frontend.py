@@ -1,0 +1,349 @@
+"""The frontend end to end: a real instance process on a tiny model, a real etcd, the
+frontend process, and the `openai` client. No manager runs, so every request takes the
+frontend's own etcd fallback (and the fallback counter shows it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import aiohttp
+import grpc
+import openai
+import pytest
+
+from services.cluster.processes import ServiceProcess
+from services.common.etcd_launcher import free_port
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
+
+pytestmark = pytest.mark.timeout(120)
+
+NUM_BLOCKS = 64
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 256
+KEYS = ("key-one", "key-two")
+PROMPT_IDS = [5, 17, 42, 99, 7, 3]
+
+
+@pytest.fixture(scope="module")
+def cluster_name() -> str:
+    return f"fe-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def instance(etcd, tiny_model_dir, cluster_name, tmp_path_factory):
+    port = free_port()
+    process = ServiceProcess(
+        "instance-fe", "instance",
+        ["--model", str(tiny_model_dir), "--port", str(port), "--instance-id", "fe-0", "--num-threads", "1",
+         "--etcd-endpoints", etcd.endpoint, "--cluster", cluster_name, "--lease-ttl-s", "3",
+         "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN)],
+        f"127.0.0.1:{port}", tmp_path_factory.mktemp("logs"))
+    process.start()
+    try:
+        asyncio.run(process.wait_healthy(90))
+        yield process
+    finally:
+        process.stop()
+
+
+def start_frontend(name, etcd, model_dir, cluster_name, log_dir, *extra: str) -> ServiceProcess:
+    port = free_port("127.0.0.1")
+    return ServiceProcess(
+        name, "frontend",
+        ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--etcd-endpoints", etcd.endpoint,
+         "--cluster", cluster_name, "--max-model-len", str(MAX_MODEL_LEN), *extra],
+        f"http://127.0.0.1:{port}", log_dir).start()
+
+
+@pytest.fixture(scope="module")
+def frontend(instance, etcd, tiny_model_dir, cluster_name, tmp_path_factory):
+    process = start_frontend("frontend-fe", etcd, tiny_model_dir, cluster_name, tmp_path_factory.mktemp("logs"),
+                             "--api-key", KEYS[0], "--api-key", KEYS[1], "--max-body-bytes", "65536")
+    try:
+        asyncio.run(process.wait_healthy(60))
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture
+async def client(frontend):
+    async with openai.AsyncOpenAI(base_url=f"{frontend.address}/v1", api_key=KEYS[0], max_retries=0,
+                                  timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+async def http(frontend):
+    async with aiohttp.ClientSession(base_url=frontend.address, headers={"Authorization": f"Bearer {KEYS[1]}"},
+                                     timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+@pytest.fixture
+async def instance_stub(instance):
+    async with grpc.aio.insecure_channel(instance.address) as channel:
+        yield instance_pb2_grpc.InstanceServiceStub(channel)
+
+
+MODEL = "tiny-gqa-tied"  # the model folder's name
+
+
+async def instance_greedy(stub, prompt_ids, max_tokens) -> tuple[list[int], str]:
+    request = instance_pb2.GenerateRequest(
+        request_id=f"ref-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    chunks = [chunk async for chunk in stub.Generate(request, timeout=60)]
+    return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks)
+
+
+# ---- completions and chat ----------------------------------------------------------------
+
+
+async def test_completion_token_ids_match_the_instances_own_output(client, instance_stub):
+    expected_ids, expected_text = await instance_greedy(instance_stub, PROMPT_IDS, 12)
+    raw = await client.completions.with_raw_response.create(
+        model=MODEL, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+    completion = raw.parse()
+    choice = completion.choices[0].model_dump()
+    assert choice["token_ids"] == expected_ids
+    assert choice["text"] == expected_text
+    assert choice["finish_reason"] == "length"
+    assert completion.usage.prompt_tokens == len(PROMPT_IDS) and completion.usage.completion_tokens == 12
+    assert raw.headers["x-request-id"] == completion.id and completion.id.startswith("cmpl-")
+
+
+async def test_streamed_completion_equals_the_whole_one(client):
+    whole = await client.completions.create(model=MODEL, prompt="the cat sat", max_tokens=10, temperature=0,
+                                            extra_body={"return_token_ids": True, "ignore_eos": True})
+    stream = await client.completions.create(
+        model=MODEL, prompt="the cat sat", max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"return_token_ids": True, "ignore_eos": True})
+    chunks = [chunk async for chunk in stream]
+    token_chunks = [c for c in chunks if c.choices]
+    assert [t for c in token_chunks for t in c.choices[0].model_dump()["token_ids"]] == \
+        whole.choices[0].model_dump()["token_ids"]
+    assert "".join(c.choices[0].text for c in token_chunks) == whole.choices[0].text
+    assert token_chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert len({c.id for c in chunks}) == 1
+
+
+async def test_chat_whole_and_streamed(client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    whole = await client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=8,
+                                                 temperature=0, extra_body={"return_token_ids": True,
+                                                                            "ignore_eos": True})
+    assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 8 and whole.choices[0].finish_reason == "length"
+    stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                  stream=True, extra_body={"return_token_ids": True,
+                                                                           "ignore_eos": True})
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert [t for c in chunks for t in c.choices[0].model_dump()["token_ids"]] == \
+        whole.choices[0].model_dump()["token_ids"]
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_seed_reproduces_a_sampled_completion(client):
+    def ask():
+        return client.completions.create(model=MODEL, prompt="once upon", max_tokens=12, temperature=1.0, top_p=0.9,
+                                         top_k=50, seed=1234, extra_body={"ignore_eos": True,
+                                                                          "return_token_ids": True})
+    first, second = await ask(), await ask()
+    assert first.choices[0].model_dump()["token_ids"] == second.choices[0].model_dump()["token_ids"]
+
+
+async def test_stop_string_ends_the_output_before_it(client):
+    whole = await client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=24, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    text = whole.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    if not stop.strip():
+        pytest.skip(f"no usable stop string in {text!r}")
+    stopped = await client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=24, temperature=0,
+                                              stop=[stop], extra_body={"ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].text == text[: text.index(stop)]
+
+
+async def test_logprobs(client):
+    completion = await client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=5, temperature=0,
+                                                 logprobs=2, extra_body={"ignore_eos": True})
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs) and all(lp <= 0 for lp in logprobs.token_logprobs)
+    chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4, temperature=0, logprobs=True, top_logprobs=3,
+                                                extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(entry.top_logprobs) == 3 for entry in content)
+
+
+async def test_models_health_and_metrics(http, frontend):
+    async with http.get("/v1/models") as response:
+        assert response.status == 200
+        assert [m["id"] for m in (await response.json())["data"]] == [MODEL]
+    async with aiohttp.ClientSession() as anonymous:  # /health and /metrics need no key
+        async with anonymous.get(f"{frontend.address}/health") as response:
+            assert response.status == 200 and (await response.json())["num_instances"] == 1
+        async with anonymous.get(f"{frontend.address}/metrics") as response:
+            text = await response.text()
+    assert response.status == 200
+    for name in ("ferry_frontend_requests_total", "ferry_frontend_time_to_first_token_seconds",
+                 "ferry_frontend_inter_token_latency_seconds", "ferry_frontend_requests_in_flight",
+                 "ferry_frontend_dispatch_fallbacks_total"):
+        assert name in text, name
+    fallbacks = next(line for line in text.splitlines() if line.startswith("ferry_frontend_dispatch_fallbacks_total"))
+    assert float(fallbacks.split()[-1]) >= 1  # no manager runs: every dispatch fell back
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = [
+    (COMPLETIONS, b'{"model": "tiny-gqa-tied", "prompt": ', "JSON"),
+    (COMPLETIONS, b"[1, 2, 3]", "JSON object"),
+    (COMPLETIONS, {"model": MODEL}, "prompt"),
+    (CHAT, {"model": MODEL}, "messages"),
+    (CHAT, {"model": MODEL, "messages": "hi"}, "messages"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "content"),
+    (COMPLETIONS, {"model": MODEL, "prompt": 12}, "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "stream": "yes"}, "stream"),
+    (COMPLETIONS, {"model": "gpt-4", "prompt": "x"}, "gpt-4"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    (CHAT, {"model": MODEL, "messages": USER, "max_completion_tokens": -1}, "max_completion_tokens"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "temperature": -0.5}, "temperature"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "temperature": 2.5}, "temperature"),
+    (CHAT, {"model": MODEL, "messages": USER, "top_p": 0}, "top_p"),
+    (CHAT, {"model": MODEL, "messages": USER, "top_p": 1.2}, "top_p"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "n": 2}, "n=1"),
+    (COMPLETIONS, {"model": MODEL, "prompt": [1] * MAX_MODEL_LEN}, "context length"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "word " * 400}]}, "context length"),
+    (COMPLETIONS, {"model": MODEL, "prompt": [1, 100000]}, "vocabulary"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": 7}, "stop"),
+    (CHAT, {"model": MODEL, "messages": USER, "top_logprobs": 3}, "logprobs"),
+]
+
+
+@pytest.mark.parametrize("path, body, word", BAD_REQUESTS)
+async def test_bad_input_is_400_naming_the_problem(http, path, body, word):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with http.post(path, data=data, headers={"Content-Type": "application/json"}) as response:
+        payload = await response.json()
+    assert response.status == 400, payload
+    error = payload["error"]
+    assert error["type"] == "invalid_request_error" and word in error["message"], error
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+async def test_bad_input_through_the_openai_client(client):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        await client.chat.completions.create(model=MODEL, messages=USER, temperature=3)
+
+
+async def test_oversized_body_is_413(http):
+    body = json.dumps({"model": MODEL, "prompt": "x" * 70_000}).encode()
+    async with http.post(COMPLETIONS, data=body, headers={"Content-Type": "application/json"}) as response:
+        assert response.status == 413
+        assert "--max-body-bytes" in (await response.json())["error"]["message"]
+
+
+async def test_unknown_path_is_a_json_404(http):
+    async with http.get("/v1/nope") as response:
+        assert response.status == 404
+        assert "error" in await response.json()
+
+
+# ---- API keys ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {KEYS[0]}"}])
+async def test_missing_or_wrong_api_key_is_401(frontend, headers):
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{frontend.address}{COMPLETIONS}", json={"model": MODEL, "prompt": "x"},
+                                headers=headers) as response:
+            payload = await response.json()
+    assert response.status == 401
+    assert payload["error"]["code"] == "invalid_api_key" and "Authorization: Bearer" in payload["error"]["message"]
+
+
+async def test_every_configured_key_works(frontend):
+    for key in KEYS:
+        async with openai.AsyncOpenAI(base_url=f"{frontend.address}/v1", api_key=key, max_retries=0) as client:
+            assert [m.id async for m in client.models.list()] == [MODEL]
+
+
+# ---- a client that goes away ----------------------------------------------------------------
+
+
+async def free_blocks(stub) -> tuple[int, int]:
+    status = await stub.GetStatus(instance_pb2.GetStatusRequest(), timeout=5)
+    return status.load.num_free_blocks, status.load.num_running + status.load.num_waiting
+
+
+async def test_client_disconnect_aborts_the_request_on_the_instance(http, instance_stub):
+    baseline, _ = await free_blocks(instance_stub)
+    body = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 200, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    response = await http.post(COMPLETIONS, json=body)
+    assert response.status == 200
+    for _ in range(3):  # a few chunks: the request is running on the instance
+        await response.content.readline()
+    free, active = await free_blocks(instance_stub)
+    assert active == 1 and free < baseline
+    response.close()  # the client goes away mid-stream
+    for _ in range(100):
+        free, active = await free_blocks(instance_stub)
+        if free == baseline and active == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert (free, active) == (baseline, 0)
+
+
+# ---- limits and an empty cluster --------------------------------------------------------------
+
+
+async def test_inflight_limit_and_empty_cluster(instance, etcd, tiny_model_dir, cluster_name, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("logs")
+    limited = start_frontend("frontend-limited", etcd, tiny_model_dir, cluster_name, log_dir, "--max-inflight", "1")
+    empty = start_frontend("frontend-empty", etcd, tiny_model_dir, f"empty-{cluster_name}", log_dir)
+    try:
+        await limited.wait_healthy(60)
+        async with aiohttp.ClientSession(base_url=limited.address) as session:
+            body = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 100, "stream": True, "ignore_eos": True}
+            async with session.post(COMPLETIONS, json=body) as streaming:
+                await streaming.content.readline()
+                async with session.post(COMPLETIONS, json={**body, "stream": False}) as second:
+                    assert second.status == 429
+                    assert "--max-inflight 1" in (await second.json())["error"]["message"]
+        await asyncio.wait_for(_wait_listening(empty.address), 60)
+        async with aiohttp.ClientSession(base_url=empty.address) as session:
+            async with session.get("/health") as health:
+                assert health.status == 503 and (await health.json())["num_instances"] == 0
+            async with session.post(COMPLETIONS, json={"model": MODEL, "prompt": "x"}) as response:
+                assert response.status == 503
+                assert "no serving instance" in (await response.json())["error"]["message"]
+    finally:
+        limited.stop()
+        empty.stop()
+
+
+async def _wait_listening(base_url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                async with session.get(f"{base_url}/health"):
+                    return
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.2)

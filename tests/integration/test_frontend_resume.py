@@ -1,0 +1,261 @@
+"""Stream resume and abort through real sockets: the frontend's HTTP server and gRPC clients
+in this process, talking to scripted InstanceService servers on free 127.0.0.1 ports.
+
+A scripted instance produces token i of a request as `(sum(prompt) + i) % 97 + 3`, so a
+request resumed elsewhere continues exactly where it stopped (as greedy decoding would),
+and it can be told to fail after some tokens the way a dying instance does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import grpc
+import pytest
+from aiohttp import web
+
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc
+from services.common.grpc_server import start_grpc_server
+from services.frontend.dispatch import Dispatcher, InstanceEntry
+from services.frontend.generation import InstanceId
+from services.frontend.instance_client import InstanceClients
+from services.frontend.manager_client import ManagerClient, StaticLeader
+from services.frontend.metrics import FrontendMetrics
+from services.frontend.request_runner import RequestRunner
+from services.frontend.served_model import ServedModel
+from services.frontend.server import FrontendServer
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = "scripted"
+
+
+def expected_token(prompt: list[int], index: int) -> int:
+    return (sum(prompt) + index) % 97 + 3
+
+
+class CharTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 100 + 3 for c in text]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in token_ids)
+
+    def apply_chat_template(self, messages):
+        return "".join(f"{m['role']}:{m['content']}\n" for m in messages)
+
+
+class ScriptedInstance(instance_pb2_grpc.InstanceServiceServicer):
+    def __init__(self, fail_after: int | None = None, delay_s: float = 0.0) -> None:
+        self.fail_after = fail_after  # tokens streamed before the stream breaks with UNAVAILABLE
+        self.delay_s = delay_s
+        self.requests: list[instance_pb2.GenerateRequest] = []
+        self.aborted: list[str] = []
+        self.running: set[str] = set()
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        prompt, start = list(request.prompt_token_ids), len(request.resume_token_ids)
+        assert list(request.resume_token_ids) == [expected_token(prompt, i) for i in range(start)]
+        self.running.add(request.request_id)
+        try:
+            for index in range(start, request.sampling.max_tokens):
+                if self.fail_after is not None and index - start >= self.fail_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "instance is going away")
+                await asyncio.sleep(self.delay_s)
+                token = expected_token(prompt, index)
+                last = index == request.sampling.max_tokens - 1
+                yield instance_pb2.GenerateChunk(
+                    request_id=request.request_id, token_index=index, token_ids=[token],
+                    text=CharTokenizer().decode([token]), num_prompt_tokens=len(prompt) if index == start else 0,
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH if last else common_pb2.FINISH_REASON_UNSPECIFIED)
+        finally:
+            self.running.discard(request.request_id)
+
+    async def Abort(self, request, context):
+        self.aborted.append(request.request_id)
+        return instance_pb2.AbortResponse(was_running=True)
+
+
+class ScriptedManager(manager_pb2_grpc.ManagerServiceServicer):
+    def __init__(self, pick: int, delay_s: float = 0.0) -> None:
+        self.pick = pick  # index of the instance it answers with
+        self.delay_s = delay_s
+        self.entries: list[InstanceEntry] = []
+        self.requests: list[manager_pb2.DispatchRequest] = []
+
+    async def Dispatch(self, request, context):
+        self.requests.append(request)
+        await asyncio.sleep(self.delay_s)
+        entry = self.entries[self.pick]
+        return manager_pb2.DispatchResponse(instance_id=entry.instance_id, address=entry.address, policy="scripted")
+
+
+class StaticMembership:
+    def __init__(self, entries):
+        self.entries = entries
+
+    def instances(self):
+        return self.entries
+
+
+@pytest.fixture
+async def cluster():
+    """Start scripted instances, then a frontend over them; yields (base_url, instances, metrics)."""
+    servers, frontends = [], []
+
+    async def start(*instances: ScriptedInstance, max_resumes: int = 3, manager: ScriptedManager | None = None):
+        entries = []
+        for i, servicer in enumerate(instances):
+            server = await start_grpc_server(
+                "127.0.0.1", 0, [(instance_pb2_grpc.add_InstanceServiceServicer_to_server, servicer)],
+                ["ferry.v1.InstanceService"])
+            servers.append(server)
+            entries.append(InstanceEntry(InstanceId(f"i{i}"), server.address, True))
+        metrics = FrontendMetrics()
+        manager_client = None
+        if manager is not None:
+            manager.entries = entries
+            server = await start_grpc_server(
+                "127.0.0.1", 0, [(manager_pb2_grpc.add_ManagerServiceServicer_to_server, manager)],
+                ["ferry.v1.ManagerService"])
+            servers.append(server)
+            manager_client = ManagerClient(StaticLeader(server.address), timeout_s=0.2)
+        dispatcher = Dispatcher(manager_client, StaticMembership(entries), cooldown_s=5.0,
+                                on_fallback=metrics.dispatch_fallbacks.inc)
+        clients = InstanceClients(generate_timeout_s=30, abort_timeout_s=2)
+        runner = RequestRunner(dispatcher, clients, max_resumes=max_resumes, on_resume=metrics.resumes.inc)
+        model = ServedModel(MODEL, max_model_len=512, vocab_size=128, tokenizer=CharTokenizer())
+        app = FrontendServer(model, runner, dispatcher, metrics, api_keys=(), max_inflight=8,
+                             max_body_bytes=1 << 20).app()
+        http = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await http.setup()
+        site = web.TCPSite(http, "127.0.0.1", 0)
+        await site.start()
+        frontends.append((http, clients))
+        port = http.addresses[0][1]
+        return f"http://127.0.0.1:{port}", metrics
+
+    yield start
+    for http, clients in frontends:
+        await http.cleanup()
+        await clients.close()
+    for server in servers:
+        await server.stop(0)
+
+
+PROMPT = "abc"
+PROMPT_IDS = CharTokenizer().encode(PROMPT)
+
+
+async def post(base_url, body):
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{base_url}/v1/completions", json=body) as response:
+            return response.status, await response.read()
+
+
+async def test_a_broken_stream_resumes_on_another_instance_without_gaps(cluster):
+    dying, healthy = ScriptedInstance(fail_after=4), ScriptedInstance()
+    base_url, metrics = await cluster(dying, healthy)
+    status, raw = await post(base_url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "stream": True,
+                                        "return_token_ids": True})
+    assert status == 200
+    events = [line[len(b"data: "):] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    token_ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert token_ids == [expected_token(PROMPT_IDS, i) for i in range(10)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert len(dying.requests) == 1 and len(healthy.requests) == 1
+    assert len(healthy.requests[0].resume_token_ids) == 4
+    assert healthy.requests[0].request_id == dying.requests[0].request_id == chunks[0]["id"]
+    assert dying.aborted == [chunks[0]["id"]]  # the broken one is told to free its blocks
+    assert metrics.resumes._value.get() == 1
+
+
+async def test_resumes_are_bounded_then_an_error_event(cluster):
+    instances = [ScriptedInstance(fail_after=1) for _ in range(3)]
+    base_url, _ = await cluster(*instances, max_resumes=2)
+    status, raw = await post(base_url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "stream": True})
+    assert status == 200
+    events = [line[len(b"data: "):] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+    error = json.loads(events[-2])["error"]
+    assert "after 2 resumes" in error["message"] and error["type"] == "server_error"
+    assert events[-1] == b"[DONE]"
+
+
+async def test_failure_before_the_first_token_gets_its_own_status(cluster):
+    base_url, _ = await cluster(ScriptedInstance(fail_after=0), max_resumes=0)
+    status, raw = await post(base_url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True})
+    assert status == 503
+    assert "instance is going away" in json.loads(raw)["error"]["message"]
+
+
+async def test_non_streaming_request_resumes_too(cluster):
+    base_url, _ = await cluster(ScriptedInstance(fail_after=2), ScriptedInstance())
+    status, raw = await post(base_url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "return_token_ids": True})
+    assert status == 200
+    body = json.loads(raw)
+    assert body["choices"][0]["token_ids"] == [expected_token(PROMPT_IDS, i) for i in range(6)]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+
+
+async def test_a_client_that_goes_away_cancels_and_aborts(cluster):
+    slow = ScriptedInstance(delay_s=0.05)
+    base_url, _ = await cluster(slow)
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{base_url}/v1/completions",
+                                      json={"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "stream": True})
+        await response.content.readline()
+        request_id = slow.requests[0].request_id
+        assert slow.running == {request_id}
+        response.close()
+    for _ in range(100):
+        if not slow.running and slow.aborted:
+            break
+        await asyncio.sleep(0.05)
+    assert slow.running == set() and slow.aborted == [request_id]
+
+
+async def test_non_streaming_client_that_goes_away_aborts_too(cluster):
+    slow = ScriptedInstance(delay_s=0.05)
+    base_url, _ = await cluster(slow)
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(asyncio.TimeoutError):
+            await session.post(f"{base_url}/v1/completions", json={"model": MODEL, "prompt": PROMPT,
+                                                                   "max_tokens": 400},
+                               timeout=aiohttp.ClientTimeout(total=0.5))
+    for _ in range(100):
+        if not slow.running and slow.aborted:
+            break
+        await asyncio.sleep(0.05)
+    assert slow.running == set() and len(slow.aborted) == 1
+
+
+def fallbacks(metrics) -> float:
+    return metrics.dispatch_fallbacks._value.get()
+
+
+async def test_the_managers_choice_is_used(cluster):
+    first, second = ScriptedInstance(), ScriptedInstance()
+    manager = ScriptedManager(pick=1)
+    base_url, metrics = await cluster(first, second, manager=manager)
+    status, _ = await post(base_url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "priority": 2})
+    assert status == 200
+    assert not first.requests and len(second.requests) == 1 and fallbacks(metrics) == 0
+    (request,) = manager.requests
+    assert request.request_id == second.requests[0].request_id
+    assert (request.num_prompt_tokens, request.max_tokens, request.priority) == (3, 3, 2)
+    assert second.requests[0].priority == 2
+
+
+async def test_a_slow_manager_is_passed_over_and_counted(cluster):
+    only = ScriptedInstance()
+    base_url, metrics = await cluster(only, manager=ScriptedManager(pick=0, delay_s=1.0))
+    started = asyncio.get_running_loop().time()
+    status, _ = await post(base_url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 3})
+    assert status == 200 and len(only.requests) == 1
+    assert fallbacks(metrics) == 1
+    assert asyncio.get_running_loop().time() - started < 1.0  # the 200 ms deadline, not the manager's 1 s

@@ -1,0 +1,147 @@
+"""The instance service end to end: a real process, a real etcd, real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from services.cluster.processes import ServiceProcess
+from services.common.etcd_launcher import free_port
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
+from services.common.registry import Registry
+from services.instance.engine.engine import EngineConfig, LLMEngine
+from services.instance.engine.kv_cache import KvCache, KvGeometry
+from services.instance.engine.model import load_model
+from services.instance.engine.request import SamplingParams
+from services.instance.engine.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.timeout(120)
+
+LEASE_TTL_S = 2
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def instance(etcd, tiny_model_dir, tmp_path_factory):
+    port = free_port()
+    process = ServiceProcess(
+        "instance-it", "instance",
+        ["--model", str(tiny_model_dir), "--port", str(port), "--instance-id", "it-0", "--num-threads", "1",
+         "--etcd-endpoints", etcd.endpoint, "--cluster", "it", "--lease-ttl-s", str(LEASE_TTL_S),
+         "--num-blocks", str(NUM_BLOCKS), "--block-size", "4", "--max-model-len", "256"],
+        f"127.0.0.1:{port}", tmp_path_factory.mktemp("logs"))
+    process.start()
+    asyncio.run(process.wait_healthy(60))
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+async def stub(instance):
+    async with grpc.aio.insecure_channel(instance.address) as channel:
+        yield instance_pb2_grpc.InstanceServiceStub(channel)
+
+
+def greedy(max_tokens: int, **fields) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **fields)
+
+
+def reference_tokens(model_dir, prompt: list[int], max_tokens: int) -> list[int]:
+    model = load_model(model_dir)
+    config = model.config
+    geometry = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 4, NUM_BLOCKS, model.dtype)
+    with KvCache.create(f"ferry-test-ref-{id(prompt)}", geometry) as kv_cache:
+        engine = LLMEngine(model, Tokenizer.from_folder(model_dir), kv_cache,
+                           EngineConfig(block_size=4, num_blocks=NUM_BLOCKS, max_model_len=256))
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return engine.generate([prompt], sampling)[0]
+
+
+async def collect(stub, request: instance_pb2.GenerateRequest) -> list[instance_pb2.GenerateChunk]:
+    return [chunk async for chunk in stub.Generate(request, timeout=60)]
+
+
+async def test_generate_streams_the_engines_greedy_tokens(stub, tiny_model_dir):
+    prompt = [5, 17, 42, 99, 7, 3]
+    chunks = await collect(stub, instance_pb2.GenerateRequest(request_id="g-1", prompt_token_ids=prompt, sampling=greedy(12)))
+    tokens = [t for chunk in chunks for t in chunk.token_ids]
+    indexes = [chunk.token_index for chunk in chunks]
+    assert indexes == sorted(indexes) and indexes[0] == 0
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert tokens == reference_tokens(tiny_model_dir, prompt, 12)
+    assert "".join(chunk.text for chunk in chunks)
+
+
+async def test_bad_input_is_invalid_argument_naming_the_field(stub):
+    cases = {
+        "prompt": instance_pb2.GenerateRequest(request_id="b-1", prompt_token_ids=[], sampling=greedy(4)),
+        "max_tokens": instance_pb2.GenerateRequest(request_id="b-2", prompt_token_ids=[1, 2], sampling=greedy(0)),
+        "temperature": instance_pb2.GenerateRequest(
+            request_id="b-3", prompt_token_ids=[1, 2], sampling=common_pb2.SamplingParams(temperature=-1, max_tokens=4)),
+        "top_p": instance_pb2.GenerateRequest(
+            request_id="b-4", prompt_token_ids=[1, 2], sampling=common_pb2.SamplingParams(top_p=1.5, max_tokens=4)),
+        "context": instance_pb2.GenerateRequest(request_id="b-5", prompt_token_ids=[1] * 300, sampling=greedy(4)),
+    }
+    for field, request in cases.items():
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await collect(stub, request)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert field in error.value.details(), (field, error.value.details())
+    status = await stub.GetStatus(instance_pb2.GetStatusRequest(), timeout=5)
+    assert status.load.num_free_blocks == NUM_BLOCKS
+
+
+async def test_abort_and_cancel_free_every_block(stub):
+    baseline = (await stub.GetStatus(instance_pb2.GetStatusRequest(), timeout=5)).load.num_free_blocks
+    call = stub.Generate(instance_pb2.GenerateRequest(request_id="a-1", prompt_token_ids=[3] * 20, sampling=greedy(200)),
+                         timeout=60)
+    await call.read()  # running now
+    await stub.Abort(instance_pb2.AbortRequest(request_id="a-1"), timeout=5)
+    cancelled = stub.Generate(instance_pb2.GenerateRequest(request_id="a-2", prompt_token_ids=[4] * 20,
+                                                           sampling=greedy(200)), timeout=60)
+    await cancelled.read()
+    cancelled.cancel()  # the client went away
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await stub.Abort(instance_pb2.AbortRequest(request_id="never-existed"), timeout=5)
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    for _ in range(50):
+        status = await stub.GetStatus(instance_pb2.GetStatusRequest(), timeout=5)
+        if status.load.num_free_blocks == baseline and status.load.num_running == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert status.load.num_free_blocks == baseline
+    assert status.load.num_running == 0 and status.load.num_waiting == 0
+
+
+async def test_status_reports_identity_and_geometry(stub):
+    status = await stub.GetStatus(instance_pb2.GetStatusRequest(), timeout=5)
+    assert status.instance_id == "it-0"
+    assert status.role == common_pb2.ROLE_BOTH
+    assert status.kv.num_blocks == NUM_BLOCKS and status.kv.block_size == 4
+    assert status.load.num_total_blocks == NUM_BLOCKS
+    assert status.load.freeness == pytest.approx(NUM_BLOCKS)  # (free - 0) / (0 running + 1)
+
+
+async def test_registers_and_reregisters_after_losing_its_lease(instance, etcd):
+    async with Registry([etcd.endpoint], "it", ttl_s=LEASE_TTL_S) as registry:
+        view = await registry.watch("instances", resync_interval_s=0.5)
+        record = view.get("it-0")
+        assert record is not None and record["address"] == instance.address
+        assert record["kv"]["num_blocks"] == NUM_BLOCKS
+        etcd.pause()  # etcd unreachable for longer than the TTL: the lease expires
+        await asyncio.sleep(LEASE_TTL_S * 2 + 1)
+        etcd.resume()
+        for _ in range(100):
+            await asyncio.sleep(0.2)
+            if view.get("it-0") is not None and view.staleness_s < 1:
+                break
+        assert json.loads(json.dumps(view.get("it-0")))["address"] == instance.address
+    assert instance.is_alive()
+    async with grpc.aio.insecure_channel(instance.address) as channel:
+        stub = instance_pb2_grpc.InstanceServiceStub(channel)
+        chunks = await collect(stub, instance_pb2.GenerateRequest(request_id="after-lease", prompt_token_ids=[1, 2, 3],
+                                                                  sampling=greedy(3)))
+        assert sum(len(c.token_ids) for c in chunks) == 3

@@ -1,0 +1,157 @@
+"""Registry and MembershipView against a real etcd: registration, watches, lease loss, outages."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+from etcd3aio import Etcd3Client
+
+from services.common.errors import Unavailable
+from services.common.etcd_launcher import LocalEtcd, free_port
+from services.common.registry import Registry
+
+pytestmark = pytest.mark.timeout(60)
+
+TTL_S = 2.0
+
+
+async def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s} s")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def registries(etcd: LocalEtcd, cluster: str):
+    """Two registries on the same cluster: `member` registers, `observer` watches."""
+    member = Registry([etcd.endpoint], cluster, ttl_s=TTL_S)
+    observer = Registry([etcd.endpoint], cluster, ttl_s=TTL_S)
+    yield member, observer
+    await member.close()
+    await observer.close()
+
+
+@pytest.fixture
+async def raw_etcd(etcd: LocalEtcd):
+    async with Etcd3Client([etcd.endpoint]) as client:
+        yield client
+
+
+async def test_register_watch_update_close(registries) -> None:
+    member, observer = registries
+    view = await observer.watch("instances", resync_interval_s=1.0)
+    assert view.members == {} and view.staleness_s < 1.0
+
+    version = view.version
+    await member.register("instances", "i-1", {"address": "127.0.0.1:1", "role": "both"})
+    assert member.is_registered and member.lease_id is not None
+    change = await asyncio.wait_for(view.changed(since=version), 5)
+    assert change.added == {"i-1"} and view.get("i-1") == {"address": "127.0.0.1:1", "role": "both"}
+
+    seen = []
+    view.on_change(seen.append)
+    version = view.version
+    await member.update("instances", "i-1", {"address": "127.0.0.1:1", "role": "decode"})
+    change = await asyncio.wait_for(view.changed(since=version), 5)
+    assert change.updated == {"i-1"} and view.get("i-1")["role"] == "decode"
+    assert seen and seen[-1].updated == {"i-1"}
+
+    version = view.version
+    await member.close()  # revokes the lease: the key goes at once, not after the TTL
+    change = await asyncio.wait_for(view.changed(since=version), 5)
+    assert change.removed == {"i-1"} and view.members == {}
+
+
+async def test_two_kinds_are_separate(registries) -> None:
+    member, observer = registries
+    await member.register("instances", "i-1", {"n": 1})
+    await member.register("transfer", "t-1", {"n": 2})
+    instances = await observer.watch("instances")
+    transfer = await observer.watch("transfer")
+    assert dict(instances.members) == {"i-1": {"n": 1}}
+    assert dict(transfer.members) == {"t-1": {"n": 2}}
+    version = transfer.version
+    await member.unregister("transfer", "t-1")
+    await asyncio.wait_for(transfer.changed(since=version), 5)
+    assert transfer.members == {} and "i-1" in instances.members
+
+
+async def test_revoked_lease_is_reregistered_under_the_same_id(registries, raw_etcd: Etcd3Client) -> None:
+    member, observer = registries
+    states = []
+    member.on_registration_change(states.append)
+    await member.register("instances", "i-1", {"address": "a"})
+    view = await observer.watch("instances")
+    old_lease = member.lease_id
+
+    await raw_etcd.lease.revoke(old_lease, timeout=5)  # behind the registry's back
+    await eventually(lambda: member.num_reregistrations == 1, what="re-registration")
+    assert member.is_registered and member.lease_id != old_lease
+    assert states == [True, False, True]
+    await eventually(lambda: view.get("i-1") == {"address": "a"}, what="key back in the view")
+    response = await raw_etcd.kv.get(member.key("instances", "i-1"), timeout=5)
+    assert response.kvs[0].lease == member.lease_id
+
+
+async def test_paused_etcd_loses_registration_then_it_comes_back(registries, running_etcd: LocalEtcd) -> None:
+    member, observer = registries
+    await member.register("instances", "i-1", {"address": "a"})
+    view = await observer.watch("instances", resync_interval_s=1.0)
+    assert view.get("i-1") == {"address": "a"}
+
+    running_etcd.pause()
+    try:
+        await eventually(lambda: not member.is_registered, timeout_s=3 * TTL_S + 2, what="lease loss noticed")
+        await eventually(lambda: view.staleness_s > TTL_S, what="staleness growing")
+        assert view.get("i-1") == {"address": "a"}  # last known members are kept
+    finally:
+        running_etcd.resume()
+
+    await eventually(lambda: member.is_registered, timeout_s=15, what="re-registration")
+    assert member.num_reregistrations == 1
+    await eventually(lambda: view.staleness_s < 1.5, what="view fresh again")
+    await eventually(lambda: view.get("i-1") == {"address": "a"}, what="member visible")
+
+
+async def test_etcd_restart_is_survived(registries, running_etcd: LocalEtcd) -> None:
+    member, observer = registries
+    await member.register("instances", "i-1", {"address": "a"})
+    view = await observer.watch("instances", resync_interval_s=1.0)
+
+    running_etcd.terminate()
+    await asyncio.sleep(1.0)
+    assert view.get("i-1") == {"address": "a"}
+    await running_etcd.start_async()
+
+    await member.update("instances", "i-1", {"address": "b"})
+    await eventually(lambda: view.get("i-1") == {"address": "b"}, timeout_s=15, what="update seen after restart")
+    assert member.is_registered
+
+
+async def test_register_fails_fast_without_etcd(cluster: str) -> None:
+    registry = Registry([f"127.0.0.1:{free_port()}"], cluster, ttl_s=TTL_S)
+    with pytest.raises(Unavailable, match="--etcd-endpoints"):
+        await registry.register("instances", "i-1", {})
+    assert not registry.is_registered
+    await registry.close()
+
+
+async def test_watch_without_etcd_starts_empty_and_stale(cluster: str) -> None:
+    registry = Registry([f"127.0.0.1:{free_port()}"], cluster, ttl_s=TTL_S)
+    view = await registry.watch("instances", initial_sync_timeout_s=0.3)
+    assert view.members == {} and view.staleness_s == float("inf") and not view.is_synced
+    await registry.close()
+
+
+async def test_config_json_round_trip(registries) -> None:
+    member, observer = registries
+    assert await member.get_json("config/policy") is None
+    await member.put_json("config/policy", {"dispatch": "load", "threshold": 3.5})
+    assert await observer.get_json("config/policy") == {"dispatch": "load", "threshold": 3.5}
+    await member.close()  # persistent: survives the writer's lease
+    assert await observer.get_json("config/policy") == {"dispatch": "load", "threshold": 3.5}

@@ -1,0 +1,114 @@
+"""services.common.errors: the table, mapping back from a status, the server interceptor (no sockets)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from services.common import errors
+
+pytestmark = pytest.mark.timeout(10)
+
+TABLE = [
+    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, 400, False),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND, 404, False),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED, 429, True),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE, 503, True),
+    (errors.Aborted, grpc.StatusCode.ABORTED, 409, True),
+    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION, 409, False),
+    (errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, 401, False),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED, 403, False),
+    (errors.Internal, grpc.StatusCode.INTERNAL, 500, False),
+]
+
+
+def rpc_error(code: grpc.StatusCode, details: str | None) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+@pytest.mark.parametrize(("cls", "code", "http_status", "is_retryable"), TABLE)
+def test_table(cls, code, http_status, is_retryable) -> None:
+    error = cls("set --max-blocks higher")
+    assert isinstance(error, errors.FerryError)
+    assert (error.grpc_code, error.http_status, error.is_retryable) == (code, http_status, is_retryable)
+    assert error.message == str(error) == "set --max-blocks higher"
+
+
+@pytest.mark.parametrize(("cls", "code", "_http", "_retry"), TABLE)
+def test_error_from_rpc_round_trips(cls, code, _http, _retry) -> None:
+    exc = rpc_error(code, "instance i-3 is draining")
+    mapped = errors.error_from_rpc(exc)
+    assert type(mapped) is cls and mapped.message == "instance i-3 is draining" and mapped.__cause__ is exc
+
+
+def test_error_from_rpc_outside_the_table() -> None:
+    assert isinstance(errors.error_from_rpc(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, None)), errors.Unavailable)
+    unknown = errors.error_from_rpc(rpc_error(grpc.StatusCode.UNIMPLEMENTED, None))
+    assert type(unknown) is errors.Internal and unknown.message == "UNIMPLEMENTED"
+
+
+class Aborted(Exception):
+    pass
+
+
+class FakeContext:
+    def __init__(self) -> None:
+        self.status: tuple[grpc.StatusCode, str] | None = None
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.status = (code, details)
+        raise Aborted
+
+
+class HandlerCallDetails:
+    method = "/ferry.v1.Test/Call"
+    invocation_metadata = ()
+
+
+async def intercepted(behavior, streaming: bool):
+    make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+
+    async def continuation(_details):
+        return make(behavior)
+
+    handler = await errors.ErrorInterceptor().intercept_service(continuation, HandlerCallDetails())
+    return handler.unary_stream if streaming else handler.unary_unary
+
+
+async def test_interceptor_maps_ferry_error_unary() -> None:
+    async def behavior(request, context):
+        raise errors.ResourceExhausted("no free blocks; raise --num-blocks")
+
+    context = FakeContext()
+    with pytest.raises(Aborted):
+        await (await intercepted(behavior, streaming=False))(b"", context)
+    assert context.status == (grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks; raise --num-blocks")
+
+
+async def test_interceptor_maps_ferry_error_mid_stream() -> None:
+    async def behavior(request, context):
+        yield 1
+        raise errors.Aborted("stale epoch 3")
+
+    context, received = FakeContext(), []
+    with pytest.raises(Aborted):
+        async for item in (await intercepted(behavior, streaming=True))(b"", context):
+            received.append(item)
+    assert received == [1] and context.status == (grpc.StatusCode.ABORTED, "stale epoch 3")
+
+
+async def test_interceptor_hides_unexpected_exceptions() -> None:
+    async def behavior(request, context):
+        raise KeyError("password=hunter2")
+
+    context = FakeContext()
+    with pytest.raises(Aborted):
+        await (await intercepted(behavior, streaming=False))(b"", context)
+    assert context.status[0] == grpc.StatusCode.INTERNAL and "hunter2" not in context.status[1]
+
+
+async def test_interceptor_passes_results_through() -> None:
+    async def behavior(request, context):
+        return request + b"!"
+
+    assert await (await intercepted(behavior, streaming=False))(b"ok", FakeContext()) == b"ok!"

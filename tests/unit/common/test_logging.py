@@ -1,0 +1,78 @@
+"""services.common.logging: setup, request-id metadata and binding (no sockets)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import grpc
+import pytest
+import structlog
+
+from services.common.logging import (
+    LogFormat, RequestIdInterceptor, request_id_from_metadata, request_metadata, setup_logging)
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def test_request_metadata_round_trip() -> None:
+    assert request_metadata("r-1") == (("x-request-id", "r-1"),)
+    assert request_metadata(None) == ()
+    assert request_id_from_metadata(request_metadata("r-1")) == "r-1"
+    assert request_id_from_metadata(None) is None
+
+
+def test_json_lines_carry_service_and_context(capsys) -> None:
+    root_handlers, root_level = logging.getLogger().handlers[:], logging.getLogger().level
+    setup_logging("demo", LogFormat.JSON, "info")
+    try:
+        log = structlog.get_logger("test")
+        with structlog.contextvars.bound_contextvars(request_id="r-9"):
+            log.info("request_dispatched", instance_id="i-1")
+        log.debug("hidden_below_level")
+        line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+        assert line["event"] == "request_dispatched" and line["service"] == "demo"
+        assert line["request_id"] == "r-9" and line["level"] == "info" and "timestamp" in line
+        logging.getLogger("grpc").warning("stdlib_line")
+        line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+        assert line["event"] == "stdlib_line" and line["service"] == "demo" and line["logger"] == "grpc"
+    finally:
+        structlog.reset_defaults()
+        logging.getLogger().handlers[:] = root_handlers
+        logging.getLogger().setLevel(root_level)
+
+
+def test_bad_level_is_rejected() -> None:
+    with pytest.raises(ValueError, match="log level"):
+        setup_logging("demo", LogFormat.CONSOLE, "loud")
+
+
+class HandlerCallDetails:
+    method = "/ferry.v1.Test/Call"
+    invocation_metadata = (("x-request-id", "r-5"),)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+async def test_interceptor_binds_request_id_for_the_call(streaming: bool) -> None:
+    seen = []
+
+    async def unary(request, context):
+        seen.append(structlog.contextvars.get_contextvars().get("request_id"))
+        return request
+
+    async def stream(request, context):
+        seen.append(structlog.contextvars.get_contextvars().get("request_id"))
+        yield request
+
+    async def continuation(_details):
+        if streaming:
+            return grpc.unary_stream_rpc_method_handler(stream)
+        return grpc.unary_unary_rpc_method_handler(unary)
+
+    handler = await RequestIdInterceptor().intercept_service(continuation, HandlerCallDetails())
+    if streaming:
+        assert [m async for m in handler.unary_stream(b"x", None)] == [b"x"]
+    else:
+        assert await handler.unary_unary(b"x", None) == b"x"
+    assert seen == ["r-5"]
+    assert "request_id" not in structlog.contextvars.get_contextvars()

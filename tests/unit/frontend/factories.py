@@ -1,0 +1,74 @@
+"""Small factories and fakes for frontend unit tests (no sockets)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+from services.common.errors import FerryError
+from services.frontend.dispatch import InstanceEntry
+from services.frontend.generation import (FinishReason, GenerateSpec, InstanceId, RequestId, Sampling, Target,
+                                          TokenChunk)
+from services.frontend.req_state import ReqState
+
+
+def decode(ids: Sequence[int]) -> str:
+    """A toy detokenizer: token i is the letter chr(ord('a') + i % 26)."""
+    return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def token_text(token_id: int) -> str:
+    return decode([token_id])
+
+
+def make_state(prompt: Sequence[int] = (1, 2, 3)) -> ReqState:
+    return ReqState(RequestId("cmpl-1"), prompt, decode)
+
+
+def chunk(index: int, *ids: int, finish: FinishReason | None = None, epoch: int = 0) -> TokenChunk:
+    return TokenChunk(token_index=index, token_ids=ids, text=decode(ids), finish_reason=finish, epoch=epoch)
+
+
+def make_spec(max_tokens: int = 8) -> GenerateSpec:
+    return GenerateSpec(RequestId("cmpl-1"), (1, 2, 3), Sampling(temperature=0.0, max_tokens=max_tokens))
+
+
+class FakeMembership:
+    def __init__(self, *entries: InstanceEntry) -> None:
+        self.entries = list(entries)
+
+    def instances(self) -> Sequence[InstanceEntry]:
+        return self.entries
+
+
+def entry(instance_id: str, is_serving: bool = True) -> InstanceEntry:
+    return InstanceEntry(InstanceId(instance_id), f"addr-{instance_id}", is_serving)
+
+
+class FakeManager:
+    def __init__(self, answer: Target | None) -> None:
+        self.answer = answer
+        self.calls: list[tuple[GenerateSpec, tuple[InstanceId, ...]]] = []
+
+    async def dispatch(self, spec: GenerateSpec, exclude: Sequence[InstanceId]) -> Target | None:
+        self.calls.append((spec, tuple(exclude)))
+        return self.answer
+
+
+class ScriptedInstances:
+    """`InstanceStreams` whose streams follow a script per instance: chunks, then an optional error."""
+
+    def __init__(self, scripts: dict[str, tuple[list[TokenChunk], FerryError | None]]) -> None:
+        self.scripts = scripts
+        self.specs: list[tuple[str, GenerateSpec]] = []
+        self.aborted: list[tuple[str, RequestId]] = []
+
+    async def generate(self, target: Target, spec: GenerateSpec) -> AsyncIterator[TokenChunk]:
+        self.specs.append((target.instance_id, spec))
+        chunks, error = self.scripts[target.instance_id]
+        for item in chunks:
+            yield item
+        if error is not None:
+            raise error
+
+    def abort_soon(self, target: Target, request_id: RequestId) -> None:
+        self.aborted.append((target.instance_id, request_id))

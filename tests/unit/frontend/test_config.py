@@ -1,0 +1,35 @@
+"""Frontend flags: repeated list flags, required sources, validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.frontend.config import load_config
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def test_api_keys_repeat_or_comma_separate():
+    config = load_config(["--etcd-endpoints", "h:1", "--api-key", "a", "--api-key=b,c", "--api-key", "d"])
+    assert config.api_key == ["a", "b", "c", "d"]
+    assert config.etcd_endpoints == ["h:1"]
+
+
+def test_defaults_and_model_name(tmp_path):
+    config = load_config(["--model", str(tmp_path / "tiny-x"), "--manager-address", "m:1"])
+    assert config.model_name == "tiny-x" and config.port == 8000 and config.dispatch_timeout_s == 0.2
+    assert config.max_resumes == 3 and config.max_body_bytes == 1 << 20 and config.api_key == []
+    named = load_config(["--manager-address", "m:1", "--served-model-name", "served"])
+    assert named.model_name == "served"
+
+
+def test_needs_etcd_or_a_manager(capsys):
+    with pytest.raises(SystemExit):
+        load_config([])
+    assert "--etcd-endpoints" in capsys.readouterr().err
+
+
+def test_rejects_nonsense(capsys):
+    with pytest.raises(SystemExit):
+        load_config(["--manager-address", "m:1", "--max-inflight", "0"])
+    assert "--max-inflight must be positive" in capsys.readouterr().err

@@ -1,0 +1,71 @@
+"""Dispatcher: the manager first, then round robin over our own view (no sockets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import Unavailable
+from services.frontend.dispatch import Dispatcher
+from services.frontend.generation import InstanceId, Target
+
+from tests.unit.frontend.factories import FakeManager, FakeMembership, entry, make_spec
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_dispatcher(manager=None, *entries, clock=None):
+    fallbacks = []
+    dispatcher = Dispatcher(manager, FakeMembership(*entries), cooldown_s=5.0,
+                            on_fallback=lambda: fallbacks.append(1), clock=clock or Clock())
+    return dispatcher, fallbacks
+
+
+async def test_the_managers_answer_is_used():
+    manager = FakeManager(Target(InstanceId("m1"), "addr-m1"))
+    dispatcher, fallbacks = make_dispatcher(manager, entry("a"))
+    assert (await dispatcher.pick(make_spec())).instance_id == "m1"
+    assert not fallbacks
+
+
+async def test_no_manager_answer_falls_back_round_robin_over_serving():
+    dispatcher, fallbacks = make_dispatcher(FakeManager(None), entry("b"), entry("a"), entry("c", is_serving=False))
+    picks = [(await dispatcher.pick(make_spec())).instance_id for _ in range(4)]
+    assert picks == ["a", "b", "a", "b"]
+    assert len(fallbacks) == 4
+
+
+async def test_an_excluded_instance_is_never_picked_even_if_the_manager_says_so():
+    manager = FakeManager(Target(InstanceId("a"), "addr-a"))
+    dispatcher, fallbacks = make_dispatcher(manager, entry("a"), entry("b"))
+    assert (await dispatcher.pick(make_spec(), exclude=[InstanceId("a")])).instance_id == "b"
+    assert manager.calls[0][1] == ("a",)
+    assert fallbacks == [1]
+
+
+async def test_recently_failed_instances_are_skipped_while_others_remain():
+    clock = Clock()
+    dispatcher, _ = make_dispatcher(None, entry("a"), entry("b"), clock=clock)
+    dispatcher.report_failure(InstanceId("a"))
+    assert {dispatcher.pick_locally().instance_id for _ in range(3)} == {"b"}
+    clock.now += 6
+    assert {dispatcher.pick_locally().instance_id for _ in range(4)} == {"a", "b"}
+
+
+async def test_a_recently_failed_instance_is_still_used_when_it_is_the_only_one():
+    dispatcher, _ = make_dispatcher(None, entry("a"))
+    dispatcher.report_failure(InstanceId("a"))
+    assert dispatcher.pick_locally().instance_id == "a"
+
+
+async def test_nothing_known_is_unavailable_with_a_hint():
+    dispatcher, _ = make_dispatcher(FakeManager(None), entry("a", is_serving=False))
+    with pytest.raises(Unavailable, match="no serving instance.*--etcd-endpoints"):
+        await dispatcher.pick(make_spec())
+    assert dispatcher.num_serving() == 0

@@ -1,0 +1,99 @@
+"""Response and stream-chunk shapes (no sockets)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.common.errors import Unavailable
+from services.frontend.generation import FinishReason, TokenChunk, TokenLogprob
+from services.frontend.openai_protocol import parse_chat_request, parse_completion_request
+from services.frontend.openai_response import SSE_DONE, ResponseFormatter, sse, sse_error
+
+from tests.unit.frontend.factories import chunk, make_state, token_text
+
+pytestmark = pytest.mark.timeout(10)
+
+MODEL = "tiny"
+
+
+def formatter(endpoint="completions", **fields):
+    if endpoint == "chat":
+        parsed = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **fields}, MODEL)
+    else:
+        parsed = parse_completion_request({"prompt": "hi", **fields}, MODEL)
+    return ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text)
+
+
+def finished_state(logprobs=False):
+    state = make_state(prompt=(1, 2))
+    lps = (TokenLogprob(7, -0.5, ((7, -0.5), (8, -1.5))), TokenLogprob(8, -0.25, ((8, -0.25), (7, -2.0))))
+    state.accept(TokenChunk(0, (7, 8), "hi", FinishReason.STOP, logprobs=lps if logprobs else ()))
+    return state
+
+
+def test_completion_response():
+    body = formatter(return_token_ids=True).response(finished_state())
+    assert body == {
+        "id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "tiny",
+        "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop", "token_ids": [7, 8]}],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4},
+        "prompt_token_ids": [1, 2],
+    }
+
+
+def test_chat_response_without_token_ids():
+    body = formatter("chat").response(finished_state())
+    assert body["object"] == "chat.completion"
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "logprobs": None,
+                                "finish_reason": "stop"}]
+    assert "prompt_token_ids" not in body and "token_ids" not in body["choices"][0]
+
+
+def test_completion_logprobs_with_offsets():
+    logprobs = formatter(logprobs=1).response(finished_state(logprobs=True))["choices"][0]["logprobs"]
+    assert logprobs == {"tokens": ["h", "i"], "token_logprobs": [-0.5, -0.25],
+                        "top_logprobs": [{"h": -0.5}, {"i": -0.25}], "text_offset": [0, 1]}
+
+
+def test_chat_logprobs():
+    content = formatter("chat", logprobs=True, top_logprobs=2).response(finished_state(True))["choices"][0]["logprobs"]
+    assert content["content"][0] == {"token": "h", "logprob": -0.5, "bytes": [104], "top_logprobs": [
+        {"token": "h", "logprob": -0.5, "bytes": [104]}, {"token": "i", "logprob": -1.5, "bytes": [105]}]}
+    no_top = formatter("chat", logprobs=True).response(finished_state(True))["choices"][0]["logprobs"]
+    assert no_top["content"][1]["top_logprobs"] == []
+
+
+def test_completion_stream_chunks():
+    f = formatter(stream=True, return_token_ids=True, stream_options={"include_usage": True})
+    state = make_state()
+    assert f.first_chunks(state.prompt_token_ids) == []
+    delta = state.accept(chunk(0, 7))
+    body = f.chunk(delta)
+    assert body == {"id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "tiny",
+                    "choices": [{"index": 0, "text": "h", "logprobs": None, "finish_reason": None, "token_ids": [7]}],
+                    "usage": None}
+    state.accept(chunk(1, finish=FinishReason.LENGTH))
+    usage = f.usage_chunk(state)
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+
+
+def test_chat_stream_chunks():
+    f = formatter("chat", stream=True, return_token_ids=True)
+    state = make_state()
+    (first,) = f.first_chunks(state.prompt_token_ids)
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first["prompt_token_ids"] == [1, 2, 3] and "usage" not in first
+    body = f.chunk(state.accept(chunk(0, 7)))
+    assert body["choices"][0]["delta"] == {"content": "h"} and body["choices"][0]["token_ids"] == [7]
+    last = f.chunk(state.accept(chunk(1, finish=FinishReason.STOP)))
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "stop"
+
+
+def test_sse_framing():
+    assert sse({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+    assert SSE_DONE == b"data: [DONE]\n\n"
+    error = json.loads(sse_error(Unavailable("gone"))[len(b"data: "):])
+    assert error == {"error": {"message": "gone", "type": "server_error", "param": None, "code": None}}

@@ -1,0 +1,109 @@
+"""RequestRunner: resume after a broken stream, bounded, with aborts (no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.frontend.dispatch import Dispatcher
+from services.frontend.generation import FinishReason
+from services.frontend.request_runner import RequestRunner
+
+from tests.unit.frontend.factories import FakeMembership, ScriptedInstances, chunk, entry, make_spec, make_state
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def make_runner(scripts, *instance_ids, max_resumes=3):
+    instances = ScriptedInstances(scripts)
+    dispatcher = Dispatcher(None, FakeMembership(*(entry(i) for i in instance_ids)), cooldown_s=5.0)
+    resumes = []
+    runner = RequestRunner(dispatcher, instances, max_resumes=max_resumes, on_resume=lambda: resumes.append(1))
+    return runner, instances, resumes
+
+
+async def test_a_whole_stream_finishes_without_aborts():
+    runner, instances, _ = make_runner({"a": ([chunk(0, 4, 5), chunk(2, 6, finish=FinishReason.STOP)], None)}, "a")
+    state = make_state()
+    await runner.run(state, make_spec())
+    assert state.token_ids == [4, 5, 6] and state.finish_reason is FinishReason.STOP
+    assert instances.aborted == []
+
+
+async def test_a_broken_stream_resumes_elsewhere_with_the_tokens_so_far():
+    scripts = {
+        "a": ([chunk(0, 4, 5)], Unavailable("instance a died")),
+        # b repeats token 1 (already held) and continues: the repeat is dropped
+        "b": ([chunk(1, 5, 6), chunk(3, 7, finish=FinishReason.LENGTH)], None),
+    }
+    runner, instances, resumes = make_runner(scripts, "a", "b")
+    state = make_state()
+    await runner.run(state, make_spec())
+    assert state.token_ids == [4, 5, 6, 7] and state.finish_reason is FinishReason.LENGTH
+    assert [(i, s.resume_token_ids) for i, s in instances.specs] == [("a", ()), ("b", (4, 5))]
+    assert instances.aborted == [("a", "cmpl-1")]
+    assert state.num_resumes == 1 and resumes == [1]
+
+
+async def test_a_stream_that_ends_without_a_finish_is_resumed():
+    scripts = {"a": ([chunk(0, 4)], None), "b": ([chunk(1, 5, finish=FinishReason.STOP)], None)}
+    runner, instances, _ = make_runner(scripts, "a", "b")
+    state = make_state()
+    await runner.run(state, make_spec())
+    assert state.token_ids == [4, 5] and [i for i, _ in instances.specs] == ["a", "b"]
+
+
+async def test_resumes_are_bounded_then_an_explicit_error():
+    scripts = {name: ([], Unavailable(f"{name} down")) for name in "abcd"}
+    runner, _, _ = make_runner(scripts, *"abcd", max_resumes=2)
+    state = make_state()
+    await runner.run(state, make_spec())
+    assert isinstance(state.error, Unavailable)
+    assert "after 2 resumes (--max-resumes 2)" in state.error.message
+
+
+async def test_running_out_of_instances_fails_with_the_dispatch_error():
+    runner, _, _ = make_runner({"a": ([chunk(0, 4)], Unavailable("a down"))}, "a")
+    state = make_state()
+    await runner.run(state, make_spec())
+    assert isinstance(state.error, Unavailable) and "excluded: a" in state.error.message
+    assert state.token_ids == [4]
+
+
+@pytest.mark.parametrize("error", [InvalidArgument("bad"), ResourceExhausted("full")])
+async def test_other_errors_fail_at_once(error):
+    runner, instances, _ = make_runner({"a": ([], error), "b": ([], None)}, "a", "b")
+    state = make_state()
+    await runner.run(state, make_spec())
+    assert state.error is error and [i for i, _ in instances.specs] == ["a"]
+
+
+async def test_cancelling_the_runner_aborts_on_the_instance():
+    gate = asyncio.Event()
+
+    class Slow(ScriptedInstances):
+        async def generate(self, target, spec):
+            yield chunk(0, 4)
+            await gate.wait()
+
+    instances = Slow({})
+    runner = RequestRunner(Dispatcher(None, FakeMembership(entry("a")), cooldown_s=5), instances, max_resumes=3)
+    state = make_state()
+    task = asyncio.create_task(runner.run(state, make_spec()))
+    while not state.token_ids:
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert instances.aborted == [("a", "cmpl-1")]
+
+
+async def test_chunks_of_an_older_epoch_are_dropped():
+    scripts = {"a": ([chunk(0, 4, epoch=2), chunk(1, 9, epoch=1), chunk(1, 5, epoch=2, finish=FinishReason.STOP)],
+                     None)}
+    runner, _, _ = make_runner(scripts, "a")
+    state = make_state()
+    await runner.run(state, make_spec())
+    assert state.token_ids == [4, 5]

@@ -1,0 +1,333 @@
+"""LLMEngine on tiny random Llamas: exact greedy parity with transformers under continuous
+batching (staggered arrivals, preemption, chunked prefill), seeded sampling independent of
+the batch, block accounting, resume, and every way a request finishes."""
+
+import os
+import random
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import GenerationConfig, LlamaForCausalLM
+
+from services.common.errors import InvalidArgument, ResourceExhausted
+from services.instance.engine.engine import EngineConfig, LLMEngine, StepOutput
+from services.instance.engine.kv_cache import KvCache, KvGeometry
+from services.instance.engine.model import LlamaModel, load_model
+from services.instance.engine.request import FinishReason, SamplingParams
+from services.instance.engine.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.timeout(120)
+torch.set_num_threads(2)
+
+SHAPES = ("mha-untied", "gqa-tied")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234, max_tokens=10, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class Tiny:
+    model_dir: str
+    model: LlamaModel
+    tokenizer: Tokenizer
+
+
+def load_tiny(model_dir) -> Tiny:
+    return Tiny(str(model_dir), load_model(model_dir), Tokenizer.from_folder(model_dir))
+
+
+@pytest.fixture(scope="module", params=SHAPES)
+def tiny(request) -> Tiny:
+    fixture = {"mha-untied": "tiny_mha_model_dir", "gqa-tied": "tiny_model_dir"}[request.param]
+    return load_tiny(request.getfixturevalue(fixture))
+
+
+@pytest.fixture(scope="module")
+def gqa(tiny_model_dir) -> Tiny:
+    return load_tiny(tiny_model_dir)
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[..., LLMEngine]]:
+    caches: list[KvCache] = []
+
+    def make(tiny: Tiny, num_blocks: int = 256, block_size: int = 4, max_num_seqs: int = 16,
+             max_num_batched_tokens: int = 512, max_model_len: int = 1024) -> LLMEngine:
+        c = tiny.model.config
+        geometry = KvGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, num_blocks,
+                              torch.float32)
+        cache = KvCache.create(f"ferry-kv-test-{os.getpid()}-{uuid.uuid4().hex[:8]}", geometry)
+        caches.append(cache)
+        config = EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len, block_size=block_size,
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        return LLMEngine(tiny.model, tiny.tokenizer, cache, config)
+
+    yield make
+    for cache in caches:
+        cache.close()
+        cache.unlink()
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 500) for _ in range(n)] for n in lengths]
+
+
+_reference_cache: dict[tuple, list[int]] = {}
+
+
+def reference_greedy(tiny: Tiny, prompt: list[int], max_tokens: int) -> list[int]:
+    key = (tiny.model_dir, tuple(prompt), max_tokens)
+    if key not in _reference_cache:
+        hf = LlamaForCausalLM.from_pretrained(tiny.model_dir, dtype=torch.float32)
+        config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        _reference_cache[key] = out[0, len(prompt):].tolist()
+    return _reference_cache[key]
+
+
+@dataclass
+class Collected:
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    first_index: int | None = None
+
+
+def run(engine: LLMEngine, arrivals: dict[int, list[tuple]], abort_at: dict[int, list[str]] | None = None,
+        max_steps: int = 2000) -> dict[str, Collected]:
+    """Step until done; `arrivals[step]` are add_request argument tuples added before that step."""
+    abort_at = abort_at or {}
+    collected: dict[str, Collected] = {}
+    for step in range(max_steps):
+        for args in arrivals.get(step, []):
+            engine.add_request(*args[:3], **(args[3] if len(args) > 3 else {}))
+            collected[args[0]] = Collected([])
+        for request_id in abort_at.get(step, []):
+            engine.abort(request_id)
+            collected[request_id].finish_reason = FinishReason.ABORT
+        if step > max(arrivals) and not engine.has_unfinished():
+            return collected
+        for output in engine.step():
+            add_output(collected[output.request_id], output)
+    raise AssertionError("engine did not finish")
+
+
+def add_output(c: Collected, output: StepOutput) -> None:
+    assert c.finish_reason is None, "output after the finish"
+    if c.first_index is None:
+        c.first_index = output.token_index
+    assert output.token_index == c.first_index + len(c.token_ids), "token indices must be contiguous"
+    c.token_ids += output.new_token_ids
+    c.text += output.text
+    c.finish_reason = output.finish_reason
+
+
+# (1) Greedy parity with transformers under continuous batching.
+
+PROMPT_LENGTHS = [3, 17, 9, 25, 1, 12]
+CONFIGS = {
+    "roomy": dict(num_blocks=256, max_num_batched_tokens=512),
+    "preempting": dict(num_blocks=14, max_num_batched_tokens=512),  # 56 token slots for 6 requests
+    "chunked": dict(num_blocks=256, max_num_batched_tokens=5),
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_greedy_matches_transformers_with_staggered_arrivals(tiny, make_engine, config):
+    engine = make_engine(tiny, **CONFIGS[config])
+    prompts = random_prompts(PROMPT_LENGTHS)
+    arrivals: dict[int, list[tuple]] = {0: [], 2: [], 5: []}
+    for i, prompt in enumerate(prompts):
+        arrivals[(0, 2, 5)[i % 3]].append((f"r{i}", prompt, GREEDY))
+    collected = run(engine, arrivals)
+    for i, prompt in enumerate(prompts):
+        got = collected[f"r{i}"]
+        assert got.first_index == 0 and got.finish_reason is FinishReason.LENGTH
+        assert got.token_ids == reference_greedy(tiny, prompt, GREEDY.max_tokens), f"r{i} ({len(prompt)} tokens)"
+    if config == "preempting":
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == CONFIGS[config]["num_blocks"]
+
+
+def test_generate_convenience(gqa, make_engine):
+    prompts = random_prompts([4, 11])
+    outputs = make_engine(gqa).generate(prompts, GREEDY)
+    assert outputs == [reference_greedy(gqa, p, GREEDY.max_tokens) for p in prompts]
+
+
+# (2) Seeded sampling ignores what else is in the batch.
+
+def test_seeded_sampling_alone_equals_inside_a_busy_batch(gqa, make_engine):
+    prompt = random_prompts([13], seed=5)[0]
+    alone = run(make_engine(gqa), {0: [("x", prompt, SEEDED)]})["x"].token_ids
+    others = random_prompts([5, 30, 8, 2, 19], seed=6)
+    busy = {
+        0: [("a", others[0], GREEDY), ("b", others[1], SamplingParams(temperature=1.2, seed=1, max_tokens=20))],
+        3: [("c", others[2], SEEDED), ("x", prompt, SEEDED), ("d", others[3], SamplingParams(temperature=0.5))],
+        4: [("e", others[4], SamplingParams(temperature=0.7, top_k=5, max_tokens=30, ignore_eos=True))],
+    }
+    engine = make_engine(gqa, num_blocks=40, max_num_batched_tokens=16)
+    collected = run(engine, busy)
+    assert collected["x"].token_ids == alone
+    assert collected["c"].token_ids != alone  # same seed, different prompt
+    assert len(alone) == SEEDED.max_tokens
+
+
+def test_unseeded_requests_differ_but_get_a_seed(gqa, make_engine):
+    engine = make_engine(gqa)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    prompt = random_prompts([6])[0]
+    engine.add_request("u1", prompt, unseeded)
+    engine.add_request("u2", prompt, unseeded)
+    seeds = {r.request_id: r.seed for r in engine.scheduler.waiting}
+    assert seeds["u1"] != seeds["u2"]
+
+
+# (3) Block accounting with aborts.
+
+def test_blocks_return_after_finish_and_abort(gqa, make_engine):
+    engine = make_engine(gqa, num_blocks=30, max_num_seqs=3, max_num_batched_tokens=16)
+    start = engine.block_manager.num_free_blocks
+    prompts = random_prompts([10, 20, 7, 15, 3], seed=2)
+    arrivals = {0: [(f"r{i}", p, GREEDY) for i, p in enumerate(prompts[:3])],
+                2: [(f"r{i}", p, GREEDY) for i, p in enumerate(prompts[3:], start=3)]}
+    collected = run(engine, arrivals, abort_at={3: ["r1", "r4"], 6: ["r0"]})
+    assert {k: v.finish_reason for k, v in collected.items()} == {
+        "r0": FinishReason.ABORT, "r1": FinishReason.ABORT, "r2": FinishReason.LENGTH,
+        "r3": FinishReason.LENGTH, "r4": FinishReason.ABORT,
+    }
+    assert engine.block_manager.num_free_blocks == start
+    assert engine.list_requests() == []
+    load = engine.load()
+    assert (load.num_running, load.num_waiting, load.num_free_blocks) == (0, 0, start)
+    assert not engine.abort("r0") and not engine.abort("never-added")
+
+
+def test_abort_frees_blocks_at_once_and_load_reports(gqa, make_engine):
+    engine = make_engine(gqa, num_blocks=20, max_num_seqs=1)
+    engine.add_request("a", list(range(1, 10)), GREEDY)
+    engine.add_request("b", list(range(1, 30)), GREEDY)
+    engine.step()
+    load = engine.load()
+    assert (load.num_running, load.num_waiting, load.num_free_blocks) == (1, 1, 20 - 3)
+    assert load.num_blocks_needed_by_waiting == 8
+    assert load.freeness == pytest.approx((17 - 8) / 2)
+    states = {r.request_id: (r.state, r.num_tokens) for r in engine.list_requests()}
+    assert states == {"a": ("running", 10), "b": ("waiting", 29)}
+    assert engine.abort("a")
+    assert engine.block_manager.num_free_blocks == 20
+
+
+# (4) Resume with tokens generated elsewhere.
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_resumed_request_continues_exactly(gqa, make_engine, sampling):
+    prompt = random_prompts([11], seed=3)[0]
+    full = run(make_engine(gqa), {0: [("r", prompt, sampling)]})["r"]
+    for k in (1, 4, 9):
+        engine = make_engine(gqa, max_num_batched_tokens=6)
+        arrivals = {0: [("other", random_prompts([7], seed=4)[0], SEEDED)],
+                    1: [("r", prompt, sampling, {"resume_token_ids": full.token_ids[:k]})]}
+        resumed = run(engine, arrivals)["r"]
+        assert resumed.first_index == k
+        assert resumed.token_ids == full.token_ids[k:]
+        assert resumed.finish_reason is full.finish_reason
+
+
+# (5) How requests finish.
+
+def greedy_tokens(tiny: Tiny, make_engine, prompt: list[int], max_tokens: int = 12) -> Collected:
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return run(make_engine(tiny), {0: [("probe", prompt, sampling)]})["probe"]
+
+
+def test_max_tokens_and_text(gqa, make_engine):
+    prompt = random_prompts([5], seed=8)[0]
+    got = greedy_tokens(gqa, make_engine, prompt, max_tokens=7)
+    assert len(got.token_ids) == 7 and got.finish_reason is FinishReason.LENGTH
+    assert got.text == gqa.tokenizer.decode(got.token_ids)
+
+
+def test_max_model_len_finishes_with_length(gqa, make_engine):
+    prompt = random_prompts([6], seed=8)[0]
+    engine = make_engine(gqa, max_model_len=9)
+    got = run(engine, {0: [("r", prompt, SamplingParams(temperature=0.0, max_tokens=50))]})["r"]
+    assert len(got.token_ids) == 3 and got.finish_reason is FinishReason.LENGTH
+
+
+def test_stop_token_ids_and_eos(gqa, make_engine):
+    prompt = random_prompts([9], seed=9)[0]
+    full = greedy_tokens(gqa, make_engine, prompt)
+    stop_at = next(i for i, t in enumerate(full.token_ids) if i >= 2 and t not in full.token_ids[:i])
+    stop_token = full.token_ids[stop_at]
+
+    by_id = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(stop_token,))
+    got = run(make_engine(gqa), {0: [("r", prompt, by_id)]})["r"]
+    assert got.token_ids == full.token_ids[:stop_at + 1] and got.finish_reason is FinishReason.STOP
+    assert got.text == gqa.tokenizer.decode(full.token_ids[:stop_at])  # the stop token's text is left out
+
+    engine = make_engine(gqa)
+    engine.eos_token_ids = frozenset({stop_token})  # pretend the model's eos is this token
+    got = run(engine, {0: [("r", prompt, SamplingParams(temperature=0.0, max_tokens=12))]})["r"]
+    assert got.token_ids == full.token_ids[:stop_at + 1] and got.finish_reason is FinishReason.STOP
+    engine = make_engine(gqa)
+    engine.eos_token_ids = frozenset({stop_token})
+    got = run(engine, {0: [("r", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]})["r"]
+    assert got.token_ids == full.token_ids and got.finish_reason is FinishReason.LENGTH
+
+
+def test_stop_string_spanning_tokens(gqa, make_engine):
+    prompt = random_prompts([9], seed=10)[0]
+    full = greedy_tokens(gqa, make_engine, prompt)
+    pieces = [gqa.tokenizer.decode(full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
+    # a stop string made of the end of token 3's text and the start of token 4's
+    boundary = len(pieces[3])
+    stop = full.text[boundary - 2:boundary + 2]
+    assert len(stop) == 4
+    sampling = SamplingParams(temperature=0.0, max_tokens=12, stop=(stop,))
+    got = run(make_engine(gqa), {0: [("r", prompt, sampling)]})["r"]
+    cut = full.text.index(stop)
+    assert got.finish_reason is FinishReason.STOP
+    assert got.text == full.text[:cut]
+    assert got.token_ids == full.token_ids[:len(got.token_ids)]
+    assert len(pieces[len(got.token_ids)]) >= cut + len(stop) > len(pieces[len(got.token_ids) - 1])
+
+
+def test_invalid_requests_name_the_field(gqa, make_engine):
+    engine = make_engine(gqa, num_blocks=8, max_model_len=100)
+    cases = [
+        ([], GREEDY, {}, "prompt"),
+        (list(range(1, 102)), GREEDY, {}, "max_model_len"),
+        ([1, 2], SamplingParams(max_tokens=0), {}, "max_tokens"),
+        ([1, 2], SamplingParams(temperature=-1), {}, "temperature"),
+        ([1, 2], SamplingParams(top_p=0.0), {}, "top_p"),
+        ([1, 2], SamplingParams(top_p=1.5), {}, "top_p"),
+        ([1, 2], SamplingParams(top_k=-1), {}, "top_k"),
+        ([1, 2], SamplingParams(logprobs=21), {}, "logprobs"),
+        ([1, 10**6], GREEDY, {}, "prompt_token_ids"),
+        ([1, 2], SamplingParams(max_tokens=3), {"resume_token_ids": [4, 5, 6]}, "resume_token_ids"),
+    ]
+    for prompt, sampling, kwargs, field in cases:
+        with pytest.raises(InvalidArgument, match=field):
+            engine.add_request("r", prompt, sampling, **kwargs)
+    with pytest.raises(ResourceExhausted, match="num-blocks"):
+        engine.add_request("r", list(range(1, 40)), GREEDY)  # 39 tokens > 8 blocks of 4
+    engine.add_request("r", [1, 2], GREEDY)
+    with pytest.raises(InvalidArgument, match="request_id"):
+        engine.add_request("r", [1, 2], GREEDY)
+    assert engine.block_manager.num_free_blocks == 8
+
+
+def test_logprobs_in_outputs(gqa, make_engine):
+    sampling = SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, ignore_eos=True)
+    engine = make_engine(gqa)
+    engine.add_request("r", [3, 4, 5], sampling)
+    outputs = [o for _ in range(3) for o in engine.step()]
+    for output in outputs:
+        (entry,) = output.logprobs
+        assert entry.token_id == output.new_token_ids[0] == entry.top_token_ids[0]
+        assert len(entry.top_logprobs) == 2 and entry.logprob <= 0.0

@@ -1,0 +1,119 @@
+"""KvCache: named shared memory that another process maps by name; no leaked segments."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+
+from services.common.errors import Internal, InvalidArgument, NotFound
+from services.instance.engine.kv_cache import SHM_DIR, KvCache, KvGeometry
+
+pytestmark = pytest.mark.timeout(60)
+
+GEOMETRY = KvGeometry(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, num_blocks=8, dtype=torch.float32)
+
+
+@pytest.fixture
+def name():
+    name = f"ferry-kv-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield name
+    assert not (SHM_DIR / name).exists(), f"leaked {SHM_DIR / name}"
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()}, check=False)
+
+
+def test_geometry_sizes():
+    assert GEOMETRY.shape == (2, 2, 8, 4, 2, 4)
+    assert GEOMETRY.bytes_per_block == 2 * 2 * 4 * 2 * 4 * 4
+    assert GEOMETRY.num_bytes == GEOMETRY.bytes_per_block * 8
+    assert GEOMETRY.dtype_name == "float32"
+    assert KvGeometry.from_dtype_name("bfloat16", num_layers=1, num_kv_heads=1, head_dim=2, block_size=1,
+                                      num_blocks=1).dtype is torch.bfloat16
+    with pytest.raises(InvalidArgument, match="num_blocks"):
+        KvGeometry(1, 1, 1, 1, 0, torch.float32)
+
+
+def test_create_is_zeroed_and_unlink_removes_the_name(name):
+    cache = KvCache.create(name, GEOMETRY)
+    assert cache.tensor.shape == GEOMETRY.shape and cache.tensor.dtype == torch.float32
+    assert (SHM_DIR / name).stat().st_size == GEOMETRY.num_bytes
+    assert not cache.tensor.any()
+    view = cache.tensor[1, 0, 3]
+    cache.unlink()
+    assert not (SHM_DIR / name).exists()
+    view.fill_(1.0)  # mappings stay valid after unlink and close
+    cache.close()
+    assert view.sum().item() == GEOMETRY.block_size * GEOMETRY.num_kv_heads * GEOMETRY.head_dim
+    cache.unlink()  # idempotent
+
+
+def test_another_process_attaches_by_name_and_shares_bytes(name):
+    with KvCache.create(name, GEOMETRY) as cache:
+        cache.tensor[0, 1, 5] = 3.0
+        code = (
+            "import torch\n"
+            "from services.instance.engine.kv_cache import KvCache, KvGeometry\n"
+            f"g = KvGeometry(2, 2, 4, 4, 8, torch.float32)\n"
+            f"c = KvCache.attach({name!r}, g)\n"
+            "assert not c.is_owner\n"
+            "print(c.tensor[0, 1, 5].sum().item())\n"
+            "c.tensor[1, 0, 2] = 5.0\n"
+            "c.close(); c.unlink()\n"
+        )
+        result = run_python(code)
+        assert result.returncode == 0, result.stderr
+        assert float(result.stdout) == 3.0 * 4 * 2 * 4
+        assert (cache.tensor[1, 0, 2] == 5.0).all()
+        assert (SHM_DIR / name).exists()  # the attaching process neither unlinked nor tracked it
+
+
+def test_attach_errors(name):
+    with pytest.raises(NotFound, match=name):
+        KvCache.attach(name, GEOMETRY)
+    with KvCache.create(name, GEOMETRY):
+        bigger = KvGeometry(2, 2, 4, 4, 16, torch.float32)
+        with pytest.raises(InvalidArgument, match="geometry"):
+            KvCache.attach(name, bigger)
+        with pytest.raises(Internal, match="already exists"):
+            KvCache.create(name, GEOMETRY)
+
+
+def test_creator_exit_removes_the_segment(name):
+    code = (
+        "import torch\n"
+        "from services.instance.engine.kv_cache import KvCache, KvGeometry\n"
+        f"KvCache.create({name!r}, KvGeometry(2, 2, 4, 4, 8, torch.float32))\n"
+        "print('created')\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 0 and "created" in result.stdout, result.stderr
+    assert "leaked" not in result.stderr
+
+
+def test_killed_creator_is_cleaned_up_by_the_resource_tracker(name):
+    code = (
+        "import sys, time, torch\n"
+        "from services.instance.engine.kv_cache import KvCache, KvGeometry\n"
+        f"KvCache.create({name!r}, KvGeometry(2, 2, 4, 4, 8, torch.float32))\n"
+        "print('created', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert proc.stdout.readline().strip() == "created"
+        assert (SHM_DIR / name).exists()
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while (SHM_DIR / name).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -1,0 +1,114 @@
+"""Sampler: greedy, seeded sampling that ignores the batch and resumes at any token index, logprobs."""
+
+import pytest
+import torch
+
+from services.instance.engine.request import SamplingParams
+from services.instance.engine.sampler import Sampler, SamplingRow
+
+pytestmark = pytest.mark.timeout(30)
+
+VOCAB = 50
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    torch.set_num_threads(1)
+
+
+def random_logits(num_rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    return [t.token_id for t in Sampler()(logits, rows)]
+
+
+HOT = SamplingParams(temperature=1.0)
+
+
+def test_greedy_is_argmax():
+    logits = random_logits(4)
+    rows = [SamplingRow(SamplingParams(temperature=0.0), seed=i, token_index=i) for i in range(4)]
+    assert tokens(logits, rows) == logits.argmax(dim=-1).tolist()
+
+
+def test_seeded_row_is_the_same_alone_and_in_a_busy_batch():
+    logits = random_logits(6, seed=1)
+    row = SamplingRow(SamplingParams(temperature=0.8, top_p=0.9), seed=1234, token_index=3)
+    alone = tokens(logits[2:3], [row])
+    others = [
+        SamplingRow(SamplingParams(temperature=0.0), seed=1, token_index=0),
+        SamplingRow(SamplingParams(temperature=1.5, top_k=3), seed=99, token_index=7),
+        row,
+        SamplingRow(SamplingParams(temperature=0.5, top_p=0.5), seed=1234, token_index=4),
+        SamplingRow(HOT, seed=5, token_index=3),
+        SamplingRow(SamplingParams(temperature=1.0, logprobs=5), seed=6, token_index=0),
+    ]
+    assert tokens(logits, others)[2] == alone[0]
+
+
+def test_seeded_sequence_resumes_at_any_token_index():
+    logits = random_logits(1, seed=2).expand(12, VOCAB).contiguous()
+    full = tokens(logits, [SamplingRow(HOT, seed=42, token_index=i) for i in range(12)])
+    resumed = tokens(logits[:5], [SamplingRow(HOT, seed=42, token_index=i) for i in range(7, 12)])
+    assert resumed == full[7:]
+    one_by_one = [tokens(logits[:1], [SamplingRow(HOT, seed=42, token_index=i)])[0] for i in range(12)]
+    assert one_by_one == full
+
+
+def test_different_seeds_and_indices_differ():
+    logits = torch.zeros(40, VOCAB)  # uniform: every token equally likely
+    by_seed = tokens(logits, [SamplingRow(HOT, seed=s, token_index=0) for s in range(40)])
+    by_index = tokens(logits, [SamplingRow(HOT, seed=0, token_index=i) for i in range(40)])
+    assert len(set(by_seed)) > 10 and len(set(by_index)) > 10
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(4000, 4).contiguous()
+    sampled = torch.tensor(tokens(logits, [SamplingRow(HOT, seed=7, token_index=i) for i in range(4000)]))
+    frequencies = torch.bincount(sampled, minlength=4).float() / 4000
+    assert torch.allclose(frequencies, probs, atol=0.03), frequencies
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(2000, 4).contiguous()
+    cold = SamplingParams(temperature=0.2)
+    sampled = tokens(logits, [SamplingRow(cold, seed=3, token_index=i) for i in range(2000)])
+    assert sampled.count(0) / 2000 > 0.98
+
+
+def test_top_k_and_top_p_cut_the_tail():
+    logits = torch.tensor([[3.0, 2.5, 0.0, -1.0, -2.0]]).expand(500, 5).contiguous()
+    top2 = SamplingParams(temperature=2.0, top_k=2)
+    assert set(tokens(logits, [SamplingRow(top2, seed=1, token_index=i) for i in range(500)])) == {0, 1}
+    nucleus = SamplingParams(temperature=1.0, top_p=0.5)
+    assert set(tokens(logits, [SamplingRow(nucleus, seed=1, token_index=i) for i in range(500)])) == {0}
+    top1 = SamplingParams(temperature=5.0, top_k=1)
+    assert set(tokens(logits[:100], [SamplingRow(top1, seed=1, token_index=i) for i in range(100)])) == {0}
+
+
+def test_logprobs_are_raw_log_softmax_and_top_n():
+    logits = random_logits(3, seed=4)
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.0, logprobs=3), seed=0, token_index=0),
+        SamplingRow(SamplingParams(temperature=0.7, logprobs=1), seed=9, token_index=2),
+        SamplingRow(SamplingParams(temperature=0.0), seed=0, token_index=0),
+    ]
+    first, second, third = Sampler()(logits, rows)
+    expected = logits.log_softmax(dim=-1)
+    assert third.logprob is None
+    assert first.logprob.token_id == first.token_id
+    assert first.logprob.logprob == pytest.approx(expected[0, first.token_id].item(), abs=1e-5)
+    top = expected[0].topk(3)
+    assert list(first.logprob.top_token_ids) == top.indices.tolist()
+    assert list(first.logprob.top_logprobs) == pytest.approx(top.values.tolist(), abs=1e-5)
+    assert first.logprob.top_token_ids[0] == first.token_id  # greedy picks the most likely
+    assert second.logprob.logprob == pytest.approx(expected[1, second.token_id].item(), abs=1e-5)
+    assert len(second.logprob.top_token_ids) == 1
+
+
+def test_rows_must_match_logits():
+    with pytest.raises(ValueError, match="rows"):
+        Sampler()(random_logits(2), [SamplingRow(HOT, seed=0, token_index=0)])

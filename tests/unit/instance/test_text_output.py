@@ -1,0 +1,68 @@
+"""TextOutput: incremental text, stop strings across tokens, hold-back of a possible stop string."""
+
+import pytest
+
+from services.instance.engine.text_output import TextOutput
+
+pytestmark = pytest.mark.timeout(10)
+
+PIECES = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!", 6: "", 7: "END", 8: "x"}
+
+
+class PieceDetokenizer:
+    def feed(self, token_ids: list[int]) -> str:
+        return "".join(PIECES[t] for t in token_ids)
+
+
+def stream(text: TextOutput, token_ids: list[int]) -> tuple[list[str], bool]:
+    deltas, stopped = [], False
+    for token_id in token_ids:
+        stopped = text.append(token_id)
+        deltas.append(text.take_delta(is_final=stopped))
+        if stopped:
+            break
+    return deltas, stopped
+
+
+def test_without_stop_strings_every_delta_goes_out_at_once():
+    deltas, stopped = stream(TextOutput(PieceDetokenizer(), ()), [1, 2, 3, 4])
+    assert deltas == ["Hel", "lo", " wor", "ld"] and not stopped
+
+
+def test_stop_string_spanning_tokens_cuts_the_text_before_it():
+    text = TextOutput(PieceDetokenizer(), ("o wo",))
+    deltas, stopped = stream(text, [1, 2, 3, 4])
+    assert stopped and "".join(deltas) == "Hell" and text.text == "Hell"
+    assert all("o" not in d for d in deltas)  # the start of the stop string was never streamed
+
+
+def test_held_back_text_is_released_when_it_is_not_a_stop_string():
+    text = TextOutput(PieceDetokenizer(), ("END",))
+    deltas, stopped = stream(text, [1, 2, 3, 4, 5])
+    assert not stopped
+    assert "".join(deltas) + text.take_delta(is_final=True) == "Hello world!"
+    assert deltas[0] == "H"  # two characters held back: they could start "END"
+
+
+def test_earliest_of_several_stop_strings_wins():
+    text = TextOutput(PieceDetokenizer(), ("ld", "wor"))
+    deltas, stopped = stream(text, [1, 2, 3, 4])
+    assert stopped and "".join(deltas) == "Hello "
+
+
+def test_stop_string_inside_one_token():
+    deltas, stopped = stream(TextOutput(PieceDetokenizer(), ("N",)), [1, 7, 8])
+    assert stopped and "".join(deltas) == "HelE"
+
+
+def test_empty_pieces_do_not_stop_or_emit():
+    deltas, stopped = stream(TextOutput(PieceDetokenizer(), ("zz",)), [6, 6, 1])
+    assert deltas == ["", "", "He"] and not stopped
+
+
+def test_primed_text_is_not_emitted_again():
+    text = TextOutput(PieceDetokenizer(), ())
+    text.prime([1, 2])
+    assert text.take_delta(is_final=False) == ""
+    text.append(3)
+    assert text.take_delta(is_final=False) == " wor"

@@ -20,7 +20,7 @@ import structlog
 
 from services.common.config import as_dict
 from services.common.election import Election, watch_leader
-from services.common.etcd_client import connect_etcd
+from services.common.etcd_client import ETCD_ERRORS, connect_etcd
 from services.common.grpc_server import GrpcServer, start_grpc_server
 from services.common.registry import Registry
 from services.manager.cluster_view import ClusterView
@@ -60,6 +60,7 @@ async def main(config: ManagerConfig) -> None:
         members = await registry.watch("instances", resync_interval_s=config.resync_interval_s)
         members.on_change(lambda change: _apply_members(view, change.members))
         _apply_members(view, members.members)
+        await _apply_stored_settings(store, dispatcher, view, config)  # before we can win: dispatch with the stored policy
         campaign = Campaign(election, await watch_leader(registry), leadership, view)
         async with asyncio.TaskGroup() as tasks:
             loops = [tasks.create_task(store.watch_loop(lambda s: _apply_settings(dispatcher, view, config, s)),
@@ -102,6 +103,16 @@ def _apply_members(view: ClusterView, members: Mapping[str, dict[str, Any]]) -> 
 def _apply_settings(dispatcher: Dispatcher, view: ClusterView, config: ManagerConfig, settings: ClusterSettings) -> None:
     dispatcher.set_policy(settings.dispatch_policy or config.dispatch_policy)
     view.replace_drained(settings.drained)
+
+
+async def _apply_stored_settings(store: ConfigStore, dispatcher: Dispatcher, view: ClusterView,
+                                 config: ManagerConfig) -> None:
+    try:
+        settings, _ = await store.read()
+    except ETCD_ERRORS as exc:  # config_watch_loop keeps trying
+        log.warning("stored_settings_unread", error=str(exc) or type(exc).__name__)
+        return
+    _apply_settings(dispatcher, view, config, settings)
 
 
 def _stop_event() -> asyncio.Event:

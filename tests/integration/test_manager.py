@@ -194,6 +194,7 @@ async def test_standby_refuses_dispatch_then_takes_over_when_the_leader_dies(man
         killed_at = time.monotonic()
         placement = await wait_until(lambda: _try_dispatch(to_standby), LEASE_TTL_S + 5, "standby dispatching")
         took_s = time.monotonic() - killed_at
+        print(f"standby dispatching {took_s:.2f} s after SIGKILL of the leader (lease TTL {LEASE_TTL_S} s)")
         assert placement.instance_id == "i-a"
         assert took_s <= LEASE_TTL_S + 1.5, f"takeover took {took_s:.2f} s with a {LEASE_TTL_S} s lease"
         status = await to_standby.get_cluster_status()

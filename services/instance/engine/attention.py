@@ -126,17 +126,18 @@ def attend(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: 
     return out
 
 
-def _gather(kv_layer: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's K and V as [num_seqs, kv_heads, num_keys, head_dim] (views, no extra copy)."""
-    num_seqs, num_blocks = block_tables.shape
-    _, _, block_size, num_kv_heads, head_dim = kv_layer.shape
-    kv = kv_layer[:, block_tables].view(2, num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+def _gather(kv_layer: torch.Tensor, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's K and V as [num_seqs, kv_heads, num_keys, head_dim], in one whole-block copy."""
+    num_seqs, num_blocks = group.block_tables.shape
+    _, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
+    kv = kv_layer.view(2 * num_cache_blocks, -1).index_select(0, group.gather_index)
+    kv = kv.view(2, num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
     return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
 
 
 def _attend_decode(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGroup, scale: float) -> torch.Tensor:
     """One query per sequence; the query heads of a KV head become its query rows (GQA without copies)."""
-    k, v = _gather(kv_layer, group.block_tables)
+    k, v = _gather(kv_layer, group)
     num_seqs, num_kv_heads, _, head_dim = k.shape
     if group.token_index is not None:
         q = q[group.token_index.flatten()]
@@ -146,7 +147,7 @@ def _attend_decode(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGrou
 
 
 def _attend_prefill(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGroup, scale: float) -> torch.Tensor:
-    k, v = _gather(kv_layer, group.block_tables)
+    k, v = _gather(kv_layer, group)
     num_seqs, max_query_len = group.token_index.shape
     head_dim = q.shape[-1]
     q = q[group.token_index].transpose(1, 2)  # [num_seqs, heads, max_query_len, head_dim]

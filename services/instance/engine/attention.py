@@ -28,6 +28,7 @@ from services.instance.engine.forward_batch import ForwardBatch
 @dataclass(frozen=True, slots=True)
 class AttentionGroup:
     block_tables: torch.Tensor  # [num_seqs, num_blocks] cache blocks each sequence reads, padded with 0
+    gather_index: torch.Tensor  # [2 * num_seqs * num_blocks] rows of the layer's cache viewed as [2 * blocks, -1]: K, then V
     mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, num_blocks * block_size] bool, True = visible
     token_index: torch.Tensor | None  # [num_seqs, max_query_len] packed token of each query row; None = all tokens in order
     is_valid: torch.Tensor | None  # [num_seqs * max_query_len] bool, False for padding rows; None = no padding
@@ -46,32 +47,39 @@ class AttentionPlan:
     prefill: AttentionGroup | None  # sequences with more than one new token
 
     @classmethod
-    def build(cls, batch: ForwardBatch, block_size: int) -> "AttentionPlan":
+    def build(cls, batch: ForwardBatch, num_cache_blocks: int, block_size: int) -> "AttentionPlan":
         query_lens = torch.tensor(batch.query_lens, dtype=torch.int64)
         starts = torch.cumsum(query_lens, 0) - query_lens
         is_decode = query_lens == 1
         num_tokens = int(batch.input_ids.shape[0])
         decode = prefill = None
         if bool(is_decode.all()):
-            decode = _decode_group(batch, None, block_size)
+            decode = _decode_group(batch, None, num_cache_blocks, block_size)
         elif bool(is_decode.any()):
             decode_seqs = torch.nonzero(is_decode).flatten()
-            decode = _decode_group(batch, decode_seqs, block_size)
+            decode = _decode_group(batch, decode_seqs, num_cache_blocks, block_size)
         if not bool(is_decode.all()):
             prefill_seqs = torch.nonzero(~is_decode).flatten()
-            prefill = _prefill_group(batch, prefill_seqs, query_lens, starts, block_size)
+            prefill = _prefill_group(batch, prefill_seqs, query_lens, starts, num_cache_blocks, block_size)
         return cls(slot_mapping=batch.slot_mapping, num_tokens=num_tokens, decode=decode, prefill=prefill)
 
 
-def _trimmed_block_tables(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+def _block_tables(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, num_cache_blocks: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block tables cut to the blocks in use, and the rows that gather them (K rows, then V rows)."""
     num_blocks = (int(context_lens.max()) + block_size - 1) // block_size
-    return block_tables[:, :num_blocks]
+    block_tables = block_tables[:, :num_blocks]
+    flat = block_tables.flatten()
+    return block_tables, torch.cat((flat, flat + num_cache_blocks))
 
 
-def _decode_group(batch: ForwardBatch, seqs: torch.Tensor | None, block_size: int) -> AttentionGroup:
+def _decode_group(
+    batch: ForwardBatch, seqs: torch.Tensor | None, num_cache_blocks: int, block_size: int
+) -> AttentionGroup:
     context_lens = batch.context_lens if seqs is None else batch.context_lens[seqs]
     block_tables = batch.block_tables if seqs is None else batch.block_tables[seqs]
-    block_tables = _trimmed_block_tables(block_tables, context_lens, block_size)
+    block_tables, gather_index = _block_tables(block_tables, context_lens, num_cache_blocks, block_size)
     num_keys = block_tables.shape[1] * block_size
     mask = None
     if bool((context_lens != num_keys).any()):
@@ -83,15 +91,20 @@ def _decode_group(batch: ForwardBatch, seqs: torch.Tensor | None, block_size: in
         starts = torch.cumsum(torch.tensor(batch.query_lens, dtype=torch.int64), 0) - 1
         token_index = starts[seqs].view(-1, 1)
     out_index = None if token_index is None else token_index.flatten()
-    return AttentionGroup(block_tables, mask, token_index, None, out_index)
+    return AttentionGroup(block_tables, gather_index, mask, token_index, None, out_index)
 
 
 def _prefill_group(
-    batch: ForwardBatch, seqs: torch.Tensor, query_lens: torch.Tensor, starts: torch.Tensor, block_size: int
+    batch: ForwardBatch,
+    seqs: torch.Tensor,
+    query_lens: torch.Tensor,
+    starts: torch.Tensor,
+    num_cache_blocks: int,
+    block_size: int,
 ) -> AttentionGroup:
     lens = query_lens[seqs]
     context_lens = batch.context_lens[seqs]
-    block_tables = _trimmed_block_tables(batch.block_tables[seqs], context_lens, block_size)
+    block_tables, gather_index = _block_tables(batch.block_tables[seqs], context_lens, num_cache_blocks, block_size)
     num_keys = block_tables.shape[1] * block_size
     offsets = torch.arange(int(lens.max()))
     is_valid = offsets < lens[:, None]
@@ -102,15 +115,15 @@ def _prefill_group(
     out_index = token_index.flatten()[is_valid]
     if bool(is_valid.all()):
         is_valid = None
-    return AttentionGroup(block_tables, mask.unsqueeze(1), token_index, is_valid, out_index)
+    return AttentionGroup(block_tables, gather_index, mask.unsqueeze(1), token_index, is_valid, out_index)
 
 
-def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V ([num_tokens, kv_heads, head_dim]) in their slots of one layer's cache."""
+def write_kv(kv_layer: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K and V (`kv`: [num_tokens, 2 * kv_heads, head_dim], K heads first)
+    in their slots of one layer's cache, in one copy."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
-    num_slots = num_blocks * block_size
-    kv_layer[0].view(num_slots, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_layer[1].view(num_slots, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    src = kv.view(-1, 2, num_kv_heads, head_dim).transpose(0, 1)
+    kv_layer.view(2, num_blocks * block_size, num_kv_heads, head_dim).index_copy_(1, slot_mapping, src)
 
 
 def attend(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:

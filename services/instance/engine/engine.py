@@ -16,13 +16,12 @@ import itertools
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
 import torch
 
 from services.common.errors import InvalidArgument, ResourceExhausted
 from services.instance.engine.block_manager import BlockManager, num_blocks_for
 from services.instance.engine.kv_cache import KvCache
+from services.instance.engine.model import LlamaModel
 from services.instance.engine.request import (
     FinishReason,
     Request,
@@ -33,6 +32,11 @@ from services.instance.engine.request import (
 from services.instance.engine.sampler import SampledToken, Sampler, SamplingRow, TokenLogprob
 from services.instance.engine.scheduler import Scheduler, SchedulerOutput
 from services.instance.engine.text_output import TextOutput
+from services.instance.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+# Prompt tokens the detokenizer sees before the output, so the first output token
+# decodes as a continuation (leading spaces, characters split across tokens).
+_DETOKENIZER_CONTEXT = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +94,7 @@ class RequestSnapshot:
 
 
 class LLMEngine:
-    def __init__(self, model: Any, tokenizer: Any, kv_cache: KvCache, config: EngineConfig) -> None:
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, kv_cache: KvCache, config: EngineConfig) -> None:
         _check_geometry(config, kv_cache)
         self.model = model
         self.tokenizer = tokenizer
@@ -117,7 +121,8 @@ class LLMEngine:
         resumed = [int(t) for t in resume_token_ids]
         sampling.validate(self.config.max_model_len, len(prompt))
         self._check_tokens(prompt, resumed, sampling)
-        text = TextOutput(self.tokenizer.incremental_detokenizer(), tuple(sampling.stop))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, context_ids=prompt[-_DETOKENIZER_CONTEXT:])
+        text = TextOutput(detokenizer, tuple(sampling.stop))
         text.prime(resumed)
         request = Request(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,

@@ -73,7 +73,8 @@ class KvGeometry:
 class KvCache:
     """A KV tensor in named shared memory. Use `create` (owner) or `attach` (reader/writer)."""
 
-    def __init__(self, name: str, geometry: KvGeometry, tensor: torch.Tensor, owner: shared_memory.SharedMemory | None) -> None:
+    def __init__(self, name: str, geometry: KvGeometry, tensor: torch.Tensor,
+                 owner: shared_memory.SharedMemory | None) -> None:
         self.name = name
         self.geometry = geometry
         self.tensor = tensor

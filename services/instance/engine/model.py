@@ -34,12 +34,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)  # in float32, as transformers does
         return self.weight * normed.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin of every position up to max_position_embeddings, each [max_positions, head_dim // 2]."""
+    """RoPE tables for every position up to max_position_embeddings, each [max_positions, head_dim]:
+    cos repeated for both halves, and sin negated on the first half, so that rotating x is
+    `x * cos + x.roll(head_dim // 2) * sin` (the "rotate_half" convention of HF Llama)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -50,18 +54,18 @@ class RotaryEmbedding(nn.Module):
     def build(self, dtype: torch.dtype, device: torch.device | str) -> None:
         positions = torch.arange(self.config.max_position_embeddings, dtype=torch.int64).float()
         freqs = positions[:, None] * rope_inv_freq(self.config)[None, :]
-        self.cos = freqs.cos().to(dtype=dtype, device=device)
-        self.sin = freqs.sin().to(dtype=dtype, device=device)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.cos = torch.cat((cos, cos), dim=-1).to(dtype=dtype, device=device)
+        self.sin = torch.cat((-sin, sin), dim=-1).to(dtype=dtype, device=device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the given positions, shaped [num_tokens, 1, head_dim // 2] to broadcast over heads."""
+        """cos, sin for the given positions, shaped [num_tokens, 1, head_dim] to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [num_tokens, heads, head_dim] by position (the half-split "rotate_half" convention of HF Llama)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x ([num_tokens, heads, head_dim], may be a strided view) in place by position."""
+    torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin, out=x)
 
 
 class Attention(nn.Module):
@@ -80,10 +84,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        write_kv(kv_layer, k, qkv[:, self.num_heads + self.num_kv_heads :], plan.slot_mapping)
-        return self.o_proj(attend(q, kv_layer, plan, self.scale))
+        apply_rope_(qkv[:, : self.num_heads + self.num_kv_heads], *rope)
+        write_kv(kv_layer, qkv[:, self.num_heads :], plan.slot_mapping)
+        return self.o_proj(attend(qkv[:, : self.num_heads], kv_layer, plan, self.scale))
 
 
 class MLP(nn.Module):
@@ -111,8 +114,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, plan: AttentionPlan
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, kv_layer, plan)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h.add_(self.self_attn(self.input_layernorm(h), rope, kv_layer, plan))
+        return h.add_(self.mlp(self.post_attention_layernorm(h)))
 
 
 class LlamaModel(nn.Module):
@@ -147,7 +150,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """float32 logits [num_seqs, vocab] of each sequence's last new token; writes the new K/V to kv_cache."""
-        plan = AttentionPlan.build(batch, block_size=kv_cache.shape[3])
+        plan = AttentionPlan.build(batch, num_cache_blocks=kv_cache.shape[2], block_size=kv_cache.shape[3])
         rope = self.rotary(batch.positions)
         h = self.embed_tokens(batch.input_ids)
         for layer, kv_layer in zip(self.layers, kv_cache, strict=True):

@@ -9,9 +9,11 @@ Every step, in this order:
 2. A running request that needs a block when none is free preempts the worst
    other unscheduled running request (lowest priority, then latest arrival) that
    is worse than itself; if there is none, a prefill chunk shrinks to the blocks
-   left, and a request that cannot take a single token preempts itself. Preemption is by recompute: the blocks are freed and
-   the request goes back to waiting with the tokens it generated; its next
-   prefill recomputes prompt + generated tokens.
+   left, and a request that cannot take a single token preempts itself.
+   Preemption is by recompute: the blocks are freed and the request goes back
+   to waiting with the tokens it generated; its next prefill recomputes
+   prompt + generated tokens. A request that would not fit even alone in the
+   cache finishes with LENGTH.
 3. If nothing was preempted, waiting requests are admitted in priority order while
    batch slots (`max_num_seqs`), budget and free blocks allow. The head of the
    queue blocks the rest (strict priority).
@@ -59,9 +61,8 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  device: torch.device | None = None) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
-            raise ValueError(
-                f"max_num_seqs and max_num_batched_tokens must be positive, got {max_num_seqs} and {max_num_batched_tokens}"
-            )
+            raise ValueError(f"--max-num-seqs and --max-num-batched-tokens must be positive, "
+                             f"got {max_num_seqs} and {max_num_batched_tokens}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

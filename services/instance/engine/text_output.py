@@ -15,6 +15,10 @@ class Detokenizer(Protocol):
         """Text the tokens add to what was fed before (may be empty mid-character)."""
         ...
 
+    def flush(self) -> str:
+        """Text still held back (an incomplete character) at the end."""
+        ...
+
 
 class TextOutput:
     def __init__(self, detokenizer: Detokenizer, stop: tuple[str, ...]) -> None:
@@ -23,6 +27,7 @@ class TextOutput:
         self._hold_back = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # every character so far, cut before the stop string once one is found
         self.num_emitted_chars = 0  # text[:num_emitted_chars] was handed out already
+        self.is_stopped = False  # a stop string was found; text ends before it
 
     def prime(self, token_ids: list[int]) -> None:
         """Feed tokens generated (and streamed) elsewhere before a resume."""
@@ -40,6 +45,8 @@ class TextOutput:
 
     def take_delta(self, is_final: bool) -> str:
         """Text not handed out yet; all of it once the request is final."""
+        if is_final and not self.is_stopped:
+            self.text += self._detokenizer.flush()
         end = len(self.text) if is_final else len(self.text) - self._hold_back
         if end <= self.num_emitted_chars:
             return ""
@@ -56,4 +63,5 @@ class TextOutput:
         if not found:
             return False
         self.text = self.text[:min(found)]
+        self.is_stopped = True
         return True

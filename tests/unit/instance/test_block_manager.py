@@ -14,6 +14,9 @@ class _NoText:
     def feed(self, token_ids: list[int]) -> str:
         return ""
 
+    def flush(self) -> str:
+        return ""
+
 
 def make_request(num_prompt_tokens: int, name: str = "r") -> Request:
     return Request(RequestId(name), tuple(range(1, num_prompt_tokens + 1)), SamplingParams(), seed=0,

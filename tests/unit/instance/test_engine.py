@@ -35,7 +35,7 @@ class Tiny:
 
 
 def load_tiny(model_dir) -> Tiny:
-    return Tiny(str(model_dir), load_model(model_dir), Tokenizer.from_folder(model_dir))
+    return Tiny(str(model_dir), load_model(model_dir), Tokenizer.from_dir(model_dir))
 
 
 @pytest.fixture(scope="module", params=SHAPES)
@@ -91,6 +91,15 @@ def reference_greedy(tiny: Tiny, prompt: list[int], max_tokens: int) -> list[int
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
         _reference_cache[key] = out[0, len(prompt):].tolist()
     return _reference_cache[key]
+
+
+def continuation(tokenizer: Tokenizer, prompt: list[int], token_ids: list[int]) -> str:
+    """The text `token_ids` add after the prompt (what the engine streams)."""
+    return tokenizer.decode(prompt + token_ids)[len(tokenizer.decode(prompt)):]
+
+
+def text_prompt(tiny: Tiny, text: str) -> list[int]:
+    return tiny.tokenizer.encode(text)
 
 
 @dataclass
@@ -250,10 +259,10 @@ def greedy_tokens(tiny: Tiny, make_engine, prompt: list[int], max_tokens: int = 
 
 
 def test_max_tokens_and_text(gqa, make_engine):
-    prompt = random_prompts([5], seed=8)[0]
-    got = greedy_tokens(gqa, make_engine, prompt, max_tokens=7)
-    assert len(got.token_ids) == 7 and got.finish_reason is FinishReason.LENGTH
-    assert got.text == gqa.tokenizer.decode(got.token_ids)
+    prompt = text_prompt(gqa, "Once upon a time")
+    got = greedy_tokens(gqa, make_engine, prompt, max_tokens=20)
+    assert len(got.token_ids) == 20 and got.finish_reason is FinishReason.LENGTH
+    assert got.text == continuation(gqa.tokenizer, prompt, got.token_ids)
 
 
 def test_max_model_len_finishes_with_length(gqa, make_engine):
@@ -264,7 +273,7 @@ def test_max_model_len_finishes_with_length(gqa, make_engine):
 
 
 def test_stop_token_ids_and_eos(gqa, make_engine):
-    prompt = random_prompts([9], seed=9)[0]
+    prompt = text_prompt(gqa, "The capital of France is")
     full = greedy_tokens(gqa, make_engine, prompt)
     stop_at = next(i for i, t in enumerate(full.token_ids) if i >= 2 and t not in full.token_ids[:i])
     stop_token = full.token_ids[stop_at]
@@ -272,7 +281,7 @@ def test_stop_token_ids_and_eos(gqa, make_engine):
     by_id = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=(stop_token,))
     got = run(make_engine(gqa), {0: [("r", prompt, by_id)]})["r"]
     assert got.token_ids == full.token_ids[:stop_at + 1] and got.finish_reason is FinishReason.STOP
-    assert got.text == gqa.tokenizer.decode(full.token_ids[:stop_at])  # the stop token's text is left out
+    assert got.text == continuation(gqa.tokenizer, prompt, full.token_ids[:stop_at])  # stop token's text left out
 
     engine = make_engine(gqa)
     engine.eos_token_ids = frozenset({stop_token})  # pretend the model's eos is this token
@@ -285,9 +294,10 @@ def test_stop_token_ids_and_eos(gqa, make_engine):
 
 
 def test_stop_string_spanning_tokens(gqa, make_engine):
-    prompt = random_prompts([9], seed=10)[0]
-    full = greedy_tokens(gqa, make_engine, prompt)
-    pieces = [gqa.tokenizer.decode(full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
+    prompt = text_prompt(gqa, "def add(a, b):")
+    full = greedy_tokens(gqa, make_engine, prompt, max_tokens=30)
+    assert full.text == continuation(gqa.tokenizer, prompt, full.token_ids)
+    pieces = [continuation(gqa.tokenizer, prompt, full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
 
     def is_clean(i: int) -> bool:  # the text of the first i tokens is whole characters
         return full.text.startswith(pieces[i]) and not pieces[i].endswith("\ufffd")
@@ -299,7 +309,7 @@ def test_stop_string_spanning_tokens(gqa, make_engine):
 
     i = next(i for i in range(2, len(full.token_ids) + 1) if spans_two_tokens(i))
     b = len(pieces[i - 1])
-    sampling = SamplingParams(temperature=0.0, max_tokens=12, stop=(full.text[b - 1:b + 1],))
+    sampling = SamplingParams(temperature=0.0, max_tokens=30, stop=(full.text[b - 1:b + 1],))
     got = run(make_engine(gqa), {0: [("r", prompt, sampling)]})["r"]
     assert got.finish_reason is FinishReason.STOP
     assert got.token_ids == full.token_ids[:i]  # the token that completed the stop string is kept

@@ -18,6 +18,9 @@ class _NoText:
     def feed(self, token_ids: list[int]) -> str:
         return ""
 
+    def flush(self) -> str:
+        return ""
+
 
 def make_request(num_prompt_tokens: int, name: str, priority: int = 0) -> Request:
     return Request(RequestId(name), tuple(range(1, num_prompt_tokens + 1)), SamplingParams(), seed=0,
@@ -62,7 +65,8 @@ def test_forward_batch_packs_tokens_positions_and_slots():
     assert batch.query_lens == [6, 3]
     assert batch.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 1, 2, 3]
     assert batch.positions.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
-    expected_slots = [a.block_table[p // 4] * 4 + p % 4 for p in range(6)] + [b.block_table[0] * 4 + p for p in range(3)]
+    expected_slots = [a.block_table[p // 4] * 4 + p % 4 for p in range(6)]
+    expected_slots += [b.block_table[0] * 4 + p for p in range(3)]
     assert batch.slot_mapping.tolist() == expected_slots
     assert batch.context_lens.tolist() == [6, 3]
     assert batch.block_tables.tolist() == [a.block_table, b.block_table + [0]]

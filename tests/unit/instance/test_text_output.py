@@ -13,6 +13,9 @@ class PieceDetokenizer:
     def feed(self, token_ids: list[int]) -> str:
         return "".join(PIECES[t] for t in token_ids)
 
+    def flush(self) -> str:
+        return ""
+
 
 def stream(text: TextOutput, token_ids: list[int]) -> tuple[list[str], bool]:
     deltas, stopped = [], False

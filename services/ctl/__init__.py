@@ -1,0 +1,1 @@
+"""ferryctl (`python -m services.ctl`): the admin API as readable tables, JSON and a live top view."""

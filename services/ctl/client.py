@@ -1,0 +1,147 @@
+"""Typed async client of AdminService for ferryctl: proto replies become `records`.
+
+The only ferryctl module that touches generated code. Every call has a deadline and an
+optional bearer token; failures come back as ferry errors (`services.common.errors`).
+RPCs that this build's proto, or the manager it talks to, does not have yet (Migrate,
+SetRole) raise `NotAvailableYet` instead of a raw UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from services.common.errors import FerryError, error_from_rpc
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2, manager_pb2_grpc
+from services.common.grpc_server import insecure_channel
+from services.ctl.records import ClusterStatus, DrainResult, InstanceRow, MigrateResult, RequestList, RequestRow
+
+UNREACHABLE_KEY = "x-ferry-unreachable-instances"  # trailing metadata of a partial ListRequests
+_ADMIN_METHODS = frozenset(manager_pb2.DESCRIPTOR.services_by_name["AdminService"].methods_by_name)
+ROLES = ("both", "prefill", "decode")
+
+
+class NotAvailableYet(FerryError):
+    """The admin API has no such call yet (it comes with a later ferry release)."""
+
+
+class AdminClient:
+    def __init__(self, address: str, token: str = "", timeout_s: float = 5.0) -> None:
+        self.address = address
+        self._timeout_s = timeout_s
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._channel = insecure_channel(address)
+        self._admin = manager_pb2_grpc.AdminServiceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AdminClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def list_instances(self) -> list[InstanceRow]:
+        reply = await self._call(self._admin.ListInstances, manager_pb2.ListInstancesRequest())
+        return sorted((instance_from_proto(i) for i in reply.instances), key=lambda row: row.instance_id)
+
+    async def list_requests(self, instance_id: str = "") -> RequestList:
+        call = self._admin.ListRequests(manager_pb2.AdminListRequestsRequest(instance_id=instance_id),
+                                        timeout=self._timeout_s, metadata=self._metadata or None)
+        try:
+            reply = await call
+            trailing = await call.trailing_metadata() or ()
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        unreachable = next((value for key, value in trailing if key == UNREACHABLE_KEY), "")
+        rows = sorted((request_from_proto(r) for r in reply.requests), key=lambda row: (row.instance_id, row.request_id))
+        return RequestList(tuple(rows), tuple(i for i in unreachable.split(",") if i))
+
+    async def cluster_status(self) -> ClusterStatus:
+        return status_from_proto(await self._call(self._admin.GetClusterStatus, manager_pb2.GetClusterStatusRequest()))
+
+    async def get_policy(self) -> str:
+        return (await self._call(self._admin.GetPolicy, manager_pb2.GetPolicyRequest())).dispatch
+
+    async def set_policy(self, dispatch: str) -> str:
+        return (await self._call(self._admin.SetPolicy, manager_pb2.Policy(dispatch=dispatch))).dispatch
+
+    async def drain(self, instance_id: str) -> DrainResult:
+        reply = await self._call(self._admin.Drain, manager_pb2.DrainRequest(instance_id=instance_id))
+        return DrainResult(reply.instance_id, enum_label(common_pb2.InstanceState, reply.state, "INSTANCE_STATE_"))
+
+    async def migrate(self, request_id: str = "", src_instance_id: str = "", dst_instance_id: str = "") -> MigrateResult:
+        """Move a running request (or the manager's pick from `src_instance_id`) to another instance."""
+        fields = {"request_id": request_id, "src_instance_id": src_instance_id, "dst_instance_id": dst_instance_id}
+        request = self._optional_request("Migrate", "MigrateRequest", {k: v for k, v in fields.items() if v})
+        return migrate_from_proto(await self._call_optional("Migrate", request))
+
+    async def set_role(self, instance_id: str, role: str) -> str:
+        """Change an instance's role (both | prefill | decode); returns the role it now has."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        wire_role = common_pb2.Role.Value(f"ROLE_{role.upper()}")
+        request = self._optional_request("SetRole", "SetRoleRequest", {"instance_id": instance_id, "role": wire_role})
+        reply = await self._call_optional("SetRole", request)
+        return enum_label(common_pb2.Role, getattr(reply, "role", wire_role), "ROLE_")
+
+    def _optional_request(self, method: str, message: str, fields: dict[str, Any]) -> Any:
+        if method not in _ADMIN_METHODS or not hasattr(manager_pb2, message):
+            raise NotAvailableYet(f"{method} is not available yet: ferry.v1.AdminService has no {method} RPC "
+                                  "in this build (it comes with live migration)")
+        return getattr(manager_pb2, message)(**fields)
+
+    async def _call_optional(self, method: str, request: Any) -> Any:
+        try:
+            return await getattr(self._admin, method)(request, timeout=self._timeout_s, metadata=self._metadata or None)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                raise NotAvailableYet(f"{method} is not available yet on the manager at {self.address} "
+                                      "(upgrade the managers)") from None
+            raise error_from_rpc(exc) from None
+
+    async def _call(self, method, request):
+        try:
+            return await method(request, timeout=self._timeout_s, metadata=self._metadata or None)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+
+
+def enum_label(enum_type: Any, value: int, prefix: str) -> str:
+    """ROLE_PREFILL -> "prefill"; unknown numbers stay visible as numbers."""
+    try:
+        name = enum_type.Name(value)
+    except ValueError:
+        return str(value)
+    return name.removeprefix(prefix).lower()
+
+
+def instance_from_proto(info: manager_pb2.InstanceInfo) -> InstanceRow:
+    return InstanceRow(
+        instance_id=info.instance_id, address=info.address, role=enum_label(common_pb2.Role, info.role, "ROLE_"),
+        state=enum_label(common_pb2.InstanceState, info.state, "INSTANCE_STATE_"), model=info.model, host=info.host,
+        pid=info.pid, num_running=info.num_running, num_waiting=info.num_waiting, num_free_blocks=info.num_free_blocks,
+        num_total_blocks=info.num_total_blocks, freeness=info.freeness, num_requests_served=info.num_requests_served,
+        num_dispatched=info.num_dispatched, report_age_s=info.report_age_s)
+
+
+def request_from_proto(info: instance_pb2.RequestInfo) -> RequestRow:
+    return RequestRow(request_id=info.request_id, instance_id=info.instance_id, state=info.state,
+                      num_tokens=info.num_tokens, num_output_tokens=info.num_output_tokens)
+
+
+def status_from_proto(reply: manager_pb2.GetClusterStatusResponse) -> ClusterStatus:
+    return ClusterStatus(
+        leader_id=reply.leader_id, leader_address=reply.leader_address, answered_by=reply.answered_by,
+        dispatch_policy=reply.dispatch_policy, num_instances=reply.num_instances, num_serving=reply.num_serving,
+        num_draining=reply.num_draining, num_unhealthy=reply.num_unhealthy, num_running=reply.num_running,
+        num_waiting=reply.num_waiting, num_dispatched=reply.num_dispatched, average_freeness=reply.average_freeness)
+
+
+def migrate_from_proto(reply: Any) -> MigrateResult:
+    return MigrateResult(
+        request_id=reply.request_id, src_instance_id=reply.src_instance_id, dst_instance_id=reply.dst_instance_id,
+        num_blocks=reply.num_blocks, num_bytes=reply.num_bytes, num_stages=reply.num_stages, backend=reply.backend,
+        duration_ms=reply.duration_ms, downtime_ms=reply.downtime_ms)

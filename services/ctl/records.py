@@ -1,0 +1,90 @@
+"""What ferryctl shows: plain records built from the admin API's replies (see client.py)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceRow:
+    instance_id: str
+    address: str
+    role: str  # both | prefill | decode
+    state: str  # serving | draining | unhealthy
+    model: str
+    host: str
+    pid: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    freeness: float
+    num_requests_served: int
+    num_dispatched: int
+    report_age_s: float  # -1 = no load report yet
+
+    @property
+    def kv_used_fraction(self) -> float:
+        if self.num_total_blocks <= 0:
+            return 0.0
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRow:
+    request_id: str
+    instance_id: str
+    state: str  # waiting | running | finished
+    num_tokens: int  # prompt + generated
+    num_output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestList:
+    requests: tuple[RequestRow, ...]
+    unreachable_instance_ids: tuple[str, ...]  # instances that did not answer in time
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStatus:
+    leader_id: str
+    leader_address: str
+    answered_by: str  # the manager whose view this is
+    dispatch_policy: str
+    num_instances: int
+    num_serving: int
+    num_draining: int
+    num_unhealthy: int
+    num_running: int
+    num_waiting: int
+    num_dispatched: int
+    average_freeness: float
+
+
+@dataclass(frozen=True, slots=True)
+class DrainResult:
+    instance_id: str
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class MigrateResult:
+    request_id: str
+    src_instance_id: str
+    dst_instance_id: str
+    num_blocks: int
+    num_bytes: int
+    num_stages: int
+    backend: str
+    duration_ms: float
+    downtime_ms: float
+
+
+def to_json(record: Any) -> Any:
+    """A JSON-ready view of a record, a list of records, or a plain value."""
+    if isinstance(record, (list, tuple)):
+        return [to_json(item) for item in record]
+    if hasattr(record, "__dataclass_fields__"):
+        return {key: to_json(value) for key, value in asdict(record).items()}
+    return record

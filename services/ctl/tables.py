@@ -1,0 +1,93 @@
+"""Plain-text tables for ferryctl: aligned columns, numbers right-aligned, no colours."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.ctl.records import ClusterStatus, DrainResult, InstanceRow, MigrateResult, RequestList
+
+_BAR_WIDTH = 10
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Columns padded to their widest cell; numeric columns right-aligned."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    numeric = [bool(rows) and all(isinstance(row[i], (int, float)) for row in rows) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        padded = [c.rjust(w) if is_num else c.ljust(w) for c, w, is_num in zip(row, widths, numeric, strict=True)]
+        lines.append("  ".join(padded).rstrip())
+    return "\n".join(lines)
+
+
+def instances_table(rows: Sequence[InstanceRow]) -> str:
+    if not rows:
+        return "no instances registered"
+    headers = ("INSTANCE", "ROLE", "STATE", "RUNNING", "WAITING", "KV USED", "FREE/TOTAL", "FREENESS", "SERVED",
+               "ADDRESS")
+    return render_table(headers, [
+        (r.instance_id, r.role, r.state, r.num_running, r.num_waiting, f"{r.kv_used_fraction:6.1%}",
+         f"{r.num_free_blocks}/{r.num_total_blocks}", r.freeness, r.num_requests_served, r.address)
+        for r in rows])
+
+
+def load_table(rows: Sequence[InstanceRow], served_per_s: dict[str, float]) -> str:
+    """The `top` view: a KV usage bar and throughput per instance."""
+    if not rows:
+        return "no instances registered"
+    headers = ("INSTANCE", "ROLE", "STATE", "RUN", "WAIT", "KV USED", "", "FREENESS", "REQ/S", "SERVED", "REPORT AGE")
+    return render_table(headers, [
+        (r.instance_id, r.role, r.state, r.num_running, r.num_waiting, _bar(r.kv_used_fraction),
+         f"{r.kv_used_fraction:6.1%}", r.freeness, served_per_s.get(r.instance_id, 0.0),
+         r.num_requests_served, _age(r.report_age_s))
+        for r in rows])
+
+
+def requests_table(listing: RequestList) -> str:
+    lines = []
+    if listing.requests:
+        lines.append(render_table(("REQUEST", "INSTANCE", "STATE", "TOKENS", "OUTPUT TOKENS"), [
+            (r.request_id, r.instance_id, r.state, r.num_tokens, r.num_output_tokens) for r in listing.requests]))
+    else:
+        lines.append("no requests")
+    if listing.unreachable_instance_ids:
+        lines.append(f"(no answer from: {', '.join(listing.unreachable_instance_ids)})")
+    return "\n".join(lines)
+
+
+def status_table(status: ClusterStatus) -> str:
+    leader = f"{status.leader_id} ({status.leader_address})" if status.leader_id else "none elected"
+    return render_table(("", ""), [
+        ("leader", leader),
+        ("answered by", status.answered_by),
+        ("dispatch policy", status.dispatch_policy),
+        ("instances", f"{status.num_instances} ({status.num_serving} serving, {status.num_draining} draining, "
+                      f"{status.num_unhealthy} unhealthy)"),
+        ("requests", f"{status.num_running} running, {status.num_waiting} waiting"),
+        ("dispatched", str(status.num_dispatched)),
+        ("average freeness", f"{status.average_freeness:.1f}"),
+    ]).split("\n", 1)[1]
+
+
+def drain_line(result: DrainResult) -> str:
+    return f"instance {result.instance_id} is {result.state}: no new requests go to it"
+
+
+def migrate_table(result: MigrateResult) -> str:
+    return render_table(("REQUEST", "FROM", "TO", "BLOCKS", "BYTES", "STAGES", "BACKEND", "DURATION MS", "DOWNTIME MS"), [
+        (result.request_id, result.src_instance_id, result.dst_instance_id, result.num_blocks, result.num_bytes,
+         result.num_stages, result.backend, result.duration_ms, result.downtime_ms)])
+
+
+def _cell(value: object) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def _bar(fraction: float) -> str:
+    filled = round(max(0.0, min(1.0, fraction)) * _BAR_WIDTH)
+    return "[" + "#" * filled + "." * (_BAR_WIDTH - filled) + "]"
+
+
+def _age(report_age_s: float) -> str:
+    return "no report" if report_age_s < 0 else f"{report_age_s:.1f}s"

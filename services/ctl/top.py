@@ -1,0 +1,72 @@
+"""`ferryctl top`: the cluster's instances and load, redrawn every --interval seconds.
+
+On a terminal each frame replaces the last (ANSI clear); piped, frames follow one
+another (with --json, one JSON object per line), so `top --iterations 1` is a snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TextIO
+
+from services.common.errors import FerryError
+from services.ctl.client import AdminClient
+from services.ctl.records import ClusterStatus, InstanceRow, to_json
+from services.ctl.tables import load_table, status_table
+
+_CLEAR = "\x1b[H\x1b[2J"
+
+
+@dataclass(slots=True)
+class Throughput:
+    """Requests served per second per instance, from the counter's change between frames."""
+
+    _last: dict[str, tuple[float, int]] = field(default_factory=dict)
+
+    def update(self, rows: list[InstanceRow], now: float) -> dict[str, float]:
+        rates = {}
+        for row in rows:
+            before = self._last.get(row.instance_id)
+            if before is not None and now > before[0]:
+                rates[row.instance_id] = max(0, row.num_requests_served - before[1]) / (now - before[0])
+            self._last[row.instance_id] = (now, row.num_requests_served)
+        return rates
+
+
+async def run_top(client: AdminClient, interval_s: float, iterations: int, as_json: bool,
+                  out: TextIO = sys.stdout) -> None:
+    """Draw `iterations` frames (0 = until interrupted); a failed poll is shown, not fatal."""
+    throughput = Throughput()
+    is_tty = out.isatty() and not as_json
+    frame = 0
+    while iterations == 0 or frame < iterations:
+        if frame:
+            await asyncio.sleep(interval_s)
+        frame += 1
+        text = await _frame(client, throughput, as_json)
+        out.write((_CLEAR if is_tty else "") + text + "\n")
+        out.flush()
+
+
+async def _frame(client: AdminClient, throughput: Throughput, as_json: bool) -> str:
+    try:
+        status, rows = await asyncio.gather(client.cluster_status(), client.list_instances())
+    except FerryError as exc:
+        return json.dumps({"error": exc.message}) if as_json else f"{_clock()}  admin {client.address}: {exc.message}"
+    rates = throughput.update(rows, time.monotonic())
+    if as_json:
+        return json.dumps({"time": time.time(), "status": to_json(status), "instances": to_json(rows),
+                           "served_per_s": rates})
+    return "\n".join([_title(client.address, status), status_table(status), "", load_table(rows, rates)])
+
+
+def _title(address: str, status: ClusterStatus) -> str:
+    return f"ferry top  {_clock()}  admin {address}  policy {status.dispatch_policy}"
+
+
+def _clock() -> str:
+    return time.strftime("%H:%M:%S")

@@ -1,0 +1,171 @@
+"""A Hugging Face tokenizer folder without transformers: `tokenizer.json`,
+`tokenizer_config.json` (special tokens, chat template), and the end-of-sequence
+ids that `config.json` and `generation_config.json` add.
+
+The chat template is rendered the way transformers renders it: a sandboxed jinja2
+environment with `trim_blocks`/`lstrip_blocks`, the `loopcontrols` extension, a
+`tojson` filter that keeps non-ASCII text, and `raise_exception`/`strftime_now`
+globals. Text produced by `apply_chat_template` already holds the template's
+special tokens, so `encode_chat` encodes it without adding more.
+"""
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import structlog
+import tokenizers
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+log = structlog.get_logger(__name__)
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        chat_template: str | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})  # "bos_token" → "<s>", ...
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._template = _compile(chat_template) if chat_template else None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
+        model_dir = Path(model_dir)
+        if not (model_dir / "tokenizer.json").is_file():
+            raise ValueError(f"no tokenizer.json in {model_dir}: the model folder needs a fast tokenizer file")
+        backend = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config = _read_json(model_dir / "tokenizer_config.json")
+        special = {k: t for k in ("bos_token", "eos_token", "pad_token", "unk_token") if (t := _token(config.get(k)))}
+        eos_ids = [
+            *_ids(_read_json(model_dir / "config.json").get("eos_token_id")),
+            *_ids(_read_json(model_dir / "generation_config.json").get("eos_token_id")),
+        ]
+        if "eos_token" in special and (eos_id := backend.token_to_id(special["eos_token"])) is not None:
+            eos_ids.append(eos_id)
+        tokenizer = cls(backend, _chat_template(model_dir, config), special, dict.fromkeys(eos_ids))
+        log.info("tokenizer_loaded", model_dir=str(model_dir), eos_token_ids=tokenizer.eos_token_ids)
+        return tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        bos = self.special_tokens.get("bos_token")
+        return None if bos is None else self.backend.token_to_id(bos)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError("the model has no chat template (tokenizer_config.json chat_template); use completions")
+        return self._template.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens
+        )
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns one request's generated ids into text deltas as they arrive.
+
+    Decodes a short window of ids (from the last emitted boundary, `prefix_offset`)
+    and emits the text after what that window decoded to before (`read_offset`).
+    While the decoded text ends with U+FFFD, a UTF-8 character is still split
+    across tokens and the text is held back; `flush` emits what is held at the end.
+    The deltas joined equal `decode(context_ids + ids)` minus `decode(context_ids)`.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, context_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids = list(context_ids)  # context (e.g. the prompt's tail) then every fed id
+        self._prefix_offset = 0  # the window to decode starts here
+        self._read_offset = len(self._ids)  # text of ids before this has been emitted
+
+    def feed(self, token_ids: Iterable[int]) -> str:
+        """The new text after adding these ids; "" while a character is incomplete."""
+        self._ids.extend(token_ids)
+        return self._emit(is_final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held back, e.g. a trailing incomplete character as U+FFFD."""
+        return self._emit(is_final=True)
+
+    def _decode(self, start: int, stop: int) -> str:
+        return self._tokenizer.decode(self._ids[start:stop], skip_special_tokens=self._skip_special_tokens)
+
+    def _emit(self, is_final: bool) -> str:
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset, len(self._ids))
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT_CHAR) and not is_final):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return new_text[len(prefix_text) :]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token(value: str | dict[str, Any] | None) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _chat_template(model_dir: Path, config: Mapping[str, Any]) -> str | None:
+    """From chat_template.jinja (transformers >= 4.43 writes it) or tokenizer_config.json."""
+    path = model_dir / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}]
+        named = {t["name"]: t["template"] for t in template}
+        return named.get("default")
+    return template
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(f"chat template rejected the messages: {message}")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)

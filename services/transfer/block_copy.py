@@ -1,0 +1,78 @@
+"""Gather, scatter and direct copies of KV blocks, on `[rows, blocks, row_elems]` views.
+
+Gather is `torch.index_select(..., out=staging_view)` into a preallocated buffer.
+Scatter on CPU copies runs of consecutive destination ids with numpy slice assignments
+(memcpy-speed; `index_copy_` measured ~2.7 GB/s against ~8 GB/s on the reference box);
+on CUDA it is `index_copy_`. Neither allocates block-sized memory. Direct copies
+(the SHM backend) go source rows to destination rows by the same runs, with no staging.
+Numpy copies release the GIL, so these run on worker threads while the event loop serves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from services.transfer.chunk_plan import Chunk, ChunkPlan
+
+
+def kv_rows(kv: torch.Tensor) -> torch.Tensor:
+    """`[layers, 2, blocks, ...]` → `[layers * 2, blocks, row_elems]` (a view)."""
+    return kv.view(kv.shape[0] * kv.shape[1], kv.shape[2], -1)
+
+
+def staged_view(buffer: torch.Tensor, plan: ChunkPlan, chunk: Chunk, dtype: torch.dtype) -> torch.Tensor:
+    """The first bytes of a uint8 staging `buffer` as the chunk's `[rows, blocks, row_elems]` array."""
+    num_bytes = plan.chunk_bytes(chunk)
+    return buffer[:num_bytes].view(dtype).view(chunk.num_rows, chunk.num_blocks, plan.row_elems)
+
+
+def gather_chunk(rows: torch.Tensor, block_ids: torch.Tensor, chunk: Chunk, out: torch.Tensor) -> torch.Tensor:
+    """Copy the chunk's blocks and rows of `rows` into `out` (a `staged_view`)."""
+    ids = block_ids[chunk.block_start:chunk.block_stop]
+    return torch.index_select(rows[chunk.row_start:chunk.row_stop], 1, ids, out=out)
+
+
+def scatter_chunk(rows: torch.Tensor, block_ids: tuple[int, ...], chunk: Chunk, staged: torch.Tensor) -> None:
+    """Copy a staged chunk into the destination block ids of `rows`."""
+    ids = block_ids[chunk.block_start:chunk.block_stop]
+    target = rows[chunk.row_start:chunk.row_stop]
+    if rows.device.type != "cpu":
+        target.index_copy_(1, torch.tensor(ids, device=rows.device), staged)
+        return
+    target_np, staged_np = as_bytes(target), as_bytes(staged)
+    for offset, first_id, length in block_runs(ids):
+        target_np[:, first_id:first_id + length] = staged_np[:, offset:offset + length]
+
+
+def copy_blocks(src_rows: torch.Tensor, src_ids: tuple[int, ...], dst_rows: torch.Tensor,
+                dst_ids: tuple[int, ...], row_start: int = 0, row_stop: int | None = None) -> None:
+    """Direct copy `src_rows[:, src_ids[i]]` → `dst_rows[:, dst_ids[i]]`, no staging (one host)."""
+    src_np, dst_np = as_bytes(src_rows[row_start:row_stop]), as_bytes(dst_rows[row_start:row_stop])
+    for src_first, dst_first, length in paired_runs(src_ids, dst_ids):
+        dst_np[:, dst_first:dst_first + length] = src_np[:, src_first:src_first + length]
+
+
+def as_bytes(rows: torch.Tensor) -> np.ndarray:
+    """A uint8 numpy view of a CPU `[rows, blocks, row_elems]` tensor (any dtype, bf16 too)."""
+    return rows.view(torch.uint8).numpy()
+
+
+def block_runs(ids: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
+    """(offset in ids, first id, length) of each run of consecutive ascending ids."""
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            yield start, ids[start], i - start
+            start = i
+
+
+def paired_runs(src_ids: tuple[int, ...], dst_ids: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
+    """(first src id, first dst id, length) of runs consecutive on both sides."""
+    start = 0
+    for i in range(1, len(src_ids) + 1):
+        if i == len(src_ids) or src_ids[i] != src_ids[i - 1] + 1 or dst_ids[i] != dst_ids[i - 1] + 1:
+            yield src_ids[start], dst_ids[start], i - start
+            start = i

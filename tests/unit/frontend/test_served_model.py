@@ -1,0 +1,48 @@
+"""ServedModel on the tiny model folder: prompts, the chat template, token strings (no sockets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.frontend.openai_protocol import RequestError, parse_chat_request, parse_completion_request
+from services.frontend.served_model import ServedModel
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> ServedModel:
+    return ServedModel.load(tiny_model_dir, "tiny")
+
+
+def test_context_and_vocabulary_come_from_config_json(tiny_model_dir, model):
+    assert model.max_model_len == 1024 and model.vocab_size == 512
+    assert ServedModel.load(tiny_model_dir, "tiny", max_model_len=128).max_model_len == 128
+
+
+def test_prompts_as_text_and_as_token_ids(model):
+    text_ids = model.prompt_token_ids(parse_completion_request({"prompt": "the cat"}, "tiny"))
+    assert text_ids and model.decode(text_ids) == "the cat"
+    assert model.prompt_token_ids(parse_completion_request({"prompt": [3, 4, 5]}, "tiny")) == [3, 4, 5]
+    with pytest.raises(RequestError, match="token id 512 is outside the vocabulary"):
+        model.prompt_token_ids(parse_completion_request({"prompt": [3, 512]}, "tiny"))
+
+
+def test_chat_goes_through_the_chat_template(model):
+    parsed = parse_chat_request({"messages": [{"role": "user", "content": "hi"}]}, "tiny")
+    ids = model.prompt_token_ids(parsed)
+    assert model.token_text(ids[0]) == "<|im_start|>"  # special tokens are kept in token strings
+    assert model.tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_model_without_a_chat_template_rejects_chat_with_400(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+    folder = tmp_path / "no-template"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    model = ServedModel.load(folder, "no-template")
+    with pytest.raises(RequestError, match="no chat template"):
+        model.prompt_token_ids(parse_chat_request({"messages": [{"role": "user", "content": "hi"}]}, "no-template"))

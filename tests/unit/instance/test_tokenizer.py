@@ -1,0 +1,139 @@
+"""Tokenizer, chat template and incremental detokenization on a small byte-level BPE."""
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from services.instance.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+pytestmark = pytest.mark.timeout(60)
+
+SPECIAL = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, world! Hello again, world.",
+    "naïve café déjà vu — ünïcödé text",
+    "你好，世界。今天天气很好。",
+    "emoji: 🚀🎉🙂 and more 🚀",
+] * 20
+# A multi-line template: trim_blocks/lstrip_blocks decide its newlines, as in transformers.
+CHAT_TEMPLATE = """{{ bos_token }}{% for message in messages %}
+    {% if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{ raise_exception('unknown role ' + message['role']) }}
+    {% endif %}
+<|im_start|>{{ message['role'] }}
+{{ message['content'] }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+UNICODE_TEXT = "naïve 你好 🚀🎉 déjà — ok"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    backend = BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(CORPUS, trainer)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>",
+        "eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "special": True},
+        "chat_template": CHAT_TEMPLATE,
+    }))
+    (path / "config.json").write_text(json.dumps({"eos_token_id": 1}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+def test_encode_decode_round_trip(tokenizer):
+    ids = tokenizer.encode(UNICODE_TEXT)
+    assert ids[0] == tokenizer.bos_token_id == 0
+    assert tokenizer.encode(UNICODE_TEXT, add_special_tokens=False) == ids[1:]
+    assert tokenizer.decode(ids) == UNICODE_TEXT
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "<s>" + UNICODE_TEXT
+
+
+def test_eos_ids_come_from_all_three_files(tokenizer):
+    assert tokenizer.eos_token_ids == (1, 2, 3)  # config, generation config, then <|im_end|>
+    assert tokenizer.special_tokens["eos_token"] == "<|im_end|>"
+
+
+def test_chat_template_renders_like_transformers(tokenizer, model_dir):
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(model_dir / "tokenizer.json"), bos_token="<s>", eos_token="<|im_end|>",
+    )
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🚀"}]
+    text = tokenizer.apply_chat_template(messages)
+    assert text == "<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi 🚀<|im_end|>\n<|im_start|>assistant\n"
+    expected = reference.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
+                                             add_generation_prompt=True)
+    assert text == expected
+    assert tokenizer.encode_chat(messages).count(tokenizer.bos_token_id) == 1
+    without = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    assert without == text.removesuffix("<|im_start|>assistant\n")
+
+
+def test_chat_template_errors_are_value_errors(tokenizer, model_dir, tmp_path):
+    with pytest.raises(ValueError, match="unknown role tool"):
+        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}])
+    (tmp_path / "tokenizer.json").write_text((model_dir / "tokenizer.json").read_text())
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_chat_template_file_wins(model_dir, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((model_dir / name).read_text())
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    assert Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}]) == "[x]"
+
+
+def test_incremental_deltas_never_split_characters(tokenizer):
+    ids = tokenizer.encode(UNICODE_TEXT, add_special_tokens=False)
+    # The test is only meaningful if some token boundary falls inside a character.
+    assert any(tokenizer.decode(ids[:n]).endswith("\ufffd") for n in range(1, len(ids)))
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.feed([i]) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + detok.flush() == tokenizer.decode(ids) == UNICODE_TEXT
+    assert "" in deltas  # some token was held back
+
+
+def test_incremental_in_chunks_with_special_tokens_and_context(tokenizer):
+    prompt = tokenizer.encode("Hello, world!")
+    ids = [2, *tokenizer.encode(" 你好🚀 café", add_special_tokens=False), 3]
+    detok = IncrementalDetokenizer(tokenizer, context_ids=prompt[-3:])
+    deltas = [detok.feed(ids[i : i + 3]) for i in range(0, len(ids), 3)]
+    assert "".join(deltas) + detok.flush() == " 你好🚀 café"
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert "".join(detok.feed([i]) for i in ids) + detok.flush() == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_flush_emits_an_incomplete_tail(tokenizer):
+    ids = tokenizer.encode("🚀", add_special_tokens=False)
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.feed(ids[:-1]) == ""
+    assert detok.flush() == tokenizer.decode(ids[:-1])
+    assert detok.flush() == ""
+
+
+def test_missing_tokenizer_json(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)

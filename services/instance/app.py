@@ -11,8 +11,6 @@ import asyncio
 import os
 import signal
 import socket
-from dataclasses import dataclass
-
 import structlog
 import torch
 
@@ -21,10 +19,8 @@ from services.common.gen.ferry.v1 import common_pb2, instance_pb2_grpc
 from services.common.grpc_server import start_grpc_server
 from services.common.registry import Registry
 from services.instance.config import InstanceConfig
-from services.instance.engine.engine import EngineConfig, LLMEngine
-from services.instance.engine.kv_cache import KvCache, KvGeometry
-from services.instance.engine.model import load_model
-from services.instance.engine.tokenizer import Tokenizer
+from services.instance.engine.factory import EngineSpec, LoadedEngine, build_engine
+from services.instance.engine.kv_cache import KvGeometry
 from services.instance.load_reporter import load_report_loop
 from services.instance.runner import EngineRunner
 from services.instance.server import InstanceIdentity, InstanceServicer
@@ -34,26 +30,18 @@ log = structlog.get_logger(__name__)
 INSTANCE_SERVICE = "ferry.v1.InstanceService"
 
 
-@dataclass(slots=True)
-class LoadedEngine:
-    engine: LLMEngine
-    kv_cache: KvCache
-    max_model_len: int
-
-
 async def main(config: InstanceConfig) -> None:
     log.info("config_resolved", **as_dict(config))
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
-    loaded = build_engine(config, kv_name=f"ferry-kv-{os.getpid()}")
+    loaded = build_engine(engine_spec(config, kv_name=f"ferry-kv-{os.getpid()}"))
     runner = EngineRunner(loaded.engine, asyncio.get_running_loop())
     runner.start()
     try:
         await serve(config, loaded, runner)
     finally:
         runner.stop()
-        loaded.kv_cache.close()
-        loaded.kv_cache.unlink()
+        loaded.close()
 
 
 async def serve(config: InstanceConfig, loaded: LoadedEngine, runner: EngineRunner) -> None:
@@ -95,24 +83,11 @@ async def shutdown(config: InstanceConfig, server, servicer: InstanceServicer, r
     log.info("instance_stopped", num_cut=runner.num_active)
 
 
-def build_engine(config: InstanceConfig, kv_name: str) -> LoadedEngine:
-    dtype = getattr(torch, config.dtype)
-    model = load_model(config.model, dtype=dtype)
-    tokenizer = Tokenizer.from_dir(config.model)
-    model_config = model.config
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
-    geometry = KvGeometry(
-        num_layers=model_config.num_hidden_layers, num_kv_heads=model_config.num_key_value_heads,
-        head_dim=model_config.head_dim, block_size=config.block_size, num_blocks=1, dtype=dtype)
-    num_blocks = config.num_blocks or max(1, config.kv_cache_mib * 2**20 // geometry.bytes_per_block)
-    geometry = KvGeometry(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
-                          geometry.block_size, num_blocks, dtype)
-    kv_cache = KvCache.create(kv_name, geometry)
-    engine_config = EngineConfig(
-        block_size=config.block_size, num_blocks=num_blocks, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len)
-    engine = LLMEngine(model, tokenizer, kv_cache, engine_config)
-    return LoadedEngine(engine, kv_cache, max_model_len)
+def engine_spec(config: InstanceConfig, kv_name: str) -> EngineSpec:
+    return EngineSpec(model_dir=config.model, kv_name=kv_name, dtype=getattr(torch, config.dtype),
+                      block_size=config.block_size, num_blocks=config.num_blocks, kv_cache_mib=config.kv_cache_mib,
+                      max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                      max_model_len=config.max_model_len)
 
 
 def geometry_to_proto(geometry: KvGeometry) -> common_pb2.KvGeometry:

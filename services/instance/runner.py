@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 
+from services.common.errors import Internal, Unavailable
 from services.instance.engine.engine import LLMEngine, LoadSnapshot, StepOutput
 
 log = structlog.get_logger(__name__)
@@ -57,6 +58,7 @@ class EngineRunner:
         self._load = engine.load()  # replaced whole after every step; readers never see a torn value
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
         self.num_requests_served = 0
+        self.is_broken = False  # set when a step raised; the instance then refuses new work
         self.on_load_change: Callable[[LoadSnapshot], None] | None = None
 
     def start(self) -> None:
@@ -83,6 +85,8 @@ class EngineRunner:
     async def add(self, request_id: str, prompt_token_ids: list[int], sampling: Any,
                   priority: int = 0, resume_token_ids: tuple[int, ...] = ()) -> RequestStream:
         """Admit a request; raises the engine's validation errors (InvalidArgument, ...)."""
+        if self.is_broken:
+            raise Unavailable("the engine failed (see the instance log); send the request to another instance")
         stream = RequestStream(request_id, asyncio.Queue())
 
         def admit() -> None:
@@ -129,7 +133,14 @@ class EngineRunner:
         while not self._stopping.is_set():
             self._run_commands()
             if self._engine.has_unfinished():
-                self._publish(self._engine.step())
+                try:
+                    outputs = self._engine.step()
+                except Exception as exc:  # a broken engine must not hang its clients
+                    log.exception("engine_step_failed")
+                    self.is_broken = True
+                    self._loop.call_soon_threadsafe(self._fail_all, exc)
+                    return
+                self._publish(outputs)
             else:
                 self._wakeup.wait(_IDLE_WAIT_S)
                 self._wakeup.clear()
@@ -163,6 +174,13 @@ class EngineRunner:
             if output.finish_reason is not None:
                 del self._streams[output.request_id]
                 self.num_requests_served += 1
+
+
+    def _fail_all(self, exc: BaseException) -> None:
+        error = Internal(f"engine step failed: {type(exc).__name__}")
+        for stream in self._streams.values():
+            stream.outputs.put_nowait(error)
+        self._streams.clear()
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

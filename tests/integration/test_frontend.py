@@ -154,8 +154,8 @@ async def test_chat_whole_and_streamed(client):
 async def test_seed_reproduces_a_sampled_completion(client):
     def ask():
         return client.completions.create(model=MODEL, prompt="once upon", max_tokens=12, temperature=1.0, top_p=0.9,
-                                         top_k=50, seed=1234, extra_body={"ignore_eos": True,
-                                                                          "return_token_ids": True})
+                                         seed=1234, extra_body={"top_k": 50, "ignore_eos": True,
+                                                                "return_token_ids": True})
     first, second = await ask(), await ask()
     assert first.choices[0].model_dump()["token_ids"] == second.choices[0].model_dump()["token_ids"]
 

@@ -12,11 +12,8 @@ from services.cluster.processes import ServiceProcess
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
 from services.common.registry import Registry
-from services.instance.engine.engine import EngineConfig, LLMEngine
-from services.instance.engine.kv_cache import KvCache, KvGeometry
-from services.instance.engine.model import load_model
+from services.instance.engine.factory import EngineSpec, build_engine
 from services.instance.engine.request import SamplingParams
-from services.instance.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,14 +47,12 @@ def greedy(max_tokens: int, **fields) -> common_pb2.SamplingParams:
 
 
 def reference_tokens(model_dir, prompt: list[int], max_tokens: int) -> list[int]:
-    model = load_model(model_dir)
-    config = model.config
-    geometry = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 4, NUM_BLOCKS, model.dtype)
-    with KvCache.create(f"ferry-test-ref-{id(prompt)}", geometry) as kv_cache:
-        engine = LLMEngine(model, Tokenizer.from_dir(model_dir), kv_cache,
-                           EngineConfig(block_size=4, num_blocks=NUM_BLOCKS, max_model_len=256))
-        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return engine.generate([prompt], sampling)[0]
+    loaded = build_engine(EngineSpec(model_dir, kv_name="ferry-test-reference", block_size=4, num_blocks=NUM_BLOCKS,
+                                     max_model_len=256))
+    try:
+        return loaded.engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))[0]
+    finally:
+        loaded.close()
 
 
 async def collect(stub, request: instance_pb2.GenerateRequest) -> list[instance_pb2.GenerateChunk]:

@@ -1,0 +1,119 @@
+"""`python -m services.ctl`: ferryctl, the admin API from a terminal.
+
+    python -m services.ctl [--admin HOST:PORT] [--token T] [--json] COMMAND ...
+
+Global options may come before or after the command and can be set as FERRY_CTL_ADMIN,
+FERRY_CTL_TOKEN, FERRY_CTL_JSON, FERRY_CTL_TIMEOUT_S. Exit status: 0 done, 1 the call
+failed (the message says why), 2 usage error, 3 not available yet in this ferry build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+
+from services.common.config import parse_config
+from services.common.errors import FerryError, Unavailable
+from services.ctl.client import ROLES, AdminClient, NotAvailableYet
+from services.ctl.commands import COMMANDS
+from services.ctl.config import CtlConfig
+from services.ctl.records import to_json
+from services.ctl.top import run_top
+
+EXIT_FAILED, EXIT_NOT_AVAILABLE = 1, 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _global_options()
+    parser = argparse.ArgumentParser(prog="ferryctl", parents=[common], description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser("instances", parents=[common], help="instances with role, state and load")
+    requests = commands.add_parser("requests", parents=[common], help="requests on every instance (or one)")
+    requests.add_argument("--instance", help="only this instance's requests")
+    commands.add_parser("status", parents=[common], help="leader, policy and cluster totals")
+    policy = commands.add_parser("policy", parents=[common], help="show or change the dispatch policy")
+    actions = policy.add_subparsers(dest="action", required=True, metavar="ACTION")
+    actions.add_parser("get", parents=[common], help="show the dispatch policy")
+    policy_set = actions.add_parser("set", parents=[common], help="change the dispatch policy (every manager follows)")
+    policy_set.add_argument("dispatch", help="load | queue | balanced | round_robin | flood (the manager validates)")
+    drain = commands.add_parser("drain", parents=[common], help="stop sending new requests to an instance")
+    drain.add_argument("instance_id")
+    migrate = commands.add_parser("migrate", parents=[common], help="live-migrate a running request")
+    migrate.add_argument("--request", help="request id (default: the manager picks one on --src)")
+    migrate.add_argument("--src", help="source instance id")
+    migrate.add_argument("--dst", help="destination instance id (default: the freest instance)")
+    role = commands.add_parser("role", parents=[common], help="change an instance's prefill/decode role")
+    role.add_argument("instance_id")
+    role.add_argument("role", choices=ROLES)
+    top = commands.add_parser("top", parents=[common], help="live view of instances and load")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: 1)")
+    top.add_argument("--iterations", type=int, default=0, help="frames to draw, then exit (default: 0 = until Ctrl-C)")
+    return parser
+
+
+def _global_options() -> argparse.ArgumentParser:
+    """CtlConfig's fields as flags that are only set when given (SUPPRESS), so they work before or after COMMAND."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", default=argparse.SUPPRESS, help="YAML file with any of the options below")
+    for field in dataclasses.fields(CtlConfig):
+        flag = f"--{field.name.replace('_', '-')}"
+        help_text = f"{field.metadata['help']} [env FERRY_CTL_{field.name.upper()}] (default: {field.default})"
+        if field.type in (bool, "bool"):
+            common.add_argument(flag, dest=field.name, action="store_const", const="true", default=argparse.SUPPRESS,
+                                help=help_text)
+        else:
+            common.add_argument(flag, dest=field.name, default=argparse.SUPPRESS, metavar=field.name.upper(),
+                                help=help_text)
+    return common
+
+
+def resolve_config(args: argparse.Namespace) -> CtlConfig:
+    """Flags given on the command line, then FERRY_CTL_* env, then --config file, then defaults."""
+    argv: list[str] = []
+    for name in ["config", *(f.name for f in dataclasses.fields(CtlConfig))]:
+        if name in vars(args):
+            argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return parse_config(CtlConfig, "ctl", argv)
+
+
+async def execute(config: CtlConfig, args: argparse.Namespace) -> int:
+    async with AdminClient(config.admin, config.token, config.timeout_s) as client:
+        try:
+            if args.command == "top":
+                await run_top(client, args.interval, args.iterations, config.json)
+                return 0
+            record, text = await COMMANDS[args.command](client, args)
+        except NotAvailableYet as exc:
+            return _fail(config, exc, EXIT_NOT_AVAILABLE)
+        except FerryError as exc:
+            return _fail(config, exc, EXIT_FAILED)
+    print(json.dumps(to_json(record), indent=2) if config.json else text)
+    return 0
+
+
+def _fail(config: CtlConfig, exc: FerryError, status: int) -> int:
+    message = exc.message
+    if isinstance(exc, Unavailable):
+        message += f" (manager at --admin {config.admin}; set --admin or FERRY_CTL_ADMIN to another manager)"
+    if config.json:
+        print(json.dumps({"error": message, "code": type(exc).__name__}))
+    print(f"ferryctl: {message}", file=sys.stderr)
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = resolve_config(args)
+    try:
+        return asyncio.run(execute(config, args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Building a ready engine from a model folder: model, tokenizer, shared KV cache, engine."""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from services.instance.engine.engine import EngineConfig, LLMEngine
+from services.instance.engine.kv_cache import KvCache, KvGeometry
+from services.instance.engine.model import load_model
+from services.instance.engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    model_dir: pathlib.Path
+    kv_name: str  # shared-memory segment name of the KV cache
+    dtype: torch.dtype = torch.float32
+    block_size: int = 16
+    num_blocks: int = 0  # 0 = size from kv_cache_mib
+    kv_cache_mib: int = 512
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings
+
+
+@dataclass(slots=True)
+class LoadedEngine:
+    engine: LLMEngine
+    kv_cache: KvCache
+    max_model_len: int
+
+    def close(self) -> None:
+        """Unmap and remove the shared KV memory (call once the engine is done)."""
+        self.kv_cache.close()
+        self.kv_cache.unlink()
+
+
+def build_engine(spec: EngineSpec) -> LoadedEngine:
+    model = load_model(spec.model_dir, dtype=spec.dtype)
+    config = model.config
+    max_model_len = spec.max_model_len or config.max_position_embeddings
+    per_block = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                           spec.block_size, 1, spec.dtype).bytes_per_block
+    num_blocks = spec.num_blocks or max(1, spec.kv_cache_mib * 2**20 // per_block)
+    geometry = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                          spec.block_size, num_blocks, spec.dtype)
+    kv_cache = KvCache.create(spec.kv_name, geometry)
+    engine_config = EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len, block_size=spec.block_size,
+                                 max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens)
+    engine = LLMEngine(model, Tokenizer.from_dir(spec.model_dir), kv_cache, engine_config)
+    return LoadedEngine(engine, kv_cache, max_model_len)

@@ -1,0 +1,110 @@
+"""Overlapping gather, send and scatter with two staging buffers.
+
+Sender: `GatherAhead` stages chunk i+1 into one buffer on a worker thread while the
+caller sends chunk i from the other. Receiver: `ScatterBehind` scatters chunk i from
+one buffer on a worker thread while the caller receives chunk i+1 into the other.
+
+Invariant: a buffer is never written while a thread still reads it, and the slot
+holding both buffers is released only after `close()` has waited for every thread the
+pipeline started (threads cannot be cancelled; each one ends by itself, bounded by the
+transfer's deadline). Futures are awaited through `asyncio.shield` so a cancelled
+caller leaves them observable to `close()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any
+
+import torch
+
+from services.transfer.chunk_plan import Chunk, ChunkPlan
+from services.transfer.staging import StagingSlot
+
+GatherFn = Callable[[Chunk, torch.Tensor], torch.Tensor]  # (chunk, buffer) → the staged view
+ScatterFn = Callable[[Chunk, torch.Tensor], None]  # (chunk, staged view) → None
+
+
+async def run_in_thread(executor: Executor, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run `fn` on `executor`; if the caller is cancelled, wait for the thread before re-raising."""
+    future = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])  # the thread may still touch staging memory
+        raise
+
+
+class GatherAhead:
+    """`async for chunk, staged in GatherAhead(...)`: each staged view is valid until the next step."""
+
+    def __init__(self, plan: ChunkPlan, slot: StagingSlot, gather: GatherFn, executor: Executor) -> None:
+        self._chunks = list(plan.chunks())
+        self._slot = slot
+        self._gather = gather
+        self._executor = executor
+        self._next = 0
+        self._pending: asyncio.Future | None = None  # gather of chunk `_next`, if started
+
+    def __aiter__(self) -> GatherAhead:
+        return self
+
+    async def __anext__(self) -> tuple[Chunk, torch.Tensor]:
+        if self._next >= len(self._chunks):
+            raise StopAsyncIteration
+        if self._pending is None:
+            self._pending = self._start(self._next)
+        staged = await asyncio.shield(self._pending)
+        chunk = self._chunks[self._next]
+        self._next += 1
+        # The caller is done with the buffer of chunk `_next - 2`: gather into it now.
+        self._pending = self._start(self._next) if self._next < len(self._chunks) else None
+        return chunk, staged
+
+    async def close(self) -> None:
+        if self._pending is not None:
+            await asyncio.wait([self._pending])
+            self._pending = None
+
+    def _start(self, index: int) -> asyncio.Future:
+        chunk = self._chunks[index]
+        buffer = self._slot.buffers[index % 2]
+        return asyncio.get_running_loop().run_in_executor(self._executor, self._gather, chunk, buffer)
+
+
+class ScatterBehind:
+    """Receive into `await buffer_for(chunk)`, then `submit(chunk, staged)`; `finish()` at the end."""
+
+    def __init__(self, slot: StagingSlot, scatter: ScatterFn, executor: Executor) -> None:
+        self._slot = slot
+        self._scatter = scatter
+        self._executor = executor
+        self._pending: list[asyncio.Future | None] = [None, None]  # scatter reading each buffer
+
+    async def buffer_for(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's buffer, once the scatter still reading it has finished (its error raises here)."""
+        await self._wait(chunk.index % 2)
+        return self._slot.buffers[chunk.index % 2]
+
+    def submit(self, chunk: Chunk, staged: torch.Tensor) -> None:
+        future = asyncio.get_running_loop().run_in_executor(self._executor, self._scatter, chunk, staged)
+        self._pending[chunk.index % 2] = future
+
+    async def finish(self) -> None:
+        """Wait for every scatter; raise the first error."""
+        for index in (0, 1):
+            await self._wait(index)
+
+    async def close(self) -> None:
+        """Wait for every scatter, errors or not (the caller is already failing)."""
+        pending = [future for future in self._pending if future is not None]
+        if pending:
+            await asyncio.wait(pending)
+
+    async def _wait(self, index: int) -> None:
+        future = self._pending[index]
+        if future is not None:
+            await asyncio.shield(future)
+            self._pending[index] = None

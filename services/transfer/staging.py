@@ -1,0 +1,54 @@
+"""Preallocated staging memory: slots of two ping-pong buffers, handed out one slot per transfer.
+
+Every buffer is allocated and touched once at startup; transfers never allocate
+block-sized memory. A transfer (send or receive) holds one slot for its whole life, so
+the number of slots bounds the transfers in flight; a transfer that cannot get one
+before its deadline fails with RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from services.common.errors import ResourceExhausted
+
+
+@dataclass(frozen=True, slots=True)
+class StagingSlot:
+    buffers: tuple[torch.Tensor, torch.Tensor]  # flat uint8; chunk i uses buffers[i % 2]
+
+
+class StagingPool:
+    def __init__(self, num_slots: int, buffer_bytes: int, device: torch.device | str = "cpu") -> None:
+        self.num_slots = num_slots
+        self.buffer_bytes = buffer_bytes
+        self._free: asyncio.Queue[StagingSlot] = asyncio.Queue(maxsize=num_slots)
+        for _ in range(num_slots):
+            self._free.put_nowait(StagingSlot((_allocate(buffer_bytes, device), _allocate(buffer_bytes, device))))
+
+    @property
+    def num_free(self) -> int:
+        return self._free.qsize()
+
+    @contextlib.asynccontextmanager
+    async def slot(self, timeout_s: float) -> AsyncIterator[StagingSlot]:
+        try:
+            slot = await asyncio.wait_for(self._free.get(), timeout_s)
+        except TimeoutError:
+            raise ResourceExhausted(f"all {self.num_slots} staging slots stayed busy for {timeout_s:.1f} s; "
+                                    "retry later or raise --num-staging-slots") from None
+        try:
+            yield slot
+        finally:
+            self._free.put_nowait(slot)
+
+
+def _allocate(num_bytes: int, device: torch.device | str) -> torch.Tensor:
+    buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    buffer.fill_(0)  # fault the pages in now, not during the first transfer
+    return buffer

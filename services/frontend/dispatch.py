@@ -1,8 +1,10 @@
 """Where a request runs: the leader manager decides; if it does not answer in time, we pick
 ourselves from our own view of `instances/` (round robin over serving instances).
 
-The fallback skips instances the caller excludes (the one whose stream just broke) and,
-while others are left, instances whose stream failed within the last cooldown seconds.
+The fallback avoids, in this order of preference, instances the caller excludes (the one
+whose stream just broke) and instances whose stream failed within the last cooldown
+seconds; it returns to them only when no other serving instance is known (one instance
+that dropped a stream is still better than none; the caller bounds the retries).
 No transport here: the manager call and the membership view are passed in.
 """
 
@@ -54,7 +56,7 @@ class Dispatcher:
         self._turn = itertools.count()
 
     async def pick(self, spec: GenerateSpec, exclude: Sequence[InstanceId] = ()) -> Target:
-        """An instance for `spec`, never one in `exclude`; Unavailable if none is known."""
+        """An instance for `spec`, one in `exclude` only if nothing else serves; Unavailable if none is known."""
         if self._manager is not None:
             target = await self._manager.dispatch(spec, exclude)
             if target is not None and target.instance_id not in exclude:
@@ -65,13 +67,13 @@ class Dispatcher:
         return target
 
     def pick_locally(self, exclude: Sequence[InstanceId] = ()) -> Target:
-        candidates = sorted((e for e in self._membership.instances() if e.is_serving and e.instance_id not in exclude),
-                            key=lambda e: e.instance_id)
-        healthy = [e for e in candidates if not self._recently_failed(e.instance_id)]
-        pool = healthy or candidates
-        if not pool:
-            raise Unavailable(f"no serving instance is known (excluded: {', '.join(exclude) or 'none'}); "
-                              "check that instances run and register in etcd (--etcd-endpoints, --cluster)")
+        serving = sorted((e for e in self._membership.instances() if e.is_serving), key=lambda e: e.instance_id)
+        if not serving:
+            raise Unavailable("no serving instance is known; check that instances run and register in etcd "
+                              "(--etcd-endpoints, --cluster)")
+        allowed = [e for e in serving if e.instance_id not in exclude]
+        healthy = [e for e in allowed if not self._recently_failed(e.instance_id)]
+        pool = healthy or allowed or serving
         entry = pool[next(self._turn) % len(pool)]
         return Target(entry.instance_id, entry.address)
 

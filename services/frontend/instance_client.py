@@ -40,10 +40,12 @@ class InstanceClients:
         finally:
             call.cancel()  # no-op after the stream ended; stops it when we leave early
 
-    def abort_soon(self, target: Target, request_id: RequestId) -> None:
+    def abort_soon(self, target: Target, request_id: RequestId) -> asyncio.Task[None]:
+        """Abort in a task kept until it ends (so a cancelled caller still frees the instance's blocks)."""
         task = asyncio.get_running_loop().create_task(self._abort(target, request_id), name=f"abort:{request_id}")
         self._abort_tasks.add(task)
         task.add_done_callback(self._abort_tasks.discard)
+        return task
 
     async def close(self) -> None:
         if self._abort_tasks:

@@ -42,6 +42,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class PayloadTooLarge(FerryError):
+    """A body over --max-body-bytes (HTTP only: no gRPC row in the errors table)."""
+
     http_status = 413
 
 
@@ -239,8 +241,7 @@ def new_request_id(endpoint: Endpoint) -> RequestId:
 
 
 def _too_large(limit: int) -> PayloadTooLarge:
-    error = PayloadTooLarge(f"the request body is larger than {limit} bytes (--max-body-bytes)")
-    return error
+    return PayloadTooLarge(f"the request body is larger than {limit} bytes (--max-body-bytes)")
 
 
 def _endpoint_label(request: web.Request) -> str:

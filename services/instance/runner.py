@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from services.common.errors import Internal, Unavailable
+from services.common.errors import Internal, InvalidArgument, Unavailable
 from services.instance.engine.engine import LLMEngine, LoadSnapshot, StepOutput
 
 log = structlog.get_logger(__name__)
@@ -93,14 +93,24 @@ class EngineRunner:
             self._engine.add_request(request_id, prompt_token_ids, sampling,
                                      priority=priority, resume_token_ids=resume_token_ids)
 
-        await self.call(admit)
-        self._streams[request_id] = stream
+        if request_id in self._streams:
+            raise InvalidArgument(f"request_id: {request_id} is already running on this instance")
+        self._streams[request_id] = stream  # before admission: the first step may deliver at once
+        try:
+            await self.call(admit)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
         return stream
 
-    def abort_soon(self, request_id: str) -> None:
-        """Abort without waiting (safe from a cancelled coroutine's finally block)."""
-        self._streams.pop(request_id, None)
-        self._submit(lambda: self._engine.abort(request_id))
+    def abort_soon(self, stream: RequestStream) -> None:
+        """Abort `stream`'s request without waiting (safe from a cancelled coroutine's finally block).
+
+        Matches on the stream object, so a late cancel never hits a newer request with the same id."""
+        if self._streams.get(stream.request_id) is not stream:
+            return
+        del self._streams[stream.request_id]
+        self._submit(lambda: self._engine.abort(stream.request_id))
 
     async def abort(self, request_id: str) -> bool:
         stream = self._streams.pop(request_id, None)

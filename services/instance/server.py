@@ -59,7 +59,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                 yield chunk_to_proto(output, epoch=0)
         finally:
             if not stream.is_finished:  # the client went away (or we are shutting down)
-                self._runner.abort_soon(request_id)
+                self._runner.abort_soon(stream)
                 log.info("request_cancelled", request_id=request_id)
 
     async def Abort(self, request: instance_pb2.AbortRequest,

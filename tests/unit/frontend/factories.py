@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Sequence
 
 from services.common.errors import FerryError
 from services.frontend.dispatch import InstanceEntry
@@ -70,5 +71,8 @@ class ScriptedInstances:
         if error is not None:
             raise error
 
-    def abort_soon(self, target: Target, request_id: RequestId) -> None:
+    def abort_soon(self, target: Target, request_id: RequestId) -> Awaitable[None]:
         self.aborted.append((target.instance_id, request_id))
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done

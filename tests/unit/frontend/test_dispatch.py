@@ -64,6 +64,12 @@ async def test_a_recently_failed_instance_is_still_used_when_it_is_the_only_one(
     assert dispatcher.pick_locally().instance_id == "a"
 
 
+async def test_an_excluded_instance_is_used_when_it_is_the_only_one_serving():
+    dispatcher, _ = make_dispatcher(None, entry("a"), entry("b", is_serving=False))
+    dispatcher.report_failure(InstanceId("a"))
+    assert (await dispatcher.pick(make_spec(), exclude=[InstanceId("a")])).instance_id == "a"
+
+
 async def test_nothing_known_is_unavailable_with_a_hint():
     dispatcher, _ = make_dispatcher(FakeManager(None), entry("a", is_serving=False))
     with pytest.raises(Unavailable, match="no serving instance.*--etcd-endpoints"):

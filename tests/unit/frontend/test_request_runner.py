@@ -20,7 +20,8 @@ def make_runner(scripts, *instance_ids, max_resumes=3):
     instances = ScriptedInstances(scripts)
     dispatcher = Dispatcher(None, FakeMembership(*(entry(i) for i in instance_ids)), cooldown_s=5.0)
     resumes = []
-    runner = RequestRunner(dispatcher, instances, max_resumes=max_resumes, on_resume=lambda: resumes.append(1))
+    runner = RequestRunner(dispatcher, instances, max_resumes=max_resumes, resume_backoff_s=0,
+                           on_resume=lambda: resumes.append(1))
     return runner, instances, resumes
 
 
@@ -64,12 +65,29 @@ async def test_resumes_are_bounded_then_an_explicit_error():
     assert "after 2 resumes (--max-resumes 2)" in state.error.message
 
 
-async def test_running_out_of_instances_fails_with_the_dispatch_error():
-    runner, _, _ = make_runner({"a": ([chunk(0, 4)], Unavailable("a down"))}, "a")
+async def test_the_only_instance_is_tried_again_after_its_abort():
+    class Flaky(ScriptedInstances):
+        async def generate(self, target, spec):
+            self.specs.append((target.instance_id, spec))
+            if len(self.specs) == 1:
+                yield chunk(0, 4)
+                raise Unavailable("stream reset")
+            yield chunk(1, 5, finish=FinishReason.STOP)
+
+    instances = Flaky({})
+    runner = RequestRunner(Dispatcher(None, FakeMembership(entry("a")), cooldown_s=5), instances, max_resumes=3,
+                           resume_backoff_s=0)
     state = make_state()
     await runner.run(state, make_spec())
-    assert isinstance(state.error, Unavailable) and "excluded: a" in state.error.message
-    assert state.token_ids == [4]
+    assert state.token_ids == [4, 5] and instances.aborted == [("a", "cmpl-1")]
+    assert [s.resume_token_ids for _, s in instances.specs] == [(), (4,)]
+
+
+async def test_an_empty_cluster_fails_with_the_dispatch_error():
+    runner, _, _ = make_runner({}, max_resumes=3)
+    state = make_state()
+    await runner.run(state, make_spec())
+    assert isinstance(state.error, Unavailable) and "no serving instance" in state.error.message
 
 
 @pytest.mark.parametrize("error", [InvalidArgument("bad"), ResourceExhausted("full")])

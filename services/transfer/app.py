@@ -1,0 +1,121 @@
+"""Wiring of one transfer service process: mappings, staging, channels, gRPC server, etcd.
+
+Shutdown order (STYLE.md): health NOT_SERVING → revoke the etcd lease → server.stop(grace)
+→ drop channels → close peer clients → stop worker threads → unmap KV memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+import torch
+
+from services.common.config import as_dict
+from services.common.errors import NotFound
+from services.common.gen.ferry.v1 import transfer_pb2_grpc
+from services.common.grpc_server import GrpcServer, start_grpc_server
+from services.common.registry import Registry
+from services.transfer.channels import ChannelTable
+from services.transfer.client import TransferClients
+from services.transfer.config import TransferConfig
+from services.transfer.convert import geometry_from_record
+from services.transfer.domain import InstanceId, TransferId
+from services.transfer.kv_mappings import KvMappings
+from services.transfer.receiver import BlockReceiver
+from services.transfer.sender import BlockSender
+from services.transfer.server import TransferNode, TransferServicer
+from services.transfer.staging import StagingPool
+
+log = structlog.get_logger(__name__)
+
+TRANSFER_SERVICE = "ferry.v1.TransferService"
+NUM_IO_THREADS = 8  # blocking channel sends/receives and rendezvous, several transfers at once
+
+
+async def main(config: TransferConfig) -> None:
+    log.info("config_resolved", **as_dict(config))
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+    servicer = TransferServicer()
+    server = await start_grpc_server(config.host, config.port,
+                                     [(transfer_pb2_grpc.add_TransferServiceServicer_to_server, servicer)],
+                                     [TRANSFER_SERVICE], advertise_host=config.advertise_host or None)
+    await server.set_serving(False)  # until registered
+    transfer_id = TransferId(config.transfer_id or f"{socket.gethostname()}-{server.port}")
+    registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s) if config.etcd_endpoints else None
+    copy_executor = ThreadPoolExecutor(1, thread_name_prefix="kv-copy")  # one thread: chunks stay in order
+    io_executor = ThreadPoolExecutor(NUM_IO_THREADS, thread_name_prefix="kv-io")
+    peers = TransferClients(piece_bytes=config.grpc_piece_kib * 1024)
+    node = build_node(config, transfer_id, server, registry, peers, copy_executor, io_executor)
+    servicer.node = node
+    try:
+        await serve(config, node, server, registry)
+    finally:
+        node.channels.close()
+        await peers.close()
+        copy_executor.shutdown(wait=True, cancel_futures=True)
+        io_executor.shutdown(wait=False, cancel_futures=True)
+        node.mappings.close()
+
+
+def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServer, registry: Registry | None,
+               peers: TransferClients, copy_executor: ThreadPoolExecutor, io_executor: ThreadPoolExecutor
+               ) -> TransferNode:
+    mappings = KvMappings(transfer_id)
+    staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024)
+    channel_host = config.advertise_host or server.advertise_host
+    channels = ChannelTable(transfer_id, channel_host, config.channel_timeout_s, io_executor)
+    backends = tuple(config.backends)
+    sender = BlockSender(transfer_id, backends, mappings, staging, channels, peers, copy_executor, io_executor)
+    receiver = BlockReceiver(mappings, staging, channels, copy_executor, io_executor)
+
+    async def on_mappings_changed() -> None:
+        if registry is not None:
+            await registry.update("transfer", transfer_id, _record(node))
+    node = TransferNode(transfer_id, server.address, backends, config.default_backend, config.transfer_timeout_s,
+                        mappings, sender, receiver, channels, on_mappings_changed)
+    return node
+
+
+async def serve(config: TransferConfig, node: TransferNode, server: GrpcServer, registry: Registry | None) -> None:
+    stop = _stop_event()
+    if registry is not None:
+        await _map_from_etcd(registry, node, config.map_instances)
+        await registry.register("transfer", node.transfer_id, _record(node))
+    await server.set_serving(True)
+    log.info("transfer_ready", transfer_id=node.transfer_id, address=node.address,
+             backends=[b.value for b in node.backends], instance_ids=node.mappings.instance_ids())
+    print(f"ready {node.transfer_id} {node.address}", flush=True)
+    await stop.wait()
+    log.info("transfer_stopping")
+    await server.set_serving(False)
+    if registry is not None:
+        await registry.close()
+    await server.stop(grace=2.0)
+
+
+async def _map_from_etcd(registry: Registry, node: TransferNode, instance_ids: list[str]) -> None:
+    for instance_id in instance_ids:
+        record = await registry.get_json(f"instances/{instance_id}")
+        if record is None or "kv_shm_name" not in record or "kv" not in record:
+            raise NotFound(f"--map-instances: no usable etcd record instances/{instance_id} in cluster "
+                           f"{registry.cluster!r} (needs kv_shm_name and kv); start the instance first")
+        node.mappings.map(InstanceId(instance_id), record["kv_shm_name"], geometry_from_record(record["kv"]))
+
+
+def _record(node: TransferNode) -> dict:
+    return {"transfer_id": node.transfer_id, "address": node.address, "backends": [b.value for b in node.backends],
+            "instance_ids": node.mappings.instance_ids(), "pid": os.getpid(), "host": socket.gethostname()}
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

@@ -1,0 +1,197 @@
+"""Point-to-point channels: one torch.distributed process group of two per (sender, receiver) pair.
+
+There is no global group: each pair gets its own TCPStore (served by the sender, rank 0)
+and its own ProcessGroupGloo / ProcessGroupNCCL built with the low-level constructors
+(torch allows one default group per process, and `new_group` needs it). Membership
+changes therefore never rebuild anything; a broken channel is dropped and the next
+transfer to that peer opens a fresh one.
+
+Rendezvous: the sender starts a TCPStore on a free port and, at the same time, builds its
+rank-0 group (which blocks until the peer joins) and calls `open_remote` — an RPC
+asking the peer to join as rank 1 (`accept`). All constructors run on worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from services.common.errors import FailedPrecondition, Unavailable
+from services.transfer.domain import CHANNEL_BACKENDS, TransferBackend
+from services.transfer.pipeline import run_in_thread
+
+log = structlog.get_logger(__name__)
+
+OpenRemote = Callable[[str, int], Awaitable[None]]  # (store_address, rank) → the peer joined
+
+
+@dataclass(slots=True)
+class PairChannel:
+    peer: str  # the peer's address (outgoing) or transfer id (incoming)
+    backend: TransferBackend
+    rank: int
+    group: dist.ProcessGroup
+    store: dist.Store  # kept alive as long as the group
+    device: torch.device  # where tensors must live for this backend
+    bounce: torch.Tensor | None = None  # NCCL: device buffer for host staging memory
+
+    def send(self, data: torch.Tensor, tag: int, timeout_s: float) -> None:
+        """Blocking send of a flat uint8 tensor to the peer (worker thread only)."""
+        data = self._to_device(data)
+        self.group.send([data], 1 - self.rank, tag).wait(datetime.timedelta(seconds=timeout_s))
+
+    def recv(self, out: torch.Tensor, tag: int, timeout_s: float) -> None:
+        """Blocking receive into a flat uint8 tensor (worker thread only)."""
+        target = out if out.device == self.device else self._bounce_for(out)
+        self.group.recv([target], 1 - self.rank, tag).wait(datetime.timedelta(seconds=timeout_s))
+        if target is not out:
+            out.copy_(target)
+
+    def abort(self) -> None:
+        """Break pending operations so their threads return (best effort on old torch builds)."""
+        abort = getattr(self.group, "abort", None)
+        if abort is not None:
+            abort()
+
+    def _to_device(self, data: torch.Tensor) -> torch.Tensor:
+        if data.device == self.device:
+            return data
+        bounce = self._bounce_for(data)
+        bounce.copy_(data)
+        return bounce
+
+    def _bounce_for(self, data: torch.Tensor) -> torch.Tensor:
+        if self.bounce is None or self.bounce.numel() < data.numel():
+            self.bounce = torch.empty(data.numel(), dtype=torch.uint8, device=self.device)  # once per channel
+        return self.bounce[:data.numel()]
+
+
+class ChannelTable:
+    """Channels by peer: outgoing ones keyed by the peer's address, incoming by its transfer id."""
+
+    def __init__(self, transfer_id: str, host: str, timeout_s: float, executor: Executor) -> None:
+        self._transfer_id = transfer_id
+        self._host = host
+        self._timeout_s = timeout_s
+        self._executor = executor
+        self._outgoing: dict[tuple[str, TransferBackend], PairChannel] = {}
+        self._incoming: dict[tuple[str, TransferBackend], PairChannel] = {}
+        self._locks: dict[tuple[str, TransferBackend], asyncio.Lock] = {}
+
+    async def outgoing(self, peer_address: str, backend: TransferBackend, open_remote: OpenRemote) -> PairChannel:
+        """The channel to `peer_address`, opened on first use (this side is rank 0)."""
+        check_backend_available(backend)
+        key = (peer_address, backend)
+        async with self._locks.setdefault(key, asyncio.Lock()):
+            if key not in self._outgoing:
+                self._outgoing[key] = await self._open(peer_address, backend, open_remote)
+            return self._outgoing[key]
+
+    async def accept(self, peer_id: str, backend: TransferBackend, store_address: str, rank: int) -> None:
+        """Join the group the peer opened (replacing an older channel from it)."""
+        check_backend_available(backend)
+        host, _, port = store_address.rpartition(":")
+        store = await run_in_thread(self._executor, _client_store, host, int(port), self._timeout_s)
+        prefix = dist.PrefixStore(_prefix(peer_id, self._transfer_id, backend), store)
+        group = await run_in_thread(self._executor, _create_group, backend, prefix, rank, self._host, self._timeout_s)
+        self.drop_incoming(peer_id, backend)
+        self._incoming[(peer_id, backend)] = PairChannel(peer_id, backend, rank, group, store, _device_for(backend))
+        log.info("channel_accepted", peer_transfer_id=peer_id, backend=backend.value, store_address=store_address)
+
+    def incoming(self, peer_id: str, backend: TransferBackend) -> PairChannel:
+        channel = self._incoming.get((peer_id, backend))
+        if channel is None:
+            raise FailedPrecondition(f"no {backend.value} channel from transfer service {peer_id!r}; "
+                                     "the sender must call OpenChannel first")
+        return channel
+
+    def drop_outgoing(self, peer_address: str, backend: TransferBackend) -> None:
+        channel = self._outgoing.pop((peer_address, backend), None)
+        if channel is not None:
+            channel.abort()
+            log.info("channel_dropped", peer=peer_address, backend=backend.value, direction="outgoing")
+
+    def drop_incoming(self, peer_id: str, backend: TransferBackend) -> None:
+        channel = self._incoming.pop((peer_id, backend), None)
+        if channel is not None:
+            channel.abort()
+            log.info("channel_dropped", peer=peer_id, backend=backend.value, direction="incoming")
+
+    def close(self) -> None:
+        for peer, backend in list(self._outgoing):
+            self.drop_outgoing(peer, backend)
+        for peer, backend in list(self._incoming):
+            self.drop_incoming(peer, backend)
+
+    async def _open(self, peer_address: str, backend: TransferBackend, open_remote: OpenRemote) -> PairChannel:
+        store = await run_in_thread(self._executor, _master_store, self._host, self._timeout_s)
+        prefix = dist.PrefixStore(_prefix(self._transfer_id, "", backend), store)
+        group_future = asyncio.ensure_future(
+            run_in_thread(self._executor, _create_group, backend, prefix, 0, self._host, self._timeout_s))
+        try:
+            await open_remote(f"{self._host}:{store.port}", 1)
+        except BaseException:
+            # The rank-0 constructor gives up at the store timeout; it holds no staging memory.
+            group_future.add_done_callback(_consume_result)
+            raise
+        group = await group_future
+        log.info("channel_opened", peer=peer_address, backend=backend.value, store_port=store.port)
+        return PairChannel(peer_address, backend, 0, group, store, _device_for(backend))
+
+
+def _consume_result(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # the caller already failed with the RPC's error
+
+
+def check_backend_available(backend: TransferBackend) -> None:
+    if backend not in CHANNEL_BACKENDS:
+        raise FailedPrecondition(f"backend {backend.value} does not use channels")
+    if backend is TransferBackend.NCCL and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise FailedPrecondition("backend nccl needs CUDA and a torch build with NCCL; use --backends grpc,gloo here")
+    if backend is TransferBackend.GLOO and not dist.is_gloo_available():
+        raise FailedPrecondition("backend gloo needs a torch build with gloo; use grpc")
+
+
+def _prefix(sender_id: str, receiver_id: str, backend: TransferBackend) -> str:
+    # The store belongs to one pair, so the sender's id alone names the group.
+    del receiver_id
+    return f"ferry/{sender_id}/{backend.value}/"
+
+
+def _master_store(host: str, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(host, 0, world_size=2, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def _client_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    try:
+        return dist.TCPStore(host, port, world_size=2, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistStoreError) as exc:
+        raise Unavailable(f"cannot reach the peer's TCPStore at {host}:{port}: {exc}") from exc
+
+
+def _create_group(backend: TransferBackend, store: dist.Store, rank: int, host: str, timeout_s: float) -> dist.ProcessGroup:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        if backend is TransferBackend.GLOO:
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            return dist.ProcessGroupGloo(store, rank, 2, options)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    except (RuntimeError, dist.DistError) as exc:
+        raise Unavailable(f"{backend.value} rendezvous failed (rank {rank}): {exc}") from exc
+
+
+def _device_for(backend: TransferBackend) -> torch.device:
+    return torch.device("cuda") if backend is TransferBackend.NCCL else torch.device("cpu")

@@ -1,0 +1,113 @@
+"""Typed async client of a transfer service (ferry.v1.TransferService).
+
+Instances call `map_instance` once and `transfer` per migration stage; transfer services
+call each other through `receive_blocks`, `open_channel` and `expect_blocks` (the
+`PeerTransferService` protocol). Every call has a deadline; failures come back as ferry
+errors (`services.common.errors`): a peer that died or missed the deadline is Unavailable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from services.common.errors import error_from_rpc
+from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
+from services.common.grpc_server import insecure_channel
+from services.common.logging import request_metadata
+from services.instance.engine.kv_cache import KvGeometry
+from services.transfer.convert import (backend_from_proto, backend_to_proto, geometry_to_proto, header_to_proto,
+                                       result_from_proto, transfer_to_proto)
+from services.transfer.domain import BlockTransfer, IncomingBlocks, TransferBackend, TransferResult
+
+DEFAULT_PIECE_BYTES = 1 << 20
+
+
+class TransferClient:
+    def __init__(self, address: str, timeout_s: float = 5.0, piece_bytes: int = DEFAULT_PIECE_BYTES) -> None:
+        self.address = address
+        self._timeout_s = timeout_s
+        self._piece_bytes = piece_bytes
+        self._channel = insecure_channel(address)
+        self._stub = transfer_pb2_grpc.TransferServiceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> TransferClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- for instances ---------------------------------------------------------------
+
+    async def map_instance(self, instance_id: str, shm_name: str, geometry: KvGeometry) -> int:
+        request = transfer_pb2.MapInstanceRequest(instance_id=instance_id, shm_name=shm_name,
+                                                  kv=geometry_to_proto(geometry))
+        return (await self._call(self._stub.MapInstance, request)).num_bytes
+
+    async def unmap_instance(self, instance_id: str) -> bool:
+        reply = await self._call(self._stub.UnmapInstance, transfer_pb2.UnmapInstanceRequest(instance_id=instance_id))
+        return reply.was_mapped
+
+    async def transfer(self, transfer: BlockTransfer, timeout_s: float, request_id: str | None = None) -> TransferResult:
+        """Copy the blocks; returns only once all landed. `timeout_s` bounds the whole copy."""
+        reply = await self._call(self._stub.Transfer, transfer_to_proto(transfer), timeout_s,
+                                 request_metadata(request_id))
+        return result_from_proto(reply)
+
+    async def get_status(self) -> transfer_pb2.GetTransferStatusResponse:
+        return await self._call(self._stub.GetStatus, transfer_pb2.GetTransferStatusRequest())
+
+    async def backends(self) -> list[TransferBackend]:
+        return [backend_from_proto(b) for b in (await self.get_status()).backends]
+
+    # -- PeerTransferService ---------------------------------------------------------
+
+    async def receive_blocks(self, header: IncomingBlocks, chunks: AsyncIterator[memoryview], timeout_s: float) -> int:
+        reply = await self._call(self._stub.ReceiveBlocks, self._pieces(header, chunks), timeout_s)
+        return reply.num_bytes
+
+    async def open_channel(self, peer_transfer_id: str, store_address: str, rank: int, backend: TransferBackend,
+                           timeout_s: float) -> None:
+        request = transfer_pb2.OpenChannelRequest(peer_transfer_id=peer_transfer_id, store_address=store_address,
+                                                  rank=rank, backend=backend_to_proto(backend))
+        await self._call(self._stub.OpenChannel, request, timeout_s)
+
+    async def expect_blocks(self, header: IncomingBlocks, backend: TransferBackend, tag: int, timeout_s: float) -> int:
+        request = transfer_pb2.ExpectBlocksRequest(header=header_to_proto(header), backend=backend_to_proto(backend),
+                                                   tag=tag)
+        return (await self._call(self._stub.ExpectBlocks, request, timeout_s)).num_bytes
+
+    async def _pieces(self, header: IncomingBlocks, chunks: AsyncIterator[memoryview]):
+        yield transfer_pb2.ReceiveBlocksRequest(header=header_to_proto(header))
+        piece = self._piece_bytes
+        async for chunk in chunks:  # a piece never spans two chunks
+            for offset in range(0, len(chunk), piece):
+                yield transfer_pb2.ReceiveBlocksRequest(data=bytes(chunk[offset:offset + piece]))
+
+    async def _call(self, method, request, timeout_s: float | None = None, metadata: Sequence = ()):
+        try:
+            return await method(request, timeout=timeout_s or self._timeout_s, metadata=metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+
+
+class TransferClients:
+    """One cached client per peer address (the sender's `PeerFactory`)."""
+
+    def __init__(self, piece_bytes: int = DEFAULT_PIECE_BYTES) -> None:
+        self._piece_bytes = piece_bytes
+        self._clients: dict[str, TransferClient] = {}
+
+    def __call__(self, address: str) -> TransferClient:
+        if address not in self._clients:
+            self._clients[address] = TransferClient(address, piece_bytes=self._piece_bytes)
+        return self._clients[address]
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()

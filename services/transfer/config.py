@@ -1,0 +1,50 @@
+"""Configuration of one transfer service process (`python -m services.transfer`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import knob
+from services.transfer.domain import TransferBackend
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """Moves KV cache blocks between instances' KV memory (ferry.v1.TransferService)."""
+
+    transfer_id: str = knob("", "unique id of this transfer service in the cluster (default: <host>-<port>)")
+    host: str = knob("127.0.0.1", "address to bind the gRPC server (and gloo/nccl channels) to")
+    port: int = knob(0, "gRPC port (0 = pick a free one)")
+    advertise_host: str = knob("", "host other processes use to reach this service (default: --host)")
+    etcd_endpoints: list[str] = knob([], "etcd endpoints host:port (comma-separated); empty = run without registering")
+    cluster: str = knob("ferry", "cluster name: etcd keys live under /ferry/<cluster>/")
+    lease_ttl_s: float = knob(5.0, "etcd lease TTL in seconds")
+    backends: list[TransferBackend] = knob(
+        [TransferBackend.GRPC, TransferBackend.GLOO, TransferBackend.SHM],
+        "backends this service offers, comma-separated (add nccl on CUDA hosts)")
+    default_backend: TransferBackend = knob(TransferBackend.GRPC, "backend for Transfer calls that name none")
+    map_instances: list[str] = knob([], "instance ids to map at startup, read from their etcd records "
+                                        "(kv_shm_name, kv); needs --etcd-endpoints")
+    staging_kib: int = knob(16384, "size of each staging buffer in KiB; a transfer holds two (ping-pong) and "
+                                   "moves chunks of at most this size")
+    num_staging_slots: int = knob(2, "transfers (sending or receiving) in flight at once, each holding two buffers")
+    grpc_piece_kib: int = knob(1024, "bytes per ReceiveBlocks message of the grpc backend, in KiB")
+    transfer_timeout_s: float = knob(60.0, "upper bound of one transfer (the caller's deadline applies if shorter)")
+    channel_timeout_s: float = knob(10.0, "gloo/nccl rendezvous timeout in seconds")
+    num_threads: int = knob(0, "torch threads for gathers (0 = torch's default)")
+    log_format: str = knob("console", "log format: console or json")
+    log_level: str = knob("info", "log level: debug, info, warning, error")
+
+    def __post_init__(self) -> None:
+        if not self.backends:
+            raise ValueError("--backends must name at least one of grpc, gloo, nccl, shm")
+        if self.default_backend not in self.backends:
+            raise ValueError(f"--default-backend {self.default_backend.value} is not in --backends "
+                             f"{','.join(b.value for b in self.backends)}")
+        for name in ("staging_kib", "num_staging_slots", "grpc_piece_kib"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.grpc_piece_kib * 1024 > 60 * 2**20:
+            raise ValueError("--grpc-piece-kib must stay under the 64 MiB gRPC message limit")
+        if self.map_instances and not self.etcd_endpoints:
+            raise ValueError("--map-instances reads instance records from etcd; set --etcd-endpoints")

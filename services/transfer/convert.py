@@ -1,0 +1,89 @@
+"""proto ↔ domain for the transfer service (with server.py and client.py, the only modules
+that touch generated code)."""
+
+from __future__ import annotations
+
+from services.common.errors import InvalidArgument
+from services.common.gen.ferry.v1 import common_pb2, transfer_pb2
+from services.instance.engine.kv_cache import KvGeometry
+from services.transfer.domain import BlockTransfer, IncomingBlocks, InstanceId, TransferBackend, TransferId, TransferResult
+
+_BACKEND_TO_PROTO = {
+    TransferBackend.GRPC: transfer_pb2.TRANSFER_BACKEND_GRPC,
+    TransferBackend.GLOO: transfer_pb2.TRANSFER_BACKEND_GLOO,
+    TransferBackend.NCCL: transfer_pb2.TRANSFER_BACKEND_NCCL,
+    TransferBackend.SHM: transfer_pb2.TRANSFER_BACKEND_SHM,
+}
+_BACKEND_FROM_PROTO = {value: key for key, value in _BACKEND_TO_PROTO.items()}
+
+
+def backend_to_proto(backend: TransferBackend) -> int:
+    return _BACKEND_TO_PROTO[backend]
+
+
+def backend_from_proto(value: int, default: TransferBackend | None = None) -> TransferBackend:
+    if value == transfer_pb2.TRANSFER_BACKEND_UNSPECIFIED and default is not None:
+        return default
+    if value not in _BACKEND_FROM_PROTO:
+        raise InvalidArgument(f"backend: {value} is not one of TRANSFER_BACKEND_GRPC/GLOO/NCCL/SHM")
+    return _BACKEND_FROM_PROTO[value]
+
+
+def geometry_to_proto(geometry: KvGeometry) -> common_pb2.KvGeometry:
+    return common_pb2.KvGeometry(
+        num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
+        block_size=geometry.block_size, num_blocks=geometry.num_blocks, dtype=geometry.dtype_name)
+
+
+def geometry_from_proto(msg: common_pb2.KvGeometry) -> KvGeometry:
+    return KvGeometry.from_dtype_name(
+        msg.dtype, num_layers=msg.num_layers, num_kv_heads=msg.num_kv_heads, head_dim=msg.head_dim,
+        block_size=msg.block_size, num_blocks=msg.num_blocks)
+
+
+def geometry_from_record(record: dict) -> KvGeometry:
+    """The `kv` field of an `instances/<id>` etcd record."""
+    fields = {name: int(record[name]) for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks")}
+    return KvGeometry.from_dtype_name(record["dtype"], **fields)
+
+
+def transfer_from_proto(msg: transfer_pb2.TransferRequest, default_backend: TransferBackend) -> BlockTransfer:
+    return BlockTransfer(
+        src_instance_id=InstanceId(msg.src_instance_id), src_block_ids=tuple(msg.src_block_ids),
+        dst_instance_id=InstanceId(msg.dst_instance_id), dst_block_ids=tuple(msg.dst_block_ids),
+        dst_transfer_address=msg.dst_transfer_address, backend=backend_from_proto(msg.backend, default_backend),
+        is_checksum_verified=msg.verify_checksum)
+
+
+def transfer_to_proto(transfer: BlockTransfer) -> transfer_pb2.TransferRequest:
+    return transfer_pb2.TransferRequest(
+        src_instance_id=transfer.src_instance_id, src_block_ids=transfer.src_block_ids,
+        dst_instance_id=transfer.dst_instance_id, dst_block_ids=transfer.dst_block_ids,
+        dst_transfer_address=transfer.dst_transfer_address, backend=backend_to_proto(transfer.backend),
+        verify_checksum=transfer.is_checksum_verified)
+
+
+def result_to_proto(result: TransferResult) -> transfer_pb2.TransferResponse:
+    return transfer_pb2.TransferResponse(num_blocks=result.num_blocks, num_bytes=result.num_bytes,
+                                         duration_ms=result.duration_ms, backend=backend_to_proto(result.backend))
+
+
+def result_from_proto(msg: transfer_pb2.TransferResponse) -> TransferResult:
+    return TransferResult(msg.num_blocks, msg.num_bytes, msg.duration_ms, backend_from_proto(msg.backend))
+
+
+def header_to_proto(header: IncomingBlocks) -> transfer_pb2.BlocksHeader:
+    return transfer_pb2.BlocksHeader(
+        dst_instance_id=header.dst_instance_id, dst_block_ids=header.dst_block_ids,
+        kv=geometry_to_proto(header.geometry), blocks_per_chunk=header.blocks_per_chunk,
+        rows_per_chunk=header.rows_per_chunk, checksums=header.checksums, src_transfer_id=header.src_transfer_id)
+
+
+def header_from_proto(msg: transfer_pb2.BlocksHeader) -> IncomingBlocks:
+    if not msg.HasField("kv"):
+        raise InvalidArgument("header.kv: required (the source's KV geometry)")
+    return IncomingBlocks(
+        dst_instance_id=InstanceId(msg.dst_instance_id), dst_block_ids=tuple(msg.dst_block_ids),
+        geometry=geometry_from_proto(msg.kv), blocks_per_chunk=msg.blocks_per_chunk,
+        rows_per_chunk=msg.rows_per_chunk, checksums=tuple(msg.checksums),
+        src_transfer_id=TransferId(msg.src_transfer_id))

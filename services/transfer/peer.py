@@ -1,0 +1,23 @@
+"""What the sender needs from the destination's transfer service (TransferClient provides it)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from services.transfer.domain import IncomingBlocks, TransferBackend
+
+
+class PeerTransferService(Protocol):
+    async def receive_blocks(self, header: IncomingBlocks, chunks: AsyncIterator[memoryview], timeout_s: float) -> int:
+        """Stream the header, then each chunk's bytes (valid until the next chunk); returns bytes received."""
+
+    async def open_channel(self, peer_transfer_id: str, store_address: str, rank: int, backend: TransferBackend,
+                           timeout_s: float) -> None:
+        """Ask the peer to join the pair group whose TCPStore is at `store_address`."""
+
+    async def expect_blocks(self, header: IncomingBlocks, backend: TransferBackend, tag: int, timeout_s: float) -> int:
+        """Ask the peer to receive the blocks on its channel from us; returns when all landed."""
+
+
+PeerFactory = Callable[[str], PeerTransferService]  # dst_transfer_address → a (cached) client

@@ -1,0 +1,132 @@
+"""The destination side: take a block stream (grpc pieces or channel messages) and scatter it.
+
+Receiving chunk i+1 into one staging buffer overlaps scattering chunk i from the other
+(`ScatterBehind`, on the one copy thread, so chunks land in order and checksums chain).
+A checksum mismatch raises Aborted; a short or overlong stream raises InvalidArgument.
+Scattered blocks of a failed stream are garbage, but the failure is what the sender
+reports: nothing partially applied is ever called a success.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor
+
+import numpy as np
+import structlog
+import torch
+
+from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.transfer.block_copy import as_bytes, scatter_chunk, staged_view
+from services.transfer.channels import ChannelTable, PairChannel
+from services.transfer.checksum import ChecksumVerifier
+from services.transfer.chunk_plan import Chunk, ChunkPlan, check_block_ids, check_compatible
+from services.transfer.deadline import Deadline
+from services.transfer.domain import IncomingBlocks, TransferBackend
+from services.transfer.kv_mappings import KvMappings
+from services.transfer.pipeline import ScatterBehind, run_in_thread
+from services.transfer.staging import StagingPool, StagingSlot
+
+log = structlog.get_logger(__name__)
+
+
+class BlockReceiver:
+    def __init__(self, mappings: KvMappings, staging: StagingPool, channels: ChannelTable, copy_executor: Executor,
+                 io_executor: Executor) -> None:
+        self._mappings = mappings
+        self._staging = staging
+        self._channels = channels
+        self._copy_executor = copy_executor  # one thread: scatters run in chunk order
+        self._io_executor = io_executor  # blocking channel receives
+
+    async def receive_pieces(self, header: IncomingBlocks, pieces: AsyncIterator[bytes], timeout_s: float) -> int:
+        """grpc: fill each chunk from byte pieces (a piece never spans two chunks)."""
+        deadline = Deadline.after(timeout_s)
+        rows, plan = self._target(header)
+        async with self._staging.slot(deadline.remaining_s()) as slot:
+            scatterer = self._scatter_behind(header, rows, plan, slot)
+            try:
+                for chunk in plan.chunks():
+                    buffer = await scatterer.buffer_for(chunk)
+                    await _fill(buffer, plan.chunk_bytes(chunk), pieces, chunk)
+                    scatterer.submit(chunk, staged_view(buffer, plan, chunk, rows.dtype))
+                await _expect_end(pieces)
+                await scatterer.finish()
+            finally:
+                await scatterer.close()
+        log.info("blocks_received", dst_instance_id=header.dst_instance_id, num_blocks=len(header.dst_block_ids),
+                 num_bytes=plan.num_bytes, backend=TransferBackend.GRPC.value)
+        return plan.num_bytes
+
+    async def receive_on_channel(self, header: IncomingBlocks, backend: TransferBackend, tag: int,
+                                 timeout_s: float) -> int:
+        """gloo/nccl: one message per chunk on the channel the sender opened."""
+        deadline = Deadline.after(timeout_s)
+        channel = self._channels.incoming(header.src_transfer_id, backend)
+        rows, plan = self._target(header)
+        async with self._staging.slot(deadline.remaining_s()) as slot:
+            scatterer = self._scatter_behind(header, rows, plan, slot)
+            try:
+                for chunk in plan.chunks():
+                    buffer = await scatterer.buffer_for(chunk)
+                    await run_in_thread(self._io_executor, _recv_checked, channel, buffer[:plan.chunk_bytes(chunk)],
+                                        tag, deadline.remaining_s())
+                    scatterer.submit(chunk, staged_view(buffer, plan, chunk, rows.dtype))
+                await scatterer.finish()
+            except BaseException:
+                self._channels.drop_incoming(header.src_transfer_id, backend)  # the stream is out of step
+                raise
+            finally:
+                await scatterer.close()
+        log.info("blocks_received", dst_instance_id=header.dst_instance_id, num_blocks=len(header.dst_block_ids),
+                 num_bytes=plan.num_bytes, backend=backend.value)
+        return plan.num_bytes
+
+    def _target(self, header: IncomingBlocks) -> tuple[torch.Tensor, ChunkPlan]:
+        rows, geometry = self._mappings.rows(header.dst_instance_id)
+        check_compatible(header.geometry, geometry)
+        check_block_ids(header.dst_block_ids, geometry.num_blocks, "dst_block_ids", is_unique=True)
+        plan = ChunkPlan.from_header(geometry, len(header.dst_block_ids), header.blocks_per_chunk, header.rows_per_chunk)
+        if plan.max_chunk_bytes > self._staging.buffer_bytes:
+            raise ResourceExhausted(f"chunks of {plan.max_chunk_bytes} bytes do not fit this service's staging "
+                                    f"buffers of {self._staging.buffer_bytes} bytes; give both transfer services the "
+                                    "same --staging-kib")
+        return rows, plan
+
+    def _scatter_behind(self, header: IncomingBlocks, rows: torch.Tensor, plan: ChunkPlan,
+                        slot: StagingSlot) -> ScatterBehind:
+        verifier = ChecksumVerifier(plan, header.checksums)
+
+        def verify_and_scatter(chunk: Chunk, staged: torch.Tensor) -> None:
+            verifier.update(chunk, staged)
+            scatter_chunk(rows, header.dst_block_ids, chunk, staged)
+        return ScatterBehind(slot, verify_and_scatter, self._copy_executor)
+
+
+async def _fill(buffer: torch.Tensor, num_bytes: int, pieces: AsyncIterator[bytes], chunk: Chunk) -> None:
+    target = as_bytes(buffer[:num_bytes].view(1, 1, -1)).reshape(-1)
+    filled = 0
+    while filled < num_bytes:
+        try:
+            piece = await anext(pieces)
+        except StopAsyncIteration:
+            raise InvalidArgument(f"block stream ended in chunk {chunk.index} after {filled} of {num_bytes} "
+                                  "bytes; the sender stopped early") from None
+        if filled + len(piece) > num_bytes:
+            raise InvalidArgument(f"block stream piece of {len(piece)} bytes overruns chunk {chunk.index} "
+                                  f"({num_bytes - filled} bytes left); pieces must not span chunks")
+        target[filled:filled + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+        filled += len(piece)
+
+
+async def _expect_end(pieces: AsyncIterator[bytes]) -> None:
+    async for piece in pieces:
+        raise InvalidArgument(f"block stream has {len(piece)}+ bytes after the last block; "
+                              "sender and receiver disagree on the geometry")
+
+
+def _recv_checked(channel: PairChannel, out: torch.Tensor, tag: int, timeout_s: float) -> None:
+    try:
+        channel.recv(out, tag, timeout_s)
+    except RuntimeError as exc:  # gloo: the sender closed the connection or timed out
+        raise Unavailable(f"{channel.backend.value} receive from {channel.peer} failed: {exc}") from exc

@@ -1,0 +1,201 @@
+"""The source side of Transfer: validate, then move the blocks with the requested backend.
+
+* SHM: both instances are mapped here; one direct copy on the copy thread, no staging.
+* GRPC: gather ahead into the slot's two buffers and stream each chunk to the peer's
+  ReceiveBlocks.
+* GLOO / NCCL: open (once) the pair channel to the peer, ask it to ExpectBlocks, and
+  send each gathered chunk on the channel while it receives and scatters.
+
+Nothing is reported as success unless every block reached the destination (and, with
+checksums, matched); any failure raises and a broken channel is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from services.common.errors import Aborted, FailedPrecondition, FerryError, Unavailable
+from services.transfer.block_copy import copy_blocks, gather_chunk, staged_view
+from services.transfer.channels import PairChannel, ChannelTable
+from services.transfer.checksum import block_checksums
+from services.transfer.chunk_plan import Chunk, ChunkPlan, check_block_ids, check_compatible
+from services.transfer.deadline import Deadline
+from services.transfer.domain import (CHANNEL_BACKENDS, BlockTransfer, IncomingBlocks, TransferBackend, TransferId,
+                                      TransferResult)
+from services.transfer.kv_mappings import KvMappings
+from services.transfer.peer import PeerFactory
+from services.transfer.pipeline import GatherAhead, run_in_thread
+from services.transfer.staging import StagingPool, StagingSlot
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SourceBlocks:
+    """The validated source side of one transfer."""
+
+    rows: torch.Tensor  # [layers * 2, blocks, row_elems]
+    block_ids: torch.Tensor  # int64, for index_select
+    plan: ChunkPlan
+    header: IncomingBlocks
+
+
+class BlockSender:
+    def __init__(self, transfer_id: TransferId, backends: tuple[TransferBackend, ...], mappings: KvMappings,
+                 staging: StagingPool, channels: ChannelTable, peers: PeerFactory, copy_executor: Executor,
+                 io_executor: Executor) -> None:
+        self._transfer_id = transfer_id
+        self._backends = backends
+        self._mappings = mappings
+        self._staging = staging
+        self._channels = channels
+        self._peers = peers
+        self._copy_executor = copy_executor  # one thread: gathers and direct copies, in order
+        self._io_executor = io_executor  # blocking channel sends
+        self._tags = itertools.count(1)
+
+    async def transfer(self, request: BlockTransfer, timeout_s: float) -> TransferResult:
+        if request.backend not in self._backends:
+            raise FailedPrecondition(f"backend {request.backend.value} is not offered by transfer service "
+                                     f"{self._transfer_id!r}; start it with --backends including it")
+        deadline = Deadline.after(timeout_s)
+        started = time.perf_counter()
+        if request.backend is TransferBackend.SHM:
+            num_bytes = await self._copy_local(request)
+        else:
+            num_bytes = await self._send(request, deadline)
+        result = TransferResult(request.num_blocks, num_bytes, (time.perf_counter() - started) * 1e3, request.backend)
+        log.info("blocks_transferred", src_instance_id=request.src_instance_id, dst_instance_id=request.dst_instance_id,
+                 num_blocks=result.num_blocks, num_bytes=num_bytes, backend=request.backend.value,
+                 duration_ms=round(result.duration_ms, 2))
+        return result
+
+    # -- SHM ---------------------------------------------------------------------------
+
+    async def _copy_local(self, request: BlockTransfer) -> int:
+        src_rows, src_geometry = self._mappings.rows(request.src_instance_id)
+        dst_rows, dst_geometry = self._mappings.rows(request.dst_instance_id)
+        check_compatible(src_geometry, dst_geometry)
+        check_block_ids(request.src_block_ids, src_geometry.num_blocks, "src_block_ids", is_unique=False)
+        check_block_ids(request.dst_block_ids, dst_geometry.num_blocks, "dst_block_ids", is_unique=True)
+        await run_in_thread(self._copy_executor, _copy_checked, src_rows, request.src_block_ids, dst_rows,
+                            request.dst_block_ids, request.is_checksum_verified)
+        return request.num_blocks * src_geometry.bytes_per_block
+
+    # -- GRPC, GLOO, NCCL --------------------------------------------------------------
+
+    async def _send(self, request: BlockTransfer, deadline: Deadline) -> int:
+        source = await self._source(request)
+        async with self._staging.slot(deadline.remaining_s()) as slot:
+            if request.backend is TransferBackend.GRPC:
+                await self._stream(request, source, slot, deadline)
+            else:
+                await self._send_on_channel(request, source, slot, deadline)
+        return source.plan.num_bytes
+
+    async def _source(self, request: BlockTransfer) -> SourceBlocks:
+        rows, geometry = self._mappings.rows(request.src_instance_id)
+        check_block_ids(request.src_block_ids, geometry.num_blocks, "src_block_ids", is_unique=False)
+        check_block_ids(request.dst_block_ids, 2**31, "dst_block_ids", is_unique=True)
+        plan = ChunkPlan.for_staging(geometry, request.num_blocks, self._staging.buffer_bytes)
+        checksums = ()
+        if request.is_checksum_verified:
+            checksums = await run_in_thread(self._copy_executor, block_checksums, rows, request.src_block_ids)
+        header = IncomingBlocks(request.dst_instance_id, request.dst_block_ids, geometry, plan.blocks_per_chunk,
+                                plan.rows_per_chunk, checksums, self._transfer_id)
+        return SourceBlocks(rows, torch.tensor(request.src_block_ids, dtype=torch.int64), plan, header)
+
+    def _gather_ahead(self, source: SourceBlocks, slot: StagingSlot) -> GatherAhead:
+        dtype = source.rows.dtype
+
+        def gather(chunk: Chunk, buffer: torch.Tensor) -> torch.Tensor:
+            return gather_chunk(source.rows, source.block_ids, chunk, staged_view(buffer, source.plan, chunk, dtype))
+        return GatherAhead(source.plan, slot, gather, self._copy_executor)
+
+    async def _stream(self, request: BlockTransfer, source: SourceBlocks, slot: StagingSlot, deadline: Deadline) -> None:
+        chunks = self._gather_ahead(source, slot)
+        try:
+            await self._peers(request.dst_transfer_address).receive_blocks(
+                source.header, _chunk_bytes(chunks), deadline.remaining_s())
+        finally:
+            await chunks.close()
+
+    async def _send_on_channel(self, request: BlockTransfer, source: SourceBlocks, slot: StagingSlot,
+                               deadline: Deadline) -> None:
+        address, backend = request.dst_transfer_address, request.backend
+        peer = self._peers(address)
+
+        async def open_remote(store_address: str, rank: int) -> None:
+            await peer.open_channel(self._transfer_id, store_address, rank, backend, deadline.remaining_s())
+        channel = await self._channels.outgoing(address, backend, open_remote)
+        tag = next(self._tags) % 2**31
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._expect(peer, source, request, tag, deadline))
+                tasks.create_task(self._send_chunks(channel, source, slot, tag, deadline))
+        except* FerryError as group:
+            raise _first_error(group) from None
+
+    async def _expect(self, peer, source: SourceBlocks, request: BlockTransfer, tag: int, deadline: Deadline) -> None:
+        try:
+            await peer.expect_blocks(source.header, request.backend, tag, deadline.remaining_s())
+        except BaseException:
+            # Abort the channel first: a send blocked on a receiver that will never post its
+            # recv returns now instead of at the deadline. The next transfer opens a new one.
+            self._channels.drop_outgoing(request.dst_transfer_address, request.backend)
+            raise
+
+    async def _send_chunks(self, channel: PairChannel, source: SourceBlocks, slot: StagingSlot, tag: int,
+                           deadline: Deadline) -> None:
+        chunks = self._gather_ahead(source, slot)
+        try:
+            async for _chunk, staged in chunks:
+                flat = staged.view(torch.uint8).view(-1)
+                await run_in_thread(self._io_executor, _send_checked, channel, flat, tag, deadline.remaining_s())
+        except BaseException:
+            self._channels.drop_outgoing(channel.peer, channel.backend)  # unmatched messages may be left on it
+            raise
+        finally:
+            await chunks.close()
+
+
+async def _chunk_bytes(chunks: GatherAhead):
+    """Each staged chunk as a flat byte view (valid until the next one is asked for)."""
+    async for _chunk, staged in chunks:
+        yield memoryview(staged.view(torch.uint8).numpy()).cast("B")
+
+
+def _send_checked(channel: PairChannel, data: torch.Tensor, tag: int, timeout_s: float) -> None:
+    try:
+        channel.send(data, tag, timeout_s)
+    except RuntimeError as exc:  # gloo: peer closed the connection, timed out, or the channel was aborted
+        raise Unavailable(f"{channel.backend.value} send to {channel.peer} failed: {exc}") from exc
+
+
+def _copy_checked(src_rows: torch.Tensor, src_ids: tuple[int, ...], dst_rows: torch.Tensor,
+                  dst_ids: tuple[int, ...], is_checksum_verified: bool) -> None:
+    copy_blocks(src_rows, src_ids, dst_rows, dst_ids)
+    if is_checksum_verified and block_checksums(src_rows, src_ids) != block_checksums(dst_rows, dst_ids):
+        raise Aborted("checksum mismatch after a shared-memory copy: the source blocks changed during the copy "
+                      "(were they still being written?); redo the transfer")
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The most telling error of a failed send: the peer's refusal, not our send that it broke."""
+    errors = list(_leaves(group))
+    return next((e for e in errors if not isinstance(e, Unavailable)), errors[0])
+
+
+def _leaves(group: BaseExceptionGroup):
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            yield from _leaves(error)
+        else:
+            yield error

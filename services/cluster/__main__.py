@@ -32,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     up.add_argument("--instances", type=int, default=2, help="number of instances with role 'both'")
     up.add_argument("--prefill-instances", type=int, default=0, help="instances with role 'prefill' (PD disaggregation)")
     up.add_argument("--decode-instances", type=int, default=0, help="instances with role 'decode' (PD disaggregation)")
+    up.add_argument("--managers", type=int, default=1,
+                    help="manager processes: the first becomes leader, the rest wait as standbys")
     up.add_argument("--engine", default="torch", choices=["torch"], help="inference engine of every instance")
     up.add_argument("--transfer-backend", default="grpc", choices=["grpc", "gloo", "nccl", "shm"],
                     help="how KV blocks move between instances during migration")
@@ -47,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.instances < 0 or args.prefill_instances < 0 or args.decode_instances < 0:
         parser.error("--instances, --prefill-instances and --decode-instances must be >= 0")
+    if args.managers < 1:
+        parser.error("--managers must be at least 1")
     if args.instances + args.prefill_instances + args.decode_instances == 0:
         parser.error("the cluster needs at least one instance: pass --instances N or --prefill-instances/--decode-instances")
     return args
@@ -67,7 +71,7 @@ def resolve_model(model: str) -> pathlib.Path:
 def build_spec(args: argparse.Namespace) -> ClusterSpec:
     roles = ("both",) * args.instances + ("prefill",) * args.prefill_instances + ("decode",) * args.decode_instances
     threads = args.threads_per_instance or max(1, (os.cpu_count() or 1) // len(roles))
-    return ClusterSpec(model_dir=resolve_model(args.model), roles=roles, engine=args.engine,
+    return ClusterSpec(model_dir=resolve_model(args.model), roles=roles, num_managers=args.managers, engine=args.engine,
                        transfer_backend=args.transfer_backend, http_port=args.http_port, admin_port=args.admin_port,
                        state_dir=args.state_dir.resolve() if args.state_dir else None, cluster=args.cluster,
                        threads_per_instance=threads, kv_cache_mib=args.kv_cache_mib, log_format=args.log_format)

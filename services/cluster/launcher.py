@@ -29,6 +29,7 @@ _HEALTH_TIMEOUT_S = 180.0
 class ClusterSpec:
     model_dir: pathlib.Path
     roles: tuple[str, ...]  # one entry per instance: both | prefill | decode
+    num_managers: int  # the first becomes leader, the others wait as standbys
     engine: str
     transfer_backend: str
     http_port: int
@@ -61,7 +62,8 @@ class LocalCluster:
         data_dir = self.state_dir / "etcd" if self.spec.state_dir else None
         self.etcd = await LocalEtcd(data_dir=data_dir).start_async()
         log.info("etcd_started", endpoint=self.etcd.endpoint, pid=self.etcd.pid)
-        await self._start_and_wait([self._manager()])
+        await self._start_and_wait([self._manager(0)])
+        await self._start_and_wait([self._manager(i) for i in range(1, self.spec.num_managers)])
         await self._start_and_wait([self._instance(i, role) for i, role in enumerate(self.spec.roles)])
         await self._start_and_wait([self._frontend()])
         self.write_state()
@@ -100,10 +102,10 @@ class LocalCluster:
         return ["--etcd-endpoints", self.etcd.endpoint, "--cluster", self.spec.cluster,
                 "--log-format", self.spec.log_format]
 
-    def _manager(self) -> ServiceProcess:
-        return ServiceProcess(
-            "manager-0", "manager", ["--port", str(self.spec.admin_port), "--manager-id", "manager-0", *self._common_args()],
-            self.admin_address, self.state_dir / "logs")
+    def _manager(self, index: int) -> ServiceProcess:
+        port = self.spec.admin_port if index == 0 else free_port()
+        args = ["--port", str(port), "--manager-id", f"manager-{index}", *self._common_args()]
+        return ServiceProcess(f"manager-{index}", "manager", args, f"127.0.0.1:{port}", self.state_dir / "logs")
 
     def _instance(self, index: int, role: str) -> ServiceProcess:
         port = free_port()
@@ -163,7 +165,7 @@ ferry cluster is up ({len(cluster.spec.roles)} instances, model {model})
 
 try:
   curl -s {cluster.frontend_url}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
 
 Ctrl-C stops everything.
 ready""", flush=True)

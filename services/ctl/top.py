@@ -16,7 +16,7 @@ from typing import TextIO
 from services.common.errors import FerryError
 from services.ctl.client import AdminClient
 from services.ctl.records import ClusterStatus, InstanceRow, to_json
-from services.ctl.tables import load_table, status_table
+from services.ctl.tables import load_table
 
 _CLEAR = "\x1b[H\x1b[2J"
 
@@ -61,11 +61,15 @@ async def _frame(client: AdminClient, throughput: Throughput, as_json: bool) -> 
     if as_json:
         return json.dumps({"time": time.time(), "status": to_json(status), "instances": to_json(rows),
                            "served_per_s": rates})
-    return "\n".join([_title(client.address, status), status_table(status), "", load_table(rows, rates)])
+    return "\n".join([*_header(client.address, status), "", load_table(rows, rates)])
 
 
-def _title(address: str, status: ClusterStatus) -> str:
-    return f"ferry top  {_clock()}  admin {address}  policy {status.dispatch_policy}"
+def _header(address: str, status: ClusterStatus) -> list[str]:
+    leader = f"{status.leader_id} ({status.leader_address})" if status.leader_id else "none elected"
+    return [f"ferry top  {_clock()}  admin {address}  leader {leader}  policy {status.dispatch_policy}",
+            f"instances {status.num_instances}: {status.num_serving} serving, {status.num_draining} draining, "
+            f"{status.num_unhealthy} unhealthy   requests: {status.num_running} running, {status.num_waiting} waiting   "
+            f"dispatched {status.num_dispatched}   average freeness {status.average_freeness:.1f}"]
 
 
 def _clock() -> str:

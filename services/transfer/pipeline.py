@@ -4,6 +4,9 @@ Sender: `GatherAhead` stages chunk i+1 into one buffer on a worker thread while 
 caller sends chunk i from the other. Receiver: `ScatterBehind` scatters chunk i from
 one buffer on a worker thread while the caller receives chunk i+1 into the other.
 
+Scatters run on a one-thread executor, in chunk order (checksums chain over row chunks),
+and none runs after one has failed.
+
 Invariant: a buffer is never written while a thread still reads it, and the slot
 holding both buffers is released only after `close()` has waited for every thread the
 pipeline started (threads cannot be cancelled; each one ends by itself, bounded by the
@@ -82,6 +85,7 @@ class ScatterBehind:
         self._scatter = scatter
         self._executor = executor
         self._pending: list[asyncio.Future | None] = [None, None]  # scatter reading each buffer
+        self._has_failed = False  # after a failed chunk (e.g. a checksum), later chunks are not applied
 
     async def buffer_for(self, chunk: Chunk) -> torch.Tensor:
         """The chunk's buffer, once the scatter still reading it has finished (its error raises here)."""
@@ -89,7 +93,7 @@ class ScatterBehind:
         return self._slot.buffers[chunk.index % 2]
 
     def submit(self, chunk: Chunk, staged: torch.Tensor) -> None:
-        future = asyncio.get_running_loop().run_in_executor(self._executor, self._scatter, chunk, staged)
+        future = asyncio.get_running_loop().run_in_executor(self._executor, self._scatter_unless_failed, chunk, staged)
         self._pending[chunk.index % 2] = future
 
     async def finish(self) -> None:
@@ -102,6 +106,15 @@ class ScatterBehind:
         pending = [future for future in self._pending if future is not None]
         if pending:
             await asyncio.wait(pending)
+
+    def _scatter_unless_failed(self, chunk: Chunk, staged: torch.Tensor) -> None:
+        if self._has_failed:
+            return
+        try:
+            self._scatter(chunk, staged)
+        except BaseException:
+            self._has_failed = True
+            raise
 
     async def _wait(self, index: int) -> None:
         future = self._pending[index]

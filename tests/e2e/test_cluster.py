@@ -1,0 +1,114 @@
+"""The cluster through the OpenAI client, as a user sees it (issue: the cluster and `make run`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import grpc
+import openai
+import pytest
+
+from services.common.gen.ferry.v1 import manager_pb2, manager_pb2_grpc
+from services.instance.engine.factory import EngineSpec, build_engine
+from services.instance.engine.request import SamplingParams
+from services.instance.engine.tokenizer import Tokenizer
+from tests.e2e.conftest import address_of, pid_of
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def cluster(two_instance_cluster):
+    return two_instance_cluster
+
+
+@pytest.fixture
+def client(cluster) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def model_name(cluster) -> str:
+    return os.path.basename(cluster["model"])
+
+
+async def list_instances(address: str) -> list:
+    async with grpc.aio.insecure_channel(address) as channel:
+        response = await manager_pb2_grpc.AdminServiceStub(channel).ListInstances(
+            manager_pb2.ListInstancesRequest(), timeout=5)
+    return list(response.instances)
+
+
+async def test_completions_and_chat_streaming_and_not(client, cluster):
+    model = model_name(cluster)
+    completion = await client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert completion.choices[0].text and completion.usage.completion_tokens <= 8
+    chat = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    stream = await client.completions.create(model=model, prompt="Once upon a time", max_tokens=8, temperature=0,
+                                             stream=True)
+    streamed = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+    assert streamed == completion.choices[0].text
+    chat_stream = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                       max_tokens=8, temperature=0, stream=True)
+    pieces = [chunk.choices[0].delta.content or "" async for chunk in chat_stream if chunk.choices]
+    assert "".join(pieces) == chat.choices[0].message.content
+
+
+async def test_greedy_token_ids_equal_the_engines_own(client, cluster, tiny_model_dir):
+    prompt = "The quick brown fox"
+    completion = await client.completions.create(model=model_name(cluster), prompt=prompt, max_tokens=16, temperature=0,
+                                                 extra_body={"return_token_ids": True, "ignore_eos": True})
+    token_ids = completion.choices[0].model_extra["token_ids"]
+    prompt_ids = Tokenizer.from_dir(tiny_model_dir).encode(prompt)
+    loaded = build_engine(EngineSpec(tiny_model_dir, kv_name=f"ferry-e2e-ref-{os.getpid()}", num_blocks=64))
+    try:
+        reference = loaded.engine.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    finally:
+        loaded.close()
+    assert token_ids == reference[0]
+
+
+async def test_concurrent_requests_spread_over_both_instances(client, cluster):
+    before = {i.instance_id: i.num_dispatched for i in await list_instances(cluster["admin_address"])}
+    results = await asyncio.gather(*(
+        client.completions.create(model=model_name(cluster), prompt=f"request number {i}", max_tokens=16,
+                                  temperature=0, extra_body={"ignore_eos": True})
+        for i in range(32)))
+    assert all(r.usage.completion_tokens == 16 for r in results)
+    after = {i.instance_id: i.num_dispatched for i in await list_instances(cluster["admin_address"])}
+    shares = {instance_id: after[instance_id] - before.get(instance_id, 0) for instance_id in after}
+    assert len(shares) == 2 and all(share >= 4 for share in shares.values()), shares
+
+
+async def test_bad_input_gets_400_with_a_message(client, cluster):
+    with pytest.raises(openai.BadRequestError) as error:
+        await client.completions.create(model=model_name(cluster), prompt="x", max_tokens=0)
+    assert "max_tokens" in str(error.value)
+    with pytest.raises(openai.BadRequestError) as error:
+        await client.completions.create(model="no-such-model", prompt="x", max_tokens=4)
+    assert "model" in str(error.value)
+
+
+@pytest.mark.timeout(240)
+async def test_leader_killed_standby_takes_over_and_requests_keep_flowing(client, cluster):
+    """Runs last in this module: it kills the leader manager."""
+    standby_address = address_of(cluster, "manager-1")
+    os.kill(pid_of(cluster, "manager-0"), signal.SIGKILL)
+    results = await asyncio.gather(*(
+        client.completions.create(model=model_name(cluster), prompt=f"during failover {i}", max_tokens=8, temperature=0)
+        for i in range(8)))
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in results)
+    for _ in range(100):
+        async with grpc.aio.insecure_channel(standby_address) as channel:
+            status = await manager_pb2_grpc.AdminServiceStub(channel).GetClusterStatus(
+                manager_pb2.GetClusterStatusRequest(), timeout=5)
+        if status.leader_id == "manager-1":
+            break
+        await asyncio.sleep(0.2)
+    assert status.leader_id == "manager-1"
+    completion = await client.completions.create(model=model_name(cluster), prompt="after failover", max_tokens=8,
+                                                 temperature=0)
+    assert completion.usage.completion_tokens > 0

@@ -1,0 +1,78 @@
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from services.transfer.chunk_plan import ChunkPlan
+from services.transfer.pipeline import GatherAhead, ScatterBehind
+from services.transfer.staging import StagingPool
+from tests.unit.transfer.factories import tiny_geometry
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture
+def executor():
+    with ThreadPoolExecutor(1) as pool:
+        yield pool
+
+
+async def test_gather_ahead_stages_the_next_chunk_while_the_current_one_is_used(executor):
+    plan = ChunkPlan.for_staging(tiny_geometry(), num_blocks=5, staging_bytes=512)  # 5 chunks of one block
+    pool = StagingPool(1, 512)
+    gathered: list[int] = []
+    next_started = threading.Event()
+
+    def gather(chunk, buffer):
+        gathered.append(chunk.index)
+        buffer.fill_(chunk.index)
+        if chunk.index == 1:
+            next_started.set()
+        return buffer
+
+    async with pool.slot(1.0) as slot:
+        chunks = GatherAhead(plan, slot, gather, executor)
+        seen = []
+        async for chunk, staged in chunks:
+            if chunk.index == 0:  # chunk 1 is being gathered into the other buffer meanwhile
+                await asyncio.to_thread(next_started.wait, 5)
+            assert int(staged[0]) == chunk.index  # never overwritten while in use
+            seen.append((chunk.index, staged.data_ptr()))
+        await chunks.close()
+    assert gathered == [0, 1, 2, 3, 4]
+    assert [ptr for _, ptr in seen[:2]] == [ptr for _, ptr in seen[2:4]]  # ping-pong over two buffers
+    assert seen[0][1] != seen[1][1]
+
+
+async def test_scatter_behind_runs_in_order_and_reports_errors(executor):
+    plan = ChunkPlan.for_staging(tiny_geometry(), num_blocks=4, staging_bytes=512)
+    pool = StagingPool(1, 512)
+    scattered: list[int] = []
+
+    def scatter(chunk, staged):
+        if chunk.index == 2:
+            raise ValueError("boom")
+        scattered.append(chunk.index)
+
+    async with pool.slot(1.0) as slot:
+        scatterer = ScatterBehind(slot, scatter, executor)
+        with pytest.raises(ValueError, match="boom"):
+            for chunk in plan.chunks():
+                buffer = await scatterer.buffer_for(chunk)
+                scatterer.submit(chunk, buffer)
+            await scatterer.finish()
+        await scatterer.close()
+    assert scattered == [0, 1]
+
+
+async def test_staging_slots_are_bounded():
+    from services.common.errors import ResourceExhausted
+    pool = StagingPool(1, 64)
+    async with pool.slot(1.0):
+        with pytest.raises(ResourceExhausted, match="--num-staging-slots"):
+            async with pool.slot(0.05):
+                pass
+    assert pool.num_free == 1
+    assert all(isinstance(b, torch.Tensor) for b in (await pool._free.get()).buffers)

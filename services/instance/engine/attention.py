@@ -29,20 +29,16 @@ from services.instance.engine.forward_batch import ForwardBatch
 class AttentionGroup:
     block_tables: torch.Tensor  # [num_seqs, num_blocks] cache blocks each sequence reads, padded with 0
     gather_index: torch.Tensor  # [2 * num_seqs * num_blocks] rows of the layer's cache viewed as [2 * blocks, -1]: K, then V
-    mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, num_blocks * block_size] bool, True = visible
+    mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, num_blocks * block_size] bool, True = visible; None: is_causal, or every key visible
+    is_causal: bool  # no mask needed: every sequence starts at position 0, so query i sees keys 0..i
     token_index: torch.Tensor | None  # [num_seqs, max_query_len] packed token of each query row; None = all tokens in order
     is_valid: torch.Tensor | None  # [num_seqs * max_query_len] bool, False for padding rows; None = no padding
     out_index: torch.Tensor | None  # [num_valid] packed token each valid row belongs to; None = all tokens in order
-
-    @property
-    def max_query_len(self) -> int:
-        return 1 if self.token_index is None else self.token_index.shape[1]
 
 
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
     slot_mapping: torch.Tensor  # [num_tokens] flat KV slot for each new token
-    num_tokens: int
     decode: AttentionGroup | None  # sequences with exactly one new token
     prefill: AttentionGroup | None  # sequences with more than one new token
 
@@ -51,17 +47,15 @@ class AttentionPlan:
         query_lens = torch.tensor(batch.query_lens, dtype=torch.int64)
         starts = torch.cumsum(query_lens, 0) - query_lens
         is_decode = query_lens == 1
-        num_tokens = int(batch.input_ids.shape[0])
-        decode = prefill = None
-        if bool(is_decode.all()):
-            decode = _decode_group(batch, None, num_cache_blocks, block_size)
-        elif bool(is_decode.any()):
+        if batch.is_decode_only:
+            return cls(batch.slot_mapping, _decode_group(batch, None, starts, num_cache_blocks, block_size), None)
+        decode = None
+        if bool(is_decode.any()):
             decode_seqs = torch.nonzero(is_decode).flatten()
-            decode = _decode_group(batch, decode_seqs, num_cache_blocks, block_size)
-        if not bool(is_decode.all()):
-            prefill_seqs = torch.nonzero(~is_decode).flatten()
-            prefill = _prefill_group(batch, prefill_seqs, query_lens, starts, num_cache_blocks, block_size)
-        return cls(slot_mapping=batch.slot_mapping, num_tokens=num_tokens, decode=decode, prefill=prefill)
+            decode = _decode_group(batch, decode_seqs, starts, num_cache_blocks, block_size)
+        prefill_seqs = torch.nonzero(~is_decode).flatten()
+        prefill = _prefill_group(batch, prefill_seqs, query_lens, starts, num_cache_blocks, block_size)
+        return cls(batch.slot_mapping, decode, prefill)
 
 
 def _block_tables(
@@ -69,13 +63,15 @@ def _block_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The block tables cut to the blocks in use, and the rows that gather them (K rows, then V rows)."""
     num_blocks = (int(context_lens.max()) + block_size - 1) // block_size
+    if block_tables.shape[1] < num_blocks:
+        raise ValueError(f"block_tables has {block_tables.shape[1]} columns, the longest context needs {num_blocks}")
     block_tables = block_tables[:, :num_blocks]
     flat = block_tables.flatten()
     return block_tables, torch.cat((flat, flat + num_cache_blocks))
 
 
 def _decode_group(
-    batch: ForwardBatch, seqs: torch.Tensor | None, num_cache_blocks: int, block_size: int
+    batch: ForwardBatch, seqs: torch.Tensor | None, starts: torch.Tensor, num_cache_blocks: int, block_size: int
 ) -> AttentionGroup:
     context_lens = batch.context_lens if seqs is None else batch.context_lens[seqs]
     block_tables = batch.block_tables if seqs is None else batch.block_tables[seqs]
@@ -85,13 +81,9 @@ def _decode_group(
     if bool((context_lens != num_keys).any()):
         mask = torch.arange(num_keys) < context_lens[:, None]
         mask = mask.view(-1, 1, 1, num_keys)
-    # In a mixed batch a decode sequence's only token sits at its start offset.
-    token_index = None
-    if seqs is not None:
-        starts = torch.cumsum(torch.tensor(batch.query_lens, dtype=torch.int64), 0) - 1
-        token_index = starts[seqs].view(-1, 1)
+    token_index = None if seqs is None else starts[seqs].view(-1, 1)  # a decode sequence's only token
     out_index = None if token_index is None else token_index.flatten()
-    return AttentionGroup(block_tables, gather_index, mask, token_index, None, out_index)
+    return AttentionGroup(block_tables, gather_index, mask, False, token_index, None, out_index)
 
 
 def _prefill_group(
@@ -109,13 +101,16 @@ def _prefill_group(
     offsets = torch.arange(int(lens.max()))
     is_valid = offsets < lens[:, None]
     token_index = torch.where(is_valid, starts[seqs][:, None] + offsets, 0)
-    positions = batch.positions[token_index]  # padding rows read token 0's position: they see key 0 at least
-    mask = torch.arange(num_keys) <= positions[:, :, None]
+    is_causal = bool((context_lens == lens).all())  # nothing cached before the new tokens
+    mask = None
+    if not is_causal:
+        positions = batch.positions[token_index]  # padding rows read token 0's position: they see key 0 at least
+        mask = (torch.arange(num_keys) <= positions[:, :, None]).unsqueeze(1)
     is_valid = is_valid.flatten()
     out_index = token_index.flatten()[is_valid]
     if bool(is_valid.all()):
         is_valid = None
-    return AttentionGroup(block_tables, gather_index, mask.unsqueeze(1), token_index, is_valid, out_index)
+    return AttentionGroup(block_tables, gather_index, mask, is_causal, token_index, is_valid, out_index)
 
 
 def write_kv(kv_layer: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -164,6 +159,8 @@ def _attend_prefill(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGro
     num_seqs, max_query_len = group.token_index.shape
     head_dim = q.shape[-1]
     q = q[group.token_index].transpose(1, 2)  # [num_seqs, heads, max_query_len, head_dim]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=group.mask, is_causal=group.is_causal, scale=scale, enable_gqa=True
+    )
     out = out.transpose(1, 2).reshape(num_seqs * max_query_len, -1)
     return out if group.is_valid is None else out[group.is_valid]

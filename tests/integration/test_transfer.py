@@ -1,0 +1,202 @@
+"""Transfer services end to end: real processes, a real etcd, KV caches in real shared memory.
+
+Two services: A maps the source instances (and, for SHM, the destination ones too), B
+maps the destination instances. The test process creates every KvCache with random
+contents, asks A to Transfer, and compares tensors bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import time
+import uuid
+
+import pytest
+import torch
+
+from services.cluster.processes import ServiceProcess
+from services.common.errors import Unavailable
+from services.common.etcd_launcher import free_port
+from services.common.registry import Registry
+from services.instance.engine.kv_cache import KvCache, KvGeometry
+from services.transfer.client import TransferClient
+from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
+
+pytestmark = pytest.mark.timeout(120)
+
+STAGING_KIB = 3
+# 2 KiB blocks: whole blocks travel, one per 3 KiB chunk.
+SMALL = KvGeometry(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, num_blocks=24, dtype=torch.float16)
+# 4 KiB blocks (1 KiB rows): bigger than the staging buffer, so each block is split by rows.
+WIDE = KvGeometry(num_layers=2, num_kv_heads=4, head_dim=16, block_size=8, num_blocks=16, dtype=torch.bfloat16)
+# 32 MiB of 256 KiB blocks for the kill test: far more than socket buffers and flow-control windows.
+BULK = KvGeometry(num_layers=4, num_kv_heads=8, head_dim=64, block_size=32, num_blocks=128, dtype=torch.float16)
+
+
+def _start(name: str, etcd, cluster: str, log_dir, *extra: str) -> ServiceProcess:
+    port = free_port()
+    process = ServiceProcess(
+        name, "transfer",
+        ["--port", str(port), "--transfer-id", name, "--etcd-endpoints", etcd.endpoint, "--cluster", cluster,
+         "--staging-kib", str(STAGING_KIB), "--num-threads", "1", "--lease-ttl-s", "2", *extra],
+        f"127.0.0.1:{port}", log_dir)
+    return process.start()
+
+
+def _random_cache(instance_id: str, geometry: KvGeometry, seed: int) -> KvCache:
+    cache = KvCache.create(f"ferry-test-{instance_id}-{uuid.uuid4().hex[:6]}", geometry)
+    generator = torch.Generator().manual_seed(seed)
+    cache.tensor.copy_(torch.randn(geometry.shape, generator=generator).to(geometry.dtype))
+    return cache
+
+
+@pytest.fixture(scope="module")
+def cluster_name() -> str:
+    return f"transfer-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def services(etcd, cluster_name, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("transfer-logs")
+    processes = {name: _start(name, etcd, cluster_name, log_dir) for name in ("A", "B")}
+    try:
+        for process in processes.values():
+            asyncio.run(process.wait_healthy(60))
+        yield processes
+    finally:
+        for process in processes.values():
+            process.stop()
+
+
+@pytest.fixture(scope="module")
+def caches():
+    made = {"a-small": _random_cache("a-small", SMALL, 1), "b-small": _random_cache("b-small", SMALL, 2),
+            "a-wide": _random_cache("a-wide", WIDE, 3), "b-wide": _random_cache("b-wide", WIDE, 4)}
+    yield made
+    for cache in made.values():
+        cache.close()
+        cache.unlink()
+
+
+@pytest.fixture
+async def mapped(services, caches):
+    """Clients of A and B with A mapping every a-* (and, for SHM, b-*) cache and B every b-* cache."""
+    async with TransferClient(services["A"].address) as a, TransferClient(services["B"].address) as b:
+        for instance_id, cache in caches.items():
+            await a.map_instance(instance_id, cache.name, cache.geometry)
+            if instance_id.startswith("b-"):
+                await b.map_instance(instance_id, cache.name, cache.geometry)
+        yield a, b
+
+
+def _block_sets(geometry: KvGeometry, num_blocks: int, seed: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    rng = random.Random(seed)
+    return (tuple(rng.sample(range(geometry.num_blocks), num_blocks)),
+            tuple(rng.sample(range(geometry.num_blocks), num_blocks)))
+
+
+async def _transfer_and_check(a: TransferClient, caches, b_address: str, pair: str, backend: TransferBackend,
+                              src_ids, dst_ids, is_checksum_verified: bool) -> None:
+    src, dst = caches[f"a-{pair}"], caches[f"b-{pair}"]
+    dst.tensor.copy_(torch.randn(dst.geometry.shape).to(dst.geometry.dtype))  # fresh garbage at the destination
+    expected = dst.tensor.clone()
+    for s, d in zip(src_ids, dst_ids):
+        expected[:, :, d] = src.tensor[:, :, s]
+    result = await a.transfer(BlockTransfer(InstanceId(f"a-{pair}"), src_ids, InstanceId(f"b-{pair}"), dst_ids,
+                                            b_address, backend, is_checksum_verified), timeout_s=30)
+    assert result.num_blocks == len(src_ids) and result.backend is backend
+    assert result.num_bytes == len(src_ids) * src.geometry.bytes_per_block
+    assert torch.equal(dst.tensor.view(torch.uint8), expected.view(torch.uint8))
+
+
+async def test_registers_address_backends_and_mapped_instances(etcd, cluster_name, services, mapped):
+    async with Registry([etcd.endpoint], cluster_name) as registry:
+        record = await registry.get_json("transfer/A")
+    assert record["address"] == services["A"].address
+    assert set(record["backends"]) == {"grpc", "gloo", "shm"}
+    assert set(record["instance_ids"]) == {"a-small", "b-small", "a-wide", "b-wide"}
+
+
+@pytest.mark.parametrize("backend", [TransferBackend.GRPC, TransferBackend.GLOO, TransferBackend.SHM])
+@pytest.mark.parametrize("pair", ["small", "wide"])
+async def test_random_block_sets_move_bit_exactly(services, caches, mapped, backend, pair):
+    a, _b = mapped
+    geometry = caches[f"a-{pair}"].geometry
+    for seed, num_blocks in enumerate((1, 5, geometry.num_blocks)):  # the last one: every block, reordered
+        src_ids, dst_ids = _block_sets(geometry, num_blocks, seed)
+        await _transfer_and_check(a, caches, services["B"].address, pair, backend, src_ids, dst_ids,
+                                  is_checksum_verified=seed % 2 == 0)
+
+
+@pytest.mark.parametrize("backend", [TransferBackend.GRPC, TransferBackend.GLOO])
+async def test_contiguous_runs_and_checksums(services, caches, mapped, backend):
+    a, _b = mapped
+    src_ids, dst_ids = (3, 4, 5, 6, 0, 1, 20), (10, 11, 12, 13, 2, 7, 8)
+    await _transfer_and_check(a, caches, services["B"].address, "small", backend, src_ids, dst_ids, True)
+
+
+async def test_unknown_destination_is_not_found_and_the_channel_recovers(services, caches, mapped):
+    a, _b = mapped
+    from services.common.errors import NotFound
+    for backend in (TransferBackend.GRPC, TransferBackend.GLOO):
+        with pytest.raises(NotFound, match="not mapped"):
+            await a.transfer(BlockTransfer(InstanceId("a-small"), (1,), InstanceId("nobody"), (1,),
+                                           services["B"].address, backend, False), timeout_s=20)
+        await _transfer_and_check(a, caches, services["B"].address, "small", backend, (2, 3), (4, 5), False)
+
+
+@pytest.mark.parametrize("backend", [TransferBackend.GRPC, TransferBackend.GLOO])
+async def test_killing_the_destination_mid_transfer_is_a_clean_unavailable(
+        etcd, cluster_name, services, caches, mapped, tmp_path, backend):
+    a, _b = mapped
+    victim = _start(f"victim-{backend.value}", etcd, cluster_name, tmp_path, "--staging-kib", "1024")
+    src = _random_cache("a-bulk", BULK, 5)
+    dst = KvCache.create(f"ferry-test-c-bulk-{uuid.uuid4().hex[:6]}", BULK)
+    try:
+        await victim.wait_healthy(60)
+        async with TransferClient(victim.address) as c:
+            await c.map_instance("c-bulk", dst.name, BULK)
+            await a.map_instance("a-bulk", src.name, BULK)
+            ids = tuple(range(BULK.num_blocks))
+            transfer = asyncio.create_task(a.transfer(
+                BlockTransfer(InstanceId("a-bulk"), ids, InstanceId("c-bulk"), ids[::-1], victim.address, backend,
+                              False), timeout_s=60))
+            victim.signal(signal.SIGSTOP)  # freeze it with the stream in flight ...
+            await asyncio.sleep(1.0)
+            assert not transfer.done()
+            started = time.monotonic()
+            victim.kill()  # ... then kill it
+            with pytest.raises(Unavailable):
+                await asyncio.wait_for(transfer, 20)
+            assert time.monotonic() - started < 20
+        # A is still healthy: its staging slot came back and the next transfer to B works.
+        await _transfer_and_check(a, caches, services["B"].address, "small", backend, (0, 1, 2), (5, 6, 7), True)
+    finally:
+        victim.kill()
+        await a.unmap_instance("a-bulk")
+        for cache in (src, dst):
+            cache.close()
+            cache.unlink()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_nccl_moves_blocks_bit_exactly(etcd, cluster_name, caches, tmp_path):
+    log_dir = tmp_path
+    processes = [_start(name, etcd, cluster_name, log_dir, "--backends", "grpc,nccl") for name in ("N0", "N1")]
+    try:
+        for process in processes:
+            await process.wait_healthy(60)
+        async with TransferClient(processes[0].address) as n0, TransferClient(processes[1].address) as n1:
+            await n0.map_instance("a-small", caches["a-small"].name, SMALL)
+            await n1.map_instance("b-small", caches["b-small"].name, SMALL)
+            src_ids, dst_ids = _block_sets(SMALL, 7, seed=11)
+            await _transfer_and_check(n0, caches, processes[1].address, "small", TransferBackend.NCCL,
+                                      src_ids, dst_ids, True)
+    finally:
+        for process in processes:
+            process.stop()

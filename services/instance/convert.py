@@ -50,8 +50,8 @@ def chunk_to_proto(output: StepOutput, epoch: int) -> instance_pb2.GenerateChunk
     return chunk
 
 
-def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int,
-                  timestamp: float) -> common_pb2.LoadReport:
+def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int, timestamp: float,
+                  step_time_ms_p50: float = 0.0, num_steps: int = 0) -> common_pb2.LoadReport:
     return common_pb2.LoadReport(
         instance_id=instance_id,
         num_running=load.num_running,
@@ -62,6 +62,8 @@ def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int
         freeness=load.freeness,
         num_requests_served=num_requests_served,
         timestamp=timestamp,
+        step_time_ms_p50=step_time_ms_p50,
+        num_steps=num_steps,
     )
 
 

@@ -13,8 +13,11 @@ fed with `loop.call_soon_threadsafe`, so the gRPC side only ever awaits.
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
+import statistics
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +61,8 @@ class EngineRunner:
         self._load = engine.load()  # replaced whole after every step; readers never see a torn value
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
         self.num_requests_served = 0
+        self._step_times_s: collections.deque[float] = collections.deque(maxlen=256)
+        self.num_steps = 0
         self.is_broken = False  # set when a step raised; the instance then refuses new work
         self.on_load_change: Callable[[LoadSnapshot], None] | None = None
 
@@ -77,6 +82,12 @@ class EngineRunner:
     @property
     def load(self) -> LoadSnapshot:
         return self._load
+
+    @property
+    def step_time_ms_p50(self) -> float:
+        """Median engine step time over the recent steps (0 before the first step)."""
+        recent = list(self._step_times_s)
+        return statistics.median(recent) * 1000 if recent else 0.0
 
     @property
     def num_active(self) -> int:
@@ -144,7 +155,10 @@ class EngineRunner:
             self._run_commands()
             if self._engine.has_unfinished():
                 try:
+                    started = time.perf_counter()
                     outputs = self._engine.step()
+                    self._step_times_s.append(time.perf_counter() - started)
+                    self.num_steps += 1
                 except Exception as exc:  # a broken engine must not hang its clients
                     log.exception("engine_step_failed")
                     self.is_broken = True

@@ -93,6 +93,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         self._runner.on_load_change = lambda _load: callback()
 
     def load_report(self) -> common_pb2.LoadReport:
-        return load_to_proto(self.identity.instance_id, self._runner.load,
-                             self._runner.num_requests_served, time.time())
+        runner = self._runner
+        return load_to_proto(self.identity.instance_id, runner.load, runner.num_requests_served, time.time(),
+                             runner.step_time_ms_p50, runner.num_steps)
 

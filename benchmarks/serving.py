@@ -1,0 +1,256 @@
+"""Serving latency: Poisson arrivals against the OpenAI API of a ferry cluster.
+
+Prompt and output lengths are drawn from a long-tailed (log-normal) distribution with
+a fixed seed, so two runs with the same flags send the same workload. Each request
+streams; we record time to first token (prefill) and the gaps between tokens
+(decode). Prints exactly these two tables, then throughput and the overhead of the
+serving path (client inter-token latency minus the instances' own step time):
+
+    prefill	p25	p50	p75	p95	p99	mean
+    latency(ms)	…
+    decode	p25	p50	p75	p95	p99	mean
+    latency(ms)	…
+
+and writes JSON and a PNG latency CDF to --out-dir.
+
+    python benchmarks/serving.py --model models/smollm2-135m-instruct --instances 2 --rate 2 --num-requests 100
+    python benchmarks/serving.py --url http://127.0.0.1:8000 --admin 127.0.0.1:50051   # an existing cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import aiohttp
+import grpc
+import numpy as np
+from tqdm import tqdm
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.common.etcd_launcher import free_port  # noqa: E402
+from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc  # noqa: E402
+
+PERCENTILES = (25, 50, 75, 95, 99)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    prompt_len: int
+    output_len: int
+    ttft_ms: float = 0.0
+    itl_ms: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+    error: str = ""
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", help="frontend base URL of a running cluster (default: start one)")
+    parser.add_argument("--admin", help="admin address of that cluster (for the instances' step times)")
+    parser.add_argument("--model", type=pathlib.Path, default=ROOT / "models" / "smollm2-135m-instruct",
+                        help="model folder for a cluster started by this benchmark")
+    parser.add_argument("--instances", type=int, default=2, help="instances of a started cluster (role both)")
+    parser.add_argument("--pd", default="", help="P:D — start P prefill and D decode instances instead of --instances")
+    parser.add_argument("--launcher-args", default="", help="extra flags for `services.cluster up` (quoted)")
+    parser.add_argument("--num-requests", type=int, default=64, help="requests to send")
+    parser.add_argument("--rate", type=float, default=2.0, help="mean arrival rate (requests/s, Poisson)")
+    parser.add_argument("--prompt-mean", type=int, default=128, help="median prompt length in tokens")
+    parser.add_argument("--output-mean", type=int, default=64, help="median output length in tokens")
+    parser.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of both lengths (long tail)")
+    parser.add_argument("--max-prompt", type=int, default=1024, help="prompt length cap")
+    parser.add_argument("--max-output", type=int, default=512, help="output length cap")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench-results", help="where JSON and PNG go")
+    parser.add_argument("--tag", default="serving", help="file name prefix of the outputs")
+    return parser.parse_args()
+
+
+def workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[float, list[int], int]]:
+    """(arrival offset s, prompt token ids, output length) per request, from the seed alone."""
+    rng = random.Random(args.seed)
+    arrivals, now = [], 0.0
+    for _ in range(args.num_requests):
+        now += rng.expovariate(args.rate)
+        prompt_len = min(args.max_prompt, max(4, int(rng.lognormvariate(np.log(args.prompt_mean), args.sigma))))
+        output_len = min(args.max_output, max(2, int(rng.lognormvariate(np.log(args.output_mean), args.sigma))))
+        prompt = [rng.randrange(100, vocab_size - 100) for _ in range(prompt_len)]
+        arrivals.append((now, prompt, output_len))
+    return arrivals
+
+
+async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], output_len: int) -> RequestResult:
+    result = RequestResult(len(prompt), output_len)
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    start = last = time.perf_counter()
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return result
+            async for line in response.content:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                if result.num_tokens == 0:
+                    result.ttft_ms = (now - start) * 1000
+                else:
+                    result.itl_ms.append((now - last) * 1000)
+                last = now
+                result.num_tokens += 1
+    except aiohttp.ClientError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run_workload(url: str, model: str, requests: list[tuple[float, list[int], int]]) -> tuple[list[RequestResult], float]:
+    progress = tqdm(total=len(requests), desc="requests", unit="req")
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        start = time.perf_counter()
+
+        async def one(offset: float, prompt: list[int], output_len: int) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            result = await send(session, url, model, prompt, output_len)
+            progress.update(1)
+            return result
+
+        results = await asyncio.gather(*(one(*request) for request in requests))
+        elapsed = time.perf_counter() - start
+    progress.close()
+    return list(results), elapsed
+
+
+async def instance_step_times(admin: str) -> list[float]:
+    async with grpc.aio.insecure_channel(admin) as channel:
+        instances = (await manager_pb2_grpc.AdminServiceStub(channel).ListInstances(
+            manager_pb2.ListInstancesRequest(), timeout=5)).instances
+    step_times = []
+    for instance in instances:
+        async with grpc.aio.insecure_channel(instance.address) as channel:
+            status = await instance_pb2_grpc.InstanceServiceStub(channel).GetStatus(
+                instance_pb2.GetStatusRequest(), timeout=5)
+        if status.load.num_steps:
+            step_times.append(status.load.step_time_ms_p50)
+    return step_times
+
+
+def table(name: str, values: list[float]) -> str:
+    if not values:
+        return f"{name}\t" + "\t".join(f"p{p}" for p in PERCENTILES) + "\tmean\nlatency(ms)\t(no data)"
+    cells = [f"{np.percentile(values, p):.2f}" for p in PERCENTILES] + [f"{np.mean(values):.2f}"]
+    header = f"{name}\t" + "\t".join(f"p{p}" for p in PERCENTILES) + "\tmean"
+    return f"{header}\nlatency(ms)\t" + "\t".join(cells)
+
+
+def plot_cdf(ttft: list[float], itl: list[float], path: pathlib.Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, values, name in ((axes[0], ttft, "prefill: time to first token"), (axes[1], itl, "decode: inter-token latency")):
+        if values:
+            xs = np.sort(values)
+            ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs))
+        ax.set_xlabel("latency (ms)")
+        ax.set_ylabel("fraction of samples")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+@contextlib.contextmanager
+def started_cluster(args: argparse.Namespace) -> Iterator[dict]:
+    with tempfile.TemporaryDirectory(prefix="ferry-bench-") as tmp:
+        state_dir = pathlib.Path(tmp) / "state"
+        roles = ["--instances", str(args.instances)]
+        if args.pd:
+            prefill, decode = args.pd.split(":")
+            roles = ["--instances", "0", "--prefill-instances", prefill, "--decode-instances", decode]
+        command = [sys.executable, "-m", "services.cluster", "up", "--model", str(args.model), "--state-dir", str(state_dir),
+                   "--http-port", str(free_port()), "--admin-port", str(free_port()), *roles, *args.launcher_args.split()]
+        log = open(pathlib.Path(tmp) / "launcher.log", "wb")
+        launcher = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            deadline = time.monotonic() + 300
+            while not (state_dir / "cluster.json").exists():
+                if launcher.poll() is not None or time.monotonic() > deadline:
+                    sys.exit("cluster failed to start:\n" + (pathlib.Path(tmp) / "launcher.log").read_text()[-3000:])
+                time.sleep(0.5)
+            yield json.loads((state_dir / "cluster.json").read_text())
+        finally:
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(120)
+            log.close()
+
+
+def report(args: argparse.Namespace, results: list[RequestResult], elapsed: float, step_times: list[float]) -> dict:
+    ok = [r for r in results if not r.error]
+    ttft = [r.ttft_ms for r in ok]
+    itl = [gap for r in ok for gap in r.itl_ms]
+    num_tokens = sum(r.num_tokens for r in ok)
+    print(table("prefill", ttft))
+    print(table("decode", itl))
+    print(f"throughput\t{num_tokens / elapsed:.1f} output tokens/s\t{len(ok) / elapsed:.2f} requests/s\t"
+          f"{len(results) - len(ok)} errors\t{elapsed:.1f} s")
+    overhead = None
+    if step_times and itl:
+        step_p50 = float(np.median(step_times))
+        overhead = float(np.percentile(itl, 50)) - step_p50
+        print(f"overhead\tclient decode p50 {np.percentile(itl, 50):.2f} ms\tinstance step p50 {step_p50:.2f} ms\t"
+              f"added {overhead:.2f} ms/token")
+    for r in results:
+        if r.error:
+            print(f"error: {r.error}", file=sys.stderr)
+    return {"args": {k: str(v) for k, v in vars(args).items()}, "elapsed_s": elapsed, "num_errors": len(results) - len(ok),
+            "ttft_ms": ttft, "itl_ms": itl, "instance_step_ms_p50": step_times, "overhead_ms_p50": overhead,
+            "requests": [asdict(r) | {"itl_ms": None} for r in results]}
+
+
+async def bench(args: argparse.Namespace, url: str, admin: str | None, model_dir: pathlib.Path) -> dict:
+    from services.instance.engine.model_config import ModelConfig
+
+    requests = workload(args, ModelConfig.from_dir(model_dir).vocab_size)
+    results, elapsed = await run_workload(url, model_dir.name, requests)
+    step_times = await instance_step_times(admin) if admin else []
+    return report(args, results, elapsed, step_times)
+
+
+def main() -> None:
+    args = parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.url:
+        summary = asyncio.run(bench(args, args.url, args.admin, args.model))
+    else:
+        with started_cluster(args) as cluster:
+            summary = asyncio.run(bench(args, cluster["frontend_url"], cluster["admin_address"], args.model))
+    json_path = args.out_dir / f"{args.tag}.json"
+    json_path.write_text(json.dumps(summary))
+    plot_cdf(summary["ttft_ms"], summary["itl_ms"], args.out_dir / f"{args.tag}.png",
+             f"{args.tag}: {args.num_requests} requests at {args.rate}/s")
+    print(f"wrote {json_path} and {args.out_dir / (args.tag + '.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -64,6 +64,7 @@ class LocalCluster:
         log.info("etcd_started", endpoint=self.etcd.endpoint, pid=self.etcd.pid)
         await self._start_and_wait([self._manager(0)])
         await self._start_and_wait([self._manager(i) for i in range(1, self.spec.num_managers)])
+        await self._start_and_wait([self._transfer()])
         await self._start_and_wait([self._instance(i, role) for i, role in enumerate(self.spec.roles)])
         await self._start_and_wait([self._frontend()])
         self.write_state()
@@ -107,11 +108,29 @@ class LocalCluster:
         args = ["--port", str(port), "--manager-id", f"manager-{index}", *self._common_args()]
         return ServiceProcess(f"manager-{index}", "manager", args, f"127.0.0.1:{port}", self.state_dir / "logs")
 
+    def _transfer(self) -> ServiceProcess:
+        """One transfer service maps every instance's KV memory on this host."""
+        port = free_port()
+        args = ["--port", str(port), "--transfer-id", "transfer-0", "--default-backend", self.spec.transfer_backend,
+                *self._common_args()]
+        return ServiceProcess("transfer-0", "transfer", args, f"127.0.0.1:{port}", self.state_dir / "logs")
+
+    @property
+    def transfer_address(self) -> str:
+        return next(p.address for p in self.processes if p.name == "transfer-0")
+
+    def _transfer_args(self) -> list[str]:
+        from services.instance.config import InstanceConfig  # noqa: PLC0415 — flags appear with migration support
+
+        if "transfer_address" not in InstanceConfig.__dataclass_fields__:
+            return []
+        return ["--transfer-address", self.transfer_address, "--transfer-backend", self.spec.transfer_backend]
+
     def _instance(self, index: int, role: str) -> ServiceProcess:
         port = free_port()
         args = ["--model", str(self.spec.model_dir), "--port", str(port), "--instance-id", f"instance-{index}",
                 "--role", role, "--engine", self.spec.engine, "--num-threads", str(self.spec.threads_per_instance),
-                "--kv-cache-mib", str(self.spec.kv_cache_mib), *self._common_args()]
+                "--kv-cache-mib", str(self.spec.kv_cache_mib), *self._transfer_args(), *self._common_args()]
         return ServiceProcess(f"instance-{index}", "instance", args, f"127.0.0.1:{port}", self.state_dir / "logs")
 
     def _frontend(self) -> ServiceProcess:

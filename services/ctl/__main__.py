@@ -24,7 +24,7 @@ from services.ctl.config import CtlConfig
 from services.ctl.records import to_json
 from services.ctl.top import run_top
 
-EXIT_FAILED, EXIT_NOT_AVAILABLE = 1, 3
+EXIT_FAILED, EXIT_USAGE, EXIT_NOT_AVAILABLE = 1, 2, 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,14 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
     policy = commands.add_parser("policy", parents=[common], help="show or change the dispatch policy")
     actions = policy.add_subparsers(dest="action", required=True, metavar="ACTION")
     actions.add_parser("get", parents=[common], help="show the dispatch policy")
-    policy_set = actions.add_parser("set", parents=[common], help="change the dispatch policy (every manager follows)")
-    policy_set.add_argument("dispatch", help="load | queue | balanced | round_robin | flood (the manager validates)")
+    policy_set = actions.add_parser("set", parents=[common], help="change the policy (every manager follows)")
+    policy_set.add_argument("dispatch", nargs="?", help="load | queue | balanced | round_robin | flood (the manager validates)")
+    policy_set.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                            help="another policy field, e.g. --set migration_enabled=true --set migration_threshold=8")
     drain = commands.add_parser("drain", parents=[common], help="stop sending new requests to an instance")
     drain.add_argument("instance_id")
     migrate = commands.add_parser("migrate", parents=[common], help="live-migrate a running request")
     migrate.add_argument("--request", help="request id (default: the manager picks one on --src)")
     migrate.add_argument("--src", help="source instance id")
     migrate.add_argument("--dst", help="destination instance id (default: the freest instance)")
+    migrations = commands.add_parser("migrations", parents=[common], help="the leader's recent migrations")
+    migrations.add_argument("--instance", help="only migrations from or to this instance")
+    migrations.add_argument("--request", help="only this request's migrations")
     role = commands.add_parser("role", parents=[common], help="change an instance's prefill/decode role")
     role.add_argument("instance_id")
     role.add_argument("role", choices=ROLES)
@@ -92,6 +97,9 @@ async def execute(config: CtlConfig, args: argparse.Namespace) -> int:
             return _fail(config, exc, EXIT_NOT_AVAILABLE)
         except FerryError as exc:
             return _fail(config, exc, EXIT_FAILED)
+        except ValueError as exc:  # a malformed argument the parser could not see
+            print(f"ferryctl: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     print(json.dumps(to_json(record), indent=2) if config.json else text)
     return 0
 

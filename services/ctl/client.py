@@ -11,11 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 
 from services.common.errors import FerryError, error_from_rpc
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2, manager_pb2_grpc
 from services.common.grpc_server import insecure_channel
-from services.ctl.records import ClusterStatus, DrainResult, InstanceRow, MigrateResult, RequestList, RequestRow
+from services.ctl.records import (ClusterStatus, DrainResult, InstanceRow, MigrateResult, MigrationRow, RequestList,
+                                 RequestRow)
 
 UNREACHABLE_KEY = "x-ferry-unreachable-instances"  # trailing metadata of a partial ListRequests
 _ADMIN_METHODS = frozenset(manager_pb2.DESCRIPTOR.services_by_name["AdminService"].methods_by_name)
@@ -62,15 +64,30 @@ class AdminClient:
     async def cluster_status(self) -> ClusterStatus:
         return status_from_proto(await self._call(self._admin.GetClusterStatus, manager_pb2.GetClusterStatusRequest()))
 
-    async def get_policy(self) -> str:
-        return (await self._call(self._admin.GetPolicy, manager_pb2.GetPolicyRequest())).dispatch
+    async def get_policy(self) -> dict[str, Any]:
+        """Every policy field by its proto name (dispatch, and the migration knobs where the build has them)."""
+        return policy_from_proto(await self._call(self._admin.GetPolicy, manager_pb2.GetPolicyRequest()))
 
-    async def set_policy(self, dispatch: str) -> str:
-        return (await self._call(self._admin.SetPolicy, manager_pb2.Policy(dispatch=dispatch))).dispatch
+    async def set_policy(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Change the named policy fields (proto names; enums by name); the others keep their values."""
+        try:
+            request = json_format.ParseDict(fields, manager_pb2.Policy())
+        except json_format.ParseError as exc:
+            raise ValueError(f"policy: {exc}; fields: {', '.join(manager_pb2.Policy.DESCRIPTOR.fields_by_name)}") from None
+        return policy_from_proto(await self._call(self._admin.SetPolicy, request))
 
     async def drain(self, instance_id: str) -> DrainResult:
         reply = await self._call(self._admin.Drain, manager_pb2.DrainRequest(instance_id=instance_id))
-        return DrainResult(reply.instance_id, enum_label(common_pb2.InstanceState, reply.state, "INSTANCE_STATE_"))
+        return DrainResult(reply.instance_id, enum_label(common_pb2.InstanceState, reply.state, "INSTANCE_STATE_"),
+                           is_drained=getattr(reply, "is_drained", False),
+                           num_remaining=getattr(reply, "num_remaining", 0))
+
+    async def list_migrations(self, instance_id: str = "", request_id: str = "") -> list[MigrationRow]:
+        """The leader's recent migrations, oldest first."""
+        fields = {"instance_id": instance_id, "request_id": request_id}
+        request = self._optional_request("ListMigrations", "ListMigrationsRequest", {k: v for k, v in fields.items() if v})
+        reply = await self._call_optional("ListMigrations", request)
+        return [migration_from_proto(record) for record in reply.migrations]
 
     async def migrate(self, request_id: str = "", src_instance_id: str = "", dst_instance_id: str = "") -> MigrateResult:
         """Move a running request (or the manager's pick from `src_instance_id`) to another instance."""
@@ -98,8 +115,8 @@ class AdminClient:
             return await getattr(self._admin, method)(request, timeout=self._timeout_s, metadata=self._metadata or None)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                raise NotAvailableYet(f"{method} is not available yet on the manager at {self.address} "
-                                      "(upgrade the managers)") from None
+                raise NotAvailableYet(f"{method} is not available yet: the manager at {self.address} does not "
+                                      f"implement AdminService/{method} (it comes with live migration)") from None
             raise error_from_rpc(exc) from None
 
     async def _call(self, method, request):
@@ -138,6 +155,15 @@ def status_from_proto(reply: manager_pb2.GetClusterStatusResponse) -> ClusterSta
         dispatch_policy=reply.dispatch_policy, num_instances=reply.num_instances, num_serving=reply.num_serving,
         num_draining=reply.num_draining, num_unhealthy=reply.num_unhealthy, num_running=reply.num_running,
         num_waiting=reply.num_waiting, num_dispatched=reply.num_dispatched, average_freeness=reply.average_freeness)
+
+
+def policy_from_proto(policy: manager_pb2.Policy) -> dict[str, Any]:
+    return json_format.MessageToDict(policy, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
+
+
+def migration_from_proto(record: Any) -> MigrationRow:
+    return MigrationRow(**{name: getattr(record, name) for name in MigrationRow.__dataclass_fields__})
 
 
 def migrate_from_proto(reply: Any) -> MigrateResult:

@@ -6,11 +6,13 @@ Each returns `(record, text)`: the record for --json, the text for a terminal.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.ctl.client import AdminClient
-from services.ctl.tables import (drain_line, instances_table, migrate_table, requests_table, status_table)
+from services.ctl.tables import (drain_line, instances_table, migrate_table, migrations_table, policy_table,
+                                requests_table, status_table)
 
 Output = tuple[Any, str]
 Command = Callable[[AdminClient, argparse.Namespace], Awaitable[Output]]
@@ -33,10 +35,26 @@ async def status(client: AdminClient, args: argparse.Namespace) -> Output:
 
 async def policy(client: AdminClient, args: argparse.Namespace) -> Output:
     if args.action == "set":
-        dispatch = await client.set_policy(args.dispatch)
-        return {"dispatch": dispatch}, f"dispatch policy is now {dispatch}"
-    dispatch = await client.get_policy()
-    return {"dispatch": dispatch}, f"dispatch policy: {dispatch}"
+        fields = dict(parse_assignment(item) for item in args.set or ())
+        if args.dispatch:
+            fields["dispatch"] = args.dispatch
+        if not fields:
+            raise ValueError("policy set: give a dispatch policy and/or --set FIELD=VALUE")
+        current = await client.set_policy(fields)
+    else:
+        current = await client.get_policy()
+    return current, policy_table(current)
+
+
+def parse_assignment(item: str) -> tuple[str, object]:
+    """`migration_threshold=8` -> ("migration_threshold", 8); JSON values where they parse, else text."""
+    name, has_value, raw = item.partition("=")
+    if not has_value or not name:
+        raise ValueError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set migration_enabled=true")
+    try:
+        return name.strip(), json.loads(raw)
+    except json.JSONDecodeError:
+        return name.strip(), raw
 
 
 async def drain(client: AdminClient, args: argparse.Namespace) -> Output:
@@ -49,6 +67,11 @@ async def migrate(client: AdminClient, args: argparse.Namespace) -> Output:
     return result, migrate_table(result)
 
 
+async def migrations(client: AdminClient, args: argparse.Namespace) -> Output:
+    rows = await client.list_migrations(args.instance or "", args.request or "")
+    return rows, migrations_table(rows)
+
+
 async def role(client: AdminClient, args: argparse.Namespace) -> Output:
     new_role = await client.set_role(args.instance_id, args.role)
     return {"instance_id": args.instance_id, "role": new_role}, f"instance {args.instance_id} is now {new_role}"
@@ -56,5 +79,5 @@ async def role(client: AdminClient, args: argparse.Namespace) -> Output:
 
 COMMANDS: dict[str, Command] = {
     "instances": instances, "requests": requests, "status": status, "policy": policy, "drain": drain,
-    "migrate": migrate, "role": role,
+    "migrate": migrate, "migrations": migrations, "role": role,
 }

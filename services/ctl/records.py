@@ -66,6 +66,8 @@ class ClusterStatus:
 class DrainResult:
     instance_id: str
     state: str
+    is_drained: bool  # nothing runs or waits there any more
+    num_remaining: int  # running + waiting requests still on it (the leader migrates them off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,26 @@ class MigrateResult:
     backend: str
     duration_ms: float
     downtime_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationRow:
+    """One entry of the leader's migration history."""
+
+    started_at: float  # unix seconds
+    request_id: str
+    src_instance_id: str
+    dst_instance_id: str
+    trigger: str  # load | drain | admin
+    outcome: str  # committed | failed
+    num_blocks: int
+    num_bytes: int
+    num_stages: int
+    backend: str
+    duration_ms: float
+    downtime_ms: float
+    reason: str  # failed: the status code
+    message: str  # failed: the details
 
 
 def to_json(record: Any) -> Any:

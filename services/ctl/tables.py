@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.ctl.records import ClusterStatus, DrainResult, InstanceRow, MigrateResult, RequestList
+import time
+
+from services.ctl.records import ClusterStatus, DrainResult, InstanceRow, MigrateResult, MigrationRow, RequestList
 
 _BAR_WIDTH = 10
 
@@ -71,13 +73,35 @@ def status_table(status: ClusterStatus) -> str:
 
 
 def drain_line(result: DrainResult) -> str:
-    return f"instance {result.instance_id} is {result.state}: no new requests go to it"
+    if result.is_drained:
+        return f"instance {result.instance_id} is {result.state}: no new requests go to it, and nothing runs there"
+    remaining = f"; {result.num_remaining} requests still on it" if result.num_remaining else ""
+    return f"instance {result.instance_id} is {result.state}: no new requests go to it{remaining}"
+
+
+def policy_table(policy: dict[str, object]) -> str:
+    return "\n".join(line.rstrip() for line in render_table(("", ""), [
+        (name, _value(value)) for name, value in policy.items()]).splitlines()[1:])
+
+
+def migrations_table(rows: Sequence[MigrationRow]) -> str:
+    if not rows:
+        return "no migrations"
+    return render_table(("STARTED", "REQUEST", "FROM", "TO", "TRIGGER", "OUTCOME", "BLOCKS", "STAGES", "BACKEND",
+                         "DURATION MS", "DOWNTIME MS", "REASON"), [
+        (time.strftime("%H:%M:%S", time.localtime(r.started_at)), r.request_id or "-", r.src_instance_id,
+         r.dst_instance_id, r.trigger, r.outcome, r.num_blocks, r.num_stages, r.backend, r.duration_ms,
+         r.downtime_ms, r.reason) for r in rows])
 
 
 def migrate_table(result: MigrateResult) -> str:
     return render_table(("REQUEST", "FROM", "TO", "BLOCKS", "BYTES", "STAGES", "BACKEND", "DURATION MS", "DOWNTIME MS"), [
         (result.request_id, result.src_instance_id, result.dst_instance_id, result.num_blocks, result.num_bytes,
          result.num_stages, result.backend, result.duration_ms, result.downtime_ms)])
+
+
+def _value(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _cell(value: object) -> str:

@@ -1,4 +1,5 @@
-"""`ferryctl top`: the cluster's instances and load, redrawn every --interval seconds.
+"""`ferryctl top`: the cluster's instances, load and latest migrations, redrawn every
+--interval seconds (migrations only where the managers serve ListMigrations).
 
 On a terminal each frame replaces the last (ANSI clear); piped, frames follow one
 another (with --json, one JSON object per line), so `top --iterations 1` is a snapshot.
@@ -14,11 +15,12 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from services.common.errors import FerryError
-from services.ctl.client import AdminClient
-from services.ctl.records import ClusterStatus, InstanceRow, to_json
-from services.ctl.tables import load_table
+from services.ctl.client import AdminClient, NotAvailableYet
+from services.ctl.records import ClusterStatus, InstanceRow, MigrationRow, to_json
+from services.ctl.tables import load_table, migrations_table
 
 _CLEAR = "\x1b[H\x1b[2J"
+NUM_MIGRATIONS_SHOWN = 8
 
 
 @dataclass(slots=True)
@@ -54,14 +56,26 @@ async def run_top(client: AdminClient, interval_s: float, iterations: int, as_js
 
 async def _frame(client: AdminClient, throughput: Throughput, as_json: bool) -> str:
     try:
-        status, rows = await asyncio.gather(client.cluster_status(), client.list_instances())
+        status, rows, migrations = await asyncio.gather(client.cluster_status(), client.list_instances(),
+                                                        _recent_migrations(client))
     except FerryError as exc:
         return json.dumps({"error": exc.message}) if as_json else f"{_clock()}  admin {client.address}: {exc.message}"
     rates = throughput.update(rows, time.monotonic())
     if as_json:
         return json.dumps({"time": time.time(), "status": to_json(status), "instances": to_json(rows),
-                           "served_per_s": rates})
-    return "\n".join([*_header(client.address, status), "", load_table(rows, rates)])
+                           "served_per_s": rates, "migrations": None if migrations is None else to_json(migrations)})
+    lines = [*_header(client.address, status), "", load_table(rows, rates)]
+    if migrations is not None:
+        lines += ["", f"latest migrations (newest last, up to {NUM_MIGRATIONS_SHOWN})", migrations_table(migrations)]
+    return "\n".join(lines)
+
+
+async def _recent_migrations(client: AdminClient) -> list[MigrationRow] | None:
+    """The newest few, or None while the managers do not serve ListMigrations."""
+    try:
+        return (await client.list_migrations())[-NUM_MIGRATIONS_SHOWN:]
+    except NotAvailableYet:
+        return None
 
 
 def _header(address: str, status: ClusterStatus) -> list[str]:

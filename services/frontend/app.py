@@ -43,7 +43,8 @@ async def main(config: FrontendConfig) -> None:
     dispatcher = Dispatcher(manager, membership, cooldown_s=config.failed_instance_cooldown_s,
                             on_fallback=metrics.dispatch_fallbacks.inc)
     instances = InstanceClients(config.generate_timeout_s, config.abort_timeout_s)
-    runner = RequestRunner(dispatcher, instances, max_resumes=config.max_resumes, on_resume=metrics.resumes.inc)
+    runner = RequestRunner(dispatcher, instances, max_resumes=config.max_resumes, max_handoffs=config.max_handoffs,
+                           on_resume=metrics.resumes.inc, on_handoff=metrics.handoffs.inc)
     server = FrontendServer(model, runner, dispatcher, metrics, api_keys=config.api_key,
                             max_inflight=config.max_inflight, max_body_bytes=config.max_body_bytes)
     try:

@@ -33,6 +33,7 @@ class FrontendConfig:
     generate_timeout_s: float = knob(600.0, "deadline of one InstanceService/Generate stream")
     abort_timeout_s: float = knob(2.0, "deadline of InstanceService/Abort sent when a client goes away")
     max_resumes: int = knob(3, "how often a request is re-dispatched after its instance failed mid-stream")
+    max_handoffs: int = knob(16, "most live-migration hand-offs one request follows; past it the request is resumed elsewhere")
     failed_instance_cooldown_s: float = knob(5.0, "seconds the local fallback skips an instance whose stream just failed")
     shutdown_grace_s: float = knob(5.0, "seconds running requests get to finish on SIGTERM")
     log_format: str = knob("console", "log format: console or json")
@@ -44,6 +45,8 @@ class FrontendConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.max_resumes < 0:
             raise ValueError(f"--max-resumes must be >= 0, got {self.max_resumes}")
+        if self.max_handoffs < 0:
+            raise ValueError(f"--max-handoffs must be >= 0, got {self.max_handoffs}")
         if self.max_model_len < 0:
             raise ValueError(f"--max-model-len must be >= 0 (0 = from config.json), got {self.max_model_len}")
         if not self.etcd_endpoints and not self.manager_address:

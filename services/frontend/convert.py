@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2
-from services.frontend.generation import (FinishReason, GenerateSpec, InstanceId, Sampling, Target, TokenChunk,
-                                          TokenLogprob)
+from services.frontend.generation import (FinishReason, GenerateSpec, Handoff, InstanceId, RequestId, Sampling, Target,
+                                          TokenChunk, TokenLogprob)
 
 _FINISH_REASON_FROM_PROTO = {
     common_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -41,7 +41,17 @@ def chunk_from_proto(msg: instance_pb2.GenerateChunk) -> TokenChunk:
         token_index=msg.token_index, token_ids=tuple(msg.token_ids), text=msg.text,
         finish_reason=_FINISH_REASON_FROM_PROTO.get(msg.finish_reason), epoch=msg.epoch,
         logprobs=tuple(_logprob_from_proto(entry) for entry in msg.logprobs),
-        num_prompt_tokens=msg.num_prompt_tokens)
+        num_prompt_tokens=msg.num_prompt_tokens,
+        handoff=_handoff_from_proto(msg.handoff) if msg.HasField("handoff") else None)
+
+
+def attach_request_to_proto(request_id: RequestId, from_token_index: int, epoch: int) -> instance_pb2.AttachRequest:
+    return instance_pb2.AttachRequest(request_id=request_id, from_token_index=from_token_index, epoch=epoch)
+
+
+def _handoff_from_proto(msg: instance_pb2.Handoff) -> Handoff:
+    return Handoff(dst_instance_id=InstanceId(msg.dst_instance_id), dst_address=msg.dst_address, epoch=msg.epoch,
+                   next_token_index=msg.next_token_index)
 
 
 def dispatch_request_to_proto(spec: GenerateSpec, exclude: Sequence[InstanceId]) -> manager_pb2.DispatchRequest:

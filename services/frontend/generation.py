@@ -50,6 +50,16 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class Handoff:
+    """The request moved (live migration): continue its stream with Attach on the destination."""
+
+    dst_instance_id: InstanceId
+    dst_address: str
+    epoch: int  # the request's owner epoch on the destination
+    next_token_index: int  # the first token index the destination streams
+
+
+@dataclass(frozen=True, slots=True)
 class TokenChunk:
     """One GenerateChunk: tokens `token_index .. token_index + len(token_ids)` of the output."""
 
@@ -60,6 +70,7 @@ class TokenChunk:
     epoch: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
     num_prompt_tokens: int = 0  # set on the first chunk
+    handoff: Handoff | None = None  # set on the last chunk of a stream whose request moved away
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ instance address, a deadline on every call, `x-request-id` metadata, errors mapp
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -14,7 +14,7 @@ from services.common.errors import error_from_rpc
 from services.common.grpc_server import insecure_channel
 from services.common.logging import request_metadata
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
-from services.frontend.convert import chunk_from_proto, generate_request_to_proto
+from services.frontend.convert import attach_request_to_proto, chunk_from_proto, generate_request_to_proto
 from services.frontend.generation import GenerateSpec, RequestId, Target, TokenChunk
 
 log = structlog.get_logger(__name__)
@@ -28,10 +28,21 @@ class InstanceClients:
         self._stubs: dict[str, instance_pb2_grpc.InstanceServiceStub] = {}
         self._abort_tasks: set[asyncio.Task[None]] = set()
 
-    async def generate(self, target: Target, spec: GenerateSpec) -> AsyncIterator[TokenChunk]:
-        call = self._stub(target.address).Generate(
+    def generate(self, target: Target, spec: GenerateSpec) -> AsyncIterator[TokenChunk]:
+        return self._chunks(lambda: self._stub(target.address).Generate(
             generate_request_to_proto(spec), timeout=self._generate_timeout_s,
-            metadata=request_metadata(spec.request_id))
+            metadata=request_metadata(spec.request_id)))
+
+    def attach(self, target: Target, request_id: RequestId, from_token_index: int,
+               epoch: int) -> AsyncIterator[TokenChunk]:
+        """The destination's stream of a handed-off request, from `from_token_index` on."""
+        return self._chunks(lambda: self._stub(target.address).Attach(
+            attach_request_to_proto(request_id, from_token_index, epoch), timeout=self._generate_timeout_s,
+            metadata=request_metadata(request_id)))
+
+    async def _chunks(self, start: Callable[[], grpc.aio.UnaryStreamCall]) -> AsyncIterator[TokenChunk]:
+        """The chunks of the stream `start` opens (on first iteration), errors mapped to FerryErrors."""
+        call = start()
         try:
             async for msg in call:
                 yield chunk_from_proto(msg)

@@ -32,6 +32,9 @@ class FrontendMetrics:
             registry=self.registry)
         self.resumes = Counter("ferry_frontend_stream_resumes_total",
                                "Requests re-dispatched after their instance's stream broke", registry=self.registry)
+        self.handoffs = Counter("ferry_frontend_stream_handoffs_total",
+                                "Streams continued on another instance after a live migration (Attach)",
+                                registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

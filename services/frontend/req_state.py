@@ -47,6 +47,7 @@ class ReqState:
         self.error: FerryError | None = None  # set once; ends the stream
         self.created = int(time.time())
         self.num_resumes = 0
+        self.num_handoffs = 0  # live migrations followed
         self._decode = decode
         self._pending: list[Delta] = []
         self._event = asyncio.Event()

@@ -1,50 +1,81 @@
-"""Driving one request to its end, across instance failures.
+"""Driving one request to its end, across hand-offs (live migration) and instance failures.
 
-Design: dispatch → stream the instance's chunks into the `ReqState` → on a broken stream
-(UNAVAILABLE, deadline, a stream that ends without its finish chunk, a token gap)
-re-dispatch excluding that instance and resume with `resume_token_ids` = the tokens the
-client already has, at most `max_resumes` times, with a short growing pause; then the
-request fails with an explicit error. Any other error (bad input, cache full) fails the
-request at once. Whenever a stream is left before its finish chunk (also when the client
-went away and this task is cancelled) the instance gets an `Abort`, so it frees the
-request's KV blocks; a resume that lands on that same instance (the only one left)
-waits for the Abort first, so the request id is free again there.
+Design: dispatch → stream the instance's chunks into the `ReqState` → follow every
+hand-off → until the finish chunk.
+
+* Hand-off: when the owner migrates the request, its stream ends with a chunk carrying
+  `handoff` (destination, new epoch). We open `Attach(request_id, from_token_index=the
+  next index the client still needs, epoch)` on the destination and keep feeding the
+  same `ReqState`, so the client sees one stream. Chunks of an epoch older than the
+  current owner's are dropped, and token indexes already held are dropped by the state.
+  At most `max_handoffs` hand-offs per request; past that the request is resumed
+  elsewhere as if its stream broke (a request ping-ponging between instances ends).
+* Resume: on a broken stream (UNAVAILABLE, deadline, a stream that ends without its
+  finish chunk, a token gap, an Attach the destination refuses) re-dispatch excluding
+  the instance that broke and resume with `resume_token_ids` = the tokens the client
+  already has, at most `max_resumes` times, with a short growing pause; then the
+  request fails with an explicit error. Any other error (bad input, cache full) fails
+  the request at once.
+
+Whenever a stream is left before its finish chunk (also when the client went away and
+this task is cancelled) the request's *current owner* (the last instance it was handed
+off to) gets an `Abort`, so it frees the request's KV blocks; a resume that lands on
+that same instance waits for the Abort first, so the request id is free again there.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
 from contextlib import aclosing
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import structlog
 
-from services.common.errors import FerryError, Unavailable
+from services.common.errors import Aborted, FailedPrecondition, FerryError, NotFound, Unavailable
 from services.frontend.dispatch import Dispatcher
-from services.frontend.generation import GenerateSpec, InstanceId, RequestId, Target, TokenChunk
+from services.frontend.generation import GenerateSpec, Handoff, InstanceId, RequestId, Target, TokenChunk
 from services.frontend.req_state import ReqState
 
 log = structlog.get_logger(__name__)
+
+# What an Attach may answer when the hand-off went wrong on the destination (it died and
+# came back, lost the request, or holds a newer epoch): the request is resumed elsewhere.
+_ATTACH_REFUSALS = (NotFound, Aborted, FailedPrecondition)
 
 
 class InstanceStreams(Protocol):
     def generate(self, target: Target, spec: GenerateSpec) -> AsyncIterator[TokenChunk]:
         """The instance's chunks; raises a FerryError (mapped from the gRPC status) on failure."""
 
+    def attach(self, target: Target, request_id: RequestId, from_token_index: int,
+               epoch: int) -> AsyncIterator[TokenChunk]:
+        """The destination's chunks of a handed-off request, from `from_token_index` on."""
+
     def abort_soon(self, target: Target, request_id: RequestId) -> Awaitable[None]:
         """Send Abort in the background (never blocks); the result ends when it did (never raises)."""
 
 
+@dataclass(slots=True)
+class _Owner:
+    """The instance that holds the request now, and its epoch (grows with each hand-off)."""
+
+    target: Target
+    epoch: int = 0
+
+
 class RequestRunner:
     def __init__(self, dispatcher: Dispatcher, instances: InstanceStreams, *, max_resumes: int,
-                 resume_backoff_s: float = 0.05, on_resume: Callable[[], None] = lambda: None) -> None:
+                 max_handoffs: int = 16, resume_backoff_s: float = 0.05,
+                 on_resume: Callable[[], None] = lambda: None, on_handoff: Callable[[], None] = lambda: None) -> None:
         self._dispatcher = dispatcher
         self._instances = instances
         self._max_resumes = max_resumes
+        self._max_handoffs = max_handoffs
         self._resume_backoff_s = resume_backoff_s
         self._on_resume = on_resume
+        self._on_handoff = on_handoff
 
     async def run(self, state: ReqState, spec: GenerateSpec) -> None:
         """Feed `state` until the request finishes or fails (never raises a FerryError)."""
@@ -58,35 +89,67 @@ class RequestRunner:
                 return
             if (abort := aborts.pop(target.instance_id, None)) is not None:
                 await abort
+            owner = _Owner(target)
             try:
-                await self._stream(target, state, spec, aborts)
+                await self._follow(owner, state, spec, aborts)
             except Unavailable as exc:
                 if not state.is_done and self._can_resume(state, exc):
-                    excluded.append(target.instance_id)
-                    self._note_resume(state, target, exc)
+                    excluded.append(owner.target.instance_id)
+                    self._note_resume(state, owner.target, exc)
                     await asyncio.sleep(self._resume_backoff_s * 2 ** (state.num_resumes - 1))
             except FerryError as exc:
                 state.fail(exc)
 
-    async def _stream(self, target: Target, state: ReqState, spec: GenerateSpec,
+    async def _follow(self, owner: _Owner, state: ReqState, spec: GenerateSpec,
                       aborts: dict[InstanceId, Awaitable[None]]) -> None:
-        """One Generate stream on `target`, resuming after the tokens `state` holds."""
-        spec = replace(spec, resume_token_ids=tuple(state.token_ids))
-        min_epoch = 0  # chunks of an older owner epoch (before a hand-off) are dropped
+        """Generate on `owner`, resuming after the tokens `state` holds, then follow its hand-offs."""
+        chunks = self._instances.generate(owner.target, replace(spec, resume_token_ids=tuple(state.token_ids)))
         try:
-            async with aclosing(self._instances.generate(target, spec)) as chunks:
-                async for chunk in chunks:
-                    if chunk.epoch < min_epoch:
-                        continue
-                    min_epoch = chunk.epoch
-                    state.accept(chunk)
-                    if state.is_done:
-                        return
-            raise Unavailable(f"instance {target.instance_id} ended the stream of {spec.request_id} "
-                              "before its last token")
+            while (handoff := await self._feed(chunks, owner, state)) is not None:
+                self._hand_off(owner, state, handoff)
+                chunks = self._attached(owner, state)
         finally:
-            if state.finish_reason is None:  # broken, failed or cancelled: free the instance's blocks
-                aborts[target.instance_id] = self._instances.abort_soon(target, spec.request_id)
+            if state.finish_reason is None:  # broken, failed or cancelled: free the owner's blocks
+                aborts[owner.target.instance_id] = self._instances.abort_soon(owner.target, spec.request_id)
+
+    async def _feed(self, chunks: AsyncIterator[TokenChunk], owner: _Owner, state: ReqState) -> Handoff | None:
+        """Feed one stream's chunks into `state`; the hand-off it ends with, or None once the request is done."""
+        async with aclosing(chunks) as stream:
+            async for chunk in stream:
+                if chunk.epoch < owner.epoch:  # from before a hand-off: the new owner streams these tokens
+                    continue
+                owner.epoch = chunk.epoch
+                state.accept(chunk)
+                if state.is_done:
+                    return None
+                if chunk.handoff is not None:
+                    return chunk.handoff
+        raise Unavailable(f"instance {owner.target.instance_id} ended the stream of {state.request_id} "
+                          "before its last token")
+
+    def _hand_off(self, owner: _Owner, state: ReqState, handoff: Handoff) -> None:
+        """Make the destination the owner; Unavailable (resume elsewhere) past --max-handoffs."""
+        source = owner.target.instance_id
+        owner.target = Target(handoff.dst_instance_id, handoff.dst_address)
+        owner.epoch = max(owner.epoch, handoff.epoch)
+        state.num_handoffs += 1
+        self._on_handoff()
+        log.info("stream_handed_off", request_id=state.request_id, src_instance_id=source,
+                 dst_instance_id=handoff.dst_instance_id, epoch=handoff.epoch, num_tokens=state.num_output_tokens,
+                 next_token_index=handoff.next_token_index, num_handoffs=state.num_handoffs)
+        if state.num_handoffs > self._max_handoffs:
+            raise Unavailable(f"request {state.request_id} was handed off {state.num_handoffs} times "
+                              f"(--max-handoffs {self._max_handoffs}); resuming it elsewhere")
+
+    async def _attached(self, owner: _Owner, state: ReqState) -> AsyncIterator[TokenChunk]:
+        """The new owner's stream from the next token the client needs; a refused Attach reads as a broken stream."""
+        attach = self._instances.attach(owner.target, state.request_id, state.num_output_tokens, owner.epoch)
+        try:
+            async with aclosing(attach) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except _ATTACH_REFUSALS as exc:
+            raise Unavailable(f"attach to {owner.target.instance_id} after a hand-off failed: {exc.message}") from exc
 
     def _can_resume(self, state: ReqState, exc: Unavailable) -> bool:
         if state.num_resumes < self._max_resumes:

@@ -122,7 +122,8 @@ class FrontendServer:
                 await _cancel(task)
                 log.info("request_finished", request_id=request_id, num_output_tokens=state.num_output_tokens,
                          finish_reason=state.finish_reason and state.finish_reason.value,
-                         error=state.error and state.error.message, num_resumes=state.num_resumes)
+                         error=state.error and state.error.message, num_resumes=state.num_resumes,
+                         num_handoffs=state.num_handoffs)
 
     async def _parse(self, request: web.Request, endpoint: Endpoint) -> ParsedRequest:
         if request.content_length is not None and request.content_length > self._max_body_bytes:

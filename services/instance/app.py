@@ -1,8 +1,10 @@
-"""Wiring of one instance process: engine, runner, gRPC server, etcd registration, load reports.
+"""Wiring of one instance process: engine, runner, gRPC server, etcd registration, load reports,
+live migration (its transfer service link, the source driver, the destination inbox and watchdog).
 
 Shutdown order (STYLE.md): health NOT_SERVING → revoke the etcd lease → let running
-requests finish (bounded) → server.stop(grace) → cancel background tasks → stop the
-engine thread → free the shared KV memory.
+requests finish (bounded) → server.stop(grace) → cancel background tasks and migrations →
+close channels, unmap from the transfer service → stop the engine thread → free the shared
+KV memory.
 """
 
 from __future__ import annotations
@@ -18,12 +20,17 @@ from services.common.config import as_dict
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2_grpc
 from services.common.grpc_server import start_grpc_server
 from services.common.registry import Registry
+from services.instance.client import InstanceClients
 from services.instance.config import InstanceConfig
 from services.instance.engine.factory import EngineSpec, LoadedEngine, build_engine
 from services.instance.engine.kv_cache import KvGeometry
 from services.instance.load_reporter import load_report_loop
+from services.instance.migration import MigrationDriver, MigrationSettings
+from services.instance.migration_in import MigrationInbox, TransferEndpoint
+from services.instance.migration_slots import MigrationSlots
 from services.instance.runner import EngineRunner
 from services.instance.server import InstanceIdentity, InstanceServicer
+from services.instance.transfer_link import TransferLink, connect_transfer, disconnect_transfer
 
 log = structlog.get_logger(__name__)
 
@@ -54,19 +61,47 @@ async def serve(config: InstanceConfig, loaded: LoadedEngine, runner: EngineRunn
     identity = InstanceIdentity(instance_id, server.address, config.role, config.model.name,
                                 loaded.max_model_len, geometry_to_proto(loaded.kv_cache.geometry))
     servicer.identity = identity
+    link = await connect_transfer(config.transfer_address, instance_id, loaded.kv_cache,
+                                  config.migration_rpc_timeout_s) if config.transfer_address else None
+    peers = InstanceClients(config.migration_rpc_timeout_s)
+    wire_migration(config, servicer, runner, peers, link)
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s) if config.etcd_endpoints else None
     stop = _stop_event()
-    async with asyncio.TaskGroup() as tasks:
-        if registry is not None:
-            await registry.register("instances", instance_id, instance_record(identity, loaded))
-            report_task = tasks.create_task(load_report_loop(registry, servicer, config.load_report_interval_s))
-        await server.set_serving(True)
-        log.info("instance_ready", instance_id=instance_id, address=identity.address, kv_blocks=loaded.kv_cache.geometry.num_blocks)
-        print(f"ready {instance_id} {identity.address}", flush=True)
-        await stop.wait()
-        await shutdown(config, server, servicer, runner, registry)
-        if registry is not None:
-            report_task.cancel()
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            background = [tasks.create_task(servicer.inbox.watchdog_loop())]
+            if registry is not None:
+                await registry.register("instances", instance_id, instance_record(identity, loaded, link))
+                background.append(tasks.create_task(
+                    load_report_loop(registry, servicer, config.load_report_interval_s)))
+            await server.set_serving(True)
+            log.info("instance_ready", instance_id=instance_id, address=identity.address,
+                     kv_blocks=loaded.kv_cache.geometry.num_blocks,
+                     transfer_address=config.transfer_address or None)
+            print(f"ready {instance_id} {identity.address}", flush=True)
+            await stop.wait()
+            await shutdown(config, server, servicer, runner, registry)
+            for task in background:
+                task.cancel()
+    finally:
+        await servicer.migrations.close()
+        await peers.close()
+        if link is not None:
+            await disconnect_transfer(link, instance_id)
+
+
+def wire_migration(config: InstanceConfig, servicer: InstanceServicer, runner: EngineRunner,
+                   peers: InstanceClients, link: TransferLink | None) -> None:
+    """Both sides of live migration, sharing --max-concurrent-migrations slots."""
+    slots = MigrationSlots(config.max_concurrent_migrations)
+    settings = MigrationSettings(
+        instance_id=servicer.identity.instance_id, transfer_backend=config.transfer_backend,
+        stage_blocks=config.migration_stage_blocks, max_stages=config.migration_max_stages,
+        is_checksum_verified=config.verify_transfer_checksum, rpc_timeout_s=config.migration_rpc_timeout_s,
+        transfer_timeout_s=config.migration_transfer_timeout_s)
+    servicer.migrations = MigrationDriver(runner, settings, slots, peers, link.client if link else None)
+    endpoint = TransferEndpoint(link.address, link.transfer_id) if link else TransferEndpoint("", "")
+    servicer.inbox = MigrationInbox(runner, slots, config.migration_reservation_timeout_s, endpoint)
 
 
 async def shutdown(config: InstanceConfig, server, servicer: InstanceServicer, runner: EngineRunner,
@@ -96,12 +131,13 @@ def geometry_to_proto(geometry: KvGeometry) -> common_pb2.KvGeometry:
         block_size=geometry.block_size, num_blocks=geometry.num_blocks, dtype=geometry.dtype_name)
 
 
-def instance_record(identity: InstanceIdentity, loaded: LoadedEngine) -> dict:
+def instance_record(identity: InstanceIdentity, loaded: LoadedEngine, link: TransferLink | None = None) -> dict:
     geometry = loaded.kv_cache.geometry
     return {
         "instance_id": identity.instance_id, "address": identity.address, "role": identity.role.value,
         "model": identity.model, "state": "serving", "pid": os.getpid(), "host": socket.gethostname(),
         "max_model_len": loaded.max_model_len, "kv_shm_name": loaded.kv_cache.name,
+        "transfer_address": link.address if link else "", "transfer_id": link.transfer_id if link else "",
         "kv": {"num_layers": geometry.num_layers, "num_kv_heads": geometry.num_kv_heads, "head_dim": geometry.head_dim,
                "block_size": geometry.block_size, "num_blocks": geometry.num_blocks,
                "dtype": geometry.dtype_name},

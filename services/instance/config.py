@@ -5,6 +5,7 @@ import pathlib
 from dataclasses import dataclass
 
 from services.common.config import knob
+from services.transfer.domain import TransferBackend
 
 
 class InstanceRole(enum.Enum):
@@ -41,6 +42,21 @@ class InstanceConfig:
     num_threads: int = knob(0, "torch threads for the engine (0 = torch's default)")
     load_report_interval_s: float = knob(0.075, "seconds between load reports streamed to the leader manager")
     shutdown_grace_s: float = knob(5.0, "seconds running requests get to finish on SIGTERM before they are cut")
+    transfer_address: str = knob("", "host:port of the co-located transfer service, which maps this instance's KV "
+                                     "memory at startup; empty = live migration off")
+    transfer_backend: TransferBackend = knob(TransferBackend.GRPC, "how KV blocks travel when a migration names no "
+                                                                   "backend: grpc, gloo, nccl or shm")
+    migration_stage_blocks: int = knob(16, "live migration stops the request and copies the rest once at most this "
+                                           "many of its blocks are left to copy")
+    migration_max_stages: int = knob(3, "live copy stages (while the request decodes) before the final stop-and-copy")
+    max_concurrent_migrations: int = knob(1, "migrations in or out this instance runs at once")
+    migration_reservation_timeout_s: float = knob(30.0, "seconds a migration's reserved blocks (or a migrated-in "
+                                                        "request nobody attached to) wait for the next step before "
+                                                        "they are freed")
+    migration_rpc_timeout_s: float = knob(5.0, "deadline of each Prepare/Commit/AbortMigrateIn call to a destination")
+    migration_transfer_timeout_s: float = knob(20.0, "deadline of each migration stage's block copy (keep it below "
+                                                     "--migration-reservation-timeout-s)")
+    verify_transfer_checksum: bool = knob(False, "check a crc32 of every migrated KV block at the destination")
     log_format: str = knob("console", "log format: console or json")
     log_level: str = knob("info", "log level: debug, info, warning, error")
 
@@ -51,5 +67,16 @@ class InstanceConfig:
             raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
+        for name in ("migration_stage_blocks", "migration_max_stages"):  # 0 max stages = always stop-and-copy
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_concurrent_migrations", "migration_reservation_timeout_s", "migration_rpc_timeout_s",
+                     "migration_transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.migration_reservation_timeout_s <= self.migration_transfer_timeout_s:
+            raise ValueError(f"--migration-reservation-timeout-s ({self.migration_reservation_timeout_s:g}) must exceed "
+                             f"--migration-transfer-timeout-s ({self.migration_transfer_timeout_s:g}): a destination "
+                             "must never free blocks a copy may still be writing")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -4,9 +4,13 @@ server.py and client code, that touches generated code)."""
 from __future__ import annotations
 
 from services.common.errors import InvalidArgument
-from services.common.gen.ferry.v1 import common_pb2, instance_pb2
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2, transfer_pb2
 from services.instance.engine.engine import LoadSnapshot, StepOutput
-from services.instance.engine.request import SamplingParams
+from services.instance.engine.migration_state import MigrationSelection, RequestState
+from services.instance.engine.request import RequestId, SamplingParams
+from services.instance.handoff import Handoff
+from services.instance.migration import MigrateOutPlan, MigrationResult, Reservation
+from services.transfer.convert import backend_from_proto, backend_to_proto
 
 _MAX_REQUEST_ID_LEN = 256
 
@@ -23,6 +27,13 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs,
     )
+
+
+def sampling_to_proto(sampling: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
+        max_tokens=sampling.max_tokens, stop=list(sampling.stop), stop_token_ids=list(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs)
 
 
 def check_request_id(request_id: str) -> str:
@@ -48,6 +59,73 @@ def chunk_to_proto(output: StepOutput, epoch: int) -> instance_pb2.GenerateChunk
             token_id=entry.token_id, logprob=entry.logprob,
             top_token_ids=list(entry.top_token_ids), top_logprobs=list(entry.top_logprobs)))
     return chunk
+
+
+def handoff_chunk_to_proto(request_id: str, handoff: Handoff, epoch: int) -> instance_pb2.GenerateChunk:
+    """The last chunk of a migrated request on its old owner (`epoch`): no tokens, no finish reason."""
+    return instance_pb2.GenerateChunk(
+        request_id=request_id, token_index=handoff.next_token_index, epoch=epoch,
+        handoff=instance_pb2.Handoff(dst_instance_id=handoff.dst_instance_id, dst_address=handoff.dst_address,
+                                     epoch=handoff.epoch, next_token_index=handoff.next_token_index))
+
+
+# Live migration.
+
+_SELECTION_FROM_PROTO = {
+    instance_pb2.MIGRATION_SELECTION_UNSPECIFIED: MigrationSelection.SHORTEST_RUNNING,
+    instance_pb2.MIGRATION_SELECTION_SHORTEST_RUNNING: MigrationSelection.SHORTEST_RUNNING,
+    instance_pb2.MIGRATION_SELECTION_LONGEST_RUNNING: MigrationSelection.LONGEST_RUNNING,
+    instance_pb2.MIGRATION_SELECTION_LAST_COME_FIRST: MigrationSelection.LAST_COME_FIRST,
+}
+
+
+def migrate_out_plan_from_proto(msg: instance_pb2.MigrateOutRequest) -> MigrateOutPlan:
+    if not msg.dst_instance_id or not msg.dst_address:
+        raise InvalidArgument("dst_instance_id and dst_address: both required (the destination instance's id "
+                              "and gRPC address)")
+    if msg.request_id:
+        check_request_id(msg.request_id)
+    if msg.selection not in _SELECTION_FROM_PROTO:
+        raise InvalidArgument(f"selection: {msg.selection} is not a MigrationSelection value")
+    backend = None if msg.backend == transfer_pb2.TRANSFER_BACKEND_UNSPECIFIED else backend_from_proto(msg.backend)
+    return MigrateOutPlan(
+        request_id=msg.request_id, dst_instance_id=msg.dst_instance_id, dst_address=msg.dst_address,
+        dst_transfer_address=msg.dst_transfer_address, backend=backend, selection=_SELECTION_FROM_PROTO[msg.selection])
+
+
+def migration_result_to_proto(result: MigrationResult) -> instance_pb2.MigrateOutResponse:
+    return instance_pb2.MigrateOutResponse(
+        request_id=result.request_id, src_instance_id=result.src_instance_id, dst_instance_id=result.dst_instance_id,
+        num_blocks=result.num_blocks, num_bytes=result.num_bytes, num_stages=result.num_stages,
+        backend=backend_to_proto(result.backend), duration_ms=result.duration_ms, downtime_ms=result.downtime_ms)
+
+
+def reservation_to_proto(reservation: Reservation) -> instance_pb2.PrepareMigrateInResponse:
+    return instance_pb2.PrepareMigrateInResponse(block_ids=list(reservation.block_ids),
+                                                 dst_transfer_address=reservation.transfer_address,
+                                                 dst_transfer_id=reservation.transfer_id)
+
+
+def reservation_from_proto(msg: instance_pb2.PrepareMigrateInResponse) -> Reservation:
+    return Reservation(tuple(msg.block_ids), msg.dst_transfer_address, msg.dst_transfer_id)
+
+
+def request_state_to_proto(state: RequestState) -> instance_pb2.RequestState:
+    return instance_pb2.RequestState(
+        request_id=state.request_id, prompt_token_ids=list(state.prompt_token_ids),
+        output_token_ids=list(state.output_token_ids), sampling=sampling_to_proto(state.sampling), seed=state.seed,
+        priority=state.priority, epoch=state.epoch, num_computed_tokens=state.num_computed_tokens,
+        text_sent=state.text_sent, num_resumed_tokens=state.num_resumed_tokens)
+
+
+def request_state_from_proto(msg: instance_pb2.RequestState) -> RequestState:
+    if not msg.HasField("sampling"):
+        raise InvalidArgument("state.sampling: required")
+    return RequestState(
+        request_id=RequestId(check_request_id(msg.request_id)), prompt_token_ids=tuple(msg.prompt_token_ids),
+        output_token_ids=tuple(msg.output_token_ids), sampling=sampling_from_proto(msg.sampling), seed=msg.seed,
+        priority=msg.priority, epoch=msg.epoch, num_computed_tokens=msg.num_computed_tokens,
+        text_sent=msg.text_sent, num_resumed_tokens=msg.num_resumed_tokens)
 
 
 def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int, timestamp: float,

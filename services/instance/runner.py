@@ -8,6 +8,10 @@ owns it on one thread whose loop reads aloud:
 Commands (add, abort, list) are closures queued from the event loop; their
 results come back as asyncio futures. Outputs go to one asyncio queue per request,
 fed with `loop.call_soon_threadsafe`, so the gRPC side only ever awaits.
+
+A request that migrates out ends its stream with a `Handoff` instead of a finish
+reason; one that migrates in gets a stream at once (`adopt`), which buffers its
+outputs until a client attaches.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import structlog
 
 from services.common.errors import Internal, InvalidArgument, Unavailable
 from services.instance.engine.engine import LLMEngine, LoadSnapshot, StepOutput
+from services.instance.handoff import Handoff
 
 log = structlog.get_logger(__name__)
 
@@ -34,19 +39,22 @@ _IDLE_WAIT_S = 0.05
 
 @dataclass(slots=True)
 class RequestStream:
-    """The outputs of one request, in order; ends after the output with a finish reason."""
+    """The outputs of one request, in order; ends after the output with a finish reason,
+    or with a `Handoff` when the request moved to another instance."""
 
     request_id: str
-    outputs: asyncio.Queue[StepOutput | BaseException]
+    outputs: asyncio.Queue[StepOutput | Handoff | BaseException]
+    epoch: int = 0  # the request's owner epoch on this instance
     is_finished: bool = False
+    is_attached: bool = False  # a client reads it (always for Generate; after Attach for migrated-in requests)
 
-    async def __aiter__(self) -> AsyncIterator[StepOutput]:
+    async def __aiter__(self) -> AsyncIterator[StepOutput | Handoff]:
         while not self.is_finished:
             item = await self.outputs.get()
             if isinstance(item, BaseException):
                 self.is_finished = True
                 raise item
-            self.is_finished = item.finish_reason is not None
+            self.is_finished = isinstance(item, Handoff) or item.finish_reason is not None
             yield item
 
 
@@ -96,16 +104,38 @@ class EngineRunner:
     async def add(self, request_id: str, prompt_token_ids: list[int], sampling: Any,
                   priority: int = 0, resume_token_ids: tuple[int, ...] = ()) -> RequestStream:
         """Admit a request; raises the engine's validation errors (InvalidArgument, ...)."""
-        if self.is_broken:
-            raise Unavailable("the engine failed (see the instance log); send the request to another instance")
-        stream = RequestStream(request_id, asyncio.Queue())
-
         def admit() -> None:
             self._engine.add_request(request_id, prompt_token_ids, sampling,
                                      priority=priority, resume_token_ids=resume_token_ids)
 
+        return await self._open_stream(request_id, 0, admit, is_attached=True)
+
+    async def adopt(self, request_id: str, epoch: int, admit: Callable[[], None]) -> RequestStream:
+        """Open the stream of a request migrating in and run `admit` (its import) on the engine thread.
+
+        Its outputs wait in the stream until a client attaches."""
+        return await self._open_stream(request_id, epoch, admit, is_attached=False)
+
+    async def hand_off(self, request_id: str, handoff: Handoff) -> None:
+        """The request now runs elsewhere: release it on the engine thread, then end its stream with `handoff`.
+
+        Every output it produced before is already in the stream: results and outputs reach
+        the event loop in the order the engine thread sent them."""
+        await self.call(lambda: self._engine.release(request_id))
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.outputs.put_nowait(handoff)
+
+    def stream(self, request_id: str) -> RequestStream | None:
+        return self._streams.get(request_id)
+
+    async def _open_stream(self, request_id: str, epoch: int, admit: Callable[[], None],
+                           is_attached: bool) -> RequestStream:
+        if self.is_broken:
+            raise Unavailable("the engine failed (see the instance log); send the request to another instance")
         if request_id in self._streams:
             raise InvalidArgument(f"request_id: {request_id} is already running on this instance")
+        stream = RequestStream(request_id, asyncio.Queue(), epoch=epoch, is_attached=is_attached)
         self._streams[request_id] = stream  # before admission: the first step may deliver at once
         try:
             await self.call(admit)

@@ -14,8 +14,13 @@ import structlog
 from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
 from services.instance.config import InstanceRole
-from services.instance.convert import check_request_id, chunk_to_proto, load_to_proto, sampling_from_proto
-from services.instance.runner import EngineRunner
+from services.instance.convert import (check_request_id, chunk_to_proto, handoff_chunk_to_proto, load_to_proto,
+                                       migrate_out_plan_from_proto, migration_result_to_proto,
+                                       request_state_from_proto, reservation_to_proto, sampling_from_proto)
+from services.instance.handoff import Handoff
+from services.instance.migration import MigrationDriver
+from services.instance.migration_in import MigrationInbox
+from services.instance.runner import EngineRunner, RequestStream
 
 log = structlog.get_logger(__name__)
 
@@ -40,6 +45,9 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
     def __init__(self, runner: EngineRunner) -> None:
         self.identity: InstanceIdentity | None = None  # set once the server knows its port
         self._runner = runner
+        # Live migration, set with the identity (before SERVING): the source side, the destination side.
+        self.migrations: MigrationDriver | None = None
+        self.inbox: MigrationInbox | None = None
         self.is_accepting = True  # False while draining or shutting down
 
     async def Generate(self, request: instance_pb2.GenerateRequest,
@@ -54,13 +62,30 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
             priority=request.priority, resume_token_ids=tuple(request.resume_token_ids))
         log.info("request_started", request_id=request_id, num_prompt_tokens=len(request.prompt_token_ids),
                  num_resume_tokens=len(request.resume_token_ids))
+        async for chunk in self._chunks(stream, from_token_index=0):
+            yield chunk
+
+    async def Attach(self, request: instance_pb2.AttachRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[instance_pb2.GenerateChunk]:
+        request_id = check_request_id(request.request_id)
+        stream = self.inbox.attach(request_id, request.epoch)
+        log.info("request_attached", request_id=request_id, epoch=request.epoch,
+                 from_token_index=request.from_token_index)
+        async for chunk in self._chunks(stream, from_token_index=request.from_token_index):
+            yield chunk
+
+    async def _chunks(self, stream: RequestStream, from_token_index: int) -> AsyncIterator[instance_pb2.GenerateChunk]:
+        """The stream's chunks from `from_token_index` on; a client that goes away aborts the request."""
         try:
             async for output in stream:
-                yield chunk_to_proto(output, epoch=0)
+                if isinstance(output, Handoff):
+                    yield handoff_chunk_to_proto(stream.request_id, output, stream.epoch)
+                elif output.finish_reason is not None or output.token_index + len(output.new_token_ids) > from_token_index:
+                    yield chunk_to_proto(output, epoch=stream.epoch)
         finally:
             if not stream.is_finished:  # the client went away (or we are shutting down)
                 self._runner.abort_soon(stream)
-                log.info("request_cancelled", request_id=request_id)
+                log.info("request_cancelled", request_id=stream.request_id)
 
     async def Abort(self, request: instance_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> instance_pb2.AbortResponse:
@@ -87,6 +112,34 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                                      num_tokens=info.num_tokens, state=info.state,
                                      num_output_tokens=info.num_output_tokens)
             for info in infos])
+
+    # Live migration (DESIGN.md "Live migration").
+
+    async def MigrateOut(self, request: instance_pb2.MigrateOutRequest,
+                         context: grpc.aio.ServicerContext) -> instance_pb2.MigrateOutResponse:
+        result = await self.migrations.migrate_out(migrate_out_plan_from_proto(request))
+        return migration_result_to_proto(result)
+
+    async def PrepareMigrateIn(self, request: instance_pb2.PrepareMigrateInRequest,
+                               context: grpc.aio.ServicerContext) -> instance_pb2.PrepareMigrateInResponse:
+        if not self.is_accepting:
+            raise Unavailable(f"instance {self.identity.instance_id} is not accepting migrations (shutting down)")
+        reservation = await self.inbox.prepare(request.migration_id, request.request_id, request.src_instance_id,
+                                                request.num_blocks)
+        return reservation_to_proto(reservation)
+
+    async def CommitMigrateIn(self, request: instance_pb2.CommitMigrateInRequest,
+                              context: grpc.aio.ServicerContext) -> instance_pb2.CommitMigrateInResponse:
+        if not request.HasField("state"):
+            raise InvalidArgument("state: required")
+        await self.inbox.commit(request.migration_id, request_state_from_proto(request.state))
+        return instance_pb2.CommitMigrateInResponse()
+
+    async def AbortMigrateIn(self, request: instance_pb2.AbortMigrateInRequest,
+                             context: grpc.aio.ServicerContext) -> instance_pb2.AbortMigrateInResponse:
+        was_reserved = await self.inbox.abort(request.migration_id)
+        log.info("migration_in_aborted", migration_id=request.migration_id, was_reserved=was_reserved)
+        return instance_pb2.AbortMigrateInResponse(was_reserved=was_reserved)
 
     def on_load_change(self, callback: Callable[[], None]) -> None:
         """Call `callback` on the event loop whenever the engine's load changes."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
@@ -32,6 +32,7 @@ from services.manager.election_loop import Campaign
 from services.manager.instance_client import InstanceChannels
 from services.manager.leadership import Leadership
 from services.manager.metrics import serve_metrics
+from services.manager.migrator import Migrator, MigratorLimits
 from services.manager.server import ADMIN_SERVICE, MANAGER_SERVICE, AdminServicer, ManagerServicer, add_servicers
 
 log = structlog.get_logger(__name__)
@@ -49,8 +50,9 @@ async def main(config: ManagerConfig) -> None:
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s)
     store = ConfigStore(etcd, config.cluster, manager_id)
     instances = InstanceChannels()
-    admin = AdminServicer(view, dispatcher, leadership, store, instances,
-                          config.list_requests_timeout_s, config.admin_forward_timeout_s)
+    migrator = Migrator(view, leadership, instances, _migrator_limits(config), config.migration)
+    admin = AdminServicer(view, dispatcher, leadership, store, instances, migrator, config.list_requests_timeout_s,
+                          config.admin_forward_timeout_s, config.migration_timeout_s)
     add_servicers(server.server, ManagerServicer(dispatcher, view, leadership), admin)
     if config.metrics_port:
         serve_metrics(config.metrics_port, view, leadership)
@@ -60,18 +62,20 @@ async def main(config: ManagerConfig) -> None:
         members = await registry.watch("instances", resync_interval_s=config.resync_interval_s)
         members.on_change(lambda change: _apply_members(view, change.members))
         _apply_members(view, members.members)
-        await _apply_stored_settings(store, dispatcher, view, config)  # before we can win: dispatch with the stored policy
+        apply = lambda settings: _apply_settings(dispatcher, migrator, view, config, settings)  # noqa: E731
+        await _apply_stored_settings(store, apply)  # before we can win: dispatch with the stored policy
         campaign = Campaign(election, await watch_leader(registry), leadership, view)
         async with asyncio.TaskGroup() as tasks:
-            loops = [tasks.create_task(store.watch_loop(lambda s: _apply_settings(dispatcher, view, config, s)),
-                                       name="config_watch_loop"),
+            loops = [tasks.create_task(store.watch_loop(apply), name="config_watch_loop"),
                      tasks.create_task(campaign.leader_watch_loop(), name="leader_watch_loop"),
-                     tasks.create_task(campaign.campaign_loop(), name="campaign_loop")]
+                     tasks.create_task(campaign.campaign_loop(), name="campaign_loop"),
+                     tasks.create_task(migrator.migration_loop(), name="migration_loop")]
             log.info("manager_ready", manager_id=manager_id, address=server.address)
             print(f"ready {manager_id} {server.address}", flush=True)
             await stop.wait()
             await _shutdown(config, server, campaign, loops)
     finally:
+        await migrator.close()
         await election.close()
         await admin.close()
         await instances.close()
@@ -100,19 +104,26 @@ def _apply_members(view: ClusterView, members: Mapping[str, dict[str, Any]]) -> 
     view.replace_members(records)
 
 
-def _apply_settings(dispatcher: Dispatcher, view: ClusterView, config: ManagerConfig, settings: ClusterSettings) -> None:
+def _migrator_limits(config: ManagerConfig) -> MigratorLimits:
+    return MigratorLimits(interval_s=config.migration_interval_s, max_per_instance=config.migration_max_per_instance,
+                          cooldown_s=config.migration_cooldown_s, timeout_s=config.migration_timeout_s,
+                          history_size=config.migration_history_size, backend=config.migration_backend)
+
+
+def _apply_settings(dispatcher: Dispatcher, migrator: Migrator, view: ClusterView, config: ManagerConfig,
+                    settings: ClusterSettings) -> None:
     dispatcher.set_policy(settings.dispatch_policy or config.dispatch_policy)
+    migrator.set_settings(settings.migration or config.migration)
     view.replace_drained(settings.drained)
 
 
-async def _apply_stored_settings(store: ConfigStore, dispatcher: Dispatcher, view: ClusterView,
-                                 config: ManagerConfig) -> None:
+async def _apply_stored_settings(store: ConfigStore, apply: Callable[[ClusterSettings], None]) -> None:
     try:
         settings, _ = await store.read()
     except ETCD_ERRORS as exc:  # config_watch_loop keeps trying
         log.warning("stored_settings_unread", error=str(exc) or type(exc).__name__)
         return
-    _apply_settings(dispatcher, view, config, settings)
+    apply(settings)
 
 
 def _stop_event() -> asyncio.Event:

@@ -74,8 +74,27 @@ class ManagerClient:
     async def set_policy(self, dispatch: str) -> str:
         return (await self._call(self._admin.SetPolicy, manager_pb2.Policy(dispatch=dispatch))).dispatch
 
-    async def drain(self, instance_id: str) -> manager_pb2.DrainResponse:
-        return await self._call(self._admin.Drain, manager_pb2.DrainRequest(instance_id=instance_id))
+    async def update_policy(self, **fields) -> manager_pb2.Policy:
+        """SetPolicy with only `fields` set (manager_pb2.Policy names); the others keep their value."""
+        return await self._call(self._admin.SetPolicy, manager_pb2.Policy(**fields))
+
+    async def get_full_policy(self) -> manager_pb2.Policy:
+        return await self._call(self._admin.GetPolicy, manager_pb2.GetPolicyRequest())
+
+    async def drain(self, instance_id: str, is_forwarded: bool = False) -> manager_pb2.DrainResponse:
+        return await self._call(self._admin.Drain, manager_pb2.DrainRequest(instance_id=instance_id),
+                                metadata=_forwarded(is_forwarded))
+
+    async def migrate(self, request_id: str = "", src_instance_id: str = "", dst_instance_id: str = "",
+                      timeout_s: float = 60.0, is_forwarded: bool = False) -> manager_pb2.MigrateResponse:
+        request = manager_pb2.MigrateRequest(request_id=request_id, src_instance_id=src_instance_id,
+                                             dst_instance_id=dst_instance_id)
+        return await self._call(self._admin.Migrate, request, timeout_s, _forwarded(is_forwarded))
+
+    async def list_migrations(self, instance_id: str = "", request_id: str = "",
+                              is_forwarded: bool = False) -> manager_pb2.ListMigrationsResponse:
+        request = manager_pb2.ListMigrationsRequest(instance_id=instance_id, request_id=request_id)
+        return await self._call(self._admin.ListMigrations, request, metadata=_forwarded(is_forwarded))
 
     async def _call(self, method, request, timeout_s: float | None = None, metadata=()):
         try:

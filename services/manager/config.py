@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import knob
+from services.manager.migration import MigrationSelection, MigrationSettings
+from services.manager.migration_policies import PAIRING_NAMES
 from services.manager.policies import POLICY_NAMES
+
+_BACKENDS = ("", "grpc", "gloo", "nccl", "shm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +28,16 @@ class ManagerConfig:
     resync_interval_s: float = knob(10.0, "seconds between full re-reads of instances/ from etcd (the watch patches in between)")
     list_requests_timeout_s: float = knob(2.0, "deadline of each InstanceService/ListRequests call in the admin fan-out")
     admin_forward_timeout_s: float = knob(1.0, "deadline when a standby forwards an admin read to the leader")
+    migration_enabled: bool = knob(False, "the load-balancing migration loop, until a policy is stored in etcd (SetPolicy); drains migrate regardless")
+    migration_threshold: float = knob(1.0, "migrate when the freeness gap (blocks per running request) exceeds this, until a policy is stored")
+    migration_selection: MigrationSelection = knob(MigrationSelection.SHORTEST_RUNNING, "which request a source hands over, until a policy is stored")
+    migration_pairing: str = knob("load", f"how sources and destinations are paired, until a policy is stored ({', '.join(PAIRING_NAMES)})")
+    migration_interval_s: float = knob(0.5, "seconds between ticks of the migration loop (leader only)")
+    migration_max_per_instance: int = knob(1, "migrations one instance takes part in at once (as source or destination)")
+    migration_cooldown_s: float = knob(10.0, "seconds a request that just migrated is not picked again by the loop")
+    migration_timeout_s: float = knob(60.0, "deadline of one InstanceService/MigrateOut call")
+    migration_history_size: int = knob(256, "migration records kept for ListMigrations (oldest dropped first)")
+    migration_backend: str = knob("", "transfer backend migrations ask for: grpc, gloo, nccl, shm (empty = each instance's default)")
     metrics_port: int = knob(0, "Prometheus /metrics HTTP port (0 = off)")
     shutdown_grace_s: float = knob(2.0, "seconds running calls get to finish on SIGTERM")
     log_format: str = knob("console", "log format: console or json")
@@ -36,6 +50,21 @@ class ManagerConfig:
             raise ValueError("--etcd-endpoints is empty; the manager needs etcd (e.g. --etcd-endpoints 127.0.0.1:2379)")
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl-s must be at least 1 (etcd leases are whole seconds), got {self.lease_ttl_s}")
-        for name in ("report_timeout_s", "resync_interval_s", "list_requests_timeout_s", "admin_forward_timeout_s"):
+        for name in ("report_timeout_s", "resync_interval_s", "list_requests_timeout_s", "admin_forward_timeout_s",
+                     "migration_interval_s", "migration_timeout_s", "migration_max_per_instance",
+                     "migration_history_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.migration_threshold < 0 or self.migration_cooldown_s < 0:
+            raise ValueError("--migration-threshold and --migration-cooldown-s must be >= 0, got "
+                             f"{self.migration_threshold} and {self.migration_cooldown_s}")
+        if self.migration_pairing not in PAIRING_NAMES:
+            raise ValueError(f"--migration-pairing must be one of {', '.join(PAIRING_NAMES)}, got {self.migration_pairing!r}")
+        if self.migration_backend not in _BACKENDS:
+            raise ValueError(f"--migration-backend must be empty or one of grpc, gloo, nccl, shm, got {self.migration_backend!r}")
+
+    @property
+    def migration(self) -> MigrationSettings:
+        """The migration settings in force until a policy is stored in etcd."""
+        return MigrationSettings(is_enabled=self.migration_enabled, threshold=self.migration_threshold,
+                                 selection=self.migration_selection, pairing=self.migration_pairing)

@@ -2,7 +2,7 @@
 
 | key                  | value                                            |
 |----------------------|--------------------------------------------------|
-| config/policy        | {"dispatch": "load"}                             |
+| config/policy        | {"dispatch": "load", "migration": {"enabled": true, "threshold": 1.0, "selection": "shortest_running", "pairing": "load"}} |
 | config/drain/<id>    | {"instance_id": id, "drained_by": manager_id, "drained_at": unix s} |
 
 Keys have no lease: they outlive every manager, so a restarted manager and a new leader
@@ -25,6 +25,8 @@ from etcd3aio import Etcd3Client, prefix_range_end
 from services.common.backoff import Backoff
 from services.common.etcd_client import ETCD_ERRORS
 from services.manager.domain import InstanceId
+from services.manager.migration import MigrationSelection, MigrationSettings
+from services.manager.migration_policies import PAIRING_NAMES
 from services.manager.policies import POLICY_NAMES
 
 log = structlog.get_logger(__name__)
@@ -36,6 +38,7 @@ ETCD_TIMEOUT_S = 2.0
 class ClusterSettings:
     dispatch_policy: str | None  # None: nothing stored yet; use --dispatch-policy
     drained: frozenset[InstanceId]
+    migration: MigrationSettings | None = None  # None: nothing stored yet; use the --migration-* flags
 
 
 class ConfigStore:
@@ -49,17 +52,18 @@ class ConfigStore:
     async def read(self) -> tuple[ClusterSettings, int]:
         """The stored settings and the etcd revision they were read at."""
         reply = await self._client.kv.get(self._prefix, range_end=prefix_range_end(self._prefix), timeout=ETCD_TIMEOUT_S)
-        policy, drained = None, set()
+        policy, migration, drained = None, None, set()
         for kv in reply.kvs:
             key = kv.key.decode()
             if key == self._policy_key:
-                policy = self._parse_policy(kv.value)
+                policy, migration = self._parse_policy(kv.value)
             elif key.startswith(self._drain_prefix):
                 drained.add(InstanceId(key.removeprefix(self._drain_prefix)))
-        return ClusterSettings(policy, frozenset(drained)), reply.header.revision
+        return ClusterSettings(policy, frozenset(drained), migration), reply.header.revision
 
-    async def put_policy(self, dispatch: str) -> None:
-        await self._client.kv.put(self._policy_key, json.dumps({"dispatch": dispatch}), timeout=ETCD_TIMEOUT_S)
+    async def put_policy(self, dispatch: str, migration: MigrationSettings) -> None:
+        value = {"dispatch": dispatch, "migration": migration_to_json(migration)}
+        await self._client.kv.put(self._policy_key, json.dumps(value), timeout=ETCD_TIMEOUT_S)
 
     async def put_drain(self, instance_id: InstanceId) -> None:
         mark = {"instance_id": instance_id, "drained_by": self._manager_id, "drained_at": time.time()}
@@ -90,13 +94,36 @@ class ConfigStore:
                 if reply.events:
                     return
 
-    def _parse_policy(self, raw: bytes) -> str | None:
+    def _parse_policy(self, raw: bytes) -> tuple[str | None, MigrationSettings | None]:
         try:
-            name = json.loads(raw).get("dispatch")
+            stored = json.loads(raw)
+            name, migration = stored.get("dispatch"), stored.get("migration")
         except (json.JSONDecodeError, AttributeError):
-            name = None
+            stored, name, migration = None, None, None
         if name not in POLICY_NAMES:
             log.warning("stored_policy_ignored", key=self._policy_key, value=raw.decode(errors="replace"),
                         valid=list(POLICY_NAMES))
+            name = None
+        return name, self._parse_migration(migration, raw) if migration is not None else None
+
+    def _parse_migration(self, value: object, raw: bytes) -> MigrationSettings | None:
+        try:
+            return migration_from_json(value)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.warning("stored_migration_policy_ignored", key=self._policy_key, value=raw.decode(errors="replace"),
+                        error=str(exc))
             return None
-        return name
+
+
+def migration_to_json(settings: MigrationSettings) -> dict:
+    return {"enabled": settings.is_enabled, "threshold": settings.threshold, "selection": settings.selection.value,
+            "pairing": settings.pairing}
+
+
+def migration_from_json(value: object) -> MigrationSettings:
+    """The stored migration settings; ValueError, TypeError, KeyError or AttributeError when malformed."""
+    threshold = float(value["threshold"])
+    if threshold < 0 or value["pairing"] not in PAIRING_NAMES:
+        raise ValueError(f"threshold must be >= 0 and pairing one of {', '.join(PAIRING_NAMES)}")
+    return MigrationSettings(is_enabled=bool(value["enabled"]), threshold=threshold,
+                             selection=MigrationSelection(value["selection"]), pairing=value["pairing"])

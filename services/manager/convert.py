@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 from services.common.errors import InvalidArgument
-from services.common.gen.ferry.v1 import common_pb2, manager_pb2
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2, transfer_pb2
 from services.manager.cluster_view import ClusterTotals
 from services.manager.domain import DispatchAsk, InstanceId, InstanceState, InstanceView, Load, Placement, Role
+from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationRecord, MigrationSelection,
+                                        MigrationSettings)
 
 _ROLE_TO_PROTO = {Role.BOTH: common_pb2.ROLE_BOTH, Role.PREFILL: common_pb2.ROLE_PREFILL,
                   Role.DECODE: common_pb2.ROLE_DECODE}
 _STATE_TO_PROTO = {InstanceState.SERVING: common_pb2.INSTANCE_STATE_SERVING,
                    InstanceState.DRAINING: common_pb2.INSTANCE_STATE_DRAINING,
                    InstanceState.UNHEALTHY: common_pb2.INSTANCE_STATE_UNHEALTHY}
+_SELECTION_TO_PROTO = {
+    MigrationSelection.SHORTEST_RUNNING: instance_pb2.MIGRATION_SELECTION_SHORTEST_RUNNING,
+    MigrationSelection.LONGEST_RUNNING: instance_pb2.MIGRATION_SELECTION_LONGEST_RUNNING,
+    MigrationSelection.LAST_COME_FIRST: instance_pb2.MIGRATION_SELECTION_LAST_COME_FIRST,
+}
+_SELECTION_FROM_PROTO = {v: k for k, v in _SELECTION_TO_PROTO.items()}
+_BACKEND_PREFIX = "TRANSFER_BACKEND_"
 
 
 def dispatch_ask_from_proto(request: manager_pb2.DispatchRequest) -> DispatchAsk:
@@ -45,7 +54,8 @@ def instance_to_proto(view: InstanceView) -> manager_pb2.InstanceInfo:
         state=_STATE_TO_PROTO[view.state], pid=record.pid, host=record.host, model=record.model,
         num_running=load.num_running, num_waiting=load.num_waiting, num_free_blocks=load.num_free_blocks,
         num_total_blocks=load.num_total_blocks, freeness=load.freeness, num_requests_served=load.num_requests_served,
-        num_dispatched=view.num_dispatched, report_age_s=-1.0 if view.report_age_s is None else view.report_age_s)
+        num_dispatched=view.num_dispatched, report_age_s=-1.0 if view.report_age_s is None else view.report_age_s,
+        is_drained=view.is_drained)
 
 
 def cluster_status_to_proto(totals: ClusterTotals, *, leader_id: str, leader_address: str, policy: str,
@@ -55,3 +65,66 @@ def cluster_status_to_proto(totals: ClusterTotals, *, leader_id: str, leader_add
         num_serving=totals.num_serving, num_draining=totals.num_draining, num_unhealthy=totals.num_unhealthy,
         num_running=totals.num_running, num_waiting=totals.num_waiting, average_freeness=totals.average_freeness,
         dispatch_policy=policy, num_dispatched=totals.num_dispatched, answered_by=answered_by)
+
+
+# migration
+
+
+def policy_to_proto(dispatch: str, migration: MigrationSettings) -> manager_pb2.Policy:
+    return manager_pb2.Policy(dispatch=dispatch, migration_enabled=migration.is_enabled,
+                              migration_threshold=migration.threshold,
+                              migration_selection=_SELECTION_TO_PROTO[migration.selection],
+                              migration_pairing=migration.pairing)
+
+
+def migration_settings_from_proto(policy: manager_pb2.Policy, current: MigrationSettings) -> MigrationSettings:
+    """`current` with what `policy` sets (unset fields keep their value); InvalidArgument for bad values."""
+    threshold = policy.migration_threshold if policy.HasField("migration_threshold") else current.threshold
+    if threshold < 0:
+        raise InvalidArgument(f"migration_threshold must be >= 0 (a freeness gap), got {threshold}")
+    selection = _SELECTION_FROM_PROTO.get(policy.migration_selection, current.selection)
+    return MigrationSettings(
+        is_enabled=policy.migration_enabled if policy.HasField("migration_enabled") else current.is_enabled,
+        threshold=threshold, selection=selection, pairing=policy.migration_pairing or current.pairing)
+
+
+def migrate_out_request_to_proto(order: MigrationOrder) -> instance_pb2.MigrateOutRequest:
+    return instance_pb2.MigrateOutRequest(
+        request_id=order.request_id, dst_instance_id=order.dst_instance_id, dst_address=order.dst_address,
+        backend=backend_to_proto(order.backend), selection=_SELECTION_TO_PROTO[order.selection],
+        exclude_request_ids=sorted(order.exclude_request_ids))
+
+
+def backend_to_proto(name: str) -> int:
+    """'' (the source's default), grpc, gloo, nccl or shm; InvalidArgument otherwise."""
+    if not name:
+        return transfer_pb2.TRANSFER_BACKEND_UNSPECIFIED
+    try:
+        return transfer_pb2.TransferBackend.Value(_BACKEND_PREFIX + name.upper())
+    except ValueError:
+        raise InvalidArgument(f"unknown transfer backend {name!r}; one of grpc, gloo, nccl, shm") from None
+
+
+def migration_figures_from_proto(reply: instance_pb2.MigrateOutResponse) -> MigrationFigures:
+    backend = transfer_pb2.TransferBackend.Name(reply.backend).removeprefix(_BACKEND_PREFIX).lower()
+    return MigrationFigures(request_id=reply.request_id, num_blocks=reply.num_blocks, num_bytes=reply.num_bytes,
+                            num_stages=reply.num_stages, backend="" if backend == "unspecified" else backend,
+                            duration_ms=reply.duration_ms, downtime_ms=reply.downtime_ms)
+
+
+def migrate_response_to_proto(record: MigrationRecord) -> manager_pb2.MigrateResponse:
+    order, figures = record.order, record.figures
+    return manager_pb2.MigrateResponse(
+        request_id=figures.request_id, src_instance_id=order.src_instance_id, dst_instance_id=order.dst_instance_id,
+        num_blocks=figures.num_blocks, num_bytes=figures.num_bytes, num_stages=figures.num_stages,
+        backend=figures.backend, duration_ms=figures.duration_ms, downtime_ms=figures.downtime_ms)
+
+
+def migration_record_to_proto(record: MigrationRecord) -> manager_pb2.MigrationRecord:
+    order, figures = record.order, record.figures
+    return manager_pb2.MigrationRecord(
+        request_id=figures.request_id, src_instance_id=order.src_instance_id, dst_instance_id=order.dst_instance_id,
+        num_blocks=figures.num_blocks, num_bytes=figures.num_bytes, num_stages=figures.num_stages,
+        backend=figures.backend, duration_ms=figures.duration_ms, downtime_ms=figures.downtime_ms,
+        outcome=record.outcome.value, reason=record.reason, message=record.message, trigger=order.trigger.value,
+        started_at=record.started_at)

@@ -160,3 +160,9 @@ class InstanceView:
     load: Load  # last report plus reservations
     num_dispatched: int
     report_age_s: float | None  # None: no report received yet
+
+    @property
+    def is_drained(self) -> bool:
+        """DRAINING, and its last report shows nothing running or waiting: safe to stop."""
+        return (self.state is InstanceState.DRAINING and self.report_age_s is not None
+                and self.load.num_running == 0 and self.load.num_waiting == 0)

@@ -1,4 +1,8 @@
-"""The manager's calls to instances (the admin ListRequests fan-out), one cached channel per address."""
+"""The manager's calls to instances (the admin ListRequests fan-out, MigrateOut), one cached channel per address.
+
+Every call has a deadline; failures come back as ferry errors whose `__cause__` is the
+`AioRpcError` (so the migration history can name the exact status, UNIMPLEMENTED included).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,9 @@ import grpc
 from services.common.errors import error_from_rpc
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
 from services.common.grpc_server import insecure_channel
+from services.common.logging import request_metadata
+from services.manager import convert
+from services.manager.migration import MigrationFigures, MigrationOrder
 
 
 class InstanceChannels:
@@ -20,6 +27,16 @@ class InstanceChannels:
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
         return list(reply.requests)
+
+    async def migrate_out(self, order: MigrationOrder, timeout_s: float) -> MigrationFigures:
+        """Ask the source to move a request to the destination; returns once committed (or raises)."""
+        stub = instance_pb2_grpc.InstanceServiceStub(self._channel(order.src_address))
+        try:
+            reply = await stub.MigrateOut(convert.migrate_out_request_to_proto(order), timeout=timeout_s,
+                                          metadata=request_metadata(order.request_id) or None)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from exc
+        return convert.migration_figures_from_proto(reply)
 
     async def keep_only(self, addresses: set[str]) -> None:
         """Close the channels of instances that are gone."""

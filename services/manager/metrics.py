@@ -16,6 +16,18 @@ DISPATCH_LATENCY = Histogram("ferry_manager_dispatch_latency_seconds", "Time to 
 LOAD_REPORTS = Counter("ferry_manager_load_reports_total", "Load reports received from instances")
 IS_LEADER = Gauge("ferry_manager_is_leader", "1 while this manager is the elected leader, else 0")
 INSTANCES = Gauge("ferry_manager_instances", "Registered instances, by state", ["state"])
+MIGRATIONS = Counter("ferry_manager_migrations_total", "Live migrations attempted, by outcome and trigger",
+                     ["outcome", "trigger"])
+MIGRATION_FAILURES = Counter("ferry_manager_migration_failures_total",
+                             "Live migrations that failed, by the gRPC status of MigrateOut", ["reason"])
+MIGRATED_BYTES = Counter("ferry_manager_migrated_bytes_total", "KV cache bytes moved by committed migrations")
+MIGRATED_BLOCKS = Counter("ferry_manager_migrated_blocks_total", "KV cache blocks moved by committed migrations")
+MIGRATION_DOWNTIME = Histogram("ferry_manager_migration_downtime_seconds",
+                               "Request paused on the source -> committed on the destination (committed migrations)",
+                               buckets=(1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
+MIGRATION_DURATION = Histogram("ferry_manager_migration_duration_seconds", "MigrateOut from call to commit",
+                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+MIGRATIONS_IN_FLIGHT = Gauge("ferry_manager_migrations_in_flight", "MigrateOut calls not answered yet")
 
 
 def serve_metrics(port: int, view: ClusterView, leadership: Leadership) -> None:

@@ -7,10 +7,13 @@ AdminService is served by every manager:
 * writes (SetPolicy, Drain) go to etcd config/, which every manager watches, so any
   manager can take them;
 * GetPolicy and ListRequests (a fan-out to the instances) are answered locally;
-* ListInstances and GetClusterStatus need the load reports, which only the leader has:
-  a standby forwards them to the leader, and answers from its own view (membership and
-  drain marks, no load; instances show UNHEALTHY) only if no leader answers in time.
-  `GetClusterStatusResponse.answered_by` says whose view it is.
+* ListInstances, GetClusterStatus and Drain's answer need the load reports, which only
+  the leader has: a standby forwards them to the leader, and answers from its own view
+  (membership and drain marks, no load; instances show UNHEALTHY) only if no leader
+  answers in time. `GetClusterStatusResponse.answered_by` says whose view it is.
+* Migrate and ListMigrations belong to the leader (it runs the migrations and keeps
+  their history): a standby forwards them; with no leader, Migrate is UNAVAILABLE.
+  Migrate finds a named request's instance with the ListRequests fan-out.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from services.manager.dispatcher import Dispatcher
 from services.manager.domain import InstanceId
 from services.manager.instance_client import InstanceChannels
 from services.manager.leadership import Leadership
+from services.manager.migrator import Migrator
+from services.manager.migration_policies import PAIRING_NAMES
 from services.manager.policies import POLICY_NAMES
 
 log = structlog.get_logger(__name__)
@@ -81,14 +86,17 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
 
 class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
     def __init__(self, view: ClusterView, dispatcher: Dispatcher, leadership: Leadership, store: ConfigStore,
-                 instances: InstanceChannels, list_requests_timeout_s: float, forward_timeout_s: float) -> None:
+                 instances: InstanceChannels, migrator: Migrator, list_requests_timeout_s: float,
+                 forward_timeout_s: float, migrate_timeout_s: float) -> None:
         self._view = view
         self._dispatcher = dispatcher
         self._leadership = leadership
         self._store = store
         self._instances = instances
+        self._migrator = migrator
         self._list_requests_timeout_s = list_requests_timeout_s
         self._forward_timeout_s = forward_timeout_s
+        self._migrate_timeout_s = migrate_timeout_s
         self._leader_client: ManagerClient | None = None
 
     async def ListInstances(self, request, context) -> manager_pb2.ListInstancesResponse:
@@ -117,6 +125,90 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         if request.instance_id and not self._view.has_member(request.instance_id):
             raise NotFound(f"instance {request.instance_id!r} is not registered; see ListInstances for the ids")
         ids = [InstanceId(request.instance_id)] if request.instance_id else self._view.member_ids()
+        requests, unreachable = await self._fan_out_list_requests(ids, must_answer=bool(request.instance_id))
+        if unreachable:
+            context.set_trailing_metadata(((UNREACHABLE_KEY, ",".join(unreachable)),))
+        return instance_pb2.ListRequestsResponse(requests=requests)
+
+    async def GetPolicy(self, request, context) -> manager_pb2.Policy:
+        return convert.policy_to_proto(self._dispatcher.policy_name, self._migrator.settings)
+
+    async def SetPolicy(self, request: manager_pb2.Policy, context) -> manager_pb2.Policy:
+        """Validate, store in etcd config/policy (all managers watch it), apply here at once. Unset fields keep."""
+        dispatch = request.dispatch or self._dispatcher.policy_name
+        if dispatch not in POLICY_NAMES:
+            raise InvalidArgument(f"dispatch: unknown policy {dispatch!r}; one of: {', '.join(POLICY_NAMES)}")
+        migration = convert.migration_settings_from_proto(request, self._migrator.settings)
+        if migration.pairing not in PAIRING_NAMES:
+            raise InvalidArgument(f"migration_pairing: unknown pairing {migration.pairing!r}; "
+                                  f"one of: {', '.join(PAIRING_NAMES)}")
+        try:
+            await self._store.put_policy(dispatch, migration)
+        except ETCD_ERRORS as exc:
+            raise Unavailable(f"policy not changed: etcd did not store it ({exc or type(exc).__name__}); retry") from exc
+        self._dispatcher.set_policy(dispatch)
+        self._migrator.set_settings(migration)
+        log.info("policy_set", dispatch=dispatch, migration_enabled=migration.is_enabled)
+        return convert.policy_to_proto(self._dispatcher.policy_name, self._migrator.settings)
+
+    async def Drain(self, request: manager_pb2.DrainRequest, context) -> manager_pb2.DrainResponse:
+        """Mark DRAINING (no new dispatches) in etcd config/drain/<id>, so a new leader keeps the mark.
+
+        The leader's migration loop then moves every request off it; call Drain again (or
+        ListInstances) to see `is_drained` once nothing runs or waits there.
+        """
+        if not self._view.has_member(request.instance_id):
+            raise NotFound(f"instance {request.instance_id!r} is not registered; see ListInstances for the ids")
+        client = await self._leader_to_forward_to(context)
+        if client is not None:
+            try:
+                return await client.drain(request.instance_id, is_forwarded=True)
+            except Unavailable as exc:
+                log.warning("admin_forward_failed", method="Drain", leader=client.address, error=exc.message)
+        instance_id = InstanceId(request.instance_id)
+        try:
+            await self._store.put_drain(instance_id)
+        except ETCD_ERRORS as exc:
+            raise Unavailable(f"instance not drained: etcd did not store the mark ({exc or type(exc).__name__}); retry") from exc
+        self._view.mark_drained(instance_id)
+        view = self._view.instance(instance_id)
+        log.info("instance_drain_marked", instance_id=instance_id, is_drained=view.is_drained)
+        return manager_pb2.DrainResponse(instance_id=instance_id, state=convert.state_to_proto(view.state),
+                                         is_drained=view.is_drained,
+                                         num_remaining=view.load.num_running + view.load.num_waiting)
+
+    async def Migrate(self, request: manager_pb2.MigrateRequest, context) -> manager_pb2.MigrateResponse:
+        """Live-migrate one request now (see Migrator.admin_order for the checks); the source's figures."""
+        client = await self._leader_to_forward_to(context)
+        if client is not None:
+            return await client.migrate(request.request_id, request.src_instance_id, request.dst_instance_id,
+                                        timeout_s=self._migrate_timeout_s + self._forward_timeout_s,
+                                        is_forwarded=True)
+        self._leadership.check_leader()
+        if not request.request_id and not request.src_instance_id:
+            raise InvalidArgument("set request_id (see ListRequests), src_instance_id, or both")
+        src_id = request.src_instance_id or await self._instance_running(request.request_id)
+        order = self._migrator.admin_order(src_id, request.dst_instance_id, request.request_id)
+        return convert.migrate_response_to_proto(await self._migrator.migrate(order))
+
+    async def ListMigrations(self, request: manager_pb2.ListMigrationsRequest,
+                             context) -> manager_pb2.ListMigrationsResponse:
+        client = await self._leader_to_forward_to(context)
+        if client is not None:
+            try:
+                return await client.list_migrations(request.instance_id, request.request_id, is_forwarded=True)
+            except Unavailable as exc:
+                log.warning("admin_forward_failed", method="ListMigrations", leader=client.address, error=exc.message)
+        records = self._migrator.history(request.instance_id, request.request_id)
+        return manager_pb2.ListMigrationsResponse(migrations=[convert.migration_record_to_proto(r) for r in records])
+
+    async def close(self) -> None:
+        if self._leader_client is not None:
+            await self._leader_client.close()
+
+    async def _fan_out_list_requests(self, ids: list[InstanceId],
+                                     must_answer: bool) -> tuple[list[instance_pb2.RequestInfo], list[InstanceId]]:
+        """The requests of instances `ids`, and the ids that did not answer (Unavailable if `must_answer`)."""
         addresses = {i: self._view.record(i).address for i in ids}
         await self._instances.keep_only({r.address for r in map(self._view.record, self._view.member_ids())})
         replies = await asyncio.gather(*(self._instances.list_requests(a, self._list_requests_timeout_s)
@@ -124,7 +216,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         requests, unreachable = [], []
         for instance_id, reply in zip(addresses, replies, strict=True):
             if isinstance(reply, FerryError):
-                if request.instance_id:
+                if must_answer:
                     raise Unavailable(f"instance {instance_id} did not answer ListRequests: {reply.message}")
                 unreachable.append(instance_id)
                 log.warning("instance_list_requests_failed", instance_id=instance_id, error=reply.message)
@@ -132,41 +224,17 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
                 raise reply
             else:
                 requests.extend(reply)
-        if unreachable:
-            context.set_trailing_metadata(((UNREACHABLE_KEY, ",".join(unreachable)),))
-        return instance_pb2.ListRequestsResponse(requests=requests)
+        return requests, unreachable
 
-    async def GetPolicy(self, request, context) -> manager_pb2.Policy:
-        return manager_pb2.Policy(dispatch=self._dispatcher.policy_name)
-
-    async def SetPolicy(self, request: manager_pb2.Policy, context) -> manager_pb2.Policy:
-        """Validate, store in etcd config/policy (all managers watch it), apply here at once."""
-        if request.dispatch not in POLICY_NAMES:
-            raise InvalidArgument(f"dispatch: unknown policy {request.dispatch!r}; one of: {', '.join(POLICY_NAMES)}")
-        try:
-            await self._store.put_policy(request.dispatch)
-        except ETCD_ERRORS as exc:
-            raise Unavailable(f"policy not changed: etcd did not store it ({exc or type(exc).__name__}); retry") from exc
-        self._dispatcher.set_policy(request.dispatch)
-        log.info("policy_set", dispatch=request.dispatch)
-        return manager_pb2.Policy(dispatch=self._dispatcher.policy_name)
-
-    async def Drain(self, request: manager_pb2.DrainRequest, context) -> manager_pb2.DrainResponse:
-        """Mark DRAINING (no new dispatches) in etcd config/drain/<id>, so a new leader keeps the mark."""
-        if not self._view.has_member(request.instance_id):
-            raise NotFound(f"instance {request.instance_id!r} is not registered; see ListInstances for the ids")
-        instance_id = InstanceId(request.instance_id)
-        try:
-            await self._store.put_drain(instance_id)
-        except ETCD_ERRORS as exc:
-            raise Unavailable(f"instance not drained: etcd did not store the mark ({exc or type(exc).__name__}); retry") from exc
-        self._view.mark_drained(instance_id)
-        log.info("instance_drained", instance_id=instance_id)
-        return manager_pb2.DrainResponse(instance_id=instance_id, state=convert.state_to_proto(self._view.state_of(instance_id)))
-
-    async def close(self) -> None:
-        if self._leader_client is not None:
-            await self._leader_client.close()
+    async def _instance_running(self, request_id: str) -> str:
+        """The instance that holds `request_id` (running or waiting); NotFound if none does."""
+        requests, unreachable = await self._fan_out_list_requests(self._view.member_ids(), must_answer=False)
+        for info in requests:
+            if info.request_id == request_id and info.state != "finished":
+                return info.instance_id
+        also = f"; instances {', '.join(unreachable)} did not answer" if unreachable else ""
+        raise NotFound(f"request {request_id!r} is not running or waiting on any instance (finished, or never "
+                       f"started){also}; see ListRequests")
 
     async def _leader_to_forward_to(self, context) -> ManagerClient | None:
         """A client of the leader if this manager should forward an admin read, else None."""

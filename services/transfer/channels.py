@@ -6,6 +6,11 @@ and its own ProcessGroupGloo / ProcessGroupNCCL built with the low-level constru
 changes therefore never rebuild anything; a broken channel is dropped and the next
 transfer to that peer opens a fresh one.
 
+Dropping a channel releases the group: its destructor closes the connection, which is
+the only thing that wakes a peer blocked in gloo send/recv (gloo's unbound-buffer send
+waits for the matching recv; `abort()`/`shutdown()` do not interrupt it, measured on
+torch 2.13). So every table reference goes away on failure, and callers keep none.
+
 Rendezvous: the sender starts a TCPStore on a free port and, at the same time, builds its
 rank-0 group (which blocks until the peer joins) and calls `open_remote` — an RPC
 asking the peer to join as rank 1 (`accept`). All constructors run on worker threads.
@@ -53,12 +58,6 @@ class PairChannel:
         self.group.recv([target], 1 - self.rank, tag).wait(datetime.timedelta(seconds=timeout_s))
         if target is not out:
             out.copy_(target)
-
-    def abort(self) -> None:
-        """Break pending operations so their threads return (best effort on old torch builds)."""
-        abort = getattr(self.group, "abort", None)
-        if abort is not None:
-            abort()
 
     def _to_device(self, data: torch.Tensor) -> torch.Tensor:
         if data.device == self.device:
@@ -113,15 +112,11 @@ class ChannelTable:
         return channel
 
     def drop_outgoing(self, peer_address: str, backend: TransferBackend) -> None:
-        channel = self._outgoing.pop((peer_address, backend), None)
-        if channel is not None:
-            channel.abort()
+        if self._outgoing.pop((peer_address, backend), None) is not None:
             log.info("channel_dropped", peer=peer_address, backend=backend.value, direction="outgoing")
 
     def drop_incoming(self, peer_id: str, backend: TransferBackend) -> None:
-        channel = self._incoming.pop((peer_id, backend), None)
-        if channel is not None:
-            channel.abort()
+        if self._incoming.pop((peer_id, backend), None) is not None:
             log.info("channel_dropped", peer=peer_id, backend=backend.value, direction="incoming")
 
     def close(self) -> None:

@@ -22,6 +22,8 @@ from services.transfer.convert import (backend_from_proto, backend_to_proto, geo
 from services.transfer.domain import BlockTransfer, IncomingBlocks, TransferBackend, TransferResult
 
 DEFAULT_PIECE_BYTES = 1 << 20
+RECEIVE_BLOCKS_METHOD = "/ferry.v1.TransferService/ReceiveBlocks"
+_DATA_TAG = bytes([2 << 3 | 2])  # field 2 (data), wire type 2 (length-delimited)
 
 
 class TransferClient:
@@ -31,6 +33,10 @@ class TransferClient:
         self._piece_bytes = piece_bytes
         self._channel = insecure_channel(address)
         self._stub = transfer_pb2_grpc.TransferServiceStub(self._channel)
+        # ReceiveBlocks with pre-encoded data messages: one copy from staging memory to the wire.
+        self._receive_blocks = self._channel.stream_unary(
+            RECEIVE_BLOCKS_METHOD, request_serializer=_serialize_piece,
+            response_deserializer=transfer_pb2.ReceiveBlocksResponse.FromString)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -67,7 +73,7 @@ class TransferClient:
     # -- PeerTransferService ---------------------------------------------------------
 
     async def receive_blocks(self, header: IncomingBlocks, chunks: AsyncIterator[memoryview], timeout_s: float) -> int:
-        reply = await self._call(self._stub.ReceiveBlocks, self._pieces(header, chunks), timeout_s)
+        reply = await self._call(self._receive_blocks, self._pieces(header, chunks), timeout_s)
         return reply.num_bytes
 
     async def open_channel(self, peer_transfer_id: str, store_address: str, rank: int, backend: TransferBackend,
@@ -86,13 +92,31 @@ class TransferClient:
         piece = self._piece_bytes
         async for chunk in chunks:  # a piece never spans two chunks
             for offset in range(0, len(chunk), piece):
-                yield transfer_pb2.ReceiveBlocksRequest(data=bytes(chunk[offset:offset + piece]))
+                yield encode_data_message(chunk[offset:offset + piece])
 
     async def _call(self, method, request, timeout_s: float | None = None, metadata: Sequence = ()):
         try:
             return await method(request, timeout=timeout_s or self._timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
+
+
+def encode_data_message(data: memoryview) -> bytes:
+    """`ReceiveBlocksRequest(data=data)` in wire format, built with a single copy of `data`."""
+    return b"".join((_DATA_TAG, _varint(len(data)), data))
+
+
+def _serialize_piece(message: transfer_pb2.ReceiveBlocksRequest | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 class TransferClients:

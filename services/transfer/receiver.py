@@ -63,21 +63,25 @@ class BlockReceiver:
         """gloo/nccl: one message per chunk on the channel the sender opened."""
         deadline = Deadline.after(timeout_s)
         channel = self._channels.incoming(header.src_transfer_id, backend)
-        rows, plan = self._target(header)
-        async with self._staging.slot(deadline.remaining_s()) as slot:
-            scatterer = self._scatter_behind(header, rows, plan, slot)
-            try:
-                for chunk in plan.chunks():
-                    buffer = await scatterer.buffer_for(chunk)
-                    await run_in_thread(self._io_executor, _recv_checked, channel, buffer[:plan.chunk_bytes(chunk)],
-                                        tag, deadline.remaining_s())
-                    scatterer.submit(chunk, staged_view(buffer, plan, chunk, rows.dtype))
-                await scatterer.finish()
-            except BaseException:
-                self._channels.drop_incoming(header.src_transfer_id, backend)  # the stream is out of step
-                raise
-            finally:
-                await scatterer.close()
+        try:
+            rows, plan = self._target(header)
+            async with self._staging.slot(deadline.remaining_s()) as slot:
+                scatterer = self._scatter_behind(header, rows, plan, slot)
+                try:
+                    for chunk in plan.chunks():
+                        buffer = await scatterer.buffer_for(chunk)
+                        await run_in_thread(self._io_executor, _recv_checked, channel,
+                                            buffer[:plan.chunk_bytes(chunk)], tag, deadline.remaining_s())
+                        scatterer.submit(chunk, staged_view(buffer, plan, chunk, rows.dtype))
+                    await scatterer.finish()
+                finally:
+                    await scatterer.close()
+        except BaseException:
+            # Destroying our end of the group closes its connection, so a sender blocked in
+            # send (it waits for a matching recv) fails at once instead of at its deadline.
+            channel = None  # the traceback keeps this frame alive; keep no group in it
+            self._channels.drop_incoming(header.src_transfer_id, backend)
+            raise
         log.info("blocks_received", dst_instance_id=header.dst_instance_id, num_blocks=len(header.dst_block_ids),
                  num_bytes=plan.num_bytes, backend=backend.value)
         return plan.num_bytes

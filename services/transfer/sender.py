@@ -36,6 +36,8 @@ from services.transfer.staging import StagingPool, StagingSlot
 
 log = structlog.get_logger(__name__)
 
+PEER_ANSWER_GRACE_S = 1.0  # after our send broke, how long to wait for the peer to say why
+
 
 @dataclass(frozen=True, slots=True)
 class SourceBlocks:
@@ -136,19 +138,24 @@ class BlockSender:
             await peer.open_channel(self._transfer_id, store_address, rank, backend, deadline.remaining_s())
         channel = await self._channels.outgoing(address, backend, open_remote)
         tag = next(self._tags) % 2**31
+        expect = asyncio.ensure_future(self._expect(peer, source, request, tag, deadline))
         try:
-            async with asyncio.TaskGroup() as tasks:
-                tasks.create_task(self._expect(peer, source, request, tag, deadline))
-                tasks.create_task(self._send_chunks(channel, source, slot, tag, deadline))
-        except* FerryError as group:
-            raise _first_error(group) from None
+            await self._send_chunks(channel, source, slot, tag, deadline)
+        except asyncio.CancelledError:
+            expect.cancel()
+            raise
+        except FerryError:
+            # A refusing peer drops its end, which breaks our send: its answer says why.
+            peer_error = await _peer_answer(expect)
+            if peer_error is not None:
+                raise peer_error from None
+            raise
+        await expect
 
     async def _expect(self, peer, source: SourceBlocks, request: BlockTransfer, tag: int, deadline: Deadline) -> None:
         try:
             await peer.expect_blocks(source.header, request.backend, tag, deadline.remaining_s())
         except BaseException:
-            # Abort the channel first: a send blocked on a receiver that will never post its
-            # recv returns now instead of at the deadline. The next transfer opens a new one.
             self._channels.drop_outgoing(request.dst_transfer_address, request.backend)
             raise
 
@@ -187,15 +194,11 @@ def _copy_checked(src_rows: torch.Tensor, src_ids: tuple[int, ...], dst_rows: to
                       "(were they still being written?); redo the transfer")
 
 
-def _first_error(group: BaseExceptionGroup) -> BaseException:
-    """The most telling error of a failed send: the peer's refusal, not our send that it broke."""
-    errors = list(_leaves(group))
-    return next((e for e in errors if not isinstance(e, Unavailable)), errors[0])
-
-
-def _leaves(group: BaseExceptionGroup):
-    for error in group.exceptions:
-        if isinstance(error, BaseExceptionGroup):
-            yield from _leaves(error)
-        else:
-            yield error
+async def _peer_answer(expect: asyncio.Future) -> BaseException | None:
+    """The peer's error if it answers within PEER_ANSWER_GRACE_S, else None (and stop waiting)."""
+    done, _ = await asyncio.wait([expect], timeout=PEER_ANSWER_GRACE_S)
+    if not done:
+        expect.cancel()
+        await asyncio.wait([expect])
+        return None
+    return None if expect.cancelled() else expect.exception()

@@ -1,6 +1,6 @@
-"""A small real cluster for the operator tests (ferryctl, grpcurl.md): a manager process
-and one instance process on a tiny model, both on the module's etcd, started the way an
-operator starts them (`python -m services.<name>`), stopped by PID.
+"""A small real cluster for the operator tests (ferryctl, grpcurl.md): a manager, a
+transfer service and two instances on a tiny model, all on the module's etcd, started the
+way an operator starts them (`python -m services.<name>`), stopped by PID.
 """
 
 from __future__ import annotations
@@ -20,15 +20,16 @@ from services.cluster.processes import ServiceProcess
 from services.common.etcd_launcher import LocalEtcd, free_port
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
 from services.ctl.client import AdminClient
+from services.instance.config import InstanceConfig
 
-INSTANCE_ID = "instance-0"  # the id deploy/grpcurl.md uses
+INSTANCE_ID, OTHER_INSTANCE_ID = "instance-0", "instance-1"  # the ids deploy/grpcurl.md uses
 READY_TIMEOUT_S = 90.0
 
 
 @dataclass
 class OpsCluster:
     admin_address: str
-    instance_address: str
+    instance_address: str  # of INSTANCE_ID
     instance_id: str
     processes: list[ServiceProcess]
 
@@ -40,19 +41,19 @@ class OpsCluster:
 def ops_cluster(etcd: LocalEtcd, model_dir: pathlib.Path, log_dir: pathlib.Path) -> Iterator[OpsCluster]:
     cluster = f"ops-{uuid.uuid4().hex[:8]}"
     common = ["--etcd-endpoints", etcd.endpoint, "--cluster", cluster, "--lease-ttl-s", "3"]
-    manager_port, instance_port = free_port(), free_port()
+    manager_port, transfer_port = free_port(), free_port()
     manager = ServiceProcess("manager-0", "manager", ["--port", str(manager_port), "--manager-id", "manager-0",
                                                       *common], f"127.0.0.1:{manager_port}", log_dir)
-    instance = ServiceProcess(
-        INSTANCE_ID, "instance",
-        ["--model", str(model_dir), "--port", str(instance_port), "--instance-id", INSTANCE_ID, "--num-threads", "1",
-         "--num-blocks", "256", "--block-size", "4", "--max-model-len", "1024", *common],
-        f"127.0.0.1:{instance_port}", log_dir)
-    ops = OpsCluster(manager.address, instance.address, INSTANCE_ID, [manager, instance])
+    transfer = ServiceProcess("transfer-0", "transfer", ["--port", str(transfer_port), "--transfer-id", "transfer-0",
+                                                         *common], f"127.0.0.1:{transfer_port}", log_dir)
+    instances = [_instance(i, model_dir, transfer.address, common, log_dir) for i in (INSTANCE_ID, OTHER_INSTANCE_ID)]
+    ops = OpsCluster(manager.address, instances[0].address, INSTANCE_ID, [manager, transfer, *instances])
     try:
-        for process in ops.processes:
-            process.start()
-            asyncio.run(process.wait_healthy(READY_TIMEOUT_S))
+        for group in ([manager, transfer], instances):
+            for process in group:
+                process.start()
+            for process in group:
+                asyncio.run(process.wait_healthy(READY_TIMEOUT_S))
         asyncio.run(_wait_serving(ops))
         yield ops
     finally:
@@ -60,16 +61,26 @@ def ops_cluster(etcd: LocalEtcd, model_dir: pathlib.Path, log_dir: pathlib.Path)
             process.stop()
 
 
+def _instance(instance_id: str, model_dir: pathlib.Path, transfer_address: str, common: list[str],
+              log_dir: pathlib.Path) -> ServiceProcess:
+    port = free_port()
+    args = ["--model", str(model_dir), "--port", str(port), "--instance-id", instance_id, "--num-threads", "1",
+            "--num-blocks", "256", "--block-size", "4", "--max-model-len", "1024", *common]
+    if "transfer_address" in InstanceConfig.__dataclass_fields__:  # the flag comes with migration support
+        args += ["--transfer-address", transfer_address]
+    return ServiceProcess(instance_id, "instance", args, f"127.0.0.1:{port}", log_dir)
+
+
 async def _wait_serving(ops: OpsCluster) -> None:
-    """Until the leader lists the instance as serving (its load reports arrive)."""
+    """Until the leader lists both instances as serving (their load reports arrive)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     async with AdminClient(ops.admin_address, timeout_s=2.0) as client:
         while time.monotonic() < deadline:
-            rows = await client.list_instances()
-            if any(r.instance_id == ops.instance_id and r.state == "serving" for r in rows):
+            serving = {r.instance_id for r in await client.list_instances() if r.state == "serving"}
+            if serving == {INSTANCE_ID, OTHER_INSTANCE_ID}:
                 return
             await asyncio.sleep(0.2)
-    raise TimeoutError(f"{ops.instance_id} never became serving at the manager\n{ops.log_tails()}")
+    raise TimeoutError(f"the instances never became serving at the manager\n{ops.log_tails()}")
 
 
 @contextlib.contextmanager

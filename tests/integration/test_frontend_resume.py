@@ -113,6 +113,7 @@ async def cluster():
                 "127.0.0.1", 0, [(instance_pb2_grpc.add_InstanceServiceServicer_to_server, servicer)],
                 ["ferry.v1.InstanceService"])
             servers.append(server)
+            servicer.instance_id, servicer.address = f"i{i}", server.address
             entries.append(InstanceEntry(InstanceId(f"i{i}"), server.address, True))
         metrics = FrontendMetrics()
         manager_client = None
@@ -126,7 +127,8 @@ async def cluster():
         dispatcher = Dispatcher(manager_client, StaticMembership(entries), cooldown_s=5.0,
                                 on_fallback=metrics.dispatch_fallbacks.inc)
         clients = InstanceClients(generate_timeout_s=30, abort_timeout_s=2)
-        runner = RequestRunner(dispatcher, clients, max_resumes=max_resumes, on_resume=metrics.resumes.inc)
+        runner = RequestRunner(dispatcher, clients, max_resumes=max_resumes, on_resume=metrics.resumes.inc,
+                               on_handoff=metrics.handoffs.inc)
         model = ServedModel(MODEL, max_model_len=512, vocab_size=128, tokenizer=CharTokenizer())
         app = FrontendServer(model, runner, dispatcher, metrics, api_keys=(), max_inflight=8,
                              max_body_bytes=1 << 20).app()

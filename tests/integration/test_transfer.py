@@ -33,8 +33,9 @@ STAGING_KIB = 3
 SMALL = KvGeometry(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, num_blocks=24, dtype=torch.float16)
 # 4 KiB blocks (1 KiB rows): bigger than the staging buffer, so each block is split by rows.
 WIDE = KvGeometry(num_layers=2, num_kv_heads=4, head_dim=16, block_size=8, num_blocks=16, dtype=torch.bfloat16)
-# 32 MiB of 256 KiB blocks for the kill test: far more than socket buffers and flow-control windows.
-BULK = KvGeometry(num_layers=4, num_kv_heads=8, head_dim=64, block_size=32, num_blocks=128, dtype=torch.float16)
+# 16 MiB for the kill test, more than socket buffers and flow-control windows; its 2 KiB rows
+# travel one per chunk through A's 3 KiB staging, so the transfer takes long enough to interrupt.
+BULK = KvGeometry(num_layers=8, num_kv_heads=2, head_dim=32, block_size=16, num_blocks=512, dtype=torch.float16)
 
 
 def _start(name: str, etcd, cluster: str, log_dir, *extra: str) -> ServiceProcess:
@@ -165,9 +166,10 @@ async def test_killing_the_destination_mid_transfer_is_a_clean_unavailable(
             transfer = asyncio.create_task(a.transfer(
                 BlockTransfer(InstanceId("a-bulk"), ids, InstanceId("c-bulk"), ids[::-1], victim.address, backend,
                               False), timeout_s=60))
-            victim.signal(signal.SIGSTOP)  # freeze it with the stream in flight ...
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.5)
             assert not transfer.done()
+            victim.signal(signal.SIGSTOP)  # freeze it with the stream in flight ...
+            await asyncio.sleep(0.5)
             started = time.monotonic()
             victim.kill()  # ... then kill it
             with pytest.raises(Unavailable):

@@ -8,6 +8,12 @@ A request finishes on eos (unless `ignore_eos`), a stop token id, a stop string 
 text ends before it), `max_tokens` (resumed tokens included) or the model's context
 (`max_model_len`). Finished and aborted requests free their KV blocks at once and
 leave the engine.
+
+Live migration (DESIGN.md "Live migration"), all between two steps:
+
+    source:       pick_for_migration → migration_blocks (copy full blocks while it decodes)
+                  → suspend → export_state → release (moved) | resume (migration failed)
+    destination:  reserve_blocks (grows) → import_request | free_reservation
 """
 
 from __future__ import annotations
@@ -18,9 +24,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 import torch
 
-from services.common.errors import InvalidArgument, ResourceExhausted
-from services.instance.engine.block_manager import BlockManager, num_blocks_for
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.instance.engine.block_manager import BlockId, BlockManager, num_blocks_for
 from services.instance.engine.kv_cache import KvCache
+from services.instance.engine.migration_state import (
+    MigrationBlocks,
+    MigrationSelection,
+    RequestState,
+    export_state,
+    migration_blocks,
+    pick_request,
+)
 from services.instance.engine.model import LlamaModel
 from services.instance.engine.request import (
     FinishReason,
@@ -29,6 +43,7 @@ from services.instance.engine.request import (
     RequestStatus,
     SamplingParams,
 )
+from services.instance.engine.reservations import MigrationId, Reservations
 from services.instance.engine.sampler import SampledToken, Sampler, SamplingRow, TokenLogprob
 from services.instance.engine.scheduler import Scheduler, SchedulerOutput
 from services.instance.engine.text_output import TextOutput
@@ -104,9 +119,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    device=kv_cache.tensor.device)
         self.sampler = Sampler()
+        self.reservations = Reservations(self.block_manager)  # blocks held for requests migrating in
         self.vocab_size: int = model.config.vocab_size
         self.eos_token_ids = frozenset(model.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
-        self._requests: dict[RequestId, Request] = {}  # waiting + running; finished ones leave at once
+        self._requests: dict[RequestId, Request] = {}  # waiting + running + suspended; finished ones leave at once
         self._arrivals = itertools.count()
 
     # Requests in and out.
@@ -121,8 +137,7 @@ class LLMEngine:
         resumed = [int(t) for t in resume_token_ids]
         sampling.validate(self.config.max_model_len, len(prompt))
         self._check_tokens(prompt, resumed, sampling)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, context_ids=prompt[-_DETOKENIZER_CONTEXT:])
-        text = TextOutput(detokenizer, tuple(sampling.stop))
+        text = self._new_text(prompt, sampling)
         text.prime(resumed)
         request = Request(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
@@ -143,6 +158,111 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # Live migration: the source side.
+
+    def pick_for_migration(self, selection: MigrationSelection,
+                           exclude: frozenset[str] = frozenset()) -> RequestId | None:
+        """The request `selection` would move (decoding ones before waiting ones); None if none can move."""
+        request = pick_request(self._requests.values(), selection, exclude)
+        return None if request is None else request.request_id
+
+    def migration_blocks(self, request_id: str) -> MigrationBlocks:
+        """Where the request's K/V are now; NotFound once it finished or was aborted."""
+        return migration_blocks(self._request(request_id), self.config.block_size, self.config.max_model_len)
+
+    def suspend(self, request_id: str) -> MigrationBlocks:
+        """Take the request out of the batch (it keeps its blocks) so its last blocks can be copied."""
+        request = self._request(request_id)
+        if request.status is RequestStatus.SUSPENDED:
+            raise FailedPrecondition(f"request {request_id} is already migrating; wait for that migration to end")
+        self.scheduler.suspend(request)
+        return self.migration_blocks(request_id)
+
+    def export_state(self, request_id: str) -> RequestState:
+        """The suspended request's state for its next owner (epoch + 1)."""
+        return export_state(self._suspended(request_id))
+
+    def release(self, request_id: str) -> None:
+        """The suspended request now runs elsewhere: free its blocks and forget it (no output)."""
+        request = self._suspended(request_id)
+        del self._requests[request.request_id]
+        self.scheduler.remove(request, FinishReason.ABORT)  # nobody sees this reason: the stream hands off
+
+    def resume(self, request_id: str) -> bool:
+        """Back into the batch after a failed migration; False if it is not suspended here (aborted meanwhile)."""
+        request = self._requests.get(RequestId(request_id))
+        if request is None or request.status is not RequestStatus.SUSPENDED:
+            return False
+        self.scheduler.resume(request)
+        return True
+
+    # Live migration: the destination side.
+
+    def reserve_blocks(self, migration_id: str, num_blocks: int) -> tuple[BlockId, ...]:
+        """Grow the migration's reservation to `num_blocks`; ResourceExhausted if short of blocks or slots."""
+        is_new = migration_id not in self.reservations
+        if is_new and self.scheduler.num_busy_slots + len(self.reservations) >= self.config.max_num_seqs:
+            raise ResourceExhausted(f"no batch slot for migration {migration_id}: all {self.config.max_num_seqs} "
+                                    "taken (--max-num-seqs); pick another destination")
+        return self.reservations.reserve(MigrationId(migration_id), num_blocks)
+
+    def free_reservation(self, migration_id: str) -> bool:
+        return self.reservations.free(MigrationId(migration_id))
+
+    def restore_text(self, state: RequestState) -> TextOutput:
+        """The text state the source had. Reads only the tokenizer: may run off the engine thread."""
+        text = self._new_text(state.prompt_token_ids, state.sampling)
+        if not text.restore(list(state.output_token_ids), state.num_resumed_tokens, state.text_sent):
+            raise FailedPrecondition(f"request {state.request_id}: the text the source sent does not match this "
+                                     "instance's detokenization; migrate only between instances of the same model")
+        return text
+
+    def import_request(self, migration_id: str, state: RequestState, text: TextOutput | None = None) -> None:
+        """Adopt a migrated request whose first `num_computed_tokens` tokens' K/V are in the reserved blocks."""
+        self._check_import(state)
+        num_blocks = num_blocks_for(state.num_computed_tokens, self.config.block_size)
+        num_reserved = len(self.reservations.blocks(MigrationId(migration_id)))
+        if num_reserved < num_blocks:
+            raise InvalidArgument(f"num_computed_tokens: {state.num_computed_tokens} tokens need {num_blocks} blocks, "
+                                  f"migration {migration_id} reserved {num_reserved}")
+        text = text if text is not None else self.restore_text(state)
+        blocks = self.reservations.take(MigrationId(migration_id))
+        self.block_manager.free_blocks(blocks[num_blocks:])  # headroom the source no longer needs
+        request = Request(
+            request_id=state.request_id, prompt_token_ids=state.prompt_token_ids, sampling=state.sampling,
+            seed=state.seed, arrival_order=next(self._arrivals), text=text, priority=state.priority,
+            epoch=state.epoch, num_resumed_tokens=state.num_resumed_tokens,
+            output_token_ids=list(state.output_token_ids), block_table=blocks[:num_blocks],
+            num_computed_tokens=state.num_computed_tokens,
+        )  # fmt: skip
+        self._requests[request.request_id] = request
+        self.scheduler.adopt(request)
+
+    def _check_import(self, state: RequestState) -> None:
+        if state.request_id in self._requests:
+            raise FailedPrecondition(f"request {state.request_id} is already on this instance")
+        state.sampling.validate(self.config.max_model_len, len(state.prompt_token_ids))
+        self._check_tokens(state.prompt_token_ids, list(state.output_token_ids), state.sampling)
+        if not 0 <= state.num_computed_tokens < state.num_tokens:
+            raise InvalidArgument(f"num_computed_tokens: must be in [0, {state.num_tokens}) (prompt + output), "
+                                  f"got {state.num_computed_tokens}")
+
+    def _request(self, request_id: str) -> Request:
+        request = self._requests.get(RequestId(request_id))
+        if request is None:
+            raise NotFound(f"request {request_id} is not on this instance (finished, aborted or never here)")
+        return request
+
+    def _suspended(self, request_id: str) -> Request:
+        request = self._request(request_id)
+        if request.status is not RequestStatus.SUSPENDED:
+            raise FailedPrecondition(f"request {request_id} is {request.status.value}, not suspended; suspend it first")
+        return request
+
+    def _new_text(self, prompt: tuple[int, ...], sampling: SamplingParams) -> TextOutput:
+        detokenizer = IncrementalDetokenizer(self.tokenizer, context_ids=prompt[-_DETOKENIZER_CONTEXT:])
+        return TextOutput(detokenizer, tuple(sampling.stop))
 
     # One step.
 

@@ -25,6 +25,7 @@ MAX_SEED = 2**64 - 1
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # in the waiting queue; holds no KV blocks
     RUNNING = "running"  # in the running batch; holds the blocks in its block table
+    SUSPENDED = "suspended"  # out of the batch while it migrates; keeps its blocks (none if it was waiting)
     FINISHED = "finished"  # done; its blocks are back in the free list
 
 
@@ -86,12 +87,13 @@ class Request:
     arrival_order: int  # engine-wide admission counter; earlier wins ties in priority
     text: TextOutput  # detokenizer state, stop strings and what text was already emitted
     priority: int = 0  # higher is admitted first and preempted last
+    epoch: int = 0  # owner epoch: 0 where the request started, one more per migration
     num_resumed_tokens: int = 0  # leading output tokens that came with the request (failover)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
-    # Invariant: while RUNNING, block_table covers at least num_computed_tokens tokens;
-    # while WAITING or FINISHED it is empty and num_computed_tokens is 0.
+    # Invariant: while RUNNING or SUSPENDED, block_table covers at least num_computed_tokens
+    # tokens; while WAITING or FINISHED it is empty and num_computed_tokens is 0.
     block_table: list[BlockId] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0

@@ -20,6 +20,11 @@ Every step, in this order:
 
 Scheduled tokens count as computed as soon as they are scheduled: the step that
 `schedule()` returns must run.
+
+Live migration takes a request out of both queues between two steps (`suspend`): it
+keeps its blocks and its batch slot but is neither scheduled nor preempted until it is
+`resume`d (the migration failed) or removed (it moved). A request migrating in joins
+with its K/V already in its blocks (`adopt`).
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class Scheduler:
         # Invariant: both queues stay sorted by _priority_order; running requests hold blocks, waiting ones none.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.suspended: list[Request] = []  # migrating out: blocks kept, batch slot kept, never scheduled
         self.num_preemptions = 0  # since start, for metrics
 
     def add(self, request: Request) -> None:
@@ -81,11 +87,39 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self.block_manager.free(request)
+        elif request.status is RequestStatus.SUSPENDED:
+            self.suspended.remove(request)
+            self.block_manager.free(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.num_computed_tokens = 0
+
+    def suspend(self, request: Request) -> None:
+        """Take a waiting or running request out of the batch at a step boundary, keeping its blocks."""
+        queue = self.running if request.status is RequestStatus.RUNNING else self.waiting
+        queue.remove(request)
+        request.status = RequestStatus.SUSPENDED
+        self.suspended.append(request)
+
+    def resume(self, request: Request) -> None:
+        """Put a suspended request back: running if it holds blocks, else waiting."""
+        self.suspended.remove(request)
+        self.adopt(request)
+
+    def adopt(self, request: Request) -> None:
+        """Add a request whose first `num_computed_tokens` tokens are already in its blocks."""
+        if not request.block_table:
+            self.add(request)
+            return
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=_priority_order)
+
+    @property
+    def num_busy_slots(self) -> int:
+        """Batch slots taken: running requests and suspended (migrating) ones."""
+        return len(self.running) + len(self.suspended)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -152,7 +186,7 @@ class Scheduler:
         step.preempted.append(request)
 
     def _admit_waiting(self, step: _StepPlan) -> None:
-        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and step.budget > 0 and self.num_busy_slots < self.max_num_seqs:
             request = self.waiting[0]
             num_new = min(request.num_uncomputed_tokens, step.budget)
             if not self.block_manager.can_allocate(self.block_manager.num_blocks_needed(request, num_new)):

@@ -35,6 +35,18 @@ class TextOutput:
             self.text += self._detokenizer.feed(token_ids)
         self.num_emitted_chars = len(self.text)
 
+    def restore(self, token_ids: list[int], num_resumed: int, text_sent: str) -> bool:
+        """Rebuild the state of a request that ran elsewhere: its resumed tokens primed, the rest
+        appended one by one (as its engine did), `text_sent` already handed out. False if the
+        text does not start with `text_sent` (a different tokenizer)."""
+        self.prime(token_ids[:num_resumed])
+        for token_id in token_ids[num_resumed:]:
+            self.append(token_id)
+        if not self.text.startswith(text_sent):
+            return False
+        self.num_emitted_chars = len(text_sent)
+        return True
+
     def append(self, token_id: int) -> bool:
         """Add one token's text; True when a stop string appeared (the text is then cut before it)."""
         num_old_chars = len(self.text)

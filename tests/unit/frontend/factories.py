@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 
 from services.common.errors import FerryError
 from services.frontend.dispatch import InstanceEntry
-from services.frontend.generation import (FinishReason, GenerateSpec, InstanceId, RequestId, Sampling, Target,
-                                          TokenChunk)
+from services.frontend.generation import (FinishReason, GenerateSpec, Handoff, InstanceId, RequestId, Sampling,
+                                          Target, TokenChunk)
 from services.frontend.req_state import ReqState
 
 
@@ -27,6 +27,12 @@ def make_state(prompt: Sequence[int] = (1, 2, 3)) -> ReqState:
 
 def chunk(index: int, *ids: int, finish: FinishReason | None = None, epoch: int = 0) -> TokenChunk:
     return TokenChunk(token_index=index, token_ids=ids, text=decode(ids), finish_reason=finish, epoch=epoch)
+
+
+def handoff(index: int, dst: str, epoch: int, *ids: int, from_epoch: int = 0) -> TokenChunk:
+    """The last chunk of a source's stream: `ids` (maybe none) then a hand-off to `dst` at `epoch`."""
+    return TokenChunk(token_index=index, token_ids=ids, text=decode(ids), finish_reason=None, epoch=from_epoch,
+                      handoff=Handoff(InstanceId(dst), f"addr-{dst}", epoch, index + len(ids)))
 
 
 def make_spec(max_tokens: int = 8) -> GenerateSpec:
@@ -55,17 +61,35 @@ class FakeManager:
         return self.answer
 
 
-class ScriptedInstances:
-    """`InstanceStreams` whose streams follow a script per instance: chunks, then an optional error."""
+Script = tuple[list[TokenChunk], FerryError | None]
 
-    def __init__(self, scripts: dict[str, tuple[list[TokenChunk], FerryError | None]]) -> None:
+
+class ScriptedInstances:
+    """`InstanceStreams` whose streams follow a script per instance: chunks, then an optional error.
+
+    `attach_scripts` script the Attach streams; an instance with several Attaches (A→B→A)
+    gets a list, used in order.
+    """
+
+    def __init__(self, scripts: dict[str, Script], attach_scripts: dict[str, Script | list[Script]] | None = None):
         self.scripts = scripts
+        self.attach_scripts = {k: v if isinstance(v, list) else [v] for k, v in (attach_scripts or {}).items()}
         self.specs: list[tuple[str, GenerateSpec]] = []
+        self.attaches: list[tuple[str, RequestId, int, int]] = []  # (instance, request, from_token_index, epoch)
         self.aborted: list[tuple[str, RequestId]] = []
 
     async def generate(self, target: Target, spec: GenerateSpec) -> AsyncIterator[TokenChunk]:
         self.specs.append((target.instance_id, spec))
         chunks, error = self.scripts[target.instance_id]
+        for item in chunks:
+            yield item
+        if error is not None:
+            raise error
+
+    async def attach(self, target: Target, request_id: RequestId, from_token_index: int,
+                     epoch: int) -> AsyncIterator[TokenChunk]:
+        self.attaches.append((target.instance_id, request_id, from_token_index, epoch))
+        chunks, error = self.attach_scripts[target.instance_id].pop(0)
         for item in chunks:
             yield item
         if error is not None:

@@ -76,3 +76,12 @@ async def test_staging_slots_are_bounded():
                 pass
     assert pool.num_free == 1
     assert all(isinstance(b, torch.Tensor) for b in (await pool._free.get()).buffers)
+
+
+def test_pre_encoded_data_messages_parse_as_the_proto():
+    from services.common.gen.ferry.v1 import transfer_pb2
+    from services.transfer.client import encode_data_message
+    for size in (0, 1, 127, 128, 300, 1 << 20):
+        data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+        message = transfer_pb2.ReceiveBlocksRequest.FromString(encode_data_message(memoryview(data)))
+        assert message.WhichOneof("part") == "data" and message.data == data

@@ -1,0 +1,250 @@
+"""KV migration speed between two real transfer services on loopback, per backend.
+
+Llama-2-7B KV geometry (32 layers, 32 KV heads, head dim 128, fp16, 16-token blocks =
+8 MiB a block). For each size (8 MB doubling up to --max-mb) it moves a random,
+non-contiguous set of blocks from instance A's KV memory to random blocks of instance
+B's, through service A's Transfer RPC, and reports the median speed over --repeats.
+Reference figures measured in the same run, at the same sizes: a raw TCP socket
+between two processes (preallocated buffers, sendall/recv_into) and one memcpy.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/migration_speed.py --max-mb 256
+
+Prints (tab-separated; MB = 2**20 bytes, GB/s = 1e9 bytes per second):
+    migration_size  8.00 MB  16.00 MB ...
+    grpc_speed(GB/s) ...
+and writes results.tsv and migration_speed.png to --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import pathlib
+import random
+import socket
+import statistics
+import struct
+import tempfile
+import time
+import uuid
+
+import torch
+from tqdm import tqdm
+
+from services.cluster.processes import ServiceProcess
+from services.common.etcd_launcher import free_port
+from services.instance.engine.kv_cache import KvCache, KvGeometry
+from services.transfer.client import TransferClient
+from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
+
+MB = 2**20
+LLAMA2_7B = dict(num_layers=32, num_kv_heads=32, head_dim=128, block_size=16, dtype=torch.float16)
+BACKENDS = (TransferBackend.GRPC, TransferBackend.GLOO, TransferBackend.SHM)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-mb", type=int, default=512, help="largest migration size in MB (sizes double from 8)")
+    parser.add_argument("--repeats", type=int, default=5, help="transfers per size and backend (the median counts)")
+    parser.add_argument("--backends", default="grpc,gloo,shm", help="comma-separated transfer backends to measure")
+    parser.add_argument("--staging-kib", type=int, default=16384, help="the services' --staging-kib")
+    parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("bench-results"))
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def sizes_mb(max_mb: int, block_mb: int) -> list[int]:
+    sizes, size = [], block_mb
+    while size <= max_mb:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+# -- the transfer services -------------------------------------------------------------
+
+class Bench:
+    """Two transfer services (A sends, B receives) and two instances' KV caches in shared memory."""
+
+    def __init__(self, num_blocks: int, staging_kib: int, log_dir: pathlib.Path) -> None:
+        self.geometry = KvGeometry(num_blocks=num_blocks, **LLAMA2_7B)
+        tag = uuid.uuid4().hex[:6]
+        self.src = KvCache.create(f"ferry-bench-src-{tag}", self.geometry)
+        self.dst = KvCache.create(f"ferry-bench-dst-{tag}", self.geometry)
+        self.src.tensor.copy_(torch.randn(self.geometry.shape, dtype=torch.float16))  # faults every page in
+        self.dst.tensor.fill_(0)
+        self.services = [_service(name, staging_kib, log_dir) for name in ("bench-a", "bench-b")]
+
+    async def start(self) -> None:
+        for service in self.services:
+            service.start()
+        for service in self.services:
+            await service.wait_healthy(60)
+        self.a = TransferClient(self.services[0].address, timeout_s=30)
+        self.b = TransferClient(self.services[1].address, timeout_s=30)
+        await self.a.map_instance("src", self.src.name, self.geometry)
+        await self.a.map_instance("dst", self.dst.name, self.geometry)  # for SHM
+        await self.b.map_instance("dst", self.dst.name, self.geometry)
+
+    async def transfer_s(self, backend: TransferBackend, num_blocks: int, rng: random.Random) -> float:
+        src_ids = tuple(rng.sample(range(self.geometry.num_blocks), num_blocks))
+        dst_ids = tuple(rng.sample(range(self.geometry.num_blocks), num_blocks))
+        request = BlockTransfer(InstanceId("src"), src_ids, InstanceId("dst"), dst_ids, self.services[1].address,
+                                backend, is_checksum_verified=False)
+        started = time.perf_counter()
+        await self.a.transfer(request, timeout_s=120)
+        return time.perf_counter() - started
+
+    async def close(self) -> None:
+        for client in (self.a, self.b):
+            await client.close()
+        for service in self.services:
+            service.stop()
+        for cache in (self.src, self.dst):
+            cache.close()
+            cache.unlink()
+
+
+def _service(name: str, staging_kib: int, log_dir: pathlib.Path) -> ServiceProcess:
+    port = free_port()
+    return ServiceProcess(name, "transfer", ["--port", str(port), "--transfer-id", name, "--backends", "grpc,gloo,shm",
+                                             "--staging-kib", str(staging_kib), "--log-level", "warning"],
+                          f"127.0.0.1:{port}", log_dir)
+
+
+# -- references: raw TCP between two processes, and memcpy ------------------------------
+
+def _tcp_sink(port: int, max_bytes: int) -> None:
+    buffer = bytearray(max_bytes)
+    view = memoryview(buffer)
+    with socket.create_server(("127.0.0.1", port)) as server:
+        conn, _ = server.accept()
+        with conn:
+            while header := conn.recv(8, socket.MSG_WAITALL):
+                (size,) = struct.unpack("!Q", header)
+                received = 0
+                while received < size:
+                    received += conn.recv_into(view[received:size])
+                conn.sendall(b"k")
+
+
+class TcpReference:
+    def __init__(self, max_bytes: int) -> None:
+        self._port = free_port()
+        self._buffer = memoryview(bytearray(max_bytes))
+        self._process = multiprocessing.get_context("spawn").Process(target=_tcp_sink, args=(self._port, max_bytes),
+                                                                    daemon=True)
+
+    def start(self) -> None:
+        self._process.start()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self._sock = socket.create_connection(("127.0.0.1", self._port))
+                return
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def send_s(self, num_bytes: int) -> float:
+        started = time.perf_counter()
+        self._sock.sendall(struct.pack("!Q", num_bytes))
+        self._sock.sendall(self._buffer[:num_bytes])
+        self._sock.recv(1)
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self._sock.close()
+        self._process.join(10)
+
+
+class MemcpyReference:
+    def __init__(self, max_bytes: int) -> None:
+        self._src = torch.ones(max_bytes, dtype=torch.uint8)
+        self._dst = torch.zeros(max_bytes, dtype=torch.uint8)
+
+    def copy_s(self, num_bytes: int) -> float:
+        started = time.perf_counter()
+        self._dst[:num_bytes].copy_(self._src[:num_bytes])
+        return time.perf_counter() - started
+
+
+# -- the run --------------------------------------------------------------------------------
+
+async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[float]]]:
+    backends = [TransferBackend(name) for name in args.backends.split(",")]
+    block_mb = KvGeometry(num_blocks=1, **LLAMA2_7B).bytes_per_block // MB
+    sizes = sizes_mb(args.max_mb, block_mb)
+    num_blocks = sizes[-1] // block_mb
+    rng = random.Random(args.seed)
+    bench = Bench(num_blocks, args.staging_kib, pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-")))
+    tcp, memcpy = TcpReference(sizes[-1] * MB), MemcpyReference(sizes[-1] * MB)
+    speeds: dict[str, list[float]] = {}
+    try:
+        await bench.start()
+        tcp.start()
+        for backend in backends:  # warm up: gloo rendezvous, connections, first-touch of staging
+            await bench.transfer_s(backend, 1, rng)
+        rows = [(f"{b.value}_speed(GB/s)", b) for b in backends] + [("tcp_speed(GB/s)", "tcp"),
+                                                                    ("memcpy_speed(GB/s)", "memcpy")]
+        progress = tqdm(total=len(rows) * len(sizes) * args.repeats, desc="migration_speed", unit="copy")
+        for label, what in rows:
+            speeds[label] = []
+            for size in sizes:
+                times = []
+                for _ in range(args.repeats):
+                    if what == "tcp":
+                        times.append(tcp.send_s(size * MB))
+                    elif what == "memcpy":
+                        times.append(memcpy.copy_s(size * MB))
+                    else:
+                        times.append(await bench.transfer_s(what, size // block_mb, rng))
+                    progress.update()
+                speeds[label].append(size * MB / statistics.median(times) / 1e9)
+        progress.close()
+    finally:
+        tcp.close()
+        await bench.close()
+    return sizes, speeds
+
+
+def report(sizes: list[int], speeds: dict[str, list[float]], out_dir: pathlib.Path) -> str:
+    lines = ["migration_size\t" + "\t".join(f"{size:.2f} MB" for size in sizes)]
+    lines += [f"{label}\t" + "\t".join(f"{speed:.2f}" for speed in values) for label, values in speeds.items()]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.tsv").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
+
+
+def plot(sizes: list[int], speeds: dict[str, list[float]], out_dir: pathlib.Path) -> pathlib.Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for label, values in speeds.items():
+        style = "--" if label.startswith(("tcp", "memcpy")) else "-"
+        axes.plot(sizes, values, style, marker="o", label=label.replace("_speed(GB/s)", ""))
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(sizes, [f"{size}" for size in sizes])
+    axes.set_xlabel("migration size (MB)")
+    axes.set_ylabel("speed (GB/s)")
+    axes.set_title("ferry KV migration speed (Llama-2-7B KV geometry, loopback)")
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    path = out_dir / "migration_speed.png"
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    return path
+
+
+def main() -> None:
+    args = parse_args()
+    sizes, speeds = asyncio.run(measure(args))
+    print(report(sizes, speeds, args.out_dir))
+    print(f"plot: {plot(sizes, speeds, args.out_dir)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""What live migration reads from and hands between engines (DESIGN.md "Live migration").
+
+* `MigrationBlocks`: where a request's K/V live on the source at one step boundary. The
+  leading `num_full_blocks` blocks never change again while the request keeps its blocks,
+  so they can be copied while it decodes; a preemption (`num_preemptions` moves) frees
+  them, and every copy made before is void.
+* `RequestState`: everything the destination needs to continue the request exactly as
+  the source would have: tokens, sampling params and effective seed (the sampler's
+  randomness for output token i depends only on (seed, i)), how many tokens' K/V were
+  copied, and how much text the client already has.
+* `pick_request`: which request a source moves when it is not told.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from services.instance.engine.block_manager import BlockId, num_blocks_for
+from services.instance.engine.request import Request, RequestId, RequestStatus, SamplingParams
+
+
+class MigrationSelection(enum.Enum):
+    SHORTEST_RUNNING = "shortest_running"  # fewest tokens (prompt + output): cheapest to move
+    LONGEST_RUNNING = "longest_running"  # most tokens: frees the most blocks
+    LAST_COME_FIRST = "last_come_first"  # the latest admitted
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationBlocks:
+    request_id: RequestId
+    status: RequestStatus
+    block_ids: tuple[BlockId, ...]  # the blocks holding computed tokens, in block-table order
+    num_full_blocks: int  # leading blocks whose every token is computed: final while the blocks are held
+    num_computed_tokens: int
+    num_preemptions: int  # changes when a preemption freed the blocks
+    max_num_blocks: int  # blocks the request can grow to (prompt + max_tokens, within max_model_len)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestState:
+    request_id: RequestId
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]  # generated so far, resumed ones included
+    sampling: SamplingParams
+    seed: int  # effective seed
+    priority: int
+    epoch: int  # the new owner's epoch
+    num_computed_tokens: int  # tokens whose K/V are in the copied blocks (0: it was waiting)
+    text_sent: str  # output text already handed to the client
+    num_resumed_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+def migration_blocks(request: Request, block_size: int, max_model_len: int) -> MigrationBlocks:
+    num_computed = request.num_computed_tokens
+    max_num_tokens = min(request.num_prompt_tokens + request.sampling.max_tokens, max_model_len)
+    return MigrationBlocks(
+        request_id=request.request_id, status=request.status,
+        block_ids=tuple(request.block_table[:num_blocks_for(num_computed, block_size)]),
+        num_full_blocks=num_computed // block_size, num_computed_tokens=num_computed,
+        num_preemptions=request.num_preemptions, max_num_blocks=num_blocks_for(max_num_tokens, block_size),
+    )  # fmt: skip
+
+
+def export_state(request: Request) -> RequestState:
+    """The state of a suspended request, for its next owner (epoch + 1)."""
+    return RequestState(
+        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=tuple(request.output_token_ids), sampling=request.sampling, seed=request.seed,
+        priority=request.priority, epoch=request.epoch + 1, num_computed_tokens=request.num_computed_tokens,
+        text_sent=request.text.text[:request.text.num_emitted_chars], num_resumed_tokens=request.num_resumed_tokens,
+    )  # fmt: skip
+
+
+def is_movable(request: Request) -> bool:
+    """Decoding (prompt computed, at least one output token) or still waiting."""
+    if request.status is RequestStatus.WAITING:
+        return True
+    return (request.status is RequestStatus.RUNNING and request.num_output_tokens >= 1
+            and request.num_uncomputed_tokens <= 1)
+
+
+def pick_request(requests: Iterable[Request], selection: MigrationSelection,
+                 exclude: frozenset[str] = frozenset()) -> Request | None:
+    """The request `selection` moves: among decoding ones first, waiting ones only if none decodes."""
+    movable = [r for r in requests if r.request_id not in exclude and is_movable(r)]
+    running = [r for r in movable if r.status is RequestStatus.RUNNING]
+    candidates = running or movable
+    if not candidates:
+        return None
+    if selection is MigrationSelection.LAST_COME_FIRST:
+        return max(candidates, key=lambda r: r.arrival_order)
+    if selection is MigrationSelection.LONGEST_RUNNING:
+        return max(candidates, key=lambda r: (r.num_tokens, -r.arrival_order))
+    return min(candidates, key=lambda r: (r.num_tokens, r.arrival_order))

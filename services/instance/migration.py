@@ -1,0 +1,306 @@
+"""The source side of live migration: move one request, KV cache and all, to another instance.
+
+Design (DESIGN.md "Live migration"); `MigrateOut` reads aloud:
+
+    pick the request  →  reserve blocks on the destination (current length + headroom)
+    →  live stages: copy the full blocks not copied yet while the request keeps decoding,
+       until few blocks remain (--migration-stage-blocks) or --migration-max-stages ran
+    →  suspend it at a step boundary  →  copy the rest, the partial last block included
+    →  commit on the destination (state, epoch + 1)  →  hand the client stream off and
+       free the blocks here
+
+Downtime is suspend → commit. Until the commit succeeded any failure resumes the request
+here and frees the destination's reservation (its watchdog does it if we cannot); after
+it the request belongs to the destination, whatever happens here. The migration runs as
+a task of its own, so a caller that gives up (deadline, cancel) never leaves it half done.
+No transport in here: the destination and the transfer service come in as protocols.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import structlog
+
+from services.common.errors import Aborted, FailedPrecondition, FerryError, NotFound
+from services.instance.engine.block_manager import BlockId
+from services.instance.engine.migration_state import MigrationBlocks, MigrationSelection, RequestState
+from services.instance.handoff import Handoff
+from services.instance.migration_slots import MigrationSlots
+from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend, TransferResult
+
+if TYPE_CHECKING:
+    from services.instance.runner import EngineRunner
+
+log = structlog.get_logger(__name__)
+
+# Blocks reserved beyond the request's current length, so the final stage rarely has to grow it.
+RESERVATION_HEADROOM_BLOCKS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class MigrateOutPlan:
+    request_id: str  # "" = pick one by `selection`
+    dst_instance_id: str
+    dst_address: str  # the destination instance's gRPC address
+    dst_transfer_address: str  # "" = the one the destination reports
+    backend: TransferBackend | None  # None = this instance's --transfer-backend
+    selection: MigrationSelection = MigrationSelection.SHORTEST_RUNNING
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationSettings:
+    instance_id: str
+    transfer_backend: TransferBackend  # --transfer-backend
+    stage_blocks: int  # --migration-stage-blocks: stop and copy once this few blocks remain
+    max_stages: int  # --migration-max-stages: live stages before stop-and-copy anyway
+    is_checksum_verified: bool  # --verify-transfer-checksum
+    rpc_timeout_s: float  # --migration-rpc-timeout-s: each Prepare/Commit/Abort call
+    transfer_timeout_s: float  # --migration-transfer-timeout-s: each stage's copy
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationResult:
+    request_id: str
+    src_instance_id: str
+    dst_instance_id: str
+    num_blocks: int  # blocks copied, every stage together
+    num_bytes: int
+    num_stages: int  # live stages + the final stop-and-copy stage
+    backend: TransferBackend
+    duration_ms: float  # MigrateOut start → stream handed off
+    downtime_ms: float  # suspended here → committed on the destination
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """What the destination set aside (PrepareMigrateInResponse)."""
+
+    block_ids: tuple[int, ...]  # in the request's block-table order
+    transfer_address: str  # the transfer service mapping the destination's KV memory
+    transfer_id: str
+
+
+class DestinationPeer(Protocol):
+    """The destination instance's migration RPCs (services/instance/client.py)."""
+
+    async def prepare_migrate_in(self, migration_id: str, request_id: str, src_instance_id: str,
+                                 num_blocks: int) -> Reservation: ...
+
+    async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None: ...
+
+    async def abort_migrate_in(self, migration_id: str) -> bool: ...
+
+    async def abort(self, request_id: str) -> bool: ...
+
+
+class BlockTransferer(Protocol):
+    """The co-located transfer service (services/transfer/client.py: TransferClient)."""
+
+    async def transfer(self, transfer: BlockTransfer, timeout_s: float,
+                       request_id: str | None = None) -> TransferResult: ...
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """One migration in flight; owned by its task."""
+
+    migration_id: str
+    request_id: str
+    plan: MigrateOutPlan
+    peer: DestinationPeer
+    backend: TransferBackend
+    started_at: float = field(default_factory=time.perf_counter)
+    reservation: Reservation | None = None
+    is_prepare_sent: bool = False  # the destination may hold a reservation (even if the call failed)
+    # Invariant: copied[i] is the source block whose K/V now sit in reservation.block_ids[i];
+    # valid only while the request has been preempted num_preemptions times.
+    copied: dict[int, BlockId] = field(default_factory=dict)
+    num_preemptions: int = 0
+    num_live_stages: int = 0
+    num_blocks: int = 0
+    num_bytes: int = 0
+    suspended_at: float | None = None
+    committed_at: float | None = None
+
+    def pending(self, view: MigrationBlocks, full_only: bool) -> list[int]:
+        """Block-table indexes whose current source block is not copied yet (all once a preemption moved them)."""
+        if view.num_preemptions != self.num_preemptions:
+            self.copied.clear()
+            self.num_preemptions = view.num_preemptions
+        end = view.num_full_blocks if full_only else view.num_blocks
+        return [i for i in range(end) if self.copied.get(i) != view.block_ids[i]]
+
+
+class MigrationDriver:
+    def __init__(self, runner: EngineRunner, settings: MigrationSettings, slots: MigrationSlots,
+                 peers: Callable[[str], DestinationPeer], transferer: BlockTransferer | None) -> None:
+        self._runner = runner
+        self._settings = settings
+        self._slots = slots
+        self._peers = peers  # destination address → its client
+        self._transferer = transferer  # None without --transfer-address: migration is off
+        self._tasks: set[asyncio.Task[MigrationResult]] = set()
+        self._moving: set[str] = set()  # request ids migrating out now
+
+    async def migrate_out(self, plan: MigrateOutPlan) -> MigrationResult:
+        """Move one request to `plan`'s destination; raises (and the request stays here) if it cannot."""
+        if self._transferer is None:
+            raise FailedPrecondition("live migration needs a transfer service: start this instance with "
+                                     "--transfer-address <host:port of the co-located transfer service>")
+        if plan.dst_instance_id == self._settings.instance_id:
+            raise FailedPrecondition(f"the destination {plan.dst_instance_id} is this instance; pick another one")
+        migration_id = f"{self._settings.instance_id}-{uuid.uuid4().hex[:12]}"
+        self._slots.acquire(migration_id)
+        task = asyncio.create_task(self._migrate(migration_id, plan), name=f"migrate-{migration_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def close(self) -> None:
+        """Cancel migrations in flight (shutdown); each resumes its request here before it ends."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _migrate(self, migration_id: str, plan: MigrateOutPlan) -> MigrationResult:
+        try:
+            request_id = await self._pick(plan)
+            self._moving.add(request_id)
+            attempt = _Attempt(migration_id, request_id, plan, self._peers(plan.dst_address),
+                               plan.backend or self._settings.transfer_backend)
+            try:
+                return await self._move(attempt)
+            except BaseException as exc:
+                await self._abandon(attempt, exc)
+                raise
+            finally:
+                self._moving.discard(request_id)
+        finally:
+            self._slots.release(migration_id)
+
+    async def _pick(self, plan: MigrateOutPlan) -> str:
+        if plan.request_id:
+            if plan.request_id in self._moving:
+                raise FailedPrecondition(f"request {plan.request_id} is already migrating; wait for it to end")
+            return plan.request_id
+        exclude = frozenset(self._moving)
+        request_id = await self._runner.call(lambda: self._runner.engine.pick_for_migration(plan.selection, exclude))
+        if request_id is None:
+            raise FailedPrecondition(f"instance {self._settings.instance_id} has no request to migrate "
+                                     "(none decoding or waiting); try again once it has")
+        return request_id
+
+    async def _move(self, a: _Attempt) -> MigrationResult:
+        view = await self._view(a, is_first=True)
+        await self._reserve(a, view, RESERVATION_HEADROOM_BLOCKS)
+        await self._live_stages(a)
+        a.suspended_at = time.perf_counter()
+        view = await self._engine_call(a, lambda: self._runner.engine.suspend(a.request_id))
+        await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
+        state = await self._engine_call(a, lambda: self._runner.engine.export_state(a.request_id))
+        await a.peer.commit_migrate_in(a.migration_id, state)
+        a.committed_at = time.perf_counter()
+        await self._hand_off(a, state)
+        return self._result(a)
+
+    async def _live_stages(self, a: _Attempt) -> None:
+        """Copy full blocks while the request decodes, until few remain or the stages run out."""
+        for _ in range(self._settings.max_stages):
+            view = await self._view(a)
+            full = a.pending(view, full_only=True)
+            if not full or len(a.pending(view, full_only=False)) <= self._settings.stage_blocks:
+                return
+            await self._copy(a, view, full, headroom=RESERVATION_HEADROOM_BLOCKS)
+            a.num_live_stages += 1
+
+    async def _view(self, a: _Attempt, is_first: bool = False) -> MigrationBlocks:
+        if is_first:
+            return await self._runner.call(lambda: self._runner.engine.migration_blocks(a.request_id))
+        return await self._engine_call(a, lambda: self._runner.engine.migration_blocks(a.request_id))
+
+    async def _engine_call(self, a: _Attempt, fn: Callable[[], object]):
+        """An engine call on a request that was here when the migration began: NotFound means it finished."""
+        try:
+            return await self._runner.call(fn)
+        except NotFound:
+            raise Aborted(f"request {a.request_id} finished or was aborted while migrating to "
+                          f"{a.plan.dst_instance_id}; nothing left to move") from None
+
+    async def _reserve(self, a: _Attempt, view: MigrationBlocks, headroom: int) -> None:
+        """Make the destination hold at least the request's blocks (+ headroom, within its final size).
+
+        Called before every copy even when nothing needs to grow: it also restarts the
+        destination's watchdog, so a reservation never expires while a copy writes into it."""
+        num_reserved = 0 if a.reservation is None else len(a.reservation.block_ids)
+        headroom = headroom if view.num_blocks else 0  # a waiting request moves without blocks
+        num_wanted = max(num_reserved, view.num_blocks, min(view.num_blocks + headroom, view.max_num_blocks))
+        a.is_prepare_sent = True
+        reservation = await a.peer.prepare_migrate_in(a.migration_id, a.request_id, self._settings.instance_id,
+                                                      num_wanted)
+        if a.reservation is not None and reservation.block_ids[:len(a.reservation.block_ids)] != a.reservation.block_ids:
+            raise Aborted(f"migration {a.migration_id}: {a.plan.dst_instance_id} lost the reservation (its watchdog "
+                          "freed it); the blocks copied so far are gone")
+        a.reservation = reservation
+
+    async def _copy(self, a: _Attempt, view: MigrationBlocks, indexes: list[int], headroom: int) -> None:
+        if not indexes:
+            return
+        await self._reserve(a, view, headroom)
+        transfer = BlockTransfer(
+            src_instance_id=InstanceId(self._settings.instance_id),
+            src_block_ids=tuple(view.block_ids[i] for i in indexes),
+            dst_instance_id=InstanceId(a.plan.dst_instance_id),
+            dst_block_ids=tuple(a.reservation.block_ids[i] for i in indexes),
+            dst_transfer_address=a.plan.dst_transfer_address or a.reservation.transfer_address,
+            backend=a.backend, is_checksum_verified=self._settings.is_checksum_verified)
+        result = await self._transferer.transfer(transfer, self._settings.transfer_timeout_s, a.request_id)
+        a.copied.update((i, view.block_ids[i]) for i in indexes)
+        a.num_blocks += result.num_blocks
+        a.num_bytes += result.num_bytes
+
+    async def _hand_off(self, a: _Attempt, state: RequestState) -> None:
+        """Past the commit: end the client stream with the hand-off and free the blocks here."""
+        handoff = Handoff(a.plan.dst_instance_id, a.plan.dst_address, state.epoch, len(state.output_token_ids))
+        try:
+            await self._runner.hand_off(a.request_id, handoff)
+        except FerryError as exc:  # aborted here between export and release: nobody will attach
+            log.info("migrated_request_gone", request_id=a.request_id, reason=exc.message)
+            await self._quietly(a.peer.abort(a.request_id), "abort_on_destination")
+
+    async def _abandon(self, a: _Attempt, exc: BaseException) -> None:
+        """Before the commit: the request runs on here, the destination lets go of what it reserved."""
+        if a.committed_at is not None:
+            return
+        resumed = a.suspended_at is not None and await self._runner.call(
+            lambda: self._runner.engine.resume(a.request_id))
+        if a.is_prepare_sent:
+            await self._quietly(a.peer.abort_migrate_in(a.migration_id), "abort_migrate_in")
+        log.info("migration_aborted", request_id=a.request_id, dst_instance_id=a.plan.dst_instance_id,
+                 migration_id=a.migration_id, resumed=resumed, num_live_stages=a.num_live_stages,
+                 reason=getattr(exc, "message", None) or type(exc).__name__)
+
+    async def _quietly(self, call, what: str) -> None:
+        """A best-effort clean-up call: its failure is logged, the destination's watchdog covers it."""
+        try:
+            await call
+        except FerryError as exc:
+            log.warning("migration_cleanup_failed", call=what, reason=exc.message)
+
+    def _result(self, a: _Attempt) -> MigrationResult:
+        now = time.perf_counter()
+        result = MigrationResult(
+            request_id=a.request_id, src_instance_id=self._settings.instance_id,
+            dst_instance_id=a.plan.dst_instance_id, num_blocks=a.num_blocks, num_bytes=a.num_bytes,
+            num_stages=a.num_live_stages + 1, backend=a.backend, duration_ms=(now - a.started_at) * 1e3,
+            downtime_ms=(a.committed_at - a.suspended_at) * 1e3)
+        log.info("migration_committed", request_id=a.request_id, dst_instance_id=a.plan.dst_instance_id,
+                 num_stages=result.num_stages, num_blocks=result.num_blocks, num_bytes=result.num_bytes,
+                 backend=a.backend.value, duration_ms=round(result.duration_ms, 2),
+                 downtime_ms=round(result.downtime_ms, 2))
+        return result

@@ -1,0 +1,164 @@
+"""The destination side of live migration: reservations, commits, attaches and their watchdog.
+
+Life of one incoming migration (keyed by the source's migration id):
+
+    PrepareMigrateIn (reserve, grow)  →  CommitMigrateIn (adopt the request; its outputs
+    wait in its stream)  →  Attach (a client reads the stream)
+    any time before the attach: AbortMigrateIn, or the watchdog once
+    --migration-reservation-timeout-s passed without progress
+
+A migration holds one of this instance's migration slots from its first Prepare until it
+commits or aborts. After the commit the source may still abort it (its commit call failed
+on the way back), until a client attached. The watchdog also drops a committed request
+nobody attached to in time, or whose unread outputs pass MAX_UNATTACHED_OUTPUTS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import structlog
+
+from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
+from services.instance.engine.migration_state import RequestState
+from services.instance.migration import Reservation
+from services.instance.migration_slots import MigrationSlots
+from services.instance.runner import EngineRunner, RequestStream
+
+log = structlog.get_logger(__name__)
+
+MAX_UNATTACHED_OUTPUTS = 4096  # outputs a migrated-in request may buffer before a client attaches
+
+
+@dataclass(slots=True)
+class _Incoming:
+    migration_id: str
+    request_id: str
+    src_instance_id: str
+    expires_at: float  # monotonic; pushed back by every Prepare and by the commit
+    epoch: int | None = None  # set once committed
+
+
+@dataclass(frozen=True, slots=True)
+class TransferEndpoint:
+    """The transfer service mapping this instance's KV memory ("" without --transfer-address)."""
+
+    address: str
+    transfer_id: str
+
+
+class MigrationInbox:
+    def __init__(self, runner: EngineRunner, slots: MigrationSlots, timeout_s: float,
+                 transfer: TransferEndpoint) -> None:
+        self._runner = runner
+        self._slots = slots
+        self._timeout_s = timeout_s
+        self._transfer = transfer
+        self._incoming: dict[str, _Incoming] = {}  # by migration id, until attached or aborted
+
+    @property
+    def num_incoming(self) -> int:
+        return len(self._incoming)
+
+    async def prepare(self, migration_id: str, request_id: str, src_instance_id: str,
+                      num_blocks: int) -> Reservation:
+        """Reserve (or grow the reservation to) `num_blocks`; ResourceExhausted if short of blocks or slots."""
+        if not migration_id or num_blocks < 0:
+            raise InvalidArgument("migration_id: required; num_blocks: must be >= 0")
+        incoming = self._incoming.get(migration_id)
+        if incoming is not None and incoming.epoch is not None:
+            raise FailedPrecondition(f"migration {migration_id} is already committed")
+        if incoming is None:
+            self._slots.acquire(migration_id)
+            incoming = _Incoming(migration_id, request_id, src_instance_id, self._deadline())
+            self._incoming[migration_id] = incoming
+        incoming.expires_at = self._deadline()
+        try:
+            block_ids = await self._runner.call(
+                lambda: self._runner.engine.reserve_blocks(migration_id, num_blocks))
+        except BaseException:
+            if not await self._runner.call(lambda: migration_id in self._runner.engine.reservations):
+                self._forget(migration_id)  # a first Prepare that failed holds nothing
+            raise
+        return Reservation(tuple(block_ids), self._transfer.address, self._transfer.transfer_id)
+
+    async def commit(self, migration_id: str, state: RequestState) -> None:
+        """Adopt the request: it joins the running batch with its K/V in the reserved blocks."""
+        incoming = self._incoming.get(migration_id)
+        if incoming is None:
+            raise NotFound(f"migration {migration_id} has no reservation here: it expired "
+                           f"(--migration-reservation-timeout-s {self._timeout_s:g}) or was aborted")
+        if incoming.epoch is not None:
+            raise FailedPrecondition(f"migration {migration_id} is already committed")
+        if state.request_id != incoming.request_id:
+            raise InvalidArgument(f"state.request_id: {state.request_id} but migration {migration_id} reserved "
+                                  f"for {incoming.request_id}")
+        incoming.expires_at = self._deadline()
+        engine = self._runner.engine
+        text = await asyncio.to_thread(engine.restore_text, state)  # replays the detokenizer off the engine thread
+        await self._runner.adopt(state.request_id, state.epoch,
+                                 lambda: engine.import_request(migration_id, state, text))
+        incoming.epoch = state.epoch
+        incoming.expires_at = self._deadline()  # now the deadline to attach
+        self._slots.release(migration_id)
+        log.info("migration_in_committed", request_id=state.request_id, migration_id=migration_id,
+                 src_instance_id=incoming.src_instance_id, epoch=state.epoch,
+                 num_computed_tokens=state.num_computed_tokens)
+
+    async def abort(self, migration_id: str) -> bool:
+        """Free the reservation, or drop the committed request nobody attached to; False if neither."""
+        incoming = self._incoming.get(migration_id)
+        if incoming is None:
+            return False
+        if incoming.epoch is None:
+            self._forget(migration_id)
+            return await self._runner.call(lambda: self._runner.engine.free_reservation(migration_id))
+        stream = self._runner.stream(incoming.request_id)
+        self._forget(migration_id)
+        if stream is None or stream.is_attached or stream.epoch != incoming.epoch:
+            return False  # finished, attached or replaced meanwhile: not ours to drop
+        await self._runner.abort(incoming.request_id)
+        return True
+
+    def attach(self, request_id: str, epoch: int) -> RequestStream:
+        """The stream of a request that migrated in, for the client following its hand-off."""
+        stream = self._runner.stream(request_id)
+        if stream is None:
+            raise NotFound(f"request {request_id} is not on this instance (finished, aborted, or never migrated here)")
+        if stream.epoch != epoch:
+            raise Aborted(f"request {request_id} is at epoch {stream.epoch} here, not {epoch}; "
+                          "follow the latest hand-off")
+        if stream.is_attached:
+            raise FailedPrecondition(f"request {request_id} already has a client attached")
+        stream.is_attached = True
+        for incoming in [i for i in self._incoming.values() if i.request_id == request_id]:
+            self._forget(incoming.migration_id)
+        return stream
+
+    async def watchdog_loop(self) -> None:
+        """Free reservations whose source went quiet and migrated-in requests nobody attached to."""
+        interval_s = min(1.0, self._timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.expire(time.monotonic())
+
+    async def expire(self, now: float) -> None:
+        for incoming in list(self._incoming.values()):
+            if incoming.expires_at <= now or self._is_overflowing(incoming):
+                was_dropped = await self.abort(incoming.migration_id)
+                log.warning("migration_in_expired", migration_id=incoming.migration_id,
+                            request_id=incoming.request_id, src_instance_id=incoming.src_instance_id,
+                            is_committed=incoming.epoch is not None, was_dropped=was_dropped)
+
+    def _is_overflowing(self, incoming: _Incoming) -> bool:
+        stream = self._runner.stream(incoming.request_id) if incoming.epoch is not None else None
+        return stream is not None and not stream.is_attached and stream.outputs.qsize() > MAX_UNATTACHED_OUTPUTS
+
+    def _forget(self, migration_id: str) -> None:
+        self._incoming.pop(migration_id, None)
+        self._slots.release(migration_id)
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self._timeout_s

@@ -1,0 +1,63 @@
+"""This instance's link to its co-located transfer service (--transfer-address).
+
+At startup the instance maps its KV shared memory into the service (MapInstance) so the
+service can read and write its blocks in place; migrations then ask it to copy blocks.
+The service may still be starting: mapping is retried with backoff until
+CONNECT_TIMEOUT_S, then startup fails naming the flag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import structlog
+
+from services.common.backoff import Backoff
+from services.common.errors import FerryError, Unavailable
+from services.instance.engine.kv_cache import KvCache
+from services.transfer.client import TransferClient
+
+log = structlog.get_logger(__name__)
+
+CONNECT_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class TransferLink:
+    client: TransferClient
+    transfer_id: str
+
+    @property
+    def address(self) -> str:
+        return self.client.address
+
+
+async def connect_transfer(address: str, instance_id: str, kv_cache: KvCache, rpc_timeout_s: float) -> TransferLink:
+    """Map `kv_cache` into the transfer service at `address` under `instance_id`."""
+    client = TransferClient(address, timeout_s=rpc_timeout_s)
+    deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
+    backoff = Backoff(initial_s=0.1, max_s=1.0)
+    while True:
+        try:
+            await client.map_instance(instance_id, kv_cache.name, kv_cache.geometry)
+            status = await client.get_status()
+            break
+        except Unavailable as exc:
+            if asyncio.get_running_loop().time() > deadline:
+                await client.close()
+                raise Unavailable(f"the transfer service at --transfer-address {address} did not answer within "
+                                  f"{CONNECT_TIMEOUT_S:g} s ({exc.message}); start it first "
+                                  "(python -m services.transfer)") from None
+            await backoff.sleep()
+    log.info("kv_cache_mapped", transfer_address=address, transfer_id=status.transfer_id, shm_name=kv_cache.name)
+    return TransferLink(client, status.transfer_id)
+
+
+async def disconnect_transfer(link: TransferLink, instance_id: str) -> None:
+    """Unmap this instance (best effort: the service may be gone already) and close the channel."""
+    try:
+        await link.client.unmap_instance(instance_id)
+    except FerryError as exc:
+        log.info("kv_cache_unmap_failed", transfer_address=link.address, reason=exc.message)
+    await link.client.close()

@@ -1,0 +1,91 @@
+"""Domain objects of live migration as the manager sees it: settings, orders, records.
+
+The manager decides *which instances* exchange a request and when; the source instance
+picks the request (unless told) and runs the protocol (DESIGN.md "Live migration").
+Nothing here knows about gRPC; `convert.py` maps these to and from protos.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from services.manager.domain import InstanceId
+
+DEFAULT_PAIRING = "load"
+
+
+class MigrationSelection(enum.Enum):
+    """How a source picks the request to hand over when the manager names none."""
+
+    SHORTEST_RUNNING = "shortest_running"  # fewest tokens: least KV to copy (the default)
+    LONGEST_RUNNING = "longest_running"  # most tokens: frees the most blocks
+    LAST_COME_FIRST = "last_come_first"  # the newest arrival
+
+
+class MigrationTrigger(enum.Enum):
+    LOAD = "load"  # the migration loop balancing freeness
+    DRAIN = "drain"  # the source is draining
+    ADMIN = "admin"  # AdminService.Migrate
+
+
+class MigrationOutcome(enum.Enum):
+    COMMITTED = "committed"  # the destination owns the request
+    FAILED = "failed"  # aborted before commit: the request still runs on the source
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationSettings:
+    """The migration part of the cluster policy (stored with dispatch in etcd config/policy)."""
+
+    is_enabled: bool = False  # the load-balancing loop; drains migrate regardless
+    threshold: float = 1.0  # freeness gap (blocks per running request) a pair must exceed
+    selection: MigrationSelection = MigrationSelection.SHORTEST_RUNNING
+    pairing: str = DEFAULT_PAIRING
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationOrder:
+    """One migration to run: from `src` to `dst`, the given request or one the source picks."""
+
+    src_instance_id: InstanceId
+    src_address: str
+    dst_instance_id: InstanceId
+    dst_address: str
+    trigger: MigrationTrigger
+    selection: MigrationSelection = MigrationSelection.SHORTEST_RUNNING
+    request_id: str = ""  # empty: the source picks by `selection`
+    backend: str = ""  # transfer backend (grpc, gloo, nccl, shm); empty: the source's default
+    exclude_request_ids: frozenset[str] = field(default_factory=frozenset)  # just migrated: not again yet
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationFigures:
+    """What the source reports about a committed migration (MigrateOutResponse)."""
+
+    request_id: str
+    num_blocks: int = 0
+    num_bytes: int = 0
+    num_stages: int = 0
+    backend: str = ""
+    duration_ms: float = 0.0
+    downtime_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationRecord:
+    """One migration attempt, as kept in the leader's history and shown by ListMigrations."""
+
+    order: MigrationOrder
+    outcome: MigrationOutcome
+    figures: MigrationFigures  # zeros (and the ordered request id, if any) when it failed
+    started_at: float  # unix seconds
+    reason: str = ""  # failed: the gRPC status name of MigrateOut, e.g. RESOURCE_EXHAUSTED
+    message: str = ""  # failed: the status details
+
+    @property
+    def is_committed(self) -> bool:
+        return self.outcome is MigrationOutcome.COMMITTED
+
+    def involves(self, instance_id: str) -> bool:
+        return instance_id in (self.order.src_instance_id, self.order.dst_instance_id)

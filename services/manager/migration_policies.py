@@ -1,0 +1,139 @@
+"""Migration pairing: which instances hand a request to which, this tick.
+
+The migration loop (migrator.py) builds one `Peer` per instance that can take part now
+(reported recently, not at its limit of concurrent migrations, not waiting for a report
+after its last migration) and asks for pairs:
+
+* drains first: every DRAINING peer that still holds requests is a source, paired with
+  the freest serving destination left (one pair per destination per tick);
+* then, if the load-balancing loop is on, the `PairingPolicy` pairs the serving peers
+  that are left. A policy is a small class behind the ABC; `load` is the default.
+
+Invariants of every plan: a peer is in at most one pair; a source is never its own
+destination; a destination can decode (not PREFILL-only) and has free blocks. Ties
+break by instance id, never by dict order. No transport and no clock here.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.manager.domain import InstanceId, InstanceView, Load, Role
+from services.manager.migration import MigrationTrigger
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """An instance that can take part in a migration this tick."""
+
+    instance_id: InstanceId
+    address: str
+    role: Role
+    load: Load  # last report plus reservations
+    freeness: float
+    is_draining: bool
+
+    @classmethod
+    def of(cls, view: InstanceView, is_draining: bool) -> Peer:
+        return cls(view.record.instance_id, view.record.address, view.record.role, view.load, view.load.freeness,
+                   is_draining)
+
+    @property
+    def num_requests(self) -> int:
+        return self.load.num_running + self.load.num_waiting
+
+    @property
+    def can_receive(self) -> bool:
+        return self.role is not Role.PREFILL and self.load.num_free_blocks > 0
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    src: Peer
+    dst: Peer
+    trigger: MigrationTrigger
+
+
+class PairingPolicy(abc.ABC):
+    """Pairs loaded sources with free destinations among serving peers."""
+
+    name: str
+
+    @abc.abstractmethod
+    def pair(self, peers: Sequence[Peer], threshold: float) -> list[Pair]:
+        """(source, destination) pairs worth a migration; each peer in at most one pair."""
+
+
+class LoadPairing(PairingPolicy):
+    """Most loaded with freest, second most loaded with second freest, ... (Llumnix's pairing).
+
+    A pair is worth it when the freeness gap exceeds `threshold` *and* (hysteresis) the
+    destination would still be at least as free as the source after taking one average
+    request of the source: so a move never makes the pair swap places, and the request
+    it moved is never a reason to move it back (at worst the two end level: gap 0). Gaps only shrink towards the middle of the ranking:
+    the first pair under the threshold ends the plan.
+    """
+
+    name = "load"
+
+    def pair(self, peers: Sequence[Peer], threshold: float) -> list[Pair]:
+        ranked = sorted(peers, key=lambda p: (p.freeness, p.instance_id))
+        sources = [p for p in ranked if p.num_requests > 0]
+        destinations = sorted((p for p in peers if p.can_receive), key=lambda p: (-p.freeness, p.instance_id))
+        pairs: list[Pair] = []
+        used: set[InstanceId] = set()
+        for src in sources:
+            if src.instance_id in used:
+                continue
+            dst = next((d for d in destinations if d.instance_id not in used and d.instance_id != src.instance_id),
+                       None)
+            if dst is None or dst.freeness - src.freeness <= threshold:
+                break
+            if stays_freer_after_move(src.load, dst.load):
+                pairs.append(Pair(src, dst, MigrationTrigger.LOAD))
+                used.update((src.instance_id, dst.instance_id))
+        return pairs
+
+
+def pair_drains(draining: Sequence[Peer], serving: Sequence[Peer]) -> list[Pair]:
+    """Each draining peer that holds requests, by id, with the freest serving destination not yet taken."""
+    destinations = sorted((p for p in serving if p.can_receive), key=lambda p: (-p.freeness, p.instance_id))
+    pairs = []
+    for src, dst in zip((p for p in sorted(draining, key=lambda p: p.instance_id) if p.num_requests), destinations):
+        pairs.append(Pair(src, dst, MigrationTrigger.DRAIN))
+    return pairs
+
+
+def stays_freer_after_move(src: Load, dst: Load) -> bool:
+    """Would `dst` still be at least as free as `src` after one average request of `src` moved over?"""
+    num_blocks = _blocks_per_request(src)
+    if src.num_running:
+        src_after = Load(src.num_running - 1, src.num_waiting, src.num_free_blocks + num_blocks,
+                         src.num_total_blocks, src.num_blocks_needed_by_waiting)
+    else:  # a queued request: it holds no blocks yet, it needs them
+        src_after = Load(0, src.num_waiting - 1, src.num_free_blocks, src.num_total_blocks,
+                         max(src.num_blocks_needed_by_waiting - num_blocks, 0))
+    dst_after = Load(dst.num_running + 1, dst.num_waiting, dst.num_free_blocks - num_blocks, dst.num_total_blocks,
+                     dst.num_blocks_needed_by_waiting)
+    return dst_after.num_free_blocks >= 0 and dst_after.freeness >= src_after.freeness
+
+
+def _blocks_per_request(load: Load) -> int:
+    if load.num_running:
+        return math.ceil(max(load.num_total_blocks - load.num_free_blocks, 0) / load.num_running)
+    return math.ceil(load.num_blocks_needed_by_waiting / max(load.num_waiting, 1))
+
+
+_PAIRINGS: dict[str, type[PairingPolicy]] = {cls.name: cls for cls in (LoadPairing,)}
+PAIRING_NAMES: tuple[str, ...] = tuple(_PAIRINGS)  # DEFAULT_PAIRING is one of them
+
+
+def make_pairing(name: str) -> PairingPolicy:
+    """A pairing policy by name; ValueError lists the valid names."""
+    try:
+        return _PAIRINGS[name]()
+    except KeyError:
+        raise ValueError(f"unknown migration pairing {name!r}; one of: {', '.join(PAIRING_NAMES)}") from None

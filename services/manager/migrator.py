@@ -1,0 +1,259 @@
+"""Live migration from the manager's side: the migration loop, admin migrations, the history.
+
+Design of `migration_loop` (every manager runs it; it acts only while leading):
+
+    every tick:  peers that can take part  →  pairs (drains first, then the pairing policy)
+                 →  one MigrateOut task per pair  →  announce instances a drain emptied
+
+A migration holds a slot on both of its instances until MigrateOut returns (at most
+`max_per_instance` at once on one instance); then both sit out until their next load
+report (an older one still shows the request where it was). A request that committed
+is left alone for `cooldown_s` (the source is told to skip it when it picks); with the
+pairing's hysteresis (migration_policies.py) nothing ping-pongs. Drains move requests
+whether or not the load-balancing loop is on. A MigrateOut failure is recorded, counted
+by gRPC status and logged, and never ends the loop: the request runs on at the source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from services.common.errors import FailedPrecondition, FerryError, NotFound
+from services.manager import metrics
+from services.manager.cluster_view import ClusterView
+from services.manager.domain import InstanceId, InstanceState, InstanceView
+from services.manager.leadership import Leadership
+from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
+                                        MigrationSettings, MigrationTrigger)
+from services.manager.migration_policies import Pair, PairingPolicy, Peer, make_pairing, pair_drains
+
+log = structlog.get_logger(__name__)
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class MigratorLimits:
+    interval_s: float = 0.5  # seconds between ticks of the migration loop
+    max_per_instance: int = 1  # migrations one instance takes part in at once (either side)
+    cooldown_s: float = 10.0  # a request that just migrated is not picked again for this long
+    timeout_s: float = 60.0  # deadline of one MigrateOut call
+    history_size: int = 256  # migration records kept (the oldest go first)
+    backend: str = ""  # transfer backend asked for; empty: each source's default
+
+
+class MigrateOutClient(Protocol):
+    async def migrate_out(self, order: MigrationOrder, timeout_s: float) -> MigrationFigures:
+        """Run the migration on the source; FerryError (cause: the gRPC error) if it was not committed."""
+
+
+class Migrator:
+    def __init__(self, view: ClusterView, leadership: Leadership, client: MigrateOutClient, limits: MigratorLimits,
+                 settings: MigrationSettings = MigrationSettings(), clock: Clock = time.monotonic,
+                 wall_clock: Clock = time.time) -> None:
+        self._view = view
+        self._leadership = leadership
+        self._client = client
+        self._limits = limits
+        self._clock = clock  # the view's clock (report ages are measured with it)
+        self._wall_clock = wall_clock
+        self._settings = settings
+        self._pairing: PairingPolicy = make_pairing(settings.pairing)
+        self._in_flight: dict[InstanceId, int] = {}  # invariant: MigrateOut calls running per instance, > 0
+        self._ended_at: dict[InstanceId, float] = {}  # its last migration ended then; sits out until a newer report
+        self._cooled: dict[str, float] = {}  # request id -> when it committed somewhere
+        self._history: collections.deque[MigrationRecord] = collections.deque(maxlen=limits.history_size)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._announced_drained: set[InstanceId] = set()
+
+    @property
+    def settings(self) -> MigrationSettings:
+        return self._settings
+
+    def set_settings(self, settings: MigrationSettings) -> None:
+        """Switch settings (ValueError for an unknown pairing)."""
+        if settings == self._settings:
+            return
+        if settings.pairing != self._pairing.name:
+            self._pairing = make_pairing(settings.pairing)
+        self._settings = settings
+        log.info("migration_policy_changed", enabled=settings.is_enabled, threshold=settings.threshold,
+                 selection=settings.selection.value, pairing=settings.pairing)
+
+    # the loop
+
+    async def migration_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._limits.interval_s)
+            if self._leadership.is_leader:
+                self.tick()
+
+    def tick(self) -> list[MigrationOrder]:
+        """Plan this tick's migrations and start them (each in its own task)."""
+        orders = self.plan()
+        for order in orders:
+            self._start(order)
+        self._announce_drained()
+        return orders
+
+    def plan(self) -> list[MigrationOrder]:
+        peers = self._peers()
+        serving = [p for p in peers if not p.is_draining]
+        pairs = pair_drains([p for p in peers if p.is_draining], serving)
+        if self._settings.is_enabled:
+            taken = {i for pair in pairs for i in (pair.src.instance_id, pair.dst.instance_id)}
+            pairs += self._pairing.pair([p for p in serving if p.instance_id not in taken], self._settings.threshold)
+        return [self._order(pair) for pair in pairs]
+
+    # one migration
+
+    async def migrate(self, order: MigrationOrder) -> MigrationRecord:
+        """Run `order` to its end and keep its record; re-raises the source's error if it failed."""
+        started, started_at = self._clock(), self._wall_clock()
+        self._hold(order)
+        try:
+            figures = await self._client.migrate_out(order, self._limits.timeout_s)
+        except FerryError as exc:
+            elapsed_ms = (self._clock() - started) * 1e3
+            self._keep(MigrationRecord(order, MigrationOutcome.FAILED, MigrationFigures(order.request_id,
+                                                                                          duration_ms=elapsed_ms),
+                                       started_at, reason=status_name(exc), message=exc.message))
+            raise
+        finally:
+            self._release(order)
+        record = MigrationRecord(order, MigrationOutcome.COMMITTED, figures, started_at)
+        self._keep(record)
+        return record
+
+    def admin_order(self, src_id: str, dst_id: str, request_id: str) -> MigrationOrder:
+        """An AdminService.Migrate order: NotFound for unknown instances, FailedPrecondition for a bad destination."""
+        src = self._member(src_id, "source")
+        dst = self._member(dst_id, "destination") if dst_id else self._freest_other(src)
+        if dst.record.instance_id == src.record.instance_id:
+            raise FailedPrecondition(f"source and destination are both {src_id}; name another dst_instance_id "
+                                     "or leave it empty for the freest serving instance")
+        if dst.state is not InstanceState.SERVING:
+            raise FailedPrecondition(f"destination {dst.record.instance_id} is {dst.state.value}; "
+                                     "pick a serving instance (see ListInstances)")
+        return MigrationOrder(src.record.instance_id, src.record.address, dst.record.instance_id, dst.record.address,
+                              MigrationTrigger.ADMIN, self._settings.selection, request_id=request_id,
+                              backend=self._limits.backend)
+
+    def history(self, instance_id: str = "", request_id: str = "") -> list[MigrationRecord]:
+        """Kept records, oldest first, optionally only those of one instance or one request."""
+        return [r for r in self._history if (not instance_id or r.involves(instance_id))
+                and (not request_id or r.figures.request_id == request_id)]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # internals
+
+    def _peers(self) -> list[Peer]:
+        """Instances that can take part now: reported, not unhealthy, not at their limit, settled."""
+        now = self._clock()
+        peers = []
+        for view in self._view.instances():
+            instance_id = view.record.instance_id
+            if view.state is InstanceState.UNHEALTHY or view.report_age_s is None:
+                continue
+            if self._in_flight.get(instance_id, 0) >= self._limits.max_per_instance:
+                continue
+            if now - view.report_age_s <= self._ended_at.get(instance_id, float("-inf")):
+                continue
+            peers.append(Peer.of(view, is_draining=view.state is InstanceState.DRAINING))
+        return peers
+
+    def _order(self, pair: Pair) -> MigrationOrder:
+        excluded = frozenset() if pair.trigger is MigrationTrigger.DRAIN else self._cooled_request_ids()
+        return MigrationOrder(pair.src.instance_id, pair.src.address, pair.dst.instance_id, pair.dst.address,
+                              pair.trigger, self._settings.selection, backend=self._limits.backend,
+                              exclude_request_ids=excluded)
+
+    def _start(self, order: MigrationOrder) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(order), name=f"migrate:{order.src_instance_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    async def _run(self, order: MigrationOrder) -> None:
+        with contextlib.suppress(FerryError):  # recorded, counted and logged by migrate()
+            await self.migrate(order)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("migration_crashed", task=task.get_name(), exc_info=task.exception())
+
+    def _hold(self, order: MigrationOrder) -> None:
+        for instance_id in (order.src_instance_id, order.dst_instance_id):
+            self._in_flight[instance_id] = self._in_flight.get(instance_id, 0) + 1
+        metrics.MIGRATIONS_IN_FLIGHT.inc()
+
+    def _release(self, order: MigrationOrder) -> None:
+        now = self._clock()
+        for instance_id in (order.src_instance_id, order.dst_instance_id):
+            self._in_flight[instance_id] -= 1
+            if not self._in_flight[instance_id]:
+                del self._in_flight[instance_id]
+            self._ended_at[instance_id] = now
+        metrics.MIGRATIONS_IN_FLIGHT.dec()
+
+    def _keep(self, record: MigrationRecord) -> None:
+        self._history.append(record)
+        order, figures = record.order, record.figures
+        metrics.MIGRATIONS.labels(record.outcome.value, order.trigger.value).inc()
+        fields = dict(request_id=figures.request_id, src_instance_id=order.src_instance_id,
+                      dst_instance_id=order.dst_instance_id, trigger=order.trigger.value,
+                      duration_ms=round(figures.duration_ms, 2))
+        if not record.is_committed:
+            metrics.MIGRATION_FAILURES.labels(record.reason).inc()
+            log.warning("migration_failed", reason=record.reason, error=record.message, **fields)
+            return
+        self._cooled[figures.request_id] = self._clock()
+        metrics.MIGRATED_BYTES.inc(figures.num_bytes)
+        metrics.MIGRATED_BLOCKS.inc(figures.num_blocks)
+        metrics.MIGRATION_DOWNTIME.observe(figures.downtime_ms / 1e3)
+        metrics.MIGRATION_DURATION.observe(figures.duration_ms / 1e3)
+        log.info("request_migrated", num_blocks=figures.num_blocks, num_bytes=figures.num_bytes,
+                 num_stages=figures.num_stages, backend=figures.backend, downtime_ms=round(figures.downtime_ms, 2),
+                 **fields)
+
+    def _cooled_request_ids(self) -> frozenset[str]:
+        horizon = self._clock() - self._limits.cooldown_s
+        self._cooled = {r: t for r, t in self._cooled.items() if t > horizon}
+        return frozenset(self._cooled)
+
+    def _announce_drained(self) -> None:
+        drained = {v.record.instance_id for v in self._view.instances() if v.is_drained}
+        for instance_id in sorted(drained - self._announced_drained):
+            log.info("instance_drained_empty", instance_id=instance_id)
+        self._announced_drained = drained
+
+    def _member(self, instance_id: str, role: str) -> InstanceView:
+        if not self._view.has_member(instance_id):
+            raise NotFound(f"{role} instance {instance_id!r} is not registered; see ListInstances for the ids")
+        return self._view.instance(InstanceId(instance_id))
+
+    def _freest_other(self, src: InstanceView) -> InstanceView:
+        others = [v for v in self._view.instances() if v.state is InstanceState.SERVING
+                  and v.record.instance_id != src.record.instance_id and Peer.of(v, False).can_receive]
+        if not others:
+            raise FailedPrecondition(f"no other serving instance can take a request from {src.record.instance_id}; "
+                                     "start one or name dst_instance_id")
+        return min(others, key=lambda v: (-v.load.freeness, v.record.instance_id))
+
+
+def status_name(error: FerryError) -> str:
+    """The gRPC status a failed call ended with (UNIMPLEMENTED included), else the error's own code."""
+    code = getattr(error.__cause__, "code", None)
+    return code().name if callable(code) else error.grpc_code.name

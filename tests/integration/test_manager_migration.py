@@ -1,0 +1,242 @@
+"""The manager's migration side as a real process against a real etcd: the migration loop,
+Drain, admin Migrate, ListMigrations, metrics and the stored migration policy.
+
+Instances are simulated from the test: an etcd record, a ReportLoad stream, and an
+InstanceService whose MigrateOut moves a request between the simulated instances'
+books (their next load reports show it) the way a committed migration would.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+from etcd3aio import Etcd3Client
+
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.common.etcd_launcher import free_port
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc, transfer_pb2
+from services.common.grpc_server import start_grpc_server
+from services.manager.client import ManagerClient
+from tests.integration.manager_harness import SimulatedInstance, leader_of, start_manager, wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+BLOCKS_PER_REQUEST = 10
+
+
+class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
+    """ListRequests and MigrateOut over a shared registry of simulated instances."""
+
+    def __init__(self, sim: SimulatedInstance, peers: dict[str, MigratingInstance]) -> None:
+        self.sim = sim
+        self.peers = peers
+        self.request_ids: list[str] = []
+        self.refuse: str = ""  # non-empty: MigrateOut answers RESOURCE_EXHAUSTED with this text
+        self.calls: list[instance_pb2.MigrateOutRequest] = []
+
+    def hold(self, *request_ids: str) -> None:
+        self.request_ids.extend(request_ids)
+        self._sync()
+
+    async def ListRequests(self, request, context):
+        return instance_pb2.ListRequestsResponse(requests=[
+            instance_pb2.RequestInfo(request_id=r, instance_id=self.sim.instance_id, num_tokens=20, state="running")
+            for r in self.request_ids])
+
+    async def MigrateOut(self, request, context):
+        self.calls.append(request)
+        if self.refuse:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.refuse)
+        candidates = [r for r in self.request_ids if r not in request.exclude_request_ids]
+        request_id = request.request_id or (candidates[0] if candidates else "")
+        if request_id not in self.request_ids:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"request {request_id!r} is not here")
+        self.request_ids.remove(request_id)
+        self._sync()
+        self.peers[request.dst_instance_id].hold(request_id)
+        return instance_pb2.MigrateOutResponse(
+            request_id=request_id, src_instance_id=self.sim.instance_id, dst_instance_id=request.dst_instance_id,
+            num_blocks=BLOCKS_PER_REQUEST, num_bytes=BLOCKS_PER_REQUEST * 4096, num_stages=2,
+            backend=transfer_pb2.TRANSFER_BACKEND_GRPC, duration_ms=12.5, downtime_ms=1.5)
+
+    def _sync(self) -> None:
+        self.sim.num_running = len(self.request_ids)
+        self.sim.num_free_blocks = 1000 - BLOCKS_PER_REQUEST * len(self.request_ids)
+
+
+@pytest.fixture
+async def etcd_client(etcd):
+    client = Etcd3Client([etcd.endpoint])
+    await client.connect()
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def world(etcd, etcd_client, cluster, tmp_path):
+    """start(n, *manager_args) → (manager, client, {id: MigratingInstance}); everything stops at the end."""
+    managers, sims, clients = [], [], []
+
+    async def start(num_instances: int, *args: str, metrics_port: int = 0):
+        manager = await start_manager(etcd.endpoint, cluster, f"m-{len(managers)}", tmp_path,
+                                      "--report-timeout-s", "2", "--migration-interval-s", "0.1",
+                                      "--metrics-port", str(metrics_port), *args)
+        managers.append(manager)
+        await wait_until(lambda: _leads(manager), 10, "manager leading")
+        peers: dict[str, MigratingInstance] = {}
+        for n in range(num_instances):
+            sim = SimulatedInstance(f"i-{n}", "", report_interval_s=0.05)
+            servicer = peers[sim.instance_id] = MigratingInstance(sim, peers)
+            sim.server = await start_grpc_server("127.0.0.1", 0, [(
+                instance_pb2_grpc.add_InstanceServiceServicer_to_server, servicer)], ["ferry.v1.InstanceService"])
+            sim.address = sim.server.address
+            await sim.register(etcd_client, cluster)
+            sim.start_reporting(lambda: [m.address for m in managers])
+            sims.append(sim)
+        client = ManagerClient(manager.address, timeout_s=5)
+        clients.append(client)
+        await wait_until(lambda: _all_reported(client, num_instances), 10, "instances reported")
+        return manager, client, peers
+
+    yield start
+    for client in clients:
+        await client.close()
+    for sim in sims:
+        await sim.stop()
+    for manager in managers:
+        await manager.stop()
+
+
+async def _leads(manager) -> bool:
+    return await leader_of(manager) == manager.manager_id
+
+
+async def _all_reported(client: ManagerClient, num_instances: int) -> bool:
+    infos = await client.list_instances()
+    return len(infos) == num_instances and all(i.report_age_s >= 0 for i in infos)
+
+
+async def running(client: ManagerClient) -> dict[str, int]:
+    return {i.instance_id: i.num_running for i in await client.list_instances()}
+
+
+async def test_the_loop_spreads_a_flooded_instance_and_keeps_a_history(world):
+    port = free_port()
+    _, client, peers = await world(3, metrics_port=port)
+    peers["i-0"].hold(*(f"r-{n}" for n in range(9)))
+    await wait_until(lambda: _running_is(client, {"i-0": 9, "i-1": 0, "i-2": 0}), 5, "flood reported")
+    policy = await client.update_policy(migration_enabled=True, migration_threshold=0.0)
+    assert (policy.dispatch, policy.migration_enabled, policy.migration_pairing) == ("load", True, "load")
+    await wait_until(lambda: _running_is(client, {"i-0": 3, "i-1": 3, "i-2": 3}), 15, "load spread evenly")
+
+    migrations = (await client.list_migrations()).migrations
+    assert len(migrations) == 6 and {m.outcome for m in migrations} == {"committed"}
+    assert {m.src_instance_id for m in migrations} == {"i-0"} and {m.trigger for m in migrations} == {"load"}
+    assert {m.dst_instance_id for m in migrations} == {"i-1", "i-2"}
+    assert (migrations[0].num_blocks, migrations[0].backend, migrations[0].downtime_ms) == (10, "grpc", 1.5)
+    assert len((await client.list_migrations(instance_id="i-1")).migrations) == 3
+    assert all(call.selection == instance_pb2.MIGRATION_SELECTION_SHORTEST_RUNNING for call in peers["i-0"].calls)
+    # the loop stays put once balanced (hysteresis): no more calls a while later
+    num_calls = sum(len(p.calls) for p in peers.values())
+    await _sleep(0.6)
+    assert sum(len(p.calls) for p in peers.values()) == num_calls
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'ferry_manager_migrations_total{outcome="committed",trigger="load"} 6.0' in text
+    assert "ferry_manager_migrated_bytes_total 245760.0" in text
+    assert "ferry_manager_migration_downtime_seconds_count 6.0" in text
+
+
+async def test_failures_are_counted_by_status_and_the_loop_lives_on(world):
+    _, client, peers = await world(2, "--migration-enabled", "--migration-threshold", "0")
+    peers["i-0"].refuse = "destination i-1 has no free batch slot"
+    peers["i-0"].hold("r-1", "r-2", "r-3", "r-4")
+    await wait_until(lambda: _num_migrations(client, 2), 10, "two failed attempts")
+    failed = (await client.list_migrations()).migrations
+    assert {(m.outcome, m.reason) for m in failed} == {("failed", "RESOURCE_EXHAUSTED")}
+    assert failed[0].message == "destination i-1 has no free batch slot"
+    peers["i-0"].refuse = ""
+    await wait_until(lambda: _running_is(client, {"i-0": 2, "i-1": 2}), 10, "the loop recovered")
+
+
+async def test_drain_moves_everything_off_and_then_reports_drained(world):
+    _, client, peers = await world(3)  # the load-balancing loop is off: drains move anyway
+    peers["i-1"].hold("r-a", "r-b", "r-c")
+    await wait_until(lambda: _running_is(client, {"i-0": 0, "i-1": 3, "i-2": 0}), 5, "requests reported")
+    answer = await client.drain("i-1")
+    assert answer.state == common_pb2.INSTANCE_STATE_DRAINING and not answer.is_drained
+    assert answer.num_remaining == 3
+    await wait_until(lambda: _is_drained(client, "i-1"), 15, "i-1 drained")
+    assert (await running(client))["i-1"] == 0 and sorted(peers["i-0"].request_ids + peers["i-2"].request_ids) == [
+        "r-a", "r-b", "r-c"]
+    again = await client.drain("i-1")
+    assert again.is_drained and again.num_remaining == 0
+    assert {m.trigger for m in (await client.list_migrations()).migrations} == {"drain"}
+
+
+async def test_admin_migrate_finds_the_request_and_checks_its_arguments(world):
+    _, client, peers = await world(3)
+    peers["i-0"].hold("r-1", "r-2")
+    peers["i-1"].hold("r-3")
+    await wait_until(lambda: _running_is(client, {"i-0": 2, "i-1": 1, "i-2": 0}), 5, "requests reported")
+    moved = await client.migrate(request_id="r-2")
+    assert (moved.request_id, moved.src_instance_id, moved.dst_instance_id) == ("r-2", "i-0", "i-2")
+    assert (moved.num_blocks, moved.num_stages, moved.backend, moved.duration_ms) == (10, 2, "grpc", 12.5)
+    assert peers["i-2"].request_ids == ["r-2"] and peers["i-0"].calls[-1].request_id == "r-2"
+    picked = await client.migrate(src_instance_id="i-0", dst_instance_id="i-1")
+    assert (picked.request_id, picked.dst_instance_id) == ("r-1", "i-1")
+
+    with pytest.raises(NotFound, match="'r-zz' is not running or waiting on any instance"):
+        await client.migrate(request_id="r-zz")
+    with pytest.raises(NotFound, match="'i-9' is not registered"):
+        await client.migrate(src_instance_id="i-9")
+    with pytest.raises(NotFound, match="destination instance 'i-9'"):
+        await client.migrate(request_id="r-3", dst_instance_id="i-9")
+    with pytest.raises(FailedPrecondition, match="source and destination are both i-1"):
+        await client.migrate(request_id="r-3", dst_instance_id="i-1")
+    with pytest.raises(InvalidArgument, match="set request_id"):
+        await client.migrate()
+    peers["i-1"].refuse = "no room on i-2"
+    with pytest.raises(ResourceExhausted, match="no room on i-2"):
+        await client.migrate(request_id="r-3", dst_instance_id="i-2")
+    history = (await client.list_migrations(request_id="r-3")).migrations
+    assert [(m.outcome, m.reason, m.trigger) for m in history] == [("failed", "RESOURCE_EXHAUSTED", "admin")]
+
+
+async def test_the_migration_policy_is_stored_and_survives_a_restart(world, etcd, cluster, tmp_path):
+    manager, client, _ = await world(1)
+    with pytest.raises(InvalidArgument, match="migration_threshold must be >= 0"):
+        await client.update_policy(migration_threshold=-1.0)
+    with pytest.raises(InvalidArgument, match="unknown pairing 'x'"):
+        await client.update_policy(migration_pairing="x")
+    await client.update_policy(dispatch="flood", migration_enabled=True, migration_threshold=2.5,
+                               migration_selection=instance_pb2.MIGRATION_SELECTION_LONGEST_RUNNING)
+    assert (await client.update_policy(migration_enabled=False)).dispatch == "flood"  # unset fields keep
+    assert await manager.stop() == 0
+    restarted = await start_manager(etcd.endpoint, cluster, "m-restarted", tmp_path)
+    try:
+        async with ManagerClient(restarted.address) as again:
+            policy = await again.get_full_policy()
+    finally:
+        await restarted.stop()
+    assert (policy.dispatch, policy.migration_enabled, policy.migration_threshold, policy.migration_selection) == (
+        "flood", False, 2.5, instance_pb2.MIGRATION_SELECTION_LONGEST_RUNNING)
+
+
+async def _running_is(client: ManagerClient, expected: dict[str, int]) -> bool:
+    return await running(client) == expected
+
+
+async def _num_migrations(client: ManagerClient, at_least: int) -> bool:
+    return len((await client.list_migrations()).migrations) >= at_least
+
+
+async def _is_drained(client: ManagerClient, instance_id: str) -> bool:
+    return {i.instance_id: i.is_drained for i in await client.list_instances()}[instance_id]
+
+
+async def _sleep(seconds: float) -> None:
+    import asyncio
+    await asyncio.sleep(seconds)

@@ -1,0 +1,348 @@
+"""Live migration between two real instance processes, each with its co-located transfer service.
+
+A client reads a request's Generate stream on A, the test asks A to MigrateOut to B, and the
+client follows the hand-off with Attach on B: the concatenated tokens must equal the
+never-migrated reference, with no gap and no duplicate token index. Every failure path must
+leave the request running on A to its correct end, with no KV block leaked on either side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from services.cluster.processes import ServiceProcess
+from services.common.etcd_launcher import free_port
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc, transfer_pb2
+from services.common.registry import Registry
+from services.instance.engine.factory import EngineSpec, build_engine
+from services.instance.engine.request import SamplingParams
+from services.transfer.client import TransferClient
+from services.transfer.convert import geometry_from_record
+
+pytestmark = pytest.mark.timeout(180)
+
+NUM_BLOCKS = 256
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 1024
+STAGE_BLOCKS = 4  # small, so a request of a few dozen tokens already migrates in several stages
+RESERVATION_TIMEOUT_S = 3.0
+TRANSFER_TIMEOUT_S = 2.5
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 31, 8, 64, 2, 11, 19, 23, 29, 37, 41, 43, 47, 53]
+
+
+def _transfer(name: str, etcd, cluster: str, log_dir) -> ServiceProcess:
+    port = free_port()
+    return ServiceProcess(name, "transfer",
+                          ["--port", str(port), "--transfer-id", name, "--etcd-endpoints", etcd.endpoint,
+                           "--cluster", cluster, "--num-threads", "1"],
+                          f"127.0.0.1:{port}", log_dir).start()
+
+
+def _instance(instance_id: str, transfer_address: str, etcd, cluster: str, log_dir) -> ServiceProcess:
+    port = free_port()
+    return ServiceProcess(
+        instance_id, "instance",
+        ["--model", str(_instance.model_dir), "--port", str(port), "--instance-id", instance_id, "--num-threads", "1",
+         "--etcd-endpoints", etcd.endpoint, "--cluster", cluster, "--num-blocks", str(NUM_BLOCKS),
+         "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
+         "--transfer-address", transfer_address, "--migration-stage-blocks", str(STAGE_BLOCKS),
+         "--migration-max-stages", "3", "--migration-reservation-timeout-s", str(RESERVATION_TIMEOUT_S),
+         "--migration-transfer-timeout-s", str(TRANSFER_TIMEOUT_S), "--verify-transfer-checksum"],
+        f"127.0.0.1:{port}", log_dir).start()
+
+
+@dataclass
+class Cluster:
+    name: str
+    processes: dict[str, ServiceProcess]
+    log_dir: object
+
+    def address(self, name: str) -> str:
+        return self.processes[name].address
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd, tiny_model_dir, tmp_path_factory):
+    name = f"mig-{uuid.uuid4().hex[:6]}"
+    log_dir = tmp_path_factory.mktemp("migration-logs")
+    _instance.model_dir = tiny_model_dir
+    processes: dict[str, ServiceProcess] = {}
+    try:
+        for transfer in ("ta", "tb"):
+            processes[transfer] = _transfer(transfer, etcd, name, log_dir)
+        for transfer in ("ta", "tb"):
+            asyncio.run(processes[transfer].wait_healthy(60))
+        processes["a"] = _instance("a", processes["ta"].address, etcd, name, log_dir)
+        processes["b"] = _instance("b", processes["tb"].address, etcd, name, log_dir)
+        for instance in ("a", "b"):
+            asyncio.run(processes[instance].wait_healthy(90))
+        yield Cluster(name, processes, log_dir)
+    finally:
+        for process in processes.values():
+            process.signal(signal.SIGCONT)
+            process.stop()
+
+
+@pytest.fixture
+async def stubs(cluster):
+    async with grpc.aio.insecure_channel(cluster.address("a")) as a, grpc.aio.insecure_channel(cluster.address("b")) as b:
+        yield {"a": instance_pb2_grpc.InstanceServiceStub(a), "b": instance_pb2_grpc.InstanceServiceStub(b)}
+
+
+_references: dict[tuple, list[int]] = {}
+
+
+def reference(model_dir, prompt: list[int], sampling: SamplingParams) -> list[int]:
+    key = (tuple(prompt), sampling)
+    if key not in _references:
+        loaded = build_engine(EngineSpec(model_dir, kv_name=f"ferry-test-ref-{uuid.uuid4().hex[:6]}",
+                                         block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN))
+        try:
+            _references[key] = loaded.engine.generate([prompt], sampling)[0]
+        finally:
+            loaded.close()
+    return _references[key]
+
+
+def greedy(max_tokens: int) -> tuple[common_pb2.SamplingParams, SamplingParams]:
+    return (common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def seeded(max_tokens: int, seed: int = 99) -> tuple[common_pb2.SamplingParams, SamplingParams]:
+    wire = common_pb2.SamplingParams(temperature=0.8, top_p=0.9, top_k=30, seed=seed, max_tokens=max_tokens,
+                                     ignore_eos=True)
+    # The engine sees the wire's float32 values.
+    return wire, SamplingParams(temperature=wire.temperature, top_p=wire.top_p, top_k=30, seed=seed,
+                                max_tokens=max_tokens, ignore_eos=True)
+
+
+@dataclass
+class ClientStream:
+    """One client's view of a request: Generate, then Attach after every hand-off."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    handoffs: list[instance_pb2.Handoff] = field(default_factory=list)
+
+    async def read(self, call, until_tokens: int | None = None) -> instance_pb2.Handoff | None:
+        """Read `call` until it ends (returns its hand-off, if any) or holds `until_tokens` tokens (returns None)."""
+        while until_tokens is None or len(self.token_ids) < until_tokens:
+            chunk = await call.read()
+            assert chunk is not grpc.aio.EOF, "stream ended without a finish reason or hand-off"
+            if chunk.HasField("handoff"):
+                assert chunk.token_index == chunk.handoff.next_token_index == len(self.token_ids)
+                self.handoffs.append(chunk.handoff)
+                return chunk.handoff
+            assert chunk.token_index == len(self.token_ids) or not chunk.token_ids, "gap or duplicate token index"
+            self.token_ids += chunk.token_ids
+            if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                self.finish_reason = chunk.finish_reason
+                return None
+        return None
+
+    async def follow(self, call) -> None:
+        """Read to the end, attaching to each hand-off's destination in turn."""
+        channels = []
+        try:
+            while (handoff := await self.read(call)) is not None:
+                channels.append(grpc.aio.insecure_channel(handoff.dst_address))
+                call = instance_pb2_grpc.InstanceServiceStub(channels[-1]).Attach(
+                    instance_pb2.AttachRequest(request_id=self.request_id, from_token_index=handoff.next_token_index,
+                                               epoch=handoff.epoch), timeout=60)
+        finally:
+            for channel in channels:
+                await channel.close()
+
+
+def generate(stub, request_id: str, wire: common_pb2.SamplingParams, prompt=PROMPT):
+    return stub.Generate(instance_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=wire),
+                         timeout=60)
+
+
+def migrate_out(stub, request_id: str, dst: str, cluster: Cluster, **fields):
+    return stub.MigrateOut(instance_pb2.MigrateOutRequest(request_id=request_id, dst_instance_id=dst,
+                                                          dst_address=cluster.address(dst), **fields), timeout=30)
+
+
+async def free_blocks(stub) -> int:
+    return (await stub.GetStatus(instance_pb2.GetStatusRequest(), timeout=5)).load.num_free_blocks
+
+
+async def assert_all_blocks_free(stubs) -> None:
+    for _ in range(50):
+        loads = [(await s.GetStatus(instance_pb2.GetStatusRequest(), timeout=5)).load for s in stubs.values()]
+        if all(load.num_free_blocks == NUM_BLOCKS and load.num_running == 0 for load in loads):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"blocks leaked: {[(l.instance_id, l.num_free_blocks, l.num_running) for l in loads]}")
+
+
+async def test_migrated_mid_stream_client_follows_the_hand_off(stubs, cluster, tiny_model_dir):
+    wire, sampling = greedy(600)
+    client = ClientStream("mid-1")
+    call = generate(stubs["a"], "mid-1", wire)
+    await client.read(call, until_tokens=12)
+    result = await migrate_out(stubs["a"], "mid-1", "b", cluster)
+    await client.follow(call)
+    assert client.token_ids == reference(tiny_model_dir, PROMPT, sampling)
+    assert client.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert [(h.dst_instance_id, h.epoch) for h in client.handoffs] == [("b", 1)]
+    assert result.request_id == "mid-1" and result.src_instance_id == "a" and result.dst_instance_id == "b"
+    assert result.num_stages >= 2 and result.num_blocks >= 8 and result.num_bytes > 0
+    assert result.backend == transfer_pb2.TRANSFER_BACKEND_GRPC and 0 < result.downtime_ms < result.duration_ms
+    print(f"\nmigration mid-1: stages={result.num_stages} blocks={result.num_blocks} bytes={result.num_bytes} "
+          f"duration_ms={result.duration_ms:.1f} downtime_ms={result.downtime_ms:.1f}")
+    await assert_all_blocks_free(stubs)
+
+
+async def test_seeded_request_migrated_a_to_b_to_a(stubs, cluster, tiny_model_dir):
+    wire, sampling = seeded(600)
+    client = ClientStream("twice-1")
+    call = generate(stubs["a"], "twice-1", wire)
+    await client.read(call, until_tokens=5)
+    await migrate_out(stubs["a"], "twice-1", "b", cluster, selection=instance_pb2.MIGRATION_SELECTION_LONGEST_RUNNING)
+    handoff = await client.read(call)
+    attach = stubs["b"].Attach(instance_pb2.AttachRequest(request_id="twice-1", from_token_index=handoff.next_token_index,
+                                                          epoch=handoff.epoch), timeout=60)
+    await client.read(attach, until_tokens=len(client.token_ids) + 20)
+    back = await migrate_out(stubs["b"], "", "a", cluster)  # b picks: its only request
+    assert back.request_id == "twice-1"
+    await client.follow(attach)
+    assert client.token_ids == reference(tiny_model_dir, PROMPT, sampling)
+    assert [(h.dst_instance_id, h.epoch) for h in client.handoffs] == [("b", 1), ("a", 2)]
+    await assert_all_blocks_free(stubs)
+
+
+async def instance_record(etcd, cluster: Cluster, instance_id: str) -> dict:
+    async with Registry([etcd.endpoint], cluster.name) as registry:
+        return await registry.get_json(f"instances/{instance_id}")
+
+
+async def test_shm_backend_when_one_service_maps_both(stubs, cluster, tiny_model_dir, etcd):
+    record = await instance_record(etcd, cluster, "b")
+    assert record["transfer_address"] == cluster.address("tb") and record["transfer_id"] == "tb"
+    async with TransferClient(cluster.address("ta")) as ta:
+        await ta.map_instance("b", record["kv_shm_name"], geometry_from_record(record["kv"]))
+        try:
+            wire, sampling = greedy(300)
+            client = ClientStream("shm-1")
+            call = generate(stubs["a"], "shm-1", wire)
+            await client.read(call, until_tokens=3)
+            result = await migrate_out(stubs["a"], "shm-1", "b", cluster, backend=transfer_pb2.TRANSFER_BACKEND_SHM)
+            await client.follow(call)
+        finally:
+            await ta.unmap_instance("b")
+    assert result.backend == transfer_pb2.TRANSFER_BACKEND_SHM
+    assert client.token_ids == reference(tiny_model_dir, PROMPT, sampling)
+    await assert_all_blocks_free(stubs)
+
+
+async def test_attach_checks_request_and_epoch(stubs, cluster):
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await stubs["b"].Attach(instance_pb2.AttachRequest(request_id="nobody", epoch=1), timeout=5).read()
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+    wire, _ = greedy(600)
+    client = ClientStream("epoch-1")
+    call = generate(stubs["a"], "epoch-1", wire)
+    await client.read(call, until_tokens=2)
+    await migrate_out(stubs["a"], "epoch-1", "b", cluster)
+    handoff = await client.read(call)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await stubs["b"].Attach(instance_pb2.AttachRequest(request_id="epoch-1", epoch=handoff.epoch + 1),
+                                timeout=5).read()
+    assert error.value.code() == grpc.StatusCode.ABORTED
+    attach = stubs["b"].Attach(instance_pb2.AttachRequest(request_id="epoch-1", from_token_index=handoff.next_token_index,
+                                                          epoch=handoff.epoch), timeout=60)
+    await client.read(attach, until_tokens=len(client.token_ids) + 1)
+    attach.cancel()  # the client goes away: the request is aborted on b
+    await assert_all_blocks_free(stubs)
+
+
+async def test_destination_full_or_dead_keeps_the_request_on_the_source(stubs, cluster, tiny_model_dir):
+    wire, sampling = greedy(500)
+    hog_sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)
+    hogs = [generate(stubs["b"], f"hog-{i}", hog_sampling, prompt=[7 + i] * 200) for i in range(4)]
+    for hog in hogs:
+        await hog.read()  # 4 x 200 prompt tokens: 200 of b's 256 blocks, and growing for seconds
+    client = ClientStream("full-1")
+    call = generate(stubs["a"], "full-1", wire, prompt=PROMPT * 8)  # 160 prompt tokens: 40 blocks
+    await client.read(call, until_tokens=3)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await migrate_out(stubs["a"], "full-1", "b", cluster)
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.value.details()
+    for i in range(4):
+        await stubs["b"].Abort(instance_pb2.AbortRequest(request_id=f"hog-{i}"), timeout=5)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await stubs["a"].MigrateOut(instance_pb2.MigrateOutRequest(
+            request_id="full-1", dst_instance_id="ghost", dst_address=f"127.0.0.1:{free_port()}"), timeout=30)
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value.details()
+    await client.follow(call)
+    assert not client.handoffs and client.token_ids == reference(tiny_model_dir, PROMPT * 8, sampling)
+    await assert_all_blocks_free(stubs)
+
+
+async def test_destination_transfer_service_killed_mid_copy(stubs, cluster, tiny_model_dir, etcd):
+    victim = _transfer(f"tv-{uuid.uuid4().hex[:4]}", etcd, cluster.name, cluster.log_dir)
+    try:
+        await victim.wait_healthy(60)
+        record = await instance_record(etcd, cluster, "b")
+        async with TransferClient(victim.address) as tv:
+            await tv.map_instance("b", record["kv_shm_name"], geometry_from_record(record["kv"]))
+        wire, sampling = greedy(900)
+        client = ClientStream("kill-1")
+        call = generate(stubs["a"], "kill-1", wire, prompt=PROMPT * 2)
+        await client.read(call, until_tokens=4)
+        victim.signal(signal.SIGSTOP)  # the first stage's copy hangs in it ...
+        migration = asyncio.ensure_future(migrate_out(stubs["a"], "kill-1", "b", cluster,
+                                                      dst_transfer_address=victim.address))
+        await asyncio.sleep(0.7)
+        assert not migration.done()
+        victim.kill()  # ... until it dies mid-copy
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await migration
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value.details()
+    finally:
+        victim.signal(signal.SIGCONT)
+        victim.kill()
+    await client.follow(call)
+    assert not client.handoffs and client.token_ids == reference(tiny_model_dir, PROMPT * 2, sampling)
+    await assert_all_blocks_free(stubs)
+
+
+async def test_request_finishing_before_commit_aborts_the_migration(stubs, cluster, tiny_model_dir):
+    wire, sampling = greedy(150)
+    client = ClientStream("done-1")
+    call = generate(stubs["a"], "done-1", wire, prompt=PROMPT * 2)
+    await client.read(call, until_tokens=2)
+    tb = cluster.processes["tb"]
+    tb.signal(signal.SIGSTOP)  # the first live stage's copy waits on b's transfer service
+    try:
+        migration = asyncio.ensure_future(migrate_out(stubs["a"], "done-1", "b", cluster))
+        await client.follow(call)  # meanwhile the request runs to its end on a
+    finally:
+        tb.signal(signal.SIGCONT)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await migration
+    assert error.value.code() == grpc.StatusCode.ABORTED, error.value.details()
+    assert not client.handoffs and client.token_ids == reference(tiny_model_dir, PROMPT * 2, sampling)
+    await assert_all_blocks_free(stubs)
+
+
+async def test_watchdog_frees_a_reservation_nobody_commits(stubs):
+    baseline = await free_blocks(stubs["b"])
+    reply = await stubs["b"].PrepareMigrateIn(instance_pb2.PrepareMigrateInRequest(
+        migration_id="orphan-1", request_id="orphan", src_instance_id="vanished", num_blocks=10), timeout=5)
+    assert len(reply.block_ids) == 10 and reply.dst_transfer_id == "tb"
+    assert await free_blocks(stubs["b"]) == baseline - 10
+    await asyncio.sleep(RESERVATION_TIMEOUT_S + 1.5)
+    assert await free_blocks(stubs["b"]) == baseline
+    reply = await stubs["b"].AbortMigrateIn(instance_pb2.AbortMigrateInRequest(migration_id="orphan-1"), timeout=5)
+    assert not reply.was_reserved

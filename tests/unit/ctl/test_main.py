@@ -1,0 +1,53 @@
+import pytest
+
+from services.ctl.__main__ import build_parser, resolve_config
+
+
+def config_of(argv, monkeypatch, env=None):
+    for name in ("FERRY_CTL_ADMIN", "FERRY_CTL_TOKEN", "FERRY_CTL_JSON", "FERRY_CTL_TIMEOUT_S", "FERRY_CTL_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(argv)
+    return args, resolve_config(args)
+
+
+def test_defaults(monkeypatch):
+    args, config = config_of(["instances"], monkeypatch)
+    assert (args.command, config.admin, config.json, config.token) == ("instances", "127.0.0.1:50051", False, "")
+
+
+def test_global_flags_before_or_after_the_command(monkeypatch):
+    _, before = config_of(["--json", "--admin", "h:1", "status"], monkeypatch)
+    _, after = config_of(["status", "--json", "--admin", "h:1"], monkeypatch)
+    assert before == after and before.json and before.admin == "h:1"
+
+
+def test_environment_then_flags(monkeypatch):
+    _, config = config_of(["status"], monkeypatch, {"FERRY_CTL_ADMIN": "env:2", "FERRY_CTL_JSON": "true"})
+    assert (config.admin, config.json) == ("env:2", True)
+    _, config = config_of(["--admin", "cli:3", "status"], monkeypatch, {"FERRY_CTL_ADMIN": "env:2"})
+    assert config.admin == "cli:3"
+
+
+def test_subcommand_arguments(monkeypatch):
+    args, _ = config_of(["policy", "set", "round_robin"], monkeypatch)
+    assert (args.action, args.dispatch, args.set) == ("set", "round_robin", None)
+    args, _ = config_of(["policy", "set", "--set", "migration_enabled=true", "--set", "migration_threshold=8"],
+                        monkeypatch)
+    assert (args.dispatch, args.set) == (None, ["migration_enabled=true", "migration_threshold=8"])
+    args, _ = config_of(["top", "--iterations", "3", "--interval", "0.5"], monkeypatch)
+    assert (args.iterations, args.interval) == (3, 0.5)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["role", "i-0", "leader"])
+
+
+def test_policyparse_assignments_parse_json_values():
+    from services.ctl.commands import parse_assignment
+
+    assert parse_assignment("migration_enabled=true") == ("migration_enabled", True)
+    assert parse_assignment("migration_threshold=8.5") == ("migration_threshold", 8.5)
+    assert parse_assignment("migration_selection=MIGRATION_SELECTION_SHORTEST") == (
+        "migration_selection", "MIGRATION_SELECTION_SHORTEST")
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        parse_assignment("migration_enabled")

@@ -1,0 +1,65 @@
+from services.ctl.records import (ClusterStatus, DrainResult, InstanceRow, MigrationRow, RequestList, RequestRow,
+                                 to_json)
+from services.ctl.tables import (drain_line, instances_table, load_table, migrations_table, policy_table, render_table,
+                                requests_table, status_table)
+
+
+def instance(instance_id="instance-0", free=192, total=256, served=7) -> InstanceRow:
+    return InstanceRow(instance_id=instance_id, address="10.0.0.1:50061", role="both", state="serving", model="m",
+                       host="h", pid=1, num_running=2, num_waiting=1, num_free_blocks=free, num_total_blocks=total,
+                       freeness=42.5, num_requests_served=served, num_dispatched=9, report_age_s=0.05)
+
+
+def test_render_table_aligns_text_left_and_numbers_right():
+    text = render_table(("NAME", "N"), [("a", 1), ("long-name", 100)])
+    assert text.splitlines() == ["NAME         N", "a            1", "long-name  100"]
+
+
+def test_instances_table():
+    header, row = instances_table([instance()]).splitlines()
+    assert header.split() == ["INSTANCE", "ROLE", "STATE", "RUNNING", "WAITING", "KV", "USED", "FREE/TOTAL",
+                              "FREENESS", "SERVED", "ADDRESS"]
+    assert row.split() == ["instance-0", "both", "serving", "2", "1", "25.0%", "192/256", "42.50", "7",
+                           "10.0.0.1:50061"]
+    assert instances_table([]) == "no instances registered"
+
+
+def test_load_table_draws_a_usage_bar_and_rates():
+    text = load_table([instance(free=128)], {"instance-0": 1.5})
+    assert "[#####.....]" in text and " 1.50 " in text
+
+
+def test_requests_table_names_silent_instances():
+    listing = RequestList((RequestRow("r-1", "instance-0", "running", 12, 6),), ("instance-1",))
+    lines = requests_table(listing).splitlines()
+    assert lines[1].split() == ["r-1", "instance-0", "running", "12", "6"]
+    assert lines[-1] == "(no answer from: instance-1)"
+    assert requests_table(RequestList((), ())) == "no requests"
+
+
+def test_status_table_and_drain_line():
+    status = ClusterStatus("manager-0", "10.0.0.1:50051", "manager-1", "load", 2, 1, 1, 0, 3, 0, 17, 12.0)
+    text = status_table(status)
+    assert text.splitlines()[0].split() == ["leader", "manager-0", "(10.0.0.1:50051)"]
+    assert "2 (1 serving, 1 draining, 0 unhealthy)" in text
+    assert drain_line(DrainResult("instance-1", "draining", False, 3)) == (
+        "instance instance-1 is draining: no new requests go to it; 3 requests still on it")
+    assert drain_line(DrainResult("instance-1", "draining", True, 0)).endswith("and nothing runs there")
+
+
+def test_policy_and_migrations_tables():
+    assert policy_table({"dispatch": "load", "migration_enabled": True}).splitlines() == [
+        "dispatch           load", "migration_enabled  true"]
+    row = MigrationRow(0.0, "r-1", "i-0", "i-1", "admin", "committed", 4, 1024, 2, "grpc", 12.5, 1.25, "", "")
+    header, line = migrations_table([row]).splitlines()
+    assert header.split()[:6] == ["STARTED", "REQUEST", "FROM", "TO", "TRIGGER", "OUTCOME"]
+    assert line.split()[1:] == ["r-1", "i-0", "i-1", "admin", "committed", "4", "2", "grpc", "12.50", "1.25"]
+    assert migrations_table([]) == "no migrations"
+
+
+def test_to_json_flattens_records():
+    listing = RequestList((RequestRow("r-1", "i", "running", 3, 1),), ())
+    assert to_json(listing) == {"requests": [{"request_id": "r-1", "instance_id": "i", "state": "running",
+                                              "num_tokens": 3, "num_output_tokens": 1}],
+                                "unreachable_instance_ids": []}
+    assert to_json([instance()])[0]["freeness"] == 42.5

@@ -1,0 +1,277 @@
+"""Live migration at the engine level: two LLMEngines on the same tiny model, KV blocks copied
+with a plain tensor copy between their caches (what the transfer service does), the request
+exported on A and imported on B. A migrated request must produce exactly the tokens and text
+it would have produced unmigrated, and no block may leak on either side."""
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted
+from services.instance.engine.engine import EngineConfig, LLMEngine, StepOutput
+from services.instance.engine.kv_cache import KvCache, KvGeometry
+from services.instance.engine.migration_state import MigrationSelection
+from services.instance.engine.model import load_model
+from services.instance.engine.request import FinishReason, RequestStatus, SamplingParams
+from services.instance.engine.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.timeout(120)
+torch.set_num_threads(1)
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=77, max_tokens=MAX_TOKENS, ignore_eos=True)
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 31, 8, 64, 2]  # 11 tokens: the last prompt block is partial
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
+
+
+@pytest.fixture
+def make_engine(tiny) -> Iterator[Callable[..., LLMEngine]]:
+    caches: list[KvCache] = []
+
+    def make(num_blocks: int = NUM_BLOCKS, max_num_seqs: int = 8) -> LLMEngine:
+        model, tokenizer = tiny
+        c = model.config
+        geometry = KvGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, BLOCK_SIZE, num_blocks,
+                              torch.float32)
+        cache = KvCache.create(f"ferry-kv-test-mig-{os.getpid()}-{uuid.uuid4().hex[:8]}", geometry)
+        caches.append(cache)
+        config = EngineConfig(num_blocks=num_blocks, max_model_len=256, block_size=BLOCK_SIZE,
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=256)
+        return LLMEngine(model, tokenizer, cache, config)
+
+    yield make
+    for cache in caches:
+        cache.close()
+        cache.unlink()
+
+
+@dataclass
+class Stream:
+    """What a client would have received for one request, across instances."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+
+    def add(self, output: StepOutput) -> None:
+        assert output.token_index == len(self.token_ids), "gap or duplicate token index"
+        self.token_ids += output.new_token_ids
+        self.text += output.text
+        self.finish_reason = output.finish_reason
+
+
+class Harness:
+    """Steps engines and collects every request's outputs into its one client stream."""
+
+    def __init__(self) -> None:
+        self.streams: dict[str, Stream] = {}
+
+    def step(self, engine: LLMEngine) -> None:
+        for output in engine.step():
+            self.streams.setdefault(output.request_id, Stream()).add(output)
+
+    def run_until(self, engine: LLMEngine, request_id: str, num_tokens: int) -> None:
+        while len(self.streams.get(request_id, Stream()).token_ids) < num_tokens:
+            self.step(engine)
+
+    def finish(self, engine: LLMEngine, request_id: str) -> Stream:
+        while self.streams.get(request_id, Stream()).finish_reason is None:
+            self.step(engine)
+        return self.streams[request_id]
+
+
+def copy_blocks(src: LLMEngine, dst: LLMEngine, src_ids, dst_ids) -> None:
+    """What the transfer service does: every layer's K and V of each block."""
+    if src_ids:
+        dst.kv_cache.tensor[:, :, list(dst_ids)] = src.kv_cache.tensor[:, :, list(src_ids)]
+
+
+def migrate(src: LLMEngine, dst: LLMEngine, request_id: str, harness: Harness | None = None,
+            num_live_steps: int = 0) -> None:
+    """The multi-stage protocol in one process: copy the full blocks while `src` keeps
+    decoding `num_live_steps` steps, then suspend, copy the rest, commit, release."""
+    migration_id = f"m-{uuid.uuid4().hex[:6]}"
+    copied: dict[int, int] = {}
+    if num_live_steps:
+        view = src.migration_blocks(request_id)
+        reserved = dst.reserve_blocks(migration_id, view.num_blocks + 2)
+        full = range(view.num_full_blocks)
+        copy_blocks(src, dst, [view.block_ids[i] for i in full], [reserved[i] for i in full])
+        copied = {i: view.block_ids[i] for i in full}
+        for _ in range(num_live_steps):
+            harness.step(src)
+    view = src.suspend(request_id)
+    reserved = dst.reserve_blocks(migration_id, view.num_blocks)
+    pending = [i for i in range(view.num_blocks) if copied.get(i) != view.block_ids[i]]
+    copy_blocks(src, dst, [view.block_ids[i] for i in pending], [reserved[i] for i in pending])
+    state = src.export_state(request_id)
+    dst.import_request(migration_id, state)
+    src.release(request_id)
+
+
+def unmigrated(make_engine, sampling: SamplingParams, prompt=PROMPT) -> Stream:
+    engine, harness = make_engine(), Harness()
+    engine.add_request("ref", prompt, sampling)
+    return harness.finish(engine, "ref")
+
+
+def assert_no_blocks_held(*engines: LLMEngine) -> None:
+    for engine in engines:
+        assert engine.block_manager.num_free_blocks == engine.config.num_blocks
+        assert len(engine.reservations) == 0 and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("num_before", [1, 9, MAX_TOKENS - 1], ids=["first-token", "mid-decode", "near-max-tokens"])
+def test_migrated_request_continues_exactly(make_engine, sampling, num_before):
+    reference = unmigrated(make_engine, sampling)
+    a, b, harness = make_engine(), make_engine(), Harness()
+    a.add_request("r", PROMPT, sampling)
+    harness.run_until(a, "r", num_before)
+    migrate(a, b, "r")
+    got = harness.finish(b, "r")
+    assert got.token_ids == reference.token_ids
+    assert got.text == reference.text and got.finish_reason is FinishReason.LENGTH
+    assert_no_blocks_held(a, b)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_migrated_while_queued_moves_without_blocks(make_engine, sampling):
+    reference = unmigrated(make_engine, sampling)
+    a, b, harness = make_engine(max_num_seqs=1), make_engine(), Harness()
+    a.add_request("busy", [9] * 6, GREEDY)
+    harness.step(a)  # "busy" takes the only batch slot
+    a.add_request("r", PROMPT, sampling)
+    harness.step(a)
+    assert a.pick_for_migration(MigrationSelection.SHORTEST_RUNNING, exclude=frozenset({"busy"})) == "r"
+    assert a.migration_blocks("r").status is RequestStatus.WAITING and a.migration_blocks("r").num_blocks == 0
+    migrate(a, b, "r")
+    assert harness.finish(b, "r").token_ids == reference.token_ids
+    harness.finish(a, "busy")
+    assert_no_blocks_held(a, b)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_migrated_twice_a_to_b_to_a(make_engine, sampling):
+    reference = unmigrated(make_engine, sampling)
+    a, b, harness = make_engine(), make_engine(), Harness()
+    a.add_request("r", PROMPT, sampling)
+    harness.run_until(a, "r", 5)
+    migrate(a, b, "r")
+    harness.run_until(b, "r", 13)
+    migrate(b, a, "r")
+    got = harness.finish(a, "r")
+    assert got.token_ids == reference.token_ids and got.text == reference.text
+    assert_no_blocks_held(a, b)
+
+
+def test_multi_stage_copy_while_decoding(make_engine):
+    reference = unmigrated(make_engine, SEEDED)
+    a, b, harness = make_engine(), make_engine(), Harness()
+    a.add_request("r", PROMPT, SEEDED)
+    a.add_request("other", [3] * 9, GREEDY)  # another request keeps sharing the batch
+    harness.run_until(a, "r", 6)
+    migrate(a, b, "r", harness, num_live_steps=7)  # crosses block boundaries while live
+    assert harness.finish(b, "r").token_ids == reference.token_ids
+    harness.finish(a, "other")
+    assert_no_blocks_held(a, b)
+
+
+def test_stop_string_spanning_the_hand_off(make_engine):
+    full = unmigrated(make_engine, GREEDY)
+    num_before = 8
+    engine, harness = make_engine(), Harness()
+    engine.add_request("probe", PROMPT, GREEDY)
+    harness.run_until(engine, "probe", num_before)
+    harness.finish(engine, "probe")
+    cut = len(engine.tokenizer.decode(PROMPT + full.token_ids[:num_before])) - len(engine.tokenizer.decode(PROMPT))
+    stop = full.text[cut - 2:cut + 2]
+    assert len(stop) == 4 and full.text.find(stop) == cut - 2, "pick a stop string that first occurs at the cut"
+    sampling = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=(stop,))
+    reference = unmigrated(make_engine, sampling)
+    a, b, harness = make_engine(), make_engine(), Harness()
+    a.add_request("r", PROMPT, sampling)
+    harness.run_until(a, "r", num_before)
+    migrate(a, b, "r")
+    got = harness.finish(b, "r")
+    assert reference.finish_reason is FinishReason.STOP and reference.text == full.text[:cut - 2]
+    assert (got.token_ids, got.text, got.finish_reason) == (reference.token_ids, reference.text, FinishReason.STOP)
+    assert_no_blocks_held(a, b)
+
+
+def test_selection_policies(make_engine):
+    engine, harness = make_engine(), Harness()
+    for request_id, length in (("mid", 8), ("short", 4), ("long", 12)):
+        engine.add_request(request_id, [7] * length, GREEDY)
+    harness.step(engine)
+    assert engine.pick_for_migration(MigrationSelection.SHORTEST_RUNNING) == "short"
+    assert engine.pick_for_migration(MigrationSelection.LONGEST_RUNNING) == "long"
+    assert engine.pick_for_migration(MigrationSelection.LAST_COME_FIRST) == "long"
+    assert engine.pick_for_migration(MigrationSelection.SHORTEST_RUNNING, exclude=frozenset({"short"})) == "mid"
+
+
+def test_suspend_resume_and_abort_keep_blocks_accounted(make_engine):
+    reference = unmigrated(make_engine, GREEDY)
+    engine, harness = make_engine(), Harness()
+    engine.add_request("r", PROMPT, GREEDY)
+    harness.run_until(engine, "r", 3)
+    view = engine.suspend("r")
+    assert view.num_computed_tokens == len(PROMPT) + 2 and view.num_full_blocks == 3 and view.num_blocks == 4
+    for _ in range(3):
+        harness.step(engine)  # suspended: no progress
+    assert len(harness.streams["r"].token_ids) == 3
+    with pytest.raises(FailedPrecondition):
+        engine.suspend("r")
+    assert engine.resume("r") and not engine.resume("r")
+    assert harness.finish(engine, "r").token_ids == reference.token_ids
+    with pytest.raises(NotFound):
+        engine.migration_blocks("r")
+    engine.add_request("gone", PROMPT, GREEDY)
+    harness.run_until(engine, "gone", 2)
+    engine.suspend("gone")
+    assert engine.abort("gone") and not engine.resume("gone")
+    assert_no_blocks_held(engine)
+
+
+def test_reservations_grow_refuse_and_free(make_engine):
+    engine = make_engine(num_blocks=16, max_num_seqs=2)
+    first = engine.reserve_blocks("m-1", 4)
+    assert engine.reserve_blocks("m-1", 10)[:4] == first and engine.load().num_free_blocks == 6
+    with pytest.raises(ResourceExhausted):
+        engine.reserve_blocks("m-1", 17)
+    assert len(engine.reserve_blocks("m-1", 3)) == 10  # never shrinks
+    engine.reserve_blocks("m-2", 0)
+    with pytest.raises(ResourceExhausted, match="max-num-seqs"):
+        engine.reserve_blocks("m-3", 1)
+    with pytest.raises(ResourceExhausted):
+        engine.reserve_blocks("m-4", 0)
+    assert engine.free_reservation("m-1") and engine.free_reservation("m-2") and not engine.free_reservation("m-1")
+    assert_no_blocks_held(engine)
+
+
+def test_import_checks_the_reservation(make_engine):
+    a, b, harness = make_engine(), make_engine(), Harness()
+    a.add_request("r", PROMPT, GREEDY)
+    harness.run_until(a, "r", 2)
+    a.suspend("r")
+    state = a.export_state("r")
+    with pytest.raises(NotFound):
+        b.import_request("never-reserved", state)
+    b.reserve_blocks("m", 1)
+    with pytest.raises(Exception, match="num_computed_tokens"):
+        b.import_request("m", state)  # 12 computed tokens need 3 blocks
+    assert b.free_reservation("m")
+    assert a.resume("r")
+    harness.finish(a, "r")
+    assert_no_blocks_held(a, b)

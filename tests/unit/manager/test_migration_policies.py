@@ -1,0 +1,89 @@
+"""Migration pairing without sockets: ranking, threshold, hysteresis, drains."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.manager.domain import InstanceId, Role
+from services.manager.migration import MigrationTrigger
+from services.manager.migration_policies import (LoadPairing, Peer, make_pairing, pair_drains,
+                                                 stays_freer_after_move)
+from tests.unit.manager.factories import make_load
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def peer(instance_id: str, num_running: int = 0, num_free_blocks: int = 1000, role: Role = Role.BOTH,
+         is_draining: bool = False, **load) -> Peer:
+    loaded = make_load(num_free_blocks=num_free_blocks, num_running=num_running, **load)
+    return Peer(InstanceId(instance_id), f"addr-{instance_id}", role, loaded, loaded.freeness, is_draining)
+
+
+def pairs_of(pairs) -> list[tuple[str, str]]:
+    return [(p.src.instance_id, p.dst.instance_id) for p in pairs]
+
+
+def test_the_most_loaded_pairs_with_the_freest_then_inwards():
+    peers = [peer("a", num_running=20, num_free_blocks=800), peer("b", num_running=10, num_free_blocks=900),
+             peer("c"), peer("d", num_running=1, num_free_blocks=990)]
+    assert pairs_of(LoadPairing().pair(peers, threshold=1.0)) == [("a", "c"), ("b", "d")]
+
+
+def test_a_gap_under_the_threshold_moves_nothing():
+    peers = [peer("a", num_running=4, num_free_blocks=960), peer("b", num_running=1, num_free_blocks=990)]
+    gap = peers[1].freeness - peers[0].freeness  # 495 - 192 = 303
+    assert pairs_of(LoadPairing().pair(peers, threshold=gap + 0.1)) == []
+    assert pairs_of(LoadPairing().pair(peers, threshold=gap - 0.1)) == [("a", "b")]
+
+
+def test_hysteresis_a_move_that_would_swap_the_pair_is_not_made():
+    # one request on a, none on b: moving it only moves the imbalance (a would become the freer)
+    lone = [peer("a", num_running=1, num_free_blocks=990), peer("b")]
+    assert pairs_of(LoadPairing().pair(lone, threshold=0.0)) == []
+    # 3 against 2 of equal size: after a move b holds 3 and a 2, b less free than a -> no move
+    near = [peer("a", num_running=3, num_free_blocks=970), peer("b", num_running=2, num_free_blocks=980)]
+    assert pairs_of(LoadPairing().pair(near, threshold=0.0)) == []
+    # 4 against 2: after a move 3 and 3, level -> move (and level pairs never move again)
+    far = [peer("a", num_running=4, num_free_blocks=960), peer("b", num_running=2, num_free_blocks=980)]
+    assert pairs_of(LoadPairing().pair(far, threshold=0.0)) == [("a", "b")]
+    level = [peer("a", num_running=3, num_free_blocks=970), peer("b", num_running=3, num_free_blocks=970)]
+    assert pairs_of(LoadPairing().pair(level, threshold=0.0)) == []
+
+
+def test_equal_loads_never_ping_pong():
+    peers = [peer(i, num_running=3, num_free_blocks=970) for i in "abcd"]
+    assert LoadPairing().pair(peers, threshold=0.0) == []
+
+
+def test_queued_requests_make_a_source_and_the_destination_must_have_room():
+    queued = peer("a", num_running=0, num_free_blocks=0, num_waiting=3, num_blocks_needed_by_waiting=30,
+                  num_total_blocks=100)
+    roomy = peer("b", num_free_blocks=100, num_total_blocks=100)
+    assert pairs_of(LoadPairing().pair([queued, roomy], threshold=0.0)) == [("a", "b")]
+    assert not stays_freer_after_move(queued.load, make_load(num_free_blocks=5, num_total_blocks=100))
+
+
+def test_prefill_only_and_full_instances_are_no_destinations():
+    peers = [peer("a", num_running=20, num_free_blocks=800), peer("p", role=Role.PREFILL),
+             peer("f", num_free_blocks=0), peer("d", num_running=2, num_free_blocks=980, role=Role.DECODE)]
+    assert pairs_of(LoadPairing().pair(peers, threshold=0.0)) == [("a", "d")]
+
+
+def test_ties_break_by_instance_id():
+    peers = [peer("z", num_running=5, num_free_blocks=950), peer("y", num_running=5, num_free_blocks=950),
+             peer("c"), peer("b")]
+    assert pairs_of(LoadPairing().pair(peers, threshold=0.0)) == [("y", "b"), ("z", "c")]
+
+
+def test_drains_take_the_freest_destinations_one_each():
+    draining = [peer("x", num_running=2, num_free_blocks=980, is_draining=True),
+                peer("w", num_waiting=1, is_draining=True), peer("empty", is_draining=True)]
+    serving = [peer("a", num_running=5, num_free_blocks=950), peer("b"), peer("p", role=Role.PREFILL)]
+    pairs = pair_drains(draining, serving)
+    assert pairs_of(pairs) == [("w", "b"), ("x", "a")]
+    assert {p.trigger for p in pairs} == {MigrationTrigger.DRAIN}
+
+
+def test_an_unknown_pairing_names_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown migration pairing 'x'; one of: load"):
+        make_pairing("x")

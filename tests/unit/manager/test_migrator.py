@@ -1,0 +1,237 @@
+"""The migrator without sockets: plans, limits, settling, cooldown, failures, admin orders, history."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from services.manager import metrics
+from services.manager.domain import InstanceId
+from services.manager.leadership import Leadership
+from services.manager.migration import (MigrationFigures, MigrationOutcome, MigrationSelection, MigrationSettings,
+                                        MigrationTrigger)
+from services.manager.migrator import Migrator, MigratorLimits
+from tests.unit.manager.factories import FakeClock, make_load, make_record
+
+pytestmark = pytest.mark.timeout(10)
+
+ON = MigrationSettings(is_enabled=True, threshold=1.0)
+
+
+class FakeSources:
+    """MigrateOutClient: answers each call with the next scripted figures or error; `gate` holds calls open."""
+
+    def __init__(self, *answers) -> None:
+        self.answers = list(answers)
+        self.orders = []
+        self.gate: asyncio.Event | None = None
+
+    async def migrate_out(self, order, timeout_s):
+        self.orders.append(order)
+        if self.gate is not None:
+            await self.gate.wait()
+        answer = self.answers.pop(0) if self.answers else MigrationFigures(f"r-{len(self.orders)}", num_blocks=4)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+class RpcCause(Exception):
+    """Stands in for grpc.aio.AioRpcError as an error's __cause__."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+    def code(self):
+        return self
+
+
+def cluster(clock: FakeClock, **loads):
+    """A view with one member per keyword (id=running count), each with 10 blocks a request, just reported."""
+    from services.manager.cluster_view import ClusterView
+    view = ClusterView(report_timeout_s=3.0, clock=clock)
+    for instance_id, num_running in loads.items():
+        view.put_member(make_record(instance_id))
+        report(view, instance_id, num_running)
+    return view
+
+
+def report(view, instance_id: str, num_running: int, **load) -> None:
+    view.apply_report(InstanceId(instance_id), make_load(num_free_blocks=1000 - 10 * num_running,
+                                                         num_running=num_running, **load))
+
+
+def make_migrator(view, clock, sources, settings=ON, **limits) -> Migrator:
+    leadership = Leadership("m-1", "127.0.0.1:1")
+    leadership.is_leader = True
+    return Migrator(view, leadership, sources, MigratorLimits(**limits), settings, clock=clock, wall_clock=lambda: 5.0)
+
+
+def routes(orders) -> list[tuple[str, str, MigrationTrigger]]:
+    return [(o.src_instance_id, o.dst_instance_id, o.trigger) for o in orders]
+
+
+async def settle(migrator) -> None:
+    while migrator._tasks:
+        await asyncio.sleep(0)
+
+
+async def test_a_tick_pairs_loaded_with_free_and_the_migration_is_recorded():
+    clock = FakeClock()
+    view = cluster(clock, a=8, b=0, c=4)
+    sources = FakeSources(MigrationFigures("r-1", num_blocks=6, num_bytes=600, num_stages=2, backend="grpc",
+                                           duration_ms=30.0, downtime_ms=4.0))
+    migrator = make_migrator(view, clock, sources, settings=MigrationSettings(
+        is_enabled=True, threshold=1.0, selection=MigrationSelection.LAST_COME_FIRST), backend="shm")
+    before = metrics.MIGRATED_BYTES._value.get()
+    assert routes(migrator.tick()) == [("a", "b", MigrationTrigger.LOAD)]
+    await settle(migrator)
+    (order,) = sources.orders
+    assert (order.selection, order.backend, order.request_id) == (MigrationSelection.LAST_COME_FIRST, "shm", "")
+    (record,) = migrator.history()
+    assert record.outcome is MigrationOutcome.COMMITTED and record.figures.num_bytes == 600
+    assert record.started_at == 5.0
+    assert metrics.MIGRATED_BYTES._value.get() - before == 600
+
+
+async def test_migration_off_moves_nothing_but_drains_still_move():
+    clock = FakeClock()
+    view = cluster(clock, a=8, b=0, c=3)
+    migrator = make_migrator(view, clock, FakeSources(), settings=MigrationSettings(is_enabled=False))
+    assert migrator.plan() == []
+    view.mark_drained(InstanceId("c"))
+    assert routes(migrator.plan()) == [("c", "b", MigrationTrigger.DRAIN)]
+
+
+async def test_drains_go_first_and_take_their_destination():
+    clock = FakeClock()
+    view = cluster(clock, a=8, b=0, c=6, d=1)
+    view.mark_drained(InstanceId("c"))
+    migrator = make_migrator(view, clock, FakeSources())
+    assert routes(migrator.plan()) == [("c", "b", MigrationTrigger.DRAIN), ("a", "d", MigrationTrigger.LOAD)]
+
+
+async def test_an_instance_at_its_limit_sits_out_then_waits_for_a_fresh_report():
+    clock = FakeClock()
+    view = cluster(clock, a=8, b=0, c=8, d=0)
+    sources = FakeSources()
+    sources.gate = asyncio.Event()
+    migrator = make_migrator(view, clock, sources)
+    assert routes(migrator.tick()) == [("a", "b", MigrationTrigger.LOAD), ("c", "d", MigrationTrigger.LOAD)]
+    await asyncio.sleep(0)
+    assert migrator.plan() == []  # all four hold a migration slot (max_per_instance 1)
+    sources.gate.set()
+    await settle(migrator)
+    clock.advance(0.1)
+    assert migrator.plan() == []  # the last reports predate the migrations' end
+    report(view, "a", 7)
+    report(view, "b", 1)
+    assert routes(migrator.plan()) == [("a", "b", MigrationTrigger.LOAD)]
+
+
+async def test_a_request_that_just_moved_is_excluded_until_its_cooldown_ends():
+    clock = FakeClock()
+    view = cluster(clock, a=8, b=0)
+    migrator = make_migrator(view, clock, FakeSources(MigrationFigures("r-moved")), cooldown_s=10.0)
+    migrator.tick()
+    await settle(migrator)
+    clock.advance(1.0)
+    report(view, "a", 7)
+    report(view, "b", 1)
+    (order,) = migrator.plan()
+    assert order.exclude_request_ids == {"r-moved"}
+    clock.advance(10.0)
+    report(view, "a", 7)
+    report(view, "b", 1)
+    assert migrator.plan()[0].exclude_request_ids == frozenset()
+
+
+async def test_failures_are_recorded_by_grpc_status_and_the_loop_goes_on():
+    clock = FakeClock()
+    view = cluster(clock, a=8, b=0)
+    unimplemented = Unavailable("Method not found!")
+    unimplemented.__cause__ = RpcCause("UNIMPLEMENTED")
+    sources = FakeSources(ResourceExhausted("destination has 2 free blocks, needs 6"), unimplemented)
+    migrator = make_migrator(view, clock, sources)
+    before = metrics.MIGRATION_FAILURES.labels("RESOURCE_EXHAUSTED")._value.get()
+    for _ in range(2):
+        migrator.tick()
+        await settle(migrator)
+        clock.advance(0.5)
+        report(view, "a", 8)
+        report(view, "b", 0)
+    first, second = migrator.history()
+    assert (first.outcome, first.reason, first.message) == (
+        MigrationOutcome.FAILED, "RESOURCE_EXHAUSTED", "destination has 2 free blocks, needs 6")
+    assert second.reason == "UNIMPLEMENTED"
+    assert metrics.MIGRATION_FAILURES.labels("RESOURCE_EXHAUSTED")._value.get() - before == 1
+    assert migrator._in_flight == {}
+
+
+async def test_admin_migrate_raises_the_sources_error_after_recording_it():
+    clock = FakeClock()
+    view = cluster(clock, a=2, b=0)
+    migrator = make_migrator(view, clock, FakeSources(NotFound("request r-9 is not on a")))
+    order = migrator.admin_order("a", "b", "r-9")
+    with pytest.raises(NotFound):
+        await migrator.migrate(order)
+    (record,) = migrator.history(request_id="r-9")
+    assert record.order.trigger is MigrationTrigger.ADMIN and record.reason == "NOT_FOUND"
+
+
+async def test_admin_orders_check_instances_and_pick_the_freest_destination():
+    clock = FakeClock()
+    view = cluster(clock, a=5, b=2, c=1, d=1)
+    migrator = make_migrator(view, clock, FakeSources())
+    order = migrator.admin_order("a", "", "r-1")
+    assert (order.dst_instance_id, order.request_id) == ("c", "r-1")  # c and d tie: the smaller id
+    with pytest.raises(NotFound, match="source instance 'zz' is not registered"):
+        migrator.admin_order("zz", "", "")
+    with pytest.raises(NotFound, match="destination instance 'zz'"):
+        migrator.admin_order("a", "zz", "")
+    with pytest.raises(FailedPrecondition, match="source and destination are both a"):
+        migrator.admin_order("a", "a", "")
+    view.mark_drained(InstanceId("b"))
+    with pytest.raises(FailedPrecondition, match="destination b is draining"):
+        migrator.admin_order("a", "b", "")
+
+
+async def test_history_is_bounded_and_filtered():
+    clock = FakeClock()
+    view = cluster(clock, a=2, b=0, c=0)
+    migrator = make_migrator(view, clock, FakeSources(), history_size=3)
+    for dst in ("b", "c", "b", "c"):
+        await migrator.migrate(migrator.admin_order("a", dst, ""))
+    assert [r.order.dst_instance_id for r in migrator.history()] == ["c", "b", "c"]
+    assert [r.order.dst_instance_id for r in migrator.history(instance_id="b")] == ["b"]
+    assert [r.figures.request_id for r in migrator.history(request_id="r-4")] == ["r-4"]
+
+
+async def test_a_drained_instance_is_reported_empty():
+    clock = FakeClock()
+    view = cluster(clock, a=2, b=0)
+    view.mark_drained(InstanceId("a"))
+    assert not view.instance(InstanceId("a")).is_drained
+    report(view, "a", 0)
+    assert view.instance(InstanceId("a")).is_drained
+    migrator = make_migrator(view, clock, FakeSources())
+    assert migrator.tick() == []  # nothing left to move
+
+
+async def test_the_loop_acts_only_while_leading():
+    clock = FakeClock()
+    view = cluster(clock, a=8, b=0)
+    sources = FakeSources()
+    migrator = make_migrator(view, clock, sources, interval_s=0.01)
+    migrator._leadership.is_leader = False
+    loop = asyncio.create_task(migrator.migration_loop())
+    await asyncio.sleep(0.05)
+    assert sources.orders == []
+    migrator._leadership.is_leader = True
+    while not sources.orders:
+        await asyncio.sleep(0.01)
+    loop.cancel()
+    await migrator.close()

@@ -86,6 +86,7 @@ class Bench:
         await self.a.map_instance("src", self.src.name, self.geometry)
         await self.a.map_instance("dst", self.dst.name, self.geometry)  # for SHM
         await self.b.map_instance("dst", self.dst.name, self.geometry)
+        await asyncio.sleep(1.0)  # the services pre-fault the mappings in the background
 
     async def transfer_s(self, backend: TransferBackend, num_blocks: int, rng: random.Random) -> float:
         src_ids = tuple(rng.sample(range(self.geometry.num_blocks), num_blocks))
@@ -162,8 +163,8 @@ class TcpReference:
 
 class MemcpyReference:
     def __init__(self, max_bytes: int) -> None:
-        self._src = torch.ones(max_bytes, dtype=torch.uint8)
-        self._dst = torch.zeros(max_bytes, dtype=torch.uint8)
+        self._src = torch.empty(max_bytes, dtype=torch.uint8).fill_(1)
+        self._dst = torch.empty(max_bytes, dtype=torch.uint8).fill_(0)  # pages faulted in, like the KV caches
 
     def copy_s(self, num_bytes: int) -> float:
         started = time.perf_counter()
@@ -190,24 +191,28 @@ async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[f
         rows = [(f"{b.value}_speed(GB/s)", b) for b in backends] + [("tcp_speed(GB/s)", "tcp"),
                                                                     ("memcpy_speed(GB/s)", "memcpy")]
         progress = tqdm(total=len(rows) * len(sizes) * args.repeats, desc="migration_speed", unit="copy")
-        for label, what in rows:
-            speeds[label] = []
-            for size in sizes:
-                times = []
-                for _ in range(args.repeats):
-                    if what == "tcp":
-                        times.append(tcp.send_s(size * MB))
-                    elif what == "memcpy":
-                        times.append(memcpy.copy_s(size * MB))
-                    else:
-                        times.append(await bench.transfer_s(what, size // block_mb, rng))
+        times: dict[tuple[str, int], list[float]] = {(label, size): [] for label, _ in rows for size in sizes}
+        for size in sizes:  # interleaved, so a change in machine load hits every row alike
+            for _ in range(args.repeats):
+                for label, what in rows:
+                    times[label, size].append(await _time_one(bench, tcp, memcpy, what, size, block_mb, rng))
                     progress.update()
-                speeds[label].append(size * MB / statistics.median(times) / 1e9)
+        speeds = {label: [size * MB / statistics.median(times[label, size]) / 1e9 for size in sizes]
+                  for label, _ in rows}
         progress.close()
     finally:
         tcp.close()
         await bench.close()
     return sizes, speeds
+
+
+async def _time_one(bench: Bench, tcp: TcpReference, memcpy: MemcpyReference, what, size: int, block_mb: int,
+                    rng: random.Random) -> float:
+    if what == "tcp":
+        return tcp.send_s(size * MB)
+    if what == "memcpy":
+        return memcpy.copy_s(size * MB)
+    return await bench.transfer_s(what, size // block_mb, rng)
 
 
 def report(sizes: list[int], speeds: dict[str, list[float]], out_dir: pathlib.Path) -> str:

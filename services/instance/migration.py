@@ -202,10 +202,15 @@ class MigrationDriver:
         await self._live_stages(a)
         a.suspended_at = time.perf_counter()
         view = await self._engine_call(a, lambda: self._runner.engine.suspend(a.request_id))
+        t1 = time.perf_counter()
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
+        t2 = time.perf_counter()
         state = await self._engine_call(a, lambda: self._runner.engine.export_state(a.request_id))
+        t3 = time.perf_counter()
         await a.peer.commit_migrate_in(a.migration_id, state)
         a.committed_at = time.perf_counter()
+        log.info("DEBUG_timing", suspend=(t1 - a.suspended_at) * 1e3, copy=(t2 - t1) * 1e3, export=(t3 - t2) * 1e3,
+                 commit=(a.committed_at - t3) * 1e3)
         await self._hand_off(a, state)
         return self._result(a)
 

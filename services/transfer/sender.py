@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -23,14 +24,13 @@ import torch
 
 from services.common.errors import Aborted, FailedPrecondition, FerryError, Unavailable
 from services.transfer.block_copy import copy_blocks, gather_chunk, staged_view
-from services.transfer.channels import PairChannel, ChannelTable
+from services.transfer.channels import ChannelTable, PairChannel
 from services.transfer.checksum import block_checksums
 from services.transfer.chunk_plan import Chunk, ChunkPlan, check_block_ids, check_compatible
 from services.transfer.deadline import Deadline
-from services.transfer.domain import (CHANNEL_BACKENDS, BlockTransfer, IncomingBlocks, TransferBackend, TransferId,
-                                      TransferResult)
+from services.transfer.domain import BlockTransfer, IncomingBlocks, TransferBackend, TransferId, TransferResult
 from services.transfer.kv_mappings import KvMappings
-from services.transfer.peer import PeerFactory
+from services.transfer.peer import PeerFactory, PeerTransferService
 from services.transfer.pipeline import GatherAhead, run_in_thread
 from services.transfer.staging import StagingPool, StagingSlot
 
@@ -152,7 +152,7 @@ class BlockSender:
             raise
         await expect
 
-    async def _expect(self, peer, source: SourceBlocks, request: BlockTransfer, tag: int, deadline: Deadline) -> None:
+    async def _expect(self, peer: PeerTransferService, source: SourceBlocks, request: BlockTransfer, tag: int, deadline: Deadline) -> None:
         try:
             await peer.expect_blocks(source.header, request.backend, tag, deadline.remaining_s())
         except BaseException:
@@ -173,7 +173,7 @@ class BlockSender:
             await chunks.close()
 
 
-async def _chunk_bytes(chunks: GatherAhead):
+async def _chunk_bytes(chunks: GatherAhead) -> AsyncIterator[memoryview]:
     """Each staged chunk as a flat byte view (valid until the next one is asked for)."""
     async for _chunk, staged in chunks:
         yield memoryview(staged.view(torch.uint8).numpy()).cast("B")

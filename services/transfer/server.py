@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -49,8 +48,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
                           context: grpc.aio.ServicerContext) -> transfer_pb2.MapInstanceResponse:
         if not request.instance_id or not request.shm_name or not request.HasField("kv"):
             raise InvalidArgument("instance_id, shm_name and kv: all required")
-        cache = await asyncio.to_thread(self.node.mappings.map, InstanceId(request.instance_id), request.shm_name,
-                                        geometry_from_proto(request.kv))  # pre-faults the pages: off the loop
+        cache = self.node.mappings.map(InstanceId(request.instance_id), request.shm_name, geometry_from_proto(request.kv))
         await self.node.on_mappings_changed()
         return transfer_pb2.MapInstanceResponse(transfer_id=self.node.transfer_id, num_bytes=cache.geometry.num_bytes)
 

@@ -11,13 +11,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "ferry-dashboard.json"
 _METRIC = re.compile(r"\b(ferry_[a-z_]+?)(?:_bucket|_count|_sum)?\b")
 
-# Queried by the dashboard, not exported yet: the manager's per-instance load gauges
-# (from the load reports it already holds) and the migration/transfer metrics.
+# Queried by the dashboard, not exported yet: the manager's per-instance load gauges,
+# labelled instance_id (it holds every instance's latest load report already).
 PENDING = {
     "ferry_manager_instance_running", "ferry_manager_instance_waiting", "ferry_manager_instance_free_blocks",
     "ferry_manager_instance_total_blocks", "ferry_manager_instance_freeness",
-    "ferry_instance_migrations_total", "ferry_instance_migration_downtime_seconds",
-    "ferry_instance_migration_duration_seconds", "ferry_transfer_bytes_total",
 }
 
 

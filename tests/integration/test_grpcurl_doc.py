@@ -109,6 +109,8 @@ def test_answers_say_what_the_doc_says(runs):
     assert f'"instance_id": "{INSTANCE_ID}"' in listed and f'"instance_id": "{OTHER_INSTANCE_ID}"' in listed
     assert '"leader_id": "manager-0"' in output_of("ferry.v1.AdminService/GetClusterStatus")
     assert '"dispatch": "load"' in output_of("ferry.v1.AdminService/GetPolicy")
+    enabled = next(r.result.stdout for r in ran if "migration_enabled" in r.command)
+    assert '"migration_enabled": true' in enabled and '"dispatch": "load"' in enabled
     assert "INSTANCE_STATE_DRAINING" in output_of("ferry.v1.AdminService/Drain")
     assert "ferry.v1.AdminService" in output_of(f"{ADMIN_PLACEHOLDER} list")
     assert f'"instance_id": "{INSTANCE_ID}"' in output_of("ferry.v1.InstanceService/GetStatus")

@@ -8,8 +8,6 @@ contents, asks A to Transfer, and compares tensors bit for bit.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import random
 import signal
 import time
@@ -19,7 +17,7 @@ import pytest
 import torch
 
 from services.cluster.processes import ServiceProcess
-from services.common.errors import Unavailable
+from services.common.errors import NotFound, Unavailable
 from services.common.etcd_launcher import free_port
 from services.common.registry import Registry
 from services.instance.engine.kv_cache import KvCache, KvGeometry
@@ -33,9 +31,9 @@ STAGING_KIB = 3
 SMALL = KvGeometry(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, num_blocks=24, dtype=torch.float16)
 # 4 KiB blocks (1 KiB rows): bigger than the staging buffer, so each block is split by rows.
 WIDE = KvGeometry(num_layers=2, num_kv_heads=4, head_dim=16, block_size=8, num_blocks=16, dtype=torch.bfloat16)
-# 16 MiB for the kill test, more than socket buffers and flow-control windows; its 2 KiB rows
+# 64 MiB for the kill test, more than socket buffers and flow-control windows; its 2 KiB rows
 # travel one per chunk through A's 3 KiB staging, so the transfer takes long enough to interrupt.
-BULK = KvGeometry(num_layers=8, num_kv_heads=2, head_dim=32, block_size=16, num_blocks=512, dtype=torch.float16)
+BULK = KvGeometry(num_layers=8, num_kv_heads=2, head_dim=32, block_size=16, num_blocks=2048, dtype=torch.float16)
 
 
 def _start(name: str, etcd, cluster: str, log_dir, *extra: str) -> ServiceProcess:
@@ -142,7 +140,6 @@ async def test_contiguous_runs_and_checksums(services, caches, mapped, backend):
 
 async def test_unknown_destination_is_not_found_and_the_channel_recovers(services, caches, mapped):
     a, _b = mapped
-    from services.common.errors import NotFound
     for backend in (TransferBackend.GRPC, TransferBackend.GLOO):
         with pytest.raises(NotFound, match="not mapped"):
             await a.transfer(BlockTransfer(InstanceId("a-small"), (1,), InstanceId("nobody"), (1,),
@@ -166,10 +163,10 @@ async def test_killing_the_destination_mid_transfer_is_a_clean_unavailable(
             transfer = asyncio.create_task(a.transfer(
                 BlockTransfer(InstanceId("a-bulk"), ids, InstanceId("c-bulk"), ids[::-1], victim.address, backend,
                               False), timeout_s=60))
-            await asyncio.sleep(0.5)
-            assert not transfer.done()
+            await _until_some_blocks_landed(dst, transfer)
             victim.signal(signal.SIGSTOP)  # freeze it with the stream in flight ...
             await asyncio.sleep(0.5)
+            assert not transfer.done()
             started = time.monotonic()
             victim.kill()  # ... then kill it
             with pytest.raises(Unavailable):
@@ -183,6 +180,15 @@ async def test_killing_the_destination_mid_transfer_is_a_clean_unavailable(
         for cache in (src, dst):
             cache.close()
             cache.unlink()
+
+
+async def _until_some_blocks_landed(dst: KvCache, transfer: asyncio.Task, timeout_s: float = 30) -> None:
+    """Wait until the destination (zero-filled) shows transferred data, while the transfer runs."""
+    deadline = time.monotonic() + timeout_s
+    while not bool(dst.tensor.view(torch.int16).any()):
+        assert not transfer.done(), "the transfer ended before any block landed"
+        assert time.monotonic() < deadline, "no block landed in time"
+        await asyncio.sleep(0.01)
 
 
 @pytest.mark.cuda

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.instance.engine.attention import AttentionPlan, attend, write_kv
+from services.instance.engine.attention import AttentionPlan, CacheGeometry, attend, write_kv
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.model_config import ModelConfig, rope_inv_freq
 from services.instance.engine.weights import load_state_dict
@@ -150,7 +150,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """float32 logits [num_seqs, vocab] of each sequence's last new token; writes the new K/V to kv_cache."""
-        plan = AttentionPlan.build(batch, num_cache_blocks=kv_cache.shape[2], block_size=kv_cache.shape[3])
+        plan = AttentionPlan.build(batch, CacheGeometry.of(kv_cache))
         rope = self.rotary(batch.positions)
         h = self.embed_tokens(batch.input_ids)
         for layer, kv_layer in zip(self.layers, kv_cache, strict=True):

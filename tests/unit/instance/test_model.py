@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.instance.engine import attention
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.model import LlamaModel, allocate_kv_cache, load_model
 from services.instance.engine.model_config import ModelConfig
@@ -155,8 +156,11 @@ def test_chunked_prefill_matches_single_chunk(model):
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_logits_match_transformers(checkpoint, model):
-    """A decode-only batch of sequences with different context lengths, against full recomputation."""
+@pytest.mark.parametrize("chunk_bytes", [attention.DECODE_CHUNK_BYTES, 1])
+def test_decode_logits_match_transformers(checkpoint, model, chunk_bytes, monkeypatch):
+    """A decode-only batch of sequences with different context lengths, against full recomputation;
+    also with every sequence gathered and attended in its own chunk."""
+    monkeypatch.setattr(attention, "DECODE_CHUNK_BYTES", chunk_bytes)
     _, hf_model = checkpoint
     prompts = [random_prompt(n, model.config.vocab_size, seed=200 + n) for n in (4, 9, 17)]
     seqs = [Sequence(list(p)) for p in prompts]

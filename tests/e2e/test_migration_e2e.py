@@ -1,0 +1,189 @@
+"""Live migration through the whole cluster, as a user and an operator see it: the launcher
+(etcd, manager, transfer service, 4 instances, frontend), the OpenAI client, the admin API.
+
+Every request is greedy with `ignore_eos`, so its token ids must equal what one local
+engine produces for the same prompt, however often and wherever it moved. Tests run in
+file order on one cluster; the drain test is last (its drain mark stays for the module).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import grpc
+import openai
+import pytest
+
+from services.common.gen.ferry.v1 import manager_pb2, manager_pb2_grpc
+from services.instance.engine.factory import EngineSpec, build_engine
+from services.instance.engine.request import SamplingParams
+from services.instance.engine.tokenizer import Tokenizer
+from tests.e2e.conftest import launched_cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+NUM_INSTANCES = 4
+FLOODED = "instance-0"  # `flood` sends every request to the first serving instance by id
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory):
+    with launched_cluster(tiny_model_dir, tmp_path_factory.mktemp("migration"), "--instances", str(NUM_INSTANCES),
+                          "--kv-cache-mib", "16") as cluster:
+        yield cluster
+
+
+@pytest.fixture
+async def admin(cluster):
+    channel = grpc.aio.insecure_channel(cluster["admin_address"])
+    yield manager_pb2_grpc.AdminServiceStub(channel)
+    await channel.close()
+
+
+@pytest.fixture
+def client(cluster) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """reference(prompts, max_tokens) → greedy token ids of each prompt on one local engine, never migrated."""
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    loaded = build_engine(EngineSpec(tiny_model_dir, kv_name=f"ferry-e2e-mig-ref-{os.getpid()}", num_blocks=2048))
+
+    def generate(prompts: list[str], max_tokens: int) -> list[list[int]]:
+        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return loaded.engine.generate([tokenizer.encode(p) for p in prompts], sampling)
+
+    yield generate
+    loaded.close()
+
+
+def model_name(cluster) -> str:
+    return os.path.basename(cluster["model"])
+
+
+async def set_policy(admin, **fields) -> None:
+    await admin.SetPolicy(manager_pb2.Policy(**fields), timeout=5)
+
+
+async def instances(admin) -> dict[str, manager_pb2.InstanceInfo]:
+    reply = await admin.ListInstances(manager_pb2.ListInstancesRequest(), timeout=5)
+    return {i.instance_id: i for i in reply.instances}
+
+
+async def migrations_since(admin, started_at: float) -> list[manager_pb2.MigrationRecord]:
+    reply = await admin.ListMigrations(manager_pb2.ListMigrationsRequest(), timeout=5)
+    return [m for m in reply.migrations if m.started_at >= started_at]
+
+
+async def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = await predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not {what} after {timeout_s} s")
+        await asyncio.sleep(0.2)
+
+
+async def wait_blocks_back(admin, baseline: dict[str, int]) -> None:
+    async def back():
+        return {i: info.num_free_blocks for i, info in (await instances(admin)).items()} == baseline
+    await wait_for(back, 30, f"free blocks back to {baseline}")
+
+
+async def free_blocks(admin) -> dict[str, int]:
+    infos = await wait_for(_all_reported(admin), 30, "every instance reporting")
+    return {i: info.num_free_blocks for i, info in infos.items()}
+
+
+def _all_reported(admin):
+    async def check():
+        infos = await instances(admin)
+        return infos if len(infos) == NUM_INSTANCES and all(i.report_age_s >= 0 for i in infos.values()) else None
+    return check
+
+
+async def complete(client, cluster, prompt: str, max_tokens: int) -> list[int]:
+    completion = await client.completions.create(model=model_name(cluster), prompt=prompt, max_tokens=max_tokens,
+                                                 temperature=0, extra_body={"return_token_ids": True,
+                                                                            "ignore_eos": True})
+    return completion.choices[0].model_extra["token_ids"]
+
+
+async def test_admin_migrate_of_a_streaming_request_keeps_its_stream_whole(cluster, admin, client, reference,
+                                                                           tiny_model_dir):
+    await set_policy(admin, dispatch="load", migration_enabled=False)
+    baseline = await free_blocks(admin)
+    prompt, max_tokens = "A request that moves while it streams", 400
+    stream = await client.completions.create(model=model_name(cluster), prompt=prompt, max_tokens=max_tokens,
+                                             temperature=0, stream=True,
+                                             extra_body={"return_token_ids": True, "ignore_eos": True})
+    token_ids, texts, moved = [], [], None
+    async for chunk in stream:
+        if not chunk.choices:
+            continue
+        token_ids += chunk.choices[0].model_extra.get("token_ids") or []
+        texts.append(chunk.choices[0].text)
+        if moved is None and len(token_ids) >= 8:
+            moved = await admin.Migrate(manager_pb2.MigrateRequest(request_id=chunk.id), timeout=60)
+    assert token_ids == reference([prompt], max_tokens)[0]  # no gap, no duplicate, same tokens
+    assert "".join(texts) == Tokenizer.from_dir(tiny_model_dir).decode(token_ids)
+    assert moved is not None and moved.request_id == chunk.id and moved.src_instance_id != moved.dst_instance_id
+    assert moved.num_blocks > 0 and moved.num_bytes > 0 and moved.num_stages >= 1 and moved.backend
+    assert moved.downtime_ms > 0 and moved.duration_ms >= moved.downtime_ms
+    await wait_blocks_back(admin, baseline)
+
+
+async def flood(cluster, admin, client, reference, num_requests: int, max_tokens: int) -> set[str]:
+    """`num_requests` requests flooded onto one instance with migration on; the instances they moved to."""
+    await set_policy(admin, dispatch="flood", migration_enabled=True, migration_threshold=0.0)
+    baseline = await free_blocks(admin)
+    started_at = time.time()
+    prompts = [f"flooded request number {n} asks" for n in range(num_requests)]
+    results = await asyncio.gather(*(complete(client, cluster, p, max_tokens) for p in prompts))
+    assert results == reference(prompts, max_tokens)
+    await set_policy(admin, dispatch="load", migration_enabled=False)
+    moved = [m for m in await migrations_since(admin, started_at) if m.outcome == "committed"]
+    assert moved and {m.src_instance_id for m in moved} <= {FLOODED, *(m.dst_instance_id for m in moved)}
+    await wait_blocks_back(admin, baseline)
+    return {m.dst_instance_id for m in moved}
+
+
+async def test_a_small_flood_spreads_and_every_request_keeps_its_tokens(cluster, admin, client, reference):
+    destinations = await flood(cluster, admin, client, reference, num_requests=8, max_tokens=300)
+    assert destinations - {FLOODED}
+
+
+@pytest.mark.slow
+async def test_a_flood_of_24_spreads_over_the_instances(cluster, admin, client, reference):
+    destinations = await flood(cluster, admin, client, reference, num_requests=24, max_tokens=300)
+    assert len(destinations - {FLOODED}) >= 2, destinations
+
+
+async def test_drain_under_load_empties_the_instance_and_every_request_completes(cluster, admin, client, reference):
+    await set_policy(admin, dispatch="flood", migration_enabled=False)
+    baseline = await free_blocks(admin)
+    started_at = time.time()
+    prompts, max_tokens = [f"drained request {n} goes on" for n in range(6)], 400
+    requests = asyncio.gather(*(complete(client, cluster, p, max_tokens) for p in prompts))
+
+    async def loaded():
+        return (await instances(admin))[FLOODED].num_running >= 4
+    await wait_for(loaded, 30, f"{FLOODED} loaded")
+    answer = await admin.Drain(manager_pb2.DrainRequest(instance_id=FLOODED), timeout=5)
+    assert not answer.is_drained and answer.num_remaining > 0
+
+    async def drained():
+        info = (await instances(admin))[FLOODED]
+        return info.is_drained and info.num_running == 0 and info.num_waiting == 0
+    await wait_for(drained, 120, f"{FLOODED} drained")
+    assert await requests == reference(prompts, max_tokens)
+    moved = await migrations_since(admin, started_at)
+    assert {(m.src_instance_id, m.trigger) for m in moved if m.outcome == "committed"} == {(FLOODED, "drain")}
+    assert (await admin.Drain(manager_pb2.DrainRequest(instance_id=FLOODED), timeout=5)).is_drained
+    await wait_blocks_back(admin, baseline)

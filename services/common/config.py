@@ -171,6 +171,8 @@ def _default(field: dataclasses.Field) -> Any:
         value = field.default_factory()
     else:
         return _REQUIRED
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(item.value if isinstance(item, enum.Enum) else item) for item in value)
     return value.value if isinstance(value, enum.Enum) else value
 
 

@@ -167,6 +167,7 @@ class EngineRunner:
         def run() -> None:
             try:
                 result = fn()
+                self._snapshot_load()  # commands move blocks too (aborts, migrations): load is current on return
             except BaseException as exc:  # handed back to the awaiting coroutine
                 self._loop.call_soon_threadsafe(_settle, future, None, exc)
             else:

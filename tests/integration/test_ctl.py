@@ -71,12 +71,13 @@ def test_policy_get_and_set(ops):
 
 def test_requests_lists_a_running_request(ops):
     with running_request(ops.instance_address, max_tokens=1000) as request_id:
-        for _ in range(20):
-            listing = json.loads(ok(ctl("--json", "requests", "--instance", INSTANCE_ID, admin=ops.admin_address)))
+        for _ in range(20):  # a busy instance may miss the manager's ListRequests deadline: ask again
+            result = ctl("--json", "requests", "--instance", INSTANCE_ID, admin=ops.admin_address)
+            listing = json.loads(result.stdout) if result.returncode == 0 else {"requests": []}
             if any(r["request_id"] == request_id for r in listing["requests"]):
                 break
         else:
-            pytest.fail(f"{request_id} never listed; last answer {listing}")
+            pytest.fail(f"{request_id} never listed; last answer {result.stdout}{result.stderr}")
     (row,) = [r for r in listing["requests"] if r["request_id"] == request_id]
     assert row["instance_id"] == INSTANCE_ID and row["num_tokens"] >= 6
     assert listing["unreachable_instance_ids"] == []
@@ -85,11 +86,12 @@ def test_requests_lists_a_running_request(ops):
 def test_requests_table(ops):
     with running_request(ops.instance_address, max_tokens=1000) as request_id:
         for _ in range(20):
-            table = ok(ctl("requests", admin=ops.admin_address))
-            if request_id in table:
+            result = ctl("requests", admin=ops.admin_address)
+            table = result.stdout
+            if result.returncode == 0 and request_id in table:
                 break
         else:
-            pytest.fail(f"{request_id} never listed; last table:\n{table}")
+            pytest.fail(f"{request_id} never listed; last answer:\n{table}{result.stderr}")
     assert table.splitlines()[0].split()[:3] == ["REQUEST", "INSTANCE", "STATE"]
 
 

@@ -82,11 +82,29 @@ def cluster(etcd, tiny_model_dir, tmp_path_factory):
         processes["b"] = _instance("b", processes["tb"].address, etcd, name, log_dir)
         for instance in ("a", "b"):
             asyncio.run(processes[instance].wait_healthy(90))
-        yield Cluster(name, processes, log_dir)
+        cluster = Cluster(name, processes, log_dir)
+        asyncio.run(_warm_up(cluster))
+        yield cluster
     finally:
         for process in processes.values():
             process.signal(signal.SIGCONT)
             process.stop()
+
+
+async def _warm_up(cluster: Cluster) -> None:
+    """One migration each way, so the tests do not pay for opening channels (instance to instance,
+    transfer service to transfer service) while their request races to its end."""
+    wire, _ = greedy(1000)
+    for src, dst in (("a", "b"), ("b", "a")):
+        async with grpc.aio.insecure_channel(cluster.address(src)) as channel:
+            stub = instance_pb2_grpc.InstanceServiceStub(channel)
+            call = generate(stub, f"warm-{src}", wire)
+            await call.read()
+            try:
+                await migrate_out(stub, f"warm-{src}", dst, cluster)
+            except grpc.aio.AioRpcError:
+                pass  # finished first: the channels are open all the same
+            call.cancel()
 
 
 @pytest.fixture
@@ -186,7 +204,7 @@ async def assert_all_blocks_free(stubs) -> None:
 
 
 async def test_migrated_mid_stream_client_follows_the_hand_off(stubs, cluster, tiny_model_dir):
-    wire, sampling = greedy(600)
+    wire, sampling = greedy(1000)
     client = ClientStream("mid-1")
     call = generate(stubs["a"], "mid-1", wire)
     await client.read(call, until_tokens=12)
@@ -204,7 +222,7 @@ async def test_migrated_mid_stream_client_follows_the_hand_off(stubs, cluster, t
 
 
 async def test_seeded_request_migrated_a_to_b_to_a(stubs, cluster, tiny_model_dir):
-    wire, sampling = seeded(600)
+    wire, sampling = seeded(1000)
     client = ClientStream("twice-1")
     call = generate(stubs["a"], "twice-1", wire)
     await client.read(call, until_tokens=5)
@@ -232,7 +250,7 @@ async def test_shm_backend_when_one_service_maps_both(stubs, cluster, tiny_model
     async with TransferClient(cluster.address("ta")) as ta:
         await ta.map_instance("b", record["kv_shm_name"], geometry_from_record(record["kv"]))
         try:
-            wire, sampling = greedy(300)
+            wire, sampling = greedy(1000)
             client = ClientStream("shm-1")
             call = generate(stubs["a"], "shm-1", wire)
             await client.read(call, until_tokens=3)
@@ -249,7 +267,7 @@ async def test_attach_checks_request_and_epoch(stubs, cluster):
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await stubs["b"].Attach(instance_pb2.AttachRequest(request_id="nobody", epoch=1), timeout=5).read()
     assert error.value.code() == grpc.StatusCode.NOT_FOUND
-    wire, _ = greedy(600)
+    wire, _ = greedy(1000)
     client = ClientStream("epoch-1")
     call = generate(stubs["a"], "epoch-1", wire)
     await client.read(call, until_tokens=2)

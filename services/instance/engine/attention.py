@@ -100,7 +100,7 @@ def _decode_group(
     block_tables = batch.block_tables if seqs is None else batch.block_tables[seqs]
     num_keys, chunks, indices = _gather_plan(block_tables, context_lens, geometry, DECODE_CHUNK_BYTES)
     mask = None
-    if bool((context_lens != num_keys).any()):
+    if False:
         mask = (torch.arange(num_keys) < context_lens[:, None]).view(-1, 1, 1, num_keys)
     token_index = None if seqs is None else starts[seqs].view(-1, 1)  # a decode sequence's only token
     out_index = None if token_index is None else token_index.flatten()
@@ -115,7 +115,7 @@ def _prefill_group(
     offsets = torch.arange(int(lens.max()))
     is_valid = offsets < lens[:, None]
     token_index = torch.where(is_valid, starts[seqs][:, None] + offsets, 0)
-    is_causal = False and bool((context_lens == lens).all())  # nothing cached before the new tokens
+    is_causal = bool((context_lens == lens).all())  # nothing cached before the new tokens
     mask = None
     if not is_causal:
         positions = batch.positions[token_index]  # padding rows take token 0's position: they see key 0 at least

@@ -62,6 +62,12 @@ class MigrationSettings:
     is_checksum_verified: bool  # --verify-transfer-checksum
     rpc_timeout_s: float  # --migration-rpc-timeout-s: each Prepare/Commit/Abort call
     transfer_timeout_s: float  # --migration-transfer-timeout-s: each stage's copy
+    reservation_timeout_s: float  # --migration-reservation-timeout-s, assumed the same on the destination
+
+    @property
+    def touch_interval_s(self) -> float:
+        """A reservation last prepared this long ago may expire before a copy that starts now ends."""
+        return self.reservation_timeout_s - self.transfer_timeout_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +124,7 @@ class _Attempt:
     started_at: float = field(default_factory=time.perf_counter)
     reservation: Reservation | None = None
     is_prepare_sent: bool = False  # the destination may hold a reservation (even if the call failed)
+    prepared_at: float = 0.0  # the last Prepare's start: the destination's watchdog restarted then
     # Invariant: copied[i] is the source block whose K/V now sit in reservation.block_ids[i];
     # valid only while the request has been preempted num_preemptions times.
     copied: dict[int, BlockId] = field(default_factory=dict)
@@ -202,15 +209,10 @@ class MigrationDriver:
         await self._live_stages(a)
         a.suspended_at = time.perf_counter()
         view = await self._engine_call(a, lambda: self._runner.engine.suspend(a.request_id))
-        t1 = time.perf_counter()
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
-        t2 = time.perf_counter()
         state = await self._engine_call(a, lambda: self._runner.engine.export_state(a.request_id))
-        t3 = time.perf_counter()
         await a.peer.commit_migrate_in(a.migration_id, state)
         a.committed_at = time.perf_counter()
-        log.info("DEBUG_timing", suspend=(t1 - a.suspended_at) * 1e3, copy=(t2 - t1) * 1e3, export=(t3 - t2) * 1e3,
-                 commit=(a.committed_at - t3) * 1e3)
         await self._hand_off(a, state)
         return self._result(a)
 
@@ -240,12 +242,17 @@ class MigrationDriver:
     async def _reserve(self, a: _Attempt, view: MigrationBlocks, headroom: int) -> None:
         """Make the destination hold at least the request's blocks (+ headroom, within its final size).
 
-        Called before every copy even when nothing needs to grow: it also restarts the
-        destination's watchdog, so a reservation never expires while a copy writes into it."""
+        Before every copy: grow if the request outgrew the reservation, and restart the
+        destination's watchdog if it could fire before the copy ends (a reservation must
+        never expire while a copy writes into it)."""
         num_reserved = 0 if a.reservation is None else len(a.reservation.block_ids)
+        is_fresh = time.perf_counter() - a.prepared_at < self._settings.touch_interval_s
+        if a.reservation is not None and num_reserved >= view.num_blocks and is_fresh:
+            return
         headroom = headroom if view.num_blocks else 0  # a waiting request moves without blocks
         num_wanted = max(num_reserved, view.num_blocks, min(view.num_blocks + headroom, view.max_num_blocks))
         a.is_prepare_sent = True
+        a.prepared_at = time.perf_counter()
         reservation = await a.peer.prepare_migrate_in(a.migration_id, a.request_id, self._settings.instance_id,
                                                       num_wanted)
         if a.reservation is not None and reservation.block_ids[:len(a.reservation.block_ids)] != a.reservation.block_ids:

@@ -97,12 +97,9 @@ class MigrationInbox:
                                   f"for {incoming.request_id}")
         incoming.expires_at = self._deadline()
         engine = self._runner.engine
-        t0 = time.perf_counter()
         text = await asyncio.to_thread(engine.restore_text, state)  # replays the detokenizer off the engine thread
-        t1 = time.perf_counter()
         await self._runner.adopt(state.request_id, state.epoch,
                                  lambda: engine.import_request(migration_id, state, text))
-        log.info("DEBUG_commit", restore=(t1 - t0) * 1e3, adopt=(time.perf_counter() - t1) * 1e3)
         incoming.epoch = state.epoch
         incoming.expires_at = self._deadline()  # now the deadline to attach
         self._slots.release(migration_id)

@@ -107,7 +107,8 @@ def _apply_members(view: ClusterView, members: Mapping[str, dict[str, Any]]) -> 
 def _migrator_limits(config: ManagerConfig) -> MigratorLimits:
     return MigratorLimits(interval_s=config.migration_interval_s, max_per_instance=config.migration_max_per_instance,
                           cooldown_s=config.migration_cooldown_s, timeout_s=config.migration_timeout_s,
-                          history_size=config.migration_history_size, backend=config.migration_backend)
+                          history_size=config.migration_history_size, backend=config.migration_backend,
+                          failure_backoff_s=config.migration_failure_backoff_s)
 
 
 def _apply_settings(dispatcher: Dispatcher, migrator: Migrator, view: ClusterView, config: ManagerConfig,

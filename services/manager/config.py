@@ -37,6 +37,7 @@ class ManagerConfig:
     migration_cooldown_s: float = knob(10.0, "seconds a request that just migrated is not picked again by the loop")
     migration_timeout_s: float = knob(60.0, "deadline of one InstanceService/MigrateOut call")
     migration_history_size: int = knob(256, "migration records kept for ListMigrations (oldest dropped first)")
+    migration_failure_backoff_s: float = knob(2.0, "seconds a (source, destination) pair waits after a failed migration")
     migration_backend: str = knob("", "transfer backend migrations ask for: grpc, gloo, nccl, shm (empty = each instance's default)")
     metrics_port: int = knob(0, "Prometheus /metrics HTTP port (0 = off)")
     shutdown_grace_s: float = knob(2.0, "seconds running calls get to finish on SIGTERM")
@@ -55,9 +56,9 @@ class ManagerConfig:
                      "migration_history_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.migration_threshold < 0 or self.migration_cooldown_s < 0:
-            raise ValueError("--migration-threshold and --migration-cooldown-s must be >= 0, got "
-                             f"{self.migration_threshold} and {self.migration_cooldown_s}")
+        for name in ("migration_threshold", "migration_cooldown_s", "migration_failure_backoff_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.migration_pairing not in PAIRING_NAMES:
             raise ValueError(f"--migration-pairing must be one of {', '.join(PAIRING_NAMES)}, got {self.migration_pairing!r}")
         if self.migration_backend not in _BACKENDS:

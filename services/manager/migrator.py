@@ -11,7 +11,8 @@ report (an older one still shows the request where it was). A request that commi
 is left alone for `cooldown_s` (the source is told to skip it when it picks); with the
 pairing's hysteresis (migration_policies.py) nothing ping-pongs. Drains move requests
 whether or not the load-balancing loop is on. A MigrateOut failure is recorded, counted
-by gRPC status and logged, and never ends the loop: the request runs on at the source.
+by gRPC status and logged, and never ends the loop: the request runs on at the source,
+and that (source, destination) pair waits `failure_backoff_s` before its next try.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class MigratorLimits:
     cooldown_s: float = 10.0  # a request that just migrated is not picked again for this long
     timeout_s: float = 60.0  # deadline of one MigrateOut call
     history_size: int = 256  # migration records kept (the oldest go first)
+    failure_backoff_s: float = 2.0  # a (source, destination) pair whose migration failed is not tried again sooner
     backend: str = ""  # transfer backend asked for; empty: each source's default
 
 
@@ -70,6 +72,7 @@ class Migrator:
         self._in_flight: dict[InstanceId, int] = {}  # invariant: MigrateOut calls running per instance, > 0
         self._ended_at: dict[InstanceId, float] = {}  # its last migration ended then; sits out until a newer report
         self._cooled: dict[str, float] = {}  # request id -> when it committed somewhere
+        self._failed_at: dict[tuple[InstanceId, InstanceId], float] = {}  # (src, dst) -> its last failure
         self._history: collections.deque[MigrationRecord] = collections.deque(maxlen=limits.history_size)
         self._tasks: set[asyncio.Task[None]] = set()
         self._announced_drained: set[InstanceId] = set()
@@ -111,7 +114,7 @@ class Migrator:
         if self._settings.is_enabled:
             taken = {i for pair in pairs for i in (pair.src.instance_id, pair.dst.instance_id)}
             pairs += self._pairing.pair([p for p in serving if p.instance_id not in taken], self._settings.threshold)
-        return [self._order(pair) for pair in pairs]
+        return [self._order(pair) for pair in pairs if not self._is_backing_off(pair)]
 
     # one migration
 
@@ -216,6 +219,7 @@ class Migrator:
                       dst_instance_id=order.dst_instance_id, trigger=order.trigger.value,
                       duration_ms=round(figures.duration_ms, 2))
         if not record.is_committed:
+            self._failed_at[order.src_instance_id, order.dst_instance_id] = self._clock()
             metrics.MIGRATION_FAILURES.labels(record.reason).inc()
             log.warning("migration_failed", reason=record.reason, error=record.message, **fields)
             return
@@ -227,6 +231,16 @@ class Migrator:
         log.info("request_migrated", num_blocks=figures.num_blocks, num_bytes=figures.num_bytes,
                  num_stages=figures.num_stages, backend=figures.backend, downtime_ms=round(figures.downtime_ms, 2),
                  **fields)
+
+    def _is_backing_off(self, pair: Pair) -> bool:
+        key = (pair.src.instance_id, pair.dst.instance_id)
+        failed_at = self._failed_at.get(key)
+        if failed_at is None:
+            return False
+        if self._clock() - failed_at >= self._limits.failure_backoff_s:
+            del self._failed_at[key]
+            return False
+        return True
 
     def _cooled_request_ids(self) -> frozenset[str]:
         horizon = self._clock() - self._limits.cooldown_s

@@ -15,6 +15,7 @@ import time
 import grpc
 import openai
 import pytest
+import torch
 
 from services.common.gen.ferry.v1 import manager_pb2, manager_pb2_grpc
 from services.instance.engine.factory import EngineSpec, build_engine
@@ -50,6 +51,7 @@ def client(cluster) -> openai.AsyncOpenAI:
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     """reference(prompts, max_tokens) → greedy token ids of each prompt on one local engine, never migrated."""
+    torch.set_num_threads(1)  # the cluster's processes share the same few cores
     tokenizer = Tokenizer.from_dir(tiny_model_dir)
     loaded = build_engine(EngineSpec(tiny_model_dir, kv_name=f"ferry-e2e-mig-ref-{os.getpid()}", num_blocks=2048))
 
@@ -154,13 +156,8 @@ async def flood(cluster, admin, client, reference, num_requests: int, max_tokens
     return {m.dst_instance_id for m in moved}
 
 
-async def test_a_small_flood_spreads_and_every_request_keeps_its_tokens(cluster, admin, client, reference):
-    destinations = await flood(cluster, admin, client, reference, num_requests=8, max_tokens=300)
-    assert destinations - {FLOODED}
-
-
-@pytest.mark.slow
-async def test_a_flood_of_24_spreads_over_the_instances(cluster, admin, client, reference):
+async def test_a_flood_of_24_spreads_over_the_instances_and_keeps_every_token(cluster, admin, client, reference):
+    # ~10 s on 2 shared cores (most of it the cluster decoding), so not marked slow
     destinations = await flood(cluster, admin, client, reference, num_requests=24, max_tokens=300)
     assert len(destinations - {FLOODED}) >= 2, destinations
 
@@ -169,7 +166,7 @@ async def test_drain_under_load_empties_the_instance_and_every_request_completes
     await set_policy(admin, dispatch="flood", migration_enabled=False)
     baseline = await free_blocks(admin)
     started_at = time.time()
-    prompts, max_tokens = [f"drained request {n} goes on" for n in range(6)], 400
+    prompts, max_tokens = [f"drained request {n} goes on" for n in range(6)], 800
     requests = asyncio.gather(*(complete(client, cluster, p, max_tokens) for p in prompts))
 
     async def loaded():

@@ -140,3 +140,11 @@ async def test_registers_and_reregisters_after_losing_its_lease(instance, etcd):
         chunks = await collect(stub, instance_pb2.GenerateRequest(request_id="after-lease", prompt_token_ids=[1, 2, 3],
                                                                   sampling=greedy(3)))
         assert sum(len(c.token_ids) for c in chunks) == 3
+
+
+async def test_migrate_out_without_a_transfer_service_names_the_flag(stub):
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await stub.MigrateOut(instance_pb2.MigrateOutRequest(request_id="any", dst_instance_id="other",
+                                                             dst_address="127.0.0.1:1"), timeout=5)
+    assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--transfer-address" in error.value.details()

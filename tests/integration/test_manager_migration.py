@@ -8,6 +8,7 @@ books (their next load reports show it) the way a committed migration would.
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
 
 import grpc
@@ -140,7 +141,7 @@ async def test_the_loop_spreads_a_flooded_instance_and_keeps_a_history(world):
     assert all(call.selection == instance_pb2.MIGRATION_SELECTION_SHORTEST_RUNNING for call in peers["i-0"].calls)
     # the loop stays put once balanced (hysteresis): no more calls a while later
     num_calls = sum(len(p.calls) for p in peers.values())
-    await _sleep(0.6)
+    await asyncio.sleep(0.6)
     assert sum(len(p.calls) for p in peers.values()) == num_calls
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -235,8 +236,3 @@ async def _num_migrations(client: ManagerClient, at_least: int) -> bool:
 
 async def _is_drained(client: ManagerClient, instance_id: str) -> bool:
     return {i.instance_id: i.is_drained for i in await client.list_instances()}[instance_id]
-
-
-async def _sleep(seconds: float) -> None:
-    import asyncio
-    await asyncio.sleep(seconds)

@@ -284,24 +284,25 @@ async def test_attach_checks_request_and_epoch(stubs, cluster):
     await assert_all_blocks_free(stubs)
 
 
-async def test_destination_full_or_dead_keeps_the_request_on_the_source(stubs, cluster, tiny_model_dir):
-    wire, sampling = greedy(500)
-    hog_sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)
-    hogs = [generate(stubs["b"], f"hog-{i}", hog_sampling, prompt=[7 + i] * 200) for i in range(4)]
-    for hog in hogs:
-        await hog.read()  # 4 x 200 prompt tokens: 200 of b's 256 blocks, and growing for seconds
+async def test_destination_dead_or_full_keeps_the_request_on_the_source(stubs, cluster, tiny_model_dir):
+    wire, sampling = greedy(800)
     client = ClientStream("full-1")
     call = generate(stubs["a"], "full-1", wire, prompt=PROMPT * 8)  # 160 prompt tokens: 40 blocks
     await client.read(call, until_tokens=3)
     with pytest.raises(grpc.aio.AioRpcError) as error:
-        await migrate_out(stubs["a"], "full-1", "b", cluster)
-    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.value.details()
-    for i in range(4):
-        await stubs["b"].Abort(instance_pb2.AbortRequest(request_id=f"hog-{i}"), timeout=5)
-    with pytest.raises(grpc.aio.AioRpcError) as error:
         await stubs["a"].MigrateOut(instance_pb2.MigrateOutRequest(
             request_id="full-1", dst_instance_id="ghost", dst_address=f"127.0.0.1:{free_port()}"), timeout=30)
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value.details()
+    hog_sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)
+    hogs = [generate(stubs["b"], f"hog-{i}", hog_sampling, prompt=[7 + i] * 200) for i in range(4)]
+    for hog in hogs:
+        await hog.read()  # 4 x 200 prompt tokens: 200 of b's 256 blocks, and growing for seconds
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await migrate_out(stubs["a"], "full-1", "b", cluster)
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.value.details()
+    assert "blocks" in error.value.details()
+    for i in range(4):
+        await stubs["b"].Abort(instance_pb2.AbortRequest(request_id=f"hog-{i}"), timeout=5)
     await client.follow(call)
     assert not client.handoffs and client.token_ids == reference(tiny_model_dir, PROMPT * 8, sampling)
     await assert_all_blocks_free(stubs)

@@ -46,8 +46,8 @@ class CacheGeometry:
 class AttentionGroup:
     num_keys: int  # keys gathered per sequence: its longest context, rounded up to whole blocks
     chunks: tuple[slice, ...]  # sequences attended together, in order
-    gather_indices: tuple[torch.Tensor, ...]  # per chunk: rows of a layer's cache viewed as [2 * blocks, -1], K then V
-    mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, num_keys] bool, True = visible; None: all visible or causal
+    gather_indices: tuple[torch.Tensor, ...]  # per chunk: rows of a layer's cache as [2 * blocks, -1], K then V
+    mask: torch.Tensor | None  # [num_seqs, 1, max_query_len, num_keys] bool, True = visible; None: all visible/causal
     is_causal: bool  # every sequence starts at position 0, so query row i sees keys 0..i
     token_index: torch.Tensor | None  # [num_seqs, max_query_len] packed token of each query row; None: all, in order
     is_valid: torch.Tensor | None  # [num_seqs * max_query_len] False for padding rows; None: no padding
@@ -100,7 +100,7 @@ def _decode_group(
     block_tables = batch.block_tables if seqs is None else batch.block_tables[seqs]
     num_keys, chunks, indices = _gather_plan(block_tables, context_lens, geometry, DECODE_CHUNK_BYTES)
     mask = None
-    if False:
+    if bool((context_lens != num_keys).any()):
         mask = (torch.arange(num_keys) < context_lens[:, None]).view(-1, 1, 1, num_keys)
     token_index = None if seqs is None else starts[seqs].view(-1, 1)  # a decode sequence's only token
     out_index = None if token_index is None else token_index.flatten()

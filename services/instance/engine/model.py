@@ -22,6 +22,7 @@ from torch import nn
 from services.instance.engine.attention import AttentionPlan, CacheGeometry, attend, write_kv
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.model_config import ModelConfig, rope_inv_freq
+from services.instance.engine.packed_linear import PackedLinear
 from services.instance.engine.weights import load_state_dict
 
 log = structlog.get_logger(__name__)
@@ -76,8 +77,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.qkv_proj = PackedLinear(config.hidden_size, qkv_size, bias=config.attention_bias)
+        self.o_proj = PackedLinear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, plan: AttentionPlan
@@ -95,8 +96,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = PackedLinear(config.hidden_size, 2 * size, bias=config.mlp_bias)
+        self.down_proj = PackedLinear(size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -127,12 +128,16 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = PackedLinear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+        cls,
+        model_dir: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        pack_weights: bool = True,
     ) -> "LlamaModel":
         config = ModelConfig.from_dir(model_dir)
         with torch.device("meta"):
@@ -140,8 +145,23 @@ class LlamaModel(nn.Module):
         model.load_state_dict(load_state_dict(model_dir, config, dtype, device), strict=True, assign=True)
         model.rotary.build(dtype, device)
         model.requires_grad_(False)
-        log.info("model_loaded", model_dir=str(model_dir), dtype=str(dtype), device=str(device))
+        is_packed = pack_weights and model.pack_weights()
+        log.info("model_loaded", model_dir=str(model_dir), dtype=str(dtype), device=str(device), is_packed=is_packed)
         return model.eval()
+
+    def pack_weights(self) -> bool:
+        """Prepack every projection and the LM head for oneDNN (CPU float32 only; see packed_linear).
+        A tied LM head gets its own packed copy of the embedding matrix. False if nothing was packed."""
+        is_packed = [m.pack() for m in self.modules() if isinstance(m, PackedLinear)]
+        if not all(is_packed):
+            return False
+        if self.lm_head is None:
+            config = self.config
+            head = PackedLinear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+            head.weight = self.embed_tokens.weight
+            head.pack()
+            self.lm_head = head
+        return True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -157,14 +177,17 @@ class LlamaModel(nn.Module):
             h = layer(h, rope, kv_layer, plan)
         last = torch.cumsum(torch.tensor(batch.query_lens, dtype=torch.int64), 0) - 1
         h = self.norm(h[last])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        logits = F.linear(h, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
+        return logits.float()
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    pack_weights: bool = True,
 ) -> LlamaModel:
-    return LlamaModel.from_pretrained(model_dir, dtype=dtype, device=device)
+    return LlamaModel.from_pretrained(model_dir, dtype=dtype, device=device, pack_weights=pack_weights)
 
 
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:

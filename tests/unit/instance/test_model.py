@@ -175,9 +175,22 @@ def test_sharded_checkpoint_loads_like_single_file(checkpoint, model, tmp_path):
     _, hf_model = checkpoint
     hf_model.save_pretrained(tmp_path, max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
-    sharded = load_model(tmp_path)
-    for name, tensor in model.state_dict().items():
-        torch.testing.assert_close(sharded.state_dict()[name], tensor, atol=0, rtol=0)
+    single = load_model(checkpoint[0], pack_weights=False).state_dict()
+    sharded = load_model(tmp_path, pack_weights=False).state_dict()
+    assert sharded.keys() == single.keys()
+    assert any(".qkv_proj." in name for name in single)
+    for name, tensor in single.items():
+        torch.testing.assert_close(sharded[name], tensor, atol=0, rtol=0)
+
+
+def test_packed_weights_give_the_same_logits(checkpoint, model):
+    plain = load_model(checkpoint[0], pack_weights=False)
+    assert model.lm_head is not None and model.lm_head.packed_weight is not None  # the fixture's model is packed
+    assert plain.lm_head is None or plain.lm_head.packed_weight is None
+    prompts = [random_prompt(n, model.config.vocab_size, seed=50 + n) for n in (3, 12)]
+    expected = PagedRunner(plain).step([(Sequence(p), len(p)) for p in prompts])
+    logits = PagedRunner(model).step([(Sequence(p), len(p)) for p in prompts])
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_bfloat16_load_gives_float32_logits(checkpoint):

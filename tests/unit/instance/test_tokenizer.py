@@ -80,7 +80,9 @@ def test_chat_template_renders_like_transformers(tokenizer, model_dir):
     )
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🚀"}]
     text = tokenizer.apply_chat_template(messages)
-    assert text == "<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi 🚀<|im_end|>\n<|im_start|>assistant\n"
+    assert text == (
+        "<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi 🚀<|im_end|>\n<|im_start|>assistant\n"
+    )
     expected = reference.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
                                              add_generation_prompt=True)
     assert text == expected

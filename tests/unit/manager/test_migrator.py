@@ -8,6 +8,7 @@ import pytest
 
 from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from services.manager import metrics
+from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOutcome, MigrationSelection, MigrationSettings,
@@ -51,7 +52,6 @@ class RpcCause(Exception):
 
 def cluster(clock: FakeClock, **loads):
     """A view with one member per keyword (id=running count), each with 10 blocks a request, just reported."""
-    from services.manager.cluster_view import ClusterView
     view = ClusterView(report_timeout_s=3.0, clock=clock)
     for instance_id, num_running in loads.items():
         view.put_member(make_record(instance_id))
@@ -155,7 +155,7 @@ async def test_failures_are_recorded_by_grpc_status_and_the_loop_goes_on():
     unimplemented = Unavailable("Method not found!")
     unimplemented.__cause__ = RpcCause("UNIMPLEMENTED")
     sources = FakeSources(ResourceExhausted("destination has 2 free blocks, needs 6"), unimplemented)
-    migrator = make_migrator(view, clock, sources)
+    migrator = make_migrator(view, clock, sources, failure_backoff_s=2.0)
     before = metrics.MIGRATION_FAILURES.labels("RESOURCE_EXHAUSTED")._value.get()
     for _ in range(2):
         migrator.tick()
@@ -163,6 +163,8 @@ async def test_failures_are_recorded_by_grpc_status_and_the_loop_goes_on():
         clock.advance(0.5)
         report(view, "a", 8)
         report(view, "b", 0)
+        assert migrator.plan() == []  # the pair that failed backs off
+        clock.advance(1.5)
     first, second = migrator.history()
     assert (first.outcome, first.reason, first.message) == (
         MigrationOutcome.FAILED, "RESOURCE_EXHAUSTED", "destination has 2 free blocks, needs 6")

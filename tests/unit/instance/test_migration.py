@@ -1,0 +1,279 @@
+"""The migration driver (source) and inbox (destination) without sockets: two engine runners in
+one process, the destination reached through its MigrationInbox, blocks copied tensor to tensor.
+Failures are injected at each step; the request must always end correctly on one side and no
+block may stay held anywhere."""
+
+import asyncio
+import os
+import uuid
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from services.common.errors import Aborted, FailedPrecondition, FerryError, NotFound, ResourceExhausted, Unavailable
+from services.instance.engine.engine import EngineConfig, LLMEngine, StepOutput
+from services.instance.engine.kv_cache import KvCache, KvGeometry
+from services.instance.engine.migration_state import RequestState
+from services.instance.engine.model import load_model
+from services.instance.engine.request import FinishReason, SamplingParams
+from services.instance.engine.tokenizer import Tokenizer
+from services.instance.handoff import Handoff
+from services.instance.migration import MigrateOutPlan, MigrationDriver, MigrationSettings, Reservation
+from services.instance.migration_in import MigrationInbox, TransferEndpoint
+from services.instance.migration_slots import MigrationSlots
+from services.instance.runner import EngineRunner, RequestStream
+from services.transfer.domain import BlockTransfer, TransferBackend, TransferResult
+
+pytestmark = pytest.mark.timeout(60)
+torch.set_num_threads(1)
+
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 31, 8, 64, 2, 11, 19, 23, 29, 37, 41, 43, 47, 53]
+SAMPLING = SamplingParams(temperature=0.8, top_k=30, seed=5, max_tokens=400, ignore_eos=True)
+NUM_BLOCKS = 160
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
+
+
+@dataclass
+class Side:
+    name: str
+    engine: LLMEngine
+    runner: EngineRunner
+    slots: MigrationSlots
+    inbox: MigrationInbox
+
+
+class FaultyPeer:
+    """The destination as the source sees it, with a fault to inject per call name."""
+
+    def __init__(self, dst: Side) -> None:
+        self.dst = dst
+        self.faults: dict[str, FerryError] = {}
+        self.calls: list[str] = []
+
+    def _check(self, name: str) -> None:
+        self.calls.append(name)
+        if name in self.faults:
+            raise self.faults[name]
+
+    async def prepare_migrate_in(self, migration_id, request_id, src_instance_id, num_blocks) -> Reservation:
+        self._check("prepare")
+        return await self.dst.inbox.prepare(migration_id, request_id, src_instance_id, num_blocks)
+
+    async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None:
+        self._check("commit")
+        await self.dst.inbox.commit(migration_id, state)
+
+    async def abort_migrate_in(self, migration_id: str) -> bool:
+        self.calls.append("abort_migrate_in")
+        return await self.dst.inbox.abort(migration_id)
+
+    async def abort(self, request_id: str) -> bool:
+        self.calls.append("abort")
+        return await self.dst.runner.abort(request_id)
+
+
+@dataclass
+class TensorCopier:
+    """The transfer service: a tensor copy between the two KV caches (optionally failing on stage n)."""
+
+    src: Side
+    dst: Side
+    fail_on: int | None = None
+    pause: asyncio.Event | None = None  # copies wait for it
+    num_calls: int = 0
+    transfers: list[BlockTransfer] = field(default_factory=list)
+
+    async def transfer(self, transfer: BlockTransfer, timeout_s: float, request_id=None) -> TransferResult:
+        self.num_calls += 1
+        self.transfers.append(transfer)
+        if self.pause is not None:
+            await self.pause.wait()
+        if self.num_calls == self.fail_on:
+            raise Unavailable("transfer service at 127.0.0.1:1 is gone")
+        src, dst = self.src.engine.kv_cache.tensor, self.dst.engine.kv_cache.tensor
+        dst[:, :, list(transfer.dst_block_ids)] = src[:, :, list(transfer.src_block_ids)]
+        num_bytes = self.src.engine.kv_cache.geometry.bytes_per_block * transfer.num_blocks
+        return TransferResult(transfer.num_blocks, num_bytes, 0.1, transfer.backend)
+
+
+@pytest.fixture
+async def pair(tiny):
+    caches, sides = [], {}
+    loop = asyncio.get_running_loop()
+    for name in ("a", "b"):
+        model, tokenizer = tiny
+        c = model.config
+        geometry = KvGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, BLOCK_SIZE, NUM_BLOCKS,
+                              torch.float32)
+        cache = KvCache.create(f"ferry-kv-test-drv-{os.getpid()}-{uuid.uuid4().hex[:8]}", geometry)
+        caches.append(cache)
+        engine = LLMEngine(model, tokenizer, cache, EngineConfig(num_blocks=NUM_BLOCKS, max_model_len=1024,
+                                                                 block_size=BLOCK_SIZE, max_num_seqs=4))
+        runner = EngineRunner(engine, loop)
+        runner.start()
+        slots = MigrationSlots(1)
+        inbox = MigrationInbox(runner, slots, timeout_s=5.0, transfer=TransferEndpoint("127.0.0.1:1", f"t{name}"))
+        sides[name] = Side(name, engine, runner, slots, inbox)
+    yield sides["a"], sides["b"]
+    for side in sides.values():
+        side.runner.stop()
+    for cache in caches:
+        cache.close()
+        cache.unlink()
+
+
+def driver(src: Side, peer, copier, max_stages: int = 3, reservation_timeout_s: float = 5.0) -> MigrationDriver:
+    settings = MigrationSettings(instance_id=src.name, transfer_backend=TransferBackend.GRPC, stage_blocks=2,
+                                 max_stages=max_stages, is_checksum_verified=True, rpc_timeout_s=1.0,
+                                 transfer_timeout_s=1.0, reservation_timeout_s=reservation_timeout_s)
+    return MigrationDriver(src.runner, settings, src.slots, lambda address: peer, copier)
+
+
+def plan(request_id: str = "r", dst: str = "b") -> MigrateOutPlan:
+    return MigrateOutPlan(request_id=request_id, dst_instance_id=dst, dst_address="127.0.0.1:2", dst_transfer_address="",
+                          backend=None)
+
+
+async def read(stream: RequestStream, tokens: list[int], until: int | None = None) -> StepOutput | Handoff:
+    async for item in stream:
+        if isinstance(item, Handoff):
+            return item
+        assert item.token_index == len(tokens)
+        tokens += item.new_token_ids
+        if item.finish_reason is not None or (until is not None and len(tokens) >= until):
+            return item
+    raise AssertionError("stream ended without a finish reason or hand-off")
+
+
+async def reference(side: Side) -> list[int]:
+    stream = await side.runner.add("ref", PROMPT, SAMPLING)
+    tokens: list[int] = []
+    await read(stream, tokens)
+    return tokens
+
+
+async def assert_no_blocks_held(*sides: Side) -> None:
+    for side in sides:
+        load = await side.runner.call(side.engine.load)
+        assert load.num_free_blocks == NUM_BLOCKS and load.num_running == 0
+        assert len(side.engine.reservations) == 0 and side.slots.num_busy == 0 and side.inbox.num_incoming == 0
+
+
+async def test_driver_moves_the_request_and_the_client_follows(pair):
+    a, b = pair
+    expected = await reference(a)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    copier = TensorCopier(a, b)
+    result = await driver(a, FaultyPeer(b), copier).migrate_out(plan())
+    handoff = await read(stream, tokens)
+    assert isinstance(handoff, Handoff) and handoff.next_token_index == len(tokens) and handoff.epoch == 1
+    attached = b.inbox.attach("r", handoff.epoch)
+    last = await read(attached, tokens)
+    assert tokens == expected and last.finish_reason is FinishReason.LENGTH
+    assert result.num_stages >= 2 and result.num_blocks == sum(t.num_blocks for t in copier.transfers)
+    assert all(t.is_checksum_verified for t in copier.transfers)
+    await assert_no_blocks_held(a, b)
+
+
+@pytest.mark.parametrize("fault", ["prepare", "commit", "transfer-live", "transfer-final"])
+async def test_every_failure_before_commit_resumes_on_the_source(pair, fault):
+    a, b = pair
+    expected = await reference(a)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    peer, copier = FaultyPeer(b), TensorCopier(a, b)
+    if fault in ("prepare", "commit"):
+        peer.faults[fault] = Unavailable(f"{fault}: instance b is down")
+    else:
+        copier.fail_on = 1 if fault == "transfer-live" else 2  # one live stage, then the final one
+    with pytest.raises(Unavailable):
+        await driver(a, peer, copier, max_stages=1).migrate_out(plan())
+    assert peer.calls[-1] == "abort_migrate_in"
+    last = await read(stream, tokens)
+    assert tokens == expected and last.finish_reason is FinishReason.LENGTH
+    await assert_no_blocks_held(a, b)
+
+
+async def test_request_finishing_mid_migration_aborts_it(pair):
+    a, b = pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    copier = TensorCopier(a, b, pause=asyncio.Event())
+    migration = asyncio.create_task(driver(a, FaultyPeer(b), copier).migrate_out(plan()))
+    while not copier.num_calls:
+        await asyncio.sleep(0.01)
+    await read(stream, tokens)  # the first stage's copy is stuck; the request runs to its end meanwhile
+    copier.pause.set()
+    with pytest.raises(Aborted, match="finished or was aborted"):
+        await migration
+    assert len(tokens) == SAMPLING.max_tokens
+    await assert_no_blocks_held(a, b)
+
+
+async def test_commit_lost_on_the_way_back_drops_the_copy_on_the_destination(pair):
+    a, b = pair
+    expected = await reference(a)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=10)
+    peer = FaultyPeer(b)
+
+    async def commit_then_fail(migration_id, state):
+        await b.inbox.commit(migration_id, state)
+        raise Unavailable("deadline exceeded: the commit's answer never came")
+
+    peer.commit_migrate_in = commit_then_fail
+    with pytest.raises(Unavailable):
+        await driver(a, peer, TensorCopier(a, b)).migrate_out(plan())
+    with pytest.raises(NotFound):
+        b.inbox.attach("r", 1)  # the destination dropped its copy
+    await read(stream, tokens)
+    assert tokens == expected
+    await assert_no_blocks_held(a, b)
+
+
+async def test_lost_reservation_is_detected_before_more_copies(pair):
+    a, b = pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=60)
+    copier = TensorCopier(a, b, pause=asyncio.Event())
+    mover = driver(a, FaultyPeer(b), copier, reservation_timeout_s=1.0)  # = the transfer timeout: every copy re-prepares
+    migration = asyncio.create_task(mover.migrate_out(plan()))
+    while not copier.num_calls:
+        await asyncio.sleep(0.01)
+    await b.inbox.expire(float("inf"))  # b's watchdog fires while the first stage copies
+    copier.pause.set()
+    with pytest.raises(Aborted, match="lost the reservation"):
+        await migration
+    await read(stream, tokens)
+    await assert_no_blocks_held(a, b)
+
+
+async def test_refusals(pair):
+    a, b = pair
+    copier = TensorCopier(a, b)
+    with pytest.raises(FailedPrecondition, match="--transfer-address"):
+        await driver(a, FaultyPeer(b), None).migrate_out(plan())
+    with pytest.raises(FailedPrecondition, match="no request to migrate"):
+        await driver(a, FaultyPeer(b), copier).migrate_out(plan(request_id=""))
+    with pytest.raises(NotFound):
+        await driver(a, FaultyPeer(b), copier).migrate_out(plan(request_id="nobody"))
+    await b.inbox.prepare("other", "x", "c", 1)  # b's only migration slot is busy
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, [], until=2)
+    with pytest.raises(ResourceExhausted, match="max-concurrent-migrations"):
+        await driver(a, FaultyPeer(b), copier).migrate_out(plan())
+    assert await b.inbox.abort("other")
+    await a.runner.abort("r")
+    await assert_no_blocks_held(a, b)

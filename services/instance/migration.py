@@ -201,13 +201,15 @@ class MigrationDriver:
         if request_id is None:
             raise FailedPrecondition(f"instance {self._settings.instance_id} has no request to migrate "
                                      "(none decoding or waiting); try again once it has")
+        if request_id in self._moving:  # another migration picked it while we asked: it alone may suspend it
+            raise Aborted(f"request {request_id} was picked by another migration meanwhile; try again")
         return request_id
 
     async def _move(self, a: _Attempt) -> MigrationResult:
         view = await self._view(a, is_first=True)
         await self._reserve(a, view, RESERVATION_HEADROOM_BLOCKS)
         await self._live_stages(a)
-        a.suspended_at = time.perf_counter()
+        a.suspended_at = time.perf_counter()  # from here on, a failure resumes it (only we suspend it: _moving)
         view = await self._engine_call(a, lambda: self._runner.engine.suspend(a.request_id))
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
         state = await self._engine_call(a, lambda: self._runner.engine.export_state(a.request_id))

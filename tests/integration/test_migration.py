@@ -95,16 +95,18 @@ async def _warm_up(cluster: Cluster) -> None:
     """One migration each way, so the tests do not pay for opening channels (instance to instance,
     transfer service to transfer service) while their request races to its end."""
     wire, _ = greedy(1000)
-    for src, dst in (("a", "b"), ("b", "a")):
-        async with grpc.aio.insecure_channel(cluster.address(src)) as channel:
-            stub = instance_pb2_grpc.InstanceServiceStub(channel)
-            call = generate(stub, f"warm-{src}", wire)
+    async with grpc.aio.insecure_channel(cluster.address("a")) as a, grpc.aio.insecure_channel(cluster.address("b")) as b:
+        stubs = {"a": instance_pb2_grpc.InstanceServiceStub(a), "b": instance_pb2_grpc.InstanceServiceStub(b)}
+        for src, dst in (("a", "b"), ("b", "a")):
+            call = generate(stubs[src], f"warm-{src}", wire)
             await call.read()
             try:
-                await migrate_out(stub, f"warm-{src}", dst, cluster)
+                await migrate_out(stubs[src], f"warm-{src}", dst, cluster)
+                await stubs[dst].Abort(instance_pb2.AbortRequest(request_id=f"warm-{src}"), timeout=5)
             except grpc.aio.AioRpcError:
                 pass  # finished first: the channels are open all the same
             call.cancel()
+        await assert_all_blocks_free(stubs)
 
 
 @pytest.fixture
@@ -293,10 +295,10 @@ async def test_destination_dead_or_full_keeps_the_request_on_the_source(stubs, c
         await stubs["a"].MigrateOut(instance_pb2.MigrateOutRequest(
             request_id="full-1", dst_instance_id="ghost", dst_address=f"127.0.0.1:{free_port()}"), timeout=30)
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value.details()
-    hog_sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)
-    hogs = [generate(stubs["b"], f"hog-{i}", hog_sampling, prompt=[7 + i] * 200) for i in range(4)]
+    hog_sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=780, ignore_eos=True)
+    hogs = [generate(stubs["b"], f"hog-{i}", hog_sampling, prompt=[7 + i] * 232) for i in range(4)]
     for hog in hogs:
-        await hog.read()  # 4 x 200 prompt tokens: 200 of b's 256 blocks, and growing for seconds
+        await hog.read()  # 4 x 232 prompt tokens: 232 of b's 256 blocks, and growing for seconds
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await migrate_out(stubs["a"], "full-1", "b", cluster)
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.value.details()

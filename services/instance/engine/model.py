@@ -22,7 +22,7 @@ from torch import nn
 from services.instance.engine.attention import AttentionPlan, CacheGeometry, attend, write_kv
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.model_config import ModelConfig, rope_inv_freq
-from services.instance.engine.packed_linear import PackedLinear
+from services.instance.engine.packed_linear import MIN_PACKED_NUMEL, PackedLinear
 from services.instance.engine.weights import load_state_dict
 
 log = structlog.get_logger(__name__)
@@ -145,23 +145,22 @@ class LlamaModel(nn.Module):
         model.load_state_dict(load_state_dict(model_dir, config, dtype, device), strict=True, assign=True)
         model.rotary.build(dtype, device)
         model.requires_grad_(False)
-        is_packed = pack_weights and model.pack_weights()
-        log.info("model_loaded", model_dir=str(model_dir), dtype=str(dtype), device=str(device), is_packed=is_packed)
+        num_packed = model.pack_weights() if pack_weights else 0
+        log.info("model_loaded", model_dir=str(model_dir), dtype=str(dtype), device=str(device), num_packed=num_packed)
         return model.eval()
 
-    def pack_weights(self) -> bool:
-        """Prepack every projection and the LM head for oneDNN (CPU float32 only; see packed_linear).
-        A tied LM head gets its own packed copy of the embedding matrix. False if nothing was packed."""
-        is_packed = [m.pack() for m in self.modules() if isinstance(m, PackedLinear)]
-        if not all(is_packed):
-            return False
+    def pack_weights(self, min_numel: int = MIN_PACKED_NUMEL) -> int:
+        """Prepack the projections and the LM head for oneDNN (CPU float32, weights of at least
+        `min_numel` elements; see packed_linear). A tied LM head gets its own packed copy of the
+        embedding matrix. Returns how many weights were packed."""
+        num_packed = sum(m.pack(min_numel) for m in self.modules() if isinstance(m, PackedLinear))
         if self.lm_head is None:
-            config = self.config
-            head = PackedLinear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+            head = PackedLinear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
             head.weight = self.embed_tokens.weight
-            head.pack()
-            self.lm_head = head
-        return True
+            if head.pack(min_numel):
+                self.lm_head = head
+                num_packed += 1
+        return num_packed
 
     @property
     def dtype(self) -> torch.dtype:

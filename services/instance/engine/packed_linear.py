@@ -5,7 +5,8 @@ call and runs slow kernels on some CPUs (AMD EPYC: about half of oneDNN's speed
 for 32-row decode batches and for the LM head). `pack()` reorders the weight once
 into oneDNN's blocked layout and drops the plain copy; the output is the same
 product up to float rounding. Packing is skipped, leaving the plain path, where
-oneDNN does not apply (not CPU, not float32, or a torch without the ops).
+oneDNN does not apply (not CPU, not float32, or a torch without the ops), and for
+small weights, where oneDNN's fixed cost per call (~25 us) outweighs its speed.
 """
 
 import structlog
@@ -14,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 log = structlog.get_logger(__name__)
+
+MIN_PACKED_NUMEL = 1 << 16  # smaller weights stay plain: MKL is quicker for them
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -29,10 +32,12 @@ def can_pack(weight: torch.Tensor) -> bool:
 class PackedLinear(nn.Linear):
     packed_weight: torch.Tensor | None = None  # oneDNN-blocked weight; while set, `weight` is None
 
-    def pack(self) -> bool:
+    def pack(self, min_numel: int = MIN_PACKED_NUMEL) -> bool:
         """Replace the weight by its oneDNN-packed form; False (nothing changes) where that does not apply."""
-        if self.packed_weight is not None or not can_pack(self.weight):
-            return self.packed_weight is not None
+        if self.packed_weight is not None:
+            return True
+        if self.weight.numel() < min_numel or not can_pack(self.weight):
+            return False
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         self.weight = None
         return True

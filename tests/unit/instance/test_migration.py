@@ -277,3 +277,23 @@ async def test_refusals(pair):
     assert await b.inbox.abort("other")
     await a.runner.abort("r")
     await assert_no_blocks_held(a, b)
+
+
+async def test_a_waiting_request_moves_without_blocks(pair):
+    a, b = pair
+    expected = await reference(a)
+    busy = [await a.runner.add(f"busy-{i}", [9 + i] * 8, SAMPLING) for i in range(4)]  # every batch slot of a
+    for stream in busy:
+        await read(stream, [], until=1)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    copier = TensorCopier(a, b)
+    result = await driver(a, FaultyPeer(b), copier).migrate_out(plan())
+    assert result.num_blocks == 0 and not copier.transfers
+    handoff = await read(stream, tokens)
+    assert isinstance(handoff, Handoff) and handoff.next_token_index == 0
+    await read(b.inbox.attach("r", handoff.epoch), tokens)
+    assert tokens == expected
+    for i in range(4):
+        await a.runner.abort(f"busy-{i}")
+    await assert_no_blocks_held(a, b)

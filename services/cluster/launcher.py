@@ -119,18 +119,12 @@ class LocalCluster:
     def transfer_address(self) -> str:
         return next(p.address for p in self.processes if p.name == "transfer-0")
 
-    def _transfer_args(self) -> list[str]:
-        from services.instance.config import InstanceConfig  # noqa: PLC0415 — flags appear with migration support
-
-        if "transfer_address" not in InstanceConfig.__dataclass_fields__:
-            return []
-        return ["--transfer-address", self.transfer_address, "--transfer-backend", self.spec.transfer_backend]
-
     def _instance(self, index: int, role: str) -> ServiceProcess:
         port = free_port()
         args = ["--model", str(self.spec.model_dir), "--port", str(port), "--instance-id", f"instance-{index}",
                 "--role", role, "--engine", self.spec.engine, "--num-threads", str(self.spec.threads_per_instance),
-                "--kv-cache-mib", str(self.spec.kv_cache_mib), *self._transfer_args(), *self._common_args()]
+                "--kv-cache-mib", str(self.spec.kv_cache_mib), "--transfer-address", self.transfer_address,
+                "--transfer-backend", self.spec.transfer_backend, *self._common_args()]
         return ServiceProcess(f"instance-{index}", "instance", args, f"127.0.0.1:{port}", self.state_dir / "logs")
 
     def _frontend(self) -> ServiceProcess:

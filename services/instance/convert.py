@@ -90,7 +90,8 @@ def migrate_out_plan_from_proto(msg: instance_pb2.MigrateOutRequest) -> MigrateO
     backend = None if msg.backend == transfer_pb2.TRANSFER_BACKEND_UNSPECIFIED else backend_from_proto(msg.backend)
     return MigrateOutPlan(
         request_id=msg.request_id, dst_instance_id=msg.dst_instance_id, dst_address=msg.dst_address,
-        dst_transfer_address=msg.dst_transfer_address, backend=backend, selection=_SELECTION_FROM_PROTO[msg.selection])
+        dst_transfer_address=msg.dst_transfer_address, backend=backend, selection=_SELECTION_FROM_PROTO[msg.selection],
+        exclude_request_ids=frozenset(msg.exclude_request_ids))
 
 
 def migration_result_to_proto(result: MigrationResult) -> instance_pb2.MigrateOutResponse:

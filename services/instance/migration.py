@@ -51,6 +51,7 @@ class MigrateOutPlan:
     dst_transfer_address: str  # "" = the one the destination reports
     backend: TransferBackend | None  # None = this instance's --transfer-backend
     selection: MigrationSelection = MigrationSelection.SHORTEST_RUNNING
+    exclude_request_ids: frozenset[str] = frozenset()  # never picked (e.g. the manager's cooldown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +197,7 @@ class MigrationDriver:
             if plan.request_id in self._moving:
                 raise FailedPrecondition(f"request {plan.request_id} is already migrating; wait for it to end")
             return plan.request_id
-        exclude = frozenset(self._moving)
+        exclude = frozenset(self._moving) | plan.exclude_request_ids
         request_id = await self._runner.call(lambda: self._runner.engine.pick_for_migration(plan.selection, exclude))
         if request_id is None:
             raise FailedPrecondition(f"instance {self._settings.instance_id} has no request to migrate "

@@ -181,25 +181,30 @@ class EngineRunner:
         self._wakeup.set()
 
     def _engine_loop(self) -> None:
-        # Invariant: only this thread touches self._engine.
+        # Invariant: only this thread touches self._engine. After a failed step the
+        # loop keeps running commands (so no caller of `call()` waits forever) but
+        # never steps again.
         while not self._stopping.is_set():
             self._run_commands()
-            if self._engine.has_unfinished():
-                try:
-                    started = time.perf_counter()
-                    outputs = self._engine.step()
-                    self._step_times_s.append(time.perf_counter() - started)
-                    self.num_steps += 1
-                except Exception as exc:  # a broken engine must not hang its clients
-                    log.exception("engine_step_failed")
-                    self.is_broken = True
-                    self._loop.call_soon_threadsafe(self._fail_all, exc)
-                    return
-                self._publish(outputs)
+            if not self.is_broken and self._engine.has_unfinished():
+                self._step()
             else:
                 self._wakeup.wait(_IDLE_WAIT_S)
                 self._wakeup.clear()
             self._snapshot_load()
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:  # a broken engine must fail its clients, not hang them
+            log.exception("engine_step_failed")
+            self.is_broken = True
+            self._loop.call_soon_threadsafe(self._fail_all, exc)
+            return
+        self._step_times_s.append(time.perf_counter() - started)
+        self.num_steps += 1
+        self._publish(outputs)
 
     def _run_commands(self) -> None:
         while True:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceState
@@ -35,7 +36,31 @@ def serve_metrics(port: int, view: ClusterView, leadership: Leadership) -> None:
     IS_LEADER.set_function(lambda: float(leadership.is_leader))
     for state in InstanceState:
         INSTANCES.labels(state.value).set_function(lambda state=state: float(_count(view, state)))
+    REGISTRY.register(InstanceLoadCollector(view))
     start_http_server(port)
+
+
+class InstanceLoadCollector:
+    """Per-instance load gauges, read from the cluster view at scrape time (no stale labels)."""
+
+    _FIELDS = (
+        ("ferry_manager_instance_running", "Requests running on the instance", lambda load: load.num_running),
+        ("ferry_manager_instance_waiting", "Requests queued on the instance", lambda load: load.num_waiting),
+        ("ferry_manager_instance_free_blocks", "Free KV blocks on the instance", lambda load: load.num_free_blocks),
+        ("ferry_manager_instance_total_blocks", "KV blocks of the instance", lambda load: load.num_total_blocks),
+        ("ferry_manager_instance_freeness", "(free - needed by queued) blocks / (running + 1)", lambda load: load.freeness),
+    )
+
+    def __init__(self, view: ClusterView) -> None:
+        self._view = view
+
+    def collect(self):
+        instances = _instances(self._view)
+        for name, help_text, read in self._FIELDS:
+            family = GaugeMetricFamily(name, help_text, labels=["instance_id"])
+            for instance in instances:
+                family.add_metric([instance.record.instance_id], float(read(instance.load)))
+            yield family
 
 
 def _count(view: ClusterView, state: InstanceState) -> int:
@@ -47,3 +72,13 @@ def _count(view: ClusterView, state: InstanceState) -> int:
         except (KeyError, RuntimeError):
             continue
     return 0
+
+
+def _instances(view: ClusterView) -> list:
+    """The view's instances, read from the HTTP thread (retried like `_count`)."""
+    for _ in range(3):
+        try:
+            return view.instances()
+        except (KeyError, RuntimeError):
+            continue
+    return []

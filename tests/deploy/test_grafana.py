@@ -1,5 +1,5 @@
 """deploy/grafana/ferry-dashboard.json: valid, importable shape, and every metric it
-queries is one a ferry service exports, or one listed below as coming with a later issue."""
+queries is one a ferry service exports."""
 
 from __future__ import annotations
 
@@ -10,14 +10,6 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "ferry-dashboard.json"
 _METRIC = re.compile(r"\b(ferry_[a-z_]+?)(?:_bucket|_count|_sum)?\b")
-
-# Queried by the dashboard, not exported yet: the manager's per-instance load gauges,
-# labelled instance_id (it holds every instance's latest load report already).
-PENDING = {
-    "ferry_manager_instance_running", "ferry_manager_instance_waiting", "ferry_manager_instance_free_blocks",
-    "ferry_manager_instance_total_blocks", "ferry_manager_instance_freeness",
-}
-
 
 def dashboard() -> dict:
     return json.loads(DASHBOARD.read_text())
@@ -47,5 +39,5 @@ def test_covers_load_migrations_downtime_and_latency():
 def test_every_metric_is_exported_or_pending():
     source = "\n".join(p.read_text() for p in (ROOT / "services").rglob("*.py"))
     queried = {m for expr in queries() for m in _METRIC.findall(expr)}
-    unknown = {m for m in queried if f'"{m}"' not in source and m not in PENDING}
+    unknown = {m for m in queried if f'"{m}"' not in source}
     assert not unknown, f"the dashboard queries metrics no service exports: {sorted(unknown)}"

@@ -25,12 +25,13 @@ from services.instance.config import InstanceConfig
 from services.instance.engine.factory import EngineSpec, LoadedEngine, build_engine
 from services.instance.engine.kv_cache import KvGeometry
 from services.instance.load_reporter import load_report_loop
+from services.instance.metrics import serve_metrics
 from services.instance.migration import MigrationDriver, MigrationSettings
 from services.instance.migration_in import MigrationInbox, TransferEndpoint
 from services.instance.migration_slots import MigrationSlots
 from services.instance.runner import EngineRunner
 from services.instance.server import InstanceIdentity, InstanceServicer
-from services.instance.transfer_link import TransferLink, connect_transfer, disconnect_transfer
+from services.instance.transfer_link import TransferLink, connect_transfer, disconnect_transfer, transfer_mapping_loop
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +62,8 @@ async def serve(config: InstanceConfig, loaded: LoadedEngine, runner: EngineRunn
     identity = InstanceIdentity(instance_id, server.address, config.role, config.model.name,
                                 loaded.max_model_len, geometry_to_proto(loaded.kv_cache.geometry))
     servicer.identity = identity
+    if config.metrics_port:
+        serve_metrics(config.metrics_port, config.host, runner, instance_id)
     link = await connect_transfer(config.transfer_address, instance_id, loaded.kv_cache,
                                   config.migration_rpc_timeout_s) if config.transfer_address else None
     peers = InstanceClients(config.migration_rpc_timeout_s)
@@ -70,6 +73,8 @@ async def serve(config: InstanceConfig, loaded: LoadedEngine, runner: EngineRunn
     try:
         async with asyncio.TaskGroup() as tasks:
             background = [tasks.create_task(servicer.inbox.watchdog_loop())]
+            if link is not None:
+                background.append(tasks.create_task(transfer_mapping_loop(link, instance_id, loaded.kv_cache)))
             if registry is not None:
                 await registry.register("instances", instance_id, instance_record(identity, loaded, link))
                 background.append(tasks.create_task(

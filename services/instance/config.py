@@ -57,6 +57,7 @@ class InstanceConfig:
     migration_transfer_timeout_s: float = knob(20.0, "deadline of each migration stage's block copy (keep it below "
                                                      "--migration-reservation-timeout-s)")
     verify_transfer_checksum: bool = knob(False, "check a crc32 of every migrated KV block at the destination")
+    metrics_port: int = knob(0, "port of the Prometheus /metrics endpoint (0 = off)")
     log_format: str = knob("console", "log format: console or json")
     log_level: str = knob("info", "log level: debug, info, warning, error")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
 import grpc
 import pytest
 
@@ -22,13 +23,19 @@ NUM_BLOCKS = 64
 
 
 @pytest.fixture(scope="module")
-def instance(etcd, tiny_model_dir, tmp_path_factory):
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def instance(etcd, tiny_model_dir, tmp_path_factory, metrics_port):
     port = free_port()
     process = ServiceProcess(
         "instance-it", "instance",
         ["--model", str(tiny_model_dir), "--port", str(port), "--instance-id", "it-0", "--num-threads", "1",
          "--etcd-endpoints", etcd.endpoint, "--cluster", "it", "--lease-ttl-s", str(LEASE_TTL_S),
-         "--num-blocks", str(NUM_BLOCKS), "--block-size", "4", "--max-model-len", "256"],
+         "--num-blocks", str(NUM_BLOCKS), "--block-size", "4", "--max-model-len", "256",
+         "--metrics-port", str(metrics_port)],
         f"127.0.0.1:{port}", tmp_path_factory.mktemp("logs"))
     process.start()
     asyncio.run(process.wait_healthy(60))
@@ -148,3 +155,12 @@ async def test_migrate_out_without_a_transfer_service_names_the_flag(stub):
                                                              dst_address="127.0.0.1:1"), timeout=5)
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "--transfer-address" in error.value.details()
+
+
+async def test_metrics_endpoint_reports_load(stub, metrics_port):
+    await collect(stub, instance_pb2.GenerateRequest(request_id="m-1", prompt_token_ids=[1, 2, 3], sampling=greedy(2)))
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as response:
+            text = await response.text()
+    assert f'ferry_instance_total_blocks{{instance_id="it-0"}} {float(NUM_BLOCKS)}' in text
+    assert 'ferry_instance_requests_served_total{instance_id="it-0"}' in text

@@ -1,0 +1,47 @@
+"""Prometheus metrics of one instance, served on --metrics-port (0 = off).
+
+Everything is read from the runner at scrape time, so the engine thread does no
+metrics work: load and KV figures, requests served, engine steps and step time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from services.instance.runner import EngineRunner
+
+
+class InstanceCollector:
+    def __init__(self, runner: EngineRunner, instance_id: str) -> None:
+        self._runner = runner
+        self._instance_id = instance_id
+
+    def collect(self):
+        runner, load = self._runner, self._runner.load
+        gauges = (
+            ("ferry_instance_running_requests", "Requests in the running batch", load.num_running),
+            ("ferry_instance_waiting_requests", "Requests queued for admission", load.num_waiting),
+            ("ferry_instance_free_blocks", "Free KV cache blocks", load.num_free_blocks),
+            ("ferry_instance_total_blocks", "KV cache blocks", load.num_total_blocks),
+            ("ferry_instance_freeness", "(free - needed by queued) blocks / (running + 1)", load.freeness),
+            ("ferry_instance_step_time_ms_p50", "Median engine step time over the last 256 steps",
+             runner.step_time_ms_p50),
+            ("ferry_instance_open_streams", "Requests with an open output stream", runner.num_active),
+        )
+        for name, help_text, value in gauges:
+            yield self._family(GaugeMetricFamily, name, help_text, value)
+        yield self._family(CounterMetricFamily, "ferry_instance_requests_served", "Requests that finished here",
+                           runner.num_requests_served)
+        yield self._family(CounterMetricFamily, "ferry_instance_engine_steps", "Engine steps run", runner.num_steps)
+
+    def _family(self, kind, name: str, help_text: str, value: float):
+        family = kind(name, help_text, labels=["instance_id"])
+        family.add_metric([self._instance_id], float(value))
+        return family
+
+
+def serve_metrics(port: int, host: str, runner: EngineRunner, instance_id: str) -> None:
+    """Start the /metrics HTTP server on a daemon thread."""
+    REGISTRY.register(InstanceCollector(runner, instance_id))
+    start_http_server(port, addr=host)

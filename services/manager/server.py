@@ -61,7 +61,7 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             raise
         metrics.DISPATCH_LATENCY.observe(time.perf_counter() - started)
         metrics.DISPATCHES.labels(placement.policy).inc()
-        log.debug("request_dispatched", request_id=request.request_id, instance_id=placement.instance_id,
+        log.info("request_dispatched", request_id=request.request_id, instance_id=placement.instance_id,
                   policy=placement.policy)
         return convert.placement_to_proto(placement)
 

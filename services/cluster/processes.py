@@ -36,6 +36,7 @@ class ServiceProcess:
     address: str  # host:port of its gRPC server, or its HTTP base URL
     log_dir: pathlib.Path
     env: dict[str, str] = field(default_factory=dict)
+    prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", "host-b"]
     popen: subprocess.Popen | None = None
 
     @property
@@ -51,7 +52,7 @@ class ServiceProcess:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **self.env}
         with open(self.log_path, "ab") as log_file:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", f"services.{self.module}", *self.args],
+                [*self.prefix, sys.executable, "-m", f"services.{self.module}", *self.args],
                 cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         return self
 

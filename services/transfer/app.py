@@ -20,6 +20,7 @@ from services.common.errors import NotFound
 from services.common.gen.ferry.v1 import transfer_pb2_grpc
 from services.common.grpc_server import GrpcServer, start_grpc_server
 from services.common.registry import Registry
+from services.transfer.metrics import serve_metrics
 from services.transfer.channels import ChannelTable
 from services.transfer.client import TransferClients
 from services.transfer.config import TransferConfig
@@ -44,15 +45,19 @@ async def main(config: TransferConfig) -> None:
     servicer = TransferServicer()
     server = await start_grpc_server(config.host, config.port,
                                      [(transfer_pb2_grpc.add_TransferServiceServicer_to_server, servicer)],
-                                     [TRANSFER_SERVICE], advertise_host=config.advertise_host or None)
+                                     [TRANSFER_SERVICE], advertise_host=config.advertise_host or None,
+                                     tls=config.tls)
     await server.set_serving(False)  # until registered
     transfer_id = TransferId(config.transfer_id or f"{socket.gethostname()}-{server.port}")
-    registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s) if config.etcd_endpoints else None
+    registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s,
+                        access=config.etcd_access) if config.etcd_endpoints else None
     copy_executor = ThreadPoolExecutor(1, thread_name_prefix="kv-copy")  # one thread: chunks stay in order
     io_executor = ThreadPoolExecutor(NUM_IO_THREADS, thread_name_prefix="kv-io")
-    peers = TransferClients(piece_bytes=config.grpc_piece_kib * 1024)
+    peers = TransferClients(piece_bytes=config.grpc_piece_kib * 1024, tls=config.tls)
     node = build_node(config, transfer_id, server, registry, peers, copy_executor, io_executor)
     servicer.node = node
+    if config.metrics_port:
+        serve_metrics(config.metrics_port, config.host)
     try:
         await serve(config, node, server, registry)
     finally:

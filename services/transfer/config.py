@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import knob
+from services.common.etcd_client import EtcdKnobs
+from services.common.tls import TlsKnobs
 from services.transfer.domain import TransferBackend
 
 
 @dataclass(frozen=True, slots=True)
-class TransferConfig:
+class TransferConfig(EtcdKnobs, TlsKnobs):
     """Moves KV cache blocks between instances' KV memory (ferry.v1.TransferService)."""
 
     transfer_id: str = knob("", "unique id of this transfer service in the cluster (default: <host>-<port>)")
@@ -32,10 +34,13 @@ class TransferConfig:
     transfer_timeout_s: float = knob(60.0, "upper bound of one transfer (the caller's deadline applies if shorter)")
     channel_timeout_s: float = knob(10.0, "gloo/nccl rendezvous timeout in seconds")
     num_threads: int = knob(0, "torch threads for gathers (0 = torch's default)")
+    metrics_port: int = knob(0, "port of the Prometheus /metrics endpoint (0 = off)")
     log_format: str = knob("console", "log format: console or json")
     log_level: str = knob("info", "log level: debug, info, warning, error")
 
     def __post_init__(self) -> None:
+        self.tls.check()
+        self.etcd_access.check()
         if not self.backends:
             raise ValueError("--backends must name at least one of grpc, gloo, nccl, shm")
         if self.default_backend not in self.backends:

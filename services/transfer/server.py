@@ -11,6 +11,7 @@ import structlog
 
 from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
+from services.transfer.metrics import observed_transfer
 from services.transfer.channels import ChannelTable
 from services.transfer.convert import (backend_from_proto, backend_to_proto, geometry_from_proto, header_from_proto,
                                        result_to_proto, transfer_from_proto)
@@ -62,7 +63,9 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
     async def Transfer(self, request: transfer_pb2.TransferRequest,
                        context: grpc.aio.ServicerContext) -> transfer_pb2.TransferResponse:
         transfer = transfer_from_proto(request, self.node.default_backend)
-        result = await self.node.sender.transfer(transfer, self._timeout_s(context))
+        with observed_transfer(transfer.backend.value) as moved:
+            result = await self.node.sender.transfer(transfer, self._timeout_s(context))
+            moved.append(result.num_bytes)
         return result_to_proto(result)
 
     async def ReceiveBlocks(self, request_iterator: AsyncIterator[transfer_pb2.ReceiveBlocksRequest],

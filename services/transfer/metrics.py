@@ -1,0 +1,35 @@
+"""Prometheus metrics of a transfer service, served on --metrics-port (0 = off)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+from prometheus_client import Counter, Histogram, start_http_server
+
+TRANSFERS = Counter("ferry_transfer_transfers_total", "Transfer calls sent from this service, by backend and outcome",
+                    ["backend", "outcome"])
+TRANSFERRED_BYTES = Counter("ferry_transfer_bytes_total", "KV bytes sent by successful transfers, by backend",
+                            ["backend"])
+TRANSFER_SECONDS = Histogram("ferry_transfer_duration_seconds", "Duration of successful transfers, by backend",
+                             ["backend"], buckets=(1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+
+
+@contextlib.contextmanager
+def observed_transfer(backend: str) -> Iterator[list[int]]:
+    """Count one transfer; the caller appends the bytes moved to the yielded list on success."""
+    started = time.perf_counter()
+    moved: list[int] = []
+    try:
+        yield moved
+    except BaseException:
+        TRANSFERS.labels(backend, "failed").inc()
+        raise
+    TRANSFERS.labels(backend, "ok").inc()
+    TRANSFERRED_BYTES.labels(backend).inc(sum(moved))
+    TRANSFER_SECONDS.labels(backend).observe(time.perf_counter() - started)
+
+
+def serve_metrics(port: int, host: str) -> None:
+    start_http_server(port, addr=host)

@@ -29,7 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     up.add_argument("--model", default="smollm2",
                     help="Hugging Face model folder, or 'smollm2' for the embedded SmolLM2-135M-Instruct "
                          f"(converted once into {DEFAULT_MODEL_DIR.relative_to(ROOT)})")
-    up.add_argument("--instances", type=int, default=2, help="number of instances with role 'both'")
+    up.add_argument("--instances", type=int, default=None,
+                    help="number of instances with role 'both' (default 2, or 0 with --prefill/--decode-instances)")
     up.add_argument("--prefill-instances", type=int, default=0, help="instances with role 'prefill' (PD disaggregation)")
     up.add_argument("--decode-instances", type=int, default=0, help="instances with role 'decode' (PD disaggregation)")
     up.add_argument("--managers", type=int, default=1,
@@ -47,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     up.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per instance in MiB")
     up.add_argument("--log-format", default="console", choices=["console", "json"], help="log format of every process")
     args = parser.parse_args(argv)
+    if args.instances is None:
+        args.instances = 0 if args.prefill_instances or args.decode_instances else 2
     if args.instances < 0 or args.prefill_instances < 0 or args.decode_instances < 0:
         parser.error("--instances, --prefill-instances and --decode-instances must be >= 0")
     if args.managers < 1:

@@ -19,6 +19,9 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.grpc_server import secure_or_insecure_channel
+from services.common.tls import TlsConfig
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -37,6 +40,7 @@ class ServiceProcess:
     log_dir: pathlib.Path
     env: dict[str, str] = field(default_factory=dict)
     prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", "host-b"]
+    tls: TlsConfig | None = None  # how the health probe dials a TLS gRPC server
     popen: subprocess.Popen | None = None
 
     @property
@@ -99,11 +103,11 @@ class ServiceProcess:
     async def _probe(self) -> bool:
         if self.address.startswith("http"):
             return await _http_healthy(self.address)
-        return await grpc_healthy(self.address)
+        return await grpc_healthy(self.address, tls=self.tls)
 
 
-async def grpc_healthy(address: str, timeout_s: float = 1.0) -> bool:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def grpc_healthy(address: str, timeout_s: float = 1.0, tls: TlsConfig | None = None) -> bool:
+    async with secure_or_insecure_channel(address, tls) as channel:
         try:
             response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError:

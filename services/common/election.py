@@ -25,7 +25,7 @@ from etcd3aio import Etcd3Client
 from etcd3aio.kv import KVService
 
 from services.common.backoff import Backoff
-from services.common.etcd_client import DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, Lease, connect_etcd
+from services.common.etcd_client import DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, EtcdAccess, Lease, connect_etcd
 from services.common.membership import MembershipView
 from services.common.registry import Registry, cluster_prefix
 
@@ -58,8 +58,10 @@ class Election:
     """One candidate: `await campaign()` → leader until `resign()`, `close()` or `lost`."""
 
     def __init__(self, endpoints: Sequence[str], cluster: str, candidate_id: str, address: str,
-                 ttl_s: float = 5.0, rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> None:
+                 ttl_s: float = 5.0, rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
+                 access: EtcdAccess | None = None) -> None:
         self.endpoints = list(endpoints)
+        self.access = access
         self.key = leader_key(cluster)
         self.info = LeaderInfo(candidate_id, address)
         self.ttl_s = ttl_s
@@ -177,7 +179,7 @@ class Election:
 
     async def _connect(self) -> Etcd3Client:
         if self._client is None:
-            self._client = await connect_etcd(self.endpoints)
+            self._client = await connect_etcd(self.endpoints, self.access)
         return self._client
 
 

@@ -1,9 +1,11 @@
 """Starting a ferry gRPC server and opening channels to one.
 
 Every server gets the same furniture: the request-id and error interceptors (outermost
-first), `grpc.health.v1` for "" and each service, server reflection (so grpcurl works
+first), the caller's own, then the decode interceptor (undecodable bytes: INVALID_ARGUMENT), `grpc.health.v1` for "" and each service, server reflection (so grpcurl works
 without .proto files), 64 MiB messages and keepalive settings that match
-`insecure_channel`. Port 0 picks a free port; `GrpcServer.port` is the bound one.
+`secure_or_insecure_channel`. Port 0 picks a free port; `GrpcServer.port` is the bound one.
+With a `TlsConfig` that has a certificate the port serves TLS (mTLS with a client CA);
+clients dial with `secure_or_insecure_channel(address, tls)`, TLS when `tls.ca_file` is set.
 
 Shutdown order (STYLE.md): `await server.set_serving(False)` → revoke the etcd lease →
 `await server.stop(grace)` → cancel tasks → close channels.
@@ -23,6 +25,8 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import ErrorInterceptor
 from services.common.logging import RequestIdInterceptor
+from services.common.request_decoding import DecodeInterceptor
+from services.common.tls import TlsConfig, make_channel_credentials, make_server_credentials
 
 log = structlog.get_logger(__name__)
 
@@ -85,37 +89,58 @@ class GrpcServer:
 
 async def start_grpc_server(host: str, port: int, servicers: Sequence[tuple[AddServicerFn, Any]],
                             service_full_names: Sequence[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                            advertise_host: str | None = None) -> GrpcServer:
-    """Build, bind and start a server; health is SERVING when this returns."""
+                            advertise_host: str | None = None, tls: TlsConfig | None = None) -> GrpcServer:
+    """Build, bind and start a server (TLS if `tls` has a certificate); health is SERVING when this returns."""
     server = grpc.aio.server(
-        interceptors=[RequestIdInterceptor(), ErrorInterceptor(), *interceptors], options=SERVER_OPTIONS)
+        interceptors=[RequestIdInterceptor(), ErrorInterceptor(), *interceptors, DecodeInterceptor()],
+        options=SERVER_OPTIONS)
     for add_fn, servicer in servicers:
         add_fn(servicer, server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         [*service_full_names, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound_port = _bind(server, host, port)
+    bound_port = _bind(server, host, port, make_server_credentials(tls) if tls is not None else None)
     await server.start()
     grpc_server = GrpcServer(server=server, host=host, port=bound_port,
                              advertise_host=advertise_host or _advertise(host),
                              service_full_names=tuple(service_full_names), health=health)
     await grpc_server.set_serving(True)
-    log.info("grpc_server_started", address=grpc_server.address, services=list(service_full_names))
+    log.info("grpc_server_started", address=grpc_server.address, services=list(service_full_names),
+             tls=_tls_mode(tls))
     return grpc_server
 
 
 def insecure_channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-    """A channel with ferry's message limits and keepalive; extra `options` override the defaults."""
+    """A plaintext channel with ferry's message limits and keepalive; extra `options` override the defaults."""
+    return secure_or_insecure_channel(address, None, options)
+
+
+def secure_or_insecure_channel(address: str, tls: TlsConfig | None,
+                               options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    """A channel with ferry's options: TLS when `tls.ca_file` is set (mTLS if we have a certificate)."""
     overridden = {name for name, _ in options}
     merged = [opt for opt in CHANNEL_OPTIONS if opt[0] not in overridden] + list(options)
-    return grpc.aio.insecure_channel(address, options=merged)
+    if tls is None or not tls.is_client_tls:
+        return grpc.aio.insecure_channel(address, options=merged)
+    if tls.server_name:
+        merged.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.aio.secure_channel(address, make_channel_credentials(tls), options=merged)
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
+def _tls_mode(tls: TlsConfig | None) -> str:
+    if tls is None or not tls.is_server_tls:
+        return "off"
+    return "mtls" if tls.client_ca_file else "tls"
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
     target = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
     try:
-        bound_port = server.add_insecure_port(target)
+        if credentials is None:
+            bound_port = server.add_insecure_port(target)
+        else:
+            bound_port = server.add_secure_port(target, credentials)
     except RuntimeError as exc:
         raise OSError(f"cannot bind gRPC server to {target}: {exc}; pick another --port or --host") from exc
     if bound_port == 0:

@@ -24,7 +24,7 @@ from etcd3aio import Etcd3Client
 
 from services.common.backoff import Backoff
 from services.common.errors import Unavailable
-from services.common.etcd_client import DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, Lease, connect_etcd
+from services.common.etcd_client import DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, EtcdAccess, Lease, connect_etcd
 from services.common.membership import MembershipView
 
 log = structlog.get_logger(__name__)
@@ -40,8 +40,9 @@ class Registry:
     """Registers this process's entries under one lease and watches other members."""
 
     def __init__(self, endpoints: Sequence[str], cluster: str, ttl_s: float = 5.0,
-                 rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S) -> None:
+                 rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S, access: EtcdAccess | None = None) -> None:
         self.endpoints = list(endpoints)
+        self.access = access  # TLS and auth of the etcd client
         self.cluster = cluster
         self.ttl_s = ttl_s
         self._rpc_timeout_s = min(rpc_timeout_s, ttl_s / 2)  # a hung etcd is noticed within the TTL
@@ -217,7 +218,7 @@ class Registry:
 
     async def _connect(self) -> Etcd3Client:
         if self._client is None:
-            self._client = await connect_etcd(self.endpoints)
+            self._client = await connect_etcd(self.endpoints, self.access)
         return self._client
 
     async def close(self) -> None:

@@ -87,7 +87,7 @@ def resolve_config(args: argparse.Namespace) -> CtlConfig:
 
 
 async def execute(config: CtlConfig, args: argparse.Namespace) -> int:
-    async with AdminClient(config.admin, config.token, config.timeout_s) as client:
+    async with AdminClient(config.admin, config.resolved_token, config.timeout_s, config.tls) as client:
         try:
             if args.command == "top":
                 await run_top(client, args.interval, args.iterations, config.json)

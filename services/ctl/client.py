@@ -15,7 +15,9 @@ from google.protobuf import json_format
 
 from services.common.errors import FerryError, error_from_rpc
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2, manager_pb2_grpc
-from services.common.grpc_server import insecure_channel
+from services.common.auth import bearer_metadata
+from services.common.grpc_server import secure_or_insecure_channel
+from services.common.tls import TlsConfig
 from services.ctl.records import (ClusterStatus, DrainResult, InstanceRow, MigrateResult, MigrationRow, RequestList,
                                  RequestRow)
 
@@ -29,11 +31,11 @@ class NotAvailableYet(FerryError):
 
 
 class AdminClient:
-    def __init__(self, address: str, token: str = "", timeout_s: float = 5.0) -> None:
+    def __init__(self, address: str, token: str = "", timeout_s: float = 5.0, tls: TlsConfig | None = None) -> None:
         self.address = address
         self._timeout_s = timeout_s
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._channel = insecure_channel(address)
+        self._metadata = bearer_metadata(token)
+        self._channel = secure_or_insecure_channel(address, tls)
         self._admin = manager_pb2_grpc.AdminServiceStub(self._channel)
 
     async def close(self) -> None:

@@ -4,19 +4,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.auth import read_token
 from services.common.config import knob
+from services.common.tls import ClientTlsKnobs
 
 
 @dataclass(frozen=True, slots=True)
-class CtlConfig:
+class CtlConfig(ClientTlsKnobs):
     """Administer a ferry cluster through the manager's AdminService."""
 
     admin: str = knob("127.0.0.1:50051", "admin address host:port of any manager (a standby forwards reads to the leader)")
-    token: str = knob("", "bearer token sent as `authorization: Bearer TOKEN` metadata (for managers or proxies that check it)")
+    token: str = knob("", "bearer token sent as `authorization: Bearer TOKEN` metadata: the manager's --admin-token")
+    token_file: str = knob("", "file holding --token (instead of the flag or FERRY_CTL_TOKEN)")
     json: bool = knob(False, "print JSON instead of tables")
     timeout_s: float = knob(5.0, "deadline of each admin call in seconds")
 
+    @property
+    def resolved_token(self) -> str:
+        return read_token(self.token, self.token_file, "token")
+
     def __post_init__(self) -> None:
+        self.tls.check()
+        read_token(self.token, self.token_file, "token")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout-s must be positive, got {self.timeout_s}")
         if not self.admin:

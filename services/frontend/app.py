@@ -36,17 +36,21 @@ _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 async def main(config: FrontendConfig) -> None:
     log.info("config_resolved", **as_dict(config))
     model = await asyncio.to_thread(ServedModel.load, config.model, config.model_name, config.max_model_len)
-    registry = Registry(config.etcd_endpoints, config.cluster) if config.etcd_endpoints else None
+    registry = Registry(config.etcd_endpoints, config.cluster,
+                        access=config.etcd_access) if config.etcd_endpoints else None
     membership, leader = await watch_cluster(config, registry)
     metrics = FrontendMetrics()
-    manager = ManagerClient(leader, config.dispatch_timeout_s) if leader is not None else None
+    metrics.watch_staleness(lambda: membership.staleness_s)
+    manager = ManagerClient(leader, config.dispatch_timeout_s, config.tls) if leader is not None else None
     dispatcher = Dispatcher(manager, membership, cooldown_s=config.failed_instance_cooldown_s,
-                            on_fallback=metrics.dispatch_fallbacks.inc)
-    instances = InstanceClients(config.generate_timeout_s, config.abort_timeout_s)
+                            on_fallback=metrics.dispatch_fallbacks.inc,
+                            on_role_fallback=metrics.dispatch_role_fallbacks.inc)
+    instances = InstanceClients(config.generate_timeout_s, config.abort_timeout_s, config.tls)
     runner = RequestRunner(dispatcher, instances, max_resumes=config.max_resumes, max_handoffs=config.max_handoffs,
                            on_resume=metrics.resumes.inc, on_handoff=metrics.handoffs.inc)
     server = FrontendServer(model, runner, dispatcher, metrics, api_keys=config.api_key,
-                            max_inflight=config.max_inflight, max_body_bytes=config.max_body_bytes)
+                            max_inflight=config.max_inflight, max_body_bytes=config.max_body_bytes,
+                            body_timeout_s=config.body_timeout_s)
     try:
         await serve(config, server, registry)
     finally:
@@ -69,7 +73,7 @@ async def watch_cluster(config: FrontendConfig, registry: Registry | None) -> tu
 
 async def serve(config: FrontendConfig, server: FrontendServer, registry: Registry | None) -> None:
     http = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
-                         shutdown_timeout=config.shutdown_grace_s)
+                         shutdown_timeout=config.shutdown_grace_s, keepalive_timeout=config.keepalive_timeout_s)
     await http.setup()
     site = web.TCPSite(http, config.host, config.port)
     await site.start()

@@ -9,12 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.config import knob, parse_config
+from services.common.etcd_client import EtcdKnobs
+from services.common.tls import ClientTlsKnobs
 
 MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
-class FrontendConfig:
+class FrontendConfig(EtcdKnobs, ClientTlsKnobs):
     """The OpenAI-compatible HTTP API of a ferry cluster (completions, chat, streaming)."""
 
     model: pathlib.Path = knob(pathlib.Path("models/smollm2-135m-instruct"), "model folder (config.json, tokenizer.json, tokenizer_config.json) the cluster serves")
@@ -28,6 +30,9 @@ class FrontendConfig:
     api_key: list[str] = knob([], "accepted API keys (repeat the flag or separate with commas); empty = no auth")
     max_body_bytes: int = knob(MIB, "largest request body in bytes; larger ones get 413")
     max_inflight: int = knob(256, "most requests in flight; more get 429")
+    keepalive_timeout_s: float = knob(75.0, "seconds an HTTP connection may sit without a complete request (idle "
+                                            "keep-alive, or headers arriving too slowly) before it is closed")
+    body_timeout_s: float = knob(30.0, "seconds a request body may take to arrive; slower ones get 408")
     max_model_len: int = knob(0, "longest prompt + output in tokens (0 = max_position_embeddings from config.json)")
     dispatch_timeout_s: float = knob(0.2, "deadline of ManagerService/Dispatch; past it the frontend picks an instance itself")
     generate_timeout_s: float = knob(600.0, "deadline of one InstanceService/Generate stream")
@@ -40,7 +45,10 @@ class FrontendConfig:
     log_level: str = knob("info", "log level: debug, info, warning, error")
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_inflight", "dispatch_timeout_s", "generate_timeout_s", "abort_timeout_s"):
+        self.tls.check()
+        self.etcd_access.check()
+        for name in ("max_body_bytes", "max_inflight", "dispatch_timeout_s", "generate_timeout_s", "abort_timeout_s",
+                     "keepalive_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.max_resumes < 0:

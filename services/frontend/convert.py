@@ -29,11 +29,11 @@ def sampling_to_proto(sampling: Sampling) -> common_pb2.SamplingParams:
     return msg
 
 
-def generate_request_to_proto(spec: GenerateSpec) -> instance_pb2.GenerateRequest:
+def generate_request_to_proto(spec: GenerateSpec, can_prefill_on_decode: bool = False) -> instance_pb2.GenerateRequest:
     return instance_pb2.GenerateRequest(
         request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids),
         sampling=sampling_to_proto(spec.sampling), priority=spec.priority,
-        resume_token_ids=list(spec.resume_token_ids))
+        resume_token_ids=list(spec.resume_token_ids), can_prefill_on_decode=can_prefill_on_decode)
 
 
 def chunk_from_proto(msg: instance_pb2.GenerateChunk) -> TokenChunk:
@@ -65,7 +65,7 @@ def dispatch_request_to_proto(spec: GenerateSpec, exclude: Sequence[InstanceId])
 def target_from_proto(msg: manager_pb2.DispatchResponse) -> Target | None:
     if not msg.instance_id or not msg.address:
         return None
-    return Target(InstanceId(msg.instance_id), msg.address)
+    return Target(InstanceId(msg.instance_id), msg.address, can_prefill_on_decode=msg.can_prefill_on_decode)
 
 
 def _logprob_from_proto(msg: instance_pb2.TokenLogprob) -> TokenLogprob:

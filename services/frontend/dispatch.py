@@ -4,7 +4,9 @@ ourselves from our own view of `instances/` (round robin over serving instances)
 The fallback avoids, in this order of preference, instances the caller excludes (the one
 whose stream just broke) and instances whose stream failed within the last cooldown
 seconds; it returns to them only when no other serving instance is known (one instance
-that dropped a stream is still better than none; the caller bounds the retries).
+that dropped a stream is still better than none; the caller bounds the retries). Like the
+manager's dispatch it prefers prefill-capable instances (role prefill or both) and sends a
+request to a decode instance only when none of those serves.
 No transport here: the manager call and the membership view are passed in.
 """
 
@@ -31,6 +33,7 @@ class InstanceEntry:
     instance_id: InstanceId
     address: str
     is_serving: bool
+    is_decode_only: bool = False  # role decode: takes new requests only when no prefill-capable instance serves
 
 
 class ManagerDispatch(Protocol):
@@ -46,11 +49,13 @@ class Membership(Protocol):
 class Dispatcher:
     def __init__(self, manager: ManagerDispatch | None, membership: Membership, *, cooldown_s: float,
                  on_fallback: Callable[[], None] = lambda: None,
+                 on_role_fallback: Callable[[], None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._manager = manager
         self._membership = membership
         self._cooldown_s = cooldown_s
         self._on_fallback = on_fallback
+        self._on_role_fallback = on_role_fallback  # no prefill-capable instance: a decode instance prefills
         self._clock = clock
         self._failed_at: dict[InstanceId, float] = {}  # instance → when its stream last failed
         self._turn = itertools.count()
@@ -74,8 +79,12 @@ class Dispatcher:
         allowed = [e for e in serving if e.instance_id not in exclude]
         healthy = [e for e in allowed if not self._recently_failed(e.instance_id)]
         pool = healthy or allowed or serving
-        entry = pool[next(self._turn) % len(pool)]
-        return Target(entry.instance_id, entry.address)
+        prefill = [e for e in pool if not e.is_decode_only]  # PD: decode instances only when no prefill one serves
+        if not prefill:
+            self._on_role_fallback()
+            log.warning("dispatch_role_fell_back", role_missing="prefill", num_decode=len(pool))
+        entry = (prefill or pool)[next(self._turn) % len(prefill or pool)]
+        return Target(entry.instance_id, entry.address, can_prefill_on_decode=entry.is_decode_only)
 
     def report_failure(self, instance_id: InstanceId) -> None:
         self._failed_at[instance_id] = self._clock()

@@ -21,7 +21,9 @@ def instance_entry(instance_id: str, value: Mapping[str, Any]) -> InstanceEntry 
     if not isinstance(address, str) or not address:
         return None
     state = str(value.get("state", "serving")).lower()
-    return InstanceEntry(InstanceId(instance_id), address, is_serving=state in _SERVING_STATES)
+    is_decode_only = str(value.get("role", "both")).lower() == "decode"
+    return InstanceEntry(InstanceId(instance_id), address, is_serving=state in _SERVING_STATES,
+                         is_decode_only=is_decode_only)
 
 
 class EtcdInstances:
@@ -33,6 +35,11 @@ class EtcdInstances:
     def instances(self) -> Sequence[InstanceEntry]:
         entries = (instance_entry(member_id, value) for member_id, value in self._view.members.items())
         return [entry for entry in entries if entry is not None]
+
+    @property
+    def staleness_s(self) -> float:
+        """Seconds since etcd last confirmed the instances (see MembershipView.staleness_s)."""
+        return self._view.staleness_s
 
 
 class EtcdLeader:
@@ -51,3 +58,5 @@ class NoInstances:
 
     def instances(self) -> Sequence[InstanceEntry]:
         return []
+
+    staleness_s = 0.0

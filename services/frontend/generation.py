@@ -79,3 +79,4 @@ class Target:
 
     instance_id: InstanceId
     address: str
+    can_prefill_on_decode: bool = False  # a DECODE instance chosen on purpose (no prefill instance serves)

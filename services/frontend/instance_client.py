@@ -11,7 +11,8 @@ import grpc
 import structlog
 
 from services.common.errors import error_from_rpc
-from services.common.grpc_server import insecure_channel
+from services.common.grpc_server import secure_or_insecure_channel
+from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
 from services.frontend.convert import attach_request_to_proto, chunk_from_proto, generate_request_to_proto
@@ -21,16 +22,17 @@ log = structlog.get_logger(__name__)
 
 
 class InstanceClients:
-    def __init__(self, generate_timeout_s: float, abort_timeout_s: float) -> None:
+    def __init__(self, generate_timeout_s: float, abort_timeout_s: float, tls: TlsConfig | None = None) -> None:
         self._generate_timeout_s = generate_timeout_s
         self._abort_timeout_s = abort_timeout_s
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, instance_pb2_grpc.InstanceServiceStub] = {}
         self._abort_tasks: set[asyncio.Task[None]] = set()
 
     def generate(self, target: Target, spec: GenerateSpec) -> AsyncIterator[TokenChunk]:
         return self._chunks(lambda: self._stub(target.address).Generate(
-            generate_request_to_proto(spec), timeout=self._generate_timeout_s,
+            generate_request_to_proto(spec, target.can_prefill_on_decode), timeout=self._generate_timeout_s,
             metadata=request_metadata(spec.request_id)))
 
     def attach(self, target: Target, request_id: RequestId, from_token_index: int,
@@ -81,6 +83,6 @@ class InstanceClients:
     def _stub(self, address: str) -> instance_pb2_grpc.InstanceServiceStub:
         stub = self._stubs.get(address)
         if stub is None:
-            self._channels[address] = insecure_channel(address)
+            self._channels[address] = secure_or_insecure_channel(address, self._tls)
             stub = self._stubs[address] = instance_pb2_grpc.InstanceServiceStub(self._channels[address])
         return stub

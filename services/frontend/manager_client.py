@@ -10,7 +10,8 @@ from typing import Protocol
 import grpc
 import structlog
 
-from services.common.grpc_server import insecure_channel
+from services.common.grpc_server import secure_or_insecure_channel
+from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
 from services.common.gen.ferry.v1 import manager_pb2_grpc
 from services.frontend.convert import dispatch_request_to_proto, target_from_proto
@@ -33,9 +34,10 @@ class StaticLeader:
 
 
 class ManagerClient:
-    def __init__(self, leader: LeaderSource, timeout_s: float) -> None:
+    def __init__(self, leader: LeaderSource, timeout_s: float, tls: TlsConfig | None = None) -> None:
         self._leader = leader
         self._timeout_s = timeout_s
+        self._tls = tls
         self._address: str | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: manager_pb2_grpc.ManagerServiceStub | None = None
@@ -63,6 +65,6 @@ class ManagerClient:
             await self.close()
             self._address = address
             if address:
-                self._channel = insecure_channel(address)
+                self._channel = secure_or_insecure_channel(address, self._tls)
                 self._stub = manager_pb2_grpc.ManagerServiceStub(self._channel)
         return self._stub

@@ -5,6 +5,8 @@ One `FrontendMetrics` per process, with its own registry (so tests can make seve
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -30,11 +32,23 @@ class FrontendMetrics:
             "ferry_frontend_dispatch_fallbacks_total",
             "Requests placed by the frontend itself because no manager answered Dispatch in time",
             registry=self.registry)
+        self.dispatch_role_fallbacks = Counter(
+            "ferry_frontend_dispatch_role_fallbacks_total",
+            "Requests the frontend itself placed on a decode instance because no prefill-capable instance serves",
+            registry=self.registry)
         self.resumes = Counter("ferry_frontend_stream_resumes_total",
                                "Requests re-dispatched after their instance's stream broke", registry=self.registry)
         self.handoffs = Counter("ferry_frontend_stream_handoffs_total",
                                 "Streams continued on another instance after a live migration (Attach)",
                                 registry=self.registry)
+        self.membership_staleness = Gauge(
+            "ferry_frontend_membership_staleness_seconds",
+            "Seconds since etcd last confirmed the frontend's view of the instances (grows while etcd is "
+            "unreachable; the last known instances keep being used)", registry=self.registry)
+
+    def watch_staleness(self, staleness_s: Callable[[], float]) -> None:
+        """Read the membership view's staleness at every scrape."""
+        self.membership_staleness.set_function(staleness_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

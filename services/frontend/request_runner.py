@@ -11,11 +11,15 @@ hand-off → until the finish chunk.
   At most `max_handoffs` hand-offs per request; past that the request is resumed
   elsewhere as if its stream broke (a request ping-ponging between instances ends).
 * Resume: on a broken stream (UNAVAILABLE, deadline, a stream that ends without its
-  finish chunk, a token gap, an Attach the destination refuses) re-dispatch excluding
+  finish chunk, a token gap, an Attach the destination refuses, a Generate refused for
+  the instance's role) re-dispatch excluding
   the instance that broke and resume with `resume_token_ids` = the tokens the client
   already has, at most `max_resumes` times, with a short growing pause; then the
   request fails with an explicit error. Any other error (bad input, cache full) fails
   the request at once.
+* Seed: a sampled request without a seed gets one here, before its first dispatch, so
+  every instance it runs on (after a resume too) samples token i from the same (seed, i)
+  and the continuation is the one the first instance would have produced.
 
 Whenever a stream is left before its finish chunk (also when the client went away and
 this task is cancelled) the request's *current owner* (the last instance it was handed
@@ -26,6 +30,7 @@ that same instance waits for the Abort first, so the request id is free again th
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -79,6 +84,7 @@ class RequestRunner:
 
     async def run(self, state: ReqState, spec: GenerateSpec) -> None:
         """Feed `state` until the request finishes or fails (never raises a FerryError)."""
+        spec = with_pinned_seed(spec)
         excluded: list[InstanceId] = []
         aborts: dict[InstanceId, Awaitable[None]] = {}  # Aborts sent to instances this request left
         while not state.is_done:
@@ -103,7 +109,7 @@ class RequestRunner:
     async def _follow(self, owner: _Owner, state: ReqState, spec: GenerateSpec,
                       aborts: dict[InstanceId, Awaitable[None]]) -> None:
         """Generate on `owner`, resuming after the tokens `state` holds, then follow its hand-offs."""
-        chunks = self._instances.generate(owner.target, replace(spec, resume_token_ids=tuple(state.token_ids)))
+        chunks = self._generated(owner, replace(spec, resume_token_ids=tuple(state.token_ids)))
         try:
             while (handoff := await self._feed(chunks, owner, state)) is not None:
                 self._hand_off(owner, state, handoff)
@@ -141,6 +147,16 @@ class RequestRunner:
             raise Unavailable(f"request {state.request_id} was handed off {state.num_handoffs} times "
                               f"(--max-handoffs {self._max_handoffs}); resuming it elsewhere")
 
+    async def _generated(self, owner: _Owner, spec: GenerateSpec) -> AsyncIterator[TokenChunk]:
+        """The owner's Generate stream; a wrong-role refusal (a decode instance, the role just changed) reads as
+        a broken stream, so the request is dispatched again elsewhere."""
+        try:
+            async with aclosing(self._instances.generate(owner.target, spec)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except FailedPrecondition as exc:
+            raise Unavailable(f"instance {owner.target.instance_id} refused the request: {exc.message}") from exc
+
     async def _attached(self, owner: _Owner, state: ReqState) -> AsyncIterator[TokenChunk]:
         """The new owner's stream from the next token the client needs; a refused Attach reads as a broken stream."""
         attach = self._instances.attach(owner.target, state.request_id, state.num_output_tokens, owner.epoch)
@@ -164,3 +180,10 @@ class RequestRunner:
         self._on_resume()
         log.warning("stream_resumed", request_id=state.request_id, failed_instance_id=target.instance_id,
                     num_tokens=state.num_output_tokens, num_resumes=state.num_resumes, error=exc.message)
+
+
+def with_pinned_seed(spec: GenerateSpec) -> GenerateSpec:
+    """`spec` with a seed drawn now if it samples without one (greedy requests need none)."""
+    if spec.sampling.seed is not None or spec.sampling.temperature == 0.0:
+        return spec
+    return replace(spec, sampling=replace(spec.sampling, seed=secrets.randbits(64)))

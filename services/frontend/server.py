@@ -28,6 +28,7 @@ from services.frontend.metrics import FrontendMetrics
 from services.frontend.openai_protocol import (Endpoint, ParsedRequest, error_body, error_body_for,
                                                parse_chat_request, parse_completion_request, parse_json_body,
                                                resolve_max_tokens)
+from services.frontend.openapi import openapi_schema
 from services.frontend.openai_response import SSE_DONE, ResponseFormatter, sse, sse_error
 from services.frontend.req_state import Delta, ReqState
 from services.frontend.request_runner import RequestRunner
@@ -36,7 +37,7 @@ from services.frontend.served_model import ServedModel
 log = structlog.get_logger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 _REQUEST_ID_KEY = web.RequestKey("request_id", str)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -47,9 +48,16 @@ class PayloadTooLarge(FerryError):
     http_status = 413
 
 
+class BodyTimeout(FerryError):
+    """A body that did not arrive within --body-timeout-s (a slow or stalled client; HTTP only)."""
+
+    http_status = 408
+
+
 class FrontendServer:
     def __init__(self, model: ServedModel, runner: RequestRunner, dispatcher: Dispatcher, metrics: FrontendMetrics,
-                 *, api_keys: Sequence[str], max_inflight: int, max_body_bytes: int) -> None:
+                 *, api_keys: Sequence[str], max_inflight: int, max_body_bytes: int,
+                 body_timeout_s: float = 30.0) -> None:
         self._model = model
         self._runner = runner
         self._dispatcher = dispatcher
@@ -57,6 +65,8 @@ class FrontendServer:
         self._api_keys = tuple(api_keys)
         self._max_inflight = max_inflight
         self._max_body_bytes = max_body_bytes
+        self._body_timeout_s = body_timeout_s
+        self._openapi = openapi_schema(model.name, model.max_model_len, max_body_bytes, has_api_keys=bool(api_keys))
         self._num_inflight = 0
         self._started_at = int(time.time())
         self.is_accepting = True  # False while shutting down: /health and new requests answer 503
@@ -69,6 +79,7 @@ class FrontendServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
 
     # ---- handlers ----------------------------------------------------------------------
@@ -93,6 +104,9 @@ class FrontendServer:
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": self._metrics.content_type})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(self._openapi)
 
     # ---- one generation ----------------------------------------------------------------
 
@@ -129,9 +143,13 @@ class FrontendServer:
         if request.content_length is not None and request.content_length > self._max_body_bytes:
             raise _too_large(self._max_body_bytes)
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self._body_timeout_s):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise _too_large(self._max_body_bytes) from None
+        except TimeoutError:
+            raise BodyTimeout(f"the request body did not arrive within {self._body_timeout_s:g} s "
+                              "(--body-timeout-s)") from None
         body = parse_json_body(raw)
         if endpoint is Endpoint.CHAT:
             return parse_chat_request(body, self._model.name)

@@ -13,18 +13,23 @@ import asyncio
 import os
 import signal
 import socket
+from collections.abc import Callable
+
 import structlog
 import torch
 
 from services.common.config import as_dict
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2_grpc
 from services.common.grpc_server import start_grpc_server
+from services.common.election import watch_leader
 from services.common.registry import Registry
 from services.instance.client import InstanceClients
 from services.instance.config import InstanceConfig
 from services.instance.engine.factory import EngineSpec, LoadedEngine, build_engine
 from services.instance.engine.kv_cache import KvGeometry
 from services.instance.load_reporter import load_report_loop
+from services.instance.manager_client import ManagerLink
+from services.instance.pd_handoff import DecodeHandoff
 from services.instance.metrics import serve_metrics
 from services.instance.migration import MigrationDriver, MigrationSettings
 from services.instance.migration_in import MigrationInbox, TransferEndpoint
@@ -56,7 +61,8 @@ async def serve(config: InstanceConfig, loaded: LoadedEngine, runner: EngineRunn
     servicer = InstanceServicer(runner)
     server = await start_grpc_server(config.host, config.port,
                                      [(instance_pb2_grpc.add_InstanceServiceServicer_to_server, servicer)],
-                                     [INSTANCE_SERVICE], advertise_host=config.advertise_host or None)
+                                     [INSTANCE_SERVICE], advertise_host=config.advertise_host or None,
+                                     tls=config.tls)
     await server.set_serving(False)  # until registered
     instance_id = config.instance_id or f"{socket.gethostname()}-{server.port}"
     identity = InstanceIdentity(instance_id, server.address, config.role, config.model.name,
@@ -65,11 +71,13 @@ async def serve(config: InstanceConfig, loaded: LoadedEngine, runner: EngineRunn
     if config.metrics_port:
         serve_metrics(config.metrics_port, config.host, runner, instance_id)
     link = await connect_transfer(config.transfer_address, instance_id, loaded.kv_cache,
-                                  config.migration_rpc_timeout_s) if config.transfer_address else None
-    peers = InstanceClients(config.migration_rpc_timeout_s)
+                                  config.migration_rpc_timeout_s, config.tls) if config.transfer_address else None
+    peers = InstanceClients(config.migration_rpc_timeout_s, config.tls)
     wire_migration(config, servicer, runner, peers, link)
-    registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s) if config.etcd_endpoints else None
+    registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s,
+                        access=config.etcd_access) if config.etcd_endpoints else None
     stop = _stop_event()
+    manager: ManagerLink | None = None
     try:
         async with asyncio.TaskGroup() as tasks:
             background = [tasks.create_task(servicer.inbox.watchdog_loop())]
@@ -77,8 +85,12 @@ async def serve(config: InstanceConfig, loaded: LoadedEngine, runner: EngineRunn
                 background.append(tasks.create_task(transfer_mapping_loop(link, instance_id, loaded.kv_cache)))
             if registry is not None:
                 await registry.register("instances", instance_id, instance_record(identity, loaded, link))
+                manager = ManagerLink(await watch_leader(registry), config.migration_rpc_timeout_s, config.tls)
+            wire_pd(config, servicer, runner, manager, registry, lambda i: instance_record(i, loaded, link))
+            background.append(tasks.create_task(servicer.handoff.handoff_loop(), name="pd_handoff_loop"))
+            if registry is not None:
                 background.append(tasks.create_task(
-                    load_report_loop(registry, servicer, config.load_report_interval_s)))
+                    load_report_loop(registry, servicer, config.load_report_interval_s, config.tls)))
             await server.set_serving(True)
             log.info("instance_ready", instance_id=instance_id, address=identity.address,
                      kv_blocks=loaded.kv_cache.geometry.num_blocks,
@@ -89,10 +101,29 @@ async def serve(config: InstanceConfig, loaded: LoadedEngine, runner: EngineRunn
             for task in background:
                 task.cancel()
     finally:
+        if servicer.handoff is not None:
+            await servicer.handoff.close()
+        if manager is not None:
+            await manager.close()
         await servicer.migrations.close()
         await peers.close()
         if link is not None:
             await disconnect_transfer(link, instance_id)
+
+
+def wire_pd(config: InstanceConfig, servicer: InstanceServicer, runner: EngineRunner, manager: ManagerLink | None,
+            registry: Registry | None, record: Callable[[InstanceIdentity], dict]) -> None:
+    """Prefill/decode disaggregation: the hand-off pusher, and SetRole rewriting the etcd record."""
+    servicer.handoff = DecodeHandoff(servicer.identity.instance_id, runner, servicer.migrations, manager,
+                                     config.pd_handoff, lambda: servicer.identity.role,
+                                     num_workers=config.max_concurrent_migrations)
+    runner.on_prefilled = servicer.handoff.note_prefilled
+
+    async def update_record(identity: InstanceIdentity) -> None:
+        if registry is not None:
+            await registry.update("instances", identity.instance_id, record(identity))
+
+    servicer.on_role_change = update_record
 
 
 def wire_migration(config: InstanceConfig, servicer: InstanceServicer, runner: EngineRunner,

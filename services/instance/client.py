@@ -13,7 +13,8 @@ import grpc
 
 from services.common.errors import error_from_rpc
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
-from services.common.grpc_server import insecure_channel
+from services.common.grpc_server import secure_or_insecure_channel
+from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
 from services.instance.convert import request_state_to_proto, reservation_from_proto
 from services.instance.engine.migration_state import RequestState
@@ -53,13 +54,14 @@ class InstanceClient:
 class InstanceClients:
     """One client per destination address, on one cached channel each."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, tls: TlsConfig | None = None) -> None:
         self._timeout_s = timeout_s
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def __call__(self, address: str) -> InstanceClient:
         if address not in self._channels:
-            self._channels[address] = insecure_channel(address)
+            self._channels[address] = secure_or_insecure_channel(address, self._tls)
         return InstanceClient(self._channels[address], self._timeout_s)
 
     async def close(self) -> None:

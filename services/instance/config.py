@@ -5,6 +5,8 @@ import pathlib
 from dataclasses import dataclass
 
 from services.common.config import knob
+from services.common.etcd_client import EtcdKnobs
+from services.common.tls import TlsKnobs
 from services.transfer.domain import TransferBackend
 
 
@@ -14,12 +16,19 @@ class InstanceRole(enum.Enum):
     DECODE = "decode"
 
 
+class PdHandoff(enum.Enum):
+    """Who moves a prefill instance's request to a decode instance once it has its first token."""
+
+    PUSH = "push"  # this instance, at once: asks the manager for a decode instance, migrates, reports
+    MANAGER = "manager"  # the manager's migration loop, on its next tick (the healing path in both modes)
+
+
 class EngineKind(enum.Enum):
     TORCH = "torch"
 
 
 @dataclass(frozen=True, slots=True)
-class InstanceConfig:
+class InstanceConfig(EtcdKnobs, TlsKnobs):
     """One inference engine with a paged KV cache, served over gRPC (ferry.v1.InstanceService)."""
 
     model: pathlib.Path = knob(pathlib.Path("models/smollm2-135m-instruct"), "Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
@@ -28,6 +37,9 @@ class InstanceConfig:
     port: int = knob(0, "gRPC port (0 = pick a free one)")
     advertise_host: str = knob("", "host other processes use to reach this instance (default: --host)")
     role: InstanceRole = knob(InstanceRole.BOTH, "what the instance serves in prefill/decode disaggregation")
+    pd_handoff: PdHandoff = knob(PdHandoff.PUSH, "who moves a request from a prefill instance to a decode instance "
+                                                 "after its first token: push (this instance, at once) or manager "
+                                                 "(the manager's migration loop, next tick)")
     engine: EngineKind = knob(EngineKind.TORCH, "inference engine")
     etcd_endpoints: list[str] = knob([], "etcd endpoints host:port (comma-separated); empty = run without registering")
     cluster: str = knob("ferry", "cluster name: etcd keys live under /ferry/<cluster>/")
@@ -62,6 +74,8 @@ class InstanceConfig:
     log_level: str = knob("info", "log level: debug, info, warning, error")
 
     def __post_init__(self) -> None:
+        self.tls.check()
+        self.etcd_access.check()
         if self.block_size <= 0:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
         if self.max_num_seqs <= 0:

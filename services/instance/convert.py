@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, transfer_pb2
+from services.instance.config import InstanceRole
 from services.instance.engine.engine import LoadSnapshot, StepOutput
 from services.instance.engine.migration_state import MigrationSelection, RequestState
 from services.instance.engine.request import RequestId, SamplingParams
@@ -76,6 +77,7 @@ _SELECTION_FROM_PROTO = {
     instance_pb2.MIGRATION_SELECTION_SHORTEST_RUNNING: MigrationSelection.SHORTEST_RUNNING,
     instance_pb2.MIGRATION_SELECTION_LONGEST_RUNNING: MigrationSelection.LONGEST_RUNNING,
     instance_pb2.MIGRATION_SELECTION_LAST_COME_FIRST: MigrationSelection.LAST_COME_FIRST,
+    instance_pb2.MIGRATION_SELECTION_PREFILL_DONE: MigrationSelection.PREFILL_DONE,
 }
 
 
@@ -85,13 +87,16 @@ def migrate_out_plan_from_proto(msg: instance_pb2.MigrateOutRequest) -> MigrateO
                               "and gRPC address)")
     if msg.request_id:
         check_request_id(msg.request_id)
+    if msg.HasField("max_stages") and msg.max_stages < 0:
+        raise InvalidArgument(f"max_stages: must be >= 0 (0 = one stop-and-copy stage), got {msg.max_stages}")
     if msg.selection not in _SELECTION_FROM_PROTO:
         raise InvalidArgument(f"selection: {msg.selection} is not a MigrationSelection value")
     backend = None if msg.backend == transfer_pb2.TRANSFER_BACKEND_UNSPECIFIED else backend_from_proto(msg.backend)
     return MigrateOutPlan(
         request_id=msg.request_id, dst_instance_id=msg.dst_instance_id, dst_address=msg.dst_address,
         dst_transfer_address=msg.dst_transfer_address, backend=backend, selection=_SELECTION_FROM_PROTO[msg.selection],
-        exclude_request_ids=frozenset(msg.exclude_request_ids))
+        exclude_request_ids=frozenset(msg.exclude_request_ids),
+        max_stages=msg.max_stages if msg.HasField("max_stages") else None)
 
 
 def migration_result_to_proto(result: MigrationResult) -> instance_pb2.MigrateOutResponse:
@@ -130,7 +135,8 @@ def request_state_from_proto(msg: instance_pb2.RequestState) -> RequestState:
 
 
 def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int, timestamp: float,
-                  step_time_ms_p50: float = 0.0, num_steps: int = 0) -> common_pb2.LoadReport:
+                  step_time_ms_p50: float = 0.0, num_steps: int = 0,
+                  num_prefilled: int = 0) -> common_pb2.LoadReport:
     return common_pb2.LoadReport(
         instance_id=instance_id,
         num_running=load.num_running,
@@ -143,7 +149,26 @@ def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int
         timestamp=timestamp,
         step_time_ms_p50=step_time_ms_p50,
         num_steps=num_steps,
+        num_prefilled=num_prefilled,
     )
+
+
+_ROLE_TO_PROTO = {
+    InstanceRole.BOTH: common_pb2.ROLE_BOTH,
+    InstanceRole.PREFILL: common_pb2.ROLE_PREFILL,
+    InstanceRole.DECODE: common_pb2.ROLE_DECODE,
+}
+_ROLE_FROM_PROTO = {v: k for k, v in _ROLE_TO_PROTO.items()}
+
+
+def role_to_proto(role: InstanceRole) -> int:
+    return _ROLE_TO_PROTO[role]
+
+
+def role_from_proto(role: int) -> InstanceRole:
+    if role not in _ROLE_FROM_PROTO:
+        raise InvalidArgument(f"role: must be ROLE_BOTH, ROLE_PREFILL or ROLE_DECODE, got {role}")
+    return _ROLE_FROM_PROTO[role]
 
 
 def _finish_reason_to_proto(reason: object) -> int:

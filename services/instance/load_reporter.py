@@ -17,14 +17,16 @@ import structlog
 from services.common.backoff import Backoff
 from services.common.election import LeaderView, watch_leader
 from services.common.gen.ferry.v1 import common_pb2, manager_pb2_grpc
-from services.common.grpc_server import insecure_channel
+from services.common.grpc_server import secure_or_insecure_channel
+from services.common.tls import TlsConfig
 from services.common.registry import Registry
 from services.instance.server import InstanceServicer
 
 log = structlog.get_logger(__name__)
 
 
-async def load_report_loop(registry: Registry, servicer: InstanceServicer, interval_s: float) -> None:
+async def load_report_loop(registry: Registry, servicer: InstanceServicer, interval_s: float,
+                           tls: TlsConfig | None = None) -> None:
     leader_view = await watch_leader(registry)
     backoff = Backoff(initial_s=0.1, max_s=2.0)
     while True:
@@ -33,16 +35,17 @@ async def load_report_loop(registry: Registry, servicer: InstanceServicer, inter
             await _wait_for_leader(leader_view, timeout_s=2.0)
             continue
         try:
-            await _report_to(leader.address, leader_view, servicer, interval_s)
+            await _report_to(leader.address, leader_view, servicer, interval_s, tls)
             backoff.reset()
         except grpc.aio.AioRpcError as exc:
             log.info("load_stream_broken", leader=leader.address, code=exc.code().name)
             await asyncio.sleep(backoff.next_delay())
 
 
-async def _report_to(address: str, leader_view: LeaderView, servicer: InstanceServicer, interval_s: float) -> None:
+async def _report_to(address: str, leader_view: LeaderView, servicer: InstanceServicer, interval_s: float,
+                     tls: TlsConfig | None) -> None:
     """Stream reports to `address` until the leader changes (returns) or the stream breaks (raises)."""
-    async with insecure_channel(address) as channel:
+    async with secure_or_insecure_channel(address, tls) as channel:
         stub = manager_pb2_grpc.ManagerServiceStub(channel)
         leader_changed = asyncio.ensure_future(leader_view.changed())
         call = stub.ReportLoad(_reports(servicer, interval_s, leader_changed))
@@ -74,6 +77,7 @@ async def _reports(servicer: InstanceServicer, interval_s: float,
 def _differs(a: common_pb2.LoadReport, b: common_pb2.LoadReport) -> bool:
     """A big change: requests started or finished, or blocks moved by more than 1/16 of the cache."""
     return (a.num_running != b.num_running or a.num_waiting != b.num_waiting
+            or a.num_prefilled != b.num_prefilled
             or abs(a.num_free_blocks - b.num_free_blocks) * 16 > max(1, a.num_total_blocks))
 
 

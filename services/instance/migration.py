@@ -52,6 +52,7 @@ class MigrateOutPlan:
     backend: TransferBackend | None  # None = this instance's --transfer-backend
     selection: MigrationSelection = MigrationSelection.SHORTEST_RUNNING
     exclude_request_ids: frozenset[str] = frozenset()  # never picked (e.g. the manager's cooldown)
+    max_stages: int | None = None  # live stages; None = --migration-max-stages, 0 = one stop-and-copy (PD hand-off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +157,11 @@ class MigrationDriver:
         self._tasks: set[asyncio.Task[MigrationResult]] = set()
         self._moving: set[str] = set()  # request ids migrating out now
 
+    @property
+    def moving(self) -> frozenset[str]:
+        """Request ids migrating out now."""
+        return frozenset(self._moving)
+
     async def migrate_out(self, plan: MigrateOutPlan) -> MigrationResult:
         """Move one request to `plan`'s destination; raises (and the request stays here) if it cannot."""
         if self._transferer is None:
@@ -207,6 +213,8 @@ class MigrationDriver:
         return request_id
 
     async def _move(self, a: _Attempt) -> MigrationResult:
+        if a.plan.max_stages == 0:
+            return await self._move_in_one_stage(a)
         view = await self._view(a, is_first=True)
         await self._reserve(a, view, RESERVATION_HEADROOM_BLOCKS)
         await self._live_stages(a)
@@ -219,9 +227,24 @@ class MigrationDriver:
         await self._hand_off(a, state)
         return self._result(a)
 
+    async def _move_in_one_stage(self, a: _Attempt) -> MigrationResult:
+        """Suspend (unless the PD hand-off holds it already) and export at once, copy every block, commit."""
+        engine = self._runner.engine
+        a.suspended_at = time.perf_counter()
+        view, state = await self._engine_call(
+            a, lambda: (engine.suspend_held(a.request_id), engine.export_state(a.request_id)))
+        await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
+        if a.reservation is None:  # nothing to copy (a request with no blocks): reserve the slot all the same
+            await self._reserve(a, view, 0)
+        await a.peer.commit_migrate_in(a.migration_id, state)
+        a.committed_at = time.perf_counter()
+        await self._hand_off(a, state)
+        return self._result(a)
+
     async def _live_stages(self, a: _Attempt) -> None:
         """Copy full blocks while the request decodes, until few remain or the stages run out."""
-        for _ in range(self._settings.max_stages):
+        max_stages = self._settings.max_stages if a.plan.max_stages is None else a.plan.max_stages
+        for _ in range(max_stages):
             view = await self._view(a)
             full = a.pending(view, full_only=True)
             if not full or len(a.pending(view, full_only=False)) <= self._settings.stage_blocks:

@@ -47,6 +47,7 @@ class RequestStream:
     epoch: int = 0  # the request's owner epoch on this instance
     is_finished: bool = False
     is_attached: bool = False  # a client reads it (always for Generate; after Attach for migrated-in requests)
+    is_prefilling: bool = False  # prefilled here (Generate) and no output yet: its first output ends the prefill
 
     async def __aiter__(self) -> AsyncIterator[StepOutput | Handoff]:
         while not self.is_finished:
@@ -73,6 +74,7 @@ class EngineRunner:
         self.num_steps = 0
         self.is_broken = False  # set when a step raised; the instance then refuses new work
         self.on_load_change: Callable[[LoadSnapshot], None] | None = None
+        self.on_prefilled: Callable[[str], None] | None = None  # a Generate request's first token, still running
 
     def start(self) -> None:
         self._thread.start()
@@ -135,7 +137,8 @@ class EngineRunner:
             raise Unavailable("the engine failed (see the instance log); send the request to another instance")
         if request_id in self._streams:
             raise InvalidArgument(f"request_id: {request_id} is already running on this instance")
-        stream = RequestStream(request_id, asyncio.Queue(), epoch=epoch, is_attached=is_attached)
+        stream = RequestStream(request_id, asyncio.Queue(), epoch=epoch, is_attached=is_attached,
+                               is_prefilling=epoch == 0)
         self._streams[request_id] = stream  # before admission: the first step may deliver at once
         try:
             await self.call(admit)
@@ -159,6 +162,17 @@ class EngineRunner:
         if stream is not None and not stream.is_finished:
             stream.outputs.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
         return was_running
+
+    def call_soon(self, fn: Callable[[], Any]) -> None:
+        """Run `fn` on the engine thread before the next step, without waiting (its errors are logged)."""
+        def run() -> None:
+            try:
+                fn()
+            except Exception:
+                log.exception("engine_command_failed")
+            self._snapshot_load()
+
+        self._submit(run)
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread between two steps and return its result."""
@@ -234,6 +248,10 @@ class EngineRunner:
             if output.finish_reason is not None:
                 del self._streams[output.request_id]
                 self.num_requests_served += 1
+            elif stream.is_prefilling and output.new_token_ids:
+                stream.is_prefilling = False
+                if self.on_prefilled is not None:
+                    self.on_prefilled(output.request_id)
 
 
     def _fail_all(self, exc: BaseException) -> None:

@@ -2,34 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
 
 import grpc
 import structlog
 
-from services.common.errors import InvalidArgument, NotFound, Unavailable
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
 from services.instance.config import InstanceRole
 from services.instance.convert import (check_request_id, chunk_to_proto, handoff_chunk_to_proto, load_to_proto,
                                        migrate_out_plan_from_proto, migration_result_to_proto,
-                                       request_state_from_proto, reservation_to_proto, sampling_from_proto)
+                                       request_state_from_proto, reservation_to_proto, role_from_proto,
+                                       role_to_proto, sampling_from_proto)
 from services.instance.handoff import Handoff
 from services.instance.migration import MigrationDriver
 from services.instance.migration_in import MigrationInbox
+from services.instance.pd_handoff import DecodeHandoff
 from services.instance.runner import EngineRunner, RequestStream
 
 log = structlog.get_logger(__name__)
-
-_ROLE_TO_PROTO = {
-    InstanceRole.BOTH: common_pb2.ROLE_BOTH,
-    InstanceRole.PREFILL: common_pb2.ROLE_PREFILL,
-    InstanceRole.DECODE: common_pb2.ROLE_DECODE,
-}
-
 
 @dataclass(frozen=True, slots=True)
 class InstanceIdentity:
@@ -49,6 +45,11 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         self.migrations: MigrationDriver | None = None
         self.inbox: MigrationInbox | None = None
         self.is_accepting = True  # False while draining or shutting down
+        # Prefill/decode disaggregation, set with the identity: the hand-off pusher, and what a role change
+        # does besides replacing the identity (rewrite the etcd record).
+        self.handoff: DecodeHandoff | None = None
+        self.on_role_change: Callable[[InstanceIdentity], Awaitable[None]] | None = None
+        self._role_lock: asyncio.Lock | None = None
 
     async def Generate(self, request: instance_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[instance_pb2.GenerateChunk]:
@@ -57,6 +58,10 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
             raise Unavailable(f"instance {self.identity.instance_id} is not accepting new requests")
         if not request.HasField("sampling"):
             raise InvalidArgument("sampling: required (at least sampling.max_tokens)")
+        if self.identity.role is InstanceRole.DECODE and not request.can_prefill_on_decode:
+            raise FailedPrecondition(f"instance {self.identity.instance_id} has role decode and takes no new "
+                                     "prefills; send the request to a prefill instance (the manager's Dispatch), "
+                                     "or set can_prefill_on_decode when none serves")
         stream = await self._runner.add(
             request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
             priority=request.priority, resume_token_ids=tuple(request.resume_token_ids))
@@ -100,7 +105,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                         context: grpc.aio.ServicerContext) -> instance_pb2.GetStatusResponse:
         identity = self.identity
         return instance_pb2.GetStatusResponse(
-            instance_id=identity.instance_id, address=identity.address, role=_ROLE_TO_PROTO[identity.role],
+            instance_id=identity.instance_id, address=identity.address, role=role_to_proto(identity.role),
             model=identity.model, kv=identity.kv_geometry, load=self.load_report(), pid=os.getpid(),
             host=socket.gethostname(), max_model_len=identity.max_model_len)
 
@@ -137,9 +142,35 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
 
     async def AbortMigrateIn(self, request: instance_pb2.AbortMigrateInRequest,
                              context: grpc.aio.ServicerContext) -> instance_pb2.AbortMigrateInResponse:
+        if not request.migration_id:
+            raise InvalidArgument("migration_id: required")
         was_reserved = await self.inbox.abort(request.migration_id)
         log.info("migration_in_aborted", migration_id=request.migration_id, was_reserved=was_reserved)
         return instance_pb2.AbortMigrateInResponse(was_reserved=was_reserved)
+
+    # Prefill/decode disaggregation.
+
+    async def SetRole(self, request: instance_pb2.SetRoleRequest,
+                      context: grpc.aio.ServicerContext) -> instance_pb2.SetRoleResponse:
+        """Switch role; a PREFILL instance then moves its decoding requests to decode instances.
+
+        Requests prefilling on an instance that becomes DECODE finish their prefill and decode
+        there (moving a half-prefilled request costs as much as finishing it); only new
+        Generate calls are refused."""
+        role = role_from_proto(request.role)
+        if self._role_lock is None:
+            self._role_lock = asyncio.Lock()
+        async with self._role_lock:  # one change at a time: the etcd record follows the last one
+            previous = self.identity.role
+            self.identity = replace(self.identity, role=role)
+            if self.on_role_change is not None:
+                await self.on_role_change(self.identity)
+            num_moving = await self.handoff.move_decoding() if role is InstanceRole.PREFILL and self.handoff else 0
+        log.info("instance_role_changed", instance_id=self.identity.instance_id, previous_role=previous.value,
+                 role=role.value, num_moving=num_moving)
+        return instance_pb2.SetRoleResponse(instance_id=self.identity.instance_id,
+                                            previous_role=role_to_proto(previous), role=role_to_proto(role),
+                                            num_moving=num_moving)
 
     def on_load_change(self, callback: Callable[[], None]) -> None:
         """Call `callback` on the event loop whenever the engine's load changes."""
@@ -147,6 +178,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
 
     def load_report(self) -> common_pb2.LoadReport:
         runner = self._runner
-        return load_to_proto(self.identity.instance_id, runner.load, runner.num_requests_served, time.time(),
-                             runner.step_time_ms_p50, runner.num_steps)
+        load = runner.load
+        num_prefilled = self.handoff.num_prefilled(load.num_decoding) if self.handoff is not None else 0
+        return load_to_proto(self.identity.instance_id, load, runner.num_requests_served, time.time(),
+                             runner.step_time_ms_p50, runner.num_steps, num_prefilled=num_prefilled)
 

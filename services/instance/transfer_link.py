@@ -3,7 +3,9 @@
 At startup the instance maps its KV shared memory into the service (MapInstance) so the
 service can read and write its blocks in place; migrations then ask it to copy blocks.
 The service may still be starting: mapping is retried with backoff until
-CONNECT_TIMEOUT_S, then startup fails naming the flag.
+CONNECT_TIMEOUT_S, then startup fails naming the flag. A transfer service that restarts
+forgets its mappings: `transfer_mapping_loop` notices (this instance is missing from its
+status) and maps the KV memory again, so migrations work again without restarting us.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import structlog
 
 from services.common.backoff import Backoff
 from services.common.errors import FerryError, Unavailable
+from services.common.tls import TlsConfig
 from services.instance.engine.kv_cache import KvCache
 from services.transfer.client import TransferClient
 
 log = structlog.get_logger(__name__)
 
 CONNECT_TIMEOUT_S = 30.0
+MAPPING_CHECK_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,9 +37,10 @@ class TransferLink:
         return self.client.address
 
 
-async def connect_transfer(address: str, instance_id: str, kv_cache: KvCache, rpc_timeout_s: float) -> TransferLink:
+async def connect_transfer(address: str, instance_id: str, kv_cache: KvCache, rpc_timeout_s: float,
+                           tls: TlsConfig | None = None) -> TransferLink:
     """Map `kv_cache` into the transfer service at `address` under `instance_id`."""
-    client = TransferClient(address, timeout_s=rpc_timeout_s)
+    client = TransferClient(address, timeout_s=rpc_timeout_s, tls=tls)
     deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
     backoff = Backoff(initial_s=0.1, max_s=1.0)
     while True:
@@ -52,6 +57,19 @@ async def connect_transfer(address: str, instance_id: str, kv_cache: KvCache, rp
             await backoff.sleep()
     log.info("kv_cache_mapped", transfer_address=address, transfer_id=status.transfer_id, shm_name=kv_cache.name)
     return TransferLink(client, status.transfer_id)
+
+
+async def transfer_mapping_loop(link: TransferLink, instance_id: str, kv_cache: KvCache,
+                                interval_s: float = MAPPING_CHECK_INTERVAL_S) -> None:
+    """Map `kv_cache` again whenever the transfer service no longer lists this instance (it restarted)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            if instance_id not in (await link.client.get_status()).instance_ids:
+                await link.client.map_instance(instance_id, kv_cache.name, kv_cache.geometry)
+                log.info("kv_cache_remapped", transfer_address=link.address, shm_name=kv_cache.name)
+        except Unavailable as exc:  # down or restarting: try again next interval
+            log.debug("transfer_status_unavailable", transfer_address=link.address, reason=exc.message)
 
 
 async def disconnect_transfer(link: TransferLink, instance_id: str) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import structlog
 
+from services.common.auth import BearerTokenInterceptor
 from services.common.config import as_dict
 from services.common.election import Election, watch_leader
 from services.common.etcd_client import ETCD_ERRORS, connect_etcd
@@ -31,7 +32,7 @@ from services.manager.domain import InstanceRecord
 from services.manager.election_loop import Campaign
 from services.manager.instance_client import InstanceChannels
 from services.manager.leadership import Leadership
-from services.manager.metrics import serve_metrics
+from services.manager.metrics import serve_metrics, watch_membership_staleness
 from services.manager.migrator import Migrator, MigratorLimits
 from services.manager.server import ADMIN_SERVICE, MANAGER_SERVICE, AdminServicer, ManagerServicer, add_servicers
 
@@ -40,27 +41,32 @@ log = structlog.get_logger(__name__)
 
 async def main(config: ManagerConfig) -> None:
     log.info("config_resolved", **as_dict(config))
-    server = await start_grpc_server(config.host, config.port, [], [MANAGER_SERVICE, ADMIN_SERVICE],
-                                     advertise_host=config.advertise_host or None)
+    admin_token = config.resolved_admin_token
+    interceptors = [BearerTokenInterceptor(admin_token, [ADMIN_SERVICE])] if admin_token else []
+    server = await start_grpc_server(config.host, config.port, [], [MANAGER_SERVICE, ADMIN_SERVICE], interceptors,
+                                     advertise_host=config.advertise_host or None, tls=config.tls)
     manager_id = config.manager_id or f"{socket.gethostname()}-{server.port}"
     leadership = Leadership(manager_id, server.address)
     view = ClusterView(config.report_timeout_s)
-    dispatcher = Dispatcher(view, leadership, config.dispatch_policy)
-    etcd = await connect_etcd(config.etcd_endpoints)
-    registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s)
+    dispatcher = Dispatcher(view, leadership, config.dispatch_policy, config.pd_short_prompt_tokens)
+    etcd = await connect_etcd(config.etcd_endpoints, config.etcd_access)
+    registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s, access=config.etcd_access)
     store = ConfigStore(etcd, config.cluster, manager_id)
-    instances = InstanceChannels()
+    instances = InstanceChannels(config.tls)
     migrator = Migrator(view, leadership, instances, _migrator_limits(config), config.migration)
     admin = AdminServicer(view, dispatcher, leadership, store, instances, migrator, config.list_requests_timeout_s,
-                          config.admin_forward_timeout_s, config.migration_timeout_s)
-    add_servicers(server.server, ManagerServicer(dispatcher, view, leadership), admin)
+                          config.admin_forward_timeout_s, config.migration_timeout_s, tls=config.tls,
+                          admin_token=admin_token)
+    add_servicers(server.server, ManagerServicer(dispatcher, view, leadership, migrator), admin)
     if config.metrics_port:
         serve_metrics(config.metrics_port, view, leadership)
-    election = Election(config.etcd_endpoints, config.cluster, manager_id, server.address, config.lease_ttl_s)
+    election = Election(config.etcd_endpoints, config.cluster, manager_id, server.address, config.lease_ttl_s,
+                        access=config.etcd_access)
     stop = _stop_event()
     try:
         members = await registry.watch("instances", resync_interval_s=config.resync_interval_s)
         members.on_change(lambda change: _apply_members(view, change.members))
+        watch_membership_staleness(members)
         _apply_members(view, members.members)
         apply = lambda settings: _apply_settings(dispatcher, migrator, view, config, settings)  # noqa: E731
         await _apply_stored_settings(store, apply)  # before we can win: dispatch with the stored policy

@@ -12,18 +12,22 @@ import grpc
 
 from services.common.errors import error_from_rpc
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2, manager_pb2_grpc
-from services.common.grpc_server import insecure_channel
+from services.common.auth import bearer_metadata
+from services.common.grpc_server import secure_or_insecure_channel
 from services.common.logging import request_metadata
+from services.common.tls import TlsConfig
 from services.manager.domain import InstanceId, Placement
 
 FORWARDED_KEY = "x-ferry-forwarded"  # set when a standby forwards an admin read; the receiver never forwards again
 
 
 class ManagerClient:
-    def __init__(self, address: str, timeout_s: float = 1.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 1.0, tls: TlsConfig | None = None,
+                 admin_token: str = "") -> None:
         self.address = address
         self._timeout_s = timeout_s
-        self._channel = insecure_channel(address)
+        self._auth = bearer_metadata(admin_token)  # sent with every call (the admin API may require it)
+        self._channel = secure_or_insecure_channel(address, tls)
         self._manager = manager_pb2_grpc.ManagerServiceStub(self._channel)
         self._admin = manager_pb2_grpc.AdminServiceStub(self._channel)
 
@@ -98,7 +102,8 @@ class ManagerClient:
 
     async def _call(self, method, request, timeout_s: float | None = None, metadata=()):
         try:
-            return await method(request, timeout=timeout_s or self._timeout_s, metadata=metadata or None)
+            return await method(request, timeout=timeout_s or self._timeout_s,
+                                metadata=(*self._auth, *metadata) or None)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
 

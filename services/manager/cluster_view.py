@@ -10,7 +10,8 @@ of an instance is derived, never stored:
               than `report_timeout_s`;
 * SERVING   — otherwise.
 
-Dispatch only ever picks SERVING instances that can prefill. Each dispatch is counted at
+Dispatch picks SERVING instances that can prefill (a DECODE instance only when no prefill
+instance serves, or for a short prompt; PlaceDecode picks DECODE instances). Each dispatch is counted at
 once as a reservation on the chosen instance (+1 running, + its prompt blocks needed),
 until that instance's next report, which counts the request itself, replaces it. So a
 burst of dispatches between two reports spreads out instead of piling on one instance.
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from services.manager.domain import (
-    Candidate, InstanceId, InstanceRecord, InstanceState, InstanceView, Load, Reservation,
+    PREFILL_ROLES, Candidate, InstanceId, InstanceRecord, InstanceState, InstanceView, Load, Reservation, Role,
 )
 
 Clock = Callable[[], float]
@@ -56,7 +57,7 @@ class ClusterView:
         self._drained: set[InstanceId] = set()  # operator drain marks (may name absent instances)
         self._num_dispatched: dict[InstanceId, int] = {}
         # Dispatch runs hundreds of times a second over every member, so two caches:
-        self._eligible_ids: list[InstanceId] = []  # sorted members that can prefill and are not draining;
+        self._eligible_ids: list[InstanceId] = []  # sorted members that are not draining (any role);
         #   rebuilt on every membership or drain change
         self._candidates: dict[InstanceId, Candidate] = {}  # dropped on each report, reservation, record change
 
@@ -143,12 +144,14 @@ class ClusterView:
             load = Load(num_free_blocks=num_blocks, num_total_blocks=num_blocks)
         return load.plus(self._reserved.get(instance_id, _NO_RESERVATION))
 
-    def candidates(self, exclude: frozenset[InstanceId] = frozenset()) -> list[Candidate]:
-        """Serving, prefill-capable instances not in `exclude`, sorted by id."""
+    def candidates(self, exclude: frozenset[InstanceId] = frozenset(),
+                   roles: frozenset[Role] = PREFILL_ROLES) -> list[Candidate]:
+        """Serving instances with one of `roles` (default: prefill-capable), not in `exclude`, sorted by id."""
         heard_since = self._clock() - self._report_timeout_s
         out = []
         for instance_id in self._eligible_ids:
-            if instance_id in exclude or self._heard_at[instance_id] < heard_since:
+            if (instance_id in exclude or self._heard_at[instance_id] < heard_since
+                    or self._records[instance_id].role not in roles):
                 continue
             candidate = self._candidates.get(instance_id)
             if candidate is None:
@@ -165,8 +168,6 @@ class ClusterView:
         for instance_id in self._sorted_ids:
             if instance_id in exclude:
                 reason = "excluded by the caller"
-            elif not self._records[instance_id].can_prefill:
-                reason = "decode-only"
             else:
                 reason = self.state_of(instance_id).value
             counts[reason] = counts.get(reason, 0) + 1
@@ -213,4 +214,4 @@ class ClusterView:
         return instance_id in self._drained or self._records[instance_id].is_draining
 
     def _rebuild_eligible(self) -> None:
-        self._eligible_ids = [i for i in self._sorted_ids if self._records[i].can_prefill and not self._is_draining(i)]
+        self._eligible_ids = [i for i in self._sorted_ids if not self._is_draining(i)]

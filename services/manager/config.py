@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.auth import read_token
 from services.common.config import knob
+from services.common.etcd_client import EtcdKnobs
+from services.common.tls import TlsKnobs
 from services.manager.migration import MigrationSelection, MigrationSettings
 from services.manager.migration_policies import PAIRING_NAMES
 from services.manager.policies import POLICY_NAMES
@@ -13,7 +16,7 @@ _BACKENDS = ("", "grpc", "gloo", "nccl", "shm")
 
 
 @dataclass(frozen=True, slots=True)
-class ManagerConfig:
+class ManagerConfig(EtcdKnobs, TlsKnobs):
     """Cluster view, dispatch and admin API of a ferry cluster (ferry.v1.ManagerService + AdminService)."""
 
     host: str = knob("127.0.0.1", "address to bind the gRPC server to")
@@ -39,8 +42,13 @@ class ManagerConfig:
     migration_history_size: int = knob(256, "migration records kept for ListMigrations (oldest dropped first)")
     migration_failure_backoff_s: float = knob(2.0, "seconds a (source, destination) pair waits after a failed migration")
     migration_backend: str = knob("", "transfer backend migrations ask for: grpc, gloo, nccl, shm (empty = each instance's default)")
+    pd_short_prompt_tokens: int = knob(0, "PD disaggregation: prompts shorter than this many tokens may prefill on a "
+                                          "decode instance directly, skipping the hand-off (0 = off)")
     metrics_port: int = knob(0, "Prometheus /metrics HTTP port (0 = off)")
     shutdown_grace_s: float = knob(2.0, "seconds running calls get to finish on SIGTERM")
+    admin_token: str = knob("", "bearer token AdminService calls must carry (`authorization: Bearer TOKEN`); "
+                                "empty = admin API open (health and reflection are always open)")
+    admin_token_file: str = knob("", "file holding --admin-token (instead of the flag or the env variable)")
     log_format: str = knob("console", "log format: console or json")
     log_level: str = knob("info", "log level: debug, info, warning, error")
 
@@ -56,13 +64,22 @@ class ManagerConfig:
                      "migration_history_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("migration_threshold", "migration_cooldown_s", "migration_failure_backoff_s"):
+        for name in ("migration_threshold", "migration_cooldown_s", "migration_failure_backoff_s",
+                     "pd_short_prompt_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.migration_pairing not in PAIRING_NAMES:
             raise ValueError(f"--migration-pairing must be one of {', '.join(PAIRING_NAMES)}, got {self.migration_pairing!r}")
+        self.tls.check()
+        self.etcd_access.check()
+        read_token(self.admin_token, self.admin_token_file, "admin-token")
         if self.migration_backend not in _BACKENDS:
             raise ValueError(f"--migration-backend must be empty or one of grpc, gloo, nccl, shm, got {self.migration_backend!r}")
+
+    @property
+    def resolved_admin_token(self) -> str:
+        """--admin-token, or the contents of --admin-token-file."""
+        return read_token(self.admin_token, self.admin_token_file, "admin-token")
 
     @property
     def migration(self) -> MigrationSettings:

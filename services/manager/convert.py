@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2, transfer_pb2
 from services.manager.cluster_view import ClusterTotals
 from services.manager.domain import DispatchAsk, InstanceId, InstanceState, InstanceView, Load, Placement, Role
-from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationRecord, MigrationSelection,
-                                        MigrationSettings)
+from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
+                                        MigrationSelection, MigrationSettings, MigrationTrigger)
 
 _ROLE_TO_PROTO = {Role.BOTH: common_pb2.ROLE_BOTH, Role.PREFILL: common_pb2.ROLE_PREFILL,
                   Role.DECODE: common_pb2.ROLE_DECODE}
+_ROLE_FROM_PROTO = {v: k for k, v in _ROLE_TO_PROTO.items()}
 _STATE_TO_PROTO = {InstanceState.SERVING: common_pb2.INSTANCE_STATE_SERVING,
                    InstanceState.DRAINING: common_pb2.INSTANCE_STATE_DRAINING,
                    InstanceState.UNHEALTHY: common_pb2.INSTANCE_STATE_UNHEALTHY}
@@ -18,6 +21,7 @@ _SELECTION_TO_PROTO = {
     MigrationSelection.SHORTEST_RUNNING: instance_pb2.MIGRATION_SELECTION_SHORTEST_RUNNING,
     MigrationSelection.LONGEST_RUNNING: instance_pb2.MIGRATION_SELECTION_LONGEST_RUNNING,
     MigrationSelection.LAST_COME_FIRST: instance_pb2.MIGRATION_SELECTION_LAST_COME_FIRST,
+    MigrationSelection.PREFILL_DONE: instance_pb2.MIGRATION_SELECTION_PREFILL_DONE,
 }
 _SELECTION_FROM_PROTO = {v: k for k, v in _SELECTION_TO_PROTO.items()}
 _BACKEND_PREFIX = "TRANSFER_BACKEND_"
@@ -26,6 +30,8 @@ _BACKEND_PREFIX = "TRANSFER_BACKEND_"
 def dispatch_ask_from_proto(request: manager_pb2.DispatchRequest) -> DispatchAsk:
     if request.num_prompt_tokens < 0:
         raise InvalidArgument(f"num_prompt_tokens must be >= 0, got {request.num_prompt_tokens}")
+    if request.max_tokens < 0:
+        raise InvalidArgument(f"max_tokens must be >= 0 (0 = unknown), got {request.max_tokens}")
     return DispatchAsk(request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens,
                        max_tokens=request.max_tokens, priority=request.priority,
                        exclude_instance_ids=frozenset(InstanceId(i) for i in request.exclude_instance_ids))
@@ -33,14 +39,31 @@ def dispatch_ask_from_proto(request: manager_pb2.DispatchRequest) -> DispatchAsk
 
 def placement_to_proto(placement: Placement) -> manager_pb2.DispatchResponse:
     return manager_pb2.DispatchResponse(instance_id=placement.instance_id, address=placement.address,
-                                        policy=placement.policy)
+                                        policy=placement.policy, can_prefill_on_decode=placement.can_prefill_on_decode)
+
+
+def role_from_proto(role: int) -> Role:
+    if role not in _ROLE_FROM_PROTO:
+        raise InvalidArgument(f"role: must be ROLE_BOTH, ROLE_PREFILL or ROLE_DECODE, got {role}")
+    return _ROLE_FROM_PROTO[role]
+
+
+def role_to_proto(role: Role) -> int:
+    return _ROLE_TO_PROTO[role]
+
+
+_LOAD_COUNTS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_blocks_needed_by_waiting",
+                "num_requests_served", "num_prefilled")
 
 
 def load_from_proto(report: common_pb2.LoadReport) -> Load:
+    for name in _LOAD_COUNTS:
+        if getattr(report, name) < 0:
+            raise InvalidArgument(f"LoadReport.{name}: must be >= 0, got {getattr(report, name)}")
     return Load(num_running=report.num_running, num_waiting=report.num_waiting,
                 num_free_blocks=report.num_free_blocks, num_total_blocks=report.num_total_blocks,
                 num_blocks_needed_by_waiting=report.num_blocks_needed_by_waiting,
-                num_requests_served=report.num_requests_served)
+                num_requests_served=report.num_requests_served, num_prefilled=report.num_prefilled)
 
 
 def state_to_proto(state: InstanceState) -> int:
@@ -80,8 +103,10 @@ def policy_to_proto(dispatch: str, migration: MigrationSettings) -> manager_pb2.
 def migration_settings_from_proto(policy: manager_pb2.Policy, current: MigrationSettings) -> MigrationSettings:
     """`current` with what `policy` sets (unset fields keep their value); InvalidArgument for bad values."""
     threshold = policy.migration_threshold if policy.HasField("migration_threshold") else current.threshold
-    if threshold < 0:
-        raise InvalidArgument(f"migration_threshold must be >= 0 (a freeness gap), got {threshold}")
+    if not threshold >= 0 or math.isinf(threshold):  # NaN fails the first test
+        raise InvalidArgument(f"migration_threshold must be a finite number >= 0 (a freeness gap), got {threshold}")
+    if policy.migration_selection and policy.migration_selection not in _SELECTION_FROM_PROTO:
+        raise InvalidArgument(f"migration_selection: {policy.migration_selection} is not a MigrationSelection value")
     selection = _SELECTION_FROM_PROTO.get(policy.migration_selection, current.selection)
     return MigrationSettings(
         is_enabled=policy.migration_enabled if policy.HasField("migration_enabled") else current.is_enabled,
@@ -92,7 +117,7 @@ def migrate_out_request_to_proto(order: MigrationOrder) -> instance_pb2.MigrateO
     return instance_pb2.MigrateOutRequest(
         request_id=order.request_id, dst_instance_id=order.dst_instance_id, dst_address=order.dst_address,
         backend=backend_to_proto(order.backend), selection=_SELECTION_TO_PROTO[order.selection],
-        exclude_request_ids=sorted(order.exclude_request_ids))
+        exclude_request_ids=sorted(order.exclude_request_ids), max_stages=order.max_stages)
 
 
 def backend_to_proto(name: str) -> int:
@@ -128,3 +153,28 @@ def migration_record_to_proto(record: MigrationRecord) -> manager_pb2.MigrationR
         backend=figures.backend, duration_ms=figures.duration_ms, downtime_ms=figures.downtime_ms,
         outcome=record.outcome.value, reason=record.reason, message=record.message, trigger=order.trigger.value,
         started_at=record.started_at)
+
+
+def _check_reported_figures(msg: manager_pb2.MigrationRecord) -> None:
+    for name in ("num_blocks", "num_bytes", "num_stages"):
+        if getattr(msg, name) < 0:
+            raise InvalidArgument(f"{name}: must be >= 0, got {getattr(msg, name)}")
+    for name in ("duration_ms", "downtime_ms", "started_at"):
+        value = getattr(msg, name)
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgument(f"{name}: must be a finite number >= 0, got {value}")
+
+
+def reported_migration_from_proto(msg: manager_pb2.MigrationRecord, src_address: str,
+                                  dst_address: str) -> MigrationRecord:
+    """A committed PD hand-off an instance ran on its own (ReportMigration)."""
+    if not msg.request_id or not msg.src_instance_id or not msg.dst_instance_id:
+        raise InvalidArgument("request_id, src_instance_id and dst_instance_id: all required")
+    _check_reported_figures(msg)
+    order = MigrationOrder(InstanceId(msg.src_instance_id), src_address, InstanceId(msg.dst_instance_id), dst_address,
+                           MigrationTrigger.PD, MigrationSelection.PREFILL_DONE, request_id=msg.request_id,
+                           max_stages=0)
+    figures = MigrationFigures(request_id=msg.request_id, num_blocks=msg.num_blocks, num_bytes=msg.num_bytes,
+                               num_stages=msg.num_stages, backend=msg.backend, duration_ms=msg.duration_ms,
+                               downtime_ms=msg.downtime_ms)
+    return MigrationRecord(order, MigrationOutcome.COMMITTED, figures, msg.started_at)

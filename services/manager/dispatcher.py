@@ -2,6 +2,11 @@
 
 Every dispatch is reserved on the chosen instance at once (see cluster_view.py), so the
 next dispatch, even microseconds later, sees that instance as a little more loaded.
+
+Prefill/decode disaggregation (DESIGN.md): new requests go to prefill-capable instances
+(PREFILL, BOTH); DECODE instances only when none of those serves (the request prefills
+there; `RoleGaps` logs and counts it) or, with --pd-short-prompt-tokens, for a prompt that
+short. `place_decode` picks the DECODE instance (by load) a prefilled request moves to.
 """
 
 from __future__ import annotations
@@ -10,18 +15,25 @@ import structlog
 
 from services.common.errors import Unavailable
 from services.manager.cluster_view import ClusterView
-from services.manager.domain import DispatchAsk, Placement
+from services.manager.domain import (ALL_ROLES, DECODE_ROLES, PREFILL_ROLES, Candidate, DispatchAsk, InstanceId,
+                                     Placement, Role)
 from services.manager.leadership import Leadership
-from services.manager.policies import DEFAULT_POLICY, DispatchPolicy, make_policy
+from services.manager.policies import DEFAULT_POLICY, DispatchPolicy, LoadPolicy, make_policy
+from services.manager.role_gaps import RoleGaps
 
 log = structlog.get_logger(__name__)
 
+_DECODE_POLICY = LoadPolicy()  # decode instances are chosen by load, whatever the dispatch policy
+
 
 class Dispatcher:
-    def __init__(self, view: ClusterView, leadership: Leadership, policy_name: str = DEFAULT_POLICY) -> None:
+    def __init__(self, view: ClusterView, leadership: Leadership, policy_name: str = DEFAULT_POLICY,
+                 short_prompt_tokens: int = 0) -> None:
         self._view = view
         self._leadership = leadership
         self._policy: DispatchPolicy = make_policy(policy_name)
+        self._short_prompt_tokens = short_prompt_tokens  # 0 = off
+        self.role_gaps = RoleGaps()
 
     @property
     def policy_name(self) -> str:
@@ -36,10 +48,44 @@ class Dispatcher:
     def dispatch(self, ask: DispatchAsk) -> Placement:
         """Where `ask` should run; Unavailable if this manager does not lead or nothing serves."""
         self._leadership.check_leader()
-        candidates = self._view.candidates(ask.exclude_instance_ids)
+        candidates = self._dispatch_candidates(ask)
         if not candidates:
             raise Unavailable(self._view.explain_no_candidate(ask.exclude_instance_ids))
         chosen = self._policy.choose(candidates, ask)
-        block_size = self._view.record(chosen.instance_id).block_size
-        self._view.reserve(chosen.instance_id, ask.num_prompt_blocks(block_size))
-        return Placement(chosen.instance_id, chosen.address, self._policy.name)
+        record = self._view.record(chosen.instance_id)
+        self._view.reserve(chosen.instance_id, ask.num_prompt_blocks(record.block_size))
+        return Placement(chosen.instance_id, chosen.address, self._policy.name,
+                         can_prefill_on_decode=record.role is Role.DECODE)
+
+    def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int) -> Placement:
+        """The DECODE instance (most free) a prefilled request moves to; BOTH instances if no DECODE one serves.
+
+        Unavailable when neither serves: the request keeps decoding where it is."""
+        self._leadership.check_leader()
+        exclude = frozenset({InstanceId(src_instance_id)})
+        candidates = (self._view.candidates(exclude, DECODE_ROLES)
+                      or self._view.candidates(exclude, frozenset({Role.BOTH})))
+        if not candidates:
+            self.role_gaps.note_missing(Role.DECODE, request_id)
+            raise Unavailable(f"no decode instance serves; request {request_id} keeps decoding on "
+                              f"{src_instance_id} (start one, or SetRole an instance to ROLE_DECODE)")
+        self.role_gaps.note_present(Role.DECODE)
+        chosen = _DECODE_POLICY.choose(candidates, DispatchAsk(request_id))
+        self._view.reserve(chosen.instance_id, num_blocks)
+        return Placement(chosen.instance_id, chosen.address, "pd")
+
+    def _dispatch_candidates(self, ask: DispatchAsk) -> list[Candidate]:
+        exclude = ask.exclude_instance_ids
+        if self._is_short(ask):
+            return self._view.candidates(exclude, ALL_ROLES)
+        candidates = self._view.candidates(exclude, PREFILL_ROLES)
+        if candidates:
+            self.role_gaps.note_present(Role.PREFILL)
+            return candidates
+        decode = self._view.candidates(exclude, DECODE_ROLES)
+        if decode:
+            self.role_gaps.note_missing(Role.PREFILL, ask.request_id)
+        return decode
+
+    def _is_short(self, ask: DispatchAsk) -> bool:
+        return 0 < ask.num_prompt_tokens < self._short_prompt_tokens

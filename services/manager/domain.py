@@ -22,6 +22,11 @@ class Role(enum.Enum):
     DECODE = "decode"
 
 
+PREFILL_ROLES = frozenset({Role.BOTH, Role.PREFILL})  # take new requests
+DECODE_ROLES = frozenset({Role.DECODE})  # take prefilled requests by the PD hand-off (BOTH only as a fallback)
+ALL_ROLES = frozenset(Role)
+
+
 class InstanceState(enum.Enum):
     SERVING = "serving"
     DRAINING = "draining"
@@ -87,6 +92,7 @@ class Load:
     num_total_blocks: int = 0
     num_blocks_needed_by_waiting: int = 0
     num_requests_served: int = 0
+    num_prefilled: int = 0  # decoding requests on a PREFILL instance waiting for their PD hand-off
 
     @property
     def freeness(self) -> float:
@@ -99,7 +105,7 @@ class Load:
             return self
         return Load(self.num_running + reservation.num_requests, self.num_waiting, self.num_free_blocks,
                     self.num_total_blocks, self.num_blocks_needed_by_waiting + reservation.num_blocks,
-                    self.num_requests_served)
+                    self.num_requests_served, self.num_prefilled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +155,7 @@ class Placement:
     instance_id: InstanceId
     address: str
     policy: str
+    can_prefill_on_decode: bool = False  # a DECODE instance chosen on purpose (no prefill serves, short prompt)
 
 
 @dataclass(frozen=True, slots=True)

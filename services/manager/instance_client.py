@@ -10,14 +10,16 @@ import grpc
 
 from services.common.errors import error_from_rpc
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
-from services.common.grpc_server import insecure_channel
+from services.common.grpc_server import secure_or_insecure_channel
 from services.common.logging import request_metadata
+from services.common.tls import TlsConfig
 from services.manager import convert
 from services.manager.migration import MigrationFigures, MigrationOrder
 
 
 class InstanceChannels:
-    def __init__(self) -> None:
+    def __init__(self, tls: TlsConfig | None = None) -> None:
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     async def list_requests(self, address: str, timeout_s: float) -> list[instance_pb2.RequestInfo]:
@@ -38,6 +40,14 @@ class InstanceChannels:
             raise error_from_rpc(exc) from exc
         return convert.migration_figures_from_proto(reply)
 
+    async def set_role(self, address: str, role: int, timeout_s: float) -> instance_pb2.SetRoleResponse:
+        """Ask the instance to switch role (it rewrites its etcd record and moves away what no longer fits)."""
+        stub = instance_pb2_grpc.InstanceServiceStub(self._channel(address))
+        try:
+            return await stub.SetRole(instance_pb2.SetRoleRequest(role=role), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from exc
+
     async def keep_only(self, addresses: set[str]) -> None:
         """Close the channels of instances that are gone."""
         for address in set(self._channels) - addresses:
@@ -48,5 +58,5 @@ class InstanceChannels:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = insecure_channel(address)
+            self._channels[address] = secure_or_insecure_channel(address, self._tls)
         return self._channels[address]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
+from services.common.membership import MembershipView
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceState
 from services.manager.leadership import Leadership
@@ -28,6 +29,15 @@ MIGRATION_DOWNTIME = Histogram("ferry_manager_migration_downtime_seconds",
                                buckets=(1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
 MIGRATION_DURATION = Histogram("ferry_manager_migration_duration_seconds", "MigrateOut from call to commit",
                                buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
+MEMBERSHIP_STALENESS = Gauge("ferry_manager_membership_staleness_seconds",
+                             "Seconds since etcd last confirmed the manager's view of instances/ (grows while etcd "
+                             "is unreachable; the last known members are kept)")
+PD_ROLE_FALLBACKS = Counter("ferry_manager_pd_role_fallbacks_total",
+                            "Requests that did without a PD role: 'prefill' = a new request sent to a decode "
+                            "instance (none prefills), 'decode' = a prefilled request kept on its prefill instance",
+                            ["role"])
+PD_ROLE_MISSING = Gauge("ferry_manager_pd_role_missing", "1 while no instance of the role serves (PD disaggregation)",
+                        ["role"])
 MIGRATIONS_IN_FLIGHT = Gauge("ferry_manager_migrations_in_flight", "MigrateOut calls not answered yet")
 
 
@@ -38,6 +48,11 @@ def serve_metrics(port: int, view: ClusterView, leadership: Leadership) -> None:
         INSTANCES.labels(state.value).set_function(lambda state=state: float(_count(view, state)))
     REGISTRY.register(InstanceLoadCollector(view))
     start_http_server(port)
+
+
+def watch_membership_staleness(members: MembershipView) -> None:
+    """Read the instances/ view's staleness at every scrape."""
+    MEMBERSHIP_STALENESS.set_function(lambda: members.staleness_s)
 
 
 class InstanceLoadCollector:

@@ -21,12 +21,14 @@ class MigrationSelection(enum.Enum):
     SHORTEST_RUNNING = "shortest_running"  # fewest tokens: least KV to copy (the default)
     LONGEST_RUNNING = "longest_running"  # most tokens: frees the most blocks
     LAST_COME_FIRST = "last_come_first"  # the newest arrival
+    PREFILL_DONE = "prefill_done"  # only requests with their first token, oldest first (the PD hand-off)
 
 
 class MigrationTrigger(enum.Enum):
     LOAD = "load"  # the migration loop balancing freeness
     DRAIN = "drain"  # the source is draining
     ADMIN = "admin"  # AdminService.Migrate
+    PD = "pd"  # a prefilled request leaving a prefill instance for a decode instance
 
 
 class MigrationOutcome(enum.Enum):
@@ -57,6 +59,7 @@ class MigrationOrder:
     request_id: str = ""  # empty: the source picks by `selection`
     backend: str = ""  # transfer backend (grpc, gloo, nccl, shm); empty: the source's default
     exclude_request_ids: frozenset[str] = field(default_factory=frozenset)  # just migrated: not again yet
+    max_stages: int | None = None  # live stages; None = the source's default, 0 = one stop-and-copy (PD)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,8 @@ after its last migration) and asks for pairs:
 
 * drains first: every DRAINING peer that still holds requests is a source, paired with
   the freest serving destination left (one pair per destination per tick);
+* then PD hand-offs: every PREFILL peer with prefilled requests, paired with the freest
+  DECODE peer left (`pair_prefilled`);
 * then, if the load-balancing loop is on, the `PairingPolicy` pairs the serving peers
   that are left. A policy is a small class behind the ABC; `load` is the default.
 
@@ -81,7 +83,7 @@ class LoadPairing(PairingPolicy):
 
     def pair(self, peers: Sequence[Peer], threshold: float) -> list[Pair]:
         ranked = sorted(peers, key=lambda p: (p.freeness, p.instance_id))
-        sources = [p for p in ranked if p.num_requests > 0]
+        sources = [p for p in ranked if p.num_requests > 0 and p.role is not Role.PREFILL]  # those leave by PD
         destinations = sorted((p for p in peers if p.can_receive), key=lambda p: (-p.freeness, p.instance_id))
         pairs: list[Pair] = []
         used: set[InstanceId] = set()
@@ -105,6 +107,19 @@ def pair_drains(draining: Sequence[Peer], serving: Sequence[Peer]) -> list[Pair]
     for src, dst in zip((p for p in sorted(draining, key=lambda p: p.instance_id) if p.num_requests), destinations):
         pairs.append(Pair(src, dst, MigrationTrigger.DRAIN))
     return pairs
+
+
+def pair_prefilled(serving: Sequence[Peer]) -> list[Pair]:
+    """Each PREFILL peer with prefilled requests (by id) with the freest DECODE destination not yet taken.
+
+    The PD hand-off when the manager drives it (instances started with --pd-handoff manager),
+    and the healing path in every mode: requests that decoded on a prefill instance while no
+    decode instance served, or whose pushed hand-off failed, leave once one serves."""
+    sources = sorted((p for p in serving if p.role is Role.PREFILL and p.load.num_prefilled > 0),
+                     key=lambda p: p.instance_id)
+    destinations = sorted((p for p in serving if p.role is Role.DECODE and p.can_receive),
+                          key=lambda p: (-p.freeness, p.instance_id))
+    return [Pair(src, dst, MigrationTrigger.PD) for src, dst in zip(sources, destinations)]
 
 
 def stays_freer_after_move(src: Load, dst: Load) -> bool:

@@ -2,7 +2,7 @@
 
 Design of `migration_loop` (every manager runs it; it acts only while leading):
 
-    every tick:  peers that can take part  →  pairs (drains first, then the pairing policy)
+    every tick:  peers that can take part  →  pairs (drains, then PD hand-offs, then the pairing policy)
                  →  one MigrateOut task per pair  →  announce instances a drain emptied
 
 A migration holds a slot on both of its instances until MigrateOut returns (at most
@@ -33,8 +33,8 @@ from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId, InstanceState, InstanceView
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
-                                        MigrationSettings, MigrationTrigger)
-from services.manager.migration_policies import Pair, PairingPolicy, Peer, make_pairing, pair_drains
+                                        MigrationSelection, MigrationSettings, MigrationTrigger)
+from services.manager.migration_policies import Pair, PairingPolicy, Peer, make_pairing, pair_drains, pair_prefilled
 
 log = structlog.get_logger(__name__)
 
@@ -111,9 +111,10 @@ class Migrator:
         peers = self._peers()
         serving = [p for p in peers if not p.is_draining]
         pairs = pair_drains([p for p in peers if p.is_draining], serving)
+        pairs += pair_prefilled([p for p in serving if p.instance_id not in _taken(pairs)])
         if self._settings.is_enabled:
-            taken = {i for pair in pairs for i in (pair.src.instance_id, pair.dst.instance_id)}
-            pairs += self._pairing.pair([p for p in serving if p.instance_id not in taken], self._settings.threshold)
+            pairs += self._pairing.pair([p for p in serving if p.instance_id not in _taken(pairs)],
+                                        self._settings.threshold)
         return [self._order(pair) for pair in pairs if not self._is_backing_off(pair)]
 
     # one migration
@@ -150,6 +151,10 @@ class Migrator:
                               MigrationTrigger.ADMIN, self._settings.selection, request_id=request_id,
                               backend=self._limits.backend)
 
+    def keep_reported(self, record: MigrationRecord) -> None:
+        """A migration an instance ran on its own (the PD push): kept, counted and logged like ours."""
+        self._keep(record)
+
     def history(self, instance_id: str = "", request_id: str = "") -> list[MigrationRecord]:
         """Kept records, oldest first, optionally only those of one instance or one request."""
         return [r for r in self._history if (not instance_id or r.involves(instance_id))
@@ -178,6 +183,10 @@ class Migrator:
         return peers
 
     def _order(self, pair: Pair) -> MigrationOrder:
+        if pair.trigger is MigrationTrigger.PD:  # one stop-and-copy stage of a request with its first token
+            return MigrationOrder(pair.src.instance_id, pair.src.address, pair.dst.instance_id, pair.dst.address,
+                                  pair.trigger, MigrationSelection.PREFILL_DONE, backend=self._limits.backend,
+                                  max_stages=0)
         excluded = frozenset() if pair.trigger is MigrationTrigger.DRAIN else self._cooled_request_ids()
         return MigrationOrder(pair.src.instance_id, pair.src.address, pair.dst.instance_id, pair.dst.address,
                               pair.trigger, self._settings.selection, backend=self._limits.backend,
@@ -265,6 +274,10 @@ class Migrator:
             raise FailedPrecondition(f"no other serving instance can take a request from {src.record.instance_id}; "
                                      "start one or name dst_instance_id")
         return min(others, key=lambda v: (-v.load.freeness, v.record.instance_id))
+
+
+def _taken(pairs: list[Pair]) -> set[InstanceId]:
+    return {i for pair in pairs for i in (pair.src.instance_id, pair.dst.instance_id)}
 
 
 def status_name(error: FerryError) -> str:

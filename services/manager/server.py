@@ -27,6 +27,7 @@ import structlog
 from services.common.errors import FerryError, InvalidArgument, NotFound, Unavailable
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.gen.ferry.v1 import instance_pb2, manager_pb2, manager_pb2_grpc
+from services.common.tls import TlsConfig
 from services.manager import convert, metrics
 from services.manager.client import FORWARDED_KEY, ManagerClient
 from services.manager.cluster_view import ClusterView
@@ -47,10 +48,12 @@ UNREACHABLE_KEY = "x-ferry-unreachable-instances"  # trailing metadata of a part
 
 
 class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
-    def __init__(self, dispatcher: Dispatcher, view: ClusterView, leadership: Leadership) -> None:
+    def __init__(self, dispatcher: Dispatcher, view: ClusterView, leadership: Leadership,
+                 migrator: Migrator | None = None) -> None:
         self._dispatcher = dispatcher
         self._view = view
         self._leadership = leadership
+        self._migrator = migrator  # keeps the PD hand-offs instances report (ReportMigration)
 
     async def Dispatch(self, request: manager_pb2.DispatchRequest, context) -> manager_pb2.DispatchResponse:
         started = time.perf_counter()
@@ -64,6 +67,25 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         log.info("request_dispatched", request_id=request.request_id, instance_id=placement.instance_id,
                   policy=placement.policy)
         return convert.placement_to_proto(placement)
+
+    async def PlaceDecode(self, request: manager_pb2.PlaceDecodeRequest, context) -> manager_pb2.PlaceDecodeResponse:
+        """The decode instance a prefill instance's request moves to (the PD push)."""
+        if not request.request_id or not request.src_instance_id:
+            raise InvalidArgument("request_id and src_instance_id: both required")
+        placement = self._dispatcher.place_decode(request.request_id, request.src_instance_id,
+                                                  max(request.num_blocks, 0))
+        return manager_pb2.PlaceDecodeResponse(instance_id=placement.instance_id, address=placement.address)
+
+    async def ReportMigration(self, request: manager_pb2.MigrationRecord,
+                              context) -> manager_pb2.ReportMigrationResponse:
+        """Keep a PD hand-off the source ran itself in the history (and the metrics)."""
+        self._leadership.check_leader()
+        if self._migrator is None:
+            raise Unavailable("this manager keeps no migration history; report to the leader")
+        addresses = [self._view.record(InstanceId(i)).address if self._view.has_member(i) else ""
+                     for i in (request.src_instance_id, request.dst_instance_id)]
+        self._migrator.keep_reported(convert.reported_migration_from_proto(request, *addresses))
+        return manager_pb2.ReportMigrationResponse()
 
     async def ReportLoad(self, request_iterator, context) -> manager_pb2.ReportLoadResponse:
         """Keep each report as the instance's load; end the stream (UNAVAILABLE) once we stop leading."""
@@ -87,7 +109,8 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
 class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
     def __init__(self, view: ClusterView, dispatcher: Dispatcher, leadership: Leadership, store: ConfigStore,
                  instances: InstanceChannels, migrator: Migrator, list_requests_timeout_s: float,
-                 forward_timeout_s: float, migrate_timeout_s: float) -> None:
+                 forward_timeout_s: float, migrate_timeout_s: float, tls: TlsConfig | None = None,
+                 admin_token: str = "") -> None:
         self._view = view
         self._dispatcher = dispatcher
         self._leadership = leadership
@@ -97,6 +120,8 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         self._list_requests_timeout_s = list_requests_timeout_s
         self._forward_timeout_s = forward_timeout_s
         self._migrate_timeout_s = migrate_timeout_s
+        self._tls = tls  # of the channel to the leader when forwarding
+        self._admin_token = admin_token  # the leader checks the same token
         self._leader_client: ManagerClient | None = None
 
     async def ListInstances(self, request, context) -> manager_pb2.ListInstancesResponse:
@@ -157,6 +182,8 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         The leader's migration loop then moves every request off it; call Drain again (or
         ListInstances) to see `is_drained` once nothing runs or waits there.
         """
+        if not request.instance_id:
+            raise InvalidArgument("instance_id: required (see ListInstances for the ids)")
         if not self._view.has_member(request.instance_id):
             raise NotFound(f"instance {request.instance_id!r} is not registered; see ListInstances for the ids")
         client = await self._leader_to_forward_to(context)
@@ -202,6 +229,18 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         records = self._migrator.history(request.instance_id, request.request_id)
         return manager_pb2.ListMigrationsResponse(migrations=[convert.migration_record_to_proto(r) for r in records])
 
+    async def SetRole(self, request: manager_pb2.AdminSetRoleRequest, context) -> instance_pb2.SetRoleResponse:
+        """Switch an instance's role at runtime: the instance itself rewrites its etcd record (every manager
+        sees it) and moves away the requests that no longer fit, so any manager can take this call."""
+        if not self._view.has_member(request.instance_id):
+            raise NotFound(f"instance {request.instance_id!r} is not registered; see ListInstances for the ids")
+        role = convert.role_from_proto(request.role)
+        address = self._view.record(InstanceId(request.instance_id)).address
+        reply = await self._instances.set_role(address, convert.role_to_proto(role), self._forward_timeout_s * 5)
+        log.info("instance_role_set", instance_id=request.instance_id, role=role.value,
+                 num_moving=reply.num_moving)
+        return reply
+
     async def close(self) -> None:
         if self._leader_client is not None:
             await self._leader_client.close()
@@ -245,7 +284,8 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         if self._leader_client is None or self._leader_client.address != leader.address:
             if self._leader_client is not None:
                 await self._leader_client.close()
-            self._leader_client = ManagerClient(leader.address, timeout_s=self._forward_timeout_s)
+            self._leader_client = ManagerClient(leader.address, timeout_s=self._forward_timeout_s, tls=self._tls,
+                                                admin_token=self._admin_token)
         return self._leader_client
 
 

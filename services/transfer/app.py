@@ -17,7 +17,6 @@ import torch
 
 from services.common.config import as_dict
 from services.common.errors import NotFound
-from services.common.gen.ferry.v1 import transfer_pb2_grpc
 from services.common.grpc_server import GrpcServer, start_grpc_server
 from services.common.registry import Registry
 from services.transfer.metrics import serve_metrics
@@ -29,7 +28,7 @@ from services.transfer.domain import InstanceId, TransferId
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.receiver import BlockReceiver
 from services.transfer.sender import BlockSender
-from services.transfer.server import TransferNode, TransferServicer
+from services.transfer.server import TransferNode, TransferServicer, add_transfer_servicer
 from services.transfer.staging import StagingPool
 
 log = structlog.get_logger(__name__)
@@ -44,7 +43,7 @@ async def main(config: TransferConfig) -> None:
         torch.set_num_threads(config.num_threads)
     servicer = TransferServicer()
     server = await start_grpc_server(config.host, config.port,
-                                     [(transfer_pb2_grpc.add_TransferServiceServicer_to_server, servicer)],
+                                     [(add_transfer_servicer, servicer)],
                                      [TRANSFER_SERVICE], advertise_host=config.advertise_host or None,
                                      tls=config.tls)
     await server.set_serving(False)  # until registered

@@ -1,6 +1,7 @@
 """Gather, scatter and direct copies of KV blocks, on `[rows, blocks, row_elems]` views.
 
-Gather is `torch.index_select(..., out=staging_view)` into a preallocated buffer.
+Gather is `torch.index_select(..., out=staging_view)` into a preallocated buffer (for the
+grpc backend: contiguous pieces of the KV memory joined straight into the message, `chunk_parts`).
 Scatter on CPU copies runs of consecutive destination ids with numpy slice assignments
 (memcpy-speed; `index_copy_` measured ~2.7 GB/s against ~8 GB/s on the reference box);
 on CUDA it is `index_copy_`. Neither allocates block-sized memory. Direct copies
@@ -33,6 +34,17 @@ def gather_chunk(rows: torch.Tensor, block_ids: torch.Tensor, chunk: Chunk, out:
     """Copy the chunk's blocks and rows of `rows` into `out` (a `staged_view`)."""
     ids = block_ids[chunk.block_start:chunk.block_stop]
     return torch.index_select(rows[chunk.row_start:chunk.row_stop], 1, ids, out=out)
+
+
+def chunk_parts(rows: np.ndarray, block_ids: tuple[int, ...], chunk: Chunk) -> list[np.ndarray]:
+    """The chunk's bytes as contiguous pieces of `rows` (`as_bytes` of the KV), in staged order.
+
+    Joining them is the gather: `b"".join(parts)` equals the chunk's staged bytes, with
+    one copy and no staging buffer (the grpc sender needs a fresh `bytes` per message anyway)."""
+    ids = block_ids[chunk.block_start:chunk.block_stop]
+    runs = list(block_runs(ids))
+    return [rows[row, first_id:first_id + length] for row in range(chunk.row_start, chunk.row_stop)
+            for _offset, first_id, length in runs]
 
 
 def scatter_chunk(rows: torch.Tensor, block_ids: tuple[int, ...], chunk: Chunk, staged: torch.Tensor) -> None:

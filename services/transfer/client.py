@@ -14,26 +14,27 @@ import grpc
 
 from services.common.errors import error_from_rpc
 from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
-from services.common.grpc_server import insecure_channel
+from services.common.grpc_server import secure_or_insecure_channel
+from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
 from services.instance.engine.kv_cache import KvGeometry
 from services.transfer.convert import (backend_from_proto, backend_to_proto, geometry_to_proto, header_to_proto,
                                        result_from_proto, transfer_to_proto)
 from services.transfer.domain import BlockTransfer, IncomingBlocks, TransferBackend, TransferResult
 
-DEFAULT_PIECE_BYTES = 1 << 20
+DEFAULT_PIECE_BYTES = 8 << 20
 RECEIVE_BLOCKS_METHOD = "/ferry.v1.TransferService/ReceiveBlocks"
-_DATA_TAG = bytes([2 << 3 | 2])  # field 2 (data), wire type 2 (length-delimited)
 
 
 class TransferClient:
-    def __init__(self, address: str, timeout_s: float = 5.0, piece_bytes: int = DEFAULT_PIECE_BYTES) -> None:
+    def __init__(self, address: str, timeout_s: float = 5.0, piece_bytes: int = DEFAULT_PIECE_BYTES,
+                 tls: TlsConfig | None = None) -> None:
         self.address = address
         self._timeout_s = timeout_s
-        self._piece_bytes = piece_bytes
-        self._channel = insecure_channel(address)
+        self.piece_bytes = piece_bytes  # the most data bytes per ReceiveBlocks message (senders chunk by it)
+        self._channel = secure_or_insecure_channel(address, tls)
         self._stub = transfer_pb2_grpc.TransferServiceStub(self._channel)
-        # ReceiveBlocks with pre-encoded data messages: one copy from staging memory to the wire.
+        # ReceiveBlocks with data messages the sender encoded (convert.encode_data_message).
         self._receive_blocks = self._channel.stream_unary(
             RECEIVE_BLOCKS_METHOD, request_serializer=_serialize_piece,
             response_deserializer=transfer_pb2.ReceiveBlocksResponse.FromString)
@@ -72,8 +73,8 @@ class TransferClient:
 
     # -- PeerTransferService ---------------------------------------------------------
 
-    async def receive_blocks(self, header: IncomingBlocks, chunks: AsyncIterator[memoryview], timeout_s: float) -> int:
-        reply = await self._call(self._receive_blocks, self._pieces(header, chunks), timeout_s)
+    async def receive_blocks(self, header: IncomingBlocks, messages: AsyncIterator[bytes], timeout_s: float) -> int:
+        reply = await self._call(self._receive_blocks, _with_header(header, messages), timeout_s)
         return reply.num_bytes
 
     async def open_channel(self, peer_transfer_id: str, store_address: str, rank: int, backend: TransferBackend,
@@ -87,13 +88,6 @@ class TransferClient:
                                                    tag=tag)
         return (await self._call(self._stub.ExpectBlocks, request, timeout_s)).num_bytes
 
-    async def _pieces(self, header: IncomingBlocks, chunks: AsyncIterator[memoryview]):
-        yield transfer_pb2.ReceiveBlocksRequest(header=header_to_proto(header))
-        piece = self._piece_bytes
-        async for chunk in chunks:  # a piece never spans two chunks
-            for offset in range(0, len(chunk), piece):
-                yield encode_data_message(chunk[offset:offset + piece])
-
     async def _call(self, method, request, timeout_s: float | None = None, metadata: Sequence = ()):
         try:
             return await method(request, timeout=timeout_s or self._timeout_s, metadata=metadata)
@@ -101,34 +95,27 @@ class TransferClient:
             raise error_from_rpc(exc) from None
 
 
-def encode_data_message(data: memoryview) -> bytes:
-    """`ReceiveBlocksRequest(data=data)` in wire format, built with a single copy of `data`."""
-    return b"".join((_DATA_TAG, _varint(len(data)), data))
+async def _with_header(header: IncomingBlocks, messages: AsyncIterator[bytes]):
+    yield transfer_pb2.ReceiveBlocksRequest(header=header_to_proto(header))
+    async for message in messages:
+        yield message
 
 
 def _serialize_piece(message: transfer_pb2.ReceiveBlocksRequest | bytes) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 class TransferClients:
     """One cached client per peer address (the sender's `PeerFactory`)."""
 
-    def __init__(self, piece_bytes: int = DEFAULT_PIECE_BYTES) -> None:
+    def __init__(self, piece_bytes: int = DEFAULT_PIECE_BYTES, tls: TlsConfig | None = None) -> None:
         self._piece_bytes = piece_bytes
+        self._tls = tls
         self._clients: dict[str, TransferClient] = {}
 
     def __call__(self, address: str) -> TransferClient:
         if address not in self._clients:
-            self._clients[address] = TransferClient(address, piece_bytes=self._piece_bytes)
+            self._clients[address] = TransferClient(address, piece_bytes=self._piece_bytes, tls=self._tls)
         return self._clients[address]
 
     async def close(self) -> None:

@@ -30,7 +30,9 @@ class TransferConfig(EtcdKnobs, TlsKnobs):
     staging_kib: int = knob(16384, "size of each staging buffer in KiB; a transfer holds two (ping-pong) and "
                                    "moves chunks of at most this size")
     num_staging_slots: int = knob(2, "transfers (sending or receiving) in flight at once, each holding two buffers")
-    grpc_piece_kib: int = knob(1024, "bytes per ReceiveBlocks message of the grpc backend, in KiB")
+    grpc_piece_kib: int = knob(8192, "most data bytes per ReceiveBlocks message of the grpc backend, in KiB: "
+                                     "senders cut grpc transfers into chunks of this size (or --staging-kib "
+                                     "if smaller), one message each")
     transfer_timeout_s: float = knob(60.0, "upper bound of one transfer (the caller's deadline applies if shorter)")
     channel_timeout_s: float = knob(10.0, "gloo/nccl rendezvous timeout in seconds")
     num_threads: int = knob(0, "torch threads for gathers (0 = torch's default)")

@@ -87,3 +87,46 @@ def header_from_proto(msg: transfer_pb2.BlocksHeader) -> IncomingBlocks:
         geometry=geometry_from_proto(msg.kv), blocks_per_chunk=msg.blocks_per_chunk,
         rows_per_chunk=msg.rows_per_chunk, checksums=tuple(msg.checksums),
         src_transfer_id=TransferId(msg.src_transfer_id))
+
+
+# -- ReceiveBlocks data messages, without protobuf copies ------------------------------------
+# A data message is `ReceiveBlocksRequest(data=...)`: one tag byte, a varint length, the bytes.
+# Encoding joins the parts once (straight from KV memory); decoding slices the received
+# message. Both stay wire-compatible with the proto (grpcurl and other clients just work).
+
+_DATA_TAG = 2 << 3 | 2  # field 2 (data), wire type 2 (length-delimited)
+
+
+def encode_data_message(*parts: bytes | memoryview) -> bytes:
+    """`ReceiveBlocksRequest(data=b"".join(parts))` in wire format, built with one copy of the parts."""
+    num_bytes = sum(memoryview(part).nbytes for part in parts)
+    return b"".join((bytes([_DATA_TAG]), _varint(num_bytes), *parts))
+
+
+def decode_receive_blocks_message(message: bytes) -> transfer_pb2.ReceiveBlocksRequest | memoryview:
+    """A data message as a view of its bytes (no copy); anything else (the header) parsed."""
+    if message[:1] == bytes([_DATA_TAG]):
+        length, offset = _read_varint(message, 1)
+        if offset + length == len(message):
+            return memoryview(message)[offset:]
+    return transfer_pb2.ReceiveBlocksRequest.FromString(message)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(data: bytes, offset: int) -> tuple[int, int]:
+    """(value, offset after it); a truncated varint reads as a length that does not fit."""
+    value = shift = 0
+    for index in range(offset, min(offset + 10, len(data))):
+        value |= (data[index] & 0x7F) << shift
+        shift += 7
+        if data[index] < 0x80:
+            return value, index + 1
+    return -1, len(data)

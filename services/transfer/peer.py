@@ -9,8 +9,11 @@ from services.transfer.domain import IncomingBlocks, TransferBackend
 
 
 class PeerTransferService(Protocol):
-    async def receive_blocks(self, header: IncomingBlocks, chunks: AsyncIterator[memoryview], timeout_s: float) -> int:
-        """Stream the header, then each chunk's bytes (valid until the next chunk); returns bytes received."""
+    piece_bytes: int  # the most data bytes one ReceiveBlocks message carries: the grpc chunk size
+
+    async def receive_blocks(self, header: IncomingBlocks, messages: AsyncIterator[bytes], timeout_s: float) -> int:
+        """Stream the header, then the data messages (`convert.encode_data_message`, one per chunk,
+        at most `piece_bytes` of data each); returns bytes received."""
 
     async def open_channel(self, peer_transfer_id: str, store_address: str, rank: int, backend: TransferBackend,
                            timeout_s: float) -> None:

@@ -2,6 +2,9 @@
 
 Receiving chunk i+1 into one staging buffer overlaps scattering chunk i from the other
 (`ScatterBehind`, on the one copy thread, so chunks land in order and checksums chain).
+grpc: a message that carries a whole chunk (what ferry senders send) is scattered
+straight from the received bytes, with no staging copy; smaller pieces are assembled in
+the staging buffer.
 A checksum mismatch raises Aborted; a short or overlong stream raises InvalidArgument.
 Scattered blocks of a failed stream are garbage, but the failure is what the sender
 reports: nothing partially applied is ever called a success.
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
+
+import warnings
 
 import numpy as np
 import structlog
@@ -39,8 +44,8 @@ class BlockReceiver:
         self._copy_executor = copy_executor  # one thread: scatters run in chunk order
         self._io_executor = io_executor  # blocking channel receives
 
-    async def receive_pieces(self, header: IncomingBlocks, pieces: AsyncIterator[bytes], timeout_s: float) -> int:
-        """grpc: fill each chunk from byte pieces (a piece never spans two chunks)."""
+    async def receive_pieces(self, header: IncomingBlocks, pieces: AsyncIterator[memoryview], timeout_s: float) -> int:
+        """grpc: each chunk from byte pieces (a piece never spans two chunks)."""
         deadline = Deadline.after(timeout_s)
         rows, plan = self._target(header)
         async with self._staging.slot(deadline.remaining_s()) as slot:
@@ -48,8 +53,8 @@ class BlockReceiver:
             try:
                 for chunk in plan.chunks():
                     buffer = await scatterer.buffer_for(chunk)
-                    await _fill(buffer, plan.chunk_bytes(chunk), pieces, chunk)
-                    scatterer.submit(chunk, staged_view(buffer, plan, chunk, rows.dtype))
+                    staged = await _receive_chunk(buffer, plan.chunk_bytes(chunk), pieces, chunk)
+                    scatterer.submit(chunk, staged_view(staged, plan, chunk, rows.dtype))
                 await _expect_end(pieces)
                 await scatterer.finish()
             finally:
@@ -107,20 +112,40 @@ class BlockReceiver:
         return ScatterBehind(slot, verify_and_scatter, self._copy_executor)
 
 
-async def _fill(buffer: torch.Tensor, num_bytes: int, pieces: AsyncIterator[bytes], chunk: Chunk) -> None:
+async def _receive_chunk(buffer: torch.Tensor, num_bytes: int, pieces: AsyncIterator[memoryview],
+                         chunk: Chunk) -> torch.Tensor:
+    """The chunk's bytes (flat uint8): the first piece itself if it holds the whole chunk, else
+    the pieces copied into `buffer`."""
+    piece = await _next_piece(pieces, chunk, 0, num_bytes)
+    if len(piece) == num_bytes:
+        with warnings.catch_warnings():  # read-only memory: scatters and checksums only read it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(piece, dtype=torch.uint8)
+    await _fill(buffer, num_bytes, piece, pieces, chunk)
+    return buffer
+
+
+async def _next_piece(pieces: AsyncIterator[memoryview], chunk: Chunk, filled: int, num_bytes: int) -> memoryview:
+    try:
+        return await anext(pieces)
+    except StopAsyncIteration:
+        raise InvalidArgument(f"block stream ended in chunk {chunk.index} after {filled} of {num_bytes} "
+                              "bytes; the sender stopped early") from None
+
+
+async def _fill(buffer: torch.Tensor, num_bytes: int, piece: memoryview, pieces: AsyncIterator[memoryview],
+                chunk: Chunk) -> None:
     target = as_bytes(buffer[:num_bytes].view(1, 1, -1)).reshape(-1)
     filled = 0
-    while filled < num_bytes:
-        try:
-            piece = await anext(pieces)
-        except StopAsyncIteration:
-            raise InvalidArgument(f"block stream ended in chunk {chunk.index} after {filled} of {num_bytes} "
-                                  "bytes; the sender stopped early") from None
+    while True:
         if filled + len(piece) > num_bytes:
             raise InvalidArgument(f"block stream piece of {len(piece)} bytes overruns chunk {chunk.index} "
                                   f"({num_bytes - filled} bytes left); pieces must not span chunks")
         target[filled:filled + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
         filled += len(piece)
+        if filled == num_bytes:
+            return
+        piece = await _next_piece(pieces, chunk, filled, num_bytes)
 
 
 async def _expect_end(pieces: AsyncIterator[bytes]) -> None:

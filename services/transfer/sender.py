@@ -1,8 +1,10 @@
 """The source side of Transfer: validate, then move the blocks with the requested backend.
 
 * SHM: both instances are mapped here; one direct copy on the copy thread, no staging.
-* GRPC: gather ahead into the slot's two buffers and stream each chunk to the peer's
-  ReceiveBlocks.
+* GRPC: one ReceiveBlocks message per chunk (chunks no bigger than the peer link's
+  piece size); the next message is built on the copy thread while the current one is
+  sent, gathered straight from the KV memory into the message bytes (one copy; a CUDA
+  source goes through the slot's staging buffers).
 * GLOO / NCCL: open (once) the pair channel to the peer, ask it to ExpectBlocks, and
   send each gathered chunk on the channel while it receives and scatters.
 
@@ -23,10 +25,11 @@ import structlog
 import torch
 
 from services.common.errors import Aborted, FailedPrecondition, FerryError, Unavailable
-from services.transfer.block_copy import copy_blocks, gather_chunk, staged_view
+from services.transfer.block_copy import as_bytes, chunk_parts, copy_blocks, gather_chunk, staged_view
 from services.transfer.channels import ChannelTable, PairChannel
 from services.transfer.checksum import block_checksums
 from services.transfer.chunk_plan import Chunk, ChunkPlan, check_block_ids, check_compatible
+from services.transfer.convert import encode_data_message
 from services.transfer.deadline import Deadline
 from services.transfer.domain import BlockTransfer, IncomingBlocks, TransferBackend, TransferId, TransferResult
 from services.transfer.kv_mappings import KvMappings
@@ -106,7 +109,10 @@ class BlockSender:
         rows, geometry = self._mappings.rows(request.src_instance_id)
         check_block_ids(request.src_block_ids, geometry.num_blocks, "src_block_ids", is_unique=False)
         check_block_ids(request.dst_block_ids, 2**31, "dst_block_ids", is_unique=True)
-        plan = ChunkPlan.for_staging(geometry, request.num_blocks, self._staging.buffer_bytes)
+        chunk_bytes = self._staging.buffer_bytes
+        if request.backend is TransferBackend.GRPC:  # one message per chunk
+            chunk_bytes = min(chunk_bytes, self._peers(request.dst_transfer_address).piece_bytes)
+        plan = ChunkPlan.for_staging(geometry, request.num_blocks, chunk_bytes)
         checksums = ()
         if request.is_checksum_verified:
             checksums = await run_in_thread(self._copy_executor, block_checksums, rows, request.src_block_ids)
@@ -121,13 +127,27 @@ class BlockSender:
             return gather_chunk(source.rows, source.block_ids, chunk, staged_view(buffer, source.plan, chunk, dtype))
         return GatherAhead(source.plan, slot, gather, self._copy_executor)
 
+    def _encode_ahead(self, source: SourceBlocks, slot: StagingSlot) -> GatherAhead:
+        """`GatherAhead` whose items are ready ReceiveBlocks data messages, one per chunk."""
+        if source.rows.device.type != "cpu":
+            def encode_staged(chunk: Chunk, buffer: torch.Tensor) -> bytes:
+                staged = gather_chunk(source.rows, source.block_ids, chunk,
+                                      staged_view(buffer, source.plan, chunk, source.rows.dtype))
+                return encode_data_message(as_bytes(staged.cpu()))
+            return GatherAhead(source.plan, slot, encode_staged, self._copy_executor)
+        rows, block_ids = as_bytes(source.rows), tuple(source.block_ids.tolist())
+
+        def encode(chunk: Chunk, _buffer: torch.Tensor) -> bytes:
+            return encode_data_message(*chunk_parts(rows, block_ids, chunk))
+        return GatherAhead(source.plan, slot, encode, self._copy_executor)
+
     async def _stream(self, request: BlockTransfer, source: SourceBlocks, slot: StagingSlot, deadline: Deadline) -> None:
-        chunks = self._gather_ahead(source, slot)
+        messages = self._encode_ahead(source, slot)
         try:
             await self._peers(request.dst_transfer_address).receive_blocks(
-                source.header, _chunk_bytes(chunks), deadline.remaining_s())
+                source.header, _messages(messages), deadline.remaining_s())
         finally:
-            await chunks.close()
+            await messages.close()
 
     async def _send_on_channel(self, request: BlockTransfer, source: SourceBlocks, slot: StagingSlot,
                                deadline: Deadline) -> None:
@@ -173,10 +193,9 @@ class BlockSender:
             await chunks.close()
 
 
-async def _chunk_bytes(chunks: GatherAhead) -> AsyncIterator[memoryview]:
-    """Each staged chunk as a flat byte view (valid until the next one is asked for)."""
-    async for _chunk, staged in chunks:
-        yield memoryview(staged.view(torch.uint8).numpy()).cast("B")
+async def _messages(messages: GatherAhead) -> AsyncIterator[bytes]:
+    async for _chunk, message in messages:
+        yield message
 
 
 def _send_checked(channel: PairChannel, data: torch.Tensor, tag: int, timeout_s: float) -> None:

@@ -13,8 +13,8 @@ from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
 from services.transfer.metrics import observed_transfer
 from services.transfer.channels import ChannelTable
-from services.transfer.convert import (backend_from_proto, backend_to_proto, geometry_from_proto, header_from_proto,
-                                       result_to_proto, transfer_from_proto)
+from services.transfer.convert import (backend_from_proto, backend_to_proto, decode_receive_blocks_message,
+                                       geometry_from_proto, header_from_proto, result_to_proto, transfer_from_proto)
 from services.transfer.domain import InstanceId, TransferBackend
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.receiver import BlockReceiver
@@ -55,6 +55,8 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
 
     async def UnmapInstance(self, request: transfer_pb2.UnmapInstanceRequest,
                             context: grpc.aio.ServicerContext) -> transfer_pb2.UnmapInstanceResponse:
+        if not request.instance_id:
+            raise InvalidArgument("instance_id: required")
         was_mapped = self.node.mappings.unmap(InstanceId(request.instance_id))
         if was_mapped:
             await self.node.on_mappings_changed()
@@ -68,10 +70,11 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             moved.append(result.num_bytes)
         return result_to_proto(result)
 
-    async def ReceiveBlocks(self, request_iterator: AsyncIterator[transfer_pb2.ReceiveBlocksRequest],
+    async def ReceiveBlocks(self, request_iterator: AsyncIterator[transfer_pb2.ReceiveBlocksRequest | memoryview],
                             context: grpc.aio.ServicerContext) -> transfer_pb2.ReceiveBlocksResponse:
+        """Registered by `add_transfer_servicer`: data messages arrive as views of their bytes."""
         first = await anext(aiter(request_iterator), None)
-        if first is None or not first.HasField("header"):
+        if not isinstance(first, transfer_pb2.ReceiveBlocksRequest) or not first.HasField("header"):
             raise InvalidArgument("ReceiveBlocks: the first message must carry the header")
         header = header_from_proto(first.header)
         num_bytes = await self.node.receiver.receive_pieces(header, _data(request_iterator), self._timeout_s(context))
@@ -81,6 +84,9 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
                           context: grpc.aio.ServicerContext) -> transfer_pb2.OpenChannelResponse:
         if not request.peer_transfer_id or not request.store_address:
             raise InvalidArgument("peer_transfer_id and store_address: both required")
+        _check_host_port("store_address", request.store_address)
+        if request.rank not in (0, 1):
+            raise InvalidArgument(f"rank: must be 0 or 1 (a pair group), got {request.rank}")
         await self.node.channels.accept(request.peer_transfer_id, backend_from_proto(request.backend),
                                         request.store_address, request.rank)
         return transfer_pb2.OpenChannelResponse()
@@ -104,8 +110,34 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         return self.node.max_timeout_s if remaining is None else min(remaining, self.node.max_timeout_s)
 
 
-async def _data(request_iterator: AsyncIterator[transfer_pb2.ReceiveBlocksRequest]) -> AsyncIterator[bytes]:
+def add_transfer_servicer(servicer: TransferServicer, server: grpc.aio.Server) -> None:
+    """`add_TransferServiceServicer_to_server`, except that ReceiveBlocks decodes its data
+    messages as views of the received bytes (no protobuf parse, no copy)."""
+    service = transfer_pb2.DESCRIPTOR.services_by_name["TransferService"]
+    handlers = {}
+    for method in service.methods:
+        request_type = getattr(transfer_pb2, method.input_type.name)
+        response_type = getattr(transfer_pb2, method.output_type.name)
+        deserialize = decode_receive_blocks_message if method.name == "ReceiveBlocks" else request_type.FromString
+        handler = grpc.stream_unary_rpc_method_handler if method.client_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = handler(getattr(servicer, method.name), request_deserializer=deserialize,
+                                        response_serializer=response_type.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _check_host_port(name: str, address: str) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"{name}: expected host:port, got {address[:80]!r}")
+
+
+async def _data(request_iterator: AsyncIterator[transfer_pb2.ReceiveBlocksRequest | memoryview]
+                ) -> AsyncIterator[memoryview]:
     async for message in request_iterator:
-        if not message.HasField("data"):
+        if isinstance(message, memoryview):
+            yield message
+        elif message.HasField("data"):  # encoded by another client, with extra fields
+            yield memoryview(message.data)
+        else:
             raise InvalidArgument("ReceiveBlocks: only the first message may carry a header")
-        yield message.data

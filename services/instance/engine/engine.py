@@ -13,6 +13,7 @@ Live migration (DESIGN.md "Live migration"), all between two steps:
 
     source:       pick_for_migration → migration_blocks (copy full blocks while it decodes)
                   → suspend → export_state → release (moved) | resume (migration failed)
+    PD hand-off:  hold (parked right after its first token) → suspend_held → export_state → release | resume
     destination:  reserve_blocks (grows) → import_request | free_reservation
 """
 
@@ -32,6 +33,7 @@ from services.instance.engine.migration_state import (
     MigrationSelection,
     RequestState,
     export_state,
+    is_prefill_done,
     migration_blocks,
     pick_request,
 )
@@ -87,6 +89,7 @@ class LoadSnapshot:
     num_total_blocks: int
     num_blocks_needed_by_waiting: int
     freeness: float  # (free - needed by waiting) / (running + 1)
+    num_decoding: int = 0  # running requests past their prefill (at least one output token): PD hand-off candidates
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +170,11 @@ class LLMEngine:
         request = pick_request(self._requests.values(), selection, exclude)
         return None if request is None else request.request_id
 
+    def decoding_request_ids(self) -> list[RequestId]:
+        """Running requests past their prefill, oldest first (what a PREFILL instance hands to decode instances)."""
+        decoding = sorted((r for r in self.scheduler.running if is_prefill_done(r)), key=lambda r: r.arrival_order)
+        return [r.request_id for r in decoding]
+
     def migration_blocks(self, request_id: str) -> MigrationBlocks:
         """Where the request's K/V are now; NotFound once it finished or was aborted."""
         return migration_blocks(self._request(request_id), self.config.block_size, self.config.max_model_len)
@@ -178,6 +186,21 @@ class LLMEngine:
             raise FailedPrecondition(f"request {request_id} is already migrating; wait for that migration to end")
         self.scheduler.suspend(request)
         return self.migration_blocks(request_id)
+
+    def hold(self, request_id: str) -> bool:
+        """Park a decoding request (suspended, blocks kept) until its PD hand-off takes it; False if it is not
+        decoding now (finished, aborted, preempted). `resume` puts it back if the hand-off cannot happen."""
+        request = self._requests.get(RequestId(request_id))
+        if request is None or not is_prefill_done(request):
+            return False
+        self.scheduler.suspend(request)
+        return True
+
+    def suspend_held(self, request_id: str) -> MigrationBlocks:
+        """`suspend`, or nothing if the request is held already (the PD hand-off's one stop-and-copy stage)."""
+        if self._request(request_id).status is RequestStatus.SUSPENDED:
+            return self.migration_blocks(request_id)
+        return self.suspend(request_id)
 
     def export_state(self, request_id: str) -> RequestState:
         """The suspended request's state for its next owner (epoch + 1)."""
@@ -332,6 +355,7 @@ class LLMEngine:
             num_running=num_running, num_waiting=len(self.scheduler.waiting), num_free_blocks=num_free,
             num_total_blocks=self.block_manager.num_blocks, num_blocks_needed_by_waiting=num_needed,
             freeness=(num_free - num_needed) / (num_running + 1),
+            num_decoding=sum(is_prefill_done(r) for r in self.scheduler.running),
         )  # fmt: skip
 
     def list_requests(self) -> list[RequestSnapshot]:

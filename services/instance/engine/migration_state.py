@@ -25,6 +25,7 @@ class MigrationSelection(enum.Enum):
     SHORTEST_RUNNING = "shortest_running"  # fewest tokens (prompt + output): cheapest to move
     LONGEST_RUNNING = "longest_running"  # most tokens: frees the most blocks
     LAST_COME_FIRST = "last_come_first"  # the latest admitted
+    PREFILL_DONE = "prefill_done"  # only decoding requests, oldest first: the PD hand-off to a decode instance
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,18 +82,23 @@ def export_state(request: Request) -> RequestState:
     )  # fmt: skip
 
 
-def is_movable(request: Request) -> bool:
-    """Decoding (prompt computed, at least one output token) or still waiting."""
-    if request.status is RequestStatus.WAITING:
-        return True
+def is_prefill_done(request: Request) -> bool:
+    """Decoding: running, prompt computed, at least one output token."""
     return (request.status is RequestStatus.RUNNING and request.num_output_tokens >= 1
             and request.num_uncomputed_tokens <= 1)
+
+
+def is_movable(request: Request) -> bool:
+    """Decoding (prompt computed, at least one output token) or still waiting."""
+    return request.status is RequestStatus.WAITING or is_prefill_done(request)
 
 
 def pick_request(requests: Iterable[Request], selection: MigrationSelection,
                  exclude: frozenset[str] = frozenset()) -> Request | None:
     """The request `selection` moves: among decoding ones first, waiting ones only if none decodes."""
     movable = [r for r in requests if r.request_id not in exclude and is_movable(r)]
+    if selection is MigrationSelection.PREFILL_DONE:  # never a waiting one: it would prefill on the destination
+        return min((r for r in movable if is_prefill_done(r)), key=lambda r: r.arrival_order, default=None)
     running = [r for r in movable if r.status is RequestStatus.RUNNING]
     candidates = running or movable
     if not candidates:

@@ -33,6 +33,13 @@ TINY_SHAPES: dict[str, LlamaShape] = {
         hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
         rope_theta=10000.0, tie_word_embeddings=False, **_COMMON,
     ),
+    # Long context and a KV cache big enough that copying all of it shows (4 KiB a token in
+    # float32): the migration downtime benchmark runs sequences of up to 8192 tokens.
+    "long-context": LlamaShape(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        rope_theta=500000.0, tie_word_embeddings=True, vocab_size=TINY_VOCAB_SIZE, max_position_embeddings=16384,
+        rms_norm_eps=1e-5,
+    ),
 }  # fmt: skip
 TINY_IDS = SpecialTokenIds(bos_token_id=0, eos_token_id=0, pad_token_id=0)  # all <|endoftext|>
 EMBEDDING_STD = 0.3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -125,3 +126,22 @@ async def test_chunks_of_an_older_epoch_are_dropped():
     state = make_state()
     await runner.run(state, make_spec())
     assert state.token_ids == [4, 5]
+
+
+async def test_an_unseeded_sampled_request_keeps_one_seed_across_a_resume():
+    scripts = {"a": ([chunk(0, 4)], Unavailable("instance a died")),
+               "b": ([chunk(1, 5, finish=FinishReason.STOP)], None)}
+    runner, instances, _ = make_runner(scripts, "a", "b")
+    sampled = replace(make_spec(), sampling=replace(make_spec().sampling, temperature=0.8, seed=None))
+    await runner.run(make_state(), sampled)
+    seeds = [s.sampling.seed for _, s in instances.specs]
+    assert len(seeds) == 2 and seeds[0] is not None and seeds[0] == seeds[1]
+
+
+async def test_a_client_seed_and_greedy_requests_are_left_alone():
+    scripts = {"a": ([chunk(0, 4, finish=FinishReason.STOP)], None)}
+    runner, instances, _ = make_runner(scripts, "a")
+    seeded = replace(make_spec(), sampling=replace(make_spec().sampling, temperature=0.8, seed=7))
+    await runner.run(make_state(), seeded)
+    await runner.run(make_state(), make_spec())
+    assert [s.sampling.seed for _, s in instances.specs] == [7, None]

@@ -104,13 +104,14 @@ def test_start_leading_restarts_the_grace():
     assert view.state_of(InstanceId("a")) is InstanceState.SERVING
 
 
-def test_exclude_and_decode_only_are_skipped():
+def test_exclude_and_decode_only_are_skipped_while_a_prefill_instance_serves():
     view = make_view("a", "b", "c")
     view.put_member(make_record("c", role=Role.DECODE))
     dispatcher = Dispatcher(view, leading(), "flood")
-    assert dispatcher.dispatch(ask(exclude=("a",))).instance_id == "b"
-    with pytest.raises(Unavailable, match=r"1 decode-only, 2 excluded by the caller"):
-        dispatcher.dispatch(ask(exclude=("a", "b")))
+    placement = dispatcher.dispatch(ask(exclude=("a",)))
+    assert placement.instance_id == "b" and not placement.can_prefill_on_decode
+    with pytest.raises(Unavailable, match=r"3 excluded by the caller"):
+        dispatcher.dispatch(ask(exclude=("a", "b", "c")))
 
 
 def test_standby_without_a_known_leader_says_so():

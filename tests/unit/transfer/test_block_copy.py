@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from services.transfer.block_copy import (block_runs, copy_blocks, gather_chunk, paired_runs, scatter_chunk,
-                                          staged_view)
+from services.transfer.block_copy import (as_bytes, block_runs, chunk_parts, copy_blocks, gather_chunk, paired_runs,
+                                          scatter_chunk, staged_view)
 from services.transfer.chunk_plan import ChunkPlan
 from tests.unit.transfer.factories import random_kv, rows_of, tiny_geometry
 
@@ -29,6 +29,19 @@ def test_gather_then_scatter_moves_blocks_bit_exactly(dtype, staging_rows):
         assert staged.data_ptr() == buffer.data_ptr()  # gathered in place, no fresh allocation
         scatter_chunk(rows_of(dst), DST_IDS, chunk, staged)
     assert torch.equal(dst.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("staging_rows", [1000, 8, 1, 3])
+def test_joined_chunk_parts_are_the_staged_bytes(staging_rows):
+    geometry = tiny_geometry(dtype=torch.bfloat16)
+    staging_bytes = staging_rows * geometry.bytes_per_block // 4
+    src = random_kv(geometry, seed=5)
+    plan = ChunkPlan.for_staging(geometry, len(SRC_IDS), staging_bytes)
+    buffer = torch.zeros(staging_bytes, dtype=torch.uint8)
+    for chunk in plan.chunks():
+        staged = gather_chunk(rows_of(src), torch.tensor(SRC_IDS), chunk, staged_view(buffer, plan, chunk, src.dtype))
+        joined = b"".join(chunk_parts(as_bytes(rows_of(src)), SRC_IDS, chunk))
+        assert joined == as_bytes(staged).tobytes()
 
 
 def test_direct_copy_moves_blocks_and_leaves_the_rest():

@@ -80,8 +80,21 @@ async def test_staging_slots_are_bounded():
 
 def test_pre_encoded_data_messages_parse_as_the_proto():
     from services.common.gen.ferry.v1 import transfer_pb2
-    from services.transfer.client import encode_data_message
+    from services.transfer.convert import encode_data_message
     for size in (0, 1, 127, 128, 300, 1 << 20):
         data = bytes(range(256)) * (size // 256) + bytes(size % 256)
         message = transfer_pb2.ReceiveBlocksRequest.FromString(encode_data_message(memoryview(data)))
         assert message.WhichOneof("part") == "data" and message.data == data
+
+
+def test_data_messages_decode_as_views_and_the_header_as_the_proto():
+    from services.common.gen.ferry.v1 import transfer_pb2
+    from services.transfer.convert import decode_receive_blocks_message, encode_data_message
+    data = bytes(range(256)) * 1000
+    decoded = decode_receive_blocks_message(encode_data_message(memoryview(data[:100]), data[100:]))
+    assert isinstance(decoded, memoryview) and decoded == data
+    header = transfer_pb2.ReceiveBlocksRequest(header=transfer_pb2.BlocksHeader(dst_instance_id="b", blocks_per_chunk=2))
+    decoded = decode_receive_blocks_message(header.SerializeToString())
+    assert decoded == header
+    with_extra = transfer_pb2.ReceiveBlocksRequest(data=b"abc").SerializeToString() + bytes([1 << 3 | 0, 7])  # unknown
+    assert decode_receive_blocks_message(with_extra).data == b"abc"  # parsed, not sliced: the length does not match

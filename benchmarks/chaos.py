@@ -1,0 +1,59 @@
+"""Chaos for a while: a seeded streaming workload for --duration seconds while instances, the
+leader manager and the transfer service are SIGKILLed and restarted at random (seeded)
+points, with live migration on (tests/e2e/chaos.py; tests/e2e/test_chaos.py is the short form).
+
+Prints one line, e.g.
+
+    requests=812 lost=0 duplicated=0 corrupted=0 resumes=57 migrations=140 killed_instance=9 ...
+
+and exits 1 unless lost, duplicated and corrupted are all 0 and the survivors' KV blocks
+are all free again at the end.
+
+    python benchmarks/chaos.py --duration 600 --seed 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import pathlib
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.instance.models.tiny import build_tiny_model  # noqa: E402
+from tests.e2e.chaos import ChaosConfig, ChaosRun  # noqa: E402
+from tests.e2e.fault_cluster import FaultCluster, Reference  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=300.0, help="seconds the workload keeps sending requests")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the workload and the faults")
+    parser.add_argument("--instances", type=int, default=3, help="instances (2 managers, 1 transfer service)")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    parser.add_argument("--model", type=pathlib.Path, default=None, help="model folder (default: a tiny random model)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    config = ChaosConfig(seed=args.seed, duration_s=args.duration, concurrency=args.concurrency)
+    with tempfile.TemporaryDirectory(prefix="ferry-chaos-") as tmp:
+        model = args.model or build_tiny_model(pathlib.Path(tmp) / "tiny", "gqa-tied", seed=0)
+        reference = Reference(model)
+        try:
+            with FaultCluster(model, pathlib.Path(tmp) / "state", num_instances=args.instances).running() as cluster:
+                result = asyncio.run(ChaosRun(cluster, reference, config).run())
+        finally:
+            reference.close()
+    print(result.line())
+    for failure in result.failures[:20]:
+        print(failure, file=sys.stderr)
+    sys.exit(1 if result.lost or result.duplicated or result.corrupted else 0)
+
+
+if __name__ == "__main__":
+    main()

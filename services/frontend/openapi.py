@@ -1,0 +1,161 @@
+"""The frontend's OpenAPI 3.0 description, served at GET /openapi.json.
+
+Hand-written to match `openai_protocol` (the validation) and `openai_response` (the
+bodies): each request field with its type and range, each status the server can answer.
+tests/integration/test_frontend_fuzz.py fuzzes the running server against it
+(schemathesis), so a field added to the protocol without a line here shows up there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.frontend.openai_protocol import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+
+_INT32_MAX = (1 << 31) - 1
+_JSON = "application/json"
+
+
+def openapi_schema(model_name: str, max_model_len: int, max_body_bytes: int, has_api_keys: bool) -> dict[str, Any]:
+    generation_errors = _errors(400, 401, 404, 413, 408, 429, 503) if has_api_keys else _errors(400, 404, 413, 408,
+                                                                                                  429, 503)
+    schema: dict[str, Any] = {
+        "openapi": "3.0.3",
+        "info": {"title": "ferry OpenAI-compatible API", "version": "1",
+                 "description": f"Serves {model_name!r}: at most {max_model_len} tokens of prompt and output "
+                                f"together; request bodies of at most {max_body_bytes} bytes."},
+        "paths": {
+            "/v1/completions": {"post": _generation("createCompletion", "CompletionRequest", "Completion",
+                                                    generation_errors)},
+            "/v1/chat/completions": {"post": _generation("createChatCompletion", "ChatCompletionRequest",
+                                                         "ChatCompletion", generation_errors)},
+            "/v1/models": {"get": {"operationId": "listModels", "responses": {
+                "200": _json_response("the served model", {"$ref": "#/components/schemas/ModelList"}),
+                **(_errors(401) if has_api_keys else {})}}},
+            "/health": {"get": {"operationId": "health", "security": [], "responses": {
+                "200": _json_response("serving", {"$ref": "#/components/schemas/Health"}),
+                "503": _json_response("no instance serves, or shutting down", {"$ref": "#/components/schemas/Health"})}}},
+            "/metrics": {"get": {"operationId": "metrics", "security": [], "responses": {
+                "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/openapi.json": {"get": {"operationId": "openapi", "security": [], "responses": {
+                "200": _json_response("this document", {"type": "object"})}}},
+        },
+        "components": {"schemas": _schemas(model_name, max_model_len)},
+    }
+    if has_api_keys:
+        schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+        schema["security"] = [{"apiKey": []}]
+    return schema
+
+
+def _generation(operation_id: str, request: str, response: str, errors: dict) -> dict[str, Any]:
+    return {
+        "operationId": operation_id,
+        "requestBody": {"required": True, "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{request}"}}}},
+        "responses": {
+            "200": {"description": "the result (JSON), or with stream=true server-sent events ending in [DONE]",
+                    "headers": {"x-request-id": {"schema": {"type": "string"}}},
+                    "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{response}"}},
+                                "text/event-stream": {"schema": _SSE_EVENT}}},
+            **errors,
+        },
+    }
+
+
+_SSE_EVENT = {"type": "object", "description": "one server-sent event: `data:` is a JSON chunk, the last is [DONE]",
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+_ERROR_DESCRIPTIONS = {400: "invalid request (the message names the field)", 401: "missing or wrong API key",
+                       404: "no such route", 405: "method not allowed", 408: "the body arrived too slowly",
+                       413: "body larger than --max-body-bytes", 429: "too many requests in flight",
+                       503: "no instance can serve, or shutting down"}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {str(s): _json_response(_ERROR_DESCRIPTIONS[s], {"$ref": "#/components/schemas/Error"}) for s in statuses}
+
+
+def _json_response(description: str, schema: dict) -> dict[str, Any]:
+    return {"description": description, "content": {_JSON: {"schema": schema}}}
+
+
+def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
+    integer = {"type": "integer"}
+    token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    stop = {"oneOf": [{"type": "string", "minLength": 1},
+                      {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS}],
+            "nullable": True}
+    common = {
+        "model": {"type": "string", "enum": [model_name], "description": "the served model (default: it)"},
+        "max_tokens": {**integer, "minimum": 1, "maximum": max_model_len, "nullable": True},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
+        "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "nullable": True},
+        "top_k": {**integer, "minimum": -1, "maximum": _INT32_MAX, "nullable": True,
+                  "description": "-1 or 0: off"},
+        "seed": {**integer, "minimum": -(1 << 63), "maximum": (1 << 64) - 1, "nullable": True},
+        "stop": stop,
+        "stream": {"type": "boolean", "nullable": True},
+        "stream_options": {"type": "object", "nullable": True, "description": "only with stream=true",
+                           "properties": {"include_usage": {"type": "boolean", "nullable": True}}},
+        "n": {**integer, "enum": [1], "nullable": True},
+        "presence_penalty": {"type": "number", "enum": [0], "nullable": True},
+        "frequency_penalty": {"type": "number", "enum": [0], "nullable": True},
+        "ignore_eos": {"type": "boolean", "nullable": True, "description": "ferry: keep going past end-of-sequence"},
+        "return_token_ids": {"type": "boolean", "nullable": True, "description": "ferry: choices carry token_ids"},
+        "priority": {**integer, "minimum": -_INT32_MAX, "maximum": _INT32_MAX, "nullable": True,
+                     "description": "ferry: higher runs first when the KV cache is short"},
+    }
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}],
+            "nullable": True, "description": "required except for assistant messages"},
+        "name": {"type": "string"}}}
+    usage = {"type": "object", "properties": {name: integer for name in
+                                              ("prompt_tokens", "completion_tokens", "total_tokens")}}
+    return {
+        "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
+            **common,
+            "prompt": {"oneOf": [{"type": "string", "minLength": 1}, token_ids,
+                                 {"type": "array", "minItems": 1, "maxItems": 1,
+                                  "items": {"oneOf": [{"type": "string", "minLength": 1}, token_ids]}}],
+                       "description": "text, token ids, or a batch of exactly one of those"},
+            "logprobs": {**integer, "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "nullable": True},
+            "echo": {"type": "boolean", "enum": [False], "nullable": True},
+            "best_of": {**integer, "enum": [1], "nullable": True},
+        }},
+        "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
+            **common,
+            "messages": {"type": "array", "minItems": 1, "items": message},
+            "max_completion_tokens": {**integer, "minimum": 1, "maximum": max_model_len, "nullable": True},
+            "logprobs": {"type": "boolean", "nullable": True},
+            "top_logprobs": {**integer, "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "nullable": True,
+                             "description": "needs logprobs=true"},
+        }},
+        "Completion": {"type": "object", "required": ["id", "object", "choices"], "properties": {
+            "id": {"type": "string"}, "object": {"type": "string", "enum": ["text_completion"]},
+            "created": integer, "model": {"type": "string"}, "usage": usage,
+            "choices": {"type": "array", "items": {"type": "object", "properties": {
+                "index": integer, "text": {"type": "string"}, "finish_reason": {"type": "string", "nullable": True},
+                "token_ids": {"type": "array", "items": integer}}}}}},
+        "ChatCompletion": {"type": "object", "required": ["id", "object", "choices"], "properties": {
+            "id": {"type": "string"}, "object": {"type": "string", "enum": ["chat.completion"]},
+            "created": integer, "model": {"type": "string"}, "usage": usage,
+            "choices": {"type": "array", "items": {"type": "object", "properties": {
+                "index": integer, "finish_reason": {"type": "string", "nullable": True},
+                "message": {"type": "object", "properties": {"role": {"type": "string"},
+                                                             "content": {"type": "string", "nullable": True}}},
+                "token_ids": {"type": "array", "items": integer}}}}}},
+        "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
+            "object": {"type": "string", "enum": ["list"]},
+            "data": {"type": "array", "items": {"type": "object", "required": ["id"], "properties": {
+                "id": {"type": "string"}, "object": {"type": "string"}, "created": integer,
+                "owned_by": {"type": "string"}, "max_model_len": integer}}}}},
+        "Health": {"type": "object", "required": ["status"], "properties": {
+            "status": {"type": "string", "enum": ["ok", "no_instances", "stopping"]}, "num_instances": integer}},
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type"], "properties": {
+                "message": {"type": "string", "minLength": 1}, "type": {"type": "string"},
+                "param": {"type": "string", "nullable": True},
+                "code": {"oneOf": [{"type": "string"}, {"type": "integer"}], "nullable": True}}}}},
+    }

@@ -1,0 +1,64 @@
+"""Typed async client of the leader manager's PD calls (ManagerService/PlaceDecode, ReportMigration).
+
+The leader's address comes from the etcd leader view; one channel, re-dialled when the
+leader changes. Every call has a deadline; failures come back as ferry errors (no leader,
+a leader that is down or misses the deadline: Unavailable).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from services.common.election import LeaderView
+from services.common.errors import Unavailable, error_from_rpc
+from services.common.gen.ferry.v1 import manager_pb2, manager_pb2_grpc
+from services.common.grpc_server import secure_or_insecure_channel
+from services.common.tls import TlsConfig
+from services.common.logging import request_metadata
+from services.instance.migration import MigrationResult
+from services.instance.pd_handoff import DecodePlace
+
+
+class ManagerLink:
+    def __init__(self, leader_view: LeaderView, timeout_s: float, tls: TlsConfig | None = None) -> None:
+        self._leader_view = leader_view
+        self._tls = tls
+        self._timeout_s = timeout_s
+        self._address = ""
+        self._channel: grpc.aio.Channel | None = None
+
+    async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int) -> DecodePlace:
+        request = manager_pb2.PlaceDecodeRequest(request_id=request_id, src_instance_id=src_instance_id,
+                                                 num_blocks=num_blocks)
+        reply = await self._call("PlaceDecode", request, request_id)
+        return DecodePlace(reply.instance_id, reply.address)
+
+    async def report_migration(self, result: MigrationResult, started_at: float) -> None:
+        record = manager_pb2.MigrationRecord(
+            request_id=result.request_id, src_instance_id=result.src_instance_id,
+            dst_instance_id=result.dst_instance_id, num_blocks=result.num_blocks, num_bytes=result.num_bytes,
+            num_stages=result.num_stages, backend=result.backend.value, duration_ms=result.duration_ms,
+            downtime_ms=result.downtime_ms, outcome="committed", trigger="pd", started_at=started_at)
+        await self._call("ReportMigration", record, result.request_id)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def _call(self, method: str, request, request_id: str):
+        stub = manager_pb2_grpc.ManagerServiceStub(await self._leader_channel())
+        try:
+            return await getattr(stub, method)(request, timeout=self._timeout_s,
+                                               metadata=request_metadata(request_id) or None)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    async def _leader_channel(self) -> grpc.aio.Channel:
+        leader = self._leader_view.leader
+        if leader is None or not leader.address:
+            raise Unavailable("no leader manager is known (etcd manager/leader is empty); start a manager")
+        if leader.address != self._address:
+            await self.close()
+            self._address, self._channel = leader.address, secure_or_insecure_channel(leader.address, self._tls)
+        return self._channel

@@ -1,0 +1,181 @@
+"""The PD hand-off pushed by a prefill instance: each request moves to a decode instance as
+soon as it has its first token (DESIGN.md "Prefill/decode disaggregation").
+
+Design (`handoff_loop`: --max-concurrent-migrations workers, each one request at a time):
+
+    first token delivered  →  hold it (parked at the next step boundary, blocks kept) and
+    queue it  →  ask the leader for a decode instance (by load)  →  migrate it in one
+    stop-and-copy stage  →  report the migration to the leader
+
+A held request never decodes here, so the prefill instance spends its steps on prefills
+and every request decodes on a decode instance, however long the queue. Nothing is
+dropped on the way: if no decode instance serves (PlaceDecode UNAVAILABLE) or the
+migration fails, the request is resumed and keeps decoding here and the manager's migration loop
+moves it once a decode instance is back (it counts in the load report's `num_prefilled`).
+With `--pd-handoff manager` this module only reports; the manager's loop moves everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from services.common.errors import FerryError, ResourceExhausted
+from services.instance.config import InstanceRole, PdHandoff
+from services.instance.engine.migration_state import MigrationSelection
+from services.instance.migration import MigrateOutPlan, MigrationDriver, MigrationResult
+from services.instance.runner import EngineRunner
+
+log = structlog.get_logger(__name__)
+
+_SLOT_RETRIES = 3  # a hand-off that finds the migration slots busy waits and tries again this often
+_SLOT_RETRY_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlace:
+    """The decode instance a prefilled request moves to (PlaceDecodeResponse)."""
+
+    instance_id: str
+    address: str
+
+
+class DecodePlacer(Protocol):
+    """The leader manager's PD calls (services/instance/manager_client.py: ManagerLink)."""
+
+    async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int) -> DecodePlace: ...
+
+    async def report_migration(self, result: MigrationResult, started_at: float) -> None: ...
+
+
+class DecodeHandoff:
+    def __init__(self, instance_id: str, runner: EngineRunner, migrations: MigrationDriver,
+                 placer: DecodePlacer | None, mode: PdHandoff, role: Callable[[], InstanceRole],
+                 num_workers: int = 1) -> None:
+        self._instance_id = instance_id
+        self._num_workers = num_workers
+        self._runner = runner
+        self._migrations = migrations
+        self._placer = placer  # None without etcd: nobody to ask, requests decode here
+        self._mode = mode
+        self._role = role
+        self._queue: asyncio.Queue[str] = asyncio.Queue()
+        self._pending: set[str] = set()  # queued or moving now: not reported as `num_prefilled`
+        self._reports: set[asyncio.Task[None]] = set()
+        self.is_decode_missing = False  # the last PlaceDecode found no decode instance
+        self.num_handed_off = 0
+        self.num_kept_for_lack_of_decode = 0
+
+    @property
+    def is_pushing(self) -> bool:
+        return self._placer is not None and self._mode is PdHandoff.PUSH and self._role() is InstanceRole.PREFILL
+
+    def num_prefilled(self, num_decoding: int) -> int:
+        """Decoding requests waiting for a hand-off nobody runs yet (the manager's loop moves them)."""
+        if self._role() is not InstanceRole.PREFILL:
+            return 0
+        return max(0, num_decoding - len(self._pending | self._migrations.moving))
+
+    def note_prefilled(self, request_id: str) -> None:
+        """The request's first token was delivered (on the event loop): queue its hand-off."""
+        if self.is_pushing and request_id not in self._pending:
+            self._pending.add(request_id)
+            engine = self._runner.engine
+            self._runner.call_soon(lambda: engine.hold(request_id))  # parked: it decodes on the decode instance
+            self._queue.put_nowait(request_id)
+
+    async def move_decoding(self) -> int:
+        """Queue every request decoding here (the role became PREFILL); how many."""
+        request_ids = await self._runner.call(lambda: self._runner.engine.decoding_request_ids())
+        for request_id in request_ids:
+            self.note_prefilled(request_id)
+        return len(request_ids) if self.is_pushing else 0
+
+    async def handoff_loop(self) -> None:
+        """As many hand-offs at once as the migration slots allow (--max-concurrent-migrations)."""
+        async with asyncio.TaskGroup() as workers:
+            for n in range(self._num_workers):
+                workers.create_task(self._worker_loop(), name=f"pd_handoff_worker_{n}")
+
+    async def _worker_loop(self) -> None:
+        while True:
+            request_id = await self._queue.get()
+            try:
+                await self._hand_off(request_id)
+            finally:
+                self._pending.discard(request_id)
+
+    async def close(self) -> None:
+        for task in list(self._reports):
+            task.cancel()
+        await asyncio.gather(*self._reports, return_exceptions=True)
+
+    async def _hand_off(self, request_id: str) -> None:
+        if self._runner.stream(request_id) is None:
+            return  # aborted meanwhile
+        result = await self._try_hand_off(request_id) if self.is_pushing else None
+        if result is None:  # it decodes here after all (the manager's loop moves it once it can)
+            await self._runner.call(lambda: self._runner.engine.resume(request_id))
+
+    async def _try_hand_off(self, request_id: str) -> MigrationResult | None:
+        started_at = time.time()
+        try:
+            place = await self._placer.place_decode(request_id, self._instance_id, 0)
+        except FerryError as exc:
+            self._note_decode_missing(request_id, exc)
+            return None
+        self._note_decode_back()
+        plan = MigrateOutPlan(request_id=request_id, dst_instance_id=place.instance_id, dst_address=place.address,
+                              dst_transfer_address="", backend=None, selection=MigrationSelection.PREFILL_DONE,
+                              max_stages=0)
+        result = await self._migrate(plan)
+        if result is not None:
+            self.num_handed_off += 1
+            self._report(result, started_at)
+        return result
+
+    async def _migrate(self, plan: MigrateOutPlan) -> MigrationResult | None:
+        for attempt in range(_SLOT_RETRIES + 1):
+            try:
+                return await self._migrations.migrate_out(plan)
+            except ResourceExhausted as exc:  # our slots (or the destination's) are busy: wait a little
+                if attempt == _SLOT_RETRIES:
+                    self._log_failed(plan, exc)
+                else:
+                    await asyncio.sleep(_SLOT_RETRY_S * (attempt + 1))
+            except FerryError as exc:
+                self._log_failed(plan, exc)
+                return None
+        return None
+
+    def _log_failed(self, plan: MigrateOutPlan, exc: FerryError) -> None:
+        log.info("pd_handoff_failed", request_id=plan.request_id, dst_instance_id=plan.dst_instance_id,
+                 code=exc.grpc_code.name, reason=exc.message)  # it decodes here; the manager's loop retries it
+
+    def _note_decode_missing(self, request_id: str, exc: FerryError) -> None:
+        self.num_kept_for_lack_of_decode += 1
+        if not self.is_decode_missing:
+            self.is_decode_missing = True
+            log.warning("pd_decode_role_missing", request_id=request_id, code=exc.grpc_code.name, reason=exc.message,
+                        action="prefilled requests keep decoding on this prefill instance")
+
+    def _note_decode_back(self) -> None:
+        if self.is_decode_missing:
+            self.is_decode_missing = False
+            log.info("pd_decode_role_restored", num_kept=self.num_kept_for_lack_of_decode)
+
+    def _report(self, result: MigrationResult, started_at: float) -> None:
+        task = asyncio.create_task(self._report_quietly(result, started_at), name=f"report-{result.request_id}")
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report_quietly(self, result: MigrationResult, started_at: float) -> None:
+        try:
+            await self._placer.report_migration(result, started_at)
+        except FerryError as exc:  # only the history misses it; the request moved
+            log.warning("pd_handoff_report_failed", request_id=result.request_id, reason=exc.message)

@@ -1,0 +1,128 @@
+"""Prefill/decode disaggregation in the manager, without sockets: dispatch by role (and its fallback
+when a role is missing), PlaceDecode, the short-prompt rule, and the PD pairs of the migration loop."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from services.common.errors import Unavailable
+from services.manager import metrics
+from services.manager.cluster_view import ClusterView
+from services.manager.dispatcher import Dispatcher
+from services.manager.domain import DispatchAsk, InstanceId, Load, Role
+from services.manager.leadership import Leadership
+from services.manager.migration import MigrationSelection, MigrationTrigger
+from services.manager.migration_policies import Peer, pair_prefilled
+from services.manager.migrator import Migrator, MigratorLimits
+from tests.unit.manager.factories import FakeClock, make_load, make_record
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def leading() -> Leadership:
+    leadership = Leadership("m-1", "127.0.0.1:1")
+    leadership.is_leader = True
+    return leadership
+
+
+def pd_view(clock: FakeClock | None = None, **roles: Role) -> ClusterView:
+    view = ClusterView(report_timeout_s=3.0, clock=clock or FakeClock())
+    for instance_id, role in roles.items():
+        view.put_member(make_record(instance_id, role=role))
+        view.apply_report(InstanceId(instance_id), make_load())
+    return view
+
+
+def ask(num_prompt_tokens: int = 160, exclude: tuple[str, ...] = ()) -> DispatchAsk:
+    return DispatchAsk("r", num_prompt_tokens=num_prompt_tokens,
+                       exclude_instance_ids=frozenset(InstanceId(i) for i in exclude))
+
+
+def missing(role: Role) -> float:
+    return metrics.PD_ROLE_MISSING.labels(role.value)._value.get()
+
+
+def test_new_requests_go_to_prefill_instances_only():
+    dispatcher = Dispatcher(pd_view(p=Role.PREFILL, d1=Role.DECODE, d2=Role.DECODE), leading(), "round_robin")
+    placements = [dispatcher.dispatch(ask()) for _ in range(4)]
+    assert {p.instance_id for p in placements} == {"p"}
+    assert not any(p.can_prefill_on_decode for p in placements)
+
+
+def test_no_prefill_instance_falls_back_to_decode_instances_and_heals():
+    view = pd_view(p=Role.PREFILL, d=Role.DECODE)
+    dispatcher = Dispatcher(view, leading())
+    before = metrics.PD_ROLE_FALLBACKS.labels("prefill")._value.get()
+    placement = dispatcher.dispatch(ask(exclude=("p",)))  # the prefill instance is gone for this request
+    assert placement.instance_id == "d" and placement.can_prefill_on_decode
+    assert metrics.PD_ROLE_FALLBACKS.labels("prefill")._value.get() == before + 1
+    assert missing(Role.PREFILL) == 1 and dispatcher.role_gaps.is_missing(Role.PREFILL)
+    assert dispatcher.dispatch(ask()).instance_id == "p"  # back: healed
+    assert missing(Role.PREFILL) == 0 and not dispatcher.role_gaps.is_missing(Role.PREFILL)
+
+
+def test_short_prompt_rule_lets_decode_instances_prefill():
+    view = pd_view(p=Role.PREFILL, d=Role.DECODE)
+    view.apply_report(InstanceId("p"), make_load(num_free_blocks=10, num_running=5))  # busy prefill instance
+    off = Dispatcher(view, leading())
+    assert off.dispatch(ask(num_prompt_tokens=8)).instance_id == "p"
+    on = Dispatcher(view, leading(), short_prompt_tokens=32)
+    short = on.dispatch(ask(num_prompt_tokens=8))
+    assert short.instance_id == "d" and short.can_prefill_on_decode
+    assert on.dispatch(ask(num_prompt_tokens=200)).instance_id == "p"
+
+
+def test_place_decode_picks_the_freest_decode_instance_and_reserves_it():
+    view = pd_view(p=Role.PREFILL, d1=Role.DECODE, d2=Role.DECODE, b=Role.BOTH)
+    view.apply_report(InstanceId("d1"), make_load(num_free_blocks=100, num_running=3))
+    dispatcher = Dispatcher(view, leading())
+    first = dispatcher.place_decode("r1", "p", 4)
+    assert first.instance_id == "d2"
+    assert view.load_of(InstanceId("d2")).num_running == 1  # reserved until its next report
+
+
+def test_place_decode_without_decode_instances_is_unavailable_and_counted():
+    view = pd_view(p=Role.PREFILL, q=Role.PREFILL)
+    dispatcher = Dispatcher(view, leading())
+    before = metrics.PD_ROLE_FALLBACKS.labels("decode")._value.get()
+    with pytest.raises(Unavailable, match="no decode instance serves"):
+        dispatcher.place_decode("r1", "p", 4)
+    assert metrics.PD_ROLE_FALLBACKS.labels("decode")._value.get() == before + 1
+    assert missing(Role.DECODE) == 1
+    view.put_member(make_record("d", role=Role.DECODE))
+    assert dispatcher.place_decode("r2", "p", 4).instance_id == "d"
+    assert missing(Role.DECODE) == 0
+
+
+def peer(instance_id: str, role: Role, num_prefilled: int = 0, num_free_blocks: int = 100) -> Peer:
+    load = Load(num_running=num_prefilled, num_free_blocks=num_free_blocks, num_total_blocks=100,
+                num_prefilled=num_prefilled)
+    return Peer(InstanceId(instance_id), f"addr-{instance_id}", role, load, load.freeness, is_draining=False)
+
+
+def test_pair_prefilled_moves_from_prefill_to_the_freest_decode_peers():
+    pairs = pair_prefilled([peer("p1", Role.PREFILL, 2), peer("p2", Role.PREFILL, 1), peer("p3", Role.PREFILL, 0),
+                            peer("d1", Role.DECODE, num_free_blocks=50), peer("d2", Role.DECODE),
+                            peer("b", Role.BOTH)])
+    assert [(p.src.instance_id, p.dst.instance_id, p.trigger) for p in pairs] == [
+        ("p1", "d2", MigrationTrigger.PD), ("p2", "d1", MigrationTrigger.PD)]
+
+
+def test_pair_prefilled_without_decode_peers_keeps_requests_where_they_are():
+    assert pair_prefilled([peer("p1", Role.PREFILL, 3), peer("b", Role.BOTH)]) == []
+
+
+def test_migration_loop_orders_one_stage_hand_offs_of_prefilled_requests():
+    clock = FakeClock()
+    view = ClusterView(report_timeout_s=3.0, clock=clock)
+    for instance_id, role in (("p", Role.PREFILL), ("d", Role.DECODE)):
+        view.put_member(make_record(instance_id, role=role))
+    view.apply_report(InstanceId("p"), dataclasses.replace(make_load(num_running=2, num_free_blocks=900),
+                                                           num_prefilled=2))
+    view.apply_report(InstanceId("d"), make_load())
+    migrator = Migrator(view, leading(), client=None, limits=MigratorLimits(), clock=clock)
+    [order] = migrator.plan()  # the load-balancing loop is off: PD hand-offs run regardless
+    assert (order.src_instance_id, order.dst_instance_id, order.trigger) == ("p", "d", MigrationTrigger.PD)
+    assert order.selection is MigrationSelection.PREFILL_DONE and order.max_stages == 0

@@ -132,7 +132,7 @@ class MigrationInbox:
                           "follow the latest hand-off")
         if stream.is_attached:
             raise FailedPrecondition(f"request {request_id} already has a client attached")
-        stream.is_attached = True
+        self._runner.attach(stream)
         for incoming in [i for i in self._incoming.values() if i.request_id == request_id]:
             self._forget(incoming.migration_id)
         return stream

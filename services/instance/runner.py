@@ -48,6 +48,7 @@ class RequestStream:
     is_finished: bool = False
     is_attached: bool = False  # a client reads it (always for Generate; after Attach for migrated-in requests)
     is_prefilling: bool = False  # prefilled here (Generate) and no output yet: its first output ends the prefill
+    has_unread_finish: bool = False  # finished before a client attached: kept until one does (or the watchdog)
 
     async def __aiter__(self) -> AsyncIterator[StepOutput | Handoff]:
         while not self.is_finished:
@@ -127,6 +128,12 @@ class EngineRunner:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.outputs.put_nowait(handoff)
+
+    def attach(self, stream: RequestStream) -> None:
+        """A client reads `stream` now; one that already finished leaves the table (its outputs are queued)."""
+        stream.is_attached = True
+        if stream.has_unread_finish and self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
 
     def stream(self, request_id: str) -> RequestStream | None:
         return self._streams.get(request_id)
@@ -246,8 +253,11 @@ class EngineRunner:
                 continue  # aborted meanwhile
             stream.outputs.put_nowait(output)
             if output.finish_reason is not None:
-                del self._streams[output.request_id]
                 self.num_requests_served += 1
+                if stream.is_attached:
+                    del self._streams[output.request_id]
+                else:  # migrated in and finished before the client's Attach: Attach must still find it
+                    stream.has_unread_finish = True
             elif stream.is_prefilling and output.new_token_ids:
                 stream.is_prefilling = False
                 if self.on_prefilled is not None:

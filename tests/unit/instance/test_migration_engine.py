@@ -275,3 +275,35 @@ def test_import_checks_the_reservation(make_engine):
     assert a.resume("r")
     harness.finish(a, "r")
     assert_no_blocks_held(a, b)
+
+
+# Prefill/decode disaggregation: a prefill instance holds a request from its first token until the hand-off.
+
+
+def test_prefill_done_picks_only_decoding_requests_oldest_first(make_engine):
+    engine = make_engine()
+    engine.add_request("old", PROMPT, GREEDY)
+    engine.step()  # prefilled: first token
+    engine.add_request("new", PROMPT, GREEDY)  # waiting: never the PD pick (it would prefill on the decode side)
+    assert engine.pick_for_migration(MigrationSelection.PREFILL_DONE) == "old"
+    assert engine.pick_for_migration(MigrationSelection.PREFILL_DONE, frozenset({"old"})) is None
+    assert engine.decoding_request_ids() == ["old"]
+    assert engine.load().num_decoding == 1
+
+
+def test_a_held_request_stops_decoding_keeps_its_blocks_and_resumes_exactly(make_engine):
+    engine, reference = make_engine(), make_engine()
+    expected = reference.generate([PROMPT], GREEDY)[0]
+    engine.add_request("r", PROMPT, GREEDY)
+    tokens = [t for o in engine.step() for t in o.new_token_ids]
+    free_before = engine.block_manager.num_free_blocks
+    assert engine.hold("r") and engine.load().num_decoding == 0
+    assert engine.step() == [] and engine.block_manager.num_free_blocks == free_before  # parked, blocks kept
+    view = engine.suspend_held("r")  # the hand-off's stop-and-copy stage takes it as it is
+    assert view.num_computed_tokens == len(PROMPT)
+    assert engine.export_state("r").output_token_ids == tuple(tokens)
+    assert engine.resume("r")  # no decode instance: it decodes here after all
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    assert tokens == expected
+    assert not engine.hold("r")  # finished: nothing to hold

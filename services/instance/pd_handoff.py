@@ -119,8 +119,8 @@ class DecodeHandoff:
         if self._runner.stream(request_id) is None:
             return  # aborted meanwhile
         result = await self._try_hand_off(request_id) if self.is_pushing else None
-        if result is None:  # it decodes here after all (the manager's loop moves it once it can)
-            await self._runner.call(lambda: self._runner.engine.resume(request_id))
+        if result is None and request_id not in self._migrations.moving:  # (another migration owns it otherwise)
+            await self._runner.call(lambda: self._runner.engine.resume(request_id))  # it decodes here after all
 
     async def _try_hand_off(self, request_id: str) -> MigrationResult | None:
         started_at = time.time()

@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--long-output", type=int, default=96, help="output tokens of a long-decode request")
     parser.add_argument("--decode-fraction", type=float, default=0.3, help="share of long-decode requests")
     parser.add_argument("--short-prompt-tokens", type=int, default=64, help="pd-short: the rule's threshold")
-    parser.add_argument("--launcher-args", default="--kv-cache-mib 128", help="extra flags for services.cluster up")
+    parser.add_argument("--launcher-args", default="--kv-cache-mib 512", help="extra flags for services.cluster up")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench-results" / "pd_compare.json")
     return parser.parse_args()

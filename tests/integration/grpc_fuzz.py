@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf import descriptor as pb_descriptor
 from google.protobuf import message_factory
+from google.protobuf.message import DecodeError
 
 CRASH_CODES = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 _FD = pb_descriptor.FieldDescriptor
@@ -41,6 +42,7 @@ _STRINGS = ("", "x", "a" * 5000, "../../etc/passwd", "\x00\x01", "インスタ�
 class Outcome:
     method: str
     kind: str  # random_bytes | truncated | hostile
+    is_decodable: bool  # whether the bytes parse as the request message at all
     code: grpc.StatusCode
     details: str
 
@@ -136,6 +138,14 @@ async def call_raw(channel: grpc.aio.Channel, method: pb_descriptor.MethodDescri
     return grpc.StatusCode.OK, ""
 
 
+def _parses(request_type, data: bytes) -> bool:
+    try:
+        request_type.FromString(data)
+    except DecodeError:
+        return False
+    return True
+
+
 async def fuzz_service(channel: grpc.aio.Channel, service: pb_descriptor.ServiceDescriptor, rng: random.Random,
                        num_each: int, timeout_s: float = 5.0, skip: Sequence[str] = (),
                        metadata: Sequence[tuple[str, str]] = ()) -> list[Outcome]:
@@ -143,8 +153,9 @@ async def fuzz_service(channel: grpc.aio.Channel, service: pb_descriptor.Service
     for method in service.methods:
         if method.name in skip:
             continue
+        request_type = message_factory.GetMessageClass(method.input_type)
         for kind, data in payloads(method.input_type, rng, num_each):
             code, details = await call_raw(channel, method, data, timeout_s, metadata)
-            outcomes.append(Outcome(f"{service.name}/{method.name}", kind, code, details))
+            outcomes.append(Outcome(f"{service.name}/{method.name}", kind, _parses(request_type, data), code, details))
         await asyncio.sleep(0)
     return outcomes

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import Unavailable
-from services.frontend.dispatch import Dispatcher
+from services.frontend.dispatch import Dispatcher, InstanceEntry
+from services.frontend.etcd_view import instance_entry
 from services.frontend.generation import InstanceId, Target
 
 from tests.unit.frontend.factories import FakeManager, FakeMembership, entry, make_spec
@@ -75,3 +76,20 @@ async def test_nothing_known_is_unavailable_with_a_hint():
     with pytest.raises(Unavailable, match="no serving instance.*--etcd-endpoints"):
         await dispatcher.pick(make_spec())
     assert dispatcher.num_serving() == 0
+
+
+def test_local_fallback_prefers_prefill_capable_instances_and_falls_back_to_decode_ones():
+    decode = InstanceEntry(InstanceId("d"), "addr-d", True, is_decode_only=True)
+    role_fallbacks = []
+    dispatcher = Dispatcher(None, FakeMembership(entry("p"), decode), cooldown_s=5.0,
+                            on_role_fallback=lambda: role_fallbacks.append(1), clock=Clock())
+    picks = [dispatcher.pick_locally() for _ in range(3)]
+    assert {t.instance_id for t in picks} == {"p"} and not any(t.can_prefill_on_decode for t in picks)
+    assert not role_fallbacks
+    target = dispatcher.pick_locally(exclude=[InstanceId("p")])  # no prefill instance left: decode prefills
+    assert target.instance_id == "d" and target.can_prefill_on_decode and role_fallbacks == [1]
+
+
+def test_the_etcd_record_role_marks_decode_only_entries():
+    assert instance_entry("d", {"address": "a:1", "role": "decode"}).is_decode_only
+    assert not instance_entry("b", {"address": "a:2"}).is_decode_only

@@ -208,7 +208,7 @@ async def test_admin_migrate_finds_the_request_and_checks_its_arguments(world):
 
 async def test_the_migration_policy_is_stored_and_survives_a_restart(world, etcd, cluster, tmp_path):
     manager, client, _ = await world(1)
-    with pytest.raises(InvalidArgument, match="migration_threshold must be >= 0"):
+    with pytest.raises(InvalidArgument, match="migration_threshold must be a finite number >= 0"):
         await client.update_policy(migration_threshold=-1.0)
     with pytest.raises(InvalidArgument, match="unknown pairing 'x'"):
         await client.update_policy(migration_pairing="x")

@@ -8,7 +8,7 @@ MODEL_DIR ?= models/smollm2-135m-instruct
 PROTOS := $(wildcard proto/ferry/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: install proto model run test test-fast bench lint clean
+.PHONY: install proto model run test test-all bench clean
 
 install: $(STAMP) $(GEN)
 
@@ -32,11 +32,13 @@ $(MODEL_DIR)/config.json: | $(STAMP) $(GEN)
 run: install model
 	$(PY) -m services.cluster up --model $(MODEL_DIR) --instances 2
 
+# The suite without its long scenarios (each @slow test has a small form that runs here).
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
-
-test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# Everything, including the long forms (10 s etcd outage, 200-request chaos, ...).
+test-all: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: install model
 	$(PY) benchmarks/engine.py --model $(MODEL_DIR)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import socket
 
 import structlog
@@ -18,6 +17,7 @@ from aiohttp import web
 from services.common.config import as_dict
 from services.common.election import watch_leader
 from services.common.registry import Registry
+from services.common.signals import stop_event
 from services.frontend.config import FrontendConfig
 from services.frontend.dispatch import Dispatcher, Membership
 from services.frontend.etcd_view import EtcdInstances, EtcdLeader, NoInstances
@@ -83,7 +83,7 @@ async def serve(config: FrontendConfig, server: FrontendServer, registry: Regist
     if registry is not None:
         await registry.register("frontends", frontend_id, {"frontend_id": frontend_id, "address": address,
                                                            "pid": os.getpid(), "host": socket.gethostname()})
-    stop = _stop_event()
+    stop = stop_event()
     log.info("frontend_ready", frontend_id=frontend_id, address=address, model=config.model_name)
     print(f"ready {frontend_id} http://{address}", flush=True)
     await stop.wait()
@@ -100,11 +100,3 @@ def _bound_port(http: web.AppRunner, configured: int) -> int:
         if isinstance(address, tuple) and len(address) >= 2:
             return int(address[1])
     return configured
-
-
-def _stop_event() -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop

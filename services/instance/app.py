@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import socket
 from collections.abc import Callable
 
@@ -19,10 +18,11 @@ import structlog
 import torch
 
 from services.common.config import as_dict
+from services.common.election import watch_leader
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2_grpc
 from services.common.grpc_server import start_grpc_server
-from services.common.election import watch_leader
 from services.common.registry import Registry
+from services.common.signals import stop_event
 from services.instance.client import InstanceClients
 from services.instance.config import InstanceConfig
 from services.instance.engine.factory import EngineSpec, LoadedEngine, build_engine
@@ -76,7 +76,7 @@ async def serve(config: InstanceConfig, loaded: LoadedEngine, runner: EngineRunn
     wire_migration(config, servicer, runner, peers, link)
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s,
                         access=config.etcd_access) if config.etcd_endpoints else None
-    stop = _stop_event()
+    stop = stop_event()
     manager: ManagerLink | None = None
     try:
         async with asyncio.TaskGroup() as tasks:
@@ -179,11 +179,3 @@ def instance_record(identity: InstanceIdentity, loaded: LoadedEngine, link: Tran
                "block_size": geometry.block_size, "num_blocks": geometry.num_blocks,
                "dtype": geometry.dtype_name},
     }
-
-
-def _stop_event() -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop

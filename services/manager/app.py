@@ -11,7 +11,6 @@ channels and etcd clients.
 from __future__ import annotations
 
 import asyncio
-import signal
 import socket
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,6 +23,7 @@ from services.common.election import Election, watch_leader
 from services.common.etcd_client import ETCD_ERRORS, connect_etcd
 from services.common.grpc_server import GrpcServer, start_grpc_server
 from services.common.registry import Registry
+from services.common.signals import stop_event
 from services.manager.cluster_view import ClusterView
 from services.manager.config import ManagerConfig
 from services.manager.config_store import ClusterSettings, ConfigStore
@@ -62,7 +62,7 @@ async def main(config: ManagerConfig) -> None:
         serve_metrics(config.metrics_port, view, leadership)
     election = Election(config.etcd_endpoints, config.cluster, manager_id, server.address, config.lease_ttl_s,
                         access=config.etcd_access)
-    stop = _stop_event()
+    stop = stop_event()
     try:
         members = await registry.watch("instances", resync_interval_s=config.resync_interval_s)
         members.on_change(lambda change: _apply_members(view, change.members))
@@ -131,11 +131,3 @@ async def _apply_stored_settings(store: ConfigStore, apply: Callable[[ClusterSet
         log.warning("stored_settings_unread", error=str(exc) or type(exc).__name__)
         return
     apply(settings)
-
-
-def _stop_event() -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop

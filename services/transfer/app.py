@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +18,7 @@ from services.common.config import as_dict
 from services.common.errors import NotFound
 from services.common.grpc_server import GrpcServer, start_grpc_server
 from services.common.registry import Registry
+from services.common.signals import stop_event
 from services.transfer.metrics import serve_metrics
 from services.transfer.channels import ChannelTable
 from services.transfer.client import TransferClients
@@ -87,7 +87,7 @@ def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServ
 
 
 async def serve(config: TransferConfig, node: TransferNode, server: GrpcServer, registry: Registry | None) -> None:
-    stop = _stop_event()
+    stop = stop_event()
     if registry is not None:
         await _map_from_etcd(registry, node, config.map_instances)
         await registry.register("transfer", node.transfer_id, _record(node))
@@ -115,11 +115,3 @@ async def _map_from_etcd(registry: Registry, node: TransferNode, instance_ids: l
 def _record(node: TransferNode) -> dict:
     return {"transfer_id": node.transfer_id, "address": node.address, "backends": [b.value for b in node.backends],
             "instance_ids": node.mappings.instance_ids(), "pid": os.getpid(), "host": socket.gethostname()}
-
-
-def _stop_event() -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop

@@ -6,7 +6,6 @@ Shutdown order (STYLE.md): health NOT_SERVING → revoke the etcd lease → serv
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor

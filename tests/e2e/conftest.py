@@ -12,10 +12,17 @@ import sys
 import time
 from collections.abc import Iterator
 
+import grpc
+import openai
 import pytest
+import torch
 
 from services.cluster.processes import ROOT
 from services.common.etcd_launcher import free_port
+from services.common.gen.ferry.v1 import manager_pb2, manager_pb2_grpc
+from services.instance.engine.factory import EngineSpec, build_engine
+from services.instance.engine.request import SamplingParams
+from services.instance.engine.tokenizer import Tokenizer
 
 _START_TIMEOUT_S = 120
 
@@ -59,3 +66,43 @@ def two_instance_cluster(tiny_model_dir, tmp_path_factory) -> Iterator[dict]:
     with launched_cluster(tiny_model_dir, tmp_path_factory.mktemp("cluster"), "--instances", "2",
                           "--managers", "2", "--kv-cache-mib", "16") as cluster:
         yield cluster
+
+
+def model_name(cluster: dict) -> str:
+    return os.path.basename(cluster["model"])
+
+
+async def instances(admin) -> dict[str, manager_pb2.InstanceInfo]:
+    reply = await admin.ListInstances(manager_pb2.ListInstancesRequest(), timeout=5)
+    return {i.instance_id: i for i in reply.instances}
+
+
+@pytest.fixture
+async def admin(cluster):
+    """AdminService stub of the module's `cluster` (each e2e module defines that fixture)."""
+    channel = grpc.aio.insecure_channel(cluster["admin_address"])
+    yield manager_pb2_grpc.AdminServiceStub(channel)
+    await channel.close()
+
+
+@pytest.fixture
+def client(cluster) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """reference(prompts, max_tokens) → greedy token ids of each prompt on one local engine, never
+    migrated; max_tokens is one number for all prompts or one per prompt."""
+    torch.set_num_threads(1)  # the cluster's processes share the same few cores
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    loaded = build_engine(EngineSpec(tiny_model_dir, kv_name=f"ferry-e2e-ref-{os.getpid()}", num_blocks=2048))
+
+    def generate(prompts: list[str], max_tokens: int | list[int]) -> list[list[int]]:
+        budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+        return [loaded.engine.generate([tokenizer.encode(p)], SamplingParams(temperature=0.0, max_tokens=m,
+                                                                              ignore_eos=True))[0]
+                for p, m in zip(prompts, budgets)]
+
+    yield generate
+    loaded.close()

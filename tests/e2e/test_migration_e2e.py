@@ -9,19 +9,13 @@ file order on one cluster; the drain test is last (its drain mark stays for the 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
-import grpc
-import openai
 import pytest
-import torch
 
-from services.common.gen.ferry.v1 import manager_pb2, manager_pb2_grpc
-from services.instance.engine.factory import EngineSpec, build_engine
-from services.instance.engine.request import SamplingParams
+from services.common.gen.ferry.v1 import manager_pb2
 from services.instance.engine.tokenizer import Tokenizer
-from tests.e2e.conftest import launched_cluster
+from tests.e2e.conftest import instances, launched_cluster, model_name
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,44 +30,8 @@ def cluster(tiny_model_dir, tmp_path_factory):
         yield cluster
 
 
-@pytest.fixture
-async def admin(cluster):
-    channel = grpc.aio.insecure_channel(cluster["admin_address"])
-    yield manager_pb2_grpc.AdminServiceStub(channel)
-    await channel.close()
-
-
-@pytest.fixture
-def client(cluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0, timeout=240)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    """reference(prompts, max_tokens) → greedy token ids of each prompt on one local engine, never migrated."""
-    torch.set_num_threads(1)  # the cluster's processes share the same few cores
-    tokenizer = Tokenizer.from_dir(tiny_model_dir)
-    loaded = build_engine(EngineSpec(tiny_model_dir, kv_name=f"ferry-e2e-mig-ref-{os.getpid()}", num_blocks=2048))
-
-    def generate(prompts: list[str], max_tokens: int) -> list[list[int]]:
-        sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return loaded.engine.generate([tokenizer.encode(p) for p in prompts], sampling)
-
-    yield generate
-    loaded.close()
-
-
-def model_name(cluster) -> str:
-    return os.path.basename(cluster["model"])
-
-
 async def set_policy(admin, **fields) -> None:
     await admin.SetPolicy(manager_pb2.Policy(**fields), timeout=5)
-
-
-async def instances(admin) -> dict[str, manager_pb2.InstanceInfo]:
-    reply = await admin.ListInstances(manager_pb2.ListInstancesRequest(), timeout=5)
-    return {i.instance_id: i for i in reply.instances}
 
 
 async def migrations_since(admin, started_at: float) -> list[manager_pb2.MigrationRecord]:

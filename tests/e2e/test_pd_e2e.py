@@ -15,16 +15,11 @@ import os
 import signal
 import time
 
-import grpc
-import openai
 import pytest
-import torch
 
-from services.common.gen.ferry.v1 import common_pb2, manager_pb2, manager_pb2_grpc
-from services.instance.engine.factory import EngineSpec, build_engine
-from services.instance.engine.request import SamplingParams
+from services.common.gen.ferry.v1 import common_pb2, manager_pb2
 from services.instance.engine.tokenizer import Tokenizer
-from tests.e2e.conftest import launched_cluster, pid_of
+from tests.e2e.conftest import instances, launched_cluster, model_name, pid_of
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,48 +34,11 @@ def cluster(tiny_model_dir, tmp_path_factory):
         yield cluster
 
 
-@pytest.fixture
-async def admin(cluster):
-    channel = grpc.aio.insecure_channel(cluster["admin_address"])
-    yield manager_pb2_grpc.AdminServiceStub(channel)
-    await channel.close()
-
-
-@pytest.fixture
-def client(cluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0, timeout=240)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    """reference(prompts, max_tokens) → greedy token ids of each prompt on one local engine."""
-    torch.set_num_threads(1)
-    tokenizer = Tokenizer.from_dir(tiny_model_dir)
-    loaded = build_engine(EngineSpec(tiny_model_dir, kv_name=f"ferry-e2e-pd-ref-{os.getpid()}", num_blocks=2048))
-
-    def generate(prompts: list[str], max_tokens: list[int]) -> list[list[int]]:
-        return [loaded.engine.generate([tokenizer.encode(p)], SamplingParams(temperature=0.0, max_tokens=m,
-                                                                              ignore_eos=True))[0]
-                for p, m in zip(prompts, max_tokens)]
-
-    yield generate
-    loaded.close()
-
-
-def model_name(cluster) -> str:
-    return os.path.basename(cluster["model"])
-
-
 def mixed_batch(num: int, tag: str) -> tuple[list[str], list[int]]:
     """Prompts from 3 to ~120 words, outputs from 4 to 60 tokens."""
     prompts = [f"{tag} request {n} says " + " ".join(f"w{(n * 31 + i) % 97}" for i in range((n * 37) % 120))
                for n in range(num)]
     return prompts, [4 + (n * 13) % 57 for n in range(num)]
-
-
-async def instances(admin) -> dict[str, manager_pb2.InstanceInfo]:
-    reply = await admin.ListInstances(manager_pb2.ListInstancesRequest(), timeout=5)
-    return {i.instance_id: i for i in reply.instances}
 
 
 async def wait_for(predicate, timeout_s: float, what: str):

@@ -20,6 +20,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import grpc
+
+from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
 from tests.e2e.fault_cluster import FaultCluster, Reference, Stream, client_session
 
 FAULT_KINDS = ("instance", "leader", "transfer")
@@ -129,11 +132,29 @@ class ChaosRun:
             return await self._cluster.leader()
         if kind == "transfer":
             return "transfer-0"
-        # the busiest instance (ties broken by the seeded draw): a kill that costs running requests
-        infos = await self._cluster.instances()
+        # The busiest instance, asked directly (a new leader's view starts without load), waiting
+        # briefly for one with running requests so the kill costs work; ties by the seeded draw.
         names = self._cluster.names("instance")
         self._fault_rng.shuffle(names)
-        return max(names, key=lambda name: infos[name].num_running if name in infos else -1)
+        deadline = time.monotonic() + 5.0
+        while True:
+            running = {name: await self._num_running(name) for name in names}
+            busiest = max(names, key=lambda name: running[name])
+            if running[busiest] > 0 or time.monotonic() > deadline:
+                return busiest
+            await asyncio.sleep(0.05)
+
+    async def _num_running(self, name: str) -> int:
+        process = self._cluster.process(name)
+        if not process.is_alive():
+            return -1
+        async with grpc.aio.insecure_channel(process.address) as channel:
+            try:
+                status = await instance_pb2_grpc.InstanceServiceStub(channel).GetStatus(
+                    instance_pb2.GetStatusRequest(), timeout=2)
+            except grpc.aio.AioRpcError:
+                return -1
+        return status.load.num_running
 
     async def _frontend_counts(self) -> tuple[int, int]:
         url = self._cluster.frontend_url

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -106,3 +107,15 @@ def reference(tiny_model_dir):
 
     yield generate
     loaded.close()
+
+
+async def wait_for(predicate, timeout_s: float, what: str):
+    """Poll `await predicate()` every 0.2 s until it is truthy (returned) or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = await predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not {what} after {timeout_s} s")
+        await asyncio.sleep(0.2)

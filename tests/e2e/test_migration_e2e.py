@@ -15,7 +15,7 @@ import pytest
 
 from services.common.gen.ferry.v1 import manager_pb2
 from services.instance.engine.tokenizer import Tokenizer
-from tests.e2e.conftest import instances, launched_cluster, model_name
+from tests.e2e.conftest import instances, launched_cluster, model_name, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,17 +37,6 @@ async def set_policy(admin, **fields) -> None:
 async def migrations_since(admin, started_at: float) -> list[manager_pb2.MigrationRecord]:
     reply = await admin.ListMigrations(manager_pb2.ListMigrationsRequest(), timeout=5)
     return [m for m in reply.migrations if m.started_at >= started_at]
-
-
-async def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = await predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not {what} after {timeout_s} s")
-        await asyncio.sleep(0.2)
 
 
 async def wait_blocks_back(admin, baseline: dict[str, int]) -> None:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 
 from services.common.gen.ferry.v1 import common_pb2, manager_pb2
 from services.instance.engine.tokenizer import Tokenizer
-from tests.e2e.conftest import instances, launched_cluster, model_name, pid_of
+from tests.e2e.conftest import instances, launched_cluster, model_name, wait_for, pid_of
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,17 +38,6 @@ def mixed_batch(num: int, tag: str) -> tuple[list[str], list[int]]:
     prompts = [f"{tag} request {n} says " + " ".join(f"w{(n * 31 + i) % 97}" for i in range((n * 37) % 120))
                for n in range(num)]
     return prompts, [4 + (n * 13) % 57 for n in range(num)]
-
-
-async def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = await predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not {what} after {timeout_s} s")
-        await asyncio.sleep(0.2)
 
 
 async def free_blocks(admin, alive: set[str]) -> dict[str, int]:

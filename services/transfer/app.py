@@ -15,7 +15,7 @@ import torch
 
 from services.common.config import as_dict
 from services.common.errors import NotFound
-from services.common.grpc_server import GrpcServer, start_grpc_server
+from services.common.grpc_server import BULK_TRANSFER_OPTIONS, GrpcServer, start_grpc_server
 from services.common.registry import Registry
 from services.common.signals import stop_event
 from services.transfer.metrics import serve_metrics
@@ -44,7 +44,7 @@ async def main(config: TransferConfig) -> None:
     server = await start_grpc_server(config.host, config.port,
                                      [(add_transfer_servicer, servicer)],
                                      [TRANSFER_SERVICE], advertise_host=config.advertise_host or None,
-                                     tls=config.tls)
+                                     tls=config.tls, options=BULK_TRANSFER_OPTIONS)
     await server.set_serving(False)  # until registered
     transfer_id = TransferId(config.transfer_id or f"{socket.gethostname()}-{server.port}")
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s,

@@ -14,7 +14,7 @@ import grpc
 
 from services.common.errors import error_from_rpc
 from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
-from services.common.grpc_server import secure_or_insecure_channel
+from services.common.grpc_server import BULK_TRANSFER_OPTIONS, secure_or_insecure_channel
 from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
 from services.instance.engine.kv_cache import KvGeometry
@@ -32,7 +32,7 @@ class TransferClient:
         self.address = address
         self._timeout_s = timeout_s
         self.piece_bytes = piece_bytes  # the most data bytes per ReceiveBlocks message (senders chunk by it)
-        self._channel = secure_or_insecure_channel(address, tls)
+        self._channel = secure_or_insecure_channel(address, tls, BULK_TRANSFER_OPTIONS)
         self._stub = transfer_pb2_grpc.TransferServiceStub(self._channel)
         # ReceiveBlocks with data messages the sender encoded (convert.encode_data_message).
         self._receive_blocks = self._channel.stream_unary(

@@ -19,11 +19,13 @@ import pytest
 
 from services.common.gen.ferry.v1 import manager_pb2
 from services.transfer.client import TransferClient
+from tests.e2e.conftest import wait_for
 from tests.e2e.fault_cluster import FaultCluster, FaultTimings, Reference, Stream, client_session, wait_for_tokens
 
 pytestmark = pytest.mark.timeout(240)
 
 VICTIM = "instance-0"  # `flood` dispatch sends every request to the first serving instance by id
+REREGISTER_TIMEOUT_S = 30.0
 ETCD_DOWN_S = float(os.environ.get("FERRY_TEST_ETCD_DOWN_S", "5"))  # the full 10 s: test_etcd_down_for_10_s
 TIMINGS = FaultTimings(instance_lease_ttl_s=2.0, manager_lease_ttl_s=3.0, transfer_lease_ttl_s=2.0)
 
@@ -198,8 +200,13 @@ async def _etcd_outage(session, cluster: FaultCluster, reference: Reference, dow
     assert_identical(spanning + during, reference)
     assert cluster.dead() == [] and cluster.pids() == pids  # no process exited or restarted
     await cluster.leader()  # a manager leads again
-    infos = await cluster.instances()  # every instance registered again, under its own id
-    assert sorted(infos) == cluster.names("instance")
+
+    async def all_registered() -> dict[str, manager_pb2.InstanceInfo] | None:
+        infos = await cluster.instances()
+        return infos if sorted(infos) == cluster.names("instance") else None
+    # every instance registers again, under its own id (a lease renewal backs off up to TTL/3,
+    # and the leader's view catches up by watch or by its periodic resync)
+    infos = await wait_for(all_registered, REREGISTER_TIMEOUT_S, "every instance registered again")
     assert {i: infos[i].pid for i in infos} == {i: pids[i] for i in infos}
     await cluster.wait_blocks_back(baseline, timeout_s=60)  # and streams its load to the leader
     fresh = await cluster.metric(cluster.frontend_url, "ferry_frontend_membership_staleness_seconds")

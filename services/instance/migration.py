@@ -35,6 +35,7 @@ from services.instance.migration_slots import MigrationSlots
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend, TransferResult
 
 if TYPE_CHECKING:
+    from services.instance.engine.engine import LLMEngine
     from services.instance.runner import EngineRunner
 
 log = structlog.get_logger(__name__)
@@ -98,7 +99,7 @@ class DestinationPeer(Protocol):
     """The destination instance's migration RPCs (services/instance/client.py)."""
 
     async def prepare_migrate_in(self, migration_id: str, request_id: str, src_instance_id: str,
-                                 num_blocks: int) -> Reservation: ...
+                                 num_blocks: int, grow_only: bool = False) -> Reservation: ...
 
     async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None: ...
 
@@ -217,11 +218,10 @@ class MigrationDriver:
             return await self._move_in_one_stage(a)
         view = await self._view(a, is_first=True)
         await self._reserve(a, view, RESERVATION_HEADROOM_BLOCKS)
-        await self._live_stages(a)
-        a.suspended_at = time.perf_counter()  # from here on, a failure resumes it (only we suspend it: _moving)
-        view = await self._engine_call(a, lambda: self._runner.engine.suspend(a.request_id))
+        view = await self._live_stages(a, view)
+        await self._reserve(a, view, RESERVATION_HEADROOM_BLOCKS)  # fresh now, so the paused copy asks nothing
+        view, state = await self._suspend(a, lambda engine: engine.suspend(a.request_id))
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
-        state = await self._engine_call(a, lambda: self._runner.engine.export_state(a.request_id))
         await a.peer.commit_migrate_in(a.migration_id, state)
         a.committed_at = time.perf_counter()
         await self._hand_off(a, state)
@@ -229,10 +229,7 @@ class MigrationDriver:
 
     async def _move_in_one_stage(self, a: _Attempt) -> MigrationResult:
         """Suspend (unless the PD hand-off holds it already) and export at once, copy every block, commit."""
-        engine = self._runner.engine
-        a.suspended_at = time.perf_counter()
-        view, state = await self._engine_call(
-            a, lambda: (engine.suspend_held(a.request_id), engine.export_state(a.request_id)))
+        view, state = await self._suspend(a, lambda engine: engine.suspend_held(a.request_id))
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
         if a.reservation is None:  # nothing to copy (a request with no blocks): reserve the slot all the same
             await self._reserve(a, view, 0)
@@ -241,16 +238,32 @@ class MigrationDriver:
         await self._hand_off(a, state)
         return self._result(a)
 
-    async def _live_stages(self, a: _Attempt) -> None:
-        """Copy full blocks while the request decodes, until few remain or the stages run out."""
+    async def _live_stages(self, a: _Attempt, view: MigrationBlocks) -> MigrationBlocks:
+        """Copy full blocks while the request decodes, until few remain or the stages run out;
+        returns the request's blocks as last seen."""
         max_stages = self._settings.max_stages if a.plan.max_stages is None else a.plan.max_stages
-        for _ in range(max_stages):
-            view = await self._view(a)
+        for stage in range(max_stages):
+            if stage:
+                view = await self._view(a)
             full = a.pending(view, full_only=True)
             if not full or len(a.pending(view, full_only=False)) <= self._settings.stage_blocks:
-                return
+                break
             await self._copy(a, view, full, headroom=RESERVATION_HEADROOM_BLOCKS)
             a.num_live_stages += 1
+        return view
+
+    async def _suspend(self, a: _Attempt, suspend: Callable[[LLMEngine], MigrationBlocks]
+                       ) -> tuple[MigrationBlocks, RequestState]:
+        """Take the request out of the batch at the next step boundary and export its state in the
+        same engine call (nothing changes while it is suspended); the downtime starts there."""
+        engine = self._runner.engine
+
+        def suspend_and_export() -> tuple[MigrationBlocks, RequestState, float]:
+            view = suspend(engine)
+            return view, engine.export_state(a.request_id), time.perf_counter()
+        a.suspended_at = time.perf_counter()  # from here on, a failure resumes it (only we suspend it: _moving)
+        view, state, a.suspended_at = await self._engine_call(a, suspend_and_export)
+        return view, state
 
     async def _view(self, a: _Attempt, is_first: bool = False) -> MigrationBlocks:
         if is_first:
@@ -279,12 +292,8 @@ class MigrationDriver:
         num_wanted = max(num_reserved, view.num_blocks, min(view.num_blocks + headroom, view.max_num_blocks))
         a.is_prepare_sent = True
         a.prepared_at = time.perf_counter()
-        reservation = await a.peer.prepare_migrate_in(a.migration_id, a.request_id, self._settings.instance_id,
-                                                      num_wanted)
-        if a.reservation is not None and reservation.block_ids[:len(a.reservation.block_ids)] != a.reservation.block_ids:
-            raise Aborted(f"migration {a.migration_id}: {a.plan.dst_instance_id} lost the reservation (its watchdog "
-                          "freed it); the blocks copied so far are gone")
-        a.reservation = reservation
+        a.reservation = await a.peer.prepare_migrate_in(a.migration_id, a.request_id, self._settings.instance_id,
+                                                        num_wanted, grow_only=a.reservation is not None)
 
     async def _copy(self, a: _Attempt, view: MigrationBlocks, indexes: list[int], headroom: int) -> None:
         if not indexes:

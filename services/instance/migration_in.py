@@ -63,13 +63,17 @@ class MigrationInbox:
         return len(self._incoming)
 
     async def prepare(self, migration_id: str, request_id: str, src_instance_id: str,
-                      num_blocks: int) -> Reservation:
-        """Reserve (or grow the reservation to) `num_blocks`; ResourceExhausted if short of blocks or slots."""
+                      num_blocks: int, grow_only: bool = False) -> Reservation:
+        """Reserve (or grow the reservation to) `num_blocks`; ResourceExhausted if short of blocks or slots.
+        `grow_only`: the caller holds this reservation already; Aborted if it is gone (expired)."""
         if not migration_id or num_blocks < 0:
             raise InvalidArgument("migration_id: required; num_blocks: must be >= 0")
         incoming = self._incoming.get(migration_id)
         if incoming is not None and incoming.epoch is not None:
             raise FailedPrecondition(f"migration {migration_id} is already committed")
+        if grow_only and incoming is None:
+            raise Aborted(f"migration {migration_id}: the reservation here is gone (the watchdog freed it after "
+                          f"{self._timeout_s:g} s without a call) or it was aborted; the blocks copied so far are lost")
         if incoming is None:
             self._slots.acquire(migration_id)
             incoming = _Incoming(migration_id, request_id, src_instance_id, self._deadline())

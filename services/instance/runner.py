@@ -120,14 +120,16 @@ class EngineRunner:
         return await self._open_stream(request_id, epoch, admit, is_attached=False)
 
     async def hand_off(self, request_id: str, handoff: Handoff) -> None:
-        """The request now runs elsewhere: release it on the engine thread, then end its stream with `handoff`.
+        """The request now runs elsewhere: end its stream with `handoff` at once (the client
+        attaches to the destination meanwhile), then release it on the engine thread.
 
-        Every output it produced before is already in the stream: results and outputs reach
-        the event loop in the order the engine thread sent them."""
-        await self.call(lambda: self._engine.release(request_id))
+        Every output it produced is already in the stream: it was suspended by an engine call
+        that returned, and results and outputs reach the event loop in the order the engine
+        thread sent them."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.outputs.put_nowait(handoff)
+        await self.call(lambda: self._engine.release(request_id))
 
     def attach(self, stream: RequestStream) -> None:
         """A client reads `stream` now; one that already finished leaves the table (its outputs are queued)."""

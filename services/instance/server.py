@@ -130,7 +130,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         if not self.is_accepting:
             raise Unavailable(f"instance {self.identity.instance_id} is not accepting migrations (shutting down)")
         reservation = await self.inbox.prepare(request.migration_id, request.request_id, request.src_instance_id,
-                                                request.num_blocks)
+                                                request.num_blocks, grow_only=request.grow_only)
         return reservation_to_proto(reservation)
 
     async def CommitMigrateIn(self, request: instance_pb2.CommitMigrateInRequest,

@@ -17,6 +17,11 @@ copy is read back from cache, not from memory. The mask is by position: the quer
 at position p sees cached token j iff j <= p, which is causal within the new
 tokens, sees everything cached before them (continued/chunked prefill), and hides
 the stale tail of each sequence's last block and the padding blocks.
+
+A long decode sequence whose blocks lie in a few contiguous runs (the block manager hands
+out the lowest free ids, so a prefilled or migrated-in sequence usually gets one run) skips
+the gather: its keys and values are read where they lie, one matmul per run, so a decode
+step over a long context reads its cache once instead of copying it first.
 """
 
 from dataclasses import dataclass
@@ -27,6 +32,9 @@ import torch.nn.functional as F
 from services.instance.engine.forward_batch import ForwardBatch
 
 DECODE_CHUNK_BYTES = 1 << 20  # gathered K+V per decode chunk; about one core's L2 cache
+IN_PLACE_MIN_KEYS = 1024  # decode sequences with at least this much context ...
+IN_PLACE_MAX_RUNS = 8  # ... in at most this many contiguous block runs are read in place
+FUSED_MAX_KV_HEADS = 4  # in-place reads with at most this many KV heads do all heads in one matmul
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,23 +63,40 @@ class AttentionGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class InPlaceSequence:
+    token: int  # packed index of its one new token
+    runs: tuple[tuple[int, int], ...]  # (first flat slot, number of slots) of each contiguous stretch of its context
+
+
+@dataclass(frozen=True, slots=True)
+class InPlaceGroup:
+    sequences: tuple[InPlaceSequence, ...]
+    out_index: torch.Tensor  # [num_seqs] packed token of each sequence
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionPlan:
     slot_mapping: torch.Tensor  # [num_tokens] flat KV slot of each new token
-    decode: AttentionGroup | None  # sequences with exactly one new token
+    decode: AttentionGroup | None  # sequences with exactly one new token, gathered
     prefill: AttentionGroup | None  # sequences with more than one new token
+    in_place: InPlaceGroup | None = None  # long decode sequences in few block runs, read in place
 
     @classmethod
     def build(cls, batch: ForwardBatch, geometry: CacheGeometry) -> "AttentionPlan":
         query_lens = torch.tensor(batch.query_lens, dtype=torch.int64)
         starts = torch.cumsum(query_lens, 0) - query_lens
-        if batch.is_decode_only:
-            return cls(batch.slot_mapping, _decode_group(batch, None, starts, geometry), None)
         is_decode = query_lens == 1
-        decode = None
+        in_place, in_place_seqs = _in_place_group(batch, is_decode, starts, geometry)
+        is_decode[in_place_seqs] = False
+        if batch.is_decode_only and in_place is None:
+            return cls(batch.slot_mapping, _decode_group(batch, None, starts, geometry), None)
+        decode = prefill = None
         if bool(is_decode.any()):
             decode = _decode_group(batch, torch.nonzero(is_decode).flatten(), starts, geometry)
-        prefill_seqs = torch.nonzero(~is_decode).flatten()
-        return cls(batch.slot_mapping, decode, _prefill_group(batch, prefill_seqs, query_lens, starts, geometry))
+        is_prefill = query_lens > 1
+        if bool(is_prefill.any()):
+            prefill = _prefill_group(batch, torch.nonzero(is_prefill).flatten(), query_lens, starts, geometry)
+        return cls(batch.slot_mapping, decode, prefill, in_place)
 
 
 def _gather_plan(
@@ -107,6 +132,36 @@ def _decode_group(
     return AttentionGroup(num_keys, chunks, indices, mask, False, token_index, None, out_index)
 
 
+def _in_place_group(batch: ForwardBatch, is_decode: torch.Tensor, starts: torch.Tensor, geometry: CacheGeometry
+                    ) -> tuple[InPlaceGroup | None, list[int]]:
+    """The decode sequences to read in place (long context, few block runs), and their indexes."""
+    candidates = torch.nonzero(is_decode & (batch.context_lens >= IN_PLACE_MIN_KEYS)).flatten().tolist()
+    sequences, seqs = [], []
+    for seq in candidates:
+        runs = _slot_runs(batch.block_tables[seq], int(batch.context_lens[seq]), geometry.block_size)
+        if runs is not None:
+            sequences.append(InPlaceSequence(int(starts[seq]), runs))
+            seqs.append(seq)
+    if not sequences:
+        return None, []
+    return InPlaceGroup(tuple(sequences), torch.tensor([s.token for s in sequences], dtype=torch.int64)), seqs
+
+
+def _slot_runs(block_table: torch.Tensor, context_len: int, block_size: int) -> tuple[tuple[int, int], ...] | None:
+    """(first slot, number of slots) of each stretch of consecutive blocks holding the first
+    `context_len` tokens; None if there are more than IN_PLACE_MAX_RUNS of them."""
+    blocks = block_table[:(context_len + block_size - 1) // block_size]
+    breaks = torch.nonzero(blocks[1:] - blocks[:-1] != 1).flatten()
+    if len(breaks) >= IN_PLACE_MAX_RUNS:
+        return None
+    bounds = [0, *(int(b) + 1 for b in breaks), len(blocks)]
+    runs = []
+    for first, stop in zip(bounds, bounds[1:]):
+        num_slots = min((stop - first) * block_size, context_len - first * block_size)
+        runs.append((int(blocks[first]) * block_size, num_slots))
+    return tuple(runs)
+
+
 def _prefill_group(
     batch: ForwardBatch, seqs: torch.Tensor, query_lens: torch.Tensor, starts: torch.Tensor, geometry: CacheGeometry
 ) -> AttentionGroup:
@@ -138,12 +193,15 @@ def attend(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: 
     """Attention of the new queries ([num_tokens, heads, head_dim]) over each sequence's cached
     context (already including the new tokens); returns [num_tokens, heads * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
-    if plan.prefill is None:
+    if plan.prefill is None and plan.in_place is None:
         return _attend_decode(q, kv_layer, plan.decode, scale).view(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if plan.decode is not None:
         out[plan.decode.out_index] = _attend_decode(q, kv_layer, plan.decode, scale).flatten(1)
-    out[plan.prefill.out_index] = _attend_prefill(q, kv_layer, plan.prefill, scale)
+    if plan.in_place is not None:
+        out[plan.in_place.out_index] = _attend_in_place(q, kv_layer, plan.in_place, scale)
+    if plan.prefill is not None:
+        out[plan.prefill.out_index] = _attend_prefill(q, kv_layer, plan.prefill, scale)
     return out
 
 
@@ -173,6 +231,56 @@ def _sdpa_decode(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGroup,
     k, v = _gather(kv_layer, group.gather_indices[i], group.num_keys)
     mask = None if group.mask is None else group.mask[group.chunks[i]]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _attend_in_place(q: torch.Tensor, kv_layer: torch.Tensor, group: InPlaceGroup, scale: float) -> torch.Tensor:
+    """[num_seqs, heads * head_dim]: each sequence's one query over its runs of cache slots, read where they lie."""
+    _, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
+    slots = kv_layer.view(2, num_cache_blocks * block_size, num_kv_heads, head_dim)
+    out = q.new_empty(len(group.sequences), q.shape[1] * head_dim)
+    for i, seq in enumerate(group.sequences):
+        query = q[seq.token].view(num_kv_heads, -1, head_dim)  # a KV head's query heads as its rows
+        out[i] = _attend_runs(query, slots, seq.runs, scale).flatten()
+    return out
+
+
+def _attend_runs(q: torch.Tensor, slots: torch.Tensor, runs: tuple[tuple[int, int], ...], scale: float) -> torch.Tensor:
+    """Softmax attention of q [kv_heads, group, head_dim] over the keys in `runs` of `slots`
+    [2, num_slots, kv_heads, head_dim]: scores run by run, one softmax over all of them, then
+    the values run by run.
+
+    With few KV heads, all heads go in one matmul against the cache rows as they lie
+    ([slots, kv_heads * head_dim], each read once) with a block-diagonal query: kv_heads times
+    the multiplies, which are cheap next to reading the cache. With many, one matmul per
+    head over its strided slice of the rows."""
+    num_kv_heads, group, head_dim = q.shape
+    is_fused = num_kv_heads <= FUSED_MAX_KV_HEADS
+    if is_fused:
+        q = _block_diagonal(q)  # [kv_heads * group, kv_heads * head_dim]
+        keys, values = slots[0].flatten(1), slots[1].flatten(1)  # [num_slots, kv_heads * head_dim]
+        scores = [torch.matmul(q, keys[start:start + n].t()) for start, n in runs]
+    else:
+        keys, values = slots[0].permute(1, 2, 0), slots[1].transpose(0, 1)  # [kv_heads, head_dim | slots, ...]
+        scores = [torch.matmul(q, keys[..., start:start + n]) for start, n in runs]
+    probs = torch.softmax(torch.cat(scores, dim=-1).mul_(scale), dim=-1, dtype=torch.float32).to(q.dtype)
+    out, offset = None, 0
+    for start, n in runs:
+        run_values = values[start:start + n] if is_fused else values[:, start:start + n]
+        part = torch.matmul(probs[..., offset:offset + n], run_values)
+        out = part if out is None else out.add_(part)
+        offset += n
+    if is_fused:  # [kv_heads * group, kv_heads * head_dim]: head h's output is diagonal block h
+        out = torch.diagonal(out.view(num_kv_heads, group, num_kv_heads, head_dim), dim1=0, dim2=2).permute(2, 0, 1)
+    return out
+
+
+def _block_diagonal(q: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, group, head_dim] → [kv_heads * group, kv_heads * head_dim], row (h, g) holding
+    q[h, g] in column block h and zeros elsewhere."""
+    num_kv_heads, group, head_dim = q.shape
+    out = q.new_zeros(num_kv_heads, group, num_kv_heads, head_dim)
+    torch.diagonal(out, dim1=0, dim2=2).copy_(q.permute(1, 2, 0))
+    return out.view(num_kv_heads * group, num_kv_heads * head_dim)
 
 
 def _attend_prefill(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGroup, scale: float) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Which KV cache blocks are free, and which request holds which.
 
 A block holds the K/V of `block_size` consecutive tokens of one sequence. Blocks
-are handed out from a free list and carry a reference count (1 per holder; more
+are handed out lowest id first (so blocks allocated together are usually consecutive,
+which lets attention read a long sequence's cache in place) and carry a reference count (1 per holder; more
 than one once blocks are shared, e.g. by prefix caching or a migration that
 reads them). A block goes back to the free list when its count drops to 0.
 
@@ -10,7 +11,7 @@ A request's blocks are its `block_table`: token t lives in `block_table[t // blo
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from typing import TYPE_CHECKING, NewType
 
 from services.common.errors import Internal, ResourceExhausted
@@ -32,9 +33,9 @@ class BlockManager:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # Invariant: a block is in _free_blocks exactly when its ref count is 0.
+        # Invariant: a block is in _free_blocks (a min-heap) exactly when its ref count is 0.
         self._ref_counts = [0] * num_blocks
-        self._free_blocks: deque[BlockId] = deque(BlockId(i) for i in range(num_blocks))
+        self._free_blocks: list[BlockId] = [BlockId(i) for i in range(num_blocks)]
 
     @property
     def num_free_blocks(self) -> int:
@@ -58,7 +59,7 @@ class BlockManager:
             raise ResourceExhausted(
                 f"KV cache full: {num_blocks} blocks asked, {self.num_free_blocks} free; raise --num-blocks"
             )
-        blocks = [self._free_blocks.popleft() for _ in range(num_blocks)]
+        blocks = [heapq.heappop(self._free_blocks) for _ in range(num_blocks)]
         for block_id in blocks:
             self._ref_counts[block_id] = 1
         return blocks
@@ -77,7 +78,7 @@ class BlockManager:
         for block_id in block_ids:
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                self._free_blocks.append(block_id)
+                heapq.heappush(self._free_blocks, block_id)
 
     # Blocks of a request (its block table).
 

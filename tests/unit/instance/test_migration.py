@@ -61,9 +61,10 @@ class FaultyPeer:
         if name in self.faults:
             raise self.faults[name]
 
-    async def prepare_migrate_in(self, migration_id, request_id, src_instance_id, num_blocks) -> Reservation:
+    async def prepare_migrate_in(self, migration_id, request_id, src_instance_id, num_blocks,
+                                 grow_only=False) -> Reservation:
         self._check("prepare")
-        return await self.dst.inbox.prepare(migration_id, request_id, src_instance_id, num_blocks)
+        return await self.dst.inbox.prepare(migration_id, request_id, src_instance_id, num_blocks, grow_only=grow_only)
 
     async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None:
         self._check("commit")
@@ -254,7 +255,7 @@ async def test_lost_reservation_is_detected_before_more_copies(pair):
         await asyncio.sleep(0.01)
     await b.inbox.expire(float("inf"))  # b's watchdog fires while the first stage copies
     copier.pause.set()
-    with pytest.raises(Aborted, match="lost the reservation"):
+    with pytest.raises(Aborted, match="reservation here is gone"):
         await migration
     await read(stream, tokens)
     await assert_no_blocks_held(a, b)
@@ -269,7 +270,9 @@ async def test_refusals(pair):
         await driver(a, FaultyPeer(b), copier).migrate_out(plan(request_id=""))
     with pytest.raises(NotFound):
         await driver(a, FaultyPeer(b), copier).migrate_out(plan(request_id="nobody"))
-    await b.inbox.prepare("other", "x", "c", 1)  # b's only migration slot is busy
+    with pytest.raises(Aborted, match="gone"):  # growing a reservation b does not hold
+        await b.inbox.prepare("never-prepared", "x", "c", 1, grow_only=True)
+    await b.inbox.prepare("other", "x", "c", 1)  # b's only migration slot is busy (the refusal above took none)
     stream = await a.runner.add("r", PROMPT, SAMPLING)
     await read(stream, [], until=2)
     with pytest.raises(ResourceExhausted, match="max-concurrent-migrations"):

@@ -70,15 +70,20 @@ class Sequence:
 class PagedRunner:
     """Builds ForwardBatches the way a scheduler would, over shuffled, non-contiguous blocks."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int = 96, block_size: int = 4) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int = 96, block_size: int = 4, is_shuffled: bool = True) -> None:
         self.model = model
         self.block_size = block_size
         self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, dtype=model.dtype)
-        self.free_blocks = list(range(num_blocks))
-        random.Random(1).shuffle(self.free_blocks)
+        self.free_blocks = list(reversed(range(num_blocks)))  # popped from the end: lowest id first
+        if is_shuffled:
+            random.Random(1).shuffle(self.free_blocks)
 
     def step(self, work: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Run `n` uncached tokens of each sequence; returns the last-token logits."""
+        return self.model(self.batch(work), self.kv_cache)
+
+    def batch(self, work: list[tuple[Sequence, int]]) -> ForwardBatch:
+        """The forward batch of `n` uncached tokens of each sequence (counted as cached from now on)."""
         ids, positions, slots = [], [], []
         for seq, n in work:
             new = range(seq.num_cached, seq.num_cached + n)
@@ -89,7 +94,7 @@ class PagedRunner:
             slots += [seq.blocks[p // self.block_size] * self.block_size + p % self.block_size for p in new]
             seq.num_cached = new.stop
         max_blocks = max(len(seq.blocks) for seq, _ in work)
-        batch = ForwardBatch(
+        return ForwardBatch(
             input_ids=torch.tensor(ids),
             positions=torch.tensor(positions),
             slot_mapping=torch.tensor(slots),
@@ -97,7 +102,6 @@ class PagedRunner:
             context_lens=torch.tensor([seq.num_cached for seq, _ in work]),
             block_tables=torch.tensor([seq.blocks + [0] * (max_blocks - len(seq.blocks)) for seq, _ in work]),
         )
-        return self.model(batch, self.kv_cache)
 
 
 def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
@@ -119,7 +123,19 @@ def test_packed_prefill_matches_transformers(checkpoint, model):
         torch.testing.assert_close(logits[i], hf_last_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_decoding_matches_generate(checkpoint, model):
+@pytest.fixture(params=["gathered", "in_place_fused", "in_place_per_head"])
+def decode_path(request, monkeypatch) -> str:
+    """gathered: decode sequences copy their blocks together first (these contexts are short);
+    in_place_*: every decode sequence is read where its blocks lie, however many runs they
+    form, with all KV heads in one matmul (fused) or one matmul per head."""
+    if request.param.startswith("in_place"):
+        monkeypatch.setattr(attention, "IN_PLACE_MIN_KEYS", 1)
+        monkeypatch.setattr(attention, "IN_PLACE_MAX_RUNS", 1000)
+        monkeypatch.setattr(attention, "FUSED_MAX_KV_HEADS", 64 if request.param == "in_place_fused" else 0)
+    return request.param
+
+
+def test_greedy_decoding_matches_generate(checkpoint, model, decode_path):
     """Staggered arrivals mix prefill and decode sequences in one batch; one prompt is prefilled in chunks."""
     _, hf_model = checkpoint
     num_new = 24
@@ -173,6 +189,38 @@ def test_decode_logits_match_transformers(checkpoint, model, chunk_bytes, monkey
     logits = runner.step([(s, 1) for s in seqs])
     for i, prompt in enumerate(prompts):
         torch.testing.assert_close(logits[i], hf_last_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused_max_kv_heads", [0, 64])
+@pytest.mark.parametrize("is_shuffled", [False, True])
+def test_decode_read_in_place_matches_transformers(checkpoint, model, is_shuffled, fused_max_kv_heads, monkeypatch):
+    """Decode sequences read in place: in one or two runs of blocks each (blocks handed out in
+    order; a decode step's new block follows other sequences' blocks), or in several (shuffled
+    blocks, where some have too many runs and are gathered instead)."""
+    monkeypatch.setattr(attention, "IN_PLACE_MIN_KEYS", 8)
+    monkeypatch.setattr(attention, "IN_PLACE_MAX_RUNS", 3 if is_shuffled else 2)
+    monkeypatch.setattr(attention, "FUSED_MAX_KV_HEADS", fused_max_kv_heads)
+    _, hf_model = checkpoint
+    prompts = [random_prompt(n, model.config.vocab_size, seed=300 + n) for n in (5, 12, 17, 30)]
+    seqs = [Sequence(list(p)) for p in prompts]
+    runner = PagedRunner(model, block_size=4, is_shuffled=is_shuffled)
+    for seq in seqs:  # one at a time, so each gets its blocks together
+        runner.step([(seq, len(seq.tokens) - 1)])
+    batch = runner.batch([(s, 1) for s in seqs])
+    plan = attention.AttentionPlan.build(batch, attention.CacheGeometry.of(runner.kv_cache))
+    assert plan.in_place is not None and plan.decode is not None  # the 5-token prompt is too short for in place
+    assert len(plan.in_place.sequences) >= (1 if is_shuffled else 3)
+    logits = model(batch, runner.kv_cache)
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(logits[i], hf_last_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_slot_runs_follow_consecutive_blocks():
+    block_table = torch.tensor([5, 6, 7, 2, 3, 9, 0, 0])  # padded past its blocks
+    assert attention._slot_runs(block_table, 22, 4) == ((20, 12), (8, 8), (36, 2))
+    assert attention._slot_runs(block_table, 12, 4) == ((20, 12),)
+    assert attention._slot_runs(torch.tensor([1, 3, 5, 7]), 15, 4) == ((4, 4), (12, 4), (20, 4), (28, 3))
+    assert attention._slot_runs(torch.tensor(list(range(0, 20, 2))), 40, 4) is None  # 10 runs
 
 
 def test_sharded_checkpoint_loads_like_single_file(checkpoint, model, tmp_path):

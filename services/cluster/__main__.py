@@ -3,6 +3,12 @@
 Starts a local etcd, the manager, the instances and the frontend as child
 processes, waits until each is healthy, writes STATE_DIR/cluster.json, prints
 `ready`, and stops every child on Ctrl-C / SIGTERM.
+
+Security is off by default; the security flags of `up` (see `up --help`) turn on TLS
+(or mutual TLS) on every gRPC channel and an admin token on the managers, e.g.
+
+  python -m services.cluster up --tls-ca ca.pem --tls-cert cert.pem --tls-key key.pem \\
+      --tls-client-ca ca.pem --admin-token-file admin.token
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import sys
 
 from services.cluster.launcher import ClusterSpec, LocalCluster, run_until_signalled
 from services.cluster.processes import ROOT, ProcessDied
+from services.cluster.security import ClusterSecurity
 from services.common.logging import LogFormat, setup_logging
 
 DEFAULT_MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
@@ -47,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="torch threads per instance (0 = cores / instances, at least 1)")
     up.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per instance in MiB")
     up.add_argument("--log-format", default="console", choices=["console", "json"], help="log format of every process")
+    _add_security_arguments(up)
     args = parser.parse_args(argv)
     if args.instances is None:
         args.instances = 0 if args.prefill_instances or args.decode_instances else 2
@@ -56,7 +64,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--managers must be at least 1")
     if args.instances + args.prefill_instances + args.decode_instances == 0:
         parser.error("the cluster needs at least one instance: pass --instances N or --prefill-instances/--decode-instances")
+    try:
+        args.security = security_from_args(args)
+    except ValueError as exc:
+        up.error(str(exc))
     return args
+
+
+def _add_security_arguments(up: argparse.ArgumentParser) -> None:
+    group = up.add_argument_group(
+        "security", "TLS on every gRPC channel and an admin token; all off by default. etcd stays plaintext on "
+                    "loopback (it is never exposed) and the frontend's OpenAI API stays plain HTTP (put --http-port "
+                    "behind a TLS proxy to expose it).")
+    group.add_argument("--tls-ca", type=pathlib.Path, default=None, metavar="FILE",
+                       help="PEM CA bundle every process verifies the gRPC servers it dials against; with --tls-cert "
+                            "and --tls-key turns on TLS (all three or none)")
+    group.add_argument("--tls-cert", type=pathlib.Path, default=None, metavar="FILE",
+                       help="PEM certificate every gRPC service on this host serves (one for all; it must name "
+                            "127.0.0.1 or localhost) and presents as its client certificate under mTLS")
+    group.add_argument("--tls-key", type=pathlib.Path, default=None, metavar="FILE",
+                       help="PEM private key of --tls-cert")
+    group.add_argument("--tls-client-ca", type=pathlib.Path, default=None, metavar="FILE",
+                       help="PEM CA bundle: every gRPC server requires client certificates signed by it (mutual TLS); "
+                            "needs --tls-ca/--tls-cert/--tls-key")
+    group.add_argument("--admin-token-file", type=pathlib.Path, default=None, metavar="FILE",
+                       help="file holding the bearer token every AdminService call must carry (given to the managers "
+                            "as --admin-token-file; the token never appears on a command line, in logs or in "
+                            "cluster.json); ferryctl reads it with --token-file")
+
+
+def security_from_args(args: argparse.Namespace) -> ClusterSecurity:
+    """The security flags as absolute paths (children run from the repository root); ValueError if unusable."""
+    def absolute(path: pathlib.Path | None) -> pathlib.Path | None:
+        return path.resolve() if path is not None else None
+
+    security = ClusterSecurity(tls_ca=absolute(args.tls_ca), tls_cert=absolute(args.tls_cert),
+                               tls_key=absolute(args.tls_key), tls_client_ca=absolute(args.tls_client_ca),
+                               admin_token_file=absolute(args.admin_token_file))
+    security.check()
+    return security
 
 
 def resolve_model(model: str) -> pathlib.Path:
@@ -77,7 +123,8 @@ def build_spec(args: argparse.Namespace) -> ClusterSpec:
     return ClusterSpec(model_dir=resolve_model(args.model), roles=roles, num_managers=args.managers, engine=args.engine,
                        transfer_backend=args.transfer_backend, http_port=args.http_port, admin_port=args.admin_port,
                        state_dir=args.state_dir.resolve() if args.state_dir else None, cluster=args.cluster,
-                       threads_per_instance=threads, kv_cache_mib=args.kv_cache_mib, log_format=args.log_format)
+                       threads_per_instance=threads, kv_cache_mib=args.kv_cache_mib, log_format=args.log_format,
+                       security=args.security)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,9 @@
 
 Start order follows dependencies (etcd → manager → instances → frontend); each
 child must be healthy before the next starts. On SIGINT/SIGTERM every child is
-stopped by its PID, newest first, and nothing else is touched.
+stopped by its PID, newest first, and nothing else is touched. With TLS on
+(`ClusterSpec.security`) every gRPC child serves and dials TLS and the health probes
+dial it too; etcd stays plaintext on loopback.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import json
 import os
 import pathlib
+import shlex
 import signal
 import tempfile
 from dataclasses import dataclass
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 import structlog
 
 from services.cluster.processes import ServiceProcess
+from services.cluster.security import ClusterSecurity
 from services.common.etcd_launcher import LocalEtcd, free_port
 
 log = structlog.get_logger(__name__)
@@ -39,6 +43,7 @@ class ClusterSpec:
     threads_per_instance: int
     kv_cache_mib: int
     log_format: str
+    security: ClusterSecurity = ClusterSecurity()  # TLS / mTLS and the admin token; all off by default
 
 
 class LocalCluster:
@@ -83,7 +88,7 @@ class LocalCluster:
         processes += [{"name": p.name, "pid": p.pid, "address": p.address} for p in self.processes]
         return {"frontend_url": self.frontend_url, "admin_address": self.admin_address,
                 "etcd_endpoint": self.etcd.endpoint, "cluster": self.spec.cluster,
-                "model": str(self.spec.model_dir), "processes": processes}
+                "model": str(self.spec.model_dir), **self.spec.security.state(), "processes": processes}
 
     def write_state(self) -> pathlib.Path:
         path = self.state_dir / "cluster.json"
@@ -103,17 +108,24 @@ class LocalCluster:
         return ["--etcd-endpoints", self.etcd.endpoint, "--cluster", self.spec.cluster,
                 "--log-format", self.spec.log_format]
 
+    def _grpc_service(self, name: str, module: str, args: list[str], port: int) -> ServiceProcess:
+        """A child with a gRPC server; its health probe dials TLS (with our certificate) when TLS is on."""
+        security = self.spec.security
+        return ServiceProcess(name, module, args, f"127.0.0.1:{port}", self.state_dir / "logs",
+                              tls=security.tls_config() if security.is_tls else None)
+
     def _manager(self, index: int) -> ServiceProcess:
         port = self.spec.admin_port if index == 0 else free_port()
-        args = ["--port", str(port), "--manager-id", f"manager-{index}", *self._common_args()]
-        return ServiceProcess(f"manager-{index}", "manager", args, f"127.0.0.1:{port}", self.state_dir / "logs")
+        args = ["--port", str(port), "--manager-id", f"manager-{index}", *self._common_args(),
+                *self.spec.security.manager_args()]
+        return self._grpc_service(f"manager-{index}", "manager", args, port)
 
     def _transfer(self) -> ServiceProcess:
         """One transfer service maps every instance's KV memory on this host."""
         port = free_port()
         args = ["--port", str(port), "--transfer-id", "transfer-0", "--default-backend", self.spec.transfer_backend,
-                *self._common_args()]
-        return ServiceProcess("transfer-0", "transfer", args, f"127.0.0.1:{port}", self.state_dir / "logs")
+                *self._common_args(), *self.spec.security.server_args()]
+        return self._grpc_service("transfer-0", "transfer", args, port)
 
     @property
     def transfer_address(self) -> str:
@@ -124,11 +136,13 @@ class LocalCluster:
         args = ["--model", str(self.spec.model_dir), "--port", str(port), "--instance-id", f"instance-{index}",
                 "--role", role, "--engine", self.spec.engine, "--num-threads", str(self.spec.threads_per_instance),
                 "--kv-cache-mib", str(self.spec.kv_cache_mib), "--transfer-address", self.transfer_address,
-                "--transfer-backend", self.spec.transfer_backend, *self._common_args()]
-        return ServiceProcess(f"instance-{index}", "instance", args, f"127.0.0.1:{port}", self.state_dir / "logs")
+                "--transfer-backend", self.spec.transfer_backend, *self._common_args(),
+                *self.spec.security.server_args()]
+        return self._grpc_service(f"instance-{index}", "instance", args, port)
 
     def _frontend(self) -> ServiceProcess:
-        args = ["--model", str(self.spec.model_dir), "--port", str(self.spec.http_port), *self._common_args()]
+        args = ["--model", str(self.spec.model_dir), "--port", str(self.spec.http_port), *self._common_args(),
+                *self.spec.security.client_args()]  # its OpenAI API stays plain HTTP; its gRPC channels use TLS
         return ServiceProcess("frontend-0", "frontend", args, self.frontend_url, self.state_dir / "logs")
 
 
@@ -167,18 +181,41 @@ async def _watch_children(cluster: LocalCluster, stop: asyncio.Event) -> None:
 
 
 def print_ready(cluster: LocalCluster) -> None:
+    print(ready_banner(cluster), flush=True)
+
+
+def ready_banner(cluster: LocalCluster) -> str:
+    """What `up` prints once every child is healthy; its commands work as printed (from the repository root)."""
     model = cluster.spec.model_dir.name
-    print(f"""
+    security = cluster.spec.security
+    address = cluster.admin_address
+    grpcurl = shlex.join(["grpcurl", *security.grpcurl_args()])
+    token = f'-H "authorization: Bearer $(cat {shlex.quote(str(security.admin_token_file))})" ' \
+        if security.has_admin_token else ""  # read at run time: the token itself is never printed
+    ctl = shlex.join(["python", "-m", "services.ctl", "--admin", address, *security.ctl_args(), "instances"])
+    return f"""
 ferry cluster is up ({len(cluster.spec.roles)} instances, model {model})
   OpenAI API : {cluster.frontend_url}/v1
-  admin gRPC : {cluster.admin_address}   (grpcurl -plaintext {cluster.admin_address} list)
-  etcd       : {cluster.etcd.endpoint}
+  admin gRPC : {address}   ({grpcurl} {address} list)
+  security   : {_security_line(security)}
+  etcd       : {cluster.etcd.endpoint}   (plaintext, loopback only)
   state file : {cluster.state_dir / 'cluster.json'}
   logs       : {cluster.state_dir / 'logs'}
 
 try:
   curl -s {cluster.frontend_url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
+  {grpcurl} {token}{address} ferry.v1.AdminService/ListInstances
+  {ctl}
 
 Ctrl-C stops everything.
-ready""", flush=True)
+ready"""
+
+
+def _security_line(security: ClusterSecurity) -> str:
+    if not security.is_tls:
+        tls = "gRPC in plaintext (--tls-ca/--tls-cert/--tls-key turn on TLS)"
+    else:
+        tls = f"{'mutual TLS' if security.is_mtls else 'TLS'} on every gRPC channel (CA {security.tls_ca})"
+    token = "admin token required" if security.has_admin_token else "admin API open (--admin-token-file closes it)"
+    return f"{tls}; {token}"

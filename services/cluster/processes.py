@@ -42,6 +42,7 @@ class ServiceProcess:
     prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", "host-b"]
     tls: TlsConfig | None = None  # how the health probe dials a TLS gRPC server
     popen: subprocess.Popen | None = None
+    last_probe: str = ""  # what the last gRPC health probe saw: SERVING, another status, or the error
 
     @property
     def pid(self) -> int | None:
@@ -72,7 +73,9 @@ class ServiceProcess:
             if await self._probe():
                 return
             await asyncio.sleep(0.2)
-        raise TimeoutError(f"{self.name} not healthy after {timeout_s:.0f} s; last log lines:\n{self.log_tail()}")
+        probe = f" (last health check: {self.last_probe})" if self.last_probe else ""
+        raise TimeoutError(f"{self.name} not healthy after {timeout_s:.0f} s{probe}; "
+                           f"last log lines:\n{self.log_tail()}")
 
     def signal(self, sig: int) -> None:
         if self.is_alive():
@@ -103,16 +106,18 @@ class ServiceProcess:
     async def _probe(self) -> bool:
         if self.address.startswith("http"):
             return await _http_healthy(self.address)
-        return await grpc_healthy(self.address, tls=self.tls)
+        self.last_probe = await grpc_health_status(self.address, tls=self.tls)
+        return self.last_probe == "SERVING"
 
 
-async def grpc_healthy(address: str, timeout_s: float = 1.0, tls: TlsConfig | None = None) -> bool:
+async def grpc_health_status(address: str, timeout_s: float = 1.0, tls: TlsConfig | None = None) -> str:
+    """SERVING, another status name, or the RPC error (a TLS handshake failure names its cause)."""
     async with secure_or_insecure_channel(address, tls) as channel:
         try:
             response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError:
-            return False
-    return response.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
 async def _http_healthy(base_url: str, timeout_s: float = 1.0) -> bool:

@@ -1,0 +1,100 @@
+"""TLS and the admin token of a local cluster: which flags each child gets.
+
+One certificate serves every gRPC service on this host (it must name 127.0.0.1 or
+localhost, the address the launcher dials and the children advertise). With
+`tls_client_ca` every gRPC server also requires client certificates (mTLS); the children
+and the launcher's own health probes then present that same certificate. etcd stays
+plaintext on loopback, and the frontend's OpenAI API stays plain HTTP.
+
+The admin token only ever travels as a file path (`--admin-token-file`): the token
+itself never reaches a command line, a log or cluster.json.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+from services.common.auth import read_token
+from services.common.tls import TlsConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSecurity:
+    """Absolute paths of PEM files and the token file; None means "not set"."""
+
+    tls_ca: pathlib.Path | None = None  # verifies every server (and, under mTLS, every client)
+    tls_cert: pathlib.Path | None = None  # each service's server certificate, and its client certificate
+    tls_key: pathlib.Path | None = None  # private key of tls_cert
+    tls_client_ca: pathlib.Path | None = None  # set = servers require client certificates (mTLS)
+    admin_token_file: pathlib.Path | None = None  # handed to every manager as --admin-token-file
+
+    @property
+    def is_tls(self) -> bool:
+        return self.tls_ca is not None
+
+    @property
+    def is_mtls(self) -> bool:
+        return self.tls_client_ca is not None
+
+    @property
+    def has_admin_token(self) -> bool:
+        return self.admin_token_file is not None
+
+    def check(self) -> None:
+        """Raise ValueError (naming the flag) for a partial TLS setting or a missing file."""
+        tls_flags = {"--tls-ca": self.tls_ca, "--tls-cert": self.tls_cert, "--tls-key": self.tls_key}
+        missing = [flag for flag, path in tls_flags.items() if path is None]
+        if 0 < len(missing) < len(tls_flags):
+            raise ValueError(f"--tls-ca, --tls-cert and --tls-key go together (one certificate for every service); "
+                             f"missing {' and '.join(missing)}")
+        if self.is_mtls and not self.is_tls:
+            raise ValueError("--tls-client-ca (mTLS) needs TLS: also pass --tls-ca, --tls-cert and --tls-key")
+        self.tls_config().check()
+        if self.admin_token_file is not None:
+            read_token("", str(self.admin_token_file), "admin-token")  # exists, readable, not empty
+
+    def tls_config(self) -> TlsConfig:
+        """How the launcher's health probes (and the children) dial: our certificate included for mTLS."""
+        return TlsConfig(cert_file=_str(self.tls_cert), key_file=_str(self.tls_key), ca_file=_str(self.tls_ca),
+                         client_ca_file=_str(self.tls_client_ca))
+
+    def client_args(self) -> list[str]:
+        """TLS flags of a process that only dials gRPC servers (the frontend)."""
+        if not self.is_tls:
+            return []
+        return ["--tls-ca", str(self.tls_ca), "--tls-cert", str(self.tls_cert), "--tls-key", str(self.tls_key)]
+
+    def server_args(self) -> list[str]:
+        """TLS flags of a process with a gRPC server (transfer, instance)."""
+        mtls = ["--tls-client-ca", str(self.tls_client_ca)] if self.is_mtls else []
+        return [*self.client_args(), *mtls]
+
+    def manager_args(self) -> list[str]:
+        token = ["--admin-token-file", str(self.admin_token_file)] if self.has_admin_token else []
+        return [*self.server_args(), *token]
+
+    def state(self) -> dict:
+        """What cluster.json records, so tools know how to connect (paths only, never the token)."""
+        return {"tls": self.is_tls, "tls_ca": _str(self.tls_ca), "mtls": self.is_mtls,
+                "tls_cert": _str(self.tls_cert) if self.is_mtls else "",
+                "tls_key": _str(self.tls_key) if self.is_mtls else "",
+                "admin_token_file": _str(self.admin_token_file)}
+
+    def grpcurl_args(self) -> list[str]:
+        """grpcurl's connection flags: `-plaintext`, or the CA and, under mTLS, our certificate."""
+        if not self.is_tls:
+            return ["-plaintext"]
+        mtls = ["-cert", str(self.tls_cert), "-key", str(self.tls_key)] if self.is_mtls else []
+        return ["-cacert", str(self.tls_ca), *mtls]
+
+    def ctl_args(self) -> list[str]:
+        """ferryctl's flags for the same connection (the token as its file)."""
+        tls = ["--tls-ca", str(self.tls_ca)] if self.is_tls else []
+        mtls = ["--tls-cert", str(self.tls_cert), "--tls-key", str(self.tls_key)] if self.is_mtls else []
+        token = ["--token-file", str(self.admin_token_file)] if self.has_admin_token else []
+        return [*tls, *mtls, *token]
+
+
+def _str(path: pathlib.Path | None) -> str:
+    return str(path) if path is not None else ""

@@ -1,0 +1,94 @@
+"""`python -m services.cluster up` security flags: all three TLS files or none, mTLS only on
+top of TLS, files that exist, absolute paths for the children."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from services.cluster.__main__ import parse_args
+from services.cluster.security import ClusterSecurity
+
+
+@pytest.fixture
+def files(tmp_path) -> dict[str, pathlib.Path]:
+    paths = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key", "client-ca")}
+    paths["token"] = tmp_path / "admin.token"
+    for name, path in paths.items():
+        path.write_text("s3cret-token\n" if name == "token" else "PEM")
+    return paths
+
+
+def tls_flags(files) -> list[str]:
+    return ["--tls-ca", str(files["ca"]), "--tls-cert", str(files["cert"]), "--tls-key", str(files["key"])]
+
+
+def usage_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["up", *argv])
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_security_is_off_by_default():
+    args = parse_args(["up"])
+    assert args.security == ClusterSecurity()
+    assert not (args.security.is_tls or args.security.is_mtls or args.security.has_admin_token)
+
+
+def test_all_three_tls_files_turn_on_tls(files):
+    security = parse_args(["up", *tls_flags(files)]).security
+    assert (security.is_tls, security.is_mtls, security.has_admin_token) == (True, False, False)
+    assert (security.tls_ca, security.tls_cert, security.tls_key) == (files["ca"], files["cert"], files["key"])
+
+
+def test_client_ca_and_token_file(files):
+    security = parse_args(["up", *tls_flags(files), "--tls-client-ca", str(files["client-ca"]),
+                           "--admin-token-file", str(files["token"])]).security
+    assert (security.is_mtls, security.tls_client_ca, security.admin_token_file) == (True, files["client-ca"],
+                                                                                     files["token"])
+
+
+def test_relative_paths_become_absolute(files, monkeypatch):
+    """The children run from the repository root, not from the caller's directory."""
+    monkeypatch.chdir(files["ca"].parent)
+    security = parse_args(["up", "--tls-ca", "ca.pem", "--tls-cert", "cert.pem", "--tls-key", "key.pem",
+                           "--admin-token-file", "admin.token"]).security
+    assert security.tls_ca == files["ca"] and security.tls_ca.is_absolute()
+    assert security.admin_token_file == files["token"]
+
+
+@pytest.mark.parametrize("given, missing", [
+    (["ca"], "--tls-cert and --tls-key"),
+    (["cert"], "--tls-ca and --tls-key"),
+    (["key"], "--tls-ca and --tls-cert"),
+    (["ca", "cert"], "--tls-key"),
+    (["cert", "key"], "--tls-ca"),
+    (["ca", "key"], "--tls-cert"),
+])
+def test_tls_files_go_together(files, capsys, given, missing):
+    argv = [arg for name in given for arg in (f"--tls-{name}", str(files[name]))]
+    error = usage_error(argv, capsys)
+    assert "--tls-ca, --tls-cert and --tls-key go together" in error and f"missing {missing}\n" in error
+
+
+def test_client_ca_needs_tls(files, capsys):
+    error = usage_error(["--tls-client-ca", str(files["client-ca"])], capsys)
+    assert "--tls-client-ca (mTLS) needs TLS" in error
+
+
+@pytest.mark.parametrize("flag", ["--tls-ca", "--tls-cert", "--tls-key", "--tls-client-ca"])
+def test_a_missing_tls_file_is_named(files, capsys, tmp_path, flag):
+    absent = tmp_path / "absent.pem"
+    argv = [*tls_flags(files), "--tls-client-ca", str(files["client-ca"])]
+    argv[argv.index(flag) + 1] = str(absent)
+    assert f"{flag} {absent}: no such file" in usage_error(argv, capsys)
+
+
+def test_a_missing_or_empty_token_file_is_named(files, capsys, tmp_path):
+    absent = tmp_path / "absent.token"
+    assert f"--admin-token-file {absent}:" in usage_error(["--admin-token-file", str(absent)], capsys)
+    empty = tmp_path / "empty.token"
+    empty.write_text("\n")
+    assert f"--admin-token-file {empty} is empty" in usage_error(["--admin-token-file", str(empty)], capsys)

@@ -136,6 +136,9 @@ async def run_workload(url: str, model: str, requests: list[tuple[float, list[in
     return list(results), elapsed
 
 
+STEP_SAMPLE_INTERVAL_S = 3.0
+
+
 async def instance_step_times(admin: str) -> list[float]:
     async with grpc.aio.insecure_channel(admin) as channel:
         instances = (await manager_pb2_grpc.AdminServiceStub(channel).ListInstances(
@@ -232,9 +235,22 @@ async def bench(args: argparse.Namespace, url: str, admin: str | None, model_dir
     from services.instance.engine.model_config import ModelConfig
 
     requests = workload(args, ModelConfig.from_dir(model_dir).vocab_size)
+    step_times: list[float] = []
+    sampler = asyncio.create_task(sample_step_times(admin, step_times)) if admin else None
     results, elapsed = await run_workload(url, model_dir.name, requests)
-    step_times = await instance_step_times(admin) if admin else []
+    if sampler is not None:
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
     return report(args, results, elapsed, step_times)
+
+
+async def sample_step_times(admin: str, samples: list[float], interval_s: float = STEP_SAMPLE_INTERVAL_S) -> None:
+    """Every `interval_s` while the workload runs, each instance's median step over its last
+    256 steps: the steps that made the tokens the client is timing (read once at the end, the
+    window would hold the short steps of the run's tail)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        samples += await instance_step_times(admin)
 
 
 def main() -> None:

@@ -70,12 +70,16 @@ def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServ
                peers: TransferClients, copy_executor: ThreadPoolExecutor, io_executor: ThreadPoolExecutor
                ) -> TransferNode:
     mappings = KvMappings(transfer_id)
-    staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024)
+    # Separate pools for the two directions: with one pool, sends to this same service (every
+    # transfer between two instances it maps) could take every slot and wait forever for
+    # receives that need one.
+    send_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024)
+    receive_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024)
     channel_host = config.advertise_host or server.advertise_host
     channels = ChannelTable(transfer_id, channel_host, config.channel_timeout_s, io_executor)
     backends = tuple(config.backends)
-    sender = BlockSender(transfer_id, backends, mappings, staging, channels, peers, copy_executor, io_executor)
-    receiver = BlockReceiver(mappings, staging, channels, copy_executor, io_executor)
+    sender = BlockSender(transfer_id, backends, mappings, send_staging, channels, peers, copy_executor, io_executor)
+    receiver = BlockReceiver(mappings, receive_staging, channels, copy_executor, io_executor)
 
     async def on_mappings_changed() -> None:
         if registry is not None:

@@ -29,7 +29,8 @@ class TransferConfig(EtcdKnobs, TlsKnobs):
                                         "(kv_shm_name, kv); needs --etcd-endpoints")
     staging_kib: int = knob(16384, "size of each staging buffer in KiB; a transfer holds two (ping-pong) and "
                                    "moves chunks of at most this size")
-    num_staging_slots: int = knob(2, "transfers (sending or receiving) in flight at once, each holding two buffers")
+    num_staging_slots: int = knob(2, "transfers in flight at once per direction (this many sending and this many "
+                                     "receiving), each holding two staging buffers")
     grpc_piece_kib: int = knob(8192, "most data bytes per ReceiveBlocks message of the grpc backend, in KiB: "
                                      "senders cut grpc transfers into chunks of this size (or --staging-kib "
                                      "if smaller), one message each")

@@ -1,9 +1,10 @@
 """Preallocated staging memory: slots of two ping-pong buffers, handed out one slot per transfer.
 
 Every buffer is allocated and touched once at startup; transfers never allocate
-block-sized memory. A transfer (send or receive) holds one slot for its whole life, so
-the number of slots bounds the transfers in flight; a transfer that cannot get one
-before its deadline fails with RESOURCE_EXHAUSTED.
+block-sized memory. A transfer holds one slot for its whole life, so the number of slots
+bounds the transfers in flight; a transfer that cannot get one before its deadline fails
+with RESOURCE_EXHAUSTED. A service keeps one pool for sending and one for receiving: a
+send waits for its receive, so the two must never compete for the same slots.
 """
 
 from __future__ import annotations

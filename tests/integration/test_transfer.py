@@ -148,6 +148,25 @@ async def test_unknown_destination_is_not_found_and_the_channel_recovers(service
 
 
 @pytest.mark.parametrize("backend", [TransferBackend.GRPC, TransferBackend.GLOO])
+async def test_more_transfers_to_itself_than_staging_slots_all_complete(services, caches, mapped, backend):
+    """One service maps both instances (the usual one-per-host setup) and moves blocks between
+    them, several transfers at once (concurrent migrations): sends and receives must not wait
+    on each other's staging slots (2 by default)."""
+    a, _b = mapped
+    src, dst = caches["a-small"], caches["b-small"]
+    dst.tensor.zero_()
+    moves = [((4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3), (23 - 4 * i, 22 - 4 * i, 21 - 4 * i, 20 - 4 * i))
+             for i in range(5)]
+    await asyncio.wait_for(asyncio.gather(*(
+        a.transfer(BlockTransfer(InstanceId("a-small"), src_ids, InstanceId("b-small"), dst_ids,
+                                 services["A"].address, backend, True), timeout_s=20)
+        for src_ids, dst_ids in moves)), 30)
+    for src_ids, dst_ids in moves:
+        for s, d in zip(src_ids, dst_ids):
+            assert torch.equal(dst.tensor[:, :, d].view(torch.uint8), src.tensor[:, :, s].view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", [TransferBackend.GRPC, TransferBackend.GLOO])
 async def test_killing_the_destination_mid_transfer_is_a_clean_unavailable(
         etcd, cluster_name, services, caches, mapped, tmp_path, backend):
     a, _b = mapped

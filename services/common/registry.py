@@ -96,6 +96,10 @@ class Registry:
         if self._keepalive_task is None:
             self._keepalive_task = asyncio.create_task(self._keepalive_loop(), name="registry_keepalive_loop")
 
+    def holds(self, kind: str, member_id: str) -> bool:
+        """Whether register() put this entry (and unregister() did not remove it)."""
+        return self.key(kind, member_id) in self._entries
+
     async def update(self, kind: str, member_id: str, value: dict[str, Any]) -> None:
         """Change a registered value. If etcd is unreachable the keepalive loop writes it later."""
         key = self.key(kind, member_id)

@@ -120,7 +120,7 @@ def wire_pd(config: InstanceConfig, servicer: InstanceServicer, runner: EngineRu
     runner.on_prefilled = servicer.handoff.note_prefilled
 
     async def update_record(identity: InstanceIdentity) -> None:
-        if registry is not None:
+        if registry is not None and registry.holds("instances", identity.instance_id):  # else register() writes it
             await registry.update("instances", identity.instance_id, record(identity))
 
     servicer.on_role_change = update_record

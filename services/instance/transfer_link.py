@@ -70,6 +70,9 @@ async def transfer_mapping_loop(link: TransferLink, instance_id: str, kv_cache: 
                 log.info("kv_cache_remapped", transfer_address=link.address, shm_name=kv_cache.name)
         except Unavailable as exc:  # down or restarting: try again next interval
             log.debug("transfer_status_unavailable", transfer_address=link.address, reason=exc.message)
+        except FerryError as exc:  # any other refusal: this loop must outlive it, and try again next interval
+            log.warning("kv_cache_remap_failed", transfer_address=link.address, reason=exc.message,
+                        code=exc.grpc_code.name)
 
 
 async def disconnect_transfer(link: TransferLink, instance_id: str) -> None:

@@ -82,7 +82,9 @@ def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServ
     receiver = BlockReceiver(mappings, receive_staging, channels, copy_executor, io_executor)
 
     async def on_mappings_changed() -> None:
-        if registry is not None:
+        # Before registration (instances map themselves as soon as the server answers) the
+        # record is written by register(), and once more right after it.
+        if registry is not None and registry.holds("transfer", transfer_id):
             await registry.update("transfer", transfer_id, _record(node))
     node = TransferNode(transfer_id, server.address, backends, config.default_backend, config.transfer_timeout_s,
                         mappings, sender, receiver, channels, on_mappings_changed)
@@ -94,6 +96,7 @@ async def serve(config: TransferConfig, node: TransferNode, server: GrpcServer, 
     if registry is not None:
         await _map_from_etcd(registry, node, config.map_instances)
         await registry.register("transfer", node.transfer_id, _record(node))
+        await node.on_mappings_changed()  # instances mapped while register() wrote the record
     await server.set_serving(True)
     log.info("transfer_ready", transfer_id=node.transfer_id, address=node.address,
              backends=[b.value for b in node.backends], instance_ids=node.mappings.instance_ids())

@@ -120,6 +120,26 @@ async def test_registers_address_backends_and_mapped_instances(etcd, cluster_nam
     assert set(record["instance_ids"]) == {"a-small", "b-small", "a-wide", "b-wide"}
 
 
+async def test_instances_mapping_while_it_starts_are_registered(etcd, cluster_name, caches, tmp_path):
+    """Instances map themselves again as soon as a restarted service answers, which can be
+    before it registered in etcd: those calls succeed, and its record lists them."""
+    service = _start("early", etcd, cluster_name, tmp_path)
+    try:
+        while True:  # a fresh channel per try: a channel's reconnect backoff would miss the window
+            async with TransferClient(service.address, timeout_s=2) as client:
+                try:
+                    await client.map_instance("a-small", caches["a-small"].name, SMALL)
+                    break
+                except Unavailable:  # not listening yet
+                    await asyncio.sleep(0.002)
+        await service.wait_healthy(60)
+        async with Registry([etcd.endpoint], cluster_name) as registry:
+            record = await registry.get_json("transfer/early")
+        assert record["instance_ids"] == ["a-small"]
+    finally:
+        service.stop()
+
+
 @pytest.mark.parametrize("backend", [TransferBackend.GRPC, TransferBackend.GLOO, TransferBackend.SHM])
 @pytest.mark.parametrize("pair", ["small", "wide"])
 async def test_random_block_sets_move_bit_exactly(services, caches, mapped, backend, pair):

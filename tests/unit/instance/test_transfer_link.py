@@ -1,0 +1,47 @@
+"""The instance's link to its transfer service survives whatever the service answers."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from services.common.errors import Internal, Unavailable
+from services.instance.transfer_link import TransferLink, transfer_mapping_loop
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@dataclass
+class FlakyTransferClient:
+    """A restarted transfer service: first down, then refusing, then without our mapping."""
+
+    answers: list[BaseException | list[str]]
+    address: str = "127.0.0.1:1"
+    mapped: list[str] = field(default_factory=list)
+
+    async def get_status(self):
+        answer = self.answers.pop(0) if self.answers else ["instance-0"]
+        if isinstance(answer, BaseException):
+            raise answer
+        return SimpleNamespace(instance_ids=answer)
+
+    async def map_instance(self, instance_id: str, shm_name: str, geometry) -> int:
+        self.mapped.append(instance_id)
+        return 0
+
+
+async def test_mapping_loop_outlives_refusals_and_maps_again():
+    client = FlakyTransferClient([Unavailable("restarting"), Internal("not registered yet"), []])
+    cache = SimpleNamespace(name="ferry-kv-test", geometry=None)
+    loop = asyncio.create_task(transfer_mapping_loop(TransferLink(client, "transfer-0"), "instance-0", cache,
+                                                     interval_s=0.01))
+    try:
+        while not client.mapped:
+            assert not loop.done(), loop.exception()
+            await asyncio.sleep(0.01)
+    finally:
+        loop.cancel()
+    assert client.mapped == ["instance-0"]

@@ -118,6 +118,7 @@ def wire_pd(config: InstanceConfig, servicer: InstanceServicer, runner: EngineRu
                                      config.pd_handoff, lambda: servicer.identity.role,
                                      num_workers=config.max_concurrent_migrations)
     runner.on_prefilled = servicer.handoff.note_prefilled
+    runner.holds_first_tokens = lambda: servicer.handoff.is_pushing
 
     async def update_record(identity: InstanceIdentity) -> None:
         if registry is not None and registry.holds("instances", identity.instance_id):  # else register() writes it

@@ -29,7 +29,7 @@ import structlog
 
 from services.common.errors import Aborted, FailedPrecondition, FerryError, NotFound
 from services.instance.engine.block_manager import BlockId
-from services.instance.engine.migration_state import MigrationBlocks, MigrationSelection, RequestState
+from services.instance.engine.migration_state import HeldRequest, MigrationBlocks, MigrationSelection, RequestState
 from services.instance.handoff import Handoff
 from services.instance.migration_slots import MigrationSlots
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend, TransferResult
@@ -54,6 +54,7 @@ class MigrateOutPlan:
     selection: MigrationSelection = MigrationSelection.SHORTEST_RUNNING
     exclude_request_ids: frozenset[str] = frozenset()  # never picked (e.g. the manager's cooldown)
     max_stages: int | None = None  # live stages; None = --migration-max-stages, 0 = one stop-and-copy (PD hand-off)
+    held: HeldRequest | None = None  # parked with its state already (PD hand-off): no engine call to suspend it
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +230,10 @@ class MigrationDriver:
 
     async def _move_in_one_stage(self, a: _Attempt) -> MigrationResult:
         """Suspend (unless the PD hand-off holds it already) and export at once, copy every block, commit."""
-        view, state = await self._suspend(a, lambda engine: engine.suspend_held(a.request_id))
+        if a.plan.held is not None:
+            view, state, a.suspended_at = a.plan.held.blocks, a.plan.held.state, a.plan.held.held_at
+        else:
+            view, state = await self._suspend(a, lambda engine: engine.suspend_held(a.request_id))
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
         if a.reservation is None:  # nothing to copy (a request with no blocks): reserve the slot all the same
             await self._reserve(a, view, 0)

@@ -27,7 +27,7 @@ import structlog
 
 from services.common.errors import FerryError, ResourceExhausted
 from services.instance.config import InstanceRole, PdHandoff
-from services.instance.engine.migration_state import MigrationSelection
+from services.instance.engine.migration_state import HeldRequest, MigrationSelection
 from services.instance.migration import MigrateOutPlan, MigrationDriver, MigrationResult
 from services.instance.runner import EngineRunner
 
@@ -66,6 +66,7 @@ class DecodeHandoff:
         self._role = role
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._pending: set[str] = set()  # queued or moving now: not reported as `num_prefilled`
+        self._held: dict[str, HeldRequest] = {}  # parked in the step of their first token, with their state
         self._reports: set[asyncio.Task[None]] = set()
         self.is_decode_missing = False  # the last PlaceDecode found no decode instance
         self.num_handed_off = 0
@@ -81,12 +82,16 @@ class DecodeHandoff:
             return 0
         return max(0, num_decoding - len(self._pending | self._migrations.moving))
 
-    def note_prefilled(self, request_id: str) -> None:
-        """The request's first token was delivered (on the event loop): queue its hand-off."""
+    def note_prefilled(self, request_id: str, held: HeldRequest | None = None) -> None:
+        """The request's first token was delivered (on the event loop): queue its hand-off.
+        `held`: the runner parked it already, in the step that made the token."""
         if self.is_pushing and request_id not in self._pending:
             self._pending.add(request_id)
-            engine = self._runner.engine
-            self._runner.call_soon(lambda: engine.hold(request_id))  # parked: it decodes on the decode instance
+            if held is not None:
+                self._held[request_id] = held
+            else:  # parked at the next step boundary: it decodes on the decode instance
+                engine = self._runner.engine
+                self._runner.call_soon(lambda: engine.hold(request_id))
             self._queue.put_nowait(request_id)
 
     async def move_decoding(self) -> int:
@@ -107,6 +112,8 @@ class DecodeHandoff:
             request_id = await self._queue.get()
             try:
                 await self._hand_off(request_id)
+            except Exception:  # noqa: BLE001 — one request's failure must not stop the hand-offs (or the instance)
+                log.exception("pd_handoff_crashed", request_id=request_id)
             finally:
                 self._pending.discard(request_id)
 
@@ -116,13 +123,18 @@ class DecodeHandoff:
         await asyncio.gather(*self._reports, return_exceptions=True)
 
     async def _hand_off(self, request_id: str) -> None:
+        held = self._held.pop(request_id, None)
         if self._runner.stream(request_id) is None:
             return  # aborted meanwhile
-        result = await self._try_hand_off(request_id) if self.is_pushing else None
+        try:
+            result = await self._try_hand_off(request_id, held) if self.is_pushing else None
+        except Exception:  # noqa: BLE001 — unexpected (refusals are handled inside): it must not stay held
+            log.exception("pd_handoff_crashed", request_id=request_id, action="it decodes here")
+            result = None
         if result is None and request_id not in self._migrations.moving:  # (another migration owns it otherwise)
             await self._runner.call(lambda: self._runner.engine.resume(request_id))  # it decodes here after all
 
-    async def _try_hand_off(self, request_id: str) -> MigrationResult | None:
+    async def _try_hand_off(self, request_id: str, held: HeldRequest | None) -> MigrationResult | None:
         started_at = time.time()
         try:
             place = await self._placer.place_decode(request_id, self._instance_id, 0)
@@ -132,7 +144,7 @@ class DecodeHandoff:
         self._note_decode_back()
         plan = MigrateOutPlan(request_id=request_id, dst_instance_id=place.instance_id, dst_address=place.address,
                               dst_transfer_address="", backend=None, selection=MigrationSelection.PREFILL_DONE,
-                              max_stages=0)
+                              max_stages=0, held=held)
         result = await self._migrate(plan)
         if result is not None:
             self.num_handed_off += 1

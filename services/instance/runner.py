@@ -30,6 +30,7 @@ import structlog
 
 from services.common.errors import Internal, InvalidArgument, Unavailable
 from services.instance.engine.engine import LLMEngine, LoadSnapshot, StepOutput
+from services.instance.engine.migration_state import HeldRequest
 from services.instance.handoff import Handoff
 
 log = structlog.get_logger(__name__)
@@ -75,7 +76,10 @@ class EngineRunner:
         self.num_steps = 0
         self.is_broken = False  # set when a step raised; the instance then refuses new work
         self.on_load_change: Callable[[LoadSnapshot], None] | None = None
-        self.on_prefilled: Callable[[str], None] | None = None  # a Generate request's first token, still running
+        # A Generate request's first token, still running; with the request's parked hand-off
+        # state when `holds_first_tokens()` said so in the step that made the token (PD push).
+        self.on_prefilled: Callable[[str, HeldRequest | None], None] | None = None
+        self.holds_first_tokens: Callable[[], bool] = lambda: False  # read on the engine thread
 
     def start(self) -> None:
         self._thread.start()
@@ -227,7 +231,20 @@ class EngineRunner:
             return
         self._step_times_s.append(time.perf_counter() - started)
         self.num_steps += 1
-        self._publish(outputs)
+        self._publish(outputs, self._hold_first_tokens(outputs))
+
+    def _hold_first_tokens(self, outputs: list[StepOutput]) -> dict[str, HeldRequest]:
+        """PD push: park each request that got its first token in this step before the next
+        step starts, so it decodes no token here and its hand-off needs no engine call."""
+        if not outputs or not self.holds_first_tokens():
+            return {}
+        held = {}
+        for output in outputs:
+            if output.token_index == 0 and output.new_token_ids and output.finish_reason is None:
+                request = self._engine.hold_and_export(output.request_id)
+                if request is not None:
+                    held[output.request_id] = request
+        return held
 
     def _run_commands(self) -> None:
         while True:
@@ -244,11 +261,11 @@ class EngineRunner:
             if self.on_load_change is not None:
                 self._loop.call_soon_threadsafe(self.on_load_change, load)
 
-    def _publish(self, outputs: list[StepOutput]) -> None:
+    def _publish(self, outputs: list[StepOutput], held: dict[str, HeldRequest]) -> None:
         if outputs:
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
+            self._loop.call_soon_threadsafe(self._deliver, outputs, held)
 
-    def _deliver(self, outputs: list[StepOutput]) -> None:
+    def _deliver(self, outputs: list[StepOutput], held: dict[str, HeldRequest]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
@@ -263,7 +280,7 @@ class EngineRunner:
             elif stream.is_prefilling and output.new_token_ids:
                 stream.is_prefilling = False
                 if self.on_prefilled is not None:
-                    self.on_prefilled(output.request_id)
+                    self.on_prefilled(output.request_id, held.get(output.request_id))
 
 
     def _fail_all(self, exc: BaseException) -> None:

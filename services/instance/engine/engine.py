@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+
 import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.instance.engine.block_manager import BlockId, BlockManager, num_blocks_for
 from services.instance.engine.kv_cache import KvCache
 from services.instance.engine.migration_state import (
+    HeldRequest,
     MigrationBlocks,
     MigrationSelection,
     RequestState,
@@ -195,6 +198,12 @@ class LLMEngine:
             return False
         self.scheduler.suspend(request)
         return True
+
+    def hold_and_export(self, request_id: str) -> HeldRequest | None:
+        """`hold`, and the request's blocks and state for its hand-off; None if it is not decoding."""
+        if not self.hold(request_id):
+            return None
+        return HeldRequest(self.migration_blocks(request_id), self.export_state(request_id), time.perf_counter())
 
     def suspend_held(self, request_id: str) -> MigrationBlocks:
         """`suspend`, or nothing if the request is held already (the PD hand-off's one stop-and-copy stage)."""

@@ -29,6 +29,16 @@ class MigrationSelection(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class HeldRequest:
+    """A request parked for its PD hand-off, with what the hand-off needs, taken in the engine
+    step that parked it (nothing changes while it is parked, so no later engine call is needed)."""
+
+    blocks: "MigrationBlocks"
+    state: "RequestState"
+    held_at: float  # time.perf_counter() when it left the batch
+
+
+@dataclass(frozen=True, slots=True)
 class MigrationBlocks:
     request_id: RequestId
     status: RequestStatus

@@ -300,3 +300,35 @@ async def test_a_waiting_request_moves_without_blocks(pair):
     for i in range(4):
         await a.runner.abort(f"busy-{i}")
     await assert_no_blocks_held(a, b)
+
+
+async def test_a_request_parked_at_its_first_token_moves_with_no_engine_call(pair):
+    """PD push: the runner parks a request in the step that made its first token (it decodes no
+    second token there) and hands its state to `on_prefilled`; the one-stage move uses that."""
+    a, b = pair
+    expected = await reference(a)
+    parked = {}
+    a.runner.holds_first_tokens = lambda: True
+    a.runner.on_prefilled = lambda request_id, held: parked.setdefault(request_id, held)
+    try:
+        tokens: list[int] = []
+        stream = await a.runner.add("r", PROMPT, SAMPLING)
+        await read(stream, tokens, until=1)
+        while "r" not in parked:
+            await asyncio.sleep(0.001)
+        held = parked["r"]
+        assert held is not None and held.state.output_token_ids == tuple(tokens) == tuple(expected[:1])
+        await asyncio.sleep(0.05)  # steps may run meanwhile: the parked request must not decode
+        assert (await a.runner.call(a.engine.load)).num_running == 0
+        copier = TensorCopier(a, b)
+        moved = MigrateOutPlan(request_id="r", dst_instance_id="b", dst_address="127.0.0.1:2", dst_transfer_address="",
+                               backend=None, max_stages=0, held=held)
+        result = await driver(a, FaultyPeer(b), copier).migrate_out(moved)
+        handoff = await read(stream, tokens)
+        assert isinstance(handoff, Handoff) and handoff.next_token_index == 1
+        await read(b.inbox.attach("r", handoff.epoch), tokens)
+        assert tokens == expected and result.num_stages == 1 and len(copier.transfers) == 1
+    finally:
+        a.runner.holds_first_tokens = lambda: False
+        a.runner.on_prefilled = None
+    await assert_no_blocks_held(a, b)

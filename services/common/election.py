@@ -90,6 +90,9 @@ class Election:
             except ETCD_ERRORS as exc:
                 log.debug("campaign_attempt_failed", key=self.key, error=repr(exc))
                 await backoff.sleep()
+            except Exception as exc:  # noqa: BLE001 — not etcd being away: a bug or an unexpected answer; try again
+                log.warning("campaign_attempt_failed", key=self.key, error=repr(exc), exc_info=exc)
+                await backoff.sleep()
         log.info("leader_elected", key=self.key, leader_id=self.info.leader_id, epoch=self.epoch)
         self._leadership_task = asyncio.create_task(self._leadership_loop(), name="election_leadership_loop")
 
@@ -151,7 +154,8 @@ class Election:
 
     async def _leadership_loop(self) -> None:
         # Renew every TTL/3. Lost when etcd says the lease is gone, or after a TTL with no
-        # successful renewal (etcd may have expired it and another candidate may lead).
+        # successful renewal, whatever kept it from succeeding (etcd may have expired it and
+        # another candidate may lead).
         renewed_at = time.monotonic()
         while True:
             await asyncio.sleep(self.ttl_s / 3)
@@ -159,8 +163,8 @@ class Election:
                 if not await self._lease.keepalive():
                     return self._lose_leadership("lease_expired")
                 renewed_at = time.monotonic()
-            except ETCD_ERRORS as exc:
-                log.debug("leader_renew_failed", error=repr(exc))
+            except Exception as exc:  # noqa: BLE001 — etcd away or anything unexpected: a failed renewal
+                _log_renew_failed(exc)
                 if time.monotonic() - renewed_at > self.ttl_s:
                     return self._lose_leadership("lease_not_renewed")
 
@@ -181,6 +185,13 @@ class Election:
         if self._client is None:
             self._client = await connect_etcd(self.endpoints, self.access)
         return self._client
+
+
+def _log_renew_failed(exc: Exception) -> None:
+    if isinstance(exc, ETCD_ERRORS):
+        log.debug("leader_renew_failed", error=repr(exc))
+    else:  # not etcd being away: a bug or an answer we did not expect
+        log.warning("leader_renew_failed", error=repr(exc), exc_info=exc)
 
 
 class LeaderView:

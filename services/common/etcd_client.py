@@ -26,6 +26,7 @@ from etcd3aio import Etcd3Client, EtcdError
 
 from services.common.auth import read_token
 from services.common.config import knob
+from services.common.periodic import periodic_loop
 
 log = structlog.get_logger(__name__)
 
@@ -136,14 +137,16 @@ async def _authenticate(client: Etcd3Client, access: EtcdAccess) -> None:
     client.set_token(response.token)
 
 
-async def _token_refresh_loop(client: Etcd3Client, access: EtcdAccess) -> None:
+async def _token_refresh_loop(client: Etcd3Client, access: EtcdAccess, interval_s: float = TOKEN_REFRESH_S) -> None:
     """Re-authenticate on a timer: tokens expire, and an etcd restart forgets them."""
-    while True:
-        await asyncio.sleep(TOKEN_REFRESH_S)
-        try:
-            await _authenticate(client, access)
-        except ETCD_ERRORS as exc:
-            log.warning("etcd_authentication_failed", user=access.user, error=str(exc) or type(exc).__name__)
+    await periodic_loop("etcd_token_refresh_loop", interval_s, lambda: _refresh_token(client, access))
+
+
+async def _refresh_token(client: Etcd3Client, access: EtcdAccess) -> None:
+    try:
+        await _authenticate(client, access)
+    except ETCD_ERRORS as exc:  # the old token serves until it expires; try again next interval
+        log.warning("etcd_authentication_failed", user=access.user, error=str(exc) or type(exc).__name__)
 
 
 @dataclasses.dataclass(slots=True)

@@ -3,8 +3,8 @@
 Design: a full read, then a watch from the revision after it until the resync interval
 ends, then again. The watch makes changes visible within milliseconds; the full read
 repairs whatever a watch can miss (an etcd restart, a compacted revision). While etcd is
-unreachable the view keeps the last known members and `staleness_s` grows; readers
-decide how stale is too stale.
+unreachable (or a sync fails in any other way: logged, retried with backoff) the view
+keeps the last known members and `staleness_s` grows; readers decide how stale is too stale.
 """
 
 from __future__ import annotations
@@ -126,6 +126,10 @@ class MembershipView:
                 backoff.reset()
             except ETCD_ERRORS as exc:
                 self._note_unreachable(exc)
+                await backoff.sleep()
+            except Exception as exc:  # noqa: BLE001 — a bug or an unexpected answer: the view must stay live
+                log.warning("membership_sync_crashed", prefix=self.prefix, error=repr(exc), exc_info=exc)
+                self._is_reachable = False  # the next successful read logs membership_resynced
                 await backoff.sleep()
 
     async def _resync(self) -> int:

@@ -133,16 +133,16 @@ class Registry:
         return lambda: self._callbacks.remove(callback)
 
     async def _keepalive_loop(self) -> None:
-        # Renew every TTL/3. A failed renewal is retried with backoff; after a TTL without
-        # one the registration counts as lost. Once etcd answers again: renew the old lease
-        # if it survived, else grant a new one, and write every entry again.
+        # Renew every TTL/3. A failed renewal (whatever the error) is retried with backoff;
+        # after a TTL without one the registration counts as lost. Once etcd answers again:
+        # renew the old lease if it survived, else grant a new one, and write every entry again.
         backoff = Backoff(initial_s=0.1, max_s=self.ttl_s / 3)
         while True:
             try:
                 await self._renew_or_reregister()
                 backoff.reset()
                 await asyncio.sleep(self.ttl_s / 3)
-            except ETCD_ERRORS as exc:
+            except Exception as exc:  # noqa: BLE001 — etcd away or anything unexpected: a failed renewal
                 self._note_renew_failed(exc)
                 await backoff.sleep()
 
@@ -174,7 +174,10 @@ class Registry:
 
     def _note_renew_failed(self, exc: BaseException) -> None:
         silent_s = time.monotonic() - self._renewed_at
-        log.debug("lease_renew_failed", error=repr(exc), silent_s=round(silent_s, 2))
+        if isinstance(exc, ETCD_ERRORS):
+            log.debug("lease_renew_failed", error=repr(exc), silent_s=round(silent_s, 2))
+        else:  # not etcd being away: a bug or an answer we did not expect
+            log.warning("lease_renew_failed", error=repr(exc), silent_s=round(silent_s, 2), exc_info=exc)
         if self.is_registered and silent_s > self.ttl_s:
             log.warning("lease_lost", error=repr(exc), silent_s=round(silent_s, 2), ttl_s=self.ttl_s)
             self._lost_registration()

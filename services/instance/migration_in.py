@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import structlog
 
 from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
+from services.common.periodic import periodic_loop
 from services.instance.engine.migration_state import RequestState
 from services.instance.migration import Reservation
 from services.instance.migration_slots import MigrationSlots
@@ -143,10 +144,8 @@ class MigrationInbox:
 
     async def watchdog_loop(self) -> None:
         """Free reservations whose source went quiet and migrated-in requests nobody attached to."""
-        interval_s = min(1.0, self._timeout_s / 4)
-        while True:
-            await asyncio.sleep(interval_s)
-            await self.expire(time.monotonic())
+        await periodic_loop("migration_watchdog_loop", min(1.0, self._timeout_s / 4),
+                            lambda: self.expire(time.monotonic()))
 
     async def expire(self, now: float) -> None:
         for incoming in list(self._incoming.values()):

@@ -167,7 +167,7 @@ class EngineRunner:
         if self._streams.get(stream.request_id) is not stream:
             return
         del self._streams[stream.request_id]
-        self._submit(lambda: self._engine.abort(stream.request_id))
+        self.call_soon(lambda: self._engine.abort(stream.request_id))  # its error is logged; the thread goes on
 
     async def abort(self, request_id: str) -> bool:
         stream = self._streams.pop(request_id, None)
@@ -218,12 +218,16 @@ class EngineRunner:
             else:
                 self._wakeup.wait(_IDLE_WAIT_S)
                 self._wakeup.clear()
-            self._snapshot_load()
+            try:
+                self._snapshot_load()
+            except Exception:  # noqa: BLE001 — a load figure is not worth the engine thread
+                log.exception("load_snapshot_failed")
 
     def _step(self) -> None:
         started = time.perf_counter()
         try:
             outputs = self._engine.step()
+            held = self._hold_first_tokens(outputs)
         except Exception as exc:  # a broken engine must fail its clients, not hang them
             log.exception("engine_step_failed")
             self.is_broken = True
@@ -231,7 +235,7 @@ class EngineRunner:
             return
         self._step_times_s.append(time.perf_counter() - started)
         self.num_steps += 1
-        self._publish(outputs, self._hold_first_tokens(outputs))
+        self._publish(outputs, held)
 
     def _hold_first_tokens(self, outputs: list[StepOutput]) -> dict[str, HeldRequest]:
         """PD push: park each request that got its first token in this step before the next

@@ -17,6 +17,7 @@ import structlog
 
 from services.common.backoff import Backoff
 from services.common.errors import FerryError, Unavailable
+from services.common.periodic import periodic_loop
 from services.common.tls import TlsConfig
 from services.instance.engine.kv_cache import KvCache
 from services.transfer.client import TransferClient
@@ -62,17 +63,19 @@ async def connect_transfer(address: str, instance_id: str, kv_cache: KvCache, rp
 async def transfer_mapping_loop(link: TransferLink, instance_id: str, kv_cache: KvCache,
                                 interval_s: float = MAPPING_CHECK_INTERVAL_S) -> None:
     """Map `kv_cache` again whenever the transfer service no longer lists this instance (it restarted)."""
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            if instance_id not in (await link.client.get_status()).instance_ids:
-                await link.client.map_instance(instance_id, kv_cache.name, kv_cache.geometry)
-                log.info("kv_cache_remapped", transfer_address=link.address, shm_name=kv_cache.name)
-        except Unavailable as exc:  # down or restarting: try again next interval
-            log.debug("transfer_status_unavailable", transfer_address=link.address, reason=exc.message)
-        except FerryError as exc:  # any other refusal: this loop must outlive it, and try again next interval
-            log.warning("kv_cache_remap_failed", transfer_address=link.address, reason=exc.message,
-                        code=exc.grpc_code.name)
+    await periodic_loop("transfer_mapping_loop", interval_s, lambda: _check_mapping(link, instance_id, kv_cache))
+
+
+async def _check_mapping(link: TransferLink, instance_id: str, kv_cache: KvCache) -> None:
+    try:
+        if instance_id not in (await link.client.get_status()).instance_ids:
+            await link.client.map_instance(instance_id, kv_cache.name, kv_cache.geometry)
+            log.info("kv_cache_remapped", transfer_address=link.address, shm_name=kv_cache.name)
+    except Unavailable as exc:  # down or restarting: try again next interval
+        log.debug("transfer_status_unavailable", transfer_address=link.address, reason=exc.message)
+    except FerryError as exc:  # any other refusal: try again next interval (anything else: periodic_loop logs it)
+        log.warning("kv_cache_remap_failed", transfer_address=link.address, reason=exc.message,
+                    code=exc.grpc_code.name)
 
 
 async def disconnect_transfer(link: TransferLink, instance_id: str) -> None:

@@ -72,8 +72,8 @@ class ConfigStore:
     async def watch_loop(self, apply: Callable[[ClusterSettings], None]) -> None:
         """Keep `apply`ing the stored settings: read all, watch, re-read on each change.
 
-        On an etcd failure the last applied settings stay in force; the loop backs off and
-        starts over with a full read, so nothing written meanwhile is missed.
+        On an etcd failure (or any other error, logged) the last applied settings stay in force;
+        the loop backs off and starts over with a full read, so nothing written meanwhile is missed.
         """
         backoff = Backoff(initial_s=0.2, max_s=5.0)
         while True:
@@ -84,6 +84,9 @@ class ConfigStore:
                 await self._wait_for_change(revision)
             except ETCD_ERRORS as exc:
                 log.warning("config_watch_failed", error=str(exc) or type(exc).__name__)
+                await backoff.sleep()
+            except Exception:  # noqa: BLE001 — e.g. settings `apply` refused: keep watching for the next change
+                log.exception("config_watch_crashed")
                 await backoff.sleep()
 
     async def _wait_for_change(self, revision: int) -> None:

@@ -3,8 +3,10 @@
 Design: campaign (blocks while another manager leads) → lead until the election says
 the lease is lost → step down → campaign again. Taking over starts a new term in the
 cluster view: reports from an earlier term are forgotten and every instance gets a
-fresh grace to open its load stream to us. Alongside, `leader_watch_loop` follows the
-leader key so a standby can name the leader in its refusals and forward admin reads.
+fresh grace to open its load stream to us. An unexpected error anywhere in a term is
+logged and ends only the term (step down, resign, campaign again after a backoff).
+Alongside, `leader_watch_loop` follows the leader key so a standby can name the leader
+in its refusals and forward admin reads.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 
 import structlog
 
+from services.common.backoff import Backoff
 from services.common.election import Election, LeaderInfo, LeaderView
 from services.manager.cluster_view import ClusterView
 from services.manager.leadership import Leader, Leadership
@@ -29,16 +32,29 @@ class Campaign:
         self._view = view
 
     async def campaign_loop(self) -> None:
+        backoff = Backoff(initial_s=0.2, max_s=5.0)
         while True:
-            await self._election.campaign()
-            self._take_over()
-            await self._election.lost.wait()
-            self._step_down()
+            try:
+                await self._election.campaign()
+                self._take_over()
+                await self._election.lost.wait()
+                self._step_down()
+                backoff.reset()
+            except Exception:  # noqa: BLE001 — a failed term must not end the campaign (or the manager)
+                log.exception("campaign_failed", manager_id=self._leadership.me.manager_id)
+                await self._give_up_term()
+                await backoff.sleep()
 
     async def leader_watch_loop(self) -> None:
+        backoff = Backoff(initial_s=0.2, max_s=5.0)
         while True:
-            self._note_leader(self._leader_view.leader)
-            await self._leader_view.changed()
+            try:
+                self._note_leader(self._leader_view.leader)
+                await self._leader_view.changed()
+                backoff.reset()
+            except Exception:  # noqa: BLE001 — e.g. a malformed leader key: keep the last leader, look again
+                log.exception("leader_watch_failed")
+                await backoff.sleep()
 
     async def resign(self) -> None:
         """Step down and free the leader key at once, so a standby need not wait for the TTL."""
@@ -50,6 +66,14 @@ class Campaign:
         self._view.start_leading()
         self._leadership.is_leader = True
         log.info("leadership_taken", manager_id=self._leadership.me.manager_id, epoch=self._election.epoch)
+
+    async def _give_up_term(self) -> None:
+        """After a failure mid-term: lead no more, and free the key for the next campaign (ours or another's)."""
+        self._leadership.is_leader = False
+        try:
+            await self._election.resign()
+        except Exception as exc:  # noqa: BLE001 — the lease then expires by itself within its TTL
+            log.warning("resign_failed", error=repr(exc))
 
     def _step_down(self) -> None:
         self._leadership.is_leader = False

@@ -12,7 +12,8 @@ is left alone for `cooldown_s` (the source is told to skip it when it picks); wi
 pairing's hysteresis (migration_policies.py) nothing ping-pongs. Drains move requests
 whether or not the load-balancing loop is on. A MigrateOut failure is recorded, counted
 by gRPC status and logged, and never ends the loop: the request runs on at the source,
-and that (source, destination) pair waits `failure_backoff_s` before its next try.
+and that (source, destination) pair waits `failure_backoff_s` before its next try. A tick
+that raises (a bug, a race in the view) is logged and the next tick runs (`periodic_loop`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Protocol
 import structlog
 
 from services.common.errors import FailedPrecondition, FerryError, NotFound
+from services.common.periodic import periodic_loop
 from services.manager import metrics
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId, InstanceState, InstanceView
@@ -94,10 +96,11 @@ class Migrator:
     # the loop
 
     async def migration_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._limits.interval_s)
-            if self._leadership.is_leader:
-                self.tick()
+        await periodic_loop("migration_loop", self._limits.interval_s, self._tick_if_leading)
+
+    async def _tick_if_leading(self) -> None:
+        if self._leadership.is_leader:
+            self.tick()
 
     def tick(self) -> list[MigrationOrder]:
         """Plan this tick's migrations and start them (each in its own task)."""

@@ -10,6 +10,7 @@ import pytest
 
 from services.common.errors import Internal, Unavailable
 from services.instance.transfer_link import TransferLink, transfer_mapping_loop
+from tests.unit.loop_checks import assert_cancels, until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -45,3 +46,13 @@ async def test_mapping_loop_outlives_refusals_and_maps_again():
     finally:
         loop.cancel()
     assert client.mapped == ["instance-0"]
+
+
+async def test_mapping_loop_outlives_any_error_and_cancels():
+    client = FlakyTransferClient([RuntimeError("boom"), KeyError("instance_ids"), []])
+    cache = SimpleNamespace(name="ferry-kv-test", geometry=None)
+    loop = asyncio.create_task(transfer_mapping_loop(TransferLink(client, "transfer-0"), "instance-0", cache,
+                                                     interval_s=0.01))
+    await until(lambda: bool(client.mapped), loop)
+    assert client.mapped == ["instance-0"]
+    await assert_cancels(loop)

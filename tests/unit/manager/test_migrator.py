@@ -14,6 +14,7 @@ from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOutcome, MigrationSelection, MigrationSettings,
                                         MigrationTrigger)
 from services.manager.migrator import Migrator, MigratorLimits
+from tests.unit.loop_checks import assert_cancels, until
 from tests.unit.manager.factories import FakeClock, make_load, make_record
 
 pytestmark = pytest.mark.timeout(10)
@@ -237,3 +238,32 @@ async def test_the_loop_acts_only_while_leading():
         await asyncio.sleep(0.01)
     loop.cancel()
     await migrator.close()
+
+
+class FlakyClusterView(ClusterView):
+    """A view whose first listing of the instances raises (a race while members change)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_listings = 0
+
+    def instances(self):
+        self.num_listings += 1
+        if self.num_listings == 1:
+            raise RuntimeError("dictionary changed size during iteration")
+        return super().instances()
+
+
+async def test_a_tick_that_raises_does_not_end_the_migration_loop():
+    clock = FakeClock()
+    view = FlakyClusterView(report_timeout_s=3.0, clock=clock)
+    for instance_id, num_running in (("a", 8), ("b", 0)):
+        view.put_member(make_record(instance_id))
+        report(view, instance_id, num_running)
+    sources = FakeSources()
+    migrator = make_migrator(view, clock, sources, interval_s=0.01)
+    loop = asyncio.create_task(migrator.migration_loop())
+    await until(lambda: bool(sources.orders), loop)
+    assert routes(sources.orders) == [("a", "b", MigrationTrigger.LOAD)]
+    await assert_cancels(loop)
+    await settle(migrator)

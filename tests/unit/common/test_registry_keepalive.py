@@ -1,0 +1,84 @@
+"""The registry's keepalive loop outlives any error from one renewal, and still counts them toward the TTL."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.common.errors import Internal
+from services.common.registry import Registry
+from tests.unit.loop_checks import assert_cancels, until
+
+pytestmark = pytest.mark.timeout(10)
+
+TTL_S = 0.6  # renewals every 0.2 s; the keepalive backoff starts at 0.1 s
+
+
+class FakeLease:
+    """Renews, or raises `error` while it is set."""
+
+    lease_id = 0xF1
+
+    def __init__(self, *errors: BaseException) -> None:
+        self.errors = list(errors)
+        self.error: BaseException | None = None
+        self.num_renewals = 0
+
+    async def keepalive(self) -> bool:
+        if self.errors:
+            raise self.errors.pop(0)
+        if self.error is not None:
+            raise self.error
+        self.num_renewals += 1
+        return True
+
+
+class FakeKv:
+    def __init__(self) -> None:
+        self.puts: list[tuple[str, int]] = []
+
+    async def put(self, key, value, lease=None, timeout=None) -> None:
+        self.puts.append((key, lease))
+
+
+class FakeEtcd:
+    def __init__(self) -> None:
+        self.kv = FakeKv()
+
+
+def registered(lease: FakeLease) -> Registry:
+    """A registry holding one entry under `lease`, as register() leaves it (without etcd)."""
+    registry = Registry(["127.0.0.1:1"], "test", ttl_s=TTL_S)
+    registry._client = FakeEtcd()
+    registry._lease = lease
+    registry._entries[registry.key("instances", "i-1")] = {"address": "127.0.0.1:2"}
+    registry._renewed_at = time.monotonic()
+    registry._set_registered(True)
+    return registry
+
+
+async def test_unexpected_renewal_errors_do_not_end_the_loop():
+    lease = FakeLease(RuntimeError("boom"), Internal("boom"))
+    registry = registered(lease)
+    loop = asyncio.create_task(registry._keepalive_loop())
+    await until(lambda: lease.num_renewals >= 2, loop)
+    assert registry.is_registered
+    await assert_cancels(loop)
+
+
+async def test_a_ttl_of_unexpected_errors_loses_the_registration_and_renewals_restore_it():
+    lease = FakeLease()
+    lease.error = RuntimeError("boom")
+    registry = registered(lease)
+    changes = []
+    registry.on_registration_change(changes.append)
+    loop = asyncio.create_task(registry._keepalive_loop())
+    await until(lambda: not registry.is_registered, loop)
+    lease.error = None
+    await until(lambda: registry.is_registered, loop)
+    assert changes == [False, True]
+    assert registry._client.kv.puts == [("/ferry/test/instances/i-1", FakeLease.lease_id)]
+    assert registry.num_reregistrations == 1
+    await assert_cancels(loop)

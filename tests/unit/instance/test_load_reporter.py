@@ -1,0 +1,63 @@
+"""The load report loop outlives any error (a malformed leader key, a broken stream) and reports again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.election import LEADER_ID
+from services.common.errors import Internal
+from services.instance import load_reporter
+from tests.unit.loop_checks import assert_cancels, until
+
+pytestmark = pytest.mark.timeout(10)
+
+LEADER = {"leader_id": "m-1", "address": "127.0.0.1:1"}
+
+
+class FakeLeaderKey:
+    """The watched manager/ prefix: the scripted leader values in turn (the last one stays); no changes."""
+
+    def __init__(self, *values: dict) -> None:
+        self.values = list(values)
+        self.staleness_s = 0.0
+
+    def get(self, member_id: str) -> dict | None:
+        assert member_id == LEADER_ID
+        return self.values.pop(0) if len(self.values) > 1 else self.values[0]
+
+    async def changed(self, since: int | None = None):
+        await asyncio.Event().wait()
+
+
+class FakeRegistry:
+    def __init__(self, view: FakeLeaderKey) -> None:
+        self.view = view
+
+    async def watch(self, kind: str, resync_interval_s: float = 5.0) -> FakeLeaderKey:
+        return self.view
+
+
+class FlakyStreams:
+    """Stands in for `_report_to`: raises the scripted errors in turn, then streams until cancelled."""
+
+    def __init__(self, *errors: BaseException) -> None:
+        self.errors = list(errors)
+        self.addresses: list[str] = []
+
+    async def __call__(self, address, leader_view, servicer, interval_s, tls) -> None:
+        self.addresses.append(address)
+        if self.errors:
+            raise self.errors.pop(0)
+        await asyncio.Event().wait()
+
+
+async def test_the_loop_outlives_a_malformed_leader_and_a_failed_stream(monkeypatch):
+    streams = FlakyStreams(Internal("boom"))
+    monkeypatch.setattr(load_reporter, "_report_to", streams)
+    registry = FakeRegistry(FakeLeaderKey({"address": "no leader_id"}, LEADER))
+    loop = asyncio.create_task(load_reporter.load_report_loop(registry, servicer=None, interval_s=1.0))
+    await until(lambda: len(streams.addresses) == 2, loop)
+    assert streams.addresses == [LEADER["address"]] * 2
+    await assert_cancels(loop)

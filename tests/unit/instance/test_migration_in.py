@@ -1,0 +1,56 @@
+"""The destination's watchdog outlives any error from one sweep and frees what expired on the next."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.instance.migration_in import MigrationInbox, TransferEndpoint
+from services.instance.migration_slots import MigrationSlots
+from tests.unit.loop_checks import assert_cancels, until
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class FakeEngine:
+    """Reserves blocks; freeing raises the scripted errors in turn."""
+
+    def __init__(self, *free_errors: BaseException) -> None:
+        self.free_errors = list(free_errors)
+        self.reservations: dict[str, int] = {}
+        self.freed: list[str] = []
+
+    def reserve_blocks(self, migration_id: str, num_blocks: int) -> list[int]:
+        self.reservations[migration_id] = num_blocks
+        return list(range(num_blocks))
+
+    def free_reservation(self, migration_id: str) -> bool:
+        if self.free_errors:
+            raise self.free_errors.pop(0)
+        self.freed.append(migration_id)
+        return self.reservations.pop(migration_id, None) is not None
+
+
+class FakeRunner:
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+
+    async def call(self, fn):
+        return fn()
+
+    def stream(self, request_id: str) -> None:
+        return None
+
+
+async def test_the_watchdog_outlives_a_failed_abort_and_frees_the_rest():
+    engine, slots = FakeEngine(RuntimeError("boom")), MigrationSlots(4)
+    inbox = MigrationInbox(FakeRunner(engine), slots, timeout_s=0.04, transfer=TransferEndpoint("", ""))
+    await inbox.prepare("m-1", "r-1", "src", num_blocks=2)
+    await inbox.prepare("m-2", "r-2", "src", num_blocks=2)
+    loop = asyncio.create_task(inbox.watchdog_loop())
+    await until(lambda: engine.freed == ["m-2"], loop)
+    assert inbox.num_incoming == 0 and slots.num_busy == 0
+    await inbox.prepare("m-3", "r-3", "src", num_blocks=1)  # and it goes on sweeping
+    await until(lambda: engine.freed == ["m-2", "m-3"], loop)
+    await assert_cancels(loop)

@@ -1,0 +1,113 @@
+"""The PD hand-off workers outlive any error from one hand-off; the request it hit decodes here."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.errors import Internal
+from services.instance.config import InstanceRole, PdHandoff
+from services.instance.migration import MigrateOutPlan, MigrationResult
+from services.instance.pd_handoff import DecodeHandoff, DecodePlace
+from services.transfer.domain import TransferBackend
+from tests.unit.loop_checks import assert_cancels, until
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class FakeEngine:
+    def __init__(self, *resume_errors: BaseException) -> None:
+        self.resume_errors = list(resume_errors)
+        self.held: list[str] = []
+        self.resumed: list[str] = []
+
+    def hold(self, request_id: str) -> None:
+        self.held.append(request_id)
+
+    def resume(self, request_id: str) -> None:
+        if self.resume_errors:
+            raise self.resume_errors.pop(0)
+        self.resumed.append(request_id)
+
+
+class FakeRunner:
+    """Runs engine calls at once; every request is running."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+
+    def call_soon(self, fn) -> None:
+        fn()
+
+    async def call(self, fn):
+        return fn()
+
+    def stream(self, request_id: str) -> object:
+        return object()
+
+
+class FakeMigrations:
+    """MigrateOut raises the scripted errors in turn, then moves the request."""
+
+    moving = frozenset()
+
+    def __init__(self, *errors: BaseException) -> None:
+        self.errors = list(errors)
+        self.plans: list[MigrateOutPlan] = []
+
+    async def migrate_out(self, plan: MigrateOutPlan) -> MigrationResult:
+        self.plans.append(plan)
+        if self.errors:
+            raise self.errors.pop(0)
+        return MigrationResult(plan.request_id, "p-1", plan.dst_instance_id, num_blocks=1, num_bytes=64, num_stages=1,
+                               backend=TransferBackend.GRPC, duration_ms=1.0, downtime_ms=1.0)
+
+
+class FlakyPlacer:
+    """PlaceDecode raises the scripted errors in turn, then names d-1."""
+
+    def __init__(self, *errors: BaseException) -> None:
+        self.errors = list(errors)
+        self.reported: list[str] = []
+
+    async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int) -> DecodePlace:
+        if self.errors:
+            raise self.errors.pop(0)
+        return DecodePlace("d-1", "127.0.0.1:1")
+
+    async def report_migration(self, result: MigrationResult, started_at: float) -> None:
+        self.reported.append(result.request_id)
+
+
+def pushing(engine: FakeEngine, placer: FlakyPlacer, migrations: FakeMigrations) -> DecodeHandoff:
+    return DecodeHandoff("p-1", FakeRunner(engine), migrations, placer, PdHandoff.PUSH, lambda: InstanceRole.PREFILL)
+
+
+async def test_an_unexpected_error_resumes_the_request_here_and_the_next_one_moves():
+    engine, placer, migrations = FakeEngine(), FlakyPlacer(), FakeMigrations(RuntimeError("boom"))
+    handoff = pushing(engine, placer, migrations)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1")
+    handoff.note_prefilled("r-2")
+    await until(lambda: handoff.num_handed_off == 1, loop)
+    assert engine.held == ["r-1", "r-2"]
+    assert engine.resumed == ["r-1"]  # it decodes here; the manager's loop may move it later
+    assert [plan.request_id for plan in migrations.plans] == ["r-1", "r-2"]
+    await until(lambda: placer.reported == ["r-2"], loop)
+    assert handoff.num_prefilled(num_decoding=1) == 1  # r-1 is no longer pending
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_a_failed_resume_does_not_stop_the_workers():
+    engine, placer, migrations = FakeEngine(KeyError("r-1")), FlakyPlacer(Internal("boom")), FakeMigrations()
+    handoff = pushing(engine, placer, migrations)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1")
+    handoff.note_prefilled("r-2")
+    await until(lambda: handoff.num_handed_off == 1, loop)
+    assert engine.resumed == []
+    assert [plan.request_id for plan in migrations.plans] == ["r-2"]
+    await assert_cancels(loop)
+    await handoff.close()

@@ -1,0 +1,44 @@
+"""The engine thread outlives a command that raises: later calls are still answered."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.instance.runner import EngineRunner
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class FakeEngine:
+    """Admits requests; aborting raises (a race with the engine's own bookkeeping)."""
+
+    def __init__(self) -> None:
+        self.request_ids: list[str] = []
+
+    def load(self) -> tuple[int, ...]:
+        return (len(self.request_ids),)
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def add_request(self, request_id, prompt_token_ids, sampling, priority=0, resume_token_ids=()) -> None:
+        self.request_ids.append(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        raise KeyError(request_id)
+
+
+async def test_a_failing_abort_soon_leaves_the_engine_thread_running():
+    engine = FakeEngine()
+    runner = EngineRunner(engine, asyncio.get_running_loop())
+    runner.start()
+    try:
+        stream = await runner.add("r-1", [1, 2, 3], sampling=None)
+        runner.abort_soon(stream)
+        assert await asyncio.wait_for(runner.call(lambda: len(engine.request_ids)), 2.0) == 1
+        await asyncio.wait_for(runner.add("r-2", [4], sampling=None), 2.0)
+        assert engine.request_ids == ["r-1", "r-2"]
+    finally:
+        runner.stop()

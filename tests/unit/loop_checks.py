@@ -1,0 +1,25 @@
+"""Checks shared by the tests of background loops: it keeps running until it did its job, and cancels."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+
+async def until(is_done: Callable[[], bool], loop: asyncio.Task, timeout_s: float = 3.0) -> None:
+    """Poll `is_done()` while asserting that `loop` is still running."""
+    async with asyncio.timeout(timeout_s):
+        while not is_done():
+            assert not loop.done(), f"the loop ended: {loop.exception() if not loop.cancelled() else 'cancelled'}"
+            await asyncio.sleep(0.005)
+    assert not loop.done()
+
+
+async def assert_cancels(loop: asyncio.Task, timeout_s: float = 1.0) -> None:
+    """Cancelling `loop` ends it promptly, as cancelled."""
+    loop.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(loop, timeout_s)
+    assert loop.cancelled()

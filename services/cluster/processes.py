@@ -24,6 +24,12 @@ from services.common.tls import TlsConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
+# The gRPC service each kind of child serves: its health probe asks for that service, so
+# another gRPC server that happens to hold the port (say etcd, after a port clash) never
+# passes for it.
+HEALTH_SERVICES = {"manager": "ferry.v1.ManagerService", "instance": "ferry.v1.InstanceService",
+                   "transfer": "ferry.v1.TransferService"}
+
 
 class ProcessDied(RuntimeError):
     pass
@@ -106,15 +112,19 @@ class ServiceProcess:
     async def _probe(self) -> bool:
         if self.address.startswith("http"):
             return await _http_healthy(self.address)
-        self.last_probe = await grpc_health_status(self.address, tls=self.tls)
+        self.last_probe = await grpc_health_status(self.address, tls=self.tls,
+                                                   service=HEALTH_SERVICES.get(self.module, ""))
         return self.last_probe == "SERVING"
 
 
-async def grpc_health_status(address: str, timeout_s: float = 1.0, tls: TlsConfig | None = None) -> str:
-    """SERVING, another status name, or the RPC error (a TLS handshake failure names its cause)."""
+async def grpc_health_status(address: str, timeout_s: float = 1.0, tls: TlsConfig | None = None,
+                             service: str = "") -> str:
+    """SERVING, another status name, or the RPC error (a TLS handshake failure names its cause),
+    for `service` ("" = the server as a whole)."""
     async with secure_or_insecure_channel(address, tls) as channel:
         try:
-            response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                       timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

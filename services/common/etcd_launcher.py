@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import os
 import pathlib
+import random
 import shutil
 import signal
 import socket
@@ -50,10 +51,35 @@ def etcd_binary() -> pathlib.Path:
     return pathlib.Path(program.base_loc) / "etcd"
 
 
+_LOWEST_PORT = 10000
+_FREE_PORT_TRIES = 200
+_PORT_PICKER = random.SystemRandom()  # unaffected by anyone seeding the `random` module
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A port nothing listens on now, picked at random *below* the kernel's ephemeral range:
+    a port from that range (what binding port 0 gives) can be taken by any outgoing
+    connection before the process that was promised it binds it."""
+    first_ephemeral = _first_ephemeral_port()
+    for _ in range(_FREE_PORT_TRIES):
+        port = _PORT_PICKER.randrange(_LOWEST_PORT, first_ephemeral)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a crowded range: let the kernel pick
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    return max(low, _LOWEST_PORT + 1000)
 
 
 class LocalEtcd:

@@ -18,6 +18,7 @@ With `--pd-handoff manager` this module only reports; the manager's loop moves e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -160,6 +161,9 @@ class DecodeHandoff:
                     self._log_failed(plan, exc)
                 else:
                     await asyncio.sleep(_SLOT_RETRY_S * (attempt + 1))
+                # The failed attempt may have resumed it (it decodes here meanwhile): its parked
+                # state is stale, the next attempt suspends it afresh.
+                plan = dataclasses.replace(plan, held=None)
             except FerryError as exc:
                 self._log_failed(plan, exc)
                 return None

@@ -28,7 +28,7 @@ from typing import Any
 
 import structlog
 
-from services.common.errors import Internal, InvalidArgument, Unavailable
+from services.common.errors import FerryError, Internal, InvalidArgument, Unavailable
 from services.instance.engine.engine import LLMEngine, LoadSnapshot, StepOutput
 from services.instance.engine.migration_state import HeldRequest
 from services.instance.handoff import Handoff
@@ -133,7 +133,12 @@ class EngineRunner:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.outputs.put_nowait(handoff)
-        await self.call(lambda: self._engine.release(request_id))
+        try:
+            await self.call(lambda: self._engine.release(request_id))
+        except FerryError:
+            if stream is not None:  # announced elsewhere, so it must not go on here (a resume may come back)
+                await self.call(lambda: self._engine.abort(request_id))
+            raise
 
     def attach(self, stream: RequestStream) -> None:
         """A client reads `stream` now; one that already finished leaves the table (its outputs are queued)."""

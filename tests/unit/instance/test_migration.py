@@ -332,3 +332,17 @@ async def test_a_request_parked_at_its_first_token_moves_with_no_engine_call(pai
         a.runner.holds_first_tokens = lambda: False
         a.runner.on_prefilled = None
     await assert_no_blocks_held(a, b)
+
+
+async def test_a_hand_off_that_cannot_release_the_request_ends_it_here(pair):
+    """Once the client was told to go elsewhere, the request must not keep running here (a
+    resume may bring it back under the same id): if the release fails, it is aborted."""
+    a, _b = pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=2)
+    with pytest.raises(FailedPrecondition):  # running, not suspended: nothing to release
+        await a.runner.hand_off("r", Handoff("b", "127.0.0.1:2", 1, 2))
+    assert isinstance(await read(stream, tokens), Handoff)
+    assert (await a.runner.call(a.engine.load)).num_running == 0
+    await assert_no_blocks_held(a)

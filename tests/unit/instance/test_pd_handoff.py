@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.common.errors import Internal
+from services.common.errors import Internal, ResourceExhausted
 from services.instance.config import InstanceRole, PdHandoff
 from services.instance.migration import MigrateOutPlan, MigrationResult
 from services.instance.pd_handoff import DecodeHandoff, DecodePlace
@@ -109,5 +109,21 @@ async def test_a_failed_resume_does_not_stop_the_workers():
     await until(lambda: handoff.num_handed_off == 1, loop)
     assert engine.resumed == []
     assert [plan.request_id for plan in migrations.plans] == ["r-2"]
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_a_retried_hand_off_does_not_reuse_the_parked_state():
+    """A failed attempt may resume the request (it decodes here meanwhile): the retry must
+    suspend it afresh, never copy the state parked at its first token."""
+    held = object()  # stands for the HeldRequest the runner parked with the first token
+    engine, placer = FakeEngine(), FlakyPlacer()
+    migrations = FakeMigrations(ResourceExhausted("the destination runs a migration already"))
+    handoff = pushing(engine, placer, migrations)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1", held)
+    await until(lambda: handoff.num_handed_off == 1, loop)
+    assert [plan.held for plan in migrations.plans] == [held, None]
+    assert engine.held == []  # parked by the runner already
     await assert_cancels(loop)
     await handoff.close()

@@ -1,4 +1,4 @@
-"""Checks shared by the tests of background loops: it keeps running until it did its job, and cancels."""
+"""Checks shared by the tests of background loops (it keeps running until it did its job, and cancels) and a fake lease."""
 
 from __future__ import annotations
 
@@ -23,3 +23,22 @@ async def assert_cancels(loop: asyncio.Task, timeout_s: float = 1.0) -> None:
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(loop, timeout_s)
     assert loop.cancelled()
+
+
+class FakeLease:
+    """An etcd lease that renews, or raises the scripted `errors` in turn, then `error` while it is set."""
+
+    lease_id = 0xF1
+
+    def __init__(self, *errors: BaseException) -> None:
+        self.errors = list(errors)
+        self.error: BaseException | None = None
+        self.num_renewals = 0
+
+    async def keepalive(self) -> bool:
+        if self.errors:
+            raise self.errors.pop(0)
+        if self.error is not None:
+            raise self.error
+        self.num_renewals += 1
+        return True

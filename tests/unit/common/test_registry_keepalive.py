@@ -9,30 +9,11 @@ import pytest
 
 from services.common.errors import Internal
 from services.common.registry import Registry
-from tests.unit.loop_checks import assert_cancels, until
+from tests.unit.loop_checks import FakeLease, assert_cancels, until
 
 pytestmark = pytest.mark.timeout(10)
 
 TTL_S = 0.6  # renewals every 0.2 s; the keepalive backoff starts at 0.1 s
-
-
-class FakeLease:
-    """Renews, or raises `error` while it is set."""
-
-    lease_id = 0xF1
-
-    def __init__(self, *errors: BaseException) -> None:
-        self.errors = list(errors)
-        self.error: BaseException | None = None
-        self.num_renewals = 0
-
-    async def keepalive(self) -> bool:
-        if self.errors:
-            raise self.errors.pop(0)
-        if self.error is not None:
-            raise self.error
-        self.num_renewals += 1
-        return True
 
 
 class FakeKv:

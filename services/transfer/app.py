@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import socket
-from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 import torch
@@ -29,11 +28,11 @@ from services.transfer.receiver import BlockReceiver
 from services.transfer.sender import BlockSender
 from services.transfer.server import TransferNode, TransferServicer, add_transfer_servicer
 from services.transfer.staging import StagingPool
+from services.transfer.threads import TransferThreads
 
 log = structlog.get_logger(__name__)
 
 TRANSFER_SERVICE = "ferry.v1.TransferService"
-NUM_IO_THREADS = 8  # blocking channel sends/receives and rendezvous, several transfers at once
 
 
 async def main(config: TransferConfig) -> None:
@@ -49,10 +48,9 @@ async def main(config: TransferConfig) -> None:
     transfer_id = TransferId(config.transfer_id or f"{socket.gethostname()}-{server.port}")
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s,
                         access=config.etcd_access) if config.etcd_endpoints else None
-    copy_executor = ThreadPoolExecutor(1, thread_name_prefix="kv-copy")  # one thread: chunks stay in order
-    io_executor = ThreadPoolExecutor(NUM_IO_THREADS, thread_name_prefix="kv-io")
+    threads = TransferThreads.start()
     peers = TransferClients(piece_bytes=config.grpc_piece_kib * 1024, tls=config.tls)
-    node = build_node(config, transfer_id, server, registry, peers, copy_executor, io_executor)
+    node = build_node(config, transfer_id, server, registry, peers, threads)
     servicer.node = node
     if config.metrics_port:
         serve_metrics(config.metrics_port, config.host)
@@ -61,14 +59,12 @@ async def main(config: TransferConfig) -> None:
     finally:
         node.channels.close()
         await peers.close()
-        copy_executor.shutdown(wait=True, cancel_futures=True)
-        io_executor.shutdown(wait=False, cancel_futures=True)
+        threads.shutdown()
         node.mappings.close()
 
 
 def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServer, registry: Registry | None,
-               peers: TransferClients, copy_executor: ThreadPoolExecutor, io_executor: ThreadPoolExecutor
-               ) -> TransferNode:
+               peers: TransferClients, threads: TransferThreads) -> TransferNode:
     mappings = KvMappings(transfer_id)
     # Separate pools for the two directions: with one pool, sends to this same service (every
     # transfer between two instances it maps) could take every slot and wait forever for
@@ -76,10 +72,10 @@ def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServ
     send_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024)
     receive_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024)
     channel_host = config.advertise_host or server.advertise_host
-    channels = ChannelTable(transfer_id, channel_host, config.channel_timeout_s, io_executor)
+    channels = ChannelTable(transfer_id, channel_host, config.channel_timeout_s, threads.io)
     backends = tuple(config.backends)
-    sender = BlockSender(transfer_id, backends, mappings, send_staging, channels, peers, copy_executor, io_executor)
-    receiver = BlockReceiver(mappings, receive_staging, channels, copy_executor, io_executor)
+    sender = BlockSender(transfer_id, backends, mappings, send_staging, channels, peers, threads)
+    receiver = BlockReceiver(mappings, receive_staging, channels, threads)
 
     async def on_mappings_changed() -> None:
         # Before registration (instances map themselves as soon as the server answers) the

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from services.common.errors import FailedPrecondition, Unavailable
 from services.transfer.domain import CHANNEL_BACKENDS, TransferBackend
-from services.transfer.pipeline import run_in_thread
+from services.transfer.threads import run_in_thread
 
 log = structlog.get_logger(__name__)
 

@@ -36,7 +36,7 @@ class TransferConfig(EtcdKnobs, TlsKnobs):
                                      "if smaller), one message each")
     transfer_timeout_s: float = knob(60.0, "upper bound of one transfer (the caller's deadline applies if shorter)")
     channel_timeout_s: float = knob(10.0, "gloo/nccl rendezvous timeout in seconds")
-    num_threads: int = knob(0, "torch threads for gathers (0 = torch's default)")
+    num_threads: int = knob(0, "torch threads for gathers, scatters and same-host copies (0 = torch's default: one per core)")
     metrics_port: int = knob(0, "port of the Prometheus /metrics endpoint (0 = off)")
     log_format: str = knob("console", "log format: console or json")
     log_level: str = knob("info", "log level: debug, info, warning, error")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Any
 
 import torch
 
@@ -28,16 +27,6 @@ from services.transfer.staging import StagingSlot
 
 GatherFn = Callable[[Chunk, torch.Tensor], torch.Tensor]  # (chunk, buffer) → the staged view
 ScatterFn = Callable[[Chunk, torch.Tensor], None]  # (chunk, staged view) → None
-
-
-async def run_in_thread(executor: Executor, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run `fn` on `executor`; if the caller is cancelled, wait for the thread before re-raising."""
-    future = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        await asyncio.wait([future])  # the thread may still touch staging memory
-        raise
 
 
 class GatherAhead:

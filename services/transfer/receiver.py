@@ -13,7 +13,6 @@ reports: nothing partially applied is ever called a success.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from concurrent.futures import Executor
 
 import warnings
 
@@ -29,20 +28,20 @@ from services.transfer.chunk_plan import Chunk, ChunkPlan, check_block_ids, chec
 from services.transfer.deadline import Deadline
 from services.transfer.domain import IncomingBlocks, TransferBackend
 from services.transfer.kv_mappings import KvMappings
-from services.transfer.pipeline import ScatterBehind, run_in_thread
+from services.transfer.pipeline import ScatterBehind
+from services.transfer.threads import TransferThreads, run_in_thread
 from services.transfer.staging import StagingPool, StagingSlot
 
 log = structlog.get_logger(__name__)
 
 
 class BlockReceiver:
-    def __init__(self, mappings: KvMappings, staging: StagingPool, channels: ChannelTable, copy_executor: Executor,
-                 io_executor: Executor) -> None:
+    def __init__(self, mappings: KvMappings, staging: StagingPool, channels: ChannelTable,
+                 threads: TransferThreads) -> None:
         self._mappings = mappings
         self._staging = staging
         self._channels = channels
-        self._copy_executor = copy_executor  # one thread: scatters run in chunk order
-        self._io_executor = io_executor  # blocking channel receives
+        self._threads = threads
 
     async def receive_pieces(self, header: IncomingBlocks, pieces: AsyncIterator[memoryview], timeout_s: float) -> int:
         """grpc: each chunk from byte pieces (a piece never spans two chunks)."""
@@ -75,7 +74,7 @@ class BlockReceiver:
                 try:
                     for chunk in plan.chunks():
                         buffer = await scatterer.buffer_for(chunk)
-                        await run_in_thread(self._io_executor, _recv_checked, channel,
+                        await run_in_thread(self._threads.io, _recv_checked, channel,
                                             buffer[:plan.chunk_bytes(chunk)], tag, deadline.remaining_s())
                         scatterer.submit(chunk, staged_view(buffer, plan, chunk, rows.dtype))
                     await scatterer.finish()
@@ -109,7 +108,7 @@ class BlockReceiver:
         def verify_and_scatter(chunk: Chunk, staged: torch.Tensor) -> None:
             verifier.update(chunk, staged)
             scatter_chunk(rows, header.dst_block_ids, chunk, staged)
-        return ScatterBehind(slot, verify_and_scatter, self._copy_executor)
+        return ScatterBehind(slot, verify_and_scatter, self._threads.copy)
 
 
 async def _receive_chunk(buffer: torch.Tensor, num_bytes: int, pieces: AsyncIterator[memoryview],

@@ -1,6 +1,7 @@
 """The source side of Transfer: validate, then move the blocks with the requested backend.
 
-* SHM: both instances are mapped here; one direct copy on the copy thread, no staging.
+* SHM: both instances are mapped here; one direct copy on the copy thread, no staging
+  (torch's intra-op threads share it).
 * GRPC: one ReceiveBlocks message per chunk (chunks no bigger than the peer link's
   piece size); the next message is built on the copy thread while the current one is
   sent, gathered straight from the KV memory into the message bytes (one copy; a CUDA
@@ -18,7 +19,6 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import structlog
@@ -34,7 +34,8 @@ from services.transfer.deadline import Deadline
 from services.transfer.domain import BlockTransfer, IncomingBlocks, TransferBackend, TransferId, TransferResult
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.peer import PeerFactory, PeerTransferService
-from services.transfer.pipeline import GatherAhead, run_in_thread
+from services.transfer.pipeline import GatherAhead
+from services.transfer.threads import TransferThreads, run_in_thread
 from services.transfer.staging import StagingPool, StagingSlot
 
 log = structlog.get_logger(__name__)
@@ -54,16 +55,14 @@ class SourceBlocks:
 
 class BlockSender:
     def __init__(self, transfer_id: TransferId, backends: tuple[TransferBackend, ...], mappings: KvMappings,
-                 staging: StagingPool, channels: ChannelTable, peers: PeerFactory, copy_executor: Executor,
-                 io_executor: Executor) -> None:
+                 staging: StagingPool, channels: ChannelTable, peers: PeerFactory, threads: TransferThreads) -> None:
         self._transfer_id = transfer_id
         self._backends = backends
         self._mappings = mappings
         self._staging = staging
         self._channels = channels
         self._peers = peers
-        self._copy_executor = copy_executor  # one thread: gathers and direct copies, in order
-        self._io_executor = io_executor  # blocking channel sends
+        self._threads = threads
         self._tags = itertools.count(1)
 
     async def transfer(self, request: BlockTransfer, timeout_s: float) -> TransferResult:
@@ -90,7 +89,7 @@ class BlockSender:
         check_compatible(src_geometry, dst_geometry)
         check_block_ids(request.src_block_ids, src_geometry.num_blocks, "src_block_ids", is_unique=False)
         check_block_ids(request.dst_block_ids, dst_geometry.num_blocks, "dst_block_ids", is_unique=True)
-        await run_in_thread(self._copy_executor, _copy_checked, src_rows, request.src_block_ids, dst_rows,
+        await run_in_thread(self._threads.copy, _copy_checked, src_rows, request.src_block_ids, dst_rows,
                             request.dst_block_ids, request.is_checksum_verified)
         return request.num_blocks * src_geometry.bytes_per_block
 
@@ -115,7 +114,7 @@ class BlockSender:
         plan = ChunkPlan.for_staging(geometry, request.num_blocks, chunk_bytes)
         checksums = ()
         if request.is_checksum_verified:
-            checksums = await run_in_thread(self._copy_executor, block_checksums, rows, request.src_block_ids)
+            checksums = await run_in_thread(self._threads.copy, block_checksums, rows, request.src_block_ids)
         header = IncomingBlocks(request.dst_instance_id, request.dst_block_ids, geometry, plan.blocks_per_chunk,
                                 plan.rows_per_chunk, checksums, self._transfer_id)
         return SourceBlocks(rows, torch.tensor(request.src_block_ids, dtype=torch.int64), plan, header)
@@ -125,7 +124,7 @@ class BlockSender:
 
         def gather(chunk: Chunk, buffer: torch.Tensor) -> torch.Tensor:
             return gather_chunk(source.rows, source.block_ids, chunk, staged_view(buffer, source.plan, chunk, dtype))
-        return GatherAhead(source.plan, slot, gather, self._copy_executor)
+        return GatherAhead(source.plan, slot, gather, self._threads.copy)
 
     def _encode_ahead(self, source: SourceBlocks, slot: StagingSlot) -> GatherAhead:
         """`GatherAhead` whose items are ready ReceiveBlocks data messages, one per chunk."""
@@ -134,12 +133,12 @@ class BlockSender:
                 staged = gather_chunk(source.rows, source.block_ids, chunk,
                                       staged_view(buffer, source.plan, chunk, source.rows.dtype))
                 return encode_data_message(as_bytes(staged.cpu()))
-            return GatherAhead(source.plan, slot, encode_staged, self._copy_executor)
+            return GatherAhead(source.plan, slot, encode_staged, self._threads.copy)
         rows, block_ids = as_bytes(source.rows), tuple(source.block_ids.tolist())
 
         def encode(chunk: Chunk, _buffer: torch.Tensor) -> bytes:
             return encode_data_message(*chunk_parts(rows, block_ids, chunk))
-        return GatherAhead(source.plan, slot, encode, self._copy_executor)
+        return GatherAhead(source.plan, slot, encode, self._threads.copy)
 
     async def _stream(self, request: BlockTransfer, source: SourceBlocks, slot: StagingSlot, deadline: Deadline) -> None:
         messages = self._encode_ahead(source, slot)
@@ -185,7 +184,7 @@ class BlockSender:
         try:
             async for _chunk, staged in chunks:
                 flat = staged.view(torch.uint8).view(-1)
-                await run_in_thread(self._io_executor, _send_checked, channel, flat, tag, deadline.remaining_s())
+                await run_in_thread(self._threads.io, _send_checked, channel, flat, tag, deadline.remaining_s())
         except BaseException:
             self._channels.drop_outgoing(channel.peer, channel.backend)  # unmatched messages may be left on it
             raise

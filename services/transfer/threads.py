@@ -1,0 +1,45 @@
+"""The worker threads of a transfer service, and how coroutines wait for them.
+
+* `copy`: one thread; gathers and scatters run there in chunk order (checksums chain
+  over row chunks, and a pipeline never has two copies of one transfer in flight).
+* `io`: blocking channel sends/receives and rendezvous, several transfers at once.
+
+Torch and numpy copies and gloo waits release the GIL, so all of these run while the event loop serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+NUM_IO_THREADS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class TransferThreads:
+    copy: Executor
+    io: Executor
+
+    @classmethod
+    def start(cls) -> TransferThreads:
+        return cls(ThreadPoolExecutor(1, thread_name_prefix="kv-copy"),
+                   ThreadPoolExecutor(NUM_IO_THREADS, thread_name_prefix="kv-io"))
+
+    def shutdown(self) -> None:
+        """Wait for copies (they touch KV memory that is unmapped next); leave blocked channel
+        operations behind (their channels are already dropped, which ends them)."""
+        self.copy.shutdown(wait=True, cancel_futures=True)
+        self.io.shutdown(wait=False, cancel_futures=True)
+
+
+async def run_in_thread(executor: Executor, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run `fn` on `executor`; if the caller is cancelled, wait for the thread before re-raising."""
+    future = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])  # the thread may still touch staging memory
+        raise

@@ -5,7 +5,11 @@ Llama-2-7B KV geometry (32 layers, 32 KV heads, head dim 128, fp16, 16-token blo
 non-contiguous set of blocks from instance A's KV memory to random blocks of instance
 B's, through service A's Transfer RPC, and reports the median speed over --repeats.
 Reference figures measured in the same run, at the same sizes: a raw TCP socket
-between two processes (preallocated buffers, sendall/recv_into) and one memcpy.
+between two processes (preallocated buffers, sendall/recv_into), bare gloo between two
+processes (torch.distributed send/recv of preallocated buffers in chunks of the services'
+staging size: gloo's own ceiling, with no gather, scatter or RPC), a bare grpc-python
+stream between two processes (one bytes message per grpc chunk, the same channel options,
+received and dropped: grpc's own ceiling) and one memcpy.
 
     PYTHONPATH=. .venv/bin/python benchmarks/migration_speed.py --max-mb 256
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import multiprocessing
 import pathlib
 import random
@@ -27,15 +32,19 @@ import statistics
 import struct
 import tempfile
 import time
+import datetime
 import uuid
 
+import grpc
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from services.cluster.processes import ServiceProcess
 from services.common.etcd_launcher import free_port
+from services.common.grpc_server import BULK_TRANSFER_OPTIONS, MESSAGE_OPTIONS, insecure_channel
 from services.instance.engine.kv_cache import KvCache, KvGeometry
-from services.transfer.client import TransferClient
+from services.transfer.client import DEFAULT_PIECE_BYTES, TransferClient
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
 
 MB = 2**20
@@ -161,6 +170,108 @@ class TcpReference:
         self._process.join(10)
 
 
+def _gloo_pair(port: int, rank: int) -> dist.ProcessGroupGloo:
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=60)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+def _chunks(num_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    return [(start, min(start + chunk_bytes, num_bytes)) for start in range(0, num_bytes, chunk_bytes)]
+
+
+def _gloo_sink(port: int, max_bytes: int, chunk_bytes: int) -> None:
+    group = _gloo_pair(port, rank=1)
+    buffer = torch.zeros(max_bytes, dtype=torch.uint8)
+    size = torch.zeros(1, dtype=torch.int64)
+    while True:
+        group.recv([size], 0, 0).wait()
+        if size.item() == 0:
+            return
+        for start, stop in _chunks(size.item(), chunk_bytes):
+            group.recv([buffer[start:stop]], 0, 1).wait()
+        group.send([size], 0, 2).wait()
+
+
+class GlooReference:
+    """Bare gloo: this process sends chunks of a preallocated buffer to a sink process."""
+
+    def __init__(self, max_bytes: int, chunk_bytes: int) -> None:
+        self._port = free_port()
+        self._chunk_bytes = chunk_bytes
+        self._buffer = torch.ones(max_bytes, dtype=torch.uint8)
+        self._size = torch.zeros(1, dtype=torch.int64)
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=_gloo_sink, args=(self._port, max_bytes, chunk_bytes), daemon=True)
+
+    def start(self) -> None:
+        self._process.start()
+        self._group = _gloo_pair(self._port, rank=0)
+
+    def send_s(self, num_bytes: int) -> float:
+        started = time.perf_counter()
+        self._size.fill_(num_bytes)
+        self._group.send([self._size], 1, 0).wait()
+        for start, stop in _chunks(num_bytes, self._chunk_bytes):
+            self._group.send([self._buffer[start:stop]], 1, 1).wait()
+        self._group.recv([self._size], 1, 2).wait()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._size.fill_(0)
+            self._group.send([self._size], 1, 0).wait()
+        self._process.join(10)
+
+
+def _grpc_sink(port: int) -> None:
+    async def count(messages, _context) -> bytes:
+        num_bytes = 0
+        async for message in messages:
+            num_bytes += len(message)
+        return struct.pack("!Q", num_bytes)
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=[*MESSAGE_OPTIONS, *BULK_TRANSFER_OPTIONS])
+        handler = grpc.method_handlers_generic_handler(
+            "bench.Sink", {"Count": grpc.stream_unary_rpc_method_handler(count)})
+        server.add_generic_rpc_handlers((handler,))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+    asyncio.run(serve())
+
+
+class GrpcReference:
+    """Bare grpc-python: a client stream of `piece_bytes` messages to a sink process."""
+
+    def __init__(self, max_bytes: int, piece_bytes: int) -> None:
+        self._port = free_port()
+        self._piece = b"\1" * piece_bytes
+        self._process = multiprocessing.get_context("spawn").Process(target=_grpc_sink, args=(self._port,), daemon=True)
+
+    async def start(self) -> None:
+        self._process.start()
+        self._channel = insecure_channel(f"127.0.0.1:{self._port}", BULK_TRANSFER_OPTIONS)
+        await asyncio.wait_for(self._channel.channel_ready(), 60)
+        self._count = self._channel.stream_unary("/bench.Sink/Count")
+
+    async def send_s(self, num_bytes: int) -> float:
+        async def pieces():
+            for start in range(0, num_bytes, len(self._piece)):
+                yield self._piece[:min(len(self._piece), num_bytes - start)]
+        started = time.perf_counter()
+        await self._count(pieces(), timeout=120)
+        return time.perf_counter() - started
+
+    async def close(self) -> None:
+        await self._channel.close()
+        self._process.kill()
+        self._process.join(10)
+
+
 class MemcpyReference:
     def __init__(self, max_bytes: int) -> None:
         self._src = torch.empty(max_bytes, dtype=torch.uint8).fill_(1)
@@ -182,36 +293,62 @@ async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[f
     rng = random.Random(args.seed)
     bench = Bench(num_blocks, args.staging_kib, pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-")))
     tcp, memcpy = TcpReference(sizes[-1] * MB), MemcpyReference(sizes[-1] * MB)
+    gloo = GlooReference(sizes[-1] * MB, args.staging_kib * 1024) if TransferBackend.GLOO in backends else None
+    grpc_piece_bytes = min(DEFAULT_PIECE_BYTES, args.staging_kib * 1024)  # the services' grpc chunk size
+    bare_grpc = GrpcReference(sizes[-1] * MB, grpc_piece_bytes) if TransferBackend.GRPC in backends else None
     speeds: dict[str, list[float]] = {}
     try:
         await bench.start()
         tcp.start()
+        if gloo is not None:
+            gloo.start()
+        if bare_grpc is not None:
+            await bare_grpc.start()
         for backend in backends:  # warm up: gloo rendezvous, connections, first-touch of staging
             await bench.transfer_s(backend, 1, rng)
-        rows = [(f"{b.value}_speed(GB/s)", b) for b in backends] + [("tcp_speed(GB/s)", "tcp"),
-                                                                    ("memcpy_speed(GB/s)", "memcpy")]
+        references = [("tcp_speed(GB/s)", "tcp"), ("memcpy_speed(GB/s)", "memcpy")]
+        if gloo is not None:
+            references.insert(1, ("gloo_raw_speed(GB/s)", "gloo_raw"))
+        if bare_grpc is not None:
+            references.insert(1, ("grpc_raw_speed(GB/s)", "grpc_raw"))
+        rows = [(f"{b.value}_speed(GB/s)", b) for b in backends] + references
         progress = tqdm(total=len(rows) * len(sizes) * args.repeats, desc="migration_speed", unit="copy")
         times: dict[tuple[str, int], list[float]] = {(label, size): [] for label, _ in rows for size in sizes}
         for size in sizes:  # interleaved, so a change in machine load hits every row alike
             for _ in range(args.repeats):
                 for label, what in rows:
-                    times[label, size].append(await _time_one(bench, tcp, memcpy, what, size, block_mb, rng))
+                    times[label, size].append(await _time_one(bench, References(tcp, gloo, bare_grpc, memcpy), what, size, block_mb, rng))
                     progress.update()
         speeds = {label: [size * MB / statistics.median(times[label, size]) / 1e9 for size in sizes]
                   for label, _ in rows}
         progress.close()
     finally:
         tcp.close()
+        if gloo is not None:
+            gloo.close()
+        if bare_grpc is not None:
+            await bare_grpc.close()
         await bench.close()
     return sizes, speeds
 
 
-async def _time_one(bench: Bench, tcp: TcpReference, memcpy: MemcpyReference, what, size: int, block_mb: int,
-                    rng: random.Random) -> float:
+@dataclasses.dataclass(frozen=True)
+class References:
+    tcp: TcpReference
+    gloo: GlooReference | None
+    grpc: GrpcReference | None
+    memcpy: MemcpyReference
+
+
+async def _time_one(bench: Bench, references: References, what, size: int, block_mb: int, rng: random.Random) -> float:
     if what == "tcp":
-        return tcp.send_s(size * MB)
+        return references.tcp.send_s(size * MB)
+    if what == "gloo_raw":
+        return references.gloo.send_s(size * MB)
+    if what == "grpc_raw":
+        return await references.grpc.send_s(size * MB)
     if what == "memcpy":
-        return memcpy.copy_s(size * MB)
+        return references.memcpy.copy_s(size * MB)
     return await bench.transfer_s(what, size // block_mb, rng)
 
 
@@ -230,7 +367,7 @@ def plot(sizes: list[int], speeds: dict[str, list[float]], out_dir: pathlib.Path
 
     figure, axes = plt.subplots(figsize=(8, 5))
     for label, values in speeds.items():
-        style = "--" if label.startswith(("tcp", "memcpy")) else "-"
+        style = "--" if label.startswith(("tcp", "memcpy", "gloo_raw", "grpc_raw")) else "-"
         axes.plot(sizes, values, style, marker="o", label=label.replace("_speed(GB/s)", ""))
     axes.set_xscale("log", base=2)
     axes.set_xticks(sizes, [f"{size}" for size in sizes])

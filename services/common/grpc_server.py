@@ -36,12 +36,12 @@ _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 AddServicerFn = Callable[[Any, grpc.aio.Server], None]
 
-_MESSAGE_OPTIONS = [
+MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
-    *_MESSAGE_OPTIONS,
+    *MESSAGE_OPTIONS,
     ("grpc.keepalive_time_ms", 30_000),  # ping an idle connection every 30 s ...
     ("grpc.keepalive_timeout_ms", 10_000),  # ... and call it dead after 10 s without an answer
     ("grpc.keepalive_permit_without_calls", 1),
@@ -60,7 +60,7 @@ BULK_TRANSFER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.experimental.tcp_max_read_chunk_size", 16 << 20),
 ]
 SERVER_OPTIONS: list[tuple[str, Any]] = [
-    *_MESSAGE_OPTIONS,
+    *MESSAGE_OPTIONS,
     ("grpc.so_reuseport", 0),  # two servers on one fixed port must fail, not share it
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # below the clients' 30 s

@@ -31,9 +31,9 @@ STAGING_KIB = 3
 SMALL = KvGeometry(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, num_blocks=24, dtype=torch.float16)
 # 4 KiB blocks (1 KiB rows): bigger than the staging buffer, so each block is split by rows.
 WIDE = KvGeometry(num_layers=2, num_kv_heads=4, head_dim=16, block_size=8, num_blocks=16, dtype=torch.bfloat16)
-# 64 MiB for the kill test, more than socket buffers and flow-control windows; its 2 KiB rows
+# 128 MiB for the kill test, more than socket buffers and flow-control windows; its 2 KiB rows
 # travel one per chunk through A's 3 KiB staging, so the transfer takes long enough to interrupt.
-BULK = KvGeometry(num_layers=8, num_kv_heads=2, head_dim=32, block_size=16, num_blocks=2048, dtype=torch.float16)
+BULK = KvGeometry(num_layers=8, num_kv_heads=2, head_dim=32, block_size=16, num_blocks=4096, dtype=torch.float16)
 
 
 def _start(name: str, etcd, cluster: str, log_dir, *extra: str) -> ServiceProcess:
@@ -227,7 +227,7 @@ async def _until_some_blocks_landed(dst: KvCache, transfer: asyncio.Task, timeou
     while not bool(dst.tensor.view(torch.int16).any()):
         assert not transfer.done(), "the transfer ended before any block landed"
         assert time.monotonic() < deadline, "no block landed in time"
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.001)
 
 
 @pytest.mark.cuda

@@ -1,0 +1,31 @@
+"""The migration speed benchmark (issue 4) in its smallest form: it starts two real
+transfer services and its reference processes, and prints the table the issue specifies."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROWS = ("grpc_speed(GB/s)", "gloo_speed(GB/s)", "shm_speed(GB/s)", "tcp_speed(GB/s)", "grpc_raw_speed(GB/s)",
+        "gloo_raw_speed(GB/s)", "memcpy_speed(GB/s)")
+
+
+@pytest.mark.timeout(240)
+def test_prints_every_backend_and_reference(tmp_path):
+    completed = subprocess.run(
+        [sys.executable, "benchmarks/migration_speed.py", "--max-mb", "16", "--repeats", "1", "--out-dir", str(tmp_path)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=220)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    lines = completed.stdout.splitlines()
+    assert lines[0] == "migration_size\t8.00 MB\t16.00 MB"
+    table = {line.split("\t")[0]: line.split("\t")[1:] for line in lines[1:] if "\t" in line}
+    assert tuple(table) == ROWS
+    for label, speeds in table.items():
+        assert len(speeds) == 2 and all(float(speed) > 0 for speed in speeds), (label, speeds)
+    assert (tmp_path / "migration_speed.png").stat().st_size > 0
+    assert (tmp_path / "results.tsv").read_text().splitlines() == lines[:len(ROWS) + 1]

@@ -8,6 +8,7 @@ with `request_metadata(request_id)`.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import sys
@@ -17,6 +18,7 @@ from typing import Any
 import grpc
 import structlog
 
+from services.common.config import knob
 from services.common.rpc_handler import Behavior, is_streaming_behavior, wrap_rpc_handler
 
 REQUEST_ID_KEY = "x-request-id"
@@ -27,6 +29,26 @@ Processor = Callable[[Any, str, dict[str, Any]], Any]
 class LogFormat(enum.Enum):
     CONSOLE = "console"  # coloured key=value lines, for humans
     JSON = "json"  # one JSON object per line, for deploys
+
+
+class LogLevel(enum.Enum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+    CRITICAL = "critical"
+
+
+@dataclasses.dataclass(frozen=True)
+class LogKnobs:
+    """Logging flags of a service (mixed into its config dataclass); checked when the flags are parsed."""
+
+    log_format: LogFormat = knob(LogFormat.CONSOLE, "log format: console (key=value lines, for humans) or json "
+                                                    "(one object per line, for log shippers)")
+    log_level: LogLevel = knob(LogLevel.INFO, "least severe level logged: debug, info, warning, error or critical")
+
+    def setup_logging(self, service: str) -> None:
+        setup_logging(service, self.log_format, self.log_level.value)
 
 
 def setup_logging(service: str, fmt: LogFormat = LogFormat.CONSOLE, level: str = "info") -> None:

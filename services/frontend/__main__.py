@@ -2,14 +2,13 @@
 
 import asyncio
 
-from services.common.logging import LogFormat, setup_logging
 from services.frontend.app import main
 from services.frontend.config import load_config
 
 
 def run() -> None:
     config = load_config()
-    setup_logging("frontend", LogFormat(config.log_format), config.log_level)
+    config.setup_logging("frontend")
     asyncio.run(main(config))
 
 

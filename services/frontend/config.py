@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from services.common.config import knob, parse_config
 from services.common.etcd_client import EtcdKnobs
 from services.common.tls import ClientTlsKnobs
+from services.common.logging import LogKnobs
 
 MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
-class FrontendConfig(EtcdKnobs, ClientTlsKnobs):
+class FrontendConfig(EtcdKnobs, ClientTlsKnobs, LogKnobs):
     """The OpenAI-compatible HTTP API of a ferry cluster (completions, chat, streaming)."""
 
     model: pathlib.Path = knob(pathlib.Path("models/smollm2-135m-instruct"), "model folder (config.json, tokenizer.json, tokenizer_config.json) the cluster serves")
@@ -41,8 +42,6 @@ class FrontendConfig(EtcdKnobs, ClientTlsKnobs):
     max_handoffs: int = knob(16, "most live-migration hand-offs one request follows; past it the request is resumed elsewhere")
     failed_instance_cooldown_s: float = knob(5.0, "seconds the local fallback skips an instance whose stream just failed")
     shutdown_grace_s: float = knob(5.0, "seconds running requests get to finish on SIGTERM")
-    log_format: str = knob("console", "log format: console or json")
-    log_level: str = knob("info", "log level: debug, info, warning, error")
 
     def __post_init__(self) -> None:
         self.tls.check()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from services.common.config import knob
 from services.common.etcd_client import EtcdKnobs
 from services.common.tls import TlsKnobs
+from services.common.logging import LogKnobs
 from services.transfer.domain import TransferBackend
 
 
@@ -28,7 +29,7 @@ class EngineKind(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class InstanceConfig(EtcdKnobs, TlsKnobs):
+class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     """One inference engine with a paged KV cache, served over gRPC (ferry.v1.InstanceService)."""
 
     model: pathlib.Path = knob(pathlib.Path("models/smollm2-135m-instruct"), "Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
@@ -70,8 +71,6 @@ class InstanceConfig(EtcdKnobs, TlsKnobs):
                                                      "--migration-reservation-timeout-s)")
     verify_transfer_checksum: bool = knob(False, "check a crc32 of every migrated KV block at the destination")
     metrics_port: int = knob(0, "port of the Prometheus /metrics endpoint (0 = off)")
-    log_format: str = knob("console", "log format: console or json")
-    log_level: str = knob("info", "log level: debug, info, warning, error")
 
     def __post_init__(self) -> None:
         self.tls.check()

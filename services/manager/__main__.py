@@ -3,14 +3,13 @@
 import asyncio
 
 from services.common.config import parse_config
-from services.common.logging import LogFormat, setup_logging
 from services.manager.app import main
 from services.manager.config import ManagerConfig
 
 
 def run() -> None:
     config = parse_config(ManagerConfig, "manager")
-    setup_logging("manager", LogFormat(config.log_format), config.log_level)
+    config.setup_logging("manager")
     asyncio.run(main(config))
 
 

@@ -8,6 +8,7 @@ from services.common.auth import read_token
 from services.common.config import knob
 from services.common.etcd_client import EtcdKnobs
 from services.common.tls import TlsKnobs
+from services.common.logging import LogKnobs
 from services.manager.migration import MigrationSelection, MigrationSettings
 from services.manager.migration_policies import PAIRING_NAMES
 from services.manager.policies import POLICY_NAMES
@@ -16,7 +17,7 @@ _BACKENDS = ("", "grpc", "gloo", "nccl", "shm")
 
 
 @dataclass(frozen=True, slots=True)
-class ManagerConfig(EtcdKnobs, TlsKnobs):
+class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     """Cluster view, dispatch and admin API of a ferry cluster (ferry.v1.ManagerService + AdminService)."""
 
     host: str = knob("127.0.0.1", "address to bind the gRPC server to")
@@ -49,8 +50,6 @@ class ManagerConfig(EtcdKnobs, TlsKnobs):
     admin_token: str = knob("", "bearer token AdminService calls must carry (`authorization: Bearer TOKEN`); "
                                 "empty = admin API open (health and reflection are always open)")
     admin_token_file: str = knob("", "file holding --admin-token (instead of the flag or the env variable)")
-    log_format: str = knob("console", "log format: console or json")
-    log_level: str = knob("info", "log level: debug, info, warning, error")
 
     def __post_init__(self) -> None:
         if self.dispatch_policy not in POLICY_NAMES:

@@ -3,14 +3,13 @@
 import asyncio
 
 from services.common.config import parse_config
-from services.common.logging import LogFormat, setup_logging
 from services.transfer.app import main
 from services.transfer.config import TransferConfig
 
 
 def run() -> None:
     config = parse_config(TransferConfig, "transfer")
-    setup_logging("transfer", LogFormat(config.log_format), config.log_level)
+    config.setup_logging("transfer")
     asyncio.run(main(config))
 
 

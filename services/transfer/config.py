@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from services.common.config import knob
 from services.common.etcd_client import EtcdKnobs
 from services.common.tls import TlsKnobs
+from services.common.logging import LogKnobs
 from services.transfer.domain import TransferBackend
 
 
 @dataclass(frozen=True, slots=True)
-class TransferConfig(EtcdKnobs, TlsKnobs):
+class TransferConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     """Moves KV cache blocks between instances' KV memory (ferry.v1.TransferService)."""
 
     transfer_id: str = knob("", "unique id of this transfer service in the cluster (default: <host>-<port>)")
@@ -38,8 +39,6 @@ class TransferConfig(EtcdKnobs, TlsKnobs):
     channel_timeout_s: float = knob(10.0, "gloo/nccl rendezvous timeout in seconds")
     num_threads: int = knob(0, "torch threads for gathers, scatters and same-host copies (0 = torch's default: one per core)")
     metrics_port: int = knob(0, "port of the Prometheus /metrics endpoint (0 = off)")
-    log_format: str = knob("console", "log format: console or json")
-    log_level: str = knob("info", "log level: debug, info, warning, error")
 
     def __post_init__(self) -> None:
         self.tls.check()

@@ -9,6 +9,11 @@ import pathlib
 import pytest
 
 from services.common.config import as_dict, build_parser, convert, env_name, knob, parse_config
+from services.common.logging import LogFormat, LogLevel
+from services.frontend.config import FrontendConfig
+from services.instance.config import InstanceConfig
+from services.manager.config import ManagerConfig
+from services.transfer.config import TransferConfig
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -162,3 +167,18 @@ def test_env_name_and_as_dict_hides_secrets() -> None:
     assert env_name("frontend", "http_port") == "FERRY_FRONTEND_HTTP_PORT"
     shown = as_dict(parse(["--api-key", "s3cret", "--model-dir", "/m"]))
     assert shown["api_key"] == "***" and shown["mode"] == "fast" and shown["model_dir"] == "/m"
+
+
+
+@pytest.mark.parametrize("service, config_cls, required", [
+    ("frontend", FrontendConfig, ["--manager-address", "127.0.0.1:1"]), ("instance", InstanceConfig, ["--model", "m"]),
+    ("manager", ManagerConfig, []), ("transfer", TransferConfig, [])])
+def test_every_service_checks_its_log_flags_when_parsing(service: str, config_cls: type, required: list[str],
+                                                         capsys) -> None:
+    config = parse_config(config_cls, service, required, env={env_name(service, "log_level"): "WARNING",
+                                                              env_name(service, "log_format"): "json"})
+    assert (config.log_level, config.log_format) == (LogLevel.WARNING, LogFormat.JSON)
+    assert as_dict(config)["log_level"] == "warning"
+    with pytest.raises(SystemExit):
+        parse_config(config_cls, service, [*required, "--log-level", "loud"], env={})
+    assert "--log-level: expected one of debug, info, warning, error, critical, got 'loud'" in capsys.readouterr().err

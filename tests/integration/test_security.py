@@ -161,6 +161,20 @@ def test_ferryctl_over_tls_with_token(cluster, pki):
     assert denied.returncode == 1 and "wrong token" in denied.stderr
 
 
+def test_healthcheck_takes_tls_from_the_services_variables(cluster, pki):
+    """What a compose health check runs inside the manager's container (mTLS on)."""
+    def check(env: dict[str, str]) -> subprocess.CompletedProcess:
+        plain = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+        return subprocess.run([sys.executable, "-m", "services.ctl.healthcheck", cluster["manager"].address],
+                              env={**plain, "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True,
+                              timeout=60, cwd=ROOT)
+    manager_env = {"FERRY_MANAGER_TLS_CA": str(pki.ca), "FERRY_MANAGER_TLS_CERT": str(pki.cert),
+                   "FERRY_MANAGER_TLS_KEY": str(pki.key), "FERRY_MANAGER_TLS_CLIENT_CA": str(pki.ca)}
+    serving = check(manager_env)
+    assert serving.returncode == 0 and serving.stdout.strip().endswith(": SERVING"), serving.stdout + serving.stderr
+    assert check({}).returncode == 1  # plaintext against a TLS server
+
+
 async def test_frontend_requires_an_api_key(cluster):
     async with aiohttp.ClientSession(base_url=cluster["frontend"].address) as http:
         async with http.get("/v1/models") as response:

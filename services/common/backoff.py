@@ -19,6 +19,12 @@ class Backoff:
         self._next_s = initial_s
         self.num_attempts = 0
 
+    @classmethod
+    def up_to(cls, max_s: float, initial_s: float = 0.1) -> Backoff:
+        """A backoff capped at `max_s`, starting at `initial_s` or at the cap if that is smaller
+        (caps derived from short lease TTLs or intervals stay valid)."""
+        return cls(initial_s=min(initial_s, max_s), max_s=max_s)
+
     def next_delay(self) -> float:
         delay = self._next_s * (1 + random.uniform(-self._jitter, self._jitter))
         self._next_s = min(self._next_s * self._factor, self.max_s)

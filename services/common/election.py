@@ -80,7 +80,7 @@ class Election:
         """Block until this candidate is the leader (runs until then; cancel to give up)."""
         client = await self._connect()
         self.lost.clear()
-        backoff = Backoff(initial_s=0.1, max_s=min(2.0, self.ttl_s / 2))
+        backoff = Backoff.up_to(min(2.0, self.ttl_s / 2))
         while not self.is_leader:
             try:
                 revision = await self._try_acquire(client)

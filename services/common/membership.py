@@ -118,7 +118,7 @@ class MembershipView:
             self._task = None
 
     async def _sync_loop(self) -> None:
-        backoff = Backoff(initial_s=0.1, max_s=min(2.0, self._resync_interval_s))
+        backoff = Backoff.up_to(min(2.0, self._resync_interval_s))
         while True:
             try:
                 revision = await self._resync()

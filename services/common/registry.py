@@ -136,7 +136,7 @@ class Registry:
         # Renew every TTL/3. A failed renewal (whatever the error) is retried with backoff;
         # after a TTL without one the registration counts as lost. Once etcd answers again:
         # renew the old lease if it survived, else grant a new one, and write every entry again.
-        backoff = Backoff(initial_s=0.1, max_s=self.ttl_s / 3)
+        backoff = Backoff.up_to(self.ttl_s / 3)
         while True:
             try:
                 await self._renew_or_reregister()

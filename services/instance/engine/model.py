@@ -77,17 +77,28 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        self.qkv_proj = PackedLinear(config.hidden_size, qkv_size, bias=config.attention_bias)
-        self.o_proj = PackedLinear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.qkv_proj = PackedLinear(config.hidden_size, qkv_size, bias=config.qkv_bias)
+        self.o_proj = PackedLinear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, plan: AttentionPlan
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            self._normalize_heads_(qkv)
         apply_rope_(qkv[:, : self.num_heads + self.num_kv_heads], *rope)
         write_kv(kv_layer, qkv[:, self.num_heads :], plan.slot_mapping)
         return self.o_proj(attend(qkv[:, : self.num_heads], kv_layer, plan, self.scale))
+
+
+    def _normalize_heads_(self, qkv: torch.Tensor) -> None:
+        """Qwen3: RMSNorm over head_dim of every query head and every key head, in place."""
+        queries, keys = qkv[:, : self.num_heads], qkv[:, self.num_heads : self.num_heads + self.num_kv_heads]
+        queries.copy_(self.q_norm(queries))
+        keys.copy_(self.k_norm(keys))
 
 
 class MLP(nn.Module):

@@ -1,8 +1,10 @@
 """The model's shape, read from a Hugging Face `config.json`.
 
-Only the Llama family is supported: `model_type` "llama", or "mistral" without a
-sliding window. Both the old (`rope_theta` + `rope_scaling`) and the new
-(`rope_parameters`, transformers >= 5) spellings of the RoPE settings are read.
+The Llama family is supported: `model_type` "llama"; "mistral" without a sliding
+window; "qwen2" (biases on q/k/v, none on o) and "qwen3" (an RMSNorm over each query and
+key head before RoPE), both without sliding windows. Both the old (`rope_theta` +
+`rope_scaling`) and the new (`rope_parameters`, transformers >= 5) spellings of the RoPE
+settings are read.
 """
 
 import json
@@ -13,7 +15,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,7 +44,9 @@ class ModelConfig:
     rope_scaling: RopeScaling | None  # None: plain RoPE
     max_position_embeddings: int
     tie_word_embeddings: bool  # the LM head reuses the embedding matrix
-    attention_bias: bool  # q/k/v/o projections carry a bias
+    qkv_bias: bool  # q/k/v projections carry a bias
+    o_bias: bool  # the output projection carries a bias
+    qk_norm: bool  # an RMSNorm (head_dim wide) over each query and key head before RoPE
     mlp_bias: bool  # gate/up/down projections carry a bias
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # config.json's eos_token_id, int or list, as a tuple
@@ -85,7 +89,9 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
+            qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            o_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
             mlp_bias=bool(raw.get("mlp_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
@@ -106,6 +112,12 @@ def _model_type(raw: dict[str, Any]) -> str:
         raise ValueError(
             f"config.json: sliding_window={raw['sliding_window']} is not supported; "
             "only Mistral models without a sliding window run on the torch engine"
+        )
+    if model_type in ("qwen2", "qwen3") and (raw.get("use_sliding_window")
+                                             or "sliding_attention" in (raw.get("layer_types") or ())):
+        raise ValueError(
+            f"config.json: use_sliding_window=true is not supported; only {model_type} models with full "
+            "attention in every layer run on the torch engine"
         )
     return model_type
 

@@ -44,10 +44,13 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
 def _layer_sources(config: ModelConfig, i: int) -> Iterator[tuple[str, list[str]]]:
     """(model name, HF names concatenated along dim 0 to make it) for one decoder layer."""
     hf, ours = f"model.layers.{i}.", f"layers.{i}."
-    suffixes = ["weight"] + (["bias"] if config.attention_bias else [])
-    for s in suffixes:
+    for s in ["weight"] + (["bias"] if config.qkv_bias else []):
         yield f"{ours}self_attn.qkv_proj.{s}", [f"{hf}self_attn.{p}_proj.{s}" for p in "qkv"]
+    for s in ["weight"] + (["bias"] if config.o_bias else []):
         yield f"{ours}self_attn.o_proj.{s}", [f"{hf}self_attn.o_proj.{s}"]
+    if config.qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            yield f"{ours}self_attn.{norm}.weight", [f"{hf}self_attn.{norm}.weight"]
     for s in ["weight"] + (["bias"] if config.mlp_bias else []):
         yield f"{ours}mlp.gate_up_proj.{s}", [f"{hf}mlp.gate_proj.{s}", f"{hf}mlp.up_proj.{s}"]
         yield f"{ours}mlp.down_proj.{s}", [f"{hf}mlp.down_proj.{s}"]

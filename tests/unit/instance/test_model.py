@@ -34,22 +34,46 @@ SHAPES = {
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
         },
     ),
+    # Qwen2: biases on q/k/v (none on o), GQA, tied embeddings
+    "qwen2_gqa": dict(
+        architecture="Qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=400, tie_word_embeddings=True, use_sliding_window=False,
+    ),
+    # Qwen3: RMSNorm over each query and key head, a head_dim unrelated to hidden_size
+    "qwen3_qk_norm": dict(
+        architecture="Qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, vocab_size=400, tie_word_embeddings=False, use_sliding_window=False,
+    ),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def checkpoint(request, tmp_path_factory) -> tuple[Path, object]:
-    """A saved random Llama and the transformers model it came from."""
+    """A saved random model (Llama unless the shape names another architecture) and the
+    transformers model it came from."""
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    hf_config = transformers.LlamaConfig(
-        **SHAPES[request.param], max_position_embeddings=256, initializer_range=0.15,
+    shape = dict(SHAPES[request.param])
+    architecture = shape.pop("architecture", "Llama")
+    hf_config = getattr(transformers, f"{architecture}Config")(
+        **shape, max_position_embeddings=256, initializer_range=0.15,
         bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="eager",
     )
-    hf_model = transformers.LlamaForCausalLM(hf_config).eval()
+    hf_model = getattr(transformers, f"{architecture}ForCausalLM")(hf_config).eval()
+    _randomize_biases_and_norms(hf_model)
     path = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(path)
     return path, hf_model
+
+
+def _randomize_biases_and_norms(hf_model) -> None:
+    """transformers initializes biases to 0 and norms to 1: draw them, so they are tested."""
+    with torch.no_grad():
+        for name, parameter in hf_model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0.0, 0.2)
+            elif "norm" in name:
+                parameter.normal_(1.0, 0.1)
 
 
 @pytest.fixture(scope="module")
@@ -306,11 +330,24 @@ def test_config_reads_checkpoint(checkpoint):
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"torch_dtype": "int8"}, "torch_dtype"),
+        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+        ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "use_sliding_window"),
     ],
 )
 def test_config_rejects_unsupported(changes, named):
     with pytest.raises(ValueError, match=named):
         ModelConfig.from_dict(base_config(**changes))
+
+
+@pytest.mark.parametrize(("changes", "qkv_bias", "o_bias", "qk_norm"), [
+    ({}, False, False, False),
+    ({"attention_bias": True}, True, True, False),
+    ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096}, True, False, False),
+    ({"model_type": "qwen3", "layer_types": ["full_attention"] * 30}, False, False, True),
+])
+def test_config_reads_each_familys_attention_extras(changes, qkv_bias, o_bias, qk_norm):
+    config = ModelConfig.from_dict(base_config(**changes))
+    assert (config.qkv_bias, config.o_bias, config.qk_norm) == (qkv_bias, o_bias, qk_norm)
 
 
 def test_config_json_is_required(tmp_path):

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import atexit
 import contextlib
-import ctypes
 import os
 import pathlib
 import random
@@ -37,9 +36,10 @@ import weakref
 
 import structlog
 
+from services.common import die_with_parent
+
 log = structlog.get_logger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _HEALTH_PROBE_TIMEOUT_S = 0.5
 _LIVE: weakref.WeakSet[LocalEtcd] = weakref.WeakSet()
 
@@ -201,8 +201,8 @@ class LocalEtcd:
             raise RuntimeError(f"etcd at {self.endpoint} is already running (pid {self.pid})")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 — closed in terminate()
-        self._process = subprocess.Popen(self._command(), stdin=subprocess.DEVNULL, stdout=self._log_file,
-                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        self._process = subprocess.Popen(die_with_parent.command(self._command()), stdin=subprocess.DEVNULL,
+                                         stdout=self._log_file, stderr=subprocess.STDOUT)
         _LIVE.add(self)
 
     def _command(self) -> list[str]:
@@ -238,12 +238,6 @@ class LocalEtcd:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
         return ""
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: SIGKILL it when the parent process goes away.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @atexit.register

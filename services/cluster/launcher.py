@@ -1,8 +1,9 @@
 """Single-machine cluster: etcd, manager, instances and frontend as child processes.
 
 Start order follows dependencies (etcd → manager → instances → frontend); each
-child must be healthy before the next starts. On SIGINT/SIGTERM every child is
-stopped by its PID, newest first, and nothing else is touched. With TLS on
+child must be healthy before the next starts. On SIGINT/SIGTERM/SIGHUP every child is
+stopped by its PID, newest first, and nothing else is touched; if the launcher itself is
+killed (SIGKILL, a crash), the kernel kills every child with it (PR_SET_PDEATHSIG). With TLS on
 (`ClusterSpec.security`) every gRPC child serves and dials TLS and the health probes
 dial it too; etcd stays plaintext on loopback.
 """
@@ -112,7 +113,7 @@ class LocalCluster:
         """A child with a gRPC server; its health probe dials TLS (with our certificate) when TLS is on."""
         security = self.spec.security
         return ServiceProcess(name, module, args, f"127.0.0.1:{port}", self.state_dir / "logs",
-                              tls=security.tls_config() if security.is_tls else None)
+                              tls=security.tls_config() if security.is_tls else None, dies_with_parent=True)
 
     def _manager(self, index: int) -> ServiceProcess:
         port = self.spec.admin_port if index == 0 else free_port()
@@ -143,13 +144,14 @@ class LocalCluster:
     def _frontend(self) -> ServiceProcess:
         args = ["--model", str(self.spec.model_dir), "--port", str(self.spec.http_port), *self._common_args(),
                 *self.spec.security.client_args()]  # its OpenAI API stays plain HTTP; its gRPC channels use TLS
-        return ServiceProcess("frontend-0", "frontend", args, self.frontend_url, self.state_dir / "logs")
+        return ServiceProcess("frontend-0", "frontend", args, self.frontend_url, self.state_dir / "logs",
+                              dies_with_parent=True)
 
 
 async def run_until_signalled(cluster: LocalCluster) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal went away
         loop.add_signal_handler(sig, stop.set)
     try:
         start = asyncio.ensure_future(cluster.start())

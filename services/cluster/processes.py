@@ -19,6 +19,7 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import die_with_parent
 from services.common.grpc_server import secure_or_insecure_channel
 from services.common.tls import TlsConfig
 
@@ -47,6 +48,9 @@ class ServiceProcess:
     env: dict[str, str] = field(default_factory=dict)
     prefix: list[str] = field(default_factory=list)  # e.g. ["ip", "netns", "exec", "host-b"]
     tls: TlsConfig | None = None  # how the health probe dials a TLS gRPC server
+    # SIGKILLed if this process dies without stopping it (start() must then run on a
+    # thread that lives as long as the child: the signal follows the thread that forked).
+    dies_with_parent: bool = False
     popen: subprocess.Popen | None = None
     last_probe: str = ""  # what the last gRPC health probe saw: SERVING, another status, or the error
 
@@ -62,9 +66,11 @@ class ServiceProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **self.env}
         with open(self.log_path, "ab") as log_file:
-            self.popen = subprocess.Popen(
-                [*self.prefix, sys.executable, "-m", f"services.{self.module}", *self.args],
-                cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+            command = [*self.prefix, sys.executable, "-m", f"services.{self.module}", *self.args]
+            if self.dies_with_parent:
+                command = die_with_parent.command(command)
+            self.popen = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
         return self
 
     def is_alive(self) -> bool:

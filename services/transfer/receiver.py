@@ -29,8 +29,8 @@ from services.transfer.deadline import Deadline
 from services.transfer.domain import IncomingBlocks, TransferBackend
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.pipeline import ScatterBehind
-from services.transfer.threads import TransferThreads, run_in_thread
 from services.transfer.staging import StagingPool, StagingSlot
+from services.transfer.threads import TransferThreads, run_in_thread
 
 log = structlog.get_logger(__name__)
 

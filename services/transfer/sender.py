@@ -35,8 +35,8 @@ from services.transfer.domain import BlockTransfer, IncomingBlocks, TransferBack
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.peer import PeerFactory, PeerTransferService
 from services.transfer.pipeline import GatherAhead
-from services.transfer.threads import TransferThreads, run_in_thread
 from services.transfer.staging import StagingPool, StagingSlot
+from services.transfer.threads import TransferThreads, run_in_thread
 
 log = structlog.get_logger(__name__)
 

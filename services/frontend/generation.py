@@ -29,6 +29,9 @@ class Sampling:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     num_logprobs: int = 0  # what the engine computes: chosen token + top n (0 = off)
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
 
 
 @dataclass(frozen=True, slots=True)

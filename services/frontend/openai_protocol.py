@@ -20,6 +20,7 @@ from services.frontend.generation import Sampling
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS_ENTRIES = 1024
 _UINT64 = 1 << 64
 _INT32_MAX = (1 << 31) - 1
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -137,6 +138,9 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         stop=_stop(body),
         ignore_eos=_opt_bool(body, "ignore_eos") or False,
         num_logprobs=0 if num_top_logprobs is None else max(1, num_top_logprobs),
+        presence_penalty=_opt_float(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
+        frequency_penalty=_opt_float(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
+        logit_bias=_logit_bias(body),
     )
     return ParsedRequest(
         endpoint=endpoint, model=_model(body, served_model), prompt=prompt, messages=messages,
@@ -150,11 +154,6 @@ def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
     n = _opt_int(body, "n", low=1)
     if n not in (None, 1):
         raise RequestError(f"n: only n=1 is supported, got {n}; send {n} requests instead", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _opt_float(body, name, 0.0, low=-2.0, high=2.0) != 0.0:
-            raise RequestError(f"{name}: penalties are not supported; leave {name} at 0", param=name)
-    if body.get("logit_bias"):
-        raise RequestError("logit_bias: not supported; leave it out", param="logit_bias")
     if endpoint is Endpoint.COMPLETIONS:
         if _opt_bool(body, "echo"):
             raise RequestError("echo: not supported; leave it out or set it to false", param="echo")
@@ -305,6 +304,25 @@ def _opt_int(body: Mapping[str, Any], name: str, low: int | None = None, high: i
         raise RequestError(f"{name}: expected an integer, got {_json_type(value)}", param=name)
     _check_range(name, value, low, high)
     return value
+
+
+def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias}: ids as decimal strings, biases in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise RequestError(f"logit_bias: expected an object of token id -> bias, got {_json_type(value)}",
+                           param="logit_bias")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise RequestError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(value)}", param="logit_bias")
+    biases = {}
+    for key, bias in value.items():
+        if not str(key).isdigit() or int(key) > _INT32_MAX:
+            raise RequestError(f"logit_bias: keys are token ids (non-negative integers), got {str(key)[:20]!r}",
+                               param="logit_bias")
+        biases[int(key)] = _opt_float({"logit_bias": bias}, "logit_bias", 0.0, low=-100.0, high=100.0)
+    return tuple(sorted(biases.items()))
 
 
 def _opt_float(body: Mapping[str, Any], name: str, default: float, low: float | None = None,

@@ -27,6 +27,9 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 
@@ -34,7 +37,8 @@ def sampling_to_proto(sampling: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
         max_tokens=sampling.max_tokens, stop=list(sampling.stop), stop_token_ids=list(sampling.stop_token_ids),
-        ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs)
+        ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs, presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty, logit_bias=dict(sampling.logit_bias))
 
 
 def check_request_id(request_id: str) -> str:

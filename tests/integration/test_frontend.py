@@ -91,10 +91,10 @@ async def instance_stub(instance):
 MODEL = "tiny-gqa-tied"  # the model folder's name
 
 
-async def instance_greedy(stub, prompt_ids, max_tokens) -> tuple[list[int], str]:
+async def instance_greedy(stub, prompt_ids, max_tokens, **sampling) -> tuple[list[int], str]:
     request = instance_pb2.GenerateRequest(
         request_id=f"ref-{uuid.uuid4().hex}", prompt_token_ids=prompt_ids,
-        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **sampling))
     chunks = [chunk async for chunk in stub.Generate(request, timeout=60)]
     return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks)
 
@@ -114,6 +114,19 @@ async def test_completion_token_ids_match_the_instances_own_output(client, insta
     assert choice["finish_reason"] == "length"
     assert completion.usage.prompt_tokens == len(PROMPT_IDS) and completion.usage.completion_tokens == 12
     assert raw.headers["x-request-id"] == completion.id and completion.id.startswith("cmpl-")
+
+
+async def test_logit_bias_and_penalties_reach_the_engine(client, instance_stub):
+    async def token_ids(**body) -> list[int]:
+        completion = await client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
+                                                     extra_body={"return_token_ids": True, "ignore_eos": True, **body})
+        return completion.choices[0].model_dump()["token_ids"]
+    plain = await token_ids()
+    assert await token_ids(logit_bias={"17": 100}) == [17] * 12  # forced every step
+    assert (await token_ids(logit_bias={str(plain[0]): -100}))[0] != plain[0]  # banned
+    penalized, _ = await instance_greedy(instance_stub, PROMPT_IDS, 12, presence_penalty=1.5, frequency_penalty=1.0)
+    assert penalized != plain  # (this model repeats tokens when greedy)
+    assert await token_ids(presence_penalty=1.5, frequency_penalty=1.0) == penalized
 
 
 async def test_streamed_completion_equals_the_whole_one(client):

@@ -316,7 +316,7 @@ class LLMEngine:
         if not rows or logits is None:
             return outputs
         requests = [scheduled.scheduled[i].request for i in rows]
-        sampling_rows = [SamplingRow(r.sampling, r.seed, r.num_output_tokens) for r in requests]
+        sampling_rows = [SamplingRow(r.sampling, r.seed, r.num_output_tokens, r.output_token_ids) for r in requests]
         for request, token in zip(requests, self.sampler(logits[rows], sampling_rows)):
             outputs.append(self._append_token(request, token))
         return outputs
@@ -396,6 +396,9 @@ class LLMEngine:
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise InvalidArgument(f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        bad = next((t for t, _ in sampling.logit_bias if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if len(prompt) + len(resumed) > self.config.max_model_len:
             raise InvalidArgument(
                 f"resume_token_ids: prompt + resumed tokens ({len(prompt) + len(resumed)}) exceed the model's "

@@ -20,6 +20,8 @@ RequestId = NewType("RequestId", str)
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**64 - 1
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +48,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # finish after any of these (kept in the token ids, not the text)
     ignore_eos: bool = False  # keep going after the model's eos tokens
     logprobs: int = 0  # 0 = off; n = logprob of the chosen token plus the top n
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # subtracted once per time a token is already in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:
@@ -74,6 +83,13 @@ class SamplingParams:
             raise InvalidArgument(f"seed: must be in [0, 2**64 - 1], got {self.seed}")
         if any(not s for s in self.stop):
             raise InvalidArgument("stop: stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise InvalidArgument(f"{name}: must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
+        for token_id, bias in self.logit_bias:
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidArgument(f"logit_bias: the bias of token {token_id} must be in "
+                                      f"[-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bias}")
 
 
 @dataclass(slots=True, eq=False)

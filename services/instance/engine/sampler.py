@@ -6,14 +6,20 @@ else is in the batch, and a request resumed at token i on another instance (same
 torch build) continues exactly as it would have. Sampling is the exponential race:
 `argmax(p / q)` with `q ~ Exp(1)` i.i.d. picks token j with probability `p_j`.
 
-Logprobs are those of the raw logits (`log_softmax`, temperature and top-k/top-p not
-applied), like vLLM's default.
+Penalties and logit biases (OpenAI semantics) adjust the logits before any choice, greedy
+included: `logit -= frequency_penalty * count + presence_penalty * (count > 0)` with
+`count` the times the token is in the request's output so far (resumed tokens included,
+the prompt not), then `logit += bias`. Both depend only on the request's own output, so
+a moved or resumed request is adjusted exactly as it would have been.
+
+Logprobs are those of the raw logits (`log_softmax`; penalties, biases, temperature and
+top-k/top-p not applied), like vLLM's default.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +35,7 @@ class SamplingRow:
     params: SamplingParams
     seed: int  # the request's effective seed
     token_index: int  # output index of the token being sampled
+    output_token_ids: Sequence[int] = field(default=())  # the output so far (for penalties)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +58,7 @@ class Sampler:
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
         logits = logits.float().cpu()
-        token_ids = self._choose(logits, rows)
+        token_ids = self._choose(_adjusted(logits, rows), rows)
         logprobs = _logprobs(logits, token_ids, rows)
         return [SampledToken(token_id, logprob) for token_id, logprob in zip(token_ids.tolist(), logprobs)]
 
@@ -69,6 +76,25 @@ class Sampler:
                              for i in random_rows])
         token_ids[random_rows] = (probs / noise).argmax(dim=-1)
         return token_ids
+
+
+def _adjusted(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """`logits` with each row's penalties and biases applied (a copy if any row has them)."""
+    adjusted_rows = [i for i, row in enumerate(rows) if row.params.adjusts_logits]
+    if not adjusted_rows:
+        return logits
+    logits = logits.clone()
+    vocab_size = logits.shape[1]
+    for i in adjusted_rows:
+        params = rows[i].params
+        if (params.presence_penalty or params.frequency_penalty) and rows[i].output_token_ids:
+            output = torch.tensor(rows[i].output_token_ids, dtype=torch.int64)
+            counts = torch.bincount(output, minlength=vocab_size)[:vocab_size]
+            logits[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        if params.logit_bias:
+            ids, biases = zip(*params.logit_bias)
+            logits[i, list(ids)] += torch.tensor(biases)
+    return logits
 
 
 def exponential_noise(vocab_size: int, seed: int, token_index: int) -> torch.Tensor:

@@ -132,8 +132,13 @@ def test_missing_prompt():
     ({"priority": "high"}, ["priority", "expected an integer"], "priority"),
     ({"echo": True}, ["echo", "not supported"], "echo"),
     ({"best_of": 3}, ["best_of"], "best_of"),
-    ({"presence_penalty": 0.5}, ["presence_penalty", "not supported"], "presence_penalty"),
-    ({"logit_bias": {"1": 5}}, ["logit_bias", "not supported"], "logit_bias"),
+    ({"presence_penalty": 2.5}, ["presence_penalty", "between -2.0 and 2.0"], "presence_penalty"),
+    ({"frequency_penalty": "lots"}, ["frequency_penalty", "expected a number"], "frequency_penalty"),
+    ({"logit_bias": [1, 5]}, ["logit_bias", "an object of token id -> bias"], "logit_bias"),
+    ({"logit_bias": {"the": 5}}, ["logit_bias", "token ids", "'the'"], "logit_bias"),
+    ({"logit_bias": {"-1": 5}}, ["logit_bias", "token ids"], "logit_bias"),
+    ({"logit_bias": {"1": 101}}, ["logit_bias", "between -100.0 and 100.0"], "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, ["logit_bias", "at most 1024"], "logit_bias"),
     ({"model": "gpt-4"}, ["gpt-4", "does not exist", "'tiny'"], "model"),
     ({"model": 7}, ["model", "expected a string"], "model"),
 ])
@@ -152,6 +157,12 @@ def test_missing_model_means_the_served_one():
 
 def test_penalties_of_zero_and_unknown_fields_are_accepted():
     assert completion(presence_penalty=0, frequency_penalty=0.0, user="u", whatever=1).prompt == "hello"
+
+
+def test_penalties_and_logit_bias_reach_the_sampling_parameters():
+    sampling = completion(presence_penalty=0.5, frequency_penalty=-1, logit_bias={"7": -100, "3": 2.5}).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.0)
+    assert sampling.logit_bias == ((3, 2.5), (7, -100.0))
 
 
 # ---- chat ---------------------------------------------------------------------------

@@ -329,6 +329,10 @@ def test_invalid_requests_name_the_field(gqa, make_engine):
         ([1, 2], SamplingParams(logprobs=21), {}, "logprobs"),
         ([1, 10**6], GREEDY, {}, "prompt_token_ids"),
         ([1, 2], SamplingParams(max_tokens=3), {"resume_token_ids": [4, 5, 6]}, "resume_token_ids"),
+        ([1, 2], SamplingParams(presence_penalty=2.5), {}, "presence_penalty"),
+        ([1, 2], SamplingParams(frequency_penalty=-3.0), {}, "frequency_penalty"),
+        ([1, 2], SamplingParams(logit_bias=((1, 150.0),)), {}, "logit_bias"),
+        ([1, 2], SamplingParams(logit_bias=((10**6, 1.0),)), {}, "logit_bias: token id 1000000 is outside"),
     ]
     for prompt, sampling, kwargs, field in cases:
         with pytest.raises(InvalidArgument, match=field):

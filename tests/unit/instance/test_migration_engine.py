@@ -25,6 +25,8 @@ torch.set_num_threads(1)
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=77, max_tokens=MAX_TOKENS, ignore_eos=True)
+PENALIZED = SamplingParams(temperature=0.7, seed=5, presence_penalty=1.5, frequency_penalty=0.5,
+                           logit_bias=((3, -100.0), (5, 2.0)), max_tokens=MAX_TOKENS, ignore_eos=True)
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 31, 8, 64, 2]  # 11 tokens: the last prompt block is partial
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -132,7 +134,7 @@ def assert_no_blocks_held(*engines: LLMEngine) -> None:
         assert len(engine.reservations) == 0 and not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED, PENALIZED], ids=["greedy", "seeded", "penalized"])
 @pytest.mark.parametrize("num_before", [1, 9, MAX_TOKENS - 1], ids=["first-token", "mid-decode", "near-max-tokens"])
 def test_migrated_request_continues_exactly(make_engine, sampling, num_before):
     reference = unmigrated(make_engine, sampling)

@@ -112,3 +112,43 @@ def test_logprobs_are_raw_log_softmax_and_top_n():
 def test_rows_must_match_logits():
     with pytest.raises(ValueError, match="rows"):
         Sampler()(random_logits(2), [SamplingRow(HOT, seed=0, token_index=0)])
+
+
+def penalized(presence: float = 0.0, frequency: float = 0.0, bias: tuple = ()) -> SamplingParams:
+    return SamplingParams(temperature=0.0, presence_penalty=presence, frequency_penalty=frequency, logit_bias=bias)
+
+
+def test_penalties_follow_openais_formula_on_the_output_only():
+    logits = random_logits(1, seed=4)
+    output = [7, 7, 7, 2, 9]
+    params = penalized(presence=0.7, frequency=0.3)
+    counts = torch.bincount(torch.tensor(output), minlength=VOCAB).float()
+    expected = (logits[0] - 0.3 * counts - 0.7 * (counts > 0).float()).argmax().item()
+    assert tokens(logits, [SamplingRow(params, seed=0, token_index=5, output_token_ids=output)]) == [expected]
+
+
+def test_a_presence_penalty_moves_greedy_off_a_repeated_token():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 4], logits[0, 8] = 5.0, 4.9
+    assert tokens(logits, [SamplingRow(penalized(), 0, 1, output_token_ids=[4])]) == [4]
+    assert tokens(logits, [SamplingRow(penalized(presence=0.5), 0, 1, output_token_ids=[4])]) == [8]
+    assert tokens(logits, [SamplingRow(penalized(frequency=0.06), 0, 2, output_token_ids=[4, 4])]) == [8]
+    assert tokens(logits, [SamplingRow(penalized(frequency=0.06), 0, 1, output_token_ids=[4])]) == [4]
+
+
+def test_logit_bias_bans_and_forces_tokens_and_logprobs_stay_raw():
+    logits = random_logits(2, seed=5)
+    best = int(logits[0].argmax())
+    banned = SamplingRow(SamplingParams(temperature=0.0, logprobs=1, logit_bias=((best, -100.0),)), 0, 0)
+    forced = SamplingRow(SamplingParams(temperature=1.0, logit_bias=((11, 100.0),)), seed=3, token_index=0)
+    first, second = Sampler()(logits, [banned, forced])
+    assert first.token_id != best and second.token_id == 11
+    assert first.logprob.top_token_ids == (best,)  # logprobs of the raw logits
+    assert first.logprob.logprob == pytest.approx(logits[0].log_softmax(-1)[first.token_id].item())
+
+
+def test_rows_without_adjustments_are_untouched_in_a_mixed_batch():
+    logits = random_logits(2, seed=6)
+    plain = SamplingRow(SamplingParams(temperature=0.0), 0, 0, output_token_ids=[int(logits[0].argmax())])
+    other = SamplingRow(penalized(presence=2.0), 0, 0, output_token_ids=[int(logits[1].argmax())])
+    assert tokens(logits, [plain, other])[0] == int(logits[0].argmax())

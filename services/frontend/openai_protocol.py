@@ -202,7 +202,8 @@ def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     if messages is None:
         raise RequestError("messages: required (a list of {role, content} objects)", param="messages")
     if not isinstance(messages, list) or not messages:
-        raise RequestError(f"messages: expected a non-empty list, got {_json_type(messages)}", param="messages")
+        got = "an empty list" if isinstance(messages, list) else _json_type(messages)
+        raise RequestError(f"messages: expected a non-empty list, got {got}", param="messages")
     return tuple(_message(m, i) for i, m in enumerate(messages))
 
 

@@ -193,7 +193,7 @@ def test_chat_logprobs():
 
 @pytest.mark.parametrize("fields, words, param", [
     ({"messages": None}, ["messages", "required"], "messages"),
-    ({"messages": []}, ["messages", "non-empty list"], "messages"),
+    ({"messages": []}, ["messages", "non-empty list, got an empty list"], "messages"),
     ({"messages": "hi"}, ["messages", "non-empty list", "a string"], "messages"),
     ({"messages": ["hi"]}, ["messages[0]", "object with role"], "messages[0]"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, ["messages[0].role", "wizard"], "messages[0].role"),

@@ -27,6 +27,7 @@ from services.common.signals import stop_event
 from services.manager.cluster_view import ClusterView
 from services.manager.config import ManagerConfig
 from services.manager.config_store import ClusterSettings, ConfigStore
+from services.manager.migration_journal import MigrationJournal
 from services.manager.dispatcher import Dispatcher
 from services.manager.domain import InstanceRecord
 from services.manager.election_loop import Campaign
@@ -53,10 +54,12 @@ async def main(config: ManagerConfig) -> None:
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s, access=config.etcd_access)
     store = ConfigStore(etcd, config.cluster, manager_id)
     instances = InstanceChannels(config.tls)
-    migrator = Migrator(view, leadership, instances, _migrator_limits(config), config.migration)
+    journal = MigrationJournal(etcd, config.cluster, manager_id, config.migration_history_size)
+    migrator = Migrator(view, leadership, instances, _migrator_limits(config), config.migration,
+                        record_sink=journal.append)
     admin = AdminServicer(view, dispatcher, leadership, store, instances, migrator, config.list_requests_timeout_s,
                           config.admin_forward_timeout_s, config.migration_timeout_s, tls=config.tls,
-                          admin_token=admin_token)
+                          admin_token=admin_token, journal=journal)
     add_servicers(server.server, ManagerServicer(dispatcher, view, leadership, migrator), admin)
     if config.metrics_port:
         serve_metrics(config.metrics_port, view, leadership)
@@ -75,7 +78,8 @@ async def main(config: ManagerConfig) -> None:
             loops = [tasks.create_task(store.watch_loop(apply), name="config_watch_loop"),
                      tasks.create_task(campaign.leader_watch_loop(), name="leader_watch_loop"),
                      tasks.create_task(campaign.campaign_loop(), name="campaign_loop"),
-                     tasks.create_task(migrator.migration_loop(), name="migration_loop")]
+                     tasks.create_task(migrator.migration_loop(), name="migration_loop"),
+                     tasks.create_task(journal.writer_loop(), name="migration_journal_loop")]
             log.info("manager_ready", manager_id=manager_id, address=server.address)
             print(f"ready {manager_id} {server.address}", flush=True)
             await stop.wait()

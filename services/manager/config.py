@@ -40,7 +40,8 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     migration_max_per_instance: int = knob(1, "migrations one instance takes part in at once (as source or destination)")
     migration_cooldown_s: float = knob(10.0, "seconds a request that just migrated is not picked again by the loop")
     migration_timeout_s: float = knob(60.0, "deadline of one InstanceService/MigrateOut call")
-    migration_history_size: int = knob(256, "migration records kept for ListMigrations (oldest dropped first)")
+    migration_history_size: int = knob(256, "migration records kept for ListMigrations, in memory and in etcd "
+                                            "(oldest dropped first)")
     migration_failure_backoff_s: float = knob(2.0, "seconds a (source, destination) pair waits after a failed migration")
     migration_backend: str = knob("", "transfer backend migrations ask for: grpc, gloo, nccl, shm (empty = each instance's default)")
     pd_short_prompt_tokens: int = knob(0, "PD disaggregation: prompts shorter than this many tokens may prefill on a "

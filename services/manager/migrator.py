@@ -62,7 +62,8 @@ class MigrateOutClient(Protocol):
 class Migrator:
     def __init__(self, view: ClusterView, leadership: Leadership, client: MigrateOutClient, limits: MigratorLimits,
                  settings: MigrationSettings = MigrationSettings(), clock: Clock = time.monotonic,
-                 wall_clock: Clock = time.time) -> None:
+                 wall_clock: Clock = time.time,
+                 record_sink: Callable[[MigrationRecord], None] | None = None) -> None:
         self._view = view
         self._leadership = leadership
         self._client = client
@@ -76,6 +77,7 @@ class Migrator:
         self._cooled: dict[str, float] = {}  # request id -> when it committed somewhere
         self._failed_at: dict[tuple[InstanceId, InstanceId], float] = {}  # (src, dst) -> its last failure
         self._history: collections.deque[MigrationRecord] = collections.deque(maxlen=limits.history_size)
+        self._record_sink = record_sink  # also gets every kept record (the etcd journal)
         self._tasks: set[asyncio.Task[None]] = set()
         self._announced_drained: set[InstanceId] = set()
 
@@ -225,6 +227,8 @@ class Migrator:
 
     def _keep(self, record: MigrationRecord) -> None:
         self._history.append(record)
+        if self._record_sink is not None:
+            self._record_sink(record)
         order, figures = record.order, record.figures
         metrics.MIGRATIONS.labels(record.outcome.value, order.trigger.value).inc()
         fields = dict(request_id=figures.request_id, src_instance_id=order.src_instance_id,

@@ -36,6 +36,7 @@ from services.manager.dispatcher import Dispatcher
 from services.manager.domain import InstanceId
 from services.manager.instance_client import InstanceChannels
 from services.manager.leadership import Leadership
+from services.manager.migration_journal import MigrationJournal
 from services.manager.migrator import Migrator
 from services.manager.migration_policies import PAIRING_NAMES
 from services.manager.policies import POLICY_NAMES
@@ -110,7 +111,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
     def __init__(self, view: ClusterView, dispatcher: Dispatcher, leadership: Leadership, store: ConfigStore,
                  instances: InstanceChannels, migrator: Migrator, list_requests_timeout_s: float,
                  forward_timeout_s: float, migrate_timeout_s: float, tls: TlsConfig | None = None,
-                 admin_token: str = "") -> None:
+                 admin_token: str = "", journal: MigrationJournal | None = None) -> None:
         self._view = view
         self._dispatcher = dispatcher
         self._leadership = leadership
@@ -123,6 +124,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         self._tls = tls  # of the channel to the leader when forwarding
         self._admin_token = admin_token  # the leader checks the same token
         self._leader_client: ManagerClient | None = None
+        self._journal = journal  # the history in etcd; None: this manager's memory only
 
     async def ListInstances(self, request, context) -> manager_pb2.ListInstancesResponse:
         client = await self._leader_to_forward_to(context)
@@ -226,8 +228,18 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
                 return await client.list_migrations(request.instance_id, request.request_id, is_forwarded=True)
             except Unavailable as exc:
                 log.warning("admin_forward_failed", method="ListMigrations", leader=client.address, error=exc.message)
-        records = self._migrator.history(request.instance_id, request.request_id)
-        return manager_pb2.ListMigrationsResponse(migrations=[convert.migration_record_to_proto(r) for r in records])
+        records = await self._migration_history()
+        return manager_pb2.ListMigrationsResponse(migrations=[r for r in records if _matches(r, request)])
+
+    async def _migration_history(self) -> list[manager_pb2.MigrationRecord]:
+        """etcd's history and what this manager kept since; its memory alone if etcd does not answer."""
+        recent = self._migrator.history()
+        if self._journal is not None:
+            try:
+                return await self._journal.history(recent)
+            except ETCD_ERRORS as exc:
+                log.warning("migration_history_unread", error=f"{type(exc).__name__}: {exc}")
+        return [convert.migration_record_to_proto(r) for r in recent]
 
     async def SetRole(self, request: manager_pb2.AdminSetRoleRequest, context) -> instance_pb2.SetRoleResponse:
         """Switch an instance's role at runtime: the instance itself rewrites its etcd record (every manager
@@ -292,3 +304,9 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
 def add_servicers(server: grpc.aio.Server, manager: ManagerServicer, admin: AdminServicer) -> None:
     manager_pb2_grpc.add_ManagerServiceServicer_to_server(manager, server)
     manager_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
+
+
+def _matches(record: manager_pb2.MigrationRecord, request: manager_pb2.ListMigrationsRequest) -> bool:
+    """Of the asked instance (either side) and request, when asked."""
+    return ((not request.instance_id or request.instance_id in (record.src_instance_id, record.dst_instance_id))
+            and (not request.request_id or record.request_id == request.request_id))

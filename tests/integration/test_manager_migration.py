@@ -13,7 +13,7 @@ import urllib.request
 
 import grpc
 import pytest
-from etcd3aio import Etcd3Client
+from etcd3aio import Etcd3Client, prefix_range_end
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.etcd_launcher import free_port
@@ -224,6 +224,32 @@ async def test_the_migration_policy_is_stored_and_survives_a_restart(world, etcd
         await restarted.stop()
     assert (policy.dispatch, policy.migration_enabled, policy.migration_threshold, policy.migration_selection) == (
         "flood", False, 2.5, instance_pb2.MIGRATION_SELECTION_LONGEST_RUNNING)
+
+
+async def test_the_history_outlives_the_manager_that_kept_it(world, etcd, etcd_client, cluster, tmp_path):
+    manager, client, peers = await world(2)
+    peers["i-0"].hold("r-1")
+    await wait_until(lambda: _running_is(client, {"i-0": 1, "i-1": 0}), 5, "request reported")
+    await client.migrate(request_id="r-1")
+    peers["i-1"].refuse = "no room"
+    with pytest.raises(ResourceExhausted):
+        await client.migrate(src_instance_id="i-1", dst_instance_id="i-0")
+    kept = [(m.request_id, m.outcome, m.src_instance_id) for m in (await client.list_migrations()).migrations]
+    assert kept == [("r-1", "committed", "i-0"), ("", "failed", "i-1")]
+    await wait_until(lambda: _num_stored_migrations(etcd_client, cluster, 2), 10, "both records in etcd")
+    assert await manager.stop() == 0
+    successor = await start_manager(etcd.endpoint, cluster, "m-successor", tmp_path)
+    try:
+        async with ManagerClient(successor.address) as again:
+            history = (await again.list_migrations()).migrations
+    finally:
+        await successor.stop()
+    assert [(m.request_id, m.outcome, m.src_instance_id) for m in history] == kept
+
+
+async def _num_stored_migrations(etcd_client: Etcd3Client, cluster: str, count: int) -> bool:
+    prefix = f"/ferry/{cluster}/migrations/"
+    return (await etcd_client.kv.get(prefix, range_end=prefix_range_end(prefix), count_only=True)).count == count
 
 
 async def _running_is(client: ManagerClient, expected: dict[str, int]) -> bool:

@@ -1,0 +1,91 @@
+"""Migration records in etcd, so the history outlives the leader that kept it.
+
+| key                                                 | value                                  |
+|-----------------------------------------------------|----------------------------------------|
+| /ferry/<cluster>/migrations/<started_at ns>-<manager>-<n> | a serialized ferry.v1.MigrationRecord |
+
+Keys sort by start time (20-digit nanoseconds), so a range read is the history oldest
+first. The leader appends each record it keeps (its migrations and the PD hand-offs
+instances report); one writer task puts them, so a slow or absent etcd never holds a
+migration up: the queue is bounded and a record that finds it full, or whose put fails,
+is only logged (the leader's in-memory history still has it). After each put the oldest
+keys beyond `--migration-history-size` are deleted. Keys have no lease: a new leader, and
+ferryctl through any manager, read the same history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import structlog
+from etcd3aio import Etcd3Client, SortOrder, prefix_range_end
+
+from services.common.gen.ferry.v1 import manager_pb2
+from services.manager import convert
+from services.manager.migration import MigrationRecord
+
+log = structlog.get_logger(__name__)
+
+ETCD_TIMEOUT_S = 2.0
+QUEUE_SIZE = 256
+
+
+class MigrationJournal:
+    def __init__(self, client: Etcd3Client, cluster: str, manager_id: str, size: int) -> None:
+        self._client = client
+        self._prefix = f"/ferry/{cluster}/migrations/"
+        self._manager_id = manager_id
+        self._size = size
+        self._queue: asyncio.Queue[MigrationRecord] = asyncio.Queue(maxsize=QUEUE_SIZE)
+        self._sequence = itertools.count()
+
+    def append(self, record: MigrationRecord) -> None:
+        """Queue `record` for etcd; never blocks."""
+        try:
+            self._queue.put_nowait(record)
+        except asyncio.QueueFull:
+            log.warning("migration_journal_full", request_id=record.figures.request_id, queued=QUEUE_SIZE)
+
+    async def writer_loop(self) -> None:
+        """Put queued records, one at a time, forever; a failed put loses only that record."""
+        while True:
+            record = await self._queue.get()
+            try:
+                await self._put(record)
+                await self._trim()
+            except Exception as exc:  # noqa: BLE001 — etcd down or refusing: the record stays in memory only
+                log.warning("migration_journal_write_failed", request_id=record.figures.request_id,
+                            error=f"{type(exc).__name__}: {exc}")
+
+    async def history(self, recent: list[MigrationRecord]) -> list[manager_pb2.MigrationRecord]:
+        """The stored history with this manager's `recent` records that are not stored yet,
+        oldest first (raises one of ETCD_ERRORS if etcd does not answer)."""
+        stored = await self.read()
+        seen = {_identity(record) for record in stored}
+        unstored = [r for r in map(convert.migration_record_to_proto, recent) if _identity(r) not in seen]
+        return sorted(stored + unstored, key=lambda record: record.started_at)
+
+    async def read(self) -> list[manager_pb2.MigrationRecord]:
+        """The stored history, oldest first (raises one of ETCD_ERRORS if etcd does not answer)."""
+        reply = await self._client.kv.get(self._prefix, range_end=prefix_range_end(self._prefix),
+                                          sort_order=SortOrder.ASCEND, timeout=ETCD_TIMEOUT_S)
+        return [manager_pb2.MigrationRecord.FromString(kv.value) for kv in reply.kvs]
+
+    async def _put(self, record: MigrationRecord) -> None:
+        key = f"{self._prefix}{int(record.started_at * 1e9):020d}-{self._manager_id}-{next(self._sequence)}"
+        value = convert.migration_record_to_proto(record).SerializeToString()
+        await self._client.kv.put(key, value, timeout=ETCD_TIMEOUT_S)
+
+    async def _trim(self) -> None:
+        end = prefix_range_end(self._prefix)
+        count = (await self._client.kv.get(self._prefix, range_end=end, count_only=True, timeout=ETCD_TIMEOUT_S)).count
+        if count <= self._size:
+            return
+        oldest = await self._client.kv.get(self._prefix, range_end=end, keys_only=True, limit=count - self._size,
+                                           sort_order=SortOrder.ASCEND, timeout=ETCD_TIMEOUT_S)
+        await self._client.kv.delete(self._prefix, range_end=oldest.kvs[-1].key + b"\0", timeout=ETCD_TIMEOUT_S)
+
+
+def _identity(record: manager_pb2.MigrationRecord) -> tuple:
+    return record.started_at, record.request_id, record.src_instance_id, record.dst_instance_id, record.outcome

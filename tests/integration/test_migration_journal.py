@@ -1,0 +1,84 @@
+"""The migration history in etcd (real etcd): bounded, ordered, shared by every manager,
+merged with what the leader has not written yet, and never in the way of a migration."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from services.common.etcd_client import ETCD_ERRORS, connect_etcd
+from services.manager.domain import InstanceId
+from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
+                                        MigrationTrigger)
+from services.manager.migration_journal import MigrationJournal
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def record(n: int, outcome: MigrationOutcome = MigrationOutcome.COMMITTED) -> MigrationRecord:
+    order = MigrationOrder(InstanceId(f"i{n % 2}"), "127.0.0.1:1", InstanceId(f"i{1 - n % 2}"), "127.0.0.1:2",
+                           MigrationTrigger.LOAD)
+    return MigrationRecord(order, outcome, MigrationFigures(f"req-{n}", num_blocks=n, num_bytes=n * 1024),
+                           started_at=1_700_000_000.0 + n)
+
+
+@pytest.fixture
+async def client(etcd):
+    client = await connect_etcd([etcd.endpoint])
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def journal(client, cluster):
+    journal = MigrationJournal(client, cluster, "manager-0", size=5)
+    writer = asyncio.create_task(journal.writer_loop())
+    yield journal
+    writer.cancel()
+    await asyncio.gather(writer, return_exceptions=True)
+
+
+async def stored_ids(journal: MigrationJournal, until_last: str, timeout_s: float = 15) -> list[str]:
+    """The stored request ids, once the newest is `until_last` (etcd errors meanwhile are retried)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ids = [r.request_id for r in await journal.read()]
+            if ids and ids[-1] == until_last:
+                return ids
+        except ETCD_ERRORS:
+            pass
+        assert time.monotonic() < deadline, f"{until_last} never stored"
+        await asyncio.sleep(0.05)
+
+
+async def test_the_newest_records_stay_oldest_first_and_another_manager_reads_them(journal, client, cluster):
+    for n in range(8):
+        journal.append(record(n))
+    assert await stored_ids(journal, "req-7") == [f"req-{n}" for n in range(3, 8)]
+    newest = (await journal.read())[-1]
+    assert (newest.num_bytes, newest.outcome, newest.trigger, newest.src_instance_id) == (7 * 1024, "committed",
+                                                                                         "load", "i1")
+    other_manager = MigrationJournal(client, cluster, "manager-1", size=5)
+    assert [r.request_id for r in await other_manager.read()] == [f"req-{n}" for n in range(3, 8)]
+
+
+async def test_history_adds_the_records_not_written_yet_once(journal):
+    journal.append(record(1))
+    await stored_ids(journal, "req-1")
+    merged = await journal.history([record(1), record(2, MigrationOutcome.FAILED)])  # 2 is not written
+    assert [(r.request_id, r.outcome) for r in merged] == [("req-1", "committed"), ("req-2", "failed")]
+
+
+async def test_a_paused_etcd_loses_a_record_not_the_writer(journal, etcd):
+    etcd.pause()
+    try:
+        journal.append(record(1))
+        with pytest.raises(ETCD_ERRORS):
+            await journal.read()
+    finally:
+        etcd.resume()
+    journal.append(record(2))
+    assert (await stored_ids(journal, "req-2"))[-1] == "req-2"

@@ -162,6 +162,22 @@ def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
             raise RequestError(f"best_of: only best_of=1 is supported, got {best_of}", param="best_of")
         if body.get("suffix") is not None:
             raise RequestError("suffix: not supported; leave it out", param="suffix")
+    _reject_constrained_output(body)
+
+
+def _reject_constrained_output(body: Mapping[str, Any]) -> None:
+    """Structured output and tool calls need constrained decoding or a tool-call parser, which
+    ferry lacks: asking for them is refused rather than silently answered with free text."""
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+        raise RequestError(f"response_format: only {{\"type\": \"text\"}} is supported, got {str(kind)[:40]!r} "
+                           "(no constrained decoding)", param="response_format")
+    if body.get("tools") and body.get("tool_choice", "auto") != "none":
+        raise RequestError("tools: tool calls are not supported; leave tools out or set tool_choice to \"none\"",
+                           param="tools")
+    if body.get("functions"):
+        raise RequestError("functions: function calls are not supported; leave functions out", param="functions")
 
 
 def _model(body: Mapping[str, Any], served_model: str) -> str:

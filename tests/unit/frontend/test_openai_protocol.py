@@ -139,6 +139,11 @@ def test_missing_prompt():
     ({"logit_bias": {"-1": 5}}, ["logit_bias", "token ids"], "logit_bias"),
     ({"logit_bias": {"1": 101}}, ["logit_bias", "between -100.0 and 100.0"], "logit_bias"),
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, ["logit_bias", "at most 1024"], "logit_bias"),
+    ({"response_format": {"type": "json_object"}}, ["response_format", "'json_object'", "constrained"],
+     "response_format"),
+    ({"response_format": "json"}, ["response_format", "'json'"], "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools", "not supported", "tool_choice"], "tools"),
+    ({"functions": [{"name": "f"}]}, ["functions", "not supported"], "functions"),
     ({"model": "gpt-4"}, ["gpt-4", "does not exist", "'tiny'"], "model"),
     ({"model": 7}, ["model", "expected a string"], "model"),
 ])
@@ -157,6 +162,12 @@ def test_missing_model_means_the_served_one():
 
 def test_penalties_of_zero_and_unknown_fields_are_accepted():
     assert completion(presence_penalty=0, frequency_penalty=0.0, user="u", whatever=1).prompt == "hello"
+
+
+def test_plain_text_format_and_declined_tools_are_accepted():
+    assert completion(response_format={"type": "text"}).prompt == "hello"
+    assert completion(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none").prompt == "hello"
+    assert completion(tools=[]).prompt == "hello"
 
 
 def test_penalties_and_logit_bias_reach_the_sampling_parameters():

@@ -32,6 +32,8 @@ class Sampling:
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    repetition_penalty: float = 1.0  # (0, 2]
+    min_p: float = 0.0  # [0, 1]
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,6 +141,8 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         presence_penalty=_opt_float(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
         frequency_penalty=_opt_float(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
         logit_bias=_logit_bias(body),
+        repetition_penalty=_repetition_penalty(body),
+        min_p=_opt_float(body, "min_p", 0.0, low=0.0, high=1.0),
     )
     return ParsedRequest(
         endpoint=endpoint, model=_model(body, served_model), prompt=prompt, messages=messages,
@@ -321,6 +323,15 @@ def _opt_int(body: Mapping[str, Any], name: str, low: int | None = None, high: i
         raise RequestError(f"{name}: expected an integer, got {_json_type(value)}", param=name)
     _check_range(name, value, low, high)
     return value
+
+
+def _repetition_penalty(body: Mapping[str, Any]) -> float:
+    """vLLM's extension: > 1 discourages repeating any prompt or output token, 1 = off."""
+    penalty = _opt_float(body, "repetition_penalty", 1.0, high=2.0)
+    if penalty <= 0.0:
+        raise RequestError(f"repetition_penalty: must be in (0, 2] (1 = off), got {penalty}",
+                           param="repetition_penalty")
+    return penalty
 
 
 def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:

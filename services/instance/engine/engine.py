@@ -316,7 +316,8 @@ class LLMEngine:
         if not rows or logits is None:
             return outputs
         requests = [scheduled.scheduled[i].request for i in rows]
-        sampling_rows = [SamplingRow(r.sampling, r.seed, r.num_output_tokens, r.output_token_ids) for r in requests]
+        sampling_rows = [SamplingRow(r.sampling, r.seed, r.num_output_tokens, r.output_token_ids, r.prompt_token_ids)
+                         for r in requests]
         for request, token in zip(requests, self.sampler(logits[rows], sampling_rows)):
             outputs.append(self._append_token(request, token))
         return outputs

@@ -22,6 +22,7 @@ MAX_LOGPROBS = 20
 MAX_SEED = 2**64 - 1
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
+MAX_REPETITION_PENALTY = 2.0
 
 
 class RequestStatus(enum.Enum):
@@ -51,10 +52,13 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of every token already in the output
     frequency_penalty: float = 0.0  # subtracted once per time a token is already in the output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending
+    repetition_penalty: float = 1.0  # > 1 discourages every prompt and output token: logit / p if > 0, else * p
+    min_p: float = 0.0  # sampling: drop tokens with probability below min_p times the top token's
 
     @property
     def adjusts_logits(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)
 
     @property
     def is_greedy(self) -> bool:
@@ -86,6 +90,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise InvalidArgument(f"{name}: must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidArgument(f"repetition_penalty: must be in (0, {MAX_REPETITION_PENALTY}], got "
+                                  f"{self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidArgument(f"min_p: must be in [0, 1], got {self.min_p}")
         for token_id, bias in self.logit_bias:
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise InvalidArgument(f"logit_bias: the bias of token {token_id} must be in "

@@ -9,8 +9,11 @@ torch build) continues exactly as it would have. Sampling is the exponential rac
 Penalties and logit biases (OpenAI semantics) adjust the logits before any choice, greedy
 included: `logit -= frequency_penalty * count + presence_penalty * (count > 0)` with
 `count` the times the token is in the request's output so far (resumed tokens included,
-the prompt not), then `logit += bias`. Both depend only on the request's own output, so
-a moved or resumed request is adjusted exactly as it would have been.
+the prompt not), then `logit += bias`. vLLM's `repetition_penalty` p (1 = off) comes first
+and covers prompt and output: a seen token's logit is divided by p if positive, else
+multiplied by it. All of these depend only on the request's own tokens, so a moved or
+resumed request is adjusted exactly as it would have been. `min_p` (sampled rows only)
+drops tokens whose probability is below `min_p` times the most likely token's.
 
 Logprobs are those of the raw logits (`log_softmax`; penalties, biases, temperature and
 top-k/top-p not applied), like vLLM's default.
@@ -36,6 +39,7 @@ class SamplingRow:
     seed: int  # the request's effective seed
     token_index: int  # output index of the token being sampled
     output_token_ids: Sequence[int] = field(default=())  # the output so far (for penalties)
+    prompt_token_ids: Sequence[int] = field(default=())  # for the repetition penalty
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +62,7 @@ class Sampler:
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(rows)} sampling rows")
         logits = logits.float().cpu()
-        token_ids = self._choose(_adjusted(logits, rows), rows)
+        token_ids = self._choose(adjusted_logits(logits, rows), rows)
         logprobs = _logprobs(logits, token_ids, rows)
         return [SampledToken(token_id, logprob) for token_id, logprob in zip(token_ids.tolist(), logprobs)]
 
@@ -72,13 +76,16 @@ class Sampler:
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             scaled = _apply_top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
         probs = scaled.softmax(dim=-1)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         noise = torch.stack([exponential_noise(logits.shape[1], rows[i].seed, rows[i].token_index)
                              for i in random_rows])
         token_ids[random_rows] = (probs / noise).argmax(dim=-1)
         return token_ids
 
 
-def _adjusted(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def adjusted_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """`logits` with each row's penalties and biases applied (a copy if any row has them)."""
     adjusted_rows = [i for i, row in enumerate(rows) if row.params.adjusts_logits]
     if not adjusted_rows:
@@ -87,6 +94,8 @@ def _adjusted(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
     vocab_size = logits.shape[1]
     for i in adjusted_rows:
         params = rows[i].params
+        if params.repetition_penalty != 1.0:
+            _penalize_repetitions_(logits[i], rows[i], params.repetition_penalty)
         if (params.presence_penalty or params.frequency_penalty) and rows[i].output_token_ids:
             output = torch.tensor(rows[i].output_token_ids, dtype=torch.int64)
             counts = torch.bincount(output, minlength=vocab_size)[:vocab_size]
@@ -95,6 +104,12 @@ def _adjusted(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
             ids, biases = zip(*params.logit_bias)
             logits[i, list(ids)] += torch.tensor(biases)
     return logits
+
+
+def _penalize_repetitions_(logits: torch.Tensor, row: SamplingRow, penalty: float) -> None:
+    seen = torch.tensor([*row.prompt_token_ids, *row.output_token_ids], dtype=torch.int64).unique()
+    values = logits[seen]
+    logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
 
 
 def exponential_noise(vocab_size: int, seed: int, token_index: int) -> torch.Tensor:

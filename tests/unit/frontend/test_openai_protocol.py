@@ -135,6 +135,9 @@ def test_missing_prompt():
     ({"presence_penalty": 2.5}, ["presence_penalty", "between -2.0 and 2.0"], "presence_penalty"),
     ({"frequency_penalty": "lots"}, ["frequency_penalty", "expected a number"], "frequency_penalty"),
     ({"logit_bias": [1, 5]}, ["logit_bias", "an object of token id -> bias"], "logit_bias"),
+    ({"repetition_penalty": 0}, ["repetition_penalty", "(0, 2]"], "repetition_penalty"),
+    ({"repetition_penalty": 3}, ["repetition_penalty", "<= 2.0"], "repetition_penalty"),
+    ({"min_p": 1.5}, ["min_p", "between 0.0 and 1.0"], "min_p"),
     ({"logit_bias": {"the": 5}}, ["logit_bias", "token ids", "'the'"], "logit_bias"),
     ({"logit_bias": {"-1": 5}}, ["logit_bias", "token ids"], "logit_bias"),
     ({"logit_bias": {"1": 101}}, ["logit_bias", "between -100.0 and 100.0"], "logit_bias"),
@@ -174,6 +177,9 @@ def test_penalties_and_logit_bias_reach_the_sampling_parameters():
     sampling = completion(presence_penalty=0.5, frequency_penalty=-1, logit_bias={"7": -100, "3": 2.5}).sampling
     assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.0)
     assert sampling.logit_bias == ((3, 2.5), (7, -100.0))
+    vllm_style = completion(repetition_penalty=1.2, min_p=0.1).sampling
+    assert (vllm_style.repetition_penalty, vllm_style.min_p) == (1.2, 0.1)
+    assert (completion().sampling.repetition_penalty, completion().sampling.min_p) == (1.0, 0.0)
 
 
 # ---- chat ---------------------------------------------------------------------------

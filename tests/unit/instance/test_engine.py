@@ -332,6 +332,9 @@ def test_invalid_requests_name_the_field(gqa, make_engine):
         ([1, 2], SamplingParams(presence_penalty=2.5), {}, "presence_penalty"),
         ([1, 2], SamplingParams(frequency_penalty=-3.0), {}, "frequency_penalty"),
         ([1, 2], SamplingParams(logit_bias=((1, 150.0),)), {}, "logit_bias"),
+        ([1, 2], SamplingParams(repetition_penalty=0.0), {}, "repetition_penalty"),
+        ([1, 2], SamplingParams(repetition_penalty=2.5), {}, "repetition_penalty"),
+        ([1, 2], SamplingParams(min_p=1.5), {}, "min_p"),
         ([1, 2], SamplingParams(logit_bias=((10**6, 1.0),)), {}, "logit_bias: token id 1000000 is outside"),
     ]
     for prompt, sampling, kwargs, field in cases:

@@ -26,7 +26,8 @@ MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=77, max_tokens=MAX_TOKENS, ignore_eos=True)
 PENALIZED = SamplingParams(temperature=0.7, seed=5, presence_penalty=1.5, frequency_penalty=0.5,
-                           logit_bias=((3, -100.0), (5, 2.0)), max_tokens=MAX_TOKENS, ignore_eos=True)
+                           logit_bias=((3, -100.0), (5, 2.0)), repetition_penalty=1.3, min_p=0.05,
+                           max_tokens=MAX_TOKENS, ignore_eos=True)
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 31, 8, 64, 2]  # 11 tokens: the last prompt block is partial
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from services.instance.engine.request import SamplingParams
-from services.instance.engine.sampler import Sampler, SamplingRow
+from services.instance.engine.sampler import Sampler, SamplingRow, adjusted_logits
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -152,3 +152,20 @@ def test_rows_without_adjustments_are_untouched_in_a_mixed_batch():
     plain = SamplingRow(SamplingParams(temperature=0.0), 0, 0, output_token_ids=[int(logits[0].argmax())])
     other = SamplingRow(penalized(presence=2.0), 0, 0, output_token_ids=[int(logits[1].argmax())])
     assert tokens(logits, [plain, other])[0] == int(logits[0].argmax())
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 1], logits[0, 2], logits[0, 3] = 3.0, 2.9, -1.0  # 1 (prompt) and 3 (output) were seen
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=0)
+    row = SamplingRow(params, 0, 1, output_token_ids=[3], prompt_token_ids=[1, 1])
+    assert tokens(logits, [row]) == [2]  # 3.0 / 1.5 = 2.0 < 2.9
+    adjusted = adjusted_logits(logits, [row])[0]
+    assert adjusted[1:4].tolist() == pytest.approx([2.0, 2.9, -1.5])
+
+
+def test_min_p_never_samples_tokens_far_below_the_top_one():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1] + [1e-9] * (VOCAB - 3)]))
+    chosen = {tokens(logits, [SamplingRow(SamplingParams(temperature=1.0, min_p=0.4), seed=s, token_index=0)])[0]
+              for s in range(300)}
+    assert chosen == {0, 1}  # 0.1 < 0.4 * 0.6

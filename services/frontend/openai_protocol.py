@@ -21,6 +21,7 @@ from services.frontend.generation import Sampling
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_CHOICES = 16  # most `n`: each choice is a request of its own
 _UINT64 = 1 << 64
 _INT32_MAX = (1 << 31) - 1
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -52,6 +53,7 @@ class ParsedRequest:
     return_token_ids: bool = False  # ferry extension: choices and chunks carry token_ids
     priority: int = 0  # ferry extension: higher runs first when the cache is short
     num_top_logprobs: int | None = None  # None = no logprobs; n = chosen token + top n
+    n: int = 1  # choices: n requests of the same prompt (seeds seed, seed + 1, ... when one is given)
 
 
 def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
@@ -149,13 +151,10 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         sampling=sampling, stream=stream, include_usage=_include_usage(body, stream),
         return_token_ids=_opt_bool(body, "return_token_ids") or False,
         priority=_opt_int(body, "priority", low=-_INT32_MAX, high=_INT32_MAX) or 0,
-        num_top_logprobs=num_top_logprobs)
+        num_top_logprobs=num_top_logprobs, n=_opt_int(body, "n", low=1, high=MAX_CHOICES) or 1)
 
 
 def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
-    n = _opt_int(body, "n", low=1)
-    if n not in (None, 1):
-        raise RequestError(f"n: only n=1 is supported, got {n}; send {n} requests instead", param="n")
     if endpoint is Endpoint.COMPLETIONS:
         if _opt_bool(body, "echo"):
             raise RequestError("echo: not supported; leave it out or set it to false", param="echo")

@@ -1,7 +1,8 @@
 """Responses in OpenAI's shapes: whole completions, stream chunks (SSE) and logprobs.
 
-`ResponseFormatter` is made per request and knows its endpoint and options; it turns
-`Delta`s and the final `ReqState` into JSON-ready dicts. No sockets here.
+`ResponseFormatter` is made per choice (a request asking for `n` choices gets `n`) and
+knows its endpoint, options and choice index; it turns `Delta`s and the final `ReqState`
+into JSON-ready dicts. No sockets here.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ def finish_reason_name(reason: FinishReason | None) -> str | None:
 
 
 class ResponseFormatter:
-    def __init__(self, parsed: ParsedRequest, request_id: str, created: int, token_text: TokenText) -> None:
+    def __init__(self, parsed: ParsedRequest, request_id: str, created: int, token_text: TokenText,
+                 index: int = 0) -> None:
         self._parsed = parsed
+        self._index = index  # of this formatter's choice
         self._request_id = request_id
         self._created = created
         self._token_text = token_text
@@ -48,8 +51,16 @@ class ResponseFormatter:
 
     # ---- whole responses -------------------------------------------------------------
 
-    def response(self, state: ReqState) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+    def response(self, states: Sequence[ReqState], choices: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The whole response: every choice (from each choice's formatter's `choice`), usage over all."""
+        body = self._envelope(self._object("chat.completion", "text_completion"), list(choices))
+        body["usage"] = usage(len(states[0].prompt_token_ids), sum(state.num_output_tokens for state in states))
+        if self._parsed.return_token_ids:
+            body["prompt_token_ids"] = list(states[0].prompt_token_ids)
+        return body
+
+    def choice(self, state: ReqState) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": self._index}
         if self._is_chat:
             choice["message"] = {"role": "assistant", "content": state.text}
         else:
@@ -58,11 +69,7 @@ class ResponseFormatter:
         choice["finish_reason"] = finish_reason_name(state.finish_reason)
         if self._parsed.return_token_ids:
             choice["token_ids"] = list(state.token_ids)
-        body = self._envelope(self._object("chat.completion", "text_completion"), [choice])
-        body["usage"] = usage(len(state.prompt_token_ids), state.num_output_tokens)
-        if self._parsed.return_token_ids:
-            body["prompt_token_ids"] = list(state.prompt_token_ids)
-        return body
+        return choice
 
     # ---- stream chunks ---------------------------------------------------------------
 
@@ -70,7 +77,8 @@ class ResponseFormatter:
         """Chunks sent before any token: the assistant role for chat."""
         if not self._is_chat:
             return []
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        choice = {"index": self._index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
         if self._parsed.return_token_ids:
             choice["token_ids"] = []
         chunk = self._chunk_envelope([choice])
@@ -79,7 +87,7 @@ class ResponseFormatter:
         return [chunk]
 
     def chunk(self, delta: Delta) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self._index}
         if self._is_chat:
             choice["delta"] = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
         else:
@@ -90,9 +98,9 @@ class ResponseFormatter:
             choice["token_ids"] = list(delta.token_ids)
         return self._chunk_envelope([choice])
 
-    def usage_chunk(self, state: ReqState) -> dict[str, Any]:
+    def usage_chunk(self, states: Sequence[ReqState]) -> dict[str, Any]:
         chunk = self._envelope(self._object("chat.completion.chunk", "text_completion"), [])
-        chunk["usage"] = usage(len(state.prompt_token_ids), state.num_output_tokens)
+        chunk["usage"] = usage(len(states[0].prompt_token_ids), sum(state.num_output_tokens for state in states))
         return chunk
 
     # ---- pieces ----------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.frontend.openai_protocol import MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from services.frontend.openai_protocol import MAX_CHOICES, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 _INT32_MAX = (1 << 31) - 1
 _JSON = "application/json"
@@ -96,9 +96,18 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
         "stream": {"type": "boolean", "nullable": True},
         "stream_options": {"type": "object", "nullable": True, "description": "only with stream=true",
                            "properties": {"include_usage": {"type": "boolean", "nullable": True}}},
-        "n": {**integer, "enum": [1], "nullable": True},
-        "presence_penalty": {"type": "number", "enum": [0], "nullable": True},
-        "frequency_penalty": {"type": "number", "enum": [0], "nullable": True},
+        "n": {**integer, "minimum": 1, "maximum": MAX_CHOICES, "nullable": True,
+              "description": "choices, each a request of its own (seed, seed + 1, ... when seeded)"},
+        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True},
+        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True},
+        "logit_bias": {"type": "object", "nullable": True, "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                       "description": f"token id (a decimal string) -> bias added to its logit; at most "
+                                      f"{MAX_LOGIT_BIAS_ENTRIES} tokens",
+                       "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 2,
+                               "nullable": True, "description": "vLLM: > 1 discourages prompt and output tokens"},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True,
+                  "description": "vLLM: drop tokens below min_p x the most likely one's probability"},
         "ignore_eos": {"type": "boolean", "nullable": True, "description": "ferry: keep going past end-of-sequence"},
         "return_token_ids": {"type": "boolean", "nullable": True, "description": "ferry: choices carry token_ids"},
         "priority": {**integer, "minimum": -_INT32_MAX, "maximum": _INT32_MAX, "nullable": True,

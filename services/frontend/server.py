@@ -16,6 +16,7 @@ import contextlib
 import hmac
 import time
 import uuid
+from dataclasses import dataclass, replace
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import structlog
@@ -118,26 +119,35 @@ class FrontendServer:
             parsed = resolve_max_tokens(parsed, len(prompt_ids), self._model.max_model_len)
             request_id = new_request_id(endpoint)
             request[_REQUEST_ID_KEY] = request_id
-            state = ReqState(request_id, prompt_ids, self._model.decode)
-            spec = GenerateSpec(request_id, tuple(prompt_ids), parsed.sampling, parsed.priority)
+            choices = [self._choice(parsed, request_id, prompt_ids, index) for index in range(parsed.n)]
             log.info("request_received", request_id=request_id, endpoint=endpoint.value, stream=parsed.stream,
-                     num_prompt_tokens=len(prompt_ids), max_tokens=parsed.sampling.max_tokens)
-            task = asyncio.create_task(self._runner.run(state, spec), name=f"request:{request_id}")
+                     num_prompt_tokens=len(prompt_ids), max_tokens=parsed.sampling.max_tokens, n=parsed.n)
+            tasks = [asyncio.create_task(self._runner.run(c.state, c.spec), name=f"request:{c.state.request_id}")
+                     for c in choices]
             try:
-                formatter = ResponseFormatter(parsed, request_id, state.created, self._model.token_text)
-                deltas = self._timed(state.deltas(), arrived_at)
+                streams = [self._timed(c.state.deltas(), arrived_at) for c in choices]
                 if parsed.stream:
-                    return await self._stream(request, parsed, state, formatter, deltas)
-                return await self._complete(state, formatter, deltas)
+                    return await self._stream(request, parsed, request_id, choices, streams)
+                return await self._complete(request_id, choices, streams)
             except asyncio.CancelledError:  # the client went away (handler_cancellation)
-                log.info("client_disconnected", request_id=request_id, num_output_tokens=state.num_output_tokens)
+                log.info("client_disconnected", request_id=request_id,
+                         num_output_tokens=sum(c.state.num_output_tokens for c in choices))
                 raise
             finally:
-                await _cancel(task)
-                log.info("request_finished", request_id=request_id, num_output_tokens=state.num_output_tokens,
-                         finish_reason=state.finish_reason and state.finish_reason.value,
-                         error=state.error and state.error.message, num_resumes=state.num_resumes,
-                         num_handoffs=state.num_handoffs)
+                for task in tasks:
+                    await _cancel(task)
+                for choice in choices:
+                    _log_finished(choice.state)
+
+    def _choice(self, parsed: ParsedRequest, request_id: RequestId, prompt_ids: Sequence[int], index: int) -> Choice:
+        """Choice `index` of `n`: a request of its own (id `<id>-<index>` when n > 1, seed + index)."""
+        sampling = parsed.sampling
+        if index and sampling.seed is not None:
+            sampling = replace(sampling, seed=(sampling.seed + index) % 2**64)
+        sub_id = request_id if parsed.n == 1 else RequestId(f"{request_id}-{index}")
+        state = ReqState(sub_id, prompt_ids, self._model.decode)
+        formatter = ResponseFormatter(parsed, request_id, state.created, self._model.token_text, index)
+        return Choice(state, GenerateSpec(sub_id, tuple(prompt_ids), sampling, parsed.priority), formatter)
 
     async def _parse(self, request: web.Request, endpoint: Endpoint) -> ParsedRequest:
         if request.content_length is not None and request.content_length > self._max_body_bytes:
@@ -155,34 +165,41 @@ class FrontendServer:
             return parse_chat_request(body, self._model.name)
         return parse_completion_request(body, self._model.name)
 
-    async def _complete(self, state: ReqState, formatter: ResponseFormatter,
-                        deltas: AsyncIterator[Delta]) -> web.Response:
-        async for _ in deltas:
-            pass
-        return web.json_response(formatter.response(state), headers={REQUEST_ID_HEADER: state.request_id})
+    async def _complete(self, request_id: RequestId, choices: list[Choice],
+                        streams: list[AsyncIterator[Delta]]) -> web.Response:
+        drains = [asyncio.create_task(_drain(stream)) for stream in streams]
+        try:
+            await asyncio.gather(*drains)  # raises the first choice's error as it is
+        finally:
+            for drain in drains:
+                await _cancel(drain)
+        body = choices[0].formatter.response([c.state for c in choices], [c.formatter.choice(c.state) for c in choices])
+        return web.json_response(body, headers={REQUEST_ID_HEADER: request_id})
 
-    async def _stream(self, request: web.Request, parsed: ParsedRequest, state: ReqState,
-                      formatter: ResponseFormatter, deltas: AsyncIterator[Delta]) -> web.StreamResponse:
-        first = await anext(deltas)  # an early error raises here, before the 200
+    async def _stream(self, request: web.Request, parsed: ParsedRequest, request_id: RequestId,
+                      choices: list[Choice], streams: list[AsyncIterator[Delta]]) -> web.StreamResponse:
+        firsts = [await anext(stream) for stream in streams]  # an early error raises here, before the 200
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               REQUEST_ID_HEADER: state.request_id})
+                                               REQUEST_ID_HEADER: request_id})
         await response.prepare(request)
         try:
-            for chunk in formatter.first_chunks(state.prompt_token_ids):
-                await response.write(sse(chunk))
-            await response.write(sse(formatter.chunk(first)))
+            for choice, first in zip(choices, firsts):
+                for chunk in choice.formatter.first_chunks(choice.state.prompt_token_ids):
+                    await response.write(sse(chunk))
+                await response.write(sse(choice.formatter.chunk(first)))
             try:
-                async for delta in deltas:
-                    await response.write(sse(formatter.chunk(delta)))
+                async for index, delta in _merged(streams):
+                    await response.write(sse(choices[index].formatter.chunk(delta)))
             except FerryError as exc:  # after the 200: an error event ends the stream
-                log.warning("stream_failed", request_id=state.request_id, error=exc.message)
+                log.warning("stream_failed", request_id=request_id, error=exc.message)
                 await response.write(sse_error(exc))
-            if parsed.include_usage and state.error is None:
-                await response.write(sse(formatter.usage_chunk(state)))
+            if parsed.include_usage and all(c.state.error is None for c in choices):
+                await response.write(sse(choices[0].formatter.usage_chunk([c.state for c in choices])))
             await response.write(SSE_DONE)
             await response.write_eof()
         except ConnectionResetError:
-            log.info("client_disconnected", request_id=state.request_id, num_output_tokens=state.num_output_tokens)
+            log.info("client_disconnected", request_id=request_id,
+                     num_output_tokens=sum(c.state.num_output_tokens for c in choices))
         return response
 
     async def _timed(self, deltas: AsyncIterator[Delta], arrived_at: float) -> AsyncIterator[Delta]:
@@ -266,6 +283,54 @@ def _too_large(limit: int) -> PayloadTooLarge:
 def _endpoint_label(request: web.Request) -> str:
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else "unmatched"
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One of the `n` answers to a request: its own instance request, state and formatter."""
+
+    state: ReqState
+    spec: GenerateSpec
+    formatter: ResponseFormatter
+
+
+async def _drain(deltas: AsyncIterator[Delta]) -> None:
+    async for _ in deltas:
+        pass
+
+
+async def _merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from every stream as they come; a stream's error raises here."""
+    if len(streams) == 1:  # the common case, without the tasks
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue(maxsize=4 * len(streams))
+
+    async def pump(index: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+            await queue.put((index, None))
+        except FerryError as exc:
+            await queue.put((index, exc))
+    pumps = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        for _ in range(len(streams)):
+            while (item := await queue.get())[1] is not None:
+                if isinstance(item[1], BaseException):
+                    raise item[1]
+                yield item
+    finally:
+        for task in pumps:
+            await _cancel(task)
+
+
+def _log_finished(state: ReqState) -> None:
+    log.info("request_finished", request_id=state.request_id, num_output_tokens=state.num_output_tokens,
+             finish_reason=state.finish_reason and state.finish_reason.value,
+             error=state.error and state.error.message, num_resumes=state.num_resumes,
+             num_handoffs=state.num_handoffs)
 
 
 async def _cancel(task: asyncio.Task) -> None:

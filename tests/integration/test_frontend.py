@@ -129,6 +129,30 @@ async def test_logit_bias_and_penalties_reach_the_engine(client, instance_stub):
     assert await token_ids(presence_penalty=1.5, frequency_penalty=1.0) == penalized
 
 
+async def test_n_choices_are_requests_of_their_own_whole_and_streamed(client):
+    seeded = await client.completions.create(model=MODEL, prompt="the cat sat", max_tokens=8, temperature=1.0, seed=11,
+                                             n=3, extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert [c.index for c in seeded.choices] == [0, 1, 2] and seeded.usage.completion_tokens == 24
+    by_seed = [await client.completions.create(model=MODEL, prompt="the cat sat", max_tokens=8, temperature=1.0,
+                                               seed=11 + i, extra_body={"return_token_ids": True, "ignore_eos": True})
+               for i in range(3)]  # choice i is the request with seed + i
+    assert [c.model_dump()["token_ids"] for c in seeded.choices] == \
+        [r.choices[0].model_dump()["token_ids"] for r in by_seed]
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=1.0, seed=5, n=2,
+        stream=True, stream_options={"include_usage": True}, extra_body={"return_token_ids": True, "ignore_eos": True})
+    chunks = [chunk async for chunk in stream]
+    streamed = {0: [], 1: []}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.model_dump().get("token_ids") or []
+    whole = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=1.0, seed=5, n=2,
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+    assert [streamed[0], streamed[1]] == [c.model_dump()["token_ids"] for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == 12 and len({c.id for c in chunks}) == 1
+
+
 async def test_streamed_completion_equals_the_whole_one(client):
     whole = await client.completions.create(model=MODEL, prompt="the cat sat", max_tokens=10, temperature=0,
                                             extra_body={"return_token_ids": True, "ignore_eos": True})
@@ -239,7 +263,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "temperature": 2.5}, "temperature"),
     (CHAT, {"model": MODEL, "messages": USER, "top_p": 0}, "top_p"),
     (CHAT, {"model": MODEL, "messages": USER, "top_p": 1.2}, "top_p"),
-    (COMPLETIONS, {"model": MODEL, "prompt": "x", "n": 2}, "n=1"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "n": 17}, "between 1 and 16"),
     (COMPLETIONS, {"model": MODEL, "prompt": [1] * MAX_MODEL_LEN}, "context length"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "word " * 400}]}, "context length"),

@@ -103,8 +103,8 @@ def test_missing_prompt():
 
 
 @pytest.mark.parametrize("fields, words, param", [
-    ({"n": 2}, ["n", "only n=1"], "n"),
-    ({"n": 0}, ["n", ">= 1"], "n"),
+    ({"n": 17}, ["n", "between 1 and 16"], "n"),
+    ({"n": 0}, ["n", "between 1 and 16", "got 0"], "n"),
     ({"max_tokens": 0}, ["max_tokens", ">= 1", "got 0"], "max_tokens"),
     ({"max_tokens": -3}, ["max_tokens", ">= 1"], "max_tokens"),
     ({"max_tokens": "10"}, ["max_tokens", "expected an integer", "a string"], "max_tokens"),
@@ -223,7 +223,7 @@ def test_chat_logprobs():
     ({"logprobs": 1}, ["logprobs", "true or false"], "logprobs"),
     ({"top_logprobs": 2}, ["top_logprobs", "logprobs=true"], "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 50}, ["top_logprobs", "between 0 and 20"], "top_logprobs"),
-    ({"n": 3}, ["only n=1"], "n"),
+    ({"n": 30}, ["n", "between 1 and 16", "got 30"], "n"),
 ])
 def test_bad_chat_fields(fields, words, param):
     rejects(chat, fields, *words, param=param)

@@ -26,6 +26,10 @@ def formatter(endpoint="completions", **fields):
     return ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text)
 
 
+
+def whole(f: ResponseFormatter, state) -> dict:
+    return f.response([state], [f.choice(state)])
+
 def finished_state(logprobs=False):
     state = make_state(prompt=(1, 2))
     lps = (TokenLogprob(7, -0.5, ((7, -0.5), (8, -1.5))), TokenLogprob(8, -0.25, ((8, -0.25), (7, -2.0))))
@@ -34,7 +38,7 @@ def finished_state(logprobs=False):
 
 
 def test_completion_response():
-    body = formatter(return_token_ids=True).response(finished_state())
+    body = whole(formatter(return_token_ids=True), finished_state())
     assert body == {
         "id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "tiny",
         "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop", "token_ids": [7, 8]}],
@@ -44,7 +48,7 @@ def test_completion_response():
 
 
 def test_chat_response_without_token_ids():
-    body = formatter("chat").response(finished_state())
+    body = whole(formatter("chat"), finished_state())
     assert body["object"] == "chat.completion"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "logprobs": None,
                                 "finish_reason": "stop"}]
@@ -52,16 +56,16 @@ def test_chat_response_without_token_ids():
 
 
 def test_completion_logprobs_with_offsets():
-    logprobs = formatter(logprobs=1).response(finished_state(logprobs=True))["choices"][0]["logprobs"]
+    logprobs = whole(formatter(logprobs=1), finished_state(logprobs=True))["choices"][0]["logprobs"]
     assert logprobs == {"tokens": ["h", "i"], "token_logprobs": [-0.5, -0.25],
                         "top_logprobs": [{"h": -0.5}, {"i": -0.25}], "text_offset": [0, 1]}
 
 
 def test_chat_logprobs():
-    content = formatter("chat", logprobs=True, top_logprobs=2).response(finished_state(True))["choices"][0]["logprobs"]
+    content = whole(formatter("chat", logprobs=True, top_logprobs=2), finished_state(True))["choices"][0]["logprobs"]
     assert content["content"][0] == {"token": "h", "logprob": -0.5, "bytes": [104], "top_logprobs": [
         {"token": "h", "logprob": -0.5, "bytes": [104]}, {"token": "i", "logprob": -1.5, "bytes": [105]}]}
-    no_top = formatter("chat", logprobs=True).response(finished_state(True))["choices"][0]["logprobs"]
+    no_top = whole(formatter("chat", logprobs=True), finished_state(True))["choices"][0]["logprobs"]
     assert no_top["content"][1]["top_logprobs"] == []
 
 
@@ -75,7 +79,7 @@ def test_completion_stream_chunks():
                     "choices": [{"index": 0, "text": "h", "logprobs": None, "finish_reason": None, "token_ids": [7]}],
                     "usage": None}
     state.accept(chunk(1, finish=FinishReason.LENGTH))
-    usage = f.usage_chunk(state)
+    usage = f.usage_chunk([state])
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
 
 

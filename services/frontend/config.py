@@ -30,7 +30,7 @@ class FrontendConfig(EtcdKnobs, ClientTlsKnobs, LogKnobs):
     manager_address: str = knob("", "leader manager host:port (default: read /ferry/<cluster>/manager/leader from etcd)")
     api_key: list[str] = knob([], "accepted API keys (repeat the flag or separate with commas); empty = no auth")
     max_body_bytes: int = knob(MIB, "largest request body in bytes; larger ones get 413")
-    max_inflight: int = knob(256, "most requests in flight; more get 429")
+    max_inflight: int = knob(256, "most requests in flight (each choice of an n > 1 request counts); more get 429")
     keepalive_timeout_s: float = knob(75.0, "seconds an HTTP connection may sit without a complete request (idle "
                                             "keep-alive, or headers arriving too slowly) before it is closed")
     body_timeout_s: float = knob(30.0, "seconds a request body may take to arrive; slower ones get 408")

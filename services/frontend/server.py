@@ -114,7 +114,7 @@ class FrontendServer:
     async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         arrived_at = time.monotonic()
         parsed = await self._parse(request, endpoint)
-        with self._admitted():
+        with self._admitted(parsed.n):
             prompt_ids = await asyncio.to_thread(self._model.prompt_token_ids, parsed)
             parsed = resolve_max_tokens(parsed, len(prompt_ids), self._model.max_model_len)
             request_id = new_request_id(endpoint)
@@ -212,19 +212,21 @@ class FrontendServer:
             yield delta
 
     @contextlib.contextmanager
-    def _admitted(self):
+    def _admitted(self, num_choices: int):
+        """Count the request's choices in flight; over --max-inflight it is a 429 (an idle frontend
+        admits any one request, however many choices it asks for)."""
         if not self.is_accepting:
             raise Unavailable("this frontend is shutting down; retry on another one")
-        if self._num_inflight >= self._max_inflight:
+        if self._num_inflight and self._num_inflight + num_choices > self._max_inflight:
             raise ResourceExhausted(f"{self._num_inflight} requests are in flight, the limit (--max-inflight "
                                     f"{self._max_inflight}); retry later")
-        self._num_inflight += 1
-        self._metrics.in_flight.inc()
+        self._num_inflight += num_choices
+        self._metrics.in_flight.inc(num_choices)
         try:
             yield
         finally:
-            self._num_inflight -= 1
-            self._metrics.in_flight.dec()
+            self._num_inflight -= num_choices
+            self._metrics.in_flight.dec(num_choices)
 
     # ---- middlewares -------------------------------------------------------------------
 

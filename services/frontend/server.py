@@ -1,10 +1,10 @@
 """The HTTP server: thin aiohttp handlers (body → openai_protocol → RequestRunner →
 openai_response → body) plus middlewares for errors, API keys and body size.
 
-A generation request: parse and validate, admit (bounded in-flight), tokenize, start the
-runner task that feeds the request's `ReqState`, then answer from the state's deltas. A
-streaming request waits for its first delta before it sends the 200, so an error the
-instance raises early still gets its own status. A client that goes away cancels the
+A generation request: parse and validate, admit (bounded in-flight), tokenize, start one
+runner task per choice (`n`; each feeds its own `ReqState`), then answer from the states'
+deltas, merged by choice index. A streaming request waits for every choice's first delta
+before it sends the 200, so an error the instance raises early still gets its own status. A client that goes away cancels the
 handler (handler_cancellation), which cancels the runner, which aborts the request on
 its instance.
 """
@@ -16,8 +16,8 @@ import contextlib
 import hmac
 import time
 import uuid
-from dataclasses import dataclass, replace
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 
 import structlog
 from aiohttp import web

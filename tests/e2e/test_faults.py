@@ -232,6 +232,7 @@ async def test_etcd_down_for_10_s(session, cluster, reference):
 async def test_frontend_killed_other_frontend_keeps_serving(session, cluster, reference, second_frontend):
     """Runs last: frontend-0 stays dead. Its clients' connections drop; frontend-1's are untouched."""
     await cluster.set_policy(dispatch="load", migration_enabled=False)
+    await _every_frontend_sees(session, [cluster.frontend_url, second_frontend.address], 3)  # after the outages
     baseline = await cluster.free_blocks()
     on_killed = mixed_streams("on the killed frontend", 3, 300)
     on_other = mixed_streams("on the other frontend", 3, 120)
@@ -239,9 +240,20 @@ async def test_frontend_killed_other_frontend_keeps_serving(session, cluster, re
     await wait_for_tokens(on_killed + on_other, 8)
     cluster.kill("frontend-0")
     await asyncio.gather(*tasks)
-    assert all(s.error and s.error.startswith("connection") for s in on_killed)
+    assert all(s.error and s.error.startswith("connection") for s in on_killed), \
+        [(s.request_id, s.error, s.finish_reason, len(s.token_ids)) for s in on_killed]
     assert_identical(on_other, reference)
     await cluster.wait_blocks_back(baseline)  # the instances aborted the dead frontend's requests
     after = mixed_streams("after the frontend died", 2, 16)
     await asyncio.gather(*run_streams(session, cluster, after, second_frontend.address))
     assert_identical(after, reference)
+
+
+async def _every_frontend_sees(session, frontend_urls: list[str], num_instances: int) -> None:
+    async def healthy() -> bool:
+        for url in frontend_urls:
+            async with session.get(f"{url}/health") as response:
+                if response.status != 200 or (await response.json())["num_instances"] != num_instances:
+                    return False
+        return True
+    await wait_for(healthy, 30, f"every frontend serving with {num_instances} instances")

@@ -240,8 +240,10 @@ async def test_frontend_killed_other_frontend_keeps_serving(session, cluster, re
     await wait_for_tokens(on_killed + on_other, 8)
     cluster.kill("frontend-0")
     await asyncio.gather(*tasks)
-    assert all(s.error and s.error.startswith("connection") for s in on_killed), \
+    dropped = [s for s in on_killed if s.error]  # a stream served fast may have ended before the kill
+    assert dropped and all(s.error.startswith("connection") for s in dropped), \
         [(s.request_id, s.error, s.finish_reason, len(s.token_ids)) for s in on_killed]
+    assert_identical([s for s in on_killed if not s.error], reference)
     assert_identical(on_other, reference)
     await cluster.wait_blocks_back(baseline)  # the instances aborted the dead frontend's requests
     after = mixed_streams("after the frontend died", 2, 16)

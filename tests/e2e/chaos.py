@@ -125,7 +125,7 @@ class ChaosRun:
             self.result.faults[kind] += 1
             await asyncio.sleep(rng.uniform(*self._config.down_s))
             await self._cluster.restart(name)
-            await self._cluster.free_blocks()  # every instance reports to the leader again
+            await self._cluster.free_blocks(is_idle=False)  # every instance reports to the leader again
 
     async def _victim(self, kind: str) -> str:
         if kind == "leader":

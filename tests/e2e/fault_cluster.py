@@ -166,16 +166,19 @@ class FaultCluster:
     async def set_policy(self, **fields) -> None:
         await self.admin("SetPolicy", manager_pb2.Policy(**fields))
 
-    async def free_blocks(self, instance_ids: Sequence[str] | None = None, timeout_s: float = 30.0) -> dict[str, int]:
-        """Free blocks of the instances, once each of them reports fresh load and is idle."""
+    async def free_blocks(self, instance_ids: Sequence[str] | None = None, timeout_s: float = 30.0,
+                          is_idle: bool = True) -> dict[str, int]:
+        """Free blocks of the instances, once each of them reports fresh load (and, with `is_idle`,
+        runs no request: a baseline must not count blocks an earlier test is still releasing)."""
         ids = list(instance_ids or self.names("instance"))
         deadline = time.monotonic() + timeout_s
         while True:
             infos = await self.instances()
-            if all(i in infos and 0 <= infos[i].report_age_s < 1.0 for i in ids):
+            if all(i in infos and 0 <= infos[i].report_age_s < 1.0 and (not is_idle or _is_idle(infos[i]))
+                   for i in ids):
                 return {i: infos[i].num_free_blocks for i in ids}
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{ids} not all reporting after {timeout_s} s: {sorted(infos)}")
+                raise TimeoutError(f"{ids} not all reporting and idle after {timeout_s} s: {sorted(infos)}")
             await asyncio.sleep(0.2)
 
     async def wait_blocks_back(self, baseline: dict[str, int], timeout_s: float = 30.0) -> None:
@@ -307,3 +310,8 @@ class Reference:
 
     def close(self) -> None:
         self._loaded.close()
+
+
+def _is_idle(info: manager_pb2.InstanceInfo) -> bool:
+    """No request runs or waits there (a request of an earlier test may still be releasing its blocks)."""
+    return info.num_running == 0 and info.num_waiting == 0

@@ -59,12 +59,12 @@ class MigrationJournal:
                             error=f"{type(exc).__name__}: {exc}")
 
     async def history(self, recent: list[MigrationRecord]) -> list[manager_pb2.MigrationRecord]:
-        """The stored history with this manager's `recent` records that are not stored yet,
-        oldest first (raises one of ETCD_ERRORS if etcd does not answer)."""
+        """The newest `size` of the stored history and this manager's `recent` records not stored
+        yet, oldest first (raises one of ETCD_ERRORS if etcd does not answer)."""
         stored = await self.read()
         seen = {_identity(record) for record in stored}
         unstored = [r for r in map(convert.migration_record_to_proto, recent) if _identity(r) not in seen]
-        return sorted(stored + unstored, key=lambda record: record.started_at)
+        return sorted(stored + unstored, key=lambda record: record.started_at)[-self._size:]
 
     async def read(self) -> list[manager_pb2.MigrationRecord]:
         """The stored history, oldest first (raises one of ETCD_ERRORS if etcd does not answer)."""

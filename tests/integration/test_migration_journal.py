@@ -70,6 +70,8 @@ async def test_history_adds_the_records_not_written_yet_once(journal):
     await stored_ids(journal, "req-1")
     merged = await journal.history([record(1), record(2, MigrationOutcome.FAILED)])  # 2 is not written
     assert [(r.request_id, r.outcome) for r in merged] == [("req-1", "committed"), ("req-2", "failed")]
+    newest = await journal.history([record(n) for n in range(2, 9)])  # more than the 5 kept
+    assert [r.request_id for r in newest] == [f"req-{n}" for n in range(4, 9)]
 
 
 async def test_a_paused_etcd_loses_a_record_not_the_writer(journal, etcd):

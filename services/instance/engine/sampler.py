@@ -22,7 +22,7 @@ top-k/top-p not applied), like vLLM's default.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -38,8 +38,8 @@ class SamplingRow:
     params: SamplingParams
     seed: int  # the request's effective seed
     token_index: int  # output index of the token being sampled
-    output_token_ids: Sequence[int] = field(default=())  # the output so far (for penalties)
-    prompt_token_ids: Sequence[int] = field(default=())  # for the repetition penalty
+    output_token_ids: Sequence[int] = ()  # the output so far (for penalties)
+    prompt_token_ids: Sequence[int] = ()  # for the repetition penalty
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-mb", type=int, default=512, help="largest migration size in MB (sizes double from 8)")
     parser.add_argument("--repeats", type=int, default=5, help="transfers per size and backend (the median counts)")
     parser.add_argument("--backends", default="grpc,gloo,shm", help="comma-separated transfer backends to measure")
+    parser.add_argument("--warmups", type=int, default=1,
+                        help="untimed transfers of the same row and size right before each timed one, so each figure "
+                             "is steady state (as nccl-tests time theirs); 0 times each transfer cold, right after "
+                             "the other rows ran")
     parser.add_argument("--staging-kib", type=int, default=16384, help="the services' --staging-kib")
     parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("bench-results"))
     parser.add_argument("--seed", type=int, default=0)
@@ -317,6 +321,8 @@ async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[f
         for size in sizes:  # interleaved, so a change in machine load hits every row alike
             for _ in range(args.repeats):
                 for label, what in rows:
+                    for _ in range(args.warmups):
+                        await _time_one(bench, References(tcp, gloo, bare_grpc, memcpy), what, size, block_mb, rng)
                     times[label, size].append(await _time_one(bench, References(tcp, gloo, bare_grpc, memcpy), what, size, block_mb, rng))
                     progress.update()
         speeds = {label: [size * MB / statistics.median(times[label, size]) / 1e9 for size in sizes]

@@ -40,10 +40,25 @@ MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# Both ends ping every KEEPALIVE_TIME_S and drop a connection whose ping goes unanswered
+# for KEEPALIVE_TIMEOUT_S. A peer that is frozen (SIGSTOP, a hung host) or cut off by a
+# network that drops packets still looks connected to TCP; without pings a stream to it
+# would hang until its deadline. With them its streams fail UNAVAILABLE within 10 s, and
+# the frontend resumes them elsewhere (instance frozen), or the instance aborts them and
+# frees their blocks (frontend frozen). Pings are answered by gRPC's own threads, so a
+# busy engine or a held GIL does not trip them.
+KEEPALIVE_TIME_S = 5.0
+KEEPALIVE_TIMEOUT_S = 5.0
+KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+    # Current gRPC core waits for a ping's answer ping_timeout_ms (default 60 s), whatever
+    # keepalive_timeout_ms says (grpc/grpc#34647): a frozen peer took 60 s to be found.
+    ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+]
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     *MESSAGE_OPTIONS,
-    ("grpc.keepalive_time_ms", 30_000),  # ping an idle connection every 30 s ...
-    ("grpc.keepalive_timeout_ms", 10_000),  # ... and call it dead after 10 s without an answer
+    *KEEPALIVE_OPTIONS,
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 200),  # a restarted peer is found again quickly
@@ -62,8 +77,9 @@ BULK_TRANSFER_OPTIONS: list[tuple[str, Any]] = [
 SERVER_OPTIONS: list[tuple[str, Any]] = [
     *MESSAGE_OPTIONS,
     ("grpc.so_reuseport", 0),  # two servers on one fixed port must fail, not share it
+    *KEEPALIVE_OPTIONS,
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),  # below the clients' 30 s
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_TIME_S * 1000) // 2),  # clients ping every 5 s
     ("grpc.http2.max_ping_strikes", 0),
 ]
 

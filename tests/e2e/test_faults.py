@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from services.common.gen.ferry.v1 import manager_pb2
+from services.common.grpc_server import KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S
 from services.transfer.client import TransferClient
 from tests.e2e.conftest import wait_for
 from tests.e2e.fault_cluster import FaultCluster, FaultTimings, Reference, Stream, client_session, wait_for_tokens
@@ -88,6 +89,29 @@ async def test_instance_killed_mid_stream_greedy_and_seeded_continue_identically
     assert len(streams) <= resumes <= 2 * len(streams)
     await cluster.wait_blocks_back(baseline)
     await cluster.restart(VICTIM)
+
+
+async def test_instance_frozen_mid_stream_streams_finish_elsewhere_while_it_stays_frozen(session, cluster, reference):
+    """A hung instance (SIGSTOP: its sockets stay open, nothing answers) is found by the
+    keepalive pings, not by a closed socket: its streams, and new requests dispatched to it
+    before the manager noticed, resume elsewhere while it is still frozen. Once it runs
+    again it drops the orphaned requests (their streams are gone) and frees every block."""
+    await cluster.set_policy(dispatch="flood", migration_enabled=False)
+    baseline = await cluster.free_blocks()
+    streams = mixed_streams("frozen", 6, 160)
+    tasks = run_streams(session, cluster, streams)
+    await wait_for_tokens(streams, 8)
+    victim = cluster.process(VICTIM)
+    victim.signal(signal.SIGSTOP)
+    try:
+        late = mixed_streams("dispatched to the frozen instance", 2, 40)
+        tasks += run_streams(session, cluster, late)
+        # Without pings each would wait for its 600 s deadline (or gRPC's 60 s ping timeout).
+        await asyncio.wait_for(asyncio.gather(*tasks), KEEPALIVE_TIME_S + KEEPALIVE_TIMEOUT_S + 20)
+    finally:
+        victim.signal(signal.SIGCONT)
+    assert_identical(streams + late, reference)
+    await cluster.wait_blocks_back(baseline)
 
 
 async def test_beyond_max_resumes_the_client_gets_an_error_event(session, cluster, reference, second_frontend):

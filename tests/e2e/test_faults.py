@@ -196,6 +196,43 @@ async def test_leader_manager_killed_zero_failed_requests(session, cluster, refe
     await cluster.restart(leader)  # back as a standby
 
 
+async def test_leader_manager_frozen_then_resumed_steps_down(session, cluster, reference):
+    """A leader frozen past its lease TTL is replaced; when it runs again it finds its lease
+    gone and serves as a standby: one leader, no failed request, no process restarted."""
+    await cluster.set_policy(dispatch="load", migration_enabled=True)
+    baseline = await cluster.free_blocks()
+    pids = cluster.pids()
+    leader = await cluster.leader()
+    in_flight = mixed_streams("in flight while the leader is frozen", 6, 120)
+    tasks = run_streams(session, cluster, in_flight)
+    await wait_for_tokens(in_flight, 4)
+    frozen = cluster.process(leader)
+    frozen.signal(signal.SIGSTOP)
+    try:
+        during: list[Stream] = []
+        started = time.monotonic()
+        while time.monotonic() - started < TIMINGS.manager_lease_ttl_s + 3:
+            during += mixed_streams(f"sent while the leader is frozen {len(during)}", 2, 24)
+            tasks += run_streams(session, cluster, during[-2:])
+            await asyncio.sleep(0.5)
+        new_leader = await cluster.leader()
+    finally:
+        frozen.signal(signal.SIGCONT)
+    assert new_leader != leader
+    after = mixed_streams("sent after the old leader woke up", 4, 24)
+    tasks += run_streams(session, cluster, after)
+    await asyncio.gather(*tasks)
+    assert_identical(in_flight + during + after, reference)
+
+    async def one_leader() -> bool:
+        views = [await cluster.cluster_status(cluster.process(name).address) for name in cluster.names("manager")]
+        return all(v.leader_id == new_leader for v in views) or None
+    await wait_for(one_leader, 10, "both managers name the new leader")
+    assert cluster.dead() == [] and cluster.pids() == pids
+    await cluster.set_policy(migration_enabled=False)
+    await cluster.wait_blocks_back(baseline)
+
+
 async def _etcd_outage(session, cluster: FaultCluster, reference: Reference, down_s: float, *, is_paused: bool) -> None:
     """etcd unreachable for `down_s` (stopped, or SIGSTOPped: connections hang): nothing fails, nothing restarts."""
     await cluster.set_policy(dispatch="load", migration_enabled=False)

@@ -4,7 +4,10 @@ Campaign: a transaction creates the key under this candidate's lease only if it 
 exist; otherwise watch it until it is deleted (resign, revoked or expired lease) and try
 again. The leader renews its lease every TTL/3; if etcd says the lease is gone, or no
 renewal succeeded for a TTL, it has lost: `is_leader` turns False and `lost` is set, and
-the manager must step down (it may campaign again). `epoch` (the key's create revision)
+the manager must step down (it may campaign again). `holds_lease` is stricter: it also
+turns False once a TTL has passed since the last renewal was asked for, by the local
+clock, so a leader that was frozen (SIGSTOP, a stalled VM) past its TTL stops acting the
+moment it runs again, before the renewal that would tell it it lost. `epoch` (the key's create revision)
 grows with every new leader; use it to fence requests from a deposed one.
 
 Followers, frontends and instances find the leader with `Election.leader()` once, or keep
@@ -69,12 +72,18 @@ class Election:
         self._client: Etcd3Client | None = None
         self._lease: Lease | None = None
         self.epoch: int | None = None  # create revision of our key while leader
+        self._lease_valid_until = float("-inf")  # monotonic: a TTL after the last grant/renewal was asked for
         self.lost = asyncio.Event()
         self._leadership_task: asyncio.Task[None] | None = None
 
     @property
     def is_leader(self) -> bool:
         return self.epoch is not None
+
+    @property
+    def holds_lease(self) -> bool:
+        """Leader, and by our own clock the lease cannot have expired yet."""
+        return self.is_leader and time.monotonic() < self._lease_valid_until
 
     async def campaign(self) -> None:
         """Block until this candidate is the leader (runs until then; cancel to give up)."""
@@ -127,6 +136,7 @@ class Election:
     async def _try_acquire(self, client: Etcd3Client) -> int | None:
         """Create the key if absent. None if we are leader now, else the revision to watch from."""
         # A fresh lease per attempt: nothing renews a candidate's lease while it waits.
+        asked_at = time.monotonic()
         lease = await Lease.grant(client, self.ttl_s, self._rpc_timeout_s)
         try:
             response = await client.kv.txn(
@@ -139,6 +149,7 @@ class Election:
             raise
         if response.succeeded:
             self._lease, self.epoch = lease, response.header.revision
+            self._lease_valid_until = asked_at + self.ttl_s
             return None
         await lease.revoke()
         return response.header.revision
@@ -160,9 +171,11 @@ class Election:
         while True:
             await asyncio.sleep(self.ttl_s / 3)
             try:
+                asked_at = time.monotonic()
                 if not await self._lease.keepalive():
                     return self._lose_leadership("lease_expired")
                 renewed_at = time.monotonic()
+                self._lease_valid_until = asked_at + self.ttl_s
             except Exception as exc:  # noqa: BLE001 — etcd away or anything unexpected: a failed renewal
                 _log_renew_failed(exc)
                 if time.monotonic() - renewed_at > self.ttl_s:
@@ -171,6 +184,7 @@ class Election:
     def _lose_leadership(self, reason: str) -> None:
         log.warning("leadership_lost", key=self.key, leader_id=self.info.leader_id, epoch=self.epoch, reason=reason)
         self.epoch = None
+        self._lease_valid_until = float("-inf")
         self._lease = None  # gone or unusable; the next campaign grants a new one
         self.lost.set()
 

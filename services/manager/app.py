@@ -47,7 +47,9 @@ async def main(config: ManagerConfig) -> None:
     server = await start_grpc_server(config.host, config.port, [], [MANAGER_SERVICE, ADMIN_SERVICE], interceptors,
                                      advertise_host=config.advertise_host or None, tls=config.tls)
     manager_id = config.manager_id or f"{socket.gethostname()}-{server.port}"
-    leadership = Leadership(manager_id, server.address)
+    election = Election(config.etcd_endpoints, config.cluster, manager_id, server.address, config.lease_ttl_s,
+                        access=config.etcd_access)
+    leadership = Leadership(manager_id, server.address, lambda: election.holds_lease)
     view = ClusterView(config.report_timeout_s)
     dispatcher = Dispatcher(view, leadership, config.dispatch_policy, config.pd_short_prompt_tokens)
     etcd = await connect_etcd(config.etcd_endpoints, config.etcd_access)
@@ -63,8 +65,6 @@ async def main(config: ManagerConfig) -> None:
     add_servicers(server.server, ManagerServicer(dispatcher, view, leadership, migrator), admin)
     if config.metrics_port:
         serve_metrics(config.metrics_port, view, leadership)
-    election = Election(config.etcd_endpoints, config.cluster, manager_id, server.address, config.lease_ttl_s,
-                        access=config.etcd_access)
     stop = stop_event()
     try:
         members = await registry.watch("instances", resync_interval_s=config.resync_interval_s)

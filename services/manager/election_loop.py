@@ -58,25 +58,25 @@ class Campaign:
 
     async def resign(self) -> None:
         """Step down and free the leader key at once, so a standby need not wait for the TTL."""
-        self._leadership.is_leader = False
+        self._leadership.set_elected(False)
         with contextlib.suppress(asyncio.CancelledError):
             await self._election.close()
 
     def _take_over(self) -> None:
         self._view.start_leading()
-        self._leadership.is_leader = True
+        self._leadership.set_elected(True)
         log.info("leadership_taken", manager_id=self._leadership.me.manager_id, epoch=self._election.epoch)
 
     async def _give_up_term(self) -> None:
         """After a failure mid-term: lead no more, and free the key for the next campaign (ours or another's)."""
-        self._leadership.is_leader = False
+        self._leadership.set_elected(False)
         try:
             await self._election.resign()
         except Exception as exc:  # noqa: BLE001 — the lease then expires by itself within its TTL
             log.warning("resign_failed", error=repr(exc))
 
     def _step_down(self) -> None:
-        self._leadership.is_leader = False
+        self._leadership.set_elected(False)
         log.warning("leadership_lost", manager_id=self._leadership.me.manager_id)
 
     def _note_leader(self, info: LeaderInfo | None) -> None:

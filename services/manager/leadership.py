@@ -1,7 +1,9 @@
 """Who leads the managers, as this manager knows it. Only the leader dispatches and takes load reports.
 
-The campaign (`election_loop.py`) writes it: `is_leader` from this manager's own
-election (never from a watch, which may lag), `leader` from the watched leader key.
+The campaign (`election_loop.py`) writes it: whether this manager won its own election
+(never from a watch, which may lag), and `leader` from the watched leader key.
+`is_leader` also asks the election whether the lease is still surely valid by the local
+clock, so a leader frozen past its TTL dispatches and migrates nothing once it wakes.
 Dispatch and ReportLoad read it on every call. A standby answers UNAVAILABLE naming the
 leader, so frontends fall back to local dispatch and instances reconnect their load
 streams to the right manager.
@@ -9,6 +11,7 @@ streams to the right manager.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.errors import Unavailable
@@ -21,10 +24,18 @@ class Leader:
 
 
 class Leadership:
-    def __init__(self, manager_id: str, address: str) -> None:
+    def __init__(self, manager_id: str, address: str, holds_lease: Callable[[], bool] = lambda: True) -> None:
         self.me = Leader(manager_id, address)
-        self.is_leader = False  # invariant: True only while this manager holds the election
+        self._is_elected = False  # invariant: True only while this manager holds the election
+        self._holds_lease = holds_lease  # Election.holds_lease
         self._watched: Leader | None = None  # the leader key as last seen (None: no leader)
+
+    @property
+    def is_leader(self) -> bool:
+        return self._is_elected and self._holds_lease()
+
+    def set_elected(self, is_elected: bool) -> None:
+        self._is_elected = is_elected
 
     @property
     def leader(self) -> Leader | None:

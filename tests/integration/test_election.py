@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from etcd3aio import Etcd3Client
@@ -67,6 +68,16 @@ async def test_leader_whose_lease_is_revoked_steps_down(candidates, etcd: LocalE
     await asyncio.wait_for(b.close(), 5)  # b goes away; a may lead again
     await asyncio.wait_for(a.campaign(), 5)
     assert a.is_leader and not a.lost.is_set()
+
+
+async def test_leader_frozen_past_its_ttl_knows_at_once_it_may_have_lost(candidates) -> None:
+    a, _ = candidates
+    await asyncio.wait_for(a.campaign(), 5)
+    assert a.holds_lease
+    time.sleep(TTL_S + 0.2)  # the whole event loop frozen, as under SIGSTOP: no renewal ran
+    assert a.is_leader and not a.holds_lease  # the election does not know yet; the local clock does
+    await asyncio.wait_for(a.lost.wait(), TTL_S)  # the next renewal finds the lease expired
+    assert not a.is_leader and not a.holds_lease
 
 
 async def test_no_leader_and_campaign_after_close(candidates) -> None:

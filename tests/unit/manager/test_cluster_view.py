@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(10)
 
 def leading() -> Leadership:
     leadership = Leadership("m-1", "127.0.0.1:50051")
-    leadership.is_leader = True
+    leadership.set_elected(True)
     return leadership
 
 
@@ -122,6 +122,18 @@ def test_standby_without_a_known_leader_says_so():
 def test_no_instance_is_unavailable_with_a_hint():
     dispatcher = Dispatcher(ClusterView(report_timeout_s=3.0), leading())
     with pytest.raises(Unavailable, match="no instance is registered"):
+        dispatcher.dispatch(ask())
+
+
+def test_elected_leader_whose_lease_may_have_expired_dispatches_nothing():
+    lease = {"held": True}
+    leadership = Leadership("m-1", "127.0.0.1:50051", holds_lease=lambda: lease["held"])
+    leadership.set_elected(True)
+    dispatcher = Dispatcher(make_view("a"), leadership)
+    assert dispatcher.dispatch(ask()).instance_id == "a"
+    lease["held"] = False  # e.g. woke up from a freeze longer than the TTL, not yet told it lost
+    assert not leadership.is_leader
+    with pytest.raises(Unavailable, match="no leader is elected yet"):
         dispatcher.dispatch(ask())
 
 

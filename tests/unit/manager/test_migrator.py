@@ -67,7 +67,7 @@ def report(view, instance_id: str, num_running: int, **load) -> None:
 
 def make_migrator(view, clock, sources, settings=ON, **limits) -> Migrator:
     leadership = Leadership("m-1", "127.0.0.1:1")
-    leadership.is_leader = True
+    leadership.set_elected(True)
     return Migrator(view, leadership, sources, MigratorLimits(**limits), settings, clock=clock, wall_clock=lambda: 5.0)
 
 
@@ -229,11 +229,11 @@ async def test_the_loop_acts_only_while_leading():
     view = cluster(clock, a=8, b=0)
     sources = FakeSources()
     migrator = make_migrator(view, clock, sources, interval_s=0.01)
-    migrator._leadership.is_leader = False
+    migrator._leadership.set_elected(False)
     loop = asyncio.create_task(migrator.migration_loop())
     await asyncio.sleep(0.05)
     assert sources.orders == []
-    migrator._leadership.is_leader = True
+    migrator._leadership.set_elected(True)
     while not sources.orders:
         await asyncio.sleep(0.01)
     loop.cancel()

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(10)
 
 def leading() -> Leadership:
     leadership = Leadership("m-1", "127.0.0.1:1")
-    leadership.is_leader = True
+    leadership.set_elected(True)
     return leadership
 
 

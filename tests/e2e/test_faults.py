@@ -233,6 +233,30 @@ async def test_leader_manager_frozen_then_resumed_steps_down(session, cluster, r
     await cluster.wait_blocks_back(baseline)
 
 
+async def test_every_manager_killed_requests_keep_flowing_by_local_dispatch(session, cluster, reference):
+    """The control plane is not on the data path: with no manager at all, frontends place
+    requests themselves and running streams never notice; a restarted manager leads again."""
+    await cluster.set_policy(dispatch="load", migration_enabled=False)
+    baseline = await cluster.free_blocks()
+    fallbacks_before = await cluster.metric(cluster.frontend_url, "ferry_frontend_dispatch_fallbacks_total")
+    in_flight = mixed_streams("in flight when the managers die", 4, 120)
+    tasks = run_streams(session, cluster, in_flight)
+    await wait_for_tokens(in_flight, 4)
+    managers = cluster.names("manager")
+    for name in managers:
+        cluster.kill(name)
+    during = mixed_streams("sent with no manager", 8, 24)
+    tasks += run_streams(session, cluster, during)
+    await asyncio.gather(*tasks)
+    assert_identical(in_flight + during, reference)
+    fallbacks = await cluster.metric(cluster.frontend_url, "ferry_frontend_dispatch_fallbacks_total") - fallbacks_before
+    assert fallbacks >= len(during)
+    for name in managers:
+        await cluster.restart(name)
+    await cluster.leader()
+    await cluster.wait_blocks_back(baseline)  # the instances stream their load to the new leader
+
+
 async def _etcd_outage(session, cluster: FaultCluster, reference: Reference, down_s: float, *, is_paused: bool) -> None:
     """etcd unreachable for `down_s` (stopped, or SIGSTOPped: connections hang): nothing fails, nothing restarts."""
     await cluster.set_policy(dispatch="load", migration_enabled=False)

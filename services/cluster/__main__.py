@@ -42,7 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     up.add_argument("--decode-instances", type=int, default=0, help="instances with role 'decode' (PD disaggregation)")
     up.add_argument("--managers", type=int, default=1,
                     help="manager processes: the first becomes leader, the rest wait as standbys")
-    up.add_argument("--engine", default="torch", choices=["torch"], help="inference engine of every instance")
+    up.add_argument("--engine", default="torch", choices=["torch", "sim"],
+                    help="inference engine of every instance: torch runs the model; sim runs the same scheduler, "
+                         "KV cache and migration with a latency model instead of the forward pass (no weights, little "
+                         "CPU: many instances on one machine; FERRY_INSTANCE_SIM_* variables set its latency model)")
     up.add_argument("--transfer-backend", default="grpc", choices=["grpc", "gloo", "nccl", "shm"],
                     help="how KV blocks move between instances during migration")
     up.add_argument("--http-port", type=int, default=8000, help="frontend's OpenAI-compatible HTTP port")

@@ -24,8 +24,9 @@ from services.common.grpc_server import start_grpc_server
 from services.common.registry import Registry
 from services.common.signals import stop_event
 from services.instance.client import InstanceClients
-from services.instance.config import InstanceConfig
+from services.instance.config import EngineKind, InstanceConfig
 from services.instance.engine.factory import EngineSpec, LoadedEngine, build_engine
+from services.instance.engine.sim_model import SimLatency
 from services.instance.engine.kv_cache import KvGeometry
 from services.instance.load_reporter import load_report_loop
 from services.instance.manager_client import ManagerLink
@@ -160,7 +161,13 @@ def engine_spec(config: InstanceConfig, kv_name: str) -> EngineSpec:
     return EngineSpec(model_dir=config.model, kv_name=kv_name, dtype=getattr(torch, config.dtype),
                       block_size=config.block_size, num_blocks=config.num_blocks, kv_cache_mib=config.kv_cache_mib,
                       max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                      max_model_len=config.max_model_len)
+                      max_model_len=config.max_model_len, sim_latency=_sim_latency(config))
+
+
+def _sim_latency(config: InstanceConfig) -> SimLatency | None:
+    if config.engine is not EngineKind.SIM:
+        return None
+    return SimLatency(config.sim_step_ms, config.sim_prefill_ms_per_token, config.sim_decode_ms_per_seq)
 
 
 def geometry_to_proto(geometry: KvGeometry) -> common_pb2.KvGeometry:

@@ -25,7 +25,8 @@ class PdHandoff(enum.Enum):
 
 
 class EngineKind(enum.Enum):
-    TORCH = "torch"
+    TORCH = "torch"  # the model's forward pass in PyTorch
+    SIM = "sim"  # the same engine with a latency model instead of the forward pass (no weights)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,12 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     pd_handoff: PdHandoff = knob(PdHandoff.PUSH, "who moves a request from a prefill instance to a decode instance "
                                                  "after its first token: push (this instance, at once) or manager "
                                                  "(the manager's migration loop, next tick)")
-    engine: EngineKind = knob(EngineKind.TORCH, "inference engine")
+    engine: EngineKind = knob(EngineKind.TORCH, "inference engine: torch (runs the model) or sim (scheduler, KV "
+                                                "cache and migration as torch, a latency model instead of the "
+                                                "forward pass: many instances on one machine)")
+    sim_step_ms: float = knob(8.0, "sim engine: milliseconds every step takes")
+    sim_prefill_ms_per_token: float = knob(0.06, "sim engine: milliseconds each prompt token adds to its step")
+    sim_decode_ms_per_seq: float = knob(0.08, "sim engine: milliseconds each decoding sequence adds to its step")
     etcd_endpoints: list[str] = knob([], "etcd endpoints host:port (comma-separated); empty = run without registering")
     cluster: str = knob("ferry", "cluster name: etcd keys live under /ferry/<cluster>/")
     lease_ttl_s: float = knob(5.0, "etcd lease TTL in seconds; the instance re-registers if it loses its lease")
@@ -77,6 +83,9 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
         self.etcd_access.check()
         if self.block_size <= 0:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
+        for name in ("sim_step_ms", "sim_prefill_ms_per_token", "sim_decode_ms_per_seq"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:

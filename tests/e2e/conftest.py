@@ -95,9 +95,15 @@ def client(cluster) -> openai.AsyncOpenAI:
 def reference(tiny_model_dir):
     """reference(prompts, max_tokens) → greedy token ids of each prompt on one local engine, never
     migrated; max_tokens is one number for all prompts or one per prompt."""
+    with local_reference(EngineSpec(tiny_model_dir, kv_name=f"ferry-e2e-ref-{os.getpid()}", num_blocks=2048)) as generate:
+        yield generate
+
+
+@contextlib.contextmanager
+def local_reference(spec: EngineSpec) -> Iterator:
     torch.set_num_threads(1)  # the cluster's processes share the same few cores
-    tokenizer = Tokenizer.from_dir(tiny_model_dir)
-    loaded = build_engine(EngineSpec(tiny_model_dir, kv_name=f"ferry-e2e-ref-{os.getpid()}", num_blocks=2048))
+    tokenizer = Tokenizer.from_dir(spec.model_dir)
+    loaded = build_engine(spec)
 
     def generate(prompts: list[str], max_tokens: int | list[int]) -> list[list[int]]:
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
@@ -105,8 +111,10 @@ def reference(tiny_model_dir):
                                                                               ignore_eos=True))[0]
                 for p, m in zip(prompts, budgets)]
 
-    yield generate
-    loaded.close()
+    try:
+        yield generate
+    finally:
+        loaded.close()
 
 
 async def wait_for(predicate, timeout_s: float, what: str):

@@ -40,7 +40,7 @@ from services.instance.engine.migration_state import (
     migration_blocks,
     pick_request,
 )
-from services.instance.engine.model import LlamaModel
+from services.instance.engine.forward_batch import ForwardModel
 from services.instance.engine.request import (
     FinishReason,
     Request,
@@ -115,7 +115,7 @@ class RequestSnapshot:
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, kv_cache: KvCache, config: EngineConfig) -> None:
+    def __init__(self, model: ForwardModel, tokenizer: Tokenizer, kv_cache: KvCache, config: EngineConfig) -> None:
         _check_geometry(config, kv_cache)
         self.model = model
         self.tokenizer = tokenizer

@@ -1,4 +1,7 @@
-"""Building a ready engine from a model folder: model, tokenizer, shared KV cache, engine."""
+"""Building a ready engine from a model folder: model, tokenizer, shared KV cache, engine.
+
+The torch engine loads the weights; the sim engine reads only config.json (and the
+tokenizer) and runs a latency model instead (`sim_model.py`)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,10 @@ import torch
 
 from services.instance.engine.engine import EngineConfig, LLMEngine
 from services.instance.engine.kv_cache import KvCache, KvGeometry
+from services.instance.engine.forward_batch import ForwardModel
 from services.instance.engine.model import load_model
+from services.instance.engine.model_config import ModelConfig
+from services.instance.engine.sim_model import SimLatency, SimModel
 from services.instance.engine.tokenizer import Tokenizer
 
 
@@ -24,6 +30,7 @@ class EngineSpec:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
+    sim_latency: SimLatency | None = None  # set: the sim engine, with this latency model
 
 
 @dataclass(slots=True)
@@ -39,7 +46,7 @@ class LoadedEngine:
 
 
 def build_engine(spec: EngineSpec) -> LoadedEngine:
-    model = load_model(spec.model_dir, dtype=spec.dtype)
+    model = _model(spec)
     config = model.config
     max_model_len = spec.max_model_len or config.max_position_embeddings
     per_block = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
@@ -52,3 +59,9 @@ def build_engine(spec: EngineSpec) -> LoadedEngine:
                                  max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens)
     engine = LLMEngine(model, Tokenizer.from_dir(spec.model_dir), kv_cache, engine_config)
     return LoadedEngine(engine, kv_cache, max_model_len)
+
+
+def _model(spec: EngineSpec) -> ForwardModel:
+    if spec.sim_latency is not None:
+        return SimModel(ModelConfig.from_dir(spec.model_dir), spec.sim_latency)
+    return load_model(spec.model_dir, dtype=spec.dtype)

@@ -11,8 +11,11 @@ block `block_table[t // block_size]` at offset `t % block_size`; its flat slot i
 """
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+from services.instance.engine.model_config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,3 +34,13 @@ class ForwardBatch:
     @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.query_lens)
+
+
+class ForwardModel(Protocol):
+    """What the engine runs each step: `LlamaModel` (torch engine) or `SimModel` (sim engine)."""
+
+    config: ModelConfig
+
+    def __call__(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """float32 logits [num_seqs, vocab] of each sequence's last new token; writes the new K/V to kv_cache."""
+        ...

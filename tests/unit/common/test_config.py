@@ -182,3 +182,12 @@ def test_every_service_checks_its_log_flags_when_parsing(service: str, config_cl
     with pytest.raises(SystemExit):
         parse_config(config_cls, service, [*required, "--log-level", "loud"], env={})
     assert "--log-level: expected one of debug, info, warning, error, critical, got 'loud'" in capsys.readouterr().err
+
+
+def test_instance_sim_engine_flags_parse_and_a_negative_latency_is_refused(capsys) -> None:
+    config = parse_config(InstanceConfig, "instance", ["--model", "m", "--engine", "sim", "--sim-step-ms", "20"],
+                          env={env_name("instance", "sim_decode_ms_per_seq"): "0.5"})
+    assert (config.engine.value, config.sim_step_ms, config.sim_decode_ms_per_seq) == ("sim", 20.0, 0.5)
+    with pytest.raises(SystemExit):
+        parse_config(InstanceConfig, "instance", ["--model", "m", "--sim-prefill-ms-per-token", "-1"], env={})
+    assert "--sim-prefill-ms-per-token must be >= 0, got -1.0" in capsys.readouterr().err

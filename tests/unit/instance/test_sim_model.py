@@ -1,0 +1,126 @@
+"""The sim engine's model: the real engine around a latency model. Its tokens depend on the
+KV cache, so a migration that moves the blocks continues exactly and one that loses them
+does not; each step lasts what the latency model says."""
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import pytest
+import torch
+
+from services.instance.engine.engine import EngineConfig, LLMEngine
+from services.instance.engine.forward_batch import ForwardBatch
+from services.instance.engine.kv_cache import KvCache, KvGeometry
+from services.instance.engine.model_config import ModelConfig
+from services.instance.engine.sim_model import SimLatency, SimModel
+from services.instance.engine.tokenizer import Tokenizer
+from tests.unit.instance.test_migration_engine import GREEDY, PROMPT, SEEDED, Harness, assert_no_blocks_held, migrate
+
+pytestmark = pytest.mark.timeout(60)
+
+BLOCK_SIZE = 4
+NO_LATENCY = SimLatency(step_ms=0.0, prefill_ms_per_token=0.0, decode_ms_per_seq=0.0)
+
+
+@pytest.fixture(scope="module")
+def sim(tiny_model_dir) -> tuple[ModelConfig, Tokenizer]:
+    return ModelConfig.from_dir(tiny_model_dir), Tokenizer.from_dir(tiny_model_dir)
+
+
+@pytest.fixture
+def make_engine(sim) -> Iterator[Callable[..., LLMEngine]]:
+    caches: list[KvCache] = []
+
+    def make(num_blocks: int = 64, dtype: torch.dtype = torch.float32) -> LLMEngine:
+        config, tokenizer = sim
+        geometry = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, BLOCK_SIZE,
+                              num_blocks, dtype)
+        cache = KvCache.create(f"ferry-kv-test-sim-{os.getpid()}-{uuid.uuid4().hex[:8]}", geometry)
+        caches.append(cache)
+        engine_config = EngineConfig(num_blocks=num_blocks, max_model_len=256, block_size=BLOCK_SIZE,
+                                     max_num_seqs=8, max_num_batched_tokens=256)
+        return LLMEngine(SimModel(config, NO_LATENCY), tokenizer, cache, engine_config)
+
+    yield make
+    for cache in caches:
+        cache.close()
+        cache.unlink()
+
+
+def test_greedy_tokens_depend_on_the_prompt_only(make_engine):
+    alone = make_engine().generate([PROMPT], GREEDY)[0]
+    batched = make_engine().generate([[3, 1, 4], PROMPT, PROMPT[:5]], GREEDY)
+    assert batched[1] == alone and batched[0] != alone and batched[2] != alone
+    assert len(set(alone)) > len(alone) // 2  # not stuck on a few tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_every_kv_dtype_holds_the_ids_exactly(make_engine, dtype):
+    assert make_engine(dtype=dtype).generate([PROMPT], GREEDY) == make_engine().generate([PROMPT], GREEDY)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_migrated_with_its_blocks_continues_exactly(make_engine, sampling):
+    reference = make_engine().generate([PROMPT], sampling)[0]
+    a, b, harness = make_engine(), make_engine(), Harness()
+    a.add_request("r", PROMPT, sampling)
+    harness.run_until(a, "r", 9)
+    migrate(a, b, "r")
+    assert harness.finish(b, "r").token_ids == reference
+    assert_no_blocks_held(a, b)
+
+
+def test_migrated_without_its_blocks_goes_astray(make_engine, monkeypatch):
+    """What makes the sim worth migrating: lost KV shows in the tokens, as with a real model."""
+    import tests.unit.instance.test_migration_engine as harness_module
+    reference = make_engine().generate([PROMPT], GREEDY)[0]
+    a, b, harness = make_engine(), make_engine(), Harness()
+    a.add_request("r", PROMPT, GREEDY)
+    harness.run_until(a, "r", 9)
+    monkeypatch.setattr(harness_module, "copy_blocks", lambda *args: None)  # the blocks never arrive
+    migrate(a, b, "r")
+    assert harness.finish(b, "r").token_ids != reference
+
+
+def test_resumed_elsewhere_from_its_tokens_continues_exactly(make_engine):
+    """A request re-dispatched after its instance died: prompt + the tokens so far, prefilled again."""
+    reference = make_engine().generate([PROMPT], GREEDY)[0]
+    resumed = make_engine().generate([PROMPT + reference[:7]], replace(GREEDY, max_tokens=len(reference) - 7))[0]
+    assert reference[:7] + resumed == reference
+
+
+def test_a_step_lasts_what_the_latency_model_says(sim):
+    config, _ = sim
+    latency = SimLatency(step_ms=5.0, prefill_ms_per_token=0.5, decode_ms_per_seq=2.0)
+    slept: list[float] = []
+    model = SimModel(config, latency, sleep=slept.append)
+    kv = torch.zeros(config.num_hidden_layers, 2, 8, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
+    batch = ForwardBatch(  # one prefill of 6 tokens (blocks 1, 2), two decodes (blocks 3 and 4)
+        input_ids=torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), positions=torch.tensor([0, 1, 2, 3, 4, 5, 2, 3]),
+        slot_mapping=torch.tensor([4, 5, 6, 7, 8, 9, 14, 19]), query_lens=[6, 1, 1],
+        context_lens=torch.tensor([6, 3, 4]), block_tables=torch.tensor([[1, 2], [3, 0], [4, 0]]))
+    logits = model(batch, kv)
+    assert logits.shape == (3, config.vocab_size) and logits.dtype == torch.float32
+    assert latency.step_s(batch) == pytest.approx((5.0 + 6 * 0.5 + 2 * 2.0) / 1000)
+    assert len(slept) == 1 and latency.step_s(batch) - 0.005 < slept[0] <= latency.step_s(batch)
+
+
+def test_refuses_what_it_cannot_encode(sim):
+    config, _ = sim
+    with pytest.raises(ValueError, match="head_dim=2"):
+        SimModel(replace(config, head_dim=2))
+    with pytest.raises(ValueError, match="vocab_size=16777217"):
+        SimModel(replace(config, vocab_size=2**24 + 1))
+    with pytest.raises(ValueError, match="--sim-step-ms must be >= 0"):
+        SimLatency(step_ms=-1.0)
+
+
+def test_sampling_params_reach_the_sim_like_the_model(make_engine):
+    """The sampler runs on the sim's logits as on a model's: a forbidding logit_bias wins over its peak."""
+    greedy = make_engine().generate([PROMPT], GREEDY)[0]
+    banned = greedy[0]
+    biased = make_engine().generate([PROMPT], replace(GREEDY, logit_bias=((banned, -100.0),)))[0]
+    assert biased[0] != banned
+

@@ -1,0 +1,140 @@
+"""Dispatch and migration policies compared on one cluster of sim instances.
+
+Starts `services.cluster up --engine sim` (instances with the real scheduler, KV cache and
+live migration, and a latency model instead of the forward pass: no weights, little CPU),
+then sends the same bursty, long-tailed workload once per policy (`dispatch:migration`,
+default `round_robin:off,load:off,load:on`) and prints the latency of each run with its
+ratio to the first:
+
+    policy  ttft_p50(ms)  ttft_p99(ms)  decode_p50(ms)  decode_p99(ms)  migrations  errors  p99_ttft_vs_first
+    round_robin:off  ...
+
+Instances get few batch slots (--max-num-seqs), so an instance that drew long requests
+queues new ones; that is what load-aware dispatch and migration are for. Writes
+policy_sim.json and policy_sim.png (latency CDFs) to --out-dir.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/policy_sim.py --instances 4 --num-requests 120 --rate 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from serving import run_workload, started_cluster, workload  # noqa: E402
+from services.instance.engine.model_config import ModelConfig  # noqa: E402
+from services.manager.client import ManagerClient  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=pathlib.Path, default=ROOT / "models" / "smollm2-135m-instruct",
+                        help="model folder (only config.json and the tokenizer are read)")
+    parser.add_argument("--instances", type=int, default=4, help="sim instances")
+    parser.add_argument("--policies", default="round_robin:off,load:off,load:on",
+                        help="comma-separated dispatch:migration pairs, run in this order on the same cluster")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="batch slots per instance")
+    parser.add_argument("--sim-step-ms", type=float, default=30.0, help="sim step time (slower than a GPU, so the "
+                                                                        "client and frontend keep up on a small machine)")
+    parser.add_argument("--num-requests", type=int, default=120, help="requests per policy")
+    parser.add_argument("--rate", type=float, default=6.0, help="mean arrival rate (requests/s, Poisson)")
+    parser.add_argument("--prompt-mean", type=int, default=64, help="median prompt length in tokens")
+    parser.add_argument("--output-mean", type=int, default=48, help="median output length in tokens")
+    parser.add_argument("--sigma", type=float, default=1.1, help="log-normal sigma of both lengths (long tail)")
+    parser.add_argument("--max-prompt", type=int, default=1024, help="prompt length cap")
+    parser.add_argument("--max-output", type=int, default=600, help="output length cap")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (every policy gets the same requests)")
+    parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench-results", help="where JSON and PNG go")
+    args = parser.parse_args()
+    args.pd, args.launcher_args = "", "--engine sim --kv-cache-mib 64"
+    return args
+
+
+def policies(spec: str) -> list[tuple[str, bool]]:
+    pairs = []
+    for item in spec.split(","):
+        dispatch, _, migration = item.partition(":")
+        if migration not in ("on", "off"):
+            raise SystemExit(f"--policies: {item!r} is not dispatch:on or dispatch:off")
+        pairs.append((dispatch, migration == "on"))
+    return pairs
+
+
+async def run_policy(admin: ManagerClient, url: str, model: str, requests, dispatch: str, migrate: bool) -> dict:
+    await admin.update_policy(dispatch=dispatch, migration_enabled=migrate)
+    started_at = time.time()
+    results, elapsed = await run_workload(url, model, requests)
+    await admin.update_policy(migration_enabled=False)
+    moved = await admin.list_migrations()
+    ok = [r for r in results if not r.error]
+    return {"policy": f"{dispatch}:{'on' if migrate else 'off'}", "elapsed_s": elapsed,
+            "ttft_ms": [r.ttft_ms for r in ok], "itl_ms": [gap for r in ok for gap in r.itl_ms],
+            "num_migrations": sum(m.started_at >= started_at and m.outcome == "committed" for m in moved.migrations),
+            "num_errors": len(results) - len(ok)}
+
+
+def report(runs: list[dict]) -> str:
+    lines = ["policy\tttft_p50(ms)\tttft_p99(ms)\tdecode_p50(ms)\tdecode_p99(ms)\tmigrations\terrors\tp99_ttft_vs_first"]
+    first_p99 = np.percentile(runs[0]["ttft_ms"], 99)
+    for run in runs:
+        ttft, itl = run["ttft_ms"], run["itl_ms"]
+        lines.append(f"{run['policy']}\t{np.percentile(ttft, 50):.1f}\t{np.percentile(ttft, 99):.1f}\t"
+                     f"{np.percentile(itl, 50):.1f}\t{np.percentile(itl, 99):.1f}\t{run['num_migrations']}\t"
+                     f"{run['num_errors']}\t{np.percentile(ttft, 99) / first_p99:.2f}")
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        for axis, key in zip(axes, ("ttft_ms", "itl_ms")):
+            values = np.sort(run[key])
+            axis.plot(values, np.arange(1, len(values) + 1) / len(values), label=run["policy"])
+    for axis, title in zip(axes, ("time to first token", "gap between tokens")):
+        axis.set(xscale="log", xlabel="ms", ylabel="fraction of requests / gaps", title=title)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def bench(args: argparse.Namespace, cluster: dict) -> list[dict]:
+    requests = workload(args, ModelConfig.from_dir(args.model).vocab_size)
+    runs = []
+    async with ManagerClient(cluster["admin_address"], timeout_s=10.0) as admin:
+        for dispatch, migrate in policies(args.policies):
+            print(f"policy {dispatch}, migration {'on' if migrate else 'off'}", flush=True)
+            runs.append(await run_policy(admin, cluster["frontend_url"], args.model.name, requests, dispatch, migrate))
+    return runs
+
+
+def main() -> None:
+    args = parse_args()
+    policies(args.policies)  # a typo fails before the cluster starts
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.update(FERRY_INSTANCE_MAX_NUM_SEQS=str(args.max_num_seqs), FERRY_INSTANCE_SIM_STEP_MS=str(args.sim_step_ms))
+    with started_cluster(args) as cluster:
+        runs = asyncio.run(bench(args, cluster))
+    print(report(runs))
+    (args.out_dir / "policy_sim.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                              "runs": runs}))
+    plot(runs, args.out_dir / "policy_sim.png")
+    print(f"wrote {args.out_dir / 'policy_sim.json'} and {args.out_dir / 'policy_sim.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -154,7 +154,8 @@ async def test_killing_the_only_decode_instance_mid_run_completes_every_request(
     assert [tokens for _, tokens in results] == reference(prompts, max_tokens)
 
     # Healed: once a decode instance serves again, a request decoding on a prefill instance moves to it.
-    prompt, max_tokens = "A request that waits for a decode instance", 400
+    # long enough to outlast the role change and the manager's next tick (400 tokens once finished first)
+    prompt, max_tokens = "A request that waits for a decode instance", 1000
     request = asyncio.ensure_future(complete(client, cluster, prompt, max_tokens))
 
     async def owner():

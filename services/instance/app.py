@@ -27,6 +27,7 @@ from services.instance.client import InstanceClients
 from services.instance.config import EngineKind, InstanceConfig
 from services.instance.engine.factory import EngineSpec, LoadedEngine, build_engine
 from services.instance.engine.sim_model import SimLatency
+from services.instance.stall_watchdog import StallWatchdog
 from services.instance.engine.kv_cache import KvGeometry
 from services.instance.load_reporter import load_report_loop
 from services.instance.manager_client import ManagerLink
@@ -77,11 +78,15 @@ async def serve(config: InstanceConfig, loaded: LoadedEngine, runner: EngineRunn
     wire_migration(config, servicer, runner, peers, link)
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s,
                         access=config.etcd_access) if config.etcd_endpoints else None
+    stall = StallWatchdog(runner, config.engine_stall_timeout_s, server.set_serving,
+                          is_shutting_down=lambda: not servicer.is_accepting)
+    servicer.is_engine_stalled = lambda: stall.is_stalled
     stop = stop_event()
     manager: ManagerLink | None = None
     try:
         async with asyncio.TaskGroup() as tasks:
-            background = [tasks.create_task(servicer.inbox.watchdog_loop())]
+            background = [tasks.create_task(servicer.inbox.watchdog_loop()),
+                          tasks.create_task(stall.watch_loop(), name="engine_stall_watch_loop")]
             if link is not None:
                 background.append(tasks.create_task(transfer_mapping_loop(link, instance_id, loaded.kv_cache)))
             if registry is not None:

@@ -61,6 +61,10 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     num_threads: int = knob(0, "torch threads for the engine (0 = torch's default)")
     load_report_interval_s: float = knob(0.075, "seconds between load reports streamed to the leader manager")
     shutdown_grace_s: float = knob(5.0, "seconds running requests get to finish on SIGTERM before they are cut")
+    engine_stall_timeout_s: float = knob(120.0, "an engine step running longer than this (a hung accelerator, a "
+                                                "deadlock) takes the instance out of service until it returns: its "
+                                                "streams end UNAVAILABLE so frontends resume them elsewhere; set it "
+                                                "well above the longest step; 0 = never")
     transfer_address: str = knob("", "host:port of the co-located transfer service, which maps this instance's KV "
                                      "memory at startup; empty = live migration off")
     transfer_backend: TransferBackend = knob(TransferBackend.GRPC, "how KV blocks travel when a migration names no "
@@ -83,7 +87,7 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
         self.etcd_access.check()
         if self.block_size <= 0:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
-        for name in ("sim_step_ms", "sim_prefill_ms_per_token", "sim_decode_ms_per_seq"):
+        for name in ("sim_step_ms", "sim_prefill_ms_per_token", "sim_decode_ms_per_seq", "engine_stall_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.max_num_seqs <= 0:

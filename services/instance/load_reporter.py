@@ -67,7 +67,9 @@ async def _reports(servicer: InstanceServicer, interval_s: float,
     last = None
     while not leader_changed.done():
         report = servicer.load_report()
-        if last is None or _differs(report, last) or report.timestamp - last.timestamp >= interval_s:
+        if servicer.is_engine_stalled():
+            pass  # silence: the manager marks this instance UNHEALTHY and dispatches nothing to it
+        elif last is None or _differs(report, last) or report.timestamp - last.timestamp >= interval_s:
             yield report
             last = report
         changed.clear()

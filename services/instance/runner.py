@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import queue
 import statistics
 import threading
@@ -75,6 +76,7 @@ class EngineRunner:
         self._step_times_s: collections.deque[float] = collections.deque(maxlen=256)
         self.num_steps = 0
         self.is_broken = False  # set when a step raised; the instance then refuses new work
+        self._step_started_at: float | None = None  # monotonic, while a step runs (engine thread writes it)
         self.on_load_change: Callable[[LoadSnapshot], None] | None = None
         # A Generate request's first token, still running; with the request's parked hand-off
         # state when `holds_first_tokens()` said so in the step that made the token (PD push).
@@ -107,6 +109,12 @@ class EngineRunner:
     @property
     def num_active(self) -> int:
         return len(self._streams)
+
+    @property
+    def step_running_for_s(self) -> float:
+        """How long the engine has been inside its current step (0 between steps)."""
+        started = self._step_started_at
+        return 0.0 if started is None else time.monotonic() - started
 
     async def add(self, request_id: str, prompt_token_ids: list[int], sampling: Any,
                   priority: int = 0, resume_token_ids: tuple[int, ...] = ()) -> RequestStream:
@@ -181,6 +189,16 @@ class EngineRunner:
             stream.outputs.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
         return was_running
 
+    def abandon_all(self, error: BaseException) -> int:
+        """End every stream with `error` and abort its request once the engine takes commands
+        again (a stalled step); how many streams there were."""
+        streams = list(self._streams.values())
+        self._streams.clear()
+        for stream in streams:
+            stream.outputs.put_nowait(error)
+            self.call_soon(functools.partial(self._engine.abort, stream.request_id))
+        return len(streams)
+
     def call_soon(self, fn: Callable[[], Any]) -> None:
         """Run `fn` on the engine thread before the next step, without waiting (its errors are logged)."""
         def run() -> None:
@@ -230,6 +248,7 @@ class EngineRunner:
 
     def _step(self) -> None:
         started = time.perf_counter()
+        self._step_started_at = time.monotonic()
         try:
             outputs = self._engine.step()
             held = self._hold_first_tokens(outputs)
@@ -238,6 +257,8 @@ class EngineRunner:
             self.is_broken = True
             self._loop.call_soon_threadsafe(self._fail_all, exc)
             return
+        finally:
+            self._step_started_at = None
         self._step_times_s.append(time.perf_counter() - started)
         self.num_steps += 1
         self._publish(outputs, held)

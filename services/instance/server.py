@@ -45,6 +45,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         self.migrations: MigrationDriver | None = None
         self.inbox: MigrationInbox | None = None
         self.is_accepting = True  # False while draining or shutting down
+        self.is_engine_stalled: Callable[[], bool] = lambda: False  # StallWatchdog.is_stalled, once wired
         # Prefill/decode disaggregation, set with the identity: the hand-off pusher, and what a role change
         # does besides replacing the identity (rewrite the etcd record).
         self.handoff: DecodeHandoff | None = None
@@ -54,8 +55,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
     async def Generate(self, request: instance_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[instance_pb2.GenerateChunk]:
         request_id = check_request_id(request.request_id)
-        if not self.is_accepting:
-            raise Unavailable(f"instance {self.identity.instance_id} is not accepting new requests")
+        self._check_accepting("new requests")
         if not request.HasField("sampling"):
             raise InvalidArgument("sampling: required (at least sampling.max_tokens)")
         if self.identity.role is InstanceRole.DECODE and not request.can_prefill_on_decode:
@@ -127,8 +127,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
 
     async def PrepareMigrateIn(self, request: instance_pb2.PrepareMigrateInRequest,
                                context: grpc.aio.ServicerContext) -> instance_pb2.PrepareMigrateInResponse:
-        if not self.is_accepting:
-            raise Unavailable(f"instance {self.identity.instance_id} is not accepting migrations (shutting down)")
+        self._check_accepting("migrations")
         reservation = await self.inbox.prepare(request.migration_id, request.request_id, request.src_instance_id,
                                                 request.num_blocks, grow_only=request.grow_only)
         return reservation_to_proto(reservation)
@@ -175,6 +174,13 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
     def on_load_change(self, callback: Callable[[], None]) -> None:
         """Call `callback` on the event loop whenever the engine's load changes."""
         self._runner.on_load_change = lambda _load: callback()
+
+    def _check_accepting(self, what: str) -> None:
+        if not self.is_accepting:
+            raise Unavailable(f"instance {self.identity.instance_id} is not accepting {what} (draining or shutting down)")
+        if self.is_engine_stalled():
+            raise Unavailable(f"instance {self.identity.instance_id} is not accepting {what}: its engine step has "
+                              "run longer than --engine-stall-timeout-s")
 
     def load_report(self) -> common_pb2.LoadReport:
         runner = self._runner

@@ -7,8 +7,8 @@ renewal succeeded for a TTL, it has lost: `is_leader` turns False and `lost` is 
 the manager must step down (it may campaign again). `holds_lease` is stricter: it also
 turns False once a TTL has passed since the last renewal was asked for, by the local
 clock, so a leader that was frozen (SIGSTOP, a stalled VM) past its TTL stops acting the
-moment it runs again, before the renewal that would tell it it lost. `epoch` (the key's create revision)
-grows with every new leader; use it to fence requests from a deposed one.
+moment it runs again, before the renewal that would tell it it lost. `epoch` (the key's
+create revision) grows with every new leader; use it to fence requests from a deposed one.
 
 Followers, frontends and instances find the leader with `Election.leader()` once, or keep
 a `LeaderView` (`await watch_leader(registry)`) that follows the key.

@@ -26,9 +26,8 @@ from services.common.signals import stop_event
 from services.instance.client import InstanceClients
 from services.instance.config import EngineKind, InstanceConfig
 from services.instance.engine.factory import EngineSpec, LoadedEngine, build_engine
-from services.instance.engine.sim_model import SimLatency
-from services.instance.stall_watchdog import StallWatchdog
 from services.instance.engine.kv_cache import KvGeometry
+from services.instance.engine.sim_model import SimLatency
 from services.instance.load_reporter import load_report_loop
 from services.instance.manager_client import ManagerLink
 from services.instance.pd_handoff import DecodeHandoff
@@ -37,6 +36,7 @@ from services.instance.migration import MigrationDriver, MigrationSettings
 from services.instance.migration_in import MigrationInbox, TransferEndpoint
 from services.instance.migration_slots import MigrationSlots
 from services.instance.runner import EngineRunner
+from services.instance.stall_watchdog import StallWatchdog
 from services.instance.server import InstanceIdentity, InstanceServicer
 from services.instance.transfer_link import TransferLink, connect_transfer, disconnect_transfer, transfer_mapping_loop
 

@@ -1,0 +1,49 @@
+"""The sim profiler: its fit recovers a known latency model (a sim engine profiled with
+real sleeps), and its command prints flags the instance accepts."""
+
+import os
+import uuid
+
+import pytest
+import torch
+
+from services.common.config import parse_config
+from services.instance.config import InstanceConfig
+from services.instance.engine.engine import EngineConfig, LLMEngine
+from services.instance.engine.kv_cache import KvCache, KvGeometry
+from services.instance.engine.model_config import ModelConfig
+from services.instance.engine.sim_model import SimLatency, SimModel
+from services.instance.engine.sim_profile import main, profile
+from services.instance.engine.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_the_fit_recovers_a_known_latency_model(tiny_model_dir):
+    config = ModelConfig.from_dir(tiny_model_dir)
+    geometry = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 16, 64, torch.float32)
+    cache = KvCache.create(f"ferry-kv-test-profile-{os.getpid()}-{uuid.uuid4().hex[:8]}", geometry)
+    try:
+        known = SimLatency(step_ms=30.0, prefill_ms_per_token=1.0, decode_ms_per_seq=5.0)
+        engine = LLMEngine(SimModel(config, known), Tokenizer.from_dir(tiny_model_dir), cache,
+                           EngineConfig(num_blocks=64, max_model_len=256, block_size=16, max_num_seqs=4,
+                                        max_num_batched_tokens=256))
+        fitted = profile(engine, batch_size=4, prompt_tokens=64, repeats=3)
+    finally:
+        cache.close()
+        cache.unlink()
+    # sleeps overshoot a little and the machine is shared: generous bounds, but far from any other model
+    assert 25.0 <= fitted.step_ms <= 40.0, fitted
+    assert 3.5 <= fitted.decode_ms_per_seq <= 7.0, fitted
+    assert 0.7 <= fitted.prefill_ms_per_token <= 1.4, fitted
+
+
+def test_prints_flags_the_instance_accepts(tiny_model_dir, capsys):
+    main(["--model", str(tiny_model_dir), "--batch-size", "2", "--prompt-tokens", "32", "--repeats", "1",
+          "--num-threads", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    lines = lines[next(i for i, line in enumerate(lines) if line.startswith("--engine sim")):]  # after any log lines
+    parsed = parse_config(InstanceConfig, "instance", ["--model", "m", *lines[0].split()], env={})
+    assert parsed.engine.value == "sim" and parsed.sim_step_ms > 0
+    assert min(parsed.sim_prefill_ms_per_token, parsed.sim_decode_ms_per_seq) >= 0
+    assert lines[1].startswith("FERRY_INSTANCE_SIM_STEP_MS=")

@@ -32,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from serving import run_workload, started_cluster, workload  # noqa: E402
+from serving import Workload, add_workload_args, run_workload, started_cluster, workload  # noqa: E402
 from services.instance.engine.model_config import ModelConfig  # noqa: E402
 from services.manager.client import ManagerClient  # noqa: E402
 
@@ -47,14 +47,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="batch slots per instance")
     parser.add_argument("--sim-step-ms", type=float, default=30.0, help="sim step time (slower than a GPU, so the "
                                                                         "client and frontend keep up on a small machine)")
-    parser.add_argument("--num-requests", type=int, default=120, help="requests per policy")
-    parser.add_argument("--rate", type=float, default=6.0, help="mean arrival rate (requests/s, Poisson)")
-    parser.add_argument("--prompt-mean", type=int, default=64, help="median prompt length in tokens")
-    parser.add_argument("--output-mean", type=int, default=48, help="median output length in tokens")
-    parser.add_argument("--sigma", type=float, default=1.1, help="log-normal sigma of both lengths (long tail)")
-    parser.add_argument("--max-prompt", type=int, default=1024, help="prompt length cap")
-    parser.add_argument("--max-output", type=int, default=600, help="output length cap")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed (every policy gets the same requests)")
+    add_workload_args(parser, Workload(num_requests=120, rate=6.0, prompt_mean=64, output_mean=48, sigma=1.1,
+                                       max_output=600))  # every policy gets the same requests
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench-results", help="where JSON and PNG go")
     args = parser.parse_args()
     args.pd, args.launcher_args = "", "--engine sim --kv-cache-mib 64"

@@ -58,6 +58,32 @@ class RequestResult:
     error: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Defaults of the workload flags (`workload()` reads them from the parsed args)."""
+
+    num_requests: int = 64
+    rate: float = 2.0
+    prompt_mean: int = 128
+    output_mean: int = 64
+    sigma: float = 0.8
+    max_prompt: int = 1024
+    max_output: int = 512
+
+
+def add_workload_args(parser: argparse.ArgumentParser, defaults: Workload) -> None:
+    """The flags of the seeded Poisson workload with log-normal lengths."""
+    parser.add_argument("--num-requests", type=int, default=defaults.num_requests, help="requests to send")
+    parser.add_argument("--rate", type=float, default=defaults.rate, help="mean arrival rate (requests/s, Poisson)")
+    parser.add_argument("--prompt-mean", type=int, default=defaults.prompt_mean, help="median prompt length in tokens")
+    parser.add_argument("--output-mean", type=int, default=defaults.output_mean, help="median output length in tokens")
+    parser.add_argument("--sigma", type=float, default=defaults.sigma,
+                        help="log-normal sigma of both lengths (long tail)")
+    parser.add_argument("--max-prompt", type=int, default=defaults.max_prompt, help="prompt length cap")
+    parser.add_argument("--max-output", type=int, default=defaults.max_output, help="output length cap")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (the same seed sends the same requests)")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="frontend base URL of a running cluster (default: start one)")
@@ -67,14 +93,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--instances", type=int, default=2, help="instances of a started cluster (role both)")
     parser.add_argument("--pd", default="", help="P:D — start P prefill and D decode instances instead of --instances")
     parser.add_argument("--launcher-args", default="", help="extra flags for `services.cluster up` (quoted)")
-    parser.add_argument("--num-requests", type=int, default=64, help="requests to send")
-    parser.add_argument("--rate", type=float, default=2.0, help="mean arrival rate (requests/s, Poisson)")
-    parser.add_argument("--prompt-mean", type=int, default=128, help="median prompt length in tokens")
-    parser.add_argument("--output-mean", type=int, default=64, help="median output length in tokens")
-    parser.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of both lengths (long tail)")
-    parser.add_argument("--max-prompt", type=int, default=1024, help="prompt length cap")
-    parser.add_argument("--max-output", type=int, default=512, help="output length cap")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    add_workload_args(parser, Workload())
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench-results", help="where JSON and PNG go")
     parser.add_argument("--tag", default="serving", help="file name prefix of the outputs")
     return parser.parse_args()

@@ -10,9 +10,11 @@ frontends); each restarts what it killed, except the last (the frontend).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -67,6 +69,16 @@ def run_streams(session, cluster: FaultCluster, streams: list[Stream], url: str 
     return [asyncio.create_task(s.run(session, url or cluster.frontend_url, cluster.model_name)) for s in streams]
 
 
+@contextlib.contextmanager
+def frozen(process) -> Iterator[None]:
+    """`process` SIGSTOPped for the block (its sockets stay open, nothing answers), SIGCONTed after."""
+    process.signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        process.signal(signal.SIGCONT)
+
+
 def assert_identical(streams: list[Stream], reference: Reference) -> None:
     expected = reference.tokens(streams)
     for stream, tokens in zip(streams, expected):
@@ -101,15 +113,11 @@ async def test_instance_frozen_mid_stream_streams_finish_elsewhere_while_it_stay
     streams = mixed_streams("frozen", 6, 160)
     tasks = run_streams(session, cluster, streams)
     await wait_for_tokens(streams, 8)
-    victim = cluster.process(VICTIM)
-    victim.signal(signal.SIGSTOP)
-    try:
+    with frozen(cluster.process(VICTIM)):
         late = mixed_streams("dispatched to the frozen instance", 2, 40)
         tasks += run_streams(session, cluster, late)
         # Without pings each would wait for its 600 s deadline (or gRPC's 60 s ping timeout).
         await asyncio.wait_for(asyncio.gather(*tasks), KEEPALIVE_TIME_S + KEEPALIVE_TIMEOUT_S + 20)
-    finally:
-        victim.signal(signal.SIGCONT)
     assert_identical(streams + late, reference)
     await cluster.wait_blocks_back(baseline)
 
@@ -206,9 +214,7 @@ async def test_leader_manager_frozen_then_resumed_steps_down(session, cluster, r
     in_flight = mixed_streams("in flight while the leader is frozen", 6, 120)
     tasks = run_streams(session, cluster, in_flight)
     await wait_for_tokens(in_flight, 4)
-    frozen = cluster.process(leader)
-    frozen.signal(signal.SIGSTOP)
-    try:
+    with frozen(cluster.process(leader)):
         during: list[Stream] = []
         started = time.monotonic()
         while time.monotonic() - started < TIMINGS.manager_lease_ttl_s + 3:
@@ -216,8 +222,6 @@ async def test_leader_manager_frozen_then_resumed_steps_down(session, cluster, r
             tasks += run_streams(session, cluster, during[-2:])
             await asyncio.sleep(0.5)
         new_leader = await cluster.leader()
-    finally:
-        frozen.signal(signal.SIGCONT)
     assert new_leader != leader
     after = mixed_streams("sent after the old leader woke up", 4, 24)
     tasks += run_streams(session, cluster, after)

@@ -67,9 +67,9 @@ async def _reports(servicer: InstanceServicer, interval_s: float,
     last = None
     while not leader_changed.done():
         report = servicer.load_report()
-        if servicer.is_engine_stalled():
-            pass  # silence: the manager marks this instance UNHEALTHY and dispatches nothing to it
-        elif last is None or _differs(report, last) or report.timestamp - last.timestamp >= interval_s:
+        is_due = last is None or _differs(report, last) or report.timestamp - last.timestamp >= interval_s
+        # A stalled engine stays silent: the manager marks this instance UNHEALTHY and dispatches nothing to it.
+        if is_due and not servicer.is_engine_stalled():
             yield report
             last = report
         changed.clear()

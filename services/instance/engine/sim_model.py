@@ -1,7 +1,7 @@
 """The model of the `sim` engine: a latency model in place of the forward pass.
 
-Everything else is the real engine: scheduler, paged KV cache, prefix cache, sampler,
-export/import for migration. So a cluster of sim instances exercises dispatch, migration,
+Everything else is the real engine: scheduler, paged KV cache, sampler, export/import
+for migration. So a cluster of sim instances exercises dispatch, migration,
 PD hand-offs and failover as a real one does, while each instance needs no weights and
 almost no CPU: many of them fit on one machine (policy experiments, load tests).
 

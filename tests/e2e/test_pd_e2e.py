@@ -120,7 +120,9 @@ async def test_set_role_under_load_both_then_decode_then_prefill_fails_no_reques
                                                                                   reference):
     await set_role(admin, DECODE_2, common_pb2.ROLE_BOTH)
     prompts, max_tokens = mixed_batch(12, "setrole")
-    max_tokens = [m + 60 for m in max_tokens]  # long enough to be running through both switches
+    # long enough to be running through both switches (with m + 60 a full run saw them all finish in 0.3 s,
+    # before the first poll found one running)
+    max_tokens = [m + 400 for m in max_tokens]
     requests = asyncio.gather(*(complete(client, cluster, p, m) for p, m in zip(prompts, max_tokens)))
 
     async def running_on_both():

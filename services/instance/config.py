@@ -57,6 +57,8 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     kv_cache_mib: int = knob(512, "KV cache size in MiB when --num-blocks is 0")
     max_num_seqs: int = knob(64, "most requests running in one batch")
     max_num_batched_tokens: int = knob(2048, "most tokens (prefill chunks + decodes) in one engine step")
+    enable_prefix_caching: bool = knob(True, "reuse the KV blocks of prompt prefixes earlier requests computed "
+                                             "(full blocks, matched by a hash of their tokens); false = off")
     max_model_len: int = knob(0, "longest sequence (prompt + output) in tokens (0 = the model's max_position_embeddings)")
     num_threads: int = knob(0, "torch threads for the engine (0 = torch's default)")
     load_report_interval_s: float = knob(0.075, "seconds between load reports streamed to the leader manager")

@@ -28,12 +28,20 @@ class InstanceCollector:
             ("ferry_instance_step_time_ms_p50", "Median engine step time over the last 256 steps",
              runner.step_time_ms_p50),
             ("ferry_instance_open_streams", "Requests with an open output stream", runner.num_active),
+            ("ferry_instance_prefix_cache_hit_rate", "Share of admitted context tokens found in the prefix cache",
+             runner.prefix_cache_stats.hit_rate),
         )
         for name, help_text, value in gauges:
             yield self._family(GaugeMetricFamily, name, help_text, value)
         yield self._family(CounterMetricFamily, "ferry_instance_requests_served", "Requests that finished here",
                            runner.num_requests_served)
         yield self._family(CounterMetricFamily, "ferry_instance_engine_steps", "Engine steps run", runner.num_steps)
+        stats = runner.prefix_cache_stats
+        yield self._family(CounterMetricFamily, "ferry_instance_prefix_cache_queried_tokens",
+                           "Context tokens of admitted requests (the most the prefix cache could serve)",
+                           stats.num_queried_tokens)
+        yield self._family(CounterMetricFamily, "ferry_instance_prefix_cache_hit_tokens",
+                           "Context tokens whose K/V came from the prefix cache", stats.num_hit_tokens)
 
     def _family(self, kind, name: str, help_text: str, value: float):
         family = kind(name, help_text, labels=["instance_id"])

@@ -71,6 +71,7 @@ class EngineRunner:
         self._stopping = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
         self._load = engine.load()  # replaced whole after every step; readers never see a torn value
+        self.prefix_cache_stats = engine.prefix_cache_stats()  # the same, for metrics
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
         self.num_requests_served = 0
         self._step_times_s: collections.deque[float] = collections.deque(maxlen=256)
@@ -285,6 +286,7 @@ class EngineRunner:
             command()
 
     def _snapshot_load(self) -> None:
+        self.prefix_cache_stats = self._engine.prefix_cache_stats()
         load = self._engine.load()
         if load != self._load:
             self._load = load

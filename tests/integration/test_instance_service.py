@@ -164,3 +164,19 @@ async def test_metrics_endpoint_reports_load(stub, metrics_port):
             text = await response.text()
     assert f'ferry_instance_total_blocks{{instance_id="it-0"}} {float(NUM_BLOCKS)}' in text
     assert 'ferry_instance_requests_served_total{instance_id="it-0"}' in text
+
+
+async def test_a_repeated_prompt_is_served_from_the_prefix_cache_with_the_same_tokens(stub, metrics_port,
+                                                                                     tiny_model_dir):
+    prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15]  # two full blocks of 4 and one token
+    runs = []
+    for i in range(2):
+        chunks = await collect(stub, instance_pb2.GenerateRequest(request_id=f"pc-{i}", prompt_token_ids=prompt,
+                                                                  sampling=greedy(6)))
+        runs.append([t for chunk in chunks for t in chunk.token_ids])
+    assert runs[0] == runs[1] == reference_tokens(tiny_model_dir, prompt, 6)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as response:
+            text = await response.text()
+    hits = next(line for line in text.splitlines() if line.startswith("ferry_instance_prefix_cache_hit_tokens_total"))
+    assert float(hits.split()[-1]) >= 8, hits

@@ -7,6 +7,10 @@ than one once blocks are shared, e.g. by prefix caching or a migration that
 reads them). A block goes back to the free list when its count drops to 0.
 
 A request's blocks are its `block_table`: token t lives in `block_table[t // block_size]`.
+
+With prefix caching (prefix_cache.py), a full block whose K/V are computed is registered
+under the hash of its tokens; when its count drops to 0 it stays findable (*evictable*)
+and is handed out again only when no other free block is left.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import heapq
 from typing import TYPE_CHECKING, NewType
 
 from services.common.errors import Internal, ResourceExhausted
+from services.instance.engine.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from services.instance.engine.request import Request
@@ -28,22 +33,28 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # Invariant: a block is in _free_blocks (a min-heap) exactly when its ref count is 0.
+        # Invariant: a block has ref count 0 exactly when it is in _free_blocks (a min-heap of
+        # never-registered blocks) or evictable in the prefix cache.
         self._ref_counts = [0] * num_blocks
         self._free_blocks: list[BlockId] = [BlockId(i) for i in range(num_blocks)]
+        self.prefix_cache: PrefixCache | None = PrefixCache() if enable_prefix_caching else None
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_blocks)
+        return len(self._free_blocks) + self._num_evictable
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free_blocks)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def _num_evictable(self) -> int:
+        return self.prefix_cache.num_evictable if self.prefix_cache else 0
 
     def ref_count(self, block_id: BlockId) -> int:
         return self._ref_counts[block_id]
@@ -51,18 +62,25 @@ class BlockManager:
     # Blocks, whoever holds them.
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free_blocks)
+        return num_blocks <= self.num_free_blocks
 
     def allocate_blocks(self, num_blocks: int) -> list[BlockId]:
-        """Take `num_blocks` free blocks (ref count 1 each)."""
+        """Take `num_blocks` free blocks (ref count 1 each): never-cached ones first, then the
+        least recently released cached ones (which the cache forgets)."""
         if not self.can_allocate(num_blocks):
             raise ResourceExhausted(
                 f"KV cache full: {num_blocks} blocks asked, {self.num_free_blocks} free; raise --num-blocks"
             )
-        blocks = [heapq.heappop(self._free_blocks) for _ in range(num_blocks)]
+        blocks = [self._pop_free_block() for _ in range(num_blocks)]
         for block_id in blocks:
             self._ref_counts[block_id] = 1
         return blocks
+
+    def _pop_free_block(self) -> BlockId:
+        if self._free_blocks:
+            return heapq.heappop(self._free_blocks)
+        assert self.prefix_cache is not None  # can_allocate counted evictable blocks only if there is a cache
+        return self.prefix_cache.evict_oldest()
 
     def share_blocks(self, block_ids: list[BlockId]) -> None:
         """Add a holder to blocks that are already allocated."""
@@ -78,7 +96,13 @@ class BlockManager:
         for block_id in block_ids:
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                heapq.heappush(self._free_blocks, block_id)
+                self._release(block_id)
+
+    def _release(self, block_id: BlockId) -> None:
+        if self.prefix_cache is not None and self.prefix_cache.is_registered(block_id):
+            self.prefix_cache.release(block_id)
+        else:
+            heapq.heappush(self._free_blocks, block_id)
 
     # Blocks of a request (its block table).
 
@@ -99,9 +123,55 @@ class BlockManager:
         self.allocate(request, request.num_computed_tokens + 1)
 
     def free(self, request: Request) -> None:
-        """Release every block of `request` and empty its block table."""
+        """Release every block of `request` and empty its block table.
+
+        Last block first, so that of a released sequence the cache evicts its tail before its prefix."""
         blocks, request.block_table = request.block_table, []
-        self.free_blocks(blocks)
+        request.num_registered_blocks = 0
+        self.free_blocks(blocks[::-1])
+
+    # Prefix caching (no-ops without a prefix cache).
+
+    def cached_prefix(self, request: Request) -> list[BlockId]:
+        """The cached blocks `request` can start from: the longest run of its leading full blocks, leaving at
+        least its last token to compute (its logits give the next token)."""
+        if self.prefix_cache is None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.prefix_cache.longest_prefix(request.block_hashes(self.block_size, max_blocks))
+
+    def num_blocks_to_admit(self, cached: list[BlockId], num_tokens: int) -> int:
+        """Free blocks that admitting a request with `cached` as its first blocks and room for `num_tokens`
+        tokens uses up: its new blocks, plus the cached ones nobody holds (they stop counting as free)."""
+        num_idle_cached = sum(self._ref_counts[b] == 0 for b in cached)
+        return max(num_blocks_for(num_tokens, self.block_size) - len(cached), 0) + num_idle_cached
+
+    def start_from_cache(self, request: Request, cached: list[BlockId]) -> None:
+        """Give a request without blocks the cached blocks of its prefix (computed: no work left in them)."""
+        if request.block_table:
+            raise Internal(f"request {request.request_id} already holds blocks; only a new request starts from cache")
+        for block_id in cached:
+            if self._ref_counts[block_id] == 0:
+                assert self.prefix_cache is not None
+                self.prefix_cache.reclaim(block_id)
+            self._ref_counts[block_id] += 1
+        request.block_table = list(cached)
+        request.num_registered_blocks = len(cached)
+        request.num_computed_tokens = len(cached) * self.block_size
+        if self.prefix_cache is not None:
+            self.prefix_cache.count_admission(request.num_tokens, request.num_computed_tokens)
+
+    def register_computed(self, request: Request) -> None:
+        """Register `request`'s full blocks whose K/V are now in the cache (call after the step that wrote them)."""
+        if self.prefix_cache is None:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        if num_full <= request.num_registered_blocks:
+            return
+        hashes = request.block_hashes(self.block_size, num_full)
+        for i in range(request.num_registered_blocks, num_full):
+            self.prefix_cache.register(request.block_table[i], hashes[i])
+        request.num_registered_blocks = num_full
 
     def _check_held(self, block_ids: list[BlockId]) -> None:
         drops: dict[BlockId, int] = {}

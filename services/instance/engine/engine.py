@@ -41,6 +41,7 @@ from services.instance.engine.migration_state import (
     pick_request,
 )
 from services.instance.engine.forward_batch import ForwardModel
+from services.instance.engine.prefix_cache import PrefixCacheStats
 from services.instance.engine.request import (
     FinishReason,
     Request,
@@ -66,6 +67,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block; must match the KvCache's geometry
     max_num_seqs: int = 64  # batch slots: most running requests
     max_num_batched_tokens: int = 2048  # most tokens (prefill chunks + decodes) in one step
+    enable_prefix_caching: bool = True  # reuse the K/V of full blocks other requests computed (prefix_cache.py)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -121,7 +123,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.kv_cache = kv_cache
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    device=kv_cache.tensor.device)
         self.sampler = Sampler()
@@ -269,6 +271,7 @@ class LLMEngine:
             num_computed_tokens=state.num_computed_tokens,
         )  # fmt: skip
         self._requests[request.request_id] = request
+        self.block_manager.register_computed(request)  # its K/V arrived with it
         self.scheduler.adopt(request)
 
     def _check_import(self, state: RequestState) -> None:
@@ -301,6 +304,7 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         scheduled = self.scheduler.schedule()
         logits = self._run(scheduled)
+        self._register_computed(scheduled)
         return self._postprocess(scheduled, logits)
 
     def _run(self, scheduled: SchedulerOutput) -> torch.Tensor | None:
@@ -308,6 +312,11 @@ class LLMEngine:
             return None
         with torch.inference_mode():
             return self.model(scheduled.batch, self.kv_cache.tensor)
+
+    def _register_computed(self, scheduled: SchedulerOutput) -> None:
+        """The step wrote its K/V: blocks it filled become findable by later requests (not by this step's)."""
+        for s in scheduled.scheduled:
+            self.block_manager.register_computed(s.request)
 
     def _postprocess(self, scheduled: SchedulerOutput, logits: torch.Tensor | None) -> list[StepOutput]:
         outputs = [self._output(request, request.num_output_tokens, None, request.finish_reason)
@@ -367,6 +376,11 @@ class LLMEngine:
             freeness=(num_free - num_needed) / (num_running + 1),
             num_decoding=sum(is_prefill_done(r) for r in self.scheduler.running),
         )  # fmt: skip
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens admitted so far and how many came from the prefix cache (zeros when it is off)."""
+        cache = self.block_manager.prefix_cache
+        return cache.stats() if cache is not None else PrefixCacheStats(0, 0)
 
     def list_requests(self) -> list[RequestSnapshot]:
         return [

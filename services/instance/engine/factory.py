@@ -31,6 +31,7 @@ class EngineSpec:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     sim_latency: SimLatency | None = None  # set: the sim engine, with this latency model
+    enable_prefix_caching: bool = True
 
 
 @dataclass(slots=True)
@@ -56,7 +57,8 @@ def build_engine(spec: EngineSpec) -> LoadedEngine:
                           spec.block_size, num_blocks, spec.dtype)
     kv_cache = KvCache.create(spec.kv_name, geometry)
     engine_config = EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len, block_size=spec.block_size,
-                                 max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens)
+                                 max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
+                                 enable_prefix_caching=spec.enable_prefix_caching)
     engine = LLMEngine(model, Tokenizer.from_dir(spec.model_dir), kv_cache, engine_config)
     return LoadedEngine(engine, kv_cache, max_model_len)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import NewType
 
 from services.common.errors import InvalidArgument
+from services.common.prefix_hash import ROOT_HASH, BlockHash, block_hash
 from services.instance.engine.block_manager import BlockId
 from services.instance.engine.text_output import TextOutput
 
@@ -122,6 +123,8 @@ class Request:
     block_table: list[BlockId] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
+    num_registered_blocks: int = 0  # leading blocks of block_table the prefix cache knows (or was asked to)
+    _block_hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks, grown lazily
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -149,3 +152,12 @@ class Request:
         head = list(self.prompt_token_ids[start:min(stop, num_prompt)]) if start < num_prompt else []
         tail = self.output_token_ids[max(start - num_prompt, 0):max(stop - num_prompt, 0)]
         return head + tail
+
+    def block_hashes(self, block_size: int, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of the context's first `num_blocks` blocks (full ones only)."""
+        num_blocks = min(num_blocks, self.num_tokens // block_size)
+        hashes = self._block_hashes
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[i - 1] if i else ROOT_HASH
+            hashes.append(block_hash(parent, self.token_ids(i * block_size, (i + 1) * block_size)))
+        return hashes[:num_blocks]

@@ -16,7 +16,8 @@ Every step, in this order:
    cache finishes with LENGTH.
 3. If nothing was preempted, waiting requests are admitted in priority order while
    batch slots (`max_num_seqs`), budget and free blocks allow. The head of the
-   queue blocks the rest (strict priority).
+   queue blocks the rest (strict priority). With prefix caching, an admitted request
+   starts from the cached blocks of its prefix and computes only the rest.
 
 Scheduled tokens count as computed as soon as they are scheduled: the step that
 `schedule()` returns must run.
@@ -188,11 +189,15 @@ class Scheduler:
     def _admit_waiting(self, step: _StepPlan) -> None:
         while self.waiting and step.budget > 0 and self.num_busy_slots < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_uncomputed_tokens, step.budget)
-            if not self.block_manager.can_allocate(self.block_manager.num_blocks_needed(request, num_new)):
+            cached = self.block_manager.cached_prefix(request)
+            num_cached_tokens = len(cached) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_cached_tokens, step.budget)
+            if not self.block_manager.can_allocate(self.block_manager.num_blocks_to_admit(cached, num_cached_tokens
+                                                                                          + num_new)):
                 return
             self.waiting.pop(0)
-            self.block_manager.allocate(request, num_new)
+            self.block_manager.start_from_cache(request, cached)
+            self.block_manager.allocate(request, num_cached_tokens + num_new)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_priority_order)
             step.add(request, num_new)

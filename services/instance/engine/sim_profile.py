@@ -31,7 +31,7 @@ from services.instance.engine.factory import EngineSpec, build_engine
 from services.instance.engine.request import SamplingParams
 from services.instance.engine.sim_model import SimLatency
 
-_PROMPT_TOKEN = 100  # any id below the vocabulary size
+_PROMPT_TOKEN = 100  # any id
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,8 +76,8 @@ def _median_step_s(engine: LLMEngine, kind: str, size: int, repeats: int, progre
 
 def _prefill_step_s(engine: LLMEngine, num_tokens: int) -> float:
     """One step that prefills a `num_tokens` prompt (it also samples its first token)."""
-    request_id = f"profile-{next(_ids)}"
-    engine.add_request(request_id, [_PROMPT_TOKEN] * num_tokens, SamplingParams(temperature=0.0, max_tokens=1))
+    engine.add_request(f"profile-{next(_ids)}", _prompt(engine, num_tokens),
+                       SamplingParams(temperature=0.0, max_tokens=1))
     started = time.perf_counter()
     engine.step()
     elapsed = time.perf_counter() - started
@@ -88,7 +88,7 @@ def _prefill_step_s(engine: LLMEngine, num_tokens: int) -> float:
 def _decode_step_s(engine: LLMEngine, num_seqs: int) -> float:
     """One step in which `num_seqs` sequences (16-token prompts, already prefilled) decode a token each."""
     for _ in range(num_seqs):
-        engine.add_request(f"profile-{next(_ids)}", [_PROMPT_TOKEN] * 16,
+        engine.add_request(f"profile-{next(_ids)}", _prompt(engine, 16),
                            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine.step()  # the prefills (and first tokens)
     started = time.perf_counter()
@@ -96,6 +96,11 @@ def _decode_step_s(engine: LLMEngine, num_seqs: int) -> float:
     elapsed = time.perf_counter() - started
     _drain(engine)
     return elapsed
+
+
+def _prompt(engine: LLMEngine, num_tokens: int) -> list[int]:
+    """A prompt unlike the ones before (its first token differs), so no prefix cache hit shortens its prefill."""
+    return [next(_ids) % engine.vocab_size] + [_PROMPT_TOKEN % engine.vocab_size] * (num_tokens - 1)
 
 
 def _drain(engine: LLMEngine) -> None:

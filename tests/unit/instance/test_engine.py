@@ -54,14 +54,16 @@ def make_engine() -> Iterator[Callable[..., LLMEngine]]:
     caches: list[KvCache] = []
 
     def make(tiny: Tiny, num_blocks: int = 256, block_size: int = 4, max_num_seqs: int = 16,
-             max_num_batched_tokens: int = 512, max_model_len: int = 1024) -> LLMEngine:
+             max_num_batched_tokens: int = 512, max_model_len: int = 1024,
+             enable_prefix_caching: bool = True) -> LLMEngine:
         c = tiny.model.config
         geometry = KvGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, num_blocks,
                               torch.float32)
         cache = KvCache.create(f"ferry-kv-test-{os.getpid()}-{uuid.uuid4().hex[:8]}", geometry)
         caches.append(cache)
         config = EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len, block_size=block_size,
-                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              enable_prefix_caching=enable_prefix_caching)
         return LLMEngine(tiny.model, tiny.tokenizer, cache, config)
 
     yield make

@@ -310,3 +310,20 @@ def test_a_held_request_stops_decoding_keeps_its_blocks_and_resumes_exactly(make
         tokens += [t for o in engine.step() for t in o.new_token_ids]
     assert tokens == expected
     assert not engine.hold("r")  # finished: nothing to hold
+
+
+def test_a_request_sharing_cached_blocks_migrates_and_its_blocks_are_cached_at_the_destination(make_engine):
+    reference = unmigrated(make_engine, GREEDY)
+    a, b, harness = make_engine(), make_engine(), Harness()
+    a.add_request("first", PROMPT, GREEDY)
+    harness.run_until(a, "first", 2)
+    a.add_request("r", PROMPT, GREEDY)  # starts from first's two full prompt blocks
+    harness.run_until(a, "r", 5)
+    assert a.block_manager.prefix_cache.stats().num_hit_tokens == 8
+    migrate(a, b, "r")
+    assert harness.finish(b, "r").token_ids == reference.token_ids
+    assert harness.finish(a, "first").token_ids == reference.token_ids  # the shared blocks were only read
+    b.add_request("again", PROMPT, GREEDY)  # the migrated request's blocks are cached on b now
+    assert harness.finish(b, "again").token_ids == reference.token_ids
+    assert b.block_manager.prefix_cache.stats().num_hit_tokens == 8
+    assert_no_blocks_held(a, b)

@@ -33,14 +33,15 @@ def sim(tiny_model_dir) -> tuple[ModelConfig, Tokenizer]:
 def make_engine(sim) -> Iterator[Callable[..., LLMEngine]]:
     caches: list[KvCache] = []
 
-    def make(num_blocks: int = 64, dtype: torch.dtype = torch.float32) -> LLMEngine:
+    def make(num_blocks: int = 64, dtype: torch.dtype = torch.float32, enable_prefix_caching: bool = True) -> LLMEngine:
         config, tokenizer = sim
         geometry = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, BLOCK_SIZE,
                               num_blocks, dtype)
         cache = KvCache.create(f"ferry-kv-test-sim-{os.getpid()}-{uuid.uuid4().hex[:8]}", geometry)
         caches.append(cache)
         engine_config = EngineConfig(num_blocks=num_blocks, max_model_len=256, block_size=BLOCK_SIZE,
-                                     max_num_seqs=8, max_num_batched_tokens=256)
+                                     max_num_seqs=8, max_num_batched_tokens=256,
+                                     enable_prefix_caching=enable_prefix_caching)
         return LLMEngine(SimModel(config, NO_LATENCY), tokenizer, cache, engine_config)
 
     yield make
@@ -54,6 +55,14 @@ def test_greedy_tokens_depend_on_the_prompt_only(make_engine):
     batched = make_engine().generate([[3, 1, 4], PROMPT, PROMPT[:5]], GREEDY)
     assert batched[1] == alone and batched[0] != alone and batched[2] != alone
     assert len(set(alone)) > len(alone) // 2  # not stuck on a few tokens
+
+
+def test_cached_prefix_blocks_give_the_same_tokens_as_computing_them(make_engine):
+    prompts = [PROMPT + [7, 7, 7], PROMPT + [9], PROMPT]
+    cached, uncached = make_engine(), make_engine(enable_prefix_caching=False)
+    got = [cached.generate([p], GREEDY)[0] for p in prompts]  # one at a time: each finds the last one's blocks
+    assert got == [uncached.generate([p], GREEDY)[0] for p in prompts]
+    assert cached.block_manager.prefix_cache.stats().num_hit_tokens > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -1,0 +1,51 @@
+"""Chained hashes of a token sequence's full blocks: the keys of prefix caching.
+
+Block i's hash covers tokens [0, (i + 1) * block_size): it hashes block i's token ids
+together with block i-1's hash, so two sequences share block i's hash exactly when
+they share every token up to the end of that block. Only full blocks are hashed.
+
+The hash is BLAKE2b, not Python's `hash`: a user must not be able to craft a prompt
+whose blocks collide with another user's cached blocks (and read its K/V), and every
+process (frontends, manager, instances) must compute the same value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+ROOT_HASH: BlockHash = b""  # the parent of block 0
+_DIGEST_BYTES = 16
+# The granularity frontends hash prompts at for the manager's `prefix` policy. Instances hash
+# at their own block size; the manager only needs to recognise shared prefixes, not blocks.
+DISPATCH_CHUNK_TOKENS = 16
+# The most chunk keys a frontend sends with one dispatch (4096 prompt tokens); the manager refuses more.
+MAX_PREFIX_CHUNKS = 256
+
+
+def block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """The hash of one full block whose predecessor hashed to `parent`."""
+    return hashlib.blake2b(parent + array("I", token_ids).tobytes(), digest_size=_DIGEST_BYTES).digest()
+
+
+def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
+                        max_blocks: int | None = None) -> list[BlockHash]:
+    """Append to `hashes` (the chain of `token_ids`' first blocks) the hashes of its next full blocks,
+    up to `max_blocks` in all; returns `hashes`."""
+    num_full = len(token_ids) // block_size
+    if max_blocks is not None:
+        num_full = min(num_full, max_blocks)
+    for i in range(len(hashes), num_full):
+        parent = hashes[i - 1] if i else ROOT_HASH
+        hashes.append(block_hash(parent, token_ids[i * block_size:(i + 1) * block_size]))
+    return hashes
+
+
+def prefix_chunk_keys(token_ids: Sequence[int], max_chunks: int) -> list[int]:
+    """The first `max_chunks` chained hashes of `token_ids` in `DISPATCH_CHUNK_TOKENS`-token chunks, as
+    unsigned 64-bit ints (what a frontend sends the manager with a dispatch)."""
+    hashes = extend_block_hashes([], token_ids, DISPATCH_CHUNK_TOKENS, max_chunks)
+    return [int.from_bytes(h[:8], "little") for h in hashes]

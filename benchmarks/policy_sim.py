@@ -47,6 +47,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="batch slots per instance")
     parser.add_argument("--sim-step-ms", type=float, default=30.0, help="sim step time (slower than a GPU, so the "
                                                                         "client and frontend keep up on a small machine)")
+    parser.add_argument("--sim-prefill-ms-per-token", type=float, default=0.06,
+                        help="sim prefill cost per computed prompt token (prefix cache hits cost nothing)")
     add_workload_args(parser, Workload(num_requests=120, rate=6.0, prompt_mean=64, output_mean=48, sigma=1.1,
                                        max_output=600))  # every policy gets the same requests
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench-results", help="where JSON and PNG go")
@@ -63,6 +65,12 @@ def policies(spec: str) -> list[tuple[str, bool]]:
             raise SystemExit(f"--policies: {item!r} is not dispatch:on or dispatch:off")
         pairs.append((dispatch, migration == "on"))
     return pairs
+
+
+def salted(requests, salt: int):
+    """The same requests with one leading token of their own: a run never hits what an earlier run cached
+    (shared prefixes within the run still do)."""
+    return [(at, [salt] + prompt, output_len) for at, prompt, output_len in requests]
 
 
 async def run_policy(admin: ManagerClient, url: str, model: str, requests, dispatch: str, migrate: bool) -> dict:
@@ -110,9 +118,10 @@ async def bench(args: argparse.Namespace, cluster: dict) -> list[dict]:
     requests = workload(args, ModelConfig.from_dir(args.model).vocab_size)
     runs = []
     async with ManagerClient(cluster["admin_address"], timeout_s=10.0) as admin:
-        for dispatch, migrate in policies(args.policies):
+        for salt, (dispatch, migrate) in enumerate(policies(args.policies), start=1):
             print(f"policy {dispatch}, migration {'on' if migrate else 'off'}", flush=True)
-            runs.append(await run_policy(admin, cluster["frontend_url"], args.model.name, requests, dispatch, migrate))
+            runs.append(await run_policy(admin, cluster["frontend_url"], args.model.name, salted(requests, salt),
+                                         dispatch, migrate))
     return runs
 
 
@@ -120,7 +129,8 @@ def main() -> None:
     args = parse_args()
     policies(args.policies)  # a typo fails before the cluster starts
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.update(FERRY_INSTANCE_MAX_NUM_SEQS=str(args.max_num_seqs), FERRY_INSTANCE_SIM_STEP_MS=str(args.sim_step_ms))
+    os.environ.update(FERRY_INSTANCE_MAX_NUM_SEQS=str(args.max_num_seqs), FERRY_INSTANCE_SIM_STEP_MS=str(args.sim_step_ms),
+                      FERRY_INSTANCE_SIM_PREFILL_MS_PER_TOKEN=str(args.sim_prefill_ms_per_token))
     with started_cluster(args) as cluster:
         runs = asyncio.run(bench(args, cluster))
     print(report(runs))

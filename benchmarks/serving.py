@@ -69,6 +69,8 @@ class Workload:
     sigma: float = 0.8
     max_prompt: int = 1024
     max_output: int = 512
+    num_prefixes: int = 0
+    prefix_len: int = 256
 
 
 def add_workload_args(parser: argparse.ArgumentParser, defaults: Workload) -> None:
@@ -81,6 +83,11 @@ def add_workload_args(parser: argparse.ArgumentParser, defaults: Workload) -> No
                         help="log-normal sigma of both lengths (long tail)")
     parser.add_argument("--max-prompt", type=int, default=defaults.max_prompt, help="prompt length cap")
     parser.add_argument("--max-output", type=int, default=defaults.max_output, help="output length cap")
+    parser.add_argument("--num-prefixes", type=int, default=defaults.num_prefixes,
+                        help="shared prompt prefixes (system prompts, few-shot examples): each prompt starts with "
+                             "one of them, drawn uniformly, then its own tokens; 0 = every prompt is its own")
+    parser.add_argument("--prefix-len", type=int, default=defaults.prefix_len,
+                        help="tokens of each shared prefix (with --num-prefixes)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (the same seed sends the same requests)")
 
 
@@ -102,12 +109,15 @@ def parse_args() -> argparse.Namespace:
 def workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[float, list[int], int]]:
     """(arrival offset s, prompt token ids, output length) per request, from the seed alone."""
     rng = random.Random(args.seed)
+    prefixes = [[rng.randrange(100, vocab_size - 100) for _ in range(args.prefix_len)]
+                for _ in range(args.num_prefixes)]
     arrivals, now = [], 0.0
     for _ in range(args.num_requests):
         now += rng.expovariate(args.rate)
         prompt_len = min(args.max_prompt, max(4, int(rng.lognormvariate(np.log(args.prompt_mean), args.sigma))))
         output_len = min(args.max_output, max(2, int(rng.lognormvariate(np.log(args.output_mean), args.sigma))))
-        prompt = [rng.randrange(100, vocab_size - 100) for _ in range(prompt_len)]
+        prefix = rng.choice(prefixes) if prefixes else []
+        prompt = prefix + [rng.randrange(100, vocab_size - 100) for _ in range(prompt_len)]
         arrivals.append((now, prompt, output_len))
     return arrivals
 

@@ -47,13 +47,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="batch slots per instance")
     parser.add_argument("--sim-step-ms", type=float, default=30.0, help="sim step time (slower than a GPU, so the "
                                                                         "client and frontend keep up on a small machine)")
+    parser.add_argument("--kv-cache-mib", type=int, default=64, help="KV cache of each instance (shared memory)")
     parser.add_argument("--sim-prefill-ms-per-token", type=float, default=0.06,
                         help="sim prefill cost per computed prompt token (prefix cache hits cost nothing)")
     add_workload_args(parser, Workload(num_requests=120, rate=6.0, prompt_mean=64, output_mean=48, sigma=1.1,
                                        max_output=600))  # every policy gets the same requests
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench-results", help="where JSON and PNG go")
     args = parser.parse_args()
-    args.pd, args.launcher_args = "", "--engine sim --kv-cache-mib 64"
+    args.pd, args.launcher_args = "", f"--engine sim --kv-cache-mib {args.kv_cache_mib}"
     return args
 
 

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     actions = policy.add_subparsers(dest="action", required=True, metavar="ACTION")
     actions.add_parser("get", parents=[common], help="show the dispatch policy")
     policy_set = actions.add_parser("set", parents=[common], help="change the policy (every manager follows)")
-    policy_set.add_argument("dispatch", nargs="?", help="load | queue | balanced | round_robin | flood (the manager validates)")
+    policy_set.add_argument("dispatch", nargs="?",
+                            help="load | queue | balanced | round_robin | prefix | flood (the manager validates)")
     policy_set.add_argument("--set", action="append", metavar="FIELD=VALUE",
                             help="another policy field, e.g. --set migration_enabled=true --set migration_threshold=8")
     drain = commands.add_parser("drain", parents=[common], help="stop sending new requests to an instance")

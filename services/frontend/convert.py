@@ -61,7 +61,7 @@ def dispatch_request_to_proto(spec: GenerateSpec, exclude: Sequence[InstanceId])
         request_id=spec.request_id,
         num_prompt_tokens=len(spec.prompt_token_ids) + len(spec.resume_token_ids),
         max_tokens=(spec.sampling.max_tokens or 0) - len(spec.resume_token_ids),
-        priority=spec.priority, exclude_instance_ids=list(exclude))
+        priority=spec.priority, exclude_instance_ids=list(exclude), prefix_chunk_keys=list(spec.prefix_chunk_keys))
 
 
 def target_from_proto(msg: manager_pb2.DispatchResponse) -> Target | None:

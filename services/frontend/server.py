@@ -23,6 +23,7 @@ import structlog
 from aiohttp import web
 
 from services.common.errors import FerryError, ResourceExhausted, Unauthenticated, Unavailable
+from services.common.prefix_hash import MAX_PREFIX_CHUNKS, prefix_chunk_keys
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import GenerateSpec, RequestId
 from services.frontend.metrics import FrontendMetrics
@@ -119,7 +120,8 @@ class FrontendServer:
             parsed = resolve_max_tokens(parsed, len(prompt_ids), self._model.max_model_len)
             request_id = new_request_id(endpoint)
             request[_REQUEST_ID_KEY] = request_id
-            choices = [self._choice(parsed, request_id, prompt_ids, index) for index in range(parsed.n)]
+            prefix_keys = tuple(prefix_chunk_keys(prompt_ids, MAX_PREFIX_CHUNKS))  # once for all n choices
+            choices = [self._choice(parsed, request_id, prompt_ids, prefix_keys, index) for index in range(parsed.n)]
             log.info("request_received", request_id=request_id, endpoint=endpoint.value, stream=parsed.stream,
                      num_prompt_tokens=len(prompt_ids), max_tokens=parsed.sampling.max_tokens, n=parsed.n)
             tasks = [asyncio.create_task(self._runner.run(c.state, c.spec), name=f"request:{c.state.request_id}")
@@ -139,7 +141,8 @@ class FrontendServer:
                 for choice in choices:
                     _log_finished(choice.state)
 
-    def _choice(self, parsed: ParsedRequest, request_id: RequestId, prompt_ids: Sequence[int], index: int) -> Choice:
+    def _choice(self, parsed: ParsedRequest, request_id: RequestId, prompt_ids: Sequence[int],
+                prefix_keys: tuple[int, ...], index: int) -> Choice:
         """Choice `index` of `n`: a request of its own (id `<id>-<index>` when n > 1, seed + index)."""
         sampling = parsed.sampling
         if index and sampling.seed is not None:
@@ -147,7 +150,8 @@ class FrontendServer:
         sub_id = request_id if parsed.n == 1 else RequestId(f"{request_id}-{index}")
         state = ReqState(sub_id, prompt_ids, self._model.decode)
         formatter = ResponseFormatter(parsed, request_id, state.created, self._model.token_text, index)
-        return Choice(state, GenerateSpec(sub_id, tuple(prompt_ids), sampling, parsed.priority), formatter)
+        spec = GenerateSpec(sub_id, tuple(prompt_ids), sampling, parsed.priority, prefix_chunk_keys=prefix_keys)
+        return Choice(state, spec, formatter)
 
     async def _parse(self, request: web.Request, endpoint: Endpoint) -> ParsedRequest:
         if request.content_length is not None and request.content_length > self._max_body_bytes:

@@ -51,7 +51,8 @@ async def main(config: ManagerConfig) -> None:
                         access=config.etcd_access)
     leadership = Leadership(manager_id, server.address, lambda: election.holds_lease)
     view = ClusterView(config.report_timeout_s)
-    dispatcher = Dispatcher(view, leadership, config.dispatch_policy, config.pd_short_prompt_tokens)
+    dispatcher = Dispatcher(view, leadership, config.dispatch_policy, config.pd_short_prompt_tokens,
+                            config.prefix_load_slack)
     etcd = await connect_etcd(config.etcd_endpoints, config.etcd_access)
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s, access=config.etcd_access)
     store = ConfigStore(etcd, config.cluster, manager_id)

@@ -43,10 +43,12 @@ class ManagerClient:
     # ManagerService
 
     async def dispatch(self, request_id: str, num_prompt_tokens: int, max_tokens: int = 0, priority: int = 0,
-                       exclude_instance_ids: Iterable[str] = (), timeout_s: float | None = None) -> Placement:
+                       exclude_instance_ids: Iterable[str] = (), timeout_s: float | None = None,
+                       prefix_chunk_keys: Iterable[int] = ()) -> Placement:
         request = manager_pb2.DispatchRequest(request_id=request_id, num_prompt_tokens=num_prompt_tokens,
                                               max_tokens=max_tokens, priority=priority,
-                                              exclude_instance_ids=list(exclude_instance_ids))
+                                              exclude_instance_ids=list(exclude_instance_ids),
+                                              prefix_chunk_keys=list(prefix_chunk_keys))
         reply = await self._call(self._manager.Dispatch, request, timeout_s, request_metadata(request_id))
         return Placement(InstanceId(reply.instance_id), reply.address, reply.policy)
 

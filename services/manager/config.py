@@ -11,7 +11,7 @@ from services.common.tls import TlsKnobs
 from services.common.logging import LogKnobs
 from services.manager.migration import MigrationSelection, MigrationSettings
 from services.manager.migration_policies import PAIRING_NAMES
-from services.manager.policies import POLICY_NAMES
+from services.manager.policies import DEFAULT_PREFIX_LOAD_SLACK, POLICY_NAMES
 
 _BACKENDS = ("", "grpc", "gloo", "nccl", "shm")
 
@@ -28,6 +28,9 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     cluster: str = knob("ferry", "cluster name: etcd keys live under /ferry/<cluster>/")
     lease_ttl_s: float = knob(5.0, "leader lease TTL in seconds: a standby takes over at most this long after the leader dies")
     dispatch_policy: str = knob("load", f"dispatch policy until one is stored in etcd ({', '.join(POLICY_NAMES)})")
+    prefix_load_slack: int = knob(DEFAULT_PREFIX_LOAD_SLACK, "dispatch policy prefix: a request goes to the instance "
+                                  "that most likely caches its prompt prefix only if that instance's queue (running + "
+                                  "waiting requests) is at most this many longer than the shortest; else by load")
     report_timeout_s: float = knob(3.0, "an instance whose load reports stop for longer is UNHEALTHY (not dispatched to)")
     resync_interval_s: float = knob(10.0, "seconds between full re-reads of instances/ from etcd (the watch patches in between)")
     list_requests_timeout_s: float = knob(2.0, "deadline of each InstanceService/ListRequests call in the admin fan-out")
@@ -65,7 +68,7 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         for name in ("migration_threshold", "migration_cooldown_s", "migration_failure_backoff_s",
-                     "pd_short_prompt_tokens"):
+                     "pd_short_prompt_tokens", "prefix_load_slack"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.migration_pairing not in PAIRING_NAMES:

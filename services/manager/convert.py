@@ -6,6 +6,7 @@ import math
 
 from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2, transfer_pb2
+from services.common.prefix_hash import MAX_PREFIX_CHUNKS
 from services.manager.cluster_view import ClusterTotals
 from services.manager.domain import DispatchAsk, InstanceId, InstanceState, InstanceView, Load, Placement, Role
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
@@ -32,9 +33,13 @@ def dispatch_ask_from_proto(request: manager_pb2.DispatchRequest) -> DispatchAsk
         raise InvalidArgument(f"num_prompt_tokens must be >= 0, got {request.num_prompt_tokens}")
     if request.max_tokens < 0:
         raise InvalidArgument(f"max_tokens must be >= 0 (0 = unknown), got {request.max_tokens}")
+    if len(request.prefix_chunk_keys) > MAX_PREFIX_CHUNKS:
+        raise InvalidArgument(f"prefix_chunk_keys: at most {MAX_PREFIX_CHUNKS} keys (the prompt's first chunks), "
+                              f"got {len(request.prefix_chunk_keys)}")
     return DispatchAsk(request_id=request.request_id, num_prompt_tokens=request.num_prompt_tokens,
                        max_tokens=request.max_tokens, priority=request.priority,
-                       exclude_instance_ids=frozenset(InstanceId(i) for i in request.exclude_instance_ids))
+                       exclude_instance_ids=frozenset(InstanceId(i) for i in request.exclude_instance_ids),
+                       prefix_chunk_keys=tuple(request.prefix_chunk_keys))
 
 
 def placement_to_proto(placement: Placement) -> manager_pb2.DispatchResponse:

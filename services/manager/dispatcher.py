@@ -18,7 +18,7 @@ from services.manager.cluster_view import ClusterView
 from services.manager.domain import (ALL_ROLES, DECODE_ROLES, PREFILL_ROLES, Candidate, DispatchAsk, InstanceId,
                                      Placement, Role)
 from services.manager.leadership import Leadership
-from services.manager.policies import DEFAULT_POLICY, DispatchPolicy, LoadPolicy, make_policy
+from services.manager.policies import DEFAULT_POLICY, DEFAULT_PREFIX_LOAD_SLACK, DispatchPolicy, LoadPolicy, make_policy
 from services.manager.role_gaps import RoleGaps
 
 log = structlog.get_logger(__name__)
@@ -28,10 +28,11 @@ _DECODE_POLICY = LoadPolicy()  # decode instances are chosen by load, whatever t
 
 class Dispatcher:
     def __init__(self, view: ClusterView, leadership: Leadership, policy_name: str = DEFAULT_POLICY,
-                 short_prompt_tokens: int = 0) -> None:
+                 short_prompt_tokens: int = 0, prefix_load_slack: int = DEFAULT_PREFIX_LOAD_SLACK) -> None:
         self._view = view
         self._leadership = leadership
-        self._policy: DispatchPolicy = make_policy(policy_name)
+        self._prefix_load_slack = prefix_load_slack
+        self._policy: DispatchPolicy = make_policy(policy_name, prefix_load_slack=prefix_load_slack)
         self._short_prompt_tokens = short_prompt_tokens  # 0 = off
         self.role_gaps = RoleGaps()
 
@@ -42,7 +43,7 @@ class Dispatcher:
     def set_policy(self, name: str) -> None:
         """Switch policy (ValueError for unknown names); a no-op keeps the policy's state."""
         if name != self._policy.name:
-            self._policy = make_policy(name)
+            self._policy = make_policy(name, prefix_load_slack=self._prefix_load_slack)
             log.info("dispatch_policy_changed", policy=name)
 
     def dispatch(self, ask: DispatchAsk) -> Placement:

@@ -142,6 +142,7 @@ class DispatchAsk:
     max_tokens: int = 0
     priority: int = 0
     exclude_instance_ids: frozenset[InstanceId] = field(default_factory=frozenset)
+    prefix_chunk_keys: tuple[int, ...] = ()  # chained hashes of the prompt's chunks (prefix_hash.py), first first
 
     def num_prompt_blocks(self, block_size: int) -> int:
         """KV blocks the prompt fills (plus the slot of the first generated token)."""

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc
 from services.common.grpc_server import start_grpc_server
+from services.common.prefix_hash import MAX_PREFIX_CHUNKS, prefix_chunk_keys
 from services.frontend.dispatch import Dispatcher, InstanceEntry
 from services.frontend.generation import InstanceId
 from services.frontend.instance_client import InstanceClients
@@ -251,6 +252,20 @@ async def test_the_managers_choice_is_used(cluster):
     assert request.request_id == second.requests[0].request_id
     assert (request.num_prompt_tokens, request.max_tokens, request.priority) == (3, 3, 2)
     assert second.requests[0].priority == 2
+
+
+async def test_dispatch_sends_the_prompts_chunk_keys_also_on_a_resume(cluster):
+    dying, healthy = ScriptedInstance(fail_after=2), ScriptedInstance()
+    manager = ScriptedManager(pick=0)  # after i0 fails it is excluded: the frontend places the resume itself
+    base_url, _ = await cluster(dying, healthy, manager=manager)
+    prompt = "the same long system prompt, then a question"  # 44 tokens: 2 full chunks
+    status, _ = await post(base_url, {"model": MODEL, "prompt": prompt, "max_tokens": 6})
+    assert status == 200 and len(healthy.requests) == 1
+    keys = prefix_chunk_keys(CharTokenizer().encode(prompt), MAX_PREFIX_CHUNKS)
+    assert len(keys) == 2
+    first, resumed = manager.requests
+    assert list(first.prefix_chunk_keys) == list(resumed.prefix_chunk_keys) == keys  # the prompt only
+    assert list(resumed.exclude_instance_ids) == ["i0"]
 
 
 async def test_a_slow_manager_is_passed_over_and_counted(cluster):

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.common.gen.ferry.v1 import common_pb2
 from services.common.grpc_server import insecure_channel
+from services.common.prefix_hash import MAX_PREFIX_CHUNKS, prefix_chunk_keys
 from services.manager.client import ManagerClient
 from tests.integration.manager_harness import (
     SimulatedInstance, leader_of, serving_instance, start_manager, wait_until,
@@ -140,6 +141,41 @@ async def test_exclude_drain_and_silence_keep_dispatch_away(managers, instances)
 
 async def _has_state(client: ManagerClient, instance_id: str, state: int) -> bool:
     return await state_of(client, instance_id) == state
+
+
+async def test_prefix_policy_keeps_a_prefix_on_its_instance_within_the_slack(managers, instances):
+    manager = await managers("m-a", "--prefix-load-slack", "2")
+    await lead(manager)
+    to_manager = lambda: [manager.address]  # noqa: E731
+    holder, *_ = [await instances(SimulatedInstance(f"i-{n}", f"127.0.0.1:{9500 + n}"), to_manager) for n in range(3)]
+    shared = prefix_chunk_keys(range(64), MAX_PREFIX_CHUNKS)
+    async with ManagerClient(manager.address) as client:
+        await wait_reported(client, "i-0", "i-1", "i-2")
+        assert await client.set_policy("prefix") == "prefix"
+        first = await client.dispatch("r-1", 64, prefix_chunk_keys=shared)
+        assert (first.instance_id, first.policy) == ("i-0", "prefix")  # equal loads: the smallest id
+
+        await _report_queue(client, holder, num_running=1, num_waiting=1)  # less free, queue 2 = 0 + slack
+        again = await client.dispatch("r-2", 80, prefix_chunk_keys=[*shared, 7])
+        other = await client.dispatch("r-3", 64, prefix_chunk_keys=prefix_chunk_keys(range(500, 564), 8))
+        assert again.instance_id == "i-0" and other.instance_id != "i-0"
+
+        await _report_queue(client, holder, num_running=1, num_waiting=2)  # queue 3: past --prefix-load-slack 2
+        assert (await client.dispatch("r-4", 64, prefix_chunk_keys=shared)).instance_id != "i-0"
+
+        await client.dispatch("r-5", 4096, prefix_chunk_keys=range(MAX_PREFIX_CHUNKS))
+        with pytest.raises(InvalidArgument, match=f"prefix_chunk_keys: at most {MAX_PREFIX_CHUNKS}.*got 257"):
+            await client.dispatch("r-6", 4112, prefix_chunk_keys=range(MAX_PREFIX_CHUNKS + 1))
+
+
+async def _report_queue(client: ManagerClient, instance: SimulatedInstance, num_running: int, num_waiting: int):
+    """Make `instance` report this load and wait until the manager has it (waiting counts have no reservations)."""
+    instance.num_running, instance.num_waiting = num_running, num_waiting
+
+    async def reported():
+        waiting = {i.instance_id: i.num_waiting for i in await client.list_instances()}
+        return waiting[instance.instance_id] == num_waiting
+    await wait_until(reported, 5, f"{instance.instance_id} reporting {num_waiting} waiting")
 
 
 async def test_policy_and_drain_marks_survive_a_manager_restart(managers, instances):

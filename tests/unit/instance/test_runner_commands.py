@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from services.instance.engine.prefix_cache import PrefixCacheStats
 from services.instance.runner import EngineRunner
 
 pytestmark = pytest.mark.timeout(10)
@@ -22,6 +23,9 @@ class FakeEngine:
 
     def has_unfinished(self) -> bool:
         return False
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(0, 0)
 
     def add_request(self, request_id, prompt_token_ids, sampling, priority=0, resume_token_ids=()) -> None:
         self.request_ids.append(request_id)

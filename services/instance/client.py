@@ -27,10 +27,11 @@ class InstanceClient:
         self._timeout_s = timeout_s
 
     async def prepare_migrate_in(self, migration_id: str, request_id: str, src_instance_id: str,
-                                 num_blocks: int, grow_only: bool = False) -> Reservation:
+                                 num_blocks: int, grow_only: bool = False,
+                                 block_hashes: Sequence[bytes] = ()) -> Reservation:
         request = instance_pb2.PrepareMigrateInRequest(migration_id=migration_id, request_id=request_id,
                                                        src_instance_id=src_instance_id, num_blocks=num_blocks,
-                                                       grow_only=grow_only)
+                                                       grow_only=grow_only, block_hashes=list(block_hashes))
         return reservation_from_proto(await self._call(self._stub.PrepareMigrateIn, request, request_id))
 
     async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None:

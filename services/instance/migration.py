@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -94,13 +94,15 @@ class Reservation:
     block_ids: tuple[int, ...]  # in the request's block-table order
     transfer_address: str  # the transfer service mapping the destination's KV memory
     transfer_id: str
+    num_cached_blocks: int = 0  # leading block_ids the destination had cached: shared there, never copied into
 
 
 class DestinationPeer(Protocol):
     """The destination instance's migration RPCs (services/instance/client.py)."""
 
     async def prepare_migrate_in(self, migration_id: str, request_id: str, src_instance_id: str,
-                                 num_blocks: int, grow_only: bool = False) -> Reservation: ...
+                                 num_blocks: int, grow_only: bool = False,
+                                 block_hashes: Sequence[bytes] = ()) -> Reservation: ...
 
     async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None: ...
 
@@ -140,12 +142,14 @@ class _Attempt:
     committed_at: float | None = None
 
     def pending(self, view: MigrationBlocks, full_only: bool) -> list[int]:
-        """Block-table indexes whose current source block is not copied yet (all once a preemption moved them)."""
+        """Block-table indexes whose current source block is not copied yet (all once a preemption moved them),
+        past the ones the destination had cached (their K/V depend on the tokens only: a preemption keeps them)."""
         if view.num_preemptions != self.num_preemptions:
             self.copied.clear()
             self.num_preemptions = view.num_preemptions
+        start = self.reservation.num_cached_blocks if self.reservation is not None else 0
         end = view.num_full_blocks if full_only else view.num_blocks
-        return [i for i in range(end) if self.copied.get(i) != view.block_ids[i]]
+        return [i for i in range(start, end) if self.copied.get(i) != view.block_ids[i]]
 
 
 class MigrationDriver:
@@ -234,9 +238,8 @@ class MigrationDriver:
             view, state, a.suspended_at = a.plan.held.blocks, a.plan.held.state, a.plan.held.held_at
         else:
             view, state = await self._suspend(a, lambda engine: engine.suspend_held(a.request_id))
+        await self._reserve(a, view, 0)  # first: the blocks the destination has cached need no copy
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
-        if a.reservation is None:  # nothing to copy (a request with no blocks): reserve the slot all the same
-            await self._reserve(a, view, 0)
         await a.peer.commit_migrate_in(a.migration_id, state)
         a.committed_at = time.perf_counter()
         await self._hand_off(a, state)
@@ -296,8 +299,10 @@ class MigrationDriver:
         num_wanted = max(num_reserved, view.num_blocks, min(view.num_blocks + headroom, view.max_num_blocks))
         a.is_prepare_sent = True
         a.prepared_at = time.perf_counter()
+        is_first = a.reservation is None
         a.reservation = await a.peer.prepare_migrate_in(a.migration_id, a.request_id, self._settings.instance_id,
-                                                        num_wanted, grow_only=a.reservation is not None)
+                                                        num_wanted, grow_only=not is_first,
+                                                        block_hashes=view.block_hashes if is_first else ())
 
     async def _copy(self, a: _Attempt, view: MigrationBlocks, indexes: list[int], headroom: int) -> None:
         if not indexes:
@@ -352,6 +357,7 @@ class MigrationDriver:
             downtime_ms=(a.committed_at - a.suspended_at) * 1e3)
         log.info("migration_committed", request_id=a.request_id, dst_instance_id=a.plan.dst_instance_id,
                  num_stages=result.num_stages, num_blocks=result.num_blocks, num_bytes=result.num_bytes,
+                 num_cached_at_destination=a.reservation.num_cached_blocks if a.reservation else 0,
                  backend=a.backend.value, duration_ms=round(result.duration_ms, 2),
                  downtime_ms=round(result.downtime_ms, 2))
         return result

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import structlog
 
 from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
 from services.common.periodic import periodic_loop
+from services.common.prefix_hash import BlockHash
 from services.instance.engine.migration_state import RequestState
 from services.instance.migration import Reservation
 from services.instance.migration_slots import MigrationSlots
@@ -64,11 +66,15 @@ class MigrationInbox:
         return len(self._incoming)
 
     async def prepare(self, migration_id: str, request_id: str, src_instance_id: str,
-                      num_blocks: int, grow_only: bool = False) -> Reservation:
+                      num_blocks: int, grow_only: bool = False, block_hashes: Sequence[BlockHash] = ()) -> Reservation:
         """Reserve (or grow the reservation to) `num_blocks`; ResourceExhausted if short of blocks or slots.
-        `grow_only`: the caller holds this reservation already; Aborted if it is gone (expired)."""
+        `grow_only`: the caller holds this reservation already; Aborted if it is gone (expired).
+        `block_hashes` (the request's full blocks; first call only): start from the blocks cached here."""
         if not migration_id or num_blocks < 0:
             raise InvalidArgument("migration_id: required; num_blocks: must be >= 0")
+        if len(block_hashes) > num_blocks:
+            raise InvalidArgument(f"block_hashes: {len(block_hashes)} hashes for {num_blocks} blocks; send the hashes "
+                                  "of the request's full blocks only")
         incoming = self._incoming.get(migration_id)
         if incoming is not None and incoming.epoch is not None:
             raise FailedPrecondition(f"migration {migration_id} is already committed")
@@ -80,14 +86,18 @@ class MigrationInbox:
             incoming = _Incoming(migration_id, request_id, src_instance_id, self._deadline())
             self._incoming[migration_id] = incoming
         incoming.expires_at = self._deadline()
+        engine = self._runner.engine
+
+        def reserve() -> tuple[tuple[int, ...], int]:
+            block_ids = engine.reserve_blocks(migration_id, num_blocks, block_hashes)
+            return block_ids, engine.num_cached_reserved(migration_id)
         try:
-            block_ids = await self._runner.call(
-                lambda: self._runner.engine.reserve_blocks(migration_id, num_blocks))
+            block_ids, num_cached = await self._runner.call(reserve)
         except BaseException:
             if not await self._runner.call(lambda: migration_id in self._runner.engine.reservations):
                 self._forget(migration_id)  # a first Prepare that failed holds nothing
             raise
-        return Reservation(tuple(block_ids), self._transfer.address, self._transfer.transfer_id)
+        return Reservation(tuple(block_ids), self._transfer.address, self._transfer.transfer_id, num_cached)
 
     async def commit(self, migration_id: str, state: RequestState) -> None:
         """Adopt the request: it joins the running batch with its K/V in the reserved blocks."""

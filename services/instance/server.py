@@ -129,7 +129,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                                context: grpc.aio.ServicerContext) -> instance_pb2.PrepareMigrateInResponse:
         self._check_accepting("migrations")
         reservation = await self.inbox.prepare(request.migration_id, request.request_id, request.src_instance_id,
-                                                request.num_blocks, grow_only=request.grow_only)
+                                                request.num_blocks, grow_only=request.grow_only,
+                                                block_hashes=tuple(request.block_hashes))
         return reservation_to_proto(reservation)
 
     async def CommitMigrateIn(self, request: instance_pb2.CommitMigrateInRequest,

@@ -16,9 +16,11 @@ and is handed out again only when no other free block is left.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NewType
 
 from services.common.errors import Internal, ResourceExhausted
+from services.common.prefix_hash import BlockHash
 from services.instance.engine.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
@@ -138,7 +140,7 @@ class BlockManager:
         if self.prefix_cache is None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        return self.prefix_cache.longest_prefix(request.block_hashes(self.block_size, max_blocks))
+        return self.cached_blocks(request.block_hashes(self.block_size, max_blocks))
 
     def num_blocks_to_admit(self, cached: list[BlockId], num_tokens: int) -> int:
         """Free blocks that admitting a request with `cached` as its first blocks and room for `num_tokens`
@@ -146,15 +148,23 @@ class BlockManager:
         num_idle_cached = sum(self._ref_counts[b] == 0 for b in cached)
         return max(num_blocks_for(num_tokens, self.block_size) - len(cached), 0) + num_idle_cached
 
-    def start_from_cache(self, request: Request, cached: list[BlockId]) -> None:
-        """Give a request without blocks the cached blocks of its prefix (computed: no work left in them)."""
-        if request.block_table:
-            raise Internal(f"request {request.request_id} already holds blocks; only a new request starts from cache")
+    def cached_blocks(self, hashes: Sequence[BlockHash]) -> list[BlockId]:
+        """The cached blocks of the longest leading run of `hashes` (none without a prefix cache)."""
+        return self.prefix_cache.longest_prefix(hashes) if self.prefix_cache is not None else []
+
+    def hold_cached(self, cached: list[BlockId]) -> None:
+        """One more holder for each cached block (idle ones stop being evictable)."""
         for block_id in cached:
             if self._ref_counts[block_id] == 0:
                 assert self.prefix_cache is not None
                 self.prefix_cache.reclaim(block_id)
             self._ref_counts[block_id] += 1
+
+    def start_from_cache(self, request: Request, cached: list[BlockId]) -> None:
+        """Give a request without blocks the cached blocks of its prefix (computed: no work left in them)."""
+        if request.block_table:
+            raise Internal(f"request {request.request_id} already holds blocks; only a new request starts from cache")
+        self.hold_cached(cached)
         request.block_table = list(cached)
         request.num_registered_blocks = len(cached)
         request.num_computed_tokens = len(cached) * self.block_size

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.common.prefix_hash import BlockHash
 from services.instance.engine.block_manager import BlockId, BlockManager, num_blocks_for
 from services.instance.engine.kv_cache import KvCache
 from services.instance.engine.migration_state import (
@@ -233,13 +234,20 @@ class LLMEngine:
 
     # Live migration: the destination side.
 
-    def reserve_blocks(self, migration_id: str, num_blocks: int) -> tuple[BlockId, ...]:
-        """Grow the migration's reservation to `num_blocks`; ResourceExhausted if short of blocks or slots."""
+    def reserve_blocks(self, migration_id: str, num_blocks: int,
+                       block_hashes: Sequence[BlockHash] = ()) -> tuple[BlockId, ...]:
+        """Grow the migration's reservation to `num_blocks`; ResourceExhausted if short of blocks or slots.
+        A new reservation starts with the cached blocks of the longest prefix of `block_hashes` (the request's
+        full blocks): `num_cached_reserved` says how many, and nothing is copied into them."""
         is_new = migration_id not in self.reservations
         if is_new and self.scheduler.num_busy_slots + len(self.reservations) >= self.config.max_num_seqs:
             raise ResourceExhausted(f"no batch slot for migration {migration_id}: all {self.config.max_num_seqs} "
                                     "taken (--max-num-seqs); pick another destination")
-        return self.reservations.reserve(MigrationId(migration_id), num_blocks)
+        return self.reservations.reserve(MigrationId(migration_id), num_blocks, block_hashes)
+
+    def num_cached_reserved(self, migration_id: str) -> int:
+        """Leading blocks of the migration's reservation that came from the prefix cache."""
+        return self.reservations.num_cached(MigrationId(migration_id))
 
     def free_reservation(self, migration_id: str) -> bool:
         return self.reservations.free(MigrationId(migration_id))

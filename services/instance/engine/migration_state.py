@@ -17,6 +17,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from services.common.prefix_hash import BlockHash
 from services.instance.engine.block_manager import BlockId, num_blocks_for
 from services.instance.engine.request import Request, RequestId, RequestStatus, SamplingParams
 
@@ -47,6 +48,7 @@ class MigrationBlocks:
     num_computed_tokens: int
     num_preemptions: int  # changes when a preemption freed the blocks
     max_num_blocks: int  # blocks the request can grow to (prompt + max_tokens, within max_model_len)
+    block_hashes: tuple[BlockHash, ...] = ()  # chained hashes of the full blocks (a destination's prefix cache)
 
     @property
     def num_blocks(self) -> int:
@@ -79,6 +81,7 @@ def migration_blocks(request: Request, block_size: int, max_model_len: int) -> M
         block_ids=tuple(request.block_table[:num_blocks_for(num_computed, block_size)]),
         num_full_blocks=num_computed // block_size, num_computed_tokens=num_computed,
         num_preemptions=request.num_preemptions, max_num_blocks=num_blocks_for(max_num_tokens, block_size),
+        block_hashes=tuple(request.block_hashes(block_size, num_computed // block_size)),
     )  # fmt: skip
 
 

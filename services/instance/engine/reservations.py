@@ -6,13 +6,20 @@ block table. Reserved blocks are allocated from the block manager, so they count
 used (in load reports too) and no local request can take them. A reservation grows
 (never shrinks) as the request grows on the source; its blocks stay in the order they
 were handed out, which is the order of the request's block table.
+
+A reservation may start with blocks of this instance's prefix cache: the source sends the
+hashes of the request's full blocks, and the leading ones cached here already hold the
+right K/V. They are shared (other requests may hold them too), so the source never copies
+into them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NewType
 
 from services.common.errors import NotFound, ResourceExhausted
+from services.common.prefix_hash import BlockHash
 from services.instance.engine.block_manager import BlockId, BlockManager
 
 MigrationId = NewType("MigrationId", str)
@@ -21,8 +28,10 @@ MigrationId = NewType("MigrationId", str)
 class Reservations:
     def __init__(self, block_manager: BlockManager) -> None:
         self._block_manager = block_manager
-        # Invariant: every block listed here is allocated (ref count 1) and in no block table.
+        # Invariant: every block listed here is held once for the reservation; past the leading
+        # _num_cached ones, it is held by nothing else.
         self._blocks: dict[MigrationId, list[BlockId]] = {}
+        self._num_cached: dict[MigrationId, int] = {}
 
     def __contains__(self, migration_id: str) -> bool:
         return migration_id in self._blocks
@@ -34,13 +43,22 @@ class Reservations:
     def num_blocks(self) -> int:
         return sum(len(blocks) for blocks in self._blocks.values())
 
-    def reserve(self, migration_id: MigrationId, num_blocks: int) -> tuple[BlockId, ...]:
-        """Grow `migration_id`'s reservation to `num_blocks` blocks in all; every block it holds, in order."""
-        blocks = self._blocks.setdefault(migration_id, [])
+    def num_cached(self, migration_id: MigrationId) -> int:
+        """Leading blocks of the reservation that came from the prefix cache (nothing to copy into them)."""
+        return self._num_cached.get(migration_id, 0)
+
+    def reserve(self, migration_id: MigrationId, num_blocks: int,
+                block_hashes: Sequence[BlockHash] = ()) -> tuple[BlockId, ...]:
+        """Grow `migration_id`'s reservation to `num_blocks` blocks in all; every block it holds, in order.
+        A new reservation starts with the cached blocks of the longest prefix of `block_hashes`."""
+        is_new = migration_id not in self._blocks
+        if is_new:
+            self._start(migration_id, block_hashes[:num_blocks])
+        blocks = self._blocks[migration_id]
         num_more = max(num_blocks - len(blocks), 0)
         if not self._block_manager.can_allocate(num_more):
-            if not blocks:
-                del self._blocks[migration_id]
+            if is_new:  # a first call that fails holds nothing
+                self.free(migration_id)
             raise ResourceExhausted(
                 f"cannot reserve {num_blocks} KV blocks for migration {migration_id}: {len(blocks)} reserved, "
                 f"{self._block_manager.num_free_blocks} free; pick another destination")
@@ -56,6 +74,7 @@ class Reservations:
     def take(self, migration_id: MigrationId) -> list[BlockId]:
         """Hand the reserved blocks over to their new holder (a request's block table)."""
         self.blocks(migration_id)  # NotFound if none
+        self._num_cached.pop(migration_id)
         return self._blocks.pop(migration_id)
 
     def free(self, migration_id: MigrationId) -> bool:
@@ -63,5 +82,12 @@ class Reservations:
         blocks = self._blocks.pop(migration_id, None)
         if blocks is None:
             return False
+        self._num_cached.pop(migration_id)
         self._block_manager.free_blocks(blocks)
         return True
+
+    def _start(self, migration_id: MigrationId, block_hashes: Sequence[BlockHash]) -> None:
+        cached = self._block_manager.cached_blocks(block_hashes)
+        self._block_manager.hold_cached(cached)
+        self._blocks[migration_id] = cached
+        self._num_cached[migration_id] = len(cached)

@@ -4,6 +4,7 @@ Failures are injected at each step; the request must always end correctly on one
 block may stay held anywhere."""
 
 import asyncio
+import dataclasses
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -11,7 +12,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from services.common.errors import Aborted, FailedPrecondition, FerryError, NotFound, ResourceExhausted, Unavailable
+from services.common.errors import (Aborted, FailedPrecondition, FerryError, InvalidArgument, NotFound,
+                                    ResourceExhausted, Unavailable)
 from services.instance.engine.engine import EngineConfig, LLMEngine, StepOutput
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.migration_state import RequestState
@@ -62,9 +64,10 @@ class FaultyPeer:
             raise self.faults[name]
 
     async def prepare_migrate_in(self, migration_id, request_id, src_instance_id, num_blocks,
-                                 grow_only=False) -> Reservation:
+                                 grow_only=False, block_hashes=()) -> Reservation:
         self._check("prepare")
-        return await self.dst.inbox.prepare(migration_id, request_id, src_instance_id, num_blocks, grow_only=grow_only)
+        return await self.dst.inbox.prepare(migration_id, request_id, src_instance_id, num_blocks, grow_only=grow_only,
+                                            block_hashes=block_hashes)
 
     async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None:
         self._check("commit")
@@ -346,3 +349,29 @@ async def test_a_hand_off_that_cannot_release_the_request_ends_it_here(pair):
     assert isinstance(await read(stream, tokens), Handoff)
     assert (await a.runner.call(a.engine.load)).num_running == 0
     await assert_no_blocks_held(a)
+
+
+@pytest.mark.parametrize("max_stages", [3, 0], ids=["live", "stop-and-copy"])
+async def test_blocks_the_destination_has_cached_are_not_copied(pair, max_stages):
+    a, b = pair
+    expected = await reference(b)  # b computed (and cached) this very request's blocks
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    copier = TensorCopier(a, b)
+    migration_plan = dataclasses.replace(plan(), max_stages=max_stages)
+    result = await driver(a, FaultyPeer(b), copier).migrate_out(migration_plan)
+    handoff = await read(stream, tokens)
+    num_blocks = -(-(len(PROMPT) + handoff.next_token_index) // BLOCK_SIZE)  # 13 or more after 30 tokens
+    last = await read(b.inbox.attach("r", handoff.epoch), tokens)
+    assert tokens == expected and last.finish_reason is FinishReason.LENGTH
+    copied = [i for t in copier.transfers for i in t.dst_block_ids]
+    assert result.num_blocks == len(copied) <= 2 < num_blocks  # the partial block (and one filled meanwhile)
+    await assert_no_blocks_held(a, b)
+
+
+async def test_more_block_hashes_than_blocks_is_invalid(pair):
+    _, b = pair
+    with pytest.raises(InvalidArgument, match="block_hashes"):
+        await b.inbox.prepare("m-x", "r-x", "a", num_blocks=1, block_hashes=(b"x" * 16, b"y" * 16))
+    assert b.slots.num_busy == 0 and b.inbox.num_incoming == 0

@@ -21,9 +21,12 @@ class FakeEngine:
         self.reservations: dict[str, int] = {}
         self.freed: list[str] = []
 
-    def reserve_blocks(self, migration_id: str, num_blocks: int) -> list[int]:
+    def reserve_blocks(self, migration_id: str, num_blocks: int, block_hashes=()) -> list[int]:
         self.reservations[migration_id] = num_blocks
         return list(range(num_blocks))
+
+    def num_cached_reserved(self, migration_id: str) -> int:
+        return 0
 
     def free_reservation(self, migration_id: str) -> bool:
         if self.free_errors:

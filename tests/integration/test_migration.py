@@ -98,7 +98,7 @@ async def _warm_up(cluster: Cluster) -> None:
     async with grpc.aio.insecure_channel(cluster.address("a")) as a, grpc.aio.insecure_channel(cluster.address("b")) as b:
         stubs = {"a": instance_pb2_grpc.InstanceServiceStub(a), "b": instance_pb2_grpc.InstanceServiceStub(b)}
         for src, dst in (("a", "b"), ("b", "a")):
-            call = generate(stubs[src], f"warm-{src}", wire)
+            call = generate(stubs[src], f"warm-{src}", wire, prompt=[t + 1 for t in PROMPT])  # nothing to cache
             await call.read()
             try:
                 await migrate_out(stubs[src], f"warm-{src}", dst, cluster)
@@ -220,6 +220,22 @@ async def test_migrated_mid_stream_client_follows_the_hand_off(stubs, cluster, t
     assert result.backend == transfer_pb2.TRANSFER_BACKEND_GRPC and 0 < result.downtime_ms < result.duration_ms
     print(f"\nmigration mid-1: stages={result.num_stages} blocks={result.num_blocks} bytes={result.num_bytes} "
           f"duration_ms={result.duration_ms:.1f} downtime_ms={result.downtime_ms:.1f}")
+    await assert_all_blocks_free(stubs)
+
+
+async def test_blocks_cached_on_the_destination_are_not_sent_again(stubs, cluster, tiny_model_dir):
+    wire, sampling = greedy(300)
+    prompt = [(t * 7) % 500 + 1 for t in PROMPT] * 3  # a prompt of its own, 3 times PROMPT's length
+    earlier = ClientStream("cached-0")
+    await earlier.follow(generate(stubs["b"], "cached-0", wire, prompt=prompt))  # b computes and caches it all
+    client = ClientStream("cached-1")
+    call = generate(stubs["a"], "cached-1", wire, prompt=prompt)
+    await client.read(call, until_tokens=40)
+    result = await migrate_out(stubs["a"], "cached-1", "b", cluster)
+    await client.follow(call)
+    assert client.token_ids == earlier.token_ids == reference(tiny_model_dir, prompt, sampling)
+    num_blocks = -(-(len(prompt) + client.handoffs[0].next_token_index) // BLOCK_SIZE)
+    assert result.num_blocks <= 2 < num_blocks  # only the partial last block (and one filled meanwhile) moved
     await assert_all_blocks_free(stubs)
 
 

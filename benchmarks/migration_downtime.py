@@ -10,6 +10,9 @@ one greedy request is prefilled on A and decodes a few tokens; then, in turn:
 * stop-copy:  B → A with max_stages 0: pause first, copy every block, commit;
 * recompute:  abort on A, re-prefill prompt + generated tokens on B (what failover does).
 
+Prefix caching is off on both instances: with it, stop-copy back to A and the recompute on
+B would find the request's own blocks still cached there and skip most of their work.
+
 Downtime = last token streamed from the source → first token streamed from the
 destination, timed by the client (the pause happens at the step boundary right after the
 source's last token, so this is "paused → first token on the destination", plus one
@@ -130,6 +133,7 @@ def _instance(name: str, transfer_address: str, args: argparse.Namespace, model_
         "--num-blocks", str(num_blocks), "--block-size", str(args.block_size), "--max-model-len", str(max_model_len),
         "--transfer-address", transfer_address, "--transfer-backend", args.backend,
         "--migration-stage-blocks", str(args.stage_blocks), "--migration-max-stages", str(args.max_stages),
+        "--enable-prefix-caching", "false",  # every mode moves or recomputes the whole request
         "--log-level", args.log_level], f"127.0.0.1:{port}", log_dir)
 
 

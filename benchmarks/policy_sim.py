@@ -6,7 +6,7 @@ then sends the same bursty, long-tailed workload once per policy (`dispatch:migr
 default `round_robin:off,load:off,load:on`) and prints the latency of each run with its
 ratio to the first:
 
-    policy  ttft_p50(ms)  ttft_p99(ms)  decode_p50(ms)  decode_p99(ms)  migrations  errors  p99_ttft_vs_first
+    policy  ttft_p50(ms)  ttft_p99(ms)  decode_p50(ms)  decode_p99(ms)  migrations  errors  prefix_hit  p99_ttft_vs_first
     round_robin:off  ...
 
 Instances get few batch slots (--max-num-seqs), so an instance that drew long requests
@@ -74,27 +74,38 @@ def salted(requests, salt: int):
     return [(at, [salt] + prompt, output_len) for at, prompt, output_len in requests]
 
 
+async def prefix_cache_tokens(admin: ManagerClient) -> tuple[int, int]:
+    """(queried, hit) prompt tokens of every instance's prefix cache so far, as last reported."""
+    await asyncio.sleep(0.5)  # a load report or more after the last step
+    infos = await admin.list_instances()
+    return (sum(i.prefix_cache_queried_tokens for i in infos), sum(i.prefix_cache_hit_tokens for i in infos))
+
+
 async def run_policy(admin: ManagerClient, url: str, model: str, requests, dispatch: str, migrate: bool) -> dict:
     await admin.update_policy(dispatch=dispatch, migration_enabled=migrate)
     started_at = time.time()
+    queried_before, hit_before = await prefix_cache_tokens(admin)
     results, elapsed = await run_workload(url, model, requests)
     await admin.update_policy(migration_enabled=False)
     moved = await admin.list_migrations()
+    queried, hit = await prefix_cache_tokens(admin)
     ok = [r for r in results if not r.error]
     return {"policy": f"{dispatch}:{'on' if migrate else 'off'}", "elapsed_s": elapsed,
+            "prefix_hit_rate": (hit - hit_before) / max(queried - queried_before, 1),
             "ttft_ms": [r.ttft_ms for r in ok], "itl_ms": [gap for r in ok for gap in r.itl_ms],
             "num_migrations": sum(m.started_at >= started_at and m.outcome == "committed" for m in moved.migrations),
             "num_errors": len(results) - len(ok)}
 
 
 def report(runs: list[dict]) -> str:
-    lines = ["policy\tttft_p50(ms)\tttft_p99(ms)\tdecode_p50(ms)\tdecode_p99(ms)\tmigrations\terrors\tp99_ttft_vs_first"]
+    lines = ["policy\tttft_p50(ms)\tttft_p99(ms)\tdecode_p50(ms)\tdecode_p99(ms)\tmigrations\terrors\tprefix_hit"
+             "\tp99_ttft_vs_first"]
     first_p99 = np.percentile(runs[0]["ttft_ms"], 99)
     for run in runs:
         ttft, itl = run["ttft_ms"], run["itl_ms"]
         lines.append(f"{run['policy']}\t{np.percentile(ttft, 50):.1f}\t{np.percentile(ttft, 99):.1f}\t"
                      f"{np.percentile(itl, 50):.1f}\t{np.percentile(itl, 99):.1f}\t{run['num_migrations']}\t"
-                     f"{run['num_errors']}\t{np.percentile(ttft, 99) / first_p99:.2f}")
+                     f"{run['num_errors']}\t{run['prefix_hit_rate']:.2f}\t{np.percentile(ttft, 99) / first_p99:.2f}")
     return "\n".join(lines)
 
 

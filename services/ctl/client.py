@@ -143,7 +143,9 @@ def instance_from_proto(info: manager_pb2.InstanceInfo) -> InstanceRow:
         state=enum_label(common_pb2.InstanceState, info.state, "INSTANCE_STATE_"), model=info.model, host=info.host,
         pid=info.pid, num_running=info.num_running, num_waiting=info.num_waiting, num_free_blocks=info.num_free_blocks,
         num_total_blocks=info.num_total_blocks, freeness=info.freeness, num_requests_served=info.num_requests_served,
-        num_dispatched=info.num_dispatched, report_age_s=info.report_age_s)
+        num_dispatched=info.num_dispatched, report_age_s=info.report_age_s,
+        prefix_cache_queried_tokens=info.prefix_cache_queried_tokens,
+        prefix_cache_hit_tokens=info.prefix_cache_hit_tokens)
 
 
 def request_from_proto(info: instance_pb2.RequestInfo) -> RequestRow:

@@ -23,6 +23,13 @@ class InstanceRow:
     num_requests_served: int
     num_dispatched: int
     report_age_s: float  # -1 = no load report yet
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of admitted context tokens the prefix cache served, since the instance started."""
+        return self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens if self.prefix_cache_queried_tokens else 0.0
 
     @property
     def kv_used_fraction(self) -> float:

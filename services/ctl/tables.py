@@ -27,10 +27,11 @@ def instances_table(rows: Sequence[InstanceRow]) -> str:
     if not rows:
         return "no instances registered"
     headers = ("INSTANCE", "ROLE", "STATE", "RUNNING", "WAITING", "KV USED", "FREE/TOTAL", "FREENESS", "SERVED",
-               "ADDRESS")
+               "PREFIX HIT", "ADDRESS")
     return render_table(headers, [
         (r.instance_id, r.role, r.state, r.num_running, r.num_waiting, f"{r.kv_used_fraction:6.1%}",
-         f"{r.num_free_blocks}/{r.num_total_blocks}", r.freeness, r.num_requests_served, r.address)
+         f"{r.num_free_blocks}/{r.num_total_blocks}", r.freeness, r.num_requests_served,
+         f"{r.prefix_cache_hit_rate:6.1%}", r.address)
         for r in rows])
 
 

@@ -8,6 +8,7 @@ from services.common.gen.ferry.v1 import common_pb2, instance_pb2, transfer_pb2
 from services.instance.config import InstanceRole
 from services.instance.engine.engine import LoadSnapshot, StepOutput
 from services.instance.engine.migration_state import MigrationSelection, RequestState
+from services.instance.engine.prefix_cache import PrefixCacheStats
 from services.instance.engine.request import RequestId, SamplingParams
 from services.instance.handoff import Handoff
 from services.instance.migration import MigrateOutPlan, MigrationResult, Reservation
@@ -143,8 +144,8 @@ def request_state_from_proto(msg: instance_pb2.RequestState) -> RequestState:
 
 
 def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int, timestamp: float,
-                  step_time_ms_p50: float = 0.0, num_steps: int = 0,
-                  num_prefilled: int = 0) -> common_pb2.LoadReport:
+                  step_time_ms_p50: float = 0.0, num_steps: int = 0, num_prefilled: int = 0,
+                  prefix_cache: PrefixCacheStats = PrefixCacheStats(0, 0)) -> common_pb2.LoadReport:
     return common_pb2.LoadReport(
         instance_id=instance_id,
         num_running=load.num_running,
@@ -158,6 +159,8 @@ def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int
         step_time_ms_p50=step_time_ms_p50,
         num_steps=num_steps,
         num_prefilled=num_prefilled,
+        prefix_cache_queried_tokens=prefix_cache.num_queried_tokens,
+        prefix_cache_hit_tokens=prefix_cache.num_hit_tokens,
     )
 
 

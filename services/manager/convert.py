@@ -58,7 +58,7 @@ def role_to_proto(role: Role) -> int:
 
 
 _LOAD_COUNTS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_blocks_needed_by_waiting",
-                "num_requests_served", "num_prefilled")
+                "num_requests_served", "num_prefilled", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
 
 
 def load_from_proto(report: common_pb2.LoadReport) -> Load:
@@ -68,7 +68,9 @@ def load_from_proto(report: common_pb2.LoadReport) -> Load:
     return Load(num_running=report.num_running, num_waiting=report.num_waiting,
                 num_free_blocks=report.num_free_blocks, num_total_blocks=report.num_total_blocks,
                 num_blocks_needed_by_waiting=report.num_blocks_needed_by_waiting,
-                num_requests_served=report.num_requests_served, num_prefilled=report.num_prefilled)
+                num_requests_served=report.num_requests_served, num_prefilled=report.num_prefilled,
+                num_prefix_queried_tokens=report.prefix_cache_queried_tokens,
+                num_prefix_hit_tokens=report.prefix_cache_hit_tokens)
 
 
 def state_to_proto(state: InstanceState) -> int:
@@ -83,7 +85,8 @@ def instance_to_proto(view: InstanceView) -> manager_pb2.InstanceInfo:
         num_running=load.num_running, num_waiting=load.num_waiting, num_free_blocks=load.num_free_blocks,
         num_total_blocks=load.num_total_blocks, freeness=load.freeness, num_requests_served=load.num_requests_served,
         num_dispatched=view.num_dispatched, report_age_s=-1.0 if view.report_age_s is None else view.report_age_s,
-        is_drained=view.is_drained)
+        is_drained=view.is_drained, prefix_cache_queried_tokens=load.num_prefix_queried_tokens,
+        prefix_cache_hit_tokens=load.num_prefix_hit_tokens)
 
 
 def cluster_status_to_proto(totals: ClusterTotals, *, leader_id: str, leader_address: str, policy: str,

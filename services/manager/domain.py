@@ -5,6 +5,7 @@ Nothing here knows about gRPC or etcd clients; `convert.py` maps these to and fr
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import math
@@ -93,6 +94,8 @@ class Load:
     num_blocks_needed_by_waiting: int = 0
     num_requests_served: int = 0
     num_prefilled: int = 0  # decoding requests on a PREFILL instance waiting for their PD hand-off
+    num_prefix_queried_tokens: int = 0  # prefix cache since the instance started: admitted context tokens
+    num_prefix_hit_tokens: int = 0  # ... and those found in the cache
 
     @property
     def freeness(self) -> float:
@@ -103,9 +106,9 @@ class Load:
         """This load with the manager's not-yet-reported dispatches added."""
         if not reservation.num_requests:
             return self
-        return Load(self.num_running + reservation.num_requests, self.num_waiting, self.num_free_blocks,
-                    self.num_total_blocks, self.num_blocks_needed_by_waiting + reservation.num_blocks,
-                    self.num_requests_served, self.num_prefilled)
+        return dataclasses.replace(self, num_running=self.num_running + reservation.num_requests,
+                                   num_blocks_needed_by_waiting=self.num_blocks_needed_by_waiting
+                                   + reservation.num_blocks)
 
 
 @dataclass(frozen=True, slots=True)

@@ -180,3 +180,5 @@ async def test_a_repeated_prompt_is_served_from_the_prefix_cache_with_the_same_t
             text = await response.text()
     hits = next(line for line in text.splitlines() if line.startswith("ferry_instance_prefix_cache_hit_tokens_total"))
     assert float(hits.split()[-1]) >= 8, hits
+    load = (await stub.GetStatus(instance_pb2.GetStatusRequest(), timeout=5)).load  # what the manager is sent
+    assert load.prefix_cache_hit_tokens >= 8 and load.prefix_cache_queried_tokens >= 2 * len(prompt)

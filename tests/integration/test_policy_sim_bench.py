@@ -13,22 +13,24 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-HEADER = "policy\tttft_p50(ms)\tttft_p99(ms)\tdecode_p50(ms)\tdecode_p99(ms)\tmigrations\terrors\tp99_ttft_vs_first"
+HEADER = ("policy\tttft_p50(ms)\tttft_p99(ms)\tdecode_p50(ms)\tdecode_p99(ms)\tmigrations\terrors\tprefix_hit"
+          "\tp99_ttft_vs_first")
 
 
 @pytest.mark.timeout(300)
 def test_prints_one_row_per_policy(tmp_path, tiny_model_dir):
     completed = subprocess.run(
         [sys.executable, "benchmarks/policy_sim.py", "--model", str(tiny_model_dir), "--instances", "2",
-         "--policies", "round_robin:off,load:on", "--num-requests", "12", "--rate", "8", "--sim-step-ms", "10",
+         "--policies", "round_robin:off,prefix:on", "--num-prefixes", "2", "--prefix-len", "48", "--num-requests", "12", "--rate", "8", "--sim-step-ms", "10",
          "--output-mean", "16", "--max-output", "64", "--out-dir", str(tmp_path)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=280)
     assert completed.returncode == 0, completed.stderr[-3000:]
     lines = completed.stdout.splitlines()
     rows = lines[lines.index(HEADER) + 1:lines.index(HEADER) + 3]
     cells = [row.split("\t") for row in rows]
-    assert [c[0] for c in cells] == ["round_robin:off", "load:on"]
-    assert all(c[6] == "0" for c in cells) and cells[0][5] == "0" and cells[0][7] == "1.00"
+    assert [c[0] for c in cells] == ["round_robin:off", "prefix:on"]
+    assert all(c[6] == "0" for c in cells) and cells[0][5] == "0" and cells[0][8] == "1.00"
+    assert all(0.0 <= float(c[7]) <= 1.0 for c in cells) and float(cells[1][7]) > 0  # shared prefixes hit
     assert all(float(value) > 0 for c in cells for value in c[1:5])
     runs = json.loads((tmp_path / "policy_sim.json").read_text())["runs"]
     assert [len(run["ttft_ms"]) for run in runs] == [12, 12]

@@ -7,9 +7,10 @@ from services.ctl.client import AdminClient, NotAvailableYet, enum_label, instan
 def test_instance_from_proto_names_enums_plainly():
     row = instance_from_proto(manager_pb2.InstanceInfo(
         instance_id="i-0", role=common_pb2.ROLE_PREFILL, state=common_pb2.INSTANCE_STATE_DRAINING,
-        num_free_blocks=10, num_total_blocks=40, report_age_s=-1))
+        num_free_blocks=10, num_total_blocks=40, report_age_s=-1, prefix_cache_queried_tokens=80,
+        prefix_cache_hit_tokens=60))
     assert (row.instance_id, row.role, row.state) == ("i-0", "prefill", "draining")
-    assert row.kv_used_fraction == 0.75
+    assert row.kv_used_fraction == 0.75 and row.prefix_cache_hit_rate == 0.75
 
 
 def test_enum_label_keeps_unknown_numbers():

@@ -7,7 +7,8 @@ from services.ctl.tables import (drain_line, instances_table, load_table, migrat
 def instance(instance_id="instance-0", free=192, total=256, served=7) -> InstanceRow:
     return InstanceRow(instance_id=instance_id, address="10.0.0.1:50061", role="both", state="serving", model="m",
                        host="h", pid=1, num_running=2, num_waiting=1, num_free_blocks=free, num_total_blocks=total,
-                       freeness=42.5, num_requests_served=served, num_dispatched=9, report_age_s=0.05)
+                       freeness=42.5, num_requests_served=served, num_dispatched=9, report_age_s=0.05,
+                       prefix_cache_queried_tokens=400, prefix_cache_hit_tokens=100)
 
 
 def test_render_table_aligns_text_left_and_numbers_right():
@@ -18,8 +19,8 @@ def test_render_table_aligns_text_left_and_numbers_right():
 def test_instances_table():
     header, row = instances_table([instance()]).splitlines()
     assert header.split() == ["INSTANCE", "ROLE", "STATE", "RUNNING", "WAITING", "KV", "USED", "FREE/TOTAL",
-                              "FREENESS", "SERVED", "ADDRESS"]
-    assert row.split() == ["instance-0", "both", "serving", "2", "1", "25.0%", "192/256", "42.50", "7",
+                              "FREENESS", "SERVED", "PREFIX", "HIT", "ADDRESS"]
+    assert row.split() == ["instance-0", "both", "serving", "2", "1", "25.0%", "192/256", "42.50", "7", "25.0%",
                            "10.0.0.1:50061"]
     assert instances_table([]) == "no instances registered"
 

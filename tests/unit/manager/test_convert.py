@@ -1,0 +1,26 @@
+"""Load reports in, instance rows out: the prefix cache counters survive both conversions and
+reservations (dispatches not yet reported) never touch them."""
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.common.gen.ferry.v1 import common_pb2
+from services.manager.convert import instance_to_proto, load_from_proto
+from services.manager.domain import InstanceId, InstanceRecord, InstanceState, InstanceView, Reservation
+
+
+def test_prefix_cache_counters_reach_the_instance_row():
+    load = load_from_proto(common_pb2.LoadReport(num_running=1, num_free_blocks=10, num_total_blocks=16,
+                                                 prefix_cache_queried_tokens=512, prefix_cache_hit_tokens=384))
+    reserved = load.plus(Reservation().add(num_blocks=3))
+    assert (reserved.num_running, reserved.num_blocks_needed_by_waiting) == (2, 3)
+    assert (reserved.num_prefix_queried_tokens, reserved.num_prefix_hit_tokens) == (512, 384)
+    view = InstanceView(InstanceRecord(InstanceId("i-0"), "127.0.0.1:1"), InstanceState.SERVING, reserved,
+                        num_dispatched=1, report_age_s=0.1)
+    info = instance_to_proto(view)
+    assert (info.prefix_cache_queried_tokens, info.prefix_cache_hit_tokens) == (512, 384)
+
+
+def test_negative_counters_are_refused_by_name():
+    with pytest.raises(InvalidArgument, match="prefix_cache_hit_tokens"):
+        load_from_proto(common_pb2.LoadReport(prefix_cache_hit_tokens=-1))

@@ -8,7 +8,7 @@ MODEL_DIR ?= models/smollm2-135m-instruct
 PROTOS := $(wildcard proto/ferry/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: install proto model run test test-all bench clean
+.PHONY: install proto model run test test-all bench lint clean
 
 install: $(STAMP) $(GEN)
 
@@ -39,6 +39,10 @@ test: install
 # Everything, including the long forms (10 s etcd outage, 200-request chaos, ...).
 test-all: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# pyflakes, pycodestyle and bugbear over every Python file (settings in pyproject.toml).
+lint: install
+	$(VENV)/bin/ruff check services benchmarks tests scripts
 
 bench: install model
 	$(PY) benchmarks/engine.py --model $(MODEL_DIR)

@@ -143,9 +143,12 @@ def request_state_from_proto(msg: instance_pb2.RequestState) -> RequestState:
         text_sent=msg.text_sent, num_resumed_tokens=msg.num_resumed_tokens)
 
 
+NO_PREFIX_CACHE_STATS = PrefixCacheStats(0, 0)
+
+
 def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int, timestamp: float,
                   step_time_ms_p50: float = 0.0, num_steps: int = 0, num_prefilled: int = 0,
-                  prefix_cache: PrefixCacheStats = PrefixCacheStats(0, 0)) -> common_pb2.LoadReport:
+                  prefix_cache: PrefixCacheStats = NO_PREFIX_CACHE_STATS) -> common_pb2.LoadReport:
     return common_pb2.LoadReport(
         instance_id=instance_id,
         num_running=load.num_running,

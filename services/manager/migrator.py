@@ -59,9 +59,12 @@ class MigrateOutClient(Protocol):
         """Run the migration on the source; FerryError (cause: the gRPC error) if it was not committed."""
 
 
+DEFAULT_SETTINGS = MigrationSettings()
+
+
 class Migrator:
     def __init__(self, view: ClusterView, leadership: Leadership, client: MigrateOutClient, limits: MigratorLimits,
-                 settings: MigrationSettings = MigrationSettings(), clock: Clock = time.monotonic,
+                 settings: MigrationSettings = DEFAULT_SETTINGS, clock: Clock = time.monotonic,
                  wall_clock: Clock = time.time,
                  record_sink: Callable[[MigrationRecord], None] | None = None) -> None:
         self._view = view

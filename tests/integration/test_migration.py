@@ -202,7 +202,7 @@ async def assert_all_blocks_free(stubs) -> None:
         if all(load.num_free_blocks == NUM_BLOCKS and load.num_running == 0 for load in loads):
             return
         await asyncio.sleep(0.1)
-    raise AssertionError(f"blocks leaked: {[(l.instance_id, l.num_free_blocks, l.num_running) for l in loads]}")
+    raise AssertionError(f"blocks leaked: {[(x.instance_id, x.num_free_blocks, x.num_running) for x in loads]}")
 
 
 async def test_migrated_mid_stream_client_follows_the_hand_off(stubs, cluster, tiny_model_dir):

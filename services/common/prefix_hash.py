@@ -26,26 +26,37 @@ DISPATCH_CHUNK_TOKENS = 16
 MAX_PREFIX_CHUNKS = 256
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
+def root_hash(cache_salt: str = "") -> BlockHash:
+    """The parent of block 0: `ROOT_HASH`, or one of the salt's own, so differently salted sequences never
+    share a block hash (vLLM's `cache_salt`: tenants cannot probe each other's cached prompts by timing)."""
+    if not cache_salt:
+        return ROOT_HASH
+    return hashlib.blake2b(b"cache_salt:" + cache_salt.encode(), digest_size=_DIGEST_BYTES).digest()
+
+
 def block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """The hash of one full block whose predecessor hashed to `parent`."""
     return hashlib.blake2b(parent + array("I", token_ids).tobytes(), digest_size=_DIGEST_BYTES).digest()
 
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        max_blocks: int | None = None) -> list[BlockHash]:
+                        max_blocks: int | None = None, cache_salt: str = "") -> list[BlockHash]:
     """Append to `hashes` (the chain of `token_ids`' first blocks) the hashes of its next full blocks,
     up to `max_blocks` in all; returns `hashes`."""
     num_full = len(token_ids) // block_size
     if max_blocks is not None:
         num_full = min(num_full, max_blocks)
     for i in range(len(hashes), num_full):
-        parent = hashes[i - 1] if i else ROOT_HASH
+        parent = hashes[i - 1] if i else root_hash(cache_salt)
         hashes.append(block_hash(parent, token_ids[i * block_size:(i + 1) * block_size]))
     return hashes
 
 
-def prefix_chunk_keys(token_ids: Sequence[int], max_chunks: int) -> list[int]:
+def prefix_chunk_keys(token_ids: Sequence[int], max_chunks: int, cache_salt: str = "") -> list[int]:
     """The first `max_chunks` chained hashes of `token_ids` in `DISPATCH_CHUNK_TOKENS`-token chunks, as
     unsigned 64-bit ints (what a frontend sends the manager with a dispatch)."""
-    hashes = extend_block_hashes([], token_ids, DISPATCH_CHUNK_TOKENS, max_chunks)
+    hashes = extend_block_hashes([], token_ids, DISPATCH_CHUNK_TOKENS, max_chunks, cache_salt)
     return [int.from_bytes(h[:8], "little") for h in hashes]

@@ -25,7 +25,7 @@ def sampling_to_proto(sampling: Sampling) -> common_pb2.SamplingParams:
         max_tokens=sampling.max_tokens, stop=list(sampling.stop), ignore_eos=sampling.ignore_eos,
         logprobs=sampling.num_logprobs, presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty, logit_bias=dict(sampling.logit_bias),
-        repetition_penalty=sampling.repetition_penalty, min_p=sampling.min_p)
+        repetition_penalty=sampling.repetition_penalty, min_p=sampling.min_p, cache_salt=sampling.cache_salt)
     if sampling.seed is not None:
         msg.seed = sampling.seed
     return msg

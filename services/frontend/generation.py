@@ -34,6 +34,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
     repetition_penalty: float = 1.0  # (0, 2]
     min_p: float = 0.0  # [0, 1]
+    cache_salt: str = ""  # prefix caching: only requests with the same salt share cached blocks
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from services.common.errors import FerryError, InvalidArgument
+from services.common.prefix_hash import MAX_CACHE_SALT_CHARS
 from services.frontend.generation import Sampling
 
 MAX_TOP_LOGPROBS = 20
@@ -145,6 +146,7 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         logit_bias=_logit_bias(body),
         repetition_penalty=_repetition_penalty(body),
         min_p=_opt_float(body, "min_p", 0.0, low=0.0, high=1.0),
+        cache_salt=_cache_salt(body),
     )
     return ParsedRequest(
         endpoint=endpoint, model=_model(body, served_model), prompt=prompt, messages=messages,
@@ -322,6 +324,18 @@ def _opt_int(body: Mapping[str, Any], name: str, low: int | None = None, high: i
         raise RequestError(f"{name}: expected an integer, got {_json_type(value)}", param=name)
     _check_range(name, value, low, high)
     return value
+
+
+def _cache_salt(body: Mapping[str, Any]) -> str:
+    """vLLM's extension: requests share cached prefix blocks only with requests of the same salt."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise RequestError(f"cache_salt: expected a string of 1 to {MAX_CACHE_SALT_CHARS} characters, got "
+                           f"{_json_type(salt) if not isinstance(salt, str) else f'{len(salt)} characters'}",
+                           param="cache_salt")
+    return salt
 
 
 def _repetition_penalty(body: Mapping[str, Any]) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.common.prefix_hash import MAX_CACHE_SALT_CHARS
 from services.frontend.openai_protocol import MAX_CHOICES, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
 
 _INT32_MAX = (1 << 31) - 1
@@ -108,6 +109,9 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
                                "nullable": True, "description": "vLLM: > 1 discourages prompt and output tokens"},
         "min_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True,
                   "description": "vLLM: drop tokens below min_p x the most likely one's probability"},
+        "cache_salt": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS, "nullable": True,
+                       "description": "vLLM: share cached prompt prefixes only with requests of the same salt "
+                                      "(one per tenant)"},
         "ignore_eos": {"type": "boolean", "nullable": True, "description": "ferry: keep going past end-of-sequence"},
         "return_token_ids": {"type": "boolean", "nullable": True, "description": "ferry: choices carry token_ids"},
         "priority": {**integer, "minimum": -_INT32_MAX, "maximum": _INT32_MAX, "nullable": True,

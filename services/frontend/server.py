@@ -120,7 +120,7 @@ class FrontendServer:
             parsed = resolve_max_tokens(parsed, len(prompt_ids), self._model.max_model_len)
             request_id = new_request_id(endpoint)
             request[_REQUEST_ID_KEY] = request_id
-            prefix_keys = tuple(prefix_chunk_keys(prompt_ids, MAX_PREFIX_CHUNKS))  # once for all n choices
+            prefix_keys = tuple(prefix_chunk_keys(prompt_ids, MAX_PREFIX_CHUNKS, parsed.sampling.cache_salt))
             choices = [self._choice(parsed, request_id, prompt_ids, prefix_keys, index) for index in range(parsed.n)]
             log.info("request_received", request_id=request_id, endpoint=endpoint.value, stream=parsed.stream,
                      num_prompt_tokens=len(prompt_ids), max_tokens=parsed.sampling.max_tokens, n=parsed.n)

@@ -33,6 +33,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         repetition_penalty=msg.repetition_penalty or 1.0,
         min_p=msg.min_p,
+        cache_salt=msg.cache_salt,
     )
 
 
@@ -42,7 +43,7 @@ def sampling_to_proto(sampling: SamplingParams) -> common_pb2.SamplingParams:
         max_tokens=sampling.max_tokens, stop=list(sampling.stop), stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs, presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty, logit_bias=dict(sampling.logit_bias),
-        repetition_penalty=sampling.repetition_penalty, min_p=sampling.min_p)
+        repetition_penalty=sampling.repetition_penalty, min_p=sampling.min_p, cache_salt=sampling.cache_salt)
 
 
 def check_request_id(request_id: str) -> str:

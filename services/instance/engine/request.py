@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import NewType
 
 from services.common.errors import InvalidArgument
-from services.common.prefix_hash import ROOT_HASH, BlockHash, block_hash
+from services.common.prefix_hash import MAX_CACHE_SALT_CHARS, BlockHash, block_hash, root_hash
 from services.instance.engine.block_manager import BlockId
 from services.instance.engine.text_output import TextOutput
 
@@ -55,6 +55,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids ascending
     repetition_penalty: float = 1.0  # > 1 discourages every prompt and output token: logit / p if > 0, else * p
     min_p: float = 0.0  # sampling: drop tokens with probability below min_p times the top token's
+    cache_salt: str = ""  # prefix caching, not sampling: only requests with the same salt share cached blocks
 
     @property
     def adjusts_logits(self) -> bool:
@@ -96,6 +97,8 @@ class SamplingParams:
                                   f"{self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidArgument(f"min_p: must be in [0, 1], got {self.min_p}")
+        if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidArgument(f"cache_salt: at most {MAX_CACHE_SALT_CHARS} characters, got {len(self.cache_salt)}")
         for token_id, bias in self.logit_bias:
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise InvalidArgument(f"logit_bias: the bias of token {token_id} must be in "
@@ -158,6 +161,6 @@ class Request:
         num_blocks = min(num_blocks, self.num_tokens // block_size)
         hashes = self._block_hashes
         for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i else ROOT_HASH
+            parent = hashes[i - 1] if i else root_hash(self.sampling.cache_salt)
             hashes.append(block_hash(parent, self.token_ids(i * block_size, (i + 1) * block_size)))
         return hashes[:num_blocks]

@@ -60,3 +60,10 @@ def test_keys_do_not_depend_on_the_process_or_its_hash_seed(hash_seed):
 def test_keys_are_pinned():
     # Frontends and managers of different builds must agree: changing the hash is a wire change.
     assert prefix_chunk_keys(range(2 * CHUNK), 2) == [12005933293277482011, 11894147549972251683]
+
+
+def test_a_cache_salt_changes_every_key_and_each_salt_is_its_own():
+    plain, salted = prefix_chunk_keys(PROMPT, 8), prefix_chunk_keys(PROMPT, 8, "tenant-a")
+    assert not set(plain) & set(salted)
+    assert prefix_chunk_keys(PROMPT, 8, "tenant-a") == salted != prefix_chunk_keys(PROMPT, 8, "tenant-b")
+    assert prefix_chunk_keys(PROMPT, 8, "") == plain

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from services.common.prefix_hash import MAX_PREFIX_CHUNKS, prefix_chunk_keys
-from services.frontend.convert import dispatch_request_to_proto
+from services.frontend.convert import dispatch_request_to_proto, generate_request_to_proto
 from services.frontend.generation import GenerateSpec, InstanceId, RequestId, Sampling
 
 pytestmark = pytest.mark.timeout(10)
@@ -25,6 +25,13 @@ def test_dispatch_request_carries_the_prompts_chunk_keys():
     assert list(msg.exclude_instance_ids) == ["i-9"]
     assert list(msg.prefix_chunk_keys) == prefix_chunk_keys(PROMPT, MAX_PREFIX_CHUNKS)
     assert len(msg.prefix_chunk_keys) == 2
+
+
+def test_a_cache_salt_reaches_the_instance_and_salts_the_dispatch_keys():
+    salted = replace(spec(), sampling=Sampling(temperature=0.0, max_tokens=8, cache_salt="tenant-a"))
+    assert generate_request_to_proto(salted).sampling.cache_salt == "tenant-a"
+    salted_keys = prefix_chunk_keys(PROMPT, MAX_PREFIX_CHUNKS, "tenant-a")
+    assert len(salted_keys) == 2 and not set(salted_keys) & set(spec().prefix_chunk_keys)
 
 
 def test_a_resumed_dispatch_keeps_the_prompts_keys():

@@ -138,6 +138,9 @@ def test_missing_prompt():
     ({"repetition_penalty": 0}, ["repetition_penalty", "(0, 2]"], "repetition_penalty"),
     ({"repetition_penalty": 3}, ["repetition_penalty", "<= 2.0"], "repetition_penalty"),
     ({"min_p": 1.5}, ["min_p", "between 0.0 and 1.0"], "min_p"),
+    ({"cache_salt": ""}, ["cache_salt", "1 to 256", "0 characters"], "cache_salt"),
+    ({"cache_salt": "x" * 257}, ["cache_salt", "257 characters"], "cache_salt"),
+    ({"cache_salt": 42}, ["cache_salt", "expected a string"], "cache_salt"),
     ({"logit_bias": {"the": 5}}, ["logit_bias", "token ids", "'the'"], "logit_bias"),
     ({"logit_bias": {"-1": 5}}, ["logit_bias", "token ids"], "logit_bias"),
     ({"logit_bias": {"1": 101}}, ["logit_bias", "between -100.0 and 100.0"], "logit_bias"),
@@ -180,6 +183,11 @@ def test_penalties_and_logit_bias_reach_the_sampling_parameters():
     vllm_style = completion(repetition_penalty=1.2, min_p=0.1).sampling
     assert (vllm_style.repetition_penalty, vllm_style.min_p) == (1.2, 0.1)
     assert (completion().sampling.repetition_penalty, completion().sampling.min_p) == (1.0, 0.0)
+
+
+def test_cache_salt_reaches_the_sampling_parameters():
+    assert completion(cache_salt="tenant-a").sampling.cache_salt == "tenant-a"
+    assert completion().sampling.cache_salt == ""
 
 
 # ---- chat ---------------------------------------------------------------------------

@@ -327,3 +327,20 @@ def test_a_request_sharing_cached_blocks_migrates_and_its_blocks_are_cached_at_t
     assert harness.finish(b, "again").token_ids == reference.token_ids
     assert b.block_manager.prefix_cache.stats().num_hit_tokens == 8
     assert_no_blocks_held(a, b)
+
+
+def test_a_salted_request_is_cached_under_its_salt_at_the_destination(make_engine):
+    salted = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, cache_salt="tenant-a")
+    reference = unmigrated(make_engine, salted)
+    a, b, harness = make_engine(), make_engine(), Harness()
+    a.add_request("r", PROMPT, salted)
+    harness.run_until(a, "r", 5)
+    migrate(a, b, "r")
+    assert harness.finish(b, "r").token_ids == reference.token_ids
+    b.add_request("other-tenant", PROMPT, GREEDY)
+    harness.finish(b, "other-tenant")
+    assert b.block_manager.prefix_cache.stats().num_hit_tokens == 0
+    b.add_request("same-tenant", PROMPT, salted)
+    assert harness.finish(b, "same-tenant").token_ids == reference.token_ids
+    assert b.block_manager.prefix_cache.stats().num_hit_tokens == 8
+    assert_no_blocks_held(a, b)

@@ -3,7 +3,7 @@ reusing them with exactly the tokens it produces without a cache (transformers' 
 
 import pytest
 
-from services.common.errors import Internal
+from services.common.errors import Internal, InvalidArgument
 from services.instance.engine.block_manager import BlockManager
 from services.instance.engine.request import FinishReason, SamplingParams
 from tests.unit.instance.test_block_manager import make_request
@@ -182,3 +182,22 @@ def test_eviction_under_pressure_keeps_tokens_exact_and_blocks_accounted(gqa, ma
     for i, prompt in enumerate(prompts):
         assert collected[f"r{i}"].token_ids == reference_greedy(gqa, prompt, GREEDY.max_tokens), i
     assert engine.block_manager.num_free_blocks == 12
+
+
+def test_requests_share_cached_blocks_only_with_the_same_cache_salt(gqa, make_engine):  # noqa: F811
+    engine = make_engine(gqa, block_size=BLOCK_SIZE)
+    prompt = random_prompts([14], seed=27)[0]
+    salted = {salt: SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True, cache_salt=salt)
+              for salt in ("", "tenant-a", "tenant-b")}
+    outputs, hits = {}, {}
+    for name, salt in (("plain", ""), ("a", "tenant-a"), ("b", "tenant-b"), ("a-again", "tenant-a")):
+        before = engine.prefix_cache_stats().num_hit_tokens
+        outputs[name] = run(engine, {0: [(name, prompt, salted[salt])]})[name].token_ids
+        hits[name] = engine.prefix_cache_stats().num_hit_tokens - before
+    assert hits == {"plain": 0, "a": 0, "b": 0, "a-again": 12}  # three full blocks, only under the same salt
+    assert set(map(tuple, outputs.values())) == {tuple(reference_greedy(gqa, prompt, GREEDY.max_tokens))}
+
+
+def test_a_cache_salt_longer_than_256_characters_is_refused(gqa, make_engine):  # noqa: F811
+    with pytest.raises(InvalidArgument, match="cache_salt"):
+        make_engine(gqa).add_request("r", [1, 2, 3], SamplingParams(max_tokens=2, cache_salt="x" * 257))

@@ -137,6 +137,17 @@ class MigrationInbox:
         await self._runner.abort(incoming.request_id)
         return True
 
+    async def drop_unattached(self, request_id: str) -> bool:
+        """Drop a request that migrated in but that no client attached to; False if there is none.
+
+        Its source can die between the commit and the hand-off reaching the client: the client
+        then resumes the request with Generate, maybe here, and the resume takes its place."""
+        committed = [i for i in self._incoming.values() if i.request_id == request_id and i.epoch is not None]
+        dropped = [await self.abort(incoming.migration_id) for incoming in committed]
+        if any(dropped):
+            log.warning("migration_in_replaced_by_resume", request_id=request_id)
+        return any(dropped)
+
     def attach(self, request_id: str, epoch: int) -> RequestStream:
         """The stream of a request that migrated in, for the client following its hand-off."""
         stream = self._runner.stream(request_id)

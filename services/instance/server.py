@@ -62,6 +62,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
             raise FailedPrecondition(f"instance {self.identity.instance_id} has role decode and takes no new "
                                      "prefills; send the request to a prefill instance (the manager's Dispatch), "
                                      "or set can_prefill_on_decode when none serves")
+        if self.inbox is not None:  # a resume of a request whose migration here nobody attached to replaces it
+            await self.inbox.drop_unattached(request_id)
         stream = await self._runner.add(
             request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
             priority=request.priority, resume_token_ids=tuple(request.resume_token_ids))

@@ -239,6 +239,23 @@ async def test_blocks_cached_on_the_destination_are_not_sent_again(stubs, cluste
     await assert_all_blocks_free(stubs)
 
 
+async def test_a_resume_with_generate_replaces_a_migrated_request_nobody_attached_to(stubs, cluster, tiny_model_dir):
+    """The source dies between the commit and the hand-off reaching the client, which then resumes the
+    request by Generate (with the tokens it has) on the destination, where the committed copy waits."""
+    wire, sampling = greedy(300)
+    client = ClientStream("orphan-1")
+    call = generate(stubs["a"], "orphan-1", wire)
+    await client.read(call, until_tokens=10)
+    await migrate_out(stubs["a"], "orphan-1", "b", cluster)
+    await client.read(call)  # the hand-off, which in the failure never arrives: the client resumes instead
+    resume = stubs["b"].Generate(instance_pb2.GenerateRequest(
+        request_id="orphan-1", prompt_token_ids=PROMPT, sampling=wire, resume_token_ids=client.token_ids), timeout=60)
+    await client.read(resume)
+    assert client.token_ids == reference(tiny_model_dir, PROMPT, sampling)
+    assert client.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    await assert_all_blocks_free(stubs)
+
+
 async def test_seeded_request_migrated_a_to_b_to_a(stubs, cluster, tiny_model_dir):
     wire, sampling = seeded(1000)
     client = ClientStream("twice-1")

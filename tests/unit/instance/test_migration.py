@@ -375,3 +375,34 @@ async def test_more_block_hashes_than_blocks_is_invalid(pair):
     with pytest.raises(InvalidArgument, match="block_hashes"):
         await b.inbox.prepare("m-x", "r-x", "a", num_blocks=1, block_hashes=(b"x" * 16, b"y" * 16))
     assert b.slots.num_busy == 0 and b.inbox.num_incoming == 0
+
+
+async def test_a_resume_replaces_a_migrated_in_request_nobody_attached_to(pair):
+    """The source died between the commit and the hand-off reaching the client: the client resumes the
+    request with Generate, here of all places, and the orphan must make way (the chaos test found it)."""
+    a, b = pair
+    expected = await reference(a)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())
+    assert isinstance(await read(stream, tokens), Handoff)  # the hand-off that, in the failure, never arrives
+    assert await b.inbox.drop_unattached("r")
+    assert not await b.inbox.drop_unattached("r") and b.inbox.num_incoming == 0
+    resumed = await b.runner.add("r", PROMPT, SAMPLING, resume_token_ids=tuple(tokens))
+    last = await read(resumed, tokens)
+    assert tokens == expected and last.finish_reason is FinishReason.LENGTH
+    await assert_no_blocks_held(a, b)
+
+
+async def test_an_attached_request_is_never_dropped_for_a_resume(pair):
+    a, b = pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())
+    handoff = await read(stream, tokens)
+    attached = b.inbox.attach("r", handoff.epoch)
+    assert not await b.inbox.drop_unattached("r")
+    await read(attached, tokens)
+    await assert_no_blocks_held(a, b)

@@ -39,12 +39,25 @@ from services.instance.engine.request import SamplingParams  # noqa: E402
 from services.instance.models.tiny import build_tiny_model  # noqa: E402
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """--model, --tiny and --threads, shared by the single-engine benchmarks."""
     parser.add_argument("--model", type=pathlib.Path, default=pathlib.Path("models/smollm2-135m-instruct"),
                         help="Hugging Face model folder")
     parser.add_argument("--tiny", action="store_true", help="benchmark a tiny random model instead of --model")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
+
+
+def model_dir_of(args: argparse.Namespace, tmp: str) -> pathlib.Path:
+    """--model, or a tiny random model written under `tmp` with --tiny; exits if --model has no config.json."""
+    model_dir = build_tiny_model(pathlib.Path(tmp) / "tiny", "gqa-tied") if args.tiny else args.model
+    if not (model_dir / "config.json").is_file():
+        sys.exit(f"--model {model_dir}: no config.json; run `make model` first or pass --tiny")
+    return model_dir
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
     parser.add_argument("--prompt-len", type=int, default=256, help="prompt tokens for the single-stream run")
     parser.add_argument("--single-tokens", type=int, default=64, help="tokens generated in the single-stream run")
     parser.add_argument("--batch", type=int, default=32, help="concurrent requests in the throughput run")
@@ -162,9 +175,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(pathlib.Path(tmp) / "tiny", "gqa-tied") if args.tiny else args.model
-        if not (model_dir / "config.json").is_file():
-            sys.exit(f"--model {model_dir}: no config.json; run `make model` first or pass --tiny")
+        model_dir = model_dir_of(args, tmp)
         vocab = ModelConfig.from_dir(model_dir).vocab_size
         ferry = run_ferry(model_dir, args, vocab)
         references = {}

@@ -33,15 +33,12 @@ from services.instance.engine.engine import LLMEngine  # noqa: E402
 from services.instance.engine.factory import EngineSpec, build_engine  # noqa: E402
 from services.instance.engine.model_config import ModelConfig  # noqa: E402
 from services.instance.engine.request import SamplingParams  # noqa: E402
-from services.instance.models.tiny import build_tiny_model  # noqa: E402
+from engine import add_model_args, model_dir_of  # noqa: E402  (benchmarks/engine.py)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=pathlib.Path, default=pathlib.Path("models/smollm2-135m-instruct"),
-                        help="Hugging Face model folder")
-    parser.add_argument("--tiny", action="store_true", help="benchmark a tiny random model instead of --model")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    add_model_args(parser)
     parser.add_argument("--prefix-len", type=int, default=512, help="tokens of the shared prefix")
     parser.add_argument("--suffix-len", type=int, default=32, help="tokens of each request's own part")
     parser.add_argument("--output-len", type=int, default=8, help="tokens each request generates (compared)")
@@ -100,7 +97,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(pathlib.Path(tmp) / "tiny", "gqa-tied") if args.tiny else args.model
+        model_dir = model_dir_of(args, tmp)
         requests = prompts(args, ModelConfig.from_dir(model_dir).vocab_size)
         results = {mode: run_mode(args, model_dir, mode == "on", requests) for mode in ("off", "on")}
     print(report(results))

@@ -42,21 +42,16 @@ def block_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     return hashlib.blake2b(parent + array("I", token_ids).tobytes(), digest_size=_DIGEST_BYTES).digest()
 
 
-def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int,
-                        max_blocks: int | None = None, cache_salt: str = "") -> list[BlockHash]:
-    """Append to `hashes` (the chain of `token_ids`' first blocks) the hashes of its next full blocks,
-    up to `max_blocks` in all; returns `hashes`."""
-    num_full = len(token_ids) // block_size
-    if max_blocks is not None:
-        num_full = min(num_full, max_blocks)
-    for i in range(len(hashes), num_full):
-        parent = hashes[i - 1] if i else root_hash(cache_salt)
-        hashes.append(block_hash(parent, token_ids[i * block_size:(i + 1) * block_size]))
-    return hashes
+def next_block_hash(chain: Sequence[BlockHash], token_ids: Sequence[int], cache_salt: str = "") -> BlockHash:
+    """The hash of the block after `chain` (the hashes of the blocks before it), holding `token_ids`."""
+    return block_hash(chain[-1] if chain else root_hash(cache_salt), token_ids)
 
 
 def prefix_chunk_keys(token_ids: Sequence[int], max_chunks: int, cache_salt: str = "") -> list[int]:
     """The first `max_chunks` chained hashes of `token_ids` in `DISPATCH_CHUNK_TOKENS`-token chunks, as
     unsigned 64-bit ints (what a frontend sends the manager with a dispatch)."""
-    hashes = extend_block_hashes([], token_ids, DISPATCH_CHUNK_TOKENS, max_chunks, cache_salt)
+    hashes: list[BlockHash] = []
+    for i in range(min(len(token_ids) // DISPATCH_CHUNK_TOKENS, max_chunks)):
+        hashes.append(next_block_hash(hashes, token_ids[i * DISPATCH_CHUNK_TOKENS:(i + 1) * DISPATCH_CHUNK_TOKENS],
+                                      cache_salt))
     return [int.from_bytes(h[:8], "little") for h in hashes]

@@ -8,7 +8,7 @@ from services.common.gen.ferry.v1 import common_pb2, instance_pb2, transfer_pb2
 from services.instance.config import InstanceRole
 from services.instance.engine.engine import LoadSnapshot, StepOutput
 from services.instance.engine.migration_state import MigrationSelection, RequestState
-from services.instance.engine.prefix_cache import PrefixCacheStats
+from services.instance.engine.prefix_cache import NO_PREFIX_CACHE_STATS, PrefixCacheStats
 from services.instance.engine.request import RequestId, SamplingParams
 from services.instance.handoff import Handoff
 from services.instance.migration import MigrateOutPlan, MigrationResult, Reservation
@@ -142,9 +142,6 @@ def request_state_from_proto(msg: instance_pb2.RequestState) -> RequestState:
         output_token_ids=tuple(msg.output_token_ids), sampling=sampling_from_proto(msg.sampling), seed=msg.seed,
         priority=msg.priority, epoch=msg.epoch, num_computed_tokens=msg.num_computed_tokens,
         text_sent=msg.text_sent, num_resumed_tokens=msg.num_resumed_tokens)
-
-
-NO_PREFIX_CACHE_STATS = PrefixCacheStats(0, 0)
 
 
 def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int, timestamp: float,

@@ -42,7 +42,7 @@ from services.instance.engine.migration_state import (
     pick_request,
 )
 from services.instance.engine.forward_batch import ForwardModel
-from services.instance.engine.prefix_cache import PrefixCacheStats
+from services.instance.engine.prefix_cache import NO_PREFIX_CACHE_STATS, PrefixCacheStats
 from services.instance.engine.request import (
     FinishReason,
     Request,
@@ -388,7 +388,7 @@ class LLMEngine:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Prompt tokens admitted so far and how many came from the prefix cache (zeros when it is off)."""
         cache = self.block_manager.prefix_cache
-        return cache.stats() if cache is not None else PrefixCacheStats(0, 0)
+        return cache.stats() if cache is not None else NO_PREFIX_CACHE_STATS
 
     def list_requests(self) -> list[RequestSnapshot]:
         return [

@@ -37,6 +37,9 @@ class PrefixCacheStats:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
 
+NO_PREFIX_CACHE_STATS = PrefixCacheStats(0, 0)  # what an engine without a prefix cache reports
+
+
 class PrefixCache:
     """Hash ↔ block index of the registered blocks, and the evictable ones in release order."""
 
@@ -78,9 +81,6 @@ class PrefixCache:
 
     def is_registered(self, block_id: BlockId) -> bool:
         return block_id in self._hash_of
-
-    def is_evictable(self, block_id: BlockId) -> bool:
-        return block_id in self._evictable
 
     def release(self, block_id: BlockId) -> None:
         """A registered block's last holder let go: keep it findable, evict it last."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import NewType
 
 from services.common.errors import InvalidArgument
-from services.common.prefix_hash import MAX_CACHE_SALT_CHARS, BlockHash, block_hash, root_hash
+from services.common.prefix_hash import MAX_CACHE_SALT_CHARS, BlockHash, next_block_hash
 from services.instance.engine.block_manager import BlockId
 from services.instance.engine.text_output import TextOutput
 
@@ -161,6 +161,6 @@ class Request:
         num_blocks = min(num_blocks, self.num_tokens // block_size)
         hashes = self._block_hashes
         for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i else root_hash(self.sampling.cache_salt)
-            hashes.append(block_hash(parent, self.token_ids(i * block_size, (i + 1) * block_size)))
+            hashes.append(next_block_hash(hashes, self.token_ids(i * block_size, (i + 1) * block_size),
+                                          self.sampling.cache_salt))
         return hashes[:num_blocks]

@@ -7,7 +7,8 @@ B's, through service A's Transfer RPC, and reports the median speed over --repea
 Reference figures measured in the same run, at the same sizes: a raw TCP socket
 between two processes (preallocated buffers, sendall/recv_into), bare gloo between two
 processes (torch.distributed send/recv of preallocated buffers in chunks of the services'
-staging size: gloo's own ceiling, with no gather, scatter or RPC), a bare grpc-python
+staging size, over as many connections and with as many chunks in flight as the services
+use: gloo's own ceiling, with no gather, scatter or RPC), a bare grpc-python
 stream between two processes (one bytes message per grpc chunk, the same channel options,
 received and dropped: grpc's own ceiling) and one memcpy.
 
@@ -62,6 +63,9 @@ def parse_args() -> argparse.Namespace:
                              "is steady state (as nccl-tests time theirs); 0 times each transfer cold, right after "
                              "the other rows ran")
     parser.add_argument("--staging-kib", type=int, default=16384, help="the services' --staging-kib")
+    parser.add_argument("--staging-buffers", type=int, default=4,
+                        help="the services' --staging-buffers (gloo keeps all but one chunk of them in flight)")
+    parser.add_argument("--gloo-connections", type=int, default=4, help="the services' --gloo-connections")
     parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("bench-results"))
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -80,14 +84,14 @@ def sizes_mb(max_mb: int, block_mb: int) -> list[int]:
 class Bench:
     """Two transfer services (A sends, B receives) and two instances' KV caches in shared memory."""
 
-    def __init__(self, num_blocks: int, staging_kib: int, log_dir: pathlib.Path) -> None:
+    def __init__(self, num_blocks: int, service_flags: list[str], log_dir: pathlib.Path) -> None:
         self.geometry = KvGeometry(num_blocks=num_blocks, **LLAMA2_7B)
         tag = uuid.uuid4().hex[:6]
         self.src = KvCache.create(f"ferry-bench-src-{tag}", self.geometry)
         self.dst = KvCache.create(f"ferry-bench-dst-{tag}", self.geometry)
         self.src.tensor.copy_(torch.randn(self.geometry.shape, dtype=torch.float16))  # faults every page in
         self.dst.tensor.fill_(0)
-        self.services = [_service(name, staging_kib, log_dir) for name in ("bench-a", "bench-b")]
+        self.services = [_service(name, service_flags, log_dir) for name in ("bench-a", "bench-b")]
 
     async def start(self) -> None:
         for service in self.services:
@@ -120,11 +124,15 @@ class Bench:
             cache.unlink()
 
 
-def _service(name: str, staging_kib: int, log_dir: pathlib.Path) -> ServiceProcess:
+def _service(name: str, flags: list[str], log_dir: pathlib.Path) -> ServiceProcess:
     port = free_port()
     return ServiceProcess(name, "transfer", ["--port", str(port), "--transfer-id", name, "--backends", "grpc,gloo,shm",
-                                             "--staging-kib", str(staging_kib), "--log-level", "warning"],
-                          f"127.0.0.1:{port}", log_dir)
+                                             *flags, "--log-level", "warning"], f"127.0.0.1:{port}", log_dir)
+
+
+def service_flags(args: argparse.Namespace) -> list[str]:
+    return ["--staging-kib", str(args.staging_kib), "--staging-buffers", str(args.staging_buffers),
+            "--gloo-connections", str(args.gloo_connections)]
 
 
 # -- references: raw TCP between two processes, and memcpy ------------------------------
@@ -174,11 +182,11 @@ class TcpReference:
         self._process.join(10)
 
 
-def _gloo_pair(port: int, rank: int) -> dist.ProcessGroupGloo:
+def _gloo_pair(port: int, rank: int, num_connections: int) -> dist.ProcessGroupGloo:
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
     options = dist.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=60)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") for _ in range(num_connections)]
     return dist.ProcessGroupGloo(store, rank, 2, options)
 
 
@@ -186,41 +194,54 @@ def _chunks(num_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk_bytes, num_bytes)) for start in range(0, num_bytes, chunk_bytes)]
 
 
-def _gloo_sink(port: int, max_bytes: int, chunk_bytes: int) -> None:
-    group = _gloo_pair(port, rank=1)
+def _move_chunks(group: dist.ProcessGroupGloo, buffer: torch.Tensor, num_bytes: int, chunk_bytes: int,
+                 in_flight: int, is_sender: bool) -> None:
+    """Send or receive `num_bytes` in chunks, `in_flight` at a time, chunk i with tag 1 + i (as the services do)."""
+    pending = []
+    for index, (start, stop) in enumerate(_chunks(num_bytes, chunk_bytes)):
+        if len(pending) == in_flight:
+            pending.pop(0).wait()
+        move = group.send if is_sender else group.recv
+        pending.append(move([buffer[start:stop]], 1 - group.rank(), 1 + index % 64))
+    for work in pending:
+        work.wait()
+
+
+def _gloo_sink(port: int, max_bytes: int, chunk_bytes: int, num_connections: int, in_flight: int) -> None:
+    group = _gloo_pair(port, 1, num_connections)
     buffer = torch.zeros(max_bytes, dtype=torch.uint8)
     size = torch.zeros(1, dtype=torch.int64)
     while True:
         group.recv([size], 0, 0).wait()
         if size.item() == 0:
             return
-        for start, stop in _chunks(size.item(), chunk_bytes):
-            group.recv([buffer[start:stop]], 0, 1).wait()
-        group.send([size], 0, 2).wait()
+        _move_chunks(group, buffer, size.item(), chunk_bytes, in_flight, is_sender=False)
+        group.send([size], 0, 0).wait()
 
 
 class GlooReference:
     """Bare gloo: this process sends chunks of a preallocated buffer to a sink process."""
 
-    def __init__(self, max_bytes: int, chunk_bytes: int) -> None:
+    def __init__(self, max_bytes: int, chunk_bytes: int, num_connections: int, in_flight: int) -> None:
         self._port = free_port()
         self._chunk_bytes = chunk_bytes
+        self._num_connections = num_connections
+        self._in_flight = in_flight
         self._buffer = torch.ones(max_bytes, dtype=torch.uint8)
         self._size = torch.zeros(1, dtype=torch.int64)
         self._process = multiprocessing.get_context("spawn").Process(
-            target=_gloo_sink, args=(self._port, max_bytes, chunk_bytes), daemon=True)
+            target=_gloo_sink, args=(self._port, max_bytes, chunk_bytes, num_connections, in_flight), daemon=True)
 
     def start(self) -> None:
         self._process.start()
-        self._group = _gloo_pair(self._port, rank=0)
+        self._group = _gloo_pair(self._port, 0, self._num_connections)
 
     def send_s(self, num_bytes: int) -> float:
         started = time.perf_counter()
         self._size.fill_(num_bytes)
         self._group.send([self._size], 1, 0).wait()
-        for start, stop in _chunks(num_bytes, self._chunk_bytes):
-            self._group.send([self._buffer[start:stop]], 1, 1).wait()
-        self._group.recv([self._size], 1, 2).wait()
+        _move_chunks(self._group, self._buffer, num_bytes, self._chunk_bytes, self._in_flight, is_sender=True)
+        self._group.recv([self._size], 1, 0).wait()
         return time.perf_counter() - started
 
     def close(self) -> None:
@@ -295,9 +316,10 @@ async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[f
     sizes = sizes_mb(args.max_mb, block_mb)
     num_blocks = sizes[-1] // block_mb
     rng = random.Random(args.seed)
-    bench = Bench(num_blocks, args.staging_kib, pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-")))
+    bench = Bench(num_blocks, service_flags(args), pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-")))
     tcp, memcpy = TcpReference(sizes[-1] * MB), MemcpyReference(sizes[-1] * MB)
-    gloo = GlooReference(sizes[-1] * MB, args.staging_kib * 1024) if TransferBackend.GLOO in backends else None
+    gloo = (GlooReference(sizes[-1] * MB, args.staging_kib * 1024, args.gloo_connections, args.staging_buffers - 1)
+            if TransferBackend.GLOO in backends else None)
     grpc_piece_bytes = min(DEFAULT_PIECE_BYTES, args.staging_kib * 1024)  # the services' grpc chunk size
     bare_grpc = GrpcReference(sizes[-1] * MB, grpc_piece_bytes) if TransferBackend.GRPC in backends else None
     speeds: dict[str, list[float]] = {}

@@ -48,7 +48,7 @@ async def main(config: TransferConfig) -> None:
     transfer_id = TransferId(config.transfer_id or f"{socket.gethostname()}-{server.port}")
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s,
                         access=config.etcd_access) if config.etcd_endpoints else None
-    threads = TransferThreads.start()
+    threads = TransferThreads.start(config.num_staging_slots * config.staging_buffers)
     peers = TransferClients(piece_bytes=config.grpc_piece_kib * 1024, tls=config.tls)
     node = build_node(config, transfer_id, server, registry, peers, threads)
     servicer.node = node
@@ -69,10 +69,10 @@ def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServ
     # Separate pools for the two directions: with one pool, sends to this same service (every
     # transfer between two instances it maps) could take every slot and wait forever for
     # receives that need one.
-    send_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024)
-    receive_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024)
+    send_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024, config.staging_buffers)
+    receive_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024, config.staging_buffers)
     channel_host = config.advertise_host or server.advertise_host
-    channels = ChannelTable(transfer_id, channel_host, config.channel_timeout_s, threads.io)
+    channels = ChannelTable(transfer_id, channel_host, config.channel_timeout_s, threads.io, config.gloo_connections)
     backends = tuple(config.backends)
     sender = BlockSender(transfer_id, backends, mappings, send_staging, channels, peers, threads)
     receiver = BlockReceiver(mappings, receive_staging, channels, threads)

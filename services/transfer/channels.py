@@ -11,6 +11,11 @@ the only thing that wakes a peer blocked in gloo send/recv (gloo's unbound-buffe
 waits for the matching recv; `abort()`/`shutdown()` do not interrupt it, measured on
 torch 2.13). So every table reference goes away on failure, and callers keep none.
 
+A gloo group may hold several TCP connections (`--gloo-connections`; gloo uses
+`tag % connections` for a message), so chunks sent with consecutive tags travel on the
+connections in turn, several at once: one gloo connection fills about half of what a
+socket carries here, because its sender waits in epoll between non-blocking writes.
+
 Rendezvous: the sender starts a TCPStore on a free port and, at the same time, builds its
 rank-0 group (which blocks until the peer joins) and calls `open_remote` — an RPC
 asking the peer to join as rank 1 (`accept`). All constructors run on worker threads.
@@ -34,7 +39,11 @@ from services.transfer.threads import run_in_thread
 
 log = structlog.get_logger(__name__)
 
-OpenRemote = Callable[[str, int], Awaitable[None]]  # (store_address, rank) → the peer joined
+MAX_GLOO_CONNECTIONS = 16
+TAG_STRIDE = 64  # a transfer's tags: chunk i of a transfer with tag t travels with t + i % TAG_STRIDE
+MAX_TAG = 2**31 - TAG_STRIDE  # gloo and nccl tags are 32-bit signed
+
+OpenRemote = Callable[[str, int, int], Awaitable[None]]  # (store_address, rank, connections) → the peer joined
 
 
 @dataclass(slots=True)
@@ -46,6 +55,12 @@ class PairChannel:
     store: dist.Store  # kept alive as long as the group
     device: torch.device  # where tensors must live for this backend
     bounce: torch.Tensor | None = None  # NCCL: device buffer for host staging memory
+
+    @property
+    def is_serial(self) -> bool:
+        """One message of a transfer in flight at a time (nccl: they share the bounce buffer);
+        gloo takes as many as the transfer has staging buffers for."""
+        return self.backend is TransferBackend.NCCL
 
     def send(self, data: torch.Tensor, tag: int, timeout_s: float) -> None:
         """Blocking send of a flat uint8 tensor to the peer (worker thread only)."""
@@ -72,14 +87,21 @@ class PairChannel:
         return self.bounce[:data.numel()]
 
 
+def chunk_tag(transfer_tag: int, chunk_index: int) -> int:
+    """The tag of one chunk's message: consecutive chunks take the connections in turn."""
+    return transfer_tag + chunk_index % TAG_STRIDE
+
+
 class ChannelTable:
     """Channels by peer: outgoing ones keyed by the peer's address, incoming by its transfer id."""
 
-    def __init__(self, transfer_id: str, host: str, timeout_s: float, executor: Executor) -> None:
+    def __init__(self, transfer_id: str, host: str, timeout_s: float, executor: Executor,
+                 gloo_connections: int = 1) -> None:
         self._transfer_id = transfer_id
         self._host = host
         self._timeout_s = timeout_s
         self._executor = executor
+        self._gloo_connections = gloo_connections
         self._outgoing: dict[tuple[str, TransferBackend], PairChannel] = {}
         self._incoming: dict[tuple[str, TransferBackend], PairChannel] = {}
         self._locks: dict[tuple[str, TransferBackend], asyncio.Lock] = {}
@@ -93,13 +115,15 @@ class ChannelTable:
                 self._outgoing[key] = await self._open(peer_address, backend, open_remote)
             return self._outgoing[key]
 
-    async def accept(self, peer_id: str, backend: TransferBackend, store_address: str, rank: int) -> None:
+    async def accept(self, peer_id: str, backend: TransferBackend, store_address: str, rank: int,
+                     num_connections: int) -> None:
         """Join the group the peer opened (replacing an older channel from it)."""
         check_backend_available(backend)
         host, _, port = store_address.rpartition(":")
         store = await run_in_thread(self._executor, _client_store, host, int(port), self._timeout_s)
         prefix = dist.PrefixStore(_prefix(peer_id, self._transfer_id, backend), store)
-        group = await run_in_thread(self._executor, _create_group, backend, prefix, rank, self._host, self._timeout_s)
+        group = await run_in_thread(self._executor, _create_group, backend, prefix, rank, self._host, self._timeout_s,
+                                    num_connections)
         self.drop_incoming(peer_id, backend)
         self._incoming[(peer_id, backend)] = PairChannel(peer_id, backend, rank, group, store, _device_for(backend))
         log.info("channel_accepted", peer_transfer_id=peer_id, backend=backend.value, store_address=store_address)
@@ -128,10 +152,10 @@ class ChannelTable:
     async def _open(self, peer_address: str, backend: TransferBackend, open_remote: OpenRemote) -> PairChannel:
         store = await run_in_thread(self._executor, _master_store, self._host, self._timeout_s)
         prefix = dist.PrefixStore(_prefix(self._transfer_id, "", backend), store)
-        group_future = asyncio.ensure_future(
-            run_in_thread(self._executor, _create_group, backend, prefix, 0, self._host, self._timeout_s))
+        group_future = asyncio.ensure_future(run_in_thread(
+            self._executor, _create_group, backend, prefix, 0, self._host, self._timeout_s, self._gloo_connections))
         try:
-            await open_remote(f"{self._host}:{store.port}", 1)
+            await open_remote(f"{self._host}:{store.port}", 1, self._gloo_connections)
         except BaseException:
             # The rank-0 constructor gives up at the store timeout; it holds no staging memory.
             group_future.add_done_callback(_consume_result)
@@ -173,13 +197,14 @@ def _client_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
         raise Unavailable(f"cannot reach the peer's TCPStore at {host}:{port}: {exc}") from exc
 
 
-def _create_group(backend: TransferBackend, store: dist.Store, rank: int, host: str, timeout_s: float) -> dist.ProcessGroup:
+def _create_group(backend: TransferBackend, store: dist.Store, rank: int, host: str, timeout_s: float,
+                  num_connections: int) -> dist.ProcessGroup:
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         if backend is TransferBackend.GLOO:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = timeout
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host) for _ in range(num_connections)]
             return dist.ProcessGroupGloo(store, rank, 2, options)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

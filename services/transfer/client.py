@@ -78,9 +78,10 @@ class TransferClient:
         return reply.num_bytes
 
     async def open_channel(self, peer_transfer_id: str, store_address: str, rank: int, backend: TransferBackend,
-                           timeout_s: float) -> None:
+                           num_connections: int, timeout_s: float) -> None:
         request = transfer_pb2.OpenChannelRequest(peer_transfer_id=peer_transfer_id, store_address=store_address,
-                                                  rank=rank, backend=backend_to_proto(backend))
+                                                  rank=rank, backend=backend_to_proto(backend),
+                                                  num_connections=num_connections)
         await self._call(self._stub.OpenChannel, request, timeout_s)
 
     async def expect_blocks(self, header: IncomingBlocks, backend: TransferBackend, tag: int, timeout_s: float) -> int:

@@ -8,6 +8,7 @@ from services.common.config import knob
 from services.common.etcd_client import EtcdKnobs
 from services.common.tls import TlsKnobs
 from services.common.logging import LogKnobs
+from services.transfer.channels import MAX_GLOO_CONNECTIONS, TAG_STRIDE
 from services.transfer.domain import TransferBackend
 
 
@@ -28,10 +29,13 @@ class TransferConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     default_backend: TransferBackend = knob(TransferBackend.GRPC, "backend for Transfer calls that name none")
     map_instances: list[str] = knob([], "instance ids to map at startup, read from their etcd records "
                                         "(kv_shm_name, kv); needs --etcd-endpoints")
-    staging_kib: int = knob(16384, "size of each staging buffer in KiB; a transfer holds two (ping-pong) and "
-                                   "moves chunks of at most this size")
+    staging_kib: int = knob(16384, "size of each staging buffer in KiB; transfers move chunks of at most this size")
+    staging_buffers: int = knob(4, "staging buffers each transfer holds (2..64): one is gathered or scattered "
+                                   "while gloo moves up to the others at once")
     num_staging_slots: int = knob(2, "transfers in flight at once per direction (this many sending and this many "
-                                     "receiving), each holding two staging buffers")
+                                     "receiving), each holding --staging-buffers buffers")
+    gloo_connections: int = knob(4, "TCP connections in each gloo channel this service opens (1..16); chunks "
+                                    "in flight take them in turn")
     grpc_piece_kib: int = knob(8192, "most data bytes per ReceiveBlocks message of the grpc backend, in KiB: "
                                      "senders cut grpc transfers into chunks of this size (or --staging-kib "
                                      "if smaller), one message each")
@@ -51,6 +55,10 @@ class TransferConfig(EtcdKnobs, TlsKnobs, LogKnobs):
         for name in ("staging_kib", "num_staging_slots", "grpc_piece_kib"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if not 2 <= self.staging_buffers <= TAG_STRIDE:
+            raise ValueError(f"--staging-buffers must be 2..{TAG_STRIDE}, got {self.staging_buffers}")
+        if not 1 <= self.gloo_connections <= MAX_GLOO_CONNECTIONS:
+            raise ValueError(f"--gloo-connections must be 1..{MAX_GLOO_CONNECTIONS}, got {self.gloo_connections}")
         if self.grpc_piece_kib * 1024 > 60 * 2**20:
             raise ValueError("--grpc-piece-kib must stay under the 64 MiB gRPC message limit")
         if self.map_instances and not self.etcd_endpoints:

@@ -16,7 +16,7 @@ class PeerTransferService(Protocol):
         at most `piece_bytes` of data each); returns bytes received."""
 
     async def open_channel(self, peer_transfer_id: str, store_address: str, rank: int, backend: TransferBackend,
-                           timeout_s: float) -> None:
+                           num_connections: int, timeout_s: float) -> None:
         """Ask the peer to join the pair group whose TCPStore is at `store_address`."""
 
     async def expect_blocks(self, header: IncomingBlocks, backend: TransferBackend, tag: int, timeout_s: float) -> int:

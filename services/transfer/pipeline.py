@@ -1,8 +1,10 @@
-"""Overlapping gather, send and scatter with two staging buffers.
+"""Overlapping gather, send and scatter over a slot's staging buffers (chunk i uses buffer i % n).
 
 Sender: `GatherAhead` stages chunk i+1 into one buffer on a worker thread while the
-caller sends chunk i from the other. Receiver: `ScatterBehind` scatters chunk i from
-one buffer on a worker thread while the caller receives chunk i+1 into the other.
+caller sends chunk i from another (grpc). Channel sends (gloo, nccl) instead keep several
+chunks in flight at once: each buffer is busy in a `BufferRing` until its send is done.
+Receiver: `ScatterBehind` scatters chunk i from one buffer on a worker thread while the
+caller receives the next chunks into the others.
 
 Scatters run on a one-thread executor, in chunk order (checksums chain over row chunks),
 and none runs after one has failed.
@@ -62,39 +64,73 @@ class GatherAhead:
 
     def _start(self, index: int) -> asyncio.Future:
         chunk = self._chunks[index]
-        buffer = self._slot.buffers[index % 2]
+        buffer = self._slot.buffers[index % len(self._slot.buffers)]
         return asyncio.get_running_loop().run_in_executor(self._executor, self._gather, chunk, buffer)
+
+
+class BufferRing:
+    """The slot's buffers in turn, each busy until the work last started on it is done.
+
+    `await acquire(i)` returns buffer i % n once its work (a send reading it, a receive
+    writing it, a scatter reading it) has finished, and raises that work's error;
+    `hold(i, future)` marks it busy again. `drain()` waits for all and raises the first
+    error; `close()` waits for all whatever they did (the caller is already failing).
+    """
+
+    def __init__(self, slot: StagingSlot) -> None:
+        self._buffers = slot.buffers
+        self._busy: list[asyncio.Future | None] = [None] * len(slot.buffers)
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    async def acquire(self, index: int) -> torch.Tensor:
+        await self._wait(index % len(self._buffers))
+        return self._buffers[index % len(self._buffers)]
+
+    def hold(self, index: int, future: asyncio.Future) -> None:
+        self._busy[index % len(self._buffers)] = future
+
+    async def drain(self) -> None:
+        for position in range(len(self._buffers)):
+            await self._wait(position)
+
+    async def close(self) -> None:
+        pending = [future for future in self._busy if future is not None]
+        if pending:
+            await asyncio.wait(pending)
+
+    async def _wait(self, position: int) -> None:
+        future = self._busy[position]
+        if future is not None:
+            await asyncio.shield(future)
+            self._busy[position] = None
 
 
 class ScatterBehind:
     """Receive into `await buffer_for(chunk)`, then `submit(chunk, staged)`; `finish()` at the end."""
 
     def __init__(self, slot: StagingSlot, scatter: ScatterFn, executor: Executor) -> None:
-        self._slot = slot
+        self._ring = BufferRing(slot)
         self._scatter = scatter
         self._executor = executor
-        self._pending: list[asyncio.Future | None] = [None, None]  # scatter reading each buffer
         self._has_failed = False  # after a failed chunk (e.g. a checksum), later chunks are not applied
 
     async def buffer_for(self, chunk: Chunk) -> torch.Tensor:
         """The chunk's buffer, once the scatter still reading it has finished (its error raises here)."""
-        await self._wait(chunk.index % 2)
-        return self._slot.buffers[chunk.index % 2]
+        return await self._ring.acquire(chunk.index)
 
     def submit(self, chunk: Chunk, staged: torch.Tensor) -> None:
         future = asyncio.get_running_loop().run_in_executor(self._executor, self._scatter_unless_failed, chunk, staged)
-        self._pending[chunk.index % 2] = future
+        self._ring.hold(chunk.index, future)
 
     async def finish(self) -> None:
         """Wait for every scatter; raise the first error."""
-        for index in (0, 1):
-            await self._wait(index)
+        await self._ring.drain()
 
     async def close(self) -> None:
         """Wait for every scatter, errors or not (the caller is already failing)."""
-        pending = [future for future in self._pending if future is not None]
-        if pending:
-            await asyncio.wait(pending)
+        await self._ring.close()
 
     def _scatter_unless_failed(self, chunk: Chunk, staged: torch.Tensor) -> None:
         if self._has_failed:
@@ -104,9 +140,3 @@ class ScatterBehind:
         except BaseException:
             self._has_failed = True
             raise
-
-    async def _wait(self, index: int) -> None:
-        future = self._pending[index]
-        if future is not None:
-            await asyncio.shield(future)
-            self._pending[index] = None

@@ -1,7 +1,9 @@
 """The destination side: take a block stream (grpc pieces or channel messages) and scatter it.
 
 Receiving chunk i+1 into one staging buffer overlaps scattering chunk i from the other
-(`ScatterBehind`, on the one copy thread, so chunks land in order and checksums chain).
+(`ScatterBehind`, on the one copy thread, so chunks land in order and checksums chain);
+on a gloo channel, receives for the following chunks are posted into the slot's other
+buffers meanwhile, so the sender's chunks in flight spread over its connections.
 grpc: a message that carries a whole chunk (what ferry senders send) is scattered
 straight from the received bytes, with no staging copy; smaller pieces are assembled in
 the staging buffer.
@@ -12,9 +14,11 @@ reports: nothing partially applied is ever called a success.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
+import asyncio
+import itertools
 import warnings
+from collections import deque
+from collections.abc import AsyncIterator
 
 import numpy as np
 import structlog
@@ -22,7 +26,7 @@ import torch
 
 from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.transfer.block_copy import as_bytes, scatter_chunk, staged_view
-from services.transfer.channels import ChannelTable, PairChannel
+from services.transfer.channels import ChannelTable, PairChannel, chunk_tag
 from services.transfer.checksum import ChecksumVerifier
 from services.transfer.chunk_plan import Chunk, ChunkPlan, check_block_ids, check_compatible
 from services.transfer.deadline import Deadline
@@ -72,11 +76,7 @@ class BlockReceiver:
             async with self._staging.slot(deadline.remaining_s()) as slot:
                 scatterer = self._scatter_behind(header, rows, plan, slot)
                 try:
-                    for chunk in plan.chunks():
-                        buffer = await scatterer.buffer_for(chunk)
-                        await run_in_thread(self._threads.io, _recv_checked, channel,
-                                            buffer[:plan.chunk_bytes(chunk)], tag, deadline.remaining_s())
-                        scatterer.submit(chunk, staged_view(buffer, plan, chunk, rows.dtype))
+                    await self._receive_chunks(channel, plan, rows.dtype, slot, scatterer, tag, deadline)
                     await scatterer.finish()
                 finally:
                     await scatterer.close()
@@ -89,6 +89,33 @@ class BlockReceiver:
         log.info("blocks_received", dst_instance_id=header.dst_instance_id, num_blocks=len(header.dst_block_ids),
                  num_bytes=plan.num_bytes, backend=backend.value)
         return plan.num_bytes
+
+    async def _receive_chunks(self, channel: PairChannel, plan: ChunkPlan, dtype: torch.dtype, slot: StagingSlot,
+                              scatterer: ScatterBehind, tag: int, deadline: Deadline) -> None:
+        """Keep receives posted for the next chunks (all buffers but the one being scattered;
+        one on a serial channel) and scatter each chunk as it lands, in order."""
+        window = 1 if channel.is_serial else len(slot.buffers) - 1
+        chunks = iter(plan.chunks())
+        posted: deque[tuple[Chunk, torch.Tensor, asyncio.Future]] = deque()
+
+        async def post(chunk: Chunk) -> None:
+            buffer = (await scatterer.buffer_for(chunk))[:plan.chunk_bytes(chunk)]
+            future = asyncio.get_running_loop().run_in_executor(
+                self._threads.io, _recv_checked, channel, buffer, chunk_tag(tag, chunk.index), deadline.remaining_s())
+            posted.append((chunk, buffer, future))
+        try:
+            for chunk in itertools.islice(chunks, window):
+                await post(chunk)
+            while posted:
+                chunk, buffer, received = posted[0]
+                await asyncio.shield(received)
+                posted.popleft()
+                scatterer.submit(chunk, staged_view(buffer, plan, chunk, dtype))
+                if (following := next(chunks, None)) is not None:
+                    await post(following)
+        finally:
+            if posted:  # they write into the slot's buffers: wait before it is released
+                await asyncio.wait([future for _chunk, _buffer, future in posted])
 
     def _target(self, header: IncomingBlocks) -> tuple[torch.Tensor, ChunkPlan]:
         rows, geometry = self._mappings.rows(header.dst_instance_id)

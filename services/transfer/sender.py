@@ -7,7 +7,9 @@
   sent, gathered straight from the KV memory into the message bytes (one copy; a CUDA
   source goes through the slot's staging buffers).
 * GLOO / NCCL: open (once) the pair channel to the peer, ask it to ExpectBlocks, and
-  send each gathered chunk on the channel while it receives and scatters.
+  send each gathered chunk on the channel while it receives and scatters. Several
+  chunks are in flight at once (one per staging buffer; one at a time on nccl), each
+  with its own tag, so they spread over the gloo connections.
 
 Nothing is reported as success unless every block reached the destination (and, with
 checksums, matched); any failure raises and a broken channel is dropped.
@@ -26,7 +28,7 @@ import torch
 
 from services.common.errors import Aborted, FailedPrecondition, FerryError, Unavailable
 from services.transfer.block_copy import as_bytes, chunk_parts, copy_blocks, gather_chunk, staged_view
-from services.transfer.channels import ChannelTable, PairChannel
+from services.transfer.channels import TAG_STRIDE, ChannelTable, PairChannel, chunk_tag
 from services.transfer.checksum import block_checksums
 from services.transfer.chunk_plan import Chunk, ChunkPlan, check_block_ids, check_compatible
 from services.transfer.convert import encode_data_message
@@ -34,7 +36,7 @@ from services.transfer.deadline import Deadline
 from services.transfer.domain import BlockTransfer, IncomingBlocks, TransferBackend, TransferId, TransferResult
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.peer import PeerFactory, PeerTransferService
-from services.transfer.pipeline import GatherAhead
+from services.transfer.pipeline import BufferRing, GatherAhead
 from services.transfer.staging import StagingPool, StagingSlot
 from services.transfer.threads import TransferThreads, run_in_thread
 
@@ -119,13 +121,6 @@ class BlockSender:
                                 plan.rows_per_chunk, checksums, self._transfer_id)
         return SourceBlocks(rows, torch.tensor(request.src_block_ids, dtype=torch.int64), plan, header)
 
-    def _gather_ahead(self, source: SourceBlocks, slot: StagingSlot) -> GatherAhead:
-        dtype = source.rows.dtype
-
-        def gather(chunk: Chunk, buffer: torch.Tensor) -> torch.Tensor:
-            return gather_chunk(source.rows, source.block_ids, chunk, staged_view(buffer, source.plan, chunk, dtype))
-        return GatherAhead(source.plan, slot, gather, self._threads.copy)
-
     def _encode_ahead(self, source: SourceBlocks, slot: StagingSlot) -> GatherAhead:
         """`GatherAhead` whose items are ready ReceiveBlocks data messages, one per chunk."""
         if source.rows.device.type != "cpu":
@@ -153,10 +148,11 @@ class BlockSender:
         address, backend = request.dst_transfer_address, request.backend
         peer = self._peers(address)
 
-        async def open_remote(store_address: str, rank: int) -> None:
-            await peer.open_channel(self._transfer_id, store_address, rank, backend, deadline.remaining_s())
+        async def open_remote(store_address: str, rank: int, num_connections: int) -> None:
+            await peer.open_channel(self._transfer_id, store_address, rank, backend, num_connections,
+                                    deadline.remaining_s())
         channel = await self._channels.outgoing(address, backend, open_remote)
-        tag = next(self._tags) % 2**31
+        tag = next(self._tags) * TAG_STRIDE % 2**31
         expect = asyncio.ensure_future(self._expect(peer, source, request, tag, deadline))
         try:
             await self._send_chunks(channel, source, slot, tag, deadline)
@@ -180,16 +176,25 @@ class BlockSender:
 
     async def _send_chunks(self, channel: PairChannel, source: SourceBlocks, slot: StagingSlot, tag: int,
                            deadline: Deadline) -> None:
-        chunks = self._gather_ahead(source, slot)
+        """Gather each chunk into a free buffer and send it; the buffer stays busy until sent."""
+        ring = BufferRing(slot)
+        dtype, loop = source.rows.dtype, asyncio.get_running_loop()
         try:
-            async for _chunk, staged in chunks:
+            for chunk in source.plan.chunks():
+                buffer = await ring.acquire(chunk.index)
+                if channel.is_serial:
+                    await ring.acquire(chunk.index - 1)
+                staged = await run_in_thread(self._threads.copy, gather_chunk, source.rows, source.block_ids, chunk,
+                                             staged_view(buffer, source.plan, chunk, dtype))
                 flat = staged.view(torch.uint8).view(-1)
-                await run_in_thread(self._threads.io, _send_checked, channel, flat, tag, deadline.remaining_s())
+                ring.hold(chunk.index, loop.run_in_executor(self._threads.io, _send_checked, channel, flat,
+                                                            chunk_tag(tag, chunk.index), deadline.remaining_s()))
+            await ring.drain()
         except BaseException:
             self._channels.drop_outgoing(channel.peer, channel.backend)  # unmatched messages may be left on it
             raise
         finally:
-            await chunks.close()
+            await ring.close()
 
 
 async def _messages(messages: GatherAhead) -> AsyncIterator[bytes]:

@@ -12,7 +12,7 @@ import structlog
 from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
 from services.transfer.metrics import observed_transfer
-from services.transfer.channels import ChannelTable
+from services.transfer.channels import MAX_GLOO_CONNECTIONS, MAX_TAG, TAG_STRIDE, ChannelTable
 from services.transfer.convert import (backend_from_proto, backend_to_proto, decode_receive_blocks_message,
                                        geometry_from_proto, header_from_proto, result_to_proto, transfer_from_proto)
 from services.transfer.domain import InstanceId, TransferBackend
@@ -87,12 +87,16 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         _check_host_port("store_address", request.store_address)
         if request.rank not in (0, 1):
             raise InvalidArgument(f"rank: must be 0 or 1 (a pair group), got {request.rank}")
+        if not 0 <= request.num_connections <= MAX_GLOO_CONNECTIONS:
+            raise InvalidArgument(f"num_connections: must be 0..{MAX_GLOO_CONNECTIONS}, got {request.num_connections}")
         await self.node.channels.accept(request.peer_transfer_id, backend_from_proto(request.backend),
-                                        request.store_address, request.rank)
+                                        request.store_address, request.rank, max(1, request.num_connections))
         return transfer_pb2.OpenChannelResponse()
 
     async def ExpectBlocks(self, request: transfer_pb2.ExpectBlocksRequest,
                            context: grpc.aio.ServicerContext) -> transfer_pb2.ExpectBlocksResponse:
+        if not 0 <= request.tag <= MAX_TAG:
+            raise InvalidArgument(f"tag: must be 0..{MAX_TAG} (chunk tags add up to {TAG_STRIDE - 1}), got {request.tag}")
         header = header_from_proto(request.header)
         num_bytes = await self.node.receiver.receive_on_channel(
             header, backend_from_proto(request.backend), request.tag, self._timeout_s(context))

@@ -1,4 +1,4 @@
-"""Preallocated staging memory: slots of two ping-pong buffers, handed out one slot per transfer.
+"""Preallocated staging memory: slots of a few buffers each, handed out one slot per transfer.
 
 Every buffer is allocated and touched once at startup; transfers never allocate
 block-sized memory. A transfer holds one slot for its whole life, so the number of slots
@@ -21,16 +21,19 @@ from services.common.errors import ResourceExhausted
 
 @dataclass(frozen=True, slots=True)
 class StagingSlot:
-    buffers: tuple[torch.Tensor, torch.Tensor]  # flat uint8; chunk i uses buffers[i % 2]
+    buffers: tuple[torch.Tensor, ...]  # flat uint8, at least two; chunk i uses buffers[i % len(buffers)]
 
 
 class StagingPool:
-    def __init__(self, num_slots: int, buffer_bytes: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_slots: int, buffer_bytes: int, buffers_per_slot: int = 2,
+                 device: torch.device | str = "cpu") -> None:
+        if buffers_per_slot < 2:
+            raise ValueError(f"a staging slot needs at least two buffers, got {buffers_per_slot}")
         self.num_slots = num_slots
         self.buffer_bytes = buffer_bytes
         self._free: asyncio.Queue[StagingSlot] = asyncio.Queue(maxsize=num_slots)
         for _ in range(num_slots):
-            self._free.put_nowait(StagingSlot((_allocate(buffer_bytes, device), _allocate(buffer_bytes, device))))
+            self._free.put_nowait(StagingSlot(tuple(_allocate(buffer_bytes, device) for _ in range(buffers_per_slot))))
 
     @property
     def num_free(self) -> int:

@@ -2,7 +2,9 @@
 
 * `copy`: one thread; gathers and scatters run there in chunk order (checksums chain
   over row chunks, and a pipeline never has two copies of one transfer in flight).
-* `io`: blocking channel sends/receives and rendezvous, several transfers at once.
+* `io`: blocking channel sends/receives and rendezvous: enough threads for every staging
+  buffer of every slot in both directions to wait at once (a send waits for the peer's
+  receive, so a short pool could leave both sides waiting for threads), plus rendezvous.
 
 Torch and numpy copies and gloo waits release the GIL, so all of these run while the event loop serves.
 """
@@ -15,7 +17,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-NUM_IO_THREADS = 8
+NUM_RENDEZVOUS_THREADS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,9 +26,10 @@ class TransferThreads:
     io: Executor
 
     @classmethod
-    def start(cls) -> TransferThreads:
+    def start(cls, buffers_per_direction: int) -> TransferThreads:
+        """`buffers_per_direction`: staging buffers of all slots of one pool."""
         return cls(ThreadPoolExecutor(1, thread_name_prefix="kv-copy"),
-                   ThreadPoolExecutor(NUM_IO_THREADS, thread_name_prefix="kv-io"))
+                   ThreadPoolExecutor(2 * buffers_per_direction + NUM_RENDEZVOUS_THREADS, thread_name_prefix="kv-io"))
 
     def shutdown(self) -> None:
         """Wait for copies (they touch KV memory that is unmapped next); leave blocked channel

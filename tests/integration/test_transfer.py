@@ -13,12 +13,15 @@ import signal
 import time
 import uuid
 
+import grpc
 import pytest
 import torch
 
 from services.cluster.processes import ServiceProcess
 from services.common.errors import NotFound, Unavailable
 from services.common.etcd_launcher import free_port
+from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
+from services.common.grpc_server import insecure_channel
 from services.common.registry import Registry
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.transfer.client import TransferClient
@@ -165,6 +168,42 @@ async def test_unknown_destination_is_not_found_and_the_channel_recovers(service
             await a.transfer(BlockTransfer(InstanceId("a-small"), (1,), InstanceId("nobody"), (1,),
                                            services["B"].address, backend, False), timeout_s=20)
         await _transfer_and_check(a, caches, services["B"].address, "small", backend, (2, 3), (4, 5), False)
+
+
+async def test_gloo_senders_and_receivers_with_other_channel_settings_agree(
+        etcd, cluster_name, services, caches, mapped, tmp_path):
+    """The sender's --gloo-connections set the channel; each side keeps as many chunks in
+    flight as its own --staging-buffers allow. Any mix moves the blocks bit for bit."""
+    _a, b = mapped
+    sender = _start("C-serial", etcd, cluster_name, tmp_path, "--gloo-connections", "3", "--staging-buffers", "2")
+    try:
+        await sender.wait_healthy(60)
+        async with TransferClient(sender.address) as c:
+            await c.map_instance("a-small", caches["a-small"].name, SMALL)
+            for seed in range(2):
+                src_ids, dst_ids = _block_sets(SMALL, SMALL.num_blocks, seed)  # 24 chunks of one block
+                await _transfer_and_check(c, caches, services["B"].address, "small", TransferBackend.GLOO,
+                                          src_ids, dst_ids, is_checksum_verified=True)
+    finally:
+        sender.stop()
+
+
+async def test_channel_requests_out_of_range_are_invalid_argument(services):
+    async with insecure_channel(services["B"].address) as channel:
+        stub = transfer_pb2_grpc.TransferServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.OpenChannel(transfer_pb2.OpenChannelRequest(
+                peer_transfer_id="x", store_address="127.0.0.1:1", rank=1, backend=transfer_pb2.TRANSFER_BACKEND_GLOO,
+                num_connections=99), timeout=10)
+        assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "num_connections" in raised.value.details()
+        header = transfer_pb2.BlocksHeader(dst_instance_id="b-small", dst_block_ids=[1], blocks_per_chunk=1,
+                                           rows_per_chunk=1, src_transfer_id="x")
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.ExpectBlocks(transfer_pb2.ExpectBlocksRequest(
+                header=header, backend=transfer_pb2.TRANSFER_BACKEND_GLOO, tag=2**31 - 1), timeout=10)
+        assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "tag" in raised.value.details()
 
 
 @pytest.mark.parametrize("backend", [TransferBackend.GRPC, TransferBackend.GLOO])

@@ -191,3 +191,13 @@ def test_instance_sim_engine_flags_parse_and_a_negative_latency_is_refused(capsy
     with pytest.raises(SystemExit):
         parse_config(InstanceConfig, "instance", ["--model", "m", "--sim-prefill-ms-per-token", "-1"], env={})
     assert "--sim-prefill-ms-per-token must be >= 0, got -1.0" in capsys.readouterr().err
+
+
+def test_transfer_channel_flags_parse_and_out_of_range_values_are_refused(capsys) -> None:
+    config = parse_config(TransferConfig, "transfer", ["--gloo-connections", "3", "--staging-buffers", "6"], env={})
+    assert (config.gloo_connections, config.staging_buffers) == (3, 6)
+    for flag, value, message in (("--staging-buffers", "1", "--staging-buffers must be 2..64, got 1"),
+                                 ("--gloo-connections", "0", "--gloo-connections must be 1..16, got 0")):
+        with pytest.raises(SystemExit):
+            parse_config(TransferConfig, "transfer", [flag, value], env={})
+        assert message in capsys.readouterr().err

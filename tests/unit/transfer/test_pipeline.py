@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.transfer.chunk_plan import ChunkPlan
-from services.transfer.pipeline import GatherAhead, ScatterBehind
+from services.transfer.pipeline import BufferRing, GatherAhead, ScatterBehind
 from services.transfer.staging import StagingPool
 from tests.unit.transfer.factories import tiny_geometry
 
@@ -98,3 +98,29 @@ def test_data_messages_decode_as_views_and_the_header_as_the_proto():
     assert decoded == header
     with_extra = transfer_pb2.ReceiveBlocksRequest(data=b"abc").SerializeToString() + bytes([1 << 3 | 0, 7])  # unknown
     assert decode_receive_blocks_message(with_extra).data == b"abc"  # parsed, not sliced: the length does not match
+
+
+async def test_buffer_ring_hands_each_buffer_out_again_only_when_its_work_is_done():
+    pool = StagingPool(1, 64, buffers_per_slot=3)
+    loop = asyncio.get_running_loop()
+    async with pool.slot(1.0) as slot:
+        ring = BufferRing(slot)
+        works = [loop.create_future() for _ in range(3)]
+        for index, work in enumerate(works):
+            assert (await ring.acquire(index)) is slot.buffers[index]
+            ring.hold(index, work)
+        reuse = asyncio.ensure_future(ring.acquire(3))  # buffer 0 again: waits for works[0]
+        await asyncio.sleep(0.01)
+        assert not reuse.done()
+        works[0].set_result(None)
+        assert (await reuse) is slot.buffers[0]
+        works[1].set_exception(RuntimeError("send failed"))
+        with pytest.raises(RuntimeError, match="send failed"):
+            await ring.drain()
+        works[2].set_result(None)
+        await ring.close()
+
+
+def test_a_staging_slot_needs_two_buffers():
+    with pytest.raises(ValueError, match="at least two"):
+        StagingPool(1, 64, buffers_per_slot=1)

@@ -34,7 +34,7 @@ from services.transfer.domain import IncomingBlocks, TransferBackend
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.pipeline import ScatterBehind
 from services.transfer.staging import StagingPool, StagingSlot
-from services.transfer.threads import TransferThreads, run_in_thread
+from services.transfer.threads import TransferThreads
 
 log = structlog.get_logger(__name__)
 

@@ -85,8 +85,12 @@ class BufferRing:
         return len(self._buffers)
 
     async def acquire(self, index: int) -> torch.Tensor:
-        await self._wait(index % len(self._buffers))
+        await self.wait(index)
         return self._buffers[index % len(self._buffers)]
+
+    async def wait(self, index: int) -> None:
+        """Wait for the work on chunk `index`'s buffer (raise its error)."""
+        await self._wait(index % len(self._buffers))
 
     def hold(self, index: int, future: asyncio.Future) -> None:
         self._busy[index % len(self._buffers)] = future

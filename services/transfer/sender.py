@@ -182,10 +182,10 @@ class BlockSender:
         try:
             for chunk in source.plan.chunks():
                 buffer = await ring.acquire(chunk.index)
-                if channel.is_serial:
-                    await ring.acquire(chunk.index - 1)
                 staged = await run_in_thread(self._threads.copy, gather_chunk, source.rows, source.block_ids, chunk,
                                              staged_view(buffer, source.plan, chunk, dtype))
+                if channel.is_serial:
+                    await ring.wait(chunk.index - 1)  # the previous send, gathered ahead of meanwhile
                 flat = staged.view(torch.uint8).view(-1)
                 ring.hold(chunk.index, loop.run_in_executor(self._threads.io, _send_checked, channel, flat,
                                                             chunk_tag(tag, chunk.index), deadline.remaining_s()))

@@ -298,6 +298,19 @@ async def test_shm_backend_when_one_service_maps_both(stubs, cluster, tiny_model
     await assert_all_blocks_free(stubs)
 
 
+async def test_gloo_backend_migrates_a_seeded_request_in_stages(stubs, cluster, tiny_model_dir):
+    """Every stage over the pair's gloo channel (several connections, several chunks in flight)."""
+    wire, sampling = seeded(1000, seed=7)
+    client = ClientStream("gloo-1")
+    call = generate(stubs["a"], "gloo-1", wire)
+    await client.read(call, until_tokens=30)
+    result = await migrate_out(stubs["a"], "gloo-1", "b", cluster, backend=transfer_pb2.TRANSFER_BACKEND_GLOO)
+    await client.follow(call)
+    assert result.backend == transfer_pb2.TRANSFER_BACKEND_GLOO and result.num_stages >= 2
+    assert client.token_ids == reference(tiny_model_dir, PROMPT, sampling)
+    await assert_all_blocks_free(stubs)
+
+
 async def test_attach_checks_request_and_epoch(stubs, cluster):
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await stubs["b"].Attach(instance_pb2.AttachRequest(request_id="nobody", epoch=1), timeout=5).read()

@@ -36,6 +36,23 @@ class ProcessDied(RuntimeError):
     pass
 
 
+class TlsRejected(RuntimeError):
+    """The child serves, but the health probe's TLS check rejects it: a setup error, not a slow start."""
+
+
+NUM_TLS_REJECTIONS = 3  # consecutive probes that name a TLS failure before giving up on a child
+
+
+def tls_rejection_hint(probe: str, address: str) -> str | None:
+    """What to fix, if a failed health check says the TLS check rejected the server."""
+    if "Hostname Verification" in probe:
+        return (f"its certificate does not name the address the probe dials ({address}); add that host as a "
+                "subjectAltName (IP:127.0.0.1 for a local cluster)")
+    if "handshake failed" in probe.lower() or "CERTIFICATE_VERIFY_FAILED" in probe:
+        return "the TLS handshake failed; is its certificate signed by the CA given as --tls-ca?"
+    return None
+
+
 @dataclass(slots=True)
 class ServiceProcess:
     """One child process running `python -m services.<module> <args>`."""
@@ -79,11 +96,17 @@ class ServiceProcess:
     async def wait_healthy(self, timeout_s: float) -> None:
         """Poll gRPC health (or GET /health for HTTP) until SERVING; raise if the process dies."""
         deadline = time.monotonic() + timeout_s
+        num_rejections = 0
         while time.monotonic() < deadline:
             if not self.is_alive():
                 raise ProcessDied(f"{self.name} exited with {self.popen.returncode}; last log lines:\n{self.log_tail()}")
             if await self._probe():
                 return
+            hint = tls_rejection_hint(self.last_probe or "", self.address)
+            num_rejections = num_rejections + 1 if hint else 0
+            if num_rejections == NUM_TLS_REJECTIONS:
+                raise TlsRejected(f"{self.name} at {self.address} is up, but the TLS check rejects it: {hint} "
+                                  f"(health check: {self.last_probe})")
             await asyncio.sleep(0.2)
         probe = f" (last health check: {self.last_probe})" if self.last_probe else ""
         raise TimeoutError(f"{self.name} not healthy after {timeout_s:.0f} s{probe}; "

@@ -1,5 +1,6 @@
 """Throwaway certificates for TLS tests: one CA, a server certificate for 127.0.0.1 and
-localhost (also usable as a client certificate), and a client certificate."""
+localhost (also usable as a client certificate), and one with the same key for another
+name only."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class TestPki:
     cert: pathlib.Path  # server + client usage, SAN 127.0.0.1 and localhost
     key: pathlib.Path
     other_ca: pathlib.Path  # a CA that signed nothing here: verifying with it must fail
+    elsewhere_cert: pathlib.Path  # signed by `ca`, but names only elsewhere.invalid (not 127.0.0.1)
 
 
 def make_pki(directory: pathlib.Path) -> TestPki:
@@ -29,8 +31,11 @@ def make_pki(directory: pathlib.Path) -> TestPki:
     key = ec.generate_private_key(ec.SECP256R1())
     cert = _signed(key, ca_key, ca_cert.subject, "ferry test service",
                    sans=[x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")])
+    elsewhere = _signed(key, ca_key, ca_cert.subject, "ferry service elsewhere",
+                        sans=[x509.DNSName("elsewhere.invalid")])
     paths = TestPki(ca=directory / "ca.pem", cert=directory / "cert.pem", key=directory / "key.pem",
-                    other_ca=directory / "other-ca.pem")
+                    other_ca=directory / "other-ca.pem", elsewhere_cert=directory / "elsewhere.pem")
+    paths.elsewhere_cert.write_bytes(elsewhere.public_bytes(serialization.Encoding.PEM))
     paths.ca.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     paths.other_ca.write_bytes(other_ca_cert.public_bytes(serialization.Encoding.PEM))
     paths.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.cluster.processes import ROOT, ServiceProcess
+from services.cluster.processes import ROOT, ServiceProcess, TlsRejected
 from services.common.auth import bearer_metadata
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import (instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc,
@@ -201,3 +201,22 @@ async def _reflected_services(channel: grpc.aio.Channel) -> set[str]:
     async for reply in call:
         return {service.name for service in reply.list_services_response.service}
     return set()
+
+
+@pytest.mark.parametrize("served_cert, probe_ca, hint", [
+    ("elsewhere_cert", "ca", "subjectAltName"), ("cert", "other_ca", "--tls-ca")])
+async def test_a_child_the_tls_check_rejects_fails_fast_with_what_to_fix(pki, tmp_path, served_cert, probe_ca, hint):
+    """The launcher's health probe names a certificate that does not fit at once, not after its timeout."""
+    port = free_port()
+    probe_tls = TlsConfig(cert_file=str(pki.cert), key_file=str(pki.key), ca_file=str(getattr(pki, probe_ca)))
+    process = ServiceProcess("transfer", "transfer", ["--port", str(port), "--tls-cert", str(getattr(pki, served_cert)),
+                                                      "--tls-key", str(pki.key), "--tls-ca", str(pki.ca)],
+                             f"127.0.0.1:{port}", tmp_path, tls=probe_tls)
+    process.start()
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(TlsRejected, match=hint):
+            await process.wait_healthy(60)
+        assert asyncio.get_running_loop().time() - started < 30
+    finally:
+        process.stop()

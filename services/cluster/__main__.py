@@ -57,6 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="torch threads per instance (0 = cores / instances, at least 1)")
     up.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per instance in MiB")
     up.add_argument("--log-format", default="console", choices=["console", "json"], help="log format of every process")
+    up.add_argument("--autoscale-max-instances", type=int, default=0, metavar="N",
+                    help="let the leader manager scale between --instances and N instances, keeping the average "
+                         "freeness in its band (ferryctl policy set --set scaling_low_freeness=... changes it); "
+                         "0 = off. Not with --prefill/--decode-instances")
     _add_security_arguments(up)
     args = parser.parse_args(argv)
     if args.instances is None:
@@ -65,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--instances, --prefill-instances and --decode-instances must be >= 0")
     if args.managers < 1:
         parser.error("--managers must be at least 1")
+    if args.autoscale_max_instances and (args.prefill_instances or args.decode_instances):
+        parser.error("--autoscale-max-instances scales 'both' instances only; drop --prefill/--decode-instances")
+    if args.autoscale_max_instances and args.autoscale_max_instances < args.instances:
+        parser.error(f"--autoscale-max-instances must be at least --instances ({args.instances}) or 0")
     if args.instances + args.prefill_instances + args.decode_instances == 0:
         parser.error("the cluster needs at least one instance: pass --instances N or --prefill-instances/--decode-instances")
     try:
@@ -127,7 +135,7 @@ def build_spec(args: argparse.Namespace) -> ClusterSpec:
                        transfer_backend=args.transfer_backend, http_port=args.http_port, admin_port=args.admin_port,
                        state_dir=args.state_dir.resolve() if args.state_dir else None, cluster=args.cluster,
                        threads_per_instance=threads, kv_cache_mib=args.kv_cache_mib, log_format=args.log_format,
-                       security=args.security)
+                       security=args.security, autoscale_max_instances=args.autoscale_max_instances)
 
 
 def main(argv: list[str] | None = None) -> int:

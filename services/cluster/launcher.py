@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import structlog
 
 from services.cluster.processes import ServiceProcess
+from services.cluster.scaling_follower import follow_scaling, reset_target
 from services.cluster.security import ClusterSecurity
 from services.common.etcd_launcher import LocalEtcd, free_port
+from services.common.registry import Registry
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +47,12 @@ class ClusterSpec:
     kv_cache_mib: int
     log_format: str
     security: ClusterSecurity = ClusterSecurity()  # TLS / mTLS and the admin token; all off by default
+    autoscale_max_instances: int = 0  # > 0: the manager scales between len(roles) and this many instances
+
+    @property
+    def is_scalable(self) -> bool:
+        """Only clusters of `both` instances scale (scaling.py)."""
+        return all(role == "both" for role in self.roles)
 
 
 class LocalCluster:
@@ -54,6 +62,7 @@ class LocalCluster:
         self.state_dir = spec.state_dir or pathlib.Path(self._tmp.name)
         self.etcd: LocalEtcd | None = None
         self.processes: list[ServiceProcess] = []
+        self._next_instance_index = len(spec.roles)  # ids of instances added by scaling are never reused
 
     @property
     def frontend_url(self) -> str:
@@ -68,12 +77,25 @@ class LocalCluster:
         data_dir = self.state_dir / "etcd" if self.spec.state_dir else None
         self.etcd = await LocalEtcd(data_dir=data_dir).start_async()
         log.info("etcd_started", endpoint=self.etcd.endpoint, pid=self.etcd.pid)
+        if self.spec.is_scalable:
+            async with self.registry() as registry:
+                await reset_target(registry, len(self.spec.roles))
         await self._start_and_wait([self._manager(0)])
         await self._start_and_wait([self._manager(i) for i in range(1, self.spec.num_managers)])
         await self._start_and_wait([self._transfer()])
         await self._start_and_wait([self._instance(i, role) for i, role in enumerate(self.spec.roles)])
         await self._start_and_wait([self._frontend()])
         self.write_state()
+
+    async def add_instance(self) -> ServiceProcess:
+        """Start one more `both` instance (scaling) and wait until it is healthy."""
+        process = self._instance(self._next_instance_index, "both")
+        self._next_instance_index += 1
+        await self._start_and_wait([process])
+        return process
+
+    def registry(self) -> Registry:
+        return Registry([self.etcd.endpoint], self.spec.cluster)
 
     def stop(self) -> None:
         for process in reversed(self.processes):
@@ -118,8 +140,14 @@ class LocalCluster:
     def _manager(self, index: int) -> ServiceProcess:
         port = self.spec.admin_port if index == 0 else free_port()
         args = ["--port", str(port), "--manager-id", f"manager-{index}", *self._common_args(),
-                *self.spec.security.manager_args()]
+                *self.spec.security.manager_args(), *self._scaling_args()]
         return self._grpc_service(f"manager-{index}", "manager", args, port)
+
+    def _scaling_args(self) -> list[str]:
+        if not self.spec.autoscale_max_instances:
+            return []
+        return ["--scaling-enabled", "true", "--scaling-min-instances", str(len(self.spec.roles)),
+                "--scaling-max-instances", str(self.spec.autoscale_max_instances)]
 
     def _transfer(self) -> ServiceProcess:
         """One transfer service maps every instance's KV memory on this host."""
@@ -160,11 +188,20 @@ async def run_until_signalled(cluster: LocalCluster) -> None:
         if start.done():
             start.result()  # raises if a child failed to come up
             print_ready(cluster)
-            await _watch_children(cluster, stop)
+            await _watch(cluster, stop)
         else:
             start.cancel()
     finally:
         cluster.stop()
+
+
+async def _watch(cluster: LocalCluster, stop: asyncio.Event) -> None:
+    """Watch the children, and follow the manager's scaling decisions when the cluster can scale."""
+    if not cluster.spec.is_scalable:
+        await _watch_children(cluster, stop)
+        return
+    async with cluster.registry() as registry:
+        await asyncio.gather(_watch_children(cluster, stop), follow_scaling(cluster, registry, stop))
 
 
 async def _watch_children(cluster: LocalCluster, stop: asyncio.Event) -> None:

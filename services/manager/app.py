@@ -35,6 +35,7 @@ from services.manager.instance_client import InstanceChannels
 from services.manager.leadership import Leadership
 from services.manager.metrics import serve_metrics, watch_membership_staleness
 from services.manager.migrator import Migrator, MigratorLimits
+from services.manager.scaling import Scaler
 from services.manager.server import ADMIN_SERVICE, MANAGER_SERVICE, AdminServicer, ManagerServicer, add_servicers
 
 log = structlog.get_logger(__name__)
@@ -60,9 +61,10 @@ async def main(config: ManagerConfig) -> None:
     journal = MigrationJournal(etcd, config.cluster, manager_id, config.migration_history_size)
     migrator = Migrator(view, leadership, instances, _migrator_limits(config), config.migration,
                         record_sink=journal.append)
+    scaler = Scaler(view, leadership, store, config.scaling, config.scaling_interval_s, config.scaling_cooldown_s)
     admin = AdminServicer(view, dispatcher, leadership, store, instances, migrator, config.list_requests_timeout_s,
                           config.admin_forward_timeout_s, config.migration_timeout_s, tls=config.tls,
-                          admin_token=admin_token, journal=journal)
+                          admin_token=admin_token, journal=journal, scaler=scaler)
     add_servicers(server.server, ManagerServicer(dispatcher, view, leadership, migrator), admin)
     if config.metrics_port:
         serve_metrics(config.metrics_port, view, leadership)
@@ -72,7 +74,7 @@ async def main(config: ManagerConfig) -> None:
         members.on_change(lambda change: _apply_members(view, change.members))
         watch_membership_staleness(members)
         _apply_members(view, members.members)
-        apply = lambda settings: _apply_settings(dispatcher, migrator, view, config, settings)  # noqa: E731
+        apply = lambda settings: _apply_settings(dispatcher, migrator, scaler, view, config, settings)  # noqa: E731
         await _apply_stored_settings(store, apply)  # before we can win: dispatch with the stored policy
         campaign = Campaign(election, await watch_leader(registry), leadership, view)
         async with asyncio.TaskGroup() as tasks:
@@ -80,6 +82,7 @@ async def main(config: ManagerConfig) -> None:
                      tasks.create_task(campaign.leader_watch_loop(), name="leader_watch_loop"),
                      tasks.create_task(campaign.campaign_loop(), name="campaign_loop"),
                      tasks.create_task(migrator.migration_loop(), name="migration_loop"),
+                     tasks.create_task(scaler.scaling_loop(), name="scaling_loop"),
                      tasks.create_task(journal.writer_loop(), name="migration_journal_loop")]
             log.info("manager_ready", manager_id=manager_id, address=server.address)
             print(f"ready {manager_id} {server.address}", flush=True)
@@ -122,10 +125,11 @@ def _migrator_limits(config: ManagerConfig) -> MigratorLimits:
                           failure_backoff_s=config.migration_failure_backoff_s)
 
 
-def _apply_settings(dispatcher: Dispatcher, migrator: Migrator, view: ClusterView, config: ManagerConfig,
-                    settings: ClusterSettings) -> None:
+def _apply_settings(dispatcher: Dispatcher, migrator: Migrator, scaler: Scaler, view: ClusterView,
+                    config: ManagerConfig, settings: ClusterSettings) -> None:
     dispatcher.set_policy(settings.dispatch_policy or config.dispatch_policy)
     migrator.set_settings(settings.migration or config.migration)
+    scaler.set_settings(settings.scaling or config.scaling)
     view.replace_drained(settings.drained)
 
 

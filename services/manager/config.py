@@ -9,7 +9,9 @@ from services.common.config import knob
 from services.common.etcd_client import EtcdKnobs
 from services.common.tls import TlsKnobs
 from services.common.logging import LogKnobs
+from services.common.errors import InvalidArgument
 from services.manager.migration import MigrationSelection, MigrationSettings
+from services.manager.scaling import ScalingSettings
 from services.manager.migration_policies import PAIRING_NAMES
 from services.manager.policies import DEFAULT_PREFIX_LOAD_SLACK, POLICY_NAMES
 
@@ -47,6 +49,14 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
                                             "(oldest dropped first)")
     migration_failure_backoff_s: float = knob(2.0, "seconds a (source, destination) pair waits after a failed migration")
     migration_backend: str = knob("", "transfer backend migrations ask for: grpc, gloo, nccl, shm (empty = each instance's default)")
+    scaling_enabled: bool = knob(False, "ask for instances and retire them to keep the average freeness in "
+                                        "[--scaling-low-freeness, --scaling-high-freeness], until a policy is stored")
+    scaling_low_freeness: float = knob(4.0, "scaling: below this average freeness, ask for one more instance")
+    scaling_high_freeness: float = knob(256.0, "scaling: above this average freeness, retire one instance")
+    scaling_min_instances: int = knob(1, "scaling: never retire below this many instances")
+    scaling_max_instances: int = knob(4, "scaling: never ask for more than this many instances")
+    scaling_interval_s: float = knob(1.0, "seconds between ticks of the scaling loop (leader only)")
+    scaling_cooldown_s: float = knob(60.0, "seconds after a scaling action before the next one")
     pd_short_prompt_tokens: int = knob(0, "PD disaggregation: prompts shorter than this many tokens may prefill on a "
                                           "decode instance directly, skipping the hand-off (0 = off)")
     metrics_port: int = knob(0, "Prometheus /metrics HTTP port (0 = off)")
@@ -64,10 +74,10 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
             raise ValueError(f"--lease-ttl-s must be at least 1 (etcd leases are whole seconds), got {self.lease_ttl_s}")
         for name in ("report_timeout_s", "resync_interval_s", "list_requests_timeout_s", "admin_forward_timeout_s",
                      "migration_interval_s", "migration_timeout_s", "migration_max_per_instance",
-                     "migration_history_size"):
+                     "migration_history_size", "scaling_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("migration_threshold", "migration_cooldown_s", "migration_failure_backoff_s",
+        for name in ("migration_threshold", "migration_cooldown_s", "migration_failure_backoff_s", "scaling_cooldown_s",
                      "pd_short_prompt_tokens", "prefix_load_slack"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
@@ -76,6 +86,10 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
         self.tls.check()
         self.etcd_access.check()
         read_token(self.admin_token, self.admin_token_file, "admin-token")
+        try:
+            self.scaling.check()
+        except InvalidArgument as exc:
+            raise ValueError(str(exc).replace("scaling_", "--scaling-").replace("_", "-")) from None
         if self.migration_backend not in _BACKENDS:
             raise ValueError(f"--migration-backend must be empty or one of grpc, gloo, nccl, shm, got {self.migration_backend!r}")
 
@@ -89,3 +103,10 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
         """The migration settings in force until a policy is stored in etcd."""
         return MigrationSettings(is_enabled=self.migration_enabled, threshold=self.migration_threshold,
                                  selection=self.migration_selection, pairing=self.migration_pairing)
+
+    @property
+    def scaling(self) -> ScalingSettings:
+        """The scaling settings in force until a policy is stored in etcd."""
+        return ScalingSettings(is_enabled=self.scaling_enabled, low_freeness=self.scaling_low_freeness,
+                               high_freeness=self.scaling_high_freeness, min_instances=self.scaling_min_instances,
+                               max_instances=self.scaling_max_instances)

@@ -5,6 +5,11 @@
 | config/policy        | {"dispatch": "load", "migration": {"enabled": true, "threshold": 1.0, "selection": "shortest_running", "pairing": "load"}} |
 | config/drain/<id>    | {"instance_id": id, "drained_by": manager_id, "drained_at": unix s} |
 
+The policy's optional "scaling" entry holds the scaling band ({"enabled", "low_freeness",
+"high_freeness", "min_instances", "max_instances"}). Outside config/ (no manager applies
+it), the leader writes its scaling decisions to scaling/target for launchers to follow
+(scaling.py).
+
 Keys have no lease: they outlive every manager, so a restarted manager and a new leader
 see the same policy and drain marks. Every manager runs `watch_loop`, so a change made
 through any manager reaches all of them. config/ is tiny: on any event the loop re-reads
@@ -28,6 +33,7 @@ from services.manager.domain import InstanceId
 from services.manager.migration import MigrationSelection, MigrationSettings
 from services.manager.migration_policies import PAIRING_NAMES
 from services.manager.policies import POLICY_NAMES
+from services.manager.scaling import ScalingSettings
 
 log = structlog.get_logger(__name__)
 
@@ -39,35 +45,50 @@ class ClusterSettings:
     dispatch_policy: str | None  # None: nothing stored yet; use --dispatch-policy
     drained: frozenset[InstanceId]
     migration: MigrationSettings | None = None  # None: nothing stored yet; use the --migration-* flags
+    scaling: ScalingSettings | None = None  # None: nothing stored yet; use the --scaling-* flags
 
 
 class ConfigStore:
     def __init__(self, client: Etcd3Client, cluster: str, manager_id: str) -> None:
         self._client = client
-        self._manager_id = manager_id
+        self.manager_id = manager_id
         self._prefix = f"/ferry/{cluster}/config/"
+        self._scaling_target_key = f"/ferry/{cluster}/scaling/target"
         self._policy_key = f"{self._prefix}policy"
         self._drain_prefix = f"{self._prefix}drain/"
 
     async def read(self) -> tuple[ClusterSettings, int]:
         """The stored settings and the etcd revision they were read at."""
         reply = await self._client.kv.get(self._prefix, range_end=prefix_range_end(self._prefix), timeout=ETCD_TIMEOUT_S)
-        policy, migration, drained = None, None, set()
+        policy, migration, scaling, drained = None, None, None, set()
         for kv in reply.kvs:
             key = kv.key.decode()
             if key == self._policy_key:
-                policy, migration = self._parse_policy(kv.value)
+                policy, migration, scaling = self._parse_policy(kv.value)
             elif key.startswith(self._drain_prefix):
                 drained.add(InstanceId(key.removeprefix(self._drain_prefix)))
-        return ClusterSettings(policy, frozenset(drained), migration), reply.header.revision
+        return ClusterSettings(policy, frozenset(drained), migration, scaling), reply.header.revision
 
-    async def put_policy(self, dispatch: str, migration: MigrationSettings) -> None:
-        value = {"dispatch": dispatch, "migration": migration_to_json(migration)}
+    async def put_policy(self, dispatch: str, migration: MigrationSettings, scaling: ScalingSettings) -> None:
+        value = {"dispatch": dispatch, "migration": migration_to_json(migration), "scaling": scaling_to_json(scaling)}
         await self._client.kv.put(self._policy_key, json.dumps(value), timeout=ETCD_TIMEOUT_S)
 
     async def put_drain(self, instance_id: InstanceId) -> None:
-        mark = {"instance_id": instance_id, "drained_by": self._manager_id, "drained_at": time.time()}
+        mark = {"instance_id": instance_id, "drained_by": self.manager_id, "drained_at": time.time()}
         await self._client.kv.put(f"{self._drain_prefix}{instance_id}", json.dumps(mark), timeout=ETCD_TIMEOUT_S)
+
+    async def delete_drain(self, instance_id: InstanceId) -> None:
+        await self._client.kv.delete(f"{self._drain_prefix}{instance_id}", timeout=ETCD_TIMEOUT_S)
+
+    async def get_scaling_target(self) -> dict | None:
+        reply = await self._client.kv.get(self._scaling_target_key, timeout=ETCD_TIMEOUT_S)
+        try:
+            return json.loads(reply.kvs[0].value) if reply.kvs else None
+        except json.JSONDecodeError:
+            return None
+
+    async def put_scaling_target(self, value: dict) -> None:
+        await self._client.kv.put(self._scaling_target_key, json.dumps(value), timeout=ETCD_TIMEOUT_S)
 
     async def watch_loop(self, apply: Callable[[ClusterSettings], None]) -> None:
         """Keep `apply`ing the stored settings: read all, watch, re-read on each change.
@@ -97,17 +118,26 @@ class ConfigStore:
                 if reply.events:
                     return
 
-    def _parse_policy(self, raw: bytes) -> tuple[str | None, MigrationSettings | None]:
+    def _parse_policy(self, raw: bytes) -> tuple[str | None, MigrationSettings | None, ScalingSettings | None]:
         try:
             stored = json.loads(raw)
-            name, migration = stored.get("dispatch"), stored.get("migration")
+            name, migration, scaling = stored.get("dispatch"), stored.get("migration"), stored.get("scaling")
         except (json.JSONDecodeError, AttributeError):
-            stored, name, migration = None, None, None
+            stored, name, migration, scaling = None, None, None, None
         if name not in POLICY_NAMES:
             log.warning("stored_policy_ignored", key=self._policy_key, value=raw.decode(errors="replace"),
                         valid=list(POLICY_NAMES))
             name = None
-        return name, self._parse_migration(migration, raw) if migration is not None else None
+        return (name, self._parse_migration(migration, raw) if migration is not None else None,
+                self._parse_scaling(scaling, raw) if scaling is not None else None)
+
+    def _parse_scaling(self, value: object, raw: bytes) -> ScalingSettings | None:
+        try:
+            return scaling_from_json(value)
+        except Exception as exc:  # noqa: BLE001 — malformed: log and keep the flags' settings
+            log.warning("stored_scaling_policy_ignored", key=self._policy_key, value=raw.decode(errors="replace"),
+                        error=str(exc))
+            return None
 
     def _parse_migration(self, value: object, raw: bytes) -> MigrationSettings | None:
         try:
@@ -130,3 +160,18 @@ def migration_from_json(value: object) -> MigrationSettings:
         raise ValueError(f"threshold must be >= 0 and pairing one of {', '.join(PAIRING_NAMES)}")
     return MigrationSettings(is_enabled=bool(value["enabled"]), threshold=threshold,
                              selection=MigrationSelection(value["selection"]), pairing=value["pairing"])
+
+
+def scaling_to_json(settings: ScalingSettings) -> dict:
+    return {"enabled": settings.is_enabled, "low_freeness": settings.low_freeness,
+            "high_freeness": settings.high_freeness, "min_instances": settings.min_instances,
+            "max_instances": settings.max_instances}
+
+
+def scaling_from_json(value: object) -> ScalingSettings:
+    """The stored scaling settings; raises when malformed or out of range."""
+    settings = ScalingSettings(is_enabled=bool(value["enabled"]), low_freeness=float(value["low_freeness"]),
+                               high_freeness=float(value["high_freeness"]), min_instances=int(value["min_instances"]),
+                               max_instances=int(value["max_instances"]))
+    settings.check()
+    return settings

@@ -8,6 +8,7 @@ from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2, transfer_pb2
 from services.common.prefix_hash import MAX_PREFIX_CHUNKS
 from services.manager.cluster_view import ClusterTotals
+from services.manager.scaling import ScalingSettings
 from services.manager.domain import DispatchAsk, InstanceId, InstanceState, InstanceView, Load, Placement, Role
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger)
@@ -101,11 +102,26 @@ def cluster_status_to_proto(totals: ClusterTotals, *, leader_id: str, leader_add
 # migration
 
 
-def policy_to_proto(dispatch: str, migration: MigrationSettings) -> manager_pb2.Policy:
+def policy_to_proto(dispatch: str, migration: MigrationSettings, scaling: ScalingSettings) -> manager_pb2.Policy:
     return manager_pb2.Policy(dispatch=dispatch, migration_enabled=migration.is_enabled,
                               migration_threshold=migration.threshold,
                               migration_selection=_SELECTION_TO_PROTO[migration.selection],
-                              migration_pairing=migration.pairing)
+                              migration_pairing=migration.pairing, scaling_enabled=scaling.is_enabled,
+                              scaling_low_freeness=scaling.low_freeness, scaling_high_freeness=scaling.high_freeness,
+                              scaling_min_instances=scaling.min_instances, scaling_max_instances=scaling.max_instances)
+
+
+def scaling_settings_from_proto(policy: manager_pb2.Policy, current: ScalingSettings) -> ScalingSettings:
+    """`current` with what `policy` sets; InvalidArgument (naming the field) for values that make no sense."""
+    def pick(name: str, value):
+        return getattr(policy, f"scaling_{name}") if policy.HasField(f"scaling_{name}") else value
+    settings = ScalingSettings(is_enabled=pick("enabled", current.is_enabled),
+                               low_freeness=pick("low_freeness", current.low_freeness),
+                               high_freeness=pick("high_freeness", current.high_freeness),
+                               min_instances=pick("min_instances", current.min_instances),
+                               max_instances=pick("max_instances", current.max_instances))
+    settings.check()
+    return settings
 
 
 def migration_settings_from_proto(policy: manager_pb2.Policy, current: MigrationSettings) -> MigrationSettings:

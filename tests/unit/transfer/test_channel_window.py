@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -25,6 +26,7 @@ from tests.unit.transfer.factories import random_kv, rows_of, tiny_geometry
 pytestmark = pytest.mark.timeout(30)
 
 BLOCK_BYTES = 4 * 64 * 2  # tiny_geometry: 4 rows of 64 fp16 elements
+RECEIVE_DELAY_S = 0.003
 
 
 @dataclass
@@ -53,6 +55,7 @@ class FakeChannel:
             self.sends_in_flight -= 1
 
     def recv(self, out: torch.Tensor, tag: int, timeout_s: float) -> None:
+        time.sleep(RECEIVE_DELAY_S)  # a receiver slower than the gathers: sends that may overlap do
         data, taken = self._slot(tag).get(timeout=timeout_s)
         out.copy_(data)
         taken.set()

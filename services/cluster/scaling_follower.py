@@ -1,0 +1,77 @@
+"""The local launcher's side of scaling: follow the leader's etcd scaling/target with processes.
+
+The leader manager decides (services/manager/scaling.py) and writes
+`{"num_instances", "draining", "stoppable", ...}` to /ferry/<cluster>/scaling/target.
+Every second the launcher compares it with its own instance processes: it stops the
+ones listed `stoppable` (drained: nothing runs there), and starts a new `both` instance
+(the next unused `instance-<n>` id) while fewer than `num_instances` serve. Instances
+listed `draining` keep running until they become stoppable. Only clusters without
+prefill/decode roles follow it, as only they scale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+import structlog
+
+from services.cluster.processes import ServiceProcess
+from services.common.registry import Registry
+
+log = structlog.get_logger(__name__)
+
+TARGET_KEY = "scaling/target"
+FOLLOW_INTERVAL_S = 1.0
+FAILURE_DELAY_S = 10.0
+
+
+class ScalableCluster(Protocol):
+    processes: list[ServiceProcess]
+
+    async def add_instance(self) -> ServiceProcess: ...
+    def write_state(self) -> Any: ...
+
+
+def instance_processes(cluster: ScalableCluster) -> list[ServiceProcess]:
+    return [p for p in cluster.processes if p.module == "instance"]
+
+
+async def reset_target(registry: Registry, num_instances: int) -> None:
+    """At startup: what the launcher starts is the target (an old one from a kept --state-dir is not)."""
+    await registry.put_json(TARGET_KEY, {"num_instances": num_instances, "draining": [], "stoppable": [],
+                                         "reason": "launcher started", "manager_id": "", "updated_at": 0.0})
+
+
+async def follow_step(cluster: ScalableCluster, registry: Registry) -> None:
+    target = await registry.get_json(TARGET_KEY)
+    if not isinstance(target, dict) or "num_instances" not in target:
+        return
+    retiring = set(target.get("draining", [])) | set(target.get("stoppable", []))
+    for process in instance_processes(cluster):
+        if process.name in set(target.get("stoppable", [])):
+            await asyncio.to_thread(process.stop)
+            cluster.processes.remove(process)
+            cluster.write_state()
+            log.info("scaling_instance_stopped", name=process.name, pid=process.pid)
+    serving = [p for p in instance_processes(cluster) if p.is_alive() and p.name not in retiring]
+    if len(serving) < int(target["num_instances"]):
+        process = await cluster.add_instance()
+        cluster.write_state()
+        log.info("scaling_instance_started", name=process.name, pid=process.pid, reason=target.get("reason", ""))
+
+
+async def follow_scaling(cluster: ScalableCluster, registry: Registry, stop: asyncio.Event) -> None:
+    """`follow_step` every second until `stop`; a failed step (etcd away, a child that would not start) is
+    logged and the next one waits FAILURE_DELAY_S."""
+    while not stop.is_set():
+        delay_s = FOLLOW_INTERVAL_S
+        try:
+            await follow_step(cluster, registry)
+        except Exception as exc:  # noqa: BLE001 — the launcher keeps serving; the next step tries again
+            log.warning("scaling_follow_failed", error=str(exc) or type(exc).__name__, retry_in_s=FAILURE_DELAY_S)
+            delay_s = FAILURE_DELAY_S  # e.g. an instance that would not start: do not start one every second
+        try:
+            await asyncio.wait_for(stop.wait(), delay_s)
+        except TimeoutError:
+            pass

@@ -1,0 +1,227 @@
+"""Scaling decisions: keep the cluster's average freeness inside a band.
+
+Every tick the leader looks at the serving instances. When their average freeness
+(free KV blocks per running request, less what queued requests need) falls below
+`low_freeness`, it asks for one more instance; above `high_freeness` it retires one:
+drains it (its requests migrate away) and, once nothing runs there, says it may be
+stopped. It decides; a launcher acts. The decision is written to etcd
+`/ferry/<cluster>/scaling/target` as JSON:
+
+    {"num_instances": 3,            # instances that should be serving
+     "draining": ["instance-2"],    # retiring: being drained, keep them running
+     "stoppable": ["instance-4"],   # retired and empty: stop them now
+     "reason": "...", "manager_id": "...", "updated_at": 1760000000.0}
+
+`python -m services.cluster up` follows it with local processes; under docker compose
+or systemd, a script that watches the key (`etcdctl watch`) does the same.
+
+One action at a time: nothing happens while an instance drains, is unhealthy, or an
+added one has not registered yet, nor within `cooldown_s` of the last action. Only
+clusters of `both` instances scale: with prefill/decode roles it holds back (which role
+to add is a PD question the band cannot answer). Retired instances leave the cluster
+with their drain mark; the leader deletes the mark once they are gone, so a later
+instance with the same id starts serving.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+
+from services.common.errors import InvalidArgument
+from services.common.periodic import periodic_loop
+from services.manager import metrics
+from services.manager.cluster_view import ClusterView
+from services.manager.domain import InstanceId, InstanceState, InstanceView, Role
+from services.manager.leadership import Leadership
+
+log = structlog.get_logger(__name__)
+
+ADD_TIMEOUT_S = 300.0  # an asked-for instance that has not registered by then is asked for again
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingSettings:
+    """The scaling part of the cluster policy (stored with it in etcd config/policy)."""
+
+    is_enabled: bool = False
+    low_freeness: float = 4.0  # below this average freeness: add an instance
+    high_freeness: float = 256.0  # above it: retire one
+    min_instances: int = 1
+    max_instances: int = 4
+
+    def check(self) -> None:
+        """InvalidArgument naming the field when the band or the bounds make no sense."""
+        for name in ("low_freeness", "high_freeness"):
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidArgument(f"scaling_{name} must be a finite number, got {getattr(self, name)}")
+        if self.low_freeness >= self.high_freeness:
+            raise InvalidArgument(f"scaling_low_freeness ({self.low_freeness}) must be below scaling_high_freeness "
+                                  f"({self.high_freeness}), or every tick would both add and retire")
+        if not 1 <= self.min_instances <= self.max_instances:
+            raise InvalidArgument(f"scaling_min_instances ({self.min_instances}) must be >= 1 and <= "
+                                  f"scaling_max_instances ({self.max_instances})")
+
+
+class ScalingAction(enum.Enum):
+    ADD = "add"
+    RETIRE = "retire"
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingDecision:
+    action: ScalingAction
+    num_instances: int  # serving instances now
+    average_freeness: float
+    instance_id: InstanceId | None = None  # RETIRE: the instance to drain and stop
+
+    @property
+    def reason(self) -> str:
+        side = "below" if self.action is ScalingAction.ADD else "above"
+        return f"average freeness {self.average_freeness:.1f} over {self.num_instances} instances is {side} the band"
+
+
+def decide(views: Sequence[InstanceView], settings: ScalingSettings) -> ScalingDecision | None:
+    """What to do now, if anything (see the module docstring for when it holds back)."""
+    if not settings.is_enabled or not views:
+        return None
+    if any(v.record.role is not Role.BOTH or v.state is not InstanceState.SERVING or v.report_age_s is None
+           for v in views):
+        return None
+    average = statistics.fmean(v.load.freeness for v in views)
+    if average < settings.low_freeness and len(views) < settings.max_instances:
+        return ScalingDecision(ScalingAction.ADD, len(views), average)
+    if average > settings.high_freeness and len(views) > settings.min_instances:
+        idlest = min(views, key=lambda v: (v.load.num_running + v.load.num_waiting, _newest_first(v.record.instance_id)))
+        return ScalingDecision(ScalingAction.RETIRE, len(views), average, idlest.record.instance_id)
+    return None
+
+
+def _newest_first(instance_id: str) -> tuple[int, str]:
+    """Sort key that puts the highest numbered id (instance-10 after instance-9) first."""
+    digits = "".join(c for c in instance_id if c.isdigit())
+    return (-int(digits) if digits else 0, "".join(reversed(instance_id)))
+
+
+@dataclass(slots=True)
+class ScalingTarget:
+    num_instances: int
+    draining: list[InstanceId] = field(default_factory=list)
+    stoppable: list[InstanceId] = field(default_factory=list)
+    reason: str = ""
+
+    def to_json(self, manager_id: str, now: float) -> dict:
+        return {"num_instances": self.num_instances, "draining": sorted(self.draining),
+                "stoppable": sorted(self.stoppable), "reason": self.reason, "manager_id": manager_id,
+                "updated_at": now}
+
+
+def target_from_json(value: dict | None) -> ScalingTarget | None:
+    """A stored target (None if absent or malformed: nothing to follow up)."""
+    try:
+        return ScalingTarget(int(value["num_instances"]), [InstanceId(i) for i in value.get("draining", [])],
+                             [InstanceId(i) for i in value.get("stoppable", [])], str(value.get("reason", "")))
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+class ScalingStore(Protocol):
+    manager_id: str
+
+    async def get_scaling_target(self) -> dict | None: ...
+    async def put_scaling_target(self, value: dict) -> None: ...
+    async def put_drain(self, instance_id: InstanceId) -> None: ...
+    async def delete_drain(self, instance_id: InstanceId) -> None: ...
+
+
+class Scaler:
+    def __init__(self, view: ClusterView, leadership: Leadership, store: ScalingStore, settings: ScalingSettings,
+                 interval_s: float, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._view = view
+        self._leadership = leadership
+        self._store = store
+        self.settings = settings
+        self._interval_s = interval_s
+        self._cooldown_s = cooldown_s
+        self._clock = clock
+        self._last_action_at = -math.inf
+        self._adding: tuple[int, float] | None = None  # (members expected, give up at) after an ADD
+        self._target: ScalingTarget | None = None  # what we last wrote, while instances retire
+        self._has_read_target = False  # a new leader picks up retirements its predecessor started
+
+    def set_settings(self, settings: ScalingSettings) -> None:
+        self.settings = settings
+
+    async def scaling_loop(self) -> None:
+        await periodic_loop("scaling", self._interval_s, self.tick)
+
+    async def tick(self) -> ScalingDecision | None:
+        if not self._leadership.is_leader:
+            return None
+        if not self._has_read_target:
+            self._target = target_from_json(await self._store.get_scaling_target())
+            self._has_read_target = True
+        views = self._view.instances()
+        if await self._follow_retirements(views) or self._is_waiting(views):
+            return None
+        decision = decide(views, self.settings)
+        if decision is not None:
+            await self._act(decision)
+        return decision
+
+    def _is_waiting(self, views: list[InstanceView]) -> bool:
+        now = self._clock()
+        if self._adding is not None:
+            num_expected, give_up_at = self._adding
+            if len(views) < num_expected and now < give_up_at:
+                return True
+            self._adding = None
+        return now - self._last_action_at < self._cooldown_s
+
+    async def _follow_retirements(self, views: list[InstanceView]) -> bool:
+        """Move drained instances to `stoppable`, forget those gone; True while any is still retiring."""
+        target = self._target
+        if target is None or not (target.draining or target.stoppable):
+            return False
+        present = {v.record.instance_id: v for v in views}
+        before = (list(target.draining), list(target.stoppable))
+        for instance_id in [i for i in target.stoppable + target.draining if i not in present]:
+            await self._store.delete_drain(instance_id)  # gone: a later instance with its id must serve
+            for retiring in (target.draining, target.stoppable):
+                if instance_id in retiring:
+                    retiring.remove(instance_id)
+            log.info("scaling_instance_retired", instance_id=instance_id)
+        for instance_id in [i for i in target.draining if present[i].is_drained]:
+            target.draining.remove(instance_id)
+            target.stoppable.append(instance_id)
+            log.info("scaling_instance_stoppable", instance_id=instance_id)
+        if (target.draining, target.stoppable) != before:
+            await self._write(target)
+        return bool(target.draining or target.stoppable)
+
+    async def _act(self, decision: ScalingDecision) -> None:
+        if decision.action is ScalingAction.ADD:
+            target = ScalingTarget(decision.num_instances + 1, reason=decision.reason)
+            self._adding = (decision.num_instances + 1, self._clock() + ADD_TIMEOUT_S)
+        else:
+            assert decision.instance_id is not None
+            await self._store.put_drain(decision.instance_id)
+            self._view.mark_drained(decision.instance_id)
+            target = ScalingTarget(decision.num_instances - 1, draining=[decision.instance_id], reason=decision.reason)
+        await self._write(target)
+        self._target = target
+        self._last_action_at = self._clock()
+        metrics.SCALING_ACTIONS.labels(decision.action.value).inc()
+        log.info("scaling_decided", action=decision.action.value, instance_id=decision.instance_id,
+                 num_instances=decision.num_instances, target_instances=target.num_instances,
+                 average_freeness=round(decision.average_freeness, 2))
+
+    async def _write(self, target: ScalingTarget) -> None:
+        await self._store.put_scaling_target(target.to_json(self._store.manager_id, time.time()))

@@ -1,0 +1,136 @@
+import dataclasses
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.manager.domain import InstanceId, Role
+from services.manager.leadership import Leadership
+from services.manager.scaling import ScalingAction, Scaler, ScalingSettings, decide
+from tests.unit.manager.factories import FakeClock, make_load, make_record, make_view
+
+pytestmark = pytest.mark.timeout(10)
+
+BAND = ScalingSettings(is_enabled=True, low_freeness=10.0, high_freeness=100.0, min_instances=1, max_instances=3)
+
+
+def leader() -> Leadership:
+    leadership = Leadership("m-1", "addr")
+    leadership.set_elected(True)
+    return leadership
+
+
+class FakeStore:
+    manager_id = "m-1"
+
+    def __init__(self, target: dict | None = None) -> None:
+        self.target = target
+        self.drained: set[str] = set()
+        self.num_writes = 0
+
+    async def get_scaling_target(self):
+        return self.target
+
+    async def put_scaling_target(self, value: dict) -> None:
+        self.target = value
+        self.num_writes += 1
+
+    async def put_drain(self, instance_id) -> None:
+        self.drained.add(instance_id)
+
+    async def delete_drain(self, instance_id) -> None:
+        self.drained.discard(instance_id)
+
+
+def busy_view(*instance_ids: str, clock: FakeClock, free: int):
+    """Every instance with 9 running requests and `free` free blocks: freeness free / 10."""
+    return make_view(*instance_ids, clock=clock, num_free_blocks=free, num_running=9)
+
+
+def test_decides_inside_the_band_and_its_limits() -> None:
+    clock = FakeClock()
+    views = busy_view("i-0", "i-1", clock=clock, free=50).instances()  # freeness 5: below the band
+    assert decide(views, BAND).action is ScalingAction.ADD
+    assert decide(views, dataclasses.replace(BAND, max_instances=2)) is None  # at max_instances
+    assert decide(busy_view("i-0", "i-1", clock=clock, free=500).instances(), BAND) is None  # 50: inside
+    quiet = make_view("i-0", "i-1", "i-2", clock=clock, num_free_blocks=1000).instances()  # 1000: above
+    retire = decide(quiet, BAND)
+    assert retire.action is ScalingAction.RETIRE and retire.instance_id == "i-2"  # newest of the idle ones
+    assert decide(quiet[:1], BAND) is None  # at min_instances
+    assert decide(views, ScalingSettings()) is None  # off by default
+
+
+def test_holds_back_while_an_instance_drains_is_unhealthy_or_has_a_role() -> None:
+    clock = FakeClock()
+    view = busy_view("i-0", "i-1", clock=clock, free=50)
+    view.mark_drained(InstanceId("i-1"))
+    assert decide(view.instances(), BAND) is None
+    view = busy_view("i-0", clock=clock, free=50)
+    view.put_member(make_record("i-1"))  # registered, never reported
+    assert decide(view.instances(), BAND) is None
+    view = busy_view("i-0", clock=clock, free=50)
+    view.put_member(make_record("p-0", role=Role.PREFILL))
+    view.apply_report(InstanceId("p-0"), make_load(num_free_blocks=50, num_running=9))
+    assert decide(view.instances(), BAND) is None
+
+
+def test_settings_that_make_no_sense_are_refused_naming_the_field() -> None:
+    with pytest.raises(InvalidArgument, match="scaling_low_freeness"):
+        ScalingSettings(low_freeness=10, high_freeness=10).check()
+    with pytest.raises(InvalidArgument, match="scaling_min_instances"):
+        ScalingSettings(min_instances=3, max_instances=2).check()
+    with pytest.raises(InvalidArgument, match="scaling_high_freeness"):
+        ScalingSettings(high_freeness=float("nan")).check()
+
+
+async def test_adds_once_then_waits_for_the_instance_and_the_cooldown() -> None:
+    clock = FakeClock()
+    view = busy_view("i-0", clock=clock, free=50)
+    store = FakeStore()
+    scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=30, clock=clock)
+    assert (await scaler.tick()).action is ScalingAction.ADD
+    assert store.target["num_instances"] == 2 and store.target["draining"] == []
+    clock.advance(60)
+    view.apply_report(InstanceId("i-0"), make_load(num_free_blocks=50, num_running=9))
+    assert await scaler.tick() is None  # past the cooldown, but the new instance has not registered yet
+    view.put_member(make_record("i-1"))
+    for instance_id in ("i-0", "i-1"):
+        view.apply_report(InstanceId(instance_id), make_load(num_free_blocks=50, num_running=9))
+    assert (await scaler.tick()).action is ScalingAction.ADD  # both still below the band
+    assert store.target["num_instances"] == 3
+
+
+async def test_retires_by_draining_then_marks_stoppable_then_forgets_the_drain_mark() -> None:
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", clock=clock, num_free_blocks=1000)
+    store = FakeStore()
+    scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=0, clock=clock)
+    decision = await scaler.tick()
+    assert decision.action is ScalingAction.RETIRE and decision.instance_id == "i-1"
+    assert store.drained == {"i-1"} and store.target["draining"] == ["i-1"] and store.target["num_instances"] == 1
+    view.apply_report(InstanceId("i-1"), make_load(num_free_blocks=1000))  # empty: is_drained
+    assert await scaler.tick() is None
+    assert store.target["draining"] == [] and store.target["stoppable"] == ["i-1"]
+    num_writes = store.num_writes
+    assert await scaler.tick() is None and store.num_writes == num_writes  # nothing changed, nothing written
+    view.remove_member(InstanceId("i-1"))  # the launcher stopped it
+    assert await scaler.tick() is None
+    assert store.drained == set() and store.target["stoppable"] == []
+
+
+async def test_a_new_leader_follows_the_retirement_its_predecessor_started() -> None:
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", clock=clock, num_free_blocks=1000)
+    view.mark_drained(InstanceId("i-1"))
+    store = FakeStore({"num_instances": 1, "draining": ["i-1"], "stoppable": [], "reason": "earlier"})
+    scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=0, clock=clock)
+    assert await scaler.tick() is None
+    assert store.target["stoppable"] == ["i-1"]
+
+
+async def test_a_standby_does_nothing() -> None:
+    clock = FakeClock()
+    leadership = Leadership("m-2", "addr")
+    leadership.set_elected(False)
+    store = FakeStore()
+    scaler = Scaler(busy_view("i-0", clock=clock, free=50), leadership, store, BAND, 1, 0, clock=clock)
+    assert await scaler.tick() is None and store.target is None

@@ -7,6 +7,11 @@ ones listed `stoppable` (drained: nothing runs there), and starts a new `both` i
 (the next unused `instance-<n>` id) while fewer than `num_instances` serve. Instances
 listed `draining` keep running until they become stoppable. Only clusters without
 prefill/decode roles follow it, as only they scale.
+
+At startup the launcher overwrites the target with what it starts (no manager id), so an
+old target kept in a --state-dir is not acted on; until a leader writes one, nothing is
+followed, and an instance that crashes is reported, not replaced. Once scaling is active,
+keeping `num_instances` serving also replaces an instance that died.
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ async def reset_target(registry: Registry, num_instances: int) -> None:
 
 async def follow_step(cluster: ScalableCluster, registry: Registry) -> None:
     target = await registry.get_json(TARGET_KEY)
-    if not isinstance(target, dict) or "num_instances" not in target:
-        return
+    if not isinstance(target, dict) or "num_instances" not in target or not target.get("manager_id"):
+        return  # none, or the launcher's own from startup: until a leader decides, nothing to follow
     retiring = set(target.get("draining", [])) | set(target.get("stoppable", []))
     for process in instance_processes(cluster):
         if process.name in set(target.get("stoppable", [])):

@@ -1,0 +1,76 @@
+from dataclasses import dataclass
+
+import pytest
+
+from services.cluster.scaling_follower import follow_step
+
+pytestmark = pytest.mark.timeout(10)
+
+
+@dataclass
+class FakeProcess:
+    name: str
+    module: str = "instance"
+    alive: bool = True
+    pid: int = 1
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def stop(self) -> None:
+        self.alive = False
+
+
+class FakeCluster:
+    def __init__(self, *names: str) -> None:
+        self.processes = [FakeProcess("manager-0", module="manager"), *(FakeProcess(n) for n in names)]
+        self.added: list[str] = []
+        self.num_writes = 0
+
+    async def add_instance(self) -> FakeProcess:
+        process = FakeProcess(f"instance-{len(self.processes) + len(self.added)}")
+        self.added.append(process.name)
+        self.processes.append(process)
+        return process
+
+    def write_state(self) -> None:
+        self.num_writes += 1
+
+
+class FakeRegistry:
+    def __init__(self, target) -> None:
+        self.target = target
+
+    async def get_json(self, key: str):
+        assert key == "scaling/target"
+        return self.target
+
+
+def target(num_instances: int, manager_id: str = "m-0", draining=(), stoppable=()) -> dict:
+    return {"num_instances": num_instances, "draining": list(draining), "stoppable": list(stoppable),
+            "manager_id": manager_id, "reason": "test", "updated_at": 1.0}
+
+
+async def test_starts_instances_up_to_the_target_one_per_step() -> None:
+    cluster = FakeCluster("instance-0")
+    await follow_step(cluster, FakeRegistry(target(3)))
+    await follow_step(cluster, FakeRegistry(target(3)))
+    await follow_step(cluster, FakeRegistry(target(3)))
+    assert len(cluster.added) == 2 and cluster.num_writes == 2
+
+
+async def test_stops_the_stoppable_and_keeps_the_draining() -> None:
+    cluster = FakeCluster("instance-0", "instance-1", "instance-2")
+    await follow_step(cluster, FakeRegistry(target(1, draining=["instance-1"], stoppable=["instance-2"])))
+    assert [p.name for p in cluster.processes] == ["manager-0", "instance-0", "instance-1"]
+    assert cluster.added == []  # instance-0 serves: the target of 1 is met
+
+
+async def test_follows_nothing_until_a_leader_decided_and_then_replaces_a_dead_instance() -> None:
+    cluster = FakeCluster("instance-0", "instance-1")
+    cluster.processes[1].alive = False  # instance-0 crashed
+    await follow_step(cluster, FakeRegistry(target(2, manager_id="")))  # the launcher's own startup target
+    await follow_step(cluster, FakeRegistry(None))
+    assert cluster.added == []
+    await follow_step(cluster, FakeRegistry(target(2)))
+    assert len(cluster.added) == 1

@@ -17,6 +17,8 @@ keeping `num_instances` serving also replaces an instance that died.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
@@ -48,22 +50,39 @@ async def reset_target(registry: Registry, num_instances: int) -> None:
                                          "reason": "launcher started", "manager_id": "", "updated_at": 0.0})
 
 
-async def follow_step(cluster: ScalableCluster, registry: Registry) -> None:
-    target = await registry.get_json(TARGET_KEY)
+@dataclass(frozen=True, slots=True)
+class FollowPlan:
+    to_stop: tuple[str, ...]  # running instances the target lists as stoppable
+    should_add: bool  # fewer than num_instances serve (running and not retiring)
+
+
+def plan(target: object, running: Sequence[str]) -> FollowPlan | None:
+    """What the target asks of a launcher whose instances `running` run now; None: nothing to follow
+    (no target, or the launcher's own from startup: until a leader decides)."""
     if not isinstance(target, dict) or "num_instances" not in target or not target.get("manager_id"):
-        return  # none, or the launcher's own from startup: until a leader decides, nothing to follow
-    retiring = set(target.get("draining", [])) | set(target.get("stoppable", []))
-    for process in instance_processes(cluster):
-        if process.name in set(target.get("stoppable", [])):
-            await asyncio.to_thread(process.stop)
-            cluster.processes.remove(process)
-            cluster.write_state()
-            log.info("scaling_instance_stopped", name=process.name, pid=process.pid)
-    serving = [p for p in instance_processes(cluster) if p.is_alive() and p.name not in retiring]
-    if len(serving) < int(target["num_instances"]):
+        return None
+    stoppable = set(target.get("stoppable", []))
+    retiring = stoppable | set(target.get("draining", []))
+    serving = [name for name in running if name not in retiring]
+    return FollowPlan(tuple(name for name in running if name in stoppable),
+                      len(serving) < int(target["num_instances"]))
+
+
+async def follow_step(cluster: ScalableCluster, registry: Registry) -> None:
+    running = {p.name: p for p in instance_processes(cluster) if p.is_alive()}
+    step = plan(await registry.get_json(TARGET_KEY), list(running))
+    if step is None:
+        return
+    for name in step.to_stop:
+        process = running[name]
+        await asyncio.to_thread(process.stop)
+        cluster.processes.remove(process)
+        cluster.write_state()
+        log.info("scaling_instance_stopped", name=process.name, pid=process.pid)
+    if step.should_add:
         process = await cluster.add_instance()
         cluster.write_state()
-        log.info("scaling_instance_started", name=process.name, pid=process.pid, reason=target.get("reason", ""))
+        log.info("scaling_instance_started", name=process.name, pid=process.pid)
 
 
 async def follow_scaling(cluster: ScalableCluster, registry: Registry, stop: asyncio.Event) -> None:

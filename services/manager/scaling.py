@@ -154,7 +154,7 @@ class Scaler:
         self._last_action_at = -math.inf
         self._adding: tuple[int, float] | None = None  # (members expected, give up at) after an ADD
         self._target: ScalingTarget | None = None  # what we last wrote, while instances retire
-        self._has_read_target = False  # a new leader picks up retirements its predecessor started
+        self._has_read_target = False  # on becoming leader, pick up the retirements a predecessor started
 
     def set_settings(self, settings: ScalingSettings) -> None:
         self.settings = settings
@@ -164,6 +164,7 @@ class Scaler:
 
     async def tick(self) -> ScalingDecision | None:
         if not self._leadership.is_leader:
+            self._has_read_target = False  # another leader may act meanwhile: read its target when we lead again
             return None
         if not self._has_read_target:
             self._target = target_from_json(await self._store.get_scaling_target())

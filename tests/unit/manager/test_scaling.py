@@ -127,6 +127,23 @@ async def test_a_new_leader_follows_the_retirement_its_predecessor_started() -> 
     assert store.target["stoppable"] == ["i-1"]
 
 
+async def test_a_leader_that_was_standby_meanwhile_reads_the_target_again() -> None:
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", clock=clock, num_free_blocks=1000)
+    leadership = leader()
+    store = FakeStore({"num_instances": 2, "draining": [], "stoppable": [], "reason": ""})
+    off = ScalingSettings()  # scaling off: nothing new is decided, retirements under way are still followed
+    scaler = Scaler(view, leadership, store, off, interval_s=1, cooldown_s=0, clock=clock)
+    assert await scaler.tick() is None
+    leadership.set_elected(False)
+    assert await scaler.tick() is None
+    view.mark_drained(InstanceId("i-1"))
+    store.target = {"num_instances": 1, "draining": ["i-1"], "stoppable": [], "reason": "the other leader"}
+    leadership.set_elected(True)
+    assert await scaler.tick() is None
+    assert store.target["stoppable"] == ["i-1"]  # drained (empty report): it took over the other's retirement
+
+
 async def test_a_standby_does_nothing() -> None:
     clock = FakeClock()
     leadership = Leadership("m-2", "addr")

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from services.cluster.scaling_follower import TARGET_KEY, plan
+from services.cluster.scaling_follower import plan
 from services.common.logging import LogFormat, setup_logging
 from services.common.registry import Registry
+from services.common.scaling_target import SCALING_TARGET_KEY, ScalingTarget
 from services.common.signals import stop_event
 
 log = structlog.get_logger(__name__)
@@ -68,7 +69,7 @@ class HookFollower:
     stop_requested: set[str] = field(default_factory=set)
     adding: tuple[int, float] | None = None  # (instances registered when we added, give up waiting at)
 
-    def step(self, target: object, registered: list[str]) -> None:
+    def step(self, target: ScalingTarget | None, registered: list[str]) -> None:
         self.stop_requested &= set(registered)  # gone: forget
         step = plan(target, registered)
         if step is None:
@@ -81,7 +82,7 @@ class HookFollower:
             self.adding = None
         if step.should_add and self.adding is None:
             next_index = max((index_of(i) for i in registered), default=-1) + 1
-            self._run(self.add_command.format(next_index=next_index, num_instances=target["num_instances"]))
+            self._run(self.add_command.format(next_index=next_index, num_instances=target.num_instances))
             self.adding = (len(registered), time.monotonic() + self.add_timeout_s)
 
     def _run(self, command: str) -> None:
@@ -102,7 +103,7 @@ async def follow(args: argparse.Namespace) -> None:
         members = await registry.watch("instances")
         while not stop.is_set():
             try:
-                target = await registry.get_json(TARGET_KEY)
+                target = ScalingTarget.from_json(await registry.get_json(SCALING_TARGET_KEY))
                 await asyncio.to_thread(follower.step, target, sorted(members.members))
             except Exception as exc:  # noqa: BLE001 — etcd away: try again next tick
                 log.warning("scale_hooks_step_failed", error=str(exc) or type(exc).__name__)

@@ -1,7 +1,7 @@
 """The local launcher's side of scaling: follow the leader's etcd scaling/target with processes.
 
-The leader manager decides (services/manager/scaling.py) and writes
-`{"num_instances", "draining", "stoppable", ...}` to /ferry/<cluster>/scaling/target.
+The leader manager decides (services/manager/scaling.py) and writes its target
+(services/common/scaling_target.py) to /ferry/<cluster>/scaling/target.
 Every second the launcher compares it with its own instance processes: it stops the
 ones listed `stoppable` (drained: nothing runs there), and starts a new `both` instance
 (the next unused `instance-<n>` id) while fewer than `num_instances` serve. Instances
@@ -25,10 +25,10 @@ import structlog
 
 from services.cluster.processes import ServiceProcess
 from services.common.registry import Registry
+from services.common.scaling_target import SCALING_TARGET_KEY, ScalingTarget
 
 log = structlog.get_logger(__name__)
 
-TARGET_KEY = "scaling/target"
 FOLLOW_INTERVAL_S = 1.0
 FAILURE_DELAY_S = 10.0
 
@@ -46,8 +46,7 @@ def instance_processes(cluster: ScalableCluster) -> list[ServiceProcess]:
 
 async def reset_target(registry: Registry, num_instances: int) -> None:
     """At startup: what the launcher starts is the target (an old one from a kept --state-dir is not)."""
-    await registry.put_json(TARGET_KEY, {"num_instances": num_instances, "draining": [], "stoppable": [],
-                                         "reason": "launcher started", "manager_id": "", "updated_at": 0.0})
+    await registry.put_json(SCALING_TARGET_KEY, ScalingTarget(num_instances, reason="launcher started").to_json())
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,21 +55,20 @@ class FollowPlan:
     should_add: bool  # fewer than num_instances serve (running and not retiring)
 
 
-def plan(target: object, running: Sequence[str]) -> FollowPlan | None:
+def plan(target: ScalingTarget | None, running: Sequence[str]) -> FollowPlan | None:
     """What the target asks of a launcher whose instances `running` run now; None: nothing to follow
     (no target, or the launcher's own from startup: until a leader decides)."""
-    if not isinstance(target, dict) or "num_instances" not in target or not target.get("manager_id"):
+    if target is None or not target.is_decided:
         return None
-    stoppable = set(target.get("stoppable", []))
-    retiring = stoppable | set(target.get("draining", []))
+    retiring = set(target.stoppable) | set(target.draining)
     serving = [name for name in running if name not in retiring]
-    return FollowPlan(tuple(name for name in running if name in stoppable),
-                      len(serving) < int(target["num_instances"]))
+    return FollowPlan(tuple(name for name in running if name in target.stoppable),
+                      len(serving) < target.num_instances)
 
 
 async def follow_step(cluster: ScalableCluster, registry: Registry) -> None:
     running = {p.name: p for p in instance_processes(cluster) if p.is_alive()}
-    step = plan(await registry.get_json(TARGET_KEY), list(running))
+    step = plan(ScalingTarget.from_json(await registry.get_json(SCALING_TARGET_KEY)), list(running))
     if step is None:
         return
     for name in step.to_stop:

@@ -29,6 +29,7 @@ from etcd3aio import Etcd3Client, prefix_range_end
 
 from services.common.backoff import Backoff
 from services.common.etcd_client import ETCD_ERRORS
+from services.common.scaling_target import SCALING_TARGET_KEY, ScalingTarget
 from services.manager.domain import InstanceId
 from services.manager.migration import MigrationSelection, MigrationSettings
 from services.manager.migration_policies import PAIRING_NAMES
@@ -53,7 +54,7 @@ class ConfigStore:
         self._client = client
         self.manager_id = manager_id
         self._prefix = f"/ferry/{cluster}/config/"
-        self._scaling_target_key = f"/ferry/{cluster}/scaling/target"
+        self._scaling_target_key = f"/ferry/{cluster}/{SCALING_TARGET_KEY}"
         self._policy_key = f"{self._prefix}policy"
         self._drain_prefix = f"{self._prefix}drain/"
 
@@ -80,15 +81,15 @@ class ConfigStore:
     async def delete_drain(self, instance_id: InstanceId) -> None:
         await self._client.kv.delete(f"{self._drain_prefix}{instance_id}", timeout=ETCD_TIMEOUT_S)
 
-    async def get_scaling_target(self) -> dict | None:
+    async def get_scaling_target(self) -> ScalingTarget | None:
         reply = await self._client.kv.get(self._scaling_target_key, timeout=ETCD_TIMEOUT_S)
         try:
-            return json.loads(reply.kvs[0].value) if reply.kvs else None
+            return ScalingTarget.from_json(json.loads(reply.kvs[0].value)) if reply.kvs else None
         except json.JSONDecodeError:
             return None
 
-    async def put_scaling_target(self, value: dict) -> None:
-        await self._client.kv.put(self._scaling_target_key, json.dumps(value), timeout=ETCD_TIMEOUT_S)
+    async def put_scaling_target(self, target: ScalingTarget) -> None:
+        await self._client.kv.put(self._scaling_target_key, json.dumps(target.to_json()), timeout=ETCD_TIMEOUT_S)
 
     async def watch_loop(self, apply: Callable[[ClusterSettings], None]) -> None:
         """Keep `apply`ing the stored settings: read all, watch, re-read on each change.

@@ -5,15 +5,9 @@ Every tick the leader looks at the serving instances. When their average freenes
 `low_freeness`, it asks for one more instance; above `high_freeness` it retires one:
 drains it (its requests migrate away) and, once nothing runs there, says it may be
 stopped. It decides; a launcher acts. The decision is written to etcd
-`/ferry/<cluster>/scaling/target` as JSON:
-
-    {"num_instances": 3,            # instances that should be serving
-     "draining": ["instance-2"],    # retiring: being drained, keep them running
-     "stoppable": ["instance-4"],   # retired and empty: stop them now
-     "reason": "...", "manager_id": "...", "updated_at": 1760000000.0}
-
-`python -m services.cluster up` follows it with local processes; under docker compose
-or systemd, a script that watches the key (`etcdctl watch`) does the same.
+`/ferry/<cluster>/scaling/target` (services/common/scaling_target.py), which
+`python -m services.cluster up` follows with local processes and
+`python -m services.cluster.scale_hooks` with commands (systemctl).
 
 One action at a time: nothing happens while an instance drains, is unhealthy, or an
 added one has not registered yet, nor within `cooldown_s` of the last action. Only
@@ -30,13 +24,14 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
 
 from services.common.errors import InvalidArgument
 from services.common.periodic import periodic_loop
+from services.common.scaling_target import ScalingTarget
 from services.manager import metrics
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId, InstanceState, InstanceView, Role
@@ -110,33 +105,11 @@ def _newest_first(instance_id: str) -> tuple[int, str]:
     return (-int(digits) if digits else 0, "".join(reversed(instance_id)))
 
 
-@dataclass(slots=True)
-class ScalingTarget:
-    num_instances: int
-    draining: list[InstanceId] = field(default_factory=list)
-    stoppable: list[InstanceId] = field(default_factory=list)
-    reason: str = ""
-
-    def to_json(self, manager_id: str, now: float) -> dict:
-        return {"num_instances": self.num_instances, "draining": sorted(self.draining),
-                "stoppable": sorted(self.stoppable), "reason": self.reason, "manager_id": manager_id,
-                "updated_at": now}
-
-
-def target_from_json(value: dict | None) -> ScalingTarget | None:
-    """A stored target (None if absent or malformed: nothing to follow up)."""
-    try:
-        return ScalingTarget(int(value["num_instances"]), [InstanceId(i) for i in value.get("draining", [])],
-                             [InstanceId(i) for i in value.get("stoppable", [])], str(value.get("reason", "")))
-    except (TypeError, KeyError, ValueError):
-        return None
-
-
 class ScalingStore(Protocol):
     manager_id: str
 
-    async def get_scaling_target(self) -> dict | None: ...
-    async def put_scaling_target(self, value: dict) -> None: ...
+    async def get_scaling_target(self) -> ScalingTarget | None: ...
+    async def put_scaling_target(self, target: ScalingTarget) -> None: ...
     async def put_drain(self, instance_id: InstanceId) -> None: ...
     async def delete_drain(self, instance_id: InstanceId) -> None: ...
 
@@ -167,7 +140,7 @@ class Scaler:
             self._has_read_target = False  # another leader may act meanwhile: read its target when we lead again
             return None
         if not self._has_read_target:
-            self._target = target_from_json(await self._store.get_scaling_target())
+            self._target = await self._store.get_scaling_target()
             self._has_read_target = True
         views = self._view.instances()
         if await self._follow_retirements(views) or self._is_waiting(views):
@@ -225,4 +198,5 @@ class Scaler:
                  average_freeness=round(decision.average_freeness, 2))
 
     async def _write(self, target: ScalingTarget) -> None:
-        await self._store.put_scaling_target(target.to_json(self._store.manager_id, time.time()))
+        target.manager_id, target.updated_at = self._store.manager_id, time.time()
+        await self._store.put_scaling_target(target)

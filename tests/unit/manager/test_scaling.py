@@ -1,8 +1,10 @@
+import copy
 import dataclasses
 
 import pytest
 
 from services.common.errors import InvalidArgument
+from services.common.scaling_target import ScalingTarget
 from services.manager.domain import InstanceId, Role
 from services.manager.leadership import Leadership
 from services.manager.scaling import ScalingAction, Scaler, ScalingSettings, decide
@@ -22,16 +24,16 @@ def leader() -> Leadership:
 class FakeStore:
     manager_id = "m-1"
 
-    def __init__(self, target: dict | None = None) -> None:
+    def __init__(self, target: ScalingTarget | None = None) -> None:
         self.target = target
         self.drained: set[str] = set()
         self.num_writes = 0
 
     async def get_scaling_target(self):
-        return self.target
+        return copy.deepcopy(self.target)
 
-    async def put_scaling_target(self, value: dict) -> None:
-        self.target = value
+    async def put_scaling_target(self, target: ScalingTarget) -> None:
+        self.target = copy.deepcopy(target)  # what etcd holds: a copy
         self.num_writes += 1
 
     async def put_drain(self, instance_id) -> None:
@@ -88,7 +90,7 @@ async def test_adds_once_then_waits_for_the_instance_and_the_cooldown() -> None:
     store = FakeStore()
     scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=30, clock=clock)
     assert (await scaler.tick()).action is ScalingAction.ADD
-    assert store.target["num_instances"] == 2 and store.target["draining"] == []
+    assert store.target.num_instances == 2 and store.target.draining == []
     clock.advance(60)
     view.apply_report(InstanceId("i-0"), make_load(num_free_blocks=50, num_running=9))
     assert await scaler.tick() is None  # past the cooldown, but the new instance has not registered yet
@@ -96,7 +98,7 @@ async def test_adds_once_then_waits_for_the_instance_and_the_cooldown() -> None:
     for instance_id in ("i-0", "i-1"):
         view.apply_report(InstanceId(instance_id), make_load(num_free_blocks=50, num_running=9))
     assert (await scaler.tick()).action is ScalingAction.ADD  # both still below the band
-    assert store.target["num_instances"] == 3
+    assert store.target.num_instances == 3
 
 
 async def test_retires_by_draining_then_marks_stoppable_then_forgets_the_drain_mark() -> None:
@@ -106,42 +108,42 @@ async def test_retires_by_draining_then_marks_stoppable_then_forgets_the_drain_m
     scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=0, clock=clock)
     decision = await scaler.tick()
     assert decision.action is ScalingAction.RETIRE and decision.instance_id == "i-1"
-    assert store.drained == {"i-1"} and store.target["draining"] == ["i-1"] and store.target["num_instances"] == 1
+    assert store.drained == {"i-1"} and store.target.draining == ["i-1"] and store.target.num_instances == 1
     view.apply_report(InstanceId("i-1"), make_load(num_free_blocks=1000))  # empty: is_drained
     assert await scaler.tick() is None
-    assert store.target["draining"] == [] and store.target["stoppable"] == ["i-1"]
+    assert store.target.draining == [] and store.target.stoppable == ["i-1"]
     num_writes = store.num_writes
     assert await scaler.tick() is None and store.num_writes == num_writes  # nothing changed, nothing written
     view.remove_member(InstanceId("i-1"))  # the launcher stopped it
     assert await scaler.tick() is None
-    assert store.drained == set() and store.target["stoppable"] == []
+    assert store.drained == set() and store.target.stoppable == []
 
 
 async def test_a_new_leader_follows_the_retirement_its_predecessor_started() -> None:
     clock = FakeClock()
     view = make_view("i-0", "i-1", clock=clock, num_free_blocks=1000)
     view.mark_drained(InstanceId("i-1"))
-    store = FakeStore({"num_instances": 1, "draining": ["i-1"], "stoppable": [], "reason": "earlier"})
+    store = FakeStore(ScalingTarget(1, draining=["i-1"], reason="earlier", manager_id="m-0"))
     scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=0, clock=clock)
     assert await scaler.tick() is None
-    assert store.target["stoppable"] == ["i-1"]
+    assert store.target.stoppable == ["i-1"]
 
 
 async def test_a_leader_that_was_standby_meanwhile_reads_the_target_again() -> None:
     clock = FakeClock()
     view = make_view("i-0", "i-1", clock=clock, num_free_blocks=1000)
     leadership = leader()
-    store = FakeStore({"num_instances": 2, "draining": [], "stoppable": [], "reason": ""})
+    store = FakeStore(ScalingTarget(2, manager_id="m-0"))
     off = ScalingSettings()  # scaling off: nothing new is decided, retirements under way are still followed
     scaler = Scaler(view, leadership, store, off, interval_s=1, cooldown_s=0, clock=clock)
     assert await scaler.tick() is None
     leadership.set_elected(False)
     assert await scaler.tick() is None
     view.mark_drained(InstanceId("i-1"))
-    store.target = {"num_instances": 1, "draining": ["i-1"], "stoppable": [], "reason": "the other leader"}
+    store.target = ScalingTarget(1, draining=["i-1"], reason="the other leader", manager_id="m-0")
     leadership.set_elected(True)
     assert await scaler.tick() is None
-    assert store.target["stoppable"] == ["i-1"]  # drained (empty report): it took over the other's retirement
+    assert store.target.stoppable == ["i-1"]  # drained (empty report): it took over the other's retirement
 
 
 async def test_a_standby_does_nothing() -> None:

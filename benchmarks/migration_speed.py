@@ -45,6 +45,7 @@ from services.cluster.processes import ServiceProcess
 from services.common.etcd_launcher import free_port
 from services.common.grpc_server import BULK_TRANSFER_OPTIONS, MESSAGE_OPTIONS, insecure_channel
 from services.instance.engine.kv_cache import KvCache, KvGeometry
+from services.transfer.channels import chunk_tag
 from services.transfer.client import DEFAULT_PIECE_BYTES, TransferClient
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
 
@@ -196,13 +197,13 @@ def _chunks(num_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
 
 def _move_chunks(group: dist.ProcessGroupGloo, buffer: torch.Tensor, num_bytes: int, chunk_bytes: int,
                  in_flight: int, is_sender: bool) -> None:
-    """Send or receive `num_bytes` in chunks, `in_flight` at a time, chunk i with tag 1 + i (as the services do)."""
+    """Send or receive `num_bytes` in chunks, `in_flight` at a time, each with its own tag (as the services do)."""
     pending = []
     for index, (start, stop) in enumerate(_chunks(num_bytes, chunk_bytes)):
         if len(pending) == in_flight:
             pending.pop(0).wait()
         move = group.send if is_sender else group.recv
-        pending.append(move([buffer[start:stop]], 1 - group.rank(), 1 + index % 64))
+        pending.append(move([buffer[start:stop]], 1 - group.rank(), chunk_tag(1, index)))
     for work in pending:
         work.wait()
 

@@ -71,16 +71,16 @@ class HookFollower:
 
     def step(self, target: ScalingTarget | None, registered: list[str]) -> None:
         self.stop_requested &= set(registered)  # gone: forget
-        step = plan(target, registered)
-        if step is None:
+        wanted = plan(target, registered)
+        if wanted is None:
             return
-        for instance_id in step.to_stop:
+        for instance_id in wanted.to_stop:
             if instance_id not in self.stop_requested:
                 self._run(self.stop_command.format(instance_id=instance_id, index=index_of(instance_id)))
                 self.stop_requested.add(instance_id)
         if self.adding is not None and (len(registered) > self.adding[0] or time.monotonic() > self.adding[1]):
             self.adding = None
-        if step.should_add and self.adding is None:
+        if wanted.should_add and self.adding is None:
             next_index = max((index_of(i) for i in registered), default=-1) + 1
             self._run(self.add_command.format(next_index=next_index, num_instances=target.num_instances))
             self.adding = (len(registered), time.monotonic() + self.add_timeout_s)

@@ -62,9 +62,9 @@ async def main(config: ManagerConfig) -> None:
     migrator = Migrator(view, leadership, instances, _migrator_limits(config), config.migration,
                         record_sink=journal.append)
     scaler = Scaler(view, leadership, store, config.scaling, config.scaling_interval_s, config.scaling_cooldown_s)
-    admin = AdminServicer(view, dispatcher, leadership, store, instances, migrator, config.list_requests_timeout_s,
-                          config.admin_forward_timeout_s, config.migration_timeout_s, tls=config.tls,
-                          admin_token=admin_token, journal=journal, scaler=scaler)
+    admin = AdminServicer(view, dispatcher, leadership, store, instances, migrator, scaler,
+                          config.list_requests_timeout_s, config.admin_forward_timeout_s, config.migration_timeout_s,
+                          tls=config.tls, admin_token=admin_token, journal=journal)
     add_servicers(server.server, ManagerServicer(dispatcher, view, leadership, migrator), admin)
     if config.metrics_port:
         serve_metrics(config.metrics_port, view, leadership)

@@ -37,7 +37,7 @@ from services.manager.domain import InstanceId
 from services.manager.instance_client import InstanceChannels
 from services.manager.leadership import Leadership
 from services.manager.migration_journal import MigrationJournal
-from services.manager.scaling import Scaler, ScalingSettings
+from services.manager.scaling import Scaler
 from services.manager.migrator import Migrator
 from services.manager.migration_policies import PAIRING_NAMES
 from services.manager.policies import POLICY_NAMES
@@ -110,10 +110,9 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
 
 class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
     def __init__(self, view: ClusterView, dispatcher: Dispatcher, leadership: Leadership, store: ConfigStore,
-                 instances: InstanceChannels, migrator: Migrator, list_requests_timeout_s: float,
+                 instances: InstanceChannels, migrator: Migrator, scaler: Scaler, list_requests_timeout_s: float,
                  forward_timeout_s: float, migrate_timeout_s: float, tls: TlsConfig | None = None,
-                 admin_token: str = "", journal: MigrationJournal | None = None,
-                 scaler: Scaler | None = None) -> None:
+                 admin_token: str = "", journal: MigrationJournal | None = None) -> None:
         self._view = view
         self._dispatcher = dispatcher
         self._leadership = leadership
@@ -127,8 +126,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         self._admin_token = admin_token  # the leader checks the same token
         self._leader_client: ManagerClient | None = None
         self._journal = journal  # the history in etcd; None: this manager's memory only
-        self._scaler = scaler  # None: scaling settings are kept but nothing acts on them
-        self._scaling = scaler.settings if scaler is not None else ScalingSettings()
+        self._scaler = scaler
 
     async def ListInstances(self, request, context) -> manager_pb2.ListInstancesResponse:
         client = await self._leader_to_forward_to(context)
@@ -162,7 +160,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         return instance_pb2.ListRequestsResponse(requests=requests)
 
     async def GetPolicy(self, request, context) -> manager_pb2.Policy:
-        return convert.policy_to_proto(self._dispatcher.policy_name, self._migrator.settings, self._scaling_settings)
+        return convert.policy_to_proto(self._dispatcher.policy_name, self._migrator.settings, self._scaler.settings)
 
     async def SetPolicy(self, request: manager_pb2.Policy, context) -> manager_pb2.Policy:
         """Validate, store in etcd config/policy (all managers watch it), apply here at once. Unset fields keep."""
@@ -173,26 +171,17 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         if migration.pairing not in PAIRING_NAMES:
             raise InvalidArgument(f"migration_pairing: unknown pairing {migration.pairing!r}; "
                                   f"one of: {', '.join(PAIRING_NAMES)}")
-        scaling = convert.scaling_settings_from_proto(request, self._scaling_settings)
+        scaling = convert.scaling_settings_from_proto(request, self._scaler.settings)
         try:
             await self._store.put_policy(dispatch, migration, scaling)
         except ETCD_ERRORS as exc:
             raise Unavailable(f"policy not changed: etcd did not store it ({exc or type(exc).__name__}); retry") from exc
         self._dispatcher.set_policy(dispatch)
         self._migrator.set_settings(migration)
-        self._set_scaling(scaling)
+        self._scaler.set_settings(scaling)
         log.info("policy_set", dispatch=dispatch, migration_enabled=migration.is_enabled,
                  scaling_enabled=scaling.is_enabled)
-        return convert.policy_to_proto(self._dispatcher.policy_name, self._migrator.settings, self._scaling_settings)
-
-    @property
-    def _scaling_settings(self) -> ScalingSettings:
-        return self._scaler.settings if self._scaler is not None else self._scaling
-
-    def _set_scaling(self, settings: ScalingSettings) -> None:
-        self._scaling = settings
-        if self._scaler is not None:
-            self._scaler.set_settings(settings)
+        return convert.policy_to_proto(self._dispatcher.policy_name, self._migrator.settings, self._scaler.settings)
 
     async def Drain(self, request: manager_pb2.DrainRequest, context) -> manager_pb2.DrainResponse:
         """Mark DRAINING (no new dispatches) in etcd config/drain/<id>, so a new leader keeps the mark.

@@ -4,6 +4,9 @@ Llama-2-7B KV geometry (32 layers, 32 KV heads, head dim 128, fp16, 16-token blo
 8 MiB a block). For each size (8 MB doubling up to --max-mb) it moves a random,
 non-contiguous set of blocks from instance A's KV memory to random blocks of instance
 B's, through service A's Transfer RPC, and reports the median speed over --repeats.
+The `*_contiguous_speed` rows move consecutive blocks to consecutive blocks instead, as
+a sequence's blocks usually lie (the block manager hands out the lowest free ids): gloo
+then moves them without gather or scatter.
 Reference figures measured in the same run, at the same sizes: a raw TCP socket
 between two processes (preallocated buffers, sendall/recv_into), bare gloo between two
 processes (torch.distributed send/recv of preallocated buffers in chunks of the services'
@@ -59,6 +62,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-mb", type=int, default=512, help="largest migration size in MB (sizes double from 8)")
     parser.add_argument("--repeats", type=int, default=5, help="transfers per size and backend (the median counts)")
     parser.add_argument("--backends", default="grpc,gloo,shm", help="comma-separated transfer backends to measure")
+    parser.add_argument("--layouts", default="scattered,contiguous",
+                        help="comma-separated block layouts: scattered (random ids on both sides: rows "
+                             "<backend>_speed) and contiguous (consecutive ids: rows <backend>_contiguous_speed)")
     parser.add_argument("--warmups", type=int, default=1,
                         help="untimed transfers of the same row and size right before each timed one, so each figure "
                              "is steady state (as nccl-tests time theirs); 0 times each transfer cold, right after "
@@ -67,6 +73,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--staging-buffers", type=int, default=4,
                         help="the services' --staging-buffers (gloo keeps all but one chunk of them in flight)")
     parser.add_argument("--gloo-connections", type=int, default=4, help="the services' --gloo-connections")
+    parser.add_argument("--in-place-min-kib", type=int, default=256,
+                        help="the services' --in-place-min-kib (gloo moves consecutive blocks in place when a row "
+                             "of them is this long; 0 = never)")
     parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("bench-results"))
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -106,9 +115,13 @@ class Bench:
         await self.b.map_instance("dst", self.dst.name, self.geometry)
         await asyncio.sleep(1.0)  # the services pre-fault the mappings in the background
 
-    async def transfer_s(self, backend: TransferBackend, num_blocks: int, rng: random.Random) -> float:
-        src_ids = tuple(rng.sample(range(self.geometry.num_blocks), num_blocks))
-        dst_ids = tuple(rng.sample(range(self.geometry.num_blocks), num_blocks))
+    async def transfer_s(self, backend: TransferBackend, num_blocks: int, rng: random.Random,
+                         is_contiguous: bool = False) -> float:
+        if is_contiguous:
+            src_ids, dst_ids = (_run(rng, self.geometry.num_blocks, num_blocks) for _ in range(2))
+        else:
+            src_ids = tuple(rng.sample(range(self.geometry.num_blocks), num_blocks))
+            dst_ids = tuple(rng.sample(range(self.geometry.num_blocks), num_blocks))
         request = BlockTransfer(InstanceId("src"), src_ids, InstanceId("dst"), dst_ids, self.services[1].address,
                                 backend, is_checksum_verified=False)
         started = time.perf_counter()
@@ -125,6 +138,11 @@ class Bench:
             cache.unlink()
 
 
+def _run(rng: random.Random, num_cache_blocks: int, num_blocks: int) -> tuple[int, ...]:
+    first = rng.randrange(num_cache_blocks - num_blocks + 1)
+    return tuple(range(first, first + num_blocks))
+
+
 def _service(name: str, flags: list[str], log_dir: pathlib.Path) -> ServiceProcess:
     port = free_port()
     return ServiceProcess(name, "transfer", ["--port", str(port), "--transfer-id", name, "--backends", "grpc,gloo,shm",
@@ -133,7 +151,7 @@ def _service(name: str, flags: list[str], log_dir: pathlib.Path) -> ServiceProce
 
 def service_flags(args: argparse.Namespace) -> list[str]:
     return ["--staging-kib", str(args.staging_kib), "--staging-buffers", str(args.staging_buffers),
-            "--gloo-connections", str(args.gloo_connections)]
+            "--gloo-connections", str(args.gloo_connections), "--in-place-min-kib", str(args.in_place_min_kib)]
 
 
 # -- references: raw TCP between two processes, and memcpy ------------------------------
@@ -338,7 +356,9 @@ async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[f
             references.insert(1, ("gloo_raw_speed(GB/s)", "gloo_raw"))
         if bare_grpc is not None:
             references.insert(1, ("grpc_raw_speed(GB/s)", "grpc_raw"))
-        rows = [(f"{b.value}_speed(GB/s)", b) for b in backends] + references
+        layouts = {"scattered": ("", False), "contiguous": ("_contiguous", True)}
+        rows = [(f"{b.value}{layouts[name][0]}_speed(GB/s)", (b, layouts[name][1]))
+                for name in args.layouts.split(",") for b in backends] + references
         progress = tqdm(total=len(rows) * len(sizes) * args.repeats, desc="migration_speed", unit="copy")
         times: dict[tuple[str, int], list[float]] = {(label, size): [] for label, _ in rows for size in sizes}
         for size in sizes:  # interleaved, so a change in machine load hits every row alike
@@ -378,7 +398,8 @@ async def _time_one(bench: Bench, references: References, what, size: int, block
         return await references.grpc.send_s(size * MB)
     if what == "memcpy":
         return references.memcpy.copy_s(size * MB)
-    return await bench.transfer_s(what, size // block_mb, rng)
+    backend, is_contiguous = what
+    return await bench.transfer_s(backend, size // block_mb, rng, is_contiguous)
 
 
 def report(sizes: list[int], speeds: dict[str, list[float]], out_dir: pathlib.Path) -> str:

@@ -74,7 +74,8 @@ def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServ
     channel_host = config.advertise_host or server.advertise_host
     channels = ChannelTable(transfer_id, channel_host, config.channel_timeout_s, threads.io, config.gloo_connections)
     backends = tuple(config.backends)
-    sender = BlockSender(transfer_id, backends, mappings, send_staging, channels, peers, threads)
+    sender = BlockSender(transfer_id, backends, mappings, send_staging, channels, peers, threads,
+                         in_place_min_row_bytes=config.in_place_min_kib * 1024)
     receiver = BlockReceiver(mappings, receive_staging, channels, threads)
 
     async def on_mappings_changed() -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from services.transfer.chunk_plan import Chunk, ChunkPlan
+from services.transfer.chunk_plan import Chunk, ChunkPlan, paired_runs
 
 
 def kv_rows(kv: torch.Tensor) -> torch.Tensor:
@@ -63,8 +63,27 @@ def copy_blocks(src_rows: torch.Tensor, src_ids: tuple[int, ...], dst_rows: torc
                 dst_ids: tuple[int, ...], row_start: int = 0, row_stop: int | None = None) -> None:
     """Direct copy `src_rows[:, src_ids[i]]` → `dst_rows[:, dst_ids[i]]`, no staging (one host)."""
     src, dst = src_rows[row_start:row_stop], dst_rows[row_start:row_stop]
-    for src_first, dst_first, length in paired_runs(src_ids, dst_ids):
+    for start, stop in paired_runs(src_ids, dst_ids):
+        src_first, dst_first, length = src_ids[start], dst_ids[start], stop - start
         dst[:, dst_first:dst_first + length].copy_(src[:, src_first:src_first + length])
+
+
+def in_place_views(rows: torch.Tensor, block_ids: tuple[int, ...], chunks: list[Chunk]) -> list[torch.Tensor] | None:
+    """Each chunk where it lies in `rows` as flat bytes, or None unless every one lies in place."""
+    views = [in_place_view(rows, block_ids, chunk) for chunk in chunks]
+    if any(view is None for view in views):
+        return None
+    return [view.view(torch.uint8).view(-1) for view in views]
+
+
+def in_place_view(rows: torch.Tensor, block_ids: tuple[int, ...], chunk: Chunk) -> torch.Tensor | None:
+    """The chunk where it lies in CPU `rows` if that is one contiguous piece (one row of
+    consecutive ids), else None: then it goes through a staging buffer."""
+    ids = block_ids[chunk.block_start:chunk.block_stop]
+    if rows.device.type != "cpu" or any(b != a + 1 for a, b in zip(ids, ids[1:])):
+        return None
+    view = rows[chunk.row_start:chunk.row_stop, ids[0]:ids[0] + len(ids)]
+    return view if view.is_contiguous() else None
 
 
 def as_bytes(rows: torch.Tensor) -> np.ndarray:
@@ -78,13 +97,4 @@ def block_runs(ids: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
     for i in range(1, len(ids) + 1):
         if i == len(ids) or ids[i] != ids[i - 1] + 1:
             yield start, ids[start], i - start
-            start = i
-
-
-def paired_runs(src_ids: tuple[int, ...], dst_ids: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
-    """(first src id, first dst id, length) of runs consecutive on both sides."""
-    start = 0
-    for i in range(1, len(src_ids) + 1):
-        if i == len(src_ids) or src_ids[i] != src_ids[i - 1] + 1 or dst_ids[i] != dst_ids[i - 1] + 1:
-            yield src_ids[start], dst_ids[start], i - start
             start = i

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-from collections.abc import Awaitable, Callable
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -42,6 +44,8 @@ log = structlog.get_logger(__name__)
 MAX_GLOO_CONNECTIONS = 16
 TAG_STRIDE = 64  # a transfer's tags: chunk i of a transfer with tag t travels with t + i % TAG_STRIDE
 MAX_TAG = 2**31 - TAG_STRIDE  # gloo and nccl tags are 32-bit signed
+
+IN_PLACE_BYTES_IN_FLIGHT = 128 << 20  # posted ahead from one thread; receives land in the KV itself, so it costs no memory
 
 OpenRemote = Callable[[str, int, int], Awaitable[None]]  # (store_address, rank, connections) → the peer joined
 
@@ -62,6 +66,12 @@ class PairChannel:
         gloo takes as many as the transfer has staging buffers for."""
         return self.backend is TransferBackend.NCCL
 
+    @property
+    def moves_in_place(self) -> bool:
+        """Chunks that lie contiguously in host KV memory go as they lie, with no staging copy
+        (gloo reads and writes host memory itself; nccl goes through its device bounce buffer)."""
+        return self.backend is TransferBackend.GLOO
+
     def send(self, data: torch.Tensor, tag: int, timeout_s: float) -> None:
         """Blocking send of a flat uint8 tensor to the peer (worker thread only)."""
         data = self._to_device(data)
@@ -74,6 +84,28 @@ class PairChannel:
         if target is not out:
             out.copy_(target)
 
+    def send_in_order(self, messages: Sequence[tuple[torch.Tensor, int]], window: int, timeout_s: float) -> None:
+        """Blocking send of flat host tensors with their tags, up to `window` in flight, posted
+        from this one thread in order (gloo only; worker thread only)."""
+        self._move_in_order(messages, window, timeout_s, self.group.send)
+
+    def recv_in_order(self, messages: Sequence[tuple[torch.Tensor, int]], window: int, timeout_s: float) -> None:
+        """Blocking receive into flat host tensors, as `send_in_order` sends them."""
+        self._move_in_order(messages, window, timeout_s, self.group.recv)
+
+    def _move_in_order(self, messages: Sequence[tuple[torch.Tensor, int]], window: int, timeout_s: float,
+                       post: Callable[..., dist.Work]) -> None:
+        if not self.moves_in_place:
+            raise FailedPrecondition(f"{self.backend.value} channels move staged chunks only")
+        deadline = time.monotonic() + timeout_s
+        in_flight: deque[dist.Work] = deque()
+        for data, tag in messages:
+            if len(in_flight) >= window:
+                _wait(in_flight.popleft(), deadline)
+            in_flight.append(post([data], 1 - self.rank, tag))
+        while in_flight:
+            _wait(in_flight.popleft(), deadline)
+
     def _to_device(self, data: torch.Tensor) -> torch.Tensor:
         if data.device == self.device:
             return data
@@ -85,6 +117,15 @@ class PairChannel:
         if self.bounce is None or self.bounce.numel() < data.numel():
             self.bounce = torch.empty(data.numel(), dtype=torch.uint8, device=self.device)  # once per channel
         return self.bounce[:data.numel()]
+
+
+def _wait(work: dist.Work, deadline: float) -> None:
+    work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+
+
+def in_place_window(message_bytes: int) -> int:
+    """How many rows of an in-place span to keep in flight (fewer than TAG_STRIDE, so no tag repeats among them)."""
+    return max(4, min(TAG_STRIDE - 1, IN_PLACE_BYTES_IN_FLIGHT // max(message_bytes, 1)))
 
 
 def chunk_tag(transfer_tag: int, chunk_index: int) -> int:

@@ -36,6 +36,11 @@ class TransferConfig(EtcdKnobs, TlsKnobs, LogKnobs):
                                      "receiving), each holding --staging-buffers buffers")
     gloo_connections: int = knob(4, "TCP connections in each gloo channel this service opens (1..16); chunks "
                                     "in flight take them in turn")
+    in_place_min_kib: int = knob(256, "gloo: blocks with consecutive ids travel row by row, sent straight from "
+                                      "the source's KV memory and received straight into the destination's (no "
+                                      "gather or scatter on a side where they are consecutive), when one row of "
+                                      "them is at least this many KiB; smaller messages cost gloo more than the "
+                                      "copies they save (0 = never)")
     grpc_piece_kib: int = knob(8192, "most data bytes per ReceiveBlocks message of the grpc backend, in KiB: "
                                      "senders cut grpc transfers into chunks of this size (or --staging-kib "
                                      "if smaller), one message each")
@@ -52,6 +57,8 @@ class TransferConfig(EtcdKnobs, TlsKnobs, LogKnobs):
         if self.default_backend not in self.backends:
             raise ValueError(f"--default-backend {self.default_backend.value} is not in --backends "
                              f"{','.join(b.value for b in self.backends)}")
+        if self.in_place_min_kib < 0:
+            raise ValueError(f"--in-place-min-kib must be 0 (never) or positive, got {self.in_place_min_kib}")
         for name in ("staging_kib", "num_staging_slots", "grpc_piece_kib"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

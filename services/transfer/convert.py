@@ -3,6 +3,8 @@ that touch generated code)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import common_pb2, transfer_pb2
 from services.instance.engine.kv_cache import KvGeometry
@@ -76,7 +78,8 @@ def header_to_proto(header: IncomingBlocks) -> transfer_pb2.BlocksHeader:
     return transfer_pb2.BlocksHeader(
         dst_instance_id=header.dst_instance_id, dst_block_ids=header.dst_block_ids,
         kv=geometry_to_proto(header.geometry), blocks_per_chunk=header.blocks_per_chunk,
-        rows_per_chunk=header.rows_per_chunk, checksums=header.checksums, src_transfer_id=header.src_transfer_id)
+        rows_per_chunk=header.rows_per_chunk, checksums=header.checksums, src_transfer_id=header.src_transfer_id,
+        in_place_spans=[bound for span in header.in_place_spans for bound in span])
 
 
 def header_from_proto(msg: transfer_pb2.BlocksHeader) -> IncomingBlocks:
@@ -86,7 +89,13 @@ def header_from_proto(msg: transfer_pb2.BlocksHeader) -> IncomingBlocks:
         dst_instance_id=InstanceId(msg.dst_instance_id), dst_block_ids=tuple(msg.dst_block_ids),
         geometry=geometry_from_proto(msg.kv), blocks_per_chunk=msg.blocks_per_chunk,
         rows_per_chunk=msg.rows_per_chunk, checksums=tuple(msg.checksums),
-        src_transfer_id=TransferId(msg.src_transfer_id))
+        src_transfer_id=TransferId(msg.src_transfer_id), in_place_spans=_spans(msg.in_place_spans))
+
+
+def _spans(bounds: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    if len(bounds) % 2:
+        raise InvalidArgument(f"header.in_place_spans: {len(bounds)} bounds; give [start, stop) pairs")
+    return tuple(zip(bounds[::2], bounds[1::2]))
 
 
 # -- ReceiveBlocks data messages, without protobuf copies ------------------------------------

@@ -68,6 +68,7 @@ class IncomingBlocks:
     rows_per_chunk: int
     checksums: tuple[int, ...]  # crc32 per block; empty = unchecked
     src_transfer_id: TransferId
+    in_place_spans: tuple[tuple[int, int], ...] = ()  # [start, stop) of blocks that travel row by row
 
     def __post_init__(self) -> None:
         if not self.dst_block_ids:

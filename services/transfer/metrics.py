@@ -14,6 +14,9 @@ TRANSFERRED_BYTES = Counter("ferry_transfer_bytes_total", "KV bytes sent by succ
                             ["backend"])
 TRANSFER_SECONDS = Histogram("ferry_transfer_duration_seconds", "Duration of successful transfers, by backend",
                              ["backend"], buckets=(1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+IN_PLACE_BYTES = Counter("ferry_transfer_in_place_bytes_total",
+                         "KV bytes gloo moved straight from (sent) or into (received) KV memory, with no staging copy",
+                         ["side"])
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ on a gloo channel, receives for the following chunks are posted into the slot's 
 buffers meanwhile, so the sender's chunks in flight spread over its connections.
 grpc: a message that carries a whole chunk (what ferry senders send) is scattered
 straight from the received bytes, with no staging copy; smaller pieces are assembled in
-the staging buffer.
+the staging buffer. gloo: a chunk that lies contiguously in the destination's KV memory
+(a row of an in-place span) is received right there and only checked, not scattered.
 A checksum mismatch raises Aborted; a short or overlong stream raises InvalidArgument.
 Scattered blocks of a failed stream are garbage, but the failure is what the sender
 reports: nothing partially applied is ever called a success.
@@ -19,24 +20,37 @@ import itertools
 import warnings
 from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 import structlog
 import torch
 
 from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from services.transfer.block_copy import as_bytes, scatter_chunk, staged_view
-from services.transfer.channels import ChannelTable, PairChannel, chunk_tag
+from services.transfer.block_copy import as_bytes, in_place_view, in_place_views, scatter_chunk, staged_view
+from services.transfer.channels import ChannelTable, PairChannel, chunk_tag, in_place_window
 from services.transfer.checksum import ChecksumVerifier
 from services.transfer.chunk_plan import Chunk, ChunkPlan, check_block_ids, check_compatible
 from services.transfer.deadline import Deadline
 from services.transfer.domain import IncomingBlocks, TransferBackend
 from services.transfer.kv_mappings import KvMappings
+from services.transfer.metrics import IN_PLACE_BYTES
 from services.transfer.pipeline import ScatterBehind
 from services.transfer.staging import StagingPool, StagingSlot
-from services.transfer.threads import TransferThreads
+from services.transfer.threads import TransferThreads, run_in_thread
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Destination:
+    """The validated destination side of one incoming transfer."""
+
+    rows: torch.Tensor  # [layers * 2, blocks, row_elems] of the destination instance's KV
+    block_ids: tuple[int, ...]
+    plan: ChunkPlan
+    verifier: ChecksumVerifier  # folds in every chunk, staged or received in place
 
 
 class BlockReceiver:
@@ -50,14 +64,15 @@ class BlockReceiver:
     async def receive_pieces(self, header: IncomingBlocks, pieces: AsyncIterator[memoryview], timeout_s: float) -> int:
         """grpc: each chunk from byte pieces (a piece never spans two chunks)."""
         deadline = Deadline.after(timeout_s)
-        rows, plan = self._target(header)
+        target = self._target(header)
+        plan = target.plan
         async with self._staging.slot(deadline.remaining_s()) as slot:
-            scatterer = self._scatter_behind(header, rows, plan, slot)
+            scatterer = self._scatter_behind(target, slot)
             try:
                 for chunk in plan.chunks():
                     buffer = await scatterer.buffer_for(chunk)
                     staged = await _receive_chunk(buffer, plan.chunk_bytes(chunk), pieces, chunk)
-                    scatterer.submit(chunk, staged_view(staged, plan, chunk, rows.dtype))
+                    scatterer.submit(chunk, staged_view(staged, plan, chunk, target.rows.dtype))
                 await _expect_end(pieces)
                 await scatterer.finish()
             finally:
@@ -72,11 +87,11 @@ class BlockReceiver:
         deadline = Deadline.after(timeout_s)
         channel = self._channels.incoming(header.src_transfer_id, backend)
         try:
-            rows, plan = self._target(header)
+            target = self._target(header)
             async with self._staging.slot(deadline.remaining_s()) as slot:
-                scatterer = self._scatter_behind(header, rows, plan, slot)
+                scatterer = self._scatter_behind(target, slot)
                 try:
-                    await self._receive_chunks(channel, plan, rows.dtype, slot, scatterer, tag, deadline)
+                    await self._receive_chunks(channel, target, slot, scatterer, tag, deadline)
                     await scatterer.finish()
                 finally:
                     await scatterer.close()
@@ -87,55 +102,77 @@ class BlockReceiver:
             self._channels.drop_incoming(header.src_transfer_id, backend)
             raise
         log.info("blocks_received", dst_instance_id=header.dst_instance_id, num_blocks=len(header.dst_block_ids),
-                 num_bytes=plan.num_bytes, backend=backend.value)
-        return plan.num_bytes
+                 num_bytes=target.plan.num_bytes, backend=backend.value)
+        return target.plan.num_bytes
 
-    async def _receive_chunks(self, channel: PairChannel, plan: ChunkPlan, dtype: torch.dtype, slot: StagingSlot,
+    async def _receive_chunks(self, channel: PairChannel, target: Destination, slot: StagingSlot,
                               scatterer: ScatterBehind, tag: int, deadline: Deadline) -> None:
+        """Staged chunks through the buffers; in-place spans (gloo) straight into the KV memory."""
+        for in_span, group in itertools.groupby(target.plan.chunks(), key=attrgetter("in_span")):
+            chunks = list(group)
+            views = None
+            if in_span and channel.moves_in_place:
+                views = in_place_views(target.rows, target.block_ids, chunks)
+            if views is None:
+                await self._receive_staged(channel, target, chunks, slot, scatterer, tag, deadline)
+                continue
+            # The staged chunks before are all in (tags repeat every TAG_STRIDE chunks).
+            messages = [(view, chunk_tag(tag, chunk.index)) for chunk, view in zip(chunks, views)]
+            await run_in_thread(self._threads.io, _recv_in_order_checked, channel, messages,
+                                in_place_window(views[0].numel()), deadline.remaining_s())
+            IN_PLACE_BYTES.labels("received").inc(sum(view.numel() for view in views))
+            if target.verifier.is_enabled:  # on the copy thread, after the scatters before it
+                await run_in_thread(self._threads.copy, _verify_in_place, target, chunks)
+
+    async def _receive_staged(self, channel: PairChannel, target: Destination, chunks: list[Chunk],
+                              slot: StagingSlot, scatterer: ScatterBehind, tag: int, deadline: Deadline) -> None:
         """Keep receives posted for the next chunks (all buffers but the one being scattered;
         one on a serial channel) and scatter each chunk as it lands, in order."""
         window = 1 if channel.is_serial else len(slot.buffers) - 1
-        chunks = iter(plan.chunks())
+        pending = iter(chunks)
         posted: deque[tuple[Chunk, torch.Tensor, asyncio.Future]] = deque()
 
         async def post(chunk: Chunk) -> None:
-            buffer = (await scatterer.buffer_for(chunk))[:plan.chunk_bytes(chunk)]
+            buffer = (await scatterer.buffer_for(chunk))[:target.plan.chunk_bytes(chunk)]
             future = asyncio.get_running_loop().run_in_executor(
                 self._threads.io, _recv_checked, channel, buffer, chunk_tag(tag, chunk.index), deadline.remaining_s())
             posted.append((chunk, buffer, future))
         try:
-            for chunk in itertools.islice(chunks, window):
+            for chunk in itertools.islice(pending, window):
                 await post(chunk)
             while posted:
                 chunk, buffer, received = posted[0]
                 await asyncio.shield(received)
                 posted.popleft()
-                scatterer.submit(chunk, staged_view(buffer, plan, chunk, dtype))
-                if (following := next(chunks, None)) is not None:
+                scatterer.submit(chunk, staged_view(buffer, target.plan, chunk, target.rows.dtype))
+                if (following := next(pending, None)) is not None:
                     await post(following)
         finally:
             if posted:  # they write into the slot's buffers: wait before it is released
                 await asyncio.wait([future for _chunk, _buffer, future in posted])
 
-    def _target(self, header: IncomingBlocks) -> tuple[torch.Tensor, ChunkPlan]:
+    def _target(self, header: IncomingBlocks) -> Destination:
         rows, geometry = self._mappings.rows(header.dst_instance_id)
         check_compatible(header.geometry, geometry)
         check_block_ids(header.dst_block_ids, geometry.num_blocks, "dst_block_ids", is_unique=True)
-        plan = ChunkPlan.from_header(geometry, len(header.dst_block_ids), header.blocks_per_chunk, header.rows_per_chunk)
+        plan = ChunkPlan.from_header(geometry, len(header.dst_block_ids), header.blocks_per_chunk,
+                                     header.rows_per_chunk, header.in_place_spans)
         if plan.max_chunk_bytes > self._staging.buffer_bytes:
             raise ResourceExhausted(f"chunks of {plan.max_chunk_bytes} bytes do not fit this service's staging "
                                     f"buffers of {self._staging.buffer_bytes} bytes; give both transfer services the "
                                     "same --staging-kib")
-        return rows, plan
+        return Destination(rows, header.dst_block_ids, plan, ChecksumVerifier(plan, header.checksums))
 
-    def _scatter_behind(self, header: IncomingBlocks, rows: torch.Tensor, plan: ChunkPlan,
-                        slot: StagingSlot) -> ScatterBehind:
-        verifier = ChecksumVerifier(plan, header.checksums)
-
+    def _scatter_behind(self, target: Destination, slot: StagingSlot) -> ScatterBehind:
         def verify_and_scatter(chunk: Chunk, staged: torch.Tensor) -> None:
-            verifier.update(chunk, staged)
-            scatter_chunk(rows, header.dst_block_ids, chunk, staged)
+            target.verifier.update(chunk, staged)
+            scatter_chunk(target.rows, target.block_ids, chunk, staged)
         return ScatterBehind(slot, verify_and_scatter, self._threads.copy)
+
+
+def _verify_in_place(target: Destination, chunks: list[Chunk]) -> None:
+    for chunk in chunks:
+        target.verifier.update(chunk, in_place_view(target.rows, target.block_ids, chunk))
 
 
 async def _receive_chunk(buffer: torch.Tensor, num_bytes: int, pieces: AsyncIterator[memoryview],
@@ -178,6 +215,14 @@ async def _expect_end(pieces: AsyncIterator[bytes]) -> None:
     async for piece in pieces:
         raise InvalidArgument(f"block stream has {len(piece)}+ bytes after the last block; "
                               "sender and receiver disagree on the geometry")
+
+
+def _recv_in_order_checked(channel: PairChannel, messages: list[tuple[torch.Tensor, int]], window: int,
+                           timeout_s: float) -> None:
+    try:
+        channel.recv_in_order(messages, window, timeout_s)
+    except RuntimeError as exc:  # gloo: the sender closed the connection or timed out
+        raise Unavailable(f"{channel.backend.value} receive from {channel.peer} failed: {exc}") from exc
 
 
 def _recv_checked(channel: PairChannel, out: torch.Tensor, tag: int, timeout_s: float) -> None:

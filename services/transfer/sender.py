@@ -9,7 +9,9 @@
 * GLOO / NCCL: open (once) the pair channel to the peer, ask it to ExpectBlocks, and
   send each gathered chunk on the channel while it receives and scatters. Several
   chunks are in flight at once (one per staging buffer; one at a time on nccl), each
-  with its own tag, so they spread over the gloo connections.
+  with its own tag, so they spread over the gloo connections. On gloo, blocks
+  consecutive on both sides travel row by row straight from the KV memory
+  (`find_in_place_spans`), and the receiver takes them straight into its own.
 
 Nothing is reported as success unless every block reached the destination (and, with
 checksums, matched); any failure raises and a broken channel is dropped.
@@ -22,19 +24,22 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from operator import attrgetter
 
 import structlog
 import torch
 
 from services.common.errors import Aborted, FailedPrecondition, FerryError, Unavailable
-from services.transfer.block_copy import as_bytes, chunk_parts, copy_blocks, gather_chunk, staged_view
-from services.transfer.channels import TAG_STRIDE, ChannelTable, PairChannel, chunk_tag
+from services.transfer.block_copy import as_bytes, chunk_parts, copy_blocks, gather_chunk, in_place_views, staged_view
+from services.transfer.channels import TAG_STRIDE, ChannelTable, PairChannel, chunk_tag, in_place_window
 from services.transfer.checksum import block_checksums
-from services.transfer.chunk_plan import Chunk, ChunkPlan, check_block_ids, check_compatible
+from services.transfer.chunk_plan import (IN_PLACE_MIN_ROW_BYTES, Chunk, ChunkPlan, check_block_ids, check_compatible,
+                                          find_in_place_spans)
 from services.transfer.convert import encode_data_message
 from services.transfer.deadline import Deadline
 from services.transfer.domain import BlockTransfer, IncomingBlocks, TransferBackend, TransferId, TransferResult
 from services.transfer.kv_mappings import KvMappings
+from services.transfer.metrics import IN_PLACE_BYTES
 from services.transfer.peer import PeerFactory, PeerTransferService
 from services.transfer.pipeline import BufferRing, GatherAhead
 from services.transfer.staging import StagingPool, StagingSlot
@@ -50,14 +55,16 @@ class SourceBlocks:
     """The validated source side of one transfer."""
 
     rows: torch.Tensor  # [layers * 2, blocks, row_elems]
-    block_ids: torch.Tensor  # int64, for index_select
+    block_ids: tuple[int, ...]
+    index: torch.Tensor  # block_ids as int64, for index_select
     plan: ChunkPlan
     header: IncomingBlocks
 
 
 class BlockSender:
     def __init__(self, transfer_id: TransferId, backends: tuple[TransferBackend, ...], mappings: KvMappings,
-                 staging: StagingPool, channels: ChannelTable, peers: PeerFactory, threads: TransferThreads) -> None:
+                 staging: StagingPool, channels: ChannelTable, peers: PeerFactory, threads: TransferThreads,
+                 in_place_min_row_bytes: int = IN_PLACE_MIN_ROW_BYTES) -> None:
         self._transfer_id = transfer_id
         self._backends = backends
         self._mappings = mappings
@@ -66,6 +73,7 @@ class BlockSender:
         self._peers = peers
         self._threads = threads
         self._tags = itertools.count(1)
+        self._in_place_min_row_bytes = in_place_min_row_bytes  # 0: no in-place spans
 
     async def transfer(self, request: BlockTransfer, timeout_s: float) -> TransferResult:
         if request.backend not in self._backends:
@@ -113,26 +121,31 @@ class BlockSender:
         chunk_bytes = self._staging.buffer_bytes
         if request.backend is TransferBackend.GRPC:  # one message per chunk
             chunk_bytes = min(chunk_bytes, self._peers(request.dst_transfer_address).piece_bytes)
-        plan = ChunkPlan.for_staging(geometry, request.num_blocks, chunk_bytes)
+        spans = ()
+        if request.backend is TransferBackend.GLOO and rows.device.type == "cpu" and self._in_place_min_row_bytes:
+            spans = find_in_place_spans(request.src_block_ids, request.dst_block_ids, geometry, chunk_bytes,
+                                        self._in_place_min_row_bytes)
+        plan = ChunkPlan.for_staging(geometry, request.num_blocks, chunk_bytes, spans)
         checksums = ()
         if request.is_checksum_verified:
             checksums = await run_in_thread(self._threads.copy, block_checksums, rows, request.src_block_ids)
         header = IncomingBlocks(request.dst_instance_id, request.dst_block_ids, geometry, plan.blocks_per_chunk,
-                                plan.rows_per_chunk, checksums, self._transfer_id)
-        return SourceBlocks(rows, torch.tensor(request.src_block_ids, dtype=torch.int64), plan, header)
+                                plan.rows_per_chunk, checksums, self._transfer_id, spans)
+        index = torch.tensor(request.src_block_ids, dtype=torch.int64)
+        return SourceBlocks(rows, request.src_block_ids, index, plan, header)
 
     def _encode_ahead(self, source: SourceBlocks, slot: StagingSlot) -> GatherAhead:
         """`GatherAhead` whose items are ready ReceiveBlocks data messages, one per chunk."""
         if source.rows.device.type != "cpu":
             def encode_staged(chunk: Chunk, buffer: torch.Tensor) -> bytes:
-                staged = gather_chunk(source.rows, source.block_ids, chunk,
+                staged = gather_chunk(source.rows, source.index, chunk,
                                       staged_view(buffer, source.plan, chunk, source.rows.dtype))
                 return encode_data_message(as_bytes(staged.cpu()))
             return GatherAhead(source.plan, slot, encode_staged, self._threads.copy)
-        rows, block_ids = as_bytes(source.rows), tuple(source.block_ids.tolist())
+        rows = as_bytes(source.rows)
 
         def encode(chunk: Chunk, _buffer: torch.Tensor) -> bytes:
-            return encode_data_message(*chunk_parts(rows, block_ids, chunk))
+            return encode_data_message(*chunk_parts(rows, source.block_ids, chunk))
         return GatherAhead(source.plan, slot, encode, self._threads.copy)
 
     async def _stream(self, request: BlockTransfer, source: SourceBlocks, slot: StagingSlot, deadline: Deadline) -> None:
@@ -176,25 +189,43 @@ class BlockSender:
 
     async def _send_chunks(self, channel: PairChannel, source: SourceBlocks, slot: StagingSlot, tag: int,
                            deadline: Deadline) -> None:
-        """Gather each chunk into a free buffer and send it; the buffer stays busy until sent."""
+        """Staged chunks one by one through the buffers; in-place spans straight from the KV memory."""
         ring = BufferRing(slot)
-        dtype, loop = source.rows.dtype, asyncio.get_running_loop()
         try:
-            for chunk in source.plan.chunks():
-                buffer = await ring.acquire(chunk.index)
-                staged = await run_in_thread(self._threads.copy, gather_chunk, source.rows, source.block_ids, chunk,
-                                             staged_view(buffer, source.plan, chunk, dtype))
-                if channel.is_serial:
-                    await ring.wait(chunk.index - 1)  # the previous send, gathered ahead of meanwhile
-                flat = staged.view(torch.uint8).view(-1)
-                ring.hold(chunk.index, loop.run_in_executor(self._threads.io, _send_checked, channel, flat,
-                                                            chunk_tag(tag, chunk.index), deadline.remaining_s()))
+            for in_span, group in itertools.groupby(source.plan.chunks(), key=attrgetter("in_span")):
+                chunks = list(group)
+                views = None
+                if in_span and channel.moves_in_place:
+                    views = in_place_views(source.rows, source.block_ids, chunks)
+                if views is None:
+                    await self._send_staged(channel, source, ring, chunks, tag, deadline)
+                    continue
+                await ring.drain()  # tags repeat every TAG_STRIDE chunks: the earlier sends go first
+                messages = [(view, chunk_tag(tag, chunk.index)) for chunk, view in zip(chunks, views)]
+                await run_in_thread(self._threads.io, _send_in_order_checked, channel, messages,
+                                    in_place_window(views[0].numel()), deadline.remaining_s())
+                IN_PLACE_BYTES.labels("sent").inc(sum(view.numel() for view in views))
             await ring.drain()
         except BaseException:
             self._channels.drop_outgoing(channel.peer, channel.backend)  # unmatched messages may be left on it
             raise
         finally:
             await ring.close()
+
+    async def _send_staged(self, channel: PairChannel, source: SourceBlocks, ring: BufferRing, chunks: list[Chunk],
+                           tag: int, deadline: Deadline) -> None:
+        """Gather each chunk into a free buffer and start its send; the buffer stays busy until
+        sent, which bounds the chunks in flight."""
+        dtype, loop = source.rows.dtype, asyncio.get_running_loop()
+        for chunk in chunks:
+            buffer = await ring.acquire(chunk.index)
+            staged = await run_in_thread(self._threads.copy, gather_chunk, source.rows, source.index, chunk,
+                                         staged_view(buffer, source.plan, chunk, dtype))
+            if channel.is_serial:
+                await ring.wait(chunk.index - 1)  # the previous send, gathered ahead of meanwhile
+            flat = staged.view(torch.uint8).view(-1)
+            ring.hold(chunk.index, loop.run_in_executor(self._threads.io, _send_checked, channel, flat,
+                                                        chunk_tag(tag, chunk.index), deadline.remaining_s()))
 
 
 async def _messages(messages: GatherAhead) -> AsyncIterator[bytes]:
@@ -206,6 +237,14 @@ def _send_checked(channel: PairChannel, data: torch.Tensor, tag: int, timeout_s:
     try:
         channel.send(data, tag, timeout_s)
     except RuntimeError as exc:  # gloo: peer closed the connection, timed out, or the channel was aborted
+        raise Unavailable(f"{channel.backend.value} send to {channel.peer} failed: {exc}") from exc
+
+
+def _send_in_order_checked(channel: PairChannel, messages: list[tuple[torch.Tensor, int]], window: int,
+                           timeout_s: float) -> None:
+    try:
+        channel.send_in_order(messages, window, timeout_s)
+    except RuntimeError as exc:
         raise Unavailable(f"{channel.backend.value} send to {channel.peer} failed: {exc}") from exc
 
 

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-ROWS = ("grpc_speed(GB/s)", "gloo_speed(GB/s)", "shm_speed(GB/s)", "tcp_speed(GB/s)", "grpc_raw_speed(GB/s)",
+ROWS = ("grpc_speed(GB/s)", "gloo_speed(GB/s)", "shm_speed(GB/s)", "grpc_contiguous_speed(GB/s)",
+        "gloo_contiguous_speed(GB/s)", "shm_contiguous_speed(GB/s)", "tcp_speed(GB/s)", "grpc_raw_speed(GB/s)",
         "gloo_raw_speed(GB/s)", "memcpy_speed(GB/s)")
 
 

@@ -11,6 +11,7 @@ import asyncio
 import random
 import signal
 import time
+import urllib.request
 import uuid
 
 import grpc
@@ -188,6 +189,50 @@ async def test_gloo_senders_and_receivers_with_other_channel_settings_agree(
         sender.stop()
 
 
+# (src ids, dst ids) with runs on both sides, on one side only, and none: SMALL and WIDE ids.
+IN_PLACE_LAYOUTS = (
+    ((3, 4, 5, 6, 7, 8, 9, 10), (7, 8, 9, 10, 11, 12, 13, 14)),  # both sides: spans of 6 and 2 (3 KiB a row)
+    ((3, 4, 5, 6), (15, 2, 9, 14)),  # the source's side only
+    ((15, 2, 9, 14), (3, 4, 5, 6)),  # the destination's side only
+    ((0, 1, 2, 9, 7, 12, 13), (5, 6, 7, 1, 0, 10, 11)),  # spans between staged blocks
+)
+
+
+async def test_gloo_moves_runs_in_place_and_stages_the_rest_bit_exactly(etcd, cluster_name, caches, tmp_path):
+    """A sender with a low --in-place-min-kib sends runs of consecutive blocks row by row
+    straight from KV memory; the receiver takes rows consecutive on its side straight into
+    its KV memory and stages the others. Every layout lands bit for bit, and the metrics
+    show bytes moved in place on both sides."""
+    metrics_ports = {"D-in-place": free_port(), "E-in-place": free_port()}
+    processes = {name: _start(name, etcd, cluster_name, tmp_path, "--in-place-min-kib", "1", "--metrics-port",
+                              str(port)) for name, port in metrics_ports.items()}
+    try:
+        for process in processes.values():
+            await process.wait_healthy(60)
+        receiver = processes["E-in-place"].address
+        async with TransferClient(processes["D-in-place"].address) as d, TransferClient(receiver) as e:
+            for pair, geometry in (("small", SMALL), ("wide", WIDE)):
+                await d.map_instance(f"a-{pair}", caches[f"a-{pair}"].name, geometry)
+                await e.map_instance(f"b-{pair}", caches[f"b-{pair}"].name, geometry)
+            for pair in ("small", "wide"):
+                for i, (src_ids, dst_ids) in enumerate(IN_PLACE_LAYOUTS):
+                    await _transfer_and_check(d, caches, receiver, pair, TransferBackend.GLOO, src_ids, dst_ids,
+                                              is_checksum_verified=i % 2 == 0)
+        sent = _counter(metrics_ports["D-in-place"], 'ferry_transfer_in_place_bytes_total{side="sent"}')
+        received = _counter(metrics_ports["E-in-place"], 'ferry_transfer_in_place_bytes_total{side="received"}')
+        # SMALL (2 KiB blocks): 8 + 4 + 0 + 5 blocks sent in place, 8 + 0 + 4 + 5 received in place.
+        # WIDE (1 KiB rows, the 1 KiB minimum): every block, all 23, on both sides.
+        assert sent == received == (17 * 2 + 23 * 4) * 1024
+    finally:
+        for process in processes.values():
+            process.stop()
+
+
+def _counter(port: int, sample: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(sample + " "))
+
+
 async def test_channel_requests_out_of_range_are_invalid_argument(services):
     async with insecure_channel(services["B"].address) as channel:
         stub = transfer_pb2_grpc.TransferServiceStub(channel)
@@ -225,20 +270,28 @@ async def test_more_transfers_to_itself_than_staging_slots_all_complete(services
             assert torch.equal(dst.tensor[:, :, d].view(torch.uint8), src.tensor[:, :, s].view(torch.uint8))
 
 
-@pytest.mark.parametrize("backend", [TransferBackend.GRPC, TransferBackend.GLOO])
+@pytest.mark.parametrize("backend, in_place", [(TransferBackend.GRPC, False), (TransferBackend.GLOO, False),
+                                               (TransferBackend.GLOO, True)])
 async def test_killing_the_destination_mid_transfer_is_a_clean_unavailable(
-        etcd, cluster_name, services, caches, mapped, tmp_path, backend):
+        etcd, cluster_name, services, caches, mapped, tmp_path, backend, in_place):
+    """in_place: a sender whose every block travels in place (the destination then receives
+    straight into its KV memory), blocked in gloo waits on the dead peer."""
     a, _b = mapped
+    sender = _start("D-kill", etcd, cluster_name, tmp_path, "--in-place-min-kib", "1") if in_place else None
     victim = _start(f"victim-{backend.value}", etcd, cluster_name, tmp_path, "--staging-kib", "1024")
     src = _random_cache("a-bulk", BULK, 5)
     dst = KvCache.create(f"ferry-test-c-bulk-{uuid.uuid4().hex[:6]}", BULK)
     try:
+        if sender is not None:
+            await sender.wait_healthy(60)
         await victim.wait_healthy(60)
-        async with TransferClient(victim.address) as c:
+        async with TransferClient(victim.address) as c, TransferClient(
+                sender.address if sender else services["A"].address) as s:
             await c.map_instance("c-bulk", dst.name, BULK)
-            await a.map_instance("a-bulk", src.name, BULK)
+            await s.map_instance("a-bulk", src.name, BULK)
+            await s.map_instance("a-small", caches["a-small"].name, SMALL)
             ids = tuple(range(BULK.num_blocks))
-            transfer = asyncio.create_task(a.transfer(
+            transfer = asyncio.create_task(s.transfer(
                 BlockTransfer(InstanceId("a-bulk"), ids, InstanceId("c-bulk"), ids[::-1], victim.address, backend,
                               False), timeout_s=60))
             await _until_some_blocks_landed(dst, transfer)
@@ -250,11 +303,13 @@ async def test_killing_the_destination_mid_transfer_is_a_clean_unavailable(
             with pytest.raises(Unavailable):
                 await asyncio.wait_for(transfer, 20)
             assert time.monotonic() - started < 20
-        # A is still healthy: its staging slot came back and the next transfer to B works.
-        await _transfer_and_check(a, caches, services["B"].address, "small", backend, (0, 1, 2), (5, 6, 7), True)
+            # The sender is still healthy: its staging slot came back and the next transfer to B works.
+            await _transfer_and_check(s, caches, services["B"].address, "small", backend, (0, 1, 2), (5, 6, 7), True)
+            await s.unmap_instance("a-bulk")
     finally:
         victim.kill()
-        await a.unmap_instance("a-bulk")
+        if sender is not None:
+            sender.stop()
         for cache in (src, dst):
             cache.close()
             cache.unlink()

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from services.transfer.block_copy import (as_bytes, block_runs, chunk_parts, copy_blocks, gather_chunk, paired_runs,
+from services.transfer.block_copy import (as_bytes, block_runs, chunk_parts, copy_blocks, gather_chunk,
                                           scatter_chunk, staged_view)
-from services.transfer.chunk_plan import ChunkPlan
+from services.transfer.chunk_plan import ChunkPlan, paired_runs
 from tests.unit.transfer.factories import random_kv, rows_of, tiny_geometry
 
 pytestmark = pytest.mark.timeout(30)
@@ -56,4 +56,4 @@ def test_direct_copy_moves_blocks_and_leaves_the_rest():
 
 def test_runs_coalesce_consecutive_ids():
     assert list(block_runs((4, 5, 6, 1, 2, 9))) == [(0, 4, 3), (3, 1, 2), (5, 9, 1)]
-    assert list(paired_runs((1, 2, 3, 7), (5, 6, 8, 9))) == [(1, 5, 2), (3, 8, 1), (7, 9, 1)]
+    assert list(paired_runs((1, 2, 3, 7), (5, 6, 8, 9))) == [(0, 2), (2, 3), (3, 4)]

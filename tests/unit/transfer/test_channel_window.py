@@ -38,10 +38,15 @@ class FakeChannel:
     sends_in_flight: int = 0
     most_sends_in_flight: int = 0
     tags: list[int] = field(default_factory=list)
+    in_order_windows: list[int] = field(default_factory=list)
 
     @property
     def is_serial(self) -> bool:
         return self.backend is TransferBackend.NCCL
+
+    @property
+    def moves_in_place(self) -> bool:
+        return self.backend is TransferBackend.GLOO
 
     def send(self, data: torch.Tensor, tag: int, timeout_s: float) -> None:
         with self.lock:
@@ -59,6 +64,15 @@ class FakeChannel:
         data, taken = self._slot(tag).get(timeout=timeout_s)
         out.copy_(data)
         taken.set()
+
+    def send_in_order(self, messages, window: int, timeout_s: float) -> None:
+        self.in_order_windows.append(window)
+        for data, tag in messages:
+            self.send(data, tag, timeout_s)
+
+    def recv_in_order(self, messages, window: int, timeout_s: float) -> None:
+        for out, tag in messages:
+            self.recv(out, tag, timeout_s)
 
     def _slot(self, tag: int) -> queue.Queue:
         with self.lock:
@@ -127,3 +141,80 @@ async def test_channel_transfers_keep_their_window_and_land_bit_exactly(backend,
         assert channel.most_sends_in_flight >= 2
     base = channel.tags[0]
     assert sorted(channel.tags) == [base + i for i in range(24)]  # one tag per chunk, consecutive
+
+
+class RecordingChannel(FakeChannel):
+    """Also records the memory each send read and each receive wrote."""
+
+    def __init__(self, backend: TransferBackend) -> None:
+        super().__init__(backend)
+        self.send_ptrs: list[int] = []
+        self.recv_ptrs: list[int] = []
+
+    def send(self, data: torch.Tensor, tag: int, timeout_s: float) -> None:
+        with self.lock:
+            self.send_ptrs.append(data.data_ptr())
+        super().send(data, tag, timeout_s)
+
+    def recv(self, out: torch.Tensor, tag: int, timeout_s: float) -> None:
+        with self.lock:
+            self.recv_ptrs.append(out.data_ptr())
+        super().recv(out, tag, timeout_s)
+
+
+def _inside(ptr: int, tensor: torch.Tensor) -> bool:
+    return tensor.data_ptr() <= ptr < tensor.data_ptr() + tensor.numel() * tensor.element_size()
+
+
+@pytest.mark.parametrize("backend, expect_in_place", [(TransferBackend.GLOO, True), (TransferBackend.NCCL, False)])
+async def test_spans_consecutive_on_both_sides_move_in_place_on_gloo(backend, expect_in_place):
+    geometry = tiny_geometry(num_blocks=24)
+    kvs = {"src": random_kv(geometry, 2), "dst": torch.zeros(geometry.shape, dtype=geometry.dtype)}
+    mappings, channel = FakeMappings(kvs, geometry), RecordingChannel(backend)
+    threads = TransferThreads.start(4)
+    try:
+        receiver = BlockReceiver(mappings, StagingPool(1, BLOCK_BYTES, 4), FakeChannels(channel), threads)
+        peer = DirectPeer(receiver)
+        sender = BlockSender("a", (backend,), mappings, StagingPool(1, BLOCK_BYTES, 4), FakeChannels(channel),
+                             lambda address: peer, threads, in_place_min_row_bytes=256)  # rows of 2+ blocks
+        # Runs on both sides: 6 blocks (cut into spans of 4 and 2: a row of a span must fit the
+        # 512-byte staging buffer), two single blocks (staged), then 3 blocks.
+        src_ids = (3, 4, 5, 6, 7, 8, 20, 1, 10, 11, 12)
+        dst_ids = (10, 11, 12, 13, 14, 15, 2, 0, 5, 6, 7)
+        transfer = BlockTransfer(InstanceId("src"), src_ids, InstanceId("dst"), dst_ids, "b:1", backend, True)
+        result = await asyncio.wait_for(sender.transfer(transfer, timeout_s=20), 25)
+    finally:
+        threads.shutdown()
+    assert result.num_bytes == len(src_ids) * BLOCK_BYTES
+    for s, d in zip(src_ids, dst_ids):
+        assert torch.equal(kvs["dst"][:, :, d], kvs["src"][:, :, s])
+    num_chunks = 3 * 4 + 2 if expect_in_place else len(src_ids)  # a chunk per span row and per staged block
+    assert len(channel.send_ptrs) == len(channel.recv_ptrs) == num_chunks
+    assert sum(_inside(ptr, kvs["src"]) for ptr in channel.send_ptrs) == (12 if expect_in_place else 0)
+    assert sum(_inside(ptr, kvs["dst"]) for ptr in channel.recv_ptrs) == (12 if expect_in_place else 0)
+    assert bool(channel.in_order_windows) == expect_in_place  # spans go from one thread, in order
+
+
+@pytest.mark.parametrize("in_place_side", ["src", "dst"])
+async def test_a_span_consecutive_on_one_side_moves_in_place_there_and_stages_on_the_other(in_place_side):
+    geometry = tiny_geometry(num_blocks=24)
+    kvs = {"src": random_kv(geometry, 3), "dst": torch.zeros(geometry.shape, dtype=geometry.dtype)}
+    mappings, channel = FakeMappings(kvs, geometry), RecordingChannel(TransferBackend.GLOO)
+    threads = TransferThreads.start(4)
+    run, scattered = (4, 5, 6, 7), (20, 2, 9, 14)
+    src_ids, dst_ids = (run, scattered) if in_place_side == "src" else (scattered, run)
+    try:
+        receiver = BlockReceiver(mappings, StagingPool(1, BLOCK_BYTES, 4), FakeChannels(channel), threads)
+        peer = DirectPeer(receiver)
+        sender = BlockSender("a", (TransferBackend.GLOO,), mappings, StagingPool(1, BLOCK_BYTES, 4),
+                             FakeChannels(channel), lambda address: peer, threads, in_place_min_row_bytes=256)
+        transfer = BlockTransfer(InstanceId("src"), src_ids, InstanceId("dst"), dst_ids, "b:1", TransferBackend.GLOO,
+                                 True)
+        await asyncio.wait_for(sender.transfer(transfer, timeout_s=20), 25)
+    finally:
+        threads.shutdown()
+    for s, d in zip(src_ids, dst_ids):
+        assert torch.equal(kvs["dst"][:, :, d], kvs["src"][:, :, s])
+    assert len(channel.send_ptrs) == 4  # one span of 4 blocks, row by row
+    assert sum(_inside(ptr, kvs["src"]) for ptr in channel.send_ptrs) == (4 if in_place_side == "src" else 0)
+    assert sum(_inside(ptr, kvs["dst"]) for ptr in channel.recv_ptrs) == (4 if in_place_side == "dst" else 0)

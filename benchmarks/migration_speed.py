@@ -416,9 +416,12 @@ def plot(sizes: list[int], speeds: dict[str, list[float]], out_dir: pathlib.Path
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(8, 5))
+    colors: dict[str, str] = {}  # a backend's scattered and contiguous rows share a color
     for label, values in speeds.items():
-        style = "--" if label.startswith(("tcp", "memcpy", "gloo_raw", "grpc_raw")) else "-"
-        axes.plot(sizes, values, style, marker="o", label=label.replace("_speed(GB/s)", ""))
+        name = label.replace("_speed(GB/s)", "")
+        style = "--" if name in ("tcp", "memcpy", "gloo_raw", "grpc_raw") else ":" if "_contiguous" in name else "-"
+        color = colors.setdefault(name.removesuffix("_contiguous"), f"C{len(colors)}")
+        axes.plot(sizes, values, style, marker="o", color=color, label=name)
     axes.set_xscale("log", base=2)
     axes.set_xticks(sizes, [f"{size}" for size in sizes])
     axes.set_xlabel("migration size (MB)")

@@ -6,8 +6,8 @@ on a gloo channel, receives for the following chunks are posted into the slot's 
 buffers meanwhile, so the sender's chunks in flight spread over its connections.
 grpc: a message that carries a whole chunk (what ferry senders send) is scattered
 straight from the received bytes, with no staging copy; smaller pieces are assembled in
-the staging buffer. gloo: a chunk that lies contiguously in the destination's KV memory
-(a row of an in-place span) is received right there and only checked, not scattered.
+the staging buffer. gloo: the rows of an in-place span whose destination ids are
+consecutive are received right where they belong, from one io thread, and only checked.
 A checksum mismatch raises Aborted; a short or overlong stream raises InvalidArgument.
 Scattered blocks of a failed stream are garbage, but the failure is what the sender
 reports: nothing partially applied is ever called a success.

@@ -9,9 +9,10 @@
 * GLOO / NCCL: open (once) the pair channel to the peer, ask it to ExpectBlocks, and
   send each gathered chunk on the channel while it receives and scatters. Several
   chunks are in flight at once (one per staging buffer; one at a time on nccl), each
-  with its own tag, so they spread over the gloo connections. On gloo, blocks
-  consecutive on both sides travel row by row straight from the KV memory
-  (`find_in_place_spans`), and the receiver takes them straight into its own.
+  with its own tag, so they spread over the gloo connections. On gloo, runs of
+  consecutive blocks (`find_in_place_spans`) travel row by row, sent straight from the
+  KV memory where the source's ids are consecutive and received straight into it where
+  the destination's are.
 
 Nothing is reported as success unless every block reached the destination (and, with
 checksums, matched); any failure raises and a broken channel is dropped.

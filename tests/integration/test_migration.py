@@ -24,6 +24,7 @@ from services.instance.engine.factory import EngineSpec, build_engine
 from services.instance.engine.request import SamplingParams
 from services.transfer.client import TransferClient
 from services.transfer.convert import geometry_from_record
+from tests.integration.metrics_scrape import sample_value
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,13 +35,15 @@ STAGE_BLOCKS = 4  # small, so a request of a few dozen tokens already migrates i
 RESERVATION_TIMEOUT_S = 3.0
 TRANSFER_TIMEOUT_S = 2.5
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 31, 8, 64, 2, 11, 19, 23, 29, 37, 41, 43, 47, 53]
+IN_PLACE_SENT = 'ferry_transfer_in_place_bytes_total{side="sent"}'
 
 
-def _transfer(name: str, etcd, cluster: str, log_dir) -> ServiceProcess:
+def _transfer(name: str, etcd, cluster: str, log_dir, metrics_port: int = 0) -> ServiceProcess:
     port = free_port()
     return ServiceProcess(name, "transfer",
                           ["--port", str(port), "--transfer-id", name, "--etcd-endpoints", etcd.endpoint,
-                           "--cluster", cluster, "--num-threads", "1"],
+                           "--cluster", cluster, "--num-threads", "1", "--metrics-port", str(metrics_port),
+                           "--in-place-min-kib", "1"],  # gloo moves the tiny model's block runs in place
                           f"127.0.0.1:{port}", log_dir).start()
 
 
@@ -62,6 +65,7 @@ class Cluster:
     name: str
     processes: dict[str, ServiceProcess]
     log_dir: object
+    metrics_ports: dict[str, int]  # of the transfer services
 
     def address(self, name: str) -> str:
         return self.processes[name].address
@@ -73,16 +77,17 @@ def cluster(etcd, tiny_model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("migration-logs")
     _instance.model_dir = tiny_model_dir
     processes: dict[str, ServiceProcess] = {}
+    metrics_ports = {"ta": free_port(), "tb": free_port()}
     try:
         for transfer in ("ta", "tb"):
-            processes[transfer] = _transfer(transfer, etcd, name, log_dir)
+            processes[transfer] = _transfer(transfer, etcd, name, log_dir, metrics_ports[transfer])
         for transfer in ("ta", "tb"):
             asyncio.run(processes[transfer].wait_healthy(60))
         processes["a"] = _instance("a", processes["ta"].address, etcd, name, log_dir)
         processes["b"] = _instance("b", processes["tb"].address, etcd, name, log_dir)
         for instance in ("a", "b"):
             asyncio.run(processes[instance].wait_healthy(90))
-        cluster = Cluster(name, processes, log_dir)
+        cluster = Cluster(name, processes, log_dir, metrics_ports)
         asyncio.run(_warm_up(cluster))
         yield cluster
     finally:
@@ -299,14 +304,17 @@ async def test_shm_backend_when_one_service_maps_both(stubs, cluster, tiny_model
 
 
 async def test_gloo_backend_migrates_a_seeded_request_in_stages(stubs, cluster, tiny_model_dir):
-    """Every stage over the pair's gloo channel (several connections, several chunks in flight)."""
+    """Every stage over the pair's gloo channel (several connections, several chunks in flight;
+    the request's runs of consecutive blocks in place, with checksums)."""
     wire, sampling = seeded(1000, seed=7)
     client = ClientStream("gloo-1")
+    sent_in_place = sample_value(cluster.metrics_ports["ta"], IN_PLACE_SENT)
     call = generate(stubs["a"], "gloo-1", wire)
     await client.read(call, until_tokens=30)
     result = await migrate_out(stubs["a"], "gloo-1", "b", cluster, backend=transfer_pb2.TRANSFER_BACKEND_GLOO)
     await client.follow(call)
     assert result.backend == transfer_pb2.TRANSFER_BACKEND_GLOO and result.num_stages >= 2
+    assert sample_value(cluster.metrics_ports["ta"], IN_PLACE_SENT) > sent_in_place
     assert client.token_ids == reference(tiny_model_dir, PROMPT, sampling)
     await assert_all_blocks_free(stubs)
 

@@ -11,7 +11,6 @@ import asyncio
 import random
 import signal
 import time
-import urllib.request
 import uuid
 
 import grpc
@@ -27,6 +26,7 @@ from services.common.registry import Registry
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.transfer.client import TransferClient
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
+from tests.integration.metrics_scrape import sample_value
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -218,19 +218,14 @@ async def test_gloo_moves_runs_in_place_and_stages_the_rest_bit_exactly(etcd, cl
                 for i, (src_ids, dst_ids) in enumerate(IN_PLACE_LAYOUTS):
                     await _transfer_and_check(d, caches, receiver, pair, TransferBackend.GLOO, src_ids, dst_ids,
                                               is_checksum_verified=i % 2 == 0)
-        sent = _counter(metrics_ports["D-in-place"], 'ferry_transfer_in_place_bytes_total{side="sent"}')
-        received = _counter(metrics_ports["E-in-place"], 'ferry_transfer_in_place_bytes_total{side="received"}')
+        sent = sample_value(metrics_ports["D-in-place"], 'ferry_transfer_in_place_bytes_total{side="sent"}')
+        received = sample_value(metrics_ports["E-in-place"], 'ferry_transfer_in_place_bytes_total{side="received"}')
         # SMALL (2 KiB blocks): 8 + 4 + 0 + 5 blocks sent in place, 8 + 0 + 4 + 5 received in place.
         # WIDE (1 KiB rows, the 1 KiB minimum): every block, all 23, on both sides.
         assert sent == received == (17 * 2 + 23 * 4) * 1024
     finally:
         for process in processes.values():
             process.stop()
-
-
-def _counter(port: int, sample: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(sample + " "))
 
 
 async def test_channel_requests_out_of_range_are_invalid_argument(services):

@@ -24,6 +24,7 @@ asking the peer to join as rank 1 (`accept`). All constructors run on worker thr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import time
 from collections import deque
@@ -99,12 +100,21 @@ class PairChannel:
             raise FailedPrecondition(f"{self.backend.value} channels move staged chunks only")
         deadline = time.monotonic() + timeout_s
         in_flight: deque[dist.Work] = deque()
-        for data, tag in messages:
-            if len(in_flight) >= window:
+        try:
+            for data, tag in messages:
+                if len(in_flight) >= window:
+                    _wait(in_flight.popleft(), deadline)
+                in_flight.append(post([data], 1 - self.rank, tag))
+            while in_flight:
                 _wait(in_flight.popleft(), deadline)
-            in_flight.append(post([data], 1 - self.rank, tag))
-        while in_flight:
-            _wait(in_flight.popleft(), deadline)
+        except BaseException:
+            # Let the others end too before giving up (each completes, fails, or times out at the
+            # deadline, which closes its connection): a receive left posted on a live connection
+            # could still write into KV blocks the caller is about to free.
+            for work in in_flight:
+                with contextlib.suppress(RuntimeError):
+                    _wait(work, deadline)
+            raise
 
     def _to_device(self, data: torch.Tensor) -> torch.Tensor:
         if data.device == self.device:

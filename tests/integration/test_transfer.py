@@ -310,6 +310,47 @@ async def test_killing_the_destination_mid_transfer_is_a_clean_unavailable(
             cache.unlink()
 
 
+async def test_killing_the_source_mid_in_place_transfer_frees_the_receiver(etcd, cluster_name, services, caches,
+                                                                            mapped, tmp_path):
+    """The receiver's in-place receives fail when the sender dies; it answers, frees its slots,
+    and takes the next transfers (as many at once as it has receive slots)."""
+    a, _b = mapped
+    # 3 KiB staging: one-block spans of 2 KiB rows, 64k messages, slow enough to interrupt.
+    sender = _start("D-dies", etcd, cluster_name, tmp_path, "--in-place-min-kib", "1")
+    receiver = _start("E-lives", etcd, cluster_name, tmp_path, "--staging-kib", "1024")
+    src = _random_cache("a-bulk2", BULK, 6)
+    dst = KvCache.create(f"ferry-test-e-bulk-{uuid.uuid4().hex[:6]}", BULK)
+    try:
+        await asyncio.gather(sender.wait_healthy(60), receiver.wait_healthy(60))
+        async with TransferClient(sender.address) as d, TransferClient(receiver.address) as e:
+            await e.map_instance("e-bulk", dst.name, BULK)
+            await d.map_instance("a-bulk2", src.name, BULK)
+            ids = tuple(range(BULK.num_blocks))  # consecutive on both sides: in place on both
+            transfer = asyncio.create_task(d.transfer(
+                BlockTransfer(InstanceId("a-bulk2"), ids, InstanceId("e-bulk"), ids, receiver.address,
+                              TransferBackend.GLOO, False), timeout_s=60))
+            await _until_some_blocks_landed(dst, transfer)
+            sender.signal(signal.SIGSTOP)
+            await asyncio.sleep(0.3)
+            assert not transfer.done()
+            sender.kill()
+            with pytest.raises((Unavailable, grpc.aio.AioRpcError)):  # the sender died: its RPC has no answer
+                await asyncio.wait_for(transfer, 20)
+            await e.map_instance("b-small", caches["b-small"].name, SMALL)
+            await _transfer_and_check(a, caches, receiver.address, "small", TransferBackend.GLOO, (1, 2), (3, 4), True)
+            moves = [((4 * i, 4 * i + 1), (20 - 4 * i, 21 - 4 * i)) for i in range(3)]  # more than its 2 slots
+            await asyncio.wait_for(asyncio.gather(*(
+                a.transfer(BlockTransfer(InstanceId("a-small"), src_ids, InstanceId("b-small"), dst_ids,
+                                         receiver.address, TransferBackend.GLOO, True), timeout_s=20)
+                for src_ids, dst_ids in moves)), 30)
+    finally:
+        sender.kill()
+        receiver.stop()
+        for cache in (src, dst):
+            cache.close()
+            cache.unlink()
+
+
 async def _until_some_blocks_landed(dst: KvCache, transfer: asyncio.Task, timeout_s: float = 30) -> None:
     """Wait until the destination (zero-filled) shows transferred data, while the transfer runs."""
     deadline = time.monotonic() + timeout_s

@@ -20,7 +20,7 @@ import torch
 from services.cluster.processes import ServiceProcess
 from services.common.errors import NotFound, Unavailable
 from services.common.etcd_launcher import free_port
-from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
+from services.common.gen.ferry.v1 import common_pb2, transfer_pb2, transfer_pb2_grpc
 from services.common.grpc_server import insecure_channel
 from services.common.registry import Registry
 from services.instance.engine.kv_cache import KvCache, KvGeometry
@@ -244,6 +244,14 @@ async def test_channel_requests_out_of_range_are_invalid_argument(services):
                 header=header, backend=transfer_pb2.TRANSFER_BACKEND_GLOO, tag=2**31 - 1), timeout=10)
         assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "tag" in raised.value.details()
+        header.kv.CopyFrom(common_pb2.KvGeometry(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8,
+                                                 num_blocks=24, dtype="float16"))
+        header.in_place_spans.extend([0])  # not a [start, stop) pair
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.ExpectBlocks(transfer_pb2.ExpectBlocksRequest(
+                header=header, backend=transfer_pb2.TRANSFER_BACKEND_GLOO, tag=64), timeout=10)
+        assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "in_place_spans" in raised.value.details()
 
 
 @pytest.mark.parametrize("backend", [TransferBackend.GRPC, TransferBackend.GLOO])

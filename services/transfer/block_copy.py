@@ -12,7 +12,9 @@ Torch and numpy copies release the GIL, so these run on worker threads while the
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -66,6 +68,16 @@ def copy_blocks(src_rows: torch.Tensor, src_ids: tuple[int, ...], dst_rows: torc
     for start, stop in paired_runs(src_ids, dst_ids):
         src_first, dst_first, length = src_ids[start], dst_ids[start], stop - start
         dst[:, dst_first:dst_first + length].copy_(src[:, src_first:src_first + length])
+
+
+def segments(plan: ChunkPlan, rows: torch.Tensor, block_ids: tuple[int, ...], is_in_place: bool
+             ) -> Iterator[tuple[list[Chunk], list[torch.Tensor] | None]]:
+    """The plan's chunks in stretches, in order: each with the flat views of its rows where they
+    lie if it is an in-place span lying in place on this side (and `is_in_place`), else None:
+    staged through the buffers."""
+    for in_span, group in itertools.groupby(plan.chunks(), key=attrgetter("in_span")):
+        chunks = list(group)
+        yield chunks, in_place_views(rows, block_ids, chunks) if in_span and is_in_place else None
 
 
 def in_place_views(rows: torch.Tensor, block_ids: tuple[int, ...], chunks: list[Chunk]) -> list[torch.Tensor] | None:

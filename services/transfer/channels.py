@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.errors import FailedPrecondition, Unavailable
+from services.transfer.chunk_plan import Chunk
 from services.transfer.domain import CHANNEL_BACKENDS, TransferBackend
 from services.transfer.threads import run_in_thread
 
@@ -85,19 +86,20 @@ class PairChannel:
         if target is not out:
             out.copy_(target)
 
-    def send_in_order(self, messages: Sequence[tuple[torch.Tensor, int]], window: int, timeout_s: float) -> None:
-        """Blocking send of flat host tensors with their tags, up to `window` in flight, posted
-        from this one thread in order (gloo only; worker thread only)."""
-        self._move_in_order(messages, window, timeout_s, self.group.send)
+    def send_in_order(self, messages: Sequence[tuple[torch.Tensor, int]], timeout_s: float) -> None:
+        """Blocking send of flat host tensors with their tags, several in flight (`in_place_window`),
+        posted from this one thread in order (gloo only; worker thread only)."""
+        self._move_in_order(messages, timeout_s, self.group.send)
 
-    def recv_in_order(self, messages: Sequence[tuple[torch.Tensor, int]], window: int, timeout_s: float) -> None:
+    def recv_in_order(self, messages: Sequence[tuple[torch.Tensor, int]], timeout_s: float) -> None:
         """Blocking receive into flat host tensors, as `send_in_order` sends them."""
-        self._move_in_order(messages, window, timeout_s, self.group.recv)
+        self._move_in_order(messages, timeout_s, self.group.recv)
 
-    def _move_in_order(self, messages: Sequence[tuple[torch.Tensor, int]], window: int, timeout_s: float,
+    def _move_in_order(self, messages: Sequence[tuple[torch.Tensor, int]], timeout_s: float,
                        post: Callable[..., dist.Work]) -> None:
         if not self.moves_in_place:
             raise FailedPrecondition(f"{self.backend.value} channels move staged chunks only")
+        window = in_place_window(messages[0][0].numel()) if messages else 1
         deadline = time.monotonic() + timeout_s
         in_flight: deque[dist.Work] = deque()
         try:
@@ -131,6 +133,12 @@ class PairChannel:
 
 def _wait(work: dist.Work, deadline: float) -> None:
     work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+
+
+def span_messages(chunks: Sequence[Chunk], views: Sequence[torch.Tensor], transfer_tag: int
+                  ) -> list[tuple[torch.Tensor, int]]:
+    """The (flat view, tag) messages of an in-place span's rows."""
+    return [(view, chunk_tag(transfer_tag, chunk.index)) for chunk, view in zip(chunks, views)]
 
 
 def in_place_window(message_bytes: int) -> int:

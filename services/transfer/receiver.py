@@ -21,15 +21,14 @@ import warnings
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from operator import attrgetter
 
 import numpy as np
 import structlog
 import torch
 
 from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
-from services.transfer.block_copy import as_bytes, in_place_view, in_place_views, scatter_chunk, staged_view
-from services.transfer.channels import ChannelTable, PairChannel, chunk_tag, in_place_window
+from services.transfer.block_copy import as_bytes, in_place_view, scatter_chunk, segments, staged_view
+from services.transfer.channels import ChannelTable, PairChannel, chunk_tag, span_messages
 from services.transfer.checksum import ChecksumVerifier
 from services.transfer.chunk_plan import Chunk, ChunkPlan, check_block_ids, check_compatible
 from services.transfer.deadline import Deadline
@@ -108,18 +107,13 @@ class BlockReceiver:
     async def _receive_chunks(self, channel: PairChannel, target: Destination, slot: StagingSlot,
                               scatterer: ScatterBehind, tag: int, deadline: Deadline) -> None:
         """Staged chunks through the buffers; in-place spans (gloo) straight into the KV memory."""
-        for in_span, group in itertools.groupby(target.plan.chunks(), key=attrgetter("in_span")):
-            chunks = list(group)
-            views = None
-            if in_span and channel.moves_in_place:
-                views = in_place_views(target.rows, target.block_ids, chunks)
+        for chunks, views in segments(target.plan, target.rows, target.block_ids, channel.moves_in_place):
             if views is None:
                 await self._receive_staged(channel, target, chunks, slot, scatterer, tag, deadline)
                 continue
             # The staged chunks before are all in (tags repeat every TAG_STRIDE chunks).
-            messages = [(view, chunk_tag(tag, chunk.index)) for chunk, view in zip(chunks, views)]
-            await run_in_thread(self._threads.io, _recv_in_order_checked, channel, messages,
-                                in_place_window(views[0].numel()), deadline.remaining_s())
+            await run_in_thread(self._threads.io, _recv_in_order_checked, channel,
+                                span_messages(chunks, views, tag), deadline.remaining_s())
             IN_PLACE_BYTES.labels("received").inc(sum(view.numel() for view in views))
             if target.verifier.is_enabled:  # on the copy thread, after the scatters before it
                 await run_in_thread(self._threads.copy, _verify_in_place, target, chunks)
@@ -217,10 +211,9 @@ async def _expect_end(pieces: AsyncIterator[bytes]) -> None:
                               "sender and receiver disagree on the geometry")
 
 
-def _recv_in_order_checked(channel: PairChannel, messages: list[tuple[torch.Tensor, int]], window: int,
-                           timeout_s: float) -> None:
+def _recv_in_order_checked(channel: PairChannel, messages: list[tuple[torch.Tensor, int]], timeout_s: float) -> None:
     try:
-        channel.recv_in_order(messages, window, timeout_s)
+        channel.recv_in_order(messages, timeout_s)
     except RuntimeError as exc:  # gloo: the sender closed the connection or timed out
         raise Unavailable(f"{channel.backend.value} receive from {channel.peer} failed: {exc}") from exc
 

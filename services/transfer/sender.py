@@ -25,14 +25,13 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from operator import attrgetter
 
 import structlog
 import torch
 
 from services.common.errors import Aborted, FailedPrecondition, FerryError, Unavailable
-from services.transfer.block_copy import as_bytes, chunk_parts, copy_blocks, gather_chunk, in_place_views, staged_view
-from services.transfer.channels import TAG_STRIDE, ChannelTable, PairChannel, chunk_tag, in_place_window
+from services.transfer.block_copy import as_bytes, chunk_parts, copy_blocks, gather_chunk, segments, staged_view
+from services.transfer.channels import TAG_STRIDE, ChannelTable, PairChannel, chunk_tag, span_messages
 from services.transfer.checksum import block_checksums
 from services.transfer.chunk_plan import (IN_PLACE_MIN_ROW_BYTES, Chunk, ChunkPlan, check_block_ids, check_compatible,
                                           find_in_place_spans)
@@ -193,18 +192,13 @@ class BlockSender:
         """Staged chunks one by one through the buffers; in-place spans straight from the KV memory."""
         ring = BufferRing(slot)
         try:
-            for in_span, group in itertools.groupby(source.plan.chunks(), key=attrgetter("in_span")):
-                chunks = list(group)
-                views = None
-                if in_span and channel.moves_in_place:
-                    views = in_place_views(source.rows, source.block_ids, chunks)
+            for chunks, views in segments(source.plan, source.rows, source.block_ids, channel.moves_in_place):
                 if views is None:
                     await self._send_staged(channel, source, ring, chunks, tag, deadline)
                     continue
                 await ring.drain()  # tags repeat every TAG_STRIDE chunks: the earlier sends go first
-                messages = [(view, chunk_tag(tag, chunk.index)) for chunk, view in zip(chunks, views)]
-                await run_in_thread(self._threads.io, _send_in_order_checked, channel, messages,
-                                    in_place_window(views[0].numel()), deadline.remaining_s())
+                await run_in_thread(self._threads.io, _send_in_order_checked, channel,
+                                    span_messages(chunks, views, tag), deadline.remaining_s())
                 IN_PLACE_BYTES.labels("sent").inc(sum(view.numel() for view in views))
             await ring.drain()
         except BaseException:
@@ -241,10 +235,9 @@ def _send_checked(channel: PairChannel, data: torch.Tensor, tag: int, timeout_s:
         raise Unavailable(f"{channel.backend.value} send to {channel.peer} failed: {exc}") from exc
 
 
-def _send_in_order_checked(channel: PairChannel, messages: list[tuple[torch.Tensor, int]], window: int,
-                           timeout_s: float) -> None:
+def _send_in_order_checked(channel: PairChannel, messages: list[tuple[torch.Tensor, int]], timeout_s: float) -> None:
     try:
-        channel.send_in_order(messages, window, timeout_s)
+        channel.send_in_order(messages, timeout_s)
     except RuntimeError as exc:
         raise Unavailable(f"{channel.backend.value} send to {channel.peer} failed: {exc}") from exc
 

@@ -38,7 +38,7 @@ class FakeChannel:
     sends_in_flight: int = 0
     most_sends_in_flight: int = 0
     tags: list[int] = field(default_factory=list)
-    in_order_windows: list[int] = field(default_factory=list)
+    in_order_batches: int = 0
 
     @property
     def is_serial(self) -> bool:
@@ -65,12 +65,12 @@ class FakeChannel:
         out.copy_(data)
         taken.set()
 
-    def send_in_order(self, messages, window: int, timeout_s: float) -> None:
-        self.in_order_windows.append(window)
+    def send_in_order(self, messages, timeout_s: float) -> None:
+        self.in_order_batches += 1
         for data, tag in messages:
             self.send(data, tag, timeout_s)
 
-    def recv_in_order(self, messages, window: int, timeout_s: float) -> None:
+    def recv_in_order(self, messages, timeout_s: float) -> None:
         for out, tag in messages:
             self.recv(out, tag, timeout_s)
 
@@ -192,7 +192,7 @@ async def test_spans_consecutive_on_both_sides_move_in_place_on_gloo(backend, ex
     assert len(channel.send_ptrs) == len(channel.recv_ptrs) == num_chunks
     assert sum(_inside(ptr, kvs["src"]) for ptr in channel.send_ptrs) == (12 if expect_in_place else 0)
     assert sum(_inside(ptr, kvs["dst"]) for ptr in channel.recv_ptrs) == (12 if expect_in_place else 0)
-    assert bool(channel.in_order_windows) == expect_in_place  # spans go from one thread, in order
+    assert bool(channel.in_order_batches) == expect_in_place  # spans go from one thread, in order
 
 
 @pytest.mark.parametrize("in_place_side", ["src", "dst"])

@@ -28,7 +28,7 @@ import contextlib
 import datetime
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -75,25 +75,29 @@ class PairChannel:
         return self.backend is TransferBackend.GLOO
 
     def send(self, data: torch.Tensor, tag: int, timeout_s: float) -> None:
-        """Blocking send of a flat uint8 tensor to the peer (worker thread only)."""
+        """Blocking send of a flat uint8 tensor to the peer (worker thread only); Unavailable if it breaks."""
         data = self._to_device(data)
-        self.group.send([data], 1 - self.rank, tag).wait(datetime.timedelta(seconds=timeout_s))
+        with self._broken_is_unavailable("send to"):
+            self.group.send([data], 1 - self.rank, tag).wait(datetime.timedelta(seconds=timeout_s))
 
     def recv(self, out: torch.Tensor, tag: int, timeout_s: float) -> None:
-        """Blocking receive into a flat uint8 tensor (worker thread only)."""
+        """Blocking receive into a flat uint8 tensor (worker thread only); Unavailable if it breaks."""
         target = out if out.device == self.device else self._bounce_for(out)
-        self.group.recv([target], 1 - self.rank, tag).wait(datetime.timedelta(seconds=timeout_s))
+        with self._broken_is_unavailable("receive from"):
+            self.group.recv([target], 1 - self.rank, tag).wait(datetime.timedelta(seconds=timeout_s))
         if target is not out:
             out.copy_(target)
 
     def send_in_order(self, messages: Sequence[tuple[torch.Tensor, int]], timeout_s: float) -> None:
         """Blocking send of flat host tensors with their tags, several in flight (`in_place_window`),
         posted from this one thread in order (gloo only; worker thread only)."""
-        self._move_in_order(messages, timeout_s, self.group.send)
+        with self._broken_is_unavailable("send to"):
+            self._move_in_order(messages, timeout_s, self.group.send)
 
     def recv_in_order(self, messages: Sequence[tuple[torch.Tensor, int]], timeout_s: float) -> None:
         """Blocking receive into flat host tensors, as `send_in_order` sends them."""
-        self._move_in_order(messages, timeout_s, self.group.recv)
+        with self._broken_is_unavailable("receive from"):
+            self._move_in_order(messages, timeout_s, self.group.recv)
 
     def _move_in_order(self, messages: Sequence[tuple[torch.Tensor, int]], timeout_s: float,
                        post: Callable[..., dist.Work]) -> None:
@@ -117,6 +121,13 @@ class PairChannel:
                 with contextlib.suppress(RuntimeError):
                     _wait(work, deadline)
             raise
+
+    @contextlib.contextmanager
+    def _broken_is_unavailable(self, action: str) -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError as exc:  # gloo: peer closed the connection, timed out, or the channel was aborted
+            raise Unavailable(f"{self.backend.value} {action} {self.peer} failed: {exc}") from exc
 
     def _to_device(self, data: torch.Tensor) -> torch.Tensor:
         if data.device == self.device:

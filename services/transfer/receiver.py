@@ -26,7 +26,7 @@ import numpy as np
 import structlog
 import torch
 
-from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.common.errors import InvalidArgument, ResourceExhausted
 from services.transfer.block_copy import as_bytes, in_place_view, scatter_chunk, segments, staged_view
 from services.transfer.channels import ChannelTable, PairChannel, chunk_tag, span_messages
 from services.transfer.checksum import ChecksumVerifier
@@ -112,8 +112,8 @@ class BlockReceiver:
                 await self._receive_staged(channel, target, chunks, slot, scatterer, tag, deadline)
                 continue
             # The staged chunks before are all in (tags repeat every TAG_STRIDE chunks).
-            await run_in_thread(self._threads.io, _recv_in_order_checked, channel,
-                                span_messages(chunks, views, tag), deadline.remaining_s())
+            await run_in_thread(self._threads.io, channel.recv_in_order, span_messages(chunks, views, tag),
+                                deadline.remaining_s())
             IN_PLACE_BYTES.labels("received").inc(sum(view.numel() for view in views))
             if target.verifier.is_enabled:  # on the copy thread, after the scatters before it
                 await run_in_thread(self._threads.copy, _verify_in_place, target, chunks)
@@ -129,7 +129,7 @@ class BlockReceiver:
         async def post(chunk: Chunk) -> None:
             buffer = (await scatterer.buffer_for(chunk))[:target.plan.chunk_bytes(chunk)]
             future = asyncio.get_running_loop().run_in_executor(
-                self._threads.io, _recv_checked, channel, buffer, chunk_tag(tag, chunk.index), deadline.remaining_s())
+                self._threads.io, channel.recv, buffer, chunk_tag(tag, chunk.index), deadline.remaining_s())
             posted.append((chunk, buffer, future))
         try:
             for chunk in itertools.islice(pending, window):
@@ -209,17 +209,3 @@ async def _expect_end(pieces: AsyncIterator[bytes]) -> None:
     async for piece in pieces:
         raise InvalidArgument(f"block stream has {len(piece)}+ bytes after the last block; "
                               "sender and receiver disagree on the geometry")
-
-
-def _recv_in_order_checked(channel: PairChannel, messages: list[tuple[torch.Tensor, int]], timeout_s: float) -> None:
-    try:
-        channel.recv_in_order(messages, timeout_s)
-    except RuntimeError as exc:  # gloo: the sender closed the connection or timed out
-        raise Unavailable(f"{channel.backend.value} receive from {channel.peer} failed: {exc}") from exc
-
-
-def _recv_checked(channel: PairChannel, out: torch.Tensor, tag: int, timeout_s: float) -> None:
-    try:
-        channel.recv(out, tag, timeout_s)
-    except RuntimeError as exc:  # gloo: the sender closed the connection or timed out
-        raise Unavailable(f"{channel.backend.value} receive from {channel.peer} failed: {exc}") from exc

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from services.common.errors import Aborted, FailedPrecondition, FerryError, Unavailable
+from services.common.errors import Aborted, FailedPrecondition, FerryError
 from services.transfer.block_copy import as_bytes, chunk_parts, copy_blocks, gather_chunk, segments, staged_view
 from services.transfer.channels import TAG_STRIDE, ChannelTable, PairChannel, chunk_tag, span_messages
 from services.transfer.checksum import block_checksums
@@ -197,8 +197,8 @@ class BlockSender:
                     await self._send_staged(channel, source, ring, chunks, tag, deadline)
                     continue
                 await ring.drain()  # tags repeat every TAG_STRIDE chunks: the earlier sends go first
-                await run_in_thread(self._threads.io, _send_in_order_checked, channel,
-                                    span_messages(chunks, views, tag), deadline.remaining_s())
+                await run_in_thread(self._threads.io, channel.send_in_order, span_messages(chunks, views, tag),
+                                    deadline.remaining_s())
                 IN_PLACE_BYTES.labels("sent").inc(sum(view.numel() for view in views))
             await ring.drain()
         except BaseException:
@@ -219,27 +219,13 @@ class BlockSender:
             if channel.is_serial:
                 await ring.wait(chunk.index - 1)  # the previous send, gathered ahead of meanwhile
             flat = staged.view(torch.uint8).view(-1)
-            ring.hold(chunk.index, loop.run_in_executor(self._threads.io, _send_checked, channel, flat,
+            ring.hold(chunk.index, loop.run_in_executor(self._threads.io, channel.send, flat,
                                                         chunk_tag(tag, chunk.index), deadline.remaining_s()))
 
 
 async def _messages(messages: GatherAhead) -> AsyncIterator[bytes]:
     async for _chunk, message in messages:
         yield message
-
-
-def _send_checked(channel: PairChannel, data: torch.Tensor, tag: int, timeout_s: float) -> None:
-    try:
-        channel.send(data, tag, timeout_s)
-    except RuntimeError as exc:  # gloo: peer closed the connection, timed out, or the channel was aborted
-        raise Unavailable(f"{channel.backend.value} send to {channel.peer} failed: {exc}") from exc
-
-
-def _send_in_order_checked(channel: PairChannel, messages: list[tuple[torch.Tensor, int]], timeout_s: float) -> None:
-    try:
-        channel.send_in_order(messages, timeout_s)
-    except RuntimeError as exc:
-        raise Unavailable(f"{channel.backend.value} send to {channel.peer} failed: {exc}") from exc
 
 
 def _copy_checked(src_rows: torch.Tensor, src_ids: tuple[int, ...], dst_rows: torch.Tensor,

@@ -34,7 +34,7 @@ run: install model
 
 # The suite without its long scenarios (each @slow test has a small form that runs here).
 test: install
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" --durations=15 $(PYTEST_ARGS)
 
 # Everything, including the long forms (10 s etcd outage, 200-request chaos, ...).
 test-all: install

@@ -91,7 +91,7 @@ async def test_prompt_over_the_context_is_rejected_before_dispatch(frontend):
         async with http.post("/v1/completions", json=body) as response:
             assert response.status == 400
             error = (await response.json())["error"]
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 5.0  # refused up front, not after a generation
     assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
 
 

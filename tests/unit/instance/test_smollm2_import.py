@@ -4,7 +4,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -116,9 +115,7 @@ def test_greedy_chat_answer_names_paris(folder, tokenizer):
 
 def test_existing_import_is_reused(folder):
     mtime = (folder / "model.safetensors").stat().st_mtime_ns
-    started = time.monotonic()
     assert import_smollm2(folder) == folder
-    assert time.monotonic() - started < 5.0
     assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
 
 

@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,7 @@ def _file_bytes(folder: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("shape", sorted(TINY_SHAPES))
 def test_same_shape_and_seed_give_identical_files(tmp_path, shape):
-    started = time.monotonic()
     first = build_tiny_model(tmp_path / "a", shape)
-    assert time.monotonic() - started < 2.0
     second = build_tiny_model(tmp_path / "b", shape, seed=0)
     assert sorted(p.name for p in first.iterdir()) == sorted(REQUIRED_FILES)
     assert _file_bytes(first) == _file_bytes(second)

@@ -2,7 +2,8 @@
 
 Start order follows dependencies (etcd → manager → instances → frontend); each
 child must be healthy before the next starts. On SIGINT/SIGTERM/SIGHUP every child is
-stopped by its PID, newest first, and nothing else is touched; if the launcher itself is
+stopped by its PID (the frontend first, then the others side by side, then etcd), and
+nothing else is touched; if the launcher itself is
 killed (SIGKILL, a crash), the kernel kills every child with it (PR_SET_PDEATHSIG). With TLS on
 (`ClusterSpec.security`) every gRPC child serves and dials TLS and the health probes
 dial it too; etcd stays plaintext on loopback.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.cluster.processes import ServiceProcess
+from services.cluster.processes import ServiceProcess, stop_all
 from services.cluster.scaling_follower import follow_scaling, reset_target
 from services.cluster.security import ClusterSecurity
 from services.common.etcd_launcher import LocalEtcd, free_port
@@ -98,9 +99,12 @@ class LocalCluster:
         return Registry([self.etcd.endpoint], self.spec.cluster)
 
     def stop(self) -> None:
-        for process in reversed(self.processes):
-            process.stop()
-            log.info("process_stopped", name=process.name, pid=process.pid)
+        """The frontend first (it stops taking requests), then every other child side by side, then etcd."""
+        frontends = [process for process in self.processes if process.module == "frontend"]
+        for wave in (frontends, [process for process in reversed(self.processes) if process not in frontends]):
+            stop_all(wave)
+            for process in wave:
+                log.info("process_stopped", name=process.name, pid=process.pid)
         if self.etcd is not None:
             self.etcd.stop()
         if self._tmp is not None:

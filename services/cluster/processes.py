@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -124,13 +125,7 @@ class ServiceProcess:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after `timeout_s`."""
-        if not self.is_alive():
-            return
-        self.signal(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        stop_all([self], timeout_s)
 
     def log_tail(self, num_lines: int = 30) -> str:
         try:
@@ -144,6 +139,20 @@ class ServiceProcess:
         self.last_probe = await grpc_health_status(self.address, tls=self.tls,
                                                    service=HEALTH_SERVICES.get(self.module, ""))
         return self.last_probe == "SERVING"
+
+
+def stop_all(processes: Iterable[ServiceProcess], timeout_s: float = 10.0) -> None:
+    """SIGTERM every one at once, then wait for them all; SIGKILL any still running after `timeout_s`.
+    They shut down side by side, so this takes as long as the slowest, not the sum."""
+    running = [process for process in processes if process.is_alive()]
+    for process in running:
+        process.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for process in running:
+        try:
+            process.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 async def grpc_health_status(address: str, timeout_s: float = 1.0, tls: TlsConfig | None = None,

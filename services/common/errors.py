@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import grpc
 import structlog
+from grpc._cython import cygrpc
 
 from services.common.rpc_handler import Behavior, is_streaming_behavior, wrap_rpc_handler
 
@@ -117,6 +118,9 @@ _ERROR_BY_CODE: dict[grpc.StatusCode, type[FerryError]] = {
 # A peer that does not answer within the deadline is treated like a peer that is down.
 _ERROR_BY_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = Unavailable
 
+# grpc-python raises this (a private class) into a handler that reads its request stream
+# once the server stops: a shutdown, not a crash.
+_SERVER_STOPPED = getattr(cygrpc, "_ServerStoppedError", ())
 INTERNAL_MESSAGE = "internal error; the server logged the traceback under this request_id"
 
 
@@ -162,6 +166,9 @@ def _map_errors(behavior: Behavior, method: str) -> Behavior:
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
     if isinstance(exc, grpc.aio.AbortError):  # the handler already called context.abort
         raise exc
+    if isinstance(exc, _SERVER_STOPPED):  # reading a request stream while this server shuts down
+        log.info("rpc_cut_by_shutdown", method=method)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another")
     if isinstance(exc, FerryError):
         log.info("rpc_failed", method=method, code=exc.grpc_code.name, message=exc.message)
         await context.abort(exc.grpc_code, exc.message)

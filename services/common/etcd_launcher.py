@@ -201,8 +201,10 @@ class LocalEtcd:
             raise RuntimeError(f"etcd at {self.endpoint} is already running (pid {self.pid})")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 — closed in terminate()
+        # Its own session: a Ctrl-C in the terminal reaches the launcher, which stops etcd
+        # after the services that use it; dying with its parent still covers a crash.
         self._process = subprocess.Popen(die_with_parent.command(self._command()), stdin=subprocess.DEVNULL,
-                                         stdout=self._log_file, stderr=subprocess.STDOUT)
+                                         stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True)
         _LIVE.add(self)
 
     def _command(self) -> list[str]:

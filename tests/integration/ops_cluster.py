@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.cluster.processes import ServiceProcess
+from services.cluster.processes import ServiceProcess, stop_all
 from services.common.etcd_launcher import LocalEtcd, free_port
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
 from services.ctl.client import AdminClient
@@ -57,8 +57,7 @@ def ops_cluster(etcd: LocalEtcd, model_dir: pathlib.Path, log_dir: pathlib.Path)
         asyncio.run(_wait_serving(ops))
         yield ops
     finally:
-        for process in reversed(ops.processes):
-            process.stop()
+        stop_all(list(reversed(ops.processes)))
 
 
 def _instance(instance_id: str, model_dir: pathlib.Path, transfer_address: str, common: list[str],

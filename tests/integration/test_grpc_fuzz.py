@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.cluster.processes import ServiceProcess
+from services.cluster.processes import ServiceProcess, stop_all
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import (common_pb2, instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc,
                                           transfer_pb2, transfer_pb2_grpc)
@@ -55,8 +55,7 @@ def processes(etcd, tiny_model_dir, cluster_name, tmp_path_factory):
             asyncio.run(process.wait_healthy(90))
         yield started
     finally:
-        for process in started.values():
-            process.stop()
+        stop_all(started.values())
 
 
 def _crashes(outcomes: list[Outcome]) -> list[Outcome]:

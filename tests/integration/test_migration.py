@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from services.cluster.processes import ServiceProcess
+from services.cluster.processes import ServiceProcess, stop_all
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc, transfer_pb2
 from services.common.registry import Registry
@@ -93,7 +93,7 @@ def cluster(etcd, tiny_model_dir, tmp_path_factory):
     finally:
         for process in processes.values():
             process.signal(signal.SIGCONT)
-            process.stop()
+        stop_all(processes.values())
 
 
 async def _warm_up(cluster: Cluster) -> None:

@@ -13,7 +13,7 @@ import uuid
 import grpc
 import pytest
 
-from services.cluster.processes import ServiceProcess
+from services.cluster.processes import ServiceProcess, stop_all
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc, transfer_pb2
 from services.instance.engine.factory import EngineSpec, build_engine
@@ -88,8 +88,7 @@ def two_hosts(host_b, tiny_model_dir, tmp_path_factory):
             asyncio.run(processes[side].wait_healthy(90))
         yield processes
     finally:
-        for process in processes.values():
-            process.stop()
+        stop_all(processes.values())
 
 
 async def test_request_migrates_across_the_link_with_reference_tokens(two_hosts, tiny_model_dir):

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.cluster.processes import ROOT, ServiceProcess, TlsRejected
+from services.cluster.processes import ROOT, ServiceProcess, TlsRejected, stop_all
 from services.common.auth import bearer_metadata
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import (instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc,
@@ -78,8 +78,7 @@ def cluster(etcd, tiny_model_dir, pki, tls, tmp_path_factory):
             asyncio.run(process.wait_healthy(90))
         yield processes
     finally:
-        for process in processes.values():
-            process.stop()
+        stop_all(processes.values())
 
 
 async def test_completion_through_tls_cluster(cluster, tls):

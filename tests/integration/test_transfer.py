@@ -17,7 +17,7 @@ import grpc
 import pytest
 import torch
 
-from services.cluster.processes import ServiceProcess
+from services.cluster.processes import ServiceProcess, stop_all
 from services.common.errors import NotFound, Unavailable
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import common_pb2, transfer_pb2, transfer_pb2_grpc
@@ -71,8 +71,7 @@ def services(etcd, cluster_name, tmp_path_factory):
             asyncio.run(process.wait_healthy(60))
         yield processes
     finally:
-        for process in processes.values():
-            process.stop()
+        stop_all(processes.values())
 
 
 @pytest.fixture(scope="module")
@@ -224,8 +223,7 @@ async def test_gloo_moves_runs_in_place_and_stages_the_rest_bit_exactly(etcd, cl
         # WIDE (1 KiB rows, the 1 KiB minimum): every block, all 23, on both sides.
         assert sent == received == (17 * 2 + 23 * 4) * 1024
     finally:
-        for process in processes.values():
-            process.stop()
+        stop_all(processes.values())
 
 
 async def test_channel_requests_out_of_range_are_invalid_argument(services):
@@ -383,5 +381,4 @@ async def test_nccl_moves_blocks_bit_exactly(etcd, cluster_name, caches, tmp_pat
             await _transfer_and_check(n0, caches, processes[1].address, "small", TransferBackend.NCCL,
                                       src_ids, dst_ids, True)
     finally:
-        for process in processes:
-            process.stop()
+        stop_all(processes)

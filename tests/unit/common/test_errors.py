@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+from grpc._cython import cygrpc
 import pytest
 
 from services.common import errors
@@ -105,6 +106,16 @@ async def test_interceptor_hides_unexpected_exceptions() -> None:
     with pytest.raises(Aborted):
         await (await intercepted(behavior, streaming=False))(b"", context)
     assert context.status[0] == grpc.StatusCode.INTERNAL and "hunter2" not in context.status[1]
+
+
+async def test_a_stream_cut_by_the_server_stopping_is_unavailable_not_a_crash() -> None:
+    async def behavior(request_iterator, context):
+        raise cygrpc._ServerStoppedError("Server already stopped.")
+
+    context = FakeContext()
+    with pytest.raises(Aborted):
+        await (await intercepted(behavior, streaming=False))(b"", context)
+    assert context.status == (grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another")
 
 
 async def test_interceptor_passes_results_through() -> None:

@@ -1,7 +1,7 @@
 """Single-machine cluster: etcd, manager, instances and frontend as child processes.
 
-Start order follows dependencies (etcd → manager → instances → frontend); each
-child must be healthy before the next starts. On SIGINT/SIGTERM/SIGHUP every child is
+Start order: etcd, then the first manager (so it leads), then every other child at
+once; `ready` once all are healthy. On SIGINT/SIGTERM/SIGHUP every child is
 stopped by its PID (the frontend first, then the others side by side, then etcd), and
 nothing else is touched; if the launcher itself is
 killed (SIGKILL, a crash), the kernel kills every child with it (PR_SET_PDEATHSIG). With TLS on
@@ -81,16 +81,19 @@ class LocalCluster:
         if self.spec.is_scalable:
             async with self.registry() as registry:
                 await reset_target(registry, len(self.spec.roles))
-        await self._start_and_wait([self._manager(0)])
-        await self._start_and_wait([self._manager(i) for i in range(1, self.spec.num_managers)])
-        await self._start_and_wait([self._transfer()])
-        await self._start_and_wait([self._instance(i, role) for i, role in enumerate(self.spec.roles)])
-        await self._start_and_wait([self._frontend()])
+        await self._start_and_wait([self._manager(0)])  # alone, so it leads: the admin port is its
+        # The rest together: each finds what it needs as it comes (an instance retries its
+        # transfer service, the frontend watches etcd for instances).
+        standbys = [self._manager(i) for i in range(1, self.spec.num_managers)]
+        transfer = self._transfer()
+        instances = [self._instance(i, role, transfer.address) for i, role in enumerate(self.spec.roles)]
+        await self._start_and_wait([*standbys, transfer, *instances, self._frontend()])
         self.write_state()
 
     async def add_instance(self) -> ServiceProcess:
         """Start one more `both` instance (scaling) and wait until it is healthy."""
-        process = self._instance(self._next_instance_index, "both")
+        transfer_address = next(p.address for p in self.processes if p.name == "transfer-0")
+        process = self._instance(self._next_instance_index, "both", transfer_address)
         self._next_instance_index += 1
         await self._start_and_wait([process])
         return process
@@ -160,15 +163,11 @@ class LocalCluster:
                 *self._common_args(), *self.spec.security.server_args()]
         return self._grpc_service("transfer-0", "transfer", args, port)
 
-    @property
-    def transfer_address(self) -> str:
-        return next(p.address for p in self.processes if p.name == "transfer-0")
-
-    def _instance(self, index: int, role: str) -> ServiceProcess:
+    def _instance(self, index: int, role: str, transfer_address: str) -> ServiceProcess:
         port = free_port()
         args = ["--model", str(self.spec.model_dir), "--port", str(port), "--instance-id", f"instance-{index}",
                 "--role", role, "--engine", self.spec.engine, "--num-threads", str(self.spec.threads_per_instance),
-                "--kv-cache-mib", str(self.spec.kv_cache_mib), "--transfer-address", self.transfer_address,
+                "--kv-cache-mib", str(self.spec.kv_cache_mib), "--transfer-address", transfer_address,
                 "--transfer-backend", self.spec.transfer_backend, *self._common_args(),
                 *self.spec.security.server_args()]
         return self._grpc_service(f"instance-{index}", "instance", args, port)

@@ -94,6 +94,7 @@ class GrpcServer:
     advertise_host: str
     service_full_names: tuple[str, ...]
     health: HealthServicer
+    tls_mode: str = "off"
 
     @property
     def address(self) -> str:
@@ -105,6 +106,18 @@ class GrpcServer:
         status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.service_full_names):
             await self.health.set(name, status)
+
+    async def start(self, servicers: Sequence[tuple[AddServicerFn, Any]]) -> None:
+        """Register `servicers`, health (for "" and each service) and reflection; start; SERVING."""
+        for add_fn, servicer in servicers:
+            add_fn(servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*self.service_full_names, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        await self.server.start()
+        await self.set_serving(True)
+        log.info("grpc_server_started", address=self.address, services=list(self.service_full_names),
+                 tls=self.tls_mode)
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """NOT_SERVING, then stop accepting calls and wait up to `grace` s for running ones."""
@@ -119,24 +132,22 @@ async def start_grpc_server(host: str, port: int, servicers: Sequence[tuple[AddS
                             options: Sequence[tuple[str, Any]] = ()) -> GrpcServer:
     """Build, bind and start a server (TLS if `tls` has a certificate); health is SERVING when this returns.
     Extra `options` override ferry's defaults."""
+    grpc_server = bind_grpc_server(host, port, service_full_names, interceptors, advertise_host, tls, options)
+    await grpc_server.start(servicers)
+    return grpc_server
+
+
+def bind_grpc_server(host: str, port: int, service_full_names: Sequence[str],
+                     interceptors: Sequence[grpc.aio.ServerInterceptor] = (), advertise_host: str | None = None,
+                     tls: TlsConfig | None = None, options: Sequence[tuple[str, Any]] = ()) -> GrpcServer:
+    """A bound server not started yet: for a service whose servicers need its port or address
+    (`GrpcServer.start` registers them; gRPC takes no handlers once started)."""
     server = grpc.aio.server(
         interceptors=[RequestIdInterceptor(), ErrorInterceptor(), *interceptors, DecodeInterceptor()],
         options=_merged(SERVER_OPTIONS, options))
-    for add_fn, servicer in servicers:
-        add_fn(servicer, server)
-    health = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        [*service_full_names, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME], server)
     bound_port = _bind(server, host, port, make_server_credentials(tls) if tls is not None else None)
-    await server.start()
-    grpc_server = GrpcServer(server=server, host=host, port=bound_port,
-                             advertise_host=advertise_host or _advertise(host),
-                             service_full_names=tuple(service_full_names), health=health)
-    await grpc_server.set_serving(True)
-    log.info("grpc_server_started", address=grpc_server.address, services=list(service_full_names),
-             tls=_tls_mode(tls))
-    return grpc_server
+    return GrpcServer(server=server, host=host, port=bound_port, advertise_host=advertise_host or _advertise(host),
+                      service_full_names=tuple(service_full_names), health=HealthServicer(), tls_mode=_tls_mode(tls))
 
 
 def insecure_channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:

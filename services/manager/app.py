@@ -21,7 +21,7 @@ from services.common.auth import BearerTokenInterceptor
 from services.common.config import as_dict
 from services.common.election import Election, watch_leader
 from services.common.etcd_client import ETCD_ERRORS, connect_etcd
-from services.common.grpc_server import GrpcServer, start_grpc_server
+from services.common.grpc_server import GrpcServer, bind_grpc_server
 from services.common.registry import Registry
 from services.common.signals import stop_event
 from services.manager.cluster_view import ClusterView
@@ -36,7 +36,7 @@ from services.manager.leadership import Leadership
 from services.manager.metrics import serve_metrics, watch_membership_staleness
 from services.manager.migrator import Migrator, MigratorLimits
 from services.manager.scaling import Scaler
-from services.manager.server import ADMIN_SERVICE, MANAGER_SERVICE, AdminServicer, ManagerServicer, add_servicers
+from services.manager.server import ADMIN_SERVICE, MANAGER_SERVICE, AdminServicer, ManagerServicer, servicers
 
 log = structlog.get_logger(__name__)
 
@@ -45,8 +45,9 @@ async def main(config: ManagerConfig) -> None:
     log.info("config_resolved", **as_dict(config))
     admin_token = config.resolved_admin_token
     interceptors = [BearerTokenInterceptor(admin_token, [ADMIN_SERVICE])] if admin_token else []
-    server = await start_grpc_server(config.host, config.port, [], [MANAGER_SERVICE, ADMIN_SERVICE], interceptors,
-                                     advertise_host=config.advertise_host or None, tls=config.tls)
+    # Bound first: the manager id and the election need its port; it starts once its servicers exist.
+    server = bind_grpc_server(config.host, config.port, [MANAGER_SERVICE, ADMIN_SERVICE], interceptors,
+                              advertise_host=config.advertise_host or None, tls=config.tls)
     manager_id = config.manager_id or f"{socket.gethostname()}-{server.port}"
     election = Election(config.etcd_endpoints, config.cluster, manager_id, server.address, config.lease_ttl_s,
                         access=config.etcd_access)
@@ -65,7 +66,7 @@ async def main(config: ManagerConfig) -> None:
     admin = AdminServicer(view, dispatcher, leadership, store, instances, migrator, scaler,
                           config.list_requests_timeout_s, config.admin_forward_timeout_s, config.migration_timeout_s,
                           tls=config.tls, admin_token=admin_token, journal=journal)
-    add_servicers(server.server, ManagerServicer(dispatcher, view, leadership, migrator), admin)
+    await server.start(servicers(ManagerServicer(dispatcher, view, leadership, migrator), admin))
     if config.metrics_port:
         serve_metrics(config.metrics_port, view, leadership)
     stop = stop_event()

@@ -19,13 +19,14 @@ AdminService is served by every manager:
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 import time
 
-import grpc
 import structlog
 
 from services.common.errors import FerryError, InvalidArgument, NotFound, Unavailable
 from services.common.etcd_client import ETCD_ERRORS
+from services.common.grpc_server import AddServicerFn
 from services.common.gen.ferry.v1 import instance_pb2, manager_pb2, manager_pb2_grpc
 from services.common.tls import TlsConfig
 from services.manager import convert, metrics
@@ -306,9 +307,10 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         return self._leader_client
 
 
-def add_servicers(server: grpc.aio.Server, manager: ManagerServicer, admin: AdminServicer) -> None:
-    manager_pb2_grpc.add_ManagerServiceServicer_to_server(manager, server)
-    manager_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
+def servicers(manager: ManagerServicer, admin: AdminServicer) -> list[tuple[AddServicerFn, Any]]:
+    """What `GrpcServer.start` registers for a manager."""
+    return [(manager_pb2_grpc.add_ManagerServiceServicer_to_server, manager),
+            (manager_pb2_grpc.add_AdminServiceServicer_to_server, admin)]
 
 
 def _matches(record: manager_pb2.MigrationRecord, request: manager_pb2.ListMigrationsRequest) -> bool:

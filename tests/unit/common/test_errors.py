@@ -76,14 +76,21 @@ async def intercepted(behavior, streaming: bool):
     return handler.unary_stream if streaming else handler.unary_unary
 
 
-async def test_interceptor_maps_ferry_error_unary() -> None:
+@pytest.mark.parametrize(("raised", "status"), [
+    (errors.ResourceExhausted("no free blocks; raise --num-blocks"),
+     (grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks; raise --num-blocks")),
+    # A request stream read while the server shuts down: a shutdown, not a crash (no INTERNAL).
+    (cygrpc._ServerStoppedError("Server already stopped."),
+     (grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another")),
+], ids=["ferry_error", "server_stopped"])
+async def test_interceptor_maps_an_error_unary(raised, status) -> None:
     async def behavior(request, context):
-        raise errors.ResourceExhausted("no free blocks; raise --num-blocks")
+        raise raised
 
     context = FakeContext()
     with pytest.raises(Aborted):
         await (await intercepted(behavior, streaming=False))(b"", context)
-    assert context.status == (grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks; raise --num-blocks")
+    assert context.status == status
 
 
 async def test_interceptor_maps_ferry_error_mid_stream() -> None:
@@ -106,16 +113,6 @@ async def test_interceptor_hides_unexpected_exceptions() -> None:
     with pytest.raises(Aborted):
         await (await intercepted(behavior, streaming=False))(b"", context)
     assert context.status[0] == grpc.StatusCode.INTERNAL and "hunter2" not in context.status[1]
-
-
-async def test_a_stream_cut_by_the_server_stopping_is_unavailable_not_a_crash() -> None:
-    async def behavior(request_iterator, context):
-        raise cygrpc._ServerStoppedError("Server already stopped.")
-
-    context = FakeContext()
-    with pytest.raises(Aborted):
-        await (await intercepted(behavior, streaming=False))(b"", context)
-    assert context.status == (grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another")
 
 
 async def test_interceptor_passes_results_through() -> None:

@@ -81,7 +81,7 @@ class LocalCluster:
         if self.spec.is_scalable:
             async with self.registry() as registry:
                 await reset_target(registry, len(self.spec.roles))
-        await self._start_and_wait([self._manager(0)])  # alone, so it leads: the admin port is its
+        await self._start_and_wait([self._manager(0)])  # alone first, so it leads (the admin port is the leader's)
         # The rest together: each finds what it needs as it comes (an instance retries its
         # transfer service, the frontend watches etcd for instances).
         standbys = [self._manager(i) for i in range(1, self.spec.num_managers)]

@@ -104,7 +104,8 @@ class LocalCluster:
     def stop(self) -> None:
         """The frontend first (it stops taking requests), then every other child side by side, then etcd."""
         frontends = [process for process in self.processes if process.module == "frontend"]
-        for wave in (frontends, [process for process in reversed(self.processes) if process not in frontends]):
+        others = [process for process in reversed(self.processes) if process.module != "frontend"]
+        for wave in (frontends, others):
             stop_all(wave)
             for process in wave:
                 log.info("process_stopped", name=process.name, pid=process.pid)

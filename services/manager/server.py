@@ -19,15 +19,15 @@ AdminService is served by every manager:
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 import time
+from typing import Any
 
 import structlog
 
 from services.common.errors import FerryError, InvalidArgument, NotFound, Unavailable
 from services.common.etcd_client import ETCD_ERRORS
-from services.common.grpc_server import AddServicerFn
 from services.common.gen.ferry.v1 import instance_pb2, manager_pb2, manager_pb2_grpc
+from services.common.grpc_server import AddServicerFn
 from services.common.tls import TlsConfig
 from services.manager import convert, metrics
 from services.manager.client import FORWARDED_KEY, ManagerClient

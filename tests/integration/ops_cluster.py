@@ -57,7 +57,7 @@ def ops_cluster(etcd: LocalEtcd, model_dir: pathlib.Path, log_dir: pathlib.Path)
         asyncio.run(_wait_serving(ops))
         yield ops
     finally:
-        stop_all(list(reversed(ops.processes)))
+        stop_all(ops.processes)
 
 
 def _instance(instance_id: str, model_dir: pathlib.Path, transfer_address: str, common: list[str],

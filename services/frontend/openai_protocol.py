@@ -23,9 +23,14 @@ MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CHOICES = 16  # most `n`: each choice is a request of its own
+MAX_PROMPTS = 64  # most prompts in one completions request (a batch)
+MAX_BATCH_CHOICES = 128  # most prompts × n in one request
 _UINT64 = 1 << 64
 _INT32_MAX = (1 << 31) - 1
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+Prompt = str | tuple[int, ...]  # text or token ids
 
 
 class Endpoint(enum.Enum):
@@ -46,7 +51,7 @@ class RequestError(InvalidArgument):
 class ParsedRequest:
     endpoint: Endpoint
     model: str
-    prompt: str | tuple[int, ...] | None  # completions: text or token ids
+    prompts: tuple[Prompt, ...]  # completions: one or more (a batch); chat: none
     messages: tuple[dict[str, Any], ...] | None  # chat: role + text content
     sampling: Sampling
     stream: bool = False
@@ -54,7 +59,20 @@ class ParsedRequest:
     return_token_ids: bool = False  # ferry extension: choices and chunks carry token_ids
     priority: int = 0  # ferry extension: higher runs first when the cache is short
     num_top_logprobs: int | None = None  # None = no logprobs; n = chosen token + top n
-    n: int = 1  # choices: n requests of the same prompt (seeds seed, seed + 1, ... when one is given)
+    n: int = 1  # choices per prompt: n requests of it (seeds seed, seed + 1, ... when one is given)
+
+    @property
+    def num_prompts(self) -> int:
+        return max(1, len(self.prompts))  # chat: its messages make one prompt
+
+    @property
+    def num_choices(self) -> int:
+        """Every answer the request asks for: prompt i's choice j is choice i * n + j."""
+        return self.num_prompts * self.n
+
+    @property
+    def is_batch(self) -> bool:
+        return len(self.prompts) > 1
 
 
 def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
@@ -87,7 +105,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 def parse_completion_request(body: Mapping[str, Any], served_model: str) -> ParsedRequest:
     _reject_unsupported(body, Endpoint.COMPLETIONS)
     logprobs = _opt_int(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
-    return _parsed(body, served_model, Endpoint.COMPLETIONS, prompt=_prompt(body), messages=None,
+    return _parsed(body, served_model, Endpoint.COMPLETIONS, prompts=_prompts(body), messages=None,
                    max_tokens=_opt_int(body, "max_tokens", low=1), default_max_tokens=16,
                    num_top_logprobs=logprobs)
 
@@ -97,16 +115,19 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequ
     max_tokens = _opt_int(body, "max_completion_tokens", low=1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", low=1)
-    return _parsed(body, served_model, Endpoint.CHAT, prompt=None, messages=_messages(body),
+    return _parsed(body, served_model, Endpoint.CHAT, prompts=(), messages=_messages(body),
                    max_tokens=max_tokens, default_max_tokens=None, num_top_logprobs=_chat_logprobs(body))
 
 
-def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int) -> ParsedRequest:
-    """Fix max_tokens against the context: the rest of it by default, 400 if the request can't fit."""
+def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int,
+                       prompt_index: int = 0) -> ParsedRequest:
+    """Fix max_tokens against the context: the rest of it by default, 400 if the request can't fit.
+    In a batch, the message names the prompt (`prompt_index`)."""
     room = max_model_len - num_prompt_tokens
+    which = f"prompt[{prompt_index}]: " if parsed.is_batch else ""
     if room <= 0:
         raise RequestError(
-            f"the prompt is {num_prompt_tokens} tokens, but this model's maximum context length is "
+            f"{which}the prompt is {num_prompt_tokens} tokens, but this model's maximum context length is "
             f"{max_model_len} tokens (prompt and output together); shorten the prompt",
             param="messages" if parsed.endpoint is Endpoint.CHAT else "prompt", code="context_length_exceeded")
     max_tokens = parsed.sampling.max_tokens
@@ -114,22 +135,24 @@ def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_
         max_tokens = room
     elif max_tokens > room:
         raise RequestError(
-            f"this model's maximum context length is {max_model_len} tokens; you requested "
+            f"{which}this model's maximum context length is {max_model_len} tokens; you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
             f"output); reduce max_tokens to at most {room} or shorten the prompt",
             param="max_tokens", code="context_length_exceeded")
     return replace(parsed, sampling=replace(parsed.sampling, max_tokens=max_tokens))
 
 
-def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int) -> None:
+def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int, name: str = "prompt") -> None:
+    """`name`: the field the tokens came from ("prompt", "prompt[2]" in a batch, "messages")."""
+    param = name.partition("[")[0]
     if not token_ids:
-        raise RequestError("the prompt is empty; send at least one token", param="prompt")
+        raise RequestError(f"{name}: the prompt is empty; send at least one token", param=param)
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise RequestError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")
+        raise RequestError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
 
 
-def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, prompt, messages,
+def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, prompts, messages,
             max_tokens: int | None, default_max_tokens: int | None, num_top_logprobs: int | None) -> ParsedRequest:
     stream = _opt_bool(body, "stream") or False
     sampling = Sampling(
@@ -148,12 +171,16 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         min_p=_opt_float(body, "min_p", 0.0, low=0.0, high=1.0),
         cache_salt=_cache_salt(body),
     )
-    return ParsedRequest(
-        endpoint=endpoint, model=_model(body, served_model), prompt=prompt, messages=messages,
+    parsed = ParsedRequest(
+        endpoint=endpoint, model=_model(body, served_model), prompts=prompts, messages=messages,
         sampling=sampling, stream=stream, include_usage=_include_usage(body, stream),
         return_token_ids=_opt_bool(body, "return_token_ids") or False,
         priority=_opt_int(body, "priority", low=-_INT32_MAX, high=_INT32_MAX) or 0,
         num_top_logprobs=num_top_logprobs, n=_opt_int(body, "n", low=1, high=MAX_CHOICES) or 1)
+    if parsed.num_choices > MAX_BATCH_CHOICES:
+        raise RequestError(f"n: {parsed.n} choices for each of {parsed.num_prompts} prompts make "
+                           f"{parsed.num_choices} answers; at most {MAX_BATCH_CHOICES} fit in one request", param="n")
+    return parsed
 
 
 def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
@@ -195,24 +222,29 @@ def _model(body: Mapping[str, Any], served_model: str) -> str:
     return model
 
 
-def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
+def _prompts(body: Mapping[str, Any]) -> tuple[Prompt, ...]:
+    """`prompt`: a string, a list of token ids, or a batch (a list of either)."""
     if "prompt" not in body or body["prompt"] is None:
-        raise RequestError("prompt: required (a string or a list of token ids)", param="prompt")
+        raise RequestError("prompt: required (a string, a list of token ids, or a list of either)", param="prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise RequestError(f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}",
+                               param="prompt")
+        return tuple(_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt))
+    return (_one_prompt(prompt, "prompt"),)
+
+
+def _one_prompt(prompt: Any, name: str) -> Prompt:
     if isinstance(prompt, str):
         if not prompt:
-            raise RequestError("prompt: must not be empty", param="prompt")
+            raise RequestError(f"{name}: must not be empty", param="prompt")
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise RequestError(f"prompt: batches of prompts are not supported (got {len(prompt)}); "
-                           "send one prompt per request", param="prompt")
     if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         if not prompt:
-            raise RequestError("prompt: must not be empty", param="prompt")
+            raise RequestError(f"{name}: must not be empty", param="prompt")
         return tuple(prompt)
-    raise RequestError(f"prompt: expected a string or a list of token ids (integers), got {_json_type(prompt)}",
+    raise RequestError(f"{name}: expected a string or a list of token ids (integers), got {_json_type(prompt)}",
                        param="prompt")
 
 

@@ -1,6 +1,6 @@
 """Responses in OpenAI's shapes: whole completions, stream chunks (SSE) and logprobs.
 
-`ResponseFormatter` is made per choice (a request asking for `n` choices gets `n`) and
+`ResponseFormatter` is made per choice (a request gets `n` per prompt) and
 knows its endpoint, options and choice index; it turns `Delta`s and the final `ReqState`
 into JSON-ready dicts. No sockets here.
 """
@@ -54,8 +54,8 @@ class ResponseFormatter:
     def response(self, states: Sequence[ReqState], choices: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """The whole response: every choice (from each choice's formatter's `choice`), usage over all."""
         body = self._envelope(self._object("chat.completion", "text_completion"), list(choices))
-        body["usage"] = usage(len(states[0].prompt_token_ids), sum(state.num_output_tokens for state in states))
-        if self._parsed.return_token_ids:
+        body["usage"] = self._usage(states)
+        if self._parsed.return_token_ids and not self._parsed.is_batch:
             body["prompt_token_ids"] = list(states[0].prompt_token_ids)
         return body
 
@@ -69,6 +69,8 @@ class ResponseFormatter:
         choice["finish_reason"] = finish_reason_name(state.finish_reason)
         if self._parsed.return_token_ids:
             choice["token_ids"] = list(state.token_ids)
+            if not self._is_chat:  # as vLLM: each completions choice names its prompt's ids
+                choice["prompt_token_ids"] = list(state.prompt_token_ids)
         return choice
 
     # ---- stream chunks ---------------------------------------------------------------
@@ -100,10 +102,15 @@ class ResponseFormatter:
 
     def usage_chunk(self, states: Sequence[ReqState]) -> dict[str, Any]:
         chunk = self._envelope(self._object("chat.completion.chunk", "text_completion"), [])
-        chunk["usage"] = usage(len(states[0].prompt_token_ids), sum(state.num_output_tokens for state in states))
+        chunk["usage"] = self._usage(states)
         return chunk
 
     # ---- pieces ----------------------------------------------------------------------
+
+    def _usage(self, states: Sequence[ReqState]) -> dict[str, int]:
+        """Every choice's output; each prompt's tokens once (states[i * n] is prompt i's first choice)."""
+        num_prompt_tokens = sum(len(state.prompt_token_ids) for state in states[:: self._parsed.n])
+        return usage(num_prompt_tokens, sum(state.num_output_tokens for state in states))
 
     def _chunk_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = self._envelope(self._object("chat.completion.chunk", "text_completion"), choices)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.prefix_hash import MAX_CACHE_SALT_CHARS
-from services.frontend.openai_protocol import MAX_CHOICES, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from services.frontend.openai_protocol import (MAX_BATCH_CHOICES, MAX_CHOICES, MAX_LOGIT_BIAS_ENTRIES, MAX_PROMPTS,
+                                               MAX_STOP_STRINGS, MAX_TOP_LOGPROBS)
 
 _INT32_MAX = (1 << 31) - 1
 _JSON = "application/json"
@@ -130,9 +131,10 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
         "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             **common,
             "prompt": {"oneOf": [{"type": "string", "minLength": 1}, token_ids,
-                                 {"type": "array", "minItems": 1, "maxItems": 1,
+                                 {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS,
                                   "items": {"oneOf": [{"type": "string", "minLength": 1}, token_ids]}}],
-                       "description": "text, token ids, or a batch of exactly one of those"},
+                       "description": "text, token ids, or a batch of those: prompt i's n choices are "
+                                      f"choices i*n .. i*n+n-1 (at most {MAX_BATCH_CHOICES} choices in all)"},
             "logprobs": {**integer, "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "nullable": True},
             "echo": {"type": "boolean", "enum": [False], "nullable": True},
             "best_of": {**integer, "enum": [1], "nullable": True},
@@ -150,7 +152,8 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
             "created": integer, "model": {"type": "string"}, "usage": usage,
             "choices": {"type": "array", "items": {"type": "object", "properties": {
                 "index": integer, "text": {"type": "string"}, "finish_reason": {"type": "string", "nullable": True},
-                "token_ids": {"type": "array", "items": integer}}}}}},
+                "token_ids": {"type": "array", "items": integer},
+                "prompt_token_ids": {"type": "array", "items": integer}}}}}},
         "ChatCompletion": {"type": "object", "required": ["id", "object", "choices"], "properties": {
             "id": {"type": "string"}, "object": {"type": "string", "enum": ["chat.completion"]},
             "created": integer, "model": {"type": "string"}, "usage": usage,

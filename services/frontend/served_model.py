@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import jinja2
 
-from services.frontend.openai_protocol import Endpoint, ParsedRequest, RequestError, check_prompt_token_ids
+from services.frontend.openai_protocol import Endpoint, ParsedRequest, Prompt, RequestError, check_prompt_token_ids
 from services.instance.engine.tokenizer import Tokenizer  # tokenizers + jinja2, no torch
 
 
@@ -46,15 +46,18 @@ class ServedModel:
         return cls(name=name, max_model_len=context, vocab_size=int(config["vocab_size"]),
                    tokenizer=Tokenizer.from_dir(folder))
 
-    def prompt_token_ids(self, parsed: ParsedRequest) -> list[int]:
-        """The prompt's token ids: as given, encoded, or rendered through the chat template."""
+    def prompts_token_ids(self, parsed: ParsedRequest) -> list[list[int]]:
+        """Each prompt's token ids (as given, or encoded), or the chat messages' through the template."""
         if parsed.endpoint is Endpoint.CHAT:
-            token_ids = self._chat_token_ids(parsed.messages or ())
-        elif isinstance(parsed.prompt, str):
-            token_ids = list(self.tokenizer.encode(parsed.prompt))
-        else:
-            token_ids = list(parsed.prompt or ())
-        check_prompt_token_ids(token_ids, self.vocab_size)
+            return [self._checked(self._chat_token_ids(parsed.messages or ()), "messages")]
+        names = [f"prompt[{i}]" for i in range(len(parsed.prompts))] if parsed.is_batch else ["prompt"]
+        return [self._checked(self._prompt_token_ids(prompt), name) for prompt, name in zip(parsed.prompts, names)]
+
+    def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+
+    def _checked(self, token_ids: list[int], name: str) -> list[int]:
+        check_prompt_token_ids(token_ids, self.vocab_size, name)
         return token_ids
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -2,7 +2,8 @@
 openai_response → body) plus middlewares for errors, API keys and body size.
 
 A generation request: parse and validate, admit (bounded in-flight), tokenize, start one
-runner task per choice (`n`; each feeds its own `ReqState`), then answer from the states'
+runner task per choice (`n` per prompt, and a completions batch may hold several prompts;
+each choice feeds its own `ReqState`), then answer from the states'
 deltas, merged by choice index. A streaming request waits for every choice's first delta
 before it sends the 200, so an error the instance raises early still gets its own status. A client that goes away cancels the
 handler (handler_cancellation), which cancels the runner, which aborts the request on
@@ -115,15 +116,17 @@ class FrontendServer:
     async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         arrived_at = time.monotonic()
         parsed = await self._parse(request, endpoint)
-        with self._admitted(parsed.n):
-            prompt_ids = await asyncio.to_thread(self._model.prompt_token_ids, parsed)
-            parsed = resolve_max_tokens(parsed, len(prompt_ids), self._model.max_model_len)
+        with self._admitted(parsed.num_choices):
+            prompts = await asyncio.to_thread(self._model.prompts_token_ids, parsed)
+            resolved = [resolve_max_tokens(parsed, len(ids), self._model.max_model_len, index)
+                        for index, ids in enumerate(prompts)]
             request_id = new_request_id(endpoint)
             request[_REQUEST_ID_KEY] = request_id
-            prefix_keys = tuple(prefix_chunk_keys(prompt_ids, MAX_PREFIX_CHUNKS, parsed.sampling.cache_salt))
-            choices = [self._choice(parsed, request_id, prompt_ids, prefix_keys, index) for index in range(parsed.n)]
+            choices = [choice for prompt_index, prompt_ids in enumerate(prompts)
+                       for choice in self._prompt_choices(resolved[prompt_index], request_id, prompt_ids, prompt_index)]
             log.info("request_received", request_id=request_id, endpoint=endpoint.value, stream=parsed.stream,
-                     num_prompt_tokens=len(prompt_ids), max_tokens=parsed.sampling.max_tokens, n=parsed.n)
+                     num_prompt_tokens=sum(map(len, prompts)), num_prompts=len(prompts),
+                     max_tokens=resolved[0].sampling.max_tokens, n=parsed.n)
             tasks = [asyncio.create_task(self._runner.run(c.state, c.spec), name=f"request:{c.state.request_id}")
                      for c in choices]
             try:
@@ -141,13 +144,22 @@ class FrontendServer:
                 for choice in choices:
                     _log_finished(choice.state)
 
+    def _prompt_choices(self, parsed: ParsedRequest, request_id: RequestId, prompt_ids: Sequence[int],
+                        prompt_index: int) -> list[Choice]:
+        """Prompt `prompt_index`'s `n` choices, indexes prompt_index * n + j (j = 0 .. n-1)."""
+        prefix_keys = tuple(prefix_chunk_keys(prompt_ids, MAX_PREFIX_CHUNKS, parsed.sampling.cache_salt))
+        return [self._choice(parsed, request_id, prompt_ids, prefix_keys, prompt_index * parsed.n + j, j)
+                for j in range(parsed.n)]
+
     def _choice(self, parsed: ParsedRequest, request_id: RequestId, prompt_ids: Sequence[int],
-                prefix_keys: tuple[int, ...], index: int) -> Choice:
-        """Choice `index` of `n`: a request of its own (id `<id>-<index>` when n > 1, seed + index)."""
+                prefix_keys: tuple[int, ...], index: int, seed_offset: int) -> Choice:
+        """Choice `index`: a request of its own (id `<id>-<index>` when there are several), seeded
+        seed + `seed_offset` (its place among its prompt's n), so a batch answers as its prompts
+        would one by one."""
         sampling = parsed.sampling
-        if index and sampling.seed is not None:
-            sampling = replace(sampling, seed=(sampling.seed + index) % 2**64)
-        sub_id = request_id if parsed.n == 1 else RequestId(f"{request_id}-{index}")
+        if seed_offset and sampling.seed is not None:
+            sampling = replace(sampling, seed=(sampling.seed + seed_offset) % 2**64)
+        sub_id = request_id if parsed.num_choices == 1 else RequestId(f"{request_id}-{index}")
         state = ReqState(sub_id, prompt_ids, self._model.decode)
         formatter = ResponseFormatter(parsed, request_id, state.created, self._model.token_text, index)
         spec = GenerateSpec(sub_id, tuple(prompt_ids), sampling, parsed.priority, prefix_chunk_keys=prefix_keys)

@@ -153,6 +153,37 @@ async def test_n_choices_are_requests_of_their_own_whole_and_streamed(client):
     assert chunks[-1].usage.completion_tokens == 12 and len({c.id for c in chunks}) == 1
 
 
+async def test_a_batch_of_prompts_answers_as_its_prompts_one_by_one_whole_and_streamed(client):
+    prompts = ["the cat sat", PROMPT_IDS, "once upon a time"]
+    options = dict(model=MODEL, max_tokens=6, temperature=1.0, seed=7, extra_body={"return_token_ids": True,
+                                                                                 "ignore_eos": True})
+    batch = await client.completions.create(prompt=prompts, n=2, **options)
+    singles = [await client.completions.create(prompt=prompt, n=2, **options) for prompt in prompts]
+    expected = [c.model_dump()["token_ids"] for single in singles for c in single.choices]
+    assert [c.index for c in batch.choices] == list(range(6))  # prompt i's choice j is i * 2 + j
+    assert [c.model_dump()["token_ids"] for c in batch.choices] == expected
+    assert [c.model_dump()["prompt_token_ids"] for c in batch.choices] == \
+        [single.choices[0].model_dump()["prompt_token_ids"] for single in singles for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(single.usage.prompt_tokens for single in singles)
+    assert batch.usage.completion_tokens == 36
+    stream = await client.completions.create(prompt=prompts, n=2, stream=True,
+                                             stream_options={"include_usage": True}, **options)
+    streamed: dict[int, list[int]] = {index: [] for index in range(6)}
+    chunks = [chunk async for chunk in stream]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.model_dump()["token_ids"]
+    assert list(streamed.values()) == expected
+    assert chunks[-1].usage.prompt_tokens == batch.usage.prompt_tokens
+
+
+async def test_a_batch_with_one_bad_prompt_is_refused_whole_naming_it(http):
+    async with http.post("/v1/completions", json={"model": MODEL, "prompt": ["fine", [5, 100000]]}) as response:
+        body = await response.json()
+    assert response.status == 400 and body["error"]["param"] == "prompt"
+    assert body["error"]["message"].startswith("prompt[1]: token id 100000 is outside the vocabulary")
+
+
 async def test_streamed_completion_equals_the_whole_one(client):
     whole = await client.completions.create(model=MODEL, prompt="the cat sat", max_tokens=10, temperature=0,
                                             extra_body={"return_token_ids": True, "ignore_eos": True})

@@ -54,7 +54,7 @@ def test_json_body_must_parse_and_be_an_object():
 def test_completion_defaults():
     parsed = completion()
     assert parsed.endpoint is Endpoint.COMPLETIONS
-    assert parsed.prompt == "hello"
+    assert parsed.prompts == ("hello",) and not parsed.is_batch and parsed.num_choices == 1
     assert parsed.sampling == Sampling(temperature=1.0, top_p=1.0, top_k=0, seed=None, max_tokens=16)
     assert not parsed.stream and not parsed.include_usage and not parsed.return_token_ids
     assert parsed.num_top_logprobs is None
@@ -65,7 +65,7 @@ def test_completion_all_fields():
     parsed = completion(prompt=[1, 2, 3], max_tokens=5, temperature=0, top_p=0.5, top_k=7, seed=-1,
                         stop="\n", stream=True, stream_options={"include_usage": True}, logprobs=2,
                         return_token_ids=True, ignore_eos=True, priority=3, n=1)
-    assert parsed.prompt == (1, 2, 3)
+    assert parsed.prompts == ((1, 2, 3),)
     s = parsed.sampling
     assert (s.temperature, s.top_p, s.top_k, s.max_tokens, s.stop, s.ignore_eos) == (0.0, 0.5, 7, 5, ("\n",), True)
     assert s.seed == 2**64 - 1  # int64 -1 as uint64
@@ -78,9 +78,32 @@ def test_completion_logprobs_zero_still_asks_the_engine_for_the_chosen_token():
     assert parsed.num_top_logprobs == 0 and parsed.sampling.num_logprobs == 1
 
 
-def test_prompt_batch_of_one_is_unwrapped():
-    assert completion(prompt=["hi"]).prompt == "hi"
-    assert completion(prompt=[[5, 6]]).prompt == (5, 6)
+def test_prompt_batch_of_one_is_one_prompt():
+    assert completion(prompt=["hi"]).prompts == ("hi",)
+    assert completion(prompt=[[5, 6]]).prompts == ((5, 6),)
+    assert not completion(prompt=["hi"]).is_batch
+
+
+def test_prompt_batches_mix_text_and_token_ids():
+    parsed = completion(prompt=["a", [5, 6], "b"], n=2)
+    assert parsed.prompts == ("a", (5, 6), "b") and parsed.is_batch
+    assert (parsed.num_prompts, parsed.num_choices) == (3, 6)
+
+
+def test_chat_is_one_prompt():
+    parsed = chat(n=3)
+    assert (parsed.prompts, parsed.num_prompts, parsed.num_choices, parsed.is_batch) == ((), 1, 3, False)
+
+
+@pytest.mark.parametrize("prompt, n, words, param", [
+    (["a", ""], 1, ["prompt[1]", "must not be empty"], "prompt"),
+    ([[1, 2], []], 1, ["prompt[1]", "must not be empty"], "prompt"),
+    (["a", [1, "x"]], 1, ["prompt[1]", "expected a string or a list of token ids", "an array"], "prompt"),
+    (["a"] * 65, 1, ["at most 64 prompts", "got 65"], "prompt"),
+    (["a"] * 9, 16, ["16 choices for each of 9 prompts", "144 answers", "at most 128"], "n"),
+])
+def test_bad_prompt_batches(prompt, n, words, param):
+    rejects(completion, {"prompt": prompt, "n": n}, *words, param=param)
 
 
 @pytest.mark.parametrize("prompt, words", [
@@ -90,7 +113,7 @@ def test_prompt_batch_of_one_is_unwrapped():
     (5, ["prompt", "expected a string or a list of token ids", "number 5"]),
     ([1, "a"], ["prompt", "expected a string or a list of token ids"]),
     ([1, True], ["prompt", "expected a string or a list of token ids"]),
-    (["a", "b"], ["batches", "one prompt per request"]),
+    (["a", 5], ["prompt", "expected a string or a list of token ids", "an array"]),
     ({"text": "x"}, ["prompt", "an object"]),
 ])
 def test_bad_prompts(prompt, words):
@@ -167,13 +190,13 @@ def test_missing_model_means_the_served_one():
 
 
 def test_penalties_of_zero_and_unknown_fields_are_accepted():
-    assert completion(presence_penalty=0, frequency_penalty=0.0, user="u", whatever=1).prompt == "hello"
+    assert completion(presence_penalty=0, frequency_penalty=0.0, user="u", whatever=1).prompts == ("hello",)
 
 
 def test_plain_text_format_and_declined_tools_are_accepted():
-    assert completion(response_format={"type": "text"}).prompt == "hello"
-    assert completion(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none").prompt == "hello"
-    assert completion(tools=[]).prompt == "hello"
+    assert completion(response_format={"type": "text"}).prompts == ("hello",)
+    assert completion(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none").prompts == ("hello",)
+    assert completion(tools=[]).prompts == ("hello",)
 
 
 def test_penalties_and_logit_bias_reach_the_sampling_parameters():
@@ -263,12 +286,23 @@ def test_prompt_plus_max_tokens_over_the_context_is_rejected():
     assert info.value.param == "max_tokens"
 
 
+def test_a_batch_prompt_over_the_context_is_named():
+    batch = completion(prompt=["a", "b"], max_tokens=20)
+    with pytest.raises(RequestError, match=r"^prompt\[1\]: this model's maximum context length is 64"):
+        resolve_max_tokens(batch, num_prompt_tokens=50, max_model_len=64, prompt_index=1)
+    with pytest.raises(RequestError, match=r"^prompt\[0\]: the prompt is 70 tokens"):
+        resolve_max_tokens(batch, num_prompt_tokens=70, max_model_len=64, prompt_index=0)
+
+
 def test_prompt_token_ids_must_be_in_the_vocabulary():
     check_prompt_token_ids([0, 5, 9], vocab_size=10)
     with pytest.raises(RequestError, match="token id 10 is outside the vocabulary"):
         check_prompt_token_ids([1, 10], vocab_size=10)
     with pytest.raises(RequestError, match="token id -1"):
         check_prompt_token_ids([-1], vocab_size=10)
+    with pytest.raises(RequestError, match=r"^prompt\[3\]: token id 10") as info:
+        check_prompt_token_ids([10], vocab_size=10, name="prompt[3]")
+    assert info.value.param == "prompt"
 
 
 def test_error_body_shape():

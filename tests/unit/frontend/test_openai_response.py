@@ -41,10 +41,23 @@ def test_completion_response():
     body = whole(formatter(return_token_ids=True), finished_state())
     assert body == {
         "id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "tiny",
-        "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop", "token_ids": [7, 8]}],
+        "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": "stop", "token_ids": [7, 8],
+                     "prompt_token_ids": [1, 2]}],
         "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4},
         "prompt_token_ids": [1, 2],
     }
+
+
+def test_a_batch_counts_each_prompt_once_and_names_prompt_ids_per_choice():
+    parsed = parse_completion_request({"prompt": ["hi", "ho"], "n": 2, "return_token_ids": True}, MODEL)
+    states = [finished_state(), finished_state(), make_state(prompt=(4, 5, 6)), make_state(prompt=(4, 5, 6))]
+    formatters = [ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text, index) for index in range(4)]
+    body = formatters[0].response(states, [f.choice(s) for f, s in zip(formatters, states)])
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["prompt_token_ids"] for c in body["choices"]] == [[1, 2], [1, 2], [4, 5, 6], [4, 5, 6]]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+    assert "prompt_token_ids" not in body  # no one prompt to name at the top
+    assert formatters[0].usage_chunk(states)["usage"] == body["usage"]
 
 
 def test_chat_response_without_token_ids():

@@ -21,16 +21,23 @@ def test_context_and_vocabulary_come_from_config_json(tiny_model_dir, model):
 
 
 def test_prompts_as_text_and_as_token_ids(model):
-    text_ids = model.prompt_token_ids(parse_completion_request({"prompt": "the cat"}, "tiny"))
+    (text_ids,) = model.prompts_token_ids(parse_completion_request({"prompt": "the cat"}, "tiny"))
     assert text_ids and model.decode(text_ids) == "the cat"
-    assert model.prompt_token_ids(parse_completion_request({"prompt": [3, 4, 5]}, "tiny")) == [3, 4, 5]
-    with pytest.raises(RequestError, match="token id 512 is outside the vocabulary"):
-        model.prompt_token_ids(parse_completion_request({"prompt": [3, 512]}, "tiny"))
+    assert model.prompts_token_ids(parse_completion_request({"prompt": [3, 4, 5]}, "tiny")) == [[3, 4, 5]]
+    with pytest.raises(RequestError, match="^prompt: token id 512 is outside the vocabulary"):
+        model.prompts_token_ids(parse_completion_request({"prompt": [3, 512]}, "tiny"))
+
+
+def test_a_batch_gives_each_prompt_its_ids_and_names_the_bad_one(model):
+    batch = model.prompts_token_ids(parse_completion_request({"prompt": ["the cat", [3, 4]]}, "tiny"))
+    assert [model.decode(batch[0]), batch[1]] == ["the cat", [3, 4]]
+    with pytest.raises(RequestError, match=r"^prompt\[1\]: token id 512"):
+        model.prompts_token_ids(parse_completion_request({"prompt": ["the cat", [3, 512]]}, "tiny"))
 
 
 def test_chat_goes_through_the_chat_template(model):
     parsed = parse_chat_request({"messages": [{"role": "user", "content": "hi"}]}, "tiny")
-    ids = model.prompt_token_ids(parsed)
+    (ids,) = model.prompts_token_ids(parsed)
     assert model.token_text(ids[0]) == "<|im_start|>"  # special tokens are kept in token strings
     assert model.tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
@@ -45,4 +52,4 @@ def test_a_model_without_a_chat_template_rejects_chat_with_400(tiny_model_dir, t
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     model = ServedModel.load(folder, "no-template")
     with pytest.raises(RequestError, match="no chat template"):
-        model.prompt_token_ids(parse_chat_request({"messages": [{"role": "user", "content": "hi"}]}, "no-template"))
+        model.prompts_token_ids(parse_chat_request({"messages": [{"role": "user", "content": "hi"}]}, "no-template"))

@@ -127,6 +127,10 @@ class ClusterView:
         self._drained.add(instance_id)
         self._rebuild_eligible()
 
+    def unmark_drained(self, instance_id: InstanceId) -> None:
+        self._drained.discard(instance_id)
+        self._rebuild_eligible()
+
     # derived state
 
     def state_of(self, instance_id: InstanceId) -> InstanceState:

@@ -23,7 +23,7 @@ MIGRATIONS = Counter("ferry_manager_migrations_total", "Live migrations attempte
 MIGRATION_FAILURES = Counter("ferry_manager_migration_failures_total",
                              "Live migrations that failed, by the gRPC status of MigrateOut", ["reason"])
 SCALING_ACTIONS = Counter("ferry_manager_scaling_actions_total",
-                          "Scaling decisions the leader wrote to scaling/target, by action (add, retire)", ["action"])
+                          "Scaling decisions the leader wrote to scaling/target, by action (add, retire, cancel_retire)", ["action"])
 MIGRATED_BYTES = Counter("ferry_manager_migrated_bytes_total", "KV cache bytes moved by committed migrations")
 MIGRATED_BLOCKS = Counter("ferry_manager_migrated_blocks_total", "KV cache blocks moved by committed migrations")
 MIGRATION_DOWNTIME = Histogram("ferry_manager_migration_downtime_seconds",

@@ -10,7 +10,11 @@ stopped. It decides; a launcher acts. The decision is written to etcd
 `python -m services.cluster.scale_hooks` with commands (systemctl).
 
 One action at a time: nothing happens while an instance drains, is unhealthy, or an
-added one has not registered yet, nor within `cooldown_s` of the last action. Only
+added one has not registered yet, nor within `cooldown_s` of the last action. The one
+exception is a burst during a retirement: if the other instances' average freeness falls
+below the band while one still drains, the retirement is called off (its drain mark goes,
+the target grows back) and the instance serves again at once, rather than being stopped
+and an instance started cold after it. Only
 clusters of `both` instances scale: with prefill/decode roles it holds back (which role
 to add is a PD question the band cannot answer). Retired instances leave the cluster
 with their drain mark; the leader deletes the mark once they are gone, so a later
@@ -172,6 +176,8 @@ class Scaler:
                 if instance_id in retiring:
                     retiring.remove(instance_id)
             log.info("scaling_instance_retired", instance_id=instance_id)
+        if target.draining and (average := self._others_short_of_band(views, target)) is not None:
+            await self._cancel_draining(target, average)
         for instance_id in [i for i in target.draining if present[i].is_drained]:
             target.draining.remove(instance_id)
             target.stoppable.append(instance_id)
@@ -179,6 +185,28 @@ class Scaler:
         if (target.draining, target.stoppable) != before:
             await self._write(target)
         return bool(target.draining or target.stoppable)
+
+    def _others_short_of_band(self, views: list[InstanceView], target: ScalingTarget) -> float | None:
+        """The average freeness of the serving instances that are not retiring, if below the band."""
+        retiring = set(target.draining) | set(target.stoppable)
+        others = [v for v in views if v.record.instance_id not in retiring and v.state is InstanceState.SERVING
+                  and v.report_age_s is not None]
+        if not self.settings.is_enabled or not others:
+            return None
+        average = statistics.fmean(v.load.freeness for v in others)
+        return average if average < self.settings.low_freeness else None
+
+    async def _cancel_draining(self, target: ScalingTarget, average: float) -> None:
+        """Call off the retirements still draining: their instances serve again (the burst case)."""
+        for instance_id in list(target.draining):
+            await self._store.delete_drain(instance_id)
+            self._view.unmark_drained(instance_id)
+            target.draining.remove(instance_id)
+            target.num_instances += 1
+            metrics.SCALING_ACTIONS.labels("cancel_retire").inc()
+            log.info("scaling_retirement_cancelled", instance_id=instance_id, average_freeness=round(average, 2))
+        target.reason = f"retirement called off: average freeness {average:.1f} of the others is below the band"
+        self._last_action_at = self._clock()
 
     async def _act(self, decision: ScalingDecision) -> None:
         if decision.action is ScalingAction.ADD:

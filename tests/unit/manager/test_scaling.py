@@ -5,7 +5,7 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.common.scaling_target import ScalingTarget
-from services.manager.domain import InstanceId, Role
+from services.manager.domain import InstanceId, InstanceState, Role
 from services.manager.leadership import Leadership
 from services.manager.scaling import ScalingAction, Scaler, ScalingSettings, decide
 from tests.unit.manager.factories import FakeClock, make_load, make_record, make_view
@@ -117,6 +117,39 @@ async def test_retires_by_draining_then_marks_stoppable_then_forgets_the_drain_m
     view.remove_member(InstanceId("i-1"))  # the launcher stopped it
     assert await scaler.tick() is None
     assert store.drained == set() and store.target.stoppable == []
+
+
+async def test_a_burst_during_a_retirement_calls_it_off_and_the_instance_serves_again() -> None:
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", clock=clock, num_free_blocks=1000)
+    store = FakeStore()
+    scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=30, clock=clock)
+    assert (await scaler.tick()).action is ScalingAction.RETIRE  # i-1 drains
+    view.apply_report(InstanceId("i-1"), make_load(num_free_blocks=990, num_running=1))  # still has a request
+    view.apply_report(InstanceId("i-0"), make_load(num_free_blocks=900, num_running=49))  # freeness 18: inside
+    assert await scaler.tick() is None and store.target.draining == ["i-1"]  # the retirement goes on
+    view.apply_report(InstanceId("i-0"), make_load(num_free_blocks=50, num_running=9))  # the burst: freeness 5
+    assert await scaler.tick() is None
+    assert store.target.draining == [] and store.target.stoppable == [] and store.target.num_instances == 2
+    assert "called off" in store.target.reason
+    assert store.drained == set() and view.state_of(InstanceId("i-1")) is InstanceState.SERVING  # takes requests again
+    assert await scaler.tick() is None  # the cooldown holds back the ADD the band still asks for
+    clock.advance(31)
+    for instance_id in ("i-0", "i-1"):
+        view.apply_report(InstanceId(instance_id), make_load(num_free_blocks=50, num_running=9))
+    assert (await scaler.tick()).action is ScalingAction.ADD
+
+
+async def test_a_drained_instance_already_stoppable_is_not_called_back() -> None:
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", clock=clock, num_free_blocks=1000)
+    store = FakeStore()
+    scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=30, clock=clock)
+    await scaler.tick()
+    assert await scaler.tick() is None and store.target.stoppable == ["i-1"]  # empty: the launcher may stop it
+    view.apply_report(InstanceId("i-0"), make_load(num_free_blocks=50, num_running=9))
+    assert await scaler.tick() is None
+    assert store.target.stoppable == ["i-1"] and store.target.num_instances == 1 and store.drained == {"i-1"}
 
 
 async def test_a_new_leader_follows_the_retirement_its_predecessor_started() -> None:

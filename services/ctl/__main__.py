@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("instance_id")
     migrate = commands.add_parser("migrate", parents=[common], help="live-migrate a running request")
     migrate.add_argument("--request", help="request id (default: the manager picks one on --src)")
-    migrate.add_argument("--src", help="source instance id")
+    migrate.add_argument("--src", help="source instance id (default: the request's instance, or with no --request "
+                                       "the least free instance that has a request)")
     migrate.add_argument("--dst", help="destination instance id (default: the freest instance)")
     migrations = commands.add_parser("migrations", parents=[common], help="the leader's recent migrations")
     migrations.add_argument("--instance", help="only migrations from or to this instance")

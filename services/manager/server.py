@@ -213,16 +213,18 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
                                          num_remaining=view.load.num_running + view.load.num_waiting)
 
     async def Migrate(self, request: manager_pb2.MigrateRequest, context) -> manager_pb2.MigrateResponse:
-        """Live-migrate one request now (see Migrator.admin_order for the checks); the source's figures."""
+        """Live-migrate one request now (see Migrator.admin_order for the checks); the source's figures.
+        With no request and no source named, the least free busy instance gives one of its requests."""
         client = await self._leader_to_forward_to(context)
         if client is not None:
             return await client.migrate(request.request_id, request.src_instance_id, request.dst_instance_id,
                                         timeout_s=self._migrate_timeout_s + self._forward_timeout_s,
                                         is_forwarded=True)
         self._leadership.check_leader()
-        if not request.request_id and not request.src_instance_id:
-            raise InvalidArgument("set request_id (see ListRequests), src_instance_id, or both")
-        src_id = request.src_instance_id or await self._instance_running(request.request_id)
+        src_id = request.src_instance_id
+        if not src_id:
+            src_id = (await self._instance_running(request.request_id) if request.request_id
+                      else self._migrator.busiest_source(request.dst_instance_id))
         order = self._migrator.admin_order(src_id, request.dst_instance_id, request.request_id)
         return convert.migrate_response_to_proto(await self._migrator.migrate(order))
 

@@ -179,6 +179,8 @@ async def test_drain_moves_everything_off_and_then_reports_drained(world):
 
 async def test_admin_migrate_finds_the_request_and_checks_its_arguments(world):
     _, client, peers = await world(3)
+    with pytest.raises(FailedPrecondition, match="nothing to migrate"):
+        await client.migrate()
     peers["i-0"].hold("r-1", "r-2")
     peers["i-1"].hold("r-3")
     await wait_until(lambda: _running_is(client, {"i-0": 2, "i-1": 1, "i-2": 0}), 5, "requests reported")
@@ -197,13 +199,15 @@ async def test_admin_migrate_finds_the_request_and_checks_its_arguments(world):
         await client.migrate(request_id="r-3", dst_instance_id="i-9")
     with pytest.raises(FailedPrecondition, match="source and destination are both i-1"):
         await client.migrate(request_id="r-3", dst_instance_id="i-1")
-    with pytest.raises(InvalidArgument, match="set request_id"):
-        await client.migrate()
     peers["i-1"].refuse = "no room on i-2"
     with pytest.raises(ResourceExhausted, match="no room on i-2"):
         await client.migrate(request_id="r-3", dst_instance_id="i-2")
     history = (await client.list_migrations(request_id="r-3")).migrations
     assert [(m.outcome, m.reason, m.trigger) for m in history] == [("failed", "RESOURCE_EXHAUSTED", "admin")]
+    peers["i-1"].refuse = ""
+    await wait_until(lambda: _running_is(client, {"i-0": 0, "i-1": 2, "i-2": 1}), 5, "moves reported")
+    busiest = await client.migrate()  # nothing named: the least free busy instance gives one to the freest
+    assert (busiest.src_instance_id, busiest.dst_instance_id) == ("i-1", "i-0")
 
 
 async def test_the_migration_policy_is_stored_and_survives_a_restart(world, etcd, cluster, tmp_path):

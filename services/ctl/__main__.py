@@ -44,8 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
                             help="load | queue | balanced | round_robin | prefix | flood (the manager validates)")
     policy_set.add_argument("--set", action="append", metavar="FIELD=VALUE",
                             help="another policy field, e.g. --set migration_enabled=true --set migration_threshold=8")
-    drain = commands.add_parser("drain", parents=[common], help="stop sending new requests to an instance")
+    drain = commands.add_parser("drain", parents=[common], help="stop sending new requests to an instance "
+                                                                 "(--undo: take it back)")
     drain.add_argument("instance_id")
+    drain.add_argument("--undo", action="store_true",
+                       help="delete the drain mark: new requests reach the instance again (AdminService/Undrain)")
     migrate = commands.add_parser("migrate", parents=[common], help="live-migrate a running request")
     migrate.add_argument("--request", help="request id (default: the manager picks one on --src)")
     migrate.add_argument("--src", help="source instance id (default: the request's instance, or with no --request "

@@ -78,8 +78,12 @@ class AdminClient:
             raise ValueError(f"policy: {exc}; fields: {', '.join(manager_pb2.Policy.DESCRIPTOR.fields_by_name)}") from None
         return policy_from_proto(await self._call(self._admin.SetPolicy, request))
 
-    async def drain(self, instance_id: str) -> DrainResult:
-        reply = await self._call(self._admin.Drain, manager_pb2.DrainRequest(instance_id=instance_id))
+    async def drain(self, instance_id: str, undo: bool = False) -> DrainResult:
+        """Drain the instance, or with `undo` take it back (Undrain)."""
+        if undo:
+            reply = await self._call(self._admin.Undrain, manager_pb2.UndrainRequest(instance_id=instance_id))
+        else:
+            reply = await self._call(self._admin.Drain, manager_pb2.DrainRequest(instance_id=instance_id))
         return DrainResult(reply.instance_id, enum_label(common_pb2.InstanceState, reply.state, "INSTANCE_STATE_"),
                            is_drained=getattr(reply, "is_drained", False),
                            num_remaining=getattr(reply, "num_remaining", 0))

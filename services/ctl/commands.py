@@ -58,7 +58,7 @@ def parse_assignment(item: str) -> tuple[str, object]:
 
 
 async def drain(client: AdminClient, args: argparse.Namespace) -> Output:
-    result = await client.drain(args.instance_id)
+    result = await client.drain(args.instance_id, undo=args.undo)
     return result, drain_line(result)
 
 

@@ -74,6 +74,8 @@ def status_table(status: ClusterStatus) -> str:
 
 
 def drain_line(result: DrainResult) -> str:
+    if result.state == "serving":
+        return f"instance {result.instance_id} is serving: new requests reach it again"
     if result.is_drained:
         return f"instance {result.instance_id} is {result.state}: no new requests go to it, and nothing runs there"
     remaining = f"; {result.num_remaining} requests still on it" if result.num_remaining else ""

@@ -119,11 +119,11 @@ class FrontendServer:
         with self._admitted(parsed.num_choices):
             prompts = await asyncio.to_thread(self._model.prompts_token_ids, parsed)
             resolved = [resolve_max_tokens(parsed, len(ids), self._model.max_model_len, index)
-                        for index, ids in enumerate(prompts)]
+                        for index, ids in enumerate(prompts)]  # a 400 for any prompt refuses them all
             request_id = new_request_id(endpoint)
             request[_REQUEST_ID_KEY] = request_id
-            choices = [choice for prompt_index, prompt_ids in enumerate(prompts)
-                       for choice in self._prompt_choices(resolved[prompt_index], request_id, prompt_ids, prompt_index)]
+            choices = [choice for index, (each, ids) in enumerate(zip(resolved, prompts))
+                       for choice in self._prompt_choices(each, request_id, ids, index)]
             log.info("request_received", request_id=request_id, endpoint=endpoint.value, stream=parsed.stream,
                      num_prompt_tokens=sum(map(len, prompts)), num_prompts=len(prompts),
                      max_tokens=resolved[0].sampling.max_tokens, n=parsed.n)

@@ -91,6 +91,10 @@ class ManagerClient:
         return await self._call(self._admin.Drain, manager_pb2.DrainRequest(instance_id=instance_id),
                                 metadata=_forwarded(is_forwarded))
 
+    async def undrain(self, instance_id: str, is_forwarded: bool = False) -> manager_pb2.DrainResponse:
+        return await self._call(self._admin.Undrain, manager_pb2.UndrainRequest(instance_id=instance_id),
+                                metadata=_forwarded(is_forwarded))
+
     async def migrate(self, request_id: str = "", src_instance_id: str = "", dst_instance_id: str = "",
                       timeout_s: float = 60.0, is_forwarded: bool = False) -> manager_pb2.MigrateResponse:
         request = manager_pb2.MigrateRequest(request_id=request_id, src_instance_id=src_instance_id,

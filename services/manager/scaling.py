@@ -33,7 +33,7 @@ from typing import Protocol
 
 import structlog
 
-from services.common.errors import InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.periodic import periodic_loop
 from services.common.scaling_target import ScalingTarget
 from services.manager import metrics
@@ -197,15 +197,33 @@ class Scaler:
         return average if average < self.settings.low_freeness else None
 
     async def _cancel_draining(self, target: ScalingTarget, average: float) -> None:
-        """Call off the retirements still draining: their instances serve again (the burst case)."""
-        for instance_id in list(target.draining):
+        """The burst case: every retirement still draining is called off."""
+        await self._call_off(target, list(target.draining), f"retirement called off: average freeness "
+                                                              f"{average:.1f} of the others is below the band")
+
+    async def call_off(self, instance_id: InstanceId) -> None:
+        """An operator's Undrain: a retirement of `instance_id` still draining is called off (the
+        instance stays); FailedPrecondition once it is stoppable (its launcher may be stopping it)."""
+        target = self._target
+        if not self._leadership.is_leader or target is None:
+            return
+        if instance_id in target.stoppable:
+            raise FailedPrecondition(f"instance {instance_id} is retired by scaling and may be stopping now; "
+                                     "start a new instance instead")
+        if instance_id in target.draining:
+            await self._call_off(target, [instance_id], f"retirement of {instance_id} called off by Undrain")
+            await self._write(target)
+
+    async def _call_off(self, target: ScalingTarget, instance_ids: list[InstanceId], reason: str) -> None:
+        """Those instances serve again: drain marks deleted, back in the target; the cooldown restarts."""
+        for instance_id in instance_ids:
             await self._store.delete_drain(instance_id)
             self._view.unmark_drained(instance_id)
             target.draining.remove(instance_id)
             target.num_instances += 1
             metrics.SCALING_ACTIONS.labels("cancel_retire").inc()
-            log.info("scaling_retirement_cancelled", instance_id=instance_id, average_freeness=round(average, 2))
-        target.reason = f"retirement called off: average freeness {average:.1f} of the others is below the band"
+            log.info("scaling_retirement_cancelled", instance_id=instance_id, reason=reason)
+        target.reason = reason
         self._last_action_at = self._clock()
 
     async def _act(self, decision: ScalingDecision) -> None:

@@ -4,10 +4,10 @@ ManagerService (Dispatch, ReportLoad) is served by the leader only; a standby an
 UNAVAILABLE "not the leader; leader is at ADDR".
 
 AdminService is served by every manager:
-* writes (SetPolicy, Drain) go to etcd config/, which every manager watches, so any
-  manager can take them;
+* writes (SetPolicy, Drain, Undrain) go to etcd config/, which every manager watches, so
+  any manager can take them;
 * GetPolicy and ListRequests (a fan-out to the instances) are answered locally;
-* ListInstances, GetClusterStatus and Drain's answer need the load reports, which only
+* ListInstances, GetClusterStatus and Drain's and Undrain's answers need the load reports, which only
   the leader has: a standby forwards them to the leader, and answers from its own view
   (membership and drain marks, no load; instances show UNHEALTHY) only if no leader
   answers in time. `GetClusterStatusResponse.answered_by` says whose view it is.
@@ -190,24 +190,51 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         The leader's migration loop then moves every request off it; call Drain again (or
         ListInstances) to see `is_drained` once nothing runs or waits there.
         """
-        if not request.instance_id:
-            raise InvalidArgument("instance_id: required (see ListInstances for the ids)")
-        if not self._view.has_member(request.instance_id):
-            raise NotFound(f"instance {request.instance_id!r} is not registered; see ListInstances for the ids")
+        instance_id = self._registered(request.instance_id)
         client = await self._leader_to_forward_to(context)
         if client is not None:
             try:
-                return await client.drain(request.instance_id, is_forwarded=True)
+                return await client.drain(instance_id, is_forwarded=True)
             except Unavailable as exc:
                 log.warning("admin_forward_failed", method="Drain", leader=client.address, error=exc.message)
-        instance_id = InstanceId(request.instance_id)
         try:
             await self._store.put_drain(instance_id)
         except ETCD_ERRORS as exc:
             raise Unavailable(f"instance not drained: etcd did not store the mark ({exc or type(exc).__name__}); retry") from exc
         self._view.mark_drained(instance_id)
+        log.info("instance_drain_marked", instance_id=instance_id, is_drained=self._view.instance(instance_id).is_drained)
+        return self._drain_answer(instance_id)
+
+    async def Undrain(self, request: manager_pb2.UndrainRequest, context) -> manager_pb2.DrainResponse:
+        """Delete the drain mark: new requests reach the instance again. A scaling retirement of it
+        that still drains is called off; one already stoppable is FAILED_PRECONDITION. An instance
+        that drains itself (shutting down: its own etcd record says so) stays DRAINING."""
+        instance_id = self._registered(request.instance_id)
+        client = await self._leader_to_forward_to(context)
+        if client is not None:
+            try:
+                return await client.undrain(instance_id, is_forwarded=True)
+            except Unavailable as exc:
+                log.warning("admin_forward_failed", method="Undrain", leader=client.address, error=exc.message)
+        try:
+            await self._scaler.call_off(instance_id)
+            await self._store.delete_drain(instance_id)
+        except ETCD_ERRORS as exc:
+            raise Unavailable(f"instance still drained: etcd did not delete the mark ({exc or type(exc).__name__}); "
+                              "retry") from exc
+        self._view.unmark_drained(instance_id)
+        log.info("instance_drain_removed", instance_id=instance_id)
+        return self._drain_answer(instance_id)
+
+    def _registered(self, instance_id: str) -> InstanceId:
+        if not instance_id:
+            raise InvalidArgument("instance_id: required (see ListInstances for the ids)")
+        if not self._view.has_member(instance_id):
+            raise NotFound(f"instance {instance_id!r} is not registered; see ListInstances for the ids")
+        return InstanceId(instance_id)
+
+    def _drain_answer(self, instance_id: InstanceId) -> manager_pb2.DrainResponse:
         view = self._view.instance(instance_id)
-        log.info("instance_drain_marked", instance_id=instance_id, is_drained=view.is_drained)
         return manager_pb2.DrainResponse(instance_id=instance_id, state=convert.state_to_proto(view.state),
                                          is_drained=view.is_drained,
                                          num_remaining=view.load.num_running + view.load.num_waiting)

@@ -155,9 +155,13 @@ def test_healthcheck_command(ops):
 
 
 def test_drain_last(ops):
-    """Runs last in this module: the instance stays drained."""
+    """Runs last in this module: the instance is drained, then taken back."""
     assert ok(ctl("drain", INSTANCE_ID, admin=ops.admin_address)).startswith(
         f"instance {INSTANCE_ID} is draining: no new requests go to it")
     states = {i["instance_id"]: i["state"] for i in json.loads(ok(ctl("--json", "instances", admin=ops.admin_address)))}
     assert states == {INSTANCE_ID: "draining", OTHER_INSTANCE_ID: "serving"}
     assert json.loads(ok(ctl("--json", "drain", INSTANCE_ID, admin=ops.admin_address)))["state"] == "draining"
+    assert ok(ctl("drain", INSTANCE_ID, "--undo", admin=ops.admin_address)).strip() == (
+        f"instance {INSTANCE_ID} is serving: new requests reach it again")
+    states = {i["instance_id"]: i["state"] for i in json.loads(ok(ctl("--json", "instances", admin=ops.admin_address)))}
+    assert states == {INSTANCE_ID: "serving", OTHER_INSTANCE_ID: "serving"}

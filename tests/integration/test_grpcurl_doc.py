@@ -112,6 +112,7 @@ def test_answers_say_what_the_doc_says(runs):
     enabled = next(r.result.stdout for r in ran if "migration_enabled" in r.command)
     assert '"migration_enabled": true' in enabled and '"dispatch": "load"' in enabled
     assert "INSTANCE_STATE_DRAINING" in output_of("ferry.v1.AdminService/Drain")
+    assert "INSTANCE_STATE_SERVING" in output_of("ferry.v1.AdminService/Undrain")
     assert "ferry.v1.AdminService" in output_of(f"{ADMIN_PLACEHOLDER} list")
     assert f'"instance_id": "{INSTANCE_ID}"' in output_of("ferry.v1.InstanceService/GetStatus")
 

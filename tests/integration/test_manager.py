@@ -138,6 +138,12 @@ async def test_exclude_drain_and_silence_keep_dispatch_away(managers, instances)
         await wait_until(lambda: _has_state(client, "i-b", common_pb2.INSTANCE_STATE_SERVING), 5, "i-b serving again")
         assert (await client.dispatch("r-5", 10)).instance_id == "i-b"
 
+        assert (await client.undrain("i-a")).state == common_pb2.INSTANCE_STATE_SERVING
+        assert (await client.dispatch("r-6", 10)).instance_id == "i-a"  # flood: the first serving instance again
+        assert (await client.undrain("i-a")).state == common_pb2.INSTANCE_STATE_SERVING  # twice: no harm
+        with pytest.raises(NotFound, match="'i-zz' is not registered"):
+            await client.undrain("i-zz")
+
 
 async def _has_state(client: ManagerClient, instance_id: str, state: int) -> bool:
     return await state_of(client, instance_id) == state
@@ -199,6 +205,13 @@ async def test_policy_and_drain_marks_survive_a_manager_restart(managers, instan
         assert await state_of(client, "i-a") == common_pb2.INSTANCE_STATE_DRAINING
         with pytest.raises(Unavailable, match="1 draining"):
             await client.dispatch("r-1", 10)
+        await client.undrain("i-a")  # the stored mark goes: a manager started after this would not see it
+    assert await restarted.stop() == 0
+    again = await managers("m-c")
+    alive[:] = [again]
+    await lead(again)
+    async with ManagerClient(again.address) as client:
+        await wait_until(lambda: _has_state(client, "i-a", common_pb2.INSTANCE_STATE_SERVING), 5, "i-a serving")
 
 
 async def test_set_policy_through_one_manager_reaches_the_other(managers):

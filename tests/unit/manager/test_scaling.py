@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from services.common.errors import InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.scaling_target import ScalingTarget
 from services.manager.domain import InstanceId, InstanceState, Role
 from services.manager.leadership import Leadership
@@ -150,6 +150,26 @@ async def test_a_drained_instance_already_stoppable_is_not_called_back() -> None
     view.apply_report(InstanceId("i-0"), make_load(num_free_blocks=50, num_running=9))
     assert await scaler.tick() is None
     assert store.target.stoppable == ["i-1"] and store.target.num_instances == 1 and store.drained == {"i-1"}
+
+
+async def test_undrain_calls_off_a_retirement_still_draining_but_not_a_stoppable_one() -> None:
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", "i-2", clock=clock, num_free_blocks=1000)
+    store = FakeStore()
+    scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=0, clock=clock)
+    assert (await scaler.tick()).instance_id == "i-2"
+    view.apply_report(InstanceId("i-2"), make_load(num_free_blocks=990, num_running=1))  # still draining
+    await scaler.call_off(InstanceId("i-2"))
+    assert (store.target.num_instances, store.target.draining, store.drained) == (3, [], set())
+    assert "called off by Undrain" in store.target.reason
+    await scaler.call_off(InstanceId("i-0"))  # not retiring: nothing to call off
+    assert store.target.num_instances == 3
+    clock.advance(1)
+    view.apply_report(InstanceId("i-2"), make_load(num_free_blocks=1000))  # its request finished
+    assert (await scaler.tick()).instance_id == "i-2"  # idle again: retired again
+    await scaler.tick()  # empty: stoppable
+    with pytest.raises(FailedPrecondition, match="may be stopping now"):
+        await scaler.call_off(InstanceId("i-2"))
 
 
 async def test_a_new_leader_follows_the_retirement_its_predecessor_started() -> None:

@@ -60,6 +60,7 @@ class ParsedRequest:
     priority: int = 0  # ferry extension: higher runs first when the cache is short
     num_top_logprobs: int | None = None  # None = no logprobs; n = chosen token + top n
     n: int = 1  # choices per prompt: n requests of it (seeds seed, seed + 1, ... when one is given)
+    echo: bool = False  # completions: each choice's text starts with its prompt
 
     @property
     def num_prompts(self) -> int:
@@ -105,9 +106,18 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 def parse_completion_request(body: Mapping[str, Any], served_model: str) -> ParsedRequest:
     _reject_unsupported(body, Endpoint.COMPLETIONS)
     logprobs = _opt_int(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
-    return _parsed(body, served_model, Endpoint.COMPLETIONS, prompts=_prompts(body), messages=None,
-                   max_tokens=_opt_int(body, "max_tokens", low=1), default_max_tokens=16,
-                   num_top_logprobs=logprobs)
+    parsed = _parsed(body, served_model, Endpoint.COMPLETIONS, prompts=_prompts(body), messages=None,
+                     max_tokens=_opt_int(body, "max_tokens", low=1), default_max_tokens=16,
+                     num_top_logprobs=logprobs)
+    return replace(parsed, echo=_echo(body, logprobs))
+
+
+def _echo(body: Mapping[str, Any], logprobs: int | None) -> bool:
+    echo = _opt_bool(body, "echo") or False
+    if echo and logprobs is not None:
+        raise RequestError("echo: with logprobs it needs the prompt's logprobs, which ferry does not compute; "
+                           "leave out echo or logprobs", param="echo")
+    return echo
 
 
 def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequest:
@@ -185,8 +195,6 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
 
 def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
     if endpoint is Endpoint.COMPLETIONS:
-        if _opt_bool(body, "echo"):
-            raise RequestError("echo: not supported; leave it out or set it to false", param="echo")
         best_of = _opt_int(body, "best_of", low=1)
         if best_of not in (None, 1):
             raise RequestError(f"best_of: only best_of=1 is supported, got {best_of}", param="best_of")

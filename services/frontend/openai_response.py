@@ -40,9 +40,10 @@ def finish_reason_name(reason: FinishReason | None) -> str | None:
 
 class ResponseFormatter:
     def __init__(self, parsed: ParsedRequest, request_id: str, created: int, token_text: TokenText,
-                 index: int = 0) -> None:
+                 index: int = 0, echo_text: str = "") -> None:
         self._parsed = parsed
         self._index = index  # of this formatter's choice
+        self._echo_text = echo_text  # completions with echo: the prompt, before the output
         self._request_id = request_id
         self._created = created
         self._token_text = token_text
@@ -64,7 +65,7 @@ class ResponseFormatter:
         if self._is_chat:
             choice["message"] = {"role": "assistant", "content": state.text}
         else:
-            choice["text"] = state.text
+            choice["text"] = self._echo_text + state.text
         choice["logprobs"] = self._logprobs(state.logprobs)
         choice["finish_reason"] = finish_reason_name(state.finish_reason)
         if self._parsed.return_token_ids:
@@ -76,9 +77,9 @@ class ResponseFormatter:
     # ---- stream chunks ---------------------------------------------------------------
 
     def first_chunks(self, prompt_token_ids: Sequence[int]) -> list[dict[str, Any]]:
-        """Chunks sent before any token: the assistant role for chat."""
+        """Chunks sent before any token: the assistant role for chat, the prompt for an echo."""
         if not self._is_chat:
-            return []
+            return [self._echo_chunk()] if self._echo_text else []
         choice = {"index": self._index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
         if self._parsed.return_token_ids:
@@ -87,6 +88,12 @@ class ResponseFormatter:
         if self._parsed.return_token_ids:
             chunk["prompt_token_ids"] = list(prompt_token_ids)
         return [chunk]
+
+    def _echo_chunk(self) -> dict[str, Any]:
+        choice = {"index": self._index, "text": self._echo_text, "logprobs": None, "finish_reason": None}
+        if self._parsed.return_token_ids:
+            choice["token_ids"] = []
+        return self._chunk_envelope([choice])
 
     def chunk(self, delta: Delta) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self._index}

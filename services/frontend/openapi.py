@@ -136,7 +136,8 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
                        "description": "text, token ids, or a batch of those: prompt i's n choices are "
                                       f"choices i*n .. i*n+n-1 (at most {MAX_BATCH_CHOICES} choices in all)"},
             "logprobs": {**integer, "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "nullable": True},
-            "echo": {"type": "boolean", "enum": [False], "nullable": True},
+            "echo": {"type": "boolean", "nullable": True,
+                     "description": "each choice's text starts with its prompt (not with logprobs)"},
             "best_of": {**integer, "enum": [1], "nullable": True},
         }},
         "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {

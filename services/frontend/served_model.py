@@ -53,6 +53,10 @@ class ServedModel:
         names = [f"prompt[{i}]" for i in range(len(parsed.prompts))] if parsed.is_batch else ["prompt"]
         return [self._checked(self._prompt_token_ids(prompt), name) for prompt, name in zip(parsed.prompts, names)]
 
+    def prompt_text(self, prompt: Prompt) -> str:
+        """A prompt as text (an echo): as given, or its token ids decoded."""
+        return prompt if isinstance(prompt, str) else self.decode(prompt)
+
     def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
         return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
 

@@ -148,11 +148,12 @@ class FrontendServer:
                         prompt_index: int) -> list[Choice]:
         """Prompt `prompt_index`'s `n` choices, indexes prompt_index * n + j (j = 0 .. n-1)."""
         prefix_keys = tuple(prefix_chunk_keys(prompt_ids, MAX_PREFIX_CHUNKS, parsed.sampling.cache_salt))
-        return [self._choice(parsed, request_id, prompt_ids, prefix_keys, prompt_index * parsed.n + j, j)
+        echo_text = self._model.prompt_text(parsed.prompts[prompt_index]) if parsed.echo else ""
+        return [self._choice(parsed, request_id, prompt_ids, prefix_keys, prompt_index * parsed.n + j, j, echo_text)
                 for j in range(parsed.n)]
 
     def _choice(self, parsed: ParsedRequest, request_id: RequestId, prompt_ids: Sequence[int],
-                prefix_keys: tuple[int, ...], index: int, seed_offset: int) -> Choice:
+                prefix_keys: tuple[int, ...], index: int, seed_offset: int, echo_text: str) -> Choice:
         """Choice `index`: a request of its own (id `<id>-<index>` when there are several), seeded
         seed + `seed_offset` (its place among its prompt's n), so a batch answers as its prompts
         would one by one."""
@@ -161,7 +162,7 @@ class FrontendServer:
             sampling = replace(sampling, seed=(sampling.seed + seed_offset) % 2**64)
         sub_id = request_id if parsed.num_choices == 1 else RequestId(f"{request_id}-{index}")
         state = ReqState(sub_id, prompt_ids, self._model.decode)
-        formatter = ResponseFormatter(parsed, request_id, state.created, self._model.token_text, index)
+        formatter = ResponseFormatter(parsed, request_id, state.created, self._model.token_text, index, echo_text)
         spec = GenerateSpec(sub_id, tuple(prompt_ids), sampling, parsed.priority, prefix_chunk_keys=prefix_keys)
         return Choice(state, spec, formatter)
 

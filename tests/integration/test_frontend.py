@@ -16,6 +16,7 @@ import pytest
 from services.cluster.processes import ServiceProcess
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
+from services.instance.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -175,6 +176,19 @@ async def test_a_batch_of_prompts_answers_as_its_prompts_one_by_one_whole_and_st
             streamed[choice.index] += choice.model_dump()["token_ids"]
     assert list(streamed.values()) == expected
     assert chunks[-1].usage.prompt_tokens == batch.usage.prompt_tokens
+
+
+async def test_echo_returns_each_prompt_before_its_output_whole_and_streamed(client, tiny_model_dir):
+    options = dict(model=MODEL, max_tokens=5, temperature=0, echo=True, extra_body={"ignore_eos": True})
+    plain = [(await client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                              extra_body={"ignore_eos": True})).choices[0].text
+             for prompt in ("the cat sat", PROMPT_IDS)]
+    echoed = await client.completions.create(prompt=["the cat sat", PROMPT_IDS], **options)
+    ids_text = Tokenizer.from_dir(tiny_model_dir).decode(PROMPT_IDS)  # token ids echo as their text
+    assert [c.text for c in echoed.choices] == ["the cat sat" + plain[0], ids_text + plain[1]]
+    stream = await client.completions.create(prompt="the cat sat", stream=True, **options)
+    texts = [chunk.choices[0].text async for chunk in stream if chunk.choices]
+    assert texts[0] == "the cat sat" and "".join(texts) == echoed.choices[0].text
 
 
 async def test_a_batch_with_one_bad_prompt_is_refused_whole_naming_it(http):

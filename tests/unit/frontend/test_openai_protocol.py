@@ -90,6 +90,10 @@ def test_prompt_batches_mix_text_and_token_ids():
     assert (parsed.num_prompts, parsed.num_choices) == (3, 6)
 
 
+def test_echo_is_a_completions_option():
+    assert completion(echo=True).echo and not completion().echo and not completion(echo=False, logprobs=2).echo
+
+
 def test_chat_is_one_prompt():
     parsed = chat(n=3)
     assert (parsed.prompts, parsed.num_prompts, parsed.num_choices, parsed.is_batch) == ((), 1, 3, False)
@@ -153,7 +157,7 @@ def test_missing_prompt():
     ({"return_token_ids": "yes"}, ["return_token_ids", "true or false"], "return_token_ids"),
     ({"ignore_eos": 1}, ["ignore_eos", "true or false"], "ignore_eos"),
     ({"priority": "high"}, ["priority", "expected an integer"], "priority"),
-    ({"echo": True}, ["echo", "not supported"], "echo"),
+    ({"echo": True, "logprobs": 1}, ["echo", "prompt's logprobs", "leave out echo or logprobs"], "echo"),
     ({"best_of": 3}, ["best_of"], "best_of"),
     ({"presence_penalty": 2.5}, ["presence_penalty", "between -2.0 and 2.0"], "presence_penalty"),
     ({"frequency_penalty": "lots"}, ["frequency_penalty", "expected a number"], "frequency_penalty"),

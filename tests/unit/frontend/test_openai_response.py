@@ -48,6 +48,15 @@ def test_completion_response():
     }
 
 
+def test_echo_puts_the_prompt_before_the_text_whole_and_streamed():
+    parsed = parse_completion_request({"prompt": "say", "echo": True, "return_token_ids": True}, MODEL)
+    f = ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text, 0, echo_text="say")
+    assert f.choice(finished_state())["text"] == "sayhi"
+    (first,) = f.first_chunks((1, 2))
+    assert first["choices"] == [{"index": 0, "text": "say", "logprobs": None, "finish_reason": None, "token_ids": []}]
+    assert formatter().first_chunks((1, 2)) == []  # no echo: nothing before the tokens
+
+
 def test_a_batch_counts_each_prompt_once_and_names_prompt_ids_per_choice():
     parsed = parse_completion_request({"prompt": ["hi", "ho"], "n": 2, "return_token_ids": True}, MODEL)
     states = [finished_state(), finished_state(), make_state(prompt=(4, 5, 6)), make_state(prompt=(4, 5, 6))]

@@ -34,6 +34,11 @@ def openapi_schema(model_name: str, max_model_len: int, max_body_bytes: int, has
             "/v1/models": {"get": {"operationId": "listModels", "responses": {
                 "200": _json_response("the served model", {"$ref": "#/components/schemas/ModelList"}),
                 **(_errors(401) if has_api_keys else {})}}},
+            "/v1/models/{model}": {"get": {
+                "operationId": "retrieveModel",
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": _json_response("the served model", {"$ref": "#/components/schemas/Model"}),
+                              **(_errors(401, 404) if has_api_keys else _errors(404))}}},
             "/health": {"get": {"operationId": "health", "security": [], "responses": {
                 "200": _json_response("serving", {"$ref": "#/components/schemas/Health"}),
                 "503": _json_response("no instance serves, or shutting down", {"$ref": "#/components/schemas/Health"})}}},
@@ -67,7 +72,7 @@ def _generation(operation_id: str, request: str, response: str, errors: dict) ->
 _SSE_EVENT = {"type": "object", "description": "one server-sent event: `data:` is a JSON chunk, the last is [DONE]",
               "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 _ERROR_DESCRIPTIONS = {400: "invalid request (the message names the field)", 401: "missing or wrong API key",
-                       404: "no such route", 405: "method not allowed", 408: "the body arrived too slowly",
+                       404: "no such route, or no such model", 405: "method not allowed", 408: "the body arrived too slowly",
                        413: "body larger than --max-body-bytes", 429: "too many requests in flight",
                        503: "no instance can serve, or shutting down"}
 
@@ -163,11 +168,12 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
                 "message": {"type": "object", "properties": {"role": {"type": "string"},
                                                              "content": {"type": "string", "nullable": True}}},
                 "token_ids": {"type": "array", "items": integer}}}}}},
+        "Model": {"type": "object", "required": ["id"], "properties": {
+            "id": {"type": "string"}, "object": {"type": "string"}, "created": integer,
+            "owned_by": {"type": "string"}, "max_model_len": integer}},
         "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
             "object": {"type": "string", "enum": ["list"]},
-            "data": {"type": "array", "items": {"type": "object", "required": ["id"], "properties": {
-                "id": {"type": "string"}, "object": {"type": "string"}, "created": integer,
-                "owned_by": {"type": "string"}, "max_model_len": integer}}}}},
+            "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}}}},
         "Health": {"type": "object", "required": ["status"], "properties": {
             "status": {"type": "string", "enum": ["ok", "no_instances", "stopping"]}, "num_instances": integer}},
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {

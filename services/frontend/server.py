@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import structlog
 from aiohttp import web
 
-from services.common.errors import FerryError, ResourceExhausted, Unauthenticated, Unavailable
+from services.common.errors import FerryError, NotFound, ResourceExhausted, Unauthenticated, Unavailable
 from services.common.prefix_hash import MAX_PREFIX_CHUNKS, prefix_chunk_keys
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import GenerateSpec, RequestId
@@ -80,6 +80,7 @@ class FrontendServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/openapi.json", self.openapi)
@@ -94,9 +95,18 @@ class FrontendServer:
         return await self._generate(request, Endpoint.CHAT)
 
     async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self._model.name, "object": "model", "created": self._started_at, "owned_by": "ferry",
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's retrieve-model: the served model's card, 404 model_not_found for any other name."""
+        name = request.match_info["model"]
+        if name != self._model.name:
+            raise ModelNotFound(f"model {name!r} does not exist; this server serves {self._model.name!r}")
+        return web.json_response(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self._model.name, "object": "model", "created": self._started_at, "owned_by": "ferry",
                 "max_model_len": self._model.max_model_len}
-        return web.json_response({"object": "list", "data": [card]})
 
     async def health(self, request: web.Request) -> web.Response:
         num_instances = self._dispatcher.num_serving()
@@ -283,6 +293,11 @@ class FrontendServer:
         if status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         return web.json_response(body, status=status, headers=headers)
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+    param = "model"
 
 
 class ApiKeyError(Unauthenticated):

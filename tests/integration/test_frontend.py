@@ -272,6 +272,12 @@ async def test_models_health_and_metrics(http, frontend):
     async with http.get("/v1/models") as response:
         assert response.status == 200
         assert [m["id"] for m in (await response.json())["data"]] == [MODEL]
+    async with http.get(f"/v1/models/{MODEL}") as response:
+        assert response.status == 200 and (await response.json())["id"] == MODEL
+    async with http.get("/v1/models/org/other-model") as response:
+        error = (await response.json())["error"]
+    assert response.status == 404 and (error["code"], error["param"]) == ("model_not_found", "model")
+    assert "'org/other-model' does not exist" in error["message"]
     async with aiohttp.ClientSession() as anonymous:  # /health and /metrics need no key
         async with anonymous.get(f"{frontend.address}/health") as response:
             assert response.status == 200 and (await response.json())["num_instances"] == 1
@@ -364,6 +370,7 @@ async def test_every_configured_key_works(frontend):
     for key in KEYS:
         async with openai.AsyncOpenAI(base_url=f"{frontend.address}/v1", api_key=key, max_retries=0) as client:
             assert [m.id async for m in client.models.list()] == [MODEL]
+            assert (await client.models.retrieve(MODEL)).id == MODEL
 
 
 # ---- a client that goes away ----------------------------------------------------------------

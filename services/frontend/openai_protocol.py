@@ -113,7 +113,7 @@ def parse_completion_request(body: Mapping[str, Any], served_model: str) -> Pars
 
 
 def _echo(body: Mapping[str, Any], logprobs: int | None) -> bool:
-    echo = _opt_bool(body, "echo") or False
+    echo = opt_bool(body, "echo") or False
     if echo and logprobs is not None:
         raise RequestError("echo: with logprobs it needs the prompt's logprobs, which ferry does not compute; "
                            "leave out echo or logprobs", param="echo")
@@ -125,7 +125,7 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequ
     max_tokens = _opt_int(body, "max_completion_tokens", low=1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", low=1)
-    return _parsed(body, served_model, Endpoint.CHAT, prompts=(), messages=_messages(body),
+    return _parsed(body, served_model, Endpoint.CHAT, prompts=(), messages=chat_messages(body),
                    max_tokens=max_tokens, default_max_tokens=None, num_top_logprobs=_chat_logprobs(body))
 
 
@@ -164,7 +164,7 @@ def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int, name: str 
 
 def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, prompts, messages,
             max_tokens: int | None, default_max_tokens: int | None, num_top_logprobs: int | None) -> ParsedRequest:
-    stream = _opt_bool(body, "stream") or False
+    stream = opt_bool(body, "stream") or False
     sampling = Sampling(
         temperature=_opt_float(body, "temperature", 1.0, low=0.0, high=2.0),
         top_p=_top_p(body),
@@ -172,7 +172,7 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         seed=_seed(body),
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         stop=_stop(body),
-        ignore_eos=_opt_bool(body, "ignore_eos") or False,
+        ignore_eos=opt_bool(body, "ignore_eos") or False,
         num_logprobs=0 if num_top_logprobs is None else max(1, num_top_logprobs),
         presence_penalty=_opt_float(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
         frequency_penalty=_opt_float(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
@@ -182,9 +182,9 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         cache_salt=_cache_salt(body),
     )
     parsed = ParsedRequest(
-        endpoint=endpoint, model=_model(body, served_model), prompts=prompts, messages=messages,
+        endpoint=endpoint, model=check_model(body, served_model), prompts=prompts, messages=messages,
         sampling=sampling, stream=stream, include_usage=_include_usage(body, stream),
-        return_token_ids=_opt_bool(body, "return_token_ids") or False,
+        return_token_ids=opt_bool(body, "return_token_ids") or False,
         priority=_opt_int(body, "priority", low=-_INT32_MAX, high=_INT32_MAX) or 0,
         num_top_logprobs=num_top_logprobs, n=_opt_int(body, "n", low=1, high=MAX_CHOICES) or 1)
     if parsed.num_choices > MAX_BATCH_CHOICES:
@@ -218,7 +218,7 @@ def _reject_constrained_output(body: Mapping[str, Any]) -> None:
         raise RequestError("functions: function calls are not supported; leave functions out", param="functions")
 
 
-def _model(body: Mapping[str, Any], served_model: str) -> str:
+def check_model(body: Mapping[str, Any], served_model: str) -> str:
     model = body.get("model")
     if model is None:
         return served_model
@@ -256,7 +256,7 @@ def _one_prompt(prompt: Any, name: str) -> Prompt:
                        param="prompt")
 
 
-def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+def chat_messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     messages = body.get("messages")
     if messages is None:
         raise RequestError("messages: required (a list of {role, content} objects)", param="messages")
@@ -298,7 +298,7 @@ def _content(content: Any, role: str, param: str) -> str:
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
-    wants = _opt_bool(body, "logprobs") or False
+    wants = opt_bool(body, "logprobs") or False
     top = _opt_int(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
     if top is not None and top > 0 and not wants:
         raise RequestError("top_logprobs: needs logprobs=true", param="top_logprobs")
@@ -313,7 +313,7 @@ def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
         raise RequestError(f"stream_options: expected an object, got {_json_type(options)}", param="stream_options")
     if not stream:
         raise RequestError("stream_options: only allowed when stream is true", param="stream_options")
-    return _opt_bool(options, "include_usage", param="stream_options.include_usage") or False
+    return opt_bool(options, "include_usage", param="stream_options.include_usage") or False
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -347,7 +347,7 @@ def _seed(body: Mapping[str, Any]) -> int | None:
     return None if seed is None else seed % _UINT64  # OpenAI seeds are int64; the engine takes uint64
 
 
-def _opt_bool(body: Mapping[str, Any], name: str, param: str | None = None) -> bool | None:
+def opt_bool(body: Mapping[str, Any], name: str, param: str | None = None) -> bool | None:
     value = body.get(name)
     if value is None or isinstance(value, bool):
         return value

@@ -39,6 +39,8 @@ def openapi_schema(model_name: str, max_model_len: int, max_body_bytes: int, has
                 "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": {"200": _json_response("the served model", {"$ref": "#/components/schemas/Model"}),
                               **(_errors(401, 404) if has_api_keys else _errors(404))}}},
+            "/tokenize": {"post": _json_call("tokenize", "TokenizeRequest", "Tokenized", has_api_keys)},
+            "/detokenize": {"post": _json_call("detokenize", "DetokenizeRequest", "Detokenized", has_api_keys)},
             "/health": {"get": {"operationId": "health", "security": [], "responses": {
                 "200": _json_response("serving", {"$ref": "#/components/schemas/Health"}),
                 "503": _json_response("no instance serves, or shutting down", {"$ref": "#/components/schemas/Health"})}}},
@@ -69,6 +71,14 @@ def _generation(operation_id: str, request: str, response: str, errors: dict) ->
     }
 
 
+def _json_call(operation_id: str, request: str, response: str, has_api_keys: bool) -> dict[str, Any]:
+    """A plain JSON POST (no stream, no generation): 200, or 400/404/408/413 (and 401 with keys)."""
+    errors = _errors(400, 401, 404, 408, 413) if has_api_keys else _errors(400, 404, 408, 413)
+    return {"operationId": operation_id,
+            "requestBody": {"required": True, "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{request}"}}}},
+            "responses": {"200": _json_response("the result", {"$ref": f"#/components/schemas/{response}"}), **errors}}
+
+
 _SSE_EVENT = {"type": "object", "description": "one server-sent event: `data:` is a JSON chunk, the last is [DONE]",
               "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 _ERROR_DESCRIPTIONS = {400: "invalid request (the message names the field)", 401: "missing or wrong API key",
@@ -92,7 +102,7 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS}],
             "nullable": True}
     common = {
-        "model": {"type": "string", "enum": [model_name], "description": "the served model (default: it)"},
+        "model": {"type": "string", "enum": [model_name, None], "nullable": True, "description": "the served model (default: it)"},
         "max_tokens": {**integer, "minimum": 1, "maximum": max_model_len, "nullable": True},
         "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
         "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1, "nullable": True},
@@ -168,6 +178,20 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
                 "message": {"type": "object", "properties": {"role": {"type": "string"},
                                                              "content": {"type": "string", "nullable": True}}},
                 "token_ids": {"type": "array", "items": integer}}}}}},
+        "TokenizeRequest": {"type": "object", "description": "vLLM's /tokenize: exactly one of prompt and messages",
+                            "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
+                            "properties": {
+            "model": {"type": "string", "enum": [model_name, None], "nullable": True},
+            "prompt": {"type": "string", "minLength": 1},
+            "messages": {"type": "array", "minItems": 1, "items": message},
+            "add_special_tokens": {"type": "boolean", "nullable": True,
+                                   "description": "prompt only (default true); a chat template writes its own"}}},
+        "Tokenized": {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+            "count": integer, "max_model_len": integer, "tokens": {"type": "array", "items": integer}}},
+        "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
+            "model": {"type": "string", "enum": [model_name, None], "nullable": True},
+            "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
+        "Detokenized": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
         "Model": {"type": "object", "required": ["id"], "properties": {
             "id": {"type": "string"}, "object": {"type": "string"}, "created": integer,
             "owned_by": {"type": "string"}, "max_model_len": integer}},

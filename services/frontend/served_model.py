@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import jinja2
 
 from services.frontend.openai_protocol import Endpoint, ParsedRequest, Prompt, RequestError, check_prompt_token_ids
+from services.frontend.tokenize_protocol import TokenizeRequest
 from services.instance.engine.tokenizer import Tokenizer  # tokenizers + jinja2, no torch
 
 
@@ -63,6 +64,20 @@ class ServedModel:
     def _checked(self, token_ids: list[int], name: str) -> list[int]:
         check_prompt_token_ids(token_ids, self.vocab_size, name)
         return token_ids
+
+    def tokenize(self, request: TokenizeRequest) -> list[int]:
+        """`/tokenize`: the prompt's ids (with or without special tokens), or the chat template's."""
+        if request.messages is not None:
+            return self._chat_token_ids(request.messages)
+        return list(self.tokenizer.encode(request.text or "", add_special_tokens=request.add_special_tokens))
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """`/detokenize`: the text of any ids in the vocabulary, special tokens included."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"tokens: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                               param="tokens")
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))

@@ -36,6 +36,7 @@ from services.frontend.openai_response import SSE_DONE, ResponseFormatter, sse, 
 from services.frontend.req_state import Delta, ReqState
 from services.frontend.request_runner import RequestRunner
 from services.frontend.served_model import ServedModel
+from services.frontend.tokenize_protocol import parse_detokenize_request, parse_tokenize_request
 
 log = structlog.get_logger(__name__)
 
@@ -81,6 +82,8 @@ class FrontendServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/openapi.json", self.openapi)
@@ -107,6 +110,18 @@ class FrontendServer:
     def _model_card(self) -> dict:
         return {"id": self._model.name, "object": "model", "created": self._started_at, "owned_by": "ferry",
                 "max_model_len": self._model.max_model_len}
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a prompt's or a chat's token ids, without generating."""
+        parsed = parse_tokenize_request(await self._read_json(request), self._model.name)
+        token_ids = await asyncio.to_thread(self._model.tokenize, parsed)
+        return web.json_response({"count": len(token_ids), "max_model_len": self._model.max_model_len,
+                                  "tokens": token_ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: the text of token ids."""
+        token_ids = parse_detokenize_request(await self._read_json(request), self._model.name)
+        return web.json_response({"prompt": await asyncio.to_thread(self._model.detokenize, token_ids)})
 
     async def health(self, request: web.Request) -> web.Response:
         num_instances = self._dispatcher.num_serving()
@@ -177,6 +192,13 @@ class FrontendServer:
         return Choice(state, spec, formatter)
 
     async def _parse(self, request: web.Request, endpoint: Endpoint) -> ParsedRequest:
+        body = await self._read_json(request)
+        if endpoint is Endpoint.CHAT:
+            return parse_chat_request(body, self._model.name)
+        return parse_completion_request(body, self._model.name)
+
+    async def _read_json(self, request: web.Request) -> dict:
+        """The body as a JSON object, within --max-body-bytes and --body-timeout-s."""
         if request.content_length is not None and request.content_length > self._max_body_bytes:
             raise _too_large(self._max_body_bytes)
         try:
@@ -187,10 +209,7 @@ class FrontendServer:
         except TimeoutError:
             raise BodyTimeout(f"the request body did not arrive within {self._body_timeout_s:g} s "
                               "(--body-timeout-s)") from None
-        body = parse_json_body(raw)
-        if endpoint is Endpoint.CHAT:
-            return parse_chat_request(body, self._model.name)
-        return parse_completion_request(body, self._model.name)
+        return parse_json_body(raw)
 
     async def _complete(self, request_id: RequestId, choices: list[Choice],
                         streams: list[AsyncIterator[Delta]]) -> web.Response:

@@ -268,6 +268,28 @@ async def test_logprobs(client):
     assert len(content) == 4 and all(len(entry.top_logprobs) == 3 for entry in content)
 
 
+async def test_tokenize_and_detokenize_agree_with_what_generation_uses(http, client, tiny_model_dir):
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    async with http.post("/tokenize", json={"model": MODEL, "prompt": "the cat sat"}) as response:
+        tokenized = await response.json()
+    assert tokenized == {"count": len(tokenizer.encode("the cat sat")), "max_model_len": MAX_MODEL_LEN,
+                         "tokens": tokenizer.encode("the cat sat")}
+    completion = await client.completions.create(model=MODEL, prompt="the cat sat", max_tokens=1, temperature=0)
+    assert completion.usage.prompt_tokens == tokenized["count"]  # the same ids the request was served with
+    async with http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}) as response:
+        chat_ids = (await response.json())["tokens"]
+    chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=1, temperature=0)
+    assert chat.usage.prompt_tokens == len(chat_ids)
+    async with http.post("/detokenize", json={"tokens": chat_ids}) as response:
+        assert (await response.json())["prompt"] == tokenizer.decode(chat_ids, skip_special_tokens=False)
+    async with http.post("/detokenize", json={"tokens": [5, 100000]}) as response:
+        error = (await response.json())["error"]
+    assert response.status == 400 and error["param"] == "tokens" and "outside the vocabulary" in error["message"]
+    async with http.post("/tokenize", json={"prompt": "a", "messages": []}) as response:
+        assert response.status == 400 and "exactly one of prompt" in (await response.json())["error"]["message"]
+
+
 async def test_models_health_and_metrics(http, frontend):
     async with http.get("/v1/models") as response:
         assert response.status == 200

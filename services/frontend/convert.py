@@ -22,7 +22,8 @@ def sampling_to_proto(sampling: Sampling) -> common_pb2.SamplingParams:
         raise ValueError("sampling.max_tokens must be resolved (resolve_max_tokens) before sending")
     msg = common_pb2.SamplingParams(
         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-        max_tokens=sampling.max_tokens, stop=list(sampling.stop), ignore_eos=sampling.ignore_eos,
+        max_tokens=sampling.max_tokens, stop=list(sampling.stop), stop_token_ids=list(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
         logprobs=sampling.num_logprobs, presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty, logit_bias=dict(sampling.logit_bias),
         repetition_penalty=sampling.repetition_penalty, min_p=sampling.min_p, cache_salt=sampling.cache_salt)

@@ -27,6 +27,7 @@ class Sampling:
     seed: int | None = None  # uint64
     max_tokens: int | None = None  # None until the prompt is tokenized: then the rest of the context
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: finish after any of these (kept in token_ids, not the text)
     ignore_eos: bool = False
     num_logprobs: int = 0  # what the engine computes: chosen token + top n (0 = off)
     presence_penalty: float = 0.0  # [-2, 2]

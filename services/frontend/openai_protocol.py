@@ -21,6 +21,7 @@ from services.frontend.generation import Sampling
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CHOICES = 16  # most `n`: each choice is a request of its own
 MAX_PROMPTS = 64  # most prompts in one completions request (a batch)
@@ -172,6 +173,7 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         seed=_seed(body),
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body),
         ignore_eos=opt_bool(body, "ignore_eos") or False,
         num_logprobs=0 if num_top_logprobs is None else max(1, num_top_logprobs),
         presence_penalty=_opt_float(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
@@ -200,6 +202,8 @@ def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
             raise RequestError(f"best_of: only best_of=1 is supported, got {best_of}", param="best_of")
         if body.get("suffix") is not None:
             raise RequestError("suffix: not supported; leave it out", param="suffix")
+    if _opt_int(body, "min_tokens", low=0):  # vLLM's: would have to hold back EOS and stop ids
+        raise RequestError("min_tokens: not supported; leave it out or set it to 0", param="min_tokens")
     _reject_constrained_output(body)
 
 
@@ -328,6 +332,19 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     if any(not s for s in stops):
         raise RequestError("stop: stop strings must not be empty", param="stop")
     return tuple(stops)
+
+
+def _stop_token_ids(body: Mapping[str, Any]) -> tuple[int, ...]:
+    """vLLM's extension: token ids that end the output (the token is kept in token_ids, not in the text)."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= _INT32_MAX for t in ids):
+        raise RequestError(f"stop_token_ids: expected a list of token ids (non-negative integers), got "
+                           f"{_json_type(ids)}", param="stop_token_ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(ids)}", param="stop_token_ids")
+    return tuple(ids)
 
 
 def _top_p(body: Mapping[str, Any]) -> float:

@@ -12,7 +12,7 @@ from typing import Any
 
 from services.common.prefix_hash import MAX_CACHE_SALT_CHARS
 from services.frontend.openai_protocol import (MAX_BATCH_CHOICES, MAX_CHOICES, MAX_LOGIT_BIAS_ENTRIES, MAX_PROMPTS,
-                                               MAX_STOP_STRINGS, MAX_TOP_LOGPROBS)
+                                               MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS)
 
 _INT32_MAX = (1 << 31) - 1
 _JSON = "application/json"
@@ -110,6 +110,10 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
                   "description": "-1 or 0: off"},
         "seed": {**integer, "minimum": -(1 << 63), "maximum": (1 << 64) - 1, "nullable": True},
         "stop": stop,
+        "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
+                           "maxItems": MAX_STOP_TOKEN_IDS, "nullable": True,
+                           "description": "vLLM: token ids that end the output (kept in token_ids, not the text)"},
+        "min_tokens": {"type": "integer", "enum": [0, None], "nullable": True, "description": "vLLM: only 0 is supported"},
         "stream": {"type": "boolean", "nullable": True},
         "stream_options": {"type": "object", "nullable": True, "description": "only with stream=true",
                            "properties": {"include_usage": {"type": "boolean", "nullable": True}}},

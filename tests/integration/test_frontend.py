@@ -290,6 +290,17 @@ async def test_tokenize_and_detokenize_agree_with_what_generation_uses(http, cli
         assert response.status == 400 and "exactly one of prompt" in (await response.json())["error"]["message"]
 
 
+async def test_stop_token_ids_end_the_output_at_the_first_of_them(client):
+    def create(**extra):
+        return client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=12, temperature=0,
+                                         extra_body={"return_token_ids": True, "ignore_eos": True, **extra})
+    plain = (await create()).choices[0].model_dump()["token_ids"]
+    stop_id = plain[4]
+    stopped = (await create(stop_token_ids=[stop_id, 100000])).choices[0]
+    assert stopped.model_dump()["token_ids"] == plain[:plain.index(stop_id) + 1]  # the stop token is kept
+    assert stopped.finish_reason == "stop"
+
+
 async def test_models_health_and_metrics(http, frontend):
     async with http.get("/v1/models") as response:
         assert response.status == 200

@@ -38,3 +38,8 @@ def test_a_resumed_dispatch_keeps_the_prompts_keys():
     resumed = replace(spec(), resume_token_ids=tuple(range(100, 120)))
     msg = dispatch_request_to_proto(resumed, [])
     assert msg.num_prompt_tokens == 60 and list(msg.prefix_chunk_keys) == list(spec().prefix_chunk_keys)
+
+
+def test_stop_token_ids_reach_the_instance():
+    stopping = replace(spec(), sampling=Sampling(temperature=0.0, max_tokens=8, stop_token_ids=(7, 9)))
+    assert list(generate_request_to_proto(stopping).sampling.stop_token_ids) == [7, 9]

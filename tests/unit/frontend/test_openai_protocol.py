@@ -90,6 +90,11 @@ def test_prompt_batches_mix_text_and_token_ids():
     assert (parsed.num_prompts, parsed.num_choices) == (3, 6)
 
 
+def test_stop_token_ids_and_a_zero_min_tokens():
+    assert completion(stop_token_ids=[2, 7]).sampling.stop_token_ids == (2, 7)
+    assert chat(stop_token_ids=None, min_tokens=0).sampling.stop_token_ids == ()
+
+
 def test_echo_is_a_completions_option():
     assert completion(echo=True).echo and not completion().echo and not completion(echo=False, logprobs=2).echo
 
@@ -159,6 +164,10 @@ def test_missing_prompt():
     ({"priority": "high"}, ["priority", "expected an integer"], "priority"),
     ({"echo": True, "logprobs": 1}, ["echo", "prompt's logprobs", "leave out echo or logprobs"], "echo"),
     ({"best_of": 3}, ["best_of"], "best_of"),
+    ({"stop_token_ids": [1, -2]}, ["stop_token_ids", "non-negative integers"], "stop_token_ids"),
+    ({"stop_token_ids": 5}, ["stop_token_ids", "number 5"], "stop_token_ids"),
+    ({"stop_token_ids": list(range(65))}, ["stop_token_ids", "at most 64"], "stop_token_ids"),
+    ({"min_tokens": 4}, ["min_tokens", "not supported"], "min_tokens"),
     ({"presence_penalty": 2.5}, ["presence_penalty", "between -2.0 and 2.0"], "presence_penalty"),
     ({"frequency_penalty": "lots"}, ["frequency_penalty", "expected a number"], "frequency_penalty"),
     ({"logit_bias": [1, 5]}, ["logit_bias", "an object of token id -> bias"], "logit_bias"),

@@ -29,6 +29,9 @@ MAX_BATCH_CHOICES = 128  # most prompts × n in one request
 _UINT64 = 1 << 64
 _INT32_MAX = (1 << 31) - 1
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+_OUTPUT_FLAGS = {"include_stop_str_in_output": False, "skip_special_tokens": True}
+MAX_TEMPLATE_KWARGS = 32
 
 
 Prompt = str | tuple[int, ...]  # text or token ids
@@ -49,6 +52,15 @@ class RequestError(InvalidArgument):
 
 
 @dataclass(frozen=True, slots=True)
+class ChatTemplateOptions:
+    """vLLM's chat extensions: `add_generation_prompt` and `chat_template_kwargs` (e.g. Qwen3's
+    {"enable_thinking": false}), passed to the model's chat template."""
+
+    add_generation_prompt: bool = True
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class ParsedRequest:
     endpoint: Endpoint
     model: str
@@ -61,6 +73,7 @@ class ParsedRequest:
     priority: int = 0  # ferry extension: higher runs first when the cache is short
     num_top_logprobs: int | None = None  # None = no logprobs; n = chosen token + top n
     n: int = 1  # choices per prompt: n requests of it (seeds seed, seed + 1, ... when one is given)
+    chat_template: ChatTemplateOptions | None = None  # chat: how the messages are rendered
     echo: bool = False  # completions: each choice's text starts with its prompt
 
     @property
@@ -126,8 +139,21 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequ
     max_tokens = _opt_int(body, "max_completion_tokens", low=1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", low=1)
-    return _parsed(body, served_model, Endpoint.CHAT, prompts=(), messages=chat_messages(body),
-                   max_tokens=max_tokens, default_max_tokens=None, num_top_logprobs=_chat_logprobs(body))
+    parsed = _parsed(body, served_model, Endpoint.CHAT, prompts=(), messages=chat_messages(body),
+                     max_tokens=max_tokens, default_max_tokens=None, num_top_logprobs=_chat_logprobs(body))
+    return replace(parsed, chat_template=chat_template_options(body))
+
+
+def chat_template_options(body: Mapping[str, Any]) -> ChatTemplateOptions:
+    add_generation_prompt = opt_bool(body, "add_generation_prompt")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict) or len(kwargs) > MAX_TEMPLATE_KWARGS or "messages" in kwargs:
+        raise RequestError(f"chat_template_kwargs: expected an object of at most {MAX_TEMPLATE_KWARGS} template "
+                           "variables (not messages)", param="chat_template_kwargs")
+    return ChatTemplateOptions(True if add_generation_prompt is None else add_generation_prompt,
+                               tuple(sorted(kwargs.items())))
 
 
 def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int,
@@ -220,6 +246,13 @@ def _reject_constrained_output(body: Mapping[str, Any]) -> None:
                            param="tools")
     if body.get("functions"):
         raise RequestError("functions: function calls are not supported; leave functions out", param="functions")
+    for name in _GUIDED_FIELDS:  # vLLM's structured output fields
+        if body.get(name) is not None:
+            raise RequestError(f"{name}: structured output is not supported (no constrained decoding); leave it out",
+                               param=name)
+    for name, default in _OUTPUT_FLAGS.items():  # vLLM's output options; only their defaults are served
+        if opt_bool(body, name) not in (None, default):
+            raise RequestError(f"{name}: only {str(default).lower()} is supported; leave it out", param=name)
 
 
 def check_model(body: Mapping[str, Any], served_model: str) -> str:

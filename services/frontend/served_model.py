@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 import jinja2
 
-from services.frontend.openai_protocol import Endpoint, ParsedRequest, Prompt, RequestError, check_prompt_token_ids
+from services.frontend.openai_protocol import (ChatTemplateOptions, Endpoint, ParsedRequest, Prompt, RequestError,
+                                               check_prompt_token_ids)
 from services.frontend.tokenize_protocol import TokenizeRequest
 from services.instance.engine.tokenizer import Tokenizer  # tokenizers + jinja2, no torch
 
@@ -25,7 +26,8 @@ class TextTokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]: ...
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    **variables: Any) -> list[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +52,7 @@ class ServedModel:
     def prompts_token_ids(self, parsed: ParsedRequest) -> list[list[int]]:
         """Each prompt's token ids (as given, or encoded), or the chat messages' through the template."""
         if parsed.endpoint is Endpoint.CHAT:
-            return [self._checked(self._chat_token_ids(parsed.messages or ()), "messages")]
+            return [self._checked(self._chat_token_ids(parsed.messages or (), parsed.chat_template), "messages")]
         names = [f"prompt[{i}]" for i in range(len(parsed.prompts))] if parsed.is_batch else ["prompt"]
         return [self._checked(self._prompt_token_ids(prompt), name) for prompt, name in zip(parsed.prompts, names)]
 
@@ -68,7 +70,7 @@ class ServedModel:
     def tokenize(self, request: TokenizeRequest) -> list[int]:
         """`/tokenize`: the prompt's ids (with or without special tokens), or the chat template's."""
         if request.messages is not None:
-            return self._chat_token_ids(request.messages)
+            return self._chat_token_ids(request.messages, request.chat_template)
         return list(self.tokenizer.encode(request.text or "", add_special_tokens=request.add_special_tokens))
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
@@ -85,10 +87,13 @@ class ServedModel:
     def token_text(self, token_id: int) -> str:
         return _token_text(self.tokenizer, token_id)
 
-    def _chat_token_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def _chat_token_ids(self, messages: Sequence[dict[str, Any]],
+                        options: ChatTemplateOptions | None = None) -> list[int]:
+        options = options or ChatTemplateOptions()
         try:
-            return list(self.tokenizer.encode_chat(list(messages)))
-        except (ValueError, jinja2.TemplateError) as exc:  # no template, or its raise_exception fired
+            return list(self.tokenizer.encode_chat(list(messages), options.add_generation_prompt,
+                                                   **dict(options.kwargs)))
+        except (ValueError, TypeError, jinja2.TemplateError) as exc:  # no template, its raise_exception, bad kwargs
             raise RequestError(f"messages: {exc}", param="messages") from None
 
 

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.frontend.openai_protocol import RequestError, chat_messages, check_model, opt_bool
+from services.frontend.openai_protocol import (ChatTemplateOptions, RequestError, chat_messages, chat_template_options,
+                                               check_model, opt_bool)
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
@@ -24,6 +25,7 @@ class TokenizeRequest:
     text: str | None  # the prompt, or None for messages
     messages: tuple[dict[str, Any], ...] | None  # rendered through the chat template
     add_special_tokens: bool = True  # prompt only (a chat template writes its own)
+    chat_template: ChatTemplateOptions | None = None  # messages only
 
 
 def parse_tokenize_request(body: Mapping[str, Any], served_model: str) -> TokenizeRequest:
@@ -34,7 +36,8 @@ def parse_tokenize_request(body: Mapping[str, Any], served_model: str) -> Tokeni
                            param="messages" if has_messages else "prompt")
     add_special_tokens = opt_bool(body, "add_special_tokens")
     if has_messages:
-        return TokenizeRequest(None, chat_messages(body), add_special_tokens=False)
+        return TokenizeRequest(None, chat_messages(body), add_special_tokens=False,
+                               chat_template=chat_template_options(body))
     prompt = body["prompt"]
     if not isinstance(prompt, str) or not prompt:
         raise RequestError("prompt: expected a non-empty string", param="prompt")

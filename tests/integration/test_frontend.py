@@ -288,6 +288,16 @@ async def test_tokenize_and_detokenize_agree_with_what_generation_uses(http, cli
     assert response.status == 400 and error["param"] == "tokens" and "outside the vocabulary" in error["message"]
     async with http.post("/tokenize", json={"prompt": "a", "messages": []}) as response:
         assert response.status == 400 and "exactly one of prompt" in (await response.json())["error"]["message"]
+    without = {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False,
+               "chat_template_kwargs": {"enable_thinking": False}}  # a variable this template does not read
+    async with http.post("/tokenize", json=without) as response:
+        without_ids = (await response.json())["tokens"]
+    assert without_ids == tokenizer.encode_chat([{"role": "user", "content": "hi"}], add_generation_prompt=False)
+    assert len(without_ids) < len(chat_ids) and chat_ids[:len(without_ids)] == without_ids
+    continued = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=1, temperature=0,
+                                                     extra_body={"add_generation_prompt": False})
+    assert continued.usage.prompt_tokens == len(without_ids)
 
 
 async def test_stop_token_ids_end_the_output_at_the_first_of_them(client):

@@ -73,15 +73,18 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            **variables: Any) -> str:
+        """The template's text; `variables` (e.g. enable_thinking) go to the template beside the special tokens."""
         if self._template is None:
             raise ValueError("the model has no chat template (tokenizer_config.json chat_template); use completions")
-        return self._template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special_tokens
-        )
+        return self._template.render(**{**self.special_tokens, **variables, "messages": list(messages),
+                                        "add_generation_prompt": add_generation_prompt})
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **variables: Any) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **variables),
+                           add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

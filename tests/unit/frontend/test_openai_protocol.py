@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from services.frontend.generation import Sampling
-from services.frontend.openai_protocol import (Endpoint, RequestError, check_prompt_token_ids, error_body_for,
-                                               parse_chat_request, parse_completion_request, parse_json_body,
-                                               resolve_max_tokens)
+from services.frontend.openai_protocol import (ChatTemplateOptions, Endpoint, RequestError, check_prompt_token_ids,
+                                               error_body_for, parse_chat_request, parse_completion_request,
+                                               parse_json_body, resolve_max_tokens)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -88,6 +88,26 @@ def test_prompt_batches_mix_text_and_token_ids():
     parsed = completion(prompt=["a", [5, 6], "b"], n=2)
     assert parsed.prompts == ("a", (5, 6), "b") and parsed.is_batch
     assert (parsed.num_prompts, parsed.num_choices) == (3, 6)
+
+
+def test_chat_template_options():
+    assert chat().chat_template == ChatTemplateOptions(True, ())
+    options = chat(add_generation_prompt=False, chat_template_kwargs={"enable_thinking": False, "a": 1}).chat_template
+    assert options == ChatTemplateOptions(False, (("a", 1), ("enable_thinking", False)))
+    for kwargs in ([1], {"messages": []}, {f"k{i}": i for i in range(33)}):
+        rejects(chat, {"chat_template_kwargs": kwargs}, "chat_template_kwargs", param="chat_template_kwargs")
+
+
+@pytest.mark.parametrize("fields, name", [
+    ({"guided_json": {"type": "object"}}, "guided_json"), ({"guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"guided_regex": "a+"}, "guided_regex"), ({"structured_outputs": {"json": {}}}, "structured_outputs"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
+])
+def test_output_options_ferry_would_otherwise_ignore_are_refused(fields, name):
+    rejects(completion, fields, name, param=name)
+    rejects(chat, fields, name, param=name)
+    assert completion(skip_special_tokens=True, include_stop_str_in_output=False, guided_json=None).prompts
 
 
 def test_stop_token_ids_and_a_zero_min_tokens():

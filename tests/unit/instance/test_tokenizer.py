@@ -29,6 +29,9 @@ CHAT_TEMPLATE = """{{ bos_token }}{% for message in messages %}
 {% endfor %}
 {% if add_generation_prompt %}
 <|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}
+<think></think>
+{% endif %}
 {% endif %}"""
 UNICODE_TEXT = "naïve 你好 🚀🎉 déjà — ok"
 
@@ -89,6 +92,16 @@ def test_chat_template_renders_like_transformers(tokenizer, model_dir):
     assert tokenizer.encode_chat(messages).count(tokenizer.bos_token_id) == 1
     without = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
     assert without == text.removesuffix("<|im_start|>assistant\n")
+
+
+def test_template_variables_reach_the_chat_template(tokenizer):
+    """As Qwen3's template reads enable_thinking (vLLM's chat_template_kwargs)."""
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = tokenizer.apply_chat_template(messages)
+    assert tokenizer.apply_chat_template(messages, enable_thinking=False) == plain + "<think></think>\n"
+    assert tokenizer.apply_chat_template(messages, enable_thinking=True) == plain
+    assert tokenizer.encode_chat(messages, True, enable_thinking=False) == tokenizer.encode(
+        plain + "<think></think>\n", add_special_tokens=False)
 
 
 def test_chat_template_errors_are_value_errors(tokenizer, model_dir, tmp_path):

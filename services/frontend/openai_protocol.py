@@ -30,7 +30,8 @@ _UINT64 = 1 << 64
 _INT32_MAX = (1 << 31) - 1
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-_OUTPUT_FLAGS = {"include_stop_str_in_output": False, "skip_special_tokens": True}
+_OUTPUT_FLAGS = {"include_stop_str_in_output": False, "skip_special_tokens": True, "use_beam_search": False}
+_UNSUPPORTED_SAMPLING = ("bad_words", "allowed_token_ids", "prompt_logprobs")  # vLLM's, refused unless empty
 MAX_TEMPLATE_KWARGS = 32
 
 
@@ -74,6 +75,7 @@ class ParsedRequest:
     num_top_logprobs: int | None = None  # None = no logprobs; n = chosen token + top n
     n: int = 1  # choices per prompt: n requests of it (seeds seed, seed + 1, ... when one is given)
     chat_template: ChatTemplateOptions | None = None  # chat: how the messages are rendered
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last k tokens (-1: the context)
     echo: bool = False  # completions: each choice's text starts with its prompt
 
     @property
@@ -214,7 +216,8 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         sampling=sampling, stream=stream, include_usage=_include_usage(body, stream),
         return_token_ids=opt_bool(body, "return_token_ids") or False,
         priority=_opt_int(body, "priority", low=-_INT32_MAX, high=_INT32_MAX) or 0,
-        num_top_logprobs=num_top_logprobs, n=_opt_int(body, "n", low=1, high=MAX_CHOICES) or 1)
+        num_top_logprobs=num_top_logprobs, n=_opt_int(body, "n", low=1, high=MAX_CHOICES) or 1,
+        truncate_prompt_tokens=_truncate_prompt_tokens(body))
     if parsed.num_choices > MAX_BATCH_CHOICES:
         raise RequestError(f"n: {parsed.n} choices for each of {parsed.num_prompts} prompts make "
                            f"{parsed.num_choices} answers; at most {MAX_BATCH_CHOICES} fit in one request", param="n")
@@ -250,6 +253,9 @@ def _reject_constrained_output(body: Mapping[str, Any]) -> None:
         if body.get(name) is not None:
             raise RequestError(f"{name}: structured output is not supported (no constrained decoding); leave it out",
                                param=name)
+    for name in _UNSUPPORTED_SAMPLING:
+        if body.get(name) not in (None, []):
+            raise RequestError(f"{name}: not supported; leave it out", param=name)
     for name, default in _OUTPUT_FLAGS.items():  # vLLM's output options; only their defaults are served
         if opt_bool(body, name) not in (None, default):
             raise RequestError(f"{name}: only {str(default).lower()} is supported; leave it out", param=name)
@@ -365,6 +371,14 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     if any(not s for s in stops):
         raise RequestError("stop: stop strings must not be empty", param="stop")
     return tuple(stops)
+
+
+def _truncate_prompt_tokens(body: Mapping[str, Any]) -> int | None:
+    value = _opt_int(body, "truncate_prompt_tokens", low=-1, high=_INT32_MAX)
+    if value == 0:
+        raise RequestError("truncate_prompt_tokens: must be >= 1 (keep that many of the prompt's last tokens) "
+                           "or -1 (as many as the context holds)", param="truncate_prompt_tokens")
+    return value
 
 
 def _stop_token_ids(body: Mapping[str, Any]) -> tuple[int, ...]:

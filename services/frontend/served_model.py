@@ -52,9 +52,18 @@ class ServedModel:
     def prompts_token_ids(self, parsed: ParsedRequest) -> list[list[int]]:
         """Each prompt's token ids (as given, or encoded), or the chat messages' through the template."""
         if parsed.endpoint is Endpoint.CHAT:
-            return [self._checked(self._chat_token_ids(parsed.messages or (), parsed.chat_template), "messages")]
+            token_ids = self._chat_token_ids(parsed.messages or (), parsed.chat_template)
+            return [self._checked(self._truncated(token_ids, parsed.truncate_prompt_tokens), "messages")]
         names = [f"prompt[{i}]" for i in range(len(parsed.prompts))] if parsed.is_batch else ["prompt"]
-        return [self._checked(self._prompt_token_ids(prompt), name) for prompt, name in zip(parsed.prompts, names)]
+        return [self._checked(self._truncated(self._prompt_token_ids(prompt), parsed.truncate_prompt_tokens), name)
+                for prompt, name in zip(parsed.prompts, names)]
+
+    def _truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the last `keep` ids (-1: as many as the context holds)."""
+        if keep is None:
+            return token_ids
+        keep = self.max_model_len if keep == -1 else keep
+        return token_ids[-keep:]
 
     def prompt_text(self, prompt: Prompt) -> str:
         """A prompt as text (an echo): as given, or its token ids decoded."""

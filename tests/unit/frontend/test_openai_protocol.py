@@ -102,12 +102,21 @@ def test_chat_template_options():
     ({"guided_json": {"type": "object"}}, "guided_json"), ({"guided_choice": ["a", "b"]}, "guided_choice"),
     ({"guided_regex": "a+"}, "guided_regex"), ({"structured_outputs": {"json": {}}}, "structured_outputs"),
     ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
-    ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"), ({"use_beam_search": True}, "use_beam_search"),
+    ({"bad_words": ["x"]}, "bad_words"), ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])
 def test_output_options_ferry_would_otherwise_ignore_are_refused(fields, name):
     rejects(completion, fields, name, param=name)
     rejects(chat, fields, name, param=name)
     assert completion(skip_special_tokens=True, include_stop_str_in_output=False, guided_json=None).prompts
+
+
+def test_truncate_prompt_tokens():
+    assert completion(truncate_prompt_tokens=5).truncate_prompt_tokens == 5
+    assert chat(truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
+    assert completion().truncate_prompt_tokens is None
+    rejects(completion, {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", param="truncate_prompt_tokens")
 
 
 def test_stop_token_ids_and_a_zero_min_tokens():

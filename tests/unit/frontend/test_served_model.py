@@ -35,6 +35,16 @@ def test_a_batch_gives_each_prompt_its_ids_and_names_the_bad_one(model):
         model.prompts_token_ids(parse_completion_request({"prompt": ["the cat", [3, 512]]}, "tiny"))
 
 
+def test_truncate_prompt_tokens_keeps_the_last_ones(model):
+    def ids(**fields):
+        return model.prompts_token_ids(parse_completion_request({"prompt": [3, 4, 5, 6], **fields}, "tiny"))
+    assert ids(truncate_prompt_tokens=2) == [[5, 6]] and ids(truncate_prompt_tokens=9) == [[3, 4, 5, 6]]
+    assert ids(truncate_prompt_tokens=-1) == [[3, 4, 5, 6]]  # the context (1024) holds them all
+    chat = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": 3}, "tiny")
+    (whole,) = model.prompts_token_ids(parse_chat_request({"messages": [{"role": "user", "content": "hi"}]}, "tiny"))
+    assert model.prompts_token_ids(chat) == [whole[-3:]]
+
+
 def test_chat_goes_through_the_chat_template(model):
     parsed = parse_chat_request({"messages": [{"role": "user", "content": "hi"}]}, "tiny")
     (ids,) = model.prompts_token_ids(parsed)

@@ -76,6 +76,7 @@ class ParsedRequest:
     n: int = 1  # choices per prompt: n requests of it (seeds seed, seed + 1, ... when one is given)
     chat_template: ChatTemplateOptions | None = None  # chat: how the messages are rendered
     truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last k tokens (-1: the context)
+    add_special_tokens: bool = True  # vLLM's, completions: the tokenizer's BOS etc. around a text prompt
     echo: bool = False  # completions: each choice's text starts with its prompt
 
     @property
@@ -125,7 +126,8 @@ def parse_completion_request(body: Mapping[str, Any], served_model: str) -> Pars
     parsed = _parsed(body, served_model, Endpoint.COMPLETIONS, prompts=_prompts(body), messages=None,
                      max_tokens=_opt_int(body, "max_tokens", low=1), default_max_tokens=16,
                      num_top_logprobs=logprobs)
-    return replace(parsed, echo=_echo(body, logprobs))
+    add_special_tokens = opt_bool(body, "add_special_tokens")
+    return replace(parsed, echo=_echo(body, logprobs), add_special_tokens=add_special_tokens is not False)
 
 
 def _echo(body: Mapping[str, Any], logprobs: int | None) -> bool:
@@ -143,6 +145,9 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequ
         max_tokens = _opt_int(body, "max_tokens", low=1)
     parsed = _parsed(body, served_model, Endpoint.CHAT, prompts=(), messages=chat_messages(body),
                      max_tokens=max_tokens, default_max_tokens=None, num_top_logprobs=_chat_logprobs(body))
+    if opt_bool(body, "add_special_tokens"):
+        raise RequestError("add_special_tokens: the chat template writes the special tokens; leave it out or false",
+                           param="add_special_tokens")
     return replace(parsed, chat_template=chat_template_options(body))
 
 

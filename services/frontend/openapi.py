@@ -114,6 +114,9 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
                            "maxItems": MAX_STOP_TOKEN_IDS, "nullable": True,
                            "description": "vLLM: token ids that end the output (kept in token_ids, not the text)"},
         "min_tokens": {"type": "integer", "enum": [0, None], "nullable": True, "description": "vLLM: only 0 is supported"},
+        "add_special_tokens": {"type": "boolean", "nullable": True,
+                               "description": "vLLM, completions: the tokenizer's special tokens around a text prompt "
+                                              "(default true); chat: only false"},
         "truncate_prompt_tokens": {**integer, "minimum": -1, "maximum": 2**31 - 1, "not": {"enum": [0]},
                                    "nullable": True,
                                    "description": "vLLM: keep only the prompt's last k tokens (-1: the context)"},

@@ -55,7 +55,8 @@ class ServedModel:
             token_ids = self._chat_token_ids(parsed.messages or (), parsed.chat_template)
             return [self._checked(self._truncated(token_ids, parsed.truncate_prompt_tokens), "messages")]
         names = [f"prompt[{i}]" for i in range(len(parsed.prompts))] if parsed.is_batch else ["prompt"]
-        return [self._checked(self._truncated(self._prompt_token_ids(prompt), parsed.truncate_prompt_tokens), name)
+        return [self._checked(self._truncated(self._prompt_token_ids(prompt, parsed.add_special_tokens),
+                                              parsed.truncate_prompt_tokens), name)
                 for prompt, name in zip(parsed.prompts, names)]
 
     def _truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
@@ -69,8 +70,10 @@ class ServedModel:
         """A prompt as text (an echo): as given, or its token ids decoded."""
         return prompt if isinstance(prompt, str) else self.decode(prompt)
 
-    def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
-        return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+    def _prompt_token_ids(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        return list(prompt)
 
     def _checked(self, token_ids: list[int], name: str) -> list[int]:
         check_prompt_token_ids(token_ids, self.vocab_size, name)

@@ -112,6 +112,12 @@ def test_output_options_ferry_would_otherwise_ignore_are_refused(fields, name):
     assert completion(skip_special_tokens=True, include_stop_str_in_output=False, guided_json=None).prompts
 
 
+def test_add_special_tokens_for_completions_only():
+    assert completion().add_special_tokens and not completion(add_special_tokens=False).add_special_tokens
+    assert chat(add_special_tokens=False).prompts == ()
+    rejects(chat, {"add_special_tokens": True}, "add_special_tokens", "chat template", param="add_special_tokens")
+
+
 def test_truncate_prompt_tokens():
     assert completion(truncate_prompt_tokens=5).truncate_prompt_tokens == 5
     assert chat(truncate_prompt_tokens=-1).truncate_prompt_tokens == -1

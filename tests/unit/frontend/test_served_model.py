@@ -35,6 +35,12 @@ def test_a_batch_gives_each_prompt_its_ids_and_names_the_bad_one(model):
         model.prompts_token_ids(parse_completion_request({"prompt": ["the cat", [3, 512]]}, "tiny"))
 
 
+def test_add_special_tokens_false_encodes_the_text_alone(model):
+    (without,) = model.prompts_token_ids(parse_completion_request({"prompt": "the cat", "add_special_tokens": False},
+                                                                  "tiny"))
+    assert without == model.tokenizer.encode("the cat", add_special_tokens=False)
+
+
 def test_truncate_prompt_tokens_keeps_the_last_ones(model):
     def ids(**fields):
         return model.prompts_token_ids(parse_completion_request({"prompt": [3, 4, 5, 6], **fields}, "tiny"))

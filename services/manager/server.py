@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -130,21 +131,15 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         self._scaler = scaler
 
     async def ListInstances(self, request, context) -> manager_pb2.ListInstancesResponse:
-        client = await self._leader_to_forward_to(context)
-        if client is not None:
-            try:
-                return manager_pb2.ListInstancesResponse(instances=await client.list_instances(is_forwarded=True))
-            except Unavailable as exc:
-                log.warning("admin_forward_failed", method="ListInstances", leader=client.address, error=exc.message)
+        if (instances := await self._leader_answer(context, "ListInstances",
+                                                   lambda c: c.list_instances(is_forwarded=True))) is not None:
+            return manager_pb2.ListInstancesResponse(instances=instances)
         return manager_pb2.ListInstancesResponse(instances=[convert.instance_to_proto(v) for v in self._view.instances()])
 
     async def GetClusterStatus(self, request, context) -> manager_pb2.GetClusterStatusResponse:
-        client = await self._leader_to_forward_to(context)
-        if client is not None:
-            try:
-                return await client.get_cluster_status(is_forwarded=True)
-            except Unavailable as exc:
-                log.warning("admin_forward_failed", method="GetClusterStatus", leader=client.address, error=exc.message)
+        if (answer := await self._leader_answer(context, "GetClusterStatus",
+                                                lambda c: c.get_cluster_status(is_forwarded=True))) is not None:
+            return answer
         leader = self._leadership.leader
         return convert.cluster_status_to_proto(
             self._view.totals(), leader_id=leader.manager_id if leader else "", answered_by=self._leadership.me.manager_id,
@@ -191,12 +186,9 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         ListInstances) to see `is_drained` once nothing runs or waits there.
         """
         instance_id = self._registered(request.instance_id)
-        client = await self._leader_to_forward_to(context)
-        if client is not None:
-            try:
-                return await client.drain(instance_id, is_forwarded=True)
-            except Unavailable as exc:
-                log.warning("admin_forward_failed", method="Drain", leader=client.address, error=exc.message)
+        if (answer := await self._leader_answer(context, "Drain",
+                                                lambda c: c.drain(instance_id, is_forwarded=True))) is not None:
+            return answer
         try:
             await self._store.put_drain(instance_id)
         except ETCD_ERRORS as exc:
@@ -210,12 +202,9 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         that still drains is called off; one already stoppable is FAILED_PRECONDITION. An instance
         that drains itself (shutting down: its own etcd record says so) stays DRAINING."""
         instance_id = self._registered(request.instance_id)
-        client = await self._leader_to_forward_to(context)
-        if client is not None:
-            try:
-                return await client.undrain(instance_id, is_forwarded=True)
-            except Unavailable as exc:
-                log.warning("admin_forward_failed", method="Undrain", leader=client.address, error=exc.message)
+        if (answer := await self._leader_answer(context, "Undrain",
+                                                lambda c: c.undrain(instance_id, is_forwarded=True))) is not None:
+            return answer
         try:
             await self._scaler.call_off(instance_id)
             await self._store.delete_drain(instance_id)
@@ -225,6 +214,18 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         self._view.unmark_drained(instance_id)
         log.info("instance_drain_removed", instance_id=instance_id)
         return self._drain_answer(instance_id)
+
+    async def _leader_answer(self, context, method: str, call: Callable[[ManagerClient], Awaitable[Any]]) -> Any:
+        """On a standby, the leader's answer to `call`; None to answer here (we lead, or the leader
+        did not answer in time: then the caller answers from this manager's own view)."""
+        client = await self._leader_to_forward_to(context)
+        if client is None:
+            return None
+        try:
+            return await call(client)
+        except Unavailable as exc:
+            log.warning("admin_forward_failed", method=method, leader=client.address, error=exc.message)
+            return None
 
     def _registered(self, instance_id: str) -> InstanceId:
         if not instance_id:
@@ -257,12 +258,9 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
 
     async def ListMigrations(self, request: manager_pb2.ListMigrationsRequest,
                              context) -> manager_pb2.ListMigrationsResponse:
-        client = await self._leader_to_forward_to(context)
-        if client is not None:
-            try:
-                return await client.list_migrations(request.instance_id, request.request_id, is_forwarded=True)
-            except Unavailable as exc:
-                log.warning("admin_forward_failed", method="ListMigrations", leader=client.address, error=exc.message)
+        if (answer := await self._leader_answer(context, "ListMigrations", lambda c: c.list_migrations(
+                request.instance_id, request.request_id, is_forwarded=True))) is not None:
+            return answer
         records = await self._migration_history()
         return manager_pb2.ListMigrationsResponse(migrations=[r for r in records if _matches(r, request)])
 

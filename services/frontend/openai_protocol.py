@@ -74,7 +74,7 @@ class ParsedRequest:
     priority: int = 0  # ferry extension: higher runs first when the cache is short
     num_top_logprobs: int | None = None  # None = no logprobs; n = chosen token + top n
     n: int = 1  # choices per prompt: n requests of it (seeds seed, seed + 1, ... when one is given)
-    chat_template: ChatTemplateOptions | None = None  # chat: how the messages are rendered
+    chat_template: ChatTemplateOptions = ChatTemplateOptions()  # chat: how the messages are rendered
     truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last k tokens (-1: the context)
     add_special_tokens: bool = True  # vLLM's, completions: the tokenizer's BOS etc. around a text prompt
     echo: bool = False  # completions: each choice's text starts with its prompt
@@ -188,12 +188,16 @@ def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_
 
 def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int, name: str = "prompt") -> None:
     """`name`: the field the tokens came from ("prompt", "prompt[2]" in a batch, "messages")."""
-    param = name.partition("[")[0]
     if not token_ids:
-        raise RequestError(f"{name}: the prompt is empty; send at least one token", param=param)
+        raise RequestError(f"{name}: the prompt is empty; send at least one token", param=name.partition("[")[0])
+    check_in_vocabulary(token_ids, vocab_size, name)
+
+
+def check_in_vocabulary(token_ids: Sequence[int], vocab_size: int, name: str) -> None:
     bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise RequestError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
+        raise RequestError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})",
+                           param=name.partition("[")[0])
 
 
 def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, prompts, messages,

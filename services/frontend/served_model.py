@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import jinja2
 
 from services.frontend.openai_protocol import (ChatTemplateOptions, Endpoint, ParsedRequest, Prompt, RequestError,
-                                               check_prompt_token_ids)
+                                               check_in_vocabulary, check_prompt_token_ids)
 from services.frontend.tokenize_protocol import TokenizeRequest
 from services.instance.engine.tokenizer import Tokenizer  # tokenizers + jinja2, no torch
 
@@ -83,14 +83,11 @@ class ServedModel:
         """`/tokenize`: the prompt's ids (with or without special tokens), or the chat template's."""
         if request.messages is not None:
             return self._chat_token_ids(request.messages, request.chat_template)
-        return list(self.tokenizer.encode(request.text or "", add_special_tokens=request.add_special_tokens))
+        return self._prompt_token_ids(request.text or "", request.add_special_tokens)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """`/detokenize`: the text of any ids in the vocabulary, special tokens included."""
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"tokens: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                               param="tokens")
+        check_in_vocabulary(token_ids, self.vocab_size, "tokens")
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -99,9 +96,7 @@ class ServedModel:
     def token_text(self, token_id: int) -> str:
         return _token_text(self.tokenizer, token_id)
 
-    def _chat_token_ids(self, messages: Sequence[dict[str, Any]],
-                        options: ChatTemplateOptions | None = None) -> list[int]:
-        options = options or ChatTemplateOptions()
+    def _chat_token_ids(self, messages: Sequence[dict[str, Any]], options: ChatTemplateOptions) -> list[int]:
         try:
             return list(self.tokenizer.encode_chat(list(messages), options.add_generation_prompt,
                                                    **dict(options.kwargs)))

@@ -25,7 +25,7 @@ class TokenizeRequest:
     text: str | None  # the prompt, or None for messages
     messages: tuple[dict[str, Any], ...] | None  # rendered through the chat template
     add_special_tokens: bool = True  # prompt only (a chat template writes its own)
-    chat_template: ChatTemplateOptions | None = None  # messages only
+    chat_template: ChatTemplateOptions = ChatTemplateOptions()  # messages only
 
 
 def parse_tokenize_request(body: Mapping[str, Any], served_model: str) -> TokenizeRequest:

@@ -73,6 +73,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--staging-buffers", type=int, default=4,
                         help="the services' --staging-buffers (gloo keeps all but one chunk of them in flight)")
     parser.add_argument("--gloo-connections", type=int, default=4, help="the services' --gloo-connections")
+    parser.add_argument("--grpc-piece-kib", type=int, default=DEFAULT_PIECE_BYTES >> 10,
+                        help="the services' --grpc-piece-kib (data bytes per grpc message; the bare grpc reference "
+                             "sends messages of this size too)")
     parser.add_argument("--in-place-min-kib", type=int, default=256,
                         help="the services' --in-place-min-kib (gloo moves consecutive blocks in place when a row "
                              "of them is this long; 0 = never)")
@@ -151,7 +154,8 @@ def _service(name: str, flags: list[str], log_dir: pathlib.Path) -> ServiceProce
 
 def service_flags(args: argparse.Namespace) -> list[str]:
     return ["--staging-kib", str(args.staging_kib), "--staging-buffers", str(args.staging_buffers),
-            "--gloo-connections", str(args.gloo_connections), "--in-place-min-kib", str(args.in_place_min_kib)]
+            "--gloo-connections", str(args.gloo_connections), "--in-place-min-kib", str(args.in_place_min_kib),
+            "--grpc-piece-kib", str(args.grpc_piece_kib)]
 
 
 # -- references: raw TCP between two processes, and memcpy ------------------------------
@@ -339,7 +343,7 @@ async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[f
     tcp, memcpy = TcpReference(sizes[-1] * MB), MemcpyReference(sizes[-1] * MB)
     gloo = (GlooReference(sizes[-1] * MB, args.staging_kib * 1024, args.gloo_connections, args.staging_buffers - 1)
             if TransferBackend.GLOO in backends else None)
-    grpc_piece_bytes = min(DEFAULT_PIECE_BYTES, args.staging_kib * 1024)  # the services' grpc chunk size
+    grpc_piece_bytes = min(args.grpc_piece_kib, args.staging_kib) * 1024  # the services' grpc chunk size
     bare_grpc = GrpcReference(sizes[-1] * MB, grpc_piece_bytes) if TransferBackend.GRPC in backends else None
     speeds: dict[str, list[float]] = {}
     try:

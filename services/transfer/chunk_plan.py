@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import torch
 
 from services.common.errors import InvalidArgument
 from services.instance.engine.kv_cache import KvGeometry
@@ -167,8 +166,7 @@ def paired_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> Iterator[Span
 
 def layout(geometry: KvGeometry) -> tuple[int, int, int]:
     """(rows per block, elements per row, bytes per element) of a KV geometry."""
-    itemsize = torch.empty((), dtype=geometry.dtype).element_size()
-    return geometry.num_layers * 2, geometry.block_size * geometry.num_kv_heads * geometry.head_dim, itemsize
+    return geometry.num_layers * 2, geometry.block_size * geometry.num_kv_heads * geometry.head_dim, geometry.dtype.itemsize
 
 
 def check_compatible(src: KvGeometry, dst: KvGeometry) -> None:

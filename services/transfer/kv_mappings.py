@@ -24,6 +24,7 @@ class KvMappings:
     def __init__(self, transfer_id: str) -> None:
         self._transfer_id = transfer_id
         self._caches: dict[InstanceId, KvCache] = {}
+        self._rows: dict[InstanceId, torch.Tensor] = {}  # each cache as rows, viewed once (a view costs µs per transfer)
         self._prefaults: dict[InstanceId, threading.Thread] = {}  # one short-lived thread per map
 
     def map(self, instance_id: InstanceId, shm_name: str, geometry: KvGeometry) -> KvCache:
@@ -36,6 +37,7 @@ class KvMappings:
         self._prefaults[instance_id] = thread
         previous = self._caches.get(instance_id)
         self._caches[instance_id] = cache
+        self._rows[instance_id] = kv_rows(cache.tensor)
         if previous is not None:
             previous.close()  # transfers in flight keep their own views alive
         log.info("instance_mapped", instance_id=instance_id, shm_name=shm_name, num_blocks=geometry.num_blocks,
@@ -51,6 +53,7 @@ class KvMappings:
     def unmap(self, instance_id: InstanceId) -> bool:
         self._prefaults.pop(instance_id, None)
         cache = self._caches.pop(instance_id, None)
+        self._rows.pop(instance_id, None)
         if cache is None:
             return False
         cache.close()
@@ -67,7 +70,7 @@ class KvMappings:
     def rows(self, instance_id: InstanceId) -> tuple[torch.Tensor, KvGeometry]:
         """The instance's KV as `[layers * 2, blocks, row_elems]`, and its geometry."""
         cache = self.get(instance_id)
-        return kv_rows(cache.tensor), cache.geometry
+        return self._rows[instance_id], cache.geometry
 
     def instance_ids(self) -> list[InstanceId]:
         return sorted(self._caches)

@@ -62,8 +62,7 @@ class KvGeometry:
     @property
     def bytes_per_block(self) -> int:
         """Bytes of one block across all layers, K and V (not contiguous in the layout)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def num_bytes(self) -> int:
@@ -141,6 +140,6 @@ class KvCache:
 
 
 def _map(name: str, geometry: KvGeometry) -> torch.Tensor:
-    numel = geometry.num_bytes // torch.empty((), dtype=geometry.dtype).element_size()
+    numel = geometry.num_bytes // geometry.dtype.itemsize
     flat = torch.from_file(os.fspath(SHM_DIR / name), shared=True, size=numel, dtype=geometry.dtype)
     return flat.view(geometry.shape)

@@ -29,6 +29,8 @@ def sampling_to_proto(sampling: Sampling) -> common_pb2.SamplingParams:
         repetition_penalty=sampling.repetition_penalty, min_p=sampling.min_p, cache_salt=sampling.cache_salt)
     if sampling.seed is not None:
         msg.seed = sampling.seed
+    if sampling.num_prompt_logprobs is not None:
+        msg.prompt_logprobs = sampling.num_prompt_logprobs
     return msg
 
 
@@ -45,6 +47,7 @@ def chunk_from_proto(msg: instance_pb2.GenerateChunk) -> TokenChunk:
         finish_reason=_FINISH_REASON_FROM_PROTO.get(msg.finish_reason), epoch=msg.epoch,
         logprobs=tuple(_logprob_from_proto(entry) for entry in msg.logprobs),
         num_prompt_tokens=msg.num_prompt_tokens,
+        prompt_logprobs=tuple(_logprob_from_proto(entry) for entry in msg.prompt_logprobs),
         handoff=_handoff_from_proto(msg.handoff) if msg.HasField("handoff") else None)
 
 

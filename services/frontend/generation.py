@@ -36,6 +36,7 @@ class Sampling:
     repetition_penalty: float = 1.0  # (0, 2]
     min_p: float = 0.0  # [0, 1]
     cache_salt: str = ""  # prefix caching: only requests with the same salt share cached blocks
+    num_prompt_logprobs: int | None = None  # completions echo + logprobs: each prompt token's, plus the top n
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,7 @@ class TokenChunk:
     epoch: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
     num_prompt_tokens: int = 0  # set on the first chunk
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with num_prompt_logprobs, on token 0's: prompt tokens 1..
     handoff: Handoff | None = None  # set on the last chunk of a stream whose request moved away
 
 

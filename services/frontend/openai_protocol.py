@@ -77,7 +77,8 @@ class ParsedRequest:
     chat_template: ChatTemplateOptions = ChatTemplateOptions()  # chat: how the messages are rendered
     truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last k tokens (-1: the context)
     add_special_tokens: bool = True  # vLLM's, completions: the tokenizer's BOS etc. around a text prompt
-    echo: bool = False  # completions: each choice's text starts with its prompt
+    echo: bool = False  # completions: each choice's text starts with its prompt (with logprobs: and its logprobs)
+    echo_only: bool = False  # completions echo with max_tokens 0: the prompt alone (one token runs, unseen)
 
     @property
     def num_prompts(self) -> int:
@@ -123,19 +124,23 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 def parse_completion_request(body: Mapping[str, Any], served_model: str) -> ParsedRequest:
     _reject_unsupported(body, Endpoint.COMPLETIONS)
     logprobs = _opt_int(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
-    parsed = _parsed(body, served_model, Endpoint.COMPLETIONS, prompts=_prompts(body), messages=None,
-                     max_tokens=_opt_int(body, "max_tokens", low=1), default_max_tokens=16,
-                     num_top_logprobs=logprobs)
-    add_special_tokens = opt_bool(body, "add_special_tokens")
-    return replace(parsed, echo=_echo(body, logprobs), add_special_tokens=add_special_tokens is not False)
-
-
-def _echo(body: Mapping[str, Any], logprobs: int | None) -> bool:
     echo = opt_bool(body, "echo") or False
-    if echo and logprobs is not None:
-        raise RequestError("echo: with logprobs it needs the prompt's logprobs, which ferry does not compute; "
-                           "leave out echo or logprobs", param="echo")
-    return echo
+    max_tokens = _completion_max_tokens(body, echo)
+    parsed = _parsed(body, served_model, Endpoint.COMPLETIONS, prompts=_prompts(body), messages=None,
+                     max_tokens=max(1, max_tokens) if max_tokens is not None else None, default_max_tokens=16,
+                     num_top_logprobs=logprobs)
+    if echo and logprobs is not None:  # the prompt's logprobs come first (the engine computes them in its prefill)
+        parsed = replace(parsed, sampling=replace(parsed.sampling, num_prompt_logprobs=logprobs))
+    add_special_tokens = opt_bool(body, "add_special_tokens")
+    return replace(parsed, echo=echo, echo_only=max_tokens == 0, add_special_tokens=add_special_tokens is not False)
+
+
+def _completion_max_tokens(body: Mapping[str, Any], echo: bool) -> int | None:
+    max_tokens = _opt_int(body, "max_tokens", low=0)
+    if max_tokens == 0 and not echo:
+        raise RequestError("max_tokens: must be at least 1; 0 only with echo=true (the prompt alone, e.g. to score "
+                           "it with logprobs)", param="max_tokens")
+    return max_tokens
 
 
 def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequest:

@@ -7,6 +7,7 @@ into JSON-ready dicts. No sockets here.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,8 +48,11 @@ class ResponseFormatter:
         self._request_id = request_id
         self._created = created
         self._token_text = token_text
-        self._text_offset = 0  # completions logprobs: offset of the next token in the output text
+        self._text_offset = len(echo_text)  # completions logprobs: offset of the next output token in the text
         self._is_chat = parsed.endpoint is Endpoint.CHAT
+        # completions echo with logprobs: the prompt's tokens and logprobs come first (its first token has none)
+        self._echoes_logprobs = parsed.echo and not self._is_chat and parsed.num_top_logprobs is not None
+        self._hides_output = parsed.echo_only  # max_tokens 0: the prompt alone; the one token run is not shown
 
     # ---- whole responses -------------------------------------------------------------
 
@@ -65,37 +69,44 @@ class ResponseFormatter:
         if self._is_chat:
             choice["message"] = {"role": "assistant", "content": state.text}
         else:
-            choice["text"] = self._echo_text + state.text
-        choice["logprobs"] = self._logprobs(state.logprobs)
+            choice["text"] = self._echo_text + ("" if self._hides_output else state.text)
+        output_logprobs = self._logprobs(() if self._hides_output else state.logprobs)
+        if self._echoes_logprobs:
+            output_logprobs = _joined(self._prompt_logprobs(state), output_logprobs)
+        choice["logprobs"] = output_logprobs
         choice["finish_reason"] = finish_reason_name(state.finish_reason)
         if self._parsed.return_token_ids:
-            choice["token_ids"] = list(state.token_ids)
+            choice["token_ids"] = [] if self._hides_output else list(state.token_ids)
             if not self._is_chat:  # as vLLM: each completions choice names its prompt's ids
                 choice["prompt_token_ids"] = list(state.prompt_token_ids)
         return choice
 
     # ---- stream chunks ---------------------------------------------------------------
 
-    def first_chunks(self, prompt_token_ids: Sequence[int]) -> list[dict[str, Any]]:
-        """Chunks sent before any token: the assistant role for chat, the prompt for an echo."""
+    def first_chunks(self, state: ReqState) -> list[dict[str, Any]]:
+        """Chunks sent before the first token's: the assistant role for chat, the prompt for an echo
+        (sent once the first token came, which brings the prompt's logprobs)."""
         if not self._is_chat:
-            return [self._echo_chunk()] if self._echo_text else []
+            return [self._echo_chunk(state)] if self._parsed.echo else []
         choice = {"index": self._index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
         if self._parsed.return_token_ids:
             choice["token_ids"] = []
         chunk = self._chunk_envelope([choice])
         if self._parsed.return_token_ids:
-            chunk["prompt_token_ids"] = list(prompt_token_ids)
+            chunk["prompt_token_ids"] = list(state.prompt_token_ids)
         return [chunk]
 
-    def _echo_chunk(self) -> dict[str, Any]:
-        choice = {"index": self._index, "text": self._echo_text, "logprobs": None, "finish_reason": None}
+    def _echo_chunk(self, state: ReqState) -> dict[str, Any]:
+        logprobs = self._prompt_logprobs(state) if self._echoes_logprobs else None
+        choice = {"index": self._index, "text": self._echo_text, "logprobs": logprobs, "finish_reason": None}
         if self._parsed.return_token_ids:
             choice["token_ids"] = []
         return self._chunk_envelope([choice])
 
     def chunk(self, delta: Delta) -> dict[str, Any]:
+        if self._hides_output:
+            delta = Delta(delta.token_index, (), "", (), delta.finish_reason)
         choice: dict[str, Any] = {"index": self._index}
         if self._is_chat:
             choice["delta"] = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
@@ -117,7 +128,8 @@ class ResponseFormatter:
     def _usage(self, states: Sequence[ReqState]) -> dict[str, int]:
         """Every choice's output; each prompt's tokens once (states[i * n] is prompt i's first choice)."""
         num_prompt_tokens = sum(len(state.prompt_token_ids) for state in states[:: self._parsed.n])
-        return usage(num_prompt_tokens, sum(state.num_output_tokens for state in states))
+        num_output_tokens = 0 if self._hides_output else sum(state.num_output_tokens for state in states)
+        return usage(num_prompt_tokens, num_output_tokens)
 
     def _chunk_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = self._envelope(self._object("chat.completion.chunk", "text_completion"), choices)
@@ -154,10 +166,27 @@ class ResponseFormatter:
         for token in tokens:
             offsets.append(self._text_offset)
             self._text_offset += len(token)
-        n = self._parsed.num_top_logprobs
         return {
             "tokens": tokens,
             "token_logprobs": [entry.logprob for entry in entries],
-            "top_logprobs": [{self._token_text(tid): lp for tid, lp in entry.top[:n]} for entry in entries],
+            "top_logprobs": [self._top_logprobs(entry) for entry in entries],
             "text_offset": offsets,
         }
+
+    def _top_logprobs(self, entry: TokenLogprob) -> dict[str, float]:
+        return {self._token_text(tid): lp for tid, lp in entry.top[: self._parsed.num_top_logprobs]}
+
+    def _prompt_logprobs(self, state: ReqState) -> dict[str, Any]:
+        """The echoed prompt's tokens in completions' logprobs shape; its first token has no logprob (null)."""
+        tokens = [self._token_text(token_id) for token_id in state.prompt_token_ids]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None, *(entry.logprob for entry in state.prompt_logprobs)],
+            "top_logprobs": [None, *(self._top_logprobs(entry) for entry in state.prompt_logprobs)],
+            "text_offset": list(itertools.accumulate((len(token) for token in tokens[:-1]), initial=0)),
+        }
+
+
+def _joined(prompt: dict[str, list], output: dict[str, list] | None) -> dict[str, list]:
+    """Completions logprobs of the echoed prompt followed by the output's."""
+    return {key: values + (output or {}).get(key, []) for key, values in prompt.items()}

@@ -161,8 +161,11 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
                        "description": "text, token ids, or a batch of those: prompt i's n choices are "
                                       f"choices i*n .. i*n+n-1 (at most {MAX_BATCH_CHOICES} choices in all)"},
             "logprobs": {**integer, "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "nullable": True},
+            "max_tokens": {**integer, "minimum": 0, "maximum": max_model_len, "nullable": True,
+                           "description": "0 only with echo: the prompt alone (to score it with logprobs)"},
             "echo": {"type": "boolean", "nullable": True,
-                     "description": "each choice's text starts with its prompt (not with logprobs)"},
+                     "description": "each choice's text starts with its prompt; with logprobs, the prompt's logprobs "
+                                    "come first (its first token's is null)"},
             "best_of": {**integer, "enum": [1], "nullable": True},
         }},
         "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
@@ -178,6 +181,14 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
             "created": integer, "model": {"type": "string"}, "usage": usage,
             "choices": {"type": "array", "items": {"type": "object", "properties": {
                 "index": integer, "text": {"type": "string"}, "finish_reason": {"type": "string", "nullable": True},
+                "logprobs": {"type": "object", "nullable": True,
+                             "description": "with echo, the prompt's tokens first (the first one's logprob is null)",
+                             "properties": {
+                    "tokens": {"type": "array", "items": {"type": "string"}},
+                    "token_logprobs": {"type": "array", "items": {"type": "number", "nullable": True}},
+                    "top_logprobs": {"type": "array", "items": {"type": "object", "nullable": True,
+                                                                 "additionalProperties": {"type": "number"}}},
+                    "text_offset": {"type": "array", "items": integer}}},
                 "token_ids": {"type": "array", "items": integer},
                 "prompt_token_ids": {"type": "array", "items": integer}}}}}},
         "ChatCompletion": {"type": "object", "required": ["id", "object", "choices"], "properties": {

@@ -43,6 +43,7 @@ class ReqState:
         self.token_ids: list[int] = []  # invariant: token_ids[i] is output token i; never shrinks
         self.text = ""  # text of token_ids as streamed to the client
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.. (echo + logprobs), with token 0
         self.finish_reason: FinishReason | None = None
         self.error: FerryError | None = None  # set once; ends the stream
         self.created = int(time.time())
@@ -74,6 +75,8 @@ class ReqState:
             return None
         text = chunk.text if skip == 0 else self._text_of(new_ids)
         delta = Delta(have, tuple(new_ids), text, tuple(chunk.logprobs[skip:]), chunk.finish_reason)
+        if have == 0 and chunk.token_index == 0:
+            self.prompt_logprobs = chunk.prompt_logprobs
         self.token_ids.extend(new_ids)
         self.text += text
         self.logprobs.extend(delta.logprobs)

@@ -230,7 +230,7 @@ class FrontendServer:
         await response.prepare(request)
         try:
             for choice, first in zip(choices, firsts):
-                for chunk in choice.formatter.first_chunks(choice.state.prompt_token_ids):
+                for chunk in choice.formatter.first_chunks(choice.state):
                     await response.write(sse(chunk))
                 await response.write(sse(choice.formatter.chunk(first)))
             try:

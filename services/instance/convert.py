@@ -7,6 +7,7 @@ from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, transfer_pb2
 from services.instance.config import InstanceRole
 from services.instance.engine.engine import LoadSnapshot, StepOutput
+from services.instance.engine.logprobs import TokenLogprob
 from services.instance.engine.migration_state import MigrationSelection, RequestState
 from services.instance.engine.prefix_cache import NO_PREFIX_CACHE_STATS, PrefixCacheStats
 from services.instance.engine.request import RequestId, SamplingParams
@@ -34,6 +35,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty or 1.0,
         min_p=msg.min_p,
         cache_salt=msg.cache_salt,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -43,7 +45,8 @@ def sampling_to_proto(sampling: SamplingParams) -> common_pb2.SamplingParams:
         max_tokens=sampling.max_tokens, stop=list(sampling.stop), stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs, presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty, logit_bias=dict(sampling.logit_bias),
-        repetition_penalty=sampling.repetition_penalty, min_p=sampling.min_p, cache_salt=sampling.cache_salt)
+        repetition_penalty=sampling.repetition_penalty, min_p=sampling.min_p, cache_salt=sampling.cache_salt,
+        prompt_logprobs=sampling.prompt_logprobs)
 
 
 def check_request_id(request_id: str) -> str:
@@ -64,11 +67,14 @@ def chunk_to_proto(output: StepOutput, epoch: int) -> instance_pb2.GenerateChunk
         epoch=epoch,
         num_prompt_tokens=output.num_prompt_tokens,
     )
-    for entry in output.logprobs or ():
-        chunk.logprobs.append(instance_pb2.TokenLogprob(
-            token_id=entry.token_id, logprob=entry.logprob,
-            top_token_ids=list(entry.top_token_ids), top_logprobs=list(entry.top_logprobs)))
+    chunk.logprobs.extend(map(_logprob_to_proto, output.logprobs or ()))
+    chunk.prompt_logprobs.extend(map(_logprob_to_proto, output.prompt_logprobs or ()))
     return chunk
+
+
+def _logprob_to_proto(entry: TokenLogprob) -> instance_pb2.TokenLogprob:
+    return instance_pb2.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob,
+                                     top_token_ids=list(entry.top_token_ids), top_logprobs=list(entry.top_logprobs))
 
 
 def handoff_chunk_to_proto(request_id: str, handoff: Handoff, epoch: int) -> instance_pb2.GenerateChunk:

@@ -12,6 +12,7 @@ import aiohttp
 import grpc
 import openai
 import pytest
+import torch
 
 from services.cluster.processes import ServiceProcess
 from services.common.etcd_launcher import free_port
@@ -189,6 +190,30 @@ async def test_echo_returns_each_prompt_before_its_output_whole_and_streamed(cli
     stream = await client.completions.create(prompt="the cat sat", stream=True, **options)
     texts = [chunk.choices[0].text async for chunk in stream if chunk.choices]
     assert texts[0] == "the cat sat" and "".join(texts) == echoed.choices[0].text
+
+
+async def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, tiny_model_dir):
+    """lm-eval's loglikelihood request: the prompt's logprobs (the first token's null), whole and streamed,
+    also when the prompt's blocks are in the prefix cache."""
+    from transformers import LlamaForCausalLM
+    hf = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        reference = hf(torch.tensor([PROMPT_IDS])).logits[0, :-1].float().log_softmax(dim=-1)
+    expected = [reference[i, token_id].item() for i, token_id in enumerate(PROMPT_IDS[1:])]
+    for _ in range(2):  # the second time, the prompt's blocks are cached: its logprobs are computed all the same
+        scored = await client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=0, echo=True, logprobs=1,
+                                                 temperature=0)
+        (choice,) = scored.choices
+        assert choice.text == Tokenizer.from_dir(tiny_model_dir).decode(PROMPT_IDS)
+        assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+        assert len(choice.logprobs.tokens) == len(PROMPT_IDS) and scored.usage.completion_tokens == 0
+    stream = await client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=3, echo=True, logprobs=2,
+                                             temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = [chunk.choices[0] async for chunk in stream if chunk.choices]
+    assert chunks[0].logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    token_logprobs = [lp for chunk in chunks for lp in chunk.logprobs.token_logprobs]
+    assert len(token_logprobs) == len(PROMPT_IDS) + 3 and all(lp <= 0 for lp in token_logprobs[1:])
 
 
 async def test_a_batch_with_one_bad_prompt_is_refused_whole_naming_it(http):

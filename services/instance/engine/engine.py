@@ -23,7 +23,7 @@ import itertools
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -51,7 +51,8 @@ from services.instance.engine.request import (
     SamplingParams,
 )
 from services.instance.engine.reservations import MigrationId, Reservations
-from services.instance.engine.sampler import SampledToken, Sampler, SamplingRow, TokenLogprob
+from services.instance.engine.logprobs import TokenLogprob, token_logprobs
+from services.instance.engine.sampler import SampledToken, Sampler, SamplingRow
 from services.instance.engine.scheduler import Scheduler, SchedulerOutput
 from services.instance.engine.text_output import TextOutput
 from services.instance.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -85,6 +86,8 @@ class StepOutput:
     finish_reason: FinishReason | None  # None while the request runs
     logprobs: tuple[TokenLogprob, ...] | None  # one per new token, if the request asked for them
     num_prompt_tokens: int
+    # With sampling.prompt_logprobs, on the output of token 0: entry i is prompt token i + 1's.
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,23 +332,49 @@ class LLMEngine:
     def _postprocess(self, scheduled: SchedulerOutput, logits: torch.Tensor | None) -> list[StepOutput]:
         outputs = [self._output(request, request.num_output_tokens, None, request.finish_reason)
                    for request in scheduled.finished]  # too long for the whole cache
-        rows = [i for i, s in enumerate(scheduled.scheduled) if s.is_sampled]
-        if not rows or logits is None:
+        if logits is None or scheduled.batch is None:
             return outputs
-        requests = [scheduled.scheduled[i].request for i in rows]
+        last_rows = self._record_prompt_logprobs(scheduled, logits)
+        sampled = [(s.request, row) for s, row in zip(scheduled.scheduled, last_rows) if s.is_sampled]
+        if not sampled:
+            return outputs
         sampling_rows = [SamplingRow(r.sampling, r.seed, r.num_output_tokens, r.output_token_ids, r.prompt_token_ids)
-                         for r in requests]
-        for request, token in zip(requests, self.sampler(logits[rows], sampling_rows)):
+                         for r, _row in sampled]
+        tokens = self.sampler(logits[[row for _r, row in sampled]], sampling_rows)
+        for (request, _row), token in zip(sampled, tokens):
             outputs.append(self._append_token(request, token))
         return outputs
 
+    def _record_prompt_logprobs(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[int]:
+        """Add the prompt logprobs this step's prefill chunks computed to their requests (positions a
+        preemption's recompute ran again are skipped); returns each scheduled request's last logits row."""
+        last_rows = []
+        row = 0
+        for s, num_logits in zip(scheduled.scheduled, scheduled.batch.num_logits):
+            row += num_logits
+            last_rows.append(row - 1)
+            request = s.request
+            if num_logits == 1 or not request.wants_prompt_logits:
+                continue
+            stop = request.num_computed_tokens  # the chunk is positions [start, stop): row of position p predicts p + 1
+            start = stop - s.num_new_tokens
+            first = len(request.prompt_logprobs) + 1  # the next prompt token without its logprob
+            targets = range(first, min(stop, request.num_prompt_tokens - 1) + 1) if first > start else range(0)
+            rows = [row - num_logits + target - 1 - start for target in targets]
+            request.prompt_logprobs += token_logprobs(
+                logits[rows], torch.tensor([request.prompt_token_ids[t] for t in targets], dtype=torch.int64),
+                [request.sampling.prompt_logprobs or 0] * len(rows))
+        return last_rows
+
     def _append_token(self, request: Request, token: SampledToken) -> StepOutput:
         token_index = request.num_output_tokens
+        prompt_logprobs = tuple(request.prompt_logprobs) if request.wants_prompt_logits else None
+        request.prompt_logprobs = []  # sent now: never again
         request.output_token_ids.append(token.token_id)
         reason = self._stop_reason(request, token.token_id)
         if reason is not None:
             self.scheduler.remove(request, reason)
-        return self._output(request, token_index, token, reason)
+        return replace(self._output(request, token_index, token, reason), prompt_logprobs=prompt_logprobs)
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         sampling = request.sampling

@@ -26,10 +26,24 @@ class ForwardBatch:
     query_lens: list[int]  # per sequence: how many new tokens it has in input_ids (sum = num_tokens)
     context_lens: torch.Tensor  # [num_seqs] int64, tokens in cache after this step (cached + new)
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0 past each sequence's blocks
+    # Per sequence: how many of its last new tokens need logits (default: 1, its last token; a prefill
+    # that reports prompt logprobs asks for all of its tokens).
+    logit_lens: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    @property
+    def num_logits(self) -> list[int]:
+        return self.logit_lens if self.logit_lens is not None else [1] * self.num_seqs
+
+    def logit_indices(self) -> torch.Tensor:
+        """Indexes into the packed tokens of the tokens whose logits the model returns, in order."""
+        ends = torch.cumsum(torch.tensor(self.query_lens, dtype=torch.int64), 0)
+        if self.logit_lens is None:
+            return ends - 1
+        return torch.cat([torch.arange(end - n, end) for end, n in zip(ends.tolist(), self.logit_lens)])
 
     @property
     def is_decode_only(self) -> bool:
@@ -42,5 +56,6 @@ class ForwardModel(Protocol):
     config: ModelConfig
 
     def __call__(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        """float32 logits [num_seqs, vocab] of each sequence's last new token; writes the new K/V to kv_cache."""
+        """float32 logits [sum(batch.num_logits), vocab]: each sequence's last `num_logits` new tokens' (one row a
+        sequence by default: its last token's), sequences in order; writes the new K/V to kv_cache."""
         ...

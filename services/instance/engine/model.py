@@ -5,7 +5,8 @@ sequence go through all layers at once and the logits of each sequence's last
 new token come back. Per forward, the attention plan (block gathers, masks) and
 the RoPE cos/sin are computed once and shared by all layers; per layer the work
 is a handful of big ops (fused q/k/v and gate/up projections). The LM head only
-runs on the last token of each sequence.
+runs on the last token of each sequence (and on every token of a prefill chunk whose
+request asked for prompt logprobs: `ForwardBatch.logit_lens`).
 
 The KV cache is any tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads,
 head_dim]`; `allocate_kv_cache` makes a plain one (the runtime may hand in one
@@ -179,14 +180,14 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        """float32 logits [num_seqs, vocab] of each sequence's last new token; writes the new K/V to kv_cache."""
+        """float32 logits of the tokens `batch.logit_indices()` names (each sequence's last new token by default);
+        writes the new K/V to kv_cache."""
         plan = AttentionPlan.build(batch, CacheGeometry.of(kv_cache))
         rope = self.rotary(batch.positions)
         h = self.embed_tokens(batch.input_ids)
         for layer, kv_layer in zip(self.layers, kv_cache, strict=True):
             h = layer(h, rope, kv_layer, plan)
-        last = torch.cumsum(torch.tensor(batch.query_lens, dtype=torch.int64), 0) - 1
-        h = self.norm(h[last])
+        h = self.norm(h[batch.logit_indices()])
         logits = F.linear(h, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
         return logits.float()
 

@@ -15,6 +15,7 @@ from typing import NewType
 from services.common.errors import InvalidArgument
 from services.common.prefix_hash import MAX_CACHE_SALT_CHARS, BlockHash, next_block_hash
 from services.instance.engine.block_manager import BlockId
+from services.instance.engine.logprobs import TokenLogprob
 from services.instance.engine.text_output import TextOutput
 
 RequestId = NewType("RequestId", str)
@@ -56,6 +57,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages every prompt and output token: logit / p if > 0, else * p
     min_p: float = 0.0  # sampling: drop tokens with probability below min_p times the top token's
     cache_salt: str = ""  # prefix caching, not sampling: only requests with the same salt share cached blocks
+    prompt_logprobs: int | None = None  # None = off; n = each prompt token's logprob plus the top n (see Request)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -85,6 +87,8 @@ class SamplingParams:
             raise InvalidArgument(f"top_k: must be >= 0 (0 = off), got {self.top_k}")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgument(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}] or unset, got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise InvalidArgument(f"seed: must be in [0, 2**64 - 1], got {self.seed}")
         if any(not s for s in self.stop):
@@ -127,6 +131,9 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
     num_registered_blocks: int = 0  # leading blocks of block_table the prefix cache knows (or was asked to)
+    # sampling.prompt_logprobs: entry i is prompt token i + 1's, filled as prefill chunks run and
+    # sent with output token 0. A preemption's recompute does not redo what is here.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     _block_hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks, grown lazily
 
     @property
@@ -144,6 +151,13 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Its prefill must produce logits for every prompt position (and so cannot start from cached blocks):
+        prompt logprobs were asked for and not sent yet. They go out with output token 0, so a request that has
+        output tokens (generated here, resumed, or migrated in) never wants them."""
+        return self.sampling.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.instance.engine.logprobs import TokenLogprob, token_logprobs
 from services.instance.engine.request import SamplingParams
 
 _MASK64 = 2**64 - 1
@@ -40,14 +41,6 @@ class SamplingRow:
     token_index: int  # output index of the token being sampled
     output_token_ids: Sequence[int] = ()  # the output so far (for penalties)
     prompt_token_ids: Sequence[int] = ()  # for the repetition penalty
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    token_id: int  # the chosen token
-    logprob: float
-    top_token_ids: tuple[int, ...]  # the n most likely tokens, most likely first
-    top_logprobs: tuple[float, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,14 +138,7 @@ def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[Samp
     result: list[TokenLogprob | None] = [None] * len(rows)
     if not wanted:
         return result
-    logprobs = logits[wanted].log_softmax(dim=-1)
-    chosen = logprobs.gather(1, token_ids[wanted].unsqueeze(1)).squeeze(1).tolist()
-    num_top = max(rows[i].params.logprobs for i in wanted)
-    top_values, top_ids = logprobs.topk(min(num_top, logits.shape[1]), dim=-1)
-    for j, i in enumerate(wanted):
-        n = rows[i].params.logprobs
-        result[i] = TokenLogprob(
-            token_id=int(token_ids[i]), logprob=chosen[j],
-            top_token_ids=tuple(top_ids[j, :n].tolist()), top_logprobs=tuple(top_values[j, :n].tolist()),
-        )
+    entries = token_logprobs(logits[wanted], token_ids[wanted], [rows[i].params.logprobs for i in wanted])
+    for i, entry in zip(wanted, entries):
+        result[i] = entry
     return result

@@ -17,7 +17,8 @@ Every step, in this order:
 3. If nothing was preempted, waiting requests are admitted in priority order while
    batch slots (`max_num_seqs`), budget and free blocks allow. The head of the
    queue blocks the rest (strict priority). With prefix caching, an admitted request
-   starts from the cached blocks of its prefix and computes only the rest.
+   starts from the cached blocks of its prefix and computes only the rest (unless it
+   asked for prompt logprobs: those need every prompt position's logits).
 
 Scheduled tokens count as computed as soon as they are scheduled: the step that
 `schedule()` returns must run.
@@ -49,7 +50,7 @@ class ScheduledRequest:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]  # row i of the model's logits belongs to scheduled[i]
+    scheduled: list[ScheduledRequest]  # in batch order: the model's logits rows go scheduled[0]'s first
     batch: ForwardBatch | None  # None when nothing runs this step
     preempted: list[Request] = field(default_factory=list)  # moved back to waiting this step
     finished: list[Request] = field(default_factory=list)  # finished here: longer than the whole cache
@@ -189,7 +190,7 @@ class Scheduler:
     def _admit_waiting(self, step: _StepPlan) -> None:
         while self.waiting and step.budget > 0 and self.num_busy_slots < self.max_num_seqs:
             request = self.waiting[0]
-            cached = self.block_manager.cached_prefix(request)
+            cached = [] if request.wants_prompt_logits else self.block_manager.cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached_tokens, step.budget)
             if not self.block_manager.can_allocate(self.block_manager.num_blocks_to_admit(cached, num_cached_tokens
@@ -252,4 +253,6 @@ def build_forward_batch(scheduled: list[ScheduledRequest], block_size: int, devi
         query_lens=[s.num_new_tokens for s in scheduled],
         context_lens=tensor([s.request.num_computed_tokens for s in scheduled]),
         block_tables=tensor(block_tables),
+        logit_lens=([s.num_new_tokens if s.request.wants_prompt_logits else 1 for s in scheduled]
+                    if any(s.request.wants_prompt_logits for s in scheduled) else None),
     )

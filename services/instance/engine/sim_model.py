@@ -75,23 +75,34 @@ class SimModel:
         started = time.perf_counter()
         marks = kv_cache[0, 0].view(-1, kv_cache.shape[-2], kv_cache.shape[-1])[:, 0]  # [slots, head_dim]
         _write_ids(marks, batch.slot_mapping, batch.input_ids)
-        next_ids = self._next_ids(marks, batch, block_size=kv_cache.shape[3])
-        logits = torch.zeros(batch.num_seqs, self.config.vocab_size)
-        logits[torch.arange(batch.num_seqs), next_ids] = PEAK_LOGIT
+        rows, context_lens = _logit_contexts(batch)
+        next_ids = self._next_ids(marks, batch.block_tables[rows], context_lens, block_size=kv_cache.shape[3])
+        logits = torch.zeros(len(rows), self.config.vocab_size)
+        logits[torch.arange(len(rows)), next_ids] = PEAK_LOGIT
         self._sleep(max(0.0, self.latency.step_s(batch) - (time.perf_counter() - started)))
         return logits
 
-    def _next_ids(self, marks: torch.Tensor, batch: ForwardBatch, block_size: int) -> torch.Tensor:
-        """Per sequence: hash of (position, id) over everything in its cache, as a token id."""
-        max_len = int(batch.context_lens.max())
-        positions = torch.arange(max_len)
-        blocks = batch.block_tables.gather(1, (positions // block_size).expand(batch.num_seqs, -1)
-                                           .clamp(max=batch.block_tables.shape[1] - 1))
+    def _next_ids(self, marks: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                  block_size: int) -> torch.Tensor:
+        """Per row: hash of (position, id) over the first `context_lens` tokens in its blocks, as a token id."""
+        positions = torch.arange(int(context_lens.max()))
+        blocks = block_tables.gather(1, (positions // block_size).expand(len(block_tables), -1)
+                                     .clamp(max=block_tables.shape[1] - 1))
         slots = blocks * block_size + positions % block_size
         ids = _read_ids(marks, slots)
-        ids = ids.masked_fill(positions >= batch.context_lens[:, None], 0)
-        digest = (ids * _position_weights(positions)).sum(dim=1) + batch.context_lens
+        ids = ids.masked_fill(positions >= context_lens[:, None], 0)
+        digest = (ids * _position_weights(positions)).sum(dim=1) + context_lens
         return _mix(digest) % self.config.vocab_size
+
+
+def _logit_contexts(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each logits row (`batch.logit_indices()` order): its sequence, and the context length whose next
+    token it predicts (the sequence's full context for its last row, one less per row before)."""
+    num_logits = torch.tensor(batch.num_logits, dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(batch.num_seqs), num_logits)
+    ends = torch.cumsum(num_logits, 0)
+    rows_after = ends[rows] - 1 - torch.arange(len(rows))  # 0 for a sequence's last row
+    return rows, batch.context_lens[rows] - rows_after
 
 
 def _position_weights(positions: torch.Tensor) -> torch.Tensor:

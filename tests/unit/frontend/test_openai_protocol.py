@@ -134,6 +134,19 @@ def test_echo_is_a_completions_option():
     assert completion(echo=True).echo and not completion().echo and not completion(echo=False, logprobs=2).echo
 
 
+def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
+    assert completion(echo=True, logprobs=3).sampling.num_prompt_logprobs == 3
+    assert completion(echo=True, logprobs=0).sampling.num_prompt_logprobs == 0
+    assert completion(echo=True).sampling.num_prompt_logprobs is None
+    assert completion(logprobs=3).sampling.num_prompt_logprobs is None  # no echo: the prompt is not in the answer
+
+
+def test_echo_with_max_tokens_zero_is_the_prompt_alone():
+    parsed = completion(echo=True, logprobs=1, max_tokens=0)
+    assert parsed.echo_only and parsed.sampling.max_tokens == 1  # one token runs; the answer leaves it out
+    assert not completion(echo=True, max_tokens=1).echo_only and not completion(echo=True).echo_only
+
+
 def test_chat_is_one_prompt():
     parsed = chat(n=3)
     assert (parsed.prompts, parsed.num_prompts, parsed.num_choices, parsed.is_batch) == ((), 1, 3, False)
@@ -172,8 +185,9 @@ def test_missing_prompt():
 @pytest.mark.parametrize("fields, words, param", [
     ({"n": 17}, ["n", "between 1 and 16"], "n"),
     ({"n": 0}, ["n", "between 1 and 16", "got 0"], "n"),
-    ({"max_tokens": 0}, ["max_tokens", ">= 1", "got 0"], "max_tokens"),
-    ({"max_tokens": -3}, ["max_tokens", ">= 1"], "max_tokens"),
+    ({"max_tokens": 0}, ["max_tokens", "at least 1", "0 only with echo"], "max_tokens"),
+    ({"max_tokens": 0, "echo": False}, ["max_tokens", "0 only with echo"], "max_tokens"),
+    ({"max_tokens": -3}, ["max_tokens", ">= 0"], "max_tokens"),
     ({"max_tokens": "10"}, ["max_tokens", "expected an integer", "a string"], "max_tokens"),
     ({"max_tokens": 1.5}, ["max_tokens", "expected an integer"], "max_tokens"),
     ({"max_tokens": True}, ["max_tokens", "expected an integer", "boolean"], "max_tokens"),
@@ -197,7 +211,6 @@ def test_missing_prompt():
     ({"return_token_ids": "yes"}, ["return_token_ids", "true or false"], "return_token_ids"),
     ({"ignore_eos": 1}, ["ignore_eos", "true or false"], "ignore_eos"),
     ({"priority": "high"}, ["priority", "expected an integer"], "priority"),
-    ({"echo": True, "logprobs": 1}, ["echo", "prompt's logprobs", "leave out echo or logprobs"], "echo"),
     ({"best_of": 3}, ["best_of"], "best_of"),
     ({"stop_token_ids": [1, -2]}, ["stop_token_ids", "non-negative integers"], "stop_token_ids"),
     ({"stop_token_ids": 5}, ["stop_token_ids", "number 5"], "stop_token_ids"),

@@ -52,9 +52,57 @@ def test_echo_puts_the_prompt_before_the_text_whole_and_streamed():
     parsed = parse_completion_request({"prompt": "say", "echo": True, "return_token_ids": True}, MODEL)
     f = ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text, 0, echo_text="say")
     assert f.choice(finished_state())["text"] == "sayhi"
-    (first,) = f.first_chunks((1, 2))
+    (first,) = f.first_chunks(make_state(prompt=(1, 2)))
     assert first["choices"] == [{"index": 0, "text": "say", "logprobs": None, "finish_reason": None, "token_ids": []}]
-    assert formatter().first_chunks((1, 2)) == []  # no echo: nothing before the tokens
+    assert formatter().first_chunks(make_state(prompt=(1, 2))) == []  # no echo: nothing before the tokens
+
+
+PROMPT_LOGPROBS = (TokenLogprob(2, -3.0, ((0, -0.1), (2, -3.0))), TokenLogprob(3, -0.5, ((3, -0.5), (1, -1.0))))
+
+
+def echoed_state(logprobs=True):
+    """Prompt "abcd"-ish (ids 0, 2, 3), output "hi" (7, 8); the prompt logprobs came with token 0."""
+    state = make_state(prompt=(0, 2, 3))
+    lps = (TokenLogprob(7, -0.5, ((7, -0.5),)), TokenLogprob(8, -0.25, ((8, -0.25),)))
+    state.accept(TokenChunk(0, (7, 8), "hi", FinishReason.LENGTH, logprobs=lps if logprobs else (),
+                            prompt_logprobs=PROMPT_LOGPROBS if logprobs else ()))
+    return state
+
+
+def test_echo_with_logprobs_scores_the_prompt_then_the_output():
+    parsed = parse_completion_request({"prompt": [0, 2, 3], "echo": True, "logprobs": 1}, MODEL)
+    f = ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text, 0, echo_text="acd")
+    choice = f.choice(echoed_state())
+    assert choice["text"] == "acdhi"
+    assert choice["logprobs"] == {
+        "tokens": ["a", "c", "d", "h", "i"],
+        "token_logprobs": [None, -3.0, -0.5, -0.5, -0.25],
+        "top_logprobs": [None, {"a": -0.1}, {"d": -0.5}, {"h": -0.5}, {"i": -0.25}],
+        "text_offset": [0, 1, 2, 3, 4],
+    }
+    streamed = ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text, 0, echo_text="acd")
+    state = make_state(prompt=(0, 2, 3))
+    delta = state.accept(TokenChunk(0, (7,), "h", None, logprobs=(TokenLogprob(7, -0.5, ((7, -0.5),)),),
+                                    prompt_logprobs=PROMPT_LOGPROBS))
+    (echo,) = streamed.first_chunks(state)
+    assert echo["choices"][0]["text"] == "acd"
+    assert echo["choices"][0]["logprobs"]["token_logprobs"] == [None, -3.0, -0.5]
+    assert streamed.chunk(delta)["choices"][0]["logprobs"]["text_offset"] == [3]  # after the echoed prompt
+
+
+def test_echo_with_max_tokens_zero_shows_the_prompt_alone():
+    parsed = parse_completion_request({"prompt": [0, 2, 3], "echo": True, "logprobs": 0, "max_tokens": 0,
+                                       "return_token_ids": True}, MODEL)
+    f = ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text, 0, echo_text="acd")
+    body = f.response([echoed_state()], [f.choice(echoed_state())])
+    (choice,) = body["choices"]
+    assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == ("acd", [], "length")
+    assert choice["logprobs"]["token_logprobs"] == [None, -3.0, -0.5]
+    assert choice["logprobs"]["top_logprobs"] == [None, {}, {}]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+    state = make_state(prompt=(0, 2, 3))
+    last = f.chunk(state.accept(TokenChunk(0, (7,), "h", FinishReason.LENGTH)))["choices"][0]
+    assert (last["text"], last["token_ids"], last["finish_reason"]) == ("", [], "length")
 
 
 def test_a_batch_counts_each_prompt_once_and_names_prompt_ids_per_choice():
@@ -94,7 +142,7 @@ def test_chat_logprobs():
 def test_completion_stream_chunks():
     f = formatter(stream=True, return_token_ids=True, stream_options={"include_usage": True})
     state = make_state()
-    assert f.first_chunks(state.prompt_token_ids) == []
+    assert f.first_chunks(state) == []
     delta = state.accept(chunk(0, 7))
     body = f.chunk(delta)
     assert body == {"id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "tiny",
@@ -108,7 +156,7 @@ def test_completion_stream_chunks():
 def test_chat_stream_chunks():
     f = formatter("chat", stream=True, return_token_ids=True)
     state = make_state()
-    (first,) = f.first_chunks(state.prompt_token_ids)
+    (first,) = f.first_chunks(state)
     assert first["object"] == "chat.completion.chunk"
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert first["prompt_token_ids"] == [1, 2, 3] and "usage" not in first

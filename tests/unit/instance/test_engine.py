@@ -6,7 +6,7 @@ import os
 import random
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -359,3 +359,67 @@ def test_logprobs_in_outputs(gqa, make_engine):
         (entry,) = output.logprobs
         assert entry.token_id == output.new_token_ids[0] == entry.top_token_ids[0]
         assert len(entry.top_logprobs) == 2 and entry.logprob <= 0.0
+
+
+# Prompt logprobs (completions echo + logprobs): every prompt token's, equal to transformers'.
+
+def reference_prompt_logprobs(tiny: Tiny, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, vocab]: row i is the log-distribution transformers gives prompt token i + 1."""
+    if tiny.model_dir not in _hf_models:
+        _hf_models[tiny.model_dir] = LlamaForCausalLM.from_pretrained(tiny.model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        logits = _hf_models[tiny.model_dir](torch.tensor([prompt])).logits[0, :-1]
+    return logits.float().log_softmax(dim=-1)
+
+
+def check_prompt_logprobs(tiny: Tiny, prompt: list[int], entries, num_top: int) -> None:
+    reference = reference_prompt_logprobs(tiny, prompt)
+    assert [e.token_id for e in entries] == prompt[1:]
+    for row, (entry, token_id) in enumerate(zip(entries, prompt[1:])):
+        assert entry.logprob == pytest.approx(reference[row, token_id].item(), abs=1e-4)
+        top_values, top_ids = reference[row].topk(num_top)
+        assert list(entry.top_logprobs) == pytest.approx(top_values.tolist(), abs=1e-4)
+        assert len(entry.top_token_ids) == num_top
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_prompt_logprobs_match_transformers(gqa, make_engine, config):
+    """Chunked prefills, preemptions and a busy batch: each request's prompt logprobs come once,
+    with output token 0, and equal transformers' full forward."""
+    engine = make_engine(gqa, **CONFIGS[config])
+    prompts = random_prompts(PROMPT_LENGTHS, seed=7)
+    engine.add_request("warm", prompts[3], GREEDY)  # caches prompt 3's blocks: its prompt logprobs must not use them
+    while engine.has_unfinished():
+        engine.step()
+    sampling = replace(GREEDY, max_tokens=4, prompt_logprobs=3)
+    arrivals: dict[int, list[tuple]] = {0: [], 1: [], 3: []}
+    for i, prompt in enumerate(prompts):
+        arrivals[(0, 1, 3)[i % 3]].append((f"r{i}", prompt, sampling))
+    sent: dict[str, list] = {}
+    for step in range(500):
+        for request_id, prompt, params in arrivals.get(step, []):
+            engine.add_request(request_id, prompt, params)
+        for output in engine.step():
+            assert (output.prompt_logprobs is not None) == (output.token_index == 0 and bool(output.new_token_ids))
+            if output.prompt_logprobs is not None:
+                sent[output.request_id] = list(output.prompt_logprobs)
+        if step > 3 and not engine.has_unfinished():
+            break
+    assert sorted(sent) == sorted(f"r{i}" for i in range(len(prompts)))
+    for i, prompt in enumerate(prompts):
+        check_prompt_logprobs(gqa, prompt, sent[f"r{i}"], num_top=3)
+    assert engine.block_manager.num_free_blocks == engine.config.num_blocks
+
+
+def test_prompt_logprobs_not_for_resumed_requests(gqa, make_engine):
+    """A resumed request's client already has them (they came with token 0): none again."""
+    engine = make_engine(gqa)
+    prompt = random_prompts([9])[0]
+    engine.add_request("r", prompt, replace(GREEDY, prompt_logprobs=0), resume_token_ids=[5, 6])
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs and all(o.prompt_logprobs is None for o in outputs)
+    engine.add_request("one", [7], replace(GREEDY, prompt_logprobs=0))  # a one-token prompt has none to give
+    first = next(o for o in engine.step() if o.request_id == "one")
+    assert first.prompt_logprobs == ()

@@ -133,3 +133,15 @@ def test_sampling_params_reach_the_sim_like_the_model(make_engine):
     biased = make_engine().generate([PROMPT], replace(GREEDY, logit_bias=((banned, -100.0),)))[0]
     assert biased[0] != banned
 
+
+
+def test_prompt_logprobs_peak_where_greedy_would_go(make_engine):
+    """Each prompt position's most likely token is the one greedy decoding of that prefix picks."""
+    engine = make_engine()
+    engine.add_request("r", PROMPT, replace(GREEDY, max_tokens=1, prompt_logprobs=1))
+    (output,) = [o for _ in range(3) for o in engine.step()]
+    entries = output.prompt_logprobs
+    assert [e.token_id for e in entries] == PROMPT[1:]
+    one_token = replace(GREEDY, max_tokens=1)
+    for i, entry in enumerate(entries):
+        assert list(entry.top_token_ids) == make_engine().generate([PROMPT[:i + 1]], one_token)[0]

@@ -1,0 +1,35 @@
+"""Logprobs of given tokens: the chosen token's and the most likely ones, from raw logits.
+
+Both the sampler (each new token) and the prefill (each prompt token, for
+`prompt_logprobs`) report them this way: `log_softmax` of the model's logits, with no
+penalty, bias, temperature or top-k/top-p applied, like vLLM's default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int  # the chosen (or prompt) token
+    logprob: float
+    top_token_ids: tuple[int, ...]  # the n most likely tokens, most likely first
+    top_logprobs: tuple[float, ...]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]) -> list[TokenLogprob]:
+    """Row i: the logprob of `token_ids[i]` under `logits[i]`, and the `num_top[i]` most likely tokens."""
+    if not len(num_top):
+        return []
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    most = max(num_top)
+    top_values, top_ids = logprobs.topk(min(most, logits.shape[1]), dim=-1) if most else (logprobs[:, :0],) * 2
+    ids = token_ids.tolist()
+    return [TokenLogprob(token_id=int(ids[i]), logprob=chosen[i], top_token_ids=tuple(top_ids[i, :n].tolist()),
+                         top_logprobs=tuple(top_values[i, :n].tolist()))
+            for i, n in enumerate(num_top)]

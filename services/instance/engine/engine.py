@@ -60,6 +60,9 @@ from services.instance.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 # Prompt tokens the detokenizer sees before the output, so the first output token
 # decodes as a continuation (leading spaces, characters split across tokens).
 _DETOKENIZER_CONTEXT = 4
+# Vocabulary-wide logits rows of prompt-logprobs prefills in one step (elements; fp32: 128 MiB, twice that
+# with their log_softmax): 682 prompt tokens a step for a 49152-token vocabulary, 256 for 128k.
+PROMPT_LOGITS_BUDGET = 1 << 25
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +132,8 @@ class LLMEngine:
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   device=kv_cache.tensor.device)
+                                   device=kv_cache.tensor.device,
+                                   max_prompt_logit_rows=PROMPT_LOGITS_BUDGET // model.config.vocab_size)
         self.sampler = Sampler()
         self.reservations = Reservations(self.block_manager)  # blocks held for requests migrating in
         self.vocab_size: int = model.config.vocab_size

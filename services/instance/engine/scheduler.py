@@ -20,6 +20,10 @@ Every step, in this order:
    starts from the cached blocks of its prefix and computes only the rest (unless it
    asked for prompt logprobs: those need every prompt position's logits).
 
+A prefill that reports prompt logprobs needs a logits row per token (vocabulary-wide), so
+such prefills share at most `max_prompt_logit_rows` tokens a step; the rest of their
+prompt follows in later steps.
+
 Scheduled tokens count as computed as soon as they are scheduled: the step that
 `schedule()` returns must run.
 
@@ -66,7 +70,7 @@ def _priority_order(request: Request) -> tuple[int, int]:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, max_prompt_logit_rows: int = 512) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(f"--max-num-seqs and --max-num-batched-tokens must be positive, "
                              f"got {max_num_seqs} and {max_num_batched_tokens}")
@@ -74,6 +78,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.device = device or torch.device("cpu")
+        self.max_prompt_logit_rows = max(1, max_prompt_logit_rows)  # prompt-logprobs prefill tokens a step
         # Invariant: both queues stay sorted by _priority_order; running requests hold blocks, waiting ones none.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -130,7 +135,7 @@ class Scheduler:
         return sum(num_blocks_for(r.num_tokens, self.block_manager.block_size) for r in self.waiting)
 
     def schedule(self) -> SchedulerOutput:
-        step = _StepPlan(budget=self.max_num_batched_tokens)
+        step = _StepPlan(budget=self.max_num_batched_tokens, logit_budget=self.max_prompt_logit_rows)
         decodes_first = sorted(self.running, key=lambda r: (r.num_uncomputed_tokens > 1, _priority_order(r)))
         for request in decodes_first:
             if step.budget == 0:
@@ -148,7 +153,9 @@ class Scheduler:
             self.remove(request, FinishReason.LENGTH)  # could never fit, even alone in the cache
             step.finished.append(request)
             return
-        num_new = min(request.num_uncomputed_tokens, step.budget)
+        num_new = min(request.num_uncomputed_tokens, step.budget_for(request))
+        if num_new == 0:
+            return  # a prompt-logprobs prefill waits for the next step's logits rows
         self._make_room(request, request.num_computed_tokens + num_new, step)
         num_new = min(num_new, self._num_tokens_that_fit(request))  # a prefill chunk may shrink
         if num_new == 0:
@@ -192,8 +199,8 @@ class Scheduler:
             request = self.waiting[0]
             cached = [] if request.wants_prompt_logits else self.block_manager.cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
-            num_new = min(request.num_tokens - num_cached_tokens, step.budget)
-            if not self.block_manager.can_allocate(self.block_manager.num_blocks_to_admit(cached, num_cached_tokens
+            num_new = min(request.num_tokens - num_cached_tokens, step.budget_for(request))
+            if num_new == 0 or not self.block_manager.can_allocate(self.block_manager.num_blocks_to_admit(cached, num_cached_tokens
                                                                                           + num_new)):
                 return
             self.waiting.pop(0)
@@ -209,6 +216,7 @@ class _StepPlan:
     """The step being put together."""
 
     budget: int  # tokens still allowed this step
+    logit_budget: int  # of which prompt-logprobs prefills may still take (each of their tokens is a logits row)
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
@@ -219,6 +227,11 @@ class _StepPlan:
         self.scheduled.append(ScheduledRequest(request, num_new_tokens, is_sampled))
         self._scheduled_ids.add(id(request))
         self.budget -= num_new_tokens
+        if request.wants_prompt_logits:
+            self.logit_budget -= num_new_tokens
+
+    def budget_for(self, request: Request) -> int:
+        return min(self.budget, self.logit_budget) if request.wants_prompt_logits else self.budget
 
     def is_scheduled(self, request: Request) -> bool:
         return id(request) in self._scheduled_ids

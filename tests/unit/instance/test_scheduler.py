@@ -225,3 +225,23 @@ def test_many_requests_under_pressure_all_finish_and_free_everything():
     assert not scheduler.has_unfinished()
     assert all(r.num_output_tokens == 6 for r in requests)
     assert scheduler.block_manager.num_free_blocks == 12
+
+
+def test_prompt_logprobs_prefills_share_a_bounded_number_of_logits_rows():
+    """Each of their tokens is a vocabulary-wide logits row: at most max_prompt_logit_rows a step, in order;
+    other requests prefill as usual, and the batch asks the model for their rows alone."""
+    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, max_prompt_logit_rows=10)
+    scored = [make_request(12, name) for name in ("s1", "s2")]
+    for request in scored:
+        request.sampling = SamplingParams(prompt_logprobs=1)
+    plain = make_request(20, "plain")
+    for request in (*scored, plain):
+        scheduler.add(request)
+    first = run_step(scheduler)
+    assert new_tokens(first) == {"s1": 10}  # the head of the queue waits for rows; strict priority holds the rest
+    assert first.batch.logit_lens == [10]
+    second = run_step(scheduler)
+    assert new_tokens(second) == {"s1": 2, "s2": 8, "plain": 20}
+    assert second.batch.logit_lens == [2, 8, 1]
+    assert sum(second.batch.num_logits) == len(second.batch.logit_indices()) == 11
+    assert new_tokens(run_step(scheduler)) == {"s1": 1, "s2": 4, "plain": 1}  # s1 decodes: no more rows

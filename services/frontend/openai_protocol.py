@@ -182,6 +182,10 @@ def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_
     max_tokens = parsed.sampling.max_tokens
     if max_tokens is None:
         max_tokens = room
+    if parsed.sampling.min_tokens > max_tokens:
+        raise RequestError(f"{which}min_tokens: {parsed.sampling.min_tokens} is more than max_tokens ({max_tokens}"
+                           f"{'' if parsed.sampling.max_tokens else ', what the context leaves'}); lower it",
+                           param="min_tokens")
     elif max_tokens > room:
         raise RequestError(
             f"{which}this model's maximum context length is {max_model_len} tokens; you requested "
@@ -224,6 +228,7 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         repetition_penalty=_repetition_penalty(body),
         min_p=_opt_float(body, "min_p", 0.0, low=0.0, high=1.0),
         cache_salt=_cache_salt(body),
+        min_tokens=_opt_int(body, "min_tokens", low=0) or 0,
     )
     parsed = ParsedRequest(
         endpoint=endpoint, model=check_model(body, served_model), prompts=prompts, messages=messages,
@@ -245,8 +250,6 @@ def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
             raise RequestError(f"best_of: only best_of=1 is supported, got {best_of}", param="best_of")
         if body.get("suffix") is not None:
             raise RequestError("suffix: not supported; leave it out", param="suffix")
-    if _opt_int(body, "min_tokens", low=0):  # vLLM's: would have to hold back EOS and stop ids
-        raise RequestError("min_tokens: not supported; leave it out or set it to 0", param="min_tokens")
     _reject_constrained_output(body)
 
 

@@ -113,7 +113,9 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
         "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
                            "maxItems": MAX_STOP_TOKEN_IDS, "nullable": True,
                            "description": "vLLM: token ids that end the output (kept in token_ids, not the text)"},
-        "min_tokens": {"type": "integer", "enum": [0, None], "nullable": True, "description": "vLLM: only 0 is supported"},
+        "min_tokens": {**integer, "minimum": 0, "maximum": max_model_len, "nullable": True,
+                       "description": "vLLM: no eos, stop token id or stop string ends the output before this many "
+                                      "tokens (at most max_tokens)"},
         "add_special_tokens": {"type": "boolean", "nullable": True,
                                "description": "vLLM, completions: the tokenizer's special tokens around a text prompt "
                                               "(default true); chat: only false"},

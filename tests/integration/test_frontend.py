@@ -334,6 +334,10 @@ async def test_stop_token_ids_end_the_output_at_the_first_of_them(client):
     stopped = (await create(stop_token_ids=[stop_id, 100000])).choices[0]
     assert stopped.model_dump()["token_ids"] == plain[:plain.index(stop_id) + 1]  # the stop token is kept
     assert stopped.finish_reason == "stop"
+    first = plain.index(stop_id)
+    held = (await create(stop_token_ids=[stop_id], min_tokens=first + 2)).choices[0].model_dump()["token_ids"]
+    assert held[:first] == plain[:first] and stop_id not in held[:first + 2]  # vLLM's min_tokens holds it back
+    assert len(held) >= first + 2 and (held[-1] == stop_id or len(held) == 12)
 
 
 async def test_models_health_and_metrics(http, frontend):

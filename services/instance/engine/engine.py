@@ -312,7 +312,7 @@ class LLMEngine:
 
     def _new_text(self, prompt: tuple[int, ...], sampling: SamplingParams) -> TextOutput:
         detokenizer = IncrementalDetokenizer(self.tokenizer, context_ids=prompt[-_DETOKENIZER_CONTEXT:])
-        return TextOutput(detokenizer, tuple(sampling.stop))
+        return TextOutput(detokenizer, tuple(sampling.stop), sampling.min_tokens)
 
     # One step.
 
@@ -342,8 +342,8 @@ class LLMEngine:
         sampled = [(s.request, row) for s, row in zip(scheduled.scheduled, last_rows) if s.is_sampled]
         if not sampled:
             return outputs
-        sampling_rows = [SamplingRow(r.sampling, r.seed, r.num_output_tokens, r.output_token_ids, r.prompt_token_ids)
-                         for r, _row in sampled]
+        sampling_rows = [SamplingRow(r.sampling, r.seed, r.num_output_tokens, r.output_token_ids, r.prompt_token_ids,
+                                     self._banned_token_ids(r)) for r, _row in sampled]
         tokens = self.sampler(logits[[row for _r, row in sampled]], sampling_rows)
         for (request, _row), token in zip(sampled, tokens):
             outputs.append(self._append_token(request, token))
@@ -380,15 +380,29 @@ class LLMEngine:
             self.scheduler.remove(request, reason)
         return replace(self._output(request, token_index, token, reason), prompt_logprobs=prompt_logprobs)
 
+    def _banned_token_ids(self, request: Request) -> tuple[int, ...]:
+        """Tokens the next one may not be: its stop token ids and eos until it has min_tokens tokens."""
+        sampling = request.sampling
+        if request.num_output_tokens >= sampling.min_tokens:
+            return ()
+        eos = () if sampling.ignore_eos else tuple(self.eos_token_ids)
+        return (*sampling.stop_token_ids, *eos)
+
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         sampling = request.sampling
+        if request.num_output_tokens < sampling.min_tokens:
+            request.text.append(token_id)  # the text grows; stop strings do not count yet (TextOutput)
+            return self._length_reason(request)
         if token_id in sampling.stop_token_ids:
             return FinishReason.STOP  # its text is left out
         if token_id in self.eos_token_ids and not sampling.ignore_eos:
             return FinishReason.STOP
         if request.text.append(token_id):
             return FinishReason.STOP
-        if request.num_output_tokens >= sampling.max_tokens or request.num_tokens >= self.config.max_model_len:
+        return self._length_reason(request)
+
+    def _length_reason(self, request: Request) -> FinishReason | None:
+        if request.num_output_tokens >= request.sampling.max_tokens or request.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
 

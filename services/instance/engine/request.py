@@ -58,6 +58,7 @@ class SamplingParams:
     min_p: float = 0.0  # sampling: drop tokens with probability below min_p times the top token's
     cache_salt: str = ""  # prefix caching, not sampling: only requests with the same salt share cached blocks
     prompt_logprobs: int | None = None  # None = off; n = each prompt token's logprob plus the top n (see Request)
+    min_tokens: int = 0  # output tokens before eos, stop_token_ids or a stop string may end it (resumed ones count)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -79,6 +80,8 @@ class SamplingParams:
             )
         if self.max_tokens <= 0:
             raise InvalidArgument(f"max_tokens: must be positive, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgument(f"min_tokens: must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.temperature < 0.0:
             raise InvalidArgument(f"temperature: must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -13,7 +13,9 @@ the prompt not), then `logit += bias`. vLLM's `repetition_penalty` p (1 = off) c
 and covers prompt and output: a seen token's logit is divided by p if positive, else
 multiplied by it. All of these depend only on the request's own tokens, so a moved or
 resumed request is adjusted exactly as it would have been. `min_p` (sampled rows only)
-drops tokens whose probability is below `min_p` times the most likely token's.
+drops tokens whose probability is below `min_p` times the most likely token's. A row's
+`banned_token_ids` (vLLM's `min_tokens`: eos and stop token ids while the output is
+shorter) get -inf last, so they are never chosen.
 
 Logprobs are those of the raw logits (`log_softmax`; penalties, biases, temperature and
 top-k/top-p not applied), like vLLM's default.
@@ -41,6 +43,7 @@ class SamplingRow:
     token_index: int  # output index of the token being sampled
     output_token_ids: Sequence[int] = ()  # the output so far (for penalties)
     prompt_token_ids: Sequence[int] = ()  # for the repetition penalty
+    banned_token_ids: Sequence[int] = ()  # may not be chosen (min_tokens holds back eos and stop token ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +83,7 @@ class Sampler:
 
 def adjusted_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """`logits` with each row's penalties and biases applied (a copy if any row has them)."""
-    adjusted_rows = [i for i, row in enumerate(rows) if row.params.adjusts_logits]
+    adjusted_rows = [i for i, row in enumerate(rows) if row.params.adjusts_logits or row.banned_token_ids]
     if not adjusted_rows:
         return logits
     logits = logits.clone()
@@ -96,6 +99,8 @@ def adjusted_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         if params.logit_bias:
             ids, biases = zip(*params.logit_bias)
             logits[i, list(ids)] += torch.tensor(biases)
+        if rows[i].banned_token_ids:
+            logits[i, list(rows[i].banned_token_ids)] = float("-inf")
     return logits
 
 

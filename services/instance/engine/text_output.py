@@ -2,7 +2,8 @@
 
 Stop strings may span tokens. So that a client never sees the start of a stop string
 that later completes, the last `len(longest stop) - 1` characters are held back until
-more text shows they are not a stop string, or the request finishes.
+more text shows they are not a stop string, or the request finishes. With `min_tokens`,
+stop strings count only in text that tokens after the first `min_tokens` add (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ class Detokenizer(Protocol):
 
 
 class TextOutput:
-    def __init__(self, detokenizer: Detokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(self, detokenizer: Detokenizer, stop: tuple[str, ...], min_tokens: int = 0) -> None:
         self._detokenizer = detokenizer
         self._stop = stop
+        self._min_tokens = min_tokens
+        self._num_tokens = 0  # fed so far, primed ones included
         self._hold_back = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # every character so far, cut before the stop string once one is found
         self.num_emitted_chars = 0  # text[:num_emitted_chars] was handed out already
@@ -33,6 +36,7 @@ class TextOutput:
         """Feed tokens generated (and streamed) elsewhere before a resume."""
         if token_ids:
             self.text += self._detokenizer.feed(token_ids)
+        self._num_tokens += len(token_ids)
         self.num_emitted_chars = len(self.text)
 
     def restore(self, token_ids: list[int], num_resumed: int, text_sent: str) -> bool:
@@ -51,7 +55,8 @@ class TextOutput:
         """Add one token's text; True when a stop string appeared (the text is then cut before it)."""
         num_old_chars = len(self.text)
         self.text += self._detokenizer.feed([token_id])
-        if not self._stop or len(self.text) == num_old_chars:
+        self._num_tokens += 1
+        if not self._stop or len(self.text) == num_old_chars or self._num_tokens <= self._min_tokens:
             return False
         return self._cut_at_stop(num_old_chars)
 

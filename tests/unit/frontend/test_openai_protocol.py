@@ -125,9 +125,15 @@ def test_truncate_prompt_tokens():
     rejects(completion, {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", param="truncate_prompt_tokens")
 
 
-def test_stop_token_ids_and_a_zero_min_tokens():
+def test_stop_token_ids_and_min_tokens():
     assert completion(stop_token_ids=[2, 7]).sampling.stop_token_ids == (2, 7)
     assert chat(stop_token_ids=None, min_tokens=0).sampling.stop_token_ids == ()
+    assert completion(min_tokens=4, max_tokens=4).sampling.min_tokens == 4 and completion().sampling.min_tokens == 0
+    with pytest.raises(RequestError, match="min_tokens: 5 is more than max_tokens") as info:
+        resolve_max_tokens(completion(min_tokens=5, max_tokens=4), num_prompt_tokens=3, max_model_len=64)
+    assert info.value.param == "min_tokens"
+    with pytest.raises(RequestError, match=r"min_tokens: 70 is more than max_tokens \(54, what the context leaves"):
+        resolve_max_tokens(chat(min_tokens=70), num_prompt_tokens=10, max_model_len=64)
 
 
 def test_echo_is_a_completions_option():
@@ -215,7 +221,7 @@ def test_missing_prompt():
     ({"stop_token_ids": [1, -2]}, ["stop_token_ids", "non-negative integers"], "stop_token_ids"),
     ({"stop_token_ids": 5}, ["stop_token_ids", "number 5"], "stop_token_ids"),
     ({"stop_token_ids": list(range(65))}, ["stop_token_ids", "at most 64"], "stop_token_ids"),
-    ({"min_tokens": 4}, ["min_tokens", "not supported"], "min_tokens"),
+    ({"min_tokens": -1}, ["min_tokens", ">= 0"], "min_tokens"),
     ({"presence_penalty": 2.5}, ["presence_penalty", "between -2.0 and 2.0"], "presence_penalty"),
     ({"frequency_penalty": "lots"}, ["frequency_penalty", "expected a number"], "frequency_penalty"),
     ({"logit_bias": [1, 5]}, ["logit_bias", "an object of token id -> bias"], "logit_bias"),

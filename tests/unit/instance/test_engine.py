@@ -423,3 +423,28 @@ def test_prompt_logprobs_not_for_resumed_requests(gqa, make_engine):
     engine.add_request("one", [7], replace(GREEDY, prompt_logprobs=0))  # a one-token prompt has none to give
     first = next(o for o in engine.step() if o.request_id == "one")
     assert first.prompt_logprobs == ()
+
+
+def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(gqa, make_engine):
+    """vLLM's min_tokens: no eos or stop token id among the first min_tokens tokens, and stop strings count
+    only in text after them; a resumed request counts its resumed tokens."""
+    engine = make_engine(gqa)
+    prompt = random_prompts([7], seed=3)[0]
+    free = engine.generate([prompt], replace(GREEDY, max_tokens=12))[0]
+    stop_id = next(t for t in free[1:] if t != free[0])  # without min_tokens this id ends the output early
+    held = replace(GREEDY, max_tokens=12, stop_token_ids=(stop_id,), min_tokens=6)
+    tokens = engine.generate([prompt], held)[0]
+    assert stop_id not in tokens[:6] and len(tokens) >= 6
+    assert tokens[:1] == free[:1]  # the ban only bites where the stop id would have come
+    if stop_id in tokens[6:]:
+        assert tokens[-1] == stop_id  # once min_tokens are out, the stop id ends it as usual
+    eos_engine = make_engine(gqa)
+    eos_engine.eos_token_ids = frozenset({free[0]})  # the model's very first greedy token, taken as eos
+    unbounded = replace(GREEDY, ignore_eos=False, max_tokens=5)
+    assert eos_engine.generate([prompt], unbounded)[0] == [free[0]]
+    assert free[0] not in eos_engine.generate([prompt], replace(unbounded, min_tokens=5))[0]
+    engine.add_request("resumed", prompt, held, resume_token_ids=free[:6])  # six out already: the stop id may end it
+    resumed = []
+    while engine.has_unfinished():
+        resumed += [t for o in engine.step() for t in o.new_token_ids]
+    assert resumed == engine.generate([prompt + free[:6]], replace(held, min_tokens=0, max_tokens=6))[0]

@@ -69,3 +69,15 @@ def test_primed_text_is_not_emitted_again():
     assert text.take_delta(is_final=False) == ""
     text.append(3)
     assert text.take_delta(is_final=False) == " wor"
+
+
+def test_stop_strings_count_only_after_min_tokens():
+    """vLLM's min_tokens: a stop string in the text of the first min_tokens tokens does not end it; primed
+    (resumed) tokens count toward min_tokens."""
+    deltas, stopped = stream(TextOutput(PieceDetokenizer(), ("END",), min_tokens=2), [7, 1, 7, 8])
+    assert stopped and "".join(deltas) == "ENDHel"
+    deltas, stopped = stream(TextOutput(PieceDetokenizer(), ("END",), min_tokens=3), [7, 1, 7, 8])
+    assert not stopped and "".join(deltas) == "ENDHelEN"  # its last two characters are held back as always
+    primed = TextOutput(PieceDetokenizer(), ("END",), min_tokens=2)
+    primed.prime([1, 2])
+    assert primed.append(7)

@@ -77,4 +77,4 @@ def target_from_proto(msg: manager_pb2.DispatchResponse) -> Target | None:
 
 def _logprob_from_proto(msg: instance_pb2.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(token_id=msg.token_id, logprob=msg.logprob,
-                        top=tuple(zip(msg.top_token_ids, msg.top_logprobs, strict=False)))
+                        top=tuple(zip(msg.top_token_ids, msg.top_logprobs, strict=False)), rank=msg.rank or 1)

@@ -59,6 +59,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+    rank: int = 1  # 1 + how many tokens were more likely than token_id
 
 
 @dataclass(frozen=True, slots=True)

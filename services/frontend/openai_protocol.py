@@ -31,7 +31,7 @@ _INT32_MAX = (1 << 31) - 1
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _OUTPUT_FLAGS = {"include_stop_str_in_output": False, "skip_special_tokens": True, "use_beam_search": False}
-_UNSUPPORTED_SAMPLING = ("bad_words", "allowed_token_ids", "prompt_logprobs")  # vLLM's, refused unless empty
+_UNSUPPORTED_SAMPLING = ("bad_words", "allowed_token_ids")  # vLLM's, refused unless empty
 MAX_TEMPLATE_KWARGS = 32
 
 
@@ -79,6 +79,7 @@ class ParsedRequest:
     add_special_tokens: bool = True  # vLLM's, completions: the tokenizer's BOS etc. around a text prompt
     echo: bool = False  # completions: each choice's text starts with its prompt (with logprobs: and its logprobs)
     echo_only: bool = False  # completions echo with max_tokens 0: the prompt alone (one token runs, unseen)
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs in its shape (token id -> logprob, rank)
 
     @property
     def num_prompts(self) -> int:
@@ -130,7 +131,8 @@ def parse_completion_request(body: Mapping[str, Any], served_model: str) -> Pars
                      max_tokens=max(1, max_tokens) if max_tokens is not None else None, default_max_tokens=16,
                      num_top_logprobs=logprobs)
     if echo and logprobs is not None:  # the prompt's logprobs come first (the engine computes them in its prefill)
-        parsed = replace(parsed, sampling=replace(parsed.sampling, num_prompt_logprobs=logprobs))
+        wanted = max(logprobs, parsed.prompt_logprobs or 0)  # one engine ask serves echo and vLLM's prompt_logprobs
+        parsed = replace(parsed, sampling=replace(parsed.sampling, num_prompt_logprobs=wanted))
     add_special_tokens = opt_bool(body, "add_special_tokens")
     return replace(parsed, echo=echo, echo_only=max_tokens == 0, add_special_tokens=add_special_tokens is not False)
 
@@ -229,6 +231,7 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         min_p=_opt_float(body, "min_p", 0.0, low=0.0, high=1.0),
         cache_salt=_cache_salt(body),
         min_tokens=_opt_int(body, "min_tokens", low=0) or 0,
+        num_prompt_logprobs=_prompt_logprobs(body, stream),
     )
     parsed = ParsedRequest(
         endpoint=endpoint, model=check_model(body, served_model), prompts=prompts, messages=messages,
@@ -236,7 +239,7 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         return_token_ids=opt_bool(body, "return_token_ids") or False,
         priority=_opt_int(body, "priority", low=-_INT32_MAX, high=_INT32_MAX) or 0,
         num_top_logprobs=num_top_logprobs, n=_opt_int(body, "n", low=1, high=MAX_CHOICES) or 1,
-        truncate_prompt_tokens=_truncate_prompt_tokens(body))
+        truncate_prompt_tokens=_truncate_prompt_tokens(body), prompt_logprobs=sampling.num_prompt_logprobs)
     if parsed.num_choices > MAX_BATCH_CHOICES:
         raise RequestError(f"n: {parsed.n} choices for each of {parsed.num_prompts} prompts make "
                            f"{parsed.num_choices} answers; at most {MAX_BATCH_CHOICES} fit in one request", param="n")
@@ -445,6 +448,15 @@ def _opt_int(body: Mapping[str, Any], name: str, low: int | None = None, high: i
         raise RequestError(f"{name}: expected an integer, got {_json_type(value)}", param=name)
     _check_range(name, value, low, high)
     return value
+
+
+def _prompt_logprobs(body: Mapping[str, Any], stream: bool) -> int | None:
+    """vLLM's prompt_logprobs: each prompt token's logprob and rank, plus the top k at its position."""
+    prompt_logprobs = _opt_int(body, "prompt_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+    if prompt_logprobs is not None and stream:
+        raise RequestError("prompt_logprobs: only without stream (a completions stream gives the prompt's logprobs "
+                           "with echo and logprobs)", param="prompt_logprobs")
+    return prompt_logprobs
 
 
 def _cache_salt(body: Mapping[str, Any]) -> str:

@@ -59,6 +59,8 @@ class ResponseFormatter:
     def response(self, states: Sequence[ReqState], choices: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """The whole response: every choice (from each choice's formatter's `choice`), usage over all."""
         body = self._envelope(self._object("chat.completion", "text_completion"), list(choices))
+        if self._is_chat and self._parsed.prompt_logprobs is not None:  # vLLM: one prompt, at the top
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(states[0])
         body["usage"] = self._usage(states)
         if self._parsed.return_token_ids and not self._parsed.is_batch:
             body["prompt_token_ids"] = list(states[0].prompt_token_ids)
@@ -75,6 +77,8 @@ class ResponseFormatter:
             output_logprobs = _joined(self._prompt_logprobs(state), output_logprobs)
         choice["logprobs"] = output_logprobs
         choice["finish_reason"] = finish_reason_name(state.finish_reason)
+        if not self._is_chat and self._parsed.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(state)
         if self._parsed.return_token_ids:
             choice["token_ids"] = [] if self._hides_output else list(state.token_ids)
             if not self._is_chat:  # as vLLM: each completions choice names its prompt's ids
@@ -185,6 +189,22 @@ class ResponseFormatter:
             "top_logprobs": [None, *(self._top_logprobs(entry) for entry in state.prompt_logprobs)],
             "text_offset": list(itertools.accumulate((len(token) for token in tokens[:-1]), initial=0)),
         }
+
+
+    def _vllm_prompt_logprobs(self, state: ReqState) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: null for the first prompt token, then per token {token id: {logprob, rank,
+        decoded_token}} of the prompt token and the top k at its position."""
+        return [None, *(self._vllm_logprob_entry(entry) for entry in state.prompt_logprobs)]
+
+    def _vllm_logprob_entry(self, entry: TokenLogprob) -> dict[str, dict[str, Any]]:
+        candidates = [(entry.token_id, entry.logprob, entry.rank)]
+        candidates += [(token_id, logprob, rank) for rank, (token_id, logprob)
+                       in enumerate(entry.top[: self._parsed.prompt_logprobs], start=1)]
+        by_id: dict[str, dict[str, Any]] = {}
+        for token_id, logprob, rank in candidates:
+            by_id.setdefault(str(token_id), {"logprob": logprob, "rank": rank,
+                                             "decoded_token": self._token_text(token_id)})
+        return by_id
 
 
 def _joined(prompt: dict[str, list], output: dict[str, list] | None) -> dict[str, list]:

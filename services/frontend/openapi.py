@@ -140,6 +140,9 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
         "cache_salt": {"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS, "nullable": True,
                        "description": "vLLM: share cached prompt prefixes only with requests of the same salt "
                                       "(one per tenant)"},
+        "prompt_logprobs": {**integer, "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "nullable": True,
+                            "description": "vLLM: each prompt token's logprob and rank plus the top k at its position "
+                                           "(completions: per choice; chat: at the top); not with stream"},
         "ignore_eos": {"type": "boolean", "nullable": True, "description": "ferry: keep going past end-of-sequence"},
         "return_token_ids": {"type": "boolean", "nullable": True, "description": "ferry: choices carry token_ids"},
         "priority": {**integer, "minimum": -_INT32_MAX, "maximum": _INT32_MAX, "nullable": True,

@@ -74,7 +74,7 @@ def chunk_to_proto(output: StepOutput, epoch: int) -> instance_pb2.GenerateChunk
 
 
 def _logprob_to_proto(entry: TokenLogprob) -> instance_pb2.TokenLogprob:
-    return instance_pb2.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob,
+    return instance_pb2.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
                                      top_token_ids=list(entry.top_token_ids), top_logprobs=list(entry.top_logprobs))
 
 

@@ -214,6 +214,15 @@ async def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client,
     assert chunks[0].logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
     token_logprobs = [lp for chunk in chunks for lp in chunk.logprobs.token_logprobs]
     assert len(token_logprobs) == len(PROMPT_IDS) + 3 and all(lp <= 0 for lp in token_logprobs[1:])
+    vllm_shaped = await client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=1, temperature=0,
+                                                  extra_body={"prompt_logprobs": 2})
+    entries = vllm_shaped.choices[0].model_dump()["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(PROMPT_IDS)
+    for row, (entry, token_id) in enumerate(zip(entries[1:], PROMPT_IDS[1:])):
+        mine = entry[str(token_id)]
+        assert mine["logprob"] == pytest.approx(expected[row], abs=1e-4)
+        assert mine["rank"] == int((reference[row] > reference[row, token_id] + 1e-5).sum()) + 1
+        assert {int(k) for k, v in entry.items() if v["rank"] <= 2} == set(reference[row].topk(2).indices.tolist())
 
 
 async def test_a_batch_with_one_bad_prompt_is_refused_whole_naming_it(http):

@@ -19,6 +19,7 @@ class TokenLogprob:
     logprob: float
     top_token_ids: tuple[int, ...]  # the n most likely tokens, most likely first
     top_logprobs: tuple[float, ...]
+    rank: int = 1  # 1 + how many tokens are strictly more likely than token_id
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]) -> list[TokenLogprob]:
@@ -26,10 +27,11 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Seque
     if not len(num_top):
         return []
     logprobs = logits.float().log_softmax(dim=-1)
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
     most = max(num_top)
     top_values, top_ids = logprobs.topk(min(most, logits.shape[1]), dim=-1) if most else (logprobs[:, :0],) * 2
-    ids = token_ids.tolist()
-    return [TokenLogprob(token_id=int(ids[i]), logprob=chosen[i], top_token_ids=tuple(top_ids[i, :n].tolist()),
-                         top_logprobs=tuple(top_values[i, :n].tolist()))
+    ids, chosen_values = token_ids.tolist(), chosen.squeeze(1).tolist()
+    return [TokenLogprob(token_id=int(ids[i]), logprob=chosen_values[i], top_token_ids=tuple(top_ids[i, :n].tolist()),
+                         top_logprobs=tuple(top_values[i, :n].tolist()), rank=ranks[i])
             for i, n in enumerate(num_top)]

@@ -104,7 +104,8 @@ def test_chat_template_options():
     ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ({"skip_special_tokens": False}, "skip_special_tokens"), ({"use_beam_search": True}, "use_beam_search"),
     ({"bad_words": ["x"]}, "bad_words"), ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
 ])
 def test_output_options_ferry_would_otherwise_ignore_are_refused(fields, name):
     rejects(completion, fields, name, param=name)
@@ -145,6 +146,13 @@ def test_echo_with_logprobs_asks_for_the_prompts_logprobs():
     assert completion(echo=True, logprobs=0).sampling.num_prompt_logprobs == 0
     assert completion(echo=True).sampling.num_prompt_logprobs is None
     assert completion(logprobs=3).sampling.num_prompt_logprobs is None  # no echo: the prompt is not in the answer
+
+
+def test_vllm_prompt_logprobs_ask_the_engine_for_the_prompts_logprobs():
+    assert completion(prompt_logprobs=2).sampling.num_prompt_logprobs == completion(prompt_logprobs=2).prompt_logprobs == 2
+    assert chat(prompt_logprobs=0).sampling.num_prompt_logprobs == 0
+    both = completion(prompt_logprobs=1, echo=True, logprobs=4)  # one engine ask for both shapes: the larger top
+    assert (both.sampling.num_prompt_logprobs, both.prompt_logprobs, both.num_top_logprobs) == (4, 1, 4)
 
 
 def test_echo_with_max_tokens_zero_is_the_prompt_alone():

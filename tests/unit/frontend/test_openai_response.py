@@ -90,6 +90,26 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_output():
     assert streamed.chunk(delta)["choices"][0]["logprobs"]["text_offset"] == [3]  # after the echoed prompt
 
 
+def test_vllm_prompt_logprobs_shape():
+    """vLLM's: null first, then {token id: {logprob, rank, decoded_token}} of the prompt token and the top k;
+    per choice for completions, at the top for chat."""
+    expected = [None, {"2": {"logprob": -3.0, "rank": 4, "decoded_token": "c"},
+                       "0": {"logprob": -0.1, "rank": 1, "decoded_token": "a"}},
+                {"3": {"logprob": -0.5, "rank": 1, "decoded_token": "d"}}]
+    state = make_state(prompt=(0, 2, 3))
+    state.accept(TokenChunk(0, (7,), "h", FinishReason.LENGTH, prompt_logprobs=(
+        TokenLogprob(2, -3.0, ((0, -0.1), (2, -3.0)), rank=4), TokenLogprob(3, -0.5, ((3, -0.5), (1, -1.0))))))
+    parsed = parse_completion_request({"prompt": [0, 2, 3], "prompt_logprobs": 1}, MODEL)
+    f = ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text)
+    assert f.choice(state)["prompt_logprobs"] == expected
+    assert "prompt_logprobs" not in ResponseFormatter(parse_completion_request({"prompt": "x"}, MODEL), "cmpl-1", 0,
+                                                      token_text).choice(state)
+    chat_parsed = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}, MODEL)
+    chat_f = ResponseFormatter(chat_parsed, "chatcmpl-1", 1700000000, token_text)
+    body = chat_f.response([state], [chat_f.choice(state)])
+    assert body["prompt_logprobs"] == expected and "prompt_logprobs" not in body["choices"][0]
+
+
 def test_echo_with_max_tokens_zero_shows_the_prompt_alone():
     parsed = parse_completion_request({"prompt": [0, 2, 3], "echo": True, "logprobs": 0, "max_tokens": 0,
                                        "return_token_ids": True}, MODEL)

@@ -377,6 +377,7 @@ def check_prompt_logprobs(tiny: Tiny, prompt: list[int], entries, num_top: int) 
     assert [e.token_id for e in entries] == prompt[1:]
     for row, (entry, token_id) in enumerate(zip(entries, prompt[1:])):
         assert entry.logprob == pytest.approx(reference[row, token_id].item(), abs=1e-4)
+        assert entry.rank == int((reference[row] > reference[row, token_id] + 1e-5).sum()) + 1
         top_values, top_ids = reference[row].topk(num_top)
         assert list(entry.top_logprobs) == pytest.approx(top_values.tolist(), abs=1e-4)
         assert len(entry.top_token_ids) == num_top

@@ -358,7 +358,7 @@ class LLMEngine:
             row += num_logits
             last_rows.append(row - 1)
             request = s.request
-            if num_logits == 1 or not request.wants_prompt_logits:
+            if not request.wants_prompt_logits:  # its only row is its last token's
                 continue
             stop = request.num_computed_tokens  # the chunk is positions [start, stop): row of position p predicts p + 1
             start = stop - s.num_new_tokens

@@ -383,11 +383,11 @@ def check_prompt_logprobs(tiny: Tiny, prompt: list[int], entries, num_top: int) 
         assert len(entry.top_token_ids) == num_top
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("config", [*sorted(CONFIGS), "one_token_chunks"])
 def test_prompt_logprobs_match_transformers(gqa, make_engine, config):
-    """Chunked prefills, preemptions and a busy batch: each request's prompt logprobs come once,
-    with output token 0, and equal transformers' full forward."""
-    engine = make_engine(gqa, **CONFIGS[config])
+    """Chunked prefills (down to one token a step), preemptions and a busy batch: each request's prompt
+    logprobs come once, with output token 0, and equal transformers' full forward."""
+    engine = make_engine(gqa, **CONFIGS.get(config, dict(num_blocks=256, max_num_batched_tokens=1)))
     prompts = random_prompts(PROMPT_LENGTHS, seed=7)
     engine.add_request("warm", prompts[3], GREEDY)  # caches prompt 3's blocks: its prompt logprobs must not use them
     while engine.has_unfinished():
@@ -397,7 +397,7 @@ def test_prompt_logprobs_match_transformers(gqa, make_engine, config):
     for i, prompt in enumerate(prompts):
         arrivals[(0, 1, 3)[i % 3]].append((f"r{i}", prompt, sampling))
     sent: dict[str, list] = {}
-    for step in range(500):
+    for step in range(1000):
         for request_id, prompt, params in arrivals.get(step, []):
             engine.add_request(request_id, prompt, params)
         for output in engine.step():

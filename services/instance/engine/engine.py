@@ -23,7 +23,7 @@ import itertools
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -367,7 +367,7 @@ class LLMEngine:
             rows = [row - num_logits + target - 1 - start for target in targets]
             request.prompt_logprobs += token_logprobs(
                 logits[rows], torch.tensor([request.prompt_token_ids[t] for t in targets], dtype=torch.int64),
-                [request.sampling.prompt_logprobs or 0] * len(rows))
+                [request.sampling.prompt_logprobs] * len(rows))
         return last_rows
 
     def _append_token(self, request: Request, token: SampledToken) -> StepOutput:
@@ -378,7 +378,7 @@ class LLMEngine:
         reason = self._stop_reason(request, token.token_id)
         if reason is not None:
             self.scheduler.remove(request, reason)
-        return replace(self._output(request, token_index, token, reason), prompt_logprobs=prompt_logprobs)
+        return self._output(request, token_index, token, reason, prompt_logprobs)
 
     def _banned_token_ids(self, request: Request) -> tuple[int, ...]:
         """Tokens the next one may not be: its stop token ids and eos until it has min_tokens tokens."""
@@ -406,8 +406,8 @@ class LLMEngine:
             return FinishReason.LENGTH
         return None
 
-    def _output(self, request: Request, token_index: int, token: SampledToken | None,
-                reason: FinishReason | None) -> StepOutput:
+    def _output(self, request: Request, token_index: int, token: SampledToken | None, reason: FinishReason | None,
+                prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> StepOutput:
         if reason is not None:
             self._requests.pop(request.request_id, None)
         return StepOutput(
@@ -418,6 +418,7 @@ class LLMEngine:
             finish_reason=reason,
             logprobs=None if token is None or token.logprob is None else (token.logprob,),
             num_prompt_tokens=request.num_prompt_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # Reports.

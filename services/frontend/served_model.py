@@ -16,6 +16,7 @@ import jinja2
 from services.frontend.openai_protocol import (ChatTemplateOptions, Endpoint, ParsedRequest, Prompt, RequestError,
                                                check_in_vocabulary, check_prompt_token_ids)
 from services.frontend.tokenize_protocol import TokenizeRequest
+from services.instance.engine.context_window import checked_max_model_len, context_limit  # no torch
 from services.instance.engine.tokenizer import Tokenizer  # tokenizers + jinja2, no torch
 
 
@@ -39,13 +40,14 @@ class ServedModel:
 
     @classmethod
     def load(cls, folder: pathlib.Path, name: str, max_model_len: int = 0) -> ServedModel:
-        """Read `folder`; `max_model_len` 0 means config.json's max_position_embeddings."""
+        """Read `folder`; `max_model_len` 0 means the longest the model serves (config.json's
+        max_position_embeddings, or its sliding window if shorter: context_window.py)."""
         config_path = folder / "config.json"
         try:
             config = json.loads(config_path.read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"--model {folder}: cannot read {config_path}: {exc}") from exc
-        context = max_model_len or int(config["max_position_embeddings"])
+        context = checked_max_model_len(max_model_len, context_limit(config))
         return cls(name=name, max_model_len=context, vocab_size=int(config["vocab_size"]),
                    tokenizer=Tokenizer.from_dir(folder))
 

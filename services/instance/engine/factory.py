@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.instance.engine.context_window import checked_max_model_len
 from services.instance.engine.engine import EngineConfig, LLMEngine
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.forward_batch import ForwardModel
@@ -29,7 +30,7 @@ class EngineSpec:
     kv_cache_mib: int = 512
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 0  # 0 = the model's max_position_embeddings
+    max_model_len: int = 0  # 0 = the longest the model serves (context_window.py)
     sim_latency: SimLatency | None = None  # set: the sim engine, with this latency model
     enable_prefix_caching: bool = True
 
@@ -49,7 +50,7 @@ class LoadedEngine:
 def build_engine(spec: EngineSpec) -> LoadedEngine:
     model = _model(spec)
     config = model.config
-    max_model_len = spec.max_model_len or config.max_position_embeddings
+    max_model_len = checked_max_model_len(spec.max_model_len, config.context)
     per_block = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                            spec.block_size, 1, spec.dtype).bytes_per_block
     num_blocks = spec.num_blocks or max(1, spec.kv_cache_mib * 2**20 // per_block)

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV cache.
+"""A Llama-family decoder (RMSNorm, RoPE, GQA, gated MLP) over a paged KV cache.
 
 `LlamaModel.forward(batch, kv_cache)` runs one step: the packed new tokens of every
 sequence go through all layers at once and the logits of each sequence's last
@@ -11,6 +11,9 @@ request asked for prompt logprobs: `ForwardBatch.logit_lens`).
 The KV cache is any tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads,
 head_dim]`; `allocate_kv_cache` makes a plain one (the runtime may hand in one
 that lives in shared memory instead).
+
+The families' differences (model_config.py) are a few constants and switches: the MLP's
+activation, Gemma's norm offset and embedding scale, Granite's multipliers, partial RoPE.
 """
 
 from pathlib import Path
@@ -22,7 +25,8 @@ from torch import nn
 
 from services.instance.engine.attention import AttentionPlan, CacheGeometry, attend, write_kv
 from services.instance.engine.forward_batch import ForwardBatch
-from services.instance.engine.model_config import ModelConfig, rope_inv_freq
+from services.instance.engine.model_config import ModelConfig
+from services.instance.engine.rope import rope_inv_freq
 from services.instance.engine.packed_linear import MIN_PACKED_NUMEL, PackedLinear
 from services.instance.engine.weights import load_state_dict
 
@@ -30,12 +34,18 @@ log = structlog.get_logger(__name__)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """RMSNorm scaling by its weight, or (Gemma) by `weight_offset + weight`, in float32 then cast."""
+
+    def __init__(self, size: int, eps: float, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.weight_offset = weight_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_offset:
+            scale = self.weight.float() + self.weight_offset
+            return F.rms_norm(x.float(), self.weight.shape, scale, self.eps).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)  # in float32, as transformers does
@@ -43,9 +53,10 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE tables for every position up to max_position_embeddings, each [max_positions, head_dim]:
-    cos repeated for both halves, and sin negated on the first half, so that rotating x is
-    `x * cos + x.roll(head_dim // 2) * sin` (the "rotate_half" convention of HF Llama)."""
+    """RoPE tables for every position the model serves, each [context_length, rotary_dim]: cos
+    repeated for both halves, and sin negated on the first half, so that rotating x is
+    `x * cos + x.roll(rotary_dim // 2) * sin` (the "rotate_half" convention of HF Llama); both
+    scaled by longrope's attention factor."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -54,9 +65,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", torch.empty(0), persistent=False)
 
     def build(self, dtype: torch.dtype, device: torch.device | str) -> None:
-        positions = torch.arange(self.config.max_position_embeddings, dtype=torch.int64).float()
-        freqs = positions[:, None] * rope_inv_freq(self.config)[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
+        positions = torch.arange(self.config.context_length, dtype=torch.int64).float()
+        freqs = positions[:, None] * rope_inv_freq(self.config.rope)[None, :]
+        factor = self.config.rope.attention_factor
+        cos, sin = freqs.cos() * factor, freqs.sin() * factor
         self.cos = torch.cat((cos, cos), dim=-1).to(dtype=dtype, device=device)
         self.sin = torch.cat((-sin, sin), dim=-1).to(dtype=dtype, device=device)
 
@@ -76,7 +88,8 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.rotary_dim = config.rope.rotary_dim
+        self.scale = self.head_dim**-0.5 if config.attention_scale is None else config.attention_scale
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = PackedLinear(config.hidden_size, qkv_size, bias=config.qkv_bias)
         self.o_proj = PackedLinear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
@@ -90,10 +103,9 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             self._normalize_heads_(qkv)
-        apply_rope_(qkv[:, : self.num_heads + self.num_kv_heads], *rope)
+        apply_rope_(qkv[:, : self.num_heads + self.num_kv_heads, : self.rotary_dim], *rope)
         write_kv(kv_layer, qkv[:, self.num_heads :], plan.slot_mapping)
         return self.o_proj(attend(qkv[:, : self.num_heads], kv_layer, plan, self.scale))
-
 
     def _normalize_heads_(self, qkv: torch.Tensor) -> None:
         """Qwen3: RMSNorm over head_dim of every query head and every key head, in place."""
@@ -102,33 +114,45 @@ class Attention(nn.Module):
         keys.copy_(self.k_norm(keys))
 
 
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """Gated: down(act(gate(x)) * up(x)) (SwiGLU with silu, GeGLU with gelu), gate and up fused into one matmul."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, 2 * size, bias=config.mlp_bias)
         self.down_proj = PackedLinear(size, config.hidden_size, bias=config.mlp_bias)
+        self.act = ACTIVATIONS[config.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.mlp = MLP(config)
+        self.residual_scale = config.residual_scale
 
     def forward(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, plan: AttentionPlan
     ) -> torch.Tensor:
-        h = h.add_(self.self_attn(self.input_layernorm(h), rope, kv_layer, plan))
-        return h.add_(self.mlp(self.post_attention_layernorm(h)))
+        h = self._add_residual_(h, self.self_attn(self.input_layernorm(h), rope, kv_layer, plan))
+        return self._add_residual_(h, self.mlp(self.post_attention_layernorm(h)))
+
+    def _add_residual_(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return h.add_(out if self.residual_scale == 1.0 else out * self.residual_scale)
 
 
 class LlamaModel(nn.Module):
@@ -137,7 +161,7 @@ class LlamaModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = PackedLinear(config.hidden_size, config.vocab_size, bias=False)
@@ -184,12 +208,21 @@ class LlamaModel(nn.Module):
         writes the new K/V to kv_cache."""
         plan = AttentionPlan.build(batch, CacheGeometry.of(kv_cache))
         rope = self.rotary(batch.positions)
-        h = self.embed_tokens(batch.input_ids)
+        h = self._embed(batch.input_ids)
         for layer, kv_layer in zip(self.layers, kv_cache, strict=True):
             h = layer(h, rope, kv_layer, plan)
         h = self.norm(h[batch.logit_indices()])
         logits = F.linear(h, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
+        if self.config.logits_divisor != 1.0:
+            logits = logits / self.config.logits_divisor
         return logits.float()
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        scale = self.config.embedding_scale
+        if self.config.model_type == "gemma":  # transformers rounds sqrt(hidden_size) to the model's dtype first
+            return h * torch.tensor(scale, dtype=h.dtype)
+        return h if scale == 1.0 else h * scale
 
 
 def load_model(

@@ -2,7 +2,8 @@
 
 Reads `model.safetensors`, or the shards listed in `model.safetensors.index.json`,
 renames the Hugging Face tensors to the model's and fuses q/k/v and gate/up into
-one matrix each. Tensors are converted to the requested dtype as they are read.
+one matrix each (Phi-3 checkpoints hold them fused already). Tensors are converted to the
+requested dtype as they are read.
 Extra tensors in the checkpoint (e.g. `rotary_emb.inv_freq`) are ignored; a
 missing one is an error that names it.
 """
@@ -44,15 +45,16 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
 def _layer_sources(config: ModelConfig, i: int) -> Iterator[tuple[str, list[str]]]:
     """(model name, HF names concatenated along dim 0 to make it) for one decoder layer."""
     hf, ours = f"model.layers.{i}.", f"layers.{i}."
+    fused = config.has_fused_checkpoint
     for s in ["weight"] + (["bias"] if config.qkv_bias else []):
-        yield f"{ours}self_attn.qkv_proj.{s}", [f"{hf}self_attn.{p}_proj.{s}" for p in "qkv"]
+        yield f"{ours}self_attn.qkv_proj.{s}", [f"{hf}self_attn.{p}_proj.{s}" for p in (["qkv"] if fused else "qkv")]
     for s in ["weight"] + (["bias"] if config.o_bias else []):
         yield f"{ours}self_attn.o_proj.{s}", [f"{hf}self_attn.o_proj.{s}"]
     if config.qk_norm:
         for norm in ("q_norm", "k_norm"):
             yield f"{ours}self_attn.{norm}.weight", [f"{hf}self_attn.{norm}.weight"]
     for s in ["weight"] + (["bias"] if config.mlp_bias else []):
-        yield f"{ours}mlp.gate_up_proj.{s}", [f"{hf}mlp.gate_proj.{s}", f"{hf}mlp.up_proj.{s}"]
+        yield f"{ours}mlp.gate_up_proj.{s}", [f"{hf}mlp.{p}_proj.{s}" for p in (["gate_up"] if fused else ["gate", "up"])]
         yield f"{ours}mlp.down_proj.{s}", [f"{hf}mlp.down_proj.{s}"]
     yield f"{ours}input_layernorm.weight", [f"{hf}input_layernorm.weight"]
     yield f"{ours}post_attention_layernorm.weight", [f"{hf}post_attention_layernorm.weight"]

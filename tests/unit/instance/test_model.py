@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from services.instance.engine import attention
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.model import LlamaModel, allocate_kv_cache, load_model
+from services.instance.engine.context_window import checked_max_model_len
 from services.instance.engine.model_config import ModelConfig
 from services.instance.engine.packed_linear import PackedLinear
 
@@ -43,6 +44,33 @@ SHAPES = {
     "qwen3_qk_norm": dict(
         architecture="Qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=24, vocab_size=400, tie_word_embeddings=False, use_sliding_window=False,
+    ),
+    # Mistral with a sliding window: served up to the window, where it equals full attention
+    "mistral_window": dict(
+        architecture="Mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=400, tie_word_embeddings=False, sliding_window=64,
+    ),
+    # Phi-3: fused q/k/v and gate/up in the checkpoint, half the head rotated, longrope (short factors)
+    "phi3_longrope": dict(
+        architecture="Phi3", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=400, tie_word_embeddings=False, sliding_window=None,
+        original_max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.3, 1.9, 2.6], "long_factor": [3.0, 5.0, 7.0, 9.0],
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    # Gemma: GeGLU, norms scaling by 1 + weight, embeddings scaled by sqrt(hidden_size), wide heads
+    "gemma": dict(
+        architecture="Gemma", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, vocab_size=400, tie_word_embeddings=True,
+    ),
+    # Granite: embedding, residual, attention and logits multipliers
+    "granite": dict(
+        architecture="Granite", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=400, tie_word_embeddings=True, embedding_multiplier=3.0,
+        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.5,
     ),
 }
 
@@ -285,9 +313,10 @@ def test_missing_tensor_is_named(checkpoint, tmp_path):
     path, _ = checkpoint
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     tensors = load_file(path / "model.safetensors")
-    del tensors["model.layers.1.mlp.up_proj.weight"]
+    missing = sorted(name for name in tensors if name.startswith("model.layers.1.mlp."))[-1]
+    del tensors[missing]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+    with pytest.raises(ValueError, match=missing.replace(".", r"\.")):
         load_model(tmp_path)
 
 
@@ -305,7 +334,8 @@ def base_config(**changes) -> dict:
 def test_config_reads_old_style_fields():
     config = ModelConfig.from_dict(base_config())
     assert config.head_dim == 64
-    assert config.rope_theta == 100000.0 and config.rope_scaling is None
+    assert config.rope.theta == 100000.0 and config.rope.rope_type == "default" and config.rope.rotary_dim == 64
+    assert config.context_length == 8192
     assert config.eos_token_ids == (2, 7)
     assert config.num_queries_per_kv == 3
     assert config.torch_dtype == "bfloat16"
@@ -317,21 +347,20 @@ def test_config_reads_checkpoint(checkpoint):
     config = ModelConfig.from_dir(path)
     assert config.num_key_value_heads == hf_model.config.num_key_value_heads
     assert config.tie_word_embeddings == hf_model.config.tie_word_embeddings
-    assert config.rope_theta == hf_model.config.rope_parameters["rope_theta"]
+    assert config.rope.theta == hf_model.config.rope_parameters["rope_theta"]
 
 
 @pytest.mark.parametrize(
     ("changes", "named"),
     [
         ({"model_type": "gpt2"}, "model_type"),
-        ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window"),
         ({"hidden_size": None}, "hidden_size"),
         ({"num_key_value_heads": 4}, "num_key_value_heads"),
-        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
-        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "yarn"),
+        ({"hidden_act": "relu"}, "hidden_act"),
         ({"torch_dtype": "int8"}, "torch_dtype"),
-        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
-        ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "use_sliding_window"),
+        ({"partial_rotary_factor": 0.3}, "partial_rotary_factor"),
+        ({"rope_scaling": {"type": "longrope", "short_factor": [1.0]}}, "longrope"),
     ],
 )
 def test_config_rejects_unsupported(changes, named):
@@ -348,6 +377,45 @@ def test_config_rejects_unsupported(changes, named):
 def test_config_reads_each_familys_attention_extras(changes, qkv_bias, o_bias, qk_norm):
     config = ModelConfig.from_dict(base_config(**changes))
     assert (config.qkv_bias, config.o_bias, config.qk_norm) == (qkv_bias, o_bias, qk_norm)
+
+
+@pytest.mark.parametrize(("changes", "length", "set_by"), [
+    ({}, 8192, "max_position_embeddings"),
+    ({"model_type": "mistral", "sliding_window": 4096}, 4096, "sliding_window"),
+    ({"model_type": "mistral", "sliding_window": None}, 8192, "max_position_embeddings"),
+    ({"model_type": "mistral", "sliding_window": 16384}, 8192, "max_position_embeddings"),
+    ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096}, 8192, "max_position_embeddings"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, 4096, "sliding_window"),
+    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 512}, 512,
+     "sliding_window"),
+    ({"model_type": "phi3", "sliding_window": 2047}, 2047, "sliding_window"),
+    ({"sliding_window": 1024}, 8192, "max_position_embeddings"),  # Llama has no window: the field is ignored
+    ({"model_type": "phi3", "partial_rotary_factor": 0.75, "original_max_position_embeddings": 4096,
+      "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 24, "long_factor": [2.0] * 24}}, 4096, "longrope"),
+])
+def test_context_length_stops_where_full_attention_stops_being_exact(changes, length, set_by):
+    config = ModelConfig.from_dict(base_config(**changes))
+    assert config.context_length == length and set_by in config.context.set_by
+    assert checked_max_model_len(0, config.context) == length
+    assert checked_max_model_len(length - 1, config.context) == length - 1
+    with pytest.raises(ValueError, match=f"--max-model-len {length + 1} .*{length} tokens.*{set_by}"):
+        checked_max_model_len(length + 1, config.context)
+
+
+@pytest.mark.parametrize(("changes", "activation"), [
+    ({}, "silu"), ({"hidden_act": "gelu"}, "gelu"),
+    ({"model_type": "gemma", "hidden_act": "gelu"}, "gelu_pytorch_tanh"),  # Gemma's legacy spelling
+    ({"model_type": "gemma", "hidden_act": None}, "gelu_pytorch_tanh"),
+])
+def test_config_reads_the_activation(changes, activation):
+    raw = base_config(**changes)
+    raw = {key: value for key, value in raw.items() if value is not None}
+    assert ModelConfig.from_dict(raw).activation == activation
+
+
+def test_dynamic_rope_is_plain_rope_within_the_context():
+    config = ModelConfig.from_dict(base_config(rope_scaling={"type": "dynamic", "factor": 4.0}))
+    assert config.rope == ModelConfig.from_dict(base_config()).rope
 
 
 def test_config_json_is_required(tmp_path):

@@ -1,0 +1,117 @@
+"""RoPE settings read from a Hugging Face `config.json`, and the inverse frequencies they give.
+
+Both spellings are read: the old one (`rope_theta` + `rope_scaling`) and the one of
+transformers >= 5 (`rope_parameters`). Supported types, each computed as transformers does:
+
+* `default`, and `dynamic` (dynamic NTK leaves the frequencies alone up to
+  `max_position_embeddings`, the longest sequence the engine serves);
+* `linear` (positions stretched by `factor`) and `llama3` (Llama 3.1's smoothed bands);
+* `longrope` (Phi-3/Phi-4): the short factors and the attention factor. transformers switches to
+  the long factors once a sequence passes `original_max_position_embeddings`, which a paged
+  cache cannot follow (the keys already cached were rotated with the short ones), so the
+  engine serves such models up to that length (`RopeConfig.max_length`).
+
+`partial_rotary_factor` < 1 rotates only the first part of each head (`rotary_dim`).
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "longrope")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float
+    rotary_dim: int  # leading dims of each head that are rotated (even)
+    rope_type: str = "default"  # "default", "linear", "llama3" or "longrope" ("dynamic" reads as "default")
+    factor: float = 1.0  # linear and llama3: positions are stretched by this much
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 and longrope
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors
+    attention_factor: float = 1.0  # longrope: cos and sin are scaled by it
+
+    @property
+    def max_length(self) -> int | None:
+        """The longest sequence these settings are exact for, if they limit it (longrope)."""
+        return self.original_max_position_embeddings if self.rope_type == "longrope" else None
+
+
+def read_rope(raw: dict[str, Any], head_dim: int) -> RopeConfig:
+    """The RoPE settings of a config.json (either layout); ValueError naming what is unsupported."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rotary_dim = _rotary_dim(float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
+                             head_dim)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"config.json: rope_scaling type {rope_type!r} is not supported; "
+            f"use one of {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type in ("default", "dynamic"):
+        return RopeConfig(theta, rotary_dim)
+    if rope_type == "longrope":
+        return _longrope(raw, params, theta, rotary_dim)
+    if "factor" not in params:
+        raise ValueError(f"config.json: rope_scaling of type {rope_type!r} needs a 'factor'")
+    if rope_type == "linear":
+        return RopeConfig(theta, rotary_dim, "linear", factor=float(params["factor"]))
+    return RopeConfig(
+        theta, rotary_dim, "llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _rotary_dim(partial_rotary_factor: float, head_dim: int) -> int:
+    rotary_dim = int(head_dim * partial_rotary_factor)
+    if not 0 < partial_rotary_factor <= 1 or rotary_dim % 2:
+        raise ValueError(f"config.json: partial_rotary_factor={partial_rotary_factor} must be in (0, 1] and "
+                         f"rotate an even number of the {head_dim} head dims")
+    return rotary_dim
+
+
+def _longrope(raw: dict[str, Any], params: dict[str, Any], theta: float, rotary_dim: int) -> RopeConfig:
+    original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    short_factor = params.get("short_factor")
+    if not isinstance(original, int) or not isinstance(short_factor, list) or len(short_factor) != rotary_dim // 2:
+        raise ValueError("config.json: longrope needs original_max_position_embeddings and a short_factor of "
+                         f"{rotary_dim // 2} numbers")
+    factor = params.get("factor") or int(raw.get("max_position_embeddings", original)) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeConfig(theta, rotary_dim, "longrope", original_max_position_embeddings=original,
+                      short_factor=tuple(float(f) for f in short_factor), attention_factor=float(attention_factor))
+
+
+def rope_inv_freq(rope: RopeConfig) -> torch.Tensor:
+    """The RoPE inverse frequencies [rotary_dim // 2], float32, as transformers computes them."""
+    exponents = torch.arange(0, rope.rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rope.rotary_dim
+    if rope.rope_type == "longrope":
+        return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta**exponents)
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)

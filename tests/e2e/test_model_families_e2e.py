@@ -1,11 +1,13 @@
-"""Another model family through the whole cluster: a random Qwen3 checkpoint (per-head q/k
-RMSNorm, head_dim 32 with hidden_size 64) written by transformers, served by the launcher,
-answered greedily and migrated mid-stream; every token must equal transformers' `generate`."""
+"""Other model families through the whole cluster: random Qwen3, Gemma, Phi-3 and Granite
+checkpoints written by transformers, served by the launcher, answered greedily and migrated
+mid-stream; every token must equal transformers' `generate`, and the frontend serves the
+context the model's attention allows (Phi-3's sliding window)."""
 
 from __future__ import annotations
 
 import pathlib
 
+import openai
 import pytest
 import torch
 
@@ -20,35 +22,55 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory) -> tuple[pathlib.Path, object]:
-    """The tiny models' tokenizer with random Qwen3 weights (and the transformers model)."""
-    model_dir = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3", "gqa-tied")
+FAMILIES = {
+    # per-head q/k RMSNorm, head_dim 32 with hidden_size 64
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=32), 1024),
+    # GeGLU, norms scaling by 1 + weight, scaled embeddings, one KV head
+    "gemma": (transformers.GemmaConfig, dict(head_dim=32, num_key_value_heads=1), 1024),
+    # fused checkpoint tensors, partial rotary, longrope, a sliding window: served up to the window
+    "phi3": (transformers.Phi3Config, dict(
+        sliding_window=500, original_max_position_embeddings=512,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [4.0] * 4,
+                         "original_max_position_embeddings": 512}), 500),
+    # embedding, residual, attention and logits multipliers
+    "granite": (transformers.GraniteConfig, dict(embedding_multiplier=4.0, residual_multiplier=0.4,
+                                                 attention_multiplier=0.15, logits_scaling=2.0), 1024),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[pathlib.Path, object, int]:
+    """The tiny models' tokenizer with random weights of another family (and the transformers
+    model, and the context the cluster should serve)."""
+    config_class, extras, context = FAMILIES[request.param]
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("models") / f"tiny-{request.param}", "gqa-tied")
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         (model_dir / name).unlink()
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=True,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, initializer_range=0.2)
-    hf_model = transformers.Qwen3ForCausalLM(config).eval()
+    config = config_class(**{
+        **dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+               bos_token_id=0, eos_token_id=0, pad_token_id=0, initializer_range=0.2),
+        **extras})
+    hf_model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, parameter in hf_model.named_parameters():
             if "norm" in name:
                 parameter.normal_(1.0, 0.1)
     hf_model.save_pretrained(model_dir)
-    return model_dir, hf_model
+    return model_dir, hf_model, context
 
 
 @pytest.fixture(scope="module")
-def cluster(qwen3, tmp_path_factory):
-    with launched_cluster(qwen3[0], tmp_path_factory.mktemp("qwen3"), "--instances", "2",
+def cluster(family, tmp_path_factory):
+    with launched_cluster(family[0], tmp_path_factory.mktemp("cluster"), "--instances", "2",
                           "--kv-cache-mib", "16") as cluster:
         yield cluster
 
 
-def hf_greedy(qwen3, prompt: str, max_tokens: int) -> list[int]:
-    model_dir, hf_model = qwen3
+def hf_greedy(family, prompt: str, max_tokens: int) -> list[int]:
+    model_dir, hf_model, _ = family
     prompt_ids = Tokenizer.from_dir(model_dir).encode(prompt)
     with torch.no_grad():
         output = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
@@ -56,16 +78,16 @@ def hf_greedy(qwen3, prompt: str, max_tokens: int) -> list[int]:
     return output[0, len(prompt_ids):].tolist()
 
 
-async def test_greedy_tokens_equal_transformers(cluster, client, qwen3):
+async def test_greedy_tokens_equal_transformers(cluster, client, family):
     for prompt in ("hello world", "the quick brown fox jumps"):
         completion = await client.completions.create(model=model_name(cluster), prompt=prompt, max_tokens=24,
                                                      temperature=0, extra_body={"return_token_ids": True,
                                                                                 "ignore_eos": True})
-        assert completion.choices[0].model_extra["token_ids"] == hf_greedy(qwen3, prompt, 24)
+        assert completion.choices[0].model_extra["token_ids"] == hf_greedy(family, prompt, 24)
 
 
-async def test_a_request_migrated_mid_stream_keeps_transformers_tokens(cluster, admin, client, qwen3):
-    prompt, max_tokens = "a qwen request that moves", 400
+async def test_a_request_migrated_mid_stream_keeps_transformers_tokens(cluster, admin, client, family):
+    prompt, max_tokens = "a request that moves", 400
     stream = await client.completions.create(model=model_name(cluster), prompt=prompt, max_tokens=max_tokens,
                                              temperature=0, stream=True,
                                              extra_body={"return_token_ids": True, "ignore_eos": True})
@@ -77,4 +99,12 @@ async def test_a_request_migrated_mid_stream_keeps_transformers_tokens(cluster, 
         if moved is None and len(token_ids) >= 8:
             moved = await admin.Migrate(manager_pb2.MigrateRequest(request_id=chunk.id), timeout=60)
     assert moved is not None and moved.src_instance_id != moved.dst_instance_id and moved.num_blocks > 0
-    assert token_ids == hf_greedy(qwen3, prompt, max_tokens)
+    assert token_ids == hf_greedy(family, prompt, max_tokens)
+
+
+async def test_the_served_context_is_the_models(cluster, client, family):
+    _, _, context = family
+    models = await client.models.list()
+    assert models.data[0].model_extra["max_model_len"] == context
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {context} tokens"):
+        await client.completions.create(model=model_name(cluster), prompt="hello", max_tokens=context)

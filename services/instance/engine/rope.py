@@ -5,7 +5,9 @@ transformers >= 5 (`rope_parameters`). Supported types, each computed as transfo
 
 * `default`, and `dynamic` (dynamic NTK leaves the frequencies alone up to
   `max_position_embeddings`, the longest sequence the engine serves);
-* `linear` (positions stretched by `factor`) and `llama3` (Llama 3.1's smoothed bands);
+* `linear` (positions stretched by `factor`), `llama3` (Llama 3.1's smoothed bands) and
+  `yarn` (Qwen2.5/Qwen3 long context, DeepSeek: interpolated and extrapolated bands, and an
+  attention factor on cos and sin);
 * `longrope` (Phi-3/Phi-4): the short factors and the attention factor. transformers switches to
   the long factors once a sequence passes `original_max_position_embeddings`, which a paged
   cache cannot follow (the keys already cached were rotated with the short ones), so the
@@ -20,20 +22,23 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
     theta: float
     rotary_dim: int  # leading dims of each head that are rotated (even)
-    rope_type: str = "default"  # "default", "linear", "llama3" or "longrope" ("dynamic" reads as "default")
-    factor: float = 1.0  # linear and llama3: positions are stretched by this much
+    rope_type: str = "default"  # "default", "linear", "llama3", "yarn" or "longrope" ("dynamic" reads as "default")
+    factor: float = 1.0  # linear, llama3 and yarn: positions are stretched by this much
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 and longrope
+    original_max_position_embeddings: int = 8192  # llama3, yarn and longrope
+    beta_fast: float = 32.0  # yarn only: rotations where extrapolation ends ...
+    beta_slow: float = 1.0  # ... and interpolation begins
+    truncate: bool = True  # yarn only: round the ramp's ends to whole dims
     short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors
-    attention_factor: float = 1.0  # longrope: cos and sin are scaled by it
+    attention_factor: float = 1.0  # yarn and longrope: cos and sin are scaled by it
 
     @property
     def max_length(self) -> int | None:
@@ -61,13 +66,40 @@ def read_rope(raw: dict[str, Any], head_dim: int) -> RopeConfig:
         raise ValueError(f"config.json: rope_scaling of type {rope_type!r} needs a 'factor'")
     if rope_type == "linear":
         return RopeConfig(theta, rotary_dim, "linear", factor=float(params["factor"]))
+    if rope_type == "yarn":
+        return _yarn(raw, params, theta, rotary_dim)
     return RopeConfig(
         theta, rotary_dim, "llama3",
         factor=float(params["factor"]),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=_original_max_positions(raw, params),
     )
+
+
+def _original_max_positions(raw: dict[str, Any], params: dict[str, Any]) -> int:
+    """The pretraining length, where transformers looks for it: config.json's top level first
+    (Phi-3 keeps it there), then the RoPE settings, else max_position_embeddings."""
+    value = raw.get("original_max_position_embeddings", params.get("original_max_position_embeddings"))
+    return int(value or raw.get("max_position_embeddings", 2048))
+
+
+def _yarn(raw: dict[str, Any], params: dict[str, Any], theta: float, rotary_dim: int) -> RopeConfig:
+    original = _original_max_positions(raw, params)
+    factor = float(params["factor"] or int(raw.get("max_position_embeddings", original)) / original)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = _yarn_mscale(factor, 1.0)
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return RopeConfig(theta, rotary_dim, "yarn", factor=factor, original_max_position_embeddings=original,
+                      beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                      truncate=bool(params.get("truncate", True)), attention_factor=float(attention_factor))
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _rotary_dim(partial_rotary_factor: float, head_dim: int) -> int:
@@ -79,7 +111,7 @@ def _rotary_dim(partial_rotary_factor: float, head_dim: int) -> int:
 
 
 def _longrope(raw: dict[str, Any], params: dict[str, Any], theta: float, rotary_dim: int) -> RopeConfig:
-    original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    original = raw.get("original_max_position_embeddings", params.get("original_max_position_embeddings"))
     short_factor = params.get("short_factor")
     if not isinstance(original, int) or not isinstance(short_factor, list) or len(short_factor) != rotary_dim // 2:
         raise ValueError("config.json: longrope needs original_max_position_embeddings and a short_factor of "
@@ -102,7 +134,26 @@ def rope_inv_freq(rope: RopeConfig) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(rope.theta**exponents, rope)
     return inv_freq
+
+
+def _yarn_inv_freq(pos_freqs: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Interpolated (divided by factor) below the slow band, extrapolated (kept) above the fast one, a ramp between."""
+    def correction_dim(num_rotations: float) -> float:
+        length = rope.original_max_position_embeddings
+        return rope.rotary_dim * math.log(length / (num_rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope.rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(rope.rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return 1.0 / (rope.factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:

@@ -45,6 +45,13 @@ SHAPES = {
         architecture="Qwen3", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=24, vocab_size=400, tie_word_embeddings=False, use_sliding_window=False,
     ),
+    # YaRN RoPE with DeepSeek's mscale pair, attention biases on q/k/v and o
+    "llama_yarn": dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=400, tie_word_embeddings=False, attention_bias=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 16, "beta_slow": 2,
+                         "mscale": 1.0, "mscale_all_dim": 0.5, "original_max_position_embeddings": 32},
+    ),
     # Mistral with a sliding window: served up to the window, where it equals full attention
     "mistral_window": dict(
         architecture="Mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -356,7 +363,7 @@ def test_config_reads_checkpoint(checkpoint):
         ({"model_type": "gpt2"}, "model_type"),
         ({"hidden_size": None}, "hidden_size"),
         ({"num_key_value_heads": 4}, "num_key_value_heads"),
-        ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "yarn"),
+        ({"rope_scaling": {"type": "ntk-by-parts", "factor": 2.0}}, "ntk-by-parts"),
         ({"hidden_act": "relu"}, "hidden_act"),
         ({"torch_dtype": "int8"}, "torch_dtype"),
         ({"partial_rotary_factor": 0.3}, "partial_rotary_factor"),

@@ -1,7 +1,7 @@
-"""Other model families through the whole cluster: random Qwen3, Gemma, Phi-3 and Granite
+"""Other model families through the whole cluster: random Qwen3, Gemma, Gemma 2, Phi-3 and Granite
 checkpoints written by transformers, served by the launcher, answered greedily and migrated
 mid-stream; every token must equal transformers' `generate`, and the frontend serves the
-context the model's attention allows (Phi-3's sliding window)."""
+context the model's attention allows (the sliding windows of Gemma 2 and Phi-3)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32), 1024),
     # GeGLU, norms scaling by 1 + weight, scaled embeddings, one KV head
     "gemma": (transformers.GemmaConfig, dict(head_dim=32, num_key_value_heads=1), 1024),
+    # besides: norms around attention and MLP, soft-capped scores and logits, alternate sliding layers
+    "gemma2": (transformers.Gemma2Config, dict(head_dim=32, query_pre_attn_scalar=48, attn_logit_softcapping=3.0,
+                                               final_logit_softcapping=4.0, sliding_window=512), 512),
     # fused checkpoint tensors, partial rotary, longrope, a sliding window: served up to the window
     "phi3": (transformers.Phi3Config, dict(
         sliding_window=500, original_max_position_embeddings=512,

@@ -18,6 +18,9 @@ at position p sees cached token j iff j <= p, which is causal within the new
 tokens, sees everything cached before them (continued/chunked prefill), and hides
 the stale tail of each sequence's last block and the padding blocks.
 
+Gemma 2 caps the attention scores (`softcap`: cap * tanh(scores / cap)) before the softmax,
+which SDPA cannot do; its layers take an explicit matmul-softmax-matmul path instead.
+
 A long decode sequence whose blocks lie in a few contiguous runs (the block manager hands
 out the lowest free ids, so a prefilled or migrated-in sequence usually gets one run) skips
 the gather: its keys and values are read where they lie, one matmul per run, so a decode
@@ -189,20 +192,41 @@ def write_kv(kv_layer: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tenso
     kv_layer.view(2, num_blocks * block_size, num_kv_heads, head_dim).index_copy_(1, slot_mapping, src)
 
 
-def attend(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: float,
+           softcap: float | None = None) -> torch.Tensor:
     """Attention of the new queries ([num_tokens, heads, head_dim]) over each sequence's cached
     context (already including the new tokens); returns [num_tokens, heads * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
     if plan.prefill is None and plan.in_place is None:
-        return _attend_decode(q, kv_layer, plan.decode, scale).view(num_tokens, num_heads * head_dim)
+        return _attend_decode(q, kv_layer, plan.decode, scale, softcap).view(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if plan.decode is not None:
-        out[plan.decode.out_index] = _attend_decode(q, kv_layer, plan.decode, scale).flatten(1)
+        out[plan.decode.out_index] = _attend_decode(q, kv_layer, plan.decode, scale, softcap).flatten(1)
     if plan.in_place is not None:
-        out[plan.in_place.out_index] = _attend_in_place(q, kv_layer, plan.in_place, scale)
+        out[plan.in_place.out_index] = _attend_in_place(q, kv_layer, plan.in_place, scale, softcap)
     if plan.prefill is not None:
-        out[plan.prefill.out_index] = _attend_prefill(q, kv_layer, plan.prefill, scale)
+        out[plan.prefill.out_index] = _attend_prefill(q, kv_layer, plan.prefill, scale, softcap)
     return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          softcap: float | None, is_causal: bool = False) -> torch.Tensor:
+    """scaled_dot_product_attention (GQA when q has more heads than k), or with the scores capped."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = _capped(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
+    if is_causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
 def _gather(kv_layer: torch.Tensor, index: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,38 +237,42 @@ def _gather(kv_layer: torch.Tensor, index: torch.Tensor, num_keys: int) -> tuple
     return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
 
 
-def _attend_decode(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGroup, scale: float) -> torch.Tensor:
+def _attend_decode(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGroup, scale: float,
+                   softcap: float | None) -> torch.Tensor:
     """One query per sequence; the query heads of a KV head become its query rows (GQA without copies)."""
     num_kv_heads, head_dim = kv_layer.shape[-2:]
     if group.token_index is not None:
         q = q[group.token_index.flatten()]
     q = q.view(q.shape[0], num_kv_heads, -1, head_dim)
     if len(group.chunks) == 1:
-        return _sdpa_decode(q, kv_layer, group, 0, scale).view(q.shape[0], -1, head_dim)
+        return _sdpa_decode(q, kv_layer, group, 0, scale, softcap).view(q.shape[0], -1, head_dim)
     out = q.new_empty(q.shape)
     for i, chunk in enumerate(group.chunks):
-        out[chunk] = _sdpa_decode(q[chunk], kv_layer, group, i, scale)
+        out[chunk] = _sdpa_decode(q[chunk], kv_layer, group, i, scale, softcap)
     return out.view(q.shape[0], -1, head_dim)
 
 
-def _sdpa_decode(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGroup, i: int, scale: float) -> torch.Tensor:
+def _sdpa_decode(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGroup, i: int, scale: float,
+                 softcap: float | None) -> torch.Tensor:
     k, v = _gather(kv_layer, group.gather_indices[i], group.num_keys)
     mask = None if group.mask is None else group.mask[group.chunks[i]]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return _sdpa(q, k, v, mask, scale, softcap)
 
 
-def _attend_in_place(q: torch.Tensor, kv_layer: torch.Tensor, group: InPlaceGroup, scale: float) -> torch.Tensor:
+def _attend_in_place(q: torch.Tensor, kv_layer: torch.Tensor, group: InPlaceGroup, scale: float,
+                     softcap: float | None) -> torch.Tensor:
     """[num_seqs, heads * head_dim]: each sequence's one query over its runs of cache slots, read where they lie."""
     _, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
     slots = kv_layer.view(2, num_cache_blocks * block_size, num_kv_heads, head_dim)
     out = q.new_empty(len(group.sequences), q.shape[1] * head_dim)
     for i, seq in enumerate(group.sequences):
         query = q[seq.token].view(num_kv_heads, -1, head_dim)  # a KV head's query heads as its rows
-        out[i] = _attend_runs(query, slots, seq.runs, scale).flatten()
+        out[i] = _attend_runs(query, slots, seq.runs, scale, softcap).flatten()
     return out
 
 
-def _attend_runs(q: torch.Tensor, slots: torch.Tensor, runs: tuple[tuple[int, int], ...], scale: float) -> torch.Tensor:
+def _attend_runs(q: torch.Tensor, slots: torch.Tensor, runs: tuple[tuple[int, int], ...], scale: float,
+                 softcap: float | None = None) -> torch.Tensor:
     """Softmax attention of q [kv_heads, group, head_dim] over the keys in `runs` of `slots`
     [2, num_slots, kv_heads, head_dim]: scores run by run, one softmax over all of them, then
     the values run by run.
@@ -262,7 +290,8 @@ def _attend_runs(q: torch.Tensor, slots: torch.Tensor, runs: tuple[tuple[int, in
     else:
         keys, values = slots[0].permute(1, 2, 0), slots[1].transpose(0, 1)  # [kv_heads, head_dim | slots, ...]
         scores = [torch.matmul(q, keys[..., start:start + n]) for start, n in runs]
-    probs = torch.softmax(torch.cat(scores, dim=-1).mul_(scale), dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = torch.softmax(_capped(torch.cat(scores, dim=-1).mul_(scale), softcap), dim=-1,
+                          dtype=torch.float32).to(q.dtype)
     out, offset = None, 0
     for start, n in runs:
         run_values = values[start:start + n] if is_fused else values[:, start:start + n]
@@ -283,12 +312,11 @@ def _block_diagonal(q: torch.Tensor) -> torch.Tensor:
     return out.view(num_kv_heads * group, num_kv_heads * head_dim)
 
 
-def _attend_prefill(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGroup, scale: float) -> torch.Tensor:
+def _attend_prefill(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGroup, scale: float,
+                    softcap: float | None) -> torch.Tensor:
     k, v = _gather(kv_layer, group.gather_indices[0], group.num_keys)
     num_seqs, max_query_len = group.token_index.shape
     q = q[group.token_index].transpose(1, 2)  # [num_seqs, heads, max_query_len, head_dim]
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=group.mask, is_causal=group.is_causal, scale=scale, enable_gqa=True
-    )
+    out = _sdpa(q, k, v, group.mask, scale, softcap, is_causal=group.is_causal)
     out = out.transpose(1, 2).reshape(num_seqs * max_query_len, -1)
     return out if group.is_valid is None else out[group.is_valid]

@@ -5,7 +5,8 @@ That is `max_position_embeddings`, shortened where the model's own attention wou
 the engine's full causal attention beyond some length:
 
 * a sliding window of W tokens (Mistral's `sliding_window`; Qwen2/Qwen3 with
-  `use_sliding_window` or a "sliding_attention" layer; Phi-3's `sliding_window`): a query
+  `use_sliding_window` or a "sliding_attention" layer; Phi-3's `sliding_window`; Gemma 2's
+  alternate layers, 4096 unless config.json says otherwise): a query
   sees the keys less than W positions back, so up to W tokens the window covers everything
   and full attention is exact;
 * longrope RoPE (Phi-3/Phi-4 long-context models): exact up to
@@ -20,14 +21,14 @@ DEFAULT_MAX_POSITIONS = 2048  # transformers' default where config.json has no m
 
 def sliding_window(raw: dict[str, Any]) -> int | None:
     """The sliding window the model's attention uses, in tokens, or None for full attention."""
-    window = raw.get("sliding_window")
+    model_type = raw.get("model_type")
+    window = raw.get("sliding_window", 4096 if model_type == "gemma2" else None)
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return None
-    model_type = raw.get("model_type")
     if model_type in ("qwen2", "qwen3"):
         uses_window = raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or ())
         return window if uses_window else None
-    return window if model_type in ("mistral", "phi3") else None
+    return window if model_type in ("mistral", "phi3", "gemma2") else None
 
 
 def longrope_length(raw: dict[str, Any]) -> int | None:

@@ -13,7 +13,8 @@ head_dim]`; `allocate_kv_cache` makes a plain one (the runtime may hand in one
 that lives in shared memory instead).
 
 The families' differences (model_config.py) are a few constants and switches: the MLP's
-activation, Gemma's norm offset and embedding scale, Granite's multipliers, partial RoPE.
+activation, Gemma's norm offset and embedding scale, Gemma 2's extra norms and soft-capping,
+Granite's multipliers, partial RoPE.
 """
 
 from pathlib import Path
@@ -25,7 +26,7 @@ from torch import nn
 
 from services.instance.engine.attention import AttentionPlan, CacheGeometry, attend, write_kv
 from services.instance.engine.forward_batch import ForwardBatch
-from services.instance.engine.model_config import ModelConfig
+from services.instance.engine.model_config import GEMMA_TYPES, ModelConfig
 from services.instance.engine.rope import rope_inv_freq
 from services.instance.engine.packed_linear import MIN_PACKED_NUMEL, PackedLinear
 from services.instance.engine.weights import load_state_dict
@@ -90,6 +91,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.rotary_dim = config.rope.rotary_dim
         self.scale = self.head_dim**-0.5 if config.attention_scale is None else config.attention_scale
+        self.softcap = config.attention_softcap
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = PackedLinear(config.hidden_size, qkv_size, bias=config.qkv_bias)
         self.o_proj = PackedLinear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
@@ -105,7 +107,7 @@ class Attention(nn.Module):
             self._normalize_heads_(qkv)
         apply_rope_(qkv[:, : self.num_heads + self.num_kv_heads, : self.rotary_dim], *rope)
         write_kv(kv_layer, qkv[:, self.num_heads :], plan.slot_mapping)
-        return self.o_proj(attend(qkv[:, : self.num_heads], kv_layer, plan, self.scale))
+        return self.o_proj(attend(qkv[:, : self.num_heads], kv_layer, plan, self.scale, self.softcap))
 
     def _normalize_heads_(self, qkv: torch.Tensor) -> None:
         """Qwen3: RMSNorm over head_dim of every query head and every key head, in place."""
@@ -155,12 +157,30 @@ class DecoderLayer(nn.Module):
         return h.add_(out if self.residual_scale == 1.0 else out * self.residual_scale)
 
 
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 2: the attention and MLP outputs are normed too; `post_attention_layernorm` norms the
+    attention's output (not the MLP's input, as in Llama)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
+
+    def forward(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(h), rope, kv_layer, plan)
+        h = self._add_residual_(h, self.post_attention_layernorm(attended))
+        return self._add_residual_(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        layer_class = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer_class(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.lm_head = None
         if not config.tie_word_embeddings:
@@ -215,12 +235,14 @@ class LlamaModel(nn.Module):
         logits = F.linear(h, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
         if self.config.logits_divisor != 1.0:
             logits = logits / self.config.logits_divisor
+        if self.config.logits_softcap is not None:
+            logits = torch.tanh(logits / self.config.logits_softcap) * self.config.logits_softcap
         return logits.float()
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         scale = self.config.embedding_scale
-        if self.config.model_type == "gemma":  # transformers rounds sqrt(hidden_size) to the model's dtype first
+        if self.config.model_type in GEMMA_TYPES:  # transformers rounds sqrt(hidden_size) to the model's dtype first
             return h * torch.tensor(scale, dtype=h.dtype)
         return h if scale == 1.0 else h * scale
 

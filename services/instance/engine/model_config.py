@@ -8,6 +8,8 @@ Llama-family decoders are supported (pre-norm blocks, RoPE, GQA, gated MLP), eac
   before RoPE);
 * "phi3" (q/k/v and gate/up fused in the checkpoint; partial rotary and longrope RoPE);
 * "gemma" (GeGLU, norms scaling by 1 + weight, embeddings scaled by sqrt(hidden_size));
+  "gemma2" (besides: norms after attention and after the MLP too, tanh soft-capping of the
+  attention scores and of the logits, `query_pre_attn_scalar`, sliding window on alternate layers);
 * "granite" (embedding, residual, attention and logits multipliers).
 
 A sliding window, or longrope RoPE, limits the longest sequence served instead of being
@@ -25,7 +27,8 @@ import torch
 from services.instance.engine.context_window import DEFAULT_MAX_POSITIONS, ContextLimit, context_limit
 from services.instance.engine.rope import RopeConfig, read_rope
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "granite")
+GEMMA_TYPES = ("gemma", "gemma2")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # the gated MLP's act(gate(x)) * up(x)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,6 +61,9 @@ class ModelConfig:
     residual_scale: float = 1.0  # Granite: each block's output is scaled by it before the residual add
     attention_scale: float | None = None  # Granite: attention_multiplier; None: head_dim ** -0.5
     logits_divisor: float = 1.0  # Granite: logits_scaling
+    attention_softcap: float | None = None  # Gemma 2: scores become cap * tanh(scores / cap) before the softmax
+    logits_softcap: float | None = None  # Gemma 2: the same on the logits
+    sandwich_norms: bool = False  # Gemma 2: attention and MLP outputs are normed too before the residual add
 
     @property
     def context_length(self) -> int:
@@ -105,7 +111,7 @@ class ModelConfig:
             rope=read_rope(raw, head_dim),
             max_position_embeddings=int(raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)),
             context=context_limit(raw),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type == "gemma")),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
             qk_norm=model_type == "qwen3",
@@ -138,7 +144,10 @@ def _required_int(raw: dict[str, Any], field: str) -> int:
 
 
 def _activation(raw: dict[str, Any], model_type: str) -> str:
-    act = raw.get("hidden_act", "gelu_pytorch_tanh" if model_type == "gemma" else "silu")
+    if model_type == "gemma2":  # transformers' Gemma2Config reads hidden_activation only
+        act = raw.get("hidden_activation") or "gelu_pytorch_tanh"
+    else:
+        act = raw.get("hidden_act") or ("gelu_pytorch_tanh" if model_type == "gemma" else "silu")
     if model_type == "gemma" and act == "gelu":
         act = "gelu_pytorch_tanh"  # transformers reads Gemma's legacy "gelu" as the tanh approximation
     if act not in SUPPORTED_ACTIVATIONS:
@@ -151,6 +160,11 @@ def _scales(raw: dict[str, Any], model_type: str, hidden_size: int) -> dict[str,
     """The family's constant factors (ModelConfig's fields from norm_weight_offset on)."""
     if model_type == "gemma":
         return {"norm_weight_offset": 1.0, "embedding_scale": math.sqrt(hidden_size)}
+    if model_type == "gemma2":
+        return {"norm_weight_offset": 1.0, "embedding_scale": math.sqrt(hidden_size),
+                "attention_scale": float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
+                "attention_softcap": raw.get("attn_logit_softcapping", 50.0),
+                "logits_softcap": raw.get("final_logit_softcapping", 30.0), "sandwich_norms": True}
     if model_type == "granite":
         return {"embedding_scale": float(raw.get("embedding_multiplier", 1.0)),
                 "residual_scale": float(raw.get("residual_multiplier", 1.0)),

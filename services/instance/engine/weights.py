@@ -57,7 +57,8 @@ def _layer_sources(config: ModelConfig, i: int) -> Iterator[tuple[str, list[str]
         yield f"{ours}mlp.gate_up_proj.{s}", [f"{hf}mlp.{p}_proj.{s}" for p in (["gate_up"] if fused else ["gate", "up"])]
         yield f"{ours}mlp.down_proj.{s}", [f"{hf}mlp.down_proj.{s}"]
     yield f"{ours}input_layernorm.weight", [f"{hf}input_layernorm.weight"]
-    yield f"{ours}post_attention_layernorm.weight", [f"{hf}post_attention_layernorm.weight"]
+    for norm in ["post_attention"] + (["pre_feedforward", "post_feedforward"] if config.sandwich_norms else []):
+        yield f"{ours}{norm}_layernorm.weight", [f"{hf}{norm}_layernorm.weight"]
 
 
 def tensor_sources(config: ModelConfig) -> dict[str, list[str]]:

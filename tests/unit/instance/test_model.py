@@ -1,5 +1,6 @@
 """The torch engine's Llama model against transformers, on tiny random checkpoints."""
 
+import copy
 import json
 import random
 from dataclasses import dataclass, field
@@ -72,6 +73,13 @@ SHAPES = {
     "gemma": dict(
         architecture="Gemma", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, head_dim=32, vocab_size=400, tie_word_embeddings=True,
+    ),
+    # Gemma 2: norms around attention and MLP, soft-capped scores and logits, query_pre_attn_scalar,
+    # a sliding window on alternate layers (served up to the window)
+    "gemma2": dict(
+        architecture="Gemma2", hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=400, tie_word_embeddings=True, query_pre_attn_scalar=24,
+        attn_logit_softcapping=1.5, final_logit_softcapping=2.0, sliding_window=64,
     ),
     # Granite: embedding, residual, attention and logits multipliers
     "granite": dict(
@@ -313,7 +321,11 @@ def test_bfloat16_load_gives_float32_logits(checkpoint):
     prompt = random_prompt(10, model.config.vocab_size, seed=3)
     logits = PagedRunner(model).step([(Sequence(prompt), len(prompt))])
     assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits[0], hf_last_logits(hf_model, prompt), atol=0.15, rtol=0.05)
+    expected = hf_last_logits(hf_model, prompt)
+    # bfloat16 rounding grows with depth and norms: allow twice what transformers' own bfloat16 run is off by
+    hf_bf16_error = float((hf_last_logits(copy.deepcopy(hf_model).to(torch.bfloat16), prompt).float() - expected)
+                          .abs().max())
+    torch.testing.assert_close(logits[0], expected, atol=max(0.15, 2 * hf_bf16_error), rtol=0.05)
 
 
 def test_missing_tensor_is_named(checkpoint, tmp_path):
@@ -396,6 +408,7 @@ def test_config_reads_each_familys_attention_extras(changes, qkv_bias, o_bias, q
     ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 512}, 512,
      "sliding_window"),
     ({"model_type": "phi3", "sliding_window": 2047}, 2047, "sliding_window"),
+    ({"model_type": "gemma2"}, 4096, "sliding_window"),  # transformers' default window, on alternate layers
     ({"sliding_window": 1024}, 8192, "max_position_embeddings"),  # Llama has no window: the field is ignored
     ({"model_type": "phi3", "partial_rotary_factor": 0.75, "original_max_position_embeddings": 4096,
       "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 24, "long_factor": [2.0] * 24}}, 4096, "longrope"),
@@ -413,6 +426,7 @@ def test_context_length_stops_where_full_attention_stops_being_exact(changes, le
     ({}, "silu"), ({"hidden_act": "gelu"}, "gelu"),
     ({"model_type": "gemma", "hidden_act": "gelu"}, "gelu_pytorch_tanh"),  # Gemma's legacy spelling
     ({"model_type": "gemma", "hidden_act": None}, "gelu_pytorch_tanh"),
+    ({"model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh"}, "gelu_pytorch_tanh"),
 ])
 def test_config_reads_the_activation(changes, activation):
     raw = base_config(**changes)

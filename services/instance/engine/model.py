@@ -57,7 +57,7 @@ class RotaryEmbedding(nn.Module):
     """RoPE tables for every position the model serves, each [context_length, rotary_dim]: cos
     repeated for both halves, and sin negated on the first half, so that rotating x is
     `x * cos + x.roll(rotary_dim // 2) * sin` (the "rotate_half" convention of HF Llama); both
-    scaled by longrope's attention factor."""
+    scaled by the RoPE's attention factor (yarn, longrope)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -34,7 +34,7 @@ class FrontendConfig(EtcdKnobs, ClientTlsKnobs, LogKnobs):
     keepalive_timeout_s: float = knob(75.0, "seconds an HTTP connection may sit without a complete request (idle "
                                             "keep-alive, or headers arriving too slowly) before it is closed")
     body_timeout_s: float = knob(30.0, "seconds a request body may take to arrive; slower ones get 408")
-    max_model_len: int = knob(0, "longest prompt + output in tokens (0 = the longest the model serves: max_position_embeddings from config.json, or its sliding window if shorter)")
+    max_model_len: int = knob(0, "longest prompt + output in tokens (0 = the longest the model serves: max_position_embeddings from config.json, or less for longrope RoPE)")
     dispatch_timeout_s: float = knob(0.2, "deadline of ManagerService/Dispatch; past it the frontend picks an instance itself")
     generate_timeout_s: float = knob(600.0, "deadline of one InstanceService/Generate stream")
     abort_timeout_s: float = knob(2.0, "deadline of InstanceService/Abort sent when a client goes away")

@@ -41,7 +41,7 @@ class ServedModel:
     @classmethod
     def load(cls, folder: pathlib.Path, name: str, max_model_len: int = 0) -> ServedModel:
         """Read `folder`; `max_model_len` 0 means the longest the model serves (config.json's
-        max_position_embeddings, or its sliding window if shorter: context_window.py)."""
+        max_position_embeddings, or less for longrope RoPE: context_window.py)."""
         config_path = folder / "config.json"
         try:
             config = json.loads(config_path.read_text())

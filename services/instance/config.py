@@ -59,7 +59,7 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     max_num_batched_tokens: int = knob(2048, "most tokens (prefill chunks + decodes) in one engine step")
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of prompt prefixes earlier requests computed "
                                              "(full blocks, matched by a hash of their tokens); false = off")
-    max_model_len: int = knob(0, "longest sequence (prompt + output) in tokens (0 = the longest the model serves: max_position_embeddings, or its sliding window if shorter)")
+    max_model_len: int = knob(0, "longest sequence (prompt + output) in tokens (0 = the longest the model serves: max_position_embeddings, or less for longrope RoPE)")
     num_threads: int = knob(0, "torch threads for the engine (0 = torch's default)")
     load_report_interval_s: float = knob(0.075, "seconds between load reports streamed to the leader manager")
     shutdown_grace_s: float = knob(5.0, "seconds running requests get to finish on SIGTERM before they are cut")

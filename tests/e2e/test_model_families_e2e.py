@@ -1,7 +1,8 @@
 """Other model families through the whole cluster: random Qwen3, Gemma, Gemma 2, Phi-3 and Granite
 checkpoints written by transformers, served by the launcher, answered greedily and migrated
 mid-stream; every token must equal transformers' `generate`, and the frontend serves the
-context the model's attention allows (the sliding windows of Gemma 2 and Phi-3)."""
+context the model allows (Phi-3's longrope). The sliding windows are far shorter than the
+sequences, so the windowed layers' masks are what is checked there."""
 
 from __future__ import annotations
 
@@ -29,13 +30,13 @@ FAMILIES = {
     "gemma": (transformers.GemmaConfig, dict(head_dim=32, num_key_value_heads=1), 1024),
     # besides: norms around attention and MLP, soft-capped scores and logits, alternate sliding layers
     "gemma2": (transformers.Gemma2Config, dict(head_dim=32, query_pre_attn_scalar=48, attn_logit_softcapping=3.0,
-                                               final_logit_softcapping=4.0, sliding_window=512), 512),
-    # fused checkpoint tensors, partial rotary, longrope, a sliding window: served up to the window
+                                               final_logit_softcapping=4.0, sliding_window=16), 1024),
+    # fused checkpoint tensors, partial rotary, a sliding window; longrope: served up to its pretraining length
     "phi3": (transformers.Phi3Config, dict(
-        sliding_window=500, original_max_position_embeddings=512,
+        sliding_window=24, original_max_position_embeddings=512,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                          "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [4.0] * 4,
-                         "original_max_position_embeddings": 512}), 500),
+                         "original_max_position_embeddings": 512}), 512),
     # embedding, residual, attention and logits multipliers
     "granite": (transformers.GraniteConfig, dict(embedding_multiplier=4.0, residual_multiplier=0.4,
                                                  attention_multiplier=0.15, logits_scaling=2.0), 1024),

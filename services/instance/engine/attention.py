@@ -18,7 +18,9 @@ at position p sees cached token j iff j <= p, which is causal within the new
 tokens, sees everything cached before them (continued/chunked prefill), and hides
 the stale tail of each sequence's last block and the padding blocks.
 
-Gemma 2 caps the attention scores (`softcap`: cap * tanh(scores / cap)) before the softmax,
+A layer with a sliding window of W tokens gets a plan of its own (`AttentionPlan.build(...,
+window=W)`): its masks also hide the keys W or more positions back, and its long decode
+sequences are gathered rather than read in place. Gemma 2 caps the attention scores (`softcap`: cap * tanh(scores / cap)) before the softmax,
 which SDPA cannot do; its layers take an explicit matmul-softmax-matmul path instead.
 
 A long decode sequence whose blocks lie in a few contiguous runs (the block manager hands
@@ -85,20 +87,22 @@ class AttentionPlan:
     in_place: InPlaceGroup | None = None  # long decode sequences in few block runs, read in place
 
     @classmethod
-    def build(cls, batch: ForwardBatch, geometry: CacheGeometry) -> "AttentionPlan":
+    def build(cls, batch: ForwardBatch, geometry: CacheGeometry, window: int | None = None) -> "AttentionPlan":
+        """The plan of one forward; `window`: a query at position p sees only keys p - window < j <= p."""
         query_lens = torch.tensor(batch.query_lens, dtype=torch.int64)
         starts = torch.cumsum(query_lens, 0) - query_lens
         is_decode = query_lens == 1
-        in_place, in_place_seqs = _in_place_group(batch, is_decode, starts, geometry)
+        in_place, in_place_seqs = _in_place_group(batch, is_decode, starts, geometry, window)
         is_decode[in_place_seqs] = False
         if batch.is_decode_only and in_place is None:
-            return cls(batch.slot_mapping, _decode_group(batch, None, starts, geometry), None)
+            return cls(batch.slot_mapping, _decode_group(batch, None, starts, geometry, window), None)
         decode = prefill = None
         if bool(is_decode.any()):
-            decode = _decode_group(batch, torch.nonzero(is_decode).flatten(), starts, geometry)
+            decode = _decode_group(batch, torch.nonzero(is_decode).flatten(), starts, geometry, window)
         is_prefill = query_lens > 1
         if bool(is_prefill.any()):
-            prefill = _prefill_group(batch, torch.nonzero(is_prefill).flatten(), query_lens, starts, geometry)
+            prefill = _prefill_group(batch, torch.nonzero(is_prefill).flatten(), query_lens, starts, geometry,
+                                     window)
         return cls(batch.slot_mapping, decode, prefill, in_place)
 
 
@@ -122,23 +126,32 @@ def _gather_plan(
 
 
 def _decode_group(
-    batch: ForwardBatch, seqs: torch.Tensor | None, starts: torch.Tensor, geometry: CacheGeometry
+    batch: ForwardBatch, seqs: torch.Tensor | None, starts: torch.Tensor, geometry: CacheGeometry, window: int | None
 ) -> AttentionGroup:
     context_lens = batch.context_lens if seqs is None else batch.context_lens[seqs]
     block_tables = batch.block_tables if seqs is None else batch.block_tables[seqs]
     num_keys, chunks, indices = _gather_plan(block_tables, context_lens, geometry, DECODE_CHUNK_BYTES)
     mask = None
-    if bool((context_lens != num_keys).any()):
-        mask = (torch.arange(num_keys) < context_lens[:, None]).view(-1, 1, 1, num_keys)
+    is_windowed = window is not None and bool((context_lens > window).any())
+    if is_windowed or bool((context_lens != num_keys).any()):
+        keys = torch.arange(num_keys)
+        mask = keys < context_lens[:, None]
+        if is_windowed:
+            mask &= keys >= context_lens[:, None] - window  # the one query sits at position context_len - 1
+        mask = mask.view(-1, 1, 1, num_keys)
     token_index = None if seqs is None else starts[seqs].view(-1, 1)  # a decode sequence's only token
     out_index = None if token_index is None else token_index.flatten()
     return AttentionGroup(num_keys, chunks, indices, mask, False, token_index, None, out_index)
 
 
-def _in_place_group(batch: ForwardBatch, is_decode: torch.Tensor, starts: torch.Tensor, geometry: CacheGeometry
-                    ) -> tuple[InPlaceGroup | None, list[int]]:
-    """The decode sequences to read in place (long context, few block runs), and their indexes."""
-    candidates = torch.nonzero(is_decode & (batch.context_lens >= IN_PLACE_MIN_KEYS)).flatten().tolist()
+def _in_place_group(batch: ForwardBatch, is_decode: torch.Tensor, starts: torch.Tensor, geometry: CacheGeometry,
+                    window: int | None) -> tuple[InPlaceGroup | None, list[int]]:
+    """The decode sequences to read in place (long context, few block runs, all of it inside
+    the window), and their indexes."""
+    is_candidate = is_decode & (batch.context_lens >= IN_PLACE_MIN_KEYS)
+    if window is not None:
+        is_candidate &= batch.context_lens <= window
+    candidates = torch.nonzero(is_candidate).flatten().tolist()
     sequences, seqs = [], []
     for seq in candidates:
         runs = _slot_runs(batch.block_tables[seq], int(batch.context_lens[seq]), geometry.block_size)
@@ -166,18 +179,24 @@ def _slot_runs(block_table: torch.Tensor, context_len: int, block_size: int) -> 
 
 
 def _prefill_group(
-    batch: ForwardBatch, seqs: torch.Tensor, query_lens: torch.Tensor, starts: torch.Tensor, geometry: CacheGeometry
+    batch: ForwardBatch, seqs: torch.Tensor, query_lens: torch.Tensor, starts: torch.Tensor, geometry: CacheGeometry,
+    window: int | None,
 ) -> AttentionGroup:
     lens, context_lens = query_lens[seqs], batch.context_lens[seqs]
     num_keys, chunks, indices = _gather_plan(batch.block_tables[seqs], context_lens, geometry, None)
     offsets = torch.arange(int(lens.max()))
     is_valid = offsets < lens[:, None]
     token_index = torch.where(is_valid, starts[seqs][:, None] + offsets, 0)
-    is_causal = bool((context_lens == lens).all())  # nothing cached before the new tokens
+    is_windowed = window is not None and int(context_lens.max()) > window
+    is_causal = bool((context_lens == lens).all()) and not is_windowed  # nothing cached before the new tokens
     mask = None
     if not is_causal:
         positions = batch.positions[token_index]  # padding rows take token 0's position: they see key 0 at least
-        mask = (torch.arange(num_keys) <= positions[:, :, None]).unsqueeze(1)
+        keys = torch.arange(num_keys)
+        mask = keys <= positions[:, :, None]
+        if is_windowed:
+            mask &= keys > positions[:, :, None] - window
+        mask = mask.unsqueeze(1)
     is_valid = is_valid.flatten()
     out_index = token_index.flatten()[is_valid]
     is_valid = None if bool(is_valid.all()) else is_valid

@@ -1,41 +1,60 @@
-"""The longest sequence a model is served with, from its raw `config.json` (no torch: the
-frontend reads it too).
+"""Which layers attend through a sliding window, and the longest sequence a model is served
+with, from its raw `config.json` (no torch: the frontend reads it too).
 
-That is `max_position_embeddings`, shortened where the model's own attention would differ from
-the engine's full causal attention beyond some length:
+Sliding windows, as transformers applies them (a query at position p sees the keys at
+positions p - W < j <= p):
 
-* a sliding window of W tokens (Mistral's `sliding_window`; Qwen2/Qwen3 with
-  `use_sliding_window` or a "sliding_attention" layer; Phi-3's `sliding_window`; Gemma 2's
-  alternate layers, 4096 unless config.json says otherwise): a query
-  sees the keys less than W positions back, so up to W tokens the window covers everything
-  and full attention is exact;
-* longrope RoPE (Phi-3/Phi-4 long-context models): exact up to
-  `original_max_position_embeddings` (see rope.py).
+* Mistral and Phi-3: `sliding_window` on every layer;
+* Qwen2/Qwen3: with `use_sliding_window`, the layers `layer_types` marks "sliding_attention",
+  or by default those from `max_window_layers` on;
+* Gemma 2 (every other layer) and Gemma 3 (five of every six): `layer_types`, or that default
+  pattern; the window is 4096 (Gemma 2) or 512 unless config.json says otherwise.
+
+The served context is `max_position_embeddings`, or less for longrope RoPE (Phi-3/Phi-4
+long-context models), which is exact only up to `original_max_position_embeddings` (rope.py).
 """
 
 from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_MAX_POSITIONS = 2048  # transformers' default where config.json has no max_position_embeddings
+DEFAULT_WINDOWS = {"gemma2": 4096, "gemma3_text": 512}  # transformers' defaults where config.json has none
+SLIDING = "sliding_attention"
 
 
-def sliding_window(raw: dict[str, Any]) -> int | None:
-    """The sliding window the model's attention uses, in tokens, or None for full attention."""
+def layer_windows(raw: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window in tokens, None where it attends to the whole context."""
     model_type = raw.get("model_type")
-    window = raw.get("sliding_window", 4096 if model_type == "gemma2" else None)
+    window = raw.get("sliding_window", DEFAULT_WINDOWS.get(model_type))
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        return None
+        return (None,) * num_layers
+    return tuple(window if is_sliding else None for is_sliding in _sliding_layers(raw, model_type, num_layers))
+
+
+def _sliding_layers(raw: dict[str, Any], model_type: str | None, num_layers: int) -> list[bool]:
+    layer_types = raw.get("layer_types")
+    if model_type in ("mistral", "phi3"):
+        return [True] * num_layers
     if model_type in ("qwen2", "qwen3"):
-        uses_window = raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or ())
-        return window if uses_window else None
-    return window if model_type in ("mistral", "phi3", "gemma2") else None
+        if not raw.get("use_sliding_window"):
+            return [False] * num_layers
+        if layer_types:
+            return [kind == SLIDING for kind in layer_types]
+        first = int(raw.get("max_window_layers", 28))
+        return [i >= first for i in range(num_layers)]
+    if model_type in DEFAULT_WINDOWS:
+        if layer_types:
+            return [kind == SLIDING for kind in layer_types]
+        pattern = 2 if model_type == "gemma2" else int(raw.get("sliding_window_pattern", 6))
+        return [bool((i + 1) % pattern) for i in range(num_layers)]
+    return [False] * num_layers
 
 
 def longrope_length(raw: dict[str, Any]) -> int | None:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if params.get("rope_type", params.get("type")) != "longrope":
         return None
-    original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    original = raw.get("original_max_position_embeddings", params.get("original_max_position_embeddings"))
     return original if isinstance(original, int) and original > 0 else None
 
 
@@ -46,11 +65,11 @@ class ContextLimit:
 
 
 def context_limit(raw: dict[str, Any]) -> ContextLimit:
-    limits = [(int(raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)), "max_position_embeddings"),
-              (sliding_window(raw), "sliding_window"),
-              (longrope_length(raw), "longrope's original_max_position_embeddings")]
-    length, set_by = min((limit for limit in limits if limit[0] is not None), key=lambda limit: limit[0])
-    return ContextLimit(length, set_by)
+    max_positions = int(raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
+    longrope = longrope_length(raw)
+    if longrope is not None and longrope < max_positions:
+        return ContextLimit(longrope, "longrope's original_max_position_embeddings")
+    return ContextLimit(max_positions, "max_position_embeddings")
 
 
 def checked_max_model_len(requested: int, limit: ContextLimit) -> int:

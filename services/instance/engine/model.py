@@ -226,11 +226,12 @@ class LlamaModel(nn.Module):
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """float32 logits of the tokens `batch.logit_indices()` names (each sequence's last new token by default);
         writes the new K/V to kv_cache."""
-        plan = AttentionPlan.build(batch, CacheGeometry.of(kv_cache))
+        geometry = CacheGeometry.of(kv_cache)
+        plans = {window: AttentionPlan.build(batch, geometry, window) for window in set(self.config.layer_windows)}
         rope = self.rotary(batch.positions)
         h = self._embed(batch.input_ids)
-        for layer, kv_layer in zip(self.layers, kv_cache, strict=True):
-            h = layer(h, rope, kv_layer, plan)
+        for layer, kv_layer, window in zip(self.layers, kv_cache, self.config.layer_windows, strict=True):
+            h = layer(h, rope, kv_layer, plans[window])
         h = self.norm(h[batch.logit_indices()])
         logits = F.linear(h, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
         if self.config.logits_divisor != 1.0:

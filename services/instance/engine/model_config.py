@@ -12,8 +12,8 @@ Llama-family decoders are supported (pre-norm blocks, RoPE, GQA, gated MLP), eac
   attention scores and of the logits, `query_pre_attn_scalar`, sliding window on alternate layers);
 * "granite" (embedding, residual, attention and logits multipliers).
 
-A sliding window, or longrope RoPE, limits the longest sequence served instead of being
-refused (context_window.py); RoPE settings are read in rope.py.
+Sliding windows are read per layer, and longrope RoPE limits the longest sequence served
+(context_window.py); RoPE settings are read in rope.py.
 """
 
 import json
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from services.instance.engine.context_window import DEFAULT_MAX_POSITIONS, ContextLimit, context_limit
+from services.instance.engine.context_window import DEFAULT_MAX_POSITIONS, ContextLimit, context_limit, layer_windows
 from services.instance.engine.rope import RopeConfig, read_rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "granite")
@@ -47,6 +47,7 @@ class ModelConfig:
     rope: RopeConfig
     max_position_embeddings: int
     context: ContextLimit  # the longest sequence served: max_position_embeddings, or less (context_window.py)
+    layer_windows: tuple[int | None, ...]  # each layer's sliding window in tokens; None: the whole context
     tie_word_embeddings: bool  # the LM head reuses the embedding matrix
     qkv_bias: bool  # q/k/v projections carry a bias
     o_bias: bool  # the output projection carries a bias
@@ -111,6 +112,7 @@ class ModelConfig:
             rope=read_rope(raw, head_dim),
             max_position_embeddings=int(raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)),
             context=context_limit(raw),
+            layer_windows=layer_windows(raw, _required_int(raw, "num_hidden_layers")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,

@@ -53,15 +53,21 @@ SHAPES = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 16, "beta_slow": 2,
                          "mscale": 1.0, "mscale_all_dim": 0.5, "original_max_position_embeddings": 32},
     ),
-    # Mistral with a sliding window: served up to the window, where it equals full attention
+    # Mistral with a sliding window far shorter than the test's sequences
     "mistral_window": dict(
         architecture="Mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=400, tie_word_embeddings=False, sliding_window=64,
+        num_key_value_heads=2, vocab_size=400, tie_word_embeddings=False, sliding_window=7,
+    ),
+    # Qwen2 with its sliding window on the layers from max_window_layers on
+    "qwen2_window": dict(
+        architecture="Qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=400, tie_word_embeddings=True, use_sliding_window=True, sliding_window=5,
+        max_window_layers=1,
     ),
     # Phi-3: fused q/k/v and gate/up in the checkpoint, half the head rotated, longrope (short factors)
     "phi3_longrope": dict(
         architecture="Phi3", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=400, tie_word_embeddings=False, sliding_window=None,
+        num_key_value_heads=2, vocab_size=400, tie_word_embeddings=False, sliding_window=9,
         original_max_position_embeddings=64,
         rope_parameters={
             "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
@@ -75,11 +81,11 @@ SHAPES = {
         num_key_value_heads=1, head_dim=32, vocab_size=400, tie_word_embeddings=True,
     ),
     # Gemma 2: norms around attention and MLP, soft-capped scores and logits, query_pre_attn_scalar,
-    # a sliding window on alternate layers (served up to the window)
+    # a sliding window on alternate layers
     "gemma2": dict(
         architecture="Gemma2", hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, vocab_size=400, tie_word_embeddings=True, query_pre_attn_scalar=24,
-        attn_logit_softcapping=1.5, final_logit_softcapping=2.0, sliding_window=64,
+        attn_logit_softcapping=1.5, final_logit_softcapping=2.0, sliding_window=6,
     ),
     # Granite: embedding, residual, attention and logits multipliers
     "granite": dict(
@@ -400,26 +406,40 @@ def test_config_reads_each_familys_attention_extras(changes, qkv_bias, o_bias, q
 
 @pytest.mark.parametrize(("changes", "length", "set_by"), [
     ({}, 8192, "max_position_embeddings"),
-    ({"model_type": "mistral", "sliding_window": 4096}, 4096, "sliding_window"),
-    ({"model_type": "mistral", "sliding_window": None}, 8192, "max_position_embeddings"),
-    ({"model_type": "mistral", "sliding_window": 16384}, 8192, "max_position_embeddings"),
-    ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096}, 8192, "max_position_embeddings"),
-    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, 4096, "sliding_window"),
-    ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 512}, 512,
-     "sliding_window"),
-    ({"model_type": "phi3", "sliding_window": 2047}, 2047, "sliding_window"),
-    ({"model_type": "gemma2"}, 4096, "sliding_window"),  # transformers' default window, on alternate layers
-    ({"sliding_window": 1024}, 8192, "max_position_embeddings"),  # Llama has no window: the field is ignored
+    ({"model_type": "mistral", "sliding_window": 4096}, 8192, "max_position_embeddings"),
     ({"model_type": "phi3", "partial_rotary_factor": 0.75, "original_max_position_embeddings": 4096,
       "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 24, "long_factor": [2.0] * 24}}, 4096, "longrope"),
 ])
-def test_context_length_stops_where_full_attention_stops_being_exact(changes, length, set_by):
+def test_context_length_stops_where_the_rope_stops_being_exact(changes, length, set_by):
     config = ModelConfig.from_dict(base_config(**changes))
     assert config.context_length == length and set_by in config.context.set_by
     assert checked_max_model_len(0, config.context) == length
     assert checked_max_model_len(length - 1, config.context) == length - 1
     with pytest.raises(ValueError, match=f"--max-model-len {length + 1} .*{length} tokens.*{set_by}"):
         checked_max_model_len(length + 1, config.context)
+
+
+S, F = "sliding_attention", "full_attention"
+
+
+@pytest.mark.parametrize(("changes", "windows"), [
+    ({}, [None] * 4),
+    ({"sliding_window": 1024}, [None] * 4),  # Llama has no window: the field is ignored
+    ({"model_type": "mistral", "sliding_window": 4096}, [4096] * 4),
+    ({"model_type": "mistral", "sliding_window": None}, [None] * 4),
+    ({"model_type": "phi3", "sliding_window": 2047}, [2047] * 4),
+    ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 64}, [None] * 4),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2},
+     [None, None, 64, 64]),
+    ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 64, "layer_types": [S, F, S, F]},
+     [64, None, 64, None]),
+    ({"model_type": "gemma2"}, [4096, None, 4096, None]),  # transformers' defaults
+    ({"model_type": "gemma2", "sliding_window": 8, "layer_types": [F, F, F, S]}, [None, None, None, 8]),
+])
+def test_config_reads_each_layers_sliding_window(changes, windows):
+    config = ModelConfig.from_dict(base_config(num_hidden_layers=4, **changes))
+    assert list(config.layer_windows) == windows
+    assert config.context_length == 8192
 
 
 @pytest.mark.parametrize(("changes", "activation"), [

@@ -1,6 +1,6 @@
-"""Other model families through the whole cluster: random Qwen3, Gemma, Gemma 2, Phi-3 and Granite
-checkpoints written by transformers, served by the launcher, answered greedily and migrated
-mid-stream; every token must equal transformers' `generate`, and the frontend serves the
+"""Other model families through the whole cluster: random Qwen3, Gemma, Gemma 2, Gemma 3,
+Phi-3 and Granite checkpoints written by transformers, served by the launcher, answered
+greedily and migrated mid-stream; every token must equal transformers' `generate`, and the frontend serves the
 context the model allows (Phi-3's longrope). The sliding windows are far shorter than the
 sequences, so the windowed layers' masks are what is checked there."""
 
@@ -31,6 +31,9 @@ FAMILIES = {
     # besides: norms around attention and MLP, soft-capped scores and logits, alternate sliding layers
     "gemma2": (transformers.Gemma2Config, dict(head_dim=32, query_pre_attn_scalar=48, attn_logit_softcapping=3.0,
                                                final_logit_softcapping=4.0, sliding_window=16), 1024),
+    # besides Gemma 2's: per-head q/k norms, a RoPE of their own on the sliding layers, no soft-capping
+    "gemma3": (transformers.Gemma3TextConfig, dict(head_dim=32, query_pre_attn_scalar=48, sliding_window=16,
+                                                   sliding_window_pattern=2), 1024),
     # fused checkpoint tensors, partial rotary, a sliding window; longrope: served up to its pretraining length
     "phi3": (transformers.Phi3Config, dict(
         sliding_window=24, original_max_position_embeddings=512,

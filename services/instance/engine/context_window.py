@@ -8,7 +8,7 @@ positions p - W < j <= p):
 * Qwen2/Qwen3: with `use_sliding_window`, the layers `layer_types` marks "sliding_attention",
   or by default those from `max_window_layers` on;
 * Gemma 2 (every other layer) and Gemma 3 (five of every six): `layer_types`, or that default
-  pattern; the window is 4096 (Gemma 2) or 512 unless config.json says otherwise.
+  pattern; the window is 4096 unless config.json says otherwise.
 
 The served context is `max_position_embeddings`, or less for longrope RoPE (Phi-3/Phi-4
 long-context models), which is exact only up to `original_max_position_embeddings` (rope.py).
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_MAX_POSITIONS = 2048  # transformers' default where config.json has no max_position_embeddings
-DEFAULT_WINDOWS = {"gemma2": 4096, "gemma3_text": 512}  # transformers' defaults where config.json has none
+DEFAULT_WINDOWS = {"gemma2": 4096, "gemma3_text": 4096}  # transformers' defaults where config.json has none
 SLIDING = "sliding_attention"
 
 

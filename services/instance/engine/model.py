@@ -27,7 +27,7 @@ from torch import nn
 from services.instance.engine.attention import AttentionPlan, CacheGeometry, attend, write_kv
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.model_config import GEMMA_TYPES, ModelConfig
-from services.instance.engine.rope import rope_inv_freq
+from services.instance.engine.rope import RopeConfig, rope_inv_freq
 from services.instance.engine.packed_linear import MIN_PACKED_NUMEL, PackedLinear
 from services.instance.engine.weights import load_state_dict
 
@@ -59,16 +59,17 @@ class RotaryEmbedding(nn.Module):
     `x * cos + x.roll(rotary_dim // 2) * sin` (the "rotate_half" convention of HF Llama); both
     scaled by the RoPE's attention factor (yarn, longrope)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rope: RopeConfig) -> None:
         super().__init__()
         self.config = config
+        self.rope = rope
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
 
     def build(self, dtype: torch.dtype, device: torch.device | str) -> None:
         positions = torch.arange(self.config.context_length, dtype=torch.int64).float()
-        freqs = positions[:, None] * rope_inv_freq(self.config.rope)[None, :]
-        factor = self.config.rope.attention_factor
+        freqs = positions[:, None] * rope_inv_freq(self.rope)[None, :]
+        factor = self.rope.attention_factor
         cos, sin = freqs.cos() * factor, freqs.sin() * factor
         self.cos = torch.cat((cos, cos), dim=-1).to(dtype=dtype, device=device)
         self.sin = torch.cat((-sin, sin), dim=-1).to(dtype=dtype, device=device)
@@ -95,8 +96,10 @@ class Attention(nn.Module):
         qkv_size = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = PackedLinear(config.hidden_size, qkv_size, bias=config.qkv_bias)
         self.o_proj = PackedLinear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_weight_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_weight_offset)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, plan: AttentionPlan
@@ -110,7 +113,7 @@ class Attention(nn.Module):
         return self.o_proj(attend(qkv[:, : self.num_heads], kv_layer, plan, self.scale, self.softcap))
 
     def _normalize_heads_(self, qkv: torch.Tensor) -> None:
-        """Qwen3: RMSNorm over head_dim of every query head and every key head, in place."""
+        """Qwen3, Gemma 3: RMSNorm over head_dim of every query head and every key head, in place."""
         queries, keys = qkv[:, : self.num_heads], qkv[:, self.num_heads : self.num_heads + self.num_kv_heads]
         queries.copy_(self.q_norm(queries))
         keys.copy_(self.k_norm(keys))
@@ -185,7 +188,8 @@ class LlamaModel(nn.Module):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = PackedLinear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = RotaryEmbedding(config, config.rope)
+        self.sliding_rotary = None if config.sliding_rope is None else RotaryEmbedding(config, config.sliding_rope)
 
     @classmethod
     def from_pretrained(
@@ -199,7 +203,9 @@ class LlamaModel(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         model.load_state_dict(load_state_dict(model_dir, config, dtype, device), strict=True, assign=True)
-        model.rotary.build(dtype, device)
+        for rotary in (model.rotary, model.sliding_rotary):
+            if rotary is not None:
+                rotary.build(dtype, device)
         model.requires_grad_(False)
         num_packed = model.pack_weights() if pack_weights else 0
         log.info("model_loaded", model_dir=str(model_dir), dtype=str(dtype), device=str(device), num_packed=num_packed)
@@ -229,9 +235,10 @@ class LlamaModel(nn.Module):
         geometry = CacheGeometry.of(kv_cache)
         plans = {window: AttentionPlan.build(batch, geometry, window) for window in set(self.config.layer_windows)}
         rope = self.rotary(batch.positions)
+        sliding_rope = rope if self.sliding_rotary is None else self.sliding_rotary(batch.positions)
         h = self._embed(batch.input_ids)
         for layer, kv_layer, window in zip(self.layers, kv_cache, self.config.layer_windows, strict=True):
-            h = layer(h, rope, kv_layer, plans[window])
+            h = layer(h, rope if window is None else sliding_rope, kv_layer, plans[window])
         h = self.norm(h[batch.logit_indices()])
         logits = F.linear(h, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
         if self.config.logits_divisor != 1.0:

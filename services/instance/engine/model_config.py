@@ -10,6 +10,9 @@ Llama-family decoders are supported (pre-norm blocks, RoPE, GQA, gated MLP), eac
 * "gemma" (GeGLU, norms scaling by 1 + weight, embeddings scaled by sqrt(hidden_size));
   "gemma2" (besides: norms after attention and after the MLP too, tanh soft-capping of the
   attention scores and of the logits, `query_pre_attn_scalar`, sliding window on alternate layers);
+  "gemma3_text" (Gemma 3 text-only checkpoints: as Gemma 2 without soft-capping, with a
+  Gemma-style RMSNorm over each query and key head, and a RoPE of their own on the sliding
+  layers);
 * "granite" (embedding, residual, attention and logits multipliers).
 
 Sliding windows are read per layer, and longrope RoPE limits the longest sequence served
@@ -25,10 +28,10 @@ from typing import Any
 import torch
 
 from services.instance.engine.context_window import DEFAULT_MAX_POSITIONS, ContextLimit, context_limit, layer_windows
-from services.instance.engine.rope import RopeConfig, read_rope
+from services.instance.engine.rope import RopeConfig, read_layer_ropes
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "granite")
-GEMMA_TYPES = ("gemma", "gemma2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite")
+GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # the gated MLP's act(gate(x)) * up(x)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +47,8 @@ class ModelConfig:
     head_dim: int
     vocab_size: int
     rms_norm_eps: float
-    rope: RopeConfig
+    rope: RopeConfig  # of the full-attention layers
+    sliding_rope: RopeConfig | None  # of the sliding-window layers, if they differ (Gemma 3)
     max_position_embeddings: int
     context: ContextLimit  # the longest sequence served: max_position_embeddings, or less (context_window.py)
     layer_windows: tuple[int | None, ...]  # each layer's sliding window in tokens; None: the whole context
@@ -99,6 +103,7 @@ class ModelConfig:
             )
         head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
         attention_bias = bool(raw.get("attention_bias", False))
+        rope, sliding_rope = read_layer_ropes(raw, head_dim)
         return cls(
             model_type=model_type,
             hidden_size=hidden_size,
@@ -109,14 +114,15 @@ class ModelConfig:
             head_dim=head_dim,
             vocab_size=_required_int(raw, "vocab_size"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=read_rope(raw, head_dim),
+            rope=rope,
+            sliding_rope=sliding_rope,
             max_position_embeddings=int(raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)),
             context=context_limit(raw),
             layer_windows=layer_windows(raw, _required_int(raw, "num_hidden_layers")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type != "qwen2" and attention_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
@@ -146,7 +152,7 @@ def _required_int(raw: dict[str, Any], field: str) -> int:
 
 
 def _activation(raw: dict[str, Any], model_type: str) -> str:
-    if model_type == "gemma2":  # transformers' Gemma2Config reads hidden_activation only
+    if model_type in ("gemma2", "gemma3_text"):  # transformers reads hidden_activation only
         act = raw.get("hidden_activation") or "gelu_pytorch_tanh"
     else:
         act = raw.get("hidden_act") or ("gelu_pytorch_tanh" if model_type == "gemma" else "silu")
@@ -162,11 +168,12 @@ def _scales(raw: dict[str, Any], model_type: str, hidden_size: int) -> dict[str,
     """The family's constant factors (ModelConfig's fields from norm_weight_offset on)."""
     if model_type == "gemma":
         return {"norm_weight_offset": 1.0, "embedding_scale": math.sqrt(hidden_size)}
-    if model_type == "gemma2":
+    if model_type in ("gemma2", "gemma3_text"):
+        softcaps = (50.0, 30.0) if model_type == "gemma2" else (None, None)  # transformers' defaults
         return {"norm_weight_offset": 1.0, "embedding_scale": math.sqrt(hidden_size),
                 "attention_scale": float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
-                "attention_softcap": raw.get("attn_logit_softcapping", 50.0),
-                "logits_softcap": raw.get("final_logit_softcapping", 30.0), "sandwich_norms": True}
+                "attention_softcap": raw.get("attn_logit_softcapping", softcaps[0]),
+                "logits_softcap": raw.get("final_logit_softcapping", softcaps[1]), "sandwich_norms": True}
     if model_type == "granite":
         return {"embedding_scale": float(raw.get("embedding_multiplier", 1.0)),
                 "residual_scale": float(raw.get("residual_multiplier", 1.0)),

@@ -14,6 +14,10 @@ transformers >= 5 (`rope_parameters`). Supported types, each computed as transfo
   engine serves such models up to that length (`RopeConfig.max_length`).
 
 `partial_rotary_factor` < 1 rotates only the first part of each head (`rotary_dim`).
+
+Gemma 3 rotates its sliding-window layers with a RoPE of their own (`read_layer_ropes`):
+`rope_parameters` keyed by layer type, or the old `rope_theta` (global, scaled by
+`rope_scaling`) and `rope_local_base_freq`.
 """
 
 import math
@@ -46,10 +50,30 @@ class RopeConfig:
         return self.original_max_position_embeddings if self.rope_type == "longrope" else None
 
 
-def read_rope(raw: dict[str, Any], head_dim: int) -> RopeConfig:
-    """The RoPE settings of a config.json (either layout); ValueError naming what is unsupported."""
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def read_layer_ropes(raw: dict[str, Any], head_dim: int) -> tuple[RopeConfig, RopeConfig | None]:
+    """(the RoPE of full-attention layers, that of sliding-window layers if it differs)."""
+    if raw.get("model_type") != "gemma3_text":
+        return read_rope(raw, head_dim), None
+    params = raw.get("rope_parameters") or {}
+    if FULL in params or SLIDING in params:
+        full, sliding = params.get(FULL) or {}, params.get(SLIDING) or {}
+    else:
+        full = {**(raw.get("rope_scaling") or {}), "rope_theta": raw.get("rope_theta", 1_000_000.0)}
+        sliding = {"rope_theta": raw.get("rope_local_base_freq", 10_000.0)}
+    return (read_rope(raw, head_dim, full, default_theta=1_000_000.0),
+            read_rope(raw, head_dim, sliding, default_theta=10_000.0))
+
+
+def read_rope(raw: dict[str, Any], head_dim: int, params: dict[str, Any] | None = None,
+              default_theta: float = 10000.0) -> RopeConfig:
+    """The RoPE settings of a config.json (either layout; `params`: those of one layer type);
+    ValueError naming what is unsupported."""
+    if params is None:
+        params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
     rotary_dim = _rotary_dim(float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
                              head_dim)
     rope_type = params.get("rope_type", params.get("type", "default"))

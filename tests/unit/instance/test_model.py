@@ -87,6 +87,15 @@ SHAPES = {
         num_key_value_heads=2, head_dim=16, vocab_size=400, tie_word_embeddings=True, query_pre_attn_scalar=24,
         attn_logit_softcapping=1.5, final_logit_softcapping=2.0, sliding_window=6,
     ),
+    # Gemma 3: as Gemma 2 without soft-capping, a Gemma RMSNorm over each query and key head, and
+    # the sliding layers (two of every three here) rotated by a RoPE of their own; linear scaling on the others
+    "gemma3": dict(
+        architecture="Gemma3Text", hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=400, tie_word_embeddings=True, query_pre_attn_scalar=20,
+        sliding_window=5, sliding_window_pattern=3,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}},
+    ),
     # Granite: embedding, residual, attention and logits multipliers
     "granite": dict(
         architecture="Granite", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -108,7 +117,7 @@ def checkpoint(request, tmp_path_factory) -> tuple[Path, object]:
         **shape, max_position_embeddings=256, initializer_range=0.15,
         bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="eager",
     )
-    hf_model = getattr(transformers, f"{architecture}ForCausalLM")(hf_config).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
     _randomize_biases_and_norms(hf_model)
     path = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(path)
@@ -372,7 +381,11 @@ def test_config_reads_checkpoint(checkpoint):
     config = ModelConfig.from_dir(path)
     assert config.num_key_value_heads == hf_model.config.num_key_value_heads
     assert config.tie_word_embeddings == hf_model.config.tie_word_embeddings
-    assert config.rope.theta == hf_model.config.rope_parameters["rope_theta"]
+    rope_parameters = hf_model.config.rope_parameters
+    assert config.rope.theta == rope_parameters.get("full_attention", rope_parameters)["rope_theta"]
+    window = getattr(hf_model.config, "sliding_window", None)
+    layer_types = getattr(hf_model.config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    assert list(config.layer_windows) == [window if kind == "sliding_attention" else None for kind in layer_types]
 
 
 @pytest.mark.parametrize(
@@ -452,6 +465,16 @@ def test_config_reads_the_activation(changes, activation):
     raw = base_config(**changes)
     raw = {key: value for key, value in raw.items() if value is not None}
     assert ModelConfig.from_dict(raw).activation == activation
+
+
+def test_gemma3_reads_the_old_rope_spelling_per_layer_type():
+    config = ModelConfig.from_dict(base_config(
+        model_type="gemma3_text", rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, sliding_window=512,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, num_hidden_layers=6, head_dim=32))
+    assert (config.rope.rope_type, config.rope.theta, config.rope.factor) == ("linear", 1_000_000.0, 8.0)
+    assert (config.sliding_rope.rope_type, config.sliding_rope.theta) == ("default", 10_000.0)
+    assert list(config.layer_windows) == [512] * 5 + [None]  # five local layers, then a global one
+    assert config.qk_norm and config.sandwich_norms and config.attention_softcap is None
 
 
 def test_dynamic_rope_is_plain_rope_within_the_context():

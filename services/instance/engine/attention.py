@@ -130,9 +130,11 @@ def _decode_group(
 ) -> AttentionGroup:
     context_lens = batch.context_lens if seqs is None else batch.context_lens[seqs]
     block_tables = batch.block_tables if seqs is None else batch.block_tables[seqs]
+    is_windowed = window is not None and bool((context_lens > window).any())
+    if is_windowed:
+        block_tables, context_lens = _window_blocks(block_tables, context_lens, window, geometry.block_size)
     num_keys, chunks, indices = _gather_plan(block_tables, context_lens, geometry, DECODE_CHUNK_BYTES)
     mask = None
-    is_windowed = window is not None and bool((context_lens > window).any())
     if is_windowed or bool((context_lens != num_keys).any()):
         keys = torch.arange(num_keys)
         mask = keys < context_lens[:, None]
@@ -142,6 +144,17 @@ def _decode_group(
     token_index = None if seqs is None else starts[seqs].view(-1, 1)  # a decode sequence's only token
     out_index = None if token_index is None else token_index.flatten()
     return AttentionGroup(num_keys, chunks, indices, mask, False, token_index, None, out_index)
+
+
+def _window_blocks(block_tables: torch.Tensor, context_lens: torch.Tensor, window: int, block_size: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decode sequence's block table from the block holding its window's first key on, and
+    its context counted from there: a long context with a short window gathers the window only."""
+    first = (context_lens - window).clamp(min=0) // block_size  # [seqs] first block with a key in the window
+    shifted = context_lens - first * block_size
+    num_blocks = (int(shifted.max()) + block_size - 1) // block_size
+    columns = (first[:, None] + torch.arange(num_blocks)).clamp(max=block_tables.shape[1] - 1)
+    return block_tables.gather(1, columns), shifted
 
 
 def _in_place_group(batch: ForwardBatch, is_decode: torch.Tensor, starts: torch.Tensor, geometry: CacheGeometry,

@@ -12,8 +12,10 @@ after its last migration) and asks for pairs:
   that are left. A policy is a small class behind the ABC; `load` is the default.
 
 Invariants of every plan: a peer is in at most one pair; a source is never its own
-destination; a destination can decode (not PREFILL-only) and has free blocks. Ties
-break by instance id, never by dict order. No transport and no clock here.
+destination; a destination can decode (not PREFILL-only) and has free blocks. Among equally free
+destinations the one that received a migration least recently goes first (so idle
+instances take turns instead of the lowest id taking every request), then the instance id;
+never dict order. No transport and no clock here.
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ class Peer:
     load: Load  # last report plus reservations
     freeness: float
     is_draining: bool
+    last_received_at: float = -math.inf  # when a migration to it last ended (the migrator's clock)
 
     @classmethod
-    def of(cls, view: InstanceView, is_draining: bool) -> Peer:
+    def of(cls, view: InstanceView, is_draining: bool, last_received_at: float = -math.inf) -> Peer:
         return cls(view.record.instance_id, view.record.address, view.record.role, view.load, view.load.freeness,
-                   is_draining)
+                   is_draining, last_received_at)
 
     @property
     def num_requests(self) -> int:
@@ -50,6 +53,11 @@ class Peer:
     @property
     def can_receive(self) -> bool:
         return self.role is not Role.PREFILL and self.load.num_free_blocks > 0
+
+
+def destination_order(peer: Peer) -> tuple[float, float, str]:
+    """Freest first; among equals, the one that received least recently; then by id."""
+    return -peer.freeness, peer.last_received_at, peer.instance_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +92,7 @@ class LoadPairing(PairingPolicy):
     def pair(self, peers: Sequence[Peer], threshold: float) -> list[Pair]:
         ranked = sorted(peers, key=lambda p: (p.freeness, p.instance_id))
         sources = [p for p in ranked if p.num_requests > 0 and p.role is not Role.PREFILL]  # those leave by PD
-        destinations = sorted((p for p in peers if p.can_receive), key=lambda p: (-p.freeness, p.instance_id))
+        destinations = sorted((p for p in peers if p.can_receive), key=destination_order)
         pairs: list[Pair] = []
         used: set[InstanceId] = set()
         for src in sources:
@@ -102,7 +110,7 @@ class LoadPairing(PairingPolicy):
 
 def pair_drains(draining: Sequence[Peer], serving: Sequence[Peer]) -> list[Pair]:
     """Each draining peer that holds requests, by id, with the freest serving destination not yet taken."""
-    destinations = sorted((p for p in serving if p.can_receive), key=lambda p: (-p.freeness, p.instance_id))
+    destinations = sorted((p for p in serving if p.can_receive), key=destination_order)
     pairs = []
     for src, dst in zip((p for p in sorted(draining, key=lambda p: p.instance_id) if p.num_requests), destinations):
         pairs.append(Pair(src, dst, MigrationTrigger.DRAIN))
@@ -117,8 +125,7 @@ def pair_prefilled(serving: Sequence[Peer]) -> list[Pair]:
     decode instance served, or whose pushed hand-off failed, leave once one serves."""
     sources = sorted((p for p in serving if p.role is Role.PREFILL and p.load.num_prefilled > 0),
                      key=lambda p: p.instance_id)
-    destinations = sorted((p for p in serving if p.role is Role.DECODE and p.can_receive),
-                          key=lambda p: (-p.freeness, p.instance_id))
+    destinations = sorted((p for p in serving if p.role is Role.DECODE and p.can_receive), key=destination_order)
     return [Pair(src, dst, MigrationTrigger.PD) for src, dst in zip(sources, destinations)]
 
 

@@ -77,6 +77,7 @@ class Migrator:
         self._pairing: PairingPolicy = make_pairing(settings.pairing)
         self._in_flight: dict[InstanceId, int] = {}  # invariant: MigrateOut calls running per instance, > 0
         self._ended_at: dict[InstanceId, float] = {}  # its last migration ended then; sits out until a newer report
+        self._received_at: dict[InstanceId, float] = {}  # a migration to it last ended then (ties go to others)
         self._cooled: dict[str, float] = {}  # request id -> when it committed somewhere
         self._failed_at: dict[tuple[InstanceId, InstanceId], float] = {}  # (src, dst) -> its last failure
         self._history: collections.deque[MigrationRecord] = collections.deque(maxlen=limits.history_size)
@@ -197,7 +198,8 @@ class Migrator:
                 continue
             if now - view.report_age_s <= self._ended_at.get(instance_id, float("-inf")):
                 continue
-            peers.append(Peer.of(view, is_draining=view.state is InstanceState.DRAINING))
+            peers.append(Peer.of(view, is_draining=view.state is InstanceState.DRAINING,
+                                 last_received_at=self._received_at.get(instance_id, float("-inf"))))
         return peers
 
     def _order(self, pair: Pair) -> MigrationOrder:
@@ -236,6 +238,7 @@ class Migrator:
             if not self._in_flight[instance_id]:
                 del self._in_flight[instance_id]
             self._ended_at[instance_id] = now
+        self._received_at[order.dst_instance_id] = now
         metrics.MIGRATIONS_IN_FLIGHT.dec()
 
     def _keep(self, record: MigrationRecord) -> None:

@@ -104,7 +104,9 @@ async def flood(cluster, admin, client, reference, num_requests: int, max_tokens
 
 
 async def test_a_flood_of_24_spreads_over_the_instances_and_keeps_every_token(cluster, admin, client, reference):
-    # ~10 s on 2 shared cores (most of it the cluster decoding), so not marked slow
+    # ~10 s on 2 shared cores, so not marked slow. The flood decodes in about 2 s, and a request
+    # moved to an idle instance often finishes there before the next tick: the idle instances
+    # then tie, and only the least-recently-received tie-break spreads the flood over them.
     destinations = await flood(cluster, admin, client, reference, num_requests=24, max_tokens=500)
     assert len(destinations - {FLOODED}) >= 2, destinations
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from services.manager.domain import InstanceId, Role
@@ -73,6 +75,20 @@ def test_ties_break_by_instance_id():
     peers = [peer("z", num_running=5, num_free_blocks=950), peer("y", num_running=5, num_free_blocks=950),
              peer("c"), peer("b")]
     assert pairs_of(LoadPairing().pair(peers, threshold=0.0)) == [("y", "b"), ("z", "c")]
+
+
+def test_equally_free_destinations_take_turns():
+    """Idle instances that tie: the one that received a migration least recently goes first, so a
+    flood spreads over all of them even when each empties again before the next tick."""
+    def idle(instance_id: str, last_received_at: float) -> Peer:
+        return dataclasses.replace(peer(instance_id), last_received_at=last_received_at)
+
+    source = peer("a", num_running=20, num_free_blocks=800)
+    peers = [source, idle("b", 3.0), idle("c", 1.0), idle("d", 2.0)]
+    assert pairs_of(LoadPairing().pair(peers, threshold=0.0)) == [("a", "c")]
+    peers = [source, idle("b", 3.0), idle("c", 4.0), idle("d", 2.0)]
+    assert pairs_of(LoadPairing().pair(peers, threshold=0.0)) == [("a", "d")]
+    assert pairs_of(pair_drains([dataclasses.replace(source, is_draining=True)], peers[1:])) == [("a", "d")]
 
 
 def test_drains_take_the_freest_destinations_one_each():

@@ -59,21 +59,20 @@ def read_layer_ropes(raw: dict[str, Any], head_dim: int) -> tuple[RopeConfig, Ro
         return read_rope(raw, head_dim), None
     params = raw.get("rope_parameters") or {}
     if FULL in params or SLIDING in params:
-        full, sliding = params.get(FULL) or {}, params.get(SLIDING) or {}
+        full, sliding = dict(params.get(FULL) or {}), dict(params.get(SLIDING) or {})
     else:
-        full = {**(raw.get("rope_scaling") or {}), "rope_theta": raw.get("rope_theta", 1_000_000.0)}
-        sliding = {"rope_theta": raw.get("rope_local_base_freq", 10_000.0)}
-    return (read_rope(raw, head_dim, full, default_theta=1_000_000.0),
-            read_rope(raw, head_dim, sliding, default_theta=10_000.0))
+        full, sliding = dict(raw.get("rope_scaling") or {}), {}
+    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))  # transformers' defaults per layer type
+    sliding.setdefault("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
+    return read_rope(raw, head_dim, full), read_rope(raw, head_dim, sliding)
 
 
-def read_rope(raw: dict[str, Any], head_dim: int, params: dict[str, Any] | None = None,
-              default_theta: float = 10000.0) -> RopeConfig:
+def read_rope(raw: dict[str, Any], head_dim: int, params: dict[str, Any] | None = None) -> RopeConfig:
     """The RoPE settings of a config.json (either layout; `params`: those of one layer type);
     ValueError naming what is unsupported."""
     if params is None:
         params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rotary_dim = _rotary_dim(float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
                              head_dim)
     rope_type = params.get("rope_type", params.get("type", "default"))

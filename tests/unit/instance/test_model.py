@@ -477,6 +477,13 @@ def test_gemma3_reads_the_old_rope_spelling_per_layer_type():
     assert config.qk_norm and config.sandwich_norms and config.attention_softcap is None
 
 
+def test_gemma3_sliding_rope_defaults_to_the_local_base_not_the_global_theta():
+    config = ModelConfig.from_dict(base_config(
+        model_type="gemma3_text", rope_theta=500_000.0, rope_local_base_freq=20_000.0, head_dim=32,
+        rope_parameters={"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}))
+    assert (config.rope.theta, config.sliding_rope.theta) == (500_000.0, 20_000.0)
+
+
 def test_dynamic_rope_is_plain_rope_within_the_context():
     config = ModelConfig.from_dict(base_config(rope_scaling={"type": "dynamic", "factor": 4.0}))
     assert config.rope == ModelConfig.from_dict(base_config()).rope

@@ -47,6 +47,7 @@ from tqdm import tqdm
 from services.cluster.processes import ServiceProcess
 from services.common.etcd_launcher import free_port
 from services.common.grpc_server import BULK_TRANSFER_OPTIONS, MESSAGE_OPTIONS, insecure_channel
+from services.common.heap import keep_freed_heap
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.transfer.channels import chunk_tag
 from services.transfer.client import DEFAULT_PIECE_BYTES, TransferClient
@@ -79,6 +80,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--in-place-min-kib", type=int, default=256,
                         help="the services' --in-place-min-kib (gloo moves consecutive blocks in place when a row "
                              "of them is this long; 0 = never)")
+    parser.add_argument("--heap-keep-mib", type=int, default=256,
+                        help="the services' --heap-keep-mib (freed heap kept mapped, so grpc messages do not land on "
+                             "fresh pages; 0 = glibc's defaults); the bare grpc reference's two processes get the same")
     parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("bench-results"))
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -155,7 +159,7 @@ def _service(name: str, flags: list[str], log_dir: pathlib.Path) -> ServiceProce
 def service_flags(args: argparse.Namespace) -> list[str]:
     return ["--staging-kib", str(args.staging_kib), "--staging-buffers", str(args.staging_buffers),
             "--gloo-connections", str(args.gloo_connections), "--in-place-min-kib", str(args.in_place_min_kib),
-            "--grpc-piece-kib", str(args.grpc_piece_kib)]
+            "--grpc-piece-kib", str(args.grpc_piece_kib), "--heap-keep-mib", str(args.heap_keep_mib)]
 
 
 # -- references: raw TCP between two processes, and memcpy ------------------------------
@@ -274,7 +278,8 @@ class GlooReference:
         self._process.join(10)
 
 
-def _grpc_sink(port: int) -> None:
+def _grpc_sink(port: int, heap_keep_bytes: int) -> None:
+    keep_freed_heap(heap_keep_bytes)
     async def count(messages, _context) -> bytes:
         num_bytes = 0
         async for message in messages:
@@ -295,10 +300,11 @@ def _grpc_sink(port: int) -> None:
 class GrpcReference:
     """Bare grpc-python: a client stream of `piece_bytes` messages to a sink process."""
 
-    def __init__(self, max_bytes: int, piece_bytes: int) -> None:
+    def __init__(self, max_bytes: int, piece_bytes: int, heap_keep_bytes: int) -> None:
         self._port = free_port()
         self._piece = b"\1" * piece_bytes
-        self._process = multiprocessing.get_context("spawn").Process(target=_grpc_sink, args=(self._port,), daemon=True)
+        self._process = multiprocessing.get_context("spawn").Process(target=_grpc_sink,
+                                                                     args=(self._port, heap_keep_bytes), daemon=True)
 
     async def start(self) -> None:
         self._process.start()
@@ -344,7 +350,8 @@ async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[f
     gloo = (GlooReference(sizes[-1] * MB, args.staging_kib * 1024, args.gloo_connections, args.staging_buffers - 1)
             if TransferBackend.GLOO in backends else None)
     grpc_piece_bytes = min(args.grpc_piece_kib, args.staging_kib) * 1024  # the services' grpc chunk size
-    bare_grpc = GrpcReference(sizes[-1] * MB, grpc_piece_bytes) if TransferBackend.GRPC in backends else None
+    keep_freed_heap(args.heap_keep_mib << 20)  # this process sends the bare grpc reference's stream
+    bare_grpc = GrpcReference(sizes[-1] * MB, grpc_piece_bytes, args.heap_keep_mib << 20) if TransferBackend.GRPC in backends else None
     speeds: dict[str, list[float]] = {}
     try:
         await bench.start()

@@ -15,6 +15,7 @@ import torch
 from services.common.config import as_dict
 from services.common.errors import NotFound
 from services.common.grpc_server import BULK_TRANSFER_OPTIONS, GrpcServer, start_grpc_server
+from services.common.heap import keep_freed_heap
 from services.common.registry import Registry
 from services.common.signals import stop_event
 from services.transfer.metrics import serve_metrics
@@ -37,6 +38,8 @@ TRANSFER_SERVICE = "ferry.v1.TransferService"
 
 async def main(config: TransferConfig) -> None:
     log.info("config_resolved", **as_dict(config))
+    if config.heap_keep_mib and not keep_freed_heap(config.heap_keep_mib << 20):
+        log.warning("heap_keep_unavailable", reason="no glibc mallopt here; grpc transfers fault in fresh pages")
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
     servicer = TransferServicer()

@@ -44,6 +44,9 @@ class TransferConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     grpc_piece_kib: int = knob(8192, "most data bytes per ReceiveBlocks message of the grpc backend, in KiB: "
                                      "senders cut grpc transfers into chunks of this size (or --staging-kib "
                                      "if smaller), one message each")
+    heap_keep_mib: int = knob(256, "freed heap memory this process keeps mapped for reuse, in MiB (glibc): "
+                                   "grpc messages are then not written into fresh pages each time (faulting "
+                                   "them in costs as much as the copy); 0 = the C library's defaults")
     transfer_timeout_s: float = knob(60.0, "upper bound of one transfer (the caller's deadline applies if shorter)")
     channel_timeout_s: float = knob(10.0, "gloo/nccl rendezvous timeout in seconds")
     num_threads: int = knob(0, "torch threads for gathers, scatters and same-host copies (0 = torch's default: one per core)")
@@ -62,6 +65,8 @@ class TransferConfig(EtcdKnobs, TlsKnobs, LogKnobs):
         for name in ("staging_kib", "num_staging_slots", "grpc_piece_kib"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.heap_keep_mib < 2048:
+            raise ValueError(f"--heap-keep-mib must be 0..2047, got {self.heap_keep_mib}")
         if not 2 <= self.staging_buffers <= TAG_STRIDE:
             raise ValueError(f"--staging-buffers must be 2..{TAG_STRIDE}, got {self.staging_buffers}")
         if not 1 <= self.gloo_connections <= MAX_GLOO_CONNECTIONS:

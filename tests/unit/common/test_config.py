@@ -197,7 +197,8 @@ def test_transfer_channel_flags_parse_and_out_of_range_values_are_refused(capsys
     config = parse_config(TransferConfig, "transfer", ["--gloo-connections", "3", "--staging-buffers", "6"], env={})
     assert (config.gloo_connections, config.staging_buffers) == (3, 6)
     for flag, value, message in (("--staging-buffers", "1", "--staging-buffers must be 2..64, got 1"),
-                                 ("--gloo-connections", "0", "--gloo-connections must be 1..16, got 0")):
+                                 ("--gloo-connections", "0", "--gloo-connections must be 1..16, got 0"),
+                                 ("--heap-keep-mib", "4096", "--heap-keep-mib must be 0..2047, got 4096")):
         with pytest.raises(SystemExit):
             parse_config(TransferConfig, "transfer", [flag, value], env={})
         assert message in capsys.readouterr().err

@@ -50,6 +50,7 @@ from services.common.grpc_server import BULK_TRANSFER_OPTIONS, MESSAGE_OPTIONS, 
 from services.common.heap import keep_freed_heap
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.transfer.channels import chunk_tag
+from services.transfer.chunk_plan import IN_PLACE_MIN_ROW_BYTES
 from services.transfer.client import DEFAULT_PIECE_BYTES, TransferClient
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
 
@@ -77,7 +78,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--grpc-piece-kib", type=int, default=DEFAULT_PIECE_BYTES >> 10,
                         help="the services' --grpc-piece-kib (data bytes per grpc message; the bare grpc reference "
                              "sends messages of this size too)")
-    parser.add_argument("--in-place-min-kib", type=int, default=256,
+    parser.add_argument("--in-place-min-kib", type=int, default=IN_PLACE_MIN_ROW_BYTES >> 10,
                         help="the services' --in-place-min-kib (gloo moves consecutive blocks in place when a row "
                              "of them is this long; 0 = never)")
     parser.add_argument("--heap-keep-mib", type=int, default=256,

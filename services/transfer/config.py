@@ -9,6 +9,7 @@ from services.common.etcd_client import EtcdKnobs
 from services.common.tls import TlsKnobs
 from services.common.logging import LogKnobs
 from services.transfer.channels import MAX_GLOO_CONNECTIONS, TAG_STRIDE
+from services.transfer.chunk_plan import IN_PLACE_MIN_ROW_BYTES
 from services.transfer.domain import TransferBackend
 
 
@@ -36,11 +37,12 @@ class TransferConfig(EtcdKnobs, TlsKnobs, LogKnobs):
                                      "receiving), each holding --staging-buffers buffers")
     gloo_connections: int = knob(4, "TCP connections in each gloo channel this service opens (1..16); chunks "
                                     "in flight take them in turn")
-    in_place_min_kib: int = knob(256, "gloo: blocks with consecutive ids travel row by row, sent straight from "
-                                      "the source's KV memory and received straight into the destination's (no "
-                                      "gather or scatter on a side where they are consecutive), when one row of "
-                                      "them is at least this many KiB; smaller messages cost gloo more than the "
-                                      "copies they save (0 = never)")
+    in_place_min_kib: int = knob(
+        IN_PLACE_MIN_ROW_BYTES >> 10,
+        "gloo: blocks with consecutive ids travel row by row, sent straight from the source's KV memory and "
+        "received straight into the destination's (no gather or scatter on a side where they are consecutive), "
+        "when one row of them is at least this many KiB; for shorter runs gloo's cost per message and the "
+        "staged chunks drained before each run outweigh the copies saved (0 = never)")
     grpc_piece_kib: int = knob(8192, "most data bytes per ReceiveBlocks message of the grpc backend, in KiB: "
                                      "senders cut grpc transfers into chunks of this size (or --staging-kib "
                                      "if smaller), one message each")

@@ -14,6 +14,9 @@ staging size, over as many connections and with as many chunks in flight as the 
 use: gloo's own ceiling, with no gather, scatter or RPC), a bare grpc-python
 stream between two processes (one bytes message per grpc chunk, the same channel options,
 received and dropped: grpc's own ceiling) and one memcpy.
+Figures are steady state: every row first moves the largest size once, untimed
+(--settle-passes), and each timed transfer follows an untimed one of the same row and
+size (--warmups).
 
     PYTHONPATH=. .venv/bin/python benchmarks/migration_speed.py --max-mb 256
 
@@ -71,6 +74,10 @@ def parse_args() -> argparse.Namespace:
                         help="untimed transfers of the same row and size right before each timed one, so each figure "
                              "is steady state (as nccl-tests time theirs); 0 times each transfer cold, right after "
                              "the other rows ran")
+    parser.add_argument("--settle-passes", type=int, default=1,
+                        help="untimed passes over every row at the largest size before timing starts, so no timed "
+                             "transfer pays a first touch of KV, staging or reference memory (cold, the first "
+                             "8 MB rows measured up to 2x slower); 0 times from a cold start")
     parser.add_argument("--staging-kib", type=int, default=16384, help="the services' --staging-kib")
     parser.add_argument("--staging-buffers", type=int, default=4,
                         help="the services' --staging-buffers (gloo keeps all but one chunk of them in flight)")
@@ -371,14 +378,20 @@ async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[f
         layouts = {"scattered": ("", False), "contiguous": ("_contiguous", True)}
         rows = [(f"{b.value}{layouts[name][0]}_speed(GB/s)", (b, layouts[name][1]))
                 for name in args.layouts.split(",") for b in backends] + references
-        progress = tqdm(total=len(rows) * len(sizes) * args.repeats, desc="migration_speed", unit="copy")
+        refs = References(tcp, gloo, bare_grpc, memcpy)
+        progress = tqdm(total=len(rows) * (len(sizes) * args.repeats + args.settle_passes), desc="migration_speed",
+                        unit="copy")
+        for _ in range(args.settle_passes):
+            for _label, what in rows:
+                await _time_one(bench, refs, what, sizes[-1], block_mb, rng)
+                progress.update()
         times: dict[tuple[str, int], list[float]] = {(label, size): [] for label, _ in rows for size in sizes}
         for size in sizes:  # interleaved, so a change in machine load hits every row alike
             for _ in range(args.repeats):
                 for label, what in rows:
                     for _ in range(args.warmups):
-                        await _time_one(bench, References(tcp, gloo, bare_grpc, memcpy), what, size, block_mb, rng)
-                    times[label, size].append(await _time_one(bench, References(tcp, gloo, bare_grpc, memcpy), what, size, block_mb, rng))
+                        await _time_one(bench, refs, what, size, block_mb, rng)
+                    times[label, size].append(await _time_one(bench, refs, what, size, block_mb, rng))
                     progress.update()
         speeds = {label: [size * MB / statistics.median(times[label, size]) / 1e9 for size in sizes]
                   for label, _ in rows}

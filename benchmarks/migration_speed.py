@@ -359,7 +359,8 @@ async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[f
             if TransferBackend.GLOO in backends else None)
     grpc_piece_bytes = min(args.grpc_piece_kib, args.staging_kib) * 1024  # the services' grpc chunk size
     keep_freed_heap(args.heap_keep_mib << 20)  # this process sends the bare grpc reference's stream
-    bare_grpc = GrpcReference(sizes[-1] * MB, grpc_piece_bytes, args.heap_keep_mib << 20) if TransferBackend.GRPC in backends else None
+    bare_grpc = (GrpcReference(sizes[-1] * MB, grpc_piece_bytes, args.heap_keep_mib << 20)
+                 if TransferBackend.GRPC in backends else None)
     speeds: dict[str, list[float]] = {}
     try:
         await bench.start()

@@ -1,11 +1,11 @@
 """Keep freed heap memory for reuse, so big short-lived buffers do not land on fresh pages.
 
-A grpc transfer allocates and frees one 8 MiB `bytes` per message on each side (the
-sender's gathered message, grpc-core's slices, the receiver's copy of them). glibc serves
-such an allocation with a fresh `mmap` unless its dynamic threshold has risen past that
-size, and hands a freed top of the heap back to the kernel once it exceeds the trim
-threshold (128 KiB at first). Either way the next message is written into fresh pages,
-and faulting in 2048 pages per 8 MiB costs about as much as copying them. Setting both
+A grpc transfer allocates and frees one `bytes` per message (1 MiB by default) on each
+side (the sender's gathered message, grpc-core's slices, the receiver's copy of them).
+glibc serves such an allocation with a fresh `mmap` unless its dynamic threshold has
+risen past that size, and hands a freed top of the heap back to the kernel once it
+exceeds the trim threshold (128 KiB at first). Either way the next message is written
+into fresh pages, and faulting in 256 pages per MiB costs about as much as copying them. Setting both
 thresholds keeps big blocks on the heap and the freed ones mapped (grpc backend on this
 2-core machine: 1.2–1.6 → 2.0 GB/s from 64 MB up; bare grpc-python 1.5–1.9 → 2.8–3.3).
 Setting only one of them turns glibc's dynamic adjustment off and makes things slower

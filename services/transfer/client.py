@@ -20,9 +20,9 @@ from services.common.logging import request_metadata
 from services.instance.engine.kv_cache import KvGeometry
 from services.transfer.convert import (backend_from_proto, backend_to_proto, geometry_to_proto, header_to_proto,
                                        result_from_proto, transfer_to_proto)
-from services.transfer.domain import BlockTransfer, IncomingBlocks, TransferBackend, TransferResult
+from services.transfer.domain import (DEFAULT_PIECE_BYTES, BlockTransfer, IncomingBlocks, TransferBackend,
+                                      TransferResult)
 
-DEFAULT_PIECE_BYTES = 8 << 20
 RECEIVE_BLOCKS_METHOD = "/ferry.v1.TransferService/ReceiveBlocks"
 
 

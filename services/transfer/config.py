@@ -10,7 +10,7 @@ from services.common.tls import TlsKnobs
 from services.common.logging import LogKnobs
 from services.transfer.channels import MAX_GLOO_CONNECTIONS, TAG_STRIDE
 from services.transfer.chunk_plan import IN_PLACE_MIN_ROW_BYTES
-from services.transfer.domain import TransferBackend
+from services.transfer.domain import DEFAULT_PIECE_BYTES, TransferBackend
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,7 @@ class TransferConfig(EtcdKnobs, TlsKnobs, LogKnobs):
         "received straight into the destination's (no gather or scatter on a side where they are consecutive), "
         "when one row of them is at least this many KiB; for shorter runs gloo's cost per message and the "
         "staged chunks drained before each run outweigh the copies saved (0 = never)")
-    grpc_piece_kib: int = knob(8192, "most data bytes per ReceiveBlocks message of the grpc backend, in KiB: "
+    grpc_piece_kib: int = knob(DEFAULT_PIECE_BYTES >> 10, "most data bytes per ReceiveBlocks message of the grpc backend, in KiB: "
                                      "senders cut grpc transfers into chunks of this size (or --staging-kib "
                                      "if smaller), one message each")
     heap_keep_mib: int = knob(256, "freed heap memory this process keeps mapped for reuse, in MiB (glibc): "

@@ -46,8 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="inference engine of every instance: torch runs the model; sim runs the same scheduler, "
                          "KV cache and migration with a latency model instead of the forward pass (no weights, little "
                          "CPU: many instances on one machine; FERRY_INSTANCE_SIM_* variables set its latency model)")
-    up.add_argument("--transfer-backend", default="grpc", choices=["grpc", "gloo", "nccl", "shm"],
-                    help="how KV blocks move between instances during migration")
+    up.add_argument("--transfer-backend", default="auto", choices=["auto", "grpc", "gloo", "nccl", "shm"],
+                    help="how KV blocks move between instances during migration: auto copies directly between "
+                         "the instances' shared memory (shm) when one transfer service maps both, as on this one "
+                         "machine, and uses grpc otherwise; the others force one backend for every migration")
     up.add_argument("--http-port", type=int, default=8000, help="frontend's OpenAI-compatible HTTP port")
     up.add_argument("--admin-port", type=int, default=50051, help="manager's gRPC port (ManagerService + AdminService)")
     up.add_argument("--state-dir", type=pathlib.Path, default=None,

@@ -160,7 +160,8 @@ class LocalCluster:
     def _transfer(self) -> ServiceProcess:
         """One transfer service maps every instance's KV memory on this host."""
         port = free_port()
-        args = ["--port", str(port), "--transfer-id", "transfer-0", "--default-backend", self.spec.transfer_backend,
+        default_backend = "grpc" if self.spec.transfer_backend == "auto" else self.spec.transfer_backend
+        args = ["--port", str(port), "--transfer-id", "transfer-0", "--default-backend", default_backend,
                 *self._common_args(), *self.spec.security.server_args()]
         return self._grpc_service("transfer-0", "transfer", args, port)
 

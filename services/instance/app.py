@@ -138,11 +138,12 @@ def wire_migration(config: InstanceConfig, servicer: InstanceServicer, runner: E
     """Both sides of live migration, sharing --max-concurrent-migrations slots."""
     slots = MigrationSlots(config.max_concurrent_migrations)
     settings = MigrationSettings(
-        instance_id=servicer.identity.instance_id, transfer_backend=config.transfer_backend,
+        instance_id=servicer.identity.instance_id, transfer_backend=config.transfer_backend.backend,
         stage_blocks=config.migration_stage_blocks, max_stages=config.migration_max_stages,
         is_checksum_verified=config.verify_transfer_checksum, rpc_timeout_s=config.migration_rpc_timeout_s,
         transfer_timeout_s=config.migration_transfer_timeout_s,
-        reservation_timeout_s=config.migration_reservation_timeout_s)
+        reservation_timeout_s=config.migration_reservation_timeout_s,
+        transfer_id=link.transfer_id if link else "", offered_backends=link.backends if link else ())
     servicer.migrations = MigrationDriver(runner, settings, slots, peers, link.client if link else None)
     endpoint = TransferEndpoint(link.address, link.transfer_id) if link else TransferEndpoint("", "")
     servicer.inbox = MigrationInbox(runner, slots, config.migration_reservation_timeout_s, endpoint)

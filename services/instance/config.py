@@ -24,6 +24,23 @@ class PdHandoff(enum.Enum):
     MANAGER = "manager"  # the manager's migration loop, on its next tick (the healing path in both modes)
 
 
+class BackendChoice(enum.Enum):
+    """--transfer-backend: one transfer backend for every migration, or AUTO: shm where this
+    instance's own transfer service maps the destination's KV memory too (both on this host)
+    and offers shm, grpc otherwise."""
+
+    AUTO = "auto"
+    GRPC = "grpc"
+    GLOO = "gloo"
+    NCCL = "nccl"
+    SHM = "shm"
+
+    @property
+    def backend(self) -> TransferBackend | None:
+        """The fixed backend, or None for AUTO (chosen per migration)."""
+        return None if self is BackendChoice.AUTO else TransferBackend(self.value)
+
+
 class EngineKind(enum.Enum):
     TORCH = "torch"  # the model's forward pass in PyTorch
     SIM = "sim"  # the same engine with a latency model instead of the forward pass (no weights)
@@ -69,8 +86,11 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
                                                 "well above the longest step; 0 = never")
     transfer_address: str = knob("", "host:port of the co-located transfer service, which maps this instance's KV "
                                      "memory at startup; empty = live migration off")
-    transfer_backend: TransferBackend = knob(TransferBackend.GRPC, "how KV blocks travel when a migration names no "
-                                                                   "backend: grpc, gloo, nccl or shm")
+    transfer_backend: BackendChoice = knob(BackendChoice.AUTO, "how KV blocks travel when a migration names no "
+                                                               "backend: auto (shm when this instance's transfer "
+                                                               "service also maps the destination, i.e. the same "
+                                                               "host, and offers shm; grpc otherwise), grpc, gloo, "
+                                                               "nccl or shm")
     migration_stage_blocks: int = knob(16, "live migration stops the request and copies the rest once at most this "
                                            "many of its blocks are left to copy")
     migration_max_stages: int = knob(3, "live copy stages (while the request decodes) before the final stop-and-copy")

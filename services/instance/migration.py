@@ -60,13 +60,15 @@ class MigrateOutPlan:
 @dataclass(frozen=True, slots=True)
 class MigrationSettings:
     instance_id: str
-    transfer_backend: TransferBackend  # --transfer-backend
+    transfer_backend: TransferBackend | None  # --transfer-backend; None = auto (`auto_backend`)
     stage_blocks: int  # --migration-stage-blocks: stop and copy once this few blocks remain
     max_stages: int  # --migration-max-stages: live stages before stop-and-copy anyway
     is_checksum_verified: bool  # --verify-transfer-checksum
     rpc_timeout_s: float  # --migration-rpc-timeout-s: each Prepare/Commit/Abort call
     transfer_timeout_s: float  # --migration-transfer-timeout-s: each stage's copy
     reservation_timeout_s: float  # --migration-reservation-timeout-s, assumed the same on the destination
+    transfer_id: str = ""  # this instance's co-located transfer service ("" = unknown: auto picks grpc)
+    offered_backends: tuple[TransferBackend, ...] = ()  # what that service offers
 
     @property
     def touch_interval_s(self) -> float:
@@ -126,7 +128,7 @@ class _Attempt:
     request_id: str
     plan: MigrateOutPlan
     peer: DestinationPeer
-    backend: TransferBackend
+    backend: TransferBackend | None  # None (auto) until the first reservation names the destination's service
     started_at: float = field(default_factory=time.perf_counter)
     reservation: Reservation | None = None
     is_prepare_sent: bool = False  # the destination may hold a reservation (even if the call failed)
@@ -303,6 +305,8 @@ class MigrationDriver:
         a.reservation = await a.peer.prepare_migrate_in(a.migration_id, a.request_id, self._settings.instance_id,
                                                         num_wanted, grow_only=not is_first,
                                                         block_hashes=view.block_hashes if is_first else ())
+        if a.backend is None:
+            a.backend = auto_backend(a.reservation, self._settings.transfer_id, self._settings.offered_backends)
 
     async def _copy(self, a: _Attempt, view: MigrationBlocks, indexes: list[int], headroom: int) -> None:
         if not indexes:
@@ -361,3 +365,12 @@ class MigrationDriver:
                  backend=a.backend.value, duration_ms=round(result.duration_ms, 2),
                  downtime_ms=round(result.downtime_ms, 2))
         return result
+
+
+def auto_backend(reservation: Reservation, own_transfer_id: str,
+                 offered: tuple[TransferBackend, ...]) -> TransferBackend:
+    """SHM when the destination's KV memory is mapped by our own transfer service (one host: a
+    direct copy, no socket) and it offers shm; GRPC otherwise (works between any two services)."""
+    if own_transfer_id and reservation.transfer_id == own_transfer_id and TransferBackend.SHM in offered:
+        return TransferBackend.SHM
+    return TransferBackend.GRPC

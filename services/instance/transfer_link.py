@@ -21,6 +21,8 @@ from services.common.periodic import periodic_loop
 from services.common.tls import TlsConfig
 from services.instance.engine.kv_cache import KvCache
 from services.transfer.client import TransferClient
+from services.transfer.convert import backend_from_proto
+from services.transfer.domain import TransferBackend
 
 log = structlog.get_logger(__name__)
 
@@ -32,6 +34,7 @@ MAPPING_CHECK_INTERVAL_S = 1.0
 class TransferLink:
     client: TransferClient
     transfer_id: str
+    backends: tuple[TransferBackend, ...] = ()  # what the service offers
 
     @property
     def address(self) -> str:
@@ -57,7 +60,7 @@ async def connect_transfer(address: str, instance_id: str, kv_cache: KvCache, rp
                                   "(python -m services.transfer)") from None
             await backoff.sleep()
     log.info("kv_cache_mapped", transfer_address=address, transfer_id=status.transfer_id, shm_name=kv_cache.name)
-    return TransferLink(client, status.transfer_id)
+    return TransferLink(client, status.transfer_id, tuple(backend_from_proto(b) for b in status.backends))
 
 
 async def transfer_mapping_loop(link: TransferLink, instance_id: str, kv_cache: KvCache,

@@ -11,9 +11,10 @@ import pytest
 from services.common.config import as_dict, build_parser, convert, env_name, knob, parse_config
 from services.common.logging import LogFormat, LogLevel
 from services.frontend.config import FrontendConfig
-from services.instance.config import InstanceConfig
+from services.instance.config import BackendChoice, InstanceConfig
 from services.manager.config import ManagerConfig
 from services.transfer.config import TransferConfig
+from services.transfer.domain import TransferBackend
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -191,6 +192,15 @@ def test_instance_sim_engine_flags_parse_and_a_negative_latency_is_refused(capsy
     with pytest.raises(SystemExit):
         parse_config(InstanceConfig, "instance", ["--model", "m", "--sim-prefill-ms-per-token", "-1"], env={})
     assert "--sim-prefill-ms-per-token must be >= 0, got -1.0" in capsys.readouterr().err
+
+
+def test_instance_transfer_backend_defaults_to_auto_and_names_one_or_refuses(capsys) -> None:
+    assert parse_config(InstanceConfig, "instance", ["--model", "m"], env={}).transfer_backend.backend is None
+    config = parse_config(InstanceConfig, "instance", ["--model", "m", "--transfer-backend", "shm"], env={})
+    assert config.transfer_backend is BackendChoice.SHM and config.transfer_backend.backend is TransferBackend.SHM
+    with pytest.raises(SystemExit):
+        parse_config(InstanceConfig, "instance", ["--model", "m", "--transfer-backend", "rdma"], env={})
+    assert "rdma" in capsys.readouterr().err
 
 
 def test_transfer_channel_flags_parse_and_out_of_range_values_are_refused(capsys) -> None:

@@ -132,10 +132,13 @@ async def pair(tiny):
         cache.unlink()
 
 
-def driver(src: Side, peer, copier, max_stages: int = 3, reservation_timeout_s: float = 5.0) -> MigrationDriver:
-    settings = MigrationSettings(instance_id=src.name, transfer_backend=TransferBackend.GRPC, stage_blocks=2,
+def driver(src: Side, peer, copier, max_stages: int = 3, reservation_timeout_s: float = 5.0,
+           backend: TransferBackend | None = TransferBackend.GRPC, transfer_id: str = "",
+           offered: tuple[TransferBackend, ...] = ()) -> MigrationDriver:
+    settings = MigrationSettings(instance_id=src.name, transfer_backend=backend, stage_blocks=2,
                                  max_stages=max_stages, is_checksum_verified=True, rpc_timeout_s=1.0,
-                                 transfer_timeout_s=1.0, reservation_timeout_s=reservation_timeout_s)
+                                 transfer_timeout_s=1.0, reservation_timeout_s=reservation_timeout_s,
+                                 transfer_id=transfer_id, offered_backends=offered)
     return MigrationDriver(src.runner, settings, src.slots, lambda address: peer, copier)
 
 
@@ -184,6 +187,31 @@ async def test_driver_moves_the_request_and_the_client_follows(pair):
     assert tokens == expected and last.finish_reason is FinishReason.LENGTH
     assert result.num_stages >= 2 and result.num_blocks == sum(t.num_blocks for t in copier.transfers)
     assert all(t.is_checksum_verified for t in copier.transfers)
+    await assert_no_blocks_held(a, b)
+
+
+GRPC_SHM = (TransferBackend.GRPC, TransferBackend.SHM)
+
+
+@pytest.mark.parametrize(("own_transfer_id", "offered", "expected"), [
+    ("tb", GRPC_SHM, TransferBackend.SHM),  # our transfer service maps the destination too: one host
+    ("tb", (TransferBackend.GRPC,), TransferBackend.GRPC),  # ... but does not offer shm
+    ("ta", GRPC_SHM, TransferBackend.GRPC),  # the destination's KV is mapped by another service
+    ("", GRPC_SHM, TransferBackend.GRPC)])  # no transfer service known
+async def test_auto_backend_copies_in_shared_memory_only_within_one_transfer_service(pair, own_transfer_id, offered,
+                                                                                     expected):
+    a, b = pair  # b's reservations name transfer service "tb"
+    expected_tokens = await reference(a)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    copier = TensorCopier(a, b)
+    result = await driver(a, FaultyPeer(b), copier, backend=None, transfer_id=own_transfer_id,
+                          offered=offered).migrate_out(plan())
+    assert result.backend is expected and {t.backend for t in copier.transfers} == {expected}
+    handoff = await read(stream, tokens)
+    await read(b.inbox.attach("r", handoff.epoch), tokens)
+    assert tokens == expected_tokens
     await assert_no_blocks_held(a, b)
 
 

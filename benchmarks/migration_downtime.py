@@ -65,8 +65,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="lengths 256,8192 and one repeat")
     parser.add_argument("--model", type=pathlib.Path, default=None,
                         help=f"model folder (default: the tiny {TINY_SHAPE!r} shape, built in a temp folder)")
-    parser.add_argument("--backend", default="grpc", choices=("grpc", "gloo", "shm"),
-                        help="transfer backend (shm needs one service mapping both: not set up here)")
+    parser.add_argument("--backend", default="grpc", choices=("grpc", "gloo", "shm", "auto"),
+                        help="the instances' --transfer-backend; with shm or auto both instances share one transfer "
+                             "service (one host), so every copy is a shared-memory copy")
     parser.add_argument("--stage-blocks", type=int, default=16, help="instances' --migration-stage-blocks")
     parser.add_argument("--max-stages", type=int, default=3, help="instances' --migration-max-stages")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -84,14 +85,16 @@ def parse_args() -> argparse.Namespace:
 # -- the processes ------------------------------------------------------------------------
 
 class Pair:
-    """Instances A and B, each with its co-located transfer service, and open stubs to both."""
+    """Instances A and B, each with its co-located transfer service (one shared by both for shm and
+    auto, as on one host), and open stubs to both."""
 
     def __init__(self, args: argparse.Namespace, model_dir: pathlib.Path, log_dir: pathlib.Path) -> None:
         max_model_len = max(args.lengths) + MAX_OUTPUT_TOKENS + 64
         num_blocks = 2 * (max_model_len // args.block_size + 8)  # a migrating request may hold two sets briefly
-        self.transfers = {name: _transfer(f"t{name}", args, log_dir) for name in ("a", "b")}
-        self.instances = {name: _instance(name, self.transfers[name].address, args, model_dir, max_model_len,
-                                          num_blocks, log_dir) for name in ("a", "b")}
+        is_one_host = args.backend in ("shm", "auto")
+        self.transfers = {name: _transfer(f"t{name}", args, log_dir) for name in (("ab",) if is_one_host else ("a", "b"))}
+        self.instances = {name: _instance(name, self.transfers["ab" if is_one_host else name].address, args, model_dir,
+                                          max_model_len, num_blocks, log_dir) for name in ("a", "b")}
         self.stubs: dict[str, instance_pb2_grpc.InstanceServiceStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 

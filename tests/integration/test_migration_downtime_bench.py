@@ -1,0 +1,31 @@
+"""The migration downtime benchmark (issue 4) in a small form: two real instances on one
+transfer service (`--backend auto`, as one host runs them), every mode at two lengths."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+COLUMNS = ["seq_len", "decode_step_ms", "live_downtime_ms", "stop_copy_downtime_ms", "recompute_downtime_ms",
+           "live_minus_step_ms", "live_suspend_commit_ms", "stop_copy_suspend_commit_ms"]
+
+
+@pytest.mark.timeout(240)
+def test_prints_a_row_per_length_with_every_mode(tmp_path):
+    completed = subprocess.run(
+        [sys.executable, "benchmarks/migration_downtime.py", "--lengths", "64,256", "--repeats", "1",
+         "--backend", "auto", "--out-dir", str(tmp_path)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=220)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    lines = completed.stdout.splitlines()
+    header = lines.index("\t".join(COLUMNS))
+    rows = [line.split("\t") for line in lines[header + 1:header + 3]]
+    assert [row[0] for row in rows] == ["64", "256"]
+    for row in rows:
+        assert all(float(value) > 0 for value in row[1:5]), row  # step, live, stop-and-copy, recompute
+    assert (tmp_path / "migration_downtime.png").stat().st_size > 0

@@ -145,7 +145,9 @@ async def test_killing_the_only_decode_instance_mid_run_completes_every_request(
     roles = {i: info.role for i, info in (await instances(admin)).items()}
     assert [i for i, r in roles.items() if r == common_pb2.ROLE_DECODE] == [DECODE_1]
     prompts, max_tokens = mixed_batch(10, "killed")
-    max_tokens = [m + 100 for m in max_tokens]
+    # Long enough that several decode at once on the decode instance for a while: shared-memory
+    # hand-offs land all ten within a few ms, and 100 more tokens each were done before a poll saw them.
+    max_tokens = [m + 400 for m in max_tokens]
     requests = asyncio.gather(*(complete(client, cluster, p, m) for p, m in zip(prompts, max_tokens)))
 
     async def decoding_on_the_decode_instance():

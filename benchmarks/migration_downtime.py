@@ -91,10 +91,10 @@ class Pair:
     def __init__(self, args: argparse.Namespace, model_dir: pathlib.Path, log_dir: pathlib.Path) -> None:
         max_model_len = max(args.lengths) + MAX_OUTPUT_TOKENS + 64
         num_blocks = 2 * (max_model_len // args.block_size + 8)  # a migrating request may hold two sets briefly
-        is_one_host = args.backend in ("shm", "auto")
-        self.transfers = {name: _transfer(f"t{name}", args, log_dir) for name in (("ab",) if is_one_host else ("a", "b"))}
-        self.instances = {name: _instance(name, self.transfers["ab" if is_one_host else name].address, args, model_dir,
-                                          max_model_len, num_blocks, log_dir) for name in ("a", "b")}
+        transfer_of = {"a": "ab", "b": "ab"} if args.backend in ("shm", "auto") else {"a": "a", "b": "b"}
+        self.transfers = {name: _transfer(f"t{name}", args, log_dir) for name in dict.fromkeys(transfer_of.values())}
+        self.instances = {name: _instance(name, self.transfers[transfer].address, args, model_dir, max_model_len,
+                                          num_blocks, log_dir) for name, transfer in transfer_of.items()}
         self.stubs: dict[str, instance_pb2_grpc.InstanceServiceStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 

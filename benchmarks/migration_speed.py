@@ -50,7 +50,7 @@ from tqdm import tqdm
 from services.cluster.processes import ServiceProcess
 from services.common.etcd_launcher import free_port
 from services.common.grpc_server import BULK_TRANSFER_OPTIONS, MESSAGE_OPTIONS, insecure_channel
-from services.common.heap import keep_freed_heap
+from services.common.heap import DEFAULT_KEEP_MIB, keep_freed_heap
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.transfer.channels import chunk_tag
 from services.transfer.chunk_plan import IN_PLACE_MIN_ROW_BYTES
@@ -88,7 +88,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--in-place-min-kib", type=int, default=IN_PLACE_MIN_ROW_BYTES >> 10,
                         help="the services' --in-place-min-kib (gloo moves consecutive blocks in place when a row "
                              "of them is this long; 0 = never)")
-    parser.add_argument("--heap-keep-mib", type=int, default=256,
+    parser.add_argument("--heap-keep-mib", type=int, default=DEFAULT_KEEP_MIB,
                         help="the services' --heap-keep-mib (freed heap kept mapped, so grpc messages do not land on "
                              "fresh pages; 0 = glibc's defaults); the bare grpc reference's two processes get the same")
     parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("bench-results"))

@@ -23,6 +23,7 @@ import functools
 M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 MAX_MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit (HEAP_MAX_SIZE / 2)
+DEFAULT_KEEP_MIB = 256  # the transfer service's --heap-keep-mib
 
 
 def keep_freed_heap(keep_bytes: int) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from services.common.config import knob
 from services.common.etcd_client import EtcdKnobs
+from services.common.heap import DEFAULT_KEEP_MIB
 from services.common.tls import TlsKnobs
 from services.common.logging import LogKnobs
 from services.transfer.channels import MAX_GLOO_CONNECTIONS, TAG_STRIDE
@@ -43,12 +44,15 @@ class TransferConfig(EtcdKnobs, TlsKnobs, LogKnobs):
         "received straight into the destination's (no gather or scatter on a side where they are consecutive), "
         "when one row of them is at least this many KiB; for shorter runs gloo's cost per message and the "
         "staged chunks drained before each run outweigh the copies saved (0 = never)")
-    grpc_piece_kib: int = knob(DEFAULT_PIECE_BYTES >> 10, "most data bytes per ReceiveBlocks message of the grpc backend, in KiB: "
-                                     "senders cut grpc transfers into chunks of this size (or --staging-kib "
-                                     "if smaller), one message each")
-    heap_keep_mib: int = knob(256, "freed heap memory this process keeps mapped for reuse, in MiB (glibc): "
-                                   "grpc messages are then not written into fresh pages each time (faulting "
-                                   "them in costs as much as the copy); 0 = the C library's defaults")
+    grpc_piece_kib: int = knob(
+        DEFAULT_PIECE_BYTES >> 10,
+        "most data bytes per ReceiveBlocks message of the grpc backend, in KiB: senders cut grpc transfers into "
+        "chunks of this size (or --staging-kib if smaller), one message each")
+    heap_keep_mib: int = knob(
+        DEFAULT_KEEP_MIB,
+        "freed heap memory this process keeps mapped for reuse, in MiB (glibc): grpc messages are then not "
+        "written into fresh pages each time (faulting them in costs as much as the copy); 0 = the C library's "
+        "defaults")
     transfer_timeout_s: float = knob(60.0, "upper bound of one transfer (the caller's deadline applies if shorter)")
     channel_timeout_s: float = knob(10.0, "gloo/nccl rendezvous timeout in seconds")
     num_threads: int = knob(0, "torch threads for gathers, scatters and same-host copies (0 = torch's default: one per core)")

@@ -50,6 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="how KV blocks move between instances during migration: auto copies directly between "
                          "the instances' shared memory (shm) when one transfer service maps both, as on this one "
                          "machine, and uses grpc otherwise; the others force one backend for every migration")
+    up.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the torch engine of every instance runs: cuda puts instance i on GPU i modulo the "
+                         "GPUs visible, its KV cache in GPU memory that the transfer service maps through CUDA IPC")
+    up.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="weights and KV cache dtype of every instance")
     up.add_argument("--http-port", type=int, default=8000, help="frontend's OpenAI-compatible HTTP port")
     up.add_argument("--admin-port", type=int, default=50051, help="manager's gRPC port (ManagerService + AdminService)")
     up.add_argument("--state-dir", type=pathlib.Path, default=None,
@@ -137,7 +142,8 @@ def build_spec(args: argparse.Namespace) -> ClusterSpec:
                        transfer_backend=args.transfer_backend, http_port=args.http_port, admin_port=args.admin_port,
                        state_dir=args.state_dir.resolve() if args.state_dir else None, cluster=args.cluster,
                        threads_per_instance=threads, kv_cache_mib=args.kv_cache_mib, log_format=args.log_format,
-                       security=args.security, autoscale_max_instances=args.autoscale_max_instances)
+                       security=args.security, autoscale_max_instances=args.autoscale_max_instances,
+                       device=args.device, dtype=args.dtype)
 
 
 def main(argv: list[str] | None = None) -> int:

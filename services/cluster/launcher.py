@@ -49,6 +49,15 @@ class ClusterSpec:
     log_format: str
     security: ClusterSecurity = ClusterSecurity()  # TLS / mTLS and the admin token; all off by default
     autoscale_max_instances: int = 0  # > 0: the manager scales between len(roles) and this many instances
+    device: str = "cpu"  # cpu | cuda: instance i then runs on GPU i modulo the visible ones
+    dtype: str = "float32"
+
+    def instance_device(self, index: int) -> str:
+        if self.device != "cuda":
+            return self.device
+        import torch  # only here: the launcher itself never needs torch
+
+        return f"cuda:{index % max(torch.cuda.device_count(), 1)}"
 
     @property
     def is_scalable(self) -> bool:
@@ -170,7 +179,8 @@ class LocalCluster:
         args = ["--model", str(self.spec.model_dir), "--port", str(port), "--instance-id", f"instance-{index}",
                 "--role", role, "--engine", self.spec.engine, "--num-threads", str(self.spec.threads_per_instance),
                 "--kv-cache-mib", str(self.spec.kv_cache_mib), "--transfer-address", transfer_address,
-                "--transfer-backend", self.spec.transfer_backend, *self._common_args(),
+                "--transfer-backend", self.spec.transfer_backend, "--device", self.spec.instance_device(index),
+                "--dtype", self.spec.dtype, *self._common_args(),
                 *self.spec.security.server_args()]
         return self._grpc_service(f"instance-{index}", "instance", args, port)
 

@@ -26,6 +26,7 @@ from services.common.signals import stop_event
 from services.instance.client import InstanceClients
 from services.instance.config import EngineKind, InstanceConfig
 from services.instance.engine.factory import EngineSpec, LoadedEngine, build_engine
+from services.instance.engine.device import resolve_device
 from services.instance.engine.kv_cache import KvGeometry
 from services.instance.engine.sim_model import SimLatency
 from services.instance.load_reporter import load_report_loop
@@ -168,7 +169,7 @@ def engine_spec(config: InstanceConfig, kv_name: str) -> EngineSpec:
                       block_size=config.block_size, num_blocks=config.num_blocks, kv_cache_mib=config.kv_cache_mib,
                       max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                       max_model_len=config.max_model_len, sim_latency=_sim_latency(config),
-                      enable_prefix_caching=config.enable_prefix_caching)
+                      enable_prefix_caching=config.enable_prefix_caching, device=resolve_device(config.device))
 
 
 def _sim_latency(config: InstanceConfig) -> SimLatency | None:
@@ -189,6 +190,7 @@ def instance_record(identity: InstanceIdentity, loaded: LoadedEngine, link: Tran
         "instance_id": identity.instance_id, "address": identity.address, "role": identity.role.value,
         "model": identity.model, "state": "serving", "pid": os.getpid(), "host": socket.gethostname(),
         "max_model_len": loaded.max_model_len, "kv_shm_name": loaded.kv_cache.name,
+        "kv_device": str(loaded.kv_cache.tensor.device),
         "transfer_address": link.address if link else "", "transfer_id": link.transfer_id if link else "",
         "kv": {"num_layers": geometry.num_layers, "num_kv_heads": geometry.num_kv_heads, "head_dim": geometry.head_dim,
                "block_size": geometry.block_size, "num_blocks": geometry.num_blocks,

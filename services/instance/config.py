@@ -5,6 +5,7 @@ import pathlib
 from dataclasses import dataclass
 
 from services.common.config import knob
+from services.instance.engine.device import resolve_device
 from services.common.etcd_client import EtcdKnobs
 from services.common.tls import TlsKnobs
 from services.common.logging import LogKnobs
@@ -69,6 +70,8 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     cluster: str = knob("ferry", "cluster name: etcd keys live under /ferry/<cluster>/")
     lease_ttl_s: float = knob(5.0, "etcd lease TTL in seconds; the instance re-registers if it loses its lease")
     dtype: str = knob("float32", "weights and KV cache dtype: float32, bfloat16 or float16")
+    device: str = knob("cpu", "where the torch engine keeps its weights and KV cache: cpu, cuda or cuda:N (on a GPU "
+                              "the transfer service maps the KV cache through a CUDA IPC handle)")
     block_size: int = knob(16, "tokens per KV cache block")
     num_blocks: int = knob(0, "KV cache blocks (0 = size from --kv-cache-mib)")
     kv_cache_mib: int = knob(512, "KV cache size in MiB when --num-blocks is 0")
@@ -129,3 +132,5 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
                              "must never free blocks a copy may still be writing")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if resolve_device(self.device).type != "cpu" and self.engine is EngineKind.SIM:
+            raise ValueError("--device: the sim engine runs no model and keeps its KV cache on the host; use --device cpu")

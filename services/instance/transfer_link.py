@@ -1,7 +1,8 @@
 """This instance's link to its co-located transfer service (--transfer-address).
 
-At startup the instance maps its KV shared memory into the service (MapInstance) so the
-service can read and write its blocks in place; migrations then ask it to copy blocks.
+At startup the instance maps its KV memory into the service (MapInstance: the shared-memory
+name, or the CUDA IPC handle of a cache on a GPU) so the service can read and write its
+blocks in place; migrations then ask it to copy blocks.
 The service may still be starting: mapping is retried with backoff until
 CONNECT_TIMEOUT_S, then startup fails naming the flag. A transfer service that restarts
 forgets its mappings: `transfer_mapping_loop` notices (this instance is missing from its
@@ -49,7 +50,7 @@ async def connect_transfer(address: str, instance_id: str, kv_cache: KvCache, rp
     backoff = Backoff(initial_s=0.1, max_s=1.0)
     while True:
         try:
-            await client.map_instance(instance_id, kv_cache.name, kv_cache.geometry)
+            await client.map_instance(instance_id, kv_cache.name, kv_cache.geometry, kv_cache.ipc_handle)
             status = await client.get_status()
             break
         except Unavailable as exc:
@@ -72,7 +73,7 @@ async def transfer_mapping_loop(link: TransferLink, instance_id: str, kv_cache: 
 async def _check_mapping(link: TransferLink, instance_id: str, kv_cache: KvCache) -> None:
     try:
         if instance_id not in (await link.client.get_status()).instance_ids:
-            await link.client.map_instance(instance_id, kv_cache.name, kv_cache.geometry)
+            await link.client.map_instance(instance_id, kv_cache.name, kv_cache.geometry, kv_cache.ipc_handle)
             log.info("kv_cache_remapped", transfer_address=link.address, shm_name=kv_cache.name)
     except Unavailable as exc:  # down or restarting: try again next interval
         log.debug("transfer_status_unavailable", transfer_address=link.address, reason=exc.message)

@@ -13,7 +13,7 @@ import structlog
 import torch
 
 from services.common.config import as_dict
-from services.common.errors import NotFound
+from services.common.errors import FailedPrecondition, NotFound
 from services.common.grpc_server import BULK_TRANSFER_OPTIONS, GrpcServer, start_grpc_server
 from services.common.heap import keep_freed_heap
 from services.common.registry import Registry
@@ -75,7 +75,8 @@ def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServ
     send_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024, config.staging_buffers)
     receive_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024, config.staging_buffers)
     channel_host = config.advertise_host or server.advertise_host
-    channels = ChannelTable(transfer_id, channel_host, config.channel_timeout_s, threads.io, config.gloo_connections)
+    channels = ChannelTable(transfer_id, channel_host, config.channel_timeout_s, threads.io, config.gloo_connections,
+                            config.nccl_device)
     backends = tuple(config.backends)
     sender = BlockSender(transfer_id, backends, mappings, send_staging, channels, peers, threads,
                          in_place_min_row_bytes=config.in_place_min_kib * 1024)
@@ -115,6 +116,10 @@ async def _map_from_etcd(registry: Registry, node: TransferNode, instance_ids: l
         if record is None or "kv_shm_name" not in record or "kv" not in record:
             raise NotFound(f"--map-instances: no usable etcd record instances/{instance_id} in cluster "
                            f"{registry.cluster!r} (needs kv_shm_name and kv); start the instance first")
+        if record.get("kv_device", "cpu") != "cpu":
+            raise FailedPrecondition(f"--map-instances: instance {instance_id} keeps its KV cache on "
+                                     f"{record['kv_device']}, which only the instance itself can share (it maps it "
+                                     "over MapInstance at startup, with --transfer-address)")
         node.mappings.map(InstanceId(instance_id), record["kv_shm_name"], geometry_from_record(record["kv"]))
 
 

@@ -5,7 +5,9 @@ grpc backend: contiguous pieces of the KV memory joined straight into the messag
 Scatter on CPU copies runs of consecutive destination ids with slice `copy_`s (torch
 shares each among its intra-op threads: 15 GB/s for an 8 MiB block with two threads
 against 9.7 GB/s for one, and `index_copy_` measured ~2.7 GB/s); on CUDA it is
-`index_copy_`. Neither allocates block-sized memory. Direct copies (the SHM backend) go
+`index_copy_`. Neither allocates block-sized memory on the host. A cache on a GPU (mapped
+through CUDA IPC) is gathered and scattered on its device through a chunk-sized temporary
+from torch's caching allocator, and every copy into it is waited for before it returns. Direct copies (the SHM backend) go
 source rows to destination rows by the same runs, with no staging.
 Torch and numpy copies release the GIL, so these run on worker threads while the event loop serves.
 """
@@ -34,9 +36,13 @@ def staged_view(buffer: torch.Tensor, plan: ChunkPlan, chunk: Chunk, dtype: torc
 
 
 def gather_chunk(rows: torch.Tensor, block_ids: torch.Tensor, chunk: Chunk, out: torch.Tensor) -> torch.Tensor:
-    """Copy the chunk's blocks and rows of `rows` into `out` (a `staged_view`)."""
+    """Copy the chunk's blocks and rows of `rows` into `out` (a `staged_view`); `block_ids` lie on
+    `rows`' device. A GPU cache gathers on its device, then copies into host `out` (which waits for it)."""
     ids = block_ids[chunk.block_start:chunk.block_stop]
-    return torch.index_select(rows[chunk.row_start:chunk.row_stop], 1, ids, out=out)
+    source = rows[chunk.row_start:chunk.row_stop]
+    if source.device == out.device:
+        return torch.index_select(source, 1, ids, out=out)
+    return out.copy_(torch.index_select(source, 1, ids))
 
 
 def chunk_parts(rows: np.ndarray, block_ids: tuple[int, ...], chunk: Chunk) -> list[np.ndarray]:
@@ -55,7 +61,8 @@ def scatter_chunk(rows: torch.Tensor, block_ids: tuple[int, ...], chunk: Chunk, 
     ids = block_ids[chunk.block_start:chunk.block_stop]
     target = rows[chunk.row_start:chunk.row_stop]
     if rows.device.type != "cpu":
-        target.index_copy_(1, torch.tensor(ids, device=rows.device), staged)
+        target.index_copy_(1, torch.tensor(ids, device=rows.device), staged.to(rows.device))
+        synchronize(rows)
         return
     for offset, first_id, length in block_runs(ids):
         target[:, first_id:first_id + length].copy_(staged[:, offset:offset + length])
@@ -68,6 +75,14 @@ def copy_blocks(src_rows: torch.Tensor, src_ids: tuple[int, ...], dst_rows: torc
     for start, stop in paired_runs(src_ids, dst_ids):
         src_first, dst_first, length = src_ids[start], dst_ids[start], stop - start
         dst[:, dst_first:dst_first + length].copy_(src[:, src_first:src_first + length])
+    synchronize(dst_rows)
+
+
+def synchronize(rows: torch.Tensor) -> None:
+    """Wait until this process's copies into a GPU cache are done: the instance that owns it reads
+    the blocks from its own process as soon as the transfer reports success."""
+    if rows.device.type == "cuda":
+        torch.cuda.synchronize(rows.device)
 
 
 def segments(plan: ChunkPlan, rows: torch.Tensor, block_ids: tuple[int, ...], is_in_place: bool

@@ -166,19 +166,20 @@ class ChannelTable:
     """Channels by peer: outgoing ones keyed by the peer's address, incoming by its transfer id."""
 
     def __init__(self, transfer_id: str, host: str, timeout_s: float, executor: Executor,
-                 gloo_connections: int = 1) -> None:
+                 gloo_connections: int = 1, nccl_device: int = 0) -> None:
         self._transfer_id = transfer_id
         self._host = host
         self._timeout_s = timeout_s
         self._executor = executor
         self._gloo_connections = gloo_connections
+        self._nccl_device = nccl_device
         self._outgoing: dict[tuple[str, TransferBackend], PairChannel] = {}
         self._incoming: dict[tuple[str, TransferBackend], PairChannel] = {}
         self._locks: dict[tuple[str, TransferBackend], asyncio.Lock] = {}
 
     async def outgoing(self, peer_address: str, backend: TransferBackend, open_remote: OpenRemote) -> PairChannel:
         """The channel to `peer_address`, opened on first use (this side is rank 0)."""
-        check_backend_available(backend)
+        check_backend_available(backend, self._nccl_device)
         key = (peer_address, backend)
         async with self._locks.setdefault(key, asyncio.Lock()):
             if key not in self._outgoing:
@@ -188,14 +189,14 @@ class ChannelTable:
     async def accept(self, peer_id: str, backend: TransferBackend, store_address: str, rank: int,
                      num_connections: int) -> None:
         """Join the group the peer opened (replacing an older channel from it)."""
-        check_backend_available(backend)
+        check_backend_available(backend, self._nccl_device)
         host, _, port = store_address.rpartition(":")
         store = await run_in_thread(self._executor, _client_store, host, int(port), self._timeout_s)
         prefix = dist.PrefixStore(_prefix(peer_id, self._transfer_id, backend), store)
         group = await run_in_thread(self._executor, _create_group, backend, prefix, rank, self._host, self._timeout_s,
                                     num_connections)
         self.drop_incoming(peer_id, backend)
-        self._incoming[(peer_id, backend)] = PairChannel(peer_id, backend, rank, group, store, _device_for(backend))
+        self._incoming[(peer_id, backend)] = PairChannel(peer_id, backend, rank, group, store, self._device_for(backend))
         log.info("channel_accepted", peer_transfer_id=peer_id, backend=backend.value, store_address=store_address)
 
     def incoming(self, peer_id: str, backend: TransferBackend) -> PairChannel:
@@ -219,6 +220,9 @@ class ChannelTable:
         for peer, backend in list(self._incoming):
             self.drop_incoming(peer, backend)
 
+    def _device_for(self, backend: TransferBackend) -> torch.device:
+        return torch.device("cuda", self._nccl_device) if backend is TransferBackend.NCCL else torch.device("cpu")
+
     async def _open(self, peer_address: str, backend: TransferBackend, open_remote: OpenRemote) -> PairChannel:
         store = await run_in_thread(self._executor, _master_store, self._host, self._timeout_s)
         prefix = dist.PrefixStore(_prefix(self._transfer_id, "", backend), store)
@@ -232,7 +236,7 @@ class ChannelTable:
             raise
         group = await group_future
         log.info("channel_opened", peer=peer_address, backend=backend.value, store_port=store.port)
-        return PairChannel(peer_address, backend, 0, group, store, _device_for(backend))
+        return PairChannel(peer_address, backend, 0, group, store, self._device_for(backend))
 
 
 def _consume_result(future: asyncio.Future) -> None:
@@ -240,11 +244,14 @@ def _consume_result(future: asyncio.Future) -> None:
         future.exception()  # the caller already failed with the RPC's error
 
 
-def check_backend_available(backend: TransferBackend) -> None:
+def check_backend_available(backend: TransferBackend, nccl_device: int = 0) -> None:
     if backend not in CHANNEL_BACKENDS:
         raise FailedPrecondition(f"backend {backend.value} does not use channels")
     if backend is TransferBackend.NCCL and not (torch.cuda.is_available() and dist.is_nccl_available()):
         raise FailedPrecondition("backend nccl needs CUDA and a torch build with NCCL; use --backends grpc,gloo here")
+    if backend is TransferBackend.NCCL and nccl_device >= torch.cuda.device_count():
+        raise FailedPrecondition(f"--nccl-device {nccl_device}: only {torch.cuda.device_count()} CUDA device(s) "
+                                 "are visible to this transfer service")
     if backend is TransferBackend.GLOO and not dist.is_gloo_available():
         raise FailedPrecondition("backend gloo needs a torch build with gloo; use grpc")
 
@@ -281,7 +288,3 @@ def _create_group(backend: TransferBackend, store: dist.Store, rank: int, host: 
         return dist.ProcessGroupNCCL(store, rank, 2, options)
     except (RuntimeError, dist.DistError) as exc:
         raise Unavailable(f"{backend.value} rendezvous failed (rank {rank}): {exc}") from exc
-
-
-def _device_for(backend: TransferBackend) -> torch.device:
-    return torch.device("cuda") if backend is TransferBackend.NCCL else torch.device("cpu")

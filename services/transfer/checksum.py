@@ -18,7 +18,11 @@ from services.transfer.chunk_plan import Chunk, ChunkPlan
 
 
 def block_checksums(rows: torch.Tensor, block_ids: tuple[int, ...]) -> tuple[int, ...]:
-    """crc32 of each block of a CPU `[rows, blocks, row_elems]` tensor, in `block_ids` order."""
+    """crc32 of each block of a `[rows, blocks, row_elems]` tensor, in `block_ids` order (blocks on a
+    GPU are copied to the host first)."""
+    if rows.device.type != "cpu":
+        rows = rows.index_select(1, torch.tensor(block_ids, dtype=torch.int64, device=rows.device)).cpu()
+        block_ids = tuple(range(len(block_ids)))
     data = as_bytes(rows)
     return tuple(_fold(data[:, block_id], 0) for block_id in block_ids)
 

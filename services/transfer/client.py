@@ -17,9 +17,10 @@ from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
 from services.common.grpc_server import BULK_TRANSFER_OPTIONS, secure_or_insecure_channel
 from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
+from services.instance.engine.cuda_ipc import CudaIpcHandle
 from services.instance.engine.kv_cache import KvGeometry
 from services.transfer.convert import (backend_from_proto, backend_to_proto, geometry_to_proto, header_to_proto,
-                                       result_from_proto, transfer_to_proto)
+                                       ipc_handle_to_proto, result_from_proto, transfer_to_proto)
 from services.transfer.domain import (DEFAULT_PIECE_BYTES, BlockTransfer, IncomingBlocks, TransferBackend,
                                       TransferResult)
 
@@ -50,9 +51,12 @@ class TransferClient:
 
     # -- for instances ---------------------------------------------------------------
 
-    async def map_instance(self, instance_id: str, shm_name: str, geometry: KvGeometry) -> int:
-        request = transfer_pb2.MapInstanceRequest(instance_id=instance_id, shm_name=shm_name,
-                                                  kv=geometry_to_proto(geometry))
+    async def map_instance(self, instance_id: str, shm_name: str, geometry: KvGeometry,
+                           cuda_ipc: CudaIpcHandle | None = None) -> int:
+        """Map the instance's KV: the shared memory `shm_name`, or (KV on a GPU) the `cuda_ipc` allocation."""
+        request = transfer_pb2.MapInstanceRequest(
+            instance_id=instance_id, shm_name=shm_name, kv=geometry_to_proto(geometry),
+            cuda_ipc=ipc_handle_to_proto(cuda_ipc) if cuda_ipc is not None else None)
         return (await self._call(self._stub.MapInstance, request)).num_bytes
 
     async def unmap_instance(self, instance_id: str) -> bool:

@@ -53,6 +53,8 @@ class TransferConfig(EtcdKnobs, TlsKnobs, LogKnobs):
         "freed heap memory this process keeps mapped for reuse, in MiB (glibc): grpc messages are then not "
         "written into fresh pages each time (faulting them in costs as much as the copy); 0 = the C library's "
         "defaults")
+    nccl_device: int = knob(0, "CUDA device index this service's nccl channels run on (NCCL refuses two ranks on one "
+                               "GPU: give the two ends of a pair on one host different GPUs)")
     transfer_timeout_s: float = knob(60.0, "upper bound of one transfer (the caller's deadline applies if shorter)")
     channel_timeout_s: float = knob(10.0, "gloo/nccl rendezvous timeout in seconds")
     num_threads: int = knob(0, "torch threads for gathers, scatters and same-host copies (0 = torch's default: one per core)")
@@ -79,5 +81,7 @@ class TransferConfig(EtcdKnobs, TlsKnobs, LogKnobs):
             raise ValueError(f"--gloo-connections must be 1..{MAX_GLOO_CONNECTIONS}, got {self.gloo_connections}")
         if self.grpc_piece_kib * 1024 > 60 * 2**20:
             raise ValueError("--grpc-piece-kib must stay under the 64 MiB gRPC message limit")
+        if self.nccl_device < 0:
+            raise ValueError(f"--nccl-device must be a CUDA device index >= 0, got {self.nccl_device}")
         if self.map_instances and not self.etcd_endpoints:
             raise ValueError("--map-instances reads instance records from etcd; set --etcd-endpoints")

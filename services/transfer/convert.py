@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import common_pb2, transfer_pb2
+from services.instance.engine.cuda_ipc import CudaIpcHandle
 from services.instance.engine.kv_cache import KvGeometry
 from services.transfer.domain import BlockTransfer, IncomingBlocks, InstanceId, TransferBackend, TransferId, TransferResult
 
@@ -35,6 +36,25 @@ def geometry_to_proto(geometry: KvGeometry) -> common_pb2.KvGeometry:
     return common_pb2.KvGeometry(
         num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
         block_size=geometry.block_size, num_blocks=geometry.num_blocks, dtype=geometry.dtype_name)
+
+
+def ipc_handle_to_proto(handle: CudaIpcHandle) -> transfer_pb2.CudaIpcHandle:
+    return transfer_pb2.CudaIpcHandle(
+        device_uuid=handle.device_uuid, storage_handle=handle.storage_handle,
+        storage_size_bytes=handle.storage_size_bytes, storage_offset_bytes=handle.storage_offset_bytes,
+        ref_counter_handle=handle.ref_counter_handle, ref_counter_offset=handle.ref_counter_offset,
+        event_handle=handle.event_handle, event_sync_required=handle.event_sync_required,
+        tensor_offset=handle.tensor_offset)
+
+
+def ipc_handle_from_proto(msg: transfer_pb2.CudaIpcHandle) -> CudaIpcHandle:
+    if not msg.device_uuid or not msg.storage_handle or msg.storage_size_bytes <= 0:
+        raise InvalidArgument("cuda_ipc: device_uuid, storage_handle and a positive storage_size_bytes are required")
+    if msg.storage_offset_bytes < 0 or msg.tensor_offset < 0 or msg.ref_counter_offset < 0:
+        raise InvalidArgument("cuda_ipc: storage_offset_bytes, tensor_offset and ref_counter_offset must be >= 0")
+    return CudaIpcHandle(msg.device_uuid, msg.storage_handle, msg.storage_size_bytes, msg.storage_offset_bytes,
+                         msg.ref_counter_handle, msg.ref_counter_offset, msg.event_handle, msg.event_sync_required,
+                         msg.tensor_offset)
 
 
 def geometry_from_proto(msg: common_pb2.KvGeometry) -> KvGeometry:

@@ -1,4 +1,5 @@
-"""The instances whose KV shared memory this transfer service has mapped."""
+"""The instances whose KV memory this transfer service has mapped: host shared memory by name,
+or GPU memory through a CUDA IPC handle."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import structlog
 import torch
 
 from services.common.errors import NotFound
+from services.instance.engine.cuda_ipc import CudaIpcHandle
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.transfer.block_copy import kv_rows
 from services.transfer.domain import InstanceId
@@ -27,21 +29,28 @@ class KvMappings:
         self._rows: dict[InstanceId, torch.Tensor] = {}  # each cache as rows, viewed once (a view costs µs per transfer)
         self._prefaults: dict[InstanceId, threading.Thread] = {}  # one short-lived thread per map
 
-    def map(self, instance_id: InstanceId, shm_name: str, geometry: KvGeometry) -> KvCache:
-        """Map (or re-map, e.g. after an instance restart) the instance's KV segment."""
-        cache = KvCache.attach(shm_name, geometry)  # NotFound / InvalidArgument with a fix in the message
-        # Pre-fault in the background: seconds for a big cache, and a transfer meanwhile just
-        # faults the pages it touches itself.
-        thread = threading.Thread(target=populate, args=(cache.tensor,), name=f"prefault-{instance_id}", daemon=True)
-        thread.start()
-        self._prefaults[instance_id] = thread
+    def map(self, instance_id: InstanceId, shm_name: str, geometry: KvGeometry,
+            cuda_ipc: CudaIpcHandle | None = None) -> KvCache:
+        """Map (or re-map, e.g. after an instance restart) the instance's KV segment, or its GPU
+        memory where `cuda_ipc` is given."""
+        if cuda_ipc is not None:
+            cache = KvCache.open_ipc(shm_name, geometry, cuda_ipc)  # FailedPrecondition without that GPU
+            self._prefaults.pop(instance_id, None)  # device memory: nothing to pre-fault
+        else:
+            cache = KvCache.attach(shm_name, geometry)  # NotFound / InvalidArgument with a fix in the message
+            # Pre-fault in the background: seconds for a big cache, and a transfer meanwhile just
+            # faults the pages it touches itself.
+            thread = threading.Thread(target=populate, args=(cache.tensor,), name=f"prefault-{instance_id}",
+                                      daemon=True)
+            thread.start()
+            self._prefaults[instance_id] = thread
         previous = self._caches.get(instance_id)
         self._caches[instance_id] = cache
         self._rows[instance_id] = kv_rows(cache.tensor)
         if previous is not None:
             previous.close()  # transfers in flight keep their own views alive
-        log.info("instance_mapped", instance_id=instance_id, shm_name=shm_name, num_blocks=geometry.num_blocks,
-                 num_bytes=geometry.num_bytes)
+        log.info("instance_mapped", instance_id=instance_id, shm_name=shm_name, device=str(cache.tensor.device),
+                 num_blocks=geometry.num_blocks, num_bytes=geometry.num_bytes)
         return cache
 
     def wait_prefaulted(self, instance_id: InstanceId, timeout_s: float) -> bool:

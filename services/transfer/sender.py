@@ -139,7 +139,7 @@ class BlockSender:
             checksums = await run_in_thread(self._threads.copy, block_checksums, rows, request.src_block_ids)
         header = IncomingBlocks(request.dst_instance_id, request.dst_block_ids, geometry, plan.blocks_per_chunk,
                                 plan.rows_per_chunk, checksums, self._transfer_id, spans)
-        index = torch.tensor(request.src_block_ids, dtype=torch.int64)
+        index = torch.tensor(request.src_block_ids, dtype=torch.int64, device=rows.device)
         return SourceBlocks(rows, request.src_block_ids, index, plan, header)
 
     def _encode_ahead(self, source: SourceBlocks, slot: StagingSlot) -> GatherAhead:
@@ -148,7 +148,7 @@ class BlockSender:
             def encode_staged(chunk: Chunk, buffer: torch.Tensor) -> bytes:
                 staged = gather_chunk(source.rows, source.index, chunk,
                                       staged_view(buffer, source.plan, chunk, source.rows.dtype))
-                return encode_data_message(as_bytes(staged.cpu()))
+                return encode_data_message(as_bytes(staged))
             return GatherAhead(source.plan, slot, encode_staged, self._threads.copy)
         rows = as_bytes(source.rows)
 

@@ -14,7 +14,8 @@ from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
 from services.transfer.metrics import observed_transfer
 from services.transfer.channels import MAX_GLOO_CONNECTIONS, MAX_TAG, TAG_STRIDE, ChannelTable
 from services.transfer.convert import (backend_from_proto, backend_to_proto, decode_receive_blocks_message,
-                                       geometry_from_proto, header_from_proto, result_to_proto, transfer_from_proto)
+                                       geometry_from_proto, header_from_proto, ipc_handle_from_proto, result_to_proto,
+                                       transfer_from_proto)
 from services.transfer.domain import InstanceId, TransferBackend
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.receiver import BlockReceiver
@@ -49,7 +50,9 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
                           context: grpc.aio.ServicerContext) -> transfer_pb2.MapInstanceResponse:
         if not request.instance_id or not request.shm_name or not request.HasField("kv"):
             raise InvalidArgument("instance_id, shm_name and kv: all required")
-        cache = self.node.mappings.map(InstanceId(request.instance_id), request.shm_name, geometry_from_proto(request.kv))
+        cuda_ipc = ipc_handle_from_proto(request.cuda_ipc) if request.HasField("cuda_ipc") else None
+        cache = self.node.mappings.map(InstanceId(request.instance_id), request.shm_name,
+                                       geometry_from_proto(request.kv), cuda_ipc)
         await self.node.on_mappings_changed()
         return transfer_pb2.MapInstanceResponse(transfer_id=self.node.transfer_id, num_bytes=cache.geometry.num_bytes)
 

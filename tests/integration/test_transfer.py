@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from services.cluster.processes import ServiceProcess, stop_all
-from services.common.errors import NotFound, Unavailable
+from services.common.errors import FailedPrecondition, NotFound, Unavailable
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import common_pb2, transfer_pb2, transfer_pb2_grpc
 from services.common.grpc_server import insecure_channel
 from services.common.registry import Registry
+from services.instance.engine.cuda_ipc import CudaIpcHandle
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.transfer.client import TransferClient
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
@@ -50,8 +51,8 @@ def _start(name: str, etcd, cluster: str, log_dir, *extra: str) -> ServiceProces
     return process.start()
 
 
-def _random_cache(instance_id: str, geometry: KvGeometry, seed: int) -> KvCache:
-    cache = KvCache.create(f"ferry-test-{instance_id}-{uuid.uuid4().hex[:6]}", geometry)
+def _random_cache(instance_id: str, geometry: KvGeometry, seed: int, device: str = "cpu") -> KvCache:
+    cache = KvCache.create(f"ferry-test-{instance_id}-{uuid.uuid4().hex[:6]}", geometry, torch.device(device))
     generator = torch.Generator().manual_seed(seed)
     cache.tensor.copy_(torch.randn(geometry.shape, generator=generator).to(geometry.dtype))
     return cache
@@ -89,9 +90,9 @@ async def mapped(services, caches):
     """Clients of A and B with A mapping every a-* (and, for SHM, b-*) cache and B every b-* cache."""
     async with TransferClient(services["A"].address) as a, TransferClient(services["B"].address) as b:
         for instance_id, cache in caches.items():
-            await a.map_instance(instance_id, cache.name, cache.geometry)
+            await a.map_instance(instance_id, cache.name, cache.geometry, cache.ipc_handle)
             if instance_id.startswith("b-"):
-                await b.map_instance(instance_id, cache.name, cache.geometry)
+                await b.map_instance(instance_id, cache.name, cache.geometry, cache.ipc_handle)
         yield a, b
 
 
@@ -121,6 +122,16 @@ async def test_registers_address_backends_and_mapped_instances(etcd, cluster_nam
     assert record["address"] == services["A"].address
     assert set(record["backends"]) == {"grpc", "gloo", "shm"}
     assert set(record["instance_ids"]) == {"a-small", "b-small", "a-wide", "b-wide"}
+
+
+async def test_a_gpu_cache_this_service_cannot_open_is_failed_precondition(services):
+    """A CUDA IPC handle of a GPU the service cannot see (here: no CUDA at all, or a made-up
+    UUID) is refused with a message saying what is missing, and nothing is mapped."""
+    handle = CudaIpcHandle("GPU-00000000-made-up", b"\x01" * 64, 4096, 0, b"ref", 0, b"", False, 0)
+    async with TransferClient(services["B"].address) as b:
+        with pytest.raises(FailedPrecondition, match="CUDA|not visible"):
+            await b.map_instance("gpu-nowhere", "ferry-kv-gpu-nowhere", SMALL, handle)
+        assert "gpu-nowhere" not in (await b.get_status()).instance_ids
 
 
 async def test_instances_mapping_while_it_starts_are_registered(etcd, cluster_name, caches, tmp_path):
@@ -366,11 +377,16 @@ async def _until_some_blocks_landed(dst: KvCache, transfer: asyncio.Task, timeou
         await asyncio.sleep(0.001)
 
 
+NEEDS_TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                    reason="needs 2 CUDA devices (NCCL refuses two ranks on one GPU)")
+
+
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@NEEDS_TWO_GPUS
 async def test_nccl_moves_blocks_bit_exactly(etcd, cluster_name, caches, tmp_path):
     log_dir = tmp_path
-    processes = [_start(name, etcd, cluster_name, log_dir, "--backends", "grpc,nccl") for name in ("N0", "N1")]
+    processes = [_start(name, etcd, cluster_name, log_dir, "--backends", "grpc,nccl", "--nccl-device", str(i))
+                 for i, name in enumerate(("N0", "N1"))]
     try:
         for process in processes:
             await process.wait_healthy(60)
@@ -380,5 +396,44 @@ async def test_nccl_moves_blocks_bit_exactly(etcd, cluster_name, caches, tmp_pat
             src_ids, dst_ids = _block_sets(SMALL, 7, seed=11)
             await _transfer_and_check(n0, caches, processes[1].address, "small", TransferBackend.NCCL,
                                       src_ids, dst_ids, True)
+    finally:
+        stop_all(processes)
+
+
+@pytest.fixture(scope="module")
+def gpu_caches():
+    """Caches on the GPU (mapped through CUDA IPC handles), and one on the host to mix with them."""
+    made = {"a-gpu": _random_cache("a-gpu", WIDE, 7, "cuda"), "b-gpu": _random_cache("b-gpu", WIDE, 8, "cuda"),
+            "a-mixed": _random_cache("a-mixed", SMALL, 9), "b-mixed": _random_cache("b-mixed", SMALL, 10, "cuda")}
+    yield made
+    for cache in made.values():
+        cache.close()
+        cache.unlink()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pair", ["gpu", "mixed"])
+async def test_gpu_caches_move_bit_exactly_on_every_backend(etcd, cluster_name, gpu_caches, tmp_path, pair):
+    """KV caches on the GPU, mapped through CUDA IPC: every backend moves random block sets bit
+    for bit between two services (shm: within one), GPU to GPU and host to GPU. nccl needs a
+    GPU per service (NCCL refuses two ranks on one GPU), so it runs only with two."""
+    backends = [TransferBackend.GRPC, TransferBackend.GLOO, TransferBackend.SHM]
+    if torch.cuda.device_count() >= 2:
+        backends.append(TransferBackend.NCCL)
+    processes = [_start(name, etcd, cluster_name, tmp_path, "--backends", "grpc,gloo,shm,nccl", "--nccl-device",
+                        str(i % torch.cuda.device_count())) for i, name in enumerate(("G0", "G1"))]
+    try:
+        await asyncio.gather(*(process.wait_healthy(60) for process in processes))
+        async with TransferClient(processes[0].address) as g0, TransferClient(processes[1].address) as g1:
+            for instance_id, cache in gpu_caches.items():
+                await g0.map_instance(instance_id, cache.name, cache.geometry, cache.ipc_handle)
+                await g1.map_instance(instance_id, cache.name, cache.geometry, cache.ipc_handle)
+            geometry = gpu_caches[f"a-{pair}"].geometry
+            for backend in backends:
+                for seed, num_blocks in enumerate((1, 5, geometry.num_blocks)):
+                    src_ids, dst_ids = _block_sets(geometry, num_blocks, seed)
+                    await _transfer_and_check(g0, gpu_caches, processes[1].address, pair, backend, src_ids, dst_ids,
+                                              is_checksum_verified=seed % 2 == 0)
     finally:
         stop_all(processes)

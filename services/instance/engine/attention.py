@@ -23,13 +23,17 @@ window=W)`): its masks also hide the keys W or more positions back, and its long
 sequences are gathered rather than read in place. Gemma 2 caps the attention scores (`softcap`: cap * tanh(scores / cap)) before the softmax,
 which SDPA cannot do; its layers take an explicit matmul-softmax-matmul path instead.
 
+Plans are built on the host from the scheduler's host tensors; on a GPU, `plan.to(device)`
+moves the few index and mask tensors the layers read, once per forward.
+
 A long decode sequence whose blocks lie in a few contiguous runs (the block manager hands
 out the lowest free ids, so a prefilled or migrated-in sequence usually gets one run) skips
 the gather: its keys and values are read where they lie, one matmul per run, so a decode
 step over a long context reads its cache once instead of copying it first.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +70,11 @@ class AttentionGroup:
     is_valid: torch.Tensor | None  # [num_seqs * max_query_len] False for padding rows; None: no padding
     out_index: torch.Tensor | None  # [num_valid] packed token of each valid row; None: all, in order
 
+    def to(self, device: torch.device) -> "AttentionGroup":
+        return replace(self, gather_indices=tuple(index.to(device) for index in self.gather_indices),
+                       mask=_to(self.mask, device), token_index=_to(self.token_index, device),
+                       is_valid=_to(self.is_valid, device), out_index=_to(self.out_index, device))
+
 
 @dataclass(frozen=True, slots=True)
 class InPlaceSequence:
@@ -77,6 +86,9 @@ class InPlaceSequence:
 class InPlaceGroup:
     sequences: tuple[InPlaceSequence, ...]
     out_index: torch.Tensor  # [num_seqs] packed token of each sequence
+
+    def to(self, device: torch.device) -> "InPlaceGroup":
+        return replace(self, out_index=self.out_index.to(device))
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +116,24 @@ class AttentionPlan:
             prefill = _prefill_group(batch, torch.nonzero(is_prefill).flatten(), query_lens, starts, geometry,
                                      window)
         return cls(batch.slot_mapping, decode, prefill, in_place)
+
+    def to(self, device: torch.device) -> "AttentionPlan":
+        """The plan with every tensor a layer reads on `device` (plans are built from host tensors)."""
+        if device.type == "cpu":
+            return self
+        return AttentionPlan(self.slot_mapping.to(device), _group_to(self.decode, device),
+                             _group_to(self.prefill, device), _group_to(self.in_place, device))
+
+
+Group = TypeVar("Group", AttentionGroup, InPlaceGroup)
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
+
+
+def _group_to(group: Group | None, device: torch.device) -> Group | None:
+    return None if group is None else group.to(device)
 
 
 def _gather_plan(
@@ -251,7 +281,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = _capped(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
     if is_causal:
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)

@@ -132,7 +132,6 @@ class LLMEngine:
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   device=kv_cache.tensor.device,
                                    max_prompt_logit_rows=PROMPT_LOGITS_BUDGET // model.config.vocab_size)
         self.sampler = Sampler()
         self.reservations = Reservations(self.block_manager)  # blocks held for requests migrating in

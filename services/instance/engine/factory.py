@@ -1,5 +1,8 @@
 """Building a ready engine from a model folder: model, tokenizer, shared KV cache, engine.
 
+On a CUDA device the weights and the KV cache live on the GPU (the cache shared through a
+CUDA IPC handle); everything else, the scheduler's batches and sampling, stays on the host.
+
 The torch engine loads the weights; the sim engine reads only config.json (and the
 tokenizer) and runs a latency model instead (`sim_model.py`)."""
 
@@ -33,6 +36,7 @@ class EngineSpec:
     max_model_len: int = 0  # 0 = the longest the model serves (context_window.py)
     sim_latency: SimLatency | None = None  # set: the sim engine, with this latency model
     enable_prefix_caching: bool = True
+    device: torch.device = torch.device("cpu")  # the torch engine's weights and KV cache (the sim engine: cpu)
 
 
 @dataclass(slots=True)
@@ -56,7 +60,7 @@ def build_engine(spec: EngineSpec) -> LoadedEngine:
     num_blocks = spec.num_blocks or max(1, spec.kv_cache_mib * 2**20 // per_block)
     geometry = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                           spec.block_size, num_blocks, spec.dtype)
-    kv_cache = KvCache.create(spec.kv_name, geometry)
+    kv_cache = KvCache.create(spec.kv_name, geometry, spec.device)
     engine_config = EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len, block_size=spec.block_size,
                                  max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                                  enable_prefix_caching=spec.enable_prefix_caching)
@@ -67,4 +71,4 @@ def build_engine(spec: EngineSpec) -> LoadedEngine:
 def _model(spec: EngineSpec) -> ForwardModel:
     if spec.sim_latency is not None:
         return SimModel(ModelConfig.from_dir(spec.model_dir), spec.sim_latency)
-    return load_model(spec.model_dir, dtype=spec.dtype)
+    return load_model(spec.model_dir, dtype=spec.dtype, device=spec.device)

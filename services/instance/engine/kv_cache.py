@@ -10,6 +10,10 @@ with `multiprocessing.shared_memory` (fresh pages read as zeros) and mapped with
 tensor and its views: closing never leaves a tensor pointing at unmapped memory.
 Only the creator unlinks the name: explicitly with `unlink()`, at interpreter exit,
 and, if the process is killed, through multiprocessing's resource tracker.
+
+On a GPU (`create(..., device=cuda:N)`) the cache is plain device memory instead, and the
+transfer service maps it through a CUDA IPC handle (`ipc_handle`, `open_ipc`; cuda_ipc.py).
+Its `name` then only names it in logs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 import torch
 
 from services.common.errors import Internal, InvalidArgument, NotFound
+from services.instance.engine.cuda_ipc import CudaIpcHandle, export_handle, open_handle
 
 SHM_DIR = Path("/dev/shm")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -70,13 +75,14 @@ class KvGeometry:
 
 
 class KvCache:
-    """A KV tensor in named shared memory. Use `create` (owner) or `attach` (reader/writer)."""
+    """A KV tensor in named shared memory (or on a GPU). Use `create` (owner), `attach` or `open_ipc`."""
 
     def __init__(self, name: str, geometry: KvGeometry, tensor: torch.Tensor,
-                 owner: shared_memory.SharedMemory | None) -> None:
+                 owner: shared_memory.SharedMemory | None, ipc_handle: CudaIpcHandle | None = None) -> None:
         self.name = name
         self.geometry = geometry
         self.tensor = tensor
+        self.ipc_handle = ipc_handle  # set for a cache on a GPU: how other processes map it
         self._owner = owner  # set in the creating process only; it alone unlinks the name
 
     @staticmethod
@@ -84,8 +90,11 @@ class KvCache:
         return f"ferry-kv-{instance_id}"
 
     @classmethod
-    def create(cls, name: str, geometry: KvGeometry) -> KvCache:
-        """Create the segment `name`, zero-filled, and map it."""
+    def create(cls, name: str, geometry: KvGeometry, device: torch.device | None = None) -> KvCache:
+        """Create the segment `name`, zero-filled, and map it; on a CUDA `device`, zeroed device memory."""
+        if device is not None and device.type == "cuda":
+            tensor = torch.zeros(geometry.shape, dtype=geometry.dtype, device=device)
+            return cls(name, geometry, tensor, owner=None, ipc_handle=export_handle(tensor))
         try:
             shm = shared_memory.SharedMemory(name=name, create=True, size=geometry.num_bytes)
         except FileExistsError:
@@ -111,6 +120,11 @@ class KvCache:
                 "attach with the geometry the instance registered"
             )
         return cls(name, geometry, _map(name, geometry), owner=None)
+
+    @classmethod
+    def open_ipc(cls, name: str, geometry: KvGeometry, handle: CudaIpcHandle) -> KvCache:
+        """Map another process's cache on a GPU through its CUDA IPC handle."""
+        return cls(name, geometry, open_handle(handle, geometry.shape, geometry.dtype), owner=None, ipc_handle=handle)
 
     @property
     def is_owner(self) -> bool:

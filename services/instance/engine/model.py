@@ -230,28 +230,30 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        """float32 logits of the tokens `batch.logit_indices()` names (each sequence's last new token by default);
-        writes the new K/V to kv_cache."""
-        geometry = CacheGeometry.of(kv_cache)
-        plans = {window: AttentionPlan.build(batch, geometry, window) for window in set(self.config.layer_windows)}
-        rope = self.rotary(batch.positions)
-        sliding_rope = rope if self.sliding_rotary is None else self.sliding_rotary(batch.positions)
-        h = self._embed(batch.input_ids)
+        """float32 host logits of the tokens `batch.logit_indices()` names (each sequence's last new token by
+        default); writes the new K/V to kv_cache. The batch is host tensors; the model runs on the cache's device."""
+        geometry, device = CacheGeometry.of(kv_cache), kv_cache.device
+        plans = {window: AttentionPlan.build(batch, geometry, window).to(device)
+                 for window in set(self.config.layer_windows)}
+        positions = batch.positions.to(device)
+        rope = self.rotary(positions)
+        sliding_rope = rope if self.sliding_rotary is None else self.sliding_rotary(positions)
+        h = self._embed(batch.input_ids.to(device))
         for layer, kv_layer, window in zip(self.layers, kv_cache, self.config.layer_windows, strict=True):
             h = layer(h, rope if window is None else sliding_rope, kv_layer, plans[window])
-        h = self.norm(h[batch.logit_indices()])
+        h = self.norm(h[batch.logit_indices().to(device)])
         logits = F.linear(h, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
         if self.config.logits_divisor != 1.0:
             logits = logits / self.config.logits_divisor
         if self.config.logits_softcap is not None:
             logits = torch.tanh(logits / self.config.logits_softcap) * self.config.logits_softcap
-        return logits.float()
+        return logits.float().cpu()  # sampling runs on the host, with the host RNG a migration carries
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         scale = self.config.embedding_scale
         if self.config.model_type in GEMMA_TYPES:  # transformers rounds sqrt(hidden_size) to the model's dtype first
-            return h * torch.tensor(scale, dtype=h.dtype)
+            return h * torch.tensor(scale, dtype=h.dtype, device=h.device)
         return h if scale == 1.0 else h * scale
 
 

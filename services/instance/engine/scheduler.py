@@ -70,14 +70,13 @@ def _priority_order(request: Request) -> tuple[int, int]:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 device: torch.device | None = None, max_prompt_logit_rows: int = 512) -> None:
+                 max_prompt_logit_rows: int = 512) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(f"--max-num-seqs and --max-num-batched-tokens must be positive, "
                              f"got {max_num_seqs} and {max_num_batched_tokens}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.device = device or torch.device("cpu")
         self.max_prompt_logit_rows = max(1, max_prompt_logit_rows)  # prompt-logprobs prefill tokens a step
         # Invariant: both queues stay sorted by _priority_order; running requests hold blocks, waiting ones none.
         self.waiting: list[Request] = []
@@ -146,7 +145,7 @@ class Scheduler:
             self._admit_waiting(step)
         for scheduled in step.scheduled:
             scheduled.request.num_computed_tokens += scheduled.num_new_tokens
-        return step.to_output(self.block_manager.block_size, self.device)
+        return step.to_output(self.block_manager.block_size)
 
     def _schedule_running(self, request: Request, step: _StepPlan) -> None:
         if num_blocks_for(request.num_tokens, self.block_manager.block_size) > self.block_manager.num_blocks:
@@ -236,14 +235,15 @@ class _StepPlan:
     def is_scheduled(self, request: Request) -> bool:
         return id(request) in self._scheduled_ids
 
-    def to_output(self, block_size: int, device: torch.device) -> SchedulerOutput:
+    def to_output(self, block_size: int) -> SchedulerOutput:
         """Call after the scheduled tokens were counted as computed."""
-        batch = build_forward_batch(self.scheduled, block_size, device) if self.scheduled else None
+        batch = build_forward_batch(self.scheduled, block_size) if self.scheduled else None
         return SchedulerOutput(self.scheduled, batch, self.preempted, self.finished)
 
 
-def build_forward_batch(scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ForwardBatch:
-    """The packed model input of the scheduled chunks (their tokens already count as computed)."""
+def build_forward_batch(scheduled: list[ScheduledRequest], block_size: int) -> ForwardBatch:
+    """The packed model input of the scheduled chunks (their tokens already count as computed), as
+    host tensors: the model moves what it needs to its device."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -257,7 +257,7 @@ def build_forward_batch(scheduled: list[ScheduledRequest], block_size: int, devi
     block_tables = [s.request.block_table + [0] * (max_blocks - len(s.request.block_table)) for s in scheduled]
 
     def tensor(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return torch.tensor(values, dtype=torch.int64)
 
     return ForwardBatch(
         input_ids=tensor(input_ids),

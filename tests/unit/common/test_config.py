@@ -7,6 +7,7 @@ import enum
 import pathlib
 
 import pytest
+import torch
 
 from services.common.config import as_dict, build_parser, convert, env_name, knob, parse_config
 from services.common.logging import LogFormat, LogLevel
@@ -203,12 +204,33 @@ def test_instance_transfer_backend_defaults_to_auto_and_names_one_or_refuses(cap
     assert "rdma" in capsys.readouterr().err
 
 
+def test_instance_device_defaults_to_cpu_and_refuses_what_it_cannot_use(capsys) -> None:
+    assert parse_config(InstanceConfig, "instance", ["--model", "m"], env={}).device == "cpu"
+    refusals = [("tpu", "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+                ("gpu0", "--device must be cpu, cuda or cuda:N, got 'gpu0'"),
+                ("cuda:64", "--device cuda:64: ")]  # no CUDA here, or not 64 GPUs
+    for value, message in refusals:
+        with pytest.raises(SystemExit):
+            parse_config(InstanceConfig, "instance", ["--model", "m", "--device", value], env={})
+        assert message in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            parse_config(InstanceConfig, "instance", ["--model", "m", "--device", "cuda"], env={})
+        err = capsys.readouterr().err
+        assert "sees no CUDA device" in err and "use --device cpu" in err
+    else:
+        with pytest.raises(SystemExit):
+            parse_config(InstanceConfig, "instance", ["--model", "m", "--engine", "sim", "--device", "cuda"], env={})
+        assert "the sim engine runs no model" in capsys.readouterr().err
+
+
 def test_transfer_channel_flags_parse_and_out_of_range_values_are_refused(capsys) -> None:
     config = parse_config(TransferConfig, "transfer", ["--gloo-connections", "3", "--staging-buffers", "6"], env={})
     assert (config.gloo_connections, config.staging_buffers) == (3, 6)
     for flag, value, message in (("--staging-buffers", "1", "--staging-buffers must be 2..64, got 1"),
                                  ("--gloo-connections", "0", "--gloo-connections must be 1..16, got 0"),
-                                 ("--heap-keep-mib", "4096", "--heap-keep-mib must be 0..2047, got 4096")):
+                                 ("--heap-keep-mib", "4096", "--heap-keep-mib must be 0..2047, got 4096"),
+                                 ("--nccl-device", "-1", "--nccl-device must be a CUDA device index >= 0, got -1")):
         with pytest.raises(SystemExit):
             parse_config(TransferConfig, "transfer", [flag, value], env={})
         assert message in capsys.readouterr().err

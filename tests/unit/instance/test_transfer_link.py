@@ -29,14 +29,14 @@ class FlakyTransferClient:
             raise answer
         return SimpleNamespace(instance_ids=answer)
 
-    async def map_instance(self, instance_id: str, shm_name: str, geometry) -> int:
+    async def map_instance(self, instance_id: str, shm_name: str, geometry, cuda_ipc=None) -> int:
         self.mapped.append(instance_id)
         return 0
 
 
 async def test_mapping_loop_outlives_refusals_and_maps_again():
     client = FlakyTransferClient([Unavailable("restarting"), Internal("not registered yet"), []])
-    cache = SimpleNamespace(name="ferry-kv-test", geometry=None)
+    cache = SimpleNamespace(name="ferry-kv-test", geometry=None, ipc_handle=None)
     loop = asyncio.create_task(transfer_mapping_loop(TransferLink(client, "transfer-0"), "instance-0", cache,
                                                      interval_s=0.01))
     try:
@@ -50,7 +50,7 @@ async def test_mapping_loop_outlives_refusals_and_maps_again():
 
 async def test_mapping_loop_outlives_any_error_and_cancels():
     client = FlakyTransferClient([RuntimeError("boom"), KeyError("instance_ids"), []])
-    cache = SimpleNamespace(name="ferry-kv-test", geometry=None)
+    cache = SimpleNamespace(name="ferry-kv-test", geometry=None, ipc_handle=None)
     loop = asyncio.create_task(transfer_mapping_loop(TransferLink(client, "transfer-0"), "instance-0", cache,
                                                      interval_s=0.01))
     await until(lambda: bool(client.mapped), loop)

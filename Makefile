@@ -8,7 +8,7 @@ MODEL_DIR ?= models/smollm2-135m-instruct
 PROTOS := $(wildcard proto/ferry/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: install proto model run test test-all bench lint clean
+.PHONY: install proto model run test test-all test-cuda bench lint clean
 
 install: $(STAMP) $(GEN)
 
@@ -39,6 +39,11 @@ test: install
 # Everything, including the long forms (10 s etcd outage, 200-request chaos, ...).
 test-all: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The CUDA tests alone (engine on a GPU, KV over CUDA IPC, GPU migrations); each skips, saying
+# why, without CUDA (nccl: without two GPUs). README: "Running the CUDA tests".
+test-cuda: install
+	$(PY) -m pytest -q -m cuda -rs $(PYTEST_ARGS)
 
 # pyflakes, pycodestyle and bugbear over every Python file (settings in pyproject.toml).
 lint: install

@@ -91,6 +91,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--heap-keep-mib", type=int, default=DEFAULT_KEEP_MIB,
                         help="the services' --heap-keep-mib (freed heap kept mapped, so grpc messages do not land on "
                              "fresh pages; 0 = glibc's defaults); the bare grpc reference's two processes get the same")
+    parser.add_argument("--kv-device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the two KV caches live: cpu (shared memory) or cuda (GPU memory the services "
+                             "map through CUDA IPC; with two GPUs the destination's cache and the second service's "
+                             "nccl channels go on the second one, so --backends may include nccl)")
     parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("bench-results"))
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -109,14 +113,17 @@ def sizes_mb(max_mb: int, block_mb: int) -> list[int]:
 class Bench:
     """Two transfer services (A sends, B receives) and two instances' KV caches in shared memory."""
 
-    def __init__(self, num_blocks: int, service_flags: list[str], log_dir: pathlib.Path) -> None:
+    def __init__(self, num_blocks: int, service_flags: list[str], log_dir: pathlib.Path, kv_device: str = "cpu") -> None:
         self.geometry = KvGeometry(num_blocks=num_blocks, **LLAMA2_7B)
         tag = uuid.uuid4().hex[:6]
-        self.src = KvCache.create(f"ferry-bench-src-{tag}", self.geometry)
-        self.dst = KvCache.create(f"ferry-bench-dst-{tag}", self.geometry)
-        self.src.tensor.copy_(torch.randn(self.geometry.shape, dtype=torch.float16))  # faults every page in
+        src_device, dst_device = _kv_devices(kv_device)
+        self.src = KvCache.create(f"ferry-bench-src-{tag}", self.geometry, src_device)
+        self.dst = KvCache.create(f"ferry-bench-dst-{tag}", self.geometry, dst_device)
+        self.src.tensor.copy_(torch.randn(self.geometry.shape, dtype=torch.float16, device=src_device))  # faults pages in
         self.dst.tensor.fill_(0)
-        self.services = [_service(name, service_flags, log_dir) for name in ("bench-a", "bench-b")]
+        nccl_devices = (src_device.index or 0, dst_device.index or 0)
+        self.services = [_service(name, [*service_flags, "--nccl-device", str(nccl_device)], log_dir)
+                         for name, nccl_device in zip(("bench-a", "bench-b"), nccl_devices)]
 
     async def start(self) -> None:
         for service in self.services:
@@ -125,9 +132,9 @@ class Bench:
             await service.wait_healthy(60)
         self.a = TransferClient(self.services[0].address, timeout_s=30)
         self.b = TransferClient(self.services[1].address, timeout_s=30)
-        await self.a.map_instance("src", self.src.name, self.geometry)
-        await self.a.map_instance("dst", self.dst.name, self.geometry)  # for SHM
-        await self.b.map_instance("dst", self.dst.name, self.geometry)
+        await self.a.map_instance("src", self.src.name, self.geometry, self.src.ipc_handle)
+        await self.a.map_instance("dst", self.dst.name, self.geometry, self.dst.ipc_handle)  # for SHM
+        await self.b.map_instance("dst", self.dst.name, self.geometry, self.dst.ipc_handle)
         await asyncio.sleep(1.0)  # the services pre-fault the mappings in the background
 
     async def transfer_s(self, backend: TransferBackend, num_blocks: int, rng: random.Random,
@@ -153,6 +160,13 @@ class Bench:
             cache.unlink()
 
 
+def _kv_devices(kv_device: str) -> tuple[torch.device, torch.device]:
+    """(source, destination) cache devices: the host, or the first GPU and the second (else the first)."""
+    if kv_device == "cpu":
+        return torch.device("cpu"), torch.device("cpu")
+    return torch.device("cuda", 0), torch.device("cuda", 1 % torch.cuda.device_count())
+
+
 def _run(rng: random.Random, num_cache_blocks: int, num_blocks: int) -> tuple[int, ...]:
     first = rng.randrange(num_cache_blocks - num_blocks + 1)
     return tuple(range(first, first + num_blocks))
@@ -160,12 +174,13 @@ def _run(rng: random.Random, num_cache_blocks: int, num_blocks: int) -> tuple[in
 
 def _service(name: str, flags: list[str], log_dir: pathlib.Path) -> ServiceProcess:
     port = free_port()
-    return ServiceProcess(name, "transfer", ["--port", str(port), "--transfer-id", name, "--backends", "grpc,gloo,shm",
+    return ServiceProcess(name, "transfer", ["--port", str(port), "--transfer-id", name,
                                              *flags, "--log-level", "warning"], f"127.0.0.1:{port}", log_dir)
 
 
 def service_flags(args: argparse.Namespace) -> list[str]:
-    return ["--staging-kib", str(args.staging_kib), "--staging-buffers", str(args.staging_buffers),
+    offered = "grpc,gloo,shm,nccl" if "nccl" in args.backends.split(",") else "grpc,gloo,shm"
+    return ["--backends", offered, "--staging-kib", str(args.staging_kib), "--staging-buffers", str(args.staging_buffers),
             "--gloo-connections", str(args.gloo_connections), "--in-place-min-kib", str(args.in_place_min_kib),
             "--grpc-piece-kib", str(args.grpc_piece_kib), "--heap-keep-mib", str(args.heap_keep_mib)]
 
@@ -353,7 +368,8 @@ async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[f
     sizes = sizes_mb(args.max_mb, block_mb)
     num_blocks = sizes[-1] // block_mb
     rng = random.Random(args.seed)
-    bench = Bench(num_blocks, service_flags(args), pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-")))
+    bench = Bench(num_blocks, service_flags(args), pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-")),
+                  args.kv_device)
     tcp, memcpy = TcpReference(sizes[-1] * MB), MemcpyReference(sizes[-1] * MB)
     gloo = (GlooReference(sizes[-1] * MB, args.staging_kib * 1024, args.gloo_connections, args.staging_buffers - 1)
             if TransferBackend.GLOO in backends else None)

@@ -370,7 +370,10 @@ class MigrationDriver:
 def auto_backend(reservation: Reservation, own_transfer_id: str,
                  offered: tuple[TransferBackend, ...]) -> TransferBackend:
     """SHM when the destination's KV memory is mapped by our own transfer service (one host: a
-    direct copy, no socket) and it offers shm; GRPC otherwise (works between any two services)."""
+    direct copy, no socket) and it offers shm; otherwise GRPC (works between any two services),
+    unless our service does not offer it: then the first socket backend it does offer."""
     if own_transfer_id and reservation.transfer_id == own_transfer_id and TransferBackend.SHM in offered:
         return TransferBackend.SHM
-    return TransferBackend.GRPC
+    if not offered or TransferBackend.GRPC in offered:  # not offered: unknown, grpc is everyone's default
+        return TransferBackend.GRPC
+    return next((b for b in (TransferBackend.GLOO, TransferBackend.NCCL) if b in offered), TransferBackend.GRPC)

@@ -197,7 +197,8 @@ GRPC_SHM = (TransferBackend.GRPC, TransferBackend.SHM)
     ("tb", GRPC_SHM, TransferBackend.SHM),  # our transfer service maps the destination too: one host
     ("tb", (TransferBackend.GRPC,), TransferBackend.GRPC),  # ... but does not offer shm
     ("ta", GRPC_SHM, TransferBackend.GRPC),  # the destination's KV is mapped by another service
-    ("", GRPC_SHM, TransferBackend.GRPC)])  # no transfer service known
+    ("", GRPC_SHM, TransferBackend.GRPC),  # no transfer service known
+    ("ta", (TransferBackend.GLOO, TransferBackend.SHM), TransferBackend.GLOO)])  # another host, and no grpc offered
 async def test_auto_backend_copies_in_shared_memory_only_within_one_transfer_service(pair, own_transfer_id, offered,
                                                                                      expected):
     a, b = pair  # b's reservations name transfer service "tb"

@@ -7,8 +7,9 @@ shares each among its intra-op threads: 15 GB/s for an 8 MiB block with two thre
 against 9.7 GB/s for one, and `index_copy_` measured ~2.7 GB/s); on CUDA it is
 `index_copy_`. Neither allocates block-sized memory on the host. A cache on a GPU (mapped
 through CUDA IPC) is gathered and scattered on its device through a chunk-sized temporary
-from torch's caching allocator, and every copy into it is waited for before it returns. Direct copies (the SHM backend) go
-source rows to destination rows by the same runs, with no staging.
+from torch's caching allocator, and every copy into it is waited for before it returns.
+Direct copies (the SHM backend) go source rows to destination rows by the same runs, with
+no staging.
 Torch and numpy copies release the GIL, so these run on worker threads while the event loop serves.
 """
 

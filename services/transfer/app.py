@@ -23,7 +23,7 @@ from services.transfer.channels import ChannelTable
 from services.transfer.client import TransferClients
 from services.transfer.config import TransferConfig
 from services.transfer.convert import geometry_from_record
-from services.transfer.domain import InstanceId, TransferId
+from services.transfer.domain import InstanceId, TransferBackend, TransferId
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.receiver import BlockReceiver
 from services.transfer.sender import BlockSender
@@ -74,13 +74,18 @@ def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServ
     # receives that need one.
     send_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024, config.staging_buffers)
     receive_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024, config.staging_buffers)
+    nccl_device = nccl_staging_device(config)
+    send_nccl_staging = receive_nccl_staging = None
+    if nccl_device is not None:  # 2 x --num-staging-slots x 2 buffers of GPU memory
+        send_nccl_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024, 2, nccl_device)
+        receive_nccl_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024, 2, nccl_device)
     channel_host = config.advertise_host or server.advertise_host
     channels = ChannelTable(transfer_id, channel_host, config.channel_timeout_s, threads.io, config.gloo_connections,
                             config.nccl_device)
     backends = tuple(config.backends)
     sender = BlockSender(transfer_id, backends, mappings, send_staging, channels, peers, threads,
-                         in_place_min_row_bytes=config.in_place_min_kib * 1024)
-    receiver = BlockReceiver(mappings, receive_staging, channels, threads)
+                         in_place_min_row_bytes=config.in_place_min_kib * 1024, nccl_staging=send_nccl_staging)
+    receiver = BlockReceiver(mappings, receive_staging, channels, threads, nccl_staging=receive_nccl_staging)
 
     async def on_mappings_changed() -> None:
         # Before registration (instances map themselves as soon as the server answers) the
@@ -90,6 +95,16 @@ def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServ
     node = TransferNode(transfer_id, server.address, backends, config.default_backend, config.transfer_timeout_s,
                         mappings, sender, receiver, channels, on_mappings_changed)
     return node
+
+
+def nccl_staging_device(config: TransferConfig) -> torch.device | None:
+    """Where nccl chunks are staged: --nccl-device, if the service offers nccl and can use that GPU
+    (else None: they go through the host staging and a bounce buffer, or nccl refuses)."""
+    if TransferBackend.NCCL not in config.backends or not torch.cuda.is_available():
+        return None
+    if config.nccl_device >= torch.cuda.device_count():
+        return None  # every nccl transfer is refused, naming the flag (channels.check_backend_available)
+    return torch.device("cuda", config.nccl_device)
 
 
 async def serve(config: TransferConfig, node: TransferNode, server: GrpcServer, registry: Registry | None) -> None:

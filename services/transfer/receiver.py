@@ -54,9 +54,10 @@ class Destination:
 
 class BlockReceiver:
     def __init__(self, mappings: KvMappings, staging: StagingPool, channels: ChannelTable,
-                 threads: TransferThreads) -> None:
+                 threads: TransferThreads, nccl_staging: StagingPool | None = None) -> None:
         self._mappings = mappings
         self._staging = staging
+        self._nccl_staging = nccl_staging or staging  # on the nccl device: chunks arrive with no bounce copy
         self._channels = channels
         self._threads = threads
 
@@ -87,7 +88,8 @@ class BlockReceiver:
         channel = self._channels.incoming(header.src_transfer_id, backend)
         try:
             target = self._target(header)
-            async with self._staging.slot(deadline.remaining_s()) as slot:
+            staging = self._nccl_staging if backend is TransferBackend.NCCL else self._staging
+            async with staging.slot(deadline.remaining_s()) as slot:
                 scatterer = self._scatter_behind(target, slot)
                 try:
                     await self._receive_chunks(channel, target, slot, scatterer, tag, deadline)

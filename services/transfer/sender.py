@@ -8,7 +8,9 @@
   sent, gathered straight from the KV memory into the message bytes (one copy; a CUDA
   source goes through the slot's staging buffers).
 * GLOO / NCCL: open (once) the pair channel to the peer, ask it to ExpectBlocks, and
-  send each gathered chunk on the channel while it receives and scatters. Several
+  send each gathered chunk on the channel while it receives and scatters. NCCL chunks are
+  gathered into staging buffers on the channel's GPU where the service has them (a cache
+  on a GPU then never goes through host memory). Several
   chunks are in flight at once (one per staging buffer; one at a time on nccl), each
   with its own tag, so they spread over the gloo connections. On gloo, runs of
   consecutive blocks (`find_in_place_spans`) travel row by row, sent straight from the
@@ -68,11 +70,12 @@ class SourceBlocks:
 class BlockSender:
     def __init__(self, transfer_id: TransferId, backends: tuple[TransferBackend, ...], mappings: KvMappings,
                  staging: StagingPool, channels: ChannelTable, peers: PeerFactory, threads: TransferThreads,
-                 in_place_min_row_bytes: int = IN_PLACE_MIN_ROW_BYTES) -> None:
+                 in_place_min_row_bytes: int = IN_PLACE_MIN_ROW_BYTES, nccl_staging: StagingPool | None = None) -> None:
         self._transfer_id = transfer_id
         self._backends = backends
         self._mappings = mappings
         self._staging = staging
+        self._nccl_staging = nccl_staging or staging  # on the nccl device: chunks go to NCCL with no bounce copy
         self._channels = channels
         self._peers = peers
         self._threads = threads
@@ -115,7 +118,8 @@ class BlockSender:
 
     async def _send(self, request: BlockTransfer, deadline: Deadline) -> int:
         source = await self._source(request)
-        async with self._staging.slot(deadline.remaining_s()) as slot:
+        staging = self._nccl_staging if request.backend is TransferBackend.NCCL else self._staging
+        async with staging.slot(deadline.remaining_s()) as slot:
             if request.backend is TransferBackend.GRPC:
                 await self._stream(request, source, slot, deadline)
             else:

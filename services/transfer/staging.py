@@ -31,9 +31,11 @@ class StagingPool:
             raise ValueError(f"a staging slot needs at least two buffers, got {buffers_per_slot}")
         self.num_slots = num_slots
         self.buffer_bytes = buffer_bytes
+        self.slots = tuple(StagingSlot(tuple(_allocate(buffer_bytes, device) for _ in range(buffers_per_slot)))
+                           for _ in range(num_slots))
         self._free: asyncio.Queue[StagingSlot] = asyncio.Queue(maxsize=num_slots)
-        for _ in range(num_slots):
-            self._free.put_nowait(StagingSlot(tuple(_allocate(buffer_bytes, device) for _ in range(buffers_per_slot))))
+        for slot in self.slots:
+            self._free.put_nowait(slot)
 
     @property
     def num_free(self) -> int:

@@ -195,6 +195,36 @@ async def test_spans_consecutive_on_both_sides_move_in_place_on_gloo(backend, ex
     assert bool(channel.in_order_batches) == expect_in_place  # spans go from one thread, in order
 
 
+async def test_nccl_chunks_go_through_the_nccl_staging_pools_where_a_service_has_them():
+    """On a GPU host the service stages nccl chunks in pools on the nccl device (so nothing
+    bounces through host memory); here two host pools stand in for them: every nccl send reads,
+    and every receive writes, one of their buffers, and never the host pools'."""
+    geometry = tiny_geometry(num_blocks=24)
+    kvs = {"src": random_kv(geometry, 4), "dst": torch.zeros(geometry.shape, dtype=geometry.dtype)}
+    mappings, channel = FakeMappings(kvs, geometry), RecordingChannel(TransferBackend.NCCL)
+    send_pool, receive_pool = StagingPool(1, BLOCK_BYTES, 2), StagingPool(1, BLOCK_BYTES, 2)
+    threads = TransferThreads.start(4)
+    try:
+        receiver = BlockReceiver(mappings, StagingPool(1, BLOCK_BYTES, 4), FakeChannels(channel), threads,
+                                 nccl_staging=receive_pool)
+        peer = DirectPeer(receiver)
+        sender = BlockSender("a", (TransferBackend.NCCL,), mappings, StagingPool(1, BLOCK_BYTES, 4),
+                             FakeChannels(channel), lambda address: peer, threads, nccl_staging=send_pool)
+        src_ids, dst_ids = (3, 9, 4, 0, 17), (1, 2, 22, 8, 5)
+        transfer = BlockTransfer(InstanceId("src"), src_ids, InstanceId("dst"), dst_ids, "b:1",
+                                 TransferBackend.NCCL, True)
+        await asyncio.wait_for(sender.transfer(transfer, timeout_s=20), 25)
+    finally:
+        threads.shutdown()
+    for s, d in zip(src_ids, dst_ids):
+        assert torch.equal(kvs["dst"][:, :, d], kvs["src"][:, :, s])
+    send_buffers = [b for slot in send_pool.slots for b in slot.buffers]
+    receive_buffers = [b for slot in receive_pool.slots for b in slot.buffers]
+    assert len(channel.send_ptrs) == len(channel.recv_ptrs) == len(src_ids)
+    assert all(any(_inside(ptr, b) for b in send_buffers) for ptr in channel.send_ptrs)
+    assert all(any(_inside(ptr, b) for b in receive_buffers) for ptr in channel.recv_ptrs)
+
+
 @pytest.mark.parametrize("in_place_side", ["src", "dst"])
 async def test_a_span_consecutive_on_one_side_moves_in_place_there_and_stages_on_the_other(in_place_side):
     geometry = tiny_geometry(num_blocks=24)

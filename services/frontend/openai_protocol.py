@@ -11,11 +11,12 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.common.errors import FerryError, InvalidArgument
+from services.common.errors import FerryError, InvalidArgument, NotFound
 from services.common.prefix_hash import MAX_CACHE_SALT_CHARS
 from services.frontend.generation import Sampling
 
@@ -50,6 +51,13 @@ class RequestError(InvalidArgument):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+class ModelNotFound(NotFound):
+    """A model name this server does not serve: HTTP 404 `model_not_found`, as OpenAI and vLLM answer."""
+
+    code = "model_not_found"
+    param = "model"
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +127,34 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise RequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {_json_type(body)}", code="invalid_json")
+    if _MAYBE_SURROGATE.search(raw) and (path := _lone_surrogate_path(body, "")) is not None:
+        raise RequestError(f"{path}: contains a lone UTF-16 surrogate (a \\ud800-\\udfff escape not part of a "
+                           "pair), which is not text; send well-formed Unicode", param=path, code="invalid_text")
     return body
+
+
+# JSON's \ud800-\udfff escapes, or their raw bytes (json.loads lets both through as surrogates).
+_MAYBE_SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def _lone_surrogate_path(value: Any, path: str) -> str | None:
+    """Where in a parsed body the first string holding a lone surrogate is (`stop[0]`,
+    `messages[1].content`), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "(body)"
+        return None
+    if isinstance(value, dict):
+        if _lone_surrogate_path(",".join(value), "") is not None:  # a bad key: name the object holding it
+            return path or "(body)"
+        return next((found for key, item in value.items()
+                     if (found := _lone_surrogate_path(item, f"{path}.{key}" if path else key))), None)
+    if isinstance(value, list):
+        return next((found for i, item in enumerate(value)
+                     if (found := _lone_surrogate_path(item, f"{path}[{i}]"))), None)
+    return None
 
 
 def parse_completion_request(body: Mapping[str, Any], served_model: str) -> ParsedRequest:
@@ -288,8 +323,7 @@ def check_model(body: Mapping[str, Any], served_model: str) -> str:
     if not isinstance(model, str):
         raise RequestError(f"model: expected a string, got {_json_type(model)}", param="model")
     if model != served_model:
-        raise RequestError(f"the model {model!r} does not exist; this server serves {served_model!r}",
-                           param="model", code="model_not_found")
+        raise ModelNotFound(f"the model {model!r} does not exist; this server serves {served_model!r}")
     return model
 
 

@@ -38,7 +38,7 @@ from typing import Protocol
 
 import structlog
 
-from services.common.errors import Aborted, FailedPrecondition, FerryError, NotFound, Unavailable
+from services.common.errors import Aborted, FailedPrecondition, FerryError, Internal, NotFound, Unavailable
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import GenerateSpec, Handoff, InstanceId, RequestId, Target, TokenChunk
 from services.frontend.req_state import ReqState
@@ -83,7 +83,15 @@ class RequestRunner:
         self._on_handoff = on_handoff
 
     async def run(self, state: ReqState, spec: GenerateSpec) -> None:
-        """Feed `state` until the request finishes or fails (never raises a FerryError)."""
+        """Feed `state` until the request finishes or fails (never raises, but when cancelled)."""
+        try:
+            await self._run(state, spec)
+        except Exception as exc:  # a bug must fail the request, never leave its client waiting
+            log.exception("request_runner_failed", request_id=spec.request_id)
+            state.fail(Internal(f"internal error ({type(exc).__name__}) while serving the request; see the "
+                                "frontend log"))
+
+    async def _run(self, state: ReqState, spec: GenerateSpec) -> None:
         spec = with_pinned_seed(spec)
         excluded: list[InstanceId] = []
         aborts: dict[InstanceId, Awaitable[None]] = {}  # Aborts sent to instances this request left

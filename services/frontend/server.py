@@ -23,12 +23,12 @@ from dataclasses import dataclass, replace
 import structlog
 from aiohttp import web
 
-from services.common.errors import FerryError, NotFound, ResourceExhausted, Unauthenticated, Unavailable
+from services.common.errors import FerryError, ResourceExhausted, Unauthenticated, Unavailable
 from services.common.prefix_hash import MAX_PREFIX_CHUNKS, prefix_chunk_keys
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import GenerateSpec, RequestId
 from services.frontend.metrics import FrontendMetrics
-from services.frontend.openai_protocol import (Endpoint, ParsedRequest, error_body, error_body_for,
+from services.frontend.openai_protocol import (Endpoint, ModelNotFound, ParsedRequest, error_body, error_body_for,
                                                parse_chat_request, parse_completion_request, parse_json_body,
                                                resolve_max_tokens)
 from services.frontend.openapi import openapi_schema
@@ -312,11 +312,6 @@ class FrontendServer:
         if status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         return web.json_response(body, status=status, headers=headers)
-
-
-class ModelNotFound(NotFound):
-    code = "model_not_found"
-    param = "model"
 
 
 class ApiKeyError(Unauthenticated):

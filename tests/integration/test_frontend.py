@@ -388,7 +388,10 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"model": MODEL, "prompt": 12}, "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": "ten"}, "max_tokens"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "stream": "yes"}, "stream"),
-    (COMPLETIONS, {"model": "gpt-4", "prompt": "x"}, "gpt-4"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "ok", "stop": ["\ud800"], "max_tokens": 2}, "surrogate"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "ok", "stream": True, "cache_salt": "\ud800"}, "surrogate"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x\udfff"}], "stop": "x"}, "surrogate"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "\ud800"}, "surrogate"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
     (CHAT, {"model": MODEL, "messages": USER, "max_completion_tokens": -1}, "max_completion_tokens"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "temperature": -0.5}, "temperature"),
@@ -414,6 +417,16 @@ async def test_bad_input_is_400_naming_the_problem(http, path, body, word):
     error = payload["error"]
     assert error["type"] == "invalid_request_error" and word in error["message"], error
     assert set(error) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+async def test_an_unknown_model_is_404_model_not_found(http, path):
+    body = {"model": "gpt-4", "prompt": "x", "messages": USER}
+    body.pop("messages" if path == COMPLETIONS else "prompt")
+    async with http.post(path, json=body) as response:
+        error = (await response.json())["error"]
+    assert response.status == 404 and (error["code"], error["param"]) == ("model_not_found", "model")
+    assert "'gpt-4' does not exist" in error["message"]
 
 
 async def test_bad_input_through_the_openai_client(client):

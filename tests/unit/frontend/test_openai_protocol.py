@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.frontend.generation import Sampling
-from services.frontend.openai_protocol import (ChatTemplateOptions, Endpoint, RequestError, check_prompt_token_ids,
+from services.frontend.openai_protocol import (ChatTemplateOptions, Endpoint, ModelNotFound, RequestError,
+                                               check_prompt_token_ids,
                                                error_body_for, parse_chat_request, parse_completion_request,
                                                parse_json_body, resolve_max_tokens)
 
@@ -46,6 +47,23 @@ def test_json_body_must_parse_and_be_an_object():
         parse_json_body(b"[1, 2]")
     with pytest.raises(RequestError, match="must be a JSON object, got null"):
         parse_json_body(b"null")
+
+
+@pytest.mark.parametrize("raw, param", [
+    (rb'{"prompt": "ok", "stop": ["\ud800"]}', "stop[0]"),
+    (rb'{"messages": [{"role": "user", "content": "x\udfff"}]}', "messages[0].content"),
+    (rb'{"prompt": "ok", "cache_salt": "\uDBFF"}', "cache_salt"),
+    (rb'{"logit_bias": {"\ud800": 1}}', "logit_bias"),  # a bad key: the object holding it
+    (b'{"prompt": "\xed\xa0\x80"}', "prompt"),  # a surrogate's raw bytes
+])
+def test_a_lone_surrogate_anywhere_is_400_naming_where(raw, param):
+    with pytest.raises(RequestError, match="lone UTF-16 surrogate") as info:
+        parse_json_body(raw)
+    assert info.value.param == param
+
+
+def test_surrogate_pairs_and_escaped_backslashes_are_text():
+    assert parse_json_body(rb'{"prompt": "\ud83d\ude00 \\ud800"}') == {"prompt": "\U0001F600 \\ud800"}
 
 
 # ---- completions --------------------------------------------------------------------
@@ -248,16 +266,19 @@ def test_missing_prompt():
     ({"response_format": "json"}, ["response_format", "'json'"], "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools", "not supported", "tool_choice"], "tools"),
     ({"functions": [{"name": "f"}]}, ["functions", "not supported"], "functions"),
-    ({"model": "gpt-4"}, ["gpt-4", "does not exist", "'tiny'"], "model"),
     ({"model": 7}, ["model", "expected a string"], "model"),
 ])
 def test_bad_completion_fields(fields, words, param):
     rejects(completion, fields, *words, param=param)
 
 
-def test_unknown_model_has_model_not_found_code():
-    error = rejects(completion, {"model": "other"})
-    assert error_body_for(error)["error"]["code"] == "model_not_found"
+@pytest.mark.parametrize("parse", [completion, chat])
+def test_an_unknown_model_is_404_model_not_found_as_openai_answers(parse):
+    with pytest.raises(ModelNotFound) as info:
+        parse(model="gpt-4")
+    assert info.value.http_status == 404 and "'gpt-4' does not exist" in info.value.message
+    error = error_body_for(info.value)["error"]
+    assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
 
 
 def test_missing_model_means_the_served_one():

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.common.errors import Internal, InvalidArgument, ResourceExhausted, Unavailable
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import FinishReason
 from services.frontend.request_runner import RequestRunner
@@ -145,3 +145,21 @@ async def test_a_client_seed_and_greedy_requests_are_left_alone():
     await runner.run(make_state(), seeded)
     await runner.run(make_state(), make_spec())
     assert [s.sampling.seed for _, s in instances.specs] == [7, None]
+
+
+async def test_a_bug_while_serving_fails_the_request_instead_of_leaving_it_waiting():
+    """An unexpected exception (here a stop string protobuf cannot encode) must reach the
+    client as an error, and the instance that had the request gets its Abort."""
+    class Broken(ScriptedInstances):
+        async def generate(self, target, spec):
+            self.specs.append((target.instance_id, spec))
+            yield chunk(0, 4)
+            raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+
+    instances = Broken({})
+    runner = RequestRunner(Dispatcher(None, FakeMembership(entry("a")), cooldown_s=5), instances, max_resumes=3,
+                           resume_backoff_s=0)
+    state = make_state()
+    await asyncio.wait_for(runner.run(state, make_spec()), 5)
+    assert isinstance(state.error, Internal) and "UnicodeEncodeError" in state.error.message
+    assert state.is_done and instances.aborted == [("a", "cmpl-1")]

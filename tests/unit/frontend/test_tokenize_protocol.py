@@ -27,7 +27,6 @@ def test_a_prompt_or_a_chat():
     ({"prompt": [1, 2]}, ["prompt", "non-empty string"], "prompt"),
     ({"messages": []}, ["messages"], "messages"),
     ({"prompt": "a", "add_special_tokens": "yes"}, ["add_special_tokens"], "add_special_tokens"),
-    ({"prompt": "a", "model": "other"}, ["'other' does not exist"], "model"),
 ])
 def test_bad_tokenize_bodies_name_the_field(body, words, param):
     with pytest.raises(RequestError) as info:

@@ -34,6 +34,7 @@ class InstanceEntry:
     address: str
     is_serving: bool
     is_decode_only: bool = False  # role decode: takes new requests only when no prefill-capable instance serves
+    max_model_len: int = 0  # the longest sequence it serves (its KV cache may hold less than the model); 0: unknown
 
 
 class ManagerDispatch(Protocol):
@@ -91,6 +92,12 @@ class Dispatcher:
 
     def num_serving(self) -> int:
         return sum(e.is_serving for e in self._membership.instances())
+
+    def max_model_len(self, model_limit: int) -> int:
+        """The longest sequence every serving instance takes: `model_limit`, or less where an
+        instance's record says its KV cache holds fewer tokens (any instance may get a request)."""
+        limits = [e.max_model_len for e in self._membership.instances() if e.is_serving and e.max_model_len > 0]
+        return min([model_limit, *limits])
 
     def _recently_failed(self, instance_id: InstanceId) -> bool:
         failed_at = self._failed_at.get(instance_id)

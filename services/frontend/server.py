@@ -109,13 +109,17 @@ class FrontendServer:
 
     def _model_card(self) -> dict:
         return {"id": self._model.name, "object": "model", "created": self._started_at, "owned_by": "ferry",
-                "max_model_len": self._model.max_model_len}
+                "max_model_len": self._max_model_len()}
+
+    def _max_model_len(self) -> int:
+        """The model's context (config.json, --max-model-len), or less where the instances' KV caches hold less."""
+        return self._dispatcher.max_model_len(self._model.max_model_len)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt's or a chat's token ids, without generating."""
         parsed = parse_tokenize_request(await self._read_json(request), self._model.name)
         token_ids = await asyncio.to_thread(self._model.tokenize, parsed)
-        return web.json_response({"count": len(token_ids), "max_model_len": self._model.max_model_len,
+        return web.json_response({"count": len(token_ids), "max_model_len": self._max_model_len(),
                                   "tokens": token_ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -143,7 +147,8 @@ class FrontendServer:
         parsed = await self._parse(request, endpoint)
         with self._admitted(parsed.num_choices):
             prompts = await asyncio.to_thread(self._model.prompts_token_ids, parsed)
-            resolved = [resolve_max_tokens(parsed, len(ids), self._model.max_model_len, index)
+            max_model_len = self._max_model_len()
+            resolved = [resolve_max_tokens(parsed, len(ids), max_model_len, index)
                         for index, ids in enumerate(prompts)]  # a 400 for any prompt refuses them all
             request_id = new_request_id(endpoint)
             request[_REQUEST_ID_KEY] = request_id

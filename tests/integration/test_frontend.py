@@ -349,6 +349,27 @@ async def test_stop_token_ids_end_the_output_at_the_first_of_them(client):
     assert len(held) >= first + 2 and (held[-1] == stop_id or len(held) == 12)
 
 
+async def test_a_frontend_advertises_no_longer_context_than_the_instances_serve(instance, etcd, tiny_model_dir,
+                                                                               cluster_name, tmp_path):
+    """Without --max-model-len the frontend starts from the model's 1024 tokens, but the only
+    instance serves 256 (its etcd record): that is what clients are told and held to."""
+    frontend = start_frontend("frontend-ctx", etcd, tiny_model_dir, cluster_name, tmp_path, "--max-model-len", "0")
+    try:
+        await frontend.wait_healthy(60)
+        async with aiohttp.ClientSession(frontend.address) as http:
+            async with http.get("/v1/models") as response:
+                assert (await response.json())["data"][0]["max_model_len"] == MAX_MODEL_LEN
+            body = {"model": MODEL, "prompt": [1] * (MAX_MODEL_LEN - 6), "max_tokens": 10}
+            async with http.post("/v1/completions", json=body) as response:
+                error = (await response.json())["error"]
+            assert response.status == 400 and f"maximum context length is {MAX_MODEL_LEN}" in error["message"]
+            async with http.post("/v1/completions", json={**body, "max_tokens": 6, "ignore_eos": True}) as response:
+                reply = await response.json()
+            assert response.status == 200 and reply["usage"]["total_tokens"] == MAX_MODEL_LEN, reply
+    finally:
+        frontend.stop()
+
+
 async def test_models_health_and_metrics(http, frontend):
     async with http.get("/v1/models") as response:
         assert response.status == 200

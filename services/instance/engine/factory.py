@@ -11,6 +11,7 @@ from __future__ import annotations
 import pathlib
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from services.instance.engine.context_window import checked_max_model_len
@@ -21,6 +22,8 @@ from services.instance.engine.model import load_model
 from services.instance.engine.model_config import ModelConfig
 from services.instance.engine.sim_model import SimLatency, SimModel
 from services.instance.engine.tokenizer import Tokenizer
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +57,11 @@ class LoadedEngine:
 def build_engine(spec: EngineSpec) -> LoadedEngine:
     model = _model(spec)
     config = model.config
-    max_model_len = checked_max_model_len(spec.max_model_len, config.context)
     per_block = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                            spec.block_size, 1, spec.dtype).bytes_per_block
     num_blocks = spec.num_blocks or max(1, spec.kv_cache_mib * 2**20 // per_block)
+    max_model_len = fitted_max_model_len(checked_max_model_len(spec.max_model_len, config.context),
+                                         is_explicit=spec.max_model_len > 0, kv_tokens=num_blocks * spec.block_size)
     geometry = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                           spec.block_size, num_blocks, spec.dtype)
     kv_cache = KvCache.create(spec.kv_name, geometry, spec.device)
@@ -66,6 +70,20 @@ def build_engine(spec: EngineSpec) -> LoadedEngine:
                                  enable_prefix_caching=spec.enable_prefix_caching)
     engine = LLMEngine(model, Tokenizer.from_dir(spec.model_dir), kv_cache, engine_config)
     return LoadedEngine(engine, kv_cache, max_model_len)
+
+
+def fitted_max_model_len(max_model_len: int, *, is_explicit: bool, kv_tokens: int) -> int:
+    """The longest sequence this instance serves: no longer than its KV cache holds, since one
+    request alone must always be able to finish. The model's own limit is lowered to it (and
+    logged); an explicit --max-model-len above it is refused."""
+    if max_model_len <= kv_tokens:
+        return max_model_len
+    if is_explicit:
+        raise ValueError(f"--max-model-len {max_model_len} does not fit the KV cache, which holds {kv_tokens} tokens; "
+                         "raise --kv-cache-mib (or --num-blocks) or lower --max-model-len")
+    log.warning("max_model_len_lowered_to_kv_cache", model_limit=max_model_len, kv_tokens=kv_tokens,
+                hint="raise --kv-cache-mib to serve the model's whole context")
+    return kv_tokens
 
 
 def _model(spec: EngineSpec) -> ForwardModel:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from services.common.errors import Unavailable
@@ -93,3 +95,18 @@ def test_local_fallback_prefers_prefill_capable_instances_and_falls_back_to_deco
 def test_the_etcd_record_role_marks_decode_only_entries():
     assert instance_entry("d", {"address": "a:1", "role": "decode"}).is_decode_only
     assert not instance_entry("b", {"address": "a:2"}).is_decode_only
+
+
+def test_the_longest_sequence_served_is_the_least_any_serving_instance_holds():
+    def sized(instance_id: str, max_model_len: int, is_serving: bool = True) -> InstanceEntry:
+        return replace(entry(instance_id, is_serving), max_model_len=max_model_len)
+
+    def limit(*entries: InstanceEntry) -> int:
+        return Dispatcher(None, FakeMembership(*entries), cooldown_s=1).max_model_len(8192)
+
+    assert limit() == 8192  # no instance known yet: the model's own
+    assert limit(sized("a", 0), sized("b", 16384)) == 8192  # unknown, or more than the model
+    assert limit(sized("a", 5824), sized("b", 8192)) == 5824  # a's KV cache holds less
+    assert limit(sized("a", 1000, is_serving=False), sized("b", 8192)) == 8192  # a is draining or gone
+    assert instance_entry("a", {"address": "a:1", "max_model_len": 5824}).max_model_len == 5824
+    assert instance_entry("a", {"address": "a:1", "max_model_len": "big"}).max_model_len == 0

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,7 @@ from services.instance.engine import attention
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.model import LlamaModel, allocate_kv_cache, load_model
 from services.instance.engine.context_window import checked_max_model_len
+from services.instance.engine.factory import EngineSpec, build_engine, fitted_max_model_len
 from services.instance.engine.model_config import ModelConfig
 from services.instance.engine.packed_linear import PackedLinear
 
@@ -493,3 +495,21 @@ def test_config_json_is_required(tmp_path):
     (tmp_path / "unrelated.json").write_text(json.dumps({}))
     with pytest.raises(ValueError, match="config.json"):
         ModelConfig.from_dir(tmp_path)
+
+
+def test_an_instance_serves_no_longer_sequences_than_its_kv_cache_holds(tiny_model_dir):
+    """The model's own context is lowered to what the cache holds (a request alone must always be
+    able to finish: before, one past it was cut short with finish_reason length); an explicit
+    --max-model-len above it is refused at startup."""
+    assert fitted_max_model_len(8192, is_explicit=False, kv_tokens=5824) == 5824
+    assert fitted_max_model_len(2048, is_explicit=False, kv_tokens=5824) == 2048
+    with pytest.raises(ValueError, match="--max-model-len 8192 does not fit the KV cache, which holds 5824 tokens"):
+        fitted_max_model_len(8192, is_explicit=True, kv_tokens=5824)
+    loaded = build_engine(EngineSpec(tiny_model_dir, kv_name=f"ferry-kv-fit-{os.getpid()}", num_blocks=8, block_size=4))
+    try:
+        assert loaded.max_model_len == 32 and loaded.engine.config.max_model_len == 32
+    finally:
+        loaded.close()
+    with pytest.raises(ValueError, match="--kv-cache-mib"):
+        build_engine(EngineSpec(tiny_model_dir, kv_name=f"ferry-kv-fit-{os.getpid()}", num_blocks=8, block_size=4,
+                                max_model_len=64))

@@ -4,7 +4,8 @@
 
 Global options may come before or after the command and can be set as FERRY_CTL_ADMIN,
 FERRY_CTL_TOKEN, FERRY_CTL_JSON, FERRY_CTL_TIMEOUT_S. Exit status: 0 done, 1 the call
-failed (the message says why), 2 usage error, 3 not available yet in this ferry build.
+failed (the message says why), 2 usage error, 3 the manager does not implement the call
+(it runs an older ferry).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ async def execute(config: CtlConfig, args: argparse.Namespace) -> int:
         except NotAvailableYet as exc:
             return _fail(config, exc, EXIT_NOT_AVAILABLE)
         except FerryError as exc:
-            return _fail(config, exc, EXIT_FAILED)
+            return _fail(config, exc, EXIT_FAILED, is_manager_reached=client.is_connected())
         except ValueError as exc:  # a malformed argument the parser could not see
             print(f"ferryctl: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -109,9 +110,11 @@ async def execute(config: CtlConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def _fail(config: CtlConfig, exc: FerryError, status: int) -> int:
+def _fail(config: CtlConfig, exc: FerryError, status: int, is_manager_reached: bool = True) -> int:
+    """Print the error; where the manager itself could not be reached, say which one was tried.
+    (An UNAVAILABLE the manager answered with is about something behind it, e.g. a transfer service.)"""
     message = exc.message
-    if isinstance(exc, Unavailable):
+    if isinstance(exc, Unavailable) and not is_manager_reached:
         message += f" (manager at --admin {config.admin}; set --admin or FERRY_CTL_ADMIN to another manager)"
     if config.json:
         print(json.dumps({"error": message, "code": type(exc).__name__}))

@@ -2,8 +2,8 @@
 
 The only ferryctl module that touches generated code. Every call has a deadline and an
 optional bearer token; failures come back as ferry errors (`services.common.errors`).
-RPCs that this build's proto, or the manager it talks to, does not have yet (Migrate,
-SetRole) raise `NotAvailableYet` instead of a raw UNIMPLEMENTED.
+Calls that an older manager does not implement (Migrate, ListMigrations, SetRole came
+later) raise `NotAvailableYet` instead of a raw UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from services.ctl.records import (ClusterStatus, DrainResult, InstanceRow, Migra
                                  RequestRow)
 
 UNREACHABLE_KEY = "x-ferry-unreachable-instances"  # trailing metadata of a partial ListRequests
-_ADMIN_METHODS = frozenset(manager_pb2.DESCRIPTOR.services_by_name["AdminService"].methods_by_name)
 ROLES = ("both", "prefill", "decode")
 
 
 class NotAvailableYet(FerryError):
-    """The admin API has no such call yet (it comes with a later ferry release)."""
+    """The manager does not implement this admin call (it runs an older ferry)."""
 
 
 class AdminClient:
@@ -37,6 +36,10 @@ class AdminClient:
         self._metadata = bearer_metadata(token)
         self._channel = secure_or_insecure_channel(address, tls)
         self._admin = manager_pb2_grpc.AdminServiceStub(self._channel)
+
+    def is_connected(self) -> bool:
+        """Whether the channel to the manager is up (after a failed call: whether the manager answered it)."""
+        return self._channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY
 
     async def close(self) -> None:
         await self._channel.close()
@@ -91,14 +94,14 @@ class AdminClient:
     async def list_migrations(self, instance_id: str = "", request_id: str = "") -> list[MigrationRow]:
         """The leader's recent migrations, oldest first."""
         fields = {"instance_id": instance_id, "request_id": request_id}
-        request = self._optional_request("ListMigrations", "ListMigrationsRequest", {k: v for k, v in fields.items() if v})
+        request = manager_pb2.ListMigrationsRequest(**{k: v for k, v in fields.items() if v})
         reply = await self._call_optional("ListMigrations", request)
         return [migration_from_proto(record) for record in reply.migrations]
 
     async def migrate(self, request_id: str = "", src_instance_id: str = "", dst_instance_id: str = "") -> MigrateResult:
         """Move a running request (or the manager's pick from `src_instance_id`) to another instance."""
         fields = {"request_id": request_id, "src_instance_id": src_instance_id, "dst_instance_id": dst_instance_id}
-        request = self._optional_request("Migrate", "MigrateRequest", {k: v for k, v in fields.items() if v})
+        request = manager_pb2.MigrateRequest(**{k: v for k, v in fields.items() if v})
         return migrate_from_proto(await self._call_optional("Migrate", request))
 
     async def set_role(self, instance_id: str, role: str) -> str:
@@ -106,23 +109,17 @@ class AdminClient:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         wire_role = common_pb2.Role.Value(f"ROLE_{role.upper()}")
-        request = self._optional_request("SetRole", "SetRoleRequest", {"instance_id": instance_id, "role": wire_role})
-        reply = await self._call_optional("SetRole", request)
-        return enum_label(common_pb2.Role, getattr(reply, "role", wire_role), "ROLE_")
-
-    def _optional_request(self, method: str, message: str, fields: dict[str, Any]) -> Any:
-        if method not in _ADMIN_METHODS or not hasattr(manager_pb2, message):
-            raise NotAvailableYet(f"{method} is not available yet: ferry.v1.AdminService has no {method} RPC "
-                                  "in this build (it comes with live migration)")
-        return getattr(manager_pb2, message)(**fields)
+        reply = await self._call_optional("SetRole", manager_pb2.AdminSetRoleRequest(instance_id=instance_id,
+                                                                                     role=wire_role))
+        return enum_label(common_pb2.Role, reply.role, "ROLE_")
 
     async def _call_optional(self, method: str, request: Any) -> Any:
         try:
             return await getattr(self._admin, method)(request, timeout=self._timeout_s, metadata=self._metadata or None)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                raise NotAvailableYet(f"{method} is not available yet: the manager at {self.address} does not "
-                                      f"implement AdminService/{method} (it comes with live migration)") from None
+                raise NotAvailableYet(f"{method} is not available: the manager at {self.address} does not "
+                                      f"implement AdminService/{method} (it runs an older ferry; upgrade it)") from None
             raise error_from_rpc(exc) from None
 
     async def _call(self, method, request):

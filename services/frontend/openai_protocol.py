@@ -113,11 +113,17 @@ _ERROR_TYPE_BY_STATUS = {401: "invalid_request_error", 403: "invalid_request_err
 
 
 def error_body_for(error: FerryError) -> dict[str, Any]:
-    """The OpenAI error body of any ferry error (400s keep their param and code)."""
+    """The OpenAI error body of any ferry error (400s keep their param and code; a 400 from an
+    instance names its field as the message's `field: ...` prefix)."""
     status = error.http_status
     type_ = _ERROR_TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return error_body(error.message, type_=type_, param=getattr(error, "param", None),
-                      code=getattr(error, "code", None))
+    param = getattr(error, "param", None)
+    if param is None and status == 400 and (field := _LEADING_FIELD.match(error.message)):
+        param = field.group(1)
+    return error_body(error.message, type_=type_, param=param, code=getattr(error, "code", None))
+
+
+_LEADING_FIELD = re.compile(r"([a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*)*): ")
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -288,6 +294,9 @@ def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
             raise RequestError(f"best_of: only best_of=1 is supported, got {best_of}", param="best_of")
         if body.get("suffix") is not None:
             raise RequestError("suffix: not supported; leave it out", param="suffix")
+    elif opt_bool(body, "echo"):  # vLLM's chat echo (the last message's text first) is not served
+        raise RequestError("echo: not supported for chat completions (completions take it); leave it out",
+                           param="echo")
     _reject_constrained_output(body)
 
 
@@ -410,6 +419,9 @@ def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
         raise RequestError(f"stream_options: expected an object, got {_json_type(options)}", param="stream_options")
     if not stream:
         raise RequestError("stream_options: only allowed when stream is true", param="stream_options")
+    if opt_bool(options, "continuous_usage_stats", param="stream_options.continuous_usage_stats"):
+        raise RequestError("stream_options.continuous_usage_stats: not supported (usage comes once, in the last "
+                           "chunk, with include_usage); leave it out", param="stream_options.continuous_usage_stats")
     return opt_bool(options, "include_usage", param="stream_options.include_usage") or False
 
 

@@ -316,9 +316,12 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         for info in requests:
             if info.request_id == request_id and info.state != "finished":
                 return info.instance_id
-        also = f"; instances {', '.join(unreachable)} did not answer" if unreachable else ""
+        if unreachable:  # it may well be on one of them (a long prefill step keeps an instance from answering)
+            raise Unavailable(f"request {request_id!r} is on none of the instances that answered, and instances "
+                              f"{', '.join(unreachable)} did not answer within {self._list_requests_timeout_s:g} s; "
+                              "retry, or name the source instance")
         raise NotFound(f"request {request_id!r} is not running or waiting on any instance (finished, or never "
-                       f"started){also}; see ListRequests")
+                       "started); see ListRequests")
 
     async def _leader_to_forward_to(self, context) -> ManagerClient | None:
         """A client of the leader if this manager should forward an admin read, else None."""

@@ -113,11 +113,16 @@ def test_migrations(ops):
     assert ok(ctl("migrations", "--instance", INSTANCE_ID, admin=ops.admin_address))
 
 
-def test_role_is_not_available_yet(ops):
-    result = ctl("role", INSTANCE_ID, "prefill", admin=ops.admin_address)
-    assert result.returncode == 3 and "not available yet" in result.stderr and "Traceback" not in result.stderr
-    assert json.loads(ctl("--json", "role", INSTANCE_ID, "prefill", admin=ops.admin_address).stdout)["code"] == \
-        "NotAvailableYet"
+def test_role_changes_an_instances_role_and_back(ops):
+    """ferryctl role once always answered "not available yet": it built a request type the admin API does not take."""
+    try:
+        assert ok(ctl("role", OTHER_INSTANCE_ID, "decode", admin=ops.admin_address))
+        roles = {i["instance_id"]: i["role"] for i in json.loads(ok(ctl("--json", "instances", admin=ops.admin_address)))}
+        assert roles[OTHER_INSTANCE_ID] == "decode"
+    finally:
+        assert ok(ctl("role", OTHER_INSTANCE_ID, "both", admin=ops.admin_address))
+    unknown = ctl("role", "no-such-instance", "both", admin=ops.admin_address)
+    assert unknown.returncode == 1 and "no-such-instance" in unknown.stderr and "Traceback" not in unknown.stderr
 
 
 def test_migrate(ops):

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from etcd3aio import Etcd3Client, prefix_range_end
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc, transfer_pb2
 from services.common.grpc_server import start_grpc_server
@@ -36,12 +36,14 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
         self.request_ids: list[str] = []
         self.refuse: str = ""  # non-empty: MigrateOut answers RESOURCE_EXHAUSTED with this text
         self.calls: list[instance_pb2.MigrateOutRequest] = []
+        self.list_delay_s = 0.0  # how long ListRequests takes (an instance busy in a long step)
 
     def hold(self, *request_ids: str) -> None:
         self.request_ids.extend(request_ids)
         self._sync()
 
     async def ListRequests(self, request, context):
+        await asyncio.sleep(self.list_delay_s)
         return instance_pb2.ListRequestsResponse(requests=[
             instance_pb2.RequestInfo(request_id=r, instance_id=self.sim.instance_id, num_tokens=20, state="running")
             for r in self.request_ids])
@@ -175,6 +177,19 @@ async def test_drain_moves_everything_off_and_then_reports_drained(world):
     again = await client.drain("i-1")
     assert again.is_drained and again.num_remaining == 0
     assert {m.trigger for m in (await client.list_migrations()).migrations} == {"drain"}
+
+
+async def test_a_request_not_found_while_an_instance_is_silent_is_unavailable_not_not_found(world):
+    """The silent instance may hold it (a long prefill step keeps an instance from answering):
+    NOT_FOUND would tell the operator the request is gone."""
+    _, client, peers = await world(2, "--list-requests-timeout-s", "0.5")
+    peers["i-1"].hold("r-busy")
+    peers["i-1"].list_delay_s = 3.0
+    with pytest.raises(Unavailable, match="'r-busy' is on none of the instances that answered.*i-1 did not answer"):
+        await client.migrate(request_id="r-busy")
+    peers["i-1"].list_delay_s = 0.0
+    with pytest.raises(NotFound, match="'r-gone' is not running or waiting on any instance"):
+        await client.migrate(request_id="r-gone")
 
 
 async def test_admin_migrate_finds_the_request_and_checks_its_arguments(world):

@@ -1,7 +1,7 @@
 import pytest
 
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2
-from services.ctl.client import AdminClient, NotAvailableYet, enum_label, instance_from_proto, request_from_proto
+from services.ctl.client import AdminClient, enum_label, instance_from_proto, request_from_proto
 
 
 def test_instance_from_proto_names_enums_plainly():
@@ -20,14 +20,6 @@ def test_enum_label_keeps_unknown_numbers():
 def test_request_from_proto():
     row = request_from_proto(instance_pb2.RequestInfo(request_id="r", instance_id="i", num_tokens=5, state="waiting"))
     assert (row.request_id, row.state, row.num_tokens, row.num_output_tokens) == ("r", "waiting", 5, 0)
-
-
-@pytest.mark.skipif("SetRole" in manager_pb2.DESCRIPTOR.services_by_name["AdminService"].methods_by_name,
-                    reason="this build has AdminService.SetRole")
-async def test_an_rpc_missing_from_the_proto_is_not_available_yet_without_calling_anyone():
-    async with AdminClient("127.0.0.1:1") as client:
-        with pytest.raises(NotAvailableYet, match="SetRole is not available yet"):
-            await client.set_role("i-0", "prefill")
 
 
 async def test_set_role_checks_the_role():

@@ -1,6 +1,7 @@
 import pytest
 
-from services.ctl.__main__ import build_parser, resolve_config
+from services.common.errors import Unavailable
+from services.ctl.__main__ import _fail, build_parser, resolve_config
 
 
 def config_of(argv, monkeypatch, env=None):
@@ -51,3 +52,14 @@ def test_policyparse_assignments_parse_json_values():
         "migration_selection", "MIGRATION_SELECTION_SHORTEST")
     with pytest.raises(ValueError, match="FIELD=VALUE"):
         parse_assignment("migration_enabled")
+
+
+def test_only_a_manager_that_could_not_be_reached_gets_the_admin_hint(capsys):
+    """An UNAVAILABLE the manager answered with is about something behind it (a transfer service
+    down during a migrate): pointing at --admin then sends the operator the wrong way."""
+    config = resolve_config(build_parser().parse_args(["--admin", "10.0.0.9:50051", "instances"]))
+    assert _fail(config, Unavailable("failed to connect to all addresses"), 1, is_manager_reached=False) == 1
+    assert "manager at --admin 10.0.0.9:50051; set --admin or FERRY_CTL_ADMIN" in capsys.readouterr().err
+    _fail(config, Unavailable("transfer service at 127.0.0.1:26263: connection refused"), 1, is_manager_reached=True)
+    err = capsys.readouterr().err
+    assert "26263" in err and "--admin" not in err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.errors import InvalidArgument
 from services.frontend.generation import Sampling
 from services.frontend.openai_protocol import (ChatTemplateOptions, Endpoint, ModelNotFound, RequestError,
                                                check_prompt_token_ids,
@@ -270,6 +271,22 @@ def test_missing_prompt():
 ])
 def test_bad_completion_fields(fields, words, param):
     rejects(completion, fields, *words, param=param)
+
+
+def test_vllm_options_not_served_are_refused_not_ignored():
+    with pytest.raises(RequestError, match="echo: not supported for chat") as info:
+        chat(echo=True)
+    assert info.value.param == "echo"
+    assert chat(echo=False).endpoint is Endpoint.CHAT
+    with pytest.raises(RequestError, match="continuous_usage_stats: not supported") as info:
+        completion(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert info.value.param == "stream_options.continuous_usage_stats"
+
+
+def test_an_instances_400_names_the_field_its_message_starts_with():
+    error = error_body_for(InvalidArgument("logit_bias: token id 999999 is outside the vocabulary [0, 100)"))["error"]
+    assert error["param"] == "logit_bias"
+    assert error_body_for(InvalidArgument("the prompt is too long: shorten it"))["error"]["param"] is None
 
 
 @pytest.mark.parametrize("parse", [completion, chat])

@@ -27,6 +27,8 @@ from services.instance.runner import EngineRunner, RequestStream
 
 log = structlog.get_logger(__name__)
 
+LIST_REQUESTS_WAIT_S = 0.25  # for the engine thread to list its requests between steps, before reading them directly
+
 @dataclass(frozen=True, slots=True)
 class InstanceIdentity:
     instance_id: str
@@ -113,7 +115,11 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
 
     async def ListRequests(self, request: instance_pb2.ListRequestsRequest,
                            context: grpc.aio.ServicerContext) -> instance_pb2.ListRequestsResponse:
-        infos = await self._runner.call(lambda: self._runner.engine.list_requests())
+        try:
+            infos = await asyncio.wait_for(self._runner.call(lambda: self._runner.engine.list_requests()),
+                                           LIST_REQUESTS_WAIT_S)
+        except TimeoutError:  # the engine is in a long step (a big prefill chunk): read the table as it is
+            infos = self._runner.engine.list_requests()
         return instance_pb2.ListRequestsResponse(requests=[
             instance_pb2.RequestInfo(request_id=info.request_id, instance_id=self.identity.instance_id,
                                      num_tokens=info.num_tokens, state=info.state,

@@ -65,3 +65,24 @@ async def test_a_stalled_step_fails_its_streams_and_the_instance_serves_again_af
             await asyncio.sleep(0.1)
         listed = await stub.ListRequests(instance_pb2.ListRequestsRequest(), timeout=10)
         assert list(listed.requests) == []  # the abandoned request was aborted when the step returned
+
+
+async def test_list_requests_answers_while_a_long_step_runs(instance):
+    """Admin reads (the manager locating a request for Migrate) must not wait for a multi-second
+    step: after a short wait the instance lists its request table as it is."""
+    async with grpc.aio.insecure_channel(instance.address) as channel:
+        stub, health = instance_pb2_grpc.InstanceServiceStub(channel), health_pb2_grpc.HealthStub(channel)
+        stream = stub.Generate(generate_request("slow"), timeout=30)
+        reading = asyncio.ensure_future(stream.read())  # the request is admitted and its step starts
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        listed = await stub.ListRequests(instance_pb2.ListRequestsRequest(), timeout=STEP_S / 2)
+        assert time.monotonic() - started < STEP_S / 2
+        assert [r.request_id for r in listed.requests] == ["slow"]
+        stream.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+        deadline = time.monotonic() + 3 * STEP_S
+        serving = health_pb2.HealthCheckResponse.SERVING
+        while (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status != serving:
+            assert time.monotonic() < deadline, "still NOT_SERVING after the step returned"
+            await asyncio.sleep(0.1)

@@ -438,13 +438,16 @@ class LLMEngine:
         return cache.stats() if cache is not None else NO_PREFIX_CACHE_STATS
 
     def list_requests(self) -> list[RequestSnapshot]:
+        """The requests on this engine. Also safe from another thread while a step runs (admin
+        reads during a long prefill step): the request table is copied in one step under the GIL,
+        and a request's fields may then be read mid-step."""
         return [
             RequestSnapshot(
                 request_id=r.request_id, status=r.status, priority=r.priority,
                 num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens,
                 num_computed_tokens=r.num_computed_tokens, num_blocks=len(r.block_table),
             )  # fmt: skip
-            for r in self._requests.values()
+            for r in tuple(self._requests.values())
         ]
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[int]]:

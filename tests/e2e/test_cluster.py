@@ -87,9 +87,9 @@ async def test_bad_input_gets_400_with_a_message(client, cluster):
     with pytest.raises(openai.BadRequestError) as error:
         await client.completions.create(model=model_name(cluster), prompt="x", max_tokens=0)
     assert "max_tokens" in str(error.value)
-    with pytest.raises(openai.BadRequestError) as error:
+    with pytest.raises(openai.NotFoundError) as missing:  # 404 model_not_found, as OpenAI answers
         await client.completions.create(model="no-such-model", prompt="x", max_tokens=4)
-    assert "model" in str(error.value)
+    assert "no-such-model" in str(missing.value) and missing.value.code == "model_not_found"
 
 
 @pytest.mark.timeout(240)

@@ -19,7 +19,7 @@ import os
 import pathlib
 import sys
 
-from services.cluster.launcher import ClusterSpec, LocalCluster, run_until_signalled
+from services.cluster.launcher import ClusterSpec, LocalCluster, PortInUse, run_until_signalled
 from services.cluster.processes import ROOT, ProcessDied, TlsRejected
 from services.cluster.security import ClusterSecurity
 from services.common.logging import LogFormat, setup_logging
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("cluster", LogFormat(args.log_format))
     try:
         asyncio.run(run_until_signalled(LocalCluster(build_spec(args))))
-    except (ProcessDied, TimeoutError, TlsRejected) as exc:
+    except (ProcessDied, TimeoutError, TlsRejected, PortInUse) as exc:
         print(f"cluster failed to start: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -17,6 +17,7 @@ import os
 import pathlib
 import shlex
 import signal
+import socket
 import tempfile
 from dataclasses import dataclass
 
@@ -64,6 +65,12 @@ class ClusterSpec:
         """Only clusters of `both` instances scale (scaling.py)."""
         return all(role == "both" for role in self.roles)
 
+    @property
+    def follows_scaling(self) -> bool:
+        """Whether the launcher acts on the manager's scaling target: only with --autoscale-max-instances
+        (a policy stored in the state dir, or set with ferryctl, never resizes a cluster started without it)."""
+        return self.is_scalable and self.autoscale_max_instances > 0
+
 
 class LocalCluster:
     def __init__(self, spec: ClusterSpec) -> None:
@@ -83,11 +90,12 @@ class LocalCluster:
         return f"127.0.0.1:{self.spec.admin_port}"
 
     async def start(self) -> None:
+        check_ports_free(self.spec)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         data_dir = self.state_dir / "etcd" if self.spec.state_dir else None
         self.etcd = await LocalEtcd(data_dir=data_dir).start_async()
         log.info("etcd_started", endpoint=self.etcd.endpoint, pid=self.etcd.pid)
-        if self.spec.is_scalable:
+        if self.spec.follows_scaling:
             async with self.registry() as registry:
                 await reset_target(registry, len(self.spec.roles))
         await self._start_and_wait([self._manager(0)])  # alone first, so it leads (the admin port is the leader's)
@@ -191,6 +199,23 @@ class LocalCluster:
                               dies_with_parent=True)
 
 
+def check_ports_free(spec: ClusterSpec) -> None:
+    """The fixed ports must be free before anything starts: a frontend or manager that cannot bind
+    dies only after another cluster holding the port answered our health check for it."""
+    for flag, port in (("--http-port", spec.http_port), ("--admin-port", spec.admin_port)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError as exc:
+                raise PortInUse(f"{flag} {port} is already in use ({exc.strerror}): another cluster or program "
+                                f"holds it; stop it or pick another {flag}") from None
+
+
+class PortInUse(RuntimeError):
+    """A port the cluster needs is taken."""
+
+
 async def run_until_signalled(cluster: LocalCluster) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -211,8 +236,8 @@ async def run_until_signalled(cluster: LocalCluster) -> None:
 
 
 async def _watch(cluster: LocalCluster, stop: asyncio.Event) -> None:
-    """Watch the children, and follow the manager's scaling decisions when the cluster can scale."""
-    if not cluster.spec.is_scalable:
+    """Watch the children, and follow the manager's scaling decisions when the cluster autoscales."""
+    if not cluster.spec.follows_scaling:
         await _watch_children(cluster, stop)
         return
     async with cluster.registry() as registry:

@@ -1,0 +1,39 @@
+"""The launcher refuses to start on a port something already listens on (another cluster's
+frontend or manager would otherwise answer its health checks and the banner would lie)."""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+
+import pytest
+
+from services.cluster.launcher import ClusterSpec, PortInUse, check_ports_free
+from services.common.etcd_launcher import free_port
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def spec(http_port: int, admin_port: int, autoscale_max_instances: int = 0) -> ClusterSpec:
+    return ClusterSpec(model_dir=pathlib.Path("/models/tiny"), roles=("both", "both"), num_managers=1, engine="torch",
+                       transfer_backend="auto", http_port=http_port, admin_port=admin_port, state_dir=None,
+                       cluster="ferry", threads_per_instance=1, kv_cache_mib=16, log_format="console",
+                       autoscale_max_instances=autoscale_max_instances)
+
+
+@pytest.mark.parametrize("host, flag", [("127.0.0.1", "--admin-port"), ("0.0.0.0", "--http-port")])
+def test_a_port_with_a_listener_is_refused_naming_the_flag(host, flag):
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, 0))
+        listener.listen()
+        taken, free = listener.getsockname()[1], free_port()
+        ports = (taken, free) if flag == "--http-port" else (free, taken)
+        with pytest.raises(PortInUse, match=f"{flag} {taken} is already in use"):
+            check_ports_free(spec(*ports))
+    check_ports_free(spec(free_port(), free_port()))
+
+
+def test_only_autoscale_makes_the_launcher_follow_scaling():
+    assert not spec(1, 2).follows_scaling  # a policy stored in the state dir must not resize it
+    assert spec(1, 2, autoscale_max_instances=4).follows_scaling

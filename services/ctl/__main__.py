@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     role.add_argument("instance_id")
     role.add_argument("role", choices=ROLES)
     top = commands.add_parser("top", parents=[common], help="live view of instances and load")
-    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: 1)")
-    top.add_argument("--iterations", type=int, default=0, help="frames to draw, then exit (default: 0 = until Ctrl-C)")
+    top.add_argument("--interval", type=_positive_seconds, default=1.0, help="seconds between refreshes (default: 1)")
+    top.add_argument("--iterations", type=_non_negative_int, default=0,
+                     help="frames to draw, then exit (default: 0 = until Ctrl-C)")
     return parser
 
 
@@ -81,6 +82,20 @@ def _global_options() -> argparse.ArgumentParser:
             common.add_argument(flag, dest=field.name, default=argparse.SUPPRESS, metavar=field.name.upper(),
                                 help=help_text)
     return common
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):  # nan fails too
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
 
 
 def resolve_config(args: argparse.Namespace) -> CtlConfig:

@@ -26,7 +26,7 @@ class CtlConfig(ClientTlsKnobs):
     def __post_init__(self) -> None:
         self.tls.check()
         read_token(self.token, self.token_file, "token")
-        if self.timeout_s <= 0:
-            raise ValueError(f"--timeout-s must be positive, got {self.timeout_s}")
+        if not self.timeout_s > 0 or self.timeout_s == float("inf"):  # nan and inf too
+            raise ValueError(f"--timeout-s must be a positive number of seconds, got {self.timeout_s}")
         if not self.admin:
             raise ValueError("--admin is empty; give the manager's admin address, e.g. --admin 127.0.0.1:50051")

@@ -63,3 +63,17 @@ def test_only_a_manager_that_could_not_be_reached_gets_the_admin_hint(capsys):
     _fail(config, Unavailable("transfer service at 127.0.0.1:26263: connection refused"), 1, is_manager_reached=True)
     err = capsys.readouterr().err
     assert "26263" in err and "--admin" not in err
+
+
+@pytest.mark.parametrize("argv", [["top", "--iterations", "-1"], ["top", "--interval", "nan"],
+                                  ["top", "--interval", "-1"], ["top", "--interval", "inf"]])
+def test_top_refuses_counts_and_intervals_it_cannot_use(argv, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert "must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0"])
+def test_timeout_must_be_a_positive_finite_number(value):
+    with pytest.raises(SystemExit):
+        resolve_config(build_parser().parse_args(["--timeout-s", value, "instances"]))

@@ -29,6 +29,7 @@ log = structlog.get_logger(__name__)
 
 LIST_REQUESTS_WAIT_S = 0.25  # for the engine thread to list its requests between steps, before reading them directly
 
+
 @dataclass(frozen=True, slots=True)
 class InstanceIdentity:
     instance_id: str

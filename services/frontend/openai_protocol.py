@@ -143,17 +143,22 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 _MAYBE_SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
+def _is_text(value: str) -> bool:
+    """False for a string holding a lone surrogate (UTF-8, and so protobuf, cannot encode it)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _lone_surrogate_path(value: Any, path: str) -> str | None:
     """Where in a parsed body the first string holding a lone surrogate is (`stop[0]`,
     `messages[1].content`), or None."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "(body)"
-        return None
+        return None if _is_text(value) else path or "(body)"
     if isinstance(value, dict):
-        if _lone_surrogate_path(",".join(value), "") is not None:  # a bad key: name the object holding it
+        if not all(_is_text(key) for key in value):  # a bad key: name the object holding it
             return path or "(body)"
         return next((found for key, item in value.items()
                      if (found := _lone_surrogate_path(item, f"{path}.{key}" if path else key))), None)

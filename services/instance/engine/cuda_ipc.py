@@ -15,6 +15,7 @@ protobuf fields, and only torch's rebuild function sees them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +56,7 @@ def export_handle(tensor: torch.Tensor) -> CudaIpcHandle:
 def open_handle(handle: CudaIpcHandle, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous tensor of `shape` over the memory `handle` names (raises FailedPrecondition without CUDA)."""
     device_index = local_device_index(handle.device_uuid)
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     if (handle.tensor_offset + numel) * dtype.itemsize > handle.storage_size_bytes:
         raise InvalidArgument(f"the CUDA IPC handle holds {handle.storage_size_bytes} bytes, the KV geometry needs "
                               f"{numel * dtype.itemsize} from element {handle.tensor_offset}")

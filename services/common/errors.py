@@ -27,6 +27,7 @@ import grpc
 import structlog
 from grpc._cython import cygrpc
 
+from services.common.logging import request_id_from_metadata, request_metadata
 from services.common.rpc_handler import Behavior, is_streaming_behavior, wrap_rpc_handler
 
 log = structlog.get_logger(__name__)
@@ -49,9 +50,10 @@ class FerryError(Exception):
     http_status: ClassVar[int] = 500
     caller_action: ClassVar[CallerAction] = CallerAction.REPORT
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, request_id: str = "") -> None:
         super().__init__(message)
         self.message = message
+        self.request_id = request_id  # the request it concerns, where the caller may not know it (a picked one)
 
     @property
     def is_retryable(self) -> bool:
@@ -131,7 +133,7 @@ def error_from_rpc(exc: grpc.aio.AioRpcError) -> FerryError:
     details = exc.details() or code.name
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         details = f"deadline exceeded: {details}"
-    error = cls(details)
+    error = cls(details, request_id_from_metadata(exc.trailing_metadata()) or "")
     error.__cause__ = exc
     return error
 
@@ -171,6 +173,6 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another")
     if isinstance(exc, FerryError):
         log.info("rpc_failed", method=method, code=exc.grpc_code.name, message=exc.message)
-        await context.abort(exc.grpc_code, exc.message)
+        await context.abort(exc.grpc_code, exc.message, trailing_metadata=request_metadata(exc.request_id))
     log.error("rpc_crashed", method=method, exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)

@@ -200,6 +200,8 @@ class MigrationDriver:
                 return await self._move(attempt)
             except BaseException as exc:
                 await self._abandon(attempt, exc)
+                if isinstance(exc, FerryError):  # the caller may not know which request was picked
+                    exc.request_id = exc.request_id or request_id
                 raise
             finally:
                 self._moving.discard(request_id)

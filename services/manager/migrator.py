@@ -136,9 +136,9 @@ class Migrator:
             figures = await self._client.migrate_out(order, self._limits.timeout_s)
         except FerryError as exc:
             elapsed_ms = (self._clock() - started) * 1e3
-            self._keep(MigrationRecord(order, MigrationOutcome.FAILED, MigrationFigures(order.request_id,
-                                                                                          duration_ms=elapsed_ms),
-                                       started_at, reason=status_name(exc), message=exc.message))
+            figures = MigrationFigures(order.request_id or exc.request_id, duration_ms=elapsed_ms)
+            self._keep(MigrationRecord(order, MigrationOutcome.FAILED, figures, started_at,
+                                       reason=status_name(exc), message=exc.message))
             raise
         finally:
             self._release(order)

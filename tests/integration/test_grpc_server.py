@@ -36,6 +36,8 @@ class EchoServicer:
         self.seen_request_ids.append(structlog.contextvars.get_contextvars().get("request_id"))
         if request == b"fail:not_found":
             raise errors.NotFound("instance i-9 is not registered; check --instance-id")
+        if request == b"fail:picked":
+            raise errors.Aborted("the destination vanished", request_id="req-picked")
         if request == b"fail:bug":
             raise RuntimeError("secret=hunter2")
 
@@ -102,6 +104,14 @@ async def test_ferry_error_becomes_its_status(echo) -> None:
             received.append(message)
     assert received == [b"fail:not_found"]
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_the_request_an_error_concerns_travels_with_it(echo) -> None:
+    _, _, channel = echo
+    for body, request_id in ((b"fail:picked", "req-picked"), (b"fail:not_found", "")):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await channel.unary_unary(f"/{SERVICE}/Unary")(body, timeout=5)
+        assert errors.error_from_rpc(caught.value).request_id == request_id
 
 
 async def test_other_exceptions_become_internal_without_details(echo) -> None:

@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from services.cluster.processes import ServiceProcess, stop_all
+from services.common.errors import error_from_rpc
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc, transfer_pb2
 from services.common.registry import Registry
@@ -349,10 +350,11 @@ async def test_destination_dead_or_full_keeps_the_request_on_the_source(stubs, c
     client = ClientStream("full-1")
     call = generate(stubs["a"], "full-1", wire, prompt=PROMPT * 8)  # 160 prompt tokens: 40 blocks
     await client.read(call, until_tokens=3)
-    with pytest.raises(grpc.aio.AioRpcError) as error:
+    with pytest.raises(grpc.aio.AioRpcError) as error:  # a picks the request itself, and names it in the error
         await stubs["a"].MigrateOut(instance_pb2.MigrateOutRequest(
-            request_id="full-1", dst_instance_id="ghost", dst_address=f"127.0.0.1:{free_port()}"), timeout=30)
+            dst_instance_id="ghost", dst_address=f"127.0.0.1:{free_port()}"), timeout=30)
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value.details()
+    assert error_from_rpc(error.value).request_id == "full-1"
     hog_sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=780, ignore_eos=True)
     hogs = [generate(stubs["b"], f"hog-{i}", hog_sampling, prompt=[7 + i] * 232) for i in range(4)]
     for hog in hogs:

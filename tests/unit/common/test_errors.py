@@ -56,7 +56,7 @@ class FakeContext:
     def __init__(self) -> None:
         self.status: tuple[grpc.StatusCode, str] | None = None
 
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata=()) -> None:
         self.status = (code, details)
         raise Aborted
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from services.common.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from services.manager import metrics
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId
@@ -172,6 +172,16 @@ async def test_failures_are_recorded_by_grpc_status_and_the_loop_goes_on():
     assert second.reason == "UNIMPLEMENTED"
     assert metrics.MIGRATION_FAILURES.labels("RESOURCE_EXHAUSTED")._value.get() - before == 1
     assert migrator._in_flight == {}
+
+
+async def test_a_failure_is_recorded_under_the_request_the_source_picked():
+    clock = FakeClock()
+    view = cluster(clock, a=8, b=0)
+    migrator = make_migrator(view, clock, FakeSources(Aborted("the destination vanished", request_id="r-7")))
+    migrator.tick()
+    await settle(migrator)
+    (record,) = migrator.history(request_id="r-7")
+    assert record.outcome is MigrationOutcome.FAILED and record.order.request_id == ""
 
 
 async def test_admin_migrate_raises_the_sources_error_after_recording_it():

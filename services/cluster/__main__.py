@@ -22,6 +22,7 @@ import sys
 from services.cluster.launcher import ClusterSpec, LocalCluster, PortInUse, run_until_signalled
 from services.cluster.processes import ROOT, ProcessDied, TlsRejected
 from services.cluster.security import ClusterSecurity
+from services.cluster.state_dir import StateDirInUse
 from services.common.logging import LogFormat, setup_logging
 
 DEFAULT_MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("cluster", LogFormat(args.log_format))
     try:
         asyncio.run(run_until_signalled(LocalCluster(build_spec(args))))
-    except (ProcessDied, TimeoutError, TlsRejected, PortInUse) as exc:
+    except (ProcessDied, TimeoutError, TlsRejected, PortInUse, StateDirInUse) as exc:
         print(f"cluster failed to start: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -26,6 +26,7 @@ import structlog
 from services.cluster.processes import ServiceProcess, stop_all
 from services.cluster.scaling_follower import follow_scaling, reset_target
 from services.cluster.security import ClusterSecurity
+from services.cluster.state_dir import StateDirLock
 from services.common.etcd_launcher import LocalEtcd, free_port
 from services.common.registry import Registry
 
@@ -77,6 +78,7 @@ class LocalCluster:
         self.spec = spec
         self._tmp = None if spec.state_dir else tempfile.TemporaryDirectory(prefix="ferry-cluster-")
         self.state_dir = spec.state_dir or pathlib.Path(self._tmp.name)
+        self._state_lock = StateDirLock(self.state_dir)
         self.etcd: LocalEtcd | None = None
         self.processes: list[ServiceProcess] = []
         self._next_instance_index = len(spec.roles)  # ids of instances added by scaling are never reused
@@ -92,6 +94,7 @@ class LocalCluster:
     async def start(self) -> None:
         check_ports_free(self.spec)
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._state_lock.acquire()
         data_dir = self.state_dir / "etcd" if self.spec.state_dir else None
         self.etcd = await LocalEtcd(data_dir=data_dir).start_async()
         log.info("etcd_started", endpoint=self.etcd.endpoint, pid=self.etcd.pid)
@@ -128,6 +131,7 @@ class LocalCluster:
                 log.info("process_stopped", name=process.name, pid=process.pid)
         if self.etcd is not None:
             self.etcd.stop()
+        self._state_lock.release()
         if self._tmp is not None:
             self._tmp.cleanup()
 

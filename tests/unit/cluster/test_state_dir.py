@@ -1,0 +1,41 @@
+"""One launcher per --state-dir: a second `up` on a state dir in use is refused at once, naming
+the holder, and a holder that died (even by SIGKILL) never blocks the next one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from services.cluster.state_dir import StateDirInUse, StateDirLock
+
+pytestmark = pytest.mark.timeout(20)
+
+
+def test_a_second_lock_is_refused_naming_the_holder_until_the_first_is_released(tmp_path):
+    first, second = StateDirLock(tmp_path), StateDirLock(tmp_path)
+    first.acquire()
+    with pytest.raises(StateDirInUse, match=f"--state-dir {tmp_path} is in use .*launcher PID {os.getpid()}"):
+        second.acquire()
+    first.release()
+    second.acquire()
+    second.release()
+
+
+def test_a_killed_holder_leaves_the_state_dir_free(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import pathlib, sys, time; from services.cluster.state_dir import StateDirLock; "
+         f"StateDirLock(pathlib.Path({str(tmp_path)!r})).acquire(); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(StateDirInUse, match=f"launcher PID {holder.pid}"):
+            StateDirLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    lock = StateDirLock(tmp_path)
+    lock.acquire()
+    lock.release()

@@ -37,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     requests = commands.add_parser("requests", parents=[common], help="requests on every instance (or one)")
     requests.add_argument("--instance", help="only this instance's requests")
     commands.add_parser("status", parents=[common], help="leader, policy and cluster totals")
-    policy = commands.add_parser("policy", parents=[common], help="show or change the dispatch policy")
-    actions = policy.add_subparsers(dest="action", required=True, metavar="ACTION")
+    policy = commands.add_parser("policy", parents=[common], help="show (get, the default) or change (set) the dispatch policy")
+    actions = policy.add_subparsers(dest="action", required=False, metavar="ACTION")
     actions.add_parser("get", parents=[common], help="show the dispatch policy")
     policy_set = actions.add_parser("set", parents=[common], help="change the policy (every manager follows)")
     policy_set.add_argument("dispatch", nargs="?",

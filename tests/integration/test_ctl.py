@@ -58,6 +58,7 @@ def test_admin_address_from_the_environment(ops):
 
 def test_policy_get_and_set(ops):
     assert ok(ctl("policy", "get", admin=ops.admin_address)).splitlines()[0].split() == ["dispatch", "load"]
+    assert ok(ctl("policy", admin=ops.admin_address)).splitlines()[0].split() == ["dispatch", "load"]  # get: the default
     assert json.loads(ok(ctl("--json", "policy", "set", "round_robin", admin=ops.admin_address)))["dispatch"] == \
         "round_robin"
     policy = json.loads(ok(ctl("--json", "--token", "t0k3n", "policy", "get", admin=ops.admin_address)))

@@ -98,13 +98,9 @@ def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServ
 
 
 def nccl_staging_device(config: TransferConfig) -> torch.device | None:
-    """Where nccl chunks are staged: --nccl-device, if the service offers nccl and can use that GPU
-    (else None: they go through the host staging and a bounce buffer, or nccl refuses)."""
-    if TransferBackend.NCCL not in config.backends or not torch.cuda.is_available():
-        return None
-    if config.nccl_device >= torch.cuda.device_count():
-        return None  # every nccl transfer is refused, naming the flag (channels.check_backend_available)
-    return torch.device("cuda", config.nccl_device)
+    """Where nccl chunks are staged: --nccl-device where the service offers nccl (the config checked
+    that it can use that GPU), else None."""
+    return torch.device("cuda", config.nccl_device) if TransferBackend.NCCL in config.backends else None
 
 
 async def serve(config: TransferConfig, node: TransferNode, server: GrpcServer, registry: Registry | None) -> None:

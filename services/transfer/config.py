@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import knob
+from services.common.errors import FailedPrecondition
 from services.common.etcd_client import EtcdKnobs
 from services.common.heap import DEFAULT_KEEP_MIB
 from services.common.tls import TlsKnobs
 from services.common.logging import LogKnobs
-from services.transfer.channels import MAX_GLOO_CONNECTIONS, TAG_STRIDE
+from services.transfer.channels import CHANNEL_BACKENDS, MAX_GLOO_CONNECTIONS, TAG_STRIDE, check_backend_available
 from services.transfer.chunk_plan import IN_PLACE_MIN_ROW_BYTES
 from services.transfer.domain import DEFAULT_PIECE_BYTES, TransferBackend
 
@@ -83,5 +84,16 @@ class TransferConfig(EtcdKnobs, TlsKnobs, LogKnobs):
             raise ValueError("--grpc-piece-kib must stay under the 64 MiB gRPC message limit")
         if self.nccl_device < 0:
             raise ValueError(f"--nccl-device must be a CUDA device index >= 0, got {self.nccl_device}")
+        self._check_backends_usable()
         if self.map_instances and not self.etcd_endpoints:
             raise ValueError("--map-instances reads instance records from etcd; set --etcd-endpoints")
+
+    def _check_backends_usable(self) -> None:
+        """Refuse at startup what every transfer would refuse: nccl without CUDA (or --nccl-device past
+        the visible GPUs), gloo without a torch that has it."""
+        for backend in self.backends:
+            if backend in CHANNEL_BACKENDS:
+                try:
+                    check_backend_available(backend, self.nccl_device)
+                except FailedPrecondition as exc:
+                    raise ValueError(f"--backends {backend.value}: {exc.message}") from None

@@ -47,10 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="inference engine of every instance: torch runs the model; sim runs the same scheduler, "
                          "KV cache and migration with a latency model instead of the forward pass (no weights, little "
                          "CPU: many instances on one machine; FERRY_INSTANCE_SIM_* variables set its latency model)")
-    up.add_argument("--transfer-backend", default="auto", choices=["auto", "grpc", "gloo", "nccl", "shm"],
+    up.add_argument("--transfer-backend", default="auto", choices=["auto", "grpc", "gloo", "shm"],
                     help="how KV blocks move between instances during migration: auto copies directly between "
                          "the instances' shared memory (shm) when one transfer service maps both, as on this one "
-                         "machine, and uses grpc otherwise; the others force one backend for every migration")
+                         "machine, and uses grpc otherwise; the others force one backend for every migration. "
+                         "(nccl is for transfer services on different GPUs; this launcher runs one for the machine, "
+                         "and NCCL refuses a pair on one GPU)")
     up.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="where the torch engine of every instance runs: cuda puts instance i on GPU i modulo the "
                          "GPUs visible, its KV cache in GPU memory that the transfer service maps through CUDA IPC")

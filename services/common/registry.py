@@ -29,6 +29,8 @@ from services.common.membership import MembershipView
 
 log = structlog.get_logger(__name__)
 
+DRAIN_MARKS = "config/drain"  # `config/drain/<instance id>`: an operator drained it (the leader manager writes it)
+
 RegistrationCallback = Callable[[bool], None]
 
 

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from services.common.config import as_dict
 from services.common.election import watch_leader
-from services.common.registry import Registry
+from services.common.registry import DRAIN_MARKS, Registry
 from services.common.signals import stop_event
 from services.frontend.config import FrontendConfig
 from services.frontend.dispatch import Dispatcher, Membership
@@ -65,7 +65,7 @@ async def watch_cluster(config: FrontendConfig, registry: Registry | None) -> tu
     membership: Membership = NoInstances()
     leader: LeaderSource | None = StaticLeader(config.manager_address) if config.manager_address else None
     if registry is not None:
-        membership = EtcdInstances(await registry.watch("instances"))
+        membership = EtcdInstances(await registry.watch("instances"), await registry.watch(DRAIN_MARKS))
         if leader is None:
             leader = EtcdLeader(await watch_leader(registry))
     return membership, leader

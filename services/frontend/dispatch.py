@@ -73,7 +73,11 @@ class Dispatcher:
         return target
 
     def pick_locally(self, exclude: Sequence[InstanceId] = ()) -> Target:
-        serving = sorted((e for e in self._membership.instances() if e.is_serving), key=lambda e: e.instance_id)
+        known = self._membership.instances()
+        serving = sorted((e for e in known if e.is_serving), key=lambda e: e.instance_id)
+        if not serving and known:
+            raise Unavailable(f"no serving instance: {len(known)} registered, none serving (drained, draining "
+                              "or starting); undo a drain with `ferryctl drain ID --undo`")
         if not serving:
             raise Unavailable("no serving instance is known; check that instances run and register in etcd "
                               "(--etcd-endpoints, --cluster)")

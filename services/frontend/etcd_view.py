@@ -1,10 +1,11 @@
 """The frontend's own view of the cluster in etcd: the instances (for the local dispatch
-fallback and /health) and the leader manager's address. Both read watches that keep the
-last known values while etcd is unreachable."""
+fallback and /health, less those an operator drained) and the leader manager's address.
+Both read watches that keep the last known values while etcd is unreachable."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from services.common.election import LeaderView
@@ -29,14 +30,18 @@ def instance_entry(instance_id: str, value: Mapping[str, Any]) -> InstanceEntry 
 
 
 class EtcdInstances:
-    """`Membership` over `/ferry/<cluster>/instances/`."""
+    """`Membership` over `/ferry/<cluster>/instances/`; an instance an operator drained (its mark
+    under `config/drain/`, which the manager writes) is not serving, so the fallback avoids it too."""
 
-    def __init__(self, view: MembershipView) -> None:
+    def __init__(self, view: MembershipView, drain_marks: MembershipView | None = None) -> None:
         self._view = view
+        self._drain_marks = drain_marks
 
     def instances(self) -> Sequence[InstanceEntry]:
+        drained = self._drain_marks.members.keys() if self._drain_marks is not None else frozenset()
         entries = (instance_entry(member_id, value) for member_id, value in self._view.members.items())
-        return [entry for entry in entries if entry is not None]
+        return [replace(entry, is_serving=False) if entry.instance_id in drained else entry
+                for entry in entries if entry is not None]
 
     @property
     def staleness_s(self) -> float:

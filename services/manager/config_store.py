@@ -29,6 +29,7 @@ from etcd3aio import Etcd3Client, prefix_range_end
 
 from services.common.backoff import Backoff
 from services.common.etcd_client import ETCD_ERRORS
+from services.common.registry import DRAIN_MARKS
 from services.common.scaling_target import SCALING_TARGET_KEY, ScalingTarget
 from services.manager.domain import InstanceId
 from services.manager.migration import MigrationSelection, MigrationSettings
@@ -56,7 +57,7 @@ class ConfigStore:
         self._prefix = f"/ferry/{cluster}/config/"
         self._scaling_target_key = f"/ferry/{cluster}/{SCALING_TARGET_KEY}"
         self._policy_key = f"{self._prefix}policy"
-        self._drain_prefix = f"{self._prefix}drain/"
+        self._drain_prefix = f"/ferry/{cluster}/{DRAIN_MARKS}/"
 
     async def read(self) -> tuple[ClusterSettings, int]:
         """The stored settings and the etcd revision they were read at."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import aiohttp
+import openai
 import pytest
 
 from services.common.gen.ferry.v1 import manager_pb2
@@ -134,3 +136,25 @@ async def test_drain_under_load_empties_the_instance_and_every_request_completes
     assert {(m.src_instance_id, m.trigger) for m in moved if m.outcome == "committed"} == {(FLOODED, "drain")}
     assert (await admin.Drain(manager_pb2.DrainRequest(instance_id=FLOODED), timeout=5)).is_drained
     await wait_blocks_back(admin, baseline)
+
+
+async def test_with_every_instance_drained_no_request_is_served_until_one_is_undrained(cluster, admin, client,
+                                                                                      reference):
+    """The manager refuses to dispatch, and the frontend's own fallback must not pick a drained
+    instance either (it reads the drain marks from etcd): a 503, and /health says so."""
+    others = [f"instance-{i}" for i in range(NUM_INSTANCES) if f"instance-{i}" != FLOODED]
+    for instance_id in others:
+        await admin.Drain(manager_pb2.DrainRequest(instance_id=instance_id), timeout=5)
+
+    async def refused():
+        try:
+            await complete(client, cluster, "nobody takes this", 4)
+        except openai.APIStatusError as exc:
+            return exc.status_code == 503 and "none serving" in exc.message
+        return False
+    await wait_for(refused, 10, "a 503 with every instance drained")
+    async with aiohttp.ClientSession() as session, session.get(f"{cluster['frontend_url']}/health") as health:
+        assert health.status == 503
+    for instance_id in [FLOODED, *others]:
+        await admin.Undrain(manager_pb2.UndrainRequest(instance_id=instance_id), timeout=5)
+    assert await complete(client, cluster, "served again", 8) == reference(["served again"], 8)[0]

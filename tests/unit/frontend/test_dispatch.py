@@ -8,7 +8,7 @@ import pytest
 
 from services.common.errors import Unavailable
 from services.frontend.dispatch import Dispatcher, InstanceEntry
-from services.frontend.etcd_view import instance_entry
+from services.frontend.etcd_view import EtcdInstances, instance_entry
 from services.frontend.generation import InstanceId, Target
 
 from tests.unit.frontend.factories import FakeManager, FakeMembership, entry, make_spec
@@ -74,7 +74,7 @@ async def test_an_excluded_instance_is_used_when_it_is_the_only_one_serving():
 
 
 async def test_nothing_known_is_unavailable_with_a_hint():
-    dispatcher, _ = make_dispatcher(FakeManager(None), entry("a", is_serving=False))
+    dispatcher, _ = make_dispatcher(FakeManager(None))
     with pytest.raises(Unavailable, match="no serving instance.*--etcd-endpoints"):
         await dispatcher.pick(make_spec())
     assert dispatcher.num_serving() == 0
@@ -110,3 +110,25 @@ def test_the_longest_sequence_served_is_the_least_any_serving_instance_holds():
     assert limit(sized("a", 1000, is_serving=False), sized("b", 8192)) == 8192  # a is draining or gone
     assert instance_entry("a", {"address": "a:1", "max_model_len": 5824}).max_model_len == 5824
     assert instance_entry("a", {"address": "a:1", "max_model_len": "big"}).max_model_len == 0
+
+
+class FakeView:
+    def __init__(self, **members) -> None:
+        self.members = members
+
+
+def test_an_instance_with_a_drain_mark_is_not_serving_in_the_etcd_view():
+    instances = FakeView(a={"address": "a:1"}, b={"address": "b:1"})
+    membership = EtcdInstances(instances, FakeView(b={"instance_id": "b"}, ghost={"instance_id": "ghost"}))
+    assert {e.instance_id: e.is_serving for e in membership.instances()} == {"a": True, "b": False}
+    assert [e.is_serving for e in EtcdInstances(instances).instances()] == [True, True]
+
+
+async def test_the_fallback_never_picks_a_drained_instance_and_says_why_when_all_are():
+    marks = FakeView(a={"instance_id": "a"})
+    membership = EtcdInstances(FakeView(a={"address": "a:1"}, b={"address": "b:1"}), marks)
+    dispatcher = Dispatcher(FakeManager(None), membership, cooldown_s=5.0)
+    assert {(await dispatcher.pick(make_spec())).instance_id for _ in range(4)} == {"b"}
+    marks.members["b"] = {"instance_id": "b"}
+    with pytest.raises(Unavailable, match="2 registered, none serving .*drain ID --undo"):
+        await dispatcher.pick(make_spec())

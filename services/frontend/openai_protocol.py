@@ -49,8 +49,23 @@ class RequestError(InvalidArgument):
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.param = param
+        self.param = _named_path(message, param)
         self.code = code
+
+
+_MESSAGE_PATH = re.compile(r"([A-Za-z_]\w*(?:\[\d+\]|\.[A-Za-z_]\w*)*): ")
+
+
+def _named_path(message: str, param: str | None) -> str | None:
+    """The field a message starts with (`prompt[1]: ...`) where it is `param` or a part of it, so
+    `param` is as exact as the message; else `param`."""
+    match = _MESSAGE_PATH.match(message)
+    if match is None:
+        return param
+    path = match.group(1)
+    if param is None or path == param or path.startswith((f"{param}[", f"{param}.")):
+        return path
+    return param
 
 
 class ModelNotFound(NotFound):
@@ -88,6 +103,7 @@ class ParsedRequest:
     echo: bool = False  # completions: each choice's text starts with its prompt (with logprobs: and its logprobs)
     echo_only: bool = False  # completions echo with max_tokens 0: the prompt alone (one token runs, unseen)
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs in its shape (token id -> logprob, rank)
+    max_tokens_field: str = "max_tokens"  # chat: "max_completion_tokens" where that gave it (errors name it)
 
     @property
     def num_prompts(self) -> int:
@@ -193,15 +209,14 @@ def _completion_max_tokens(body: Mapping[str, Any], echo: bool) -> int | None:
 
 def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequest:
     _reject_unsupported(body, Endpoint.CHAT)
-    max_tokens = _opt_int(body, "max_completion_tokens", low=1)
-    if max_tokens is None:
-        max_tokens = _opt_int(body, "max_tokens", low=1)
+    max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _opt_int(body, max_tokens_field, low=1)
     parsed = _parsed(body, served_model, Endpoint.CHAT, prompts=(), messages=chat_messages(body),
                      max_tokens=max_tokens, default_max_tokens=None, num_top_logprobs=_chat_logprobs(body))
     if opt_bool(body, "add_special_tokens"):
         raise RequestError("add_special_tokens: the chat template writes the special tokens; leave it out or false",
                            param="add_special_tokens")
-    return replace(parsed, chat_template=chat_template_options(body))
+    return replace(parsed, chat_template=chat_template_options(body), max_tokens_field=max_tokens_field)
 
 
 def chat_template_options(body: Mapping[str, Any]) -> ChatTemplateOptions:
@@ -238,8 +253,8 @@ def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_
         raise RequestError(
             f"{which}this model's maximum context length is {max_model_len} tokens; you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
-            f"output); reduce max_tokens to at most {room} or shorten the prompt",
-            param="max_tokens", code="context_length_exceeded")
+            f"output); reduce {parsed.max_tokens_field} to at most {room} or shorten the prompt",
+            param=parsed.max_tokens_field, code="context_length_exceeded")
     return replace(parsed, sampling=replace(parsed.sampling, max_tokens=max_tokens))
 
 

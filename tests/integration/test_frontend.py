@@ -228,7 +228,7 @@ async def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client,
 async def test_a_batch_with_one_bad_prompt_is_refused_whole_naming_it(http):
     async with http.post("/v1/completions", json={"model": MODEL, "prompt": ["fine", [5, 100000]]}) as response:
         body = await response.json()
-    assert response.status == 400 and body["error"]["param"] == "prompt"
+    assert response.status == 400 and body["error"]["param"] == "prompt[1]"
     assert body["error"]["message"].startswith("prompt[1]: token id 100000 is outside the vocabulary")
 
 

@@ -186,9 +186,9 @@ def test_chat_is_one_prompt():
 
 
 @pytest.mark.parametrize("prompt, n, words, param", [
-    (["a", ""], 1, ["prompt[1]", "must not be empty"], "prompt"),
-    ([[1, 2], []], 1, ["prompt[1]", "must not be empty"], "prompt"),
-    (["a", [1, "x"]], 1, ["prompt[1]", "expected a string or a list of token ids", "an array"], "prompt"),
+    (["a", ""], 1, ["prompt[1]", "must not be empty"], "prompt[1]"),  # param: the field the message names
+    ([[1, 2], []], 1, ["prompt[1]", "must not be empty"], "prompt[1]"),
+    (["a", [1, "x"]], 1, ["prompt[1]", "expected a string or a list of token ids", "an array"], "prompt[1]"),
     (["a"] * 65, 1, ["at most 64 prompts", "got 65"], "prompt"),
     (["a"] * 9, 16, ["16 choices for each of 9 prompts", "144 answers", "at most 128"], "n"),
 ])
@@ -345,6 +345,22 @@ def test_chat_max_completion_tokens_wins():
     assert chat(max_tokens=5).sampling.max_tokens == 5
 
 
+def test_a_context_overflow_names_the_field_the_client_sent():
+    with pytest.raises(RequestError, match="reduce max_completion_tokens to at most 14") as info:
+        resolve_max_tokens(chat(max_completion_tokens=20), num_prompt_tokens=50, max_model_len=64)
+    assert info.value.param == "max_completion_tokens"
+    with pytest.raises(RequestError, match="reduce max_tokens to at most 14") as info:
+        resolve_max_tokens(chat(max_tokens=20), num_prompt_tokens=50, max_model_len=64)
+    assert info.value.param == "max_tokens"
+
+
+def test_param_is_as_exact_as_the_field_the_message_names():
+    assert RequestError("prompt[1]: must not be empty", param="prompt").param == "prompt[1]"
+    assert RequestError("messages[0].content[2]: bad", param="messages[0].content").param == "messages[0].content[2]"
+    assert RequestError("prompt[1]: too long for the context", param="max_tokens").param == "max_tokens"
+    assert RequestError("the request body is not valid JSON: x").param is None
+
+
 def test_chat_logprobs():
     assert chat(logprobs=True).num_top_logprobs == 0
     parsed = chat(logprobs=True, top_logprobs=3)
@@ -362,7 +378,7 @@ def test_chat_logprobs():
     ({"messages": [{"role": "user", "content": 5}]}, ["messages[0].content"], "messages[0].content"),
     ({"messages": [{"role": "user"}]}, ["messages[0].content"], "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     ["only text parts"], "messages[0].content"),
+     ["only text parts"], "messages[0].content[0]"),
     ({"max_completion_tokens": 0}, ["max_completion_tokens", ">= 1"], "max_completion_tokens"),
     ({"logprobs": 1}, ["logprobs", "true or false"], "logprobs"),
     ({"top_logprobs": 2}, ["top_logprobs", "logprobs=true"], "top_logprobs"),
@@ -415,7 +431,7 @@ def test_prompt_token_ids_must_be_in_the_vocabulary():
         check_prompt_token_ids([-1], vocab_size=10)
     with pytest.raises(RequestError, match=r"^prompt\[3\]: token id 10") as info:
         check_prompt_token_ids([10], vocab_size=10, name="prompt[3]")
-    assert info.value.param == "prompt"
+    assert info.value.param == "prompt[3]"
 
 
 def test_error_body_shape():

@@ -53,13 +53,13 @@ class RequestError(InvalidArgument):
         self.code = code
 
 
-_MESSAGE_PATH = re.compile(r"([A-Za-z_]\w*(?:\[\d+\]|\.[A-Za-z_]\w*)*): ")
+_LEADING_FIELD = re.compile(r"([A-Za-z_]\w*(?:\[\d+\]|\.[A-Za-z_]\w*)*): ")  # `messages[0].content[1]: ...`
 
 
 def _named_path(message: str, param: str | None) -> str | None:
     """The field a message starts with (`prompt[1]: ...`) where it is `param` or a part of it, so
     `param` is as exact as the message; else `param`."""
-    match = _MESSAGE_PATH.match(message)
+    match = _LEADING_FIELD.match(message)
     if match is None:
         return param
     path = match.group(1)
@@ -120,7 +120,7 @@ class ParsedRequest:
 
 
 def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
+               code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -134,12 +134,9 @@ def error_body_for(error: FerryError) -> dict[str, Any]:
     status = error.http_status
     type_ = _ERROR_TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
     param = getattr(error, "param", None)
-    if param is None and status == 400 and (field := _LEADING_FIELD.match(error.message)):
-        param = field.group(1)
+    if param is None and status == 400:
+        param = _named_path(error.message, None)
     return error_body(error.message, type_=type_, param=param, code=getattr(error, "code", None))
-
-
-_LEADING_FIELD = re.compile(r"([a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*)*): ")
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:

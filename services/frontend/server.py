@@ -288,7 +288,8 @@ class FrontendServer:
         except FerryError as exc:
             response = self._error_response(request, exc.http_status, error_body_for(exc))
         except web.HTTPException as exc:  # the router's 404/405, aiohttp's own 413
-            response = self._error_response(request, exc.status, error_body(exc.reason, code=exc.status))
+            response = self._error_response(request, exc.status, error_body(
+                f"{exc.reason}: {request.method} {request.path}", code=exc.reason.lower().replace(" ", "_")))
         except Exception:  # a bug: a 500 without details; the traceback goes to the log
             log.exception("request_crashed", path=request.path, request_id=request.get(_REQUEST_ID_KEY))
             response = self._error_response(request, 500, error_body(

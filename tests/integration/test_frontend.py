@@ -462,10 +462,14 @@ async def test_oversized_body_is_413(http):
         assert "--max-body-bytes" in (await response.json())["error"]["message"]
 
 
-async def test_unknown_path_is_a_json_404(http):
+async def test_unknown_path_and_wrong_method_are_openai_errors_with_string_codes(http):
     async with http.get("/v1/nope") as response:
         assert response.status == 404
-        assert "error" in await response.json()
+        assert (await response.json())["error"] == {"message": "Not Found: GET /v1/nope", "code": "not_found",
+                                                    "type": "invalid_request_error", "param": None}
+    async with http.get("/v1/completions") as response:
+        assert response.status == 405
+        assert (await response.json())["error"]["code"] == "method_not_allowed"
 
 
 # ---- API keys ------------------------------------------------------------------------------

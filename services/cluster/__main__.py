@@ -83,6 +83,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--autoscale-max-instances scales 'both' instances only; drop --prefill/--decode-instances")
     if args.autoscale_max_instances and args.autoscale_max_instances < args.instances:
         parser.error(f"--autoscale-max-instances must be at least --instances ({args.instances}) or 0")
+    for flag, port in (("--http-port", args.http_port), ("--admin-port", args.admin_port)):
+        if not 1 <= port <= 65535:
+            parser.error(f"{flag} must be a port number 1..65535, got {port}")
+    if args.http_port == args.admin_port:
+        parser.error(f"--http-port and --admin-port must differ (both are {args.http_port})")
+    if args.kv_cache_mib <= 0:
+        parser.error(f"--kv-cache-mib must be positive, got {args.kv_cache_mib}")
+    if args.threads_per_instance < 0:
+        parser.error(f"--threads-per-instance must be >= 0 (0 = cores / instances), got {args.threads_per_instance}")
     if args.instances + args.prefill_instances + args.decode_instances == 0:
         parser.error("the cluster needs at least one instance: pass --instances N or --prefill-instances/--decode-instances")
     try:

@@ -27,8 +27,10 @@ from services.cluster.processes import ServiceProcess, stop_all
 from services.cluster.scaling_follower import follow_scaling, reset_target
 from services.cluster.security import ClusterSecurity
 from services.cluster.state_dir import StateDirLock
+from services.common.errors import FerryError
+from services.common.etcd_client import ETCD_ERRORS
 from services.common.etcd_launcher import LocalEtcd, free_port
-from services.common.registry import Registry
+from services.common.registry import DRAIN_MARKS, Registry
 
 log = structlog.get_logger(__name__)
 
@@ -96,7 +98,7 @@ class LocalCluster:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._state_lock.acquire()
         data_dir = self.state_dir / "etcd" if self.spec.state_dir else None
-        self.etcd = await LocalEtcd(data_dir=data_dir).start_async()
+        self.etcd = await LocalEtcd(data_dir=data_dir, log_dir=self.state_dir / "logs").start_async()
         log.info("etcd_started", endpoint=self.etcd.endpoint, pid=self.etcd.pid)
         if self.spec.follows_scaling:
             async with self.registry() as registry:
@@ -131,6 +133,7 @@ class LocalCluster:
                 log.info("process_stopped", name=process.name, pid=process.pid)
         if self.etcd is not None:
             self.etcd.stop()
+        (self.state_dir / "cluster.json").unlink(missing_ok=True)  # it lists PIDs that are gone now
         self._state_lock.release()
         if self._tmp is not None:
             self._tmp.cleanup()
@@ -231,7 +234,7 @@ async def run_until_signalled(cluster: LocalCluster) -> None:
         await asyncio.wait([start, stopped], return_when=asyncio.FIRST_COMPLETED)
         if start.done():
             start.result()  # raises if a child failed to come up
-            print_ready(cluster)
+            await print_ready(cluster)
             await _watch(cluster, stop)
         else:
             start.cancel()
@@ -263,11 +266,47 @@ async def _watch_children(cluster: LocalCluster, stop: asyncio.Event) -> None:
             pass
 
 
-def print_ready(cluster: LocalCluster) -> None:
-    print(ready_banner(cluster), flush=True)
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """What the instances serve, read from etcd once they are up (for the banner)."""
+
+    max_model_len: int  # the longest request every instance takes (its KV cache may hold less than the model)
+    drained: tuple[str, ...]  # drain marks in etcd, e.g. kept in --state-dir from an earlier run
 
 
-def ready_banner(cluster: LocalCluster) -> str:
+SHORT_CONTEXT_TOKENS = 1024  # below this the banner says how to get more
+
+
+async def read_serving(cluster: LocalCluster) -> Serving:
+    async with cluster.registry() as registry:
+        records, marks = await registry.read("instances"), await registry.read(DRAIN_MARKS)
+    limits = [r["max_model_len"] for r in records.values() if isinstance(r.get("max_model_len"), int)]
+    return Serving(min(limits, default=0), tuple(sorted(marks)))
+
+
+async def print_ready(cluster: LocalCluster) -> None:
+    try:
+        serving = await read_serving(cluster)
+    except (*ETCD_ERRORS, FerryError) as exc:  # the banner goes out anyway, without those lines
+        log.warning("serving_summary_unavailable", error=repr(exc))
+        serving = None
+    print(ready_banner(cluster, serving), flush=True)
+
+
+def _serving_lines(cluster: LocalCluster, serving: Serving | None) -> str:
+    if serving is None:
+        return ""
+    lines = f"  context    : {serving.max_model_len} tokens per request (prompt + output)\n"
+    if serving.max_model_len < SHORT_CONTEXT_TOKENS:
+        lines += (f"  warning    : that is all a {cluster.spec.kv_cache_mib} MiB KV cache holds; "
+                  "raise --kv-cache-mib for longer requests\n")
+    for instance_id in serving.drained:
+        lines += (f"  drained    : {instance_id} (its mark is kept in etcd; "
+                  f"`{_ctl_command(cluster, 'drain', instance_id, '--undo')}` takes it back)\n")
+    return lines
+
+
+def ready_banner(cluster: LocalCluster, serving: Serving | None = None) -> str:
     """What `up` prints once every child is healthy; its commands work as printed (from the repository root)."""
     model = cluster.spec.model_dir.name
     security = cluster.spec.security
@@ -275,7 +314,7 @@ def ready_banner(cluster: LocalCluster) -> str:
     grpcurl = shlex.join(["grpcurl", *security.grpcurl_args()])
     token = f'-H "authorization: Bearer $(cat {shlex.quote(str(security.admin_token_file))})" ' \
         if security.has_admin_token else ""  # read at run time: the token itself is never printed
-    ctl = shlex.join(["python", "-m", "services.ctl", "--admin", address, *security.ctl_args(), "instances"])
+    ctl = _ctl_command(cluster, "instances")
     return f"""
 ferry cluster is up ({len(cluster.spec.roles)} instances, model {model})
   OpenAI API : {cluster.frontend_url}/v1
@@ -284,7 +323,7 @@ ferry cluster is up ({len(cluster.spec.roles)} instances, model {model})
   etcd       : {cluster.etcd.endpoint}   (plaintext, loopback only)
   state file : {cluster.state_dir / 'cluster.json'}
   logs       : {cluster.state_dir / 'logs'}
-
+{_serving_lines(cluster, serving)}
 try:
   curl -s {cluster.frontend_url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
@@ -293,6 +332,11 @@ try:
 
 Ctrl-C stops everything.
 ready"""
+
+
+def _ctl_command(cluster: LocalCluster, *args: str) -> str:
+    return shlex.join(["python", "-m", "services.ctl", "--admin", cluster.admin_address,
+                       *cluster.spec.security.ctl_args(), *args])
 
 
 def _security_line(security: ClusterSecurity) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import enum
 import os
 import pathlib
@@ -44,6 +45,7 @@ def parse_config(cls: type[C], service: str, argv: Sequence[str] | None = None,
     args = parser.parse_args(argv)
     config_path = args.config or env.get(env_name(service, "config"))
     file_values = _load_file(config_path, parser)
+    _check_file_keys(cls, file_values, config_path, parser)
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         kind = _field_type(cls, field)
@@ -63,6 +65,9 @@ def parse_config(cls: type[C], service: str, argv: Sequence[str] | None = None,
             values[field.name] = convert(raw, kind)
         except (TypeError, ValueError) as exc:
             parser.error(f"{source}: {exc}")
+        if _is_port(field.name) and not 0 <= values[field.name] <= 65535:
+            parser.error(f"{source}: a port is 0..65535 (0 = any free one, where the flag allows it), "
+                         f"got {values[field.name]}")
     try:
         return cls(**values)
     except ValueError as exc:  # __post_init__ validation
@@ -174,6 +179,21 @@ def _default(field: dataclasses.Field) -> Any:
     if isinstance(value, (list, tuple)):
         return ",".join(str(item.value if isinstance(item, enum.Enum) else item) for item in value)
     return value.value if isinstance(value, enum.Enum) else value
+
+
+def _is_port(name: str) -> bool:
+    return name == "port" or name.endswith("_port")
+
+
+def _check_file_keys(cls: type, file_values: Mapping[str, Any], path: str | None,
+                     parser: argparse.ArgumentParser) -> None:
+    """A key the service does not know is a typo an operator would never see otherwise."""
+    known = {field.name for field in dataclasses.fields(cls)}
+    unknown = sorted(set(file_values) - known)
+    if unknown:
+        close = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
+        hints = ", ".join(f"{name} (did you mean {match[0]}?)" if match else name for name, match in close.items())
+        parser.error(f"--config {path}: unknown option(s) {hints}; `--help` lists them (file keys use _ for -)")
 
 
 def _load_file(path: str | None, parser: argparse.ArgumentParser) -> dict[str, Any]:

@@ -86,12 +86,14 @@ class LocalEtcd:
     """A single-member etcd on 127.0.0.1; `with LocalEtcd() as etcd: etcd.endpoint`."""
 
     def __init__(self, data_dir: str | os.PathLike | None = None, client_port: int = 0, peer_port: int = 0,
-                 name: str = "ferry-etcd", durable: bool = False, start_timeout_s: float = 20.0) -> None:
+                 name: str = "ferry-etcd", durable: bool = False, start_timeout_s: float = 20.0,
+                 log_dir: str | os.PathLike | None = None) -> None:
         self.name = name
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
-        self._work_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-etcd-"))  # the log, and data unless given
+        self._work_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-etcd-"))  # the log and data unless given
         self.data_dir = pathlib.Path(data_dir) if data_dir else self._work_dir / "data"
+        self._log_dir = pathlib.Path(log_dir) if log_dir else self._work_dir
         self._durable = durable
         self._start_timeout_s = start_timeout_s
         self._process: subprocess.Popen | None = None
@@ -108,7 +110,7 @@ class LocalEtcd:
 
     @property
     def log_path(self) -> pathlib.Path:
-        return self._work_dir / "etcd.log"
+        return self._log_dir / "etcd.log"
 
     @property
     def is_running(self) -> bool:
@@ -161,7 +163,7 @@ class LocalEtcd:
         return self.start()
 
     def stop(self) -> None:
-        """Stop the process and remove its temp dir (the log, and the data dir unless one was given)."""
+        """Stop the process and remove its temp dir (the log and the data dir, unless they were given)."""
         self.terminate()
         _LIVE.discard(self)
         shutil.rmtree(self._work_dir, ignore_errors=True)
@@ -199,7 +201,8 @@ class LocalEtcd:
     def _spawn(self) -> None:
         if self.is_running:
             raise RuntimeError(f"etcd at {self.endpoint} is already running (pid {self.pid})")
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # etcd warns about anything wider
+        self._log_dir.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 — closed in terminate()
         # Its own session: a Ctrl-C in the terminal reaches the launcher, which stops etcd
         # after the services that use it; dying with its parent still covers a crash.

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.errors import ErrorInterceptor
 from services.common.logging import RequestIdInterceptor
 from services.common.request_decoding import DecodeInterceptor
+from services.common.startup import StartupError
 from services.common.tls import TlsConfig, make_channel_credentials, make_server_credentials
 
 log = structlog.get_logger(__name__)
@@ -180,9 +181,10 @@ def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.Serve
         else:
             bound_port = server.add_secure_port(target, credentials)
     except RuntimeError as exc:
-        raise OSError(f"cannot bind gRPC server to {target}: {exc}; pick another --port or --host") from exc
+        raise StartupError(f"cannot bind gRPC server to {target}: {exc}; pick another --port or --host") from exc
     if bound_port == 0:
-        raise OSError(f"cannot bind gRPC server to {target}: address in use or invalid; pick another --port or --host")
+        raise StartupError(f"cannot bind gRPC server to {target}: address in use or invalid; "
+                           "pick another --port or --host")
     return bound_port
 
 

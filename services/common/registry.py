@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
-from etcd3aio import Etcd3Client
+from etcd3aio import Etcd3Client, prefix_range_end
 
 from services.common.backoff import Backoff
 from services.common.errors import Unavailable
@@ -210,6 +210,13 @@ class Registry:
         if not await view.wait_synced(initial_sync_timeout_s):
             log.warning("membership_not_synced", prefix=view.prefix, timeout_s=initial_sync_timeout_s)
         return view
+
+    async def read(self, kind: str) -> dict[str, Any]:
+        """id → JSON value of everything under `/ferry/<cluster>/<kind>/` now (one read, no watch)."""
+        client = await self._connect()
+        prefix = self.prefix(kind)
+        response = await client.kv.get(prefix, range_end=prefix_range_end(prefix), timeout=self._rpc_timeout_s)
+        return {kv.key.decode().removeprefix(prefix): json.loads(kv.value) for kv in response.kvs}
 
     async def get_json(self, key: str) -> Any | None:
         """Value of `/ferry/<cluster>/<key>` (e.g. key="config/policy"), None if absent."""

@@ -1,7 +1,6 @@
 """`python -m services.frontend`: the OpenAI-compatible HTTP API of a ferry cluster."""
 
-import asyncio
-
+from services.common.startup import run_service
 from services.frontend.app import main
 from services.frontend.config import load_config
 
@@ -9,7 +8,7 @@ from services.frontend.config import load_config
 def run() -> None:
     config = load_config()
     config.setup_logging("frontend")
-    asyncio.run(main(config))
+    run_service(main(config))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from services.common.config import as_dict
 from services.common.election import watch_leader
 from services.common.registry import DRAIN_MARKS, Registry
 from services.common.signals import stop_event
+from services.common.startup import StartupError
 from services.frontend.config import FrontendConfig
 from services.frontend.dispatch import Dispatcher, Membership
 from services.frontend.etcd_view import EtcdInstances, EtcdLeader, NoInstances
@@ -35,7 +36,10 @@ _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 async def main(config: FrontendConfig) -> None:
     log.info("config_resolved", **as_dict(config))
-    model = await asyncio.to_thread(ServedModel.load, config.model, config.model_name, config.max_model_len)
+    try:
+        model = await asyncio.to_thread(ServedModel.load, config.model, config.model_name, config.max_model_len)
+    except (ValueError, OSError) as exc:
+        raise StartupError(str(exc)) from exc
     registry = Registry(config.etcd_endpoints, config.cluster,
                         access=config.etcd_access) if config.etcd_endpoints else None
     membership, leader = await watch_cluster(config, registry)
@@ -76,7 +80,12 @@ async def serve(config: FrontendConfig, server: FrontendServer, registry: Regist
                          shutdown_timeout=config.shutdown_grace_s, keepalive_timeout=config.keepalive_timeout_s)
     await http.setup()
     site = web.TCPSite(http, config.host, config.port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await http.cleanup()
+        raise StartupError(f"--port {config.port}: cannot serve HTTP on {config.host or '0.0.0.0'}: "
+                           f"{exc.strerror or exc}; pick another --port or --host") from exc
     port = _bound_port(http, config.port)
     address = f"{'127.0.0.1' if config.host in _WILDCARD_HOSTS else config.host}:{port}"
     frontend_id = config.frontend_id or f"{socket.gethostname()}-{port}"

@@ -20,9 +20,10 @@ import torch
 from services.common.config import as_dict
 from services.common.election import watch_leader
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2_grpc
-from services.common.grpc_server import start_grpc_server
+from services.common.grpc_server import GrpcServer, start_grpc_server
 from services.common.registry import Registry
 from services.common.signals import stop_event
+from services.common.startup import StartupError
 from services.instance.client import InstanceClients
 from services.instance.config import EngineKind, InstanceConfig
 from services.instance.engine.factory import EngineSpec, LoadedEngine, build_engine
@@ -50,7 +51,10 @@ async def main(config: InstanceConfig) -> None:
     log.info("config_resolved", **as_dict(config))
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
-    loaded = build_engine(engine_spec(config, kv_name=f"ferry-kv-{os.getpid()}"))
+    try:
+        loaded = build_engine(engine_spec(config, kv_name=f"ferry-kv-{os.getpid()}"))
+    except (ValueError, OSError) as exc:
+        raise StartupError(str(exc)) from exc
     runner = EngineRunner(loaded.engine, asyncio.get_running_loop())
     runner.start()
     try:
@@ -66,6 +70,14 @@ async def serve(config: InstanceConfig, loaded: LoadedEngine, runner: EngineRunn
                                      [(instance_pb2_grpc.add_InstanceServiceServicer_to_server, servicer)],
                                      [INSTANCE_SERVICE], advertise_host=config.advertise_host or None,
                                      tls=config.tls)
+    try:
+        await serve_on(server, servicer, config, loaded, runner)
+    finally:
+        await server.stop(0)  # already stopped unless it failed to start serving (etcd unreachable, ...)
+
+
+async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: InstanceConfig, loaded: LoadedEngine,
+                   runner: EngineRunner) -> None:
     await server.set_serving(False)  # until registered
     instance_id = config.instance_id or f"{socket.gethostname()}-{server.port}"
     identity = InstanceIdentity(instance_id, server.address, config.role, config.model.name,

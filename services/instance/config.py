@@ -115,6 +115,10 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
         for name in ("sim_step_ms", "sim_prefill_ms_per_token", "sim_decode_ms_per_seq", "engine_stall_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.num_blocks < 0:
+            raise ValueError(f"--num-blocks must be >= 0 (0 = size from --kv-cache-mib), got {self.num_blocks}")
+        if self.num_blocks == 0 and self.kv_cache_mib <= 0:
+            raise ValueError(f"--kv-cache-mib must be positive, got {self.kv_cache_mib}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:

@@ -6,9 +6,10 @@ metrics work: load and KV figures, requests served, engine steps and step time.
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, start_http_server
+from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from services.common.startup import start_metrics_server
 from services.instance.runner import EngineRunner
 
 
@@ -52,4 +53,4 @@ class InstanceCollector:
 def serve_metrics(port: int, host: str, runner: EngineRunner, instance_id: str) -> None:
     """Start the /metrics HTTP server on a daemon thread."""
     REGISTRY.register(InstanceCollector(runner, instance_id))
-    start_http_server(port, addr=host)
+    start_metrics_server(port, host)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from services.common.membership import MembershipView
+from services.common.startup import start_metrics_server
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceState
 from services.manager.leadership import Leadership
@@ -49,7 +50,7 @@ def serve_metrics(port: int, view: ClusterView, leadership: Leadership) -> None:
     for state in InstanceState:
         INSTANCES.labels(state.value).set_function(lambda state=state: float(_count(view, state)))
     REGISTRY.register(InstanceLoadCollector(view))
-    start_http_server(port)
+    start_metrics_server(port)
 
 
 def watch_membership_staleness(members: MembershipView) -> None:

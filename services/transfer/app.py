@@ -42,6 +42,8 @@ async def main(config: TransferConfig) -> None:
         log.warning("heap_keep_unavailable", reason="no glibc mallopt here; grpc transfers fault in fresh pages")
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
+    if config.metrics_port:
+        serve_metrics(config.metrics_port, config.host)
     servicer = TransferServicer()
     server = await start_grpc_server(config.host, config.port,
                                      [(add_transfer_servicer, servicer)],
@@ -55,11 +57,10 @@ async def main(config: TransferConfig) -> None:
     peers = TransferClients(piece_bytes=config.grpc_piece_kib * 1024, tls=config.tls)
     node = build_node(config, transfer_id, server, registry, peers, threads)
     servicer.node = node
-    if config.metrics_port:
-        serve_metrics(config.metrics_port, config.host)
     try:
         await serve(config, node, server, registry)
     finally:
+        await server.stop(0)  # already stopped unless serving failed to start (etcd unreachable)
         node.channels.close()
         await peers.close()
         threads.shutdown()

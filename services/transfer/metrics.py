@@ -6,7 +6,9 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Histogram
+
+from services.common.startup import start_metrics_server
 
 TRANSFERS = Counter("ferry_transfer_transfers_total", "Transfer calls sent from this service, by backend and outcome",
                     ["backend", "outcome"])
@@ -35,4 +37,4 @@ def observed_transfer(backend: str) -> Iterator[list[int]]:
 
 
 def serve_metrics(port: int, host: str) -> None:
-    start_http_server(port, addr=host)
+    start_metrics_server(port, host)

@@ -11,6 +11,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from services.common import errors
 from services.common.grpc_server import insecure_channel, start_grpc_server
 from services.common.logging import request_metadata
+from services.common.startup import StartupError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -129,5 +130,5 @@ async def test_other_exceptions_become_internal_without_details(echo) -> None:
 
 async def test_fixed_port_in_use_fails(echo) -> None:
     server, _, _ = echo
-    with pytest.raises(OSError, match="--port"):
+    with pytest.raises(StartupError, match="--port"):
         await start_grpc_server("127.0.0.1", server.port, [], [])

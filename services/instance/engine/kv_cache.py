@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.errors import Internal, InvalidArgument, NotFound
+from services.common.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
 from services.instance.engine.cuda_ipc import CudaIpcHandle, export_handle, open_handle
 
 SHM_DIR = Path("/dev/shm")
@@ -95,6 +95,7 @@ class KvCache:
         if device is not None and device.type == "cuda":
             tensor = torch.zeros(geometry.shape, dtype=geometry.dtype, device=device)
             return cls(name, geometry, tensor, owner=None, ipc_handle=export_handle(tensor))
+        _check_shm_room(geometry.num_bytes)
         try:
             shm = shared_memory.SharedMemory(name=name, create=True, size=geometry.num_bytes)
         except FileExistsError:
@@ -103,6 +104,11 @@ class KvCache:
                 f"one left {SHM_DIR / name} behind (remove it)"
             ) from None
         shm.close()  # the name stays; torch maps the bytes itself below
+        try:
+            _reserve(SHM_DIR / name, geometry.num_bytes)
+        except BaseException:
+            shm.unlink()
+            raise
         cache = cls(name, geometry, _map(name, geometry), owner=shm)
         atexit.register(cache.unlink)
         return cache
@@ -151,6 +157,32 @@ class KvCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
         self.unlink()
+
+
+def _check_shm_room(num_bytes: int) -> None:
+    """tmpfs hands out a segment larger than its free space and the process dies of SIGBUS when
+    it touches the pages that are not there: refuse up front instead."""
+    stats = os.statvfs(SHM_DIR)
+    free = stats.f_bavail * stats.f_frsize
+    if num_bytes > free:
+        raise ResourceExhausted(
+            f"the KV cache needs {num_bytes / 2**20:.0f} MiB of shared memory but {SHM_DIR} has "
+            f"{free / 2**20:.0f} MiB free; lower --kv-cache-mib (or --num-blocks), or give {SHM_DIR} more room "
+            "(docker: --shm-size)")
+
+
+def _reserve(path: Path, num_bytes: int) -> None:
+    """Allocate every page of the segment now, so that running short of memory is a clear error
+    at startup, not a SIGBUS on the first write to a page tmpfs could not give."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, num_bytes)
+    except OSError as exc:
+        raise ResourceExhausted(f"cannot reserve the KV cache's {num_bytes / 2**20:.0f} MiB in {SHM_DIR} "
+                                f"({exc.strerror}); lower --kv-cache-mib (or --num-blocks), or give {SHM_DIR} "
+                                "more room (docker: --shm-size)") from None
+    finally:
+        os.close(fd)
 
 
 def _map(name: str, geometry: KvGeometry) -> torch.Tensor:

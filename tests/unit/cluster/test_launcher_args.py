@@ -92,3 +92,14 @@ def test_a_missing_or_empty_token_file_is_named(files, capsys, tmp_path):
     empty = tmp_path / "empty.token"
     empty.write_text("\n")
     assert f"--admin-token-file {empty} is empty" in usage_error(["--admin-token-file", str(empty)], capsys)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--http-port", "70000"], "--http-port must be a port number 1..65535, got 70000"),
+    (["--admin-port", "0"], "--admin-port must be a port number 1..65535, got 0"),
+    (["--http-port", "18220", "--admin-port", "18220"], "--http-port and --admin-port must differ"),
+    (["--kv-cache-mib", "0"], "--kv-cache-mib must be positive, got 0"),
+    (["--threads-per-instance", "-1"], "--threads-per-instance must be >= 0"),
+])
+def test_unusable_ports_caches_and_threads_are_usage_errors(capsys, argv, words):
+    assert words in usage_error(argv, capsys)

@@ -234,3 +234,27 @@ def test_transfer_channel_flags_parse_and_out_of_range_values_are_refused(capsys
         with pytest.raises(SystemExit):
             parse_config(TransferConfig, "transfer", [flag, value], env={})
         assert message in capsys.readouterr().err
+
+
+def test_a_port_out_of_range_is_refused_naming_its_source(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(PortConfig, "demo", ["--metrics-port", "99999"], env={})
+    assert "--metrics-port: a port is 0..65535" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(PortConfig, "demo", [], env={"FERRY_DEMO_PORT": "-1"})
+    assert "FERRY_DEMO_PORT: a port is 0..65535" in capsys.readouterr().err
+
+
+def test_an_unknown_key_in_the_config_file_is_refused_with_a_suggestion(tmp_path, capsys):
+    path = tmp_path / "demo.yaml"
+    path.write_text("prot: 5\nbogus_key: 1\n")
+    with pytest.raises(SystemExit):
+        parse_config(PortConfig, "demo", ["--config", str(path)], env={})
+    error = capsys.readouterr().err
+    assert "unknown option(s) bogus_key, prot (did you mean port?)" in error
+
+
+@dataclasses.dataclass
+class PortConfig:
+    port: int = knob(0, "gRPC port")
+    metrics_port: int = knob(0, "metrics port")

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 
-from services.common.errors import Internal, InvalidArgument, NotFound
+from services.common.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
 from services.instance.engine.kv_cache import SHM_DIR, KvCache, KvGeometry
 
 pytestmark = pytest.mark.timeout(60)
@@ -117,3 +117,16 @@ def test_killed_creator_is_cleaned_up_by_the_resource_tracker(name):
     deadline = time.monotonic() + 10
     while (SHM_DIR / name).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def test_a_cache_larger_than_the_free_shared_memory_is_refused_and_leaves_nothing(name):
+    stats = os.statvfs(SHM_DIR)
+    free_blocks = stats.f_bavail * stats.f_frsize // GEOMETRY.bytes_per_block
+    too_big = KvGeometry(2, 2, 4, 4, free_blocks + 1024, torch.float32)
+    with pytest.raises(ResourceExhausted, match="lower --kv-cache-mib"):
+        KvCache.create(name, too_big)
+
+
+def test_every_page_of_a_new_cache_is_allocated_up_front(name):
+    with KvCache.create(name, GEOMETRY) as cache:
+        assert os.stat(SHM_DIR / cache.name).st_blocks * 512 >= GEOMETRY.num_bytes  # not a sparse file

@@ -1,0 +1,59 @@
+"""How a service process starts, and how it fails to.
+
+`run_service` runs a service's main. A `StartupError` (a model folder that is not one, a port
+that is taken, a KV cache that does not fit) or a ferry error escaping main (etcd not
+answering at registration) ends the process with one log line that names the problem and
+exit status 1, instead of a traceback: the message is what an operator reads in the journal.
+Anything else escaping main is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+import structlog
+from prometheus_client import start_http_server
+
+from services.common.errors import FerryError
+
+log = structlog.get_logger(__name__)
+
+
+class StartupError(Exception):
+    """The service cannot start as configured; the message says which flag or resource to fix."""
+
+
+def run_service(main: Coroutine[Any, Any, None]) -> None:
+    try:
+        asyncio.run(main)
+    except Exception as exc:  # noqa: BLE001 — re-raised unless it is a failure we can name
+        failure = _named_failure(exc)
+        if failure is None:
+            raise
+        if isinstance(failure, StartupError):
+            log.error("startup_failed", error=str(failure))
+        else:
+            log.error("service_failed", code=failure.grpc_code.name, error=failure.message)
+        sys.exit(1)
+
+
+def _named_failure(exc: BaseException) -> StartupError | FerryError | None:
+    """`exc`, or the first failure inside a task group's exception group, when every failure is one."""
+    if isinstance(exc, (StartupError, FerryError)):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        failures = [_named_failure(inner) for inner in exc.exceptions]
+        return failures[0] if failures and all(f is not None for f in failures) else None
+    return None
+
+
+def start_metrics_server(port: int, host: str = "0.0.0.0") -> None:
+    """Serve Prometheus' /metrics on a daemon thread; StartupError if the port is taken."""
+    try:
+        start_http_server(port, addr=host)
+    except OSError as exc:
+        raise StartupError(f"--metrics-port {port}: cannot serve /metrics on {host}: {exc.strerror or exc}; "
+                           "pick another --metrics-port") from None

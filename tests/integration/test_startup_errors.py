@@ -1,0 +1,58 @@
+"""A service that cannot start says why in one log line and exits 1: no traceback, no asyncio
+noise, whatever the cause (a model folder that is not one, a port that is taken, etcd not
+answering). This is what an operator reads in the journal of a crash-looping unit."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from services.cluster.processes import ROOT
+from services.common.etcd_launcher import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def start(service: str, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"services.{service}", *argv], capture_output=True, text=True,
+                          timeout=90, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def assert_one_line_failure(result: subprocess.CompletedProcess, event: str, *words: str) -> None:
+    assert result.returncode == 1, result.stderr[-2000:]
+    failure = [line for line in result.stderr.splitlines() if event in line]
+    assert len(failure) == 1 and all(word in failure[0] for word in words), result.stderr[-2000:]
+    for noise in ("Traceback", "Event loop is closed", "never awaited"):
+        assert noise not in result.stderr, result.stderr[-2000:]
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield listener.getsockname()[1]
+
+
+def test_a_model_folder_that_is_not_one(tmp_path):
+    assert_one_line_failure(start("instance", "--model", str(tmp_path / "nope")), "startup_failed", "no config.json")
+    assert_one_line_failure(start("frontend", "--model", str(tmp_path / "nope"), "--manager-address", "127.0.0.1:1"),
+                            "startup_failed", "config.json")
+
+
+def test_a_taken_port(taken_port):
+    assert_one_line_failure(start("manager", "--port", str(taken_port), "--etcd-endpoints", "127.0.0.1:1"),
+                            "startup_failed", "cannot bind", "--port")
+    assert_one_line_failure(start("transfer", "--metrics-port", str(taken_port)),
+                            "startup_failed", f"--metrics-port {taken_port}")
+
+
+def test_etcd_not_answering_at_registration(tiny_model_dir):
+    etcd = f"127.0.0.1:{free_port()}"
+    assert_one_line_failure(start("transfer", "--etcd-endpoints", etcd), "service_failed", "cannot register", etcd)
+    assert_one_line_failure(start("instance", "--model", str(tiny_model_dir), "--etcd-endpoints", etcd,
+                                  "--num-threads", "1"), "service_failed", "cannot register", etcd)

@@ -38,10 +38,10 @@ def env_name(service: str, field_name: str) -> str:
 
 
 def parse_config(cls: type[C], service: str, argv: Sequence[str] | None = None,
-                 env: Mapping[str, str] | None = None, description: str | None = None) -> C:
+                 env: Mapping[str, str] | None = None, description: str | None = None, prog: str | None = None) -> C:
     """Build `cls` from CLI flags, FERRY_* environment variables and an optional YAML file."""
     env = os.environ if env is None else env
-    parser = build_parser(cls, service, description)
+    parser = build_parser(cls, service, description, prog)
     args = parser.parse_args(argv)
     config_path = args.config or env.get(env_name(service, "config"))
     file_values = _load_file(config_path, parser)
@@ -74,9 +74,10 @@ def parse_config(cls: type[C], service: str, argv: Sequence[str] | None = None,
         parser.error(str(exc))
 
 
-def build_parser(cls: type, service: str, description: str | None = None) -> argparse.ArgumentParser:
+def build_parser(cls: type, service: str, description: str | None = None,
+                 prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=f"python -m services.{service}", description=description or cls.__doc__,
+        prog=prog or f"python -m services.{service}", description=description or cls.__doc__,
         epilog=f"Every flag can also be set as FERRY_{service.upper()}_<FLAG> (e.g. "
                f"{env_name(service, 'port')}) or in the --config YAML file. CLI beats env beats file beats default.",
         formatter_class=argparse.RawDescriptionHelpFormatter)

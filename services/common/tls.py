@@ -63,8 +63,7 @@ class ClientTlsKnobs:
 
     tls_ca: str = knob("", "PEM CA bundle that verifies the gRPC servers this process dials; set = TLS on outbound "
                            "channels, empty = plaintext")
-    tls_cert: str = knob("", "PEM certificate of this process: served by its gRPC server (TLS) and presented as "
-                             "client certificate when a server requires one (mTLS); empty = plaintext server")
+    tls_cert: str = knob("", "PEM client certificate of this process, presented when a server requires one (mTLS)")
     tls_key: str = knob("", "PEM private key of --tls-cert")
     tls_server_name: str = knob("", "name expected in server certificates when it differs from the host dialed")
 
@@ -78,6 +77,8 @@ class ClientTlsKnobs:
 class TlsKnobs(ClientTlsKnobs):
     """TLS flags of a process with a gRPC server (mixed into its config dataclass)."""
 
+    tls_cert: str = knob("", "PEM certificate of this process: served by its gRPC server (TLS) and presented as "
+                             "client certificate when a server requires one (mTLS); empty = plaintext server")
     tls_client_ca: str = knob("", "PEM CA bundle; when set, the gRPC server requires client certificates signed by "
                                   "it (mTLS); needs --tls-cert")
 

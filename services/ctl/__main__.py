@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -33,35 +34,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferryctl", parents=[common], description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser("instances", parents=[common], help="instances with role, state and load")
-    requests = commands.add_parser("requests", parents=[common], help="requests on every instance (or one)")
+
+    def command(name: str, summary: str, under: argparse._SubParsersAction = commands) -> argparse.ArgumentParser:
+        return under.add_parser(name, parents=[common], help=summary, description=summary)
+
+    command("instances", "instances with role, state and load")
+    requests = command("requests", "requests on every instance (or one)")
     requests.add_argument("--instance", help="only this instance's requests")
-    commands.add_parser("status", parents=[common], help="leader, policy and cluster totals")
-    policy = commands.add_parser("policy", parents=[common], help="show (get, the default) or change (set) the dispatch policy")
+    command("status", "leader, policy and cluster totals")
+    policy = command("policy", "show (get, the default) or change (set) the dispatch and migration policy")
     actions = policy.add_subparsers(dest="action", required=False, metavar="ACTION")
-    actions.add_parser("get", parents=[common], help="show the dispatch policy")
-    policy_set = actions.add_parser("set", parents=[common], help="change the policy (every manager follows)")
+    command("get", "show the policy", actions)
+    policy_set = command("set", "change the policy (every manager follows)", actions)
     policy_set.add_argument("dispatch", nargs="?",
                             help="load | queue | balanced | round_robin | prefix | flood (the manager validates)")
     policy_set.add_argument("--set", action="append", metavar="FIELD=VALUE",
                             help="another policy field, e.g. --set migration_enabled=true --set migration_threshold=8")
-    drain = commands.add_parser("drain", parents=[common], help="stop sending new requests to an instance "
-                                                                 "(--undo: take it back)")
-    drain.add_argument("instance_id")
+    drain = command("drain", "stop sending new requests to an instance and migrate its running ones away "
+                             "(--undo: take it back)")
+    drain.add_argument("instance_id", help="the instance (`instances` lists them)")
     drain.add_argument("--undo", action="store_true",
                        help="delete the drain mark: new requests reach the instance again (AdminService/Undrain)")
-    migrate = commands.add_parser("migrate", parents=[common], help="live-migrate a running request")
+    migrate = command("migrate", "live-migrate a running request, KV cache and all, to another instance")
     migrate.add_argument("--request", help="request id (default: the manager picks one on --src)")
     migrate.add_argument("--src", help="source instance id (default: the request's instance, or with no --request "
                                        "the least free instance that has a request)")
     migrate.add_argument("--dst", help="destination instance id (default: the freest instance)")
-    migrations = commands.add_parser("migrations", parents=[common], help="the leader's recent migrations")
+    migrations = command("migrations", "the leader's recent migrations (committed and failed)")
     migrations.add_argument("--instance", help="only migrations from or to this instance")
     migrations.add_argument("--request", help="only this request's migrations")
-    role = commands.add_parser("role", parents=[common], help="change an instance's prefill/decode role")
-    role.add_argument("instance_id")
-    role.add_argument("role", choices=ROLES)
-    top = commands.add_parser("top", parents=[common], help="live view of instances and load")
+    role = command("role", "change an instance's prefill/decode role")
+    role.add_argument("instance_id", help="the instance (`instances` lists them)")
+    role.add_argument("role", choices=ROLES, help="both: serves whole requests; prefill: prompts, then hands "
+                                                  "each request to a decode instance; decode: takes those")
+    top = command("top", "live view of instances and load")
     top.add_argument("--interval", type=_positive_seconds, default=1.0, help="seconds between refreshes (default: 1)")
     top.add_argument("--iterations", type=_non_negative_int, default=0,
                      help="frames to draw, then exit (default: 0 = until Ctrl-C)")
@@ -104,7 +110,7 @@ def resolve_config(args: argparse.Namespace) -> CtlConfig:
     for name in ["config", *(f.name for f in dataclasses.fields(CtlConfig))]:
         if name in vars(args):
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    return parse_config(CtlConfig, "ctl", argv)
+    return parse_config(CtlConfig, "ctl", argv, prog="ferryctl")
 
 
 async def execute(config: CtlConfig, args: argparse.Namespace) -> int:
@@ -144,6 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(execute(config, args))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `ferryctl ... | head -1`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -75,10 +75,14 @@ class AdminClient:
 
     async def set_policy(self, fields: dict[str, Any]) -> dict[str, Any]:
         """Change the named policy fields (proto names; enums by name); the others keep their values."""
+        known = manager_pb2.Policy.DESCRIPTOR.fields_by_name
+        unknown = sorted(set(fields) - set(known))
+        if unknown:
+            raise ValueError(f"policy has no field {', '.join(unknown)}; its fields: {', '.join(known)}")
         try:
             request = json_format.ParseDict(fields, manager_pb2.Policy())
         except json_format.ParseError as exc:
-            raise ValueError(f"policy: {exc}; fields: {', '.join(manager_pb2.Policy.DESCRIPTOR.fields_by_name)}") from None
+            raise ValueError(f"policy: {exc}") from None
         return policy_from_proto(await self._call(self._admin.SetPolicy, request))
 
     async def drain(self, instance_id: str, undo: bool = False) -> DrainResult:

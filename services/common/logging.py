@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import logging
 import sys
 from collections.abc import Callable
@@ -49,6 +50,14 @@ class LogKnobs:
 
     def setup_logging(self, service: str) -> None:
         setup_logging(service, self.log_format, self.log_level.value)
+
+    def print_ready(self, member_id: str, address: str) -> None:
+        """The line on stdout that says this process serves (`ready <id> <address>`, what harnesses
+        wait for); with --log-format json a JSON object, so a journal of JSON lines stays one."""
+        if self.log_format is LogFormat.JSON:
+            print(json.dumps({"event": "ready", "id": member_id, "address": address}), flush=True)
+        else:
+            print(f"ready {member_id} {address}", flush=True)
 
 
 def setup_logging(service: str, fmt: LogFormat = LogFormat.CONSOLE, level: str = "info") -> None:

@@ -94,7 +94,7 @@ async def serve(config: FrontendConfig, server: FrontendServer, registry: Regist
                                                            "pid": os.getpid(), "host": socket.gethostname()})
     stop = stop_event()
     log.info("frontend_ready", frontend_id=frontend_id, address=address, model=config.model_name)
-    print(f"ready {frontend_id} http://{address}", flush=True)
+    config.print_ready(frontend_id, f"http://{address}")
     await stop.wait()
     log.info("frontend_stopping", frontend_id=frontend_id)
     server.is_accepting = False

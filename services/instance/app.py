@@ -114,7 +114,7 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
             log.info("instance_ready", instance_id=instance_id, address=identity.address,
                      kv_blocks=loaded.kv_cache.geometry.num_blocks,
                      transfer_address=config.transfer_address or None)
-            print(f"ready {instance_id} {identity.address}", flush=True)
+            config.print_ready(instance_id, identity.address)
             await stop.wait()
             await shutdown(config, server, servicer, runner, registry)
             for task in background:

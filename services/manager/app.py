@@ -86,7 +86,7 @@ async def main(config: ManagerConfig) -> None:
                      tasks.create_task(scaler.scaling_loop(), name="scaling_loop"),
                      tasks.create_task(journal.writer_loop(), name="migration_journal_loop")]
             log.info("manager_ready", manager_id=manager_id, address=server.address)
-            print(f"ready {manager_id} {server.address}", flush=True)
+            config.print_ready(manager_id, server.address)
             await stop.wait()
             await _shutdown(config, server, campaign, loops)
     finally:

@@ -113,7 +113,7 @@ async def serve(config: TransferConfig, node: TransferNode, server: GrpcServer, 
     await server.set_serving(True)
     log.info("transfer_ready", transfer_id=node.transfer_id, address=node.address,
              backends=[b.value for b in node.backends], instance_ids=node.mappings.instance_ids())
-    print(f"ready {node.transfer_id} {node.address}", flush=True)
+    config.print_ready(node.transfer_id, node.address)
     await stop.wait()
     log.info("transfer_stopping")
     await server.set_serving(False)

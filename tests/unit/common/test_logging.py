@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -10,7 +11,7 @@ import pytest
 import structlog
 
 from services.common.logging import (
-    LogFormat, RequestIdInterceptor, request_id_from_metadata, request_metadata, setup_logging)
+    LogFormat, LogKnobs, RequestIdInterceptor, request_id_from_metadata, request_metadata, setup_logging)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -76,3 +77,14 @@ async def test_interceptor_binds_request_id_for_the_call(streaming: bool) -> Non
         assert await handler.unary_unary(b"x", None) == b"x"
     assert seen == ["r-5"]
     assert "request_id" not in structlog.contextvars.get_contextvars()
+
+
+def test_the_ready_line_follows_the_log_format(capsys) -> None:
+    @dataclasses.dataclass
+    class Knobs(LogKnobs):
+        pass
+
+    Knobs().print_ready("instance-0", "127.0.0.1:5000")
+    assert capsys.readouterr().out == "ready instance-0 127.0.0.1:5000\n"
+    Knobs(log_format=LogFormat.JSON).print_ready("instance-0", "127.0.0.1:5000")
+    assert json.loads(capsys.readouterr().out) == {"event": "ready", "id": "instance-0", "address": "127.0.0.1:5000"}

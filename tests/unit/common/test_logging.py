@@ -80,7 +80,7 @@ async def test_interceptor_binds_request_id_for_the_call(streaming: bool) -> Non
 
 
 def test_the_ready_line_follows_the_log_format(capsys) -> None:
-    @dataclasses.dataclass
+    @dataclasses.dataclass(frozen=True)
     class Knobs(LogKnobs):
         pass
 

@@ -269,8 +269,9 @@ class FrontendServer:
         if not self.is_accepting:
             raise Unavailable("this frontend is shutting down; retry on another one")
         if self._num_inflight and self._num_inflight + num_choices > self._max_inflight:
-            raise ResourceExhausted(f"{self._num_inflight} requests are in flight, the limit (--max-inflight "
-                                    f"{self._max_inflight}); retry later")
+            raise ResourceExhausted(f"{self._num_inflight} generations are in flight and this request adds "
+                                    f"{num_choices} (one per choice), over the limit of {self._max_inflight} "
+                                    "(--max-inflight); retry later")
         self._num_inflight += num_choices
         self._metrics.in_flight.inc(num_choices)
         try:

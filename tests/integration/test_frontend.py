@@ -534,7 +534,7 @@ async def test_inflight_limit_and_empty_cluster(instance, etcd, tiny_model_dir, 
                 await streaming.content.readline()
                 async with session.post(COMPLETIONS, json={**body, "stream": False}) as second:
                     assert second.status == 429
-                    assert "--max-inflight 1" in (await second.json())["error"]["message"]
+                    assert "over the limit of 1 (--max-inflight)" in (await second.json())["error"]["message"]
         await asyncio.wait_for(_wait_listening(empty.address), 60)
         async with aiohttp.ClientSession(base_url=empty.address) as session:
             async with session.get("/health") as health:

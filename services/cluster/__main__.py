@@ -23,6 +23,7 @@ from services.cluster.launcher import ClusterSpec, LocalCluster, PortInUse, run_
 from services.cluster.processes import ROOT, ProcessDied, TlsRejected
 from services.cluster.security import ClusterSecurity
 from services.cluster.state_dir import StateDirInUse
+from services.common.config import DefaultsHelpFormatter
 from services.common.logging import LogFormat, setup_logging
 
 DEFAULT_MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
@@ -33,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start a local cluster and run until Ctrl-C",
-                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                             formatter_class=DefaultsHelpFormatter)
     up.add_argument("--model", default="smollm2",
                     help="Hugging Face model folder, or 'smollm2' for the embedded SmolLM2-135M-Instruct "
                          f"(converted once into {DEFAULT_MODEL_DIR.relative_to(ROOT)})")

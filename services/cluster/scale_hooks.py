@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from services.cluster.scaling_follower import plan
+from services.common.config import DefaultsHelpFormatter
 from services.common.logging import LogFormat, setup_logging
 from services.common.registry import Registry
 from services.common.scaling_target import SCALING_TARGET_KEY, ScalingTarget
@@ -40,7 +41,7 @@ log = structlog.get_logger(__name__)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.cluster.scale_hooks", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--etcd-endpoints", required=True, help="etcd endpoints host:port, comma-separated")
     parser.add_argument("--cluster", default="ferry", help="cluster name (etcd keys live under /ferry/<cluster>/)")
     parser.add_argument("--add-command", required=True,

@@ -74,6 +74,17 @@ def parse_config(cls: type[C], service: str, argv: Sequence[str] | None = None,
         parser.error(str(exc))
 
 
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written; each option's help ends with its default, unless that is None
+    (the help says what happens then) or the help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or action.default in (None, argparse.SUPPRESS) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser(cls: type, service: str, description: str | None = None,
                  prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(

@@ -178,7 +178,11 @@ class ResponseFormatter:
         }
 
     def _top_logprobs(self, entry: TokenLogprob) -> dict[str, float]:
-        return {self._token_text(tid): lp for tid, lp in entry.top[: self._parsed.num_top_logprobs]}
+        """The top `logprobs` tokens and, as OpenAI's completions promise, the sampled one (up to
+        logprobs + 1 entries; with logprobs 0, the sampled one alone)."""
+        top = {self._token_text(tid): lp for tid, lp in entry.top[: self._parsed.num_top_logprobs]}
+        top.setdefault(self._token_text(entry.token_id), entry.logprob)
+        return top
 
     def _prompt_logprobs(self, state: ReqState) -> dict[str, Any]:
         """The echoed prompt's tokens in completions' logprobs shape; its first token has no logprob (null)."""

@@ -77,7 +77,7 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_output():
     assert choice["logprobs"] == {
         "tokens": ["a", "c", "d", "h", "i"],
         "token_logprobs": [None, -3.0, -0.5, -0.5, -0.25],
-        "top_logprobs": [None, {"a": -0.1}, {"d": -0.5}, {"h": -0.5}, {"i": -0.25}],
+        "top_logprobs": [None, {"a": -0.1, "c": -3.0}, {"d": -0.5}, {"h": -0.5}, {"i": -0.25}],
         "text_offset": [0, 1, 2, 3, 4],
     }
     streamed = ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text, 0, echo_text="acd")
@@ -118,7 +118,7 @@ def test_echo_with_max_tokens_zero_shows_the_prompt_alone():
     (choice,) = body["choices"]
     assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == ("acd", [], "length")
     assert choice["logprobs"]["token_logprobs"] == [None, -3.0, -0.5]
-    assert choice["logprobs"]["top_logprobs"] == [None, {}, {}]
+    assert choice["logprobs"]["top_logprobs"] == [None, {"c": -3.0}, {"d": -0.5}]  # the token itself
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
     state = make_state(prompt=(0, 2, 3))
     last = f.chunk(state.accept(TokenChunk(0, (7,), "h", FinishReason.LENGTH)))["choices"][0]
@@ -191,3 +191,11 @@ def test_sse_framing():
     assert SSE_DONE == b"data: [DONE]\n\n"
     error = json.loads(sse_error(Unavailable("gone"))[len(b"data: "):])
     assert error == {"error": {"message": "gone", "type": "server_error", "param": None, "code": None}}
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token():
+    """OpenAI's completions: up to logprobs + 1 entries; logprobs 0 gives the sampled token alone."""
+    for k, expected in ((0, [{"h": -0.5}, {"i": -0.25}]), (1, [{"h": -0.5}, {"i": -0.25}])):
+        parsed = parse_completion_request({"prompt": [0, 2, 3], "logprobs": k}, MODEL)
+        choice = ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text, 0).choice(echoed_state())
+        assert choice["logprobs"]["top_logprobs"] == expected

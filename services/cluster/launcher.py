@@ -133,8 +133,9 @@ class LocalCluster:
                 log.info("process_stopped", name=process.name, pid=process.pid)
         if self.etcd is not None:
             self.etcd.stop()
-        (self.state_dir / "cluster.json").unlink(missing_ok=True)  # it lists PIDs that are gone now
-        self._state_lock.release()
+        if self._state_lock.is_held:  # else the state dir, cluster.json included, is another cluster's
+            (self.state_dir / "cluster.json").unlink(missing_ok=True)  # it lists PIDs that are gone now
+            self._state_lock.release()
         if self._tmp is not None:
             self._tmp.cleanup()
 

@@ -36,6 +36,10 @@ class StateDirLock:
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
 
+    @property
+    def is_held(self) -> bool:
+        return self._fd is not None
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing drops the flock

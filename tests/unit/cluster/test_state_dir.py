@@ -3,13 +3,17 @@ the holder, and a holder that died (even by SIGKILL) never blocks the next one."
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 
 import pytest
 
+from services.cluster.launcher import LocalCluster, run_until_signalled
 from services.cluster.state_dir import StateDirInUse, StateDirLock
+from services.common.etcd_launcher import free_port
+from tests.unit.cluster.test_ports import spec as ports_spec
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -39,3 +43,16 @@ def test_a_killed_holder_leaves_the_state_dir_free(tmp_path):
     lock = StateDirLock(tmp_path)
     lock.acquire()
     lock.release()
+
+
+async def test_a_refused_launcher_leaves_the_running_clusters_state_alone(tmp_path):
+    holder = StateDirLock(tmp_path)
+    holder.acquire()
+    (tmp_path / "cluster.json").write_text("{}")
+    spec = dataclasses.replace(ports_spec(free_port(), free_port()), state_dir=tmp_path)
+    try:
+        with pytest.raises(StateDirInUse):
+            await run_until_signalled(LocalCluster(spec))
+        assert (tmp_path / "cluster.json").read_text() == "{}"
+    finally:
+        holder.release()

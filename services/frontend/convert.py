@@ -39,7 +39,8 @@ def generate_request_to_proto(spec: GenerateSpec, can_prefill_on_decode: bool = 
     return instance_pb2.GenerateRequest(
         request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids),
         sampling=sampling_to_proto(spec.sampling), priority=spec.priority,
-        resume_token_ids=list(spec.resume_token_ids), can_prefill_on_decode=can_prefill_on_decode)
+        resume_token_ids=list(spec.resume_token_ids), can_prefill_on_decode=can_prefill_on_decode,
+        resume_text=spec.resume_text if spec.resume_token_ids else None)
 
 
 def chunk_from_proto(msg: instance_pb2.GenerateChunk) -> TokenChunk:

@@ -49,6 +49,7 @@ class GenerateSpec:
     sampling: Sampling
     priority: int = 0
     resume_token_ids: tuple[int, ...] = ()
+    resume_text: str = ""  # the text of resume_token_ids the client has (a held-back tail is not in it)
     # For the manager's `prefix` policy, not the instance: chained hashes of the prompt's chunks
     # (prefix_hash.prefix_chunk_keys). Of the prompt only, also on a resume: that is what instances cache.
     prefix_chunk_keys: tuple[int, ...] = ()

@@ -117,7 +117,7 @@ class RequestRunner:
     async def _follow(self, owner: _Owner, state: ReqState, spec: GenerateSpec,
                       aborts: dict[InstanceId, Awaitable[None]]) -> None:
         """Generate on `owner`, resuming after the tokens `state` holds, then follow its hand-offs."""
-        chunks = self._generated(owner, replace(spec, resume_token_ids=tuple(state.token_ids)))
+        chunks = self._generated(owner, replace(spec, resume_token_ids=tuple(state.token_ids), resume_text=state.text))
         try:
             while (handoff := await self._feed(chunks, owner, state)) is not None:
                 self._hand_off(owner, state, handoff)

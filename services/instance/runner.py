@@ -118,11 +118,13 @@ class EngineRunner:
         return 0.0 if started is None else time.monotonic() - started
 
     async def add(self, request_id: str, prompt_token_ids: list[int], sampling: Any,
-                  priority: int = 0, resume_token_ids: tuple[int, ...] = ()) -> RequestStream:
+                  priority: int = 0, resume_token_ids: tuple[int, ...] = (),
+                  resume_text: str | None = None) -> RequestStream:
         """Admit a request; raises the engine's validation errors (InvalidArgument, ...)."""
         def admit() -> None:
             self._engine.add_request(request_id, prompt_token_ids, sampling,
-                                     priority=priority, resume_token_ids=resume_token_ids)
+                                     priority=priority, resume_token_ids=resume_token_ids,
+                                     resume_text=resume_text)
 
         return await self._open_stream(request_id, 0, admit, is_attached=True)
 

@@ -173,6 +173,9 @@ async def test_a_broken_stream_resumes_on_another_instance_without_gaps(cluster)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert len(dying.requests) == 1 and len(healthy.requests) == 1
     assert len(healthy.requests[0].resume_token_ids) == 4
+    resumed = healthy.requests[0]  # with the text the client has of those tokens, so none is lost or repeated
+    assert resumed.HasField("resume_text") and resumed.resume_text == "".join(c["choices"][0]["text"] for c in chunks[:4])
+    assert not dying.requests[0].HasField("resume_text")
     assert healthy.requests[0].request_id == dying.requests[0].request_id == chunks[0]["id"]
     assert dying.aborted == [chunks[0]["id"]]  # the broken one is told to free its blocks
     assert metrics.resumes._value.get() == 1

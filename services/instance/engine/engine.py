@@ -143,8 +143,10 @@ class LLMEngine:
     # Requests in and out.
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                    priority: int = 0, resume_token_ids: Sequence[int] = ()) -> None:
-        """Queue a request; raises InvalidArgument (bad input, duplicate id) or ResourceExhausted."""
+                    priority: int = 0, resume_token_ids: Sequence[int] = (), resume_text: str | None = None) -> None:
+        """Queue a request; raises InvalidArgument (bad input, duplicate id) or ResourceExhausted.
+        A resume (`resume_token_ids`) goes on after `resume_text`, the part of their text the client
+        has; None counts all of it as sent."""
         request_id = RequestId(request_id)
         if request_id in self._requests:
             raise InvalidArgument(f"request_id: {request_id!r} is already on this instance; ids must be unique")
@@ -153,7 +155,11 @@ class LLMEngine:
         sampling.validate(self.config.max_model_len, len(prompt))
         self._check_tokens(prompt, resumed, sampling)
         text = self._new_text(prompt, sampling)
-        text.prime(resumed)
+        if resume_text is None:
+            text.prime(resumed)
+        elif not text.restore(resumed, len(resumed), resume_text):
+            raise InvalidArgument(f"resume_text: {resume_text[:40]!r}... is not how the text of resume_token_ids "
+                                  "starts; send the text the client received of those tokens")
         request = Request(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
             seed=sampling.seed if sampling.seed is not None else secrets.randbits(64),

@@ -33,9 +33,10 @@ class TextOutput:
         self.is_stopped = False  # a stop string was found; text ends before it
 
     def prime(self, token_ids: list[int]) -> None:
-        """Feed tokens generated (and streamed) elsewhere before a resume."""
-        if token_ids:
-            self.text += self._detokenizer.feed(token_ids)
+        """Feed tokens generated (and streamed) elsewhere before a resume, one at a time as their
+        engine did (fed at once, tokens that end inside a character would hold back all their text)."""
+        for token_id in token_ids:
+            self.text += self._detokenizer.feed([token_id])
         self._num_tokens += len(token_ids)
         self.num_emitted_chars = len(self.text)
 

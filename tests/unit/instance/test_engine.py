@@ -253,6 +253,22 @@ def test_resumed_request_continues_exactly(gqa, make_engine, sampling):
         assert resumed.finish_reason is full.finish_reason
 
 
+def test_a_resume_goes_on_after_the_text_the_client_has(gqa, make_engine):
+    """The client may hold less text than its tokens make (a possible stop string held back):
+    with resume_text the resumed stream sends the rest, so the text joins up exactly."""
+    prompt = random_prompts([9], seed=5)[0]
+    sampling = replace(GREEDY, max_tokens=14, stop=["zz zz zz zz"])  # 10 characters held back
+    full = run(make_engine(gqa), {0: [("r", prompt, sampling)]})["r"]
+    k = 8
+    sent = make_engine(gqa).tokenizer.decode(full.token_ids[:k])[:-10]
+    resumed = run(make_engine(gqa), {0: [("r", prompt, sampling,
+                                         {"resume_token_ids": full.token_ids[:k], "resume_text": sent})]})["r"]
+    assert resumed.token_ids == full.token_ids[k:] and sent + resumed.text == full.text
+    with pytest.raises(InvalidArgument, match="resume_text"):
+        make_engine(gqa).add_request("r", prompt, sampling, resume_token_ids=full.token_ids[:k],
+                                     resume_text="not this text")
+
+
 # (5) How requests finish.
 
 def greedy_tokens(tiny: Tiny, make_engine, prompt: list[int], max_tokens: int = 12) -> Collected:

@@ -3,6 +3,7 @@
 import pytest
 
 from services.instance.engine.text_output import TextOutput
+from services.instance.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -81,3 +82,53 @@ def test_stop_strings_count_only_after_min_tokens():
     primed = TextOutput(PieceDetokenizer(), ("END",), min_tokens=2)
     primed.prime([1, 2])
     assert primed.append(7)
+
+
+# A resume after a failure: the new instance primes the tokens the client has and goes on
+# after the text the client has (`restore`), which may stop short of their whole text.
+
+def streamed(text: TextOutput, token_ids: list[int]) -> tuple[str, bool]:
+    """What a client gets of these tokens (all of it once they end in a stop string), and whether they did."""
+    out = ""
+    for token_id in token_ids:
+        if text.append(token_id):
+            return out + text.take_delta(is_final=True), True
+        out += text.take_delta(is_final=False)
+    return out, False
+
+
+@pytest.mark.parametrize("stop", [(), ("zzz zzz",), ("Paris is",)])
+def test_a_resume_at_any_token_gives_the_client_the_same_text(tiny_model_dir, stop):
+    """Held-back text (the start of a possible stop string, a character split over byte tokens)
+    was never sent: the resumed stream sends it, and sends nothing twice."""
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    token_ids = tokenizer.encode("Paris 🌟🌟 is a café, Paris is é.", add_special_tokens=False)
+    assert len(token_ids) > len("Paris 🌟🌟 is a café, Paris is é.") // 2  # the emoji are split over byte tokens
+
+    def make_text() -> TextOutput:
+        return TextOutput(IncrementalDetokenizer(tokenizer), stop)
+
+    def finish(text: TextOutput, rest: list[int]) -> str:
+        out, stopped = streamed(text, rest)
+        return out if stopped else out + text.take_delta(is_final=True)
+
+    whole = finish(make_text(), token_ids)
+    k = 1
+    while True:  # every resume point before the stream ends
+        original = make_text()
+        sent, stopped = streamed(original, token_ids[:k])
+        if stopped or k == len(token_ids):
+            break
+        resumed = make_text()
+        assert resumed.restore(token_ids[:k], k, sent)
+        assert sent + finish(resumed, token_ids[k:]) == whole, f"resumed at token {k}"
+        k += 1
+    assert k > 20
+
+
+def test_priming_tokens_that_end_inside_a_character_keeps_the_text_before_it(tiny_model_dir):
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    token_ids = tokenizer.encode("ab🌟", add_special_tokens=False)
+    text = TextOutput(IncrementalDetokenizer(tokenizer), ())
+    text.prime(token_ids[:-1])  # the emoji's last byte is missing
+    assert text.text == "ab"

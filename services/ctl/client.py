@@ -25,6 +25,11 @@ UNREACHABLE_KEY = "x-ferry-unreachable-instances"  # trailing metadata of a part
 ROLES = ("both", "prefill", "decode")
 
 
+# A migration copies a request's whole KV cache, after its prefill if it is still prefilling: it
+# may take the manager's --migration-timeout-s (60 s) and the forwarding between managers.
+MIGRATE_TIMEOUT_S = 75.0
+
+
 class NotAvailableYet(FerryError):
     """The manager does not implement this admin call (it runs an older ferry)."""
 
@@ -106,7 +111,8 @@ class AdminClient:
         """Move a running request (or the manager's pick from `src_instance_id`) to another instance."""
         fields = {"request_id": request_id, "src_instance_id": src_instance_id, "dst_instance_id": dst_instance_id}
         request = manager_pb2.MigrateRequest(**{k: v for k, v in fields.items() if v})
-        return migrate_from_proto(await self._call_optional("Migrate", request))
+        return migrate_from_proto(await self._call_optional("Migrate", request,
+                                                            max(self._timeout_s, MIGRATE_TIMEOUT_S)))
 
     async def set_role(self, instance_id: str, role: str) -> str:
         """Change an instance's role (both | prefill | decode); returns the role it now has."""
@@ -117,9 +123,10 @@ class AdminClient:
                                                                                      role=wire_role))
         return enum_label(common_pb2.Role, reply.role, "ROLE_")
 
-    async def _call_optional(self, method: str, request: Any) -> Any:
+    async def _call_optional(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         try:
-            return await getattr(self._admin, method)(request, timeout=self._timeout_s, metadata=self._metadata or None)
+            return await getattr(self._admin, method)(request, timeout=timeout_s or self._timeout_s,
+                                                      metadata=self._metadata or None)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
                 raise NotAvailableYet(f"{method} is not available: the manager at {self.address} does not "

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -146,6 +145,11 @@ class Migrator:
         self._keep(record)
         return record
 
+    async def migrate_to_the_end(self, order: MigrationOrder) -> MigrationRecord:
+        """`migrate` in a task of its own: a caller that gives up (an admin client's deadline) does not
+        cut the migration short, and its record is kept however it ends."""
+        return await asyncio.shield(self._start(order))
+
     def admin_order(self, src_id: str, dst_id: str, request_id: str) -> MigrationOrder:
         """An AdminService.Migrate order: NotFound for unknown instances, FailedPrecondition for a bad destination."""
         src = self._member(src_id, "source")
@@ -212,19 +216,19 @@ class Migrator:
                               pair.trigger, self._settings.selection, backend=self._limits.backend,
                               exclude_request_ids=excluded)
 
-    def _start(self, order: MigrationOrder) -> None:
-        task = asyncio.get_running_loop().create_task(self._run(order), name=f"migrate:{order.src_instance_id}")
+    def _start(self, order: MigrationOrder) -> asyncio.Task[MigrationRecord]:
+        task = asyncio.get_running_loop().create_task(self.migrate(order), name=f"migrate:{order.src_instance_id}")
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
-    async def _run(self, order: MigrationOrder) -> None:
-        with contextlib.suppress(FerryError):  # recorded, counted and logged by migrate()
-            await self.migrate(order)
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
+    def _task_done(self, task: asyncio.Task[MigrationRecord]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("migration_crashed", task=task.get_name(), exc_info=task.exception())
+        if task.cancelled():
+            return
+        error = task.exception()  # a FerryError is recorded, counted and logged by migrate()
+        if error is not None and not isinstance(error, FerryError):
+            log.error("migration_crashed", task=task.get_name(), exc_info=error)
 
     def _hold(self, order: MigrationOrder) -> None:
         for instance_id in (order.src_instance_id, order.dst_instance_id):

@@ -254,7 +254,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
             src_id = (await self._instance_running(request.request_id) if request.request_id
                       else self._migrator.busiest_source(request.dst_instance_id))
         order = self._migrator.admin_order(src_id, request.dst_instance_id, request.request_id)
-        return convert.migrate_response_to_proto(await self._migrator.migrate(order))
+        return convert.migrate_response_to_proto(await self._migrator.migrate_to_the_end(order))
 
     async def ListMigrations(self, request: manager_pb2.ListMigrationsRequest,
                              context) -> manager_pb2.ListMigrationsResponse:

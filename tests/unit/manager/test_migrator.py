@@ -184,6 +184,21 @@ async def test_a_failure_is_recorded_under_the_request_the_source_picked():
     assert record.outcome is MigrationOutcome.FAILED and record.order.request_id == ""
 
 
+async def test_an_admin_migrate_whose_caller_gives_up_runs_on_and_is_recorded():
+    """ferryctl's deadline cancels the Migrate call; the source goes on and commits, so the record must too."""
+    clock = FakeClock()
+    view = cluster(clock, a=2, b=0)
+    sources = FakeSources(MigrationFigures("r-9", num_blocks=3))
+    sources.gate = asyncio.Event()
+    migrator = make_migrator(view, clock, sources)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(migrator.migrate_to_the_end(migrator.admin_order("a", "b", "r-9")), 0.05)
+    sources.gate.set()
+    await settle(migrator)
+    (record,) = migrator.history(request_id="r-9")
+    assert record.outcome is MigrationOutcome.COMMITTED and record.figures.num_blocks == 3
+
+
 async def test_admin_migrate_raises_the_sources_error_after_recording_it():
     clock = FakeClock()
     view = cluster(clock, a=2, b=0)

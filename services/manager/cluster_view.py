@@ -127,6 +127,9 @@ class ClusterView:
         self._drained.add(instance_id)
         self._rebuild_eligible()
 
+    def has_drain_mark(self, instance_id: str) -> bool:
+        return instance_id in self._drained
+
     def unmark_drained(self, instance_id: InstanceId) -> None:
         self._drained.discard(instance_id)
         self._rebuild_eligible()

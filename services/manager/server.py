@@ -200,8 +200,12 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
     async def Undrain(self, request: manager_pb2.UndrainRequest, context) -> manager_pb2.DrainResponse:
         """Delete the drain mark: new requests reach the instance again. A scaling retirement of it
         that still drains is called off; one already stoppable is FAILED_PRECONDITION. An instance
-        that drains itself (shutting down: its own etcd record says so) stays DRAINING."""
-        instance_id = self._registered(request.instance_id)
+        that drains itself (shutting down: its own etcd record says so) stays DRAINING. The mark of an
+        instance that is not registered now (stopped; one coming back under its id would drain) goes too."""
+        if request.instance_id and self._view.has_drain_mark(request.instance_id):
+            instance_id = InstanceId(request.instance_id)
+        else:
+            instance_id = self._registered(request.instance_id)
         if (answer := await self._leader_answer(context, "Undrain",
                                                 lambda c: c.undrain(instance_id, is_forwarded=True))) is not None:
             return answer
@@ -213,6 +217,8 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
                               "retry") from exc
         self._view.unmark_drained(instance_id)
         log.info("instance_drain_removed", instance_id=instance_id)
+        if not self._view.has_member(instance_id):
+            return manager_pb2.DrainResponse(instance_id=instance_id)  # state unspecified: it is not there
         return self._drain_answer(instance_id)
 
     async def _leader_answer(self, context, method: str, call: Callable[[ManagerClient], Awaitable[Any]]) -> Any:

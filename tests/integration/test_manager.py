@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import time
 
 import pytest
@@ -212,6 +213,25 @@ async def test_policy_and_drain_marks_survive_a_manager_restart(managers, instan
     await lead(again)
     async with ManagerClient(again.address) as client:
         await wait_until(lambda: _has_state(client, "i-a", common_pb2.INSTANCE_STATE_SERVING), 5, "i-a serving")
+
+
+async def test_the_drain_mark_of_an_instance_that_is_gone_can_be_undone(managers, etcd_client, cluster):
+    """Otherwise an instance started again under that id would come back draining for good."""
+    manager = await managers("m-a")
+    await lead(manager)
+    key = f"/ferry/{cluster}/config/drain/i-gone"
+    await etcd_client.kv.put(key, json.dumps({"instance_id": "i-gone"}), timeout=5)
+    async with ManagerClient(manager.address) as client:
+        with pytest.raises(NotFound, match="not registered"):
+            await client.drain("i-never")
+
+        async def undone() -> bool:
+            try:
+                return (await client.undrain("i-gone")).instance_id == "i-gone"
+            except NotFound:  # the manager has not read the mark yet
+                return False
+        await wait_until(undone, 5, "the mark undone")
+    assert not (await etcd_client.kv.get(key, timeout=5)).kvs
 
 
 async def test_set_policy_through_one_manager_reaches_the_other(managers):

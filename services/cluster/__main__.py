@@ -48,12 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="inference engine of every instance: torch runs the model; sim runs the same scheduler, "
                          "KV cache and migration with a latency model instead of the forward pass (no weights, little "
                          "CPU: many instances on one machine; FERRY_INSTANCE_SIM_* variables set its latency model)")
-    up.add_argument("--transfer-backend", default="auto", choices=["auto", "grpc", "gloo", "shm"],
+    up.add_argument("--transfer-backend", default="auto", choices=["auto", "grpc", "gloo", "nccl", "shm"],
                     help="how KV blocks move between instances during migration: auto copies directly between "
                          "the instances' shared memory (shm) when one transfer service maps both, as on this one "
                          "machine, and uses grpc otherwise; the others force one backend for every migration. "
-                         "(nccl is for transfer services on different GPUs; this launcher runs one for the machine, "
-                         "and NCCL refuses a pair on one GPU)")
+                         "nccl starts a transfer service per instance, each on its instance's GPU (NCCL refuses "
+                         "both ends of a pair on one GPU): it needs 2 or more CUDA devices")
     up.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="where the torch engine of every instance runs: cuda puts instance i on GPU i modulo the "
                          "GPUs visible, its KV cache in GPU memory that the transfer service maps through CUDA IPC")
@@ -93,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--kv-cache-mib must be positive, got {args.kv_cache_mib}")
     if args.threads_per_instance < 0:
         parser.error(f"--threads-per-instance must be >= 0 (0 = cores / instances), got {args.threads_per_instance}")
+    if args.transfer_backend == "nccl":
+        _check_nccl_usable(parser, args)
     if args.instances + args.prefill_instances + args.decode_instances == 0:
         parser.error("the cluster needs at least one instance: pass --instances N or --prefill-instances/--decode-instances")
     try:
@@ -100,6 +102,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as exc:
         up.error(str(exc))
     return args
+
+
+def _check_nccl_usable(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    import torch  # only here: the launcher itself never needs torch
+
+    if torch.cuda.device_count() < 2:
+        parser.error(f"--transfer-backend nccl needs 2 or more CUDA devices (each instance's transfer service "
+                     f"uses its own GPU; NCCL refuses two on one), and {torch.cuda.device_count()} are visible; "
+                     "use auto, grpc, gloo or shm")
+    if args.autoscale_max_instances:
+        parser.error("--autoscale-max-instances does not go with --transfer-backend nccl (an instance added by "
+                     "scaling would have no transfer service of its own)")
 
 
 def _add_security_arguments(up: argparse.ArgumentParser) -> None:

@@ -57,11 +57,13 @@ class ClusterSpec:
     dtype: str = "float32"
 
     def instance_device(self, index: int) -> str:
-        if self.device != "cuda":
-            return self.device
-        import torch  # only here: the launcher itself never needs torch
+        return f"cuda:{gpu_index(index)}" if self.device == "cuda" else self.device
 
-        return f"cuda:{index % max(torch.cuda.device_count(), 1)}"
+    @property
+    def transfer_per_instance(self) -> bool:
+        """nccl: each instance gets a transfer service of its own on its own GPU (NCCL refuses both
+        ends of a pair on one GPU, so one service for the machine cannot pair with itself)."""
+        return self.transfer_backend == "nccl"
 
     @property
     def is_scalable(self) -> bool:
@@ -107,10 +109,20 @@ class LocalCluster:
         # The rest together: each finds what it needs as it comes (an instance retries its
         # transfer service, the frontend watches etcd for instances).
         standbys = [self._manager(i) for i in range(1, self.spec.num_managers)]
-        transfer = self._transfer()
-        instances = [self._instance(i, role, transfer.address) for i, role in enumerate(self.spec.roles)]
-        await self._start_and_wait([*standbys, transfer, *instances, self._frontend()])
+        await self._start_and_wait([*standbys, *self._data_plane(), self._frontend()])
         self.write_state()
+
+    def _data_plane(self) -> list[ServiceProcess]:
+        """The transfer service(s) and the instances, each instance wired to its transfer service:
+        one for the machine, or with nccl one per instance."""
+        if not self.spec.transfer_per_instance:
+            transfer = self._transfer(0)
+            return [transfer, *(self._instance(i, role, transfer.address) for i, role in enumerate(self.spec.roles))]
+        processes = []
+        for i, role in enumerate(self.spec.roles):
+            transfer = self._transfer(i)
+            processes += [transfer, self._instance(i, role, transfer.address)]
+        return processes
 
     async def add_instance(self) -> ServiceProcess:
         """Start one more `both` instance (scaling) and wait until it is healthy."""
@@ -182,13 +194,16 @@ class LocalCluster:
         return ["--scaling-enabled", "true", "--scaling-min-instances", str(len(self.spec.roles)),
                 "--scaling-max-instances", str(self.spec.autoscale_max_instances)]
 
-    def _transfer(self) -> ServiceProcess:
-        """One transfer service maps every instance's KV memory on this host."""
+    def _transfer(self, index: int) -> ServiceProcess:
+        """A transfer service maps the KV memory of the instances that use it (every one on this
+        host, or with nccl instance `index` alone, whose GPU its nccl channels then use)."""
         port = free_port()
         default_backend = "grpc" if self.spec.transfer_backend == "auto" else self.spec.transfer_backend
-        args = ["--port", str(port), "--transfer-id", "transfer-0", "--default-backend", default_backend,
+        args = ["--port", str(port), "--transfer-id", f"transfer-{index}", "--default-backend", default_backend,
                 *self._common_args(), *self.spec.security.server_args()]
-        return self._grpc_service("transfer-0", "transfer", args, port)
+        if self.spec.transfer_per_instance:
+            args += ["--backends", "grpc,nccl", "--nccl-device", str(gpu_index(index))]
+        return self._grpc_service(f"transfer-{index}", "transfer", args, port)
 
     def _instance(self, index: int, role: str, transfer_address: str) -> ServiceProcess:
         port = free_port()
@@ -205,6 +220,13 @@ class LocalCluster:
                 *self.spec.security.client_args()]  # its OpenAI API stays plain HTTP; its gRPC channels use TLS
         return ServiceProcess("frontend-0", "frontend", args, self.frontend_url, self.state_dir / "logs",
                               dies_with_parent=True)
+
+
+def gpu_index(index: int) -> int:
+    """Instance `index`'s GPU: index modulo the GPUs visible."""
+    import torch  # only here: the launcher itself never needs torch
+
+    return index % max(torch.cuda.device_count(), 1)
 
 
 def check_ports_free(spec: ClusterSpec) -> None:

@@ -16,9 +16,14 @@ pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300),
 PROMPT, MAX_TOKENS = "A request that moves between two GPUs", 300
 
 
-@pytest.fixture(scope="module", params=["auto", "grpc"])
+NCCL = pytest.param("nccl", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                    reason="needs 2 CUDA devices (NCCL refuses two ranks on one GPU)"))
+
+
+@pytest.fixture(scope="module", params=["auto", "grpc", NCCL])
 def cluster(request, tiny_model_dir, tmp_path_factory):
-    """auto: the one transfer service maps both GPU caches and copies between them directly."""
+    """auto: the one transfer service maps both GPU caches and copies between them directly;
+    nccl: a transfer service per instance, each on its instance's GPU."""
     with launched_cluster(tiny_model_dir, tmp_path_factory.mktemp(f"cuda-{request.param}"), "--instances", "2",
                           "--device", "cuda", "--kv-cache-mib", "16", "--transfer-backend", request.param) as cluster:
         yield cluster | {"backend": request.param}

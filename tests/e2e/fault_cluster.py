@@ -227,8 +227,10 @@ class Stream:
     max_tokens: int
     temperature: float = 0.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()  # a stop string that never matches still holds its length - 1 characters back
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
+    text: str = ""
     finish_reason: str | None = None
     error: str | None = None  # an error event, an HTTP error or a dropped connection
     num_done_markers: int = 0
@@ -242,6 +244,8 @@ class Stream:
                 "temperature": self.temperature, "return_token_ids": True, "ignore_eos": True}
         if self.seed is not None:
             body["seed"] = self.seed
+        if self.stop:
+            body["stop"] = list(self.stop)
         try:
             async with session.post(f"{base_url}/v1/completions", json=body) as response:
                 self.request_id = response.headers.get("x-request-id", "")
@@ -267,6 +271,7 @@ class Stream:
             return
         for choice in event.get("choices", []):
             self.token_ids += choice.get("token_ids") or []
+            self.text += choice.get("text") or ""
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
 
@@ -295,18 +300,25 @@ class Reference:
 
     def tokens(self, streams: Sequence[Stream]) -> list[list[int]]:
         """Reference token ids of each stream's prompt and sampling, all in one batch."""
+        return [token_ids for token_ids, _ in self.outputs(streams)]
+
+    def outputs(self, streams: Sequence[Stream]) -> list[tuple[list[int], str]]:
+        """Reference token ids and text of each stream's prompt and sampling, all in one batch."""
         engine = self._loaded.engine
         request_ids = [f"reference-{next(self._ids)}" for _ in streams]
         for request_id, s in zip(request_ids, streams):
-            sampling = SamplingParams(temperature=s.temperature, seed=s.seed, max_tokens=s.max_tokens, ignore_eos=True)
+            sampling = SamplingParams(temperature=s.temperature, seed=s.seed, max_tokens=s.max_tokens, ignore_eos=True,
+                                      stop=tuple(s.stop))
             engine.add_request(request_id, self.tokenizer.encode(s.prompt), sampling)
-        tokens: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
+        outputs: dict[str, tuple[list[int], list[str]]] = {request_id: ([], []) for request_id in request_ids}
         num_unfinished = len(request_ids)
         while num_unfinished:
             for output in engine.step():
-                tokens[output.request_id] += output.new_token_ids
+                token_ids, texts = outputs[output.request_id]
+                token_ids += output.new_token_ids
+                texts.append(output.text)
                 num_unfinished -= output.finish_reason is not None
-        return [tokens[request_id] for request_id in request_ids]
+        return [(outputs[r][0], "".join(outputs[r][1])) for r in request_ids]
 
     def close(self) -> None:
         self._loaded.close()

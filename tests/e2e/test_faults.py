@@ -59,10 +59,13 @@ async def session():
         yield session
 
 
-def mixed_streams(tag: str, num: int, max_tokens: int) -> list[Stream]:
+HELD_BACK = ("\x1fnever in the text",)  # holds back 17 characters: a resume must not lose (or repeat) them
+
+
+def mixed_streams(tag: str, num: int, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Stream]:
     """Half greedy, half seeded sampling."""
-    return [Stream(f"{tag} request {n} says", max_tokens, *((0.0, None) if n % 2 == 0 else (0.8, 1000 + n)))
-            for n in range(num)]
+    return [Stream(f"{tag} request {n} says", max_tokens, *((0.0, None) if n % 2 == 0 else (0.8, 1000 + n)),
+                   stop=stop) for n in range(num)]
 
 
 def run_streams(session, cluster: FaultCluster, streams: list[Stream], url: str | None = None) -> list[asyncio.Task]:
@@ -80,10 +83,10 @@ def frozen(process) -> Iterator[None]:
 
 
 def assert_identical(streams: list[Stream], reference: Reference) -> None:
-    expected = reference.tokens(streams)
-    for stream, tokens in zip(streams, expected):
+    for stream, (tokens, text) in zip(streams, reference.outputs(streams)):
         assert stream.is_ok, (stream.request_id, stream.error)
         assert stream.token_ids == tokens, f"{stream.request_id}: tokens differ from the reference"
+        assert stream.text == text, f"{stream.request_id}: text differs from the reference"
 
 
 async def test_instance_killed_mid_stream_greedy_and_seeded_continue_identically(session, cluster, reference):
@@ -91,7 +94,7 @@ async def test_instance_killed_mid_stream_greedy_and_seeded_continue_identically
     survivors = [n for n in cluster.names("instance") if n != VICTIM]
     baseline = await cluster.free_blocks(survivors)
     resumes_before = await cluster.metric(cluster.frontend_url, "ferry_frontend_stream_resumes_total")
-    streams = mixed_streams("killed", 6, 160)
+    streams = mixed_streams("killed", 6, 160, stop=HELD_BACK)
     tasks = run_streams(session, cluster, streams)
     await wait_for_tokens(streams, 8)
     cluster.kill(VICTIM)

@@ -140,8 +140,9 @@ class LocalCluster:
         frontends = [process for process in self.processes if process.module == "frontend"]
         others = [process for process in reversed(self.processes) if process.module != "frontend"]
         for wave in (frontends, others):
-            stop_all(wave)
-            for process in wave:
+            running = [process for process in wave if process.is_alive()]  # the others were reported as exited
+            stop_all(running)
+            for process in running:
                 log.info("process_stopped", name=process.name, pid=process.pid)
         if self.etcd is not None:
             self.etcd.stop()
@@ -283,6 +284,9 @@ async def _watch_children(cluster: LocalCluster, stop: asyncio.Event) -> None:
                 reported.add(process.name)
                 log.warning("process_exited", name=process.name, pid=process.pid,
                             returncode=process.popen.returncode, log=str(process.log_path))
+        if not cluster.etcd.is_running and "etcd" not in reported:
+            reported.add("etcd")
+            log.warning("process_exited", name="etcd", pid=cluster.etcd.pid, log=str(cluster.etcd.log_path))
         try:
             await asyncio.wait_for(stop.wait(), timeout=1.0)
         except TimeoutError:

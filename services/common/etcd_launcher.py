@@ -152,11 +152,11 @@ class LocalEtcd:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout_s)
+            log.info("etcd_terminated", endpoint=self.endpoint, pid=process.pid)
         self.is_paused = False
         if self._log_file:
             self._log_file.close()
             self._log_file = None
-        log.info("etcd_terminated", endpoint=self.endpoint, pid=process.pid)
 
     def restart(self) -> LocalEtcd:
         self.terminate()

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from services.common.errors import error_from_rpc
+from services.common.errors import FerryError, Unavailable, error_from_rpc
 from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
 from services.common.grpc_server import BULK_TRANSFER_OPTIONS, secure_or_insecure_channel
 from services.common.tls import TlsConfig
@@ -78,7 +78,10 @@ class TransferClient:
     # -- PeerTransferService ---------------------------------------------------------
 
     async def receive_blocks(self, header: IncomingBlocks, messages: AsyncIterator[bytes], timeout_s: float) -> int:
-        reply = await self._call(self._receive_blocks, _with_header(header, messages), timeout_s)
+        try:
+            reply = await self._receive_blocks(_with_header(header, messages), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _streaming_error(exc) from None
         return reply.num_bytes
 
     async def open_channel(self, peer_transfer_id: str, store_address: str, rank: int, backend: TransferBackend,
@@ -127,3 +130,15 @@ class TransferClients:
         for client in self._clients.values():
             await client.close()
         self._clients.clear()
+
+
+# What grpc's asyncio client reports when a write fails because the stream already ended (the
+# peer died, or ended the call early), instead of the stream's own status: grpc/grpc#36066.
+_FAILED_WRITE_DETAILS = "Internal error from Core"
+
+
+def _streaming_error(exc: grpc.aio.AioRpcError) -> FerryError:
+    if exc.code() is grpc.StatusCode.INTERNAL and exc.details() == _FAILED_WRITE_DETAILS:
+        return Unavailable("the stream to the destination transfer service broke while sending blocks (it died, "
+                           "or ended the call early); retry")
+    return error_from_rpc(exc)

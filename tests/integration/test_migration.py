@@ -9,6 +9,7 @@ leave the request running on A to its correct end, with no KV block leaked on ei
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import uuid
 from dataclasses import dataclass, field
@@ -363,8 +364,9 @@ async def test_destination_dead_or_full_keeps_the_request_on_the_source(stubs, c
         await migrate_out(stubs["a"], "full-1", "b", cluster)
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.value.details()
     assert "blocks" in error.value.details()
-    for i in range(4):
-        await stubs["b"].Abort(instance_pb2.AbortRequest(request_id=f"hog-{i}"), timeout=5)
+    for i in range(4):  # a hog that finished meanwhile (a slow, loaded run) is gone already: NOT_FOUND
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await stubs["b"].Abort(instance_pb2.AbortRequest(request_id=f"hog-{i}"), timeout=5)
     await client.follow(call)
     assert not client.handoffs and client.token_ids == reference(tiny_model_dir, PROMPT * 8, sampling)
     await assert_all_blocks_free(stubs)

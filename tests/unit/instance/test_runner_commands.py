@@ -27,7 +27,7 @@ class FakeEngine:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(0, 0)
 
-    def add_request(self, request_id, prompt_token_ids, sampling, priority=0, resume_token_ids=()) -> None:
+    def add_request(self, request_id, prompt_token_ids, sampling, priority=0, resume_token_ids=(), resume_text=None) -> None:
         self.request_ids.append(request_id)
 
     def abort(self, request_id: str) -> bool:

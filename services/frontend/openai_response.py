@@ -18,6 +18,7 @@ from services.frontend.openai_protocol import Endpoint, ParsedRequest, error_bod
 from services.frontend.req_state import Delta, ReqState
 
 TokenText = Callable[[int], str]  # one token id → its text
+TokenBytes = Callable[[int], bytes]  # one token id → the UTF-8 bytes it adds (maybe part of a character)
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -41,13 +42,14 @@ def finish_reason_name(reason: FinishReason | None) -> str | None:
 
 class ResponseFormatter:
     def __init__(self, parsed: ParsedRequest, request_id: str, created: int, token_text: TokenText,
-                 index: int = 0, echo_text: str = "") -> None:
+                 index: int = 0, echo_text: str = "", token_bytes: TokenBytes | None = None) -> None:
         self._parsed = parsed
         self._index = index  # of this formatter's choice
         self._echo_text = echo_text  # completions with echo: the prompt, before the output
         self._request_id = request_id
         self._created = created
         self._token_text = token_text
+        self._token_bytes = token_bytes or (lambda token_id: token_text(token_id).encode())
         self._text_offset = len(echo_text)  # completions logprobs: offset of the next output token in the text
         self._is_chat = parsed.endpoint is Endpoint.CHAT
         # completions echo with logprobs: the prompt's tokens and logprobs come first (its first token has none)
@@ -161,15 +163,28 @@ class ResponseFormatter:
                 "top_logprobs": [self._token_logprob(tid, lp) for tid, lp in top]}
 
     def _token_logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self._token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": self._token(token_id), "logprob": logprob, "bytes": list(self._token_bytes(token_id))}
+
+    def _token(self, token_id: int) -> str:
+        """The token as OpenAI writes it: its text, or where its bytes are only part of a character
+        (a piece of an emoji), `bytes:` and the bytes escaped (`bytes:\\xf0\\x9f`)."""
+        raw = self._token_bytes(token_id)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+        return self._token_text(token_id)
+
+    def _num_chars(self, token_id: int) -> int:
+        """Characters the token starts in the text (a character's continuation bytes start none)."""
+        return sum(1 for byte in self._token_bytes(token_id) if byte & 0xC0 != 0x80)
 
     def _completion_logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-        tokens = [self._token_text(entry.token_id) for entry in entries]
+        tokens = [self._token(entry.token_id) for entry in entries]
         offsets = []
-        for token in tokens:
+        for entry in entries:
             offsets.append(self._text_offset)
-            self._text_offset += len(token)
+            self._text_offset += self._num_chars(entry.token_id)
         return {
             "tokens": tokens,
             "token_logprobs": [entry.logprob for entry in entries],
@@ -180,18 +195,18 @@ class ResponseFormatter:
     def _top_logprobs(self, entry: TokenLogprob) -> dict[str, float]:
         """The top `logprobs` tokens and, as OpenAI's completions promise, the sampled one (up to
         logprobs + 1 entries; with logprobs 0, the sampled one alone)."""
-        top = {self._token_text(tid): lp for tid, lp in entry.top[: self._parsed.num_top_logprobs]}
-        top.setdefault(self._token_text(entry.token_id), entry.logprob)
+        top = {self._token(tid): lp for tid, lp in entry.top[: self._parsed.num_top_logprobs]}
+        top.setdefault(self._token(entry.token_id), entry.logprob)
         return top
 
     def _prompt_logprobs(self, state: ReqState) -> dict[str, Any]:
         """The echoed prompt's tokens in completions' logprobs shape; its first token has no logprob (null)."""
-        tokens = [self._token_text(token_id) for token_id in state.prompt_token_ids]
+        token_ids = state.prompt_token_ids
         return {
-            "tokens": tokens,
+            "tokens": [self._token(token_id) for token_id in token_ids],
             "token_logprobs": [None, *(entry.logprob for entry in state.prompt_logprobs)],
             "top_logprobs": [None, *(self._top_logprobs(entry) for entry in state.prompt_logprobs)],
-            "text_offset": list(itertools.accumulate((len(token) for token in tokens[:-1]), initial=0)),
+            "text_offset": list(itertools.accumulate((self._num_chars(t) for t in token_ids[:-1]), initial=0)),
         }
 
 

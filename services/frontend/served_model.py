@@ -30,6 +30,8 @@ class TextTokenizer(Protocol):
     def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                     **variables: Any) -> list[int]: ...
 
+    def token_bytes(self, token_id: int) -> bytes: ...
+
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
@@ -98,6 +100,9 @@ class ServedModel:
     def token_text(self, token_id: int) -> str:
         return _token_text(self.tokenizer, token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return _token_bytes_cached(id(self.tokenizer), self.tokenizer, token_id)
+
     def _chat_token_ids(self, messages: Sequence[dict[str, Any]], options: ChatTemplateOptions) -> list[int]:
         try:
             return list(self.tokenizer.encode_chat(list(messages), options.add_generation_prompt,
@@ -109,6 +114,11 @@ class ServedModel:
 @functools.lru_cache(maxsize=65536)
 def _token_text_cached(tokenizer_id: int, tokenizer: TextTokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=65536)
+def _token_bytes_cached(tokenizer_id: int, tokenizer: TextTokenizer, token_id: int) -> bytes:
+    return tokenizer.token_bytes(token_id)
 
 
 def _token_text(tokenizer: TextTokenizer, token_id: int) -> str:

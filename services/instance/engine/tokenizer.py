@@ -10,6 +10,7 @@ special tokens, so `encode_chat` encodes it without adding more.
 """
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -24,6 +25,23 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 log = structlog.get_logger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's token for one raw byte
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 class Tokenizer:
@@ -38,6 +56,8 @@ class Tokenizer:
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})  # "bos_token" → "<s>", ...
         self.eos_token_ids = tuple(eos_token_ids)
+        self._is_byte_level = _decoder_types(backend) >= {"ByteLevel"}
+        self._added_token_ids = frozenset(backend.get_added_tokens_decoder())  # special and added: plain text
         self._template = _compile(chat_template) if chat_template else None
 
     @classmethod
@@ -72,6 +92,21 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token adds to the text, also when they are only part of a character
+        (a byte-level BPE piece of an emoji, a SentencePiece <0xNN> byte): joined, the tokens' bytes
+        are the text's. Special tokens give their text."""
+        token = self.backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token_id in self._added_token_ids:
+            return self.backend.decode([token_id], skip_special_tokens=False).encode()
+        if self._is_byte_level and all(c in _BYTE_OF_CHAR for c in token):
+            return bytes(_BYTE_OF_CHAR[c] for c in token)
+        if match := _BYTE_FALLBACK.fullmatch(token):
+            return bytes([int(match.group(1), 16)])
+        return self.backend.decode([token_id], skip_special_tokens=False).encode()
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             **variables: Any) -> str:
@@ -125,6 +160,12 @@ class IncrementalDetokenizer:
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return new_text[len(prefix_text) :]
+
+
+def _decoder_types(backend: tokenizers.Tokenizer) -> set[str]:
+    """The decoder's type, or every type in a Sequence decoder."""
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    return {d.get("type") for d in decoder.get("decoders", [decoder])}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

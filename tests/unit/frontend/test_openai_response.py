@@ -199,3 +199,32 @@ def test_completion_top_logprobs_always_hold_the_sampled_token():
         parsed = parse_completion_request({"prompt": [0, 2, 3], "logprobs": k}, MODEL)
         choice = ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text, 0).choice(echoed_state())
         assert choice["logprobs"]["top_logprobs"] == expected
+
+
+STAR = {20: b"\xf0\x9f", 21: b"\x8c\x9f", 22: b"!"}  # 🌟 in two byte-level pieces, then "!"
+
+
+def star_text(token_id: int) -> str:
+    return STAR[token_id].decode(errors="replace")
+
+
+def star_state():
+    state = make_state(prompt=(0,))
+    lps = tuple(TokenLogprob(t, -0.5, ((t, -0.5),)) for t in (20, 21, 22))
+    state.accept(TokenChunk(0, (20, 21, 22), "🌟!", FinishReason.LENGTH, logprobs=lps))
+    return state
+
+
+def test_a_token_inside_a_character_is_written_as_its_bytes_as_openai_does():
+    parsed = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, MODEL)
+    f = ResponseFormatter(parsed, "chatcmpl-1", 1700000000, star_text, token_bytes=STAR.__getitem__)
+    content = f.choice(star_state())["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == ["bytes:\\xf0\\x9f", "bytes:\\x8c\\x9f", "!"]
+    assert bytes(b for entry in content for b in entry["bytes"]).decode() == "🌟!"
+
+
+def test_completion_text_offsets_count_characters_not_pieces():
+    parsed = parse_completion_request({"prompt": [0], "logprobs": 0}, MODEL)
+    f = ResponseFormatter(parsed, "cmpl-1", 1700000000, star_text, token_bytes=STAR.__getitem__)
+    logprobs = f.choice(star_state())["logprobs"]
+    assert logprobs["text_offset"] == [0, 1, 1]  # "🌟" is one character; "!" starts at 1

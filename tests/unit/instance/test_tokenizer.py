@@ -152,3 +152,20 @@ def test_flush_emits_an_incomplete_tail(tokenizer):
 def test_missing_tokenizer_json(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_token_bytes_join_to_the_text_even_inside_a_character(tokenizer):
+    """Byte-level BPE splits an emoji over tokens whose own text is U+FFFD; their bytes are exact."""
+    text = "ok 🌟 é!"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.token_bytes(i) for i in ids]
+    assert b"".join(pieces).decode() == text
+    assert any(tokenizer.decode([i]) == "\ufffd" for i in ids)  # some piece is part of a character
+
+
+def test_token_bytes_of_sentencepiece_byte_fallback_and_of_special_tokens():
+    backend = BackendTokenizer(models.WordLevel({"<0xE8>": 0, "▁hi": 1, "<s>": 2}, unk_token="<s>"))
+    backend.add_special_tokens(["<s>"])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = Tokenizer(backend)
+    assert (tokenizer.token_bytes(0), tokenizer.token_bytes(1), tokenizer.token_bytes(2)) == (b"\xe8", b" hi", b"<s>")

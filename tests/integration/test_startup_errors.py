@@ -55,4 +55,4 @@ def test_etcd_not_answering_at_registration(tiny_model_dir):
     etcd = f"127.0.0.1:{free_port()}"
     assert_one_line_failure(start("transfer", "--etcd-endpoints", etcd), "service_failed", "cannot register", etcd)
     assert_one_line_failure(start("instance", "--model", str(tiny_model_dir), "--etcd-endpoints", etcd,
-                                  "--num-threads", "1"), "service_failed", "cannot register", etcd)
+                                  "--num-threads", "1", "--num-blocks", "64"), "service_failed", "cannot register", etcd)

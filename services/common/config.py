@@ -156,7 +156,7 @@ def as_dict(config: Any) -> dict[str, Any]:
     out = {}
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if any(word in field.name for word in ("key", "token", "password", "secret")) and value:
+        if _is_secret(field.name, value):
             value = "***"
         elif isinstance(value, enum.Enum):
             value = value.value
@@ -164,6 +164,15 @@ def as_dict(config: Any) -> dict[str, Any]:
             value = str(value)
         out[field.name] = value
     return out
+
+
+_SECRET_WORDS = frozenset({"key", "token", "password", "secret"})
+
+
+def _is_secret(name: str, value: Any) -> bool:
+    """Text under a name with a secret word in it (api_key, admin_token); never a number such as
+    max_num_batched_tokens or sim_prefill_ms_per_token."""
+    return bool(value) and isinstance(value, (str, list, tuple)) and not _SECRET_WORDS.isdisjoint(name.split("_"))
 
 
 def _flag(name: str) -> str:

@@ -169,6 +169,10 @@ def test_env_name_and_as_dict_hides_secrets() -> None:
     assert env_name("frontend", "http_port") == "FERRY_FRONTEND_HTTP_PORT"
     shown = as_dict(parse(["--api-key", "s3cret", "--model-dir", "/m"]))
     assert shown["api_key"] == "***" and shown["mode"] == "fast" and shown["model_dir"] == "/m"
+    instance = as_dict(parse_config(InstanceConfig, "instance", ["--model", "m", "--max-num-batched-tokens", "256"],
+                                    env={}))
+    # numbers are never hidden, whatever their name
+    assert instance["max_num_batched_tokens"] == 256 and instance["sim_prefill_ms_per_token"] != "***"
 
 
 

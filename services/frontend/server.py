@@ -287,6 +287,9 @@ class FrontendServer:
     async def _error_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             response = await handler(request)
+        except asyncio.CancelledError:  # the client went away: nginx's 499, so the request is still counted
+            self._metrics.requests.labels(_endpoint_label(request), "499").inc()
+            raise
         except FerryError as exc:
             response = self._error_response(request, exc.http_status, error_body_for(exc))
         except web.HTTPException as exc:  # the router's 404/405, aiohttp's own 413
@@ -319,7 +322,12 @@ class FrontendServer:
             headers[REQUEST_ID_HEADER] = request_id
         if status == 401:
             headers["WWW-Authenticate"] = "Bearer"
+        if status in (429, 503):  # full, or nothing serves now: worth another try soon
+            headers["Retry-After"] = str(RETRY_AFTER_S)
         return web.json_response(body, status=status, headers=headers)
+
+
+RETRY_AFTER_S = 1  # the Retry-After of 429s and 503s: load and membership change within seconds
 
 
 class ApiKeyError(Unauthenticated):

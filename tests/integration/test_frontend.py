@@ -533,14 +533,14 @@ async def test_inflight_limit_and_empty_cluster(instance, etcd, tiny_model_dir, 
             async with session.post(COMPLETIONS, json=body) as streaming:
                 await streaming.content.readline()
                 async with session.post(COMPLETIONS, json={**body, "stream": False}) as second:
-                    assert second.status == 429
+                    assert second.status == 429 and second.headers["Retry-After"] == "1"
                     assert "over the limit of 1 (--max-inflight)" in (await second.json())["error"]["message"]
         await asyncio.wait_for(_wait_listening(empty.address), 60)
         async with aiohttp.ClientSession(base_url=empty.address) as session:
             async with session.get("/health") as health:
                 assert health.status == 503 and (await health.json())["num_instances"] == 0
             async with session.post(COMPLETIONS, json={"model": MODEL, "prompt": "x"}) as response:
-                assert response.status == 503
+                assert response.status == 503 and response.headers["Retry-After"] == "1"
                 assert "no serving instance" in (await response.json())["error"]["message"]
     finally:
         limited.stop()

@@ -210,7 +210,7 @@ async def test_non_streaming_request_resumes_too(cluster):
 
 async def test_a_client_that_goes_away_cancels_and_aborts(cluster):
     slow = ScriptedInstance(delay_s=0.05)
-    base_url, _ = await cluster(slow)
+    base_url, metrics = await cluster(slow)
     async with aiohttp.ClientSession() as session:
         response = await session.post(f"{base_url}/v1/completions",
                                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "stream": True})
@@ -223,6 +223,7 @@ async def test_a_client_that_goes_away_cancels_and_aborts(cluster):
             break
         await asyncio.sleep(0.05)
     assert slow.running == set() and slow.aborted == [request_id]
+    assert metrics.requests.labels("/v1/completions", "499")._value.get() == 1  # counted, as the client's leaving
 
 
 async def test_non_streaming_client_that_goes_away_aborts_too(cluster):

@@ -36,7 +36,10 @@ class FrontendConfig(EtcdKnobs, ClientTlsKnobs, LogKnobs):
     body_timeout_s: float = knob(30.0, "seconds a request body may take to arrive; slower ones get 408")
     max_model_len: int = knob(0, "longest prompt + output in tokens (0 = the longest the model serves: max_position_embeddings from config.json, or less for longrope RoPE)")
     dispatch_timeout_s: float = knob(0.2, "deadline of ManagerService/Dispatch; past it the frontend picks an instance itself")
-    generate_timeout_s: float = knob(600.0, "deadline of one InstanceService/Generate stream")
+    generate_timeout_s: float = knob(600.0, "longest wait for the next chunk of an instance's token stream "
+                                            "(the first one included: a queued request waits too); past it the "
+                                            "instance is taken as failed and the request resumes elsewhere. The "
+                                            "stream as a whole has no deadline")
     abort_timeout_s: float = knob(2.0, "deadline of InstanceService/Abort sent when a client goes away")
     max_resumes: int = knob(3, "how often a request is re-dispatched after its instance failed mid-stream")
     max_handoffs: int = knob(16, "most live-migration hand-offs one request follows; past it the request is resumed elsewhere")

@@ -1,6 +1,11 @@
 """Typed async client of `ferry.v1.InstanceService` as the frontend uses it: one channel per
 instance address, a deadline on every call, `x-request-id` metadata, errors mapped to
-`FerryError`s, and fire-and-forget `Abort`s whose tasks are kept until they end."""
+`FerryError`s, and fire-and-forget `Abort`s whose tasks are kept until they end.
+
+A token stream (Generate, Attach) has no deadline as a whole, since a long generation may
+rightly run for many minutes; instead each chunk must come within `generate_timeout_s` of the
+one before (or of the start), or the instance is taken as failed and the request resumes
+elsewhere. A dead or frozen instance is found sooner by the channel's keepalive pings."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import structlog
 
-from services.common.errors import error_from_rpc
+from services.common.errors import Unavailable, error_from_rpc
 from services.common.grpc_server import secure_or_insecure_channel
 from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
@@ -32,21 +37,29 @@ class InstanceClients:
 
     def generate(self, target: Target, spec: GenerateSpec) -> AsyncIterator[TokenChunk]:
         return self._chunks(lambda: self._stub(target.address).Generate(
-            generate_request_to_proto(spec, target.can_prefill_on_decode), timeout=self._generate_timeout_s,
+            generate_request_to_proto(spec, target.can_prefill_on_decode),
             metadata=request_metadata(spec.request_id)))
 
     def attach(self, target: Target, request_id: RequestId, from_token_index: int,
                epoch: int) -> AsyncIterator[TokenChunk]:
         """The destination's stream of a handed-off request, from `from_token_index` on."""
         return self._chunks(lambda: self._stub(target.address).Attach(
-            attach_request_to_proto(request_id, from_token_index, epoch), timeout=self._generate_timeout_s,
+            attach_request_to_proto(request_id, from_token_index, epoch),
             metadata=request_metadata(request_id)))
 
     async def _chunks(self, start: Callable[[], grpc.aio.UnaryStreamCall]) -> AsyncIterator[TokenChunk]:
         """The chunks of the stream `start` opens (on first iteration), errors mapped to FerryErrors."""
         call = start()
+        messages = aiter(call)
         try:
-            async for msg in call:
+            while True:
+                try:
+                    msg = await asyncio.wait_for(anext(messages), self._generate_timeout_s)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise Unavailable(f"no chunk from the instance in {self._generate_timeout_s:g} s "
+                                      "(--generate-timeout-s): taken as failed") from None
                 yield chunk_from_proto(msg)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from exc

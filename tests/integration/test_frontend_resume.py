@@ -107,7 +107,8 @@ async def cluster():
     """Start scripted instances, then a frontend over them; yields (base_url, instances, metrics)."""
     servers, frontends = [], []
 
-    async def start(*instances: ScriptedInstance, max_resumes: int = 3, manager: ScriptedManager | None = None):
+    async def start(*instances: ScriptedInstance, max_resumes: int = 3, manager: ScriptedManager | None = None,
+                    generate_timeout_s: float = 30):
         entries = []
         for i, servicer in enumerate(instances):
             server = await start_grpc_server(
@@ -127,7 +128,7 @@ async def cluster():
             manager_client = ManagerClient(StaticLeader(server.address), timeout_s=0.2)
         dispatcher = Dispatcher(manager_client, StaticMembership(entries), cooldown_s=5.0,
                                 on_fallback=metrics.dispatch_fallbacks.inc)
-        clients = InstanceClients(generate_timeout_s=30, abort_timeout_s=2)
+        clients = InstanceClients(generate_timeout_s=generate_timeout_s, abort_timeout_s=2)
         runner = RequestRunner(dispatcher, clients, max_resumes=max_resumes, on_resume=metrics.resumes.inc,
                                on_handoff=metrics.handoffs.inc)
         model = ServedModel(MODEL, max_model_len=512, vocab_size=128, tokenizer=CharTokenizer())
@@ -179,6 +180,19 @@ async def test_a_broken_stream_resumes_on_another_instance_without_gaps(cluster)
     assert healthy.requests[0].request_id == dying.requests[0].request_id == chunks[0]["id"]
     assert dying.aborted == [chunks[0]["id"]]  # the broken one is told to free its blocks
     assert metrics.resumes._value.get() == 1
+
+
+async def test_a_stream_longer_than_the_generate_timeout_is_fine_while_its_chunks_keep_coming(cluster):
+    """--generate-timeout-s bounds the wait for the next chunk, not the stream: 2 s of steady
+    chunks under a 0.5 s timeout is no failure; an instance silent for longer is one."""
+    steady, silent, healthy = ScriptedInstance(delay_s=0.05), ScriptedInstance(delay_s=0.05), ScriptedInstance()
+    base_url, metrics = await cluster(steady, generate_timeout_s=0.5)
+    status, raw = await post(base_url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "stream": True})
+    assert status == 200 and raw.endswith(b"data: [DONE]\n\n") and metrics.resumes._value.get() == 0
+    silent.delay_s = 1.0  # its first chunk comes after the timeout
+    base_url, metrics = await cluster(silent, healthy, generate_timeout_s=0.5)
+    status, raw = await post(base_url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True})
+    assert status == 200 and metrics.resumes._value.get() == 1 and len(healthy.requests) == 1
 
 
 async def test_resumes_are_bounded_then_an_error_event(cluster):

@@ -165,9 +165,10 @@ async def test_transfer_service_killed_mid_migration_request_finishes_on_the_sou
     await cluster.restart("transfer-0")
     # the restarted service has no mappings: the instances map their KV memory again by themselves
     await _wait_mapped(cluster, cluster.names("instance"))
-    moved = Stream("a request that migrates after the restart", 1500)  # still running when Migrate looks for it
+    moved = Stream("a request that migrates after the restart", 900)  # still running when Migrate looks for it
     task, = run_streams(session, cluster, [moved])
     await wait_for_tokens([moved], 8)
+    assert moved.error is None and moved.request_id, moved.error
     answer = await cluster.admin("Migrate", manager_pb2.MigrateRequest(request_id=moved.request_id,
                                                                       dst_instance_id="instance-1"))
     await task

@@ -1,7 +1,8 @@
 """Scaling decisions: keep the cluster's average freeness inside a band.
 
 Every tick the leader looks at the serving instances. When their average freeness
-(free KV blocks per running request, less what queued requests need) falls below
+(free KV blocks per running request, less what queued requests need, pooled over the
+instances as if they were one: `pooled_freeness`) falls below
 `low_freeness`, it asks for one more instance; above `high_freeness` it retires one:
 drains it (its requests migrate away) and, once nothing runs there, says it may be
 stopped. It decides; a launcher acts. The decision is written to etcd
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import enum
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -87,6 +87,15 @@ class ScalingDecision:
         return f"average freeness {self.average_freeness:.1f} over {self.num_instances} instances is {side} the band"
 
 
+def pooled_freeness(views: Sequence[InstanceView]) -> float:
+    """The instances' freeness as if they were one instance: every free block (less what queued
+    requests need) over every running request, plus one per instance. Not the mean of their
+    freeness: an empty instance (its free blocks over 1) beside a backed-up one would make the
+    cluster look idle, and a just-added instance would be retired at once, over and over."""
+    free = sum(v.load.num_free_blocks - v.load.num_blocks_needed_by_waiting for v in views)
+    return free / (sum(v.load.num_running for v in views) + len(views))
+
+
 def decide(views: Sequence[InstanceView], settings: ScalingSettings) -> ScalingDecision | None:
     """What to do now, if anything (see the module docstring for when it holds back)."""
     if not settings.is_enabled or not views:
@@ -94,7 +103,7 @@ def decide(views: Sequence[InstanceView], settings: ScalingSettings) -> ScalingD
     if any(v.record.role is not Role.BOTH or v.state is not InstanceState.SERVING or v.report_age_s is None
            for v in views):
         return None
-    average = statistics.fmean(v.load.freeness for v in views)
+    average = pooled_freeness(views)
     if average < settings.low_freeness and len(views) < settings.max_instances:
         return ScalingDecision(ScalingAction.ADD, len(views), average)
     if average > settings.high_freeness and len(views) > settings.min_instances:
@@ -193,7 +202,7 @@ class Scaler:
                   and v.report_age_s is not None]
         if not self.settings.is_enabled or not others:
             return None
-        average = statistics.fmean(v.load.freeness for v in others)
+        average = pooled_freeness(others)
         return average if average < self.settings.low_freeness else None
 
     async def _cancel_draining(self, target: ScalingTarget, average: float) -> None:

@@ -61,6 +61,18 @@ def test_decides_inside_the_band_and_its_limits() -> None:
     assert decide(views, ScalingSettings()) is None  # off by default
 
 
+def test_a_just_added_empty_instance_beside_a_backed_up_one_is_not_retired() -> None:
+    """The mean of their freeness, (-30 + 1456) / 2 = 713, is above the band and would retire the new one;
+    pooled, the cluster is short of blocks: it needs another instance, not one less."""
+    clock = FakeClock()
+    view = make_view("i-0", clock=clock, num_free_blocks=0, num_running=64, num_waiting=40,
+                     num_blocks_needed_by_waiting=1960)
+    view.put_member(make_record("i-1"))
+    view.apply_report(InstanceId("i-1"), make_load(num_free_blocks=1456))
+    decision = decide(view.instances(), BAND)
+    assert decision is not None and decision.action is ScalingAction.ADD and decision.average_freeness < 0
+
+
 def test_holds_back_while_an_instance_drains_is_unhealthy_or_has_a_role() -> None:
     clock = FakeClock()
     view = busy_view("i-0", "i-1", clock=clock, free=50)

@@ -179,7 +179,7 @@ async def shutdown(config: InstanceConfig, server, servicer: InstanceServicer, r
 def engine_spec(config: InstanceConfig, kv_name: str) -> EngineSpec:
     return EngineSpec(model_dir=config.model, kv_name=kv_name, dtype=getattr(torch, config.dtype),
                       block_size=config.block_size, num_blocks=config.num_blocks, kv_cache_mib=config.kv_cache_mib,
-                      max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                      max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.step_token_budget,
                       max_model_len=config.max_model_len, sim_latency=_sim_latency(config),
                       enable_prefix_caching=config.enable_prefix_caching, device=resolve_device(config.device))
 

@@ -47,6 +47,10 @@ class EngineKind(enum.Enum):
     SIM = "sim"  # the same engine with a latency model instead of the forward pass (no weights)
 
 
+CPU_STEP_TOKENS = 512  # --max-num-batched-tokens 0 on the CPU: a chunk of this many tokens takes about a second
+GPU_STEP_TOKENS = 2048  # ... and on a GPU
+
+
 @dataclass(frozen=True, slots=True)
 class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     """One inference engine with a paged KV cache, served over gRPC (ferry.v1.InstanceService)."""
@@ -76,7 +80,9 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     num_blocks: int = knob(0, "KV cache blocks (0 = size from --kv-cache-mib)")
     kv_cache_mib: int = knob(512, "KV cache size in MiB when --num-blocks is 0")
     max_num_seqs: int = knob(64, "most requests running in one batch")
-    max_num_batched_tokens: int = knob(2048, "most tokens (prefill chunks + decodes) in one engine step")
+    max_num_batched_tokens: int = knob(0, "most tokens (prefill chunks + decodes) in one engine step: a long prompt "
+                                          "is prefilled in chunks of about this size, and the decoding requests "
+                                          "beside it wait one chunk per step (0 = 512 on the CPU, 2048 on a GPU)")
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of prompt prefixes earlier requests computed "
                                              "(full blocks, matched by a hash of their tokens); false = off")
     max_model_len: int = knob(0, "longest sequence (prompt + output) in tokens (0 = the longest the model serves: max_position_embeddings, or less for longrope RoPE)")
@@ -107,6 +113,14 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     verify_transfer_checksum: bool = knob(False, "check a crc32 of every migrated KV block at the destination")
     metrics_port: int = knob(0, "port of the Prometheus /metrics endpoint (0 = off)")
 
+    @property
+    def step_token_budget(self) -> int:
+        """--max-num-batched-tokens, or the device's default: on a CPU a 2048-token chunk takes
+        seconds, and every stream decoding beside a long prompt would stall that long each step."""
+        if self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        return CPU_STEP_TOKENS if self.device == "cpu" else GPU_STEP_TOKENS
+
     def __post_init__(self) -> None:
         self.tls.check()
         self.etcd_access.check()
@@ -121,8 +135,9 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
             raise ValueError(f"--kv-cache-mib must be positive, got {self.kv_cache_mib}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens <= 0:
-            raise ValueError(f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_num_batched_tokens < 0:
+            raise ValueError(f"--max-num-batched-tokens must be positive (or 0 for the device's default), "
+                             f"got {self.max_num_batched_tokens}")
         for name in ("migration_stage_blocks", "migration_max_stages"):  # 0 max stages = always stop-and-copy
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")

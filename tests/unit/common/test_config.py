@@ -262,3 +262,11 @@ def test_an_unknown_key_in_the_config_file_is_refused_with_a_suggestion(tmp_path
 class PortConfig:
     port: int = knob(0, "gRPC port")
     metrics_port: int = knob(0, "metrics port")
+
+
+def test_the_step_token_budget_follows_the_device_unless_given() -> None:
+    """On a CPU a 2048-token prefill chunk takes seconds, and every stream beside it stalls that long."""
+    def budget(*argv: str) -> int:
+        return parse_config(InstanceConfig, "instance", ["--model", "m", *argv], env={}).step_token_budget
+    assert budget() == 512
+    assert budget("--max-num-batched-tokens", "4096") == 4096

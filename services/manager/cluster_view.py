@@ -13,8 +13,11 @@ of an instance is derived, never stored:
 Dispatch picks SERVING instances that can prefill (a DECODE instance only when no prefill
 instance serves, or for a short prompt; PlaceDecode picks DECODE instances). Each dispatch is counted at
 once as a reservation on the chosen instance (+1 running, + its prompt blocks needed),
-until that instance's next report, which counts the request itself, replaces it. So a
-burst of dispatches between two reports spreads out instead of piling on one instance.
+until a report of that instance counts the request itself. A report drops only the
+reservations made `IN_TRANSIT_S` or more before it: a request dispatched just before a
+report may not have reached the instance yet (the frontend still has to send it), and
+dropping its reservation then made a burst pile onto one instance, the one that had just
+reported. So a burst of dispatches spreads out instead of piling on one instance.
 
 No transport here: the server feeds records and reports in, the clock is injectable.
 """
@@ -29,8 +32,9 @@ from services.manager.domain import (
     PREFILL_ROLES, Candidate, InstanceId, InstanceRecord, InstanceState, InstanceView, Load, Reservation, Role,
 )
 
+IN_TRANSIT_S = 0.5  # a dispatched request reaches its instance, and is counted in its reports, within this
+
 Clock = Callable[[], float]
-_NO_RESERVATION = Reservation()
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +57,7 @@ class ClusterView:
         self._sorted_ids: list[InstanceId] = []  # invariant: sorted(self._records); ties break by id
         self._heard_at: dict[InstanceId, float] = {}  # members only: last report, or first sighting before one
         self._reports: dict[InstanceId, Load] = {}  # last report of each instance
-        self._reserved: dict[InstanceId, Reservation] = {}  # dispatched since the last report
+        self._reserved: dict[InstanceId, list[tuple[float, int]]] = {}  # (dispatched at, blocks), not yet reported
         self._drained: set[InstanceId] = set()  # operator drain marks (may name absent instances)
         self._num_dispatched: dict[InstanceId, int] = {}
         # Dispatch runs hundreds of times a second over every member, so two caches:
@@ -102,9 +106,12 @@ class ClusterView:
     # load (from ReportLoad streams)
 
     def apply_report(self, instance_id: InstanceId, load: Load) -> None:
-        """Keep `load` as the instance's last report; it supersedes the reservations made so far."""
+        """Keep `load` as the instance's last report; it counts the requests dispatched there up to
+        `IN_TRANSIT_S` before it, whose reservations go."""
         self._reports[instance_id] = load
-        self._reserved.pop(instance_id, None)
+        in_transit_since = self._clock() - IN_TRANSIT_S
+        if reserved := [r for r in self._reserved.pop(instance_id, ()) if r[0] > in_transit_since]:
+            self._reserved[instance_id] = reserved
         self._candidates.pop(instance_id, None)
         if instance_id in self._records:
             self._heard_at[instance_id] = self._clock()
@@ -149,7 +156,8 @@ class ClusterView:
         if load is None:
             num_blocks = self._records[instance_id].num_blocks
             load = Load(num_free_blocks=num_blocks, num_total_blocks=num_blocks)
-        return load.plus(self._reserved.get(instance_id, _NO_RESERVATION))
+        reserved = self._reserved.get(instance_id, ())
+        return load.plus(Reservation(len(reserved), sum(num_blocks for _, num_blocks in reserved)))
 
     def candidates(self, exclude: frozenset[InstanceId] = frozenset(),
                    roles: frozenset[Role] = PREFILL_ROLES) -> list[Candidate]:
@@ -185,7 +193,7 @@ class ClusterView:
 
     def reserve(self, instance_id: InstanceId, num_blocks: int) -> None:
         """Count a request just dispatched to `instance_id` until its next report."""
-        self._reserved[instance_id] = self._reserved.get(instance_id, _NO_RESERVATION).add(num_blocks)
+        self._reserved.setdefault(instance_id, []).append((self._clock(), num_blocks))
         self._num_dispatched[instance_id] = self._num_dispatched.get(instance_id, 0) + 1
         self._candidates.pop(instance_id, None)
 

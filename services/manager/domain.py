@@ -118,9 +118,6 @@ class Reservation:
     num_requests: int = 0
     num_blocks: int = 0
 
-    def add(self, num_blocks: int) -> Reservation:
-        return Reservation(self.num_requests + 1, self.num_blocks + num_blocks)
-
 
 @dataclass(frozen=True, slots=True)
 class Candidate:

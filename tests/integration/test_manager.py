@@ -21,6 +21,7 @@ from services.common.gen.ferry.v1 import common_pb2
 from services.common.grpc_server import insecure_channel
 from services.common.prefix_hash import MAX_PREFIX_CHUNKS, prefix_chunk_keys
 from services.manager.client import ManagerClient
+from services.manager.cluster_view import IN_TRANSIT_S
 from tests.integration.manager_harness import (
     SimulatedInstance, leader_of, serving_instance, start_manager, wait_until,
 )
@@ -176,7 +177,9 @@ async def test_prefix_policy_keeps_a_prefix_on_its_instance_within_the_slack(man
 
 
 async def _report_queue(client: ManagerClient, instance: SimulatedInstance, num_running: int, num_waiting: int):
-    """Make `instance` report this load and wait until the manager has it (waiting counts have no reservations)."""
+    """Make `instance` report this load and wait until the manager has it (waiting counts have no reservations).
+    First past IN_TRANSIT_S: the report then counts (and replaces) the reservations of the dispatches before."""
+    await asyncio.sleep(IN_TRANSIT_S)
     instance.num_running, instance.num_waiting = num_running, num_waiting
 
     async def reported():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import Unavailable
-from services.manager.cluster_view import ClusterView
+from services.manager.cluster_view import IN_TRANSIT_S, ClusterView
 from services.manager.dispatcher import Dispatcher
 from services.manager.domain import DispatchAsk, InstanceId, InstanceRecord, InstanceState, Role
 from services.manager.leadership import Leader, Leadership
@@ -41,14 +41,30 @@ def test_reservation_adds_prompt_blocks_and_a_running_request():
     assert load.freeness == pytest.approx((1000 - 11) / 2)
 
 
-def test_next_report_supersedes_reservations():
-    view = make_view("a", "b")
+def test_a_report_supersedes_the_reservations_made_well_before_it():
+    clock = FakeClock()
+    view = make_view("a", "b", clock=clock)
     dispatcher = Dispatcher(view, leading(), "load")
     assert dispatcher.dispatch(ask()).instance_id == "a"
     assert dispatcher.dispatch(ask()).instance_id == "b"
+    clock.advance(IN_TRANSIT_S + 0.01)
     view.apply_report(InstanceId("a"), make_load(num_free_blocks=1000))  # a reports, b still reserved
     assert dispatcher.dispatch(ask()).instance_id == "a"
     assert view.instance(InstanceId("a")).num_dispatched == 2
+
+
+def test_a_report_right_after_a_dispatch_keeps_its_reservation():
+    """The request may not have reached the instance yet: dropping its reservation made a burst pile
+    onto whichever instance had just reported."""
+    clock = FakeClock()
+    view = make_view("a", "b", clock=clock)
+    dispatcher = Dispatcher(view, leading(), "load")
+    picks = [dispatcher.dispatch(ask(f"r-{n}")).instance_id for n in range(2)]
+    for instance_id in ("a", "b"):  # both report before the requests arrive
+        view.apply_report(InstanceId(instance_id), make_load(num_free_blocks=1000))
+    picks += [dispatcher.dispatch(ask(f"r-{n}")).instance_id for n in range(2, 8)]
+    assert sorted(picks) == ["a"] * 4 + ["b"] * 4
+    assert view.load_of(InstanceId("a")).num_running == 4
 
 
 def test_queue_policy_burst_spreads_too():

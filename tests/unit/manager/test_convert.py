@@ -12,7 +12,7 @@ from services.manager.domain import InstanceId, InstanceRecord, InstanceState, I
 def test_prefix_cache_counters_reach_the_instance_row():
     load = load_from_proto(common_pb2.LoadReport(num_running=1, num_free_blocks=10, num_total_blocks=16,
                                                  prefix_cache_queried_tokens=512, prefix_cache_hit_tokens=384))
-    reserved = load.plus(Reservation().add(num_blocks=3))
+    reserved = load.plus(Reservation(num_requests=1, num_blocks=3))
     assert (reserved.num_running, reserved.num_blocks_needed_by_waiting) == (2, 3)
     assert (reserved.num_prefix_queried_tokens, reserved.num_prefix_hit_tokens) == (512, 384)
     view = InstanceView(InstanceRecord(InstanceId("i-0"), "127.0.0.1:1"), InstanceState.SERVING, reserved,

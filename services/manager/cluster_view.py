@@ -192,7 +192,7 @@ class ClusterView:
     # dispatch bookkeeping
 
     def reserve(self, instance_id: InstanceId, num_blocks: int) -> None:
-        """Count a request just dispatched to `instance_id` until its next report."""
+        """Count a request just dispatched to `instance_id` until a report of it counts the request."""
         self._reserved.setdefault(instance_id, []).append((self._clock(), num_blocks))
         self._num_dispatched[instance_id] = self._num_dispatched.get(instance_id, 0) + 1
         self._candidates.pop(instance_id, None)

@@ -159,6 +159,9 @@ class KvCache:
         self.unlink()
 
 
+_SHM_ADVICE = f"lower --kv-cache-mib (or --num-blocks), or give {SHM_DIR} more room (docker: --shm-size)"
+
+
 def _check_shm_room(num_bytes: int) -> None:
     """tmpfs hands out a segment larger than its free space and the process dies of SIGBUS when
     it touches the pages that are not there: refuse up front instead."""
@@ -167,8 +170,7 @@ def _check_shm_room(num_bytes: int) -> None:
     if num_bytes > free:
         raise ResourceExhausted(
             f"the KV cache needs {num_bytes / 2**20:.0f} MiB of shared memory but {SHM_DIR} has "
-            f"{free / 2**20:.0f} MiB free; lower --kv-cache-mib (or --num-blocks), or give {SHM_DIR} more room "
-            "(docker: --shm-size)")
+            f"{free / 2**20:.0f} MiB free; {_SHM_ADVICE}")
 
 
 def _reserve(path: Path, num_bytes: int) -> None:
@@ -179,8 +181,7 @@ def _reserve(path: Path, num_bytes: int) -> None:
         os.posix_fallocate(fd, 0, num_bytes)
     except OSError as exc:
         raise ResourceExhausted(f"cannot reserve the KV cache's {num_bytes / 2**20:.0f} MiB in {SHM_DIR} "
-                                f"({exc.strerror}); lower --kv-cache-mib (or --num-blocks), or give {SHM_DIR} "
-                                "more room (docker: --shm-size)") from None
+                                f"({exc.strerror}); {_SHM_ADVICE}") from None
     finally:
         os.close(fd)
 

@@ -13,7 +13,7 @@ from tests.e2e.conftest import instances, launched_cluster, model_name, wait_for
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-PROMPT, MAX_TOKENS = "A request that moves between two GPUs", 300
+PROMPT, MAX_TOKENS = "A request that moves between two GPUs", 1000  # long: the migration must find it running
 
 
 NCCL = pytest.param("nccl", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,

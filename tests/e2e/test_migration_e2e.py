@@ -70,7 +70,8 @@ async def test_admin_migrate_of_a_streaming_request_keeps_its_stream_whole(clust
                                                                            tiny_model_dir):
     await set_policy(admin, dispatch="load", migration_enabled=False)
     baseline = await free_blocks(admin)
-    prompt, max_tokens = "A request that moves while it streams", 400
+    # As long as the context allows: a loaded machine can take a second or more to migrate a cold cluster's first request.
+    prompt, max_tokens = "A request that moves while it streams", 1000
     stream = await client.completions.create(model=model_name(cluster), prompt=prompt, max_tokens=max_tokens,
                                              temperature=0, stream=True,
                                              extra_body={"return_token_ids": True, "ignore_eos": True})

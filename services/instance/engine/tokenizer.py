@@ -58,6 +58,7 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self._is_byte_level = _decoder_types(backend) >= {"ByteLevel"}
         self._added_token_ids = frozenset(backend.get_added_tokens_decoder())  # special and added: plain text
+        self._raw_byte_ids = _raw_byte_ids(backend) - self._added_token_ids
         self._template = _compile(chat_template) if chat_template else None
 
     @classmethod
@@ -92,6 +93,11 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def is_raw_byte(self, token_id: int) -> bool:
+        """A SentencePiece byte-fallback token (<0xNN>): its decoder decodes a run of them together,
+        and a run that is not valid UTF-8 becomes one U+FFFD per byte."""
+        return token_id in self._raw_byte_ids
 
     def token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes one token adds to the text, also when they are only part of a character
@@ -129,6 +135,8 @@ class IncrementalDetokenizer:
     and emits the text after what that window decoded to before (`read_offset`).
     While the decoded text ends with U+FFFD, a UTF-8 character is still split
     across tokens and the text is held back; `flush` emits what is held at the end.
+    With byte fallback, a run of <0xNN> tokens is held back until a token ends it: the
+    decoder turns a whole invalid run into U+FFFD, bytes already valid on their own included.
     The deltas joined equal `decode(context_ids + ids)` minus `decode(context_ids)`.
     """
 
@@ -154,12 +162,21 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(self._ids[start:stop], skip_special_tokens=self._skip_special_tokens)
 
     def _emit(self, is_final: bool) -> str:
+        if not is_final and self._ids and self._tokenizer.is_raw_byte(self._ids[-1]):
+            return ""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset, len(self._ids))
         if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT_CHAR) and not is_final):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return new_text[len(prefix_text) :]
+
+
+def _raw_byte_ids(backend: tokenizers.Tokenizer) -> frozenset[int]:
+    """Ids of the <0xNN> tokens, if the decoder falls back to bytes."""
+    if "ByteFallback" not in _decoder_types(backend):
+        return frozenset()
+    return frozenset(i for token, i in backend.get_vocab().items() if _BYTE_FALLBACK.fullmatch(token))
 
 
 def _decoder_types(backend: tokenizers.Tokenizer) -> set[str]:

@@ -1,6 +1,7 @@
 """Tokenizer, chat template and incremental detokenization on a small byte-level BPE."""
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,41 @@ def test_token_bytes_of_sentencepiece_byte_fallback_and_of_special_tokens():
     backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     tokenizer = Tokenizer(backend)
     assert (tokenizer.token_bytes(0), tokenizer.token_bytes(1), tokenizer.token_bytes(2)) == (b"\xe8", b" hi", b"<s>")
+
+
+def sentencepiece_like_tokenizer() -> Tokenizer:
+    """Llama 2's decoding of a vocabulary of words and every <0xNN> byte (byte fallback)."""
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    vocab |= {word: 256 + n for n, word in enumerate(["<s>", "▁hi", "▁there", "é", "▁", "ok"])}
+    backend = BackendTokenizer(models.WordLevel(vocab, unk_token="<s>"))
+    backend.add_special_tokens(["<s>"])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return Tokenizer(backend)
+
+
+def streamed_text(tokenizer: Tokenizer, ids: list[int]) -> str:
+    detok = IncrementalDetokenizer(tokenizer)
+    return "".join(detok.feed([i]) for i in ids) + detok.flush()
+
+
+@pytest.mark.parametrize("pieces", [
+    ["<0x42>", "<0xE2>", "▁hi"],  # a valid byte, then one that starts no character: the whole run is invalid
+    ["<0xF0>", "<0x9F>", "<0x9A>", "<0x80>", "ok", "<0xE2>"],  # an emoji, then a dangling byte at the end
+    ["▁hi", "<0x41>", "<0x42>", "<0xFF>", "<0x43>", "▁there"],
+    ["<0xC3>", "<0xA9>", "é", "<0xC3>", "▁", "<0xA9>"],
+])
+def test_streamed_byte_fallback_text_equals_the_full_decode(pieces):
+    tokenizer = sentencepiece_like_tokenizer()
+    ids = [tokenizer.backend.token_to_id(p) for p in pieces]
+    assert streamed_text(tokenizer, ids) == tokenizer.decode(ids)
+
+
+def test_streamed_random_byte_fallback_text_equals_the_full_decode():
+    """Random ids, as a random-weight model emits them: the same text streamed as decoded at once."""
+    tokenizer = sentencepiece_like_tokenizer()
+    generator = random.Random(0)
+    for _ in range(300):
+        ids = [generator.choice([*range(0x41, 0x44), 0xC3, 0xA9, 0xE2, 0xF0, 0x9F, 0xFF, *range(257, 262)])
+               for _ in range(generator.randint(1, 12))]
+        assert streamed_text(tokenizer, ids) == tokenizer.decode(ids), ids

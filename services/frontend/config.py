@@ -42,7 +42,9 @@ class FrontendConfig(EtcdKnobs, ClientTlsKnobs, LogKnobs):
                                             "stream as a whole has no deadline")
     abort_timeout_s: float = knob(2.0, "deadline of InstanceService/Abort sent when a client goes away")
     max_resumes: int = knob(3, "how often a request is re-dispatched after its instance failed mid-stream")
-    max_handoffs: int = knob(16, "most live-migration hand-offs one request follows; past it the request is resumed elsewhere")
+    max_handoffs: int = knob(16, "most live-migration hand-offs one request follows in a row with no "
+                                    "new token between them; past it the request is resumed elsewhere (any number "
+                                    "of hand-offs with progress between them is followed)")
     failed_instance_cooldown_s: float = knob(5.0, "seconds the local fallback skips an instance whose stream just failed")
     shutdown_grace_s: float = knob(5.0, "seconds running requests get to finish on SIGTERM")
 

@@ -8,8 +8,10 @@ hand-off → until the finish chunk.
   next index the client still needs, epoch)` on the destination and keep feeding the
   same `ReqState`, so the client sees one stream. Chunks of an epoch older than the
   current owner's are dropped, and token indexes already held are dropped by the state.
-  At most `max_handoffs` hand-offs per request; past that the request is resumed
-  elsewhere as if its stream broke (a request ping-ponging between instances ends).
+  At most `max_handoffs` hand-offs in a row with no new token between them; past that
+  the request is resumed elsewhere as if its stream broke (a request ping-ponging between
+  instances without progress ends). A request that decodes between its moves follows
+  any number of them.
 * Resume: on a broken stream (UNAVAILABLE, deadline, a stream that ends without its
   finish chunk, a token gap, an Attach the destination refuses, a Generate refused for
   the instance's role) re-dispatch excluding
@@ -68,6 +70,8 @@ class _Owner:
 
     target: Target
     epoch: int = 0
+    num_idle_handoffs: int = 0  # hand-offs followed since the last one after which a token came
+    num_tokens_at_handoff: int = -1  # output tokens held at the last hand-off
 
 
 class RequestRunner:
@@ -142,18 +146,22 @@ class RequestRunner:
                           "before its last token")
 
     def _hand_off(self, owner: _Owner, state: ReqState, handoff: Handoff) -> None:
-        """Make the destination the owner; Unavailable (resume elsewhere) past --max-handoffs."""
+        """Make the destination the owner; Unavailable (resume elsewhere) past --max-handoffs in a row
+        with no new token."""
         source = owner.target.instance_id
         owner.target = Target(handoff.dst_instance_id, handoff.dst_address)
         owner.epoch = max(owner.epoch, handoff.epoch)
         state.num_handoffs += 1
+        has_progressed = state.num_output_tokens > owner.num_tokens_at_handoff
+        owner.num_idle_handoffs = 1 if has_progressed else owner.num_idle_handoffs + 1
+        owner.num_tokens_at_handoff = state.num_output_tokens
         self._on_handoff()
         log.info("stream_handed_off", request_id=state.request_id, src_instance_id=source,
                  dst_instance_id=handoff.dst_instance_id, epoch=handoff.epoch, num_tokens=state.num_output_tokens,
                  next_token_index=handoff.next_token_index, num_handoffs=state.num_handoffs)
-        if state.num_handoffs > self._max_handoffs:
-            raise Unavailable(f"request {state.request_id} was handed off {state.num_handoffs} times "
-                              f"(--max-handoffs {self._max_handoffs}); resuming it elsewhere")
+        if owner.num_idle_handoffs > self._max_handoffs:
+            raise Unavailable(f"request {state.request_id} was handed off {owner.num_idle_handoffs} times in a row "
+                              f"with no new token (--max-handoffs {self._max_handoffs}); resuming it elsewhere")
 
     async def _generated(self, owner: _Owner, spec: GenerateSpec) -> AsyncIterator[TokenChunk]:
         """The owner's Generate stream; a wrong-role refusal (a decode instance, the role just changed) reads as

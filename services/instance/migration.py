@@ -42,6 +42,9 @@ log = structlog.get_logger(__name__)
 
 # Blocks reserved beyond the request's current length, so the final stage rarely has to grow it.
 RESERVATION_HEADROOM_BLOCKS = 2
+# How long MigrateOut of a request that migrated in waits for its client to follow it here (normally
+# milliseconds): until then the client knows it elsewhere and would miss a second hand-off.
+CLIENT_ATTACH_WAIT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,8 +215,9 @@ class MigrationDriver:
         if plan.request_id:
             if plan.request_id in self._moving:
                 raise FailedPrecondition(f"request {plan.request_id} is already migrating; wait for it to end")
+            await self._wait_for_client(plan.request_id)
             return plan.request_id
-        exclude = frozenset(self._moving) | plan.exclude_request_ids
+        exclude = frozenset(self._moving) | plan.exclude_request_ids | self._runner.unattached_request_ids()
         request_id = await self._runner.call(lambda: self._runner.engine.pick_for_migration(plan.selection, exclude))
         if request_id is None:
             raise FailedPrecondition(f"instance {self._settings.instance_id} has no request to migrate "
@@ -221,6 +225,16 @@ class MigrationDriver:
         if request_id in self._moving:  # another migration picked it while we asked: it alone may suspend it
             raise Aborted(f"request {request_id} was picked by another migration meanwhile; try again")
         return request_id
+
+    async def _wait_for_client(self, request_id: str) -> None:
+        """A request that migrated in moves on only once its client attached here (it would follow
+        a hand-off it never read to the wrong instance, and have to resume)."""
+        deadline = time.monotonic() + CLIENT_ATTACH_WAIT_S
+        while (stream := self._runner.stream(request_id)) is not None and not stream.is_attached:
+            if time.monotonic() >= deadline:
+                raise FailedPrecondition(f"request {request_id} migrated here moments ago and its client has not "
+                                         f"followed it after {CLIENT_ATTACH_WAIT_S:g} s; try again later")
+            await asyncio.sleep(0.02)
 
     async def _move(self, a: _Attempt) -> MigrationResult:
         if a.plan.max_stages == 0:

@@ -160,6 +160,10 @@ class EngineRunner:
     def stream(self, request_id: str) -> RequestStream | None:
         return self._streams.get(request_id)
 
+    def unattached_request_ids(self) -> frozenset[str]:
+        """Requests that migrated in and that no client reads yet."""
+        return frozenset(r for r, stream in self._streams.items() if not stream.is_attached)
+
     async def _open_stream(self, request_id: str, epoch: int, admit: Callable[[], None],
                            is_attached: bool) -> RequestStream:
         if self.is_broken:

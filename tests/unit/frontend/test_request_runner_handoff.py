@@ -119,17 +119,29 @@ async def test_a_destination_that_breaks_mid_stream_is_resumed_from_the_tokens_h
     assert instances.specs[-1][1].resume_token_ids == (4, 5, 6) and instances.aborted == [("b", "cmpl-1")]
 
 
-async def test_handoffs_are_bounded_then_the_request_resumes_elsewhere():
-    ping = ([chunk(1, 5, epoch=1), handoff(2, "a", 2, from_epoch=1)], None)
+async def test_handoffs_with_no_token_between_are_bounded_then_the_request_resumes_elsewhere():
+    ping = ([handoff(1, "a", 2, from_epoch=1)], None)  # b hands it back before a new token
     instances = ScriptedInstances(
-        {"a": ([chunk(0, 4), handoff(1, "b", 1)], None), "c": ([chunk(2, 6, finish=STOP)], None)},
+        {"a": ([chunk(0, 4), handoff(1, "b", 1)], None), "c": ([chunk(1, 5, finish=STOP)], None)},
         {"b": [ping]})
     runner, counts = make_runner(instances, "a", "c", max_handoffs=1)
     state = await run(runner)
-    assert_one_stream(state, [4, 5, 6])
+    assert_one_stream(state, [4, 5])
     assert instances.attaches == [("b", "cmpl-1", 1, 1)]  # the second hand-off (to a) is not followed
     assert instances.aborted == [("a", "cmpl-1")]  # a owns it after the second hand-off: a frees it
     assert counts == {"handoffs": 2, "resumes": 1}
+
+
+async def test_handoffs_with_progress_between_are_followed_however_many():
+    instances = ScriptedInstances(
+        {"a": ([chunk(0, 4), handoff(1, "b", 1)], None)},
+        {"b": [([chunk(1, 5, epoch=1), handoff(2, "a", 2, from_epoch=1)], None),
+               ([chunk(3, 7, epoch=3), chunk(4, 8, epoch=3, finish=STOP)], None)],
+         "a": [([chunk(2, 6, epoch=2), handoff(3, "b", 3, from_epoch=2)], None)]})
+    runner, counts = make_runner(instances, "a", max_handoffs=1)
+    state = await run(runner)
+    assert_one_stream(state, [4, 5, 6, 7, 8])
+    assert state.num_handoffs == 3 and counts == {"handoffs": 3, "resumes": 0}
 
 
 async def test_a_client_that_leaves_while_attached_aborts_on_the_destination():

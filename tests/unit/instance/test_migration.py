@@ -435,3 +435,42 @@ async def test_an_attached_request_is_never_dropped_for_a_resume(pair):
     assert not await b.inbox.drop_unattached("r")
     await read(attached, tokens)
     await assert_no_blocks_held(a, b)
+
+
+async def test_a_request_moves_on_only_once_its_client_followed_it(pair):
+    """A→B, then B→A asked before the client attached on B: B waits for the client, so the client
+    follows both hand-offs (moving it at once would send the client to B after B let it go)."""
+    a, b = pair
+    expected = await reference(a)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())
+    back = driver(b, FaultyPeer(a), TensorCopier(b, a))
+    with pytest.raises(FailedPrecondition, match="no request to migrate"):
+        await back.migrate_out(plan(request_id="", dst="a"))  # picking skips a request nobody reads yet
+    moving_back = asyncio.create_task(back.migrate_out(plan(dst="a")))
+    await asyncio.sleep(0.2)
+    assert not moving_back.done()  # waits for the client
+    first = await read(stream, tokens)
+    on_b = b.inbox.attach("r", first.epoch)
+    second = await read(on_b, tokens)
+    assert isinstance(second, Handoff) and second.epoch == 2 and (await moving_back).dst_instance_id == "a"
+    last = await read(a.inbox.attach("r", second.epoch), tokens)
+    assert tokens == expected and last.finish_reason is FinishReason.LENGTH
+    await assert_no_blocks_held(a, b)
+
+
+async def test_a_request_whose_client_never_follows_stays_put(pair, monkeypatch):
+    monkeypatch.setattr("services.instance.migration.CLIENT_ATTACH_WAIT_S", 0.2)
+    a, b = pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())
+    with pytest.raises(FailedPrecondition, match="client has not followed it"):
+        await driver(b, FaultyPeer(a), TensorCopier(b, a)).migrate_out(plan(dst="a"))
+    handoff = await read(stream, tokens)
+    last = await read(b.inbox.attach("r", handoff.epoch), tokens)
+    assert last.finish_reason is FinishReason.LENGTH
+    await assert_no_blocks_held(a, b)

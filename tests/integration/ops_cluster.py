@@ -1,6 +1,11 @@
 """A small real cluster for the operator tests (ferryctl, grpcurl.md): a manager, a
 transfer service and two instances on a tiny model, all on the module's etcd, started the
 way an operator starts them (`python -m services.<name>`), stopped by PID.
+
+The instances run the sim engine (8 ms a step at least): the operator commands need a
+request that is still running when they arrive, and the tiny model's real forward pass
+finishes 1000 tokens in about a second, sooner than a ferryctl process starts on a busy
+machine.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ def _instance(instance_id: str, model_dir: pathlib.Path, transfer_address: str, 
               log_dir: pathlib.Path) -> ServiceProcess:
     port = free_port()
     args = ["--model", str(model_dir), "--port", str(port), "--instance-id", instance_id, "--num-threads", "1",
-            "--num-blocks", "256", "--block-size", "4", "--max-model-len", "1024", *common]
+            "--num-blocks", "256", "--block-size", "4", "--max-model-len", "1024", "--engine", "sim", *common]
     if "transfer_address" in InstanceConfig.__dataclass_fields__:  # the flag comes with migration support
         args += ["--transfer-address", transfer_address]
     return ServiceProcess(instance_id, "instance", args, f"127.0.0.1:{port}", log_dir)

@@ -50,6 +50,7 @@ class ChaosResult:
     resumes: int = 0
     migrations: int = 0  # hand-offs the frontend followed (committed live migrations of streams)
     faults: Counter = field(default_factory=Counter)
+    busy_instance_kills: int = 0  # instances killed moments after they reported running requests
     failures: list[str] = field(default_factory=list)  # one line per bad request
     elapsed_s: float = 0.0
 
@@ -57,6 +58,7 @@ class ChaosResult:
         faults = " ".join(f"killed_{kind}={n}" for kind, n in sorted(self.faults.items()))
         return (f"requests={self.num_requests} lost={self.lost} duplicated={self.duplicated} "
                 f"corrupted={self.corrupted} resumes={self.resumes} migrations={self.migrations} {faults} "
+                f"busy_instance_kills={self.busy_instance_kills} "
                 f"elapsed_s={self.elapsed_s:.1f}")
 
 
@@ -68,6 +70,7 @@ class ChaosRun:
         self._rng = random.Random(config.seed)
         self._fault_rng = random.Random(config.seed + 1)  # faults independent of the workload's draws
         self._streams: list[Stream] = []
+        self._busy: set[str] = set()  # the instance victim just chosen, if it had running requests
         self.result = ChaosResult()
 
     async def run(self) -> ChaosResult:
@@ -122,6 +125,7 @@ class ChaosRun:
             kind = kinds.pop()
             name = await self._victim(kind)
             self._cluster.kill(name)
+            self.result.busy_instance_kills += name in self._busy
             self.result.faults[kind] += 1
             await asyncio.sleep(rng.uniform(*self._config.down_s))
             await self._cluster.restart(name)
@@ -132,14 +136,18 @@ class ChaosRun:
             return await self._cluster.leader()
         if kind == "transfer":
             return "transfer-0"
-        # The busiest instance, asked directly (a new leader's view starts without load), waiting
+        # The busiest instance, asked directly (a new leader's view starts without load) and all at
+        # once (the kill follows the answers at once: requests last a fraction of a second), waiting
         # briefly for one with running requests so the kill costs work; ties by the seeded draw.
         names = self._cluster.names("instance")
         self._fault_rng.shuffle(names)
+        self._busy.clear()
         deadline = time.monotonic() + 5.0
         while True:
-            running = {name: await self._num_running(name) for name in names}
+            running = dict(zip(names, await asyncio.gather(*(self._num_running(name) for name in names))))
             busiest = max(names, key=lambda name: running[name])
+            if running[busiest] > 0:
+                self._busy.add(busiest)
             if running[busiest] > 0 or time.monotonic() > deadline:
                 return busiest
             await asyncio.sleep(0.05)

@@ -32,7 +32,10 @@ async def check(cluster, reference, config: ChaosConfig) -> None:
     result = await ChaosRun(cluster, reference, config).run()
     print(f"\nchaos seed={config.seed} {result.line()}")
     assert (result.lost, result.duplicated, result.corrupted) == (0, 0, 0), "\n".join(result.failures)
-    assert set(result.faults) == {"instance", "leader", "transfer"} and result.resumes > 0, result.line()
+    # Resumes are counted, not required: requests last a fraction of a second, and on a loaded
+    # machine the killed instance's may all have ended between its answer and the kill
+    # (test_faults.py kills an instance under a request that is sure to be running).
+    assert set(result.faults) == {"instance", "leader", "transfer"}, result.line()
     assert cluster.dead() == []
 
 

@@ -529,7 +529,9 @@ async def test_inflight_limit_and_empty_cluster(instance, etcd, tiny_model_dir, 
     try:
         await limited.wait_healthy(60)
         async with aiohttp.ClientSession(base_url=limited.address) as session:
-            body = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 100, "stream": True, "ignore_eos": True}
+            # as long as the context allows: still in flight when the second request comes, however busy the machine
+            body = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": MAX_MODEL_LEN - len(PROMPT_IDS),
+                    "stream": True, "ignore_eos": True}
             async with session.post(COMPLETIONS, json=body) as streaming:
                 await streaming.content.readline()
                 async with session.post(COMPLETIONS, json={**body, "stream": False}) as second:

@@ -108,7 +108,7 @@ async def cluster():
     servers, frontends = [], []
 
     async def start(*instances: ScriptedInstance, max_resumes: int = 3, manager: ScriptedManager | None = None,
-                    generate_timeout_s: float = 30):
+                    generate_timeout_s: float = 30, manager_timeout_s: float = 5.0):
         entries = []
         for i, servicer in enumerate(instances):
             server = await start_grpc_server(
@@ -125,7 +125,7 @@ async def cluster():
                 "127.0.0.1", 0, [(manager_pb2_grpc.add_ManagerServiceServicer_to_server, manager)],
                 ["ferry.v1.ManagerService"])
             servers.append(server)
-            manager_client = ManagerClient(StaticLeader(server.address), timeout_s=0.2)
+            manager_client = ManagerClient(StaticLeader(server.address), timeout_s=manager_timeout_s)
         dispatcher = Dispatcher(manager_client, StaticMembership(entries), cooldown_s=5.0,
                                 on_fallback=metrics.dispatch_fallbacks.inc)
         clients = InstanceClients(generate_timeout_s=generate_timeout_s, abort_timeout_s=2)
@@ -288,7 +288,7 @@ async def test_dispatch_sends_the_prompts_chunk_keys_also_on_a_resume(cluster):
 
 async def test_a_slow_manager_is_passed_over_and_counted(cluster):
     only = ScriptedInstance()
-    base_url, metrics = await cluster(only, manager=ScriptedManager(pick=0, delay_s=1.0))
+    base_url, metrics = await cluster(only, manager=ScriptedManager(pick=0, delay_s=1.0), manager_timeout_s=0.2)
     started = asyncio.get_running_loop().time()
     status, _ = await post(base_url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 3})
     assert status == 200 and len(only.requests) == 1

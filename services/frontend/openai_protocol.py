@@ -29,6 +29,7 @@ MAX_PROMPTS = 64  # most prompts in one completions request (a batch)
 MAX_BATCH_CHOICES = 128  # most prompts × n in one request
 _UINT64 = 1 << 64
 _INT32_MAX = (1 << 31) - 1
+_TOKEN_ID_KEY = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() also takes "¹" and "٣"
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _OUTPUT_FLAGS = {"include_stop_str_in_output": False, "skip_special_tokens": True, "use_beam_search": False}
@@ -77,11 +78,13 @@ class ModelNotFound(NotFound):
 
 @dataclass(frozen=True, slots=True)
 class ChatTemplateOptions:
-    """vLLM's chat extensions: `add_generation_prompt` and `chat_template_kwargs` (e.g. Qwen3's
-    {"enable_thinking": false}), passed to the model's chat template."""
+    """vLLM's chat extensions: `add_generation_prompt`, `continue_final_message` (the reply goes on
+    from the last message's text, e.g. a prefilled assistant answer) and `chat_template_kwargs`
+    (e.g. Qwen3's {"enable_thinking": false}), passed to the model's chat template."""
 
     add_generation_prompt: bool = True
     kwargs: tuple[tuple[str, Any], ...] = ()
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise RequestError("the request body nests JSON arrays or objects too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {_json_type(body)}", code="invalid_json")
     if _MAYBE_SURROGATE.search(raw) and (path := _lone_surrogate_path(body, "")) is not None:
@@ -218,14 +223,20 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequ
 
 def chat_template_options(body: Mapping[str, Any]) -> ChatTemplateOptions:
     add_generation_prompt = opt_bool(body, "add_generation_prompt")
+    continue_final_message = opt_bool(body, "continue_final_message") or False
+    if continue_final_message and add_generation_prompt:
+        raise RequestError("continue_final_message: cannot be true with add_generation_prompt true (the reply would "
+                           "both start a new turn and go on with the last one); set add_generation_prompt to false",
+                           param="continue_final_message")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         kwargs = {}
     if not isinstance(kwargs, dict) or len(kwargs) > MAX_TEMPLATE_KWARGS or "messages" in kwargs:
         raise RequestError(f"chat_template_kwargs: expected an object of at most {MAX_TEMPLATE_KWARGS} template "
                            "variables (not messages)", param="chat_template_kwargs")
-    return ChatTemplateOptions(True if add_generation_prompt is None else add_generation_prompt,
-                               tuple(sorted(kwargs.items())))
+    if add_generation_prompt is None:
+        add_generation_prompt = not continue_final_message
+    return ChatTemplateOptions(add_generation_prompt, tuple(sorted(kwargs.items())), continue_final_message)
 
 
 def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int,
@@ -328,6 +339,9 @@ def _reject_constrained_output(body: Mapping[str, Any]) -> None:
     if body.get("tools") and body.get("tool_choice", "auto") != "none":
         raise RequestError("tools: tool calls are not supported; leave tools out or set tool_choice to \"none\"",
                            param="tools")
+    if not body.get("tools") and body.get("tool_choice") not in (None, "none"):
+        raise RequestError("tool_choice: only allowed with tools, which are not supported; leave it out",
+                           param="tool_choice")
     if body.get("functions"):
         raise RequestError("functions: function calls are not supported; leave functions out", param="functions")
     for name in _GUIDED_FIELDS:  # vLLM's structured output fields
@@ -398,7 +412,8 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     if not isinstance(role, str) or role not in _CHAT_ROLES:
         raise RequestError(f"{param}.role: expected one of {', '.join(sorted(_CHAT_ROLES))}, got {role!r}",
                            param=f"{param}.role")
-    out = {"role": role, "content": _content(message.get("content"), role, f"{param}.content")}
+    out = {"role": "system" if role == "developer" else role,  # OpenAI's newer name for system instructions
+           "content": _content(message.get("content"), role, f"{param}.content")}
     if isinstance(message.get("name"), str):
         out["name"] = message["name"]
     return out
@@ -416,7 +431,7 @@ def _content(content: Any, role: str, param: str) -> str:
                 raise RequestError(f"{param}[{i}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
                                    "are supported", param=param)
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)  # as vLLM joins them
     raise RequestError(f"{param}: expected a string or a list of text parts, got {_json_type(content)}", param=param)
 
 
@@ -555,7 +570,7 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
         raise RequestError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(value)}", param="logit_bias")
     biases = {}
     for key, bias in value.items():
-        if not str(key).isdigit() or int(key) > _INT32_MAX:
+        if not _TOKEN_ID_KEY.fullmatch(str(key)) or int(key) > _INT32_MAX:
             raise RequestError(f"logit_bias: keys are token ids (non-negative integers), got {str(key)[:20]!r}",
                                param="logit_bias")
         biases[int(key)] = _opt_float({"logit_bias": bias}, "logit_bias", 0.0, low=-100.0, high=100.0)

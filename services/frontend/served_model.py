@@ -28,7 +28,7 @@ class TextTokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    **variables: Any) -> list[int]: ...
+                    continue_final_message: bool = False, **variables: Any) -> list[int]: ...
 
     def token_bytes(self, token_id: int) -> bytes: ...
 
@@ -106,7 +106,7 @@ class ServedModel:
     def _chat_token_ids(self, messages: Sequence[dict[str, Any]], options: ChatTemplateOptions) -> list[int]:
         try:
             return list(self.tokenizer.encode_chat(list(messages), options.add_generation_prompt,
-                                                   **dict(options.kwargs)))
+                                                   options.continue_final_message, **dict(options.kwargs)))
         except (ValueError, TypeError, jinja2.TemplateError) as exc:  # no template, its raise_exception, bad kwargs
             raise RequestError(f"messages: {exc}", param="messages") from None
 

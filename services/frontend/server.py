@@ -70,7 +70,7 @@ class FrontendServer:
         self._max_inflight = max_inflight
         self._max_body_bytes = max_body_bytes
         self._body_timeout_s = body_timeout_s
-        self._openapi = openapi_schema(model.name, model.max_model_len, max_body_bytes, has_api_keys=bool(api_keys))
+        self._openapi_args = (model.name, max_body_bytes, bool(api_keys))
         self._num_inflight = 0
         self._started_at = int(time.time())
         self.is_accepting = True  # False while shutting down: /health and new requests answer 503
@@ -138,7 +138,9 @@ class FrontendServer:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": self._metrics.content_type})
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(self._openapi)
+        """Built per request: the context limit is the least any serving instance takes, which changes."""
+        name, max_body_bytes, has_api_keys = self._openapi_args
+        return web.json_response(openapi_schema(name, self._max_model_len(), max_body_bytes, has_api_keys=has_api_keys))
 
     # ---- one generation ----------------------------------------------------------------
 

@@ -359,6 +359,9 @@ async def test_a_frontend_advertises_no_longer_context_than_the_instances_serve(
         async with aiohttp.ClientSession(frontend.address) as http:
             async with http.get("/v1/models") as response:
                 assert (await response.json())["data"][0]["max_model_len"] == MAX_MODEL_LEN
+            async with http.get("/openapi.json") as response:
+                schema = await response.json()
+            assert f"at most {MAX_MODEL_LEN} tokens" in schema["info"]["description"]
             body = {"model": MODEL, "prompt": [1] * (MAX_MODEL_LEN - 6), "max_tokens": 10}
             async with http.post("/v1/completions", json=body) as response:
                 error = (await response.json())["error"]

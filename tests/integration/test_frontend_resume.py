@@ -44,7 +44,7 @@ class CharTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(ord("a") + t % 26) for t in token_ids)
 
-    def encode_chat(self, messages, add_generation_prompt=True, **variables):
+    def encode_chat(self, messages, add_generation_prompt=True, continue_final_message=False, **variables):
         return self.encode("".join(f"{m['role']}:{m['content']}\n" for m in messages))
 
 

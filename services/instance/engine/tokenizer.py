@@ -115,17 +115,30 @@ class Tokenizer:
         return self.backend.decode([token_id], skip_special_tokens=False).encode()
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            **variables: Any) -> str:
-        """The template's text; `variables` (e.g. enable_thinking) go to the template beside the special tokens."""
+                            continue_final_message: bool = False, **variables: Any) -> str:
+        """The template's text; `variables` (e.g. enable_thinking) go to the template beside the special tokens.
+        `continue_final_message`: the text ends with the last message's content, left open (as transformers)."""
         if self._template is None:
             raise ValueError("the model has no chat template (tokenizer_config.json chat_template); use completions")
-        return self._template.render(**{**self.special_tokens, **variables, "messages": list(messages),
+        text = self._template.render(**{**self.special_tokens, **variables, "messages": list(messages),
                                         "add_generation_prompt": add_generation_prompt})
+        return _open_final_message(text, messages[-1].get("content")) if continue_final_message else text
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    **variables: Any) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **variables),
-                           add_special_tokens=False)
+                    continue_final_message: bool = False, **variables: Any) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
+                                                    **variables), add_special_tokens=False)
+
+
+def _open_final_message(text: str, final: Any) -> str:
+    """`text` cut right after the final message's content (transformers' continue_final_message): a
+    template that trimmed the content's trailing whitespace is cut after the trimmed content."""
+    if not isinstance(final, str) or not final.strip() or final.strip() not in text:
+        raise ValueError("continue_final_message: the final message's content must be non-empty text that the "
+                         "chat template keeps")
+    start = text.rindex(final.strip())
+    kept = final.lstrip() if text[start:start + len(final.lstrip())] == final.lstrip() else final.strip()
+    return text[:start + len(kept)]
 
 
 class IncrementalDetokenizer:

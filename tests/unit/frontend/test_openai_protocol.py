@@ -46,6 +46,8 @@ def test_json_body_must_parse_and_be_an_object():
         parse_json_body(b"\xff\xfe")
     with pytest.raises(RequestError, match="must be a JSON object, got an array"):
         parse_json_body(b"[1, 2]")
+    with pytest.raises(RequestError, match="nests JSON arrays or objects too deeply"):
+        parse_json_body(b'{"metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
     with pytest.raises(RequestError, match="must be a JSON object, got null"):
         parse_json_body(b"null")
 
@@ -260,6 +262,9 @@ def test_missing_prompt():
     ({"cache_salt": 42}, ["cache_salt", "expected a string"], "cache_salt"),
     ({"logit_bias": {"the": 5}}, ["logit_bias", "token ids", "'the'"], "logit_bias"),
     ({"logit_bias": {"-1": 5}}, ["logit_bias", "token ids"], "logit_bias"),
+    ({"logit_bias": {"¹": 5}}, ["logit_bias", "token ids"], "logit_bias"),  # str.isdigit() says yes, int() no
+    ({"logit_bias": {"٣": 5}}, ["logit_bias", "token ids"], "logit_bias"),
+    ({"tool_choice": "required"}, ["tool_choice", "only allowed with tools"], "tool_choice"),
     ({"logit_bias": {"1": 101}}, ["logit_bias", "between -100.0 and 100.0"], "logit_bias"),
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, ["logit_bias", "at most 1024"], "logit_bias"),
     ({"response_format": {"type": "json_object"}}, ["response_format", "'json_object'", "constrained"],
@@ -334,10 +339,25 @@ def test_chat_defaults_and_content_parts():
                             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                             {"role": "assistant", "content": None}])
     assert parsed.endpoint is Endpoint.CHAT
-    assert parsed.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"},
-                               {"role": "assistant", "content": ""})
+    assert parsed.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
+                               {"role": "assistant", "content": ""})  # parts joined as vLLM joins them
     assert parsed.sampling.max_tokens is None  # rest of the context, once the prompt is known
     assert parsed.num_top_logprobs is None
+
+
+def test_the_developer_role_is_the_system_role():
+    assert chat(messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]).messages[0] \
+        == {"role": "system", "content": "be brief"}
+
+
+def test_continue_final_message():
+    options = chat(continue_final_message=True).chat_template
+    assert (options.continue_final_message, options.add_generation_prompt) == (True, False)
+    assert chat(continue_final_message=True, add_generation_prompt=False).chat_template == options
+    rejects(chat, {"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message",
+            "add_generation_prompt", param="continue_final_message")
+    rejects(chat, {"continue_final_message": "yes"}, "continue_final_message", "true or false",
+            param="continue_final_message")
 
 
 def test_chat_max_completion_tokens_wins():

@@ -95,6 +95,22 @@ def test_chat_template_renders_like_transformers(tokenizer, model_dir):
     assert without == text.removesuffix("<|im_start|>assistant\n")
 
 
+@pytest.mark.parametrize("final", ["The answer is", "The answer is  \n"])
+def test_continue_final_message_leaves_the_last_message_open_like_transformers(tokenizer, model_dir, final):
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(model_dir / "tokenizer.json"), bos_token="<s>", eos_token="<|im_end|>",
+    )
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": final}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\n" + final)  # this template keeps the content as it is
+    assert text == reference.apply_chat_template(messages, chat_template=CHAT_TEMPLATE, tokenize=False,
+                                                 continue_final_message=True)
+    with pytest.raises(ValueError, match="continue_final_message"):
+        tokenizer.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=False,
+                                      continue_final_message=True)
+
+
 def test_template_variables_reach_the_chat_template(tokenizer):
     """As Qwen3's template reads enable_thinking (vLLM's chat_template_kwargs)."""
     messages = [{"role": "user", "content": "Hi"}]

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from services.common.errors import FerryError, Unavailable, error_from_rpc
+from services.common.errors import FerryError, NotFound, Unavailable, error_from_rpc
 from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
 from services.common.grpc_server import BULK_TRANSFER_OPTIONS, secure_or_insecure_channel
 from services.common.tls import TlsConfig
@@ -81,8 +81,23 @@ class TransferClient:
         try:
             reply = await self._receive_blocks(_with_header(header, messages), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise _streaming_error(exc) from None
+            if not _is_failed_write(exc):
+                raise error_from_rpc(exc) from None
+            raise await self._why_the_stream_broke(header) from None
         return reply.num_bytes
+
+    async def _why_the_stream_broke(self, header: IncomingBlocks) -> FerryError:
+        """The destination ended the stream while we wrote, and gRPC lost its status: ask it whether it
+        maps the destination instance (the usual early refusal); otherwise, or if it does not answer, it died."""
+        try:
+            status = await self._stub.GetStatus(transfer_pb2.GetTransferStatusRequest(), timeout=_WHY_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            status = None
+        if status is not None and header.dst_instance_id not in status.instance_ids:
+            return NotFound(f"instance {header.dst_instance_id!r} is not mapped by transfer service "
+                            f"{status.transfer_id!r}; the destination refused the blocks")
+        return Unavailable("the stream to the destination transfer service broke while sending blocks (it died, "
+                           "or ended the call early); retry")
 
     async def open_channel(self, peer_transfer_id: str, store_address: str, rank: int, backend: TransferBackend,
                            num_connections: int, timeout_s: float) -> None:
@@ -137,8 +152,8 @@ class TransferClients:
 _FAILED_WRITE_DETAILS = "Internal error from Core"
 
 
-def _streaming_error(exc: grpc.aio.AioRpcError) -> FerryError:
-    if exc.code() is grpc.StatusCode.INTERNAL and exc.details() == _FAILED_WRITE_DETAILS:
-        return Unavailable("the stream to the destination transfer service broke while sending blocks (it died, "
-                           "or ended the call early); retry")
-    return error_from_rpc(exc)
+_WHY_TIMEOUT_S = 2.0  # for the question that follows such a failure
+
+
+def _is_failed_write(exc: grpc.aio.AioRpcError) -> bool:
+    return exc.code() is grpc.StatusCode.INTERNAL and exc.details() == _FAILED_WRITE_DETAILS

@@ -440,3 +440,20 @@ async def test_gpu_caches_move_bit_exactly_on_every_backend(etcd, cluster_name, 
                                               is_checksum_verified=seed % 2 == 0)
     finally:
         stop_all(processes)
+
+
+async def test_a_large_transfer_to_an_unknown_destination_is_not_found(services, mapped):
+    """The destination refuses after the header while the sender still writes 128 MiB: the sender
+    gets that refusal (the destination reads on only a moment before it ends the call)."""
+    src = _random_cache("a-bulk3", BULK, 7)
+    try:
+        async with TransferClient(services["A"].address) as s:
+            await s.map_instance("a-bulk3", src.name, BULK)
+            ids = tuple(range(BULK.num_blocks))
+            with pytest.raises(NotFound, match="not mapped"):
+                await s.transfer(BlockTransfer(InstanceId("a-bulk3"), ids, InstanceId("nobody"), ids,
+                                               services["B"].address, TransferBackend.GRPC, False), timeout_s=60)
+            await s.unmap_instance("a-bulk3")
+    finally:
+        src.close()
+        src.unlink()

@@ -297,6 +297,8 @@ class FrontendServer:
         except web.HTTPException as exc:  # the router's 404/405, aiohttp's own 413
             response = self._error_response(request, exc.status, error_body(
                 f"{exc.reason}: {request.method} {request.path}", code=exc.reason.lower().replace(" ", "_")))
+            if "Allow" in exc.headers:  # a 405 names the methods the path takes
+                response.headers["Allow"] = exc.headers["Allow"]
         except Exception:  # a bug: a 500 without details; the traceback goes to the log
             log.exception("request_crashed", path=request.path, request_id=request.get(_REQUEST_ID_KEY))
             response = self._error_response(request, 500, error_body(

@@ -471,7 +471,7 @@ async def test_unknown_path_and_wrong_method_are_openai_errors_with_string_codes
         assert (await response.json())["error"] == {"message": "Not Found: GET /v1/nope", "code": "not_found",
                                                     "type": "invalid_request_error", "param": None}
     async with http.get("/v1/completions") as response:
-        assert response.status == 405
+        assert response.status == 405 and response.headers["Allow"] == "POST"
         assert (await response.json())["error"]["code"] == "method_not_allowed"
 
 

@@ -406,15 +406,22 @@ async def test_more_block_hashes_than_blocks_is_invalid(pair):
     assert b.slots.num_busy == 0 and b.inbox.num_incoming == 0
 
 
+async def moved_a_to_b(a: Side, b: Side) -> tuple[RequestStream, list[int]]:
+    """Request "r" started on a and migrated to b 30 tokens in; its stream on a (the hand-off still
+    unread) and its tokens so far."""
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())
+    return stream, tokens
+
+
 async def test_a_resume_replaces_a_migrated_in_request_nobody_attached_to(pair):
     """The source died between the commit and the hand-off reaching the client: the client resumes the
     request with Generate, here of all places, and the orphan must make way (the chaos test found it)."""
     a, b = pair
     expected = await reference(a)
-    tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    await read(stream, tokens, until=30)
-    await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())
+    stream, tokens = await moved_a_to_b(a, b)
     assert isinstance(await read(stream, tokens), Handoff)  # the hand-off that, in the failure, never arrives
     assert await b.inbox.drop_unattached("r")
     assert not await b.inbox.drop_unattached("r") and b.inbox.num_incoming == 0
@@ -426,10 +433,7 @@ async def test_a_resume_replaces_a_migrated_in_request_nobody_attached_to(pair):
 
 async def test_an_attached_request_is_never_dropped_for_a_resume(pair):
     a, b = pair
-    tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    await read(stream, tokens, until=30)
-    await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())
+    stream, tokens = await moved_a_to_b(a, b)
     handoff = await read(stream, tokens)
     attached = b.inbox.attach("r", handoff.epoch)
     assert not await b.inbox.drop_unattached("r")
@@ -442,10 +446,7 @@ async def test_a_request_moves_on_only_once_its_client_followed_it(pair):
     follows both hand-offs (moving it at once would send the client to B after B let it go)."""
     a, b = pair
     expected = await reference(a)
-    tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    await read(stream, tokens, until=30)
-    await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())
+    stream, tokens = await moved_a_to_b(a, b)
     back = driver(b, FaultyPeer(a), TensorCopier(b, a))
     with pytest.raises(FailedPrecondition, match="no request to migrate"):
         await back.migrate_out(plan(request_id="", dst="a"))  # picking skips a request nobody reads yet
@@ -464,10 +465,7 @@ async def test_a_request_moves_on_only_once_its_client_followed_it(pair):
 async def test_a_request_whose_client_never_follows_stays_put(pair, monkeypatch):
     monkeypatch.setattr("services.instance.migration.CLIENT_ATTACH_WAIT_S", 0.2)
     a, b = pair
-    tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    await read(stream, tokens, until=30)
-    await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())
+    stream, tokens = await moved_a_to_b(a, b)
     with pytest.raises(FailedPrecondition, match="client has not followed it"):
         await driver(b, FaultyPeer(a), TensorCopier(b, a)).migrate_out(plan(dst="a"))
     handoff = await read(stream, tokens)

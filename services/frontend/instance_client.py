@@ -54,7 +54,10 @@ class InstanceClients:
         try:
             while True:
                 try:
-                    msg = await asyncio.wait_for(anext(messages), self._generate_timeout_s)
+                    # Not wait_for: on Python 3.11 it drops a cancellation that lands as the chunk arrives
+                    # (CPython gh-86296), and a client that went away would never abort its request.
+                    async with asyncio.timeout(self._generate_timeout_s):
+                        msg = await anext(messages)
                 except StopAsyncIteration:
                     return
                 except TimeoutError:

@@ -94,7 +94,7 @@ async def test_instance_killed_mid_stream_greedy_and_seeded_continue_identically
     survivors = [n for n in cluster.names("instance") if n != VICTIM]
     baseline = await cluster.free_blocks(survivors)
     resumes_before = await cluster.metric(cluster.frontend_url, "ferry_frontend_stream_resumes_total")
-    streams = mixed_streams("killed", 6, 160, stop=HELD_BACK)
+    streams = mixed_streams("killed", 6, 900, stop=HELD_BACK)  # long: still running when the kill lands
     tasks = run_streams(session, cluster, streams)
     await wait_for_tokens(streams, 8)
     on_victim = await cluster.admin("ListRequests", manager_pb2.AdminListRequestsRequest(instance_id=VICTIM))
@@ -133,7 +133,7 @@ async def test_beyond_max_resumes_the_client_gets_an_error_event(session, cluste
     await cluster.free_blocks()  # the restarted victim reports again
     survivors = [n for n in cluster.names("instance") if n != VICTIM]
     baseline = await cluster.free_blocks(survivors)
-    stream = Stream("a request that runs out of resumes", 300)
+    stream = Stream("a request that runs out of resumes", 900)
     task, = run_streams(session, cluster, [stream], second_frontend.address)
     await wait_for_tokens([stream], 8)
     cluster.kill(VICTIM)
@@ -330,7 +330,7 @@ async def test_frontend_killed_other_frontend_keeps_serving(session, cluster, re
     await cluster.set_policy(dispatch="load", migration_enabled=False)
     await _every_frontend_sees(session, [cluster.frontend_url, second_frontend.address], 3)  # after the outages
     baseline = await cluster.free_blocks()
-    on_killed = mixed_streams("on the killed frontend", 3, 300)
+    on_killed = mixed_streams("on the killed frontend", 3, 900)
     on_other = mixed_streams("on the other frontend", 3, 120)
     tasks = run_streams(session, cluster, on_killed) + run_streams(session, cluster, on_other, second_frontend.address)
     await wait_for_tokens(on_killed + on_other, 8)

@@ -29,7 +29,7 @@ async def set_band(admin, low: float, high: float) -> None:
     await admin.SetPolicy(manager_pb2.Policy(scaling_low_freeness=low, scaling_high_freeness=high), timeout=5)
 
 
-MAX_TOKENS = 400
+MAX_TOKENS = 900  # sim steps of 8 ms: the streams outlast the scaling ticks that retire an instance
 
 
 async def test_the_leader_adds_and_retires_instances_and_the_launcher_follows(tiny_model_dir, tmp_path, monkeypatch,

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2
+from tests.integration.eventually import eventually
 from tests.integration.test_frontend_resume import (MODEL, PROMPT, PROMPT_IDS, CharTokenizer, ScriptedInstance,
                                                     cluster, expected_token, post)
 
@@ -124,7 +125,8 @@ async def test_a_failed_attach_resumes_on_another_instance(cluster):
     assert status == 200, raw
     assert json.loads(raw)["choices"][0]["token_ids"] == [expected_token(PROMPT_IDS, i) for i in range(8)]
     assert len(spare.requests) == 1 and len(spare.requests[0].resume_token_ids) == 3
-    assert dst.aborted == [spare.requests[0].request_id]  # the owner after the hand-off is told to free it
+    await eventually(lambda: dst.aborted == [spare.requests[0].request_id],
+                     what="the owner after the hand-off told to free it")
     assert metrics.handoffs._value.get() == 1 and metrics.resumes._value.get() == 1
 
 

@@ -22,7 +22,7 @@ from services.instance.engine.request import SamplingParams
 pytestmark = pytest.mark.timeout(180)
 
 HOST_A, HOST_B = "10.231.77.1", "10.231.77.2"  # the test's own veth link, nothing else
-NUM_BLOCKS, BLOCK_SIZE, MAX_TOKENS = 128, 4, 400
+NUM_BLOCKS, BLOCK_SIZE, MAX_TOKENS = 320, 4, 1000  # long: still running when the migration comes
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 31, 8, 64, 2, 11]
 
 

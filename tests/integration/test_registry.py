@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
 import pytest
 from etcd3aio import Etcd3Client
@@ -12,18 +10,11 @@ from etcd3aio import Etcd3Client
 from services.common.errors import Unavailable
 from services.common.etcd_launcher import LocalEtcd, free_port
 from services.common.registry import Registry
+from tests.integration.eventually import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
 TTL_S = 2.0
-
-
-async def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s} s")
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture

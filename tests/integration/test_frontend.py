@@ -503,23 +503,51 @@ async def free_blocks(stub) -> tuple[int, int]:
     return status.load.num_free_blocks, status.load.num_running + status.load.num_waiting
 
 
-async def test_client_disconnect_aborts_the_request_on_the_instance(http, instance_stub):
-    baseline, _ = await free_blocks(instance_stub)
-    body = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 200, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    response = await http.post(COMPLETIONS, json=body)
-    assert response.status == 200
-    for _ in range(3):  # a few chunks: the request is running on the instance
-        await response.content.readline()
-    free, active = await free_blocks(instance_stub)
-    assert active == 1 and free < baseline
-    response.close()  # the client goes away mid-stream
-    for _ in range(100):
+@pytest.fixture(scope="module")
+def slow_cluster(etcd, tiny_model_dir, tmp_path_factory):
+    """A sim-engine instance at 50 ms a step and a frontend over it: its requests outlast a test
+    process that a busy machine starves (the tiny model's 200 tokens took 187 ms)."""
+    name, log_dir, port = f"fe-slow-{uuid.uuid4().hex[:8]}", tmp_path_factory.mktemp("logs"), free_port()
+    instance = ServiceProcess(
+        "instance-slow", "instance",
+        ["--model", str(tiny_model_dir), "--port", str(port), "--instance-id", "slow-0", "--num-threads", "1",
+         "--etcd-endpoints", etcd.endpoint, "--cluster", name, "--lease-ttl-s", "3", "--engine", "sim",
+         "--sim-step-ms", "50", "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
+         "--max-model-len", str(MAX_MODEL_LEN)],
+        f"127.0.0.1:{port}", log_dir).start()
+    frontend = None
+    try:
+        asyncio.run(instance.wait_healthy(90))
+        frontend = start_frontend("frontend-slow", etcd, tiny_model_dir, name, log_dir)
+        asyncio.run(frontend.wait_healthy(60))
+        yield instance, frontend
+    finally:
+        if frontend is not None:
+            frontend.stop()
+        instance.stop()
+
+
+async def test_client_disconnect_aborts_the_request_on_the_instance(slow_cluster):
+    instance, frontend = slow_cluster
+    async with grpc.aio.insecure_channel(instance.address) as channel, aiohttp.ClientSession(
+            base_url=frontend.address, timeout=aiohttp.ClientTimeout(total=60)) as http:
+        instance_stub = instance_pb2_grpc.InstanceServiceStub(channel)
+        baseline, _ = await free_blocks(instance_stub)
+        body = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 200, "temperature": 0, "stream": True,
+                "ignore_eos": True}  # 10 s at 50 ms a step
+        response = await http.post(COMPLETIONS, json=body)
+        assert response.status == 200
+        for _ in range(3):  # a few chunks: the request is running on the instance
+            await response.content.readline()
         free, active = await free_blocks(instance_stub)
-        if free == baseline and active == 0:
-            break
-        await asyncio.sleep(0.1)
-    assert (free, active) == (baseline, 0)
+        assert active == 1 and free < baseline
+        response.close()  # the client goes away mid-stream
+        for _ in range(50):  # well before the request would have ended by itself
+            free, active = await free_blocks(instance_stub)
+            if free == baseline and active == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert (free, active) == (baseline, 0)
 
 
 # ---- limits and an empty cluster --------------------------------------------------------------

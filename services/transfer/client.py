@@ -69,8 +69,8 @@ class TransferClient:
                                  request_metadata(request_id))
         return result_from_proto(reply)
 
-    async def get_status(self) -> transfer_pb2.GetTransferStatusResponse:
-        return await self._call(self._stub.GetStatus, transfer_pb2.GetTransferStatusRequest())
+    async def get_status(self, timeout_s: float | None = None) -> transfer_pb2.GetTransferStatusResponse:
+        return await self._call(self._stub.GetStatus, transfer_pb2.GetTransferStatusRequest(), timeout_s)
 
     async def backends(self) -> list[TransferBackend]:
         return [backend_from_proto(b) for b in (await self.get_status()).backends]
@@ -90,8 +90,8 @@ class TransferClient:
         """The destination ended the stream while we wrote, and gRPC lost its status: ask it whether it
         maps the destination instance (the usual early refusal); otherwise, or if it does not answer, it died."""
         try:
-            status = await self._stub.GetStatus(transfer_pb2.GetTransferStatusRequest(), timeout=_WHY_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
+            status = await self.get_status(_WHY_TIMEOUT_S)
+        except FerryError:
             status = None
         if status is not None and header.dst_instance_id not in status.instance_ids:
             return NotFound(f"instance {header.dst_instance_id!r} is not mapped by transfer service "

@@ -56,9 +56,11 @@ class Tokenizer:
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})  # "bos_token" → "<s>", ...
         self.eos_token_ids = tuple(eos_token_ids)
-        self._is_byte_level = _decoder_types(backend) >= {"ByteLevel"}
+        decoder_types = _decoder_types(backend)  # parses the whole tokenizer JSON: once
+        self._is_byte_level = decoder_types >= {"ByteLevel"}
         self._added_token_ids = frozenset(backend.get_added_tokens_decoder())  # special and added: plain text
-        self._raw_byte_ids = _raw_byte_ids(backend) - self._added_token_ids
+        self._raw_byte_ids = (_raw_byte_ids(backend) if "ByteFallback" in decoder_types else frozenset()) \
+            - self._added_token_ids
         self._template = _compile(chat_template) if chat_template else None
 
     @classmethod
@@ -186,9 +188,7 @@ class IncrementalDetokenizer:
 
 
 def _raw_byte_ids(backend: tokenizers.Tokenizer) -> frozenset[int]:
-    """Ids of the <0xNN> tokens, if the decoder falls back to bytes."""
-    if "ByteFallback" not in _decoder_types(backend):
-        return frozenset()
+    """Ids of the <0xNN> tokens (raw bytes where the decoder falls back to bytes)."""
     return frozenset(i for token, i in backend.get_vocab().items() if _BYTE_FALLBACK.fullmatch(token))
 
 

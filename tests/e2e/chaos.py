@@ -70,7 +70,6 @@ class ChaosRun:
         self._rng = random.Random(config.seed)
         self._fault_rng = random.Random(config.seed + 1)  # faults independent of the workload's draws
         self._streams: list[Stream] = []
-        self._busy: set[str] = set()  # the instance victim just chosen, if it had running requests
         self.result = ChaosResult()
 
     async def run(self) -> ChaosResult:
@@ -123,33 +122,31 @@ class ChaosRun:
                 return
             kinds = kinds or rng.sample(FAULT_KINDS, len(FAULT_KINDS))
             kind = kinds.pop()
-            name = await self._victim(kind)
+            name, is_busy = await self._victim(kind)
             self._cluster.kill(name)
-            self.result.busy_instance_kills += name in self._busy
+            self.result.busy_instance_kills += is_busy
             self.result.faults[kind] += 1
             await asyncio.sleep(rng.uniform(*self._config.down_s))
             await self._cluster.restart(name)
             await self._cluster.free_blocks(is_idle=False)  # every instance reports to the leader again
 
-    async def _victim(self, kind: str) -> str:
+    async def _victim(self, kind: str) -> tuple[str, bool]:
+        """The process to kill, and whether it is an instance that just reported running requests."""
         if kind == "leader":
-            return await self._cluster.leader()
+            return await self._cluster.leader(), False
         if kind == "transfer":
-            return "transfer-0"
+            return "transfer-0", False
         # The busiest instance, asked directly (a new leader's view starts without load) and all at
         # once (the kill follows the answers at once: requests last a fraction of a second), waiting
         # briefly for one with running requests so the kill costs work; ties by the seeded draw.
         names = self._cluster.names("instance")
         self._fault_rng.shuffle(names)
-        self._busy.clear()
         deadline = time.monotonic() + 5.0
         while True:
             running = dict(zip(names, await asyncio.gather(*(self._num_running(name) for name in names))))
             busiest = max(names, key=lambda name: running[name])
-            if running[busiest] > 0:
-                self._busy.add(busiest)
             if running[busiest] > 0 or time.monotonic() > deadline:
-                return busiest
+                return busiest, running[busiest] > 0
             await asyncio.sleep(0.05)
 
     async def _num_running(self, name: str) -> int:

@@ -29,6 +29,7 @@ from services.cluster.security import ClusterSecurity
 from services.cluster.state_dir import StateDirLock
 from services.common.errors import FerryError
 from services.common.etcd_client import ETCD_ERRORS
+from services.common.events import wait_set
 from services.common.etcd_launcher import LocalEtcd, free_port
 from services.common.registry import DRAIN_MARKS, Registry
 
@@ -287,10 +288,7 @@ async def _watch_children(cluster: LocalCluster, stop: asyncio.Event) -> None:
         if not cluster.etcd.is_running and "etcd" not in reported:
             reported.add("etcd")
             log.warning("process_exited", name="etcd", pid=cluster.etcd.pid, log=str(cluster.etcd.log_path))
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=1.0)
-        except TimeoutError:
-            pass
+        await wait_set(stop, 1.0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ import structlog
 
 from services.cluster.scaling_follower import plan
 from services.common.config import DefaultsHelpFormatter
+from services.common.events import wait_set
 from services.common.logging import LogFormat, setup_logging
 from services.common.registry import Registry
 from services.common.scaling_target import SCALING_TARGET_KEY, ScalingTarget
@@ -108,10 +109,7 @@ async def follow(args: argparse.Namespace) -> None:
                 await asyncio.to_thread(follower.step, target, sorted(members.members))
             except Exception as exc:  # noqa: BLE001 — etcd away: try again next tick
                 log.warning("scale_hooks_step_failed", error=str(exc) or type(exc).__name__)
-            try:
-                await asyncio.wait_for(stop.wait(), args.interval_s)
-            except TimeoutError:
-                pass
+            await wait_set(stop, args.interval_s)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import structlog
 
 from services.cluster.processes import ServiceProcess
+from services.common.events import wait_set
 from services.common.registry import Registry
 from services.common.scaling_target import SCALING_TARGET_KEY, ScalingTarget
 
@@ -93,7 +94,4 @@ async def follow_scaling(cluster: ScalableCluster, registry: Registry, stop: asy
         except Exception as exc:  # noqa: BLE001 — the launcher keeps serving; the next step tries again
             log.warning("scaling_follow_failed", error=str(exc) or type(exc).__name__, retry_in_s=FAILURE_DELAY_S)
             delay_s = FAILURE_DELAY_S  # e.g. an instance that would not start: do not start one every second
-        try:
-            await asyncio.wait_for(stop.wait(), delay_s)
-        except TimeoutError:
-            pass
+        await wait_set(stop, delay_s)

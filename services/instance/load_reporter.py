@@ -16,6 +16,7 @@ import structlog
 
 from services.common.backoff import Backoff
 from services.common.election import LeaderView, watch_leader
+from services.common.events import wait_set
 from services.common.gen.ferry.v1 import common_pb2, manager_pb2_grpc
 from services.common.grpc_server import secure_or_insecure_channel
 from services.common.tls import TlsConfig
@@ -73,10 +74,7 @@ async def _reports(servicer: InstanceServicer, interval_s: float,
             yield report
             last = report
         changed.clear()
-        try:
-            await asyncio.wait_for(changed.wait(), timeout=interval_s)
-        except TimeoutError:
-            pass
+        await wait_set(changed, interval_s)
 
 
 def _differs(a: common_pb2.LoadReport, b: common_pb2.LoadReport) -> bool:
@@ -88,6 +86,7 @@ def _differs(a: common_pb2.LoadReport, b: common_pb2.LoadReport) -> bool:
 
 async def _wait_for_leader(leader_view: LeaderView, timeout_s: float) -> None:
     try:
-        await asyncio.wait_for(leader_view.changed(), timeout=timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await leader_view.changed()
     except TimeoutError:
         pass

@@ -118,8 +118,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
     async def ListRequests(self, request: instance_pb2.ListRequestsRequest,
                            context: grpc.aio.ServicerContext) -> instance_pb2.ListRequestsResponse:
         try:
-            infos = await asyncio.wait_for(self._runner.call(lambda: self._runner.engine.list_requests()),
-                                           LIST_REQUESTS_WAIT_S)
+            async with asyncio.timeout(LIST_REQUESTS_WAIT_S):
+                infos = await self._runner.call(lambda: self._runner.engine.list_requests())
         except TimeoutError:  # the engine is in a long step (a big prefill chunk): read the table as it is
             infos = self._runner.engine.list_requests()
         return instance_pb2.ListRequestsResponse(requests=[

@@ -44,7 +44,8 @@ class StagingPool:
     @contextlib.asynccontextmanager
     async def slot(self, timeout_s: float) -> AsyncIterator[StagingSlot]:
         try:
-            slot = await asyncio.wait_for(self._free.get(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                slot = await self._free.get()
         except TimeoutError:
             raise ResourceExhausted(f"all {self.num_slots} staging slots stayed busy for {timeout_s:.1f} s; "
                                     "retry later or raise --num-staging-slots") from None

@@ -35,7 +35,8 @@ from services.manager.domain import InstanceId, InstanceState, InstanceView
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger)
-from services.manager.migration_policies import Pair, PairingPolicy, Peer, make_pairing, pair_drains, pair_prefilled
+from services.manager.migration_policies import (Pair, PairingPolicy, Peer, destination_order, make_pairing, pair_drains,
+                                                 pair_prefilled)
 
 log = structlog.get_logger(__name__)
 
@@ -202,9 +203,12 @@ class Migrator:
                 continue
             if now - view.report_age_s <= self._ended_at.get(instance_id, float("-inf")):
                 continue
-            peers.append(Peer.of(view, is_draining=view.state is InstanceState.DRAINING,
-                                 last_received_at=self._received_at.get(instance_id, float("-inf"))))
+            peers.append(self._peer(view))
         return peers
+
+    def _peer(self, view: InstanceView) -> Peer:
+        return Peer.of(view, is_draining=view.state is InstanceState.DRAINING,
+                       last_received_at=self._received_at.get(view.record.instance_id, float("-inf")))
 
     def _order(self, pair: Pair) -> MigrationOrder:
         if pair.trigger is MigrationTrigger.PD:  # one stop-and-copy stage of a request with its first token
@@ -300,7 +304,7 @@ class Migrator:
         if not others:
             raise FailedPrecondition(f"no other serving instance can take a request from {src.record.instance_id}; "
                                      "start one or name dst_instance_id")
-        return min(others, key=lambda v: (-v.load.freeness, v.record.instance_id))
+        return min(others, key=lambda v: destination_order(self._peer(v)))
 
 
 def _taken(pairs: list[Pair]) -> set[InstanceId]:

@@ -227,6 +227,23 @@ async def test_admin_orders_check_instances_and_pick_the_freest_destination():
         migrator.admin_order("a", "b", "")
 
 
+async def test_admin_orders_without_a_destination_take_turns_among_equally_free_instances():
+    """One request moved on and on with no dst: it must visit every idle instance, not bounce between two."""
+    clock = FakeClock()
+    view = cluster(clock, a=1, b=0, c=0)
+    migrator = make_migrator(view, clock, FakeSources())
+    src, visited = "a", []
+    for _ in range(4):
+        order = migrator.admin_order(src, "", "r-1")
+        await migrator.migrate(order)
+        clock.advance(1.0)
+        report(view, src, 0)
+        report(view, order.dst_instance_id, 1)
+        src = order.dst_instance_id
+        visited.append(src)
+    assert set(visited[:3]) == {"a", "b", "c"}  # before: b, a, b, a
+
+
 async def test_history_is_bounded_and_filtered():
     clock = FakeClock()
     view = cluster(clock, a=2, b=0, c=0)

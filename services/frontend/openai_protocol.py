@@ -328,6 +328,16 @@ def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
     _reject_constrained_output(body)
 
 
+def _reject_non_text_output(body: Mapping[str, Any]) -> None:
+    """OpenAI's audio output: the model writes text only."""
+    if body.get("audio") is not None:
+        raise RequestError("audio: this model answers in text only; leave audio out", param="audio")
+    modalities = body.get("modalities")
+    if modalities is not None and (not isinstance(modalities, list) or any(m != "text" for m in modalities)):
+        raise RequestError(f"modalities: only [\"text\"] is supported, got {str(modalities)[:60]}",
+                           param="modalities")
+
+
 def _reject_constrained_output(body: Mapping[str, Any]) -> None:
     """Structured output and tool calls need constrained decoding or a tool-call parser, which
     ferry lacks: asking for them is refused rather than silently answered with free text."""
@@ -344,6 +354,7 @@ def _reject_constrained_output(body: Mapping[str, Any]) -> None:
                            param="tool_choice")
     if body.get("functions"):
         raise RequestError("functions: function calls are not supported; leave functions out", param="functions")
+    _reject_non_text_output(body)
     for name in _GUIDED_FIELDS:  # vLLM's structured output fields
         if body.get(name) is not None:
             raise RequestError(f"{name}: structured output is not supported (no constrained decoding); leave it out",

@@ -272,6 +272,9 @@ def test_missing_prompt():
     ({"response_format": "json"}, ["response_format", "'json'"], "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools", "not supported", "tool_choice"], "tools"),
     ({"functions": [{"name": "f"}]}, ["functions", "not supported"], "functions"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, ["audio", "text only"], "audio"),
+    ({"modalities": ["text", "audio"]}, ["modalities", "only [\"text\"]"], "modalities"),
+    ({"modalities": "text"}, ["modalities"], "modalities"),
     ({"model": 7}, ["model", "expected a string"], "model"),
 ])
 def test_bad_completion_fields(fields, words, param):
@@ -286,6 +289,11 @@ def test_vllm_options_not_served_are_refused_not_ignored():
     with pytest.raises(RequestError, match="continuous_usage_stats: not supported") as info:
         completion(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
     assert info.value.param == "stream_options.continuous_usage_stats"
+
+
+def test_text_output_modalities_are_served():
+    assert chat(modalities=["text"]).endpoint is Endpoint.CHAT
+    assert chat(modalities=None, audio=None).endpoint is Endpoint.CHAT
 
 
 def test_an_instances_400_names_the_field_its_message_starts_with():

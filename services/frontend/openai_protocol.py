@@ -12,6 +12,7 @@ import enum
 import json
 import math
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -146,6 +147,9 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
+        if "integer string conversion" in str(exc):  # Python's int() guard, whose message names sys.*
+            raise RequestError(f"the request body holds an integer longer than {sys.get_int_max_str_digits()} "
+                               "digits", code="invalid_json") from None
         raise RequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
         raise RequestError("the request body nests JSON arrays or objects too deeply", code="invalid_json") from None

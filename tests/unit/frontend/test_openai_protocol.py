@@ -48,6 +48,9 @@ def test_json_body_must_parse_and_be_an_object():
         parse_json_body(b"[1, 2]")
     with pytest.raises(RequestError, match="nests JSON arrays or objects too deeply"):
         parse_json_body(b'{"metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    with pytest.raises(RequestError, match="an integer longer than 4300 digits") as info:
+        parse_json_body(b'{"seed": ' + b"9" * 5000 + b"}")
+    assert "sys." not in info.value.message
     with pytest.raises(RequestError, match="must be a JSON object, got null"):
         parse_json_body(b"null")
 

@@ -29,6 +29,9 @@ class FrontendConfig(EtcdKnobs, ClientTlsKnobs, LogKnobs):
     cluster: str = knob("ferry", "cluster name: etcd keys live under /ferry/<cluster>/")
     manager_address: str = knob("", "leader manager host:port (default: read /ferry/<cluster>/manager/leader from etcd)")
     api_key: list[str] = knob([], "accepted API keys (repeat the flag or separate with commas); empty = no auth")
+    allowed_origins: list[str] = knob([], "origins whose browser pages may call the API (CORS; repeat the flag or "
+                                          "separate with commas), e.g. https://chat.example.com, or * for any; "
+                                          "empty = no CORS headers, so browsers refuse cross-origin calls")
     max_body_bytes: int = knob(MIB, "largest request body in bytes; larger ones get 413")
     max_inflight: int = knob(256, "most requests in flight (each choice of an n > 1 request counts); more get 429")
     keepalive_timeout_s: float = knob(75.0, "seconds an HTTP connection may sit without a complete request (idle "

@@ -17,7 +17,7 @@ import contextlib
 import hmac
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 import structlog
@@ -25,6 +25,7 @@ from aiohttp import web
 
 from services.common.errors import FerryError, ResourceExhausted, Unauthenticated, Unavailable
 from services.common.prefix_hash import MAX_PREFIX_CHUNKS, prefix_chunk_keys
+from services.frontend.cors import CorsPolicy, Handler
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import GenerateSpec, RequestId
 from services.frontend.metrics import FrontendMetrics
@@ -43,7 +44,6 @@ log = structlog.get_logger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 _REQUEST_ID_KEY = web.RequestKey("request_id", str)
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class PayloadTooLarge(FerryError):
@@ -61,7 +61,7 @@ class BodyTimeout(FerryError):
 class FrontendServer:
     def __init__(self, model: ServedModel, runner: RequestRunner, dispatcher: Dispatcher, metrics: FrontendMetrics,
                  *, api_keys: Sequence[str], max_inflight: int, max_body_bytes: int,
-                 body_timeout_s: float = 30.0) -> None:
+                 body_timeout_s: float = 30.0, allowed_origins: Sequence[str] = ()) -> None:
         self._model = model
         self._runner = runner
         self._dispatcher = dispatcher
@@ -70,6 +70,7 @@ class FrontendServer:
         self._max_inflight = max_inflight
         self._max_body_bytes = max_body_bytes
         self._body_timeout_s = body_timeout_s
+        self._cors = CorsPolicy(allowed_origins)
         self._openapi_args = (model.name, max_body_bytes, bool(api_keys))
         self._num_inflight = 0
         self._started_at = int(time.time())
@@ -77,7 +78,8 @@ class FrontendServer:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self._max_body_bytes,
-                              middlewares=[self._error_middleware, self._auth_middleware])
+                              middlewares=[self._error_middleware, self._cors.middleware, self._auth_middleware])
+        app.on_response_prepare.append(self._cors.on_prepare)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)

@@ -25,6 +25,7 @@ NUM_BLOCKS = 64
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 256
 KEYS = ("key-one", "key-two")
+ORIGIN = "https://chat.example.com"  # the one origin whose pages may call this frontend (CORS)
 PROMPT_IDS = [5, 17, 42, 99, 7, 3]
 
 
@@ -62,7 +63,8 @@ def start_frontend(name, etcd, model_dir, cluster_name, log_dir, *extra: str) ->
 @pytest.fixture(scope="module")
 def frontend(instance, etcd, tiny_model_dir, cluster_name, tmp_path_factory):
     process = start_frontend("frontend-fe", etcd, tiny_model_dir, cluster_name, tmp_path_factory.mktemp("logs"),
-                             "--api-key", KEYS[0], "--api-key", KEYS[1], "--max-body-bytes", "65536")
+                             "--api-key", KEYS[0], "--api-key", KEYS[1], "--max-body-bytes", "65536",
+                             "--allowed-origins", ORIGIN)
     try:
         asyncio.run(process.wait_healthy(60))
         yield process
@@ -493,6 +495,39 @@ async def test_every_configured_key_works(frontend):
         async with openai.AsyncOpenAI(base_url=f"{frontend.address}/v1", api_key=key, max_retries=0) as client:
             assert [m.id async for m in client.models.list()] == [MODEL]
             assert (await client.models.retrieve(MODEL)).id == MODEL
+
+
+# ---- CORS ----------------------------------------------------------------------------------
+
+
+async def test_a_browser_page_on_an_allowed_origin_may_call_the_api(frontend):
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    async with aiohttp.ClientSession(base_url=frontend.address) as session:
+        async with session.options(COMPLETIONS, headers=preflight) as response:  # no API key: browsers send none
+            assert response.status == 204
+            assert response.headers["Access-Control-Allow-Origin"] == ORIGIN
+            assert "POST" in response.headers["Access-Control-Allow-Methods"]
+            assert response.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True}
+        async with session.post(COMPLETIONS, json=body, headers={
+                "Origin": ORIGIN, "Authorization": f"Bearer {KEYS[0]}"}) as response:
+            assert response.status == 200 and (await response.text()).endswith("data: [DONE]\n\n")
+            assert response.headers["Access-Control-Allow-Origin"] == ORIGIN
+            assert response.headers["Access-Control-Expose-Headers"] == "x-request-id"
+        async with session.post(COMPLETIONS, json=body, headers={"Origin": ORIGIN}) as response:
+            assert response.status == 401  # the page can read why
+            assert response.headers["Access-Control-Allow-Origin"] == ORIGIN
+
+
+async def test_other_origins_get_no_cors_headers(frontend):
+    async with aiohttp.ClientSession(base_url=frontend.address) as session:
+        async with session.options(COMPLETIONS, headers={"Origin": "https://evil.example",
+                                                         "Access-Control-Request-Method": "POST"}) as response:
+            assert response.status != 204 and "Access-Control-Allow-Origin" not in response.headers
+        async with session.get("/v1/models", headers={"Origin": "https://evil.example",
+                                                      "Authorization": f"Bearer {KEYS[0]}"}) as response:
+            assert response.status == 200 and "Access-Control-Allow-Origin" not in response.headers
 
 
 # ---- a client that goes away ----------------------------------------------------------------

@@ -13,6 +13,9 @@ def test_api_keys_repeat_or_comma_separate():
     config = load_config(["--etcd-endpoints", "h:1", "--api-key", "a", "--api-key=b,c", "--api-key", "d"])
     assert config.api_key == ["a", "b", "c", "d"]
     assert config.etcd_endpoints == ["h:1"]
+    origins = load_config(["--manager-address", "m:1", "--allowed-origins", "https://a.example",
+                           "--allowed-origins=https://b.example"])
+    assert origins.allowed_origins == ["https://a.example", "https://b.example"]
 
 
 def test_defaults_and_model_name(tmp_path):

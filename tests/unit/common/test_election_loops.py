@@ -39,17 +39,18 @@ def candidate(ttl_s: float = TTL_S) -> Election:
     return Election(["127.0.0.1:1"], "test", "m-1", "127.0.0.1:2", ttl_s=ttl_s)
 
 
-def leading(lease: FakeLease) -> Election:
-    election = candidate()
+def leading(lease: FakeLease, ttl_s: float = TTL_S) -> Election:
+    election = candidate(ttl_s)
     election._lease, election.epoch = lease, 7
     return election
 
 
 async def test_unexpected_renewal_errors_do_not_end_the_leadership():
     lease = FakeLease(RuntimeError("boom"))
-    election = leading(lease)
+    # A TTL of 1.5 s: a starved machine that wakes the loop a TTL late would (rightly) step it down.
+    election = leading(lease, ttl_s=1.5)
     loop = asyncio.create_task(election._leadership_loop())
-    await until(lambda: lease.num_renewals >= 2, loop)
+    await until(lambda: lease.num_renewals >= 2, loop, timeout_s=8.0)
     assert election.is_leader and not election.lost.is_set()
     await assert_cancels(loop)
 

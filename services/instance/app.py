@@ -181,7 +181,8 @@ def engine_spec(config: InstanceConfig, kv_name: str) -> EngineSpec:
                       block_size=config.block_size, num_blocks=config.num_blocks, kv_cache_mib=config.kv_cache_mib,
                       max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.step_token_budget,
                       max_model_len=config.max_model_len, sim_latency=_sim_latency(config),
-                      enable_prefix_caching=config.enable_prefix_caching, device=resolve_device(config.device))
+                      enable_prefix_caching=config.enable_prefix_caching, device=resolve_device(config.device),
+                      priority_headroom_blocks=config.priority_headroom_blocks)
 
 
 def _sim_latency(config: InstanceConfig) -> SimLatency | None:

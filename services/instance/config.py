@@ -85,6 +85,10 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
                                           "beside it wait one chunk per step (0 = 512 on the CPU, 2048 on a GPU)")
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of prompt prefixes earlier requests computed "
                                              "(full blocks, matched by a hash of their tokens); false = off")
+    priority_headroom_blocks: int = knob(0, "KV blocks each running or queued request with priority > 0 keeps "
+                                            "out of this instance's reported freeness (Llumnix's priority headroom): "
+                                            "the manager then dispatches fewer requests here and migrates others "
+                                            "away, so high-priority requests decode with less company (0 = off)")
     max_model_len: int = knob(0, "longest sequence (prompt + output) in tokens (0 = the longest the model serves: max_position_embeddings, or less for longrope RoPE)")
     num_threads: int = knob(0, "torch threads for the engine (0 = torch's default)")
     load_report_interval_s: float = knob(0.075, "seconds between load reports streamed to the leader manager")

@@ -162,6 +162,7 @@ def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int
         num_total_blocks=load.num_total_blocks,
         num_blocks_needed_by_waiting=load.num_blocks_needed_by_waiting,
         freeness=load.freeness,
+        num_headroom_blocks=load.num_headroom_blocks,
         num_requests_served=num_requests_served,
         timestamp=timestamp,
         step_time_ms_p50=step_time_ms_p50,

@@ -96,11 +96,13 @@ class Load:
     num_prefilled: int = 0  # decoding requests on a PREFILL instance waiting for their PD hand-off
     num_prefix_queried_tokens: int = 0  # prefix cache since the instance started: admitted context tokens
     num_prefix_hit_tokens: int = 0  # ... and those found in the cache
+    num_headroom_blocks: int = 0  # kept free for the instance's high-priority requests
 
     @property
     def freeness(self) -> float:
-        """(free blocks - blocks needed by queued requests) / (running requests + 1)."""
-        return (self.num_free_blocks - self.num_blocks_needed_by_waiting) / (self.num_running + 1)
+        """(free blocks - blocks needed by queued requests - priority headroom) / (running requests + 1)."""
+        num_spoken_for = self.num_blocks_needed_by_waiting + self.num_headroom_blocks
+        return (self.num_free_blocks - num_spoken_for) / (self.num_running + 1)
 
     def plus(self, reservation: Reservation) -> Load:
         """This load with the manager's not-yet-reported dispatches added."""

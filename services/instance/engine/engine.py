@@ -73,11 +73,14 @@ class EngineConfig:
     max_num_seqs: int = 64  # batch slots: most running requests
     max_num_batched_tokens: int = 2048  # most tokens (prefill chunks + decodes) in one step
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks other requests computed (prefix_cache.py)
+    priority_headroom_blocks: int = 0  # blocks each high-priority (priority > 0) request keeps out of freeness
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.priority_headroom_blocks < 0:
+            raise ValueError(f"--priority-headroom-blocks must be >= 0, got {self.priority_headroom_blocks}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +103,9 @@ class LoadSnapshot:
     num_free_blocks: int
     num_total_blocks: int
     num_blocks_needed_by_waiting: int
-    freeness: float  # (free - needed by waiting) / (running + 1)
+    freeness: float  # (free - needed by waiting - headroom) / (running + 1)
     num_decoding: int = 0  # running requests past their prefill (at least one output token): PD hand-off candidates
+    num_headroom_blocks: int = 0  # kept free for high-priority requests (--priority-headroom-blocks each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,11 +435,13 @@ class LLMEngine:
     def load(self) -> LoadSnapshot:
         num_running, num_free = len(self.scheduler.running), self.block_manager.num_free_blocks
         num_needed = self.scheduler.num_blocks_needed_by_waiting()
+        num_headroom = self.config.priority_headroom_blocks * sum(
+            r.priority > 0 for r in (*self.scheduler.running, *self.scheduler.waiting))
         return LoadSnapshot(
             num_running=num_running, num_waiting=len(self.scheduler.waiting), num_free_blocks=num_free,
             num_total_blocks=self.block_manager.num_blocks, num_blocks_needed_by_waiting=num_needed,
-            freeness=(num_free - num_needed) / (num_running + 1),
-            num_decoding=sum(is_prefill_done(r) for r in self.scheduler.running),
+            freeness=(num_free - num_needed - num_headroom) / (num_running + 1),
+            num_decoding=sum(is_prefill_done(r) for r in self.scheduler.running), num_headroom_blocks=num_headroom,
         )  # fmt: skip
 
     def prefix_cache_stats(self) -> PrefixCacheStats:

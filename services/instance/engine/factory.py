@@ -39,6 +39,7 @@ class EngineSpec:
     max_model_len: int = 0  # 0 = the longest the model serves (context_window.py)
     sim_latency: SimLatency | None = None  # set: the sim engine, with this latency model
     enable_prefix_caching: bool = True
+    priority_headroom_blocks: int = 0  # EngineConfig.priority_headroom_blocks
     device: torch.device = torch.device("cpu")  # the torch engine's weights and KV cache (the sim engine: cpu)
 
 
@@ -67,7 +68,8 @@ def build_engine(spec: EngineSpec) -> LoadedEngine:
     kv_cache = KvCache.create(spec.kv_name, geometry, spec.device)
     engine_config = EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len, block_size=spec.block_size,
                                  max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
-                                 enable_prefix_caching=spec.enable_prefix_caching)
+                                 enable_prefix_caching=spec.enable_prefix_caching,
+                                 priority_headroom_blocks=spec.priority_headroom_blocks)
     engine = LLMEngine(model, Tokenizer.from_dir(spec.model_dir), kv_cache, engine_config)
     return LoadedEngine(engine, kv_cache, max_model_len)
 

@@ -108,7 +108,8 @@ def is_movable(request: Request) -> bool:
 
 def pick_request(requests: Iterable[Request], selection: MigrationSelection,
                  exclude: frozenset[str] = frozenset()) -> Request | None:
-    """The request `selection` moves: among decoding ones first, waiting ones only if none decodes."""
+    """The request `selection` moves: among decoding ones first, waiting ones only if none decodes; of those,
+    only the lowest priority present."""
     movable = [r for r in requests if r.request_id not in exclude and is_movable(r)]
     if selection is MigrationSelection.PREFILL_DONE:  # never a waiting one: it would prefill on the destination
         return min((r for r in movable if is_prefill_done(r)), key=lambda r: r.arrival_order, default=None)
@@ -116,6 +117,8 @@ def pick_request(requests: Iterable[Request], selection: MigrationSelection,
     candidates = running or movable
     if not candidates:
         return None
+    lowest = min(r.priority for r in candidates)  # a higher-priority request is moved (and paused) last
+    candidates = [r for r in candidates if r.priority == lowest]
     if selection is MigrationSelection.LAST_COME_FIRST:
         return max(candidates, key=lambda r: r.arrival_order)
     if selection is MigrationSelection.LONGEST_RUNNING:

@@ -55,7 +55,7 @@ def make_engine() -> Iterator[Callable[..., LLMEngine]]:
 
     def make(tiny: Tiny, num_blocks: int = 256, block_size: int = 4, max_num_seqs: int = 16,
              max_num_batched_tokens: int = 512, max_model_len: int = 1024,
-             enable_prefix_caching: bool = True) -> LLMEngine:
+             enable_prefix_caching: bool = True, priority_headroom_blocks: int = 0) -> LLMEngine:
         c = tiny.model.config
         geometry = KvGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, num_blocks,
                               torch.float32)
@@ -63,7 +63,8 @@ def make_engine() -> Iterator[Callable[..., LLMEngine]]:
         caches.append(cache)
         config = EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len, block_size=block_size,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              enable_prefix_caching=enable_prefix_caching)
+                              enable_prefix_caching=enable_prefix_caching,
+                              priority_headroom_blocks=priority_headroom_blocks)
         return LLMEngine(tiny.model, tiny.tokenizer, cache, config)
 
     yield make
@@ -235,6 +236,18 @@ def test_abort_frees_blocks_at_once_and_load_reports(gqa, make_engine):
     assert states == {"a": ("running", 10), "b": ("waiting", 29)}
     assert engine.abort("a")
     assert engine.block_manager.num_free_blocks == 20
+
+
+def test_high_priority_requests_keep_headroom_out_of_the_reported_freeness(gqa, make_engine):
+    engine = make_engine(gqa, num_blocks=40, max_num_seqs=4, priority_headroom_blocks=5)
+    engine.add_request("normal", list(range(1, 10)), GREEDY)
+    engine.add_request("urgent", list(range(1, 10)), GREEDY, priority=2)
+    engine.add_request("queued-urgent", list(range(1, 10)), GREEDY, priority=1)
+    engine.add_request("negative", list(range(1, 10)), GREEDY, priority=-1)
+    load = engine.load()
+    assert load.num_headroom_blocks == 2 * 5
+    assert load.freeness == pytest.approx((40 - load.num_blocks_needed_by_waiting - 10) / (load.num_running + 1))
+    assert engine.abort("urgent") and engine.load().num_headroom_blocks == 5
 
 
 # (4) Resume with tokens generated elsewhere.

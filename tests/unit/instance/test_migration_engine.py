@@ -224,6 +224,15 @@ def test_selection_policies(make_engine):
     assert engine.pick_for_migration(MigrationSelection.SHORTEST_RUNNING, exclude=frozenset({"short"})) == "mid"
 
 
+def test_a_higher_priority_request_is_moved_last(make_engine):
+    engine, harness = make_engine(), Harness()
+    engine.add_request("urgent-short", [7] * 4, GREEDY, priority=1)
+    engine.add_request("normal-long", [7] * 12, GREEDY)
+    harness.step(engine)
+    assert engine.pick_for_migration(MigrationSelection.SHORTEST_RUNNING) == "normal-long"
+    assert engine.pick_for_migration(MigrationSelection.SHORTEST_RUNNING, frozenset({"normal-long"})) == "urgent-short"
+
+
 def test_suspend_resume_and_abort_keep_blocks_accounted(make_engine):
     reference = unmigrated(make_engine, GREEDY)
     engine, harness = make_engine(), Harness()

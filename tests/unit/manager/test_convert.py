@@ -24,3 +24,11 @@ def test_prefix_cache_counters_reach_the_instance_row():
 def test_negative_counters_are_refused_by_name():
     with pytest.raises(InvalidArgument, match="prefix_cache_hit_tokens"):
         load_from_proto(common_pb2.LoadReport(prefix_cache_hit_tokens=-1))
+
+
+def test_priority_headroom_counts_against_freeness_as_the_instance_computes_it():
+    load = load_from_proto(common_pb2.LoadReport(num_running=1, num_free_blocks=40, num_blocks_needed_by_waiting=6,
+                                                 num_headroom_blocks=10))
+    assert load.freeness == pytest.approx((40 - 6 - 10) / 2)
+    with pytest.raises(InvalidArgument, match="num_headroom_blocks"):
+        load_from_proto(common_pb2.LoadReport(num_headroom_blocks=-1))

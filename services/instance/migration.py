@@ -216,6 +216,7 @@ class MigrationDriver:
             if plan.request_id in self._moving:
                 raise FailedPrecondition(f"request {plan.request_id} is already migrating; wait for it to end")
             await self._wait_for_client(plan.request_id)
+            await self._runner.call(lambda: self._runner.engine.check_movable(plan.request_id))
             return plan.request_id
         exclude = frozenset(self._moving) | plan.exclude_request_ids | self._runner.unattached_request_ids()
         request_id = await self._runner.call(lambda: self._runner.engine.pick_for_migration(plan.selection, exclude))

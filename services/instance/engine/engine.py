@@ -37,6 +37,7 @@ from services.instance.engine.migration_state import (
     MigrationSelection,
     RequestState,
     export_state,
+    is_movable,
     is_prefill_done,
     migration_blocks,
     pick_request,
@@ -201,11 +202,21 @@ class LLMEngine:
         """Where the request's K/V are now; NotFound once it finished or was aborted."""
         return migration_blocks(self._request(request_id), self.config.block_size, self.config.max_model_len)
 
+    def check_movable(self, request_id: str) -> None:
+        """NotFound if gone; FailedPrecondition while its prompt is partly computed (a chunked prefill):
+        what it computed so far of its prompt's logprobs does not travel, and a moment later it can."""
+        request = self._request(request_id)
+        if request.status is not RequestStatus.SUSPENDED and not is_movable(request):
+            raise FailedPrecondition(
+                f"request {request_id} is prefilling ({request.num_computed_tokens} of {request.num_prompt_tokens} "
+                "prompt tokens computed); it can migrate while queued or once it has its first token")
+
     def suspend(self, request_id: str) -> MigrationBlocks:
         """Take the request out of the batch (it keeps its blocks) so its last blocks can be copied."""
         request = self._request(request_id)
         if request.status is RequestStatus.SUSPENDED:
             raise FailedPrecondition(f"request {request_id} is already migrating; wait for that migration to end")
+        self.check_movable(request_id)
         self.scheduler.suspend(request)
         return self.migration_blocks(request_id)
 

@@ -42,7 +42,7 @@ def tiny(tiny_model_dir):
 def make_engine(tiny) -> Iterator[Callable[..., LLMEngine]]:
     caches: list[KvCache] = []
 
-    def make(num_blocks: int = NUM_BLOCKS, max_num_seqs: int = 8) -> LLMEngine:
+    def make(num_blocks: int = NUM_BLOCKS, max_num_seqs: int = 8, max_num_batched_tokens: int = 256) -> LLMEngine:
         model, tokenizer = tiny
         c = model.config
         geometry = KvGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, BLOCK_SIZE, num_blocks,
@@ -50,7 +50,7 @@ def make_engine(tiny) -> Iterator[Callable[..., LLMEngine]]:
         cache = KvCache.create(f"ferry-kv-test-mig-{os.getpid()}-{uuid.uuid4().hex[:8]}", geometry)
         caches.append(cache)
         config = EngineConfig(num_blocks=num_blocks, max_model_len=256, block_size=BLOCK_SIZE,
-                              max_num_seqs=max_num_seqs, max_num_batched_tokens=256)
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         return LLMEngine(model, tokenizer, cache, config)
 
     yield make
@@ -222,6 +222,21 @@ def test_selection_policies(make_engine):
     assert engine.pick_for_migration(MigrationSelection.LONGEST_RUNNING) == "long"
     assert engine.pick_for_migration(MigrationSelection.LAST_COME_FIRST) == "long"
     assert engine.pick_for_migration(MigrationSelection.SHORTEST_RUNNING, exclude=frozenset({"short"})) == "mid"
+
+
+def test_a_request_midway_through_its_prefill_does_not_move(make_engine):
+    """Its prompt logprobs so far would not travel; queued, or once it has a token, it moves."""
+    engine, harness = make_engine(max_num_batched_tokens=16), Harness()
+    engine.add_request("long", [7] * 40, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                        prompt_logprobs=1))
+    engine.check_movable("long")  # queued
+    harness.step(engine)  # 16 of 40 prompt tokens
+    with pytest.raises(FailedPrecondition, match="prefilling \\(16 of 40 prompt tokens computed\\)"):
+        engine.suspend("long")
+    assert engine.pick_for_migration(MigrationSelection.SHORTEST_RUNNING) is None
+    harness.run_until(engine, "long", 1)
+    engine.check_movable("long")
+    engine.suspend("long")
 
 
 def test_a_higher_priority_request_is_moved_last(make_engine):

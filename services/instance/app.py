@@ -104,6 +104,7 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
                 background.append(tasks.create_task(transfer_mapping_loop(link, instance_id, loaded.kv_cache)))
             if registry is not None:
                 await registry.register("instances", instance_id, instance_record(identity, loaded, link))
+                servicer.inbox.watch_sources(await registry.watch("instances"))
                 manager = ManagerLink(await watch_leader(registry), config.migration_rpc_timeout_s, config.tls)
             wire_pd(config, servicer, runner, manager, registry, lambda i: instance_record(i, loaded, link))
             background.append(tasks.create_task(servicer.handoff.handoff_loop(), name="pd_handoff_loop"))

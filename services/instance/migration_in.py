@@ -5,7 +5,9 @@ Life of one incoming migration (keyed by the source's migration id):
     PrepareMigrateIn (reserve, grow)  →  CommitMigrateIn (adopt the request; its outputs
     wait in its stream)  →  Attach (a client reads the stream)
     any time before the attach: AbortMigrateIn, or the watchdog once
-    --migration-reservation-timeout-s passed without progress
+    --migration-reservation-timeout-s passed without progress; before the commit, also as
+    soon as the source leaves etcd's membership (its lease expired: killed, frozen, cut off)
+    or comes back as another process
 
 A migration holds one of this instance's migration slots from its first Prepare until it
 commits or aborts. After the commit the source may still abort it (its commit call failed
@@ -18,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import structlog
 
@@ -42,6 +46,13 @@ class _Incoming:
     src_instance_id: str
     expires_at: float  # monotonic; pushed back by every Prepare and by the commit
     epoch: int | None = None  # set once committed
+    src_process: tuple[Any, Any] | None = None  # the source's (host, pid) in etcd at the first Prepare
+
+
+class Members(Protocol):
+    """The instances registered in etcd (a `MembershipView` of "instances")."""
+
+    def get(self, member_id: str) -> Mapping[str, Any] | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +71,11 @@ class MigrationInbox:
         self._timeout_s = timeout_s
         self._transfer = transfer
         self._incoming: dict[str, _Incoming] = {}  # by migration id, until attached or aborted
+        self._instances: Members | None = None  # set by watch_sources (instances registered in etcd)
+
+    def watch_sources(self, instances: Members) -> None:
+        """Free a reservation once its source is gone from `instances`, not only after the timeout."""
+        self._instances = instances
 
     @property
     def num_incoming(self) -> int:
@@ -83,9 +99,11 @@ class MigrationInbox:
                           f"{self._timeout_s:g} s without a call) or it was aborted; the blocks copied so far are lost")
         if incoming is None:
             self._slots.acquire(migration_id)
-            incoming = _Incoming(migration_id, request_id, src_instance_id, self._deadline())
+            incoming = _Incoming(migration_id, request_id, src_instance_id, self._deadline(),
+                                 src_process=self._process_of(src_instance_id))
             self._incoming[migration_id] = incoming
         incoming.expires_at = self._deadline()
+        incoming.src_process = incoming.src_process or self._process_of(src_instance_id)  # etcd may show it late
         engine = self._runner.engine
 
         def reserve() -> tuple[tuple[int, ...], int]:
@@ -170,15 +188,35 @@ class MigrationInbox:
 
     async def expire(self, now: float) -> None:
         for incoming in list(self._incoming.values()):
-            if incoming.expires_at <= now or self._is_overflowing(incoming):
+            if (reason := self._expiry_reason(incoming, now)) is not None:
                 was_dropped = await self.abort(incoming.migration_id)
-                log.warning("migration_in_expired", migration_id=incoming.migration_id,
+                log.warning("migration_in_expired", migration_id=incoming.migration_id, reason=reason,
                             request_id=incoming.request_id, src_instance_id=incoming.src_instance_id,
                             is_committed=incoming.epoch is not None, was_dropped=was_dropped)
+
+    def _expiry_reason(self, incoming: _Incoming, now: float) -> str | None:
+        if incoming.expires_at <= now:
+            return "timeout"
+        if self._is_overflowing(incoming):
+            return "unread_outputs"
+        if self._is_source_gone(incoming):
+            return "source_gone"
+        return None
 
     def _is_overflowing(self, incoming: _Incoming) -> bool:
         stream = self._runner.stream(incoming.request_id) if incoming.epoch is not None else None
         return stream is not None and not stream.is_attached and stream.outputs.qsize() > MAX_UNATTACHED_OUTPUTS
+
+    def _is_source_gone(self, incoming: _Incoming) -> bool:
+        """Before the commit only: a committed request waits for its client, whom the source may have
+        handed it to just before it went (a drained instance that was stopped at once)."""
+        if incoming.epoch is not None or incoming.src_process is None:
+            return False  # committed, or a source etcd never showed us: the timeout decides
+        return self._process_of(incoming.src_instance_id) != incoming.src_process
+
+    def _process_of(self, instance_id: str) -> tuple[Any, Any] | None:
+        record = self._instances.get(instance_id) if self._instances is not None else None
+        return None if record is None else (record.get("host"), record.get("pid"))
 
     def _forget(self, migration_id: str) -> None:
         self._incoming.pop(migration_id, None)

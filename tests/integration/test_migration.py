@@ -417,6 +417,30 @@ async def test_request_finishing_before_commit_aborts_the_migration(stubs, clust
     await assert_all_blocks_free(stubs)
 
 
+async def test_a_reservation_goes_once_its_source_leaves_etcd_though_it_kept_growing(stubs, cluster, etcd):
+    """A live source's Prepare calls keep pushing the timeout back; a source gone from etcd makes none,
+    yet its reservation (and the destination's migration slot) must not wait out the timeout. Here the
+    fake source keeps growing its reservation after it left, so only its absence can free it."""
+    baseline = await free_blocks(stubs["b"])
+
+    def prepare(grow_only: bool) -> instance_pb2.PrepareMigrateInRequest:
+        return instance_pb2.PrepareMigrateInRequest(migration_id="ghost-1", request_id="ghost",
+                                                    src_instance_id="ghost", num_blocks=4, grow_only=grow_only)
+    async with Registry([etcd.endpoint], cluster.name, ttl_s=2.0) as ghost:
+        await ghost.register("instances", "ghost", {"address": "127.0.0.1:9", "host": "elsewhere", "pid": 1})
+        assert len((await stubs["b"].PrepareMigrateIn(prepare(False), timeout=5)).block_ids) == 4
+        for _ in range(8):  # copying for 2 s while registered: b's view of etcd shows the ghost meanwhile
+            await stubs["b"].PrepareMigrateIn(prepare(True), timeout=5)
+            await asyncio.sleep(0.25)
+        assert await free_blocks(stubs["b"]) == baseline - 4
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        for _ in range(100):
+            await stubs["b"].PrepareMigrateIn(prepare(True), timeout=5)  # pushes the timeout back, as copying would
+            await asyncio.sleep(RESERVATION_TIMEOUT_S / 6)
+    assert error.value.code() == grpc.StatusCode.ABORTED, error.value.details()
+    assert await free_blocks(stubs["b"]) == baseline
+
+
 async def test_watchdog_frees_a_reservation_nobody_commits(stubs):
     baseline = await free_blocks(stubs["b"])
     reply = await stubs["b"].PrepareMigrateIn(instance_pb2.PrepareMigrateInRequest(

@@ -57,3 +57,22 @@ async def test_the_watchdog_outlives_a_failed_abort_and_frees_the_rest():
     await inbox.prepare("m-3", "r-3", "src", num_blocks=1)  # and it goes on sweeping
     await until(lambda: engine.freed == ["m-2", "m-3"], loop)
     await assert_cancels(loop)
+
+
+async def test_a_reservation_is_freed_once_its_source_leaves_etcd_or_restarts():
+    engine, slots = FakeEngine(), MigrationSlots(4)
+    inbox = MigrationInbox(FakeRunner(engine), slots, timeout_s=60.0, transfer=TransferEndpoint("", ""))
+    members = {"a": {"host": "h", "pid": 1}, "b": {"host": "h", "pid": 2}, "c": {"host": "h", "pid": 3}}
+    inbox.watch_sources(members)
+    for migration_id, src in (("m-a", "a"), ("m-b", "b"), ("m-c", "c"), ("m-x", "never-registered")):
+        await inbox.prepare(migration_id, f"r-{src}", src, num_blocks=2)
+    now = asyncio.get_running_loop().time()
+    await inbox.expire(now)
+    assert engine.freed == [] and slots.num_busy == 4  # every source that etcd showed is still there
+    del members["a"]  # killed or frozen: its lease expired
+    members["b"] = {"host": "h", "pid": 22}  # restarted under the same id: it knows nothing of m-b
+    members["c"] = {"host": "h", "pid": 3, "role": "decode"}  # a new role, the same process
+    await inbox.expire(now)
+    assert sorted(engine.freed) == ["m-a", "m-b"] and slots.num_busy == 2
+    # a source etcd never showed (no etcd there) is left to the timeout
+    assert inbox.num_incoming == 2

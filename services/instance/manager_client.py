@@ -7,15 +7,17 @@ a leader that is down or misses the deadline: Unavailable).
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from services.common.election import LeaderView
-from services.common.errors import Unavailable, error_from_rpc
+from services.common.errors import FerryError, Unavailable, error_from_rpc
 from services.common.gen.ferry.v1 import manager_pb2, manager_pb2_grpc
 from services.common.grpc_server import secure_or_insecure_channel
 from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
-from services.instance.migration import MigrationResult
+from services.instance.migration import MigrateOutPlan, MigrationResult
 from services.instance.pd_handoff import DecodePlace
 
 
@@ -40,6 +42,15 @@ class ManagerLink:
             num_stages=result.num_stages, backend=result.backend.value, duration_ms=result.duration_ms,
             downtime_ms=result.downtime_ms, outcome="committed", trigger="pd", started_at=started_at)
         await self._call("ReportMigration", record, result.request_id)
+
+    async def report_failed_migration(self, plan: MigrateOutPlan, src_instance_id: str, error: FerryError,
+                                      started_at: float) -> None:
+        """A hand-off that did not happen (the request decodes on the source), for ListMigrations."""
+        record = manager_pb2.MigrationRecord(
+            request_id=plan.request_id, src_instance_id=src_instance_id, dst_instance_id=plan.dst_instance_id,
+            duration_ms=max(0.0, (time.time() - started_at) * 1e3), outcome="failed",
+            reason=error.grpc_code.name, message=error.message, trigger="pd", started_at=started_at)
+        await self._call("ReportMigration", record, plan.request_id)
 
     async def close(self) -> None:
         if self._channel is not None:

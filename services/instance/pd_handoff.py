@@ -20,9 +20,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -52,6 +52,9 @@ class DecodePlacer(Protocol):
     async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int) -> DecodePlace: ...
 
     async def report_migration(self, result: MigrationResult, started_at: float) -> None: ...
+
+    async def report_failed_migration(self, plan: MigrateOutPlan, src_instance_id: str, error: FerryError,
+                                      started_at: float) -> None: ...
 
 
 class DecodeHandoff:
@@ -146,32 +149,28 @@ class DecodeHandoff:
         plan = MigrateOutPlan(request_id=request_id, dst_instance_id=place.instance_id, dst_address=place.address,
                               dst_transfer_address="", backend=None, selection=MigrationSelection.PREFILL_DONE,
                               max_stages=0, held=held)
-        result = await self._migrate(plan)
-        if result is not None:
-            self.num_handed_off += 1
-            self._report(result, started_at)
+        try:
+            result = await self._migrate(plan)
+        except FerryError as exc:  # it decodes here; the manager's loop retries it
+            log.info("pd_handoff_failed", request_id=plan.request_id, dst_instance_id=plan.dst_instance_id,
+                     code=exc.grpc_code.name, reason=exc.message)
+            self._in_background(self._placer.report_failed_migration(plan, self._instance_id, exc, started_at),
+                                request_id)
+            return None
+        self.num_handed_off += 1
+        self._in_background(self._placer.report_migration(result, started_at), request_id)
         return result
 
-    async def _migrate(self, plan: MigrateOutPlan) -> MigrationResult | None:
-        for attempt in range(_SLOT_RETRIES + 1):
+    async def _migrate(self, plan: MigrateOutPlan) -> MigrationResult:
+        for attempt in range(_SLOT_RETRIES):
             try:
                 return await self._migrations.migrate_out(plan)
-            except ResourceExhausted as exc:  # our slots (or the destination's) are busy: wait a little
-                if attempt == _SLOT_RETRIES:
-                    self._log_failed(plan, exc)
-                else:
-                    await asyncio.sleep(_SLOT_RETRY_S * (attempt + 1))
+            except ResourceExhausted:  # our slots (or the destination's) are busy: wait a little
+                await asyncio.sleep(_SLOT_RETRY_S * (attempt + 1))
                 # The failed attempt may have resumed it (it decodes here meanwhile): its parked
                 # state is stale, the next attempt suspends it afresh.
                 plan = dataclasses.replace(plan, held=None)
-            except FerryError as exc:
-                self._log_failed(plan, exc)
-                return None
-        return None
-
-    def _log_failed(self, plan: MigrateOutPlan, exc: FerryError) -> None:
-        log.info("pd_handoff_failed", request_id=plan.request_id, dst_instance_id=plan.dst_instance_id,
-                 code=exc.grpc_code.name, reason=exc.message)  # it decodes here; the manager's loop retries it
+        return await self._migrations.migrate_out(plan)
 
     def _note_decode_missing(self, request_id: str, exc: FerryError) -> None:
         self.num_kept_for_lack_of_decode += 1
@@ -185,13 +184,15 @@ class DecodeHandoff:
             self.is_decode_missing = False
             log.info("pd_decode_role_restored", num_kept=self.num_kept_for_lack_of_decode)
 
-    def _report(self, result: MigrationResult, started_at: float) -> None:
-        task = asyncio.create_task(self._report_quietly(result, started_at), name=f"report-{result.request_id}")
+    def _in_background(self, report: Coroutine[Any, Any, None], request_id: str) -> None:
+        """Send a hand-off's record to the manager's history without holding the hand-off up."""
+        task = asyncio.create_task(self._report_quietly(report, request_id), name=f"report-{request_id}")
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
 
-    async def _report_quietly(self, result: MigrationResult, started_at: float) -> None:
+    @staticmethod
+    async def _report_quietly(report: Coroutine[Any, Any, None], request_id: str) -> None:
         try:
-            await self._placer.report_migration(result, started_at)
-        except FerryError as exc:  # only the history misses it; the request moved
-            log.warning("pd_handoff_report_failed", request_id=result.request_id, reason=exc.message)
+            await report
+        except FerryError as exc:  # only the history misses it
+            log.warning("pd_handoff_report_failed", request_id=request_id, reason=exc.message)

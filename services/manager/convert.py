@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import grpc
+
 from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2, transfer_pb2
 from services.common.prefix_hash import MAX_PREFIX_CHUNKS
@@ -190,11 +192,16 @@ def _check_reported_figures(msg: manager_pb2.MigrationRecord) -> None:
             raise InvalidArgument(f"{name}: must be a finite number >= 0, got {value}")
 
 
+_STATUS_NAMES = frozenset(code.name for code in grpc.StatusCode)
+
+
 def reported_migration_from_proto(msg: manager_pb2.MigrationRecord, src_address: str,
                                   dst_address: str) -> MigrationRecord:
-    """A committed PD hand-off an instance ran on its own (ReportMigration)."""
+    """A PD hand-off an instance ran on its own (ReportMigration): committed, or failed with a reason."""
     if not msg.request_id or not msg.src_instance_id or not msg.dst_instance_id:
         raise InvalidArgument("request_id, src_instance_id and dst_instance_id: all required")
+    if msg.outcome not in ("", *(o.value for o in MigrationOutcome)):
+        raise InvalidArgument(f"outcome: expected committed or failed, got {msg.outcome[:40]!r}")
     _check_reported_figures(msg)
     order = MigrationOrder(InstanceId(msg.src_instance_id), src_address, InstanceId(msg.dst_instance_id), dst_address,
                            MigrationTrigger.PD, MigrationSelection.PREFILL_DONE, request_id=msg.request_id,
@@ -202,4 +209,8 @@ def reported_migration_from_proto(msg: manager_pb2.MigrationRecord, src_address:
     figures = MigrationFigures(request_id=msg.request_id, num_blocks=msg.num_blocks, num_bytes=msg.num_bytes,
                                num_stages=msg.num_stages, backend=msg.backend, duration_ms=msg.duration_ms,
                                downtime_ms=msg.downtime_ms)
-    return MigrationRecord(order, MigrationOutcome.COMMITTED, figures, msg.started_at)
+    outcome = MigrationOutcome(msg.outcome or MigrationOutcome.COMMITTED.value)
+    if outcome is MigrationOutcome.FAILED:
+        reason = msg.reason if msg.reason in _STATUS_NAMES else "UNKNOWN"  # a metrics label: a closed set
+        return MigrationRecord(order, outcome, figures, msg.started_at, reason=reason, message=msg.message[:1024])
+    return MigrationRecord(order, outcome, figures, msg.started_at)

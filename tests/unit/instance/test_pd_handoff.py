@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.common.errors import Internal, ResourceExhausted
+from services.common.errors import Internal, ResourceExhausted, Unavailable
 from services.instance.config import InstanceRole, PdHandoff
 from services.instance.migration import MigrateOutPlan, MigrationResult
 from services.instance.pd_handoff import DecodeHandoff, DecodePlace
@@ -70,6 +70,7 @@ class FlakyPlacer:
     def __init__(self, *errors: BaseException) -> None:
         self.errors = list(errors)
         self.reported: list[str] = []
+        self.failed: list[tuple[str, str, str]] = []
 
     async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int) -> DecodePlace:
         if self.errors:
@@ -78,6 +79,9 @@ class FlakyPlacer:
 
     async def report_migration(self, result: MigrationResult, started_at: float) -> None:
         self.reported.append(result.request_id)
+
+    async def report_failed_migration(self, plan, src_instance_id: str, error, started_at: float) -> None:
+        self.failed.append((plan.request_id, src_instance_id, error.grpc_code.name))
 
 
 def pushing(engine: FakeEngine, placer: FlakyPlacer, migrations: FakeMigrations) -> DecodeHandoff:
@@ -125,5 +129,21 @@ async def test_a_retried_hand_off_does_not_reuse_the_parked_state():
     await until(lambda: handoff.num_handed_off == 1, loop)
     assert [plan.held for plan in migrations.plans] == [held, None]
     assert engine.held == []  # parked by the runner already
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_a_hand_off_that_fails_is_reported_to_the_history_and_decodes_here():
+    engine, placer = FakeEngine(), FlakyPlacer()
+    busy = ResourceExhausted("the destination runs a migration already")
+    migrations = FakeMigrations(busy, busy, busy, busy, Unavailable("the destination is gone"))
+    handoff = pushing(engine, placer, migrations)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1")  # four busy answers in a row: given up
+    await until(lambda: placer.failed == [("r-1", "p-1", "RESOURCE_EXHAUSTED")], loop)
+    handoff.note_prefilled("r-2")  # not worth a retry
+    await until(lambda: len(placer.failed) == 2, loop)
+    assert placer.failed[1] == ("r-2", "p-1", "UNAVAILABLE")
+    assert engine.resumed == ["r-1", "r-2"] and placer.reported == [] and handoff.num_handed_off == 0
     await assert_cancels(loop)
     await handoff.close()

@@ -4,9 +4,10 @@ reservations (dispatches not yet reported) never touch them."""
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.common.gen.ferry.v1 import common_pb2
-from services.manager.convert import instance_to_proto, load_from_proto
+from services.common.gen.ferry.v1 import common_pb2, manager_pb2
+from services.manager.convert import instance_to_proto, load_from_proto, reported_migration_from_proto
 from services.manager.domain import InstanceId, InstanceRecord, InstanceState, InstanceView, Reservation
+from services.manager.migration import MigrationOutcome
 
 
 def test_prefix_cache_counters_reach_the_instance_row():
@@ -32,3 +33,20 @@ def test_priority_headroom_counts_against_freeness_as_the_instance_computes_it()
     assert load.freeness == pytest.approx((40 - 6 - 10) / 2)
     with pytest.raises(InvalidArgument, match="num_headroom_blocks"):
         load_from_proto(common_pb2.LoadReport(num_headroom_blocks=-1))
+
+
+def test_a_reported_pd_hand_off_that_failed_is_kept_as_failed_with_its_reason():
+    msg = manager_pb2.MigrationRecord(request_id="r-1", src_instance_id="p-0", dst_instance_id="d-0", trigger="pd",
+                                      outcome="failed", reason="RESOURCE_EXHAUSTED", message="slots busy",
+                                      duration_ms=3.0, started_at=5.0)
+    record = reported_migration_from_proto(msg, "127.0.0.1:1", "127.0.0.1:2")
+    assert record.outcome is MigrationOutcome.FAILED and (record.reason, record.message) == ("RESOURCE_EXHAUSTED",
+                                                                                           "slots busy")
+    assert record.figures.request_id == "r-1" and record.order.dst_instance_id == "d-0"
+    msg.reason = "x" * 300  # a metrics label: only gRPC status names pass
+    assert reported_migration_from_proto(msg, "", "").reason == "UNKNOWN"
+    msg.outcome = "exploded"
+    with pytest.raises(InvalidArgument, match="outcome"):
+        reported_migration_from_proto(msg, "", "")
+    msg.outcome = ""  # instances before this field was read: committed
+    assert reported_migration_from_proto(msg, "", "").is_committed

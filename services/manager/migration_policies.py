@@ -109,8 +109,11 @@ class LoadPairing(PairingPolicy):
 
 
 def pair_drains(draining: Sequence[Peer], serving: Sequence[Peer]) -> list[Pair]:
-    """Each draining peer that holds requests, by id, with the freest serving destination not yet taken."""
-    destinations = sorted((p for p in serving if p.can_receive), key=destination_order)
+    """Each draining peer that holds requests, by id, with the freest serving destination not yet taken.
+    PREFILL instances take them only when no other serving instance can (the last decode instance is
+    draining): they decode too, and hand the requests on once a decode instance serves again."""
+    destinations = (sorted((p for p in serving if p.can_receive), key=destination_order)
+                    or sorted((p for p in serving if p.load.num_free_blocks > 0), key=destination_order))
     pairs = []
     for src, dst in zip((p for p in sorted(draining, key=lambda p: p.instance_id) if p.num_requests), destinations):
         pairs.append(Pair(src, dst, MigrationTrigger.DRAIN))

@@ -100,6 +100,14 @@ def test_drains_take_the_freest_destinations_one_each():
     assert {p.trigger for p in pairs} == {MigrationTrigger.DRAIN}
 
 
+def test_draining_the_last_decode_instance_moves_its_requests_to_prefill_instances():
+    draining = [peer("d", num_running=3, num_free_blocks=970, role=Role.DECODE, is_draining=True)]
+    prefill = [peer("p1", num_running=1, num_free_blocks=990, role=Role.PREFILL), peer("p0", role=Role.PREFILL)]
+    assert pairs_of(pair_drains(draining, prefill)) == [("d", "p0")]
+    decode = peer("d2", num_running=2, num_free_blocks=980, role=Role.DECODE)
+    assert pairs_of(pair_drains(draining, [*prefill, decode])) == [("d", "d2")]  # a decode instance first
+
+
 def test_an_unknown_pairing_names_the_valid_ones():
     with pytest.raises(ValueError, match="unknown migration pairing 'x'; one of: load"):
         make_pairing("x")

@@ -283,10 +283,9 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
     async def SetRole(self, request: manager_pb2.AdminSetRoleRequest, context) -> instance_pb2.SetRoleResponse:
         """Switch an instance's role at runtime: the instance itself rewrites its etcd record (every manager
         sees it) and moves away the requests that no longer fit, so any manager can take this call."""
-        if not self._view.has_member(request.instance_id):
-            raise NotFound(f"instance {request.instance_id!r} is not registered; see ListInstances for the ids")
+        instance_id = self._registered(request.instance_id)
         role = convert.role_from_proto(request.role)
-        address = self._view.record(InstanceId(request.instance_id)).address
+        address = self._view.record(instance_id).address
         reply = await self._instances.set_role(address, convert.role_to_proto(role), self._forward_timeout_s * 5)
         log.info("instance_role_set", instance_id=request.instance_id, role=role.value,
                  num_moving=reply.num_moving)

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from services.common.errors import InvalidArgument, NotFound, Unavailable
 from services.common.gen.ferry.v1 import common_pb2
+from services.ctl.client import AdminClient
 from services.common.grpc_server import insecure_channel
 from services.common.prefix_hash import MAX_PREFIX_CHUNKS, prefix_chunk_keys
 from services.manager.client import ManagerClient
@@ -132,6 +133,12 @@ async def test_exclude_drain_and_silence_keep_dispatch_away(managers, instances)
         assert {(await client.dispatch(f"r-d{n}", 10)).instance_id for n in range(5)} == {"i-b"}
         with pytest.raises(NotFound, match="'i-zz' is not registered"):
             await client.drain("i-zz")
+        for call in (client.drain, client.undrain):
+            with pytest.raises(InvalidArgument, match="instance_id: required"):
+                await call("")
+        async with AdminClient(manager.address) as admin:
+            with pytest.raises(InvalidArgument, match="instance_id: required"):
+                await admin.set_role("", "both")
 
         b.is_reporting = False
         await wait_until(lambda: _has_state(client, "i-b", common_pb2.INSTANCE_STATE_UNHEALTHY), 5, "i-b unhealthy")

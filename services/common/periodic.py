@@ -22,11 +22,13 @@ log = structlog.get_logger(__name__)
 MAX_FAILURE_DELAY_S = 10.0  # longest extra wait after failed steps in a row
 
 
-async def periodic_loop(name: str, interval_s: float, step: Callable[[], Awaitable[object]]) -> None:
-    """Sleep `interval_s`, then `await step()`; again until cancelled. `name` labels the failures logged."""
+async def periodic_loop(name: str, interval_s: float | Callable[[], float],
+                        step: Callable[[], Awaitable[object]]) -> None:
+    """Sleep `interval_s` (or what it returns now, if callable), then `await step()`; again until
+    cancelled. `name` labels the failures logged."""
     backoff = Backoff(initial_s=0.1, max_s=MAX_FAILURE_DELAY_S)
     while True:
-        await asyncio.sleep(interval_s)
+        await asyncio.sleep(interval_s() if callable(interval_s) else interval_s)
         try:
             await step()
             backoff.reset()

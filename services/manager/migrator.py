@@ -31,7 +31,7 @@ from services.common.errors import FailedPrecondition, FerryError, NotFound
 from services.common.periodic import periodic_loop
 from services.manager import metrics
 from services.manager.cluster_view import ClusterView
-from services.manager.domain import InstanceId, InstanceState, InstanceView
+from services.manager.domain import InstanceId, InstanceState, InstanceView, Role
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger)
@@ -60,6 +60,7 @@ class MigrateOutClient(Protocol):
 
 
 DEFAULT_SETTINGS = MigrationSettings()
+OWED_WORK_INTERVAL_S = 0.05  # ticks while a drain or a PD hand-off waits (each order still waits to settle)
 
 
 class Migrator:
@@ -78,6 +79,7 @@ class Migrator:
         self._in_flight: dict[InstanceId, int] = {}  # invariant: MigrateOut calls running per instance, > 0
         self._ended_at: dict[InstanceId, float] = {}  # its last migration ended then; sits out until a newer report
         self._received_at: dict[InstanceId, float] = {}  # a migration to it last ended then (ties go to others)
+        self._owes_work = False  # a drain or a PD hand-off waited at the last tick: tick again soon
         self._cooled: dict[str, float] = {}  # request id -> when it committed somewhere
         self._failed_at: dict[tuple[InstanceId, InstanceId], float] = {}  # (src, dst) -> its last failure
         self._history: collections.deque[MigrationRecord] = collections.deque(maxlen=limits.history_size)
@@ -102,11 +104,24 @@ class Migrator:
     # the loop
 
     async def migration_loop(self) -> None:
-        await periodic_loop("migration_loop", self._limits.interval_s, self._tick_if_leading)
+        await periodic_loop("migration_loop", self._next_interval_s, self._tick_if_leading)
+
+    def _next_interval_s(self) -> float:
+        """The tick interval, or OWED_WORK_INTERVAL_S while a drain or a PD hand-off waits: those requests
+        must move whatever the load, so each one goes as soon as its pair settled, not a tick later."""
+        return min(self._limits.interval_s, OWED_WORK_INTERVAL_S) if self._owes_work else self._limits.interval_s
+
+    def _has_owed_work(self) -> bool:
+        views = [v for v in self._view.instances() if v.state is not InstanceState.UNHEALTHY]
+        has_decode = any(v.record.role is Role.DECODE and v.state is InstanceState.SERVING for v in views)
+        return any((v.state is InstanceState.DRAINING and v.load.num_running + v.load.num_waiting > 0)
+                   or (has_decode and v.record.role is Role.PREFILL and v.load.num_prefilled > 0) for v in views)
 
     async def _tick_if_leading(self) -> None:
+        self._owes_work = False
         if self._leadership.is_leader:
             self.tick()
+            self._owes_work = self._has_owed_work()
 
     def tick(self) -> list[MigrationOrder]:
         """Plan this tick's migrations and start them (each in its own task)."""

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from services.common.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from services.manager import metrics
 from services.manager.cluster_view import ClusterView
-from services.manager.domain import InstanceId
+from services.manager.domain import InstanceId, Role
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOutcome, MigrationSelection, MigrationSettings,
                                         MigrationTrigger)
-from services.manager.migrator import Migrator, MigratorLimits
+from services.manager.migrator import OWED_WORK_INTERVAL_S, Migrator, MigratorLimits
 from tests.unit.loop_checks import assert_cancels, until
 from tests.unit.manager.factories import FakeClock, make_load, make_record
 
@@ -242,6 +243,30 @@ async def test_admin_orders_without_a_destination_take_turns_among_equally_free_
         src = order.dst_instance_id
         visited.append(src)
     assert set(visited[:3]) == {"a", "b", "c"}  # before: b, a, b, a
+
+
+async def test_the_loop_ticks_fast_while_a_drain_or_a_pd_hand_off_waits():
+    clock = FakeClock()
+    view = cluster(clock, a=3, b=0)
+    migrator = make_migrator(view, clock, FakeSources(), interval_s=0.5)
+    await migrator._tick_if_leading()
+    assert migrator._next_interval_s() == 0.5  # balancing: the usual pace
+    view.mark_drained(InstanceId("a"))
+    await migrator._tick_if_leading()
+    assert migrator._next_interval_s() == OWED_WORK_INTERVAL_S  # a's requests must go, one as each move settles
+    report(view, "a", 0)
+    await migrator._tick_if_leading()
+    assert migrator._next_interval_s() == 0.5
+    view.put_member(make_record("p", role=Role.PREFILL))
+    view.apply_report(InstanceId("p"), dataclasses.replace(make_load(num_running=1, num_free_blocks=990),
+                                                           num_prefilled=1))
+    await migrator._tick_if_leading()
+    assert migrator._next_interval_s() == 0.5  # no decode instance to hand it to
+    view.put_member(make_record("d", role=Role.DECODE))
+    report(view, "d", 0)
+    await migrator._tick_if_leading()
+    assert migrator._next_interval_s() == OWED_WORK_INTERVAL_S
+    await settle(migrator)
 
 
 async def test_history_is_bounded_and_filtered():

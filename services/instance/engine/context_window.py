@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_MAX_POSITIONS = 2048  # transformers' default where config.json has no max_position_embeddings
-DEFAULT_WINDOWS = {"gemma2": 4096, "gemma3_text": 4096}  # transformers' defaults where config.json has none
+DEFAULT_WINDOWS = {"gemma2": 4096, "gemma3_text": 4096, "mistral": 4096}  # transformers' defaults where config.json has none
 SLIDING = "sliding_attention"
 
 

@@ -202,7 +202,13 @@ class LlamaModel(nn.Module):
         config = ModelConfig.from_dir(model_dir)
         with torch.device("meta"):
             model = cls(config)
-        model.load_state_dict(load_state_dict(model_dir, config, dtype, device), strict=True, assign=True)
+        try:
+            model.load_state_dict(load_state_dict(model_dir, config, dtype, device), strict=True, assign=True)
+        except RuntimeError as exc:  # e.g. "size mismatch for ...": the config and the tensors disagree
+            first = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc)[:300])
+            raise ValueError(f"{model_dir}: the checkpoint's tensors do not have the shapes config.json gives "
+                             "(check hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, "
+                             f"head_dim and vocab_size): {first}") from None
         for rotary in (model.rotary, model.sliding_rotary):
             if rotary is not None:
                 rotary.build(dtype, device)

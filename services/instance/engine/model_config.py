@@ -93,6 +93,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         model_type = _model_type(raw)
+        for name, why in _UNSUPPORTED_FIELDS.items():
+            if raw.get(name):
+                raise ValueError(f"config.json: {name}: {why}")
         num_heads = _required_int(raw, "num_attention_heads")
         hidden_size = _required_int(raw, "hidden_size")
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
@@ -101,7 +104,7 @@ class ModelConfig:
                 f"config.json: num_attention_heads={num_heads} is not a multiple of "
                 f"num_key_value_heads={num_kv_heads}"
             )
-        head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
+        head_dim = int(raw.get("head_dim") or _DEFAULT_HEAD_DIMS.get(model_type) or hidden_size // num_heads)
         attention_bias = bool(raw.get("attention_bias", False))
         rope, sliding_rope = read_layer_ropes(raw, head_dim)
         return cls(
@@ -113,7 +116,7 @@ class ModelConfig:
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
             vocab_size=_required_int(raw, "vocab_size"),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS.get(model_type, 1e-6))),
             rope=rope,
             sliding_rope=sliding_rope,
             max_position_embeddings=int(raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)),
@@ -130,6 +133,20 @@ class ModelConfig:
             activation=_activation(raw, model_type),
             **_scales(raw, model_type, hidden_size),
         )
+
+
+# transformers' per-family defaults for fields a config.json may leave out
+_DEFAULT_HEAD_DIMS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
+_DEFAULT_RMS_NORM_EPS = {"phi3": 1e-5}
+# transformers' names for the same functions (NewGELUActivation is the tanh approximation; swish is SiLU)
+_ACTIVATION_ALIASES = {"gelu_new": "gelu_pytorch_tanh", "gelu_fast": "gelu_pytorch_tanh", "swish": "silu"}
+# Fields that change the computation in ways this engine does not implement: refused by name.
+_UNSUPPORTED_FIELDS = {
+    "quantization_config": "quantized checkpoints are not supported (their weights would be read as plain "
+                           "numbers, without their scales); use an unquantized checkpoint",
+    "use_bidirectional_attention": "bidirectional (encoder) attention is not supported; ferry serves causal "
+                                   "decoders",
+}
 
 
 def _model_type(raw: dict[str, Any]) -> str:
@@ -158,6 +175,7 @@ def _activation(raw: dict[str, Any], model_type: str) -> str:
         act = raw.get("hidden_act") or ("gelu_pytorch_tanh" if model_type == "gemma" else "silu")
     if model_type == "gemma" and act == "gelu":
         act = "gelu_pytorch_tanh"  # transformers reads Gemma's legacy "gelu" as the tanh approximation
+    act = _ACTIVATION_ALIASES.get(act, act)
     if act not in SUPPORTED_ACTIVATIONS:
         raise ValueError(f"config.json: hidden_act={act!r} is not supported; use one of "
                          f"{', '.join(SUPPORTED_ACTIVATIONS)}")
@@ -170,9 +188,11 @@ def _scales(raw: dict[str, Any], model_type: str, hidden_size: int) -> dict[str,
         return {"norm_weight_offset": 1.0, "embedding_scale": math.sqrt(hidden_size)}
     if model_type in ("gemma2", "gemma3_text"):
         softcaps = (50.0, 30.0) if model_type == "gemma2" else (None, None)  # transformers' defaults
+        # Gemma 3 keeps attn_logit_softcapping in its config, but transformers never applies it.
+        attention_softcap = raw.get("attn_logit_softcapping", softcaps[0]) if model_type == "gemma2" else None
         return {"norm_weight_offset": 1.0, "embedding_scale": math.sqrt(hidden_size),
                 "attention_scale": float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
-                "attention_softcap": raw.get("attn_logit_softcapping", softcaps[0]),
+                "attention_softcap": attention_softcap,
                 "logits_softcap": raw.get("final_logit_softcapping", softcaps[1]), "sandwich_norms": True}
     if model_type == "granite":
         return {"embedding_scale": float(raw.get("embedding_multiplier", 1.0)),

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+PARTIAL_ROTARY_TYPES = ("phi3",)  # model types whose RoPE rotates only partial_rotary_factor of each head
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn", "longrope")
 
 
@@ -73,14 +74,13 @@ def read_rope(raw: dict[str, Any], head_dim: int, params: dict[str, Any] | None 
     if params is None:
         params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    rotary_dim = _rotary_dim(float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
-                             head_dim)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"config.json: rope_scaling type {rope_type!r} is not supported; "
             f"use one of {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    rotary_dim = _rotary_dim(_partial_rotary_factor(raw, params, rope_type), head_dim)
     if rope_type in ("default", "dynamic"):
         return RopeConfig(theta, rotary_dim)
     if rope_type == "longrope":
@@ -123,6 +123,19 @@ def _yarn(raw: dict[str, Any], params: dict[str, Any], theta: float, rotary_dim:
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _partial_rotary_factor(raw: dict[str, Any], params: dict[str, Any], rope_type: str) -> float:
+    """Phi-3 rotates part of each head; transformers' other families here rotate all of it whatever
+    the config says (with a scaled RoPE they cannot run such a config at all)."""
+    factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if raw.get("model_type") in PARTIAL_ROTARY_TYPES or factor == 1.0:
+        return factor
+    if rope_type in ("default", "dynamic"):
+        return 1.0
+    raise ValueError(f"config.json: partial_rotary_factor={factor} with rope type {rope_type!r}: only "
+                     f"{', '.join(PARTIAL_ROTARY_TYPES)} rotates part of each head (transformers cannot run this "
+                     "config either); remove partial_rotary_factor")
 
 
 def _rotary_dim(partial_rotary_factor: float, head_dim: int) -> int:

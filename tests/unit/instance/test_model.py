@@ -399,13 +399,43 @@ def test_config_reads_checkpoint(checkpoint):
         ({"rope_scaling": {"type": "ntk-by-parts", "factor": 2.0}}, "ntk-by-parts"),
         ({"hidden_act": "relu"}, "hidden_act"),
         ({"torch_dtype": "int8"}, "torch_dtype"),
-        ({"partial_rotary_factor": 0.3}, "partial_rotary_factor"),
+        ({"model_type": "phi3", "partial_rotary_factor": 0.3}, "partial_rotary_factor"),
+        ({"partial_rotary_factor": 0.5, "rope_scaling": {"type": "linear", "factor": 2.0}}, "only phi3"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config: quantized checkpoints"),
+        ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"rope_scaling": {"type": "longrope", "short_factor": [1.0]}}, "longrope"),
     ],
 )
 def test_config_rejects_unsupported(changes, named):
     with pytest.raises(ValueError, match=named):
         ModelConfig.from_dict(base_config(**changes))
+
+
+def test_fields_left_out_take_transformers_per_family_defaults():
+    without = {"head_dim": None, "rms_norm_eps": None}
+    for model_type, head_dim in (("llama", 64), ("qwen3", 128), ("gemma", 256), ("gemma2", 256),
+                                 ("gemma3_text", 256)):
+        raw = {k: v for k, v in base_config(model_type=model_type).items() if k not in without}
+        assert ModelConfig.from_dict(raw).head_dim == head_dim, model_type
+    phi3 = {k: v for k, v in base_config(model_type="phi3").items() if k not in without}
+    assert ModelConfig.from_dict(phi3).rms_norm_eps == 1e-5
+    mistral = ModelConfig.from_dict(base_config(model_type="mistral"))
+    assert set(mistral.layer_windows) == {4096}  # MistralConfig's sliding_window
+
+
+def test_gemma3_keeps_attn_logit_softcapping_unapplied_as_transformers_does():
+    gemma3 = ModelConfig.from_dict(base_config(model_type="gemma3_text", head_dim=64, attn_logit_softcapping=0.5))
+    gemma2 = ModelConfig.from_dict(base_config(model_type="gemma2", head_dim=64, attn_logit_softcapping=0.5))
+    assert gemma3.attention_softcap is None and gemma2.attention_softcap == 0.5
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "granite", "mistral"])
+def test_only_phi3_rotates_part_of_each_head(model_type):
+    """transformers' other families rotate the whole head whatever partial_rotary_factor says."""
+    config = ModelConfig.from_dict(base_config(model_type=model_type, partial_rotary_factor=0.5))
+    assert config.rope.rotary_dim == config.head_dim
+    phi3 = ModelConfig.from_dict(base_config(model_type="phi3", partial_rotary_factor=0.5))
+    assert phi3.rope.rotary_dim == phi3.head_dim // 2
 
 
 @pytest.mark.parametrize(("changes", "qkv_bias", "o_bias", "qk_norm"), [
@@ -462,6 +492,7 @@ def test_config_reads_each_layers_sliding_window(changes, windows):
     ({"model_type": "gemma", "hidden_act": "gelu"}, "gelu_pytorch_tanh"),  # Gemma's legacy spelling
     ({"model_type": "gemma", "hidden_act": None}, "gelu_pytorch_tanh"),
     ({"model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh"}, "gelu_pytorch_tanh"),
+    ({"hidden_act": "gelu_new"}, "gelu_pytorch_tanh"), ({"hidden_act": "swish"}, "silu"),  # transformers' aliases
 ])
 def test_config_reads_the_activation(changes, activation):
     raw = base_config(**changes)
@@ -513,3 +544,15 @@ def test_an_instance_serves_no_longer_sequences_than_its_kv_cache_holds(tiny_mod
     with pytest.raises(ValueError, match="--kv-cache-mib"):
         build_engine(EngineSpec(tiny_model_dir, kv_name=f"ferry-kv-fit-{os.getpid()}", num_blocks=8, block_size=4,
                                 max_model_len=64))
+
+
+def test_tensors_that_disagree_with_the_config_name_the_fields_to_check(tiny_model_dir, tmp_path):
+    folder = tmp_path / "mismatch"
+    folder.mkdir()
+    for item in tiny_model_dir.iterdir():
+        (folder / item.name).symlink_to(item)
+    (folder / "config.json").unlink()
+    raw = json.loads((tiny_model_dir / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "intermediate_size": raw["intermediate_size"] * 2}))
+    with pytest.raises(ValueError, match="do not have the shapes config.json gives .*intermediate_size.*size mismatch"):
+        LlamaModel.from_pretrained(folder)

@@ -16,6 +16,8 @@ from services.manager.migration_journal import MigrationJournal
 
 pytestmark = pytest.mark.timeout(60)
 
+SIZE = 5  # records kept
+
 
 def record(n: int, outcome: MigrationOutcome = MigrationOutcome.COMMITTED) -> MigrationRecord:
     order = MigrationOrder(InstanceId(f"i{n % 2}"), "127.0.0.1:1", InstanceId(f"i{1 - n % 2}"), "127.0.0.1:2",
@@ -33,7 +35,7 @@ async def client(etcd):
 
 @pytest.fixture
 async def journal(client, cluster):
-    journal = MigrationJournal(client, cluster, "manager-0", size=5)
+    journal = MigrationJournal(client, cluster, "manager-0", size=SIZE)
     writer = asyncio.create_task(journal.writer_loop())
     yield journal
     writer.cancel()
@@ -41,16 +43,19 @@ async def journal(client, cluster):
 
 
 async def stored_ids(journal: MigrationJournal, until_last: str, timeout_s: float = 15) -> list[str]:
-    """The stored request ids, once the newest is `until_last` (etcd errors meanwhile are retried)."""
+    """The stored request ids, once the newest is `until_last` and the oldest beyond SIZE are gone
+    (the writer deletes them after the put, so a read between the two sees one too many; etcd
+    errors meanwhile are retried)."""
     deadline = time.monotonic() + timeout_s
+    ids = []
     while True:
         try:
             ids = [r.request_id for r in await journal.read()]
-            if ids and ids[-1] == until_last:
+            if ids and ids[-1] == until_last and len(ids) <= SIZE:
                 return ids
         except ETCD_ERRORS:
             pass
-        assert time.monotonic() < deadline, f"{until_last} never stored"
+        assert time.monotonic() < deadline, f"{until_last} never stored, or never trimmed to {SIZE}: {ids}"
         await asyncio.sleep(0.05)
 
 
@@ -61,7 +66,7 @@ async def test_the_newest_records_stay_oldest_first_and_another_manager_reads_th
     newest = (await journal.read())[-1]
     assert (newest.num_bytes, newest.outcome, newest.trigger, newest.src_instance_id) == (7 * 1024, "committed",
                                                                                          "load", "i1")
-    other_manager = MigrationJournal(client, cluster, "manager-1", size=5)
+    other_manager = MigrationJournal(client, cluster, "manager-1", size=SIZE)
     assert [r.request_id for r in await other_manager.read()] == [f"req-{n}" for n in range(3, 8)]
 
 

@@ -117,6 +117,7 @@ def test_killed_creator_is_cleaned_up_by_the_resource_tracker(name):
     deadline = time.monotonic() + 10
     while (SHM_DIR / name).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert not (SHM_DIR / name).exists(), "the resource tracker left the killed creator's segment behind"
 
 
 def test_a_cache_larger_than_the_free_shared_memory_is_refused_and_leaves_nothing(name):

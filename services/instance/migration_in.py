@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 

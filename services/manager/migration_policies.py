@@ -21,6 +21,7 @@ never dict order. No transport and no clock here.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,16 +134,17 @@ def pair_prefilled(serving: Sequence[Peer]) -> list[Pair]:
 
 
 def stays_freer_after_move(src: Load, dst: Load) -> bool:
-    """Would `dst` still be at least as free as `src` after one average request of `src` moved over?"""
+    """Would `dst` still be at least as free as `src` after one average request of `src` moved over?
+    (A priority headroom stays where it is: migrations move the lowest-priority requests first.)"""
     num_blocks = _blocks_per_request(src)
     if src.num_running:
-        src_after = Load(src.num_running - 1, src.num_waiting, src.num_free_blocks + num_blocks,
-                         src.num_total_blocks, src.num_blocks_needed_by_waiting)
+        src_after = dataclasses.replace(src, num_running=src.num_running - 1,
+                                        num_free_blocks=src.num_free_blocks + num_blocks)
     else:  # a queued request: it holds no blocks yet, it needs them
-        src_after = Load(0, src.num_waiting - 1, src.num_free_blocks, src.num_total_blocks,
-                         max(src.num_blocks_needed_by_waiting - num_blocks, 0))
-    dst_after = Load(dst.num_running + 1, dst.num_waiting, dst.num_free_blocks - num_blocks, dst.num_total_blocks,
-                     dst.num_blocks_needed_by_waiting)
+        src_after = dataclasses.replace(src, num_waiting=src.num_waiting - 1, num_blocks_needed_by_waiting=max(
+            src.num_blocks_needed_by_waiting - num_blocks, 0))
+    dst_after = dataclasses.replace(dst, num_running=dst.num_running + 1,
+                                    num_free_blocks=dst.num_free_blocks - num_blocks)
     return dst_after.num_free_blocks >= 0 and dst_after.freeness >= src_after.freeness
 
 

@@ -108,17 +108,16 @@ def is_movable(request: Request) -> bool:
 
 def pick_request(requests: Iterable[Request], selection: MigrationSelection,
                  exclude: frozenset[str] = frozenset()) -> Request | None:
-    """The request `selection` moves: among decoding ones first, waiting ones only if none decodes; of those,
-    only the lowest priority present."""
+    """The request `selection` moves: of the lowest priority present (a higher-priority request is
+    paused and moved last), a decoding one, or a waiting one if none decodes."""
     movable = [r for r in requests if r.request_id not in exclude and is_movable(r)]
     if selection is MigrationSelection.PREFILL_DONE:  # never a waiting one: it would prefill on the destination
         return min((r for r in movable if is_prefill_done(r)), key=lambda r: r.arrival_order, default=None)
-    running = [r for r in movable if r.status is RequestStatus.RUNNING]
-    candidates = running or movable
-    if not candidates:
+    if not movable:
         return None
-    lowest = min(r.priority for r in candidates)  # a higher-priority request is moved (and paused) last
-    candidates = [r for r in candidates if r.priority == lowest]
+    lowest = min(r.priority for r in movable)
+    movable = [r for r in movable if r.priority == lowest]
+    candidates = [r for r in movable if r.status is RequestStatus.RUNNING] or movable
     if selection is MigrationSelection.LAST_COME_FIRST:
         return max(candidates, key=lambda r: r.arrival_order)
     if selection is MigrationSelection.LONGEST_RUNNING:

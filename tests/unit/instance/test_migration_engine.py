@@ -248,6 +248,18 @@ def test_a_higher_priority_request_is_moved_last(make_engine):
     assert engine.pick_for_migration(MigrationSelection.SHORTEST_RUNNING, frozenset({"normal-long"})) == "urgent-short"
 
 
+def test_a_queued_lower_priority_request_moves_before_a_running_higher_one(make_engine):
+    engine, harness = make_engine(max_num_seqs=1), Harness()
+    engine.add_request("urgent", [7] * 4, GREEDY, priority=5)
+    harness.step(engine)
+    engine.add_request("queued", [7] * 4, GREEDY)  # no batch slot: it waits
+    harness.step(engine)
+    assert {r.request_id: r.state for r in engine.list_requests()} == {"urgent": "running", "queued": "waiting"}
+    for selection in (MigrationSelection.SHORTEST_RUNNING, MigrationSelection.LONGEST_RUNNING,
+                      MigrationSelection.LAST_COME_FIRST):
+        assert engine.pick_for_migration(selection) == "queued"
+
+
 def test_suspend_resume_and_abort_keep_blocks_accounted(make_engine):
     reference = unmigrated(make_engine, GREEDY)
     engine, harness = make_engine(), Harness()

@@ -108,6 +108,15 @@ def test_draining_the_last_decode_instance_moves_its_requests_to_prefill_instanc
     assert pairs_of(pair_drains(draining, [*prefill, decode])) == [("d", "d2")]  # a decode instance first
 
 
+def test_a_gap_made_by_priority_headroom_moves_a_request():
+    """The freeness gap comes from the source's headroom: the move check must count it too."""
+    headroom = dataclasses.replace(make_load(num_free_blocks=600, num_running=4), num_headroom_blocks=400)
+    src = Peer(InstanceId("a"), "addr-a", Role.BOTH, headroom, headroom.freeness, False)
+    dst = peer("b", num_running=3, num_free_blocks=700)
+    assert stays_freer_after_move(src.load, dst.load)
+    assert pairs_of(LoadPairing().pair([src, dst], 1.0)) == [("a", "b")]
+
+
 def test_an_unknown_pairing_names_the_valid_ones():
     with pytest.raises(ValueError, match="unknown migration pairing 'x'; one of: load"):
         make_pairing("x")

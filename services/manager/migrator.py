@@ -191,8 +191,9 @@ class Migrator:
         return min(busy, key=lambda v: (v.load.freeness, v.record.instance_id)).record.instance_id
 
     def keep_reported(self, record: MigrationRecord) -> None:
-        """A migration an instance ran on its own (the PD push): kept, counted and logged like ours."""
-        self._keep(record)
+        """A migration an instance ran on its own (the PD push): kept, counted and logged like ours. One that
+        failed does not hold back our own next try for that pair (its push often just met a busy slot)."""
+        self._keep(record, backs_off=False)
 
     def history(self, instance_id: str = "", request_id: str = "") -> list[MigrationRecord]:
         """Kept records, oldest first, optionally only those of one instance or one request."""
@@ -264,7 +265,7 @@ class Migrator:
         self._received_at[order.dst_instance_id] = now
         metrics.MIGRATIONS_IN_FLIGHT.dec()
 
-    def _keep(self, record: MigrationRecord) -> None:
+    def _keep(self, record: MigrationRecord, backs_off: bool = True) -> None:
         self._history.append(record)
         if self._record_sink is not None:
             self._record_sink(record)
@@ -274,7 +275,8 @@ class Migrator:
                       dst_instance_id=order.dst_instance_id, trigger=order.trigger.value,
                       duration_ms=round(figures.duration_ms, 2))
         if not record.is_committed:
-            self._failed_at[order.src_instance_id, order.dst_instance_id] = self._clock()
+            if backs_off:
+                self._failed_at[order.src_instance_id, order.dst_instance_id] = self._clock()
             metrics.MIGRATION_FAILURES.labels(record.reason).inc()
             log.warning("migration_failed", reason=record.reason, error=record.message, **fields)
             return

@@ -12,8 +12,8 @@ from services.manager import metrics
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId, Role
 from services.manager.leadership import Leadership
-from services.manager.migration import (MigrationFigures, MigrationOutcome, MigrationSelection, MigrationSettings,
-                                        MigrationTrigger)
+from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
+                                        MigrationSelection, MigrationSettings, MigrationTrigger)
 from services.manager.migrator import OWED_WORK_INTERVAL_S, Migrator, MigratorLimits
 from tests.unit.loop_checks import assert_cancels, until
 from tests.unit.manager.factories import FakeClock, make_load, make_record
@@ -267,6 +267,22 @@ async def test_the_loop_ticks_fast_while_a_drain_or_a_pd_hand_off_waits():
     await migrator._tick_if_leading()
     assert migrator._next_interval_s() == OWED_WORK_INTERVAL_S
     await settle(migrator)
+
+
+async def test_a_reported_pd_failure_does_not_hold_back_the_loops_own_try():
+    clock = FakeClock()
+    view = cluster(clock)
+    view.put_member(make_record("p", role=Role.PREFILL))
+    view.apply_report(InstanceId("p"), dataclasses.replace(make_load(num_running=1, num_free_blocks=990),
+                                                           num_prefilled=1))
+    view.put_member(make_record("d", role=Role.DECODE))
+    report(view, "d", 0)
+    migrator = make_migrator(view, clock, FakeSources())
+    order = MigrationOrder(InstanceId("p"), "", InstanceId("d"), "", MigrationTrigger.PD, request_id="r-1")
+    migrator.keep_reported(MigrationRecord(order, MigrationOutcome.FAILED, MigrationFigures("r-1"), 5.0,
+                                           reason="RESOURCE_EXHAUSTED"))
+    assert routes(migrator.plan()) == [("p", "d", MigrationTrigger.PD)]
+    assert migrator.history(request_id="r-1")[0].reason == "RESOURCE_EXHAUSTED"
 
 
 async def test_history_is_bounded_and_filtered():

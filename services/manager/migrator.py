@@ -31,7 +31,7 @@ from services.common.errors import FailedPrecondition, FerryError, NotFound
 from services.common.periodic import periodic_loop
 from services.manager import metrics
 from services.manager.cluster_view import ClusterView
-from services.manager.domain import InstanceId, InstanceState, InstanceView, Role
+from services.manager.domain import InstanceId, InstanceState, InstanceView
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger)
@@ -60,7 +60,9 @@ class MigrateOutClient(Protocol):
 
 
 DEFAULT_SETTINGS = MigrationSettings()
-OWED_WORK_INTERVAL_S = 0.05  # ticks while a drain or a PD hand-off waits (each order still waits to settle)
+OWED_TRIGGERS = (MigrationTrigger.DRAIN, MigrationTrigger.PD)  # requests that must move, whatever the load
+OWED_WORK_INTERVAL_S = 0.05  # ticks while such migrations run (each order still waits for its pair to settle)
+OWED_SETTLE_S = 1.0  # ... and this long after the last one ended, for the pair's fresh load reports
 
 
 class Migrator:
@@ -79,7 +81,9 @@ class Migrator:
         self._in_flight: dict[InstanceId, int] = {}  # invariant: MigrateOut calls running per instance, > 0
         self._ended_at: dict[InstanceId, float] = {}  # its last migration ended then; sits out until a newer report
         self._received_at: dict[InstanceId, float] = {}  # a migration to it last ended then (ties go to others)
-        self._owes_work = False  # a drain or a PD hand-off waited at the last tick: tick again soon
+        self._owes_work = False  # drains or PD hand-offs were moving at the last tick: tick again soon
+        self._num_owed_in_flight = 0  # drain and PD migrations running now
+        self._owed_ended_at = float("-inf")  # when the last of them ended
         self._cooled: dict[str, float] = {}  # request id -> when it committed somewhere
         self._failed_at: dict[tuple[InstanceId, InstanceId], float] = {}  # (src, dst) -> its last failure
         self._history: collections.deque[MigrationRecord] = collections.deque(maxlen=limits.history_size)
@@ -107,21 +111,20 @@ class Migrator:
         await periodic_loop("migration_loop", self._next_interval_s, self._tick_if_leading)
 
     def _next_interval_s(self) -> float:
-        """The tick interval, or OWED_WORK_INTERVAL_S while a drain or a PD hand-off waits: those requests
-        must move whatever the load, so each one goes as soon as its pair settled, not a tick later."""
+        """The tick interval, or OWED_WORK_INTERVAL_S while drains or PD hand-offs are moving requests:
+        those must move whatever the load, so the next goes as soon as its pair settled, not a tick later.
+        A drain with nowhere to go (no destination, or backing off) starts nothing and keeps the usual pace."""
         return min(self._limits.interval_s, OWED_WORK_INTERVAL_S) if self._owes_work else self._limits.interval_s
 
-    def _has_owed_work(self) -> bool:
-        views = [v for v in self._view.instances() if v.state is not InstanceState.UNHEALTHY]
-        has_decode = any(v.record.role is Role.DECODE and v.state is InstanceState.SERVING for v in views)
-        return any((v.state is InstanceState.DRAINING and v.load.num_running + v.load.num_waiting > 0)
-                   or (has_decode and v.record.role is Role.PREFILL and v.load.num_prefilled > 0) for v in views)
+    def _is_moving_owed_work(self, orders: list[MigrationOrder]) -> bool:
+        """A drain or PD order started now, runs, or ended moments ago (its pair is settling)."""
+        return (any(o.trigger in OWED_TRIGGERS for o in orders) or self._num_owed_in_flight > 0
+                or self._clock() - self._owed_ended_at < OWED_SETTLE_S)
 
     async def _tick_if_leading(self) -> None:
         self._owes_work = False
         if self._leadership.is_leader:
-            self.tick()
-            self._owes_work = self._has_owed_work()
+            self._owes_work = self._is_moving_owed_work(self.tick())
 
     def tick(self) -> list[MigrationOrder]:
         """Plan this tick's migrations and start them (each in its own task)."""
@@ -253,6 +256,8 @@ class Migrator:
     def _hold(self, order: MigrationOrder) -> None:
         for instance_id in (order.src_instance_id, order.dst_instance_id):
             self._in_flight[instance_id] = self._in_flight.get(instance_id, 0) + 1
+        if order.trigger in OWED_TRIGGERS:
+            self._num_owed_in_flight += 1
         metrics.MIGRATIONS_IN_FLIGHT.inc()
 
     def _release(self, order: MigrationOrder) -> None:
@@ -263,6 +268,9 @@ class Migrator:
                 del self._in_flight[instance_id]
             self._ended_at[instance_id] = now
         self._received_at[order.dst_instance_id] = now
+        if order.trigger in OWED_TRIGGERS:
+            self._num_owed_in_flight -= 1
+            self._owed_ended_at = now
         metrics.MIGRATIONS_IN_FLIGHT.dec()
 
     def _keep(self, record: MigrationRecord, backs_off: bool = True) -> None:

@@ -14,7 +14,7 @@ from services.manager.domain import InstanceId, Role
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger)
-from services.manager.migrator import OWED_WORK_INTERVAL_S, Migrator, MigratorLimits
+from services.manager.migrator import OWED_SETTLE_S, OWED_WORK_INTERVAL_S, Migrator, MigratorLimits
 from tests.unit.loop_checks import assert_cancels, until
 from tests.unit.manager.factories import FakeClock, make_load, make_record
 
@@ -245,28 +245,27 @@ async def test_admin_orders_without_a_destination_take_turns_among_equally_free_
     assert set(visited[:3]) == {"a", "b", "c"}  # before: b, a, b, a
 
 
-async def test_the_loop_ticks_fast_while_a_drain_or_a_pd_hand_off_waits():
+async def test_the_loop_ticks_fast_while_drains_move_requests_and_not_when_they_cannot():
     clock = FakeClock()
     view = cluster(clock, a=3, b=0)
-    migrator = make_migrator(view, clock, FakeSources(), interval_s=0.5)
+    sources = FakeSources()
+    sources.gate = asyncio.Event()  # the drain's migration runs until the gate opens
+    migrator = make_migrator(view, clock, sources, settings=MigrationSettings(), interval_s=0.5)
     await migrator._tick_if_leading()
-    assert migrator._next_interval_s() == 0.5  # balancing: the usual pace
+    assert migrator._next_interval_s() == 0.5  # balancing is off: the usual pace
     view.mark_drained(InstanceId("a"))
     await migrator._tick_if_leading()
-    assert migrator._next_interval_s() == OWED_WORK_INTERVAL_S  # a's requests must go, one as each move settles
-    report(view, "a", 0)
-    await migrator._tick_if_leading()
-    assert migrator._next_interval_s() == 0.5
-    view.put_member(make_record("p", role=Role.PREFILL))
-    view.apply_report(InstanceId("p"), dataclasses.replace(make_load(num_running=1, num_free_blocks=990),
-                                                           num_prefilled=1))
-    await migrator._tick_if_leading()
-    assert migrator._next_interval_s() == 0.5  # no decode instance to hand it to
-    view.put_member(make_record("d", role=Role.DECODE))
-    report(view, "d", 0)
-    await migrator._tick_if_leading()
-    assert migrator._next_interval_s() == OWED_WORK_INTERVAL_S
+    await asyncio.sleep(0)  # the migration's task calls the source
+    assert routes(sources.orders) == [("a", "b", MigrationTrigger.DRAIN)]
+    assert migrator._next_interval_s() == OWED_WORK_INTERVAL_S  # the next goes once this one settled
+    sources.gate.set()
     await settle(migrator)
+    await migrator._tick_if_leading()  # a settles with a fresh report
+    assert migrator._next_interval_s() == OWED_WORK_INTERVAL_S
+    clock.advance(OWED_SETTLE_S)
+    view.mark_drained(InstanceId("b"))  # nowhere left to go: a and b both draining
+    await migrator._tick_if_leading()
+    assert len(sources.orders) == 1 and migrator._next_interval_s() == 0.5
 
 
 async def test_a_reported_pd_failure_does_not_hold_back_the_loops_own_try():

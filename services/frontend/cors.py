@@ -4,7 +4,7 @@ A page on another origin first sends a preflight (`OPTIONS` with `Origin` and
 `Access-Control-Request-Method`), without its API key; an allowed origin gets a 204
 that names the methods and headers it may use, before the API-key check. Every answer
 to an allowed origin (streams included, since the headers go on at prepare time) then
-carries `Access-Control-Allow-Origin` and exposes `x-request-id`. Nothing is added for
+carries `Access-Control-Allow-Origin` and exposes `x-request-id` and `retry-after`. Nothing is added for
 other origins, and with no `--allowed-origins` nothing at all, so browsers refuse
 cross-origin calls as they do by default. No cookies are involved (keys travel in
 `Authorization`), so credentials are never allowed.
@@ -20,19 +20,19 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 ALLOWED_METHODS = "GET, POST, OPTIONS"
 DEFAULT_ALLOWED_HEADERS = "Authorization, Content-Type, X-Request-Id"
-EXPOSED_HEADERS = "x-request-id"
+EXPOSED_HEADERS = "x-request-id, retry-after"
 PREFLIGHT_MAX_AGE_S = 600
 
 
 class CorsPolicy:
     def __init__(self, allowed_origins: Sequence[str]) -> None:
-        self._origins = frozenset(o.rstrip("/") for o in allowed_origins)
+        self._origins = frozenset(o.rstrip("/").lower() for o in allowed_origins)  # browsers send lower case
         self._any = "*" in self._origins
 
     def allowed_origin(self, request: web.Request) -> str | None:
         """The value for Access-Control-Allow-Origin, or None when this request gets no CORS headers."""
         origin = request.headers.get("Origin")
-        if origin is None or not (self._any or origin in self._origins):
+        if origin is None or not (self._any or origin.lower() in self._origins):
             return None
         return "*" if self._any else origin
 

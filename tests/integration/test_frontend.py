@@ -64,7 +64,7 @@ def start_frontend(name, etcd, model_dir, cluster_name, log_dir, *extra: str) ->
 def frontend(instance, etcd, tiny_model_dir, cluster_name, tmp_path_factory):
     process = start_frontend("frontend-fe", etcd, tiny_model_dir, cluster_name, tmp_path_factory.mktemp("logs"),
                              "--api-key", KEYS[0], "--api-key", KEYS[1], "--max-body-bytes", "65536",
-                             "--allowed-origins", ORIGIN)
+                             "--allowed-origins", ORIGIN.replace("chat", "Chat") + "/")  # as people type it
     try:
         asyncio.run(process.wait_healthy(60))
         yield process
@@ -514,7 +514,7 @@ async def test_a_browser_page_on_an_allowed_origin_may_call_the_api(frontend):
                 "Origin": ORIGIN, "Authorization": f"Bearer {KEYS[0]}"}) as response:
             assert response.status == 200 and (await response.text()).endswith("data: [DONE]\n\n")
             assert response.headers["Access-Control-Allow-Origin"] == ORIGIN
-            assert response.headers["Access-Control-Expose-Headers"] == "x-request-id"
+            assert response.headers["Access-Control-Expose-Headers"] == "x-request-id, retry-after"
         async with session.post(COMPLETIONS, json=body, headers={"Origin": ORIGIN}) as response:
             assert response.status == 401  # the page can read why
             assert response.headers["Access-Control-Allow-Origin"] == ORIGIN

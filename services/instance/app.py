@@ -160,7 +160,8 @@ def wire_migration(config: InstanceConfig, servicer: InstanceServicer, runner: E
         transfer_id=link.transfer_id if link else "", offered_backends=link.backends if link else ())
     servicer.migrations = MigrationDriver(runner, settings, slots, peers, link.client if link else None)
     endpoint = TransferEndpoint(link.address, link.transfer_id) if link else TransferEndpoint("", "")
-    servicer.inbox = MigrationInbox(runner, slots, config.migration_reservation_timeout_s, endpoint)
+    servicer.inbox = MigrationInbox(runner, slots, config.migration_reservation_timeout_s, endpoint,
+                                    config.migration_transfer_timeout_s)
 
 
 async def shutdown(config: InstanceConfig, server, servicer: InstanceServicer, runner: EngineRunner,

@@ -7,7 +7,10 @@ Life of one incoming migration (keyed by the source's migration id):
     any time before the attach: AbortMigrateIn, or the watchdog once
     --migration-reservation-timeout-s passed without progress; before the commit, also as
     soon as the source leaves etcd's membership (its lease expired: killed, frozen, cut off)
-    or comes back as another process
+    or comes back as another process. That frees the migration slot at once, but the blocks
+    only once the last stage's copy deadline (--migration-transfer-timeout-s after the last
+    Prepare) has passed: a copy still under way must not write into blocks given to another
+    request (the reservation timeout is longer than that deadline for the same reason)
 
 A migration holds one of this instance's migration slots from its first Prepare until it
 commits or aborts. After the commit the source may still abort it (its commit call failed
@@ -44,6 +47,7 @@ class _Incoming:
     request_id: str
     src_instance_id: str
     expires_at: float  # monotonic; pushed back by every Prepare and by the commit
+    prepared_at: float  # monotonic; the last Prepare (a stage's copy follows it)
     epoch: int | None = None  # set once committed
     src_process: tuple[Any, Any] | None = None  # the source's (host, pid) in etcd at the first Prepare
 
@@ -64,12 +68,14 @@ class TransferEndpoint:
 
 class MigrationInbox:
     def __init__(self, runner: EngineRunner, slots: MigrationSlots, timeout_s: float,
-                 transfer: TransferEndpoint) -> None:
+                 transfer: TransferEndpoint, transfer_timeout_s: float = 0.0) -> None:
         self._runner = runner
         self._slots = slots
         self._timeout_s = timeout_s
         self._transfer = transfer
+        self._transfer_timeout_s = transfer_timeout_s  # a stage's copy deadline
         self._incoming: dict[str, _Incoming] = {}  # by migration id, until attached or aborted
+        self._held_back: dict[str, float] = {}  # migration id -> when its source-gone reservation's blocks go
         self._instances: Members | None = None  # set by watch_sources (instances registered in etcd)
 
     def watch_sources(self, instances: Members) -> None:
@@ -98,10 +104,10 @@ class MigrationInbox:
                           f"{self._timeout_s:g} s without a call) or it was aborted; the blocks copied so far are lost")
         if incoming is None:
             self._slots.acquire(migration_id)
-            incoming = _Incoming(migration_id, request_id, src_instance_id, self._deadline(),
+            incoming = _Incoming(migration_id, request_id, src_instance_id, self._deadline(), time.monotonic(),
                                  src_process=self._process_of(src_instance_id))
             self._incoming[migration_id] = incoming
-        incoming.expires_at = self._deadline()
+        incoming.expires_at, incoming.prepared_at = self._deadline(), time.monotonic()
         incoming.src_process = incoming.src_process or self._process_of(src_instance_id)  # etcd may show it late
         engine = self._runner.engine
 
@@ -186,9 +192,14 @@ class MigrationInbox:
                             lambda: self.expire(time.monotonic()))
 
     async def expire(self, now: float) -> None:
+        for migration_id, free_at in list(self._held_back.items()):
+            if free_at <= now:
+                del self._held_back[migration_id]
+                await self._runner.call(lambda m=migration_id: self._runner.engine.free_reservation(m))
         for incoming in list(self._incoming.values()):
             if (reason := self._expiry_reason(incoming, now)) is not None:
-                was_dropped = await self.abort(incoming.migration_id)
+                was_dropped = await (self._hold_back(incoming) if reason == "source_gone"
+                                     else self.abort(incoming.migration_id))
                 log.warning("migration_in_expired", migration_id=incoming.migration_id, reason=reason,
                             request_id=incoming.request_id, src_instance_id=incoming.src_instance_id,
                             is_committed=incoming.epoch is not None, was_dropped=was_dropped)
@@ -201,6 +212,13 @@ class MigrationInbox:
         if self._is_source_gone(incoming):
             return "source_gone"
         return None
+
+    async def _hold_back(self, incoming: _Incoming) -> bool:
+        """Give up an uncommitted reservation whose source is gone: its slot now, its blocks after the
+        copy deadline of its last stage."""
+        self._forget(incoming.migration_id)
+        self._held_back[incoming.migration_id] = incoming.prepared_at + self._transfer_timeout_s
+        return True
 
     def _is_overflowing(self, incoming: _Incoming) -> bool:
         stream = self._runner.stream(incoming.request_id) if incoming.epoch is not None else None

@@ -438,6 +438,10 @@ async def test_a_reservation_goes_once_its_source_leaves_etcd_though_it_kept_gro
             await stubs["b"].PrepareMigrateIn(prepare(True), timeout=5)  # pushes the timeout back, as copying would
             await asyncio.sleep(RESERVATION_TIMEOUT_S / 6)
     assert error.value.code() == grpc.StatusCode.ABORTED, error.value.details()
+    for _ in range(100):  # the blocks go once the last stage's copy deadline passed (TRANSFER_TIMEOUT_S)
+        if await free_blocks(stubs["b"]) == baseline:
+            break
+        await asyncio.sleep(0.1)
     assert await free_blocks(stubs["b"]) == baseline
 
 

@@ -81,8 +81,7 @@ class Migrator:
         self._in_flight: dict[InstanceId, int] = {}  # invariant: MigrateOut calls running per instance, > 0
         self._ended_at: dict[InstanceId, float] = {}  # its last migration ended then; sits out until a newer report
         self._received_at: dict[InstanceId, float] = {}  # a migration to it last ended then (ties go to others)
-        self._owes_work = False  # drains or PD hand-offs were moving at the last tick: tick again soon
-        self._num_owed_in_flight = 0  # drain and PD migrations running now
+        self._num_owed_in_flight = 0  # drain and PD migrations started and not ended
         self._owed_ended_at = float("-inf")  # when the last of them ended
         self._cooled: dict[str, float] = {}  # request id -> when it committed somewhere
         self._failed_at: dict[tuple[InstanceId, InstanceId], float] = {}  # (src, dst) -> its last failure
@@ -114,17 +113,12 @@ class Migrator:
         """The tick interval, or OWED_WORK_INTERVAL_S while drains or PD hand-offs are moving requests:
         those must move whatever the load, so the next goes as soon as its pair settled, not a tick later.
         A drain with nowhere to go (no destination, or backing off) starts nothing and keeps the usual pace."""
-        return min(self._limits.interval_s, OWED_WORK_INTERVAL_S) if self._owes_work else self._limits.interval_s
-
-    def _is_moving_owed_work(self, orders: list[MigrationOrder]) -> bool:
-        """A drain or PD order started now, runs, or ended moments ago (its pair is settling)."""
-        return (any(o.trigger in OWED_TRIGGERS for o in orders) or self._num_owed_in_flight > 0
-                or self._clock() - self._owed_ended_at < OWED_SETTLE_S)
+        is_moving = self._num_owed_in_flight > 0 or self._clock() - self._owed_ended_at < OWED_SETTLE_S
+        return min(self._limits.interval_s, OWED_WORK_INTERVAL_S) if is_moving else self._limits.interval_s
 
     async def _tick_if_leading(self) -> None:
-        self._owes_work = False
         if self._leadership.is_leader:
-            self._owes_work = self._is_moving_owed_work(self.tick())
+            self.tick()
 
     def tick(self) -> list[MigrationOrder]:
         """Plan this tick's migrations and start them (each in its own task)."""
@@ -243,7 +237,14 @@ class Migrator:
         task = asyncio.get_running_loop().create_task(self.migrate(order), name=f"migrate:{order.src_instance_id}")
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        if order.trigger in OWED_TRIGGERS:  # counted from here, so the tick that started it already sees it
+            self._num_owed_in_flight += 1
+            task.add_done_callback(self._owed_task_done)
         return task
+
+    def _owed_task_done(self, task: asyncio.Task[MigrationRecord]) -> None:
+        self._num_owed_in_flight -= 1
+        self._owed_ended_at = self._clock()
 
     def _task_done(self, task: asyncio.Task[MigrationRecord]) -> None:
         self._tasks.discard(task)
@@ -256,8 +257,6 @@ class Migrator:
     def _hold(self, order: MigrationOrder) -> None:
         for instance_id in (order.src_instance_id, order.dst_instance_id):
             self._in_flight[instance_id] = self._in_flight.get(instance_id, 0) + 1
-        if order.trigger in OWED_TRIGGERS:
-            self._num_owed_in_flight += 1
         metrics.MIGRATIONS_IN_FLIGHT.inc()
 
     def _release(self, order: MigrationOrder) -> None:
@@ -268,9 +267,6 @@ class Migrator:
                 del self._in_flight[instance_id]
             self._ended_at[instance_id] = now
         self._received_at[order.dst_instance_id] = now
-        if order.trigger in OWED_TRIGGERS:
-            self._num_owed_in_flight -= 1
-            self._owed_ended_at = now
         metrics.MIGRATIONS_IN_FLIGHT.dec()
 
     def _keep(self, record: MigrationRecord, backs_off: bool = True) -> None:

@@ -49,7 +49,7 @@ class _Incoming:
     expires_at: float  # monotonic; pushed back by every Prepare and by the commit
     prepared_at: float  # monotonic; the last Prepare (a stage's copy follows it)
     epoch: int | None = None  # set once committed
-    src_process: tuple[Any, Any] | None = None  # the source's (host, pid) in etcd at the first Prepare
+    src_process: tuple[Any, Any] | None = None  # the source's (host, pid) in etcd, from the first Prepare that saw it
 
 
 class Members(Protocol):
@@ -104,11 +104,10 @@ class MigrationInbox:
                           f"{self._timeout_s:g} s without a call) or it was aborted; the blocks copied so far are lost")
         if incoming is None:
             self._slots.acquire(migration_id)
-            incoming = _Incoming(migration_id, request_id, src_instance_id, self._deadline(), time.monotonic(),
-                                 src_process=self._process_of(src_instance_id))
+            incoming = _Incoming(migration_id, request_id, src_instance_id, self._deadline(), time.monotonic())
             self._incoming[migration_id] = incoming
         incoming.expires_at, incoming.prepared_at = self._deadline(), time.monotonic()
-        incoming.src_process = incoming.src_process or self._process_of(src_instance_id)  # etcd may show it late
+        incoming.src_process = incoming.src_process or self._process_of(src_instance_id)  # may show up late
         engine = self._runner.engine
 
         def reserve() -> tuple[tuple[int, ...], int]:

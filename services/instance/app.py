@@ -41,6 +41,7 @@ from services.instance.runner import EngineRunner
 from services.instance.stall_watchdog import StallWatchdog
 from services.instance.server import InstanceIdentity, InstanceServicer
 from services.instance.transfer_link import TransferLink, connect_transfer, disconnect_transfer, transfer_mapping_loop
+from services.instance.write_fence import TransferWriteFence
 
 log = structlog.get_logger(__name__)
 
@@ -83,12 +84,12 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
     identity = InstanceIdentity(instance_id, server.address, config.role, config.model.name,
                                 loaded.max_model_len, geometry_to_proto(loaded.kv_cache.geometry))
     servicer.identity = identity
-    if config.metrics_port:
-        serve_metrics(config.metrics_port, config.host, runner, instance_id)
     link = await connect_transfer(config.transfer_address, instance_id, loaded.kv_cache,
                                   config.migration_rpc_timeout_s, config.tls) if config.transfer_address else None
     peers = InstanceClients(config.migration_rpc_timeout_s, config.tls)
     wire_migration(config, servicer, runner, peers, link)
+    if config.metrics_port:
+        serve_metrics(config.metrics_port, config.host, runner, instance_id, lambda: servicer.inbox.num_quarantined)
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s,
                         access=config.etcd_access) if config.etcd_endpoints else None
     stall = StallWatchdog(runner, config.engine_stall_timeout_s, server.set_serving,
@@ -160,8 +161,8 @@ def wire_migration(config: InstanceConfig, servicer: InstanceServicer, runner: E
         transfer_id=link.transfer_id if link else "", offered_backends=link.backends if link else ())
     servicer.migrations = MigrationDriver(runner, settings, slots, peers, link.client if link else None)
     endpoint = TransferEndpoint(link.address, link.transfer_id) if link else TransferEndpoint("", "")
-    servicer.inbox = MigrationInbox(runner, slots, config.migration_reservation_timeout_s, endpoint,
-                                    config.migration_transfer_timeout_s)
+    fence = TransferWriteFence(link.client, servicer.identity.instance_id) if link else None
+    servicer.inbox = MigrationInbox(runner, slots, config.migration_reservation_timeout_s, endpoint, fence)
 
 
 async def shutdown(config: InstanceConfig, server, servicer: InstanceServicer, runner: EngineRunner,

@@ -152,7 +152,7 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
         if self.migration_reservation_timeout_s <= self.migration_transfer_timeout_s:
             raise ValueError(f"--migration-reservation-timeout-s ({self.migration_reservation_timeout_s:g}) must exceed "
                              f"--migration-transfer-timeout-s ({self.migration_transfer_timeout_s:g}): a destination "
-                             "must never free blocks a copy may still be writing")
+                             "reservation that expires while its stage's copy may still run fails a healthy, slow migration")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if resolve_device(self.device).type != "cpu" and self.engine is EngineKind.SIM:

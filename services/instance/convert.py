@@ -126,11 +126,13 @@ def reservation_to_proto(reservation: Reservation) -> instance_pb2.PrepareMigrat
     return instance_pb2.PrepareMigrateInResponse(block_ids=list(reservation.block_ids),
                                                  dst_transfer_address=reservation.transfer_address,
                                                  dst_transfer_id=reservation.transfer_id,
-                                                 num_cached_blocks=reservation.num_cached_blocks)
+                                                 num_cached_blocks=reservation.num_cached_blocks,
+                                                 write_grant=reservation.write_grant)
 
 
 def reservation_from_proto(msg: instance_pb2.PrepareMigrateInResponse) -> Reservation:
-    return Reservation(tuple(msg.block_ids), msg.dst_transfer_address, msg.dst_transfer_id, msg.num_cached_blocks)
+    return Reservation(tuple(msg.block_ids), msg.dst_transfer_address, msg.dst_transfer_id, msg.num_cached_blocks,
+                       msg.write_grant)
 
 
 def request_state_to_proto(state: RequestState) -> instance_pb2.RequestState:

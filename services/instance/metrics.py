@@ -6,6 +6,8 @@ metrics work: load and KV figures, requests served, engine steps and step time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -14,9 +16,10 @@ from services.instance.runner import EngineRunner
 
 
 class InstanceCollector:
-    def __init__(self, runner: EngineRunner, instance_id: str) -> None:
+    def __init__(self, runner: EngineRunner, instance_id: str, num_quarantined: Callable[[], int] = lambda: 0) -> None:
         self._runner = runner
         self._instance_id = instance_id
+        self._num_quarantined = num_quarantined
 
     def collect(self):
         runner, load = self._runner, self._runner.load
@@ -32,6 +35,9 @@ class InstanceCollector:
             ("ferry_instance_open_streams", "Requests with an open output stream", runner.num_active),
             ("ferry_instance_prefix_cache_hit_rate", "Share of admitted context tokens found in the prefix cache",
              runner.prefix_cache_stats.hit_rate),
+            ("ferry_instance_quarantined_reservations",
+             "Given-up incoming migrations whose blocks wait until the transfer service confirms no copy can still "
+             "write into them", self._num_quarantined()),
         )
         for name, help_text, value in gauges:
             yield self._family(GaugeMetricFamily, name, help_text, value)
@@ -51,7 +57,8 @@ class InstanceCollector:
         return family
 
 
-def serve_metrics(port: int, host: str, runner: EngineRunner, instance_id: str) -> None:
+def serve_metrics(port: int, host: str, runner: EngineRunner, instance_id: str,
+                  num_quarantined: Callable[[], int] = lambda: 0) -> None:
     """Start the /metrics HTTP server on a daemon thread."""
-    REGISTRY.register(InstanceCollector(runner, instance_id))
+    REGISTRY.register(InstanceCollector(runner, instance_id, num_quarantined))
     start_metrics_server(port, host)

@@ -100,6 +100,7 @@ class Reservation:
     transfer_address: str  # the transfer service mapping the destination's KV memory
     transfer_id: str
     num_cached_blocks: int = 0  # leading block_ids the destination had cached: shared there, never copied into
+    write_grant: int = 0  # named in every transfer into block_ids (the destination's fence; 0 = none)
 
 
 class DestinationPeer(Protocol):
@@ -335,7 +336,8 @@ class MigrationDriver:
             dst_instance_id=InstanceId(a.plan.dst_instance_id),
             dst_block_ids=tuple(a.reservation.block_ids[i] for i in indexes),
             dst_transfer_address=a.plan.dst_transfer_address or a.reservation.transfer_address,
-            backend=a.backend, is_checksum_verified=self._settings.is_checksum_verified)
+            backend=a.backend, is_checksum_verified=self._settings.is_checksum_verified,
+            dst_write_grant=a.reservation.write_grant)
         result = await self._transferer.transfer(transfer, self._settings.transfer_timeout_s, a.request_id)
         a.copied.update((i, view.block_ids[i]) for i in indexes)
         a.num_blocks += result.num_blocks

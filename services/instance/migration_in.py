@@ -7,10 +7,14 @@ Life of one incoming migration (keyed by the source's migration id):
     any time before the attach: AbortMigrateIn, or the watchdog once
     --migration-reservation-timeout-s passed without progress; before the commit, also as
     soon as the source leaves etcd's membership (its lease expired: killed, frozen, cut off)
-    or comes back as another process. That frees the migration slot at once, but the blocks
-    only once the last stage's copy deadline (--migration-transfer-timeout-s after the last
-    Prepare) has passed: a copy still under way must not write into blocks given to another
-    request (the reservation timeout is longer than that deadline for the same reason)
+    or comes back as another process.
+
+The reservation's blocks are fenced (write_fence.py): the first Prepare opens a write grant
+on this instance's transfer service before any block id leaves, and an uncommitted
+reservation's blocks go back to the pool only once the service confirmed the revoke, so a
+copy still under way (or frozen and resumed) can never write into blocks given to another
+request. Blocks whose revoke is not confirmed stay quarantined; every watchdog sweep asks
+again. A commit closes the grant on the next sweep.
 
 A migration holds one of this instance's migration slots from its first Prepare until it
 commits or aborts. After the commit the source may still abort it (its commit call failed
@@ -35,6 +39,7 @@ from services.instance.engine.migration_state import RequestState
 from services.instance.migration import Reservation
 from services.instance.migration_slots import MigrationSlots
 from services.instance.runner import EngineRunner, RequestStream
+from services.instance.write_fence import NoWriteFence, WriteFence
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +53,7 @@ class _Incoming:
     src_instance_id: str
     expires_at: float  # monotonic; pushed back by every Prepare and by the commit
     prepared_at: float  # monotonic; the last Prepare (a stage's copy follows it)
+    write_grant: int  # opened on this instance's transfer service by the first Prepare
     epoch: int | None = None  # set once committed
     src_process: tuple[Any, Any] | None = None  # the source's (host, pid) in etcd, from the first Prepare that saw it
 
@@ -68,14 +74,16 @@ class TransferEndpoint:
 
 class MigrationInbox:
     def __init__(self, runner: EngineRunner, slots: MigrationSlots, timeout_s: float,
-                 transfer: TransferEndpoint, transfer_timeout_s: float = 0.0) -> None:
+                 transfer: TransferEndpoint, fence: WriteFence | None = None) -> None:
         self._runner = runner
         self._slots = slots
         self._timeout_s = timeout_s
         self._transfer = transfer
-        self._transfer_timeout_s = transfer_timeout_s  # a stage's copy deadline
+        self._fence = fence or NoWriteFence()
         self._incoming: dict[str, _Incoming] = {}  # by migration id, until attached or aborted
-        self._held_back: dict[str, float] = {}  # migration id -> when its source-gone reservation's blocks go
+        # Grants to revoke on the next sweep, in order, with the reservation whose blocks to free
+        # after (None: committed, the grant is just closed). Uncommitted ones are quarantined blocks.
+        self._revoking: dict[int, str | None] = {}
         self._instances: Members | None = None  # set by watch_sources (instances registered in etcd)
 
     def watch_sources(self, instances: Members) -> None:
@@ -102,9 +110,11 @@ class MigrationInbox:
         if grow_only and incoming is None:
             raise Aborted(f"migration {migration_id}: the reservation here is gone (the watchdog freed it after "
                           f"{self._timeout_s:g} s without a call) or it was aborted; the blocks copied so far are lost")
-        if incoming is None:
+        is_first = incoming is None
+        if is_first:
             self._slots.acquire(migration_id)
-            incoming = _Incoming(migration_id, request_id, src_instance_id, self._deadline(), time.monotonic())
+            incoming = _Incoming(migration_id, request_id, src_instance_id, self._deadline(), time.monotonic(),
+                                 self._fence.new_grant_id())
             self._incoming[migration_id] = incoming
         incoming.expires_at, incoming.prepared_at = self._deadline(), time.monotonic()
         incoming.src_process = incoming.src_process or self._process_of(src_instance_id)  # may show up late
@@ -115,11 +125,15 @@ class MigrationInbox:
             return block_ids, engine.num_cached_reserved(migration_id)
         try:
             block_ids, num_cached = await self._runner.call(reserve)
+            if is_first:  # before any block id leaves: nothing can be writing into them yet
+                await self._fence.grant(incoming.write_grant)
         except BaseException:
-            if not await self._runner.call(lambda: migration_id in self._runner.engine.reservations):
+            if is_first or not await self._runner.call(lambda: migration_id in engine.reservations):
                 self._forget(migration_id)  # a first Prepare that failed holds nothing
+                await self._runner.call(lambda: engine.free_reservation(migration_id))
             raise
-        return Reservation(tuple(block_ids), self._transfer.address, self._transfer.transfer_id, num_cached)
+        return Reservation(tuple(block_ids), self._transfer.address, self._transfer.transfer_id, num_cached,
+                           incoming.write_grant)
 
     async def commit(self, migration_id: str, state: RequestState) -> None:
         """Adopt the request: it joins the running batch with its K/V in the reserved blocks."""
@@ -140,6 +154,7 @@ class MigrationInbox:
         incoming.epoch = state.epoch
         incoming.expires_at = self._deadline()  # now the deadline to attach
         self._slots.release(migration_id)
+        self._revoking[incoming.write_grant] = None  # every block is in: close the grant (next sweep)
         log.info("migration_in_committed", request_id=state.request_id, migration_id=migration_id,
                  src_instance_id=incoming.src_instance_id, epoch=state.epoch,
                  num_computed_tokens=state.num_computed_tokens)
@@ -151,7 +166,7 @@ class MigrationInbox:
             return False
         if incoming.epoch is None:
             self._forget(migration_id)
-            return await self._runner.call(lambda: self._runner.engine.free_reservation(migration_id))
+            return await self._free_fenced(incoming)
         stream = self._runner.stream(incoming.request_id)
         self._forget(migration_id)
         if stream is None or stream.is_attached or stream.epoch != incoming.epoch:
@@ -191,17 +206,18 @@ class MigrationInbox:
                             lambda: self.expire(time.monotonic()))
 
     async def expire(self, now: float) -> None:
-        for migration_id, free_at in list(self._held_back.items()):
-            if free_at <= now:
-                del self._held_back[migration_id]
-                await self._runner.call(lambda m=migration_id: self._runner.engine.free_reservation(m))
+        await self._retry_revokes()
         for incoming in list(self._incoming.values()):
             if (reason := self._expiry_reason(incoming, now)) is not None:
-                was_dropped = await (self._hold_back(incoming) if reason == "source_gone"
-                                     else self.abort(incoming.migration_id))
+                was_dropped = await self.abort(incoming.migration_id)
                 log.warning("migration_in_expired", migration_id=incoming.migration_id, reason=reason,
                             request_id=incoming.request_id, src_instance_id=incoming.src_instance_id,
                             is_committed=incoming.epoch is not None, was_dropped=was_dropped)
+
+    @property
+    def num_quarantined(self) -> int:
+        """Uncommitted reservations whose blocks wait for a confirmed revoke."""
+        return sum(migration_id is not None for migration_id in self._revoking.values())
 
     def _expiry_reason(self, incoming: _Incoming, now: float) -> str | None:
         if incoming.expires_at <= now:
@@ -212,12 +228,27 @@ class MigrationInbox:
             return "source_gone"
         return None
 
-    async def _hold_back(self, incoming: _Incoming) -> bool:
-        """Give up an uncommitted reservation whose source is gone: its slot now, its blocks after the
-        copy deadline of its last stage."""
-        self._forget(incoming.migration_id)
-        self._held_back[incoming.migration_id] = incoming.prepared_at + self._transfer_timeout_s
+    async def _free_fenced(self, incoming: _Incoming) -> bool:
+        """Free an uncommitted reservation's blocks once no copy can write into them any more; until the
+        transfer service confirms that, they stay quarantined (the next sweeps ask again)."""
+        if await self._fence.revoke(incoming.write_grant):
+            return await self._free_blocks(incoming.migration_id)
+        self._revoking[incoming.write_grant] = incoming.migration_id
+        log.warning("migration_in_blocks_quarantined", migration_id=incoming.migration_id,
+                    request_id=incoming.request_id, write_grant=incoming.write_grant)
         return True
+
+    async def _retry_revokes(self) -> None:
+        for grant_id, migration_id in list(self._revoking.items()):
+            if not await self._fence.revoke(grant_id):
+                return  # the transfer service still does not answer: the next sweep
+            del self._revoking[grant_id]
+            if migration_id is not None:
+                await self._free_blocks(migration_id)
+                log.info("migration_in_blocks_released", migration_id=migration_id, write_grant=grant_id)
+
+    async def _free_blocks(self, migration_id: str) -> bool:
+        return await self._runner.call(lambda: self._runner.engine.free_reservation(migration_id))
 
     def _is_overflowing(self, incoming: _Incoming) -> bool:
         stream = self._runner.stream(incoming.request_id) if incoming.epoch is not None else None

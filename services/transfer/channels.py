@@ -57,8 +57,8 @@ class PairChannel:
     peer: str  # the peer's address (outgoing) or transfer id (incoming)
     backend: TransferBackend
     rank: int
-    group: dist.ProcessGroup
-    store: dist.Store  # kept alive as long as the group
+    group: dist.ProcessGroup | None  # None once dropped (`close`)
+    store: dist.Store | None  # kept alive as long as the group
     device: torch.device  # where tensors must live for this backend
     bounce: torch.Tensor | None = None  # NCCL: device buffer for host staging memory
 
@@ -78,13 +78,13 @@ class PairChannel:
         """Blocking send of a flat uint8 tensor to the peer (worker thread only); Unavailable if it breaks."""
         data = self._to_device(data)
         with self._broken_is_unavailable("send to"):
-            self.group.send([data], 1 - self.rank, tag).wait(datetime.timedelta(seconds=timeout_s))
+            self._live_group().send([data], 1 - self.rank, tag).wait(datetime.timedelta(seconds=timeout_s))
 
     def recv(self, out: torch.Tensor, tag: int, timeout_s: float) -> None:
         """Blocking receive into a flat uint8 tensor (worker thread only); Unavailable if it breaks."""
         target = out if out.device == self.device else self._bounce_for(out)
         with self._broken_is_unavailable("receive from"):
-            self.group.recv([target], 1 - self.rank, tag).wait(datetime.timedelta(seconds=timeout_s))
+            self._live_group().recv([target], 1 - self.rank, tag).wait(datetime.timedelta(seconds=timeout_s))
         if target is not out:
             out.copy_(target)
 
@@ -92,15 +92,28 @@ class PairChannel:
         """Blocking send of flat host tensors with their tags, several in flight (`in_place_window`),
         posted from this one thread in order (gloo only; worker thread only)."""
         with self._broken_is_unavailable("send to"):
-            self._move_in_order(messages, timeout_s, self.group.send)
+            self._move_in_order(messages, timeout_s, is_send=True)
 
     def recv_in_order(self, messages: Sequence[tuple[torch.Tensor, int]], timeout_s: float) -> None:
         """Blocking receive into flat host tensors, as `send_in_order` sends them."""
         with self._broken_is_unavailable("receive from"):
-            self._move_in_order(messages, timeout_s, self.group.recv)
+            self._move_in_order(messages, timeout_s, is_send=False)
 
-    def _move_in_order(self, messages: Sequence[tuple[torch.Tensor, int]], timeout_s: float,
-                       post: Callable[..., dist.Work]) -> None:
+    def close(self) -> None:
+        """Let go of the group, so that it is destroyed (closing its connections) as soon as no call is
+        inside it, even while a failed transfer's frames (in some traceback) still hold this channel."""
+        self.group = self.store = self.bounce = None
+
+    def _live_group(self) -> dist.ProcessGroup:
+        group = self.group
+        if group is None:
+            raise Unavailable(f"the {self.backend.value} channel with {self.peer} was dropped (a transfer on it "
+                              "failed); retry")
+        return group
+
+    def _move_in_order(self, messages: Sequence[tuple[torch.Tensor, int]], timeout_s: float, is_send: bool) -> None:
+        """(No local holds the group, so a traceback of this frame cannot keep it alive.)"""
+
         if not self.moves_in_place:
             raise FailedPrecondition(f"{self.backend.value} channels move staged chunks only")
         window = in_place_window(messages[0][0].numel()) if messages else 1
@@ -110,7 +123,10 @@ class PairChannel:
             for data, tag in messages:
                 if len(in_flight) >= window:
                     _wait(in_flight.popleft(), deadline)
-                in_flight.append(post([data], 1 - self.rank, tag))
+                group = self._live_group()
+                in_flight.append(group.send([data], 1 - self.rank, tag) if is_send else
+                                 group.recv([data], 1 - self.rank, tag))
+                del group
             while in_flight:
                 _wait(in_flight.popleft(), deadline)
         except BaseException:
@@ -207,11 +223,13 @@ class ChannelTable:
         return channel
 
     def drop_outgoing(self, peer_address: str, backend: TransferBackend) -> None:
-        if self._outgoing.pop((peer_address, backend), None) is not None:
+        if (channel := self._outgoing.pop((peer_address, backend), None)) is not None:
+            channel.close()
             log.info("channel_dropped", peer=peer_address, backend=backend.value, direction="outgoing")
 
     def drop_incoming(self, peer_id: str, backend: TransferBackend) -> None:
-        if self._incoming.pop((peer_id, backend), None) is not None:
+        if (channel := self._incoming.pop((peer_id, backend), None)) is not None:
+            channel.close()
             log.info("channel_dropped", peer=peer_id, backend=backend.value, direction="incoming")
 
     def close(self) -> None:

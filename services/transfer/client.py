@@ -69,6 +69,15 @@ class TransferClient:
                                  request_metadata(request_id))
         return result_from_proto(reply)
 
+    async def grant_writes(self, instance_id: str, write_grant: int, timeout_s: float | None = None) -> None:
+        await self._call(self._stub.GrantWrites,
+                         transfer_pb2.GrantWritesRequest(instance_id=instance_id, write_grant=write_grant), timeout_s)
+
+    async def revoke_writes(self, instance_id: str, write_grant: int, timeout_s: float | None = None) -> bool:
+        """True once no write under the grant can land any more (False: it was not granted there)."""
+        request = transfer_pb2.RevokeWritesRequest(instance_id=instance_id, write_grant=write_grant)
+        return (await self._call(self._stub.RevokeWrites, request, timeout_s)).was_granted
+
     async def get_status(self, timeout_s: float | None = None) -> transfer_pb2.GetTransferStatusResponse:
         return await self._call(self._stub.GetStatus, transfer_pb2.GetTransferStatusRequest(), timeout_s)
 

@@ -74,7 +74,7 @@ def transfer_from_proto(msg: transfer_pb2.TransferRequest, default_backend: Tran
         src_instance_id=InstanceId(msg.src_instance_id), src_block_ids=tuple(msg.src_block_ids),
         dst_instance_id=InstanceId(msg.dst_instance_id), dst_block_ids=tuple(msg.dst_block_ids),
         dst_transfer_address=msg.dst_transfer_address, backend=backend_from_proto(msg.backend, default_backend),
-        is_checksum_verified=msg.verify_checksum)
+        is_checksum_verified=msg.verify_checksum, dst_write_grant=msg.dst_write_grant)
 
 
 def transfer_to_proto(transfer: BlockTransfer) -> transfer_pb2.TransferRequest:
@@ -82,7 +82,7 @@ def transfer_to_proto(transfer: BlockTransfer) -> transfer_pb2.TransferRequest:
         src_instance_id=transfer.src_instance_id, src_block_ids=transfer.src_block_ids,
         dst_instance_id=transfer.dst_instance_id, dst_block_ids=transfer.dst_block_ids,
         dst_transfer_address=transfer.dst_transfer_address, backend=backend_to_proto(transfer.backend),
-        verify_checksum=transfer.is_checksum_verified)
+        verify_checksum=transfer.is_checksum_verified, dst_write_grant=transfer.dst_write_grant)
 
 
 def result_to_proto(result: TransferResult) -> transfer_pb2.TransferResponse:
@@ -99,7 +99,7 @@ def header_to_proto(header: IncomingBlocks) -> transfer_pb2.BlocksHeader:
         dst_instance_id=header.dst_instance_id, dst_block_ids=header.dst_block_ids,
         kv=geometry_to_proto(header.geometry), blocks_per_chunk=header.blocks_per_chunk,
         rows_per_chunk=header.rows_per_chunk, checksums=header.checksums, src_transfer_id=header.src_transfer_id,
-        in_place_spans=[bound for span in header.in_place_spans for bound in span])
+        in_place_spans=[bound for span in header.in_place_spans for bound in span], write_grant=header.write_grant)
 
 
 def header_from_proto(msg: transfer_pb2.BlocksHeader) -> IncomingBlocks:
@@ -109,7 +109,8 @@ def header_from_proto(msg: transfer_pb2.BlocksHeader) -> IncomingBlocks:
         dst_instance_id=InstanceId(msg.dst_instance_id), dst_block_ids=tuple(msg.dst_block_ids),
         geometry=geometry_from_proto(msg.kv), blocks_per_chunk=msg.blocks_per_chunk,
         rows_per_chunk=msg.rows_per_chunk, checksums=tuple(msg.checksums),
-        src_transfer_id=TransferId(msg.src_transfer_id), in_place_spans=_spans(msg.in_place_spans))
+        src_transfer_id=TransferId(msg.src_transfer_id), in_place_spans=_spans(msg.in_place_spans),
+        write_grant=msg.write_grant)
 
 
 def _spans(bounds: Sequence[int]) -> tuple[tuple[int, int], ...]:

@@ -37,6 +37,7 @@ class BlockTransfer:
     dst_transfer_address: str  # the transfer service mapping dst ("" with SHM)
     backend: TransferBackend
     is_checksum_verified: bool
+    dst_write_grant: int = 0  # the destination's write grant for dst_block_ids (0 = unfenced)
 
     def __post_init__(self) -> None:
         if not self.src_block_ids:
@@ -72,6 +73,7 @@ class IncomingBlocks:
     checksums: tuple[int, ...]  # crc32 per block; empty = unchecked
     src_transfer_id: TransferId
     in_place_spans: tuple[tuple[int, int], ...] = ()  # [start, stop) of blocks that travel row by row
+    write_grant: int = 0  # the destination's write grant (0 = unfenced)
 
     def __post_init__(self) -> None:
         if not self.dst_block_ids:

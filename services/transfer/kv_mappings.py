@@ -15,6 +15,7 @@ from services.instance.engine.cuda_ipc import CudaIpcHandle
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.transfer.block_copy import kv_rows
 from services.transfer.domain import InstanceId
+from services.transfer.write_grants import WriteGrants
 
 log = structlog.get_logger(__name__)
 
@@ -28,6 +29,7 @@ class KvMappings:
         self._caches: dict[InstanceId, KvCache] = {}
         self._rows: dict[InstanceId, torch.Tensor] = {}  # each cache as rows, viewed once (a view costs µs per transfer)
         self._prefaults: dict[InstanceId, threading.Thread] = {}  # one short-lived thread per map
+        self.write_grants = WriteGrants()  # which writes into these caches are allowed (the migration fence)
 
     def map(self, instance_id: InstanceId, shm_name: str, geometry: KvGeometry,
             cuda_ipc: CudaIpcHandle | None = None) -> KvCache:

@@ -103,12 +103,18 @@ class BufferRing:
         pending = [future for future in self._busy if future is not None]
         if pending:
             await asyncio.wait(pending)
+        # A failed future holds its error, whose traceback holds the frames that hold this ring: without
+        # this, that cycle (and the channel in those frames) would live until the garbage collector ran.
+        self._busy = [None] * len(self._buffers)
 
     async def _wait(self, position: int) -> None:
         future = self._busy[position]
         if future is not None:
-            await asyncio.shield(future)
-            self._busy[position] = None
+            try:
+                await asyncio.shield(future)
+            finally:
+                if future.done():
+                    self._busy[position] = None
 
 
 class ScatterBehind:

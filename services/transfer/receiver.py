@@ -38,6 +38,7 @@ from services.transfer.metrics import IN_PLACE_BYTES
 from services.transfer.pipeline import ScatterBehind
 from services.transfer.staging import StagingPool, StagingSlot
 from services.transfer.threads import TransferThreads, run_in_thread
+from services.transfer.write_grants import WriteGrant
 
 log = structlog.get_logger(__name__)
 
@@ -50,6 +51,7 @@ class Destination:
     block_ids: tuple[int, ...]
     plan: ChunkPlan
     verifier: ChecksumVerifier  # folds in every chunk, staged or received in place
+    grant: WriteGrant  # held while writing; checked before each chunk
 
 
 class BlockReceiver:
@@ -64,19 +66,21 @@ class BlockReceiver:
     async def receive_pieces(self, header: IncomingBlocks, pieces: AsyncIterator[memoryview], timeout_s: float) -> int:
         """grpc: each chunk from byte pieces (a piece never spans two chunks)."""
         deadline = Deadline.after(timeout_s)
-        target = self._target(header)
-        plan = target.plan
-        async with self._staging.slot(deadline.remaining_s()) as slot:
-            scatterer = self._scatter_behind(target, slot)
-            try:
-                for chunk in plan.chunks():
-                    buffer = await scatterer.buffer_for(chunk)
-                    staged = await _receive_chunk(buffer, plan.chunk_bytes(chunk), pieces, chunk)
-                    scatterer.submit(chunk, staged_view(staged, plan, chunk, target.rows.dtype))
-                await _expect_end(pieces)
-                await scatterer.finish()
-            finally:
-                await scatterer.close()
+        async with self._mappings.write_grants.writing(header.dst_instance_id, header.write_grant) as grant:
+            grant.check()
+            target = self._target(header, grant)
+            plan = target.plan
+            async with self._staging.slot(deadline.remaining_s()) as slot:
+                scatterer = self._scatter_behind(target, slot)
+                try:
+                    for chunk in plan.chunks():
+                        buffer = await scatterer.buffer_for(chunk)
+                        staged = await _receive_chunk(buffer, plan.chunk_bytes(chunk), pieces, chunk)
+                        scatterer.submit(chunk, staged_view(staged, plan, chunk, target.rows.dtype))
+                    await _expect_end(pieces)
+                    await scatterer.finish()
+                finally:
+                    await scatterer.close()
         log.info("blocks_received", dst_instance_id=header.dst_instance_id, num_blocks=len(header.dst_block_ids),
                  num_bytes=plan.num_bytes, backend=TransferBackend.GRPC.value)
         return plan.num_bytes
@@ -86,22 +90,25 @@ class BlockReceiver:
         """gloo/nccl: one message per chunk on the channel the sender opened."""
         deadline = Deadline.after(timeout_s)
         channel = self._channels.incoming(header.src_transfer_id, backend)
-        try:
-            target = self._target(header)
-            staging = self._nccl_staging if backend is TransferBackend.NCCL else self._staging
-            async with staging.slot(deadline.remaining_s()) as slot:
-                scatterer = self._scatter_behind(target, slot)
-                try:
-                    await self._receive_chunks(channel, target, slot, scatterer, tag, deadline)
-                    await scatterer.finish()
-                finally:
-                    await scatterer.close()
-        except BaseException:
-            # Destroying our end of the group closes its connection, so a sender blocked in
-            # send (it waits for a matching recv) fails at once instead of at its deadline.
-            channel = None  # the traceback keeps this frame alive; keep no group in it
-            self._channels.drop_incoming(header.src_transfer_id, backend)
-            raise
+        # The grant is held until the channel is dropped too: an in-place receive posted on it writes into the KV.
+        async with self._mappings.write_grants.writing(header.dst_instance_id, header.write_grant) as grant:
+            try:
+                grant.check()
+                target = self._target(header, grant)
+                staging = self._nccl_staging if backend is TransferBackend.NCCL else self._staging
+                async with staging.slot(deadline.remaining_s()) as slot:
+                    scatterer = self._scatter_behind(target, slot)
+                    try:
+                        await self._receive_chunks(channel, target, slot, scatterer, tag, deadline)
+                        await scatterer.finish()
+                    finally:
+                        await scatterer.close()
+            except BaseException:
+                # Destroying our end of the group closes its connection, so a sender blocked in
+                # send (it waits for a matching recv) fails at once instead of at its deadline.
+                channel = None  # the traceback keeps this frame alive; keep no group in it
+                self._channels.drop_incoming(header.src_transfer_id, backend)
+                raise
         log.info("blocks_received", dst_instance_id=header.dst_instance_id, num_blocks=len(header.dst_block_ids),
                  num_bytes=target.plan.num_bytes, backend=backend.value)
         return target.plan.num_bytes
@@ -114,6 +121,7 @@ class BlockReceiver:
                 await self._receive_staged(channel, target, chunks, slot, scatterer, tag, deadline)
                 continue
             # The staged chunks before are all in (tags repeat every TAG_STRIDE chunks).
+            target.grant.check()
             await run_in_thread(self._threads.io, channel.recv_in_order, span_messages(chunks, views, tag),
                                 deadline.remaining_s())
             IN_PLACE_BYTES.labels("received").inc(sum(view.numel() for view in views))
@@ -147,7 +155,7 @@ class BlockReceiver:
             if posted:  # they write into the slot's buffers: wait before it is released
                 await asyncio.wait([future for _chunk, _buffer, future in posted])
 
-    def _target(self, header: IncomingBlocks) -> Destination:
+    def _target(self, header: IncomingBlocks, grant: WriteGrant) -> Destination:
         rows, geometry = self._mappings.rows(header.dst_instance_id)
         check_compatible(header.geometry, geometry)
         check_block_ids(header.dst_block_ids, geometry.num_blocks, "dst_block_ids", is_unique=True)
@@ -157,10 +165,11 @@ class BlockReceiver:
             raise ResourceExhausted(f"chunks of {plan.max_chunk_bytes} bytes do not fit this service's staging "
                                     f"buffers of {self._staging.buffer_bytes} bytes; give both transfer services the "
                                     "same --staging-kib")
-        return Destination(rows, header.dst_block_ids, plan, ChecksumVerifier(plan, header.checksums))
+        return Destination(rows, header.dst_block_ids, plan, ChecksumVerifier(plan, header.checksums), grant)
 
     def _scatter_behind(self, target: Destination, slot: StagingSlot) -> ScatterBehind:
         def verify_and_scatter(chunk: Chunk, staged: torch.Tensor) -> None:
+            target.grant.check()
             target.verifier.update(chunk, staged)
             scatter_chunk(target.rows, target.block_ids, chunk, staged)
         return ScatterBehind(slot, verify_and_scatter, self._threads.copy)

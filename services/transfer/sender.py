@@ -108,10 +108,12 @@ class BlockSender:
         check_block_ids(request.dst_block_ids, dst_geometry.num_blocks, "dst_block_ids", is_unique=True)
         num_bytes = request.num_blocks * src_geometry.bytes_per_block
         copy = (src_rows, request.src_block_ids, dst_rows, request.dst_block_ids, request.is_checksum_verified)
-        if num_bytes <= INLINE_COPY_MAX_BYTES and not request.is_checksum_verified:  # crcs take far longer
-            _copy_checked(*copy)
-        else:
-            await run_in_thread(self._threads.copy, _copy_checked, *copy)
+        async with self._mappings.write_grants.writing(request.dst_instance_id, request.dst_write_grant) as grant:
+            grant.check()
+            if num_bytes <= INLINE_COPY_MAX_BYTES and not request.is_checksum_verified:  # crcs take far longer
+                _copy_checked(*copy)
+            else:
+                await run_in_thread(self._threads.copy, _copy_checked, *copy)
         return num_bytes
 
     # -- GRPC, GLOO, NCCL --------------------------------------------------------------
@@ -142,7 +144,7 @@ class BlockSender:
         if request.is_checksum_verified:
             checksums = await run_in_thread(self._threads.copy, block_checksums, rows, request.src_block_ids)
         header = IncomingBlocks(request.dst_instance_id, request.dst_block_ids, geometry, plan.blocks_per_chunk,
-                                plan.rows_per_chunk, checksums, self._transfer_id, spans)
+                                plan.rows_per_chunk, checksums, self._transfer_id, spans, request.dst_write_grant)
         index = torch.tensor(request.src_block_ids, dtype=torch.int64, device=rows.device)
         return SourceBlocks(rows, request.src_block_ids, index, plan, header)
 

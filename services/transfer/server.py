@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
 from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
 from services.transfer.metrics import observed_transfer
 from services.transfer.channels import MAX_GLOO_CONNECTIONS, MAX_TAG, TAG_STRIDE, ChannelTable
@@ -105,12 +106,34 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             header, backend_from_proto(request.backend), request.tag, self._timeout_s(context))
         return transfer_pb2.ExpectBlocksResponse(num_blocks=len(header.dst_block_ids), num_bytes=num_bytes)
 
+    async def GrantWrites(self, request: transfer_pb2.GrantWritesRequest,
+                          context: grpc.aio.ServicerContext) -> transfer_pb2.GrantWritesResponse:
+        if not request.instance_id:
+            raise InvalidArgument("instance_id: required")
+        self.node.mappings.get(InstanceId(request.instance_id))  # NotFound unless mapped here
+        self.node.mappings.write_grants.grant(InstanceId(request.instance_id), request.write_grant)
+        return transfer_pb2.GrantWritesResponse()
+
+    async def RevokeWrites(self, request: transfer_pb2.RevokeWritesRequest,
+                           context: grpc.aio.ServicerContext) -> transfer_pb2.RevokeWritesResponse:
+        if not request.instance_id:
+            raise InvalidArgument("instance_id: required")
+        timeout_s = self._timeout_s(context)
+        try:
+            async with asyncio.timeout(timeout_s):
+                was_granted = await self.node.mappings.write_grants.revoke(InstanceId(request.instance_id),
+                                                                           request.write_grant)
+        except TimeoutError:
+            raise Unavailable(f"a write under grant {request.write_grant} is still under way after {timeout_s:.3g} s; "
+                              "it is refused from its next chunk on: ask again") from None
+        return transfer_pb2.RevokeWritesResponse(was_granted=was_granted)
+
     async def GetStatus(self, request: transfer_pb2.GetTransferStatusRequest,
                         context: grpc.aio.ServicerContext) -> transfer_pb2.GetTransferStatusResponse:
         node = self.node
         return transfer_pb2.GetTransferStatusResponse(
             transfer_id=node.transfer_id, address=node.address, backends=[backend_to_proto(b) for b in node.backends],
-            instance_ids=node.mappings.instance_ids(), pid=os.getpid())
+            instance_ids=node.mappings.instance_ids(), pid=os.getpid(), num_write_grants=len(node.mappings.write_grants))
 
     def _timeout_s(self, context: grpc.aio.ServicerContext) -> float:
         remaining = context.time_remaining()

@@ -288,22 +288,28 @@ async def instance_record(etcd, cluster: Cluster, instance_id: str) -> dict:
         return await registry.get_json(f"instances/{instance_id}")
 
 
-async def test_shm_backend_when_one_service_maps_both(stubs, cluster, tiny_model_dir, etcd):
+async def test_a_copy_by_a_service_the_destination_did_not_grant_writes_on_is_refused(stubs, cluster, tiny_model_dir,
+                                                                                     etcd):
+    """ta maps b as well (so it could copy into b's memory directly, shm), but b fences its blocks on its
+    own transfer service tb: ta's copy is refused before it writes, and the request stays on a.
+    (Instances that share one transfer service, as `make run` starts them, migrate over shm: e2e tests.)"""
     record = await instance_record(etcd, cluster, "b")
     assert record["transfer_address"] == cluster.address("tb") and record["transfer_id"] == "tb"
     async with TransferClient(cluster.address("ta")) as ta:
         await ta.map_instance("b", record["kv_shm_name"], geometry_from_record(record["kv"]))
         try:
-            wire, sampling = greedy(1000)
+            wire, sampling = greedy(600)
             client = ClientStream("shm-1")
             call = generate(stubs["a"], "shm-1", wire)
             await client.read(call, until_tokens=3)
-            result = await migrate_out(stubs["a"], "shm-1", "b", cluster, backend=transfer_pb2.TRANSFER_BACKEND_SHM)
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await migrate_out(stubs["a"], "shm-1", "b", cluster, backend=transfer_pb2.TRANSFER_BACKEND_SHM)
+            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION, error.value.details()
+            assert "write grant" in error.value.details()
             await client.follow(call)
         finally:
             await ta.unmap_instance("b")
-    assert result.backend == transfer_pb2.TRANSFER_BACKEND_SHM
-    assert client.token_ids == reference(tiny_model_dir, PROMPT, sampling)
+    assert not client.handoffs and client.token_ids == reference(tiny_model_dir, PROMPT, sampling)
     await assert_all_blocks_free(stubs)
 
 
@@ -438,11 +444,38 @@ async def test_a_reservation_goes_once_its_source_leaves_etcd_though_it_kept_gro
             await stubs["b"].PrepareMigrateIn(prepare(True), timeout=5)  # pushes the timeout back, as copying would
             await asyncio.sleep(RESERVATION_TIMEOUT_S / 6)
     assert error.value.code() == grpc.StatusCode.ABORTED, error.value.details()
-    for _ in range(100):  # the blocks go once the last stage's copy deadline passed (TRANSFER_TIMEOUT_S)
+    for _ in range(100):  # the blocks go once tb confirmed that no copy can write into them any more
         if await free_blocks(stubs["b"]) == baseline:
             break
         await asyncio.sleep(0.1)
     assert await free_blocks(stubs["b"]) == baseline
+
+
+async def test_given_up_blocks_stay_out_of_use_while_the_transfer_service_that_writes_them_is_frozen(stubs, cluster):
+    """b's transfer service writes every block that arrives for b. Frozen, it may still hold a copy
+    it will finish when it resumes, so blocks b gives up meanwhile must not go to another request
+    until it answers the revoke of their write grant."""
+    baseline = await free_blocks(stubs["b"])
+    reply = await stubs["b"].PrepareMigrateIn(instance_pb2.PrepareMigrateInRequest(
+        migration_id="fence-1", request_id="fence", src_instance_id="vanished", num_blocks=6), timeout=5)
+    assert reply.write_grant != 0
+    async with TransferClient(cluster.address("tb")) as tb:
+        assert (await tb.get_status()).num_write_grants >= 1
+        cluster.processes["tb"].signal(signal.SIGSTOP)
+        try:
+            aborted = await stubs["b"].AbortMigrateIn(instance_pb2.AbortMigrateInRequest(migration_id="fence-1"),
+                                                      timeout=10)
+            assert aborted.was_reserved
+            await asyncio.sleep(1.5)  # watchdog sweeps ask tb again, and get no answer
+            assert await free_blocks(stubs["b"]) == baseline - 6
+        finally:
+            cluster.processes["tb"].signal(signal.SIGCONT)
+        for _ in range(100):
+            if await free_blocks(stubs["b"]) == baseline:
+                break
+            await asyncio.sleep(0.1)
+        assert await free_blocks(stubs["b"]) == baseline
+        assert (await tb.get_status()).num_write_grants == 0
 
 
 async def test_watchdog_frees_a_reservation_nobody_commits(stubs):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from services.cluster.processes import ServiceProcess, stop_all
-from services.common.errors import FailedPrecondition, NotFound, Unavailable
+from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import common_pb2, transfer_pb2, transfer_pb2_grpc
 from services.common.grpc_server import insecure_channel
@@ -103,14 +103,14 @@ def _block_sets(geometry: KvGeometry, num_blocks: int, seed: int) -> tuple[tuple
 
 
 async def _transfer_and_check(a: TransferClient, caches, b_address: str, pair: str, backend: TransferBackend,
-                              src_ids, dst_ids, is_checksum_verified: bool) -> None:
+                              src_ids, dst_ids, is_checksum_verified: bool, write_grant: int = 0) -> None:
     src, dst = caches[f"a-{pair}"], caches[f"b-{pair}"]
     dst.tensor.copy_(torch.randn(dst.geometry.shape).to(dst.geometry.dtype))  # fresh garbage at the destination
     expected = dst.tensor.clone()
     for s, d in zip(src_ids, dst_ids):
         expected[:, :, d] = src.tensor[:, :, s]
     result = await a.transfer(BlockTransfer(InstanceId(f"a-{pair}"), src_ids, InstanceId(f"b-{pair}"), dst_ids,
-                                            b_address, backend, is_checksum_verified), timeout_s=30)
+                                            b_address, backend, is_checksum_verified, write_grant), timeout_s=30)
     assert result.num_blocks == len(src_ids) and result.backend is backend
     assert result.num_bytes == len(src_ids) * src.geometry.bytes_per_block
     assert torch.equal(dst.tensor.view(torch.uint8), expected.view(torch.uint8))
@@ -179,6 +179,31 @@ async def test_unknown_destination_is_not_found_and_the_channel_recovers(service
             await a.transfer(BlockTransfer(InstanceId("a-small"), (1,), InstanceId("nobody"), (1,),
                                            services["B"].address, backend, False), timeout_s=20)
         await _transfer_and_check(a, caches, services["B"].address, "small", backend, (2, 3), (4, 5), False)
+
+
+@pytest.mark.parametrize("backend, grant", [(TransferBackend.GRPC, 101), (TransferBackend.GLOO, 102),
+                                            (TransferBackend.SHM, 2**64 - 1)])
+async def test_a_write_naming_a_grant_needs_it_open_on_the_service_that_writes(services, caches, mapped, backend,
+                                                                               grant):
+    a, b = mapped
+    writer = a if backend is TransferBackend.SHM else b  # the service that writes into b-small
+    await writer.grant_writes("b-small", grant)
+    await _transfer_and_check(a, caches, services["B"].address, "small", backend, (1, 2), (3, 4), True, grant)
+    assert (await writer.get_status()).num_write_grants == 1
+    assert await writer.revoke_writes("b-small", grant)
+    assert (await writer.get_status()).num_write_grants == 0
+    before = caches["b-small"].tensor.clone()
+    for closed in (grant, 12345):  # revoked, never granted
+        with pytest.raises(FailedPrecondition, match="not open"):
+            await a.transfer(BlockTransfer(InstanceId("a-small"), (5, 6), InstanceId("b-small"), (3, 4),
+                                           services["B"].address, backend, False, closed), timeout_s=20)
+    assert torch.equal(caches["b-small"].tensor.view(torch.uint8), before.view(torch.uint8))
+    assert not await writer.revoke_writes("b-small", grant)  # forgotten: as safe
+    with pytest.raises(NotFound, match="not mapped"):
+        await writer.grant_writes("nobody", grant)
+    with pytest.raises(InvalidArgument, match="write_grant"):
+        await writer.grant_writes("b-small", 0)
+    await _transfer_and_check(a, caches, services["B"].address, "small", backend, (2, 3), (4, 5), False)  # unfenced
 
 
 async def test_gloo_senders_and_receivers_with_other_channel_settings_agree(
@@ -363,6 +388,38 @@ async def test_killing_the_source_mid_in_place_transfer_frees_the_receiver(etcd,
     finally:
         sender.kill()
         receiver.stop()
+        for cache in (src, dst):
+            cache.close()
+            cache.unlink()
+
+
+@pytest.mark.parametrize("backend", [TransferBackend.GRPC, TransferBackend.GLOO])
+async def test_once_a_revoke_returns_no_block_of_a_transfer_under_way_lands(services, backend):
+    """The fence: the destination revokes the grant while a slow transfer writes into its KV. The
+    transfer fails, and from the moment RevokeWrites answered the destination's memory never changes."""
+    src = _random_cache(f"a-fence-{backend.value}", BULK, 8)
+    dst = KvCache.create(f"ferry-test-b-fence-{uuid.uuid4().hex[:6]}", BULK)
+    grant = 4242
+    try:
+        async with TransferClient(services["A"].address) as a, TransferClient(services["B"].address) as b:
+            await a.map_instance(f"a-fence-{backend.value}", src.name, BULK)
+            await b.map_instance("b-fence", dst.name, BULK)
+            await b.grant_writes("b-fence", grant)
+            ids = tuple(range(BULK.num_blocks))
+            transfer = asyncio.create_task(a.transfer(
+                BlockTransfer(InstanceId(f"a-fence-{backend.value}"), ids, InstanceId("b-fence"), ids[::-1],
+                              services["B"].address, backend, False, grant), timeout_s=60))
+            await _until_some_blocks_landed(dst, ids[-1], transfer)
+            assert await b.revoke_writes("b-fence", grant, timeout_s=20)
+            landed = dst.tensor.clone()
+            with pytest.raises((Aborted, Unavailable)):  # gloo hears the receiver's reason; a grpc stream just breaks
+                await asyncio.wait_for(transfer, 20)
+            await asyncio.sleep(0.3)
+            assert torch.equal(dst.tensor.view(torch.uint8), landed.view(torch.uint8))
+            assert not bool(landed[:, :, ids[0]].view(torch.int16).any())  # cut short: the last block never came
+            await b.unmap_instance("b-fence")
+            await a.unmap_instance(f"a-fence-{backend.value}")
+    finally:
         for cache in (src, dst):
             cache.close()
             cache.unlink()

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from services.common.errors import Unavailable
 from services.instance.migration_in import MigrationInbox, TransferEndpoint
 from services.instance.migration_slots import MigrationSlots
 from tests.unit.loop_checks import assert_cancels, until
@@ -59,10 +60,39 @@ async def test_the_watchdog_outlives_a_failed_abort_and_frees_the_rest():
     await assert_cancels(loop)
 
 
+class FakeFence:
+    """Write grants on a transfer service that answers revokes only while `is_answering`."""
+
+    def __init__(self) -> None:
+        self.is_answering = True
+        self.granted: list[int] = []
+        self.revoked: list[int] = []
+        self._next_id = 0
+
+    def new_grant_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    async def grant(self, grant_id: int) -> None:
+        if not self.is_answering:
+            raise Unavailable("transfer service down")
+        self.granted.append(grant_id)
+
+    async def revoke(self, grant_id: int) -> bool:
+        if self.is_answering:
+            self.revoked.append(grant_id)
+        return self.is_answering
+
+
+def fenced_inbox(engine: FakeEngine, slots: MigrationSlots) -> tuple[MigrationInbox, FakeFence]:
+    fence = FakeFence()
+    return MigrationInbox(FakeRunner(engine), slots, timeout_s=60.0, transfer=TransferEndpoint("", ""),
+                          fence=fence), fence
+
+
 async def test_a_reservation_is_freed_once_its_source_leaves_etcd_or_restarts():
     engine, slots = FakeEngine(), MigrationSlots(4)
-    inbox = MigrationInbox(FakeRunner(engine), slots, timeout_s=60.0, transfer=TransferEndpoint("", ""),
-                           transfer_timeout_s=5.0)
+    inbox, fence = fenced_inbox(engine, slots)
     members = {"a": {"host": "h", "pid": 1}, "b": {"host": "h", "pid": 2}, "c": {"host": "h", "pid": 3}}
     inbox.watch_sources(members)
     for migration_id, src in (("m-a", "a"), ("m-b", "b"), ("m-c", "c"), ("m-x", "never-registered")):
@@ -74,10 +104,33 @@ async def test_a_reservation_is_freed_once_its_source_leaves_etcd_or_restarts():
     members["b"] = {"host": "h", "pid": 22}  # restarted under the same id: it knows nothing of m-b
     members["c"] = {"host": "h", "pid": 3, "role": "decode"}  # a new role, the same process
     await inbox.expire(now)
-    assert slots.num_busy == 2 and inbox.num_incoming == 2  # their slots go at once, for the next migration
-    assert engine.freed == []  # their blocks wait out the copy deadline: a copy under way may still write
-    await inbox.expire(now + 4.0)
-    assert engine.freed == []
-    await inbox.expire(now + 5.5)
-    assert sorted(engine.freed) == ["m-a", "m-b"]
+    assert slots.num_busy == 2 and inbox.num_incoming == 2
+    assert sorted(engine.freed) == ["m-a", "m-b"]  # at once: their grants are revoked, no copy can land
+    assert fence.revoked == [1, 2]
     assert inbox.num_incoming == 2  # m-c, and m-x from a source etcd never showed (left to the timeout)
+
+
+async def test_blocks_stay_quarantined_until_the_transfer_service_confirms_the_revoke():
+    engine, slots = FakeEngine(), MigrationSlots(4)
+    inbox, fence = fenced_inbox(engine, slots)
+    reservation = await inbox.prepare("m-1", "r-1", "src", num_blocks=3)
+    assert reservation.write_grant == 1 and fence.granted == [1]  # granted before the ids left
+    fence.is_answering = False  # frozen: a copy of it may still be under way
+    assert await inbox.abort("m-1")
+    assert slots.num_busy == 0 and inbox.num_incoming == 0  # the slot goes at once
+    assert engine.freed == [] and inbox.num_quarantined == 1  # the blocks do not
+    now = asyncio.get_running_loop().time()
+    await inbox.expire(now)
+    assert engine.freed == [] and inbox.num_quarantined == 1
+    fence.is_answering = True  # it resumed, finished its copy, and answers
+    await inbox.expire(now)
+    assert engine.freed == ["m-1"] and inbox.num_quarantined == 0 and fence.revoked == [1]
+
+
+async def test_a_first_prepare_whose_grant_fails_holds_nothing():
+    engine, slots = FakeEngine(), MigrationSlots(4)
+    inbox, fence = fenced_inbox(engine, slots)
+    fence.is_answering = False
+    with pytest.raises(Unavailable):
+        await inbox.prepare("m-1", "r-1", "src", num_blocks=3)
+    assert engine.reservations == {} and slots.num_busy == 0 and inbox.num_incoming == 0

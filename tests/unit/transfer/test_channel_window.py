@@ -20,6 +20,7 @@ from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
 from services.transfer.receiver import BlockReceiver
 from services.transfer.sender import BlockSender
 from services.transfer.staging import StagingPool
+from services.transfer.write_grants import WriteGrants
 from services.transfer.threads import TransferThreads
 from tests.unit.transfer.factories import random_kv, rows_of, tiny_geometry
 
@@ -99,6 +100,7 @@ class FakeChannels:
 class FakeMappings:
     def __init__(self, kvs: dict[str, torch.Tensor], geometry) -> None:
         self.kvs, self.geometry = kvs, geometry
+        self.write_grants = WriteGrants()
 
     def rows(self, instance_id):
         return rows_of(self.kvs[instance_id]), self.geometry

@@ -52,7 +52,6 @@ class _Incoming:
     request_id: str
     src_instance_id: str
     expires_at: float  # monotonic; pushed back by every Prepare and by the commit
-    prepared_at: float  # monotonic; the last Prepare (a stage's copy follows it)
     write_grant: int  # opened on this instance's transfer service by the first Prepare
     epoch: int | None = None  # set once committed
     src_process: tuple[Any, Any] | None = None  # the source's (host, pid) in etcd, from the first Prepare that saw it
@@ -113,10 +112,10 @@ class MigrationInbox:
         is_first = incoming is None
         if is_first:
             self._slots.acquire(migration_id)
-            incoming = _Incoming(migration_id, request_id, src_instance_id, self._deadline(), time.monotonic(),
+            incoming = _Incoming(migration_id, request_id, src_instance_id, self._deadline(),
                                  self._fence.new_grant_id())
             self._incoming[migration_id] = incoming
-        incoming.expires_at, incoming.prepared_at = self._deadline(), time.monotonic()
+        incoming.expires_at = self._deadline()
         incoming.src_process = incoming.src_process or self._process_of(src_instance_id)  # may show up late
         engine = self._runner.engine
 
@@ -127,6 +126,10 @@ class MigrationInbox:
             block_ids, num_cached = await self._runner.call(reserve)
             if is_first:  # before any block id leaves: nothing can be writing into them yet
                 await self._fence.grant(incoming.write_grant)
+                if self._incoming.get(migration_id) is not incoming:
+                    # Given up while granting: its blocks went back unfenced, so the ids must never leave.
+                    await self._fence.revoke(incoming.write_grant)
+                    raise Aborted(f"migration {migration_id} was aborted while its reservation was being made")
         except BaseException:
             if is_first or not await self._runner.call(lambda: migration_id in engine.reservations):
                 self._forget(migration_id)  # a first Prepare that failed holds nothing

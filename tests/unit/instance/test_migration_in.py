@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.common.errors import Unavailable
+from services.common.errors import Aborted, Unavailable
 from services.instance.migration_in import MigrationInbox, TransferEndpoint
 from services.instance.migration_slots import MigrationSlots
 from tests.unit.loop_checks import assert_cancels, until
@@ -134,3 +134,26 @@ async def test_a_first_prepare_whose_grant_fails_holds_nothing():
     with pytest.raises(Unavailable):
         await inbox.prepare("m-1", "r-1", "src", num_blocks=3)
     assert engine.reservations == {} and slots.num_busy == 0 and inbox.num_incoming == 0
+
+
+async def test_a_reservation_given_up_while_its_grant_is_being_opened_never_leaves():
+    """An abort (or the watchdog) between the reserve and the grant frees the blocks unfenced; the
+    Prepare must then fail, so that no source ever learns those block ids."""
+    engine, slots = FakeEngine(), MigrationSlots(4)
+    inbox, fence = fenced_inbox(engine, slots)
+    granting, may_answer = asyncio.Event(), asyncio.Event()
+    plain_grant = fence.grant
+
+    async def slow_grant(grant_id: int) -> None:
+        granting.set()
+        await may_answer.wait()
+        await plain_grant(grant_id)
+    fence.grant = slow_grant
+    prepare = asyncio.create_task(inbox.prepare("m-1", "r-1", "src", num_blocks=3))
+    await granting.wait()
+    assert await inbox.abort("m-1")
+    may_answer.set()
+    with pytest.raises(Aborted, match="aborted while"):
+        await prepare
+    assert engine.reservations == {} and slots.num_busy == 0 and inbox.num_incoming == 0
+    assert fence.revoked == [1, 1]  # by the abort (before the grant landed), and again after it

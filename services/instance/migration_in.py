@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,6 +44,8 @@ from services.instance.write_fence import NoWriteFence, WriteFence
 log = structlog.get_logger(__name__)
 
 MAX_UNATTACHED_OUTPUTS = 4096  # outputs a migrated-in request may buffer before a client attaches
+
+_Reserved = tuple[tuple[int, ...], int]  # the reservation's block ids, and how many lead with cached blocks
 
 
 @dataclass(slots=True)
@@ -119,24 +121,37 @@ class MigrationInbox:
         incoming.src_process = incoming.src_process or self._process_of(src_instance_id)  # may show up late
         engine = self._runner.engine
 
-        def reserve() -> tuple[tuple[int, ...], int]:
+        def reserve() -> _Reserved:
             block_ids = engine.reserve_blocks(migration_id, num_blocks, block_hashes)
             return block_ids, engine.num_cached_reserved(migration_id)
         try:
-            block_ids, num_cached = await self._runner.call(reserve)
-            if is_first:  # before any block id leaves: nothing can be writing into them yet
-                await self._fence.grant(incoming.write_grant)
-                if self._incoming.get(migration_id) is not incoming:
-                    # Given up while granting: its blocks went back unfenced, so the ids must never leave.
-                    await self._fence.revoke(incoming.write_grant)
-                    raise Aborted(f"migration {migration_id} was aborted while its reservation was being made")
+            block_ids, num_cached = await (self._reserve_granting(incoming, reserve) if is_first
+                                           else self._runner.call(reserve))
         except BaseException:
             if is_first or not await self._runner.call(lambda: migration_id in engine.reservations):
                 self._forget(migration_id)  # a first Prepare that failed holds nothing
                 await self._runner.call(lambda: engine.free_reservation(migration_id))
+            if is_first:  # a grant whose answer was lost may still have opened: close it too
+                self._revoking.setdefault(incoming.write_grant, None)
             raise
         return Reservation(tuple(block_ids), self._transfer.address, self._transfer.transfer_id, num_cached,
                            incoming.write_grant)
+
+    async def _reserve_granting(self, incoming: _Incoming, reserve: Callable[[], _Reserved]) -> _Reserved:
+        """The first Prepare: reserve on the engine while the write grant opens (no block id has left yet)."""
+        granting = asyncio.ensure_future(self._fence.grant(incoming.write_grant))
+        try:
+            reserved = await self._runner.call(reserve)
+        finally:
+            await asyncio.wait([granting])
+            grant_error = None if granting.cancelled() else granting.exception()  # retrieved either way
+        if grant_error is not None:
+            raise grant_error  # the transfer service did not take it
+        if self._incoming.get(incoming.migration_id) is not incoming:
+            # Given up while granting: its blocks went back unfenced, so the ids must never leave.
+            await self._fence.revoke(incoming.write_grant)
+            raise Aborted(f"migration {incoming.migration_id} was aborted while its reservation was being made")
+        return reserved
 
     async def commit(self, migration_id: str, state: RequestState) -> None:
         """Adopt the request: it joins the running batch with its K/V in the reserved blocks."""

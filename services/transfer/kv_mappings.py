@@ -47,6 +47,8 @@ class KvMappings:
             thread.start()
             self._prefaults[instance_id] = thread
         previous = self._caches.get(instance_id)
+        if previous is not None:  # maybe a restarted instance under the same id (and, in a container, pid)
+            self.write_grants.revoke_all(instance_id)  # its predecessor's grants must not write into it
         self._caches[instance_id] = cache
         self._rows[instance_id] = kv_rows(cache.tensor)
         if previous is not None:
@@ -65,6 +67,8 @@ class KvMappings:
         self._prefaults.pop(instance_id, None)
         cache = self._caches.pop(instance_id, None)
         self._rows.pop(instance_id, None)
+        self.write_grants.revoke_all(instance_id)  # whatever maps this id next is another memory
+        self.write_grants.unfence(instance_id)
         if cache is None:
             return False
         cache.close()

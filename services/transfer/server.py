@@ -111,6 +111,8 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         if not request.instance_id:
             raise InvalidArgument("instance_id: required")
         self.node.mappings.get(InstanceId(request.instance_id))  # NotFound unless mapped here
+        if (remaining := context.time_remaining()) is not None and remaining <= 0:
+            raise Unavailable("GrantWrites arrived after its deadline: the caller gave up, so it opens nothing")
         self.node.mappings.write_grants.grant(InstanceId(request.instance_id), request.write_grant)
         return transfer_pb2.GrantWritesResponse()
 

@@ -10,7 +10,8 @@ only once no write holds the grant any more. So when RevokeWrites returns, nothi
 land in those blocks later, however long this process was frozen meanwhile; when it
 does not return, the instance keeps the blocks out of use and asks again.
 
-Grant 0 is "unfenced": tools and benchmarks that call Transfer with raw block ids.
+Grant 0 is "unfenced": tools and benchmarks that call Transfer with raw block ids. Once an
+instance has opened a grant it is fenced: an unfenced write into it is refused too.
 The table is bounded: past MAX_GRANTS the oldest idle grant is dropped, which only
 refuses its later writes (its migration fails and is retried), never lets one through.
 """
@@ -39,7 +40,7 @@ MAX_GRANT_ID = 2**64 - 1
 class WriteGrant:
     instance_id: InstanceId
     grant_id: int
-    is_open: bool = True  # False: not granted here, or revoked before this write began
+    refusal: str = ""  # why no write may start under it (not granted here, revoked, ...); "" = open
     is_revoked: bool = False
     num_writers: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no write holds it
@@ -49,10 +50,8 @@ class WriteGrant:
 
     def check(self) -> None:
         """Raise unless writes may go on: every writer calls it before it writes, and before each chunk."""
-        if not self.is_open:
-            raise FailedPrecondition(f"write grant {self.grant_id} is not open for instance {self.instance_id!r} on "
-                                     "this transfer service: the destination revoked it (it gave up the reservation) "
-                                     "or granted it elsewhere; nothing was written")
+        if self.refusal:
+            raise FailedPrecondition(self.refusal)
         if self.is_revoked:
             raise Aborted(f"write grant {self.grant_id} of instance {self.instance_id!r} was revoked while blocks "
                           "were arriving: the destination gave up this migration's reservation")
@@ -64,6 +63,7 @@ class WriteGrants:
     def __init__(self, max_grants: int = MAX_GRANTS) -> None:
         self._grants: OrderedDict[tuple[InstanceId, int], WriteGrant] = OrderedDict()
         self._max_grants = max_grants
+        self._fenced: set[InstanceId] = set()  # instances that opened a grant: every write must name one
 
     def __len__(self) -> int:
         return sum(not grant.is_revoked for grant in self._grants.values())
@@ -78,6 +78,7 @@ class WriteGrants:
             return  # granted already: idempotent
         self._evict_idle()
         self._grants[key] = WriteGrant(instance_id, grant_id)
+        self._fenced.add(instance_id)
 
     async def revoke(self, instance_id: InstanceId, grant_id: int) -> bool:
         """Refuse the grant's writes from now on and wait until none is under way. False if it was
@@ -91,16 +92,42 @@ class WriteGrants:
         self._grants.pop((instance_id, grant_id), None)
         return True
 
+    def revoke_all(self, instance_id: InstanceId) -> int:
+        """The instance's KV memory went away or was replaced (unmapped, or mapped again by a restarted
+        instance under the same id): no grant of the old mapping may write into the new one. Writers
+        under way keep writing into the old mapping's memory (they hold its view) and are refused from
+        their next chunk on. Returns how many grants were open."""
+        keys = [key for key in self._grants if key[0] == instance_id]
+        num_open = 0
+        for key in keys:
+            grant = self._grants[key]
+            num_open += not grant.is_revoked
+            grant.is_revoked = True
+            if grant.num_writers == 0:
+                del self._grants[key]
+        if num_open:
+            log.warning("write_grants_revoked_with_mapping", instance_id=instance_id, num_grants=num_open)
+        return num_open
+
+    def unfence(self, instance_id: InstanceId) -> None:
+        """The instance is no longer mapped here: whatever maps its id next decides afresh."""
+        self._fenced.discard(instance_id)
+
     @contextlib.asynccontextmanager
     async def writing(self, instance_id: InstanceId, grant_id: int) -> AsyncIterator[WriteGrant]:
         """Hold the grant while writing into `instance_id`'s KV. The writer calls `check()` on it
         before it writes anything (it raises for a grant that is not open) and before each chunk."""
         if grant_id == UNFENCED:
-            yield WriteGrant(instance_id, UNFENCED)
+            refusal = "" if instance_id not in self._fenced else (
+                f"instance {instance_id!r} fences its KV memory with write grants: name the grant its "
+                "PrepareMigrateIn answered (dst_write_grant); nothing was written")
+            yield WriteGrant(instance_id, UNFENCED, refusal)
             return
         grant = self._grants.get((instance_id, grant_id))
         if grant is None or grant.is_revoked:
-            yield WriteGrant(instance_id, grant_id, is_open=False)
+            yield WriteGrant(instance_id, grant_id, f"write grant {grant_id} is not open for instance {instance_id!r} "
+                             "on this transfer service: the destination revoked it (it gave up the reservation) or "
+                             "granted it elsewhere; nothing was written")
             return
         grant.num_writers += 1
         grant.idle.clear()

@@ -181,29 +181,70 @@ async def test_unknown_destination_is_not_found_and_the_channel_recovers(service
         await _transfer_and_check(a, caches, services["B"].address, "small", backend, (2, 3), (4, 5), False)
 
 
-@pytest.mark.parametrize("backend, grant", [(TransferBackend.GRPC, 101), (TransferBackend.GLOO, 102),
-                                            (TransferBackend.SHM, 2**64 - 1)])
-async def test_a_write_naming_a_grant_needs_it_open_on_the_service_that_writes(services, caches, mapped, backend,
-                                                                               grant):
-    a, b = mapped
-    writer = a if backend is TransferBackend.SHM else b  # the service that writes into b-small
-    await writer.grant_writes("b-small", grant)
-    await _transfer_and_check(a, caches, services["B"].address, "small", backend, (1, 2), (3, 4), True, grant)
-    assert (await writer.get_status()).num_write_grants == 1
-    assert await writer.revoke_writes("b-small", grant)
-    assert (await writer.get_status()).num_write_grants == 0
-    before = caches["b-small"].tensor.clone()
-    for closed in (grant, 12345):  # revoked, never granted
-        with pytest.raises(FailedPrecondition, match="not open"):
-            await a.transfer(BlockTransfer(InstanceId("a-small"), (5, 6), InstanceId("b-small"), (3, 4),
-                                           services["B"].address, backend, False, closed), timeout_s=20)
-    assert torch.equal(caches["b-small"].tensor.view(torch.uint8), before.view(torch.uint8))
-    assert not await writer.revoke_writes("b-small", grant)  # forgotten: as safe
-    with pytest.raises(NotFound, match="not mapped"):
-        await writer.grant_writes("nobody", grant)
-    with pytest.raises(InvalidArgument, match="write_grant"):
-        await writer.grant_writes("b-small", 0)
-    await _transfer_and_check(a, caches, services["B"].address, "small", backend, (2, 3), (4, 5), False)  # unfenced
+@pytest.mark.parametrize("backend", [TransferBackend.GRPC, TransferBackend.GLOO, TransferBackend.SHM])
+async def test_a_fenced_instance_takes_writes_only_under_an_open_grant_on_the_service_that_writes(
+        services, caches, backend):
+    """The service that writes into the destination (B, or A itself for shm) checks the grant: a write under
+    a revoked or never-opened grant, or under none once the instance opened one, changes nothing."""
+    dst = KvCache.create(f"ferry-test-b-grant-{uuid.uuid4().hex[:6]}", SMALL)
+    grant = {TransferBackend.GRPC: 101, TransferBackend.GLOO: 102, TransferBackend.SHM: 2**64 - 1}[backend]
+    try:
+        async with TransferClient(services["A"].address) as a, TransferClient(services["B"].address) as b:
+            writer = a if backend is TransferBackend.SHM else b
+            await a.map_instance("a-small", caches["a-small"].name, SMALL)
+            await writer.map_instance("b-grant", dst.name, SMALL)
+
+            async def write(grant_id: int) -> None:
+                await a.transfer(BlockTransfer(InstanceId("a-small"), (5, 6), InstanceId("b-grant"), (3, 4),
+                                               services["B"].address, backend, True, grant_id), timeout_s=20)
+            await write(0)  # no grant opened yet: unfenced
+            await writer.grant_writes("b-grant", grant)
+            await write(grant)
+            assert torch.equal(dst.tensor[:, :, 3:5], caches["a-small"].tensor[:, :, 5:7])
+            assert (await writer.get_status()).num_write_grants == 1
+            assert await writer.revoke_writes("b-grant", grant)
+            assert (await writer.get_status()).num_write_grants == 0
+            dst.tensor.zero_()
+            for closed, reason in ((grant, "not open"), (12345, "not open"), (0, "fences its KV")):
+                with pytest.raises(FailedPrecondition, match=reason):
+                    await write(closed)
+            assert not dst.tensor.view(torch.int16).any()
+            assert not await writer.revoke_writes("b-grant", grant)  # forgotten: as safe
+            with pytest.raises(NotFound, match="not mapped"):
+                await writer.grant_writes("nobody", grant)
+            with pytest.raises(InvalidArgument, match="write_grant"):
+                await writer.grant_writes("b-grant", 0)
+            await writer.unmap_instance("b-grant")
+    finally:
+        dst.close()
+        dst.unlink()
+
+
+@pytest.mark.parametrize("backend", [TransferBackend.GRPC, TransferBackend.GLOO])
+async def test_a_restarted_instance_does_not_inherit_its_previous_incarnations_grants(services, caches, backend):
+    """Instance ids outlive restarts (the default is <host>-<port>). The old incarnation granted writes and
+    died before it could revoke them; the new one maps fresh KV under the same id. A source still migrating
+    into the old one must not write into the new one's blocks. (Found by a review of the fence.)"""
+    old = KvCache.create(f"ferry-test-old-{uuid.uuid4().hex[:6]}", SMALL)
+    new = KvCache.create(f"ferry-test-new-{uuid.uuid4().hex[:6]}", SMALL)
+    grant = 777000 + (backend is TransferBackend.GLOO)
+    try:
+        async with TransferClient(services["A"].address) as a, TransferClient(services["B"].address) as b:
+            await a.map_instance("a-small", caches["a-small"].name, SMALL)
+            await b.map_instance("b-restart", old.name, SMALL)
+            await b.grant_writes("b-restart", grant)
+            await b.map_instance("b-restart", new.name, SMALL)  # the new incarnation
+            new.tensor.fill_(1.0)  # blocks its requests use
+            before = new.tensor.clone()
+            with pytest.raises(FailedPrecondition):
+                await a.transfer(BlockTransfer(InstanceId("a-small"), (1, 2), InstanceId("b-restart"), (3, 4),
+                                               services["B"].address, backend, False, grant), timeout_s=20)
+            assert torch.equal(new.tensor.view(torch.uint8), before.view(torch.uint8))
+            await b.unmap_instance("b-restart")
+    finally:
+        for cache in (old, new):
+            cache.close()
+            cache.unlink()
 
 
 async def test_gloo_senders_and_receivers_with_other_channel_settings_agree(

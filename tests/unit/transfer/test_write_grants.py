@@ -111,3 +111,33 @@ async def test_the_table_drops_its_oldest_idle_grant_when_full():
 async def test_grant_ids_out_of_range_are_refused(grant_id):
     with pytest.raises(InvalidArgument, match="write_grant"):
         WriteGrants().grant(DST, grant_id)
+
+
+async def test_an_instance_that_opened_a_grant_takes_no_unfenced_write_until_it_is_unmapped():
+    grants = WriteGrants()
+    grants.grant(DST, 7)
+    async with grants.writing(DST, UNFENCED) as grant:
+        with pytest.raises(FailedPrecondition, match="fences its KV"):
+            grant.check()
+    async with grants.writing(InstanceId("tool-cache"), UNFENCED) as grant:
+        grant.check()  # a cache no instance fences: tools and benchmarks
+    grants.unfence(DST)
+    async with grants.writing(DST, UNFENCED) as grant:
+        grant.check()
+
+
+async def test_a_new_mapping_of_the_instance_closes_every_grant_of_the_old_one():
+    grants = WriteGrants()
+    for grant_id in (1, 2):
+        grants.grant(DST, grant_id)
+    grants.grant(InstanceId("other"), 1)
+    async with grants.writing(DST, 1) as busy:
+        assert grants.revoke_all(DST) == 2
+        with pytest.raises(Aborted):
+            busy.check()  # refused from its next chunk on
+        assert len(grants) == 1  # only the other instance's
+    for grant_id in (1, 2):
+        async with grants.writing(DST, grant_id) as grant:
+            with pytest.raises(FailedPrecondition):
+                grant.check()
+    assert not await grants.revoke(DST, 1)  # gone once its writer left

@@ -175,6 +175,7 @@ class LocalEtcd:
         """SIGSTOP: connections are accepted, nothing answers, leases stop being kept alive."""
         if self.is_running:
             os.kill(self._process.pid, signal.SIGSTOP)
+            _wait_stopped(self._process.pid)
             self.is_paused = True
             log.info("etcd_paused", endpoint=self.endpoint, pid=self.pid)
 
@@ -276,3 +277,17 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _wait_stopped(pid: int, timeout_s: float = 2.0) -> None:
+    """Return once every thread of `pid` has stopped (its state is T), so that nothing it answers after
+    `pause` returns; gives up quietly after `timeout_s` (or where /proc is missing)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+                if stat.read().rpartition(")")[2].split()[0] in ("T", "t"):
+                    return
+        except OSError:
+            return
+        time.sleep(0.005)

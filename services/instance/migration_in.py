@@ -248,8 +248,9 @@ class MigrationInbox:
 
     async def _free_fenced(self, incoming: _Incoming) -> bool:
         """Free an uncommitted reservation's blocks once no copy can write into them any more; until the
-        transfer service confirms that, they stay quarantined (the next sweeps ask again)."""
-        if await self._fence.revoke(incoming.write_grant):
+        transfer service confirms that, they stay quarantined (the next sweeps ask again). While earlier
+        ones wait, it is not asked again here: one unanswered call a sweep, not one per reservation."""
+        if not self.num_quarantined and await self._fence.revoke(incoming.write_grant):
             return await self._free_blocks(incoming.migration_id)
         self._revoking[incoming.write_grant] = incoming.migration_id
         log.warning("migration_in_blocks_quarantined", migration_id=incoming.migration_id,

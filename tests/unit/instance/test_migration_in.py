@@ -161,3 +161,26 @@ async def test_a_reservation_given_up_while_its_grant_is_being_opened_never_leav
         await prepare
     assert engine.reservations == {} and slots.num_busy == 0 and inbox.num_incoming == 0
     assert fence.revoked == [1, 1]  # by the abort (before the grant landed), and again after it
+
+
+async def test_while_blocks_wait_for_an_unanswered_revoke_others_queue_behind_them_without_asking():
+    engine, slots = FakeEngine(), MigrationSlots(4)
+    inbox, fence = fenced_inbox(engine, slots)
+    for migration_id in ("m-1", "m-2", "m-3"):
+        await inbox.prepare(migration_id, "r", "src", num_blocks=1)
+    fence.is_answering = False
+    asked = []
+    plain_revoke = fence.revoke
+
+    async def counted_revoke(grant_id: int) -> bool:
+        asked.append(grant_id)
+        return await plain_revoke(grant_id)
+    fence.revoke = counted_revoke
+    for migration_id in ("m-1", "m-2", "m-3"):
+        assert await inbox.abort(migration_id)
+    assert asked == [1] and inbox.num_quarantined == 3  # a frozen service costs one call, not three
+    await inbox.expire(asyncio.get_running_loop().time())
+    assert asked == [1, 1]  # the sweep stops at the first unanswered one
+    fence.is_answering = True
+    await inbox.expire(asyncio.get_running_loop().time())
+    assert sorted(engine.freed) == ["m-1", "m-2", "m-3"] and inbox.num_quarantined == 0

@@ -37,6 +37,7 @@ class OpsCluster:
     instance_address: str  # of INSTANCE_ID
     instance_id: str
     processes: list[ServiceProcess]
+    transfer_address: str = ""
 
     def log_tails(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.log_tail()}" for p in self.processes)
@@ -52,7 +53,8 @@ def ops_cluster(etcd: LocalEtcd, model_dir: pathlib.Path, log_dir: pathlib.Path)
     transfer = ServiceProcess("transfer-0", "transfer", ["--port", str(transfer_port), "--transfer-id", "transfer-0",
                                                          *common], f"127.0.0.1:{transfer_port}", log_dir)
     instances = [_instance(i, model_dir, transfer.address, common, log_dir) for i in (INSTANCE_ID, OTHER_INSTANCE_ID)]
-    ops = OpsCluster(manager.address, instances[0].address, INSTANCE_ID, [manager, transfer, *instances])
+    ops = OpsCluster(manager.address, instances[0].address, INSTANCE_ID, [manager, transfer, *instances],
+                     transfer.address)
     try:
         for group in ([manager, transfer], instances):
             for process in group:

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(240)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = ROOT / "deploy" / "grpcurl.md"
-ADMIN_PLACEHOLDER, INSTANCE_PLACEHOLDER = "localhost:50051", "localhost:50061"
+ADMIN_PLACEHOLDER, INSTANCE_PLACEHOLDER, TRANSFER_PLACEHOLDER = "localhost:50051", "localhost:50061", "localhost:50070"
 MIGRATE = "ferry.v1.AdminService/Migrate"
 # RPCs in the proto that the managers may not implement yet: they may answer Unimplemented.
 PENDING_RPCS = ("ferry.v1.AdminService/Migrate", "ferry.v1.AdminService/ListMigrations")
@@ -78,7 +78,8 @@ def runs(etcd, tiny_model_dir, tmp_path_factory) -> tuple[list[Ran], str]:
     binary, commands = grpcurl_binary(), doc_commands()
     assert len(commands) >= 10, f"found only {len(commands)} grpcurl commands in {DOC}"
     with ops_cluster(etcd, tiny_model_dir, tmp_path_factory.mktemp("logs")) as ops:
-        addresses = {ADMIN_PLACEHOLDER: ops.admin_address, INSTANCE_PLACEHOLDER: ops.instance_address}
+        addresses = {ADMIN_PLACEHOLDER: ops.admin_address, INSTANCE_PLACEHOLDER: ops.instance_address,
+                     TRANSFER_PLACEHOLDER: ops.transfer_address}
         ran = []
         with running_request(ops.instance_address, max_tokens=1000):
             for command in commands:
@@ -115,6 +116,8 @@ def test_answers_say_what_the_doc_says(runs):
     assert "INSTANCE_STATE_SERVING" in output_of("ferry.v1.AdminService/Undrain")
     assert "ferry.v1.AdminService" in output_of(f"{ADMIN_PLACEHOLDER} list")
     assert f'"instance_id": "{INSTANCE_ID}"' in output_of("ferry.v1.InstanceService/GetStatus")
+    transfer_status = output_of("ferry.v1.TransferService/GetStatus")
+    assert f'"{INSTANCE_ID}"' in transfer_status and f'"{OTHER_INSTANCE_ID}"' in transfer_status
 
 
 def test_migrate_command_moves_a_request(runs):

@@ -11,6 +11,11 @@ consecutive are received right where they belong, from one io thread, and only c
 A checksum mismatch raises Aborted; a short or overlong stream raises InvalidArgument.
 Scattered blocks of a failed stream are garbage, but the failure is what the sender
 reports: nothing partially applied is ever called a success.
+Every write into the KV holds the transfer's write grant (write_grants.py), checked before
+each chunk. A refused channel transfer (a closed grant, a checksum, a header this side cannot
+take) whose rest is small is taken into scratch memory, so the channel, which every transfer
+between the two services shares, stays usable; otherwise, or once a receive failed, the
+channel is dropped.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import numpy as np
 import structlog
 import torch
 
-from services.common.errors import InvalidArgument, ResourceExhausted
+from services.common.errors import FerryError, InvalidArgument, ResourceExhausted
 from services.transfer.block_copy import as_bytes, in_place_view, scatter_chunk, segments, staged_view
 from services.transfer.channels import ChannelTable, PairChannel, chunk_tag, span_messages
 from services.transfer.checksum import ChecksumVerifier
@@ -42,6 +47,11 @@ from services.transfer.write_grants import WriteGrant
 
 log = structlog.get_logger(__name__)
 
+# A refused channel transfer with at most this much left is taken and discarded, keeping the channel
+# for the other transfers on it (tens of ms at gloo's speeds); a bigger rest drops the channel instead,
+# so that its sender hears the refusal at once rather than after sending it all.
+MAX_DISCARD_BYTES = 64 << 20
+
 
 @dataclass(frozen=True, slots=True)
 class Destination:
@@ -52,6 +62,23 @@ class Destination:
     plan: ChunkPlan
     verifier: ChecksumVerifier  # folds in every chunk, staged or received in place
     grant: WriteGrant  # held while writing; checked before each chunk
+
+
+@dataclass(slots=True)
+class _Progress:
+    """How far a channel transfer got: chunks before `next_chunk` are off the channel; `is_clean` until a
+    receive failed (then messages may be left half-read on it, and only dropping it is safe)."""
+
+    next_chunk: int = 0
+    is_clean: bool = True
+
+    def took(self, posted: deque[tuple[Chunk, torch.Tensor, asyncio.Future]]) -> None:
+        """Count the receives that were posted in chunk order and have all ended."""
+        for chunk, _buffer, future in posted:
+            if future.cancelled() or future.exception() is not None:
+                self.is_clean = False
+                return
+            self.next_chunk = chunk.index + 1
 
 
 class BlockReceiver:
@@ -90,46 +117,65 @@ class BlockReceiver:
         """gloo/nccl: one message per chunk on the channel the sender opened."""
         deadline = Deadline.after(timeout_s)
         channel = self._channels.incoming(header.src_transfer_id, backend)
+        staging = self._nccl_staging if backend is TransferBackend.NCCL else self._staging
+        progress = _Progress()
+        refusal: FerryError | None = None
         # The grant is held until the channel is dropped too: an in-place receive posted on it writes into the KV.
         async with self._mappings.write_grants.writing(header.dst_instance_id, header.write_grant) as grant:
             try:
                 grant.check()
                 target = self._target(header, grant)
-                staging = self._nccl_staging if backend is TransferBackend.NCCL else self._staging
                 async with staging.slot(deadline.remaining_s()) as slot:
                     scatterer = self._scatter_behind(target, slot)
                     try:
-                        await self._receive_chunks(channel, target, slot, scatterer, tag, deadline)
+                        await self._receive_chunks(channel, target, slot, scatterer, tag, deadline, progress)
                         await scatterer.finish()
                     finally:
                         await scatterer.close()
-            except BaseException:
-                # Destroying our end of the group closes its connection, so a sender blocked in
-                # send (it waits for a matching recv) fails at once instead of at its deadline.
-                channel = None  # the traceback keeps this frame alive; keep no group in it
-                self._channels.drop_incoming(header.src_transfer_id, backend)
-                raise
+            except BaseException as exc:
+                if not (isinstance(exc, FerryError) and progress.is_clean):
+                    # Destroying our end of the group closes its connection, so a sender blocked in
+                    # send (it waits for a matching recv) fails at once instead of at its deadline.
+                    self._channels.drop_incoming(header.src_transfer_id, backend)
+                    raise
+                refusal = exc
+        if refusal is not None:
+            # A refusal (a closed grant, a checksum, a header this side cannot take) with nothing left
+            # half-read: take the rest of the sender's messages into scratch memory (no grant needed) and
+            # keep the channel, which other transfers share.
+            try:
+                if not await self._discard_rest(channel, header, staging, tag, deadline, progress.next_chunk):
+                    self._channels.drop_incoming(header.src_transfer_id, backend)
+                raise refusal
+            finally:
+                refusal = None  # no exception -> traceback -> frame -> exception cycle
         log.info("blocks_received", dst_instance_id=header.dst_instance_id, num_blocks=len(header.dst_block_ids),
                  num_bytes=target.plan.num_bytes, backend=backend.value)
         return target.plan.num_bytes
 
     async def _receive_chunks(self, channel: PairChannel, target: Destination, slot: StagingSlot,
-                              scatterer: ScatterBehind, tag: int, deadline: Deadline) -> None:
+                              scatterer: ScatterBehind, tag: int, deadline: Deadline, progress: _Progress) -> None:
         """Staged chunks through the buffers; in-place spans (gloo) straight into the KV memory."""
         for chunks, views in segments(target.plan, target.rows, target.block_ids, channel.moves_in_place):
             if views is None:
-                await self._receive_staged(channel, target, chunks, slot, scatterer, tag, deadline)
+                await self._receive_staged(channel, target, chunks, slot, scatterer, tag, deadline, progress)
                 continue
             # The staged chunks before are all in (tags repeat every TAG_STRIDE chunks).
             target.grant.check()
-            await run_in_thread(self._threads.io, channel.recv_in_order, span_messages(chunks, views, tag),
-                                deadline.remaining_s())
+            try:
+                await run_in_thread(self._threads.io, channel.recv_in_order, span_messages(chunks, views, tag),
+                                    deadline.remaining_s())
+            except BaseException:
+                progress.is_clean = False  # some of the span may still be on the channel
+                raise
+            progress.next_chunk = chunks[-1].index + 1
             IN_PLACE_BYTES.labels("received").inc(sum(view.numel() for view in views))
             if target.verifier.is_enabled:  # on the copy thread, after the scatters before it
                 await run_in_thread(self._threads.copy, _verify_in_place, target, chunks)
 
     async def _receive_staged(self, channel: PairChannel, target: Destination, chunks: list[Chunk],
-                              slot: StagingSlot, scatterer: ScatterBehind, tag: int, deadline: Deadline) -> None:
+                              slot: StagingSlot, scatterer: ScatterBehind, tag: int, deadline: Deadline,
+                              progress: _Progress) -> None:
         """Keep receives posted for the next chunks (all buffers but the one being scattered;
         one on a serial channel) and scatter each chunk as it lands, in order."""
         window = 1 if channel.is_serial else len(slot.buffers) - 1
@@ -148,12 +194,38 @@ class BlockReceiver:
                 chunk, buffer, received = posted[0]
                 await asyncio.shield(received)
                 posted.popleft()
+                progress.next_chunk = chunk.index + 1
                 scatterer.submit(chunk, staged_view(buffer, target.plan, chunk, target.rows.dtype))
                 if (following := next(pending, None)) is not None:
                     await post(following)
         finally:
             if posted:  # they write into the slot's buffers: wait before it is released
                 await asyncio.wait([future for _chunk, _buffer, future in posted])
+                progress.took(posted)
+
+    async def _discard_rest(self, channel: PairChannel, header: IncomingBlocks, staging: StagingPool, tag: int,
+                            deadline: Deadline, next_chunk: int) -> bool:
+        """Receive the sender's messages from chunk `next_chunk` on into a scratch buffer and drop them,
+        one at a time in order (each takes one the sender has in flight). False if that failed: the
+        caller then drops the channel."""
+        try:
+            plan = ChunkPlan.from_header(header.geometry, len(header.dst_block_ids), header.blocks_per_chunk,
+                                         header.rows_per_chunk, header.in_place_spans)  # how the sender sends
+            rest = [chunk for chunk in plan.chunks() if chunk.index >= next_chunk]
+            if sum(map(plan.chunk_bytes, rest)) > MAX_DISCARD_BYTES:
+                return False  # taking it all would hold the sender longer than dropping costs the others
+            async with staging.slot(deadline.remaining_s()) as slot:
+                scratch = slot.buffers[0]
+                for chunk in rest:
+                    num_bytes = plan.chunk_bytes(chunk)
+                    if num_bytes > scratch.numel():
+                        return False
+                    await run_in_thread(self._threads.io, channel.recv, scratch[:num_bytes],
+                                        chunk_tag(tag, chunk.index), deadline.remaining_s())
+        except Exception as exc:  # noqa: BLE001 - any failure here means the channel is not clean
+            log.info("refused_blocks_not_drained", src_transfer_id=header.src_transfer_id, reason=str(exc)[:200])
+            return False
+        return True
 
     def _target(self, header: IncomingBlocks, grant: WriteGrant) -> Destination:
         rows, geometry = self._mappings.rows(header.dst_instance_id)

@@ -24,6 +24,7 @@ checksums, matched); any failure raises and a broken channel is dropped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from services.common.errors import Aborted, FailedPrecondition, FerryError
+from services.common.errors import Aborted, FailedPrecondition, FerryError, InvalidArgument, NotFound, ResourceExhausted
 from services.transfer.block_copy import as_bytes, chunk_parts, copy_blocks, gather_chunk, segments, staged_view
 from services.transfer.channels import TAG_STRIDE, ChannelTable, PairChannel, chunk_tag, span_messages
 from services.transfer.checksum import block_checksums
@@ -54,6 +55,8 @@ log = structlog.get_logger(__name__)
 # since the hop to the copy thread and back measured 0.3 ms, as long as the copy of 8 MiB.
 INLINE_COPY_MAX_BYTES = 8 << 20
 PEER_ANSWER_GRACE_S = 1.0  # after our send broke, how long to wait for the peer to say why
+# What a receiver answers when it refused blocks but took every message (services/transfer/receiver.py).
+CLEAN_REFUSALS = (FailedPrecondition, Aborted, NotFound, InvalidArgument, ResourceExhausted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,25 +183,32 @@ class BlockSender:
                                     deadline.remaining_s())
         channel = await self._channels.outgoing(address, backend, open_remote)
         tag = next(self._tags) * TAG_STRIDE % 2**31
-        expect = asyncio.ensure_future(self._expect(peer, source, request, tag, deadline))
+        sent = asyncio.Event()
+        expect = asyncio.ensure_future(self._expect(peer, source, request, tag, deadline, sent))
         try:
-            await self._send_chunks(channel, source, slot, tag, deadline)
+            await self._send_chunks(channel, source, slot, tag, deadline)  # drops the channel if a send fails
         except asyncio.CancelledError:
             expect.cancel()
             raise
         except FerryError:
-            # A refusing peer drops its end, which breaks our send: its answer says why.
+            # A peer that dropped its end broke our send: its answer says why.
             peer_error = await _peer_answer(expect)
             if peer_error is not None:
                 raise peer_error from None
             raise
+        sent.set()
         await expect
 
-    async def _expect(self, peer: PeerTransferService, source: SourceBlocks, request: BlockTransfer, tag: int, deadline: Deadline) -> None:
+    async def _expect(self, peer: PeerTransferService, source: SourceBlocks, request: BlockTransfer, tag: int,
+                      deadline: Deadline, sent: asyncio.Event) -> None:
         try:
             await peer.expect_blocks(source.header, request.backend, tag, deadline.remaining_s())
-        except BaseException:
-            self._channels.drop_outgoing(request.dst_transfer_address, request.backend)
+        except BaseException as exc:
+            # A receiver that refused the blocks takes the rest of our messages and keeps the channel, which
+            # other transfers share, so our sends end too. One that did not take them (or is gone) leaves our
+            # sends waiting for their deadline: dropping the channel ends them at once.
+            if not (isinstance(exc, CLEAN_REFUSALS) and await _is_set_within(sent, PEER_ANSWER_GRACE_S)):
+                self._channels.drop_outgoing(request.dst_transfer_address, request.backend)
             raise
 
     async def _send_chunks(self, channel: PairChannel, source: SourceBlocks, slot: StagingSlot, tag: int,
@@ -248,6 +258,13 @@ def _copy_checked(src_rows: torch.Tensor, src_ids: tuple[int, ...], dst_rows: to
     if is_checksum_verified and block_checksums(src_rows, src_ids) != block_checksums(dst_rows, dst_ids):
         raise Aborted("checksum mismatch after a shared-memory copy: the source blocks changed during the copy "
                       "(were they still being written?); redo the transfer")
+
+
+async def _is_set_within(event: asyncio.Event, timeout_s: float) -> bool:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    return event.is_set()
 
 
 async def _peer_answer(expect: asyncio.Future) -> BaseException | None:

@@ -466,6 +466,46 @@ async def test_once_a_revoke_returns_no_block_of_a_transfer_under_way_lands(serv
             cache.unlink()
 
 
+@pytest.mark.parametrize("refusal", ["closed_grant", "unknown_destination"])
+async def test_a_refused_channel_transfer_leaves_the_others_on_the_channel_running(services, caches, refusal):
+    """One gloo channel carries every transfer between A and B. B refuses one transfer (a closed write
+    grant, an instance it does not map) while another is half way: the refused one fails at once,
+    the other completes bit-exactly, since B takes the refused one's messages instead of dropping
+    the channel. (Found by a review of the fence: the other used to fail, or before that hang.)"""
+    src = _random_cache(f"a-share-{refusal}", BULK, 11)
+    dst = KvCache.create(f"ferry-test-b-share-{uuid.uuid4().hex[:6]}", BULK)
+    try:
+        async with TransferClient(services["A"].address) as a, TransferClient(services["B"].address) as b:
+            await a.map_instance(f"a-share-{refusal}", src.name, BULK)
+            await a.map_instance("a-small", caches["a-small"].name, SMALL)
+            await b.map_instance("b-share", dst.name, BULK)
+            await b.map_instance("b-small", caches["b-small"].name, SMALL)
+            ids = tuple(range(512))  # 16 MiB in 2 KiB rows: seconds on this channel
+            healthy = asyncio.create_task(a.transfer(
+                BlockTransfer(InstanceId(f"a-share-{refusal}"), ids, InstanceId("b-share"), ids[::-1],
+                              services["B"].address, TransferBackend.GLOO, False), timeout_s=90))
+            await _until_some_blocks_landed(dst, ids[-1], healthy)
+            refused, error = ((InstanceId("b-small"), 99999), FailedPrecondition) if refusal == "closed_grant" else (
+                (InstanceId("nobody"), 0), NotFound)
+            started = time.monotonic()
+            with pytest.raises(error):
+                await a.transfer(BlockTransfer(InstanceId("a-small"), (1, 2), refused[0], (3, 4),
+                                               services["B"].address, TransferBackend.GLOO, False, refused[1]),
+                                 timeout_s=20)
+            assert time.monotonic() - started < 10
+            assert not healthy.done()
+            result = await asyncio.wait_for(healthy, 90)
+            assert result.num_blocks == len(ids)
+            assert torch.equal(dst.tensor[:, :, list(ids[::-1])].view(torch.uint8),
+                               src.tensor[:, :, list(ids)].view(torch.uint8))
+            await b.unmap_instance("b-share")
+            await a.unmap_instance(f"a-share-{refusal}")
+    finally:
+        for cache in (src, dst):
+            cache.close()
+            cache.unlink()
+
+
 async def _until_some_blocks_landed(dst: KvCache, first_dst_block: int, transfer: asyncio.Task,
                                     timeout_s: float = 30) -> None:
     """Wait until the destination (zero-filled) shows the first block sent, while the transfer runs.

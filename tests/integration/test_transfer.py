@@ -8,6 +8,7 @@ contents, asks A to Transfer, and compares tensors bit for bit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import signal
 import time
@@ -438,32 +439,21 @@ async def test_killing_the_source_mid_in_place_transfer_frees_the_receiver(etcd,
 async def test_once_a_revoke_returns_no_block_of_a_transfer_under_way_lands(services, backend):
     """The fence: the destination revokes the grant while a slow transfer writes into its KV. The
     transfer fails, and from the moment RevokeWrites answered the destination's memory never changes."""
-    src = _random_cache(f"a-fence-{backend.value}", BULK, 8)
-    dst = KvCache.create(f"ferry-test-b-fence-{uuid.uuid4().hex[:6]}", BULK)
     grant = 4242
-    try:
-        async with TransferClient(services["A"].address) as a, TransferClient(services["B"].address) as b:
-            await a.map_instance(f"a-fence-{backend.value}", src.name, BULK)
-            await b.map_instance("b-fence", dst.name, BULK)
-            await b.grant_writes("b-fence", grant)
-            ids = tuple(range(BULK.num_blocks))
-            transfer = asyncio.create_task(a.transfer(
-                BlockTransfer(InstanceId(f"a-fence-{backend.value}"), ids, InstanceId("b-fence"), ids[::-1],
-                              services["B"].address, backend, False, grant), timeout_s=60))
-            await _until_some_blocks_landed(dst, ids[-1], transfer)
-            assert await b.revoke_writes("b-fence", grant, timeout_s=20)
-            landed = dst.tensor.clone()
-            with pytest.raises((Aborted, Unavailable)):  # gloo hears the receiver's reason; a grpc stream just breaks
-                await asyncio.wait_for(transfer, 20)
-            await asyncio.sleep(0.3)
-            assert torch.equal(dst.tensor.view(torch.uint8), landed.view(torch.uint8))
-            assert not bool(landed[:, :, ids[0]].view(torch.int16).any())  # cut short: the last block never came
-            await b.unmap_instance("b-fence")
-            await a.unmap_instance(f"a-fence-{backend.value}")
-    finally:
-        for cache in (src, dst):
-            cache.close()
-            cache.unlink()
+    async with _bulk_pair(services, f"a-fence-{backend.value}", "b-fence", seed=8) as (a, b, _src, dst):
+        await b.grant_writes("b-fence", grant)
+        ids = tuple(range(BULK.num_blocks))
+        transfer = asyncio.create_task(a.transfer(
+            BlockTransfer(InstanceId(f"a-fence-{backend.value}"), ids, InstanceId("b-fence"), ids[::-1],
+                          services["B"].address, backend, False, grant), timeout_s=60))
+        await _until_some_blocks_landed(dst, ids[-1], transfer)
+        assert await b.revoke_writes("b-fence", grant, timeout_s=20)
+        landed = dst.tensor.clone()
+        with pytest.raises((Aborted, Unavailable)):  # gloo hears the receiver's reason; a grpc stream just breaks
+            await asyncio.wait_for(transfer, 20)
+        await asyncio.sleep(0.3)
+        assert torch.equal(dst.tensor.view(torch.uint8), landed.view(torch.uint8))
+        assert not bool(landed[:, :, ids[0]].view(torch.int16).any())  # cut short: the last block never came
 
 
 @pytest.mark.parametrize("refusal", ["closed_grant", "unknown_destination"])
@@ -472,34 +462,41 @@ async def test_a_refused_channel_transfer_leaves_the_others_on_the_channel_runni
     grant, an instance it does not map) while another is half way: the refused one fails at once,
     the other completes bit-exactly, since B takes the refused one's messages instead of dropping
     the channel. (Found by a review of the fence: the other used to fail, or before that hang.)"""
-    src = _random_cache(f"a-share-{refusal}", BULK, 11)
-    dst = KvCache.create(f"ferry-test-b-share-{uuid.uuid4().hex[:6]}", BULK)
+    async with _bulk_pair(services, f"a-share-{refusal}", "b-share", seed=11) as (a, b, src, dst):
+        await a.map_instance("a-small", caches["a-small"].name, SMALL)
+        await b.map_instance("b-small", caches["b-small"].name, SMALL)
+        ids = tuple(range(512))  # 16 MiB in 2 KiB rows: seconds on this channel
+        healthy = asyncio.create_task(a.transfer(
+            BlockTransfer(InstanceId(f"a-share-{refusal}"), ids, InstanceId("b-share"), ids[::-1],
+                          services["B"].address, TransferBackend.GLOO, False), timeout_s=90))
+        await _until_some_blocks_landed(dst, ids[-1], healthy)
+        refused, error = ((InstanceId("b-small"), 99999), FailedPrecondition) if refusal == "closed_grant" else (
+            (InstanceId("nobody"), 0), NotFound)
+        started = time.monotonic()
+        with pytest.raises(error):
+            await a.transfer(BlockTransfer(InstanceId("a-small"), (1, 2), refused[0], (3, 4),
+                                           services["B"].address, TransferBackend.GLOO, False, refused[1]),
+                             timeout_s=20)
+        assert time.monotonic() - started < 10
+        assert not healthy.done()
+        result = await asyncio.wait_for(healthy, 90)
+        assert result.num_blocks == len(ids)
+        assert torch.equal(dst.tensor[:, :, list(ids[::-1])].view(torch.uint8),
+                           src.tensor[:, :, list(ids)].view(torch.uint8))
+
+
+@contextlib.asynccontextmanager
+async def _bulk_pair(services, src_id: str, dst_id: str, seed: int):
+    """A random BULK cache mapped by A as `src_id`, a zeroed one mapped by B as `dst_id`, and clients of both."""
+    src = _random_cache(src_id, BULK, seed)
+    dst = KvCache.create(f"ferry-test-{dst_id}-{uuid.uuid4().hex[:6]}", BULK)
     try:
         async with TransferClient(services["A"].address) as a, TransferClient(services["B"].address) as b:
-            await a.map_instance(f"a-share-{refusal}", src.name, BULK)
-            await a.map_instance("a-small", caches["a-small"].name, SMALL)
-            await b.map_instance("b-share", dst.name, BULK)
-            await b.map_instance("b-small", caches["b-small"].name, SMALL)
-            ids = tuple(range(512))  # 16 MiB in 2 KiB rows: seconds on this channel
-            healthy = asyncio.create_task(a.transfer(
-                BlockTransfer(InstanceId(f"a-share-{refusal}"), ids, InstanceId("b-share"), ids[::-1],
-                              services["B"].address, TransferBackend.GLOO, False), timeout_s=90))
-            await _until_some_blocks_landed(dst, ids[-1], healthy)
-            refused, error = ((InstanceId("b-small"), 99999), FailedPrecondition) if refusal == "closed_grant" else (
-                (InstanceId("nobody"), 0), NotFound)
-            started = time.monotonic()
-            with pytest.raises(error):
-                await a.transfer(BlockTransfer(InstanceId("a-small"), (1, 2), refused[0], (3, 4),
-                                               services["B"].address, TransferBackend.GLOO, False, refused[1]),
-                                 timeout_s=20)
-            assert time.monotonic() - started < 10
-            assert not healthy.done()
-            result = await asyncio.wait_for(healthy, 90)
-            assert result.num_blocks == len(ids)
-            assert torch.equal(dst.tensor[:, :, list(ids[::-1])].view(torch.uint8),
-                               src.tensor[:, :, list(ids)].view(torch.uint8))
-            await b.unmap_instance("b-share")
-            await a.unmap_instance(f"a-share-{refusal}")
+            await a.map_instance(src_id, src.name, BULK)
+            await b.map_instance(dst_id, dst.name, BULK)
+            yield a, b, src, dst
+            await b.unmap_instance(dst_id)
+            await a.unmap_instance(src_id)
     finally:
         for cache in (src, dst):
             cache.close()

@@ -125,13 +125,7 @@ class BlockReceiver:
             try:
                 grant.check()
                 target = self._target(header, grant)
-                async with staging.slot(deadline.remaining_s()) as slot:
-                    scatterer = self._scatter_behind(target, slot)
-                    try:
-                        await self._receive_chunks(channel, target, slot, scatterer, tag, deadline, progress)
-                        await scatterer.finish()
-                    finally:
-                        await scatterer.close()
+                await self._receive_all(channel, target, staging, tag, deadline, progress)
             except BaseException as exc:
                 if not (isinstance(exc, FerryError) and progress.is_clean):
                     # Destroying our end of the group closes its connection, so a sender blocked in
@@ -152,6 +146,16 @@ class BlockReceiver:
         log.info("blocks_received", dst_instance_id=header.dst_instance_id, num_blocks=len(header.dst_block_ids),
                  num_bytes=target.plan.num_bytes, backend=backend.value)
         return target.plan.num_bytes
+
+    async def _receive_all(self, channel: PairChannel, target: Destination, staging: StagingPool, tag: int,
+                           deadline: Deadline, progress: _Progress) -> None:
+        async with staging.slot(deadline.remaining_s()) as slot:
+            scatterer = self._scatter_behind(target, slot)
+            try:
+                await self._receive_chunks(channel, target, slot, scatterer, tag, deadline, progress)
+                await scatterer.finish()
+            finally:
+                await scatterer.close()
 
     async def _receive_chunks(self, channel: PairChannel, target: Destination, slot: StagingSlot,
                               scatterer: ScatterBehind, tag: int, deadline: Deadline, progress: _Progress) -> None:

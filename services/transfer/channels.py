@@ -227,7 +227,10 @@ class ChannelTable:
             channel.close()
             log.info("channel_dropped", peer=peer_address, backend=backend.value, direction="outgoing")
 
-    def drop_incoming(self, peer_id: str, backend: TransferBackend) -> None:
+    def drop_incoming(self, peer_id: str, backend: TransferBackend, only: PairChannel | None = None) -> None:
+        """`only`: drop it only if it is still this channel (not one the peer opened since)."""
+        if only is not None and self._incoming.get((peer_id, backend)) is not only:
+            return
         if (channel := self._incoming.pop((peer_id, backend), None)) is not None:
             channel.close()
             log.info("channel_dropped", peer=peer_id, backend=backend.value, direction="incoming")

@@ -51,6 +51,7 @@ log = structlog.get_logger(__name__)
 # for the other transfers on it (tens of ms at gloo's speeds); a bigger rest drops the channel instead,
 # so that its sender hears the refusal at once rather than after sending it all.
 MAX_DISCARD_BYTES = 64 << 20
+DISCARD_SLOT_WAIT_S = 1.0  # for a staging buffer to discard into; then the channel is dropped instead
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +131,7 @@ class BlockReceiver:
                 if not (isinstance(exc, FerryError) and progress.is_clean):
                     # Destroying our end of the group closes its connection, so a sender blocked in
                     # send (it waits for a matching recv) fails at once instead of at its deadline.
-                    self._channels.drop_incoming(header.src_transfer_id, backend)
+                    self._channels.drop_incoming(header.src_transfer_id, backend, only=channel)
                     raise
                 refusal = exc
         if refusal is not None:
@@ -139,7 +140,7 @@ class BlockReceiver:
             # keep the channel, which other transfers share.
             try:
                 if not await self._discard_rest(channel, header, staging, tag, deadline, progress.next_chunk):
-                    self._channels.drop_incoming(header.src_transfer_id, backend)
+                    self._channels.drop_incoming(header.src_transfer_id, backend, only=channel)
                 raise refusal
             finally:
                 refusal = None  # no exception -> traceback -> frame -> exception cycle
@@ -218,7 +219,7 @@ class BlockReceiver:
             rest = [chunk for chunk in plan.chunks() if chunk.index >= next_chunk]
             if sum(map(plan.chunk_bytes, rest)) > MAX_DISCARD_BYTES:
                 return False  # taking it all would hold the sender longer than dropping costs the others
-            async with staging.slot(deadline.remaining_s()) as slot:
+            async with staging.slot(min(deadline.remaining_s(), DISCARD_SLOT_WAIT_S)) as slot:
                 scratch = slot.buffers[0]
                 for chunk in rest:
                     num_bytes = plan.chunk_bytes(chunk)

@@ -24,7 +24,6 @@ checksums, matched); any failure raises and a broken channel is dropped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -183,31 +182,32 @@ class BlockSender:
                                     deadline.remaining_s())
         channel = await self._channels.outgoing(address, backend, open_remote)
         tag = next(self._tags) * TAG_STRIDE % 2**31
-        sent = asyncio.Event()
-        expect = asyncio.ensure_future(self._expect(peer, source, request, tag, deadline, sent))
+        sends_done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # True: every message taken
+        expect = asyncio.ensure_future(self._expect(peer, source, request, tag, deadline, sends_done))
         try:
             await self._send_chunks(channel, source, slot, tag, deadline)  # drops the channel if a send fails
         except asyncio.CancelledError:
             expect.cancel()
             raise
         except FerryError:
+            sends_done.set_result(False)
             # A peer that dropped its end broke our send: its answer says why.
             peer_error = await _peer_answer(expect)
             if peer_error is not None:
                 raise peer_error from None
             raise
-        sent.set()
+        sends_done.set_result(True)
         await expect
 
     async def _expect(self, peer: PeerTransferService, source: SourceBlocks, request: BlockTransfer, tag: int,
-                      deadline: Deadline, sent: asyncio.Event) -> None:
+                      deadline: Deadline, sends_done: asyncio.Future[bool]) -> None:
         try:
             await peer.expect_blocks(source.header, request.backend, tag, deadline.remaining_s())
         except BaseException as exc:
             # A receiver that refused the blocks takes the rest of our messages and keeps the channel, which
             # other transfers share, so our sends end too. One that did not take them (or is gone) leaves our
             # sends waiting for their deadline: dropping the channel ends them at once.
-            if not (isinstance(exc, CLEAN_REFUSALS) and await _is_set_within(sent, PEER_ANSWER_GRACE_S)):
+            if not (isinstance(exc, CLEAN_REFUSALS) and await _ended_well_within(sends_done, PEER_ANSWER_GRACE_S)):
                 self._channels.drop_outgoing(request.dst_transfer_address, request.backend)
             raise
 
@@ -260,11 +260,10 @@ def _copy_checked(src_rows: torch.Tensor, src_ids: tuple[int, ...], dst_rows: to
                       "(were they still being written?); redo the transfer")
 
 
-async def _is_set_within(event: asyncio.Event, timeout_s: float) -> bool:
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(timeout_s):
-            await event.wait()
-    return event.is_set()
+async def _ended_well_within(sends_done: asyncio.Future[bool], timeout_s: float) -> bool:
+    """Whether every send completed within `timeout_s` (False at once if they failed)."""
+    done, _ = await asyncio.wait([sends_done], timeout=timeout_s)
+    return bool(done) and sends_done.result()
 
 
 async def _peer_answer(expect: asyncio.Future) -> BaseException | None:

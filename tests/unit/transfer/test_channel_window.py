@@ -93,7 +93,7 @@ class FakeChannels:
     def drop_outgoing(self, peer_address, backend) -> None:
         pass
 
-    def drop_incoming(self, peer_id, backend) -> None:
+    def drop_incoming(self, peer_id, backend, only=None) -> None:
         pass
 
 

@@ -94,6 +94,20 @@ class BlockReceiver:
     async def receive_pieces(self, header: IncomingBlocks, pieces: AsyncIterator[memoryview], timeout_s: float) -> int:
         """grpc: each chunk from byte pieces (a piece never spans two chunks)."""
         deadline = Deadline.after(timeout_s)
+        counted = _CountedPieces(pieces)
+        try:
+            plan = await self._receive_pieces(header, counted, deadline)
+        except FerryError:
+            # grpc's client loses our status if the call ends while it still writes (grpc/grpc#36066):
+            # take a small rest, so that the sender hears why.
+            await _discard_pieces(counted, _stream_bytes(header) - counted.num_bytes, deadline)
+            raise
+        log.info("blocks_received", dst_instance_id=header.dst_instance_id, num_blocks=len(header.dst_block_ids),
+                 num_bytes=plan.num_bytes, backend=TransferBackend.GRPC.value)
+        return plan.num_bytes
+
+    async def _receive_pieces(self, header: IncomingBlocks, pieces: AsyncIterator[memoryview],
+                              deadline: Deadline) -> ChunkPlan:
         async with self._mappings.write_grants.writing(header.dst_instance_id, header.write_grant) as grant:
             grant.check()
             target = self._target(header, grant)
@@ -109,9 +123,7 @@ class BlockReceiver:
                     await scatterer.finish()
                 finally:
                     await scatterer.close()
-        log.info("blocks_received", dst_instance_id=header.dst_instance_id, num_blocks=len(header.dst_block_ids),
-                 num_bytes=plan.num_bytes, backend=TransferBackend.GRPC.value)
-        return plan.num_bytes
+        return plan
 
     async def receive_on_channel(self, header: IncomingBlocks, backend: TransferBackend, tag: int,
                                  timeout_s: float) -> int:
@@ -297,3 +309,39 @@ async def _expect_end(pieces: AsyncIterator[bytes]) -> None:
     async for piece in pieces:
         raise InvalidArgument(f"block stream has {len(piece)}+ bytes after the last block; "
                               "sender and receiver disagree on the geometry")
+
+
+class _CountedPieces:
+    """The pieces of a grpc block stream, counting the bytes taken off it."""
+
+    def __init__(self, pieces: AsyncIterator[memoryview]) -> None:
+        self._pieces = pieces
+        self.num_bytes = 0
+
+    def __aiter__(self) -> _CountedPieces:
+        return self
+
+    async def __anext__(self) -> memoryview:
+        piece = await anext(self._pieces)
+        self.num_bytes += len(piece)
+        return piece
+
+
+def _stream_bytes(header: IncomingBlocks) -> int:
+    """What the header says its stream carries."""
+    return len(header.dst_block_ids) * header.geometry.bytes_per_block
+
+
+async def _discard_pieces(pieces: _CountedPieces, rest_bytes: int, deadline: Deadline) -> None:
+    """Read the rest of a refused grpc stream and drop it, if it is at most MAX_DISCARD_BYTES (a bigger rest
+    would hold the sender longer than its fallback question costs); stop early past that, or at the deadline."""
+    if rest_bytes > MAX_DISCARD_BYTES:
+        return
+    limit = pieces.num_bytes + MAX_DISCARD_BYTES
+    try:
+        async with asyncio.timeout(deadline.remaining_s()):
+            async for _piece in pieces:
+                if pieces.num_bytes > limit:
+                    return
+    except Exception:  # noqa: BLE001 - best effort: the refusal is what the caller raises
+        return

@@ -188,34 +188,35 @@ async def test_a_fenced_instance_takes_writes_only_under_an_open_grant_on_the_se
     """The service that writes into the destination (B, or A itself for shm) checks the grant: a write under
     a revoked or never-opened grant, or under none once the instance opened one, changes nothing."""
     dst = KvCache.create(f"ferry-test-b-grant-{uuid.uuid4().hex[:6]}", SMALL)
+    dst_id = f"b-grant-{backend.value}"  # a failure in one backend's run leaves no fence for the next
     grant = {TransferBackend.GRPC: 101, TransferBackend.GLOO: 102, TransferBackend.SHM: 2**64 - 1}[backend]
     try:
         async with TransferClient(services["A"].address) as a, TransferClient(services["B"].address) as b:
             writer = a if backend is TransferBackend.SHM else b
             await a.map_instance("a-small", caches["a-small"].name, SMALL)
-            await writer.map_instance("b-grant", dst.name, SMALL)
+            await writer.map_instance(dst_id, dst.name, SMALL)
 
             async def write(grant_id: int) -> None:
-                await a.transfer(BlockTransfer(InstanceId("a-small"), (5, 6), InstanceId("b-grant"), (3, 4),
+                await a.transfer(BlockTransfer(InstanceId("a-small"), (5, 6), InstanceId(dst_id), (3, 4),
                                                services["B"].address, backend, True, grant_id), timeout_s=20)
             await write(0)  # no grant opened yet: unfenced
-            await writer.grant_writes("b-grant", grant)
+            await writer.grant_writes(dst_id, grant)
             await write(grant)
             assert torch.equal(dst.tensor[:, :, 3:5], caches["a-small"].tensor[:, :, 5:7])
             assert (await writer.get_status()).num_write_grants == 1
-            assert await writer.revoke_writes("b-grant", grant)
+            assert await writer.revoke_writes(dst_id, grant)
             assert (await writer.get_status()).num_write_grants == 0
             dst.tensor.zero_()
             for closed, reason in ((grant, "not open"), (12345, "not open"), (0, "fences its KV")):
                 with pytest.raises(FailedPrecondition, match=reason):
                     await write(closed)
             assert not dst.tensor.view(torch.int16).any()
-            assert not await writer.revoke_writes("b-grant", grant)  # forgotten: as safe
+            assert not await writer.revoke_writes(dst_id, grant)  # forgotten: as safe
             with pytest.raises(NotFound, match="not mapped"):
                 await writer.grant_writes("nobody", grant)
             with pytest.raises(InvalidArgument, match="write_grant"):
-                await writer.grant_writes("b-grant", 0)
-            await writer.unmap_instance("b-grant")
+                await writer.grant_writes(dst_id, 0)
+            await writer.unmap_instance(dst_id)
     finally:
         dst.close()
         dst.unlink()
@@ -458,6 +459,29 @@ async def test_once_a_revoke_returns_no_block_of_a_transfer_under_way_lands(serv
         await asyncio.sleep(0.3)
         assert torch.equal(dst.tensor.view(torch.uint8), landed.view(torch.uint8))
         assert not bool(landed[:, :, ids[0]].view(torch.int16).any())  # cut short: the last block never came
+
+
+async def test_a_refused_grpc_stream_tells_its_sender_why(services):
+    """grpc's client loses the status of a call that ends while it still writes (grpc/grpc#36066), and then
+    could only say that the stream broke. B takes the rest of a refused stream of up to 64 MiB, so the
+    sender hears the refusal itself. (CI caught the race: a 4 KiB stream under a closed grant once failed
+    as UNAVAILABLE.) A bigger rest is not taken: the sender learns it failed, at once."""
+    async with _bulk_pair(services, "a-why", "b-why", seed=12) as (a, b, _src, dst):
+        await b.grant_writes("b-why", 555)
+        assert await b.revoke_writes("b-why", 555)
+
+        async def write(num_blocks: int) -> None:
+            ids = tuple(range(num_blocks))
+            await a.transfer(BlockTransfer(InstanceId("a-why"), ids, InstanceId("b-why"), ids,
+                                           services["B"].address, TransferBackend.GRPC, False, 555), timeout_s=30)
+        for num_blocks in (1, 2, 64) * 20 + (256,):  # small ones often, where the race was
+            with pytest.raises(FailedPrecondition, match="not open"):
+                await write(num_blocks)
+        started = time.monotonic()
+        with pytest.raises((FailedPrecondition, Unavailable)):
+            await write(BULK.num_blocks)  # 128 MiB
+        assert time.monotonic() - started < 10
+        assert not dst.tensor.view(torch.int16).any()
 
 
 @pytest.mark.parametrize("refusal", ["closed_grant", "unknown_destination"])

@@ -15,7 +15,8 @@ Every write into the KV holds the transfer's write grant (write_grants.py), chec
 each chunk. A refused channel transfer (a closed grant, a checksum, a header this side cannot
 take) whose rest is small is taken into scratch memory, so the channel, which every transfer
 between the two services shares, stays usable; otherwise, or once a receive failed, the
-channel is dropped.
+channel is dropped. A refused grpc stream with a small rest is read to its end before the
+answer, since grpc's asyncio client loses the status of a call that ends while it writes.
 """
 
 from __future__ import annotations

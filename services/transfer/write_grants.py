@@ -14,6 +14,9 @@ Grant 0 is "unfenced": tools and benchmarks that call Transfer with raw block id
 instance has opened a grant it is fenced: an unfenced write into it is refused too.
 The table is bounded: past MAX_GRANTS the oldest idle grant is dropped, which only
 refuses its later writes (its migration fails and is retried), never lets one through.
+Revoked ids (also ones revoked before their GrantWrites arrived, which a frozen service
+can see reordered) are remembered, the last MAX_GRANTS of them: a late GrantWrites never
+opens them again.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class WriteGrants:
         self._grants: OrderedDict[tuple[InstanceId, int], WriteGrant] = OrderedDict()
         self._max_grants = max_grants
         self._fenced: set[InstanceId] = set()  # instances that opened a grant: every write must name one
+        self._revoked: OrderedDict[tuple[InstanceId, int], None] = OrderedDict()  # never to open again
 
     def __len__(self) -> int:
         return sum(not grant.is_revoked for grant in self._grants.values())
@@ -71,10 +75,10 @@ class WriteGrants:
     def grant(self, instance_id: InstanceId, grant_id: int) -> None:
         _check_id(grant_id)
         key = (instance_id, grant_id)
+        if key in self._revoked or (key in self._grants and self._grants[key].is_revoked):
+            raise FailedPrecondition(f"write_grant: {grant_id} of instance {instance_id!r} was revoked; "
+                                     "a revoked grant never opens again, use a new id")
         if key in self._grants:
-            if self._grants[key].is_revoked:
-                raise FailedPrecondition(f"write_grant: {grant_id} of instance {instance_id!r} was revoked; "
-                                         "a revoked grant never opens again, use a new id")
             return  # granted already: idempotent
         self._evict_idle()
         self._grants[key] = WriteGrant(instance_id, grant_id)
@@ -84,6 +88,7 @@ class WriteGrants:
         """Refuse the grant's writes from now on and wait until none is under way. False if it was
         unknown (never granted here, or revoked and idle already), which is as safe."""
         _check_id(grant_id)
+        self._remember_revoked((instance_id, grant_id))
         grant = self._grants.get((instance_id, grant_id))
         if grant is None:
             return False
@@ -100,6 +105,7 @@ class WriteGrants:
         keys = [key for key in self._grants if key[0] == instance_id]
         num_open = 0
         for key in keys:
+            self._remember_revoked(key)
             grant = self._grants[key]
             num_open += not grant.is_revoked
             grant.is_revoked = True
@@ -139,6 +145,12 @@ class WriteGrants:
                 grant.idle.set()
                 if grant.is_revoked:
                     self._grants.pop((instance_id, grant_id), None)
+
+    def _remember_revoked(self, key: tuple[InstanceId, int]) -> None:
+        self._revoked[key] = None
+        self._revoked.move_to_end(key)
+        while len(self._revoked) > self._max_grants:
+            self._revoked.popitem(last=False)
 
     def _evict_idle(self) -> None:
         while len(self._grants) >= self._max_grants:

@@ -141,3 +141,30 @@ async def test_a_new_mapping_of_the_instance_closes_every_grant_of_the_old_one()
             with pytest.raises(FailedPrecondition):
                 grant.check()
     assert not await grants.revoke(DST, 1)  # gone once its writer left
+
+
+async def test_a_grant_revoked_before_its_grant_writes_arrived_never_opens():
+    """A frozen transfer service may take a RevokeWrites before the GrantWrites that was sent first."""
+    grants = WriteGrants()
+    assert not await grants.revoke(DST, 9)  # unknown: as safe, and remembered
+    with pytest.raises(FailedPrecondition, match="never opens again"):
+        grants.grant(DST, 9)
+    grants.grant(InstanceId("other"), 9)  # per instance
+
+
+async def test_a_grant_closed_with_its_mapping_never_opens_again():
+    grants = WriteGrants()
+    grants.grant(DST, 1)
+    grants.revoke_all(DST)
+    with pytest.raises(FailedPrecondition, match="never opens again"):
+        grants.grant(DST, 1)
+
+
+async def test_only_the_latest_revoked_ids_are_remembered():
+    grants = WriteGrants(max_grants=2)
+    for grant_id in (1, 2, 3):
+        await grants.revoke(DST, grant_id)
+    grants.grant(DST, 1)  # forgotten: the table stays bounded
+    for grant_id in (2, 3):
+        with pytest.raises(FailedPrecondition):
+            grants.grant(DST, grant_id)

@@ -31,7 +31,7 @@ from services.common.errors import FailedPrecondition, FerryError, NotFound
 from services.common.periodic import periodic_loop
 from services.manager import metrics
 from services.manager.cluster_view import ClusterView
-from services.manager.domain import InstanceId, InstanceState, InstanceView
+from services.manager.domain import InstanceId, InstanceState, InstanceView, Role
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger)
@@ -173,6 +173,10 @@ class Migrator:
         if dst.state is not InstanceState.SERVING:
             raise FailedPrecondition(f"destination {dst.record.instance_id} is {dst.state.value}; "
                                      "pick a serving instance (see ListInstances)")
+        if dst.record.role is Role.PREFILL:
+            raise FailedPrecondition(f"destination {dst.record.instance_id} is a prefill instance: it would hand "
+                                     "the request straight on to a decode instance; name a decode or mixed "
+                                     "instance, or leave dst_instance_id empty")
         return MigrationOrder(src.record.instance_id, src.record.address, dst.record.instance_id, dst.record.address,
                               MigrationTrigger.ADMIN, self._settings.selection, request_id=request_id,
                               backend=self._limits.backend)

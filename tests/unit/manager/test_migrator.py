@@ -226,6 +226,11 @@ async def test_admin_orders_check_instances_and_pick_the_freest_destination():
     view.mark_drained(InstanceId("b"))
     with pytest.raises(FailedPrecondition, match="destination b is draining"):
         migrator.admin_order("a", "b", "")
+    view.put_member(make_record("p", role=Role.PREFILL))
+    report(view, "p", 0)
+    with pytest.raises(FailedPrecondition, match="destination p is a prefill instance"):
+        migrator.admin_order("a", "p", "")
+    assert migrator.admin_order("a", "", "").dst_instance_id != "p"  # never chosen either
 
 
 async def test_admin_orders_without_a_destination_take_turns_among_equally_free_instances():

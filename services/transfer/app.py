@@ -19,7 +19,7 @@ from services.common.heap import keep_freed_heap
 from services.common.registry import Registry
 from services.common.signals import stop_event
 from services.transfer.metrics import serve_metrics
-from services.transfer.channels import ChannelTable
+from services.transfer.channels import ChannelTable, configure_nccl
 from services.transfer.client import TransferClients
 from services.transfer.config import TransferConfig
 from services.transfer.convert import geometry_from_record
@@ -38,6 +38,7 @@ TRANSFER_SERVICE = "ferry.v1.TransferService"
 
 async def main(config: TransferConfig) -> None:
     log.info("config_resolved", **as_dict(config))
+    configure_nccl(os.environ)
     if config.heap_keep_mib and not keep_freed_heap(config.heap_keep_mib << 20):
         log.warning("heap_keep_unavailable", reason="no glibc mallopt here; grpc transfers fault in fresh pages")
     if config.num_threads > 0:

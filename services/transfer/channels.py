@@ -28,7 +28,7 @@ import contextlib
 import datetime
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -48,6 +48,12 @@ TAG_STRIDE = 64  # a transfer's tags: chunk i of a transfer with tag t travels w
 MAX_TAG = 2**31 - TAG_STRIDE  # gloo and nccl tags are 32-bit signed
 
 IN_PLACE_BYTES_IN_FLIGHT = 128 << 20  # posted ahead from one thread; receives land in the KV itself, so it costs no memory
+
+# How this process's NCCL groups handle a failure (read when a group is built). With a blocking wait, a
+# `wait(timeout)` blocks until the message moved, and on a failure or timeout aborts the communicator
+# (so no receive lands later in a reused buffer) and raises; and no watchdog thread runs, whose default
+# (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) takes the whole process down when a peer dies mid-transfer.
+NCCL_ENVIRONMENT = {"TORCH_NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 OpenRemote = Callable[[str, int, int], Awaitable[None]]  # (store_address, rank, connections) → the peer joined
 
@@ -263,6 +269,15 @@ class ChannelTable:
 def _consume_result(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()  # the caller already failed with the RPC's error
+
+
+def configure_nccl(environ: MutableMapping[str, str]) -> None:
+    """Set NCCL_ENVIRONMENT in the process environment, once at startup (before any thread reads it);
+    values an operator set are overridden, with a warning: the others break the failure handling."""
+    for name, value in NCCL_ENVIRONMENT.items():
+        if environ.get(name, value) != value:
+            log.warning("nccl_environment_overridden", variable=name, was=environ[name], now=value)
+        environ[name] = value
 
 
 def check_backend_available(backend: TransferBackend, nccl_device: int = 0) -> None:

@@ -30,6 +30,10 @@ class InstanceChannels:
             raise error_from_rpc(exc) from None
         return list(reply.requests)
 
+    async def holds_request(self, address: str, request_id: str, timeout_s: float) -> bool:
+        return any(info.request_id == request_id and info.state != "finished"
+                   for info in await self.list_requests(address, timeout_s))
+
     async def migrate_out(self, order: MigrationOrder, timeout_s: float) -> MigrationFigures:
         """Ask the source to move a request to the destination; returns once committed (or raises)."""
         stub = instance_pb2_grpc.InstanceServiceStub(self._channel(order.src_address))

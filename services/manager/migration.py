@@ -84,7 +84,7 @@ class MigrationRecord:
     figures: MigrationFigures  # zeros (and the ordered request id, if any) when it failed
     started_at: float  # unix seconds
     reason: str = ""  # failed: the gRPC status name of MigrateOut, e.g. RESOURCE_EXHAUSTED
-    message: str = ""  # failed: the status details
+    message: str = ""  # failed: the status details; committed: a note (the source gave no answer, yet it moved)
 
     @property
     def is_committed(self) -> bool:

@@ -58,10 +58,15 @@ class MigrateOutClient(Protocol):
     async def migrate_out(self, order: MigrationOrder, timeout_s: float) -> MigrationFigures:
         """Run the migration on the source; FerryError (cause: the gRPC error) if it was not committed."""
 
+    async def holds_request(self, address: str, request_id: str, timeout_s: float) -> bool:
+        """Whether the instance holds the request, unfinished."""
+
 
 DEFAULT_SETTINGS = MigrationSettings()
 OWED_TRIGGERS = (MigrationTrigger.DRAIN, MigrationTrigger.PD)  # requests that must move, whatever the load
 OWED_WORK_INTERVAL_S = 0.05  # ticks while such migrations run (each order still waits for its pair to settle)
+UNANSWERED_STATUSES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # the source gave no answer: it may have committed
+UNANSWERED_CHECK_TIMEOUT_S = 2.0  # asking the destination whether an unanswered migration moved its request
 OWED_SETTLE_S = 1.0  # ... and this long after the last one ended, for the pair's fresh load reports
 
 
@@ -144,17 +149,20 @@ class Migrator:
         """Run `order` to its end and keep its record; re-raises the source's error if it failed."""
         started, started_at = self._clock(), self._wall_clock()
         self._hold(order)
+        message = ""
         try:
             figures = await self._client.migrate_out(order, self._limits.timeout_s)
         except FerryError as exc:
             elapsed_ms = (self._clock() - started) * 1e3
             figures = MigrationFigures(order.request_id or exc.request_id, duration_ms=elapsed_ms)
-            self._keep(MigrationRecord(order, MigrationOutcome.FAILED, figures, started_at,
-                                       reason=status_name(exc), message=exc.message))
-            raise
+            if not await self._moved_unanswered(order, exc, figures.request_id):
+                self._keep(MigrationRecord(order, MigrationOutcome.FAILED, figures, started_at,
+                                           reason=status_name(exc), message=exc.message))
+                raise
+            message = f"the source gave no answer ({exc.message}), but the destination holds the request"
         finally:
             self._release(order)
-        record = MigrationRecord(order, MigrationOutcome.COMMITTED, figures, started_at)
+        record = MigrationRecord(order, MigrationOutcome.COMMITTED, figures, started_at, message=message)
         self._keep(record)
         return record
 
@@ -258,6 +266,20 @@ class Migrator:
         if error is not None and not isinstance(error, FerryError):
             log.error("migration_crashed", task=task.get_name(), exc_info=error)
 
+    async def _moved_unanswered(self, order: MigrationOrder, error: FerryError, request_id: str) -> bool:
+        """Whether a migration whose source gave no answer (it froze or died, maybe after the commit) moved
+        its request after all: the destination holds it. Only a refusal or a clean "no" means it did not."""
+        if status_name(error) not in UNANSWERED_STATUSES or not request_id:
+            return False
+        try:
+            if not await self._client.holds_request(order.dst_address, request_id, UNANSWERED_CHECK_TIMEOUT_S):
+                return False
+        except FerryError:
+            return False
+        log.warning("migration_unanswered_but_moved", request_id=request_id, src_instance_id=order.src_instance_id,
+                    dst_instance_id=order.dst_instance_id, error=error.message)
+        return True
+
     def _hold(self, order: MigrationOrder) -> None:
         for instance_id in (order.src_instance_id, order.dst_instance_id):
             self._in_flight[instance_id] = self._in_flight.get(instance_id, 0) + 1
@@ -291,7 +313,8 @@ class Migrator:
         self._cooled[figures.request_id] = self._clock()
         metrics.MIGRATED_BYTES.inc(figures.num_bytes)
         metrics.MIGRATED_BLOCKS.inc(figures.num_blocks)
-        metrics.MIGRATION_DOWNTIME.observe(figures.downtime_ms / 1e3)
+        if figures.downtime_ms > 0:  # not known where the source gave no answer
+            metrics.MIGRATION_DOWNTIME.observe(figures.downtime_ms / 1e3)
         metrics.MIGRATION_DURATION.observe(figures.duration_ms / 1e3)
         log.info("request_migrated", num_blocks=figures.num_blocks, num_bytes=figures.num_bytes,
                  num_stages=figures.num_stages, backend=figures.backend, downtime_ms=round(figures.downtime_ms, 2),

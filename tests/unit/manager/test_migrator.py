@@ -30,6 +30,10 @@ class FakeSources:
         self.answers = list(answers)
         self.orders = []
         self.gate: asyncio.Event | None = None
+        self.held: set[tuple[str, str]] = set()  # (address, request id) that holds_request answers True for
+
+    async def holds_request(self, address, request_id, timeout_s):
+        return (address, request_id) in self.held
 
     async def migrate_out(self, order, timeout_s):
         self.orders.append(order)
@@ -354,3 +358,34 @@ async def test_a_tick_that_raises_does_not_end_the_migration_loop():
     assert routes(sources.orders) == [("a", "b", MigrationTrigger.LOAD)]
     await assert_cancels(loop)
     await settle(migrator)
+
+
+@pytest.mark.parametrize("status", ["UNAVAILABLE", "DEADLINE_EXCEEDED"])
+async def test_an_unanswered_migrate_whose_request_is_on_the_destination_is_recorded_committed(status):
+    """The source froze (or died) after the commit, before its answer: the destination holds the request."""
+    clock = FakeClock()
+    view = cluster(clock, a=2, b=0)
+    unanswered = Unavailable("the source did not answer in time")
+    unanswered.__cause__ = RpcCause(status)
+    sources = FakeSources(unanswered, unanswered)
+    migrator = make_migrator(view, clock, sources)
+    order = migrator.admin_order("a", "b", "r-5")
+    sources.held.add((order.dst_address, "r-5"))
+    record = await migrator.migrate(order)
+    assert record.outcome is MigrationOutcome.COMMITTED and "gave no answer" in record.message
+    sources.held.clear()  # not there: it failed
+    with pytest.raises(Unavailable):
+        await migrator.migrate(migrator.admin_order("a", "b", "r-5"))
+    assert [r.outcome for r in migrator.history(request_id="r-5")] == [MigrationOutcome.COMMITTED,
+                                                                       MigrationOutcome.FAILED]
+
+
+async def test_a_refused_migrate_is_failed_whatever_the_destination_holds():
+    clock = FakeClock()
+    view = cluster(clock, a=2, b=0)
+    sources = FakeSources(Aborted("the request finished mid-migration"))
+    migrator = make_migrator(view, clock, sources)
+    order = migrator.admin_order("a", "b", "r-6")
+    sources.held.add((order.dst_address, "r-6"))
+    with pytest.raises(Aborted):
+        await migrator.migrate(order)

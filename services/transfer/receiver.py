@@ -52,6 +52,7 @@ log = structlog.get_logger(__name__)
 # for the other transfers on it (tens of ms at gloo's speeds); a bigger rest drops the channel instead,
 # so that its sender hears the refusal at once rather than after sending it all.
 MAX_DISCARD_BYTES = 64 << 20
+MAX_DISCARD_S = 5.0  # for the rest of a refused grpc stream (tens of ms at grpc's speeds)
 DISCARD_SLOT_WAIT_S = 1.0  # for a staging buffer to discard into; then the channel is dropped instead
 
 
@@ -95,13 +96,13 @@ class BlockReceiver:
     async def receive_pieces(self, header: IncomingBlocks, pieces: AsyncIterator[memoryview], timeout_s: float) -> int:
         """grpc: each chunk from byte pieces (a piece never spans two chunks)."""
         deadline = Deadline.after(timeout_s)
-        counted = _CountedPieces(pieces)
+        counted = CountedPieces(pieces)
         try:
             plan = await self._receive_pieces(header, counted, deadline)
         except FerryError:
             # grpc's client loses our status if the call ends while it still writes (grpc/grpc#36066):
             # take a small rest, so that the sender hears why.
-            await _discard_pieces(counted, _stream_bytes(header) - counted.num_bytes, deadline)
+            await discard_pieces(counted, _stream_bytes(header) - counted.num_bytes, deadline)
             raise
         log.info("blocks_received", dst_instance_id=header.dst_instance_id, num_blocks=len(header.dst_block_ids),
                  num_bytes=plan.num_bytes, backend=TransferBackend.GRPC.value)
@@ -312,14 +313,14 @@ async def _expect_end(pieces: AsyncIterator[bytes]) -> None:
                               "sender and receiver disagree on the geometry")
 
 
-class _CountedPieces:
+class CountedPieces:
     """The pieces of a grpc block stream, counting the bytes taken off it."""
 
     def __init__(self, pieces: AsyncIterator[memoryview]) -> None:
         self._pieces = pieces
         self.num_bytes = 0
 
-    def __aiter__(self) -> _CountedPieces:
+    def __aiter__(self) -> CountedPieces:
         return self
 
     async def __anext__(self) -> memoryview:
@@ -333,14 +334,15 @@ def _stream_bytes(header: IncomingBlocks) -> int:
     return len(header.dst_block_ids) * header.geometry.bytes_per_block
 
 
-async def _discard_pieces(pieces: _CountedPieces, rest_bytes: int, deadline: Deadline) -> None:
+async def discard_pieces(pieces: CountedPieces, rest_bytes: int, deadline: Deadline) -> None:
     """Read the rest of a refused grpc stream and drop it, if it is at most MAX_DISCARD_BYTES (a bigger rest
-    would hold the sender longer than its fallback question costs); stop early past that, or at the deadline."""
+    would hold the sender longer than its fallback question costs); stop early past that, at the deadline,
+    or after MAX_DISCARD_S (a stalled sender must not hold the call)."""
     if rest_bytes > MAX_DISCARD_BYTES:
         return
     limit = pieces.num_bytes + MAX_DISCARD_BYTES
     try:
-        async with asyncio.timeout(deadline.remaining_s()):
+        async with asyncio.timeout(min(deadline.remaining_s(), MAX_DISCARD_S)):
             async for _piece in pieces:
                 if pieces.num_bytes > limit:
                     return

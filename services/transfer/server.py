@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from services.common.errors import InvalidArgument, Unavailable
+from services.common.errors import FerryError, InvalidArgument, Unavailable
 from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
 from services.transfer.metrics import observed_transfer
 from services.transfer.channels import MAX_GLOO_CONNECTIONS, MAX_TAG, TAG_STRIDE, ChannelTable
@@ -19,7 +19,8 @@ from services.transfer.convert import (backend_from_proto, backend_to_proto, dec
                                        transfer_from_proto)
 from services.transfer.domain import InstanceId, TransferBackend
 from services.transfer.kv_mappings import KvMappings
-from services.transfer.receiver import BlockReceiver
+from services.transfer.deadline import Deadline
+from services.transfer.receiver import MAX_DISCARD_BYTES, BlockReceiver, CountedPieces, discard_pieces
 from services.transfer.sender import BlockSender
 
 log = structlog.get_logger(__name__)
@@ -78,10 +79,15 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
                             context: grpc.aio.ServicerContext) -> transfer_pb2.ReceiveBlocksResponse:
         """Registered by `add_transfer_servicer`: data messages arrive as views of their bytes."""
         first = await anext(aiter(request_iterator), None)
-        if not isinstance(first, transfer_pb2.ReceiveBlocksRequest) or not first.HasField("header"):
-            raise InvalidArgument("ReceiveBlocks: the first message must carry the header")
-        header = header_from_proto(first.header)
-        num_bytes = await self.node.receiver.receive_pieces(header, _data(request_iterator), self._timeout_s(context))
+        pieces = CountedPieces(_data(request_iterator))
+        try:
+            if not isinstance(first, transfer_pb2.ReceiveBlocksRequest) or not first.HasField("header"):
+                raise InvalidArgument("ReceiveBlocks: the first message must carry the header")
+            header = header_from_proto(first.header)
+        except FerryError:  # a header this side cannot read (a newer sender): its size is not known either
+            await discard_pieces(pieces, MAX_DISCARD_BYTES, Deadline.after(self._timeout_s(context)))
+            raise
+        num_bytes = await self.node.receiver.receive_pieces(header, pieces, self._timeout_s(context))
         return transfer_pb2.ReceiveBlocksResponse(num_blocks=len(header.dst_block_ids), num_bytes=num_bytes)
 
     async def OpenChannel(self, request: transfer_pb2.OpenChannelRequest,

@@ -499,9 +499,13 @@ def _stop_token_ids(body: Mapping[str, Any]) -> tuple[int, ...]:
     ids = body.get("stop_token_ids")
     if ids is None:
         return ()
-    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t <= _INT32_MAX for t in ids):
+    if not isinstance(ids, list):
         raise RequestError(f"stop_token_ids: expected a list of token ids (non-negative integers), got "
                            f"{_json_type(ids)}", param="stop_token_ids")
+    bad = next((i for i, t in enumerate(ids) if not (_is_int(t) and 0 <= t <= _INT32_MAX)), None)
+    if bad is not None:
+        raise RequestError(f"stop_token_ids[{bad}]: token ids are non-negative integers below 2^31, got "
+                           f"{json.dumps(ids[bad])[:20]}", param="stop_token_ids")
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise RequestError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(ids)}", param="stop_token_ids")
     return tuple(ids)

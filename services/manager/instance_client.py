@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-from services.common.errors import error_from_rpc
+from services.common.errors import Unavailable, error_from_rpc
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
 from services.common.grpc_server import secure_or_insecure_channel
 from services.common.logging import request_metadata
@@ -41,7 +41,12 @@ class InstanceChannels:
             reply = await stub.MigrateOut(convert.migrate_out_request_to_proto(order), timeout=timeout_s,
                                           metadata=request_metadata(order.request_id) or None)
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
+            error = error_from_rpc(exc)
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                error = Unavailable(f"MigrateOut on source instance {order.src_instance_id} at {order.src_address}: "
+                                    f"{error.message} (if it is down or frozen, ListInstances shows it unhealthy "
+                                    "once its lease ends)", request_id=error.request_id)
+            raise error from exc
         return convert.migration_figures_from_proto(reply)
 
     async def set_role(self, address: str, role: int, timeout_s: float) -> instance_pb2.SetRoleResponse:

@@ -37,6 +37,7 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
         self.refuse: str = ""  # non-empty: MigrateOut answers RESOURCE_EXHAUSTED with this text
         self.calls: list[instance_pb2.MigrateOutRequest] = []
         self.list_delay_s = 0.0  # how long ListRequests takes (an instance busy in a long step)
+        self.answer_delay_s = 0.0  # how long MigrateOut waits after the move before it answers (a frozen source)
 
     def hold(self, *request_ids: str) -> None:
         self.request_ids.extend(request_ids)
@@ -59,6 +60,7 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
         self.request_ids.remove(request_id)
         self._sync()
         self.peers[request.dst_instance_id].hold(request_id)
+        await asyncio.sleep(self.answer_delay_s)
         return instance_pb2.MigrateOutResponse(
             request_id=request_id, src_instance_id=self.sim.instance_id, dst_instance_id=request.dst_instance_id,
             num_blocks=BLOCKS_PER_REQUEST, num_bytes=BLOCKS_PER_REQUEST * 4096, num_stages=2,
@@ -225,6 +227,23 @@ async def test_admin_migrate_finds_the_request_and_checks_its_arguments(world):
     await wait_until(lambda: _running_is(client, {"i-0": 0, "i-1": 2, "i-2": 1}), 5, "moves reported")
     busiest = await client.migrate()  # nothing named: the least free busy instance gives one to the freest
     assert (busiest.src_instance_id, busiest.dst_instance_id) == ("i-1", "i-0")
+
+
+async def test_a_source_that_moved_the_request_but_gave_no_answer_is_settled_by_the_destination(world):
+    """The source froze right after the commit: its MigrateOut runs past the manager's deadline. The
+    destination holds the request, so the migration is recorded committed (it used to be "failed")."""
+    _, client, peers = await world(2, "--migration-timeout-s", "1")
+    peers["i-0"].hold("r-1", "r-2")
+    peers["i-0"].answer_delay_s = 5.0
+    moved = await client.migrate(request_id="r-1", dst_instance_id="i-1")
+    assert (moved.request_id, moved.dst_instance_id, moved.num_blocks) == ("r-1", "i-1", 0)  # no figures
+    (record,) = (await client.list_migrations(request_id="r-1")).migrations
+    assert record.outcome == "committed" and "gave no answer" in record.message
+    await peers["i-0"].sim.server.stop(0)  # gone: nothing moves, and the error names the source
+    with pytest.raises(Unavailable, match="MigrateOut on source instance i-0 at .*: "):
+        await client.migrate(request_id="r-2", src_instance_id="i-0", dst_instance_id="i-1")
+    (record,) = (await client.list_migrations(request_id="r-2")).migrations
+    assert (record.outcome, record.reason) == ("failed", "UNAVAILABLE")
 
 
 async def test_the_migration_policy_is_stored_and_survives_a_restart(world, etcd, cluster, tmp_path):

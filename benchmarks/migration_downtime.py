@@ -38,6 +38,7 @@ import pathlib
 import random
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -46,10 +47,12 @@ from dataclasses import dataclass, field
 import grpc
 from tqdm import tqdm
 
-from services.cluster.processes import ServiceProcess
-from services.common.etcd_launcher import free_port
-from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
-from services.instance.models.tiny import TINY_SHAPES, build_tiny_model
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere, as the README shows
+from services.cluster.processes import ServiceProcess  # noqa: E402
+from services.common.etcd_launcher import free_port  # noqa: E402
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc  # noqa: E402
+from services.instance.models.tiny import TINY_SHAPES, build_tiny_model  # noqa: E402
 
 MODES = ("live", "stop_copy", "recompute")
 TINY_SHAPE = "long-context"

@@ -36,6 +36,7 @@ import pathlib
 import random
 import socket
 import statistics
+import sys
 import struct
 import tempfile
 import time
@@ -47,15 +48,17 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from services.cluster.processes import ServiceProcess
-from services.common.etcd_launcher import free_port
-from services.common.grpc_server import BULK_TRANSFER_OPTIONS, MESSAGE_OPTIONS, insecure_channel
-from services.common.heap import DEFAULT_KEEP_MIB, keep_freed_heap
-from services.instance.engine.kv_cache import KvCache, KvGeometry
-from services.transfer.channels import chunk_tag
-from services.transfer.chunk_plan import IN_PLACE_MIN_ROW_BYTES
-from services.transfer.client import DEFAULT_PIECE_BYTES, TransferClient
-from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere, as the README shows
+from services.cluster.processes import ServiceProcess  # noqa: E402
+from services.common.etcd_launcher import free_port  # noqa: E402
+from services.common.grpc_server import BULK_TRANSFER_OPTIONS, MESSAGE_OPTIONS, insecure_channel  # noqa: E402
+from services.common.heap import DEFAULT_KEEP_MIB, keep_freed_heap  # noqa: E402
+from services.instance.engine.kv_cache import KvCache, KvGeometry  # noqa: E402
+from services.transfer.channels import chunk_tag  # noqa: E402
+from services.transfer.chunk_plan import IN_PLACE_MIN_ROW_BYTES  # noqa: E402
+from services.transfer.client import DEFAULT_PIECE_BYTES, TransferClient  # noqa: E402
+from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend  # noqa: E402
 
 MB = 2**20
 LLAMA2_7B = dict(num_layers=32, num_kv_heads=32, head_dim=128, block_size=16, dtype=torch.float16)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import re
 import shlex
 import subprocess
@@ -30,7 +31,8 @@ from dataclasses import dataclass, field
 import structlog
 
 from services.cluster.scaling_follower import plan
-from services.common.config import DefaultsHelpFormatter
+from services.common.config import DefaultsHelpFormatter, knob_help
+from services.common.etcd_client import EtcdAccess, EtcdKnobs
 from services.common.events import wait_set
 from services.common.logging import LogFormat, setup_logging
 from services.common.registry import Registry
@@ -53,7 +55,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--command-timeout-s", type=float, default=120.0, help="longest a command may run")
     parser.add_argument("--add-timeout-s", type=float, default=300.0,
                         help="after an add, seconds to wait for the new instance to register before adding again")
+    for knob_field in dataclasses.fields(EtcdKnobs):  # etcd TLS and auth, as every service takes them
+        parser.add_argument(f"--{knob_field.name.replace('_', '-')}", default=knob_field.default,
+                            help=knob_help(knob_field))
     return parser.parse_args(argv)
+
+
+def etcd_access(args: argparse.Namespace) -> EtcdAccess:
+    knobs = EtcdKnobs(**{knob_field.name: getattr(args, knob_field.name) for knob_field in dataclasses.fields(EtcdKnobs)})
+    access = knobs.etcd_access
+    access.check()
+    return access
 
 
 def index_of(instance_id: str) -> int:
@@ -98,10 +110,10 @@ class HookFollower:
             log.warning("scale_hook_failed", command=command, returncode=done.returncode, stderr=done.stderr[-2000:])
 
 
-async def follow(args: argparse.Namespace) -> None:
+async def follow(args: argparse.Namespace, access: EtcdAccess) -> None:
     follower = HookFollower(args.add_command, args.stop_command, args.command_timeout_s, args.add_timeout_s)
     stop = stop_event()
-    async with Registry(args.etcd_endpoints.split(","), args.cluster) as registry:
+    async with Registry(args.etcd_endpoints.split(","), args.cluster, access=access) as registry:
         members = await registry.watch("instances")
         while not stop.is_set():
             try:
@@ -114,8 +126,12 @@ async def follow(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:
+        access = etcd_access(args)
+    except ValueError as exc:
+        raise SystemExit(f"python -m services.cluster.scale_hooks: {exc}") from None
     setup_logging("scale_hooks", LogFormat.CONSOLE)
-    asyncio.run(follow(args))
+    asyncio.run(follow(args, access))
 
 
 if __name__ == "__main__":

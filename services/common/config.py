@@ -33,6 +33,11 @@ def knob(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={_HELP: help})
 
 
+def knob_help(field: dataclasses.Field) -> str:
+    """The help text a `knob` field was declared with."""
+    return field.metadata.get(_HELP, "")
+
+
 def env_name(service: str, field_name: str) -> str:
     return f"FERRY_{service}_{field_name}".upper()
 
@@ -96,7 +101,7 @@ def build_parser(cls: type, service: str, description: str | None = None,
                         f"keys) [env {env_name(service, 'config')}]")
     for field in dataclasses.fields(cls):
         kind = _field_type(cls, field)
-        help_text = f"{field.metadata.get(_HELP, '')} [env {env_name(service, field.name)}]"
+        help_text = f"{knob_help(field)} [env {env_name(service, field.name)}]"
         if isinstance(kind, type) and issubclass(kind, enum.Enum):
             help_text += f" (one of: {', '.join(str(m.value) for m in kind)})"
         help_text = help_text.replace("%", "%%")  # argparse formats help with %

@@ -108,9 +108,9 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
                                            "many of its blocks are left to copy")
     migration_max_stages: int = knob(3, "live copy stages (while the request decodes) before the final stop-and-copy")
     max_concurrent_migrations: int = knob(1, "migrations in or out this instance runs at once")
-    migration_reservation_timeout_s: float = knob(30.0, "seconds a migration's reserved blocks (or a migrated-in "
-                                                        "request nobody attached to) wait for the next step before "
-                                                        "they are freed")
+    migration_reservation_timeout_s: float = knob(30.0, "seconds a migration's reserved blocks wait without a "
+                                                        "call from the source (or a migrated-in request for its "
+                                                        "client to attach) before they are freed")
     migration_rpc_timeout_s: float = knob(5.0, "deadline of each Prepare/Commit/AbortMigrateIn call to a destination")
     migration_transfer_timeout_s: float = knob(20.0, "deadline of each migration stage's block copy (keep it below "
                                                      "--migration-reservation-timeout-s)")

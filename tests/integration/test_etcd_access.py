@@ -9,6 +9,7 @@ import uuid
 import pytest
 from etcd3aio import Etcd3Client
 
+from services.cluster import scale_hooks
 from services.common.etcd_client import ETCD_ERRORS, EtcdAccess, connect_etcd
 from services.common.etcd_launcher import LocalEtcd
 from services.common.registry import Registry
@@ -57,6 +58,19 @@ def test_tls_and_auth_options_reach_the_client(tmp_path, monkeypatch):
     assert kwargs["cert_key"] == pki.key.read_bytes() and kwargs["tls_server_name"] == "etcd.local"
     client = Etcd3Client(["127.0.0.1:1"], **kwargs)
     assert client._conn_args["ca_cert"] == pki.ca.read_bytes()
+
+
+def test_scale_hooks_take_the_same_etcd_options(tmp_path):
+    pki = make_pki(tmp_path / "pki")
+    password_file = tmp_path / "etcd-password"
+    password_file.write_text(ROOT_PASSWORD + "\n")
+    required = ["--etcd-endpoints", "127.0.0.1:2379", "--add-command", "true", "--stop-command", "true"]
+    access = scale_hooks.etcd_access(scale_hooks.parse_args(required + [
+        "--etcd-ca", str(pki.ca), "--etcd-cert", str(pki.cert), "--etcd-key", str(pki.key),
+        "--etcd-user", "ferry", "--etcd-password-file", str(password_file)]))
+    assert (access.ca_file, access.user, access.password) == (str(pki.ca), "ferry", ROOT_PASSWORD)
+    with pytest.raises(SystemExit, match="--etcd-password needs --etcd-user"):
+        scale_hooks.main(required + ["--etcd-password", "x"])
 
 
 def test_half_set_etcd_options_are_refused(tmp_path):

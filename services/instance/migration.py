@@ -1,6 +1,6 @@
 """The source side of live migration: move one request, KV cache and all, to another instance.
 
-Design (DESIGN.md "Live migration"); `MigrateOut` reads aloud:
+Design (README "Live migration"); `MigrateOut` reads aloud:
 
     pick the request  →  reserve blocks on the destination (current length + headroom)
     →  live stages: copy the full blocks not copied yet while the request keeps decoding,

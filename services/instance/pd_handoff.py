@@ -1,5 +1,5 @@
 """The PD hand-off pushed by a prefill instance: each request moves to a decode instance as
-soon as it has its first token (DESIGN.md "Prefill/decode disaggregation").
+soon as it has its first token (README "Prefill/decode disaggregation").
 
 Design (`handoff_loop`: --max-concurrent-migrations workers, each one request at a time):
 

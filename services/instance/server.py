@@ -128,7 +128,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                                      num_output_tokens=info.num_output_tokens)
             for info in infos])
 
-    # Live migration (DESIGN.md "Live migration").
+    # Live migration (README "Live migration").
 
     async def MigrateOut(self, request: instance_pb2.MigrateOutRequest,
                          context: grpc.aio.ServicerContext) -> instance_pb2.MigrateOutResponse:

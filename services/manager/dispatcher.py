@@ -3,7 +3,7 @@
 Every dispatch is reserved on the chosen instance at once (see cluster_view.py), so the
 next dispatch, even microseconds later, sees that instance as a little more loaded.
 
-Prefill/decode disaggregation (DESIGN.md): new requests go to prefill-capable instances
+Prefill/decode disaggregation (README "Prefill/decode disaggregation"): new requests go to prefill-capable instances
 (PREFILL, BOTH); DECODE instances only when none of those serves (the request prefills
 there; `RoleGaps` logs and counts it) or, with --pd-short-prompt-tokens, for a prompt that
 short. `place_decode` picks the DECODE instance (by load) a prefilled request moves to.

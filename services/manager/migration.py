@@ -1,7 +1,7 @@
 """Domain objects of live migration as the manager sees it: settings, orders, records.
 
 The manager decides *which instances* exchange a request and when; the source instance
-picks the request (unless told) and runs the protocol (DESIGN.md "Live migration").
+picks the request (unless told) and runs the protocol (README "Live migration").
 Nothing here knows about gRPC; `convert.py` maps these to and from protos.
 """
 

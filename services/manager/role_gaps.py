@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation with a role missing: which role is missing now, logged once per
-gap, counted per request that had to do without it (DESIGN.md "Prefill/decode disaggregation").
+gap, counted per request that had to do without it (README "Prefill/decode disaggregation").
 
 * no PREFILL (or BOTH) instance serves: new requests go to DECODE instances, which prefill them;
 * no DECODE instance serves: prefilled requests keep decoding on their prefill instance.

@@ -9,7 +9,7 @@ text ends before it), `max_tokens` (resumed tokens included) or the model's cont
 (`max_model_len`). Finished and aborted requests free their KV blocks at once and
 leave the engine.
 
-Live migration (DESIGN.md "Live migration"), all between two steps:
+Live migration (README "Live migration"), all between two steps:
 
     source:       pick_for_migration → migration_blocks (copy full blocks while it decodes)
                   → suspend → export_state → release (moved) | resume (migration failed)

@@ -1,4 +1,4 @@
-"""What live migration reads from and hands between engines (DESIGN.md "Live migration").
+"""What live migration reads from and hands between engines (README "Live migration").
 
 * `MigrationBlocks`: where a request's K/V live on the source at one step boundary. The
   leading `num_full_blocks` blocks never change again while the request keeps its blocks,

@@ -30,7 +30,7 @@ from services.cluster.state_dir import StateDirLock
 from services.common.errors import FerryError
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.events import wait_set
-from services.common.etcd_launcher import LocalEtcd, free_port
+from services.common.etcd_launcher import LocalEtcd, free_port, reserve_port
 from services.common.registry import DRAIN_MARKS, Registry
 
 log = structlog.get_logger(__name__)
@@ -235,6 +235,7 @@ def check_ports_free(spec: ClusterSpec) -> None:
     """The fixed ports must be free before anything starts: a frontend or manager that cannot bind
     dies only after another cluster holding the port answered our health check for it."""
     for flag, port in (("--http-port", spec.http_port), ("--admin-port", spec.admin_port)):
+        reserve_port(port)  # never given to a child (etcd, an instance) that starts before their owner
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:

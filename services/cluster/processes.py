@@ -169,9 +169,12 @@ async def grpc_health_status(address: str, timeout_s: float = 1.0, tls: TlsConfi
 
 
 async def _http_healthy(base_url: str, timeout_s: float = 1.0) -> bool:
+    """A ferry frontend's /health says ok (another server on the port, even one with a /health of its
+    own, such as etcd's, does not count)."""
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
             async with session.get(f"{base_url}/health") as response:
-                return response.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+                body = await response.json(content_type=None) if response.status == 200 else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return False
+    return isinstance(body, dict) and body.get("status") == "ok"

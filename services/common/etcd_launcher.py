@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import collections
 import contextlib
 import os
 import pathlib
@@ -54,24 +55,44 @@ def etcd_binary() -> pathlib.Path:
 _LOWEST_PORT = 10000
 _FREE_PORT_TRIES = 200
 _PORT_PICKER = random.SystemRandom()  # unaffected by anyone seeding the `random` module
+_MAX_PROMISED_PORTS = 4096
+_promised_ports: collections.OrderedDict[int, None] = collections.OrderedDict()  # newest last
+
+
+def reserve_port(port: int) -> None:
+    """Keep `free_port` from ever handing out `port` in this process (a port the user chose for
+    something that may not listen on it yet)."""
+    _promise(port)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now, picked at random *below* the kernel's ephemeral range:
     a port from that range (what binding port 0 gives) can be taken by any outgoing
-    connection before the process that was promised it binds it."""
+    connection before the process that was promised it binds it. Never one this process
+    handed out before or reserved (the last `_MAX_PROMISED_PORTS`): two children started
+    one after the other must not be promised the same port."""
     first_ephemeral = _first_ephemeral_port()
     for _ in range(_FREE_PORT_TRIES):
         port = _PORT_PICKER.randrange(_LOWEST_PORT, first_ephemeral)
+        if port in _promised_ports:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
-            return port
+        _promise(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a crowded range: let the kernel pick
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _promise(port: int) -> None:
+    _promised_ports[port] = None
+    _promised_ports.move_to_end(port)
+    while len(_promised_ports) > _MAX_PROMISED_PORTS:
+        _promised_ports.popitem(last=False)
 
 
 def _first_ephemeral_port() -> int:

@@ -9,6 +9,7 @@ import socket
 import pytest
 
 from services.cluster.launcher import ClusterSpec, PortInUse, check_ports_free
+from services.common import etcd_launcher
 from services.common.etcd_launcher import free_port
 
 pytestmark = pytest.mark.timeout(10)
@@ -37,3 +38,23 @@ def test_a_port_with_a_listener_is_refused_naming_the_flag(host, flag):
 def test_only_autoscale_makes_the_launcher_follow_scaling():
     assert not spec(1, 2).follows_scaling  # a policy stored in the state dir must not resize it
     assert spec(1, 2, autoscale_max_instances=4).follows_scaling
+
+
+def test_the_users_ports_are_never_handed_to_a_child(monkeypatch):
+    """A launcher once gave etcd its --http-port: the frontend could not bind, and etcd's own /health
+    answered the launcher's probe (found by a black-box run)."""
+    http_port, admin_port = free_port(), free_port()
+    check_ports_free(spec(http_port, admin_port))  # reserves them
+    picks = iter([http_port, admin_port, http_port])
+    real = etcd_launcher._PORT_PICKER.randrange
+    monkeypatch.setattr(etcd_launcher._PORT_PICKER, "randrange", lambda low, high: next(picks, None) or real(low, high))
+    assert free_port() not in (http_port, admin_port)
+
+
+def test_a_port_handed_out_once_is_not_handed_out_again(monkeypatch):
+    """Nothing listens on it yet (its child is still starting): it must go to that child only."""
+    first = free_port()
+    picks = iter([first, first])
+    real = etcd_launcher._PORT_PICKER.randrange
+    monkeypatch.setattr(etcd_launcher._PORT_PICKER, "randrange", lambda low, high: next(picks, None) or real(low, high))
+    assert free_port() != first

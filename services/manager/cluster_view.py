@@ -7,7 +7,9 @@ of an instance is derived, never stored:
 
 * DRAINING  — an operator drained it (mark kept in etcd config/), or its record says so;
 * UNHEALTHY — its last report (or, before the first one, its first sighting) is older
-              than `report_timeout_s`;
+              than `report_timeout_s`, or a peer could not reach it since its last report
+              (`mark_unanswered`: a PD hand-off to it failed UNAVAILABLE; a live instance
+              reports again within its report interval, a dead one's lease ends meanwhile);
 * SERVING   — otherwise.
 
 Dispatch picks SERVING instances that can prefill (a DECODE instance only when no prefill
@@ -59,6 +61,7 @@ class ClusterView:
         self._reports: dict[InstanceId, Load] = {}  # last report of each instance
         self._reserved: dict[InstanceId, list[tuple[float, int]]] = {}  # (dispatched at, blocks), not yet reported
         self._drained: set[InstanceId] = set()  # operator drain marks (may name absent instances)
+        self._unanswered: set[InstanceId] = set()  # a peer could not reach it; until its next report
         self._num_dispatched: dict[InstanceId, int] = {}
         # Dispatch runs hundreds of times a second over every member, so two caches:
         self._eligible_ids: list[InstanceId] = []  # sorted members that are not draining (any role);
@@ -92,6 +95,7 @@ class ClusterView:
         self._sorted_ids = sorted(self._records)
         for per_instance in (self._heard_at, self._reports, self._reserved, self._candidates):
             per_instance.pop(instance_id, None)
+        self._unanswered.discard(instance_id)
         self._rebuild_eligible()
 
     def has_member(self, instance_id: str) -> bool:
@@ -113,8 +117,16 @@ class ClusterView:
         if reserved := [r for r in self._reserved.pop(instance_id, ()) if r[0] > in_transit_since]:
             self._reserved[instance_id] = reserved
         self._candidates.pop(instance_id, None)
+        self._unanswered.discard(instance_id)
         if instance_id in self._records:
             self._heard_at[instance_id] = self._clock()
+
+    def mark_unanswered(self, instance_id: InstanceId) -> None:
+        """A peer could not reach the instance (a hand-off to it failed UNAVAILABLE): UNHEALTHY until it
+        reports again, so placements stop going to an instance that died until its lease ends."""
+        if instance_id in self._records:
+            self._unanswered.add(instance_id)
+            self._candidates.pop(instance_id, None)
 
     def start_leading(self) -> None:
         """Forget reports from an earlier term and give every member a fresh grace to report to us."""
@@ -122,6 +134,7 @@ class ClusterView:
         self._reports.clear()
         self._reserved.clear()
         self._candidates.clear()
+        self._unanswered.clear()
         self._heard_at = {instance_id: now for instance_id in self._records}
 
     # drain marks (from etcd config/drain/)
@@ -146,7 +159,7 @@ class ClusterView:
     def state_of(self, instance_id: InstanceId) -> InstanceState:
         if self._is_draining(instance_id):
             return InstanceState.DRAINING
-        if self._clock() - self._heard_at[instance_id] > self._report_timeout_s:
+        if self._clock() - self._heard_at[instance_id] > self._report_timeout_s or instance_id in self._unanswered:
             return InstanceState.UNHEALTHY
         return InstanceState.SERVING
 
@@ -166,7 +179,7 @@ class ClusterView:
         out = []
         for instance_id in self._eligible_ids:
             if (instance_id in exclude or self._heard_at[instance_id] < heard_since
-                    or self._records[instance_id].role not in roles):
+                    or self._records[instance_id].role not in roles or instance_id in self._unanswered):
                 continue
             candidate = self._candidates.get(instance_id)
             if candidate is None:

@@ -88,7 +88,10 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             raise Unavailable("this manager keeps no migration history; report to the leader")
         addresses = [self._view.record(InstanceId(i)).address if self._view.has_member(i) else ""
                      for i in (request.src_instance_id, request.dst_instance_id)]
-        self._migrator.keep_reported(convert.reported_migration_from_proto(request, *addresses))
+        record = convert.reported_migration_from_proto(request, *addresses)
+        self._migrator.keep_reported(record)
+        if record.reason == "UNAVAILABLE":  # the source is here; the destination did not answer it
+            self._view.mark_unanswered(record.order.dst_instance_id)
         return manager_pb2.ReportMigrationResponse()
 
     async def ReportLoad(self, request_iterator, context) -> manager_pb2.ReportLoadResponse:

@@ -17,8 +17,9 @@ from etcd3aio import Etcd3Client, prefix_range_end
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.common.etcd_launcher import free_port
-from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc, transfer_pb2
-from services.common.grpc_server import start_grpc_server
+from services.common.gen.ferry.v1 import (common_pb2, instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc,
+                                          transfer_pb2)
+from services.common.grpc_server import insecure_channel, start_grpc_server
 from services.manager.client import ManagerClient
 from tests.integration.manager_harness import SimulatedInstance, leader_of, start_manager, wait_until
 
@@ -244,6 +245,38 @@ async def test_a_source_that_moved_the_request_but_gave_no_answer_is_settled_by_
         await client.migrate(request_id="r-2", src_instance_id="i-0", dst_instance_id="i-1")
     (record,) = (await client.list_migrations(request_id="r-2")).migrations
     assert (record.outcome, record.reason) == ("failed", "UNAVAILABLE")
+
+
+async def test_a_hand_off_that_could_not_reach_its_destination_takes_it_out_of_placements(world):
+    """i-1 died (its reports stopped; its lease has not ended): once i-0 reports that a PD hand-off to it
+    failed UNAVAILABLE, PlaceDecode sends the next requests elsewhere at once, not for the rest of the
+    report timeout (found by a black-box run)."""
+    manager, client, peers = await world(3)
+    peers["i-1"].sim.num_free_blocks, peers["i-2"].sim.num_free_blocks = 900, 100  # i-1 by far the freer one
+    await wait_until(lambda: _free_is(client, "i-1", 900), 5, "loads reported")
+    async with insecure_channel(manager.address) as channel:
+        stub = manager_pb2_grpc.ManagerServiceStub(channel)
+
+        async def place(request_id: str) -> str:
+            return (await stub.PlaceDecode(manager_pb2.PlaceDecodeRequest(
+                request_id=request_id, src_instance_id="i-0", num_blocks=1), timeout=5)).instance_id
+        assert await place("r-1") == "i-1"
+        peers["i-1"].sim.is_reporting = False
+        await stub.ReportMigration(manager_pb2.MigrationRecord(
+            request_id="r-1", src_instance_id="i-0", dst_instance_id="i-1", outcome="failed", reason="UNAVAILABLE",
+            message="failed to connect", trigger="pd"), timeout=5)
+        assert await place("r-2") == "i-2"
+        peers["i-1"].sim.is_reporting = True  # alive after all: back with its next report
+        await wait_until(lambda: _placed_on(place, "r-3", "i-1"), 5, "i-1 placed again")
+
+
+async def _free_is(client: ManagerClient, instance_id: str, num_free_blocks: int) -> bool:
+    return any(i.instance_id == instance_id and i.num_free_blocks == num_free_blocks
+               for i in await client.list_instances())
+
+
+async def _placed_on(place, request_id: str, instance_id: str) -> bool:
+    return await place(request_id) == instance_id
 
 
 async def test_the_migration_policy_is_stored_and_survives_a_restart(world, etcd, cluster, tmp_path):

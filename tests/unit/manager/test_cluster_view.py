@@ -204,3 +204,22 @@ def test_report_age_is_none_before_the_first_report_of_this_term():
     assert view.instance(InstanceId("a")).report_age_s == pytest.approx(0.5)
     view.start_leading()
     assert view.instance(InstanceId("a")).report_age_s is None
+
+
+def test_an_instance_a_peer_could_not_reach_is_left_out_until_it_reports_again():
+    """A prefill instance's hand-off to a decode instance that died failed UNAVAILABLE: placements
+    must stop going there at once, not once its lease ends (found by a black-box run: 17 failed
+    hand-offs to a killed instance in 3 s)."""
+    view = ClusterView(report_timeout_s=3.0, clock=FakeClock())
+    for instance_id, role in (("p", Role.PREFILL), ("d1", Role.DECODE), ("d2", Role.DECODE)):
+        view.put_member(make_record(instance_id, role=role))
+        view.apply_report(InstanceId(instance_id), make_load(num_free_blocks=900 if instance_id == "d1" else 500))
+    dispatcher = Dispatcher(view, leading())
+    assert dispatcher.place_decode("r-1", "p", 0).instance_id == "d1"  # the freer one
+    view.mark_unanswered(InstanceId("d1"))
+    assert view.state_of(InstanceId("d1")) is InstanceState.UNHEALTHY
+    assert dispatcher.place_decode("r-2", "p", 0).instance_id == "d2"
+    view.apply_report(InstanceId("d1"), make_load(num_free_blocks=900))  # alive after all
+    assert view.state_of(InstanceId("d1")) is InstanceState.SERVING
+    assert dispatcher.place_decode("r-3", "p", 0).instance_id == "d1"
+    view.mark_unanswered(InstanceId("gone"))  # not a member: nothing to do

@@ -79,15 +79,15 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
                             context: grpc.aio.ServicerContext) -> transfer_pb2.ReceiveBlocksResponse:
         """Registered by `add_transfer_servicer`: data messages arrive as views of their bytes."""
         first = await anext(aiter(request_iterator), None)
-        pieces = CountedPieces(_data(request_iterator))
         try:
             if not isinstance(first, transfer_pb2.ReceiveBlocksRequest) or not first.HasField("header"):
                 raise InvalidArgument("ReceiveBlocks: the first message must carry the header")
             header = header_from_proto(first.header)
         except FerryError:  # a header this side cannot read (a newer sender): its size is not known either
-            await discard_pieces(pieces, MAX_DISCARD_BYTES, Deadline.after(self._timeout_s(context)))
+            await discard_pieces(CountedPieces(_data(request_iterator)), MAX_DISCARD_BYTES,
+                                 Deadline.after(self._timeout_s(context)))
             raise
-        num_bytes = await self.node.receiver.receive_pieces(header, pieces, self._timeout_s(context))
+        num_bytes = await self.node.receiver.receive_pieces(header, _data(request_iterator), self._timeout_s(context))
         return transfer_pb2.ReceiveBlocksResponse(num_blocks=len(header.dst_block_ids), num_bytes=num_bytes)
 
     async def OpenChannel(self, request: transfer_pb2.OpenChannelRequest,

@@ -159,9 +159,13 @@ class ClusterView:
     def state_of(self, instance_id: InstanceId) -> InstanceState:
         if self._is_draining(instance_id):
             return InstanceState.DRAINING
-        if self._clock() - self._heard_at[instance_id] > self._report_timeout_s or instance_id in self._unanswered:
+        if self._is_unhealthy(instance_id, self._clock() - self._report_timeout_s):
             return InstanceState.UNHEALTHY
         return InstanceState.SERVING
+
+    def _is_unhealthy(self, instance_id: InstanceId, heard_since: float) -> bool:
+        """Silent since `heard_since` (now minus the report timeout), or unreachable since its last report."""
+        return self._heard_at[instance_id] < heard_since or instance_id in self._unanswered
 
     def load_of(self, instance_id: InstanceId) -> Load:
         """Last reported load plus reservations; before any report, an empty cache of the record's size."""
@@ -178,8 +182,8 @@ class ClusterView:
         heard_since = self._clock() - self._report_timeout_s
         out = []
         for instance_id in self._eligible_ids:
-            if (instance_id in exclude or self._heard_at[instance_id] < heard_since
-                    or self._records[instance_id].role not in roles or instance_id in self._unanswered):
+            if (instance_id in exclude or self._is_unhealthy(instance_id, heard_since)
+                    or self._records[instance_id].role not in roles):
                 continue
             candidate = self._candidates.get(instance_id)
             if candidate is None:

@@ -296,10 +296,6 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(0 if stopped else 1)
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _wait_stopped(pid: int, timeout_s: float = 2.0) -> None:
     """Return once every thread of `pid` has stopped (its state is T), so that nothing it answers after
     `pause` returns; gives up quietly after `timeout_s` (or where /proc is missing)."""
@@ -312,3 +308,8 @@ def _wait_stopped(pid: int, timeout_s: float = 2.0) -> None:
         except OSError:
             return
         time.sleep(0.005)
+
+
+if __name__ == "__main__":
+    main()
+

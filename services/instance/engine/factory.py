@@ -66,6 +66,7 @@ def build_engine(spec: EngineSpec) -> LoadedEngine:
     geometry = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                           spec.block_size, num_blocks, spec.dtype)
     kv_cache = KvCache.create(spec.kv_name, geometry, spec.device)
+    kv_cache.prefault_in_background()  # blocks that migrate in are written by the transfer service, not touched here
     engine_config = EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len, block_size=spec.block_size,
                                  max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                                  enable_prefix_caching=spec.enable_prefix_caching,

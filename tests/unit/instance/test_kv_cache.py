@@ -1,6 +1,7 @@
 """KvCache: named shared memory that another process maps by name; no leaked segments."""
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -131,3 +132,35 @@ def test_a_cache_larger_than_the_free_shared_memory_is_refused_and_leaves_nothin
 def test_every_page_of_a_new_cache_is_allocated_up_front(name):
     with KvCache.create(name, GEOMETRY) as cache:
         assert os.stat(SHM_DIR / cache.name).st_blocks * 512 >= GEOMETRY.num_bytes  # not a sparse file
+
+
+def _minor_faults_reading(tensor: torch.Tensor) -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    tensor.sum()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_a_prefaulted_mapping_reads_pages_another_process_wrote_without_faulting_them(name):
+    # 16 MiB: 4096 pages. The owner writes them through its mapping (as a transfer service
+    # writes migrated blocks); a second, fresh mapping then faults on the first read of them
+    # (16 pages a fault with the kernel's default fault-around) unless it was prefaulted.
+    geometry = KvGeometry(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, num_blocks=512,
+                          dtype=torch.float32)
+    with KvCache.create(name, geometry) as writer:
+        writer.tensor.fill_(0.25)
+        lazy, prefaulted = KvCache.attach(name, geometry), KvCache.attach(name, geometry)
+        if not prefaulted.prefault():
+            pytest.skip("needs Linux >= 5.14 (MADV_POPULATE_WRITE)")
+        torch.set_num_threads(1)
+        assert _minor_faults_reading(prefaulted.tensor) < 32
+        assert _minor_faults_reading(lazy.tensor) > 128
+        assert float(prefaulted.tensor.sum()) == 0.25 * prefaulted.tensor.numel()  # the data is untouched
+
+
+def test_prefault_in_background_finishes_and_a_gpu_or_closed_cache_is_left_alone(name):
+    with KvCache.create(name, GEOMETRY) as cache:
+        thread = cache.prefault_in_background()
+        thread.join(10)
+        assert not thread.is_alive()
+        cache.close()
+        assert not cache.prefault()  # nothing mapped any more

@@ -5,7 +5,7 @@ import torch
 
 from services.common.errors import NotFound
 from services.instance.engine.kv_cache import KvCache
-from services.transfer.kv_mappings import KvMappings, populate
+from services.transfer.kv_mappings import KvMappings
 from tests.unit.transfer.factories import tiny_geometry
 
 pytestmark = pytest.mark.timeout(30)
@@ -26,9 +26,3 @@ def test_map_sees_the_instances_bytes_and_unmap_forgets_it():
         assert mappings.unmap("inst-0") and not mappings.unmap("inst-0")
         with pytest.raises(NotFound, match="MapInstance"):
             mappings.get("inst-0")
-
-
-def test_populate_keeps_the_data():
-    tensor = torch.arange(10_000, dtype=torch.float32)
-    assert populate(tensor) in (True, False)  # False only on kernels without MADV_POPULATE_WRITE
-    assert torch.equal(tensor, torch.arange(10_000, dtype=torch.float32))

@@ -29,7 +29,9 @@ moves the few index and mask tensors the layers read, once per forward.
 A long decode sequence whose blocks lie in a few contiguous runs (the block manager hands
 out the lowest free ids, so a prefilled or migrated-in sequence usually gets one run) skips
 the gather: its keys and values are read where they lie, one matmul per run, so a decode
-step over a long context reads its cache once instead of copying it first.
+step over a long context reads its cache once instead of copying it first. Only in a
+float32 cache: in a lower precision the gathered path's float32 accumulation is what keeps
+a sequence's tokens independent of where its blocks lie.
 """
 
 from dataclasses import dataclass, replace
@@ -51,12 +53,14 @@ class CacheGeometry:
     num_blocks: int  # blocks in the cache
     block_size: int  # tokens per block
     block_bytes: int  # bytes of one block's K (or V) in one layer
+    reads_in_place: bool = True  # float32 only: see `_in_place_group`
 
     @classmethod
     def of(cls, kv_cache: torch.Tensor) -> "CacheGeometry":
         """From a cache `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`."""
         _, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        return cls(num_blocks, block_size, block_size * num_kv_heads * head_dim * kv_cache.element_size())
+        return cls(num_blocks, block_size, block_size * num_kv_heads * head_dim * kv_cache.element_size(),
+                   reads_in_place=kv_cache.dtype == torch.float32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +194,14 @@ def _window_blocks(block_tables: torch.Tensor, context_lens: torch.Tensor, windo
 def _in_place_group(batch: ForwardBatch, is_decode: torch.Tensor, starts: torch.Tensor, geometry: CacheGeometry,
                     window: int | None) -> tuple[InPlaceGroup | None, list[int]]:
     """The decode sequences to read in place (long context, few block runs, all of it inside
-    the window), and their indexes."""
+    the window), and their indexes.
+
+    Only a float32 cache is read in place: `_attend_runs` computes in the cache's dtype, which
+    in bfloat16 or float16 rounds every score (~8x the error of SDPA, which accumulates in
+    float32), and whether a sequence is read in place depends on where its blocks lie. So a
+    request would get other tokens after a migration than without one."""
+    if not geometry.reads_in_place:
+        return None, []
     is_candidate = is_decode & (batch.context_lens >= IN_PLACE_MIN_KEYS)
     if window is not None:
         is_candidate &= batch.context_lens <= window

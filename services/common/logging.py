@@ -129,7 +129,9 @@ def _shared_processors(service: str) -> list[Processor]:
 def _renderer(fmt: LogFormat) -> Processor:
     if fmt is LogFormat.JSON:
         return structlog.processors.JSONRenderer()
-    return structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    # Plain tracebacks: rich's (the default where rich is installed) print every frame's local
+    # variables, and a frame holding a large request body printed it once a frame, for minutes.
+    return structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(), exception_formatter=structlog.dev.plain_traceback)
 
 
 def _exc_formatter(fmt: LogFormat) -> Processor:

@@ -31,6 +31,10 @@ MAX_BATCH_CHOICES = 128  # most prompts × n in one request
 _UINT64 = 1 << 64
 _INT32_MAX = (1 << 31) - 1
 _TOKEN_ID_KEY = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() also takes "¹" and "٣"
+_MAX_TOKEN_ID_DIGITS = 10  # a longer key is no int32 (and int() refuses 4300+ digits with a ValueError)
+# Fractions travel as float32, where a positive value below ~1e-45 becomes 0, which the wire reads
+# as "unset" (top_p 1, repetition_penalty off). Smaller ones are raised to this; they mean the same.
+_MIN_WIRE_FRACTION = 1e-30
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _OUTPUT_FLAGS = {"include_stop_str_in_output": False, "skip_special_tokens": True, "use_beam_search": False}
@@ -155,7 +159,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         raise RequestError("the request body nests JSON arrays or objects too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {_json_type(body)}", code="invalid_json")
-    if _MAYBE_SURROGATE.search(raw) and (path := _lone_surrogate_path(body, "")) is not None:
+    if _MAYBE_SURROGATE.search(raw) and (path := _lone_surrogate_path(body)) is not None:
         raise RequestError(f"{path}: contains a lone UTF-16 surrogate (a \\ud800-\\udfff escape not part of a "
                            "pair), which is not text; send well-formed Unicode", param=path, code="invalid_text")
     return body
@@ -174,19 +178,22 @@ def _is_text(value: str) -> bool:
     return True
 
 
-def _lone_surrogate_path(value: Any, path: str) -> str | None:
+def _lone_surrogate_path(body: Any) -> str | None:
     """Where in a parsed body the first string holding a lone surrogate is (`stop[0]`,
-    `messages[1].content`), or None."""
-    if isinstance(value, str):
-        return None if _is_text(value) else path or "(body)"
-    if isinstance(value, dict):
-        if not all(_is_text(key) for key in value):  # a bad key: name the object holding it
-            return path or "(body)"
-        return next((found for key, item in value.items()
-                     if (found := _lone_surrogate_path(item, f"{path}.{key}" if path else key))), None)
-    if isinstance(value, list):
-        return next((found for i, item in enumerate(value)
-                     if (found := _lone_surrogate_path(item, f"{path}[{i}]"))), None)
+    `messages[1].content`), or None. Walks with a stack of its own: json.loads takes bodies
+    nested deeper than Python's recursion limit allows recursing through."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _is_text(value):
+                return path or "(body)"
+        elif isinstance(value, dict):
+            if not all(_is_text(key) for key in value):  # a bad key: name the object holding it
+                return path or "(body)"
+            stack.extend(reversed([(item, f"{path}.{key}" if path else key) for key, item in value.items()]))
+        elif isinstance(value, list):
+            stack.extend(reversed([(item, f"{path}[{i}]") for i, item in enumerate(value)]))
     return None
 
 
@@ -217,6 +224,7 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequ
     _reject_unsupported(body, Endpoint.CHAT)
     max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _opt_int(body, max_tokens_field, low=1)
+    _opt_int(body, "max_tokens", low=1)  # the deprecated field is still checked where the new one wins
     parsed = _parsed(body, served_model, Endpoint.CHAT, prompts=(), messages=chat_messages(body),
                      max_tokens=max_tokens, default_max_tokens=None, num_top_logprobs=_chat_logprobs(body))
     if opt_bool(body, "add_special_tokens"):
@@ -226,18 +234,24 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequ
 
 
 def chat_template_options(body: Mapping[str, Any]) -> ChatTemplateOptions:
-    add_generation_prompt = opt_bool(body, "add_generation_prompt")
-    continue_final_message = opt_bool(body, "continue_final_message") or False
-    if continue_final_message and add_generation_prompt:
-        raise RequestError("continue_final_message: cannot be true with add_generation_prompt true (the reply would "
-                           "both start a new turn and go on with the last one); set add_generation_prompt to false",
-                           param="continue_final_message")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         kwargs = {}
     if not isinstance(kwargs, dict) or len(kwargs) > MAX_TEMPLATE_KWARGS or "messages" in kwargs:
         raise RequestError(f"chat_template_kwargs: expected an object of at most {MAX_TEMPLATE_KWARGS} template "
                            "variables (not messages)", param="chat_template_kwargs")
+    kwargs = dict(kwargs)
+    options = {}
+    for name in ("add_generation_prompt", "continue_final_message"):  # as vLLM: chat_template_kwargs wins
+        in_kwargs = opt_bool(kwargs, name, param=f"chat_template_kwargs.{name}")
+        kwargs.pop(name, None)
+        options[name] = opt_bool(body, name) if in_kwargs is None else in_kwargs
+    add_generation_prompt = options["add_generation_prompt"]
+    continue_final_message = options["continue_final_message"] or False
+    if continue_final_message and add_generation_prompt:
+        raise RequestError("continue_final_message: cannot be true with add_generation_prompt true (the reply would "
+                           "both start a new turn and go on with the last one); set add_generation_prompt to false",
+                           param="continue_final_message")
     if add_generation_prompt is None:
         add_generation_prompt = not continue_final_message
     return ChatTemplateOptions(add_generation_prompt, tuple(sorted(kwargs.items())), continue_final_message)
@@ -287,6 +301,8 @@ def check_in_vocabulary(token_ids: Sequence[int], vocab_size: int, name: str) ->
 def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, prompts, messages,
             max_tokens: int | None, default_max_tokens: int | None, num_top_logprobs: int | None) -> ParsedRequest:
     stream = opt_bool(body, "stream") or False
+    if body.get("user") is not None and not isinstance(body["user"], str):  # OpenAI's end-user id: unused here
+        raise RequestError(f"user: expected a string, got {_json_type(body['user'])}", param="user")
     sampling = Sampling(
         temperature=_opt_float(body, "temperature", 1.0, low=0.0, high=2.0),
         top_p=_top_p(body),
@@ -429,8 +445,11 @@ def _message(message: Any, index: int) -> dict[str, Any]:
                            param=f"{param}.role")
     out = {"role": "system" if role == "developer" else role,  # OpenAI's newer name for system instructions
            "content": _content(message.get("content"), role, f"{param}.content")}
-    if isinstance(message.get("name"), str):
-        out["name"] = message["name"]
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+        raise RequestError(f"{param}.name: expected a string, got {_json_type(name)}", param=f"{param}.name")
+    if name is not None:
+        out["name"] = name
     return out
 
 
@@ -515,7 +534,7 @@ def _top_p(body: Mapping[str, Any]) -> float:
     top_p = _opt_float(body, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:
         raise RequestError(f"top_p: must be in (0, 1], got {top_p}", param="top_p")
-    return top_p
+    return max(top_p, _MIN_WIRE_FRACTION)  # any top_p this small keeps just the most likely token
 
 
 def _top_k(body: Mapping[str, Any]) -> int:
@@ -574,7 +593,7 @@ def _repetition_penalty(body: Mapping[str, Any]) -> float:
     if penalty <= 0.0:
         raise RequestError(f"repetition_penalty: must be in (0, 2] (1 = off), got {penalty}",
                            param="repetition_penalty")
-    return penalty
+    return max(penalty, _MIN_WIRE_FRACTION)
 
 
 def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
@@ -589,7 +608,7 @@ def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
         raise RequestError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(value)}", param="logit_bias")
     biases = {}
     for key, bias in value.items():
-        if not _TOKEN_ID_KEY.fullmatch(str(key)) or int(key) > _INT32_MAX:
+        if len(key) > _MAX_TOKEN_ID_DIGITS or not _TOKEN_ID_KEY.fullmatch(key) or int(key) > _INT32_MAX:
             raise RequestError(f"logit_bias: keys are token ids (non-negative integers), got {str(key)[:20]!r}",
                                param="logit_bias")
         biases[int(key)] = _opt_float({"logit_bias": bias}, "logit_bias", 0.0, low=-100.0, high=100.0)
@@ -601,10 +620,16 @@ def _opt_float(body: Mapping[str, Any], name: str, default: float, low: float | 
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(f"{name}: expected a number, got {_json_type(value)}", param=name)
-    _check_range(name, value, low, high)
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        raise RequestError(f"{name}: the number is too large", param=name) from None
+    if not math.isfinite(number):
+        raise RequestError(f"{name}: expected a finite number, got {number}", param=name)
+    _check_range(name, number, low, high)
+    return number
 
 
 def _check_range(name: str, value: float, low: float | None, high: float | None) -> None:

@@ -71,8 +71,9 @@ class ServedModel:
         return token_ids[-keep:]
 
     def prompt_text(self, prompt: Prompt) -> str:
-        """A prompt as text (an echo): as given, or its token ids decoded."""
-        return prompt if isinstance(prompt, str) else self.decode(prompt)
+        """A prompt as text (an echo): as given, or its token ids decoded, special tokens kept (as
+        the echoed logprobs list them, and as a prompt given as text would show them)."""
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(list(prompt), skip_special_tokens=False)
 
     def _prompt_token_ids(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):

@@ -302,7 +302,8 @@ class FrontendServer:
             if "Allow" in exc.headers:  # a 405 names the methods the path takes
                 response.headers["Allow"] = exc.headers["Allow"]
         except Exception:  # a bug: a 500 without details; the traceback goes to the log
-            log.exception("request_crashed", path=request.path, request_id=request.get(_REQUEST_ID_KEY))
+            request.setdefault(_REQUEST_ID_KEY, f"crash-{uuid.uuid4().hex}")  # it crashed before it got one
+            log.exception("request_crashed", path=request.path, request_id=request[_REQUEST_ID_KEY])
             response = self._error_response(request, 500, error_body(
                 "internal error; the server logged it under this request's x-request-id", type_="server_error"))
         self._metrics.requests.labels(_endpoint_label(request), str(response.status)).inc()

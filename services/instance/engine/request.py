@@ -23,6 +23,9 @@ RequestId = NewType("RequestId", str)
 MAX_LOGPROBS = 20
 MAX_SEED = 2**64 - 1
 MAX_PENALTY = 2.0
+# vLLM's _SAMPLING_EPS: a temperature below it samples greedily. Dividing logits by a tinier one
+# overflows to infinity (1e-38 made every probability NaN and every token id 0).
+GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_LOGIT_BIAS = 100.0
 MAX_REPETITION_PENALTY = 2.0
 
@@ -42,7 +45,7 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW_TEMPERATURE) = greedy
     top_p: float = 1.0  # (0, 1]: keep the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # 0 = off; otherwise keep the k most likely tokens
     seed: int | None = None  # same seed, same tokens, whatever the batch; None = drawn at admission
@@ -67,7 +70,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def validate(self, max_model_len: int, num_prompt_tokens: int) -> None:
         """Raise `InvalidArgument` naming the first field that cannot be served."""

@@ -43,6 +43,26 @@ def test_json_lines_carry_service_and_context(capsys) -> None:
         logging.getLogger().setLevel(root_level)
 
 
+def test_a_console_traceback_leaves_out_the_frames_local_variables(capsys) -> None:
+    # rich's tracebacks (structlog's default where rich is installed) print each frame's locals:
+    # a crash holding a deeply nested request body printed it once a frame, for minutes
+    root_handlers, root_level = logging.getLogger().handlers[:], logging.getLogger().level
+    setup_logging("demo", LogFormat.CONSOLE, "info")
+    try:
+        big_body = {"prompt": "secret-" + "x" * 100_000}
+        try:
+            raise ValueError(f"crash with a body of {len(big_body)} keys")
+        except ValueError:
+            structlog.get_logger("test").exception("request_crashed")
+        err = capsys.readouterr().err
+        assert "request_crashed" in err and "ValueError: crash with a body of 1 keys" in err
+        assert "secret-" not in err and len(err) < 5_000
+    finally:
+        structlog.reset_defaults()
+        logging.getLogger().handlers[:] = root_handlers
+        logging.getLogger().setLevel(root_level)
+
+
 def test_bad_level_is_rejected() -> None:
     with pytest.raises(ValueError, match="log level"):
         setup_logging("demo", LogFormat.CONSOLE, "loud")

@@ -68,6 +68,15 @@ def test_a_lone_surrogate_anywhere_is_400_naming_where(raw, param):
     assert info.value.param == param
 
 
+def test_a_lone_surrogate_nested_as_deep_as_json_allows_is_400_not_a_crash():
+    # json.loads takes ~1000 levels; a recursive search ran out of stack at ~500 (a 500 error)
+    depth = 900
+    raw = b'{"prompt": ' + b"[" * depth + rb'"\ud800"' + b"]" * depth + b"}"
+    with pytest.raises(RequestError, match="lone UTF-16 surrogate") as info:
+        parse_json_body(raw)
+    assert info.value.param == "prompt" + "[0]" * depth
+
+
 def test_surrogate_pairs_and_escaped_backslashes_are_text():
     assert parse_json_body(rb'{"prompt": "\ud83d\ude00 \\ud800"}') == {"prompt": "\U0001F600 \\ud800"}
 
@@ -112,6 +121,21 @@ def test_prompt_batches_mix_text_and_token_ids():
     parsed = completion(prompt=["a", [5, 6], "b"], n=2)
     assert parsed.prompts == ("a", (5, 6), "b") and parsed.is_batch
     assert (parsed.num_prompts, parsed.num_choices) == (3, 6)
+
+
+def test_chat_template_kwargs_set_the_template_options_as_in_vllm():
+    assert chat(chat_template_kwargs={"add_generation_prompt": False, "x": 1}).chat_template == \
+        ChatTemplateOptions(False, (("x", 1),))
+    options = chat(add_generation_prompt=True, chat_template_kwargs={"add_generation_prompt": False,
+                                                                     "continue_final_message": True}).chat_template
+    assert options == ChatTemplateOptions(False, (), continue_final_message=True)
+
+
+def test_fractions_too_small_for_float32_keep_their_meaning_on_the_wire():
+    # float32 rounds 1e-46 to 0, which the instance reads as unset (top_p 1, no penalty)
+    sampling = completion(top_p=1e-300, repetition_penalty=1e-300).sampling
+    assert 0 < sampling.top_p <= 1e-30 and 0 < sampling.repetition_penalty <= 1e-30
+    assert completion(top_p=0.5).sampling.top_p == 0.5
 
 
 def test_chat_template_options():
@@ -280,6 +304,11 @@ def test_missing_prompt():
     ({"modalities": ["text", "audio"]}, ["modalities", "only [\"text\"]"], "modalities"),
     ({"modalities": "text"}, ["modalities"], "modalities"),
     ({"model": 7}, ["model", "expected a string"], "model"),
+    ({"temperature": 10**400}, ["temperature", "too large"], "temperature"),
+    ({"top_p": -10**400}, ["top_p", "too large"], "top_p"),
+    ({"logit_bias": {"1": 10**400}}, ["logit_bias", "too large"], "logit_bias"),
+    ({"logit_bias": {"1" * 5000: 1}}, ["logit_bias", "token ids"], "logit_bias"),  # int() refuses 4300+ digits
+    ({"user": 5}, ["user", "expected a string", "number"], "user"),
 ])
 def test_bad_completion_fields(fields, words, param):
     rejects(completion, fields, *words, param=param)
@@ -416,6 +445,11 @@ def test_chat_logprobs():
     ({"top_logprobs": 2}, ["top_logprobs", "logprobs=true"], "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 50}, ["top_logprobs", "between 0 and 20"], "top_logprobs"),
     ({"n": 30}, ["n", "between 1 and 16", "got 30"], "n"),
+    ({"messages": [{"role": "user", "content": "x", "name": 3}]}, ["messages[0].name", "a string"],
+     "messages[0].name"),
+    ({"max_completion_tokens": 5, "max_tokens": -7}, ["max_tokens", ">= 1"], "max_tokens"),
+    ({"chat_template_kwargs": {"add_generation_prompt": 5}}, ["chat_template_kwargs.add_generation_prompt",
+     "true or false"], "chat_template_kwargs.add_generation_prompt"),
 ])
 def test_bad_chat_fields(fields, words, param):
     rejects(chat, fields, *words, param=param)

@@ -69,3 +69,12 @@ def test_a_model_without_a_chat_template_rejects_chat_with_400(tiny_model_dir, t
     model = ServedModel.load(folder, "no-template")
     with pytest.raises(RequestError, match="no chat template"):
         model.prompts_token_ids(parse_chat_request({"messages": [{"role": "user", "content": "hi"}]}, "no-template"))
+
+
+def test_an_echoed_token_id_prompt_keeps_its_special_tokens_as_its_logprobs_list_them(model):
+    special = model.tokenizer.backend.token_to_id("<|im_start|>")
+    prompt = [special, *model.tokenizer.encode("the cat", add_special_tokens=False)]
+    text = model.prompt_text(prompt)
+    assert text == "".join(model.token_text(token_id) for token_id in prompt)  # text offsets stay monotonic
+    assert text.endswith("the cat") and text != "the cat"
+    assert model.prompt_text("as given") == "as given"

@@ -33,6 +33,14 @@ def test_greedy_is_argmax():
     assert tokens(logits, rows) == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 1e-38, 1e-45])
+def test_a_temperature_below_vllms_epsilon_is_greedy_not_nan(temperature):
+    # logits / 1e-38 overflow to inf: the probabilities were NaN and every token id 0
+    logits = random_logits(4, seed=3)
+    rows = [SamplingRow(SamplingParams(temperature=temperature), seed=i, token_index=i) for i in range(4)]
+    assert tokens(logits, rows) == logits.argmax(dim=-1).tolist()
+
+
 def test_seeded_row_is_the_same_alone_and_in_a_busy_batch():
     logits = random_logits(6, seed=1)
     row = SamplingRow(SamplingParams(temperature=0.8, top_p=0.9), seed=1234, token_index=3)

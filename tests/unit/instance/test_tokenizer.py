@@ -2,6 +2,8 @@
 
 import json
 import random
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,29 @@ def test_encode_decode_round_trip(tokenizer):
     assert tokenizer.encode(UNICODE_TEXT, add_special_tokens=False) == ids[1:]
     assert tokenizer.decode(ids) == UNICODE_TEXT
     assert tokenizer.decode(ids, skip_special_tokens=False) == "<s>" + UNICODE_TEXT
+
+
+def test_encoding_a_long_prompt_lets_other_threads_run(tokenizer):
+    # The frontend encodes in a worker thread; holding the GIL for a 1 MB prompt froze its event
+    # loop (every stream, /health) for seconds. Another thread must get turns meanwhile.
+    text = "the quick brown fox jumps over the lazy dog. " * 20_000
+    ticks, done = [], threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.01)
+    started = time.perf_counter()
+    ids = tokenizer.encode(text)
+    ended = time.perf_counter()
+    done.set()
+    ticker.join()
+    during = [t for t in ticks if started < t < ended]
+    assert ids and (ended - started < 0.05 or len(during) >= 5), (ended - started, len(during))
 
 
 def test_eos_ids_come_from_all_three_files(tokenizer):

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from services.common.errors import error_from_rpc
+from services.common.errors import Unavailable, error_from_rpc
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
 from services.common.grpc_server import secure_or_insecure_channel
 from services.common.tls import TlsConfig
@@ -22,9 +22,10 @@ from services.instance.migration import Reservation
 
 
 class InstanceClient:
-    def __init__(self, channel: grpc.aio.Channel, timeout_s: float) -> None:
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float, address: str = "") -> None:
         self._stub = instance_pb2_grpc.InstanceServiceStub(channel)
         self._timeout_s = timeout_s
+        self._address = address
 
     async def prepare_migrate_in(self, migration_id: str, request_id: str, src_instance_id: str,
                                  num_blocks: int, grow_only: bool = False,
@@ -50,7 +51,11 @@ class InstanceClient:
         try:
             return await method(request, timeout=self._timeout_s, metadata=request_metadata(request_id) or None)
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+            error = error_from_rpc(exc)
+            if isinstance(error, Unavailable):  # gRPC's words ("Socket closed") do not say who
+                error = Unavailable(f"the destination instance at {self._address} did not answer: {error.message}",
+                                    error.request_id)
+            raise error from None
 
 
 class InstanceClients:
@@ -64,7 +69,7 @@ class InstanceClients:
     def __call__(self, address: str) -> InstanceClient:
         if address not in self._channels:
             self._channels[address] = secure_or_insecure_channel(address, self._tls)
-        return InstanceClient(self._channels[address], self._timeout_s)
+        return InstanceClient(self._channels[address], self._timeout_s, address)
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import grpc
 import structlog
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
 from services.instance.config import InstanceRole
 from services.instance.convert import (check_request_id, chunk_to_proto, handoff_chunk_to_proto, load_to_proto,
@@ -132,7 +132,13 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
 
     async def MigrateOut(self, request: instance_pb2.MigrateOutRequest,
                          context: grpc.aio.ServicerContext) -> instance_pb2.MigrateOutResponse:
-        result = await self.migrations.migrate_out(migrate_out_plan_from_proto(request))
+        try:
+            result = await self.migrations.migrate_out(migrate_out_plan_from_proto(request))
+        except Unavailable as exc:
+            # This instance answers: a peer did not (the destination or a transfer service). Said
+            # as UNAVAILABLE, the manager would take it for this source being down or frozen.
+            raise Aborted(f"request not migrated, it keeps running on {self.identity.instance_id}: {exc.message}",
+                          request_id=exc.request_id) from exc
         return migration_result_to_proto(result)
 
     async def PrepareMigrateIn(self, request: instance_pb2.PrepareMigrateInRequest,

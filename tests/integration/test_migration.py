@@ -358,7 +358,9 @@ async def test_destination_dead_or_full_keeps_the_request_on_the_source(stubs, c
     with pytest.raises(grpc.aio.AioRpcError) as error:  # a picks the request itself, and names it in the error
         await stubs["a"].MigrateOut(instance_pb2.MigrateOutRequest(
             dst_instance_id="ghost", dst_address=f"127.0.0.1:{free_port()}"), timeout=30)
-    assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value.details()
+    # a answers, so not UNAVAILABLE (the manager would take a for down): ABORTED, naming who did not answer
+    assert error.value.code() == grpc.StatusCode.ABORTED, error.value.details()
+    assert "keeps running on a" in error.value.details() and "destination instance at" in error.value.details()
     assert error_from_rpc(error.value).request_id == "full-1"
     # b full: a reservation leaves it 8 free blocks (the request holds 40); quicker than requests filling it,
     # which a loaded machine prefilled so slowly that the request had finished by then
@@ -396,7 +398,8 @@ async def test_destination_transfer_service_killed_mid_copy(stubs, cluster, tiny
         victim.kill()  # ... until it dies mid-copy
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await migration
-        assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value.details()
+        assert error.value.code() == grpc.StatusCode.ABORTED, error.value.details()
+        assert "keeps running on a" in error.value.details()
     finally:
         victim.signal(signal.SIGCONT)
         victim.kill()

@@ -35,6 +35,7 @@ from services.instance.engine.cuda_ipc import CudaIpcHandle, export_handle, open
 SHM_DIR = Path("/dev/shm")
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fill the page tables, writable, without touching the data
 _PAGE = 4096
+_PREFAULT_CHUNK_BYTES = 64 << 20  # ~16 ms a madvise: how soon `close` stops a prefault in progress
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -89,6 +90,7 @@ class KvCache:
         self.tensor = tensor
         self.ipc_handle = ipc_handle  # set for a cache on a GPU: how other processes map it
         self._owner = owner  # set in the creating process only; it alone unlinks the name
+        self._closed = threading.Event()
 
     @staticmethod
     def name_for(instance_id: str) -> str:
@@ -144,25 +146,34 @@ class KvCache:
     def prefault(self) -> bool:
         """Fill this process's page tables for the whole mapping. A fresh mapping faults on the first
         touch of each 4 KiB page: blocks another process wrote (a migration's, through the transfer
-        service) cost the first decode step that reads them ~1 ms per 4 MiB, and writes into a fresh
-        mapping measured 2.4 GB/s against 8 GB/s. ~4 GB/s, so seconds for a big cache. False on a
-        GPU, or where the kernel lacks MADV_POPULATE_WRITE (pages then fault lazily)."""
-        tensor = self.tensor
+        service) cost the first decode step that reads them ~1 ms per 16 MiB, and writes into a fresh
+        mapping measured 2.4 GB/s against 8 GB/s. ~4 GB/s, so seconds for a big cache; done a chunk at
+        a time, and `close` stops it between chunks. False if stopped, on a GPU, or where the kernel
+        lacks MADV_POPULATE_WRITE (pages then fault lazily)."""
+        tensor = self.tensor  # keeps the mapping alive should `close` drop ours meanwhile
         if tensor.device.type != "cpu" or tensor.numel() == 0:
             return False
         start = tensor.data_ptr() // _PAGE * _PAGE
-        length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
-        return _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) == 0
+        end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+        libc = _libc()
+        for chunk in range(start, end, _PREFAULT_CHUNK_BYTES):
+            length = min(_PREFAULT_CHUNK_BYTES, end - chunk)
+            if self._closed.is_set() or libc.madvise(ctypes.c_void_p(chunk), ctypes.c_size_t(length),
+                                                     _MADV_POPULATE_WRITE) != 0:
+                return False
+        return True
 
     def prefault_in_background(self) -> threading.Thread:
-        """`prefault` on a daemon thread (madvise releases the GIL); whoever touches a page first
-        meanwhile just faults it."""
-        thread = threading.Thread(target=self.prefault, name=f"prefault-{self.name}", daemon=True)
+        """`prefault` on a thread of its own (madvise releases the GIL); whoever touches a page first
+        meanwhile just faults it. Not a daemon: one cut off at interpreter exit inside madvise
+        aborted the process ("terminate called without an active exception")."""
+        thread = threading.Thread(target=self.prefault, name=f"prefault-{self.name}")
         thread.start()
         return thread
 
     def close(self) -> None:
         """Drop this object's mapping (views others hold stay valid until they are dropped)."""
+        self._closed.set()  # a prefault in progress stops at its next chunk
         self.tensor = torch.empty(0, dtype=self.geometry.dtype)
 
     def unlink(self) -> None:

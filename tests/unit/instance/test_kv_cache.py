@@ -164,3 +164,20 @@ def test_prefault_in_background_finishes_and_a_gpu_or_closed_cache_is_left_alone
         assert not thread.is_alive()
         cache.close()
         assert not cache.prefault()  # nothing mapped any more
+
+
+def test_a_process_that_exits_while_prefaulting_exits_cleanly(name):
+    # As a daemon thread, a prefault still inside madvise when the process closed its cache and
+    # exited aborted it ("terminate called without an active exception", exit status -6).
+    code = f"""
+import torch
+from services.instance.engine.kv_cache import KvCache, KvGeometry
+geometry = KvGeometry(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, num_blocks=4096, dtype=torch.float32)
+for i in range(2):
+    with KvCache.create(f"{name}-{{i}}", geometry) as cache:  # 256 MiB: the prefault runs on at close
+        cache.prefault_in_background()
+"""
+    for _ in range(2):
+        completed = run_python(code)
+        assert completed.returncode == 0, completed.stderr[-2000:]
+        assert not list(SHM_DIR.glob(f"{name}-*"))

@@ -446,9 +446,9 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     out = {"role": "system" if role == "developer" else role,  # OpenAI's newer name for system instructions
            "content": _content(message.get("content"), role, f"{param}.content")}
     name = message.get("name")
-    if name is not None and not isinstance(name, str):
-        raise RequestError(f"{param}.name: expected a string, got {_json_type(name)}", param=f"{param}.name")
     if name is not None:
+        if not isinstance(name, str):
+            raise RequestError(f"{param}.name: expected a string, got {_json_type(name)}", param=f"{param}.name")
         out["name"] = name
     return out
 

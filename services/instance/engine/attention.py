@@ -197,7 +197,7 @@ def _in_place_group(batch: ForwardBatch, is_decode: torch.Tensor, starts: torch.
     the window), and their indexes.
 
     Only a float32 cache is read in place: `_attend_runs` computes in the cache's dtype, which
-    in bfloat16 or float16 rounds every score (~8x the error of SDPA, which accumulates in
+    in bfloat16 or float16 rounds every score (~9x the error of SDPA, which accumulates in
     float32), and whether a sequence is read in place depends on where its blocks lie. So a
     request would get other tokens after a migration than without one."""
     if not geometry.reads_in_place:

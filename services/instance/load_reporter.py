@@ -40,7 +40,7 @@ async def load_report_loop(registry: Registry, servicer: InstanceServicer, inter
             backoff.reset()
         except grpc.aio.AioRpcError as exc:
             log.info("load_stream_broken", leader=leader.address, code=exc.code().name)
-            await backoff.sleep()
+            await _pause_before_redial(backoff, leader_view)
         except Exception:  # noqa: BLE001 — e.g. a malformed leader key: reports resume once it is fixed
             log.exception("load_report_failed")
             await backoff.sleep()
@@ -82,6 +82,18 @@ def _differs(a: common_pb2.LoadReport, b: common_pb2.LoadReport) -> bool:
     return (a.num_running != b.num_running or a.num_waiting != b.num_waiting
             or a.num_prefilled != b.num_prefilled
             or abs(a.num_free_blocks - b.num_free_blocks) * 16 > max(1, a.num_total_blocks))
+
+
+async def _pause_before_redial(backoff: Backoff, leader_view: LeaderView) -> None:
+    """The backoff's delay, cut short when the leader key changes: a dead leader's stream keeps
+    failing until its lease ends, and by then the delay has grown to seconds; the new leader
+    is dialed at once (a drain right after a failover otherwise saw this instance as silent)."""
+    try:
+        async with asyncio.timeout(backoff.next_delay()):
+            await leader_view.changed()
+        backoff.reset()
+    except TimeoutError:
+        pass
 
 
 async def _wait_for_leader(leader_view: LeaderView, timeout_s: float) -> None:

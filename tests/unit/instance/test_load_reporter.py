@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
+import grpc
 import pytest
 
 from services.common.election import LEADER_ID
@@ -60,4 +62,39 @@ async def test_the_loop_outlives_a_malformed_leader_and_a_failed_stream(monkeypa
     loop = asyncio.create_task(load_reporter.load_report_loop(registry, servicer=None, interval_s=1.0))
     await until(lambda: len(streams.addresses) == 2, loop)
     assert streams.addresses == [LEADER["address"]] * 2
+    await assert_cancels(loop)
+
+
+class SwitchingLeaderKey(FakeLeaderKey):
+    """The leader key: `LEADER` until `switch()` names another one (and tells the watchers)."""
+
+    def __init__(self) -> None:
+        super().__init__(LEADER)
+        self._switched = asyncio.Event()
+
+    def switch(self, leader: dict) -> None:
+        self.values = [leader]
+        self._switched.set()
+
+    async def changed(self, since: int | None = None):
+        await self._switched.wait()
+        return type("Change", (), {"added": set(), "removed": set(), "updated": {LEADER_ID}})()
+
+
+def _broken_stream() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
+
+
+async def test_a_new_leader_is_dialed_at_once_not_after_the_grown_backoff(monkeypatch):
+    # The old leader died: its stream fails again and again (the backoff grows to 2 s) until its
+    # lease ends and another manager takes the key.
+    streams = FlakyStreams(*[_broken_stream() for _ in range(6)])
+    monkeypatch.setattr(load_reporter, "_report_to", streams)
+    key = SwitchingLeaderKey()
+    loop = asyncio.create_task(load_reporter.load_report_loop(FakeRegistry(key), servicer=None, interval_s=1.0))
+    await until(lambda: len(streams.addresses) == 6, loop, timeout_s=8)  # 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s of backoff
+    key.switch({"leader_id": "m-2", "address": "127.0.0.1:2"})
+    switched_at = time.monotonic()
+    await until(lambda: streams.addresses[-1] == "127.0.0.1:2", loop)
+    assert time.monotonic() - switched_at < 1.0  # the backoff had 2 s to go
     await assert_cancels(loop)

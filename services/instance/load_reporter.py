@@ -88,17 +88,15 @@ async def _pause_before_redial(backoff: Backoff, leader_view: LeaderView) -> Non
     """The backoff's delay, cut short when the leader key changes: a dead leader's stream keeps
     failing until its lease ends, and by then the delay has grown to seconds; the new leader
     is dialed at once (a drain right after a failover otherwise saw this instance as silent)."""
-    try:
-        async with asyncio.timeout(backoff.next_delay()):
-            await leader_view.changed()
+    if await _wait_for_leader(leader_view, timeout_s=backoff.next_delay()):
         backoff.reset()
-    except TimeoutError:
-        pass
 
 
-async def _wait_for_leader(leader_view: LeaderView, timeout_s: float) -> None:
+async def _wait_for_leader(leader_view: LeaderView, timeout_s: float) -> bool:
+    """Whether the leader key changed within `timeout_s`."""
     try:
         async with asyncio.timeout(timeout_s):
             await leader_view.changed()
     except TimeoutError:
-        pass
+        return False
+    return True

@@ -22,6 +22,7 @@ import sys
 from services.cluster.launcher import ClusterSpec, LocalCluster, PortInUse, run_until_signalled
 from services.cluster.processes import ROOT, ProcessDied, TlsRejected
 from services.cluster.security import ClusterSecurity
+from services.cluster.supervisor import RestartPolicy
 from services.cluster.state_dir import StateDirInUse
 from services.common.config import DefaultsHelpFormatter
 from services.common.logging import LogFormat, setup_logging
@@ -72,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="let the leader manager scale between --instances and N instances, keeping the average "
                          "freeness in its band (ferryctl policy set --set scaling_low_freeness=... changes it); "
                          "0 = off. Not with --prefill/--decode-instances")
+    up.add_argument("--restart", default="on-failure", choices=["on-failure", "no"],
+                    help="what happens to a child (etcd, a manager, transfer service, instance, frontend) that exits on "
+                         "its own: on-failure starts it again with the same port and id, waiting 1 s, then twice as "
+                         "long each time (at most 30 s), at most 5 times in 5 minutes, after which it stays down "
+                         "(as systemd's Restart=on-failure); no only reports it")
     _add_security_arguments(up)
     args = parser.parse_args(argv)
     if args.instances is None:
@@ -170,7 +176,7 @@ def build_spec(args: argparse.Namespace) -> ClusterSpec:
                        state_dir=args.state_dir.resolve() if args.state_dir else None, cluster=args.cluster,
                        threads_per_instance=threads, kv_cache_mib=args.kv_cache_mib, log_format=args.log_format,
                        security=args.security, autoscale_max_instances=args.autoscale_max_instances,
-                       device=args.device, dtype=args.dtype)
+                       device=args.device, dtype=args.dtype, restart=RestartPolicy(on_failure=args.restart != "no"))
 
 
 def main(argv: list[str] | None = None) -> int:

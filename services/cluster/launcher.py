@@ -3,7 +3,8 @@
 Start order: etcd, then the first manager (so it leads), then every other child at
 once; `ready` once all are healthy. On SIGINT/SIGTERM/SIGHUP every child is
 stopped by its PID (the frontend first, then the others side by side, then etcd), and
-nothing else is touched; if the launcher itself is
+nothing else is touched. A child that exits on its own starts again (supervisor.py), unless
+`--restart no`. If the launcher itself is
 killed (SIGKILL, a crash), the kernel kills every child with it (PR_SET_PDEATHSIG). With TLS on
 (`ClusterSpec.security`) every gRPC child serves and dials TLS and the health probes
 dial it too; etcd stays plaintext on loopback.
@@ -19,6 +20,7 @@ import shlex
 import signal
 import socket
 import tempfile
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -26,6 +28,7 @@ import structlog
 from services.cluster.processes import ServiceProcess, stop_all
 from services.cluster.scaling_follower import follow_scaling, reset_target
 from services.cluster.security import ClusterSecurity
+from services.cluster.supervisor import RestartPolicy, Supervisor, supervise_step
 from services.cluster.state_dir import StateDirLock
 from services.common.errors import FerryError
 from services.common.etcd_client import ETCD_ERRORS
@@ -56,6 +59,7 @@ class ClusterSpec:
     autoscale_max_instances: int = 0  # > 0: the manager scales between len(roles) and this many instances
     device: str = "cpu"  # cpu | cuda: instance i then runs on GPU i modulo the visible ones
     dtype: str = "float32"
+    restart: RestartPolicy = RestartPolicy()  # children that exit on their own start again (supervisor.py)
 
     def instance_device(self, index: int) -> str:
         return f"cuda:{gpu_index(index)}" if self.device == "cuda" else self.device
@@ -278,18 +282,44 @@ async def _watch(cluster: LocalCluster, stop: asyncio.Event) -> None:
 
 
 async def _watch_children(cluster: LocalCluster, stop: asyncio.Event) -> None:
-    """Wait for a signal; report (but survive) children that exit on their own."""
-    reported: set[str] = set()
+    """Until a signal: report children that exit on their own and, with --restart on-failure,
+    start them again (supervisor.py); cluster.json then lists their new pids."""
+    supervisor = Supervisor(cluster.spec.restart)
     while not stop.is_set():
-        for process in cluster.processes:
-            if not process.is_alive() and process.name not in reported:
-                reported.add(process.name)
-                log.warning("process_exited", name=process.name, pid=process.pid,
-                            returncode=process.popen.returncode, log=str(process.log_path))
-        if not cluster.etcd.is_running and "etcd" not in reported:
-            reported.add("etcd")
-            log.warning("process_exited", name="etcd", pid=cluster.etcd.pid, log=str(cluster.etcd.log_path))
+        children = [*cluster.processes, EtcdChild(cluster.etcd)]
+        if await supervise_step(supervisor, children, time.monotonic()):
+            cluster.write_state()
         await wait_set(stop, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class EtcdChild:
+    """The launcher's etcd as a supervised child: it starts again on its ports and data dir."""
+
+    etcd: LocalEtcd
+    name: str = "etcd"
+
+    @property
+    def log_path(self) -> pathlib.Path:
+        return self.etcd.log_path
+
+    @property
+    def pid(self) -> int | None:
+        return self.etcd.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return None  # LocalEtcd keeps it to itself; its log says why it ended
+
+    def is_alive(self) -> bool:
+        return self.etcd.is_running
+
+    def is_stopping(self) -> bool:
+        return False
+
+    async def restart(self) -> int | None:
+        self.etcd.terminate()  # already exited: this only closes its log
+        return (await self.etcd.start_async()).pid
 
 
 @dataclass(frozen=True, slots=True)

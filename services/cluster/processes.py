@@ -71,6 +71,7 @@ class ServiceProcess:
     dies_with_parent: bool = False
     popen: subprocess.Popen | None = None
     last_probe: str = ""  # what the last gRPC health probe saw: SERVING, another status, or the error
+    stopping: bool = False  # stopped on purpose (stop_all): a supervisor must not start it again
 
     @property
     def pid(self) -> int | None:
@@ -81,6 +82,7 @@ class ServiceProcess:
         return self.log_dir / f"{self.name}.log"
 
     def start(self) -> ServiceProcess:
+        self.stopping = False
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **self.env}
         with open(self.log_path, "ab") as log_file:
@@ -93,6 +95,18 @@ class ServiceProcess:
 
     def is_alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.returncode if self.popen else None
+
+    def is_stopping(self) -> bool:
+        return self.stopping
+
+    async def restart(self) -> int:
+        """Start it again after it exited, with the same command line (port, id); returns the new pid.
+        On the event loop's thread, which lives as long as the child (see `dies_with_parent`)."""
+        return self.start().pid
 
     async def wait_healthy(self, timeout_s: float) -> None:
         """Poll gRPC health (or GET /health for HTTP) until SERVING; raise if the process dies."""
@@ -144,6 +158,9 @@ class ServiceProcess:
 def stop_all(processes: Iterable[ServiceProcess], timeout_s: float = 10.0) -> None:
     """SIGTERM every one at once, then wait for them all; SIGKILL any still running after `timeout_s`.
     They shut down side by side, so this takes as long as the slowest, not the sum."""
+    processes = list(processes)
+    for process in processes:
+        process.stopping = True
     running = [process for process in processes if process.is_alive()]
     for process in running:
         process.signal(signal.SIGTERM)

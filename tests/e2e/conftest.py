@@ -63,9 +63,10 @@ def address_of(cluster: dict, name: str) -> str:
 
 @pytest.fixture(scope="module")
 def two_instance_cluster(tiny_model_dir, tmp_path_factory) -> Iterator[dict]:
-    """2 instances, a leader manager and a standby, on the tiny model."""
+    """2 instances, a leader manager and a standby, on the tiny model. A killed child stays down
+    (`--restart no`), so a killed leader's successor is the standby, not its restarted self."""
     with launched_cluster(tiny_model_dir, tmp_path_factory.mktemp("cluster"), "--instances", "2",
-                          "--managers", "2", "--kv-cache-mib", "16") as cluster:
+                          "--managers", "2", "--kv-cache-mib", "16", "--restart", "no") as cluster:
         yield cluster
 
 

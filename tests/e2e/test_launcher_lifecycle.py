@@ -1,14 +1,21 @@
 """`python -m services.cluster up` never leaves a child behind: a hang-up (closed terminal)
-stops every child gracefully, and a launcher killed outright takes every child with it."""
+stops every child gracefully, and a launcher killed outright takes every child with it.
+A child that dies while the launcher runs starts again."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import pathlib
 import signal
 
+import grpc
+import openai
 import pytest
 
-from tests.e2e.conftest import launched_cluster, wait_for
+from services.common.gen.ferry.v1 import common_pb2, manager_pb2, manager_pb2_grpc
+from tests.e2e.conftest import instances, launched_cluster, model_name, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,3 +43,50 @@ async def test_no_child_outlives_the_launcher(tiny_model_dir, tmp_path, sig):
         finally:  # on failure, end the children this test started
             for pid in filter(is_running, pids):
                 os.kill(pid, signal.SIGKILL)
+
+
+def cluster_pids(state_dir: pathlib.Path) -> dict[str, int]:
+    return {p["name"]: p["pid"] for p in json.loads((state_dir / "cluster.json").read_text())["processes"]}
+
+
+@pytest.mark.timeout(300)
+async def test_children_that_exit_start_again_and_the_cluster_serves_and_migrates(tiny_model_dir, tmp_path, reference):
+    """etcd, the transfer service and an instance SIGKILLed at once all come back (same ports and ids):
+    the instances register again, the transfer service maps both KV caches again, and a request
+    migrates onto the restarted instance with its reference tokens."""
+    state_dir = tmp_path / "state"
+    with launched_cluster(tiny_model_dir, state_dir, "--instances", "2", "--kv-cache-mib", "16") as cluster:
+        before = cluster_pids(state_dir)
+        killed = ["etcd", "transfer-0", "instance-1"]
+        for name in killed:
+            os.kill(before[name], signal.SIGKILL)
+
+        async def all_restarted() -> bool:
+            now = cluster_pids(state_dir)
+            return all(now[name] != before[name] and is_running(now[name]) for name in killed)
+        await wait_for(all_restarted, 60, "etcd, transfer-0 and instance-1 running again")
+        async with grpc.aio.insecure_channel(cluster["admin_address"]) as channel:
+            admin = manager_pb2_grpc.AdminServiceStub(channel)
+
+            async def both_serving() -> bool:
+                infos = await instances(admin)
+                return {"instance-0", "instance-1"} <= set(infos) and all(
+                    i.state == common_pb2.INSTANCE_STATE_SERVING for i in infos.values())
+            await wait_for(both_serving, 60, "both instances registered and serving")
+            # flood: every request to instance-0, the first serving by id
+            await admin.SetPolicy(manager_pb2.Policy(dispatch="flood", migration_enabled=False), timeout=5)
+            client = openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0)
+            prompt, max_tokens = "A request that moves onto a restarted instance", 400
+            completion = asyncio.ensure_future(client.completions.create(
+                model=model_name(cluster), prompt=prompt, max_tokens=max_tokens, temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True}))
+
+            async def running_request() -> str | None:
+                reply = await admin.ListRequests(manager_pb2.AdminListRequestsRequest(), timeout=5)
+                return next((r.request_id for r in reply.requests if r.num_output_tokens >= 4), None)
+            request_id = await wait_for(running_request, 60, "the request decoding on instance-0")
+            moved = await admin.Migrate(manager_pb2.MigrateRequest(request_id=request_id, dst_instance_id="instance-1"),
+                                        timeout=60)
+            assert (moved.src_instance_id, moved.dst_instance_id) == ("instance-0", "instance-1")
+            assert moved.num_blocks > 0
+            assert (await completion).choices[0].model_extra["token_ids"] == reference([prompt], max_tokens)[0]

@@ -1,0 +1,98 @@
+"""Supervisor: which child exits are reported, restarted after a growing delay, or given up."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cluster.supervisor import Action, RestartPolicy, Supervisor, supervise_step
+
+pytestmark = pytest.mark.timeout(10)
+
+POLICY = RestartPolicy(burst=3, window_s=100.0, first_delay_s=1.0, max_delay_s=3.0)
+
+
+def test_a_running_child_is_left_alone():
+    supervisor = Supervisor(POLICY)
+    assert [supervisor.action("a", False, t) for t in range(5)] == [Action.NONE] * 5
+
+
+def test_an_exit_is_reported_then_restarted_after_the_delay():
+    supervisor = Supervisor(POLICY)
+    assert supervisor.action("a", True, 10.0) is Action.REPORT
+    assert supervisor.action("a", True, 10.5) is Action.NONE
+    assert supervisor.action("a", True, 11.0) is Action.RESTART
+
+
+def test_the_delay_doubles_up_to_its_cap_and_the_budget_ends_in_giving_up():
+    supervisor = Supervisor(POLICY)
+    now, delays = 0.0, []
+    for _ in range(POLICY.burst):
+        assert supervisor.action("a", True, now) is Action.REPORT
+        down_at = now
+        while supervisor.action("a", True, now) is not Action.RESTART:
+            now += 0.5
+        delays.append(now - down_at)
+        assert supervisor.action("a", False, now + 0.1) is Action.NONE  # it runs again, then exits again
+    assert delays == [1.0, 2.0, 3.0]
+    assert supervisor.action("a", True, now + 1) is Action.REPORT
+    assert supervisor.action("a", True, now + 50) is Action.GIVE_UP
+    assert supervisor.action("a", True, now + 500) is Action.NONE  # given up for good, said once
+
+
+def test_restarts_older_than_the_window_no_longer_count():
+    supervisor = Supervisor(POLICY)
+    for start in (0.0, 10.0, 20.0):
+        supervisor.action("a", True, start)
+        assert supervisor.action("a", True, start + 5) is Action.RESTART
+    supervisor.action("a", True, 200.0)  # the three restarts are more than window_s ago
+    assert supervisor.action("a", True, 201.0) is Action.RESTART
+
+
+def test_each_child_has_its_own_budget():
+    supervisor = Supervisor(RestartPolicy(burst=1, first_delay_s=0.0))
+    for name in ("a", "b"):
+        supervisor.action(name, True, 0.0)
+        assert supervisor.action(name, True, 0.0) is Action.RESTART
+
+
+def test_restart_no_only_reports():
+    supervisor = Supervisor(RestartPolicy(on_failure=False))
+    assert supervisor.action("a", True, 0.0) is Action.REPORT
+    assert supervisor.action("a", True, 1000.0) is Action.NONE
+
+
+class FakeChild:
+    def __init__(self, name: str, alive: bool = False, stopping: bool = False, fails: bool = False) -> None:
+        self.name, self.alive, self.stopping, self.fails = name, alive, stopping, fails
+        self.pid, self.returncode, self.num_starts = 100, -9, 0
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def is_stopping(self) -> bool:
+        return self.stopping
+
+    async def restart(self) -> int:
+        self.num_starts += 1
+        if self.fails:
+            raise RuntimeError("port in use")
+        self.alive, self.pid = True, self.pid + 1
+        return self.pid
+
+
+async def test_supervise_step_restarts_exited_children_only():
+    supervisor = Supervisor(RestartPolicy(first_delay_s=0.0))
+    exited, running, stopped = FakeChild("exited"), FakeChild("running", alive=True), FakeChild("stopped", stopping=True)
+    children = [exited, running, stopped]
+    assert not await supervise_step(supervisor, children, 0.0)  # first look: reported
+    assert await supervise_step(supervisor, children, 0.0)
+    assert (exited.num_starts, running.num_starts, stopped.num_starts) == (1, 0, 0)
+    assert exited.alive and exited.pid == 101
+
+
+async def test_a_failed_restart_counts_against_the_budget_and_the_launcher_goes_on():
+    supervisor = Supervisor(RestartPolicy(burst=2, first_delay_s=0.0))
+    child = FakeChild("broken", fails=True)
+    for now in range(10):
+        assert not await supervise_step(supervisor, [child], float(now))
+    assert child.num_starts == 2

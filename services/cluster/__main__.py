@@ -28,6 +28,10 @@ from services.common.config import DefaultsHelpFormatter
 from services.common.logging import LogFormat, setup_logging
 
 DEFAULT_MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
+VLLM_NOT_BUILT = ("--engine vllm is not built yet: live migration reads and writes an engine's block tables and KV "
+                  "tensors, which vLLM keeps inside its scheduler and workers, and a resumed seeded request must draw "
+                  "the same tokens, which vLLM's sampling does not promise; use --engine torch (CPU, or --device cuda) "
+                  "or --engine sim (README: 'Status and known gaps')")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,10 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     up.add_argument("--decode-instances", type=int, default=0, help="instances with role 'decode' (PD disaggregation)")
     up.add_argument("--managers", type=int, default=1,
                     help="manager processes: the first becomes leader, the rest wait as standbys")
-    up.add_argument("--engine", default="torch", choices=["torch", "sim"],
+    up.add_argument("--engine", default="torch", choices=["torch", "sim", "vllm"],
                     help="inference engine of every instance: torch runs the model; sim runs the same scheduler, "
                          "KV cache and migration with a latency model instead of the forward pass (no weights, little "
-                         "CPU: many instances on one machine; FERRY_INSTANCE_SIM_* variables set its latency model)")
+                         "CPU: many instances on one machine; FERRY_INSTANCE_SIM_* variables set its latency model); "
+                         "vllm is not built yet and is refused with the reason")
     up.add_argument("--transfer-backend", default="auto", choices=["auto", "grpc", "gloo", "nccl", "shm"],
                     help="how KV blocks move between instances during migration: auto copies directly between "
                          "the instances' shared memory (shm) when one transfer service maps both, as on this one "
@@ -80,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(as systemd's Restart=on-failure); no only reports it")
     _add_security_arguments(up)
     args = parser.parse_args(argv)
+    if args.engine == "vllm":
+        parser.error(VLLM_NOT_BUILT)
     if args.instances is None:
         args.instances = 0 if args.prefill_instances or args.decode_instances else 2
     if args.instances < 0 or args.prefill_instances < 0 or args.decode_instances < 0:

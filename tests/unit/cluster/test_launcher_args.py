@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from services.cluster.__main__ import parse_args
+from services.cluster.__main__ import build_spec, parse_args
 from services.cluster.security import ClusterSecurity
 
 
@@ -103,3 +103,15 @@ def test_a_missing_or_empty_token_file_is_named(files, capsys, tmp_path):
 ])
 def test_unusable_ports_caches_and_threads_are_usage_errors(capsys, argv, words):
     assert words in usage_error(argv, capsys)
+
+
+def test_engine_vllm_is_refused_with_the_reason(capsys):
+    error = usage_error(["--engine", "vllm"], capsys)
+    assert "--engine vllm is not built yet" in error and "--engine torch" in error
+
+
+def test_restart_defaults_to_on_failure_and_no_turns_it_off(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    model = ["--model", str(tmp_path)]
+    assert build_spec(parse_args(["up", *model])).restart.on_failure
+    assert not build_spec(parse_args(["up", *model, "--restart", "no"])).restart.on_failure

@@ -126,16 +126,31 @@ _SERVER_STOPPED = getattr(cygrpc, "_ServerStoppedError", ())
 INTERNAL_MESSAGE = "internal error; the server logged the traceback under this request_id"
 
 
-def error_from_rpc(exc: grpc.aio.AioRpcError) -> FerryError:
-    """Map a failed call back to the `FerryError` the server raised (Internal for other codes)."""
+# Every status a ferry server sends carries this in its trailing metadata: an UNAVAILABLE with it
+# is the server's own answer (a peer of *its* did not answer), one without it is gRPC's (the server
+# itself was not reached, or died mid-call).
+ANSWERED_KEY = "x-ferry-answered"
+
+
+def error_from_rpc(exc: grpc.aio.AioRpcError, peer: str = "") -> FerryError:
+    """Map a failed call back to the `FerryError` the server raised (Internal for other codes).
+    `peer` ("the transfer service at ADDR") names who was called: an UNAVAILABLE then says whether
+    it did not answer or answered that something behind it did not (gRPC's own words say neither)."""
     code = exc.code()
     cls = _ERROR_BY_CODE.get(code, Internal)
     details = exc.details() or code.name
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         details = f"deadline exceeded: {details}"
+    if peer and cls is Unavailable:
+        details = f"{peer} answered: {details}" if was_answered(exc) else f"{peer} did not answer: {details}"
     error = cls(details, request_id_from_metadata(exc.trailing_metadata()) or "")
     error.__cause__ = exc
     return error
+
+
+def was_answered(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a ferry server sent this status (not gRPC on finding no server)."""
+    return any(key == ANSWERED_KEY for key, _ in exc.trailing_metadata() or ())
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -170,9 +185,14 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
         raise exc
     if isinstance(exc, _SERVER_STOPPED):  # reading a request stream while this server shuts down
         log.info("rpc_cut_by_shutdown", method=method)
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another",
+                            trailing_metadata=_ANSWERED)
     if isinstance(exc, FerryError):
         log.info("rpc_failed", method=method, code=exc.grpc_code.name, message=exc.message)
-        await context.abort(exc.grpc_code, exc.message, trailing_metadata=request_metadata(exc.request_id))
+        await context.abort(exc.grpc_code, exc.message,
+                            trailing_metadata=(*request_metadata(exc.request_id), *_ANSWERED))
     log.error("rpc_crashed", method=method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
+    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, trailing_metadata=_ANSWERED)
+
+
+_ANSWERED = ((ANSWERED_KEY, "1"),)

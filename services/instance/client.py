@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from services.common.errors import Unavailable, error_from_rpc
+from services.common.errors import error_from_rpc
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
 from services.common.grpc_server import secure_or_insecure_channel
 from services.common.tls import TlsConfig
@@ -50,12 +50,8 @@ class InstanceClient:
     async def _call(self, method, request, request_id: str | None = None, metadata: Sequence = ()):
         try:
             return await method(request, timeout=self._timeout_s, metadata=request_metadata(request_id) or None)
-        except grpc.aio.AioRpcError as exc:
-            error = error_from_rpc(exc)
-            if isinstance(error, Unavailable):  # gRPC's words ("Socket closed") do not say who
-                error = Unavailable(f"the destination instance at {self._address} did not answer: {error.message}",
-                                    error.request_id)
-            raise error from None
+        except grpc.aio.AioRpcError as exc:  # gRPC's words ("Socket closed") do not say who
+            raise error_from_rpc(exc, peer=f"the destination instance at {self._address}") from None
 
 
 class InstanceClients:

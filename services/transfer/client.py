@@ -31,6 +31,7 @@ class TransferClient:
     def __init__(self, address: str, timeout_s: float = 5.0, piece_bytes: int = DEFAULT_PIECE_BYTES,
                  tls: TlsConfig | None = None) -> None:
         self.address = address
+        self._peer = f"the transfer service at {address}"  # how errors name it
         self._timeout_s = timeout_s
         self.piece_bytes = piece_bytes  # the most data bytes per ReceiveBlocks message (senders chunk by it)
         self._channel = secure_or_insecure_channel(address, tls, BULK_TRANSFER_OPTIONS)
@@ -91,7 +92,7 @@ class TransferClient:
             reply = await self._receive_blocks(_with_header(header, messages), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             if not _is_failed_write(exc):
-                raise error_from_rpc(exc) from None
+                raise error_from_rpc(exc, peer=self._peer) from None
             raise await self._why_the_stream_broke(header) from None
         return reply.num_bytes
 
@@ -124,7 +125,7 @@ class TransferClient:
         try:
             return await method(request, timeout=timeout_s or self._timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+            raise error_from_rpc(exc, peer=self._peer) from None
 
 
 async def _with_header(header: IncomingBlocks, messages: AsyncIterator[bytes]):

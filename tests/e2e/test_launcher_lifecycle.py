@@ -5,6 +5,7 @@ A child that dies while the launcher runs starts again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -14,7 +15,9 @@ import grpc
 import openai
 import pytest
 
+from services.common.errors import Unavailable
 from services.common.gen.ferry.v1 import common_pb2, manager_pb2, manager_pb2_grpc
+from services.transfer.client import TransferClient
 from tests.e2e.conftest import instances, launched_cluster, model_name, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -49,30 +52,49 @@ def cluster_pids(state_dir: pathlib.Path) -> dict[str, int]:
     return {p["name"]: p["pid"] for p in json.loads((state_dir / "cluster.json").read_text())["processes"]}
 
 
+def cluster_addresses(state_dir: pathlib.Path) -> dict[str, str]:
+    return {p["name"]: p["address"] for p in json.loads((state_dir / "cluster.json").read_text())["processes"]}
+
+
+async def kill_and_wait_for_restarts(admin, state_dir: pathlib.Path, names: list[str]) -> None:
+    """SIGKILL `names` at once; return when each runs again under a new pid and both instances serve,
+    the restarted ones under their new pids."""
+    before = cluster_pids(state_dir)
+    for name in names:
+        os.kill(before[name], signal.SIGKILL)
+
+    async def restarted() -> bool:
+        now = cluster_pids(state_dir)
+        return all(now[name] != before[name] and is_running(now[name]) for name in names)
+    await wait_for(restarted, 60, f"{names} running again")
+    now = cluster_pids(state_dir)
+
+    async def both_serving() -> bool:
+        infos = await instances(admin)
+        return {"instance-0", "instance-1"} <= set(infos) and all(
+            i.state == common_pb2.INSTANCE_STATE_SERVING and i.pid == now[i.instance_id] for i in infos.values())
+    await wait_for(both_serving, 60, "both instances registered and serving")
+
+    async def transfer_maps_both() -> bool:  # a restarted transfer service is mapped again within a second
+        async with TransferClient(cluster_addresses(state_dir)["transfer-0"]) as transfer:
+            with contextlib.suppress(Unavailable):
+                return set((await transfer.get_status()).instance_ids) == {"instance-0", "instance-1"}
+        return False
+    await wait_for(transfer_maps_both, 30, "transfer-0 mapping both instances' KV caches")
+
+
 @pytest.mark.timeout(300)
 async def test_children_that_exit_start_again_and_the_cluster_serves_and_migrates(tiny_model_dir, tmp_path, reference):
-    """etcd, the transfer service and an instance SIGKILLed at once all come back (same ports and ids):
-    the instances register again, the transfer service maps both KV caches again, and a request
-    migrates onto the restarted instance with its reference tokens."""
+    """A killed instance comes back (same port and id) and registers again before its old lease ends;
+    then etcd and the transfer service SIGKILLed at once come back too: the instances register again,
+    the transfer service maps both KV caches again, and a request migrates onto the restarted
+    instance with its reference tokens."""
     state_dir = tmp_path / "state"
     with launched_cluster(tiny_model_dir, state_dir, "--instances", "2", "--kv-cache-mib", "16") as cluster:
-        before = cluster_pids(state_dir)
-        killed = ["etcd", "transfer-0", "instance-1"]
-        for name in killed:
-            os.kill(before[name], signal.SIGKILL)
-
-        async def all_restarted() -> bool:
-            now = cluster_pids(state_dir)
-            return all(now[name] != before[name] and is_running(now[name]) for name in killed)
-        await wait_for(all_restarted, 60, "etcd, transfer-0 and instance-1 running again")
         async with grpc.aio.insecure_channel(cluster["admin_address"]) as channel:
             admin = manager_pb2_grpc.AdminServiceStub(channel)
-
-            async def both_serving() -> bool:
-                infos = await instances(admin)
-                return {"instance-0", "instance-1"} <= set(infos) and all(
-                    i.state == common_pb2.INSTANCE_STATE_SERVING for i in infos.values())
-            await wait_for(both_serving, 60, "both instances registered and serving")
+            for killed in (["instance-1"], ["etcd", "transfer-0"]):
+                await kill_and_wait_for_restarts(admin, state_dir, killed)
             # flood: every request to instance-0, the first serving by id
             await admin.SetPolicy(manager_pb2.Policy(dispatch="flood", migration_enabled=False), timeout=5)
             client = openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0)

@@ -41,6 +41,8 @@ class EchoServicer:
             raise errors.Aborted("the destination vanished", request_id="req-picked")
         if request == b"fail:bug":
             raise RuntimeError("secret=hunter2")
+        if request == b"fail:its_peer_down":
+            raise errors.Unavailable("the transfer service at 127.0.0.1:1 did not answer")
 
 
 def add_echo(servicer: EchoServicer, server: grpc.aio.Server) -> None:
@@ -113,6 +115,26 @@ async def test_the_request_an_error_concerns_travels_with_it(echo) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await channel.unary_unary(f"/{SERVICE}/Unary")(body, timeout=5)
         assert errors.error_from_rpc(caught.value).request_id == request_id
+
+
+async def test_an_unavailable_says_whether_the_peer_answered_or_was_not_reached(echo) -> None:
+    """A server that answers UNAVAILABLE (something behind it is down) is not a server that is down."""
+    server, _, channel = echo
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await channel.unary_unary(f"/{SERVICE}/Unary")(b"fail:its_peer_down", timeout=5)
+    answered = errors.error_from_rpc(caught.value, peer="the echo at E")
+    assert isinstance(answered, errors.Unavailable)
+    assert answered.message == "the echo at E answered: the transfer service at 127.0.0.1:1 did not answer"
+
+    port = server.port
+    await server.stop(0)  # nothing listens on the port now
+    async with insecure_channel(f"127.0.0.1:{port}") as gone:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await gone.unary_unary(f"/{SERVICE}/Unary")(b"hi", timeout=5)
+    unanswered = errors.error_from_rpc(caught.value, peer="the echo at E")
+    assert isinstance(unanswered, errors.Unavailable)
+    assert unanswered.message.startswith("the echo at E did not answer: ")
+    assert errors.error_from_rpc(caught.value).message == caught.value.details()  # no peer named: gRPC's words
 
 
 async def test_other_exceptions_become_internal_without_details(echo) -> None:

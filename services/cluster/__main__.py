@@ -79,8 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "freeness in its band (ferryctl policy set --set scaling_low_freeness=... changes it); "
                          "0 = off. Not with --prefill/--decode-instances")
     up.add_argument("--restart", default="on-failure", choices=["on-failure", "no"],
-                    help="what happens to a child (etcd, a manager, transfer service, instance, frontend) that exits on "
-                         "its own: on-failure starts it again with the same port and id, waiting 1 s, then twice as "
+                    help="what happens to a child (etcd, a manager, transfer service, instance, frontend) that fails (exits "
+                         "with a status other than 0; SIGTERM makes a service exit 0): on-failure starts it again "
+                         "with the same port and id, waiting 1 s, then twice as "
                          "long each time (at most 30 s), at most 5 times in 5 minutes, after which it stays down "
                          "(as systemd's Restart=on-failure); no only reports it")
     _add_security_arguments(up)

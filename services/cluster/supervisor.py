@@ -1,8 +1,9 @@
 """Restarting the launcher's children that exit on their own (`up --restart on-failure`, the default).
 
 What systemd's `Restart=on-failure` and compose's `restart: unless-stopped` do in deployment, the
-launcher does on one machine: a child that exits (crashed, OOM-killed, SIGKILLed by hand) starts
-again with the same command line, so on the same port and under the same id. An instance comes back
+launcher does on one machine: a child that fails (crashed, OOM-killed, SIGKILLed by hand: any exit
+status but 0; a service stopped with SIGTERM exits 0 and stays down) starts again with the same
+command line, so on the same port and under the same id. An instance comes back
 empty (its requests were resumed elsewhere when it died) and registers again; a transfer service
 comes back without mappings and every instance maps its KV memory into it again; etcd comes back on
 its data dir.
@@ -72,7 +73,8 @@ class Supervisor:
         self._policy = policy
         self._histories: dict[str, _History] = {}
 
-    def action(self, name: str, is_down: bool, now: float) -> Action:
+    def action(self, name: str, is_down: bool, now: float, failed: bool = True) -> Action:
+        """`failed`: it did not exit cleanly (exit status 0, as after a SIGTERM, is left down)."""
         history = self._histories.setdefault(name, _History())
         if not is_down:
             history.down_since = None
@@ -82,7 +84,7 @@ class Supervisor:
         if history.down_since is None:
             history.down_since = now
             return Action.REPORT
-        if not self._policy.on_failure:
+        if not self._policy.on_failure or not failed:
             return Action.NONE
         history.restarts = [t for t in history.restarts if now - t < self._policy.window_s]
         if len(history.restarts) >= self._policy.burst:
@@ -100,8 +102,10 @@ class Supervisor:
     def num_restarts(self, name: str) -> int:
         return len(self._histories.get(name, _History()).restarts)
 
-    def restarts_what(self) -> str:
-        return "it starts again" if self._policy.on_failure else "it stays down (--restart no)"
+    def restarts_what(self, failed: bool) -> str:
+        if not self._policy.on_failure:
+            return "it stays down (--restart no)"
+        return "it starts again" if failed else "it stays down (it exited cleanly, as after a SIGTERM)"
 
     def give_up_reason(self) -> str:
         return f"it exited {self._policy.burst + 1} times within {self._policy.window_s:g} s; it stays down"
@@ -111,10 +115,11 @@ async def supervise_step(supervisor: Supervisor, children: list[Child], now: flo
     """Look at every child once; True when one was restarted (its pid changed)."""
     restarted = False
     for child in children:
-        action = supervisor.action(child.name, not child.is_alive() and not child.is_stopping(), now)
+        failed = child.returncode != 0  # etcd's is None: unknown counts as failed
+        action = supervisor.action(child.name, not child.is_alive() and not child.is_stopping(), now, failed)
         if action is Action.REPORT:
             log.warning("process_exited", name=child.name, pid=child.pid, returncode=child.returncode,
-                        log=_log_of(child), then=supervisor.restarts_what())
+                        log=_log_of(child), then=supervisor.restarts_what(failed))
         elif action is Action.GIVE_UP:
             log.error("process_given_up", name=child.name, log=_log_of(child), reason=supervisor.give_up_reason())
         elif action is Action.RESTART:

@@ -55,6 +55,12 @@ def test_each_child_has_its_own_budget():
         assert supervisor.action(name, True, 0.0) is Action.RESTART
 
 
+def test_a_clean_exit_is_reported_and_left_down():
+    supervisor = Supervisor(RestartPolicy(first_delay_s=0.0))
+    assert supervisor.action("a", True, 0.0, failed=False) is Action.REPORT
+    assert supervisor.action("a", True, 100.0, failed=False) is Action.NONE
+
+
 def test_restart_no_only_reports():
     supervisor = Supervisor(RestartPolicy(on_failure=False))
     assert supervisor.action("a", True, 0.0) is Action.REPORT
@@ -62,9 +68,10 @@ def test_restart_no_only_reports():
 
 
 class FakeChild:
-    def __init__(self, name: str, alive: bool = False, stopping: bool = False, fails: bool = False) -> None:
+    def __init__(self, name: str, alive: bool = False, stopping: bool = False, fails: bool = False,
+                 returncode: int | None = -9) -> None:
         self.name, self.alive, self.stopping, self.fails = name, alive, stopping, fails
-        self.pid, self.returncode, self.num_starts = 100, -9, 0
+        self.pid, self.returncode, self.num_starts = 100, returncode, 0
 
     def is_alive(self) -> bool:
         return self.alive
@@ -83,10 +90,11 @@ class FakeChild:
 async def test_supervise_step_restarts_exited_children_only():
     supervisor = Supervisor(RestartPolicy(first_delay_s=0.0))
     exited, running, stopped = FakeChild("exited"), FakeChild("running", alive=True), FakeChild("stopped", stopping=True)
-    children = [exited, running, stopped]
+    clean, unknown = FakeChild("clean", returncode=0), FakeChild("etcd", returncode=None)
+    children = [exited, running, stopped, clean, unknown]
     assert not await supervise_step(supervisor, children, 0.0)  # first look: reported
     assert await supervise_step(supervisor, children, 0.0)
-    assert (exited.num_starts, running.num_starts, stopped.num_starts) == (1, 0, 0)
+    assert [c.num_starts for c in children] == [1, 0, 0, 0, 1]
     assert exited.alive and exited.pid == 101
 
 

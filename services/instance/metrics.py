@@ -1,7 +1,7 @@
 """Prometheus metrics of one instance, served on --metrics-port (0 = off).
 
 Everything is read from the runner at scrape time, so the engine thread does no
-metrics work: load and KV figures, requests served, engine steps and step time.
+metrics work: load and KV figures, requests served, engine steps, step time and preemptions.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ class InstanceCollector:
         yield self._family(CounterMetricFamily, "ferry_instance_requests_served", "Requests that finished here",
                            runner.num_requests_served)
         yield self._family(CounterMetricFamily, "ferry_instance_engine_steps", "Engine steps run", runner.num_steps)
+        yield self._family(CounterMetricFamily, "ferry_instance_preemptions",
+                           "Running requests sent back to the queue to free KV blocks (recomputed when readmitted)",
+                           runner.num_preemptions)
         stats = runner.prefix_cache_stats
         yield self._family(CounterMetricFamily, "ferry_instance_prefix_cache_queried_tokens",
                            "Context tokens of admitted requests (the most the prefix cache could serve)",

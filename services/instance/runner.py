@@ -112,6 +112,11 @@ class EngineRunner:
         return len(self._streams)
 
     @property
+    def num_preemptions(self) -> int:
+        """Requests sent back to the queue to free KV blocks since start (an int the engine thread bumps)."""
+        return self._engine.scheduler.num_preemptions
+
+    @property
     def step_running_for_s(self) -> float:
         """How long the engine has been inside its current step (0 between steps)."""
         started = self._step_started_at

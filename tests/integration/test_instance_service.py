@@ -166,6 +166,25 @@ async def test_metrics_endpoint_reports_load(stub, metrics_port):
     assert 'ferry_instance_requests_served_total{instance_id="it-0"}' in text
 
 
+async def scrape(metrics_port: int, name: str) -> float:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as response:
+            text = await response.text()
+    return float(next(line for line in text.splitlines() if line.startswith(name)).split()[-1])
+
+
+async def test_preemptions_are_counted_and_preempted_requests_keep_their_tokens(stub, metrics_port, tiny_model_dir):
+    """Four requests of 100 tokens need 4 x 26 blocks of 4 tokens; the cache has 64, so some wait preempted."""
+    before = await scrape(metrics_port, "ferry_instance_preemptions_total")
+    prompts = [[11 + i, 12, 13, 14] for i in range(4)]
+    runs = await asyncio.gather(*(
+        collect(stub, instance_pb2.GenerateRequest(request_id=f"pre-{i}", prompt_token_ids=p, sampling=greedy(100)))
+        for i, p in enumerate(prompts)))
+    for prompt, chunks in zip(prompts, runs):
+        assert [t for chunk in chunks for t in chunk.token_ids] == reference_tokens(tiny_model_dir, prompt, 100)
+    assert await scrape(metrics_port, "ferry_instance_preemptions_total") > before
+
+
 async def test_a_repeated_prompt_is_served_from_the_prefix_cache_with_the_same_tokens(stub, metrics_port,
                                                                                      tiny_model_dir):
     prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15]  # two full blocks of 4 and one token

@@ -328,6 +328,12 @@ class Serving:
 
     max_model_len: int  # the longest request every instance takes (its KV cache may hold less than the model)
     drained: tuple[str, ...]  # drain marks in etcd, e.g. kept in --state-dir from an earlier run
+    kv_tokens: int = 0  # what the smallest KV cache holds (0: unknown)
+
+    @property
+    def is_kv_bound(self) -> bool:
+        """The KV cache, not the model's own context, is what limits a request."""
+        return 0 < self.kv_tokens <= self.max_model_len
 
 
 SHORT_CONTEXT_TOKENS = 1024  # below this the banner says how to get more
@@ -337,7 +343,14 @@ async def read_serving(cluster: LocalCluster) -> Serving:
     async with cluster.registry() as registry:
         records, marks = await registry.read("instances"), await registry.read(DRAIN_MARKS)
     limits = [r["max_model_len"] for r in records.values() if isinstance(r.get("max_model_len"), int)]
-    return Serving(min(limits, default=0), tuple(sorted(marks)))
+    kv_tokens = [_kv_tokens(r) for r in records.values()]
+    return Serving(min(limits, default=0), tuple(sorted(marks)), min(filter(None, kv_tokens), default=0))
+
+
+def _kv_tokens(record: dict) -> int:
+    kv = record.get("kv") if isinstance(record.get("kv"), dict) else {}
+    num_blocks, block_size = kv.get("num_blocks"), kv.get("block_size")
+    return num_blocks * block_size if isinstance(num_blocks, int) and isinstance(block_size, int) else 0
 
 
 async def print_ready(cluster: LocalCluster) -> None:
@@ -353,13 +366,27 @@ def _serving_lines(cluster: LocalCluster, serving: Serving | None) -> str:
     if serving is None:
         return ""
     lines = f"  context    : {serving.max_model_len} tokens per request (prompt + output)\n"
-    if serving.max_model_len < SHORT_CONTEXT_TOKENS:
-        lines += (f"  warning    : that is all a {cluster.spec.kv_cache_mib} MiB KV cache holds; "
-                  "raise --kv-cache-mib for longer requests\n")
+    if serving.max_model_len < SHORT_CONTEXT_TOKENS and serving.is_kv_bound:
+        lines += f"  warning    : that is all {_kv_cache_size(cluster)} holds; raise {_kv_cache_knob()} for longer requests\n"
+    elif serving.max_model_len < SHORT_CONTEXT_TOKENS:
+        lines += "  note       : that is the model's own context length (its config.json)\n"
     for instance_id in serving.drained:
         lines += (f"  drained    : {instance_id} (its mark is kept in etcd; "
                   f"`{_ctl_command(cluster, 'drain', instance_id, '--undo')}` takes it back)\n")
     return lines
+
+
+def _kv_cache_size(cluster: LocalCluster) -> str:
+    if NUM_BLOCKS_VARIABLE in os.environ:
+        return f"a KV cache of {os.environ[NUM_BLOCKS_VARIABLE]} blocks ({NUM_BLOCKS_VARIABLE})"
+    return f"a {cluster.spec.kv_cache_mib} MiB KV cache"
+
+
+def _kv_cache_knob() -> str:
+    return NUM_BLOCKS_VARIABLE if NUM_BLOCKS_VARIABLE in os.environ else "--kv-cache-mib"
+
+
+NUM_BLOCKS_VARIABLE = "FERRY_INSTANCE_NUM_BLOCKS"  # the instances' --num-blocks, which overrides --kv-cache-mib
 
 
 def ready_banner(cluster: LocalCluster, serving: Serving | None = None) -> str:

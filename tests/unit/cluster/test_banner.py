@@ -1,0 +1,44 @@
+"""The ready banner's context line: what limits a request, and which knob raises it."""
+
+from __future__ import annotations
+
+import pathlib
+import types
+
+import pytest
+
+from services.cluster.launcher import NUM_BLOCKS_VARIABLE, ClusterSpec, LocalCluster, Serving, ready_banner
+
+
+def banner(tmp_path, serving: Serving) -> str:
+    spec = ClusterSpec(model_dir=pathlib.Path("/models/tiny"), roles=("both",), num_managers=1, engine="torch",
+                       transfer_backend="grpc", http_port=8000, admin_port=50051, state_dir=tmp_path, cluster="ferry",
+                       threads_per_instance=1, kv_cache_mib=16, log_format="console")
+    cluster = LocalCluster(spec)
+    cluster.etcd = types.SimpleNamespace(endpoint="127.0.0.1:2379")
+    return ready_banner(cluster, serving)
+
+
+def test_a_small_kv_cache_names_its_size_and_flag(tmp_path, monkeypatch):
+    monkeypatch.delenv(NUM_BLOCKS_VARIABLE, raising=False)
+    text = banner(tmp_path, Serving(640, (), kv_tokens=640))
+    assert "640 tokens per request" in text
+    assert "that is all a 16 MiB KV cache holds; raise --kv-cache-mib" in text
+
+
+def test_a_block_count_from_the_environment_is_named_instead(tmp_path, monkeypatch):
+    monkeypatch.setenv(NUM_BLOCKS_VARIABLE, "40")
+    text = banner(tmp_path, Serving(640, (), kv_tokens=640))
+    assert f"a KV cache of 40 blocks ({NUM_BLOCKS_VARIABLE}) holds; raise {NUM_BLOCKS_VARIABLE}" in text
+
+
+@pytest.mark.parametrize("kv_tokens", [100_000, 0])
+def test_a_short_model_context_is_not_blamed_on_the_kv_cache(tmp_path, kv_tokens):
+    text = banner(tmp_path, Serving(512, (), kv_tokens=kv_tokens))
+    assert "512 tokens per request" in text and "the model's own context length" in text
+    assert "--kv-cache-mib" not in text
+
+
+def test_a_long_context_needs_no_remark(tmp_path):
+    text = banner(tmp_path, Serving(8192, (), kv_tokens=8192))
+    assert "warning" not in text and "note" not in text

@@ -112,7 +112,7 @@ class Supervisor:
 
 
 async def supervise_step(supervisor: Supervisor, children: list[Child], now: float) -> bool:
-    """Look at every child once; True when one was restarted (its pid changed)."""
+    """Look at every child once; True when one was started again (its pid changed, even if it then failed)."""
     restarted = False
     for child in children:
         failed = child.returncode != 0  # etcd's is None: unknown counts as failed
@@ -123,18 +123,18 @@ async def supervise_step(supervisor: Supervisor, children: list[Child], now: flo
         elif action is Action.GIVE_UP:
             log.error("process_given_up", name=child.name, log=_log_of(child), reason=supervisor.give_up_reason())
         elif action is Action.RESTART:
-            restarted = await _restart(child, supervisor.num_restarts(child.name)) or restarted
+            await _restart(child, supervisor.num_restarts(child.name))
+            restarted = True
     return restarted
 
 
-async def _restart(child: Child, attempt: int) -> bool:
+async def _restart(child: Child, attempt: int) -> None:
     try:
         pid = await child.restart()
     except Exception as exc:  # noqa: BLE001 — it counts as a restart; the next look may try again
         log.warning("process_restart_failed", name=child.name, attempt=attempt, error=str(exc) or type(exc).__name__)
-        return False
+        return
     log.warning("process_restarted", name=child.name, pid=pid, attempt=attempt)
-    return True
 
 
 def _log_of(child: Child) -> str:

@@ -1,8 +1,8 @@
 """Wiring of one frontend process: model files, etcd views, dispatcher, clients, HTTP server.
 
 Shutdown order (STYLE.md): stop accepting (/health 503, new requests 503) → revoke the
-etcd lease → stop the HTTP server, giving running requests --shutdown-grace-s → close
-the gRPC channels.
+etcd lease → give running requests --shutdown-grace-s, then end those left with an error a
+client can read (in_flight.py) → stop the HTTP server → close the gRPC channels.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ from services.frontend.server import FrontendServer
 log = structlog.get_logger(__name__)
 
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+# After the grace every request has ended or been cut; its handler only writes its last bytes.
+# (aiohttp waits this long for handlers, then as long again after cancelling them.)
+HANDLERS_EXIT_S = 1.0
 
 
 async def main(config: FrontendConfig) -> None:
@@ -77,7 +80,7 @@ async def watch_cluster(config: FrontendConfig, registry: Registry | None) -> tu
 
 async def serve(config: FrontendConfig, server: FrontendServer, registry: Registry | None) -> None:
     http = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
-                         shutdown_timeout=config.shutdown_grace_s, keepalive_timeout=config.keepalive_timeout_s)
+                         shutdown_timeout=HANDLERS_EXIT_S, keepalive_timeout=config.keepalive_timeout_s)
     await http.setup()
     site = web.TCPSite(http, config.host, config.port)
     try:
@@ -100,7 +103,8 @@ async def serve(config: FrontendConfig, server: FrontendServer, registry: Regist
     server.is_accepting = False
     if registry is not None:
         await registry.close()  # revokes the lease: our frontends/<id> key goes with it
-    await http.cleanup()
+    await server.in_flight.finish_or_cut(config.shutdown_grace_s)
+    await http.cleanup()  # every handler has ended or is writing its last bytes
     log.info("frontend_stopped", frontend_id=frontend_id)
 
 

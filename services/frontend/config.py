@@ -49,7 +49,7 @@ class FrontendConfig(EtcdKnobs, ClientTlsKnobs, LogKnobs):
                                     "new token between them; past it the request is resumed elsewhere (any number "
                                     "of hand-offs with progress between them is followed)")
     failed_instance_cooldown_s: float = knob(5.0, "seconds the local fallback skips an instance whose stream just failed")
-    shutdown_grace_s: float = knob(5.0, "seconds running requests get to finish on SIGTERM")
+    shutdown_grace_s: float = knob(5.0, "seconds running requests get to finish on SIGTERM; those still running then end with an SSE error event (streams) or a 503")
 
     def __post_init__(self) -> None:
         self.tls.check()

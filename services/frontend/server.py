@@ -28,6 +28,7 @@ from services.common.prefix_hash import MAX_PREFIX_CHUNKS, prefix_chunk_keys
 from services.frontend.cors import CorsPolicy, Handler
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import GenerateSpec, RequestId
+from services.frontend.in_flight import InFlight
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.openai_protocol import (Endpoint, ModelNotFound, ParsedRequest, error_body, error_body_for,
                                                parse_chat_request, parse_completion_request, parse_json_body,
@@ -73,6 +74,7 @@ class FrontendServer:
         self._cors = CorsPolicy(allowed_origins)
         self._openapi_args = (model.name, max_body_bytes, bool(api_keys))
         self._num_inflight = 0
+        self.in_flight = InFlight()  # what a SIGTERM lets finish, then cuts (in_flight.py)
         self._started_at = int(time.time())
         self.is_accepting = True  # False while shutting down: /health and new requests answer 503
 
@@ -165,9 +167,10 @@ class FrontendServer:
                      for c in choices]
             try:
                 streams = [self._timed(c.state.deltas(), arrived_at) for c in choices]
-                if parsed.stream:
-                    return await self._stream(request, parsed, request_id, choices, streams)
-                return await self._complete(request_id, choices, streams)
+                with self.in_flight.serving([c.state for c in choices], tasks):
+                    if parsed.stream:
+                        return await self._stream(request, parsed, request_id, choices, streams)
+                    return await self._complete(request_id, choices, streams)
             except asyncio.CancelledError:  # the client went away (handler_cancellation)
                 log.info("client_disconnected", request_id=request_id,
                          num_output_tokens=sum(c.state.num_output_tokens for c in choices))

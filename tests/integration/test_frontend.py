@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import uuid
 
 import aiohttp
@@ -555,7 +556,7 @@ def slow_cluster(etcd, tiny_model_dir, tmp_path_factory):
         asyncio.run(instance.wait_healthy(90))
         frontend = start_frontend("frontend-slow", etcd, tiny_model_dir, name, log_dir)
         asyncio.run(frontend.wait_healthy(60))
-        yield instance, frontend
+        yield instance, frontend, name
     finally:
         if frontend is not None:
             frontend.stop()
@@ -563,7 +564,7 @@ def slow_cluster(etcd, tiny_model_dir, tmp_path_factory):
 
 
 async def test_client_disconnect_aborts_the_request_on_the_instance(slow_cluster):
-    instance, frontend = slow_cluster
+    instance, frontend, _ = slow_cluster
     async with grpc.aio.insecure_channel(instance.address) as channel, aiohttp.ClientSession(
             base_url=frontend.address, timeout=aiohttp.ClientTimeout(total=60)) as http:
         instance_stub = instance_pb2_grpc.InstanceServiceStub(channel)
@@ -583,6 +584,54 @@ async def test_client_disconnect_aborts_the_request_on_the_instance(slow_cluster
                 break
             await asyncio.sleep(0.1)
         assert (free, active) == (baseline, 0)
+
+
+async def read_sse(response: aiohttp.ClientResponse) -> list[str]:
+    return [line.decode().strip() async for line in response.content if line.strip()]
+
+
+@pytest.mark.timeout(60)
+async def test_sigterm_lets_short_requests_finish_and_ends_long_ones_with_an_error_clients_can_read(
+        slow_cluster, etcd, tiny_model_dir, tmp_path):
+    instance, _, name = slow_cluster
+    grace_s = 1.5
+    frontend = start_frontend("frontend-sigterm", etcd, tiny_model_dir, name, tmp_path, "--shutdown-grace-s", str(grace_s))
+    try:
+        await frontend.wait_healthy(60)
+        async with grpc.aio.insecure_channel(instance.address) as channel, aiohttp.ClientSession(
+                base_url=frontend.address, timeout=aiohttp.ClientTimeout(total=30)) as http:
+            instance_stub = instance_pb2_grpc.InstanceServiceStub(channel)
+            baseline, _ = await free_blocks(instance_stub)
+            long = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 200, "ignore_eos": True}  # 10 s at 50 ms a step
+            streaming = await http.post(COMPLETIONS, json={**long, "stream": True})
+            await streaming.content.readline()  # it runs
+            waiting = asyncio.ensure_future(http.post(COMPLETIONS, json=long))
+            short = asyncio.ensure_future(http.post(COMPLETIONS, json={**long, "max_tokens": 5}))  # 0.25 s
+            await asyncio.sleep(0.2)
+            sent_at = asyncio.get_running_loop().time()
+            frontend.signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            async with http.post(COMPLETIONS, json=long) as refused:  # during the grace: refused, not queued
+                assert refused.status == 503 and "shutting down" in (await refused.json())["error"]["message"]
+
+            events = await read_sse(streaming)
+            error = json.loads(events[-2].removeprefix("data: "))["error"]
+            assert error["type"] == "server_error" and "shutting down" in error["message"], error
+            assert events[-1] == "data: [DONE]" and len(events) > 3  # tokens came before the error
+            async with await waiting as cut:
+                assert cut.status == 503 and "--shutdown-grace-s" in (await cut.json())["error"]["message"]
+            async with await short as finished:
+                assert finished.status == 200 and (await finished.json())["choices"][0]["finish_reason"] == "length"
+            assert await asyncio.to_thread(frontend.popen.wait, 10) == 0
+            assert asyncio.get_running_loop().time() - sent_at < grace_s + 3  # not killed after twice its grace
+            for _ in range(50):  # the cut requests were aborted on the instance
+                free, active = await free_blocks(instance_stub)
+                if (free, active) == (baseline, 0):
+                    break
+                await asyncio.sleep(0.1)
+            assert (free, active) == (baseline, 0)
+    finally:
+        frontend.stop()
 
 
 # ---- limits and an empty cluster --------------------------------------------------------------

@@ -91,6 +91,18 @@ class LocalCluster:
         self.etcd: LocalEtcd | None = None
         self.processes: list[ServiceProcess] = []
         self._next_instance_index = len(spec.roles)  # ids of instances added by scaling are never reused
+        self.supervisor = Supervisor(spec.restart)  # restarts children that fail (supervisor.py)
+
+    @property
+    def max_instances(self) -> int:
+        return self.spec.autoscale_max_instances or len(self.spec.roles)
+
+    def will_run(self, process: ServiceProcess) -> bool:
+        """Alive, or exited on failure and about to be started again by the supervisor."""
+        if process.is_alive():
+            return True
+        return (self.spec.restart.on_failure and not process.is_stopping() and process.returncode != 0
+                and not self.supervisor.has_given_up(process.name))
 
     @property
     def frontend_url(self) -> str:
@@ -284,10 +296,9 @@ async def _watch(cluster: LocalCluster, stop: asyncio.Event) -> None:
 async def _watch_children(cluster: LocalCluster, stop: asyncio.Event) -> None:
     """Until a signal: report children that exit on their own and, with --restart on-failure,
     start them again (supervisor.py); cluster.json then lists their new pids."""
-    supervisor = Supervisor(cluster.spec.restart)
     while not stop.is_set():
         children = [*cluster.processes, EtcdChild(cluster.etcd)]
-        if await supervise_step(supervisor, children, time.monotonic()):
+        if await supervise_step(cluster.supervisor, children, time.monotonic()):
             cluster.write_state()
         await wait_set(stop, 1.0)
 

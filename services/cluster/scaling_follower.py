@@ -10,8 +10,11 @@ prefill/decode roles follow it, as only they scale.
 
 At startup the launcher overwrites the target with what it starts (no manager id), so an
 old target kept in a --state-dir is not acted on; until a leader writes one, nothing is
-followed, and an instance that crashes is reported, not replaced. Once scaling is active,
-keeping `num_instances` serving also replaces an instance that died.
+followed. An instance that crashed counts as running while the launcher is about to start it
+again (supervisor.py), so scaling does not also replace it; one the launcher gave up on (or,
+with --restart no, any that died) is replaced by a new instance once scaling is active. The
+launcher never runs more than --autoscale-max-instances, even when a policy stored in a kept
+--state-dir lets the leader ask for more.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ FAILURE_DELAY_S = 10.0
 
 class ScalableCluster(Protocol):
     processes: list[ServiceProcess]
+    max_instances: int  # --autoscale-max-instances: never more, whatever the target says
+
+    def will_run(self, process: ServiceProcess) -> bool: ...  # alive, or exited and about to start again
 
     async def add_instance(self) -> ServiceProcess: ...
     def write_state(self) -> Any: ...
@@ -56,24 +62,29 @@ class FollowPlan:
     should_add: bool  # fewer than num_instances serve (running and not retiring)
 
 
-def plan(target: ScalingTarget | None, running: Sequence[str]) -> FollowPlan | None:
+def plan(target: ScalingTarget | None, running: Sequence[str], max_instances: int) -> FollowPlan | None:
     """What the target asks of a launcher whose instances `running` run now; None: nothing to follow
-    (no target, or the launcher's own from startup: until a leader decides)."""
+    (no target, or the launcher's own from startup: until a leader decides). It never asks for more
+    than `max_instances` running, even when a policy stored earlier lets the leader want more."""
     if target is None or not target.is_decided:
         return None
     retiring = set(target.stoppable) | set(target.draining)
     serving = [name for name in running if name not in retiring]
     return FollowPlan(tuple(name for name in running if name in target.stoppable),
-                      len(serving) < target.num_instances)
+                      len(serving) < target.num_instances and len(running) < max_instances)
 
 
 async def follow_step(cluster: ScalableCluster, registry: Registry) -> None:
-    running = {p.name: p for p in instance_processes(cluster) if p.is_alive()}
-    step = plan(ScalingTarget.from_json(await registry.get_json(SCALING_TARGET_KEY)), list(running))
+    running = {p.name: p for p in instance_processes(cluster) if cluster.will_run(p)}
+    target = ScalingTarget.from_json(await registry.get_json(SCALING_TARGET_KEY))
+    step = plan(target, list(running), cluster.max_instances)
     if step is None:
         return
+    if target.num_instances > cluster.max_instances and not step.should_add:
+        log.debug("scaling_target_capped", target=target.num_instances, max_instances=cluster.max_instances)
     for name in step.to_stop:
         process = running[name]
+        process.stopping = True  # before the watcher can see it exit and start it again
         await asyncio.to_thread(process.stop)
         cluster.processes.remove(process)
         cluster.write_state()

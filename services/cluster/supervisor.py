@@ -99,6 +99,9 @@ class Supervisor:
     def delay_s(self, num_recent_restarts: int) -> float:
         return min(self._policy.first_delay_s * 2 ** num_recent_restarts, self._policy.max_delay_s)
 
+    def has_given_up(self, name: str) -> bool:
+        return name in self._histories and self._histories[name].given_up
+
     def num_restarts(self, name: str) -> int:
         return len(self._histories.get(name, _History()).restarts)
 

@@ -13,6 +13,8 @@ class FakeProcess:
     module: str = "instance"
     alive: bool = True
     pid: int = 1
+    stopping: bool = False
+    coming_back: bool = False  # exited, and the supervisor is about to start it again
 
     def is_alive(self) -> bool:
         return self.alive
@@ -22,10 +24,14 @@ class FakeProcess:
 
 
 class FakeCluster:
-    def __init__(self, *names: str) -> None:
+    def __init__(self, *names: str, max_instances: int = 10) -> None:
         self.processes = [FakeProcess("manager-0", module="manager"), *(FakeProcess(n) for n in names)]
         self.added: list[str] = []
         self.num_writes = 0
+        self.max_instances = max_instances
+
+    def will_run(self, process: FakeProcess) -> bool:
+        return process.alive or process.coming_back
 
     async def add_instance(self) -> FakeProcess:
         process = FakeProcess(f"instance-{len(self.processes) + len(self.added)}")
@@ -73,4 +79,19 @@ async def test_follows_nothing_until_a_leader_decided_and_then_replaces_a_dead_i
     await follow_step(cluster, FakeRegistry(None))
     assert cluster.added == []
     await follow_step(cluster, FakeRegistry(target(2)))
+    assert len(cluster.added) == 1
+
+
+async def test_an_instance_the_supervisor_restarts_is_not_also_replaced() -> None:
+    cluster = FakeCluster("instance-0", "instance-1")
+    cluster.processes[2].alive, cluster.processes[2].coming_back = False, True
+    await follow_step(cluster, FakeRegistry(target(2)))
+    assert cluster.added == []
+
+
+async def test_never_more_than_max_instances_whatever_the_target() -> None:
+    """A policy stored in a kept --state-dir may let the leader want more than --autoscale-max-instances."""
+    cluster = FakeCluster("instance-0", max_instances=2)
+    for _ in range(4):
+        await follow_step(cluster, FakeRegistry(target(3)))
     assert len(cluster.added) == 1

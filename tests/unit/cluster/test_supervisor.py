@@ -103,3 +103,26 @@ async def test_a_failed_restart_counts_against_the_budget_and_the_launcher_goes_
     child = FakeChild("broken", fails=True)
     tried = [await supervise_step(supervisor, [child], float(now)) for now in range(10)]
     assert child.num_starts == 2 and tried.count(True) == 2
+
+
+def test_the_launcher_counts_a_failed_child_as_running_until_the_supervisor_gives_up(tmp_path):
+    import pathlib
+
+    from services.cluster.launcher import ClusterSpec, LocalCluster
+
+    def cluster(on_failure: bool) -> LocalCluster:
+        return LocalCluster(ClusterSpec(
+            model_dir=pathlib.Path("/m"), roles=("both",), num_managers=1, engine="sim", transfer_backend="grpc",
+            http_port=8000, admin_port=50051, state_dir=tmp_path, cluster="ferry", threads_per_instance=1,
+            kv_cache_mib=16, log_format="console", restart=RestartPolicy(on_failure=on_failure, burst=1)))
+
+    def child(alive: bool = False, returncode: int | None = -9) -> FakeChild:
+        return FakeChild("instance-0", alive=alive, returncode=returncode)
+
+    restarting = cluster(on_failure=True)
+    assert restarting.will_run(child(alive=True)) and restarting.will_run(child())
+    assert not restarting.will_run(child(returncode=0))
+    for now in (0.0, 10.0, 20.0, 30.0):  # exits, restarts once (burst=1), exits, is given up
+        restarting.supervisor.action("instance-0", True, now)
+    assert restarting.supervisor.has_given_up("instance-0") and not restarting.will_run(child())
+    assert not cluster(on_failure=False).will_run(child())

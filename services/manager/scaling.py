@@ -44,6 +44,8 @@ from services.manager.leadership import Leadership
 log = structlog.get_logger(__name__)
 
 ADD_TIMEOUT_S = 300.0  # an asked-for instance that has not registered by then is asked for again
+# A stoppable instance still there after this long is one no launcher follows: Undrain may keep it.
+UNFOLLOWED_RETIREMENT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,7 @@ class Scaler:
         self._adding: tuple[int, float] | None = None  # (members expected, give up at) after an ADD
         self._target: ScalingTarget | None = None  # what we last wrote, while instances retire
         self._has_read_target = False  # on becoming leader, pick up the retirements a predecessor started
+        self._stoppable_since: dict[InstanceId, float] = {}  # when we saw each retiring instance drained
 
     def set_settings(self, settings: ScalingSettings) -> None:
         self.settings = settings
@@ -190,6 +193,7 @@ class Scaler:
         for instance_id in [i for i in target.draining if present[i].is_drained]:
             target.draining.remove(instance_id)
             target.stoppable.append(instance_id)
+            self._stoppable_since[instance_id] = self._clock()
             log.info("scaling_instance_stoppable", instance_id=instance_id)
         if (target.draining, target.stoppable) != before:
             await self._write(target)
@@ -212,14 +216,23 @@ class Scaler:
 
     async def call_off(self, instance_id: InstanceId) -> None:
         """An operator's Undrain: a retirement of `instance_id` still draining is called off (the
-        instance stays); FailedPrecondition once it is stoppable (its launcher may be stopping it)."""
+        instance stays). Once it is stoppable its launcher may be stopping it: FailedPrecondition,
+        unless it has been stoppable for UNFOLLOWED_RETIREMENT_S, longer than any launcher following
+        the target takes (every second), so none follows (scaling turned on by a policy alone)."""
         target = self._target
         if not self._leadership.is_leader or target is None:
             return
         if instance_id in target.stoppable:
-            raise FailedPrecondition(f"instance {instance_id} is retired by scaling and may be stopping now; "
-                                     "start a new instance instead")
-        if instance_id in target.draining:
+            stoppable_for_s = self._clock() - self._stoppable_since.setdefault(instance_id, self._clock())
+            if stoppable_for_s < UNFOLLOWED_RETIREMENT_S:
+                raise FailedPrecondition(
+                    f"instance {instance_id} is retired by scaling and may be stopping now; start a new instance "
+                    f"instead (if no launcher follows the scaling target, Undrain works "
+                    f"{UNFOLLOWED_RETIREMENT_S - stoppable_for_s:.0f} s from now)")
+            await self._call_off(target, [instance_id], f"retirement of {instance_id} called off by Undrain "
+                                                         f"(no launcher stopped it in {stoppable_for_s:.0f} s)")
+            await self._write(target)
+        elif instance_id in target.draining:
             await self._call_off(target, [instance_id], f"retirement of {instance_id} called off by Undrain")
             await self._write(target)
 
@@ -228,7 +241,10 @@ class Scaler:
         for instance_id in instance_ids:
             await self._store.delete_drain(instance_id)
             self._view.unmark_drained(instance_id)
-            target.draining.remove(instance_id)
+            for retiring in (target.draining, target.stoppable):
+                if instance_id in retiring:
+                    retiring.remove(instance_id)
+            self._stoppable_since.pop(instance_id, None)
             target.num_instances += 1
             metrics.SCALING_ACTIONS.labels("cancel_retire").inc()
             log.info("scaling_retirement_cancelled", instance_id=instance_id, reason=reason)

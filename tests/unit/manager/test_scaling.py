@@ -7,7 +7,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.scaling_target import ScalingTarget
 from services.manager.domain import InstanceId, InstanceState, Role
 from services.manager.leadership import Leadership
-from services.manager.scaling import ScalingAction, Scaler, ScalingSettings, decide
+from services.manager.scaling import UNFOLLOWED_RETIREMENT_S, ScalingAction, Scaler, ScalingSettings, decide
 from tests.unit.manager.factories import FakeClock, make_load, make_record, make_view
 
 pytestmark = pytest.mark.timeout(10)
@@ -182,6 +182,24 @@ async def test_undrain_calls_off_a_retirement_still_draining_but_not_a_stoppable
     await scaler.tick()  # empty: stoppable
     with pytest.raises(FailedPrecondition, match="may be stopping now"):
         await scaler.call_off(InstanceId("i-2"))
+
+
+async def test_undrain_keeps_a_stoppable_instance_no_launcher_stopped_in_time() -> None:
+    """Scaling turned on by a policy alone retires an instance nothing stops: it must not stay drained for good."""
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", "i-2", clock=clock, num_free_blocks=1000)
+    store = FakeStore()
+    scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=0, clock=clock)
+    assert (await scaler.tick()).instance_id == "i-2"
+    await scaler.tick()  # empty: stoppable
+    assert store.target.stoppable == ["i-2"]
+    clock.advance(UNFOLLOWED_RETIREMENT_S - 1)
+    with pytest.raises(FailedPrecondition, match="Undrain works 1 s from now"):
+        await scaler.call_off(InstanceId("i-2"))
+    clock.advance(1)
+    await scaler.call_off(InstanceId("i-2"))
+    assert (store.target.num_instances, store.target.stoppable, store.drained) == (3, [], set())
+    assert "no launcher stopped it" in store.target.reason
 
 
 async def test_a_new_leader_follows_the_retirement_its_predecessor_started() -> None:

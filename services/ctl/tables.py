@@ -74,6 +74,9 @@ def status_table(status: ClusterStatus) -> str:
 
 
 def drain_line(result: DrainResult) -> str:
+    if result.state == "unspecified":  # Undrain of an instance that is not registered: only its mark went
+        return (f"instance {result.instance_id} is not registered; its drain mark is removed, so it takes "
+                "requests when it comes back under this id")
     if result.state == "serving":
         return f"instance {result.instance_id} is serving: new requests reach it again"
     if result.is_drained:

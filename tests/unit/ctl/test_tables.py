@@ -46,6 +46,9 @@ def test_status_table_and_drain_line():
     assert drain_line(DrainResult("instance-1", "draining", False, 3)) == (
         "instance instance-1 is draining: no new requests go to it; 3 requests still on it")
     assert drain_line(DrainResult("instance-1", "draining", True, 0)).endswith("and nothing runs there")
+    assert drain_line(DrainResult("instance-9", "unspecified", False, 0)) == (
+        "instance instance-9 is not registered; its drain mark is removed, so it takes requests when it comes "
+        "back under this id")
 
 
 def test_policy_and_migrations_tables():

@@ -171,7 +171,8 @@ class LocalCluster:
 
     def state(self) -> dict:
         processes = [{"name": "etcd", "pid": self.etcd.pid, "address": self.etcd.endpoint}]
-        processes += [{"name": p.name, "pid": p.pid, "address": p.address} for p in self.processes]
+        processes += [{"name": p.name, "pid": p.pid, "address": p.address, "metrics_url": p.metrics_url}
+                      for p in self.processes]
         return {"frontend_url": self.frontend_url, "admin_address": self.admin_address,
                 "etcd_endpoint": self.etcd.endpoint, "cluster": self.spec.cluster,
                 "model": str(self.spec.model_dir), **self.spec.security.state(), "processes": processes}
@@ -195,10 +196,13 @@ class LocalCluster:
                 "--log-format", self.spec.log_format]
 
     def _grpc_service(self, name: str, module: str, args: list[str], port: int) -> ServiceProcess:
-        """A child with a gRPC server; its health probe dials TLS (with our certificate) when TLS is on."""
+        """A child with a gRPC server and a Prometheus /metrics port; its health probe dials TLS
+        (with our certificate) when TLS is on."""
         security = self.spec.security
-        return ServiceProcess(name, module, args, f"127.0.0.1:{port}", self.state_dir / "logs",
-                              tls=security.tls_config() if security.is_tls else None, dies_with_parent=True)
+        metrics_port = free_port()
+        return ServiceProcess(name, module, [*args, "--metrics-port", str(metrics_port)], f"127.0.0.1:{port}",
+                              self.state_dir / "logs", tls=security.tls_config() if security.is_tls else None,
+                              dies_with_parent=True, metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
 
     def _manager(self, index: int) -> ServiceProcess:
         port = self.spec.admin_port if index == 0 else free_port()
@@ -237,7 +241,7 @@ class LocalCluster:
         args = ["--model", str(self.spec.model_dir), "--port", str(self.spec.http_port), *self._common_args(),
                 *self.spec.security.client_args()]  # its OpenAI API stays plain HTTP; its gRPC channels use TLS
         return ServiceProcess("frontend-0", "frontend", args, self.frontend_url, self.state_dir / "logs",
-                              dies_with_parent=True)
+                              dies_with_parent=True, metrics_url=f"{self.frontend_url}/metrics")
 
 
 def gpu_index(index: int) -> int:
@@ -415,7 +419,7 @@ ferry cluster is up ({len(cluster.spec.roles)} instances, model {model})
   admin gRPC : {address}   ({grpcurl} {address} list)
   security   : {_security_line(security)}
   etcd       : {cluster.etcd.endpoint}   (plaintext, loopback only)
-  state file : {cluster.state_dir / 'cluster.json'}
+  state file : {cluster.state_dir / 'cluster.json'}   (every process with its pid, address and metrics_url)
   logs       : {cluster.state_dir / 'logs'}
 {_serving_lines(cluster, serving)}
 try:

@@ -72,6 +72,7 @@ class ServiceProcess:
     popen: subprocess.Popen | None = None
     last_probe: str = ""  # what the last gRPC health probe saw: SERVING, another status, or the error
     stopping: bool = False  # stopped on purpose (stop_all): a supervisor must not start it again
+    metrics_url: str = ""  # its Prometheus /metrics, where it serves one
 
     @property
     def pid(self) -> int | None:

@@ -68,7 +68,7 @@ async def main(config: ManagerConfig) -> None:
                           tls=config.tls, admin_token=admin_token, journal=journal)
     await server.start(servicers(ManagerServicer(dispatcher, view, leadership, migrator), admin))
     if config.metrics_port:
-        serve_metrics(config.metrics_port, view, leadership)
+        serve_metrics(config.metrics_port, config.host, view, leadership)
     stop = stop_event()
     try:
         members = await registry.watch("instances", resync_interval_s=config.resync_interval_s)

@@ -44,13 +44,14 @@ PD_ROLE_MISSING = Gauge("ferry_manager_pd_role_missing", "1 while no instance of
 MIGRATIONS_IN_FLIGHT = Gauge("ferry_manager_migrations_in_flight", "MigrateOut calls not answered yet")
 
 
-def serve_metrics(port: int, view: ClusterView, leadership: Leadership) -> None:
-    """Start the /metrics HTTP server (a daemon thread); gauges read the view when scraped."""
+def serve_metrics(port: int, host: str, view: ClusterView, leadership: Leadership) -> None:
+    """Start the /metrics HTTP server on `host` (--host, as the gRPC server; a daemon thread);
+    gauges read the view when scraped."""
     IS_LEADER.set_function(lambda: float(leadership.is_leader))
     for state in InstanceState:
         INSTANCES.labels(state.value).set_function(lambda state=state: float(_count(view, state)))
     REGISTRY.register(InstanceLoadCollector(view))
-    start_metrics_server(port)
+    start_metrics_server(port, host)
 
 
 def watch_membership_staleness(members: MembershipView) -> None:

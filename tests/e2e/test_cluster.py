@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 
+import aiohttp
 import grpc
 import openai
 import pytest
@@ -81,6 +82,19 @@ async def test_concurrent_requests_spread_over_both_instances(client, cluster):
     after = {i.instance_id: i.num_dispatched for i in await list_instances(cluster["admin_address"])}
     shares = {instance_id: after[instance_id] - before.get(instance_id, 0) for instance_id in after}
     assert len(shares) == 2 and all(share >= 4 for share in shares.values()), shares
+
+
+async def test_every_process_serves_the_metrics_cluster_json_names(client, cluster):
+    await client.completions.create(model=model_name(cluster), prompt="count me", max_tokens=4)
+    prefixes = {"manager": "ferry_manager_", "transfer": "ferry_transfer_", "instance": "ferry_instance_",
+                "frontend": "ferry_frontend_"}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+        for process in cluster["processes"]:
+            kind = process["name"].rsplit("-", 1)[0]
+            if kind == "etcd":
+                continue
+            async with http.get(process["metrics_url"]) as response:
+                assert response.status == 200 and prefixes[kind] in await response.text(), process["name"]
 
 
 async def test_bad_input_gets_400_with_a_message(client, cluster):

@@ -84,6 +84,7 @@ async def main(config: ManagerConfig) -> None:
                      tasks.create_task(campaign.campaign_loop(), name="campaign_loop"),
                      tasks.create_task(migrator.migration_loop(), name="migration_loop"),
                      tasks.create_task(scaler.scaling_loop(), name="scaling_loop"),
+                     tasks.create_task(dispatcher.role_gap_loop(), name="role_gap_loop"),
                      tasks.create_task(journal.writer_loop(), name="migration_journal_loop")]
             log.info("manager_ready", manager_id=manager_id, address=server.address)
             config.print_ready(manager_id, server.address)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import structlog
 
 from services.common.errors import Unavailable
+from services.common.periodic import periodic_loop
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import (ALL_ROLES, DECODE_ROLES, PREFILL_ROLES, Candidate, DispatchAsk, InstanceId,
                                      Placement, Role)
@@ -23,6 +24,7 @@ from services.manager.role_gaps import RoleGaps
 
 log = structlog.get_logger(__name__)
 
+ROLE_GAP_INTERVAL_S = 1.0  # how soon ferry_manager_pd_role_missing drops once the role serves again
 _DECODE_POLICY = LoadPolicy()  # decode instances are chosen by load, whatever the dispatch policy
 
 
@@ -74,6 +76,17 @@ class Dispatcher:
         chosen = _DECODE_POLICY.choose(candidates, DispatchAsk(request_id))
         self._view.reserve(chosen.instance_id, num_blocks)
         return Placement(chosen.instance_id, chosen.address, "pd")
+
+    async def role_gap_loop(self, interval_s: float = ROLE_GAP_INTERVAL_S) -> None:
+        await periodic_loop("role_gap_loop", interval_s, self._refresh_role_gaps)
+
+    async def _refresh_role_gaps(self) -> None:
+        """Close a gap that an instance of the role fills again, though no request has needed the
+        role since (dispatch notes a gap only when a request asks)."""
+        if self.role_gaps.is_missing(Role.PREFILL) and self._view.candidates(roles=PREFILL_ROLES):
+            self.role_gaps.note_present(Role.PREFILL)
+        if self.role_gaps.is_missing(Role.DECODE) and self._view.candidates(roles=DECODE_ROLES | {Role.BOTH}):
+            self.role_gaps.note_present(Role.DECODE)
 
     def _dispatch_candidates(self, ask: DispatchAsk) -> list[Candidate]:
         exclude = ask.exclude_instance_ids

@@ -63,6 +63,21 @@ def test_no_prefill_instance_falls_back_to_decode_instances_and_heals():
     assert missing(Role.PREFILL) == 0 and not dispatcher.role_gaps.is_missing(Role.PREFILL)
 
 
+async def test_a_gap_closes_once_the_role_serves_again_with_no_request_asking():
+    """ferry_manager_pd_role_missing says 1 only while no instance of the role serves."""
+    view = pd_view(p=Role.PREFILL)
+    dispatcher = Dispatcher(view, leading())
+    with pytest.raises(Unavailable):
+        dispatcher.place_decode("r", "p", num_blocks=1)
+    assert missing(Role.DECODE) == 1
+    await dispatcher._refresh_role_gaps()
+    assert missing(Role.DECODE) == 1  # still no decode instance
+    view.put_member(make_record("d", role=Role.DECODE))  # e.g. SetRole on another instance
+    view.apply_report(InstanceId("d"), make_load())
+    await dispatcher._refresh_role_gaps()
+    assert missing(Role.DECODE) == 0 and not dispatcher.role_gaps.is_missing(Role.DECODE)
+
+
 def test_short_prompt_rule_lets_decode_instances_prefill():
     view = pd_view(p=Role.PREFILL, d=Role.DECODE)
     view.apply_report(InstanceId("p"), make_load(num_free_blocks=10, num_running=5))  # busy prefill instance

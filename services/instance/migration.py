@@ -88,7 +88,7 @@ class MigrationResult:
     num_bytes: int
     num_stages: int  # live stages + the final stop-and-copy stage
     backend: TransferBackend
-    duration_ms: float  # MigrateOut start → stream handed off
+    duration_ms: float  # MigrateOut start (or, for a request held for its PD hand-off, its holding) → stream handed off
     downtime_ms: float  # suspended here → committed on the destination
 
 
@@ -376,7 +376,8 @@ class MigrationDriver:
         result = MigrationResult(
             request_id=a.request_id, src_instance_id=self._settings.instance_id,
             dst_instance_id=a.plan.dst_instance_id, num_blocks=a.num_blocks, num_bytes=a.num_bytes,
-            num_stages=a.num_live_stages + 1, backend=a.backend, duration_ms=(now - a.started_at) * 1e3,
+            num_stages=a.num_live_stages + 1, backend=a.backend,
+            duration_ms=(now - min(a.started_at, a.suspended_at)) * 1e3,  # a PD hand-off's request was held first
             downtime_ms=(a.committed_at - a.suspended_at) * 1e3)
         log.info("migration_committed", request_id=a.request_id, dst_instance_id=a.plan.dst_instance_id,
                  num_stages=result.num_stages, num_blocks=result.num_blocks, num_bytes=result.num_bytes,

@@ -208,10 +208,12 @@ class ClusterView:
 
     # dispatch bookkeeping
 
-    def reserve(self, instance_id: InstanceId, num_blocks: int) -> None:
-        """Count a request just dispatched to `instance_id` until a report of it counts the request."""
+    def reserve(self, instance_id: InstanceId, num_blocks: int, is_dispatch: bool = True) -> None:
+        """Count a request just sent to `instance_id` until a report of it counts the request; a new
+        request (`is_dispatch`, not a PD hand-off's) also counts in `num_dispatched`."""
         self._reserved.setdefault(instance_id, []).append((self._clock(), num_blocks))
-        self._num_dispatched[instance_id] = self._num_dispatched.get(instance_id, 0) + 1
+        if is_dispatch:
+            self._num_dispatched[instance_id] = self._num_dispatched.get(instance_id, 0) + 1
         self._candidates.pop(instance_id, None)
 
     # admin views

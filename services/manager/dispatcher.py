@@ -74,7 +74,7 @@ class Dispatcher:
                               f"{src_instance_id} (start one, or SetRole an instance to ROLE_DECODE)")
         self.role_gaps.note_present(Role.DECODE)
         chosen = _DECODE_POLICY.choose(candidates, DispatchAsk(request_id))
-        self._view.reserve(chosen.instance_id, num_blocks)
+        self._view.reserve(chosen.instance_id, num_blocks, is_dispatch=False)  # dispatched already, to its prefill
         return Placement(chosen.instance_id, chosen.address, "pd")
 
     async def role_gap_loop(self, interval_s: float = ROLE_GAP_INTERVAL_S) -> None:

@@ -65,7 +65,9 @@ async def complete(client, cluster, prompt: str, max_tokens: int) -> tuple[str, 
 
 async def committed(admin, request_id: str) -> list[manager_pb2.MigrationRecord]:
     reply = await admin.ListMigrations(manager_pb2.ListMigrationsRequest(request_id=request_id), timeout=5)
-    return [m for m in reply.migrations if m.outcome == "committed"]
+    moves = [m for m in reply.migrations if m.outcome == "committed"]
+    assert all(m.duration_ms >= m.downtime_ms for m in moves), moves  # a held request's wait counts in both
+    return moves
 
 
 async def set_role(admin, instance_id: str, role: int) -> None:

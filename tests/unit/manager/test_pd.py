@@ -78,6 +78,15 @@ async def test_a_gap_closes_once_the_role_serves_again_with_no_request_asking():
     assert missing(Role.DECODE) == 0 and not dispatcher.role_gaps.is_missing(Role.DECODE)
 
 
+def test_a_pd_placement_is_not_counted_as_a_dispatch():
+    """num_dispatched (ListInstances, GetClusterStatus) counts new requests, as ferry_manager_dispatches_total does."""
+    view = pd_view(p=Role.PREFILL, d=Role.DECODE)
+    dispatcher = Dispatcher(view, leading())
+    dispatcher.dispatch(ask())
+    dispatcher.place_decode("r", "p", num_blocks=2)
+    assert view.totals().num_dispatched == 1 and view.instance(InstanceId("d")).num_dispatched == 0
+
+
 def test_short_prompt_rule_lets_decode_instances_prefill():
     view = pd_view(p=Role.PREFILL, d=Role.DECODE)
     view.apply_report(InstanceId("p"), make_load(num_free_blocks=10, num_running=5))  # busy prefill instance

@@ -62,16 +62,17 @@ class FollowPlan:
     should_add: bool  # fewer than num_instances serve (running and not retiring)
 
 
-def plan(target: ScalingTarget | None, running: Sequence[str], max_instances: int) -> FollowPlan | None:
+def plan(target: ScalingTarget | None, running: Sequence[str], max_instances: int | None = None) -> FollowPlan | None:
     """What the target asks of a launcher whose instances `running` run now; None: nothing to follow
     (no target, or the launcher's own from startup: until a leader decides). It never asks for more
-    than `max_instances` running, even when a policy stored earlier lets the leader want more."""
+    than `max_instances` running (None: no cap of its own), even when a policy stored earlier lets the
+    leader want more."""
     if target is None or not target.is_decided:
         return None
     retiring = set(target.stoppable) | set(target.draining)
     serving = [name for name in running if name not in retiring]
     return FollowPlan(tuple(name for name in running if name in target.stoppable),
-                      len(serving) < target.num_instances and len(running) < max_instances)
+                      len(serving) < target.num_instances and (max_instances is None or len(running) < max_instances))
 
 
 async def follow_step(cluster: ScalableCluster, registry: Registry) -> None:

@@ -118,8 +118,9 @@ async def supervise_step(supervisor: Supervisor, children: list[Child], now: flo
     """Look at every child once; True when one was started again (its pid changed, even if it then failed)."""
     restarted = False
     for child in children:
+        is_down = not child.is_alive() and not child.is_stopping()  # is_alive() first: it reaps, setting returncode
         failed = child.returncode != 0  # etcd's is None: unknown counts as failed
-        action = supervisor.action(child.name, not child.is_alive() and not child.is_stopping(), now, failed)
+        action = supervisor.action(child.name, is_down, now, failed)
         if action is Action.REPORT:
             log.warning("process_exited", name=child.name, pid=child.pid, returncode=child.returncode,
                         log=_log_of(child), then=supervisor.restarts_what(failed))

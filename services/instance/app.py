@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Callable
 
 import structlog
@@ -21,7 +22,9 @@ from services.common.config import as_dict
 from services.common.election import watch_leader
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2_grpc
 from services.common.grpc_server import GrpcServer, start_grpc_server
-from services.common.registry import Registry
+from services.common.errors import Unavailable
+from services.common.etcd_client import ETCD_ERRORS
+from services.common.registry import DRAIN_MARKS, Registry
 from services.common.signals import stop_event
 from services.common.startup import StartupError
 from services.instance.client import InstanceClients
@@ -167,16 +170,33 @@ def wire_migration(config: InstanceConfig, servicer: InstanceServicer, runner: E
 
 async def shutdown(config: InstanceConfig, server, servicer: InstanceServicer, runner: EngineRunner,
                    registry: Registry | None) -> None:
+    """SIGTERM: take nothing new; drain itself, so the leader live-migrates what runs here to other
+    instances (KV and all: their clients see nothing) within --shutdown-grace-s; then leave etcd and
+    cut what is left (frontends resume those elsewhere)."""
     log.info("instance_stopping", num_active=runner.num_active)
     await server.set_serving(False)
     servicer.is_accepting = False
-    if registry is not None:
-        await registry.close()
+    if registry is not None and runner.num_active:
+        await drain_self(registry, servicer.identity.instance_id)
     deadline = asyncio.get_running_loop().time() + config.shutdown_grace_s
     while runner.num_active and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
+    if registry is not None:
+        await registry.close()  # the record goes, and a drain mark of our own with it (same lease)
     await server.stop(grace=1.0)
     log.info("instance_stopped", num_cut=runner.num_active)
+
+
+async def drain_self(registry: Registry, instance_id: str) -> None:
+    """A drain mark under our lease (unless an operator's is there already): the leader moves our
+    requests off as for `Drain`, and the mark vanishes with the lease, so no restart comes back drained."""
+    try:
+        if await registry.get_json(f"{DRAIN_MARKS}/{instance_id}") is None:
+            await registry.register(DRAIN_MARKS, instance_id, {"instance_id": instance_id,
+                                                               "drained_by": "shutdown", "drained_at": time.time()})
+            log.info("instance_draining_itself", instance_id=instance_id)
+    except (Unavailable, *ETCD_ERRORS) as exc:  # etcd away: nothing will migrate; the grace still applies
+        log.warning("self_drain_failed", instance_id=instance_id, error=str(exc) or type(exc).__name__)
 
 
 def engine_spec(config: InstanceConfig, kv_name: str) -> EngineSpec:

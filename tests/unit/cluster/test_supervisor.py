@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import structlog
+import structlog.testing
 
 from services.cluster.supervisor import Action, RestartPolicy, Supervisor, supervise_step
 
@@ -74,7 +76,16 @@ class FakeChild:
         self.pid, self.returncode, self.num_starts = 100, returncode, 0
 
     def is_alive(self) -> bool:
+        self.reaped = True  # as Popen.poll(): only now is its returncode known
         return self.alive
+
+    @property
+    def returncode(self) -> int | None:
+        return self._returncode if self.reaped else None
+
+    @returncode.setter
+    def returncode(self, value: int | None) -> None:
+        self._returncode, self.reaped = value, False
 
     def is_stopping(self) -> bool:
         return self.stopping
@@ -92,7 +103,11 @@ async def test_supervise_step_restarts_exited_children_only():
     exited, running, stopped = FakeChild("exited"), FakeChild("running", alive=True), FakeChild("stopped", stopping=True)
     clean, unknown = FakeChild("clean", returncode=0), FakeChild("etcd", returncode=None)
     children = [exited, running, stopped, clean, unknown]
-    assert not await supervise_step(supervisor, children, 0.0)  # first look: reported
+    with structlog.testing.capture_logs() as logs:
+        assert not await supervise_step(supervisor, children, 0.0)  # first look: reported
+    said = {entry["name"]: entry["then"] for entry in logs if entry["event"] == "process_exited"}
+    assert said == {"exited": "it starts again", "etcd": "it starts again",
+                    "clean": "it stays down (it exited cleanly, as after a SIGTERM)"}
     assert await supervise_step(supervisor, children, 0.0)
     assert [c.num_starts for c in children] == [1, 0, 0, 0, 1]
     assert exited.alive and exited.pid == 101

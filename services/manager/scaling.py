@@ -66,8 +66,11 @@ class ScalingSettings:
         if self.low_freeness >= self.high_freeness:
             raise InvalidArgument(f"scaling_low_freeness ({self.low_freeness}) must be below scaling_high_freeness "
                                   f"({self.high_freeness}), or every tick would both add and retire")
-        if not 1 <= self.min_instances <= self.max_instances:
-            raise InvalidArgument(f"scaling_min_instances ({self.min_instances}) must be >= 1 and <= "
+        for name in ("min_instances", "max_instances"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"scaling_{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_instances > self.max_instances:
+            raise InvalidArgument(f"scaling_min_instances ({self.min_instances}) must be <= "
                                   f"scaling_max_instances ({self.max_instances})")
 
 

@@ -5,6 +5,7 @@ import pytest
 
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.scaling_target import ScalingTarget
+from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId, InstanceState, Role
 from services.manager.leadership import Leadership
 from services.manager.scaling import UNFOLLOWED_RETIREMENT_S, ScalingAction, Scaler, ScalingSettings, decide
@@ -168,12 +169,18 @@ async def test_a_drained_instance_already_stoppable_is_not_called_back() -> None
     assert store.target.stoppable == ["i-1"] and store.target.num_instances == 1 and store.drained == {"i-1"}
 
 
-async def test_undrain_calls_off_a_retirement_still_draining_but_not_a_stoppable_one() -> None:
+async def three_idle_retiring_i2() -> tuple[FakeClock, ClusterView, FakeStore, Scaler]:
+    """Three idle instances; the first tick retires i-2 (it starts draining)."""
     clock = FakeClock()
     view = make_view("i-0", "i-1", "i-2", clock=clock, num_free_blocks=1000)
     store = FakeStore()
     scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=0, clock=clock)
     assert (await scaler.tick()).instance_id == "i-2"
+    return clock, view, store, scaler
+
+
+async def test_undrain_calls_off_a_retirement_still_draining_but_not_a_stoppable_one() -> None:
+    clock, view, store, scaler = await three_idle_retiring_i2()
     view.apply_report(InstanceId("i-2"), make_load(num_free_blocks=990, num_running=1))  # still draining
     await scaler.call_off(InstanceId("i-2"))
     assert (store.target.num_instances, store.target.draining, store.drained) == (3, [], set())
@@ -190,11 +197,7 @@ async def test_undrain_calls_off_a_retirement_still_draining_but_not_a_stoppable
 
 async def test_undrain_keeps_a_stoppable_instance_no_launcher_stopped_in_time() -> None:
     """Scaling turned on by a policy alone retires an instance nothing stops: it must not stay drained for good."""
-    clock = FakeClock()
-    view = make_view("i-0", "i-1", "i-2", clock=clock, num_free_blocks=1000)
-    store = FakeStore()
-    scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=0, clock=clock)
-    assert (await scaler.tick()).instance_id == "i-2"
+    clock, _, store, scaler = await three_idle_retiring_i2()
     await scaler.tick()  # empty: stoppable
     assert store.target.stoppable == ["i-2"]
     clock.advance(UNFOLLOWED_RETIREMENT_S - 1)

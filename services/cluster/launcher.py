@@ -39,6 +39,9 @@ from services.common.registry import DRAIN_MARKS, Registry
 log = structlog.get_logger(__name__)
 
 _HEALTH_TIMEOUT_S = 180.0
+# SIGTERM → SIGKILL: above any shutdown grace a child is given (their default is 5 s; a frontend
+# finishing long streams may be given more), as systemd's TimeoutStopSec=30s in deploy/systemd.
+STOP_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +161,7 @@ class LocalCluster:
         others = [process for process in reversed(self.processes) if process.module != "frontend"]
         for wave in (frontends, others):
             running = [process for process in wave if process.is_alive()]  # the others were reported as exited
-            stop_all(running)
+            stop_all(running, STOP_TIMEOUT_S)
             for process in running:
                 log.info("process_stopped", name=process.name, pid=process.pid)
         if self.etcd is not None:
@@ -170,9 +173,10 @@ class LocalCluster:
             self._tmp.cleanup()
 
     def state(self) -> dict:
-        processes = [{"name": "etcd", "pid": self.etcd.pid, "address": self.etcd.endpoint}]
-        processes += [{"name": p.name, "pid": p.pid, "address": p.address, "metrics_url": p.metrics_url}
-                      for p in self.processes]
+        processes = [{"name": "etcd", "pid": self.etcd.pid if self.etcd.is_running else None,
+                      "address": self.etcd.endpoint, "metrics_url": f"http://{self.etcd.endpoint}/metrics"}]
+        processes += [{"name": p.name, "pid": p.pid if p.is_alive() else None, "address": p.address,
+                       "metrics_url": p.metrics_url} for p in self.processes]  # pid None: it exited (see the log)
         return {"frontend_url": self.frontend_url, "admin_address": self.admin_address,
                 "etcd_endpoint": self.etcd.endpoint, "cluster": self.spec.cluster,
                 "model": str(self.spec.model_dir), **self.spec.security.state(), "processes": processes}
@@ -324,7 +328,7 @@ class EtcdChild:
 
     @property
     def returncode(self) -> int | None:
-        return None  # LocalEtcd keeps it to itself; its log says why it ended
+        return self.etcd.returncode
 
     def is_alive(self) -> bool:
         return self.etcd.is_running

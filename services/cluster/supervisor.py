@@ -81,15 +81,16 @@ class Supervisor:
             return Action.NONE
         if history.given_up:
             return Action.NONE
+        history.restarts = [t for t in history.restarts if now - t < self._policy.window_s]
+        is_restartable = self._policy.on_failure and failed
+        if is_restartable and len(history.restarts) >= self._policy.burst:
+            history.given_up = True
+            return Action.GIVE_UP
         if history.down_since is None:
             history.down_since = now
             return Action.REPORT
-        if not self._policy.on_failure or not failed:
+        if not is_restartable:
             return Action.NONE
-        history.restarts = [t for t in history.restarts if now - t < self._policy.window_s]
-        if len(history.restarts) >= self._policy.burst:
-            history.given_up = True
-            return Action.GIVE_UP
         if now - history.down_since < self.delay_s(len(history.restarts)):
             return Action.NONE
         history.restarts.append(now)
@@ -115,8 +116,8 @@ class Supervisor:
 
 
 async def supervise_step(supervisor: Supervisor, children: list[Child], now: float) -> bool:
-    """Look at every child once; True when one was started again (its pid changed, even if it then failed)."""
-    restarted = False
+    """Look at every child once; True when one exited or was started again (cluster.json then changes)."""
+    changed = False
     for child in children:
         is_down = not child.is_alive() and not child.is_stopping()  # is_alive() first: it reaps, setting returncode
         failed = child.returncode != 0  # etcd's is None: unknown counts as failed
@@ -125,11 +126,12 @@ async def supervise_step(supervisor: Supervisor, children: list[Child], now: flo
             log.warning("process_exited", name=child.name, pid=child.pid, returncode=child.returncode,
                         log=_log_of(child), then=supervisor.restarts_what(failed))
         elif action is Action.GIVE_UP:
-            log.error("process_given_up", name=child.name, log=_log_of(child), reason=supervisor.give_up_reason())
+            log.error("process_given_up", name=child.name, pid=child.pid, returncode=child.returncode,
+                      log=_log_of(child), reason=supervisor.give_up_reason())
         elif action is Action.RESTART:
             await _restart(child, supervisor.num_restarts(child.name))
-            restarted = True
-    return restarted
+        changed = changed or action is not Action.NONE
+    return changed
 
 
 async def _restart(child: Child, attempt: int) -> None:

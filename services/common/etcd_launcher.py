@@ -134,6 +134,11 @@ class LocalEtcd:
         return self._log_dir / "etcd.log"
 
     @property
+    def returncode(self) -> int | None:
+        """Its exit status once it ended (None while it runs, or before it started)."""
+        return self._process.returncode if self._process else None
+
+    @property
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 

@@ -136,7 +136,8 @@ class FrontendServer:
         is_healthy = self.is_accepting and num_instances > 0
         status = "ok" if is_healthy else ("no_instances" if self.is_accepting else "stopping")
         return web.json_response({"status": status, "num_instances": num_instances},
-                                 status=200 if is_healthy else 503)
+                                 status=200 if is_healthy else 503,
+                                 headers=None if is_healthy else {"Retry-After": str(RETRY_AFTER_S)})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": self._metrics.content_type})

@@ -183,8 +183,9 @@ async def shutdown(config: InstanceConfig, server, servicer: InstanceServicer, r
         await asyncio.sleep(0.05)
     if registry is not None:
         await registry.close()  # the record goes, and a drain mark of our own with it (same lease)
+    num_cut = runner.num_active  # before the server's stop cancels their streams
     await server.stop(grace=1.0)
-    log.info("instance_stopped", num_cut=runner.num_active)
+    log.info("instance_stopped", num_cut=num_cut)
 
 
 async def drain_self(registry: Registry, instance_id: str) -> None:

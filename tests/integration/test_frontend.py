@@ -613,6 +613,9 @@ async def test_sigterm_lets_short_requests_finish_and_ends_long_ones_with_an_err
             await asyncio.sleep(0.3)
             async with http.post(COMPLETIONS, json=long) as refused:  # during the grace: refused, not queued
                 assert refused.status == 503 and "shutting down" in (await refused.json())["error"]["message"]
+            async with http.get("/health") as health:  # a load balancer takes it out
+                assert health.status == 503 and health.headers["Retry-After"] == "1"
+                assert (await health.json())["status"] == "stopping"
 
             events = await read_sse(streaming)
             error = json.loads(events[-2].removeprefix("data: "))["error"]

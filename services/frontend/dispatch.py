@@ -97,6 +97,10 @@ class Dispatcher:
     def num_serving(self) -> int:
         return sum(e.is_serving for e in self._membership.instances())
 
+    def serves_besides(self, exclude: Sequence[InstanceId]) -> bool:
+        """Whether an instance not in `exclude` serves (else a resume can only go back to one that failed)."""
+        return any(e.is_serving and e.instance_id not in exclude for e in self._membership.instances())
+
     def max_model_len(self, model_limit: int) -> int:
         """The longest sequence every serving instance takes: `model_limit`, or less where an
         instance's record says its KV cache holds fewer tokens (any instance may get a request)."""

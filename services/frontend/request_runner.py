@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -74,15 +74,20 @@ class _Owner:
     num_tokens_at_handoff: int = -1  # output tokens held at the last hand-off
 
 
+LONE_RESUME_BACKOFF_S = 1.0  # the first resume's wait when no other instance serves; it doubles
+
+
 class RequestRunner:
     def __init__(self, dispatcher: Dispatcher, instances: InstanceStreams, *, max_resumes: int,
                  max_handoffs: int = 16, resume_backoff_s: float = 0.05,
+                 lone_resume_backoff_s: float = LONE_RESUME_BACKOFF_S,
                  on_resume: Callable[[], None] = lambda: None, on_handoff: Callable[[], None] = lambda: None) -> None:
         self._dispatcher = dispatcher
         self._instances = instances
         self._max_resumes = max_resumes
         self._max_handoffs = max_handoffs
         self._resume_backoff_s = resume_backoff_s
+        self._lone_resume_backoff_s = lone_resume_backoff_s
         self._on_resume = on_resume
         self._on_handoff = on_handoff
 
@@ -114,9 +119,15 @@ class RequestRunner:
                 if not state.is_done and self._can_resume(state, exc):
                     excluded.append(owner.target.instance_id)
                     self._note_resume(state, owner.target, exc)
-                    await asyncio.sleep(self._resume_backoff_s * 2 ** (state.num_resumes - 1))
+                    await asyncio.sleep(self._resume_backoff(excluded) * 2 ** (state.num_resumes - 1))
             except FerryError as exc:
                 state.fail(exc)
+
+    def _resume_backoff(self, excluded: Sequence[InstanceId]) -> float:
+        """Short when another instance serves; when only instances that failed this request are left
+        (one instance, killed), long enough that its restart (a supervisor's 1 s, then loading the
+        model) can come within the resumes: 1 + 2 + 4 s with the default three."""
+        return self._resume_backoff_s if self._dispatcher.serves_besides(excluded) else self._lone_resume_backoff_s
 
     async def _follow(self, owner: _Owner, state: ReqState, spec: GenerateSpec,
                       aborts: dict[InstanceId, Awaitable[None]]) -> None:

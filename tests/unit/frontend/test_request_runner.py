@@ -77,11 +77,24 @@ async def test_the_only_instance_is_tried_again_after_its_abort():
 
     instances = Flaky({})
     runner = RequestRunner(Dispatcher(None, FakeMembership(entry("a")), cooldown_s=5), instances, max_resumes=3,
-                           resume_backoff_s=0)
+                           resume_backoff_s=0, lone_resume_backoff_s=0.3)
     state = make_state()
+    started = asyncio.get_running_loop().time()
     await runner.run(state, make_spec())
     assert state.token_ids == [4, 5] and instances.aborted == [("a", "cmpl-1")]
     assert [s.resume_token_ids for _, s in instances.specs] == [(), (4,)]
+    # nothing else serves: it waited the long backoff (time for a supervisor to restart the instance)
+    assert asyncio.get_running_loop().time() - started >= 0.3
+
+
+async def test_with_another_instance_serving_a_resume_waits_only_the_short_backoff():
+    scripts = {"a": ([chunk(0, 4)], Unavailable("a died")), "b": ([chunk(1, 5, finish=FinishReason.STOP)], None)}
+    instances = ScriptedInstances(scripts)
+    runner = RequestRunner(Dispatcher(None, FakeMembership(entry("a"), entry("b")), cooldown_s=5), instances,
+                           max_resumes=3, resume_backoff_s=0, lone_resume_backoff_s=5.0)
+    state = make_state()
+    await asyncio.wait_for(runner.run(state, make_spec()), 2.0)
+    assert state.token_ids == [4, 5]
 
 
 async def test_an_empty_cluster_fails_with_the_dispatch_error():

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import structlog
 
 from services.cluster.processes import ServiceProcess, stop_all
-from services.cluster.scaling_follower import follow_scaling, reset_target
+from services.cluster.scaling_follower import align_stored_scaling, follow_scaling, reset_target
 from services.cluster.security import ClusterSecurity
 from services.cluster.supervisor import RestartPolicy, Supervisor, supervise_step
 from services.cluster.state_dir import StateDirLock
@@ -125,6 +125,7 @@ class LocalCluster:
         if self.spec.follows_scaling:
             async with self.registry() as registry:
                 await reset_target(registry, len(self.spec.roles))
+                await align_stored_scaling(registry, len(self.spec.roles), self.spec.autoscale_max_instances)
         await self._start_and_wait([self._manager(0)])  # alone first, so it leads (the admin port is the leader's)
         # The rest together: each finds what it needs as it comes (an instance retries its
         # transfer service, the frontend watches etcd for instances).

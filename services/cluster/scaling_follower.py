@@ -56,6 +56,23 @@ async def reset_target(registry: Registry, num_instances: int) -> None:
     await registry.put_json(SCALING_TARGET_KEY, ScalingTarget(num_instances, reason="launcher started").to_json())
 
 
+POLICY_KEY = "config/policy"  # services/manager/config_store.py: its "scaling" entry wins over the manager's flags
+
+
+async def align_stored_scaling(registry: Registry, min_instances: int, max_instances: int) -> None:
+    """At startup with --autoscale-max-instances: a scaling band stored in a kept --state-dir (which
+    the manager's --scaling-* flags do not override) gets this launcher's bounds, and is on, so the
+    leader never asks for an instance the launcher would not start, and waits for it."""
+    policy = await registry.get_json(POLICY_KEY)
+    scaling = policy.get("scaling") if isinstance(policy, dict) else None
+    if not isinstance(scaling, dict):
+        return  # nothing stored: the manager uses the flags the launcher gives it
+    bounds = {"enabled": True, "min_instances": min_instances, "max_instances": max_instances}
+    if {key: scaling.get(key) for key in bounds} != bounds:
+        await registry.put_json(POLICY_KEY, {**policy, "scaling": {**scaling, **bounds}})
+        log.info("stored_scaling_bounds_aligned", was={key: scaling.get(key) for key in bounds}, now=bounds)
+
+
 @dataclass(frozen=True, slots=True)
 class FollowPlan:
     to_stop: tuple[str, ...]  # running instances the target lists as stoppable

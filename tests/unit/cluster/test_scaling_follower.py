@@ -95,3 +95,32 @@ async def test_never_more_than_max_instances_whatever_the_target() -> None:
     for _ in range(4):
         await follow_step(cluster, FakeRegistry(target(3)))
     assert len(cluster.added) == 1
+
+
+class PolicyRegistry:
+    def __init__(self, policy) -> None:
+        self.policy, self.writes = policy, 0
+
+    async def get_json(self, key: str):
+        assert key == "config/policy"
+        return self.policy
+
+    async def put_json(self, key: str, value) -> None:
+        self.policy, self.writes = value, self.writes + 1
+
+
+async def test_a_stored_scaling_band_gets_the_launchers_bounds_and_keeps_the_rest() -> None:
+    from services.cluster.scaling_follower import align_stored_scaling
+    stored = {"dispatch": "load", "scaling": {"enabled": False, "low_freeness": 5.0, "high_freeness": 50.0,
+                                              "min_instances": 1, "max_instances": 5}}
+    registry = PolicyRegistry(stored)
+    await align_stored_scaling(registry, 1, 2)
+    assert registry.policy == {"dispatch": "load", "scaling": {"enabled": True, "low_freeness": 5.0,
+                                                               "high_freeness": 50.0, "min_instances": 1,
+                                                               "max_instances": 2}}
+    await align_stored_scaling(registry, 1, 2)
+    assert registry.writes == 1  # already aligned: not written again
+    for nothing_stored in (None, {"dispatch": "load"}):
+        untouched = PolicyRegistry(nothing_stored)
+        await align_stored_scaling(untouched, 1, 2)
+        assert untouched.writes == 0  # the manager uses the launcher's flags

@@ -104,8 +104,7 @@ class LocalCluster:
         """Alive, or exited on failure and about to be started again by the supervisor."""
         if process.is_alive():
             return True
-        return (self.spec.restart.on_failure and not process.is_stopping() and process.returncode != 0
-                and not self.supervisor.has_given_up(process.name))
+        return not process.is_stopping() and self.supervisor.will_restart(process.name, process.returncode != 0)
 
     @property
     def frontend_url(self) -> str:

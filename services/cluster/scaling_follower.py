@@ -94,12 +94,10 @@ def plan(target: ScalingTarget | None, running: Sequence[str], max_instances: in
 
 async def follow_step(cluster: ScalableCluster, registry: Registry) -> None:
     running = {p.name: p for p in instance_processes(cluster) if cluster.will_run(p)}
-    target = ScalingTarget.from_json(await registry.get_json(SCALING_TARGET_KEY))
-    step = plan(target, list(running), cluster.max_instances)
+    step = plan(ScalingTarget.from_json(await registry.get_json(SCALING_TARGET_KEY)), list(running),
+                cluster.max_instances)
     if step is None:
         return
-    if target.num_instances > cluster.max_instances and not step.should_add:
-        log.debug("scaling_target_capped", target=target.num_instances, max_instances=cluster.max_instances)
     for name in step.to_stop:
         process = running[name]
         process.stopping = True  # before the watcher can see it exit and start it again

@@ -82,7 +82,7 @@ class Supervisor:
         if history.given_up:
             return Action.NONE
         history.restarts = [t for t in history.restarts if now - t < self._policy.window_s]
-        is_restartable = self._policy.on_failure and failed
+        is_restartable = self.restarts_after(failed)
         if is_restartable and len(history.restarts) >= self._policy.burst:
             history.given_up = True
             return Action.GIVE_UP
@@ -102,6 +102,14 @@ class Supervisor:
 
     def has_given_up(self, name: str) -> bool:
         return name in self._histories and self._histories[name].given_up
+
+    def restarts_after(self, failed: bool) -> bool:
+        """Whether an exit is one to start a child again after (its budget aside)."""
+        return self._policy.on_failure and failed
+
+    def will_restart(self, name: str, failed: bool) -> bool:
+        """Whether child `name`, down after such an exit, is (or will be) started again."""
+        return self.restarts_after(failed) and not self.has_given_up(name)
 
     def num_restarts(self, name: str) -> int:
         return len(self._histories.get(name, _History()).restarts)

@@ -29,9 +29,6 @@ class InFlight:
         self._running: dict[int, tuple[Sequence[ReqState], Sequence[asyncio.Task]]] = {}
         self._next_key = 0
 
-    def __len__(self) -> int:
-        return len(self._running)
-
     @contextlib.contextmanager
     def serving(self, states: Sequence[ReqState], tasks: Sequence[asyncio.Task]) -> Iterator[None]:
         """While the block runs, `states` (fed by `tasks`) count as in flight."""

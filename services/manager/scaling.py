@@ -187,9 +187,7 @@ class Scaler:
         before = (list(target.draining), list(target.stoppable))
         for instance_id in [i for i in target.stoppable + target.draining if i not in present]:
             await self._store.delete_drain(instance_id)  # gone: a later instance with its id must serve
-            for retiring in (target.draining, target.stoppable):
-                if instance_id in retiring:
-                    retiring.remove(instance_id)
+            self._stop_retiring(target, instance_id)
             log.info("scaling_instance_retired", instance_id=instance_id)
         if target.draining and (average := self._others_short_of_band(views, target)) is not None:
             await self._cancel_draining(target, average)
@@ -239,15 +237,19 @@ class Scaler:
             await self._call_off(target, [instance_id], f"retirement of {instance_id} called off by Undrain")
             await self._write(target)
 
+    def _stop_retiring(self, target: ScalingTarget, instance_id: InstanceId) -> None:
+        """`instance_id` leaves the target's retiring lists (gone, or serving again)."""
+        for retiring in (target.draining, target.stoppable):
+            if instance_id in retiring:
+                retiring.remove(instance_id)
+        self._stoppable_since.pop(instance_id, None)
+
     async def _call_off(self, target: ScalingTarget, instance_ids: list[InstanceId], reason: str) -> None:
         """Those instances serve again: drain marks deleted, back in the target; the cooldown restarts."""
         for instance_id in instance_ids:
             await self._store.delete_drain(instance_id)
             self._view.unmark_drained(instance_id)
-            for retiring in (target.draining, target.stoppable):
-                if instance_id in retiring:
-                    retiring.remove(instance_id)
-            self._stoppable_since.pop(instance_id, None)
+            self._stop_retiring(target, instance_id)
             target.num_instances += 1
             metrics.SCALING_ACTIONS.labels("cancel_retire").inc()
             log.info("scaling_retirement_cancelled", instance_id=instance_id, reason=reason)

@@ -107,6 +107,7 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
             if link is not None:
                 background.append(tasks.create_task(transfer_mapping_loop(link, instance_id, loaded.kv_cache)))
             if registry is not None:
+                await clear_stale_self_drain(registry, instance_id)
                 await registry.register("instances", instance_id, instance_record(identity, loaded, link))
                 servicer.inbox.watch_sources(await registry.watch("instances"))
                 manager = ManagerLink(await watch_leader(registry), config.migration_rpc_timeout_s, config.tls)
@@ -198,6 +199,18 @@ async def drain_self(registry: Registry, instance_id: str) -> None:
             log.info("instance_draining_itself", instance_id=instance_id)
     except (Unavailable, *ETCD_ERRORS) as exc:  # etcd away: nothing will migrate; the grace still applies
         log.warning("self_drain_failed", instance_id=instance_id, error=str(exc) or type(exc).__name__)
+
+
+async def clear_stale_self_drain(registry: Registry, instance_id: str) -> None:
+    """A self-drain mark left by this instance's previous process (killed while it drained itself)
+    would keep it drained until that process's lease ends: remove it. An operator's mark stays."""
+    try:
+        mark = await registry.get_json(f"{DRAIN_MARKS}/{instance_id}")
+        if isinstance(mark, dict) and mark.get("drained_by") == "shutdown":
+            await registry.unregister(DRAIN_MARKS, instance_id)
+            log.info("stale_self_drain_cleared", instance_id=instance_id)
+    except (Unavailable, *ETCD_ERRORS) as exc:  # it still goes with the old lease, within seconds
+        log.warning("stale_self_drain_not_cleared", instance_id=instance_id, error=str(exc) or type(exc).__name__)
 
 
 def engine_spec(config: InstanceConfig, kv_name: str) -> EngineSpec:

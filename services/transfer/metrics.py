@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import Counter, Histogram
 
@@ -36,5 +36,14 @@ def observed_transfer(backend: str) -> Iterator[list[int]]:
     TRANSFER_SECONDS.labels(backend).observe(time.perf_counter() - started)
 
 
-def serve_metrics(port: int, host: str) -> None:
+def serve_metrics(port: int, host: str, backends: Sequence[str]) -> None:
+    """Serve, with every series at zero from the start (a scrape before the first transfer sees them)."""
+    for backend in backends:
+        for outcome in ("ok", "failed"):
+            TRANSFERS.labels(backend, outcome)
+        TRANSFERRED_BYTES.labels(backend)
+        TRANSFER_SECONDS.labels(backend)
+    if "gloo" in backends:
+        for side in ("sent", "received"):
+            IN_PLACE_BYTES.labels(side)
     start_metrics_server(port, host)

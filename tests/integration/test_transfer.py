@@ -28,7 +28,7 @@ from services.instance.engine.cuda_ipc import CudaIpcHandle
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.transfer.client import TransferClient
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
-from tests.integration.metrics_scrape import sample_value
+from tests.integration.metrics_scrape import sample_value, samples
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -287,6 +287,10 @@ async def test_gloo_moves_runs_in_place_and_stages_the_rest_bit_exactly(etcd, cl
     try:
         for process in processes.values():
             await process.wait_healthy(60)
+        before = samples(metrics_ports["D-in-place"])  # every series at zero before the first transfer
+        assert before['ferry_transfer_transfers_total{backend="gloo",outcome="failed"}'] == 0
+        assert before['ferry_transfer_bytes_total{backend="grpc"}'] == 0
+        assert before['ferry_transfer_in_place_bytes_total{side="sent"}'] == 0
         receiver = processes["E-in-place"].address
         async with TransferClient(processes["D-in-place"].address) as d, TransferClient(receiver) as e:
             for pair, geometry in (("small", SMALL), ("wide", WIDE)):

@@ -9,16 +9,25 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from services.common.errors import FerryError
 from services.frontend.generation import FinishReason, TokenLogprob
 from services.frontend.openai_protocol import Endpoint, ParsedRequest, error_body_for
 from services.frontend.req_state import Delta, ReqState
 
-TokenText = Callable[[int], str]  # one token id → its text
-TokenBytes = Callable[[int], bytes]  # one token id → the UTF-8 bytes it adds (maybe part of a character)
+class TokenStrings(Protocol):
+    """What logprobs show of a token (the served model's tokenizer)."""
+
+    def token_text(self, token_id: int) -> str:
+        """Its text alone, as at the start of a text."""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes it adds after other text (maybe part of a character, maybe a leading space)."""
+
+    def is_hidden(self, token_id: int) -> bool:
+        """Left out of output text (a special token)."""
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -41,15 +50,14 @@ def finish_reason_name(reason: FinishReason | None) -> str | None:
 
 
 class ResponseFormatter:
-    def __init__(self, parsed: ParsedRequest, request_id: str, created: int, token_text: TokenText,
-                 index: int = 0, echo_text: str = "", token_bytes: TokenBytes | None = None) -> None:
+    def __init__(self, parsed: ParsedRequest, request_id: str, created: int, tokens: TokenStrings,
+                 index: int = 0, echo_text: str = "") -> None:
         self._parsed = parsed
         self._index = index  # of this formatter's choice
         self._echo_text = echo_text  # completions with echo: the prompt, before the output
         self._request_id = request_id
         self._created = created
-        self._token_text = token_text
-        self._token_bytes = token_bytes or (lambda token_id: token_text(token_id).encode())
+        self._tokens = tokens
         self._text_offset = len(echo_text)  # completions logprobs: offset of the next output token in the text
         self._is_chat = parsed.endpoint is Endpoint.CHAT
         # completions echo with logprobs: the prompt's tokens and logprobs come first (its first token has none)
@@ -163,21 +171,20 @@ class ResponseFormatter:
                 "top_logprobs": [self._token_logprob(tid, lp) for tid, lp in top]}
 
     def _token_logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": self._token(token_id), "logprob": logprob, "bytes": list(self._token_bytes(token_id))}
+        return {"token": self._token(token_id), "logprob": logprob, "bytes": list(self._tokens.token_bytes(token_id))}
 
     def _token(self, token_id: int) -> str:
-        """The token as OpenAI writes it: its text, or where its bytes are only part of a character
-        (a piece of an emoji), `bytes:` and the bytes escaped (`bytes:\\xf0\\x9f`)."""
-        raw = self._token_bytes(token_id)
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
-        return self._token_text(token_id)
+        """The token as OpenAI writes it: the text it adds (" word" for a SentencePiece "▁word"), or
+        where its bytes are only part of a character (a piece of an emoji), `bytes:` and the bytes
+        escaped (`bytes:\\xf0\\x9f`)."""
+        return _shown(self._tokens.token_bytes(token_id))
 
     def _num_chars(self, token_id: int) -> int:
-        """Characters the token starts in the text (a character's continuation bytes start none)."""
-        return sum(1 for byte in self._token_bytes(token_id) if byte & 0xC0 != 0x80)
+        """Characters the token starts in the output text (a character's continuation bytes start
+        none; a special token, left out of the text, none)."""
+        if self._tokens.is_hidden(token_id):
+            return 0
+        return _num_chars(self._tokens.token_bytes(token_id))
 
     def _completion_logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         tokens = [self._token(entry.token_id) for entry in entries]
@@ -202,13 +209,20 @@ class ResponseFormatter:
     def _prompt_logprobs(self, state: ReqState) -> dict[str, Any]:
         """The echoed prompt's tokens in completions' logprobs shape; its first token has no logprob (null)."""
         token_ids = state.prompt_token_ids
+        pieces = [self._first_piece(token_ids[0])] if token_ids else []
+        pieces += [self._tokens.token_bytes(token_id) for token_id in token_ids[1:]]
         return {
-            "tokens": [self._token(token_id) for token_id in token_ids],
+            "tokens": [_shown(piece) for piece in pieces],
             "token_logprobs": [None, *(entry.logprob for entry in state.prompt_logprobs)],
             "top_logprobs": [None, *(self._top_logprobs(entry) for entry in state.prompt_logprobs)],
-            "text_offset": list(itertools.accumulate((self._num_chars(t) for t in token_ids[:-1]), initial=0)),
+            "text_offset": list(itertools.accumulate((_num_chars(piece) for piece in pieces[:-1]), initial=0)),
         }
 
+
+    def _first_piece(self, token_id: int) -> bytes:
+        """A prompt's first token, at the start of the text: alone (no "▁word" space before it)."""
+        text = self._tokens.token_text(token_id)
+        return self._tokens.token_bytes(token_id) if "\ufffd" in text else text.encode()
 
     def _vllm_prompt_logprobs(self, state: ReqState) -> list[dict[str, dict[str, Any]] | None]:
         """vLLM's `prompt_logprobs`: null for the first prompt token, then per token {token id: {logprob, rank,
@@ -222,8 +236,20 @@ class ResponseFormatter:
         by_id: dict[str, dict[str, Any]] = {}
         for token_id, logprob, rank in candidates:
             by_id.setdefault(str(token_id), {"logprob": logprob, "rank": rank,
-                                             "decoded_token": self._token_text(token_id)})
+                                             "decoded_token": self._tokens.token_bytes(token_id).decode(
+                                                 errors="replace")})
         return by_id
+
+
+def _shown(piece: bytes) -> str:
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in piece)
+
+
+def _num_chars(piece: bytes) -> int:
+    return sum(1 for byte in piece if byte & 0xC0 != 0x80)
 
 
 def _joined(prompt: dict[str, list], output: dict[str, list] | None) -> dict[str, list]:

@@ -104,6 +104,10 @@ class ServedModel:
     def token_bytes(self, token_id: int) -> bytes:
         return _token_bytes_cached(id(self.tokenizer), self.tokenizer, token_id)
 
+    def is_hidden(self, token_id: int) -> bool:
+        """Left out of output text (a special token: skip_special_tokens)."""
+        return _is_hidden_cached(id(self.tokenizer), self.tokenizer, token_id)
+
     def _chat_token_ids(self, messages: Sequence[dict[str, Any]], options: ChatTemplateOptions) -> list[int]:
         try:
             return list(self.tokenizer.encode_chat(list(messages), options.add_generation_prompt,
@@ -120,6 +124,11 @@ def _token_text_cached(tokenizer_id: int, tokenizer: TextTokenizer, token_id: in
 @functools.lru_cache(maxsize=65536)
 def _token_bytes_cached(tokenizer_id: int, tokenizer: TextTokenizer, token_id: int) -> bytes:
     return tokenizer.token_bytes(token_id)
+
+
+@functools.lru_cache(maxsize=65536)
+def _is_hidden_cached(tokenizer_id: int, tokenizer: TextTokenizer, token_id: int) -> bool:
+    return tokenizer.decode([token_id]) == "" != tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _token_text(tokenizer: TextTokenizer, token_id: int) -> str:

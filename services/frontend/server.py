@@ -200,8 +200,7 @@ class FrontendServer:
             sampling = replace(sampling, seed=(sampling.seed + seed_offset) % 2**64)
         sub_id = request_id if parsed.num_choices == 1 else RequestId(f"{request_id}-{index}")
         state = ReqState(sub_id, prompt_ids, self._model.decode)
-        formatter = ResponseFormatter(parsed, request_id, state.created, self._model.token_text, index, echo_text,
-                                      self._model.token_bytes)
+        formatter = ResponseFormatter(parsed, request_id, state.created, self._model, index, echo_text)
         spec = GenerateSpec(sub_id, tuple(prompt_ids), sampling, parsed.priority, prefix_chunk_keys=prefix_keys)
         return Choice(state, spec, formatter)
 

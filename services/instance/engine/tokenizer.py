@@ -61,6 +61,7 @@ class Tokenizer:
         self._added_token_ids = frozenset(backend.get_added_tokens_decoder())  # special and added: plain text
         self._raw_byte_ids = (_raw_byte_ids(backend) if "ByteFallback" in decoder_types else frozenset()) \
             - self._added_token_ids
+        self._anchor_id = _mid_text_anchor(backend, self._added_token_ids)
         self._template = _compile(chat_template) if chat_template else None
 
     @classmethod
@@ -105,9 +106,10 @@ class Tokenizer:
         return token_id in self._raw_byte_ids
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The UTF-8 bytes one token adds to the text, also when they are only part of a character
-        (a byte-level BPE piece of an emoji, a SentencePiece <0xNN> byte): joined, the tokens' bytes
-        are the text's. Special tokens give their text."""
+        """The UTF-8 bytes one token adds to a text after other text, also when they are only part of
+        a character (a byte-level BPE piece of an emoji, a SentencePiece <0xNN> byte) or begin with a
+        space that decoding drops at the start of a text (SentencePiece's "▁word", a WordPiece word;
+        "##piece" adds none): joined, the tokens' bytes are the text's. Special tokens give their text."""
         token = self.backend.id_to_token(token_id)
         if token is None:
             return b""
@@ -117,7 +119,16 @@ class Tokenizer:
             return bytes(_BYTE_OF_CHAR[c] for c in token)
         if match := _BYTE_FALLBACK.fullmatch(token):
             return bytes([int(match.group(1), 16)])
-        return self.backend.decode([token_id], skip_special_tokens=False).encode()
+        return self._text_after_other_text(token_id).encode()
+
+    def _text_after_other_text(self, token_id: int) -> str:
+        """The token decoded after an ordinary token, less that token's text."""
+        alone = self.backend.decode([token_id], skip_special_tokens=False)
+        if self._anchor_id is None:
+            return alone
+        anchor = self.backend.decode([self._anchor_id], skip_special_tokens=False)
+        text = self.backend.decode([self._anchor_id, token_id], skip_special_tokens=False)
+        return text[len(anchor):] if text.startswith(anchor) else alone
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, **variables: Any) -> str:
@@ -133,6 +144,15 @@ class Tokenizer:
                     continue_final_message: bool = False, **variables: Any) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, continue_final_message,
                                                     **variables), add_special_tokens=False)
+
+
+def _mid_text_anchor(backend: tokenizers.Tokenizer, added_token_ids: frozenset[int]) -> int | None:
+    """An ordinary one-letter token to decode other tokens after (see token_bytes), if the vocabulary has one."""
+    for piece in ("a", "e", "t", "x", "▁a", "Ġa"):
+        token_id = backend.token_to_id(piece)
+        if token_id is not None and token_id not in added_token_ids and backend.decode([token_id]).strip():
+            return token_id
+    return None
 
 
 def _open_final_message(text: str, final: Any) -> str:

@@ -21,6 +21,27 @@ def token_text(token_id: int) -> str:
     return decode([token_id])
 
 
+class ToyTokens:
+    """Logprobs' view of the toy vocabulary (`decode`), or of given token bytes; `hidden` ids are
+    special tokens left out of the text."""
+
+    def __init__(self, pieces: dict[int, bytes] | None = None, hidden: frozenset[int] = frozenset()) -> None:
+        self._pieces = pieces
+        self._hidden = hidden
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._pieces[token_id] if self._pieces is not None else token_text(token_id).encode()
+
+    def token_text(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode(errors="replace").lstrip(" ")
+
+    def is_hidden(self, token_id: int) -> bool:
+        return token_id in self._hidden
+
+
+TOY_TOKENS = ToyTokens()
+
+
 def make_state(prompt: Sequence[int] = (1, 2, 3)) -> ReqState:
     return ReqState(RequestId("cmpl-1"), prompt, decode)
 

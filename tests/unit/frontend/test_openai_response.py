@@ -11,7 +11,7 @@ from services.frontend.generation import FinishReason, TokenChunk, TokenLogprob
 from services.frontend.openai_protocol import parse_chat_request, parse_completion_request
 from services.frontend.openai_response import SSE_DONE, ResponseFormatter, sse, sse_error
 
-from tests.unit.frontend.factories import chunk, make_state, token_text
+from tests.unit.frontend.factories import TOY_TOKENS, ToyTokens, chunk, make_state
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -23,7 +23,7 @@ def formatter(endpoint="completions", **fields):
         parsed = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], **fields}, MODEL)
     else:
         parsed = parse_completion_request({"prompt": "hi", **fields}, MODEL)
-    return ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text)
+    return ResponseFormatter(parsed, "cmpl-1", 1700000000, TOY_TOKENS)
 
 
 
@@ -50,7 +50,7 @@ def test_completion_response():
 
 def test_echo_puts_the_prompt_before_the_text_whole_and_streamed():
     parsed = parse_completion_request({"prompt": "say", "echo": True, "return_token_ids": True}, MODEL)
-    f = ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text, 0, echo_text="say")
+    f = ResponseFormatter(parsed, "cmpl-1", 1700000000, TOY_TOKENS, 0, echo_text="say")
     assert f.choice(finished_state())["text"] == "sayhi"
     (first,) = f.first_chunks(make_state(prompt=(1, 2)))
     assert first["choices"] == [{"index": 0, "text": "say", "logprobs": None, "finish_reason": None, "token_ids": []}]
@@ -71,7 +71,7 @@ def echoed_state(logprobs=True):
 
 def test_echo_with_logprobs_scores_the_prompt_then_the_output():
     parsed = parse_completion_request({"prompt": [0, 2, 3], "echo": True, "logprobs": 1}, MODEL)
-    f = ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text, 0, echo_text="acd")
+    f = ResponseFormatter(parsed, "cmpl-1", 1700000000, TOY_TOKENS, 0, echo_text="acd")
     choice = f.choice(echoed_state())
     assert choice["text"] == "acdhi"
     assert choice["logprobs"] == {
@@ -80,7 +80,7 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_output():
         "top_logprobs": [None, {"a": -0.1, "c": -3.0}, {"d": -0.5}, {"h": -0.5}, {"i": -0.25}],
         "text_offset": [0, 1, 2, 3, 4],
     }
-    streamed = ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text, 0, echo_text="acd")
+    streamed = ResponseFormatter(parsed, "cmpl-1", 1700000000, TOY_TOKENS, 0, echo_text="acd")
     state = make_state(prompt=(0, 2, 3))
     delta = state.accept(TokenChunk(0, (7,), "h", None, logprobs=(TokenLogprob(7, -0.5, ((7, -0.5),)),),
                                     prompt_logprobs=PROMPT_LOGPROBS))
@@ -100,12 +100,12 @@ def test_vllm_prompt_logprobs_shape():
     state.accept(TokenChunk(0, (7,), "h", FinishReason.LENGTH, prompt_logprobs=(
         TokenLogprob(2, -3.0, ((0, -0.1), (2, -3.0)), rank=4), TokenLogprob(3, -0.5, ((3, -0.5), (1, -1.0))))))
     parsed = parse_completion_request({"prompt": [0, 2, 3], "prompt_logprobs": 1}, MODEL)
-    f = ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text)
+    f = ResponseFormatter(parsed, "cmpl-1", 1700000000, TOY_TOKENS)
     assert f.choice(state)["prompt_logprobs"] == expected
     assert "prompt_logprobs" not in ResponseFormatter(parse_completion_request({"prompt": "x"}, MODEL), "cmpl-1", 0,
-                                                      token_text).choice(state)
+                                                      TOY_TOKENS).choice(state)
     chat_parsed = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}, MODEL)
-    chat_f = ResponseFormatter(chat_parsed, "chatcmpl-1", 1700000000, token_text)
+    chat_f = ResponseFormatter(chat_parsed, "chatcmpl-1", 1700000000, TOY_TOKENS)
     body = chat_f.response([state], [chat_f.choice(state)])
     assert body["prompt_logprobs"] == expected and "prompt_logprobs" not in body["choices"][0]
 
@@ -113,7 +113,7 @@ def test_vllm_prompt_logprobs_shape():
 def test_echo_with_max_tokens_zero_shows_the_prompt_alone():
     parsed = parse_completion_request({"prompt": [0, 2, 3], "echo": True, "logprobs": 0, "max_tokens": 0,
                                        "return_token_ids": True}, MODEL)
-    f = ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text, 0, echo_text="acd")
+    f = ResponseFormatter(parsed, "cmpl-1", 1700000000, TOY_TOKENS, 0, echo_text="acd")
     body = f.response([echoed_state()], [f.choice(echoed_state())])
     (choice,) = body["choices"]
     assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == ("acd", [], "length")
@@ -128,7 +128,7 @@ def test_echo_with_max_tokens_zero_shows_the_prompt_alone():
 def test_a_batch_counts_each_prompt_once_and_names_prompt_ids_per_choice():
     parsed = parse_completion_request({"prompt": ["hi", "ho"], "n": 2, "return_token_ids": True}, MODEL)
     states = [finished_state(), finished_state(), make_state(prompt=(4, 5, 6)), make_state(prompt=(4, 5, 6))]
-    formatters = [ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text, index) for index in range(4)]
+    formatters = [ResponseFormatter(parsed, "cmpl-1", 1700000000, TOY_TOKENS, index) for index in range(4)]
     body = formatters[0].response(states, [f.choice(s) for f, s in zip(formatters, states)])
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert [c["prompt_token_ids"] for c in body["choices"]] == [[1, 2], [1, 2], [4, 5, 6], [4, 5, 6]]
@@ -197,15 +197,11 @@ def test_completion_top_logprobs_always_hold_the_sampled_token():
     """OpenAI's completions: up to logprobs + 1 entries; logprobs 0 gives the sampled token alone."""
     for k, expected in ((0, [{"h": -0.5}, {"i": -0.25}]), (1, [{"h": -0.5}, {"i": -0.25}])):
         parsed = parse_completion_request({"prompt": [0, 2, 3], "logprobs": k}, MODEL)
-        choice = ResponseFormatter(parsed, "cmpl-1", 1700000000, token_text, 0).choice(echoed_state())
+        choice = ResponseFormatter(parsed, "cmpl-1", 1700000000, TOY_TOKENS, 0).choice(echoed_state())
         assert choice["logprobs"]["top_logprobs"] == expected
 
 
 STAR = {20: b"\xf0\x9f", 21: b"\x8c\x9f", 22: b"!"}  # 🌟 in two byte-level pieces, then "!"
-
-
-def star_text(token_id: int) -> str:
-    return STAR[token_id].decode(errors="replace")
 
 
 def star_state():
@@ -217,7 +213,7 @@ def star_state():
 
 def test_a_token_inside_a_character_is_written_as_its_bytes_as_openai_does():
     parsed = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, MODEL)
-    f = ResponseFormatter(parsed, "chatcmpl-1", 1700000000, star_text, token_bytes=STAR.__getitem__)
+    f = ResponseFormatter(parsed, "chatcmpl-1", 1700000000, ToyTokens(STAR))
     content = f.choice(star_state())["logprobs"]["content"]
     assert [entry["token"] for entry in content] == ["bytes:\\xf0\\x9f", "bytes:\\x8c\\x9f", "!"]
     assert bytes(b for entry in content for b in entry["bytes"]).decode() == "🌟!"
@@ -225,6 +221,33 @@ def test_a_token_inside_a_character_is_written_as_its_bytes_as_openai_does():
 
 def test_completion_text_offsets_count_characters_not_pieces():
     parsed = parse_completion_request({"prompt": [0], "logprobs": 0}, MODEL)
-    f = ResponseFormatter(parsed, "cmpl-1", 1700000000, star_text, token_bytes=STAR.__getitem__)
+    f = ResponseFormatter(parsed, "cmpl-1", 1700000000, ToyTokens(STAR))
     logprobs = f.choice(star_state())["logprobs"]
     assert logprobs["text_offset"] == [0, 1, 1]  # "🌟" is one character; "!" starts at 1
+
+
+# SentencePiece-like: "▁Hi" adds " Hi" after other text, nothing before it at the text's start; 9 is </s>.
+WORDS = ToyTokens({0: b" Hi", 2: b" there", 3: b"!", 7: b" ok", 8: b" now", 9: b"</s>"}, hidden=frozenset({9}))
+
+
+def test_word_tokens_keep_their_space_and_the_prompt_starts_without_one():
+    """Joined, the tokens are the text (OpenAI's promise), and "▁ok" and "ok" would be two keys."""
+    parsed = parse_completion_request({"prompt": [0, 2, 3], "echo": True, "logprobs": 0}, MODEL)
+    state = make_state(prompt=(0, 2, 3))
+    lps = tuple(TokenLogprob(t, -0.5, ((t, -0.5),)) for t in (7, 9, 8))
+    state.accept(TokenChunk(0, (7, 9, 8), " ok now", FinishReason.LENGTH, logprobs=lps, prompt_logprobs=PROMPT_LOGPROBS))
+    choice = ResponseFormatter(parsed, "cmpl-1", 1700000000, WORDS, 0, echo_text="Hi there!").choice(state)
+    assert choice["text"] == "Hi there! ok now"
+    assert choice["logprobs"]["tokens"] == ["Hi", " there", "!", " ok", "</s>", " now"]
+    # each token's offset is where it starts in the text; the special token, left out of it, takes no room
+    assert choice["logprobs"]["text_offset"] == [0, 2, 8, 9, 12, 12]
+
+
+def test_chat_token_bytes_join_to_the_content():
+    parsed = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, MODEL)
+    state = make_state(prompt=(0,))
+    state.accept(TokenChunk(0, (7, 8), " ok now", FinishReason.LENGTH,
+                            logprobs=tuple(TokenLogprob(t, -0.5, ((t, -0.5),)) for t in (7, 8))))
+    content = ResponseFormatter(parsed, "chatcmpl-1", 1700000000, WORDS).choice(state)["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == [" ok", " now"]
+    assert bytes(b for entry in content for b in entry["bytes"]).decode() == " ok now"

@@ -249,3 +249,39 @@ def test_streamed_random_byte_fallback_text_equals_the_full_decode():
         ids = [generator.choice([*range(0x41, 0x44), 0xC3, 0xA9, 0xE2, 0xF0, 0x9F, 0xFF, *range(257, 262)])
                for _ in range(generator.randint(1, 12))]
         assert streamed_text(tokenizer, ids) == tokenizer.decode(ids), ids
+
+
+def metaspace_tokenizer() -> Tokenizer:
+    """Mistral-like: BPE over "▁"-marked words, whose decoder drops the space before the text's first word."""
+    backend = BackendTokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    backend.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>"]))
+    return Tokenizer(backend)
+
+
+def wordpiece_tokenizer() -> Tokenizer:
+    backend = BackendTokenizer(models.WordPiece(unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    backend.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]"]))
+    return Tokenizer(backend)
+
+
+@pytest.mark.parametrize("make", [metaspace_tokenizer, wordpiece_tokenizer, sentencepiece_like_tokenizer])
+def test_token_bytes_after_the_first_token_join_to_the_rest_of_the_text(make):
+    """A word's space, which decoding drops only at the start of a text, is part of its token."""
+    tokenizer = make()
+    for text in ["The quick brown fox jumps", "Hello again, world.", "hi there ok"]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if tokenizer.decode(ids) != text:
+            continue  # not this vocabulary's text
+        rest = b"".join(tokenizer.token_bytes(i) for i in ids[1:]).decode()
+        assert tokenizer.decode(ids[:1]) + rest == text, (text, rest)
+        assert len(ids) > 2
+
+
+def test_a_word_and_the_same_piece_inside_a_word_differ():
+    tokenizer = metaspace_tokenizer()
+    word, piece = tokenizer.backend.token_to_id("▁The"), tokenizer.backend.token_to_id("The")
+    assert (tokenizer.token_bytes(word), tokenizer.token_bytes(piece)) == (b" The", b"The")

@@ -13,12 +13,15 @@ dial it too; etcd stays plaintext on loopback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
 import shlex
+import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -426,7 +429,7 @@ ferry cluster is up ({len(cluster.spec.roles)} instances, model {model})
   state file : {cluster.state_dir / 'cluster.json'}   (every process with its pid, address and metrics_url)
   logs       : {cluster.state_dir / 'logs'}
 {_serving_lines(cluster, serving)}
-try:
+try:{_activate_hint()}
   curl -s {cluster.frontend_url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
   {grpcurl} {token}{address} ferry.v1.AdminService/ListInstances
@@ -434,6 +437,18 @@ try:
 
 Ctrl-C stops everything.
 ready"""
+
+
+def _activate_hint() -> str:
+    """Where this python is a virtualenv's that the shell would not find (`make run` runs .venv's
+    python directly), the banner's `python` and `grpcurl` need that environment activated first."""
+    venv_bin = pathlib.Path(sys.executable).parent
+    if sys.prefix == sys.base_prefix or shutil.which("python") == str(venv_bin / "python"):
+        return ""
+    activate = venv_bin / "activate"
+    with contextlib.suppress(ValueError):
+        activate = activate.relative_to(pathlib.Path.cwd())
+    return f"   (in a shell with its environment: source {shlex.quote(str(activate))})"
 
 
 def _ctl_command(cluster: LocalCluster, *args: str) -> str:

@@ -42,3 +42,13 @@ def test_a_short_model_context_is_not_blamed_on_the_kv_cache(tmp_path, kv_tokens
 def test_a_long_context_needs_no_remark(tmp_path):
     text = banner(tmp_path, Serving(8192, (), kv_tokens=8192))
     assert "warning" not in text and "note" not in text
+
+
+def test_the_banner_says_to_activate_the_virtualenv_its_commands_need(tmp_path, monkeypatch):
+    """`make run` runs .venv/bin/python; a shell's `python` (and `grpcurl`) is another one."""
+    monkeypatch.setattr("sys.prefix", "/repo/.venv")
+    monkeypatch.setattr("sys.executable", "/repo/.venv/bin/python")
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/python")
+    assert "source /repo/.venv/bin/activate" in banner(tmp_path, Serving(640, (), kv_tokens=0))
+    monkeypatch.setattr("shutil.which", lambda name: "/repo/.venv/bin/python")  # activated already
+    assert "activate" not in banner(tmp_path, Serving(640, (), kv_tokens=0))

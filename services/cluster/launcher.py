@@ -118,12 +118,11 @@ class LocalCluster:
         return f"127.0.0.1:{self.spec.admin_port}"
 
     async def start(self) -> None:
-        check_ports_free(self.spec)
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        self._state_lock.acquire()
+        self._state_lock.acquire()  # first: a second `up` on a held state dir names its holder, not a port
+        check_ports_free(self.spec)
         data_dir = self.state_dir / "etcd" if self.spec.state_dir else None
         self.etcd = await LocalEtcd(data_dir=data_dir, log_dir=self.state_dir / "logs").start_async()
-        log.info("etcd_started", endpoint=self.etcd.endpoint, pid=self.etcd.pid)
         if self.spec.follows_scaling:
             async with self.registry() as registry:
                 await reset_target(registry, len(self.spec.roles))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 
@@ -56,3 +57,19 @@ async def test_a_refused_launcher_leaves_the_running_clusters_state_alone(tmp_pa
         assert (tmp_path / "cluster.json").read_text() == "{}"
     finally:
         holder.release()
+
+
+async def test_a_second_cluster_on_a_held_state_dir_names_the_holder_even_on_the_same_ports(tmp_path):
+    """Running the same `up` twice: its ports are taken too, but what to say is who holds the dir."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        spec = dataclasses.replace(ports_spec(port, port), state_dir=tmp_path)
+        holder = StateDirLock(tmp_path)
+        holder.acquire()
+        try:
+            with pytest.raises(StateDirInUse, match=f"launcher PID {os.getpid()}"):
+                await run_until_signalled(LocalCluster(spec))
+        finally:
+            holder.release()

@@ -102,3 +102,22 @@ def test_example_env_files_set_real_knobs():
     for path in [*sorted((UNIT_DIR / "env").glob("*.env")), *(UNIT_DIR / unit for unit in SERVICES)]:
         unknown = unknown_variables(path.read_text())
         assert unknown == {}, f"{path.name} sets variables no config reads: {unknown}"
+
+
+def env_file(name: str) -> dict[str, str]:
+    lines = (UNIT_DIR / "env" / name).read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+
+
+def test_the_env_files_as_shipped_make_one_host_cluster():
+    """INSTALL.md installs them and starts everything on one host: every service finds the
+    etcd ferry-etcd.service listens on, and the instance its host's transfer service."""
+    etcd_env = dict(pair.split("=", 1) for line in directives("ferry-etcd.service")["Environment"]
+                    for pair in line.split())
+    etcd = etcd_env["ETCD_ADVERTISE_CLIENT_URLS"].removeprefix("http://")
+    for name, service in [("manager.env", "MANAGER"), ("transfer.env", "TRANSFER"), ("instance-0.env", "INSTANCE"),
+                          ("frontend.env", "FRONTEND")]:
+        assert env_file(name)[f"FERRY_{service}_ETCD_ENDPOINTS"] == etcd, name
+    transfer = env_file("transfer.env")
+    assert env_file("instance-0.env")["FERRY_INSTANCE_TRANSFER_ADDRESS"] == \
+        f"{transfer['FERRY_TRANSFER_ADVERTISE_HOST']}:{transfer['FERRY_TRANSFER_PORT']}"

@@ -403,7 +403,7 @@ def _prompts(body: Mapping[str, Any]) -> tuple[Prompt, ...]:
     if "prompt" not in body or body["prompt"] is None:
         raise RequestError("prompt: required (a string, a list of token ids, or a list of either)", param="prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a batch
         if len(prompt) > MAX_PROMPTS:
             raise RequestError(f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}",
                                param="prompt")
@@ -412,16 +412,17 @@ def _prompts(body: Mapping[str, Any]) -> tuple[Prompt, ...]:
 
 
 def _one_prompt(prompt: Any, name: str) -> Prompt:
+    if isinstance(prompt, (str, list)) and not prompt:
+        raise RequestError(f"{name}: must not be empty", param=name)
     if isinstance(prompt, str):
-        if not prompt:
-            raise RequestError(f"{name}: must not be empty", param="prompt")
         return prompt
-    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        if not prompt:
-            raise RequestError(f"{name}: must not be empty", param="prompt")
+    if isinstance(prompt, list):
+        if (bad := next((i for i, t in enumerate(prompt) if not _is_int(t)), None)) is not None:
+            raise RequestError(f"{name}[{bad}]: expected a token id (an integer), got {_json_type(prompt[bad])}",
+                               param=name)
         return tuple(prompt)
     raise RequestError(f"{name}: expected a string or a list of token ids (integers), got {_json_type(prompt)}",
-                       param="prompt")
+                       param=name)
 
 
 def chat_messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:

@@ -217,7 +217,8 @@ def test_chat_is_one_prompt():
 @pytest.mark.parametrize("prompt, n, words, param", [
     (["a", ""], 1, ["prompt[1]", "must not be empty"], "prompt[1]"),  # param: the field the message names
     ([[1, 2], []], 1, ["prompt[1]", "must not be empty"], "prompt[1]"),
-    (["a", [1, "x"]], 1, ["prompt[1]", "expected a string or a list of token ids", "an array"], "prompt[1]"),
+    (["a", [1, "x"]], 1, ["prompt[1][1]", "expected a token id", "a string"], "prompt[1][1]"),
+    (["a", "b", 5], 1, ["prompt[2]", "expected a string or a list of token ids", "number 5"], "prompt[2]"),
     (["a"] * 65, 1, ["at most 64 prompts", "got 65"], "prompt"),
     (["a"] * 9, 16, ["16 choices for each of 9 prompts", "144 answers", "at most 128"], "n"),
 ])
@@ -230,13 +231,19 @@ def test_bad_prompt_batches(prompt, n, words, param):
     ("", ["prompt", "empty"]),
     ([], ["prompt", "empty"]),
     (5, ["prompt", "expected a string or a list of token ids", "number 5"]),
-    ([1, "a"], ["prompt", "expected a string or a list of token ids"]),
-    ([1, True], ["prompt", "expected a string or a list of token ids"]),
-    (["a", 5], ["prompt", "expected a string or a list of token ids", "an array"]),
     ({"text": "x"}, ["prompt", "an object"]),
 ])
 def test_bad_prompts(prompt, words):
     rejects(completion, {"prompt": prompt}, *words, param="prompt")
+
+
+@pytest.mark.parametrize("prompt, param, words", [
+    ([1, "a"], "prompt[1]", ["expected a token id", "a string"]),
+    ([1, True], "prompt[1]", ["expected a token id", "boolean true"]),
+    (["a", 5], "prompt[1]", ["expected a string or a list of token ids", "number 5"]),
+])
+def test_a_bad_item_is_named_by_its_index(prompt, param, words):
+    rejects(completion, {"prompt": prompt}, param, *words, param=param)
 
 
 def test_missing_prompt():

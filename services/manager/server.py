@@ -263,7 +263,23 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
             src_id = (await self._instance_running(request.request_id) if request.request_id
                       else self._migrator.busiest_source(request.dst_instance_id))
         order = self._migrator.admin_order(src_id, request.dst_instance_id, request.request_id)
-        return convert.migrate_response_to_proto(await self._migrator.migrate_to_the_end(order))
+        try:
+            record = await self._migrator.migrate_to_the_end(order)
+        except NotFound as exc:
+            if request.request_id and request.src_instance_id:
+                await self._name_where_it_runs(request.request_id, request.src_instance_id, exc)
+            raise
+        return convert.migrate_response_to_proto(record)
+
+    async def _name_where_it_runs(self, request_id: str, named_src: str, error: NotFound) -> None:
+        """A Migrate whose named source does not hold the request: NotFound naming the instance that does."""
+        try:
+            running_on = await self._instance_running(request_id)
+        except FerryError:
+            return  # on none that answered: the source's own answer says enough
+        if running_on != named_src:
+            raise NotFound(f"request {request_id!r} is not on instance {named_src}: it runs on {running_on}; name "
+                           "that source or leave the source out") from error
 
     async def ListMigrations(self, request: manager_pb2.ListMigrationsRequest,
                              context) -> manager_pb2.ListMigrationsResponse:

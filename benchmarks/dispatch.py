@@ -40,12 +40,12 @@ CLUSTER = "bench"
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--instances", type=int, default=64)
+    parser.add_argument("--instances", type=int, default=64, help="registered (fake) instances to choose among")
     parser.add_argument("--rate", type=float, default=500.0, help="dispatches per second")
     parser.add_argument("--seconds", type=float, default=5.0, help="measured duration")
-    parser.add_argument("--warmup-s", type=float, default=1.0)
+    parser.add_argument("--warmup-s", type=float, default=1.0, help="dispatching before the measured part")
     parser.add_argument("--report-interval-s", type=float, default=0.075, help="each instance's load report period")
-    parser.add_argument("--policy", default="load")
+    parser.add_argument("--policy", default="load", help="the manager's --dispatch-policy")
     return parser.parse_args()
 
 

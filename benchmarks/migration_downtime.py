@@ -79,8 +79,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per instance")
     parser.add_argument("--log-level", default="warning", help="the services' --log-level (their logs: see 'logs:')")
-    parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("bench-results"))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("bench-results"),
+                        help="where the TSV and PNG are written")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
     args = parser.parse_args()
     if args.quick:
         args.lengths, args.repeats = "256,8192", 1

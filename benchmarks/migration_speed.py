@@ -98,8 +98,9 @@ def parse_args() -> argparse.Namespace:
                         help="where the two KV caches live: cpu (shared memory) or cuda (GPU memory the services "
                              "map through CUDA IPC; with two GPUs the destination's cache and the second service's "
                              "nccl channels go on the second one, so --backends may include nccl)")
-    parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("bench-results"))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("bench-results"),
+                        help="where the TSV and PNG are written")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the scattered block ids")
     return parser.parse_args()
 
 

@@ -42,10 +42,11 @@ VARIANTS = ("both", "pd", "pd-manager", "pd-short")
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=pathlib.Path, default=ROOT / "models" / "smollm2-135m-instruct")
+    parser.add_argument("--model", type=pathlib.Path, default=ROOT / "models" / "smollm2-135m-instruct",
+                        help="model folder every instance serves")
     parser.add_argument("--pd", default="1:1", help="P:D — prefill and decode instances (both-variant: P+D instances)")
     parser.add_argument("--variants", default="both,pd,pd-manager", help=f"comma-separated, of {', '.join(VARIANTS)}")
-    parser.add_argument("--num-requests", type=int, default=24)
+    parser.add_argument("--num-requests", type=int, default=24, help="requests sent to each variant")
     parser.add_argument("--rate", type=float, default=1.0, help="mean arrival rate (requests/s, Poisson)")
     parser.add_argument("--long-prompt", type=int, default=384, help="prompt tokens of a prefill-heavy request")
     parser.add_argument("--short-output", type=int, default=8, help="output tokens of a prefill-heavy request")
@@ -54,8 +55,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-fraction", type=float, default=0.3, help="share of long-decode requests")
     parser.add_argument("--short-prompt-tokens", type=int, default=64, help="pd-short: the rule's threshold")
     parser.add_argument("--launcher-args", default="--kv-cache-mib 512", help="extra flags for services.cluster up")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench-results" / "pd_compare.json")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the request mix and arrival times")
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench-results" / "pd_compare.json",
+                        help="where the figures are written as JSON")
     return parser.parse_args()
 
 

@@ -13,6 +13,7 @@ difference over the extra tokens (as for transformers). Throughput: the whole ba
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -20,6 +21,9 @@ import time
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    if sys.stdin.isatty():
+        raise SystemExit("vllm_reference.py reads its job as JSON on stdin; benchmarks/engine.py --vllm-python runs it")
     job = json.load(sys.stdin)
     import torch
     torch.set_num_threads(job["threads"])

@@ -84,7 +84,7 @@ class EtcdKnobs:
     etcd_key: str = knob("", "PEM private key of --etcd-cert")
     etcd_server_name: str = knob("", "name expected in etcd's certificate when it differs from the host dialed")
     etcd_user: str = knob("", "etcd user (etcd auth enabled); empty = no authentication")
-    etcd_password: str = knob("", "password of --etcd-user (prefer --etcd-password-file or the env variable)")
+    etcd_password: str = knob("", "password of --etcd-user (prefer --etcd-password-file: a flag shows in ps)")
     etcd_password_file: str = knob("", "file holding the password of --etcd-user")
 
     @property

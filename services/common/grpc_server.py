@@ -14,6 +14,8 @@ Shutdown order (STYLE.md): `await server.set_serving(False)` → revoke the etcd
 from __future__ import annotations
 
 import dataclasses
+import errno
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -167,6 +169,22 @@ def secure_or_insecure_channel(address: str, tls: TlsConfig | None,
     return grpc.aio.secure_channel(address, make_channel_credentials(tls), options=merged)
 
 
+def _is_in_use(host: str, port: int) -> bool:
+    """Whether a listener holds host:port now (as gRPC binds: SO_REUSEADDR, no SO_REUSEPORT)."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False  # gRPC says what is wrong with the host
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
 def _tls_mode(tls: TlsConfig | None) -> str:
     if tls is None or not tls.is_server_tls:
         return "off"
@@ -175,6 +193,9 @@ def _tls_mode(tls: TlsConfig | None) -> str:
 
 def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
     target = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    if port and _is_in_use(host, port):  # say so plainly (gRPC's own words are a C log line and "set GRPC_VERBOSITY")
+        raise StartupError(f"cannot bind gRPC server to {target}: the port is already in use (another ferry process "
+                           "or program holds it); pick another --port or --host")
     try:
         if credentials is None:
             bound_port = server.add_insecure_port(target)

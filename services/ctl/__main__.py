@@ -137,7 +137,9 @@ def _fail(config: CtlConfig, exc: FerryError, status: int, is_manager_reached: b
     (An UNAVAILABLE the manager answered with is about something behind it, e.g. a transfer service.)"""
     message = exc.message
     if isinstance(exc, Unavailable) and not is_manager_reached:
-        message += f" (manager at --admin {config.admin}; set --admin or FERRY_CTL_ADMIN to another manager)"
+        message += f" (manager at --admin {config.admin}; set --admin or FERRY_CTL_ADMIN to another manager"
+        message += "; if it serves TLS, pass --tls-ca and, for mutual TLS, --tls-cert and --tls-key)" \
+            if not config.tls_ca else ")"
     if config.json:
         print(json.dumps({"error": message, "code": type(exc).__name__}))
     print(f"ferryctl: {message}", file=sys.stderr)

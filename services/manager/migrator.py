@@ -181,14 +181,14 @@ class Migrator:
         dst = self._member(dst_id, "destination") if dst_id else self._freest_other(src)
         if dst.record.instance_id == src.record.instance_id:
             raise FailedPrecondition(f"source and destination are both {src_id}; name another dst_instance_id "
-                                     "or leave it empty for the freest serving instance")
+                                     "(ferryctl --dst) or leave it empty for the freest serving instance")
         if dst.state is not InstanceState.SERVING:
             raise FailedPrecondition(f"destination {dst.record.instance_id} is {dst.state.value}; "
                                      "pick a serving instance (see ListInstances)")
         if dst.record.role is Role.PREFILL:
             raise FailedPrecondition(f"destination {dst.record.instance_id} is a prefill instance: it would hand "
                                      "the request straight on to a decode instance; name a decode or mixed "
-                                     "instance, or leave dst_instance_id empty")
+                                     "instance, or leave dst_instance_id (ferryctl --dst) empty")
         return MigrationOrder(src.record.instance_id, src.record.address, dst.record.instance_id, dst.record.address,
                               MigrationTrigger.ADMIN, self._settings.selection, request_id=request_id,
                               backend=self._limits.backend)

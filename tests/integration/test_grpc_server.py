@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import grpc
 import pytest
 import structlog
@@ -152,5 +154,13 @@ async def test_other_exceptions_become_internal_without_details(echo) -> None:
 
 async def test_fixed_port_in_use_fails(echo) -> None:
     server, _, _ = echo
-    with pytest.raises(StartupError, match="--port"):
+    with pytest.raises(StartupError, match="the port is already in use .*pick another --port"):
         await start_grpc_server("127.0.0.1", server.port, [], [])
+
+
+async def test_a_port_held_by_another_program_is_named_in_use() -> None:
+    with socket.socket() as other:  # no SO_REUSEADDR, as many programs
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        with pytest.raises(StartupError, match="the port is already in use"):
+            await start_grpc_server("127.0.0.1", other.getsockname()[1], [], [])

@@ -420,7 +420,7 @@ def ready_banner(cluster: LocalCluster, serving: Serving | None = None) -> str:
         if security.has_admin_token else ""  # read at run time: the token itself is never printed
     ctl = _ctl_command(cluster, "instances")
     return f"""
-ferry cluster is up ({len(cluster.spec.roles)} instances, model {model})
+ferry cluster is up ({len(cluster.spec.roles)} instance{"" if len(cluster.spec.roles) == 1 else "s"}, model {model})
   OpenAI API : {cluster.frontend_url}/v1
   admin gRPC : {address}   ({grpcurl} {address} list)
   security   : {_security_line(security)}

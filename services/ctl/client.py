@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.descriptor import FieldDescriptor
 
 from services.common.errors import FerryError, error_from_rpc
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2, manager_pb2_grpc
@@ -84,10 +85,12 @@ class AdminClient:
         unknown = sorted(set(fields) - set(known))
         if unknown:
             raise ValueError(f"policy has no field {', '.join(unknown)}; its fields: {', '.join(known)}")
-        try:
-            request = json_format.ParseDict(fields, manager_pb2.Policy())
-        except json_format.ParseError as exc:
-            raise ValueError(f"policy: {exc}") from None
+        for name, value in fields.items():
+            try:
+                json_format.ParseDict({name: value}, manager_pb2.Policy())
+            except json_format.ParseError:
+                raise ValueError(f"--set {name}={value}: expected {_expected(known[name])}") from None
+        request = json_format.ParseDict(fields, manager_pb2.Policy())
         return policy_from_proto(await self._call(self._admin.SetPolicy, request))
 
     async def drain(self, instance_id: str, undo: bool = False) -> DrainResult:
@@ -187,3 +190,17 @@ def migrate_from_proto(reply: Any) -> MigrateResult:
         request_id=reply.request_id, src_instance_id=reply.src_instance_id, dst_instance_id=reply.dst_instance_id,
         num_blocks=reply.num_blocks, num_bytes=reply.num_bytes, num_stages=reply.num_stages, backend=reply.backend,
         duration_ms=reply.duration_ms, downtime_ms=reply.downtime_ms)
+
+
+def _expected(field: FieldDescriptor) -> str:
+    """What a policy field takes, in words."""
+    if field.enum_type is not None:
+        return "one of " + ", ".join(value.name for value in field.enum_type.values)
+    if field.type == FieldDescriptor.TYPE_BOOL:
+        return "true or false"
+    if field.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
+        return "a number"
+    if field.cpp_type in (FieldDescriptor.CPPTYPE_INT32, FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT32,
+                          FieldDescriptor.CPPTYPE_UINT64):
+        return "a whole number"
+    return "text"

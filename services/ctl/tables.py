@@ -80,8 +80,8 @@ def drain_line(result: DrainResult) -> str:
     if result.state == "serving":
         return f"instance {result.instance_id} is serving: new requests reach it again"
     if result.is_drained:
-        return f"instance {result.instance_id} is {result.state}: no new requests go to it, and nothing runs there"
-    remaining = f"; {result.num_remaining} requests still on it" if result.num_remaining else ""
+        return f"instance {result.instance_id} is drained: no new requests go to it, and nothing runs there"
+    remaining = f"; {_count(result.num_remaining, 'request')} still on it" if result.num_remaining else ""
     return f"instance {result.instance_id} is {result.state}: no new requests go to it{remaining}"
 
 
@@ -121,3 +121,7 @@ def _bar(fraction: float) -> str:
 
 def _age(report_age_s: float) -> str:
     return "no report" if report_age_s < 0 else f"{report_age_s:.1f}s"
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")

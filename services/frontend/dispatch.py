@@ -97,6 +97,9 @@ class Dispatcher:
     def num_serving(self) -> int:
         return sum(e.is_serving for e in self._membership.instances())
 
+    def num_registered(self) -> int:
+        return len(self._membership.instances())
+
     def serves_besides(self, exclude: Sequence[InstanceId]) -> bool:
         """Whether an instance not in `exclude` serves (else a resume can only go back to one that failed)."""
         return any(e.is_serving and e.instance_id not in exclude for e in self._membership.instances())

@@ -225,7 +225,8 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
             "object": {"type": "string", "enum": ["list"]},
             "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}}}},
         "Health": {"type": "object", "required": ["status"], "properties": {
-            "status": {"type": "string", "enum": ["ok", "no_instances", "stopping"]}, "num_instances": integer}},
+            "status": {"type": "string", "enum": ["ok", "no_instances", "stopping"]}, "num_instances": integer,
+            "num_registered": integer}},
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
             "type": "object", "required": ["message", "type"], "properties": {
                 "message": {"type": "string", "minLength": 1}, "type": {"type": "string"},

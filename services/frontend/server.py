@@ -135,7 +135,9 @@ class FrontendServer:
         num_instances = self._dispatcher.num_serving()
         is_healthy = self.is_accepting and num_instances > 0
         status = "ok" if is_healthy else ("no_instances" if self.is_accepting else "stopping")
-        return web.json_response({"status": status, "num_instances": num_instances},
+        body = {"status": status, "num_instances": num_instances,  # serving; registered counts drained ones too
+                "num_registered": self._dispatcher.num_registered()}
+        return web.json_response(body,
                                  status=200 if is_healthy else 503,
                                  headers=None if is_healthy else {"Retry-After": str(RETRY_AFTER_S)})
 

@@ -68,6 +68,11 @@ def test_policy_get_and_set(ops):
     unknown_field = ctl("policy", "set", "--set", "no_such_field=1", admin=ops.admin_address)
     assert unknown_field.returncode == 2 and "policy has no field no_such_field; its fields: dispatch" in \
         unknown_field.stderr and "Available Fields" not in unknown_field.stderr
+    for assignment, expected in (("migration_threshold=abc", "a number"), ("migration_enabled=3", "true or false"),
+                                 ("scaling_max_instances=2.5", "a whole number")):
+        bad_value = ctl("policy", "set", "--set", assignment, admin=ops.admin_address)
+        assert bad_value.returncode == 2 and f"--set {assignment}: expected {expected}" in bad_value.stderr, \
+            bad_value.stderr
     ok(ctl("policy", "set", "load", admin=ops.admin_address))
 
 
@@ -178,7 +183,8 @@ def test_healthcheck_command(ops):
 def test_drain_last(ops):
     """Runs last in this module: the instance is drained, then taken back."""
     assert ok(ctl("drain", INSTANCE_ID, admin=ops.admin_address)).startswith(
-        f"instance {INSTANCE_ID} is draining: no new requests go to it")
+        (f"instance {INSTANCE_ID} is draining: no new requests go to it",  # its requests are still moving
+         f"instance {INSTANCE_ID} is drained: no new requests go to it, and nothing runs there"))
     states = {i["instance_id"]: i["state"] for i in json.loads(ok(ctl("--json", "instances", admin=ops.admin_address)))}
     assert states == {INSTANCE_ID: "draining", OTHER_INSTANCE_ID: "serving"}
     assert json.loads(ok(ctl("--json", "drain", INSTANCE_ID, admin=ops.admin_address)))["state"] == "draining"

@@ -659,6 +659,7 @@ async def test_inflight_limit_and_empty_cluster(instance, etcd, tiny_model_dir, 
         async with aiohttp.ClientSession(base_url=empty.address) as session:
             async with session.get("/health") as health:
                 assert health.status == 503 and (await health.json())["num_instances"] == 0
+                assert (await health.json())["num_registered"] == 0
             async with session.post(COMPLETIONS, json={"model": MODEL, "prompt": "x"}) as response:
                 assert response.status == 503 and response.headers["Retry-After"] == "1"
                 assert "no serving instance" in (await response.json())["error"]["message"]

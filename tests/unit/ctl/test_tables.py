@@ -45,7 +45,9 @@ def test_status_table_and_drain_line():
     assert "2 (1 serving, 1 draining, 0 unhealthy)" in text
     assert drain_line(DrainResult("instance-1", "draining", False, 3)) == (
         "instance instance-1 is draining: no new requests go to it; 3 requests still on it")
-    assert drain_line(DrainResult("instance-1", "draining", True, 0)).endswith("and nothing runs there")
+    assert drain_line(DrainResult("instance-1", "draining", False, 1)).endswith("; 1 request still on it")
+    assert drain_line(DrainResult("instance-1", "draining", True, 0)) == (
+        "instance instance-1 is drained: no new requests go to it, and nothing runs there")
     assert drain_line(DrainResult("instance-9", "unspecified", False, 0)) == (
         "instance instance-9 is not registered; its drain mark is removed, so it takes requests when it comes "
         "back under this id")

@@ -87,30 +87,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _add_security_arguments(up)
     args = parser.parse_args(argv)
     if args.engine == "vllm":
-        parser.error(VLLM_NOT_BUILT)
+        up.error(VLLM_NOT_BUILT)
     if args.instances is None:
         args.instances = 0 if args.prefill_instances or args.decode_instances else 2
     if args.instances < 0 or args.prefill_instances < 0 or args.decode_instances < 0:
-        parser.error("--instances, --prefill-instances and --decode-instances must be >= 0")
+        up.error("--instances, --prefill-instances and --decode-instances must be >= 0")
     if args.managers < 1:
-        parser.error("--managers must be at least 1")
+        up.error("--managers must be at least 1")
     if args.autoscale_max_instances and (args.prefill_instances or args.decode_instances):
-        parser.error("--autoscale-max-instances scales 'both' instances only; drop --prefill/--decode-instances")
+        up.error("--autoscale-max-instances scales 'both' instances only; drop --prefill/--decode-instances")
     if args.autoscale_max_instances and args.autoscale_max_instances < args.instances:
-        parser.error(f"--autoscale-max-instances must be at least --instances ({args.instances}) or 0")
+        up.error(f"--autoscale-max-instances must be at least --instances ({args.instances}) or 0")
     for flag, port in (("--http-port", args.http_port), ("--admin-port", args.admin_port)):
         if not 1 <= port <= 65535:
-            parser.error(f"{flag} must be a port number 1..65535, got {port}")
+            up.error(f"{flag} must be a port number 1..65535, got {port}")
     if args.http_port == args.admin_port:
-        parser.error(f"--http-port and --admin-port must differ (both are {args.http_port})")
+        up.error(f"--http-port and --admin-port must differ (both are {args.http_port})")
     if args.kv_cache_mib <= 0:
-        parser.error(f"--kv-cache-mib must be positive, got {args.kv_cache_mib}")
+        up.error(f"--kv-cache-mib must be positive, got {args.kv_cache_mib}")
     if args.threads_per_instance < 0:
-        parser.error(f"--threads-per-instance must be >= 0 (0 = cores / instances), got {args.threads_per_instance}")
+        up.error(f"--threads-per-instance must be >= 0 (0 = cores / instances), got {args.threads_per_instance}")
     if args.transfer_backend == "nccl":
-        _check_nccl_usable(parser, args)
+        _check_nccl_usable(up, args)
     if args.instances + args.prefill_instances + args.decode_instances == 0:
-        parser.error("the cluster needs at least one instance: pass --instances N or --prefill-instances/--decode-instances")
+        up.error("the cluster needs at least one instance: pass --instances N or --prefill-instances/--decode-instances")
     try:
         args.security = security_from_args(args)
     except ValueError as exc:

@@ -75,6 +75,7 @@ class Election:
         self._lease_valid_until = float("-inf")  # monotonic: a TTL after the last grant/renewal was asked for
         self.lost = asyncio.Event()
         self._leadership_task: asyncio.Task[None] | None = None
+        self._abandoned: tuple[Lease, int] | None = None  # the lease and epoch of a leadership etcd may still hold
 
     @property
     def is_leader(self) -> bool:
@@ -92,6 +93,7 @@ class Election:
         backoff = Backoff.up_to(min(2.0, self.ttl_s / 2))
         while not self.is_leader:
             try:
+                await self._give_up_abandoned()
                 revision = await self._try_acquire(client)
                 if revision is not None:
                     await self._wait_for_vacancy(client, revision + 1)
@@ -116,6 +118,8 @@ class Election:
     async def resign(self) -> None:
         """Give up leadership: delete the key (if still ours) and revoke the lease."""
         await self._stop_leadership_loop()
+        with contextlib.suppress(*ETCD_ERRORS):
+            await self._give_up_abandoned()
         lease, epoch, self._lease, self.epoch = self._lease, self.epoch, None, None
         if lease is None:
             return
@@ -183,10 +187,27 @@ class Election:
 
     def _lose_leadership(self, reason: str) -> None:
         log.warning("leadership_lost", key=self.key, leader_id=self.info.leader_id, epoch=self.epoch, reason=reason)
+        if reason == "lease_not_renewed":  # etcd was away, and a restarted etcd restores leases for a TTL
+            self._abandoned = (self._lease, self.epoch)
         self.epoch = None
         self._lease_valid_until = float("-inf")
         self._lease = None  # gone or unusable; the next campaign grants a new one
         self.lost.set()
+
+    async def _give_up_abandoned(self) -> None:
+        """Delete our leader key of a leadership we gave up while etcd was away, if etcd kept it (a
+        restart restores leases with a fresh TTL): else no candidate, us included, could lead for that
+        TTL. Raises one of ETCD_ERRORS while etcd is still away (the campaign tries again)."""
+        if self._abandoned is None:
+            return
+        lease, epoch = self._abandoned
+        response = await lease.client.kv.txn(
+            compare=[KVService.txn_compare_create_revision(self.key, epoch)],
+            success=[KVService.txn_op_delete(self.key)], timeout=self._rpc_timeout_s)
+        self._abandoned = None
+        await lease.revoke()
+        if response.succeeded:
+            log.info("abandoned_leadership_released", key=self.key, leader_id=self.info.leader_id, epoch=epoch)
 
     async def _stop_leadership_loop(self) -> None:
         if self._leadership_task is not None:

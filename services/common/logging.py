@@ -21,6 +21,7 @@ import structlog
 
 from services.common.config import knob
 from services.common.rpc_handler import Behavior, is_streaming_behavior, wrap_rpc_handler
+from services.common.sd_notify import notify_systemd
 
 REQUEST_ID_KEY = "x-request-id"
 
@@ -58,6 +59,7 @@ class LogKnobs:
             print(json.dumps({"event": "ready", "id": member_id, "address": address}), flush=True)
         else:
             print(f"ready {member_id} {address}", flush=True)
+        notify_systemd("READY=1")  # a Type=notify unit counts as started from here
 
 
 def setup_logging(service: str, fmt: LogFormat = LogFormat.CONSOLE, level: str = "info") -> None:

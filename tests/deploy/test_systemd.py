@@ -83,7 +83,8 @@ def directives(unit: str) -> dict[str, list[str]]:
 def test_service_is_sandboxed_and_restarts(unit):
     d = directives(unit)
     for key, value in {"Restart": "on-failure", "NoNewPrivileges": "yes", "ProtectSystem": "strict",
-                       "PrivateTmp": "yes", "User": "ferry", "Group": "ferry"}.items():
+                       "PrivateTmp": "yes", "User": "ferry", "Group": "ferry", "Type": "notify",
+                       "NotifyAccess": "main"}.items():  # started = serving: `systemctl restart` waits for it
         assert d.get(key) == [value], f"{unit}: {key}={d.get(key)}"
     assert d["EnvironmentFile"] and d["ExecStart"][0].startswith("/opt/ferry/.venv/bin/")
     assert d["WantedBy"] == ["ferry.target"]

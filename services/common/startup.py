@@ -18,6 +18,7 @@ import structlog
 from prometheus_client import start_http_server
 
 from services.common.errors import FerryError
+from services.common.teardown_noise import install_exception_handler
 
 log = structlog.get_logger(__name__)
 
@@ -28,7 +29,7 @@ class StartupError(Exception):
 
 def run_service(main: Coroutine[Any, Any, None]) -> None:
     try:
-        asyncio.run(main)
+        asyncio.run(_quiet_about_watch_teardown(main))
     except Exception as exc:  # noqa: BLE001 — re-raised unless it is a failure we can name
         failure = _named_failure(exc)
         if failure is None:
@@ -38,6 +39,11 @@ def run_service(main: Coroutine[Any, Any, None]) -> None:
         else:
             log.error("service_failed", code=failure.grpc_code.name, error=failure.message)
         sys.exit(1)
+
+
+async def _quiet_about_watch_teardown(main: Coroutine[Any, Any, None]) -> None:
+    install_exception_handler()
+    await main
 
 
 def _named_failure(exc: BaseException) -> StartupError | FerryError | None:

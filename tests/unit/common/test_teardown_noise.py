@@ -1,0 +1,32 @@
+"""The loop's exception handler: quiet about the etcd watch teardown, default for the rest."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.teardown_noise import handle_exception
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class _StreamRequestMixin:  # named as gRPC's class, whose task reads a watch's request generator
+    async def _consume_request_iterator(self) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_the_watch_teardown_is_quiet_and_anything_else_goes_to_asyncio(monkeypatch):
+    loop = asyncio.get_running_loop()
+    passed_on = []
+    monkeypatch.setattr(loop, "default_exception_handler", passed_on.append)
+    reader = asyncio.create_task(_StreamRequestMixin()._consume_request_iterator())
+    await asyncio.sleep(0)
+    handle_exception(loop, {"message": "Task was destroyed but it is pending!", "task": reader})
+    handle_exception(loop, {"message": "Task exception was never retrieved",
+                            "exception": RuntimeError("aclose(): asynchronous generator is already running")})
+    assert passed_on == []
+    other = {"message": "Task exception was never retrieved", "exception": RuntimeError("a real bug")}
+    handle_exception(loop, other)
+    assert passed_on == [other]
+    reader.cancel()

@@ -66,9 +66,6 @@ DEFAULT_SETTINGS = MigrationSettings()
 OWED_TRIGGERS = (MigrationTrigger.DRAIN, MigrationTrigger.PD)  # requests that must move, whatever the load
 OWED_WORK_INTERVAL_S = 0.05  # ticks while such migrations run (each order still waits for its pair to settle)
 UNANSWERED_STATUSES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # the source gave no answer: it may have committed
-# The source refused an operator's Migrate before anything moved (no such request there, nothing to
-# migrate, no transfer service): the caller gets the error; it is no migration to keep.
-ADMIN_REFUSALS = ("NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARGUMENT")
 UNANSWERED_CHECK_TIMEOUT_S = 2.0  # asking the destination whether an unanswered migration moved its request
 OWED_SETTLE_S = 1.0  # ... and this long after the last one ended, for the pair's fresh load reports
 
@@ -159,9 +156,8 @@ class Migrator:
             elapsed_ms = (self._clock() - started) * 1e3
             figures = MigrationFigures(order.request_id or exc.request_id, duration_ms=elapsed_ms)
             if not await self._moved_unanswered(order, exc, figures.request_id):
-                if not _is_admin_refusal(order, exc):
-                    self._keep(MigrationRecord(order, MigrationOutcome.FAILED, figures, started_at,
-                                               reason=status_name(exc), message=exc.message))
+                self._keep(MigrationRecord(order, MigrationOutcome.FAILED, figures, started_at,
+                                           reason=status_name(exc), message=exc.message))
                 raise
             message = f"the source gave no answer ({exc.message}), but the destination holds the request"
         finally:
@@ -367,7 +363,3 @@ def status_name(error: FerryError) -> str:
     """The gRPC status a failed call ended with (UNIMPLEMENTED included), else the error's own code."""
     code = getattr(error.__cause__, "code", None)
     return code().name if callable(code) else error.grpc_code.name
-
-
-def _is_admin_refusal(order: MigrationOrder, error: FerryError) -> bool:
-    return order.trigger is MigrationTrigger.ADMIN and status_name(error) in ADMIN_REFUSALS

@@ -215,17 +215,6 @@ async def test_admin_migrate_raises_the_sources_error_after_recording_it():
     assert record.order.trigger is MigrationTrigger.ADMIN and record.reason == "ABORTED"
 
 
-@pytest.mark.parametrize("refusal", [NotFound("request r-9 is not on a"),
-                                     FailedPrecondition("instance a has no request to migrate")])
-async def test_an_admin_migrate_the_source_refuses_before_anything_moved_is_no_record(refusal):
-    clock = FakeClock()
-    view = cluster(clock, a=2, b=0)
-    migrator = make_migrator(view, clock, FakeSources(refusal))
-    with pytest.raises(type(refusal)):
-        await migrator.migrate(migrator.admin_order("a", "b", "r-9"))
-    assert migrator.history() == []
-
-
 async def test_admin_orders_check_instances_and_pick_the_freest_destination():
     clock = FakeClock()
     view = cluster(clock, a=5, b=2, c=1, d=1)

@@ -172,7 +172,7 @@ def secure_or_insecure_channel(address: str, tls: TlsConfig | None,
 def _is_in_use(host: str, port: int) -> bool:
     """Whether a listener holds host:port now (as gRPC binds: SO_REUSEADDR, no SO_REUSEPORT)."""
     try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError:
         return False  # gRPC says what is wrong with the host
     family, _, _, _, address = infos[0]

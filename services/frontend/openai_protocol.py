@@ -403,7 +403,7 @@ def _prompts(body: Mapping[str, Any]) -> tuple[Prompt, ...]:
     if "prompt" not in body or body["prompt"] is None:
         raise RequestError("prompt: required (a string, a list of token ids, or a list of either)", param="prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a batch
+    if isinstance(prompt, list) and prompt and not _is_int(prompt[0]):  # a batch (a token list starts with an id)
         if len(prompt) > MAX_PROMPTS:
             raise RequestError(f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}",
                                param="prompt")

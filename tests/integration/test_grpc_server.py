@@ -158,6 +158,14 @@ async def test_fixed_port_in_use_fails(echo) -> None:
         await start_grpc_server("127.0.0.1", server.port, [], [])
 
 
+async def test_a_wildcard_host_in_brackets_is_probed_too() -> None:
+    with socket.socket(socket.AF_INET6) as other:
+        other.bind(("::", 0))
+        other.listen()
+        with pytest.raises(StartupError, match="the port is already in use"):
+            await start_grpc_server("[::]", other.getsockname()[1], [], [])
+
+
 async def test_a_port_held_by_another_program_is_named_in_use() -> None:
     with socket.socket() as other:  # no SO_REUSEADDR, as many programs
         other.bind(("127.0.0.1", 0))

@@ -241,6 +241,7 @@ def test_bad_prompts(prompt, words):
     ([1, "a"], "prompt[1]", ["expected a token id", "a string"]),
     ([1, True], "prompt[1]", ["expected a token id", "boolean true"]),
     (["a", 5], "prompt[1]", ["expected a string or a list of token ids", "number 5"]),
+    ([{"text": "x"}], "prompt[0]", ["expected a string or a list of token ids", "an object"]),
 ])
 def test_a_bad_item_is_named_by_its_index(prompt, param, words):
     rejects(completion, {"prompt": prompt}, param, *words, param=param)

@@ -152,7 +152,8 @@ def _mid_text_anchor(backend: tokenizers.Tokenizer, added_token_ids: frozenset[i
         token_id = backend.token_to_id(piece)
         if token_id is not None and token_id not in added_token_ids and backend.decode([token_id]).strip():
             return token_id
-    return None
+    ordinary = (token_id for token_id in sorted(backend.get_vocab().values()) if token_id not in added_token_ids)
+    return next((token_id for token_id in ordinary if backend.decode([token_id]).isalnum()), None)
 
 
 def _open_final_message(text: str, final: Any) -> str:

@@ -7,7 +7,6 @@ into JSON-ready dicts. No sockets here.
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -208,16 +207,29 @@ class ResponseFormatter:
 
     def _prompt_logprobs(self, state: ReqState) -> dict[str, Any]:
         """The echoed prompt's tokens in completions' logprobs shape; its first token has no logprob (null)."""
-        token_ids = state.prompt_token_ids
-        pieces = [self._first_piece(token_ids[0])] if token_ids else []
-        pieces += [self._tokens.token_bytes(token_id) for token_id in token_ids[1:]]
+        pieces, offsets = self._prompt_pieces(state.prompt_token_ids)
         return {
             "tokens": [_shown(piece) for piece in pieces],
             "token_logprobs": [None, *(entry.logprob for entry in state.prompt_logprobs)],
             "top_logprobs": [None, *(self._top_logprobs(entry) for entry in state.prompt_logprobs)],
-            "text_offset": list(itertools.accumulate((_num_chars(piece) for piece in pieces[:-1]), initial=0)),
+            "text_offset": offsets,
         }
 
+    def _prompt_pieces(self, token_ids: Sequence[int]) -> tuple[list[bytes], list[int]]:
+        """Each prompt token's piece and where it starts in the echoed text. A special token the text
+        leaves out (the BOS a text prompt gets) takes no room in it, and the first token the text
+        shows is written as the text begins."""
+        pieces, offsets, offset = [], [], 0
+        for token_id in token_ids:
+            piece = self._tokens.token_bytes(token_id)
+            is_shown = not self._tokens.is_hidden(token_id) or \
+                self._echo_text.startswith(piece.decode(errors="replace"), offset)
+            if is_shown and offset == 0:
+                piece = self._first_piece(token_id)
+            pieces.append(piece)
+            offsets.append(offset)
+            offset += _num_chars(piece) if is_shown else 0
+        return pieces, offsets
 
     def _first_piece(self, token_id: int) -> bytes:
         """A prompt's first token, at the start of the text: alone (no "▁word" space before it)."""

@@ -251,3 +251,18 @@ def test_chat_token_bytes_join_to_the_content():
     content = ResponseFormatter(parsed, "chatcmpl-1", 1700000000, WORDS).choice(state)["logprobs"]["content"]
     assert [entry["token"] for entry in content] == [" ok", " now"]
     assert bytes(b for entry in content for b in entry["bytes"]).decode() == " ok now"
+
+
+@pytest.mark.parametrize("echo_text, tokens, offsets", [
+    ("Hi there", ["</s>", "Hi", " there"], [0, 0, 2]),  # a text prompt: its BOS is not in the text
+    ("</s> Hi there", ["</s>", " Hi", " there"], [0, 4, 7]),  # token ids echo with their special tokens
+])
+def test_an_echoed_prompts_offsets_point_at_its_tokens_in_the_text(echo_text, tokens, offsets):
+    parsed = parse_completion_request({"prompt": "Hi there", "echo": True, "logprobs": 0, "max_tokens": 0}, MODEL)
+    state = make_state(prompt=(9, 0, 2))
+    state.accept(TokenChunk(0, (7,), " ok", FinishReason.LENGTH, logprobs=(TokenLogprob(7, -0.5, ((7, -0.5),)),),
+                            prompt_logprobs=PROMPT_LOGPROBS))
+    logprobs = ResponseFormatter(parsed, "cmpl-1", 1700000000, WORDS, 0, echo_text=echo_text).choice(state)["logprobs"]
+    assert (logprobs["tokens"], logprobs["text_offset"]) == (tokens, offsets)
+    shown = [(token, offset) for token, offset in zip(tokens, offsets) if token in echo_text]
+    assert all(echo_text.startswith(token, offset) for token, offset in shown)

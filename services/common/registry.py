@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 from etcd3aio import Etcd3Client, prefix_range_end
+from etcd3aio.kv import KVService
 
 from services.common.backoff import Backoff
 from services.common.errors import Unavailable
@@ -223,6 +224,24 @@ class Registry:
         client = await self._connect()
         response = await client.kv.get(cluster_prefix(self.cluster) + key, timeout=self._rpc_timeout_s)
         return json.loads(response.kvs[0].value) if response.kvs else None
+
+    async def delete_json_if(self, key: str, condition: Callable[[Any], bool]) -> bool:
+        """Delete `/ferry/<cluster>/<key>` if its JSON value meets `condition`, in one transaction with
+        that read (a value written in between stays). False if absent, not JSON, or kept."""
+        client = await self._connect()
+        full_key = cluster_prefix(self.cluster) + key
+        response = await client.kv.get(full_key, timeout=self._rpc_timeout_s)
+        if not response.kvs:
+            return False
+        raw = response.kvs[0].value
+        try:
+            if not condition(json.loads(raw)):
+                return False
+        except ValueError:
+            return False
+        txn = await client.kv.txn(compare=[KVService.txn_compare_value(full_key, raw)],
+                                  success=[KVService.txn_op_delete(full_key)], timeout=self._rpc_timeout_s)
+        return txn.succeeded
 
     async def put_json(self, key: str, value: Any) -> None:
         """Persistent (lease-less) put of `/ferry/<cluster>/<key>`."""

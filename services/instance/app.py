@@ -14,6 +14,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 import torch
@@ -205,12 +206,14 @@ async def clear_stale_self_drain(registry: Registry, instance_id: str) -> None:
     """A self-drain mark left by this instance's previous process (killed while it drained itself)
     would keep it drained until that process's lease ends: remove it. An operator's mark stays."""
     try:
-        mark = await registry.get_json(f"{DRAIN_MARKS}/{instance_id}")
-        if isinstance(mark, dict) and mark.get("drained_by") == "shutdown":
-            await registry.unregister(DRAIN_MARKS, instance_id)
+        if await registry.delete_json_if(f"{DRAIN_MARKS}/{instance_id}", _is_self_drain):
             log.info("stale_self_drain_cleared", instance_id=instance_id)
     except (Unavailable, *ETCD_ERRORS) as exc:  # it still goes with the old lease, within seconds
         log.warning("stale_self_drain_not_cleared", instance_id=instance_id, error=str(exc) or type(exc).__name__)
+
+
+def _is_self_drain(mark: Any) -> bool:
+    return isinstance(mark, dict) and mark.get("drained_by") == "shutdown"
 
 
 def engine_spec(config: InstanceConfig, kv_name: str) -> EngineSpec:

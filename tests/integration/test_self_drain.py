@@ -4,6 +4,7 @@ yields to an operator's mark, and a restarted process clears one its killed pred
 from __future__ import annotations
 
 import pytest
+from etcd3aio import Etcd3Client
 
 from services.common.etcd_launcher import LocalEtcd
 from services.common.registry import DRAIN_MARKS, Registry
@@ -40,3 +41,12 @@ async def test_an_operators_drain_mark_is_kept_by_a_self_drain_and_by_a_restart(
     await drain_self(killed, INSTANCE)
     await clear_stale_self_drain(restarted, INSTANCE)
     assert await restarted.get_json(MARK) == operator_mark
+
+
+async def test_a_mark_that_is_not_json_does_not_stop_the_restart(processes, etcd, cluster) -> None:
+    _, restarted = processes
+    async with Etcd3Client([etcd.endpoint]) as client:
+        await client.kv.put(f"/ferry/{cluster}/{MARK}", b"{not json")
+    await clear_stale_self_drain(restarted, INSTANCE)  # no exception: the mark is left for an operator
+    async with Etcd3Client([etcd.endpoint]) as client:
+        assert (await client.kv.get(f"/ferry/{cluster}/{MARK}")).kvs

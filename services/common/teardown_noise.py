@@ -18,6 +18,7 @@ import structlog
 log = structlog.get_logger(__name__)
 
 _GRPC_REQUEST_READER = "_StreamRequestMixin._consume_request_iterator"
+_WATCH_REQUESTS = "watch.<locals>.request_generator"  # etcd3aio's, which never ends
 _GENERATOR_RUNNING = "aclose(): asynchronous generator is already running"
 
 
@@ -35,7 +36,11 @@ def handle_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -
 def is_watch_teardown(context: dict[str, Any]) -> bool:
     task = context.get("task") or context.get("future")
     coro = task.get_coro() if isinstance(task, asyncio.Task) else None
-    if getattr(coro, "__qualname__", "") == _GRPC_REQUEST_READER:
-        return True  # "Task was destroyed but it is pending!"
+    if getattr(coro, "__qualname__", "") == _GRPC_REQUEST_READER:  # "Task was destroyed but it is pending!"
+        frame = getattr(coro, "cr_frame", None)
+        if frame is None:
+            return True  # its coroutine was closed first: nothing is left to tell whose stream it read
+        requests = frame.f_locals.get("request_iterator")
+        return getattr(requests, "__qualname__", "").endswith(_WATCH_REQUESTS)  # not a stream of ours
     exception = context.get("exception")
     return isinstance(exception, RuntimeError) and str(exception) == _GENERATOR_RUNNING

@@ -16,6 +16,7 @@ from services.frontend.generation import FinishReason, TokenLogprob
 from services.frontend.openai_protocol import Endpoint, ParsedRequest, error_body_for
 from services.frontend.req_state import Delta, ReqState
 
+
 class TokenStrings(Protocol):
     """What logprobs show of a token (the served model's tokenizer)."""
 
@@ -27,6 +28,7 @@ class TokenStrings(Protocol):
 
     def is_hidden(self, token_id: int) -> bool:
         """Left out of output text (a special token)."""
+
 
 SSE_DONE = b"data: [DONE]\n\n"
 

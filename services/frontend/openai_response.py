@@ -221,13 +221,13 @@ class ResponseFormatter:
         """Each prompt token's piece and where it starts in the echoed text. A special token the text
         leaves out (the BOS a text prompt gets) takes no room in it, and the first token the text
         shows is written as the text begins."""
-        pieces, offsets, offset = [], [], 0
+        pieces, offsets, offset, has_started = [], [], 0, False
         for token_id in token_ids:
             piece = self._tokens.token_bytes(token_id)
             is_shown = not self._tokens.is_hidden(token_id) or \
                 self._echo_text.startswith(piece.decode(errors="replace"), offset)
-            if is_shown and offset == 0:
-                piece = self._first_piece(token_id)
+            if is_shown and not has_started:  # (a lone "▁" first adds nothing; the word after it keeps its space)
+                piece, has_started = self._first_piece(token_id), True
             pieces.append(piece)
             offsets.append(offset)
             offset += _num_chars(piece) if is_shown else 0

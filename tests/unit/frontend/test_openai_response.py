@@ -226,8 +226,10 @@ def test_completion_text_offsets_count_characters_not_pieces():
     assert logprobs["text_offset"] == [0, 1, 1]  # "🌟" is one character; "!" starts at 1
 
 
-# SentencePiece-like: "▁Hi" adds " Hi" after other text, nothing before it at the text's start; 9 is </s>.
-WORDS = ToyTokens({0: b" Hi", 2: b" there", 3: b"!", 7: b" ok", 8: b" now", 9: b"</s>"}, hidden=frozenset({9}))
+# SentencePiece-like: "▁Hi" adds " Hi" after other text, nothing before it at the text's start; 9 is </s>;
+# 5 is a lone "▁" (at the start of a text the dummy space decoding drops).
+WORDS = ToyTokens({0: b" Hi", 2: b" there", 3: b"!", 5: b" ", 7: b" ok", 8: b" now", 9: b"</s>"},
+                  hidden=frozenset({9}))
 
 
 def test_word_tokens_keep_their_space_and_the_prompt_starts_without_one():
@@ -256,10 +258,12 @@ def test_chat_token_bytes_join_to_the_content():
 @pytest.mark.parametrize("echo_text, tokens, offsets", [
     ("Hi there", ["</s>", "Hi", " there"], [0, 0, 2]),  # a text prompt: its BOS is not in the text
     ("</s> Hi there", ["</s>", " Hi", " there"], [0, 4, 7]),  # token ids echo with their special tokens
+    (" Hi there", ["</s>", "", " Hi", " there"], [0, 0, 0, 3]),  # "▁▁Hi": the text's own space is the word's
 ])
 def test_an_echoed_prompts_offsets_point_at_its_tokens_in_the_text(echo_text, tokens, offsets):
     parsed = parse_completion_request({"prompt": "Hi there", "echo": True, "logprobs": 0, "max_tokens": 0}, MODEL)
-    state = make_state(prompt=(9, 0, 2))
+    prompt = (9, 5, 0, 2) if echo_text.startswith(" ") else (9, 0, 2)
+    state = make_state(prompt=prompt)
     state.accept(TokenChunk(0, (7,), " ok", FinishReason.LENGTH, logprobs=(TokenLogprob(7, -0.5, ((7, -0.5),)),),
                             prompt_logprobs=PROMPT_LOGPROBS))
     logprobs = ResponseFormatter(parsed, "cmpl-1", 1700000000, WORDS, 0, echo_text=echo_text).choice(state)["logprobs"]

@@ -20,7 +20,6 @@ import pathlib
 import shlex
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -37,6 +36,7 @@ from services.common.errors import FerryError
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.events import wait_set
 from services.common.etcd_launcher import LocalEtcd, free_port, reserve_port
+from services.common.ports import bind_error
 from services.common.registry import DRAIN_MARKS, Registry
 
 log = structlog.get_logger(__name__)
@@ -262,13 +262,9 @@ def check_ports_free(spec: ClusterSpec) -> None:
     dies only after another cluster holding the port answered our health check for it."""
     for flag, port in (("--http-port", spec.http_port), ("--admin-port", spec.admin_port)):
         reserve_port(port)  # never given to a child (etcd, an instance) that starts before their owner
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(("0.0.0.0", port))
-            except OSError as exc:
-                raise PortInUse(f"{flag} {port} is already in use ({exc.strerror}): another cluster or program "
-                                f"holds it; stop it or pick another {flag}") from None
+        if (error := bind_error("0.0.0.0", port)) is not None:
+            raise PortInUse(f"{flag} {port} is already in use ({error.strerror}): another cluster or program "
+                            f"holds it; stop it or pick another {flag}")
 
 
 class PortInUse(RuntimeError):

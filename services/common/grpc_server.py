@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.errors import ErrorInterceptor
 from services.common.logging import RequestIdInterceptor
+from services.common.ports import bind_error
 from services.common.request_decoding import DecodeInterceptor
 from services.common.startup import StartupError
 from services.common.tls import TlsConfig, make_channel_credentials, make_server_credentials
@@ -170,19 +170,8 @@ def secure_or_insecure_channel(address: str, tls: TlsConfig | None,
 
 
 def _is_in_use(host: str, port: int) -> bool:
-    """Whether a listener holds host:port now (as gRPC binds: SO_REUSEADDR, no SO_REUSEPORT)."""
-    try:
-        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError:
-        return False  # gRPC says what is wrong with the host
-    family, _, _, _, address = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE
-    return False
+    error = bind_error(host, port)
+    return error is not None and error.errno == errno.EADDRINUSE  # other errors: gRPC says what is wrong
 
 
 def _tls_mode(tls: TlsConfig | None) -> str:

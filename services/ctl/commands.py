@@ -69,7 +69,10 @@ async def migrate(client: AdminClient, args: argparse.Namespace) -> Output:
 
 async def migrations(client: AdminClient, args: argparse.Namespace) -> Output:
     rows = await client.list_migrations(args.instance or "", args.request or "")
-    return rows, migrations_table(rows)
+    text = migrations_table(rows)
+    if not rows and args.instance and args.instance not in {i.instance_id for i in await client.list_instances()}:
+        text += f" (and no instance {args.instance} is registered now; the history keeps instances that are gone)"
+    return rows, text
 
 
 async def role(client: AdminClient, args: argparse.Namespace) -> Output:

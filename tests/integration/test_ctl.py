@@ -118,6 +118,8 @@ def test_migrations(ops):
         pytest.skip(f"migration history is not available yet: {result.stderr.strip()}")
     assert isinstance(json.loads(ok(result)), list)
     assert ok(ctl("migrations", "--instance", INSTANCE_ID, admin=ops.admin_address))
+    assert ok(ctl("migrations", "--instance", "no-such-instance", admin=ops.admin_address)).strip() == (
+        "no migrations (and no instance no-such-instance is registered now; the history keeps instances that are gone)")
 
 
 def test_role_changes_an_instances_role_and_back(ops):

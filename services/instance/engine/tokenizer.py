@@ -62,6 +62,8 @@ class Tokenizer:
         self._raw_byte_ids = (_raw_byte_ids(backend) if "ByteFallback" in decoder_types else frozenset()) \
             - self._added_token_ids
         self._anchor_id = _mid_text_anchor(backend, self._added_token_ids)
+        self._anchor_text = "" if self._anchor_id is None else backend.decode([self._anchor_id],
+                                                                             skip_special_tokens=False)
         self._template = _compile(chat_template) if chat_template else None
 
     @classmethod
@@ -123,12 +125,11 @@ class Tokenizer:
 
     def _text_after_other_text(self, token_id: int) -> str:
         """The token decoded after an ordinary token, less that token's text."""
-        alone = self.backend.decode([token_id], skip_special_tokens=False)
-        if self._anchor_id is None:
-            return alone
-        anchor = self.backend.decode([self._anchor_id], skip_special_tokens=False)
-        text = self.backend.decode([self._anchor_id, token_id], skip_special_tokens=False)
-        return text[len(anchor):] if text.startswith(anchor) else alone
+        if self._anchor_id is not None:
+            text = self.backend.decode([self._anchor_id, token_id], skip_special_tokens=False)
+            if text.startswith(self._anchor_text):
+                return text[len(self._anchor_text):]
+        return self.backend.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, **variables: Any) -> str:

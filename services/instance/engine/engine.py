@@ -488,13 +488,12 @@ class LLMEngine:
         return [tokens[request_id] for request_id in request_ids]
 
     def _check_tokens(self, prompt: tuple[int, ...], resumed: list[int], sampling: SamplingParams) -> None:
-        for field, ids in (("prompt_token_ids", prompt), ("resume_token_ids", resumed)):
+        for field, ids in (("prompt_token_ids", prompt), ("resume_token_ids", resumed),
+                           ("logit_bias", [t for t, _ in sampling.logit_bias]),
+                           ("stop_token_ids", sampling.stop_token_ids)):
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise InvalidArgument(f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        bad = next((t for t, _ in sampling.logit_bias if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if len(prompt) + len(resumed) > self.config.max_model_len:
             raise InvalidArgument(
                 f"resume_token_ids: prompt + resumed tokens ({len(prompt) + len(resumed)}) exceed the model's "

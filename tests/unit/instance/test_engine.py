@@ -367,6 +367,7 @@ def test_invalid_requests_name_the_field(gqa, make_engine):
         ([1, 2], SamplingParams(repetition_penalty=2.5), {}, "repetition_penalty"),
         ([1, 2], SamplingParams(min_p=1.5), {}, "min_p"),
         ([1, 2], SamplingParams(logit_bias=((10**6, 1.0),)), {}, "logit_bias: token id 1000000 is outside"),
+        ([1, 2], SamplingParams(stop_token_ids=(3, 10**6)), {}, "stop_token_ids: token id 1000000 is outside"),
     ]
     for prompt, sampling, kwargs, field in cases:
         with pytest.raises(InvalidArgument, match=field):

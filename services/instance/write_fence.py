@@ -11,7 +11,7 @@ service does not answer, and the blocks wait (services/transfer/write_grants.py)
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
@@ -46,13 +46,23 @@ class TransferWriteFence:
     async def grant(self, grant_id: int) -> None:
         await self.client.grant_writes(self.instance_id, grant_id, self.timeout_s)
 
+    _unconfirmed: set[int] = field(default_factory=set, compare=False, repr=False)  # grants whose revoke failed
+
     async def revoke(self, grant_id: int) -> bool:
+        """A failed revoke is logged as a warning once per grant (the sweeps retry it every second
+        while the transfer service is down), then at debug; its confirmation is logged again."""
         try:
             await self.client.revoke_writes(self.instance_id, grant_id, self.timeout_s)
         except FerryError as exc:
-            log.warning("write_grant_revoke_unconfirmed", write_grant=grant_id, transfer_address=self.client.address,
-                        reason=exc.message, code=exc.grpc_code.name)
+            retried = grant_id in self._unconfirmed
+            self._unconfirmed.add(grant_id)
+            (log.debug if retried else log.warning)(
+                "write_grant_revoke_unconfirmed", write_grant=grant_id, transfer_address=self.client.address,
+                reason=exc.message, code=exc.grpc_code.name)
             return False
+        if grant_id in self._unconfirmed:
+            self._unconfirmed.discard(grant_id)
+            log.info("write_grant_revoke_confirmed", write_grant=grant_id, transfer_address=self.client.address)
         return True
 
 

@@ -52,7 +52,8 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere, as the README sh
 from services.cluster.processes import ServiceProcess  # noqa: E402
 from services.common.etcd_launcher import free_port  # noqa: E402
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc  # noqa: E402
-from services.instance.models.tiny import TINY_SHAPES, build_tiny_model  # noqa: E402
+from services.instance.engine.model_config import ModelConfig  # noqa: E402
+from services.instance.models.tiny import build_tiny_model  # noqa: E402
 
 MODES = ("live", "stop_copy", "recompute")
 TINY_SHAPE = "long-context"
@@ -61,6 +62,7 @@ TOKENS_AFTER = 3  # decoded on the destination after each move
 MAX_STEP_WINDOWS = 5  # windows of TOKENS_BEFORE tokens tried for one decode-step figure
 MIN_STEP_MS = 0.1  # a median inter-token time below this is tokens read in a burst, not decode steps
 MAX_OUTPUT_TOKENS = 4000  # never reached: each request is aborted once measured (a slow, loaded run must not finish it first)
+MIN_OUTPUT_ROOM = 64  # tokens a request may decode at the longest length, where the model's context leaves fewer
 RPC_TIMEOUT_S = 120.0
 
 
@@ -91,16 +93,26 @@ def parse_args() -> argparse.Namespace:
 
 # -- the processes ------------------------------------------------------------------------
 
+def serving_length(lengths: list[int], model_dir: pathlib.Path) -> int:
+    """The instances' --max-model-len: room for every request to go on decoding until it is measured
+    (capped by the model's context, which must leave MIN_OUTPUT_ROOM tokens at the longest length)."""
+    context = ModelConfig.from_dir(model_dir).context_length
+    if context - max(lengths) < MIN_OUTPUT_ROOM:
+        raise SystemExit(f"--lengths: the model serves {context} tokens; the longest length may be "
+                         f"{context - MIN_OUTPUT_ROOM}, leaving {MIN_OUTPUT_ROOM} to decode")
+    return min(context, max(lengths) + MAX_OUTPUT_TOKENS + 64)
+
+
 class Pair:
     """Instances A and B, each with its co-located transfer service (one shared by both for shm and
     auto, as on one host), and open stubs to both."""
 
     def __init__(self, args: argparse.Namespace, model_dir: pathlib.Path, log_dir: pathlib.Path) -> None:
-        max_model_len = max(args.lengths) + MAX_OUTPUT_TOKENS + 64
-        num_blocks = 2 * (max_model_len // args.block_size + 8)  # a migrating request may hold two sets briefly
+        self.max_model_len = serving_length(args.lengths, model_dir)
+        num_blocks = 2 * (self.max_model_len // args.block_size + 8)  # a migrating request may hold two sets briefly
         transfer_of = {"a": "ab", "b": "ab"} if args.backend in ("shm", "auto") else {"a": "a", "b": "b"}
         self.transfers = {name: _transfer(f"t{name}", args, log_dir) for name in dict.fromkeys(transfer_of.values())}
-        self.instances = {name: _instance(name, self.transfers[transfer].address, args, model_dir, max_model_len,
+        self.instances = {name: _instance(name, self.transfers[transfer].address, args, model_dir, self.max_model_len,
                                           num_blocks, log_dir) for name, transfer in transfer_of.items()}
         self.stubs: dict[str, instance_pb2_grpc.InstanceServiceStub] = {}
         self._channels: list[grpc.aio.Channel] = []
@@ -247,8 +259,8 @@ async def measure_one(pair: Pair, length: int, index: int, rng: random.Random) -
     request_id = f"len{length}-{index}"
     prompt = [rng.randrange(10, 500) for _ in range(length - TOKENS_BEFORE - 2)]  # `length` tokens when it moves
     trace = Trace(request_id)
-    reader = asyncio.create_task(follow(pair, trace, generate(pair.stubs["a"], request_id, prompt, MAX_OUTPUT_TOKENS),
-                                        "a"))
+    max_tokens = min(MAX_OUTPUT_TOKENS, pair.max_model_len - len(prompt))
+    reader = asyncio.create_task(follow(pair, trace, generate(pair.stubs["a"], request_id, prompt, max_tokens), "a"))
     try:
         await trace.wait_for(2)  # past the prefill
         step_ms = await trace.decode_step_ms(TOKENS_BEFORE) or await instance_step_ms(pair, "a")
@@ -305,8 +317,6 @@ async def run(args: argparse.Namespace) -> list[Sample]:
     work_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-downtime-"))
     print(f"logs: {work_dir / 'logs'}", flush=True)
     model_dir = args.model or build_tiny_model(work_dir / "model", TINY_SHAPE)
-    if args.model is None and TINY_SHAPES[TINY_SHAPE].max_position_embeddings < max(args.lengths):
-        raise SystemExit(f"--lengths: the tiny model allows {TINY_SHAPES[TINY_SHAPE].max_position_embeddings} tokens")
     pair = Pair(args, model_dir, work_dir / "logs")
     rng = random.Random(args.seed)
     samples = []

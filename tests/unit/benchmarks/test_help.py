@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import pathlib
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
-SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
+from tests.unit.benchmarks.loading import SCRIPTS, load_benchmark
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,10 +22,7 @@ def built_parser(script: pathlib.Path, monkeypatch) -> argparse.ArgumentParser:
     def catch(parser, *args, **kwargs):
         raise Parsed(parser)
 
-    spec = importlib.util.spec_from_file_location(f"bench_{script.stem}", script)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
+    module = load_benchmark(script, monkeypatch)
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
     with pytest.raises(Parsed) as caught:
         (getattr(module, "parse_args", None) or module.main)()

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 import structlog
-from etcd3aio import Etcd3Client, EtcdError
+from etcd3aio import Etcd3Client, EtcdConnectionError, EtcdError, EtcdTransientError
 
 from services.common.auth import read_token
 from services.common.config import knob
@@ -31,6 +31,8 @@ from services.common.periodic import periodic_loop
 log = structlog.get_logger(__name__)
 
 ETCD_ERRORS: tuple[type[BaseException], ...] = (EtcdError, grpc.aio.AioRpcError, TimeoutError)
+# what waiting may mend (etcd down, starting, or slow); refused credentials or permissions it does not
+ETCD_UNREACHABLE_ERRORS: tuple[type[BaseException], ...] = (EtcdConnectionError, EtcdTransientError, TimeoutError)
 DEFAULT_RPC_TIMEOUT_S = 2.0
 TOKEN_REFRESH_S = 30.0
 
@@ -92,6 +94,18 @@ class EtcdKnobs:
         return EtcdAccess(ca_file=self.etcd_ca, cert_file=self.etcd_cert, key_file=self.etcd_key,
                           server_name=self.etcd_server_name, user=self.etcd_user,
                           password=read_token(self.etcd_password, self.etcd_password_file, "etcd-password"))
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdStartupKnobs:
+    """How long a service that registers in etcd waits for it at startup (mixed into its config)."""
+
+    etcd_wait_s: float = knob(60.0, "at startup, how long to wait for etcd to answer before exiting 1 (0: at "
+                                    "once); a service that loses etcd later keeps running and re-registers")
+
+    def check_etcd_wait(self) -> None:
+        if not 0 <= self.etcd_wait_s <= 86400:
+            raise ValueError(f"--etcd-wait-s must be 0..86400 seconds, got {self.etcd_wait_s}")
 
 
 class _AuthenticatedClient(Etcd3Client):

@@ -25,8 +25,10 @@ from etcd3aio.kv import KVService
 
 from services.common.backoff import Backoff
 from services.common.errors import Unavailable
-from services.common.etcd_client import DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, EtcdAccess, Lease, connect_etcd
+from services.common.etcd_client import (DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, ETCD_UNREACHABLE_ERRORS, EtcdAccess,
+                                         Lease, connect_etcd)
 from services.common.membership import MembershipView
+from services.common.startup import StoppedBeforeReady
 
 log = structlog.get_logger(__name__)
 
@@ -37,6 +39,17 @@ RegistrationCallback = Callable[[bool], None]
 
 def cluster_prefix(cluster: str) -> str:
     return f"/ferry/{cluster}/"
+
+
+async def _pause(delay_s: float, stop: asyncio.Event | None) -> None:
+    """Sleep `delay_s`; StoppedBeforeReady as soon as `stop` is set."""
+    if stop is None:
+        await asyncio.sleep(delay_s)
+        return
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), delay_s)
+    if stop.is_set():
+        raise StoppedBeforeReady("stopped while waiting for etcd")
 
 
 class Registry:
@@ -75,6 +88,30 @@ class Registry:
         return self._lease.lease_id if self._lease else None
 
     # -- registration ------------------------------------------------------------------
+
+    async def wait_until_reachable(self, wait_s: float, stop: asyncio.Event | None = None) -> None:
+        """At startup: return once etcd answers a read of this cluster's keys, trying for at most
+        `wait_s` seconds (--etcd-wait-s); then raise Unavailable, or StoppedBeforeReady once `stop`
+        is set. An etcd that refuses our credentials or permissions is reported at once: waiting
+        would not mend it."""
+        deadline = time.monotonic() + wait_s
+        backoff = Backoff.up_to(2.0, initial_s=0.2)
+        while True:
+            try:
+                client = await self._connect()
+                await client.kv.get(cluster_prefix(self.cluster), timeout=self._rpc_timeout_s)
+            except ETCD_UNREACHABLE_ERRORS as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Unavailable(f"etcd at {','.join(self.endpoints)} did not answer within --etcd-wait-s "
+                                      f"{wait_s:g}: {exc!r}; check that etcd runs there (--etcd-endpoints)") from exc
+                if not backoff.num_attempts:
+                    log.warning("etcd_not_answering_waiting", endpoints=self.endpoints, wait_s=wait_s, error=repr(exc))
+                await _pause(min(backoff.next_delay(), left), stop)
+            else:
+                if backoff.num_attempts:
+                    log.info("etcd_answered", endpoints=self.endpoints, num_attempts=backoff.num_attempts + 1)
+                return
 
     async def register(self, kind: str, member_id: str, value: dict[str, Any]) -> None:
         """Put the key under this registry's lease and keep it there until close().

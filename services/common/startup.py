@@ -27,10 +27,17 @@ class StartupError(Exception):
     """The service cannot start as configured; the message says which flag or resource to fix."""
 
 
+class StoppedBeforeReady(Exception):
+    """SIGINT/SIGTERM came while the service was still waiting to start (for etcd): it exits 0."""
+
+
 def run_service(main: Coroutine[Any, Any, None]) -> None:
     try:
         asyncio.run(_quiet_about_watch_teardown(main))
     except Exception as exc:  # noqa: BLE001 — re-raised unless it is a failure we can name
+        if _is_stopped_before_ready(exc):
+            log.info("stopped_before_ready")
+            return
         failure = _named_failure(exc)
         if failure is None:
             raise
@@ -54,6 +61,12 @@ def _named_failure(exc: BaseException) -> StartupError | FerryError | None:
         failures = [_named_failure(inner) for inner in exc.exceptions]
         return failures[0] if failures and all(f is not None for f in failures) else None
     return None
+
+
+def _is_stopped_before_ready(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return bool(exc.exceptions) and all(_is_stopped_before_ready(inner) for inner in exc.exceptions)
+    return isinstance(exc, StoppedBeforeReady)
 
 
 def start_metrics_server(port: int, host: str = "0.0.0.0") -> None:

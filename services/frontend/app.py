@@ -45,6 +45,8 @@ async def main(config: FrontendConfig) -> None:
         raise StartupError(str(exc)) from exc
     registry = Registry(config.etcd_endpoints, config.cluster,
                         access=config.etcd_access) if config.etcd_endpoints else None
+    if registry is not None:
+        await registry.wait_until_reachable(config.etcd_wait_s)
     membership, leader = await watch_cluster(config, registry)
     metrics = FrontendMetrics()
     metrics.watch_staleness(lambda: membership.staleness_s)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.config import knob, parse_config
-from services.common.etcd_client import EtcdKnobs
+from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.tls import ClientTlsKnobs
 from services.common.logging import LogKnobs
 
@@ -17,7 +17,7 @@ MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
-class FrontendConfig(EtcdKnobs, ClientTlsKnobs, LogKnobs):
+class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, ClientTlsKnobs, LogKnobs):
     """The OpenAI-compatible HTTP API of a ferry cluster (completions, chat, streaming)."""
 
     model: pathlib.Path = knob(pathlib.Path("models/smollm2-135m-instruct"), "model folder (config.json, tokenizer.json, tokenizer_config.json) the cluster serves")
@@ -54,6 +54,7 @@ class FrontendConfig(EtcdKnobs, ClientTlsKnobs, LogKnobs):
     def __post_init__(self) -> None:
         self.tls.check()
         self.etcd_access.check()
+        self.check_etcd_wait()
         for name in ("max_body_bytes", "max_inflight", "dispatch_timeout_s", "generate_timeout_s", "abort_timeout_s",
                      "keepalive_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:

@@ -108,6 +108,7 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
             if link is not None:
                 background.append(tasks.create_task(transfer_mapping_loop(link, instance_id, loaded.kv_cache)))
             if registry is not None:
+                await registry.wait_until_reachable(config.etcd_wait_s, stop)
                 await clear_stale_self_drain(registry, instance_id)
                 await registry.register("instances", instance_id, instance_record(identity, loaded, link))
                 servicer.inbox.watch_sources(await registry.watch("instances"))

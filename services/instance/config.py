@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from services.common.config import knob
 from services.instance.engine.device import resolve_device
-from services.common.etcd_client import EtcdKnobs
+from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.tls import TlsKnobs
 from services.common.logging import LogKnobs
 from services.transfer.domain import TransferBackend
@@ -52,7 +52,7 @@ GPU_STEP_TOKENS = 2048  # ... and on a GPU
 
 
 @dataclass(frozen=True, slots=True)
-class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
+class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     """One inference engine with a paged KV cache, served over gRPC (ferry.v1.InstanceService)."""
 
     model: pathlib.Path = knob(pathlib.Path("models/smollm2-135m-instruct"), "Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
@@ -128,6 +128,7 @@ class InstanceConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     def __post_init__(self) -> None:
         self.tls.check()
         self.etcd_access.check()
+        self.check_etcd_wait()
         if self.block_size <= 0:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
         for name in ("sim_step_ms", "sim_prefill_ms_per_token", "sim_decode_ms_per_seq", "engine_stall_timeout_s"):

@@ -108,6 +108,7 @@ def nccl_staging_device(config: TransferConfig) -> torch.device | None:
 async def serve(config: TransferConfig, node: TransferNode, server: GrpcServer, registry: Registry | None) -> None:
     stop = stop_event()
     if registry is not None:
+        await registry.wait_until_reachable(config.etcd_wait_s, stop)
         await _map_from_etcd(registry, node, config.map_instances)
         await registry.register("transfer", node.transfer_id, _record(node))
         await node.on_mappings_changed()  # instances mapped while register() wrote the record

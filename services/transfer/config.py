@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from services.common.config import knob
 from services.common.errors import FailedPrecondition
-from services.common.etcd_client import EtcdKnobs
+from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.heap import DEFAULT_KEEP_MIB
 from services.common.tls import TlsKnobs
 from services.common.logging import LogKnobs
@@ -16,7 +16,7 @@ from services.transfer.domain import DEFAULT_PIECE_BYTES, TransferBackend
 
 
 @dataclass(frozen=True, slots=True)
-class TransferConfig(EtcdKnobs, TlsKnobs, LogKnobs):
+class TransferConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     """Moves KV cache blocks between instances' KV memory (ferry.v1.TransferService)."""
 
     transfer_id: str = knob("", "unique id of this transfer service in the cluster (default: <host>-<port>)")
@@ -64,6 +64,7 @@ class TransferConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     def __post_init__(self) -> None:
         self.tls.check()
         self.etcd_access.check()
+        self.check_etcd_wait()
         if not self.backends:
             raise ValueError("--backends must name at least one of grpc, gloo, nccl, shm")
         if self.default_backend not in self.backends:

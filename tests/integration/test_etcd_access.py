@@ -4,6 +4,7 @@ gets in, a wrong password or no credentials do not."""
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -101,5 +102,13 @@ async def test_authenticated_client_against_etcd_with_auth(auth_etcd):
         await anonymous.close()
     async with Registry([auth_etcd.endpoint], "auth-test", ttl_s=3,
                         access=EtcdAccess(user="root", password=ROOT_PASSWORD)) as registry:
+        await registry.wait_until_reachable(30)
         await registry.register("instances", "i0", {"address": "127.0.0.1:1"})
         assert registry.is_registered
+    for access in (EtcdAccess(user="root", password="wrong"), None):  # refused: the startup wait does not wait
+        refused = Registry([auth_etcd.endpoint], "auth-test", ttl_s=3, access=access)
+        started = time.monotonic()
+        with pytest.raises(ETCD_ERRORS):
+            await refused.wait_until_reachable(30)
+        assert time.monotonic() - started < 10
+        await refused.close()

@@ -51,8 +51,11 @@ def test_a_taken_port(taken_port):
                             "startup_failed", f"--metrics-port {taken_port}")
 
 
-def test_etcd_not_answering_at_registration(tiny_model_dir):
+def test_etcd_not_answering_at_startup(tiny_model_dir):
     etcd = f"127.0.0.1:{free_port()}"
-    assert_one_line_failure(start("transfer", "--etcd-endpoints", etcd), "service_failed", "cannot register", etcd)
+    gave_up = ("did not answer within --etcd-wait-s 1", etcd)
+    assert_one_line_failure(start("transfer", "--etcd-endpoints", etcd, "--etcd-wait-s", "1"), "service_failed",
+                            *gave_up)
     assert_one_line_failure(start("instance", "--model", str(tiny_model_dir), "--etcd-endpoints", etcd,
-                                  "--num-threads", "1", "--num-blocks", "64"), "service_failed", "cannot register", etcd)
+                                  "--etcd-wait-s", "1", "--num-threads", "1", "--num-blocks", "64"), "service_failed",
+                            *gave_up)

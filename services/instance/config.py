@@ -55,7 +55,7 @@ GPU_STEP_TOKENS = 2048  # ... and on a GPU
 class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     """One inference engine with a paged KV cache, served over gRPC (ferry.v1.InstanceService)."""
 
-    model: pathlib.Path = knob(pathlib.Path("models/smollm2-135m-instruct"), "Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
+    model: pathlib.Path = knob(pathlib.Path("models/smollm2-135m-instruct"), "Hugging Face model folder (config.json, *.safetensors or pytorch_model*.bin, tokenizer.json)")
     instance_id: str = knob("", "unique id of this instance in the cluster (default: <host>-<port>)")
     host: str = knob("127.0.0.1", "address to bind the gRPC server to")
     port: int = knob(0, "gRPC port (0 = pick a free one)")

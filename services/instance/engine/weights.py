@@ -1,7 +1,9 @@
-"""Hugging Face safetensors checkpoints → the state dict of `LlamaModel`.
+"""Hugging Face checkpoints → the state dict of `LlamaModel`.
 
-Reads `model.safetensors`, or the shards listed in `model.safetensors.index.json`,
-renames the Hugging Face tensors to the model's and fuses q/k/v and gate/up into
+Reads `model.safetensors`, or the shards listed in `model.safetensors.index.json`; where a
+folder has no safetensors, PyTorch's `pytorch_model.bin` (or the shards of
+`pytorch_model.bin.index.json`), read with `torch.load(weights_only=True)`, which loads
+tensors only, never pickled code. It renames the Hugging Face tensors to the model's and fuses q/k/v and gate/up into
 one matrix each (Phi-3 checkpoints hold them fused already). Tensors are converted to the
 requested dtype as they are read.
 Extra tensors in the checkpoint (e.g. `rotary_emb.inv_freq`) are ignored; a
@@ -10,7 +12,7 @@ missing one is an error that names it.
 
 import json
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 
 import structlog
@@ -23,21 +25,44 @@ log = structlog.get_logger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+PICKLE_INDEX_FILE = "pytorch_model.bin.index.json"
+PICKLE_PATTERN = "pytorch_model*.bin"
+
+
+class _PickleReader:
+    """A `pytorch_model*.bin` file with safe_open's reading interface (tensors memory-mapped)."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self._tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 — any unreadable file is the same error to the operator
+            raise ValueError(f"{path}: not a PyTorch checkpoint of tensors ({exc})") from exc
+
+    def keys(self) -> list[str]:
+        return list(self._tensors)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+
+def _open(path: Path) -> AbstractContextManager:
+    return nullcontext(_PickleReader(path)) if path.suffix == ".bin" else safe_open(path, framework="pt")
 
 
 def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     """Which file holds each tensor name."""
     model_dir = Path(model_dir)
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors"))
+    for index in (model_dir / INDEX_FILE, model_dir / PICKLE_INDEX_FILE):
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob(PICKLE_PATTERN))
     if not files:
-        raise ValueError(f"no *.safetensors in {model_dir}: the torch engine loads safetensors checkpoints only")
+        raise ValueError(f"no *.safetensors (or {PICKLE_PATTERN}) in {model_dir}: "
+                         "the torch engine loads Hugging Face checkpoints")
     names = {}
     for file in files:
-        with safe_open(file, framework="pt") as reader:
+        with _open(file) as reader:
             names.update({name: file for name in reader.keys()})
     return names
 
@@ -82,7 +107,7 @@ def load_state_dict(
         raise ValueError(f"checkpoint in {model_dir} lacks tensors: {shown}")
     state = {}
     with ExitStack() as stack:
-        readers = {f: stack.enter_context(safe_open(f, framework="pt")) for f in set(files.values())}
+        readers = {f: stack.enter_context(_open(f)) for f in set(files.values())}
         for name, parts in sources.items():
             tensors = [readers[files[hf]].get_tensor(hf).to(dtype) for hf in parts]
             state[name] = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).to(device)

@@ -319,6 +319,36 @@ def test_sharded_checkpoint_loads_like_single_file(checkpoint, model, tmp_path):
         torch.testing.assert_close(sharded[name], tensor, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("num_shards", [1, 2])
+def test_pytorch_bin_checkpoint_loads_like_safetensors(checkpoint, num_shards, tmp_path):
+    """Older checkpoints: `pytorch_model.bin`, or shards listed in `pytorch_model.bin.index.json`
+    (as transformers wrote them before safetensors; it no longer does, so they are written here)."""
+    (tmp_path / "config.json").write_text((checkpoint[0] / "config.json").read_text())
+    tensors = checkpoint[1].state_dict()
+    names = sorted(tensors)
+    if num_shards == 1:
+        torch.save(tensors, tmp_path / "pytorch_model.bin")
+    else:
+        files = [f"pytorch_model-0000{i + 1}-of-00002.bin" for i in range(2)]
+        halves = [names[: len(names) // 2], names[len(names) // 2:]]
+        for file, half in zip(files, halves):
+            torch.save({name: tensors[name].clone() for name in half}, tmp_path / file)
+        weight_map = {name: file for file, half in zip(files, halves) for name in half}
+        (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    single = load_model(checkpoint[0], pack_weights=False).state_dict()
+    from_bin = load_model(tmp_path, pack_weights=False).state_dict()
+    assert from_bin.keys() == single.keys()
+    for name, tensor in single.items():
+        torch.testing.assert_close(from_bin[name], tensor, atol=0, rtol=0)
+
+
+def test_a_pickle_that_is_not_tensors_is_refused(checkpoint, tmp_path):
+    (tmp_path / "config.json").write_text((checkpoint[0] / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="not a PyTorch checkpoint of tensors"):
+        load_model(tmp_path, pack_weights=False)
+
+
 def test_packed_weights_give_the_same_logits(checkpoint, model):
     plain = load_model(checkpoint[0], pack_weights=False)
     assert model.lm_head is not None and model.lm_head.packed_weight is not None  # the fixture's model is packed

@@ -28,10 +28,25 @@ class InFlight:
     def __init__(self) -> None:
         self._running: dict[int, tuple[Sequence[ReqState], Sequence[asyncio.Task]]] = {}
         self._next_key = 0
+        self._num_starting = 0  # admitted, not serving yet (tokenizing)
+        self._is_past_grace = False
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """An admitted request still preparing (tokenizing its prompt): the shutdown grace waits for it too."""
+        self._num_starting += 1
+        try:
+            yield
+        finally:
+            self._num_starting -= 1
 
     @contextlib.contextmanager
     def serving(self, states: Sequence[ReqState], tasks: Sequence[asyncio.Task]) -> Iterator[None]:
-        """While the block runs, `states` (fed by `tasks`) count as in flight."""
+        """While the block runs, `states` (fed by `tasks`) count as in flight. Once the shutdown grace
+        has passed, a request only now ready to run is refused (a 503) rather than cut mid-body."""
+        if self._is_past_grace:
+            raise Unavailable("this frontend is shutting down and its grace (--shutdown-grace-s) has passed; "
+                              "retry on another one")
         key, self._next_key = self._next_key, self._next_key + 1
         self._running[key] = (states, tasks)
         try:
@@ -40,10 +55,12 @@ class InFlight:
             del self._running[key]
 
     async def finish_or_cut(self, grace_s: float) -> int:
-        """Wait up to `grace_s` for every generation to end; cut those still running. Returns how many were cut."""
+        """Wait up to `grace_s` for every generation to end, those still starting included; cut those
+        still running. Returns how many were cut."""
         deadline = time.monotonic() + grace_s
-        while self._running and time.monotonic() < deadline:
+        while (self._running or self._num_starting) and time.monotonic() < deadline:
             await asyncio.sleep(POLL_INTERVAL_S)
+        self._is_past_grace = True
         running = list(self._running.values())
         for states, tasks in running:
             await _cut(states, tasks, grace_s)

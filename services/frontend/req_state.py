@@ -97,7 +97,9 @@ class ReqState:
             pending, self._pending = self._pending, []
             for delta in pending:
                 yield delta
-            if self.finish_reason is not None and not self._pending:
+            if self._pending:
+                continue  # published while the consumer held the last ones: before the end or the error
+            if self.finish_reason is not None:
                 return
             if self.error is not None:
                 raise self.error

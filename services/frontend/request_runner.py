@@ -106,12 +106,19 @@ class RequestRunner:
         aborts: dict[InstanceId, Awaitable[None]] = {}  # Aborts sent to instances this request left
         while not state.is_done:
             try:
-                target = await self._dispatcher.pick(spec, excluded)
+                target = await self._dispatcher.pick(_resumed(spec, state), excluded)
+            except Unavailable as exc:
+                if state.num_resumes and self._can_resume(state, exc):  # nobody serves for a moment (a restart)
+                    self._note_resume_without_instance(state, exc)
+                    await asyncio.sleep(self._lone_resume_backoff_s * 2 ** (state.num_resumes - 1))
+                    continue
+                state.fail(exc)
+                return
             except FerryError as exc:
                 state.fail(exc)
                 return
             if (abort := aborts.pop(target.instance_id, None)) is not None:
-                await abort
+                await asyncio.shield(abort)  # a cancelled caller must not cancel the Abort: it frees blocks
             owner = _Owner(target)
             try:
                 await self._follow(owner, state, spec, aborts)
@@ -132,7 +139,7 @@ class RequestRunner:
     async def _follow(self, owner: _Owner, state: ReqState, spec: GenerateSpec,
                       aborts: dict[InstanceId, Awaitable[None]]) -> None:
         """Generate on `owner`, resuming after the tokens `state` holds, then follow its hand-offs."""
-        chunks = self._generated(owner, replace(spec, resume_token_ids=tuple(state.token_ids), resume_text=state.text))
+        chunks = self._generated(owner, _resumed(spec, state))
         try:
             while (handoff := await self._feed(chunks, owner, state)) is not None:
                 self._hand_off(owner, state, handoff)
@@ -207,6 +214,18 @@ class RequestRunner:
         self._on_resume()
         log.warning("stream_resumed", request_id=state.request_id, failed_instance_id=target.instance_id,
                     num_tokens=state.num_output_tokens, num_resumes=state.num_resumes, error=exc.message)
+
+    def _note_resume_without_instance(self, state: ReqState, exc: Unavailable) -> None:
+        """A resume that found no instance to go to counts as one: the next waits longer."""
+        state.num_resumes += 1
+        log.warning("stream_resume_found_no_instance", request_id=state.request_id,
+                    num_tokens=state.num_output_tokens, num_resumes=state.num_resumes, error=exc.message)
+
+
+def _resumed(spec: GenerateSpec, state: ReqState) -> GenerateSpec:
+    """`spec` going on after the tokens `state` holds (the first try: none), as instances and the
+    manager's placement must see it."""
+    return replace(spec, resume_token_ids=tuple(state.token_ids), resume_text=state.text)
 
 
 def with_pinned_seed(spec: GenerateSpec) -> GenerateSpec:

@@ -154,7 +154,7 @@ class FrontendServer:
     async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         arrived_at = time.monotonic()
         parsed = await self._parse(request, endpoint)
-        with self._admitted(parsed.num_choices):
+        with self._admitted(parsed.num_choices), self.in_flight.starting():
             prompts = await asyncio.to_thread(self._model.prompts_token_ids, parsed)
             max_model_len = self._max_model_len()
             resolved = [resolve_max_tokens(parsed, len(ids), max_model_len, index)

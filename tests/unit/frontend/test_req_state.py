@@ -81,3 +81,21 @@ async def test_deltas_raise_the_error_after_what_arrived():
         async for delta in state.deltas():
             seen.append(delta)
     assert [d.token_ids for d in seen] == [(5,)]
+
+
+async def test_deltas_published_before_the_error_reach_the_client_before_it():
+    state = make_state()
+    state.accept(chunk(0, 4))
+    seen = []
+
+    async def consume():
+        async for delta in state.deltas():
+            seen.append(delta.token_ids)
+            await asyncio.sleep(0.05)  # the client is slow to take a chunk (socket write)
+    consumer = asyncio.create_task(consume())
+    await asyncio.sleep(0.01)  # consumer holds token 0, is writing it
+    state.accept(chunk(1, 5))  # token 1 arrives ...
+    state.fail(Unavailable("resumes exhausted"))  # ... then the request fails
+    with pytest.raises(Unavailable):
+        await consumer
+    assert seen == [(4,), (5,)], f"token 1 was accepted (state.token_ids={state.token_ids}) but never yielded"

@@ -12,7 +12,8 @@ from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import FinishReason
 from services.frontend.request_runner import RequestRunner
 
-from tests.unit.frontend.factories import FakeMembership, ScriptedInstances, chunk, entry, make_spec, make_state
+from tests.unit.frontend.factories import (FakeManager, FakeMembership, ScriptedInstances, chunk, entry, make_spec,
+                                           make_state)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -176,3 +177,76 @@ async def test_a_bug_while_serving_fails_the_request_instead_of_leaving_it_waiti
     await asyncio.wait_for(runner.run(state, make_spec()), 5)
     assert isinstance(state.error, Internal) and "UnicodeEncodeError" in state.error.message
     assert state.is_done and instances.aborted == [("a", "cmpl-1")]
+
+
+async def test_a_client_leaving_while_the_resume_waits_for_an_abort_does_not_cancel_it():
+    """The only instance broke a stream; the resume waits for the Abort of the first try. A client
+    that leaves then must not cancel that Abort (it frees the request's blocks there)."""
+    abort_tasks = []
+    release = asyncio.Event()
+
+    class SlowAborts(ScriptedInstances):
+        def abort_soon(self, target, request_id):
+            super().abort_soon(target, request_id)
+
+            async def abort():
+                await release.wait()  # the Abort RPC in flight (a busy instance, a slow network)
+            task = asyncio.get_running_loop().create_task(abort())
+            abort_tasks.append(task)
+            return task
+
+    instances = SlowAborts({"a": ([chunk(0, 4)], Unavailable("stream broke"))})
+    runner = RequestRunner(Dispatcher(None, FakeMembership(entry("a")), cooldown_s=5), instances,
+                           max_resumes=3, resume_backoff_s=0, lone_resume_backoff_s=0)
+    state = make_state()
+    task = asyncio.create_task(runner.run(state, make_spec()))
+    while not abort_tasks:
+        await asyncio.sleep(0)
+    for _ in range(5):
+        await asyncio.sleep(0)  # the runner now awaits the abort before Generate on "a" again
+    task.cancel()  # the client went away
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not abort_tasks[0].cancelled(), "the in-flight Abort of the first try was cancelled with the runner"
+
+
+async def test_resume_dispatch_tells_the_manager_about_the_resumed_tokens():
+    """The manager places a resume by its whole length (prompt + tokens so far) and what is left to generate."""
+    manager = FakeManager(None)  # no answer: the local fallback places it, but we see what was asked
+    instances = ScriptedInstances({"a": ([chunk(0, 4, 5, 6)], Unavailable("died")),
+                                   "b": ([chunk(3, 7, finish=FinishReason.STOP)], None)})
+    dispatcher = Dispatcher(manager, FakeMembership(entry("a"), entry("b")), cooldown_s=5)
+    runner = RequestRunner(dispatcher, instances, max_resumes=3, resume_backoff_s=0)
+    state = make_state()
+    await runner.run(state, make_spec())
+    assert state.token_ids == [4, 5, 6, 7]
+    assert [spec.resume_token_ids for spec, _ in manager.calls] == [(), (4, 5, 6)]
+
+
+async def test_a_resume_that_finds_no_instance_for_a_moment_waits_for_it_within_its_resumes():
+    """One instance, restarted: its key leaves etcd before the restart registers it again. A resume
+    that finds nobody waits (the lone-instance backoff, counted as a resume) instead of failing."""
+    membership = FakeMembership(entry("a"))
+
+    class Restarting(ScriptedInstances):
+        def __init__(self):
+            super().__init__({})
+            self.calls = 0
+
+        async def generate(self, target, spec):
+            self.specs.append((target.instance_id, spec))
+            self.calls += 1
+            if self.calls == 1:
+                yield chunk(0, 4)
+                membership.entries = []  # killed: its key goes with its lease ...
+                asyncio.get_running_loop().call_later(0.15, lambda: membership.entries.append(entry("a")))  # ... restarted
+                raise Unavailable("instance a died")
+            yield chunk(len(spec.resume_token_ids), 5, finish=FinishReason.STOP)
+
+    instances = Restarting()
+    runner = RequestRunner(Dispatcher(None, membership, cooldown_s=5), instances, max_resumes=3,
+                           resume_backoff_s=0.1, lone_resume_backoff_s=0.1)
+    state = make_state()
+    await runner.run(state, make_spec())
+    assert state.error is None, f"failed after {state.num_resumes} of 3 resumes: {state.error.message}"
+    assert state.token_ids == [4, 5]

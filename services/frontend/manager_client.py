@@ -4,6 +4,8 @@ address comes from a `LeaderSource`, the call has a short deadline, and any fail
 
 from __future__ import annotations
 
+import asyncio
+
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -53,18 +55,32 @@ class ManagerClient:
             log.info("manager_dispatch_failed", request_id=spec.request_id, address=self._address,
                      code=exc.code().name, details=exc.details())
             return None
+        except asyncio.CancelledError:
+            if _is_cancelled(asyncio.current_task()):
+                raise  # our caller is cancelled (the client went away)
+            log.info("manager_dispatch_failed", request_id=spec.request_id, address=self._address,
+                     code="CANCELLED", details="the leader moved and its channel was closed")
+            return None  # the call died with the channel the leader moved away from: fall back
         return target_from_proto(response)
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = self._stub = None
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close()
 
     async def _stub_for(self, address: str | None) -> manager_pb2_grpc.ManagerServiceStub | None:
-        if address != self._address:  # the leader moved: drop the old channel
-            await self.close()
-            self._address = address
-            if address:
-                self._channel = secure_or_insecure_channel(address, self._tls)
-                self._stub = manager_pb2_grpc.ManagerServiceStub(self._channel)
-        return self._stub
+        """The stub for the leader at `address`. The switch happens before any await, so concurrent
+        dispatches that see the leader move open one channel between them and close the old one once."""
+        if address == self._address:
+            return self._stub
+        old, self._address = self._channel, address
+        self._channel = secure_or_insecure_channel(address, self._tls) if address else None
+        self._stub = manager_pb2_grpc.ManagerServiceStub(self._channel) if self._channel is not None else None
+        stub = self._stub
+        if old is not None:
+            await old.close()
+        return stub
+
+
+def _is_cancelled(task: asyncio.Task | None) -> bool:
+    return task is not None and task.cancelling() > 0

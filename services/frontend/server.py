@@ -242,8 +242,8 @@ class FrontendServer:
         firsts = [await anext(stream) for stream in streams]  # an early error raises here, before the 200
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                REQUEST_ID_HEADER: request_id})
-        await response.prepare(request)
         try:
+            await response.prepare(request)  # the client may be gone already
             for choice, first in zip(choices, firsts):
                 for chunk in choice.formatter.first_chunks(choice.state):
                     await response.write(sse(chunk))

@@ -61,8 +61,9 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, ClientTlsKnobs, LogKnobs):
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.max_resumes < 0:
             raise ValueError(f"--max-resumes must be >= 0, got {self.max_resumes}")
-        if self.max_handoffs < 0:
-            raise ValueError(f"--max-handoffs must be >= 0, got {self.max_handoffs}")
+        if self.max_handoffs < 1:
+            raise ValueError(f"--max-handoffs must be >= 1 (0 would resume every migrated request by recompute), "
+                             f"got {self.max_handoffs}")
         if self.max_model_len < 0:
             raise ValueError(f"--max-model-len must be >= 0 (0 = from config.json), got {self.max_model_len}")
         if not self.etcd_endpoints and not self.manager_address:

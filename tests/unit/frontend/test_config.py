@@ -36,3 +36,13 @@ def test_rejects_nonsense(capsys):
     with pytest.raises(SystemExit):
         load_config(["--manager-address", "m:1", "--max-inflight", "0"])
     assert "--max-inflight must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-handoffs", "0", "--max-handoffs must be >= 1"),
+    ("--etcd-wait-s", "-1", "--etcd-wait-s must be 0..86400"),
+])
+def test_rejects_values_that_would_break_a_request_or_the_start(flag, value, message, capsys):
+    with pytest.raises(SystemExit):
+        load_config(["--manager-address", "m:1", flag, value])
+    assert message in capsys.readouterr().err

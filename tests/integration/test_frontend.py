@@ -343,7 +343,10 @@ async def test_stop_token_ids_end_the_output_at_the_first_of_them(client):
                                          extra_body={"return_token_ids": True, "ignore_eos": True, **extra})
     plain = (await create()).choices[0].model_dump()["token_ids"]
     stop_id = plain[4]
-    stopped = (await create(stop_token_ids=[stop_id, 100000])).choices[0]
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids: token id 100000 is outside the vocabulary"):
+        await create(stop_token_ids=[stop_id, 100000], min_tokens=2)  # it would index the logits (min_tokens)
+    unused = next(t for t in range(511, 0, -1) if t not in plain)  # in the vocabulary, never generated here
+    stopped = (await create(stop_token_ids=[stop_id, unused])).choices[0]
     assert stopped.model_dump()["token_ids"] == plain[:plain.index(stop_id) + 1]  # the stop token is kept
     assert stopped.finish_reason == "stop"
     first = plain.index(stop_id)

@@ -223,7 +223,8 @@ def engine_spec(config: InstanceConfig, kv_name: str) -> EngineSpec:
                       max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.step_token_budget,
                       max_model_len=config.max_model_len, sim_latency=_sim_latency(config),
                       enable_prefix_caching=config.enable_prefix_caching, device=resolve_device(config.device),
-                      priority_headroom_blocks=config.priority_headroom_blocks)
+                      priority_headroom_blocks=config.priority_headroom_blocks,
+                      max_num_waiting=config.max_waiting_requests)
 
 
 def _sim_latency(config: InstanceConfig) -> SimLatency | None:

@@ -80,6 +80,8 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     num_blocks: int = knob(0, "KV cache blocks (0 = size from --kv-cache-mib)")
     kv_cache_mib: int = knob(512, "KV cache size in MiB when --num-blocks is 0")
     max_num_seqs: int = knob(64, "most requests running in one batch")
+    max_waiting_requests: int = knob(1024, "new requests queued for a batch slot beyond which Generate is refused "
+                                           "with RESOURCE_EXHAUSTED (a 429 from the frontend); 0 = no bound")
     max_num_batched_tokens: int = knob(0, "most tokens (prefill chunks + decodes) in one engine step: a long prompt "
                                           "is prefilled in chunks of about this size, and the decoding requests "
                                           "beside it wait one chunk per step (0 = 512 on the CPU, 2048 on a GPU)")
@@ -140,6 +142,8 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
             raise ValueError(f"--kv-cache-mib must be positive, got {self.kv_cache_mib}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"--max-waiting-requests must be >= 0 (0 = no bound), got {self.max_waiting_requests}")
         if self.max_num_batched_tokens < 0:
             raise ValueError(f"--max-num-batched-tokens must be positive (or 0 for the device's default), "
                              f"got {self.max_num_batched_tokens}")

@@ -75,6 +75,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # most tokens (prefill chunks + decodes) in one step
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks other requests computed (prefix_cache.py)
     priority_headroom_blocks: int = 0  # blocks each high-priority (priority > 0) request keeps out of freeness
+    max_num_waiting: int = 0  # new requests queued for a batch slot beyond which more are refused; 0 = no bound
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -82,6 +83,8 @@ class EngineConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.priority_headroom_blocks < 0:
             raise ValueError(f"--priority-headroom-blocks must be >= 0, got {self.priority_headroom_blocks}")
+        if self.max_num_waiting < 0:
+            raise ValueError(f"--max-waiting-requests must be >= 0 (0 = no bound), got {self.max_num_waiting}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +162,8 @@ class LLMEngine:
         resumed = [int(t) for t in resume_token_ids]
         sampling.validate(self.config.max_model_len, len(prompt))
         self._check_tokens(prompt, resumed, sampling)
+        if not resumed:
+            self._check_queue_room()
         text = self._new_text(prompt, sampling)
         if resume_text is None:
             text.prime(resumed)
@@ -486,6 +491,15 @@ class LLMEngine:
                     tokens[output.request_id] += output.new_token_ids
                     num_unfinished -= output.finish_reason is not None
         return [tokens[request_id] for request_id in request_ids]
+
+    def _check_queue_room(self) -> None:
+        """A new request past the waiting-queue bound is refused (resumed ones never are: their streams
+        are already under way, and the cluster holds them anyway)."""
+        num_waiting = len(self.scheduler.waiting)
+        if self.config.max_num_waiting and num_waiting >= self.config.max_num_waiting:
+            raise ResourceExhausted(f"{num_waiting} requests are already waiting for a batch slot on this "
+                                    f"instance (--max-waiting-requests {self.config.max_num_waiting}); "
+                                    "retry later or on another instance")
 
     def _check_tokens(self, prompt: tuple[int, ...], resumed: list[int], sampling: SamplingParams) -> None:
         for field, ids in (("prompt_token_ids", prompt), ("resume_token_ids", resumed),

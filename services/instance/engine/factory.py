@@ -40,6 +40,7 @@ class EngineSpec:
     sim_latency: SimLatency | None = None  # set: the sim engine, with this latency model
     enable_prefix_caching: bool = True
     priority_headroom_blocks: int = 0  # EngineConfig.priority_headroom_blocks
+    max_num_waiting: int = 0  # EngineConfig.max_num_waiting
     device: torch.device = torch.device("cpu")  # the torch engine's weights and KV cache (the sim engine: cpu)
 
 
@@ -70,7 +71,8 @@ def build_engine(spec: EngineSpec) -> LoadedEngine:
     engine_config = EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len, block_size=spec.block_size,
                                  max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                                  enable_prefix_caching=spec.enable_prefix_caching,
-                                 priority_headroom_blocks=spec.priority_headroom_blocks)
+                                 priority_headroom_blocks=spec.priority_headroom_blocks,
+                                 max_num_waiting=spec.max_num_waiting)
     engine = LLMEngine(model, Tokenizer.from_dir(spec.model_dir), kv_cache, engine_config)
     return LoadedEngine(engine, kv_cache, max_model_len)
 

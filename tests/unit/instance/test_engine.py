@@ -55,7 +55,8 @@ def make_engine() -> Iterator[Callable[..., LLMEngine]]:
 
     def make(tiny: Tiny, num_blocks: int = 256, block_size: int = 4, max_num_seqs: int = 16,
              max_num_batched_tokens: int = 512, max_model_len: int = 1024,
-             enable_prefix_caching: bool = True, priority_headroom_blocks: int = 0) -> LLMEngine:
+             enable_prefix_caching: bool = True, priority_headroom_blocks: int = 0,
+             max_num_waiting: int = 0) -> LLMEngine:
         c = tiny.model.config
         geometry = KvGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, num_blocks,
                               torch.float32)
@@ -64,7 +65,7 @@ def make_engine() -> Iterator[Callable[..., LLMEngine]]:
         config = EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len, block_size=block_size,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               enable_prefix_caching=enable_prefix_caching,
-                              priority_headroom_blocks=priority_headroom_blocks)
+                              priority_headroom_blocks=priority_headroom_blocks, max_num_waiting=max_num_waiting)
         return LLMEngine(tiny.model, tiny.tokenizer, cache, config)
 
     yield make
@@ -378,6 +379,20 @@ def test_invalid_requests_name_the_field(gqa, make_engine):
     with pytest.raises(InvalidArgument, match="request_id"):
         engine.add_request("r", [1, 2], GREEDY)
     assert engine.block_manager.num_free_blocks == 8
+
+
+def test_the_waiting_queue_is_bounded_for_new_requests_only(gqa, make_engine):
+    engine = make_engine(gqa, max_num_seqs=1, max_num_waiting=2)
+    engine.add_request("a", [1, 2], GREEDY)
+    engine.add_request("b", [1, 2], GREEDY)
+    with pytest.raises(ResourceExhausted, match="2 requests are already waiting.*--max-waiting-requests 2"):
+        engine.add_request("c", [1, 2], GREEDY)
+    engine.add_request("resumed", [1, 2], replace(GREEDY, max_tokens=8), resume_token_ids=[3])  # a stream under way
+    engine.step()  # "a" runs; "b" and "resumed" wait
+    with pytest.raises(ResourceExhausted):
+        engine.add_request("c", [1, 2], GREEDY)
+    engine.abort("b")
+    engine.add_request("c", [1, 2], GREEDY)
 
 
 def test_logprobs_in_outputs(gqa, make_engine):

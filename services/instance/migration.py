@@ -146,6 +146,7 @@ class _Attempt:
     num_bytes: int = 0
     suspended_at: float | None = None
     committed_at: float | None = None
+    stream: object | None = None  # the request's client stream when the migration began (an abort drops it)
 
     def pending(self, view: MigrationBlocks, full_only: bool) -> list[int]:
         """Block-table indexes whose current source block is not copied yet (all once a preemption moved them),
@@ -196,10 +197,10 @@ class MigrationDriver:
 
     async def _migrate(self, migration_id: str, plan: MigrateOutPlan) -> MigrationResult:
         try:
-            request_id = await self._pick(plan)
-            self._moving.add(request_id)
+            request_id = await self._pick(plan)  # now in _moving: no other migration may suspend it
             attempt = _Attempt(migration_id, request_id, plan, self._peers(plan.dst_address),
-                               plan.backend or self._settings.transfer_backend)
+                               plan.backend or self._settings.transfer_backend,
+                               stream=self._runner.stream(request_id))
             try:
                 return await self._move(attempt)
             except BaseException as exc:
@@ -213,11 +214,16 @@ class MigrationDriver:
             self._slots.release(migration_id)
 
     async def _pick(self, plan: MigrateOutPlan) -> str:
+        """The request to move, claimed in `_moving` (the caller discards it) before any await that could
+        let a second migration claim it too."""
         if plan.request_id:
-            if plan.request_id in self._moving:
-                raise FailedPrecondition(f"request {plan.request_id} is already migrating; wait for it to end")
-            await self._wait_for_client(plan.request_id)
-            await self._runner.call(lambda: self._runner.engine.check_movable(plan.request_id))
+            self._claim(plan.request_id)
+            try:
+                await self._wait_for_client(plan.request_id)
+                await self._runner.call(lambda: self._runner.engine.check_movable(plan.request_id))
+            except BaseException:
+                self._moving.discard(plan.request_id)
+                raise
             return plan.request_id
         exclude = frozenset(self._moving) | plan.exclude_request_ids | self._runner.unattached_request_ids()
         request_id = await self._runner.call(lambda: self._runner.engine.pick_for_migration(plan.selection, exclude))
@@ -226,7 +232,13 @@ class MigrationDriver:
                                      "(none decoding or waiting); try again once it has")
         if request_id in self._moving:  # another migration picked it while we asked: it alone may suspend it
             raise Aborted(f"request {request_id} was picked by another migration meanwhile; try again")
+        self._claim(request_id)
         return request_id
+
+    def _claim(self, request_id: str) -> None:
+        if request_id in self._moving:
+            raise FailedPrecondition(f"request {request_id} is already migrating; wait for it to end")
+        self._moving.add(request_id)
 
     async def _wait_for_client(self, request_id: str) -> None:
         """A request that migrated in moves on only once its client attached here (it would follow
@@ -247,6 +259,7 @@ class MigrationDriver:
         await self._reserve(a, view, RESERVATION_HEADROOM_BLOCKS)  # fresh now, so the paused copy asks nothing
         view, state = await self._suspend(a, lambda engine: engine.suspend(a.request_id))
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
+        self._check_not_aborted(a)
         await a.peer.commit_migrate_in(a.migration_id, state)
         a.committed_at = time.perf_counter()
         await self._hand_off(a, state)
@@ -260,6 +273,7 @@ class MigrationDriver:
             view, state = await self._suspend(a, lambda engine: engine.suspend_held(a.request_id))
         await self._reserve(a, view, 0)  # first: the blocks the destination has cached need no copy
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
+        self._check_not_aborted(a)
         await a.peer.commit_migrate_in(a.migration_id, state)
         a.committed_at = time.perf_counter()
         await self._hand_off(a, state)
@@ -279,6 +293,15 @@ class MigrationDriver:
             a.num_live_stages += 1
         return view
 
+    def _check_not_aborted(self, a: _Attempt) -> None:
+        """Before the commit, on the event loop: an abort of the request (its client left) drops its
+        stream here at once and frees its blocks on the engine thread soon after, where another request
+        may write into them, maybe while they were being copied. So a request whose stream is gone is not
+        committed: the destination would take those blocks, and cache them under the request's hashes."""
+        if self._runner.stream(a.request_id) is not a.stream:
+            raise Aborted(f"request {a.request_id} was aborted during its last copy to {a.plan.dst_instance_id}; "
+                          "nothing left to move")
+
     async def _suspend(self, a: _Attempt, suspend: Callable[[LLMEngine], MigrationBlocks]
                        ) -> tuple[MigrationBlocks, RequestState]:
         """Take the request out of the batch at the next step boundary and export its state in the
@@ -288,8 +311,11 @@ class MigrationDriver:
         def suspend_and_export() -> tuple[MigrationBlocks, RequestState, float]:
             view = suspend(engine)
             return view, engine.export_state(a.request_id), time.perf_counter()
-        a.suspended_at = time.perf_counter()  # from here on, a failure resumes it (only we suspend it: _moving)
-        view, state, a.suspended_at = await self._engine_call(a, suspend_and_export)
+        try:
+            view, state, a.suspended_at = await self._engine_call(a, suspend_and_export)
+        except asyncio.CancelledError:  # the suspend may have run: resume it if so (only we suspend it: _moving)
+            a.suspended_at = time.perf_counter()
+            raise
         return view, state
 
     async def _view(self, a: _Attempt, is_first: bool = False) -> MigrationBlocks:

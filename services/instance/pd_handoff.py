@@ -89,14 +89,17 @@ class DecodeHandoff:
     def note_prefilled(self, request_id: str, held: HeldRequest | None = None) -> None:
         """The request's first token was delivered (on the event loop): queue its hand-off.
         `held`: the runner parked it already, in the step that made the token."""
-        if self.is_pushing and request_id not in self._pending:
-            self._pending.add(request_id)
-            if held is not None:
-                self._held[request_id] = held
-            else:  # parked at the next step boundary: it decodes on the decode instance
-                engine = self._runner.engine
-                self._runner.call_soon(lambda: engine.hold(request_id))
-            self._queue.put_nowait(request_id)
+        engine = self._runner.engine
+        if not self.is_pushing or request_id in self._pending:
+            if held is not None:  # parked for a hand-off that will not run (the role changed since): decode here
+                self._runner.call_soon(lambda: engine.resume(request_id))
+            return
+        self._pending.add(request_id)
+        if held is not None:
+            self._held[request_id] = held
+        else:  # parked at the next step boundary: it decodes on the decode instance
+            self._runner.call_soon(lambda: engine.hold(request_id))
+        self._queue.put_nowait(request_id)
 
     async def move_decoding(self) -> int:
         """Queue every request decoding here (the role became PREFILL); how many."""

@@ -178,12 +178,28 @@ class EngineRunner:
         stream = RequestStream(request_id, asyncio.Queue(), epoch=epoch, is_attached=is_attached,
                                is_prefilling=epoch == 0)
         self._streams[request_id] = stream  # before admission: the first step may deliver at once
+        admitted = threading.Event()
+
+        def admit_and_note() -> None:
+            admit()
+            admitted.set()
         try:
-            await self.call(admit)
+            await self.call(admit_and_note)
+        except asyncio.CancelledError:
+            # The caller left (a client gone, an RPC deadline) with the admission queued: it still runs on the
+            # engine thread, and the request must not run there with no stream. Commands run in order, so
+            # this one comes after it.
+            self._drop_stream(stream)
+            self.call_soon(lambda: admitted.is_set() and self._engine.abort(request_id))
+            raise
         except BaseException:
-            self._streams.pop(request_id, None)
+            self._drop_stream(stream)
             raise
         return stream
+
+    def _drop_stream(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
 
     def abort_soon(self, stream: RequestStream) -> None:
         """Abort `stream`'s request without waiting (safe from a cancelled coroutine's finally block).

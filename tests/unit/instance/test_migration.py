@@ -6,6 +6,7 @@ block may stay held anywhere."""
 import asyncio
 import dataclasses
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -20,10 +21,12 @@ from services.instance.engine.migration_state import RequestState
 from services.instance.engine.model import load_model
 from services.instance.engine.request import FinishReason, SamplingParams
 from services.instance.engine.tokenizer import Tokenizer
+from services.instance.config import InstanceRole, PdHandoff
 from services.instance.handoff import Handoff
 from services.instance.migration import MigrateOutPlan, MigrationDriver, MigrationSettings, Reservation
 from services.instance.migration_in import MigrationInbox, TransferEndpoint
 from services.instance.migration_slots import MigrationSlots
+from services.instance.pd_handoff import DecodeHandoff
 from services.instance.runner import EngineRunner, RequestStream
 from services.transfer.domain import BlockTransfer, TransferBackend, TransferResult
 
@@ -472,3 +475,98 @@ async def test_a_request_whose_client_never_follows_stays_put(pair, monkeypatch)
     last = await read(b.inbox.attach("r", handoff.epoch), tokens)
     assert last.finish_reason is FinishReason.LENGTH
     await assert_no_blocks_held(a, b)
+
+
+async def test_a_client_leaving_during_the_last_copy_ends_the_migration_and_caches_nothing_wrong(pair):
+    """The source frees an aborted request's blocks at once, and another request may write into them while
+    they are copied: the migration must not commit what it copied, or the destination would cache another
+    request's K/V under this one's block hashes (and serve later requests sharing the prefix from it)."""
+    a, b = pair
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    peer, copier = FaultyPeer(b), TensorCopier(a, b, pause=asyncio.Event())
+    migration = asyncio.create_task(driver(a, peer, copier).migrate_out(dataclasses.replace(plan(), max_stages=0)))
+    while not copier.num_calls:  # suspended; its one stop-and-copy stage is about to read the blocks
+        await asyncio.sleep(0.01)
+    context = PROMPT + tokens
+    await a.runner.abort("r")  # the client went away: the blocks are free now ...
+    filler = [((i * 7919) % 500) + 1 for i in range(600)]
+    overwrite = await a.runner.add("s", filler, dataclasses.replace(greedy, max_tokens=1))
+    await read(overwrite, [])  # ... and another request's K/V fill them
+    copier.pause.set()
+    with pytest.raises(Aborted, match="aborted during its last copy"):
+        await migration
+    assert "commit_migrate_in" not in peer.calls
+    prompt = context[:48] + [3, 5]  # shares the migrated request's full blocks
+    expected, got = [], []
+    await read(await a.runner.add("q-ref", prompt, greedy), expected)
+    await read(await b.runner.add("q", prompt, greedy), got)
+    assert got == expected
+    await assert_no_blocks_held(a, b)
+
+
+async def test_a_commit_cancelled_during_its_import_leaves_no_copy_running_on_the_destination(pair):
+    """gRPC cancels CommitMigrateIn's handler at the source's deadline; the import queued on the engine
+    thread still runs. The request must not go on there with no stream (holding blocks and a batch slot,
+    and refusing a later resume or migration under its id)."""
+    a, b = pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    peer = FaultyPeer(b)
+
+    async def commit_past_its_deadline(migration_id, state):
+        b.runner.call_soon(lambda: time.sleep(0.5))  # the destination's engine is in a long step
+        handler = asyncio.create_task(b.inbox.commit(migration_id, state))
+        while b.runner.stream(state.request_id) is None:  # the import is queued on the engine thread
+            await asyncio.sleep(0.001)
+        handler.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        raise Unavailable("deadline exceeded: CommitMigrateIn")
+
+    peer.commit_migrate_in = commit_past_its_deadline
+    with pytest.raises(Unavailable):
+        await driver(a, peer, TensorCopier(a, b)).migrate_out(plan())
+    assert await b.runner.call(lambda: [r.request_id for r in b.engine.list_requests()]) == []  # after the import
+    await read(stream, tokens)  # finished on the source
+    assert tokens == await reference(a)
+    await assert_no_blocks_held(a, b)
+
+
+async def test_two_migrations_naming_one_request_move_it_once(pair):
+    """With --max-concurrent-migrations 2 (an operator's Migrate and a drain's, say), the second is refused
+    and leaves the request to the first, which it must not resume under it."""
+    a, b = pair
+    a.slots = MigrationSlots(2)
+    b.slots = MigrationSlots(2)
+    b.inbox = MigrationInbox(b.runner, b.slots, timeout_s=5.0, transfer=TransferEndpoint("127.0.0.1:1", "tb"))
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    mover = driver(a, FaultyPeer(b), TensorCopier(a, b))
+    results = await asyncio.gather(mover.migrate_out(plan()), mover.migrate_out(plan()), return_exceptions=True)
+    refused = [r for r in results if isinstance(r, BaseException)]
+    assert len(refused) == 1 and isinstance(refused[0], FailedPrecondition), results
+    last = await read(stream, tokens)
+    assert isinstance(last, Handoff) and last.next_token_index == len(tokens)
+    await read(b.inbox.attach("r", last.epoch), tokens)
+    assert tokens == await reference(a)
+    await assert_no_blocks_held(a, b)
+
+
+async def test_a_request_parked_for_a_hand_off_that_no_longer_runs_decodes_here(pair):
+    """PD push: the step that makes the first token parks the request (the role was PREFILL); a SetRole
+    handled before that token reaches the event loop ends pushing. The request must decode here, not stay
+    parked with its blocks and batch slot until its client gives up."""
+    a, _ = pair
+    role = {"now": InstanceRole.DECODE}  # switched between the engine thread's look and the delivery
+    handoff = DecodeHandoff("a", a.runner, driver(a, None, None), placer=object(), mode=PdHandoff.PUSH,
+                            role=lambda: role["now"])
+    a.runner.holds_first_tokens = lambda: True  # what the engine thread saw a moment before
+    a.runner.on_prefilled = handoff.note_prefilled
+    tokens: list[int] = []
+    await read(await a.runner.add("r", PROMPT, SAMPLING), tokens)
+    assert tokens == await reference(a)

@@ -183,8 +183,8 @@ class MigrationInbox:
         if incoming is None:
             return False
         if incoming.epoch is None:
-            self._forget(migration_id)
-            return await self._free_fenced(incoming)
+            self._forget(migration_id)  # from here on only _free_fenced knows the blocks: it must finish
+            return await asyncio.shield(self._free_fenced(incoming))
         stream = self._runner.stream(incoming.request_id)
         self._forget(migration_id)
         if stream is None or stream.is_attached or stream.epoch != incoming.epoch:

@@ -309,8 +309,12 @@ class MigrationDriver:
         engine = self._runner.engine
 
         def suspend_and_export() -> tuple[MigrationBlocks, RequestState, float]:
-            view = suspend(engine)
-            return view, engine.export_state(a.request_id), time.perf_counter()
+            view = suspend(engine)  # raises if the request cannot be suspended (then it is not ours to resume)
+            try:
+                return view, engine.export_state(a.request_id), time.perf_counter()
+            except BaseException:
+                engine.resume(a.request_id)
+                raise
         try:
             view, state, a.suspended_at = await self._engine_call(a, suspend_and_export)
         except asyncio.CancelledError:  # the suspend may have run: resume it if so (only we suspend it: _moving)

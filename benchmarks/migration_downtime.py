@@ -62,7 +62,7 @@ TOKENS_AFTER = 3  # decoded on the destination after each move
 MAX_STEP_WINDOWS = 5  # windows of TOKENS_BEFORE tokens tried for one decode-step figure
 MIN_STEP_MS = 0.1  # a median inter-token time below this is tokens read in a burst, not decode steps
 MAX_OUTPUT_TOKENS = 4000  # never reached: each request is aborted once measured (a slow, loaded run must not finish it first)
-MIN_OUTPUT_ROOM = 64  # tokens a request may decode at the longest length, where the model's context leaves fewer
+MIN_OUTPUT_ROOM = 128  # tokens left to decode at the longest length: 2 + 5 step windows of 10, 3 + 3 + 1 after the moves, and what decodes during the live stages
 RPC_TIMEOUT_S = 120.0
 
 

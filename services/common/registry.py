@@ -19,12 +19,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import grpc
 import structlog
 from etcd3aio import Etcd3Client, prefix_range_end
 from etcd3aio.kv import KVService
 
 from services.common.backoff import Backoff
-from services.common.errors import Unavailable
+from services.common.errors import FailedPrecondition, Unavailable
 from services.common.etcd_client import (DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, ETCD_UNREACHABLE_ERRORS, EtcdAccess,
                                          Lease, connect_etcd)
 from services.common.membership import MembershipView
@@ -39,6 +40,13 @@ RegistrationCallback = Callable[[bool], None]
 
 def cluster_prefix(cluster: str) -> str:
     return f"/ferry/{cluster}/"
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    """etcd down, starting or slow (waiting may mend it), as opposed to a refusal."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    return isinstance(exc, ETCD_UNREACHABLE_ERRORS)
 
 
 async def _pause(delay_s: float, stop: asyncio.Event | None) -> None:
@@ -100,7 +108,10 @@ class Registry:
             try:
                 client = await self._connect()
                 await client.kv.get(cluster_prefix(self.cluster), timeout=self._rpc_timeout_s)
-            except ETCD_UNREACHABLE_ERRORS as exc:
+            except ETCD_ERRORS as exc:
+                if not _is_unreachable(exc):  # refused: waiting would not mend it
+                    raise FailedPrecondition(f"etcd at {','.join(self.endpoints)} refused us: {exc!r}; check "
+                                             "--etcd-user/--etcd-password and the user's role") from exc
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise Unavailable(f"etcd at {','.join(self.endpoints)} did not answer within --etcd-wait-s "

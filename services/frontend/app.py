@@ -45,8 +45,9 @@ async def main(config: FrontendConfig) -> None:
         raise StartupError(str(exc)) from exc
     registry = Registry(config.etcd_endpoints, config.cluster,
                         access=config.etcd_access) if config.etcd_endpoints else None
+    stop = stop_event()
     if registry is not None:
-        await registry.wait_until_reachable(config.etcd_wait_s)
+        await registry.wait_until_reachable(config.etcd_wait_s, stop)
     membership, leader = await watch_cluster(config, registry)
     metrics = FrontendMetrics()
     metrics.watch_staleness(lambda: membership.staleness_s)
@@ -61,7 +62,7 @@ async def main(config: FrontendConfig) -> None:
                             max_inflight=config.max_inflight, max_body_bytes=config.max_body_bytes,
                             body_timeout_s=config.body_timeout_s, allowed_origins=config.allowed_origins)
     try:
-        await serve(config, server, registry)
+        await serve(config, server, registry, stop)
     finally:
         await instances.close()
         if manager is not None:
@@ -80,7 +81,8 @@ async def watch_cluster(config: FrontendConfig, registry: Registry | None) -> tu
     return membership, leader
 
 
-async def serve(config: FrontendConfig, server: FrontendServer, registry: Registry | None) -> None:
+async def serve(config: FrontendConfig, server: FrontendServer, registry: Registry | None,
+                stop: asyncio.Event) -> None:
     http = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
                          shutdown_timeout=HANDLERS_EXIT_S, keepalive_timeout=config.keepalive_timeout_s)
     await http.setup()
@@ -97,7 +99,6 @@ async def serve(config: FrontendConfig, server: FrontendServer, registry: Regist
     if registry is not None:
         await registry.register("frontends", frontend_id, {"frontend_id": frontend_id, "address": address,
                                                            "pid": os.getpid(), "host": socket.gethostname()})
-    stop = stop_event()
     log.info("frontend_ready", frontend_id=frontend_id, address=address, model=config.model_name)
     config.print_ready(frontend_id, f"http://{address}")
     await stop.wait()

@@ -40,7 +40,8 @@ from typing import Protocol
 
 import structlog
 
-from services.common.errors import Aborted, FailedPrecondition, FerryError, Internal, NotFound, Unavailable
+from services.common.errors import (Aborted, FailedPrecondition, FerryError, Internal, NotFound, ResourceExhausted,
+                                    Unavailable)
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import GenerateSpec, Handoff, InstanceId, RequestId, Target, TokenChunk
 from services.frontend.req_state import ReqState
@@ -127,6 +128,9 @@ class RequestRunner:
                     excluded.append(owner.target.instance_id)
                     self._note_resume(state, owner.target, exc)
                     await asyncio.sleep(self._resume_backoff(excluded) * 2 ** (state.num_resumes - 1))
+            except ResourceExhausted as exc:  # that instance is full (its waiting queue); another may not be
+                if state.is_done or not self._try_another(state, owner.target, excluded, exc):
+                    state.fail(exc)
             except FerryError as exc:
                 state.fail(exc)
 
@@ -214,6 +218,18 @@ class RequestRunner:
         self._on_resume()
         log.warning("stream_resumed", request_id=state.request_id, failed_instance_id=target.instance_id,
                     num_tokens=state.num_output_tokens, num_resumes=state.num_resumes, error=exc.message)
+
+    def _try_another(self, state: ReqState, target: Target, excluded: list[InstanceId],
+                     exc: ResourceExhausted) -> bool:
+        """Whether to send a request an instance refused as full to another one (within --max-resumes)."""
+        if state.num_resumes >= self._max_resumes or not self._dispatcher.serves_besides([*excluded,
+                                                                                           target.instance_id]):
+            return False
+        excluded.append(target.instance_id)
+        state.num_resumes += 1
+        log.info("instance_full_trying_another", request_id=state.request_id, instance_id=target.instance_id,
+                 num_resumes=state.num_resumes, error=exc.message)
+        return True
 
     def _note_resume_without_instance(self, state: ReqState, exc: Unavailable) -> None:
         """A resume that found no instance to go to counts as one: the next waits longer."""

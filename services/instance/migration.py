@@ -198,13 +198,15 @@ class MigrationDriver:
     async def _migrate(self, migration_id: str, plan: MigrateOutPlan) -> MigrationResult:
         try:
             request_id = await self._pick(plan)  # now in _moving: no other migration may suspend it
-            attempt = _Attempt(migration_id, request_id, plan, self._peers(plan.dst_address),
-                               plan.backend or self._settings.transfer_backend,
-                               stream=self._runner.stream(request_id))
+            attempt: _Attempt | None = None
             try:
+                attempt = _Attempt(migration_id, request_id, plan, self._peers(plan.dst_address),
+                                   plan.backend or self._settings.transfer_backend,
+                                   stream=self._runner.stream(request_id))
                 return await self._move(attempt)
             except BaseException as exc:
-                await self._abandon(attempt, exc)
+                if attempt is not None:
+                    await self._abandon(attempt, exc)
                 if isinstance(exc, FerryError):  # the caller may not know which request was picked
                     exc.request_id = exc.request_id or request_id
                 raise
@@ -257,7 +259,8 @@ class MigrationDriver:
         await self._reserve(a, view, RESERVATION_HEADROOM_BLOCKS)
         view = await self._live_stages(a, view)
         await self._reserve(a, view, RESERVATION_HEADROOM_BLOCKS)  # fresh now, so the paused copy asks nothing
-        view, state = await self._suspend(a, lambda engine: engine.suspend(a.request_id))
+        # suspend_held: a request parked for its PD hand-off meanwhile is ours now (the hand-off was refused: _moving)
+        view, state = await self._suspend(a, lambda engine: engine.suspend_held(a.request_id))
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
         self._check_not_aborted(a)
         await a.peer.commit_migrate_in(a.migration_id, state)
@@ -298,7 +301,7 @@ class MigrationDriver:
         stream here at once and frees its blocks on the engine thread soon after, where another request
         may write into them, maybe while they were being copied. So a request whose stream is gone is not
         committed: the destination would take those blocks, and cache them under the request's hashes."""
-        if self._runner.stream(a.request_id) is not a.stream:
+        if a.stream is None or self._runner.stream(a.request_id) is not a.stream:
             raise Aborted(f"request {a.request_id} was aborted during its last copy to {a.plan.dst_instance_id}; "
                           "nothing left to move")
 
@@ -317,7 +320,7 @@ class MigrationDriver:
                 raise
         try:
             view, state, a.suspended_at = await self._engine_call(a, suspend_and_export)
-        except asyncio.CancelledError:  # the suspend may have run: resume it if so (only we suspend it: _moving)
+        except asyncio.CancelledError:  # it may have run: then it is suspended and ours (_moving) to resume
             a.suspended_at = time.perf_counter()
             raise
         return view, state

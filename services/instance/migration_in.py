@@ -184,7 +184,9 @@ class MigrationInbox:
             return False
         if incoming.epoch is None:
             self._forget(migration_id)  # from here on only _free_fenced knows the blocks: it must finish
-            return await asyncio.shield(self._free_fenced(incoming))
+            freeing = asyncio.ensure_future(self._free_fenced(incoming))
+            freeing.add_done_callback(_log_failure)  # seen even when our caller was cancelled meanwhile
+            return await asyncio.shield(freeing)
         stream = self._runner.stream(incoming.request_id)
         self._forget(migration_id)
         if stream is None or stream.is_attached or stream.epoch != incoming.epoch:
@@ -290,3 +292,8 @@ class MigrationInbox:
 
     def _deadline(self) -> float:
         return time.monotonic() + self._timeout_s
+
+
+def _log_failure(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("migration_in_free_failed", exc_info=task.exception())

@@ -23,7 +23,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.manager.domain import InstanceId, InstanceView, Load, Role
@@ -68,14 +68,35 @@ class Pair:
     trigger: MigrationTrigger
 
 
+PairFilter = Callable[[Peer, Peer], bool]  # may this (source, destination) pair migrate now (not backing off)?
+
+
+def _any_pair(src: Peer, dst: Peer) -> bool:
+    return True
+
+
+def _assign(sources: Sequence[Peer], destinations: Sequence[Peer], trigger: MigrationTrigger,
+            allowed: PairFilter) -> list[Pair]:
+    """Each source in order with the first destination (in order) not yet taken that `allowed` lets it use: a
+    destination that keeps refusing one source (backing off) leaves the next destination to it."""
+    pairs: list[Pair] = []
+    taken: set[InstanceId] = set()
+    for src in sources:
+        dst = next((d for d in destinations if d.instance_id not in taken and allowed(src, d)), None)
+        if dst is not None:
+            pairs.append(Pair(src, dst, trigger))
+            taken.add(dst.instance_id)
+    return pairs
+
+
 class PairingPolicy(abc.ABC):
     """Pairs loaded sources with free destinations among serving peers."""
 
     name: str
 
     @abc.abstractmethod
-    def pair(self, peers: Sequence[Peer], threshold: float) -> list[Pair]:
-        """(source, destination) pairs worth a migration; each peer in at most one pair."""
+    def pair(self, peers: Sequence[Peer], threshold: float, allowed: PairFilter = _any_pair) -> list[Pair]:
+        """(source, destination) pairs worth a migration, each `allowed`; each peer in at most one pair."""
 
 
 class LoadPairing(PairingPolicy):
@@ -90,7 +111,7 @@ class LoadPairing(PairingPolicy):
 
     name = "load"
 
-    def pair(self, peers: Sequence[Peer], threshold: float) -> list[Pair]:
+    def pair(self, peers: Sequence[Peer], threshold: float, allowed: PairFilter = _any_pair) -> list[Pair]:
         ranked = sorted(peers, key=lambda p: (p.freeness, p.instance_id))
         sources = [p for p in ranked if p.num_requests > 0 and p.role is not Role.PREFILL]  # those leave by PD
         destinations = sorted((p for p in peers if p.can_receive), key=destination_order)
@@ -99,29 +120,29 @@ class LoadPairing(PairingPolicy):
         for src in sources:
             if src.instance_id in used:
                 continue
-            dst = next((d for d in destinations if d.instance_id not in used and d.instance_id != src.instance_id),
-                       None)
-            if dst is None or dst.freeness - src.freeness <= threshold:
-                break
+            free = [d for d in destinations if d.instance_id not in used and d.instance_id != src.instance_id]
+            if not free or free[0].freeness - src.freeness <= threshold:
+                break  # gaps only shrink from here
+            dst = next((d for d in free if allowed(src, d) and d.freeness - src.freeness > threshold), None)
+            if dst is None:
+                continue  # every destination worth it is backing off from this source: the next source
             if stays_freer_after_move(src.load, dst.load):
                 pairs.append(Pair(src, dst, MigrationTrigger.LOAD))
                 used.update((src.instance_id, dst.instance_id))
         return pairs
 
 
-def pair_drains(draining: Sequence[Peer], serving: Sequence[Peer]) -> list[Pair]:
+def pair_drains(draining: Sequence[Peer], serving: Sequence[Peer], allowed: PairFilter = _any_pair) -> list[Pair]:
     """Each draining peer that holds requests, by id, with the freest serving destination not yet taken.
     PREFILL instances take them only when no other serving instance can (the last decode instance is
     draining): they decode too, and hand the requests on once a decode instance serves again."""
     destinations = (sorted((p for p in serving if p.can_receive), key=destination_order)
                     or sorted((p for p in serving if p.load.num_free_blocks > 0), key=destination_order))
-    pairs = []
-    for src, dst in zip((p for p in sorted(draining, key=lambda p: p.instance_id) if p.num_requests), destinations):
-        pairs.append(Pair(src, dst, MigrationTrigger.DRAIN))
-    return pairs
+    sources = [p for p in sorted(draining, key=lambda p: p.instance_id) if p.num_requests]
+    return _assign(sources, destinations, MigrationTrigger.DRAIN, allowed)
 
 
-def pair_prefilled(serving: Sequence[Peer]) -> list[Pair]:
+def pair_prefilled(serving: Sequence[Peer], allowed: PairFilter = _any_pair) -> list[Pair]:
     """Each PREFILL peer with prefilled requests (by id) with the freest DECODE destination not yet taken.
 
     The PD hand-off when the manager drives it (instances started with --pd-handoff manager),
@@ -130,7 +151,7 @@ def pair_prefilled(serving: Sequence[Peer]) -> list[Pair]:
     sources = sorted((p for p in serving if p.role is Role.PREFILL and p.load.num_prefilled > 0),
                      key=lambda p: p.instance_id)
     destinations = sorted((p for p in serving if p.role is Role.DECODE and p.can_receive), key=destination_order)
-    return [Pair(src, dst, MigrationTrigger.PD) for src, dst in zip(sources, destinations)]
+    return _assign(sources, destinations, MigrationTrigger.PD, allowed)
 
 
 def stays_freer_after_move(src: Load, dst: Load) -> bool:

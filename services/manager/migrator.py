@@ -131,17 +131,19 @@ class Migrator:
         for order in orders:
             self._start(order)
         self._announce_drained()
+        self._cooled_request_ids()  # forgets the cooled-down ones, also while no load order asks
         return orders
 
     def plan(self) -> list[MigrationOrder]:
         peers = self._peers()
         serving = [p for p in peers if not p.is_draining]
-        pairs = pair_drains([p for p in peers if p.is_draining], serving)
-        pairs += pair_prefilled([p for p in serving if p.instance_id not in _taken(pairs)])
+        allowed = self._is_not_backing_off  # a destination that keeps refusing leaves the next-freest one to try
+        pairs = pair_drains([p for p in peers if p.is_draining], serving, allowed)
+        pairs += pair_prefilled([p for p in serving if p.instance_id not in _taken(pairs)], allowed)
         if self._settings.is_enabled:
             pairs += self._pairing.pair([p for p in serving if p.instance_id not in _taken(pairs)],
-                                        self._settings.threshold)
-        return [self._order(pair) for pair in pairs if not self._is_backing_off(pair)]
+                                        self._settings.threshold, allowed)
+        return [self._order(pair) for pair in pairs]
 
     # one migration
 
@@ -320,15 +322,15 @@ class Migrator:
                  num_stages=figures.num_stages, backend=figures.backend, downtime_ms=round(figures.downtime_ms, 2),
                  **fields)
 
-    def _is_backing_off(self, pair: Pair) -> bool:
-        key = (pair.src.instance_id, pair.dst.instance_id)
+    def _is_not_backing_off(self, src: Peer, dst: Peer) -> bool:
+        key = (src.instance_id, dst.instance_id)
         failed_at = self._failed_at.get(key)
         if failed_at is None:
-            return False
+            return True
         if self._clock() - failed_at >= self._limits.failure_backoff_s:
             del self._failed_at[key]
-            return False
-        return True
+            return True
+        return False
 
     def _cooled_request_ids(self) -> frozenset[str]:
         horizon = self._clock() - self._limits.cooldown_s

@@ -11,6 +11,7 @@ import pytest
 from etcd3aio import Etcd3Client
 
 from services.cluster import scale_hooks
+from services.common.errors import FailedPrecondition
 from services.common.etcd_client import ETCD_ERRORS, EtcdAccess, connect_etcd
 from services.common.etcd_launcher import LocalEtcd
 from services.common.registry import Registry
@@ -108,7 +109,7 @@ async def test_authenticated_client_against_etcd_with_auth(auth_etcd):
     for access in (EtcdAccess(user="root", password="wrong"), None):  # refused: the startup wait does not wait
         refused = Registry([auth_etcd.endpoint], "auth-test", ttl_s=3, access=access)
         started = time.monotonic()
-        with pytest.raises(ETCD_ERRORS):
+        with pytest.raises(FailedPrecondition, match="refused us"):
             await refused.wait_until_reachable(30)
         assert time.monotonic() - started < 10
         await refused.close()

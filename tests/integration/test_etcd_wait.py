@@ -55,17 +55,19 @@ async def test_services_started_before_etcd_register_once_it_answers(tiny_model_
         etcd.stop()
 
 
-async def test_a_stop_while_waiting_for_etcd_is_a_clean_exit(tmp_path) -> None:
+@pytest.mark.parametrize("module", ["transfer", "frontend"])
+async def test_a_stop_while_waiting_for_etcd_is_a_clean_exit(module, tiny_model_dir, tmp_path) -> None:
     etcd_endpoint = f"127.0.0.1:{free_port()}"  # never started
-    transfer = service("t-0", "transfer", ["--transfer-id", "t-0", "--etcd-endpoints", etcd_endpoint], tmp_path)
+    args = ["--etcd-endpoints", etcd_endpoint] + (["--model", str(tiny_model_dir)] if module == "frontend" else [])
+    process = service(module, module, args, tmp_path, http=module == "frontend")
     try:
-        transfer.start()
-        await eventually(lambda: WAITING in transfer.log_tail(100), 60, "waiting for etcd")
+        process.start()
+        await eventually(lambda: WAITING in process.log_tail(100), 60, "waiting for etcd")
         stopped_at = time.monotonic()
-        transfer.signal(signal.SIGTERM)
-        transfer.popen.wait(10)
-        assert transfer.returncode == 0, transfer.log_tail()
+        process.signal(signal.SIGTERM)
+        process.popen.wait(10)
+        assert process.returncode == 0, process.log_tail()
         assert time.monotonic() - stopped_at < 5
-        assert "stopped_before_ready" in transfer.log_tail() and "Traceback" not in transfer.log_tail()
+        assert "stopped_before_ready" in process.log_tail() and "Traceback" not in process.log_tail()
     finally:
-        stop_all([transfer])
+        stop_all([process])

@@ -52,14 +52,18 @@ def _open(path: Path) -> AbstractContextManager:
 def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     """Which file holds each tensor name."""
     model_dir = Path(model_dir)
-    for index in (model_dir / INDEX_FILE, model_dir / PICKLE_INDEX_FILE):
+    for index_file, pattern in ((INDEX_FILE, "*.safetensors"), (PICKLE_INDEX_FILE, PICKLE_PATTERN)):
+        index = model_dir / index_file  # safetensors first: a pickle index left beside them is ignored
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
             return {name: model_dir / file for name, file in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob(PICKLE_PATTERN))
-    if not files:
-        raise ValueError(f"no *.safetensors (or {PICKLE_PATTERN}) in {model_dir}: "
-                         "the torch engine loads Hugging Face checkpoints")
+        if files := sorted(model_dir.glob(pattern)):
+            return _names_in(files)
+    raise ValueError(f"no *.safetensors (or {PICKLE_PATTERN}) in {model_dir}: "
+                     "the torch engine loads Hugging Face checkpoints")
+
+
+def _names_in(files: list[Path]) -> dict[str, Path]:
     names = {}
     for file in files:
         with _open(file) as reader:

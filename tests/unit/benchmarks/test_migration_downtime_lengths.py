@@ -27,6 +27,6 @@ def model_with_context(tmp_path: pathlib.Path, positions: int) -> pathlib.Path:
 def test_serving_length_leaves_room_to_decode_within_the_models_context(downtime, tmp_path):
     short = model_with_context(tmp_path, 8192)
     assert downtime.serving_length([256, 1024], short) == 1024 + downtime.MAX_OUTPUT_TOKENS + 64
-    assert downtime.serving_length([256, 8128], short) == 8192  # capped: 64 tokens left to decode
-    with pytest.raises(SystemExit, match="the longest length may be 8128"):
-        downtime.serving_length([256, 8192], short)
+    assert downtime.serving_length([256, 8064], short) == 8192  # capped: 128 tokens left to decode
+    with pytest.raises(SystemExit, match="the longest length may be 8064"):
+        downtime.serving_length([256, 8128], short)

@@ -105,12 +105,28 @@ async def test_an_empty_cluster_fails_with_the_dispatch_error():
     assert isinstance(state.error, Unavailable) and "no serving instance" in state.error.message
 
 
-@pytest.mark.parametrize("error", [InvalidArgument("bad"), ResourceExhausted("full")])
-async def test_other_errors_fail_at_once(error):
+async def test_other_errors_fail_at_once():
+    error = InvalidArgument("bad")
     runner, instances, _ = make_runner({"a": ([], error), "b": ([], None)}, "a", "b")
     state = make_state()
     await runner.run(state, make_spec())
     assert state.error is error and [i for i, _ in instances.specs] == ["a"]
+
+
+async def test_an_instance_with_a_full_queue_sends_the_request_to_another():
+    runner, instances, _ = make_runner({"a": ([], ResourceExhausted("full")),
+                                        "b": ([chunk(0, 4, finish=FinishReason.STOP)], None)}, "a", "b")
+    state = make_state()
+    await runner.run(state, make_spec())
+    assert state.error is None and state.token_ids == [4] and [i for i, _ in instances.specs] == ["a", "b"]
+
+
+async def test_full_everywhere_is_the_last_refusal():
+    full = ResourceExhausted("full")
+    runner, instances, _ = make_runner({"a": ([], full), "b": ([], full)}, "a", "b")
+    state = make_state()
+    await runner.run(state, make_spec())
+    assert state.error is full and sorted(i for i, _ in instances.specs) == ["a", "b"]
 
 
 async def test_cancelling_the_runner_aborts_on_the_instance():

@@ -26,7 +26,7 @@ from services.instance.handoff import Handoff
 from services.instance.migration import MigrateOutPlan, MigrationDriver, MigrationSettings, Reservation
 from services.instance.migration_in import MigrationInbox, TransferEndpoint
 from services.instance.migration_slots import MigrationSlots
-from services.instance.pd_handoff import DecodeHandoff
+from services.instance.pd_handoff import DecodeHandoff, DecodePlace
 from services.instance.runner import EngineRunner, RequestStream
 from services.transfer.domain import BlockTransfer, TransferBackend, TransferResult
 
@@ -570,3 +570,43 @@ async def test_a_request_parked_for_a_hand_off_that_no_longer_runs_decodes_here(
     tokens: list[int] = []
     await read(await a.runner.add("r", PROMPT, SAMPLING), tokens)
     assert tokens == await reference(a)
+
+
+class DecodePlacer:
+    """A manager that places every PD hand-off on instance b."""
+
+    async def place_decode(self, request_id, src_instance_id, num_blocks):
+        return DecodePlace("b", "127.0.0.1:2")
+
+    async def report_migration(self, result, started_at):
+        pass
+
+    async def report_failed_migration(self, plan, src_instance_id, error, started_at):
+        pass
+
+
+async def test_a_request_parked_for_pd_during_its_migration_is_moved_by_that_migration(pair):
+    """A SetRole to PREFILL parks the request while a rebalancing migration of it runs: the PD hand-off is
+    refused (the request is migrating) and leaves it to that migration, which must take it as it is
+    rather than fail and leave it parked with nobody to resume it."""
+    a, b = pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    copier = TensorCopier(a, b, pause=asyncio.Event())
+    mover = driver(a, FaultyPeer(b), copier)
+    migration = asyncio.create_task(mover.migrate_out(plan()))
+    while not copier.num_calls:  # in its first live stage
+        await asyncio.sleep(0.01)
+    handoff = DecodeHandoff("a", a.runner, mover, DecodePlacer(), PdHandoff.PUSH, lambda: InstanceRole.PREFILL)
+    assert await handoff.move_decoding() == 1  # parked at the next step boundary
+    while await a.runner.call(lambda: a.engine._requests["r"].status.value) != "suspended":
+        await asyncio.sleep(0.01)
+    await handoff._hand_off("r")  # refused: r is migrating
+    copier.pause.set()
+    await migration
+    last = await asyncio.wait_for(read(stream, tokens), 10)
+    assert isinstance(last, Handoff)
+    await asyncio.wait_for(read(b.inbox.attach("r", last.epoch), tokens), 30)
+    assert tokens == await reference(a)
+    await assert_no_blocks_held(a, b)

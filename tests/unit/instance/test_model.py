@@ -4,6 +4,7 @@ import copy
 import json
 import os
 import random
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from services.instance.engine.model import LlamaModel, allocate_kv_cache, load_m
 from services.instance.engine.context_window import checked_max_model_len
 from services.instance.engine.factory import EngineSpec, build_engine, fitted_max_model_len
 from services.instance.engine.model_config import ModelConfig
+from services.instance.engine.weights import checkpoint_files
 from services.instance.engine.packed_linear import PackedLinear
 
 transformers = pytest.importorskip("transformers")
@@ -340,6 +342,16 @@ def test_pytorch_bin_checkpoint_loads_like_safetensors(checkpoint, num_shards, t
     assert from_bin.keys() == single.keys()
     for name, tensor in single.items():
         torch.testing.assert_close(from_bin[name], tensor, atol=0, rtol=0)
+
+
+def test_safetensors_win_over_a_pickle_index_left_beside_them(tiny_model_dir, tmp_path):
+    """`huggingface-cli download --include '*.json' '*.safetensors'` of a repo that also ships .bin shards."""
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, folder)
+    names = checkpoint_files(folder)
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {name: "pytorch_model-00001-of-00002.bin" for name in names}}))
+    assert all(path.suffix == ".safetensors" for path in checkpoint_files(folder).values())
 
 
 def test_a_pickle_that_is_not_tensors_is_refused(checkpoint, tmp_path):

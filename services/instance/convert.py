@@ -155,7 +155,8 @@ def request_state_from_proto(msg: instance_pb2.RequestState) -> RequestState:
 
 def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int, timestamp: float,
                   step_time_ms_p50: float = 0.0, num_steps: int = 0, num_prefilled: int = 0,
-                  prefix_cache: PrefixCacheStats = NO_PREFIX_CACHE_STATS) -> common_pb2.LoadReport:
+                  prefix_cache: PrefixCacheStats = NO_PREFIX_CACHE_STATS,
+                  num_incoming_migrations: int = 0) -> common_pb2.LoadReport:
     return common_pb2.LoadReport(
         instance_id=instance_id,
         num_running=load.num_running,
@@ -172,6 +173,7 @@ def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int
         num_prefilled=num_prefilled,
         prefix_cache_queried_tokens=prefix_cache.num_queried_tokens,
         prefix_cache_hit_tokens=prefix_cache.num_hit_tokens,
+        num_incoming_migrations=num_incoming_migrations,
     )
 
 

@@ -63,6 +63,7 @@ class ClusterView:
         self._drained: set[InstanceId] = set()  # operator drain marks (may name absent instances)
         self._unanswered: set[InstanceId] = set()  # a peer could not reach it; until its next report
         self._num_dispatched: dict[InstanceId, int] = {}
+        self._migrating_in: dict[InstanceId, int] = {}  # migrations this manager runs into each instance now
         # Dispatch runs hundreds of times a second over every member, so two caches:
         self._eligible_ids: list[InstanceId] = []  # sorted members that are not draining (any role);
         #   rebuilt on every membership or drain change
@@ -111,15 +112,28 @@ class ClusterView:
 
     def apply_report(self, instance_id: InstanceId, load: Load) -> None:
         """Keep `load` as the instance's last report; it counts the requests dispatched there up to
-        `IN_TRANSIT_S` before it, whose reservations go."""
+        `IN_TRANSIT_S` before it, whose reservations go. A report from an id that is not a member (not
+        registered yet, gone, or made up: ReportLoad takes any id) is not kept; the next one counts."""
+        if instance_id not in self._records:
+            return
         self._reports[instance_id] = load
         in_transit_since = self._clock() - IN_TRANSIT_S
         if reserved := [r for r in self._reserved.pop(instance_id, ()) if r[0] > in_transit_since]:
             self._reserved[instance_id] = reserved
         self._candidates.pop(instance_id, None)
         self._unanswered.discard(instance_id)
-        if instance_id in self._records:
-            self._heard_at[instance_id] = self._clock()
+        self._heard_at[instance_id] = self._clock()
+
+    def begin_migration_in(self, instance_id: InstanceId) -> None:
+        """A migration this manager started into the instance: not drained before it ends (its report may
+        not show the reservation yet)."""
+        self._migrating_in[instance_id] = self._migrating_in.get(instance_id, 0) + 1
+
+    def end_migration_in(self, instance_id: InstanceId) -> None:
+        if (count := self._migrating_in.get(instance_id, 0) - 1) > 0:
+            self._migrating_in[instance_id] = count
+        else:
+            self._migrating_in.pop(instance_id, None)
 
     def mark_unanswered(self, instance_id: InstanceId) -> None:
         """A peer could not reach the instance (a hand-off to it failed UNAVAILABLE): UNHEALTHY until it
@@ -242,6 +256,8 @@ class ClusterView:
             record=self._records[instance_id], state=self.state_of(instance_id), load=self.load_of(instance_id),
             num_dispatched=self._num_dispatched.get(instance_id, 0),
             report_age_s=self._clock() - self._heard_at[instance_id] if has_report else None,
+            is_heard=not self._is_unhealthy(instance_id, self._clock() - self._report_timeout_s),
+            num_migrations_in=self._migrating_in.get(instance_id, 0),
         )
 
     def _is_draining(self, instance_id: InstanceId) -> bool:

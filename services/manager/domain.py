@@ -97,6 +97,7 @@ class Load:
     num_prefix_queried_tokens: int = 0  # prefix cache since the instance started: admitted context tokens
     num_prefix_hit_tokens: int = 0  # ... and those found in the cache
     num_headroom_blocks: int = 0  # kept free for the instance's high-priority requests
+    num_incoming_migrations: int = 0  # reserved or committed-not-attached migrations into the instance
 
     @property
     def freeness(self) -> float:
@@ -170,9 +171,13 @@ class InstanceView:
     load: Load  # last report plus reservations
     num_dispatched: int
     report_age_s: float | None  # None: no report received yet
+    is_heard: bool = True  # it reported within --report-timeout-s (and no peer found it unreachable since)
+    num_migrations_in: int = 0  # migrations this manager runs into it now
 
     @property
     def is_drained(self) -> bool:
-        """DRAINING, and its last report shows nothing running or waiting: safe to stop."""
-        return (self.state is InstanceState.DRAINING and self.report_age_s is not None
-                and self.load.num_running == 0 and self.load.num_waiting == 0)
+        """DRAINING, and a recent report shows nothing running or waiting: safe to stop. (A report older
+        than the timeout proves nothing: a standby may hold one from the term it led.)"""
+        return (self.state is InstanceState.DRAINING and self.report_age_s is not None and self.is_heard
+                and self.load.num_running == 0 and self.load.num_waiting == 0
+                and self.load.num_incoming_migrations == 0 and self.num_migrations_in == 0)

@@ -46,6 +46,7 @@ log = structlog.get_logger(__name__)
 ADD_TIMEOUT_S = 300.0  # an asked-for instance that has not registered by then is asked for again
 # A stoppable instance still there after this long is one no launcher follows: Undrain may keep it.
 UNFOLLOWED_RETIREMENT_S = 10.0
+MARKLESS_S = 2.0  # a retiring instance without a drain mark this long serves again (its mark went another way)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +148,8 @@ class Scaler:
         self._target: ScalingTarget | None = None  # what we last wrote, while instances retire
         self._has_read_target = False  # on becoming leader, pick up the retirements a predecessor started
         self._stoppable_since: dict[InstanceId, float] = {}  # when we saw each retiring instance drained
+        self._is_unwritten = False  # the last target's write failed: written again on the next tick
+        self._markless_since: dict[InstanceId, float] = {}  # retiring instances seen without a drain mark, since
 
     def set_settings(self, settings: ScalingSettings) -> None:
         self.settings = settings
@@ -159,8 +162,10 @@ class Scaler:
             self._has_read_target = False  # another leader may act meanwhile: read its target when we lead again
             return None
         if not self._has_read_target:
-            self._target = await self._store.get_scaling_target()
+            self._adopt(await self._store.get_scaling_target())
             self._has_read_target = True
+        if self._is_unwritten and self._target is not None:
+            await self._write(self._target)
         views = self._view.instances()
         if await self._follow_retirements(views) or self._is_waiting(views):
             return None
@@ -168,6 +173,18 @@ class Scaler:
         if decision is not None:
             await self._act(decision)
         return decision
+
+    def _adopt(self, target: ScalingTarget | None) -> None:
+        """On becoming leader: the retirements a predecessor started, and the cooldown of its last action
+        (an ADD it made still counts: the instance may not have registered yet)."""
+        self._target = target
+        if target is None or not target.updated_at:
+            return
+        age_s = max(0.0, time.time() - target.updated_at)
+        self._last_action_at = self._clock() - age_s
+        if age_s < ADD_TIMEOUT_S:
+            self._adding = (target.num_instances + len(target.draining) + len(target.stoppable),
+                            self._clock() + ADD_TIMEOUT_S - age_s)
 
     def _is_waiting(self, views: list[InstanceView]) -> bool:
         now = self._clock()
@@ -191,6 +208,9 @@ class Scaler:
             log.info("scaling_instance_retired", instance_id=instance_id)
         if target.draining and (average := self._others_short_of_band(views, target)) is not None:
             await self._cancel_draining(target, average)
+        for instance_id in self._markless(target):  # its mark went another way (an Undrain a standby answered)
+            await self._call_off(target, [instance_id], f"retirement of {instance_id} called off: its drain "
+                                                         "mark is gone")
         for instance_id in [i for i in target.draining if present[i].is_drained]:
             target.draining.remove(instance_id)
             target.stoppable.append(instance_id)
@@ -199,6 +219,14 @@ class Scaler:
         if (target.draining, target.stoppable) != before:
             await self._write(target)
         return bool(target.draining or target.stoppable)
+
+    def _markless(self, target: ScalingTarget) -> list[InstanceId]:
+        """Retiring instances whose drain mark the view has not shown for MARKLESS_S (not one missing only
+        for a moment, as in a view still syncing its watch after a failover)."""
+        now = self._clock()
+        markless = {i for i in target.draining if not self._view.has_drain_mark(i)}
+        self._markless_since = {i: self._markless_since.get(i, now) for i in markless}
+        return [i for i, since in self._markless_since.items() if now - since >= MARKLESS_S]
 
     def _others_short_of_band(self, views: list[InstanceView], target: ScalingTarget) -> float | None:
         """The average freeness of the serving instances that are not retiring, if below the band."""
@@ -262,17 +290,22 @@ class Scaler:
             self._adding = (decision.num_instances + 1, self._clock() + ADD_TIMEOUT_S)
         else:
             assert decision.instance_id is not None
+            target = ScalingTarget(decision.num_instances - 1, draining=[decision.instance_id], reason=decision.reason)
+            self._target = target  # before any await: followed from here even if a write below fails
             await self._store.put_drain(decision.instance_id)
             self._view.mark_drained(decision.instance_id)
-            target = ScalingTarget(decision.num_instances - 1, draining=[decision.instance_id], reason=decision.reason)
-        await self._write(target)
         self._target = target
         self._last_action_at = self._clock()
+        await self._write(target)
         metrics.SCALING_ACTIONS.labels(decision.action.value).inc()
         log.info("scaling_decided", action=decision.action.value, instance_id=decision.instance_id,
                  num_instances=decision.num_instances, target_instances=target.num_instances,
                  average_freeness=round(decision.average_freeness, 2))
 
     async def _write(self, target: ScalingTarget) -> None:
+        """Put the target in etcd; if that fails it is put again on the next tick (the failure propagates:
+        the loop logs it)."""
         target.manager_id, target.updated_at = self._store.manager_id, time.time()
+        self._is_unwritten = True
         await self._store.put_scaling_target(target)
+        self._is_unwritten = False

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 
 import structlog
 from etcd3aio import Etcd3Client, prefix_range_end
+from etcd3aio.kv import KVService
 
 from services.common.backoff import Backoff
+from services.common.errors import Aborted
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.registry import DRAIN_MARKS
 from services.common.scaling_target import SCALING_TARGET_KEY, ScalingTarget
@@ -40,6 +42,10 @@ from services.manager.scaling import ScalingSettings
 log = structlog.get_logger(__name__)
 
 ETCD_TIMEOUT_S = 2.0
+POLICY_UPDATE_TRIES = 5
+StoredPolicy = tuple[str | None, MigrationSettings | None, ScalingSettings | None]  # None: not stored (or unusable)
+PolicyMerge = Callable[[str | None, MigrationSettings | None, ScalingSettings | None],
+                       tuple[str, MigrationSettings, ScalingSettings]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +77,21 @@ class ConfigStore:
                 drained.add(InstanceId(key.removeprefix(self._drain_prefix)))
         return ClusterSettings(policy, frozenset(drained), migration, scaling), reply.header.revision
 
-    async def put_policy(self, dispatch: str, migration: MigrationSettings, scaling: ScalingSettings) -> None:
-        value = {"dispatch": dispatch, "migration": migration_to_json(migration), "scaling": scaling_to_json(scaling)}
-        await self._client.kv.put(self._policy_key, json.dumps(value), timeout=ETCD_TIMEOUT_S)
+    async def update_policy(self, merge: PolicyMerge) -> StoredPolicy:
+        """Put `merge(what is stored)` unless another write came in between (then merge again, up to
+        POLICY_UPDATE_TRIES times): two partial SetPolicy calls at once both take effect."""
+        for _ in range(POLICY_UPDATE_TRIES):
+            reply = await self._client.kv.get(self._policy_key, timeout=ETCD_TIMEOUT_S)
+            stored = self._parse_policy(reply.kvs[0].value) if reply.kvs else (None, None, None)
+            merged = merge(*stored)
+            version = reply.kvs[0].version if reply.kvs else 0
+            txn = await self._client.kv.txn(
+                compare=[KVService.txn_compare_version(self._policy_key, version)],
+                success=[KVService.txn_op_put(self._policy_key, _policy_json(*merged))], timeout=ETCD_TIMEOUT_S)
+            if txn.succeeded:
+                return merged
+        raise Aborted(f"policy not changed: it was changed {POLICY_UPDATE_TRIES} times while this call merged "
+                      "into it; retry")
 
     async def put_drain(self, instance_id: InstanceId) -> None:
         mark = {"instance_id": instance_id, "drained_by": self.manager_id, "drained_at": time.time()}
@@ -177,3 +195,8 @@ def scaling_from_json(value: object) -> ScalingSettings:
                                max_instances=int(value["max_instances"]))
     settings.check()
     return settings
+
+
+def _policy_json(dispatch: str, migration: MigrationSettings, scaling: ScalingSettings) -> str:
+    return json.dumps({"dispatch": dispatch, "migration": migration_to_json(migration),
+                       "scaling": scaling_to_json(scaling)})

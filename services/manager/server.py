@@ -162,17 +162,20 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         return convert.policy_to_proto(self._dispatcher.policy_name, self._migrator.settings, self._scaler.settings)
 
     async def SetPolicy(self, request: manager_pb2.Policy, context) -> manager_pb2.Policy:
-        """Validate, store in etcd config/policy (all managers watch it), apply here at once. Unset fields keep."""
-        dispatch = request.dispatch or self._dispatcher.policy_name
-        if dispatch not in POLICY_NAMES:
-            raise InvalidArgument(f"dispatch: unknown policy {dispatch!r}; one of: {', '.join(POLICY_NAMES)}")
-        migration = convert.migration_settings_from_proto(request, self._migrator.settings)
-        if migration.pairing not in PAIRING_NAMES:
-            raise InvalidArgument(f"migration_pairing: unknown pairing {migration.pairing!r}; "
-                                  f"one of: {', '.join(PAIRING_NAMES)}")
-        scaling = convert.scaling_settings_from_proto(request, self._scaler.settings)
+        """Validate, store in etcd config/policy (all managers watch it), apply here at once. Unset fields keep
+        what is stored (merged in one compare-and-put, so concurrent partial calls both take effect)."""
+        def merge(stored_dispatch, stored_migration, stored_scaling):
+            dispatch = request.dispatch or stored_dispatch or self._dispatcher.policy_name
+            if dispatch not in POLICY_NAMES:
+                raise InvalidArgument(f"dispatch: unknown policy {dispatch!r}; one of: {', '.join(POLICY_NAMES)}")
+            migration = convert.migration_settings_from_proto(request, stored_migration or self._migrator.settings)
+            if migration.pairing not in PAIRING_NAMES:
+                raise InvalidArgument(f"migration_pairing: unknown pairing {migration.pairing!r}; "
+                                      f"one of: {', '.join(PAIRING_NAMES)}")
+            return dispatch, migration, convert.scaling_settings_from_proto(request,
+                                                                            stored_scaling or self._scaler.settings)
         try:
-            await self._store.put_policy(dispatch, migration, scaling)
+            dispatch, migration, scaling = await self._store.update_policy(merge)
         except ETCD_ERRORS as exc:
             raise Unavailable(f"policy not changed: etcd did not store it ({exc or type(exc).__name__}); retry") from exc
         self._dispatcher.set_policy(dispatch)

@@ -279,6 +279,17 @@ async def _placed_on(place, request_id: str, instance_id: str) -> bool:
     return await place(request_id) == instance_id
 
 
+async def test_partial_policy_changes_made_at_once_both_take_effect(world):
+    """Each merges into what is stored in one compare-and-put: neither overwrites the other's field."""
+    _, client, _ = await world(1)
+    for _ in range(3):
+        await asyncio.gather(client.update_policy(dispatch="flood"), client.update_policy(migration_enabled=True),
+                             client.update_policy(migration_threshold=3.5))
+        policy = await client.get_full_policy()
+        assert (policy.dispatch, policy.migration_enabled, policy.migration_threshold) == ("flood", True, 3.5)
+        await client.update_policy(dispatch="load", migration_enabled=False, migration_threshold=1.0)
+
+
 async def test_the_migration_policy_is_stored_and_survives_a_restart(world, etcd, cluster, tmp_path):
     manager, client, _ = await world(1)
     with pytest.raises(InvalidArgument, match="migration_threshold must be a finite number >= 0"):

@@ -266,6 +266,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
             src_id = (await self._instance_running(request.request_id) if request.request_id
                       else self._migrator.busiest_source(request.dst_instance_id))
         order = self._migrator.admin_order(src_id, request.dst_instance_id, request.request_id)
+        self._leadership.check_leader()  # again: finding the source may have taken a while (ListRequests)
         try:
             record = await self._migrator.migrate_to_the_end(order)
         except NotFound as exc:

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 import structlog
-from etcd3aio import Etcd3Client, EtcdConnectionError, EtcdError, EtcdTransientError
+from etcd3aio import Etcd3Client, EtcdError
 
 from services.common.auth import read_token
 from services.common.config import knob
@@ -31,8 +31,6 @@ from services.common.periodic import periodic_loop
 log = structlog.get_logger(__name__)
 
 ETCD_ERRORS: tuple[type[BaseException], ...] = (EtcdError, grpc.aio.AioRpcError, TimeoutError)
-# what waiting may mend (etcd down, starting, or slow); refused credentials or permissions it does not
-ETCD_UNREACHABLE_ERRORS: tuple[type[BaseException], ...] = (EtcdConnectionError, EtcdTransientError, TimeoutError)
 DEFAULT_RPC_TIMEOUT_S = 2.0
 TOKEN_REFRESH_S = 30.0
 

@@ -21,13 +21,12 @@ from typing import Any
 
 import grpc
 import structlog
-from etcd3aio import Etcd3Client, prefix_range_end
+from etcd3aio import Etcd3Client, EtcdPermissionDeniedError, EtcdUnauthenticatedError, prefix_range_end
 from etcd3aio.kv import KVService
 
 from services.common.backoff import Backoff
 from services.common.errors import FailedPrecondition, Unavailable
-from services.common.etcd_client import (DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, ETCD_UNREACHABLE_ERRORS, EtcdAccess,
-                                         Lease, connect_etcd)
+from services.common.etcd_client import DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, EtcdAccess, Lease, connect_etcd
 from services.common.membership import MembershipView
 from services.common.startup import StoppedBeforeReady
 
@@ -43,10 +42,17 @@ def cluster_prefix(cluster: str) -> str:
 
 
 def _is_unreachable(exc: BaseException) -> bool:
-    """etcd down, starting or slow (waiting may mend it), as opposed to a refusal."""
+    """Anything but a refusal of our credentials or permissions: etcd down, starting, busy or restarting
+    (waiting may mend it). etcd refuses auth with INVALID_ARGUMENT ("authentication failed", "user name is
+    empty") as well as UNAUTHENTICATED and PERMISSION_DENIED."""
+    if isinstance(exc, (EtcdUnauthenticatedError, EtcdPermissionDeniedError)):
+        return False
     if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-    return isinstance(exc, ETCD_UNREACHABLE_ERRORS)
+        return exc.code() not in _REFUSALS
+    return True
+
+
+_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 async def _pause(delay_s: float, stop: asyncio.Event | None) -> None:

@@ -103,11 +103,12 @@ class RequestRunner:
 
     async def _run(self, state: ReqState, spec: GenerateSpec) -> None:
         spec = with_pinned_seed(spec)
-        excluded: list[InstanceId] = []
+        excluded: list[InstanceId] = []  # instances this request failed on (resumes go elsewhere)
+        full: list[InstanceId] = []  # instances that refused it as full since its last resume
         aborts: dict[InstanceId, Awaitable[None]] = {}  # Aborts sent to instances this request left
         while not state.is_done:
             try:
-                target = await self._dispatcher.pick(_resumed(spec, state), excluded)
+                target = await self._dispatcher.pick(_resumed(spec, state), [*excluded, *full])
             except Unavailable as exc:
                 if state.num_resumes and self._can_resume(state, exc):  # nobody serves for a moment (a restart)
                     self._note_resume_without_instance(state, exc)
@@ -126,11 +127,14 @@ class RequestRunner:
             except Unavailable as exc:
                 if not state.is_done and self._can_resume(state, exc):
                     excluded.append(owner.target.instance_id)
+                    full.clear()  # full a moment ago, maybe not now: a resume may go there
                     self._note_resume(state, owner.target, exc)
                     await asyncio.sleep(self._resume_backoff(excluded) * 2 ** (state.num_resumes - 1))
             except ResourceExhausted as exc:  # that instance is full (its waiting queue); another may not be
-                if state.is_done or not self._try_another(state, owner.target, excluded, exc):
+                if state.is_done or not self._try_another(state, owner.target, [*excluded, *full], exc):
                     state.fail(exc)
+                else:
+                    full.append(owner.target.instance_id)
             except FerryError as exc:
                 state.fail(exc)
 
@@ -219,16 +223,14 @@ class RequestRunner:
         log.warning("stream_resumed", request_id=state.request_id, failed_instance_id=target.instance_id,
                     num_tokens=state.num_output_tokens, num_resumes=state.num_resumes, error=exc.message)
 
-    def _try_another(self, state: ReqState, target: Target, excluded: list[InstanceId],
+    def _try_another(self, state: ReqState, target: Target, skipped: list[InstanceId],
                      exc: ResourceExhausted) -> bool:
-        """Whether to send a request an instance refused as full to another one (within --max-resumes)."""
-        if state.num_resumes >= self._max_resumes or not self._dispatcher.serves_besides([*excluded,
-                                                                                           target.instance_id]):
+        """Whether to send a request an instance refused as full to another one: while one it has not tried
+        serves (a full instance costs no resume: those are for failures)."""
+        if not self._dispatcher.serves_besides([*skipped, target.instance_id]):
             return False
-        excluded.append(target.instance_id)
-        state.num_resumes += 1
         log.info("instance_full_trying_another", request_id=state.request_id, instance_id=target.instance_id,
-                 num_resumes=state.num_resumes, error=exc.message)
+                 error=exc.message)
         return True
 
     def _note_resume_without_instance(self, state: ReqState, exc: Unavailable) -> None:

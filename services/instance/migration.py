@@ -389,8 +389,9 @@ class MigrationDriver:
         """Before the commit: the request runs on here, the destination lets go of what it reserved."""
         if a.committed_at is not None:
             return
-        resumed = a.suspended_at is not None and await self._runner.call(
-            lambda: self._runner.engine.resume(a.request_id))
+        # Resumed if suspended, whoever suspended it: our suspend, or a PD hand-off that parked it meanwhile and
+        # left it to us (it is ours: _moving). False if it was not suspended (or is gone).
+        resumed = await self._runner.call(lambda: self._runner.engine.resume(a.request_id))
         if a.is_prepare_sent:
             await self._quietly(a.peer.abort_migrate_in(a.migration_id), "abort_migrate_in")
         log.info("migration_aborted", request_id=a.request_id, dst_instance_id=a.plan.dst_instance_id,

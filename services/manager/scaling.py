@@ -175,16 +175,11 @@ class Scaler:
         return decision
 
     def _adopt(self, target: ScalingTarget | None) -> None:
-        """On becoming leader: the retirements a predecessor started, and the cooldown of its last action
-        (an ADD it made still counts: the instance may not have registered yet)."""
+        """On becoming leader: the retirements a predecessor started, and the cooldown of its last write
+        (so an instance it just asked for is not asked for twice)."""
         self._target = target
-        if target is None or not target.updated_at:
-            return
-        age_s = max(0.0, time.time() - target.updated_at)
-        self._last_action_at = self._clock() - age_s
-        if age_s < ADD_TIMEOUT_S:
-            self._adding = (target.num_instances + len(target.draining) + len(target.stoppable),
-                            self._clock() + ADD_TIMEOUT_S - age_s)
+        if target is not None and target.updated_at:
+            self._last_action_at = self._clock() - max(0.0, time.time() - target.updated_at)
 
     def _is_waiting(self, views: list[InstanceView]) -> bool:
         now = self._clock()

@@ -266,3 +266,22 @@ async def test_a_resume_that_finds_no_instance_for_a_moment_waits_for_it_within_
     await runner.run(state, make_spec())
     assert state.error is None, f"failed after {state.num_resumes} of 3 resumes: {state.error.message}"
     assert state.token_ids == [4, 5]
+
+
+async def test_a_full_instance_does_not_cost_a_later_failure_its_resume():
+    class FullThenDies(ScriptedInstances):
+        async def generate(self, target, spec):
+            self.specs.append((target.instance_id, spec))
+            if len(self.specs) == 1:
+                raise ResourceExhausted("1024 requests are already waiting (--max-waiting-requests 1024)")
+            if len(self.specs) == 2:
+                yield chunk(0, 4, 5)
+                raise Unavailable("instance died mid-stream")
+            yield chunk(2, 6, finish=FinishReason.STOP)
+
+    instances = FullThenDies({})
+    runner = RequestRunner(Dispatcher(None, FakeMembership(*(entry(i) for i in "abc")), cooldown_s=5.0), instances,
+                           max_resumes=1, resume_backoff_s=0)
+    state = make_state()
+    await runner.run(state, make_spec())
+    assert state.error is None and state.token_ids == [4, 5, 6] and state.num_resumes == 1

@@ -610,3 +610,28 @@ async def test_a_request_parked_for_pd_during_its_migration_is_moved_by_that_mig
     await asyncio.wait_for(read(b.inbox.attach("r", last.epoch), tokens), 30)
     assert tokens == await reference(a)
     await assert_no_blocks_held(a, b)
+
+
+async def test_a_parked_request_whose_migration_fails_before_its_suspend_decodes_on(pair):
+    """As above, but the migration fails in a live stage, before its own suspend: it resumes the request
+    the PD hand-off parked and left to it."""
+    a, b = pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    copier = TensorCopier(a, b, fail_on=1, pause=asyncio.Event())  # the first live-stage copy fails
+    mover = driver(a, FaultyPeer(b), copier)
+    migration = asyncio.create_task(mover.migrate_out(plan()))
+    while not copier.num_calls:
+        await asyncio.sleep(0.01)
+    handoff = DecodeHandoff("a", a.runner, mover, DecodePlacer(), PdHandoff.PUSH, lambda: InstanceRole.PREFILL)
+    assert await handoff.move_decoding() == 1
+    while await a.runner.call(lambda: a.engine._requests["r"].status.value) != "suspended":
+        await asyncio.sleep(0.01)
+    await handoff._hand_off("r")  # refused: r is migrating; left to that migration
+    copier.pause.set()
+    with pytest.raises(Unavailable, match="is gone"):
+        await migration
+    last = await asyncio.wait_for(read(stream, tokens), 30)  # decodes on here to its end
+    assert last.finish_reason is FinishReason.LENGTH and tokens == await reference(a)
+    await assert_no_blocks_held(a, b)

@@ -17,11 +17,14 @@ from services.manager.dispatcher import Dispatcher
 from services.manager.domain import InstanceId
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger)
-from services.manager.scaling import Scaler, ScalingSettings
+from services.manager.scaling import Scaler, ScalingAction, ScalingSettings
 from services.manager.server import AdminServicer
 from tests.unit.manager.factories import FakeClock, make_load, make_record, make_view
 from tests.unit.manager.test_migrator import FakeSources, cluster, make_migrator, report, settle
 from tests.unit.manager.test_scaling import BAND, FakeStore, leader
+
+FAILOVER_BAND = ScalingSettings(is_enabled=True, low_freeness=60.0, high_freeness=1000.0, min_instances=1,
+                                max_instances=5)
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -199,3 +202,46 @@ def test_reports_of_non_members_are_not_kept_for_ever():
         view.apply_report(InstanceId(f"ghost-{n}"), make_load())
     view.replace_members([])
     assert len(view._reports) == 0, f"{len(view._reports)} reports of ids never registered"
+
+
+async def test_failover_right_after_a_retired_instance_was_stopped_does_not_block_scaling_for_minutes():
+    """The predecessor listed i-2 stoppable (written 5 s ago); the launcher stopped it before the predecessor
+    saw it go. The new leader waits out the predecessor's cooldown, not for an instance nobody asked for."""
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", clock=clock, num_free_blocks=50, num_running=9)  # freeness 5: below the band
+    store = FakeStore(ScalingTarget(2, stoppable=["i-2"], reason="retire", manager_id="m-0",
+                                    updated_at=time.time() - 5))
+    scaler = Scaler(view, leader(), store, FAILOVER_BAND, interval_s=1, cooldown_s=60, clock=clock)
+    decisions = []
+    for _ in range(24):  # 4 minutes of ticks every 10 s, load below the band the whole time
+        decisions.append(await scaler.tick())
+        clock.advance(10)
+        for i in ("i-0", "i-1"):
+            view.apply_report(InstanceId(i), make_load(num_free_blocks=50, num_running=9))
+    adds = [n for n, d in enumerate(decisions) if d is not None and d.action is ScalingAction.ADD]
+    assert adds and adds[0] * 10 <= 70, (f"first ADD only after {adds[0] * 10 if adds else '>240'} s "
+                                         f"(cooldown 60 s); _adding={scaler._adding}")
+
+
+async def test_failover_during_a_retirement_does_not_block_scaling_after_it_completes():
+    """Same with i-2 still draining at the failover: once it drained and its launcher stopped it, the
+    new leader scales again after the cooldown."""
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", "i-2", clock=clock, num_free_blocks=1000)
+    view.mark_drained(InstanceId("i-2"))
+    store = FakeStore(ScalingTarget(2, draining=["i-2"], reason="retire", manager_id="m-0",
+                                    updated_at=time.time() - 1))
+    store.drained = {"i-2"}
+    scaler = Scaler(view, leader(), store, FAILOVER_BAND, interval_s=1, cooldown_s=60, clock=clock)
+    await scaler.tick()  # i-2 empty and heard: stoppable
+    assert store.target.stoppable == ["i-2"]
+    view.remove_member(InstanceId("i-2"))  # the launcher stopped it
+    decisions = []
+    for _ in range(24):
+        clock.advance(10)
+        for i in ("i-0", "i-1"):
+            view.apply_report(InstanceId(i), make_load(num_free_blocks=50, num_running=9))  # burst
+        decisions.append(await scaler.tick())
+    adds = [n for n, d in enumerate(decisions) if d is not None and d.action is ScalingAction.ADD]
+    assert adds and adds[0] * 10 <= 70, (f"first ADD after {(adds[0] + 1) * 10 if adds else '>240'} s; "
+                                         f"_adding={scaler._adding}")

@@ -46,7 +46,8 @@ log = structlog.get_logger(__name__)
 ADD_TIMEOUT_S = 300.0  # an asked-for instance that has not registered by then is asked for again
 # A stoppable instance still there after this long is one no launcher follows: Undrain may keep it.
 UNFOLLOWED_RETIREMENT_S = 10.0
-MARKLESS_S = 2.0  # a retiring instance without a drain mark this long serves again (its mark went another way)
+MARKLESS_S = 15.0  # a retiring instance without a drain mark this long serves again (its mark went another way;
+#   longer than the settings watch takes to come back after an etcd outage, up to its 5 s backoff)
 
 
 @dataclass(frozen=True, slots=True)

@@ -169,6 +169,9 @@ class MigrationDriver:
         self._transferer = transferer  # None without --transfer-address: migration is off
         self._tasks: set[asyncio.Task[MigrationResult]] = set()
         self._moving: set[str] = set()  # request ids migrating out now
+        # Told of each request a failed migration resumed: a state exported while it was parked (for its PD
+        # hand-off) is stale from then on.
+        self.on_resumed: Callable[[str], None] = lambda request_id: None
 
     @property
     def moving(self) -> frozenset[str]:
@@ -392,6 +395,8 @@ class MigrationDriver:
         # Resumed if suspended, whoever suspended it: our suspend, or a PD hand-off that parked it meanwhile and
         # left it to us (it is ours: _moving). False if it was not suspended (or is gone).
         resumed = await self._runner.call(lambda: self._runner.engine.resume(a.request_id))
+        if resumed:
+            self.on_resumed(a.request_id)
         if a.is_prepare_sent:
             await self._quietly(a.peer.abort_migrate_in(a.migration_id), "abort_migrate_in")
         log.info("migration_aborted", request_id=a.request_id, dst_instance_id=a.plan.dst_instance_id,

@@ -65,6 +65,7 @@ class DecodeHandoff:
         self._num_workers = num_workers
         self._runner = runner
         self._migrations = migrations
+        migrations.on_resumed = self._forget_held  # a parked request another migration resumed decodes on
         self._placer = placer  # None without etcd: nobody to ask, requests decode here
         self._mode = mode
         self._role = role
@@ -85,6 +86,9 @@ class DecodeHandoff:
         if self._role() is not InstanceRole.PREFILL:
             return 0
         return max(0, num_decoding - len(self._pending | self._migrations.moving))
+
+    def _forget_held(self, request_id: str) -> None:
+        self._held.pop(request_id, None)  # its hand-off, if still queued, suspends it afresh
 
     def note_prefilled(self, request_id: str, held: HeldRequest | None = None) -> None:
         """The request's first token was delivered (on the event loop): queue its hand-off.

@@ -635,3 +635,31 @@ async def test_a_parked_request_whose_migration_fails_before_its_suspend_decodes
     last = await asyncio.wait_for(read(stream, tokens), 30)  # decodes on here to its end
     assert last.finish_reason is FinishReason.LENGTH and tokens == await reference(a)
     await assert_no_blocks_held(a, b)
+
+
+async def test_a_pd_hand_off_after_another_migration_resumed_its_request_sends_fresh_state(pair):
+    """The request is parked for its PD hand-off (its state exported then) while a rebalancing migration of
+    it runs; that migration fails and resumes it, and it decodes on. The hand-off, still queued, must send
+    the request as it is now, not the state exported when it was parked."""
+    a, b = pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    copier = TensorCopier(a, b, fail_on=1, pause=asyncio.Event())  # the rebalancing migration's copy fails
+    mover = driver(a, FaultyPeer(b), copier)
+    handoff = DecodeHandoff("a", a.runner, mover, DecodePlacer(), PdHandoff.PUSH, lambda: InstanceRole.PREFILL)
+    migration = asyncio.create_task(mover.migrate_out(plan()))
+    while not copier.num_calls:  # in its first live stage
+        await asyncio.sleep(0.01)
+    held = await a.runner.call(lambda: a.engine.hold_and_export("r"))  # parked at a step boundary
+    handoff.note_prefilled("r", held)  # its hand-off is queued (no worker runs it yet)
+    copier.pause.set()
+    with pytest.raises(Unavailable, match="is gone"):
+        await migration  # ... and resumed the request
+    await read(stream, tokens, until=len(tokens) + 10)  # it decodes on
+    await handoff._hand_off("r")  # the queued hand-off runs now
+    last = await asyncio.wait_for(read(stream, tokens), 10)
+    assert isinstance(last, Handoff) and last.next_token_index == len(tokens)
+    await asyncio.wait_for(read(b.inbox.attach("r", last.epoch), tokens), 30)
+    assert tokens == await reference(a)
+    await assert_no_blocks_held(a, b)

@@ -315,17 +315,10 @@ class MigrationDriver:
         engine = self._runner.engine
 
         def suspend_and_export() -> tuple[MigrationBlocks, RequestState, float]:
-            view = suspend(engine)  # raises if the request cannot be suspended (then it is not ours to resume)
-            try:
-                return view, engine.export_state(a.request_id), time.perf_counter()
-            except BaseException:
-                engine.resume(a.request_id)
-                raise
-        try:
-            view, state, a.suspended_at = await self._engine_call(a, suspend_and_export)
-        except asyncio.CancelledError:  # it may have run: then it is suspended and ours (_moving) to resume
-            a.suspended_at = time.perf_counter()
-            raise
+            view = suspend(engine)
+            return view, engine.export_state(a.request_id), time.perf_counter()
+        # A failure from here on is undone by _abandon, which resumes the request if it is suspended.
+        view, state, a.suspended_at = await self._engine_call(a, suspend_and_export)
         return view, state
 
     async def _view(self, a: _Attempt, is_first: bool = False) -> MigrationBlocks:

@@ -62,7 +62,8 @@ async def main(config: ManagerConfig) -> None:
     journal = MigrationJournal(etcd, config.cluster, manager_id, config.migration_history_size)
     migrator = Migrator(view, leadership, instances, _migrator_limits(config), config.migration,
                         record_sink=journal.append)
-    scaler = Scaler(view, leadership, store, config.scaling, config.scaling_interval_s, config.scaling_cooldown_s)
+    scaler = Scaler(view, leadership, store.fenced_by(election.key, lambda: election.epoch), config.scaling,
+                    config.scaling_interval_s, config.scaling_cooldown_s)
     admin = AdminServicer(view, dispatcher, leadership, store, instances, migrator, scaler,
                           config.list_requests_timeout_s, config.admin_forward_timeout_s, config.migration_timeout_s,
                           tls=config.tls, admin_token=admin_token, journal=journal)

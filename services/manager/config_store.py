@@ -29,7 +29,7 @@ from etcd3aio import Etcd3Client, prefix_range_end
 from etcd3aio.kv import KVService
 
 from services.common.backoff import Backoff
-from services.common.errors import Aborted
+from services.common.errors import Aborted, Unavailable
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.registry import DRAIN_MARKS
 from services.common.scaling_target import SCALING_TARGET_KEY, ScalingTarget
@@ -58,16 +58,16 @@ class ClusterSettings:
 
 class ConfigStore:
     def __init__(self, client: Etcd3Client, cluster: str, manager_id: str) -> None:
-        self._client = client
+        self.client = client
         self.manager_id = manager_id
         self._prefix = f"/ferry/{cluster}/config/"
-        self._scaling_target_key = f"/ferry/{cluster}/{SCALING_TARGET_KEY}"
+        self.scaling_target_key = f"/ferry/{cluster}/{SCALING_TARGET_KEY}"
         self._policy_key = f"{self._prefix}policy"
         self._drain_prefix = f"/ferry/{cluster}/{DRAIN_MARKS}/"
 
     async def read(self) -> tuple[ClusterSettings, int]:
         """The stored settings and the etcd revision they were read at."""
-        reply = await self._client.kv.get(self._prefix, range_end=prefix_range_end(self._prefix), timeout=ETCD_TIMEOUT_S)
+        reply = await self.client.kv.get(self._prefix, range_end=prefix_range_end(self._prefix), timeout=ETCD_TIMEOUT_S)
         policy, migration, scaling, drained = None, None, None, set()
         for kv in reply.kvs:
             key = kv.key.decode()
@@ -81,11 +81,11 @@ class ConfigStore:
         """Put `merge(what is stored)` unless another write came in between (then merge again, up to
         POLICY_UPDATE_TRIES times): two partial SetPolicy calls at once both take effect."""
         for _ in range(POLICY_UPDATE_TRIES):
-            reply = await self._client.kv.get(self._policy_key, timeout=ETCD_TIMEOUT_S)
+            reply = await self.client.kv.get(self._policy_key, timeout=ETCD_TIMEOUT_S)
             stored = self._parse_policy(reply.kvs[0].value) if reply.kvs else (None, None, None)
             merged = merge(*stored)
             version = reply.kvs[0].version if reply.kvs else 0
-            txn = await self._client.kv.txn(
+            txn = await self.client.kv.txn(
                 compare=[KVService.txn_compare_version(self._policy_key, version)],
                 success=[KVService.txn_op_put(self._policy_key, _policy_json(*merged))], timeout=ETCD_TIMEOUT_S)
             if txn.succeeded:
@@ -94,21 +94,30 @@ class ConfigStore:
                       "into it; retry")
 
     async def put_drain(self, instance_id: InstanceId) -> None:
-        mark = {"instance_id": instance_id, "drained_by": self.manager_id, "drained_at": time.time()}
-        await self._client.kv.put(f"{self._drain_prefix}{instance_id}", json.dumps(mark), timeout=ETCD_TIMEOUT_S)
+        await self.client.kv.put(self.drain_key(instance_id), self.drain_mark(instance_id), timeout=ETCD_TIMEOUT_S)
 
     async def delete_drain(self, instance_id: InstanceId) -> None:
-        await self._client.kv.delete(f"{self._drain_prefix}{instance_id}", timeout=ETCD_TIMEOUT_S)
+        await self.client.kv.delete(self.drain_key(instance_id), timeout=ETCD_TIMEOUT_S)
+
+    def drain_key(self, instance_id: InstanceId) -> str:
+        return f"{self._drain_prefix}{instance_id}"
+
+    def drain_mark(self, instance_id: InstanceId) -> str:
+        return json.dumps({"instance_id": instance_id, "drained_by": self.manager_id, "drained_at": time.time()})
 
     async def get_scaling_target(self) -> ScalingTarget | None:
-        reply = await self._client.kv.get(self._scaling_target_key, timeout=ETCD_TIMEOUT_S)
+        reply = await self.client.kv.get(self.scaling_target_key, timeout=ETCD_TIMEOUT_S)
         try:
             return ScalingTarget.from_json(json.loads(reply.kvs[0].value)) if reply.kvs else None
         except json.JSONDecodeError:
             return None
 
     async def put_scaling_target(self, target: ScalingTarget) -> None:
-        await self._client.kv.put(self._scaling_target_key, json.dumps(target.to_json()), timeout=ETCD_TIMEOUT_S)
+        await self.client.kv.put(self.scaling_target_key, json.dumps(target.to_json()), timeout=ETCD_TIMEOUT_S)
+
+    def fenced_by(self, leader_key: str, epoch: Callable[[], int | None]) -> LeaderFencedStore:
+        """The scaler's view of this store: its writes land only while `epoch()` is the leader key's."""
+        return LeaderFencedStore(self, leader_key, epoch)
 
     async def watch_loop(self, apply: Callable[[ClusterSettings], None]) -> None:
         """Keep `apply`ing the stored settings: read all, watch, re-read on each change.
@@ -131,7 +140,7 @@ class ConfigStore:
                 await backoff.sleep()
 
     async def _wait_for_change(self, revision: int) -> None:
-        watch = self._client.watch.watch(self._prefix, range_end=prefix_range_end(self._prefix),
+        watch = self.client.watch.watch(self._prefix, range_end=prefix_range_end(self._prefix),
                                          start_revision=revision + 1)
         async with contextlib.aclosing(watch):
             async for reply in watch:
@@ -200,3 +209,42 @@ def scaling_from_json(value: object) -> ScalingSettings:
 def _policy_json(dispatch: str, migration: MigrationSettings, scaling: ScalingSettings) -> str:
     return json.dumps({"dispatch": dispatch, "migration": migration_to_json(migration),
                        "scaling": scaling_to_json(scaling)})
+
+
+class LeaderFencedStore:
+    """The scaling writes of a leader, each in one transaction with the check that the leader key is
+    still the one it created (create revision = its epoch): a leader deposed between two awaits (its
+    lease expired while it waited on etcd; another won) writes nothing, instead of putting its stale
+    target or drain marks over the new leader's. A write refused so raises Unavailable."""
+
+    def __init__(self, store: ConfigStore, leader_key: str, epoch: Callable[[], int | None]) -> None:
+        self._store = store
+        self._leader_key = leader_key
+        self._epoch = epoch
+        self.manager_id = store.manager_id
+
+    async def get_scaling_target(self) -> ScalingTarget | None:
+        return await self._store.get_scaling_target()
+
+    async def put_scaling_target(self, target: ScalingTarget) -> None:
+        key = self._store.scaling_target_key
+        await self._write(KVService.txn_op_put(key, json.dumps(target.to_json())), "scaling target")
+
+    async def put_drain(self, instance_id: InstanceId) -> None:
+        op = KVService.txn_op_put(self._store.drain_key(instance_id), self._store.drain_mark(instance_id))
+        await self._write(op, f"drain mark of {instance_id}")
+
+    async def delete_drain(self, instance_id: InstanceId) -> None:
+        await self._write(KVService.txn_op_delete(self._store.drain_key(instance_id)),
+                          f"removal of the drain mark of {instance_id}")
+
+    async def _write(self, op: object, what: str) -> None:
+        epoch = self._epoch()
+        if epoch is None:
+            raise Unavailable(f"{what} not written: this manager does not lead now")
+        txn = await self._store.client.kv.txn(
+            compare=[KVService.txn_compare_create_revision(self._leader_key, epoch)], success=[op],
+            timeout=ETCD_TIMEOUT_S)
+        if not txn.succeeded:
+            raise Unavailable(f"{what} not written: the leader key is no longer this manager's (epoch {epoch}); "
+                              "another manager leads")

@@ -1,0 +1,61 @@
+"""The scaler's etcd writes land only while its manager's leader key stands (real etcd): a leader
+deposed between two awaits, still acting on its old epoch, writes nothing over its successor's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from etcd3aio import Etcd3Client
+
+from services.common.election import Election
+from services.common.errors import Unavailable
+from services.common.scaling_target import ScalingTarget
+from services.manager.config_store import ConfigStore
+from services.manager.domain import InstanceId
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def client(etcd):
+    async with Etcd3Client([etcd.endpoint]) as etcd_client:
+        yield etcd_client
+
+
+async def test_a_deposed_leader_writes_no_target_and_no_drain_mark(etcd, cluster, client):
+    old = Election([etcd.endpoint], cluster, "m-old", "127.0.0.1:1001", ttl_s=2.0)
+    new = Election([etcd.endpoint], cluster, "m-new", "127.0.0.1:1002", ttl_s=2.0)
+    try:
+        await asyncio.wait_for(old.campaign(), 5)
+        old_epoch = old.epoch
+        stale = ConfigStore(client, cluster, "m-old").fenced_by(old.key, lambda: old_epoch)
+        await stale.put_scaling_target(ScalingTarget(3, reason="while leading"))
+        await stale.put_drain(InstanceId("i-1"))
+        assert (await stale.get_scaling_target()).num_instances == 3
+
+        await client.kv.delete(old.key)  # its lease ran out while it waited: another manager wins
+        await asyncio.wait_for(new.campaign(), 5)
+        with pytest.raises(Unavailable, match="no longer this manager's"):
+            await stale.put_scaling_target(ScalingTarget(1, reason="stale"))
+        with pytest.raises(Unavailable, match="no longer this manager's"):
+            await stale.delete_drain(InstanceId("i-1"))
+        with pytest.raises(Unavailable, match="no longer this manager's"):
+            await stale.put_drain(InstanceId("i-2"))
+
+        current = ConfigStore(client, cluster, "m-new").fenced_by(new.key, lambda: new.epoch)
+        assert (await current.get_scaling_target()).num_instances == 3
+        settings, _ = await ConfigStore(client, cluster, "m-new").read()
+        assert settings.drained == {"i-1"}
+        await current.put_scaling_target(ScalingTarget(4, reason="new leader"))
+        assert (await current.get_scaling_target()).num_instances == 4
+    finally:
+        await old.close()
+        await new.close()
+
+
+async def test_a_manager_that_does_not_lead_writes_nothing(etcd, cluster, client):
+    store = ConfigStore(client, cluster, "m-x").fenced_by(f"/ferry/{cluster}/leader/x", lambda: None)
+    with pytest.raises(Unavailable, match="does not lead now"):
+        await store.put_scaling_target(ScalingTarget(2))
+    assert await store.get_scaling_target() is None

@@ -1,5 +1,5 @@
-"""Typed async client of `ferry.v1.InstanceService` as the frontend uses it: one channel per
-instance address, a deadline on every call, `x-request-id` metadata, errors mapped to
+"""Typed async client of `ferry.v1.InstanceService` as the frontend uses it: pooled channels
+by instance address, a deadline on every call, `x-request-id` metadata, errors mapped to
 `FerryError`s, and fire-and-forget `Abort`s whose tasks are kept until they end.
 
 A token stream (Generate, Attach) has no deadline as a whole, since a long generation may
@@ -16,7 +16,7 @@ import grpc
 import structlog
 
 from services.common.errors import Unavailable, error_from_rpc
-from services.common.grpc_server import secure_or_insecure_channel
+from services.common.channel_pool import ChannelPool
 from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
@@ -24,50 +24,52 @@ from services.frontend.convert import attach_request_to_proto, chunk_from_proto,
 from services.frontend.generation import GenerateSpec, RequestId, Target, TokenChunk
 
 log = structlog.get_logger(__name__)
+InstanceStub = instance_pb2_grpc.InstanceServiceStub
 
 
 class InstanceClients:
     def __init__(self, generate_timeout_s: float, abort_timeout_s: float, tls: TlsConfig | None = None) -> None:
         self._generate_timeout_s = generate_timeout_s
         self._abort_timeout_s = abort_timeout_s
-        self._tls = tls
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._stubs: dict[str, instance_pb2_grpc.InstanceServiceStub] = {}
+        self._pool = ChannelPool(tls)
         self._abort_tasks: set[asyncio.Task[None]] = set()
 
     def generate(self, target: Target, spec: GenerateSpec) -> AsyncIterator[TokenChunk]:
-        return self._chunks(lambda: self._stub(target.address).Generate(
+        return self._chunks(target.address, lambda stub: stub.Generate(
             generate_request_to_proto(spec, target.can_prefill_on_decode),
             metadata=request_metadata(spec.request_id)))
 
     def attach(self, target: Target, request_id: RequestId, from_token_index: int,
                epoch: int) -> AsyncIterator[TokenChunk]:
         """The destination's stream of a handed-off request, from `from_token_index` on."""
-        return self._chunks(lambda: self._stub(target.address).Attach(
+        return self._chunks(target.address, lambda stub: stub.Attach(
             attach_request_to_proto(request_id, from_token_index, epoch),
             metadata=request_metadata(request_id)))
 
-    async def _chunks(self, start: Callable[[], grpc.aio.UnaryStreamCall]) -> AsyncIterator[TokenChunk]:
+    async def _chunks(self, address: str, start: Callable[[InstanceStub], grpc.aio.UnaryStreamCall]
+                      ) -> AsyncIterator[TokenChunk]:
         """The chunks of the stream `start` opens (on first iteration), errors mapped to FerryErrors."""
-        call = start()
-        messages = aiter(call)
+        async with self._pool.use(address) as channel:
+            call = start(instance_pb2_grpc.InstanceServiceStub(channel))
+            try:
+                while (msg := await self._next_chunk(call)) is not None:
+                    yield chunk_from_proto(msg)
+            except grpc.aio.AioRpcError as exc:
+                raise error_from_rpc(exc) from exc
+            finally:
+                call.cancel()  # no-op after the stream ended; stops it when we leave early
+
+    async def _next_chunk(self, call: grpc.aio.UnaryStreamCall) -> instance_pb2.GenerateChunk | None:
+        """The stream's next message (None at its end), or Unavailable if none comes in time."""
         try:
-            while True:
-                try:
-                    # Not wait_for: on Python 3.11 it drops a cancellation that lands as the chunk arrives
-                    # (CPython gh-86296), and a client that went away would never abort its request.
-                    async with asyncio.timeout(self._generate_timeout_s):
-                        msg = await anext(messages)
-                except StopAsyncIteration:
-                    return
-                except TimeoutError:
-                    raise Unavailable(f"no chunk from the instance in {self._generate_timeout_s:g} s "
-                                      "(--generate-timeout-s): taken as failed") from None
-                yield chunk_from_proto(msg)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from exc
-        finally:
-            call.cancel()  # no-op after the stream ended; stops it when we leave early
+            # Not wait_for: on Python 3.11 it drops a cancellation that lands as the chunk arrives
+            # (CPython gh-86296), and a client that went away would never abort its request.
+            async with asyncio.timeout(self._generate_timeout_s):
+                msg = await call.read()
+        except TimeoutError:
+            raise Unavailable(f"no chunk from the instance in {self._generate_timeout_s:g} s "
+                              "(--generate-timeout-s): taken as failed") from None
+        return None if msg is grpc.aio.EOF else msg
 
     def abort_soon(self, target: Target, request_id: RequestId) -> asyncio.Task[None]:
         """Abort in a task kept until it ends (so a cancelled caller still frees the instance's blocks)."""
@@ -79,26 +81,17 @@ class InstanceClients:
     async def close(self) -> None:
         if self._abort_tasks:
             await asyncio.wait(list(self._abort_tasks), timeout=self._abort_timeout_s)
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
-        self._stubs.clear()
+        await self._pool.close()
 
     async def _abort(self, target: Target, request_id: RequestId) -> None:
         try:
-            await self._stub(target.address).Abort(
-                instance_pb2.AbortRequest(request_id=request_id), timeout=self._abort_timeout_s,
-                metadata=request_metadata(request_id))
+            async with self._pool.use(target.address) as channel:
+                await instance_pb2_grpc.InstanceServiceStub(channel).Abort(
+                    instance_pb2.AbortRequest(request_id=request_id), timeout=self._abort_timeout_s,
+                    metadata=request_metadata(request_id))
             log.info("request_aborted", request_id=request_id, instance_id=target.instance_id)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.NOT_FOUND:  # finished or already freed: nothing to do
                 return
             log.warning("abort_failed", request_id=request_id, instance_id=target.instance_id,
                         code=exc.code().name, details=exc.details())
-
-    def _stub(self, address: str) -> instance_pb2_grpc.InstanceServiceStub:
-        stub = self._stubs.get(address)
-        if stub is None:
-            self._channels[address] = secure_or_insecure_channel(address, self._tls)
-            stub = self._stubs[address] = instance_pb2_grpc.InstanceServiceStub(self._channels[address])
-        return stub

@@ -1,6 +1,6 @@
 """Typed async client of another instance's migration RPCs (the source calls the destination).
 
-One cached channel per address (`InstanceClients`); every call has a deadline and
+Pooled channels by address (`InstanceClients`); every call has a deadline and
 failures come back as ferry errors (a peer that is down or misses the deadline is
 Unavailable).
 """
@@ -13,7 +13,7 @@ import grpc
 
 from services.common.errors import error_from_rpc
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
-from services.common.grpc_server import secure_or_insecure_channel
+from services.common.channel_pool import ChannelPool
 from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
 from services.instance.convert import request_state_to_proto, reservation_from_proto
@@ -22,10 +22,10 @@ from services.instance.migration import Reservation
 
 
 class InstanceClient:
-    def __init__(self, channel: grpc.aio.Channel, timeout_s: float, address: str = "") -> None:
-        self._stub = instance_pb2_grpc.InstanceServiceStub(channel)
-        self._timeout_s = timeout_s
+    def __init__(self, pool: ChannelPool, address: str, timeout_s: float) -> None:
+        self._pool = pool
         self._address = address
+        self._timeout_s = timeout_s
 
     async def prepare_migrate_in(self, migration_id: str, request_id: str, src_instance_id: str,
                                  num_blocks: int, grow_only: bool = False,
@@ -33,41 +33,38 @@ class InstanceClient:
         request = instance_pb2.PrepareMigrateInRequest(migration_id=migration_id, request_id=request_id,
                                                        src_instance_id=src_instance_id, num_blocks=num_blocks,
                                                        grow_only=grow_only, block_hashes=list(block_hashes))
-        return reservation_from_proto(await self._call(self._stub.PrepareMigrateIn, request, request_id))
+        return reservation_from_proto(await self._call("PrepareMigrateIn", request, request_id))
 
     async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None:
         request = instance_pb2.CommitMigrateInRequest(migration_id=migration_id, state=request_state_to_proto(state))
-        await self._call(self._stub.CommitMigrateIn, request, state.request_id)
+        await self._call("CommitMigrateIn", request, state.request_id)
 
     async def abort_migrate_in(self, migration_id: str) -> bool:
-        reply = await self._call(self._stub.AbortMigrateIn, instance_pb2.AbortMigrateInRequest(migration_id=migration_id))
+        reply = await self._call("AbortMigrateIn", instance_pb2.AbortMigrateInRequest(migration_id=migration_id))
         return reply.was_reserved
 
     async def abort(self, request_id: str) -> bool:
-        reply = await self._call(self._stub.Abort, instance_pb2.AbortRequest(request_id=request_id), request_id)
+        reply = await self._call("Abort", instance_pb2.AbortRequest(request_id=request_id), request_id)
         return reply.was_running
 
-    async def _call(self, method, request, request_id: str | None = None, metadata: Sequence = ()):
+    async def _call(self, method: str, request, request_id: str | None = None):
         try:
-            return await method(request, timeout=self._timeout_s, metadata=request_metadata(request_id) or None)
+            async with self._pool.use(self._address) as channel:
+                call = getattr(instance_pb2_grpc.InstanceServiceStub(channel), method)
+                return await call(request, timeout=self._timeout_s, metadata=request_metadata(request_id) or None)
         except grpc.aio.AioRpcError as exc:  # gRPC's words ("Socket closed") do not say who
             raise error_from_rpc(exc, peer=f"the destination instance at {self._address}") from None
 
 
 class InstanceClients:
-    """One client per destination address, on one cached channel each."""
+    """A client of the instance at an address, on the pool's channel to it."""
 
     def __init__(self, timeout_s: float, tls: TlsConfig | None = None) -> None:
         self._timeout_s = timeout_s
-        self._tls = tls
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._pool = ChannelPool(tls)
 
     def __call__(self, address: str) -> InstanceClient:
-        if address not in self._channels:
-            self._channels[address] = secure_or_insecure_channel(address, self._tls)
-        return InstanceClient(self._channels[address], self._timeout_s, address)
+        return InstanceClient(self._pool, address, self._timeout_s)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self._pool.close()

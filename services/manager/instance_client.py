@@ -1,4 +1,4 @@
-"""The manager's calls to instances (the admin ListRequests fan-out, MigrateOut), one cached channel per address.
+"""The manager's calls to instances (the admin ListRequests fan-out, MigrateOut), on pooled channels.
 
 Every call has a deadline; failures come back as ferry errors whose `__cause__` is the
 `AioRpcError` (so the migration history can name the exact status, UNIMPLEMENTED included).
@@ -10,7 +10,7 @@ import grpc
 
 from services.common.errors import Unavailable, error_from_rpc
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
-from services.common.grpc_server import secure_or_insecure_channel
+from services.common.channel_pool import ChannelPool
 from services.common.logging import request_metadata
 from services.common.tls import TlsConfig
 from services.manager import convert
@@ -19,13 +19,13 @@ from services.manager.migration import MigrationFigures, MigrationOrder
 
 class InstanceChannels:
     def __init__(self, tls: TlsConfig | None = None) -> None:
-        self._tls = tls
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._pool = ChannelPool(tls)
 
     async def list_requests(self, address: str, timeout_s: float) -> list[instance_pb2.RequestInfo]:
-        stub = instance_pb2_grpc.InstanceServiceStub(self._channel(address))
         try:
-            reply = await stub.ListRequests(instance_pb2.ListRequestsRequest(), timeout=timeout_s)
+            async with self._pool.use(address) as channel:
+                reply = await instance_pb2_grpc.InstanceServiceStub(channel).ListRequests(
+                    instance_pb2.ListRequestsRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
         return list(reply.requests)
@@ -36,10 +36,11 @@ class InstanceChannels:
 
     async def migrate_out(self, order: MigrationOrder, timeout_s: float) -> MigrationFigures:
         """Ask the source to move a request to the destination; returns once committed (or raises)."""
-        stub = instance_pb2_grpc.InstanceServiceStub(self._channel(order.src_address))
         try:
-            reply = await stub.MigrateOut(convert.migrate_out_request_to_proto(order), timeout=timeout_s,
-                                          metadata=request_metadata(order.request_id) or None)
+            async with self._pool.use(order.src_address) as channel:
+                reply = await instance_pb2_grpc.InstanceServiceStub(channel).MigrateOut(
+                    convert.migrate_out_request_to_proto(order), timeout=timeout_s,
+                    metadata=request_metadata(order.request_id) or None)
         except grpc.aio.AioRpcError as exc:
             error = error_from_rpc(exc)
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -51,21 +52,12 @@ class InstanceChannels:
 
     async def set_role(self, address: str, role: int, timeout_s: float) -> instance_pb2.SetRoleResponse:
         """Ask the instance to switch role (it rewrites its etcd record and moves away what no longer fits)."""
-        stub = instance_pb2_grpc.InstanceServiceStub(self._channel(address))
         try:
-            return await stub.SetRole(instance_pb2.SetRoleRequest(role=role), timeout=timeout_s)
+            async with self._pool.use(address) as channel:
+                return await instance_pb2_grpc.InstanceServiceStub(channel).SetRole(
+                    instance_pb2.SetRoleRequest(role=role), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from exc
 
-    async def keep_only(self, addresses: set[str]) -> None:
-        """Close the channels of instances that are gone."""
-        for address in set(self._channels) - addresses:
-            await self._channels.pop(address).close()
-
     async def close(self) -> None:
-        await self.keep_only(set())
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = secure_or_insecure_channel(address, self._tls)
-        return self._channels[address]
+        await self._pool.close()

@@ -322,7 +322,6 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
                                      must_answer: bool) -> tuple[list[instance_pb2.RequestInfo], list[InstanceId]]:
         """The requests of instances `ids`, and the ids that did not answer (Unavailable if `must_answer`)."""
         addresses = {i: self._view.record(i).address for i in ids}
-        await self._instances.keep_only({r.address for r in map(self._view.record, self._view.member_ids())})
         replies = await asyncio.gather(*(self._instances.list_requests(a, self._list_requests_timeout_s)
                                          for a in addresses.values()), return_exceptions=True)
         requests, unreachable = [], []

@@ -21,12 +21,8 @@ class QueuedCall:
         self.messages: asyncio.Queue[instance_pb2.GenerateChunk] = asyncio.Queue()
         self.is_cancelled = False
 
-    def __aiter__(self):
-        return self._messages()
-
-    async def _messages(self):
-        while True:
-            yield await self.messages.get()
+    async def read(self) -> instance_pb2.GenerateChunk:
+        return await self.messages.get()
 
     def cancel(self) -> None:
         self.is_cancelled = True
@@ -37,7 +33,7 @@ async def test_a_cancel_that_lands_as_a_chunk_arrives_ends_the_reader():
     call, received = QueuedCall(), []
 
     async def read() -> None:
-        async for chunk in clients._chunks(lambda: call):
+        async for chunk in clients._chunks("127.0.0.1:1", lambda stub: call):
             received.append(chunk)
 
     reader = asyncio.create_task(read())

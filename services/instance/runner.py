@@ -264,17 +264,16 @@ class EngineRunner:
         # never steps again.
         while not self._stopping.is_set():
             self._run_commands()
-            if not self.is_broken and self._engine.has_unfinished():
-                self._step()
-            else:
-                self._wakeup.wait(_IDLE_WAIT_S)
+            if self.is_broken or not self._engine.has_unfinished() or not self._step():
+                self._wakeup.wait(_IDLE_WAIT_S)  # a command (a new request, an abort, a freed reservation) wakes us
                 self._wakeup.clear()
             try:
                 self._snapshot_load()
             except Exception:  # noqa: BLE001 — a load figure is not worth the engine thread
                 log.exception("load_snapshot_failed")
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step; False if it had nothing to run (then it counts as no step)."""
         started = time.perf_counter()
         self._step_started_at = time.monotonic()
         try:
@@ -284,12 +283,15 @@ class EngineRunner:
             log.exception("engine_step_failed")
             self.is_broken = True
             self._loop.call_soon_threadsafe(self._fail_all, exc)
-            return
+            return True
         finally:
             self._step_started_at = None
+        if self._engine.last_step_was_idle:
+            return False
         self._step_times_s.append(time.perf_counter() - started)
         self.num_steps += 1
         self._publish(outputs, held)
+        return True
 
     def _hold_first_tokens(self, outputs: list[StepOutput]) -> dict[str, HeldRequest]:
         """PD push: park each request that got its first token in this step before the next

@@ -139,14 +139,16 @@ class LLMEngine:
         self.kv_cache = kv_cache
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.reservations = Reservations(self.block_manager)  # blocks (and a batch slot each) held for requests migrating in
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   max_prompt_logit_rows=PROMPT_LOGITS_BUDGET // model.config.vocab_size)
+                                   max_prompt_logit_rows=PROMPT_LOGITS_BUDGET // model.config.vocab_size,
+                                   num_reserved_slots=lambda: len(self.reservations))
         self.sampler = Sampler()
-        self.reservations = Reservations(self.block_manager)  # blocks held for requests migrating in
         self.vocab_size: int = model.config.vocab_size
         self.eos_token_ids = frozenset(model.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         self._requests: dict[RequestId, Request] = {}  # waiting + running + suspended; finished ones leave at once
         self._arrivals = itertools.count()
+        self.last_step_was_idle = False
 
     # Requests in and out.
 
@@ -342,7 +344,10 @@ class LLMEngine:
     # One step.
 
     def step(self) -> list[StepOutput]:
+        """One batch; `last_step_was_idle` says afterwards whether it had nothing to do (the waiting
+        requests cannot be admitted until blocks or slots are freed: wait for a command then)."""
         scheduled = self.scheduler.schedule()
+        self.last_step_was_idle = scheduled.batch is None and not scheduled.finished and not scheduled.preempted
         logits = self._run(scheduled)
         self._register_computed(scheduled)
         return self._postprocess(scheduled, logits)

@@ -7,15 +7,19 @@ Every step, in this order:
    uncomputed tokens as the step's token budget has left (`max_num_batched_tokens`),
    so long prompts are prefilled in chunks over several steps.
 2. A running request that needs a block when none is free preempts the worst
-   other unscheduled running request (lowest priority, then latest arrival) that
-   is worse than itself; if there is none, a prefill chunk shrinks to the blocks
-   left, and a request that cannot take a single token preempts itself.
+   other running request (lowest priority, then latest arrival) that is worse than
+   itself, taking it out of this step if it was scheduled already (as vLLM does: a
+   high-priority prefill never preempts itself while worse decodes keep their blocks);
+   if there is none, a prefill chunk shrinks to the blocks left, and a request that
+   cannot take a single token preempts itself.
    Preemption is by recompute: the blocks are freed and the request goes back
    to waiting with the tokens it generated; its next prefill recomputes
    prompt + generated tokens. A request that would not fit even alone in the
-   cache finishes with LENGTH.
+   cache finishes with LENGTH (running, or at the head of the waiting queue, where
+   a preempted one may have come with more tokens than the cache holds).
 3. If nothing was preempted, waiting requests are admitted in priority order while
-   batch slots (`max_num_seqs`), budget and free blocks allow. The head of the
+   batch slots (`max_num_seqs`, less those reserved for requests migrating in),
+   budget and free blocks allow. The head of the
    queue blocks the rest (strict priority). With prefix caching, an admitted request
    starts from the cached blocks of its prefix and computes only the rest (unless it
    asked for prompt logprobs: those need every prompt position's logits).
@@ -36,6 +40,7 @@ with its K/V already in its blocks (`adopt`).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -70,7 +75,7 @@ def _priority_order(request: Request) -> tuple[int, int]:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prompt_logit_rows: int = 512) -> None:
+                 max_prompt_logit_rows: int = 512, num_reserved_slots: Callable[[], int] = lambda: 0) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(f"--max-num-seqs and --max-num-batched-tokens must be positive, "
                              f"got {max_num_seqs} and {max_num_batched_tokens}")
@@ -78,6 +83,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prompt_logit_rows = max(1, max_prompt_logit_rows)  # prompt-logprobs prefill tokens a step
+        self._num_reserved_slots = num_reserved_slots  # slots held for requests migrating in
         # Invariant: both queues stay sorted by _priority_order; running requests hold blocks, waiting ones none.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -148,9 +154,7 @@ class Scheduler:
         return step.to_output(self.block_manager.block_size)
 
     def _schedule_running(self, request: Request, step: _StepPlan) -> None:
-        if num_blocks_for(request.num_tokens, self.block_manager.block_size) > self.block_manager.num_blocks:
-            self.remove(request, FinishReason.LENGTH)  # could never fit, even alone in the cache
-            step.finished.append(request)
+        if self._finished_as_too_long(request, step):
             return
         num_new = min(request.num_uncomputed_tokens, step.budget_for(request))
         if num_new == 0:
@@ -163,10 +167,18 @@ class Scheduler:
         self.block_manager.allocate(request, request.num_computed_tokens + num_new)
         step.add(request, num_new)
 
+    def _finished_as_too_long(self, request: Request, step: _StepPlan) -> bool:
+        """Finish `request` with LENGTH if it could never fit, even alone in the cache."""
+        if num_blocks_for(request.num_tokens, self.block_manager.block_size) <= self.block_manager.num_blocks:
+            return False
+        self.remove(request, FinishReason.LENGTH)
+        step.finished.append(request)
+        return True
+
     def _make_room(self, request: Request, num_tokens: int, step: _StepPlan) -> None:
-        """Preempt worse unscheduled requests until `request` can hold `num_tokens` tokens, or none is left."""
+        """Preempt worse requests until `request` can hold `num_tokens` tokens, or none is left."""
         while not self.block_manager.can_allocate(self.block_manager.num_blocks_needed(request, num_tokens)):
-            victim = self._pick_victim(request, step)
+            victim = self._pick_victim(request)
             if victim is None:
                 return
             self._preempt(victim, step)
@@ -176,15 +188,13 @@ class Scheduler:
         num_blocks = len(request.block_table) + self.block_manager.num_free_blocks
         return num_blocks * self.block_manager.block_size - request.num_computed_tokens
 
-    def _pick_victim(self, request: Request, step: _StepPlan) -> Request | None:
-        for candidate in reversed(self.running):  # worst first
-            if _priority_order(candidate) <= _priority_order(request):
-                return None  # everyone left is at least as important as `request`
-            if not step.is_scheduled(candidate):
-                return candidate
-        return None
+    def _pick_victim(self, request: Request) -> Request | None:
+        """The worst running request, if it is worse than `request`."""
+        worst = self.running[-1]
+        return worst if _priority_order(worst) > _priority_order(request) else None
 
     def _preempt(self, request: Request, step: _StepPlan) -> None:
+        step.unschedule(request)  # its blocks (this step's included) go; its tokens were not counted yet
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
@@ -194,8 +204,10 @@ class Scheduler:
         step.preempted.append(request)
 
     def _admit_waiting(self, step: _StepPlan) -> None:
-        while self.waiting and step.budget > 0 and self.num_busy_slots < self.max_num_seqs:
+        while self.waiting and step.budget > 0 and self.num_busy_slots + self._num_reserved_slots() < self.max_num_seqs:
             request = self.waiting[0]
+            if self._finished_as_too_long(request, step):
+                continue
             cached = [] if request.wants_prompt_logits else self.block_manager.cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached_tokens, step.budget_for(request))
@@ -229,11 +241,19 @@ class _StepPlan:
         if request.wants_prompt_logits:
             self.logit_budget -= num_new_tokens
 
+    def unschedule(self, request: Request) -> None:
+        """Take `request` out of this step (it is being preempted), giving its tokens back to the budget."""
+        if id(request) not in self._scheduled_ids:
+            return
+        entry = next(s for s in self.scheduled if s.request is request)
+        self.scheduled.remove(entry)
+        self._scheduled_ids.discard(id(request))
+        self.budget += entry.num_new_tokens
+        if request.wants_prompt_logits:
+            self.logit_budget += entry.num_new_tokens
+
     def budget_for(self, request: Request) -> int:
         return min(self.budget, self.logit_budget) if request.wants_prompt_logits else self.budget
-
-    def is_scheduled(self, request: Request) -> bool:
-        return id(request) in self._scheduled_ids
 
     def to_output(self, block_size: int) -> SchedulerOutput:
         """Call after the scheduled tokens were counted as computed."""

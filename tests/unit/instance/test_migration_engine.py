@@ -380,3 +380,68 @@ def test_a_salted_request_is_cached_under_its_salt_at_the_destination(make_engin
     assert harness.finish(b, "same-tenant").token_ids == reference.token_ids
     assert b.block_manager.prefix_cache.stats().num_hit_tokens == 8
     assert_no_blocks_held(a, b)
+
+
+def test_a_request_preempted_by_a_resumed_one_past_the_cache_finishes_and_the_queue_moves(make_engine):
+    """H suspended (migrating out), R fills the cache around H's cached prefix, the migration fails and
+    H, resumed, preempts R when R has outgrown the cache: R must finish with LENGTH, not hold the
+    head of the waiting queue for ever with everything behind it."""
+    engine = make_engine(num_blocks=4)
+    harness = Harness()
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("H", PROMPT[:8], greedy)
+    harness.step(engine)  # H: 2 full (cached) blocks, 1 token sampled
+    engine.suspend("H")
+    engine.add_request("R", PROMPT[:8] + [9, 10, 11, 12, 13, 14, 15], greedy)  # 15 tokens, H's 2 blocks shared
+    harness.step(engine)
+    harness.step(engine)  # R: 17 tokens, more than the 16 the cache holds
+    assert engine.resume("H")
+    engine.add_request("late", [1, 2, 3], greedy)
+    for _ in range(50):  # a few steps each; before, R and "late" waited for ever
+        harness.step(engine)
+    assert harness.streams["R"].finish_reason is FinishReason.LENGTH
+    assert harness.streams["late"].token_ids and harness.streams["H"].finish_reason is FinishReason.LENGTH
+    assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == 4
+
+
+def test_a_slot_reserved_for_a_migration_in_is_not_given_to_a_local_request(make_engine):
+    src, dst = make_engine(), make_engine(max_num_seqs=2)
+    harness = Harness()
+    src.add_request("moving", PROMPT, GREEDY)
+    harness.run_until(src, "moving", 2)
+    dst.add_request("local-1", PROMPT[:5], GREEDY)
+    harness.step(dst)
+    view = src.suspend("moving")
+    dst_blocks = dst.reserve_blocks("m-1", view.num_blocks)
+    dst.add_request("local-2", PROMPT[:6], GREEDY)
+    harness.step(dst)
+    assert [r.request_id for r in dst.scheduler.running] == ["local-1"]  # local-2 waits for a slot
+    copy_blocks(src, dst, view.block_ids, dst_blocks)
+    dst.import_request("m-1", src.export_state("moving"))
+    src.release("moving")
+    harness.step(dst)
+    assert len(dst.scheduler.running) == 2 and [r.request_id for r in dst.scheduler.waiting] == ["local-2"]
+
+
+async def test_the_engine_thread_sleeps_while_nothing_it_holds_can_run(make_engine):
+    """Every block reserved for a migration in and a request waiting: steps schedule nothing. Before,
+    the engine thread stepped back to back (tens of thousands of empty steps a second, a core burnt
+    beside the event loop that must finish the migration) and empty steps filled the step-time window."""
+    import asyncio
+
+    from services.instance.runner import EngineRunner
+
+    engine = make_engine(num_blocks=8)
+    runner = EngineRunner(engine, asyncio.get_running_loop())
+    runner.start()
+    try:
+        await runner.call(lambda: engine.reserve_blocks("m-in", 8))
+        stream = await runner.add("waiting", PROMPT[:6], GREEDY)
+        num_steps_before = runner.num_steps
+        await asyncio.sleep(0.5)
+        assert runner.num_steps == num_steps_before
+        await runner.call(lambda: engine.free_reservation("m-in"))  # the command wakes it: the request runs
+        first = await asyncio.wait_for(stream.outputs.get(), 10)
+        assert first.new_token_ids
+    finally:
+        runner.stop()

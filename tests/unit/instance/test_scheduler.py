@@ -183,6 +183,53 @@ def test_request_longer_than_the_cache_finishes_with_length():
     assert scheduler.block_manager.num_free_blocks == 2 and not scheduler.has_unfinished()
 
 
+def test_a_preempted_request_grown_past_the_cache_finishes_with_length_instead_of_blocking_the_queue():
+    """Preempted with more tokens than the whole cache holds, it can never be admitted again: before,
+    it stayed at the head of the waiting queue and nothing behind it ever ran."""
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    request, later = make_request(8, "r"), make_request(2, "later")
+    scheduler.add(request)
+    run_step(scheduler)
+    request.output_token_ids += [7] * 9  # 17 tokens: more than the 16 the cache holds
+    scheduler.running.remove(request)
+    scheduler.block_manager.free(request)
+    request.num_computed_tokens = 0
+    scheduler.add(request)  # as a preemption leaves it
+    scheduler.add(later)
+    output = run_step(scheduler)
+    assert output.finished == [request] and request.finish_reason is FinishReason.LENGTH
+    assert new_tokens(output) == {"later": 2}
+
+
+def test_a_better_prefill_preempts_a_worse_decode_already_scheduled_in_the_step():
+    """Decodes are scheduled first, but one of lower priority is still the victim: before, the
+    high-priority prefill found no unscheduled victim, so it shrank its chunk (or preempted itself)
+    while the worse decode kept its blocks."""
+    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=8)
+    low = make_request(5, "low")
+    scheduler.add(low)
+    run_step(scheduler)  # low: 5 tokens + 1 sampled, 2 blocks
+    high = make_request(20, "high", priority=10)
+    scheduler.add(high)
+    assert new_tokens(run_step(scheduler)) == {"low": 1, "high": 7}  # 4 blocks used
+    assert new_tokens(run_step(scheduler)) == {"low": 1, "high": 7}  # 6 blocks used: all
+    output = run_step(scheduler)  # high needs a 7th block: low goes, its decode taken out of the step
+    assert output.preempted == [low] and new_tokens(output) == {"high": 6}
+    assert high.status is RequestStatus.RUNNING and low.status is RequestStatus.WAITING
+    assert low.num_computed_tokens == 0 and low.block_table == []
+
+
+def test_slots_reserved_for_migrations_in_are_not_admitted_into():
+    reserved = [1]
+    scheduler = Scheduler(BlockManager(64, 4), 2, 64, num_reserved_slots=lambda: reserved[0])
+    first, second = make_request(4, "first"), make_request(4, "second")
+    scheduler.add(first)
+    scheduler.add(second)
+    assert new_tokens(run_step(scheduler)) == {"first": 4}  # the other slot is held for a migration
+    reserved[0] = 0  # it committed elsewhere, or was given up
+    assert new_tokens(run_step(scheduler)) == {"first": 1, "second": 4}
+
+
 def test_prefill_chunk_shrinks_to_free_blocks_instead_of_preempting_a_better_request():
     scheduler = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=8)
     high = make_request(24, "high", priority=1)

@@ -19,7 +19,7 @@ from services.common.heap import keep_freed_heap
 from services.common.registry import Registry
 from services.common.signals import stop_event
 from services.transfer.metrics import serve_metrics
-from services.transfer.channels import ChannelTable, configure_nccl
+from services.transfer.channels import IDLE_CLOSE_S, ChannelTable, configure_nccl
 from services.transfer.client import TransferClients
 from services.transfer.config import TransferConfig
 from services.transfer.convert import geometry_from_record
@@ -83,7 +83,7 @@ def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServ
         receive_nccl_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024, 2, nccl_device)
     channel_host = config.advertise_host or server.advertise_host
     channels = ChannelTable(transfer_id, channel_host, config.channel_timeout_s, threads.io, config.gloo_connections,
-                            config.nccl_device)
+                            config.nccl_device, idle_close_s=max(IDLE_CLOSE_S, 4 * config.transfer_timeout_s))
     backends = tuple(config.backends)
     sender = BlockSender(transfer_id, backends, mappings, send_staging, channels, peers, threads,
                          in_place_min_row_bytes=config.in_place_min_kib * 1024, nccl_staging=send_nccl_staging)

@@ -28,9 +28,9 @@ import contextlib
 import datetime
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from services.common.errors import FailedPrecondition, Unavailable
 from services.transfer.chunk_plan import Chunk
+from services.transfer.deadline import Deadline
 from services.transfer.domain import CHANNEL_BACKENDS, TransferBackend
 from services.transfer.threads import run_in_thread
 
@@ -67,12 +68,33 @@ class PairChannel:
     store: dist.Store | None  # kept alive as long as the group
     device: torch.device  # where tensors must live for this backend
     bounce: torch.Tensor | None = None  # NCCL: device buffer for host staging memory
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)  # serial channels: one transfer on it at a time
+    last_used: float = field(default_factory=time.monotonic)  # when a transfer last took it
 
     @property
     def is_serial(self) -> bool:
         """One message of a transfer in flight at a time (nccl: they share the bounce buffer);
         gloo takes as many as the transfer has staging buffers for."""
         return self.backend is TransferBackend.NCCL
+
+    @contextlib.asynccontextmanager
+    async def transfer_turn(self, deadline: Deadline) -> AsyncIterator[None]:
+        """Hold the channel for one whole transfer if it is serial: NCCL has no tags and pairs each
+        receive with the peer's sends in the order they were posted, so two transfers at once (two
+        staging slots) would swap their chunks, undetected. gloo matches by tag: no wait."""
+        if not self.is_serial:
+            yield
+            return
+        try:
+            async with asyncio.timeout(deadline.remaining_s()):
+                await self.turn.acquire()
+        except TimeoutError:
+            raise Unavailable(f"the {self.backend.value} channel to {self.peer} stayed busy with other transfers "
+                              "until this one's deadline; retry") from None
+        try:
+            yield
+        finally:
+            self.turn.release()
 
     @property
     def moves_in_place(self) -> bool:
@@ -184,12 +206,23 @@ def chunk_tag(transfer_tag: int, chunk_index: int) -> int:
     return transfer_tag + chunk_index % TAG_STRIDE
 
 
+IDLE_CLOSE_S = 600.0
+
+
 class ChannelTable:
-    """Channels by peer: outgoing ones keyed by the peer's address, incoming by its transfer id."""
+    """Channels by peer: outgoing ones keyed by the peer's address, incoming by its transfer id.
+
+    A peer that restarts comes back under a new address or id (the default port is 0), and its old
+    channels would hold their connections, threads and store for good. So a channel no transfer has
+    taken for `idle_close_s` is dropped when the next channel opens; incoming ones after twice that,
+    so the sender, who drops first, never sends on a channel its peer has already dropped (a transfer
+    takes both ends, so the receiver's idle time is never shorter). `idle_close_s` must be well above
+    the longest transfer (the app passes at least 4 x --transfer-timeout-s)."""
 
     def __init__(self, transfer_id: str, host: str, timeout_s: float, executor: Executor,
-                 gloo_connections: int = 1, nccl_device: int = 0) -> None:
+                 gloo_connections: int = 1, nccl_device: int = 0, idle_close_s: float = IDLE_CLOSE_S) -> None:
         self._transfer_id = transfer_id
+        self._idle_close_s = idle_close_s
         self._host = host
         self._timeout_s = timeout_s
         self._executor = executor
@@ -205,8 +238,11 @@ class ChannelTable:
         key = (peer_address, backend)
         async with self._locks.setdefault(key, asyncio.Lock()):
             if key not in self._outgoing:
+                self._drop_idle()
                 self._outgoing[key] = await self._open(peer_address, backend, open_remote)
-            return self._outgoing[key]
+            channel = self._outgoing[key]
+            channel.last_used = time.monotonic()
+            return channel
 
     async def accept(self, peer_id: str, backend: TransferBackend, store_address: str, rank: int,
                      num_connections: int) -> None:
@@ -218,6 +254,7 @@ class ChannelTable:
         group = await run_in_thread(self._executor, _create_group, backend, prefix, rank, self._host, self._timeout_s,
                                     num_connections)
         self.drop_incoming(peer_id, backend)
+        self._drop_idle()
         self._incoming[(peer_id, backend)] = PairChannel(peer_id, backend, rank, group, store, self._device_for(backend))
         log.info("channel_accepted", peer_transfer_id=peer_id, backend=backend.value, store_address=store_address)
 
@@ -226,6 +263,7 @@ class ChannelTable:
         if channel is None:
             raise FailedPrecondition(f"no {backend.value} channel from transfer service {peer_id!r}; "
                                      "the sender must call OpenChannel first")
+        channel.last_used = time.monotonic()
         return channel
 
     def drop_outgoing(self, peer_address: str, backend: TransferBackend) -> None:
@@ -240,6 +278,20 @@ class ChannelTable:
         if (channel := self._incoming.pop((peer_id, backend), None)) is not None:
             channel.close()
             log.info("channel_dropped", peer=peer_id, backend=backend.value, direction="incoming")
+
+    @property
+    def num_channels(self) -> int:
+        return len(self._outgoing) + len(self._incoming)
+
+    def _drop_idle(self) -> None:
+        now = time.monotonic()
+        for (peer, backend), channel in list(self._outgoing.items()):
+            if now - channel.last_used >= self._idle_close_s and not self._locks[(peer, backend)].locked():
+                self.drop_outgoing(peer, backend)
+                del self._locks[(peer, backend)]
+        for (peer, backend), channel in list(self._incoming.items()):
+            if now - channel.last_used >= 2 * self._idle_close_s:
+                self.drop_incoming(peer, backend)
 
     def close(self) -> None:
         for peer, backend in list(self._outgoing):

@@ -41,16 +41,19 @@ class GatherAhead:
         self._executor = executor
         self._next = 0
         self._pending: asyncio.Future | None = None  # gather of chunk `_next`, if started
+        self._is_closed = False  # no gather starts after close() (grpc may still poll the iterator then)
 
     def __aiter__(self) -> GatherAhead:
         return self
 
     async def __anext__(self) -> tuple[Chunk, torch.Tensor]:
-        if self._next >= len(self._chunks):
+        if self._next >= len(self._chunks) or self._is_closed:
             raise StopAsyncIteration
         if self._pending is None:
             self._pending = self._start(self._next)
         staged = await asyncio.shield(self._pending)
+        if self._is_closed:  # closed while we waited: the slot is being given back
+            raise StopAsyncIteration
         chunk = self._chunks[self._next]
         self._next += 1
         # The caller is done with the buffer of chunk `_next - 2`: gather into it now.
@@ -58,9 +61,13 @@ class GatherAhead:
         return chunk, staged
 
     async def close(self) -> None:
-        if self._pending is not None:
-            await asyncio.wait([self._pending])
-            self._pending = None
+        """Wait for the gather in flight; none starts after this is called."""
+        self._is_closed = True
+        while self._pending is not None:
+            pending = self._pending
+            await asyncio.wait([pending])
+            if self._pending is pending:
+                self._pending = None
 
     def _start(self, index: int) -> asyncio.Future:
         chunk = self._chunks[index]

@@ -181,6 +181,11 @@ class BlockSender:
             await peer.open_channel(self._transfer_id, store_address, rank, backend, num_connections,
                                     deadline.remaining_s())
         channel = await self._channels.outgoing(address, backend, open_remote)
+        async with channel.transfer_turn(deadline):
+            await self._send_and_expect(channel, peer, request, source, slot, deadline)
+
+    async def _send_and_expect(self, channel: PairChannel, peer: PeerTransferService, request: BlockTransfer,
+                               source: SourceBlocks, slot: StagingSlot, deadline: Deadline) -> None:
         tag = next(self._tags) * TAG_STRIDE % 2**31
         sends_done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # True: every message taken
         expect = asyncio.ensure_future(self._expect(peer, source, request, tag, deadline, sends_done))

@@ -33,6 +33,7 @@ from services.common.errors import Internal, InvalidArgument, NotFound, Resource
 from services.instance.engine.cuda_ipc import CudaIpcHandle, export_handle, open_handle
 
 SHM_DIR = Path("/dev/shm")
+SEGMENT_PREFIX = "ferry-"  # every KV segment's name starts so (instances: ferry-kv-<instance id>)
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fill the page tables, writable, without touching the data
 _PAGE = 4096
 _PREFAULT_CHUNK_BYTES = 64 << 20  # ~16 ms a madvise: how soon `close` stops a prefault in progress
@@ -123,6 +124,7 @@ class KvCache:
     @classmethod
     def attach(cls, name: str, geometry: KvGeometry) -> KvCache:
         """Map the existing segment `name` created with the same `geometry`."""
+        _check_segment_name(name)
         path = SHM_DIR / name
         if not path.exists():
             raise NotFound(f"no KV cache shared memory named {name!r} ({path}); is the instance running?")
@@ -193,6 +195,14 @@ class KvCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
         self.unlink()
+
+
+def _check_segment_name(name: str) -> None:
+    """A KV segment is a file of ferry's directly in SHM_DIR: a name from a peer (MapInstance's shm_name,
+    an etcd record) must not reach any other file, which attaching maps read-write."""
+    if not name.startswith(SEGMENT_PREFIX) or "/" in name or "\0" in name:
+        raise InvalidArgument(f"shm_name: {name!r} is not a KV segment name (one file name in {SHM_DIR} "
+                              f"starting with {SEGMENT_PREFIX!r})")
 
 
 _SHM_ADVICE = f"lower --kv-cache-mib (or --num-blocks), or give {SHM_DIR} more room (docker: --shm-size)"

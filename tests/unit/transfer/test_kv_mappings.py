@@ -3,7 +3,7 @@ import uuid
 import pytest
 import torch
 
-from services.common.errors import NotFound
+from services.common.errors import InvalidArgument, NotFound
 from services.instance.engine.kv_cache import KvCache
 from services.transfer.kv_mappings import KvMappings
 from tests.unit.transfer.factories import tiny_geometry
@@ -26,3 +26,15 @@ def test_map_sees_the_instances_bytes_and_unmap_forgets_it():
         assert mappings.unmap("inst-0") and not mappings.unmap("inst-0")
         with pytest.raises(NotFound, match="MapInstance"):
             mappings.get("inst-0")
+
+
+@pytest.mark.parametrize("make_name", [lambda victim: f"../..{victim}", lambda victim: f"ferry-kv-x/../../..{victim}",
+                                       lambda victim: victim.name])
+def test_a_name_that_is_not_a_kv_segment_is_refused_and_no_file_is_mapped(tmp_path, make_name):
+    """MapInstance's shm_name comes from a peer: before, `../../<path>` mapped any file the service could
+    open read-write, and a transfer into that "instance" overwrote it."""
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"x" * tiny_geometry().num_bytes)
+    with pytest.raises(InvalidArgument, match="shm_name: .* is not a KV segment name"):
+        KvMappings("t-0").map("inst-0", make_name(victim), tiny_geometry())
+    assert victim.read_bytes() == b"x" * tiny_geometry().num_bytes

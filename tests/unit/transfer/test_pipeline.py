@@ -46,6 +46,35 @@ async def test_gather_ahead_stages_the_next_chunk_while_the_current_one_is_used(
     assert seen[0][1] != seen[1][1]
 
 
+async def test_no_gather_starts_once_close_is_called_though_another_task_still_iterates(executor):
+    """grpc.aio reads a request stream from a task of its own, which notices a failed call only at its
+    next write: it was woken by the same gather as close() and started the next one, so the slot went
+    back to the pool with a gather still writing into its buffer."""
+    plan = ChunkPlan.for_staging(tiny_geometry(), num_blocks=5, staging_bytes=512)
+    pool = StagingPool(1, 512)
+    gathered: list[int] = []
+
+    def gather(chunk, buffer):
+        gathered.append(chunk.index)
+        threading.Event().wait(0.05)
+        return buffer
+
+    async with pool.slot(1.0) as slot:
+        chunks = GatherAhead(plan, slot, gather, executor)
+        first = asyncio.Event()
+
+        async def poll() -> None:  # as grpc's request-iterator task does
+            async for _chunk, _staged in chunks:
+                first.set()
+        poller = asyncio.create_task(poll())
+        await first.wait()  # chunk 1's gather runs; the poller waits for it
+        await chunks.close()
+        num_started = len(gathered)
+        await asyncio.sleep(0.2)
+        await poller
+    assert gathered == [0, 1] and num_started == 2
+
+
 async def test_scatter_behind_runs_in_order_and_reports_errors(executor):
     plan = ChunkPlan.for_staging(tiny_geometry(), num_blocks=4, staging_bytes=512)
     pool = StagingPool(1, 512)

@@ -1,0 +1,57 @@
+"""Pair channels (real gloo groups, in one process) from peers that went away are dropped once idle."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from services.transfer.channels import ChannelTable
+from services.transfer.domain import TransferBackend
+
+pytestmark = pytest.mark.timeout(60)
+IDLE_S = 0.5
+
+
+async def _open(sender: ChannelTable, sender_id: str, receiver: ChannelTable, address: str = "b:1"):
+    async def open_remote(store_address: str, rank: int, num_connections: int) -> None:
+        await receiver.accept(sender_id, TransferBackend.GLOO, store_address, rank, num_connections)
+    return await sender.outgoing(address, TransferBackend.GLOO, open_remote)
+
+
+async def test_channels_of_a_peer_that_restarted_under_a_new_id_are_dropped_once_idle():
+    """Before, every incarnation of a restarted peer left a gloo group (threads, sockets, a store) behind."""
+    with ThreadPoolExecutor(8) as pool:
+        receiver = ChannelTable("B", "127.0.0.1", 10, pool, idle_close_s=IDLE_S)
+        senders = [ChannelTable(f"A-{n}", "127.0.0.1", 10, pool, idle_close_s=IDLE_S) for n in range(3)]
+        try:
+            await _open(senders[0], "A-0", receiver)
+            await _open(senders[1], "A-1", receiver)
+            assert receiver.num_channels == 2
+            await asyncio.sleep(2 * IDLE_S)  # A-0 and A-1 are gone: their channels go when the next one opens
+            receiver.incoming("A-1", TransferBackend.GLOO)  # ... unless a transfer took one meanwhile
+            await _open(senders[2], "A-2", receiver)
+            assert receiver.num_channels == 2  # A-1 (used just now) and A-2
+            with pytest.raises(Exception, match="no gloo channel from transfer service 'A-0'"):
+                receiver.incoming("A-0", TransferBackend.GLOO)
+        finally:
+            for table in (receiver, *senders):
+                table.close()
+
+
+async def test_an_outgoing_channel_idle_for_long_is_opened_afresh():
+    with ThreadPoolExecutor(8) as pool:
+        receiver = ChannelTable("B", "127.0.0.1", 10, pool, idle_close_s=60)
+        sender = ChannelTable("A", "127.0.0.1", 10, pool, idle_close_s=IDLE_S)
+        try:
+            first = await _open(sender, "A", receiver, "b:1")
+            assert await _open(sender, "A", receiver, "b:1") is first  # in use: kept
+            await asyncio.sleep(IDLE_S)
+            await _open(sender, "A", receiver, "c:1")  # another peer: idle ones are dropped now
+            assert first.group is None and sender.num_channels == 1
+            again = await _open(sender, "A", receiver, "b:1")
+            assert again is not first and again.group is not None
+        finally:
+            receiver.close()
+            sender.close()

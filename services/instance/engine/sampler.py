@@ -97,8 +97,8 @@ def adjusted_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
             counts = torch.bincount(output, minlength=vocab_size)[:vocab_size]
             logits[i] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
         if params.logit_bias:
-            ids, biases = zip(*params.logit_bias)
-            logits[i, list(ids)] += torch.tensor(biases)
+            ids, biases = zip(*params.logit_bias)  # a token listed twice (over gRPC) takes both biases
+            logits[i].index_add_(0, torch.tensor(ids), torch.tensor(biases, dtype=logits.dtype))
         if rows[i].banned_token_ids:
             logits[i, list(rows[i].banned_token_ids)] = float("-inf")
     return logits

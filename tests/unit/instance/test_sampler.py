@@ -155,6 +155,14 @@ def test_logit_bias_bans_and_forces_tokens_and_logprobs_stay_raw():
     assert first.logprob.logprob == pytest.approx(logits[0].log_softmax(-1)[first.token_id].item())
 
 
+def test_a_token_biased_twice_takes_both_biases():
+    """Over gRPC a token may come twice in logit_bias (the HTTP API's JSON object cannot): both apply."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 4], logits[0, 8] = 5.0, 4.0
+    assert tokens(logits, [SamplingRow(penalized(bias=((8, 0.6), (8, 0.6))), 0, 0)]) == [8]
+    assert tokens(logits, [SamplingRow(penalized(bias=((8, 0.6),)), 0, 0)]) == [4]
+
+
 def test_rows_without_adjustments_are_untouched_in_a_mixed_batch():
     logits = random_logits(2, seed=6)
     plain = SamplingRow(SamplingParams(temperature=0.0), 0, 0, output_token_ids=[int(logits[0].argmax())])

@@ -232,9 +232,8 @@ class EngineRunner:
         def run() -> None:
             try:
                 fn()
-            except Exception:
-                log.exception("engine_command_failed")
-            self._snapshot_load()
+            finally:
+                self._snapshot_load()
 
         self._submit(run)
 
@@ -312,7 +311,10 @@ class EngineRunner:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            command()
+            try:
+                command()
+            except Exception:  # noqa: BLE001 — the engine thread outlives any one command (call() hands errors back)
+                log.exception("engine_command_failed")
 
     def _snapshot_load(self) -> None:
         self.prefix_cache_stats = self._engine.prefix_cache_stats()

@@ -46,3 +46,29 @@ async def test_a_failing_abort_soon_leaves_the_engine_thread_running():
         assert engine.request_ids == ["r-1", "r-2"]
     finally:
         runner.stop()
+
+
+class FlakyLoadEngine(FakeEngine):
+    """Its load figure fails once (a race with its own bookkeeping)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_load_failures = 0
+
+    def load(self) -> tuple[int, ...]:
+        if self.request_ids and self.num_load_failures == 0:
+            self.num_load_failures += 1
+            raise RuntimeError("load raced")
+        return super().load()
+
+
+async def test_a_command_whose_load_snapshot_fails_leaves_the_engine_thread_running():
+    engine = FlakyLoadEngine()
+    runner = EngineRunner(engine, asyncio.get_running_loop())
+    runner.start()
+    try:
+        runner.call_soon(lambda: engine.request_ids.append("r-1"))  # its load snapshot raises
+        assert await asyncio.wait_for(runner.call(lambda: len(engine.request_ids)), 2.0) == 1
+        assert engine.num_load_failures == 1
+    finally:
+        runner.stop()

@@ -108,6 +108,9 @@ class BlockSender:
         check_compatible(src_geometry, dst_geometry)
         check_block_ids(request.src_block_ids, src_geometry.num_blocks, "src_block_ids", is_unique=False)
         check_block_ids(request.dst_block_ids, dst_geometry.num_blocks, "dst_block_ids", is_unique=True)
+        if request.src_instance_id == request.dst_instance_id and set(request.src_block_ids) & set(request.dst_block_ids):
+            raise InvalidArgument("dst_block_ids: a copy within one instance must not write blocks it reads "
+                                  "(runs are copied in place, so a block could be read after it was written)")
         num_bytes = request.num_blocks * src_geometry.bytes_per_block
         copy = (src_rows, request.src_block_ids, dst_rows, request.dst_block_ids, request.is_checksum_verified)
         async with self._mappings.write_grants.writing(request.dst_instance_id, request.dst_write_grant) as grant:

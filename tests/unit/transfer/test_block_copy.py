@@ -1,10 +1,16 @@
 import pytest
 import torch
 
+from services.common.errors import InvalidArgument
 from services.transfer.block_copy import (as_bytes, block_runs, chunk_parts, copy_blocks, gather_chunk,
                                           scatter_chunk, staged_view)
 from services.transfer.chunk_plan import ChunkPlan, paired_runs
+from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
+from services.transfer.sender import BlockSender
+from services.transfer.staging import StagingPool
+from services.transfer.threads import TransferThreads
 from tests.unit.transfer.factories import random_kv, rows_of, tiny_geometry
+from tests.unit.transfer.test_channel_window import BLOCK_BYTES, FakeMappings
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,3 +63,23 @@ def test_direct_copy_moves_blocks_and_leaves_the_rest():
 def test_runs_coalesce_consecutive_ids():
     assert list(block_runs((4, 5, 6, 1, 2, 9))) == [(0, 4, 3), (3, 1, 2), (5, 9, 1)]
     assert list(paired_runs((1, 2, 3, 7), (5, 6, 8, 9))) == [(0, 2), (2, 3), (3, 4)]
+
+
+async def test_a_shm_copy_within_one_instance_that_writes_blocks_it_reads_is_refused():
+    """Runs are copied in place: src (0, 1) -> dst (1, 2) would read block 1 after writing it."""
+    geometry = tiny_geometry(num_blocks=8)
+    kv = random_kv(geometry, 1)
+    original = kv.clone()
+    threads = TransferThreads.start(1)
+    try:
+        sender = BlockSender("a", (TransferBackend.SHM,), FakeMappings({"i": kv}, geometry),
+                             StagingPool(1, BLOCK_BYTES, 2), None, None, threads)
+        overlapping = BlockTransfer(InstanceId("i"), (0, 1), InstanceId("i"), (1, 2), "", TransferBackend.SHM, False)
+        with pytest.raises(InvalidArgument, match="must not write blocks it reads"):
+            await sender.transfer(overlapping, 5)
+        assert torch.equal(kv, original)
+        apart = BlockTransfer(InstanceId("i"), (0, 1), InstanceId("i"), (5, 6), "", TransferBackend.SHM, False)
+        await sender.transfer(apart, 5)
+        assert torch.equal(kv[:, :, [5, 6]], original[:, :, [0, 1]])
+    finally:
+        threads.shutdown()

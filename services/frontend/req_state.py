@@ -11,7 +11,6 @@ stream that sent it must not be trusted with (`StreamGap`). So a resume that sen
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -46,7 +45,6 @@ class ReqState:
         self.prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.. (echo + logprobs), with token 0
         self.finish_reason: FinishReason | None = None
         self.error: FerryError | None = None  # set once; ends the stream
-        self.created = int(time.time())
         self.num_resumes = 0
         self.num_handoffs = 0  # live migrations followed
         self._decode = decode

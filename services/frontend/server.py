@@ -161,8 +161,9 @@ class FrontendServer:
                         for index, ids in enumerate(prompts)]  # a 400 for any prompt refuses them all
             request_id = new_request_id(endpoint)
             request[_REQUEST_ID_KEY] = request_id
+            created = int(time.time())  # one for every choice and chunk of the response
             choices = [choice for index, (each, ids) in enumerate(zip(resolved, prompts))
-                       for choice in self._prompt_choices(each, request_id, ids, index)]
+                       for choice in self._prompt_choices(each, request_id, ids, index, created)]
             log.info("request_received", request_id=request_id, endpoint=endpoint.value, stream=parsed.stream,
                      num_prompt_tokens=sum(map(len, prompts)), num_prompts=len(prompts),
                      max_tokens=resolved[0].sampling.max_tokens, n=parsed.n)
@@ -185,15 +186,23 @@ class FrontendServer:
                     _log_finished(choice.state)
 
     def _prompt_choices(self, parsed: ParsedRequest, request_id: RequestId, prompt_ids: Sequence[int],
-                        prompt_index: int) -> list[Choice]:
+                        prompt_index: int, created: int) -> list[Choice]:
         """Prompt `prompt_index`'s `n` choices, indexes prompt_index * n + j (j = 0 .. n-1)."""
         prefix_keys = tuple(prefix_chunk_keys(prompt_ids, MAX_PREFIX_CHUNKS, parsed.sampling.cache_salt))
-        echo_text = self._model.prompt_text(parsed.prompts[prompt_index]) if parsed.echo else ""
-        return [self._choice(parsed, request_id, prompt_ids, prefix_keys, prompt_index * parsed.n + j, j, echo_text)
+        echo_text = self._echo_text(parsed, prompt_index, prompt_ids) if parsed.echo else ""
+        return [self._choice(parsed, request_id, prompt_ids, prefix_keys, prompt_index * parsed.n + j, j, echo_text,
+                             created)
                 for j in range(parsed.n)]
 
+    def _echo_text(self, parsed: ParsedRequest, prompt_index: int, prompt_ids: Sequence[int]) -> str:
+        """The prompt as the model saw it: as given, or (cut by truncate_prompt_tokens) its kept tokens, so
+        the text agrees with the echoed logprobs' tokens and offsets."""
+        if parsed.truncate_prompt_tokens is None:
+            return self._model.prompt_text(parsed.prompts[prompt_index])
+        return self._model.prompt_text(list(prompt_ids))
+
     def _choice(self, parsed: ParsedRequest, request_id: RequestId, prompt_ids: Sequence[int],
-                prefix_keys: tuple[int, ...], index: int, seed_offset: int, echo_text: str) -> Choice:
+                prefix_keys: tuple[int, ...], index: int, seed_offset: int, echo_text: str, created: int) -> Choice:
         """Choice `index`: a request of its own (id `<id>-<index>` when there are several), seeded
         seed + `seed_offset` (its place among its prompt's n), so a batch answers as its prompts
         would one by one."""
@@ -202,7 +211,7 @@ class FrontendServer:
             sampling = replace(sampling, seed=(sampling.seed + seed_offset) % 2**64)
         sub_id = request_id if parsed.num_choices == 1 else RequestId(f"{request_id}-{index}")
         state = ReqState(sub_id, prompt_ids, self._model.decode)
-        formatter = ResponseFormatter(parsed, request_id, state.created, self._model, index, echo_text)
+        formatter = ResponseFormatter(parsed, request_id, created, self._model, index, echo_text)
         spec = GenerateSpec(sub_id, tuple(prompt_ids), sampling, parsed.priority, prefix_chunk_keys=prefix_keys)
         return Choice(state, spec, formatter)
 

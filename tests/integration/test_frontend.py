@@ -195,6 +195,19 @@ async def test_echo_returns_each_prompt_before_its_output_whole_and_streamed(cli
     assert texts[0] == "the cat sat" and "".join(texts) == echoed.choices[0].text
 
 
+async def test_an_echoed_prompt_cut_by_truncate_prompt_tokens_is_what_the_model_saw(client, tiny_model_dir):
+    """Its text, logprobs tokens and offsets agree (before, the text was the whole prompt as given, the
+    tokens only those kept, and the offsets pointed into the wrong text)."""
+    options = dict(model=MODEL, max_tokens=1, temperature=0, echo=True, logprobs=0,
+                   extra_body={"ignore_eos": True, "truncate_prompt_tokens": 2})
+    kept = Tokenizer.from_dir(tiny_model_dir).decode(PROMPT_IDS[-2:])
+    for prompt in (PROMPT_IDS, Tokenizer.from_dir(tiny_model_dir).decode(PROMPT_IDS)):
+        (choice,) = (await client.completions.create(prompt=prompt, **options)).choices
+        assert choice.text.startswith(kept) and "".join(choice.logprobs.tokens) == choice.text
+        assert [choice.text[o:o + len(t)] for o, t in zip(choice.logprobs.text_offset, choice.logprobs.tokens)] == \
+            choice.logprobs.tokens
+
+
 async def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, tiny_model_dir):
     """lm-eval's loglikelihood request: the prompt's logprobs (the first token's null), whole and streamed,
     also when the prompt's blocks are in the prefix cache."""

@@ -25,6 +25,7 @@ from services.cluster.security import ClusterSecurity
 from services.cluster.supervisor import RestartPolicy
 from services.cluster.state_dir import StateDirInUse
 from services.common.config import DefaultsHelpFormatter
+from services.common.etcd_launcher import EtcdStartFailed
 from services.common.logging import LogFormat, setup_logging
 
 DEFAULT_MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
@@ -168,7 +169,9 @@ def resolve_model(model: str) -> pathlib.Path:
     if model != "smollm2":
         path = pathlib.Path(model)
         if not (path / "config.json").is_file():
-            sys.exit(f"--model {model}: no config.json there; pass a Hugging Face model folder or 'smollm2'")
+            print(f"python -m services.cluster up: error: --model {model}: no config.json there; pass a Hugging Face "
+                  "model folder or 'smollm2'", file=sys.stderr)
+            sys.exit(2)  # a usage error, as argparse's
         return path.resolve()
     if not (DEFAULT_MODEL_DIR / "config.json").is_file():
         from services.instance.models.smollm2 import import_smollm2
@@ -192,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("cluster", LogFormat(args.log_format))
     try:
         asyncio.run(run_until_signalled(LocalCluster(build_spec(args))))
-    except (ProcessDied, TimeoutError, TlsRejected, PortInUse, StateDirInUse) as exc:
+    except (ProcessDied, TimeoutError, TlsRejected, PortInUse, StateDirInUse, EtcdStartFailed) as exc:
         print(f"cluster failed to start: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # e.g. --state-dir is a file, or its disk is full
+        print(f"cluster failed: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -30,7 +30,7 @@ import structlog
 from services.cluster.processes import ServiceProcess, stop_all
 from services.cluster.scaling_follower import align_stored_scaling, follow_scaling, reset_target
 from services.cluster.security import ClusterSecurity
-from services.cluster.supervisor import RestartPolicy, Supervisor, supervise_step
+from services.cluster.supervisor import RestartPolicy, Supervisor, exited_cleanly, supervise_step
 from services.cluster.state_dir import StateDirLock
 from services.common.errors import FerryError
 from services.common.etcd_client import ETCD_ERRORS
@@ -98,6 +98,7 @@ class LocalCluster:
         self.processes: list[ServiceProcess] = []
         self._next_instance_index = len(spec.roles)  # ids of instances added by scaling are never reused
         self.supervisor = Supervisor(spec.restart)  # restarts children that fail (supervisor.py)
+        self.is_state_stale = False  # cluster.json could not be rewritten (a full disk): tried again each check
 
     @property
     def max_instances(self) -> int:
@@ -107,7 +108,7 @@ class LocalCluster:
         """Alive, or exited on failure and about to be started again by the supervisor."""
         if process.is_alive():
             return True
-        return not process.is_stopping() and self.supervisor.will_restart(process.name, process.returncode != 0)
+        return not process.is_stopping() and self.supervisor.will_restart(process.name, not exited_cleanly(process.returncode))
 
     @property
     def frontend_url(self) -> str:
@@ -120,6 +121,7 @@ class LocalCluster:
     async def start(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._state_lock.acquire()  # first: a second `up` on a held state dir names its holder, not a port
+        (self.state_dir / "cluster.json").unlink(missing_ok=True)  # a killed launcher's: not ready until we say so
         check_ports_free(self.spec)
         data_dir = self.state_dir / "etcd" if self.spec.state_dir else None
         self.etcd = await LocalEtcd(data_dir=data_dir, log_dir=self.state_dir / "logs").start_async()
@@ -189,6 +191,17 @@ class LocalCluster:
         tmp.write_text(json.dumps(self.state(), indent=2))
         os.replace(tmp, path)
         return path
+
+    def rewrite_state(self) -> None:
+        """`write_state` while serving: a failure (a full disk) is logged and the write tried again on the
+        next check, never a reason to stop the cluster."""
+        try:
+            self.write_state()
+            self.is_state_stale = False
+        except OSError as exc:
+            if not self.is_state_stale:
+                log.error("state_write_failed", path=str(self.state_dir / "cluster.json"), error=str(exc))
+            self.is_state_stale = True
 
     async def _start_and_wait(self, processes: list[ServiceProcess]) -> None:
         for process in processes:
@@ -296,7 +309,13 @@ async def _watch(cluster: LocalCluster, stop: asyncio.Event) -> None:
         await _watch_children(cluster, stop)
         return
     async with cluster.registry() as registry:
-        await asyncio.gather(_watch_children(cluster, stop), follow_scaling(cluster, registry, stop))
+        follower = asyncio.create_task(follow_scaling(cluster, registry, stop), name="follow_scaling")
+        try:
+            await _watch_children(cluster, stop)
+        finally:  # a signal must not wait for an instance the follower is starting (its model may load for minutes)
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
 
 
 async def _watch_children(cluster: LocalCluster, stop: asyncio.Event) -> None:
@@ -304,8 +323,8 @@ async def _watch_children(cluster: LocalCluster, stop: asyncio.Event) -> None:
     start them again (supervisor.py); cluster.json then lists their new pids."""
     while not stop.is_set():
         children = [*cluster.processes, EtcdChild(cluster.etcd)]
-        if await supervise_step(cluster.supervisor, children, time.monotonic()):
-            cluster.write_state()
+        if await supervise_step(cluster.supervisor, children, time.monotonic()) or cluster.is_state_stale:
+            cluster.rewrite_state()
         await wait_set(stop, 1.0)
 
 

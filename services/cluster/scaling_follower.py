@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import structlog
 
@@ -44,7 +44,7 @@ class ScalableCluster(Protocol):
     def will_run(self, process: ServiceProcess) -> bool: ...  # alive, or exited and about to start again
 
     async def add_instance(self) -> ServiceProcess: ...
-    def write_state(self) -> Any: ...
+    def rewrite_state(self) -> None: ...  # cluster.json again (a failure is logged and retried)
 
 
 def instance_processes(cluster: ScalableCluster) -> list[ServiceProcess]:
@@ -103,11 +103,11 @@ async def follow_step(cluster: ScalableCluster, registry: Registry) -> None:
         process.stopping = True  # before the watcher can see it exit and start it again
         await asyncio.to_thread(process.stop)
         cluster.processes.remove(process)
-        cluster.write_state()
+        cluster.rewrite_state()
         log.info("scaling_instance_stopped", name=process.name, pid=process.pid)
     if step.should_add:
         process = await cluster.add_instance()
-        cluster.write_state()
+        cluster.rewrite_state()
         log.info("scaling_instance_started", name=process.name, pid=process.pid)
 
 

@@ -17,6 +17,7 @@ stops on purpose (scaling down, Ctrl-C) is never restarted.
 from __future__ import annotations
 
 import enum
+import signal
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -123,12 +124,18 @@ class Supervisor:
         return f"it exited {self._policy.burst + 1} times within {self._policy.window_s:g} s; it stays down"
 
 
+def exited_cleanly(returncode: int | None) -> bool:
+    """Exit status 0, or ended by SIGTERM/SIGINT (an operator's `kill PID`, also before the child had set up
+    its own handler, which exits 0): as systemd counts them, left down. None (etcd's: unknown) is a failure."""
+    return returncode in (0, -signal.SIGTERM, -signal.SIGINT)
+
+
 async def supervise_step(supervisor: Supervisor, children: list[Child], now: float) -> bool:
     """Look at every child once; True when one exited or was started again (cluster.json then changes)."""
     changed = False
     for child in children:
         is_down = not child.is_alive() and not child.is_stopping()  # is_alive() first: it reaps, setting returncode
-        failed = child.returncode != 0  # etcd's is None: unknown counts as failed
+        failed = not exited_cleanly(child.returncode)
         action = supervisor.action(child.name, is_down, now, failed)
         if action is Action.REPORT:
             log.warning("process_exited", name=child.name, pid=child.pid, returncode=child.returncode,

@@ -103,6 +103,10 @@ def _first_ephemeral_port() -> int:
     return max(low, _LOWEST_PORT + 1000)
 
 
+class EtcdStartFailed(RuntimeError):
+    """The etcd process exited before it served."""
+
+
 class LocalEtcd:
     """A single-member etcd on 127.0.0.1; `with LocalEtcd() as etcd: etcd.endpoint`."""
 
@@ -112,7 +116,8 @@ class LocalEtcd:
         self.name = name
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
-        self._work_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-etcd-"))  # the log and data unless given
+        # The log and data unless given (only then: a process killed before stop() leaves nothing in /tmp)
+        self._work_dir = None if data_dir and log_dir else pathlib.Path(tempfile.mkdtemp(prefix="ferry-etcd-"))
         self.data_dir = pathlib.Path(data_dir) if data_dir else self._work_dir / "data"
         self._log_dir = pathlib.Path(log_dir) if log_dir else self._work_dir
         self._durable = durable
@@ -192,7 +197,8 @@ class LocalEtcd:
         """Stop the process and remove its temp dir (the log and the data dir, unless they were given)."""
         self.terminate()
         _LIVE.discard(self)
-        shutil.rmtree(self._work_dir, ignore_errors=True)
+        if self._work_dir is not None:
+            shutil.rmtree(self._work_dir, ignore_errors=True)
 
     async def stop_async(self) -> None:
         await asyncio.to_thread(self.stop)
@@ -246,6 +252,9 @@ class LocalEtcd:
             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
             "--initial-cluster", f"{self.name}={peer_url}", "--initial-cluster-state", "new",
             "--log-level", "warn",
+            # Keep an hour of history, not all of it: every migration (and PD hand-off) writes its record,
+            # and an uncompacted database grows until etcd's quota stops every write.
+            "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h",
         ]
         return command if self._durable else [*command, "--unsafe-no-fsync"]
 
@@ -260,7 +269,9 @@ class LocalEtcd:
         if self._process is not None and self._process.poll() is not None:
             code = self._process.returncode
             self.terminate()
-            raise RuntimeError(f"etcd exited with code {code} while starting; see {self.log_path}:\n{self._log_tail()}")
+            raise EtcdStartFailed(f"etcd exited with code {code} while starting (if its data dir {self.data_dir} was "
+                                  f"damaged, e.g. by a host crash, move it aside); see {self.log_path}:\n"
+                                  f"{self._log_tail()}")
         if time.monotonic() > deadline:
             self.terminate()
             raise TimeoutError(f"etcd at {self.endpoint} not healthy after {self._start_timeout_s:.0f} s; "

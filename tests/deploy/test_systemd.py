@@ -122,3 +122,16 @@ def test_the_env_files_as_shipped_make_one_host_cluster():
     transfer = env_file("transfer.env")
     assert env_file("instance-0.env")["FERRY_INSTANCE_TRANSFER_ADDRESS"] == \
         f"{transfer['FERRY_TRANSFER_ADVERTISE_HOST']}:{transfer['FERRY_TRANSFER_PORT']}"
+
+
+def test_every_etcd_ferry_starts_compacts_its_history(tmp_path):
+    """Migration records are written all day: an etcd that keeps every revision grows until its quota
+    refuses every write (the launcher's, compose's and the systemd unit's etcd alike)."""
+    from services.common.etcd_launcher import LocalEtcd
+
+    environment = " ".join(directives("ferry-etcd.service")["Environment"])
+    assert "ETCD_AUTO_COMPACTION_MODE=periodic" in environment and "ETCD_AUTO_COMPACTION_RETENTION=1h" in environment
+    compose = (UNIT_DIR.parent / "docker-compose.yml").read_text()
+    assert "--auto-compaction-mode=periodic" in compose and "--auto-compaction-retention=1h" in compose
+    command = " ".join(LocalEtcd(data_dir=tmp_path, log_dir=tmp_path)._command())
+    assert "--auto-compaction-mode periodic --auto-compaction-retention 1h" in command

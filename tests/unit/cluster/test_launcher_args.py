@@ -7,8 +7,9 @@ import pathlib
 
 import pytest
 
-from services.cluster.__main__ import build_spec, parse_args
+from services.cluster.__main__ import build_spec, main, parse_args
 from services.cluster.security import ClusterSecurity
+from services.common.etcd_launcher import EtcdStartFailed, LocalEtcd
 
 
 @pytest.fixture
@@ -115,3 +116,24 @@ def test_restart_defaults_to_on_failure_and_no_turns_it_off(tmp_path):
     model = ["--model", str(tmp_path)]
     assert build_spec(parse_args(["up", *model])).restart.on_failure
     assert not build_spec(parse_args(["up", *model, "--restart", "no"])).restart.on_failure
+
+
+def test_a_model_folder_without_config_json_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        build_spec(parse_args(["up", "--model", str(tmp_path)]))
+    assert exited.value.code == 2 and "no config.json there" in capsys.readouterr().err
+
+
+def test_a_state_dir_that_is_a_file_fails_with_one_line_not_a_traceback(tmp_path, tiny_model_dir, capsys):
+    not_a_dir = tmp_path / "state"
+    not_a_dir.write_text("")
+    assert main(["up", "--model", str(tiny_model_dir), "--engine", "sim", "--state-dir", str(not_a_dir)]) == 1
+    assert capsys.readouterr().err.startswith("cluster failed: [Errno 17] File exists")
+
+
+def test_an_etcd_that_cannot_start_on_its_data_dir_says_where_it_is(tmp_path):
+    data_dir = tmp_path / "etcd"
+    (data_dir / "member" / "snap").mkdir(parents=True)
+    (data_dir / "member" / "snap" / "db").write_bytes(b"not a bolt database" * 100)
+    with pytest.raises(EtcdStartFailed, match=f"if its data dir {data_dir} was damaged"):
+        LocalEtcd(data_dir=data_dir, log_dir=tmp_path).start()

@@ -1,8 +1,12 @@
+import asyncio
+import contextlib
 from dataclasses import dataclass
 
 import pytest
 
+from services.cluster import launcher
 from services.cluster.scaling_follower import follow_step
+from services.cluster.supervisor import RestartPolicy, Supervisor
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -15,6 +19,7 @@ class FakeProcess:
     pid: int = 1
     stopping: bool = False
     coming_back: bool = False  # exited, and the supervisor is about to start it again
+    returncode: int | None = None
 
     def is_alive(self) -> bool:
         return self.alive
@@ -39,7 +44,7 @@ class FakeCluster:
         self.processes.append(process)
         return process
 
-    def write_state(self) -> None:
+    def rewrite_state(self) -> None:
         self.num_writes += 1
 
 
@@ -124,3 +129,37 @@ async def test_a_stored_scaling_band_gets_the_launchers_bounds_and_keeps_the_res
         untouched = PolicyRegistry(nothing_stored)
         await align_stored_scaling(untouched, 1, 2)
         assert untouched.writes == 0  # the manager uses the launcher's flags
+
+
+class FakeEtcd:
+    is_running, pid, returncode, log_path = True, 2, None, None
+
+
+class WatchedCluster(FakeCluster):
+    """What `_watch` needs of a LocalCluster that follows scaling."""
+
+    def __init__(self) -> None:
+        super().__init__("instance-0")
+        self.spec = type("Spec", (), {"follows_scaling": True})()
+        self.etcd = FakeEtcd()
+        self.supervisor = Supervisor(RestartPolicy())
+        self.is_state_stale = False
+
+    @contextlib.asynccontextmanager
+    async def registry(self):
+        yield None
+
+
+async def test_a_signal_while_the_follower_starts_an_instance_stops_the_watch_at_once(monkeypatch):
+    """An instance that loads its model for minutes: before, Ctrl-C waited for it (up to the 180 s health wait)."""
+    starting = asyncio.Event()
+
+    async def slow_follower(cluster, registry, stop):
+        starting.set()
+        await asyncio.sleep(3600)  # add_instance waiting for a model to load; stop is looked at only between steps
+    monkeypatch.setattr(launcher, "follow_scaling", slow_follower)
+    stop = asyncio.Event()
+    watch = asyncio.create_task(launcher._watch(WatchedCluster(), stop))
+    await starting.wait()
+    stop.set()
+    await asyncio.wait_for(watch, 3.0)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from services.cluster.launcher import LocalCluster, run_until_signalled
+from services.cluster.launcher import LocalCluster, PortInUse, run_until_signalled
 from services.cluster.state_dir import StateDirInUse, StateDirLock
 from services.common.etcd_launcher import free_port
 from tests.unit.cluster.test_ports import spec as ports_spec
@@ -73,3 +73,28 @@ async def test_a_second_cluster_on_a_held_state_dir_names_the_holder_even_on_the
                 await run_until_signalled(LocalCluster(spec))
         finally:
             holder.release()
+
+
+async def test_a_killed_launchers_cluster_json_is_gone_before_anything_starts(tmp_path):
+    """Scripts wait for cluster.json as "ready": one a SIGKILLed launcher left (dead PIDs) must not say so
+    while the next `up` is still starting (here it stops at once: its --http-port is taken)."""
+    (tmp_path / "cluster.json").write_text('{"processes": [{"name": "frontend-0", "pid": 999999}]}')
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        spec = dataclasses.replace(ports_spec(taken.getsockname()[1], free_port()), state_dir=tmp_path)
+        with pytest.raises(PortInUse):
+            await run_until_signalled(LocalCluster(spec))
+    assert not (tmp_path / "cluster.json").exists()
+
+
+def test_a_failed_rewrite_of_cluster_json_is_logged_and_tried_again_not_raised(tmp_path):
+    """A full disk while serving: before, the OSError stopped every child."""
+    cluster = LocalCluster(dataclasses.replace(ports_spec(free_port(), free_port()), state_dir=tmp_path))
+    cluster.state = lambda: {"processes": []}
+    (tmp_path / "cluster.json.tmp").mkdir()  # the write fails as on a full disk
+    cluster.rewrite_state()
+    assert cluster.is_state_stale and not (tmp_path / "cluster.json").exists()
+    (tmp_path / "cluster.json.tmp").rmdir()
+    cluster.rewrite_state()
+    assert not cluster.is_state_stale and (tmp_path / "cluster.json").read_text() == '{\n  "processes": []\n}'

@@ -6,7 +6,7 @@ import pytest
 import structlog
 import structlog.testing
 
-from services.cluster.supervisor import Action, RestartPolicy, Supervisor, supervise_step
+from services.cluster.supervisor import Action, RestartPolicy, Supervisor, exited_cleanly, supervise_step
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -162,3 +162,9 @@ def test_cluster_json_lists_no_pid_for_a_child_that_exited_and_names_every_metri
     assert processes["etcd"] == {"name": "etcd", "pid": 7, "address": "127.0.0.1:2379",
                                  "metrics_url": "http://127.0.0.1:2379/metrics"}
     assert processes["instance-0"]["pid"] is None and processes["instance-0"]["metrics_url"] == "http://x/metrics"
+
+
+def test_a_child_ended_by_sigterm_or_sigint_exited_cleanly_as_systemd_counts_it():
+    """An operator's `kill PID` before the child had installed its own handler (it then exits 0)."""
+    assert exited_cleanly(0) and exited_cleanly(-15) and exited_cleanly(-2)
+    assert not exited_cleanly(1) and not exited_cleanly(-9) and not exited_cleanly(None)

@@ -13,7 +13,7 @@ asks for; after an add it waits until one more instance has registered (or
 --command-timeout-s; their failures are logged and tried again on a later tick.
 
 Placeholders: {instance_id}, {index} (the number at the end of the instance id: 2 for
-host-2) in --stop-command; {next_index} (one more than the highest index registered) and
+host-2) in --stop-command; {next_index} (the lowest index no registered instance has) and
 {num_instances} (the target) in --add-command.
 """
 
@@ -68,6 +68,13 @@ def etcd_access(args: argparse.Namespace) -> EtcdAccess:
     return access
 
 
+def lowest_free_index(registered: list[str]) -> int:
+    """The lowest instance index no registered instance has: one retired from the middle (the leader
+    retires the emptiest) is started again, so env files for indexes 0 .. max-1 always suffice."""
+    taken = {index_of(i) for i in registered}
+    return next(i for i in range(len(taken) + 1) if i not in taken)
+
+
 def index_of(instance_id: str) -> int:
     """The number an instance id ends with (host-2 → 2), or -1."""
     match = re.search(r"(\d+)$", instance_id)
@@ -89,25 +96,27 @@ class HookFollower:
         if wanted is None:
             return
         for instance_id in wanted.to_stop:
-            if instance_id not in self.stop_requested:
-                self._run(self.stop_command.format(instance_id=instance_id, index=index_of(instance_id)))
-                self.stop_requested.add(instance_id)
+            if instance_id not in self.stop_requested and self._run(
+                    self.stop_command.format(instance_id=instance_id, index=index_of(instance_id))):
+                self.stop_requested.add(instance_id)  # a failed stop is tried again on the next tick
         if self.adding is not None and (len(registered) > self.adding[0] or time.monotonic() > self.adding[1]):
             self.adding = None
         if wanted.should_add and self.adding is None:
-            next_index = max((index_of(i) for i in registered), default=-1) + 1
+            next_index = lowest_free_index(registered)
             self._run(self.add_command.format(next_index=next_index, num_instances=target.num_instances))
             self.adding = (len(registered), time.monotonic() + self.add_timeout_s)
 
-    def _run(self, command: str) -> None:
+    def _run(self, command: str) -> bool:
+        """Run one hook command; True if it succeeded."""
         log.info("scale_hook_running", command=command)
         try:
             done = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=self.command_timeout_s)
         except (OSError, subprocess.TimeoutExpired) as exc:
             log.warning("scale_hook_failed", command=command, error=str(exc))
-            return
+            return False
         if done.returncode != 0:
             log.warning("scale_hook_failed", command=command, returncode=done.returncode, stderr=done.stderr[-2000:])
+        return done.returncode == 0
 
 
 async def follow(args: argparse.Namespace, access: EtcdAccess) -> None:

@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     up.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="weights and KV cache dtype of every instance")
     up.add_argument("--http-port", type=int, default=8000, help="frontend's OpenAI-compatible HTTP port")
+    up.add_argument("--http-host", default="127.0.0.1",
+                    help="address the frontend listens on: this machine only by default, since the API has no "
+                         "key unless the frontend is given one; 0.0.0.0 serves every interface (a container)")
     up.add_argument("--admin-port", type=int, default=50051, help="manager's gRPC port (ManagerService + AdminService)")
     up.add_argument("--state-dir", type=pathlib.Path, default=None,
                     help="where cluster.json, logs and etcd data go (default: a temp dir removed on exit)")
@@ -187,7 +190,8 @@ def build_spec(args: argparse.Namespace) -> ClusterSpec:
                        state_dir=args.state_dir.resolve() if args.state_dir else None, cluster=args.cluster,
                        threads_per_instance=threads, kv_cache_mib=args.kv_cache_mib, log_format=args.log_format,
                        security=args.security, autoscale_max_instances=args.autoscale_max_instances,
-                       device=args.device, dtype=args.dtype, restart=RestartPolicy(on_failure=args.restart != "no"))
+                       device=args.device, dtype=args.dtype, restart=RestartPolicy(on_failure=args.restart != "no"),
+                       http_host=args.http_host)
 
 
 def main(argv: list[str] | None = None) -> int:

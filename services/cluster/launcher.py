@@ -66,6 +66,7 @@ class ClusterSpec:
     device: str = "cpu"  # cpu | cuda: instance i then runs on GPU i modulo the visible ones
     dtype: str = "float32"
     restart: RestartPolicy = RestartPolicy()  # children that exit on their own start again (supervisor.py)
+    http_host: str = "127.0.0.1"  # where the frontend listens: this machine only, unless asked (0.0.0.0)
 
     def instance_device(self, index: int) -> str:
         return f"cuda:{gpu_index(index)}" if self.device == "cuda" else self.device
@@ -112,7 +113,8 @@ class LocalCluster:
 
     @property
     def frontend_url(self) -> str:
-        return f"http://127.0.0.1:{self.spec.http_port}"
+        host = self.spec.http_host if self.spec.http_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        return f"http://{host}:{self.spec.http_port}"
 
     @property
     def admin_address(self) -> str:
@@ -257,7 +259,8 @@ class LocalCluster:
         return self._grpc_service(f"instance-{index}", "instance", args, port)
 
     def _frontend(self) -> ServiceProcess:
-        args = ["--model", str(self.spec.model_dir), "--port", str(self.spec.http_port), *self._common_args(),
+        args = ["--model", str(self.spec.model_dir), "--host", self.spec.http_host, "--port", str(self.spec.http_port),
+                *self._common_args(),
                 *self.spec.security.client_args()]  # its OpenAI API stays plain HTTP; its gRPC channels use TLS
         return ServiceProcess("frontend-0", "frontend", args, self.frontend_url, self.state_dir / "logs",
                               dies_with_parent=True, metrics_url=f"{self.frontend_url}/metrics")

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import die_with_parent
 from services.common.grpc_server import secure_or_insecure_channel
+from services.common.log_files import rotate_log
 from services.common.tls import TlsConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -86,6 +87,7 @@ class ServiceProcess:
         self.stopping = False
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **self.env}
+        rotate_log(self.log_path)
         with open(self.log_path, "ab") as log_file:
             command = [*self.prefix, sys.executable, "-m", f"services.{self.module}", *self.args]
             if self.dies_with_parent:

@@ -38,6 +38,7 @@ import weakref
 import structlog
 
 from services.common import die_with_parent
+from services.common.log_files import rotate_log
 
 log = structlog.get_logger(__name__)
 
@@ -236,6 +237,7 @@ class LocalEtcd:
             raise RuntimeError(f"etcd at {self.endpoint} is already running (pid {self.pid})")
         self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # etcd warns about anything wider
         self._log_dir.mkdir(parents=True, exist_ok=True)
+        rotate_log(self.log_path)
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 — closed in terminate()
         # Its own session: a Ctrl-C in the terminal reaches the launcher, which stops etcd
         # after the services that use it; dying with its parent still covers a crash.

@@ -118,8 +118,7 @@ async def execute(config: CtlConfig, args: argparse.Namespace) -> int:
     async with AdminClient(config.admin, config.resolved_token, config.timeout_s, config.tls) as client:
         try:
             if args.command == "top":
-                await run_top(client, args.interval, args.iterations, config.json)
-                return 0
+                return 0 if await run_top(client, args.interval, args.iterations, config.json) else EXIT_FAILED
             record, text = await COMMANDS[args.command](client, args)
         except NotAvailableYet as exc:
             return _fail(config, exc, EXIT_NOT_AVAILABLE)

@@ -40,34 +40,38 @@ class Throughput:
 
 
 async def run_top(client: AdminClient, interval_s: float, iterations: int, as_json: bool,
-                  out: TextIO = sys.stdout) -> None:
-    """Draw `iterations` frames (0 = until interrupted); a failed poll is shown, not fatal."""
+                  out: TextIO = sys.stdout) -> bool:
+    """Draw `iterations` frames (0 = until interrupted); a failed poll is shown, not fatal. True if the
+    last frame was drawn from the manager's answer (a snapshot that failed exits non-zero)."""
     throughput = Throughput()
     is_tty = out.isatty() and not as_json
-    frame = 0
+    frame, is_answered = 0, False
     while iterations == 0 or frame < iterations:
         if frame:
             await asyncio.sleep(interval_s)
         frame += 1
-        text = await _frame(client, throughput, as_json)
+        text, is_answered = await _frame(client, throughput, as_json)
         out.write((_CLEAR if is_tty else "") + text + "\n")
         out.flush()
+    return is_answered
 
 
-async def _frame(client: AdminClient, throughput: Throughput, as_json: bool) -> str:
+async def _frame(client: AdminClient, throughput: Throughput, as_json: bool) -> tuple[str, bool]:
     try:
         status, rows, migrations = await asyncio.gather(client.cluster_status(), client.list_instances(),
                                                         _recent_migrations(client))
     except FerryError as exc:
-        return json.dumps({"error": exc.message}) if as_json else f"{_clock()}  admin {client.address}: {exc.message}"
+        text = json.dumps({"error": exc.message}) if as_json else f"{_clock()}  admin {client.address}: {exc.message}"
+        return text, False
     rates = throughput.update(rows, time.monotonic())
     if as_json:
         return json.dumps({"time": time.time(), "status": to_json(status), "instances": to_json(rows),
-                           "served_per_s": rates, "migrations": None if migrations is None else to_json(migrations)})
+                           "served_per_s": rates,
+                           "migrations": None if migrations is None else to_json(migrations)}), True
     lines = [*_header(client.address, status), "", load_table(rows, rates)]
     if migrations is not None:
         lines += ["", f"latest migrations (newest last, up to {NUM_MIGRATIONS_SHOWN})", migrations_table(migrations)]
-    return "\n".join(lines)
+    return "\n".join(lines), True
 
 
 async def _recent_migrations(client: AdminClient) -> list[MigrationRow] | None:

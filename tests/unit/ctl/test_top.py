@@ -1,3 +1,7 @@
+import subprocess
+import sys
+
+from services.common.etcd_launcher import free_port
 from services.ctl.top import Throughput
 from tests.unit.ctl.test_tables import instance
 
@@ -7,3 +11,10 @@ def test_throughput_is_the_served_counter_rate():
     assert throughput.update([instance(served=10)], now=100.0) == {}
     assert throughput.update([instance(served=14)], now=102.0) == {"instance-0": 2.0}
     assert throughput.update([instance(served=3)], now=103.0) == {"instance-0": 0.0}  # restarted: no negative rate
+
+
+def test_a_snapshot_of_a_manager_that_does_not_answer_exits_non_zero():
+    """`ferryctl top --iterations 1` in a script: before, it printed the error and exited 0."""
+    result = subprocess.run([sys.executable, "-m", "services.ctl", "--admin", f"127.0.0.1:{free_port()}",
+                             "--timeout-s", "2", "top", "--iterations", "1"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "admin 127.0.0.1:" in result.stdout

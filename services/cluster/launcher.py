@@ -114,7 +114,7 @@ class LocalCluster:
     @property
     def frontend_url(self) -> str:
         host = self.spec.http_host if self.spec.http_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        return f"http://{host}:{self.spec.http_port}"
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.spec.http_port}"  # an IPv6 literal in brackets
 
     @property
     def admin_address(self) -> str:
@@ -348,7 +348,9 @@ class EtcdChild:
 
     @property
     def returncode(self) -> int | None:
-        return self.etcd.returncode
+        """None ("unknown"), whatever etcd's exit status: the cluster cannot run without its store, so any
+        exit is a failure and it starts again, also after someone else's SIGTERM (which etcd exits by)."""
+        return None
 
     def is_alive(self) -> bool:
         return self.etcd.is_running

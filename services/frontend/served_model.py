@@ -70,6 +70,15 @@ class ServedModel:
         keep = self.max_model_len if keep == -1 else keep
         return token_ids[-keep:]
 
+    def echo_text(self, parsed: ParsedRequest, index: int, prompt_ids: Sequence[int]) -> str:
+        """Prompt `index` as the model saw it: as given, or, where truncate_prompt_tokens cut it, its kept
+        tokens' text, so the echo agrees with the echoed logprobs' tokens and offsets."""
+        prompt = parsed.prompts[index]
+        if parsed.truncate_prompt_tokens is not None and \
+                len(prompt_ids) < len(self._prompt_token_ids(prompt, parsed.add_special_tokens)):
+            return self.prompt_text(list(prompt_ids))
+        return self.prompt_text(prompt)
+
     def prompt_text(self, prompt: Prompt) -> str:
         """A prompt as text (an echo): as given, or its token ids decoded, special tokens kept (as
         the echoed logprobs list them, and as a prompt given as text would show them)."""

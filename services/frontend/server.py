@@ -189,17 +189,10 @@ class FrontendServer:
                         prompt_index: int, created: int) -> list[Choice]:
         """Prompt `prompt_index`'s `n` choices, indexes prompt_index * n + j (j = 0 .. n-1)."""
         prefix_keys = tuple(prefix_chunk_keys(prompt_ids, MAX_PREFIX_CHUNKS, parsed.sampling.cache_salt))
-        echo_text = self._echo_text(parsed, prompt_index, prompt_ids) if parsed.echo else ""
+        echo_text = self._model.echo_text(parsed, prompt_index, prompt_ids) if parsed.echo else ""
         return [self._choice(parsed, request_id, prompt_ids, prefix_keys, prompt_index * parsed.n + j, j, echo_text,
                              created)
                 for j in range(parsed.n)]
-
-    def _echo_text(self, parsed: ParsedRequest, prompt_index: int, prompt_ids: Sequence[int]) -> str:
-        """The prompt as the model saw it: as given, or (cut by truncate_prompt_tokens) its kept tokens, so
-        the text agrees with the echoed logprobs' tokens and offsets."""
-        if parsed.truncate_prompt_tokens is None:
-            return self._model.prompt_text(parsed.prompts[prompt_index])
-        return self._model.prompt_text(list(prompt_ids))
 
     def _choice(self, parsed: ParsedRequest, request_id: RequestId, prompt_ids: Sequence[int],
                 prefix_keys: tuple[int, ...], index: int, seed_offset: int, echo_text: str, created: int) -> Choice:

@@ -144,7 +144,9 @@ class ConfigStore:
                                          start_revision=revision + 1)
         async with contextlib.aclosing(watch):
             async for reply in watch:
-                if reply.events:
+                # A cancelled watch (its start revision compacted away, as after an etcd restart
+                # once an hour of history has gone) sends nothing more: read everything again.
+                if reply.events or reply.canceled or reply.compact_revision:
                     return
 
     def _parse_policy(self, raw: bytes) -> tuple[str | None, MigrationSettings | None, ScalingSettings | None]:

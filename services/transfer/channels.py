@@ -214,8 +214,9 @@ class ChannelTable:
 
     A peer that restarts comes back under a new address or id (the default port is 0), and its old
     channels would hold their connections, threads and store for good. So a channel no transfer has
-    taken for `idle_close_s` is dropped when the next channel opens; incoming ones after twice that,
-    so the sender, who drops first, never sends on a channel its peer has already dropped (a transfer
+    taken for `idle_close_s` is dropped when the next channel opens, and an outgoing one is opened
+    afresh rather than used after such a pause; incoming ones are dropped after twice that. So the
+    sender, who drops first, never sends on a channel its peer has already dropped (a transfer
     takes both ends, so the receiver's idle time is never shorter). `idle_close_s` must be well above
     the longest transfer (the app passes at least 4 x --transfer-timeout-s)."""
 
@@ -237,6 +238,8 @@ class ChannelTable:
         check_backend_available(backend, self._nccl_device)
         key = (peer_address, backend)
         async with self._locks.setdefault(key, asyncio.Lock()):
+            if key in self._outgoing and self._is_idle(self._outgoing[key], self._idle_close_s):
+                self.drop_outgoing(peer_address, backend)  # its peer may have dropped its end by now
             if key not in self._outgoing:
                 self._drop_idle()
                 self._outgoing[key] = await self._open(peer_address, backend, open_remote)
@@ -284,14 +287,17 @@ class ChannelTable:
         return len(self._outgoing) + len(self._incoming)
 
     def _drop_idle(self) -> None:
-        now = time.monotonic()
         for (peer, backend), channel in list(self._outgoing.items()):
-            if now - channel.last_used >= self._idle_close_s and not self._locks[(peer, backend)].locked():
+            if self._is_idle(channel, self._idle_close_s) and not self._locks[(peer, backend)].locked():
                 self.drop_outgoing(peer, backend)
                 del self._locks[(peer, backend)]
         for (peer, backend), channel in list(self._incoming.items()):
-            if now - channel.last_used >= 2 * self._idle_close_s:
+            if self._is_idle(channel, 2 * self._idle_close_s):
                 self.drop_incoming(peer, backend)
+
+    @staticmethod
+    def _is_idle(channel: PairChannel, idle_s: float) -> bool:
+        return time.monotonic() - channel.last_used >= idle_s
 
     def close(self) -> None:
         for peer, backend in list(self._outgoing):

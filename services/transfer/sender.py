@@ -125,12 +125,11 @@ class BlockSender:
 
     async def _send(self, request: BlockTransfer, deadline: Deadline) -> int:
         source = await self._source(request)
-        staging = self._nccl_staging if request.backend is TransferBackend.NCCL else self._staging
-        async with staging.slot(deadline.remaining_s()) as slot:
-            if request.backend is TransferBackend.GRPC:
+        if request.backend is TransferBackend.GRPC:
+            async with self._staging.slot(deadline.remaining_s()) as slot:
                 await self._stream(request, source, slot, deadline)
-            else:
-                await self._send_on_channel(request, source, slot, deadline)
+        else:
+            await self._send_on_channel(request, source, deadline)
         return source.plan.num_bytes
 
     async def _source(self, request: BlockTransfer) -> SourceBlocks:
@@ -175,8 +174,7 @@ class BlockSender:
         finally:
             await messages.close()
 
-    async def _send_on_channel(self, request: BlockTransfer, source: SourceBlocks, slot: StagingSlot,
-                               deadline: Deadline) -> None:
+    async def _send_on_channel(self, request: BlockTransfer, source: SourceBlocks, deadline: Deadline) -> None:
         address, backend = request.dst_transfer_address, request.backend
         peer = self._peers(address)
 
@@ -184,7 +182,10 @@ class BlockSender:
             await peer.open_channel(self._transfer_id, store_address, rank, backend, num_connections,
                                     deadline.remaining_s())
         channel = await self._channels.outgoing(address, backend, open_remote)
-        async with channel.transfer_turn(deadline):
+        staging = self._nccl_staging if backend is TransferBackend.NCCL else self._staging
+        # The channel's turn first, then a staging slot: one waiting for a busy peer holds no slot that a
+        # transfer to another peer could use.
+        async with channel.transfer_turn(deadline), staging.slot(deadline.remaining_s()) as slot:
             await self._send_and_expect(channel, peer, request, source, slot, deadline)
 
     async def _send_and_expect(self, channel: PairChannel, peer: PeerTransferService, request: BlockTransfer,

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from services.cluster.__main__ import build_spec, parse_args
+from services.cluster.launcher import LocalCluster
 from services.cluster.security import ClusterSecurity
 from services.common.etcd_launcher import EtcdStartFailed, LocalEtcd
 
@@ -142,3 +143,12 @@ def test_an_etcd_that_cannot_start_on_its_data_dir_says_where_it_is(tmp_path):
     (data_dir / "member" / "snap" / "db").write_bytes(b"not a bolt database" * 100)
     with pytest.raises(EtcdStartFailed, match=f"if its data dir {data_dir} was damaged"):
         LocalEtcd(data_dir=data_dir, log_dir=tmp_path).start()
+
+
+@pytest.mark.parametrize("host, url", [("127.0.0.1", "http://127.0.0.1:8000"), ("0.0.0.0", "http://127.0.0.1:8000"),
+                                       ("::", "http://127.0.0.1:8000"), ("::1", "http://[::1]:8000"),
+                                       ("10.0.0.5", "http://10.0.0.5:8000")])
+def test_the_frontend_url_the_launcher_probes_reaches_the_http_host(host, url, tiny_model_dir):
+    spec = build_spec(parse_args(["up", "--http-host", host, "--http-port", "8000", "--engine", "sim",
+                                  "--model", str(tiny_model_dir)]))
+    assert LocalCluster(spec).frontend_url == url

@@ -288,3 +288,58 @@ async def test_a_span_consecutive_on_one_side_moves_in_place_there_and_stages_on
     assert len(channel.send_ptrs) == 4  # one span of 4 blocks, row by row
     assert sum(_inside(ptr, kvs["src"]) for ptr in channel.send_ptrs) == (4 if in_place_side == "src" else 0)
     assert sum(_inside(ptr, kvs["dst"]) for ptr in channel.recv_ptrs) == (4 if in_place_side == "dst" else 0)
+
+
+class ChannelsByPeer:
+    def __init__(self, channels: dict[str, FakeChannel]) -> None:
+        self.channels = channels
+
+    async def outgoing(self, peer_address, backend, open_remote):
+        return self.channels[peer_address]
+
+    def incoming(self, peer_id, backend):
+        raise AssertionError("the sender's table is not asked for incoming channels")
+
+    def drop_outgoing(self, peer_address, backend) -> None:
+        pass
+
+
+class LatePeer(DirectPeer):
+    """A busy destination: its receive starts `delay_s` late."""
+
+    def __init__(self, receiver: BlockReceiver, delay_s: float) -> None:
+        super().__init__(receiver)
+        self.delay_s = delay_s
+
+    async def expect_blocks(self, header, backend, tag, timeout_s):
+        await asyncio.sleep(self.delay_s)
+        return await super().expect_blocks(header, backend, tag, timeout_s)
+
+
+async def test_an_nccl_transfer_waiting_for_a_busy_peer_holds_no_slot_another_peer_needs():
+    """Two transfers queued for busy peer b held both nccl staging slots (one only waiting for b's turn),
+    so a transfer to idle peer c waited about a second behind them. The turn now comes before the slot."""
+    geometry = tiny_geometry(num_blocks=24)
+    kvs = {"src": random_kv(geometry, 1), "dst": torch.zeros(geometry.shape, dtype=geometry.dtype)}
+    mappings = FakeMappings(kvs, geometry)
+    channels = {address: FakeChannel(TransferBackend.NCCL, address) for address in ("b:1", "c:1")}
+    threads = TransferThreads.start(8)
+    try:
+        peers = {address: LatePeer(BlockReceiver(mappings, StagingPool(2, BLOCK_BYTES, 2), FakeChannels(channel),
+                                                 threads), 1.0 if address == "b:1" else 0.0)
+                 for address, channel in channels.items()}
+        sender = BlockSender("a", (TransferBackend.NCCL,), mappings, StagingPool(1, BLOCK_BYTES, 4),
+                             ChannelsByPeer(channels), lambda address: peers[address], threads,
+                             nccl_staging=StagingPool(2, BLOCK_BYTES, 2))
+
+        def transfer(address: str, ids: tuple[int, ...]) -> asyncio.Future:
+            return asyncio.ensure_future(sender.transfer(BlockTransfer(
+                InstanceId("src"), ids, InstanceId("dst"), ids, address, TransferBackend.NCCL, False), 20))
+        to_b = [transfer("b:1", (1, 2)), transfer("b:1", (3, 4))]
+        await asyncio.sleep(0.1)
+        started = asyncio.get_running_loop().time()
+        await transfer("c:1", (5, 6))
+        assert asyncio.get_running_loop().time() - started < 0.5
+        await asyncio.gather(*to_b)
+    finally:
+        threads.shutdown()

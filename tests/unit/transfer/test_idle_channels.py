@@ -55,3 +55,21 @@ async def test_an_outgoing_channel_idle_for_long_is_opened_afresh():
         finally:
             receiver.close()
             sender.close()
+
+
+async def test_a_sender_back_after_a_long_pause_opens_afresh_the_channel_its_peer_dropped():
+    """Before, it reused its old channel, which the receiver had dropped meanwhile (another peer's open
+    dropped it): that transfer failed with "no gloo channel from transfer service 'A'"."""
+    with ThreadPoolExecutor(8) as pool:
+        receiver = ChannelTable("B", "127.0.0.1", 10, pool, idle_close_s=IDLE_S)
+        sender = ChannelTable("A", "127.0.0.1", 10, pool, idle_close_s=IDLE_S)
+        other = ChannelTable("C", "127.0.0.1", 10, pool, idle_close_s=IDLE_S)
+        try:
+            first = await _open(sender, "A", receiver)
+            await asyncio.sleep(2 * IDLE_S)
+            await _open(other, "C", receiver)  # B drops A's end, idle for twice the limit
+            again = await _open(sender, "A", receiver)
+            assert again is not first and receiver.incoming("A", TransferBackend.GLOO).group is not None
+        finally:
+            for table in (receiver, sender, other):
+                table.close()

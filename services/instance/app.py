@@ -98,7 +98,7 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
                         access=config.etcd_access) if config.etcd_endpoints else None
     stall = StallWatchdog(runner, config.engine_stall_timeout_s, server.set_serving,
                           is_shutting_down=lambda: not servicer.is_accepting)
-    servicer.is_engine_stalled = lambda: stall.is_stalled
+    servicer.is_engine_stalled = lambda: stall.is_stalled or runner.is_broken  # (broken: from its first moment)
     stop = stop_event()
     manager: ManagerLink | None = None
     try:

@@ -1,7 +1,8 @@
 """Typed async client of the leader manager's PD calls (ManagerService/PlaceDecode, ReportMigration).
 
-The leader's address comes from the etcd leader view; one channel, re-dialled when the
-leader changes. Every call has a deadline; failures come back as ferry errors (no leader,
+The leader's address comes from the etcd leader view, read at every call; channels are
+pooled by address, so a leader change never closes a channel under calls still on it
+(that cancelled them, and a PD hand-off worker with them). Every call has a deadline; failures come back as ferry errors (no leader,
 a leader that is down or misses the deadline: Unavailable).
 """
 
@@ -14,7 +15,7 @@ import grpc
 from services.common.election import LeaderView
 from services.common.errors import FerryError, Unavailable, error_from_rpc
 from services.common.gen.ferry.v1 import manager_pb2, manager_pb2_grpc
-from services.common.grpc_server import secure_or_insecure_channel
+from services.common.channel_pool import ChannelPool
 from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
 from services.instance.migration import MigrateOutPlan, MigrationResult
@@ -24,10 +25,8 @@ from services.instance.pd_handoff import DecodePlace
 class ManagerLink:
     def __init__(self, leader_view: LeaderView, timeout_s: float, tls: TlsConfig | None = None) -> None:
         self._leader_view = leader_view
-        self._tls = tls
         self._timeout_s = timeout_s
-        self._address = ""
-        self._channel: grpc.aio.Channel | None = None
+        self._pool = ChannelPool(tls)
 
     async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int) -> DecodePlace:
         request = manager_pb2.PlaceDecodeRequest(request_id=request_id, src_instance_id=src_instance_id,
@@ -53,23 +52,18 @@ class ManagerLink:
         await self._call("ReportMigration", record, plan.request_id)
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        await self._pool.close()
 
     async def _call(self, method: str, request, request_id: str):
-        stub = manager_pb2_grpc.ManagerServiceStub(await self._leader_channel())
         try:
-            return await getattr(stub, method)(request, timeout=self._timeout_s,
-                                               metadata=request_metadata(request_id) or None)
+            async with self._pool.use(self._leader_address()) as channel:
+                return await getattr(manager_pb2_grpc.ManagerServiceStub(channel), method)(
+                    request, timeout=self._timeout_s, metadata=request_metadata(request_id) or None)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
 
-    async def _leader_channel(self) -> grpc.aio.Channel:
+    def _leader_address(self) -> str:
         leader = self._leader_view.leader
         if leader is None or not leader.address:
             raise Unavailable("no leader manager is known (etcd manager/leader is empty); start a manager")
-        if leader.address != self._address:
-            await self.close()
-            self._address, self._channel = leader.address, secure_or_insecure_channel(leader.address, self._tls)
-        return self._channel
+        return leader.address

@@ -139,6 +139,11 @@ class DecodeHandoff:
             return  # aborted meanwhile
         try:
             result = await self._try_hand_off(request_id, held) if self.is_pushing else None
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # we are shutting down
+            log.warning("pd_handoff_cancelled", request_id=request_id, action="it decodes here")  # a call cut under us
+            result = None
         except Exception:  # noqa: BLE001 — unexpected (refusals are handled inside): it must not stay held
             log.exception("pd_handoff_crashed", request_id=request_id, action="it decodes here")
             result = None

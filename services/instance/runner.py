@@ -340,7 +340,9 @@ class EngineRunner:
                     del self._streams[output.request_id]
                 else:  # migrated in and finished before the client's Attach: Attach must still find it
                     stream.has_unread_finish = True
-            elif stream.is_prefilling and output.new_token_ids:
+            elif output.new_token_ids and (stream.is_prefilling or output.request_id in held):
+                # (held: parked at its first token, also one that migrated in before it had any: its hand-off
+                # must be queued, or it stays parked)
                 stream.is_prefilling = False
                 if self.on_prefilled is not None:
                     self.on_prefilled(output.request_id, held.get(output.request_id))

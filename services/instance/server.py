@@ -153,6 +153,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                               context: grpc.aio.ServicerContext) -> instance_pb2.CommitMigrateInResponse:
         if not request.HasField("state"):
             raise InvalidArgument("state: required")
+        self._check_accepting("migrations")  # shutting down: the source keeps the request rather than hand it here
         await self.inbox.commit(request.migration_id, request_state_from_proto(request.state))
         return instance_pb2.CommitMigrateInResponse()
 
@@ -174,19 +175,26 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         there (moving a half-prefilled request costs as much as finishing it); only new
         Generate calls are refused."""
         role = role_from_proto(request.role)
-        if self._role_lock is None:
-            self._role_lock = asyncio.Lock()
-        async with self._role_lock:  # one change at a time: the etcd record follows the last one
-            previous = self.identity.role
-            self.identity = replace(self.identity, role=role)
-            if self.on_role_change is not None:
-                await self.on_role_change(self.identity)
-            num_moving = await self.handoff.move_decoding() if role is InstanceRole.PREFILL and self.handoff else 0
+        # Shielded: a caller whose deadline passes must not leave the role changed here and not in etcd.
+        previous, num_moving = await asyncio.shield(self._set_role(role))
         log.info("instance_role_changed", instance_id=self.identity.instance_id, previous_role=previous.value,
                  role=role.value, num_moving=num_moving)
         return instance_pb2.SetRoleResponse(instance_id=self.identity.instance_id,
                                             previous_role=role_to_proto(previous), role=role_to_proto(role),
                                             num_moving=num_moving)
+
+    async def _set_role(self, role: InstanceRole) -> tuple[InstanceRole, int]:
+        """The previous role, and how many decoding requests now move away. If the etcd record cannot
+        be written, the role stays as it was (and the error goes to the caller)."""
+        if self._role_lock is None:
+            self._role_lock = asyncio.Lock()
+        async with self._role_lock:  # one change at a time: the etcd record follows the last one
+            previous, changed = self.identity.role, replace(self.identity, role=role)
+            if self.on_role_change is not None:
+                await self.on_role_change(changed)  # the record first: the role here follows it
+            self.identity = changed
+            num_moving = await self.handoff.move_decoding() if role is InstanceRole.PREFILL and self.handoff else 0
+        return previous, num_moving
 
     def on_load_change(self, callback: Callable[[], None]) -> None:
         """Call `callback` on the event loop whenever the engine's load changes."""
@@ -197,7 +205,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
             raise Unavailable(f"instance {self.identity.instance_id} is not accepting {what} (draining or shutting down)")
         if self.is_engine_stalled():
             raise Unavailable(f"instance {self.identity.instance_id} is not accepting {what}: its engine step has "
-                              "run longer than --engine-stall-timeout-s")
+                              "run longer than --engine-stall-timeout-s, or failed (see its log)")
 
     def load_report(self) -> common_pb2.LoadReport:
         runner = self._runner

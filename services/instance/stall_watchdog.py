@@ -14,7 +14,12 @@ event loop can watch it. Once a step has run longer than `--engine-stall-timeout
 
 When the step returns, the instance serves again (unless it is shutting down meanwhile).
 Set the timeout well above the longest step the deployment ever runs (a full
-`--max-num-batched-tokens` prefill chunk); 0 turns the watchdog off.
+`--max-num-batched-tokens` prefill chunk); 0 turns the stall timeout off.
+
+An engine whose step raised (the runner is then broken: its streams ended with INTERNAL, it
+never steps again) is taken out of service the same way, for good, whatever the timeout:
+before, it still said SERVING, reported its dead requests as running and took migrations in
+whose commits then failed.
 """
 
 from __future__ import annotations
@@ -42,9 +47,7 @@ class StallWatchdog:
         self.is_stalled = False
 
     async def watch_loop(self) -> None:
-        if self._timeout_s <= 0:
-            return
-        interval_s = min(1.0, self._timeout_s / 4)
+        interval_s = min(1.0, self._timeout_s / 4) if self._timeout_s > 0 else 1.0
         while True:
             await asyncio.sleep(interval_s)
             try:
@@ -53,6 +56,14 @@ class StallWatchdog:
                 log.exception("stall_check_failed")
 
     async def check(self) -> None:
+        if self._runner.is_broken:
+            if not self.is_stalled:
+                self.is_stalled = True  # for good: a broken engine never steps again
+                log.error("engine_broken", action="this instance stopped serving; restart it")
+                await self._set_serving(False)
+            return
+        if self._timeout_s <= 0:
+            return
         running_for_s = self._runner.step_running_for_s
         if not self.is_stalled and running_for_s > self._timeout_s:
             await self._stall(running_for_s)

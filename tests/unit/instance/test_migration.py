@@ -663,3 +663,31 @@ async def test_a_pd_hand_off_after_another_migration_resumed_its_request_sends_f
     await asyncio.wait_for(read(b.inbox.attach("r", last.epoch), tokens), 30)
     assert tokens == await reference(a)
     await assert_no_blocks_held(a, b)
+
+
+async def test_a_request_migrated_in_before_its_first_token_onto_a_pushing_prefill_instance_is_queued(pair):
+    """It is parked at its first token like any other: its hand-off must be queued too. Before, only
+    Generate streams queued one, so it stayed parked (holding its blocks and slot) until the client's
+    --generate-timeout-s."""
+    a, b = pair
+    busy = [await a.runner.add(f"busy-{i}", [9 + i] * 8, SAMPLING) for i in range(4)]  # every batch slot of a
+    for stream in busy:
+        await read(stream, [], until=1)
+    stream = await a.runner.add("r", PROMPT, SAMPLING)  # waiting: no batch slot on a
+    handoff = DecodeHandoff("b", b.runner, driver(b, None, None), DecodePlacer(), PdHandoff.PUSH,
+                            lambda: InstanceRole.PREFILL)
+    b.runner.on_prefilled = handoff.note_prefilled
+    b.runner.holds_first_tokens = lambda: handoff.is_pushing
+    try:
+        assert (await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())).num_blocks == 0
+        tokens: list[int] = []
+        last = await read(stream, tokens)
+        assert isinstance(last, Handoff) and last.next_token_index == 0
+        moved = b.inbox.attach("r", last.epoch)
+        first = await asyncio.wait_for(moved.outputs.get(), 30)
+        assert first.token_index == 0 and first.new_token_ids
+        assert "r" in handoff._pending  # queued for its hand-off, which a worker (not running here) would do
+    finally:
+        for i in range(4):
+            await a.runner.abort(f"busy-{i}")
+        await b.runner.abort("r")

@@ -147,3 +147,17 @@ async def test_a_hand_off_that_fails_is_reported_to_the_history_and_decodes_here
     assert engine.resumed == ["r-1", "r-2"] and placer.reported == [] and handoff.num_handed_off == 0
     await assert_cancels(loop)
     await handoff.close()
+
+
+async def test_a_place_decode_cut_under_the_worker_resumes_the_request_and_the_worker_goes_on():
+    """A call cancelled from outside (before: a leader change closed the shared channel under it) ended
+    the worker for good and left its request parked with nobody to resume it."""
+    engine, placer, migrations = FakeEngine(), FlakyPlacer(asyncio.CancelledError()), FakeMigrations()
+    handoff = pushing(engine, placer, migrations)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1")
+    handoff.note_prefilled("r-2")
+    await until(lambda: handoff.num_handed_off == 1, loop)
+    assert engine.resumed == ["r-1"] and [plan.request_id for plan in migrations.plans] == ["r-2"]
+    await assert_cancels(loop)
+    await handoff.close()

@@ -1,0 +1,88 @@
+"""The instance servicer around shutdown and role changes, on real engine runners (no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from services.common.errors import Unavailable
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2
+from services.instance import app
+from services.instance.config import InstanceRole
+from services.instance.convert import request_state_to_proto
+from services.instance.engine.migration_state import RequestState
+from services.instance.server import InstanceIdentity, InstanceServicer
+from tests.unit.instance import test_migration
+from tests.unit.instance.test_migration import PROMPT, SAMPLING
+
+pytestmark = pytest.mark.timeout(60)
+pair, tiny = test_migration.pair, test_migration.tiny  # its fixtures: two engine runners on the tiny model
+
+
+def servicer_for(side, role: InstanceRole = InstanceRole.BOTH) -> InstanceServicer:
+    servicer = InstanceServicer(side.runner)
+    servicer.identity = InstanceIdentity(side.name, "127.0.0.1:2", role, "m", 1024, common_pb2.KvGeometry())
+    servicer.inbox = side.inbox
+    return servicer
+
+
+class FakeServer:
+    async def set_serving(self, is_serving: bool) -> None:
+        pass
+
+    async def stop(self, grace: float) -> None:
+        pass
+
+
+async def test_a_commit_that_comes_after_sigterm_is_refused_so_the_source_keeps_the_request(pair):
+    """Before, shutdown neither waited for a migration in nor refused its commit: the source handed its
+    client to an instance on its way out, and the frontend had to recompute the request elsewhere."""
+    _, b = pair
+    servicer = servicer_for(b)
+    await b.inbox.prepare("m-1", "r", "a", 2)  # reserved before SIGTERM, its copy under way
+    await app.shutdown(SimpleNamespace(shutdown_grace_s=5.0), FakeServer(), servicer, b.runner, registry=None)
+    state = RequestState(request_id="r", prompt_token_ids=tuple(PROMPT), output_token_ids=(), sampling=SAMPLING,
+                         seed=5, priority=0, epoch=1, num_computed_tokens=0, text_sent="", num_resumed_tokens=0)
+    with pytest.raises(Unavailable, match="not accepting migrations"):
+        await servicer.CommitMigrateIn(instance_pb2.CommitMigrateInRequest(
+            migration_id="m-1", state=request_state_to_proto(state)), None)
+    assert b.runner.num_active == 0
+    assert await b.inbox.abort("m-1")  # what the refused source does next
+
+
+async def test_a_set_role_whose_caller_gives_up_still_changes_the_record_and_then_the_role(pair):
+    """Before, a deadline passing while the etcd record was written left the role changed here and not
+    in etcd (the instance refused Generate as decode while the manager still dispatched to it)."""
+    a, _ = pair
+    servicer = servicer_for(a)
+    may_write, written = asyncio.Event(), []
+
+    async def slow_record(identity: InstanceIdentity) -> None:  # registry.update on a slow etcd
+        await may_write.wait()
+        written.append(identity.role)
+    servicer.on_role_change = slow_record
+    call = asyncio.create_task(servicer.SetRole(instance_pb2.SetRoleRequest(role=common_pb2.ROLE_DECODE), None))
+    await asyncio.sleep(0.1)
+    call.cancel()  # the admin's deadline
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert servicer.identity.role is InstanceRole.BOTH  # not before etcd has it
+    may_write.set()
+    async with asyncio.timeout(5):
+        while servicer.identity.role is not InstanceRole.DECODE:
+            await asyncio.sleep(0.01)
+    assert written == [InstanceRole.DECODE]
+
+
+async def test_a_set_role_whose_record_cannot_be_written_leaves_the_role_as_it_was(pair):
+    a, _ = pair
+    servicer = servicer_for(a)
+
+    async def etcd_away(identity: InstanceIdentity) -> None:
+        raise Unavailable("etcd is unreachable")
+    servicer.on_role_change = etcd_away
+    with pytest.raises(Unavailable):
+        await servicer.SetRole(instance_pb2.SetRoleRequest(role=common_pb2.ROLE_PREFILL), None)
+    assert servicer.identity.role is InstanceRole.BOTH

@@ -22,6 +22,9 @@ from services.instance.migration import MigrateOutPlan, MigrationResult
 from services.instance.pd_handoff import DecodePlace
 
 
+PLACE_DECODE_TIMEOUT_S = 1.0  # a leader answers in milliseconds; past this the request decodes here
+
+
 class ManagerLink:
     def __init__(self, leader_view: LeaderView, timeout_s: float, tls: TlsConfig | None = None) -> None:
         self._leader_view = leader_view
@@ -31,7 +34,9 @@ class ManagerLink:
     async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int) -> DecodePlace:
         request = manager_pb2.PlaceDecodeRequest(request_id=request_id, src_instance_id=src_instance_id,
                                                  num_blocks=num_blocks)
-        reply = await self._call("PlaceDecode", request, request_id)
+        # A short deadline: the request waits parked at its first token meanwhile, and so does every
+        # one queued behind it (a frozen leader cost each of them the whole RPC timeout).
+        reply = await self._call("PlaceDecode", request, request_id, min(self._timeout_s, PLACE_DECODE_TIMEOUT_S))
         return DecodePlace(reply.instance_id, reply.address)
 
     async def report_migration(self, result: MigrationResult, started_at: float) -> None:
@@ -54,11 +59,11 @@ class ManagerLink:
     async def close(self) -> None:
         await self._pool.close()
 
-    async def _call(self, method: str, request, request_id: str):
+    async def _call(self, method: str, request, request_id: str, timeout_s: float | None = None):
         try:
             async with self._pool.use(self._leader_address()) as channel:
                 return await getattr(manager_pb2_grpc.ManagerServiceStub(channel), method)(
-                    request, timeout=self._timeout_s, metadata=request_metadata(request_id) or None)
+                    request, timeout=timeout_s or self._timeout_s, metadata=request_metadata(request_id) or None)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
 

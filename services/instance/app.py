@@ -23,7 +23,7 @@ from services.common.config import as_dict
 from services.common.election import watch_leader
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2_grpc
 from services.common.grpc_server import GrpcServer, start_grpc_server
-from services.common.errors import Unavailable
+from services.common.errors import Internal, Unavailable
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.registry import DRAIN_MARKS, Registry
 from services.common.signals import stop_event
@@ -96,10 +96,10 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
         serve_metrics(config.metrics_port, config.host, runner, instance_id, lambda: servicer.inbox.num_quarantined)
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s,
                         access=config.etcd_access) if config.etcd_endpoints else None
-    stall = StallWatchdog(runner, config.engine_stall_timeout_s, server.set_serving,
-                          is_shutting_down=lambda: not servicer.is_accepting)
-    servicer.is_engine_stalled = lambda: stall.is_stalled or runner.is_broken  # (broken: from its first moment)
     stop = stop_event()
+    stall = StallWatchdog(runner, config.engine_stall_timeout_s, server.set_serving,
+                          is_shutting_down=lambda: not servicer.is_accepting, on_broken=stop.set)
+    servicer.is_engine_stalled = lambda: stall.is_stalled or runner.is_broken  # (broken: from its first moment)
     manager: ManagerLink | None = None
     try:
         async with asyncio.TaskGroup() as tasks:
@@ -127,6 +127,9 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
             await shutdown(config, server, servicer, runner, registry)
             for task in background:
                 task.cancel()
+        if runner.is_broken:
+            raise Internal("the engine failed (see engine_step_failed above); exiting with a failure so that a "
+                           "supervisor starts this instance again")
     finally:
         if servicer.handoff is not None:
             await servicer.handoff.close()

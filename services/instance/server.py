@@ -184,8 +184,9 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                                             num_moving=num_moving)
 
     async def _set_role(self, role: InstanceRole) -> tuple[InstanceRole, int]:
-        """The previous role, and how many decoding requests now move away. If the etcd record cannot
-        be written, the role stays as it was (and the error goes to the caller)."""
+        """The previous role, and how many decoding requests now move away. The record goes first (the
+        registry queues it for its keepalive while etcd is away); should writing it raise, the role
+        stays as it was and the error goes to the caller."""
         if self._role_lock is None:
             self._role_lock = asyncio.Lock()
         async with self._role_lock:  # one change at a time: the etcd record follows the last one

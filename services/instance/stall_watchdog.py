@@ -17,9 +17,10 @@ Set the timeout well above the longest step the deployment ever runs (a full
 `--max-num-batched-tokens` prefill chunk); 0 turns the stall timeout off.
 
 An engine whose step raised (the runner is then broken: its streams ended with INTERNAL, it
-never steps again) is taken out of service the same way, for good, whatever the timeout:
-before, it still said SERVING, reported its dead requests as running and took migrations in
-whose commits then failed.
+never steps again) is taken out of service the same way, whatever the timeout, and the
+instance then shuts down and exits 1, so its supervisor (the launcher, systemd) starts it
+again: before, it still said SERVING, reported its dead requests as running and took
+migrations in whose commits then failed, for good.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ SetServing = Callable[[bool], Awaitable[None]]
 
 class StallWatchdog:
     def __init__(self, runner: EngineRunner, timeout_s: float, set_serving: SetServing,
-                 is_shutting_down: Callable[[], bool]) -> None:
+                 is_shutting_down: Callable[[], bool], on_broken: Callable[[], None] = lambda: None) -> None:
         self._runner = runner
         self._timeout_s = timeout_s
         self._set_serving = set_serving
         self._is_shutting_down = is_shutting_down
+        self._on_broken = on_broken  # the app: shut down and exit with a failure, so a supervisor restarts it
         self.is_stalled = False
 
     async def watch_loop(self) -> None:
@@ -59,8 +61,9 @@ class StallWatchdog:
         if self._runner.is_broken:
             if not self.is_stalled:
                 self.is_stalled = True  # for good: a broken engine never steps again
-                log.error("engine_broken", action="this instance stopped serving; restart it")
+                log.error("engine_broken", action="this instance stops serving and exits with a failure")
                 await self._set_serving(False)
+                self._on_broken()
             return
         if self._timeout_s <= 0:
             return

@@ -32,14 +32,14 @@ class Health:
 @pytest.mark.parametrize("timeout_s", [0.0, 120.0])
 async def test_a_broken_engine_is_out_of_service_for_good_whatever_the_timeout(timeout_s):
     """Before, a broken engine still said SERVING and took migrations in whose commits then failed."""
-    runner, health = FakeRunner(), Health()
-    watchdog = StallWatchdog(runner, timeout_s, health, lambda: False)
+    runner, health, exits = FakeRunner(), Health(), []
+    watchdog = StallWatchdog(runner, timeout_s, health, lambda: False, on_broken=lambda: exits.append(1))
     await watchdog.check()
     assert health.states == [] and not watchdog.is_stalled
     runner.is_broken = True
     for _ in range(3):
         await watchdog.check()
-    assert health.states == [False] and watchdog.is_stalled
+    assert health.states == [False] and watchdog.is_stalled and exits == [1]  # the app then exits 1
 
 
 async def test_a_long_step_stalls_and_its_return_recovers():

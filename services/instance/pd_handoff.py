@@ -82,10 +82,12 @@ class DecodeHandoff:
         return self._placer is not None and self._mode is PdHandoff.PUSH and self._role() is InstanceRole.PREFILL
 
     def num_prefilled(self, num_decoding: int) -> int:
-        """Decoding requests waiting for a hand-off nobody runs yet (the manager's loop moves them)."""
+        """Decoding requests waiting for a hand-off nobody runs yet (the manager's loop moves them).
+        `num_decoding` counts running requests only: those a hand-off here handles are parked (not
+        running) from its queueing to its end, so only other migrations' requests are taken off."""
         if self._role() is not InstanceRole.PREFILL:
             return 0
-        return max(0, num_decoding - len(self._pending | self._migrations.moving))
+        return max(0, num_decoding - len(self._migrations.moving - self._pending))
 
     def _forget_held(self, request_id: str) -> None:
         self._held.pop(request_id, None)  # its hand-off, if still queued, suspends it afresh

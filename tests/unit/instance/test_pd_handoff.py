@@ -161,3 +161,15 @@ async def test_a_place_decode_cut_under_the_worker_resumes_the_request_and_the_w
     assert engine.resumed == ["r-1"] and [plan.request_id for plan in migrations.plans] == ["r-2"]
     await assert_cancels(loop)
     await handoff.close()
+
+
+def test_requests_parked_for_their_hand_off_are_not_taken_off_the_decoding_ones():
+    """`num_decoding` counts running requests; parked ones are not among them. Before, each queued hand-off
+    was subtracted again, so requests decoding here unhandled were reported as none."""
+    migrations = FakeMigrations()
+    handoff = pushing(FakeEngine(), FlakyPlacer(), migrations)
+    handoff.note_prefilled("p-0")
+    handoff.note_prefilled("p-1")  # parked, queued: no worker runs in this test
+    assert handoff.num_prefilled(num_decoding=2) == 2  # two others decode here
+    migrations.moving = frozenset({"d-0"})  # a rebalancing migration moves one of them
+    assert handoff.num_prefilled(num_decoding=2) == 1

@@ -24,7 +24,6 @@ from services.frontend.convert import attach_request_to_proto, chunk_from_proto,
 from services.frontend.generation import GenerateSpec, RequestId, Target, TokenChunk
 
 log = structlog.get_logger(__name__)
-InstanceStub = instance_pb2_grpc.InstanceServiceStub
 
 
 class InstanceClients:
@@ -46,7 +45,7 @@ class InstanceClients:
             attach_request_to_proto(request_id, from_token_index, epoch),
             metadata=request_metadata(request_id)))
 
-    async def _chunks(self, address: str, start: Callable[[InstanceStub], grpc.aio.UnaryStreamCall]
+    async def _chunks(self, address: str, start: Callable[[instance_pb2_grpc.InstanceServiceStub], grpc.aio.UnaryStreamCall]
                       ) -> AsyncIterator[TokenChunk]:
         """The chunks of the stream `start` opens (on first iteration), errors mapped to FerryErrors."""
         async with self._pool.use(address) as channel:

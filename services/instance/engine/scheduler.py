@@ -231,23 +231,20 @@ class _StepPlan:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
-    _scheduled_ids: set[int] = field(default_factory=set)
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         is_sampled = request.num_computed_tokens + num_new_tokens == request.num_tokens
         self.scheduled.append(ScheduledRequest(request, num_new_tokens, is_sampled))
-        self._scheduled_ids.add(id(request))
         self.budget -= num_new_tokens
         if request.wants_prompt_logits:
             self.logit_budget -= num_new_tokens
 
     def unschedule(self, request: Request) -> None:
         """Take `request` out of this step (it is being preempted), giving its tokens back to the budget."""
-        if id(request) not in self._scheduled_ids:
+        entry = next((s for s in self.scheduled if s.request is request), None)
+        if entry is None:
             return
-        entry = next(s for s in self.scheduled if s.request is request)
         self.scheduled.remove(entry)
-        self._scheduled_ids.discard(id(request))
         self.budget += entry.num_new_tokens
         if request.wants_prompt_logits:
             self.logit_budget += entry.num_new_tokens

@@ -14,6 +14,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -37,6 +38,7 @@ from services.instance.engine.sim_model import SimLatency
 from services.instance.load_reporter import load_report_loop
 from services.instance.manager_client import ManagerLink
 from services.instance.pd_handoff import DecodeHandoff
+from services.instance.role_marks import keep_role, restored_role
 from services.instance.metrics import serve_metrics
 from services.instance.migration import MigrationDriver, MigrationSettings
 from services.instance.migration_in import MigrationInbox, TransferEndpoint
@@ -110,7 +112,9 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
             if registry is not None:
                 await registry.wait_until_reachable(config.etcd_wait_s, stop)
                 await clear_stale_self_drain(registry, instance_id)
-                await registry.register("instances", instance_id, instance_record(identity, loaded, link))
+                role = await restored_role(registry, instance_id, config.role)
+                servicer.identity = replace(servicer.identity, role=role)
+                await registry.register("instances", instance_id, instance_record(servicer.identity, loaded, link))
                 servicer.inbox.watch_sources(await registry.watch("instances"))
                 manager = ManagerLink(await watch_leader(registry), config.migration_rpc_timeout_s, config.tls)
             wire_pd(config, servicer, runner, manager, registry, lambda i: instance_record(i, loaded, link))
@@ -143,7 +147,8 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
 
 def wire_pd(config: InstanceConfig, servicer: InstanceServicer, runner: EngineRunner, manager: ManagerLink | None,
             registry: Registry | None, record: Callable[[InstanceIdentity], dict]) -> None:
-    """Prefill/decode disaggregation: the hand-off pusher, and SetRole rewriting the etcd record."""
+    """Prefill/decode disaggregation: the hand-off pusher, and SetRole rewriting the etcd record and
+    keeping the new role for restarts (role_marks.py)."""
     servicer.handoff = DecodeHandoff(servicer.identity.instance_id, runner, servicer.migrations, manager,
                                      config.pd_handoff, lambda: servicer.identity.role,
                                      num_workers=config.max_concurrent_migrations)
@@ -153,6 +158,8 @@ def wire_pd(config: InstanceConfig, servicer: InstanceServicer, runner: EngineRu
     async def update_record(identity: InstanceIdentity) -> None:
         if registry is not None and registry.holds("instances", identity.instance_id):  # else register() writes it
             await registry.update("instances", identity.instance_id, record(identity))
+        if registry is not None:
+            await keep_role(registry, identity.instance_id, identity.role, config.role)
 
     servicer.on_role_change = update_record
 

@@ -4,6 +4,7 @@
 |----------------------|--------------------------------------------------|
 | config/policy        | {"dispatch": "load", "migration": {"enabled": true, "threshold": 1.0, "selection": "shortest_running", "pairing": "load"}} |
 | config/drain/<id>    | {"instance_id": id, "drained_by": manager_id, "drained_at": unix s} |
+| config/roles/<id>    | a role set at runtime, written by the instance itself (instance/role_marks.py); managers ignore it |
 
 The policy's optional "scaling" entry holds the scaling band ({"enabled", "low_freeness",
 "high_freeness", "min_instances", "max_instances"}). Outside config/ (no manager applies

@@ -91,17 +91,20 @@ async def state_of(client: ManagerClient, instance_id: str) -> int:
 
 
 async def test_dispatch_spreads_a_burst_and_avoids_a_full_instance(managers, instances):
-    # One report each, then none during the burst: a report replaces the reservations made half a second
-    # before it, which a loaded machine's burst can outlast (the reports never count the burst's requests)
     manager = await managers("m-a", "--report-timeout-s", "60")
     await lead(manager)
     to_manager = lambda: [manager.address]  # noqa: E731
-    for n in range(3):
-        await instances(SimulatedInstance(f"i-{n}", f"127.0.0.1:{9100 + n}", report_interval_s=30.0), to_manager)
-    await instances(SimulatedInstance("i-full", "127.0.0.1:9199", num_free_blocks=0, num_running=8,
-                                      report_interval_s=30.0), to_manager)
+    fakes = [await instances(SimulatedInstance(f"i-{n}", f"127.0.0.1:{9100 + n}"), to_manager) for n in range(3)]
+    fakes.append(await instances(SimulatedInstance("i-full", "127.0.0.1:9199", num_free_blocks=0, num_running=8),
+                                 to_manager))
     async with ManagerClient(manager.address) as client:
         await wait_reported(client, "i-0", "i-1", "i-2", "i-full")
+        # Then no report during the burst: a report replaces the reservations made half a second before
+        # it, which a loaded machine's burst can outlast (the reports never count the burst's requests).
+        # Reports go on until then: the manager drops one that comes before it saw the instance in etcd.
+        for fake in fakes:
+            fake.report_interval_s = 30.0
+        await asyncio.sleep(0.3)  # a report already on its way lands before the burst
         placements = await asyncio.gather(*(client.dispatch(f"r-{n}", num_prompt_tokens=100) for n in range(30)))
         counts = collections.Counter(p.instance_id for p in placements)
         assert "i-full" not in counts

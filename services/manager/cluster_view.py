@@ -8,8 +8,10 @@ of an instance is derived, never stored:
 * DRAINING  — an operator drained it (mark kept in etcd config/), or its record says so;
 * UNHEALTHY — its last report (or, before the first one, its first sighting) is older
               than `report_timeout_s`, or a peer could not reach it since its last report
-              (`mark_unanswered`: a PD hand-off to it failed UNAVAILABLE; a live instance
-              reports again within its report interval, a dead one's lease ends meanwhile);
+              (`mark_unanswered`: a PD hand-off to it failed UNAVAILABLE, or its report
+              stream ended, as when the process is killed; a live
+              instance reports again within its report interval, a dead one's lease ends
+              meanwhile);
 * SERVING   — otherwise.
 
 Dispatch picks SERVING instances that can prefill (a DECODE instance only when no prefill
@@ -110,19 +112,27 @@ class ClusterView:
 
     # load (from ReportLoad streams)
 
-    def apply_report(self, instance_id: InstanceId, load: Load) -> None:
+    def apply_report(self, instance_id: InstanceId, load: Load) -> float | None:
         """Keep `load` as the instance's last report; it counts the requests dispatched there up to
         `IN_TRANSIT_S` before it, whose reservations go. A report from an id that is not a member (not
-        registered yet, gone, or made up: ReportLoad takes any id) is not kept; the next one counts."""
+        registered yet, gone, or made up: ReportLoad takes any id) is not kept; the next one counts.
+        When it was kept (the clock's time), or None."""
         if instance_id not in self._records:
-            return
+            return None
         self._reports[instance_id] = load
         in_transit_since = self._clock() - IN_TRANSIT_S
         if reserved := [r for r in self._reserved.pop(instance_id, ()) if r[0] > in_transit_since]:
             self._reserved[instance_id] = reserved
         self._candidates.pop(instance_id, None)
         self._unanswered.discard(instance_id)
-        self._heard_at[instance_id] = self._clock()
+        self._heard_at[instance_id] = heard_at = self._clock()
+        return heard_at
+
+    def note_report_stream_ended(self, instance_id: InstanceId, last_heard_at: float) -> None:
+        """The stream whose last kept report came at `last_heard_at` ended: UNHEALTHY until the next
+        report, unless one came since (on the stream that replaced it)."""
+        if self._heard_at.get(instance_id) == last_heard_at:
+            self.mark_unanswered(instance_id)
 
     def begin_migration_in(self, instance_id: InstanceId) -> None:
         """A migration this manager started into the instance: not drained before it ends (its report may
@@ -136,8 +146,9 @@ class ClusterView:
             self._migrating_in.pop(instance_id, None)
 
     def mark_unanswered(self, instance_id: InstanceId) -> None:
-        """A peer could not reach the instance (a hand-off to it failed UNAVAILABLE): UNHEALTHY until it
-        reports again, so placements stop going to an instance that died until its lease ends."""
+        """A peer could not reach the instance (a hand-off to it failed UNAVAILABLE) or its report stream
+        ended: UNHEALTHY until it reports again, so placements stop going to an instance that died
+        until its lease ends."""
         if instance_id in self._records:
             self._unanswered.add(instance_id)
             self._candidates.pop(instance_id, None)

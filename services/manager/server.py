@@ -95,8 +95,11 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
         return manager_pb2.ReportMigrationResponse()
 
     async def ReportLoad(self, request_iterator, context) -> manager_pb2.ReportLoadResponse:
-        """Keep each report as the instance's load; end the stream (UNAVAILABLE) once we stop leading."""
-        instance_id = None
+        """Keep each report as the instance's load; end the stream (UNAVAILABLE) once we stop leading.
+        When the stream ends the instance is UNHEALTHY until it reports again: a killed instance gets no
+        more placements from that moment, not --report-timeout-s later. (A killed client's stream ends
+        here as a closed one does; a live instance moving to a new leader reports to it at once.)"""
+        instance_id, heard_at = None, None
         try:
             async for report in request_iterator:
                 self._leadership.check_leader()
@@ -105,11 +108,13 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
                 if instance_id is None:
                     instance_id = report.instance_id
                     log.info("load_stream_opened", instance_id=instance_id, peer=context.peer())
-                self._view.apply_report(InstanceId(report.instance_id), convert.load_from_proto(report))
+                heard_at = self._view.apply_report(InstanceId(report.instance_id), convert.load_from_proto(report))
                 metrics.LOAD_REPORTS.inc()
         finally:
             if instance_id is not None:
                 log.info("load_stream_closed", instance_id=instance_id)
+            if heard_at is not None:
+                self._view.note_report_stream_ended(InstanceId(instance_id), heard_at)
         return manager_pb2.ReportLoadResponse()
 
 

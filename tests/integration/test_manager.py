@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import sys
 import time
 
 import pytest
@@ -157,6 +158,40 @@ async def test_exclude_drain_and_silence_keep_dispatch_away(managers, instances)
         assert (await client.undrain("i-a")).state == common_pb2.INSTANCE_STATE_SERVING  # twice: no harm
         with pytest.raises(NotFound, match="'i-zz' is not registered"):
             await client.undrain("i-zz")
+
+
+REPORTER = """
+import sys, time
+import grpc
+from services.common.gen.ferry.v1 import common_pb2, manager_pb2_grpc
+def reports():
+    while True:
+        yield common_pb2.LoadReport(instance_id=sys.argv[2], num_free_blocks=1000, num_total_blocks=1000)
+        time.sleep(0.05)
+with grpc.insecure_channel(sys.argv[1]) as channel:
+    manager_pb2_grpc.ManagerServiceStub(channel).ReportLoad(reports())
+"""
+
+
+async def test_an_instance_killed_is_unhealthy_at_once_not_after_the_report_timeout(managers, etcd_client,
+                                                                                     cluster):
+    manager = await managers("m-a", "--report-timeout-s", "60")
+    await lead(manager)
+    await SimulatedInstance("i-k", "127.0.0.1:9299").register(etcd_client, cluster)
+    reporter = await asyncio.create_subprocess_exec(sys.executable, "-c", REPORTER, manager.address, "i-k")
+    try:
+        async with ManagerClient(manager.address) as client:
+            await wait_reported(client, "i-k")
+            assert await state_of(client, "i-k") == common_pb2.INSTANCE_STATE_SERVING
+            reporter.kill()  # its report stream ends (as a closed one does, on the manager's side)
+            await wait_until(lambda: _has_state(client, "i-k", common_pb2.INSTANCE_STATE_UNHEALTHY), 5,
+                             "i-k unhealthy")
+            with pytest.raises(Unavailable, match="1 unhealthy"):
+                await client.dispatch("r-1", 10)
+    finally:
+        if reporter.returncode is None:
+            reporter.kill()
+        await reporter.wait()
 
 
 async def _has_state(client: ManagerClient, instance_id: str, state: int) -> bool:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from services.manager.domain import (
     PREFILL_ROLES, Candidate, InstanceId, InstanceRecord, InstanceState, InstanceView, Load, Reservation, Role,
+    pooled_freeness,
 )
 
 IN_TRANSIT_S = 0.5  # a dispatched request reaches its instance, and is counted in its reports, within this
@@ -64,7 +65,8 @@ class ClusterView:
         self._reserved: dict[InstanceId, list[tuple[float, int]]] = {}  # (dispatched at, blocks), not yet reported
         self._drained: set[InstanceId] = set()  # operator drain marks (may name absent instances)
         self._unanswered: set[InstanceId] = set()  # a peer could not reach it; until its next report
-        self._num_dispatched: dict[InstanceId, int] = {}
+        self._num_dispatched: dict[InstanceId, int] = {}  # members only
+        self._num_dispatched_to_departed = 0  # so the cluster's total stays cumulative
         self._migrating_in: dict[InstanceId, int] = {}  # migrations this manager runs into each instance now
         # Dispatch runs hundreds of times a second over every member, so two caches:
         self._eligible_ids: list[InstanceId] = []  # sorted members that are not draining (any role);
@@ -98,6 +100,7 @@ class ClusterView:
         self._sorted_ids = sorted(self._records)
         for per_instance in (self._heard_at, self._reports, self._reserved, self._candidates):
             per_instance.pop(instance_id, None)
+        self._num_dispatched_to_departed += self._num_dispatched.pop(instance_id, 0)
         self._unanswered.discard(instance_id)
         self._rebuild_eligible()
 
@@ -257,8 +260,8 @@ class ClusterView:
             num_draining=sum(v.state is InstanceState.DRAINING for v in views),
             num_unhealthy=sum(v.state is InstanceState.UNHEALTHY for v in views),
             num_running=sum(v.load.num_running for v in views), num_waiting=sum(v.load.num_waiting for v in views),
-            average_freeness=sum(v.load.freeness for v in serving) / len(serving) if serving else 0.0,
-            num_dispatched=sum(self._num_dispatched.values()),
+            average_freeness=pooled_freeness(serving) if serving else 0.0,  # what scaling keeps in its band
+            num_dispatched=sum(self._num_dispatched.values()) + self._num_dispatched_to_departed,
         )
 
     def _instance_view(self, instance_id: InstanceId) -> InstanceView:

@@ -42,7 +42,7 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     migration_selection: MigrationSelection = knob(MigrationSelection.SHORTEST_RUNNING, "which request a source hands over, until a policy is stored")
     migration_pairing: str = knob("load", f"how sources and destinations are paired, until a policy is stored ({', '.join(PAIRING_NAMES)})")
     migration_interval_s: float = knob(0.5, "seconds between ticks of the migration loop (leader only)")
-    migration_max_per_instance: int = knob(1, "migrations one instance takes part in at once (as source or destination)")
+    migration_max_per_instance: int = knob(1, "migrations one instance takes part in at once (as source or destination); load-balancing moves stay one at a time per instance, drains and PD hand-offs use the rest")
     migration_cooldown_s: float = knob(10.0, "seconds a request that just migrated is not picked again by the loop")
     migration_timeout_s: float = knob(60.0, "deadline of one InstanceService/MigrateOut call")
     migration_history_size: int = knob(256, "migration records kept for ListMigrations, in memory and in etcd "

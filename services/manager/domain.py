@@ -9,6 +9,7 @@ import dataclasses
 import enum
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
@@ -181,3 +182,12 @@ class InstanceView:
         return (self.state is InstanceState.DRAINING and self.report_age_s is not None and self.is_heard
                 and self.load.num_running == 0 and self.load.num_waiting == 0
                 and self.load.num_incoming_migrations == 0 and self.num_migrations_in == 0)
+
+
+def pooled_freeness(views: Sequence[InstanceView]) -> float:
+    """The instances' freeness as if they were one instance: every free block (less what queued
+    requests need) over every running request, plus one per instance. Not the mean of their
+    freeness: an empty instance (its free blocks over 1) beside a backed-up one would make the
+    cluster look idle, and a just-added instance would be retired at once, over and over."""
+    free = sum(v.load.num_free_blocks - v.load.num_blocks_needed_by_waiting for v in views)
+    return free / (sum(v.load.num_running for v in views) + len(views))

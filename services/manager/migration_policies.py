@@ -123,10 +123,9 @@ class LoadPairing(PairingPolicy):
             free = [d for d in destinations if d.instance_id not in used and d.instance_id != src.instance_id]
             if not free or free[0].freeness - src.freeness <= threshold:
                 break  # gaps only shrink from here
-            dst = next((d for d in free if allowed(src, d) and d.freeness - src.freeness > threshold), None)
-            if dst is None:
-                continue  # every destination worth it is backing off from this source: the next source
-            if stays_freer_after_move(src.load, dst.load):
+            dst = next((d for d in free if allowed(src, d) and d.freeness - src.freeness > threshold
+                        and stays_freer_after_move(src.load, d.load)), None)
+            if dst is not None:  # else every destination worth it backs off or cannot take one: the next source
                 pairs.append(Pair(src, dst, MigrationTrigger.LOAD))
                 used.update((src.instance_id, dst.instance_id))
         return pairs

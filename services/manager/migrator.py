@@ -7,7 +7,9 @@ Design of `migration_loop` (every manager runs it; it acts only while leading):
 
 A migration holds a slot on both of its instances until MigrateOut returns (at most
 `max_per_instance` at once on one instance); then both sit out until their next load
-report (an older one still shows the request where it was). A request that committed
+report (an older one still shows the request where it was). Loads do not show a move in
+flight either, so load moves stay one at a time per instance whatever `max_per_instance`
+is (two at once overshot and swapped the pair); drains and PD hand-offs use the other slots. A request that committed
 is left alone for `cooldown_s` (the source is told to skip it when it picks); with the
 pairing's hysteresis (migration_policies.py) nothing ping-pongs. Drains move requests
 whether or not the load-balancing loop is on. A MigrateOut failure is recorded, counted
@@ -132,7 +134,17 @@ class Migrator:
             self._start(order)
         self._announce_drained()
         self._cooled_request_ids()  # forgets the cooled-down ones, also while no load order asks
+        self._forget_departed()
         return orders
+
+    def _forget_departed(self) -> None:
+        """Drop what is kept per instance once it has left (ids of restarted instances can be new each time)."""
+        is_member = self._view.has_member
+        for per_instance in (self._ended_at, self._received_at):
+            for instance_id in [i for i in per_instance if not is_member(i)]:
+                del per_instance[instance_id]
+        for pair in [p for p in self._failed_at if not (is_member(p[0]) and is_member(p[1]))]:
+            del self._failed_at[pair]
 
     def plan(self) -> list[MigrationOrder]:
         peers = self._peers()
@@ -140,8 +152,9 @@ class Migrator:
         allowed = self._is_not_backing_off  # a destination that keeps refusing leaves the next-freest one to try
         pairs = pair_drains([p for p in peers if p.is_draining], serving, allowed)
         pairs += pair_prefilled([p for p in serving if p.instance_id not in _taken(pairs)], allowed)
-        if self._settings.is_enabled:
-            pairs += self._pairing.pair([p for p in serving if p.instance_id not in _taken(pairs)],
+        if self._settings.is_enabled:  # loads do not show a move in flight yet: a busy peer sits load moves out
+            pairs += self._pairing.pair([p for p in serving if p.instance_id not in _taken(pairs)
+                                         and not self._in_flight.get(p.instance_id)],
                                         self._settings.threshold, allowed)
         return [self._order(pair) for pair in pairs]
 

@@ -38,7 +38,7 @@ from services.common.periodic import periodic_loop
 from services.common.scaling_target import ScalingTarget
 from services.manager import metrics
 from services.manager.cluster_view import ClusterView
-from services.manager.domain import InstanceId, InstanceState, InstanceView, Role
+from services.manager.domain import InstanceId, InstanceState, InstanceView, Role, pooled_freeness
 from services.manager.leadership import Leadership
 
 log = structlog.get_logger(__name__)
@@ -92,15 +92,6 @@ class ScalingDecision:
     def reason(self) -> str:
         side = "below" if self.action is ScalingAction.ADD else "above"
         return f"average freeness {self.average_freeness:.1f} over {self.num_instances} instances is {side} the band"
-
-
-def pooled_freeness(views: Sequence[InstanceView]) -> float:
-    """The instances' freeness as if they were one instance: every free block (less what queued
-    requests need) over every running request, plus one per instance. Not the mean of their
-    freeness: an empty instance (its free blocks over 1) beside a backed-up one would make the
-    cluster look idle, and a just-added instance would be retired at once, over and over."""
-    free = sum(v.load.num_free_blocks - v.load.num_blocks_needed_by_waiting for v in views)
-    return free / (sum(v.load.num_running for v in views) + len(views))
 
 
 def decide(views: Sequence[InstanceView], settings: ScalingSettings) -> ScalingDecision | None:
@@ -220,7 +211,7 @@ class Scaler:
         """Retiring instances whose drain mark the view has not shown for MARKLESS_S (not one missing only
         for a moment, as in a view still syncing its watch after a failover)."""
         now = self._clock()
-        markless = {i for i in target.draining if not self._view.has_drain_mark(i)}
+        markless = {i for i in target.draining + target.stoppable if not self._view.has_drain_mark(i)}
         self._markless_since = {i: self._markless_since.get(i, now) for i in markless}
         return [i for i, since in self._markless_since.items() if now - since >= MARKLESS_S]
 

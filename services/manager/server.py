@@ -135,6 +135,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         self._tls = tls  # of the channel to the leader when forwarding
         self._admin_token = admin_token  # the leader checks the same token
         self._leader_client: ManagerClient | None = None
+        self._retired_clients: set[ManagerClient] = set()  # of former leaders, until their calls could end
         self._journal = journal  # the history in etcd; None: this manager's memory only
         self._scaler = scaler
 
@@ -320,8 +321,22 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         return reply
 
     async def close(self) -> None:
-        if self._leader_client is not None:
-            await self._leader_client.close()
+        for client in [self._leader_client, *self._retired_clients]:
+            if client is not None:
+                await client.close()
+
+    def _retire(self, client: ManagerClient) -> None:
+        """A client of a former leader: forwarded calls may still be using it (a Migrate runs up to
+        --migrate-timeout-s), so it is closed once the longest of them could have ended, not now."""
+        self._retired_clients.add(client)
+        loop = asyncio.get_running_loop()
+        loop.call_later(self._migrate_timeout_s + self._forward_timeout_s + 1,
+                        lambda: loop.create_task(self._close_retired(client)))
+
+    async def _close_retired(self, client: ManagerClient) -> None:
+        if client in self._retired_clients:
+            self._retired_clients.discard(client)
+            await client.close()
 
     async def _fan_out_list_requests(self, ids: list[InstanceId],
                                      must_answer: bool) -> tuple[list[instance_pb2.RequestInfo], list[InstanceId]]:
@@ -363,7 +378,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
             return None
         if self._leader_client is None or self._leader_client.address != leader.address:
             if self._leader_client is not None:
-                await self._leader_client.close()
+                self._retire(self._leader_client)
             self._leader_client = ManagerClient(leader.address, timeout_s=self._forward_timeout_s, tls=self._tls,
                                                 admin_token=self._admin_token)
         return self._leader_client

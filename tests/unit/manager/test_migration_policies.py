@@ -120,3 +120,12 @@ def test_a_gap_made_by_priority_headroom_moves_a_request():
 def test_an_unknown_pairing_names_the_valid_ones():
     with pytest.raises(ValueError, match="unknown migration pairing 'x'; one of: load"):
         make_pairing("x")
+
+
+def test_a_destination_that_cannot_take_a_request_leaves_the_next_one_to_try():
+    # The freest instance is small and cannot hold an average request of the source; before, the
+    # source gave up there instead of pairing with the next destination (found by review).
+    loaded = peer("a", num_running=20, num_free_blocks=100)  # freeness 4.8, ~45 blocks per request
+    small = peer("small", num_free_blocks=40, num_total_blocks=40)  # freeness 40
+    big = peer("big", num_running=10, num_free_blocks=300)  # freeness 27.3
+    assert pairs_of(LoadPairing().pair([loaded, small, big], threshold=1.0)) == [("a", "big")]

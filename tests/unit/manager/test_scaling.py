@@ -243,3 +243,40 @@ async def test_a_standby_does_nothing() -> None:
     store = FakeStore()
     scaler = Scaler(busy_view("i-0", clock=clock, free=50), leadership, store, BAND, 1, 0, clock=clock)
     assert await scaler.tick() is None and store.target is None
+
+
+async def test_a_stoppable_instance_whose_drain_mark_went_is_called_off():
+    # An Undrain answered by a standby (whose leader did not answer in time) deletes the mark and
+    # nothing more: the instance serves again but stayed listed stoppable, scaling frozen (found by review).
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", "i-2", clock=clock, num_free_blocks=1000)
+    store = FakeStore()
+    scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=0, clock=clock)
+    assert (await scaler.tick()).instance_id == "i-2"
+    clock.advance(1)
+    view.apply_report(InstanceId("i-2"), make_load(num_free_blocks=1000))
+    await scaler.tick()
+    assert store.target.stoppable == ["i-2"]
+    clock.advance(30)
+    await store.delete_drain(InstanceId("i-2"))
+    view.unmark_drained(InstanceId("i-2"))
+    for _ in range(3):
+        clock.advance(10)
+        for instance_id in ("i-0", "i-1", "i-2"):
+            view.apply_report(InstanceId(instance_id), make_load(num_free_blocks=1000))
+        await scaler.tick()
+    assert "i-2" not in store.target.stoppable
+
+
+def test_cluster_status_shows_the_freeness_scaling_compares_to_its_band():
+    # It showed the mean of the instances' freeness: 713 beside a backed-up instance while the leader
+    # added one at -7.6 (found by review).
+    clock = FakeClock()
+    view = make_view("i-0", clock=clock, num_free_blocks=0, num_running=64, num_waiting=40,
+                     num_blocks_needed_by_waiting=1960)
+    view.put_member(make_record("i-1"))
+    view.apply_report(InstanceId("i-1"), make_load(num_free_blocks=1456))
+    decision = decide(view.instances(), ScalingSettings(is_enabled=True, low_freeness=10, high_freeness=500,
+                                                        max_instances=5))
+    assert decision.action is ScalingAction.ADD
+    assert view.totals().average_freeness == pytest.approx(decision.average_freeness)

@@ -237,8 +237,8 @@ class Migrator:
         peers = []
         for view in self._view.instances():
             instance_id = view.record.instance_id
-            if view.state is InstanceState.UNHEALTHY or view.report_age_s is None:
-                continue
+            if view.state is InstanceState.UNHEALTHY or view.report_age_s is None or not view.is_heard:
+                continue  # (a draining instance gone silent shows DRAINING: its MigrateOut would only hang)
             if self._in_flight.get(instance_id, 0) >= self._limits.max_per_instance:
                 continue
             if now - view.report_age_s <= self._ended_at.get(instance_id, float("-inf")):

@@ -120,6 +120,20 @@ async def test_drains_go_first_and_take_their_destination():
     assert routes(migrator.plan()) == [("c", "b", MigrationTrigger.DRAIN), ("a", "d", MigrationTrigger.LOAD)]
 
 
+async def test_a_draining_instance_gone_silent_is_no_drain_source():
+    # Its state shows DRAINING, not UNHEALTHY; a MigrateOut to a stalled engine would hold its
+    # destination's slot until the call's deadline (found by review).
+    clock = FakeClock()
+    view = cluster(clock, a=0, c=6)
+    view.mark_drained(InstanceId("c"))
+    migrator = make_migrator(view, clock, FakeSources(), settings=MigrationSettings(is_enabled=False))
+    clock.advance(5.0)  # past the report timeout; only a reports again
+    report(view, "a", 0)
+    assert migrator.plan() == []
+    report(view, "c", 6)
+    assert routes(migrator.plan()) == [("c", "a", MigrationTrigger.DRAIN)]
+
+
 async def test_an_instance_at_its_limit_sits_out_then_waits_for_a_fresh_report():
     clock = FakeClock()
     view = cluster(clock, a=8, b=0, c=8, d=0)

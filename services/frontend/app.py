@@ -20,8 +20,8 @@ from services.common.registry import DRAIN_MARKS, Registry
 from services.common.signals import stop_event
 from services.common.startup import StartupError
 from services.frontend.config import FrontendConfig
-from services.frontend.dispatch import Dispatcher, Membership
-from services.frontend.etcd_view import EtcdInstances, EtcdLeader, NoInstances
+from services.frontend.dispatch import Dispatcher, Membership, NoInstances
+from services.frontend.etcd_view import EtcdInstances, EtcdLeader
 from services.frontend.instance_client import InstanceClients
 from services.frontend.manager_client import LeaderSource, ManagerClient, StaticLeader
 from services.frontend.metrics import FrontendMetrics

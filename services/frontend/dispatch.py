@@ -47,6 +47,15 @@ class Membership(Protocol):
         """The last known instances (kept while etcd is unreachable)."""
 
 
+class NoInstances:
+    """`Membership` when the frontend runs without etcd (only --manager-address)."""
+
+    def instances(self) -> Sequence[InstanceEntry]:
+        return []
+
+    staleness_s = 0.0
+
+
 class Dispatcher:
     def __init__(self, manager: ManagerDispatch | None, membership: Membership, *, cooldown_s: float,
                  on_fallback: Callable[[], None] = lambda: None,
@@ -54,6 +63,7 @@ class Dispatcher:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._manager = manager
         self._membership = membership
+        self.lists_instances = not isinstance(membership, NoInstances)  # else the manager alone knows them
         self._cooldown_s = cooldown_s
         self._on_fallback = on_fallback
         self._on_role_fallback = on_role_fallback  # no prefill-capable instance: a decode instance prefills
@@ -101,8 +111,9 @@ class Dispatcher:
         return len(self._membership.instances())
 
     def serves_besides(self, exclude: Sequence[InstanceId]) -> bool:
-        """Whether an instance not in `exclude` serves (else a resume can only go back to one that failed)."""
-        return any(e.is_serving and e.instance_id not in exclude for e in self._membership.instances())
+        """Whether an instance not in `exclude` serves (else a resume can only go back to one that failed).
+        Without an instance list (no etcd) only the manager knows: assumed so."""
+        return not self.lists_instances or any(e.is_serving and e.instance_id not in exclude for e in self._membership.instances())
 
     def max_model_len(self, model_limit: int) -> int:
         """The longest sequence every serving instance takes: `model_limit`, or less where an

@@ -58,12 +58,3 @@ class EtcdLeader:
     def leader_address(self) -> str | None:
         leader = self._view.leader
         return leader.address if leader is not None and leader.address else None
-
-
-class NoInstances:
-    """`Membership` when the frontend runs without etcd (only --manager-address)."""
-
-    def instances(self) -> Sequence[InstanceEntry]:
-        return []
-
-    staleness_s = 0.0

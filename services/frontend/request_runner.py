@@ -105,11 +105,15 @@ class RequestRunner:
         spec = with_pinned_seed(spec)
         excluded: list[InstanceId] = []  # instances this request failed on (resumes go elsewhere)
         full: list[InstanceId] = []  # instances that refused it as full since its last resume
+        full_refusal: ResourceExhausted | None = None  # the last of those refusals
         aborts: dict[InstanceId, Awaitable[None]] = {}  # Aborts sent to instances this request left
         while not state.is_done:
             try:
                 target = await self._dispatcher.pick(_resumed(spec, state), [*excluded, *full])
             except Unavailable as exc:
+                if full_refusal is not None:  # every instance left refused it as full: the client gets that (429)
+                    state.fail(full_refusal)
+                    return
                 if state.num_resumes and self._can_resume(state, exc):  # nobody serves for a moment (a restart)
                     self._note_resume_without_instance(state, exc)
                     await asyncio.sleep(self._lone_resume_backoff_s * 2 ** (state.num_resumes - 1))
@@ -128,6 +132,7 @@ class RequestRunner:
                 if not state.is_done and self._can_resume(state, exc):
                     excluded.append(owner.target.instance_id)
                     full.clear()  # full a moment ago, maybe not now: a resume may go there
+                    full_refusal = None
                     self._note_resume(state, owner.target, exc)
                     await asyncio.sleep(self._resume_backoff(excluded) * 2 ** (state.num_resumes - 1))
             except ResourceExhausted as exc:  # that instance is full (its waiting queue); another may not be
@@ -135,6 +140,7 @@ class RequestRunner:
                     state.fail(exc)
                 else:
                     full.append(owner.target.instance_id)
+                    full_refusal = exc
             except FerryError as exc:
                 state.fail(exc)
 

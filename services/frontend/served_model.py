@@ -34,6 +34,12 @@ class TextTokenizer(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    token_ids: list[int]
+    echo_text: str = ""  # completions with echo: the prompt as the model saw it
+
+
+@dataclass(frozen=True, slots=True)
 class ServedModel:
     name: str  # what clients put in `model`
     max_model_len: int  # prompt + output, in tokens
@@ -53,15 +59,24 @@ class ServedModel:
         return cls(name=name, max_model_len=context, vocab_size=int(config["vocab_size"]),
                    tokenizer=Tokenizer.from_dir(folder))
 
-    def prompts_token_ids(self, parsed: ParsedRequest) -> list[list[int]]:
-        """Each prompt's token ids (as given, or encoded), or the chat messages' through the template."""
+    def prepared_prompts(self, parsed: ParsedRequest) -> list[PreparedPrompt]:
+        """Each prompt's token ids (as given, or encoded), or the chat messages' through the template;
+        with echo, also its text. Slow for a long prompt: call it off the event loop."""
         if parsed.endpoint is Endpoint.CHAT:
             token_ids = self._chat_token_ids(parsed.messages or (), parsed.chat_template)
-            return [self._checked(self._truncated(token_ids, parsed.truncate_prompt_tokens), "messages")]
+            return [PreparedPrompt(self._checked(self._truncated(token_ids, parsed.truncate_prompt_tokens),
+                                                 "messages"))]
         names = [f"prompt[{i}]" for i in range(len(parsed.prompts))] if parsed.is_batch else ["prompt"]
-        return [self._checked(self._truncated(self._prompt_token_ids(prompt, parsed.add_special_tokens),
-                                              parsed.truncate_prompt_tokens), name)
-                for prompt, name in zip(parsed.prompts, names)]
+        return [self._prepared(prompt, name, parsed) for prompt, name in zip(parsed.prompts, names)]
+
+    def _prepared(self, prompt: Prompt, name: str, parsed: ParsedRequest) -> PreparedPrompt:
+        all_ids = self._prompt_token_ids(prompt, parsed.add_special_tokens)
+        token_ids = self._checked(self._truncated(all_ids, parsed.truncate_prompt_tokens), name)
+        if not parsed.echo:
+            return PreparedPrompt(token_ids)
+        # the prompt as the model saw it: as given, or where truncate_prompt_tokens cut it, the kept tokens'
+        # text, so the echo agrees with the echoed logprobs' tokens and offsets
+        return PreparedPrompt(token_ids, self.prompt_text(token_ids if len(token_ids) < len(all_ids) else prompt))
 
     def _truncated(self, token_ids: list[int], keep: int | None) -> list[int]:
         """vLLM's truncate_prompt_tokens: the last `keep` ids (-1: as many as the context holds)."""
@@ -69,15 +84,6 @@ class ServedModel:
             return token_ids
         keep = self.max_model_len if keep == -1 else keep
         return token_ids[-keep:]
-
-    def echo_text(self, parsed: ParsedRequest, index: int, prompt_ids: Sequence[int]) -> str:
-        """Prompt `index` as the model saw it: as given, or, where truncate_prompt_tokens cut it, its kept
-        tokens' text, so the echo agrees with the echoed logprobs' tokens and offsets."""
-        prompt = parsed.prompts[index]
-        if parsed.truncate_prompt_tokens is not None and \
-                len(prompt_ids) < len(self._prompt_token_ids(prompt, parsed.add_special_tokens)):
-            return self.prompt_text(list(prompt_ids))
-        return self.prompt_text(prompt)
 
     def prompt_text(self, prompt: Prompt) -> str:
         """A prompt as text (an echo): as given, or its token ids decoded, special tokens kept (as

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import structlog
 from aiohttp import web
 
-from services.common.errors import FerryError, ResourceExhausted, Unauthenticated, Unavailable
+from services.common.errors import FerryError, Internal, ResourceExhausted, Unauthenticated, Unavailable
 from services.common.prefix_hash import MAX_PREFIX_CHUNKS, prefix_chunk_keys
 from services.frontend.cors import CorsPolicy, Handler
 from services.frontend.dispatch import Dispatcher
@@ -37,7 +37,7 @@ from services.frontend.openapi import openapi_schema
 from services.frontend.openai_response import SSE_DONE, ResponseFormatter, sse, sse_error
 from services.frontend.req_state import Delta, ReqState
 from services.frontend.request_runner import RequestRunner
-from services.frontend.served_model import ServedModel
+from services.frontend.served_model import PreparedPrompt, ServedModel
 from services.frontend.tokenize_protocol import parse_detokenize_request, parse_tokenize_request
 
 log = structlog.get_logger(__name__)
@@ -133,7 +133,8 @@ class FrontendServer:
 
     async def health(self, request: web.Request) -> web.Response:
         num_instances = self._dispatcher.num_serving()
-        is_healthy = self.is_accepting and num_instances > 0
+        # without etcd (only --manager-address) this frontend has no instance list: the manager places
+        is_healthy = self.is_accepting and (num_instances > 0 or not self._dispatcher.lists_instances)
         status = "ok" if is_healthy else ("no_instances" if self.is_accepting else "stopping")
         body = {"status": status, "num_instances": num_instances,  # serving; registered counts drained ones too
                 "num_registered": self._dispatcher.num_registered()}
@@ -155,15 +156,16 @@ class FrontendServer:
         arrived_at = time.monotonic()
         parsed = await self._parse(request, endpoint)
         with self._admitted(parsed.num_choices), self.in_flight.starting():
-            prompts = await asyncio.to_thread(self._model.prompts_token_ids, parsed)
+            prepared = await asyncio.to_thread(self._model.prepared_prompts, parsed)
+            prompts = [p.token_ids for p in prepared]
             max_model_len = self._max_model_len()
             resolved = [resolve_max_tokens(parsed, len(ids), max_model_len, index)
                         for index, ids in enumerate(prompts)]  # a 400 for any prompt refuses them all
             request_id = new_request_id(endpoint)
             request[_REQUEST_ID_KEY] = request_id
             created = int(time.time())  # one for every choice and chunk of the response
-            choices = [choice for index, (each, ids) in enumerate(zip(resolved, prompts))
-                       for choice in self._prompt_choices(each, request_id, ids, index, created)]
+            choices = [choice for index, (each, prompt) in enumerate(zip(resolved, prepared))
+                       for choice in self._prompt_choices(each, request_id, prompt, index, created)]
             log.info("request_received", request_id=request_id, endpoint=endpoint.value, stream=parsed.stream,
                      num_prompt_tokens=sum(map(len, prompts)), num_prompts=len(prompts),
                      max_tokens=resolved[0].sampling.max_tokens, n=parsed.n)
@@ -185,13 +187,12 @@ class FrontendServer:
                 for choice in choices:
                     _log_finished(choice.state)
 
-    def _prompt_choices(self, parsed: ParsedRequest, request_id: RequestId, prompt_ids: Sequence[int],
+    def _prompt_choices(self, parsed: ParsedRequest, request_id: RequestId, prompt: PreparedPrompt,
                         prompt_index: int, created: int) -> list[Choice]:
         """Prompt `prompt_index`'s `n` choices, indexes prompt_index * n + j (j = 0 .. n-1)."""
-        prefix_keys = tuple(prefix_chunk_keys(prompt_ids, MAX_PREFIX_CHUNKS, parsed.sampling.cache_salt))
-        echo_text = self._model.echo_text(parsed, prompt_index, prompt_ids) if parsed.echo else ""
-        return [self._choice(parsed, request_id, prompt_ids, prefix_keys, prompt_index * parsed.n + j, j, echo_text,
-                             created)
+        prefix_keys = tuple(prefix_chunk_keys(prompt.token_ids, MAX_PREFIX_CHUNKS, parsed.sampling.cache_salt))
+        return [self._choice(parsed, request_id, prompt.token_ids, prefix_keys, prompt_index * parsed.n + j, j,
+                             prompt.echo_text, created)
                 for j in range(parsed.n)]
 
     def _choice(self, parsed: ParsedRequest, request_id: RequestId, prompt_ids: Sequence[int],
@@ -263,6 +264,11 @@ class FrontendServer:
         except ConnectionResetError:
             log.info("client_disconnected", request_id=request_id,
                      num_output_tokens=sum(c.state.num_output_tokens for c in choices))
+        except Exception:
+            if not response.prepared:
+                raise  # still before the 200: the error middleware answers a 500
+            log.exception("stream_crashed", request_id=request_id)
+            await _end_crashed_stream(request, response)
         return response
 
     async def _timed(self, deltas: AsyncIterator[Delta], arrived_at: float) -> AsyncIterator[Delta]:
@@ -417,3 +423,15 @@ async def _cancel(task: asyncio.Task) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def _end_crashed_stream(request: web.Request, response: web.StreamResponse) -> None:
+    """A bug after the 200: an error event and [DONE], so the client is not left waiting on an open stream."""
+    try:
+        await response.write(sse_error(Internal("internal error; the server logged it under this request's "
+                                                "x-request-id")))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+    except Exception:  # noqa: BLE001 — the connection is broken as well: close it, which ends the stream too
+        if request.transport is not None:
+            request.transport.close()

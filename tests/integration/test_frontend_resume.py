@@ -295,3 +295,27 @@ async def test_a_slow_manager_is_passed_over_and_counted(cluster):
     assert status == 200 and len(only.requests) == 1
     assert fallbacks(metrics) == 1
     assert asyncio.get_running_loop().time() - started < 1.0  # the 200 ms deadline, not the manager's 1 s
+
+
+async def test_a_bug_after_the_200_ends_the_stream_with_an_error_event(cluster, monkeypatch):
+    # Before, only FerryError and a reset connection were caught there: the client read two events and
+    # then waited on an open stream for ever (found by review).
+    from services.frontend import openai_response
+    original, calls = openai_response.ResponseFormatter.chunk, []
+
+    def chunk(self, delta):
+        calls.append(delta)
+        if len(calls) == 3:
+            raise KeyError("a formatting bug")
+        return original(self, delta)
+
+    monkeypatch.setattr(openai_response.ResponseFormatter, "chunk", chunk)
+    base_url, _ = await cluster(ScriptedInstance())
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{base_url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 6,
+                                               "stream": True}) as response:
+        async with asyncio.timeout(5):
+            raw = await response.read()
+    assert response.status == 200
+    assert b'"type": "server_error"' in raw.replace(b'"type":"server_error"', b'"type": "server_error"')
+    assert raw.rstrip().endswith(b"data: [DONE]")

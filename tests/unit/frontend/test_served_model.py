@@ -7,7 +7,12 @@ import pytest
 from services.frontend.openai_protocol import RequestError, parse_chat_request, parse_completion_request
 from services.frontend.served_model import ServedModel
 
+
 pytestmark = pytest.mark.timeout(60)
+
+
+def token_ids_of(model, parsed) -> list[list[int]]:
+    return [prompt.token_ids for prompt in model.prepared_prompts(parsed)]
 
 
 @pytest.fixture(scope="module")
@@ -21,39 +26,39 @@ def test_context_and_vocabulary_come_from_config_json(tiny_model_dir, model):
 
 
 def test_prompts_as_text_and_as_token_ids(model):
-    (text_ids,) = model.prompts_token_ids(parse_completion_request({"prompt": "the cat"}, "tiny"))
+    (text_ids,) = token_ids_of(model, parse_completion_request({"prompt": "the cat"}, "tiny"))
     assert text_ids and model.decode(text_ids) == "the cat"
-    assert model.prompts_token_ids(parse_completion_request({"prompt": [3, 4, 5]}, "tiny")) == [[3, 4, 5]]
+    assert token_ids_of(model, parse_completion_request({"prompt": [3, 4, 5]}, "tiny")) == [[3, 4, 5]]
     with pytest.raises(RequestError, match="^prompt: token id 512 is outside the vocabulary"):
-        model.prompts_token_ids(parse_completion_request({"prompt": [3, 512]}, "tiny"))
+        token_ids_of(model, parse_completion_request({"prompt": [3, 512]}, "tiny"))
 
 
 def test_a_batch_gives_each_prompt_its_ids_and_names_the_bad_one(model):
-    batch = model.prompts_token_ids(parse_completion_request({"prompt": ["the cat", [3, 4]]}, "tiny"))
+    batch = token_ids_of(model, parse_completion_request({"prompt": ["the cat", [3, 4]]}, "tiny"))
     assert [model.decode(batch[0]), batch[1]] == ["the cat", [3, 4]]
     with pytest.raises(RequestError, match=r"^prompt\[1\]: token id 512"):
-        model.prompts_token_ids(parse_completion_request({"prompt": ["the cat", [3, 512]]}, "tiny"))
+        token_ids_of(model, parse_completion_request({"prompt": ["the cat", [3, 512]]}, "tiny"))
 
 
 def test_add_special_tokens_false_encodes_the_text_alone(model):
-    (without,) = model.prompts_token_ids(parse_completion_request({"prompt": "the cat", "add_special_tokens": False},
+    (without,) = token_ids_of(model, parse_completion_request({"prompt": "the cat", "add_special_tokens": False},
                                                                   "tiny"))
     assert without == model.tokenizer.encode("the cat", add_special_tokens=False)
 
 
 def test_truncate_prompt_tokens_keeps_the_last_ones(model):
     def ids(**fields):
-        return model.prompts_token_ids(parse_completion_request({"prompt": [3, 4, 5, 6], **fields}, "tiny"))
+        return token_ids_of(model, parse_completion_request({"prompt": [3, 4, 5, 6], **fields}, "tiny"))
     assert ids(truncate_prompt_tokens=2) == [[5, 6]] and ids(truncate_prompt_tokens=9) == [[3, 4, 5, 6]]
     assert ids(truncate_prompt_tokens=-1) == [[3, 4, 5, 6]]  # the context (1024) holds them all
     chat = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": 3}, "tiny")
-    (whole,) = model.prompts_token_ids(parse_chat_request({"messages": [{"role": "user", "content": "hi"}]}, "tiny"))
-    assert model.prompts_token_ids(chat) == [whole[-3:]]
+    (whole,) = token_ids_of(model, parse_chat_request({"messages": [{"role": "user", "content": "hi"}]}, "tiny"))
+    assert token_ids_of(model, chat) == [whole[-3:]]
 
 
 def test_chat_goes_through_the_chat_template(model):
     parsed = parse_chat_request({"messages": [{"role": "user", "content": "hi"}]}, "tiny")
-    (ids,) = model.prompts_token_ids(parsed)
+    (ids,) = token_ids_of(model, parsed)
     assert model.token_text(ids[0]) == "<|im_start|>"  # special tokens are kept in token strings
     assert model.tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
@@ -68,7 +73,7 @@ def test_a_model_without_a_chat_template_rejects_chat_with_400(tiny_model_dir, t
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     model = ServedModel.load(folder, "no-template")
     with pytest.raises(RequestError, match="no chat template"):
-        model.prompts_token_ids(parse_chat_request({"messages": [{"role": "user", "content": "hi"}]}, "no-template"))
+        token_ids_of(model, parse_chat_request({"messages": [{"role": "user", "content": "hi"}]}, "no-template"))
 
 
 def test_an_echoed_token_id_prompt_keeps_its_special_tokens_as_its_logprobs_list_them(model):

@@ -37,9 +37,9 @@ class CharTokenizer:
 class SlowTokenizing(ServedModel):
     """Tokenizing takes until TOKENIZED is set (a long prompt, a heavy chat template)."""
 
-    def prompts_token_ids(self, parsed):
+    def prepared_prompts(self, parsed):
         TOKENIZED.wait(10)
-        return ServedModel.prompts_token_ids(self, parsed)
+        return ServedModel.prepared_prompts(self, parsed)
 
 
 TOKENIZED = threading.Event()

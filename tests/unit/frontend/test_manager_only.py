@@ -1,0 +1,71 @@
+"""A frontend run without etcd (only --manager-address) has no instance list: the manager places
+every request. Before, it answered /health with 503 for ever, failed a request an instance refused
+as full with 429 at once, and waited the one-instance resume pauses (found by review)."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from services.common.errors import ResourceExhausted
+from services.frontend.dispatch import Dispatcher, NoInstances
+from services.frontend.generation import FinishReason, InstanceId, Target
+from services.frontend.metrics import FrontendMetrics
+from services.frontend.request_runner import RequestRunner
+from services.frontend.served_model import ServedModel
+from services.frontend.server import FrontendServer
+from tests.unit.frontend.factories import ScriptedInstances, chunk, make_spec, make_state
+from tests.unit.frontend.test_request_runner_handoff import ManagerPicks
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class NoTokenizer:
+    def encode(self, text, add_special_tokens=True):
+        return [1]
+
+
+async def test_health_is_ok_while_accepting():
+    model = ServedModel("m", max_model_len=512, vocab_size=32, tokenizer=NoTokenizer())
+    dispatcher = Dispatcher(ManagerPicks(), NoInstances(), cooldown_s=5)
+    server = FrontendServer(model, RequestRunner(dispatcher, ScriptedInstances({}), max_resumes=3), dispatcher,
+                            FrontendMetrics(), api_keys=(), max_inflight=8, max_body_bytes=1 << 20)
+    http = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await http.setup()
+    await web.TCPSite(http, "127.0.0.1", 0).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{http.addresses[0][1]}/health") as response:
+                assert response.status == 200 and (await response.json())["status"] == "ok"
+            server.is_accepting = False
+            async with session.get(f"http://127.0.0.1:{http.addresses[0][1]}/health") as response:
+                assert response.status == 503
+    finally:
+        await http.cleanup()
+
+
+async def test_a_full_instance_sends_the_request_to_the_next_the_manager_picks():
+    instances = ScriptedInstances({"a": ([], ResourceExhausted("a is full")),
+                                   "b": ([chunk(0, 4, finish=FinishReason.STOP)], None)})
+    manager = ManagerPicks("a", "b")
+    dispatcher = Dispatcher(manager, NoInstances(), cooldown_s=5)
+    state = make_state()
+    await RequestRunner(dispatcher, instances, max_resumes=3, resume_backoff_s=0).run(state, make_spec())
+    assert state.error is None and state.token_ids == [4]
+    assert manager.excluded == [(), ("a",)]
+
+
+async def test_full_everywhere_is_a_429_not_a_503():
+    full = ResourceExhausted("b is full")
+    instances = ScriptedInstances({"a": ([], ResourceExhausted("a is full")), "b": ([], full)})
+
+    class TwoInstances:  # the manager places on a, then b, then has none left that is not excluded
+        async def dispatch(self, spec, exclude):
+            left = [i for i in ("a", "b") if i not in exclude]
+            return Target(InstanceId(left[0]), f"addr-{left[0]}") if left else None
+
+    dispatcher = Dispatcher(TwoInstances(), NoInstances(), cooldown_s=5)
+    state = make_state()
+    await RequestRunner(dispatcher, instances, max_resumes=3, resume_backoff_s=0).run(state, make_spec())
+    assert state.error is full

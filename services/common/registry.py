@@ -33,6 +33,7 @@ from services.common.startup import StoppedBeforeReady
 log = structlog.get_logger(__name__)
 
 DRAIN_MARKS = "config/drain"  # `config/drain/<instance id>`: an operator drained it (the leader manager writes it)
+ROLE_MARKS = "config/roles"  # `config/roles/<instance id>`: a role set at runtime (the instance writes it)
 
 RegistrationCallback = Callable[[bool], None]
 

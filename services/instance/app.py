@@ -13,7 +13,7 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -38,7 +38,7 @@ from services.instance.engine.sim_model import SimLatency
 from services.instance.load_reporter import load_report_loop
 from services.instance.manager_client import ManagerLink
 from services.instance.pd_handoff import DecodeHandoff
-from services.instance.role_marks import keep_role, restored_role
+from services.instance.role_marks import RoleMarks
 from services.instance.metrics import serve_metrics
 from services.instance.migration import MigrationDriver, MigrationSettings
 from services.instance.migration_in import MigrationInbox, TransferEndpoint
@@ -98,6 +98,8 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
         serve_metrics(config.metrics_port, config.host, runner, instance_id, lambda: servicer.inbox.num_quarantined)
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s,
                         access=config.etcd_access) if config.etcd_endpoints else None
+    role_marks = RoleMarks(registry, instance_id, config.role) if registry is not None else None
+    servicer.on_role_change = role_writer(registry, role_marks, lambda i: instance_record(i, loaded, link))
     stop = stop_event()
     stall = StallWatchdog(runner, config.engine_stall_timeout_s, server.set_serving,
                           is_shutting_down=lambda: not servicer.is_accepting, on_broken=stop.set)
@@ -110,14 +112,16 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
             if link is not None:
                 background.append(tasks.create_task(transfer_mapping_loop(link, instance_id, loaded.kv_cache)))
             if registry is not None:
+                background.append(tasks.create_task(role_marks.write_loop(), name="role_mark_write_loop"))
                 await registry.wait_until_reachable(config.etcd_wait_s, stop)
                 await clear_stale_self_drain(registry, instance_id)
-                role = await restored_role(registry, instance_id, config.role)
-                servicer.identity = replace(servicer.identity, role=role)
+                role = await role_marks.restored_role()
+                if servicer.identity.role is config.role:  # else a SetRole came first, and wins
+                    servicer.identity = replace(servicer.identity, role=role)
                 await registry.register("instances", instance_id, instance_record(servicer.identity, loaded, link))
                 servicer.inbox.watch_sources(await registry.watch("instances"))
                 manager = ManagerLink(await watch_leader(registry), config.migration_rpc_timeout_s, config.tls)
-            wire_pd(config, servicer, runner, manager, registry, lambda i: instance_record(i, loaded, link))
+            wire_pd(config, servicer, runner, manager)
             background.append(tasks.create_task(servicer.handoff.handoff_loop(), name="pd_handoff_loop"))
             if registry is not None:
                 background.append(tasks.create_task(
@@ -145,23 +149,26 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
             await disconnect_transfer(link, instance_id)
 
 
-def wire_pd(config: InstanceConfig, servicer: InstanceServicer, runner: EngineRunner, manager: ManagerLink | None,
-            registry: Registry | None, record: Callable[[InstanceIdentity], dict]) -> None:
-    """Prefill/decode disaggregation: the hand-off pusher, and SetRole rewriting the etcd record and
-    keeping the new role for restarts (role_marks.py)."""
+def wire_pd(config: InstanceConfig, servicer: InstanceServicer, runner: EngineRunner,
+            manager: ManagerLink | None) -> None:
+    """Prefill/decode disaggregation: the hand-off pusher."""
     servicer.handoff = DecodeHandoff(servicer.identity.instance_id, runner, servicer.migrations, manager,
                                      config.pd_handoff, lambda: servicer.identity.role,
                                      num_workers=config.max_concurrent_migrations)
     runner.on_prefilled = servicer.handoff.note_prefilled
     runner.holds_first_tokens = lambda: servicer.handoff.is_pushing
 
-    async def update_record(identity: InstanceIdentity) -> None:
+
+def role_writer(registry: Registry | None, role_marks: RoleMarks | None,
+                record: Callable[[InstanceIdentity], dict]) -> Callable[[InstanceIdentity], Awaitable[None]]:
+    """What SetRole does before the role changes here: rewrite the etcd record, and keep the role
+    for restarts (role_marks.py)."""
+    async def write(identity: InstanceIdentity) -> None:
         if registry is not None and registry.holds("instances", identity.instance_id):  # else register() writes it
             await registry.update("instances", identity.instance_id, record(identity))
-        if registry is not None:
-            await keep_role(registry, identity.instance_id, identity.role, config.role)
-
-    servicer.on_role_change = update_record
+        if role_marks is not None:
+            await role_marks.keep(identity.role)
+    return write
 
 
 def wire_migration(config: InstanceConfig, servicer: InstanceServicer, runner: EngineRunner,

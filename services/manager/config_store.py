@@ -4,7 +4,7 @@
 |----------------------|--------------------------------------------------|
 | config/policy        | {"dispatch": "load", "migration": {"enabled": true, "threshold": 1.0, "selection": "shortest_running", "pairing": "load"}} |
 | config/drain/<id>    | {"instance_id": id, "drained_by": manager_id, "drained_at": unix s} |
-| config/roles/<id>    | a role set at runtime, written by the instance itself (instance/role_marks.py); managers ignore it |
+| config/roles/<id>    | a role set at runtime, written by the instance itself (instance/role_marks.py); the scaler deletes it with the drain mark of a retired instance |
 
 The policy's optional "scaling" entry holds the scaling band ({"enabled", "low_freeness",
 "high_freeness", "min_instances", "max_instances"}). Outside config/ (no manager applies
@@ -32,7 +32,7 @@ from etcd3aio.kv import KVService
 from services.common.backoff import Backoff
 from services.common.errors import Aborted, Unavailable
 from services.common.etcd_client import ETCD_ERRORS
-from services.common.registry import DRAIN_MARKS
+from services.common.registry import DRAIN_MARKS, ROLE_MARKS
 from services.common.scaling_target import SCALING_TARGET_KEY, ScalingTarget
 from services.manager.domain import InstanceId
 from services.manager.migration import MigrationSelection, MigrationSettings
@@ -65,6 +65,7 @@ class ConfigStore:
         self.scaling_target_key = f"/ferry/{cluster}/{SCALING_TARGET_KEY}"
         self._policy_key = f"{self._prefix}policy"
         self._drain_prefix = f"/ferry/{cluster}/{DRAIN_MARKS}/"
+        self._role_prefix = f"/ferry/{cluster}/{ROLE_MARKS}/"
 
     async def read(self) -> tuple[ClusterSettings, int]:
         """The stored settings and the etcd revision they were read at."""
@@ -102,6 +103,9 @@ class ConfigStore:
 
     def drain_key(self, instance_id: InstanceId) -> str:
         return f"{self._drain_prefix}{instance_id}"
+
+    def role_key(self, instance_id: InstanceId) -> str:
+        return f"{self._role_prefix}{instance_id}"
 
     def drain_mark(self, instance_id: InstanceId) -> str:
         return json.dumps({"instance_id": instance_id, "drained_by": self.manager_id, "drained_at": time.time()})
@@ -241,12 +245,19 @@ class LeaderFencedStore:
         await self._write(KVService.txn_op_delete(self._store.drain_key(instance_id)),
                           f"removal of the drain mark of {instance_id}")
 
-    async def _write(self, op: object, what: str) -> None:
+    async def forget_retired(self, instance_id: InstanceId) -> None:
+        """A retired instance is gone: its drain mark and role mark go, so a later instance with its id
+        serves, with its own --role."""
+        await self._write(KVService.txn_op_delete(self._store.drain_key(instance_id)),
+                          f"removal of the marks of retired {instance_id}",
+                          KVService.txn_op_delete(self._store.role_key(instance_id)))
+
+    async def _write(self, op: object, what: str, *more_ops: object) -> None:
         epoch = self._epoch()
         if epoch is None:
             raise Unavailable(f"{what} not written: this manager does not lead now")
         txn = await self._store.client.kv.txn(
-            compare=[KVService.txn_compare_create_revision(self._leader_key, epoch)], success=[op],
+            compare=[KVService.txn_compare_create_revision(self._leader_key, epoch)], success=[op, *more_ops],
             timeout=ETCD_TIMEOUT_S)
         if not txn.succeeded:
             raise Unavailable(f"{what} not written: the leader key is no longer this manager's (epoch {epoch}); "

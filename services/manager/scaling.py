@@ -123,6 +123,7 @@ class ScalingStore(Protocol):
     async def put_scaling_target(self, target: ScalingTarget) -> None: ...
     async def put_drain(self, instance_id: InstanceId) -> None: ...
     async def delete_drain(self, instance_id: InstanceId) -> None: ...
+    async def forget_retired(self, instance_id: InstanceId) -> None: ...  # its drain and role marks
 
 
 class Scaler:
@@ -190,7 +191,7 @@ class Scaler:
         present = {v.record.instance_id: v for v in views}
         before = (list(target.draining), list(target.stoppable))
         for instance_id in [i for i in target.stoppable + target.draining if i not in present]:
-            await self._store.delete_drain(instance_id)  # gone: a later instance with its id must serve
+            await self._store.forget_retired(instance_id)  # gone: a later instance with its id serves, own role
             self._stop_retiring(target, instance_id)
             log.info("scaling_instance_retired", instance_id=instance_id)
         if target.draining and (average := self._others_short_of_band(views, target)) is not None:

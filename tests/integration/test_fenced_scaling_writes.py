@@ -42,6 +42,8 @@ async def test_a_deposed_leader_writes_no_target_and_no_drain_mark(etcd, cluster
             await stale.delete_drain(InstanceId("i-1"))
         with pytest.raises(Unavailable, match="no longer this manager's"):
             await stale.put_drain(InstanceId("i-2"))
+        with pytest.raises(Unavailable, match="no longer this manager's"):
+            await stale.forget_retired(InstanceId("i-1"))
 
         current = ConfigStore(client, cluster, "m-new").fenced_by(new.key, lambda: new.epoch)
         assert (await current.get_scaling_target()).num_instances == 3
@@ -59,3 +61,17 @@ async def test_a_manager_that_does_not_lead_writes_nothing(etcd, cluster, client
     with pytest.raises(Unavailable, match="does not lead now"):
         await store.put_scaling_target(ScalingTarget(2))
     assert await store.get_scaling_target() is None
+
+
+async def test_a_retired_instance_leaves_neither_drain_mark_nor_role_mark(etcd, cluster, client):
+    election = Election([etcd.endpoint], cluster, "m-a", "127.0.0.1:1001", ttl_s=2.0)
+    try:
+        await asyncio.wait_for(election.campaign(), 5)
+        store = ConfigStore(client, cluster, "m-a")
+        await store.fenced_by(election.key, lambda: election.epoch).put_drain(InstanceId("i-3"))
+        await client.kv.put(store.role_key(InstanceId("i-3")), '{"role": "prefill", "command_line_role": "both"}')
+        await store.fenced_by(election.key, lambda: election.epoch).forget_retired(InstanceId("i-3"))
+        assert not (await client.kv.get(store.drain_key(InstanceId("i-3")))).kvs
+        assert not (await client.kv.get(store.role_key(InstanceId("i-3")))).kvs
+    finally:
+        await election.close()

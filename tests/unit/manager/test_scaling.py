@@ -28,6 +28,7 @@ class FakeStore:
     def __init__(self, target: ScalingTarget | None = None) -> None:
         self.target = target
         self.drained: set[str] = set()
+        self.forgotten: list[str] = []  # retired instances whose marks went
         self.num_writes = 0
 
     async def get_scaling_target(self):
@@ -42,6 +43,10 @@ class FakeStore:
 
     async def delete_drain(self, instance_id) -> None:
         self.drained.discard(instance_id)
+
+    async def forget_retired(self, instance_id) -> None:
+        self.drained.discard(instance_id)
+        self.forgotten.append(instance_id)
 
 
 def busy_view(*instance_ids: str, clock: FakeClock, free: int):
@@ -134,6 +139,7 @@ async def test_retires_by_draining_then_marks_stoppable_then_forgets_the_drain_m
     view.remove_member(InstanceId("i-1"))  # the launcher stopped it
     assert await scaler.tick() is None
     assert store.drained == set() and store.target.stoppable == []
+    assert store.forgotten == ["i-1"]  # its role mark too: a later instance under its id takes its own --role
 
 
 async def test_a_burst_during_a_retirement_calls_it_off_and_the_instance_serves_again() -> None:

@@ -75,6 +75,12 @@ class Dispatcher:
         """An instance for `spec`, one in `exclude` only if nothing else serves; Unavailable if none is known."""
         if self._manager is not None:
             target = await self._manager.dispatch(spec, exclude)
+            if target is None and exclude and not self.lists_instances:
+                # no instance list to fall back on: as pick_locally does, one in `exclude` if nothing else
+                # serves (a one-instance cluster whose instance restarted)
+                target = await self._manager.dispatch(spec, ())
+                if target is not None:
+                    return target
             if target is not None and target.instance_id not in exclude:
                 return target
         target = self.pick_locally(exclude)
@@ -88,6 +94,9 @@ class Dispatcher:
         if not serving and known:
             raise Unavailable(f"no serving instance: {len(known)} registered, none serving (drained, draining "
                               "or starting); undo a drain with `ferryctl drain ID --undo`")
+        if not serving and not self.lists_instances:
+            raise Unavailable("the manager (--manager-address) placed no request: no instance serves, or the "
+                              "manager did not answer")
         if not serving:
             raise Unavailable("no serving instance is known; check that instances run and register in etcd "
                               "(--etcd-endpoints, --cluster)")

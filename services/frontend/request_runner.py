@@ -233,8 +233,8 @@ class RequestRunner:
                      exc: ResourceExhausted) -> bool:
         """Whether to send a request an instance refused as full to another one: while one it has not tried
         serves (a full instance costs no resume: those are for failures)."""
-        if not self._dispatcher.serves_besides([*skipped, target.instance_id]):
-            return False
+        if target.instance_id in skipped or not self._dispatcher.serves_besides([*skipped, target.instance_id]):
+            return False  # (placed again on one it was sent away from: nothing else is left)
         log.info("instance_full_trying_another", request_id=state.request_id, instance_id=target.instance_id,
                  error=exc.message)
         return True

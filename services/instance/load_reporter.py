@@ -25,12 +25,16 @@ from services.instance.server import InstanceServicer
 
 log = structlog.get_logger(__name__)
 
+WORKED_S = 1.0  # a stream that broke after this long had worked: redial at once, not after a grown backoff
+
 
 async def load_report_loop(registry: Registry, servicer: InstanceServicer, interval_s: float,
                            tls: TlsConfig | None = None) -> None:
     leader_view = await watch_leader(registry)
     backoff = Backoff(initial_s=0.1, max_s=2.0)
+    loop = asyncio.get_running_loop()
     while True:
+        opened_at = loop.time()
         try:
             leader = leader_view.leader
             if leader is None:
@@ -40,6 +44,8 @@ async def load_report_loop(registry: Registry, servicer: InstanceServicer, inter
             backoff.reset()
         except grpc.aio.AioRpcError as exc:
             log.info("load_stream_broken", leader=leader.address, code=exc.code().name)
+            if loop.time() - opened_at >= max(interval_s, WORKED_S):  # a blip, not a leader that keeps failing
+                backoff.reset()  # (the manager counts this instance UNHEALTHY until it reports again)
             await _pause_before_redial(backoff, leader_view)
         except Exception:  # noqa: BLE001 — e.g. a malformed leader key: reports resume once it is fixed
             log.exception("load_report_failed")

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from services.common.errors import ResourceExhausted
+from services.common.errors import ResourceExhausted, Unavailable
 from services.frontend.dispatch import Dispatcher, NoInstances
 from services.frontend.generation import FinishReason, InstanceId, Target
 from services.frontend.metrics import FrontendMetrics
@@ -68,4 +68,26 @@ async def test_full_everywhere_is_a_429_not_a_503():
     dispatcher = Dispatcher(TwoInstances(), NoInstances(), cooldown_s=5)
     state = make_state()
     await RequestRunner(dispatcher, instances, max_resumes=3, resume_backoff_s=0).run(state, make_spec())
-    assert state.error is full
+    assert isinstance(state.error, ResourceExhausted) and [i for i, _ in instances.specs] == ["a", "b", "a"]
+
+
+async def test_a_one_instance_cluster_resumes_on_its_restarted_instance():
+    # The manager never places on an excluded instance; without an instance list the frontend asks it
+    # again without them, as its own fallback would pick an excluded instance when nothing else serves.
+    class LoneInstance:
+        async def dispatch(self, spec, exclude):
+            return None if "a" in exclude else Target(InstanceId("a"), "addr-a")
+
+    class BreaksOnce(ScriptedInstances):
+        async def generate(self, target, spec):
+            self.specs.append((target.instance_id, spec))
+            if len(self.specs) == 1:
+                yield chunk(0, 4)
+                raise Unavailable("instance a was killed")
+            yield chunk(1, 5, finish=FinishReason.STOP)
+
+    dispatcher = Dispatcher(LoneInstance(), NoInstances(), cooldown_s=5)
+    state = make_state()
+    await RequestRunner(dispatcher, BreaksOnce({}), max_resumes=3, resume_backoff_s=0,
+                        lone_resume_backoff_s=0).run(state, make_spec())
+    assert state.error is None and state.token_ids == [4, 5]

@@ -98,3 +98,25 @@ async def test_a_new_leader_is_dialed_at_once_not_after_the_grown_backoff(monkey
     await until(lambda: streams.addresses[-1] == "127.0.0.1:2", loop)
     assert time.monotonic() - switched_at < 1.0  # the backoff had 2 s to go
     await assert_cancels(loop)
+
+
+@pytest.mark.parametrize("lived_s, max_pause_s", [(0.03, 0.15), (0.0, 2.0)])
+async def test_a_stream_that_worked_is_redialed_at_once_a_failing_one_backs_off(monkeypatch, lived_s, max_pause_s):
+    # The manager counts the instance UNHEALTHY from a stream's end to its next report, so the pause
+    # matters; it grew to 2 s for good after a few blips, since only a leader change reset it (found by review).
+    pauses = []
+
+    async def broken_after(address, leader_view, servicer, interval_s, tls):
+        await asyncio.sleep(lived_s)
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "blip")
+
+    async def no_pause(backoff, leader_view):
+        pauses.append(backoff.next_delay())
+
+    monkeypatch.setattr(load_reporter, "WORKED_S", 0.02)
+    monkeypatch.setattr(load_reporter, "_report_to", broken_after)
+    monkeypatch.setattr(load_reporter, "_pause_before_redial", no_pause)
+    loop = asyncio.create_task(load_reporter.load_report_loop(FakeRegistry(FakeLeaderKey(LEADER)), None, 0.01))
+    await until(lambda: len(pauses) >= 8, loop)
+    loop.cancel()
+    assert max(pauses) == pytest.approx(max_pause_s, rel=0.3)

@@ -153,6 +153,7 @@ class Scaler:
     async def tick(self) -> ScalingDecision | None:
         if not self._leadership.is_leader:
             self._has_read_target = False  # another leader may act meanwhile: read its target when we lead again
+            self._adding = None  # (and its cooldown then stands for the add this term waited on)
             return None
         if not self._has_read_target:
             self._adopt(await self._store.get_scaling_target())

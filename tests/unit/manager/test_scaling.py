@@ -286,3 +286,22 @@ def test_cluster_status_shows_the_freeness_scaling_compares_to_its_band():
                                                         max_instances=5))
     assert decision.action is ScalingAction.ADD
     assert view.totals().average_freeness == pytest.approx(decision.average_freeness)
+
+
+async def test_an_add_waited_on_in_an_earlier_term_does_not_hold_the_next_one() -> None:
+    # The instance asked for never came (another leader's term in between may have changed the target);
+    # before, a leader that led again waited out the add's 300 s timeout (found by review).
+    clock = FakeClock()
+    view = busy_view("i-0", clock=clock, free=50)
+    store = FakeStore()
+    leadership = leader()
+    scaler = Scaler(view, leadership, store, BAND, interval_s=1, cooldown_s=30, clock=clock)
+    assert (await scaler.tick()).action is ScalingAction.ADD
+    leadership.set_elected(False)
+    assert await scaler.tick() is None
+    store.target.num_instances = 1  # the other leader's term: the add was dropped
+    store.target.updated_at = 0.0
+    leadership.set_elected(True)
+    clock.advance(60)
+    view.apply_report(InstanceId("i-0"), make_load(num_free_blocks=50, num_running=9))
+    assert (await scaler.tick()).action is ScalingAction.ADD

@@ -4,6 +4,12 @@ A fleet that scales and restarts instances on fresh ports meets new addresses fo
 as it runs, so channels are not kept for ever: one that no call has used for `idle_close_s`
 is closed when the next new address is dialled. A channel is never closed under a call
 (`use` counts them, streams included), so a long generation keeps its channel.
+
+A channel whose peer went away sits in gRPC's reconnect backoff (TRANSIENT_FAILURE) and
+fails every call at once with its last error, even after the peer is back on the same
+port (a restarted instance): such a channel is replaced by a fresh one, which dials at
+once, and closed when its last call ends. Channels keep their own connections
+(`grpc.use_local_subchannel_pool`), or the fresh one would share the old one's backoff.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from services.common.grpc_server import secure_or_insecure_channel
 from services.common.tls import TlsConfig
 
 IDLE_CLOSE_S = 600.0
+OWN_CONNECTIONS = [("grpc.use_local_subchannel_pool", 1)]
 
 
 @dataclass(slots=True)
@@ -26,6 +33,7 @@ class _Entry:
     channel: grpc.aio.Channel
     num_calls: int = 0
     last_used: float = 0.0  # when the last call ended (a channel in use is never idle)
+    is_retired: bool = False  # replaced by a fresh channel: closed once its last call ends
 
 
 class ChannelPool:
@@ -40,9 +48,14 @@ class ChannelPool:
     async def use(self, address: str) -> AsyncIterator[grpc.aio.Channel]:
         """The channel to `address`, kept open until the block ends."""
         entry = self._entries.get(address)
+        if entry is not None and entry.channel.get_state() is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            self._entries.pop(address)  # backing off from a peer that may be back: dial afresh
+            entry.is_retired = True
+            await self._close_if_done(entry)
+            entry = None
         is_new = entry is None
         if entry is None:
-            entry = self._entries[address] = _Entry(secure_or_insecure_channel(address, self._tls))
+            entry = self._entries[address] = _Entry(secure_or_insecure_channel(address, self._tls, OWN_CONNECTIONS))
         entry.num_calls += 1
         try:
             if is_new:
@@ -51,6 +64,7 @@ class ChannelPool:
         finally:
             entry.num_calls -= 1
             entry.last_used = self._clock()
+            await self._close_if_done(entry)
 
     @property
     def addresses(self) -> list[str]:
@@ -59,6 +73,11 @@ class ChannelPool:
     async def close(self) -> None:
         entries, self._entries = list(self._entries.values()), {}
         for entry in entries:
+            await entry.channel.close()
+
+    @staticmethod
+    async def _close_if_done(entry: _Entry) -> None:
+        if entry.is_retired and entry.num_calls == 0:
             await entry.channel.close()
 
     async def _close_idle(self) -> None:

@@ -25,6 +25,9 @@ from services.frontend.generation import GenerateSpec, RequestId, Target, TokenC
 
 log = structlog.get_logger(__name__)
 
+ABORT_TRIES = 3  # while the instance does not answer (UNAVAILABLE)
+ABORT_RETRY_PAUSE_S = 0.25  # then 0.5 s
+
 
 class InstanceClients:
     def __init__(self, generate_timeout_s: float, abort_timeout_s: float, tls: TlsConfig | None = None) -> None:
@@ -83,14 +86,21 @@ class InstanceClients:
         await self._pool.close()
 
     async def _abort(self, target: Target, request_id: RequestId) -> None:
-        try:
-            async with self._pool.use(target.address) as channel:
-                await instance_pb2_grpc.InstanceServiceStub(channel).Abort(
-                    instance_pb2.AbortRequest(request_id=request_id), timeout=self._abort_timeout_s,
-                    metadata=request_metadata(request_id))
-            log.info("request_aborted", request_id=request_id, instance_id=target.instance_id)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.NOT_FOUND:  # finished or already freed: nothing to do
+        """Abort, tried ABORT_TRIES times while the instance does not answer (a request it holds with no
+        client, such as one handed to it whose Attach failed, would decode until its watchdog drops it)."""
+        for attempt in range(ABORT_TRIES):
+            try:
+                async with self._pool.use(target.address) as channel:
+                    await instance_pb2_grpc.InstanceServiceStub(channel).Abort(
+                        instance_pb2.AbortRequest(request_id=request_id), timeout=self._abort_timeout_s,
+                        metadata=request_metadata(request_id))
+                log.info("request_aborted", request_id=request_id, instance_id=target.instance_id)
                 return
-            log.warning("abort_failed", request_id=request_id, instance_id=target.instance_id,
-                        code=exc.code().name, details=exc.details())
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.NOT_FOUND:  # finished or already freed: nothing to do
+                    return
+                if exc.code() is not grpc.StatusCode.UNAVAILABLE or attempt == ABORT_TRIES - 1:
+                    log.warning("abort_failed", request_id=request_id, instance_id=target.instance_id,
+                                code=exc.code().name, details=exc.details(), num_tries=attempt + 1)
+                    return
+            await asyncio.sleep(ABORT_RETRY_PAUSE_S * 2 ** attempt)

@@ -319,3 +319,23 @@ async def test_a_bug_after_the_200_ends_the_stream_with_an_error_event(cluster, 
     assert response.status == 200
     assert b'"type": "server_error"' in raw.replace(b'"type":"server_error"', b'"type": "server_error"')
     assert raw.rstrip().endswith(b"data: [DONE]")
+
+
+async def test_an_abort_the_instance_did_not_answer_is_sent_again():
+    # A request handed to an instance whose Attach then failed, with its Abort refused too, decoded there
+    # for no client until the instance's watchdog dropped it 30 s later (found by a fault run).
+    from services.common.etcd_launcher import free_port
+    from services.frontend.generation import Target
+    port = free_port()
+    clients = InstanceClients(generate_timeout_s=5, abort_timeout_s=2)
+    instance = ScriptedInstance()
+    abort = clients.abort_soon(Target(InstanceId("a"), f"127.0.0.1:{port}"), "r-1")
+    await asyncio.sleep(0.1)  # the first try is refused: nothing listens yet
+    server = await start_grpc_server("127.0.0.1", port, [(instance_pb2_grpc.add_InstanceServiceServicer_to_server,
+                                                          instance)], ["ferry.v1.InstanceService"])
+    try:
+        await asyncio.wait_for(abort, 5)
+        assert instance.aborted == ["r-1"]
+    finally:
+        await clients.close()
+        await server.stop(0)

@@ -42,3 +42,38 @@ async def test_an_idle_channel_closes_when_a_new_address_is_dialled_and_a_busy_o
     async with pool.use("127.0.0.1:4"):  # :2 and :3 ended their calls under 60 s ago
         assert pool.addresses == ["127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"]
     await pool.close()
+
+
+async def test_a_peer_restarted_on_its_port_is_reached_at_once_not_after_the_reconnect_backoff():
+    # A restarted instance was refused for 1-2 s after it served: the pooled channel sat in reconnect
+    # backoff and failed calls with its cached "Connection refused" (found by a fault run).
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from services.common.etcd_launcher import free_port
+
+    port = free_port()
+
+    async def serve() -> grpc.aio.Server:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        return server
+
+    async def check(pool: ChannelPool) -> None:
+        async with pool.use(f"127.0.0.1:{port}") as channel:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+
+    pool = ChannelPool()
+    server = await serve()
+    await check(pool)
+    await server.stop(0)  # the peer dies; calls meanwhile fail and the channel backs off
+    for _ in range(4):
+        with pytest.raises(grpc.aio.AioRpcError):
+            await check(pool)
+    server = await serve()  # the peer is back on the same port
+    try:
+        await check(pool)
+    finally:
+        await server.stop(0)
+        await pool.close()

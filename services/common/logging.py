@@ -149,6 +149,17 @@ def _route_stdlib_logging(shared: list[Processor], renderer: Processor, level_no
         foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
     ))
+    if level_no > logging.DEBUG:
+        handler.addFilter(_is_not_client_gone_noise)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level_no)
+
+
+def _is_not_client_gone_noise(record: logging.LogRecord) -> bool:
+    """False for gRPC's ERROR with a traceback when a stream's final status could not be sent because
+    its client had already closed it (ExecuteBatchError on SendStatusFromServerOperation): nothing failed."""
+    if record.name != "grpc._cython.cygrpc" or not record.exc_info or record.exc_info[0] is None:
+        return True
+    return not (record.exc_info[0].__name__ == "ExecuteBatchError"
+                and "SendStatusFromServerOperation" in str(record.exc_info[1]))

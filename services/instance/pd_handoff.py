@@ -190,13 +190,15 @@ class DecodeHandoff:
         self.num_kept_for_lack_of_decode += 1
         if not self.is_decode_missing:
             self.is_decode_missing = True
-            log.warning("pd_decode_role_missing", request_id=request_id, code=exc.grpc_code.name, reason=exc.message,
-                        action="prefilled requests keep decoding on this prefill instance")
+            # no decode instance serves, or the manager did not answer: `reason` says which
+            log.warning("pd_handoff_unplaced", request_id=request_id, code=exc.grpc_code.name, reason=exc.message,
+                        action="prefilled requests keep decoding on this prefill instance until the manager "
+                               "places them")
 
     def _note_decode_back(self) -> None:
         if self.is_decode_missing:
             self.is_decode_missing = False
-            log.info("pd_decode_role_restored", num_kept=self.num_kept_for_lack_of_decode)
+            log.info("pd_handoff_placed_again", num_kept=self.num_kept_for_lack_of_decode)
 
     def _in_background(self, report: Coroutine[Any, Any, None], request_id: str) -> None:
         """Send a hand-off's record to the manager's history without holding the hand-off up."""

@@ -63,6 +63,30 @@ def test_a_console_traceback_leaves_out_the_frames_local_variables(capsys) -> No
         logging.getLogger().setLevel(root_level)
 
 
+def test_grpcs_error_for_a_status_its_client_no_longer_waits_for_is_left_out(capsys) -> None:
+    # Logged as ERROR with a traceback when a client closes a stream just before its final status
+    # (found by a fault run); any other gRPC error still shows.
+    class ExecuteBatchError(Exception):  # grpc._cython.cygrpc's, by name
+        pass
+
+    root_handlers, root_level = logging.getLogger().handlers[:], logging.getLogger().level
+    setup_logging("demo", LogFormat.CONSOLE, "info")
+    try:
+        grpc_log = logging.getLogger("grpc._cython.cygrpc")
+        for error in (ExecuteBatchError('Failed "execute_batch": (<grpc._cython.cygrpc.SendStatusFromServerOperation '
+                                        'object at 0x7f>,)'), RuntimeError("a real failure")):
+            try:
+                raise error
+            except Exception:
+                grpc_log.exception("ExecuteBatchError raised in core by servicer method [/ferry.v1.X/Attach]")
+        err = capsys.readouterr().err
+        assert "SendStatusFromServerOperation" not in err and "a real failure" in err
+    finally:
+        structlog.reset_defaults()
+        logging.getLogger().handlers[:] = root_handlers
+        logging.getLogger().setLevel(root_level)
+
+
 def test_bad_level_is_rejected() -> None:
     with pytest.raises(ValueError, match="log level"):
         setup_logging("demo", LogFormat.CONSOLE, "loud")

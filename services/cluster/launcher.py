@@ -37,7 +37,7 @@ from services.common.etcd_client import ETCD_ERRORS
 from services.common.events import wait_set
 from services.common.etcd_launcher import LocalEtcd, free_port, reserve_port
 from services.common.ports import bind_error
-from services.common.registry import DRAIN_MARKS, Registry
+from services.common.registry import DRAIN_MARKS, ROLE_MARKS, Registry
 
 log = structlog.get_logger(__name__)
 
@@ -370,6 +370,7 @@ class Serving:
     max_model_len: int  # the longest request every instance takes (its KV cache may hold less than the model)
     drained: tuple[str, ...]  # drain marks in etcd, e.g. kept in --state-dir from an earlier run
     kv_tokens: int = 0  # what the smallest KV cache holds (0: unknown)
+    roles_set: tuple[tuple[str, str], ...] = ()  # (instance id, role) set at runtime, kept in etcd
 
     @property
     def is_kv_bound(self) -> bool:
@@ -383,9 +384,11 @@ SHORT_CONTEXT_TOKENS = 1024  # below this the banner says how to get more
 async def read_serving(cluster: LocalCluster) -> Serving:
     async with cluster.registry() as registry:
         records, marks = await registry.read("instances"), await registry.read(DRAIN_MARKS)
+        role_marks = await registry.read(ROLE_MARKS)
     limits = [r["max_model_len"] for r in records.values() if isinstance(r.get("max_model_len"), int)]
     kv_tokens = [_kv_tokens(r) for r in records.values()]
-    return Serving(min(limits, default=0), tuple(sorted(marks)), min(filter(None, kv_tokens), default=0))
+    roles_set = tuple(sorted((i, str(m.get("role"))) for i, m in role_marks.items() if isinstance(m, dict)))
+    return Serving(min(limits, default=0), tuple(sorted(marks)), min(filter(None, kv_tokens), default=0), roles_set)
 
 
 def _kv_tokens(record: dict) -> int:
@@ -397,7 +400,7 @@ def _kv_tokens(record: dict) -> int:
 async def print_ready(cluster: LocalCluster) -> None:
     try:
         serving = await read_serving(cluster)
-    except (*ETCD_ERRORS, FerryError) as exc:  # the banner goes out anyway, without those lines
+    except (*ETCD_ERRORS, FerryError, ValueError) as exc:  # the banner goes out anyway, without those lines
         log.warning("serving_summary_unavailable", error=repr(exc))
         serving = None
     print(ready_banner(cluster, serving), flush=True)
@@ -414,6 +417,9 @@ def _serving_lines(cluster: LocalCluster, serving: Serving | None) -> str:
     for instance_id in serving.drained:
         lines += (f"  drained    : {instance_id} (its mark is kept in etcd; "
                   f"`{_ctl_command(cluster, 'drain', instance_id, '--undo')}` takes it back)\n")
+    for instance_id, role in serving.roles_set:
+        lines += (f"  role       : {instance_id} is {role}, set at runtime (kept in etcd; "
+                  f"`{_ctl_command(cluster, 'role', instance_id, '<its --role>')}` removes the mark)\n")
     return lines
 
 

@@ -52,3 +52,11 @@ def test_the_banner_says_to_activate_the_virtualenv_its_commands_need(tmp_path, 
     assert "source /repo/.venv/bin/activate" in banner(tmp_path, Serving(640, (), kv_tokens=0))
     monkeypatch.setattr("shutil.which", lambda name: "/repo/.venv/bin/python")  # activated already
     assert "activate" not in banner(tmp_path, Serving(640, (), kv_tokens=0))
+
+
+def test_drain_marks_and_roles_set_at_runtime_kept_from_an_earlier_run_are_named(tmp_path):
+    # A kept --state-dir brings them back silently otherwise: `--decode-instances 2` gave 1 decode and
+    # 1 both in a fault run.
+    text = banner(tmp_path, Serving(8192, ("instance-2",), kv_tokens=8192, roles_set=(("instance-1", "both"),)))
+    assert "drained    : instance-2" in text
+    assert "role       : instance-1 is both, set at runtime" in text and "role instance-1" in text

@@ -387,7 +387,8 @@ async def read_serving(cluster: LocalCluster) -> Serving:
         role_marks = await registry.read(ROLE_MARKS)
     limits = [r["max_model_len"] for r in records.values() if isinstance(r.get("max_model_len"), int)]
     kv_tokens = [_kv_tokens(r) for r in records.values()]
-    roles_set = tuple(sorted((i, str(m.get("role"))) for i, m in role_marks.items() if isinstance(m, dict)))
+    roles_set = tuple(sorted((i, str(m.get("role"))) for i, m in role_marks.items()
+                             if isinstance(m, dict) and i in records))  # (SetRole needs a running instance)
     return Serving(min(limits, default=0), tuple(sorted(marks)), min(filter(None, kv_tokens), default=0), roles_set)
 
 

@@ -33,7 +33,6 @@ class _Entry:
     channel: grpc.aio.Channel
     num_calls: int = 0
     last_used: float = 0.0  # when the last call ended (a channel in use is never idle)
-    is_retired: bool = False  # replaced by a fresh channel: closed once its last call ends
 
 
 class ChannelPool:
@@ -43,21 +42,23 @@ class ChannelPool:
         self._idle_close_s = idle_close_s
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
+        self._retired: list[_Entry] = []  # replaced, closed once their last call ends (or by close())
 
     @contextlib.asynccontextmanager
     async def use(self, address: str) -> AsyncIterator[grpc.aio.Channel]:
         """The channel to `address`, kept open until the block ends."""
         entry = self._entries.get(address)
+        retired = None
         if entry is not None and entry.channel.get_state() is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-            self._entries.pop(address)  # backing off from a peer that may be back: dial afresh
-            entry.is_retired = True
-            await self._close_if_done(entry)
-            entry = None
+            retired, entry = entry, None  # backing off from a peer that may be back: dial afresh
+            self._retired.append(retired)
         is_new = entry is None
         if entry is None:
             entry = self._entries[address] = _Entry(secure_or_insecure_channel(address, self._tls, OWN_CONNECTIONS))
         entry.num_calls += 1
         try:
+            if retired is not None:
+                await self._close_if_done(retired)
             if is_new:
                 await self._close_idle()
             yield entry.channel
@@ -71,13 +72,13 @@ class ChannelPool:
         return list(self._entries)
 
     async def close(self) -> None:
-        entries, self._entries = list(self._entries.values()), {}
+        entries, self._entries, self._retired = [*self._entries.values(), *self._retired], {}, []
         for entry in entries:
             await entry.channel.close()
 
-    @staticmethod
-    async def _close_if_done(entry: _Entry) -> None:
-        if entry.is_retired and entry.num_calls == 0:
+    async def _close_if_done(self, entry: _Entry) -> None:
+        if entry.num_calls == 0 and any(entry is retired for retired in self._retired):
+            self._retired = [retired for retired in self._retired if retired is not entry]
             await entry.channel.close()
 
     async def _close_idle(self) -> None:

@@ -81,8 +81,13 @@ class InstanceClients:
         return task
 
     async def close(self) -> None:
+        """Give the aborts in flight their tries, cancel what is left, then close the channels."""
         if self._abort_tasks:
-            await asyncio.wait(list(self._abort_tasks), timeout=self._abort_timeout_s)
+            longest_s = ABORT_TRIES * self._abort_timeout_s + ABORT_RETRY_PAUSE_S * 2 ** ABORT_TRIES
+            _, pending = await asyncio.wait(list(self._abort_tasks), timeout=longest_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         await self._pool.close()
 
     async def _abort(self, target: Target, request_id: RequestId) -> None:

@@ -157,6 +157,7 @@ class RequestRunner:
         try:
             while (handoff := await self._feed(chunks, owner, state)) is not None:
                 self._hand_off(owner, state, handoff)
+                _call_off(aborts.pop(owner.target.instance_id, None))  # it holds the request again: keep it
                 chunks = self._attached(owner, state)
         finally:
             if state.finish_reason is None:  # broken, failed or cancelled: free the owner's blocks
@@ -257,3 +258,10 @@ def with_pinned_seed(spec: GenerateSpec) -> GenerateSpec:
     if spec.sampling.seed is not None or spec.sampling.temperature == 0.0:
         return spec
     return replace(spec, sampling=replace(spec.sampling, seed=secrets.randbits(64)))
+
+
+def _call_off(abort: Awaitable[None] | None) -> None:
+    """Stop an Abort still being tried (InstanceClients retries one the instance did not answer): landing
+    late, it would end the request that instance was just handed again."""
+    if isinstance(abort, asyncio.Future):
+        abort.cancel()

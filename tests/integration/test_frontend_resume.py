@@ -339,3 +339,15 @@ async def test_an_abort_the_instance_did_not_answer_is_sent_again():
     finally:
         await clients.close()
         await server.stop(0)
+
+
+async def test_closing_the_clients_ends_every_abort_and_leaves_no_channel():
+    # close() waited one Abort timeout while an abort could still be between its tries, which then
+    # dialled into the closed pool (found by review).
+    from services.common.etcd_launcher import free_port
+    from services.frontend.generation import Target
+    clients = InstanceClients(generate_timeout_s=5, abort_timeout_s=0.3)
+    abort = clients.abort_soon(Target(InstanceId("a"), f"127.0.0.1:{free_port()}"), "r-1")  # nothing listens
+    await asyncio.sleep(0.05)
+    await clients.close()
+    assert abort.done() and clients._pool.addresses == []

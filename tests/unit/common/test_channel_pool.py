@@ -77,3 +77,21 @@ async def test_a_peer_restarted_on_its_port_is_reached_at_once_not_after_the_rec
     finally:
         await server.stop(0)
         await pool.close()
+
+
+async def test_a_replaced_channel_still_in_use_is_closed_by_close():
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.common.etcd_launcher import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens
+    pool = ChannelPool()
+    async with pool.use(address) as old:  # a call still runs on it (say, a stream)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await health_pb2_grpc.HealthStub(old).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        assert old.get_state() is grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        async with pool.use(address) as fresh:
+            assert fresh is not old
+        await pool.close()
+        assert old.get_state() is grpc.ChannelConnectivity.SHUTDOWN
+        assert fresh.get_state() is grpc.ChannelConnectivity.SHUTDOWN

@@ -163,3 +163,34 @@ async def test_a_client_that_leaves_while_attached_aborts_on_the_destination():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert instances.aborted == [("b", "cmpl-1")]
+
+
+async def test_an_abort_still_being_tried_is_called_off_when_the_request_is_handed_there_again():
+    # The frontend tries an Abort the instance did not answer up to 3 times; landing after the request
+    # was handed to that instance again, it ended the new hand-off (found by review).
+    events = []
+
+    class SlowAborts(ScriptedInstances):
+        async def attach(self, target, request_id, from_token_index, epoch):
+            events.append(("attach", target.instance_id, epoch))
+            async for item in super().attach(target, request_id, from_token_index, epoch):
+                await asyncio.sleep(0.2)
+                yield item
+
+        def abort_soon(self, target, request_id):
+            async def land():
+                await asyncio.sleep(0.3)  # a second try, 0.25 s after a refused first
+                events.append(("abort_landed", target.instance_id))
+            return asyncio.get_running_loop().create_task(land())
+
+    instances = SlowAborts(
+        {"p1": ([chunk(0, 4), handoff(1, "d", 1)], None), "p2": ([handoff(1, "d", 2, from_epoch=0)], None)},
+        {"d": [([], Unavailable("d did not answer the Attach")),
+               ([chunk(1, 5, epoch=2), chunk(2, 6, epoch=2, finish=FinishReason.STOP)], None)]})
+    dispatcher = Dispatcher(ManagerPicks("p1", "p2"), FakeMembership(), cooldown_s=5.0)
+    runner = RequestRunner(dispatcher, instances, max_resumes=3, resume_backoff_s=0, lone_resume_backoff_s=0)
+    state = make_state()
+    await runner.run(state, make_spec())
+    await asyncio.sleep(0.5)
+    assert state.error is None and state.token_ids == [4, 5, 6]
+    assert ("abort_landed", "d") not in events[events.index(("attach", "d", 2)):]

@@ -21,7 +21,7 @@ from typing import Protocol
 import structlog
 
 from services.common.errors import Unavailable
-from services.frontend.generation import GenerateSpec, InstanceId, Target
+from services.frontend.generation import Declined, GenerateSpec, InstanceId, Target
 
 log = structlog.get_logger(__name__)
 
@@ -38,8 +38,9 @@ class InstanceEntry:
 
 
 class ManagerDispatch(Protocol):
-    async def dispatch(self, spec: GenerateSpec, exclude: Sequence[InstanceId]) -> Target | None:
-        """The leader's choice; None when no manager answered in time (any error included)."""
+    async def dispatch(self, spec: GenerateSpec, exclude: Sequence[InstanceId]) -> Target | Declined | None:
+        """The leader's choice; Declined when it answered that no instance serves (besides `exclude`);
+        None when no manager answered in time (any other error included)."""
 
 
 class Membership(Protocol):
@@ -74,15 +75,15 @@ class Dispatcher:
     async def pick(self, spec: GenerateSpec, exclude: Sequence[InstanceId] = ()) -> Target:
         """An instance for `spec`, one in `exclude` only if nothing else serves; Unavailable if none is known."""
         if self._manager is not None:
-            target = await self._manager.dispatch(spec, exclude)
-            if target is None and exclude and not self.lists_instances:
+            answer = await self._manager.dispatch(spec, exclude)
+            if isinstance(answer, Declined) and exclude and not self.lists_instances:
                 # no instance list to fall back on: as pick_locally does, one in `exclude` if nothing else
                 # serves (a one-instance cluster whose instance restarted)
-                target = await self._manager.dispatch(spec, ())
-                if target is not None:
-                    return target
-            if target is not None and target.instance_id not in exclude:
-                return target
+                answer = await self._manager.dispatch(spec, ())
+                if isinstance(answer, Target):
+                    return answer
+            if isinstance(answer, Target) and answer.instance_id not in exclude:
+                return answer
         target = self.pick_locally(exclude)
         self._on_fallback()
         log.info("dispatch_fell_back", request_id=spec.request_id, instance_id=target.instance_id)

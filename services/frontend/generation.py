@@ -89,6 +89,13 @@ class TokenChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class Declined:
+    """The manager answered Dispatch with no instance (none serves besides those excluded)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Target:
     """Where a request runs."""
 

@@ -12,12 +12,13 @@ from typing import Protocol
 import grpc
 import structlog
 
+from services.common.errors import was_answered
 from services.common.grpc_server import secure_or_insecure_channel
 from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
 from services.common.gen.ferry.v1 import manager_pb2_grpc
 from services.frontend.convert import dispatch_request_to_proto, target_from_proto
-from services.frontend.generation import GenerateSpec, InstanceId, Target
+from services.frontend.generation import Declined, GenerateSpec, InstanceId, Target
 
 log = structlog.get_logger(__name__)
 
@@ -44,7 +45,7 @@ class ManagerClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: manager_pb2_grpc.ManagerServiceStub | None = None
 
-    async def dispatch(self, spec: GenerateSpec, exclude: Sequence[InstanceId]) -> Target | None:
+    async def dispatch(self, spec: GenerateSpec, exclude: Sequence[InstanceId]) -> Target | Declined | None:
         stub = await self._stub_for(self._leader.leader_address())
         if stub is None:
             return None
@@ -54,6 +55,8 @@ class ManagerClient:
         except grpc.aio.AioRpcError as exc:  # no answer in time, a standby, no instance: fall back
             log.info("manager_dispatch_failed", request_id=spec.request_id, address=self._address,
                      code=exc.code().name, details=exc.details())
+            if exc.code() is grpc.StatusCode.UNAVAILABLE and was_answered(exc):
+                return Declined(exc.details() or "no instance")
             return None
         except asyncio.CancelledError:
             if _is_cancelled(asyncio.current_task()):

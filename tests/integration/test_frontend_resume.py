@@ -351,3 +351,26 @@ async def test_closing_the_clients_ends_every_abort_and_leaves_no_channel():
     await asyncio.sleep(0.05)
     await clients.close()
     assert abort.done() and clients._pool.addresses == []
+
+
+async def test_the_managers_no_instance_answer_is_told_apart_from_no_answer():
+    from services.common.errors import Unavailable
+    from services.common.etcd_launcher import free_port
+    from services.frontend.generation import Declined
+    from tests.unit.frontend.factories import make_spec
+
+    class NoInstance(manager_pb2_grpc.ManagerServiceServicer):
+        async def Dispatch(self, request, context):
+            raise Unavailable("no serving instance besides those excluded")
+
+    server = await start_grpc_server("127.0.0.1", 0, [(manager_pb2_grpc.add_ManagerServiceServicer_to_server,
+                                                       NoInstance())], ["ferry.v1.ManagerService"])
+    answering = ManagerClient(StaticLeader(server.address), timeout_s=1.0)
+    silent = ManagerClient(StaticLeader(f"127.0.0.1:{free_port()}"), timeout_s=0.3)  # nothing listens
+    try:
+        assert isinstance(await answering.dispatch(make_spec(), [InstanceId("a")]), Declined)
+        assert await silent.dispatch(make_spec(), [InstanceId("a")]) is None
+    finally:
+        await answering.close()
+        await silent.close()
+        await server.stop(0)

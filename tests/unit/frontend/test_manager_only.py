@@ -10,7 +10,7 @@ from aiohttp import web
 
 from services.common.errors import ResourceExhausted, Unavailable
 from services.frontend.dispatch import Dispatcher, NoInstances
-from services.frontend.generation import FinishReason, InstanceId, Target
+from services.frontend.generation import Declined, FinishReason, InstanceId, Target
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.request_runner import RequestRunner
 from services.frontend.served_model import ServedModel
@@ -63,7 +63,7 @@ async def test_full_everywhere_is_a_429_not_a_503():
     class TwoInstances:  # the manager places on a, then b, then has none left that is not excluded
         async def dispatch(self, spec, exclude):
             left = [i for i in ("a", "b") if i not in exclude]
-            return Target(InstanceId(left[0]), f"addr-{left[0]}") if left else None
+            return Target(InstanceId(left[0]), f"addr-{left[0]}") if left else Declined("no serving instance")
 
     dispatcher = Dispatcher(TwoInstances(), NoInstances(), cooldown_s=5)
     state = make_state()
@@ -76,7 +76,7 @@ async def test_a_one_instance_cluster_resumes_on_its_restarted_instance():
     # again without them, as its own fallback would pick an excluded instance when nothing else serves.
     class LoneInstance:
         async def dispatch(self, spec, exclude):
-            return None if "a" in exclude else Target(InstanceId("a"), "addr-a")
+            return Declined("no serving instance") if "a" in exclude else Target(InstanceId("a"), "addr-a")
 
     class BreaksOnce(ScriptedInstances):
         async def generate(self, target, spec):
@@ -91,3 +91,19 @@ async def test_a_one_instance_cluster_resumes_on_its_restarted_instance():
     await RequestRunner(dispatcher, BreaksOnce({}), max_resumes=3, resume_backoff_s=0,
                         lone_resume_backoff_s=0).run(state, make_spec())
     assert state.error is None and state.token_ids == [4, 5]
+
+
+async def test_a_manager_that_did_not_answer_is_not_asked_again_without_the_excluded():
+    # Only an answer of "none serves" means none does; a call that timed out says nothing (found by review).
+    class SlowThenPicks:
+        def __init__(self) -> None:
+            self.excluded: list[tuple[str, ...]] = []
+
+        async def dispatch(self, spec, exclude):
+            self.excluded.append(tuple(exclude))
+            return None  # no answer in time
+
+    manager = SlowThenPicks()
+    with pytest.raises(Unavailable, match="placed no request"):
+        await Dispatcher(manager, NoInstances(), cooldown_s=5).pick(make_spec(), [InstanceId("a")])
+    assert manager.excluded == [("a",)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Sequence
 
-from services.common.errors import FerryError
+from services.common.errors import FerryError, Unavailable
 from services.frontend.dispatch import InstanceEntry
 from services.frontend.generation import (FinishReason, GenerateSpec, Handoff, InstanceId, RequestId, Sampling,
                                           Target, TokenChunk)
@@ -121,3 +121,14 @@ class ScriptedInstances:
         done = asyncio.get_running_loop().create_future()
         done.set_result(None)
         return done
+
+
+class BreaksOnce(ScriptedInstances):
+    """Every instance: token 4, then its stream breaks; the next stream (a resume) ends with token 5."""
+
+    async def generate(self, target: Target, spec: GenerateSpec) -> AsyncIterator[TokenChunk]:
+        self.specs.append((target.instance_id, spec))
+        if len(self.specs) == 1:
+            yield chunk(0, 4)
+            raise Unavailable("the stream broke (the instance was killed)")
+        yield chunk(1, 5, finish=FinishReason.STOP)

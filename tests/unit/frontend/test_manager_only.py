@@ -15,7 +15,7 @@ from services.frontend.metrics import FrontendMetrics
 from services.frontend.request_runner import RequestRunner
 from services.frontend.served_model import ServedModel
 from services.frontend.server import FrontendServer
-from tests.unit.frontend.factories import ScriptedInstances, chunk, make_spec, make_state
+from tests.unit.frontend.factories import BreaksOnce, ScriptedInstances, chunk, make_spec, make_state
 from tests.unit.frontend.test_request_runner_handoff import ManagerPicks
 
 pytestmark = pytest.mark.timeout(30)
@@ -77,14 +77,6 @@ async def test_a_one_instance_cluster_resumes_on_its_restarted_instance():
     class LoneInstance:
         async def dispatch(self, spec, exclude):
             return Declined("no serving instance") if "a" in exclude else Target(InstanceId("a"), "addr-a")
-
-    class BreaksOnce(ScriptedInstances):
-        async def generate(self, target, spec):
-            self.specs.append((target.instance_id, spec))
-            if len(self.specs) == 1:
-                yield chunk(0, 4)
-                raise Unavailable("instance a was killed")
-            yield chunk(1, 5, finish=FinishReason.STOP)
 
     dispatcher = Dispatcher(LoneInstance(), NoInstances(), cooldown_s=5)
     state = make_state()

@@ -12,8 +12,8 @@ from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import FinishReason
 from services.frontend.request_runner import RequestRunner
 
-from tests.unit.frontend.factories import (FakeManager, FakeMembership, ScriptedInstances, chunk, entry, make_spec,
-                                           make_state)
+from tests.unit.frontend.factories import (BreaksOnce, FakeManager, FakeMembership, ScriptedInstances, chunk, entry,
+                                           make_spec, make_state)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -68,15 +68,7 @@ async def test_resumes_are_bounded_then_an_explicit_error():
 
 
 async def test_the_only_instance_is_tried_again_after_its_abort():
-    class Flaky(ScriptedInstances):
-        async def generate(self, target, spec):
-            self.specs.append((target.instance_id, spec))
-            if len(self.specs) == 1:
-                yield chunk(0, 4)
-                raise Unavailable("stream reset")
-            yield chunk(1, 5, finish=FinishReason.STOP)
-
-    instances = Flaky({})
+    instances = BreaksOnce({})
     runner = RequestRunner(Dispatcher(None, FakeMembership(entry("a")), cooldown_s=5), instances, max_resumes=3,
                            resume_backoff_s=0, lone_resume_backoff_s=0.3)
     state = make_state()

@@ -167,7 +167,6 @@ class MigrationInbox:
         incoming.expires_at = self._deadline()
         engine = self._runner.engine
         text = await asyncio.to_thread(engine.restore_text, state)  # replays the detokenizer off the engine thread
-        await self.drop_unattached(state.request_id, by="migration")  # an orphan of an earlier hand-off here
         await self._runner.adopt(state.request_id, state.epoch,
                                  lambda: engine.import_request(migration_id, state, text))
         incoming.epoch = state.epoch
@@ -195,17 +194,15 @@ class MigrationInbox:
         await self._runner.abort(incoming.request_id)
         return True
 
-    async def drop_unattached(self, request_id: str, by: str = "resume") -> bool:
+    async def drop_unattached(self, request_id: str) -> bool:
         """Drop a request that migrated in but that no client attached to; False if there is none.
 
-        Its source can die between the commit and the hand-off reaching the client, or the client's
-        Attach (and Abort) can fail here: the client then resumes the request elsewhere, with Generate,
-        maybe here, and that resume, or a later migration of it here, takes the orphan's place (the
-        request runs nowhere else while a client still follows the orphan, so none can come then)."""
+        Its source can die between the commit and the hand-off reaching the client: the client
+        then resumes the request with Generate, maybe here, and the resume takes its place."""
         committed = [i for i in self._incoming.values() if i.request_id == request_id and i.epoch is not None]
         dropped = [await self.abort(incoming.migration_id) for incoming in committed]
         if any(dropped):
-            log.warning(f"migration_in_replaced_by_{by}", request_id=request_id)
+            log.warning("migration_in_replaced_by_resume", request_id=request_id)
         return any(dropped)
 
     def attach(self, request_id: str, epoch: int) -> RequestStream:

@@ -434,24 +434,6 @@ async def test_a_resume_replaces_a_migrated_in_request_nobody_attached_to(pair):
     await assert_no_blocks_held(a, b)
 
 
-async def test_a_migration_in_replaces_a_migrated_in_request_nobody_attached_to(pair):
-    """The client never attached on b (its Attach and its Abort failed: b had just restarted) and resumed
-    the request on a, which hands it to b again: the orphan makes way (a fault run saw "already running"
-    refusals for 30 s, until b's watchdog dropped it)."""
-    a, b = pair
-    expected = await reference(a)
-    stream, tokens = await moved_a_to_b(a, b)
-    assert isinstance(await read(stream, tokens), Handoff)  # never reached the client
-    resumed = await a.runner.add("r", PROMPT, SAMPLING, resume_token_ids=tuple(tokens))
-    await read(resumed, tokens, until=40)
-    await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())
-    handoff = await read(resumed, tokens)
-    assert isinstance(handoff, Handoff)
-    last = await read(b.inbox.attach("r", handoff.epoch), tokens)
-    assert tokens == expected and last.finish_reason is FinishReason.LENGTH
-    await assert_no_blocks_held(a, b)
-
-
 async def test_an_attached_request_is_never_dropped_for_a_resume(pair):
     a, b = pair
     stream, tokens = await moved_a_to_b(a, b)

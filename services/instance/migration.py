@@ -36,7 +36,7 @@ from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend,
 
 if TYPE_CHECKING:
     from services.instance.engine.engine import LLMEngine
-    from services.instance.runner import EngineRunner
+    from services.instance.runner import EngineRunner, RequestStream
 
 log = structlog.get_logger(__name__)
 
@@ -224,7 +224,7 @@ class MigrationDriver:
         if plan.request_id:
             self._claim(plan.request_id)
             try:
-                await self._wait_for_client(plan.request_id)
+                await self._wait_for_client(plan.request_id, self._runner.stream(plan.request_id))
                 await self._runner.call(lambda: self._runner.engine.check_movable(plan.request_id))
             except BaseException:
                 self._moving.discard(plan.request_id)
@@ -245,11 +245,16 @@ class MigrationDriver:
             raise FailedPrecondition(f"request {request_id} is already migrating; wait for it to end")
         self._moving.add(request_id)
 
-    async def _wait_for_client(self, request_id: str) -> None:
+    async def _wait_for_client(self, request_id: str, stream: RequestStream | None) -> None:
         """A request that migrated in moves on only once its client attached here (it would follow
-        a hand-off it never read to the wrong instance, and have to resume)."""
+        a hand-off it never read to the wrong instance, and have to resume). Aborted if that copy is
+        dropped or replaced meanwhile (a resume of the same request here): what the caller saved of
+        it (a PD hand-off's parked state) would move blocks that are no longer its."""
         deadline = time.monotonic() + CLIENT_ATTACH_WAIT_S
-        while (stream := self._runner.stream(request_id)) is not None and not stream.is_attached:
+        while stream is not None and not stream.is_attached:
+            if self._runner.stream(request_id) is not stream:
+                raise Aborted(f"request {request_id} was dropped or replaced here while its migration waited "
+                              "for its client; nothing left to move")
             if time.monotonic() >= deadline:
                 raise FailedPrecondition(f"request {request_id} migrated here moments ago and its client has not "
                                          f"followed it after {CLIENT_ATTACH_WAIT_S:g} s; try again later")

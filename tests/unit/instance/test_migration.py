@@ -691,3 +691,43 @@ async def test_a_request_migrated_in_before_its_first_token_onto_a_pushing_prefi
         for i in range(4):
             await a.runner.abort(f"busy-{i}")
         await b.runner.abort("r")
+
+
+class PlaceOnA(DecodePlacer):
+    async def place_decode(self, request_id, src_instance_id, num_blocks):
+        return DecodePlace("a", "127.0.0.1:1")
+
+
+async def test_a_hand_off_waiting_for_a_client_leaves_a_copy_that_replaced_its_request_alone(pair, monkeypatch):
+    """b pushes (PREFILL, two migration slots). r moved to b before its first token and was parked there
+    for its hand-off, which waits for r's client; the client never came and resumed r on b itself. The
+    waiting hand-off then moved the resumed copy with the orphan's saved state and freed blocks (found
+    by review). Now it sees its copy was replaced and leaves the new one to decode here."""
+    monkeypatch.setattr("services.instance.migration.CLIENT_ATTACH_WAIT_S", 10.0)
+    a, b = pair
+    expected = await reference(a)
+    b.slots = MigrationSlots(2)
+    b.inbox = MigrationInbox(b.runner, b.slots, timeout_s=5.0, transfer=TransferEndpoint("127.0.0.1:2", "tb"))
+    pusher = DecodeHandoff("b", b.runner, driver(b, FaultyPeer(a), TensorCopier(b, a)), PlaceOnA(),
+                           PdHandoff.PUSH, lambda: InstanceRole.PREFILL)
+    b.runner.on_prefilled = pusher.note_prefilled
+    b.runner.holds_first_tokens = lambda: pusher.is_pushing
+    busy = [await a.runner.add(f"busy-{i}", [9 + i] * 8, SAMPLING) for i in range(4)]
+    for stream in busy:
+        await read(stream, [], until=1)
+    first = await a.runner.add("r", PROMPT, SAMPLING)  # waiting on a
+    await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())  # the orphan on b
+    assert isinstance(await read(first, []), Handoff)  # never reaches the client
+    for i in range(4):
+        await a.runner.abort(f"busy-{i}")
+    while "r" not in pusher._held:
+        await asyncio.sleep(0.01)
+    stale = asyncio.create_task(pusher._hand_off("r"))  # waits for the orphan's client
+    await asyncio.sleep(0.1)
+    assert await b.inbox.drop_unattached("r")  # the client resumes r on b (Generate)
+    tokens: list[int] = []
+    resumed = await b.runner.add("r", PROMPT, SAMPLING)
+    await stale
+    last = await asyncio.wait_for(read(resumed, tokens), 30)
+    assert tokens == expected and last.finish_reason is FinishReason.LENGTH
+    await assert_no_blocks_held(a, b)

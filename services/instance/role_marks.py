@@ -28,6 +28,7 @@ from services.instance.config import InstanceRole
 
 log = structlog.get_logger(__name__)
 
+
 def role_mark_key(instance_id: str) -> str:
     return f"{ROLE_MARKS}/{instance_id}"
 

@@ -235,29 +235,30 @@ class LeaderFencedStore:
 
     async def put_scaling_target(self, target: ScalingTarget) -> None:
         key = self._store.scaling_target_key
-        await self._write(KVService.txn_op_put(key, json.dumps(target.to_json())), "scaling target")
+        await self._write("scaling target", KVService.txn_op_put(key, json.dumps(target.to_json())))
 
     async def put_drain(self, instance_id: InstanceId) -> None:
         op = KVService.txn_op_put(self._store.drain_key(instance_id), self._store.drain_mark(instance_id))
-        await self._write(op, f"drain mark of {instance_id}")
+        await self._write(f"drain mark of {instance_id}", op)
 
     async def delete_drain(self, instance_id: InstanceId) -> None:
-        await self._write(KVService.txn_op_delete(self._store.drain_key(instance_id)),
-                          f"removal of the drain mark of {instance_id}")
+        await self._write(f"removal of the drain mark of {instance_id}",
+                          KVService.txn_op_delete(self._store.drain_key(instance_id)))
 
     async def forget_retired(self, instance_id: InstanceId) -> None:
         """A retired instance is gone: its drain mark and role mark go, so a later instance with its id
         serves, with its own --role."""
-        await self._write(KVService.txn_op_delete(self._store.drain_key(instance_id)),
-                          f"removal of the marks of retired {instance_id}",
+        await self._write(f"removal of the marks of retired {instance_id}",
+                          KVService.txn_op_delete(self._store.drain_key(instance_id)),
                           KVService.txn_op_delete(self._store.role_key(instance_id)))
 
-    async def _write(self, op: object, what: str, *more_ops: object) -> None:
+    async def _write(self, what: str, *ops: object) -> None:
+        """`ops` in one transaction, only while this manager's leader key stands."""
         epoch = self._epoch()
         if epoch is None:
             raise Unavailable(f"{what} not written: this manager does not lead now")
         txn = await self._store.client.kv.txn(
-            compare=[KVService.txn_compare_create_revision(self._leader_key, epoch)], success=[op, *more_ops],
+            compare=[KVService.txn_compare_create_revision(self._leader_key, epoch)], success=list(ops),
             timeout=ETCD_TIMEOUT_S)
         if not txn.succeeded:
             raise Unavailable(f"{what} not written: the leader key is no longer this manager's (epoch {epoch}); "

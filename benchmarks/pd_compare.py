@@ -14,8 +14,17 @@ Variants (--variants, comma-separated):
     pd          P prefill + D decode, the prefill instance pushes each hand-off (default)
     pd-manager  the same with --pd-handoff manager (the manager's migration loop moves them)
     pd-short    pd with the short-prompt rule on (prompts under --short-prompt-tokens prefill on decode)
+    pd-parked   pd with --pd-handoff-hold-s 86400: queued hand-offs stay parked however long the
+                queue stalls (the behaviour before that flag)
 
     python benchmarks/pd_compare.py --model models/smollm2-135m-instruct --pd 1:1 --num-requests 24 --rate 1
+
+--freeze-decode AT:FOR freezes the last decode instance (SIGSTOP) AT seconds into the
+workload for FOR seconds, a hung host; the worst pause of each stream (its longest gap
+between two tokens) then shows what the others waited for it:
+
+    python benchmarks/pd_compare.py --pd 1:2 --variants pd,pd-parked --freeze-decode 2:8 \
+        --num-requests 32 --rate 3 --launcher-args "--engine sim --kv-cache-mib 512"
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ import json
 import os
 import pathlib
 import random
+import re
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -37,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.serving import RequestResult, run_workload, started_cluster, table  # noqa: E402
 
-VARIANTS = ("both", "pd", "pd-manager", "pd-short")
+VARIANTS = ("both", "pd", "pd-manager", "pd-short", "pd-parked")
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--short-prompt-tokens", type=int, default=64, help="pd-short: the rule's threshold")
     parser.add_argument("--launcher-args", default="--kv-cache-mib 512", help="extra flags for services.cluster up")
     parser.add_argument("--seed", type=int, default=0, help="seed of the request mix and arrival times")
+    parser.add_argument("--freeze-decode", default="", metavar="AT:FOR",
+                        help="freeze the last decode instance AT s into the workload for FOR s (empty: no freeze)")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench-results" / "pd_compare.json",
                         help="where the figures are written as JSON")
     return parser.parse_args()
@@ -79,6 +92,8 @@ def variant_cluster(args: argparse.Namespace, variant: str) -> Iterator[dict]:
     prefill, decode = (int(n) for n in args.pd.split(":"))
     env = {"FERRY_INSTANCE_PD_HANDOFF": "manager" if variant == "pd-manager" else "push",
            "FERRY_MANAGER_PD_SHORT_PROMPT_TOKENS": str(args.short_prompt_tokens if variant == "pd-short" else 0)}
+    if variant == "pd-parked":
+        env["FERRY_INSTANCE_PD_HANDOFF_HOLD_S"] = "86400"
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the launcher's children inherit them
     spec = argparse.Namespace(model=args.model, launcher_args=args.launcher_args,
@@ -91,20 +106,44 @@ def variant_cluster(args: argparse.Namespace, variant: str) -> Iterator[dict]:
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
+async def workload_with_freeze(args: argparse.Namespace, cluster: dict,
+                               requests: list[tuple[float, list[int], int]]) -> tuple[list[RequestResult], float]:
+    """The workload; with --freeze-decode, the last decode instance frozen meanwhile."""
+    run = run_workload(cluster["frontend_url"], args.model.name, requests)
+    if not args.freeze_decode:
+        return await run
+    at_s, for_s = (float(part) for part in args.freeze_decode.split(":"))
+    prefill, decode = (int(n) for n in args.pd.split(":"))
+    pid = next(p["pid"] for p in cluster["processes"] if p["name"] == f"instance-{prefill + decode - 1}")
+    results, _ = await asyncio.gather(run, frozen(pid, at_s, for_s))
+    return results
+
+
+async def frozen(pid: int, at_s: float, for_s: float) -> None:
+    await asyncio.sleep(at_s)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(for_s)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def summarize(variant: str, results: list[RequestResult], elapsed: float, long_output: int) -> dict:
     ok = [r for r in results if not r.error]
     ttft = [r.ttft_ms for r in ok]
     itl = [gap for r in ok for gap in r.itl_ms]
     long_itl = [gap for r in ok if r.output_len == long_output for gap in r.itl_ms[1:]]  # after the hand-off
     handoff = [r.itl_ms[0] for r in ok if r.itl_ms]
+    worst_gap = [max(r.itl_ms) for r in ok if r.itl_ms]
     print(f"\n== {variant}: {len(ok)}/{len(results)} ok in {elapsed:.1f} s, "
           f"{sum(r.num_tokens for r in ok) / elapsed:.1f} output tokens/s")
     print(table("prefill", ttft))
     print(table("decode", itl))
     print(table("long-decode", long_itl))
     print(table("handoff-gap", handoff))
+    print(table("worst-gap", worst_gap))
     return {"variant": variant, "num_errors": len(results) - len(ok), "elapsed_s": elapsed, "ttft_ms": ttft,
-            "itl_ms": itl, "long_decode_itl_ms": long_itl, "handoff_gap_ms": handoff}
+            "itl_ms": itl, "long_decode_itl_ms": long_itl, "handoff_gap_ms": handoff, "worst_gap_ms": worst_gap}
 
 
 def p(values: list[float], q: float) -> float:
@@ -112,11 +151,15 @@ def p(values: list[float], q: float) -> float:
 
 
 def compare(summaries: dict[str, dict]) -> None:
-    print("\nvariant\tttft p50\tttft p99\tdecode p50\tdecode p99\tlong-decode p99\thandoff-gap p50\thandoff-gap p99")
+    print("\nvariant\tttft p50\tttft p99\tdecode p50\tdecode p99\tlong-decode p99\thandoff-gap p50\thandoff-gap p99"
+          "\tworst-gap p50\tworst-gap max")
     for name, s in summaries.items():
         print(f"{name}\t{p(s['ttft_ms'], 50):.1f}\t{p(s['ttft_ms'], 99):.1f}\t{p(s['itl_ms'], 50):.1f}\t"
               f"{p(s['itl_ms'], 99):.1f}\t{p(s['long_decode_itl_ms'], 99):.1f}\t{p(s['handoff_gap_ms'], 50):.1f}\t"
-              f"{p(s['handoff_gap_ms'], 99):.1f}")
+              f"{p(s['handoff_gap_ms'], 99):.1f}\t{p(s['worst_gap_ms'], 50):.1f}\t{p(s['worst_gap_ms'], 100):.1f}")
+    if "pd" in summaries and "pd-parked" in summaries:
+        print(f"worst-gap p50 ratio pd/pd-parked: "
+              f"{p(summaries['pd']['worst_gap_ms'], 50) / p(summaries['pd-parked']['worst_gap_ms'], 50):.2f}")
     if "both" in summaries:
         base = summaries["both"]
         for name, s in summaries.items():
@@ -133,11 +176,13 @@ def main() -> None:
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         sys.exit(f"--variants: unknown {', '.join(sorted(unknown))}; pick from {', '.join(VARIANTS)}")
+    if args.freeze_decode and not re.fullmatch(r"\d+(\.\d+)?:\d+(\.\d+)?", args.freeze_decode):
+        sys.exit(f"--freeze-decode: want AT:FOR in seconds (e.g. 2:8), got {args.freeze_decode!r}")
     requests = workload(args, ModelConfig.from_dir(args.model).vocab_size)
     summaries = {}
     for variant in variants:
         with variant_cluster(args, variant) as cluster:
-            results, elapsed = asyncio.run(run_workload(cluster["frontend_url"], args.model.name, requests))
+            results, elapsed = asyncio.run(workload_with_freeze(args, cluster, requests))
         summaries[variant] = summarize(variant, results, elapsed, args.long_output)
     compare(summaries)
     args.out.parent.mkdir(parents=True, exist_ok=True)

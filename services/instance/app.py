@@ -154,7 +154,7 @@ def wire_pd(config: InstanceConfig, servicer: InstanceServicer, runner: EngineRu
     """Prefill/decode disaggregation: the hand-off pusher."""
     servicer.handoff = DecodeHandoff(servicer.identity.instance_id, runner, servicer.migrations, manager,
                                      config.pd_handoff, lambda: servicer.identity.role,
-                                     num_workers=config.max_concurrent_migrations)
+                                     num_workers=config.max_concurrent_migrations, hold_s=config.pd_handoff_hold_s)
     runner.on_prefilled = servicer.handoff.note_prefilled
     runner.holds_first_tokens = lambda: servicer.handoff.is_pushing
 

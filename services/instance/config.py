@@ -64,6 +64,9 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     pd_handoff: PdHandoff = knob(PdHandoff.PUSH, "who moves a request from a prefill instance to a decode instance "
                                                  "after its first token: push (this instance, at once) or manager "
                                                  "(the manager's migration loop, next tick)")
+    pd_handoff_hold_s: float = knob(1.0, "prefill role, push hand-off: how long a prefilled request waits parked "
+                                         "for its hand-off; past it (hand-offs ahead of it are slow) it decodes "
+                                         "here until its hand-off starts")
     engine: EngineKind = knob(EngineKind.TORCH, "inference engine: torch (runs the model) or sim (scheduler, KV "
                                                 "cache and migration as torch, a latency model instead of the "
                                                 "forward pass: many instances on one machine)")
@@ -151,7 +154,7 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         for name in ("max_concurrent_migrations", "migration_reservation_timeout_s", "migration_rpc_timeout_s",
-                     "migration_transfer_timeout_s"):
+                     "migration_transfer_timeout_s", "pd_handoff_hold_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.migration_reservation_timeout_s <= self.migration_transfer_timeout_s:

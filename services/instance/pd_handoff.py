@@ -8,9 +8,11 @@ Design (`handoff_loop`: --max-concurrent-migrations workers, each one request at
     stop-and-copy stage  →  report the migration to the leader
 
 A held request never decodes here, so the prefill instance spends its steps on prefills
-and every request decodes on a decode instance, however long the queue. Nothing is
-dropped on the way: if no decode instance serves (PlaceDecode UNAVAILABLE) or the
-migration fails, the request is resumed and keeps decoding here and the manager's migration loop
+and every request decodes on a decode instance, however long the queue. Only when the
+queue stalls, no worker taking or ending a hand-off for `hold_s` (--pd-handoff-hold-s: a
+hand-off to a frozen decode instance waits for its call's deadline), do the queued requests
+decode here meanwhile; a worker that takes one suspends it afresh. Nothing is dropped on
+the way: if no decode instance serves (PlaceDecode UNAVAILABLE) or the migration fails, the request is resumed and keeps decoding here and the manager's migration loop
 moves it once a decode instance is back (it counts in the load report's `num_prefilled`).
 With `--pd-handoff manager` this module only reports; the manager's loop moves everything.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -60,9 +63,10 @@ class DecodePlacer(Protocol):
 class DecodeHandoff:
     def __init__(self, instance_id: str, runner: EngineRunner, migrations: MigrationDriver,
                  placer: DecodePlacer | None, mode: PdHandoff, role: Callable[[], InstanceRole],
-                 num_workers: int = 1) -> None:
+                 num_workers: int = 1, hold_s: float = 1.0) -> None:
         self._instance_id = instance_id
         self._num_workers = num_workers
+        self._hold_s = hold_s
         self._runner = runner
         self._migrations = migrations
         migrations.on_resumed = self._forget_held  # a parked request another migration resumed decodes on
@@ -72,6 +76,10 @@ class DecodeHandoff:
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._pending: set[str] = set()  # queued or moving now: not reported as `num_prefilled`
         self._held: dict[str, HeldRequest] = {}  # parked in the step of their first token, with their state
+        self._queued: dict[str, None] = {}  # in the queue, no worker on it yet (in queue order)
+        self._decoding_while_queued: set[str] = set()  # queued in a stall: decoding here until a worker takes it
+        self._last_progress = time.monotonic()  # a worker last took or ended a hand-off
+        self._stall_check: asyncio.TimerHandle | None = None
         self._reports: set[asyncio.Task[None]] = set()
         self.is_decode_missing = False  # the last PlaceDecode found no decode instance
         self.num_handed_off = 0
@@ -83,11 +91,13 @@ class DecodeHandoff:
 
     def num_prefilled(self, num_decoding: int) -> int:
         """Decoding requests waiting for a hand-off nobody runs yet (the manager's loop moves them).
-        `num_decoding` counts running requests only: those a hand-off here handles are parked (not
-        running) from its queueing to its end, so only other migrations' requests are taken off."""
+        `num_decoding` counts running requests: those a hand-off here handles are parked (not running)
+        from its queueing to its end, except those queued in a stall; other migrations' requests and
+        those are taken off."""
         if self._role() is not InstanceRole.PREFILL:
             return 0
-        return max(0, num_decoding - len(self._migrations.moving - self._pending))
+        handled = len(self._migrations.moving - self._pending) + len(self._decoding_while_queued)
+        return max(0, num_decoding - handled)
 
     def _forget_held(self, request_id: str) -> None:
         self._held.pop(request_id, None)  # its hand-off, if still queued, suspends it afresh
@@ -106,6 +116,42 @@ class DecodeHandoff:
         else:  # parked at the next step boundary: it decodes on the decode instance
             self._runner.call_soon(lambda: engine.hold(request_id))
         self._queue.put_nowait(request_id)
+        self._queued[request_id] = None
+        self._check_stall_in(self._hold_s)
+
+    def _check_stall_in(self, delay_s: float) -> None:
+        if self._stall_check is None:
+            self._stall_check = asyncio.get_running_loop().call_later(delay_s, self._check_stall)
+
+    def _check_stall(self) -> None:
+        """No hand-off taken or ended for `hold_s` while requests are queued: they decode here."""
+        self._stall_check = None
+        if not self._queued:
+            return
+        stalled_s = time.monotonic() - self._last_progress
+        if stalled_s >= self._hold_s:
+            self._decode_queued_here(stalled_s)
+        self._check_stall_in(max(0.0, self._hold_s - stalled_s) or self._hold_s)
+
+    def _decode_queued_here(self, stalled_s: float) -> None:
+        """Resume the queued, parked requests. Commands reach the engine in order, so a resume
+        comes before the suspend of the worker that takes the request later."""
+        moving = self._migrations.moving  # another migration's: not ours to resume
+        parked = [r for r in self._queued if r not in self._decoding_while_queued and r not in moving]
+        if parked and not self._decoding_while_queued:
+            log.info("pd_handoff_queue_stalled", stalled_s=round(stalled_s, 2), num_queued=len(self._queued),
+                     action="queued requests decode here until a worker takes their hand-off")
+        engine = self._runner.engine
+        for request_id in parked:
+            self._decoding_while_queued.add(request_id)
+            self._held.pop(request_id, None)  # stale once it decodes: its hand-off suspends it afresh
+            self._runner.call_soon(functools.partial(engine.resume, request_id))
+
+    def _take(self, request_id: str) -> None:
+        """A worker starts the request's hand-off: it is no longer queued."""
+        self._queued.pop(request_id, None)
+        self._decoding_while_queued.discard(request_id)
+        self._last_progress = time.monotonic()
 
     async def move_decoding(self) -> int:
         """Queue every request decoding here (the role became PREFILL); how many."""
@@ -123,14 +169,19 @@ class DecodeHandoff:
     async def _worker_loop(self) -> None:
         while True:
             request_id = await self._queue.get()
+            self._take(request_id)
             try:
                 await self._hand_off(request_id)
             except Exception:  # noqa: BLE001 — one request's failure must not stop the hand-offs (or the instance)
                 log.exception("pd_handoff_crashed", request_id=request_id)
             finally:
                 self._pending.discard(request_id)
+                self._last_progress = time.monotonic()
 
     async def close(self) -> None:
+        if self._stall_check is not None:
+            self._stall_check.cancel()
+            self._stall_check = None
         for task in list(self._reports):
             task.cancel()
         await asyncio.gather(*self._reports, return_exceptions=True)

@@ -84,8 +84,25 @@ class FlakyPlacer:
         self.failed.append((plan.request_id, src_instance_id, error.grpc_code.name))
 
 
-def pushing(engine: FakeEngine, placer: FlakyPlacer, migrations: FakeMigrations) -> DecodeHandoff:
-    return DecodeHandoff("p-1", FakeRunner(engine), migrations, placer, PdHandoff.PUSH, lambda: InstanceRole.PREFILL)
+class StuckMigrations(FakeMigrations):
+    """The first MigrateOut hangs until `unstick` (a destination that answers nothing), the rest move."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stuck = asyncio.Event()
+
+    async def migrate_out(self, plan: MigrateOutPlan) -> MigrationResult:
+        if not self.plans:
+            self.plans.append(plan)
+            await self.stuck.wait()
+            raise Unavailable("the destination did not answer before the deadline")
+        return await super().migrate_out(plan)
+
+
+def pushing(engine: FakeEngine, placer: FlakyPlacer, migrations: FakeMigrations,
+            hold_s: float = 1.0) -> DecodeHandoff:
+    return DecodeHandoff("p-1", FakeRunner(engine), migrations, placer, PdHandoff.PUSH, lambda: InstanceRole.PREFILL,
+                         hold_s=hold_s)
 
 
 async def test_an_unexpected_error_resumes_the_request_here_and_the_next_one_moves():
@@ -163,7 +180,39 @@ async def test_a_place_decode_cut_under_the_worker_resumes_the_request_and_the_w
     await handoff.close()
 
 
-def test_requests_parked_for_their_hand_off_are_not_taken_off_the_decoding_ones():
+async def test_requests_queued_behind_a_stuck_hand_off_decode_here_until_a_worker_takes_them():
+    """Before, a hand-off to a frozen decode instance kept every queued request parked (no token)
+    until its call's deadline, 5 s by default."""
+    engine, placer, migrations = FakeEngine(), FlakyPlacer(), StuckMigrations()
+    handoff = pushing(engine, placer, migrations, hold_s=0.05)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    held = object()
+    for request_id, parked in (("r-1", None), ("r-2", held), ("r-3", None)):
+        handoff.note_prefilled(request_id, parked)
+    await until(lambda: engine.resumed == ["r-2", "r-3"], loop)  # r-1's hand-off is stuck; they decode here
+    assert handoff.num_prefilled(num_decoding=2) == 0  # queued: their hand-offs will move them
+    migrations.stuck.set()
+    await until(lambda: handoff.num_handed_off == 2, loop)
+    assert [plan.held for plan in migrations.plans] == [None, None, None]  # r-2's parked state is stale: suspended afresh
+    assert engine.resumed == ["r-2", "r-3", "r-1"]  # r-1 decodes here after its failed hand-off
+    assert handoff.num_prefilled(num_decoding=1) == 1
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_a_request_taken_within_the_hold_time_stays_parked():
+    engine, placer, migrations = FakeEngine(), FlakyPlacer(), FakeMigrations()
+    handoff = pushing(engine, placer, migrations, hold_s=0.05)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1")
+    await until(lambda: handoff.num_handed_off == 1, loop)
+    await asyncio.sleep(0.1)
+    assert engine.resumed == []  # its timer was called off
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_requests_parked_for_their_hand_off_are_not_taken_off_the_decoding_ones():
     """`num_decoding` counts running requests; parked ones are not among them. Before, each queued hand-off
     was subtracted again, so requests decoding here unhandled were reported as none."""
     migrations = FakeMigrations()

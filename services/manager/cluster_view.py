@@ -197,12 +197,16 @@ class ClusterView:
 
     def load_of(self, instance_id: InstanceId) -> Load:
         """Last reported load plus reservations; before any report, an empty cache of the record's size."""
+        reserved = self._reserved.get(instance_id, ())
+        return self.reported_load_of(instance_id).plus(Reservation(len(reserved), sum(n for _, n in reserved)))
+
+    def reported_load_of(self, instance_id: InstanceId) -> Load:
+        """Last reported load; before any report, an empty cache of the record's size."""
         load = self._reports.get(instance_id)
         if load is None:
             num_blocks = self._records[instance_id].num_blocks
             load = Load(num_free_blocks=num_blocks, num_total_blocks=num_blocks)
-        reserved = self._reserved.get(instance_id, ())
-        return load.plus(Reservation(len(reserved), sum(num_blocks for _, num_blocks in reserved)))
+        return load
 
     def candidates(self, exclude: frozenset[InstanceId] = frozenset(),
                    roles: frozenset[Role] = PREFILL_ROLES) -> list[Candidate]:
@@ -272,6 +276,7 @@ class ClusterView:
             report_age_s=self._clock() - self._heard_at[instance_id] if has_report else None,
             is_heard=not self._is_unhealthy(instance_id, self._clock() - self._report_timeout_s),
             num_migrations_in=self._migrating_in.get(instance_id, 0),
+            reported_load=self.reported_load_of(instance_id),
         )
 
     def _is_draining(self, instance_id: InstanceId) -> bool:

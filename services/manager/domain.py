@@ -174,6 +174,7 @@ class InstanceView:
     report_age_s: float | None  # None: no report received yet
     is_heard: bool = True  # it reported within --report-timeout-s (and no peer found it unreachable since)
     num_migrations_in: int = 0  # migrations this manager runs into it now
+    reported_load: Load | None = None  # the last report alone (None: as `load`)
 
     @property
     def is_drained(self) -> bool:

@@ -37,19 +37,31 @@ class Peer:
     instance_id: InstanceId
     address: str
     role: Role
-    load: Load  # last report plus reservations
+    load: Load  # last report plus reservations: what it will hold, as a destination
     freeness: float
     is_draining: bool
     last_received_at: float = -math.inf  # when a migration to it last ended (the migrator's clock)
+    reported: Load | None = None  # last report alone: what it holds now, what a move can take (None: `load`)
 
     @classmethod
     def of(cls, view: InstanceView, is_draining: bool, last_received_at: float = -math.inf) -> Peer:
         return cls(view.record.instance_id, view.record.address, view.record.role, view.load, view.load.freeness,
-                   is_draining, last_received_at)
+                   is_draining, last_received_at, view.reported_load)
 
     @property
     def num_requests(self) -> int:
         return self.load.num_running + self.load.num_waiting
+
+    @property
+    def held(self) -> Load:
+        """Its load as a source. A reservation is a request on its way (not movable yet) or, for up to
+        IN_TRANSIT_S, one the report counts already: counted twice, a lone request looked like two
+        and moved to an idle instance at once, leaving it busy instead."""
+        return self.load if self.reported is None else self.reported
+
+    @property
+    def num_held(self) -> int:
+        return self.held.num_running + self.held.num_waiting
 
     @property
     def can_receive(self) -> bool:
@@ -102,7 +114,8 @@ class PairingPolicy(abc.ABC):
 class LoadPairing(PairingPolicy):
     """Most loaded with freest, second most loaded with second freest, ... (Llumnix's pairing).
 
-    A pair is worth it when the freeness gap exceeds `threshold` *and* (hysteresis) the
+    Sources are judged by what they hold (their last report), destinations by what they will
+    hold (with the manager's reservations). A pair is worth it when the freeness gap exceeds `threshold` *and* (hysteresis) the
     destination would still be at least as free as the source after taking one average
     request of the source: so a move never makes the pair swap places, and the request
     it moved is never a reason to move it back (at worst the two end level: gap 0). Gaps only shrink towards the middle of the ranking:
@@ -112,8 +125,8 @@ class LoadPairing(PairingPolicy):
     name = "load"
 
     def pair(self, peers: Sequence[Peer], threshold: float, allowed: PairFilter = _any_pair) -> list[Pair]:
-        ranked = sorted(peers, key=lambda p: (p.freeness, p.instance_id))
-        sources = [p for p in ranked if p.num_requests > 0 and p.role is not Role.PREFILL]  # those leave by PD
+        ranked = sorted(peers, key=lambda p: (p.held.freeness, p.instance_id))
+        sources = [p for p in ranked if p.num_held > 0 and p.role is not Role.PREFILL]  # those leave by PD
         destinations = sorted((p for p in peers if p.can_receive), key=destination_order)
         pairs: list[Pair] = []
         used: set[InstanceId] = set()
@@ -121,10 +134,11 @@ class LoadPairing(PairingPolicy):
             if src.instance_id in used:
                 continue
             free = [d for d in destinations if d.instance_id not in used and d.instance_id != src.instance_id]
-            if not free or free[0].freeness - src.freeness <= threshold:
+            src_freeness = src.held.freeness
+            if not free or free[0].freeness - src_freeness <= threshold:
                 break  # gaps only shrink from here
-            dst = next((d for d in free if allowed(src, d) and d.freeness - src.freeness > threshold
-                        and stays_freer_after_move(src.load, d.load)), None)
+            dst = next((d for d in free if allowed(src, d) and d.freeness - src_freeness > threshold
+                        and stays_freer_after_move(src.held, d.load)), None)
             if dst is not None:  # else every destination worth it backs off or cannot take one: the next source
                 pairs.append(Pair(src, dst, MigrationTrigger.LOAD))
                 used.update((src.instance_id, dst.instance_id))

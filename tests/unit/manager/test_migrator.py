@@ -475,3 +475,20 @@ async def test_what_is_kept_per_instance_goes_when_it_leaves():
     view.remove_member(InstanceId("gone"))
     migrator.tick()
     assert "gone" not in {*migrator._ended_at, *migrator._received_at, *(i for p in migrator._failed_at for i in p)}
+
+
+async def test_a_lone_request_just_dispatched_is_not_counted_twice_and_stays():
+    """A report within IN_TRANSIT_S of a dispatch counts the request, and its reservation is still
+    kept: as a source the instance looked like it held two, and its one request moved to the idle
+    instance at once (every lone request on a two-instance cluster, in a black-box run)."""
+    clock = FakeClock()
+    view = cluster(clock, a=0, b=0)
+    view.reserve(InstanceId("a"), num_blocks=10)
+    clock.advance(0.1)
+    report(view, "a", 1)  # it arrived; its reservation is kept for IN_TRANSIT_S
+    assert view.instance(InstanceId("a")).load.num_running == 2
+    migrator = make_migrator(view, clock, FakeSources())
+    assert migrator.tick() == []
+    report(view, "a", 3)  # three it holds: one moves
+    assert routes(migrator.tick()) == [("a", "b", MigrationTrigger.LOAD)]
+    await settle(migrator)

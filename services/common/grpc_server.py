@@ -98,6 +98,7 @@ class GrpcServer:
     service_full_names: tuple[str, ...]
     health: HealthServicer
     tls_mode: str = "off"
+    is_stopped: bool = False
 
     @property
     def address(self) -> str:
@@ -123,7 +124,11 @@ class GrpcServer:
                  tls=self.tls_mode)
 
     async def stop(self, grace: float | None = 5.0) -> None:
-        """NOT_SERVING, then stop accepting calls and wait up to `grace` s for running ones."""
+        """NOT_SERVING, then stop accepting calls and wait up to `grace` s for running ones (once:
+        a later call returns at once, so a `finally` may stop a server the normal path stopped)."""
+        if self.is_stopped:
+            return
+        self.is_stopped = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         log.info("grpc_server_stopped", address=self.address)

@@ -68,10 +68,10 @@ async def main(config: ManagerConfig) -> None:
                           config.list_requests_timeout_s, config.admin_forward_timeout_s, config.migration_timeout_s,
                           tls=config.tls, admin_token=admin_token, journal=journal)
     await server.start(servicers(ManagerServicer(dispatcher, view, leadership, migrator), admin))
-    if config.metrics_port:
-        serve_metrics(config.metrics_port, config.host, view, leadership)
     stop = stop_event()
     try:
+        if config.metrics_port:
+            serve_metrics(config.metrics_port, config.host, view, leadership)
         members = await registry.watch("instances", resync_interval_s=config.resync_interval_s)
         members.on_change(lambda change: _apply_members(view, change.members))
         watch_membership_staleness(members)
@@ -92,6 +92,7 @@ async def main(config: ManagerConfig) -> None:
             await stop.wait()
             await _shutdown(config, server, campaign, loops)
     finally:
+        await server.stop(0)  # stopped already unless something failed on the way (a taken --metrics-port)
         await migrator.close()
         await election.close()
         await admin.close()

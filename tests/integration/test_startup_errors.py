@@ -49,6 +49,8 @@ def test_a_taken_port(taken_port):
                             "startup_failed", "cannot bind", "--port")
     assert_one_line_failure(start("transfer", "--metrics-port", str(taken_port)),
                             "startup_failed", f"--metrics-port {taken_port}")
+    assert_one_line_failure(start("manager", "--port", "0", "--metrics-port", str(taken_port),
+                                  "--etcd-endpoints", "127.0.0.1:1"), "startup_failed", f"--metrics-port {taken_port}")
 
 
 def test_etcd_not_answering_at_startup(tiny_model_dir):

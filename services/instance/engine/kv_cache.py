@@ -33,7 +33,7 @@ from services.common.errors import Internal, InvalidArgument, NotFound, Resource
 from services.instance.engine.cuda_ipc import CudaIpcHandle, export_handle, open_handle
 
 SHM_DIR = Path("/dev/shm")
-SEGMENT_PREFIX = "ferry-"  # every KV segment's name starts so (instances: ferry-kv-<instance id>)
+SEGMENT_PREFIX = "ferry-"  # every KV segment's name starts so (instances: ferry-kv-<pid>)
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fill the page tables, writable, without touching the data
 _PAGE = 4096
 _PREFAULT_CHUNK_BYTES = 64 << 20  # ~16 ms a madvise: how soon `close` stops a prefault in progress
@@ -92,10 +92,6 @@ class KvCache:
         self.ipc_handle = ipc_handle  # set for a cache on a GPU: how other processes map it
         self._owner = owner  # set in the creating process only; it alone unlinks the name
         self._closed = threading.Event()
-
-    @staticmethod
-    def name_for(instance_id: str) -> str:
-        return f"ferry-kv-{instance_id}"
 
     @classmethod
     def create(cls, name: str, geometry: KvGeometry, device: torch.device | None = None) -> KvCache:

@@ -23,7 +23,7 @@ from services.cluster.launcher import ClusterSpec, LocalCluster, PortInUse, run_
 from services.cluster.processes import ROOT, ProcessDied, TlsRejected
 from services.cluster.security import ClusterSecurity
 from services.cluster.supervisor import RestartPolicy
-from services.cluster.state_dir import StateDirInUse
+from services.cluster.state_dir import StateDirInUse, StateDirUnusable
 from services.common.config import DefaultsHelpFormatter
 from services.common.etcd_launcher import EtcdStartFailed
 from services.common.logging import LogFormat, setup_logging
@@ -199,10 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("cluster", LogFormat(args.log_format))
     try:
         asyncio.run(run_until_signalled(LocalCluster(build_spec(args))))
-    except (ProcessDied, TimeoutError, TlsRejected, PortInUse, StateDirInUse, EtcdStartFailed) as exc:
+    except (ProcessDied, TimeoutError, TlsRejected, PortInUse, StateDirInUse, StateDirUnusable,
+            EtcdStartFailed) as exc:
         print(f"cluster failed to start: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:  # e.g. --state-dir is a file, or its disk is full
+    except OSError as exc:  # e.g. the state dir's disk is full
         print(f"cluster failed: {exc}", file=sys.stderr)
         return 1
     return 0

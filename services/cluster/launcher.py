@@ -31,7 +31,7 @@ from services.cluster.processes import ServiceProcess, stop_all
 from services.cluster.scaling_follower import align_stored_scaling, follow_scaling, reset_target
 from services.cluster.security import ClusterSecurity
 from services.cluster.supervisor import RestartPolicy, Supervisor, exited_cleanly, supervise_step
-from services.cluster.state_dir import StateDirLock
+from services.cluster.state_dir import StateDirLock, StateDirUnusable
 from services.common.errors import FerryError
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.events import wait_set
@@ -121,7 +121,11 @@ class LocalCluster:
         return f"127.0.0.1:{self.spec.admin_port}"
 
     async def start(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StateDirUnusable(f"--state-dir {self.state_dir}: cannot use it as a directory "
+                                   f"({exc.strerror})") from exc
         self._state_lock.acquire()  # first: a second `up` on a held state dir names its holder, not a port
         (self.state_dir / "cluster.json").unlink(missing_ok=True)  # a killed launcher's: not ready until we say so
         check_ports_free(self.spec)

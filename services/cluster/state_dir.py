@@ -17,6 +17,10 @@ class StateDirInUse(RuntimeError):
     """Another running launcher holds the state dir."""
 
 
+class StateDirUnusable(RuntimeError):
+    """The state dir cannot be made a directory (a file in the way, no permission, a read-only disk)."""
+
+
 class StateDirLock:
     def __init__(self, state_dir: pathlib.Path) -> None:
         self._path = state_dir / LOCK_FILE

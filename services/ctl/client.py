@@ -8,6 +8,8 @@ later) raise `NotAvailableYet` instead of a raw UNIMPLEMENTED.
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 import grpc
@@ -85,6 +87,7 @@ class AdminClient:
         unknown = sorted(set(fields) - set(known))
         if unknown:
             raise ValueError(f"policy has no field {', '.join(unknown)}; its fields: {', '.join(known)}")
+        fields = {name: _full_enum_name(known[name], value) for name, value in fields.items()}
         for name, value in fields.items():
             try:
                 json_format.ParseDict({name: value}, manager_pb2.Policy())
@@ -192,10 +195,23 @@ def migrate_from_proto(reply: Any) -> MigrateResult:
         duration_ms=reply.duration_ms, downtime_ms=reply.downtime_ms)
 
 
+def _full_enum_name(field: FieldDescriptor, value: Any) -> Any:
+    """An enum value by its short name, as the manager's flags spell it (`longest_running` for
+    MIGRATION_SELECTION_LONGEST_RUNNING); anything else as given."""
+    if field.enum_type is None or not isinstance(value, str):
+        return value
+    wanted = value.strip().upper()
+    matches = [v.name for v in field.enum_type.values if v.name == wanted or v.name.endswith("_" + wanted)]
+    return matches[0] if len(matches) == 1 else value
+
+
 def _expected(field: FieldDescriptor) -> str:
     """What a policy field takes, in words."""
     if field.enum_type is not None:
-        return "one of " + ", ".join(value.name for value in field.enum_type.values)
+        prefix = os.path.commonprefix([value.name for value in field.enum_type.values])
+        prefix = prefix[:prefix.rfind("_") + 1]  # whole words only
+        return "one of " + ", ".join(value.name[len(prefix):].lower() for value in field.enum_type.values
+                                     if not value.name.endswith("_UNSPECIFIED"))
     if field.type == FieldDescriptor.TYPE_BOOL:
         return "true or false"
     if field.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):

@@ -73,7 +73,13 @@ def test_policy_get_and_set(ops):
         bad_value = ctl("policy", "set", "--set", assignment, admin=ops.admin_address)
         assert bad_value.returncode == 2 and f"--set {assignment}: expected {expected}" in bad_value.stderr, \
             bad_value.stderr
-    ok(ctl("policy", "set", "load", admin=ops.admin_address))
+    short = json.loads(ok(ctl("--json", "policy", "set", "--set", "migration_selection=longest_running",
+                              admin=ops.admin_address)))  # as the manager's --migration-selection spells it
+    assert short["migration_selection"] == "MIGRATION_SELECTION_LONGEST_RUNNING"
+    bad_enum = ctl("policy", "set", "--set", "migration_selection=running", admin=ops.admin_address)
+    assert bad_enum.returncode == 2 and "expected one of shortest_running, longest_running, last_come_first" in \
+        bad_enum.stderr, bad_enum.stderr
+    ok(ctl("policy", "set", "load", "--set", "migration_selection=shortest_running", admin=ops.admin_address))
 
 
 def test_requests_lists_a_running_request(ops):

@@ -133,7 +133,9 @@ def test_a_state_dir_that_is_a_file_fails_with_one_line_not_a_traceback(tmp_path
     result = subprocess.run([sys.executable, "-m", "services.cluster", "up", "--model", str(tiny_model_dir),
                              "--engine", "sim", "--state-dir", str(not_a_dir)], capture_output=True, text=True,
                             timeout=60)
-    assert result.returncode == 1 and result.stderr.startswith("cluster failed: [Errno 17] File exists")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith(f"cluster failed to start: --state-dir {not_a_dir}: cannot use it as a directory "
+                                    "(File exists)"), result.stderr
     assert "Traceback" not in result.stderr
 
 

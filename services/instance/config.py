@@ -4,6 +4,7 @@ import enum
 import pathlib
 from dataclasses import dataclass
 
+from services.common.ids import id_problem
 from services.common.config import knob
 from services.instance.engine.device import resolve_device
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
@@ -131,6 +132,8 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
         return CPU_STEP_TOKENS if self.device == "cpu" else GPU_STEP_TOKENS
 
     def __post_init__(self) -> None:
+        if self.instance_id and (problem := id_problem(self.instance_id)):
+            raise ValueError(f"--instance-id {self.instance_id[:40]!r}: {problem}")
         self.tls.check()
         self.etcd_access.check()
         self.check_etcd_wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.ids import id_problem
 from services.common.auth import read_token
 from services.common.config import knob
 from services.common.etcd_client import EtcdKnobs
@@ -66,6 +67,8 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     admin_token_file: str = knob("", "file holding --admin-token (instead of the flag or the env variable)")
 
     def __post_init__(self) -> None:
+        if self.manager_id and (problem := id_problem(self.manager_id)):
+            raise ValueError(f"--manager-id {self.manager_id[:40]!r}: {problem}")
         if self.dispatch_policy not in POLICY_NAMES:
             raise ValueError(f"--dispatch-policy must be one of {', '.join(POLICY_NAMES)}, got {self.dispatch_policy!r}")
         if not self.etcd_endpoints:

@@ -30,6 +30,7 @@ from typing import Protocol
 import structlog
 
 from services.common.errors import FailedPrecondition, FerryError, NotFound
+from services.common.ids import check_id
 from services.common.periodic import periodic_loop
 from services.manager import metrics
 from services.manager.cluster_view import ClusterView
@@ -188,8 +189,8 @@ class Migrator:
 
     def admin_order(self, src_id: str, dst_id: str, request_id: str) -> MigrationOrder:
         """An AdminService.Migrate order: NotFound for unknown instances, FailedPrecondition for a bad destination."""
-        src = self._member(src_id, "source")
-        dst = self._member(dst_id, "destination") if dst_id else self._freest_other(src)
+        src = self._member(src_id, "source", "src_instance_id")
+        dst = self._member(dst_id, "destination", "dst_instance_id") if dst_id else self._freest_other(src)
         if dst.record.instance_id == src.record.instance_id:
             raise FailedPrecondition(f"source and destination are both {src_id}; name another dst_instance_id "
                                      "(ferryctl --dst) or leave it empty for the freest serving instance")
@@ -358,7 +359,8 @@ class Migrator:
             log.info("instance_drained_empty", instance_id=instance_id)
         self._announced_drained = drained
 
-    def _member(self, instance_id: str, role: str) -> InstanceView:
+    def _member(self, instance_id: str, role: str, field: str) -> InstanceView:
+        check_id(field, instance_id)
         if not self._view.has_member(instance_id):
             raise NotFound(f"{role} instance {instance_id!r} is not registered; see ListInstances for the ids")
         return self._view.instance(InstanceId(instance_id))

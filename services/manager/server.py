@@ -26,6 +26,7 @@ from typing import Any
 import structlog
 
 from services.common.errors import FerryError, InvalidArgument, NotFound, Unavailable
+from services.common.ids import check_id
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.gen.ferry.v1 import instance_pb2, manager_pb2, manager_pb2_grpc
 from services.common.grpc_server import AddServicerFn
@@ -156,8 +157,8 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
 
     async def ListRequests(self, request: manager_pb2.AdminListRequestsRequest, context) -> instance_pb2.ListRequestsResponse:
         """Ask every instance (or the one named) for its requests, each with a deadline."""
-        if request.instance_id and not self._view.has_member(request.instance_id):
-            raise NotFound(f"instance {request.instance_id!r} is not registered; see ListInstances for the ids")
+        if request.instance_id:
+            self._registered(request.instance_id)
         ids = [InstanceId(request.instance_id)] if request.instance_id else self._view.member_ids()
         requests, unreachable = await self._fan_out_list_requests(ids, must_answer=bool(request.instance_id))
         if unreachable:
@@ -248,6 +249,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
     def _registered(self, instance_id: str) -> InstanceId:
         if not instance_id:
             raise InvalidArgument("instance_id: required (see ListInstances for the ids)")
+        check_id("instance_id", instance_id)
         if not self._view.has_member(instance_id):
             raise NotFound(f"instance {instance_id!r} is not registered; see ListInstances for the ids")
         return InstanceId(instance_id)

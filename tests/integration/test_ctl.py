@@ -168,6 +168,10 @@ def test_migrate_from_a_source_without_the_request_names_where_it_runs(ops):
 def test_failures_say_what_to_fix(ops):
     unknown = ctl("drain", "no-such-instance", admin=ops.admin_address)
     assert unknown.returncode == 1 and "not registered" in unknown.stderr
+    for argv in (("requests", "--instance", "../x"), ("drain", "x" * 5000), ("migrate", "--src", "a/b")):
+        not_an_id = ctl(*argv, admin=ops.admin_address)  # INVALID_ARGUMENT naming the field, the id cut short
+        assert not_an_id.returncode == 1 and "instance_id: '" in not_an_id.stderr, not_an_id.stderr
+        assert len(not_an_id.stderr) < 1000, not_an_id.stderr
     started = time.monotonic()
     down = ctl("--timeout-s", "1", "instances", admin=f"127.0.0.1:{free_port()}")
     assert down.returncode == 1 and "FERRY_CTL_ADMIN" in down.stderr and "Traceback" not in down.stderr

@@ -1,0 +1,28 @@
+"""What an instance or manager id may be: it names etcd keys (`instances/<id>`), log fields,
+metric labels and shared-memory files, so one word of at most MAX_ID_CHARS safe characters."""
+
+from __future__ import annotations
+
+import re
+
+from services.common.errors import InvalidArgument
+
+MAX_ID_CHARS = 128
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*")
+
+
+def id_problem(value: str) -> str | None:
+    """Why `value` cannot be an id, or None if it can."""
+    if len(value) > MAX_ID_CHARS:
+        return f"longer than {MAX_ID_CHARS} characters ({len(value)})"
+    if not _ID.fullmatch(value):
+        return "not an id: letters, digits and . _ : @ - only, starting with a letter or digit"
+    return None
+
+
+def check_id(field: str, value: str) -> str:
+    """`value` if it can be an id, else INVALID_ARGUMENT naming `field` (and the value, shortened)."""
+    if (problem := id_problem(value)) is not None:
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise InvalidArgument(f"{field}: {shown!r} is {problem}")
+    return value

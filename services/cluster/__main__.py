@@ -69,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     up.add_argument("--http-port", type=int, default=8000, help="frontend's OpenAI-compatible HTTP port")
     up.add_argument("--http-host", default="127.0.0.1",
                     help="address the frontend listens on: this machine only by default, since the API has no "
-                         "key unless the frontend is given one; 0.0.0.0 serves every interface (a container)")
+                         "key unless the frontend is given one; 0.0.0.0 serves every interface (a container); "
+                         "default 127.0.0.1")
     up.add_argument("--admin-port", type=int, default=50051, help="manager's gRPC port (ManagerService + AdminService)")
     up.add_argument("--state-dir", type=pathlib.Path, default=None,
                     help="where cluster.json, logs and etcd data go (default: a temp dir removed on exit)")
@@ -77,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     up.add_argument("--threads-per-instance", type=int, default=0,
                     help="torch threads per instance (0 = cores / instances, at least 1)")
     up.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per instance in MiB")
-    up.add_argument("--log-format", default="console", choices=["console", "json"], help="log format of every process")
+    up.add_argument("--log-format", default="console", choices=["console", "json"], help="log format of every process (the launcher's banner and `ready` line on stdout stay text)")
     up.add_argument("--autoscale-max-instances", type=int, default=0, metavar="N",
                     help="let the leader manager scale between --instances and N instances, keeping the average "
                          "freeness in its band (ferryctl policy set --set scaling_low_freeness=... changes it); "

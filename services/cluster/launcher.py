@@ -441,6 +441,12 @@ def _kv_cache_knob() -> str:
 NUM_BLOCKS_VARIABLE = "FERRY_INSTANCE_NUM_BLOCKS"  # the instances' --num-blocks, which overrides --kv-cache-mib
 
 
+def _engine_note(cluster: LocalCluster) -> str:
+    if cluster.spec.engine == "sim":
+        return ", sim engine: a latency model, no forward pass, so answers are random tokens"
+    return ""
+
+
 def ready_banner(cluster: LocalCluster, serving: Serving | None = None) -> str:
     """What `up` prints once every child is healthy; its commands work as printed (from the repository root)."""
     model = cluster.spec.model_dir.name
@@ -451,7 +457,7 @@ def ready_banner(cluster: LocalCluster, serving: Serving | None = None) -> str:
         if security.has_admin_token else ""  # read at run time: the token itself is never printed
     ctl = _ctl_command(cluster, "instances")
     return f"""
-ferry cluster is up ({len(cluster.spec.roles)} instance{"" if len(cluster.spec.roles) == 1 else "s"}, model {model})
+ferry cluster is up ({len(cluster.spec.roles)} instance{"" if len(cluster.spec.roles) == 1 else "s"}, model {model}{_engine_note(cluster)})
   OpenAI API : {cluster.frontend_url}/v1
   admin gRPC : {address}   ({grpcurl} {address} list)
   security   : {_security_line(security)}

@@ -35,6 +35,7 @@ from services.instance.engine.factory import EngineSpec, LoadedEngine, build_eng
 from services.instance.engine.device import resolve_device
 from services.instance.engine.kv_cache import KvGeometry
 from services.instance.engine.sim_model import SimLatency
+from services.instance.kv_segments import reclaim_stale_segments, segment_name
 from services.instance.load_reporter import load_report_loop
 from services.instance.manager_client import ManagerLink
 from services.instance.pd_handoff import DecodeHandoff
@@ -59,7 +60,8 @@ async def main(config: InstanceConfig) -> None:
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
     try:
-        loaded = build_engine(engine_spec(config, kv_name=f"ferry-kv-{os.getpid()}"))
+        reclaim_stale_segments()
+        loaded = build_engine(engine_spec(config, kv_name=segment_name()))
     except (ValueError, OSError) as exc:
         raise StartupError(str(exc)) from exc
     runner = EngineRunner(loaded.engine, asyncio.get_running_loop())

@@ -33,7 +33,7 @@ from services.common.errors import Internal, InvalidArgument, NotFound, Resource
 from services.instance.engine.cuda_ipc import CudaIpcHandle, export_handle, open_handle
 
 SHM_DIR = Path("/dev/shm")
-SEGMENT_PREFIX = "ferry-"  # every KV segment's name starts so (instances: ferry-kv-<pid>)
+SEGMENT_PREFIX = "ferry-"  # every KV segment's name starts so (instances: ferry-kv-<host>-<pid>)
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fill the page tables, writable, without touching the data
 _PAGE = 4096
 _PREFAULT_CHUNK_BYTES = 64 << 20  # ~16 ms a madvise: how soon `close` stops a prefault in progress
@@ -104,8 +104,8 @@ class KvCache:
             shm = shared_memory.SharedMemory(name=name, create=True, size=geometry.num_bytes)
         except FileExistsError:
             raise Internal(
-                f"shared memory {name!r} already exists: another instance uses this --instance-id, or a crashed "
-                f"one left {SHM_DIR / name} behind (remove it)"
+                f"shared memory {name!r} already exists: another process uses that name, or one that crashed "
+                f"left {SHM_DIR / name} behind (remove it)"
             ) from None
         shm.close()  # the name stays; torch maps the bytes itself below
         try:

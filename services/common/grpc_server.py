@@ -128,9 +128,9 @@ class GrpcServer:
         a later call returns at once, so a `finally` may stop a server the normal path stopped)."""
         if self.is_stopped:
             return
-        self.is_stopped = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        self.is_stopped = True  # only now: a stop cut short leaves the `finally`'s to finish it
         log.info("grpc_server_stopped", address=self.address)
 
 

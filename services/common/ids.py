@@ -4,6 +4,7 @@ metric labels and shared-memory files, so one word of at most MAX_ID_CHARS safe 
 from __future__ import annotations
 
 import re
+import socket
 
 from services.common.errors import InvalidArgument
 
@@ -18,6 +19,17 @@ def id_problem(value: str) -> str | None:
     if not _ID.fullmatch(value):
         return "not an id: letters, digits and . _ : @ - only, starting with a letter or digit"
     return None
+
+
+def host_word(host: str | None = None, max_chars: int = 64) -> str:
+    """This host's name (or `host`) as one id-safe word: other characters become '_'."""
+    word = re.sub(r"[^A-Za-z0-9._:@-]", "_", host if host is not None else socket.gethostname())
+    return (word if word[:1].isalnum() else "h" + word)[:max_chars]
+
+
+def default_id(port: int) -> str:
+    """`<host>-<port>`: the id of an instance or manager started without one."""
+    return f"{host_word()}-{port}"
 
 
 def check_id(field: str, value: str) -> str:

@@ -200,16 +200,23 @@ def _full_enum_name(field: FieldDescriptor, value: Any) -> Any:
     MIGRATION_SELECTION_LONGEST_RUNNING); anything else as given."""
     if field.enum_type is None or not isinstance(value, str):
         return value
+    prefix = _enum_prefix(field)
     wanted = value.strip().upper()
-    matches = [v.name for v in field.enum_type.values if v.name == wanted or v.name.endswith("_" + wanted)]
-    return matches[0] if len(matches) == 1 else value
+    matches = [v.name for v in field.enum_type.values
+               if wanted in (v.name, v.name[len(prefix):]) and not v.name.endswith("_UNSPECIFIED")]
+    return matches[0] if matches else value
+
+
+def _enum_prefix(field: FieldDescriptor) -> str:
+    """What every value name of the enum field starts with, whole words (MIGRATION_SELECTION_)."""
+    prefix = os.path.commonprefix([value.name for value in field.enum_type.values])
+    return prefix[:prefix.rfind("_") + 1]
 
 
 def _expected(field: FieldDescriptor) -> str:
     """What a policy field takes, in words."""
     if field.enum_type is not None:
-        prefix = os.path.commonprefix([value.name for value in field.enum_type.values])
-        prefix = prefix[:prefix.rfind("_") + 1]  # whole words only
+        prefix = _enum_prefix(field)
         return "one of " + ", ".join(value.name[len(prefix):].lower() for value in field.enum_type.values
                                      if not value.name.endswith("_UNSPECIFIED"))
     if field.type == FieldDescriptor.TYPE_BOOL:

@@ -26,6 +26,7 @@ from services.common.gen.ferry.v1 import common_pb2, instance_pb2_grpc
 from services.common.grpc_server import GrpcServer, start_grpc_server
 from services.common.errors import Internal, Unavailable
 from services.common.etcd_client import ETCD_ERRORS
+from services.common.ids import default_id
 from services.common.registry import DRAIN_MARKS, Registry
 from services.common.signals import stop_event
 from services.common.startup import StartupError
@@ -88,7 +89,7 @@ async def serve(config: InstanceConfig, loaded: LoadedEngine, runner: EngineRunn
 async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: InstanceConfig, loaded: LoadedEngine,
                    runner: EngineRunner) -> None:
     await server.set_serving(False)  # until registered
-    instance_id = config.instance_id or f"{socket.gethostname()}-{server.port}"
+    instance_id = config.instance_id or default_id(server.port)
     identity = InstanceIdentity(instance_id, server.address, config.role, config.model.name,
                                 loaded.max_model_len, geometry_to_proto(loaded.kv_cache.geometry))
     servicer.identity = identity

@@ -65,9 +65,10 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     pd_handoff: PdHandoff = knob(PdHandoff.PUSH, "who moves a request from a prefill instance to a decode instance "
                                                  "after its first token: push (this instance, at once) or manager "
                                                  "(the manager's migration loop, next tick)")
-    pd_handoff_hold_s: float = knob(1.0, "prefill role, push hand-off: how long a prefilled request waits parked "
-                                         "for its hand-off; past it (hand-offs ahead of it are slow) it decodes "
-                                         "here until its hand-off starts")
+    pd_handoff_hold_s: float = knob(1.0, "prefill role, push hand-off: when no hand-off has started or ended for "
+                                         "this long (one is stuck, e.g. on a frozen decode instance), the queued "
+                                         "prefilled requests decode here until a worker takes theirs; a queue that "
+                                         "moves keeps them parked however long it is")
     engine: EngineKind = knob(EngineKind.TORCH, "inference engine: torch (runs the model) or sim (scheduler, KV "
                                                 "cache and migration as torch, a latency model instead of the "
                                                 "forward pass: many instances on one machine)")
@@ -158,7 +159,7 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         for name in ("max_concurrent_migrations", "migration_reservation_timeout_s", "migration_rpc_timeout_s",
                      "migration_transfer_timeout_s", "pd_handoff_hold_s"):
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:  # (nan too)
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.migration_reservation_timeout_s <= self.migration_transfer_timeout_s:
             raise ValueError(f"--migration-reservation-timeout-s ({self.migration_reservation_timeout_s:g}) must exceed "

@@ -15,31 +15,24 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-
 import structlog
 
+from services.common.ids import host_word
 from services.instance.engine.kv_cache import SHM_DIR
 
 log = structlog.get_logger(__name__)
 
 PREFIX = "ferry-kv-"
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def host_label(host: str | None = None) -> str:
-    """This host's name as one safe file-name word (at most 64 characters)."""
-    return _UNSAFE.sub("_", host if host is not None else socket.gethostname())[:64] or "host"
 
 
 def segment_name(pid: int | None = None, host: str | None = None) -> str:
-    return f"{PREFIX}{host_label(host)}-{os.getpid() if pid is None else pid}"
+    return f"{PREFIX}{host_word(host)}-{os.getpid() if pid is None else pid}"
 
 
 def reclaim_stale_segments(host: str | None = None) -> list[str]:
     """Unlink this host's instance segments whose process is gone (ours included); their names."""
     own_pid = os.getpid()
-    pattern = re.compile(re.escape(PREFIX + host_label(host)) + r"-(\d+)")
+    pattern = re.compile(re.escape(PREFIX + host_word(host)) + r"-(\d+)")
     removed = []
     for path in SHM_DIR.glob(PREFIX + "*"):
         match = pattern.fullmatch(path.name)

@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -77,7 +77,7 @@ class DecodeHandoff:
         self._pending: set[str] = set()  # queued or moving now: not reported as `num_prefilled`
         self._held: dict[str, HeldRequest] = {}  # parked in the step of their first token, with their state
         self._queued: dict[str, None] = {}  # in the queue, no worker on it yet (in queue order)
-        self._decoding_while_queued: set[str] = set()  # queued in a stall: decoding here until a worker takes it
+        self._decoding_while_queued: set[str] = set()  # resumed in a stall: decoding here until a worker takes it
         self._last_progress = time.monotonic()  # a worker last took or ended a hand-off
         self._stall_check: asyncio.TimerHandle | None = None
         self._reports: set[asyncio.Task[None]] = set()
@@ -89,15 +89,13 @@ class DecodeHandoff:
     def is_pushing(self) -> bool:
         return self._placer is not None and self._mode is PdHandoff.PUSH and self._role() is InstanceRole.PREFILL
 
-    def num_prefilled(self, num_decoding: int) -> int:
-        """Decoding requests waiting for a hand-off nobody runs yet (the manager's loop moves them).
-        `num_decoding` counts running requests: those a hand-off here handles are parked (not running)
-        from its queueing to its end, except those queued in a stall; other migrations' requests and
-        those are taken off."""
+    def num_prefilled(self, decoding_ids: Collection[str]) -> int:
+        """Decoding requests waiting for a hand-off nobody runs yet (the manager's loop moves them):
+        of the running requests past their prefill, those neither a hand-off here (queued, parked
+        or decoding meanwhile, or moving) nor another migration handles."""
         if self._role() is not InstanceRole.PREFILL:
             return 0
-        handled = len(self._migrations.moving - self._pending) + len(self._decoding_while_queued)
-        return max(0, num_decoding - handled)
+        return len(set(decoding_ids) - self._pending - self._migrations.moving)
 
     def _forget_held(self, request_id: str) -> None:
         self._held.pop(request_id, None)  # its hand-off, if still queued, suspends it afresh

@@ -211,7 +211,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
     def load_report(self) -> common_pb2.LoadReport:
         runner = self._runner
         load = runner.load
-        num_prefilled = self.handoff.num_prefilled(load.num_decoding) if self.handoff is not None else 0
+        num_prefilled = self.handoff.num_prefilled(load.decoding_ids) if self.handoff is not None else 0
         return load_to_proto(self.identity.instance_id, load, runner.num_requests_served, time.time(),
                              runner.step_time_ms_p50, runner.num_steps, num_prefilled=num_prefilled,
                              prefix_cache=runner.prefix_cache_stats,

@@ -11,7 +11,6 @@ channels and etcd clients.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,6 +21,7 @@ from services.common.config import as_dict
 from services.common.election import Election, watch_leader
 from services.common.etcd_client import ETCD_ERRORS, connect_etcd
 from services.common.grpc_server import GrpcServer, bind_grpc_server
+from services.common.ids import default_id
 from services.common.registry import Registry
 from services.common.signals import stop_event
 from services.manager.cluster_view import ClusterView
@@ -48,7 +48,7 @@ async def main(config: ManagerConfig) -> None:
     # Bound first: the manager id and the election need its port; it starts once its servicers exist.
     server = bind_grpc_server(config.host, config.port, [MANAGER_SERVICE, ADMIN_SERVICE], interceptors,
                               advertise_host=config.advertise_host or None, tls=config.tls)
-    manager_id = config.manager_id or f"{socket.gethostname()}-{server.port}"
+    manager_id = config.manager_id or default_id(server.port)
     election = Election(config.etcd_endpoints, config.cluster, manager_id, server.address, config.lease_ttl_s,
                         access=config.etcd_access)
     leadership = Leadership(manager_id, server.address, lambda: election.holds_lease)

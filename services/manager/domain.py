@@ -177,6 +177,11 @@ class InstanceView:
     reported_load: Load | None = None  # the last report alone (None: as `load`)
 
     @property
+    def held_load(self) -> Load:
+        """What it holds now, per its last report: the requests a migration can take from it."""
+        return self.load if self.reported_load is None else self.reported_load
+
+    @property
     def is_drained(self) -> bool:
         """DRAINING, and a recent report shows nothing running or waiting: safe to stop. (A report older
         than the timeout proves nothing: a standby may hold one from the term it led.)"""

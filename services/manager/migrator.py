@@ -208,12 +208,12 @@ class Migrator:
     def busiest_source(self, dst_id: str = "") -> str:
         """Where an admin Migrate that names no request and no source moves from: the least free
         instance (ties by id) with a request running or waiting, other than `dst_id`."""
-        busy = [v for v in self._view.instances() if v.load.num_running + v.load.num_waiting > 0
+        busy = [v for v in self._view.instances() if v.held_load.num_running + v.held_load.num_waiting > 0
                 and v.state is not InstanceState.UNHEALTHY and v.record.instance_id != dst_id]
         if not busy:
             raise FailedPrecondition("nothing to migrate: no instance reports a running or waiting request "
                                      "(see ListRequests)")
-        return min(busy, key=lambda v: (v.load.freeness, v.record.instance_id)).record.instance_id
+        return min(busy, key=lambda v: (v.held_load.freeness, v.record.instance_id)).record.instance_id
 
     def keep_reported(self, record: MigrationRecord) -> None:
         """A migration an instance ran on its own (the PD push): kept, counted and logged like ours. One that

@@ -108,8 +108,12 @@ class LoadSnapshot:
     num_total_blocks: int
     num_blocks_needed_by_waiting: int
     freeness: float  # (free - needed by waiting - headroom) / (running + 1)
-    num_decoding: int = 0  # running requests past their prefill (at least one output token): PD hand-off candidates
+    decoding_ids: frozenset[str] = frozenset()  # running requests past their prefill: PD hand-off candidates
     num_headroom_blocks: int = 0  # kept free for high-priority requests (--priority-headroom-blocks each)
+
+    @property
+    def num_decoding(self) -> int:
+        return len(self.decoding_ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -462,7 +466,8 @@ class LLMEngine:
             num_running=num_running, num_waiting=len(self.scheduler.waiting), num_free_blocks=num_free,
             num_total_blocks=self.block_manager.num_blocks, num_blocks_needed_by_waiting=num_needed,
             freeness=(num_free - num_needed - num_headroom) / (num_running + 1),
-            num_decoding=sum(is_prefill_done(r) for r in self.scheduler.running), num_headroom_blocks=num_headroom,
+            decoding_ids=frozenset(r.request_id for r in self.scheduler.running if is_prefill_done(r)),
+            num_headroom_blocks=num_headroom,
         )  # fmt: skip
 
     def prefix_cache_stats(self) -> PrefixCacheStats:

@@ -8,7 +8,8 @@ import sys
 import uuid
 
 from services.instance.engine.kv_cache import SHM_DIR
-from services.instance.kv_segments import host_label, reclaim_stale_segments, segment_name
+from services.common.ids import host_word
+from services.instance.kv_segments import reclaim_stale_segments, segment_name
 
 
 def dead_pid() -> int:
@@ -19,7 +20,7 @@ def dead_pid() -> int:
 
 def test_names_are_one_safe_word_with_host_and_pid():
     assert segment_name(pid=1, host="web-7.example") == "ferry-kv-web-7.example-1"
-    assert host_label("a b/c") == "a_b_c" and len(host_label("h" * 300)) == 64
+    assert host_word("a b/c") == "a_b_c" and len(host_word("h" * 300)) == 64 and host_word("-x") == "h-x"
     assert segment_name().endswith(f"-{os.getpid()}")
 
 

@@ -116,7 +116,7 @@ async def test_an_unexpected_error_resumes_the_request_here_and_the_next_one_mov
     assert engine.resumed == ["r-1"]  # it decodes here; the manager's loop may move it later
     assert [plan.request_id for plan in migrations.plans] == ["r-1", "r-2"]
     await until(lambda: placer.reported == ["r-2"], loop)
-    assert handoff.num_prefilled(num_decoding=1) == 1  # r-1 is no longer pending
+    assert handoff.num_prefilled({"r-1"}) == 1  # r-1 is no longer pending
     await assert_cancels(loop)
     await handoff.close()
 
@@ -190,12 +190,13 @@ async def test_requests_queued_behind_a_stuck_hand_off_decode_here_until_a_worke
     for request_id, parked in (("r-1", None), ("r-2", held), ("r-3", None)):
         handoff.note_prefilled(request_id, parked)
     await until(lambda: engine.resumed == ["r-2", "r-3"], loop)  # r-1's hand-off is stuck; they decode here
-    assert handoff.num_prefilled(num_decoding=2) == 0  # queued: their hand-offs will move them
+    assert handoff.num_prefilled({"r-2", "r-3"}) == 0  # queued: their hand-offs will move them
+    assert handoff.num_prefilled({"x"}) == 1  # one whose hand-off failed earlier: the manager's (r-2, r-3 finished)
     migrations.stuck.set()
     await until(lambda: handoff.num_handed_off == 2, loop)
     assert [plan.held for plan in migrations.plans] == [None, None, None]  # r-2's parked state is stale: suspended afresh
     assert engine.resumed == ["r-2", "r-3", "r-1"]  # r-1 decodes here after its failed hand-off
-    assert handoff.num_prefilled(num_decoding=1) == 1
+    assert handoff.num_prefilled({"r-1"}) == 1
     await assert_cancels(loop)
     await handoff.close()
 
@@ -219,6 +220,6 @@ async def test_requests_parked_for_their_hand_off_are_not_taken_off_the_decoding
     handoff = pushing(FakeEngine(), FlakyPlacer(), migrations)
     handoff.note_prefilled("p-0")
     handoff.note_prefilled("p-1")  # parked, queued: no worker runs in this test
-    assert handoff.num_prefilled(num_decoding=2) == 2  # two others decode here
+    assert handoff.num_prefilled({"d-0", "d-1"}) == 2  # two others decode here
     migrations.moving = frozenset({"d-0"})  # a rebalancing migration moves one of them
-    assert handoff.num_prefilled(num_decoding=2) == 1
+    assert handoff.num_prefilled({"d-0", "d-1"}) == 1

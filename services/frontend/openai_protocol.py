@@ -40,6 +40,7 @@ _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_gramma
 _OUTPUT_FLAGS = {"include_stop_str_in_output": False, "skip_special_tokens": True, "use_beam_search": False}
 _UNSUPPORTED_SAMPLING = ("bad_words", "allowed_token_ids")  # vLLM's, refused unless empty
 MAX_TEMPLATE_KWARGS = 32
+MAX_TOOLS = 128
 
 
 Prompt = str | tuple[int, ...]  # text or token ids
@@ -254,7 +255,22 @@ def chat_template_options(body: Mapping[str, Any]) -> ChatTemplateOptions:
                            param="continue_final_message")
     if add_generation_prompt is None:
         add_generation_prompt = not continue_final_message
+    if body.get("tools") and "tools" not in kwargs:  # tool_choice "none" (others are refused): shown, not called
+        kwargs["tools"] = _tools(body["tools"])
     return ChatTemplateOptions(add_generation_prompt, tuple(sorted(kwargs.items())), continue_final_message)
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    """`tools` as the chat template takes them (transformers' `tools=`), each a function with a name."""
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise RequestError(f"tools: expected a list of at most {MAX_TOOLS} tools", param="tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type", "function") != "function" \
+                or not isinstance(function.get("name"), str):
+            raise RequestError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                               param=f"tools[{i}]")
+    return tools
 
 
 def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int,

@@ -83,3 +83,23 @@ def test_an_echoed_token_id_prompt_keeps_its_special_tokens_as_its_logprobs_list
     assert text == "".join(model.token_text(token_id) for token_id in prompt)  # text offsets stay monotonic
     assert text.endswith("the cat") and text != "the cat"
     assert model.prompt_text("as given") == "as given"
+
+
+def test_tools_with_tool_choice_none_reach_the_chat_template_as_transformers_passes_them(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+    folder = tmp_path / "tools-template"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
+                               "{% for m in messages %}{{ m.content }}{% endfor %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    model = ServedModel.load(folder, "tools")
+    tools = [{"type": "function", "function": {"name": "get_weather"}}, {"function": {"name": "f2"}}]
+    (ids,) = token_ids_of(model, parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                                     "tool_choice": "none"}, "tools"))
+    assert model.tokenizer.decode(ids, skip_special_tokens=False) == "TOOLS:get_weather;f2;hi"
+    for bad in ([{"type": "function"}], [3], {"f": 1}):
+        with pytest.raises(RequestError, match=r"^tools"):
+            parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "tools": bad, "tool_choice": "none"},
+                               "tools")

@@ -369,6 +369,12 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
             raise Unavailable(f"request {request_id!r} is on none of the instances that answered, and instances "
                               f"{', '.join(unreachable)} did not answer within {self._list_requests_timeout_s:g} s; "
                               "retry, or name the source instance")
+        choices = sorted(info.request_id for info in requests
+                         if info.request_id.startswith(f"{request_id}-") and info.request_id[len(request_id) + 1:].isdigit()
+                         and info.state != "finished")
+        if choices:  # an n > 1 (or batch) request: each choice runs as a request of its own
+            raise NotFound(f"request {request_id!r} runs as one request per choice: migrate one of "
+                           f"{', '.join(choices[:8])}{' ...' if len(choices) > 8 else ''}")
         raise NotFound(f"request {request_id!r} is not running or waiting on any instance (finished, or never "
                        "started); see ListRequests")
 

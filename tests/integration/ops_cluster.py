@@ -90,9 +90,9 @@ async def _wait_serving(ops: OpsCluster) -> None:
 
 
 @contextlib.contextmanager
-def running_request(instance_address: str, max_tokens: int = 900) -> Iterator[str]:
+def running_request(instance_address: str, max_tokens: int = 900, request_id: str = "") -> Iterator[str]:
     """A long greedy generation on the instance, read in a thread; cancelled on exit."""
-    request_id = f"ops-{uuid.uuid4().hex[:8]}"
+    request_id = request_id or f"ops-{uuid.uuid4().hex[:8]}"
     channel = grpc.insecure_channel(instance_address)
     request = instance_pb2.GenerateRequest(
         request_id=request_id, prompt_token_ids=[5, 17, 42, 99, 7, 3],

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -163,6 +164,17 @@ def test_migrate_from_a_source_without_the_request_names_where_it_runs(ops):
     assert f"is not on instance {OTHER_INSTANCE_ID}: it runs on {INSTANCE_ID}" in result.stderr
     history = json.loads(ok(ctl("--json", "migrations", "--request", request_id, admin=ops.admin_address)))
     assert [(r["outcome"], r["reason"]) for r in history] == [("failed", "NOT_FOUND")] * len(history) != []
+
+
+def test_migrating_an_n_request_by_its_own_id_names_its_choices(ops):
+    parent = f"cmpl-{uuid.uuid4().hex[:8]}"
+    with running_request(ops.instance_address, request_id=f"{parent}-0"), \
+            running_request(ops.instance_address, request_id=f"{parent}-1"):
+        for _ in range(10):  # a busy instance may miss the manager's ListRequests deadline: ask again
+            result = ctl("migrate", "--request", parent, admin=ops.admin_address)
+            if "per choice" in result.stderr:
+                break
+    assert result.returncode == 1 and f"migrate one of {parent}-0, {parent}-1" in result.stderr, result.stderr
 
 
 def test_failures_say_what_to_fix(ops):

@@ -62,12 +62,19 @@ class ServedModel:
     def prepared_prompts(self, parsed: ParsedRequest) -> list[PreparedPrompt]:
         """Each prompt's token ids (as given, or encoded), or the chat messages' through the template;
         with echo, also its text. Slow for a long prompt: call it off the event loop."""
+        self._check_sampling_tokens(parsed)
         if parsed.endpoint is Endpoint.CHAT:
             token_ids = self._chat_token_ids(parsed.messages or (), parsed.chat_template)
             return [PreparedPrompt(self._checked(self._truncated(token_ids, parsed.truncate_prompt_tokens),
                                                  "messages"))]
         names = [f"prompt[{i}]" for i in range(len(parsed.prompts))] if parsed.is_batch else ["prompt"]
         return [self._prepared(prompt, name, parsed) for prompt, name in zip(parsed.prompts, names)]
+
+    def _check_sampling_tokens(self, parsed: ParsedRequest) -> None:
+        """Token ids in the sampling fields are checked here, before any dispatch (the engine checks
+        them again): a 400 that costs no instance a call."""
+        check_in_vocabulary(parsed.sampling.stop_token_ids, self.vocab_size, "stop_token_ids")
+        check_in_vocabulary([token_id for token_id, _ in parsed.sampling.logit_bias], self.vocab_size, "logit_bias")
 
     def _prepared(self, prompt: Prompt, name: str, parsed: ParsedRequest) -> PreparedPrompt:
         all_ids = self._prompt_token_ids(prompt, parsed.add_special_tokens)

@@ -103,3 +103,10 @@ def test_tools_with_tool_choice_none_reach_the_chat_template_as_transformers_pas
         with pytest.raises(RequestError, match=r"^tools"):
             parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "tools": bad, "tool_choice": "none"},
                                "tools")
+
+
+def test_sampling_token_ids_outside_the_vocabulary_are_refused_before_any_dispatch(model):
+    for field, value in (("stop_token_ids", [3, 512]), ("logit_bias", {"512": 1.0})):
+        with pytest.raises(RequestError, match=rf"^{field}: token id 512 is outside the vocabulary"):
+            token_ids_of(model, parse_completion_request({"prompt": "x", field: value}, "tiny"))
+    assert token_ids_of(model, parse_completion_request({"prompt": [3], "stop_token_ids": [511]}, "tiny")) == [[3]]

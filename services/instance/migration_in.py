@@ -153,8 +153,14 @@ class MigrationInbox:
             raise Aborted(f"migration {incoming.migration_id} was aborted while its reservation was being made")
         return reserved
 
-    async def commit(self, migration_id: str, state: RequestState) -> None:
-        """Adopt the request: it joins the running batch with its K/V in the reserved blocks."""
+    async def commit(self, migration_id: str, state: RequestState, deadline: float | None = None) -> None:
+        """Adopt the request: it joins the running batch with its K/V in the reserved blocks.
+
+        `deadline` (monotonic): the caller's. A commit taken up after it (this instance was frozen,
+        or too slow) is refused and its reservation freed: the source has given up and resumed the
+        request, and its abort may never reach us, so adopting it would leave a copy decoding for
+        no client."""
+        await self._refuse_if_late(migration_id, deadline)
         incoming = self._incoming.get(migration_id)
         if incoming is None:
             raise NotFound(f"migration {migration_id} has no reservation here: it expired "
@@ -167,6 +173,7 @@ class MigrationInbox:
         incoming.expires_at = self._deadline()
         engine = self._runner.engine
         text = await asyncio.to_thread(engine.restore_text, state)  # replays the detokenizer off the engine thread
+        await self._refuse_if_late(migration_id, deadline)
         await self._runner.adopt(state.request_id, state.epoch,
                                  lambda: engine.import_request(migration_id, state, text))
         incoming.epoch = state.epoch
@@ -176,6 +183,15 @@ class MigrationInbox:
         log.info("migration_in_committed", request_id=state.request_id, migration_id=migration_id,
                  src_instance_id=incoming.src_instance_id, epoch=state.epoch,
                  num_computed_tokens=state.num_computed_tokens)
+
+    async def _refuse_if_late(self, migration_id: str, deadline: float | None) -> None:
+        if deadline is None or time.monotonic() < deadline:
+            return
+        await self.abort(migration_id)
+        log.warning("migration_in_commit_too_late", migration_id=migration_id,
+                    action="refused: its source gave up on it and keeps the request")
+        raise Aborted(f"the commit of migration {migration_id} was taken up after its caller's deadline; the source "
+                      "keeps the request and nothing was adopted here")
 
     async def abort(self, migration_id: str) -> bool:
         """Free the reservation, or drop the committed request nobody attached to; False if neither."""

@@ -154,7 +154,9 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         if not request.HasField("state"):
             raise InvalidArgument("state: required")
         self._check_accepting("migrations")  # shutting down: the source keeps the request rather than hand it here
-        await self.inbox.commit(request.migration_id, request_state_from_proto(request.state))
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        await self.inbox.commit(request.migration_id, request_state_from_proto(request.state), deadline)
         return instance_pb2.CommitMigrateInResponse()
 
     async def AbortMigrateIn(self, request: instance_pb2.AbortMigrateInRequest,

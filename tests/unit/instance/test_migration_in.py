@@ -184,3 +184,17 @@ async def test_while_blocks_wait_for_an_unanswered_revoke_others_queue_behind_th
     fence.is_answering = True
     await inbox.expire(asyncio.get_running_loop().time())
     assert sorted(engine.freed) == ["m-1", "m-2", "m-3"] and inbox.num_quarantined == 0
+
+
+async def test_a_commit_taken_up_after_its_callers_deadline_is_refused_and_frees_the_reservation():
+    """A destination frozen while the source's CommitMigrateIn waited: the source gave up (its call
+    timed out, its abort found nobody answering) and resumed the request. Before, the thawed
+    destination adopted it anyway, a copy decoding for no client (a black-box PD fault run)."""
+    import time
+
+    engine, slots = FakeEngine(), MigrationSlots(4)
+    inbox, fence = fenced_inbox(engine, slots)
+    await inbox.prepare("m-1", "r-1", "src", num_blocks=2)
+    with pytest.raises(Aborted, match="after its caller's deadline"):
+        await inbox.commit("m-1", object(), deadline=time.monotonic() - 0.1)  # the state is never read
+    assert engine.freed == ["m-1"] and inbox.num_incoming == 0 and slots.num_busy == 0

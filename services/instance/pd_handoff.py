@@ -215,6 +215,9 @@ class DecodeHandoff:
         try:
             result = await self._migrate(plan)
         except FerryError as exc:  # it decodes here; the manager's loop retries it
+            if self._runner.stream(request_id) is None:  # it finished (decoding here in a stall) or was aborted
+                log.info("pd_handoff_moot", request_id=request_id, reason=exc.message)
+                return None
             log.info("pd_handoff_failed", request_id=plan.request_id, dst_instance_id=plan.dst_instance_id,
                      code=exc.grpc_code.name, reason=exc.message)
             self._in_background(self._placer.report_failed_migration(plan, self._instance_id, exc, started_at),

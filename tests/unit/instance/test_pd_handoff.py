@@ -32,10 +32,11 @@ class FakeEngine:
 
 
 class FakeRunner:
-    """Runs engine calls at once; every request is running."""
+    """Runs engine calls at once; every request is running but those in `gone`."""
 
     def __init__(self, engine: FakeEngine) -> None:
         self.engine = engine
+        self.gone: set[str] = set()
 
     def call_soon(self, fn) -> None:
         fn()
@@ -43,8 +44,8 @@ class FakeRunner:
     async def call(self, fn):
         return fn()
 
-    def stream(self, request_id: str) -> object:
-        return object()
+    def stream(self, request_id: str) -> object | None:
+        return None if request_id in self.gone else object()
 
 
 class FakeMigrations:
@@ -223,3 +224,24 @@ async def test_requests_parked_for_their_hand_off_are_not_taken_off_the_decoding
     assert handoff.num_prefilled({"d-0", "d-1"}) == 2  # two others decode here
     migrations.moving = frozenset({"d-0"})  # a rebalancing migration moves one of them
     assert handoff.num_prefilled({"d-0", "d-1"}) == 1
+
+
+async def test_a_hand_off_whose_request_finished_meanwhile_is_no_failure():
+    """A request decoding here in a stall may finish while its hand-off runs: the source answers NOT_FOUND.
+    That was reported as a failed pd migration (history, failure metrics) though nothing failed."""
+    from services.common.errors import NotFound
+
+    class FinishesFirst(FakeMigrations):
+        async def migrate_out(self, plan):
+            handoff._runner.gone.add(plan.request_id)
+            return await super().migrate_out(plan)
+
+    engine, placer = FakeEngine(), FlakyPlacer()
+    handoff = pushing(engine, placer, FinishesFirst(NotFound("request r-1 is not on this instance")))
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1")
+    handoff.note_prefilled("r-2")
+    await until(lambda: placer.reported == ["r-2"], loop)  # the next one moved
+    assert placer.failed == []
+    await assert_cancels(loop)
+    await handoff.close()

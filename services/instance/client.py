@@ -7,6 +7,7 @@ Unavailable).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -36,7 +37,8 @@ class InstanceClient:
         return reservation_from_proto(await self._call("PrepareMigrateIn", request, request_id))
 
     async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None:
-        request = instance_pb2.CommitMigrateInRequest(migration_id=migration_id, state=request_state_to_proto(state))
+        request = instance_pb2.CommitMigrateInRequest(migration_id=migration_id, state=request_state_to_proto(state),
+                                                      deadline_unix_ms=int((time.time() + self._timeout_s) * 1000))
         await self._call("CommitMigrateIn", request, state.request_id)
 
     async def abort_migrate_in(self, migration_id: str) -> bool:

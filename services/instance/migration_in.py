@@ -189,7 +189,9 @@ class MigrationInbox:
             return
         await self.abort(migration_id)
         log.warning("migration_in_commit_too_late", migration_id=migration_id,
-                    action="refused: its source gave up on it and keeps the request")
+                    late_s=round(time.monotonic() - deadline, 3),
+                    action="refused: its source gave up on it and keeps the request (late by far more than "
+                           "the source's timeout: check that the hosts' clocks agree)")
         raise Aborted(f"the commit of migration {migration_id} was taken up after its caller's deadline; the source "
                       "keeps the request and nothing was adopted here")
 

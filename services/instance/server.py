@@ -154,9 +154,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         if not request.HasField("state"):
             raise InvalidArgument("state: required")
         self._check_accepting("migrations")  # shutting down: the source keeps the request rather than hand it here
-        remaining = context.time_remaining()
-        deadline = time.monotonic() + remaining if remaining is not None else None
-        await self.inbox.commit(request.migration_id, request_state_from_proto(request.state), deadline)
+        await self.inbox.commit(request.migration_id, request_state_from_proto(request.state),
+                                 _commit_deadline(context.time_remaining(), request.deadline_unix_ms))
         return instance_pb2.CommitMigrateInResponse()
 
     async def AbortMigrateIn(self, request: instance_pb2.AbortMigrateInRequest,
@@ -219,3 +218,12 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                              prefix_cache=runner.prefix_cache_stats,
                              num_incoming_migrations=self.inbox.num_incoming if self.inbox is not None else 0)
 
+
+def _commit_deadline(time_remaining: float | None, deadline_unix_ms: int) -> float | None:
+    """The earlier of gRPC's deadline and the caller's wall-clock one, on this process's monotonic clock.
+    (Clocks apart by more than the caller's timeout would refuse every commit: hosts need NTP.)"""
+    now = time.monotonic()
+    deadlines = [now + time_remaining] if time_remaining is not None else []
+    if deadline_unix_ms > 0:
+        deadlines.append(now + deadline_unix_ms / 1000 - time.time())
+    return min(deadlines, default=None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -480,6 +481,36 @@ async def test_given_up_blocks_stay_out_of_use_while_the_transfer_service_that_w
             await asyncio.sleep(0.1)
         assert await free_blocks(stubs["b"]) == baseline
         assert not await tb.revoke_writes("b", reply.write_grant)  # closed and forgotten
+
+
+async def test_a_commit_taken_up_after_its_callers_wall_clock_deadline_is_refused(stubs, cluster):
+    """A destination frozen while a commit waited reads it on thawing, when gRPC's relative deadline starts
+    afresh; its source gave up long before and resumed the request. Before, the destination adopted it: a
+    copy decoding for no client (a black-box PD fault run). The caller's wall-clock deadline now decides."""
+    baseline = await free_blocks(stubs["b"])
+    await stubs["b"].PrepareMigrateIn(instance_pb2.PrepareMigrateInRequest(
+        migration_id="late-1", request_id="late", src_instance_id="vanished", num_blocks=2), timeout=5)
+    state = instance_pb2.RequestState(request_id="late", prompt_token_ids=[5, 17, 42, 99, 7], output_token_ids=[3],
+                                      sampling=common_pb2.SamplingParams(max_tokens=50, ignore_eos=True), seed=1,
+                                      epoch=1, num_computed_tokens=5)
+    commit = instance_pb2.CommitMigrateInRequest(migration_id="late-1", state=state,
+                                                 deadline_unix_ms=int((time.time() + 0.5) * 1000))
+    cluster.processes["b"].signal(signal.SIGSTOP)
+    try:
+        sent = asyncio.ensure_future(stubs["b"].CommitMigrateIn(commit, timeout=30))  # gRPC's own deadline: far
+        await asyncio.sleep(1.5)
+    finally:
+        cluster.processes["b"].signal(signal.SIGCONT)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await sent
+    assert error.value.code() == grpc.StatusCode.ABORTED and "after its caller's deadline" in error.value.details()
+    listed = await stubs["b"].ListRequests(instance_pb2.ListRequestsRequest(), timeout=5)
+    assert "late" not in [r.request_id for r in listed.requests]
+    for _ in range(100):  # freed at once, once the transfer service confirmed the revoke
+        if await free_blocks(stubs["b"]) == baseline:
+            break
+        await asyncio.sleep(0.1)
+    assert await free_blocks(stubs["b"]) == baseline
 
 
 async def test_watchdog_frees_a_reservation_nobody_commits(stubs):

@@ -190,8 +190,8 @@ class MigrationInbox:
         await self.abort(migration_id)
         log.warning("migration_in_commit_too_late", migration_id=migration_id,
                     late_s=round(time.monotonic() - deadline, 3),
-                    action="refused: its source gave up on it and keeps the request (late by far more than "
-                           "the source's timeout: check that the hosts' clocks agree)")
+                    action="refused: its source gave up on it and keeps the request (if late_s is far above "
+                           "the source's --migration-rpc-timeout-s, check that the hosts' clocks agree)")
         raise Aborted(f"the commit of migration {migration_id} was taken up after its caller's deadline; the source "
                       "keeps the request and nothing was adopted here")
 

@@ -12,8 +12,9 @@ and every request decodes on a decode instance, however long the queue. Only whe
 queue stalls, no worker taking or ending a hand-off for `hold_s` (--pd-handoff-hold-s: a
 hand-off to a frozen decode instance waits for its call's deadline), do the queued requests
 decode here meanwhile; a worker that takes one suspends it afresh. Nothing is dropped on
-the way: if no decode instance serves (PlaceDecode UNAVAILABLE) or the migration fails, the request is resumed and keeps decoding here and the manager's migration loop
-moves it once a decode instance is back (it counts in the load report's `num_prefilled`).
+the way: if no decode instance serves (PlaceDecode UNAVAILABLE) or the migration fails,
+the request is resumed and keeps decoding here, and the manager's migration loop moves it
+once a decode instance is back (it counts in the load report's `num_prefilled`).
 With `--pd-handoff manager` this module only reports; the manager's loop moves everything.
 """
 

@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     up.add_argument("--threads-per-instance", type=int, default=0,
                     help="torch threads per instance (0 = cores / instances, at least 1)")
     up.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per instance in MiB")
-    up.add_argument("--log-format", default="console", choices=["console", "json"], help="log format of every process (the launcher's banner and `ready` line on stdout stay text)")
+    up.add_argument("--log-format", default="console", choices=["console", "json"],
+                    help="log format of every process (the launcher's banner and `ready` line on stdout stay text)")
     up.add_argument("--autoscale-max-instances", type=int, default=0, metavar="N",
                     help="let the leader manager scale between --instances and N instances, keeping the average "
                          "freeness in its band (ferryctl policy set --set scaling_low_freeness=... changes it); "

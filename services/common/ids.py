@@ -9,7 +9,8 @@ import socket
 from services.common.errors import InvalidArgument
 
 MAX_ID_CHARS = 128
-_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*")
+_ID_CHARS = "A-Za-z0-9._:@-"  # a regex character class's body
+_ID = re.compile(f"[A-Za-z0-9][{_ID_CHARS}]*")
 
 
 def id_problem(value: str) -> str | None:
@@ -23,13 +24,19 @@ def id_problem(value: str) -> str | None:
 
 def host_word(host: str | None = None, max_chars: int = 64) -> str:
     """This host's name (or `host`) as one id-safe word: other characters become '_'."""
-    word = re.sub(r"[^A-Za-z0-9._:@-]", "_", host if host is not None else socket.gethostname())
+    word = re.sub(f"[^{_ID_CHARS}]", "_", host if host is not None else socket.gethostname())
     return (word if word[:1].isalnum() else "h" + word)[:max_chars]
 
 
 def default_id(port: int) -> str:
     """`<host>-<port>`: the id of an instance or manager started without one."""
     return f"{host_word()}-{port}"
+
+
+def check_id_flag(flag: str, value: str) -> None:
+    """A command line's id (empty: the default, made from the host): ValueError naming `flag`."""
+    if value and (problem := id_problem(value)) is not None:
+        raise ValueError(f"{flag} {value[:40]!r}: {problem}")
 
 
 def check_id(field: str, value: str) -> str:

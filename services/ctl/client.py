@@ -9,7 +9,6 @@ later) raise `NotAvailableYet` instead of a raw UNIMPLEMENTED.
 from __future__ import annotations
 
 import os
-
 from typing import Any
 
 import grpc

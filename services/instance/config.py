@@ -4,8 +4,8 @@ import enum
 import pathlib
 from dataclasses import dataclass
 
-from services.common.ids import id_problem
 from services.common.config import knob
+from services.common.ids import check_id_flag
 from services.instance.engine.device import resolve_device
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.tls import TlsKnobs
@@ -133,8 +133,7 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
         return CPU_STEP_TOKENS if self.device == "cpu" else GPU_STEP_TOKENS
 
     def __post_init__(self) -> None:
-        if self.instance_id and (problem := id_problem(self.instance_id)):
-            raise ValueError(f"--instance-id {self.instance_id[:40]!r}: {problem}")
+        check_id_flag("--instance-id", self.instance_id)
         self.tls.check()
         self.etcd_access.check()
         self.check_etcd_wait()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+
 import structlog
 
 from services.common.ids import host_word

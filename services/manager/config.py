@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.ids import id_problem
 from services.common.auth import read_token
 from services.common.config import knob
+from services.common.ids import check_id_flag
 from services.common.etcd_client import EtcdKnobs
 from services.common.tls import TlsKnobs
 from services.common.logging import LogKnobs
@@ -67,8 +67,7 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     admin_token_file: str = knob("", "file holding --admin-token (instead of the flag or the env variable)")
 
     def __post_init__(self) -> None:
-        if self.manager_id and (problem := id_problem(self.manager_id)):
-            raise ValueError(f"--manager-id {self.manager_id[:40]!r}: {problem}")
+        check_id_flag("--manager-id", self.manager_id)
         if self.dispatch_policy not in POLICY_NAMES:
             raise ValueError(f"--dispatch-policy must be one of {', '.join(POLICY_NAMES)}, got {self.dispatch_policy!r}")
         if not self.etcd_endpoints:

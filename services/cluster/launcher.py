@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import structlog
 
@@ -341,6 +342,9 @@ class EtcdChild:
 
     etcd: LocalEtcd
     name: str = "etcd"
+    # The cluster cannot run without its store: any exit is a failure and it starts again, also after
+    # someone else's SIGTERM (which etcd exits by).
+    any_exit_fails: ClassVar[bool] = True
 
     @property
     def log_path(self) -> pathlib.Path:
@@ -352,9 +356,7 @@ class EtcdChild:
 
     @property
     def returncode(self) -> int | None:
-        """None ("unknown"), whatever etcd's exit status: the cluster cannot run without its store, so any
-        exit is a failure and it starts again, also after someone else's SIGTERM (which etcd exits by)."""
-        return None
+        return self.etcd.returncode
 
     def is_alive(self) -> bool:
         return self.etcd.is_running

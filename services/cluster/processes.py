@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import aiohttp
 import grpc
@@ -74,6 +75,7 @@ class ServiceProcess:
     last_probe: str = ""  # what the last gRPC health probe saw: SERVING, another status, or the error
     stopping: bool = False  # stopped on purpose (stop_all): a supervisor must not start it again
     metrics_url: str = ""  # its Prometheus /metrics, where it serves one
+    any_exit_fails: ClassVar[bool] = False  # exit 0 or by SIGTERM/SIGINT: left down, as systemd does
 
     @property
     def pid(self) -> int | None:

@@ -39,6 +39,7 @@ class Child(Protocol):
     """A supervised process: one of the launcher's services, or etcd."""
 
     name: str
+    any_exit_fails: bool  # True: even a clean exit (0, SIGTERM) is a failure to restart after (etcd)
 
     @property
     def pid(self) -> int | None: ...
@@ -126,7 +127,7 @@ class Supervisor:
 
 def exited_cleanly(returncode: int | None) -> bool:
     """Exit status 0, or ended by SIGTERM/SIGINT (an operator's `kill PID`, also before the child had set up
-    its own handler, which exits 0): as systemd counts them, left down. None (etcd's: unknown) is a failure."""
+    its own handler, which exits 0): as systemd counts them, left down. None (unknown) is a failure."""
     return returncode in (0, -signal.SIGTERM, -signal.SIGINT)
 
 
@@ -135,7 +136,7 @@ async def supervise_step(supervisor: Supervisor, children: list[Child], now: flo
     changed = False
     for child in children:
         is_down = not child.is_alive() and not child.is_stopping()  # is_alive() first: it reaps, setting returncode
-        failed = not exited_cleanly(child.returncode)
+        failed = child.any_exit_fails or not exited_cleanly(child.returncode)
         action = supervisor.action(child.name, is_down, now, failed)
         if action is Action.REPORT:
             log.warning("process_exited", name=child.name, pid=child.pid, returncode=child.returncode,

@@ -8,6 +8,7 @@ import signal
 import time
 
 import pytest
+import structlog
 
 from services.cluster.launcher import EtcdChild
 from services.cluster.supervisor import RestartPolicy, Supervisor, supervise_step
@@ -24,9 +25,12 @@ async def test_an_etcd_ended_by_any_signal_is_started_again(tmp_path, sig):
     try:
         supervisor, child, old_pid = Supervisor(RestartPolicy(first_delay_s=0.1)), EtcdChild(etcd), etcd.pid
         os.kill(old_pid, sig)
-        async with asyncio.timeout(20):
-            while not (etcd.is_running and etcd.pid != old_pid):
-                await supervise_step(supervisor, [child], time.monotonic())
-                await asyncio.sleep(0.1)
+        with structlog.testing.capture_logs() as logs:
+            async with asyncio.timeout(20):
+                while not (etcd.is_running and etcd.pid != old_pid):
+                    await supervise_step(supervisor, [child], time.monotonic())
+                    await asyncio.sleep(0.1)
+        exits = [entry["returncode"] for entry in logs if entry["event"] == "process_exited"]
+        assert len(exits) == 1 and exits[0] is not None  # its real exit status, not "unknown"
     finally:
         etcd.stop()

@@ -20,6 +20,7 @@ class FakeProcess:
     stopping: bool = False
     coming_back: bool = False  # exited, and the supervisor is about to start it again
     returncode: int | None = None
+    any_exit_fails: bool = False
 
     def is_alive(self) -> bool:
         return self.alive

@@ -70,8 +70,9 @@ def test_restart_no_only_reports():
 
 class FakeChild:
     def __init__(self, name: str, alive: bool = False, stopping: bool = False, fails: bool = False,
-                 returncode: int | None = -9) -> None:
+                 returncode: int | None = -9, any_exit_fails: bool = False) -> None:
         self.name, self.alive, self.stopping, self.fails = name, alive, stopping, fails
+        self.any_exit_fails = any_exit_fails
         self.pid, self.returncode, self.num_starts = 100, returncode, 0
 
     def is_alive(self) -> bool:
@@ -100,11 +101,12 @@ class FakeChild:
 async def test_supervise_step_restarts_exited_children_only():
     supervisor = Supervisor(RestartPolicy(first_delay_s=0.0))
     exited, running, stopped = FakeChild("exited"), FakeChild("running", alive=True), FakeChild("stopped", stopping=True)
-    clean, unknown = FakeChild("clean", returncode=0), FakeChild("etcd", returncode=None)
-    children = [exited, running, stopped, clean, unknown]
+    clean, etcd = FakeChild("clean", returncode=0), FakeChild("etcd", returncode=0, any_exit_fails=True)
+    children = [exited, running, stopped, clean, etcd]
     with structlog.testing.capture_logs() as logs:
         assert await supervise_step(supervisor, children, 0.0)  # first look: reported (cluster.json changes)
     said = {entry["name"]: entry["then"] for entry in logs if entry["event"] == "process_exited"}
+    assert [entry["returncode"] for entry in logs if entry["name"] == "etcd"] == [0]  # its real status, logged
     assert said == {"exited": "it starts again", "etcd": "it starts again",
                     "clean": "it stays down (it exited cleanly, as after a SIGTERM)"}
     assert await supervise_step(supervisor, children, 0.0)

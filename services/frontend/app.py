@@ -40,7 +40,8 @@ HANDLERS_EXIT_S = 1.0
 async def main(config: FrontendConfig) -> None:
     log.info("config_resolved", **as_dict(config))
     try:
-        model = await asyncio.to_thread(ServedModel.load, config.model, config.model_name, config.max_model_len)
+        model = await asyncio.to_thread(ServedModel.load, config.model, config.model_name, config.max_model_len,
+                                        config.tool_call_parser)
     except (ValueError, OSError) as exc:
         raise StartupError(str(exc)) from exc
     registry = Registry(config.etcd_endpoints, config.cluster,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from services.common.config import knob, parse_config
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.tls import ClientTlsKnobs
+from services.frontend.tool_calls import ToolCallParserSetting
 from services.common.logging import LogKnobs
 
 MIB = 1 << 20
@@ -37,6 +38,11 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, ClientTlsKnobs, LogKnobs):
     keepalive_timeout_s: float = knob(75.0, "seconds an HTTP connection may sit without a complete request (idle "
                                             "keep-alive, or headers arriving too slowly) before it is closed")
     body_timeout_s: float = knob(30.0, "seconds a request body may take to arrive; slower ones get 408")
+    tool_call_parser: ToolCallParserSetting = knob(
+        ToolCallParserSetting.AUTO, "how tool calls are read from chat answers when a request sends tools (with "
+        "tool_choice auto): hermes (<tool_call>{json}</tool_call>: Qwen2.5/3, Hermes, SmolLM3), llama3_json "
+        "(Llama 3.1+: the answer is {\"name\", \"parameters\"} JSON), auto (the format the chat template shows, "
+        "if any) or none (tools only with tool_choice none)")
     max_model_len: int = knob(0, "longest prompt + output in tokens (0 = the longest the model serves: max_position_embeddings from config.json, or less for longrope RoPE)")
     dispatch_timeout_s: float = knob(0.2, "deadline of ManagerService/Dispatch; past it the frontend picks an instance itself")
     generate_timeout_s: float = knob(600.0, "longest wait for the next chunk of an instance's token stream "

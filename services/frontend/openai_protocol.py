@@ -17,9 +17,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.common.errors import FerryError, InvalidArgument, NotFound
+from services.common.errors import FerryError, NotFound
 from services.common.prefix_hash import MAX_CACHE_SALT_CHARS
 from services.frontend.generation import Sampling
+from services.frontend.request_error import RequestError, named_path
+from services.frontend.tool_protocol import (ToolUse, checked_tools, message_tool_fields, refuse_tool_calls,
+                                             tool_use)
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -40,7 +43,6 @@ _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_gramma
 _OUTPUT_FLAGS = {"include_stop_str_in_output": False, "skip_special_tokens": True, "use_beam_search": False}
 _UNSUPPORTED_SAMPLING = ("bad_words", "allowed_token_ids")  # vLLM's, refused unless empty
 MAX_TEMPLATE_KWARGS = 32
-MAX_TOOLS = 128
 
 
 Prompt = str | tuple[int, ...]  # text or token ids
@@ -49,30 +51,6 @@ Prompt = str | tuple[int, ...]  # text or token ids
 class Endpoint(enum.Enum):
     COMPLETIONS = "completions"
     CHAT = "chat.completions"
-
-
-class RequestError(InvalidArgument):
-    """A bad request body: HTTP 400 with the OpenAI error shape."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = _named_path(message, param)
-        self.code = code
-
-
-_LEADING_FIELD = re.compile(r"([A-Za-z_]\w*(?:\[\d+\]|\.[A-Za-z_]\w*)*): ")  # `messages[0].content[1]: ...`
-
-
-def _named_path(message: str, param: str | None) -> str | None:
-    """The field a message starts with (`prompt[1]: ...`) where it is `param` or a part of it, so
-    `param` is as exact as the message; else `param`."""
-    match = _LEADING_FIELD.match(message)
-    if match is None:
-        return param
-    path = match.group(1)
-    if param is None or path == param or path.startswith((f"{param}[", f"{param}.")):
-        return path
-    return param
 
 
 class ModelNotFound(NotFound):
@@ -113,6 +91,7 @@ class ParsedRequest:
     echo_only: bool = False  # completions echo with max_tokens 0: the prompt alone (one token runs, unseen)
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs in its shape (token id -> logprob, rank)
     max_tokens_field: str = "max_tokens"  # chat: "max_completion_tokens" where that gave it (errors name it)
+    tool_use: ToolUse = ToolUse()  # chat: whether the answer's tool calls are parsed
 
     @property
     def num_prompts(self) -> int:
@@ -144,7 +123,7 @@ def error_body_for(error: FerryError) -> dict[str, Any]:
     type_ = _ERROR_TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
     param = getattr(error, "param", None)
     if param is None and status == 400:
-        param = _named_path(error.message, None)
+        param = named_path(error.message, None)
     return error_body(error.message, type_=type_, param=param, code=getattr(error, "code", None))
 
 
@@ -231,7 +210,8 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequ
     if opt_bool(body, "add_special_tokens"):
         raise RequestError("add_special_tokens: the chat template writes the special tokens; leave it out or false",
                            param="add_special_tokens")
-    return replace(parsed, chat_template=chat_template_options(body), max_tokens_field=max_tokens_field)
+    return replace(parsed, chat_template=chat_template_options(body), max_tokens_field=max_tokens_field,
+                   tool_use=tool_use(body))
 
 
 def chat_template_options(body: Mapping[str, Any]) -> ChatTemplateOptions:
@@ -255,22 +235,9 @@ def chat_template_options(body: Mapping[str, Any]) -> ChatTemplateOptions:
                            param="continue_final_message")
     if add_generation_prompt is None:
         add_generation_prompt = not continue_final_message
-    if body.get("tools") and "tools" not in kwargs:  # tool_choice "none" (others are refused): shown, not called
-        kwargs["tools"] = _tools(body["tools"])
+    if body.get("tools") and "tools" not in kwargs:  # shown to the model with any tool_choice
+        kwargs["tools"] = checked_tools(body["tools"])
     return ChatTemplateOptions(add_generation_prompt, tuple(sorted(kwargs.items())), continue_final_message)
-
-
-def _tools(tools: Any) -> list[dict[str, Any]]:
-    """`tools` as the chat template takes them (transformers' `tools=`), each a function with a name."""
-    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise RequestError(f"tools: expected a list of at most {MAX_TOOLS} tools", param="tools")
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or tool.get("type", "function") != "function" \
-                or not isinstance(function.get("name"), str):
-            raise RequestError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
-                               param=f"tools[{i}]")
-    return tools
 
 
 def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int,
@@ -358,6 +325,7 @@ def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
             raise RequestError(f"best_of: only best_of=1 is supported, got {best_of}", param="best_of")
         if body.get("suffix") is not None:
             raise RequestError("suffix: not supported; leave it out", param="suffix")
+        refuse_tool_calls(body)
     elif opt_bool(body, "echo"):  # vLLM's chat echo (the last message's text first) is not served
         raise RequestError("echo: not supported for chat completions (completions take it); leave it out",
                            param="echo")
@@ -375,21 +343,13 @@ def _reject_non_text_output(body: Mapping[str, Any]) -> None:
 
 
 def _reject_constrained_output(body: Mapping[str, Any]) -> None:
-    """Structured output and tool calls need constrained decoding or a tool-call parser, which
-    ferry lacks: asking for them is refused rather than silently answered with free text."""
+    """Structured output needs constrained decoding, which ferry lacks: asking for it is refused
+    rather than silently answered with free text (tool_protocol.py checks the tool fields)."""
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         kind = response_format.get("type") if isinstance(response_format, dict) else response_format
         raise RequestError(f"response_format: only {{\"type\": \"text\"}} is supported, got {str(kind)[:40]!r} "
                            "(no constrained decoding)", param="response_format")
-    if body.get("tools") and body.get("tool_choice", "auto") != "none":
-        raise RequestError("tools: tool calls are not supported; leave tools out or set tool_choice to \"none\"",
-                           param="tools")
-    if not body.get("tools") and body.get("tool_choice") not in (None, "none"):
-        raise RequestError("tool_choice: only allowed with tools, which are not supported; leave it out",
-                           param="tool_choice")
-    if body.get("functions"):
-        raise RequestError("functions: function calls are not supported; leave functions out", param="functions")
     _reject_non_text_output(body)
     for name in _GUIDED_FIELDS:  # vLLM's structured output fields
         if body.get(name) is not None:
@@ -467,7 +427,7 @@ def _message(message: Any, index: int) -> dict[str, Any]:
         if not isinstance(name, str):
             raise RequestError(f"{param}.name: expected a string, got {_json_type(name)}", param=f"{param}.name")
         out["name"] = name
-    return out
+    return out | message_tool_fields(message, role, param)
 
 
 def _content(content: Any, role: str, param: str) -> str:

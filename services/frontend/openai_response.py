@@ -15,6 +15,7 @@ from services.common.errors import FerryError
 from services.frontend.generation import FinishReason, TokenLogprob
 from services.frontend.openai_protocol import Endpoint, ParsedRequest, error_body_for
 from services.frontend.req_state import Delta, ReqState
+from services.frontend.tool_calls import Parsed, ToolCallFormat, ToolCallParser
 
 
 class TokenStrings(Protocol):
@@ -52,7 +53,7 @@ def finish_reason_name(reason: FinishReason | None) -> str | None:
 
 class ResponseFormatter:
     def __init__(self, parsed: ParsedRequest, request_id: str, created: int, tokens: TokenStrings,
-                 index: int = 0, echo_text: str = "") -> None:
+                 index: int = 0, echo_text: str = "", tool_call_format: ToolCallFormat | None = None) -> None:
         self._parsed = parsed
         self._index = index  # of this formatter's choice
         self._echo_text = echo_text  # completions with echo: the prompt, before the output
@@ -64,6 +65,10 @@ class ResponseFormatter:
         # completions echo with logprobs: the prompt's tokens and logprobs come first (its first token has none)
         self._echoes_logprobs = parsed.echo and not self._is_chat and parsed.num_top_logprobs is not None
         self._hides_output = parsed.echo_only  # max_tokens 0: the prompt alone; the one token run is not shown
+        # chat with tools (tool_choice auto): tool calls are parsed out of the answer
+        self._tool_call_format = tool_call_format if self._is_chat and parsed.tool_use.parses_calls else None
+        self._streamed_calls = self._tool_call_parser()  # the stream's parser (None: no tool calls)
+        self._num_streamed_calls = 0
 
     # ---- whole responses -------------------------------------------------------------
 
@@ -80,14 +85,14 @@ class ResponseFormatter:
     def choice(self, state: ReqState) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self._index}
         if self._is_chat:
-            choice["message"] = {"role": "assistant", "content": state.text}
+            choice["message"] = self._message(state.text)
         else:
             choice["text"] = self._echo_text + ("" if self._hides_output else state.text)
         output_logprobs = self._logprobs(() if self._hides_output else state.logprobs)
         if self._echoes_logprobs:
             output_logprobs = _joined(self._prompt_logprobs(state), output_logprobs)
         choice["logprobs"] = output_logprobs
-        choice["finish_reason"] = finish_reason_name(state.finish_reason)
+        choice["finish_reason"] = self._finish_reason(state.finish_reason, "tool_calls" in choice.get("message", {}))
         if not self._is_chat and self._parsed.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self._vllm_prompt_logprobs(state)
         if self._parsed.return_token_ids:
@@ -124,14 +129,49 @@ class ResponseFormatter:
             delta = Delta(delta.token_index, (), "", (), delta.finish_reason)
         choice: dict[str, Any] = {"index": self._index}
         if self._is_chat:
-            choice["delta"] = {"content": delta.text} if delta.text or delta.finish_reason is None else {}
+            choice["delta"] = self._chat_delta(delta)
         else:
             choice["text"] = delta.text
         choice["logprobs"] = self._logprobs(delta.logprobs)
-        choice["finish_reason"] = finish_reason_name(delta.finish_reason)
+        has_called = self._streamed_calls is not None and self._streamed_calls.has_called
+        choice["finish_reason"] = self._finish_reason(delta.finish_reason, has_called)
         if self._parsed.return_token_ids:
             choice["token_ids"] = list(delta.token_ids)
         return self._chunk_envelope([choice])
+
+    def _chat_delta(self, delta: Delta) -> dict[str, Any]:
+        parsed = Parsed(delta.text)
+        if self._streamed_calls is not None:
+            parsed = self._streamed_calls.feed(delta.text, is_last=delta.finish_reason is not None)
+        shows_content = parsed.content or (delta.finish_reason is None and not parsed.tool_calls)
+        out: dict[str, Any] = {"content": parsed.content} if shows_content else {}
+        if parsed.tool_calls:
+            out["tool_calls"] = [call.to_openai(index) for index, call in
+                                 enumerate(parsed.tool_calls, start=self._num_streamed_calls)]
+            self._num_streamed_calls += len(parsed.tool_calls)
+        return out
+
+    # ---- tool calls ------------------------------------------------------------------
+
+    def _tool_call_parser(self) -> ToolCallParser | None:
+        if self._tool_call_format is None:
+            return None
+        return ToolCallParser(self._tool_call_format, self._parsed.tool_use.max_calls)
+
+    def _message(self, text: str) -> dict[str, Any]:
+        parser = self._tool_call_parser()
+        if parser is None:
+            return {"role": "assistant", "content": text}
+        parsed = parser.feed(text, is_last=True)
+        if not parsed.tool_calls:
+            return {"role": "assistant", "content": parsed.content}
+        return {"role": "assistant", "content": parsed.content or None,
+                "tool_calls": [call.to_openai() for call in parsed.tool_calls]}
+
+    @staticmethod
+    def _finish_reason(reason: FinishReason | None, has_called: bool) -> str | None:
+        """As vLLM: an answer that called tools ends with "tool_calls"."""
+        return "tool_calls" if reason is not None and has_called else finish_reason_name(reason)
 
     def usage_chunk(self, states: Sequence[ReqState]) -> dict[str, Any]:
         chunk = self._envelope(self._object("chat.completion.chunk", "text_completion"), [])

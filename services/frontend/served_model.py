@@ -16,6 +16,7 @@ import jinja2
 from services.frontend.openai_protocol import (ChatTemplateOptions, Endpoint, ParsedRequest, Prompt, RequestError,
                                                check_in_vocabulary, check_prompt_token_ids)
 from services.frontend.tokenize_protocol import TokenizeRequest
+from services.frontend.tool_calls import ToolCallFormat, ToolCallParserSetting
 from services.instance.engine.context_window import checked_max_model_len, context_limit  # no torch
 from services.instance.engine.tokenizer import Tokenizer  # tokenizers + jinja2, no torch
 
@@ -45,24 +46,29 @@ class ServedModel:
     max_model_len: int  # prompt + output, in tokens
     vocab_size: int
     tokenizer: TextTokenizer
+    tool_call_format: ToolCallFormat | None = None  # how its answers call tools; None: not parsed
 
     @classmethod
-    def load(cls, folder: pathlib.Path, name: str, max_model_len: int = 0) -> ServedModel:
+    def load(cls, folder: pathlib.Path, name: str, max_model_len: int = 0,
+             tool_call_parser: ToolCallParserSetting = ToolCallParserSetting.AUTO) -> ServedModel:
         """Read `folder`; `max_model_len` 0 means the longest the model serves (config.json's
-        max_position_embeddings, or less for longrope RoPE: context_window.py)."""
+        max_position_embeddings, or less for longrope RoPE: context_window.py); `tool_call_parser`
+        auto reads the tool-call format from the chat template."""
         config_path = folder / "config.json"
         try:
             config = json.loads(config_path.read_text())
         except (OSError, ValueError) as exc:
             raise ValueError(f"--model {folder}: cannot read {config_path}: {exc}") from exc
         context = checked_max_model_len(max_model_len, context_limit(config))
-        return cls(name=name, max_model_len=context, vocab_size=int(config["vocab_size"]),
-                   tokenizer=Tokenizer.from_dir(folder))
+        tokenizer = Tokenizer.from_dir(folder)
+        return cls(name=name, max_model_len=context, vocab_size=int(config["vocab_size"]), tokenizer=tokenizer,
+                   tool_call_format=tool_call_parser.format_for(tokenizer.chat_template))
 
     def prepared_prompts(self, parsed: ParsedRequest) -> list[PreparedPrompt]:
         """Each prompt's token ids (as given, or encoded), or the chat messages' through the template;
         with echo, also its text. Slow for a long prompt: call it off the event loop."""
         self._check_sampling_tokens(parsed)
+        self._check_tool_calls(parsed)
         if parsed.endpoint is Endpoint.CHAT:
             token_ids = self._chat_token_ids(parsed.messages or (), parsed.chat_template)
             return [PreparedPrompt(self._checked(self._truncated(token_ids, parsed.truncate_prompt_tokens),
@@ -75,6 +81,13 @@ class ServedModel:
         them again): a 400 that costs no instance a call."""
         check_in_vocabulary(parsed.sampling.stop_token_ids, self.vocab_size, "stop_token_ids")
         check_in_vocabulary([token_id for token_id, _ in parsed.sampling.logit_bias], self.vocab_size, "logit_bias")
+
+    def _check_tool_calls(self, parsed: ParsedRequest) -> None:
+        if parsed.tool_use.parses_calls and self.tool_call_format is None:
+            raise RequestError(
+                "tools: this model's chat template shows no tool-call format ferry parses (hermes <tool_call>, "
+                "llama3 JSON), so calls could not be read from its answers; set tool_choice to \"none\" (the "
+                "tools are shown, nothing is parsed), or start the frontend with --tool-call-parser", param="tools")
 
     def _prepared(self, prompt: Prompt, name: str, parsed: ParsedRequest) -> PreparedPrompt:
         all_ids = self._prompt_token_ids(prompt, parsed.add_special_tokens)

@@ -205,7 +205,8 @@ class FrontendServer:
             sampling = replace(sampling, seed=(sampling.seed + seed_offset) % 2**64)
         sub_id = request_id if parsed.num_choices == 1 else RequestId(f"{request_id}-{index}")
         state = ReqState(sub_id, prompt_ids, self._model.decode)
-        formatter = ResponseFormatter(parsed, request_id, created, self._model, index, echo_text)
+        formatter = ResponseFormatter(parsed, request_id, created, self._model, index, echo_text,
+                                      self._model.tool_call_format)
         spec = GenerateSpec(sub_id, tuple(prompt_ids), sampling, parsed.priority, prefix_chunk_keys=prefix_keys)
         return Choice(state, spec, formatter)
 

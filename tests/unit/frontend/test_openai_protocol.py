@@ -306,7 +306,7 @@ def test_missing_prompt():
     ({"response_format": {"type": "json_object"}}, ["response_format", "'json_object'", "constrained"],
      "response_format"),
     ({"response_format": "json"}, ["response_format", "'json'"], "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools", "not supported", "tool_choice"], "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools", "chat completions", "tool_choice"], "tools"),
     ({"functions": [{"name": "f"}]}, ["functions", "not supported"], "functions"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, ["audio", "text only"], "audio"),
     ({"modalities": ["text", "audio"]}, ["modalities", "only [\"text\"]"], "modalities"),
@@ -512,3 +512,55 @@ def test_error_body_shape():
     error = rejects(completion, {"temperature": 9})
     assert error_body_for(error) == {"error": {
         "message": error.message, "type": "invalid_request_error", "param": "temperature", "code": None}}
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
+
+
+def test_tools_with_tool_choice_auto_ask_for_parsed_calls_and_none_for_none():
+    assert chat(tools=TOOLS).tool_use.parses_calls
+    assert chat(tools=TOOLS, tool_choice="auto", parallel_tool_calls=False).tool_use.max_calls == 1
+    assert chat(tools=TOOLS, parallel_tool_calls=True).tool_use.max_calls is None
+    assert not chat(tools=TOOLS, tool_choice="none").tool_use.parses_calls
+    assert not chat().tool_use.parses_calls and not chat(tools=[]).tool_use.parses_calls
+
+
+@pytest.mark.parametrize("fields,words,param", [
+    ({"tools": TOOLS, "tool_choice": "required"}, ["tool_choice", "constrained decoding", "\"auto\""], "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     ["tool_choice", "named function"], "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, ["tool_choice", "'sometimes'"], "tool_choice"),
+    ({"tool_choice": "auto"}, ["tool_choice", "only allowed with tools"], "tool_choice"),
+    ({"tools": TOOLS, "parallel_tool_calls": "no"}, ["parallel_tool_calls", "true or false"], "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {}}]}, ["tools[0]"], "tools[0]"),
+    ({"functions": [{"name": "f"}]}, ["functions", "not supported", "tools"], "functions"),
+])
+def test_bad_tool_fields(fields, words, param):
+    rejects(chat, fields, *words, param=param)
+
+
+def test_tool_calls_and_results_in_the_history_reach_the_template_as_transformers_takes_them():
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    parsed = chat(messages=messages, tools=TOOLS)
+    assert parsed.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert parsed.messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+@pytest.mark.parametrize("message,words,param", [
+    ({"role": "user", "content": "x", "tool_calls": []}, ["only assistant"], "messages[0].tool_calls"),
+    ({"role": "assistant", "tool_calls": {"a": 1}}, ["expected a list"], "messages[0].tool_calls"),
+    ({"role": "assistant", "tool_calls": [{"function": {}}]}, ["\"name\""], "messages[0].tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
+     ["not valid JSON"], "messages[0].tool_calls[0].function.arguments"),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]},
+     ["a JSON object"], "messages[0].tool_calls[0].function.arguments"),
+    ({"role": "tool", "content": "x", "tool_call_id": 5}, ["expected a string"], "messages[0].tool_call_id"),
+])
+def test_bad_tool_fields_in_messages_name_the_field(message, words, param):
+    rejects(chat, {"messages": [message]}, *words, param=param)

@@ -10,6 +10,7 @@ from services.common.errors import Unavailable
 from services.frontend.generation import FinishReason, TokenChunk, TokenLogprob
 from services.frontend.openai_protocol import parse_chat_request, parse_completion_request
 from services.frontend.openai_response import SSE_DONE, ResponseFormatter, sse, sse_error
+from services.frontend.tool_calls import ToolCallFormat
 
 from tests.unit.frontend.factories import TOY_TOKENS, ToyTokens, chunk, make_state
 
@@ -270,3 +271,45 @@ def test_an_echoed_prompts_offsets_point_at_its_tokens_in_the_text(echo_text, to
     assert (logprobs["tokens"], logprobs["text_offset"]) == (tokens, offsets)
     shown = [(token, offset) for token, offset in zip(tokens, offsets) if token in echo_text]
     assert all(echo_text.startswith(token, offset) for token, offset in shown)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+CALLING = 'On it.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def tool_formatter(**fields):
+    parsed = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **fields}, MODEL)
+    return ResponseFormatter(parsed, "chatcmpl-1", 1700000000, TOY_TOKENS, tool_call_format=ToolCallFormat.HERMES)
+
+
+def test_a_chat_answer_that_calls_a_tool_is_a_message_with_tool_calls_as_openai_sends_it():
+    state = make_state(prompt=(1, 2))
+    state.accept(TokenChunk(0, (7, 8), CALLING, FinishReason.STOP))
+    choice = tool_formatter().choice(state)
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["message"]["content"] == "On it." and choice["finish_reason"] == "tool_calls"
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    only_call = make_state(prompt=(1, 2))
+    only_call.accept(TokenChunk(0, (7,), CALLING.removeprefix("On it."), FinishReason.STOP))
+    assert tool_formatter().choice(only_call)["message"]["content"] is None
+    text = make_state(prompt=(1, 2))
+    text.accept(TokenChunk(0, (7,), "It is sunny.", FinishReason.STOP))
+    assert tool_formatter().choice(text) | {"logprobs": None} == {
+        "index": 0, "message": {"role": "assistant", "content": "It is sunny."}, "logprobs": None,
+        "finish_reason": "stop"}
+    assert tool_formatter(tool_choice="none").choice(state)["message"] == {"role": "assistant", "content": CALLING}
+
+
+def test_a_streamed_tool_call_comes_whole_in_one_delta_with_its_index():
+    f, state = tool_formatter(return_token_ids=True), make_state(prompt=(1, 2))
+    pieces = ["On it.<tool", '_call>{"name": "get_weather", ', '"arguments": {"city": "Paris"}}</tool_call>', ""]
+    chunks = []
+    for i, piece in enumerate(pieces):
+        finish = FinishReason.STOP if i == len(pieces) - 1 else None
+        chunks.append(f.chunk(state.accept(TokenChunk(i, (7,), piece, finish)))["choices"][0])
+    assert [c["delta"].get("content") for c in chunks] == ["On it.", "", None, None]
+    assert [c["token_ids"] for c in chunks] == [[7], [7], [7], [7]]  # every token still shown
+    (call,) = chunks[2]["delta"]["tool_calls"]
+    assert call["index"] == 0 and call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert [c["finish_reason"] for c in chunks] == [None, None, None, "tool_calls"]

@@ -105,6 +105,26 @@ def test_tools_with_tool_choice_none_reach_the_chat_template_as_transformers_pas
                                "tools")
 
 
+def test_tools_the_model_cannot_call_are_refused_unless_tool_choice_is_none(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+    from services.frontend.tool_calls import ToolCallFormat, ToolCallParserSetting
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}]}
+    plain = ServedModel.load(tiny_model_dir, "plain")
+    assert plain.tool_call_format is None
+    with pytest.raises(RequestError, match=r"^tools: this model's chat template shows no tool-call format"):
+        token_ids_of(plain, parse_chat_request(body, "plain"))
+    token_ids_of(plain, parse_chat_request({**body, "tool_choice": "none"}, "plain"))
+    forced = ServedModel.load(tiny_model_dir, "plain", tool_call_parser=ToolCallParserSetting.HERMES)
+    token_ids_of(forced, parse_chat_request(body, "plain"))
+    folder = tmp_path / "hermes-template"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m.content }}{% endfor %}call tools in <tool_call></tool_call>"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ServedModel.load(folder, "hermes").tool_call_format is ToolCallFormat.HERMES
+
+
 def test_sampling_token_ids_outside_the_vocabulary_are_refused_before_any_dispatch(model):
     for field, value in (("stop_token_ids", [3, 512]), ("logit_bias", {"512": 1.0})):
         with pytest.raises(RequestError, match=rf"^{field}: token id 512 is outside the vocabulary"):

@@ -1,0 +1,32 @@
+"""`RequestError`: a bad request body, HTTP 400 with the OpenAI error shape, its `param` the
+field the message names."""
+
+from __future__ import annotations
+
+import re
+
+from services.common.errors import InvalidArgument
+
+
+class RequestError(InvalidArgument):
+    """A bad request body: HTTP 400 with the OpenAI error shape."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = named_path(message, param)
+        self.code = code
+
+
+_LEADING_FIELD = re.compile(r"([A-Za-z_]\w*(?:\[\d+\]|\.[A-Za-z_]\w*)*): ")  # `messages[0].content[1]: ...`
+
+
+def named_path(message: str, param: str | None) -> str | None:
+    """The field a message starts with (`prompt[1]: ...`) where it is `param` or a part of it, so
+    `param` is as exact as the message; else `param`."""
+    match = _LEADING_FIELD.match(message)
+    if match is None:
+        return param
+    path = match.group(1)
+    if param is None or path == param or path.startswith((f"{param}[", f"{param}.")):
+        return path
+    return param

@@ -13,6 +13,7 @@ from typing import Any
 from services.common.prefix_hash import MAX_CACHE_SALT_CHARS
 from services.frontend.openai_protocol import (MAX_BATCH_CHOICES, MAX_CHOICES, MAX_LOGIT_BIAS_ENTRIES, MAX_PROMPTS,
                                                MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS)
+from services.frontend.tool_protocol import MAX_TOOLS
 
 _INT32_MAX = (1 << 31) - 1
 _JSON = "application/json"
@@ -148,13 +149,19 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
         "priority": {**integer, "minimum": -_INT32_MAX, "maximum": _INT32_MAX, "nullable": True,
                      "description": "ferry: higher runs first when the KV cache is short"},
     }
+    tool_call = {"type": "object", "required": ["function"], "properties": {
+        "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "arguments": {"type": "string", "description": "a JSON object"}}}}}
     message = {"type": "object", "required": ["role"], "properties": {
         "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
         "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
             "type": "object", "required": ["type", "text"],
             "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}],
             "nullable": True, "description": "required except for assistant messages"},
-        "name": {"type": "string"}}}
+        "name": {"type": "string"},
+        "tool_calls": {"type": "array", "items": tool_call, "description": "assistant: calls it made"},
+        "tool_call_id": {"type": "string", "description": "tool: the call this is the result of"}}}
     usage = {"type": "object", "properties": {name: integer for name in
                                               ("prompt_tokens", "completion_tokens", "total_tokens")}}
     return {
@@ -180,6 +187,17 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
             "logprobs": {"type": "boolean", "nullable": True},
             "top_logprobs": {**integer, "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "nullable": True,
                              "description": "needs logprobs=true"},
+            "tools": {"type": "array", "maxItems": MAX_TOOLS, "nullable": True, "items": {
+                "type": "object", "required": ["function"], "properties": {
+                    "type": {"type": "string", "enum": ["function"]},
+                    "function": {"type": "object", "required": ["name"], "properties": {
+                        "name": {"type": "string"}, "description": {"type": "string"},
+                        "parameters": {"type": "object"}}}}}},
+            "tool_choice": {"type": "string", "enum": ["auto", "none"], "nullable": True,
+                            "description": "auto (default with tools): calls are parsed from the answer "
+                                           "(--tool-call-parser); none: the tools are shown, nothing is parsed"},
+            "parallel_tool_calls": {"type": "boolean", "nullable": True,
+                                    "description": "false: the first call only"},
         }},
         "Completion": {"type": "object", "required": ["id", "object", "choices"], "properties": {
             "id": {"type": "string"}, "object": {"type": "string", "enum": ["text_completion"]},
@@ -202,7 +220,8 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
             "choices": {"type": "array", "items": {"type": "object", "properties": {
                 "index": integer, "finish_reason": {"type": "string", "nullable": True},
                 "message": {"type": "object", "properties": {"role": {"type": "string"},
-                                                             "content": {"type": "string", "nullable": True}}},
+                                                             "content": {"type": "string", "nullable": True},
+                                                             "tool_calls": {"type": "array", "items": tool_call}}},
                 "token_ids": {"type": "array", "items": integer}}}}}},
         "TokenizeRequest": {"type": "object", "description": "vLLM's /tokenize: exactly one of prompt and messages",
                             "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],

@@ -1,0 +1,136 @@
+"""Tool calls end to end: a real instance process running a model whose greedy answer is a
+hermes tool call (tests/scripted_model.py), a real etcd, the frontend process, and the
+`openai` client reading the calls, whole and streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import aiohttp
+import openai
+import pytest
+
+from services.cluster.processes import ServiceProcess
+from services.common.etcd_launcher import free_port
+
+from tests.integration.test_frontend import start_frontend
+from tests.scripted_model import build_scripted_model
+
+pytestmark = pytest.mark.timeout(120)
+
+QWEN_LIKE_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
+    "</tools>\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags.<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
+    "{% for call in message.tool_calls %}<tool_call>\n"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SCRIPT = ["Checking.\n", "<tool_call>", '\n{"name": "get_weather", "arguments": ', '{"city": "Paris", "unit": "C"}}',
+          "\n</tool_call>"]
+ANSWER = "".join(SCRIPT)
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}}}}]
+WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+MODEL = "scripted"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_scripted_model(tmp_path_factory.mktemp("models") / MODEL, SCRIPT, QWEN_LIKE_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def frontend(etcd, model_dir, tmp_path_factory):
+    cluster, port = f"tools-{uuid.uuid4().hex[:8]}", free_port()
+    logs = tmp_path_factory.mktemp("logs")
+    instance = ServiceProcess(
+        "instance-tools", "instance",
+        ["--model", str(model_dir), "--port", str(port), "--instance-id", "tools-0", "--num-threads", "1",
+         "--etcd-endpoints", etcd.endpoint, "--cluster", cluster, "--lease-ttl-s", "3", "--num-blocks", "256",
+         "--block-size", "16", "--max-model-len", "1024"],
+        f"127.0.0.1:{port}", logs).start()
+    frontend = start_frontend("frontend-tools", etcd, model_dir, cluster, logs, "--max-model-len", "1024")
+    try:
+        asyncio.run(instance.wait_healthy(90))
+        asyncio.run(frontend.wait_healthy(60))
+        yield frontend
+    finally:
+        frontend.stop()
+        instance.stop()
+
+
+@pytest.fixture
+async def client(frontend):
+    async with openai.AsyncOpenAI(base_url=f"{frontend.address}/v1", api_key="none", max_retries=0,
+                                  timeout=60) as client:
+        yield client
+
+
+async def test_the_answers_tool_call_comes_back_as_tool_calls(client):
+    completion = await client.chat.completions.create(model=MODEL, messages=WEATHER, tools=TOOLS, temperature=0,
+                                                      extra_body={"return_token_ids": True})
+    (choice,) = completion.choices
+    (call,) = choice.message.tool_calls
+    assert (call.type, call.function.name) == ("function", "get_weather")
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "C"}
+    assert choice.message.content == "Checking." and choice.finish_reason == "tool_calls"
+    assert len(choice.model_dump()["token_ids"]) == len(SCRIPT) + 1  # every piece, then end-of-sequence
+
+
+async def test_a_streamed_tool_call_says_what_the_whole_answer_says(client):
+    stream = await client.chat.completions.create(model=MODEL, messages=WEATHER, tools=TOOLS, temperature=0,
+                                                  stream=True, n=2, extra_body={"return_token_ids": True})
+    content, calls, finish, token_ids = {0: ""}, {}, {}, {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            content[choice.index] = content.get(choice.index, "") + (choice.delta.content or "")
+            for call in choice.delta.tool_calls or []:
+                calls.setdefault(choice.index, []).append((call.index, call.function.name, call.function.arguments))
+            token_ids.setdefault(choice.index, []).extend(choice.model_dump().get("token_ids") or [])
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    for index in (0, 1):
+        assert content[index] == "Checking."
+        ((call_index, name, arguments),) = calls[index]
+        assert (call_index, name, json.loads(arguments)) == (0, "get_weather", {"city": "Paris", "unit": "C"})
+        assert finish[index] == "tool_calls" and len(token_ids[index]) == len(SCRIPT) + 1
+
+
+async def test_tool_choice_none_shows_the_tools_and_parses_nothing(client):
+    completion = await client.chat.completions.create(model=MODEL, messages=WEATHER, tools=TOOLS, tool_choice="none",
+                                                      temperature=0)
+    assert completion.choices[0].message.content == ANSWER and completion.choices[0].message.tool_calls is None
+    assert completion.choices[0].finish_reason == "stop"
+
+
+async def test_the_call_and_its_result_in_the_history_reach_the_chat_template(frontend):
+    messages = [*WEATHER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+    async with aiohttp.ClientSession(base_url=frontend.address, timeout=aiohttp.ClientTimeout(total=60)) as http:
+        async with http.post("/tokenize", json={"model": MODEL, "messages": messages, "tools": TOOLS}) as response:
+            assert response.status == 200, await response.text()
+            tokens = (await response.json())["tokens"]
+        async with http.post("/detokenize", json={"model": MODEL, "tokens": tokens}) as response:
+            prompt = (await response.json())["prompt"]
+        assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+        assert "<tool_response>\n18 C and sunny\n</tool_response>" in prompt and '"name": "get_weather"' in prompt
+        body = {"model": MODEL, "messages": messages, "tools": TOOLS, "temperature": 0}
+        async with http.post("/v1/chat/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            assert (await response.json())["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_tool_choice_required_is_a_400_naming_the_field(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=MODEL, messages=WEATHER, tools=TOOLS, tool_choice="required")
+    assert info.value.body["param"] == "tool_choice" and "constrained decoding" in info.value.body["message"]

@@ -52,13 +52,17 @@ def instance(etcd, tiny_model_dir, cluster_name, tmp_path_factory):
         process.stop()
 
 
-def start_frontend(name, etcd, model_dir, cluster_name, log_dir, *extra: str) -> ServiceProcess:
+def frontend_process(name, etcd, model_dir, cluster_name, log_dir, *extra: str) -> ServiceProcess:
     port = free_port("127.0.0.1")
     return ServiceProcess(
         name, "frontend",
         ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--etcd-endpoints", etcd.endpoint,
          "--cluster", cluster_name, "--max-model-len", str(MAX_MODEL_LEN), *extra],
-        f"http://127.0.0.1:{port}", log_dir).start()
+        f"http://127.0.0.1:{port}", log_dir)
+
+
+def start_frontend(name, etcd, model_dir, cluster_name, log_dir, *extra: str) -> ServiceProcess:
+    return frontend_process(name, etcd, model_dir, cluster_name, log_dir, *extra).start()
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ oversized, over-long, idle and slow requests on raw sockets."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import time
 import uuid
@@ -20,6 +19,8 @@ from schemathesis.checks import (content_type_conformance, negative_data_rejecti
 from services.cluster.processes import ServiceProcess
 from services.common.etcd_launcher import free_port
 from services.frontend.openapi import openapi_schema
+
+from tests.integration.running import running
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,15 +56,8 @@ def frontend(etcd, tiny_model_dir, tmp_path_factory):
                                  "--keepalive-timeout-s", str(KEEPALIVE_S), "--body-timeout-s", str(BODY_TIMEOUT_S),
                                  *common],
         f"http://127.0.0.1:{frontend_port}", log_dir)
-    try:
-        instance.start()
-        frontend.start()
-        asyncio.run(instance.wait_healthy(90))
-        asyncio.run(frontend.wait_healthy(60))
+    with running(instance, frontend):
         yield frontend
-    finally:
-        frontend.stop()
-        instance.stop()
 
 
 @SCHEMA.parametrize()

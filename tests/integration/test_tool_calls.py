@@ -4,7 +4,6 @@ hermes tool call (tests/scripted_model.py), a real etcd, the frontend process, a
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 
@@ -15,7 +14,8 @@ import pytest
 from services.cluster.processes import ServiceProcess
 from services.common.etcd_launcher import free_port
 
-from tests.integration.test_frontend import start_frontend
+from tests.integration.running import running
+from tests.integration.test_frontend import frontend_process
 from tests.scripted_model import build_scripted_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,15 +58,10 @@ def frontend(etcd, model_dir, tmp_path_factory):
         ["--model", str(model_dir), "--port", str(port), "--instance-id", "tools-0", "--num-threads", "1",
          "--etcd-endpoints", etcd.endpoint, "--cluster", cluster, "--lease-ttl-s", "3", "--num-blocks", "256",
          "--block-size", "16", "--max-model-len", "1024"],
-        f"127.0.0.1:{port}", logs).start()
-    frontend = start_frontend("frontend-tools", etcd, model_dir, cluster, logs, "--max-model-len", "1024")
-    try:
-        asyncio.run(instance.wait_healthy(90))
-        asyncio.run(frontend.wait_healthy(60))
+        f"127.0.0.1:{port}", logs)
+    frontend = frontend_process("frontend-tools", etcd, model_dir, cluster, logs, "--max-model-len", "1024")
+    with running(instance, frontend):
         yield frontend
-    finally:
-        frontend.stop()
-        instance.stop()
 
 
 @pytest.fixture

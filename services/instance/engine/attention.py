@@ -8,12 +8,19 @@ of each sequence into a padded `[seqs, blocks * block_size, kv_heads, head_dim]`
 tensor, run `scaled_dot_product_attention` on it, and put the outputs back in
 packed token order.
 
-Sequences are split into two groups, so a long prefill does not make every decode
+Sequences are split into groups, so a long prefill does not make every decode
 sequence pay for its padding: decode sequences (1 new token; the query heads are
 folded onto their KV head, so GQA needs no copy) and prefill sequences (queries
 padded to the longest one, GQA through `enable_gqa`). Decode attention is memory
 bound, so its sequences go in chunks whose gathered K/V fit in the CPU cache: the
-copy is read back from cache, not from memory. The mask is by position: the query
+copy is read back from cache, not from memory.
+
+Batch invariance: a decode sequence's attention gives the same bits whatever else is in
+the batch and wherever its blocks lie, so a request decodes the same tokens alone, in a
+busy batch, and after a migration. SDPA's result changes in the last bits with the padded
+key length (not with the batch size or the sequence's place in it), so decode sequences
+are padded to a length of their own (`padded_blocks`) and grouped by it, never to the
+longest in the step. The mask is by position: the query
 at position p sees cached token j iff j <= p, which is causal within the new
 tokens, sees everything cached before them (continued/chunked prefill), and hides
 the stale tail of each sequence's last block and the padding blocks.
@@ -26,12 +33,14 @@ which SDPA cannot do; its layers take an explicit matmul-softmax-matmul path ins
 Plans are built on the host from the scheduler's host tensors; on a GPU, `plan.to(device)`
 moves the few index and mask tensors the layers read, once per forward.
 
-A long decode sequence whose blocks lie in a few contiguous runs (the block manager hands
-out the lowest free ids, so a prefilled or migrated-in sequence usually gets one run) skips
-the gather: its keys and values are read where they lie, one matmul per run, so a decode
-step over a long context reads its cache once instead of copying it first. Only in a
-float32 cache: in a lower precision the gathered path's float32 accumulation is what keeps
-a sequence's tokens independent of where its blocks lie.
+A long decode sequence (1024+ keys) skips the gather: its keys and values are read where
+they lie, in segments of 512 keys, one matmul each, so a decode step over a long context
+reads its cache once instead of copying it first (the block manager hands out the lowest
+free ids, so a sequence's blocks are mostly consecutive). The segments are fixed by
+position, not by where the blocks lie: a segment whose blocks are not consecutive is
+gathered into a copy of the same shape, so the bits do not depend on the layout. Only in
+a float32 cache: in a lower precision the gathered path's float32 accumulation is what
+keeps a sequence's tokens close to exact.
 """
 
 from dataclasses import dataclass, replace
@@ -43,8 +52,8 @@ import torch.nn.functional as F
 from services.instance.engine.forward_batch import ForwardBatch
 
 DECODE_CHUNK_BYTES = 1 << 20  # gathered K+V per decode chunk; about one core's L2 cache
-IN_PLACE_MIN_KEYS = 1024  # decode sequences with at least this much context ...
-IN_PLACE_MAX_RUNS = 8  # ... in at most this many contiguous block runs are read in place
+IN_PLACE_MIN_KEYS = 1024  # decode sequences with at least this much context are read in place ...
+SEGMENT_KEYS = 512  # ... in segments of this many keys (rounded to whole blocks): one matmul each
 FUSED_MAX_KV_HEADS = 4  # in-place reads with at most this many KV heads do all heads in one matmul
 
 
@@ -81,9 +90,19 @@ class AttentionGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class KeySegment:
+    """Keys [k, k + num_keys) of a sequence read in place: consecutive cache slots from
+    `first_slot`, or (its blocks not consecutive) gathered from `slots`."""
+
+    first_slot: int
+    num_keys: int
+    slots: torch.Tensor | None = None  # [num_keys] flat slot of each key, where they are not consecutive
+
+
+@dataclass(frozen=True, slots=True)
 class InPlaceSequence:
     token: int  # packed index of its one new token
-    runs: tuple[tuple[int, int], ...]  # (first flat slot, number of slots) of each contiguous stretch of its context
+    segments: tuple[KeySegment, ...]  # its context in SEGMENT_KEYS pieces, in order
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +117,9 @@ class InPlaceGroup:
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
     slot_mapping: torch.Tensor  # [num_tokens] flat KV slot of each new token
-    decode: AttentionGroup | None  # sequences with exactly one new token, gathered
+    decode: tuple[AttentionGroup, ...]  # sequences with exactly one new token, gathered, by padded length
     prefill: AttentionGroup | None  # sequences with more than one new token
-    in_place: InPlaceGroup | None = None  # long decode sequences in few block runs, read in place
+    in_place: InPlaceGroup | None = None  # long decode sequences, read in place
 
     @classmethod
     def build(cls, batch: ForwardBatch, geometry: CacheGeometry, window: int | None = None) -> "AttentionPlan":
@@ -111,10 +130,10 @@ class AttentionPlan:
         in_place, in_place_seqs = _in_place_group(batch, is_decode, starts, geometry, window)
         is_decode[in_place_seqs] = False
         if batch.is_decode_only and in_place is None:
-            return cls(batch.slot_mapping, _decode_group(batch, None, starts, geometry, window), None)
-        decode = prefill = None
+            return cls(batch.slot_mapping, _decode_groups(batch, None, starts, geometry, window), None)
+        decode, prefill = (), None
         if bool(is_decode.any()):
-            decode = _decode_group(batch, torch.nonzero(is_decode).flatten(), starts, geometry, window)
+            decode = _decode_groups(batch, torch.nonzero(is_decode).flatten(), starts, geometry, window)
         is_prefill = query_lens > 1
         if bool(is_prefill.any()):
             prefill = _prefill_group(batch, torch.nonzero(is_prefill).flatten(), query_lens, starts, geometry,
@@ -125,7 +144,7 @@ class AttentionPlan:
         """The plan with every tensor a layer reads on `device` (plans are built from host tensors)."""
         if device.type == "cpu":
             return self
-        return AttentionPlan(self.slot_mapping.to(device), _group_to(self.decode, device),
+        return AttentionPlan(self.slot_mapping.to(device), tuple(group.to(device) for group in self.decode),
                              _group_to(self.prefill, device), _group_to(self.in_place, device))
 
 
@@ -141,14 +160,18 @@ def _group_to(group: Group | None, device: torch.device) -> Group | None:
 
 
 def _gather_plan(
-    block_tables: torch.Tensor, context_lens: torch.Tensor, geometry: CacheGeometry, max_chunk_bytes: int | None
+    block_tables: torch.Tensor, context_lens: torch.Tensor, geometry: CacheGeometry, max_chunk_bytes: int | None,
+    num_blocks: int | None = None,
 ) -> tuple[int, tuple[slice, ...], tuple[torch.Tensor, ...]]:
-    """(num_keys, chunks, gather_indices) for sequences with these block tables and contexts;
-    max_chunk_bytes None: all sequences in one chunk."""
-    num_blocks = (int(context_lens.max()) + geometry.block_size - 1) // geometry.block_size
-    if block_tables.shape[1] < num_blocks:
-        raise ValueError(f"block_tables has {block_tables.shape[1]} columns, the longest context needs {num_blocks}")
-    block_tables = block_tables[:, :num_blocks]
+    """(num_keys, chunks, gather_indices) for sequences with these block tables and contexts, each
+    gathered as `num_blocks` blocks (default: as many as the longest context needs; more are padded
+    with block 0, whose keys the mask hides); max_chunk_bytes None: all sequences in one chunk."""
+    needed = (int(context_lens.max()) + geometry.block_size - 1) // geometry.block_size
+    num_blocks = needed if num_blocks is None else num_blocks
+    if block_tables.shape[1] < needed or num_blocks < needed:
+        raise ValueError(f"block_tables has {block_tables.shape[1]} columns and {num_blocks} are gathered, "
+                         f"the longest context needs {needed}")
+    block_tables = F.pad(block_tables[:, :num_blocks], (0, max(0, num_blocks - block_tables.shape[1])))
     num_seqs = block_tables.shape[0]
     chunk_seqs = num_seqs
     if max_chunk_bytes is not None:
@@ -159,23 +182,53 @@ def _gather_plan(
     return num_blocks * geometry.block_size, chunks, indices
 
 
-def _decode_group(
+def padded_blocks(num_blocks: int) -> int:
+    """The blocks a decode sequence of `num_blocks` is gathered as: itself up to 4, then rounded up to
+    a quarter of its power of two (at most 25% more). It depends on the sequence alone, never on
+    the others in the batch: SDPA's result changes, in the last bits, with the padded length, so
+    a sequence padded to another's length would decode differently in a busy batch, or after a
+    migration, than alone."""
+    if num_blocks <= 4:
+        return num_blocks
+    step = 1 << (num_blocks.bit_length() - 3)
+    return -(-num_blocks // step) * step
+
+
+def _decode_groups(
     batch: ForwardBatch, seqs: torch.Tensor | None, starts: torch.Tensor, geometry: CacheGeometry, window: int | None
-) -> AttentionGroup:
+) -> tuple[AttentionGroup, ...]:
+    """The decode sequences `seqs` (None: every sequence), grouped by padded length (`padded_blocks`)."""
     context_lens = batch.context_lens if seqs is None else batch.context_lens[seqs]
     block_tables = batch.block_tables if seqs is None else batch.block_tables[seqs]
     is_windowed = window is not None and bool((context_lens > window).any())
     if is_windowed:
         block_tables, context_lens = _window_blocks(block_tables, context_lens, window, geometry.block_size)
-    num_keys, chunks, indices = _gather_plan(block_tables, context_lens, geometry, DECODE_CHUNK_BYTES)
+    sizes = [padded_blocks(-(-n // geometry.block_size)) for n in context_lens.tolist()]
+    if len(set(sizes)) == 1 and seqs is None:  # the packed tokens in order: no index needed
+        return (_decode_group(block_tables, context_lens, sizes[0], None, geometry, window if is_windowed else None),)
+    token_starts = starts if seqs is None else starts[seqs]
+    groups = []
+    for size in sorted(set(sizes)):
+        members = torch.tensor([i for i, each in enumerate(sizes) if each == size], dtype=torch.int64)
+        groups.append(_decode_group(block_tables[members], context_lens[members], size, token_starts[members],
+                                    geometry, window if is_windowed else None))
+    return tuple(groups)
+
+
+def _decode_group(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, token_starts: torch.Tensor | None,
+    geometry: CacheGeometry, window: int | None,
+) -> AttentionGroup:
+    """Decode sequences gathered as `num_blocks` blocks each; `window`: their contexts were cut to it."""
+    num_keys, chunks, indices = _gather_plan(block_tables, context_lens, geometry, DECODE_CHUNK_BYTES, num_blocks)
     mask = None
-    if is_windowed or bool((context_lens != num_keys).any()):
+    if window is not None or bool((context_lens != num_keys).any()):
         keys = torch.arange(num_keys)
         mask = keys < context_lens[:, None]
-        if is_windowed:
+        if window is not None:
             mask &= keys >= context_lens[:, None] - window  # the one query sits at position context_len - 1
         mask = mask.view(-1, 1, 1, num_keys)
-    token_index = None if seqs is None else starts[seqs].view(-1, 1)  # a decode sequence's only token
+    token_index = None if token_starts is None else token_starts.view(-1, 1)  # a decode sequence's only token
     out_index = None if token_index is None else token_index.flatten()
     return AttentionGroup(num_keys, chunks, indices, mask, False, token_index, None, out_index)
 
@@ -193,43 +246,43 @@ def _window_blocks(block_tables: torch.Tensor, context_lens: torch.Tensor, windo
 
 def _in_place_group(batch: ForwardBatch, is_decode: torch.Tensor, starts: torch.Tensor, geometry: CacheGeometry,
                     window: int | None) -> tuple[InPlaceGroup | None, list[int]]:
-    """The decode sequences to read in place (long context, few block runs, all of it inside
-    the window), and their indexes.
+    """The decode sequences to read in place (long context, all of it inside the window), and
+    their indexes. Which ones they are depends on their contexts alone, never on where their
+    blocks lie, and so do their segments (`_segments`): a migrated request, whose blocks lie
+    elsewhere, attends with the same bits.
 
-    Only a float32 cache is read in place: `_attend_runs` computes in the cache's dtype, which
-    in bfloat16 or float16 rounds every score (~9x the error of SDPA, which accumulates in
-    float32), and whether a sequence is read in place depends on where its blocks lie. So a
-    request would get other tokens after a migration than without one."""
+    Only a float32 cache is read in place: `_attend_segments` computes in the cache's dtype,
+    which in bfloat16 or float16 rounds every score (~9x the error of SDPA, which accumulates
+    in float32)."""
     if not geometry.reads_in_place:
         return None, []
     is_candidate = is_decode & (batch.context_lens >= IN_PLACE_MIN_KEYS)
     if window is not None:
         is_candidate &= batch.context_lens <= window
-    candidates = torch.nonzero(is_candidate).flatten().tolist()
-    sequences, seqs = [], []
-    for seq in candidates:
-        runs = _slot_runs(batch.block_tables[seq], int(batch.context_lens[seq]), geometry.block_size)
-        if runs is not None:
-            sequences.append(InPlaceSequence(int(starts[seq]), runs))
-            seqs.append(seq)
-    if not sequences:
+    seqs = torch.nonzero(is_candidate).flatten().tolist()
+    if not seqs:
         return None, []
-    return InPlaceGroup(tuple(sequences), torch.tensor([s.token for s in sequences], dtype=torch.int64)), seqs
+    sequences = tuple(InPlaceSequence(int(starts[seq]), _segments(batch.block_tables[seq],
+                                                                  int(batch.context_lens[seq]), geometry.block_size))
+                      for seq in seqs)
+    return InPlaceGroup(sequences, torch.tensor([s.token for s in sequences], dtype=torch.int64)), seqs
 
 
-def _slot_runs(block_table: torch.Tensor, context_len: int, block_size: int) -> tuple[tuple[int, int], ...] | None:
-    """(first slot, number of slots) of each stretch of consecutive blocks holding the first
-    `context_len` tokens; None if there are more than IN_PLACE_MAX_RUNS of them."""
-    blocks = block_table[:(context_len + block_size - 1) // block_size]
-    breaks = torch.nonzero(blocks[1:] - blocks[:-1] != 1).flatten()
-    if len(breaks) >= IN_PLACE_MAX_RUNS:
-        return None
-    bounds = [0, *(int(b) + 1 for b in breaks), len(blocks)]
-    runs = []
-    for first, stop in zip(bounds, bounds[1:]):
-        num_slots = min((stop - first) * block_size, context_len - first * block_size)
-        runs.append((int(blocks[first]) * block_size, num_slots))
-    return tuple(runs)
+def _segments(block_table: torch.Tensor, context_len: int, block_size: int) -> tuple[KeySegment, ...]:
+    """The first `context_len` keys in pieces of SEGMENT_KEYS (whole blocks), each read where it
+    lies when its blocks are consecutive, else gathered."""
+    blocks_per_segment = max(1, SEGMENT_KEYS // block_size)
+    segments = []
+    for first_key in range(0, context_len, blocks_per_segment * block_size):
+        num_keys = min(blocks_per_segment * block_size, context_len - first_key)
+        blocks = block_table[first_key // block_size:(first_key + num_keys + block_size - 1) // block_size]
+        first_slot = int(blocks[0]) * block_size
+        if bool((blocks[1:] - blocks[:-1] == 1).all()):
+            segments.append(KeySegment(first_slot, num_keys))
+        else:
+            slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:num_keys]
+            segments.append(KeySegment(first_slot, num_keys, slots))
+    return tuple(segments)
 
 
 def _prefill_group(
@@ -270,11 +323,11 @@ def attend(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: 
     """Attention of the new queries ([num_tokens, heads, head_dim]) over each sequence's cached
     context (already including the new tokens); returns [num_tokens, heads * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
-    if plan.prefill is None and plan.in_place is None:
-        return _attend_decode(q, kv_layer, plan.decode, scale, softcap).view(num_tokens, num_heads * head_dim)
+    if plan.prefill is None and plan.in_place is None and len(plan.decode) == 1 and plan.decode[0].out_index is None:
+        return _attend_decode(q, kv_layer, plan.decode[0], scale, softcap).view(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads * head_dim)
-    if plan.decode is not None:
-        out[plan.decode.out_index] = _attend_decode(q, kv_layer, plan.decode, scale, softcap).flatten(1)
+    for group in plan.decode:
+        out[group.out_index] = _attend_decode(q, kv_layer, group, scale, softcap).flatten(1)
     if plan.in_place is not None:
         out[plan.in_place.out_index] = _attend_in_place(q, kv_layer, plan.in_place, scale, softcap)
     if plan.prefill is not None:
@@ -334,21 +387,22 @@ def _sdpa_decode(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGroup,
 
 def _attend_in_place(q: torch.Tensor, kv_layer: torch.Tensor, group: InPlaceGroup, scale: float,
                      softcap: float | None) -> torch.Tensor:
-    """[num_seqs, heads * head_dim]: each sequence's one query over its runs of cache slots, read where they lie."""
+    """[num_seqs, heads * head_dim]: each sequence's one query over its segments of cache slots."""
     _, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_layer.shape
     slots = kv_layer.view(2, num_cache_blocks * block_size, num_kv_heads, head_dim)
     out = q.new_empty(len(group.sequences), q.shape[1] * head_dim)
     for i, seq in enumerate(group.sequences):
         query = q[seq.token].view(num_kv_heads, -1, head_dim)  # a KV head's query heads as its rows
-        out[i] = _attend_runs(query, slots, seq.runs, scale, softcap).flatten()
+        out[i] = _attend_segments(query, slots, seq.segments, scale, softcap).flatten()
     return out
 
 
-def _attend_runs(q: torch.Tensor, slots: torch.Tensor, runs: tuple[tuple[int, int], ...], scale: float,
-                 softcap: float | None = None) -> torch.Tensor:
-    """Softmax attention of q [kv_heads, group, head_dim] over the keys in `runs` of `slots`
-    [2, num_slots, kv_heads, head_dim]: scores run by run, one softmax over all of them, then
-    the values run by run.
+def _attend_segments(q: torch.Tensor, slots: torch.Tensor, segments: tuple[KeySegment, ...], scale: float,
+                     softcap: float | None = None) -> torch.Tensor:
+    """Softmax attention of q [kv_heads, group, head_dim] over the keys of `segments` in `slots`
+    [2, num_slots, kv_heads, head_dim]: scores segment by segment, one softmax over all of them,
+    then the values segment by segment, summed in order. A gathered segment has the shape and
+    strides of one read in place, so both give the same bits.
 
     With few KV heads, all heads go in one matmul against the cache rows as they lie
     ([slots, kv_heads * head_dim], each read once) with a block-diagonal query: kv_heads times
@@ -358,22 +412,34 @@ def _attend_runs(q: torch.Tensor, slots: torch.Tensor, runs: tuple[tuple[int, in
     is_fused = num_kv_heads <= FUSED_MAX_KV_HEADS
     if is_fused:
         q = _block_diagonal(q)  # [kv_heads * group, kv_heads * head_dim]
-        keys, values = slots[0].flatten(1), slots[1].flatten(1)  # [num_slots, kv_heads * head_dim]
-        scores = [torch.matmul(q, keys[start:start + n].t()) for start, n in runs]
-    else:
-        keys, values = slots[0].permute(1, 2, 0), slots[1].transpose(0, 1)  # [kv_heads, head_dim | slots, ...]
-        scores = [torch.matmul(q, keys[..., start:start + n]) for start, n in runs]
+    scores = [torch.matmul(q, _segment_keys(slots[0], segment, is_fused)) for segment in segments]
     probs = torch.softmax(_capped(torch.cat(scores, dim=-1).mul_(scale), softcap), dim=-1,
                           dtype=torch.float32).to(q.dtype)
     out, offset = None, 0
-    for start, n in runs:
-        run_values = values[start:start + n] if is_fused else values[:, start:start + n]
-        part = torch.matmul(probs[..., offset:offset + n], run_values)
+    for segment in segments:
+        part = torch.matmul(probs[..., offset:offset + segment.num_keys], _segment_values(slots[1], segment, is_fused))
         out = part if out is None else out.add_(part)
-        offset += n
+        offset += segment.num_keys
     if is_fused:  # [kv_heads * group, kv_heads * head_dim]: head h's output is diagonal block h
         out = torch.diagonal(out.view(num_kv_heads, group, num_kv_heads, head_dim), dim1=0, dim2=2).permute(2, 0, 1)
     return out
+
+
+def _segment_rows(rows: torch.Tensor, segment: KeySegment) -> torch.Tensor:
+    """[num_keys, kv_heads, head_dim] of `rows` [num_slots, kv_heads, head_dim]: a view, or a gathered copy."""
+    if segment.slots is None:
+        return rows[segment.first_slot:segment.first_slot + segment.num_keys]
+    return rows.index_select(0, segment.slots)
+
+
+def _segment_keys(keys: torch.Tensor, segment: KeySegment, is_fused: bool) -> torch.Tensor:
+    rows = _segment_rows(keys, segment)
+    return rows.flatten(1).t() if is_fused else rows.permute(1, 2, 0)  # [kv_heads * head_dim | kv_heads, head_dim, n]
+
+
+def _segment_values(values: torch.Tensor, segment: KeySegment, is_fused: bool) -> torch.Tensor:
+    rows = _segment_rows(values, segment)
+    return rows.flatten(1) if is_fused else rows.transpose(0, 1)  # [n, kv_heads * head_dim | kv_heads, n, head_dim]
 
 
 def _block_diagonal(q: torch.Tensor) -> torch.Tensor:

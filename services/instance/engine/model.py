@@ -28,7 +28,7 @@ from services.instance.engine.attention import AttentionPlan, CacheGeometry, att
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.model_config import GEMMA_TYPES, ModelConfig
 from services.instance.engine.rope import RopeConfig, rope_inv_freq
-from services.instance.engine.packed_linear import MIN_PACKED_NUMEL, PackedLinear
+from services.instance.engine.packed_linear import PackedLinear
 from services.instance.engine.weights import load_state_dict
 
 log = structlog.get_logger(__name__)
@@ -217,15 +217,15 @@ class LlamaModel(nn.Module):
         log.info("model_loaded", model_dir=str(model_dir), dtype=str(dtype), device=str(device), num_packed=num_packed)
         return model.eval()
 
-    def pack_weights(self, min_numel: int = MIN_PACKED_NUMEL) -> int:
-        """Prepack the projections and the LM head for oneDNN (CPU float32, weights of at least
-        `min_numel` elements; see packed_linear). A tied LM head gets its own packed copy of the
-        embedding matrix. Returns how many weights were packed."""
-        num_packed = sum(m.pack(min_numel) for m in self.modules() if isinstance(m, PackedLinear))
+    def pack_weights(self) -> int:
+        """Prepack the projections and the LM head for oneDNN (CPU float32; see packed_linear). A
+        tied LM head gets its own packed copy of the embedding matrix. Returns how many weights
+        were packed."""
+        num_packed = sum(m.pack() for m in self.modules() if isinstance(m, PackedLinear))
         if self.lm_head is None:
             head = PackedLinear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
             head.weight = self.embed_tokens.weight
-            if head.pack(min_numel):
+            if head.pack():
                 self.lm_head = head
                 num_packed += 1
         return num_packed

@@ -5,8 +5,15 @@ call and runs slow kernels on some CPUs (AMD EPYC: about half of oneDNN's speed
 for 32-row decode batches and for the LM head). `pack()` reorders the weight once
 into oneDNN's blocked layout and drops the plain copy; the output is the same
 product up to float rounding. Packing is skipped, leaving the plain path, where
-oneDNN does not apply (not CPU, not float32, or a torch without the ops), and for
-small weights, where oneDNN's fixed cost per call (~25 us) outweighs its speed.
+oneDNN does not apply (not CPU, not float32, or a torch without the ops).
+
+Batch invariance: a row's product must not depend on the other rows in the batch, or a
+request would decode other tokens in a busy batch, or after a migration, than alone.
+MKL's sgemm gives other bits for a row as the row count changes (any count, any shape
+we tried); oneDNN's packed product gives the same bits for every count from 2 on (every
+shape tried, 1 and 2 threads), but a single row goes another way where K >= 1536. So
+every weight is packed, small ones too (oneDNN's fixed cost, ~25 us a call, is what
+that costs), and a single row is computed as two.
 """
 
 import structlog
@@ -15,9 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 log = structlog.get_logger(__name__)
-
-MIN_PACKED_NUMEL = 1 << 16  # smaller weights stay plain: MKL is quicker for them
-
 
 def can_pack(weight: torch.Tensor) -> bool:
     return (
@@ -32,11 +36,11 @@ def can_pack(weight: torch.Tensor) -> bool:
 class PackedLinear(nn.Linear):
     packed_weight: torch.Tensor | None = None  # oneDNN-blocked weight; while set, `weight` is None
 
-    def pack(self, min_numel: int = MIN_PACKED_NUMEL) -> bool:
+    def pack(self) -> bool:
         """Replace the weight by its oneDNN-packed form; False (nothing changes) where that does not apply."""
         if self.packed_weight is not None:
             return True
-        if self.weight.numel() < min_numel or not can_pack(self.weight):
+        if not can_pack(self.weight):
             return False
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
         self.weight = None
@@ -45,4 +49,9 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is None:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
+        if x.shape[0] == 1:  # as a row of two: the same bits as in any batch (see above)
+            return self._packed(torch.cat([x, x]))[:1]
+        return self._packed(x.contiguous())
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

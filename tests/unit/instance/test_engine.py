@@ -6,13 +6,14 @@ import os
 import random
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
 from services.common.errors import InvalidArgument, ResourceExhausted
+from services.instance.engine import attention
 from services.instance.engine.engine import EngineConfig, LLMEngine, StepOutput
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.model import LlamaModel, load_model
@@ -112,10 +113,11 @@ class Collected:
     text: str = ""
     finish_reason: FinishReason | None = None
     first_index: int | None = None
+    logprobs: list = field(default_factory=list)  # with run(..., logprobs=True)
 
 
 def run(engine: LLMEngine, arrivals: dict[int, list[tuple]], abort_at: dict[int, list[str]] | None = None,
-        max_steps: int = 2000) -> dict[str, Collected]:
+        max_steps: int = 2000, logprobs: bool = False) -> dict[str, Collected]:
     """Step until done; `arrivals[step]` are add_request argument tuples added before that step."""
     abort_at = abort_at or {}
     collected: dict[str, Collected] = {}
@@ -130,6 +132,8 @@ def run(engine: LLMEngine, arrivals: dict[int, list[tuple]], abort_at: dict[int,
             return collected
         for output in engine.step():
             add_output(collected[output.request_id], output)
+            if logprobs:
+                collected[output.request_id].logprobs.extend(output.logprobs or ())
     raise AssertionError("engine did not finish")
 
 
@@ -192,6 +196,34 @@ def test_seeded_sampling_alone_equals_inside_a_busy_batch(gqa, make_engine):
     assert collected["x"].token_ids == alone
     assert collected["c"].token_ids != alone  # same seed, different prompt
     assert len(alone) == SEEDED.max_tokens
+
+
+def test_logprobs_are_the_same_bits_alone_and_in_a_busy_batch(gqa, make_engine, monkeypatch):
+    """Batch invariance, the ground of "a migrated request's tokens equal those of one never
+    migrated": every step of a request gives the same logprobs, to the bit, alone and among
+    others that come and go (so the rows in each matmul and the lengths each sequence's keys
+    are padded to change), while its context passes from gathered attention to attention read
+    in place (here from 48 keys on, in segments of 16; the busy engine's blocks are scattered
+    among the others'). Before, the batch's row count changed MKL's sums and decode keys were
+    padded to the longest in the step: bits differed from the first token on. (A prompt prefilled
+    in other chunks, as a busy step's budget cuts it, still gets other bits: not invariant.)"""
+    monkeypatch.setattr(attention, "IN_PLACE_MIN_KEYS", 48)
+    monkeypatch.setattr(attention, "SEGMENT_KEYS", 16)
+    prompts = random_prompts([13, 21], seed=8)
+    wanted = {"greedy": replace(GREEDY, max_tokens=60, logprobs=2),
+              "seeded": replace(SEEDED, max_tokens=60, logprobs=2)}
+    alone = {name: run(make_engine(gqa), {0: [(name, prompt, sampling)]}, logprobs=True)[name]
+             for (name, sampling), prompt in zip(wanted.items(), prompts)}
+    others = random_prompts([5, 40, 8, 2, 19, 33], seed=9)
+    busy = {0: [("a", others[0], replace(GREEDY, max_tokens=70)),
+                ("b", others[1], SamplingParams(temperature=1.2, seed=1, max_tokens=25))],
+            2: [("greedy", prompts[0], wanted["greedy"]), ("c", others[2], replace(SEEDED, max_tokens=5))],
+            5: [("seeded", prompts[1], wanted["seeded"]), ("d", others[3], replace(GREEDY, max_tokens=90))],
+            9: [("e", others[4], replace(GREEDY, max_tokens=12)), ("f", others[5], replace(GREEDY, max_tokens=44))]}
+    collected = run(make_engine(gqa), busy, logprobs=True)
+    for name in wanted:
+        assert collected[name].token_ids == alone[name].token_ids
+        assert collected[name].logprobs == alone[name].logprobs, name
 
 
 def test_unseeded_requests_differ_but_get_a_seed(gqa, make_engine):
@@ -370,8 +402,8 @@ def test_invalid_requests_name_the_field(gqa, make_engine):
         ([1, 2], SamplingParams(logit_bias=((10**6, 1.0),)), {}, "logit_bias: token id 1000000 is outside"),
         ([1, 2], SamplingParams(stop_token_ids=(3, 10**6)), {}, "stop_token_ids: token id 1000000 is outside"),
     ]
-    for prompt, sampling, kwargs, field in cases:
-        with pytest.raises(InvalidArgument, match=field):
+    for prompt, sampling, kwargs, named in cases:
+        with pytest.raises(InvalidArgument, match=named):
             engine.add_request("r", prompt, sampling, **kwargs)
     with pytest.raises(ResourceExhausted, match="num-blocks"):
         engine.add_request("r", list(range(1, 40)), GREEDY)  # 39 tokens > 8 blocks of 4

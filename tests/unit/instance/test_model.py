@@ -140,10 +140,8 @@ def _randomize_biases_and_norms(hf_model) -> None:
 
 @pytest.fixture(scope="module")
 def model(checkpoint) -> LlamaModel:
-    """Weights packed for oneDNN even though they are tiny, so the tests cover the packed path."""
-    model = load_model(checkpoint[0], pack_weights=False)
-    model.pack_weights(min_numel=0)
-    return model
+    """Weights packed for oneDNN, as an instance loads them."""
+    return load_model(checkpoint[0])
 
 
 @dataclass
@@ -212,11 +210,11 @@ def test_packed_prefill_matches_transformers(checkpoint, model):
 @pytest.fixture(params=["gathered", "in_place_fused", "in_place_per_head"])
 def decode_path(request, monkeypatch) -> str:
     """gathered: decode sequences copy their blocks together first (these contexts are short);
-    in_place_*: every decode sequence is read where its blocks lie, however many runs they
-    form, with all KV heads in one matmul (fused) or one matmul per head."""
+    in_place_*: every decode sequence is read where its blocks lie, in segments of 8 keys,
+    with all KV heads in one matmul (fused) or one matmul per head."""
     if request.param.startswith("in_place"):
         monkeypatch.setattr(attention, "IN_PLACE_MIN_KEYS", 1)
-        monkeypatch.setattr(attention, "IN_PLACE_MAX_RUNS", 1000)
+        monkeypatch.setattr(attention, "SEGMENT_KEYS", 8)
         monkeypatch.setattr(attention, "FUSED_MAX_KV_HEADS", 64 if request.param == "in_place_fused" else 0)
     return request.param
 
@@ -280,11 +278,11 @@ def test_decode_logits_match_transformers(checkpoint, model, chunk_bytes, monkey
 @pytest.mark.parametrize("fused_max_kv_heads", [0, 64])
 @pytest.mark.parametrize("is_shuffled", [False, True])
 def test_decode_read_in_place_matches_transformers(checkpoint, model, is_shuffled, fused_max_kv_heads, monkeypatch):
-    """Decode sequences read in place: in one or two runs of blocks each (blocks handed out in
-    order; a decode step's new block follows other sequences' blocks), or in several (shuffled
-    blocks, where some have too many runs and are gathered instead)."""
+    """Decode sequences read in place, in segments of 8 keys: consecutive blocks (handed out in
+    order; a decode step's new block follows other sequences' blocks) or shuffled ones, whose
+    segments are gathered."""
     monkeypatch.setattr(attention, "IN_PLACE_MIN_KEYS", 8)
-    monkeypatch.setattr(attention, "IN_PLACE_MAX_RUNS", 3 if is_shuffled else 2)
+    monkeypatch.setattr(attention, "SEGMENT_KEYS", 8)
     monkeypatch.setattr(attention, "FUSED_MAX_KV_HEADS", fused_max_kv_heads)
     _, hf_model = checkpoint
     prompts = [random_prompt(n, model.config.vocab_size, seed=300 + n) for n in (5, 12, 17, 30)]
@@ -294,19 +292,24 @@ def test_decode_read_in_place_matches_transformers(checkpoint, model, is_shuffle
         runner.step([(seq, len(seq.tokens) - 1)])
     batch = runner.batch([(s, 1) for s in seqs])
     plan = attention.AttentionPlan.build(batch, attention.CacheGeometry.of(runner.kv_cache))
-    assert plan.in_place is not None and plan.decode is not None  # the 5-token prompt is too short for in place
-    assert len(plan.in_place.sequences) >= (1 if is_shuffled else 3)
+    assert plan.in_place is not None and plan.decode  # the 5-token prompt is too short for in place
+    assert len(plan.in_place.sequences) == 3
+    segments = [segment for seq in plan.in_place.sequences for segment in seq.segments]
+    assert any(segment.slots is not None for segment in segments) == is_shuffled
     logits = model(batch, runner.kv_cache)
     for i, prompt in enumerate(prompts):
         torch.testing.assert_close(logits[i], hf_last_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
 
 
-def test_slot_runs_follow_consecutive_blocks():
+def test_segments_are_fixed_by_position_and_read_in_place_where_their_blocks_are_consecutive(monkeypatch):
+    monkeypatch.setattr(attention, "SEGMENT_KEYS", 8)  # two blocks of 4
     block_table = torch.tensor([5, 6, 7, 2, 3, 9, 0, 0])  # padded past its blocks
-    assert attention._slot_runs(block_table, 22, 4) == ((20, 12), (8, 8), (36, 2))
-    assert attention._slot_runs(block_table, 12, 4) == ((20, 12),)
-    assert attention._slot_runs(torch.tensor([1, 3, 5, 7]), 15, 4) == ((4, 4), (12, 4), (20, 4), (28, 3))
-    assert attention._slot_runs(torch.tensor(list(range(0, 20, 2))), 40, 4) is None  # 10 runs
+    segments = attention._segments(block_table, 22, 4)
+    assert [(s.first_slot, s.num_keys) for s in segments] == [(20, 8), (28, 8), (12, 6)]
+    assert [s.slots is None for s in segments] == [True, False, False]
+    assert segments[1].slots.tolist() == [28, 29, 30, 31, 8, 9, 10, 11]  # blocks 7 then 2
+    assert segments[2].slots.tolist() == [12, 13, 14, 15, 36, 37]  # blocks 3 then 9, the last one partly
+    assert [(s.first_slot, s.num_keys, s.slots) for s in attention._segments(block_table, 7, 4)] == [(20, 7, None)]
 
 
 def test_sharded_checkpoint_loads_like_single_file(checkpoint, model, tmp_path):
@@ -369,8 +372,7 @@ def test_packed_weights_give_the_same_logits(checkpoint, model):
     expected = PagedRunner(plain).step([(Sequence(p), len(p)) for p in prompts])
     logits = PagedRunner(model).step([(Sequence(p), len(p)) for p in prompts])
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
-    default = load_model(checkpoint[0])  # tiny weights stay plain: oneDNN's per-call cost would dominate
-    assert all(m.packed_weight is None for m in default.modules() if isinstance(m, PackedLinear))
+    assert all(m.packed_weight is not None for m in model.modules() if isinstance(m, PackedLinear))  # tiny ones too
 
 
 def test_bfloat16_load_gives_float32_logits(checkpoint):

@@ -372,7 +372,11 @@ class MigrationDriver:
             dst_transfer_address=a.plan.dst_transfer_address or a.reservation.transfer_address,
             backend=a.backend, is_checksum_verified=self._settings.is_checksum_verified,
             dst_write_grant=a.reservation.write_grant)
-        result = await self._transferer.transfer(transfer, self._settings.transfer_timeout_s, a.request_id)
+        try:
+            result = await self._transferer.transfer(transfer, self._settings.transfer_timeout_s, a.request_id)
+        except (FailedPrecondition, NotFound) as exc:  # a transfer service refused: a revoked grant, an unmapped cache
+            raise Aborted(f"request {a.request_id} not migrated, it keeps running on {self._settings.instance_id}: "
+                          f"the copy to {a.plan.dst_instance_id} was refused: {exc.message}") from exc
         a.copied.update((i, view.block_ids[i]) for i in indexes)
         a.num_blocks += result.num_blocks
         a.num_bytes += result.num_bytes

@@ -306,7 +306,8 @@ async def test_a_copy_by_a_service_the_destination_did_not_grant_writes_on_is_re
             await client.read(call, until_tokens=3)
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await migrate_out(stubs["a"], "shm-1", "b", cluster, backend=transfer_pb2.TRANSFER_BACKEND_SHM)
-            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION, error.value.details()
+            assert error.value.code() == grpc.StatusCode.ABORTED, error.value.details()  # a peer's refusal
+            assert "not migrated, it keeps running on a" in error.value.details()
             assert "write grant" in error.value.details()
             await client.follow(call)
         finally:

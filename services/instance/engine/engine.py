@@ -217,10 +217,15 @@ class LLMEngine:
         """NotFound if gone; FailedPrecondition while its prompt is partly computed (a chunked prefill):
         what it computed so far of its prompt's logprobs does not travel, and a moment later it can."""
         request = self._request(request_id)
-        if request.status is not RequestStatus.SUSPENDED and not is_movable(request):
+        if request.status is RequestStatus.SUSPENDED or is_movable(request):
+            return
+        if request.output_token_ids:  # preempted, and its context is being computed again
             raise FailedPrecondition(
-                f"request {request_id} is prefilling ({request.num_computed_tokens} of {request.num_prompt_tokens} "
-                "prompt tokens computed); it can migrate while queued or once it has its first token")
+                f"request {request_id} is recomputing its context after a preemption ({request.num_computed_tokens} "
+                f"of {request.num_tokens} tokens computed); it can migrate once that is done")
+        raise FailedPrecondition(
+            f"request {request_id} is prefilling ({request.num_computed_tokens} of {request.num_prompt_tokens} "
+            "prompt tokens computed); it can migrate while queued or once it has its first token")
 
     def suspend(self, request_id: str) -> MigrationBlocks:
         """Take the request out of the batch (it keeps its blocks) so its last blocks can be copied."""

@@ -239,6 +239,17 @@ def test_a_request_midway_through_its_prefill_does_not_move(make_engine):
     engine.suspend("long")
 
 
+def test_a_request_recomputing_after_a_preemption_is_refused_for_what_it_is(make_engine):
+    """Black-box run: it was called "prefilling (511 of 6 prompt tokens computed)"."""
+    engine, harness = make_engine(), Harness()
+    engine.add_request("r", [7] * 6, GREEDY)
+    harness.run_until(engine, "r", 3)
+    request = engine._requests["r"]
+    request.num_computed_tokens = 4  # as the chunked recompute of a preempted request leaves it midway
+    with pytest.raises(FailedPrecondition, match=r"recomputing its context after a preemption \(4 of 9 tokens"):
+        engine.check_movable("r")
+
+
 def test_a_higher_priority_request_is_moved_last(make_engine):
     engine, harness = make_engine(), Harness()
     engine.add_request("urgent-short", [7] * 4, GREEDY, priority=1)

@@ -156,9 +156,11 @@ class FrontendServer:
         arrived_at = time.monotonic()
         parsed = await self._parse(request, endpoint)
         with self._admitted(parsed.num_choices), self.in_flight.starting():
+            max_model_len = self._max_model_len()
+            if parsed.truncate_prompt_tokens == -1:  # as many as the served context holds (the KV caches' too)
+                parsed = replace(parsed, truncate_prompt_tokens=max_model_len)
             prepared = await asyncio.to_thread(self._model.prepared_prompts, parsed)
             prompts = [p.token_ids for p in prepared]
-            max_model_len = self._max_model_len()
             resolved = [resolve_max_tokens(parsed, len(ids), max_model_len, index)
                         for index, ids in enumerate(prompts)]  # a 400 for any prompt refuses them all
             request_id = new_request_id(endpoint)

@@ -12,7 +12,8 @@ import pytest
 from aiohttp import web
 
 from services.common.errors import Unavailable
-from services.frontend.dispatch import Dispatcher
+from services.frontend.dispatch import Dispatcher, InstanceEntry
+from services.frontend.generation import FinishReason, InstanceId
 from services.frontend.in_flight import InFlight
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.request_runner import RequestRunner
@@ -106,3 +107,25 @@ async def test_starting_requests_hold_the_grace_and_none_serves_after_it():
         assert time.monotonic() - started >= 0.25
         with pytest.raises(Unavailable, match="grace"), in_flight.serving([make_state()], []):
             pass
+
+
+async def test_truncate_prompt_tokens_minus_one_keeps_what_the_served_context_holds():
+    """-1 cut the prompt to config.json's context (1000 here), not to the 60 tokens the instances'
+    KV caches serve, so a prompt longer than those was refused instead of cut (black-box run)."""
+    model = ServedModel("m", max_model_len=1000, vocab_size=32, tokenizer=CharTokenizer())
+    instance = InstanceEntry(InstanceId("a"), "addr-a", True, max_model_len=60)
+    dispatcher = Dispatcher(None, FakeMembership(instance), cooldown_s=5)
+    instances = ScriptedInstances({"a": ([chunk(0, 1, finish=FinishReason.LENGTH)], None)})
+    server = FrontendServer(model, RequestRunner(dispatcher, instances, max_resumes=3), dispatcher,
+                            FrontendMetrics(), api_keys=(), max_inflight=8, max_body_bytes=1 << 20)
+    http = web.AppRunner(server.app(), access_log=None)
+    await http.setup()
+    await web.TCPSite(http, "127.0.0.1", 0).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "m", "prompt": "x" * 200, "max_tokens": 1, "truncate_prompt_tokens": -1}
+            async with session.post(f"http://127.0.0.1:{http.addresses[0][1]}/v1/completions", json=body) as response:
+                answer = await response.json()
+        assert response.status == 400 and "the prompt is 60 tokens" in answer["error"]["message"], answer
+    finally:
+        await http.cleanup()

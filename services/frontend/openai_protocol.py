@@ -42,6 +42,12 @@ _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _OUTPUT_FLAGS = {"include_stop_str_in_output": False, "skip_special_tokens": True, "use_beam_search": False}
 _UNSUPPORTED_SAMPLING = ("bad_words", "allowed_token_ids")  # vLLM's, refused unless empty
+_REFUSED_FIELDS = {  # vLLM's, which change what is served: refused rather than ignored
+    "chat_template": "a request's own chat template is not run (the model's is; vLLM takes one only with "
+                     "--trust-request-chat-template)",
+    "logits_processors": "logits processors are not run",
+    "prompt_embeds": "prompts are taken as text or token ids, not embeddings",
+}
 MAX_TEMPLATE_KWARGS = 32
 
 
@@ -81,6 +87,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     return_token_ids: bool = False  # ferry extension: choices and chunks carry token_ids
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     priority: int = 0  # ferry extension: higher runs first when the cache is short
     num_top_logprobs: int | None = None  # None = no logprobs; n = chosen token + top n
     n: int = 1  # choices per prompt: n requests of it (seeds seed, seed + 1, ... when one is given)
@@ -309,6 +316,7 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         endpoint=endpoint, model=check_model(body, served_model), prompts=prompts, messages=messages,
         sampling=sampling, stream=stream, include_usage=_include_usage(body, stream),
         return_token_ids=opt_bool(body, "return_token_ids") or False,
+        tokens_as_ids=opt_bool(body, "return_tokens_as_token_ids") or False,
         priority=_opt_int(body, "priority", low=-_INT32_MAX, high=_INT32_MAX) or 0,
         num_top_logprobs=num_top_logprobs, n=_opt_int(body, "n", low=1, high=MAX_CHOICES) or 1,
         truncate_prompt_tokens=_truncate_prompt_tokens(body), prompt_logprobs=sampling.num_prompt_logprobs)
@@ -358,6 +366,9 @@ def _reject_constrained_output(body: Mapping[str, Any]) -> None:
     for name in _UNSUPPORTED_SAMPLING:
         if body.get(name) not in (None, []):
             raise RequestError(f"{name}: not supported; leave it out", param=name)
+    for name, why in _REFUSED_FIELDS.items():
+        if body.get(name) is not None:
+            raise RequestError(f"{name}: not supported: {why}; leave it out", param=name)
     for name, default in _OUTPUT_FLAGS.items():  # vLLM's output options; only their defaults are served
         if opt_bool(body, name) not in (None, default):
             raise RequestError(f"{name}: only {str(default).lower()} is supported; leave it out", param=name)

@@ -217,7 +217,9 @@ class ResponseFormatter:
     def _token(self, token_id: int) -> str:
         """The token as OpenAI writes it: the text it adds (" word" for a SentencePiece "▁word"), or
         where its bytes are only part of a character (a piece of an emoji), `bytes:` and the bytes
-        escaped (`bytes:\\xf0\\x9f`)."""
+        escaped (`bytes:\\xf0\\x9f`); with vLLM's return_tokens_as_token_ids, `token_id:N`."""
+        if self._parsed.tokens_as_ids:
+            return f"token_id:{token_id}"
         return _shown(self._tokens.token_bytes(token_id))
 
     def _num_chars(self, token_id: int) -> int:
@@ -251,7 +253,8 @@ class ResponseFormatter:
         """The echoed prompt's tokens in completions' logprobs shape; its first token has no logprob (null)."""
         pieces, offsets = self._prompt_pieces(state.prompt_token_ids)
         return {
-            "tokens": [_shown(piece) for piece in pieces],
+            "tokens": [self._token(t) for t in state.prompt_token_ids] if self._parsed.tokens_as_ids
+            else [_shown(piece) for piece in pieces],
             "token_logprobs": [None, *(entry.logprob for entry in state.prompt_logprobs)],
             "top_logprobs": [None, *(self._top_logprobs(entry) for entry in state.prompt_logprobs)],
             "text_offset": offsets,

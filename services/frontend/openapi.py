@@ -146,6 +146,8 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
                                            "(completions: per choice; chat: at the top); not with stream"},
         "ignore_eos": {"type": "boolean", "nullable": True, "description": "ferry: keep going past end-of-sequence"},
         "return_token_ids": {"type": "boolean", "nullable": True, "description": "ferry: choices carry token_ids"},
+        "return_tokens_as_token_ids": {"type": "boolean", "nullable": True,
+                                       "description": "vLLM: logprobs name each token \"token_id:N\""},
         "priority": {**integer, "minimum": -_INT32_MAX, "maximum": _INT32_MAX, "nullable": True,
                      "description": "ferry: higher runs first when the KV cache is short"},
     }

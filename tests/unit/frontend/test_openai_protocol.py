@@ -539,6 +539,15 @@ def test_bad_tool_fields(fields, words, param):
     rejects(chat, fields, *words, param=param)
 
 
+@pytest.mark.parametrize("field,value,words", [
+    ("chat_template", "{{ messages[0].content }}", ["own chat template is not run"]),
+    ("logits_processors", ["x"], ["not run"]),
+    ("prompt_embeds", "AAAA", ["embeddings"]),
+])
+def test_vllm_fields_that_would_change_the_answer_are_refused_not_ignored(field, value, words):
+    rejects(chat, {field: value}, field, *words, param=field)
+
+
 def test_tool_calls_and_results_in_the_history_reach_the_template_as_transformers_takes_them():
     messages = [
         {"role": "user", "content": "weather?"},

@@ -313,3 +313,14 @@ def test_a_streamed_tool_call_comes_whole_in_one_delta_with_its_index():
     (call,) = chunks[2]["delta"]["tool_calls"]
     assert call["index"] == 0 and call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert [c["finish_reason"] for c in chunks] == [None, None, None, "tool_calls"]
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id_as_vllm_does():
+    state = finished_state(logprobs=True)
+    completion = formatter(logprobs=2, return_tokens_as_token_ids=True).choice(state)["logprobs"]
+    assert completion["tokens"] == ["token_id:7", "token_id:8"]
+    assert completion["top_logprobs"][0] == {"token_id:7": -0.5, "token_id:8": -1.5}
+    chat = formatter("chat", logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True).choice(state)["logprobs"]
+    assert [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in chat["content"]] == \
+        [("token_id:7", ["token_id:7"]), ("token_id:8", ["token_id:8"])]
+    assert formatter(logprobs=2).choice(state)["logprobs"]["tokens"] != completion["tokens"]  # text by default

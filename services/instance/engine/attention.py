@@ -98,6 +98,9 @@ class KeySegment:
     num_keys: int
     slots: torch.Tensor | None = None  # [num_keys] flat slot of each key, where they are not consecutive
 
+    def to(self, device: torch.device) -> "KeySegment":
+        return self if self.slots is None else replace(self, slots=self.slots.to(device))
+
 
 @dataclass(frozen=True, slots=True)
 class InPlaceSequence:
@@ -111,7 +114,9 @@ class InPlaceGroup:
     out_index: torch.Tensor  # [num_seqs] packed token of each sequence
 
     def to(self, device: torch.device) -> "InPlaceGroup":
-        return replace(self, out_index=self.out_index.to(device))
+        sequences = tuple(replace(seq, segments=tuple(segment.to(device) for segment in seq.segments))
+                          for seq in self.sequences)
+        return replace(self, sequences=sequences, out_index=self.out_index.to(device))
 
 
 @dataclass(frozen=True, slots=True)

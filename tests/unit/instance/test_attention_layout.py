@@ -76,3 +76,20 @@ def test_a_float32_cache_is_read_in_place_with_the_same_bits_in_any_layout(fused
                                                                                    outputs["scattered"])
     reference = _reference(keys, values, q, torch.float32)
     torch.testing.assert_close(outputs["one run"].double(), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_a_plan_moved_to_a_device_takes_every_tensor_a_layer_reads():
+    """On a GPU the plan's index tensors must be there too (a gathered segment's slots included)."""
+    kv_layer = torch.zeros(2, NUM_CACHE_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    block_table = _layouts()["scattered"]
+    batch = ForwardBatch(input_ids=torch.tensor([0, 0]), positions=torch.tensor([CONTEXT - 1, 9]),
+                         slot_mapping=torch.tensor([0, 1]), query_lens=[1, 1], context_lens=torch.tensor([CONTEXT, 10]),
+                         block_tables=torch.tensor([block_table, block_table]))
+    plan = attention.AttentionPlan.build(batch, attention.CacheGeometry.of(kv_layer.unsqueeze(0))).to(
+        torch.device("meta"))
+    tensors = [plan.slot_mapping, plan.in_place.out_index,
+               *(s.slots for seq in plan.in_place.sequences for s in seq.segments if s.slots is not None),
+               *(t for group in plan.decode for t in (*group.gather_indices, group.mask, group.token_index,
+                                                      group.out_index) if t is not None)]
+    assert any(s.slots is not None for seq in plan.in_place.sequences for s in seq.segments)
+    assert tensors and all(t.device.type == "meta" for t in tensors)

@@ -170,8 +170,9 @@ class ResponseFormatter:
 
     @staticmethod
     def _finish_reason(reason: FinishReason | None, has_called: bool) -> str | None:
-        """As vLLM: an answer that called tools ends with "tool_calls"."""
-        return "tool_calls" if reason is not None and has_called else finish_reason_name(reason)
+        """An answer that called tools and ended by itself ends with "tool_calls"; one cut by
+        max_tokens stays "length", as OpenAI says it (vLLM says "tool_calls" there too)."""
+        return "tool_calls" if reason is FinishReason.STOP and has_called else finish_reason_name(reason)
 
     def usage_chunk(self, states: Sequence[ReqState]) -> dict[str, Any]:
         chunk = self._envelope(self._object("chat.completion.chunk", "text_completion"), [])
@@ -212,7 +213,9 @@ class ResponseFormatter:
                 "top_logprobs": [self._token_logprob(tid, lp) for tid, lp in top]}
 
     def _token_logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": self._token(token_id), "logprob": logprob, "bytes": list(self._tokens.token_bytes(token_id))}
+        token = self._token(token_id)
+        shown = token.encode() if self._parsed.tokens_as_ids else self._tokens.token_bytes(token_id)  # as vLLM
+        return {"token": token, "logprob": logprob, "bytes": list(shown)}
 
     def _token(self, token_id: int) -> str:
         """The token as OpenAI writes it: the text it adds (" word" for a SentencePiece "▁word"), or

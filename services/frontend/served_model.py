@@ -8,7 +8,7 @@ import functools
 import json
 import pathlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import jinja2
@@ -16,7 +16,7 @@ import jinja2
 from services.frontend.openai_protocol import (ChatTemplateOptions, Endpoint, ParsedRequest, Prompt, RequestError,
                                                check_in_vocabulary, check_prompt_token_ids)
 from services.frontend.tokenize_protocol import TokenizeRequest
-from services.frontend.tool_calls import ToolCallFormat, ToolCallParserSetting
+from services.frontend.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolCallFormat, ToolCallParserSetting
 from services.instance.engine.context_window import checked_max_model_len, context_limit  # no torch
 from services.instance.engine.tokenizer import Tokenizer  # tokenizers + jinja2, no torch
 
@@ -47,6 +47,7 @@ class ServedModel:
     vocab_size: int
     tokenizer: TextTokenizer
     tool_call_format: ToolCallFormat | None = None  # how its answers call tools; None: not parsed
+    no_tool_calls_because: str = "its chat template shows no tool-call format ferry parses"
 
     @classmethod
     def load(cls, folder: pathlib.Path, name: str, max_model_len: int = 0,
@@ -61,8 +62,21 @@ class ServedModel:
             raise ValueError(f"--model {folder}: cannot read {config_path}: {exc}") from exc
         context = checked_max_model_len(max_model_len, context_limit(config))
         tokenizer = Tokenizer.from_dir(folder)
-        return cls(name=name, max_model_len=context, vocab_size=int(config["vocab_size"]), tokenizer=tokenizer,
-                   tool_call_format=tool_call_parser.format_for(tokenizer.chat_template))
+        model = cls(name=name, max_model_len=context, vocab_size=int(config["vocab_size"]), tokenizer=tokenizer)
+        return model.with_tool_calls(tool_call_parser.format_for(tokenizer.tool_use_template or tokenizer.chat_template))
+
+    def with_tool_calls(self, format_: ToolCallFormat | None) -> ServedModel:
+        """Tool calls read in `format_`, unless the tokenizer hides its tags: hermes tags that are
+        special tokens never reach the answer's text (special tokens are left out of it)."""
+        hidden = [tag for tag in (HERMES_OPEN, HERMES_CLOSE) if format_ is ToolCallFormat.HERMES and self._hides(tag)]
+        if hidden:
+            return replace(self, tool_call_format=None, no_tool_calls_because=(
+                f"its tokenizer marks {' and '.join(hidden)} special, so they never reach the answer's text"))
+        return replace(self, tool_call_format=format_)
+
+    def _hides(self, text: str) -> bool:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return len(ids) == 1 and self.is_hidden(ids[0])
 
     def prepared_prompts(self, parsed: ParsedRequest) -> list[PreparedPrompt]:
         """Each prompt's token ids (as given, or encoded), or the chat messages' through the template;
@@ -85,9 +99,9 @@ class ServedModel:
     def _check_tool_calls(self, parsed: ParsedRequest) -> None:
         if parsed.tool_use.parses_calls and self.tool_call_format is None:
             raise RequestError(
-                "tools: this model's chat template shows no tool-call format ferry parses (hermes <tool_call>, "
-                "llama3 JSON), so calls could not be read from its answers; set tool_choice to \"none\" (the "
-                "tools are shown, nothing is parsed), or start the frontend with --tool-call-parser", param="tools")
+                f"tools: calls cannot be read from this model's answers: {self.no_tool_calls_because} (ferry reads "
+                "hermes <tool_call> JSON and llama3 JSON); set tool_choice to \"none\" (the tools are shown, "
+                "nothing is parsed), or start the frontend with --tool-call-parser", param="tools")
 
     def _prepared(self, prompt: Prompt, name: str, parsed: ParsedRequest) -> PreparedPrompt:
         all_ids = self._prompt_token_ids(prompt, parsed.add_special_tokens)

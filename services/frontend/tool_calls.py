@@ -49,8 +49,8 @@ def detect_format(chat_template: str | None) -> ToolCallFormat | None:
     """The format a chat template asks its model to call tools in; None if it shows none."""
     if not chat_template:
         return None
-    if HERMES_OPEN in chat_template:
-        return ToolCallFormat.HERMES
+    if HERMES_OPEN in chat_template:  # with JSON inside; XML (Qwen3-Coder's <function=...>) is not read
+        return None if "<function=" in chat_template else ToolCallFormat.HERMES
     if "<|python_tag|>" in chat_template or ('"parameters"' in chat_template and "ipython" in chat_template):
         return ToolCallFormat.LLAMA3_JSON
     return None
@@ -88,9 +88,14 @@ def call_from_json(text: str, arguments_keys: tuple[str, ...] = ("arguments", "p
 def _call_from_object(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
-    arguments = next((value[key] for key in arguments_keys if key in value), {})
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string already
-        return ToolCall(value["name"], arguments)
+    arguments = next((value[key] for key in arguments_keys if key in value), None)
+    if arguments is None:
+        arguments = {}
+    elif isinstance(arguments, str):  # some models write the arguments as a JSON string already
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
     if not isinstance(arguments, dict):
         return None
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
@@ -104,6 +109,7 @@ class ToolCallParser:
         self._max_calls = max_calls  # parallel_tool_calls false: 1 (later calls are dropped)
         self._buffer = ""  # text not given back yet
         self._in_call = False  # hermes: inside <tool_call> ... (the opening tag is consumed)
+        self._searched = 0  # hermes, inside a call: the buffer before this holds no closing tag
         self._held_whitespace = ""  # dropped if a call follows, given back if content does
         self._num_calls = 0
         self._is_json_answer: bool | None = None  # llama3_json: None until the first non-space character
@@ -125,9 +131,11 @@ class ToolCallParser:
         content, calls = [], []
         while True:
             if self._in_call:
-                end = self._buffer.find(HERMES_CLOSE)
+                end = self._buffer.find(HERMES_CLOSE, self._searched)
                 if end < 0 and not is_final:
+                    self._searched = max(0, len(self._buffer) - len(HERMES_CLOSE) + 1)
                     break
+                self._searched = 0
                 body, self._buffer = (self._buffer[:end], self._buffer[end + len(HERMES_CLOSE):]) if end >= 0 \
                     else (self._buffer, "")
                 self._in_call = False

@@ -63,13 +63,16 @@ class CacheGeometry:
     block_size: int  # tokens per block
     block_bytes: int  # bytes of one block's K (or V) in one layer
     reads_in_place: bool = True  # float32 only: see `_in_place_group`
+    # Each decode sequence padded to a length of its own (batch invariance; `padded_blocks`). Only on
+    # the CPU: on a GPU the products are not batch-invariant anyway, and each group costs launches.
+    pads_per_sequence: bool = True
 
     @classmethod
     def of(cls, kv_cache: torch.Tensor) -> "CacheGeometry":
         """From a cache `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`."""
         _, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         return cls(num_blocks, block_size, block_size * num_kv_heads * head_dim * kv_cache.element_size(),
-                   reads_in_place=kv_cache.dtype == torch.float32)
+                   reads_in_place=kv_cache.dtype == torch.float32, pads_per_sequence=kv_cache.device.type == "cpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +212,8 @@ def _decode_groups(
     if is_windowed:
         block_tables, context_lens = _window_blocks(block_tables, context_lens, window, geometry.block_size)
     sizes = [padded_blocks(-(-n // geometry.block_size)) for n in context_lens.tolist()]
+    if not geometry.pads_per_sequence:  # all to the longest, in one group
+        sizes = [-(-int(context_lens.max()) // geometry.block_size)] * len(sizes)
     if len(set(sizes)) == 1 and seqs is None:  # the packed tokens in order: no index needed
         return (_decode_group(block_tables, context_lens, sizes[0], None, geometry, window if is_windowed else None),)
     token_starts = starts if seqs is None else starts[seqs]

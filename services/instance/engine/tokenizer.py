@@ -51,9 +51,11 @@ class Tokenizer:
         chat_template: str | None = None,
         special_tokens: Mapping[str, str] | None = None,
         eos_token_ids: Sequence[int] = (),
+        tool_use_template: str | None = None,
     ) -> None:
         self.backend = backend
         self.chat_template = chat_template
+        self.tool_use_template = tool_use_template  # a named "tool_use" template: for requests with tools
         self.special_tokens = dict(special_tokens or {})  # "bos_token" → "<s>", ...
         self.eos_token_ids = tuple(eos_token_ids)
         decoder_types = _decoder_types(backend)  # parses the whole tokenizer JSON: once
@@ -65,6 +67,7 @@ class Tokenizer:
         self._anchor_text = "" if self._anchor_id is None else backend.decode([self._anchor_id],
                                                                              skip_special_tokens=False)
         self._template = _compile(chat_template) if chat_template else None
+        self._tool_use_template = _compile(tool_use_template) if tool_use_template else None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -80,7 +83,8 @@ class Tokenizer:
         ]
         if "eos_token" in special and (eos_id := backend.token_to_id(special["eos_token"])) is not None:
             eos_ids.append(eos_id)
-        tokenizer = cls(backend, _chat_template(model_dir, config), special, dict.fromkeys(eos_ids))
+        default, tool_use = _chat_templates(model_dir, config)
+        tokenizer = cls(backend, default, special, dict.fromkeys(eos_ids), tool_use)
         log.info("tokenizer_loaded", model_dir=str(model_dir), eos_token_ids=tokenizer.eos_token_ids)
         return tokenizer
 
@@ -135,9 +139,10 @@ class Tokenizer:
                             continue_final_message: bool = False, **variables: Any) -> str:
         """The template's text; `variables` (e.g. enable_thinking) go to the template beside the special tokens.
         `continue_final_message`: the text ends with the last message's content, left open (as transformers)."""
-        if self._template is None:
+        template = self._tool_use_template if variables.get("tools") and self._tool_use_template else self._template
+        if template is None:
             raise ValueError("the model has no chat template (tokenizer_config.json chat_template); use completions")
-        text = self._template.render(**{**self.special_tokens, **variables, "messages": list(messages),
+        text = template.render(**{**self.special_tokens, **variables, "messages": list(messages),
                                         "add_generation_prompt": add_generation_prompt})
         return _open_final_message(text, messages[-1].get("content")) if continue_final_message else text
 
@@ -238,16 +243,19 @@ def _ids(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-def _chat_template(model_dir: Path, config: Mapping[str, Any]) -> str | None:
-    """From chat_template.jinja (transformers >= 4.43 writes it) or tokenizer_config.json."""
-    path = model_dir / "chat_template.jinja"
+def _chat_templates(model_dir: Path, config: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    """The default template and a named "tool_use" one, which transformers takes when tools are
+    passed (Hermes 2 Pro and 3 ship both): from chat_template.jinja and
+    additional_chat_templates/tool_use.jinja (transformers >= 4.43 writes them), or from
+    tokenizer_config.json (a list of named templates, or one)."""
+    path, tool_use_path = model_dir / "chat_template.jinja", model_dir / "additional_chat_templates" / "tool_use.jinja"
     if path.is_file():
-        return path.read_text()
+        return path.read_text(), tool_use_path.read_text() if tool_use_path.is_file() else None
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}]
         named = {t["name"]: t["template"] for t in template}
-        return named.get("default")
-    return template
+        return named.get("default"), named.get("tool_use")
+    return template, None
 
 
 def _raise_exception(message: str) -> None:

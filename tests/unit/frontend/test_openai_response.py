@@ -290,6 +290,9 @@ def test_a_chat_answer_that_calls_a_tool_is_a_message_with_tool_calls_as_openai_
     assert choice["message"]["content"] == "On it." and choice["finish_reason"] == "tool_calls"
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    cut = make_state(prompt=(1, 2))
+    cut.accept(TokenChunk(0, (7, 8), CALLING, FinishReason.LENGTH))
+    assert tool_formatter().choice(cut)["finish_reason"] == "length"  # as OpenAI: cut by max_tokens
     only_call = make_state(prompt=(1, 2))
     only_call.accept(TokenChunk(0, (7,), CALLING.removeprefix("On it."), FinishReason.STOP))
     assert tool_formatter().choice(only_call)["message"]["content"] is None
@@ -323,4 +326,5 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id_as_vllm_does():
     chat = formatter("chat", logprobs=True, top_logprobs=1, return_tokens_as_token_ids=True).choice(state)["logprobs"]
     assert [(e["token"], [t["token"] for t in e["top_logprobs"]]) for e in chat["content"]] == \
         [("token_id:7", ["token_id:7"]), ("token_id:8", ["token_id:8"])]
+    assert chat["content"][0]["bytes"] == list(b"token_id:7")  # vLLM's
     assert formatter(logprobs=2).choice(state)["logprobs"]["tokens"] != completion["tokens"]  # text by default

@@ -112,7 +112,7 @@ def test_tools_the_model_cannot_call_are_refused_unless_tool_choice_is_none(tiny
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}]}
     plain = ServedModel.load(tiny_model_dir, "plain")
     assert plain.tool_call_format is None
-    with pytest.raises(RequestError, match=r"^tools: this model's chat template shows no tool-call format"):
+    with pytest.raises(RequestError, match=r"^tools: calls cannot be read .*: its chat template shows no tool-call"):
         token_ids_of(plain, parse_chat_request(body, "plain"))
     token_ids_of(plain, parse_chat_request({**body, "tool_choice": "none"}, "plain"))
     forced = ServedModel.load(tiny_model_dir, "plain", tool_call_parser=ToolCallParserSetting.HERMES)
@@ -123,6 +123,46 @@ def test_tools_the_model_cannot_call_are_refused_unless_tool_choice_is_none(tiny
     config["chat_template"] = "{% for m in messages %}{{ m.content }}{% endfor %}call tools in <tool_call></tool_call>"
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     assert ServedModel.load(folder, "hermes").tool_call_format is ToolCallFormat.HERMES
+
+
+def test_hermes_models_tool_use_template_shows_the_tools_and_sets_the_format(tiny_model_dir, tmp_path):
+    """Hermes 2 Pro and 3 ship named templates; transformers takes "tool_use" when tools are passed."""
+    import json
+    import shutil
+    from services.frontend.tool_calls import ToolCallFormat
+    folder = tmp_path / "named-templates"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "{% for m in messages %}{{ m.content }}{% endfor %}"},
+        {"name": "tool_use", "template": "TOOLS {% for t in tools %}{{ t.function.name }}{% endfor %} in "
+                                         "<tool_call></tool_call>: {% for m in messages %}{{ m.content }}{% endfor %}"}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    model = ServedModel.load(folder, "named")
+    assert model.tool_call_format is ToolCallFormat.HERMES
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    (plain,) = token_ids_of(model, parse_chat_request(body, "named"))
+    (with_tools,) = token_ids_of(model, parse_chat_request({**body, "tools": [{"function": {"name": "f"}}]}, "named"))
+    assert model.tokenizer.decode(plain) == "hi"
+    assert model.tokenizer.decode(with_tools) == "TOOLS f in <tool_call></tool_call>: hi"
+
+
+def test_hermes_tags_the_tokenizer_hides_turn_tool_calls_off_saying_why(tiny_model_dir, tmp_path):
+    """Special tokens are left out of the answer's text, so the calls could never be read."""
+    import json
+    import shutil
+    from tokenizers import AddedToken, Tokenizer as HfTokenizer
+    from services.frontend.tool_calls import ToolCallFormat
+    folder = tmp_path / "special-tags"
+    shutil.copytree(tiny_model_dir, folder)
+    backend = HfTokenizer.from_file(str(folder / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken("<tool_call>", special=True), AddedToken("</tool_call>", special=True)])
+    (folder / "tokenizer.json").write_text(backend.to_str())
+    model = ServedModel.load(folder, "special").with_tool_calls(ToolCallFormat.HERMES)
+    assert model.tool_call_format is None
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}]}
+    with pytest.raises(RequestError, match="marks <tool_call> and </tool_call> special"):
+        token_ids_of(model, parse_chat_request(body, "special"))
 
 
 def test_sampling_token_ids_outside_the_vocabulary_are_refused_before_any_dispatch(model):

@@ -71,9 +71,14 @@ def test_hermes_an_unclosed_last_call_that_parses_is_a_call_as_vllm_reads_it():
     assert (parsed.content, calls(parsed)) == ("", [("f", {"x": 1})])
 
 
-def test_arguments_given_as_a_json_string_are_kept_as_they_are():
-    parsed = whole(HERMES, '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
+def test_arguments_are_always_a_json_object_as_clients_parse_them():
+    parsed = whole(HERMES, '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')  # a JSON string
     assert parsed.tool_calls[0].arguments == '{"x": 1}'
+    assert whole(HERMES, '<tool_call>{"name": "f", "arguments": null}</tool_call>').tool_calls[0].arguments == "{}"
+    assert whole(HERMES, '<tool_call>{"name": "f"}</tool_call>').tool_calls[0].arguments == "{}"
+    for bad in ('"not json"', '"[1, 2]"', "[1]"):
+        text = '<tool_call>{"name": "f", "arguments": ' + bad + '}</tool_call>'
+        assert whole(HERMES, text) == Parsed(text), bad  # not a call: the text stays
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():

@@ -205,8 +205,9 @@ def test_logprobs_are_the_same_bits_alone_and_in_a_busy_batch(gqa, make_engine, 
     are padded to change), while its context passes from gathered attention to attention read
     in place (here from 48 keys on, in segments of 16; the busy engine's blocks are scattered
     among the others'). Before, the batch's row count changed MKL's sums and decode keys were
-    padded to the longest in the step: bits differed from the first token on. (A prompt prefilled
-    in other chunks, as a busy step's budget cuts it, still gets other bits: not invariant.)"""
+    padded to the longest in the step: bits differed from the first token on. The prefill is not
+    invariant (README): each watched prompt is prefilled whole, beside shorter ones only, whose
+    keys do not pad its own."""
     monkeypatch.setattr(attention, "IN_PLACE_MIN_KEYS", 48)
     monkeypatch.setattr(attention, "SEGMENT_KEYS", 16)
     prompts = random_prompts([13, 21], seed=8)

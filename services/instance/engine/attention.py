@@ -44,7 +44,6 @@ keeps a sequence's tokens close to exact.
 """
 
 from dataclasses import dataclass, replace
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -126,7 +125,7 @@ class InPlaceGroup:
 class AttentionPlan:
     slot_mapping: torch.Tensor  # [num_tokens] flat KV slot of each new token
     decode: tuple[AttentionGroup, ...]  # sequences with exactly one new token, gathered, by padded length
-    prefill: AttentionGroup | None  # sequences with more than one new token
+    prefill: tuple[AttentionGroup, ...]  # sequences with more than one new token: one group each on the CPU
     in_place: InPlaceGroup | None = None  # long decode sequences, read in place
 
     @classmethod
@@ -138,14 +137,15 @@ class AttentionPlan:
         in_place, in_place_seqs = _in_place_group(batch, is_decode, starts, geometry, window)
         is_decode[in_place_seqs] = False
         if batch.is_decode_only and in_place is None:
-            return cls(batch.slot_mapping, _decode_groups(batch, None, starts, geometry, window), None)
-        decode, prefill = (), None
+            return cls(batch.slot_mapping, _decode_groups(batch, None, starts, geometry, window), ())
+        decode, prefill = (), ()
         if bool(is_decode.any()):
             decode = _decode_groups(batch, torch.nonzero(is_decode).flatten(), starts, geometry, window)
-        is_prefill = query_lens > 1
-        if bool(is_prefill.any()):
-            prefill = _prefill_group(batch, torch.nonzero(is_prefill).flatten(), query_lens, starts, geometry,
-                                     window)
+        prefill_seqs = torch.nonzero(query_lens > 1).flatten()
+        if len(prefill_seqs):
+            # Batch invariance: a prompt's queries and keys are not padded to another's in the same step
+            members = prefill_seqs.split(1) if geometry.pads_per_sequence else (prefill_seqs,)
+            prefill = tuple(_prefill_group(batch, seqs, query_lens, starts, geometry, window) for seqs in members)
         return cls(batch.slot_mapping, decode, prefill, in_place)
 
     def to(self, device: torch.device) -> "AttentionPlan":
@@ -153,18 +153,12 @@ class AttentionPlan:
         if device.type == "cpu":
             return self
         return AttentionPlan(self.slot_mapping.to(device), tuple(group.to(device) for group in self.decode),
-                             _group_to(self.prefill, device), _group_to(self.in_place, device))
-
-
-Group = TypeVar("Group", AttentionGroup, InPlaceGroup)
+                             tuple(group.to(device) for group in self.prefill),
+                             None if self.in_place is None else self.in_place.to(device))
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
     return None if tensor is None else tensor.to(device)
-
-
-def _group_to(group: Group | None, device: torch.device) -> Group | None:
-    return None if group is None else group.to(device)
 
 
 def _gather_plan(
@@ -333,15 +327,15 @@ def attend(q: torch.Tensor, kv_layer: torch.Tensor, plan: AttentionPlan, scale: 
     """Attention of the new queries ([num_tokens, heads, head_dim]) over each sequence's cached
     context (already including the new tokens); returns [num_tokens, heads * head_dim]."""
     num_tokens, num_heads, head_dim = q.shape
-    if plan.prefill is None and plan.in_place is None and len(plan.decode) == 1 and plan.decode[0].out_index is None:
+    if not plan.prefill and plan.in_place is None and len(plan.decode) == 1 and plan.decode[0].out_index is None:
         return _attend_decode(q, kv_layer, plan.decode[0], scale, softcap).view(num_tokens, num_heads * head_dim)
     out = q.new_empty(num_tokens, num_heads * head_dim)
     for group in plan.decode:
         out[group.out_index] = _attend_decode(q, kv_layer, group, scale, softcap).flatten(1)
     if plan.in_place is not None:
         out[plan.in_place.out_index] = _attend_in_place(q, kv_layer, plan.in_place, scale, softcap)
-    if plan.prefill is not None:
-        out[plan.prefill.out_index] = _attend_prefill(q, kv_layer, plan.prefill, scale, softcap)
+    for group in plan.prefill:
+        out[group.out_index] = _attend_prefill(q, kv_layer, group, scale, softcap)
     return out
 
 

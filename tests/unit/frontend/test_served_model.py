@@ -149,7 +149,6 @@ def test_hermes_models_tool_use_template_shows_the_tools_and_sets_the_format(tin
 
 def test_hermes_tags_the_tokenizer_hides_turn_tool_calls_off_saying_why(tiny_model_dir, tmp_path):
     """Special tokens are left out of the answer's text, so the calls could never be read."""
-    import json
     import shutil
     from tokenizers import AddedToken, Tokenizer as HfTokenizer
     from services.frontend.tool_calls import ToolCallFormat

@@ -13,17 +13,18 @@ sequence pay for its padding: decode sequences (1 new token; the query heads are
 folded onto their KV head, so GQA needs no copy) and prefill sequences (queries
 padded to the longest one, GQA through `enable_gqa`). Decode attention is memory
 bound, so its sequences go in chunks whose gathered K/V fit in the CPU cache: the
-copy is read back from cache, not from memory.
-
-Batch invariance: a decode sequence's attention gives the same bits whatever else is in
-the batch and wherever its blocks lie, so a request decodes the same tokens alone, in a
-busy batch, and after a migration. SDPA's result changes in the last bits with the padded
-key length (not with the batch size or the sequence's place in it), so decode sequences
-are padded to a length of their own (`padded_blocks`) and grouped by it, never to the
-longest in the step. The mask is by position: the query
+copy is read back from cache, not from memory. The mask is by position: the query
 at position p sees cached token j iff j <= p, which is causal within the new
 tokens, sees everything cached before them (continued/chunked prefill), and hides
 the stale tail of each sequence's last block and the padding blocks.
+
+Batch invariance (CPU): a decode sequence's attention gives the same bits whatever else
+is in the batch and wherever its blocks lie, so a request decodes the same tokens alone,
+in a busy batch, and after a migration. SDPA's result changes in the last bits with the
+padded key length (not with the batch size or the sequence's place in it), so decode
+sequences are padded to a length of their own (`padded_blocks`) and grouped by it, never
+to the longest in the step, and each prefill sequence attends in a group of its own. On
+a GPU, where the products are not batch-invariant anyway, they are padded together.
 
 A layer with a sliding window of W tokens gets a plan of its own (`AttentionPlan.build(...,
 window=W)`): its masks also hide the keys W or more positions back, and its long decode
@@ -205,17 +206,17 @@ def _decode_groups(
     is_windowed = window is not None and bool((context_lens > window).any())
     if is_windowed:
         block_tables, context_lens = _window_blocks(block_tables, context_lens, window, geometry.block_size)
-    sizes = [padded_blocks(-(-n // geometry.block_size)) for n in context_lens.tolist()]
-    if not geometry.pads_per_sequence:  # all to the longest, in one group
-        sizes = [-(-int(context_lens.max()) // geometry.block_size)] * len(sizes)
+    cut_to = window if is_windowed else None
+    needed = [-(-n // geometry.block_size) for n in context_lens.tolist()]
+    sizes = [padded_blocks(n) for n in needed] if geometry.pads_per_sequence else [max(needed)] * len(needed)
     if len(set(sizes)) == 1 and seqs is None:  # the packed tokens in order: no index needed
-        return (_decode_group(block_tables, context_lens, sizes[0], None, geometry, window if is_windowed else None),)
+        return (_decode_group(block_tables, context_lens, sizes[0], None, geometry, cut_to),)
     token_starts = starts if seqs is None else starts[seqs]
     groups = []
     for size in sorted(set(sizes)):
         members = torch.tensor([i for i, each in enumerate(sizes) if each == size], dtype=torch.int64)
         groups.append(_decode_group(block_tables[members], context_lens[members], size, token_starts[members],
-                                    geometry, window if is_windowed else None))
+                                    geometry, cut_to))
     return tuple(groups)
 
 

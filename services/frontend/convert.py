@@ -27,7 +27,7 @@ def sampling_to_proto(sampling: Sampling) -> common_pb2.SamplingParams:
         logprobs=sampling.num_logprobs, presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty, logit_bias=dict(sampling.logit_bias),
         repetition_penalty=sampling.repetition_penalty, min_p=sampling.min_p, cache_salt=sampling.cache_salt,
-        min_tokens=sampling.min_tokens)
+        min_tokens=sampling.min_tokens, grammar=sampling.grammar)
     if sampling.seed is not None:
         msg.seed = sampling.seed
     if sampling.num_prompt_logprobs is not None:

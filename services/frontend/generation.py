@@ -38,6 +38,7 @@ class Sampling:
     cache_salt: str = ""  # prefix caching: only requests with the same salt share cached blocks
     num_prompt_logprobs: int | None = None  # completions echo + logprobs: each prompt token's, plus the top n
     min_tokens: int = 0  # vLLM's: no eos, stop token id or stop string ends the output before this many tokens
+    grammar: str = ""  # constrained decoding: an llguidance grammar (see structured_output); "" = off
 
 
 @dataclass(frozen=True, slots=True)

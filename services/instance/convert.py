@@ -37,6 +37,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         cache_salt=msg.cache_salt,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         min_tokens=msg.min_tokens,
+        grammar=msg.grammar,
     )
 
 
@@ -47,7 +48,8 @@ def sampling_to_proto(sampling: SamplingParams) -> common_pb2.SamplingParams:
         ignore_eos=sampling.ignore_eos, logprobs=sampling.logprobs, presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty, logit_bias=dict(sampling.logit_bias),
         repetition_penalty=sampling.repetition_penalty, min_p=sampling.min_p, cache_salt=sampling.cache_salt,
-        prompt_logprobs=sampling.prompt_logprobs, min_tokens=sampling.min_tokens)
+        prompt_logprobs=sampling.prompt_logprobs, min_tokens=sampling.min_tokens,
+        grammar=sampling.grammar)
 
 
 def check_request_id(request_id: str) -> str:

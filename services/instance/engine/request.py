@@ -62,6 +62,7 @@ class SamplingParams:
     cache_salt: str = ""  # prefix caching, not sampling: only requests with the same salt share cached blocks
     prompt_logprobs: int | None = None  # None = off; n = each prompt token's logprob plus the top n (see Request)
     min_tokens: int = 0  # output tokens before eos, stop_token_ids or a stop string may end it (resumed ones count)
+    grammar: str = ""  # constrained decoding: an llguidance grammar (services.instance.engine.guided); "" = off
 
     @property
     def adjusts_logits(self) -> bool:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -43,6 +44,7 @@ from services.instance.engine.migration_state import (
     pick_request,
 )
 from services.instance.engine.forward_batch import ForwardModel
+from services.instance.engine.guided import GrammarCompiler, Guide
 from services.instance.engine.prefix_cache import NO_PREFIX_CACHE_STATS, PrefixCacheStats
 from services.instance.engine.request import (
     FinishReason,
@@ -57,6 +59,8 @@ from services.instance.engine.sampler import SampledToken, Sampler, SamplingRow
 from services.instance.engine.scheduler import Scheduler, SchedulerOutput
 from services.instance.engine.text_output import TextOutput
 from services.instance.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = structlog.get_logger(__name__)
 
 # Prompt tokens the detokenizer sees before the output, so the first output token
 # decodes as a continuation (leading spaces, characters split across tokens).
@@ -150,6 +154,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.vocab_size: int = model.config.vocab_size
         self.eos_token_ids = frozenset(model.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer.backend, self.vocab_size, self.eos_token_ids)
         self._requests: dict[RequestId, Request] = {}  # waiting + running + suspended; finished ones leave at once
         self._arrivals = itertools.count()
         self.last_step_was_idle = False
@@ -170,6 +175,7 @@ class LLMEngine:
         self._check_tokens(prompt, resumed, sampling)
         if not resumed:
             self._check_queue_room()
+        guide = self._guide(sampling, resumed, tokens_field="resume_token_ids")
         text = self._new_text(prompt, sampling)
         if resume_text is None:
             text.prime(resumed)
@@ -180,7 +186,7 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
             seed=sampling.seed if sampling.seed is not None else secrets.randbits(64),
             arrival_order=next(self._arrivals), text=text, priority=priority,
-            num_resumed_tokens=len(resumed), output_token_ids=resumed,
+            num_resumed_tokens=len(resumed), output_token_ids=resumed, guide=guide,
         )  # fmt: skip
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -306,6 +312,7 @@ class LLMEngine:
     def import_request(self, migration_id: str, state: RequestState, text: TextOutput | None = None) -> None:
         """Adopt a migrated request whose first `num_computed_tokens` tokens' K/V are in the reserved blocks."""
         self._check_import(state)
+        guide = self._guide(state.sampling, state.output_token_ids)
         num_blocks = num_blocks_for(state.num_computed_tokens, self.config.block_size)
         num_reserved = len(self.reservations.blocks(MigrationId(migration_id)))
         if num_reserved < num_blocks:
@@ -319,7 +326,7 @@ class LLMEngine:
             seed=state.seed, arrival_order=next(self._arrivals), text=text, priority=state.priority,
             epoch=state.epoch, num_resumed_tokens=state.num_resumed_tokens,
             output_token_ids=list(state.output_token_ids), block_table=blocks[:num_blocks],
-            num_computed_tokens=state.num_computed_tokens,
+            num_computed_tokens=state.num_computed_tokens, guide=guide,
         )  # fmt: skip
         self._requests[request.request_id] = request
         self.block_manager.register_computed(request)  # its K/V arrived with it
@@ -345,6 +352,11 @@ class LLMEngine:
         if request.status is not RequestStatus.SUSPENDED:
             raise FailedPrecondition(f"request {request_id} is {request.status.value}, not suspended; suspend it first")
         return request
+
+    def _guide(self, sampling: SamplingParams, output_token_ids: Sequence[int], tokens_field: str = "output_token_ids"
+               ) -> Guide | None:
+        return self.grammars.guide(sampling.grammar, output_token_ids, tokens_field=tokens_field) \
+            if sampling.grammar else None
 
     def _new_text(self, prompt: tuple[int, ...], sampling: SamplingParams) -> TextOutput:
         detokenizer = IncrementalDetokenizer(self.tokenizer, context_ids=prompt[-_DETOKENIZER_CONTEXT:])
@@ -382,7 +394,8 @@ class LLMEngine:
         if not sampled:
             return outputs
         sampling_rows = [SamplingRow(r.sampling, r.seed, r.num_output_tokens, r.output_token_ids, r.prompt_token_ids,
-                                     self._banned_token_ids(r)) for r, _row in sampled]
+                                     self._banned_token_ids(r), None if r.guide is None else r.guide.allowed())
+                         for r, _row in sampled]
         tokens = self.sampler(logits[[row for _r, row in sampled]], sampling_rows)
         for (request, _row), token in zip(sampled, tokens):
             outputs.append(self._append_token(request, token))
@@ -414,6 +427,8 @@ class LLMEngine:
         prompt_logprobs = tuple(request.prompt_logprobs) if request.wants_prompt_logits else None
         request.prompt_logprobs = []  # sent now: never again
         request.output_token_ids.append(token.token_id)
+        if request.guide is not None and not request.guide.accept(token.token_id):
+            log.warning("grammar_refused_sampled_token", request_id=request.request_id, error=request.guide.error)
         reason = self._stop_reason(request, token.token_id)
         if reason is not None:
             self.scheduler.remove(request, reason)
@@ -431,14 +446,20 @@ class LLMEngine:
         sampling = request.sampling
         if request.num_output_tokens < sampling.min_tokens:
             request.text.append(token_id)  # the text grows; stop strings do not count yet (TextOutput)
-            return self._length_reason(request)
+            return self._grammar_reason(request) or self._length_reason(request)
         if token_id in sampling.stop_token_ids:
             return FinishReason.STOP  # its text is left out
         if token_id in self.eos_token_ids and not sampling.ignore_eos:
             return FinishReason.STOP
         if request.text.append(token_id):
             return FinishReason.STOP
-        return self._length_reason(request)
+        return self._grammar_reason(request) or self._length_reason(request)
+
+    @staticmethod
+    def _grammar_reason(request: Request) -> FinishReason | None:
+        """Stop where the request's grammar is complete (or broken: it can allow nothing more)."""
+        guide = request.guide
+        return FinishReason.STOP if guide is not None and (guide.is_complete or guide.error) else None
 
     def _length_reason(self, request: Request) -> FinishReason | None:
         if request.num_output_tokens >= request.sampling.max_tokens or request.num_tokens >= self.config.max_model_len:

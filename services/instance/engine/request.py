@@ -15,6 +15,7 @@ from typing import NewType
 from services.common.errors import InvalidArgument
 from services.common.prefix_hash import MAX_CACHE_SALT_CHARS, BlockHash, next_block_hash
 from services.instance.engine.block_manager import BlockId
+from services.instance.engine.guided import Guide
 from services.instance.engine.logprobs import TokenLogprob
 from services.instance.engine.text_output import TextOutput
 
@@ -142,6 +143,7 @@ class Request:
     # sent with output token 0. A preemption's recompute does not redo what is here.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     _block_hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks, grown lazily
+    guide: Guide | None = None  # sampling.grammar's state past output_token_ids (constrained decoding)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,7 +15,9 @@ multiplied by it. All of these depend only on the request's own tokens, so a mov
 resumed request is adjusted exactly as it would have been. `min_p` (sampled rows only)
 drops tokens whose probability is below `min_p` times the most likely token's. A row's
 `banned_token_ids` (vLLM's `min_tokens`: eos and stop token ids while the output is
-shorter) get -inf last, so they are never chosen.
+shorter) get -inf, so they are never chosen. Last, a row with a grammar (`allowed`, see
+guided.py) gets -inf for every token the grammar does not allow next; the grammar wins over
+`banned_token_ids` (where the grammar allows only eos, the text is complete: eos it is).
 
 Logprobs are those of the raw logits (`log_softmax`; penalties, biases, temperature and
 top-k/top-p not applied), like vLLM's default.
@@ -44,6 +46,7 @@ class SamplingRow:
     output_token_ids: Sequence[int] = ()  # the output so far (for penalties)
     prompt_token_ids: Sequence[int] = ()  # for the repetition penalty
     banned_token_ids: Sequence[int] = ()  # may not be chosen (min_tokens holds back eos and stop token ids)
+    allowed: torch.Tensor | None = None  # bool [vocab]: the only tokens its grammar allows (None = all)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +86,8 @@ class Sampler:
 
 def adjusted_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """`logits` with each row's penalties and biases applied (a copy if any row has them)."""
-    adjusted_rows = [i for i, row in enumerate(rows) if row.params.adjusts_logits or row.banned_token_ids]
+    adjusted_rows = [i for i, row in enumerate(rows)
+                     if row.params.adjusts_logits or row.banned_token_ids or row.allowed is not None]
     if not adjusted_rows:
         return logits
     logits = logits.clone()
@@ -99,9 +103,24 @@ def adjusted_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         if params.logit_bias:
             ids, biases = zip(*params.logit_bias)  # a token listed twice (over gRPC) takes both biases
             logits[i].index_add_(0, torch.tensor(ids), torch.tensor(biases, dtype=logits.dtype))
-        if rows[i].banned_token_ids:
-            logits[i, list(rows[i].banned_token_ids)] = float("-inf")
+        _disallow_(logits[i], rows[i])
     return logits
+
+
+def _disallow_(logits: torch.Tensor, row: SamplingRow) -> None:
+    """-inf for the row's banned tokens, then for what its grammar does not allow (banned ones stay allowed where
+    the grammar allows nothing else)."""
+    allowed = row.allowed
+    if row.banned_token_ids:
+        banned = torch.tensor(row.banned_token_ids, dtype=torch.int64)
+        if allowed is None:
+            logits[banned] = float("-inf")
+        else:
+            narrowed = allowed.clone()
+            narrowed[banned] = False
+            allowed = narrowed if narrowed.any() else allowed
+    if allowed is not None:
+        logits.masked_fill_(~allowed, float("-inf"))
 
 
 def _penalize_repetitions_(logits: torch.Tensor, row: SamplingRow, penalty: float) -> None:

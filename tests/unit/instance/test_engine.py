@@ -2,12 +2,15 @@
 batching (staggered arrivals, preemption, chunked prefill), seeded sampling independent of
 the batch, block accounting, resume, and every way a request finishes."""
 
+import json
 import os
 import random
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
+import llguidance
 import pytest
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM
@@ -26,6 +29,7 @@ torch.set_num_threads(2)
 SHAPES = ("mha-untied", "gqa-tied")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234, max_tokens=10, ignore_eos=True)
+GUIDED = replace(SEEDED, grammar=llguidance.LLMatcher.grammar_from_regex("[a-z ]{100}"))
 
 
 @dataclass(frozen=True)
@@ -287,7 +291,7 @@ def test_high_priority_requests_keep_headroom_out_of_the_reported_freeness(gqa, 
 
 # (4) Resume with tokens generated elsewhere.
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED, GUIDED], ids=["greedy", "seeded", "guided"])
 def test_resumed_request_continues_exactly(gqa, make_engine, sampling):
     prompt = random_prompts([11], seed=3)[0]
     full = run(make_engine(gqa), {0: [("r", prompt, sampling)]})["r"]
@@ -528,3 +532,38 @@ def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(gqa, make_engine):
     while engine.has_unfinished():
         resumed += [t for o in engine.step() for t in o.new_token_ids]
     assert resumed == engine.generate([prompt + free[:6]], replace(held, min_tokens=0, max_tokens=6))[0]
+
+
+# (6) Constrained decoding (grammar).
+
+YES_NO = llguidance.LLMatcher.grammar_from_regex("(yes|no), (red|green|blue)")
+JSON_ANSWER = llguidance.LLMatcher.grammar_from_json_schema(
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+     "required": ["answer", "sure"], "additionalProperties": False},
+    overrides={"whitespace_flexible": False})
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_grammar_shapes_the_output_and_finishes_it(gqa, make_engine, sampling):
+    engine = make_engine(gqa)
+    prompts = random_prompts([5, 12, 8], seed=11)
+    arrivals = {0: [("regex", prompts[0], replace(sampling, max_tokens=40, grammar=YES_NO)),
+                    ("free", prompts[1], sampling)],
+                2: [("json", prompts[2], replace(sampling, max_tokens=60, grammar=JSON_ANSWER))]}
+    got = run(engine, arrivals)
+    assert re.fullmatch(r"(yes|no), (red|green|blue)", got["regex"].text)
+    answer = json.loads(got["json"].text)
+    assert set(answer) == {"answer", "sure"} and answer["answer"] in ("yes", "no") and isinstance(answer["sure"], bool)
+    assert got["regex"].finish_reason is got["json"].finish_reason is FinishReason.STOP
+    assert got["free"].token_ids == run(make_engine(gqa), {0: [("free", prompts[1], sampling)]})["free"].token_ids
+
+
+def test_a_bad_grammar_or_resumed_tokens_it_refuses_are_invalid_argument(gqa, make_engine):
+    engine = make_engine(gqa)
+    prompt = random_prompts([5])[0]
+    with pytest.raises(InvalidArgument, match="^grammar: "):
+        engine.add_request("bad", prompt, replace(GREEDY, grammar="start: nothing_defined"))
+    with pytest.raises(InvalidArgument, match="^resume_token_ids: token 0 "):
+        engine.add_request("resumed", prompt, replace(GREEDY, grammar=YES_NO),
+                           resume_token_ids=gqa.tokenizer.encode("maybe"))
+    assert not engine.has_unfinished()

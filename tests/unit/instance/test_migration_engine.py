@@ -6,8 +6,9 @@ it would have produced unmigrated, and no block may leak on either side."""
 import os
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import llguidance
 import pytest
 import torch
 
@@ -28,6 +29,8 @@ SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=77, max_toke
 PENALIZED = SamplingParams(temperature=0.7, seed=5, presence_penalty=1.5, frequency_penalty=0.5,
                            logit_bias=((3, -100.0), (5, 2.0)), repetition_penalty=1.3, min_p=0.05,
                            max_tokens=MAX_TOKENS, ignore_eos=True)
+# Constrained decoding: the destination rebuilds the grammar's state from the output so far.
+GUIDED = replace(SEEDED, grammar=llguidance.LLMatcher.grammar_from_regex("[a-z ]{200}"))
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 31, 8, 64, 2]  # 11 tokens: the last prompt block is partial
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -135,7 +138,7 @@ def assert_no_blocks_held(*engines: LLMEngine) -> None:
         assert len(engine.reservations) == 0 and not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED, PENALIZED], ids=["greedy", "seeded", "penalized"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED, PENALIZED, GUIDED], ids=["greedy", "seeded", "penalized", "guided"])
 @pytest.mark.parametrize("num_before", [1, 9, MAX_TOKENS - 1], ids=["first-token", "mid-decode", "near-max-tokens"])
 def test_migrated_request_continues_exactly(make_engine, sampling, num_before):
     reference = unmigrated(make_engine, sampling)
@@ -165,7 +168,7 @@ def test_migrated_while_queued_moves_without_blocks(make_engine, sampling):
     assert_no_blocks_held(a, b)
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED, GUIDED], ids=["greedy", "seeded", "guided"])
 def test_migrated_twice_a_to_b_to_a(make_engine, sampling):
     reference = unmigrated(make_engine, sampling)
     a, b, harness = make_engine(), make_engine(), Harness()

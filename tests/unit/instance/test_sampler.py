@@ -185,3 +185,33 @@ def test_min_p_never_samples_tokens_far_below_the_top_one():
     chosen = {tokens(logits, [SamplingRow(SamplingParams(temperature=1.0, min_p=0.4), seed=s, token_index=0)])[0]
               for s in range(300)}
     assert chosen == {0, 1}  # 0.1 < 0.4 * 0.6
+
+
+def test_a_grammar_mask_leaves_only_the_allowed_tokens_greedy_and_sampled():
+    logits = random_logits(2, seed=4)
+    allowed = torch.zeros(VOCAB, dtype=torch.bool)
+    allowed[[3, 17, 40]] = True
+    rows = [SamplingRow(SamplingParams(temperature=0.0), seed=1, token_index=0, allowed=allowed),
+            SamplingRow(SamplingParams(temperature=1.5), seed=2, token_index=0, allowed=allowed)]
+    best_allowed = max((3, 17, 40), key=lambda t: logits[0, t].item())
+    assert tokens(logits, rows)[0] == best_allowed
+    sampled = {tokens(logits[1:], [SamplingRow(rows[1].params, seed=s, token_index=0, allowed=allowed)])[0]
+               for s in range(40)}
+    assert sampled <= {3, 17, 40} and len(sampled) > 1
+    # Logprobs stay those of the raw logits (like vLLM's default).
+    logprob = Sampler()(logits[:1], [SamplingRow(SamplingParams(temperature=0.0, logprobs=1), 1, 0,
+                                                 allowed=allowed)])[0].logprob
+    assert logprob.logprob == pytest.approx(logits[0].log_softmax(-1)[best_allowed].item(), abs=1e-5)
+
+
+def test_the_grammar_wins_over_banned_tokens_where_it_allows_nothing_else():
+    logits = random_logits(1, seed=5)
+    only_eos = torch.zeros(VOCAB, dtype=torch.bool)
+    only_eos[7] = True
+    row = SamplingRow(SamplingParams(temperature=0.0), seed=1, token_index=0, banned_token_ids=(7,), allowed=only_eos)
+    assert tokens(logits, [row]) == [7]
+    some = only_eos.clone()
+    some[[9, 11]] = True
+    row = SamplingRow(SamplingParams(temperature=0.0), seed=1, token_index=0, banned_token_ids=(7, 7), allowed=some)
+    assert adjusted_logits(logits, [row])[0, 7] == float("-inf")
+    assert tokens(logits, [row])[0] in (9, 11)

@@ -12,9 +12,10 @@ import asyncio
 import signal
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
+import llguidance
 import pytest
 
 from services.cluster.processes import ServiceProcess, stop_all
@@ -281,6 +282,26 @@ async def test_seeded_request_migrated_a_to_b_to_a(stubs, cluster, tiny_model_di
     await client.follow(attach)
     assert client.token_ids == reference(tiny_model_dir, PROMPT, sampling)
     assert [(h.dst_instance_id, h.epoch) for h in client.handoffs] == [("b", 1), ("a", 2)]
+    await assert_all_blocks_free(stubs)
+
+
+async def test_a_request_with_a_grammar_keeps_to_it_across_two_moves(stubs, cluster, tiny_model_dir):
+    """Each destination rebuilds the grammar's state from the tokens so far: same tokens as never moved."""
+    wire, sampling = seeded(200, seed=5)
+    wire.grammar = llguidance.LLMatcher.grammar_from_regex("([a-z]+ ){1,60}[a-z]+[.]")
+    sampling = replace(sampling, grammar=wire.grammar)
+    client = ClientStream("grammar-1")
+    call = generate(stubs["a"], "grammar-1", wire)
+    await client.read(call, until_tokens=4)
+    await migrate_out(stubs["a"], "grammar-1", "b", cluster)
+    handoff = await client.read(call)
+    attach = stubs["b"].Attach(instance_pb2.AttachRequest(request_id="grammar-1", from_token_index=handoff.next_token_index,
+                                                          epoch=handoff.epoch), timeout=60)
+    await client.read(attach, until_tokens=len(client.token_ids) + 8)
+    await migrate_out(stubs["b"], "grammar-1", "a", cluster)
+    await client.follow(attach)
+    assert client.token_ids == reference(tiny_model_dir, PROMPT, sampling)
+    assert len(client.handoffs) == 2
     await assert_all_blocks_free(stubs)
 
 

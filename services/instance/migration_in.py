@@ -173,9 +173,11 @@ class MigrationInbox:
         incoming.expires_at = self._deadline()
         engine = self._runner.engine
         text = await asyncio.to_thread(engine.restore_text, state)  # replays the detokenizer off the engine thread
+        guide = await asyncio.to_thread(engine.new_guide, state.sampling, state.output_token_ids) \
+            if state.sampling.grammar else None  # and the grammar's state
         await self._refuse_if_late(migration_id, deadline)
         await self._runner.adopt(state.request_id, state.epoch,
-                                 lambda: engine.import_request(migration_id, state, text))
+                                 lambda: engine.import_request(migration_id, state, text, guide))
         incoming.epoch = state.epoch
         incoming.expires_at = self._deadline()  # now the deadline to attach
         self._slots.release(migration_id)

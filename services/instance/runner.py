@@ -126,10 +126,14 @@ class EngineRunner:
                   priority: int = 0, resume_token_ids: tuple[int, ...] = (),
                   resume_text: str | None = None) -> RequestStream:
         """Admit a request; raises the engine's validation errors (InvalidArgument, ...)."""
+        guide = None  # a grammar is built off the engine thread: a complex one takes a while
+        if sampling.grammar:
+            guide = await asyncio.to_thread(self._engine.new_guide, sampling, resume_token_ids, "resume_token_ids")
+
         def admit() -> None:
             self._engine.add_request(request_id, prompt_token_ids, sampling,
                                      priority=priority, resume_token_ids=resume_token_ids,
-                                     resume_text=resume_text)
+                                     resume_text=resume_text, guide=guide)
 
         return await self._open_stream(request_id, 0, admit, is_attached=True)
 

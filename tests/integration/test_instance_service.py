@@ -7,6 +7,7 @@ import json
 
 import aiohttp
 import grpc
+import llguidance
 import pytest
 
 from services.cluster.processes import ServiceProcess
@@ -86,6 +87,12 @@ async def test_bad_input_is_invalid_argument_naming_the_field(stub):
         "top_p": instance_pb2.GenerateRequest(
             request_id="b-4", prompt_token_ids=[1, 2], sampling=common_pb2.SamplingParams(top_p=1.5, max_tokens=4)),
         "context": instance_pb2.GenerateRequest(request_id="b-5", prompt_token_ids=[1] * 300, sampling=greedy(4)),
+        "grammar": instance_pb2.GenerateRequest(
+            request_id="b-6", prompt_token_ids=[1, 2], sampling=common_pb2.SamplingParams(max_tokens=4,
+                                                                                          grammar="start: undefined")),
+        "resume_token_ids": instance_pb2.GenerateRequest(
+            request_id="b-7", prompt_token_ids=[1, 2], resume_token_ids=[3, 4],
+            sampling=common_pb2.SamplingParams(max_tokens=8, grammar=llguidance.LLMatcher.grammar_from_regex("x"))),
     }
     for field, request in cases.items():
         with pytest.raises(grpc.aio.AioRpcError) as error:

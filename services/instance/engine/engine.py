@@ -162,10 +162,12 @@ class LLMEngine:
     # Requests in and out.
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                    priority: int = 0, resume_token_ids: Sequence[int] = (), resume_text: str | None = None) -> None:
+                    priority: int = 0, resume_token_ids: Sequence[int] = (), resume_text: str | None = None,
+                    guide: Guide | None = None) -> None:
         """Queue a request; raises InvalidArgument (bad input, duplicate id) or ResourceExhausted.
         A resume (`resume_token_ids`) goes on after `resume_text`, the part of their text the client
-        has; None counts all of it as sent."""
+        has; None counts all of it as sent. A request with a grammar takes `guide` if given (built off
+        the engine thread with `new_guide`), else builds it here."""
         request_id = RequestId(request_id)
         if request_id in self._requests:
             raise InvalidArgument(f"request_id: {request_id!r} is already on this instance; ids must be unique")
@@ -175,7 +177,8 @@ class LLMEngine:
         self._check_tokens(prompt, resumed, sampling)
         if not resumed:
             self._check_queue_room()
-        guide = self._guide(sampling, resumed, tokens_field="resume_token_ids")
+        if guide is None:
+            guide = self.new_guide(sampling, resumed, tokens_field="resume_token_ids")
         text = self._new_text(prompt, sampling)
         if resume_text is None:
             text.prime(resumed)
@@ -309,10 +312,13 @@ class LLMEngine:
                                      "instance's detokenization; migrate only between instances of the same model")
         return text
 
-    def import_request(self, migration_id: str, state: RequestState, text: TextOutput | None = None) -> None:
-        """Adopt a migrated request whose first `num_computed_tokens` tokens' K/V are in the reserved blocks."""
+    def import_request(self, migration_id: str, state: RequestState, text: TextOutput | None = None,
+                       guide: Guide | None = None) -> None:
+        """Adopt a migrated request whose first `num_computed_tokens` tokens' K/V are in the reserved blocks
+        (`text` and `guide`: built off the engine thread with `restore_text` and `new_guide`, or here)."""
         self._check_import(state)
-        guide = self._guide(state.sampling, state.output_token_ids)
+        if guide is None:
+            guide = self.new_guide(state.sampling, state.output_token_ids)
         num_blocks = num_blocks_for(state.num_computed_tokens, self.config.block_size)
         num_reserved = len(self.reservations.blocks(MigrationId(migration_id)))
         if num_reserved < num_blocks:
@@ -353,8 +359,10 @@ class LLMEngine:
             raise FailedPrecondition(f"request {request_id} is {request.status.value}, not suspended; suspend it first")
         return request
 
-    def _guide(self, sampling: SamplingParams, output_token_ids: Sequence[int], tokens_field: str = "output_token_ids"
-               ) -> Guide | None:
+    def new_guide(self, sampling: SamplingParams, output_token_ids: Sequence[int],
+                  tokens_field: str = "output_token_ids") -> Guide | None:
+        """The grammar state past `output_token_ids` (None without a grammar); may run off the engine thread:
+        a complex grammar takes a while to build (llguidance lets go of the GIL meanwhile)."""
         return self.grammars.guide(sampling.grammar, output_token_ids, tokens_field=tokens_field) \
             if sampling.grammar else None
 

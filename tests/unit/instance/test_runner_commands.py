@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from services.instance.engine.prefix_cache import PrefixCacheStats
+from services.instance.engine.request import SamplingParams
 from services.instance.runner import EngineRunner
 
 pytestmark = pytest.mark.timeout(10)
@@ -27,7 +28,8 @@ class FakeEngine:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(0, 0)
 
-    def add_request(self, request_id, prompt_token_ids, sampling, priority=0, resume_token_ids=(), resume_text=None) -> None:
+    def add_request(self, request_id, prompt_token_ids, sampling, priority=0, resume_token_ids=(), resume_text=None,
+                    guide=None) -> None:
         self.request_ids.append(request_id)
 
     def abort(self, request_id: str) -> bool:
@@ -39,10 +41,10 @@ async def test_a_failing_abort_soon_leaves_the_engine_thread_running():
     runner = EngineRunner(engine, asyncio.get_running_loop())
     runner.start()
     try:
-        stream = await runner.add("r-1", [1, 2, 3], sampling=None)
+        stream = await runner.add("r-1", [1, 2, 3], sampling=SamplingParams())
         runner.abort_soon(stream)
         assert await asyncio.wait_for(runner.call(lambda: len(engine.request_ids)), 2.0) == 1
-        await asyncio.wait_for(runner.add("r-2", [4], sampling=None), 2.0)
+        await asyncio.wait_for(runner.add("r-2", [4], sampling=SamplingParams()), 2.0)
         assert engine.request_ids == ["r-1", "r-2"]
     finally:
         runner.stop()

@@ -4,6 +4,7 @@ field the message names."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from services.common.errors import InvalidArgument
 
@@ -30,3 +31,18 @@ def named_path(message: str, param: str | None) -> str | None:
     if param is None or path == param or path.startswith((f"{param}[", f"{param}.")):
         return path
     return param
+
+
+def json_type(value: Any) -> str:
+    """A JSON value's type as an error message shows what it got: "null", "number 3", "an array"."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"number {value}"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"

@@ -8,7 +8,6 @@ import json
 import pathlib
 
 import llguidance
-import pytest
 
 SMOLLM2_TOKENIZER = pathlib.Path("models/smollm2-135m-instruct/tokenizer.json")
 
@@ -24,10 +23,9 @@ class GrammarMatching:
         assert not matcher.is_error(), matcher.get_error()
         return matcher.consume_tokens(self.tokenizer.tokenize_str(text)) and matcher.is_accepting()
 
-
-@pytest.fixture(scope="module")
-def matching(tiny_model_dir) -> GrammarMatching:
-    if SMOLLM2_TOKENIZER.is_file():
-        return GrammarMatching(SMOLLM2_TOKENIZER, 49152, 2)
-    config = json.loads((tiny_model_dir / "config.json").read_text())
-    return GrammarMatching(tiny_model_dir / "tokenizer.json", config["vocab_size"], config["eos_token_id"])
+    @classmethod
+    def of_test_models(cls, tiny_model_dir: pathlib.Path) -> GrammarMatching:
+        if SMOLLM2_TOKENIZER.is_file():
+            return cls(SMOLLM2_TOKENIZER, 49152, 2)
+        config = json.loads((tiny_model_dir / "config.json").read_text())
+        return cls(tiny_model_dir / "tokenizer.json", config["vocab_size"], config["eos_token_id"])

@@ -8,8 +8,6 @@ from services.frontend.request_error import RequestError
 from services.frontend.structured_output import (MAX_GRAMMAR_BYTES, MAX_GUIDED_CHOICES, checked_grammar,
                                                  output_constraint)
 
-from tests.unit.frontend.grammar_matching import matching  # noqa: F401 (a fixture)
-
 pytestmark = pytest.mark.timeout(30)
 
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},

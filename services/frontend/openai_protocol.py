@@ -21,7 +21,9 @@ from services.common.errors import FerryError, NotFound
 from services.common.prefix_hash import MAX_CACHE_SALT_CHARS
 from services.frontend.generation import Sampling
 from services.frontend.request_error import RequestError, named_path
-from services.frontend.tool_protocol import (ToolUse, checked_tools, message_tool_fields, refuse_tool_calls,
+from services.frontend.request_error import json_type as _json_type
+from services.frontend.structured_output import OutputConstraint, output_constraint
+from services.frontend.tool_protocol import (ToolChoice, ToolUse, checked_tools, message_tool_fields, refuse_tool_calls,
                                              tool_use)
 
 MAX_TOP_LOGPROBS = 20
@@ -39,7 +41,6 @@ _MAX_TOKEN_ID_DIGITS = 10  # a longer key is no int32 (and int() refuses 4300+ d
 # as "unset" (top_p 1, repetition_penalty off). Smaller ones are raised to this; they mean the same.
 _MIN_WIRE_FRACTION = 1e-30
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _OUTPUT_FLAGS = {"include_stop_str_in_output": False, "skip_special_tokens": True, "use_beam_search": False}
 _UNSUPPORTED_SAMPLING = ("bad_words", "allowed_token_ids")  # vLLM's, refused unless empty
 _REFUSED_FIELDS = {  # vLLM's, which change what is served: refused rather than ignored
@@ -98,7 +99,14 @@ class ParsedRequest:
     echo_only: bool = False  # completions echo with max_tokens 0: the prompt alone (one token runs, unseen)
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs in its shape (token id -> logprob, rank)
     max_tokens_field: str = "max_tokens"  # chat: "max_completion_tokens" where that gave it (errors name it)
-    tool_use: ToolUse = ToolUse()  # chat: whether the answer's tool calls are parsed
+    tool_use: ToolUse = ToolUse()  # chat: whether the answer's tool calls are parsed, and forced
+    constraint: OutputConstraint | None = None  # structured output (response_format, guided_*): what the answer is
+
+    @property
+    def needs_grammar(self) -> bool:
+        """Its decoding is constrained (structured output, forced tool calls): the served model
+        builds the grammar (ServedModel.constrained), which takes the tool-call format."""
+        return self.constraint is not None or self.tool_use.is_forced
 
     @property
     def num_prompts(self) -> int:
@@ -196,7 +204,8 @@ def parse_completion_request(body: Mapping[str, Any], served_model: str) -> Pars
         wanted = max(logprobs, parsed.prompt_logprobs or 0)  # one engine ask serves echo and vLLM's prompt_logprobs
         parsed = replace(parsed, sampling=replace(parsed.sampling, num_prompt_logprobs=wanted))
     add_special_tokens = opt_bool(body, "add_special_tokens")
-    return replace(parsed, echo=echo, echo_only=max_tokens == 0, add_special_tokens=add_special_tokens is not False)
+    return replace(parsed, echo=echo, echo_only=max_tokens == 0, add_special_tokens=add_special_tokens is not False,
+                   constraint=output_constraint(body))
 
 
 def _completion_max_tokens(body: Mapping[str, Any], echo: bool) -> int | None:
@@ -217,8 +226,26 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequ
     if opt_bool(body, "add_special_tokens"):
         raise RequestError("add_special_tokens: the chat template writes the special tokens; leave it out or false",
                            param="add_special_tokens")
+    tools, constraint = tool_use(body), output_constraint(body)
+    _check_constraint_with_tools(constraint, tools)
     return replace(parsed, chat_template=chat_template_options(body), max_tokens_field=max_tokens_field,
-                   tool_use=tool_use(body))
+                   tool_use=tools, constraint=constraint)
+
+
+def _check_constraint_with_tools(constraint: OutputConstraint | None, tools: ToolUse) -> None:
+    """A forced tool call is a constraint of its own: with another, a 400 naming both. With
+    tool_choice auto, a JSON constraint leaves the model its choice (tool calls, or the answer
+    in that JSON: tool_grammar.py); a regex, choice or grammar would rule calls out: a 400."""
+    if constraint is None or not tools.parses_calls:
+        return
+    if tools.is_forced:
+        forced = "\"required\"" if tools.choice is ToolChoice.REQUIRED else "naming a function"
+        raise RequestError(f"{constraint.param}: cannot be combined with tool_choice {forced}, which constrains the "
+                           "answer to tool calls; leave one of them out", param=constraint.param)
+    if not constraint.is_json:
+        raise RequestError(f"{constraint.param}: cannot be combined with tools under tool_choice \"auto\" (the "
+                           "answer could not be a tool call); set tool_choice to \"none\" or leave it out",
+                           param=constraint.param)
 
 
 def chat_template_options(body: Mapping[str, Any]) -> ChatTemplateOptions:
@@ -337,7 +364,7 @@ def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
     elif opt_bool(body, "echo"):  # vLLM's chat echo (the last message's text first) is not served
         raise RequestError("echo: not supported for chat completions (completions take it); leave it out",
                            param="echo")
-    _reject_constrained_output(body)
+    _reject_unserved_output(body)
 
 
 def _reject_non_text_output(body: Mapping[str, Any]) -> None:
@@ -350,19 +377,9 @@ def _reject_non_text_output(body: Mapping[str, Any]) -> None:
                            param="modalities")
 
 
-def _reject_constrained_output(body: Mapping[str, Any]) -> None:
-    """Structured output needs constrained decoding, which ferry lacks: asking for it is refused
-    rather than silently answered with free text (tool_protocol.py checks the tool fields)."""
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        kind = response_format.get("type") if isinstance(response_format, dict) else response_format
-        raise RequestError(f"response_format: only {{\"type\": \"text\"}} is supported, got {str(kind)[:40]!r} "
-                           "(no constrained decoding)", param="response_format")
+def _reject_unserved_output(body: Mapping[str, Any]) -> None:
+    """Output options ferry would otherwise ignore are refused rather than answered without them."""
     _reject_non_text_output(body)
-    for name in _GUIDED_FIELDS:  # vLLM's structured output fields
-        if body.get(name) is not None:
-            raise RequestError(f"{name}: structured output is not supported (no constrained decoding); leave it out",
-                               param=name)
     for name in _UNSUPPORTED_SAMPLING:
         if body.get(name) not in (None, []):
             raise RequestError(f"{name}: not supported; leave it out", param=name)
@@ -629,17 +646,3 @@ def _check_range(name: str, value: float, low: float | None, high: float | None)
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return f"boolean {str(value).lower()}"
-    if isinstance(value, (int, float)):
-        return f"number {value}"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"

@@ -15,8 +15,10 @@ import jinja2
 
 from services.frontend.openai_protocol import (ChatTemplateOptions, Endpoint, ParsedRequest, Prompt, RequestError,
                                                check_in_vocabulary, check_prompt_token_ids)
+from services.frontend.structured_output import checked_grammar
 from services.frontend.tokenize_protocol import TokenizeRequest
 from services.frontend.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolCallFormat, ToolCallParserSetting
+from services.frontend.tool_grammar import tool_call_grammar
 from services.instance.engine.context_window import checked_max_model_len, context_limit  # no torch
 from services.instance.engine.tokenizer import Tokenizer  # tokenizers + jinja2, no torch
 
@@ -96,10 +98,25 @@ class ServedModel:
         check_in_vocabulary(parsed.sampling.stop_token_ids, self.vocab_size, "stop_token_ids")
         check_in_vocabulary([token_id for token_id, _ in parsed.sampling.logit_bias], self.vocab_size, "logit_bias")
 
+    def constrained(self, parsed: ParsedRequest) -> ParsedRequest:
+        """The request with its grammar (`sampling.grammar`): its structured output, its forced tool
+        calls in this model's format, or with tool_choice auto and a JSON constraint, either. The
+        grammar is checked here (up to a few hundred ms for a big one): call it off the event loop."""
+        if not parsed.needs_grammar:
+            return parsed
+        self._check_tool_calls(parsed)
+        constraint, tools = parsed.constraint, parsed.tool_use
+        if tools.parses_calls and self.tool_call_format is not None:  # forced, or auto with a JSON constraint
+            grammar = tool_call_grammar(tools, self.tool_call_format, constraint)
+        elif constraint is not None:
+            grammar = checked_grammar(constraint.grammar, constraint.param)
+        return replace(parsed, sampling=replace(parsed.sampling, grammar=grammar))
+
     def _check_tool_calls(self, parsed: ParsedRequest) -> None:
         if parsed.tool_use.parses_calls and self.tool_call_format is None:
+            what = "calls cannot be forced nor read" if parsed.tool_use.is_forced else "calls cannot be read"
             raise RequestError(
-                f"tools: calls cannot be read from this model's answers: {self.no_tool_calls_because} (ferry reads "
+                f"tools: {what} from this model's answers: {self.no_tool_calls_because} (ferry reads "
                 "hermes <tool_call> JSON and llama3 JSON); set tool_choice to \"none\" (the tools are shown, "
                 "nothing is parsed), or start the frontend with --tool-call-parser", param="tools")
 

@@ -159,6 +159,8 @@ class FrontendServer:
             max_model_len = self._max_model_len()
             if parsed.truncate_prompt_tokens == -1:  # as many as the served context holds (the KV caches' too)
                 parsed = replace(parsed, truncate_prompt_tokens=max_model_len)
+            if parsed.needs_grammar:  # llguidance checks it: up to a few hundred ms
+                parsed = await asyncio.to_thread(self._model.constrained, parsed)
             prepared = await asyncio.to_thread(self._model.prepared_prompts, parsed)
             prompts = [p.token_ids for p in prepared]
             resolved = [resolve_max_tokens(parsed, len(ids), max_model_len, index)

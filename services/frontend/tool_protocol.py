@@ -4,12 +4,15 @@ tool calls and results in its messages, checked and put in the shape chat templa
 
 `tool_choice` `"auto"` (the default with tools) lets the model answer in text or call
 tools, which the frontend parses from its answer (tool_calls.py); `"none"` shows the tools
-and parses nothing. `"required"` and a named function need constrained decoding to force a
-call, which ferry lacks: they are refused.
+and parses nothing. `"required"` (one or more calls of any tool) and a named function
+(`{"type": "function", "function": {"name": ...}}`: a call of that one) force the answer to
+be calls: a grammar in the model's tool-call format (tool_grammar.py) constrains its
+decoding, and the calls are parsed as with "auto".
 """
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,11 +25,38 @@ MAX_TOOL_CALLS_IN_MESSAGE = 128
 
 
 @dataclass(frozen=True, slots=True)
+class FunctionTool:
+    """A tool a call may name, as a tool-call grammar needs it."""
+
+    index: int  # in `tools` (errors name tools[index])
+    name: str
+    parameters: str  # the JSON schema of its arguments, as JSON text
+
+
+class ToolChoice(enum.Enum):
+    NONE = "none"  # no tools, or tool_choice "none": the tools are shown, nothing is parsed
+    AUTO = "auto"  # the model answers in text or calls tools
+    REQUIRED = "required"  # one or more calls of any tool, nothing else
+    NAMED = "named"  # {"type": "function", "function": {"name": ...}}: one call of that tool, nothing else
+
+
+@dataclass(frozen=True, slots=True)
 class ToolUse:
     """What a chat request asks of tools."""
 
-    parses_calls: bool = False  # tools with tool_choice "auto": the answer's tool calls are parsed
-    max_calls: int | None = None  # parallel_tool_calls false: 1
+    choice: ToolChoice = ToolChoice.NONE
+    max_calls: int | None = None  # parallel_tool_calls false, or a named tool_choice: 1
+    functions: tuple[FunctionTool, ...] = ()  # what a call may name: every tool, or a named tool_choice's one
+
+    @property
+    def parses_calls(self) -> bool:
+        """The answer's tool calls are parsed (tool_calls.py)."""
+        return self.choice is not ToolChoice.NONE
+
+    @property
+    def is_forced(self) -> bool:
+        """The answer is tool calls and nothing else: a grammar forces them (tool_grammar.py)."""
+        return self.choice in (ToolChoice.REQUIRED, ToolChoice.NAMED)
 
 
 def tool_use(body: Mapping[str, Any]) -> ToolUse:
@@ -35,16 +65,49 @@ def tool_use(body: Mapping[str, Any]) -> ToolUse:
     _check_no_functions_nor_lone_choice(body)
     if not tools:
         return ToolUse()
-    checked_tools(tools)
-    if choice in ("required",) or isinstance(choice, dict):
-        raise RequestError("tool_choice: \"required\" and a named function need constrained decoding to force a call, "
-                    "which ferry lacks; use \"auto\" (the model decides) or \"none\"", param="tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise RequestError(f"tool_choice: expected \"auto\" or \"none\", got {str(choice)[:40]!r}", param="tool_choice")
+    functions = _functions(checked_tools(tools))
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("parallel_tool_calls: expected true or false", param="parallel_tool_calls")
-    return ToolUse(parses_calls=choice != "none", max_calls=1 if parallel is False else None)
+    max_calls = 1 if parallel is False else None
+    if isinstance(choice, dict):
+        return ToolUse(ToolChoice.NAMED, 1, (_named(choice, functions),))
+    if choice not in (None, "auto", "none", "required"):
+        raise RequestError(f"tool_choice: expected \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
+                           f"\"function\": {{\"name\": ...}}}}, got {str(choice)[:40]!r}", param="tool_choice")
+    return ToolUse(ToolChoice(choice or "auto"), max_calls, functions)
+
+
+def _functions(tools: list[dict[str, Any]]) -> tuple[FunctionTool, ...]:
+    functions = []
+    for i, tool in enumerate(tools):
+        parameters = tool["function"].get("parameters")
+        if parameters is None:
+            parameters = {"type": "object"}  # OpenAI: a function without parameters takes an empty list
+        if not isinstance(parameters, dict):
+            raise RequestError(f"tools[{i}].function.parameters: expected a JSON schema (an object)",
+                               param=f"tools[{i}].function.parameters")
+        try:
+            functions.append(FunctionTool(i, tool["function"]["name"], json.dumps(parameters, ensure_ascii=False)))
+        except RecursionError:
+            raise RequestError(f"tools[{i}].function.parameters: the schema nests too deeply",
+                               param=f"tools[{i}].function.parameters") from None
+    return tuple(functions)
+
+
+def _named(choice: dict[str, Any], functions: tuple[FunctionTool, ...]) -> FunctionTool:
+    """tool_choice {"type": "function", "function": {"name": ...}}: the function it names."""
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type", "function") != "function" or not isinstance(name, str):
+        raise RequestError("tool_choice: expected \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                           "\"function\": {\"name\": ...}}", param="tool_choice")
+    named = next((f for f in functions if f.name == name), None)
+    if named is None:
+        raise RequestError(f"tool_choice.function.name: no tool named {name[:64]!r} in tools (they are "
+                           f"{', '.join(repr(f.name) for f in functions[:8])}{', ...' if len(functions) > 8 else ''})",
+                           param="tool_choice.function.name")
+    return named
 
 
 def refuse_tool_calls(body: Mapping[str, Any]) -> None:

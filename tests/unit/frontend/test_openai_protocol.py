@@ -147,8 +147,6 @@ def test_chat_template_options():
 
 
 @pytest.mark.parametrize("fields, name", [
-    ({"guided_json": {"type": "object"}}, "guided_json"), ({"guided_choice": ["a", "b"]}, "guided_choice"),
-    ({"guided_regex": "a+"}, "guided_regex"), ({"structured_outputs": {"json": {}}}, "structured_outputs"),
     ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ({"skip_special_tokens": False}, "skip_special_tokens"), ({"use_beam_search": True}, "use_beam_search"),
     ({"bad_words": ["x"]}, "bad_words"), ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
@@ -159,6 +157,19 @@ def test_output_options_ferry_would_otherwise_ignore_are_refused(fields, name):
     rejects(completion, fields, name, param=name)
     rejects(chat, fields, name, param=name)
     assert completion(skip_special_tokens=True, include_stop_str_in_output=False, guided_json=None).prompts
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"guided_json": {"type": "object"}}, "guided_json"), ({"guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"guided_regex": "a+"}, "guided_regex"), ({"guided_grammar": "start: \"x\""}, "guided_grammar"),
+    ({"structured_outputs": {"json": {}}}, "structured_outputs.json"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_structured_output_fields_become_the_requests_constraint(fields, param):
+    for parsed in (completion(**fields), chat(**fields)):
+        assert parsed.constraint is not None and parsed.constraint.param == param and parsed.needs_grammar
+        assert parsed.sampling.grammar == ""  # the served model checks it and sets it (ServedModel.constrained)
+    assert completion(response_format={"type": "text"}).constraint is None
 
 
 def test_add_special_tokens_for_completions_only():
@@ -303,9 +314,8 @@ def test_missing_prompt():
     ({"tool_choice": "required"}, ["tool_choice", "only allowed with tools"], "tool_choice"),
     ({"logit_bias": {"1": 101}}, ["logit_bias", "between -100.0 and 100.0"], "logit_bias"),
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, ["logit_bias", "at most 1024"], "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, ["response_format", "'json_object'", "constrained"],
-     "response_format"),
-    ({"response_format": "json"}, ["response_format", "'json'"], "response_format"),
+    ({"response_format": {"type": "yaml"}}, ["response_format", "'yaml'", "json_schema"], "response_format"),
+    ({"response_format": "json"}, ["response_format", "a string"], "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools", "chat completions", "tool_choice"], "tools"),
     ({"functions": [{"name": "f"}]}, ["functions", "not supported"], "functions"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, ["audio", "text only"], "audio"),
@@ -525,11 +535,33 @@ def test_tools_with_tool_choice_auto_ask_for_parsed_calls_and_none_for_none():
     assert not chat().tool_use.parses_calls and not chat(tools=[]).tool_use.parses_calls
 
 
+def test_tool_choice_required_and_named_force_calls_of_the_tools_they_name():
+    tools = [*TOOLS, {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    required = chat(tools=tools, tool_choice="required").tool_use
+    assert required.is_forced and required.parses_calls and required.max_calls is None
+    assert [(f.index, f.name) for f in required.functions] == [(0, "get_weather"), (1, "get_time")]
+    assert chat(tools=tools, tool_choice="required", parallel_tool_calls=False).tool_use.max_calls == 1
+    named = chat(tools=tools, tool_choice={"type": "function", "function": {"name": "get_time"}}).tool_use
+    assert named.is_forced and named.max_calls == 1 and [(f.index, f.name) for f in named.functions] == [(1, "get_time")]
+    assert not chat(tools=tools).tool_use.is_forced and not chat(tools=tools).needs_grammar
+    auto_json = chat(tools=tools, response_format={"type": "json_object"})  # calls, or the answer as JSON
+    assert auto_json.tool_use.parses_calls and auto_json.constraint.is_json
+    assert chat(tools=tools, tool_choice="none", guided_regex="[0-9]+").constraint.param == "guided_regex"
+
+
 @pytest.mark.parametrize("fields,words,param", [
-    ({"tools": TOOLS, "tool_choice": "required"}, ["tool_choice", "constrained decoding", "\"auto\""], "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     ["tool_choice", "named function"], "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     ["tool_choice.function.name", "'get_time'", "'get_weather'"], "tool_choice.function.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, ["tool_choice", "\"required\""], "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, ["tool_choice", "'sometimes'"], "tool_choice"),
+    ({"tools": [{"function": {"name": "f", "parameters": [1]}}]}, ["tools[0].function.parameters", "JSON schema"],
+     "tools[0].function.parameters"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     ["response_format", "tool_choice \"required\""], "response_format"),
+    ({"tools": TOOLS, "tool_choice": {"function": {"name": "get_weather"}}, "guided_json": {"type": "object"}},
+     ["guided_json", "naming a function"], "guided_json"),
+    ({"tools": TOOLS, "guided_regex": "[0-9]+"}, ["guided_regex", "tool_choice \"auto\"", "\"none\""],
+     "guided_regex"),
     ({"tool_choice": "auto"}, ["tool_choice", "only allowed with tools"], "tool_choice"),
     ({"tools": TOOLS, "parallel_tool_calls": "no"}, ["parallel_tool_calls", "true or false"], "parallel_tool_calls"),
     ({"tools": [{"type": "function", "function": {}}]}, ["tools[0]"], "tools[0]"),

@@ -318,6 +318,22 @@ def test_a_streamed_tool_call_comes_whole_in_one_delta_with_its_index():
     assert [c["finish_reason"] for c in chunks] == [None, None, None, "tool_calls"]
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_call_ends_with_finish_reason_tool_calls_as_vllm_answers_it(tool_choice):
+    """The grammar completes with the call (the engine finishes: stop); the answer is the call."""
+    forced = CALLING.removeprefix("On it.")
+    state = make_state(prompt=(1, 2))
+    state.accept(TokenChunk(0, (7,), forced, FinishReason.STOP))
+    choice = tool_formatter(tool_choice=tool_choice).choice(state)
+    assert choice["message"]["content"] is None and choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    f, streamed = tool_formatter(tool_choice=tool_choice), make_state(prompt=(1, 2))
+    chunks = [f.chunk(streamed.accept(TokenChunk(i, (7,), piece, FinishReason.STOP if i else None)))["choices"][0]
+              for i, piece in enumerate((forced, ""))]
+    assert chunks[0]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert [c["finish_reason"] for c in chunks] == [None, "tool_calls"]
+
+
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id_as_vllm_does():
     state = finished_state(logprobs=True)
     completion = formatter(logprobs=2, return_tokens_as_token_ids=True).choice(state)["logprobs"]

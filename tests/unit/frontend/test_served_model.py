@@ -169,3 +169,29 @@ def test_sampling_token_ids_outside_the_vocabulary_are_refused_before_any_dispat
         with pytest.raises(RequestError, match=rf"^{field}: token id 512 is outside the vocabulary"):
             token_ids_of(model, parse_completion_request({"prompt": "x", field: value}, "tiny"))
     assert token_ids_of(model, parse_completion_request({"prompt": [3], "stop_token_ids": [511]}, "tiny")) == [[3]]
+
+
+def test_constrained_sets_the_checked_grammar_of_structured_output_and_forced_tool_calls(tiny_model_dir, model):
+    import llguidance
+    from services.frontend.tool_calls import ToolCallParserSetting
+    assert model.constrained(parse_completion_request({"prompt": "x"}, "tiny")).sampling.grammar == ""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+    completion = model.constrained(parse_completion_request({"prompt": "x", "guided_json": schema}, "tiny"))
+    assert '"ok"' in completion.sampling.grammar and not llguidance.LLMatcher.validate_grammar(
+        completion.sampling.grammar)
+    with pytest.raises(RequestError, match=r"^guided_regex: not a valid constraint"):
+        model.constrained(parse_completion_request({"prompt": "x", "guided_regex": "(("}, "tiny"))
+    hermes = ServedModel.load(tiny_model_dir, "tiny", tool_call_parser=ToolCallParserSetting.HERMES)
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}]}
+    forced = hermes.constrained(parse_chat_request({**body, "tool_choice": "required"}, "tiny"))
+    assert forced.sampling.grammar.startswith("start: call") and '"const": "f"' in forced.sampling.grammar
+    auto = parse_chat_request(body, "tiny")
+    assert hermes.constrained(auto) is auto  # "auto" alone: free text, calls parsed out of it
+
+
+def test_forced_tool_calls_on_a_model_without_a_tool_call_format_are_a_400_saying_why(model):
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}]}
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(RequestError, match=r"^tools: calls cannot be forced nor read .*: its chat template shows "
+                                               r"no tool-call format"):
+            model.constrained(parse_chat_request({**body, "tool_choice": choice}, "tiny"))

@@ -1,0 +1,85 @@
+"""The grammar that makes a model write tool calls: in the served model's tool-call format
+(tool_calls.py), each call naming one of the request's tools, its arguments satisfying that
+tool's `parameters` schema.
+
+* tool_choice `"required"`: one or more calls of any tool (one where parallel_tool_calls is
+  false); a named function: one call of it. Nothing else: no text before, between or after.
+* tool_choice `"auto"` with a JSON `response_format` (or guided_json ...): calls as above, or
+  the answer in that format. The model keeps its choice; only the shape of each is fixed.
+
+Lark in llguidance's dialect, each call a `%json {...}` schema of the whole call object:
+
+    start: call ("\n" call)*                       # hermes; llama3_json separates calls with "; "
+    call: "<tool_call>\n" (fn0 | fn1) "\n</tool_call>"
+    fn0: %json {"type": "object", "properties": {"name": {"const": "get_weather"},
+                "arguments": {...its parameters...}}, "required": ["name", "arguments"], ...}
+
+Keys come in the schema's order (name, then the arguments), as the formats show them, and
+in ferry's JSON whitespace (structured_output.JSON_WHITESPACE). The parser reads the calls
+out of the text as it does for "auto" (ToolCallParser).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from services.frontend.structured_output import (JSON_WHITESPACE, OutputConstraint, checked_grammar,
+                                                json_schema_grammar)
+from services.frontend.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolCallFormat
+from services.frontend.tool_protocol import FunctionTool, ToolUse
+
+_DEFINITIONS = ("$defs", "definitions")  # where a schema keeps what its "#/$defs/..." refs point at
+
+
+@dataclass(frozen=True, slots=True)
+class _Format:
+    opening: str  # Lark before a call's JSON
+    closing: str  # after it
+    separator: str  # between two calls
+    arguments_key: str  # the call object's key for the arguments
+
+
+_FORMATS = {
+    ToolCallFormat.HERMES: _Format(json.dumps(HERMES_OPEN + "\n"), json.dumps("\n" + HERMES_CLOSE), '"\\n"',
+                                   "arguments"),
+    ToolCallFormat.LLAMA3_JSON: _Format("", "", '"; "', "parameters"),
+}
+
+
+def tool_call_grammar(tool_use: ToolUse, format_: ToolCallFormat, answer: OutputConstraint | None = None) -> str:
+    """The checked grammar of `tool_use`'s calls in `format_` (or, with `answer`, a JSON
+    constraint and tool_choice auto: those calls or that answer); a 400 naming the tool whose
+    parameters llguidance refuses."""
+    spec = _FORMATS[format_]
+    functions = [_checked_function_schema(function, spec.arguments_key) for function in tool_use.functions]
+    one_call = f"{spec.opening} ({' | '.join(f'fn{i}' for i in range(len(functions)))}) {spec.closing}".strip()
+    calls = "call" if tool_use.max_calls == 1 else f"call ({spec.separator} call)*"
+    lines = [f"start: {calls} | answer" if answer is not None else f"start: {calls}", f"call: {one_call}"]
+    lines += [f"fn{i}: %json {schema}" for i, schema in enumerate(functions)]
+    if answer is not None and answer.json_schema is not None:
+        lines.append(f"answer: %json {_with_whitespace(json.loads(answer.json_schema))}")
+    param = answer.param if answer is not None else "tool_choice"
+    return checked_grammar("\n".join(lines) + "\n", param)
+
+
+def _checked_function_schema(function: FunctionTool, arguments_key: str) -> str:
+    """The JSON schema of one whole call of `function` (JSON text), checked on its own so that a
+    bad `parameters` is a 400 naming its tool."""
+    parameters = json.loads(function.parameters)
+    definitions = {key: parameters.pop(key) for key in _DEFINITIONS if key in parameters}
+    call = {"type": "object", "properties": {"name": {"const": function.name}, arguments_key: parameters},
+            "required": ["name", arguments_key], "additionalProperties": False,
+            **definitions}  # at the root, where the arguments' "#/$defs/..." refs look for them
+    schema = _with_whitespace(call)
+    param = f"tools[{function.index}].function.parameters"
+    checked_grammar(json_schema_grammar(schema, param), param)
+    return schema
+
+
+def _with_whitespace(schema: dict[str, Any]) -> str:
+    """`schema` as JSON text, its llguidance options set to ferry's JSON whitespace."""
+    options = schema.get("x-guidance")
+    merged = {**options, **JSON_WHITESPACE} if isinstance(options, dict) else JSON_WHITESPACE
+    return json.dumps({**schema, "x-guidance": merged}, ensure_ascii=False)

@@ -50,6 +50,7 @@ class ServedModel:
     tokenizer: TextTokenizer
     tool_call_format: ToolCallFormat | None = None  # how its answers call tools; None: not parsed
     no_tool_calls_because: str = "its chat template shows no tool-call format ferry parses"
+    tool_tag_token_ids: tuple[tuple[str, int], ...] = ()  # the format's tags its vocabulary holds as one token
 
     @classmethod
     def load(cls, folder: pathlib.Path, name: str, max_model_len: int = 0,
@@ -74,7 +75,9 @@ class ServedModel:
         if hidden:
             return replace(self, tool_call_format=None, no_tool_calls_because=(
                 f"its tokenizer marks {' and '.join(hidden)} special, so they never reach the answer's text"))
-        return replace(self, tool_call_format=format_)
+        tags = (HERMES_OPEN, HERMES_CLOSE) if format_ is ToolCallFormat.HERMES else ()
+        single = [(tag, ids[0]) for tag in tags if len(ids := self.tokenizer.encode(tag, add_special_tokens=False)) == 1]
+        return replace(self, tool_call_format=format_, tool_tag_token_ids=tuple(single))
 
     def _hides(self, text: str) -> bool:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -107,7 +110,7 @@ class ServedModel:
         self._check_tool_calls(parsed)
         constraint, tools = parsed.constraint, parsed.tool_use
         if tools.parses_calls and self.tool_call_format is not None:  # forced, or auto with a JSON constraint
-            grammar = tool_call_grammar(tools, self.tool_call_format, constraint)
+            grammar = tool_call_grammar(tools, self.tool_call_format, constraint, dict(self.tool_tag_token_ids))
         elif constraint is not None:
             grammar = checked_grammar(constraint.grammar, constraint.param)
         return replace(parsed, sampling=replace(parsed.sampling, grammar=grammar))

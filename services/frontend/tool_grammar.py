@@ -10,7 +10,7 @@ tool's `parameters` schema.
 Lark in llguidance's dialect, each call a `%json {...}` schema of the whole call object:
 
     start: call ("\n" call)*                       # hermes; llama3_json separates calls with "; "
-    call: "<tool_call>\n" (fn0 | fn1) "\n</tool_call>"
+    call: "<tool_call>" "\n" (fn0 | fn1) "\n" "</tool_call>"
     fn0: %json {"type": "object", "properties": {"name": {"const": "get_weather"},
                 "arguments": {...its parameters...}}, "required": ["name", "arguments"], ...}
 
@@ -22,6 +22,7 @@ out of the text as it does for "auto" (ToolCallParser).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,33 +36,45 @@ _DEFINITIONS = ("$defs", "definitions")  # where a schema keeps what its "#/$def
 
 @dataclass(frozen=True, slots=True)
 class _Format:
-    opening: str  # Lark before a call's JSON
-    closing: str  # after it
+    opening: tuple[str, ...]  # text before a call's JSON, in pieces (a tag is one)
+    closing: tuple[str, ...]  # after it
     separator: str  # between two calls
     arguments_key: str  # the call object's key for the arguments
 
 
 _FORMATS = {
-    ToolCallFormat.HERMES: _Format(json.dumps(HERMES_OPEN + "\n"), json.dumps("\n" + HERMES_CLOSE), '"\\n"',
-                                   "arguments"),
-    ToolCallFormat.LLAMA3_JSON: _Format("", "", '"; "', "parameters"),
+    ToolCallFormat.HERMES: _Format((HERMES_OPEN, "\n"), ("\n", HERMES_CLOSE), "\n", "arguments"),
+    ToolCallFormat.LLAMA3_JSON: _Format((), (), "; ", "parameters"),
 }
 
 
-def tool_call_grammar(tool_use: ToolUse, format_: ToolCallFormat, answer: OutputConstraint | None = None) -> str:
+def tool_call_grammar(tool_use: ToolUse, format_: ToolCallFormat, answer: OutputConstraint | None = None,
+                      tag_token_ids: Mapping[str, int] | None = None) -> str:
     """The checked grammar of `tool_use`'s calls in `format_` (or, with `answer`, a JSON
     constraint and tool_choice auto: those calls or that answer); a 400 naming the tool whose
-    parameters llguidance refuses."""
+    parameters llguidance refuses. `tag_token_ids`: the format's tags that the model's
+    vocabulary holds as one token (Qwen's <tool_call>), which the grammar also takes by id."""
     spec = _FORMATS[format_]
     functions = [_checked_function_schema(function, spec.arguments_key) for function in tool_use.functions]
-    one_call = f"{spec.opening} ({' | '.join(f'fn{i}' for i in range(len(functions)))}) {spec.closing}".strip()
-    calls = "call" if tool_use.max_calls == 1 else f"call ({spec.separator} call)*"
+    opening, closing = (" ".join(_piece(p, tag_token_ids or {}) for p in pieces)
+                        for pieces in (spec.opening, spec.closing))
+    one_call = f"{opening} ({' | '.join(f'fn{i}' for i in range(len(functions)))}) {closing}".strip()
+    calls = "call" if tool_use.max_calls == 1 else f"call ({json.dumps(spec.separator)} call)*"
     lines = [f"start: {calls} | answer" if answer is not None else f"start: {calls}", f"call: {one_call}"]
     lines += [f"fn{i}: %json {schema}" for i, schema in enumerate(functions)]
     if answer is not None and answer.json_schema is not None:
         lines.append(f"answer: %json {_with_whitespace(json.loads(answer.json_schema))}")
     param = answer.param if answer is not None else "tool_choice"
     return checked_grammar("\n".join(lines) + "\n", param)
+
+
+def _piece(text: str, tag_token_ids: Mapping[str, int]) -> str:
+    """Lark for `text`. A tag the vocabulary holds as one added token is also taken as that token
+    by id: llguidance reads added tokens shaped <...> as special ones, which a text literal
+    does not match (it would let the token through the mask and then refuse it)."""
+    if text in tag_token_ids:
+        return f"({json.dumps(text)} | <[{tag_token_ids[text]}]>)"
+    return json.dumps(text)
 
 
 def _checked_function_schema(function: FunctionTool, arguments_key: str) -> str:

@@ -117,3 +117,24 @@ def test_a_parameters_schema_llguidance_refuses_is_a_400_naming_its_tool():
 def test_the_arguments_key_follows_the_format():
     assert '"arguments"' in grammar(HERMES, tool_choice="required")
     assert '"parameters": {"type": "object", "properties": {"city"' in grammar(LLAMA3, tool_choice="required")
+
+
+def test_a_tag_the_vocabulary_holds_as_one_added_token_is_taken_by_its_id(tiny_model_dir):
+    """Qwen's <tool_call> is an added (not special) token; llguidance reads added tokens shaped
+    <...> as special ones, which the literal "<tool_call>" lets through the mask, then refuses."""
+    import llguidance
+    from tokenizers import AddedToken, Tokenizer
+    backend = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    backend.add_tokens([AddedToken("<tool_call>", special=False, normalized=False)])
+    tag_id = backend.token_to_id("<tool_call>")
+    tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=tag_id + 1, eos_token=[0])
+    text = hermes_call("ping", {})
+    assert tokenizer.tokenize_str(text)[0] == tag_id
+
+    def accepts(grammar_text):
+        matcher = llguidance.LLMatcher(tokenizer, grammar_text, log_level=0)
+        return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
+
+    forced = tool_use({"tools": TOOLS, "tool_choice": "required"})
+    assert accepts(tool_call_grammar(forced, HERMES, tag_token_ids={"<tool_call>": tag_id}))
+    assert not accepts(tool_call_grammar(forced, HERMES))  # llguidance's special reading of the tag

@@ -1,6 +1,7 @@
 """Tool calls end to end: a real instance process running a model whose greedy answer is a
 hermes tool call (tests/scripted_model.py), a real etcd, the frontend process, and the
-`openai` client reading the calls, whole and streamed."""
+`openai` client reading the calls, whole and streamed; and calls forced by tool_choice, and
+a structured output answer, through the engine's constrained decoding."""
 
 from __future__ import annotations
 
@@ -125,7 +126,42 @@ async def test_the_call_and_its_result_in_the_history_reach_the_chat_template(fr
             assert (await response.json())["choices"][0]["finish_reason"] == "tool_calls"
 
 
-async def test_tool_choice_required_is_a_400_naming_the_field(client):
+# ---- constrained decoding: the engine's grammar (structured_output.py, tool_grammar.py) ----------------------
+# The scripted model's own answer is not what these ask for: every token is the grammar's choice. Enums and
+# booleans keep the answers short whatever the weights prefer.
+
+SETTINGS = {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "verbose": {"type": "boolean"}},
+            "required": ["unit", "verbose"], "additionalProperties": False}
+SET_UNIT = {"type": "function", "function": {"name": "set_unit", "parameters": SETTINGS}}
+
+
+def satisfies_settings(value):
+    return isinstance(value, dict) and set(value) == {"unit", "verbose"} and value["unit"] in ("C", "F") \
+        and isinstance(value["verbose"], bool)
+
+
+async def test_a_json_schema_response_format_answers_json_that_satisfies_it(client):
+    completion = await client.chat.completions.create(
+        model=MODEL, messages=WEATHER, temperature=0, max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "settings", "schema": SETTINGS}})
+    (choice,) = completion.choices
+    assert satisfies_settings(json.loads(choice.message.content)), choice.message.content
+    assert choice.finish_reason == "stop"  # the grammar completed, not max_tokens
+
+
+async def test_a_named_tool_choice_forces_a_call_of_that_tool_with_arguments_of_its_schema(client):
+    completion = await client.chat.completions.create(
+        model=MODEL, messages=WEATHER, tools=[*TOOLS, SET_UNIT], temperature=0, max_tokens=64,
+        tool_choice={"type": "function", "function": {"name": "set_unit"}})
+    (choice,) = completion.choices
+    assert choice.message.tool_calls, (choice.message.content, choice.finish_reason, completion.model_dump())
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "set_unit" and satisfies_settings(json.loads(call.function.arguments))
+    assert choice.message.content is None and choice.finish_reason == "tool_calls"
+
+
+async def test_a_named_tool_choice_naming_no_tool_is_a_400_naming_the_field(client):
     with pytest.raises(openai.BadRequestError) as info:
-        await client.chat.completions.create(model=MODEL, messages=WEATHER, tools=TOOLS, tool_choice="required")
-    assert info.value.body["param"] == "tool_choice" and "constrained decoding" in info.value.body["message"]
+        await client.chat.completions.create(model=MODEL, messages=WEATHER, tools=TOOLS,
+                                             tool_choice={"type": "function", "function": {"name": "set_unit"}})
+    assert info.value.body["param"] == "tool_choice.function.name" and "'set_unit'" in info.value.body["message"]

@@ -13,6 +13,7 @@ from typing import Any
 from services.common.prefix_hash import MAX_CACHE_SALT_CHARS
 from services.frontend.openai_protocol import (MAX_BATCH_CHOICES, MAX_CHOICES, MAX_LOGIT_BIAS_ENTRIES, MAX_PROMPTS,
                                                MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS)
+from services.frontend.structured_output import MAX_CHOICE_CHARS, MAX_GUIDED_CHOICES
 from services.frontend.tool_protocol import MAX_TOOLS
 
 _INT32_MAX = (1 << 31) - 1
@@ -96,6 +97,37 @@ def _json_response(description: str, schema: dict) -> dict[str, Any]:
     return {"description": description, "content": {_JSON: {"schema": schema}}}
 
 
+def _structured_output_fields() -> dict[str, Any]:
+    """response_format and vLLM's guided fields: at most one per request (structured_output.py)."""
+    schema = {"type": "object", "description": "a JSON schema"}
+    lark = {"type": "string", "minLength": 1, "description": "a Lark grammar (llguidance's dialect)"}
+    regex = {"type": "string", "minLength": 1}
+    choice = {"type": "array", "minItems": 1, "maxItems": MAX_GUIDED_CHOICES,
+              "items": {"type": "string", "minLength": 1, "maxLength": MAX_CHOICE_CHARS}}
+    json_schema = {"type": "object", "required": ["name", "schema"], "properties": {
+        "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}, "schema": schema,
+        "strict": {"type": "boolean", "nullable": True}, "description": {"type": "string", "nullable": True}}}
+    return {
+        "response_format": {"oneOf": [
+            {"type": "object", "required": ["type"], "properties": {"type": {"type": "string", "enum": ["text"]}}},
+            {"type": "object", "required": ["type"], "properties": {"type": {"type": "string",
+                                                                            "enum": ["json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"type": "string", "enum": ["json_schema"]}, "json_schema": json_schema}}],
+            "nullable": True, "description": "the answer is JSON (json_object), JSON satisfying a schema "
+                                             "(json_schema), or free text; constrained decoding"},
+        "guided_json": {"oneOf": [schema, {"type": "string"}], "nullable": True,
+                        "description": "vLLM: JSON satisfying this schema (or its JSON text)"},
+        "guided_regex": {**regex, "nullable": True, "description": "vLLM: text matching this regex"},
+        "guided_choice": {**choice, "nullable": True, "description": "vLLM: exactly one of these strings"},
+        "guided_grammar": {**lark, "nullable": True, "description": "vLLM: text of this Lark grammar"},
+        "structured_outputs": {"type": "object", "nullable": True,
+                               "description": "vLLM: exactly one of json, regex, choice, grammar, json_object",
+                               "properties": {"json": {"oneOf": [schema, {"type": "string"}]}, "regex": regex,
+                                              "choice": choice, "grammar": lark, "json_object": {"type": "boolean"}}},
+    }
+
+
 def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
     integer = {"type": "integer"}
     token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
@@ -150,6 +182,7 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
                                        "description": "vLLM: logprobs name each token \"token_id:N\""},
         "priority": {**integer, "minimum": -_INT32_MAX, "maximum": _INT32_MAX, "nullable": True,
                      "description": "ferry: higher runs first when the KV cache is short"},
+        **_structured_output_fields(),
     }
     tool_call = {"type": "object", "required": ["function"], "properties": {
         "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
@@ -195,11 +228,18 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
                     "function": {"type": "object", "required": ["name"], "properties": {
                         "name": {"type": "string"}, "description": {"type": "string"},
                         "parameters": {"type": "object"}}}}}},
-            "tool_choice": {"type": "string", "enum": ["auto", "none"], "nullable": True,
-                            "description": "auto (default with tools): calls are parsed from the answer "
-                                           "(--tool-call-parser); none: the tools are shown, nothing is parsed"},
+            "tool_choice": {"oneOf": [
+                {"type": "string", "enum": ["auto", "none", "required"]},
+                {"type": "object", "required": ["function"], "properties": {
+                    "type": {"type": "string", "enum": ["function"]},
+                    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}],
+                "nullable": True,
+                "description": "auto (default with tools): calls are parsed from the answer (--tool-call-parser); "
+                               "none: the tools are shown, nothing is parsed; required: one or more calls, forced "
+                               "by a grammar; {\"type\": \"function\", \"function\": {\"name\": ...}}: one "
+                               "call of that tool. Forced calls end with finish_reason tool_calls"},
             "parallel_tool_calls": {"type": "boolean", "nullable": True,
-                                    "description": "false: the first call only"},
+                                    "description": "false: one call at most"},
         }},
         "Completion": {"type": "object", "required": ["id", "object", "choices"], "properties": {
             "id": {"type": "string"}, "object": {"type": "string", "enum": ["text_completion"]},

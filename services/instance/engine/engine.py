@@ -399,11 +399,14 @@ class LLMEngine:
             return outputs
         last_rows = self._record_prompt_logprobs(scheduled, logits)
         sampled = [(s.request, row) for s, row in zip(scheduled.scheduled, last_rows) if s.is_sampled]
+        allowed = {r.request_id: r.guide.allowed() for r, _row in sampled if r.guide is not None}
+        for request in [r for r, _row in sampled if r.request_id in allowed and not allowed[r.request_id].any()]:
+            outputs.append(self._end_at_grammar_dead_end(request))
+        sampled = [(r, row) for r, row in sampled if not r.is_finished]
         if not sampled:
             return outputs
         sampling_rows = [SamplingRow(r.sampling, r.seed, r.num_output_tokens, r.output_token_ids, r.prompt_token_ids,
-                                     self._banned_token_ids(r), None if r.guide is None else r.guide.allowed())
-                         for r, _row in sampled]
+                                     self._banned_token_ids(r), allowed.get(r.request_id)) for r, _row in sampled]
         tokens = self.sampler(logits[[row for _r, row in sampled]], sampling_rows)
         for (request, _row), token in zip(sampled, tokens):
             outputs.append(self._append_token(request, token))
@@ -441,6 +444,12 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.remove(request, reason)
         return self._output(request, token_index, token, reason, prompt_logprobs)
+
+    def _end_at_grammar_dead_end(self, request: Request) -> StepOutput:
+        """The grammar allows no token of this vocabulary (see guided.py on special tokens): stop here."""
+        log.warning("grammar_allows_no_token", request_id=request.request_id, num_output_tokens=request.num_output_tokens)
+        self.scheduler.remove(request, FinishReason.STOP)
+        return self._output(request, request.num_output_tokens, None, FinishReason.STOP)
 
     def _banned_token_ids(self, request: Request) -> tuple[int, ...]:
         """Tokens the next one may not be: its stop token ids and eos until it has min_tokens tokens."""

@@ -12,6 +12,12 @@ moves (migration, PD hand-off) or resumes after a failure rebuilds it by replayi
 
 The llguidance tokenizer (the vocabulary as byte strings, ~0.2 s to build for a 49k
 vocabulary) is built once, on the first request with a grammar.
+
+Special tokens: llguidance's mask can allow a special token (or an added one shaped like
+`<...>`, which it takes as special) where the grammar spells out its text, and then refuse
+it when it is consumed. `allowed()` checks each special token the mask allows and drops
+those the grammar would refuse, so a sampled token is always one it takes. (Grammars name
+special tokens as llguidance's Lark does: `<|im_start|>` or `<[id]>`.)
 """
 
 from __future__ import annotations
@@ -32,15 +38,21 @@ _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 class Guide:
     """One request's grammar state; used by the engine thread only."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, special_token_ids: torch.Tensor) -> None:
         self._matcher = matcher
         self._vocab_size = vocab_size
+        self._special_token_ids = special_token_ids
 
     def allowed(self) -> torch.Tensor:
-        """bool [vocab_size]: True where the grammar allows the token next."""
+        """bool [vocab_size]: True where the grammar allows the token next (all False: it allows nothing)."""
         bitmask = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.uint8)
         # Little-endian 32-bit words, token t at bit t % 32 of word t // 32: byte by byte, bit k of byte b is token 8b + k.
-        return ((bitmask.unsqueeze(1) >> _BIT_SHIFTS) & 1).flatten()[:self._vocab_size].bool()
+        allowed = ((bitmask.unsqueeze(1) >> _BIT_SHIFTS) & 1).flatten()[:self._vocab_size].bool()
+        special = self._special_token_ids[allowed[self._special_token_ids]]
+        for token_id in special.tolist():  # allowed by the mask; check the grammar takes them (see above)
+            if self._matcher.validate_tokens([token_id]) != 1:
+                allowed[token_id] = False
+        return allowed
 
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar refuses it (then `error` says why)."""
@@ -64,6 +76,7 @@ class GrammarCompiler:
         self._vocab_size = vocab_size
         self._eos_token_ids = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._special_token_ids = torch.empty(0, dtype=torch.int64)  # what llguidance takes as special, in the vocab
         self._lock = threading.Lock()
 
     def guide(self, grammar: str, output_token_ids: Sequence[int] = (), *, tokens_field: str = "output_token_ids"
@@ -75,7 +88,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise InvalidArgument(f"grammar: {_first_line(matcher.get_error())}")
-        guide = Guide(matcher, self._vocab_size)
+        guide = Guide(matcher, self._vocab_size, self._special_token_ids)
         for index, token_id in enumerate(output_token_ids):
             if not guide.accept(token_id):
                 raise InvalidArgument(f"{tokens_field}: token {index} ({token_id}) is not one the grammar allows there")
@@ -84,9 +97,13 @@ class GrammarCompiler:
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(
+                tokenizer = llguidance.LLTokenizer(
                     _tokenizer_json(self._backend), n_vocab=max(self._vocab_size, self._backend.get_vocab_size()),
                     eos_token=self._eos_token_ids)
+                self._special_token_ids = torch.tensor(
+                    [t for t in self._backend.get_added_tokens_decoder() if t < self._vocab_size
+                     and tokenizer.is_special_token(t)], dtype=torch.int64)
+                self._tokenizer = tokenizer
             return self._tokenizer
 
 

@@ -567,3 +567,11 @@ def test_a_bad_grammar_or_resumed_tokens_it_refuses_are_invalid_argument(gqa, ma
         engine.add_request("resumed", prompt, replace(GREEDY, grammar=YES_NO),
                            resume_token_ids=gqa.tokenizer.encode("maybe"))
     assert not engine.has_unfinished()
+
+
+def test_a_grammar_that_allows_no_token_ends_the_request_with_what_it_has(gqa, make_engine):
+    # the grammar's text is <|im_start|>'s, which llguidance's mask offers only as the token it then refuses
+    engine = make_engine(gqa)
+    got = run(engine, {0: [("dead", random_prompts([5])[0], replace(GREEDY, grammar='start: "<|im_start|>" "x"'))]})
+    assert got["dead"].token_ids == [] and got["dead"].finish_reason is FinishReason.STOP
+    assert engine.block_manager.num_free_blocks == engine.config.num_blocks

@@ -75,3 +75,13 @@ def test_a_bad_grammar_is_invalid_argument_naming_the_field(compiler, grammar, m
 def test_tokens_the_grammar_does_not_allow_are_refused_naming_their_field(compiler, tokenizer):
     with pytest.raises(InvalidArgument, match=r"^resume_token_ids: token 0 \("):
         compiler.guide(CHOICE, tokenizer.encode("maybe"), tokens_field="resume_token_ids")
+
+
+def test_a_special_token_the_mask_lets_through_but_the_grammar_refuses_is_not_allowed(compiler, tokenizer):
+    # llguidance's mask allows <|im_start|> where the grammar spells its text, then refuses the token itself
+    im_start = tokenizer.backend.token_to_id("<|im_start|>")
+    guide = compiler.guide('start: "<|im_start|>" "x"')
+    assert not guide.allowed()[im_start]
+    named = compiler.guide('start: <|im_start|> "x"')  # named as llguidance's Lark names special tokens: taken
+    assert named.allowed()[im_start] and named.accept(im_start)
+

@@ -3,26 +3,19 @@ transfer service (`--backend auto`, as one host runs them), every mode at two le
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.integration.benchmark_run import run_benchmark
+
 COLUMNS = ["seq_len", "decode_step_ms", "live_downtime_ms", "stop_copy_downtime_ms", "recompute_downtime_ms",
            "live_minus_step_ms", "live_suspend_commit_ms", "stop_copy_suspend_commit_ms"]
 
 
 @pytest.mark.timeout(240)
 def test_prints_a_row_per_length_with_every_mode(tmp_path):
-    completed = subprocess.run(
-        [sys.executable, "benchmarks/migration_downtime.py", "--lengths", "64,256", "--repeats", "1",
-         "--backend", "auto", "--out-dir", str(tmp_path)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=220)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    lines = completed.stdout.splitlines()
+    lines = run_benchmark("migration_downtime.py", "--lengths", "64,256", "--repeats", "1",
+                          "--backend", "auto", "--out-dir", str(tmp_path), timeout_s=220)
     header = lines.index("\t".join(COLUMNS))
     rows = [line.split("\t") for line in lines[header + 1:header + 3]]
     assert [row[0] for row in rows] == ["64", "256"]

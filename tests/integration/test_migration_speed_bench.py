@@ -3,14 +3,11 @@ transfer services and its reference processes, and prints the table the issue sp
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.integration.benchmark_run import run_benchmark
+
 ROWS = ("grpc_speed(GB/s)", "gloo_speed(GB/s)", "shm_speed(GB/s)", "grpc_contiguous_speed(GB/s)",
         "gloo_contiguous_speed(GB/s)", "shm_contiguous_speed(GB/s)", "tcp_speed(GB/s)", "grpc_raw_speed(GB/s)",
         "gloo_raw_speed(GB/s)", "memcpy_speed(GB/s)")
@@ -18,11 +15,7 @@ ROWS = ("grpc_speed(GB/s)", "gloo_speed(GB/s)", "shm_speed(GB/s)", "grpc_contigu
 
 @pytest.mark.timeout(240)
 def test_prints_every_backend_and_reference(tmp_path):
-    completed = subprocess.run(
-        [sys.executable, "benchmarks/migration_speed.py", "--max-mb", "16", "--repeats", "1", "--out-dir", str(tmp_path)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=220)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    lines = completed.stdout.splitlines()
+    lines = run_benchmark("migration_speed.py", "--max-mb", "16", "--repeats", "1", "--out-dir", str(tmp_path), timeout_s=220)
     assert lines[0] == "migration_size\t8.00 MB\t16.00 MB"
     table = {line.split("\t")[0]: line.split("\t")[1:] for line in lines[1:] if "\t" in line}
     assert tuple(table) == ROWS

@@ -5,27 +5,20 @@ migrations only where migration was on)."""
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.integration.benchmark_run import run_benchmark
+
 HEADER = ("policy\tttft_p50(ms)\tttft_p99(ms)\tdecode_p50(ms)\tdecode_p99(ms)\tmigrations\terrors\tprefix_hit"
           "\tp99_ttft_vs_first")
 
 
 @pytest.mark.timeout(300)
 def test_prints_one_row_per_policy(tmp_path, tiny_model_dir):
-    completed = subprocess.run(
-        [sys.executable, "benchmarks/policy_sim.py", "--model", str(tiny_model_dir), "--instances", "2",
-         "--policies", "round_robin:off,prefix:on", "--num-prefixes", "2", "--prefix-len", "48", "--num-requests", "12", "--rate", "8", "--sim-step-ms", "10",
-         "--output-mean", "16", "--max-output", "64", "--out-dir", str(tmp_path)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=280)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    lines = completed.stdout.splitlines()
+    lines = run_benchmark("policy_sim.py", "--model", str(tiny_model_dir), "--instances", "2",
+                          "--policies", "round_robin:off,prefix:on", "--num-prefixes", "2", "--prefix-len", "48", "--num-requests", "12", "--rate", "8", "--sim-step-ms", "10",
+                          "--output-mean", "16", "--max-output", "64", "--out-dir", str(tmp_path), timeout_s=280)
     rows = lines[lines.index(HEADER) + 1:lines.index(HEADER) + 3]
     cells = [row.split("\t") for row in rows]
     assert [c[0] for c in cells] == ["round_robin:off", "prefix:on"]

@@ -48,6 +48,7 @@ _REFUSED_FIELDS = {  # vLLM's, which change what is served: refused rather than 
                      "--trust-request-chat-template)",
     "logits_processors": "logits processors are not run",
     "prompt_embeds": "prompts are taken as text or token ids, not embeddings",
+    "guided_whitespace_pattern": "constrained JSON is written with one fixed whitespace (\", \" and \": \")",
 }
 MAX_TEMPLATE_KWARGS = 32
 

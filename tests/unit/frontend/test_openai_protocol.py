@@ -575,6 +575,7 @@ def test_bad_tool_fields(fields, words, param):
     ("chat_template", "{{ messages[0].content }}", ["own chat template is not run"]),
     ("logits_processors", ["x"], ["not run"]),
     ("prompt_embeds", "AAAA", ["embeddings"]),
+    ("guided_whitespace_pattern", "[ ]*", ["one fixed whitespace"]),
 ])
 def test_vllm_fields_that_would_change_the_answer_are_refused_not_ignored(field, value, words):
     rejects(chat, {field: value}, field, *words, param=field)

@@ -88,8 +88,9 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     max_waiting_requests: int = knob(1024, "new requests queued for a batch slot beyond which Generate is refused "
                                            "with RESOURCE_EXHAUSTED (a 429 from the frontend); 0 = no bound")
     max_num_batched_tokens: int = knob(0, "most tokens (prefill chunks + decodes) in one engine step: a long prompt "
-                                          "is prefilled in chunks of about this size, and the decoding requests "
-                                          "beside it wait one chunk per step (0 = 512 on the CPU, 2048 on a GPU)")
+                                          "is prefilled in chunks of this less --max-num-seqs (whole blocks), cut at "
+                                          "the same places whatever the load, and the decoding requests beside it "
+                                          "wait one chunk per step (0 = 512 on the CPU, 2048 on a GPU)")
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of prompt prefixes earlier requests computed "
                                              "(full blocks, matched by a hash of their tokens); false = off")
     priority_headroom_blocks: int = knob(0, "KV blocks each running or queued request with priority > 0 keeps "

@@ -5,7 +5,14 @@ Every step, in this order:
 1. Running requests, decodes before unfinished prefills, each in priority order
    (higher `priority` first, then earlier arrival). Each gets as many of its
    uncomputed tokens as the step's token budget has left (`max_num_batched_tokens`),
-   so long prompts are prefilled in chunks over several steps.
+   so long prompts are prefilled in chunks over several steps. A prefill chunk ends at
+   the next multiple of `prefill_chunk_tokens` (or at the end of what is to compute) and
+   waits a step where the budget left cannot take it whole: a prompt is cut at the same
+   places alone and in a busy batch, so its K/V and first logits have the same bits
+   either way (batch invariance; attention.py). `prefill_chunk_tokens` is what a step
+   leaves a prefill beside a full batch of decodes, in whole blocks, so a chunk never
+   waits on decodes alone. (Prompt-logprobs prefills, which follow the logits rows a
+   step has left, and chunks shrunk to the blocks left are cut where they must be.)
 2. A running request that needs a block when none is free preempts the worst
    other running request (lowest priority, then latest arrival) that is worse than
    itself, taking it out of this step if it was scheduled already (as vLLM does: a
@@ -69,6 +76,13 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+def _prefill_chunk_tokens(max_num_batched_tokens: int, max_num_seqs: int, block_size: int) -> int:
+    """Prefill chunk boundaries: the budget a step leaves beside `max_num_seqs` decodes, in whole blocks (or half
+    the budget where decodes could take it all)."""
+    left = (max_num_batched_tokens - max_num_seqs) // block_size * block_size
+    return left if left > 0 else max(1, max_num_batched_tokens // 2)
+
+
 def _priority_order(request: Request) -> tuple[int, int]:
     return (-request.priority, request.arrival_order)
 
@@ -83,6 +97,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prompt_logit_rows = max(1, max_prompt_logit_rows)  # prompt-logprobs prefill tokens a step
+        self.prefill_chunk_tokens = _prefill_chunk_tokens(max_num_batched_tokens, max_num_seqs,
+                                                          block_manager.block_size)
         self._num_reserved_slots = num_reserved_slots  # slots held for requests migrating in
         # Invariant: both queues stay sorted by _priority_order; running requests hold blocks, waiting ones none.
         self.waiting: list[Request] = []
@@ -156,9 +172,10 @@ class Scheduler:
     def _schedule_running(self, request: Request, step: _StepPlan) -> None:
         if self._finished_as_too_long(request, step):
             return
-        num_new = min(request.num_uncomputed_tokens, step.budget_for(request))
+        num_new = self._chunk(request, request.num_computed_tokens,
+                              min(request.num_uncomputed_tokens, step.budget_for(request)))
         if num_new == 0:
-            return  # a prompt-logprobs prefill waits for the next step's logits rows
+            return  # its chunk does not fit in what the step has left: next step
         self._make_room(request, request.num_computed_tokens + num_new, step)
         num_new = min(num_new, self._num_tokens_that_fit(request))  # a prefill chunk may shrink
         if num_new == 0:
@@ -166,6 +183,13 @@ class Scheduler:
             return
         self.block_manager.allocate(request, request.num_computed_tokens + num_new)
         step.add(request, num_new)
+
+    def _chunk(self, request: Request, start: int, num_new: int) -> int:
+        """The tokens from `start` to the next chunk boundary (or the end) if `num_new` reaches them, else 0."""
+        if request.wants_prompt_logits:
+            return num_new
+        end = min(request.num_tokens, (start // self.prefill_chunk_tokens + 1) * self.prefill_chunk_tokens)
+        return end - start if start + num_new >= end else 0
 
     def _finished_as_too_long(self, request: Request, step: _StepPlan) -> bool:
         """Finish `request` with LENGTH if it could never fit, even alone in the cache."""
@@ -210,7 +234,8 @@ class Scheduler:
                 continue
             cached = [] if request.wants_prompt_logits else self.block_manager.cached_prefix(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
-            num_new = min(request.num_tokens - num_cached_tokens, step.budget_for(request))
+            num_new = self._chunk(request, num_cached_tokens,
+                                  min(request.num_tokens - num_cached_tokens, step.budget_for(request)))
             if num_new == 0 or not self.block_manager.can_allocate(self.block_manager.num_blocks_to_admit(cached, num_cached_tokens
                                                                                           + num_new)):
                 return

@@ -210,8 +210,8 @@ def test_logprobs_are_the_same_bits_alone_and_in_a_busy_batch(gqa, make_engine, 
     in place (here from 48 keys on, in segments of 16; the busy engine's blocks are scattered
     among the others'). Before, the batch's row count changed MKL's sums and decode keys were
     padded to the longest in the step: bits differed from the first token on. Each watched prompt
-    is prefilled beside a longer one, whose queries and keys no longer pad its own. (A prompt cut
-    into other chunks, or found in the prefix cache, is not invariant: README.)"""
+    is prefilled beside a longer one, whose queries and keys no longer pad its own. (A prompt found
+    in the prefix cache is not invariant: README.)"""
     monkeypatch.setattr(attention, "IN_PLACE_MIN_KEYS", 48)
     monkeypatch.setattr(attention, "SEGMENT_KEYS", 16)
     prompts = random_prompts([13, 21], seed=8)
@@ -230,6 +230,21 @@ def test_logprobs_are_the_same_bits_alone_and_in_a_busy_batch(gqa, make_engine, 
     for name in wanted:
         assert collected[name].token_ids == alone[name].token_ids
         assert collected[name].logprobs == alone[name].logprobs, name
+
+
+def test_a_long_prompt_prefilled_in_chunks_gives_the_same_bits_alone_and_in_a_busy_batch(gqa, make_engine):
+    """Its chunks end at the same places whatever else the step holds (scheduler.py): alone, the
+    step's budget would take 24 tokens at once, beside three decodes 21; before, the chunks
+    followed the budget and the bits differed from the first token."""
+    config = dict(max_num_batched_tokens=24, max_num_seqs=4, enable_prefix_caching=False)  # chunks of 20
+    prompt = random_prompts([57], seed=12)[0]
+    sampling = replace(GREEDY, max_tokens=20, logprobs=2)
+    alone = run(make_engine(gqa, **config), {0: [("p", prompt, sampling)]}, logprobs=True)["p"]
+    others = random_prompts([6, 9, 4], seed=13)
+    busy = run(make_engine(gqa, **config), {0: [(f"o{i}", p, replace(GREEDY, max_tokens=30))
+                                                for i, p in enumerate(others)],
+                                            2: [("p", prompt, sampling)]}, logprobs=True)["p"]
+    assert busy.token_ids == alone.token_ids and busy.logprobs == alone.logprobs
 
 
 def test_unseeded_requests_differ_but_get_a_seed(gqa, make_engine):

@@ -92,27 +92,45 @@ def test_token_budget_and_batch_slots_are_respected():
 
 
 def test_long_prompt_is_prefilled_in_chunks():
-    scheduler = make_scheduler(max_num_batched_tokens=16)
+    scheduler = make_scheduler(max_num_batched_tokens=16)  # 8 slots: chunks of (16 - 8) tokens
+    assert scheduler.prefill_chunk_tokens == 8
     request = make_request(50, "long")
     scheduler.add(request)
     chunks = []
-    for _ in range(4):
+    for _ in range(7):
         (s,) = run_step(scheduler).scheduled
         chunks.append((s.num_new_tokens, s.is_sampled))
-    assert chunks == [(16, False), (16, False), (16, False), (2, True)]
+    assert chunks == [(8, False)] * 6 + [(2, True)]
     assert request.output_token_ids == [7]
     (s,) = run_step(scheduler).scheduled
     assert (s.num_new_tokens, s.is_sampled) == (1, True)
 
 
 def test_decodes_run_before_new_prefills_take_the_budget():
-    scheduler = make_scheduler(max_num_batched_tokens=8)
+    scheduler = make_scheduler(max_num_batched_tokens=12, max_num_seqs=2)  # chunks of 8
     a = make_request(4, "a")
     scheduler.add(a)
     run_step(scheduler)
     scheduler.add(make_request(30, "b"))
-    assert new_tokens(run_step(scheduler)) == {"a": 1, "b": 7}
-    assert new_tokens(run_step(scheduler)) == {"a": 1, "b": 7}
+    scheduler.add(make_request(30, "c"))
+    assert new_tokens(run_step(scheduler)) == {"a": 1, "b": 8}  # c's chunk of 8 does not fit in the 3 left
+    assert new_tokens(run_step(scheduler)) == {"a": 1, "b": 8}
+
+
+def test_a_prompt_is_cut_at_the_same_places_alone_and_beside_decodes():
+    """Chunks end at multiples of prefill_chunk_tokens whatever the step's budget has left (batch invariance)."""
+    def chunks(num_decoding: int) -> list[int]:
+        scheduler = make_scheduler(max_num_batched_tokens=16, max_num_seqs=4)  # chunks of 12
+        for i in range(num_decoding):
+            scheduler.add(make_request(3, f"d{i}"))
+        run_step(scheduler)
+        prompt = make_request(40, "p")
+        scheduler.add(prompt)
+        sizes = []
+        while prompt.num_computed_tokens < 40:
+            sizes += [n for name, n in new_tokens(run_step(scheduler)).items() if name == "p"]
+        return sizes
+    assert chunks(0) == chunks(1) == chunks(3) == [12, 12, 12, 4]
 
 
 def test_higher_priority_is_admitted_first():
@@ -205,16 +223,16 @@ def test_a_better_prefill_preempts_a_worse_decode_already_scheduled_in_the_step(
     """Decodes are scheduled first, but one of lower priority is still the victim: before, the
     high-priority prefill found no unscheduled victim, so it shrank its chunk (or preempted itself)
     while the worse decode kept its blocks."""
-    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=8)
+    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=10, max_num_seqs=2)  # chunks of 8
     low = make_request(5, "low")
     scheduler.add(low)
     run_step(scheduler)  # low: 5 tokens + 1 sampled, 2 blocks
     high = make_request(20, "high", priority=10)
     scheduler.add(high)
-    assert new_tokens(run_step(scheduler)) == {"low": 1, "high": 7}  # 4 blocks used
-    assert new_tokens(run_step(scheduler)) == {"low": 1, "high": 7}  # 6 blocks used: all
+    assert new_tokens(run_step(scheduler)) == {"low": 1, "high": 8}  # 4 blocks used
+    assert new_tokens(run_step(scheduler)) == {"low": 1, "high": 8}  # 6 blocks used: all
     output = run_step(scheduler)  # high needs a 7th block: low goes, its decode taken out of the step
-    assert output.preempted == [low] and new_tokens(output) == {"high": 6}
+    assert output.preempted == [low] and new_tokens(output) == {"high": 4}
     assert high.status is RequestStatus.RUNNING and low.status is RequestStatus.WAITING
     assert low.num_computed_tokens == 0 and low.block_table == []
 
@@ -231,16 +249,16 @@ def test_slots_reserved_for_migrations_in_are_not_admitted_into():
 
 
 def test_prefill_chunk_shrinks_to_free_blocks_instead_of_preempting_a_better_request():
-    scheduler = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=8)
+    scheduler = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=10, max_num_seqs=2)  # chunks of 8
     high = make_request(24, "high", priority=1)
     scheduler.add(high)
     for _ in range(3):
         run_step(scheduler)  # high: 24 tokens in 6 blocks, samples a 25th
     low = make_request(40, "low")
     scheduler.add(low)
-    assert new_tokens(run_step(scheduler)) == {"high": 1, "low": 7}  # 9 blocks used
-    assert new_tokens(run_step(scheduler)) == {"high": 1, "low": 7}  # 11 blocks used
-    assert new_tokens(run_step(scheduler)) == {"high": 1, "low": 6}  # the chunk shrinks to the last block
+    assert new_tokens(run_step(scheduler)) == {"high": 1, "low": 8}  # 9 blocks used
+    assert new_tokens(run_step(scheduler)) == {"high": 1, "low": 8}  # 11 blocks used
+    assert new_tokens(run_step(scheduler)) == {"high": 1, "low": 4}  # the chunk shrinks to the last block
     output = run_step(scheduler)  # no block left for low, and it may not preempt high
     assert output.preempted == [low] and new_tokens(output) == {"high": 1}
 

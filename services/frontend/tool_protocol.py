@@ -22,6 +22,7 @@ from services.frontend.request_error import RequestError
 
 MAX_TOOLS = 128
 MAX_TOOL_CALLS_IN_MESSAGE = 128
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # a call's arguments: {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,7 @@ def _functions(tools: list[dict[str, Any]]) -> tuple[FunctionTool, ...]:
     for i, tool in enumerate(tools):
         parameters = tool["function"].get("parameters")
         if parameters is None:
-            parameters = {"type": "object"}  # OpenAI: a function without parameters takes an empty list
+            parameters = NO_PARAMETERS  # OpenAI: a function without parameters takes an empty list
         if not isinstance(parameters, dict):
             raise RequestError(f"tools[{i}].function.parameters: expected a JSON schema (an object)",
                                param=f"tools[{i}].function.parameters")

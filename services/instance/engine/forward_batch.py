@@ -8,9 +8,14 @@ The KV cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads
 head_dim]` (index 0 of dim 1 is K, 1 is V). Token t of a sequence lives in
 block `block_table[t // block_size]` at offset `t % block_size`; its flat slot is
 `block * block_size + offset`.
+
+Recomputed output tokens (a resume after a failure, a preemption's recompute, a request
+that moved while queued) are fed many at once but attend one by one, each as the decode
+step that first computed it did (`decode_tails`, `attention_view`): their K/V, and the
+logits of the last, get the bits they had, so the request goes on with the same tokens.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -29,6 +34,9 @@ class ForwardBatch:
     # Per sequence: how many of its last new tokens need logits (default: 1, its last token; a prefill
     # that reports prompt logprobs asks for all of its tokens).
     logit_lens: list[int] | None = None
+    # Per sequence: how many of its last new tokens are output tokens computed again, which attend one by
+    # one as decode steps did (None: none; a plain decode's one token counts or not, alike).
+    decode_tails: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -48,6 +56,25 @@ class ForwardBatch:
     @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.query_lens)
+
+    def attention_view(self) -> "ForwardBatch":
+        """The batch as attention sees it: each decode tail split into one-token sequences, token i
+        seeing the context up to itself (the tokens stay where they are in the packed order)."""
+        tails = self.decode_tails
+        if tails is None or all(tail == 0 or n == 1 for n, tail in zip(self.query_lens, tails)):
+            return self
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        rows: list[int] = []
+        for seq, (n, tail) in enumerate(zip(self.query_lens, tails)):
+            context = int(self.context_lens[seq])
+            entries = ([(n - tail, context - tail)] if n > tail else []) + \
+                [(1, context - tail + i + 1) for i in range(tail)]
+            query_lens += [length for length, _ in entries]
+            context_lens += [context_len for _, context_len in entries]
+            rows += [seq] * len(entries)
+        return replace(self, query_lens=query_lens, context_lens=torch.tensor(context_lens, dtype=torch.int64),
+                       block_tables=self.block_tables[rows], logit_lens=None, decode_tails=None)
 
 
 class ForwardModel(Protocol):

@@ -239,7 +239,7 @@ class LlamaModel(nn.Module):
         """float32 host logits of the tokens `batch.logit_indices()` names (each sequence's last new token by
         default); writes the new K/V to kv_cache. The batch is host tensors; the model runs on the cache's device."""
         geometry, device = CacheGeometry.of(kv_cache), kv_cache.device
-        plans = {window: AttentionPlan.build(batch, geometry, window).to(device)
+        plans = {window: AttentionPlan.build(batch.attention_view(), geometry, window).to(device)
                  for window in set(self.config.layer_windows)}
         positions = batch.positions.to(device)
         rope = self.rotary(positions)

@@ -76,6 +76,11 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+# Output tokens computed again in one step each attend on their own like a decode, gathering their context:
+# as many a step as gather this many keys (SmolLM2: 48 MiB a layer; 130 tokens at 250 tokens of context).
+RECOMPUTED_OUTPUT_KEYS = 32768
+
+
 def _prefill_chunk_tokens(max_num_batched_tokens: int, max_num_seqs: int, block_size: int) -> int:
     """Prefill chunk boundaries: the budget a step leaves beside `max_num_seqs` decodes, in whole blocks (or half
     the budget where decodes could take it all)."""
@@ -185,10 +190,14 @@ class Scheduler:
         step.add(request, num_new)
 
     def _chunk(self, request: Request, start: int, num_new: int) -> int:
-        """The tokens from `start` to the next chunk boundary (or the end) if `num_new` reaches them, else 0."""
+        """The tokens from `start` to the next chunk boundary (or the prompt's end, or the end) if `num_new`
+        reaches them, else 0. Output tokens computed again attend one by one (forward_batch.py): any cut
+        gives them the same bits, and a step takes as many as gather RECOMPUTED_OUTPUT_KEYS keys in all."""
         if request.wants_prompt_logits:
             return num_new
-        end = min(request.num_tokens, (start // self.prefill_chunk_tokens + 1) * self.prefill_chunk_tokens)
+        if start >= request.num_prompt_tokens:
+            return min(num_new, max(1, RECOMPUTED_OUTPUT_KEYS // (start + num_new)))
+        end = min(request.num_prompt_tokens, (start // self.prefill_chunk_tokens + 1) * self.prefill_chunk_tokens)
         return end - start if start + num_new >= end else 0
 
     def _finished_as_too_long(self, request: Request, step: _StepPlan) -> bool:
@@ -310,4 +319,11 @@ def build_forward_batch(scheduled: list[ScheduledRequest], block_size: int) -> F
         block_tables=tensor(block_tables),
         logit_lens=([s.num_new_tokens if s.request.wants_prompt_logits else 1 for s in scheduled]
                     if any(s.request.wants_prompt_logits for s in scheduled) else None),
+        decode_tails=[_num_output_tokens_in(s) for s in scheduled],
     )
+
+
+def _num_output_tokens_in(s: ScheduledRequest) -> int:
+    """How many of the chunk's tokens are output tokens (computed again, where more than one)."""
+    stop = s.request.num_computed_tokens
+    return max(0, stop - max(stop - s.num_new_tokens, s.request.num_prompt_tokens))

@@ -320,6 +320,26 @@ def test_resumed_request_continues_exactly(gqa, make_engine, sampling):
         assert resumed.finish_reason is full.finish_reason
 
 
+def test_a_resumed_or_preempted_request_goes_on_with_the_same_bits(gqa, make_engine):
+    """Output tokens computed again attend one by one as their decode steps did (forward_batch.py), and the
+    prompt is cut where it was: a resume after a failure, or a preemption's recompute, gives the same logprobs
+    to the bit as a run that never stopped (before: the same tokens, other bits)."""
+    config = dict(max_num_batched_tokens=24, max_num_seqs=4, enable_prefix_caching=False)  # chunks of 20
+    prompt = random_prompts([29], seed=14)[0]
+    sampling = replace(GREEDY, max_tokens=40, logprobs=2)
+    full = run(make_engine(gqa, **config), {0: [("r", prompt, sampling)]}, logprobs=True)["r"]
+    for k in (1, 9, 33):
+        arrivals = {0: [("other", random_prompts([7], seed=15)[0], replace(SEEDED, max_tokens=30))],
+                    1: [("r", prompt, sampling, {"resume_token_ids": full.token_ids[:k]})]}
+        resumed = run(make_engine(gqa, **config), arrivals, logprobs=True)["r"]
+        assert resumed.token_ids == full.token_ids[k:] and resumed.logprobs == full.logprobs[k:], k
+    tight = make_engine(gqa, num_blocks=24, **config)  # 96 token slots for two 69-token requests: one is preempted
+    got = run(tight, {0: [("s", random_prompts([29], seed=16)[0], sampling)], 1: [("r", prompt, sampling)]},
+              logprobs=True)
+    assert tight.scheduler.num_preemptions > 0  # of r, the later one
+    assert got["r"].token_ids == full.token_ids and got["r"].logprobs == full.logprobs
+
+
 def test_a_resume_goes_on_after_the_text_the_client_has(gqa, make_engine):
     """The client may hold less text than its tokens make (a possible stop string held back):
     with resume_text the resumed stream sends the rest, so the text joins up exactly."""

@@ -164,9 +164,24 @@ def test_preemption_frees_the_latest_and_it_resumes_with_its_tokens():
     assert new_tokens(output) == {"first": 1}
     scheduler.remove(first, FinishReason.STOP)
     output = run_step(scheduler, token=13)
-    assert new_tokens(output) == {"second": 9}  # recomputes prompt + its generated token
-    assert output.batch.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 11]
+    assert new_tokens(output) == {"second": 8}  # recomputes the prompt, then its generated token on its own
+    assert output.batch.input_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8] and second.output_token_ids == [11]
+    output = run_step(scheduler, token=13)
+    assert new_tokens(output) == {"second": 1} and output.batch.input_ids.tolist() == [11]
     assert second.output_token_ids == [11, 13]
+
+
+def test_output_tokens_computed_again_attend_one_by_one_as_their_decode_steps_did():
+    scheduler = make_scheduler(max_num_batched_tokens=64)
+    request = make_request(6, "r")
+    request.output_token_ids += [21, 22, 23, 24, 25]  # came back with five (a resume, a preemption)
+    scheduler.add(request)
+    assert new_tokens(run_step(scheduler)) == {"r": 6}  # the prompt, cut as it was the first time
+    output = run_step(scheduler)
+    assert new_tokens(output) == {"r": 5} and output.batch.decode_tails == [5]
+    view = output.batch.attention_view()
+    assert view.query_lens == [1] * 5 and view.context_lens.tolist() == [7, 8, 9, 10, 11]
+    assert view.block_tables.tolist() == [request.block_table] * 5
 
 
 def test_lower_priority_is_preempted_even_if_it_arrived_first():

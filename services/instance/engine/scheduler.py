@@ -13,6 +13,9 @@ Every step, in this order:
    leaves a prefill beside a full batch of decodes, in whole blocks, so a chunk never
    waits on decodes alone. (Prompt-logprobs prefills, which follow the logits rows a
    step has left, and chunks shrunk to the blocks left are cut where they must be.)
+   A request computing its output tokens again (a resume, a preemption's recompute)
+   has its prompt cut the same way, ending at the prompt's end, and then its output
+   tokens in steps of their own, which attend one by one as decodes (forward_batch.py).
 2. A running request that needs a block when none is free preempts the worst
    other running request (lowest priority, then latest arrival) that is worse than
    itself, taking it out of this step if it was scheduled already (as vLLM does: a

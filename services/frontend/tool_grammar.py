@@ -31,7 +31,6 @@ from services.frontend.structured_output import (JSON_WHITESPACE, OutputConstrai
 from services.frontend.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolCallFormat
 from services.frontend.tool_protocol import FunctionTool, ToolUse
 
-_DEFINITIONS = ("$defs", "definitions")  # where a schema keeps what its "#/$defs/..." refs point at
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,15 +79,27 @@ def _piece(text: str, tag_token_ids: Mapping[str, int]) -> str:
 def _checked_function_schema(function: FunctionTool, arguments_key: str) -> str:
     """The JSON schema of one whole call of `function` (JSON text), checked on its own so that a
     bad `parameters` is a 400 naming its tool."""
-    parameters = json.loads(function.parameters)
-    definitions = {key: parameters.pop(key) for key in _DEFINITIONS if key in parameters}
+    parameters = _rebased_refs(json.loads(function.parameters), f"#/properties/{arguments_key}")
     call = {"type": "object", "properties": {"name": {"const": function.name}, arguments_key: parameters},
-            "required": ["name", arguments_key], "additionalProperties": False,
-            **definitions}  # at the root, where the arguments' "#/$defs/..." refs look for them
+            "required": ["name", arguments_key], "additionalProperties": False}
     schema = _with_whitespace(call)
     param = f"tools[{function.index}].function.parameters"
     checked_grammar(json_schema_grammar(schema, param), param)
     return schema
+
+
+def _rebased_refs(schema: Any, base: str) -> Any:
+    """`schema` with its local `$ref`s ("#", "#/$defs/X", "#/properties/a") pointing where the schema now sits,
+    at `base` inside the call object (they were relative to the parameters' own root)."""
+    if isinstance(schema, list):
+        return [_rebased_refs(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {key: _rebased_refs(value, base) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        rebased["$ref"] = base + ref[1:]
+    return rebased
 
 
 def _with_whitespace(schema: dict[str, Any]) -> str:

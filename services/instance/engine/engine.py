@@ -150,7 +150,8 @@ class LLMEngine:
         self.reservations = Reservations(self.block_manager)  # blocks (and a batch slot each) held for requests migrating in
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_prompt_logit_rows=PROMPT_LOGITS_BUDGET // model.config.vocab_size,
-                                   num_reserved_slots=lambda: len(self.reservations))
+                                   num_reserved_slots=lambda: len(self.reservations),
+                                   recomputes_one_by_one=kv_cache.tensor.device.type == "cpu")
         self.sampler = Sampler()
         self.vocab_size: int = model.config.vocab_size
         self.eos_token_ids = frozenset(model.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)

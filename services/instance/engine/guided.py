@@ -90,8 +90,14 @@ class GrammarCompiler:
             raise InvalidArgument(f"grammar: {_first_line(matcher.get_error())}")
         guide = Guide(matcher, self._vocab_size, self._special_token_ids)
         for index, token_id in enumerate(output_token_ids):
+            if not 0 <= token_id < self._vocab_size:
+                raise InvalidArgument(f"{tokens_field}: token {index} ({token_id}) is outside the vocabulary "
+                                      f"(0 to {self._vocab_size - 1})")
             if not guide.accept(token_id):
                 raise InvalidArgument(f"{tokens_field}: token {index} ({token_id}) is not one the grammar allows there")
+        if not output_token_ids and not guide.allowed().any():
+            raise InvalidArgument("grammar: it allows no first token of this model's vocabulary (unsatisfiable, or "
+                                  "it spells out a special token's text: name those <|...|> or <[id]>)")
         return guide
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:

@@ -12,7 +12,9 @@ Every step, in this order:
    either way (batch invariance; attention.py). `prefill_chunk_tokens` is what a step
    leaves a prefill beside a full batch of decodes, in whole blocks, so a chunk never
    waits on decodes alone. (Prompt-logprobs prefills, which follow the logits rows a
-   step has left, and chunks shrunk to the blocks left are cut where they must be.)
+   step has left, and chunks shrunk to the blocks left are cut where they must be; where
+   the budget is less than a block above `max_num_seqs`, every chunk is cut where the
+   budget ends, as decodes could take all of it.)
    A request computing its output tokens again (a resume, a preemption's recompute)
    has its prompt cut the same way, ending at the prompt's end, and then its output
    tokens in steps of their own, which attend one by one as decodes (forward_batch.py).
@@ -84,11 +86,11 @@ class SchedulerOutput:
 RECOMPUTED_OUTPUT_KEYS = 32768
 
 
-def _prefill_chunk_tokens(max_num_batched_tokens: int, max_num_seqs: int, block_size: int) -> int:
-    """Prefill chunk boundaries: the budget a step leaves beside `max_num_seqs` decodes, in whole blocks (or half
-    the budget where decodes could take it all)."""
+def _prefill_chunk_tokens(max_num_batched_tokens: int, max_num_seqs: int, block_size: int) -> int | None:
+    """Prefill chunk boundaries: the budget a step leaves beside `max_num_seqs` decodes, in whole blocks; None
+    where that is not a block (decodes could take all of it: chunks are cut where the budget ends)."""
     left = (max_num_batched_tokens - max_num_seqs) // block_size * block_size
-    return left if left > 0 else max(1, max_num_batched_tokens // 2)
+    return left if left > 0 else None
 
 
 def _priority_order(request: Request) -> tuple[int, int]:
@@ -97,7 +99,8 @@ def _priority_order(request: Request) -> tuple[int, int]:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prompt_logit_rows: int = 512, num_reserved_slots: Callable[[], int] = lambda: 0) -> None:
+                 max_prompt_logit_rows: int = 512, num_reserved_slots: Callable[[], int] = lambda: 0,
+                 recomputes_one_by_one: bool = True) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(f"--max-num-seqs and --max-num-batched-tokens must be positive, "
                              f"got {max_num_seqs} and {max_num_batched_tokens}")
@@ -107,6 +110,9 @@ class Scheduler:
         self.max_prompt_logit_rows = max(1, max_prompt_logit_rows)  # prompt-logprobs prefill tokens a step
         self.prefill_chunk_tokens = _prefill_chunk_tokens(max_num_batched_tokens, max_num_seqs,
                                                           block_manager.block_size)
+        # Output tokens computed again attend one by one as decodes (the same bits; worth it where attention is
+        # batch-invariant: on the CPU), else in one prefill.
+        self.recomputes_one_by_one = recomputes_one_by_one
         self._num_reserved_slots = num_reserved_slots  # slots held for requests migrating in
         # Invariant: both queues stay sorted by _priority_order; running requests hold blocks, waiting ones none.
         self.waiting: list[Request] = []
@@ -175,7 +181,7 @@ class Scheduler:
             self._admit_waiting(step)
         for scheduled in step.scheduled:
             scheduled.request.num_computed_tokens += scheduled.num_new_tokens
-        return step.to_output(self.block_manager.block_size)
+        return step.to_output(self.block_manager.block_size, self.recomputes_one_by_one)
 
     def _schedule_running(self, request: Request, step: _StepPlan) -> None:
         if self._finished_as_too_long(request, step):
@@ -196,11 +202,12 @@ class Scheduler:
         """The tokens from `start` to the next chunk boundary (or the prompt's end, or the end) if `num_new`
         reaches them, else 0. Output tokens computed again attend one by one (forward_batch.py): any cut
         gives them the same bits, and a step takes as many as gather RECOMPUTED_OUTPUT_KEYS keys in all."""
-        if request.wants_prompt_logits:
+        if request.wants_prompt_logits or self.prefill_chunk_tokens is None:
             return num_new
-        if start >= request.num_prompt_tokens:
+        if start >= request.num_prompt_tokens and self.recomputes_one_by_one:
             return min(num_new, max(1, RECOMPUTED_OUTPUT_KEYS // (start + num_new)))
-        end = min(request.num_prompt_tokens, (start // self.prefill_chunk_tokens + 1) * self.prefill_chunk_tokens)
+        prompt_end = request.num_prompt_tokens if start < request.num_prompt_tokens else request.num_tokens
+        end = min(prompt_end, (start // self.prefill_chunk_tokens + 1) * self.prefill_chunk_tokens)
         return end - start if start + num_new >= end else 0
 
     def _finished_as_too_long(self, request: Request, step: _StepPlan) -> bool:
@@ -289,13 +296,14 @@ class _StepPlan:
     def budget_for(self, request: Request) -> int:
         return min(self.budget, self.logit_budget) if request.wants_prompt_logits else self.budget
 
-    def to_output(self, block_size: int) -> SchedulerOutput:
+    def to_output(self, block_size: int, recomputes_one_by_one: bool) -> SchedulerOutput:
         """Call after the scheduled tokens were counted as computed."""
-        batch = build_forward_batch(self.scheduled, block_size) if self.scheduled else None
+        batch = build_forward_batch(self.scheduled, block_size, recomputes_one_by_one) if self.scheduled else None
         return SchedulerOutput(self.scheduled, batch, self.preempted, self.finished)
 
 
-def build_forward_batch(scheduled: list[ScheduledRequest], block_size: int) -> ForwardBatch:
+def build_forward_batch(scheduled: list[ScheduledRequest], block_size: int, recomputes_one_by_one: bool = True
+                        ) -> ForwardBatch:
     """The packed model input of the scheduled chunks (their tokens already count as computed), as
     host tensors: the model moves what it needs to its device."""
     input_ids: list[int] = []
@@ -322,7 +330,7 @@ def build_forward_batch(scheduled: list[ScheduledRequest], block_size: int) -> F
         block_tables=tensor(block_tables),
         logit_lens=([s.num_new_tokens if s.request.wants_prompt_logits else 1 for s in scheduled]
                     if any(s.request.wants_prompt_logits for s in scheduled) else None),
-        decode_tails=[_num_output_tokens_in(s) for s in scheduled],
+        decode_tails=[_num_output_tokens_in(s) for s in scheduled] if recomputes_one_by_one else None,
     )
 
 

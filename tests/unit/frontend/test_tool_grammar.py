@@ -139,3 +139,15 @@ def test_a_tag_the_vocabulary_holds_as_one_added_token_is_taken_by_its_id(tiny_m
     forced = tool_use({"tools": TOOLS, "tool_choice": "required"})
     assert accepts(tool_call_grammar(forced, HERMES, tag_token_ids={"<tool_call>": tag_id}))
     assert not accepts(tool_call_grammar(forced, HERMES))  # llguidance's special reading of the tag
+
+
+def test_refs_inside_parameters_point_into_them_not_into_the_call_object(matching):
+    """Found by a review: "#" and "#/properties/..." resolved against the {name, arguments} wrapper."""
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}},
+                                         "w": {"$ref": "#/properties/v"}},
+        "required": ["v"], "additionalProperties": False}}}
+    required = tool_call_grammar(tool_use({"tools": [tree], "tool_choice": "required"}), HERMES)
+    assert matching.accepts(required, hermes_call("tree", {"v": 1, "kids": [{"v": 2, "kids": []}], "w": 3}))
+    assert not matching.accepts(required, hermes_call("tree", {"v": 1, "kids": [{"name": "tree", "arguments": {}}]}))
+    assert not matching.accepts(required, hermes_call("tree", {"v": 1, "w": "three"}))

@@ -80,8 +80,22 @@ def test_tokens_the_grammar_does_not_allow_are_refused_naming_their_field(compil
 def test_a_special_token_the_mask_lets_through_but_the_grammar_refuses_is_not_allowed(compiler, tokenizer):
     # llguidance's mask allows <|im_start|> where the grammar spells its text, then refuses the token itself
     im_start = tokenizer.backend.token_to_id("<|im_start|>")
-    guide = compiler.guide('start: "<|im_start|>" "x"')
-    assert not guide.allowed()[im_start]
+    guide = compiler.guide('start: "ab" "<|im_start|>"')
+    for token_id in tokenizer.encode("ab"):
+        assert guide.accept(token_id)
+    assert not guide.allowed().any()  # the engine stops such a request there
+    with pytest.raises(InvalidArgument, match="^grammar: it allows no first token"):
+        compiler.guide('start: "<|im_start|>" "x"')
     named = compiler.guide('start: <|im_start|> "x"')  # named as llguidance's Lark names special tokens: taken
     assert named.allowed()[im_start] and named.accept(im_start)
 
+
+
+def test_tokens_outside_the_vocabulary_and_grammars_nothing_satisfies_are_refused(compiler):
+    vocab = compiler.guide(CHOICE).allowed().shape[0]
+    for token_id in (-1, vocab, 2**31 - 1):
+        with pytest.raises(InvalidArgument, match=r"^resume_token_ids: token 0 \(.*\) is outside the vocabulary"):
+            compiler.guide(CHOICE, [token_id], tokens_field="resume_token_ids")
+    impossible = llguidance.LLMatcher.grammar_from_json_schema({"type": "integer", "minimum": 5, "maximum": 1})
+    with pytest.raises(InvalidArgument, match="^grammar: Unsatisfiable schema"):
+        compiler.guide(impossible)

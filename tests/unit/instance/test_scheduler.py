@@ -325,3 +325,17 @@ def test_prompt_logprobs_prefills_share_a_bounded_number_of_logits_rows():
     assert second.batch.logit_lens == [2, 8, 1]
     assert sum(second.batch.num_logits) == len(second.batch.logit_indices()) == 11
     assert new_tokens(run_step(scheduler)) == {"s1": 1, "s2": 4, "plain": 1}  # s1 decodes: no more rows
+
+
+def test_where_decodes_could_take_the_whole_budget_chunks_are_cut_where_it_ends():
+    """A budget less than a block above max_num_seqs leaves no fixed chunk that always fits (found by a
+    review: prompts waited for whole decodes to finish); chunks then take what the step has left."""
+    scheduler = make_scheduler(num_blocks=256, max_num_seqs=16, max_num_batched_tokens=16)
+    assert scheduler.prefill_chunk_tokens is None
+    for i in range(12):
+        scheduler.add(make_request(1, f"d{i}"))
+    run_step(scheduler)
+    prompt = make_request(20, "p")
+    scheduler.add(prompt)
+    assert new_tokens(run_step(scheduler))["p"] == 4  # beside the 12 decodes
+    assert prompt.status is RequestStatus.RUNNING

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -18,28 +17,18 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from services.common.errors import FerryError, NotFound
-from services.common.prefix_hash import MAX_CACHE_SALT_CHARS
+from services.frontend import sampling_fields as fields
 from services.frontend.generation import Sampling
 from services.frontend.request_error import RequestError, named_path
 from services.frontend.request_error import json_type as _json_type
+from services.frontend.sampling_fields import MAX_TOP_LOGPROBS, opt_bool
 from services.frontend.structured_output import OutputConstraint, output_constraint
 from services.frontend.tool_protocol import (ToolChoice, ToolUse, checked_tools, message_tool_fields, refuse_tool_calls,
                                              tool_use)
 
-MAX_TOP_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-MAX_STOP_TOKEN_IDS = 64
-MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CHOICES = 16  # most `n`: each choice is a request of its own
 MAX_PROMPTS = 64  # most prompts in one completions request (a batch)
 MAX_BATCH_CHOICES = 128  # most prompts × n in one request
-_UINT64 = 1 << 64
-_INT32_MAX = (1 << 31) - 1
-_TOKEN_ID_KEY = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() also takes "¹" and "٣"
-_MAX_TOKEN_ID_DIGITS = 10  # a longer key is no int32 (and int() refuses 4300+ digits with a ValueError)
-# Fractions travel as float32, where a positive value below ~1e-45 becomes 0, which the wire reads
-# as "unset" (top_p 1, repetition_penalty off). Smaller ones are raised to this; they mean the same.
-_MIN_WIRE_FRACTION = 1e-30
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _OUTPUT_FLAGS = {"include_stop_str_in_output": False, "skip_special_tokens": True, "use_beam_search": False}
 _UNSUPPORTED_SAMPLING = ("bad_words", "allowed_token_ids")  # vLLM's, refused unless empty
@@ -195,7 +184,7 @@ def _lone_surrogate_path(body: Any) -> str | None:
 
 def parse_completion_request(body: Mapping[str, Any], served_model: str) -> ParsedRequest:
     _reject_unsupported(body, Endpoint.COMPLETIONS)
-    logprobs = _opt_int(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
+    logprobs = fields.opt_int(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
     echo = opt_bool(body, "echo") or False
     max_tokens = _completion_max_tokens(body, echo)
     parsed = _parsed(body, served_model, Endpoint.COMPLETIONS, prompts=_prompts(body), messages=None,
@@ -210,7 +199,7 @@ def parse_completion_request(body: Mapping[str, Any], served_model: str) -> Pars
 
 
 def _completion_max_tokens(body: Mapping[str, Any], echo: bool) -> int | None:
-    max_tokens = _opt_int(body, "max_tokens", low=0)
+    max_tokens = fields.opt_int(body, "max_tokens", low=0)
     if max_tokens == 0 and not echo:
         raise RequestError("max_tokens: must be at least 1; 0 only with echo=true (the prompt alone, e.g. to score "
                            "it with logprobs)", param="max_tokens")
@@ -220,8 +209,8 @@ def _completion_max_tokens(body: Mapping[str, Any], echo: bool) -> int | None:
 def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequest:
     _reject_unsupported(body, Endpoint.CHAT)
     max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _opt_int(body, max_tokens_field, low=1)
-    _opt_int(body, "max_tokens", low=1)  # the deprecated field is still checked where the new one wins
+    max_tokens = fields.opt_int(body, max_tokens_field, low=1)
+    fields.opt_int(body, "max_tokens", low=1)  # the deprecated field is still checked where the new one wins
     parsed = _parsed(body, served_model, Endpoint.CHAT, prompts=(), messages=chat_messages(body),
                      max_tokens=max_tokens, default_max_tokens=None, num_top_logprobs=_chat_logprobs(body))
     if opt_bool(body, "add_special_tokens"):
@@ -322,32 +311,32 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
     if body.get("user") is not None and not isinstance(body["user"], str):  # OpenAI's end-user id: unused here
         raise RequestError(f"user: expected a string, got {_json_type(body['user'])}", param="user")
     sampling = Sampling(
-        temperature=_opt_float(body, "temperature", 1.0, low=0.0, high=2.0),
-        top_p=_top_p(body),
-        top_k=_top_k(body),
-        seed=_seed(body),
+        temperature=fields.opt_float(body, "temperature", 1.0, low=0.0, high=2.0),
+        top_p=fields.top_p(body),
+        top_k=fields.top_k(body),
+        seed=fields.seed(body),
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
-        stop=_stop(body),
-        stop_token_ids=_stop_token_ids(body),
+        stop=fields.stop_strings(body),
+        stop_token_ids=fields.stop_token_ids(body),
         ignore_eos=opt_bool(body, "ignore_eos") or False,
         num_logprobs=0 if num_top_logprobs is None else max(1, num_top_logprobs),
-        presence_penalty=_opt_float(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
-        frequency_penalty=_opt_float(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
-        logit_bias=_logit_bias(body),
-        repetition_penalty=_repetition_penalty(body),
-        min_p=_opt_float(body, "min_p", 0.0, low=0.0, high=1.0),
-        cache_salt=_cache_salt(body),
-        min_tokens=_opt_int(body, "min_tokens", low=0) or 0,
-        num_prompt_logprobs=_prompt_logprobs(body, stream),
+        presence_penalty=fields.opt_float(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
+        frequency_penalty=fields.opt_float(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
+        logit_bias=fields.logit_bias(body),
+        repetition_penalty=fields.repetition_penalty(body),
+        min_p=fields.opt_float(body, "min_p", 0.0, low=0.0, high=1.0),
+        cache_salt=fields.cache_salt(body),
+        min_tokens=fields.opt_int(body, "min_tokens", low=0) or 0,
+        num_prompt_logprobs=fields.prompt_logprobs(body, stream),
     )
     parsed = ParsedRequest(
         endpoint=endpoint, model=check_model(body, served_model), prompts=prompts, messages=messages,
         sampling=sampling, stream=stream, include_usage=_include_usage(body, stream),
         return_token_ids=opt_bool(body, "return_token_ids") or False,
         tokens_as_ids=opt_bool(body, "return_tokens_as_token_ids") or False,
-        priority=_opt_int(body, "priority", low=-_INT32_MAX, high=_INT32_MAX) or 0,
-        num_top_logprobs=num_top_logprobs, n=_opt_int(body, "n", low=1, high=MAX_CHOICES) or 1,
-        truncate_prompt_tokens=_truncate_prompt_tokens(body), prompt_logprobs=sampling.num_prompt_logprobs)
+        priority=fields.opt_int(body, "priority", low=-fields.INT32_MAX, high=fields.INT32_MAX) or 0,
+        num_top_logprobs=num_top_logprobs, n=fields.opt_int(body, "n", low=1, high=MAX_CHOICES) or 1,
+        truncate_prompt_tokens=fields.truncate_prompt_tokens(body), prompt_logprobs=sampling.num_prompt_logprobs)
     if parsed.num_choices > MAX_BATCH_CHOICES:
         raise RequestError(f"n: {parsed.n} choices for each of {parsed.num_prompts} prompts make "
                            f"{parsed.num_choices} answers; at most {MAX_BATCH_CHOICES} fit in one request", param="n")
@@ -356,7 +345,7 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
 
 def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
     if endpoint is Endpoint.COMPLETIONS:
-        best_of = _opt_int(body, "best_of", low=1)
+        best_of = fields.opt_int(body, "best_of", low=1)
         if best_of not in (None, 1):
             raise RequestError(f"best_of: only best_of=1 is supported, got {best_of}", param="best_of")
         if body.get("suffix") is not None:
@@ -408,7 +397,7 @@ def _prompts(body: Mapping[str, Any]) -> tuple[Prompt, ...]:
     if "prompt" not in body or body["prompt"] is None:
         raise RequestError("prompt: required (a string, a list of token ids, or a list of either)", param="prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and prompt and not _is_int(prompt[0]):  # a batch (a token list starts with an id)
+    if isinstance(prompt, list) and prompt and not fields.is_int(prompt[0]):  # a batch (a token list starts with an id)
         if len(prompt) > MAX_PROMPTS:
             raise RequestError(f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}",
                                param="prompt")
@@ -422,7 +411,7 @@ def _one_prompt(prompt: Any, name: str) -> Prompt:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list):
-        if (bad := next((i for i, t in enumerate(prompt) if not _is_int(t)), None)) is not None:
+        if (bad := next((i for i, t in enumerate(prompt) if not fields.is_int(t)), None)) is not None:
             raise RequestError(f"{name}[{bad}]: expected a token id (an integer), got {_json_type(prompt[bad])}",
                                param=name)
         return tuple(prompt)
@@ -477,7 +466,7 @@ def _content(content: Any, role: str, param: str) -> str:
 
 def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
     wants = opt_bool(body, "logprobs") or False
-    top = _opt_int(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+    top = fields.opt_int(body, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
     if top is not None and top > 0 and not wants:
         raise RequestError("top_logprobs: needs logprobs=true", param="top_logprobs")
     return (top or 0) if wants else None
@@ -495,155 +484,3 @@ def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
         raise RequestError("stream_options.continuous_usage_stats: not supported (usage comes once, in the last "
                            "chunk, with include_usage); leave it out", param="stream_options.continuous_usage_stats")
     return opt_bool(options, "include_usage", param="stream_options.include_usage") or False
-
-
-def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise RequestError(f"stop: expected a string or a list of strings, got {_json_type(stop)}", param="stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise RequestError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
-    if any(not s for s in stops):
-        raise RequestError("stop: stop strings must not be empty", param="stop")
-    return tuple(stops)
-
-
-def _truncate_prompt_tokens(body: Mapping[str, Any]) -> int | None:
-    value = _opt_int(body, "truncate_prompt_tokens", low=-1, high=_INT32_MAX)
-    if value == 0:
-        raise RequestError("truncate_prompt_tokens: must be >= 1 (keep that many of the prompt's last tokens) "
-                           "or -1 (as many as the context holds)", param="truncate_prompt_tokens")
-    return value
-
-
-def _stop_token_ids(body: Mapping[str, Any]) -> tuple[int, ...]:
-    """vLLM's extension: token ids that end the output (the token is kept in token_ids, not in the text)."""
-    ids = body.get("stop_token_ids")
-    if ids is None:
-        return ()
-    if not isinstance(ids, list):
-        raise RequestError(f"stop_token_ids: expected a list of token ids (non-negative integers), got "
-                           f"{_json_type(ids)}", param="stop_token_ids")
-    bad = next((i for i, t in enumerate(ids) if not (_is_int(t) and 0 <= t <= _INT32_MAX)), None)
-    if bad is not None:
-        raise RequestError(f"stop_token_ids[{bad}]: token ids are non-negative integers below 2^31, got "
-                           f"{json.dumps(ids[bad])[:20]}", param="stop_token_ids")
-    if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise RequestError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(ids)}", param="stop_token_ids")
-    return tuple(ids)
-
-
-def _top_p(body: Mapping[str, Any]) -> float:
-    top_p = _opt_float(body, "top_p", 1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise RequestError(f"top_p: must be in (0, 1], got {top_p}", param="top_p")
-    return max(top_p, _MIN_WIRE_FRACTION)  # any top_p this small keeps just the most likely token
-
-
-def _top_k(body: Mapping[str, Any]) -> int:
-    top_k = _opt_int(body, "top_k", low=-1, high=_INT32_MAX)
-    return 0 if top_k is None or top_k == -1 else top_k
-
-
-def _seed(body: Mapping[str, Any]) -> int | None:
-    seed = _opt_int(body, "seed", low=-(1 << 63), high=_UINT64 - 1)
-    return None if seed is None else seed % _UINT64  # OpenAI seeds are int64; the engine takes uint64
-
-
-def opt_bool(body: Mapping[str, Any], name: str, param: str | None = None) -> bool | None:
-    value = body.get(name)
-    if value is None or isinstance(value, bool):
-        return value
-    raise RequestError(f"{param or name}: expected true or false, got {_json_type(value)}", param=param or name)
-
-
-def _opt_int(body: Mapping[str, Any], name: str, low: int | None = None, high: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not _is_int(value):
-        raise RequestError(f"{name}: expected an integer, got {_json_type(value)}", param=name)
-    _check_range(name, value, low, high)
-    return value
-
-
-def _prompt_logprobs(body: Mapping[str, Any], stream: bool) -> int | None:
-    """vLLM's prompt_logprobs: each prompt token's logprob and rank, plus the top k at its position."""
-    prompt_logprobs = _opt_int(body, "prompt_logprobs", low=0, high=MAX_TOP_LOGPROBS)
-    if prompt_logprobs is not None and stream:
-        raise RequestError("prompt_logprobs: only without stream (a completions stream gives the prompt's logprobs "
-                           "with echo and logprobs)", param="prompt_logprobs")
-    return prompt_logprobs
-
-
-def _cache_salt(body: Mapping[str, Any]) -> str:
-    """vLLM's extension: requests share cached prefix blocks only with requests of the same salt."""
-    salt = body.get("cache_salt")
-    if salt is None:
-        return ""
-    if not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
-        raise RequestError(f"cache_salt: expected a string of 1 to {MAX_CACHE_SALT_CHARS} characters, got "
-                           f"{_json_type(salt) if not isinstance(salt, str) else f'{len(salt)} characters'}",
-                           param="cache_salt")
-    return salt
-
-
-def _repetition_penalty(body: Mapping[str, Any]) -> float:
-    """vLLM's extension: > 1 discourages repeating any prompt or output token, 1 = off."""
-    penalty = _opt_float(body, "repetition_penalty", 1.0, high=2.0)
-    if penalty <= 0.0:
-        raise RequestError(f"repetition_penalty: must be in (0, 2] (1 = off), got {penalty}",
-                           param="repetition_penalty")
-    return max(penalty, _MIN_WIRE_FRACTION)
-
-
-def _logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias}: ids as decimal strings, biases in [-100, 100]."""
-    value = body.get("logit_bias")
-    if value is None:
-        return ()
-    if not isinstance(value, dict):
-        raise RequestError(f"logit_bias: expected an object of token id -> bias, got {_json_type(value)}",
-                           param="logit_bias")
-    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
-        raise RequestError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(value)}", param="logit_bias")
-    biases = {}
-    for key, bias in value.items():
-        if len(key) > _MAX_TOKEN_ID_DIGITS or not _TOKEN_ID_KEY.fullmatch(key) or int(key) > _INT32_MAX:
-            raise RequestError(f"logit_bias: keys are token ids (non-negative integers), got {str(key)[:20]!r}",
-                               param="logit_bias")
-        biases[int(key)] = _opt_float({"logit_bias": bias}, "logit_bias", 0.0, low=-100.0, high=100.0)
-    return tuple(sorted(biases.items()))
-
-
-def _opt_float(body: Mapping[str, Any], name: str, default: float, low: float | None = None,
-               high: float | None = None) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RequestError(f"{name}: expected a number, got {_json_type(value)}", param=name)
-    try:
-        number = float(value)
-    except OverflowError:  # an integer of hundreds of digits
-        raise RequestError(f"{name}: the number is too large", param=name) from None
-    if not math.isfinite(number):
-        raise RequestError(f"{name}: expected a finite number, got {number}", param=name)
-    _check_range(name, number, low, high)
-    return number
-
-
-def _check_range(name: str, value: float, low: float | None, high: float | None) -> None:
-    if low is not None and value < low or high is not None and value > high:
-        bounds = f"between {low} and {high}" if low is not None and high is not None else (
-            f">= {low}" if low is not None else f"<= {high}")
-        raise RequestError(f"{name}: must be {bounds}, got {value}", param=name)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from services.common.prefix_hash import MAX_CACHE_SALT_CHARS
-from services.frontend.openai_protocol import (MAX_BATCH_CHOICES, MAX_CHOICES, MAX_LOGIT_BIAS_ENTRIES, MAX_PROMPTS,
-                                               MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOP_LOGPROBS)
+from services.frontend.openai_protocol import MAX_BATCH_CHOICES, MAX_CHOICES, MAX_PROMPTS
+from services.frontend.sampling_fields import (MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                              MAX_TOP_LOGPROBS)
 from services.frontend.structured_output import MAX_CHOICE_CHARS, MAX_GUIDED_CHOICES
 from services.frontend.tool_protocol import MAX_TOOLS
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.frontend.openai_protocol import (ChatTemplateOptions, RequestError, chat_messages, chat_template_options,
-                                               check_model, opt_bool)
+                                               check_model)
+from services.frontend.sampling_fields import opt_bool
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
 

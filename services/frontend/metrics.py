@@ -36,6 +36,10 @@ class FrontendMetrics:
             "ferry_frontend_dispatch_role_fallbacks_total",
             "Requests the frontend itself placed on a decode instance because no prefill-capable instance serves",
             registry=self.registry)
+        self.constrained = Counter(
+            "ferry_frontend_constrained_requests_total",
+            "Requests decoded under a grammar, by the field that asked for it (response_format, guided_json, "
+            "structured_outputs, ..., tool_choice for forced tool calls)", ["field"], registry=self.registry)
         self.resumes = Counter("ferry_frontend_stream_resumes_total",
                                "Requests re-dispatched after their instance's stream broke", registry=self.registry)
         self.handoffs = Counter("ferry_frontend_stream_handoffs_total",

@@ -99,6 +99,13 @@ class ParsedRequest:
         return self.constraint is not None or self.tool_use.is_forced
 
     @property
+    def constraint_field(self) -> str:
+        """The request field that constrains its decoding (a metrics label): tool_choice for forced calls."""
+        if self.tool_use.is_forced:
+            return "tool_choice"
+        return self.constraint.param.split(".")[0] if self.constraint is not None else ""
+
+    @property
     def num_prompts(self) -> int:
         return max(1, len(self.prompts))  # chat: its messages make one prompt
 

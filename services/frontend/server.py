@@ -161,6 +161,7 @@ class FrontendServer:
                 parsed = replace(parsed, truncate_prompt_tokens=max_model_len)
             if parsed.needs_grammar:  # llguidance checks it: up to a few hundred ms
                 parsed = await asyncio.to_thread(self._model.constrained, parsed)
+                self._metrics.constrained.labels(parsed.constraint_field).inc()
             prepared = await asyncio.to_thread(self._model.prepared_prompts, parsed)
             prompts = [p.token_ids for p in prepared]
             resolved = [resolve_max_tokens(parsed, len(ids), max_model_len, index)

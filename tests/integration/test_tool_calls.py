@@ -15,6 +15,7 @@ import pytest
 from services.cluster.processes import ServiceProcess
 from services.common.etcd_launcher import free_port
 
+from tests.integration.metrics_scrape import sample_value
 from tests.integration.running import running
 from tests.integration.test_frontend import frontend_process
 from tests.scripted_model import build_scripted_model
@@ -158,6 +159,18 @@ async def test_a_named_tool_choice_forces_a_call_of_that_tool_with_arguments_of_
     (call,) = choice.message.tool_calls
     assert call.function.name == "set_unit" and satisfies_settings(json.loads(call.function.arguments))
     assert choice.message.content is None and choice.finish_reason == "tool_calls"
+
+
+async def test_constrained_requests_are_counted_by_the_field_that_asked(client, frontend):
+    def count(field: str) -> float:
+        return sample_value(int(frontend.address.rsplit(":", 1)[1]),
+                            f'ferry_frontend_constrained_requests_total{{field="{field}"}}')
+    before = {field: count(field) for field in ("guided_choice", "tool_choice")}
+    await client.chat.completions.create(model=MODEL, messages=WEATHER, max_tokens=8, temperature=0,
+                                         extra_body={"guided_choice": ["yes", "no"]})
+    await client.chat.completions.create(model=MODEL, messages=WEATHER, tools=[*TOOLS, SET_UNIT], max_tokens=64,
+                                         temperature=0, tool_choice="required")
+    assert {field: count(field) - before[field] for field in before} == {"guided_choice": 1, "tool_choice": 1}
 
 
 async def test_a_named_tool_choice_naming_no_tool_is_a_400_naming_the_field(client):

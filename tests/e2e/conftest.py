@@ -94,7 +94,7 @@ def client(cluster) -> openai.AsyncOpenAI:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    """reference(prompts, max_tokens) → greedy token ids of each prompt on one local engine, never
+    """reference(prompts, max_tokens[, grammar]) → greedy token ids of each prompt on one local engine, never
     migrated; max_tokens is one number for all prompts or one per prompt."""
     with local_reference(EngineSpec(tiny_model_dir, kv_name=f"ferry-e2e-ref-{os.getpid()}", num_blocks=2048)) as generate:
         yield generate
@@ -106,10 +106,10 @@ def local_reference(spec: EngineSpec) -> Iterator:
     tokenizer = Tokenizer.from_dir(spec.model_dir)
     loaded = build_engine(spec)
 
-    def generate(prompts: list[str], max_tokens: int | list[int]) -> list[list[int]]:
+    def generate(prompts: list[str], max_tokens: int | list[int], grammar: str = "") -> list[list[int]]:
         budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         return [loaded.engine.generate([tokenizer.encode(p)], SamplingParams(temperature=0.0, max_tokens=m,
-                                                                              ignore_eos=True))[0]
+                                                                              ignore_eos=True, grammar=grammar))[0]
                 for p, m in zip(prompts, budgets)]
 
     try:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import grpc
+import llguidance
 import torch
 
 from services.cluster.launcher import ClusterSpec, LocalCluster
@@ -228,6 +229,7 @@ class Stream:
     temperature: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()  # a stop string that never matches still holds its length - 1 characters back
+    guided_regex: str | None = None  # constrained decoding: the text matches this regex
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -246,6 +248,8 @@ class Stream:
             body["seed"] = self.seed
         if self.stop:
             body["stop"] = list(self.stop)
+        if self.guided_regex is not None:
+            body["guided_regex"] = self.guided_regex
         try:
             async with session.post(f"{base_url}/v1/completions", json=body) as response:
                 self.request_id = response.headers.get("x-request-id", "")
@@ -307,8 +311,9 @@ class Reference:
         engine = self._loaded.engine
         request_ids = [f"reference-{next(self._ids)}" for _ in streams]
         for request_id, s in zip(request_ids, streams):
+            grammar = "" if s.guided_regex is None else llguidance.LLMatcher.grammar_from_regex(s.guided_regex)
             sampling = SamplingParams(temperature=s.temperature, seed=s.seed, max_tokens=s.max_tokens, ignore_eos=True,
-                                      stop=tuple(s.stop))
+                                      stop=tuple(s.stop), grammar=grammar)
             engine.add_request(request_id, self.tokenizer.encode(s.prompt), sampling)
         outputs: dict[str, tuple[list[int], list[str]]] = {request_id: ([], []) for request_id in request_ids}
         num_unfinished = len(request_ids)

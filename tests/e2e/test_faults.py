@@ -62,6 +62,7 @@ async def session():
 
 
 HELD_BACK = ("\x1fnever in the text",)  # holds back 17 characters: a resume must not lose (or repeat) them
+CONSTRAINED = "[a-z ,.]{20000}"  # longer than any answer here: never complete
 
 
 def mixed_streams(tag: str, num: int, max_tokens: int, stop: tuple[str, ...] = ()) -> list[Stream]:
@@ -97,6 +98,8 @@ async def test_instance_killed_mid_stream_greedy_and_seeded_continue_identically
     baseline = await cluster.free_blocks(survivors)
     resumes_before = await cluster.metric(cluster.frontend_url, "ferry_frontend_stream_resumes_total")
     streams = mixed_streams("killed", 6, 900, stop=HELD_BACK)  # long: still running when the kill lands
+    streams += [Stream(f"killed constrained {n} says", 900, *sampling, stop=HELD_BACK, guided_regex=CONSTRAINED)
+                for n, sampling in enumerate([(0.0, None), (0.8, 77)])]  # the grammar's state is rebuilt on resume
     tasks = run_streams(session, cluster, streams)
     await wait_for_tokens(streams, 8)
     on_victim = await cluster.admin("ListRequests", manager_pb2.AdminListRequestsRequest(instance_id=VICTIM))

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 
+import llguidance
 import pytest
 
 from services.common.gen.ferry.v1 import common_pb2, manager_pb2
@@ -116,6 +118,21 @@ async def test_streaming_continues_through_the_handoff_without_gap_or_duplicate(
     assert token_ids == reference([prompt], [max_tokens])[0]
     assert "".join(texts) == Tokenizer.from_dir(tiny_model_dir).decode(token_ids)
     [move] = await committed(admin, request_id)
+    assert move.src_instance_id == PREFILL and move.dst_instance_id in (DECODE_1, DECODE_2)
+
+
+async def test_a_constrained_request_keeps_to_its_grammar_across_the_handoff(cluster, admin, client, reference):
+    """The prefill instance samples the first token under the grammar; the decode instance rebuilds its
+    state from the tokens so far and goes on: the same tokens as one engine that never handed off."""
+    prompt, max_tokens, regex = "A constrained request moves from prefill to decode", 40, "([a-z]+ ){60}"
+    completion = await client.completions.create(model=model_name(cluster), prompt=prompt, max_tokens=max_tokens,
+                                                 temperature=0, extra_body={"return_token_ids": True,
+                                                                            "guided_regex": regex})
+    (choice,) = completion.choices
+    grammar = llguidance.LLMatcher.grammar_from_regex(regex)
+    assert choice.model_extra["token_ids"] == reference([prompt], [max_tokens], grammar)[0]
+    assert re.fullmatch(r"([a-z]+ )*[a-z]*", choice.text) and choice.finish_reason == "length"
+    [move] = await committed(admin, completion.id)
     assert move.src_instance_id == PREFILL and move.dst_instance_id in (DECODE_1, DECODE_2)
 
 

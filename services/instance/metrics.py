@@ -47,6 +47,10 @@ class InstanceCollector:
         yield self._family(CounterMetricFamily, "ferry_instance_preemptions",
                            "Running requests sent back to the queue to free KV blocks (recomputed when readmitted)",
                            runner.num_preemptions)
+        yield self._family(CounterMetricFamily, "ferry_instance_grammar_dead_ends",
+                           "Constrained requests stopped (finish reason stop) where their grammar allowed no token of "
+                           "the vocabulary: the answer is cut short of what the grammar describes",
+                           runner.num_grammar_dead_ends)
         stats = runner.prefix_cache_stats
         yield self._family(CounterMetricFamily, "ferry_instance_prefix_cache_queried_tokens",
                            "Context tokens of admitted requests (the most the prefix cache could serve)",

@@ -117,6 +117,11 @@ class EngineRunner:
         return self._engine.scheduler.num_preemptions
 
     @property
+    def num_grammar_dead_ends(self) -> int:
+        """Constrained requests stopped where their grammar allowed no token (an int the engine thread bumps)."""
+        return self._engine.num_grammar_dead_ends
+
+    @property
     def step_running_for_s(self) -> float:
         """How long the engine has been inside its current step (0 between steps)."""
         started = self._step_started_at

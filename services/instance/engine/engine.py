@@ -159,6 +159,7 @@ class LLMEngine:
         self._requests: dict[RequestId, Request] = {}  # waiting + running + suspended; finished ones leave at once
         self._arrivals = itertools.count()
         self.last_step_was_idle = False
+        self.num_grammar_dead_ends = 0  # requests stopped where their grammar allowed no token (or refused one)
 
     # Requests in and out.
 
@@ -440,6 +441,7 @@ class LLMEngine:
         request.prompt_logprobs = []  # sent now: never again
         request.output_token_ids.append(token.token_id)
         if request.guide is not None and not request.guide.accept(token.token_id):
+            self.num_grammar_dead_ends += 1
             log.warning("grammar_refused_sampled_token", request_id=request.request_id, error=request.guide.error)
         reason = self._stop_reason(request, token.token_id)
         if reason is not None:
@@ -448,6 +450,7 @@ class LLMEngine:
 
     def _end_at_grammar_dead_end(self, request: Request) -> StepOutput:
         """The grammar allows no token of this vocabulary (see guided.py on special tokens): stop here."""
+        self.num_grammar_dead_ends += 1
         log.warning("grammar_allows_no_token", request_id=request.request_id, num_output_tokens=request.num_output_tokens)
         self.scheduler.remove(request, FinishReason.STOP)
         return self._output(request, request.num_output_tokens, None, FinishReason.STOP)

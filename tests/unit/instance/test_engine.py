@@ -609,4 +609,5 @@ def test_a_grammar_that_allows_no_token_ends_the_request_with_what_it_has(gqa, m
     engine = make_engine(gqa)
     got = run(engine, {0: [("dead", random_prompts([5])[0], replace(GREEDY, grammar='start: "ab" "<|im_start|>"'))]})
     assert got["dead"].text == "ab" and got["dead"].finish_reason is FinishReason.STOP
+    assert engine.num_grammar_dead_ends == 1  # ferry_instance_grammar_dead_ends_total
     assert engine.block_manager.num_free_blocks == engine.config.num_blocks

@@ -36,13 +36,14 @@ from services.frontend.openai_protocol import (Endpoint, ModelNotFound, ParsedRe
 from services.frontend.openapi import openapi_schema
 from services.frontend.openai_response import SSE_DONE, ResponseFormatter, sse, sse_error
 from services.frontend.req_state import Delta, ReqState
+from services.frontend.request_ids import HEADER as REQUEST_ID_HEADER
+from services.frontend.request_ids import client_request_id, new_request_id
 from services.frontend.request_runner import RequestRunner
 from services.frontend.served_model import PreparedPrompt, ServedModel
 from services.frontend.tokenize_protocol import parse_detokenize_request, parse_tokenize_request
 
 log = structlog.get_logger(__name__)
 
-REQUEST_ID_HEADER = "x-request-id"
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 _REQUEST_ID_KEY = web.RequestKey("request_id", str)
 
@@ -154,7 +155,7 @@ class FrontendServer:
 
     async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
         arrived_at = time.monotonic()
-        parsed = await self._parse(request, endpoint)
+        parsed, client_id = await self._parse(request, endpoint)
         with self._admitted(parsed.num_choices), self.in_flight.starting():
             max_model_len = self._max_model_len()
             if parsed.truncate_prompt_tokens == -1:  # as many as the served context holds (the KV caches' too)
@@ -166,12 +167,13 @@ class FrontendServer:
             prompts = [p.token_ids for p in prepared]
             resolved = [resolve_max_tokens(parsed, len(ids), max_model_len, index)
                         for index, ids in enumerate(prompts)]  # a 400 for any prompt refuses them all
-            request_id = new_request_id(endpoint)
+            request_id = new_request_id("chatcmpl" if endpoint is Endpoint.CHAT else "cmpl", client_id)
             request[_REQUEST_ID_KEY] = request_id
             created = int(time.time())  # one for every choice and chunk of the response
             choices = [choice for index, (each, prompt) in enumerate(zip(resolved, prepared))
                        for choice in self._prompt_choices(each, request_id, prompt, index, created)]
-            log.info("request_received", request_id=request_id, endpoint=endpoint.value, stream=parsed.stream,
+            log.info("request_received", request_id=request_id, client_request_id=client_id,
+                     endpoint=endpoint.value, stream=parsed.stream,
                      num_prompt_tokens=sum(map(len, prompts)), num_prompts=len(prompts),
                      max_tokens=resolved[0].sampling.max_tokens, n=parsed.n)
             tasks = [asyncio.create_task(self._runner.run(c.state, c.spec), name=f"request:{c.state.request_id}")
@@ -215,11 +217,13 @@ class FrontendServer:
         spec = GenerateSpec(sub_id, tuple(prompt_ids), sampling, parsed.priority, prefix_chunk_keys=prefix_keys)
         return Choice(state, spec, formatter)
 
-    async def _parse(self, request: web.Request, endpoint: Endpoint) -> ParsedRequest:
+    async def _parse(self, request: web.Request, endpoint: Endpoint) -> tuple[ParsedRequest, str | None]:
+        """The request, and the id its client named it with (request_ids.py), if any."""
         body = await self._read_json(request)
+        client_id = client_request_id(request.headers, body)
         if endpoint is Endpoint.CHAT:
-            return parse_chat_request(body, self._model.name)
-        return parse_completion_request(body, self._model.name)
+            return parse_chat_request(body, self._model.name), client_id
+        return parse_completion_request(body, self._model.name), client_id
 
     async def _read_json(self, request: web.Request) -> dict:
         """The body as a JSON object, within --max-body-bytes and --body-timeout-s."""
@@ -359,11 +363,6 @@ RETRY_AFTER_S = 1  # the Retry-After of 429s and 503s: load and membership chang
 class ApiKeyError(Unauthenticated):
     code = "invalid_api_key"
     param = None
-
-
-def new_request_id(endpoint: Endpoint) -> RequestId:
-    prefix = "chatcmpl" if endpoint is Endpoint.CHAT else "cmpl"
-    return RequestId(f"{prefix}-{uuid.uuid4().hex}")
 
 
 def _too_large(limit: int) -> PayloadTooLarge:

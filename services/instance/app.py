@@ -244,7 +244,8 @@ def engine_spec(config: InstanceConfig, kv_name: str) -> EngineSpec:
                       max_model_len=config.max_model_len, sim_latency=_sim_latency(config),
                       enable_prefix_caching=config.enable_prefix_caching, device=resolve_device(config.device),
                       priority_headroom_blocks=config.priority_headroom_blocks,
-                      max_num_waiting=config.max_waiting_requests)
+                      max_num_waiting=config.max_waiting_requests,
+                      prefill_chunk_tokens=config.prefill_chunk_tokens)
 
 
 def _sim_latency(config: InstanceConfig) -> SimLatency | None:

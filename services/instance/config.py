@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from services.common.config import knob
 from services.common.ids import check_id_flag
 from services.instance.engine.device import resolve_device
+from services.instance.engine.scheduler import prefill_chunk_size
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.tls import TlsKnobs
 from services.common.logging import LogKnobs
@@ -87,10 +88,14 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     max_num_seqs: int = knob(64, "most requests running in one batch")
     max_waiting_requests: int = knob(1024, "new requests queued for a batch slot beyond which Generate is refused "
                                            "with RESOURCE_EXHAUSTED (a 429 from the frontend); 0 = no bound")
-    max_num_batched_tokens: int = knob(0, "most tokens (prefill chunks + decodes) in one engine step: a long prompt "
-                                          "is prefilled in chunks of this less --max-num-seqs (whole blocks), cut at "
-                                          "the same places whatever the load, and the decoding requests beside it "
-                                          "wait one chunk per step (0 = 512 on the CPU, 2048 on a GPU)")
+    max_num_batched_tokens: int = knob(0, "most tokens (prefill chunks + decodes) in one engine step: the decoding "
+                                          "requests beside a long prompt wait one chunk per step (0 = 512 on the "
+                                          "CPU, 2048 on a GPU)")
+    prefill_chunk_tokens: int = knob(0, "a long prompt is prefilled in chunks that end at multiples of this, the same "
+                                        "places whatever the load, so its bits do not depend on the batch; at most "
+                                        "--max-num-batched-tokens less --max-num-seqs (0 = half of that in whole "
+                                        "blocks: two prefills share a step, so a short prompt arriving while a long "
+                                        "one prefills starts at once)")
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of prompt prefixes earlier requests computed "
                                              "(full blocks, matched by a hash of their tokens); false = off")
     priority_headroom_blocks: int = knob(0, "KV blocks each running or queued request with priority > 0 keeps "
@@ -154,6 +159,9 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
         if self.max_num_batched_tokens < 0:
             raise ValueError(f"--max-num-batched-tokens must be positive (or 0 for the device's default), "
                              f"got {self.max_num_batched_tokens}")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(f"--prefill-chunk-tokens must be >= 0 (0 = the default), got {self.prefill_chunk_tokens}")
+        prefill_chunk_size(self.step_token_budget, self.max_num_seqs, self.block_size, self.prefill_chunk_tokens)
         for name in ("migration_stage_blocks", "migration_max_stages"):  # 0 max stages = always stop-and-copy
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")

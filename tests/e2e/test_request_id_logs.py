@@ -1,4 +1,5 @@
-"""One request id can be followed through the frontend, manager, instance and transfer logs."""
+"""One request id, named by the client, can be followed through the frontend, manager, instance and
+transfer logs."""
 
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ async def stream_and_migrate(frontend_url: str, admin_address: str, model: str) 
     body = {"model": model, "prompt": "Follow me through the logs", "max_tokens": 600, "temperature": 0,
             "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        async with session.post(f"{frontend_url}/v1/completions", json=body) as response:
+        async with session.post(f"{frontend_url}/v1/completions", json=body,
+                                headers={"X-Request-Id": "client-trace-1"}) as response:
             request_id = response.headers["x-request-id"]
+            assert request_id.startswith("cmpl-client-trace-1-")
             migrated = False
             async for line in response.content:
                 if not migrated and line.startswith(b"data: {"):

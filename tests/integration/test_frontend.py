@@ -125,6 +125,24 @@ async def test_completion_token_ids_match_the_instances_own_output(client, insta
     assert raw.headers["x-request-id"] == completion.id and completion.id.startswith("cmpl-")
 
 
+async def test_a_clients_request_id_names_the_request_and_a_bad_one_is_a_400(http, instance_stub):
+    body = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 3, "temperature": 0}
+    async with http.post("/v1/completions", json=body, headers={"X-Request-Id": "trace-7"}) as response:
+        completion = await response.json()
+        assert response.status == 200 and completion["id"].startswith("cmpl-trace-7-")
+        assert response.headers["x-request-id"] == completion["id"]
+    async with http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "request_id": "from-body", "stream": True}) as response:
+        assert response.status == 200 and response.headers["x-request-id"].startswith("chatcmpl-from-body-")
+        await response.read()
+    async with http.post("/v1/completions", json=body, headers={"X-Request-Id": "two words"}) as response:
+        error = (await response.json())["error"]
+        assert response.status == 400 and "x-request-id header" in error["message"]
+    async with http.post("/v1/completions", json={**body, "request_id": 5}) as response:
+        assert response.status == 400 and (await response.json())["error"]["param"] == "request_id"
+
+
 async def test_logit_bias_and_penalties_reach_the_engine(client, instance_stub):
     async def token_ids(**body) -> list[int]:
         completion = await client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=12, temperature=0,

@@ -80,6 +80,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks other requests computed (prefix_cache.py)
     priority_headroom_blocks: int = 0  # blocks each high-priority (priority > 0) request keeps out of freeness
     max_num_waiting: int = 0  # new requests queued for a batch slot beyond which more are refused; 0 = no bound
+    prefill_chunk_tokens: int = 0  # prefill chunk boundaries (scheduler.py); 0 = half a step beside full decodes
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -151,7 +152,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_prompt_logit_rows=PROMPT_LOGITS_BUDGET // model.config.vocab_size,
                                    num_reserved_slots=lambda: len(self.reservations),
-                                   recomputes_one_by_one=kv_cache.tensor.device.type == "cpu")
+                                   recomputes_one_by_one=kv_cache.tensor.device.type == "cpu",
+                                   prefill_chunk_tokens=config.prefill_chunk_tokens)
         self.sampler = Sampler()
         self.vocab_size: int = model.config.vocab_size
         self.eos_token_ids = frozenset(model.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)

@@ -41,6 +41,7 @@ class EngineSpec:
     enable_prefix_caching: bool = True
     priority_headroom_blocks: int = 0  # EngineConfig.priority_headroom_blocks
     max_num_waiting: int = 0  # EngineConfig.max_num_waiting
+    prefill_chunk_tokens: int = 0  # EngineConfig.prefill_chunk_tokens
     device: torch.device = torch.device("cpu")  # the torch engine's weights and KV cache (the sim engine: cpu)
 
 
@@ -72,7 +73,8 @@ def build_engine(spec: EngineSpec) -> LoadedEngine:
                                  max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                                  enable_prefix_caching=spec.enable_prefix_caching,
                                  priority_headroom_blocks=spec.priority_headroom_blocks,
-                                 max_num_waiting=spec.max_num_waiting)
+                                 max_num_waiting=spec.max_num_waiting,
+                                 prefill_chunk_tokens=spec.prefill_chunk_tokens)
     engine = LLMEngine(model, Tokenizer.from_dir(spec.model_dir), kv_cache, engine_config)
     return LoadedEngine(engine, kv_cache, max_model_len)
 

@@ -9,9 +9,10 @@ Every step, in this order:
    the next multiple of `prefill_chunk_tokens` (or at the end of what is to compute) and
    waits a step where the budget left cannot take it whole: a prompt is cut at the same
    places alone and in a busy batch, so its K/V and first logits have the same bits
-   either way (batch invariance; attention.py). `prefill_chunk_tokens` is what a step
-   leaves a prefill beside a full batch of decodes, in whole blocks, so a chunk never
-   waits on decodes alone. (Prompt-logprobs prefills, which follow the logits rows a
+   either way (batch invariance; attention.py). `prefill_chunk_tokens` is by default half
+   what a step leaves a prefill beside a full batch of decodes, in whole blocks, so a
+   chunk never waits on decodes alone and a prompt arriving while a long one prefills
+   starts in the next step. (Prompt-logprobs prefills, which follow the logits rows a
    step has left, and chunks shrunk to the blocks left are cut where they must be; where
    the budget is less than a block above `max_num_seqs`, every chunk is cut where the
    budget ends, as decodes could take all of it.)
@@ -86,11 +87,21 @@ class SchedulerOutput:
 RECOMPUTED_OUTPUT_KEYS = 32768
 
 
-def _prefill_chunk_tokens(max_num_batched_tokens: int, max_num_seqs: int, block_size: int) -> int | None:
-    """Prefill chunk boundaries: the budget a step leaves beside `max_num_seqs` decodes, in whole blocks; None
-    where that is not a block (decodes could take all of it: chunks are cut where the budget ends)."""
-    left = (max_num_batched_tokens - max_num_seqs) // block_size * block_size
-    return left if left > 0 else None
+def prefill_chunk_size(max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
+                          requested: int = 0) -> int | None:
+    """Prefill chunk boundaries: `requested`, or half the budget a step leaves beside `max_num_seqs` decodes,
+    in whole blocks (so two prefills share a step: a short prompt arriving while a long one prefills
+    starts at once); None where what is left is not a block (decodes could take all of it: chunks are cut
+    where the budget ends). Raises ValueError for a `requested` size a step could not always take."""
+    left = max_num_batched_tokens - max_num_seqs
+    if requested:
+        if not 0 < requested <= left:
+            raise ValueError(f"--prefill-chunk-tokens must be between 1 and --max-num-batched-tokens less "
+                             f"--max-num-seqs ({left}), got {requested}")
+        return requested
+    if left < block_size:
+        return None
+    return max(block_size, left // 2 // block_size * block_size)
 
 
 def _priority_order(request: Request) -> tuple[int, int]:
@@ -100,7 +111,7 @@ def _priority_order(request: Request) -> tuple[int, int]:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prompt_logit_rows: int = 512, num_reserved_slots: Callable[[], int] = lambda: 0,
-                 recomputes_one_by_one: bool = True) -> None:
+                 recomputes_one_by_one: bool = True, prefill_chunk_tokens: int = 0) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(f"--max-num-seqs and --max-num-batched-tokens must be positive, "
                              f"got {max_num_seqs} and {max_num_batched_tokens}")
@@ -108,8 +119,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prompt_logit_rows = max(1, max_prompt_logit_rows)  # prompt-logprobs prefill tokens a step
-        self.prefill_chunk_tokens = _prefill_chunk_tokens(max_num_batched_tokens, max_num_seqs,
-                                                          block_manager.block_size)
+        self.prefill_chunk_tokens = prefill_chunk_size(max_num_batched_tokens, max_num_seqs,
+                                                        block_manager.block_size, prefill_chunk_tokens)
         # Output tokens computed again attend one by one as decodes (the same bits; worth it where attention is
         # batch-invariant: on the CPU), else in one prefill.
         self.recomputes_one_by_one = recomputes_one_by_one

@@ -28,8 +28,9 @@ def make_request(num_prompt_tokens: int, name: str, priority: int = 0) -> Reques
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 64) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens)
+                   max_num_batched_tokens: int = 64, prefill_chunk_tokens: int = 0) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens,
+                     prefill_chunk_tokens=prefill_chunk_tokens)
 
 
 def run_step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
@@ -92,7 +93,7 @@ def test_token_budget_and_batch_slots_are_respected():
 
 
 def test_long_prompt_is_prefilled_in_chunks():
-    scheduler = make_scheduler(max_num_batched_tokens=16)  # 8 slots: chunks of (16 - 8) tokens
+    scheduler = make_scheduler(max_num_batched_tokens=24)  # 8 slots: chunks of half (24 - 8) tokens
     assert scheduler.prefill_chunk_tokens == 8
     request = make_request(50, "long")
     scheduler.add(request)
@@ -107,7 +108,7 @@ def test_long_prompt_is_prefilled_in_chunks():
 
 
 def test_decodes_run_before_new_prefills_take_the_budget():
-    scheduler = make_scheduler(max_num_batched_tokens=12, max_num_seqs=2)  # chunks of 8
+    scheduler = make_scheduler(max_num_batched_tokens=12, max_num_seqs=2, prefill_chunk_tokens=8)
     a = make_request(4, "a")
     scheduler.add(a)
     run_step(scheduler)
@@ -120,7 +121,7 @@ def test_decodes_run_before_new_prefills_take_the_budget():
 def test_a_prompt_is_cut_at_the_same_places_alone_and_beside_decodes():
     """Chunks end at multiples of prefill_chunk_tokens whatever the step's budget has left (batch invariance)."""
     def chunks(num_decoding: int) -> list[int]:
-        scheduler = make_scheduler(max_num_batched_tokens=16, max_num_seqs=4)  # chunks of 12
+        scheduler = make_scheduler(max_num_batched_tokens=16, max_num_seqs=4, prefill_chunk_tokens=12)
         for i in range(num_decoding):
             scheduler.add(make_request(3, f"d{i}"))
         run_step(scheduler)
@@ -131,6 +132,27 @@ def test_a_prompt_is_cut_at_the_same_places_alone_and_beside_decodes():
             sizes += [n for name, n in new_tokens(run_step(scheduler)).items() if name == "p"]
         return sizes
     assert chunks(0) == chunks(1) == chunks(3) == [12, 12, 12, 4]
+
+
+def test_by_default_a_short_prompt_starts_beside_a_long_one_mid_prefill():
+    """Chunks are half what a step leaves beside full decodes, so a prompt that arrives while a long one
+    prefills takes its first chunk in the next step instead of waiting for the long one to finish."""
+    scheduler = make_scheduler(num_blocks=256, max_num_batched_tokens=40, max_num_seqs=8)  # (40 - 8) / 2
+    assert scheduler.prefill_chunk_tokens == 16
+    for i in range(8 - 2):
+        scheduler.add(make_request(1, f"d{i}"))
+    run_step(scheduler)
+    scheduler.add(make_request(100, "long"))
+    assert new_tokens(run_step(scheduler))["long"] == 16
+    scheduler.add(make_request(30, "short"))
+    step = new_tokens(run_step(scheduler))
+    assert step["long"] == 16 and step["short"] == 16  # beside six decodes
+
+
+def test_a_chunk_size_no_step_could_always_take_is_refused():
+    with pytest.raises(ValueError, match="--prefill-chunk-tokens must be between 1 and .* \\(56\\), got 57"):
+        make_scheduler(max_num_batched_tokens=64, max_num_seqs=8, prefill_chunk_tokens=57)
+    assert make_scheduler(max_num_batched_tokens=64, max_num_seqs=8, prefill_chunk_tokens=56).prefill_chunk_tokens == 56
 
 
 def test_higher_priority_is_admitted_first():
@@ -238,7 +260,8 @@ def test_a_better_prefill_preempts_a_worse_decode_already_scheduled_in_the_step(
     """Decodes are scheduled first, but one of lower priority is still the victim: before, the
     high-priority prefill found no unscheduled victim, so it shrank its chunk (or preempted itself)
     while the worse decode kept its blocks."""
-    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=10, max_num_seqs=2)  # chunks of 8
+    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=10, max_num_seqs=2,
+                               prefill_chunk_tokens=8)
     low = make_request(5, "low")
     scheduler.add(low)
     run_step(scheduler)  # low: 5 tokens + 1 sampled, 2 blocks
@@ -264,7 +287,8 @@ def test_slots_reserved_for_migrations_in_are_not_admitted_into():
 
 
 def test_prefill_chunk_shrinks_to_free_blocks_instead_of_preempting_a_better_request():
-    scheduler = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=10, max_num_seqs=2)  # chunks of 8
+    scheduler = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=10, max_num_seqs=2,
+                               prefill_chunk_tokens=8)
     high = make_request(24, "high", priority=1)
     scheduler.add(high)
     for _ in range(3):

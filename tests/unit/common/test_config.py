@@ -270,3 +270,16 @@ def test_the_step_token_budget_follows_the_device_unless_given() -> None:
         return parse_config(InstanceConfig, "instance", ["--model", "m", *argv], env={}).step_token_budget
     assert budget() == 512
     assert budget("--max-num-batched-tokens", "4096") == 4096
+
+
+def test_a_prefill_chunk_size_a_step_could_not_always_take_is_refused(capsys) -> None:
+    def config(*argv: str) -> InstanceConfig:
+        return parse_config(InstanceConfig, "instance", ["--model", "m", *argv], env={})
+    assert config("--prefill-chunk-tokens", "448").prefill_chunk_tokens == 448  # 512 - 64 on the CPU
+    with pytest.raises(SystemExit):
+        config("--prefill-chunk-tokens", "449")
+    assert "--prefill-chunk-tokens must be between 1 and --max-num-batched-tokens less --max-num-seqs (448), " \
+           "got 449" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        config("--prefill-chunk-tokens", "-1")
+    assert "--prefill-chunk-tokens must be >= 0" in capsys.readouterr().err

@@ -43,6 +43,8 @@ FAMILIES = {
     # embedding, residual, attention and logits multipliers
     "granite": (transformers.GraniteConfig, dict(embedding_multiplier=4.0, residual_multiplier=0.4,
                                                  attention_multiplier=0.15, logits_scaling=2.0), 1024),
+    # mixture of experts: each token through its top 2 of 4 gated MLPs
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2), 1024),
 }
 
 

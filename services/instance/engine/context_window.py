@@ -33,7 +33,7 @@ def layer_windows(raw: dict[str, Any], num_layers: int) -> tuple[int | None, ...
 
 def _sliding_layers(raw: dict[str, Any], model_type: str | None, num_layers: int) -> list[bool]:
     layer_types = raw.get("layer_types")
-    if model_type in ("mistral", "phi3"):
+    if model_type in ("mistral", "mixtral", "phi3"):
         return [True] * num_layers
     if model_type in ("qwen2", "qwen3"):
         if not raw.get("use_sliding_window"):

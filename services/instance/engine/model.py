@@ -14,7 +14,8 @@ that lives in shared memory instead).
 
 The families' differences (model_config.py) are a few constants and switches: the MLP's
 activation, Gemma's norm offset and embedding scale, Gemma 2's extra norms and soft-capping,
-Granite's multipliers, partial RoPE.
+Granite's multipliers, partial RoPE; the mixture-of-experts families swap the MLP of their
+sparse layers for `SparseMoeMLP`.
 """
 
 from pathlib import Path
@@ -129,9 +130,9 @@ ACTIVATIONS = {
 class MLP(nn.Module):
     """Gated: down(act(gate(x)) * up(x)) (SwiGLU with silu, GeGLU with gelu), gate and up fused into one matmul."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, 2 * size, bias=config.mlp_bias)
         self.down_proj = PackedLinear(size, config.hidden_size, bias=config.mlp_bias)
         self.act = ACTIVATIONS[config.activation]
@@ -141,13 +142,46 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-class DecoderLayer(nn.Module):
+class SparseMoeMLP(nn.Module):
+    """Mixtral, Qwen2/3-MoE, as transformers runs them: the router's softmax (in float32) picks each
+    token's top k experts, renormalized over those k where the family does; each expert, a gated MLP,
+    runs on the tokens routed to it, and its outputs are added in expert order, weighted. A token's
+    sum so depends on its own routing only (batch invariance), and each expert's matmuls are packed
+    like every other (packed_linear). Qwen2-MoE adds a shared expert, scaled by sigmoid(shared_expert_gate(x))."""
+
     def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.gate = PackedLinear(config.hidden_size, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(config, moe.expert_intermediate_size) for _ in range(moe.num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = MLP(config, moe.shared_intermediate_size)
+            self.shared_expert_gate = PackedLinear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert in chosen.unique().tolist():  # ascending
+            tokens, slots = (chosen == expert).nonzero(as_tuple=True)
+            out.index_add_(0, tokens, self.experts[expert](x[tokens]) * weights[tokens, slots, None])
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoeMLP(config) if config.moe and config.moe.sparse_layers[index] else MLP(config)
         self.residual_scale = config.residual_scale
 
     def forward(
@@ -164,8 +198,8 @@ class SandwichDecoderLayer(DecoderLayer):
     """Gemma 2: the attention and MLP outputs are normed too; `post_attention_layernorm` norms the
     attention's output (not the MLP's input, as in Llama)."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__(config, index)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
 
@@ -183,7 +217,7 @@ class LlamaModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         layer_class = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
-        self.layers = nn.ModuleList(layer_class(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.lm_head = None
         if not config.tie_word_embeddings:

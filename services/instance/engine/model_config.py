@@ -13,7 +13,10 @@ Llama-family decoders are supported (pre-norm blocks, RoPE, GQA, gated MLP), eac
   "gemma3_text" (Gemma 3 text-only checkpoints: as Gemma 2 without soft-capping, with a
   Gemma-style RMSNorm over each query and key head, and a RoPE of their own on the sliding
   layers);
-* "granite" (embedding, residual, attention and logits multipliers).
+* "granite" (embedding, residual, attention and logits multipliers);
+* mixture-of-experts MLPs: "mixtral" (Mistral's attention), "qwen2_moe" (Qwen2's, plus a
+  shared expert every token takes, gated by a sigmoid) and "qwen3_moe" (Qwen3's), each token
+  through its top k experts (MoeConfig).
 
 Sliding windows are read per layer, and longrope RoPE limits the longest sequence served
 (context_window.py); RoPE settings are read in rope.py.
@@ -30,10 +33,25 @@ import torch
 from services.instance.engine.context_window import DEFAULT_MAX_POSITIONS, ContextLimit, context_limit, layer_windows
 from services.instance.engine.rope import RopeConfig, read_layer_ropes
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite",
+                         "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # the gated MLP's act(gate(x)) * up(x)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """A sparse MLP: a router's softmax picks each token's top `top_k` of `num_experts` gated MLPs,
+    whose outputs are summed weighted by their router probabilities."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    renormalize: bool  # the top k weights are divided by their sum (Mixtral always; Qwen: norm_topk_prob)
+    shared_intermediate_size: int  # Qwen2-MoE: a shared expert every token takes, gated by a sigmoid; 0 = none
+    sparse_layers: tuple[bool, ...]  # per layer: the sparse MLP (True) or a dense one of intermediate_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +87,7 @@ class ModelConfig:
     attention_softcap: float | None = None  # Gemma 2: scores become cap * tanh(scores / cap) before the softmax
     logits_softcap: float | None = None  # Gemma 2: the same on the logits
     sandwich_norms: bool = False  # Gemma 2: attention and MLP outputs are normed too before the residual add
+    moe: MoeConfig | None = None  # Mixtral, Qwen2/3-MoE: the layers' sparse MLPs
 
     @property
     def context_length(self) -> int:
@@ -123,14 +142,15 @@ class ModelConfig:
             context=context_limit(raw),
             layer_windows=layer_windows(raw, _required_int(raw, "num_hidden_layers")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qkv_bias=model_type == "qwen2" or attention_bias or (model_type == "qwen2_moe" and raw.get("qkv_bias", True)),
+            o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
             torch_dtype=_dtype_name(raw),
             activation=_activation(raw, model_type),
+            moe=_moe(raw, model_type, _required_int(raw, "num_hidden_layers")),
             **_scales(raw, model_type, hidden_size),
         )
 
@@ -180,6 +200,42 @@ def _activation(raw: dict[str, Any], model_type: str) -> str:
         raise ValueError(f"config.json: hidden_act={act!r} is not supported; use one of "
                          f"{', '.join(SUPPORTED_ACTIVATIONS)}")
     return act
+
+
+def _moe(raw: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | None:
+    """The sparse MLPs of a mixture-of-experts family (transformers' defaults for fields left out)."""
+    if model_type not in MOE_TYPES:
+        return None
+    if model_type == "mixtral":
+        return _checked_moe(MoeConfig(
+            num_experts=_num_experts(raw, 8), top_k=int(raw.get("num_experts_per_tok", 2)),
+            expert_intermediate_size=_required_int(raw, "intermediate_size"), renormalize=True,
+            shared_intermediate_size=0, sparse_layers=(True,) * num_layers))
+    if raw.get("use_sliding_window"):
+        raise ValueError(f"config.json: use_sliding_window: sliding windows are not supported for {model_type}")
+    num_experts = _num_experts(raw, 60 if model_type == "qwen2_moe" else 128)
+    dense_layers = set(raw.get("mlp_only_layers") or ())
+    step = int(raw.get("decoder_sparse_step", 1))
+    return _checked_moe(MoeConfig(
+        num_experts=num_experts, top_k=int(raw.get("num_experts_per_tok", 4 if model_type == "qwen2_moe" else 8)),
+        expert_intermediate_size=_required_int(raw, "moe_intermediate_size"),
+        renormalize=bool(raw.get("norm_topk_prob", False)),
+        shared_intermediate_size=int(raw.get("shared_expert_intermediate_size", 5632))
+        if model_type == "qwen2_moe" else 0,
+        sparse_layers=tuple(i not in dense_layers and num_experts > 0 and step > 0 and (i + 1) % step == 0
+                            for i in range(num_layers))))
+
+
+def _num_experts(raw: dict[str, Any], default: int) -> int:
+    """Qwen's checkpoints say num_experts, Mixtral's num_local_experts; transformers 5 writes the latter for all."""
+    return int(raw.get("num_experts", raw.get("num_local_experts", default)))
+
+
+def _checked_moe(moe: MoeConfig) -> MoeConfig:
+    if any(moe.sparse_layers) and not 0 < moe.top_k <= moe.num_experts:
+        raise ValueError(f"config.json: num_experts_per_tok={moe.top_k} must be between 1 and the number of "
+                         f"experts ({moe.num_experts})")
+    return moe
 
 
 def _scales(raw: dict[str, Any], model_type: str, hidden_size: int) -> dict[str, Any]:

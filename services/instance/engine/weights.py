@@ -82,12 +82,33 @@ def _layer_sources(config: ModelConfig, i: int) -> Iterator[tuple[str, list[str]
     if config.qk_norm:
         for norm in ("q_norm", "k_norm"):
             yield f"{ours}self_attn.{norm}.weight", [f"{hf}self_attn.{norm}.weight"]
-    for s in ["weight"] + (["bias"] if config.mlp_bias else []):
-        yield f"{ours}mlp.gate_up_proj.{s}", [f"{hf}mlp.{p}_proj.{s}" for p in (["gate_up"] if fused else ["gate", "up"])]
-        yield f"{ours}mlp.down_proj.{s}", [f"{hf}mlp.down_proj.{s}"]
+    if config.moe is not None and config.moe.sparse_layers[i]:
+        yield from _sparse_mlp_sources(config, hf, ours)
+    else:
+        for s in ["weight"] + (["bias"] if config.mlp_bias else []):
+            gate_up = ["gate_up"] if fused else ["gate", "up"]
+            yield f"{ours}mlp.gate_up_proj.{s}", [f"{hf}mlp.{p}_proj.{s}" for p in gate_up]
+            yield f"{ours}mlp.down_proj.{s}", [f"{hf}mlp.down_proj.{s}"]
     yield f"{ours}input_layernorm.weight", [f"{hf}input_layernorm.weight"]
     for norm in ["post_attention"] + (["pre_feedforward", "post_feedforward"] if config.sandwich_norms else []):
         yield f"{ours}{norm}_layernorm.weight", [f"{hf}{norm}_layernorm.weight"]
+
+
+def _sparse_mlp_sources(config: ModelConfig, hf: str, ours: str) -> Iterator[tuple[str, list[str]]]:
+    """A mixture-of-experts layer: the router, each expert (Mixtral's w1/w3/w2 are gate/up/down), and
+    Qwen2-MoE's shared expert and its gate."""
+    mixtral = config.model_type == "mixtral"
+    block = f"{hf}block_sparse_moe." if mixtral else f"{hf}mlp."
+    gate_up, down = (["w1", "w3"], "w2") if mixtral else (["gate_proj", "up_proj"], "down_proj")
+    yield f"{ours}mlp.gate.weight", [f"{block}gate.weight"]
+    for e in range(config.moe.num_experts):
+        yield f"{ours}mlp.experts.{e}.gate_up_proj.weight", [f"{block}experts.{e}.{p}.weight" for p in gate_up]
+        yield f"{ours}mlp.experts.{e}.down_proj.weight", [f"{block}experts.{e}.{down}.weight"]
+    if config.moe.shared_intermediate_size:
+        yield f"{ours}mlp.shared_expert.gate_up_proj.weight", [f"{block}shared_expert.{p}_proj.weight"
+                                                              for p in ("gate", "up")]
+        yield f"{ours}mlp.shared_expert.down_proj.weight", [f"{block}shared_expert.down_proj.weight"]
+        yield f"{ours}mlp.shared_expert_gate.weight", [f"{block}shared_expert_gate.weight"]
 
 
 def tensor_sources(config: ModelConfig) -> dict[str, list[str]]:

@@ -236,7 +236,7 @@ def test_a_long_prompt_prefilled_in_chunks_gives_the_same_bits_alone_and_in_a_bu
     """Its chunks end at the same places whatever else the step holds (scheduler.py): alone, the
     step's budget would take 24 tokens at once, beside three decodes 21; before, the chunks
     followed the budget and the bits differed from the first token."""
-    config = dict(max_num_batched_tokens=24, max_num_seqs=4, enable_prefix_caching=False)  # chunks of 20
+    config = dict(max_num_batched_tokens=24, max_num_seqs=4, enable_prefix_caching=False)  # chunks of 8
     prompt = random_prompts([57], seed=12)[0]
     sampling = replace(GREEDY, max_tokens=20, logprobs=2)
     alone = run(make_engine(gqa, **config), {0: [("p", prompt, sampling)]}, logprobs=True)["p"]
@@ -324,7 +324,7 @@ def test_a_resumed_or_preempted_request_goes_on_with_the_same_bits(gqa, make_eng
     """Output tokens computed again attend one by one as their decode steps did (forward_batch.py), and the
     prompt is cut where it was: a resume after a failure, or a preemption's recompute, gives the same logprobs
     to the bit as a run that never stopped (before: the same tokens, other bits)."""
-    config = dict(max_num_batched_tokens=24, max_num_seqs=4, enable_prefix_caching=False)  # chunks of 20
+    config = dict(max_num_batched_tokens=24, max_num_seqs=4, enable_prefix_caching=False)  # chunks of 8
     prompt = random_prompts([29], seed=14)[0]
     sampling = replace(GREEDY, max_tokens=40, logprobs=2)
     full = run(make_engine(gqa, **config), {0: [("r", prompt, sampling)]}, logprobs=True)["r"]

@@ -1,0 +1,126 @@
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE): greedy tokens equal transformers' on the
+same random weights, alone and in a busy batch (each expert sees other rows), and the config's MoE fields
+are read as transformers reads them."""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import replace
+
+import pytest
+import torch
+
+from services.instance.engine.factory import EngineSpec, build_engine
+from services.instance.engine.model_config import ModelConfig
+from services.instance.engine.request import SamplingParams
+from services.instance.models import build_tiny_model
+from services.instance.models.tiny_tokenizer import TINY_VOCAB_SIZE
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.timeout(120)
+
+COMMON = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=0,
+              pad_token_id=0, initializer_range=0.2)
+FAMILIES = {
+    "mixtral": (transformers.MixtralConfig, dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)),
+    # a shared expert; layer 1 dense; top 2 of 6 not renormalized
+    "qwen2_moe": (transformers.Qwen2MoeConfig, dict(intermediate_size=96, moe_intermediate_size=48, num_experts=6,
+                                                    num_experts_per_tok=2, shared_expert_intermediate_size=80,
+                                                    mlp_only_layers=[1])),
+    # per-head q/k norms; every second layer sparse; renormalized top 3 of 8
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                                    num_experts_per_tok=3, norm_topk_prob=True, head_dim=16,
+                                                    decoder_sparse_step=2)),
+}
+PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2, 250, 31], [64, 65, 66, 67, 68, 69, 70, 71, 72], [9]]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[pathlib.Path, object]:
+    config_class, extras = FAMILIES[request.param]
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("models") / f"tiny-{request.param}", "gqa-tied")
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        (model_dir / name).unlink()
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config_class(**COMMON, **extras)).eval()
+    with torch.no_grad():
+        for name, parameter in hf_model.named_parameters():
+            if "norm" in name:
+                parameter.normal_(1.0, 0.1)
+    hf_model.save_pretrained(model_dir)
+    return model_dir, hf_model
+
+
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.no_grad():
+        output = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                   do_sample=False, pad_token_id=0)
+    return output[0, len(prompt):].tolist()
+
+
+def test_greedy_tokens_equal_transformers_alone_and_batched(family, tmp_path):
+    model_dir, hf_model = family
+    loaded = build_engine(EngineSpec(model_dir, kv_name=f"ferry-test-moe-{tmp_path.name}", kv_cache_mib=8,
+                                     max_num_batched_tokens=64))
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        expected = [hf_greedy(hf_model, prompt, 20) for prompt in PROMPTS]
+        assert [loaded.engine.generate([prompt], greedy)[0] for prompt in PROMPTS] == expected
+        assert loaded.engine.generate(PROMPTS, greedy) == expected
+    finally:
+        loaded.close()
+
+
+def logprob_trace(engine, watched: list[int], others: list[list[int]]) -> list:
+    """The watched request's logprobs, step by step, with `others` joining one a step."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    engine.add_request("watched", watched, sampling)
+    trace, waiting = [], list(others)
+    while engine.scheduler.has_unfinished() or waiting:
+        if waiting:
+            engine.add_request(f"other-{len(waiting)}", waiting.pop(), replace(sampling, max_tokens=9))
+        trace += [o.logprobs for o in engine.step() if o.request_id == "watched" and o.logprobs]
+    return trace
+
+
+def test_logprobs_are_the_same_bits_alone_and_beside_requests_routed_elsewhere(family, tmp_path):
+    """Each expert's matmul takes the rows routed to it, which change with the batch: its packed product
+    gives every row the same bits whatever the count (packed_linear), and each token's experts are added
+    in expert order, so a request's bits depend on its own routing only."""
+    model_dir, _ = family
+    loaded = build_engine(EngineSpec(model_dir, kv_name=f"ferry-test-moe-bits-{tmp_path.name}", kv_cache_mib=8,
+                                     max_num_batched_tokens=64, enable_prefix_caching=False))
+    try:
+        alone = logprob_trace(loaded.engine, PROMPTS[2], [])
+        busy = logprob_trace(loaded.engine, PROMPTS[2], [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[0][::-1]])
+        assert len(alone) == 16 and busy == alone
+    finally:
+        loaded.close()
+
+
+def test_config_reads_the_experts_as_transformers_does(family):
+    model_dir, _ = family
+    config = ModelConfig.from_dir(model_dir)
+    moe = config.moe
+    if config.model_type == "mixtral":
+        assert (moe.num_experts, moe.top_k, moe.renormalize, moe.shared_intermediate_size) == (4, 2, True, 0)
+        assert moe.sparse_layers == (True, True, True) and moe.expert_intermediate_size == 96
+    elif config.model_type == "qwen2_moe":
+        assert (moe.num_experts, moe.top_k, moe.renormalize, moe.shared_intermediate_size) == (6, 2, False, 80)
+        assert moe.sparse_layers == (True, False, True) and config.qkv_bias and not config.o_bias
+    else:
+        assert (moe.num_experts, moe.top_k, moe.renormalize, moe.shared_intermediate_size) == (8, 3, True, 0)
+        assert moe.sparse_layers == (False, True, False) and config.qk_norm
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 must be between 1 and the number of experts \\(8\\)"),
+    ({"use_sliding_window": True}, "use_sliding_window: sliding windows are not supported for qwen3_moe"),
+])
+def test_an_expert_setting_that_cannot_run_is_refused(changes, message):
+    raw = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100, "num_experts": 8, **changes}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict(raw)

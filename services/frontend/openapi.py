@@ -65,8 +65,9 @@ def _generation(operation_id: str, request: str, response: str, errors: dict) ->
         "operationId": operation_id,
         "parameters": [{"name": "X-Request-Id", "in": "header", "required": False,
                         "description": "the client's name for the request: ferry's id becomes "
-                                       "<prefix>-<this>-<8 hex> (1 to 128 visible ASCII characters)",
-                        "schema": {"type": "string", "pattern": "^[\\x21-\\x7e]{1,128}$"}}],
+                                       "<prefix>-<this>-<12 hex> (other than visible ASCII becomes _, "
+                                       "cut to 128 characters)",
+                        "schema": {"type": "string"}}],
         "requestBody": {"required": True, "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{request}"}}}},
         "responses": {
             "200": {"description": "the result (JSON), or with stream=true server-sent events ending in [DONE]",
@@ -187,7 +188,7 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
                                        "description": "vLLM: logprobs name each token \"token_id:N\""},
         "priority": {**integer, "minimum": -_INT32_MAX, "maximum": _INT32_MAX, "nullable": True,
                      "description": "ferry: higher runs first when the KV cache is short"},
-        "request_id": {"type": "string", "pattern": "^[\\x21-\\x7e]{1,128}$", "nullable": True,
+        "request_id": {"type": "string", "nullable": True,
                        "description": "vLLM: the client's name for the request, as the X-Request-Id header "
                                       "(which wins)"},
         **_structured_output_fields(),

@@ -81,9 +81,10 @@ def cluster(family, tmp_path_factory):
 def hf_greedy(family, prompt: str, max_tokens: int) -> list[int]:
     model_dir, hf_model, _ = family
     prompt_ids = Tokenizer.from_dir(model_dir).encode(prompt)
+    hf_model.generation_config.eos_token_id = None  # taken where it is the argmax, as ignore_eos takes it
     with torch.no_grad():
-        output = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                   do_sample=False, pad_token_id=0)
+        output = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
+                                   pad_token_id=0)
     return output[0, len(prompt_ids):].tolist()
 
 

@@ -145,14 +145,15 @@ class MLP(nn.Module):
 class SparseMoeMLP(nn.Module):
     """Mixtral, Qwen2/3-MoE, as transformers runs them: the router's softmax (in float32) picks each
     token's top k experts, renormalized over those k where the family does; each expert, a gated MLP,
-    runs on the tokens routed to it, and its outputs are added in expert order, weighted. A token's
-    sum so depends on its own routing only (batch invariance), and each expert's matmuls are packed
-    like every other (packed_linear). Qwen2-MoE adds a shared expert, scaled by sigmoid(shared_expert_gate(x))."""
+    runs on the tokens routed to it, and its outputs are added in expert order, weighted, in float32
+    and rounded to the model's dtype once (as transformers' grouped experts do). A token's sum so
+    depends on its own routing only (batch invariance), and each expert's matmuls are packed like
+    every other (packed_linear). Qwen2-MoE adds a shared expert, scaled by sigmoid(shared_expert_gate(x))."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         moe = config.moe
-        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.top_k, self.renormalize, self.rounds_weights = moe.top_k, moe.renormalize, moe.rounds_weights
         self.gate = PackedLinear(config.hidden_size, moe.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(config, moe.expert_intermediate_size) for _ in range(moe.num_experts))
         self.shared_expert = self.shared_expert_gate = None
@@ -165,11 +166,13 @@ class SparseMoeMLP(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
+        if self.rounds_weights:
+            weights = weights.to(x.dtype)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for expert in chosen.unique().tolist():  # ascending
             tokens, slots = (chosen == expert).nonzero(as_tuple=True)
-            out.index_add_(0, tokens, self.experts[expert](x[tokens]) * weights[tokens, slots, None])
+            out.index_add_(0, tokens, (self.experts[expert](x[tokens]) * weights[tokens, slots, None]).float())
+        out = out.to(x.dtype)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -50,6 +50,7 @@ class MoeConfig:
     top_k: int
     expert_intermediate_size: int
     renormalize: bool  # the top k weights are divided by their sum (Mixtral always; Qwen: norm_topk_prob)
+    rounds_weights: bool  # the router's weights are rounded to the model's dtype (Qwen) or stay float32 (Mixtral)
     shared_intermediate_size: int  # Qwen2-MoE: a shared expert every token takes, gated by a sigmoid; 0 = none
     sparse_layers: tuple[bool, ...]  # per layer: the sparse MLP (True) or a dense one of intermediate_size
 
@@ -157,7 +158,7 @@ class ModelConfig:
 
 # transformers' per-family defaults for fields a config.json may leave out
 _DEFAULT_HEAD_DIMS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
-_DEFAULT_RMS_NORM_EPS = {"phi3": 1e-5}
+_DEFAULT_RMS_NORM_EPS = {"phi3": 1e-5, "mixtral": 1e-5}
 # transformers' names for the same functions (NewGELUActivation is the tanh approximation; swish is SiLU)
 _ACTIVATION_ALIASES = {"gelu_new": "gelu_pytorch_tanh", "gelu_fast": "gelu_pytorch_tanh", "swish": "silu"}
 # Fields that change the computation in ways this engine does not implement: refused by name.
@@ -210,25 +211,28 @@ def _moe(raw: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | N
         return _checked_moe(MoeConfig(
             num_experts=_num_experts(raw, 8), top_k=int(raw.get("num_experts_per_tok", 2)),
             expert_intermediate_size=_required_int(raw, "intermediate_size"), renormalize=True,
-            shared_intermediate_size=0, sparse_layers=(True,) * num_layers))
+            rounds_weights=False, shared_intermediate_size=0, sparse_layers=(True,) * num_layers))
     if raw.get("use_sliding_window"):
         raise ValueError(f"config.json: use_sliding_window: sliding windows are not supported for {model_type}")
     num_experts = _num_experts(raw, 60 if model_type == "qwen2_moe" else 128)
     dense_layers = set(raw.get("mlp_only_layers") or ())
     step = int(raw.get("decoder_sparse_step", 1))
+    if step <= 0:
+        raise ValueError(f"config.json: decoder_sparse_step must be a positive integer, got {step}")
     return _checked_moe(MoeConfig(
         num_experts=num_experts, top_k=int(raw.get("num_experts_per_tok", 4 if model_type == "qwen2_moe" else 8)),
         expert_intermediate_size=_required_int(raw, "moe_intermediate_size"),
-        renormalize=bool(raw.get("norm_topk_prob", False)),
+        renormalize=bool(raw.get("norm_topk_prob", False)), rounds_weights=True,
         shared_intermediate_size=int(raw.get("shared_expert_intermediate_size", 5632))
         if model_type == "qwen2_moe" else 0,
-        sparse_layers=tuple(i not in dense_layers and num_experts > 0 and step > 0 and (i + 1) % step == 0
+        sparse_layers=tuple(i not in dense_layers and num_experts > 0 and (i + 1) % step == 0
                             for i in range(num_layers))))
 
 
 def _num_experts(raw: dict[str, Any], default: int) -> int:
-    """Qwen's checkpoints say num_experts, Mixtral's num_local_experts; transformers 5 writes the latter for all."""
-    return int(raw.get("num_experts", raw.get("num_local_experts", default)))
+    """Qwen's checkpoints say num_experts, Mixtral's num_local_experts; transformers 5 writes the latter for all
+    (and reads it first where both are given)."""
+    return int(raw.get("num_local_experts", raw.get("num_experts", default)))
 
 
 def _checked_moe(moe: MoeConfig) -> MoeConfig:

@@ -68,12 +68,15 @@ def read_layer_ropes(raw: dict[str, Any], head_dim: int) -> tuple[RopeConfig, Ro
     return read_rope(raw, head_dim, full), read_rope(raw, head_dim, sliding)
 
 
+_DEFAULT_THETAS = {"mixtral": 1_000_000.0}  # transformers' rope_theta where a config.json leaves it out (else 10000)
+
+
 def read_rope(raw: dict[str, Any], head_dim: int, params: dict[str, Any] | None = None) -> RopeConfig:
     """The RoPE settings of a config.json (either layout; `params`: those of one layer type);
     ValueError naming what is unsupported."""
     if params is None:
         params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", raw.get("rope_theta", _DEFAULT_THETAS.get(raw.get("model_type"), 10000.0))))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(

@@ -467,6 +467,23 @@ def test_fields_left_out_take_transformers_per_family_defaults():
     assert set(mistral.layer_windows) == {4096}  # MistralConfig's sliding_window
 
 
+HF_CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+                     "phi3": "Phi3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "granite": "GraniteConfig",
+                     "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig"}
+
+
+@pytest.mark.parametrize("model_type", sorted(HF_CONFIG_CLASSES))
+def test_a_left_out_norm_epsilon_and_rope_theta_take_transformers_defaults(model_type):
+    """Found by a review: Mixtral's are 1e-5 and 1e6, not the Llama family's 1e-6 and 1e4."""
+    transformers = pytest.importorskip("transformers")
+    reference = getattr(transformers, HF_CONFIG_CLASSES[model_type])()
+    raw = {k: v for k, v in base_config(model_type=model_type, moe_intermediate_size=64).items()
+           if k not in ("rms_norm_eps", "rope_theta")}
+    config = ModelConfig.from_dict(raw)
+    assert config.rms_norm_eps == reference.rms_norm_eps
+    assert config.rope.theta == reference.rope_parameters["rope_theta"]
+
+
 def test_gemma3_keeps_attn_logit_softcapping_unapplied_as_transformers_does():
     gemma3 = ModelConfig.from_dict(base_config(model_type="gemma3_text", head_dim=64, attn_logit_softcapping=0.5))
     gemma2 = ModelConfig.from_dict(base_config(model_type="gemma2", head_dim=64, attn_logit_softcapping=0.5))

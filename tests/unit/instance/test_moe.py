@@ -1,9 +1,11 @@
 """Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE): greedy tokens equal transformers' on the
-same random weights, alone and in a busy batch (each expert sees other rows), and the config's MoE fields
-are read as transformers reads them."""
+same random weights (biases and norms random too; a prompt prefilled in chunks; Mixtral with a sliding
+window shorter than the sequences), alone and in a busy batch (each expert sees other rows); a bfloat16
+sparse MLP gives transformers' bits; and the config's MoE fields are read as transformers reads them."""
 
 from __future__ import annotations
 
+import copy
 import pathlib
 from dataclasses import replace
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from services.instance.engine.factory import EngineSpec, build_engine
+from services.instance.engine.model import load_model
 from services.instance.engine.model_config import ModelConfig
 from services.instance.engine.request import SamplingParams
 from services.instance.models import build_tiny_model
@@ -24,7 +27,8 @@ COMMON = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, num_hidden_layers=3, n
               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=0,
               pad_token_id=0, initializer_range=0.2)
 FAMILIES = {
-    "mixtral": (transformers.MixtralConfig, dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral": (transformers.MixtralConfig, dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                                                 sliding_window=7)),
     # a shared expert; layer 1 dense; top 2 of 6 not renormalized
     "qwen2_moe": (transformers.Qwen2MoeConfig, dict(intermediate_size=96, moe_intermediate_size=48, num_experts=6,
                                                     num_experts_per_tok=2, shared_expert_intermediate_size=80,
@@ -34,7 +38,8 @@ FAMILIES = {
                                                     num_experts_per_tok=3, norm_topk_prob=True, head_dim=16,
                                                     decoder_sparse_step=2)),
 }
-PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2, 250, 31], [64, 65, 66, 67, 68, 69, 70, 71, 72], [9]]
+PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2, 250, 31], [64, 65, 66, 67, 68, 69, 70, 71, 72], [9],
+           [(7 * i) % 500 + 3 for i in range(40)]]  # prefilled in chunks of one 16-token block
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -49,21 +54,25 @@ def family(request, tmp_path_factory) -> tuple[pathlib.Path, object]:
         for name, parameter in hf_model.named_parameters():
             if "norm" in name:
                 parameter.normal_(1.0, 0.1)
+            elif name.endswith("bias"):
+                parameter.normal_(0.0, 0.1)
     hf_model.save_pretrained(model_dir)
     return model_dir, hf_model
 
 
 def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy tokens, end-of-sequence included where it is the argmax, as `ignore_eos` takes it
+    (min_new_tokens would mask it instead: a black-box run found a prompt where that differs)."""
+    hf_model.generation_config.eos_token_id = None
     with torch.no_grad():
-        output = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                   do_sample=False, pad_token_id=0)
+        output = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
     return output[0, len(prompt):].tolist()
 
 
 def test_greedy_tokens_equal_transformers_alone_and_batched(family, tmp_path):
     model_dir, hf_model = family
     loaded = build_engine(EngineSpec(model_dir, kv_name=f"ferry-test-moe-{tmp_path.name}", kv_cache_mib=8,
-                                     max_num_batched_tokens=64))
+                                     max_num_seqs=8, max_num_batched_tokens=24))
     try:
         greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
         expected = [hf_greedy(hf_model, prompt, 20) for prompt in PROMPTS]
@@ -100,6 +109,18 @@ def test_logprobs_are_the_same_bits_alone_and_beside_requests_routed_elsewhere(f
         loaded.close()
 
 
+def test_a_bfloat16_sparse_mlp_gives_transformers_bits(family):
+    """Found by a review: the weighted sum was rounded to bfloat16 after every expert (and Mixtral's router
+    weights rounded too); transformers' grouped experts add in float32 and round once."""
+    model_dir, hf_model = family
+    ours = load_model(model_dir, dtype=torch.bfloat16)
+    theirs = copy.deepcopy(hf_model).to(torch.bfloat16)
+    layer = ModelConfig.from_dir(model_dir).moe.sparse_layers.index(True)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ours.layers[layer].mlp(x), theirs.model.layers[layer].mlp(x[None])[0])
+
+
 def test_config_reads_the_experts_as_transformers_does(family):
     model_dir, _ = family
     config = ModelConfig.from_dir(model_dir)
@@ -117,6 +138,7 @@ def test_config_reads_the_experts_as_transformers_does(family):
 
 @pytest.mark.parametrize("changes, message", [
     ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 must be between 1 and the number of experts \\(8\\)"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer, got 0"),
     ({"use_sliding_window": True}, "use_sliding_window: sliding windows are not supported for qwen3_moe"),
 ])
 def test_an_expert_setting_that_cannot_run_is_refused(changes, message):

@@ -25,10 +25,12 @@ from services.instance.models.tiny import TINY_IDS, build_tiny_model
 LOGIT_SCALE = 50.0
 
 
-def build_scripted_model(out_dir: pathlib.Path, script: Sequence[str], chat_template: str) -> pathlib.Path:
+def build_scripted_model(out_dir: pathlib.Path, script: Sequence[str], chat_template: str,
+                         special: Sequence[str] = ()) -> pathlib.Path:
+    """`special`: pieces added as special tokens (left out of output text, as Mistral's [TOOL_CALLS])."""
     base = build_tiny_model(out_dir.with_name(out_dir.name + "-base"), "mha-untied", seed=0)
     shutil.copytree(base, out_dir)
-    piece_ids = _add_piece_tokens(out_dir, script)
+    piece_ids = _add_piece_tokens(out_dir, script, special)
     _set_chat_template(out_dir, chat_template)
     prompt_ids = Tokenizer.from_dir(out_dir).encode_chat([{"role": "user", "content": "hi"}])
     chain = [prompt_ids[-1], *piece_ids]
@@ -52,9 +54,10 @@ def _grow_vocabulary(folder: pathlib.Path, vocab_size: int) -> None:
     save_file(tensors, folder / "model.safetensors")
 
 
-def _add_piece_tokens(folder: pathlib.Path, script: Sequence[str]) -> list[int]:
+def _add_piece_tokens(folder: pathlib.Path, script: Sequence[str], special: Sequence[str]) -> list[int]:
     tokenizer = HfTokenizer.from_file(str(folder / "tokenizer.json"))
-    tokenizer.add_tokens([AddedToken(piece, special=False, normalized=False) for piece in script])
+    tokenizer.add_special_tokens([AddedToken(piece, special=True, normalized=False) for piece in special])
+    tokenizer.add_tokens([AddedToken(piece, special=False, normalized=False) for piece in script if piece not in special])
     (folder / "tokenizer.json").write_text(tokenizer.to_str())
     ids = [tokenizer.token_to_id(piece) for piece in script]
     if len(set(ids)) != len(ids):

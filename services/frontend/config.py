@@ -41,8 +41,9 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, ClientTlsKnobs, LogKnobs):
     tool_call_parser: ToolCallParserSetting = knob(
         ToolCallParserSetting.AUTO, "how tool calls are read from chat answers when a request sends tools (with "
         "tool_choice auto): hermes (<tool_call>{json}</tool_call>: Qwen2.5/3, Hermes, SmolLM3), llama3_json "
-        "(Llama 3.1+: the answer is {\"name\", \"parameters\"} JSON), auto (the format the chat template shows, "
-        "if any) or none (tools only with tool_choice none)")
+        "(Llama 3.1+: the answer is {\"name\", \"parameters\"} JSON), mistral ([TOOL_CALLS] then a JSON list of "
+        "calls, or name[ARGS]{...} calls where the chat template shows [ARGS]), auto (the format the chat template "
+        "shows, if any) or none (tools only with tool_choice none)")
     max_model_len: int = knob(0, "longest prompt + output in tokens (0 = the longest the model serves: max_position_embeddings from config.json, or less for longrope RoPE)")
     dispatch_timeout_s: float = knob(0.2, "deadline of ManagerService/Dispatch; past it the frontend picks an instance itself")
     generate_timeout_s: float = knob(600.0, "longest wait for the next chunk of an instance's token stream "

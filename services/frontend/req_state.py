@@ -36,7 +36,8 @@ class Delta:
 
 
 class ReqState:
-    def __init__(self, request_id: RequestId, prompt_token_ids: Sequence[int], decode: Decode) -> None:
+    def __init__(self, request_id: RequestId, prompt_token_ids: Sequence[int], decode: Decode,
+                 shown_ids: frozenset[int] = frozenset()) -> None:
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.token_ids: list[int] = []  # invariant: token_ids[i] is output token i; never shrinks
@@ -48,6 +49,7 @@ class ReqState:
         self.num_resumes = 0
         self.num_handoffs = 0  # live migrations followed
         self._decode = decode
+        self._shown_ids = shown_ids  # special tokens `decode` shows and the instance's text leaves out
         self._pending: list[Delta] = []
         self._event = asyncio.Event()
 
@@ -71,7 +73,7 @@ class ReqState:
         new_ids = chunk.token_ids[skip:] if skip < len(chunk.token_ids) else ()
         if not new_ids and chunk.finish_reason is None:
             return None
-        text = chunk.text if skip == 0 else self._text_of(new_ids)
+        text = chunk.text if skip == 0 and self._shown_ids.isdisjoint(new_ids) else self._text_of(new_ids)
         delta = Delta(have, tuple(new_ids), text, tuple(chunk.logprobs[skip:]), chunk.finish_reason)
         if have == 0 and chunk.token_index == 0:
             self.prompt_logprobs = chunk.prompt_logprobs

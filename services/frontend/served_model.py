@@ -17,7 +17,8 @@ from services.frontend.openai_protocol import (ChatTemplateOptions, Endpoint, Pa
                                                check_in_vocabulary, check_prompt_token_ids)
 from services.frontend.structured_output import checked_grammar
 from services.frontend.tokenize_protocol import TokenizeRequest
-from services.frontend.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolCallFormat, ToolCallParserSetting
+from services.frontend.tool_calls import (HERMES_CLOSE, HERMES_OPEN, MISTRAL_MARKERS, ToolCallFormat,
+                                          ToolCallParserSetting)
 from services.frontend.tool_grammar import tool_call_grammar
 from services.instance.engine.context_window import checked_max_model_len, context_limit  # no torch
 from services.instance.engine.tokenizer import Tokenizer  # tokenizers + jinja2, no torch
@@ -51,6 +52,7 @@ class ServedModel:
     tool_call_format: ToolCallFormat | None = None  # how its answers call tools; None: not parsed
     no_tool_calls_because: str = "its chat template shows no tool-call format ferry parses"
     tool_tag_token_ids: tuple[tuple[str, int], ...] = ()  # the format's tags its vocabulary holds as one token
+    shown_marker_ids: tuple[tuple[int, str], ...] = ()  # mistral: special tokens shown to the tool-call parser
 
     @classmethod
     def load(cls, folder: pathlib.Path, name: str, max_model_len: int = 0,
@@ -75,9 +77,11 @@ class ServedModel:
         if hidden:
             return replace(self, tool_call_format=None, no_tool_calls_because=(
                 f"its tokenizer marks {' and '.join(hidden)} special, so they never reach the answer's text"))
-        tags = (HERMES_OPEN, HERMES_CLOSE) if format_ is ToolCallFormat.HERMES else ()
+        tags = (HERMES_OPEN, HERMES_CLOSE) if format_ is ToolCallFormat.HERMES else \
+            MISTRAL_MARKERS if format_ is not None and format_.is_mistral else ()
         single = [(tag, ids[0]) for tag in tags if len(ids := self.tokenizer.encode(tag, add_special_tokens=False)) == 1]
-        return replace(self, tool_call_format=format_, tool_tag_token_ids=tuple(single))
+        shown = [(token_id, tag) for tag, token_id in single if format_.is_mistral and self.is_hidden(token_id)]
+        return replace(self, tool_call_format=format_, tool_tag_token_ids=tuple(single), shown_marker_ids=tuple(shown))
 
     def _hides(self, text: str) -> bool:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -120,7 +124,7 @@ class ServedModel:
             what = "calls cannot be forced nor read" if parsed.tool_use.is_forced else "calls cannot be read"
             raise RequestError(
                 f"tools: {what} from this model's answers: {self.no_tool_calls_because} (ferry reads "
-                "hermes <tool_call> JSON and llama3 JSON); set tool_choice to \"none\" (the tools are shown, "
+                "hermes <tool_call> JSON, llama3 JSON and mistral [TOOL_CALLS]); set tool_choice to \"none\" (the tools are shown, "
                 "nothing is parsed), or start the frontend with --tool-call-parser", param="tools")
 
     def _prepared(self, prompt: Prompt, name: str, parsed: ParsedRequest) -> PreparedPrompt:
@@ -166,6 +170,18 @@ class ServedModel:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
+
+    def decode_showing_markers(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids` with the tool-call markers that are special tokens in it (Mistral's
+        [TOOL_CALLS] and [ARGS]): what the tool-call parser reads; other special tokens are left out."""
+        shown = dict(self.shown_marker_ids)
+        pieces, start = [], 0
+        for at, token_id in enumerate(token_ids):
+            if token_id in shown:
+                pieces += [self.tokenizer.decode(list(token_ids[start:at])), shown[token_id]]
+                start = at + 1
+        pieces.append(self.tokenizer.decode(list(token_ids[start:])))
+        return "".join(pieces)
 
     def token_text(self, token_id: int) -> str:
         return _token_text(self.tokenizer, token_id)

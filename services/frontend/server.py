@@ -211,11 +211,19 @@ class FrontendServer:
         if seed_offset and sampling.seed is not None:
             sampling = replace(sampling, seed=(sampling.seed + seed_offset) % 2**64)
         sub_id = request_id if parsed.num_choices == 1 else RequestId(f"{request_id}-{index}")
-        state = ReqState(sub_id, prompt_ids, self._model.decode)
+        state = self._req_state(parsed, sub_id, prompt_ids)
         formatter = ResponseFormatter(parsed, request_id, created, self._model, index, echo_text,
                                       self._model.tool_call_format)
         spec = GenerateSpec(sub_id, tuple(prompt_ids), sampling, parsed.priority, prefix_chunk_keys=prefix_keys)
         return Choice(state, spec, formatter)
+
+    def _req_state(self, parsed: ParsedRequest, request_id: RequestId, prompt_ids: Sequence[int]) -> ReqState:
+        """A choice's state; where its answer's tool calls are read, with the markers the parser needs in its text."""
+        shown = self._model.shown_marker_ids
+        if parsed.endpoint is Endpoint.CHAT and parsed.tool_use.parses_calls and shown:
+            return ReqState(request_id, prompt_ids, self._model.decode_showing_markers,
+                            frozenset(token_id for token_id, _ in shown))
+        return ReqState(request_id, prompt_ids, self._model.decode)
 
     async def _parse(self, request: web.Request, endpoint: Endpoint) -> tuple[ParsedRequest, str | None]:
         """The request, and the id its client named it with (request_ids.py), if any."""

@@ -1,12 +1,19 @@
 """Tool calls in a chat answer's text: which format the model writes them in, and a parser
 that splits the text, as it streams, into content and whole tool calls.
 
-Two formats, as vLLM's parsers of the same names read them:
+Three formats, as vLLM's parsers of the same names read them:
 
 * `hermes` (Qwen2.5, Qwen3, Hermes, SmolLM3 and other templates that show `<tool_call>`):
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around them;
 * `llama3_json` (Llama 3.1+): the whole answer is one or more JSON objects
-  `{"name": ..., "parameters": {...}}`, separated by `;`.
+  `{"name": ..., "parameters": {...}}`, separated by `;`;
+* `mistral` (templates that show `[TOOL_CALLS]`): text, then `[TOOL_CALLS]` and the calls to the
+  end of the answer, either a JSON list `[{"name": ..., "arguments": {...}}, ...]` (Mistral 7B
+  v0.3, Mixtral 8x22B) or `name[ARGS]{...}` for each call, each after a `[TOOL_CALLS]` of its
+  own (Mistral Small 3.2, Devstral). `[TOOL_CALLS]` and `[ARGS]` are special tokens, left out of
+  the text a client sees; a request that reads calls gets them in its answer's text
+  (ServedModel.shown_marker_ids). Mistral's templates take call ids of 9 letters and digits
+  only, so calls in this format get such ids.
 
 `ToolCallParser` is fed the text as it streams and gives back the content that is now
 certain and the tool calls completed; a whole answer is parsed by feeding it at once, so
@@ -26,6 +33,12 @@ from typing import Any
 class ToolCallFormat(enum.Enum):
     HERMES = "hermes"
     LLAMA3_JSON = "llama3_json"
+    MISTRAL = "mistral"  # [TOOL_CALLS] [{"name": ..., "arguments": ...}, ...]
+    MISTRAL_ARGS = "mistral_args"  # [TOOL_CALLS]name[ARGS]{...} per call
+
+    @property
+    def is_mistral(self) -> bool:
+        return self in (ToolCallFormat.MISTRAL, ToolCallFormat.MISTRAL_ARGS)
 
 
 class ToolCallParserSetting(enum.Enum):
@@ -34,15 +47,20 @@ class ToolCallParserSetting(enum.Enum):
     AUTO = "auto"  # the format the model's chat template shows, if any
     HERMES = "hermes"
     LLAMA3_JSON = "llama3_json"
+    MISTRAL = "mistral"
     NONE = "none"  # parse no tool calls: tools are refused unless tool_choice is "none"
 
     def format_for(self, chat_template: str | None) -> ToolCallFormat | None:
         if self is ToolCallParserSetting.AUTO:
             return detect_format(chat_template)
+        if self is ToolCallParserSetting.MISTRAL:  # which of its two shapes: the template shows it
+            return ToolCallFormat.MISTRAL_ARGS if MISTRAL_ARGS in (chat_template or "") else ToolCallFormat.MISTRAL
         return None if self is ToolCallParserSetting.NONE else ToolCallFormat(self.value)
 
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+MISTRAL_MARKERS = (MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID)
 
 
 def detect_format(chat_template: str | None) -> ToolCallFormat | None:
@@ -53,7 +71,17 @@ def detect_format(chat_template: str | None) -> ToolCallFormat | None:
         return None if "<function=" in chat_template else ToolCallFormat.HERMES
     if "<|python_tag|>" in chat_template or ('"parameters"' in chat_template and "ipython" in chat_template):
         return ToolCallFormat.LLAMA3_JSON
+    if MISTRAL_CALLS in chat_template:
+        return ToolCallFormat.MISTRAL_ARGS if MISTRAL_ARGS in chat_template else ToolCallFormat.MISTRAL
     return None
+
+
+def mistral_call_id() -> str:
+    """Nine letters and digits: Mistral's chat templates refuse other ids when the call comes back."""
+    return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+
+
+_ALPHANUMERIC = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +116,11 @@ def call_from_json(text: str, arguments_keys: tuple[str, ...] = ("arguments", "p
 def _call_from_object(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
-    arguments = next((value[key] for key in arguments_keys if key in value), None)
+    return _call(value["name"], next((value[key] for key in arguments_keys if key in value), None))
+
+
+def _call(name: str, arguments: Any, id_: str | None = None) -> ToolCall | None:
+    """A call of `name` with `arguments` (a dict, its JSON text, or None for none); None if they are not an object."""
     if arguments is None:
         arguments = {}
     elif isinstance(arguments, str):  # some models write the arguments as a JSON string already
@@ -98,7 +130,8 @@ def _call_from_object(value: Any, arguments_keys: tuple[str, ...]) -> ToolCall |
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    text = json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(name, text) if id_ is None else ToolCall(name, text, id_)
 
 
 class ToolCallParser:
@@ -123,6 +156,8 @@ class ToolCallParser:
         self._buffer += text
         if self._format is ToolCallFormat.HERMES:
             return self._hermes(is_final=is_last)
+        if self._format.is_mistral:
+            return self._mistral(is_final=is_last)
         return self._llama3(is_final=is_last)
 
     # ---- hermes --------------------------------------------------------------------------
@@ -192,6 +227,52 @@ class ToolCallParser:
         if calls is None:
             return Parsed(text)
         return Parsed("", tuple(c for call in calls for c in self._counted(call)))
+
+
+    # ---- mistral -------------------------------------------------------------------------
+
+    def _mistral(self, is_final: bool) -> Parsed:
+        """Content up to the first [TOOL_CALLS]; from there to the end, calls (known whole at the end)."""
+        content = ""
+        if not self._in_call:
+            start = self._buffer.find(MISTRAL_CALLS)
+            if start < 0:
+                keep = 0 if is_final else _partial_tag_length(self._buffer, MISTRAL_CALLS)
+                text, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+                return Parsed(self._text(text, is_final=is_final))
+            content = self._text(self._buffer[:start])
+            self._buffer, self._in_call = self._buffer[start:], True
+        if not is_final:
+            return Parsed(content)
+        text, self._buffer = self._buffer, ""
+        calls = _mistral_calls(text)
+        if calls is None:  # not calls after all: the model's text, as it wrote it
+            return Parsed(content + self._held_whitespace + text)
+        self._held_whitespace = ""
+        return Parsed(content, tuple(c for call in calls for c in self._counted(call)))
+
+
+def _mistral_calls(text: str) -> list[ToolCall] | None:
+    """`[TOOL_CALLS] [{...}, ...]` or `[TOOL_CALLS]name[ARGS]{...}[TOOL_CALLS]...` as calls; None if any
+    part is not one."""
+    calls = []
+    for part in text.split(MISTRAL_CALLS)[1:]:
+        part = part.strip()
+        if part.startswith("["):
+            try:
+                values = json.loads(part)
+            except ValueError:
+                return None
+            found = [_call_from_object(v, ("arguments",)) for v in values] if isinstance(values, list) else [None]
+            found = [call and ToolCall(call.name, call.arguments, mistral_call_id()) for call in found]
+        else:
+            name, args, arguments = part.partition(MISTRAL_ARGS)
+            name = name.partition(MISTRAL_CALL_ID)[0].strip()
+            found = [_call(name, arguments.strip(), mistral_call_id()) if args and name else None]
+        if not found or None in found:
+            return None
+        calls += found
+    return calls or None
 
 
 def _json_calls(text: str) -> list[ToolCall] | None:

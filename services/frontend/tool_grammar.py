@@ -11,8 +11,12 @@ Lark in llguidance's dialect, each call a `%json {...}` schema of the whole call
 
     start: call ("\n" call)*                       # hermes; llama3_json separates calls with "; "
     call: "<tool_call>" "\n" (fn0 | fn1) "\n" "</tool_call>"
+                                                  # mistral: "[TOOL_CALLS]" " [" call (", " call)* "]"
     fn0: %json {"type": "object", "properties": {"name": {"const": "get_weather"},
                 "arguments": {...its parameters...}}, "required": ["name", "arguments"], ...}
+
+Mistral's `name[ARGS]{...}` calls are `call: "[TOOL_CALLS]" (fn0 | fn1)` with
+`fn0: "get_weather" "[ARGS]" %json {...its parameters...}`.
 
 Keys come in the schema's order (name, then the arguments), as the formats show them, and
 in ferry's JSON whitespace (structured_output.JSON_WHITESPACE). The parser reads the calls
@@ -28,7 +32,7 @@ from typing import Any
 
 from services.frontend.structured_output import (JSON_WHITESPACE, OutputConstraint, checked_grammar,
                                                 json_schema_grammar)
-from services.frontend.tool_calls import HERMES_CLOSE, HERMES_OPEN, ToolCallFormat
+from services.frontend.tool_calls import HERMES_CLOSE, HERMES_OPEN, MISTRAL_ARGS, MISTRAL_CALLS, ToolCallFormat
 from services.frontend.tool_protocol import FunctionTool, ToolUse
 
 
@@ -39,11 +43,15 @@ class _Format:
     closing: tuple[str, ...]  # after it
     separator: str  # between two calls
     arguments_key: str  # the call object's key for the arguments
+    before_calls: tuple[str, ...] = ()  # before the first call
+    after_calls: tuple[str, ...] = ()  # after the last
 
 
 _FORMATS = {
     ToolCallFormat.HERMES: _Format((HERMES_OPEN, "\n"), ("\n", HERMES_CLOSE), "\n", "arguments"),
     ToolCallFormat.LLAMA3_JSON: _Format((), (), "; ", "parameters"),
+    ToolCallFormat.MISTRAL: _Format((), (), ", ", "arguments", (MISTRAL_CALLS, " ["), ("]",)),
+    ToolCallFormat.MISTRAL_ARGS: _Format((MISTRAL_CALLS,), (), "", "arguments"),
 }
 
 
@@ -53,14 +61,18 @@ def tool_call_grammar(tool_use: ToolUse, format_: ToolCallFormat, answer: Output
     constraint and tool_choice auto: those calls or that answer); a 400 naming the tool whose
     parameters llguidance refuses. `tag_token_ids`: the format's tags that the model's
     vocabulary holds as one token (Qwen's <tool_call>), which the grammar also takes by id."""
-    spec = _FORMATS[format_]
-    functions = [_checked_function_schema(function, spec.arguments_key) for function in tool_use.functions]
-    opening, closing = (" ".join(_piece(p, tag_token_ids or {}) for p in pieces)
-                        for pieces in (spec.opening, spec.closing))
+    spec, tags = _FORMATS[format_], tag_token_ids or {}
+    if format_ is ToolCallFormat.MISTRAL_ARGS:
+        functions = [_args_function_rule(function, tags) for function in tool_use.functions]
+    else:
+        functions = [f"%json {_checked_function_schema(function, spec.arguments_key)}" for function in tool_use.functions]
+    opening, closing, before, after = (" ".join(_piece(p, tags) for p in pieces) for pieces in (
+        spec.opening, spec.closing, spec.before_calls, spec.after_calls))
     one_call = f"{opening} ({' | '.join(f'fn{i}' for i in range(len(functions)))}) {closing}".strip()
-    calls = "call" if tool_use.max_calls == 1 else f"call ({json.dumps(spec.separator)} call)*"
+    calls = "call" if tool_use.max_calls == 1 else f"call ({json.dumps(spec.separator)} call)*".replace('"" ', "")
+    calls = f"{before} {calls} {after}".strip()
     lines = [f"start: {calls} | answer" if answer is not None else f"start: {calls}", f"call: {one_call}"]
-    lines += [f"fn{i}: %json {schema}" for i, schema in enumerate(functions)]
+    lines += [f"fn{i}: {rule}" for i, rule in enumerate(functions)]
     if answer is not None and answer.json_schema is not None:
         lines.append(f"answer: %json {_with_whitespace(json.loads(answer.json_schema))}")
     param = answer.param if answer is not None else "tool_choice"
@@ -74,6 +86,14 @@ def _piece(text: str, tag_token_ids: Mapping[str, int]) -> str:
     if text in tag_token_ids:
         return f"({json.dumps(text)} | <[{tag_token_ids[text]}]>)"
     return json.dumps(text)
+
+
+def _args_function_rule(function: FunctionTool, tag_token_ids: Mapping[str, int]) -> str:
+    """Mistral's `name[ARGS]{...}`: the name, the [ARGS] marker, JSON of the tool's parameters."""
+    param = f"tools[{function.index}].function.parameters"
+    schema = _with_whitespace(json.loads(function.parameters))
+    checked_grammar(json_schema_grammar(schema, param), param)
+    return f"{json.dumps(function.name)} {_piece(MISTRAL_ARGS, tag_token_ids)} %json {schema}"
 
 
 def _checked_function_schema(function: FunctionTool, arguments_key: str) -> str:

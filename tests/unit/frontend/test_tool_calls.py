@@ -1,4 +1,4 @@
-"""Tool calls read out of chat answers (hermes and llama3_json), whole and streamed."""
+"""Tool calls read out of chat answers (hermes, llama3_json and mistral), whole and streamed."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ from services.frontend.tool_calls import (Parsed, ToolCallFormat, ToolCallParser
 pytestmark = pytest.mark.timeout(30)
 
 HERMES, LLAMA3 = ToolCallFormat.HERMES, ToolCallFormat.LLAMA3_JSON
+MISTRAL, MISTRAL_ARGS = ToolCallFormat.MISTRAL, ToolCallFormat.MISTRAL_ARGS
+MISTRAL_TEMPLATE = ('{%- if tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}'
+                    '{%- for m in messages %}{%- if m.tool_calls %}[TOOL_CALLS] {{ m.tool_calls | tojson }}'
+                    '{%- else %}{{ m.content }}{%- endif %}{%- endfor %}')
+MISTRAL_ARGS_TEMPLATE = '{%- for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments }}'
 QWEN_TEMPLATE = ("{% if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\nFor each "
                  "function call, return a json object within <tool_call></tool_call> XML tags{% endif %}")
 LLAMA3_TEMPLATE = ('{%- if tools %}Environment: ipython\nRespond in the format {"name": function name, '
@@ -41,6 +46,9 @@ def test_the_format_is_read_from_the_chat_template():
     assert ToolCallParserSetting.AUTO.format_for(QWEN_TEMPLATE) is HERMES
     assert ToolCallParserSetting.LLAMA3_JSON.format_for(None) is LLAMA3
     assert ToolCallParserSetting.NONE.format_for(QWEN_TEMPLATE) is None
+    assert detect_format(MISTRAL_TEMPLATE) is MISTRAL and detect_format(MISTRAL_ARGS_TEMPLATE) is MISTRAL_ARGS
+    assert ToolCallParserSetting.MISTRAL.format_for(MISTRAL_ARGS_TEMPLATE) is MISTRAL_ARGS
+    assert ToolCallParserSetting.MISTRAL.format_for(None) is MISTRAL
 
 
 def test_hermes_calls_and_the_text_around_them():
@@ -96,7 +104,28 @@ def test_hermes_streaming_holds_back_what_may_start_a_call():
     assert parser.has_called
 
 
+def test_mistral_calls_in_either_shape_and_the_text_before_them():
+    listed = whole(MISTRAL, 'Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                            '{"name": "now", "arguments": {}}]')
+    assert (listed.content, calls(listed)) == ("Let me check.", [("get_weather", {"city": "Paris"}), ("now", {})])
+    args = whole(MISTRAL_ARGS, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[CALL_ID]a1b2c3d4e[ARGS]{}')
+    assert (args.content, calls(args)) == ("", [("get_weather", {"city": "Paris"}), ("now", {})])
+    ids = [call.id for call in listed.tool_calls + args.tool_calls]
+    assert all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 4  # as Mistral's templates take them
+
+
+def test_mistral_text_that_is_no_call_stays_content_as_written():
+    for text in ["Paris.", "a [TOOL_CALLS] that is not JSON", "[TOOL_CALLS] [1, 2]", "[TOOL_CALLS]f[ARGS]not json",
+                 "[TOOL_CALLS]f", "ends with [TOOL_CA", ""]:
+        parsed = whole(MISTRAL, text)
+        assert (parsed.content, parsed.tool_calls) == (text, ()), text
+
+
 @pytest.mark.parametrize("format_,texts", [
+    (MISTRAL, ['Sure thing.\n\n[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Zürich 🌧"}}]',
+               "Just text, with [brackets] and [TOOL] words  ", "x [TOOL_CALLS] [not json",
+               '[TOOL_CALLS]f[ARGS]{"a": [1, 2]}[TOOL_CALLS]g[ARGS]{}']),
+
     (HERMES, ['Thinking about it.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich 🌧"}}\n'
               '</tool_call>\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
               "No tools needed: <tool> is not <tool_call and 2 < 3 >  ",

@@ -141,6 +141,28 @@ def test_a_tag_the_vocabulary_holds_as_one_added_token_is_taken_by_its_id(tiny_m
     assert not accepts(tool_call_grammar(forced, HERMES))  # llguidance's special reading of the tag
 
 
+@pytest.mark.parametrize("format_", [ToolCallFormat.MISTRAL, ToolCallFormat.MISTRAL_ARGS])
+def test_mistral_forced_calls_in_the_shape_the_template_shows_read_back_as_those_calls(matching, format_):
+    def call(name, arguments):
+        if format_ is ToolCallFormat.MISTRAL_ARGS:
+            return f"[TOOL_CALLS]{name}[ARGS]{json.dumps(arguments)}"
+        return json.dumps({"name": name, "arguments": arguments})
+
+    def answer(*calls):
+        return "".join(calls) if format_ is ToolCallFormat.MISTRAL_ARGS else f"[TOOL_CALLS] [{', '.join(calls)}]"
+
+    required = grammar(format_, tool_choice="required")
+    one, two = call("get_weather", {"city": "Paris"}), call("get_time", {"zone": "UTC"})
+    for text in (answer(one), answer(one, two)):
+        assert matching.accepts(required, text), text
+        assert parsed_calls(format_, text)[1][0] == ("get_weather", {"city": "Paris"})
+    bare = one.removeprefix("[TOOL_CALLS]")  # a call without the marker
+    for text in (answer(call("get_weather", {"city": "Paris", "unit": "K"})), bare, f"Sure. {answer(one)}", ""):
+        assert not matching.accepts(required, text), text
+    named = grammar(format_, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert matching.accepts(named, answer(two)) and not matching.accepts(named, answer(one))
+
+
 def test_refs_inside_parameters_point_into_them_not_into_the_call_object(matching):
     """Found by a review: "#" and "#/properties/..." resolved against the {name, arguments} wrapper."""
     tree = {"type": "function", "function": {"name": "tree", "parameters": {

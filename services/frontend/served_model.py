@@ -50,7 +50,6 @@ class ServedModel:
     vocab_size: int
     tokenizer: TextTokenizer
     tool_call_format: ToolCallFormat | None = None  # how its answers call tools; None: not parsed
-    no_tool_calls_because: str = "its chat template shows no tool-call format ferry parses"
     tool_tag_token_ids: tuple[tuple[str, int], ...] = ()  # the format's tags its vocabulary holds as one token
     shown_marker_ids: tuple[tuple[int, str], ...] = ()  # mistral: special tokens shown to the tool-call parser
 
@@ -71,21 +70,15 @@ class ServedModel:
         return model.with_tool_calls(tool_call_parser.format_for(tokenizer.tool_use_template or tokenizer.chat_template))
 
     def with_tool_calls(self, format_: ToolCallFormat | None) -> ServedModel:
-        """Tool calls read in `format_`, unless the tokenizer hides its tags: hermes tags that are
-        special tokens never reach the answer's text (special tokens are left out of it)."""
-        hidden = [tag for tag in (HERMES_OPEN, HERMES_CLOSE) if format_ is ToolCallFormat.HERMES and self._hides(tag)]
-        if hidden:
-            return replace(self, tool_call_format=None, no_tool_calls_because=(
-                f"its tokenizer marks {' and '.join(hidden)} special, so they never reach the answer's text"))
+        """Tool calls read in `format_`. Its tags that the vocabulary holds as one token are noted (forced
+        calls' grammars take them by id), and those that are special tokens, which the answer's text
+        leaves out (Mistral's [TOOL_CALLS], hermes tags some tokenizers mark special), are shown to the
+        parser of a request that reads calls (`shown_marker_ids`)."""
         tags = (HERMES_OPEN, HERMES_CLOSE) if format_ is ToolCallFormat.HERMES else \
             MISTRAL_MARKERS if format_ is not None and format_.is_mistral else ()
         single = [(tag, ids[0]) for tag in tags if len(ids := self.tokenizer.encode(tag, add_special_tokens=False)) == 1]
-        shown = [(token_id, tag) for tag, token_id in single if format_.is_mistral and self.is_hidden(token_id)]
+        shown = [(token_id, tag) for tag, token_id in single if self.is_hidden(token_id)]
         return replace(self, tool_call_format=format_, tool_tag_token_ids=tuple(single), shown_marker_ids=tuple(shown))
-
-    def _hides(self, text: str) -> bool:
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return len(ids) == 1 and self.is_hidden(ids[0])
 
     def prepared_prompts(self, parsed: ParsedRequest) -> list[PreparedPrompt]:
         """Each prompt's token ids (as given, or encoded), or the chat messages' through the template;
@@ -123,7 +116,7 @@ class ServedModel:
         if parsed.tool_use.parses_calls and self.tool_call_format is None:
             what = "calls cannot be forced nor read" if parsed.tool_use.is_forced else "calls cannot be read"
             raise RequestError(
-                f"tools: {what} from this model's answers: {self.no_tool_calls_because} (ferry reads "
+                f"tools: {what} from this model's answers: its chat template shows no tool-call format ferry parses (ferry reads "
                 "hermes <tool_call> JSON, llama3 JSON and mistral [TOOL_CALLS]); set tool_choice to \"none\" (the tools are shown, "
                 "nothing is parsed), or start the frontend with --tool-call-parser", param="tools")
 

@@ -147,8 +147,9 @@ def test_hermes_models_tool_use_template_shows_the_tools_and_sets_the_format(tin
     assert model.tokenizer.decode(with_tools) == "TOOLS f in <tool_call></tool_call>: hi"
 
 
-def test_hermes_tags_the_tokenizer_hides_turn_tool_calls_off_saying_why(tiny_model_dir, tmp_path):
-    """Special tokens are left out of the answer's text, so the calls could never be read."""
+def test_hermes_tags_the_tokenizer_hides_are_shown_to_the_tool_call_parser_only(tiny_model_dir, tmp_path):
+    """Special tokens are left out of the answer's text; a request that reads calls gets its tags back
+    in the text its parser reads (before, such a model refused tools with a 400)."""
     import shutil
     from tokenizers import AddedToken, Tokenizer as HfTokenizer
     from services.frontend.tool_calls import ToolCallFormat
@@ -158,10 +159,13 @@ def test_hermes_tags_the_tokenizer_hides_turn_tool_calls_off_saying_why(tiny_mod
     backend.add_special_tokens([AddedToken("<tool_call>", special=True), AddedToken("</tool_call>", special=True)])
     (folder / "tokenizer.json").write_text(backend.to_str())
     model = ServedModel.load(folder, "special").with_tool_calls(ToolCallFormat.HERMES)
-    assert model.tool_call_format is None
-    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}]}
-    with pytest.raises(RequestError, match="marks <tool_call> and </tool_call> special"):
-        token_ids_of(model, parse_chat_request(body, "special"))
+    assert model.tool_call_format is ToolCallFormat.HERMES
+    open_id, close_id = (backend.token_to_id(tag) for tag in ("<tool_call>", "</tool_call>"))
+    assert dict(model.shown_marker_ids) == {open_id: "<tool_call>", close_id: "</tool_call>"}
+    answer = [*model.tokenizer.encode("ok ", add_special_tokens=False), open_id,
+              *model.tokenizer.encode('{"name": "f"}', add_special_tokens=False), close_id]
+    assert model.decode(answer) == 'ok {"name": "f"}'
+    assert model.decode_showing_markers(answer) == 'ok <tool_call>{"name": "f"}</tool_call>'
 
 
 def test_sampling_token_ids_outside_the_vocabulary_are_refused_before_any_dispatch(model):

@@ -116,9 +116,10 @@ class ServedModel:
         if parsed.tool_use.parses_calls and self.tool_call_format is None:
             what = "calls cannot be forced nor read" if parsed.tool_use.is_forced else "calls cannot be read"
             raise RequestError(
-                f"tools: {what} from this model's answers: its chat template shows no tool-call format ferry parses (ferry reads "
-                "hermes <tool_call> JSON, llama3 JSON and mistral [TOOL_CALLS]); set tool_choice to \"none\" (the tools are shown, "
-                "nothing is parsed), or start the frontend with --tool-call-parser", param="tools")
+                f"tools: {what} from this model's answers: its chat template shows no tool-call format ferry "
+                "parses (ferry reads hermes <tool_call> JSON, llama3 JSON and mistral [TOOL_CALLS]); set "
+                "tool_choice to \"none\" (the tools are shown, nothing is parsed), or start the frontend with "
+                "--tool-call-parser", param="tools")
 
     def _prepared(self, prompt: Prompt, name: str, parsed: ParsedRequest) -> PreparedPrompt:
         all_ids = self._prompt_token_ids(prompt, parsed.add_special_tokens)

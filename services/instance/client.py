@@ -30,11 +30,12 @@ class InstanceClient:
 
     async def prepare_migrate_in(self, migration_id: str, request_id: str, src_instance_id: str,
                                  num_blocks: int, grow_only: bool = False,
-                                 block_hashes: Sequence[bytes] = ()) -> Reservation:
+                                 block_hashes: Sequence[bytes] = (), timeout_s: float | None = None) -> Reservation:
+        """`timeout_s`: a deadline shorter than the client's own, for this call only."""
         request = instance_pb2.PrepareMigrateInRequest(migration_id=migration_id, request_id=request_id,
                                                        src_instance_id=src_instance_id, num_blocks=num_blocks,
                                                        grow_only=grow_only, block_hashes=list(block_hashes))
-        return reservation_from_proto(await self._call("PrepareMigrateIn", request, request_id))
+        return reservation_from_proto(await self._call("PrepareMigrateIn", request, request_id, timeout_s))
 
     async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None:
         request = instance_pb2.CommitMigrateInRequest(migration_id=migration_id, state=request_state_to_proto(state),
@@ -49,11 +50,12 @@ class InstanceClient:
         reply = await self._call("Abort", instance_pb2.AbortRequest(request_id=request_id), request_id)
         return reply.was_running
 
-    async def _call(self, method: str, request, request_id: str | None = None):
+    async def _call(self, method: str, request, request_id: str | None = None, timeout_s: float | None = None):
+        timeout_s = self._timeout_s if timeout_s is None else min(timeout_s, self._timeout_s)
         try:
             async with self._pool.use(self._address) as channel:
                 call = getattr(instance_pb2_grpc.InstanceServiceStub(channel), method)
-                return await call(request, timeout=self._timeout_s, metadata=request_metadata(request_id) or None)
+                return await call(request, timeout=timeout_s, metadata=request_metadata(request_id) or None)
         except grpc.aio.AioRpcError as exc:  # gRPC's words ("Socket closed") do not say who
             raise error_from_rpc(exc, peer=f"the destination instance at {self._address}") from None
 

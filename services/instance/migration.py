@@ -58,6 +58,9 @@ class MigrateOutPlan:
     exclude_request_ids: frozenset[str] = frozenset()  # never picked (e.g. the manager's cooldown)
     max_stages: int | None = None  # live stages; None = --migration-max-stages, 0 = one stop-and-copy (PD hand-off)
     held: HeldRequest | None = None  # parked with its state already (PD hand-off): no engine call to suspend it
+    # the first PrepareMigrateIn's deadline where shorter than --migration-rpc-timeout-s (a PD hand-off, whose request
+    # waits parked meanwhile: --pd-handoff-hold-s); None = that flag
+    prepare_timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +111,7 @@ class DestinationPeer(Protocol):
 
     async def prepare_migrate_in(self, migration_id: str, request_id: str, src_instance_id: str,
                                  num_blocks: int, grow_only: bool = False,
-                                 block_hashes: Sequence[bytes] = ()) -> Reservation: ...
+                                 block_hashes: Sequence[bytes] = (), timeout_s: float | None = None) -> Reservation: ...
 
     async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None: ...
 
@@ -356,7 +359,8 @@ class MigrationDriver:
         is_first = a.reservation is None
         a.reservation = await a.peer.prepare_migrate_in(a.migration_id, a.request_id, self._settings.instance_id,
                                                         num_wanted, grow_only=not is_first,
-                                                        block_hashes=view.block_hashes if is_first else ())
+                                                        block_hashes=view.block_hashes if is_first else (),
+                                                        timeout_s=a.plan.prepare_timeout_s if is_first else None)
         if a.backend is None:
             a.backend = auto_backend(a.reservation, self._settings.transfer_id, self._settings.offered_backends)
 

@@ -212,7 +212,7 @@ class DecodeHandoff:
         self._note_decode_back()
         plan = MigrateOutPlan(request_id=request_id, dst_instance_id=place.instance_id, dst_address=place.address,
                               dst_transfer_address="", backend=None, selection=MigrationSelection.PREFILL_DONE,
-                              max_stages=0, held=held)
+                              max_stages=0, held=held, prepare_timeout_s=self._hold_s)
         try:
             result = await self._migrate(plan)
         except FerryError as exc:  # it decodes here; the manager's loop retries it

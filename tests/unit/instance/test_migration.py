@@ -60,6 +60,7 @@ class FaultyPeer:
         self.dst = dst
         self.faults: dict[str, FerryError] = {}
         self.calls: list[str] = []
+        self.prepare_timeouts: list[float | None] = []
 
     def _check(self, name: str) -> None:
         self.calls.append(name)
@@ -67,7 +68,8 @@ class FaultyPeer:
             raise self.faults[name]
 
     async def prepare_migrate_in(self, migration_id, request_id, src_instance_id, num_blocks,
-                                 grow_only=False, block_hashes=()) -> Reservation:
+                                 grow_only=False, block_hashes=(), timeout_s=None) -> Reservation:
+        self.prepare_timeouts.append(timeout_s)
         self._check("prepare")
         return await self.dst.inbox.prepare(migration_id, request_id, src_instance_id, num_blocks, grow_only=grow_only,
                                             block_hashes=block_hashes)
@@ -190,6 +192,21 @@ async def test_driver_moves_the_request_and_the_client_follows(pair):
     assert tokens == expected and last.finish_reason is FinishReason.LENGTH
     assert result.num_stages >= 2 and result.num_blocks == sum(t.num_blocks for t in copier.transfers)
     assert all(t.is_checksum_verified for t in copier.transfers)
+    await assert_no_blocks_held(a, b)
+
+
+async def test_a_plans_short_prepare_deadline_holds_for_the_first_reservation_only(pair):
+    """A PD hand-off waits parked while its destination prepares: a frozen one costs it --pd-handoff-hold-s,
+    not --migration-rpc-timeout-s (5 s). Later calls that grow the reservation take the usual deadline."""
+    a, b = pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    peer = FaultyPeer(b)
+    await driver(a, peer, TensorCopier(a, b)).migrate_out(dataclasses.replace(plan(), prepare_timeout_s=0.5))
+    assert peer.prepare_timeouts[0] == 0.5 and set(peer.prepare_timeouts[1:]) <= {None}
+    handoff = await read(stream, tokens)
+    await read(b.inbox.attach("r", handoff.epoch), tokens)
     await assert_no_blocks_held(a, b)
 
 

@@ -106,6 +106,17 @@ def pushing(engine: FakeEngine, placer: FlakyPlacer, migrations: FakeMigrations,
                          hold_s=hold_s)
 
 
+async def test_a_hand_off_gives_its_destination_hold_s_to_prepare():
+    """A frozen decode instance held the parked request for --migration-rpc-timeout-s (5 s) before."""
+    engine, placer, migrations = FakeEngine(), FlakyPlacer(), FakeMigrations()
+    handoff = pushing(engine, placer, migrations, hold_s=0.75)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1")
+    await until(lambda: handoff.num_handed_off == 1, loop)
+    assert migrations.plans[0].prepare_timeout_s == 0.75
+    await assert_cancels(loop)
+
+
 async def test_an_unexpected_error_resumes_the_request_here_and_the_next_one_moves():
     engine, placer, migrations = FakeEngine(), FlakyPlacer(), FakeMigrations(RuntimeError("boom"))
     handoff = pushing(engine, placer, migrations)

@@ -53,7 +53,8 @@ def finish_reason_name(reason: FinishReason | None) -> str | None:
 
 class ResponseFormatter:
     def __init__(self, parsed: ParsedRequest, request_id: str, created: int, tokens: TokenStrings,
-                 index: int = 0, echo_text: str = "", tool_call_format: ToolCallFormat | None = None) -> None:
+                 index: int = 0, echo_text: str = "", tool_call_format: ToolCallFormat | None = None,
+                 hidden_markers: tuple[str, ...] = ()) -> None:
         self._parsed = parsed
         self._index = index  # of this formatter's choice
         self._echo_text = echo_text  # completions with echo: the prompt, before the output
@@ -67,6 +68,7 @@ class ResponseFormatter:
         self._hides_output = parsed.echo_only  # max_tokens 0: the prompt alone; the one token run is not shown
         # chat with tools (tool_choice auto): tool calls are parsed out of the answer
         self._tool_call_format = tool_call_format if self._is_chat and parsed.tool_use.parses_calls else None
+        self._hidden_markers = hidden_markers  # special tokens shown to the parser only (ServedModel.shown_marker_ids)
         self._streamed_calls = self._tool_call_parser()  # the stream's parser (None: no tool calls)
         self._num_streamed_calls = 0
 
@@ -156,7 +158,7 @@ class ResponseFormatter:
     def _tool_call_parser(self) -> ToolCallParser | None:
         if self._tool_call_format is None:
             return None
-        return ToolCallParser(self._tool_call_format, self._parsed.tool_use.max_calls)
+        return ToolCallParser(self._tool_call_format, self._parsed.tool_use.max_calls, self._hidden_markers)
 
     def _message(self, text: str) -> dict[str, Any]:
         parser = self._tool_call_parser()

@@ -213,7 +213,8 @@ class FrontendServer:
         sub_id = request_id if parsed.num_choices == 1 else RequestId(f"{request_id}-{index}")
         state = self._req_state(parsed, sub_id, prompt_ids)
         formatter = ResponseFormatter(parsed, request_id, created, self._model, index, echo_text,
-                                      self._model.tool_call_format)
+                                      self._model.tool_call_format,
+                                      tuple(tag for _, tag in self._model.shown_marker_ids))
         spec = GenerateSpec(sub_id, tuple(prompt_ids), sampling, parsed.priority, prefix_chunk_keys=prefix_keys)
         return Choice(state, spec, formatter)
 

@@ -137,9 +137,11 @@ def _call(name: str, arguments: Any, id_: str | None = None) -> ToolCall | None:
 class ToolCallParser:
     """One choice's answer, fed as it streams, its last piece marked."""
 
-    def __init__(self, format_: ToolCallFormat, max_calls: int | None = None) -> None:
+    def __init__(self, format_: ToolCallFormat, max_calls: int | None = None,
+                 hidden_markers: tuple[str, ...] = ()) -> None:
         self._format = format_
         self._max_calls = max_calls  # parallel_tool_calls false: 1 (later calls are dropped)
+        self._hidden_markers = hidden_markers  # special tokens put back for the parser: left out of content again
         self._buffer = ""  # text not given back yet
         self._in_call = False  # hermes: inside <tool_call> ... (the opening tag is consumed)
         self._searched = 0  # hermes, inside a call: the buffer before this holds no closing tag
@@ -155,10 +157,15 @@ class ToolCallParser:
         """The next piece of the answer (`is_last`: the answer ends with it)."""
         self._buffer += text
         if self._format is ToolCallFormat.HERMES:
-            return self._hermes(is_final=is_last)
-        if self._format.is_mistral:
-            return self._mistral(is_final=is_last)
-        return self._llama3(is_final=is_last)
+            parsed = self._hermes(is_final=is_last)
+        elif self._format.is_mistral:
+            parsed = self._mistral(is_final=is_last)
+        else:
+            parsed = self._llama3(is_final=is_last)
+        content = parsed.content
+        for marker in self._hidden_markers:  # text that was no call: as the client sees text, without them
+            content = content.replace(marker, "")
+        return Parsed(content, parsed.tool_calls)
 
     # ---- hermes --------------------------------------------------------------------------
 
@@ -245,34 +252,39 @@ class ToolCallParser:
         if not is_final:
             return Parsed(content)
         text, self._buffer = self._buffer, ""
-        calls = _mistral_calls(text)
-        if calls is None:  # not calls after all: the model's text, as it wrote it
+        read = _mistral_calls(text)
+        if read is None:  # not calls after all: the model's text, as it wrote it
             return Parsed(content + self._held_whitespace + text)
+        calls, after = read
         self._held_whitespace = ""
-        return Parsed(content, tuple(c for call in calls for c in self._counted(call)))
+        return Parsed(content + after, tuple(c for call in calls for c in self._counted(call)))
 
 
-def _mistral_calls(text: str) -> list[ToolCall] | None:
-    """`[TOOL_CALLS] [{...}, ...]` or `[TOOL_CALLS]name[ARGS]{...}[TOOL_CALLS]...` as calls; None if any
-    part is not one."""
-    calls = []
+def _mistral_calls(text: str) -> tuple[list[ToolCall], str] | None:
+    """`[TOOL_CALLS] [{...}, ...]` or `[TOOL_CALLS]name[ARGS]{...}[TOOL_CALLS]...` as calls, and the text after
+    a JSON list (content, as vLLM reads it); None if any part is not a call. A name[ARGS] call whose arguments
+    are empty or null, or a bare name, takes none: {} (as mistral-common writes them back)."""
+    calls, after = [], ""
     for part in text.split(MISTRAL_CALLS)[1:]:
         part = part.strip()
         if part.startswith("["):
             try:
-                values = json.loads(part)
+                values, end = json.JSONDecoder().raw_decode(part)
             except ValueError:
                 return None
+            after = part[end:].strip()
             found = [_call_from_object(v, ("arguments",)) for v in values] if isinstance(values, list) else [None]
             found = [call and ToolCall(call.name, call.arguments, mistral_call_id()) for call in found]
         else:
-            name, args, arguments = part.partition(MISTRAL_ARGS)
-            name = name.partition(MISTRAL_CALL_ID)[0].strip()
-            found = [_call(name, arguments.strip(), mistral_call_id()) if args and name else None]
+            name, _, arguments = part.partition(MISTRAL_ARGS)
+            name, arguments = name.partition(MISTRAL_CALL_ID)[0].strip(), arguments.strip()
+            is_name = bool(name) and not any(c.isspace() for c in name)
+            found = [_call(name, None if arguments in ("", "null") else arguments, mistral_call_id())
+                     if is_name else None]
         if not found or None in found:
             return None
         calls += found
-    return calls or None
+    return (calls, after) if calls else None
 
 
 def _json_calls(text: str) -> list[ToolCall] | None:

@@ -11,7 +11,7 @@ Lark in llguidance's dialect, each call a `%json {...}` schema of the whole call
 
     start: call ("\n" call)*                       # hermes; llama3_json separates calls with "; "
     call: "<tool_call>" "\n" (fn0 | fn1) "\n" "</tool_call>"
-                                                  # mistral: "[TOOL_CALLS]" " [" call (", " call)* "]"
+                                                  # mistral: "[TOOL_CALLS]" " "? "[" call (", " call)* "]"
     fn0: %json {"type": "object", "properties": {"name": {"const": "get_weather"},
                 "arguments": {...its parameters...}}, "required": ["name", "arguments"], ...}
 
@@ -50,7 +50,7 @@ class _Format:
 _FORMATS = {
     ToolCallFormat.HERMES: _Format((HERMES_OPEN, "\n"), ("\n", HERMES_CLOSE), "\n", "arguments"),
     ToolCallFormat.LLAMA3_JSON: _Format((), (), "; ", "parameters"),
-    ToolCallFormat.MISTRAL: _Format((), (), ", ", "arguments", (MISTRAL_CALLS, " ["), ("]",)),
+    ToolCallFormat.MISTRAL: _Format((), (), ", ", "arguments", (MISTRAL_CALLS,), ("]",)),
     ToolCallFormat.MISTRAL_ARGS: _Format((MISTRAL_CALLS,), (), "", "arguments"),
 }
 
@@ -70,6 +70,8 @@ def tool_call_grammar(tool_use: ToolUse, format_: ToolCallFormat, answer: Output
         spec.opening, spec.closing, spec.before_calls, spec.after_calls))
     one_call = f"{opening} ({' | '.join(f'fn{i}' for i in range(len(functions)))}) {closing}".strip()
     calls = "call" if tool_use.max_calls == 1 else f"call ({json.dumps(spec.separator)} call)*".replace('"" ', "")
+    if format_ is ToolCallFormat.MISTRAL:  # "[" after the marker: sentencepiece models write " [", tekken ones "["
+        before += ' " "? "["'
     calls = f"{before} {calls} {after}".strip()
     lines = [f"start: {calls} | answer" if answer is not None else f"start: {calls}", f"call: {one_call}"]
     lines += [f"fn{i}: {rule}" for i, rule in enumerate(functions)]

@@ -116,15 +116,35 @@ def test_mistral_calls_in_either_shape_and_the_text_before_them():
 
 def test_mistral_text_that_is_no_call_stays_content_as_written():
     for text in ["Paris.", "a [TOOL_CALLS] that is not JSON", "[TOOL_CALLS] [1, 2]", "[TOOL_CALLS]f[ARGS]not json",
-                 "[TOOL_CALLS]f", "ends with [TOOL_CA", ""]:
+                 "ends with [TOOL_CA", ""]:
         parsed = whole(MISTRAL, text)
         assert (parsed.content, parsed.tool_calls) == (text, ()), text
+
+
+def test_mistral_outputs_real_models_write_read_as_vllm_reads_them():
+    """Found checking against mistral-common and vLLM's parser tests: tekken models write no space before the
+    list, text may follow it, and name[ARGS] calls may carry empty or null arguments, or none at all."""
+    for text, content, expected in [
+            ('[TOOL_CALLS][{"name": "add", "arguments": {"a": 3}}]', "", [("add", {"a": 3})]),
+            ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 3}}]\nextra trailing data', "extra trailing data",
+             [("add", {"a": 3})]),
+            ("[TOOL_CALLS]ping[ARGS]", "", [("ping", {})]), ("[TOOL_CALLS]ping[ARGS]null", "", [("ping", {})]),
+            ("[TOOL_CALLS]toolname_no_args", "", [("toolname_no_args", {})])]:
+        parsed = whole(MISTRAL_ARGS, text)
+        assert (parsed.content, calls(parsed)) == (content, expected), text
+
+
+def test_special_markers_put_back_for_the_parser_leave_content_that_is_no_call():
+    """[TOOL_CALLS] and [ARGS] reach the parser only (ServedModel.shown_marker_ids): text that was no call
+    comes back as the client sees text, without them."""
+    parser = ToolCallParser(MISTRAL_ARGS, hidden_markers=("[TOOL_CALLS]", "[ARGS]"))
+    assert parser.feed("Hi [TOOL_CALLS]two words[ARGS]{}", is_last=True) == Parsed("Hi two words{}", ())
 
 
 @pytest.mark.parametrize("format_,texts", [
     (MISTRAL, ['Sure thing.\n\n[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Zürich 🌧"}}]',
                "Just text, with [brackets] and [TOOL] words  ", "x [TOOL_CALLS] [not json",
-               '[TOOL_CALLS]f[ARGS]{"a": [1, 2]}[TOOL_CALLS]g[ARGS]{}']),
+               '[TOOL_CALLS]f[ARGS]{"a": [1, 2]}[TOOL_CALLS]g[ARGS]{}', '[TOOL_CALLS][{"name": "f"}] after']),
 
     (HERMES, ['Thinking about it.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich 🌧"}}\n'
               '</tool_call>\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',

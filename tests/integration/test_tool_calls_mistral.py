@@ -7,16 +7,12 @@ Mistral's templates require when the call comes back in the history."""
 from __future__ import annotations
 
 import json
-import uuid
 
 import openai
 import pytest
 
-from services.cluster.processes import ServiceProcess
-from services.common.etcd_launcher import free_port
-from tests.integration.running import running
-from tests.integration.test_frontend import frontend_process
 from tests.integration.test_tool_calls import SET_UNIT, TOOLS, WEATHER, satisfies_settings
+from tests.integration.scripted_serving import openai_client, serving
 from tests.scripted_model import build_scripted_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -47,23 +43,13 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def frontend(etcd, model_dir, tmp_path_factory):
-    cluster, port = f"mistral-{uuid.uuid4().hex[:8]}", free_port()
-    logs = tmp_path_factory.mktemp("logs")
-    instance = ServiceProcess(
-        "instance-mistral", "instance",
-        ["--model", str(model_dir), "--port", str(port), "--instance-id", "mistral-0", "--num-threads", "1",
-         "--etcd-endpoints", etcd.endpoint, "--cluster", cluster, "--lease-ttl-s", "3", "--num-blocks", "256",
-         "--block-size", "16", "--max-model-len", "1024"],
-        f"127.0.0.1:{port}", logs)
-    frontend = frontend_process("frontend-mistral", etcd, model_dir, cluster, logs, "--max-model-len", "1024")
-    with running(instance, frontend):
+    with serving("mistral", etcd, model_dir, tmp_path_factory.mktemp("logs")) as frontend:
         yield frontend
 
 
 @pytest.fixture
 async def client(frontend):
-    async with openai.AsyncOpenAI(base_url=f"{frontend.address}/v1", api_key="none", max_retries=0,
-                                  timeout=60) as client:
+    async with openai_client(frontend) as client:
         yield client
 
 

@@ -101,17 +101,34 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_weight_offset)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_weight_offset)
+        elif config.qk_norm_full:
+            self.q_norm = RMSNorm(self.num_heads * self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, config.rms_norm_eps)
+        self.norms_all_heads = config.qk_norm_full
+        self.clip_qkv = config.clip_qkv
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, plan: AttentionPlan
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        qkv = self.qkv_proj(x)
+        if self.norms_all_heads:
+            self._normalize_projections_(qkv)
+        if self.clip_qkv is not None:
+            qkv.clamp_(-self.clip_qkv, self.clip_qkv)
+        qkv = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and not self.norms_all_heads:
             self._normalize_heads_(qkv)
         apply_rope_(qkv[:, : self.num_heads + self.num_kv_heads, : self.rotary_dim], *rope)
         write_kv(kv_layer, qkv[:, self.num_heads :], plan.slot_mapping)
         return self.o_proj(attend(qkv[:, : self.num_heads], kv_layer, plan, self.scale, self.softcap))
+
+    def _normalize_projections_(self, qkv: torch.Tensor) -> None:
+        """OLMo2, OLMoE: RMSNorm over all query heads together and over all key heads, in place."""
+        num_query = self.num_heads * self.head_dim
+        queries, keys = qkv[:, :num_query], qkv[:, num_query:num_query + self.num_kv_heads * self.head_dim]
+        queries.copy_(self.q_norm(queries))
+        keys.copy_(self.k_norm(keys))
 
     def _normalize_heads_(self, qkv: torch.Tensor) -> None:
         """Qwen3, Gemma 3: RMSNorm over head_dim of every query head and every key head, in place."""
@@ -214,12 +231,28 @@ class SandwichDecoderLayer(DecoderLayer):
         return self._add_residual_(h, self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))))
 
 
+class PostNormDecoderLayer(DecoderLayer):
+    """OLMo2: the attention and MLP outputs are normed before the residual add; their inputs are not."""
+
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__(config, index)
+        self.input_layernorm = None
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
+
+    def forward(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
+        h = self._add_residual_(h, self.post_attention_layernorm(self.self_attn(h, rope, kv_layer, plan)))
+        return self._add_residual_(h, self.post_feedforward_layernorm(self.mlp(h)))
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        layer_class = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
+        layer_class = SandwichDecoderLayer if config.sandwich_norms else \
+            PostNormDecoderLayer if config.post_norms_only else DecoderLayer
         self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
         self.lm_head = None

@@ -14,9 +14,12 @@ Llama-family decoders are supported (pre-norm blocks, RoPE, GQA, gated MLP), eac
   Gemma-style RMSNorm over each query and key head, and a RoPE of their own on the sliding
   layers);
 * "granite" (embedding, residual, attention and logits multipliers);
+* "olmo2" (norms after attention and after the MLP only, none before; an RMSNorm over all
+  query heads together and one over all key heads, before RoPE);
 * mixture-of-experts MLPs: "mixtral" (Mistral's attention), "qwen2_moe" (Qwen2's, plus a
-  shared expert every token takes, gated by a sigmoid) and "qwen3_moe" (Qwen3's), each token
-  through its top k experts (MoeConfig).
+  shared expert every token takes, gated by a sigmoid), "qwen3_moe" (Qwen3's) and "olmoe"
+  (OLMo2's query and key norms with pre-norm blocks, and `clip_qkv`), each token through its
+  top k experts (MoeConfig).
 
 Sliding windows are read per layer, and longrope RoPE limits the longest sequence served
 (context_window.py); RoPE settings are read in rope.py.
@@ -34,8 +37,8 @@ from services.instance.engine.context_window import DEFAULT_MAX_POSITIONS, Conte
 from services.instance.engine.rope import RopeConfig, read_layer_ropes
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite",
-                         "mixtral", "qwen2_moe", "qwen3_moe")
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+                         "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # the gated MLP's act(gate(x)) * up(x)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,6 +78,7 @@ class ModelConfig:
     qkv_bias: bool  # q/k/v projections carry a bias
     o_bias: bool  # the output projection carries a bias
     qk_norm: bool  # an RMSNorm (head_dim wide) over each query and key head before RoPE
+    qk_norm_full: bool  # OLMo2, OLMoE: an RMSNorm over all query heads together, one over all key heads
     mlp_bias: bool  # gate/up/down projections carry a bias
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # config.json's eos_token_id, int or list, as a tuple
@@ -88,6 +92,8 @@ class ModelConfig:
     attention_softcap: float | None = None  # Gemma 2: scores become cap * tanh(scores / cap) before the softmax
     logits_softcap: float | None = None  # Gemma 2: the same on the logits
     sandwich_norms: bool = False  # Gemma 2: attention and MLP outputs are normed too before the residual add
+    post_norms_only: bool = False  # OLMo2: attention and MLP outputs are normed before the residual add, inputs not
+    clip_qkv: float | None = None  # OLMoE: queries, keys and values are clamped to [-clip_qkv, clip_qkv]
     moe: MoeConfig | None = None  # Mixtral, Qwen2/3-MoE: the layers' sparse MLPs
 
     @property
@@ -146,19 +152,22 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or attention_bias or (model_type == "qwen2_moe" and raw.get("qkv_bias", True)),
             o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm_full=model_type in ("olmo2", "olmoe"),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
             torch_dtype=_dtype_name(raw),
             activation=_activation(raw, model_type),
             moe=_moe(raw, model_type, _required_int(raw, "num_hidden_layers")),
+            post_norms_only=model_type == "olmo2",
+            clip_qkv=float(raw["clip_qkv"]) if model_type == "olmoe" and raw.get("clip_qkv") is not None else None,
             **_scales(raw, model_type, hidden_size),
         )
 
 
 # transformers' per-family defaults for fields a config.json may leave out
 _DEFAULT_HEAD_DIMS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
-_DEFAULT_RMS_NORM_EPS = {"phi3": 1e-5, "mixtral": 1e-5}
+_DEFAULT_RMS_NORM_EPS = {"phi3": 1e-5, "mixtral": 1e-5, "olmo2": 1e-5, "olmoe": 1e-5}
 # transformers' names for the same functions (NewGELUActivation is the tanh approximation; swish is SiLU)
 _ACTIVATION_ALIASES = {"gelu_new": "gelu_pytorch_tanh", "gelu_fast": "gelu_pytorch_tanh", "swish": "silu"}
 # Fields that change the computation in ways this engine does not implement: refused by name.
@@ -212,6 +221,12 @@ def _moe(raw: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | N
             num_experts=_num_experts(raw, 8), top_k=int(raw.get("num_experts_per_tok", 2)),
             expert_intermediate_size=_required_int(raw, "intermediate_size"), renormalize=True,
             rounds_weights=False, shared_intermediate_size=0, sparse_layers=(True,) * num_layers))
+    if model_type == "olmoe":
+        return _checked_moe(MoeConfig(
+            num_experts=_num_experts(raw, 64), top_k=int(raw.get("num_experts_per_tok", 8)),
+            expert_intermediate_size=_required_int(raw, "intermediate_size"),
+            renormalize=bool(raw.get("norm_topk_prob", False)), rounds_weights=True, shared_intermediate_size=0,
+            sparse_layers=(True,) * num_layers))
     if raw.get("use_sliding_window"):
         raise ValueError(f"config.json: use_sliding_window: sliding windows are not supported for {model_type}")
     num_experts = _num_experts(raw, 60 if model_type == "qwen2_moe" else 128)

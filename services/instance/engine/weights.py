@@ -79,7 +79,7 @@ def _layer_sources(config: ModelConfig, i: int) -> Iterator[tuple[str, list[str]
         yield f"{ours}self_attn.qkv_proj.{s}", [f"{hf}self_attn.{p}_proj.{s}" for p in (["qkv"] if fused else "qkv")]
     for s in ["weight"] + (["bias"] if config.o_bias else []):
         yield f"{ours}self_attn.o_proj.{s}", [f"{hf}self_attn.o_proj.{s}"]
-    if config.qk_norm:
+    if config.qk_norm or config.qk_norm_full:
         for norm in ("q_norm", "k_norm"):
             yield f"{ours}self_attn.{norm}.weight", [f"{hf}self_attn.{norm}.weight"]
     if config.moe is not None and config.moe.sparse_layers[i]:
@@ -89,8 +89,10 @@ def _layer_sources(config: ModelConfig, i: int) -> Iterator[tuple[str, list[str]
             gate_up = ["gate_up"] if fused else ["gate", "up"]
             yield f"{ours}mlp.gate_up_proj.{s}", [f"{hf}mlp.{p}_proj.{s}" for p in gate_up]
             yield f"{ours}mlp.down_proj.{s}", [f"{hf}mlp.down_proj.{s}"]
-    yield f"{ours}input_layernorm.weight", [f"{hf}input_layernorm.weight"]
-    for norm in ["post_attention"] + (["pre_feedforward", "post_feedforward"] if config.sandwich_norms else []):
+    if not config.post_norms_only:
+        yield f"{ours}input_layernorm.weight", [f"{hf}input_layernorm.weight"]
+    for norm in ["post_attention"] + (["pre_feedforward", "post_feedforward"] if config.sandwich_norms else []) + (
+            ["post_feedforward"] if config.post_norms_only else []):
         yield f"{ours}{norm}_layernorm.weight", [f"{hf}{norm}_layernorm.weight"]
 
 

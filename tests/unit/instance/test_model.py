@@ -469,7 +469,8 @@ def test_fields_left_out_take_transformers_per_family_defaults():
 
 HF_CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                      "phi3": "Phi3Config", "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "granite": "GraniteConfig",
-                     "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig"}
+                     "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig",
+                     "olmo2": "Olmo2Config", "olmoe": "OlmoeConfig"}
 
 
 @pytest.mark.parametrize("model_type", sorted(HF_CONFIG_CLASSES))

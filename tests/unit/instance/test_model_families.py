@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE): greedy tokens equal transformers' on the
+"""Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) and OLMo2: greedy tokens equal transformers' on the
 same random weights (biases and norms random too; a prompt prefilled in chunks; Mixtral with a sliding
 window shorter than the sequences), alone and in a busy batch (each expert sees other rows); a bfloat16
 sparse MLP gives transformers' bits; and the config's MoE fields are read as transformers reads them."""
@@ -37,6 +37,11 @@ FAMILIES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                                                     num_experts_per_tok=3, norm_topk_prob=True, head_dim=16,
                                                     decoder_sparse_step=2)),
+    # q/k norms over all heads together, q/k/v clamped; top 2 of 6 not renormalized
+    "olmoe": (transformers.OlmoeConfig, dict(intermediate_size=48, num_experts=6, num_experts_per_tok=2,
+                                             clip_qkv=2.0)),
+    # dense: norms after attention and after the MLP only; q/k norms over all heads together
+    "olmo2": (transformers.Olmo2Config, dict(intermediate_size=96)),
 }
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2, 250, 31], [64, 65, 66, 67, 68, 69, 70, 71, 72], [9],
            [(7 * i) % 500 + 3 for i in range(40)]]  # prefilled in chunks of one 16-token block
@@ -113,15 +118,18 @@ def test_a_bfloat16_sparse_mlp_gives_transformers_bits(family):
     """Found by a review: the weighted sum was rounded to bfloat16 after every expert (and Mixtral's router
     weights rounded too); transformers' grouped experts add in float32 and round once."""
     model_dir, hf_model = family
+    moe = ModelConfig.from_dir(model_dir).moe
+    if moe is None:
+        pytest.skip("a dense family: no sparse MLP")
     ours = load_model(model_dir, dtype=torch.bfloat16)
     theirs = copy.deepcopy(hf_model).to(torch.bfloat16)
-    layer = ModelConfig.from_dir(model_dir).moe.sparse_layers.index(True)
+    layer = moe.sparse_layers.index(True)
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(ours.layers[layer].mlp(x), theirs.model.layers[layer].mlp(x[None])[0])
 
 
-def test_config_reads_the_experts_as_transformers_does(family):
+def test_config_reads_each_familys_fields_as_transformers_does(family):
     model_dir, _ = family
     config = ModelConfig.from_dir(model_dir)
     moe = config.moe
@@ -131,9 +139,14 @@ def test_config_reads_the_experts_as_transformers_does(family):
     elif config.model_type == "qwen2_moe":
         assert (moe.num_experts, moe.top_k, moe.renormalize, moe.shared_intermediate_size) == (6, 2, False, 80)
         assert moe.sparse_layers == (True, False, True) and config.qkv_bias and not config.o_bias
-    else:
+    elif config.model_type == "qwen3_moe":
         assert (moe.num_experts, moe.top_k, moe.renormalize, moe.shared_intermediate_size) == (8, 3, True, 0)
         assert moe.sparse_layers == (False, True, False) and config.qk_norm
+    elif config.model_type == "olmoe":
+        assert (moe.num_experts, moe.top_k, moe.renormalize, moe.shared_intermediate_size) == (6, 2, False, 0)
+        assert config.qk_norm_full and config.clip_qkv == 2.0 and not config.post_norms_only
+    else:
+        assert moe is None and config.qk_norm_full and config.post_norms_only and config.clip_qkv is None
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -235,7 +235,6 @@ class ToolCallParser:
             return Parsed(text)
         return Parsed("", tuple(c for call in calls for c in self._counted(call)))
 
-
     # ---- mistral -------------------------------------------------------------------------
 
     def _mistral(self, is_final: bool) -> Parsed:

@@ -11,8 +11,8 @@ Every step, in this order:
    places alone and in a busy batch, so its K/V and first logits have the same bits
    either way (batch invariance; attention.py). `prefill_chunk_tokens` is by default half
    what a step leaves a prefill beside a full batch of decodes, in whole blocks, so a
-   chunk never waits on decodes alone and a prompt arriving while a long one prefills
-   starts in the next step. (Prompt-logprobs prefills, which follow the logits rows a
+   chunk never waits on decodes alone and a prompt arriving while one long prompt
+   prefills takes its first chunk in the next step. (Prompt-logprobs prefills, which follow the logits rows a
    step has left, and chunks shrunk to the blocks left are cut where they must be; where
    the budget is less than a block above `max_num_seqs`, every chunk is cut where the
    budget ends, as decodes could take all of it.)
@@ -88,7 +88,7 @@ RECOMPUTED_OUTPUT_KEYS = 32768
 
 
 def prefill_chunk_size(max_num_batched_tokens: int, max_num_seqs: int, block_size: int,
-                          requested: int = 0) -> int | None:
+                       requested: int = 0) -> int | None:
     """Prefill chunk boundaries: `requested`, or half the budget a step leaves beside `max_num_seqs` decodes,
     in whole blocks (so two prefills share a step: a short prompt arriving while a long one prefills
     starts at once); None where what is left is not a block (decodes could take all of it: chunks are cut

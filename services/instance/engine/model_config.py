@@ -149,7 +149,7 @@ class ModelConfig:
             context=context_limit(raw),
             layer_windows=layer_windows(raw, _required_int(raw, "num_hidden_layers")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
-            qkv_bias=model_type == "qwen2" or attention_bias or (model_type == "qwen2_moe" and raw.get("qkv_bias", True)),
+            qkv_bias=_qkv_bias(raw, model_type, attention_bias),
             o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             qk_norm_full=model_type in ("olmo2", "olmoe"),
@@ -212,49 +212,61 @@ def _activation(raw: dict[str, Any], model_type: str) -> str:
     return act
 
 
+def _qkv_bias(raw: dict[str, Any], model_type: str, attention_bias: bool) -> bool:
+    """Qwen2 always has q/k/v biases, Qwen2-MoE unless qkv_bias says otherwise; the rest with attention_bias."""
+    return model_type == "qwen2" or attention_bias or (model_type == "qwen2_moe" and bool(raw.get("qkv_bias", True)))
+
+
 def _moe(raw: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | None:
     """The sparse MLPs of a mixture-of-experts family (transformers' defaults for fields left out)."""
     if model_type not in MOE_TYPES:
         return None
-    if model_type == "mixtral":
-        return _checked_moe(MoeConfig(
-            num_experts=_num_experts(raw, 8), top_k=int(raw.get("num_experts_per_tok", 2)),
-            expert_intermediate_size=_required_int(raw, "intermediate_size"), renormalize=True,
-            rounds_weights=False, shared_intermediate_size=0, sparse_layers=(True,) * num_layers))
-    if model_type == "olmoe":
-        return _checked_moe(MoeConfig(
-            num_experts=_num_experts(raw, 64), top_k=int(raw.get("num_experts_per_tok", 8)),
-            expert_intermediate_size=_required_int(raw, "intermediate_size"),
-            renormalize=bool(raw.get("norm_topk_prob", False)), rounds_weights=True, shared_intermediate_size=0,
-            sparse_layers=(True,) * num_layers))
+    read = {"mixtral": _mixtral_experts, "olmoe": _olmoe_experts}.get(model_type, _qwen_experts)
+    moe = read(raw, model_type, num_layers)
+    if any(moe.sparse_layers) and not 0 < moe.top_k <= moe.num_experts:
+        raise ValueError(f"config.json: num_experts_per_tok={moe.top_k} must be between 1 and the number of "
+                         f"experts ({moe.num_experts})")
+    return moe
+
+
+def _mixtral_experts(raw: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig:
+    """Every layer sparse; the top k always renormalized, their weights kept in float32."""
+    return MoeConfig(num_experts=_num_experts(raw, 8), top_k=int(raw.get("num_experts_per_tok", 2)),
+                     expert_intermediate_size=_required_int(raw, "intermediate_size"), renormalize=True,
+                     rounds_weights=False, shared_intermediate_size=0, sparse_layers=(True,) * num_layers)
+
+
+def _olmoe_experts(raw: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig:
+    """Every layer sparse, experts of intermediate_size."""
+    return MoeConfig(num_experts=_num_experts(raw, 64), top_k=int(raw.get("num_experts_per_tok", 8)),
+                     expert_intermediate_size=_required_int(raw, "intermediate_size"),
+                     renormalize=bool(raw.get("norm_topk_prob", False)), rounds_weights=True,
+                     shared_intermediate_size=0, sparse_layers=(True,) * num_layers)
+
+
+def _qwen_experts(raw: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig:
+    """Sparse layers by decoder_sparse_step less mlp_only_layers; Qwen2-MoE's shared expert."""
     if raw.get("use_sliding_window"):
         raise ValueError(f"config.json: use_sliding_window: sliding windows are not supported for {model_type}")
-    num_experts = _num_experts(raw, 60 if model_type == "qwen2_moe" else 128)
+    is_qwen2 = model_type == "qwen2_moe"
+    num_experts = _num_experts(raw, 60 if is_qwen2 else 128)
     dense_layers = set(raw.get("mlp_only_layers") or ())
     step = int(raw.get("decoder_sparse_step", 1))
     if step <= 0:
         raise ValueError(f"config.json: decoder_sparse_step must be a positive integer, got {step}")
-    return _checked_moe(MoeConfig(
-        num_experts=num_experts, top_k=int(raw.get("num_experts_per_tok", 4 if model_type == "qwen2_moe" else 8)),
+    return MoeConfig(
+        num_experts=num_experts, top_k=int(raw.get("num_experts_per_tok", 4 if is_qwen2 else 8)),
         expert_intermediate_size=_required_int(raw, "moe_intermediate_size"),
         renormalize=bool(raw.get("norm_topk_prob", False)), rounds_weights=True,
-        shared_intermediate_size=int(raw.get("shared_expert_intermediate_size", 5632))
-        if model_type == "qwen2_moe" else 0,
+        shared_intermediate_size=int(raw.get("shared_expert_intermediate_size", 5632)) if is_qwen2 else 0,
         sparse_layers=tuple(i not in dense_layers and num_experts > 0 and (i + 1) % step == 0
-                            for i in range(num_layers))))
+                            for i in range(num_layers)))
 
 
 def _num_experts(raw: dict[str, Any], default: int) -> int:
     """Qwen's checkpoints say num_experts, Mixtral's num_local_experts; transformers 5 writes the latter for all
     (and reads it first where both are given)."""
     return int(raw.get("num_local_experts", raw.get("num_experts", default)))
-
-
-def _checked_moe(moe: MoeConfig) -> MoeConfig:
-    if any(moe.sparse_layers) and not 0 < moe.top_k <= moe.num_experts:
-        raise ValueError(f"config.json: num_experts_per_tok={moe.top_k} must be between 1 and the number of "
-                         f"experts ({moe.num_experts})")
-    return moe
 
 
 def _scales(raw: dict[str, Any], model_type: str, hidden_size: int) -> dict[str, Any]:

@@ -186,8 +186,14 @@ class SparseMoeMLP(nn.Module):
         if self.rounds_weights:
             weights = weights.to(x.dtype)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for expert in chosen.unique().tolist():  # ascending
-            tokens, slots = (chosen == expert).nonzero(as_tuple=True)
+        picks = chosen.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert, in token order
+        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()  # one device sync a layer
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            group, start = picks[start:start + count], start + count
+            tokens, slots = group // self.top_k, group % self.top_k
             out.index_add_(0, tokens, (self.experts[expert](x[tokens]) * weights[tokens, slots, None]).float())
         out = out.to(x.dtype)
         if self.shared_expert is not None:

@@ -11,11 +11,12 @@ stream that sent it must not be trusted with (`StreamGap`). So a resume that sen
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from services.common.errors import FerryError, Unavailable
 from services.frontend.generation import FinishReason, RequestId, TokenChunk, TokenLogprob
+from services.frontend.shown_markers import MarkerPlacer
 
 Decode = Callable[[Sequence[int]], str]
 
@@ -37,11 +38,13 @@ class Delta:
 
 class ReqState:
     def __init__(self, request_id: RequestId, prompt_token_ids: Sequence[int], decode: Decode,
-                 shown_ids: frozenset[int] = frozenset()) -> None:
+                 markers: Mapping[int, str] | None = None) -> None:
+        """`markers`: special tokens (id -> text) put back into `text` for a tool-call parser (shown_markers.py)."""
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.token_ids: list[int] = []  # invariant: token_ids[i] is output token i; never shrinks
         self.text = ""  # text of token_ids as streamed to the client
+        self.plain_text = ""  # the instance's text of them (without markers): what a resume sends back
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.. (echo + logprobs), with token 0
         self.finish_reason: FinishReason | None = None
@@ -49,7 +52,7 @@ class ReqState:
         self.num_resumes = 0
         self.num_handoffs = 0  # live migrations followed
         self._decode = decode
-        self._shown_ids = shown_ids  # special tokens `decode` shows and the instance's text leaves out
+        self._markers = MarkerPlacer(markers, decode, prompt_token_ids) if markers else None
         self._pending: list[Delta] = []
         self._event = asyncio.Event()
 
@@ -73,12 +76,14 @@ class ReqState:
         new_ids = chunk.token_ids[skip:] if skip < len(chunk.token_ids) else ()
         if not new_ids and chunk.finish_reason is None:
             return None
-        text = chunk.text if skip == 0 and self._shown_ids.isdisjoint(new_ids) else self._text_of(new_ids)
+        plain = chunk.text if skip == 0 else self._text_of(new_ids)
+        text = plain if self._markers is None else self._markers.place(self.token_ids, new_ids, self.plain_text + plain)
         delta = Delta(have, tuple(new_ids), text, tuple(chunk.logprobs[skip:]), chunk.finish_reason)
         if have == 0 and chunk.token_index == 0:
             self.prompt_logprobs = chunk.prompt_logprobs
         self.token_ids.extend(new_ids)
         self.text += text
+        self.plain_text += plain
         self.logprobs.extend(delta.logprobs)
         self.finish_reason = chunk.finish_reason
         self._publish(delta)

@@ -165,18 +165,6 @@ class ServedModel:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
 
-    def decode_showing_markers(self, token_ids: Sequence[int]) -> str:
-        """The text of `token_ids` with the tool-call markers that are special tokens in it (Mistral's
-        [TOOL_CALLS] and [ARGS]): what the tool-call parser reads; other special tokens are left out."""
-        shown = dict(self.shown_marker_ids)
-        pieces, start = [], 0
-        for at, token_id in enumerate(token_ids):
-            if token_id in shown:
-                pieces += [self.tokenizer.decode(list(token_ids[start:at])), shown[token_id]]
-                start = at + 1
-        pieces.append(self.tokenizer.decode(list(token_ids[start:])))
-        return "".join(pieces)
-
     def token_text(self, token_id: int) -> str:
         return _token_text(self.tokenizer, token_id)
 

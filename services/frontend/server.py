@@ -220,11 +220,9 @@ class FrontendServer:
 
     def _req_state(self, parsed: ParsedRequest, request_id: RequestId, prompt_ids: Sequence[int]) -> ReqState:
         """A choice's state; where its answer's tool calls are read, with the markers the parser needs in its text."""
-        shown = self._model.shown_marker_ids
-        if parsed.endpoint is Endpoint.CHAT and parsed.tool_use.parses_calls and shown:
-            return ReqState(request_id, prompt_ids, self._model.decode_showing_markers,
-                            frozenset(token_id for token_id, _ in shown))
-        return ReqState(request_id, prompt_ids, self._model.decode)
+        reads_calls = parsed.endpoint is Endpoint.CHAT and parsed.tool_use.parses_calls
+        markers = dict(self._model.shown_marker_ids) if reads_calls else None
+        return ReqState(request_id, prompt_ids, self._model.decode, markers)
 
     async def _parse(self, request: web.Request, endpoint: Endpoint) -> tuple[ParsedRequest, str | None]:
         """The request, and the id its client named it with (request_ids.py), if any."""

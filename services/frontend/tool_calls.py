@@ -148,6 +148,7 @@ class ToolCallParser:
         self._held_whitespace = ""  # dropped if a call follows, given back if content does
         self._num_calls = 0
         self._is_json_answer: bool | None = None  # llama3_json: None until the first non-space character
+        self._has_said = False  # some content went out already
 
     @property
     def has_called(self) -> bool:
@@ -165,6 +166,7 @@ class ToolCallParser:
         content = parsed.content
         for marker in self._hidden_markers:  # text that was no call: as the client sees text, without them
             content = content.replace(marker, "")
+        self._has_said = self._has_said or bool(content)
         return Parsed(content, parsed.tool_calls)
 
     # ---- hermes --------------------------------------------------------------------------
@@ -256,14 +258,16 @@ class ToolCallParser:
             return Parsed(content + self._held_whitespace + text)
         calls, after = read
         self._held_whitespace = ""
+        if after and (content or self._has_said):
+            after = " " + after
         return Parsed(content + after, tuple(c for call in calls for c in self._counted(call)))
 
 
 def _mistral_calls(text: str) -> tuple[list[ToolCall], str] | None:
     """`[TOOL_CALLS] [{...}, ...]` or `[TOOL_CALLS]name[ARGS]{...}[TOOL_CALLS]...` as calls, and the text after
-    a JSON list (content, as vLLM reads it); None if any part is not a call. A name[ARGS] call whose arguments
+    each JSON list (content, as vLLM reads it); None if any part is not a call. A name[ARGS] call whose arguments
     are empty or null, or a bare name, takes none: {} (as mistral-common writes them back)."""
-    calls, after = [], ""
+    calls, afters = [], []
     for part in text.split(MISTRAL_CALLS)[1:]:
         part = part.strip()
         if part.startswith("["):
@@ -271,7 +275,7 @@ def _mistral_calls(text: str) -> tuple[list[ToolCall], str] | None:
                 values, end = json.JSONDecoder().raw_decode(part)
             except ValueError:
                 return None
-            after = part[end:].strip()
+            afters.append(part[end:].strip())
             found = [_call_from_object(v, ("arguments",)) for v in values] if isinstance(values, list) else [None]
             found = [call and ToolCall(call.name, call.arguments, mistral_call_id()) for call in found]
         else:
@@ -283,7 +287,7 @@ def _mistral_calls(text: str) -> tuple[list[ToolCall], str] | None:
         if not found or None in found:
             return None
         calls += found
-    return (calls, after) if calls else None
+    return (calls, " ".join(after for after in afters if after)) if calls else None
 
 
 def _json_calls(text: str) -> list[ToolCall] | None:

@@ -69,7 +69,9 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     pd_handoff_hold_s: float = knob(1.0, "prefill role, push hand-off: when no hand-off has started or ended for "
                                          "this long (one is stuck, e.g. on a frozen decode instance), the queued "
                                          "prefilled requests decode here until a worker takes theirs; a queue that "
-                                         "moves keeps them parked however long it is")
+                                         "moves keeps them parked however long it is. Also the deadline of a "
+                                         "hand-off's first PrepareMigrateIn (the parked request waits on it): a "
+                                         "decode instance slower to answer leaves the request decoding here")
     engine: EngineKind = knob(EngineKind.TORCH, "inference engine: torch (runs the model) or sim (scheduler, KV "
                                                 "cache and migration as torch, a latency model instead of the "
                                                 "forward pass: many instances on one machine)")

@@ -36,16 +36,23 @@ log = structlog.get_logger(__name__)
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm scaling by its weight, or (Gemma) by `weight_offset + weight`, in float32 then cast."""
+    """RMSNorm scaling by its weight, or (Gemma) by `weight_offset + weight`. Normalized in float32; the scale is
+    applied in the model's dtype after the cast (Llama), or in float32 before it (Gemma; OLMo2: `scales_in_float32`)."""
 
-    def __init__(self, size: int, eps: float, weight_offset: float = 0.0) -> None:
+    def __init__(self, size: int, eps: float, weight_offset: float = 0.0, scales_in_float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.weight_offset = weight_offset
+        self.scales_in_float32 = scales_in_float32
+
+    @classmethod
+    def of(cls, config: ModelConfig, size: int) -> "RMSNorm":
+        """The family's norm over `size` features."""
+        return cls(size, config.rms_norm_eps, config.norm_weight_offset, config.norm_scales_in_float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_offset:
+        if self.weight_offset or self.scales_in_float32:
             scale = self.weight.float() + self.weight_offset
             return F.rms_norm(x.float(), self.weight.shape, scale, self.eps).to(x.dtype)
         if x.dtype == torch.float32:
@@ -99,11 +106,11 @@ class Attention(nn.Module):
         self.o_proj = PackedLinear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
         self.q_norm = self.k_norm = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_weight_offset)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.norm_weight_offset)
+            self.q_norm = RMSNorm.of(config, self.head_dim)
+            self.k_norm = RMSNorm.of(config, self.head_dim)
         elif config.qk_norm_full:
-            self.q_norm = RMSNorm(self.num_heads * self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm.of(config, self.num_heads * self.head_dim)
+            self.k_norm = RMSNorm.of(config, self.num_kv_heads * self.head_dim)
         self.norms_all_heads = config.qk_norm_full
         self.clip_qkv = config.clip_qkv
 
@@ -204,9 +211,9 @@ class SparseMoeMLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
+        self.input_layernorm = RMSNorm.of(config, config.hidden_size)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
+        self.post_attention_layernorm = RMSNorm.of(config, config.hidden_size)
         self.mlp = SparseMoeMLP(config) if config.moe and config.moe.sparse_layers[index] else MLP(config)
         self.residual_scale = config.residual_scale
 
@@ -226,8 +233,8 @@ class SandwichDecoderLayer(DecoderLayer):
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__(config, index)
-        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
+        self.pre_feedforward_layernorm = RMSNorm.of(config, config.hidden_size)
+        self.post_feedforward_layernorm = RMSNorm.of(config, config.hidden_size)
 
     def forward(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, plan: AttentionPlan
@@ -243,7 +250,7 @@ class PostNormDecoderLayer(DecoderLayer):
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__(config, index)
         self.input_layernorm = None
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
+        self.post_feedforward_layernorm = RMSNorm.of(config, config.hidden_size)
 
     def forward(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, plan: AttentionPlan
@@ -260,7 +267,7 @@ class LlamaModel(nn.Module):
         layer_class = SandwichDecoderLayer if config.sandwich_norms else \
             PostNormDecoderLayer if config.post_norms_only else DecoderLayer
         self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_offset)
+        self.norm = RMSNorm.of(config, config.hidden_size)
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = PackedLinear(config.hidden_size, config.vocab_size, bias=False)

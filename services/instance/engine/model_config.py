@@ -93,6 +93,7 @@ class ModelConfig:
     logits_softcap: float | None = None  # Gemma 2: the same on the logits
     sandwich_norms: bool = False  # Gemma 2: attention and MLP outputs are normed too before the residual add
     post_norms_only: bool = False  # OLMo2: attention and MLP outputs are normed before the residual add, inputs not
+    norm_scales_in_float32: bool = False  # OLMo2: each norm scales by its weight in float32, then casts
     clip_qkv: float | None = None  # OLMoE: queries, keys and values are clamped to [-clip_qkv, clip_qkv]
     moe: MoeConfig | None = None  # Mixtral, Qwen2/3-MoE: the layers' sparse MLPs
 
@@ -160,6 +161,7 @@ class ModelConfig:
             activation=_activation(raw, model_type),
             moe=_moe(raw, model_type, _required_int(raw, "num_hidden_layers")),
             post_norms_only=model_type == "olmo2",
+            norm_scales_in_float32=model_type == "olmo2",
             clip_qkv=float(raw["clip_qkv"]) if model_type == "olmoe" and raw.get("clip_qkv") is not None else None,
             **_scales(raw, model_type, hidden_size),
         )

@@ -129,7 +129,10 @@ def test_mistral_outputs_real_models_write_read_as_vllm_reads_them():
             ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 3}}]\nextra trailing data', "extra trailing data",
              [("add", {"a": 3})]),
             ("[TOOL_CALLS]ping[ARGS]", "", [("ping", {})]), ("[TOOL_CALLS]ping[ARGS]null", "", [("ping", {})]),
-            ("[TOOL_CALLS]toolname_no_args", "", [("toolname_no_args", {})])]:
+            ("[TOOL_CALLS]toolname_no_args", "", [("toolname_no_args", {})]),
+            # found by a review: text after the first of two lists was lost, and text after one joined the content
+            ('[TOOL_CALLS] [{"name": "a"}] Note one. [TOOL_CALLS] [{"name": "b"}]', "Note one.", [("a", {}), ("b", {})]),
+            ('Hi [TOOL_CALLS] [{"name": "a"}]garbage', "Hi garbage", [("a", {})])]:
         parsed = whole(MISTRAL_ARGS, text)
         assert (parsed.content, calls(parsed)) == (content, expected), text
 
@@ -144,7 +147,8 @@ def test_special_markers_put_back_for_the_parser_leave_content_that_is_no_call()
 @pytest.mark.parametrize("format_,texts", [
     (MISTRAL, ['Sure thing.\n\n[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Zürich 🌧"}}]',
                "Just text, with [brackets] and [TOOL] words  ", "x [TOOL_CALLS] [not json",
-               '[TOOL_CALLS]f[ARGS]{"a": [1, 2]}[TOOL_CALLS]g[ARGS]{}', '[TOOL_CALLS][{"name": "f"}] after']),
+               '[TOOL_CALLS]f[ARGS]{"a": [1, 2]}[TOOL_CALLS]g[ARGS]{}', '[TOOL_CALLS][{"name": "f"}] after',
+               'Hi [TOOL_CALLS] [{"name": "a"}] x [TOOL_CALLS] [{"name": "b"}]y']),
 
     (HERMES, ['Thinking about it.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich 🌧"}}\n'
               '</tool_call>\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',

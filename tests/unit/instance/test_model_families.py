@@ -129,6 +129,20 @@ def test_a_bfloat16_sparse_mlp_gives_transformers_bits(family):
         assert torch.equal(ours.layers[layer].mlp(x), theirs.model.layers[layer].mlp(x[None])[0])
 
 
+def test_bfloat16_norms_give_transformers_bits(family):
+    """Found by a review: OLMo2 scales by its norm weights in float32 before rounding, the others after."""
+    model_dir, hf_model = family
+    ours, theirs = load_model(model_dir, dtype=torch.bfloat16), copy.deepcopy(hf_model).to(torch.bfloat16)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(ours.norm(x), theirs.model.norm(x))
+        attention = theirs.model.layers[0].self_attn
+        if hasattr(attention, "q_norm"):
+            width = attention.q_norm.weight.shape[0]
+            q = torch.randn(16, width, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+            assert torch.equal(ours.layers[0].self_attn.q_norm(q), attention.q_norm(q))
+
+
 def test_config_reads_each_familys_fields_as_transformers_does(family):
     model_dir, _ = family
     config = ModelConfig.from_dir(model_dir)

@@ -37,6 +37,7 @@ from services.instance.engine.factory import EngineSpec, build_engine  # noqa: E
 from services.instance.engine.model_config import ModelConfig  # noqa: E402
 from services.instance.engine.request import SamplingParams  # noqa: E402
 from services.instance.models.tiny import build_tiny_model  # noqa: E402
+from services.instance.models.tiny_tokenizer import TINY_VOCAB_SIZE  # noqa: E402
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -44,14 +45,38 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=pathlib.Path, default=pathlib.Path("models/smollm2-135m-instruct"),
                         help="Hugging Face model folder")
     parser.add_argument("--tiny", action="store_true", help="benchmark a tiny random model instead of --model")
+    parser.add_argument("--tiny-moe", action="store_true",
+                        help="benchmark a random Mixtral-shaped model instead of --model (hidden 512, 4 layers, "
+                             "8 experts of 1024, top 2)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for every engine")
 
 
 def model_dir_of(args: argparse.Namespace, tmp: str) -> pathlib.Path:
-    """--model, or a tiny random model written under `tmp` with --tiny; exits if --model has no config.json."""
+    """--model, or a random model written under `tmp` with --tiny or --tiny-moe; exits if --model has no
+    config.json."""
+    if args.tiny_moe:
+        return build_moe_model(pathlib.Path(tmp) / "tiny-moe")
     model_dir = build_tiny_model(pathlib.Path(tmp) / "tiny", "gqa-tied") if args.tiny else args.model
     if not (model_dir / "config.json").is_file():
         sys.exit(f"--model {model_dir}: no config.json; run `make model` first or pass --tiny")
+    return model_dir
+
+
+MOE_SHAPE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2)
+
+
+def build_moe_model(out_dir: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """A random Mixtral-shaped model (MOE_SHAPE) with the tiny models' tokenizer, written by transformers."""
+    import transformers  # the test extra, as the reference's
+
+    model_dir = build_tiny_model(out_dir, "gqa-tied", force=True)
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        (model_dir / name).unlink()
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(vocab_size=TINY_VOCAB_SIZE, max_position_embeddings=1024, bos_token_id=0,
+                                        eos_token_id=0, pad_token_id=0, tie_word_embeddings=True, **MOE_SHAPE)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     return model_dir
 
 

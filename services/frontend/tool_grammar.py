@@ -69,7 +69,8 @@ def tool_call_grammar(tool_use: ToolUse, format_: ToolCallFormat, answer: Output
     opening, closing, before, after = (" ".join(_piece(p, tags) for p in pieces) for pieces in (
         spec.opening, spec.closing, spec.before_calls, spec.after_calls))
     one_call = f"{opening} ({' | '.join(f'fn{i}' for i in range(len(functions)))}) {closing}".strip()
-    calls = "call" if tool_use.max_calls == 1 else f"call ({json.dumps(spec.separator)} call)*".replace('"" ', "")
+    separator = f"{json.dumps(spec.separator)} " if spec.separator else ""  # mistral_args: calls follow each other
+    calls = "call" if tool_use.max_calls == 1 else f"call ({separator}call)*"
     if format_ is ToolCallFormat.MISTRAL:  # "[" after the marker: sentencepiece models write " [", tekken ones "["
         before += ' " "? "["'
     calls = f"{before} {calls} {after}".strip()

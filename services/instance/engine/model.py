@@ -111,7 +111,7 @@ class Attention(nn.Module):
         elif config.qk_norm_full:
             self.q_norm = RMSNorm.of(config, self.num_heads * self.head_dim)
             self.k_norm = RMSNorm.of(config, self.num_kv_heads * self.head_dim)
-        self.norms_all_heads = config.qk_norm_full
+        self.norms_each_head, self.norms_all_heads = config.qk_norm, config.qk_norm_full
         self.clip_qkv = config.clip_qkv
 
     def forward(
@@ -124,7 +124,7 @@ class Attention(nn.Module):
         if self.clip_qkv is not None:
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         qkv = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.norms_all_heads:
+        if self.norms_each_head:
             self._normalize_heads_(qkv)
         apply_rope_(qkv[:, : self.num_heads + self.num_kv_heads, : self.rotary_dim], *rope)
         write_kv(kv_layer, qkv[:, self.num_heads :], plan.slot_mapping)
@@ -193,8 +193,9 @@ class SparseMoeMLP(nn.Module):
         if self.rounds_weights:
             weights = weights.to(x.dtype)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        picks = chosen.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert, in token order
-        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()  # one device sync a layer
+        flat = chosen.flatten()  # (token, slot) pairs, token-major
+        picks = flat.argsort(stable=True)  # grouped by expert, in token order
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one device sync a layer
         start = 0
         for expert, count in enumerate(counts):
             if not count:

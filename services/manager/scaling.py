@@ -11,7 +11,8 @@ stopped. It decides; a launcher acts. The decision is written to etcd
 `python -m services.cluster.scale_hooks` with commands (systemctl).
 
 One action at a time: nothing happens while an instance drains, is unhealthy, or an
-added one has not registered yet, nor within `cooldown_s` of the last action. The one
+added one has not registered yet, nor within `cooldown_s` of the last action. A draining
+instance silent for SILENT_RETIREMENT_S counts as drained (its streams were resumed elsewhere). The one
 exception is a burst during a retirement: if the other instances' average freeness falls
 below the band while one still drains, the retirement is called off (its drain mark goes,
 the target grows back) and the instance serves again at once, rather than being stopped
@@ -48,6 +49,9 @@ ADD_TIMEOUT_S = 300.0  # an asked-for instance that has not registered by then i
 UNFOLLOWED_RETIREMENT_S = 10.0
 MARKLESS_S = 15.0  # a retiring instance without a drain mark this long serves again (its mark went another way;
 #   longer than the settings watch takes to come back after an etcd outage, up to its 5 s backoff)
+# A draining instance that sends no load report this long (a hung step: its stall watchdog ended its streams,
+# and the frontends resumed them elsewhere) is stoppable: stopping it loses nothing, waiting would hold scaling.
+SILENT_RETIREMENT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +147,7 @@ class Scaler:
         self._stoppable_since: dict[InstanceId, float] = {}  # when we saw each retiring instance drained
         self._is_unwritten = False  # the last target's write failed: written again on the next tick
         self._markless_since: dict[InstanceId, float] = {}  # retiring instances seen without a drain mark, since
+        self._silent_since: dict[InstanceId, float] = {}  # draining instances seen without a recent report, since
 
     def set_settings(self, settings: ScalingSettings) -> None:
         self.settings = settings
@@ -200,11 +205,12 @@ class Scaler:
         for instance_id in self._markless(target):  # its mark went another way (an Undrain a standby answered)
             await self._call_off(target, [instance_id], f"retirement of {instance_id} called off: its drain "
                                                          "mark is gone")
-        for instance_id in [i for i in target.draining if present[i].is_drained]:
+        silent = self._silent(target, present)
+        for instance_id in [i for i in target.draining if present[i].is_drained or i in silent]:
             target.draining.remove(instance_id)
             target.stoppable.append(instance_id)
             self._stoppable_since[instance_id] = self._clock()
-            log.info("scaling_instance_stoppable", instance_id=instance_id)
+            log.info("scaling_instance_stoppable", instance_id=instance_id, is_silent=instance_id in silent)
         if (target.draining, target.stoppable) != before:
             await self._write(target)
         return bool(target.draining or target.stoppable)
@@ -216,6 +222,13 @@ class Scaler:
         markless = {i for i in target.draining + target.stoppable if not self._view.has_drain_mark(i)}
         self._markless_since = {i: self._markless_since.get(i, now) for i in markless}
         return [i for i, since in self._markless_since.items() if now - since >= MARKLESS_S]
+
+    def _silent(self, target: ScalingTarget, present: dict[InstanceId, InstanceView]) -> set[InstanceId]:
+        """Draining instances that have sent this leader no load report for SILENT_RETIREMENT_S."""
+        now = self._clock()
+        silent = {i for i in target.draining if not present[i].is_heard or present[i].report_age_s is None}
+        self._silent_since = {i: self._silent_since.get(i, now) for i in silent}
+        return {i for i, since in self._silent_since.items() if now - since >= SILENT_RETIREMENT_S}
 
     def _others_short_of_band(self, views: list[InstanceView], target: ScalingTarget) -> float | None:
         """The average freeness of the serving instances that are not retiring, if below the band."""

@@ -8,7 +8,7 @@ from services.common.scaling_target import ScalingTarget
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId, InstanceState, Role
 from services.manager.leadership import Leadership
-from services.manager.scaling import UNFOLLOWED_RETIREMENT_S, ScalingAction, Scaler, ScalingSettings, decide
+from services.manager.scaling import SILENT_RETIREMENT_S, UNFOLLOWED_RETIREMENT_S, ScalingAction, Scaler, ScalingSettings, decide
 from tests.unit.manager.factories import FakeClock, make_load, make_record, make_view
 
 pytestmark = pytest.mark.timeout(10)
@@ -161,6 +161,24 @@ async def test_a_burst_during_a_retirement_calls_it_off_and_the_instance_serves_
     for instance_id in ("i-0", "i-1"):
         view.apply_report(InstanceId(instance_id), make_load(num_free_blocks=50, num_running=9))
     assert (await scaler.tick()).action is ScalingAction.ADD
+
+
+async def test_a_draining_instance_gone_silent_becomes_stoppable_instead_of_holding_scaling() -> None:
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", clock=clock, num_free_blocks=1000)
+    store = FakeStore()
+    scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=0, clock=clock)
+    assert (await scaler.tick()).instance_id == "i-1"
+    view.apply_report(InstanceId("i-1"), make_load(num_free_blocks=990, num_running=1))  # a step hangs from here
+    hung_at = clock.now
+    for _ in range(int(SILENT_RETIREMENT_S) // 10 + 1):
+        clock.advance(10)
+        view.apply_report(InstanceId("i-0"), make_load(num_free_blocks=1000))
+        assert await scaler.tick() is None
+        if store.target.stoppable:
+            break
+        assert store.target.draining == ["i-1"]  # still waited on while silent for less than the bound
+    assert store.target.stoppable == ["i-1"] and clock.now - hung_at > SILENT_RETIREMENT_S
 
 
 async def test_a_drained_instance_already_stoppable_is_not_called_back() -> None:

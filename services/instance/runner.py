@@ -29,7 +29,7 @@ from typing import Any
 
 import structlog
 
-from services.common.errors import FerryError, Internal, InvalidArgument, Unavailable
+from services.common.errors import Aborted, FerryError, Internal, InvalidArgument, Unavailable
 from services.instance.engine.engine import LLMEngine, LoadSnapshot, StepOutput
 from services.instance.engine.migration_state import HeldRequest
 from services.instance.handoff import Handoff
@@ -220,11 +220,13 @@ class EngineRunner:
         self.call_soon(lambda: self._engine.abort(stream.request_id))  # its error is logged; the thread goes on
 
     async def abort(self, request_id: str) -> bool:
+        """Abort a request; a client still reading its stream gets a last output with finish reason ABORT
+        (after every output the engine published before, so the stream has no gap)."""
+        output = await self.call(lambda: self._engine.abort_with_output(request_id))
         stream = self._streams.pop(request_id, None)
-        was_running = await self.call(lambda: self._engine.abort(request_id))
         if stream is not None and not stream.is_finished:
-            stream.outputs.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
-        return was_running
+            stream.outputs.put_nowait(output or Aborted(f"request {request_id} aborted"))
+        return output is not None
 
     def abandon_all(self, error: BaseException) -> int:
         """End every stream with `error` and abort its request once the engine takes commands

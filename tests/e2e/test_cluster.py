@@ -11,7 +11,7 @@ import grpc
 import openai
 import pytest
 
-from services.common.gen.ferry.v1 import manager_pb2, manager_pb2_grpc
+from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc
 from services.instance.engine.factory import EngineSpec, build_engine
 from services.instance.engine.request import SamplingParams
 from services.instance.engine.tokenizer import Tokenizer
@@ -104,6 +104,22 @@ async def test_bad_input_gets_400_with_a_message(client, cluster):
     with pytest.raises(openai.NotFoundError) as missing:  # 404 model_not_found, as OpenAI answers
         await client.completions.create(model="no-such-model", prompt="x", max_tokens=4)
     assert "no-such-model" in str(missing.value) and missing.value.code == "model_not_found"
+
+
+async def test_an_operators_abort_on_the_instance_ends_the_stream_with_finish_reason_abort(client, cluster):
+    stream = await client.completions.create(model=model_name(cluster), prompt="abort me", max_tokens=1000,
+                                             temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = [await anext(stream)]
+    async with grpc.aio.insecure_channel(cluster["admin_address"]) as channel:
+        admin = manager_pb2_grpc.AdminServiceStub(channel)
+        listed = await admin.ListRequests(manager_pb2.AdminListRequestsRequest(), timeout=5)
+    instance_id = next(r.instance_id for r in listed.requests if r.request_id == chunks[0].id)
+    async with grpc.aio.insecure_channel(address_of(cluster, instance_id)) as channel:
+        await instance_pb2_grpc.InstanceServiceStub(channel).Abort(
+            instance_pb2.AbortRequest(request_id=chunks[0].id), timeout=5)
+    chunks += [chunk async for chunk in stream]
+    assert chunks[-1].choices[0].finish_reason == "abort"
+    assert len(chunks) < 1000
 
 
 @pytest.mark.timeout(240)

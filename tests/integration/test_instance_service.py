@@ -107,8 +107,14 @@ async def test_abort_and_cancel_free_every_block(stub):
     baseline = (await stub.GetStatus(instance_pb2.GetStatusRequest(), timeout=5)).load.num_free_blocks
     call = stub.Generate(instance_pb2.GenerateRequest(request_id="a-1", prompt_token_ids=[3] * 20, sampling=greedy(200)),
                          timeout=60)
-    await call.read()  # running now
+    first = await call.read()  # running now
     await stub.Abort(instance_pb2.AbortRequest(request_id="a-1"), timeout=5)
+    chunks = []  # the client still reading hears why its stream ended
+    while (chunk := await call.read()) is not grpc.aio.EOF:
+        chunks.append(chunk)
+    assert chunks and chunks[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    indexes = [first.token_index] + [c.token_index for c in chunks]
+    assert indexes == list(range(first.token_index, first.token_index + len(indexes)))  # no gap, no repeat
     cancelled = stub.Generate(instance_pb2.GenerateRequest(request_id="a-2", prompt_token_ids=[4] * 20,
                                                            sampling=greedy(200)), timeout=60)
     await cancelled.read()

@@ -200,11 +200,16 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its blocks; False if the engine does not have it."""
-        request = self._requests.pop(RequestId(request_id), None)
+        return self.abort_with_output(request_id) is not None
+
+    def abort_with_output(self, request_id: str) -> StepOutput | None:
+        """Abort, returning the request's last output for a client still reading (finish reason ABORT,
+        with the text held back for a stop string); None if the engine does not have it."""
+        request = self._requests.get(RequestId(request_id))
         if request is None:
-            return False
+            return None
         self.scheduler.remove(request, FinishReason.ABORT)
-        return True
+        return self._output(request, request.num_output_tokens, None, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -106,20 +106,33 @@ async def test_bad_input_gets_400_with_a_message(client, cluster):
     assert "no-such-model" in str(missing.value) and missing.value.code == "model_not_found"
 
 
-async def test_an_operators_abort_on_the_instance_ends_the_stream_with_finish_reason_abort(client, cluster):
+async def abort_on_its_instance(cluster, is_ours) -> None:
+    """Abort the first listed request `is_ours` picks, on its instance, as an operator would with grpcurl."""
+    async with grpc.aio.insecure_channel(cluster["admin_address"]) as channel:
+        admin = manager_pb2_grpc.AdminServiceStub(channel)
+        for _ in range(100):
+            listed = await admin.ListRequests(manager_pb2.AdminListRequestsRequest(), timeout=5)
+            if ours := [r for r in listed.requests if is_ours(r.request_id)]:
+                break
+            await asyncio.sleep(0.05)
+    async with grpc.aio.insecure_channel(address_of(cluster, ours[0].instance_id)) as channel:
+        await instance_pb2_grpc.InstanceServiceStub(channel).Abort(
+            instance_pb2.AbortRequest(request_id=ours[0].request_id), timeout=5)
+
+
+async def test_an_operators_abort_on_the_instance_ends_the_request_with_finish_reason_abort(client, cluster):
     stream = await client.completions.create(model=model_name(cluster), prompt="abort me", max_tokens=1000,
                                              temperature=0, stream=True, extra_body={"ignore_eos": True})
     chunks = [await anext(stream)]
-    async with grpc.aio.insecure_channel(cluster["admin_address"]) as channel:
-        admin = manager_pb2_grpc.AdminServiceStub(channel)
-        listed = await admin.ListRequests(manager_pb2.AdminListRequestsRequest(), timeout=5)
-    instance_id = next(r.instance_id for r in listed.requests if r.request_id == chunks[0].id)
-    async with grpc.aio.insecure_channel(address_of(cluster, instance_id)) as channel:
-        await instance_pb2_grpc.InstanceServiceStub(channel).Abort(
-            instance_pb2.AbortRequest(request_id=chunks[0].id), timeout=5)
+    await abort_on_its_instance(cluster, lambda request_id: request_id == chunks[0].id)
     chunks += [chunk async for chunk in stream]
-    assert chunks[-1].choices[0].finish_reason == "abort"
-    assert len(chunks) < 1000
+    assert chunks[-1].choices[0].finish_reason == "abort" and len(chunks) < 1000
+    whole = asyncio.create_task(client.completions.create(
+        model=model_name(cluster), prompt="abort me too", max_tokens=1000, temperature=0,
+        extra_body={"ignore_eos": True, "request_id": "operator-abort"}))
+    await abort_on_its_instance(cluster, lambda request_id: "operator-abort" in request_id)
+    completion = await whole
+    assert completion.choices[0].finish_reason == "abort" and completion.usage.completion_tokens < 1000
 
 
 @pytest.mark.timeout(240)

@@ -176,8 +176,15 @@ class MigrationInbox:
         guide = await asyncio.to_thread(engine.new_guide, state.sampling, state.output_token_ids) \
             if state.sampling.grammar else None  # and the grammar's state
         await self._refuse_if_late(migration_id, deadline)
+        if not self._is_held(incoming):
+            raise _given_up(migration_id)
         await self._runner.adopt(state.request_id, state.epoch,
                                  lambda: engine.import_request(migration_id, state, text, guide))
+        if not self._is_held(incoming):
+            # Given up (aborted, or the watchdog) while the import waited for the engine: nothing tracks the
+            # adopted request any more, so no watchdog would ever drop it; the source keeps the request.
+            await self._runner.abort(state.request_id)
+            raise _given_up(migration_id)
         incoming.epoch = state.epoch
         incoming.expires_at = self._deadline()  # now the deadline to attach
         self._slots.release(migration_id)
@@ -185,6 +192,10 @@ class MigrationInbox:
         log.info("migration_in_committed", request_id=state.request_id, migration_id=migration_id,
                  src_instance_id=incoming.src_instance_id, epoch=state.epoch,
                  num_computed_tokens=state.num_computed_tokens)
+
+    def _is_held(self, incoming: _Incoming) -> bool:
+        """Not given up (aborted, expired) since `incoming` was looked up."""
+        return self._incoming.get(incoming.migration_id) is incoming
 
     async def _refuse_if_late(self, migration_id: str, deadline: float | None) -> None:
         if deadline is None or time.monotonic() < deadline:
@@ -312,6 +323,11 @@ class MigrationInbox:
 
     def _deadline(self) -> float:
         return time.monotonic() + self._timeout_s
+
+
+def _given_up(migration_id: str) -> Aborted:
+    return Aborted(f"migration {migration_id} was given up here while its commit was under way (aborted, or its "
+                   "source left etcd); the source keeps the request")
 
 
 def _log_failure(task: asyncio.Future) -> None:

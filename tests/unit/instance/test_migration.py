@@ -748,3 +748,35 @@ async def test_a_hand_off_waiting_for_a_client_leaves_a_copy_that_replaced_its_r
     last = await asyncio.wait_for(read(resumed, tokens), 30)
     assert tokens == expected and last.finish_reason is FinishReason.LENGTH
     await assert_no_blocks_held(a, b)
+
+
+async def test_a_commit_racing_the_watchdog_leaves_no_copy_nobody_tracks_on_the_destination(pair):
+    """The destination's watchdog gives the migration up (its source left etcd) while the commit's import
+    waits behind a long engine step, and the source never hears back. The import must not survive as a
+    request no incoming migration tracks: nobody would attach, the watchdog would never drop it, and a
+    resume under its id would be refused there."""
+    a, b = pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    peer = FaultyPeer(b)
+    committed: list[BaseException | None] = []
+
+    async def commit_while_the_source_is_declared_gone(migration_id, state):
+        b.runner.call_soon(lambda: time.sleep(0.3))  # the destination's engine is in a long step
+        committing = asyncio.create_task(b.inbox.commit(migration_id, state))
+        while b.runner.stream(state.request_id) is None:  # the import is queued on the engine thread
+            await asyncio.sleep(0.001)
+        await b.inbox.abort(migration_id)  # the watchdog's sweep: the source is gone from etcd
+        committed.extend(await asyncio.gather(committing, return_exceptions=True))
+        raise Unavailable("the source died: the commit's answer never reached it")
+
+    peer.commit_migrate_in = commit_while_the_source_is_declared_gone
+    with pytest.raises(Unavailable):
+        await driver(a, peer, TensorCopier(a, b)).migrate_out(plan())
+    assert isinstance(committed[0], Aborted), committed
+    assert await b.runner.call(lambda: [r.request_id for r in b.engine.list_requests()]) == []
+    assert b.runner.stream("r") is None
+    await read(stream, tokens)  # finished on the source
+    assert tokens == await reference(a)
+    await assert_no_blocks_held(a, b)

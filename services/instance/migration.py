@@ -150,6 +150,7 @@ class _Attempt:
     suspended_at: float | None = None
     committed_at: float | None = None
     stream: object | None = None  # the request's client stream when the migration began (an abort drops it)
+    held: HeldRequest | None = None  # the plan's parked state, where the request was still parked so when claimed
 
     def pending(self, view: MigrationBlocks, full_only: bool) -> list[int]:
         """Block-table indexes whose current source block is not copied yet (all once a preemption moved them),
@@ -203,12 +204,12 @@ class MigrationDriver:
 
     async def _migrate(self, migration_id: str, plan: MigrateOutPlan) -> MigrationResult:
         try:
-            request_id = await self._pick(plan)  # now in _moving: no other migration may suspend it
+            request_id, held = await self._pick(plan)  # now in _moving: no other migration may suspend it
             attempt: _Attempt | None = None
             try:
                 attempt = _Attempt(migration_id, request_id, plan, self._peers(plan.dst_address),
                                    plan.backend or self._settings.transfer_backend,
-                                   stream=self._runner.stream(request_id))
+                                   stream=self._runner.stream(request_id), held=held)
                 return await self._move(attempt)
             except BaseException as exc:
                 if attempt is not None:
@@ -221,18 +222,18 @@ class MigrationDriver:
         finally:
             self._slots.release(migration_id)
 
-    async def _pick(self, plan: MigrateOutPlan) -> str:
+    async def _pick(self, plan: MigrateOutPlan) -> tuple[str, HeldRequest | None]:
         """The request to move, claimed in `_moving` (the caller discards it) before any await that could
-        let a second migration claim it too."""
+        let a second migration claim it too; and `plan.held` if the request is still parked as it says."""
         if plan.request_id:
             self._claim(plan.request_id)
             try:
                 await self._wait_for_client(plan.request_id, self._runner.stream(plan.request_id))
-                await self._runner.call(lambda: self._runner.engine.check_movable(plan.request_id))
+                held = await self._runner.call(lambda: self._check_movable(plan))
             except BaseException:
                 self._moving.discard(plan.request_id)
                 raise
-            return plan.request_id
+            return plan.request_id, held
         exclude = frozenset(self._moving) | plan.exclude_request_ids | self._runner.unattached_request_ids()
         request_id = await self._runner.call(lambda: self._runner.engine.pick_for_migration(plan.selection, exclude))
         if request_id is None:
@@ -241,7 +242,17 @@ class MigrationDriver:
         if request_id in self._moving:  # another migration picked it while we asked: it alone may suspend it
             raise Aborted(f"request {request_id} was picked by another migration meanwhile; try again")
         self._claim(request_id)
-        return request_id
+        return request_id, None
+
+    def _check_movable(self, plan: MigrateOutPlan) -> HeldRequest | None:
+        """On the engine thread: NotFound or FailedPrecondition if the request cannot move; `plan.held` if it
+        is still parked as then. Another migration that failed meanwhile may have resumed it, and it decoded on
+        (its PD hand-off had taken the parked state before): that state is stale, it is suspended afresh."""
+        engine = self._runner.engine
+        engine.check_movable(plan.request_id)
+        if plan.held is None or engine.migration_blocks(plan.request_id) != plan.held.blocks:
+            return None
+        return plan.held
 
     def _claim(self, request_id: str) -> None:
         if request_id in self._moving:
@@ -281,8 +292,8 @@ class MigrationDriver:
 
     async def _move_in_one_stage(self, a: _Attempt) -> MigrationResult:
         """Suspend (unless the PD hand-off holds it already) and export at once, copy every block, commit."""
-        if a.plan.held is not None:
-            view, state, a.suspended_at = a.plan.held.blocks, a.plan.held.state, a.plan.held.held_at
+        if a.held is not None:
+            view, state, a.suspended_at = a.held.blocks, a.held.state, a.held.held_at
         else:
             view, state = await self._suspend(a, lambda engine: engine.suspend_held(a.request_id))
         await self._reserve(a, view, 0)  # first: the blocks the destination has cached need no copy

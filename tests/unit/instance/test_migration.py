@@ -780,3 +780,48 @@ async def test_a_commit_racing_the_watchdog_leaves_no_copy_nobody_tracks_on_the_
     await read(stream, tokens)  # finished on the source
     assert tokens == await reference(a)
     await assert_no_blocks_held(a, b)
+
+
+class SlowDecodePlacer(DecodePlacer):
+    """Places on b once `answer` is set."""
+
+    def __init__(self) -> None:
+        self.asked, self.answer = asyncio.Event(), asyncio.Event()
+
+    async def place_decode(self, request_id, src_instance_id, num_blocks):
+        self.asked.set()
+        await self.answer.wait()
+        return await super().place_decode(request_id, src_instance_id, num_blocks)
+
+
+async def test_a_pd_hand_off_whose_request_was_resumed_while_it_asked_for_a_place_sends_fresh_state(pair):
+    """As above, but the worker had taken the parked state already and was waiting for the manager's
+    PlaceDecode when the other migration failed and resumed the request. The hand-off must not move the
+    request with the state it was parked with while it decodes on (the tokens made since would be lost,
+    and the release of a request that is not suspended aborts it on both sides)."""
+    a, b = pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    copier = TensorCopier(a, b, fail_on=1, pause=asyncio.Event())  # the rebalancing migration's copy fails
+    mover = driver(a, FaultyPeer(b), copier)
+    placer = SlowDecodePlacer()
+    handoff = DecodeHandoff("a", a.runner, mover, placer, PdHandoff.PUSH, lambda: InstanceRole.PREFILL)
+    migration = asyncio.create_task(mover.migrate_out(plan()))
+    while not copier.num_calls:  # in its first live stage
+        await asyncio.sleep(0.01)
+    held = await a.runner.call(lambda: a.engine.hold_and_export("r"))  # parked at a step boundary
+    handoff.note_prefilled("r", held)
+    pushing = asyncio.create_task(handoff._hand_off("r"))  # a worker takes it and asks for a place
+    await placer.asked.wait()
+    copier.pause.set()
+    with pytest.raises(Unavailable, match="is gone"):
+        await migration  # ... and resumed the request
+    await read(stream, tokens, until=len(tokens) + 10)  # it decodes on
+    placer.answer.set()
+    await pushing
+    last = await asyncio.wait_for(read(stream, tokens), 10)
+    assert isinstance(last, Handoff) and last.next_token_index == len(tokens)
+    await asyncio.wait_for(read(b.inbox.attach("r", last.epoch), tokens), 30)
+    assert tokens == await reference(a)
+    await assert_no_blocks_held(a, b)

@@ -221,7 +221,11 @@ class EngineRunner:
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; a client still reading its stream gets a last output with finish reason ABORT
-        (after every output the engine published before, so the stream has no gap)."""
+        (after every output the engine published before, so the stream has no gap). A caller cancelled
+        meanwhile does not stop it: the engine aborts the request anyway, and its stream must go with it."""
+        return await asyncio.shield(self._abort(request_id))
+
+    async def _abort(self, request_id: str) -> bool:
         output = await self.call(lambda: self._engine.abort_with_output(request_id))
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.is_finished:

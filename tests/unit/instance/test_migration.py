@@ -825,3 +825,25 @@ async def test_a_pd_hand_off_whose_request_was_resumed_while_it_asked_for_a_plac
     await asyncio.wait_for(read(b.inbox.attach("r", last.epoch), tokens), 30)
     assert tokens == await reference(a)
     await assert_no_blocks_held(a, b)
+
+
+async def test_dropping_a_migrated_in_request_cut_short_by_its_callers_deadline_leaves_no_stream_behind(pair):
+    """AbortMigrateIn (or a resume's Generate) drops a committed request nobody attached to while the engine
+    is in a long step, and its caller's deadline cancels the call. The engine still aborts the request; its
+    stream must go too, or a later resume under its id is refused as "already running" here, for good."""
+    a, b = pair
+    stream, tokens = await moved_a_to_b(a, b)
+    assert isinstance(await read(stream, tokens), Handoff)  # the hand-off that never reaches the client
+    b.runner.call_soon(lambda: time.sleep(0.3))  # b's engine is in a long step
+    dropping = asyncio.create_task(b.inbox.drop_unattached("r"))
+    await asyncio.sleep(0.05)
+    dropping.cancel()  # the caller's deadline
+    with pytest.raises(asyncio.CancelledError):
+        await dropping
+    async with asyncio.timeout(5):
+        while b.runner.stream("r") is not None:  # the engine aborts the request once its step ends
+            await asyncio.sleep(0.01)
+    resumed = await b.runner.add("r", PROMPT, SAMPLING, resume_token_ids=tuple(tokens))
+    await read(resumed, tokens)
+    assert tokens == await reference(a)
+    await assert_no_blocks_held(a, b)

@@ -247,7 +247,8 @@ class MigrationInbox:
         if stream.is_attached:
             raise FailedPrecondition(f"request {request_id} already has a client attached")
         self._runner.attach(stream)
-        for incoming in [i for i in self._incoming.values() if i.request_id == request_id]:
+        # Only the committed one: an earlier attempt's reservation whose abort was lost is the watchdog's to free.
+        for incoming in [i for i in self._incoming.values() if i.request_id == request_id and i.epoch is not None]:
             self._forget(incoming.migration_id)
         return stream
 

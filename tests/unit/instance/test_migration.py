@@ -847,3 +847,20 @@ async def test_dropping_a_migrated_in_request_cut_short_by_its_callers_deadline_
     await read(resumed, tokens)
     assert tokens == await reference(a)
     await assert_no_blocks_held(a, b)
+
+
+async def test_a_client_attaching_leaves_an_earlier_failed_attempts_reservation_to_the_watchdog(pair):
+    """A first attempt to move r to b failed and its AbortMigrateIn never reached b (b slow, a network blip):
+    its reservation waits there for the watchdog. A second attempt commits and r's client attaches: the
+    attach must not make b forget the first reservation, or nothing ever frees its blocks and batch slot."""
+    a, b = pair
+    b.slots = MigrationSlots(2)
+    b.inbox = MigrationInbox(b.runner, b.slots, timeout_s=5.0, transfer=TransferEndpoint("127.0.0.1:2", "tb"))
+    expected = await reference(a)
+    await b.inbox.prepare("a-failed-attempt", "r", "a", num_blocks=12)  # its abort was lost
+    stream, tokens = await moved_a_to_b(a, b)
+    handoff = await read(stream, tokens)
+    await read(b.inbox.attach("r", handoff.epoch), tokens)
+    assert tokens == expected
+    await b.inbox.expire(float("inf"))  # the watchdog's sweep, once the first reservation timed out
+    await assert_no_blocks_held(a, b)

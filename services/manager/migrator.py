@@ -207,7 +207,10 @@ class Migrator:
 
     def busiest_source(self, dst_id: str = "") -> str:
         """Where an admin Migrate that names no request and no source moves from: the least free
-        instance (ties by id) with a request running or waiting, other than `dst_id`."""
+        instance (ties by id) with a request running or waiting, other than `dst_id` (NotFound if that
+        names no instance: said before "nothing to migrate", which would send the caller elsewhere)."""
+        if dst_id:
+            self._member(dst_id, "destination", "dst_instance_id")
         busy = [v for v in self._view.instances() if v.held_load.num_running + v.held_load.num_waiting > 0
                 and v.state is not InstanceState.UNHEALTHY and v.record.instance_id != dst_id]
         if not busy:

@@ -25,7 +25,7 @@ from typing import Any
 
 import structlog
 
-from services.common.errors import FerryError, InvalidArgument, NotFound, Unavailable
+from services.common.errors import Aborted, FerryError, InvalidArgument, NotFound, Unavailable
 from services.common.ids import check_id
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.gen.ferry.v1 import instance_pb2, manager_pb2, manager_pb2_grpc
@@ -278,20 +278,26 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         try:
             record = await self._migrator.migrate_to_the_end(order)
         except NotFound as exc:
-            if request.request_id and request.src_instance_id:
-                await self._name_where_it_runs(request.request_id, request.src_instance_id, exc)
+            if request.request_id:
+                await self._name_where_it_runs(request.request_id, src_id, bool(request.src_instance_id), exc)
             raise
         return convert.migrate_response_to_proto(record)
 
-    async def _name_where_it_runs(self, request_id: str, named_src: str, error: NotFound) -> None:
-        """A Migrate whose named source does not hold the request: NotFound naming the instance that does."""
+    async def _name_where_it_runs(self, request_id: str, src_id: str, is_named: bool, error: NotFound) -> None:
+        """A Migrate whose source does not hold the request (any more): NotFound naming the instance that
+        does where the caller named the source, Aborted where we found it there and it moved meanwhile
+        (another migration: a retry finds it)."""
         try:
             running_on = await self._instance_running(request_id)
         except FerryError:
             return  # on none that answered: the source's own answer says enough
-        if running_on != named_src:
-            raise NotFound(f"request {request_id!r} is not on instance {named_src}: it runs on {running_on}; name "
+        if running_on == src_id:
+            return
+        if is_named:
+            raise NotFound(f"request {request_id!r} is not on instance {src_id}: it runs on {running_on}; name "
                            "that source or leave the source out") from error
+        raise Aborted(f"request {request_id!r} moved from {src_id} to {running_on} while this Migrate was "
+                      "under way (another migration); try again") from error
 
     async def ListMigrations(self, request: manager_pb2.ListMigrationsRequest,
                              context) -> manager_pb2.ListMigrationsResponse:

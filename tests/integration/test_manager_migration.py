@@ -15,7 +15,8 @@ import grpc
 import pytest
 from etcd3aio import Etcd3Client, prefix_range_end
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from services.common.errors import (Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted,
+                                    Unavailable)
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import (common_pb2, instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc,
                                           transfer_pb2)
@@ -39,6 +40,7 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
         self.calls: list[instance_pb2.MigrateOutRequest] = []
         self.list_delay_s = 0.0  # how long ListRequests takes (an instance busy in a long step)
         self.answer_delay_s = 0.0  # how long MigrateOut waits after the move before it answers (a frozen source)
+        self.moved_meanwhile_to = ""  # non-empty: another migration moved the request there just before MigrateOut
 
     def hold(self, *request_ids: str) -> None:
         self.request_ids.extend(request_ids)
@@ -56,6 +58,9 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.refuse)
         candidates = [r for r in self.request_ids if r not in request.exclude_request_ids]
         request_id = request.request_id or (candidates[0] if candidates else "")
+        if self.moved_meanwhile_to and request_id in self.request_ids:
+            self.request_ids.remove(request_id)
+            self.peers[self.moved_meanwhile_to].hold(request_id)
         if request_id not in self.request_ids:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {request_id!r} is not here")
         self.request_ids.remove(request_id)
@@ -201,6 +206,8 @@ async def test_admin_migrate_finds_the_request_and_checks_its_arguments(world):
     _, client, peers = await world(3)
     with pytest.raises(FailedPrecondition, match="nothing to migrate"):
         await client.migrate()
+    with pytest.raises(NotFound, match="destination instance 'i-9'"):  # the bad argument first, idle or not
+        await client.migrate(dst_instance_id="i-9")
     peers["i-0"].hold("r-1", "r-2")
     peers["i-1"].hold("r-3")
     await wait_until(lambda: _running_is(client, {"i-0": 2, "i-1": 1, "i-2": 0}), 5, "requests reported")
@@ -228,6 +235,16 @@ async def test_admin_migrate_finds_the_request_and_checks_its_arguments(world):
     await wait_until(lambda: _running_is(client, {"i-0": 0, "i-1": 2, "i-2": 1}), 5, "moves reported")
     busiest = await client.migrate()  # nothing named: the least free busy instance gives one to the freest
     assert (busiest.src_instance_id, busiest.dst_instance_id) == ("i-1", "i-0")
+
+
+async def test_a_request_another_migration_moved_meanwhile_is_aborted_not_not_found(world):
+    """Two operators move one request at once: the second finds it gone from the source it looked up."""
+    _, client, peers = await world(3)
+    peers["i-0"].hold("r-1")
+    await wait_until(lambda: _running_is(client, {"i-0": 1, "i-1": 0, "i-2": 0}), 5, "requests reported")
+    peers["i-0"].moved_meanwhile_to = "i-2"
+    with pytest.raises(Aborted, match="'r-1' moved from i-0 to i-2 while this Migrate was under way"):
+        await client.migrate(request_id="r-1", dst_instance_id="i-1")
 
 
 async def test_a_source_that_moved_the_request_but_gave_no_answer_is_settled_by_the_destination(world):

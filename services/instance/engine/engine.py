@@ -359,7 +359,7 @@ class LLMEngine:
     def _request(self, request_id: str) -> Request:
         request = self._requests.get(RequestId(request_id))
         if request is None:
-            raise NotFound(f"request {request_id} is not on this instance (finished, aborted or never here)")
+            raise NotFound(f"request {request_id} is not on this instance (finished, aborted, moved away or never here)")
         return request
 
     def _suspended(self, request_id: str) -> Request:

@@ -148,6 +148,7 @@ class Scaler:
         self._is_unwritten = False  # the last target's write failed: written again on the next tick
         self._markless_since: dict[InstanceId, float] = {}  # retiring instances seen without a drain mark, since
         self._silent_since: dict[InstanceId, float] = {}  # draining instances seen without a recent report, since
+        self._never_retiring_warned: tuple[ScalingSettings, int] | None = None
 
     def set_settings(self, settings: ScalingSettings) -> None:
         self.settings = settings
@@ -166,12 +167,25 @@ class Scaler:
         if self._is_unwritten and self._target is not None:
             await self._write(self._target)
         views = self._view.instances()
+        self._warn_if_never_retiring(views)
         if await self._follow_retirements(views) or self._is_waiting(views):
             return None
         decision = decide(views, self.settings)
         if decision is not None:
             await self._act(decision)
         return decision
+
+    def _warn_if_never_retiring(self, views: list[InstanceView]) -> None:
+        """An idle instance's freeness is its whole cache in blocks: with caches no larger than `high_freeness`,
+        the band can never retire one. Said once per (settings, largest cache)."""
+        largest = max((v.load.num_total_blocks for v in views), default=0)
+        if not self.settings.is_enabled or not largest or largest > self.settings.high_freeness:
+            return
+        if self._never_retiring_warned != (self.settings, largest):
+            self._never_retiring_warned = (self.settings, largest)
+            log.warning("scaling_never_retires", num_total_blocks=largest, high_freeness=self.settings.high_freeness,
+                        action="an idle instance's freeness is its cache in blocks: lower scaling_high_freeness below it "
+                               "(ferryctl policy set --set scaling_high_freeness=N), or give instances more KV cache")
 
     def _adopt(self, target: ScalingTarget | None) -> None:
         """On becoming leader: the retirements a predecessor started, and the cooldown of its last write

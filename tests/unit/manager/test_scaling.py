@@ -2,6 +2,7 @@ import copy
 import dataclasses
 
 import pytest
+from structlog.testing import capture_logs
 
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.scaling_target import ScalingTarget
@@ -179,6 +180,18 @@ async def test_a_draining_instance_gone_silent_becomes_stoppable_instead_of_hold
             break
         assert store.target.draining == ["i-1"]  # still waited on while silent for less than the bound
     assert store.target.stoppable == ["i-1"] and clock.now - hung_at > SILENT_RETIREMENT_S
+
+
+async def test_caches_no_larger_than_the_band_are_said_once_to_keep_every_instance() -> None:
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", clock=clock, num_free_blocks=200, num_total_blocks=200)  # idle: freeness 200
+    settings = dataclasses.replace(BAND, high_freeness=256.0)
+    scaler = Scaler(view, leader(), FakeStore(), settings, interval_s=1, cooldown_s=0, clock=clock)
+    with capture_logs() as logs:
+        assert await scaler.tick() is None and await scaler.tick() is None
+        scaler.set_settings(dataclasses.replace(settings, high_freeness=150.0))
+        assert (await scaler.tick()).action is ScalingAction.RETIRE
+    assert [entry["num_total_blocks"] for entry in logs if entry["event"] == "scaling_never_retires"] == [200]
 
 
 async def test_a_drained_instance_already_stoppable_is_not_called_back() -> None:

@@ -107,6 +107,10 @@ class ClusterView:
     def has_member(self, instance_id: str) -> bool:
         return instance_id in self._records
 
+    def has_reported(self, instance_id: InstanceId) -> bool:
+        """Whether the instance reported its load in this term (else it is in its first grace)."""
+        return instance_id in self._reports
+
     def record(self, instance_id: InstanceId) -> InstanceRecord:
         return self._records[instance_id]
 

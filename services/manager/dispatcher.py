@@ -66,8 +66,8 @@ class Dispatcher:
         Unavailable when neither serves: the request keeps decoding where it is."""
         self._leadership.check_leader()
         exclude = frozenset({InstanceId(src_instance_id)})
-        candidates = (self._view.candidates(exclude, DECODE_ROLES)
-                      or self._view.candidates(exclude, frozenset({Role.BOTH})))
+        candidates = self._reported_first(self._view.candidates(exclude, DECODE_ROLES)
+                                          or self._view.candidates(exclude, frozenset({Role.BOTH})))
         if not candidates:
             self.role_gaps.note_missing(Role.DECODE, request_id)
             raise Unavailable(f"no decode instance serves; request {request_id} keeps decoding on "
@@ -88,7 +88,16 @@ class Dispatcher:
         if self.role_gaps.is_missing(Role.DECODE) and self._view.candidates(roles=DECODE_ROLES | {Role.BOTH}):
             self.role_gaps.note_present(Role.DECODE)
 
+    def _reported_first(self, candidates: list[Candidate]) -> list[Candidate]:
+        """Those that reported in this term, if any did. One still in its grace looks empty (no load
+        known): after a takeover a dead instance whose key outlives it would draw most dispatches
+        for --report-timeout-s while the live ones already report."""
+        return [c for c in candidates if self._view.has_reported(c.instance_id)] or candidates
+
     def _dispatch_candidates(self, ask: DispatchAsk) -> list[Candidate]:
+        return self._reported_first(self._role_candidates(ask))
+
+    def _role_candidates(self, ask: DispatchAsk) -> list[Candidate]:
         exclude = ask.exclude_instance_ids
         if self._is_short(ask):
             return self._view.candidates(exclude, ALL_ROLES)

@@ -223,3 +223,27 @@ def test_an_instance_a_peer_could_not_reach_is_left_out_until_it_reports_again()
     assert view.state_of(InstanceId("d1")) is InstanceState.SERVING
     assert dispatcher.place_decode("r-3", "p", 0).instance_id == "d1"
     view.mark_unanswered(InstanceId("gone"))  # not a member: nothing to do
+
+
+def test_after_a_takeover_an_instance_that_reports_is_preferred_to_a_silent_one():
+    """A silent instance in its grace looks empty: a dead one whose key outlived it (its stream had
+    ended) drew 10 of 12 dispatches from the new leader while the live one already reported."""
+    clock = FakeClock()
+    view = make_view("a", "b", clock=clock, num_free_blocks=600, num_running=4)
+    view.mark_unanswered(InstanceId("b"))  # its report stream ended: killed
+    view.start_leading()  # a new term: every member gets a fresh grace
+    clock.advance(0.2)
+    view.apply_report(InstanceId("a"), make_load(num_free_blocks=600, num_running=4))
+    dispatcher = Dispatcher(view, leading(), "load")
+    assert {dispatcher.dispatch(ask(f"r-{n}")).instance_id for n in range(12)} == {"a"}
+    assert view.state_of(InstanceId("b")) is InstanceState.SERVING  # still in its grace: used if alone
+    assert dispatcher.dispatch(ask(exclude=("a",))).instance_id == "b"
+
+
+def test_a_new_instance_is_dispatched_to_once_it_reports():
+    view = make_view("a", num_free_blocks=100, num_running=4)
+    view.put_member(make_record("b"))
+    dispatcher = Dispatcher(view, leading(), "load")
+    assert dispatcher.dispatch(ask()).instance_id == "a"
+    view.apply_report(InstanceId("b"), make_load(num_free_blocks=1000))
+    assert dispatcher.dispatch(ask()).instance_id == "b"

@@ -6,10 +6,12 @@ from dataclasses import replace
 
 import pytest
 
+from services.common.election import LeaderView
 from services.common.errors import Unavailable
 from services.frontend.dispatch import Dispatcher, InstanceEntry
-from services.frontend.etcd_view import EtcdInstances, instance_entry
+from services.frontend.etcd_view import EtcdInstances, EtcdLeader, instance_entry
 from services.frontend.generation import InstanceId, Target
+from services.frontend.manager_client import ManagerClient
 
 from tests.unit.frontend.factories import FakeManager, FakeMembership, entry, make_spec
 
@@ -132,3 +134,25 @@ async def test_the_fallback_never_picks_a_drained_instance_and_says_why_when_all
     marks.members["b"] = {"instance_id": "b"}
     with pytest.raises(Unavailable, match="2 registered, none serving .*drain ID --undo"):
         await dispatcher.pick(make_spec())
+
+
+class FakeLeaderKey:
+    """The manager/leader key as a MembershipView holds it."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def get(self, member_id: str):
+        return self.value
+
+
+@pytest.mark.parametrize("value", [{"address": "m:1"}, {"leader_id": "m-1"}, ["m:1"]])
+async def test_a_malformed_leader_key_sends_dispatch_to_the_fallback_not_the_request_to_a_500(value):
+    """Managers outlive such a key (their leader watch keeps the last leader); every request of a
+    frontend failed with INTERNAL (a KeyError out of the runner) while it was there."""
+    manager = ManagerClient(EtcdLeader(LeaderView(FakeLeaderKey(value))), timeout_s=0.2)
+    dispatcher = Dispatcher(manager, FakeMembership(entry("a")), cooldown_s=5.0)
+    try:
+        assert (await dispatcher.pick(make_spec())).instance_id == "a"
+    finally:
+        await manager.close()

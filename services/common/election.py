@@ -230,15 +230,26 @@ def _log_renew_failed(exc: Exception) -> None:
 
 
 class LeaderView:
-    """The current leader as seen through a watch on the leader key (followers, frontends, instances)."""
+    """The current leader as seen through a watch on the leader key (followers, frontends, instances).
+    A value it cannot read (not a JSON object with `leader_id` and `address`) counts as no leader, so
+    callers go on without one (the frontend places requests itself) instead of failing every call."""
 
     def __init__(self, view: MembershipView) -> None:
         self._view = view
+        self._unreadable: object = None  # the last unreadable value, logged once
 
     @property
     def leader(self) -> LeaderInfo | None:
         value = self._view.get(LEADER_ID)
-        return LeaderInfo.from_value(value) if value else None
+        if not value:
+            return None
+        try:
+            return LeaderInfo.from_value(value)
+        except (KeyError, TypeError, AttributeError) as exc:
+            if value != self._unreadable:
+                self._unreadable = value
+                log.warning("leader_key_unreadable", value=repr(value)[:200], error=repr(exc))
+            return None
 
     @property
     def staleness_s(self) -> float:

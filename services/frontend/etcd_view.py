@@ -8,14 +8,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-import structlog
-
 from services.common.election import LeaderView
 from services.common.membership import MembershipView
 from services.frontend.dispatch import InstanceEntry
 from services.frontend.generation import InstanceId
-
-log = structlog.get_logger(__name__)
 
 _SERVING_STATES = frozenset({"serving", "instance_state_serving"})
 
@@ -54,20 +50,12 @@ class EtcdInstances:
 
 
 class EtcdLeader:
-    """`LeaderSource` over `/ferry/<cluster>/manager/leader` (JSON with an "address" field). A value it
-    cannot read counts as no leader, so requests are placed by the fallback instead of failing."""
+    """`LeaderSource` over `/ferry/<cluster>/manager/leader` (JSON with an "address" field; one that
+    LeaderView cannot read counts as no leader, so requests are placed by the fallback)."""
 
     def __init__(self, view: LeaderView) -> None:
         self._view = view
-        self._has_warned = False  # once per malformed stretch: every dispatch reads the key
 
     def leader_address(self) -> str | None:
-        try:
-            leader = self._view.leader
-        except (KeyError, TypeError, AttributeError) as exc:
-            if not self._has_warned:
-                log.warning("leader_key_unreadable", error=repr(exc))
-                self._has_warned = True
-            return None
-        self._has_warned = False
+        leader = self._view.leader
         return leader.address if leader is not None and leader.address else None

@@ -10,6 +10,9 @@ Dropping a channel releases the group: its destructor closes the connection, whi
 the only thing that wakes a peer blocked in gloo send/recv (gloo's unbound-buffer send
 waits for the matching recv; `abort()`/`shutdown()` do not interrupt it, measured on
 torch 2.13). So every table reference goes away on failure, and callers keep none.
+A send blocked on this side holds its connection open itself, though, so the destructor
+waits for it: dropping an outgoing gloo channel first closes its connections (gloo closes
+them when a wait times out), which ends those sends at once, not at their deadline.
 
 A gloo group may hold several TCP connections (`--gloo-connections`; gloo uses
 `tag % connections` for a message), so chunks sent with consecutive tags travel on the
@@ -70,6 +73,7 @@ class PairChannel:
     bounce: torch.Tensor | None = None  # NCCL: device buffer for host staging memory
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)  # serial channels: one transfer on it at a time
     last_used: float = field(default_factory=time.monotonic)  # when a transfer last took it
+    num_connections: int = 1  # gloo: TCP connections of the group (a message takes tag % num_connections)
 
     @property
     def is_serial(self) -> bool:
@@ -129,8 +133,11 @@ class PairChannel:
 
     def close(self) -> None:
         """Let go of the group, so that it is destroyed (closing its connections) as soon as no call is
-        inside it, even while a failed transfer's frames (in some traceback) still hold this channel."""
-        self.group = self.store = self.bounce = None
+        inside it, even while a failed transfer's frames (in some traceback) still hold this channel.
+        The sending end (rank 0 on gloo) first closes its connections, ending its own blocked sends."""
+        group, self.group, self.store, self.bounce = self.group, None, None, None
+        if group is not None and self.rank == 0 and self.backend is TransferBackend.GLOO:
+            _close_gloo_connections(group, self.num_connections)
 
     def _live_group(self) -> dist.ProcessGroup:
         group = self.group
@@ -184,6 +191,16 @@ class PairChannel:
         if self.bounce is None or self.bounce.numel() < data.numel():
             self.bounce = torch.empty(data.numel(), dtype=torch.uint8, device=self.device)  # once per channel
         return self.bounce[:data.numel()]
+
+
+def _close_gloo_connections(group: dist.ProcessGroup, num_connections: int) -> None:
+    """Close every connection of a sending gloo group: a wait that times out makes gloo close the
+    connection it waited on, and a receive on the sending end never completes (its peer only
+    receives), so a 1 ms receive on each connection (tag % num_connections picks it) does it."""
+    scratch = torch.empty(1, dtype=torch.uint8)
+    for tag in range(num_connections):
+        with contextlib.suppress(RuntimeError):  # the expected timeout, or a connection already closed
+            group.recv([scratch], 1, tag).wait(datetime.timedelta(milliseconds=1))
 
 
 def _wait(work: dist.Work, deadline: float) -> None:
@@ -321,7 +338,8 @@ class ChannelTable:
             raise
         group = await group_future
         log.info("channel_opened", peer=peer_address, backend=backend.value, store_port=store.port)
-        return PairChannel(peer_address, backend, 0, group, store, self._device_for(backend))
+        return PairChannel(peer_address, backend, 0, group, store, self._device_for(backend),
+                           num_connections=self._gloo_connections)
 
 
 def _consume_result(future: asyncio.Future) -> None:

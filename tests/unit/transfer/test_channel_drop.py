@@ -1,0 +1,87 @@
+"""A sender that drops its gloo channel (real groups, in one process) ends its own blocked sends at once.
+
+gloo's send waits until the peer receives it, and letting go of the group does not wake it: the
+send holds the connection open itself. A channel dropped because the receiver never took the
+transfer (its ExpectBlocks failed before it posted a receive) left the sends, and the staging slot
+they held, waiting for the whole transfer deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from services.common.errors import Unavailable
+from services.transfer.channels import ChannelTable
+from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
+from services.transfer.sender import BlockSender
+from services.transfer.staging import StagingPool
+from services.transfer.threads import TransferThreads
+from tests.unit.transfer.factories import random_kv, tiny_geometry
+from tests.unit.transfer.test_channel_window import BLOCK_BYTES, FakeMappings
+
+pytestmark = pytest.mark.timeout(60)
+DEADLINE_S = 20.0
+
+
+class PeerThatNeverReceives:
+    """Joins the channel, but its ExpectBlocks fails before it posts a receive (the call did not get
+    through, or the peer refused the request before looking at the channel)."""
+
+    piece_bytes = 1 << 20
+
+    def __init__(self, table: ChannelTable, expect_delay_s: float = 0.0) -> None:
+        self.table = table
+        self.expect_delay_s = expect_delay_s
+
+    async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s):
+        await self.table.accept(peer_transfer_id, backend, store_address, rank, num_connections)
+
+    async def expect_blocks(self, header, backend, tag, timeout_s):
+        await asyncio.sleep(self.expect_delay_s)
+        raise Unavailable("the transfer service at b:1 did not answer: connection reset")
+
+
+@pytest.fixture
+def gloo_pair():
+    threads = TransferThreads.start(4)
+    sender_table = ChannelTable("A", "127.0.0.1", 10, threads.io, gloo_connections=2)
+    receiver_table = ChannelTable("B", "127.0.0.1", 10, threads.io)
+    yield threads, sender_table, receiver_table
+    sender_table.close()
+    receiver_table.close()
+    threads.shutdown()
+
+
+def _sender(threads, table: ChannelTable, peer) -> tuple[BlockSender, BlockTransfer]:
+    geometry = tiny_geometry(num_blocks=24)
+    kvs = {"src": random_kv(geometry, 1), "dst": torch.zeros(geometry.shape, dtype=geometry.dtype)}
+    sender = BlockSender("A", (TransferBackend.GLOO,), FakeMappings(kvs, geometry), StagingPool(1, BLOCK_BYTES, 4),
+                         table, lambda address: peer, threads, in_place_min_row_bytes=0)
+    ids = tuple(range(12))
+    return sender, BlockTransfer(InstanceId("src"), ids, InstanceId("dst"), ids, "b:1", TransferBackend.GLOO, False)
+
+
+async def test_a_transfer_whose_expect_blocks_failed_fails_at_once_not_at_its_deadline(gloo_pair):
+    threads, sender_table, receiver_table = gloo_pair
+    sender, transfer = _sender(threads, sender_table, PeerThatNeverReceives(receiver_table, expect_delay_s=0.5))
+    started = time.monotonic()
+    with pytest.raises(Unavailable, match="did not answer"):
+        await sender.transfer(transfer, DEADLINE_S)
+    assert time.monotonic() - started < 5, "the sends waited for the deadline after the channel was dropped"
+    assert sender_table.num_channels == 0
+
+
+async def test_a_cancelled_transfer_whose_peer_does_not_receive_ends_at_once(gloo_pair):
+    threads, sender_table, receiver_table = gloo_pair
+    sender, transfer = _sender(threads, sender_table, PeerThatNeverReceives(receiver_table, expect_delay_s=60))
+    task = asyncio.ensure_future(sender.transfer(transfer, DEADLINE_S))
+    await asyncio.sleep(1.0)  # the channel is open and the first sends are blocked
+    started = time.monotonic()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert time.monotonic() - started < 5, "the cancelled transfer's sends waited for the deadline"

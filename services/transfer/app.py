@@ -6,6 +6,7 @@ Shutdown order (STYLE.md): health NOT_SERVING → revoke the etcd lease → serv
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 
@@ -16,6 +17,7 @@ from services.common.config import as_dict
 from services.common.errors import FailedPrecondition, NotFound
 from services.common.grpc_server import BULK_TRANSFER_OPTIONS, GrpcServer, start_grpc_server
 from services.common.heap import keep_freed_heap
+from services.common.periodic import periodic_loop
 from services.common.registry import Registry
 from services.common.signals import stop_event
 from services.transfer.metrics import serve_metrics
@@ -34,6 +36,7 @@ from services.transfer.threads import TransferThreads
 log = structlog.get_logger(__name__)
 
 TRANSFER_SERVICE = "ferry.v1.TransferService"
+VANISHED_CHECK_INTERVAL_S = 5.0  # how often mapped segments are checked for instances that died
 
 
 async def main(config: TransferConfig) -> None:
@@ -116,12 +119,22 @@ async def serve(config: TransferConfig, node: TransferNode, server: GrpcServer, 
     log.info("transfer_ready", transfer_id=node.transfer_id, address=node.address,
              backends=[b.value for b in node.backends], instance_ids=node.mappings.instance_ids())
     config.print_ready(node.transfer_id, node.address)
+    sweep = asyncio.create_task(unmap_vanished_loop(node))
     await stop.wait()
+    sweep.cancel()
     log.info("transfer_stopping")
     await server.set_serving(False)
     if registry is not None:
         await registry.close()
     await server.stop(grace=2.0)
+
+
+async def unmap_vanished_loop(node: TransferNode, interval_s: float = VANISHED_CHECK_INTERVAL_S) -> None:
+    """Let go of the KV memory of instances that died without unmapping it (`KvMappings.unmap_vanished`)."""
+    async def step() -> None:
+        if node.mappings.unmap_vanished():
+            await node.on_mappings_changed()
+    await periodic_loop("unmap_vanished_loop", interval_s, step)
 
 
 async def _map_from_etcd(registry: Registry, node: TransferNode, instance_ids: list[str]) -> None:

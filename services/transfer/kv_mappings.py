@@ -65,6 +65,17 @@ class KvMappings:
         log.info("instance_unmapped", instance_id=instance_id)
         return True
 
+    def unmap_vanished(self) -> list[InstanceId]:
+        """Unmap the instances whose segment name went away or names a new segment now. A killed
+        instance cannot unmap itself, and nothing else would ever let go of its memory (the whole KV
+        cache, in /dev/shm) unless an instance came back under its id."""
+        vanished = [instance_id for instance_id, cache in self._caches.items() if cache.is_name_gone]
+        for instance_id in vanished:
+            log.warning("instance_segment_vanished", instance_id=instance_id, shm_name=self._caches[instance_id].name,
+                        reason="its instance is gone: the segment's name was removed or reused")
+            self.unmap(instance_id)
+        return vanished
+
     def get(self, instance_id: InstanceId) -> KvCache:
         cache = self._caches.get(instance_id)
         if cache is None:

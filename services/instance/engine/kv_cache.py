@@ -85,11 +85,13 @@ class KvCache:
     """A KV tensor in named shared memory (or on a GPU). Use `create` (owner), `attach` or `open_ipc`."""
 
     def __init__(self, name: str, geometry: KvGeometry, tensor: torch.Tensor,
-                 owner: shared_memory.SharedMemory | None, ipc_handle: CudaIpcHandle | None = None) -> None:
+                 owner: shared_memory.SharedMemory | None, ipc_handle: CudaIpcHandle | None = None,
+                 file_id: tuple[int, int] | None = None) -> None:
         self.name = name
         self.geometry = geometry
         self.tensor = tensor
         self.ipc_handle = ipc_handle  # set for a cache on a GPU: how other processes map it
+        self.file_id = file_id  # (st_dev, st_ino) of the segment an attached cache mapped
         self._owner = owner  # set in the creating process only; it alone unlinks the name
         self._closed = threading.Event()
 
@@ -124,13 +126,25 @@ class KvCache:
         path = SHM_DIR / name
         if not path.exists():
             raise NotFound(f"no KV cache shared memory named {name!r} ({path}); is the instance running?")
-        size = path.stat().st_size
-        if size < geometry.num_bytes:
+        stat = path.stat()
+        if stat.st_size < geometry.num_bytes:
             raise InvalidArgument(
-                f"KV cache {name!r} has {size} bytes but the geometry needs {geometry.num_bytes}; "
+                f"KV cache {name!r} has {stat.st_size} bytes but the geometry needs {geometry.num_bytes}; "
                 "attach with the geometry the instance registered"
             )
-        return cls(name, geometry, _map(name, geometry), owner=None)
+        return cls(name, geometry, _map(name, geometry), owner=None, file_id=(stat.st_dev, stat.st_ino))
+
+    @property
+    def is_name_gone(self) -> bool:
+        """Whether an attached segment's name no longer names the memory mapped here: its creator
+        is gone (the name was unlinked when it died, or taken by a new segment since)."""
+        if self.file_id is None:
+            return False
+        try:
+            stat = (SHM_DIR / self.name).stat()
+        except FileNotFoundError:
+            return True
+        return (stat.st_dev, stat.st_ino) != self.file_id
 
     @classmethod
     def open_ipc(cls, name: str, geometry: KvGeometry, handle: CudaIpcHandle) -> KvCache:

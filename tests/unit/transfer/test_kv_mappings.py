@@ -1,10 +1,15 @@
+import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 
 import pytest
 import torch
 
 from services.common.errors import InvalidArgument, NotFound
-from services.instance.engine.kv_cache import KvCache
+from services.instance.engine.kv_cache import SHM_DIR, KvCache
 from services.transfer.kv_mappings import KvMappings
 from tests.unit.transfer.factories import tiny_geometry
 
@@ -38,3 +43,58 @@ def test_a_name_that_is_not_a_kv_segment_is_refused_and_no_file_is_mapped(tmp_pa
     with pytest.raises(InvalidArgument, match="shm_name: .* is not a KV segment name"):
         KvMappings("t-0").map("inst-0", make_name(victim), tiny_geometry())
     assert victim.read_bytes() == b"x" * tiny_geometry().num_bytes
+
+
+def _mapped_deleted_files() -> str:
+    with open("/proc/self/maps") as maps:
+        return maps.read()
+
+
+def test_an_instance_killed_without_unmapping_is_unmapped_once_its_segment_name_is_gone(tmp_path):
+    """A SIGKILLed instance cannot unmap itself; its resource tracker (or the next instance on the host)
+    removes the segment's name, but the service kept the whole KV cache mapped, and listed the instance,
+    for as long as it ran (unless an instance came back under the same id)."""
+    geometry = tiny_geometry()
+    name = f"ferry-unit-{uuid.uuid4().hex[:8]}"
+    ready = tmp_path / "ready"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import pathlib, time, torch\n"
+        "from services.instance.engine.kv_cache import KvCache, KvGeometry\n"
+        f"cache = KvCache.create({name!r}, KvGeometry(2, 2, 8, 4, 12, torch.float16))\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "time.sleep(60)\n")], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with KvCache.create(f"ferry-unit-{uuid.uuid4().hex[:8]}", geometry) as live:
+            mappings = KvMappings("t-0")
+            mappings.map("killed", name, geometry)
+            mappings.map("live", live.name, geometry)
+            assert mappings.wait_prefaulted("killed", 10) and mappings.unmap_vanished() == []
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+            while (SHM_DIR / name).exists() and time.monotonic() < deadline:  # its resource tracker unlinks it
+                time.sleep(0.05)
+            assert f"{name} (deleted)" in _mapped_deleted_files()  # the memory is still held here
+            assert mappings.unmap_vanished() == ["killed"]
+            assert mappings.instance_ids() == ["live"]
+            assert f"{name} (deleted)" not in _mapped_deleted_files()
+            mappings.close()
+    finally:
+        child.kill()
+        (SHM_DIR / name).unlink(missing_ok=True)
+
+
+def test_a_mapping_whose_name_now_names_a_new_segment_is_unmapped_and_a_fresh_mapping_is_kept():
+    """An instance restarted as PID 1 of its container creates a segment under the same name."""
+    geometry = tiny_geometry()
+    name = f"ferry-unit-{uuid.uuid4().hex[:8]}"
+    mappings = KvMappings("t-0")
+    with KvCache.create(name, geometry):
+        mappings.map("inst-0", name, geometry)
+    with KvCache.create(name, geometry):
+        assert mappings.unmap_vanished() == ["inst-0"]
+        mappings.map("inst-0", name, geometry)  # the new instance maps itself
+        assert mappings.unmap_vanished() == [] and mappings.instance_ids() == ["inst-0"]
+        mappings.close()

@@ -7,8 +7,8 @@ but each run as PID 1 of their own, since each has its own host name.
 A SIGKILLed or OOM-killed instance cannot unlink its segment. The next instance started on
 the same host removes every `ferry-kv-<host>-<pid>` whose process is gone (pids are of this
 host's namespace), its own name included: the earlier holder of its pid is dead, as in a
-container that restarts as PID 1 again. Memory a transfer service still maps stays until it
-unmaps; the name goes at once.
+container that restarts as PID 1 again. The name goes at once; a transfer service that still
+maps the memory lets go of it within seconds once the name is gone or reused (`unmap_vanished`).
 """
 
 from __future__ import annotations

@@ -131,7 +131,9 @@ class LocalCluster:
         (self.state_dir / "cluster.json").unlink(missing_ok=True)  # a killed launcher's: not ready until we say so
         check_ports_free(self.spec)
         data_dir = self.state_dir / "etcd" if self.spec.state_dir else None
-        self.etcd = await LocalEtcd(data_dir=data_dir, log_dir=self.state_dir / "logs").start_async()
+        # Ours before it is healthy: a signal while it starts must stop it (and remove its temp data dir)
+        self.etcd = LocalEtcd(data_dir=data_dir, log_dir=self.state_dir / "logs")
+        await self.etcd.start_async()
         if self.spec.follows_scaling:
             async with self.registry() as registry:
                 await reset_target(registry, len(self.spec.roles))

@@ -20,6 +20,7 @@ import pathlib
 import sys
 
 from services.cluster.launcher import ClusterSpec, LocalCluster, PortInUse, run_until_signalled
+from services.cluster.outputs import forgive_broken_outputs
 from services.cluster.processes import ROOT, ProcessDied, TlsRejected
 from services.cluster.security import ClusterSecurity
 from services.cluster.supervisor import RestartPolicy
@@ -198,6 +199,7 @@ def build_spec(args: argparse.Namespace) -> ClusterSpec:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    forgive_broken_outputs()  # a closed terminal, or a pipe whose reader Ctrl-C ended, must not stop the stop
     setup_logging("cluster", LogFormat(args.log_format))
     try:
         asyncio.run(run_until_signalled(LocalCluster(build_spec(args))))

@@ -135,3 +135,11 @@ def test_every_etcd_ferry_starts_compacts_its_history(tmp_path):
     assert "--auto-compaction-mode=periodic" in compose and "--auto-compaction-retention=1h" in compose
     command = " ".join(LocalEtcd(data_dir=tmp_path, log_dir=tmp_path)._command())
     assert "--auto-compaction-mode periodic --auto-compaction-retention 1h" in command
+
+
+def test_install_runs_the_pins_script_with_the_venvs_python():
+    """scripts/pins.py reads pyproject.toml with tomllib (Python 3.11+); INSTALL.md makes the venv with
+    python3.11 because a host's python3 may be older, where `python3 scripts/pins.py` fails and pip gets
+    no requirements."""
+    install = (UNIT_DIR / "INSTALL.md").read_text()
+    assert "scripts/pins.py" in install and "python3 scripts/pins.py" not in install

@@ -61,7 +61,8 @@ async def main(config: FrontendConfig) -> None:
                            on_resume=metrics.resumes.inc, on_handoff=metrics.handoffs.inc)
     server = FrontendServer(model, runner, dispatcher, metrics, api_keys=config.api_key,
                             max_inflight=config.max_inflight, max_body_bytes=config.max_body_bytes,
-                            body_timeout_s=config.body_timeout_s, allowed_origins=config.allowed_origins)
+                            body_timeout_s=config.body_timeout_s, send_timeout_s=config.send_timeout_s,
+                            allowed_origins=config.allowed_origins)
     try:
         await serve(config, server, registry, stop)
     finally:

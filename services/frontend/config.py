@@ -38,6 +38,8 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, ClientTlsKnobs, LogKnobs):
     keepalive_timeout_s: float = knob(75.0, "seconds an HTTP connection may sit without a complete request (idle "
                                             "keep-alive, or headers arriving too slowly) before it is closed")
     body_timeout_s: float = knob(30.0, "seconds a request body may take to arrive; slower ones get 408")
+    send_timeout_s: float = knob(30.0, "seconds a streaming client may take to take in the next bytes of its answer; "
+                                       "one that stops reading is disconnected, freeing its --max-inflight slots")
     tool_call_parser: ToolCallParserSetting = knob(
         ToolCallParserSetting.AUTO, "how tool calls are read from chat answers when a request sends tools (with "
         "tool_choice auto): hermes (<tool_call>{json}</tool_call>: Qwen2.5/3, Hermes, SmolLM3), llama3_json "
@@ -63,7 +65,7 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, ClientTlsKnobs, LogKnobs):
         self.etcd_access.check()
         self.check_etcd_wait()
         for name in ("max_body_bytes", "max_inflight", "dispatch_timeout_s", "generate_timeout_s", "abort_timeout_s",
-                     "keepalive_timeout_s", "body_timeout_s"):
+                     "keepalive_timeout_s", "body_timeout_s", "send_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.max_resumes < 0:

@@ -63,7 +63,8 @@ class BodyTimeout(FerryError):
 class FrontendServer:
     def __init__(self, model: ServedModel, runner: RequestRunner, dispatcher: Dispatcher, metrics: FrontendMetrics,
                  *, api_keys: Sequence[str], max_inflight: int, max_body_bytes: int,
-                 body_timeout_s: float = 30.0, allowed_origins: Sequence[str] = ()) -> None:
+                 body_timeout_s: float = 30.0, send_timeout_s: float = 30.0,
+                 allowed_origins: Sequence[str] = ()) -> None:
         self._model = model
         self._runner = runner
         self._dispatcher = dispatcher
@@ -72,6 +73,7 @@ class FrontendServer:
         self._max_inflight = max_inflight
         self._max_body_bytes = max_body_bytes
         self._body_timeout_s = body_timeout_s
+        self._send_timeout_s = send_timeout_s
         self._cors = CorsPolicy(allowed_origins)
         self._openapi_args = (model.name, max_body_bytes, bool(api_keys))
         self._num_inflight = 0
@@ -266,18 +268,19 @@ class FrontendServer:
             await response.prepare(request)  # the client may be gone already
             for choice, first in zip(choices, firsts):
                 for chunk in choice.formatter.first_chunks(choice.state):
-                    await response.write(sse(chunk))
-                await response.write(sse(choice.formatter.chunk(first)))
+                    await self._send(request, response, sse(chunk))
+                await self._send(request, response, sse(choice.formatter.chunk(first)))
             try:
                 async for index, delta in _merged(streams):
-                    await response.write(sse(choices[index].formatter.chunk(delta)))
+                    await self._send(request, response, sse(choices[index].formatter.chunk(delta)))
             except FerryError as exc:  # after the 200: an error event ends the stream
                 log.warning("stream_failed", request_id=request_id, error=exc.message)
-                await response.write(sse_error(exc))
+                await self._send(request, response, sse_error(exc))
             if parsed.include_usage and all(c.state.error is None for c in choices):
-                await response.write(sse(choices[0].formatter.usage_chunk([c.state for c in choices])))
-            await response.write(SSE_DONE)
-            await response.write_eof()
+                await self._send(request, response, sse(choices[0].formatter.usage_chunk([c.state for c in choices])))
+            await self._send(request, response, SSE_DONE)
+            async with self._client_reading(request):
+                await response.write_eof()
         except ConnectionResetError:
             log.info("client_disconnected", request_id=request_id,
                      num_output_tokens=sum(c.state.num_output_tokens for c in choices))
@@ -287,6 +290,25 @@ class FrontendServer:
             log.exception("stream_crashed", request_id=request_id)
             await _end_crashed_stream(request, response)
         return response
+
+    async def _send(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+        async with self._client_reading(request):
+            await response.write(data)
+
+    @contextlib.asynccontextmanager
+    async def _client_reading(self, request: web.Request) -> AsyncIterator[None]:
+        """A write the client must take in within --send-timeout-s: one that stops reading would
+        otherwise hold its handler, and its --max-inflight slots, for as long as it keeps the
+        connection open. Past the timeout the connection is dropped (ConnectionResetError)."""
+        try:
+            async with asyncio.timeout(self._send_timeout_s):
+                yield
+        except TimeoutError:
+            log.warning("client_not_reading", request_id=request.get(_REQUEST_ID_KEY),
+                        send_timeout_s=self._send_timeout_s)
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("the client took in nothing within --send-timeout-s") from None
 
     async def _timed(self, deltas: AsyncIterator[Delta], arrived_at: float) -> AsyncIterator[Delta]:
         last_token_at: float | None = None

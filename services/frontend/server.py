@@ -372,7 +372,7 @@ class FrontendServer:
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             return False
-        key_bytes = key.strip().encode()
+        key_bytes = key.strip().encode(errors="surrogateescape")  # the header's bytes, UTF-8 or not
         return any(hmac.compare_digest(key_bytes, allowed.encode()) for allowed in self._api_keys)
 
     def _error_response(self, request: web.Request, status: int, body: dict) -> web.Response:

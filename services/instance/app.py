@@ -31,7 +31,7 @@ from services.common.registry import DRAIN_MARKS, Registry
 from services.common.signals import stop_event
 from services.common.startup import StartupError
 from services.instance.client import InstanceClients
-from services.instance.config import EngineKind, InstanceConfig
+from services.instance.config import EngineKind, InstanceConfig, InstanceRole
 from services.instance.engine.factory import EngineSpec, LoadedEngine, build_engine
 from services.instance.engine.device import resolve_device
 from services.instance.engine.kv_cache import KvGeometry
@@ -118,10 +118,8 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
                 background.append(tasks.create_task(role_marks.write_loop(), name="role_mark_write_loop"))
                 await registry.wait_until_reachable(config.etcd_wait_s, stop)
                 await clear_stale_self_drain(registry, instance_id)
-                role = await role_marks.restored_role()
-                if servicer.identity.role is config.role:  # else a SetRole came first, and wins
-                    servicer.identity = replace(servicer.identity, role=role)
-                await registry.register("instances", instance_id, instance_record(servicer.identity, loaded, link))
+                await register_with_role(registry, role_marks, servicer, config.role,
+                                         lambda i: instance_record(i, loaded, link))
                 servicer.inbox.watch_sources(await registry.watch("instances"))
                 manager = ManagerLink(await watch_leader(registry), config.migration_rpc_timeout_s, config.tls)
             wire_pd(config, servicer, runner, manager)
@@ -150,6 +148,17 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
         await peers.close()
         if link is not None:
             await disconnect_transfer(link, instance_id)
+
+
+async def register_with_role(registry: Registry, role_marks: RoleMarks, servicer: InstanceServicer,
+                             command_line_role: InstanceRole, record: Callable[[InstanceIdentity], dict]) -> None:
+    """Take the stored role back (role_marks.py) and register the instance's record with it. Under the role
+    lock: a SetRole meanwhile would find no record to rewrite, and register() would write the role before it."""
+    async with servicer.role_lock:
+        role = await role_marks.restored_role()
+        if servicer.identity.role is command_line_role:  # else a SetRole came first, and wins
+            servicer.identity = replace(servicer.identity, role=role)
+        await registry.register("instances", servicer.identity.instance_id, record(servicer.identity))
 
 
 def wire_pd(config: InstanceConfig, servicer: InstanceServicer, runner: EngineRunner,

@@ -53,7 +53,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         # does besides replacing the identity (rewrite the etcd record).
         self.handoff: DecodeHandoff | None = None
         self.on_role_change: Callable[[InstanceIdentity], Awaitable[None]] | None = None
-        self._role_lock: asyncio.Lock | None = None
+        self.role_lock = asyncio.Lock()  # one role change at a time, start-up's registration included (app.py)
 
     async def Generate(self, request: instance_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[instance_pb2.GenerateChunk]:
@@ -188,9 +188,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         """The previous role, and how many decoding requests now move away. The record goes first (the
         registry queues it for its keepalive while etcd is away); should writing it raise, the role
         stays as it was and the error goes to the caller."""
-        if self._role_lock is None:
-            self._role_lock = asyncio.Lock()
-        async with self._role_lock:  # one change at a time: the etcd record follows the last one
+        async with self.role_lock:  # one change at a time: the etcd record follows the last one
             previous, changed = self.identity.role, replace(self.identity, role=role)
             if self.on_role_change is not None:
                 await self.on_role_change(changed)  # the record first: the role here follows it

@@ -86,3 +86,49 @@ async def test_a_set_role_whose_record_cannot_be_written_leaves_the_role_as_it_w
     with pytest.raises(Unavailable):
         await servicer.SetRole(instance_pb2.SetRoleRequest(role=common_pb2.ROLE_PREFILL), None)
     assert servicer.identity.role is InstanceRole.BOTH
+
+
+class SlowRegistry:
+    """register() waits for `may_register` (a slow etcd at start); holds()/update() as the Registry's."""
+
+    def __init__(self) -> None:
+        self.may_register = asyncio.Event()
+        self.records: dict[str, dict] = {}
+
+    async def register(self, kind: str, member_id: str, value: dict) -> None:
+        await self.may_register.wait()
+        self.records[member_id] = value
+
+    def holds(self, kind: str, member_id: str) -> bool:
+        return member_id in self.records
+
+    async def update(self, kind: str, member_id: str, value: dict) -> None:
+        self.records[member_id] = value
+
+
+class NoMarks:
+    async def restored_role(self) -> InstanceRole:
+        return InstanceRole.BOTH
+
+    async def keep(self, role: InstanceRole) -> None:
+        pass
+
+
+async def test_a_set_role_while_the_instance_registers_reaches_its_record():
+    """A restarted instance under its old address can get a SetRole (the manager still has its record) while
+    it registers. Before, SetRole found nothing registered yet and left the record to register(), which wrote
+    the role it had computed before: etcd said both while the instance refused Generate as decode."""
+    registry, marks = SlowRegistry(), NoMarks()
+    servicer = InstanceServicer(runner=None)
+    servicer.identity = InstanceIdentity("i-0", "127.0.0.1:2", InstanceRole.BOTH, "m", 1024, common_pb2.KvGeometry())
+    record = lambda identity: {"role": identity.role.value}  # noqa: E731
+    servicer.on_role_change = app.role_writer(registry, marks, record)
+    registering = asyncio.create_task(app.register_with_role(registry, marks, servicer, InstanceRole.BOTH, record))
+    await asyncio.sleep(0.05)
+    set_role = asyncio.create_task(servicer.SetRole(instance_pb2.SetRoleRequest(role=common_pb2.ROLE_DECODE), None))
+    await asyncio.sleep(0.05)
+    registry.may_register.set()
+    await registering
+    await set_role
+    assert servicer.identity.role is InstanceRole.DECODE
+    assert registry.records["i-0"] == {"role": "decode"}

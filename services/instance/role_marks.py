@@ -41,6 +41,7 @@ class RoleMarks:
         self._instance_id = instance_id
         self._command_line_role = command_line_role
         self._wanted: InstanceRole | None = None  # a role not written yet (None: all written)
+        self._is_set_here = False  # a SetRole kept a role: the mark is its (app.py lets it win over the stored one)
         self._unwritten = asyncio.Event()
         self._lock = asyncio.Lock()
 
@@ -48,9 +49,13 @@ class RoleMarks:
         """The role to start with: the stored mark's, if that was set over this same `--role`."""
         try:
             mark = await self._registry.get_json(role_mark_key(self._instance_id))
-        except (Unavailable, *ETCD_ERRORS, ValueError) as exc:  # ValueError: not JSON; left for an operator
-            log.warning("role_mark_unread", instance_id=self._instance_id, role=self._command_line_role.value,
-                        error=str(exc) or type(exc).__name__)
+        except ValueError as exc:  # not JSON: left for an operator
+            self._log_unread(exc)
+            return self._command_line_role
+        except (Unavailable, *ETCD_ERRORS) as exc:
+            self._log_unread(exc)
+            if not self._is_set_here:  # it runs with its --role: a mark left would name another, the next restart too
+                self._keep_later(self._command_line_role)
             return self._command_line_role
         if mark is None:
             return self._command_line_role
@@ -73,9 +78,19 @@ class RoleMarks:
     async def keep(self, role: InstanceRole) -> None:
         """Store a role set at runtime (remove the mark when it is the command line's role again); if
         etcd does not take it now, `write_loop` tries again."""
+        self._is_set_here = True
         self._wanted = role
         if not await self._write_wanted():
             self._unwritten.set()
+
+    def _keep_later(self, role: InstanceRole) -> None:
+        """`keep`, by `write_loop` only (etcd did not answer just now)."""
+        self._wanted = role
+        self._unwritten.set()
+
+    def _log_unread(self, exc: Exception) -> None:
+        log.warning("role_mark_unread", instance_id=self._instance_id, role=self._command_line_role.value,
+                    error=str(exc) or type(exc).__name__)
 
     async def write_loop(self) -> None:
         """Write a mark that did not go through, with backoff, until etcd takes it (the newest role)."""

@@ -84,3 +84,28 @@ async def test_a_changed_command_line_wins_over_the_mark(writer):
     await marks.keep(PREFILL)
     assert await RoleMarks(etcd, "i-0", DECODE).restored_role() is DECODE
     assert KEY not in etcd.marks
+
+
+async def test_a_mark_unread_at_start_follows_the_role_the_instance_runs_with(writer):
+    """A restart that cannot read the mark (etcd flaked) runs with its --role. Before, the mark stayed:
+    it named a role the instance did not have (the launcher's banner listed it as set at runtime), and
+    the next restart took that stale role back."""
+    marks, etcd = writer
+    await marks.keep(PREFILL)
+    etcd.is_away = True
+    restarted = RoleMarks(etcd, "i-0", BOTH)
+    loop = asyncio.create_task(restarted.write_loop())
+    assert await restarted.restored_role() is BOTH
+    etcd.is_away = False
+    await settled(restarted, etcd, None)
+    assert await RoleMarks(etcd, "i-0", BOTH).restored_role() is BOTH  # the next restart: the role it ran with
+    loop.cancel()
+
+
+async def test_a_set_role_before_an_unread_start_keeps_its_mark(writer):
+    marks, etcd = writer
+    etcd.is_away = True
+    await marks.keep(DECODE)  # a SetRole while the instance starts (it wins over the stored role)
+    assert await marks.restored_role() is BOTH
+    etcd.is_away = False
+    await settled(marks, etcd, "decode")

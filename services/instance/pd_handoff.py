@@ -216,7 +216,7 @@ class DecodeHandoff:
         try:
             result = await self._migrate(plan)
         except FerryError as exc:  # it decodes here; the manager's loop retries it
-            if self._runner.stream(request_id) is None:  # it finished (decoding here in a stall) or was aborted
+            if self._is_moot(request_id):
                 log.info("pd_handoff_moot", request_id=request_id, reason=exc.message)
                 return None
             log.info("pd_handoff_failed", request_id=plan.request_id, dst_instance_id=plan.dst_instance_id,
@@ -227,6 +227,11 @@ class DecodeHandoff:
         self.num_handed_off += 1
         self._in_background(self._placer.report_migration(result, started_at), request_id)
         return result
+
+    def _is_moot(self, request_id: str) -> bool:
+        """The hand-off has nothing left to do: its request finished (decoding here in a stall), was aborted,
+        or another migration (a drain, the manager's loop) claimed it first and moves it."""
+        return self._runner.stream(request_id) is None or request_id in self._migrations.moving
 
     async def _migrate(self, plan: MigrateOutPlan) -> MigrationResult:
         for attempt in range(_SLOT_RETRIES):

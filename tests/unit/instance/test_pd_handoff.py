@@ -256,3 +256,26 @@ async def test_a_hand_off_whose_request_finished_meanwhile_is_no_failure():
     assert placer.failed == []
     await assert_cancels(loop)
     await handoff.close()
+
+
+async def test_a_hand_off_whose_request_another_migration_moves_is_no_failure():
+    """A request decoding here in a stall may be taken by another migration (a drain, the manager's PD loop)
+    before a worker takes its hand-off: the claim is refused. That was reported as a failed pd migration
+    (history, failure metrics) though the request was on its way to a decode instance all the same."""
+    from services.common.errors import FailedPrecondition
+
+    class MovedByAnother(FakeMigrations):
+        async def migrate_out(self, plan):
+            self.moving = frozenset({plan.request_id})  # the drain's claim
+            return await super().migrate_out(plan)
+
+    engine, placer = FakeEngine(), FlakyPlacer()
+    handoff = pushing(engine, placer, MovedByAnother(FailedPrecondition("request r-1 is already migrating")))
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1")
+    await until(lambda: "r-1" not in handoff._pending, loop)
+    await asyncio.sleep(0.05)
+    assert placer.failed == []
+    assert engine.resumed == []  # the other migration owns it
+    await assert_cancels(loop)
+    await handoff.close()

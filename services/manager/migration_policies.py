@@ -156,14 +156,16 @@ def pair_drains(draining: Sequence[Peer], serving: Sequence[Peer], allowed: Pair
 
 
 def pair_prefilled(serving: Sequence[Peer], allowed: PairFilter = _any_pair) -> list[Pair]:
-    """Each PREFILL peer with prefilled requests (by id) with the freest DECODE destination not yet taken.
+    """Each PREFILL peer with prefilled requests (by id) with the freest DECODE destination not yet taken;
+    where no DECODE peer serves at all, the freest BOTH one (as PlaceDecode places a hand-off).
 
     The PD hand-off when the manager drives it (instances started with --pd-handoff manager),
     and the healing path in every mode: requests that decoded on a prefill instance while no
     decode instance served, or whose pushed hand-off failed, leave once one serves."""
     sources = sorted((p for p in serving if p.role is Role.PREFILL and p.load.num_prefilled > 0),
                      key=lambda p: p.instance_id)
-    destinations = sorted((p for p in serving if p.role is Role.DECODE and p.can_receive), key=destination_order)
+    role = Role.DECODE if any(p.role is Role.DECODE for p in serving) else Role.BOTH
+    destinations = sorted((p for p in serving if p.role is role and p.can_receive), key=destination_order)
     return _assign(sources, destinations, MigrationTrigger.PD, allowed)
 
 

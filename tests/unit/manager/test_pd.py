@@ -134,8 +134,15 @@ def test_pair_prefilled_moves_from_prefill_to_the_freest_decode_peers():
         ("p1", "d2", MigrationTrigger.PD), ("p2", "d1", MigrationTrigger.PD)]
 
 
-def test_pair_prefilled_without_decode_peers_keeps_requests_where_they_are():
-    assert pair_prefilled([peer("p1", Role.PREFILL, 3), peer("b", Role.BOTH)]) == []
+def test_pair_prefilled_without_decode_peers_moves_requests_to_a_mixed_instance_as_place_decode_does():
+    [pair] = pair_prefilled([peer("p1", Role.PREFILL, 3), peer("b", Role.BOTH)])
+    assert (pair.src.instance_id, pair.dst.instance_id) == ("p1", "b")
+    assert pair_prefilled([peer("p1", Role.PREFILL, 3)]) == []
+
+
+def test_pair_prefilled_waits_for_a_full_decode_peer_rather_than_a_mixed_one():
+    full = peer("d", Role.DECODE, num_free_blocks=0)
+    assert pair_prefilled([peer("p1", Role.PREFILL, 3), full, peer("b", Role.BOTH)]) == []
 
 
 def test_migration_loop_orders_one_stage_hand_offs_of_prefilled_requests():

@@ -58,29 +58,37 @@ async def _report_to(address: str, leader_view: LeaderView, servicer: InstanceSe
     async with secure_or_insecure_channel(address, tls) as channel:
         stub = manager_pb2_grpc.ManagerServiceStub(channel)
         leader_changed = asyncio.ensure_future(leader_view.changed())
-        call = stub.ReportLoad(_reports(servicer, interval_s, leader_changed))
+        failures: list[Exception] = []
+        call = stub.ReportLoad(_reports(servicer, interval_s, leader_changed, failures))
         log.info("load_stream_opened", leader=address)
         try:
             await call
         finally:
             leader_changed.cancel()
             call.cancel()
+        if failures:
+            raise failures[0]
 
 
-async def _reports(servicer: InstanceServicer, interval_s: float,
-                   leader_changed: asyncio.Future) -> AsyncIterator[common_pb2.LoadReport]:
+async def _reports(servicer: InstanceServicer, interval_s: float, leader_changed: asyncio.Future,
+                   failures: list[Exception]) -> AsyncIterator[common_pb2.LoadReport]:
+    """Reports until the leader changes. An error ends the stream and goes to `failures`: raised in here,
+    gRPC would cancel the call, and awaiting it would raise CancelledError, which ends the whole loop."""
     changed = asyncio.Event()
     servicer.on_load_change(changed.set)
     last = None
-    while not leader_changed.done():
-        report = servicer.load_report()
-        is_due = last is None or _differs(report, last) or report.timestamp - last.timestamp >= interval_s
-        # A stalled engine stays silent: the manager marks this instance UNHEALTHY and dispatches nothing to it.
-        if is_due and not servicer.is_engine_stalled():
-            yield report
-            last = report
-        changed.clear()
-        await wait_set(changed, interval_s)
+    try:
+        while not leader_changed.done():
+            report = servicer.load_report()
+            is_due = last is None or _differs(report, last) or report.timestamp - last.timestamp >= interval_s
+            # A stalled engine stays silent: the manager marks this instance UNHEALTHY and dispatches nothing to it.
+            if is_due and not servicer.is_engine_stalled():
+                yield report
+                last = report
+            changed.clear()
+            await wait_set(changed, interval_s)
+    except Exception as exc:  # noqa: BLE001 — handed to _report_to, which raises it after the call
+        failures.append(exc)
 
 
 def _differs(a: common_pb2.LoadReport, b: common_pb2.LoadReport) -> bool:

@@ -10,6 +10,7 @@ import pytest
 
 from services.common.election import LEADER_ID
 from services.common.errors import Internal
+from services.common.gen.ferry.v1 import common_pb2, manager_pb2, manager_pb2_grpc
 from services.instance import load_reporter
 from tests.unit.loop_checks import assert_cancels, until
 
@@ -122,3 +123,49 @@ async def test_a_stream_that_worked_is_redialed_at_once_a_failing_one_backs_off(
     loop.cancel()
     low, high = longest_pause_s  # (before: max ≈ 0.15 ± 30 %, which eight jittered 0.1 s delays missed 2 % of runs)
     assert low <= max(pauses) <= high + 1e-9, pauses
+
+
+class CountingManager(manager_pb2_grpc.ManagerServiceServicer):
+    def __init__(self) -> None:
+        self.reports: list[common_pb2.LoadReport] = []
+
+    async def ReportLoad(self, request_iterator, context):
+        async for report in request_iterator:
+            self.reports.append(report)
+        return manager_pb2.ReportLoadResponse()
+
+
+class FlakyLoadServicer:
+    """The servicer's side of the reports; its first `load_report()` raises (a bug, a race in a snapshot)."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+
+    def on_load_change(self, callback) -> None:
+        pass
+
+    def is_engine_stalled(self) -> bool:
+        return False
+
+    def load_report(self) -> common_pb2.LoadReport:
+        self.num_calls += 1
+        if self.num_calls == 1:
+            raise KeyError("a request that finished meanwhile")
+        return common_pb2.LoadReport(instance_id="i-1", num_total_blocks=10, timestamp=time.time())
+
+
+async def test_a_report_that_raises_inside_the_stream_does_not_end_the_loop():
+    """gRPC cancels a call whose request iterator raised, and awaiting it raised CancelledError, which
+    no `except Exception` catches: the loop ended quietly and the instance never reported again."""
+    manager = CountingManager()
+    server = grpc.aio.server()
+    manager_pb2_grpc.add_ManagerServiceServicer_to_server(manager, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        registry = FakeRegistry(FakeLeaderKey({"leader_id": "m-1", "address": f"127.0.0.1:{port}"}))
+        loop = asyncio.create_task(load_reporter.load_report_loop(registry, FlakyLoadServicer(), interval_s=0.05))
+        await until(lambda: manager.reports, loop)
+        await assert_cancels(loop)
+    finally:
+        await server.stop(0)

@@ -153,8 +153,13 @@ class MigrationInbox:
             raise Aborted(f"migration {incoming.migration_id} was aborted while its reservation was being made")
         return reserved
 
-    async def commit(self, migration_id: str, state: RequestState, deadline: float | None = None) -> None:
+    async def commit(self, migration_id: str, state: RequestState, deadline: float | None = None,
+                     check_accepting: Callable[[], None] = lambda: None) -> None:
         """Adopt the request: it joins the running batch with its K/V in the reserved blocks.
+
+        `check_accepting` raises once the instance takes no more work (SIGTERM); it runs again right before
+        the adoption, in the same step as it, since a shutdown that began while this commit awaited would
+        count no request here and leave without draining it.
 
         `deadline` (monotonic): the caller's. A commit taken up after it (this instance was frozen,
         or too slow) is refused and its reservation freed: the source has given up and resumed the
@@ -178,6 +183,7 @@ class MigrationInbox:
         await self._refuse_if_late(migration_id, deadline)
         if not self._is_held(incoming):
             raise _given_up(migration_id)
+        check_accepting()
         await self._runner.adopt(state.request_id, state.epoch,
                                  lambda: engine.import_request(migration_id, state, text, guide))
         if not self._is_held(incoming):

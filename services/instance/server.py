@@ -155,7 +155,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
             raise InvalidArgument("state: required")
         self._check_accepting("migrations")  # shutting down: the source keeps the request rather than hand it here
         await self.inbox.commit(request.migration_id, request_state_from_proto(request.state),
-                                 _commit_deadline(context.time_remaining(), request.deadline_unix_ms))
+                                 _commit_deadline(context.time_remaining(), request.deadline_unix_ms),
+                                 check_accepting=lambda: self._check_accepting("migrations"))
         return instance_pb2.CommitMigrateInResponse()
 
     async def AbortMigrateIn(self, request: instance_pb2.AbortMigrateInRequest,

@@ -52,6 +52,25 @@ async def test_a_commit_that_comes_after_sigterm_is_refused_so_the_source_keeps_
     assert await b.inbox.abort("m-1")  # what the refused source does next
 
 
+async def test_a_commit_under_way_when_sigterm_comes_is_refused_not_adopted_after_the_drain_was_decided(pair):
+    """A commit that passed the accepting check before SIGTERM went on adopting the request while shutdown,
+    seeing nothing running, decided not to drain itself: its client was handed to an instance on its way
+    out, and the request was cut at the end of the grace (resumed by recompute)."""
+    _, b = pair
+    servicer = servicer_for(b)
+    await b.inbox.prepare("m-1", "r", "a", 2)
+    state = RequestState(request_id="r", prompt_token_ids=tuple(PROMPT), output_token_ids=(), sampling=SAMPLING,
+                         seed=5, priority=0, epoch=1, num_computed_tokens=0, text_sent="", num_resumed_tokens=0)
+    commit = asyncio.create_task(servicer.CommitMigrateIn(instance_pb2.CommitMigrateInRequest(
+        migration_id="m-1", state=request_state_to_proto(state)), SimpleNamespace(time_remaining=lambda: None)))
+    await asyncio.sleep(0)  # past the check, restoring the request's text off the event loop
+    await app.shutdown(SimpleNamespace(shutdown_grace_s=0.5), FakeServer(), servicer, b.runner, registry=None)
+    with pytest.raises(Unavailable, match="not accepting migrations"):
+        await commit
+    assert b.runner.num_active == 0
+    assert await b.inbox.abort("m-1")
+
+
 async def test_a_set_role_whose_caller_gives_up_still_changes_the_record_and_then_the_role(pair):
     """Before, a deadline passing while the etcd record was written left the role changed here and not
     in etcd (the instance refused Generate as decode while the manager still dispatched to it)."""

@@ -129,11 +129,14 @@ class EngineRunner:
 
     async def add(self, request_id: str, prompt_token_ids: list[int], sampling: Any,
                   priority: int = 0, resume_token_ids: tuple[int, ...] = (),
-                  resume_text: str | None = None) -> RequestStream:
-        """Admit a request; raises the engine's validation errors (InvalidArgument, ...)."""
+                  resume_text: str | None = None, check_accepting: Callable[[], None] = lambda: None) -> RequestStream:
+        """Admit a request; raises the engine's validation errors (InvalidArgument, ...). `check_accepting`
+        raises once the instance takes no more work: it runs right before the stream opens, in the same
+        step, so a shutdown that began while a grammar was built either sees the request or refuses it."""
         guide = None  # a grammar is built off the engine thread: a complex one takes a while
         if sampling.grammar:
             guide = await asyncio.to_thread(self._engine.new_guide, sampling, resume_token_ids, "resume_token_ids")
+        check_accepting()
 
         def admit() -> None:
             self._engine.add_request(request_id, prompt_token_ids, sampling,

@@ -70,7 +70,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         stream = await self._runner.add(
             request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
             priority=request.priority, resume_token_ids=tuple(request.resume_token_ids),
-            resume_text=request.resume_text if request.HasField("resume_text") else None)
+            resume_text=request.resume_text if request.HasField("resume_text") else None,
+            check_accepting=lambda: self._check_accepting("new requests"))  # again: SIGTERM may have come meanwhile
         log.info("request_started", request_id=request_id, num_prompt_tokens=len(request.prompt_token_ids),
                  num_resume_tokens=len(request.resume_token_ids))
         async for chunk in self._chunks(stream, from_token_index=0):

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
+import llguidance
 import pytest
 
 from services.common.errors import Unavailable
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2
 from services.instance import app
 from services.instance.config import InstanceRole
-from services.instance.convert import request_state_to_proto
+from services.instance.convert import request_state_to_proto, sampling_to_proto
 from services.instance.engine.migration_state import RequestState
 from services.instance.server import InstanceIdentity, InstanceServicer
 from tests.unit.instance import test_migration
@@ -69,6 +71,21 @@ async def test_a_commit_under_way_when_sigterm_comes_is_refused_not_adopted_afte
         await commit
     assert b.runner.num_active == 0
     assert await b.inbox.abort("m-1")
+
+
+async def test_a_generate_building_its_grammar_when_sigterm_comes_is_refused_not_started_after_the_stop(pair):
+    """The same race for a new request: its grammar is built off the event loop after the accepting check."""
+    _, b = pair
+    servicer = servicer_for(b)
+    sampling = dataclasses.replace(SAMPLING, grammar=llguidance.LLMatcher.grammar_from_regex("[a-z]{3}"))
+    stream = servicer.Generate(instance_pb2.GenerateRequest(request_id="g", prompt_token_ids=PROMPT,
+                                                            sampling=sampling_to_proto(sampling)), None)
+    first = asyncio.create_task(anext(stream))
+    await asyncio.sleep(0)  # past the check, building the grammar off the event loop
+    await app.shutdown(SimpleNamespace(shutdown_grace_s=0.5), FakeServer(), servicer, b.runner, registry=None)
+    with pytest.raises(Unavailable, match="not accepting new requests"):
+        await first
+    assert b.runner.num_active == 0
 
 
 async def test_a_set_role_whose_caller_gives_up_still_changes_the_record_and_then_the_role(pair):

@@ -675,6 +675,11 @@ async def test_a_pd_hand_off_after_another_migration_resumed_its_request_sends_f
         await migration  # ... and resumed the request
     await read(stream, tokens, until=len(tokens) + 10)  # it decodes on
     await handoff._hand_off("r")  # the queued hand-off runs now
+    await follow_the_hand_off_to_b(a, b, stream, tokens)
+
+
+async def follow_the_hand_off_to_b(a, b, stream, tokens: list[int]) -> None:
+    """The stream ends with a hand-off at the next token; read on from b: the reference, no block held."""
     last = await asyncio.wait_for(read(stream, tokens), 10)
     assert isinstance(last, Handoff) and last.next_token_index == len(tokens)
     await asyncio.wait_for(read(b.inbox.attach("r", last.epoch), tokens), 30)
@@ -820,11 +825,7 @@ async def test_a_pd_hand_off_whose_request_was_resumed_while_it_asked_for_a_plac
     await read(stream, tokens, until=len(tokens) + 10)  # it decodes on
     placer.answer.set()
     await pushing
-    last = await asyncio.wait_for(read(stream, tokens), 10)
-    assert isinstance(last, Handoff) and last.next_token_index == len(tokens)
-    await asyncio.wait_for(read(b.inbox.attach("r", last.epoch), tokens), 30)
-    assert tokens == await reference(a)
-    await assert_no_blocks_held(a, b)
+    await follow_the_hand_off_to_b(a, b, stream, tokens)
 
 
 async def test_dropping_a_migrated_in_request_cut_short_by_its_callers_deadline_leaves_no_stream_behind(pair):

@@ -654,18 +654,25 @@ async def test_a_parked_request_whose_migration_fails_before_its_suspend_decodes
     await assert_no_blocks_held(a, b)
 
 
+async def a_hand_off_beside_a_failing_migration(a, b, placer: DecodePlacer):
+    """Request r decoding on a (30 tokens read), a push hand-off queue for it, and a rebalancing migration
+    of it started, whose copy will fail once `copier.pause` is set."""
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    copier = TensorCopier(a, b, fail_on=1, pause=asyncio.Event())
+    mover = driver(a, FaultyPeer(b), copier)
+    handoff = DecodeHandoff("a", a.runner, mover, placer, PdHandoff.PUSH, lambda: InstanceRole.PREFILL)
+    migration = asyncio.create_task(mover.migrate_out(plan()))
+    return stream, tokens, copier, handoff, migration
+
+
 async def test_a_pd_hand_off_after_another_migration_resumed_its_request_sends_fresh_state(pair):
     """The request is parked for its PD hand-off (its state exported then) while a rebalancing migration of
     it runs; that migration fails and resumes it, and it decodes on. The hand-off, still queued, must send
     the request as it is now, not the state exported when it was parked."""
     a, b = pair
-    tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    await read(stream, tokens, until=30)
-    copier = TensorCopier(a, b, fail_on=1, pause=asyncio.Event())  # the rebalancing migration's copy fails
-    mover = driver(a, FaultyPeer(b), copier)
-    handoff = DecodeHandoff("a", a.runner, mover, DecodePlacer(), PdHandoff.PUSH, lambda: InstanceRole.PREFILL)
-    migration = asyncio.create_task(mover.migrate_out(plan()))
+    stream, tokens, copier, handoff, migration = await a_hand_off_beside_a_failing_migration(a, b, DecodePlacer())
     while not copier.num_calls:  # in its first live stage
         await asyncio.sleep(0.01)
     held = await a.runner.call(lambda: a.engine.hold_and_export("r"))  # parked at a step boundary
@@ -805,14 +812,8 @@ async def test_a_pd_hand_off_whose_request_was_resumed_while_it_asked_for_a_plac
     request with the state it was parked with while it decodes on (the tokens made since would be lost,
     and the release of a request that is not suspended aborts it on both sides)."""
     a, b = pair
-    tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    await read(stream, tokens, until=30)
-    copier = TensorCopier(a, b, fail_on=1, pause=asyncio.Event())  # the rebalancing migration's copy fails
-    mover = driver(a, FaultyPeer(b), copier)
     placer = SlowDecodePlacer()
-    handoff = DecodeHandoff("a", a.runner, mover, placer, PdHandoff.PUSH, lambda: InstanceRole.PREFILL)
-    migration = asyncio.create_task(mover.migrate_out(plan()))
+    stream, tokens, copier, handoff, migration = await a_hand_off_beside_a_failing_migration(a, b, placer)
     while not copier.num_calls:  # in its first live stage
         await asyncio.sleep(0.01)
     held = await a.runner.call(lambda: a.engine.hold_and_export("r"))  # parked at a step boundary

@@ -287,8 +287,11 @@ async def test_seeded_request_migrated_a_to_b_to_a(stubs, cluster, tiny_model_di
 
 async def test_a_request_with_a_grammar_keeps_to_it_across_two_moves(stubs, cluster, tiny_model_dir):
     """Each destination rebuilds the grammar's state from the tokens so far: same tokens as never moved."""
-    wire, sampling = seeded(200, seed=5)
-    wire.grammar = llguidance.LLMatcher.grammar_from_regex("([a-z]+ ){1,60}[a-z]+[.]")
+    wire, sampling = seeded(600, seed=5)
+    # At least 120 words: the request cannot finish while a move is under way (on a loaded machine
+    # it decoded the ~100 tokens a looser grammar left it during the second move, which then had
+    # nothing to move).
+    wire.grammar = llguidance.LLMatcher.grammar_from_regex("([a-z]+ ){120,200}[a-z]+[.]")
     sampling = replace(sampling, grammar=wire.grammar)
     client = ClientStream("grammar-1")
     call = generate(stubs["a"], "grammar-1", wire)

@@ -70,6 +70,9 @@ class EngineRunner:
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
         self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
+        # Streams whose abort waits for the engine: out of the table (their id is free for a new request at
+        # once), but what the engine published before the abort still reaches them.
+        self._aborting: dict[str, RequestStream] = {}
         self._load = engine.load()  # replaced whole after every step; readers never see a torn value
         self.prefix_cache_stats = engine.prefix_cache_stats()  # the same, for metrics
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
@@ -224,13 +227,20 @@ class EngineRunner:
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; a client still reading its stream gets a last output with finish reason ABORT
-        (after every output the engine published before, so the stream has no gap). A caller cancelled
-        meanwhile does not stop it: the engine aborts the request anyway, and its stream must go with it."""
+        (after every output the engine published before, so the stream has no gap). Its id is free for a
+        new request at once. A caller cancelled meanwhile does not stop it: the engine aborts the request
+        anyway, and its stream must end with it."""
         return await asyncio.shield(self._abort(request_id))
 
     async def _abort(self, request_id: str) -> bool:
-        output = await self.call(lambda: self._engine.abort_with_output(request_id))
         stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._aborting[request_id] = stream
+        try:
+            output = await self.call(lambda: self._engine.abort_with_output(request_id))
+        finally:
+            if stream is not None and self._aborting.get(request_id) is stream:
+                del self._aborting[request_id]
         if stream is not None and not stream.is_finished:
             stream.outputs.put_nowait(output or Aborted(f"request {request_id} aborted"))
         return output is not None
@@ -350,7 +360,9 @@ class EngineRunner:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
-                continue  # aborted meanwhile
+                if aborting := self._aborting.get(output.request_id):
+                    aborting.outputs.put_nowait(output)  # published before its abort: no gap in its stream
+                continue
             stream.outputs.put_nowait(output)
             if output.finish_reason is not None:
                 self.num_requests_served += 1

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from services.instance.engine.prefix_cache import PrefixCacheStats
-from services.instance.engine.request import SamplingParams
+from services.instance.engine.engine import StepOutput
+from services.instance.engine.request import FinishReason, SamplingParams
 from services.instance.runner import EngineRunner
 
 pytestmark = pytest.mark.timeout(10)
@@ -73,4 +75,40 @@ async def test_a_command_whose_load_snapshot_fails_leaves_the_engine_thread_runn
         assert await asyncio.wait_for(runner.call(lambda: len(engine.request_ids)), 2.0) == 1
         assert engine.num_load_failures == 1
     finally:
+        runner.stop()
+
+
+class SlowAbortEngine(FakeEngine):
+    """Its abort waits until `release` is set (the engine in a long step), then finishes the request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def abort_with_output(self, request_id: str) -> StepOutput:
+        assert self.release.wait(5.0)
+        self.request_ids.remove(request_id)
+        return StepOutput(request_id, 0, (), "", FinishReason.ABORT, None, num_prompt_tokens=3)
+
+
+async def test_an_abort_waiting_for_the_engine_frees_the_id_at_once_and_still_ends_its_stream():
+    """A resume of the same request on this instance (the frontend falls back to a failed instance when
+    no other serves) must not be refused as "already running" while the abort waits for a long step."""
+    engine = SlowAbortEngine()
+    runner = EngineRunner(engine, asyncio.get_running_loop())
+    runner.start()
+    try:
+        old = await runner.add("r-1", [1, 2, 3], sampling=SamplingParams())
+        aborting = asyncio.create_task(runner.abort("r-1"))
+        await asyncio.sleep(0.05)  # the engine thread is in the abort now
+        adding = asyncio.create_task(runner.add("r-1", [1, 2, 3], sampling=SamplingParams()))
+        await asyncio.sleep(0.05)
+        assert runner.stream("r-1") not in (None, old)  # the new request's stream took the id
+        engine.release.set()
+        assert await asyncio.wait_for(aborting, 2.0)
+        new = await asyncio.wait_for(adding, 2.0)
+        assert [o.finish_reason async for o in old] == [FinishReason.ABORT]
+        assert runner.stream("r-1") is new and engine.request_ids == ["r-1"]
+    finally:
+        engine.release.set()
         runner.stop()

@@ -29,7 +29,7 @@ import enum
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
@@ -130,6 +130,19 @@ class ScalingStore(Protocol):
     async def forget_retired(self, instance_id: InstanceId) -> None: ...  # its drain and role marks
 
 
+@dataclass(slots=True)
+class _Lasting:
+    """Instances seen in some state at every look since a time: those in it for `bound_s` or more."""
+
+    bound_s: float
+    since: dict[InstanceId, float] = field(default_factory=dict)
+
+    def lasting(self, instance_ids: list[InstanceId], now: float) -> list[InstanceId]:
+        """`instance_ids` are in the state now (the others left it: forgotten); those in it since `bound_s`."""
+        self.since = {i: self.since.get(i, now) for i in instance_ids}
+        return [i for i, since in self.since.items() if now - since >= self.bound_s]
+
+
 class Scaler:
     def __init__(self, view: ClusterView, leadership: Leadership, store: ScalingStore, settings: ScalingSettings,
                  interval_s: float, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -146,8 +159,8 @@ class Scaler:
         self._has_read_target = False  # on becoming leader, pick up the retirements a predecessor started
         self._stoppable_since: dict[InstanceId, float] = {}  # when we saw each retiring instance drained
         self._is_unwritten = False  # the last target's write failed: written again on the next tick
-        self._markless_since: dict[InstanceId, float] = {}  # retiring instances seen without a drain mark, since
-        self._silent_since: dict[InstanceId, float] = {}  # draining instances seen without a recent report, since
+        self._markless = _Lasting(MARKLESS_S)  # retiring instances seen without a drain mark
+        self._silent = _Lasting(SILENT_RETIREMENT_S)  # draining instances seen without a recent report
         self._never_retiring_warned: tuple[ScalingSettings, int] | None = None
 
     def set_settings(self, settings: ScalingSettings) -> None:
@@ -216,10 +229,10 @@ class Scaler:
             log.info("scaling_instance_retired", instance_id=instance_id)
         if target.draining and (average := self._others_short_of_band(views, target)) is not None:
             await self._cancel_draining(target, average)
-        for instance_id in self._markless(target):  # its mark went another way (an Undrain a standby answered)
+        for instance_id in self._markless_ones(target):  # its mark went another way (an Undrain a standby answered)
             await self._call_off(target, [instance_id], f"retirement of {instance_id} called off: its drain "
                                                          "mark is gone")
-        silent = self._silent(target, present)
+        silent = self._silent_ones(target, present)
         for instance_id in [i for i in target.draining if present[i].is_drained or i in silent]:
             target.draining.remove(instance_id)
             target.stoppable.append(instance_id)
@@ -229,20 +242,16 @@ class Scaler:
             await self._write(target)
         return bool(target.draining or target.stoppable)
 
-    def _markless(self, target: ScalingTarget) -> list[InstanceId]:
+    def _markless_ones(self, target: ScalingTarget) -> list[InstanceId]:
         """Retiring instances whose drain mark the view has not shown for MARKLESS_S (not one missing only
         for a moment, as in a view still syncing its watch after a failover)."""
-        now = self._clock()
-        markless = {i for i in target.draining + target.stoppable if not self._view.has_drain_mark(i)}
-        self._markless_since = {i: self._markless_since.get(i, now) for i in markless}
-        return [i for i, since in self._markless_since.items() if now - since >= MARKLESS_S]
+        markless = [i for i in target.draining + target.stoppable if not self._view.has_drain_mark(i)]
+        return self._markless.lasting(markless, self._clock())
 
-    def _silent(self, target: ScalingTarget, present: dict[InstanceId, InstanceView]) -> set[InstanceId]:
+    def _silent_ones(self, target: ScalingTarget, present: dict[InstanceId, InstanceView]) -> list[InstanceId]:
         """Draining instances that have sent this leader no load report for SILENT_RETIREMENT_S."""
-        now = self._clock()
-        silent = {i for i in target.draining if not present[i].is_heard or present[i].report_age_s is None}
-        self._silent_since = {i: self._silent_since.get(i, now) for i in silent}
-        return {i for i, since in self._silent_since.items() if now - since >= SILENT_RETIREMENT_S}
+        silent = [i for i in target.draining if not present[i].is_heard or present[i].report_age_s is None]
+        return self._silent.lasting(silent, self._clock())
 
     def _others_short_of_band(self, views: list[InstanceView], target: ScalingTarget) -> float | None:
         """The average freeness of the serving instances that are not retiring, if below the band."""

@@ -26,7 +26,8 @@ class FrontendMetrics:
         self.inter_token_latency = Histogram(
             "ferry_frontend_inter_token_latency_seconds", "Between consecutive output tokens of a request",
             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.in_flight = Gauge("ferry_frontend_requests_in_flight", "Generation requests being served",
+        self.in_flight = Gauge("ferry_frontend_requests_in_flight", "--max-inflight slots taken: choices of generations "
+                               "and /tokenize or /detokenize calls being served",
                                registry=self.registry)
         self.dispatch_fallbacks = Counter(
             "ferry_frontend_dispatch_fallbacks_total",

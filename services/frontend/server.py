@@ -123,16 +123,19 @@ class FrontendServer:
         return self._dispatcher.max_model_len(self._model.max_model_len)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        """vLLM's /tokenize: a prompt's or a chat's token ids, without generating."""
+        """vLLM's /tokenize: a prompt's or a chat's token ids, without generating (one --max-inflight slot)."""
         parsed = parse_tokenize_request(await self._read_json(request), self._model.name)
-        token_ids = await asyncio.to_thread(self._model.tokenize, parsed)
+        with self._admitted(1):
+            token_ids = await asyncio.to_thread(self._model.tokenize, parsed)
         return web.json_response({"count": len(token_ids), "max_model_len": self._max_model_len(),
                                   "tokens": token_ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        """vLLM's /detokenize: the text of token ids."""
+        """vLLM's /detokenize: the text of token ids (one --max-inflight slot)."""
         token_ids = parse_detokenize_request(await self._read_json(request), self._model.name)
-        return web.json_response({"prompt": await asyncio.to_thread(self._model.detokenize, token_ids)})
+        with self._admitted(1):
+            text = await asyncio.to_thread(self._model.detokenize, token_ids)
+        return web.json_response({"prompt": text})
 
     async def health(self, request: web.Request) -> web.Response:
         num_instances = self._dispatcher.num_serving()
@@ -321,14 +324,15 @@ class FrontendServer:
 
     @contextlib.contextmanager
     def _admitted(self, num_choices: int):
-        """Count the request's choices in flight; over --max-inflight it is a 429 (an idle frontend
-        admits any one request, however many choices it asks for)."""
+        """Count the request's slots in flight (one per choice of a generation, one for a /tokenize or
+        /detokenize call); over --max-inflight it is a 429 (an idle frontend admits any one request,
+        however many choices it asks for)."""
         if not self.is_accepting:
             raise Unavailable("this frontend is shutting down; retry on another one")
         if self._num_inflight and self._num_inflight + num_choices > self._max_inflight:
-            raise ResourceExhausted(f"{self._num_inflight} generations are in flight and this request adds "
-                                    f"{num_choices} (one per choice), over the limit of {self._max_inflight} "
-                                    "(--max-inflight); retry later")
+            raise ResourceExhausted(f"{self._num_inflight} slots are in flight (one per generation choice or "
+                                    f"tokenize call) and this request adds {num_choices}, over the limit of "
+                                    f"{self._max_inflight} (--max-inflight); retry later")
         self._num_inflight += num_choices
         self._metrics.in_flight.inc(num_choices)
         try:

@@ -1,0 +1,83 @@
+"""/tokenize and /detokenize take a --max-inflight slot each: before, they were not counted, so a
+flood of huge tokenize calls (each up to --max-body-bytes, encoded in a thread) was unbounded while
+generations got 429s (found by a code review)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from services.frontend.dispatch import Dispatcher
+from services.frontend.metrics import FrontendMetrics
+from services.frontend.request_runner import RequestRunner
+from services.frontend.served_model import ServedModel
+from services.frontend.server import FrontendServer
+from tests.unit.frontend.factories import FakeMembership, ScriptedInstances, entry
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class HeldTokenizer:
+    """Letters a..t; encoding and decoding wait until `release` is set (a huge prompt)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.num_waiting = 0
+
+    def encode(self, text, add_special_tokens=True):
+        self._hold()
+        return [ord(c) - ord("a") for c in text]
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        self._hold()
+        return "".join(chr(ord("a") + t) for t in token_ids)
+
+    def token_bytes(self, token_id):
+        return chr(ord("a") + token_id).encode()
+
+    def _hold(self) -> None:
+        self.num_waiting += 1
+        self.release.wait(10)
+
+
+async def start(tokenizer: HeldTokenizer, max_inflight: int) -> tuple[web.AppRunner, str]:
+    model = ServedModel("m", max_model_len=1000, vocab_size=32, tokenizer=tokenizer)
+    dispatcher = Dispatcher(None, FakeMembership(entry("a")), cooldown_s=5)
+    server = FrontendServer(model, RequestRunner(dispatcher, ScriptedInstances({}), max_resumes=3), dispatcher,
+                            FrontendMetrics(), api_keys=(), max_inflight=max_inflight, max_body_bytes=1 << 20)
+    http = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await http.setup()
+    await web.TCPSite(http, "127.0.0.1", 0).start()
+    return http, f"http://127.0.0.1:{http.addresses[0][1]}"
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
+    async with session.post(url, json=body) as response:
+        return response.status, await response.json()
+
+
+@pytest.mark.parametrize("held_path, held_body", [("/tokenize", {"model": "m", "prompt": "abc"}),
+                                                  ("/detokenize", {"model": "m", "tokens": [0, 1]})])
+async def test_a_tokenize_call_holds_a_slot_until_it_ends(held_path, held_body):
+    tokenizer = HeldTokenizer()
+    http, base = await start(tokenizer, max_inflight=1)
+    try:
+        async with aiohttp.ClientSession() as session:
+            held = asyncio.create_task(post(session, base + held_path, held_body))
+            while not tokenizer.num_waiting:
+                await asyncio.sleep(0.01)
+            for path, body in [("/tokenize", {"model": "m", "prompt": "ab"}),
+                               ("/detokenize", {"model": "m", "tokens": [0]}),
+                               ("/v1/completions", {"model": "m", "prompt": "ab", "max_tokens": 1})]:
+                status, answer = await post(session, base + path, body)
+                assert status == 429 and "--max-inflight" in answer["error"]["message"], (path, answer)
+            tokenizer.release.set()
+            assert (await held)[0] == 200
+            assert (await post(session, base + "/tokenize", {"model": "m", "prompt": "ab"}))[0] == 200  # slot back
+    finally:
+        tokenizer.release.set()
+        await http.cleanup()

@@ -91,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "with the same port and id, waiting 1 s, then twice as "
                          "long each time (at most 30 s), at most 5 times in 5 minutes, after which it stays down "
                          "(as systemd's Restart=on-failure); no only reports it")
+    up.add_argument("--health-timeout-s", type=float, default=180.0, metavar="S",
+                    help="how long each child (etcd aside) may take to answer its health check, at start and when "
+                         "scaling adds an instance; one still not healthy then makes `up` fail, naming it (raise it "
+                         "for a model that loads slowly: the systemd instance unit allows 900 s)")
     _add_security_arguments(up)
     args = parser.parse_args(argv)
     if args.engine == "vllm":
@@ -110,6 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             up.error(f"{flag} must be a port number 1..65535, got {port}")
     if args.http_port == args.admin_port:
         up.error(f"--http-port and --admin-port must differ (both are {args.http_port})")
+    if not args.health_timeout_s > 0:  # NaN too
+        up.error(f"--health-timeout-s must be positive, got {args.health_timeout_s:g}")
     if args.kv_cache_mib <= 0:
         up.error(f"--kv-cache-mib must be positive, got {args.kv_cache_mib}")
     if args.threads_per_instance < 0:
@@ -194,7 +200,7 @@ def build_spec(args: argparse.Namespace) -> ClusterSpec:
                        threads_per_instance=threads, kv_cache_mib=args.kv_cache_mib, log_format=args.log_format,
                        security=args.security, autoscale_max_instances=args.autoscale_max_instances,
                        device=args.device, dtype=args.dtype, restart=RestartPolicy(on_failure=args.restart != "no"),
-                       http_host=args.http_host)
+                       http_host=args.http_host, health_timeout_s=args.health_timeout_s)
 
 
 def main(argv: list[str] | None = None) -> int:

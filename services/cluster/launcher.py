@@ -42,7 +42,7 @@ from services.common.registry import DRAIN_MARKS, ROLE_MARKS, Registry
 
 log = structlog.get_logger(__name__)
 
-_HEALTH_TIMEOUT_S = 180.0
+HEALTH_TIMEOUT_S = 180.0  # --health-timeout-s: how long each child may take to answer its health check
 # SIGTERM → SIGKILL: above any shutdown grace a child is given (their default is 5 s; a frontend
 # finishing long streams may be given more), as systemd's TimeoutStopSec=30s in deploy/systemd.
 STOP_TIMEOUT_S = 30.0
@@ -68,6 +68,7 @@ class ClusterSpec:
     dtype: str = "float32"
     restart: RestartPolicy = RestartPolicy()  # children that exit on their own start again (supervisor.py)
     http_host: str = "127.0.0.1"  # where the frontend listens: this machine only, unless asked (0.0.0.0)
+    health_timeout_s: float = HEALTH_TIMEOUT_S  # a child not healthy by then makes `up` fail, naming it
 
     def instance_device(self, index: int) -> str:
         return f"cuda:{gpu_index(index)}" if self.device == "cuda" else self.device
@@ -217,7 +218,9 @@ class LocalCluster:
             process.start()
             self.processes.append(process)
             log.info("process_started", name=process.name, pid=process.pid, address=process.address)
-        await asyncio.gather(*(p.wait_healthy(_HEALTH_TIMEOUT_S) for p in processes))
+        hint = " (--health-timeout-s: raise it for a child that needs longer, such as an instance loading a " \
+               "large model)"
+        await asyncio.gather(*(p.wait_healthy(self.spec.health_timeout_s, hint) for p in processes))
 
     def _common_args(self) -> list[str]:
         return ["--etcd-endpoints", self.etcd.endpoint, "--cluster", self.spec.cluster,

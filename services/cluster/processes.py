@@ -113,8 +113,9 @@ class ServiceProcess:
         On the event loop's thread, which lives as long as the child (see `dies_with_parent`)."""
         return self.start().pid
 
-    async def wait_healthy(self, timeout_s: float) -> None:
-        """Poll gRPC health (or GET /health for HTTP) until SERVING; raise if the process dies."""
+    async def wait_healthy(self, timeout_s: float, timeout_hint: str = "") -> None:
+        """Poll gRPC health (or GET /health for HTTP) until SERVING; raise if the process dies, and
+        TimeoutError (with `timeout_hint` after the time) if it is not SERVING within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         num_rejections = 0
         while time.monotonic() < deadline:
@@ -129,7 +130,7 @@ class ServiceProcess:
                                   f"(health check: {self.last_probe})")
             await asyncio.sleep(0.2)
         probe = f" (last health check: {self.last_probe})" if self.last_probe else ""
-        raise TimeoutError(f"{self.name} not healthy after {timeout_s:.0f} s{probe}; "
+        raise TimeoutError(f"{self.name} not healthy after {timeout_s:g} s{timeout_hint}{probe}; "
                            f"last log lines:\n{self.log_tail()}")
 
     def signal(self, sig: int) -> None:

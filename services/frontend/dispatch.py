@@ -69,7 +69,9 @@ class Dispatcher:
         self._on_fallback = on_fallback
         self._on_role_fallback = on_role_fallback  # no prefill-capable instance: a decode instance prefills
         self._clock = clock
-        self._failed_at: dict[InstanceId, float] = {}  # instance → when its stream last failed
+        # instance → when its stream last failed; only those within the cooldown are kept (an instance
+        # that failed and left is never looked up again, and ids are fresh per start in some deployments)
+        self._failed_at: dict[InstanceId, float] = {}
         self._turn = itertools.count()
 
     async def pick(self, spec: GenerateSpec, exclude: Sequence[InstanceId] = ()) -> Target:
@@ -112,7 +114,9 @@ class Dispatcher:
         return Target(entry.instance_id, entry.address, can_prefill_on_decode=entry.is_decode_only)
 
     def report_failure(self, instance_id: InstanceId) -> None:
-        self._failed_at[instance_id] = self._clock()
+        now = self._clock()
+        self._failed_at = {i: at for i, at in self._failed_at.items() if now - at <= self._cooldown_s}
+        self._failed_at[instance_id] = now
 
     def num_serving(self) -> int:
         return sum(e.is_serving for e in self._membership.instances())

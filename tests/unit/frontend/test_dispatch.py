@@ -69,6 +69,19 @@ async def test_a_recently_failed_instance_is_still_used_when_it_is_the_only_one(
     assert dispatcher.pick_locally().instance_id == "a"
 
 
+def test_failures_are_forgotten_once_their_cooldown_has_passed():
+    """Before, one entry per instance id that ever failed stayed for good, though instance ids are fresh
+    per start in some deployments (found by a code review)."""
+    clock = Clock()
+    dispatcher, _ = make_dispatcher(None, entry("a"), clock=clock)
+    for i in range(1000):  # instances that failed, each gone since (never looked up again)
+        dispatcher.report_failure(InstanceId(f"gone-{i}"))
+        clock.now += 1.0
+    assert len(dispatcher._failed_at) <= 6  # those within the 5 s cooldown
+    dispatcher.report_failure(InstanceId("a"))
+    assert dispatcher._recently_failed(InstanceId("a"))
+
+
 async def test_an_excluded_instance_is_used_when_it_is_the_only_one_serving():
     dispatcher, _ = make_dispatcher(None, entry("a"), entry("b", is_serving=False))
     dispatcher.report_failure(InstanceId("a"))

@@ -58,7 +58,8 @@ async def main(config: TransferConfig) -> None:
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s,
                         access=config.etcd_access) if config.etcd_endpoints else None
     threads = TransferThreads.start(config.num_staging_slots * config.staging_buffers)
-    peers = TransferClients(piece_bytes=config.grpc_piece_kib * 1024, tls=config.tls)
+    peers = TransferClients(piece_bytes=config.grpc_piece_kib * 1024, tls=config.tls,
+                            idle_close_s=idle_close_s(config))
     node = build_node(config, transfer_id, server, registry, peers, threads)
     servicer.node = node
     try:
@@ -86,7 +87,7 @@ def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServ
         receive_nccl_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024, 2, nccl_device)
     channel_host = config.advertise_host or server.advertise_host
     channels = ChannelTable(transfer_id, channel_host, config.channel_timeout_s, threads.io, config.gloo_connections,
-                            config.nccl_device, idle_close_s=max(IDLE_CLOSE_S, 4 * config.transfer_timeout_s))
+                            config.nccl_device, idle_close_s=idle_close_s(config))
     backends = tuple(config.backends)
     sender = BlockSender(transfer_id, backends, mappings, send_staging, channels, peers, threads,
                          in_place_min_row_bytes=config.in_place_min_kib * 1024, nccl_staging=send_nccl_staging)
@@ -100,6 +101,11 @@ def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServ
     node = TransferNode(transfer_id, server.address, backends, config.default_backend, config.transfer_timeout_s,
                         mappings, sender, receiver, channels, on_mappings_changed)
     return node
+
+
+def idle_close_s(config: TransferConfig) -> float:
+    """How long a peer's channel or client may go unused before it is closed: well above the longest transfer."""
+    return max(IDLE_CLOSE_S, 4 * config.transfer_timeout_s)
 
 
 def nccl_staging_device(config: TransferConfig) -> torch.device | None:

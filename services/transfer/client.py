@@ -8,9 +8,13 @@ errors (`services.common.errors`): a peer that died or missed the deadline is Un
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import grpc
+import structlog
 
 from services.common.errors import FerryError, NotFound, Unavailable, error_from_rpc
 from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
@@ -24,13 +28,19 @@ from services.transfer.convert import (backend_from_proto, backend_to_proto, geo
 from services.transfer.domain import (DEFAULT_PIECE_BYTES, BlockTransfer, IncomingBlocks, TransferBackend,
                                       TransferResult)
 
+log = structlog.get_logger(__name__)
+
 RECEIVE_BLOCKS_METHOD = "/ferry.v1.TransferService/ReceiveBlocks"
+IDLE_CLOSE_S = 600.0  # TransferClients: a peer's client neither taken nor called for this long is closed
 
 
 class TransferClient:
     def __init__(self, address: str, timeout_s: float = 5.0, piece_bytes: int = DEFAULT_PIECE_BYTES,
-                 tls: TlsConfig | None = None) -> None:
+                 tls: TlsConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.address = address
+        self._clock = clock
+        self.num_calls = 0  # under way: TransferClients never closes a client while one is
+        self.last_used = clock()  # when it was last taken (TransferClients) or a call of its ended
         self._peer = f"the transfer service at {address}"  # how errors name it
         self._timeout_s = timeout_s
         self.piece_bytes = piece_bytes  # the most data bytes per ReceiveBlocks message (senders chunk by it)
@@ -88,12 +98,13 @@ class TransferClient:
     # -- PeerTransferService ---------------------------------------------------------
 
     async def receive_blocks(self, header: IncomingBlocks, messages: AsyncIterator[bytes], timeout_s: float) -> int:
-        try:
-            reply = await self._receive_blocks(_with_header(header, messages), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            if not _is_failed_write(exc):
-                raise error_from_rpc(exc, peer=self._peer) from None
-            raise await self._why_the_stream_broke(header) from None
+        with self._counted():
+            try:
+                reply = await self._receive_blocks(_with_header(header, messages), timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if not _is_failed_write(exc):
+                    raise error_from_rpc(exc, peer=self._peer) from None
+                raise await self._why_the_stream_broke(header) from None
         return reply.num_bytes
 
     async def _why_the_stream_broke(self, header: IncomingBlocks) -> FerryError:
@@ -122,10 +133,20 @@ class TransferClient:
         return (await self._call(self._stub.ExpectBlocks, request, timeout_s)).num_bytes
 
     async def _call(self, method, request, timeout_s: float | None = None, metadata: Sequence = ()):
+        with self._counted():
+            try:
+                return await method(request, timeout=timeout_s or self._timeout_s, metadata=metadata)
+            except grpc.aio.AioRpcError as exc:
+                raise error_from_rpc(exc, peer=self._peer) from None
+
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        self.num_calls += 1
         try:
-            return await method(request, timeout=timeout_s or self._timeout_s, metadata=metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc, peer=self._peer) from None
+            yield
+        finally:
+            self.num_calls -= 1
+            self.last_used = self._clock()
 
 
 async def _with_header(header: IncomingBlocks, messages: AsyncIterator[bytes]):
@@ -139,22 +160,51 @@ def _serialize_piece(message: transfer_pb2.ReceiveBlocksRequest | bytes) -> byte
 
 
 class TransferClients:
-    """One cached client per peer address (the sender's `PeerFactory`)."""
+    """One cached client per peer address (the sender's `PeerFactory`).
 
-    def __init__(self, piece_bytes: int = DEFAULT_PIECE_BYTES, tls: TlsConfig | None = None) -> None:
+    A peer that restarts comes back under a new address (the default port is 0), so clients are not
+    kept for ever: one neither taken nor called for `idle_close_s` is closed when a new address is
+    taken. One with a call under way never is, and a transfer takes its client when it starts, so
+    with `idle_close_s` well above the longest transfer (the app passes the channel table's, at least
+    4 x --transfer-timeout-s) none is closed between the calls of a transfer either."""
+
+    def __init__(self, piece_bytes: int = DEFAULT_PIECE_BYTES, tls: TlsConfig | None = None,
+                 idle_close_s: float = IDLE_CLOSE_S, clock: Callable[[], float] = time.monotonic) -> None:
         self._piece_bytes = piece_bytes
         self._tls = tls
+        self._idle_close_s = idle_close_s
+        self._clock = clock
         self._clients: dict[str, TransferClient] = {}
+        self._closing: set[asyncio.Task[None]] = set()  # closes of idle clients, kept until they end
 
     def __call__(self, address: str) -> TransferClient:
-        if address not in self._clients:
-            self._clients[address] = TransferClient(address, piece_bytes=self._piece_bytes, tls=self._tls)
-        return self._clients[address]
+        client = self._clients.get(address)
+        if client is None:
+            self._close_idle()
+            client = self._clients[address] = TransferClient(address, piece_bytes=self._piece_bytes, tls=self._tls,
+                                                             clock=self._clock)
+        client.last_used = self._clock()
+        return client
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._clients)
 
     async def close(self) -> None:
-        for client in self._clients.values():
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
             await client.close()
-        self._clients.clear()
+        await asyncio.gather(*self._closing)
+
+    def _close_idle(self) -> None:
+        now = self._clock()
+        for address, client in list(self._clients.items()):
+            if client.num_calls == 0 and now - client.last_used >= self._idle_close_s:
+                del self._clients[address]
+                task = asyncio.get_running_loop().create_task(client.close(), name=f"close_peer_client:{address}")
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+                log.info("peer_client_closed", peer=address, idle_s=round(now - client.last_used))
 
 
 # What grpc's asyncio client reports when a write fails because the stream already ended (the

@@ -18,7 +18,6 @@ DISPATCH_LATENCY = Histogram("ferry_manager_dispatch_latency_seconds", "Time to 
                              buckets=(5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2))
 LOAD_REPORTS = Counter("ferry_manager_load_reports_total", "Load reports received from instances")
 IS_LEADER = Gauge("ferry_manager_is_leader", "1 while this manager is the elected leader, else 0")
-INSTANCES = Gauge("ferry_manager_instances", "Registered instances, by state", ["state"])
 MIGRATIONS = Counter("ferry_manager_migrations_total", "Live migrations attempted, by outcome and trigger",
                      ["outcome", "trigger"])
 MIGRATION_FAILURES = Counter("ferry_manager_migration_failures_total",
@@ -48,9 +47,7 @@ def serve_metrics(port: int, host: str, view: ClusterView, leadership: Leadershi
     """Start the /metrics HTTP server on `host` (--host, as the gRPC server; a daemon thread);
     gauges read the view when scraped."""
     IS_LEADER.set_function(lambda: float(leadership.is_leader))
-    for state in InstanceState:
-        INSTANCES.labels(state.value).set_function(lambda state=state: float(_count(view, state)))
-    REGISTRY.register(InstanceLoadCollector(view))
+    REGISTRY.register(InstanceLoadCollector(view, leadership))
     start_metrics_server(port, host)
 
 
@@ -60,21 +57,32 @@ def watch_membership_staleness(members: MembershipView) -> None:
 
 
 class InstanceLoadCollector:
-    """Per-instance load gauges, read from the cluster view at scrape time (no stale labels)."""
+    """Instances by state and per-instance load gauges, read from the cluster view at scrape
+    time (no stale labels). Only the leader's view has load reports: a standby's shows every
+    instance UNHEALTHY with its cache free, so a standby exports the families without samples
+    (a `max by` across managers, as the Grafana dashboard does, then reads the leader alone)."""
 
     _FIELDS = (
         ("ferry_manager_instance_running", "Requests running on the instance", lambda load: load.num_running),
         ("ferry_manager_instance_waiting", "Requests queued on the instance", lambda load: load.num_waiting),
         ("ferry_manager_instance_free_blocks", "Free KV blocks on the instance", lambda load: load.num_free_blocks),
         ("ferry_manager_instance_total_blocks", "KV blocks of the instance", lambda load: load.num_total_blocks),
-        ("ferry_manager_instance_freeness", "(free - needed by queued) blocks / (running + 1)", lambda load: load.freeness),
+        ("ferry_manager_instance_freeness", "(free - needed by queued - priority headroom) blocks / (running + 1)",
+         lambda load: load.freeness),
     )
 
-    def __init__(self, view: ClusterView) -> None:
+    def __init__(self, view: ClusterView, leadership: Leadership) -> None:
         self._view = view
+        self._leadership = leadership
 
     def collect(self):
-        instances = _instances(self._view)
+        is_leader = self._leadership.is_leader
+        states = GaugeMetricFamily("ferry_manager_instances", "Registered instances, by state (the leader only)",
+                                   labels=["state"])
+        for state in InstanceState if is_leader else ():
+            states.add_metric([state.value], float(_count(self._view, state)))
+        yield states
+        instances = _instances(self._view) if is_leader else []
         for name, help_text, read in self._FIELDS:
             family = GaugeMetricFamily(name, help_text, labels=["instance_id"])
             for instance in instances:

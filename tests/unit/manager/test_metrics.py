@@ -1,0 +1,38 @@
+"""The manager's view gauges: only the leader, whose view has the load reports, exports them."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from services.manager.leadership import Leadership
+from services.manager.metrics import InstanceLoadCollector
+from tests.unit.manager.factories import make_view
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def scrape(is_leader: bool) -> str:
+    leadership = Leadership("m-1", "127.0.0.1:50051")
+    leadership.set_elected(is_leader)
+    registry = CollectorRegistry()
+    registry.register(InstanceLoadCollector(make_view("a", "b", num_free_blocks=400, num_running=2), leadership))
+    return generate_latest(registry).decode()
+
+
+def test_leader_exports_states_and_load_per_instance():
+    text = scrape(is_leader=True)
+    assert 'ferry_manager_instances{state="serving"} 2.0' in text
+    assert 'ferry_manager_instances{state="unhealthy"} 0.0' in text
+    assert 'ferry_manager_instance_free_blocks{instance_id="a"} 400.0' in text
+    assert 'ferry_manager_instance_running{instance_id="b"} 2.0' in text
+
+
+def test_standby_exports_the_families_without_samples():
+    """A standby's view has no load reports: it would say every instance is UNHEALTHY with its
+    whole cache free, and the dashboard's max across managers would show that beside the leader."""
+    text = scrape(is_leader=False)
+    assert "# TYPE ferry_manager_instances gauge" in text
+    assert "# TYPE ferry_manager_instance_free_blocks gauge" in text
+    assert not [line for line in text.splitlines() if line and not line.startswith("#")]
+

@@ -10,6 +10,7 @@ from services.common.startup import start_metrics_server
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceState
 from services.manager.leadership import Leadership
+from services.manager.migration import MigrationOutcome, MigrationTrigger
 
 DISPATCHES = Counter("ferry_manager_dispatches_total", "Requests dispatched, by policy", ["policy"])
 DISPATCH_REFUSALS = Counter("ferry_manager_dispatch_refusals_total",
@@ -48,7 +49,18 @@ def serve_metrics(port: int, host: str, view: ClusterView, leadership: Leadershi
     gauges read the view when scraped."""
     IS_LEADER.set_function(lambda: float(leadership.is_leader))
     REGISTRY.register(InstanceLoadCollector(view, leadership))
+    export_zero_series()
     start_metrics_server(port, host)
+
+
+def export_zero_series() -> None:
+    """Every series of a known label set, at zero from the start: a rate() or an alert on
+    failed migrations has a series (0) before the first migration, as a dashboard has a line."""
+    for outcome in MigrationOutcome:
+        for trigger in MigrationTrigger:
+            MIGRATIONS.labels(outcome.value, trigger.value)
+    for action in ("add", "retire", "cancel_retire"):
+        SCALING_ACTIONS.labels(action)
 
 
 def watch_membership_staleness(members: MembershipView) -> None:
@@ -67,8 +79,7 @@ class InstanceLoadCollector:
         ("ferry_manager_instance_waiting", "Requests queued on the instance", lambda load: load.num_waiting),
         ("ferry_manager_instance_free_blocks", "Free KV blocks on the instance", lambda load: load.num_free_blocks),
         ("ferry_manager_instance_total_blocks", "KV blocks of the instance", lambda load: load.num_total_blocks),
-        ("ferry_manager_instance_freeness", "(free - needed by queued - priority headroom) blocks / (running + 1)",
-         lambda load: load.freeness),
+        ("ferry_manager_instance_freeness", "(free - needed by queued - priority headroom) blocks / (running + 1)", lambda load: load.freeness),
     )
 
     def __init__(self, view: ClusterView, leadership: Leadership) -> None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
 from services.manager.leadership import Leadership
-from services.manager.metrics import InstanceLoadCollector
+from services.manager.metrics import InstanceLoadCollector, export_zero_series
 from tests.unit.manager.factories import make_view
 
 pytestmark = pytest.mark.timeout(10)
@@ -36,3 +36,13 @@ def test_standby_exports_the_families_without_samples():
     assert "# TYPE ferry_manager_instance_free_blocks gauge" in text
     assert not [line for line in text.splitlines() if line and not line.startswith("#")]
 
+
+def test_migration_and_scaling_counters_start_at_zero():
+    """Before, ferry_manager_migrations_total had no series until the first migration: a panel
+    or an alert on failed drains read "no data" rather than 0."""
+    export_zero_series()
+    text = generate_latest(REGISTRY).decode()
+    for outcome in ("committed", "failed"):
+        for trigger in ("load", "drain", "admin", "pd"):
+            assert f'ferry_manager_migrations_total{{outcome="{outcome}",trigger="{trigger}"}}' in text
+    assert 'ferry_manager_scaling_actions_total{action="retire"}' in text

@@ -26,6 +26,14 @@ class FrontendMetrics:
         self.inter_token_latency = Histogram(
             "ferry_frontend_inter_token_latency_seconds", "Between consecutive output tokens of a request",
             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter(
+            "ferry_frontend_prompt_tokens_total",
+            "Prompt tokens of the generation requests admitted (each prompt once, whatever its n)",
+            registry=self.registry)
+        self.generation_tokens = Counter(
+            "ferry_frontend_generation_tokens_total",
+            "Output tokens streamed back from the instances, every choice's, counted as they arrive",
+            registry=self.registry)
         self.in_flight = Gauge("ferry_frontend_requests_in_flight", "--max-inflight slots taken: choices of generations "
                                "and /tokenize or /detokenize calls being served",
                                registry=self.registry)
@@ -62,6 +70,7 @@ class FrontendMetrics:
         """Record a delta of `num_tokens` tokens arriving at `now` (all but the first count as one gap each)."""
         if num_tokens <= 0:
             return
+        self.generation_tokens.inc(num_tokens)
         if last_token_at is None:
             self.time_to_first_token.observe(now - arrived_at)
             num_gaps, since = num_tokens - 1, now

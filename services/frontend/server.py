@@ -181,6 +181,7 @@ class FrontendServer:
                      endpoint=endpoint.value, stream=parsed.stream,
                      num_prompt_tokens=sum(map(len, prompts)), num_prompts=len(prompts),
                      max_tokens=resolved[0].sampling.max_tokens, n=parsed.n)
+            self._metrics.prompt_tokens.inc(sum(map(len, prompts)))
             tasks = [asyncio.create_task(self._runner.run(c.state, c.spec), name=f"request:{c.state.request_id}")
                      for c in choices]
             try:

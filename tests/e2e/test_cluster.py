@@ -15,7 +15,9 @@ from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc, manage
 from services.instance.engine.factory import EngineSpec, build_engine
 from services.instance.engine.request import SamplingParams
 from services.instance.engine.tokenizer import Tokenizer
+from tests.deploy.test_grafana import queried_metrics
 from tests.e2e.conftest import address_of, pid_of
+from tests.integration.metrics_scrape import exposition_problems
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -85,16 +87,23 @@ async def test_concurrent_requests_spread_over_both_instances(client, cluster):
 
 
 async def test_every_process_serves_the_metrics_cluster_json_names(client, cluster):
+    """Each in valid Prometheus text, and together every metric the Grafana dashboard queries."""
     await client.completions.create(model=model_name(cluster), prompt="count me", max_tokens=4)
     prefixes = {"manager": "ferry_manager_", "transfer": "ferry_transfer_", "instance": "ferry_instance_",
                 "frontend": "ferry_frontend_"}
+    exported: set[str] = set()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
         for process in cluster["processes"]:
             kind = process["name"].rsplit("-", 1)[0]
             if kind == "etcd":
                 continue
             async with http.get(process["metrics_url"]) as response:
-                assert response.status == 200 and prefixes[kind] in await response.text(), process["name"]
+                text = await response.text()
+            assert response.status == 200 and prefixes[kind] in text, process["name"]
+            assert not exposition_problems(text), (process["name"], exposition_problems(text))
+            exported |= {name for line in text.splitlines() if line.startswith("# TYPE ")
+                         for name in (line.split()[2], line.split()[2] + "_total")}
+    assert not queried_metrics() - exported, f"the dashboard queries what no process exports: {queried_metrics() - exported}"
 
 
 async def test_bad_input_gets_400_with_a_message(client, cluster):

@@ -1,8 +1,11 @@
-"""Read one sample from a service's Prometheus /metrics endpoint."""
+"""Read samples from a service's Prometheus /metrics endpoint, and check its text as Prometheus would."""
 
 from __future__ import annotations
 
+import math
 import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def sample_value(port: int, sample: str) -> float:
@@ -15,3 +18,43 @@ def samples(port: int) -> dict[str, float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     lines = [line for line in text.splitlines() if line and not line.startswith("#")]
     return {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)}
+
+
+def exposition_problems(text: str) -> list[str]:
+    """What an operator's Prometheus would trip over in one /metrics text: a ferry family
+    without HELP, a histogram whose buckets are not cumulative or do not end at +Inf = _count,
+    a request id as a label (one series per request)."""
+    problems = []
+    for family in text_string_to_metric_families(text):  # raises on text Prometheus cannot parse
+        if not family.name.startswith("ferry_"):
+            continue
+        if not family.documentation:
+            problems.append(f"{family.name} has no HELP")
+        problems += [f"{family.name} is labelled by {label}" for sample in family.samples
+                     for label in sample.labels if label in _PER_REQUEST_LABELS]
+        if family.type == "histogram":
+            problems += _histogram_problems(family)
+    return problems
+
+
+_PER_REQUEST_LABELS = frozenset({"request_id", "client_request_id", "migration_id"})
+
+
+def _histogram_problems(family) -> list[str]:
+    buckets: dict[tuple, list[tuple[float, float]]] = {}
+    counts: dict[tuple, float] = {}
+    for sample in family.samples:
+        key = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+        if sample.name.endswith("_bucket"):
+            buckets.setdefault(key, []).append((float(sample.labels["le"]), sample.value))
+        elif sample.name.endswith("_count"):
+            counts[key] = sample.value
+    problems = []
+    for key, count in counts.items():
+        series = sorted(buckets.get(key, []))
+        values = [value for _, value in series]
+        if not series or series[-1][0] != math.inf or values[-1] != count:
+            problems.append(f"{family.name}{dict(key)} does not end with le=+Inf equal to its _count")
+        if values != sorted(values):
+            problems.append(f"{family.name}{dict(key)} has buckets that are not cumulative")
+    return problems

@@ -352,6 +352,7 @@ class FrontendServer:
             self._metrics.requests.labels(_endpoint_label(request), "499").inc()
             raise
         except FerryError as exc:
+            _log_refused(request, exc)
             response = self._error_response(request, exc.http_status, error_body_for(exc))
         except web.HTTPException as exc:  # the router's 404/405, aiohttp's own 413
             response = self._error_response(request, exc.status, error_body(
@@ -397,6 +398,14 @@ RETRY_AFTER_S = 1  # the Retry-After of 429s and 503s: load and membership chang
 class ApiKeyError(Unauthenticated):
     code = "invalid_api_key"
     param = None
+
+
+def _log_refused(request: web.Request, exc: FerryError) -> None:
+    """A request answered with an error before it was admitted (a 400, 401, 404 model, 413, 429, ...):
+    it has no request id yet, so no other line names it; one admitted has its `request_finished`."""
+    if _REQUEST_ID_KEY not in request:
+        log.info("request_refused", path=request.path, status=exc.http_status, error=exc.message,
+                 client_request_id=client_request_id(request.headers, {}))
 
 
 def _too_large(limit: int) -> PayloadTooLarge:

@@ -1,7 +1,8 @@
 """Prometheus metrics of one instance, served on --metrics-port (0 = off).
 
-Everything is read from the runner at scrape time, so the engine thread does no
-metrics work: load and KV figures, requests served, engine steps, step time and preemptions.
+Everything is read from the runner at scrape time (load and KV figures, requests served,
+engine steps, step times and preemptions), so the engine thread does no metrics work beyond
+adding each step's time to `runner.step_times`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import REGISTRY
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from services.common.startup import start_metrics_server
 from services.instance.runner import EngineRunner
@@ -51,6 +52,10 @@ class InstanceCollector:
                            "Constrained requests stopped (finish reason stop) where their grammar allowed no token of "
                            "the vocabulary: the answer is cut short of what the grammar describes",
                            runner.num_grammar_dead_ends)
+        steps = HistogramMetricFamily("ferry_instance_step_duration_seconds", "Engine steps by how long they took",
+                                      labels=["instance_id"])
+        steps.add_metric([self._instance_id], runner.step_times.cumulative_buckets(), runner.step_times.sum_s)
+        yield steps
         stats = runner.prefix_cache_stats
         yield self._family(CounterMetricFamily, "ferry_instance_prefix_cache_queried_tokens",
                            "Context tokens of admitted requests (the most the prefix cache could serve)",

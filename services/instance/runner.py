@@ -17,10 +17,8 @@ outputs until a client attaches.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import queue
-import statistics
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,6 +31,7 @@ from services.common.errors import Aborted, FerryError, Internal, InvalidArgumen
 from services.instance.engine.engine import LLMEngine, LoadSnapshot, StepOutput
 from services.instance.engine.migration_state import HeldRequest
 from services.instance.handoff import Handoff
+from services.instance.step_times import StepTimes
 
 log = structlog.get_logger(__name__)
 
@@ -77,7 +76,7 @@ class EngineRunner:
         self.prefix_cache_stats = engine.prefix_cache_stats()  # the same, for metrics
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
         self.num_requests_served = 0
-        self._step_times_s: collections.deque[float] = collections.deque(maxlen=256)
+        self.step_times = StepTimes()  # the engine thread adds each step's; /metrics and load reports read them
         self.num_steps = 0
         self.is_broken = False  # set when a step raised; the instance then refuses new work
         self._step_started_at: float | None = None  # monotonic, while a step runs (engine thread writes it)
@@ -107,8 +106,7 @@ class EngineRunner:
     @property
     def step_time_ms_p50(self) -> float:
         """Median engine step time over the recent steps (0 before the first step)."""
-        recent = list(self._step_times_s)
-        return statistics.median(recent) * 1000 if recent else 0.0
+        return self.step_times.median_ms
 
     @property
     def num_active(self) -> int:
@@ -315,7 +313,7 @@ class EngineRunner:
             self._step_started_at = None
         if self._engine.last_step_was_idle:
             return False
-        self._step_times_s.append(time.perf_counter() - started)
+        self.step_times.add(time.perf_counter() - started)
         self.num_steps += 1
         self._publish(outputs, held)
         return True

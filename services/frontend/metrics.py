@@ -49,6 +49,10 @@ class FrontendMetrics:
             "ferry_frontend_constrained_requests_total",
             "Requests decoded under a grammar, by the field that asked for it (response_format, guided_json, "
             "structured_outputs, ..., tool_choice for forced tool calls)", ["field"], registry=self.registry)
+        self.stream_errors = Counter(
+            "ferry_frontend_stream_errors_total",
+            "Streams ended by an error event after their 200, by the HTTP status the error would have had "
+            "(ferry_frontend_requests_total counts them as 200)", ["status"], registry=self.registry)
         self.resumes = Counter("ferry_frontend_stream_resumes_total",
                                "Requests re-dispatched after their instance's stream broke", registry=self.registry)
         self.handoffs = Counter("ferry_frontend_stream_handoffs_total",

@@ -279,6 +279,7 @@ class FrontendServer:
                     await self._send(request, response, sse(choices[index].formatter.chunk(delta)))
             except FerryError as exc:  # after the 200: an error event ends the stream
                 log.warning("stream_failed", request_id=request_id, error=exc.message)
+                self._metrics.stream_errors.labels(str(exc.http_status)).inc()
                 await self._send(request, response, sse_error(exc))
             if parsed.include_usage and all(c.state.error is None for c in choices):
                 await self._send(request, response, sse(choices[0].formatter.usage_chunk([c.state for c in choices])))

@@ -7,6 +7,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from services.common.errors import InvalidArgument
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import FinishReason
 from services.frontend.metrics import FrontendMetrics
@@ -19,8 +20,8 @@ from tests.unit.frontend.test_tokenize_off_loop import ThreadNotingTokenizer
 pytestmark = pytest.mark.timeout(30)
 
 
-def sample(metrics: FrontendMetrics, name: str) -> float | None:
-    return metrics.registry.get_sample_value(name)
+def sample(metrics: FrontendMetrics, name: str, labels: dict[str, str] | None = None) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
 
 
 async def test_prompt_and_generation_tokens_are_counted():
@@ -44,5 +45,28 @@ async def test_prompt_and_generation_tokens_are_counted():
         assert sample(metrics, "ferry_frontend_generation_tokens_total") == 3
         assert sample(metrics, "ferry_frontend_time_to_first_token_seconds_count") == 1
         assert sample(metrics, "ferry_frontend_inter_token_latency_seconds_count") == 2
+    finally:
+        await http.cleanup()
+
+
+async def test_a_stream_that_fails_after_its_200_is_counted_as_a_stream_error():
+    """ferry_frontend_requests_total counts such a stream as 200: before, no metric showed the
+    streams that ended with an error event, only the stream_failed log line."""
+    model = ServedModel("m", max_model_len=1000, vocab_size=32, tokenizer=ThreadNotingTokenizer())
+    dispatcher = Dispatcher(None, FakeMembership(entry("a")), cooldown_s=5)
+    instances = ScriptedInstances({"a": ([chunk(0, 1)], InvalidArgument("the instance refused it"))})
+    metrics = FrontendMetrics()
+    server = FrontendServer(model, RequestRunner(dispatcher, instances, max_resumes=3), dispatcher,
+                            metrics, api_keys=(), max_inflight=8, max_body_bytes=1 << 20)
+    http = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    await http.setup()
+    await web.TCPSite(http, "127.0.0.1", 0).start()
+    try:
+        async with aiohttp.ClientSession() as session, session.post(
+                f"http://127.0.0.1:{http.addresses[0][1]}/v1/completions",
+                json={"model": "m", "prompt": "ab", "max_tokens": 3, "stream": True}) as response:
+            body = await response.text()
+        assert response.status == 200 and "the instance refused it" in body, body
+        assert sample(metrics, "ferry_frontend_stream_errors_total", {"status": "400"}) == 1
     finally:
         await http.cleanup()

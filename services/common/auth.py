@@ -1,14 +1,16 @@
-"""Bearer-token authentication of gRPC calls (the admin API).
+"""Token authentication of gRPC calls: the admin API's bearer token, the cluster token.
 
-A client sends `authorization: Bearer <token>` metadata (`bearer_metadata`). The server
-interceptor guards only the services it is given: health checking and reflection stay
-open so load balancers and grpcurl's `list` work without credentials.
+A `TokenScheme` says where a call carries its token and what a refused caller is told:
+the admin API wants `authorization: Bearer <token>` metadata (`bearer_metadata`), ferry's
+internal services `ferry-cluster-token: <token>` (services.common.cluster_token). The
+server interceptor guards only the services it is given: health checking and reflection
+stay open so load balancers and grpcurl's `list` work without credentials.
 
-| caller sends                 | status            |
-|------------------------------|-------------------|
-| no `authorization` metadata  | UNAUTHENTICATED   |
-| a malformed header           | UNAUTHENTICATED   |
-| `Bearer <wrong token>`       | PERMISSION_DENIED |
+| caller sends                        | status            |
+|-------------------------------------|-------------------|
+| no metadata under the scheme's key  | UNAUTHENTICATED   |
+| a malformed value                   | UNAUTHENTICATED   |
+| a wrong token                       | PERMISSION_DENIED |
 
 Tokens are compared in constant time and never logged.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import hmac
 import pathlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -49,14 +52,34 @@ def read_token(token: str, token_file: str, flag: str) -> str:
     return text
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+@dataclass(frozen=True, slots=True)
+class TokenScheme:
+    """Where a call carries its token, and what a caller without the right one is told (name the flag)."""
+
+    key: str  # metadata key
+    prefix: str  # "Bearer": the value is `Bearer <token>`; "": the value is the token itself
+    missing: str  # no metadata under `key`
+    malformed: str  # a value that is not `<prefix> <token>` (or is blank)
+    wrong: str  # a token that does not match
+
+
+ADMIN_TOKEN_SCHEME = TokenScheme(
+    key=AUTHORIZATION_KEY, prefix="Bearer",
+    missing="missing credentials: send `authorization: Bearer <token>` metadata with the manager's --admin-token "
+            "(ferryctl --token)",
+    malformed="malformed authorization metadata: expected `Bearer <token>`",
+    wrong="wrong token: it does not match the manager's --admin-token")
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls to `services` (full names, e.g. "ferry.v1.AdminService") without the token."""
 
-    def __init__(self, token: str, services: Sequence[str]) -> None:
+    def __init__(self, token: str, services: Sequence[str], scheme: TokenScheme = ADMIN_TOKEN_SCHEME) -> None:
         if not token:
-            raise ValueError("BearerTokenInterceptor needs a non-empty token")
+            raise ValueError("TokenInterceptor needs a non-empty token")
         self._token = token.encode()
         self._services = frozenset(services)
+        self._scheme = scheme
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -67,21 +90,29 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if denial is None:
             return handler
         code, message = denial
-        log.info("rpc_unauthenticated", method=method, code=code.name)
+        log.info("rpc_unauthenticated", method=method, code=code.name, metadata_key=self._scheme.key)
         return wrap_rpc_handler(handler, lambda behavior: _denied(behavior, code, message))
 
     def _check(self, metadata) -> tuple[grpc.StatusCode, str] | None:
-        values = [value for key, value in metadata or () if key == AUTHORIZATION_KEY]
+        scheme = self._scheme
+        values = [value for key, value in metadata or () if key == scheme.key]
         if not values:
-            return grpc.StatusCode.UNAUTHENTICATED, (
-                "missing credentials: send `authorization: Bearer <token>` metadata with the manager's "
-                "--admin-token (ferryctl --token)")
-        scheme, _, token = str(values[0]).partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            return grpc.StatusCode.UNAUTHENTICATED, "malformed authorization metadata: expected `Bearer <token>`"
-        if not hmac.compare_digest(token.strip().encode(), self._token):
-            return grpc.StatusCode.PERMISSION_DENIED, "wrong token: it does not match the manager's --admin-token"
+            return grpc.StatusCode.UNAUTHENTICATED, scheme.missing
+        token = _token_of(str(values[0]), scheme.prefix)
+        if token is None:
+            return grpc.StatusCode.UNAUTHENTICATED, scheme.malformed
+        if not hmac.compare_digest(token.encode(), self._token):
+            return grpc.StatusCode.PERMISSION_DENIED, scheme.wrong
         return None
+
+
+def _token_of(value: str, prefix: str) -> str | None:
+    """The token in a metadata value (`<prefix> <token>`, or the token alone), None if malformed."""
+    if prefix:
+        scheme, _, value = value.partition(" ")
+        if scheme.lower() != prefix.lower():
+            return None
+    return value.strip() or None
 
 
 def _service_of(method: str) -> str:

@@ -1,11 +1,14 @@
 """Starting a ferry gRPC server and opening channels to one.
 
 Every server gets the same furniture: the request-id and error interceptors (outermost
-first), the caller's own, then the decode interceptor (undecodable bytes: INVALID_ARGUMENT), `grpc.health.v1` for "" and each service, server reflection (so grpcurl works
-without .proto files), 64 MiB messages and keepalive settings that match
+first), the cluster-token guard of its services (but `token_open_services`) when
+`tls.cluster_token` is set, the caller's own, then the decode interceptor (undecodable
+bytes: INVALID_ARGUMENT), `grpc.health.v1` for "" and each service, server reflection (so
+grpcurl works without .proto files), 64 MiB messages and keepalive settings that match
 `secure_or_insecure_channel`. Port 0 picks a free port; `GrpcServer.port` is the bound one.
 With a `TlsConfig` that has a certificate the port serves TLS (mTLS with a client CA);
-clients dial with `secure_or_insecure_channel(address, tls)`, TLS when `tls.ca_file` is set.
+clients dial with `secure_or_insecure_channel(address, tls)`, TLS when `tls.ca_file` is set,
+sending `tls.cluster_token` on every call when it is set.
 
 Shutdown order (STYLE.md): `await server.set_serving(False)` → revoke the etcd lease →
 `await server.stop(grace)` → cancel tasks → close channels.
@@ -24,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from services.common import cluster_token
 from services.common.errors import ErrorInterceptor
 from services.common.logging import RequestIdInterceptor
 from services.common.ports import bind_error
@@ -147,11 +151,15 @@ async def start_grpc_server(host: str, port: int, servicers: Sequence[tuple[AddS
 
 def bind_grpc_server(host: str, port: int, service_full_names: Sequence[str],
                      interceptors: Sequence[grpc.aio.ServerInterceptor] = (), advertise_host: str | None = None,
-                     tls: TlsConfig | None = None, options: Sequence[tuple[str, Any]] = ()) -> GrpcServer:
+                     tls: TlsConfig | None = None, options: Sequence[tuple[str, Any]] = (),
+                     token_open_services: Sequence[str] = ()) -> GrpcServer:
     """A bound server not started yet: for a service whose servicers need its port or address
-    (`GrpcServer.start` registers them; gRPC takes no handlers once started)."""
+    (`GrpcServer.start` registers them; gRPC takes no handlers once started). With a cluster
+    token every service requires it, but `token_open_services` (which guard themselves)."""
+    guarded = [name for name in service_full_names if name not in token_open_services]
+    guard = cluster_token.server_interceptors(tls.cluster_token, guarded) if tls is not None else []
     server = grpc.aio.server(
-        interceptors=[RequestIdInterceptor(), ErrorInterceptor(), *interceptors, DecodeInterceptor()],
+        interceptors=[RequestIdInterceptor(), ErrorInterceptor(), *guard, *interceptors, DecodeInterceptor()],
         options=_merged(SERVER_OPTIONS, options))
     bound_port = _bind(server, host, port, make_server_credentials(tls) if tls is not None else None)
     return GrpcServer(server=server, host=host, port=bound_port, advertise_host=advertise_host or _advertise(host),
@@ -165,13 +173,15 @@ def insecure_channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> g
 
 def secure_or_insecure_channel(address: str, tls: TlsConfig | None,
                                options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-    """A channel with ferry's options: TLS when `tls.ca_file` is set (mTLS if we have a certificate)."""
+    """A channel with ferry's options: TLS when `tls.ca_file` is set (mTLS if we have a certificate);
+    every call carries `tls.cluster_token` when it is set."""
     merged = _merged(CHANNEL_OPTIONS, options)
+    interceptors = cluster_token.call_interceptors(tls.cluster_token) if tls is not None else None
     if tls is None or not tls.is_client_tls:
-        return grpc.aio.insecure_channel(address, options=merged)
+        return grpc.aio.insecure_channel(address, options=merged, interceptors=interceptors)
     if tls.server_name:
         merged.append(("grpc.ssl_target_name_override", tls.server_name))
-    return grpc.aio.secure_channel(address, make_channel_credentials(tls), options=merged)
+    return grpc.aio.secure_channel(address, make_channel_credentials(tls), options=merged, interceptors=interceptors)
 
 
 def _is_in_use(host: str, port: int) -> bool:

@@ -14,6 +14,11 @@ Each service config mixes in `TlsKnobs` (clients that serve nothing mix in
 
 A cluster either runs TLS everywhere (every process gets --tls-cert, --tls-key and
 --tls-ca) or not at all; a plaintext client of a TLS server fails its handshake.
+
+The ferry services' knobs (`TlsKnobs`, and `PeerKnobs` for the frontend, which serves no
+gRPC) add the cluster token (services.common.cluster_token): `TlsConfig.cluster_token`
+carries it to every channel and server this process opens, beside the TLS files.
+ferryctl (`ClientTlsKnobs`) calls only the admin API and health, which do not need it.
 """
 
 from __future__ import annotations
@@ -24,18 +29,21 @@ import pathlib
 
 import grpc
 
+from services.common.cluster_token import ClusterTokenKnobs
 from services.common.config import knob
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TlsConfig:
-    """Paths of PEM files; empty strings mean "not set"."""
+    """How this process's gRPC connections are secured: paths of PEM files and the cluster token;
+    empty strings mean "not set"."""
 
     cert_file: str = ""  # certificate chain this process presents (server, and client for mTLS)
     key_file: str = ""  # private key of cert_file
     client_ca_file: str = ""  # server side: require client certificates signed by this CA
     ca_file: str = ""  # client side: verify servers against this CA; set = outbound TLS on
     server_name: str = ""  # client side: expected name in server certificates (overrides the host)
+    cluster_token: str = dataclasses.field(default="", repr=False)  # sent on every call; servers require it
 
     @property
     def is_server_tls(self) -> bool:
@@ -74,8 +82,17 @@ class ClientTlsKnobs:
 
 
 @dataclasses.dataclass(frozen=True)
-class TlsKnobs(ClientTlsKnobs):
-    """TLS flags of a process with a gRPC server (mixed into its config dataclass)."""
+class PeerKnobs(ClusterTokenKnobs, ClientTlsKnobs):
+    """TLS and cluster-token flags of a ferry process that dials ferry's internal services (the frontend)."""
+
+    @property
+    def tls(self) -> TlsConfig:
+        return dataclasses.replace(ClientTlsKnobs.tls.fget(self), cluster_token=self.resolved_cluster_token)
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsKnobs(PeerKnobs):
+    """TLS and cluster-token flags of a process with a gRPC server (mixed into its config dataclass)."""
 
     tls_cert: str = knob("", "PEM certificate of this process: served by its gRPC server (TLS) and presented as "
                              "client certificate when a server requires one (mTLS); empty = plaintext server")
@@ -84,7 +101,7 @@ class TlsKnobs(ClientTlsKnobs):
 
     @property
     def tls(self) -> TlsConfig:
-        return dataclasses.replace(ClientTlsKnobs.tls.fget(self), client_ca_file=self.tls_client_ca)
+        return dataclasses.replace(PeerKnobs.tls.fget(self), client_ca_file=self.tls_client_ca)
 
 
 def make_server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from services.common.config import knob, parse_config
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
-from services.common.tls import ClientTlsKnobs
+from services.common.tls import PeerKnobs
 from services.frontend.tool_calls import ToolCallParserSetting
 from services.common.logging import LogKnobs
 
@@ -18,7 +18,7 @@ MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
-class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, ClientTlsKnobs, LogKnobs):
+class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
     """The OpenAI-compatible HTTP API of a ferry cluster (completions, chat, streaming)."""
 
     model: pathlib.Path = knob(pathlib.Path("models/smollm2-135m-instruct"), "model folder (config.json, tokenizer.json, tokenizer_config.json) the cluster serves")

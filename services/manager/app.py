@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from services.common.auth import BearerTokenInterceptor
+from services.common.auth import TokenInterceptor
 from services.common.config import as_dict
 from services.common.election import Election, watch_leader
 from services.common.etcd_client import ETCD_ERRORS, connect_etcd
@@ -44,10 +44,11 @@ log = structlog.get_logger(__name__)
 async def main(config: ManagerConfig) -> None:
     log.info("config_resolved", **as_dict(config))
     admin_token = config.resolved_admin_token
-    interceptors = [BearerTokenInterceptor(admin_token, [ADMIN_SERVICE])] if admin_token else []
+    interceptors = [TokenInterceptor(admin_token, [ADMIN_SERVICE])] if admin_token else []
     # Bound first: the manager id and the election need its port; it starts once its servicers exist.
     server = bind_grpc_server(config.host, config.port, [MANAGER_SERVICE, ADMIN_SERVICE], interceptors,
-                              advertise_host=config.advertise_host or None, tls=config.tls)
+                              advertise_host=config.advertise_host or None, tls=config.tls,
+                              token_open_services=[ADMIN_SERVICE])  # the admin API has its own token
     manager_id = config.manager_id or default_id(server.port)
     election = Election(config.etcd_endpoints, config.cluster, manager_id, server.address, config.lease_ttl_s,
                         access=config.etcd_access)

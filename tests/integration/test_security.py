@@ -1,11 +1,12 @@
 """Security end to end: a small cluster (etcd, manager, transfer, instance on a tiny model,
-frontend) with mutual TLS on every gRPC channel, an admin token on the manager and API
-keys on the frontend. Plaintext and unauthenticated callers are refused; health and
-reflection stay open; no secret reaches a log."""
+frontend) with mutual TLS on every gRPC channel, a cluster token on every internal call, an
+admin token on the manager and API keys on the frontend. Plaintext and unauthenticated
+callers are refused; health and reflection stay open; no secret reaches a log."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.timeout(180)
 
 ADMIN_TOKEN = f"admin-{uuid.uuid4().hex}"
 API_KEY = f"sk-{uuid.uuid4().hex}"
+CLUSTER_TOKEN = f"cluster-{uuid.uuid4().hex}"
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +42,17 @@ def pki(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tls(pki) -> TlsConfig:
-    """What every process (and the test's own clients) uses: mTLS with one CA."""
-    return TlsConfig(cert_file=str(pki.cert), key_file=str(pki.key), client_ca_file=str(pki.ca), ca_file=str(pki.ca))
+    """What every process (and the test's own clients) uses: mTLS with one CA, and the cluster token."""
+    return TlsConfig(cert_file=str(pki.cert), key_file=str(pki.key), client_ca_file=str(pki.ca), ca_file=str(pki.ca),
+                     cluster_token=CLUSTER_TOKEN)
 
 
 @pytest.fixture(scope="module")
 def cluster(etcd, tiny_model_dir, pki, tls, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("logs")
+    token_file = tmp_path_factory.mktemp("secrets") / "cluster.token"
+    token_file.write_text(CLUSTER_TOKEN)
+    token = {f"FERRY_{name}_CLUSTER_TOKEN_FILE": str(token_file) for name in ("MANAGER", "TRANSFER", "INSTANCE", "FRONTEND")}
     name = f"sec-{uuid.uuid4().hex[:8]}"
     tls_args = ["--tls-cert", str(pki.cert), "--tls-key", str(pki.key), "--tls-ca", str(pki.ca)]
     server_tls = [*tls_args, "--tls-client-ca", str(pki.ca)]
@@ -55,21 +61,21 @@ def cluster(etcd, tiny_model_dir, pki, tls, tmp_path_factory):
     processes = {
         "manager": ServiceProcess("manager", "manager", ["--port", str(ports["manager"]), *common, *server_tls],
                                   f"127.0.0.1:{ports['manager']}", log_dir, tls=tls,
-                                  env={"FERRY_MANAGER_ADMIN_TOKEN": ADMIN_TOKEN}),
+                                  env={"FERRY_MANAGER_ADMIN_TOKEN": ADMIN_TOKEN, **token}),
         "transfer": ServiceProcess("transfer", "transfer", ["--port", str(ports["transfer"]), "--transfer-id", "t0",
                                                             *common, *server_tls],
-                                   f"127.0.0.1:{ports['transfer']}", log_dir, tls=tls),
+                                   f"127.0.0.1:{ports['transfer']}", log_dir, tls=tls, env=token),
         "instance": ServiceProcess(
             "instance", "instance",
             ["--model", str(tiny_model_dir), "--port", str(ports["instance"]), "--instance-id", "i0",
              "--num-threads", "1", "--num-blocks", "64", "--block-size", "4", "--max-model-len", "128",
              "--transfer-address", f"127.0.0.1:{ports['transfer']}", *common, *server_tls],
-            f"127.0.0.1:{ports['instance']}", log_dir, tls=tls),
+            f"127.0.0.1:{ports['instance']}", log_dir, tls=tls, env=token),
         "frontend": ServiceProcess(
             "frontend", "frontend",
             ["--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(ports["frontend"]),
              "--max-model-len", "128", *common, *tls_args],
-            f"http://127.0.0.1:{ports['frontend']}", log_dir, env={"FERRY_FRONTEND_API_KEY": API_KEY}),
+            f"http://127.0.0.1:{ports['frontend']}", log_dir, env={"FERRY_FRONTEND_API_KEY": API_KEY, **token}),
     }
     try:
         for process in processes.values():
@@ -83,7 +89,7 @@ def cluster(etcd, tiny_model_dir, pki, tls, tmp_path_factory):
 
 async def test_completion_through_tls_cluster(cluster, tls):
     """frontend → manager (Dispatch) and → instance (Generate), instance → manager (load reports) and
-    → transfer (KV mapping): all over mutual TLS."""
+    → transfer (KV mapping): all over mutual TLS, all with the cluster token."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
     async with aiohttp.ClientSession(base_url=cluster["frontend"].address, headers=headers) as http:
         body = {"prompt": [5, 17, 42], "max_tokens": 4, "temperature": 0, "return_token_ids": True}
@@ -125,8 +131,22 @@ async def test_tls_client_without_certificate_or_with_wrong_ca_is_refused(cluste
         assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
 
 
+async def test_a_tls_client_without_the_cluster_token_is_refused_by_internal_services(cluster, tls):
+    without = dataclasses.replace(tls, cluster_token="")
+    async with secure_or_insecure_channel(cluster["instance"].address, without) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await instance_pb2_grpc.InstanceServiceStub(channel).GetStatus(instance_pb2.GetStatusRequest(), timeout=3)
+    assert caught.value.code() is grpc.StatusCode.UNAUTHENTICATED and "--cluster-token-file" in caught.value.details()
+    async with secure_or_insecure_channel(cluster["manager"].address, dataclasses.replace(tls, cluster_token="x")) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await manager_pb2_grpc.ManagerServiceStub(channel).Dispatch(
+                manager_pb2.DispatchRequest(request_id="r1", num_prompt_tokens=3), timeout=3)
+    assert caught.value.code() is grpc.StatusCode.PERMISSION_DENIED
+
+
 async def test_admin_api_requires_the_token(cluster, tls):
-    async with secure_or_insecure_channel(cluster["manager"].address, tls) as channel:
+    """The admin token alone: operators need no cluster token."""
+    async with secure_or_insecure_channel(cluster["manager"].address, dataclasses.replace(tls, cluster_token="")) as channel:
         admin = manager_pb2_grpc.AdminServiceStub(channel)
         request = manager_pb2.GetPolicyRequest()
         with pytest.raises(grpc.aio.AioRpcError) as missing:
@@ -190,7 +210,7 @@ def test_no_secret_in_logs(cluster):
     for process in cluster.values():
         text = process.log_path.read_text(errors="replace")
         assert "config_resolved" in text
-        for secret in (ADMIN_TOKEN, API_KEY):
+        for secret in (ADMIN_TOKEN, API_KEY, CLUSTER_TOKEN):
             assert secret not in text, f"{process.name} logged a secret"
 
 

@@ -1,0 +1,167 @@
+"""The cluster token: the server guard (missing, malformed, wrong, right; unary and streaming;
+health, reflection and unguarded services open), the client interceptor on all four call
+shapes, the knobs, and that the token shows in no repr or logged config. No sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from services.common import cluster_token
+from services.common.cluster_token import CLUSTER_TOKEN_KEY
+from services.common.config import as_dict, parse_config
+from services.ctl.config import CtlConfig
+from services.frontend.config import FrontendConfig
+from services.instance.config import InstanceConfig
+from services.manager.config import ManagerConfig
+from services.transfer.config import TransferConfig
+
+pytestmark = pytest.mark.timeout(30)
+
+TOKEN = "c1uster-t0ken-never-shown"
+GUARDED = "ferry.v1.InstanceService"
+
+
+class Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class FakeContext:
+    async def abort(self, code, message):
+        raise Aborted(code, message)
+
+
+async def unary_ok(request, context):
+    return "answered"
+
+
+async def stream_ok(request, context):
+    yield "chunk"
+
+
+def details(method: str, metadata=()) -> SimpleNamespace:
+    """What grpc hands a server interceptor (grpc.HandlerCallDetails is a protocol)."""
+    return SimpleNamespace(method=method, invocation_metadata=tuple(metadata))
+
+
+async def run_guarded(method: str, metadata, is_streaming: bool = False):
+    """What the guarded handler answers: its result, or the Aborted it raised."""
+    [guard] = cluster_token.server_interceptors(TOKEN, [GUARDED])
+    behavior = stream_ok if is_streaming else unary_ok
+    field = "unary_stream" if is_streaming else "unary_unary"
+    handler = (grpc.unary_stream_rpc_method_handler if is_streaming else grpc.unary_unary_rpc_method_handler)(behavior)
+
+    async def continuation(_details):
+        return handler
+    wrapped = await guard.intercept_service(continuation, details(method, metadata))
+    try:
+        if is_streaming:
+            return [chunk async for chunk in getattr(wrapped, field)(None, FakeContext())]
+        return await getattr(wrapped, field)(None, FakeContext())
+    except Aborted as exc:
+        return exc
+
+
+@pytest.mark.parametrize("is_streaming", [False, True])
+@pytest.mark.parametrize("metadata, code, words", [
+    ((), grpc.StatusCode.UNAUTHENTICATED, "missing cluster token"),
+    (((CLUSTER_TOKEN_KEY, "   "),), grpc.StatusCode.UNAUTHENTICATED, "malformed"),
+    (((CLUSTER_TOKEN_KEY, "not-the-token"),), grpc.StatusCode.PERMISSION_DENIED, "wrong cluster token"),
+    ((("authorization", f"Bearer {TOKEN}"),), grpc.StatusCode.UNAUTHENTICATED, "missing cluster token"),
+])
+def test_a_call_without_the_right_token_is_refused_naming_the_flag(metadata, code, words, is_streaming):
+    answer = asyncio.run(run_guarded(f"/{GUARDED}/Abort", metadata, is_streaming))
+    assert isinstance(answer, Aborted) and answer.code is code
+    assert words in answer.message and "--cluster-token-file" in answer.message
+    assert TOKEN not in answer.message
+
+
+@pytest.mark.parametrize("is_streaming", [False, True])
+def test_a_call_with_the_token_is_served(is_streaming):
+    answer = asyncio.run(run_guarded(f"/{GUARDED}/Generate", [(CLUSTER_TOKEN_KEY, TOKEN)], is_streaming))
+    assert answer == (["chunk"] if is_streaming else "answered")
+
+
+@pytest.mark.parametrize("method", ["/grpc.health.v1.Health/Check",
+                                    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                                    "/ferry.v1.AdminService/ListInstances"])
+def test_health_reflection_and_unguarded_services_stay_open(method):
+    assert asyncio.run(run_guarded(method, ())) == "answered"
+
+
+def test_no_token_no_guard():
+    assert cluster_token.server_interceptors("", [GUARDED]) == []
+    assert cluster_token.call_interceptors("") is None
+
+
+@pytest.mark.parametrize("shape", ["unary_unary", "unary_stream", "stream_unary", "stream_stream"])
+def test_the_client_interceptors_add_the_token_to_every_call_shape(shape):
+    [interceptor] = [i for i in cluster_token.call_interceptors(TOKEN) if hasattr(i, f"intercept_{shape}")]
+    sent = {}
+
+    async def continuation(call_details, request):
+        sent["metadata"] = list(call_details.metadata)
+        sent["method"] = call_details.method
+        return "call"
+
+    call_details = grpc.aio.ClientCallDetails(method="/ferry.v1.InstanceService/Abort", timeout=1.0,
+                                              metadata=grpc.aio.Metadata(("x-request-id", "r1"),
+                                                                         (CLUSTER_TOKEN_KEY, "stale")),
+                                              credentials=None, wait_for_ready=None)
+    call = asyncio.run(getattr(interceptor, f"intercept_{shape}")(continuation, call_details, "request"))
+    assert call == "call" and sent["method"] == "/ferry.v1.InstanceService/Abort"
+    assert sorted(sent["metadata"]) == [(CLUSTER_TOKEN_KEY, TOKEN), ("x-request-id", "r1")]
+    assert TOKEN not in repr(interceptor)
+
+
+def test_the_client_interceptor_adds_the_token_to_a_call_without_metadata():
+    sent = {}
+
+    async def continuation(call_details, request):
+        sent["metadata"] = list(call_details.metadata)
+
+    call_details = grpc.aio.ClientCallDetails(method="/m", timeout=None, metadata=None, credentials=None,
+                                              wait_for_ready=None)
+    interceptor = cluster_token.call_interceptors(TOKEN)[0]
+    asyncio.run(interceptor.intercept_unary_unary(continuation, call_details, None))
+    assert sent["metadata"] == [(CLUSTER_TOKEN_KEY, TOKEN)]
+
+
+@pytest.mark.parametrize(("cls", "service", "extra"), [
+    (ManagerConfig, "manager", []), (InstanceConfig, "instance", []), (TransferConfig, "transfer", []),
+    (FrontendConfig, "frontend", ["--etcd-endpoints", "e:1"]),
+])
+def test_every_service_takes_the_token_from_a_file_or_env_and_never_shows_it(cls, service, extra, tmp_path):
+    token_file = tmp_path / "cluster.token"
+    token_file.write_text(f"{TOKEN}\n")
+    config = parse_config(cls, service, ["--cluster-token-file", str(token_file), *extra], env={})
+    assert config.tls.cluster_token == TOKEN
+    assert TOKEN not in repr(config.tls) and TOKEN not in repr(config)
+    assert TOKEN not in json.dumps(as_dict(config), default=str)
+    from_env = parse_config(cls, service, extra, env={f"FERRY_{service.upper()}_CLUSTER_TOKEN": TOKEN})
+    assert from_env.tls.cluster_token == TOKEN
+    assert parse_config(cls, service, extra, env={}).tls.cluster_token == ""
+
+
+@pytest.mark.parametrize("content, words", [("", "is empty"), ("two words", "printable ASCII"),
+                                            ("tök", "printable ASCII")])
+def test_an_unusable_token_file_is_a_usage_error_naming_the_flag(content, words, tmp_path, capsys):
+    token_file = tmp_path / "cluster.token"
+    token_file.write_text(content)
+    with pytest.raises(SystemExit):
+        parse_config(InstanceConfig, "instance", ["--cluster-token-file", str(token_file)], env={})
+    err = capsys.readouterr().err
+    assert "--cluster-token" in err and words in err
+    if content:
+        assert content not in err  # the token is never quoted
+
+
+def test_ferryctl_has_no_cluster_token_flag():
+    """It calls only the admin API (and health), which the cluster token does not guard."""
+    assert "cluster_token" not in CtlConfig.__dataclass_fields__

@@ -5,10 +5,11 @@ processes, waits until each is healthy, writes STATE_DIR/cluster.json, prints
 `ready`, and stops every child on Ctrl-C / SIGTERM.
 
 Security is off by default; the security flags of `up` (see `up --help`) turn on TLS
-(or mutual TLS) on every gRPC channel and an admin token on the managers, e.g.
+(or mutual TLS) on every gRPC channel, an admin token on the managers and a cluster
+token on every internal service, e.g.
 
   python -m services.cluster up --tls-ca ca.pem --tls-cert cert.pem --tls-key key.pem \\
-      --tls-client-ca ca.pem --admin-token-file admin.token
+      --tls-client-ca ca.pem --admin-token-file admin.token --cluster-token-file cluster.token
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def _check_nccl_usable(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 def _add_security_arguments(up: argparse.ArgumentParser) -> None:
     group = up.add_argument_group(
-        "security", "TLS on every gRPC channel and an admin token; all off by default. etcd stays plaintext on "
+        "security", "TLS on every gRPC channel, an admin token and a cluster token; all off by default. etcd stays plaintext on "
                     "loopback (it is never exposed) and the frontend's OpenAI API stays plain HTTP (put --http-port "
                     "behind a TLS proxy to expose it).")
     group.add_argument("--tls-ca", type=pathlib.Path, default=None, metavar="FILE",
@@ -163,6 +164,11 @@ def _add_security_arguments(up: argparse.ArgumentParser) -> None:
                        help="file holding the bearer token every AdminService call must carry (given to the managers "
                             "as --admin-token-file; the token never appears on a command line, in logs or in "
                             "cluster.json); ferryctl reads it with --token-file")
+    group.add_argument("--cluster-token-file", type=pathlib.Path, default=None, metavar="FILE",
+                       help="file holding the cluster token (printable ASCII, e.g. `openssl rand -hex 32`), given to "
+                            "every child as --cluster-token-file: each sends it on its internal gRPC calls and each "
+                            "gRPC server (the admin API excepted) refuses calls without it; the token never appears "
+                            "on a command line, in logs or in cluster.json")
 
 
 def security_from_args(args: argparse.Namespace) -> ClusterSecurity:
@@ -172,7 +178,8 @@ def security_from_args(args: argparse.Namespace) -> ClusterSecurity:
 
     security = ClusterSecurity(tls_ca=absolute(args.tls_ca), tls_cert=absolute(args.tls_cert),
                                tls_key=absolute(args.tls_key), tls_client_ca=absolute(args.tls_client_ca),
-                               admin_token_file=absolute(args.admin_token_file))
+                               admin_token_file=absolute(args.admin_token_file),
+                               cluster_token_file=absolute(args.cluster_token_file))
     security.check()
     return security
 

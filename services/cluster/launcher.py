@@ -475,7 +475,7 @@ ferry cluster is up ({len(cluster.spec.roles)} instance{"" if len(cluster.spec.r
 try:{_activate_hint()}
   curl -s {cluster.frontend_url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
-  {grpcurl} {token}{address} ferry.v1.AdminService/ListInstances
+  {grpcurl} {token}{address} ferry.v1.AdminService/ListInstances{_instance_example(cluster, grpcurl)}
   {ctl}
 
 Ctrl-C stops everything.
@@ -499,10 +499,20 @@ def _ctl_command(cluster: LocalCluster, *args: str) -> str:
                        *cluster.spec.security.ctl_args(), *args])
 
 
+def _instance_example(cluster: LocalCluster, grpcurl: str) -> str:
+    """With a cluster token, an InstanceService call that carries it (the token read at run time)."""
+    instance = next((p for p in cluster.processes if p.name.startswith("instance-")), None)
+    if not cluster.spec.security.has_cluster_token or instance is None:
+        return ""
+    return f"\n  {grpcurl} {cluster.spec.security.cluster_token_header()}{instance.address} ferry.v1.InstanceService/GetStatus"
+
+
 def _security_line(security: ClusterSecurity) -> str:
     if not security.is_tls:
         tls = "gRPC in plaintext (--tls-ca/--tls-cert/--tls-key turn on TLS)"
     else:
         tls = f"{'mutual TLS' if security.is_mtls else 'TLS'} on every gRPC channel (CA {security.tls_ca})"
     token = "admin token required" if security.has_admin_token else "admin API open (--admin-token-file closes it)"
-    return f"{tls}; {token}"
+    internal = ("cluster token required on internal services" if security.has_cluster_token
+                else "internal services open (--cluster-token-file closes them)")
+    return f"{tls}; {token}; {internal}"

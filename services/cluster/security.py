@@ -1,4 +1,4 @@
-"""TLS and the admin token of a local cluster: which flags each child gets.
+"""TLS, the admin token and the cluster token of a local cluster: which flags each child gets.
 
 One certificate serves every gRPC service on this host (it must name 127.0.0.1 or
 localhost, the address the launcher dials and the children advertise). With
@@ -6,16 +6,21 @@ localhost, the address the launcher dials and the children advertise). With
 and the launcher's own health probes then present that same certificate. etcd stays
 plaintext on loopback, and the frontend's OpenAI API stays plain HTTP.
 
-The admin token only ever travels as a file path (`--admin-token-file`): the token
-itself never reaches a command line, a log or cluster.json.
+The admin token and the cluster token only ever travel as file paths
+(`--admin-token-file`, `--cluster-token-file`): a token itself never reaches a command
+line, a log or cluster.json. The cluster token goes to every child (each sends it on its
+internal calls, and each gRPC server but the admin API requires it); the launcher's own
+health probes need none.
 """
 
 from __future__ import annotations
 
 import pathlib
+import shlex
 from dataclasses import dataclass
 
 from services.common.auth import read_token
+from services.common.cluster_token import check_token
 from services.common.tls import TlsConfig
 
 
@@ -28,6 +33,7 @@ class ClusterSecurity:
     tls_key: pathlib.Path | None = None  # private key of tls_cert
     tls_client_ca: pathlib.Path | None = None  # set = servers require client certificates (mTLS)
     admin_token_file: pathlib.Path | None = None  # handed to every manager as --admin-token-file
+    cluster_token_file: pathlib.Path | None = None  # handed to every child as --cluster-token-file
 
     @property
     def is_tls(self) -> bool:
@@ -41,6 +47,10 @@ class ClusterSecurity:
     def has_admin_token(self) -> bool:
         return self.admin_token_file is not None
 
+    @property
+    def has_cluster_token(self) -> bool:
+        return self.cluster_token_file is not None
+
     def check(self) -> None:
         """Raise ValueError (naming the flag) for a partial TLS setting or a missing file."""
         tls_flags = {"--tls-ca": self.tls_ca, "--tls-cert": self.tls_cert, "--tls-key": self.tls_key}
@@ -53,6 +63,8 @@ class ClusterSecurity:
         self.tls_config().check()
         if self.admin_token_file is not None:
             read_token("", str(self.admin_token_file), "admin-token")  # exists, readable, not empty
+        if self.cluster_token_file is not None:
+            check_token(read_token("", str(self.cluster_token_file), "cluster-token"))
 
     def tls_config(self) -> TlsConfig:
         """How the launcher's health probes (and the children) dial: our certificate included for mTLS."""
@@ -60,10 +72,11 @@ class ClusterSecurity:
                          client_ca_file=_str(self.tls_client_ca))
 
     def client_args(self) -> list[str]:
-        """TLS flags of a process that only dials gRPC servers (the frontend)."""
+        """TLS and cluster-token flags of a process that only dials gRPC servers (the frontend)."""
+        token = ["--cluster-token-file", str(self.cluster_token_file)] if self.has_cluster_token else []
         if not self.is_tls:
-            return []
-        return ["--tls-ca", str(self.tls_ca), "--tls-cert", str(self.tls_cert), "--tls-key", str(self.tls_key)]
+            return token
+        return ["--tls-ca", str(self.tls_ca), "--tls-cert", str(self.tls_cert), "--tls-key", str(self.tls_key), *token]
 
     def server_args(self) -> list[str]:
         """TLS flags of a process with a gRPC server (transfer, instance)."""
@@ -79,7 +92,7 @@ class ClusterSecurity:
         return {"tls": self.is_tls, "tls_ca": _str(self.tls_ca), "mtls": self.is_mtls,
                 "tls_cert": _str(self.tls_cert) if self.is_mtls else "",
                 "tls_key": _str(self.tls_key) if self.is_mtls else "",
-                "admin_token_file": _str(self.admin_token_file)}
+                "admin_token_file": _str(self.admin_token_file), "cluster_token_file": _str(self.cluster_token_file)}
 
     def grpcurl_args(self) -> list[str]:
         """grpcurl's connection flags: `-plaintext`, or the CA and, under mTLS, our certificate."""
@@ -87,6 +100,12 @@ class ClusterSecurity:
             return ["-plaintext"]
         mtls = ["-cert", str(self.tls_cert), "-key", str(self.tls_key)] if self.is_mtls else []
         return ["-cacert", str(self.tls_ca), *mtls]
+
+    def cluster_token_header(self) -> str:
+        """grpcurl's `-H` for InstanceService/TransferService calls (the token read at run time, never printed)."""
+        if not self.has_cluster_token:
+            return ""
+        return f'-H "ferry-cluster-token: $(cat {shlex.quote(str(self.cluster_token_file))})" '
 
     def ctl_args(self) -> list[str]:
         """ferryctl's flags for the same connection (the token as its file)."""

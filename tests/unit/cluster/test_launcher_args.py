@@ -154,3 +154,11 @@ def test_the_frontend_url_the_launcher_probes_reaches_the_http_host(host, url, t
     spec = build_spec(parse_args(["up", "--http-host", host, "--http-port", "8000", "--engine", "sim",
                                   "--model", str(tiny_model_dir)]))
     assert LocalCluster(spec).frontend_url == url
+
+
+def test_a_cluster_token_file_without_tls(files, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(files["token"].parent)
+    security = parse_args(["up", "--cluster-token-file", "admin.token"]).security
+    assert security.cluster_token_file == files["token"] and security.has_cluster_token and not security.is_tls
+    absent = tmp_path / "absent.token"
+    assert f"--cluster-token-file {absent}:" in usage_error(["--cluster-token-file", str(absent)], capsys)

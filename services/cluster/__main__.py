@@ -164,11 +164,12 @@ def _add_security_arguments(up: argparse.ArgumentParser) -> None:
                        help="file holding the bearer token every AdminService call must carry (given to the managers "
                             "as --admin-token-file; the token never appears on a command line, in logs or in "
                             "cluster.json); ferryctl reads it with --token-file")
-    group.add_argument("--cluster-token-file", type=pathlib.Path, default=None, metavar="FILE",
+    group.add_argument("--cluster-token-file", default=None, metavar="FILE|auto",
                        help="file holding the cluster token (printable ASCII, e.g. `openssl rand -hex 32`), given to "
                             "every child as --cluster-token-file: each sends it on its internal gRPC calls and each "
                             "gRPC server (the admin API excepted) refuses calls without it; the token never appears "
-                            "on a command line, in logs or in cluster.json")
+                            "on a command line, in logs or in cluster.json. `auto`: a fresh random token in "
+                            "STATE_DIR/cluster.token (mode 0600)")
 
 
 def security_from_args(args: argparse.Namespace) -> ClusterSecurity:
@@ -176,10 +177,13 @@ def security_from_args(args: argparse.Namespace) -> ClusterSecurity:
     def absolute(path: pathlib.Path | None) -> pathlib.Path | None:
         return path.resolve() if path is not None else None
 
+    generates_token = args.cluster_token_file == "auto"  # ./auto names a file called auto
+    token_file = pathlib.Path(args.cluster_token_file) if args.cluster_token_file and not generates_token else None
     security = ClusterSecurity(tls_ca=absolute(args.tls_ca), tls_cert=absolute(args.tls_cert),
                                tls_key=absolute(args.tls_key), tls_client_ca=absolute(args.tls_client_ca),
                                admin_token_file=absolute(args.admin_token_file),
-                               cluster_token_file=absolute(args.cluster_token_file))
+                               cluster_token_file=absolute(token_file),
+                               generates_cluster_token=generates_token)
     security.check()
     return security
 

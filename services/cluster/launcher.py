@@ -23,7 +23,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import structlog
@@ -129,6 +129,8 @@ class LocalCluster:
             raise StateDirUnusable(f"--state-dir {self.state_dir}: cannot use it as a directory "
                                    f"({exc.strerror})") from exc
         self._state_lock.acquire()  # first: a second `up` on a held state dir names its holder, not a port
+        if self.spec.security.generates_cluster_token:  # before any child: each is handed the file
+            self.spec = replace(self.spec, security=self.spec.security.with_generated_cluster_token(self.state_dir))
         (self.state_dir / "cluster.json").unlink(missing_ok=True)  # a killed launcher's: not ready until we say so
         check_ports_free(self.spec)
         data_dir = self.state_dir / "etcd" if self.spec.state_dir else None

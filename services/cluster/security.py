@@ -10,18 +10,24 @@ The admin token and the cluster token only ever travel as file paths
 (`--admin-token-file`, `--cluster-token-file`): a token itself never reaches a command
 line, a log or cluster.json. The cluster token goes to every child (each sends it on its
 internal calls, and each gRPC server but the admin API requires it); the launcher's own
-health probes need none.
+health probes need none. `--cluster-token-file auto` has the launcher write a fresh random
+one, readable by its user alone, to STATE_DIR/cluster.token when it starts.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
+import secrets
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.common.auth import read_token
 from services.common.cluster_token import check_token
 from services.common.tls import TlsConfig
+
+
+GENERATED_TOKEN_NAME = "cluster.token"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +40,7 @@ class ClusterSecurity:
     tls_client_ca: pathlib.Path | None = None  # set = servers require client certificates (mTLS)
     admin_token_file: pathlib.Path | None = None  # handed to every manager as --admin-token-file
     cluster_token_file: pathlib.Path | None = None  # handed to every child as --cluster-token-file
+    generates_cluster_token: bool = False  # --cluster-token-file auto: written at start (with_generated_cluster_token)
 
     @property
     def is_tls(self) -> bool:
@@ -65,6 +72,14 @@ class ClusterSecurity:
             read_token("", str(self.admin_token_file), "admin-token")  # exists, readable, not empty
         if self.cluster_token_file is not None:
             check_token(read_token("", str(self.cluster_token_file), "cluster-token"))
+
+    def with_generated_cluster_token(self, state_dir: pathlib.Path) -> ClusterSecurity:
+        """A fresh random token in STATE_DIR/cluster.token (mode 0600), which becomes the cluster token file."""
+        path = state_dir / GENERATED_TOKEN_NAME
+        path.unlink(missing_ok=True)  # O_EXCL below: never written through a link left in its place
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as token_file:
+            token_file.write(secrets.token_hex(32) + "\n")
+        return replace(self, cluster_token_file=path, generates_cluster_token=False)
 
     def tls_config(self) -> TlsConfig:
         """How the launcher's health probes (and the children) dial: our certificate included for mTLS."""

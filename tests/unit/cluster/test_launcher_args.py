@@ -162,3 +162,12 @@ def test_a_cluster_token_file_without_tls(files, capsys, tmp_path, monkeypatch):
     assert security.cluster_token_file == files["token"] and security.has_cluster_token and not security.is_tls
     absent = tmp_path / "absent.token"
     assert f"--cluster-token-file {absent}:" in usage_error(["--cluster-token-file", str(absent)], capsys)
+
+
+def test_cluster_token_file_auto_is_generated_at_start_not_read_now(files, monkeypatch):
+    monkeypatch.chdir(files["token"].parent)
+    security = parse_args(["up", "--cluster-token-file", "auto"]).security
+    assert security.generates_cluster_token and security.cluster_token_file is None
+    (files["token"].parent / "auto").write_text("a-file-called-auto\n")
+    named = parse_args(["up", "--cluster-token-file", "./auto"]).security
+    assert not named.generates_cluster_token and named.cluster_token_file == files["token"].parent / "auto"

@@ -105,3 +105,17 @@ def test_banner_shows_an_instance_call_with_the_cluster_token_read_at_run_time(t
                     "ferry.v1.InstanceService/GetStatus")
     assert "cluster token required on internal services" in text
     assert "InstanceService" not in banner(ClusterSecurity(), tmp_path)
+
+
+def test_a_generated_cluster_token_is_a_fresh_file_only_its_user_reads(tmp_path):
+    generated = ClusterSecurity(generates_cluster_token=True).with_generated_cluster_token(tmp_path)
+    path = tmp_path / "cluster.token"
+    assert generated.cluster_token_file == path and not generated.generates_cluster_token
+    assert path.stat().st_mode & 0o777 == 0o600
+    token = path.read_text().strip()
+    assert len(token) == 64 and int(token, 16) >= 0
+    generated.check()  # a usable token file
+    assert generated.client_args() == ["--cluster-token-file", str(path)]
+    path.chmod(0o644)  # a later start writes a new one, 0600 again
+    ClusterSecurity(generates_cluster_token=True).with_generated_cluster_token(tmp_path)
+    assert path.read_text().strip() != token and path.stat().st_mode & 0o777 == 0o600

@@ -1,7 +1,7 @@
 """A local cluster with a cluster token (`python -m services.cluster up --cluster-token-file`):
 every internal call carries it, so a chat completion streams and an operator's Migrate of it
-succeeds (frontend → manager and instance, instance → manager and transfer, manager →
-instance, instance → instance); the admin API needs no cluster token; a caller without it is
+succeeds (frontend → manager and instance, instance → manager and transfer, transfer →
+transfer (the grpc backend), manager → instance, instance → instance); the admin API needs no cluster token; a caller without it is
 refused by an instance; the token reaches no log, command line or cluster.json."""
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def cluster(tiny_model_dir, tmp_path_factory):
     token_file.write_text(CLUSTER_TOKEN + "\n")
     token_file.chmod(0o600)
     with launched_cluster(tiny_model_dir, tmp_path_factory.mktemp("token-cluster"), "--instances", "2",
-                          "--kv-cache-mib", "16", "--cluster-token-file", str(token_file)) as state:
+                          "--kv-cache-mib", "16", "--cluster-token-file", str(token_file),
+                          "--transfer-backend", "grpc") as state:
         yield state
 
 
@@ -53,6 +54,7 @@ async def test_a_chat_streams_and_migrates_with_the_token_on_every_internal_call
         if moved is None and num_chunks >= 8:
             moved = await admin.Migrate(manager_pb2.MigrateRequest(request_id=chunk.id), timeout=60)
     assert moved is not None and moved.src_instance_id != moved.dst_instance_id and moved.num_blocks > 0
+    assert moved.backend == "grpc"
     assert finish_reason == "length" and num_chunks > 8
 
 

@@ -305,15 +305,12 @@ class ChannelTable:
 
     def _drop_idle(self) -> None:
         for (peer, backend), channel in list(self._outgoing.items()):
-            if self._is_idle(channel, self._idle_close_s) and _is_unused(self._locks[(peer, backend)]):
+            if self._is_idle(channel, self._idle_close_s) and not self._locks[(peer, backend)].locked():
                 self.drop_outgoing(peer, backend)
+                del self._locks[(peer, backend)]
         for (peer, backend), channel in list(self._incoming.items()):
             if self._is_idle(channel, 2 * self._idle_close_s):
                 self.drop_incoming(peer, backend)
-        # and the open-locks of peers with no channel (dropped, or never opened), so one per address
-        # ever dialled is not kept
-        for key in [key for key, lock in self._locks.items() if key not in self._outgoing and _is_unused(lock)]:
-            del self._locks[key]
 
     @staticmethod
     def _is_idle(channel: PairChannel, idle_s: float) -> bool:
@@ -343,12 +340,6 @@ class ChannelTable:
         log.info("channel_opened", peer=peer_address, backend=backend.value, store_port=store.port)
         return PairChannel(peer_address, backend, 0, group, store, self._device_for(backend),
                            num_connections=self._gloo_connections)
-
-
-def _is_unused(lock: asyncio.Lock) -> bool:
-    """Neither held nor waited for (a waiter woken by a release takes the lock only once it runs, and
-    must find the same lock in the table as a later caller)."""
-    return not lock.locked() and not lock._waiters  # asyncio keeps no public count of its waiters
 
 
 def _consume_result(future: asyncio.Future) -> None:

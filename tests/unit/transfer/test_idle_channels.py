@@ -7,7 +7,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.common.errors import Unavailable
 from services.transfer.channels import ChannelTable
 from services.transfer.domain import TransferBackend
 
@@ -74,17 +73,3 @@ async def test_a_sender_back_after_a_long_pause_opens_afresh_the_channel_its_pee
         finally:
             for table in (receiver, sender, other):
                 table.close()
-
-
-async def test_the_locks_of_peers_without_a_channel_are_not_kept(monkeypatch):
-    """Each peer address ever dialled kept its open-lock for good, also where the open failed or the
-    channel was dropped (found by a code review): a fleet that restarts on fresh ports grew it without end."""
-    async def refused(table, peer_address, backend, open_remote):
-        raise Unavailable(f"{peer_address} is gone")
-    monkeypatch.setattr(ChannelTable, "_open", refused)
-    with ThreadPoolExecutor(2) as pool:
-        table = ChannelTable("A", "127.0.0.1", 10, pool, idle_close_s=IDLE_S)
-        for n in range(100):
-            with pytest.raises(Unavailable):
-                await table.outgoing(f"gone:{n}", TransferBackend.GLOO, None)
-        assert len(table._locks) <= 2  # the one being opened, and at most the one before it

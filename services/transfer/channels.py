@@ -248,13 +248,15 @@ class ChannelTable:
         self._nccl_device = nccl_device
         self._outgoing: dict[tuple[str, TransferBackend], PairChannel] = {}
         self._incoming: dict[tuple[str, TransferBackend], PairChannel] = {}
-        self._locks: dict[tuple[str, TransferBackend], asyncio.Lock] = {}
+        # One lock per key while an `outgoing` call holds or waits for it; the last one out drops it, so a
+        # peer that went away (a failed open, a channel dropped after a failed transfer) leaves none behind.
+        self._locks: dict[tuple[str, TransferBackend], _KeyLock] = {}
 
     async def outgoing(self, peer_address: str, backend: TransferBackend, open_remote: OpenRemote) -> PairChannel:
         """The channel to `peer_address`, opened on first use (this side is rank 0)."""
         check_backend_available(backend, self._nccl_device)
         key = (peer_address, backend)
-        async with self._locks.setdefault(key, asyncio.Lock()):
+        async with self._locked(key):
             if key in self._outgoing and self._is_idle(self._outgoing[key], self._idle_close_s):
                 self.drop_outgoing(peer_address, backend)  # its peer may have dropped its end by now
             if key not in self._outgoing:
@@ -277,6 +279,19 @@ class ChannelTable:
         self._drop_idle()
         self._incoming[(peer_id, backend)] = PairChannel(peer_id, backend, rank, group, store, self._device_for(backend))
         log.info("channel_accepted", peer_transfer_id=peer_id, backend=backend.value, store_address=store_address)
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, key: tuple[str, TransferBackend]) -> AsyncIterator[None]:
+        """Hold `key`'s lock; it is dropped once no caller holds or waits for it."""
+        entry = self._locks.setdefault(key, _KeyLock())
+        entry.num_users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.num_users -= 1
+            if not entry.num_users:
+                del self._locks[key]
 
     def incoming(self, peer_id: str, backend: TransferBackend) -> PairChannel:
         channel = self._incoming.get((peer_id, backend))
@@ -303,11 +318,15 @@ class ChannelTable:
     def num_channels(self) -> int:
         return len(self._outgoing) + len(self._incoming)
 
+    @property
+    def num_locks(self) -> int:
+        """Per-peer locks held or waited on now (an outgoing open in progress)."""
+        return len(self._locks)
+
     def _drop_idle(self) -> None:
         for (peer, backend), channel in list(self._outgoing.items()):
-            if self._is_idle(channel, self._idle_close_s) and not self._locks[(peer, backend)].locked():
+            if self._is_idle(channel, self._idle_close_s) and (peer, backend) not in self._locks:
                 self.drop_outgoing(peer, backend)
-                del self._locks[(peer, backend)]
         for (peer, backend), channel in list(self._incoming.items()):
             if self._is_idle(channel, 2 * self._idle_close_s):
                 self.drop_incoming(peer, backend)
@@ -340,6 +359,12 @@ class ChannelTable:
         log.info("channel_opened", peer=peer_address, backend=backend.value, store_port=store.port)
         return PairChannel(peer_address, backend, 0, group, store, self._device_for(backend),
                            num_connections=self._gloo_connections)
+
+
+@dataclass(slots=True)
+class _KeyLock:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    num_users: int = 0  # callers holding or waiting for `lock`
 
 
 def _consume_result(future: asyncio.Future) -> None:

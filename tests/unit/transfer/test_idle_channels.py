@@ -73,3 +73,25 @@ async def test_a_sender_back_after_a_long_pause_opens_afresh_the_channel_its_pee
         finally:
             for table in (receiver, sender, other):
                 table.close()
+
+
+async def test_peers_that_could_not_be_reached_leave_no_lock_behind():
+    """Before, every (address, backend) ever dialled kept its asyncio.Lock for good, also when its open
+    failed (a peer that went away, restarted on a new port) or its channel was dropped after a failed
+    transfer: the table grew by one lock per peer incarnation for as long as the service ran."""
+    async def refuse(store_address: str, rank: int, num_connections: int) -> None:
+        raise ConnectionError("peer gone")
+    with ThreadPoolExecutor(8) as pool:
+        sender = ChannelTable("A", "127.0.0.1", 1, pool, idle_close_s=IDLE_S)
+        receiver = ChannelTable("B", "127.0.0.1", 10, pool, idle_close_s=60)
+        try:
+            for port in range(3):
+                with pytest.raises(ConnectionError):
+                    await sender.outgoing(f"gone:{port}", TransferBackend.GLOO, refuse)
+            assert sender.num_locks == 0 and sender.num_channels == 0
+            await _open(sender, "A", receiver, "b:1")
+            sender.drop_outgoing("b:1", TransferBackend.GLOO)  # as after a failed transfer
+            assert sender.num_locks == 0 and sender.num_channels == 0
+        finally:
+            receiver.close()
+            sender.close()

@@ -46,10 +46,6 @@ class InstanceClient:
         reply = await self._call("AbortMigrateIn", instance_pb2.AbortMigrateInRequest(migration_id=migration_id))
         return reply.was_reserved
 
-    async def abort(self, request_id: str) -> bool:
-        reply = await self._call("Abort", instance_pb2.AbortRequest(request_id=request_id), request_id)
-        return reply.was_running
-
     async def _call(self, method: str, request, request_id: str | None = None, timeout_s: float | None = None):
         timeout_s = self._timeout_s if timeout_s is None else min(timeout_s, self._timeout_s)
         try:

@@ -117,8 +117,6 @@ class DestinationPeer(Protocol):
 
     async def abort_migrate_in(self, migration_id: str) -> bool: ...
 
-    async def abort(self, request_id: str) -> bool: ...
-
 
 class BlockTransferer(Protocol):
     """The co-located transfer service (services/transfer/client.py: TransferClient)."""
@@ -403,7 +401,9 @@ class MigrationDriver:
             await self._runner.hand_off(a.request_id, handoff)
         except FerryError as exc:  # aborted here between export and release: nobody will attach
             log.info("migrated_request_gone", request_id=a.request_id, reason=exc.message)
-            await self._quietly(a.peer.abort(a.request_id), "abort_on_destination")
+            # By migration id, not a plain Abort: the destination drops the copy (it has no client yet)
+            # and forgets the migration, which it would otherwise hold until its reservation timeout.
+            await self._quietly(a.peer.abort_migrate_in(a.migration_id), "abort_migrate_in_after_commit")
 
     async def _abandon(self, a: _Attempt, exc: BaseException) -> None:
         """Before the commit: the request runs on here, the destination lets go of what it reserved."""

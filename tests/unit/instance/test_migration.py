@@ -82,10 +82,6 @@ class FaultyPeer:
         self.calls.append("abort_migrate_in")
         return await self.dst.inbox.abort(migration_id)
 
-    async def abort(self, request_id: str) -> bool:
-        self.calls.append("abort")
-        return await self.dst.runner.abort(request_id)
-
 
 @dataclass
 class TensorCopier:
@@ -521,6 +517,28 @@ async def test_a_client_leaving_during_the_last_copy_ends_the_migration_and_cach
     await read(await a.runner.add("q-ref", prompt, greedy), expected)
     await read(await b.runner.add("q", prompt, greedy), got)
     assert got == expected
+    await assert_no_blocks_held(a, b)
+
+
+async def test_a_client_leaving_right_after_the_commit_leaves_nothing_on_the_destination(pair):
+    """The client went away between the commit and the hand-off: the source drops the copy on the
+    destination with AbortMigrateIn, which also forgets the migration there. Before, it sent a plain
+    Abort: the copy went, but the destination kept the committed migration until its reservation
+    timeout, then logged it as expired (a `migration_in_expired` warning for every such client)."""
+    a, b = pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=10)
+    peer = FaultyPeer(b)
+    plain_commit = peer.commit_migrate_in
+
+    async def commit_then_client_leaves(migration_id: str, state: RequestState) -> None:
+        await plain_commit(migration_id, state)
+        await a.runner.abort("r")
+    peer.commit_migrate_in = commit_then_client_leaves
+    await driver(a, peer, TensorCopier(a, b)).migrate_out(plan())
+    assert b.runner.stream("r") is None  # the copy is gone ...
+    assert b.inbox.num_incoming == 0  # ... and so is its migration
     await assert_no_blocks_held(a, b)
 
 

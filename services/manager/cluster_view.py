@@ -119,13 +119,13 @@ class ClusterView:
 
     # load (from ReportLoad streams)
 
-    def apply_report(self, instance_id: InstanceId, load: Load) -> float | None:
+    def apply_report(self, instance_id: InstanceId, load: Load) -> float:
         """Keep `load` as the instance's last report; it counts the requests dispatched there up to
         `IN_TRANSIT_S` before it, whose reservations go. A report from an id that is not a member (not
         registered yet, gone, or made up: ReportLoad takes any id) is not kept; the next one counts.
-        When it was kept (the clock's time), or None."""
+        When it came (the clock's time), kept or not: for `note_report_stream_ended`."""
         if instance_id not in self._records:
-            return None
+            return self._clock()
         self._reports[instance_id] = load
         in_transit_since = self._clock() - IN_TRANSIT_S
         if reserved := [r for r in self._reserved.pop(instance_id, ()) if r[0] > in_transit_since]:
@@ -136,9 +136,10 @@ class ClusterView:
         return heard_at
 
     def note_report_stream_ended(self, instance_id: InstanceId, last_heard_at: float) -> None:
-        """The stream whose last kept report came at `last_heard_at` ended: UNHEALTHY until the next
-        report, unless one came since (on the stream that replaced it)."""
-        if self._heard_at.get(instance_id) == last_heard_at:
+        """The stream whose last report came at `last_heard_at` ended: UNHEALTHY until the next report,
+        unless one was kept since (on the stream that replaced it). Also when that last report was not
+        kept (the id was no member then: its lease was lost) and the instance registered again since."""
+        if instance_id not in self._reports or self._heard_at[instance_id] <= last_heard_at:
             self.mark_unanswered(instance_id)
 
     def begin_migration_in(self, instance_id: InstanceId) -> None:

@@ -10,15 +10,15 @@ import time
 import pytest
 
 from services.common.errors import ResourceExhausted
-from services.common.gen.ferry.v1 import manager_pb2
+from services.common.gen.ferry.v1 import common_pb2, manager_pb2
 from services.common.scaling_target import ScalingTarget
 from services.manager.cluster_view import ClusterView
 from services.manager.dispatcher import Dispatcher
-from services.manager.domain import InstanceId
+from services.manager.domain import InstanceId, InstanceState
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger)
 from services.manager.scaling import Scaler, ScalingAction, ScalingSettings
-from services.manager.server import AdminServicer
+from services.manager.server import AdminServicer, ManagerServicer
 from tests.unit.manager.factories import FakeClock, make_load, make_record, make_view
 from tests.unit.manager.test_migrator import FakeSources, cluster, make_migrator, report, settle
 from tests.unit.manager.test_scaling import BAND, FakeStore, leader
@@ -178,6 +178,9 @@ class Ctx:
     def invocation_metadata(self):
         return ()
 
+    def peer(self):
+        return "ipv4:127.0.0.1:1"
+
 
 async def test_a_standby_does_not_call_an_instance_drained_from_a_report_of_its_old_term():
     clock = FakeClock()
@@ -245,3 +248,53 @@ async def test_failover_during_a_retirement_does_not_block_scaling_after_it_comp
     adds = [n for n, d in enumerate(decisions) if d is not None and d.action is ScalingAction.ADD]
     assert adds and adds[0] * 10 <= 70, (f"first ADD after {(adds[0] + 1) * 10 if adds else '>240'} s; "
                                          f"_adding={scaler._adding}")
+
+
+# 10. A report stream whose last report came while the instance was no member (its lease was lost, not yet
+#     registered again) left the stream's last-heard time unset: when the instance registered again and
+#     died before its next report, the end of its stream did not mark it unhealthy (up to the report timeout).
+async def _report_then(servicer: ManagerServicer, instance_id: str, between) -> None:
+    async def reports():
+        yield common_pb2.LoadReport(instance_id=instance_id, num_free_blocks=1000, num_total_blocks=1000)
+        between()
+    await servicer.ReportLoad(reports(), Ctx())
+
+
+async def test_a_stream_ended_after_a_report_as_a_non_member_marks_the_instance_registered_since():
+    clock = FakeClock()
+    view = ClusterView(report_timeout_s=3.0, clock=clock)
+    servicer = ManagerServicer(Dispatcher(view, leader()), view, leader())
+
+    def registers_again():
+        clock.advance(0.2)
+        view.put_member(make_record("i-1"))  # re-registered under a new lease, then killed
+
+    await _report_then(servicer, "i-1", registers_again)
+    assert view.state_of(InstanceId("i-1")) is InstanceState.UNHEALTHY
+
+    view.remove_member(InstanceId("i-1"))  # a member that reported, lost its lease, reported, came back
+    view.put_member(make_record("i-1"))
+    view.apply_report(InstanceId("i-1"), make_load())
+
+    def loses_lease_and_registers_again():
+        view.remove_member(InstanceId("i-1"))
+        clock.advance(0.2)
+        view.put_member(make_record("i-1"))
+
+    await _report_then(servicer, "i-1", loses_lease_and_registers_again)
+    assert view.state_of(InstanceId("i-1")) is InstanceState.UNHEALTHY
+
+
+async def test_a_stream_ended_after_its_replacement_reported_does_not_mark_the_instance():
+    clock = FakeClock()
+    view = make_view("i-1", clock=clock)
+    servicer = ManagerServicer(Dispatcher(view, leader()), view, leader())
+
+    def replacement_reports():
+        clock.advance(0.2)
+        view.apply_report(InstanceId("i-1"), make_load())
+
+    await _report_then(servicer, "i-1", replacement_reports)
+    assert view.state_of(InstanceId("i-1")) is InstanceState.SERVING
+    await _report_then(servicer, "i-1", lambda: None)
+    assert view.state_of(InstanceId("i-1")) is InstanceState.UNHEALTHY

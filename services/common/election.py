@@ -116,19 +116,26 @@ class Election:
         return LeaderInfo.from_value(json.loads(response.kvs[0].value), response.kvs[0].create_revision)
 
     async def resign(self) -> None:
-        """Give up leadership: delete the key (if still ours) and revoke the lease."""
+        """Give up leadership: delete the key (if still ours) and revoke the lease. When etcd is away the
+        leadership is remembered as abandoned, so the next campaign deletes the key (as after a lost lease)."""
         await self._stop_leadership_loop()
         with contextlib.suppress(*ETCD_ERRORS):
             await self._give_up_abandoned()
         lease, epoch, self._lease, self.epoch = self._lease, self.epoch, None, None
         if lease is None:
             return
-        with contextlib.suppress(*ETCD_ERRORS):  # unreachable etcd: the lease expires by itself
+        try:
             if epoch is not None:
                 await lease.client.kv.txn(
                     compare=[KVService.txn_compare_create_revision(self.key, epoch)],
                     success=[KVService.txn_op_delete(self.key)], timeout=self._rpc_timeout_s)
             await lease.revoke()
+        except ETCD_ERRORS as exc:  # unreachable etcd: the lease expires by itself, unless a restart restores it
+            if epoch is not None:
+                self._abandoned = (lease, epoch)  # the next campaign deletes the key first
+            log.info("leader_resign_failed", key=self.key, leader_id=self.info.leader_id, epoch=epoch,
+                     error=repr(exc))
+            return
         log.info("leader_resigned", key=self.key, leader_id=self.info.leader_id, epoch=epoch)
 
     async def close(self) -> None:

@@ -192,6 +192,8 @@ class MigrationDriver:
         task = asyncio.create_task(self._migrate(migration_id, plan), name=f"migrate-{migration_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        # Given back when the task ends, also one cancelled (close()) before it first ran
+        task.add_done_callback(lambda _: self._slots.release(migration_id))
         return await asyncio.shield(task)
 
     async def close(self) -> None:
@@ -201,24 +203,21 @@ class MigrationDriver:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _migrate(self, migration_id: str, plan: MigrateOutPlan) -> MigrationResult:
+        request_id, held = await self._pick(plan)  # now in _moving: no other migration may suspend it
+        attempt: _Attempt | None = None
         try:
-            request_id, held = await self._pick(plan)  # now in _moving: no other migration may suspend it
-            attempt: _Attempt | None = None
-            try:
-                attempt = _Attempt(migration_id, request_id, plan, self._peers(plan.dst_address),
-                                   plan.backend or self._settings.transfer_backend,
-                                   stream=self._runner.stream(request_id), held=held)
-                return await self._move(attempt)
-            except BaseException as exc:
-                if attempt is not None:
-                    await self._abandon(attempt, exc)
-                if isinstance(exc, FerryError):  # the caller may not know which request was picked
-                    exc.request_id = exc.request_id or request_id
-                raise
-            finally:
-                self._moving.discard(request_id)
+            attempt = _Attempt(migration_id, request_id, plan, self._peers(plan.dst_address),
+                               plan.backend or self._settings.transfer_backend,
+                               stream=self._runner.stream(request_id), held=held)
+            return await self._move(attempt)
+        except BaseException as exc:
+            if attempt is not None:
+                await self._abandon(attempt, exc)
+            if isinstance(exc, FerryError):  # the caller may not know which request was picked
+                exc.request_id = exc.request_id or request_id
+            raise
         finally:
-            self._slots.release(migration_id)
+            self._moving.discard(request_id)
 
     async def _pick(self, plan: MigrateOutPlan) -> tuple[str, HeldRequest | None]:
         """The request to move, claimed in `_moving` (the caller discards it) before any await that could

@@ -884,3 +884,19 @@ async def test_a_client_attaching_leaves_an_earlier_failed_attempts_reservation_
     assert tokens == expected
     await b.inbox.expire(float("inf"))  # the watchdog's sweep, once the first reservation timed out
     await assert_no_blocks_held(a, b)
+
+
+async def test_a_migration_cancelled_before_its_task_first_ran_gives_its_slot_back():
+    """close() (shutdown) cancels a migration whose task never started: its slot was taken all the same."""
+    slots = MigrationSlots(1)
+    settings = MigrationSettings(instance_id="a", transfer_backend=TransferBackend.GRPC, stage_blocks=2, max_stages=3,
+                                 is_checksum_verified=True, rpc_timeout_s=1.0, transfer_timeout_s=1.0,
+                                 reservation_timeout_s=5.0)
+    migration_driver = MigrationDriver(None, settings, slots, lambda address: None, object())
+    migrating = asyncio.create_task(migration_driver.migrate_out(plan()))
+    await asyncio.sleep(0)  # slot taken, the migration's task created, not run yet
+    assert slots.num_busy == 1
+    await migration_driver.close()
+    with pytest.raises(asyncio.CancelledError):
+        await migrating
+    assert slots.num_busy == 0

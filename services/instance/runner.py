@@ -259,7 +259,7 @@ class EngineRunner:
             try:
                 fn()
             finally:
-                self._snapshot_load()
+                self._snapshot_load_logged()
 
         self._submit(run)
 
@@ -269,12 +269,13 @@ class EngineRunner:
 
         def run() -> None:
             try:
-                result = fn()
-                self._snapshot_load()  # commands move blocks too (aborts, migrations): load is current on return
+                outcome = fn(), None
             except BaseException as exc:  # handed back to the awaiting coroutine
-                self._loop.call_soon_threadsafe(_settle, future, None, exc)
-            else:
-                self._loop.call_soon_threadsafe(_settle, future, result, None)
+                outcome = None, exc
+            # Commands move blocks too (aborts, migrations): load is current on return. A snapshot that fails
+            # is logged, not handed back: the command itself did what it did.
+            self._snapshot_load_logged()
+            self._loop.call_soon_threadsafe(_settle, future, *outcome)
 
         self._submit(run)
         return await future
@@ -292,10 +293,7 @@ class EngineRunner:
             if self.is_broken or not self._engine.has_unfinished() or not self._step():
                 self._wakeup.wait(_IDLE_WAIT_S)  # a command (a new request, an abort, a freed reservation) wakes us
                 self._wakeup.clear()
-            try:
-                self._snapshot_load()
-            except Exception:  # noqa: BLE001 — a load figure is not worth the engine thread
-                log.exception("load_snapshot_failed")
+            self._snapshot_load_logged()
 
     def _step(self) -> bool:
         """One engine step; False if it had nothing to run (then it counts as no step)."""
@@ -341,6 +339,12 @@ class EngineRunner:
                 command()
             except Exception:  # noqa: BLE001 — the engine thread outlives any one command (call() hands errors back)
                 log.exception("engine_command_failed")
+
+    def _snapshot_load_logged(self) -> None:
+        try:
+            self._snapshot_load()
+        except Exception:  # noqa: BLE001 — a load figure is not worth the engine thread, nor a command's result
+            log.exception("load_snapshot_failed")
 
     def _snapshot_load(self) -> None:
         self.prefix_cache_stats = self._engine.prefix_cache_stats()

@@ -112,3 +112,18 @@ async def test_an_abort_waiting_for_the_engine_frees_the_id_at_once_and_still_en
     finally:
         engine.release.set()
         runner.stop()
+
+
+async def test_a_command_whose_load_snapshot_fails_still_returns_its_result():
+    """The command succeeded; only the load figure taken after it failed: its caller gets its result."""
+    engine = FlakyLoadEngine()
+    runner = EngineRunner(engine, asyncio.get_running_loop())
+    runner.start()
+    try:
+        def add() -> int:
+            engine.request_ids.append("r-1")  # its load snapshot raises
+            return len(engine.request_ids)
+        assert await asyncio.wait_for(runner.call(add), 2.0) == 1
+        assert engine.num_load_failures == 1
+    finally:
+        runner.stop()

@@ -19,6 +19,7 @@ all of it rather than patching.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -43,6 +44,7 @@ from services.manager.scaling import ScalingSettings
 log = structlog.get_logger(__name__)
 
 ETCD_TIMEOUT_S = 2.0
+CONFIG_RESYNC_S = 30.0  # the config watch reads everything again at least this often, change or not
 POLICY_UPDATE_TRIES = 5
 StoredPolicy = tuple[str | None, MigrationSettings | None, ScalingSettings | None]  # None: not stored (or unusable)
 PolicyMerge = Callable[[str | None, MigrationSettings | None, ScalingSettings | None],
@@ -124,8 +126,9 @@ class ConfigStore:
         """The scaler's view of this store: its writes land only while `epoch()` is the leader key's."""
         return LeaderFencedStore(self, leader_key, epoch)
 
-    async def watch_loop(self, apply: Callable[[ClusterSettings], None]) -> None:
-        """Keep `apply`ing the stored settings: read all, watch, re-read on each change.
+    async def watch_loop(self, apply: Callable[[ClusterSettings], None], resync_s: float = CONFIG_RESYNC_S) -> None:
+        """Keep `apply`ing the stored settings: read all, watch, re-read on each change, and at least
+        every `resync_s` (config/ is tiny), so a change no watch event announced is applied within that.
 
         On an etcd failure (or any other error, logged) the last applied settings stay in force;
         the loop backs off and starts over with a full read, so nothing written meanwhile is missed.
@@ -136,7 +139,9 @@ class ConfigStore:
                 settings, revision = await self.read()
                 apply(settings)
                 backoff.reset()
-                await self._wait_for_change(revision)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(resync_s):
+                        await self._wait_for_change(revision)
             except ETCD_ERRORS as exc:
                 log.warning("config_watch_failed", error=str(exc) or type(exc).__name__)
                 await backoff.sleep()
@@ -151,6 +156,13 @@ class ConfigStore:
             async for reply in watch:
                 # A cancelled watch (its start revision compacted away, as after an etcd restart
                 # once an hour of history has gone) sends nothing more: read everything again.
+                # So does an etcd that lost its data and started over at revision 1: the watch,
+                # reconnected by the client at our old revision, would skip every change until
+                # the new revisions got that far.
+                if reply.header.revision < revision:
+                    log.warning("config_watch_revision_went_back", revision=reply.header.revision,
+                                read_at=revision, action="etcd lost its data? reading config/ again")
+                    return
                 if reply.events or reply.canceled or reply.compact_revision:
                     return
 

@@ -139,12 +139,15 @@ class Migrator:
         return orders
 
     def _forget_departed(self) -> None:
-        """Drop what is kept per instance once it has left (ids of restarted instances can be new each time)."""
+        """Drop what is kept per instance once it has left (ids of restarted instances can be new each time),
+        and the failures of pairs whose backoff is over (else one per pair of members could stay)."""
         is_member = self._view.has_member
         for per_instance in (self._ended_at, self._received_at):
             for instance_id in [i for i in per_instance if not is_member(i)]:
                 del per_instance[instance_id]
-        for pair in [p for p in self._failed_at if not (is_member(p[0]) and is_member(p[1]))]:
+        backed_off_since = self._clock() - self._limits.failure_backoff_s
+        for pair in [p for p, failed_at in self._failed_at.items()
+                     if failed_at <= backed_off_since or not (is_member(p[0]) and is_member(p[1]))]:
             del self._failed_at[pair]
 
     def plan(self) -> list[MigrationOrder]:

@@ -204,6 +204,8 @@ class Scaler:
         """On becoming leader: the retirements a predecessor started, and the cooldown of its last write
         (so an instance it just asked for is not asked for twice)."""
         self._target = target
+        stoppable = target.stoppable if target is not None else []  # when we saw others stoppable: of no use now
+        self._stoppable_since = {i: t for i, t in self._stoppable_since.items() if i in stoppable}
         if target is not None and target.updated_at:
             self._last_action_at = self._clock() - max(0.0, time.time() - target.updated_at)
 

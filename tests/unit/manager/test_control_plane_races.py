@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from services.common.errors import ResourceExhausted
+from services.common.errors import ResourceExhausted, Unavailable
 from services.common.gen.ferry.v1 import common_pb2, manager_pb2
 from services.common.scaling_target import ScalingTarget
 from services.manager.cluster_view import ClusterView
@@ -298,3 +298,46 @@ async def test_a_stream_ended_after_its_replacement_reported_does_not_mark_the_i
     assert view.state_of(InstanceId("i-1")) is InstanceState.SERVING
     await _report_then(servicer, "i-1", lambda: None)
     assert view.state_of(InstanceId("i-1")) is InstanceState.UNHEALTHY
+
+
+# 11. Migrator._failed_at kept a (src, dst) pair's failure for as long as both stayed members, its backoff long
+#     over, unless that very pair was considered again: up to one entry per pair of members.
+async def test_failed_pairs_are_forgotten_once_their_backoff_is_over():
+    clock = FakeClock()
+    ids = [f"i-{n}" for n in range(12)]
+    view = cluster(clock, **dict.fromkeys(ids, 0))
+    failures = [Unavailable("destination refused") for _ in range(len(ids) ** 2)]
+    migrator = make_migrator(view, clock, FakeSources(*failures), settings=MigrationSettings(is_enabled=False),
+                             failure_backoff_s=2.0)
+    for src in ids:
+        for dst in ids:
+            if src != dst:
+                with pytest.raises(Unavailable):
+                    await migrator.migrate(migrator.admin_order(src, dst, ""))
+    assert len(migrator._failed_at) == len(ids) * (len(ids) - 1)
+    clock.advance(2.0)
+    for i in ids:
+        report(view, i, 0)
+    migrator.tick()
+    assert len(migrator._failed_at) == 0, f"{len(migrator._failed_at)} pairs kept past their 2 s backoff"
+
+
+# 12. Scaler._stoppable_since kept the instances of a target a new term no longer follows (another leader
+#     finished that retirement meanwhile): one entry per such retirement, for ever.
+async def test_a_new_term_forgets_when_it_saw_instances_of_a_target_it_no_longer_follows():
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", "i-2", clock=clock, num_free_blocks=1000)
+    view.mark_drained(InstanceId("i-2"))
+    store = FakeStore(ScalingTarget(2, draining=["i-2"], reason="retire", manager_id="m-0",
+                                    updated_at=time.time() - 1))
+    store.drained = {"i-2"}
+    leadership = leader()
+    scaler = Scaler(view, leadership, store, FAILOVER_BAND, interval_s=1, cooldown_s=60, clock=clock)
+    await scaler.tick()  # i-2 empty and heard: stoppable
+    assert list(scaler._stoppable_since) == ["i-2"]
+    leadership.set_elected(False)
+    await scaler.tick()
+    store.target = ScalingTarget(2, reason="another leader retired i-2", manager_id="m-2", updated_at=time.time())
+    leadership.set_elected(True)
+    await scaler.tick()
+    assert scaler._stoppable_since == {}

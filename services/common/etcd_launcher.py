@@ -194,6 +194,12 @@ class LocalEtcd:
         self.terminate()
         return self.start()
 
+    async def restart_async(self) -> LocalEtcd:
+        """`restart()` without blocking the event loop. etcd is spawned from the loop's thread, never
+        from a worker: its parent-death signal is tied to the thread that spawned it."""
+        await asyncio.to_thread(self.terminate)
+        return await self.start_async()
+
     def stop(self) -> None:
         """Stop the process and remove its temp dir (the log and the data dir, unless they were given)."""
         self.terminate()

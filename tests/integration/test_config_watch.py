@@ -33,7 +33,7 @@ async def test_a_change_after_an_etcd_restart_past_the_compacted_history_is_appl
         for i in range(20):  # other keys move the revision on (load records, migration history)
             await client.kv.put(f"/ferry/c1/other/{i}", "x")
         await client.kv.compact((await client.kv.get("/ferry/c1/other/19")).header.revision)
-        await asyncio.to_thread(etcd.restart)  # the client's watch reconnects by itself
+        await etcd.restart_async()  # the client's watch reconnects by itself
         await asyncio.sleep(2.0)
         await client.kv.put("/ferry/c1/config/policy", json.dumps({"dispatch": "flood"}))
         await _until(lambda: len(applied) > 1 and applied[-1].dispatch_policy == "flood", 20)

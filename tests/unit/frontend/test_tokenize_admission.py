@@ -44,11 +44,12 @@ class HeldTokenizer:
         self.release.wait(10)
 
 
-async def start(tokenizer: HeldTokenizer, max_inflight: int) -> tuple[web.AppRunner, str]:
+async def start(tokenizer: HeldTokenizer, max_inflight: int,
+                metrics: FrontendMetrics | None = None) -> tuple[web.AppRunner, str]:
     model = ServedModel("m", max_model_len=1000, vocab_size=32, tokenizer=tokenizer)
     dispatcher = Dispatcher(None, FakeMembership(entry("a")), cooldown_s=5)
     server = FrontendServer(model, RequestRunner(dispatcher, ScriptedInstances({}), max_resumes=3), dispatcher,
-                            FrontendMetrics(), api_keys=(), max_inflight=max_inflight, max_body_bytes=1 << 20)
+                            metrics or FrontendMetrics(), api_keys=(), max_inflight=max_inflight, max_body_bytes=1 << 20)
     http = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     await http.setup()
     await web.TCPSite(http, "127.0.0.1", 0).start()
@@ -78,6 +79,40 @@ async def test_a_tokenize_call_holds_a_slot_until_it_ends(held_path, held_body):
             tokenizer.release.set()
             assert (await held)[0] == 200
             assert (await post(session, base + "/tokenize", {"model": "m", "prompt": "ab"}))[0] == 200  # slot back
+    finally:
+        tokenizer.release.set()
+        await http.cleanup()
+
+
+def in_flight(metrics: FrontendMetrics) -> float:
+    return metrics.registry.get_sample_value("ferry_frontend_requests_in_flight")
+
+
+@pytest.mark.parametrize("held_path, held_body", [("/tokenize", {"model": "m", "prompt": "abc"}),
+                                                  ("/detokenize", {"model": "m", "tokens": [0, 1]}),
+                                                  ("/v1/completions", {"model": "m", "prompt": "ab", "max_tokens": 1})])
+async def test_a_client_that_leaves_does_not_free_the_slot_while_its_thread_still_works(held_path, held_body):
+    """A client leaving cancels the handler (handler_cancellation), not the tokenizer's thread: before, the
+    slot came back at once while the thread went on, so clients that post a huge prompt and hang up were
+    as unbounded as before /tokenize was counted (found by a code review)."""
+    tokenizer = HeldTokenizer()
+    metrics = FrontendMetrics()
+    http, base = await start(tokenizer, max_inflight=1, metrics=metrics)
+    try:
+        async with aiohttp.ClientSession() as session:
+            held = asyncio.create_task(post(session, base + held_path, held_body))
+            while not tokenizer.num_waiting:
+                await asyncio.sleep(0.01)
+        held.cancel()  # the session is closed: the connection goes, the server cancels the handler
+        for _ in range(100):  # 1 s for the server to notice, and (before the fix) to give the slot back
+            await asyncio.sleep(0.01)
+            assert in_flight(metrics) == 1, "the slot came back while the tokenizer's thread still ran"
+        tokenizer.release.set()
+        for _ in range(500):
+            if in_flight(metrics) == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert in_flight(metrics) == 0  # given back once the thread ended
     finally:
         tokenizer.release.set()
         await http.cleanup()

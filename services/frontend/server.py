@@ -296,6 +296,7 @@ class FrontendServer:
             if not response.prepared:
                 raise  # still before the 200: the error middleware answers a 500
             log.exception("stream_crashed", request_id=request_id)
+            self._metrics.stream_errors.labels("500").inc()  # its error event is an Internal's
             await _end_crashed_stream(request, response)
         return response
 

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from services.common.rpc_handler import Behavior, is_streaming_behavior, wrap_rpc_handler
+from services.common.rpc_handler import Behavior
 
 log = structlog.get_logger(__name__)
 
 AUTHORIZATION_KEY = "authorization"
+_BEHAVIOR_FIELDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")  # "_stream": streams replies
 
 
 def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
@@ -91,7 +92,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             return handler
         code, message = denial
         log.info("rpc_unauthenticated", method=method, code=code.name, metadata_key=self._scheme.key)
-        return wrap_rpc_handler(handler, lambda behavior: _denied(behavior, code, message))
+        return _refusing(handler, code, message)
 
     def _check(self, metadata) -> tuple[grpc.StatusCode, str] | None:
         scheme = self._scheme
@@ -120,8 +121,20 @@ def _service_of(method: str) -> str:
     return method.lstrip("/").partition("/")[0]
 
 
-def _denied(behavior: Behavior, code: grpc.StatusCode, message: str) -> Behavior:
-    if is_streaming_behavior(behavior):
+def _refusing(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode,
+              message: str) -> grpc.RpcMethodHandler | None:
+    """`handler` with its behaviour, whatever it is, replaced by a refusal: also a synchronous one, which
+    `wrap_rpc_handler` leaves alone (the guard fails closed)."""
+    if handler is None:
+        return None
+    for field in _BEHAVIOR_FIELDS:
+        if getattr(handler, field, None) is not None:
+            return handler._replace(**{field: _denied(field.endswith("_stream"), code, message)})
+    return handler
+
+
+def _denied(is_streaming: bool, code: grpc.StatusCode, message: str) -> Behavior:
+    if is_streaming:
         async def stream_denied(request, context):
             await context.abort(code, message)
             yield  # pragma: no cover — makes this an async generator, like the behaviour it replaces

@@ -165,3 +165,32 @@ def test_an_unusable_token_file_is_a_usage_error_naming_the_flag(content, words,
 def test_ferryctl_has_no_cluster_token_flag():
     """It calls only the admin API (and health), which the cluster token does not guard."""
     assert "cluster_token" not in CtlConfig.__dataclass_fields__
+
+
+@pytest.mark.parametrize("is_streaming", [False, True])
+def test_a_synchronous_behaviour_is_refused_too(is_streaming):
+    """The guard fails closed: before, it replaced only async behaviours (wrap_rpc_handler leaves the
+    others alone), so a servicer method written without `async` was served to any caller."""
+    [guard] = cluster_token.server_interceptors(TOKEN, [GUARDED])
+
+    def sync_unary(request, context):
+        return "answered"
+
+    def sync_stream(request, context):
+        yield "chunk"
+    handler = (grpc.unary_stream_rpc_method_handler(sync_stream) if is_streaming
+               else grpc.unary_unary_rpc_method_handler(sync_unary))
+
+    async def continuation(_details):
+        return handler
+
+    async def call():
+        wrapped = await guard.intercept_service(continuation, details(f"/{GUARDED}/Abort"))
+        try:
+            if is_streaming:
+                return [chunk async for chunk in wrapped.unary_stream(None, FakeContext())]
+            return await wrapped.unary_unary(None, FakeContext())
+        except Aborted as exc:
+            return exc
+    answer = asyncio.run(call())
+    assert isinstance(answer, Aborted) and answer.code is grpc.StatusCode.UNAUTHENTICATED

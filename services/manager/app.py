@@ -24,6 +24,7 @@ from services.common.grpc_server import GrpcServer, bind_grpc_server
 from services.common.ids import default_id
 from services.common.registry import Registry
 from services.common.signals import stop_event
+from services.common.tls import TlsConfig
 from services.manager.cluster_view import ClusterView
 from services.manager.config import ManagerConfig
 from services.manager.config_store import ClusterSettings, ConfigStore
@@ -44,10 +45,12 @@ log = structlog.get_logger(__name__)
 async def main(config: ManagerConfig) -> None:
     log.info("config_resolved", **as_dict(config))
     admin_token = config.resolved_admin_token
+    tls = config.tls  # read once: the cluster token's file is read here
+    warn_if_only_admin_api_open(tls, admin_token)
     interceptors = [TokenInterceptor(admin_token, [ADMIN_SERVICE])] if admin_token else []
     # Bound first: the manager id and the election need its port; it starts once its servicers exist.
     server = bind_grpc_server(config.host, config.port, [MANAGER_SERVICE, ADMIN_SERVICE], interceptors,
-                              advertise_host=config.advertise_host or None, tls=config.tls,
+                              advertise_host=config.advertise_host or None, tls=tls,
                               token_open_services=[ADMIN_SERVICE])  # the admin API has its own token
     manager_id = config.manager_id or default_id(server.port)
     election = Election(config.etcd_endpoints, config.cluster, manager_id, server.address, config.lease_ttl_s,
@@ -59,7 +62,7 @@ async def main(config: ManagerConfig) -> None:
     etcd = await connect_etcd(config.etcd_endpoints, config.etcd_access)
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s, access=config.etcd_access)
     store = ConfigStore(etcd, config.cluster, manager_id)
-    instances = InstanceChannels(config.tls)
+    instances = InstanceChannels(tls)
     journal = MigrationJournal(etcd, config.cluster, manager_id, config.migration_history_size)
     migrator = Migrator(view, leadership, instances, _migrator_limits(config), config.migration,
                         record_sink=journal.append)
@@ -67,7 +70,7 @@ async def main(config: ManagerConfig) -> None:
                     config.scaling_interval_s, config.scaling_cooldown_s)
     admin = AdminServicer(view, dispatcher, leadership, store, instances, migrator, scaler,
                           config.list_requests_timeout_s, config.admin_forward_timeout_s, config.migration_timeout_s,
-                          tls=config.tls, admin_token=admin_token, journal=journal)
+                          tls=tls, admin_token=admin_token, journal=journal)
     await server.start(servicers(ManagerServicer(dispatcher, view, leadership, migrator), admin))
     stop = stop_event()
     try:
@@ -121,6 +124,14 @@ def _apply_members(view: ClusterView, members: Mapping[str, dict[str, Any]]) -> 
         except ValueError as exc:
             log.warning("instance_record_invalid", instance_id=instance_id, error=str(exc))
     view.replace_members(records)
+
+
+def warn_if_only_admin_api_open(tls: TlsConfig, admin_token: str) -> None:
+    """A cluster token without an admin token guards everything but the most powerful API: say so."""
+    if tls.cluster_token and not admin_token:
+        log.warning("admin_api_open", reason="a cluster token guards the internal services, but AdminService "
+                    "(SetPolicy, Migrate, Drain, SetRole) answers anyone who reaches this port: "
+                    "set --admin-token-file")
 
 
 def _migrator_limits(config: ManagerConfig) -> MigratorLimits:

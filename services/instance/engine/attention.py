@@ -11,7 +11,9 @@ packed token order.
 Sequences are split into groups, so a long prefill does not make every decode
 sequence pay for its padding: decode sequences (1 new token; the query heads are
 folded onto their KV head, so GQA needs no copy) and prefill sequences (queries
-padded to the longest one, GQA through `enable_gqa`). Decode attention is memory
+padded to the longest one, GQA through `enable_gqa`; a one-token prompt chunk,
+such as a prompt's last token after its cached blocks, is a prefill too: it gets the bits
+it has within a longer chunk). Decode attention is memory
 bound, so its sequences go in chunks whose gathered K/V fit in the CPU cache: the
 copy is read back from cache, not from memory. The mask is by position: the query
 at position p sees cached token j iff j <= p, which is causal within the new
@@ -134,7 +136,8 @@ class AttentionPlan:
         """The plan of one forward; `window`: a query at position p sees only keys p - window < j <= p."""
         query_lens = torch.tensor(batch.query_lens, dtype=torch.int64)
         starts = torch.cumsum(query_lens, 0) - query_lens
-        is_decode = query_lens == 1
+        is_decode = torch.tensor(batch.is_decode(), dtype=torch.bool)  # a one-token prompt chunk is a prefill
+        is_prefill = ~is_decode
         in_place, in_place_seqs = _in_place_group(batch, is_decode, starts, geometry, window)
         is_decode[in_place_seqs] = False
         if batch.is_decode_only and in_place is None:
@@ -142,7 +145,7 @@ class AttentionPlan:
         decode, prefill = (), ()
         if bool(is_decode.any()):
             decode = _decode_groups(batch, torch.nonzero(is_decode).flatten(), starts, geometry, window)
-        prefill_seqs = torch.nonzero(query_lens > 1).flatten()
+        prefill_seqs = torch.nonzero(is_prefill).flatten()
         if len(prefill_seqs):
             # Batch invariance: a prompt's queries and keys are not padded to another's in the same step
             members = prefill_seqs.split(1) if geometry.pads_per_sequence else (prefill_seqs,)

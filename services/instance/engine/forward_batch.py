@@ -37,6 +37,11 @@ class ForwardBatch:
     # Per sequence: how many of its last new tokens are output tokens computed again, which attend one by
     # one as decode steps did (None: none; a plain decode's one token counts or not, alike).
     decode_tails: list[int] | None = None
+    # Per sequence: its new tokens end inside the prompt (a prefill chunk). Such a chunk attends as a prefill
+    # even when it is one token long (the prompt's last token after a cached prefix, say), with the bits it
+    # has within a longer chunk; the decode path, which other one-token sequences take, gives other bits.
+    # None: only sequences with more than one new token are prefills.
+    is_prompt_chunk: list[bool] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -55,7 +60,12 @@ class ForwardBatch:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.query_lens)
+        return all(n == 1 for n in self.query_lens) and not any(self.is_prompt_chunk or ())
+
+    def is_decode(self) -> list[bool]:
+        """Per sequence: whether it attends as a decode (one new token, not a prompt token)."""
+        prompt = self.is_prompt_chunk or [False] * self.num_seqs
+        return [n == 1 and not is_prompt for n, is_prompt in zip(self.query_lens, prompt)]
 
     def attention_view(self) -> "ForwardBatch":
         """The batch as attention sees it: each decode tail split into one-token sequences, token i
@@ -66,15 +76,18 @@ class ForwardBatch:
         query_lens: list[int] = []
         context_lens: list[int] = []
         rows: list[int] = []
+        is_prompt_chunk: list[bool] = []
         for seq, (n, tail) in enumerate(zip(self.query_lens, tails)):
             context = int(self.context_lens[seq])
-            entries = ([(n - tail, context - tail)] if n > tail else []) + \
-                [(1, context - tail + i + 1) for i in range(tail)]
-            query_lens += [length for length, _ in entries]
-            context_lens += [context_len for _, context_len in entries]
+            entries = ([(n - tail, context - tail, True)] if n > tail else []) + \
+                [(1, context - tail + i + 1, False) for i in range(tail)]
+            query_lens += [length for length, _, _ in entries]
+            context_lens += [context_len for _, context_len, _ in entries]
+            is_prompt_chunk += [is_prompt for _, _, is_prompt in entries]
             rows += [seq] * len(entries)
         return replace(self, query_lens=query_lens, context_lens=torch.tensor(context_lens, dtype=torch.int64),
-                       block_tables=self.block_tables[rows], logit_lens=None, decode_tails=None)
+                       block_tables=self.block_tables[rows], logit_lens=None, decode_tails=None,
+                       is_prompt_chunk=is_prompt_chunk)
 
 
 class ForwardModel(Protocol):

@@ -342,6 +342,8 @@ def build_forward_batch(scheduled: list[ScheduledRequest], block_size: int, reco
         logit_lens=([s.num_new_tokens if s.request.wants_prompt_logits else 1 for s in scheduled]
                     if any(s.request.wants_prompt_logits for s in scheduled) else None),
         decode_tails=[_num_output_tokens_in(s) for s in scheduled] if recomputes_one_by_one else None,
+        is_prompt_chunk=[s.request.num_computed_tokens - s.num_new_tokens < s.request.num_prompt_tokens
+                         for s in scheduled],
     )
 
 

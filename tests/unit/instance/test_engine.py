@@ -340,6 +340,25 @@ def test_a_resumed_or_preempted_request_goes_on_with_the_same_bits(gqa, make_eng
     assert got["r"].token_ids == full.token_ids and got["r"].logprobs == full.logprobs
 
 
+def test_a_prompt_one_token_past_its_cached_blocks_keeps_its_bits(gqa, make_engine):
+    """A prompt of 16k + 1 tokens whose full blocks are cached (the same prompt again, or a preempted request
+    recomputing while its sibling keeps the prompt's blocks) computes its last token alone: that one-token chunk
+    attends as a prefill, as it did within the whole prompt. Before, it took the decode path (other padding):
+    the same tokens with other logprobs, seen black-box as an n=2 choice and a 113-token prompt under KV
+    pressure differing from the same request run alone."""
+    config = dict(block_size=16, max_num_seqs=4, enable_prefix_caching=True)
+    prompt = random_prompts([65], seed=14)[0]
+    first, second = (replace(SEEDED, max_tokens=119, logprobs=1, top_k=0, seed=seed) for seed in (1, 2))
+    alone = run(make_engine(gqa, **config), {0: [("b", prompt, second)]}, logprobs=True)["b"]
+    engine = make_engine(gqa, **config)
+    cached = run(engine, {0: [("a", prompt, first)], 200: [("b", prompt, second)]}, logprobs=True)["b"]
+    assert cached.token_ids == alone.token_ids and cached.logprobs == alone.logprobs
+    tight = make_engine(gqa, num_blocks=12, **config)  # b is preempted; a keeps the prompt's 4 full blocks
+    got = run(tight, {0: [("a", prompt, first), ("b", prompt, second)]}, logprobs=True)["b"]
+    assert tight.scheduler.num_preemptions > 0
+    assert got.token_ids == alone.token_ids and got.logprobs == alone.logprobs
+
+
 def test_a_resume_goes_on_after_the_text_the_client_has(gqa, make_engine):
     """The client may hold less text than its tokens make (a possible stop string held back):
     with resume_text the resumed stream sends the rest, so the text joins up exactly."""

@@ -9,14 +9,9 @@ import threading
 
 import aiohttp
 import pytest
-from aiohttp import web
 
-from services.frontend.dispatch import Dispatcher
 from services.frontend.metrics import FrontendMetrics
-from services.frontend.request_runner import RequestRunner
-from services.frontend.served_model import ServedModel
-from services.frontend.server import FrontendServer
-from tests.unit.frontend.factories import FakeMembership, ScriptedInstances, entry
+from tests.unit.frontend.scripted_frontend import scripted_frontend
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,18 +39,6 @@ class HeldTokenizer:
         self.release.wait(10)
 
 
-async def start(tokenizer: HeldTokenizer, max_inflight: int,
-                metrics: FrontendMetrics | None = None) -> tuple[web.AppRunner, str]:
-    model = ServedModel("m", max_model_len=1000, vocab_size=32, tokenizer=tokenizer)
-    dispatcher = Dispatcher(None, FakeMembership(entry("a")), cooldown_s=5)
-    server = FrontendServer(model, RequestRunner(dispatcher, ScriptedInstances({}), max_resumes=3), dispatcher,
-                            metrics or FrontendMetrics(), api_keys=(), max_inflight=max_inflight, max_body_bytes=1 << 20)
-    http = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
-    await http.setup()
-    await web.TCPSite(http, "127.0.0.1", 0).start()
-    return http, f"http://127.0.0.1:{http.addresses[0][1]}"
-
-
 async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
     async with session.post(url, json=body) as response:
         return response.status, await response.json()
@@ -65,9 +48,8 @@ async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[in
                                                   ("/detokenize", {"model": "m", "tokens": [0, 1]})])
 async def test_a_tokenize_call_holds_a_slot_until_it_ends(held_path, held_body):
     tokenizer = HeldTokenizer()
-    http, base = await start(tokenizer, max_inflight=1)
-    try:
-        async with aiohttp.ClientSession() as session:
+    async with scripted_frontend(tokenizer=tokenizer, max_inflight=1) as base, aiohttp.ClientSession() as session:
+        try:
             held = asyncio.create_task(post(session, base + held_path, held_body))
             while not tokenizer.num_waiting:
                 await asyncio.sleep(0.01)
@@ -79,9 +61,8 @@ async def test_a_tokenize_call_holds_a_slot_until_it_ends(held_path, held_body):
             tokenizer.release.set()
             assert (await held)[0] == 200
             assert (await post(session, base + "/tokenize", {"model": "m", "prompt": "ab"}))[0] == 200  # slot back
-    finally:
-        tokenizer.release.set()
-        await http.cleanup()
+        finally:
+            tokenizer.release.set()
 
 
 def in_flight(metrics: FrontendMetrics) -> float:
@@ -97,22 +78,21 @@ async def test_a_client_that_leaves_does_not_free_the_slot_while_its_thread_stil
     as unbounded as before /tokenize was counted (found by a code review)."""
     tokenizer = HeldTokenizer()
     metrics = FrontendMetrics()
-    http, base = await start(tokenizer, max_inflight=1, metrics=metrics)
-    try:
-        async with aiohttp.ClientSession() as session:
-            held = asyncio.create_task(post(session, base + held_path, held_body))
-            while not tokenizer.num_waiting:
+    async with scripted_frontend(tokenizer=tokenizer, max_inflight=1, metrics=metrics) as base:
+        try:
+            async with aiohttp.ClientSession() as session:
+                held = asyncio.create_task(post(session, base + held_path, held_body))
+                while not tokenizer.num_waiting:
+                    await asyncio.sleep(0.01)
+            held.cancel()  # the session is closed: the connection goes, the server cancels the handler
+            for _ in range(100):  # 1 s for the server to notice, and (before the fix) to give the slot back
                 await asyncio.sleep(0.01)
-        held.cancel()  # the session is closed: the connection goes, the server cancels the handler
-        for _ in range(100):  # 1 s for the server to notice, and (before the fix) to give the slot back
-            await asyncio.sleep(0.01)
-            assert in_flight(metrics) == 1, "the slot came back while the tokenizer's thread still ran"
-        tokenizer.release.set()
-        for _ in range(500):
-            if in_flight(metrics) == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert in_flight(metrics) == 0  # given back once the thread ended
-    finally:
-        tokenizer.release.set()
-        await http.cleanup()
+                assert in_flight(metrics) == 1, "the slot came back while the tokenizer's thread still ran"
+            tokenizer.release.set()
+            for _ in range(500):
+                if in_flight(metrics) == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert in_flight(metrics) == 0  # given back once the thread ended
+        finally:
+            tokenizer.release.set()

@@ -11,3 +11,4 @@ class Handoff:
     dst_address: str  # the new owner's gRPC address: Attach there
     epoch: int  # the request's epoch on the new owner
     next_token_index: int  # the first output index the new owner streams
+    migration_id: str = ""  # the migration that moved it: its key for AbortMigrateIn on the new owner

@@ -18,7 +18,7 @@ again. A commit closes the grant on the next sweep.
 
 A migration holds one of this instance's migration slots from its first Prepare until it
 commits or aborts. After the commit the source may still abort it (its commit call failed
-on the way back), until a client attached. The watchdog also drops a committed request
+on the way back, or its client left without reading the hand-off), until a client attached. The watchdog also drops a committed request
 nobody attached to in time, or whose unread outputs pass MAX_UNATTACHED_OUTPUTS.
 """
 

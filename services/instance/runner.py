@@ -50,6 +50,12 @@ class RequestStream:
     is_attached: bool = False  # a client reads it (always for Generate; after Attach for migrated-in requests)
     is_prefilling: bool = False  # prefilled here (Generate) and no output yet: its first output ends the prefill
     has_unread_finish: bool = False  # finished before a client attached: kept until one does (or the watchdog)
+    handoff: Handoff | None = None  # queued as its last item (the request moved); read once is_finished
+
+    @property
+    def has_unread_handoff(self) -> bool:
+        """Handed off, and the hand-off still queued: nobody reading this stream knows where the request went."""
+        return self.handoff is not None and not self.is_finished
 
     async def __aiter__(self) -> AsyncIterator[StepOutput | Handoff]:
         while not self.is_finished:
@@ -161,6 +167,7 @@ class EngineRunner:
         thread sent them."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
+            stream.handoff = handoff
             stream.outputs.put_nowait(handoff)
         try:
             await self.call(lambda: self._engine.release(request_id))

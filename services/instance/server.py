@@ -97,16 +97,26 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         finally:
             if not stream.is_finished:  # the client went away (or we are shutting down)
                 self._runner.abort_soon(stream)
+                if stream.has_unread_handoff and self.migrations is not None:  # nobody can follow it: drop the copy
+                    self.migrations.drop_unread_handoff(stream.request_id, stream.handoff)
                 log.info("request_cancelled", request_id=stream.request_id)
 
     async def Abort(self, request: instance_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> instance_pb2.AbortResponse:
         request_id = check_request_id(request.request_id)
-        was_running = await self._runner.abort(request_id)
+        was_running = await self._runner.abort(request_id) or await self._drop_unread_handoff(request_id)
         if not was_running:
             raise NotFound(f"request {request_id} is not on instance {self.identity.instance_id}")
         log.info("request_aborted", request_id=request_id)
         return instance_pb2.AbortResponse(was_running=True)
+
+    async def _drop_unread_handoff(self, request_id: str) -> bool:
+        """A client aborting a request that migrated from here moments ago never read its hand-off (one that
+        did aborts the destination): drop the copy there, which nobody will attach to. False if none is."""
+        handoff = self.migrations.recent_handoff(request_id) if self.migrations is not None else None
+        if handoff is None:
+            return False
+        return await asyncio.shield(self.migrations.drop_unread_handoff(request_id, handoff))  # logs what it did
 
     async def GetStatus(self, request: instance_pb2.GetStatusRequest,
                         context: grpc.aio.ServicerContext) -> instance_pb2.GetStatusResponse:

@@ -9,6 +9,7 @@ leave the request running on A to its correct end, with no KV block leaked on ei
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 import uuid
@@ -266,6 +267,27 @@ async def test_a_resume_with_generate_replaces_a_migrated_request_nobody_attache
     assert client.finish_reason == common_pb2.FINISH_REASON_LENGTH
     await assert_all_blocks_free(stubs)
 
+
+
+async def test_a_client_gone_before_reading_its_hand_off_leaves_no_copy_decoding(stubs, cluster):
+    """The client leaves as its request moves, the hand-off unread: its frontend cancels the stream and
+    aborts the request where it last knew it, the source, which drops the copy on the destination at once.
+    Before, the Abort found nothing on the source, and the copy decoded for no client until the destination's
+    watchdog dropped it (`migration_in_expired`) after --migration-reservation-timeout-s."""
+    wire, _ = greedy(1000)  # would still be decoding long after the watchdog's 3 s
+    client = ClientStream("unread-1")
+    call = generate(stubs["a"], "unread-1", wire)
+    await client.read(call, until_tokens=10)
+    await migrate_out(stubs["a"], "unread-1", "b", cluster)
+    call.cancel()  # the hand-off is never read (a hand-off gRPC had not sent yet drops the copy already)
+    with contextlib.suppress(grpc.aio.AioRpcError):  # NOT_FOUND: dropped already
+        await stubs["a"].Abort(instance_pb2.AbortRequest(request_id="unread-1"), timeout=5)
+    deadline = time.monotonic() + RESERVATION_TIMEOUT_S / 2
+    while "unread-1" in [r.request_id for r in (await stubs["b"].ListRequests(
+            instance_pb2.ListRequestsRequest(), timeout=5)).requests]:
+        assert time.monotonic() < deadline, "the copy on b still decodes for no client"
+        await asyncio.sleep(0.05)
+    await assert_all_blocks_free(stubs)
 
 async def test_seeded_request_migrated_a_to_b_to_a(stubs, cluster, tiny_model_dir):
     wire, sampling = seeded(1000)

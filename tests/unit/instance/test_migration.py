@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2
 from services.common.errors import (Aborted, FailedPrecondition, FerryError, InvalidArgument, NotFound,
                                     ResourceExhausted, Unavailable)
 from services.instance.engine.engine import EngineConfig, LLMEngine, StepOutput
@@ -28,6 +29,7 @@ from services.instance.migration_in import MigrationInbox, TransferEndpoint
 from services.instance.migration_slots import MigrationSlots
 from services.instance.pd_handoff import DecodeHandoff, DecodePlace
 from services.instance.runner import EngineRunner, RequestStream
+from services.instance.server import InstanceIdentity, InstanceServicer
 from services.transfer.domain import BlockTransfer, TransferBackend, TransferResult
 
 pytestmark = pytest.mark.timeout(60)
@@ -900,3 +902,91 @@ async def test_a_migration_cancelled_before_its_task_first_ran_gives_its_slot_ba
     with pytest.raises(asyncio.CancelledError):
         await migrating
     assert slots.num_busy == 0
+
+
+
+def servicer_moving_to(a: Side, peer: FaultyPeer) -> InstanceServicer:
+    """a's gRPC servicer, its migrations going to `peer`."""
+    servicer = InstanceServicer(a.runner)
+    servicer.identity = InstanceIdentity(a.name, "127.0.0.1:1", InstanceRole.BOTH, "m", 1024, common_pb2.KvGeometry())
+    servicer.migrations = driver(a, peer, TensorCopier(a, peer.dst))
+    return servicer
+
+
+async def wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_hand_off_its_client_never_read_drops_the_copy_on_the_destination(pair):
+    """The client left as its request was handed off: the hand-off chunk sat queued on the source's stream,
+    never read, so no frontend can attach to the copy. The stream closed with the hand-off unread makes the
+    source drop the copy with AbortMigrateIn; before, it decoded for no client until the destination's
+    watchdog dropped it after --migration-reservation-timeout-s (`migration_in_expired`, was_dropped=True)."""
+    a, b = pair
+    peer = FaultyPeer(b)
+    servicer = servicer_moving_to(a, peer)
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    chunks = servicer._chunks(stream, from_token_index=0)
+    await anext(chunks)  # the frontend reads a first token ...
+    await servicer.migrations.migrate_out(plan())  # ... and its client leaves as the request moves
+    assert b.runner.stream("r") is not None and b.inbox.num_incoming == 1
+    await chunks.aclose()  # gRPC ends the Generate stream with the hand-off still queued
+    await wait_for(lambda: b.runner.stream("r") is None and b.inbox.num_incoming == 0)
+    assert peer.calls.count("abort_migrate_in") == 1
+    with pytest.raises(NotFound):  # the frontend's Abort, here where it last knew the request: done already
+        await servicer.Abort(instance_pb2.AbortRequest(request_id="r"), None)
+    await servicer.migrations.close()
+    await assert_no_blocks_held(a, b)
+
+
+async def test_an_abort_of_a_request_whose_hand_off_its_client_never_read_drops_the_copy(pair):
+    """gRPC sent the hand-off chunk, but the frontend's client left before the frontend read it: the
+    frontend aborts the request where it last knew it, on the source, which forwards it to the copy."""
+    a, b = pair
+    peer = FaultyPeer(b)
+    servicer = servicer_moving_to(a, peer)
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    chunks = servicer._chunks(stream, from_token_index=0)
+    await servicer.migrations.migrate_out(plan())
+    assert [chunk async for chunk in chunks][-1].HasField("handoff")  # sent, and never read
+    reply = await servicer.Abort(instance_pb2.AbortRequest(request_id="r"), None)
+    assert reply.was_running and b.runner.stream("r") is None and b.inbox.num_incoming == 0
+    with pytest.raises(NotFound):
+        await servicer.Abort(instance_pb2.AbortRequest(request_id="r"), None)
+    await assert_no_blocks_held(a, b)
+
+
+async def test_a_hand_off_its_client_read_leaves_the_copy_to_it(pair):
+    """A frontend that read the hand-off attaches to the copy: the source's stream ending after it drops
+    nothing, and an Abort of the request on the source after the attach (a late one) is refused there."""
+    a, b = pair
+    peer = FaultyPeer(b)
+    servicer = servicer_moving_to(a, peer)
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    chunks = servicer._chunks(stream, from_token_index=0)
+    await servicer.migrations.migrate_out(plan())
+    handoff_chunk = [chunk async for chunk in chunks][-1]
+    await chunks.aclose()
+    attached = b.inbox.attach("r", handoff_chunk.handoff.epoch)
+    assert "abort_migrate_in" not in peer.calls
+    with pytest.raises(NotFound):
+        await servicer.Abort(instance_pb2.AbortRequest(request_id="r"), None)
+    assert peer.calls.count("abort_migrate_in") == 1 and b.runner.stream("r") is attached
+    last = await read(attached, list(range(handoff_chunk.handoff.next_token_index)))
+    assert last.finish_reason is FinishReason.LENGTH
+    await assert_no_blocks_held(a, b)
+
+
+async def test_hand_offs_are_remembered_within_a_bound(pair, monkeypatch):
+    """For the destination's attach wait (--migration-reservation-timeout-s), and at most MAX_RECENT_HANDOFFS."""
+    monkeypatch.setattr("services.instance.migration.MAX_RECENT_HANDOFFS", 2)
+    a, b = pair
+    mover = driver(a, FaultyPeer(b), TensorCopier(a, b), reservation_timeout_s=0.2)
+    for request_id in ("r1", "r2", "r3"):
+        mover._note_handoff(request_id, Handoff("b", "127.0.0.1:2", 1, 0, f"m-{request_id}"))
+    assert mover.recent_handoff("r1") is None and mover.recent_handoff("r3").migration_id == "m-r3"
+    await asyncio.sleep(0.3)
+    assert mover.recent_handoff("r3") is None

@@ -35,7 +35,9 @@ Every step, in this order:
    budget and free blocks allow. The head of the
    queue blocks the rest (strict priority). With prefix caching, an admitted request
    starts from the cached blocks of its prefix and computes only the rest (unless it
-   asked for prompt logprobs: those need every prompt position's logits).
+   asked for prompt logprobs: those need every prompt position's logits); one computing
+   its output tokens again starts only from cached blocks ending at a chunk boundary of
+   its prompt or past it, so its prompt is cut where it was the first time.
 
 A prefill that reports prompt logprobs needs a logits row per token (vocabulary-wide), so
 such prefills share at most `max_prompt_logit_rows` tokens a step; the rest of their
@@ -53,12 +55,13 @@ with its K/V already in its blocks (`adopt`).
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from services.instance.engine.block_manager import BlockManager, num_blocks_for
+from services.instance.engine.block_manager import BlockId, BlockManager, num_blocks_for
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.request import FinishReason, Request, RequestStatus
 
@@ -262,7 +265,7 @@ class Scheduler:
             request = self.waiting[0]
             if self._finished_as_too_long(request, step):
                 continue
-            cached = [] if request.wants_prompt_logits else self.block_manager.cached_prefix(request)
+            cached = [] if request.wants_prompt_logits else self._cached_start(request)
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new = self._chunk(request, num_cached_tokens,
                                   min(request.num_tokens - num_cached_tokens, step.budget_for(request)))
@@ -275,6 +278,20 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_priority_order)
             step.add(request, num_new)
+
+    def _cached_start(self, request: Request) -> list[BlockId]:
+        """The cached blocks `request` starts from. One computing its output tokens again (a preemption's
+        recompute, a resume) starts where its prompt was cut the first time, at a chunk boundary, or past
+        its prompt: a chunk starting elsewhere in the prompt (after blocks still cached while later ones were
+        evicted, or before the prompt's last token alone) gives its rows other bits, as attention sums a
+        chunk's rows in blocks of its own, so the request went on with other logprobs."""
+        cached = self.block_manager.cached_prefix(request)
+        num_cached_tokens = len(cached) * self.block_manager.block_size
+        if (request.num_output_tokens == 0 or self.prefill_chunk_tokens is None
+                or num_cached_tokens >= request.num_prompt_tokens):
+            return cached
+        step = math.lcm(self.prefill_chunk_tokens, self.block_manager.block_size)
+        return cached[:num_cached_tokens // step * step // self.block_manager.block_size]
 
 
 @dataclass(slots=True)

@@ -359,6 +359,28 @@ def test_a_prompt_one_token_past_its_cached_blocks_keeps_its_bits(gqa, make_engi
     assert got.token_ids == alone.token_ids and got.logprobs == alone.logprobs
 
 
+
+@pytest.mark.parametrize("prompt_len, first_recomputed", [(65, 16), (49, 31)])
+def test_a_preempted_request_recomputes_its_prompt_from_where_it_was_cut(gqa, make_engine, prompt_len,
+                                                                        first_recomputed):
+    """A preempted request whose first prompt blocks are still cached, but not the rest, recomputes its prompt
+    from its chunk boundary, not from its last cached block: a chunk starting at another row gives its rows other
+    bits (SDPA sums a prefill's rows in blocks of its own), also a one-token chunk (the prompt's last token after
+    3 cached blocks, with 49 tokens). Before, the request went on with other logprobs from its first token after
+    the preemption (index 16 of a 16k + 1-token prompt, self-preempted at its next block), seen black-box on
+    a cluster with 24-block caches, with no migration."""
+    config = dict(block_size=16, max_num_seqs=4, enable_prefix_caching=True)
+    prompt = random_prompts([prompt_len], seed=14)[0]
+    sampling = replace(GREEDY, max_tokens=60, logprobs=1)
+    alone = run(make_engine(gqa, **config), {0: [("r", prompt, sampling)]}, logprobs=True)["r"]
+    tight = make_engine(gqa, num_blocks=9, **config)  # r is preempted; s then evicts r's later prompt blocks
+    got = run(tight, {0: [("s", random_prompts([33], seed=15)[0], sampling)], 1: [("r", prompt, sampling)]},
+              logprobs=True)["r"]
+    assert tight.scheduler.num_preemptions == 1
+    assert got.token_ids == alone.token_ids
+    assert got.logprobs[:first_recomputed] == alone.logprobs[:first_recomputed]
+    assert got.logprobs == alone.logprobs
+
 def test_a_resume_goes_on_after_the_text_the_client_has(gqa, make_engine):
     """The client may hold less text than its tokens make (a possible stop string held back):
     with resume_text the resumed stream sends the rest, so the text joins up exactly."""

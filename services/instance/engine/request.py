@@ -138,6 +138,9 @@ class Request:
     block_table: list[BlockId] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
+    # Where its prompt was first computed from here (the cached tokens it was first admitted with): a
+    # preemption's recompute starts there again, so its prompt is cut where it was. None until admitted.
+    first_start: int | None = None
     num_registered_blocks: int = 0  # leading blocks of block_table the prefix cache knows (or was asked to)
     # sampling.prompt_logprobs: entry i is prompt token i + 1's, filled as prefill chunks run and
     # sent with output token 0. A preemption's recompute does not redo what is here.

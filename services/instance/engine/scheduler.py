@@ -36,8 +36,9 @@ Every step, in this order:
    queue blocks the rest (strict priority). With prefix caching, an admitted request
    starts from the cached blocks of its prefix and computes only the rest (unless it
    asked for prompt logprobs: those need every prompt position's logits); one computing
-   its output tokens again starts only from cached blocks ending at a chunk boundary of
-   its prompt or past it, so its prompt is cut where it was the first time.
+   its output tokens again starts where it was first admitted from, else from cached blocks
+   ending at a chunk boundary of its prompt, or past its prompt: its prompt is cut where
+   it was the first time.
 
 A prefill that reports prompt logprobs needs a logits row per token (vocabulary-wide), so
 such prefills share at most `max_prompt_logit_rows` tokens a step; the rest of their
@@ -274,6 +275,8 @@ class Scheduler:
                 return
             self.waiting.pop(0)
             self.block_manager.start_from_cache(request, cached)
+            if request.first_start is None:
+                request.first_start = num_cached_tokens
             self.block_manager.allocate(request, num_cached_tokens + num_new)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_priority_order)
@@ -281,15 +284,17 @@ class Scheduler:
 
     def _cached_start(self, request: Request) -> list[BlockId]:
         """The cached blocks `request` starts from. One computing its output tokens again (a preemption's
-        recompute, a resume) starts where its prompt was cut the first time, at a chunk boundary, or past
-        its prompt: a chunk starting elsewhere in the prompt (after blocks still cached while later ones were
-        evicted, or before the prompt's last token alone) gives its rows other bits, as attention sums a
-        chunk's rows in blocks of its own, so the request went on with other logprobs."""
+        recompute, a resume) starts where its prompt was first computed from (`first_start`), else at a chunk
+        boundary, or past its prompt: a chunk starting elsewhere in the prompt (after blocks still cached while
+        later ones were evicted, say) gives its rows other bits, as attention sums a chunk's rows in blocks of
+        its own, so the request went on with other logprobs."""
         cached = self.block_manager.cached_prefix(request)
         num_cached_tokens = len(cached) * self.block_manager.block_size
         if (request.num_output_tokens == 0 or self.prefill_chunk_tokens is None
                 or num_cached_tokens >= request.num_prompt_tokens):
             return cached
+        if request.first_start is not None and num_cached_tokens >= request.first_start:
+            return cached[:request.first_start // self.block_manager.block_size]
         step = math.lcm(self.prefill_chunk_tokens, self.block_manager.block_size)
         return cached[:num_cached_tokens // step * step // self.block_manager.block_size]
 

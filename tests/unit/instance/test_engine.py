@@ -381,6 +381,23 @@ def test_a_preempted_request_recomputes_its_prompt_from_where_it_was_cut(gqa, ma
     assert got.logprobs[:first_recomputed] == alone.logprobs[:first_recomputed]
     assert got.logprobs == alone.logprobs
 
+
+def test_a_preempted_request_first_computed_after_a_cached_prompt_starts_there_again(gqa, make_engine):
+    """A request admitted after a sibling's cached prompt blocks computed only its prompt's last token; preempted
+    while the sibling keeps those blocks, it starts there again, not at the prompt's chunk boundary, so it goes
+    on with the bits it had (an 81-token prompt's last token alone has other bits than within the whole prompt).
+    Seen black-box as an n=2 choice drifting from output token 16."""
+    config = dict(block_size=16, max_num_seqs=4, enable_prefix_caching=True)
+    prompt = random_prompts([81], seed=14)[0]
+    first, second = (replace(SEEDED, max_tokens=60, logprobs=1, top_k=0, seed=seed) for seed in (1, 2))
+    arrivals = {0: [("a", prompt, first)], 2: [("b", prompt, second)]}
+    roomy = run(make_engine(gqa, **config), arrivals, logprobs=True)["b"]
+    tight = make_engine(gqa, num_blocks=9, **config)  # b is preempted; a keeps the prompt's 5 full blocks
+    got = run(tight, arrivals, logprobs=True)["b"]
+    assert tight.scheduler.num_preemptions > 0
+    assert got.token_ids == roomy.token_ids and got.logprobs == roomy.logprobs
+
+
 def test_a_resume_goes_on_after_the_text_the_client_has(gqa, make_engine):
     """The client may hold less text than its tokens make (a possible stop string held back):
     with resume_text the resumed stream sends the rest, so the text joins up exactly."""

@@ -8,6 +8,7 @@ import dataclasses
 import os
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -913,6 +914,14 @@ def servicer_moving_to(a: Side, peer: FaultyPeer) -> InstanceServicer:
     return servicer
 
 
+async def streaming_on_a(a: Side, b: Side) -> tuple[FaultyPeer, InstanceServicer, AsyncIterator]:
+    """Request "r" on a, its Generate stream open (nothing read yet); a's migrations go to b."""
+    peer = FaultyPeer(b)
+    servicer = servicer_moving_to(a, peer)
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    return peer, servicer, servicer._chunks(stream, from_token_index=0)
+
+
 async def wait_for(condition, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -926,10 +935,7 @@ async def test_a_hand_off_its_client_never_read_drops_the_copy_on_the_destinatio
     source drop the copy with AbortMigrateIn; before, it decoded for no client until the destination's
     watchdog dropped it after --migration-reservation-timeout-s (`migration_in_expired`, was_dropped=True)."""
     a, b = pair
-    peer = FaultyPeer(b)
-    servicer = servicer_moving_to(a, peer)
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    chunks = servicer._chunks(stream, from_token_index=0)
+    peer, servicer, chunks = await streaming_on_a(a, b)
     await anext(chunks)  # the frontend reads a first token ...
     await servicer.migrations.migrate_out(plan())  # ... and its client leaves as the request moves
     assert b.runner.stream("r") is not None and b.inbox.num_incoming == 1
@@ -946,10 +952,7 @@ async def test_an_abort_of_a_request_whose_hand_off_its_client_never_read_drops_
     """gRPC sent the hand-off chunk, but the frontend's client left before the frontend read it: the
     frontend aborts the request where it last knew it, on the source, which forwards it to the copy."""
     a, b = pair
-    peer = FaultyPeer(b)
-    servicer = servicer_moving_to(a, peer)
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    chunks = servicer._chunks(stream, from_token_index=0)
+    peer, servicer, chunks = await streaming_on_a(a, b)
     await servicer.migrations.migrate_out(plan())
     assert [chunk async for chunk in chunks][-1].HasField("handoff")  # sent, and never read
     reply = await servicer.Abort(instance_pb2.AbortRequest(request_id="r"), None)
@@ -963,10 +966,7 @@ async def test_a_hand_off_its_client_read_leaves_the_copy_to_it(pair):
     """A frontend that read the hand-off attaches to the copy: the source's stream ending after it drops
     nothing, and an Abort of the request on the source after the attach (a late one) is refused there."""
     a, b = pair
-    peer = FaultyPeer(b)
-    servicer = servicer_moving_to(a, peer)
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    chunks = servicer._chunks(stream, from_token_index=0)
+    peer, servicer, chunks = await streaming_on_a(a, b)
     await servicer.migrations.migrate_out(plan())
     handoff_chunk = [chunk async for chunk in chunks][-1]
     await chunks.aclose()

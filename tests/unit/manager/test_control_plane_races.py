@@ -226,15 +226,21 @@ async def test_failover_right_after_a_retired_instance_was_stopped_does_not_bloc
                                          f"(cooldown 60 s); _adding={scaler._adding}")
 
 
-async def test_failover_during_a_retirement_does_not_block_scaling_after_it_completes():
-    """Same with i-2 still draining at the failover: once it drained and its launcher stopped it, the
-    new leader scales again after the cooldown."""
-    clock = FakeClock()
+def retiring_i2(clock: FakeClock) -> tuple[ClusterView, FakeStore]:
+    """Three instances, i-2 drained and its retirement (target 2) under way since a second ago."""
     view = make_view("i-0", "i-1", "i-2", clock=clock, num_free_blocks=1000)
     view.mark_drained(InstanceId("i-2"))
     store = FakeStore(ScalingTarget(2, draining=["i-2"], reason="retire", manager_id="m-0",
                                     updated_at=time.time() - 1))
     store.drained = {"i-2"}
+    return view, store
+
+
+async def test_failover_during_a_retirement_does_not_block_scaling_after_it_completes():
+    """Same with i-2 still draining at the failover: once it drained and its launcher stopped it, the
+    new leader scales again after the cooldown."""
+    clock = FakeClock()
+    view, store = retiring_i2(clock)
     scaler = Scaler(view, leader(), store, FAILOVER_BAND, interval_s=1, cooldown_s=60, clock=clock)
     await scaler.tick()  # i-2 empty and heard: stoppable
     assert store.target.stoppable == ["i-2"]
@@ -326,11 +332,7 @@ async def test_failed_pairs_are_forgotten_once_their_backoff_is_over():
 #     finished that retirement meanwhile): one entry per such retirement, for ever.
 async def test_a_new_term_forgets_when_it_saw_instances_of_a_target_it_no_longer_follows():
     clock = FakeClock()
-    view = make_view("i-0", "i-1", "i-2", clock=clock, num_free_blocks=1000)
-    view.mark_drained(InstanceId("i-2"))
-    store = FakeStore(ScalingTarget(2, draining=["i-2"], reason="retire", manager_id="m-0",
-                                    updated_at=time.time() - 1))
-    store.drained = {"i-2"}
+    view, store = retiring_i2(clock)
     leadership = leader()
     scaler = Scaler(view, leadership, store, FAILOVER_BAND, interval_s=1, cooldown_s=60, clock=clock)
     await scaler.tick()  # i-2 empty and heard: stoppable

@@ -21,11 +21,11 @@ from services.common.periodic import periodic_loop
 from services.common.registry import Registry
 from services.common.signals import stop_event
 from services.transfer.metrics import serve_metrics
-from services.transfer.channels import IDLE_CLOSE_S, ChannelTable, configure_nccl
+from services.transfer.channels import ChannelTable, configure_nccl
 from services.transfer.client import TransferClients
 from services.transfer.config import TransferConfig
 from services.transfer.convert import geometry_from_record
-from services.transfer.domain import InstanceId, TransferBackend, TransferId
+from services.transfer.domain import IDLE_CLOSE_S, InstanceId, TransferBackend, TransferId
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.receiver import BlockReceiver
 from services.transfer.sender import BlockSender

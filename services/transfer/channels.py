@@ -42,7 +42,7 @@ import torch.distributed as dist
 from services.common.errors import FailedPrecondition, Unavailable
 from services.transfer.chunk_plan import Chunk
 from services.transfer.deadline import Deadline
-from services.transfer.domain import CHANNEL_BACKENDS, TransferBackend
+from services.transfer.domain import CHANNEL_BACKENDS, IDLE_CLOSE_S, TransferBackend
 from services.transfer.threads import run_in_thread
 
 log = structlog.get_logger(__name__)
@@ -222,8 +222,6 @@ def chunk_tag(transfer_tag: int, chunk_index: int) -> int:
     """The tag of one chunk's message: consecutive chunks take the connections in turn."""
     return transfer_tag + chunk_index % TAG_STRIDE
 
-
-IDLE_CLOSE_S = 600.0
 
 
 class ChannelTable:

@@ -25,13 +25,12 @@ from services.instance.engine.cuda_ipc import CudaIpcHandle
 from services.instance.engine.kv_cache import KvGeometry
 from services.transfer.convert import (backend_from_proto, backend_to_proto, geometry_to_proto, header_to_proto,
                                        ipc_handle_to_proto, result_from_proto, transfer_to_proto)
-from services.transfer.domain import (DEFAULT_PIECE_BYTES, BlockTransfer, IncomingBlocks, TransferBackend,
-                                      TransferResult)
+from services.transfer.domain import (DEFAULT_PIECE_BYTES, IDLE_CLOSE_S, BlockTransfer, IncomingBlocks,
+                                      TransferBackend, TransferResult)
 
 log = structlog.get_logger(__name__)
 
 RECEIVE_BLOCKS_METHOD = "/ferry.v1.TransferService/ReceiveBlocks"
-IDLE_CLOSE_S = 600.0  # TransferClients: a peer's client neither taken nor called for this long is closed
 
 
 class TransferClient:

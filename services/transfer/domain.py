@@ -24,6 +24,9 @@ CHANNEL_BACKENDS = (TransferBackend.GLOO, TransferBackend.NCCL)
 # Data bytes per grpc message (--grpc-piece-kib): ~1 MiB moved as fast as 8 MiB once freed heap
 # is kept (common/heap.py), and holds less memory per message in flight.
 DEFAULT_PIECE_BYTES = 1 << 20
+# A peer's channel (ChannelTable) or client (TransferClients) unused this long is closed (the app raises it to
+# at least 4 x --transfer-timeout-s): peers that restart come back under new addresses.
+IDLE_CLOSE_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)

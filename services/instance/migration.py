@@ -21,9 +21,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import structlog
 
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from services.instance.runner import EngineRunner, RequestStream
 
 log = structlog.get_logger(__name__)
+_T = TypeVar("_T")
 
 # Blocks reserved beyond the request's current length, so the final stage rarely has to grow it.
 RESERVATION_HEADROOM_BLOCKS = 2
@@ -240,10 +241,9 @@ class MigrationDriver:
             del self._handed_off[request_id]
 
     async def _drop_unread(self, request_id: str, handoff: Handoff) -> bool:
-        try:
-            was_dropped = await self._peers(handoff.dst_address).abort_migrate_in(handoff.migration_id)
-        except FerryError as exc:
-            log.warning("migration_cleanup_failed", call="abort_migrate_in_unread_handoff", reason=exc.message)
+        was_dropped = await self._quietly(self._peers(handoff.dst_address).abort_migrate_in(handoff.migration_id),
+                                          "abort_migrate_in_unread_handoff")
+        if was_dropped is None:
             return False
         log.info("migrated_request_unread", request_id=request_id, dst_instance_id=handoff.dst_instance_id,
                  migration_id=handoff.migration_id, was_dropped=was_dropped)
@@ -468,12 +468,14 @@ class MigrationDriver:
                  migration_id=a.migration_id, resumed=resumed, num_live_stages=a.num_live_stages,
                  reason=getattr(exc, "message", None) or type(exc).__name__)
 
-    async def _quietly(self, call, what: str) -> None:
-        """A best-effort clean-up call: its failure is logged, the destination's watchdog covers it."""
+    async def _quietly(self, call: Awaitable[_T], what: str) -> _T | None:
+        """A best-effort clean-up call: its result, or None when it failed (logged; the destination's
+        watchdog covers it)."""
         try:
-            await call
+            return await call
         except FerryError as exc:
             log.warning("migration_cleanup_failed", call=what, reason=exc.message)
+            return None
 
     def _result(self, a: _Attempt) -> MigrationResult:
         now = time.perf_counter()

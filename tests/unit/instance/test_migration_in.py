@@ -163,6 +163,37 @@ async def test_a_reservation_given_up_while_its_grant_is_being_opened_never_leav
     assert fence.revoked == [1, 1]  # by the abort (before the grant landed), and again after it
 
 
+async def test_a_grant_that_opened_after_its_reservation_was_given_up_is_revoked_once_the_service_answers():
+    """The grant lands after an abort, and the transfer service then stops answering: the Prepare still
+    fails (no block id leaves), and the open grant is asked to close on every sweep until it is."""
+    engine, slots = FakeEngine(), MigrationSlots(4)
+    inbox, fence = fenced_inbox(engine, slots)
+    granting, may_answer = asyncio.Event(), asyncio.Event()
+
+    async def grant_then_go_quiet(grant_id: int) -> None:
+        granting.set()
+        await may_answer.wait()
+        fence.granted.append(grant_id)  # it opened ...
+        fence.is_answering = False  # ... and then the service froze
+    fence.grant = grant_then_go_quiet
+    prepare = asyncio.create_task(inbox.prepare("m-1", "r-1", "src", num_blocks=3))
+    await granting.wait()
+    assert await inbox.abort("m-1")
+    may_answer.set()
+    with pytest.raises(Aborted, match="aborted while"):
+        await prepare
+    assert engine.reservations == {} and slots.num_busy == 0 and inbox.num_incoming == 0
+    assert fence.granted == [1] and fence.revoked == [1]  # only the abort's revoke, before the grant landed
+    now = asyncio.get_running_loop().time()
+    await inbox.expire(now)
+    assert fence.revoked == [1]  # still open: asked again on the next sweep
+    fence.is_answering = True
+    await inbox.expire(now)
+    assert fence.revoked == [1, 1] and inbox.num_quarantined == 0
+    await inbox.expire(now)
+    assert fence.revoked == [1, 1]  # confirmed once: not asked again
+
+
 async def test_while_blocks_wait_for_an_unanswered_revoke_others_queue_behind_them_without_asking():
     engine, slots = FakeEngine(), MigrationSlots(4)
     inbox, fence = fenced_inbox(engine, slots)

@@ -1,4 +1,4 @@
-"""Fixtures shared by every test layer: tiny random-weight models built on the fly."""
+"""Fixtures shared by every test layer: tiny random-weight models built on the fly; the reaper plugin."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import pathlib
 import pytest
 
 from services.instance.models.tiny import build_tiny_model
+
+# Every process a test starts ends with this pytest, even a SIGKILLed one (tests/reaper.py).
+pytest_plugins = ["tests.reaper_plugin"]
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,8 @@ stay open so load balancers and grpcurl's `list` work without credentials.
 | a malformed value                   | UNAUTHENTICATED   |
 | a wrong token                       | PERMISSION_DENIED |
 
-Tokens are compared in constant time and never logged.
+Tokens are compared in constant time and never logged. A refusal is logged as `rpc_unauthenticated`,
+at most once per (method, code) per 10 s, with the number of refusals not logged since (`suppressed`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from services.common.log_sampling import LogSampler
 from services.common.rpc_handler import Behavior
 
 log = structlog.get_logger(__name__)
@@ -81,6 +83,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         self._token = token.encode()
         self._services = frozenset(services)
         self._scheme = scheme
+        self._refusal_log = LogSampler()  # a flood of bad callers logs one line per (method, code) per 10 s
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -91,7 +94,9 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         if denial is None:
             return handler
         code, message = denial
-        log.info("rpc_unauthenticated", method=method, code=code.name, metadata_key=self._scheme.key)
+        if (suppressed := self._refusal_log.admit((method, code))) is not None:
+            log.info("rpc_unauthenticated", method=method, code=code.name, metadata_key=self._scheme.key,
+                     suppressed=suppressed)
         return _refusing(handler, code, message)
 
     def _check(self, metadata) -> tuple[grpc.StatusCode, str] | None:

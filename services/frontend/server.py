@@ -25,6 +25,7 @@ import structlog
 from aiohttp import web
 
 from services.common.errors import FerryError, Internal, ResourceExhausted, Unauthenticated, Unavailable
+from services.common.log_sampling import LogSampler
 from services.common.prefix_hash import MAX_PREFIX_CHUNKS, prefix_chunk_keys
 from services.frontend.cors import CorsPolicy, Handler
 from services.frontend.dispatch import Dispatcher
@@ -80,6 +81,7 @@ class FrontendServer:
         self._cors = CorsPolicy(allowed_origins)
         self._openapi_args = (model.name, max_body_bytes, bool(api_keys))
         self._num_inflight = 0
+        self._refusal_log = LogSampler()  # request_refused: one line per (route, status) per 10 s at most
         self.in_flight = InFlight()  # what a SIGTERM lets finish, then cuts (in_flight.py)
         self._started_at = int(time.time())
         self.is_accepting = True  # False while shutting down: /health and new requests answer 503
@@ -357,7 +359,7 @@ class FrontendServer:
             self._metrics.requests.labels(_endpoint_label(request), "499").inc()
             raise
         except FerryError as exc:
-            _log_refused(request, exc)
+            _log_refused(request, exc, self._refusal_log)
             response = self._error_response(request, exc.http_status, error_body_for(exc))
         except web.HTTPException as exc:  # the router's 404/405, aiohttp's own 413
             response = self._error_response(request, exc.status, error_body(
@@ -405,12 +407,15 @@ class ApiKeyError(Unauthenticated):
     param = None
 
 
-def _log_refused(request: web.Request, exc: FerryError) -> None:
+def _log_refused(request: web.Request, exc: FerryError, sampler: LogSampler) -> None:
     """A request answered with an error before it was admitted (a 400, 401, 404 model, 413, 429, ...):
-    it has no request id yet, so no other line names it; one admitted has its `request_finished`."""
-    if _REQUEST_ID_KEY not in request:
+    it has no request id yet, so no other line names it; one admitted has its `request_finished`. A flood
+    of them logs one line per (route, status) per 10 s, with the number left out since (`suppressed`)."""
+    if _REQUEST_ID_KEY in request:
+        return
+    if (suppressed := sampler.admit((_endpoint_label(request), exc.http_status))) is not None:
         log.info("request_refused", path=request.path, status=exc.http_status, error=exc.message,
-                 client_request_id=client_request_id(request.headers, {}))
+                 client_request_id=client_request_id(request.headers, {}), suppressed=suppressed)
 
 
 def _too_large(limit: int) -> PayloadTooLarge:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from services.common import cluster_token
 from services.common.cluster_token import CLUSTER_TOKEN_KEY
@@ -194,3 +195,28 @@ def test_a_synchronous_behaviour_is_refused_too(is_streaming):
             return exc
     answer = asyncio.run(call())
     assert isinstance(answer, Aborted) and answer.code is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_flood_of_refused_calls_logs_one_line_per_method_and_code():
+    """Before, every refused call logged rpc_unauthenticated: a flood of bad callers flooded the log."""
+    [guard] = cluster_token.server_interceptors(TOKEN, [GUARDED])
+    handler = grpc.unary_unary_rpc_method_handler(unary_ok)
+
+    async def continuation(_details):
+        return handler
+
+    async def refuse(method: str, metadata=()) -> None:
+        wrapped = await guard.intercept_service(continuation, details(method, metadata))
+        with pytest.raises(Aborted):
+            await wrapped.unary_unary(None, FakeContext())
+
+    async def flood() -> None:
+        for _ in range(50):
+            await refuse(f"/{GUARDED}/Abort")
+        await refuse(f"/{GUARDED}/Generate")
+        await refuse(f"/{GUARDED}/Abort", [(CLUSTER_TOKEN_KEY, "not-the-token")])
+    with capture_logs() as logs:
+        asyncio.run(flood())
+    lines = [(e["method"], e["code"], e["suppressed"]) for e in logs if e["event"] == "rpc_unauthenticated"]
+    assert lines == [(f"/{GUARDED}/Abort", "UNAUTHENTICATED", 0), (f"/{GUARDED}/Generate", "UNAUTHENTICATED", 0),
+                     (f"/{GUARDED}/Abort", "PERMISSION_DENIED", 0)]

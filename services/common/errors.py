@@ -50,10 +50,12 @@ class FerryError(Exception):
     http_status: ClassVar[int] = 500
     caller_action: ClassVar[CallerAction] = CallerAction.REPORT
 
-    def __init__(self, message: str, request_id: str = "") -> None:
+    def __init__(self, message: str, request_id: str = "", *, is_expected: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.request_id = request_id  # the request it concerns, where the caller may not know it (a picked one)
+        # An answer the caller counts on (an Abort of a request already gone): its rpc_failed line is at debug.
+        self.is_expected = is_expected
 
     @property
     def is_retryable(self) -> bool:
@@ -188,7 +190,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
         await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another",
                             trailing_metadata=_ANSWERED)
     if isinstance(exc, FerryError):
-        log.info("rpc_failed", method=method, code=exc.grpc_code.name, message=exc.message)
+        (log.debug if exc.is_expected else log.info)("rpc_failed", method=method, code=exc.grpc_code.name,
+                                                      message=exc.message)
         await context.abort(exc.grpc_code, exc.message,
                             trailing_metadata=(*request_metadata(exc.request_id), *_ANSWERED))
     log.error("rpc_crashed", method=method, exc_info=exc)

@@ -105,8 +105,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                     context: grpc.aio.ServicerContext) -> instance_pb2.AbortResponse:
         request_id = check_request_id(request.request_id)
         was_running = await self._runner.abort(request_id) or await self._drop_unread_handoff(request_id)
-        if not was_running:
-            raise NotFound(f"request {request_id} is not on instance {self.identity.instance_id}")
+        if not was_running:  # finished, or its client's cancelled stream freed it first: what the caller wants
+            raise NotFound(f"request {request_id} is not on instance {self.identity.instance_id}", is_expected=True)
         log.info("request_aborted", request_id=request_id)
         return instance_pb2.AbortResponse(was_running=True)
 

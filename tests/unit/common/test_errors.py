@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 from grpc._cython import cygrpc
 import pytest
+from structlog.testing import capture_logs
 
 from services.common import errors
 
@@ -120,3 +121,18 @@ async def test_interceptor_passes_results_through() -> None:
         return request + b"!"
 
     assert await (await intercepted(behavior, streaming=False))(b"ok", FakeContext()) == b"ok!"
+
+
+@pytest.mark.parametrize(("is_expected", "level"), [(False, "info"), (True, "debug")])
+async def test_an_expected_error_is_logged_at_debug(is_expected, level) -> None:
+    """An Abort of a request already gone answers NOT_FOUND, which is what its caller wanted: before, each
+    logged rpc_failed at info (one per client that hung up while its cancelled stream got there first)."""
+    async def behavior(request, context):
+        raise errors.NotFound("request r is not on instance i", is_expected=is_expected)
+
+    context = FakeContext()
+    with capture_logs() as logs, pytest.raises(Aborted):
+        await (await intercepted(behavior, streaming=False))(b"", context)
+    assert context.status == (grpc.StatusCode.NOT_FOUND, "request r is not on instance i")
+    assert [(e["event"], e["log_level"], e["code"]) for e in logs] == [("rpc_failed", level, "NOT_FOUND")]
+

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from services.common.startup import drop_created_series
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -17,6 +19,7 @@ class FrontendMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
+        drop_created_series()
         self.registry = CollectorRegistry()
         self.requests = Counter("ferry_frontend_requests_total", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "status"], registry=self.registry)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from services.common.membership import MembershipView
 from services.common.startup import start_metrics_server
 from services.manager.cluster_view import ClusterView
-from services.manager.domain import InstanceState
+from services.manager.domain import InstanceState, Role
 from services.manager.leadership import Leadership
 from services.manager.migration import MigrationOutcome, MigrationTrigger
 
@@ -39,16 +41,16 @@ PD_ROLE_FALLBACKS = Counter("ferry_manager_pd_role_fallbacks_total",
                             "Requests that did without a PD role: 'prefill' = a new request sent to a decode "
                             "instance (none prefills), 'decode' = a prefilled request kept on its prefill instance",
                             ["role"])
-PD_ROLE_MISSING = Gauge("ferry_manager_pd_role_missing", "1 while no instance of the role serves (PD disaggregation)",
-                        ["role"])
 MIGRATIONS_IN_FLIGHT = Gauge("ferry_manager_migrations_in_flight", "MigrateOut calls not answered yet")
 
 
-def serve_metrics(port: int, host: str, view: ClusterView, leadership: Leadership) -> None:
+def serve_metrics(port: int, host: str, view: ClusterView, leadership: Leadership,
+                  is_role_missing: Callable[[Role], bool]) -> None:
     """Start the /metrics HTTP server on `host` (--host, as the gRPC server; a daemon thread);
-    gauges read the view when scraped."""
+    gauges read the view (and the dispatcher's role gaps, `RoleGaps.is_missing`) when scraped."""
     IS_LEADER.set_function(lambda: float(leadership.is_leader))
     REGISTRY.register(InstanceLoadCollector(view, leadership))
+    REGISTRY.register(RoleGapCollector(is_role_missing, leadership))
     export_zero_series()
     start_metrics_server(port, host)
 
@@ -99,6 +101,27 @@ class InstanceLoadCollector:
             for instance in instances:
                 family.add_metric([instance.record.instance_id], float(read(instance.load)))
             yield family
+
+
+class RoleGapCollector:
+    """ferry_manager_pd_role_missing{role}: 1 while no instance of the role serves, read from the
+    dispatcher's role gaps at scrape time. Only the leader dispatches, so only it knows: a standby (an
+    ex-leader too) exports the family without samples, as InstanceLoadCollector does. Before, a Gauge
+    set by the dispatch path kept an ex-leader's last gap at 1 for good."""
+
+    _ROLES = (Role.PREFILL, Role.DECODE)
+
+    def __init__(self, is_missing: Callable[[Role], bool], leadership: Leadership) -> None:
+        self._is_missing = is_missing
+        self._leadership = leadership
+
+    def collect(self):
+        family = GaugeMetricFamily("ferry_manager_pd_role_missing",
+                                   "1 while no instance of the role serves (PD disaggregation; the leader only)",
+                                   labels=["role"])
+        for role in self._ROLES if self._leadership.is_leader else ():
+            family.add_metric([role.value], float(self._is_missing(role)))
+        yield family
 
 
 def _count(view: ClusterView, state: InstanceState) -> int:

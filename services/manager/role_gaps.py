@@ -4,7 +4,8 @@ gap, counted per request that had to do without it (README "Prefill/decode disag
 * no PREFILL (or BOTH) instance serves: new requests go to DECODE instances, which prefill them;
 * no DECODE instance serves: prefilled requests keep decoding on their prefill instance.
 
-A gap closes (healed) the first time an instance of the role is found again; the manager's
+`is_missing` is what ferry_manager_pd_role_missing reads (metrics.RoleGapCollector, on the leader
+only). A gap closes (healed) the first time an instance of the role is found again; the manager's
 migration loop then moves the requests that decoded on prefill instances meanwhile.
 """
 
@@ -31,7 +32,6 @@ class RoleGaps:
         if role in self._missing:
             return
         self._missing.add(role)
-        metrics.PD_ROLE_MISSING.labels(role.value).set(1)
         log.warning("pd_role_missing", role=role.value, request_id=request_id,
                     action=_ACTIONS[role])
 
@@ -39,7 +39,6 @@ class RoleGaps:
         if role not in self._missing:
             return
         self._missing.discard(role)
-        metrics.PD_ROLE_MISSING.labels(role.value).set(0)
         log.info("pd_role_restored", role=role.value)
 
 

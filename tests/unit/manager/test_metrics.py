@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
+from services.common.errors import Unavailable
+from services.manager.dispatcher import Dispatcher
 from services.manager.leadership import Leadership
-from services.manager.metrics import InstanceLoadCollector, export_zero_series
+from services.manager.metrics import InstanceLoadCollector, RoleGapCollector, export_zero_series
 from tests.unit.manager.factories import make_view
 
 pytestmark = pytest.mark.timeout(10)
@@ -46,3 +48,28 @@ def test_migration_and_scaling_counters_start_at_zero():
         for trigger in ("load", "drain", "admin", "pd"):
             assert f'ferry_manager_migrations_total{{outcome="{outcome}",trigger="{trigger}"}}' in text
     assert 'ferry_manager_scaling_actions_total{action="retire"}' in text
+
+
+def scrape_role_gaps(leadership: Leadership, dispatcher: Dispatcher) -> str:
+    registry = CollectorRegistry()
+    registry.register(RoleGapCollector(dispatcher.role_gaps.is_missing, leadership))
+    return generate_latest(registry).decode()
+
+
+def test_an_ex_leader_exports_no_role_gap():
+    """ferry_manager_pd_role_missing is leader-only like the instance gauges. Before, a Gauge set on the
+    dispatch path stayed at 1 on a manager that lost its leadership with a gap open, so `max` across
+    managers showed a missing role for good, whatever the new leader saw."""
+    leadership = Leadership("m-1", "127.0.0.1:50051")
+    leadership.set_elected(True)
+    view = make_view("a")  # a BOTH instance: nothing decodes a prefilled request elsewhere
+    dispatcher = Dispatcher(view, leadership)
+    with pytest.raises(Unavailable):
+        dispatcher.place_decode("r", "a", num_blocks=1)
+    text = scrape_role_gaps(leadership, dispatcher)
+    assert 'ferry_manager_pd_role_missing{role="decode"} 1.0' in text
+    assert 'ferry_manager_pd_role_missing{role="prefill"} 0.0' in text
+    leadership.set_elected(False)  # lost the election, the gap still noted
+    text = scrape_role_gaps(leadership, dispatcher)
+    assert "# TYPE ferry_manager_pd_role_missing gauge" in text
+    assert not [line for line in text.splitlines() if line and not line.startswith("#")]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from services.common.errors import Unavailable
 from services.manager import metrics
@@ -40,8 +41,11 @@ def ask(num_prompt_tokens: int = 160, exclude: tuple[str, ...] = ()) -> Dispatch
                        exclude_instance_ids=frozenset(InstanceId(i) for i in exclude))
 
 
-def missing(role: Role) -> float:
-    return metrics.PD_ROLE_MISSING.labels(role.value)._value.get()
+def missing(dispatcher: Dispatcher, role: Role) -> float:
+    """ferry_manager_pd_role_missing{role} as the leader's /metrics shows it."""
+    registry = CollectorRegistry()
+    registry.register(metrics.RoleGapCollector(dispatcher.role_gaps.is_missing, leading()))
+    return registry.get_sample_value("ferry_manager_pd_role_missing", {"role": role.value})
 
 
 def test_new_requests_go_to_prefill_instances_only():
@@ -58,9 +62,9 @@ def test_no_prefill_instance_falls_back_to_decode_instances_and_heals():
     placement = dispatcher.dispatch(ask(exclude=("p",)))  # the prefill instance is gone for this request
     assert placement.instance_id == "d" and placement.can_prefill_on_decode
     assert metrics.PD_ROLE_FALLBACKS.labels("prefill")._value.get() == before + 1
-    assert missing(Role.PREFILL) == 1 and dispatcher.role_gaps.is_missing(Role.PREFILL)
+    assert missing(dispatcher, Role.PREFILL) == 1 and dispatcher.role_gaps.is_missing(Role.PREFILL)
     assert dispatcher.dispatch(ask()).instance_id == "p"  # back: healed
-    assert missing(Role.PREFILL) == 0 and not dispatcher.role_gaps.is_missing(Role.PREFILL)
+    assert missing(dispatcher, Role.PREFILL) == 0 and not dispatcher.role_gaps.is_missing(Role.PREFILL)
 
 
 async def test_a_gap_closes_once_the_role_serves_again_with_no_request_asking():
@@ -69,13 +73,13 @@ async def test_a_gap_closes_once_the_role_serves_again_with_no_request_asking():
     dispatcher = Dispatcher(view, leading())
     with pytest.raises(Unavailable):
         dispatcher.place_decode("r", "p", num_blocks=1)
-    assert missing(Role.DECODE) == 1
+    assert missing(dispatcher, Role.DECODE) == 1
     await dispatcher._refresh_role_gaps()
-    assert missing(Role.DECODE) == 1  # still no decode instance
+    assert missing(dispatcher, Role.DECODE) == 1  # still no decode instance
     view.put_member(make_record("d", role=Role.DECODE))  # e.g. SetRole on another instance
     view.apply_report(InstanceId("d"), make_load())
     await dispatcher._refresh_role_gaps()
-    assert missing(Role.DECODE) == 0 and not dispatcher.role_gaps.is_missing(Role.DECODE)
+    assert missing(dispatcher, Role.DECODE) == 0 and not dispatcher.role_gaps.is_missing(Role.DECODE)
 
 
 def test_a_pd_placement_is_not_counted_as_a_dispatch():
@@ -114,10 +118,10 @@ def test_place_decode_without_decode_instances_is_unavailable_and_counted():
     with pytest.raises(Unavailable, match="no decode instance serves"):
         dispatcher.place_decode("r1", "p", 4)
     assert metrics.PD_ROLE_FALLBACKS.labels("decode")._value.get() == before + 1
-    assert missing(Role.DECODE) == 1
+    assert missing(dispatcher, Role.DECODE) == 1
     view.put_member(make_record("d", role=Role.DECODE))
     assert dispatcher.place_decode("r2", "p", 4).instance_id == "d"
-    assert missing(Role.DECODE) == 0
+    assert missing(dispatcher, Role.DECODE) == 0
 
 
 def peer(instance_id: str, role: Role, num_prefilled: int = 0, num_free_blocks: int = 100) -> Peer:

@@ -83,4 +83,4 @@ def start_metrics_server(port: int, host: str = "0.0.0.0") -> None:
         start_http_server(port, addr=host)
     except OSError as exc:
         raise StartupError(f"--metrics-port {port}: cannot serve /metrics on {host}: {exc.strerror or exc}; "
-                           "pick another --metrics-port") from None
+                           "pick another --metrics-port (or --metrics-host)") from None

@@ -98,7 +98,8 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
     peers = InstanceClients(config.migration_rpc_timeout_s, config.tls)
     wire_migration(config, servicer, runner, peers, link)
     if config.metrics_port:
-        serve_metrics(config.metrics_port, config.host, runner, instance_id, lambda: servicer.inbox.num_quarantined)
+        serve_metrics(config.metrics_port, config.metrics_host or config.host, runner, instance_id,
+                      lambda: servicer.inbox.num_quarantined)
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s,
                         access=config.etcd_access) if config.etcd_endpoints else None
     role_marks = RoleMarks(registry, instance_id, config.role) if registry is not None else None

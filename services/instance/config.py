@@ -131,6 +131,8 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
                                                      "--migration-reservation-timeout-s)")
     verify_transfer_checksum: bool = knob(False, "check a crc32 of every migrated KV block at the destination")
     metrics_port: int = knob(0, "port of the Prometheus /metrics endpoint (0 = off)")
+    metrics_host: str = knob("", "address to bind the Prometheus /metrics endpoint to (default: --host, as the gRPC "
+                                 "server; e.g. 0.0.0.0 for a Prometheus on another machine, gRPC left on 127.0.0.1)")
 
     @property
     def step_token_budget(self) -> int:

@@ -75,7 +75,8 @@ async def main(config: ManagerConfig) -> None:
     stop = stop_event()
     try:
         if config.metrics_port:
-            serve_metrics(config.metrics_port, config.host, view, leadership, dispatcher.role_gaps.is_missing)
+            serve_metrics(config.metrics_port, config.metrics_host or config.host, view, leadership,
+                          dispatcher.role_gaps.is_missing)
         members = await registry.watch("instances", resync_interval_s=config.resync_interval_s)
         members.on_change(lambda change: _apply_members(view, change.members))
         watch_membership_staleness(members)

@@ -61,6 +61,8 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     pd_short_prompt_tokens: int = knob(0, "PD disaggregation: prompts shorter than this many tokens may prefill on a "
                                           "decode instance directly, skipping the hand-off (0 = off)")
     metrics_port: int = knob(0, "Prometheus /metrics HTTP port (0 = off)")
+    metrics_host: str = knob("", "address to bind the Prometheus /metrics endpoint to (default: --host, as the gRPC "
+                                 "server; e.g. 0.0.0.0 for a Prometheus on another machine, gRPC left on 127.0.0.1)")
     shutdown_grace_s: float = knob(2.0, "seconds running calls get to finish on SIGTERM")
     admin_token: str = knob("", "bearer token AdminService calls must carry (`authorization: Bearer TOKEN`); "
                                 "empty = admin API open (health and reflection are always open)")

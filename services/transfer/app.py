@@ -47,7 +47,7 @@ async def main(config: TransferConfig) -> None:
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
     if config.metrics_port:
-        serve_metrics(config.metrics_port, config.host, [b.value for b in config.backends])
+        serve_metrics(config.metrics_port, config.metrics_host or config.host, [b.value for b in config.backends])
     servicer = TransferServicer()
     server = await start_grpc_server(config.host, config.port,
                                      [(add_transfer_servicer, servicer)],

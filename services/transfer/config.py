@@ -60,6 +60,8 @@ class TransferConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     channel_timeout_s: float = knob(10.0, "gloo/nccl rendezvous timeout in seconds")
     num_threads: int = knob(0, "torch threads for gathers, scatters and same-host copies (0 = torch's default: one per core)")
     metrics_port: int = knob(0, "port of the Prometheus /metrics endpoint (0 = off)")
+    metrics_host: str = knob("", "address to bind the Prometheus /metrics endpoint to (default: --host, as the gRPC "
+                                 "server; e.g. 0.0.0.0 for a Prometheus on another machine, gRPC left on 127.0.0.1)")
 
     def __post_init__(self) -> None:
         self.tls.check()

@@ -1,0 +1,112 @@
+"""README's commands, flags, variables and Layout stay true to the code: every `--flag` it
+names is a flag of some ferry command (or of a named other tool), every
+`python -m services.<service> ...` line uses that command's own flags, every
+FERRY_<SERVICE>_<FIELD> is a field of that service's config, and the Layout block lists
+the tree (before, services/ctl/, deploy/ and scripts/ were missing from it)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+from tests.deploy.knobs import config_fields, unknown_variables
+
+pytestmark = pytest.mark.timeout(30)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+_FLAG = re.compile(r"--[a-z][a-z0-9-]*[a-z0-9]")
+_LITERAL_FLAG = re.compile(r"""["'](--[a-z][a-z0-9-]*)["']""")
+# Flags of other programs the README quotes: etcd, etcdctl, docker, vLLM.
+OTHER_TOOLS = frozenset({"--auto-compaction-mode", "--auto-compaction-retention", "--client-cert-auth",
+                         "--prefix", "--build", "--shm-size", "--trust-request-chat-template"})
+SERVICES = ("frontend", "manager", "instance", "transfer")
+
+
+def config_flags(service: str) -> set[str]:
+    return {"--" + name.replace("_", "-") for name in config_fields(service)}
+
+
+def literal_flags(*patterns: str) -> set[str]:
+    return {flag for pattern in patterns for path in ROOT.glob(pattern)
+            for flag in _LITERAL_FLAG.findall(path.read_text())}
+
+
+def command_flags() -> dict[str, set[str]]:
+    """Per `python -m services.<name>` command, the flags it takes."""
+    flags = {service: config_flags(service) | {"--help"} for service in SERVICES}
+    flags["ctl"] = config_flags("ctl") | literal_flags("services/ctl/*.py") | {"--help"}
+    flags["cluster up"] = literal_flags("services/cluster/__main__.py") | {"--help"}
+    return flags
+
+
+def every_flag() -> set[str]:
+    known = set().union(*command_flags().values())
+    return known | literal_flags("services/**/*.py", "benchmarks/*.py", "scripts/*.py") | OTHER_TOOLS
+
+
+def line_of(offset: int) -> int:
+    return README.count("\n", 0, offset) + 1
+
+
+def test_every_flag_named_is_a_flag_of_something():
+    known = every_flag()
+    unknown = sorted({(flag, line_of(m.start())) for m in _FLAG.finditer(README)
+                      if (flag := m.group()) not in known and not README.startswith(("*", "-*"), m.end())})
+    assert not unknown, f"README names flags that no ferry command (nor {sorted(OTHER_TOOLS)}) takes: {unknown}"
+
+
+def command_lines() -> list[tuple[int, str, str]]:
+    """(line, command, rest of the line) of each `python -m services.<command>` in README,
+    continuation lines of code blocks joined."""
+    text = re.sub(r"\\\n\s*", " ", README)
+    found = []
+    for m in re.finditer(r"python -m services\.(frontend|manager|instance|transfer|ctl|cluster up)(?![.\w])([^`\n#]*)", text):
+        found.append((README.count("\n", 0, README.find(m.group(0)[:40])) + 1, m.group(1), m.group(2)))
+    return found
+
+
+def test_command_lines_use_their_own_flags():
+    flags = command_flags()
+    lines = command_lines()
+    assert len(lines) > 15
+    wrong = [(line, command, flag) for line, command, rest in lines
+             for flag in _FLAG.findall(rest) if flag not in flags[command]]
+    assert not wrong, f"README gives these commands flags they do not take: {wrong}"
+
+
+def test_possessive_flags_belong_to_their_service():
+    """"the frontend's `--x`", "an instance's `--x`": `--x` is that service's flag."""
+    owner = {"frontend": "frontend", "manager": "manager", "instance": "instance", "transfer service": "transfer"}
+    wrong = [(line_of(m.start()), m.group(1), m.group(2))
+             for m in re.finditer(r"(frontend|manager|instance|transfer service)(?:'s|s') `(--[a-z0-9-]+)`", README)
+             if m.group(2) not in config_flags(owner[m.group(1)])]
+    assert not wrong, f"README names a service's flag that its config lacks: {wrong}"
+
+
+def test_every_variable_named_is_a_config_field():
+    assert unknown_variables(re.sub(r"FERRY_\w+_\*", "", README)) == {}
+
+
+def layout() -> list[str]:
+    block = README[README.index("## Layout"):]
+    block = block[block.index("```\n") + 4:]
+    return [line.split()[0] for line in block[:block.index("```")].splitlines() if line.strip()]
+
+
+def test_layout_lists_the_tree():
+    listed = layout()
+    missing = [path for path in listed if not (ROOT / path).is_dir()]
+    assert not missing, f"README's Layout lists folders that do not exist: {missing}"
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, timeout=20)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    top = {line.split("/")[0] for line in tracked.stdout.splitlines() if "/" in line}
+    wanted = {f"{name}/" for name in top if not name.startswith(".")}
+    wanted |= {f"services/{path.name}/" for path in (ROOT / "services").iterdir() if (path / "__init__.py").exists()}
+    covered = {path for path in listed} | {path.split("/")[0] + "/" for path in listed}
+    absent = sorted(wanted - covered)
+    assert not absent, f"README's Layout does not list {absent}"

@@ -110,3 +110,13 @@ def test_layout_lists_the_tree():
     covered = {path for path in listed} | {path.split("/")[0] + "/" for path in listed}
     absent = sorted(wanted - covered)
     assert not absent, f"README's Layout does not list {absent}"
+
+
+def test_every_metric_named_is_defined():
+    """The reverse of test_metrics_doc: a metric README names anywhere is one a service defines."""
+    defined = {m for path in (ROOT / "services").glob("*/metrics.py")
+               for m in re.findall(r'"(ferry_[a-z0-9_]+)"', path.read_text())}
+    named = set(re.findall(r"\bferry_(?:frontend|manager|instance|transfer)_[a-z0-9_]*[a-z0-9]", README))
+    unknown = sorted(name for name in named
+                     if not {name, re.sub(r"_(total|bucket|sum|count)$", "", name)} & defined)
+    assert not unknown, f"README names metrics no service defines: {unknown}"

@@ -6,13 +6,15 @@ the tree (before, services/ctl/, deploy/ and scripts/ were missing from it)."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import pathlib
 import re
 import subprocess
 
 import pytest
 
-from tests.deploy.knobs import config_fields, unknown_variables
+from tests.deploy.knobs import SERVICE_CONFIGS, config_fields, unknown_variables
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -120,3 +122,32 @@ def test_every_metric_named_is_defined():
     unknown = sorted(name for name in named
                      if not {name, re.sub(r"_(total|bucket|sum|count)$", "", name)} & defined)
     assert not unknown, f"README names metrics no service defines: {unknown}"
+
+
+def defaults() -> dict[str, set]:
+    """Per flag, the defaults it has in the commands that take it (services and `up`)."""
+    found: dict[str, set] = {}
+    for module_name, class_name in SERVICE_CONFIGS.values():
+        config = getattr(importlib.import_module(module_name), class_name)
+        for field in dataclasses.fields(config):
+            if field.default is not dataclasses.MISSING:
+                found.setdefault("--" + field.name.replace("_", "-"), set()).add(field.default)
+    from services.cluster.__main__ import parse_args
+    for name, value in vars(parse_args(["up"])).items():
+        found.setdefault("--" + name.replace("_", "-"), set()).add(value)
+    return found
+
+
+# "`--flag` (5 s", "`--flag` (default 60 s", "`--flag`, default 5 s", "`--flag`, 3 s": a plain
+# or seconds figure right after a flag is its default (one with another unit, "256 MiB", is left out).
+_QUOTED_DEFAULT = re.compile(r"`(--[a-z0-9-]+)`(?:,| \()\s*(?:default\s+)?(-?\d+(?:\.\d+)?)(?:\s*s\b)?(?=[,;:)]|\s+[^A-Za-z\s])")
+
+
+def test_quoted_defaults_are_the_defaults():
+    known = defaults()
+    quoted = [(line_of(m.start()), m.group(1), float(m.group(2))) for m in _QUOTED_DEFAULT.finditer(README)
+              if m.group(1) in known and len(known[m.group(1)]) == 1]
+    assert len(quoted) > 15
+    wrong = [(line, flag, figure, next(iter(known[flag]))) for line, flag, figure in quoted
+             if not isinstance(next(iter(known[flag])), (int, float)) or figure != next(iter(known[flag]))]
+    assert not wrong, f"README quotes defaults the flags do not have (line, flag, README, code): {wrong}"

@@ -1,8 +1,10 @@
-"""README's commands, flags, variables and Layout stay true to the code: every `--flag` it
-names is a flag of some ferry command (or of a named other tool), every
-`python -m services.<service> ...` line uses that command's own flags, every
-FERRY_<SERVICE>_<FIELD> is a field of that service's config, and the Layout block lists
-the tree (before, services/ctl/, deploy/ and scripts/ were missing from it)."""
+"""README's commands, flags, variables, metrics and Layout stay true to the code: every
+`--flag` it names is a flag of some ferry command (or of a named other tool), every
+`python -m services.<service> ...` line uses that command's own flags, "the frontend's
+`--flag`" is the frontend's, a default quoted right after a flag is its default, every
+FERRY_<SERVICE>_<FIELD> is a field of that service's config, every ferry_* metric is
+defined, and the Layout block lists the tree (before, services/ctl/, deploy/ and scripts/
+were missing from it)."""
 
 from __future__ import annotations
 

@@ -8,14 +8,13 @@ errors (`services.common.errors`): a peer that died or missed the deadline is Un
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 import structlog
 
+from services.common.idle_table import IdleClosingTable, Usage
 from services.common.errors import FerryError, NotFound, Unavailable, error_from_rpc
 from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
 from services.common.grpc_server import BULK_TRANSFER_OPTIONS, secure_or_insecure_channel
@@ -35,11 +34,9 @@ RECEIVE_BLOCKS_METHOD = "/ferry.v1.TransferService/ReceiveBlocks"
 
 class TransferClient:
     def __init__(self, address: str, timeout_s: float = 5.0, piece_bytes: int = DEFAULT_PIECE_BYTES,
-                 tls: TlsConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 tls: TlsConfig | None = None, usage: Usage | None = None) -> None:
         self.address = address
-        self._clock = clock
-        self.num_calls = 0  # under way: TransferClients never closes a client while one is
-        self.last_used = clock()  # when it was last taken (TransferClients) or a call of its ended
+        self.usage = usage or Usage()  # its calls under way: TransferClients never closes a client while one is
         self._peer = f"the transfer service at {address}"  # how errors name it
         self._timeout_s = timeout_s
         self.piece_bytes = piece_bytes  # the most data bytes per ReceiveBlocks message (senders chunk by it)
@@ -97,7 +94,7 @@ class TransferClient:
     # -- PeerTransferService ---------------------------------------------------------
 
     async def receive_blocks(self, header: IncomingBlocks, messages: AsyncIterator[bytes], timeout_s: float) -> int:
-        with self._counted():
+        with self.usage.call():
             try:
                 reply = await self._receive_blocks(_with_header(header, messages), timeout=timeout_s)
             except grpc.aio.AioRpcError as exc:
@@ -132,20 +129,11 @@ class TransferClient:
         return (await self._call(self._stub.ExpectBlocks, request, timeout_s)).num_bytes
 
     async def _call(self, method, request, timeout_s: float | None = None, metadata: Sequence = ()):
-        with self._counted():
+        with self.usage.call():
             try:
                 return await method(request, timeout=timeout_s or self._timeout_s, metadata=metadata)
             except grpc.aio.AioRpcError as exc:
                 raise error_from_rpc(exc, peer=self._peer) from None
-
-    @contextlib.contextmanager
-    def _counted(self) -> Iterator[None]:
-        self.num_calls += 1
-        try:
-            yield
-        finally:
-            self.num_calls -= 1
-            self.last_used = self._clock()
 
 
 async def _with_header(header: IncomingBlocks, messages: AsyncIterator[bytes]):
@@ -171,39 +159,19 @@ class TransferClients:
                  idle_close_s: float = IDLE_CLOSE_S, clock: Callable[[], float] = time.monotonic) -> None:
         self._piece_bytes = piece_bytes
         self._tls = tls
-        self._idle_close_s = idle_close_s
-        self._clock = clock
-        self._clients: dict[str, TransferClient] = {}
-        self._closing: set[asyncio.Task[None]] = set()  # closes of idle clients, kept until they end
+        self._table: IdleClosingTable[TransferClient] = IdleClosingTable(_close_client, "peer_client",
+                                                                         idle_close_s, clock)
 
     def __call__(self, address: str) -> TransferClient:
-        client = self._clients.get(address)
-        if client is None:
-            self._close_idle()
-            client = self._clients[address] = TransferClient(address, piece_bytes=self._piece_bytes, tls=self._tls,
-                                                             clock=self._clock)
-        client.last_used = self._clock()
-        return client
+        return self._table.take(address, lambda usage: TransferClient(
+            address, piece_bytes=self._piece_bytes, tls=self._tls, usage=usage)).value
 
     @property
     def addresses(self) -> list[str]:
-        return list(self._clients)
+        return self._table.addresses
 
     async def close(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            await client.close()
-        await asyncio.gather(*self._closing)
-
-    def _close_idle(self) -> None:
-        now = self._clock()
-        for address, client in list(self._clients.items()):
-            if client.num_calls == 0 and now - client.last_used >= self._idle_close_s:
-                del self._clients[address]
-                task = asyncio.get_running_loop().create_task(client.close(), name=f"close_peer_client:{address}")
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
-                log.info("peer_client_closed", peer=address, idle_s=round(now - client.last_used))
+        await self._table.close()
 
 
 # What grpc's asyncio client reports when a write fails because the stream already ended (the
@@ -216,3 +184,7 @@ _WHY_TIMEOUT_S = 2.0  # for the question that follows such a failure
 
 def _is_failed_write(exc: grpc.aio.AioRpcError) -> bool:
     return exc.code() is grpc.StatusCode.INTERNAL and exc.details() == _FAILED_WRITE_DETAILS
+
+
+async def _close_client(client: TransferClient) -> None:
+    await client.close()

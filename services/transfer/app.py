@@ -86,8 +86,9 @@ def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServ
         send_nccl_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024, 2, nccl_device)
         receive_nccl_staging = StagingPool(config.num_staging_slots, config.staging_kib * 1024, 2, nccl_device)
     channel_host = config.advertise_host or server.advertise_host
-    channels = ChannelTable(transfer_id, channel_host, config.channel_timeout_s, threads.io, config.gloo_connections,
-                            config.nccl_device, idle_close_s=idle_close_s(config))
+    channels = ChannelTable(transfer_id, channel_host, config.channel_timeout_s, threads.rendezvous,
+                            config.gloo_connections, config.nccl_device, idle_close_s=idle_close_s(config),
+                            max_rendezvous=threads.rendezvous_threads)
     backends = tuple(config.backends)
     sender = BlockSender(transfer_id, backends, mappings, send_staging, channels, peers, threads,
                          in_place_min_row_bytes=config.in_place_min_kib * 1024, nccl_staging=send_nccl_staging)

@@ -21,7 +21,14 @@ socket carries here, because its sender waits in epoll between non-blocking writ
 
 Rendezvous: the sender starts a TCPStore on a free port and, at the same time, builds its
 rank-0 group (which blocks until the peer joins) and calls `open_remote` — an RPC
-asking the peer to join as rank 1 (`accept`). All constructors run on worker threads.
+asking the peer to join as rank 1 (`accept`). All constructors run on rendezvous threads
+(`TransferThreads.rendezvous`, not the io threads transfers wait in), at most
+`max_rendezvous` opens and as many joins at once (separately: an open waits for its peer's
+join): one past them waits for a thread until its timeout. An open waits
+at most `--channel-timeout-s`, or the transfer's remaining time if shorter. A peer that never
+joins (it died after the open began, or a firewall drops the connection) leaves the rank-0
+constructor blocked until then, and nothing wakes it; so a retry to that peer meanwhile fails
+at once (Unavailable) rather than block another thread: one such peer holds one thread.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import datetime
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping, Sequence
+from typing import Any
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -43,7 +51,7 @@ from services.common.errors import FailedPrecondition, Unavailable
 from services.transfer.chunk_plan import Chunk
 from services.transfer.deadline import Deadline
 from services.transfer.domain import CHANNEL_BACKENDS, IDLE_CLOSE_S, TransferBackend
-from services.transfer.threads import run_in_thread
+from services.transfer.threads import NUM_RENDEZVOUS_THREADS
 
 log = structlog.get_logger(__name__)
 
@@ -236,12 +244,23 @@ class ChannelTable:
     the longest transfer (the app passes at least 4 x --transfer-timeout-s)."""
 
     def __init__(self, transfer_id: str, host: str, timeout_s: float, executor: Executor,
-                 gloo_connections: int = 1, nccl_device: int = 0, idle_close_s: float = IDLE_CLOSE_S) -> None:
+                 gloo_connections: int = 1, nccl_device: int = 0, idle_close_s: float = IDLE_CLOSE_S,
+                 max_rendezvous: int = NUM_RENDEZVOUS_THREADS) -> None:
+        """`executor`: the rendezvous threads (2 x `max_rendezvous`: opens and joins); `timeout_s`: the longest
+        an open or join waits."""
         self._transfer_id = transfer_id
         self._idle_close_s = idle_close_s
         self._host = host
         self._timeout_s = timeout_s
         self._executor = executor
+        self._max_rendezvous = max_rendezvous
+        # Opens (rank 0, waiting for a peer to join) and joins (rank 1) take separate threads: an open
+        # waits for a join, so with shared threads opens in both directions could hold them all.
+        self._open_slots = asyncio.Semaphore(max_rendezvous)
+        self._join_slots = asyncio.Semaphore(max_rendezvous)
+        self._num_rendezvous = 0  # rendezvous steps on threads now
+        # Rank-0 constructors still blocked after their open failed (the peer never joined), by key.
+        self._abandoned: dict[tuple[str, TransferBackend], asyncio.Future] = {}
         self._gloo_connections = gloo_connections
         self._nccl_device = nccl_device
         self._outgoing: dict[tuple[str, TransferBackend], PairChannel] = {}
@@ -250,29 +269,34 @@ class ChannelTable:
         # peer that went away (a failed open, a channel dropped after a failed transfer) leaves none behind.
         self._locks: dict[tuple[str, TransferBackend], _KeyLock] = {}
 
-    async def outgoing(self, peer_address: str, backend: TransferBackend, open_remote: OpenRemote) -> PairChannel:
-        """The channel to `peer_address`, opened on first use (this side is rank 0)."""
+    async def outgoing(self, peer_address: str, backend: TransferBackend, open_remote: OpenRemote,
+                       timeout_s: float | None = None) -> PairChannel:
+        """The channel to `peer_address`, opened on first use (this side is rank 0); an open waits at
+        most `timeout_s` (the transfer's remaining time) or the table's timeout, if shorter."""
         check_backend_available(backend, self._nccl_device)
         key = (peer_address, backend)
         async with self._locked(key):
             if key in self._outgoing and self._is_idle(self._outgoing[key], self._idle_close_s):
                 self.drop_outgoing(peer_address, backend)  # its peer may have dropped its end by now
             if key not in self._outgoing:
+                self._check_not_abandoned(key)
                 self._drop_idle()
-                self._outgoing[key] = await self._open(peer_address, backend, open_remote)
+                self._outgoing[key] = await self._open(peer_address, backend, open_remote, self._open_timeout_s(timeout_s))
             channel = self._outgoing[key]
             channel.last_used = time.monotonic()
             return channel
 
     async def accept(self, peer_id: str, backend: TransferBackend, store_address: str, rank: int,
-                     num_connections: int) -> None:
-        """Join the group the peer opened (replacing an older channel from it)."""
+                     num_connections: int, timeout_s: float | None = None) -> None:
+        """Join the group the peer opened (replacing an older channel from it), within `timeout_s`
+        (the OpenChannel call's) or the table's timeout, if shorter."""
         check_backend_available(backend, self._nccl_device)
+        timeout_s = self._open_timeout_s(timeout_s)
         host, _, port = store_address.rpartition(":")
-        store = await run_in_thread(self._executor, _client_store, host, int(port), self._timeout_s)
+        store = await self._rendezvous(self._join_slots, timeout_s, _client_store, host, int(port), timeout_s)
         prefix = dist.PrefixStore(_prefix(peer_id, self._transfer_id, backend), store)
-        group = await run_in_thread(self._executor, _create_group, backend, prefix, rank, self._host, self._timeout_s,
-                                    num_connections)
+        group = await self._rendezvous(self._join_slots, timeout_s, _create_group, backend, prefix, rank, self._host,
+                                       timeout_s, num_connections)
         self.drop_incoming(peer_id, backend)
         self._drop_idle()
         self._incoming[(peer_id, backend)] = PairChannel(peer_id, backend, rank, group, store, self._device_for(backend))
@@ -317,6 +341,11 @@ class ChannelTable:
         return len(self._outgoing) + len(self._incoming)
 
     @property
+    def num_opens_under_way(self) -> int:
+        """Rendezvous steps on threads now (a failed open's rank-0 constructor waiting for its timeout included)."""
+        return self._num_rendezvous
+
+    @property
     def num_locks(self) -> int:
         """Per-peer locks held or waited on now (an outgoing open in progress)."""
         return len(self._locks)
@@ -342,21 +371,67 @@ class ChannelTable:
     def _device_for(self, backend: TransferBackend) -> torch.device:
         return torch.device("cuda", self._nccl_device) if backend is TransferBackend.NCCL else torch.device("cpu")
 
-    async def _open(self, peer_address: str, backend: TransferBackend, open_remote: OpenRemote) -> PairChannel:
-        store = await run_in_thread(self._executor, _master_store, self._host, self._timeout_s)
+    async def _open(self, peer_address: str, backend: TransferBackend, open_remote: OpenRemote,
+                    timeout_s: float) -> PairChannel:
+        store = await self._rendezvous(self._open_slots, timeout_s, _master_store, self._host, timeout_s)
         prefix = dist.PrefixStore(_prefix(self._transfer_id, "", backend), store)
-        group_future = asyncio.ensure_future(run_in_thread(
-            self._executor, _create_group, backend, prefix, 0, self._host, self._timeout_s, self._gloo_connections))
+        # On its thread before the peer is asked to join: a join never waits for an open still waiting for a thread.
+        group_future = await self._start_rendezvous(self._open_slots, timeout_s, _create_group, backend, prefix, 0,
+                                                    self._host, timeout_s, self._gloo_connections)
         try:
             await open_remote(f"{self._host}:{store.port}", 1, self._gloo_connections)
+            group = await asyncio.shield(group_future)
         except BaseException:
-            # The rank-0 constructor gives up at the store timeout; it holds no staging memory.
-            group_future.add_done_callback(_consume_result)
+            self._abandon((peer_address, backend), group_future)
             raise
-        group = await group_future
         log.info("channel_opened", peer=peer_address, backend=backend.value, store_port=store.port)
         return PairChannel(peer_address, backend, 0, group, store, self._device_for(backend),
                            num_connections=self._gloo_connections)
+
+    def _open_timeout_s(self, timeout_s: float | None) -> float:
+        return self._timeout_s if timeout_s is None else max(min(self._timeout_s, timeout_s), 0.001)
+
+    async def _rendezvous(self, slots: asyncio.Semaphore, timeout_s: float, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.shield(await self._start_rendezvous(slots, timeout_s, fn, *args))
+
+    async def _start_rendezvous(self, slots: asyncio.Semaphore, timeout_s: float, fn: Callable[..., Any],
+                                *args: Any) -> asyncio.Future:
+        """Start `fn` on a rendezvous thread, once one of `slots` is free (within `timeout_s`, else
+        Unavailable). The thread counts as busy until `fn` returns, even if the caller gave up on it."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await slots.acquire()
+        except TimeoutError:
+            raise Unavailable(f"all {self._max_rendezvous} rendezvous threads for channel "
+                              f"{'opens' if slots is self._open_slots else 'joins'} stayed busy (with peers that "
+                              f"never joined?) for {timeout_s:.3g} s; retry") from None
+        self._num_rendezvous += 1
+        future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        future.add_done_callback(lambda _: self._rendezvous_ended(slots))
+        return future
+
+    def _rendezvous_ended(self, slots: asyncio.Semaphore) -> None:
+        self._num_rendezvous -= 1
+        slots.release()
+
+    def _abandon(self, key: tuple[str, TransferBackend], group_future: asyncio.Future) -> None:
+        """The open failed: its rank-0 constructor gives up at the open's timeout (it holds no staging
+        memory); until then, opens to that peer fail at once (`_check_not_abandoned`)."""
+        group_future.add_done_callback(_consume_result)
+        if group_future.done():
+            return
+        self._abandoned[key] = group_future
+
+        def ended(done: asyncio.Future) -> None:
+            if self._abandoned.get(key) is done:
+                del self._abandoned[key]
+        group_future.add_done_callback(ended)
+
+    def _check_not_abandoned(self, key: tuple[str, TransferBackend]) -> None:
+        if key in self._abandoned:
+            peer, backend = key
+            raise Unavailable(f"the last {backend.value} open to {peer} still waits for it to join (up to "
+                              f"{self._timeout_s:.3g} s, --channel-timeout-s); retry")
 
 
 @dataclass(slots=True)

@@ -181,7 +181,7 @@ class BlockSender:
         async def open_remote(store_address: str, rank: int, num_connections: int) -> None:
             await peer.open_channel(self._transfer_id, store_address, rank, backend, num_connections,
                                     deadline.remaining_s())
-        channel = await self._channels.outgoing(address, backend, open_remote)
+        channel = await self._channels.outgoing(address, backend, open_remote, deadline.remaining_s())
         staging = self._nccl_staging if backend is TransferBackend.NCCL else self._staging
         # The channel's turn first, then a staging slot: one waiting for a busy peer holds no slot that a
         # transfer to another peer could use.

@@ -100,7 +100,8 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
         if not 0 <= request.num_connections <= MAX_GLOO_CONNECTIONS:
             raise InvalidArgument(f"num_connections: must be 0..{MAX_GLOO_CONNECTIONS}, got {request.num_connections}")
         await self.node.channels.accept(request.peer_transfer_id, backend_from_proto(request.backend),
-                                        request.store_address, request.rank, max(1, request.num_connections))
+                                        request.store_address, request.rank, max(1, request.num_connections),
+                                        self._timeout_s(context))
         return transfer_pb2.OpenChannelResponse()
 
     async def ExpectBlocks(self, request: transfer_pb2.ExpectBlocksRequest,

@@ -2,9 +2,13 @@
 
 * `copy`: one thread; gathers and scatters run there in chunk order (checksums chain
   over row chunks, and a pipeline never has two copies of one transfer in flight).
-* `io`: blocking channel sends/receives and rendezvous: enough threads for every staging
-  buffer of every slot in both directions to wait at once (a send waits for the peer's
-  receive, so a short pool could leave both sides waiting for threads), plus rendezvous.
+* `io`: blocking channel sends/receives: enough threads for every staging buffer of every
+  slot in both directions to wait at once (a send waits for the peer's receive, so a short
+  pool could leave both sides waiting for threads).
+* `rendezvous`: channel opens (stores, group constructors), apart from `io`: an open whose
+  peer never joins blocks its thread until the open's timeout, and must not take a thread a
+  transfer waits for. The channel table runs at most `rendezvous_threads` opens and as many
+  joins at once (no queue).
 
 Torch and numpy copies and gloo waits release the GIL, so all of these run while the event loop serves.
 """
@@ -17,25 +21,29 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-NUM_RENDEZVOUS_THREADS = 4
+NUM_RENDEZVOUS_THREADS = 4  # opens at once, and as many joins
 
 
 @dataclass(frozen=True, slots=True)
 class TransferThreads:
     copy: Executor
     io: Executor
+    rendezvous: Executor
+    rendezvous_threads: int = NUM_RENDEZVOUS_THREADS
 
     @classmethod
     def start(cls, buffers_per_direction: int) -> TransferThreads:
         """`buffers_per_direction`: staging buffers of all slots of one pool."""
         return cls(ThreadPoolExecutor(1, thread_name_prefix="kv-copy"),
-                   ThreadPoolExecutor(2 * buffers_per_direction + NUM_RENDEZVOUS_THREADS, thread_name_prefix="kv-io"))
+                   ThreadPoolExecutor(2 * buffers_per_direction, thread_name_prefix="kv-io"),
+                   ThreadPoolExecutor(2 * NUM_RENDEZVOUS_THREADS, thread_name_prefix="kv-rendezvous"))
 
     def shutdown(self) -> None:
         """Wait for copies (they touch KV memory that is unmapped next); leave blocked channel
-        operations behind (their channels are already dropped, which ends them)."""
+        operations and opens behind (their channels are already dropped, which ends them)."""
         self.copy.shutdown(wait=True, cancel_futures=True)
         self.io.shutdown(wait=False, cancel_futures=True)
+        self.rendezvous.shutdown(wait=False, cancel_futures=True)  # opens give up at their timeout
 
 
 async def run_in_thread(executor: Executor, fn: Callable[..., Any], *args: Any) -> Any:

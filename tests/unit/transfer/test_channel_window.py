@@ -87,7 +87,7 @@ class FakeChannels:
     def __init__(self, channel: FakeChannel) -> None:
         self.channel = channel
 
-    async def outgoing(self, peer_address, backend, open_remote):
+    async def outgoing(self, peer_address, backend, open_remote, timeout_s=None):
         return self.channel
 
     def incoming(self, peer_id, backend):
@@ -294,7 +294,7 @@ class ChannelsByPeer:
     def __init__(self, channels: dict[str, FakeChannel]) -> None:
         self.channels = channels
 
-    async def outgoing(self, peer_address, backend, open_remote):
+    async def outgoing(self, peer_address, backend, open_remote, timeout_s=None):
         return self.channels[peer_address]
 
     def incoming(self, peer_id, backend):

@@ -27,7 +27,7 @@ class RecordingChannels:
         self.channel = channel
         self.dropped: list[str] = []
 
-    async def outgoing(self, peer_address, backend, open_remote):
+    async def outgoing(self, peer_address, backend, open_remote, timeout_s=None):
         return self.channel
 
     def incoming(self, peer_id, backend):

@@ -318,8 +318,11 @@ class ChannelTable:
     def incoming(self, peer_id: str, backend: TransferBackend) -> PairChannel:
         channel = self._incoming.get((peer_id, backend))
         if channel is None:
-            raise FailedPrecondition(f"no {backend.value} channel from transfer service {peer_id!r}; "
-                                     "the sender must call OpenChannel first")
+            # Dropped (a transfer on it failed here, or it idled out) or never opened (this service restarted
+            # under the same id): the sender's end is stale, and a retry opens afresh. Not a precondition:
+            # a migration takes those for a refusal and does not retry.
+            raise Unavailable(f"no {backend.value} channel from transfer service {peer_id!r} (this end was dropped "
+                              "after a failed transfer, or never opened); retry, which opens a fresh one")
         channel.last_used = time.monotonic()
         return channel
 

@@ -17,6 +17,7 @@ import torch
 from services.common.errors import Unavailable
 from services.transfer.channels import ChannelTable
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
+from services.transfer.receiver import BlockReceiver
 from services.transfer.sender import BlockSender
 from services.transfer.staging import StagingPool
 from services.transfer.threads import TransferThreads
@@ -85,3 +86,31 @@ async def test_a_cancelled_transfer_whose_peer_does_not_receive_ends_at_once(glo
     with pytest.raises(asyncio.CancelledError):
         await task
     assert time.monotonic() - started < 5, "the cancelled transfer's sends waited for the deadline"
+
+
+class PeerThatDroppedItsEnd:
+    """Joins the channel, then drops its end before the transfer's ExpectBlocks reaches it (another
+    transfer on the channel failed there: the receiver drops its end to wake the blocked sender)."""
+
+    piece_bytes = 1 << 20
+
+    def __init__(self, table: ChannelTable, threads: TransferThreads) -> None:
+        self.table = table
+        self.receiver = BlockReceiver(None, StagingPool(1, BLOCK_BYTES, 4), table, threads)
+
+    async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s):
+        await self.table.accept(peer_transfer_id, backend, store_address, rank, num_connections)
+
+    async def expect_blocks(self, header, backend, tag, timeout_s):
+        self.table.drop_incoming(header.src_transfer_id, backend)
+        return await self.receiver.receive_on_channel(header, backend, tag, timeout_s)
+
+
+async def test_a_channel_the_receiver_dropped_mid_transfer_is_unavailable_and_reopened_on_retry(gloo_pair):
+    """The receiver answered FAILED_PRECONDITION ("the sender must call OpenChannel first"), which a
+    migration takes for a refusal (Aborted: the copy was refused) rather than a retryable break."""
+    threads, sender_table, receiver_table = gloo_pair
+    sender, transfer = _sender(threads, sender_table, PeerThatDroppedItsEnd(receiver_table, threads))
+    with pytest.raises(Unavailable, match="no gloo channel from transfer service 'A'"):
+        await sender.transfer(transfer, DEADLINE_S)
+    assert sender_table.num_channels == 0  # the retry opens afresh

@@ -85,7 +85,9 @@ async def _check_mapping(link: TransferLink, instance_id: str, kv_cache: KvCache
 async def disconnect_transfer(link: TransferLink, instance_id: str) -> None:
     """Unmap this instance (best effort: the service may be gone already) and close the channel."""
     try:
-        await link.client.unmap_instance(instance_id)
+        was_mapped = await link.client.unmap_instance(instance_id)
     except FerryError as exc:
-        log.info("kv_cache_unmap_failed", transfer_address=link.address, reason=exc.message)
+        log.info("kv_cache_unmap_failed", instance_id=instance_id, transfer_address=link.address, reason=exc.message)
+    else:
+        log.info("kv_cache_unmapped", instance_id=instance_id, transfer_address=link.address, was_mapped=was_mapped)
     await link.client.close()

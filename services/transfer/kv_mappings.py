@@ -60,9 +60,13 @@ class KvMappings:
         self.write_grants.revoke_all(instance_id)  # whatever maps this id next is another memory
         self.write_grants.unfence(instance_id)
         if cache is None:
+            log.info("instance_unmap_not_mapped", instance_id=instance_id, transfer_id=self._transfer_id,
+                     mapped_instance_ids=self.instance_ids())
             return False
+        shm_name, device = cache.name, str(cache.tensor.device)
         cache.close()
-        log.info("instance_unmapped", instance_id=instance_id)
+        log.info("instance_unmapped", instance_id=instance_id, shm_name=shm_name, device=device,
+                 transfer_id=self._transfer_id)
         return True
 
     def unmap_vanished(self) -> list[InstanceId]:

@@ -56,3 +56,31 @@ async def test_mapping_loop_outlives_any_error_and_cancels():
     await until(lambda: bool(client.mapped), loop)
     assert client.mapped == ["instance-0"]
     await assert_cancels(loop)
+
+
+@pytest.mark.parametrize("outcome", [True, False, Unavailable("the transfer service at 127.0.0.1:1 did not answer")])
+async def test_disconnecting_logs_which_instance_was_unmapped_where_or_why_not(outcome):
+    """The instance logged nothing when its unmap succeeded or found nothing mapped, and a failure without
+    the instance id."""
+    from structlog.testing import capture_logs
+
+    from services.instance.transfer_link import disconnect_transfer
+
+    class Client:
+        address = "127.0.0.1:1"
+
+        async def unmap_instance(self, instance_id: str) -> bool:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+
+        async def close(self) -> None:
+            pass
+    with capture_logs() as logs:
+        await disconnect_transfer(TransferLink(Client(), "t-0"), "instance-0")
+    (entry,) = logs
+    assert entry["instance_id"] == "instance-0" and entry["transfer_address"] == "127.0.0.1:1"
+    if isinstance(outcome, bool):
+        assert entry["event"] == "kv_cache_unmapped" and entry["was_mapped"] is outcome
+    else:
+        assert entry["event"] == "kv_cache_unmap_failed"

@@ -98,3 +98,21 @@ def test_a_mapping_whose_name_now_names_a_new_segment_is_unmapped_and_a_fresh_ma
         mappings.map("inst-0", name, geometry)  # the new instance maps itself
         assert mappings.unmap_vanished() == [] and mappings.instance_ids() == ["inst-0"]
         mappings.close()
+
+
+def test_unmap_logs_name_the_instance_its_segment_and_the_service_or_say_it_was_not_mapped():
+    """UnmapInstance logged only the instance id when it unmapped one, and nothing at all when the
+    instance was not mapped there: an operator could not tell which segment went, or that it was not there."""
+    from structlog.testing import capture_logs
+
+    geometry = tiny_geometry()
+    with KvCache.create(f"ferry-unit-{uuid.uuid4().hex[:8]}", geometry) as cache:
+        mappings = KvMappings("t-0")
+        mappings.map("inst-0", cache.name, geometry)
+        with capture_logs() as logs:
+            assert mappings.unmap("inst-0") and not mappings.unmap("inst-0")
+    unmapped, not_mapped = logs
+    assert unmapped["event"] == "instance_unmapped" and unmapped["instance_id"] == "inst-0"
+    assert unmapped["shm_name"] == cache.name and unmapped["transfer_id"] == "t-0"
+    assert not_mapped["event"] == "instance_unmap_not_mapped" and not_mapped["instance_id"] == "inst-0"
+    assert not_mapped["transfer_id"] == "t-0"

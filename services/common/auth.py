@@ -94,7 +94,9 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         if denial is None:
             return handler
         code, message = denial
-        if (suppressed := self._refusal_log.admit((method, code))) is not None:
+        # A method the server lacks is the caller's choice of name: one key for all, or a caller cycling names logs each.
+        key = (method if handler is not None else None, code)
+        if (suppressed := self._refusal_log.admit(key)) is not None:
             log.info("rpc_unauthenticated", method=method, code=code.name, metadata_key=self._scheme.key,
                      suppressed=suppressed)
         return _refusing(handler, code, message)

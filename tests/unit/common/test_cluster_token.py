@@ -220,3 +220,19 @@ def test_a_flood_of_refused_calls_logs_one_line_per_method_and_code():
     lines = [(e["method"], e["code"], e["suppressed"]) for e in logs if e["event"] == "rpc_unauthenticated"]
     assert lines == [(f"/{GUARDED}/Abort", "UNAUTHENTICATED", 0), (f"/{GUARDED}/Generate", "UNAUTHENTICATED", 0),
                      (f"/{GUARDED}/Abort", "PERMISSION_DENIED", 0)]
+
+
+def test_a_flood_of_calls_to_made_up_methods_of_a_guarded_service_logs_one_line():
+    """A method the server does not have (gRPC answers UNIMPLEMENTED) is named by the caller: keyed by its name,
+    a caller cycling through made-up names logged every call (and pushed real methods' keys out of the table)."""
+    [guard] = cluster_token.server_interceptors(TOKEN, [GUARDED])
+
+    async def unknown(_details):
+        return None
+
+    async def flood() -> None:
+        for n in range(50):
+            assert await guard.intercept_service(unknown, details(f"/{GUARDED}/NoSuchMethod{n}")) is None
+    with capture_logs() as logs:
+        asyncio.run(flood())
+    assert [e["method"] for e in logs if e["event"] == "rpc_unauthenticated"] == [f"/{GUARDED}/NoSuchMethod0"]

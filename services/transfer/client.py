@@ -153,7 +153,9 @@ class TransferClients:
     kept for ever: one neither taken nor called for `idle_close_s` is closed when a new address is
     taken. One with a call under way never is, and a transfer takes its client when it starts, so
     with `idle_close_s` well above the longest transfer (the app passes the channel table's, at least
-    4 x --transfer-timeout-s) none is closed between the calls of a transfer either."""
+    4 x --transfer-timeout-s) none is closed between the calls of a transfer either, short of the
+    table's bound: were more than MAX_ENTRIES (4096) other addresses taken during one transfer, the least
+    recently used clients with no call under way would close early, a held one between its calls included."""
 
     def __init__(self, piece_bytes: int = DEFAULT_PIECE_BYTES, tls: TlsConfig | None = None,
                  idle_close_s: float = IDLE_CLOSE_S, clock: Callable[[], float] = time.monotonic) -> None:

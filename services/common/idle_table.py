@@ -105,8 +105,9 @@ class IdleClosingTable(Generic[T]):
         task.add_done_callback(self._closing.discard)
 
     async def wait_closed(self) -> None:
-        """Wait for the closes under way."""
-        await asyncio.gather(*self._closing)
+        """Wait for the closes under way; a waiter cancelled meanwhile leaves them to finish (shielded: a
+        close cancelled before its first step never ran, and its value, already out of the table, stayed open)."""
+        await asyncio.shield(asyncio.gather(*self._closing))
 
     async def close(self) -> None:
         entries, self._entries = list(self._entries.values()), {}

@@ -107,3 +107,25 @@ async def test_pop_takes_a_value_out_unclosed():
     assert entry is not None and entry.value == "a" and things.table.get("a") is None
     await things.table.close()
     assert things.closed == []
+
+
+async def test_a_caller_cancelled_while_it_waits_for_the_closes_leaves_them_to_finish():
+    """ChannelPool waits for the closes a new address started (`wait_closed`); a caller cancelled there (its
+    client hung up) cancelled them too, and one not started yet never ran: a channel out of the table, never
+    closed."""
+    clock = Clock()
+    things = Table(clock)
+    things.take("a")
+    clock.now += IDLE_S
+
+    async def dial_a_new_address() -> None:
+        things.take("b")  # starts a's close
+        await things.table.wait_closed()
+    caller = asyncio.ensure_future(dial_a_new_address())
+    await asyncio.sleep(0)  # the caller now waits; a's close has not run a step yet
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert things.closed == ["a"] and things.table.addresses == ["b"]

@@ -296,7 +296,7 @@ class ChannelTable:
         store = await self._rendezvous(self._join_slots, timeout_s, _client_store, host, int(port), timeout_s)
         prefix = dist.PrefixStore(_prefix(peer_id, self._transfer_id, backend), store)
         group = await self._rendezvous(self._join_slots, timeout_s, _create_group, backend, prefix, rank, self._host,
-                                       timeout_s, num_connections)
+                                       self._group_timeout_s(backend, timeout_s), num_connections)
         self.drop_incoming(peer_id, backend)
         self._drop_idle()
         self._incoming[(peer_id, backend)] = PairChannel(peer_id, backend, rank, group, store, self._device_for(backend))
@@ -380,7 +380,8 @@ class ChannelTable:
         prefix = dist.PrefixStore(_prefix(self._transfer_id, "", backend), store)
         # On its thread before the peer is asked to join: a join never waits for an open still waiting for a thread.
         group_future = await self._start_rendezvous(self._open_slots, timeout_s, _create_group, backend, prefix, 0,
-                                                    self._host, timeout_s, self._gloo_connections)
+                                                    self._host, self._group_timeout_s(backend, timeout_s),
+                                                    self._gloo_connections)
         try:
             await open_remote(f"{self._host}:{store.port}", 1, self._gloo_connections)
             group = await asyncio.shield(group_future)
@@ -390,6 +391,12 @@ class ChannelTable:
         log.info("channel_opened", peer=peer_address, backend=backend.value, store_port=store.port)
         return PairChannel(peer_address, backend, 0, group, store, self._device_for(backend),
                            num_connections=self._gloo_connections)
+
+    def _group_timeout_s(self, backend: TransferBackend, open_timeout_s: float) -> float:
+        """gloo connects its pair within the group's timeout (each send and receive passes its own), so the
+        open's bounds it; nccl connects lazily and keeps the group's timeout as every operation's for the
+        channel's life, so it gets the table's, not what was left of the call that happened to open it."""
+        return open_timeout_s if backend is TransferBackend.GLOO else self._timeout_s
 
     def _open_timeout_s(self, timeout_s: float | None) -> float:
         return self._timeout_s if timeout_s is None else max(min(self._timeout_s, timeout_s), 0.001)

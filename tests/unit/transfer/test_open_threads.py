@@ -105,3 +105,11 @@ async def test_opens_in_both_directions_at_once_do_not_hold_each_others_joins_ba
         finally:
             for table in tables.values():
                 table.close()
+
+
+def test_an_nccl_channel_keeps_the_tables_timeout_for_its_operations_whatever_opened_it(node_and_threads):
+    """nccl keeps the group's timeout as every operation's for the channel's life (review): a channel
+    opened by a transfer with 0.5 s left must not cut later transfers at 0.5 s. gloo's bounds its connect."""
+    node, _ = node_and_threads
+    assert node.channels._group_timeout_s(TransferBackend.NCCL, 0.5) == CHANNEL_TIMEOUT_S
+    assert node.channels._group_timeout_s(TransferBackend.GLOO, 0.5) == 0.5

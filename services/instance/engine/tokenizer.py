@@ -179,7 +179,10 @@ class IncrementalDetokenizer:
     Decodes a short window of ids (from the last emitted boundary, `prefix_offset`)
     and emits the text after what that window decoded to before (`read_offset`).
     While the decoded text ends with U+FFFD, a UTF-8 character is still split
-    across tokens and the text is held back; `flush` emits what is held at the end.
+    across tokens: the U+FFFD run at the end is held back (the window's text before it
+    goes out: a token may end one character and start the next, and a run of such tokens
+    would otherwise hold back everything, stop strings in it unseen, until the end);
+    `flush` emits what is held at the end.
     With byte fallback, a run of <0xNN> tokens is held back until a token ends it: the
     decoder turns a whole invalid run into U+FFFD, bytes already valid on their own included.
     The deltas joined equal `decode(context_ids + ids)` minus `decode(context_ids)`.
@@ -193,6 +196,7 @@ class IncrementalDetokenizer:
         self._ids = list(context_ids)  # context (e.g. the prompt's tail) then every fed id
         self._prefix_offset = 0  # the window to decode starts here
         self._read_offset = len(self._ids)  # text of ids before this has been emitted
+        self._num_early_chars = 0  # of the text after read_offset's, characters emitted before a U+FFFD
 
     def feed(self, token_ids: Iterable[int]) -> str:
         """The new text after adding these ids; "" while a character is incomplete."""
@@ -211,10 +215,16 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset, len(self._ids))
-        if len(new_text) <= len(prefix_text) or (new_text.endswith(REPLACEMENT_CHAR) and not is_final):
+        start = len(prefix_text) + self._num_early_chars
+        if len(new_text) <= start:
             return ""
+        if new_text.endswith(REPLACEMENT_CHAR) and not is_final:
+            whole = new_text.rstrip(REPLACEMENT_CHAR)  # what comes before the split character is final
+            self._num_early_chars = max(len(whole) - len(prefix_text), self._num_early_chars)
+            return whole[start:]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return new_text[len(prefix_text) :]
+        self._num_early_chars = 0
+        return new_text[start:]
 
 
 def _raw_byte_ids(backend: tokenizers.Tokenizer) -> frozenset[int]:

@@ -291,3 +291,38 @@ def test_a_word_and_the_same_piece_inside_a_word_differ():
     tokenizer = metaspace_tokenizer()
     word, piece = tokenizer.backend.token_to_id("▁The"), tokenizer.backend.token_to_id("The")
     assert (tokenizer.token_bytes(word), tokenizer.token_bytes(piece)) == (b" The", b"The")
+
+
+def straddling_tokenizer() -> Tokenizer:
+    """Byte-level BPE with a token that ends one CJK character and starts the next: "¯ä¸" is the
+    bytes AF E4 B8, so a run of it spells 丯 (E4 B8 AF) again and again, always a character short."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab["¯ä"], vocab["¯ä¸"] = len(vocab), len(vocab) + 1
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[("¯", "ä"), ("¯ä", "¸")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return Tokenizer(backend)
+
+
+def test_tokens_that_straddle_characters_stream_their_whole_characters():
+    """Each token's text ends inside a character: what comes before that character still goes out
+    (before, the whole run was held back to the end, and stop strings in it were never seen)."""
+    tokenizer = straddling_tokenizer()
+    ids = [tokenizer.backend.token_to_id("¯ä¸")] * 6
+    assert tokenizer.decode(ids) == "\ufffd" + "丯" * 5 + "\ufffd"
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.feed([i]) for i in ids]
+    assert deltas == ["", "\ufffd丯", "丯", "丯", "丯", "丯"]
+    assert "".join(deltas) + detok.flush() == tokenizer.decode(ids)
+
+
+def test_a_stop_string_inside_straddling_tokens_stops_the_text():
+    from services.instance.engine.text_output import TextOutput
+
+    tokenizer = straddling_tokenizer()
+    text = TextOutput(IncrementalDetokenizer(tokenizer), stop=("丯丯",))
+    token_id = tokenizer.backend.token_to_id("¯ä¸")
+    stopped = [text.append(token_id) for _ in range(3)]  # "", "\ufffd丯", "丯": the stop string is whole
+    assert stopped == [False, False, True]
+    assert text.text == "\ufffd" and text.take_delta(is_final=True) == "\ufffd"

@@ -471,6 +471,12 @@ class LLMEngine:
         return (*sampling.stop_token_ids, *eos)
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        reason = self._token_stop_reason(request, token_id)
+        if reason is FinishReason.LENGTH and request.text.finish():
+            return FinishReason.STOP  # a stop string in the text held back to the end
+        return reason
+
+    def _token_stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         sampling = request.sampling
         if request.num_output_tokens < sampling.min_tokens:
             request.text.append(token_id)  # the text grows; stop strings do not count yet (TextOutput)

@@ -2,7 +2,9 @@
 
 Stop strings may span tokens. So that a client never sees the start of a stop string
 that later completes, the last `len(longest stop) - 1` characters are held back until
-more text shows they are not a stop string, or the request finishes. With `min_tokens`,
+more text shows they are not a stop string, or the request finishes. Text the detokenizer
+holds back to the end (a run of raw bytes, an incomplete character) is looked through for stop
+strings too when it comes out (`finish`). With `min_tokens`,
 stop strings count only in text that tokens after the first `min_tokens` add (vLLM's rule).
 """
 
@@ -31,6 +33,7 @@ class TextOutput:
         self.text = ""  # every character so far, cut before the stop string once one is found
         self.num_emitted_chars = 0  # text[:num_emitted_chars] was handed out already
         self.is_stopped = False  # a stop string was found; text ends before it
+        self._is_flushed = False  # the detokenizer's held-back text was added (finish)
 
     def prime(self, token_ids: list[int]) -> None:
         """Feed tokens generated (and streamed) elsewhere before a resume, one at a time as their
@@ -61,10 +64,22 @@ class TextOutput:
             return False
         return self._cut_at_stop(num_old_chars)
 
+    def finish(self) -> bool:
+        """Add the text the detokenizer still holds back; True when a stop string appeared in it (the
+        text is then cut before it). Before, that text was added without a look for stop strings."""
+        if self._is_flushed or self.is_stopped:
+            return False
+        self._is_flushed = True
+        num_old_chars = len(self.text)
+        self.text += self._detokenizer.flush()
+        if not self._stop or len(self.text) == num_old_chars or self._num_tokens <= self._min_tokens:
+            return False
+        return self._cut_at_stop(num_old_chars)
+
     def take_delta(self, is_final: bool) -> str:
         """Text not handed out yet; all of it once the request is final."""
-        if is_final and not self.is_stopped:
-            self.text += self._detokenizer.flush()
+        if is_final:
+            self.finish()
         end = len(self.text) if is_final else len(self.text) - self._hold_back
         if end <= self.num_emitted_chars:
             return ""

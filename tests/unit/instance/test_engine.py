@@ -22,6 +22,8 @@ from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.model import LlamaModel, load_model
 from services.instance.engine.request import FinishReason, SamplingParams
 from services.instance.engine.tokenizer import Tokenizer
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models
 
 pytestmark = pytest.mark.timeout(120)
 torch.set_num_threads(2)
@@ -600,6 +602,22 @@ def test_prompt_logprobs_not_for_resumed_requests(gqa, make_engine):
     engine.add_request("one", [7], replace(GREEDY, prompt_logprobs=0))  # a one-token prompt has none to give
     first = next(o for o in engine.step() if o.request_id == "one")
     assert first.prompt_logprobs == ()
+
+
+def test_a_stop_string_in_raw_bytes_held_back_to_the_end_stops_the_request(gqa, make_engine):
+    """A run of SentencePiece <0xNN> tokens is held back until a token that is no byte ends it; one that
+    runs to max_tokens comes out at the end. Before, that text was not looked through for stop strings:
+    the request ended LENGTH with the stop string in its text."""
+    backend = BackendTokenizer(models.WordLevel({**{f"<0x{b:02X}>": b for b in range(256)}, "<s>": 256}, "<s>"))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    engine = make_engine(gqa)
+    engine.tokenizer = Tokenizer(backend)
+    prompt = text_prompt(gqa, "Hello")
+    always_a = SamplingParams(temperature=0.0, max_tokens=6, logit_bias=((0x41, 100.0),))  # <0x41>: "A"
+    got = run(engine, {0: [("plain", prompt, always_a), ("stop", prompt, replace(always_a, stop=("AA",)))]})
+    assert got["plain"].text == "AAAAAA" and got["plain"].finish_reason is FinishReason.LENGTH
+    assert got["stop"].token_ids == [0x41] * 6
+    assert got["stop"].text == "" and got["stop"].finish_reason is FinishReason.STOP
 
 
 def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(gqa, make_engine):

@@ -132,3 +132,34 @@ def test_priming_tokens_that_end_inside_a_character_keeps_the_text_before_it(tin
     text = TextOutput(IncrementalDetokenizer(tokenizer), ())
     text.prime(token_ids[:-1])  # the emoji's last byte is missing
     assert text.text == "ab"
+
+
+class HoldingDetokenizer:
+    """Holds every piece back until the end, as a run of raw byte tokens is held back until a token
+    that is no byte ends it (or the request does)."""
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def feed(self, token_ids: list[int]) -> str:
+        self._held += "".join(PIECES[t] for t in token_ids)
+        return ""
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+def test_a_stop_string_in_text_held_back_to_the_end_still_cuts_it():
+    text = TextOutput(HoldingDetokenizer(), ("o wo",))
+    deltas, stopped = stream(text, [1, 2, 3, 4])
+    assert not stopped and deltas == ["", "", "", ""]
+    assert text.finish() and text.is_stopped  # before, the held-back text came out whole, stop string and all
+    assert text.take_delta(is_final=True) == "Hell" and text.text == "Hell"
+    assert not text.finish() and text.take_delta(is_final=True) == ""
+
+
+def test_held_back_text_before_min_tokens_is_not_looked_through():
+    text = TextOutput(HoldingDetokenizer(), ("o wo",), min_tokens=4)
+    stream(text, [1, 2, 3, 4])
+    assert not text.finish() and text.take_delta(is_final=True) == "Hello world"

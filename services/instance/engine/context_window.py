@@ -4,7 +4,7 @@ with, from its raw `config.json` (no torch: the frontend reads it too).
 Sliding windows, as transformers applies them (a query at position p sees the keys at
 positions p - W < j <= p):
 
-* Mistral and Phi-3: `sliding_window` on every layer;
+* Mistral, Phi-3 and StarCoder2: `sliding_window` on every layer;
 * Qwen2/Qwen3: with `use_sliding_window`, the layers `layer_types` marks "sliding_attention",
   or by default those from `max_window_layers` on;
 * Gemma 2 (every other layer) and Gemma 3 (five of every six): `layer_types`, or that default
@@ -33,7 +33,7 @@ def layer_windows(raw: dict[str, Any], num_layers: int) -> tuple[int | None, ...
 
 def _sliding_layers(raw: dict[str, Any], model_type: str | None, num_layers: int) -> list[bool]:
     layer_types = raw.get("layer_types")
-    if model_type in ("mistral", "mixtral", "phi3"):
+    if model_type in ("mistral", "mixtral", "phi3", "starcoder2"):
         return [True] * num_layers
     if model_type in ("qwen2", "qwen3"):
         if not raw.get("use_sliding_window"):

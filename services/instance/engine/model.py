@@ -15,9 +15,11 @@ that lives in shared memory instead).
 The families' differences (model_config.py) are a few constants and switches: the MLP's
 activation, Gemma's norm offset and embedding scale, Gemma 2's extra norms and soft-capping,
 Granite's multipliers, partial RoPE; the mixture-of-experts families swap the MLP of their
-sparse layers for `SparseMoeMLP`.
+sparse layers for `SparseMoeMLP`. The LayerNorm families (StarCoder2) take a LayerNorm
+(`make_norm`) and, where not gated, a `PlainMLP` (`make_mlp`).
 """
 
+import math
 from pathlib import Path
 
 import structlog
@@ -49,7 +51,7 @@ class RMSNorm(nn.Module):
     @classmethod
     def of(cls, config: ModelConfig, size: int) -> "RMSNorm":
         """The family's norm over `size` features."""
-        return cls(size, config.rms_norm_eps, config.norm_weight_offset, config.norm_scales_in_float32)
+        return cls(size, config.norm_eps, config.norm_weight_offset, config.norm_scales_in_float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_offset or self.scales_in_float32:
@@ -59,6 +61,11 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)  # in float32, as transformers does
         return self.weight * normed.to(x.dtype)
+
+
+def make_norm(config: ModelConfig, size: int) -> nn.Module:
+    """The family's norm over `size` features: a LayerNorm with a bias, or an RMSNorm."""
+    return nn.LayerNorm(size, eps=config.norm_eps) if config.layer_norm else RMSNorm.of(config, size)
 
 
 class RotaryEmbedding(nn.Module):
@@ -144,10 +151,16 @@ class Attention(nn.Module):
         keys.copy_(self.k_norm(keys))
 
 
+def gelu_new(x: torch.Tensor) -> torch.Tensor:
+    """transformers' NewGELUActivation (GPT-2, Phi): the tanh approximation, written out (other bits than F.gelu's)."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": gelu_new,
 }
 
 
@@ -164,6 +177,26 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+
+class PlainMLP(nn.Module):
+    """Not gated: down(act(up(x))) (StarCoder2's c_fc/c_proj)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.up_proj = PackedLinear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = PackedLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act = ACTIVATIONS[config.activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+def make_mlp(config: ModelConfig, index: int) -> nn.Module:
+    """Layer `index`'s MLP: sparse (mixture of experts), gated or plain."""
+    if config.moe and config.moe.sparse_layers[index]:
+        return SparseMoeMLP(config)
+    return MLP(config) if config.gated_mlp else PlainMLP(config)
 
 
 class SparseMoeMLP(nn.Module):
@@ -212,10 +245,10 @@ class SparseMoeMLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm.of(config, config.hidden_size)
+        self.input_layernorm = make_norm(config, config.hidden_size)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm.of(config, config.hidden_size)
-        self.mlp = SparseMoeMLP(config) if config.moe and config.moe.sparse_layers[index] else MLP(config)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.mlp = make_mlp(config, index)
         self.residual_scale = config.residual_scale
 
     def forward(
@@ -268,7 +301,7 @@ class LlamaModel(nn.Module):
         layer_class = SandwichDecoderLayer if config.sandwich_norms else \
             PostNormDecoderLayer if config.post_norms_only else DecoderLayer
         self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm.of(config, config.hidden_size)
+        self.norm = make_norm(config, config.hidden_size)
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = PackedLinear(config.hidden_size, config.vocab_size, bias=False)

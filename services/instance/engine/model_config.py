@@ -21,6 +21,11 @@ Llama-family decoders are supported (pre-norm blocks, RoPE, GQA, gated MLP), eac
   (OLMo2's query and key norms with pre-norm blocks, and `clip_qkv`), each token through its
   top k experts (MoeConfig).
 
+LayerNorm families (LayerNorms with a bias instead of RMSNorms):
+
+* "starcoder2" (biases on every projection with `use_bias`, a plain MLP `c_fc` → act → `c_proj`,
+  `norm_epsilon`, a sliding window on every layer, embeddings tied by default).
+
 Sliding windows are read per layer, and longrope RoPE limits the longest sequence served
 (context_window.py); RoPE settings are read in rope.py.
 """
@@ -37,10 +42,11 @@ from services.instance.engine.context_window import DEFAULT_MAX_POSITIONS, Conte
 from services.instance.engine.rope import RopeConfig, read_layer_ropes
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite",
-                         "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+                         "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "starcoder2")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
-SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # the gated MLP's act(gate(x)) * up(x)
+LAYER_NORM_TYPES = ("starcoder2",)  # LayerNorms with a bias instead of RMSNorms
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new")  # the MLP's act
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -68,7 +74,7 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     vocab_size: int
-    rms_norm_eps: float
+    norm_eps: float  # rms_norm_eps, or the LayerNorm families' norm_epsilon / layer_norm_eps
     rope: RopeConfig  # of the full-attention layers
     sliding_rope: RopeConfig | None  # of the sliding-window layers, if they differ (Gemma 3)
     max_position_embeddings: int
@@ -96,6 +102,8 @@ class ModelConfig:
     norm_scales_in_float32: bool = False  # OLMo2: each norm scales by its weight in float32, then casts
     clip_qkv: float | None = None  # OLMoE: queries, keys and values are clamped to [-clip_qkv, clip_qkv]
     moe: MoeConfig | None = None  # Mixtral, Qwen2/3-MoE: the layers' sparse MLPs
+    layer_norm: bool = False  # StarCoder2: the norms are LayerNorms with a bias (norm_eps), not RMSNorms
+    gated_mlp: bool = True  # down(act(gate(x)) * up(x)); False: a plain MLP down(act(up(x))) (StarCoder2)
 
     @property
     def context_length(self) -> int:
@@ -132,7 +140,6 @@ class ModelConfig:
                 f"num_key_value_heads={num_kv_heads}"
             )
         head_dim = int(raw.get("head_dim") or _DEFAULT_HEAD_DIMS.get(model_type) or hidden_size // num_heads)
-        attention_bias = bool(raw.get("attention_bias", False))
         rope, sliding_rope = read_layer_ropes(raw, head_dim)
         return cls(
             model_type=model_type,
@@ -143,18 +150,15 @@ class ModelConfig:
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
             vocab_size=_required_int(raw, "vocab_size"),
-            rms_norm_eps=float(raw.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS.get(model_type, 1e-6))),
+            norm_eps=_norm_eps(raw, model_type),
             rope=rope,
             sliding_rope=sliding_rope,
             max_position_embeddings=int(raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)),
             context=context_limit(raw),
             layer_windows=layer_windows(raw, _required_int(raw, "num_hidden_layers")),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type in GEMMA_TYPES)),
-            qkv_bias=_qkv_bias(raw, model_type, attention_bias),
-            o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             qk_norm_full=model_type in ("olmo2", "olmoe"),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
             torch_dtype=_dtype_name(raw),
@@ -163,6 +167,8 @@ class ModelConfig:
             post_norms_only=model_type == "olmo2",
             norm_scales_in_float32=model_type == "olmo2",
             clip_qkv=float(raw["clip_qkv"]) if model_type == "olmoe" and raw.get("clip_qkv") is not None else None,
+            **_biases(raw, model_type),
+            **_block_layout(raw, model_type),
             **_scales(raw, model_type, hidden_size),
         )
 
@@ -170,8 +176,11 @@ class ModelConfig:
 # transformers' per-family defaults for fields a config.json may leave out
 _DEFAULT_HEAD_DIMS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
 _DEFAULT_RMS_NORM_EPS = {"phi3": 1e-5, "mixtral": 1e-5, "olmo2": 1e-5, "olmoe": 1e-5}
-# transformers' names for the same functions (NewGELUActivation is the tanh approximation; swish is SiLU)
-_ACTIVATION_ALIASES = {"gelu_new": "gelu_pytorch_tanh", "gelu_fast": "gelu_pytorch_tanh", "swish": "silu"}
+_NORM_EPS_FIELDS = {"starcoder2": "norm_epsilon"}  # the LayerNorm families' name for it (default 1e-5)
+_DEFAULT_ACTIVATIONS = {"gemma": "gelu_pytorch_tanh", "starcoder2": "gelu_pytorch_tanh"}  # else silu
+_TIED_BY_DEFAULT = (*GEMMA_TYPES, "starcoder2")
+# transformers' names for the same functions (FastGELUActivation is a tanh approximation; swish is SiLU)
+_ACTIVATION_ALIASES = {"gelu_fast": "gelu_pytorch_tanh", "swish": "silu"}
 # Fields that change the computation in ways this engine does not implement: refused by name.
 _UNSUPPORTED_FIELDS = {
     "quantization_config": "quantized checkpoints are not supported (their weights would be read as plain "
@@ -204,7 +213,7 @@ def _activation(raw: dict[str, Any], model_type: str) -> str:
     if model_type in ("gemma2", "gemma3_text"):  # transformers reads hidden_activation only
         act = raw.get("hidden_activation") or "gelu_pytorch_tanh"
     else:
-        act = raw.get("hidden_act") or ("gelu_pytorch_tanh" if model_type == "gemma" else "silu")
+        act = raw.get("hidden_act") or _DEFAULT_ACTIVATIONS.get(model_type, "silu")
     if model_type == "gemma" and act == "gelu":
         act = "gelu_pytorch_tanh"  # transformers reads Gemma's legacy "gelu" as the tanh approximation
     act = _ACTIVATION_ALIASES.get(act, act)
@@ -212,6 +221,30 @@ def _activation(raw: dict[str, Any], model_type: str) -> str:
         raise ValueError(f"config.json: hidden_act={act!r} is not supported; use one of "
                          f"{', '.join(SUPPORTED_ACTIVATIONS)}")
     return act
+
+
+def _norm_eps(raw: dict[str, Any], model_type: str) -> float:
+    if model_type in LAYER_NORM_TYPES:
+        return float(raw.get(_NORM_EPS_FIELDS[model_type], 1e-5))
+    return float(raw.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS.get(model_type, 1e-6)))
+
+
+def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
+    """Which projections carry a bias, as each family's transformers code builds them."""
+    if model_type == "starcoder2":
+        bias = bool(raw.get("use_bias", True))
+        return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bias}
+    attention_bias = bool(raw.get("attention_bias", False))
+    return {"qkv_bias": _qkv_bias(raw, model_type, attention_bias),
+            "o_bias": model_type not in ("qwen2", "qwen2_moe") and attention_bias,
+            "mlp_bias": bool(raw.get("mlp_bias", False))}
+
+
+def _block_layout(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The LayerNorm families' norms and MLPs (ModelConfig's fields from layer_norm on)."""
+    if model_type not in LAYER_NORM_TYPES:
+        return {}
+    return {"layer_norm": True, "gated_mlp": False}
 
 
 def _qkv_bias(raw: dict[str, Any], model_type: str, attention_bias: bool) -> bool:

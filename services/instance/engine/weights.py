@@ -86,14 +86,23 @@ def _layer_sources(config: ModelConfig, i: int) -> Iterator[tuple[str, list[str]
         yield from _sparse_mlp_sources(config, hf, ours)
     else:
         for s in ["weight"] + (["bias"] if config.mlp_bias else []):
-            gate_up = ["gate_up"] if fused else ["gate", "up"]
-            yield f"{ours}mlp.gate_up_proj.{s}", [f"{hf}mlp.{p}_proj.{s}" for p in gate_up]
+            if not config.gated_mlp:
+                yield f"{ours}mlp.up_proj.{s}", [f"{hf}mlp.up_proj.{s}"]
+            else:
+                gate_up = ["gate_up"] if fused else ["gate", "up"]
+                yield f"{ours}mlp.gate_up_proj.{s}", [f"{hf}mlp.{p}_proj.{s}" for p in gate_up]
             yield f"{ours}mlp.down_proj.{s}", [f"{hf}mlp.down_proj.{s}"]
-    if not config.post_norms_only:
-        yield f"{ours}input_layernorm.weight", [f"{hf}input_layernorm.weight"]
-    for norm in ["post_attention"] + (["pre_feedforward", "post_feedforward"] if config.sandwich_norms else []) + (
-            ["post_feedforward"] if config.post_norms_only else []):
-        yield f"{ours}{norm}_layernorm.weight", [f"{hf}{norm}_layernorm.weight"]
+    norms = [] if config.post_norms_only else ["input"]
+    norms += ["post_attention"] + (["pre_feedforward", "post_feedforward"] if config.sandwich_norms else []) + (
+        ["post_feedforward"] if config.post_norms_only else [])
+    for norm in norms:
+        yield from _norm_sources(config, f"{ours}{norm}_layernorm", f"{hf}{norm}_layernorm")
+
+
+def _norm_sources(config: ModelConfig, ours: str, hf: str) -> Iterator[tuple[str, list[str]]]:
+    """A norm's weight, and its bias where it is a LayerNorm."""
+    for s in ["weight"] + (["bias"] if config.layer_norm else []):
+        yield f"{ours}.{s}", [f"{hf}.{s}"]
 
 
 def _sparse_mlp_sources(config: ModelConfig, hf: str, ours: str) -> Iterator[tuple[str, list[str]]]:
@@ -113,14 +122,28 @@ def _sparse_mlp_sources(config: ModelConfig, hf: str, ours: str) -> Iterator[tup
         yield f"{ours}mlp.shared_expert_gate.weight", [f"{block}shared_expert_gate.weight"]
 
 
+# Each family's tensor names where they differ from Llama's: (Llama's part, the family's), replaced in order.
+_RENAMES = {
+    "starcoder2": (("mlp.up_proj.", "mlp.c_fc."), ("mlp.down_proj.", "mlp.c_proj.")),
+}
+
+
 def tensor_sources(config: ModelConfig) -> dict[str, list[str]]:
     """Every model tensor and the HF tensors it is made of."""
-    sources = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    sources = {"embed_tokens.weight": ["model.embed_tokens.weight"]}
+    sources.update(_norm_sources(config, "norm", "model.norm"))
     if not config.tie_word_embeddings:
         sources["lm_head.weight"] = ["lm_head.weight"]
     for i in range(config.num_hidden_layers):
         sources.update(_layer_sources(config, i))
-    return sources
+    renames = _RENAMES.get(config.model_type, ())
+    return {name: [_renamed(hf, renames) for hf in parts] for name, parts in sources.items()}
+
+
+def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for llama, family in renames:
+        name = name.replace(llama, family)
+    return name
 
 
 def load_state_dict(

@@ -462,7 +462,7 @@ def test_fields_left_out_take_transformers_per_family_defaults():
         raw = {k: v for k, v in base_config(model_type=model_type).items() if k not in without}
         assert ModelConfig.from_dict(raw).head_dim == head_dim, model_type
     phi3 = {k: v for k, v in base_config(model_type="phi3").items() if k not in without}
-    assert ModelConfig.from_dict(phi3).rms_norm_eps == 1e-5
+    assert ModelConfig.from_dict(phi3).norm_eps == 1e-5
     mistral = ModelConfig.from_dict(base_config(model_type="mistral"))
     assert set(mistral.layer_windows) == {4096}  # MistralConfig's sliding_window
 
@@ -481,7 +481,7 @@ def test_a_left_out_norm_epsilon_and_rope_theta_take_transformers_defaults(model
     raw = {k: v for k, v in base_config(model_type=model_type, moe_intermediate_size=64).items()
            if k not in ("rms_norm_eps", "rope_theta")}
     config = ModelConfig.from_dict(raw)
-    assert config.rms_norm_eps == reference.rms_norm_eps
+    assert config.norm_eps == reference.rms_norm_eps
     assert config.rope.theta == reference.rope_parameters["rope_theta"]
 
 
@@ -554,7 +554,8 @@ def test_config_reads_each_layers_sliding_window(changes, windows):
     ({"model_type": "gemma", "hidden_act": "gelu"}, "gelu_pytorch_tanh"),  # Gemma's legacy spelling
     ({"model_type": "gemma", "hidden_act": None}, "gelu_pytorch_tanh"),
     ({"model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh"}, "gelu_pytorch_tanh"),
-    ({"hidden_act": "gelu_new"}, "gelu_pytorch_tanh"), ({"hidden_act": "swish"}, "silu"),  # transformers' aliases
+    ({"hidden_act": "gelu_fast"}, "gelu_pytorch_tanh"), ({"hidden_act": "swish"}, "silu"),  # transformers' aliases
+    ({"hidden_act": "gelu_new"}, "gelu_new"),  # its own formula: other bits than gelu_pytorch_tanh
 ])
 def test_config_reads_the_activation(changes, activation):
     raw = base_config(**changes)

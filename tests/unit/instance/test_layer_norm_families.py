@@ -1,0 +1,134 @@
+"""LayerNorm decoder families (StarCoder2): greedy tokens equal transformers' on the same random weights
+(norms, their biases and the projections' biases random too; a prompt prefilled in chunks; sliding windows
+shorter than the sequences), alone and in a busy batch; float32 logits equal transformers' to a tight
+tolerance; and the config's fields are read as transformers reads them."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+
+import pytest
+import torch
+
+from services.instance.engine.factory import EngineSpec, build_engine
+from services.instance.engine.forward_batch import ForwardBatch
+from services.instance.engine.model import ACTIVATIONS, allocate_kv_cache, load_model
+from services.instance.engine.model_config import ModelConfig
+from services.instance.engine.request import SamplingParams
+from services.instance.models import build_tiny_model
+from services.instance.models.tiny_tokenizer import TINY_VOCAB_SIZE
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.timeout(120)
+
+COMMON = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, max_position_embeddings=512, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+              initializer_range=0.2)
+FAMILIES = {
+    # GQA, biases everywhere, a plain gelu_pytorch_tanh MLP, a sliding window, tied embeddings
+    "starcoder2": (transformers.Starcoder2Config, dict(num_key_value_heads=2, sliding_window=7)),
+}
+PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2, 250, 31], [64, 65, 66, 67, 68, 69, 70, 71, 72], [9],
+           [(7 * i) % 500 + 3 for i in range(40)]]  # prefilled in chunks
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[pathlib.Path, object]:
+    config_class, extras = FAMILIES[request.param]
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("models") / f"tiny-{request.param}", "gqa-tied")
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        (model_dir / name).unlink()
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config_class(**COMMON, **extras)).eval()
+    with torch.no_grad():
+        for name, parameter in hf_model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                parameter.normal_(1.0, 0.1)
+            elif name.endswith("bias"):
+                parameter.normal_(0.0, 0.1)
+    hf_model.save_pretrained(model_dir)
+    return model_dir, hf_model
+
+
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy tokens, end-of-sequence included where it is the argmax (as `ignore_eos` takes it)."""
+    hf_model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        output = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    return output[0, len(prompt):].tolist()
+
+
+def test_greedy_tokens_equal_transformers_alone_and_batched(family, tmp_path):
+    model_dir, hf_model = family
+    loaded = build_engine(EngineSpec(model_dir, kv_name=f"ferry-test-ln-{tmp_path.name}", kv_cache_mib=8,
+                                     max_num_seqs=8, max_num_batched_tokens=24))
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        expected = [hf_greedy(hf_model, prompt, 20) for prompt in PROMPTS]
+        assert [loaded.engine.generate([prompt], greedy)[0] for prompt in PROMPTS] == expected
+        assert loaded.engine.generate(PROMPTS, greedy) == expected
+    finally:
+        loaded.close()
+
+
+def prefill_logits(model, prompt: list[int], block_size: int = 16) -> torch.Tensor:
+    """The last token's logits of one prompt prefilled whole."""
+    num_blocks = -(-len(prompt) // block_size)
+    cache = allocate_kv_cache(model.config, num_blocks, block_size, dtype=model.dtype)
+    batch = ForwardBatch(input_ids=torch.tensor(prompt), positions=torch.arange(len(prompt)),
+                         slot_mapping=torch.arange(len(prompt)), query_lens=[len(prompt)],
+                         context_lens=torch.tensor([len(prompt)]), block_tables=torch.arange(num_blocks)[None])
+    return model(batch, cache)[0]
+
+
+def test_float32_logits_equal_transformers(family):
+    model_dir, hf_model = family
+    prompt = PROMPTS[4]
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prefill_logits(load_model(model_dir), prompt), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_norms_give_transformers_bits(family):
+    model_dir, hf_model = family
+    ours, theirs = load_model(model_dir, dtype=torch.bfloat16), copy.deepcopy(hf_model).to(torch.bfloat16)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    their_norm = getattr(theirs.base_model, "norm", None) or getattr(theirs.base_model, "final_layernorm", None) or \
+        theirs.base_model.final_layer_norm
+    with torch.no_grad():
+        assert torch.equal(ours.norm(x), their_norm(x))
+
+
+def test_config_reads_each_familys_fields_as_transformers_does(family):
+    model_dir, hf_model = family
+    config, theirs = ModelConfig.from_dir(model_dir), hf_model.config
+    assert config.layer_norm and config.rope.rotary_dim == config.head_dim * theirs.rope_parameters.get(
+        "partial_rotary_factor", 1.0)
+    if config.model_type == "starcoder2":
+        assert config.norm_eps == theirs.norm_epsilon and config.layer_windows == (7, 7, 7)
+        assert config.qkv_bias and config.o_bias and config.mlp_bias and not config.gated_mlp
+        assert config.tie_word_embeddings and config.activation == "gelu_pytorch_tanh"
+
+
+# transformers' name for each family's norm epsilon
+EPS_FIELDS = {"starcoder2": "norm_epsilon"}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_fields_left_out_take_transformers_defaults(model_type):
+    reference = FAMILIES[model_type][0]()
+    config = ModelConfig.from_dict({"model_type": model_type, "hidden_size": 64, "intermediate_size": 96,
+                                    "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100})
+    assert config.norm_eps == getattr(reference, EPS_FIELDS[model_type])
+    assert config.tie_word_embeddings == reference.tie_word_embeddings
+    assert config.rope.theta == reference.rope_parameters["rope_theta"]
+    assert config.rope.rotary_dim == 16 * reference.rope_parameters.get("partial_rotary_factor", 1.0)
+    act = getattr(reference, "hidden_act", None) or reference.activation_function
+    assert config.activation == act
+
+
+def test_gelu_new_gives_transformers_bits():
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(ACTIVATIONS["gelu_new"](x), transformers.activations.ACT2FN["gelu_new"](x))

@@ -68,6 +68,21 @@ def make_norm(config: ModelConfig, size: int) -> nn.Module:
     return nn.LayerNorm(size, eps=config.norm_eps) if config.layer_norm else RMSNorm.of(config, size)
 
 
+class HeadwiseLayerNorm(nn.Module):
+    """StableLM's q/k norms: a LayerNorm over each head (no bias), each head its own weights, scaled in float32
+    (the bits of transformers' LayerNorm per head)."""
+
+    def __init__(self, num_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(num_heads * head_dim))
+        self.num_heads, self.head_dim, self.eps = num_heads, head_dim, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, num_heads, head_dim]."""
+        scale = self.weight.view(self.num_heads, self.head_dim).float()
+        return (F.layer_norm(x.float(), (self.head_dim,), eps=self.eps) * scale).to(x.dtype)
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE tables for every position the model serves, each [context_length, rotary_dim]: cos
     repeated for both halves, and sin negated on the first half, so that rotating x is
@@ -112,9 +127,12 @@ class Attention(nn.Module):
         self.qkv_proj = PackedLinear(config.hidden_size, qkv_size, bias=config.qkv_bias)
         self.o_proj = PackedLinear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
         self.q_norm = self.k_norm = None
-        if config.qk_norm:
-            self.q_norm = RMSNorm.of(config, self.head_dim)
-            self.k_norm = RMSNorm.of(config, self.head_dim)
+        if config.qk_norm_per_head_weights:
+            self.q_norm = HeadwiseLayerNorm(self.num_heads, self.head_dim, config.norm_eps)
+            self.k_norm = HeadwiseLayerNorm(self.num_kv_heads, self.head_dim, config.norm_eps)
+        elif config.qk_norm:
+            self.q_norm = make_norm(config, self.head_dim)
+            self.k_norm = make_norm(config, self.head_dim)
         elif config.qk_norm_full:
             self.q_norm = RMSNorm.of(config, self.num_heads * self.head_dim)
             self.k_norm = RMSNorm.of(config, self.num_kv_heads * self.head_dim)
@@ -261,6 +279,27 @@ class DecoderLayer(nn.Module):
         return h.add_(out if self.residual_scale == 1.0 else out * self.residual_scale)
 
 
+class ParallelDecoderLayer(DecoderLayer):
+    """StableLM (use_parallel_residual): attention and the MLP both read the block's input, normed once (one
+    norm shared) or each by its own norm, and both outputs are added to the input."""
+
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__(config, index)
+        if config.shared_block_norm:
+            self.post_attention_layernorm = None
+        self.adds_attention_first = config.parallel_adds_attention_first
+
+    def forward(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
+        normed = self.input_layernorm(h)
+        attended = self.self_attn(normed, rope, kv_layer, plan)
+        mlp_out = self.mlp(normed if self.post_attention_layernorm is None else self.post_attention_layernorm(h))
+        if self.adds_attention_first:
+            return self._add_residual_(self._add_residual_(h, attended), mlp_out)
+        return self._add_residual_(h, attended + mlp_out)
+
+
 class SandwichDecoderLayer(DecoderLayer):
     """Gemma 2: the attention and MLP outputs are normed too; `post_attention_layernorm` norms the
     attention's output (not the MLP's input, as in Llama)."""
@@ -299,7 +338,8 @@ class LlamaModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         layer_class = SandwichDecoderLayer if config.sandwich_norms else \
-            PostNormDecoderLayer if config.post_norms_only else DecoderLayer
+            PostNormDecoderLayer if config.post_norms_only else \
+            ParallelDecoderLayer if config.parallel_residual else DecoderLayer
         self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config, config.hidden_size)
         self.lm_head = None

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-PARTIAL_ROTARY_TYPES = ("phi3",)  # model types whose RoPE rotates only partial_rotary_factor of each head
+PARTIAL_ROTARY_TYPES = ("phi3", "stablelm")  # model types whose RoPE rotates only partial_rotary_factor of each head
+_DEFAULT_PARTIAL_ROTARY = {"stablelm": 0.25}  # transformers' partial_rotary_factor where config.json has none
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn", "longrope")
 
 
@@ -129,9 +130,10 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 
 
 def _partial_rotary_factor(raw: dict[str, Any], params: dict[str, Any], rope_type: str) -> float:
-    """Phi-3 rotates part of each head; transformers' other families here rotate all of it whatever
+    """Phi-3 and the PARTIAL_ROTARY_TYPES rotate part of each head; transformers' other families here rotate all of it whatever
     the config says (with a scaled RoPE they cannot run such a config at all)."""
-    factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    default = _DEFAULT_PARTIAL_ROTARY.get(raw.get("model_type"), 1.0)
+    factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", default)))
     if raw.get("model_type") in PARTIAL_ROTARY_TYPES or factor == 1.0:
         return factor
     if rope_type in ("default", "dynamic"):

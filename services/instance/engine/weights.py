@@ -79,9 +79,12 @@ def _layer_sources(config: ModelConfig, i: int) -> Iterator[tuple[str, list[str]
         yield f"{ours}self_attn.qkv_proj.{s}", [f"{hf}self_attn.{p}_proj.{s}" for p in (["qkv"] if fused else "qkv")]
     for s in ["weight"] + (["bias"] if config.o_bias else []):
         yield f"{ours}self_attn.o_proj.{s}", [f"{hf}self_attn.o_proj.{s}"]
-    if config.qk_norm or config.qk_norm_full:
+    if config.qk_norm_per_head_weights:
+        for norm, heads in (("q_norm", config.num_attention_heads), ("k_norm", config.num_key_value_heads)):
+            yield f"{ours}self_attn.{norm}.weight", [f"{hf}self_attn.{norm}.norms.{h}.weight" for h in range(heads)]
+    elif config.qk_norm or config.qk_norm_full:
         for norm in ("q_norm", "k_norm"):
-            yield f"{ours}self_attn.{norm}.weight", [f"{hf}self_attn.{norm}.weight"]
+            yield from _norm_sources(config, f"{ours}self_attn.{norm}", f"{hf}self_attn.{norm}")
     if config.moe is not None and config.moe.sparse_layers[i]:
         yield from _sparse_mlp_sources(config, hf, ours)
     else:
@@ -93,7 +96,7 @@ def _layer_sources(config: ModelConfig, i: int) -> Iterator[tuple[str, list[str]
                 yield f"{ours}mlp.gate_up_proj.{s}", [f"{hf}mlp.{p}_proj.{s}" for p in gate_up]
             yield f"{ours}mlp.down_proj.{s}", [f"{hf}mlp.down_proj.{s}"]
     norms = [] if config.post_norms_only else ["input"]
-    norms += ["post_attention"] + (["pre_feedforward", "post_feedforward"] if config.sandwich_norms else []) + (
+    norms += ([] if config.shared_block_norm else ["post_attention"]) + (["pre_feedforward", "post_feedforward"] if config.sandwich_norms else []) + (
         ["post_feedforward"] if config.post_norms_only else [])
     for norm in norms:
         yield from _norm_sources(config, f"{ours}{norm}_layernorm", f"{hf}{norm}_layernorm")
@@ -125,6 +128,7 @@ def _sparse_mlp_sources(config: ModelConfig, hf: str, ours: str) -> Iterator[tup
 # Each family's tensor names where they differ from Llama's: (Llama's part, the family's), replaced in order.
 _RENAMES = {
     "starcoder2": (("mlp.up_proj.", "mlp.c_fc."), ("mlp.down_proj.", "mlp.c_proj.")),
+    "stablelm": (("self_attn.q_norm.", "self_attn.q_layernorm."), ("self_attn.k_norm.", "self_attn.k_layernorm.")),
 }
 
 

@@ -1,4 +1,4 @@
-"""LayerNorm decoder families (StarCoder2): greedy tokens equal transformers' on the same random weights
+"""LayerNorm decoder families (StarCoder2, StableLM): greedy tokens equal transformers' on the same random weights
 (norms, their biases and the projections' biases random too; a prompt prefilled in chunks; sliding windows
 shorter than the sequences), alone and in a busy batch; float32 logits equal transformers' to a tight
 tolerance; and the config's fields are read as transformers reads them."""
@@ -29,7 +29,13 @@ COMMON = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=96, 
 FAMILIES = {
     # GQA, biases everywhere, a plain gelu_pytorch_tanh MLP, a sliding window, tied embeddings
     "starcoder2": (transformers.Starcoder2Config, dict(num_key_value_heads=2, sliding_window=7)),
+    # GQA, q/k/v biases, per-head q/k LayerNorms, attention and MLP in parallel from one norm, a gated MLP
+    "stablelm": (transformers.StableLmConfig, dict(num_key_value_heads=2, use_qkv_bias=True, qk_layernorm=True,
+                                                   use_parallel_residual=True)),
+    # one rotated pair of dims per head (partial_rotary_factor 0.125 of 16), sequential blocks
+    "stablelm-sequential": (transformers.StableLmConfig, dict(num_key_value_heads=4, partial_rotary_factor=0.125)),
 }
+MODEL_TYPES = sorted({config_class.model_type for config_class, _ in FAMILIES.values()})
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2, 250, 31], [64, 65, 66, 67, 68, 69, 70, 71, 72], [9],
            [(7 * i) % 500 + 3 for i in range(40)]]  # prefilled in chunks
 
@@ -97,8 +103,13 @@ def test_bfloat16_norms_give_transformers_bits(family):
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     their_norm = getattr(theirs.base_model, "norm", None) or getattr(theirs.base_model, "final_layernorm", None) or \
         theirs.base_model.final_layer_norm
+    their_attention = theirs.base_model.layers[0].self_attn if hasattr(theirs.base_model.layers[0], "self_attn") \
+        else theirs.base_model.layers[0].attention
     with torch.no_grad():
         assert torch.equal(ours.norm(x), their_norm(x))
+        if getattr(their_attention, "q_layernorm", None) is not None:
+            q = torch.randn(16, 4, 16, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+            assert torch.equal(ours.layers[0].self_attn.q_norm(q), their_attention.q_layernorm(q))
 
 
 def test_config_reads_each_familys_fields_as_transformers_does(family):
@@ -110,15 +121,20 @@ def test_config_reads_each_familys_fields_as_transformers_does(family):
         assert config.norm_eps == theirs.norm_epsilon and config.layer_windows == (7, 7, 7)
         assert config.qkv_bias and config.o_bias and config.mlp_bias and not config.gated_mlp
         assert config.tie_word_embeddings and config.activation == "gelu_pytorch_tanh"
+    elif config.model_type == "stablelm":
+        parallel = theirs.use_parallel_residual
+        assert config.norm_eps == theirs.layer_norm_eps and config.gated_mlp and not config.o_bias
+        assert (config.qkv_bias, config.qk_norm, config.parallel_residual, config.shared_block_norm) == (
+            theirs.use_qkv_bias, theirs.qk_layernorm, parallel, parallel)
 
 
 # transformers' name for each family's norm epsilon
-EPS_FIELDS = {"starcoder2": "norm_epsilon"}
+EPS_FIELDS = {"starcoder2": "norm_epsilon", "stablelm": "layer_norm_eps"}
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_fields_left_out_take_transformers_defaults(model_type):
-    reference = FAMILIES[model_type][0]()
+    reference = transformers.AutoConfig.for_model(model_type)
     config = ModelConfig.from_dict({"model_type": model_type, "hidden_size": 64, "intermediate_size": 96,
                                     "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100})
     assert config.norm_eps == getattr(reference, EPS_FIELDS[model_type])

@@ -280,7 +280,7 @@ class DecoderLayer(nn.Module):
 
 
 class ParallelDecoderLayer(DecoderLayer):
-    """StableLM (use_parallel_residual): attention and the MLP both read the block's input, normed once (one
+    """StableLM (use_parallel_residual), Phi: attention and the MLP both read the block's input, normed once (one
     norm shared) or each by its own norm, and both outputs are added to the input."""
 
     def __init__(self, config: ModelConfig, index: int) -> None:
@@ -343,8 +343,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config, config.hidden_size)
         self.lm_head = None
-        if not config.tie_word_embeddings:
-            self.lm_head = PackedLinear(config.hidden_size, config.vocab_size, bias=False)
+        if not config.tie_word_embeddings or config.lm_head_bias:
+            self.lm_head = PackedLinear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.rotary = RotaryEmbedding(config, config.rope)
         self.sliding_rotary = None if config.sliding_rope is None else RotaryEmbedding(config, config.sliding_rope)
 

@@ -27,7 +27,10 @@ LayerNorm families (LayerNorms with a bias instead of RMSNorms):
   `norm_epsilon`, a sliding window on every layer, embeddings tied by default);
 * "stablelm" (a gated MLP; partial rotary, 1/4 of each head by default; q/k/v biases with
   `use_qkv_bias`; with `qk_layernorm` a LayerNorm over each query and key head, each head its own
-  weights; with `use_parallel_residual` attention and MLP read the same normed input, added together).
+  weights; with `use_parallel_residual` attention and MLP read the same normed input, added together);
+* "phi" (Phi-1/1.5/2: attention and a plain `fc1` → gelu_new → `fc2` MLP read the same normed input,
+  added together; partial rotary, half of each head by default; biases on every projection and the
+  LM head; with `qk_layernorm` a LayerNorm over each query and key head; `final_layernorm`).
 
 Sliding windows are read per layer, and longrope RoPE limits the longest sequence served
 (context_window.py); RoPE settings are read in rope.py.
@@ -45,10 +48,10 @@ from services.instance.engine.context_window import DEFAULT_MAX_POSITIONS, Conte
 from services.instance.engine.rope import RopeConfig, read_layer_ropes
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite",
-                         "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "starcoder2", "stablelm")
+                         "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "starcoder2", "stablelm", "phi")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
-LAYER_NORM_TYPES = ("starcoder2", "stablelm")  # LayerNorms with a bias instead of RMSNorms
+LAYER_NORM_TYPES = ("starcoder2", "stablelm", "phi")  # LayerNorms with a bias instead of RMSNorms
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new")  # the MLP's act
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -105,12 +108,13 @@ class ModelConfig:
     norm_scales_in_float32: bool = False  # OLMo2: each norm scales by its weight in float32, then casts
     clip_qkv: float | None = None  # OLMoE: queries, keys and values are clamped to [-clip_qkv, clip_qkv]
     moe: MoeConfig | None = None  # Mixtral, Qwen2/3-MoE: the layers' sparse MLPs
-    layer_norm: bool = False  # StarCoder2, StableLM: the norms are LayerNorms with a bias (norm_eps), not RMSNorms
-    gated_mlp: bool = True  # down(act(gate(x)) * up(x)); False: a plain MLP down(act(up(x))) (StarCoder2)
+    layer_norm: bool = False  # LAYER_NORM_TYPES: the norms are LayerNorms with a bias (norm_eps), not RMSNorms
+    gated_mlp: bool = True  # down(act(gate(x)) * up(x)); False: a plain MLP down(act(up(x))) (StarCoder2, Phi)
     qk_norm_per_head_weights: bool = False  # StableLM: with qk_norm, each head's LayerNorm its own weights, no bias
     parallel_residual: bool = False  # attention and MLP both read the block's input; both outputs added to it
-    shared_block_norm: bool = False  # StableLM: with parallel_residual, one norm (input_layernorm) feeds both
+    shared_block_norm: bool = False  # StableLM, Phi: with parallel_residual, one norm (input_layernorm) feeds both
     parallel_adds_attention_first: bool = False  # StableLM: (h + attn) + mlp; else h + (attn + mlp) (other rounding)
+    lm_head_bias: bool = False  # Phi: the LM head carries a bias (its own head, even where its weight is tied)
 
     @property
     def context_length(self) -> int:
@@ -165,7 +169,7 @@ class ModelConfig:
             layer_windows=layer_windows(raw, _required_int(raw, "num_hidden_layers")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text") or bool(
-                model_type == "stablelm" and raw.get("qk_layernorm")),
+                model_type in ("stablelm", "phi") and raw.get("qk_layernorm")),
             qk_norm_full=model_type in ("olmo2", "olmoe"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
@@ -184,8 +188,8 @@ class ModelConfig:
 # transformers' per-family defaults for fields a config.json may leave out
 _DEFAULT_HEAD_DIMS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
 _DEFAULT_RMS_NORM_EPS = {"phi3": 1e-5, "mixtral": 1e-5, "olmo2": 1e-5, "olmoe": 1e-5}
-_NORM_EPS_FIELDS = {"starcoder2": "norm_epsilon", "stablelm": "layer_norm_eps"}  # the LayerNorm families' name for it (default 1e-5)
-_DEFAULT_ACTIVATIONS = {"gemma": "gelu_pytorch_tanh", "starcoder2": "gelu_pytorch_tanh"}  # else silu
+_NORM_EPS_FIELDS = {"starcoder2": "norm_epsilon", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps"}  # the LayerNorm families' name for it (default 1e-5)
+_DEFAULT_ACTIVATIONS = {"gemma": "gelu_pytorch_tanh", "starcoder2": "gelu_pytorch_tanh", "phi": "gelu_new"}  # else silu
 _TIED_BY_DEFAULT = (*GEMMA_TYPES, "starcoder2")
 # transformers' names for the same functions (FastGELUActivation is a tanh approximation; swish is SiLU)
 _ACTIVATION_ALIASES = {"gelu_fast": "gelu_pytorch_tanh", "swish": "silu"}
@@ -244,6 +248,8 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
         return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bias}
     if model_type == "stablelm":
         return {"qkv_bias": bool(raw.get("use_qkv_bias", False)), "o_bias": False, "mlp_bias": False}
+    if model_type == "phi":
+        return {"qkv_bias": True, "o_bias": True, "mlp_bias": True, "lm_head_bias": True}
     attention_bias = bool(raw.get("attention_bias", False))
     return {"qkv_bias": _qkv_bias(raw, model_type, attention_bias),
             "o_bias": model_type not in ("qwen2", "qwen2_moe") and attention_bias,
@@ -258,6 +264,8 @@ def _block_layout(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
         parallel = bool(raw.get("use_parallel_residual", False))
         return {"layer_norm": True, "qk_norm_per_head_weights": bool(raw.get("qk_layernorm")),
                 "parallel_residual": parallel, "shared_block_norm": parallel, "parallel_adds_attention_first": True}
+    if model_type == "phi":
+        return {"layer_norm": True, "gated_mlp": False, "parallel_residual": True, "shared_block_norm": True}
     return {"layer_norm": True, "gated_mlp": False}
 
 

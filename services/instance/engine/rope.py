@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-PARTIAL_ROTARY_TYPES = ("phi3", "stablelm")  # model types whose RoPE rotates only partial_rotary_factor of each head
-_DEFAULT_PARTIAL_ROTARY = {"stablelm": 0.25}  # transformers' partial_rotary_factor where config.json has none
+PARTIAL_ROTARY_TYPES = ("phi3", "stablelm", "phi")  # model types whose RoPE rotates only partial_rotary_factor of each head
+_DEFAULT_PARTIAL_ROTARY = {"stablelm": 0.25, "phi": 0.5}  # transformers' partial_rotary_factor where config.json has none
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn", "longrope")
 
 

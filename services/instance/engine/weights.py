@@ -129,6 +129,9 @@ def _sparse_mlp_sources(config: ModelConfig, hf: str, ours: str) -> Iterator[tup
 _RENAMES = {
     "starcoder2": (("mlp.up_proj.", "mlp.c_fc."), ("mlp.down_proj.", "mlp.c_proj.")),
     "stablelm": (("self_attn.q_norm.", "self_attn.q_layernorm."), ("self_attn.k_norm.", "self_attn.k_layernorm.")),
+    "phi": (("self_attn.q_norm.", "self_attn.q_layernorm."), ("self_attn.k_norm.", "self_attn.k_layernorm."),
+            ("self_attn.o_proj.", "self_attn.dense."), ("mlp.up_proj.", "mlp.fc1."), ("mlp.down_proj.", "mlp.fc2."),
+            ("model.norm.", "model.final_layernorm.")),
 }
 
 
@@ -138,6 +141,9 @@ def tensor_sources(config: ModelConfig) -> dict[str, list[str]]:
     sources.update(_norm_sources(config, "norm", "model.norm"))
     if not config.tie_word_embeddings:
         sources["lm_head.weight"] = ["lm_head.weight"]
+    if config.lm_head_bias:  # a head of its own, its weight the embedding matrix where tied
+        sources["lm_head.weight"] = ["lm_head.weight" if not config.tie_word_embeddings else "model.embed_tokens.weight"]
+        sources["lm_head.bias"] = ["lm_head.bias"]
     for i in range(config.num_hidden_layers):
         sources.update(_layer_sources(config, i))
     renames = _RENAMES.get(config.model_type, ())

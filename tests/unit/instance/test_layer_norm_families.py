@@ -1,4 +1,4 @@
-"""LayerNorm decoder families (StarCoder2, StableLM): greedy tokens equal transformers' on the same random weights
+"""LayerNorm decoder families (StarCoder2, StableLM, Phi): greedy tokens equal transformers' on the same random weights
 (norms, their biases and the projections' biases random too; a prompt prefilled in chunks; sliding windows
 shorter than the sequences), alone and in a busy batch; float32 logits equal transformers' to a tight
 tolerance; and the config's fields are read as transformers reads them."""
@@ -34,6 +34,10 @@ FAMILIES = {
                                                    use_parallel_residual=True)),
     # one rotated pair of dims per head (partial_rotary_factor 0.125 of 16), sequential blocks
     "stablelm-sequential": (transformers.StableLmConfig, dict(num_key_value_heads=4, partial_rotary_factor=0.125)),
+    # attention and a plain gelu_new MLP in parallel from one norm, q/k LayerNorms, biases on the LM head too
+    "phi": (transformers.PhiConfig, dict(num_key_value_heads=2, qk_layernorm=True)),
+    # the LM head's weight tied to the embeddings, its bias its own
+    "phi-tied": (transformers.PhiConfig, dict(tie_word_embeddings=True)),
 }
 MODEL_TYPES = sorted({config_class.model_type for config_class, _ in FAMILIES.values()})
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2, 250, 31], [64, 65, 66, 67, 68, 69, 70, 71, 72], [9],
@@ -126,10 +130,14 @@ def test_config_reads_each_familys_fields_as_transformers_does(family):
         assert config.norm_eps == theirs.layer_norm_eps and config.gated_mlp and not config.o_bias
         assert (config.qkv_bias, config.qk_norm, config.parallel_residual, config.shared_block_norm) == (
             theirs.use_qkv_bias, theirs.qk_layernorm, parallel, parallel)
+    elif config.model_type == "phi":
+        assert config.norm_eps == theirs.layer_norm_eps and config.activation == "gelu_new" and config.lm_head_bias
+        assert config.qkv_bias and config.o_bias and config.mlp_bias and not config.gated_mlp
+        assert config.parallel_residual and config.shared_block_norm and config.qk_norm == theirs.qk_layernorm
 
 
 # transformers' name for each family's norm epsilon
-EPS_FIELDS = {"starcoder2": "norm_epsilon", "stablelm": "layer_norm_eps"}
+EPS_FIELDS = {"starcoder2": "norm_epsilon", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps"}
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)

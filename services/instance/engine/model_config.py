@@ -30,7 +30,11 @@ LayerNorm families (LayerNorms with a bias instead of RMSNorms):
   weights; with `use_parallel_residual` attention and MLP read the same normed input, added together);
 * "phi" (Phi-1/1.5/2: attention and a plain `fc1` → gelu_new → `fc2` MLP read the same normed input,
   added together; partial rotary, half of each head by default; biases on every projection and the
-  LM head; with `qk_layernorm` a LayerNorm over each query and key head; `final_layernorm`).
+  LM head; with `qk_layernorm` a LayerNorm over each query and key head; `final_layernorm`);
+* "gpt_neox" (Pythia: q/k/v fused in the checkpoint, interleaved per head; `rotary_pct` of each
+  head rotated, 1/4 by default, with base `rotary_emb_base`; attention and a plain
+  `dense_h_to_4h` → gelu → `dense_4h_to_h` MLP in parallel (`use_parallel_residual`), each from its
+  own norm; biases on every projection with `attention_bias`; the LM head `embed_out`).
 
 Sliding windows are read per layer, and longrope RoPE limits the longest sequence served
 (context_window.py); RoPE settings are read in rope.py.
@@ -48,10 +52,10 @@ from services.instance.engine.context_window import DEFAULT_MAX_POSITIONS, Conte
 from services.instance.engine.rope import RopeConfig, read_layer_ropes
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite",
-                         "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "starcoder2", "stablelm", "phi")
+                         "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "starcoder2", "stablelm", "phi", "gpt_neox")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
-LAYER_NORM_TYPES = ("starcoder2", "stablelm", "phi")  # LayerNorms with a bias instead of RMSNorms
+LAYER_NORM_TYPES = ("starcoder2", "stablelm", "phi", "gpt_neox")  # LayerNorms with a bias instead of RMSNorms
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new")  # the MLP's act
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -109,7 +113,7 @@ class ModelConfig:
     clip_qkv: float | None = None  # OLMoE: queries, keys and values are clamped to [-clip_qkv, clip_qkv]
     moe: MoeConfig | None = None  # Mixtral, Qwen2/3-MoE: the layers' sparse MLPs
     layer_norm: bool = False  # LAYER_NORM_TYPES: the norms are LayerNorms with a bias (norm_eps), not RMSNorms
-    gated_mlp: bool = True  # down(act(gate(x)) * up(x)); False: a plain MLP down(act(up(x))) (StarCoder2, Phi)
+    gated_mlp: bool = True  # down(act(gate(x)) * up(x)); False: a plain MLP down(act(up(x))) (StarCoder2, Phi, NeoX)
     qk_norm_per_head_weights: bool = False  # StableLM: with qk_norm, each head's LayerNorm its own weights, no bias
     parallel_residual: bool = False  # attention and MLP both read the block's input; both outputs added to it
     shared_block_norm: bool = False  # StableLM, Phi: with parallel_residual, one norm (input_layernorm) feeds both
@@ -126,8 +130,8 @@ class ModelConfig:
 
     @property
     def has_fused_checkpoint(self) -> bool:
-        """Phi-3 checkpoints hold q/k/v and gate/up already fused."""
-        return self.model_type == "phi3"
+        """Phi-3 checkpoints hold q/k/v and gate/up already fused; GPT-NeoX's q/k/v, interleaved per head."""
+        return self.model_type in ("phi3", "gpt_neox")
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -188,8 +192,10 @@ class ModelConfig:
 # transformers' per-family defaults for fields a config.json may leave out
 _DEFAULT_HEAD_DIMS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
 _DEFAULT_RMS_NORM_EPS = {"phi3": 1e-5, "mixtral": 1e-5, "olmo2": 1e-5, "olmoe": 1e-5}
-_NORM_EPS_FIELDS = {"starcoder2": "norm_epsilon", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps"}  # the LayerNorm families' name for it (default 1e-5)
-_DEFAULT_ACTIVATIONS = {"gemma": "gelu_pytorch_tanh", "starcoder2": "gelu_pytorch_tanh", "phi": "gelu_new"}  # else silu
+_NORM_EPS_FIELDS = {"starcoder2": "norm_epsilon", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps",
+                    "gpt_neox": "layer_norm_eps"}  # the LayerNorm families' name for it (default 1e-5)
+_DEFAULT_ACTIVATIONS = {"gemma": "gelu_pytorch_tanh", "starcoder2": "gelu_pytorch_tanh", "phi": "gelu_new",
+                        "gpt_neox": "gelu"}  # else silu
 _TIED_BY_DEFAULT = (*GEMMA_TYPES, "starcoder2")
 # transformers' names for the same functions (FastGELUActivation is a tanh approximation; swish is SiLU)
 _ACTIVATION_ALIASES = {"gelu_fast": "gelu_pytorch_tanh", "swish": "silu"}
@@ -250,6 +256,9 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
         return {"qkv_bias": bool(raw.get("use_qkv_bias", False)), "o_bias": False, "mlp_bias": False}
     if model_type == "phi":
         return {"qkv_bias": True, "o_bias": True, "mlp_bias": True, "lm_head_bias": True}
+    if model_type == "gpt_neox":
+        bias = bool(raw.get("attention_bias", True))
+        return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": True}
     attention_bias = bool(raw.get("attention_bias", False))
     return {"qkv_bias": _qkv_bias(raw, model_type, attention_bias),
             "o_bias": model_type not in ("qwen2", "qwen2_moe") and attention_bias,
@@ -266,6 +275,8 @@ def _block_layout(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
                 "parallel_residual": parallel, "shared_block_norm": parallel, "parallel_adds_attention_first": True}
     if model_type == "phi":
         return {"layer_norm": True, "gated_mlp": False, "parallel_residual": True, "shared_block_norm": True}
+    if model_type == "gpt_neox":  # parallel blocks by default, each half its own norm
+        return {"layer_norm": True, "gated_mlp": False, "parallel_residual": bool(raw.get("use_parallel_residual", True))}
     return {"layer_norm": True, "gated_mlp": False}
 
 

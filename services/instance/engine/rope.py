@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-PARTIAL_ROTARY_TYPES = ("phi3", "stablelm", "phi")  # model types whose RoPE rotates only partial_rotary_factor of each head
-_DEFAULT_PARTIAL_ROTARY = {"stablelm": 0.25, "phi": 0.5}  # transformers' partial_rotary_factor where config.json has none
+PARTIAL_ROTARY_TYPES = ("phi3", "stablelm", "phi", "gpt_neox")  # model types whose RoPE rotates only partial_rotary_factor of each head
+_DEFAULT_PARTIAL_ROTARY = {"stablelm": 0.25, "phi": 0.5, "gpt_neox": 0.25}  # transformers' partial_rotary_factor where config.json has none
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn", "longrope")
 
 
@@ -77,7 +77,8 @@ def read_rope(raw: dict[str, Any], head_dim: int, params: dict[str, Any] | None 
     ValueError naming what is unsupported."""
     if params is None:
         params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", _DEFAULT_THETAS.get(raw.get("model_type"), 10000.0))))
+    default_theta = raw.get("rotary_emb_base", _DEFAULT_THETAS.get(raw.get("model_type"), 10000.0))  # NeoX's name
+    theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -133,6 +134,7 @@ def _partial_rotary_factor(raw: dict[str, Any], params: dict[str, Any], rope_typ
     """Phi-3 and the PARTIAL_ROTARY_TYPES rotate part of each head; transformers' other families here rotate all of it whatever
     the config says (with a scaled RoPE they cannot run such a config at all)."""
     default = _DEFAULT_PARTIAL_ROTARY.get(raw.get("model_type"), 1.0)
+    default = raw.get("rotary_pct", default)  # GPT-NeoX's name for it
     factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", default)))
     if raw.get("model_type") in PARTIAL_ROTARY_TYPES or factor == 1.0:
         return factor

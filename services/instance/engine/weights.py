@@ -132,6 +132,10 @@ _RENAMES = {
     "phi": (("self_attn.q_norm.", "self_attn.q_layernorm."), ("self_attn.k_norm.", "self_attn.k_layernorm."),
             ("self_attn.o_proj.", "self_attn.dense."), ("mlp.up_proj.", "mlp.fc1."), ("mlp.down_proj.", "mlp.fc2."),
             ("model.norm.", "model.final_layernorm.")),
+    "gpt_neox": (("model.embed_tokens.", "gpt_neox.embed_in."), ("model.norm.", "gpt_neox.final_layer_norm."),
+                 ("model.layers.", "gpt_neox.layers."), ("self_attn.qkv_proj.", "attention.query_key_value."),
+                 ("self_attn.o_proj.", "attention.dense."), ("mlp.up_proj.", "mlp.dense_h_to_4h."),
+                 ("mlp.down_proj.", "mlp.dense_4h_to_h."), ("lm_head.", "embed_out.")),
 }
 
 
@@ -156,6 +160,15 @@ def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     return name
 
 
+def _reordered(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """GPT-NeoX's fused q/k/v rows run head by head ([heads, 3, head_dim]); the model's run all queries, then
+    all keys, then all values ([3, heads, head_dim])."""
+    if config.model_type != "gpt_neox" or ".qkv_proj." not in name:
+        return tensor
+    heads, head_dim = config.num_attention_heads, config.head_dim
+    return tensor.reshape(heads, 3, head_dim, -1).transpose(0, 1).reshape(tensor.shape)
+
+
 def load_state_dict(
     model_dir: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
@@ -170,6 +183,6 @@ def load_state_dict(
         readers = {f: stack.enter_context(_open(f)) for f in set(files.values())}
         for name, parts in sources.items():
             tensors = [readers[files[hf]].get_tensor(hf).to(dtype) for hf in parts]
-            state[name] = (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).to(device)
+            state[name] = _reordered(config, name, tensors[0] if len(tensors) == 1 else torch.cat(tensors)).to(device)
     log.info("weights_loaded", model_dir=str(model_dir), num_tensors=len(state), num_files=len(readers))
     return state

@@ -1,4 +1,4 @@
-"""LayerNorm decoder families (StarCoder2, StableLM, Phi): greedy tokens equal transformers' on the same random weights
+"""LayerNorm decoder families (StarCoder2, StableLM, Phi, GPT-NeoX): greedy tokens equal transformers' on the same random weights
 (norms, their biases and the projections' biases random too; a prompt prefilled in chunks; sliding windows
 shorter than the sequences), alone and in a busy batch; float32 logits equal transformers' to a tight
 tolerance; and the config's fields are read as transformers reads them."""
@@ -38,6 +38,10 @@ FAMILIES = {
     "phi": (transformers.PhiConfig, dict(num_key_value_heads=2, qk_layernorm=True)),
     # the LM head's weight tied to the embeddings, its bias its own
     "phi-tied": (transformers.PhiConfig, dict(tie_word_embeddings=True)),
+    # q/k/v fused and interleaved per head, 1/4 of each head rotated (rotary_pct), parallel blocks, two norms
+    "gpt_neox": (transformers.GPTNeoXConfig, dict(rotary_pct=0.25, rotary_emb_base=5000)),
+    # sequential blocks, half of each head rotated
+    "gpt_neox-sequential": (transformers.GPTNeoXConfig, dict(use_parallel_residual=False, rotary_pct=0.5)),
 }
 MODEL_TYPES = sorted({config_class.model_type for config_class, _ in FAMILIES.values()})
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2, 250, 31], [64, 65, 66, 67, 68, 69, 70, 71, 72], [9],
@@ -134,10 +138,16 @@ def test_config_reads_each_familys_fields_as_transformers_does(family):
         assert config.norm_eps == theirs.layer_norm_eps and config.activation == "gelu_new" and config.lm_head_bias
         assert config.qkv_bias and config.o_bias and config.mlp_bias and not config.gated_mlp
         assert config.parallel_residual and config.shared_block_norm and config.qk_norm == theirs.qk_layernorm
+    elif config.model_type == "gpt_neox":
+        assert config.norm_eps == theirs.layer_norm_eps and config.activation == "gelu" and not config.gated_mlp
+        assert config.qkv_bias and config.o_bias and config.mlp_bias and not config.tie_word_embeddings
+        assert config.parallel_residual == theirs.use_parallel_residual and not config.shared_block_norm
+        assert config.rope.theta == theirs.rope_parameters["rope_theta"]
 
 
 # transformers' name for each family's norm epsilon
-EPS_FIELDS = {"starcoder2": "norm_epsilon", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps"}
+EPS_FIELDS = {"starcoder2": "norm_epsilon", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps",
+              "gpt_neox": "layer_norm_eps"}
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -156,3 +166,16 @@ def test_fields_left_out_take_transformers_defaults(model_type):
 def test_gelu_new_gives_transformers_bits():
     x = torch.randn(4096, generator=torch.Generator().manual_seed(6))
     assert torch.equal(ACTIVATIONS["gelu_new"](x), transformers.activations.ACT2FN["gelu_new"](x))
+
+
+@pytest.mark.parametrize("raw, rotary_dim, theta", [
+    ({"model_type": "gpt_neox", "rotary_pct": 0.5, "rotary_emb_base": 20000}, 8, 20000.0),  # Pythia's config.json
+    ({"model_type": "gpt_neox"}, 4, 10000.0),
+    ({"model_type": "stablelm", "partial_rotary_factor": 0.5, "rope_theta": 5000}, 8, 5000.0),
+    ({"model_type": "phi", "partial_rotary_factor": 0.25}, 4, 10000.0),
+])
+def test_the_old_spelling_of_partial_rotary_and_theta_is_read(raw, rotary_dim, theta):
+    sizes = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": 100}
+    rope = ModelConfig.from_dict({**sizes, **raw}).rope
+    assert (rope.rotary_dim, rope.theta) == (rotary_dim, theta)

@@ -148,13 +148,15 @@ class ModelConfig:
                 raise ValueError(f"config.json: {name}: {why}")
         num_heads = _required_int(raw, "num_attention_heads")
         hidden_size = _required_int(raw, "hidden_size")
-        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+        num_kv_heads = num_heads if model_type == "gpt_neox" else int(raw.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"config.json: num_attention_heads={num_heads} is not a multiple of "
                 f"num_key_value_heads={num_kv_heads}"
             )
         head_dim = int(raw.get("head_dim") or _DEFAULT_HEAD_DIMS.get(model_type) or hidden_size // num_heads)
+        if model_type in ("stablelm", "gpt_neox"):  # transformers ignores head_dim (and NeoX num_key_value_heads)
+            head_dim = hidden_size // num_heads
         rope, sliding_rope = read_layer_ropes(raw, head_dim)
         return cls(
             model_type=model_type,

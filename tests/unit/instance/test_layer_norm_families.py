@@ -179,3 +179,14 @@ def test_the_old_spelling_of_partial_rotary_and_theta_is_read(raw, rotary_dim, t
              "vocab_size": 100}
     rope = ModelConfig.from_dict({**sizes, **raw}).rope
     assert (rope.rotary_dim, rope.theta) == (rotary_dim, theta)
+
+
+@pytest.mark.parametrize("model_type, num_kv_heads, head_dim", [
+    ("gpt_neox", 4, 16), ("stablelm", 2, 16), ("phi", 2, 8), ("starcoder2", 2, 8)])
+def test_head_fields_are_read_where_transformers_reads_them(model_type, num_kv_heads, head_dim):
+    """Found writing the end-to-end test: GPT-NeoX has no GQA and, like StableLM, takes head_dim from
+    hidden_size, whatever config.json says (transformers writes such fields back where they were given)."""
+    config = ModelConfig.from_dict({"model_type": model_type, "hidden_size": 64, "intermediate_size": 96,
+                                    "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
+                                    "num_key_value_heads": 2, "head_dim": 8})
+    assert (config.num_key_value_heads, config.head_dim) == (num_kv_heads, head_dim)

@@ -65,7 +65,7 @@ class ContextLimit:
 
 
 def context_limit(raw: dict[str, Any]) -> ContextLimit:
-    max_positions = int(raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
+    max_positions = int(raw.get("max_position_embeddings", raw.get("n_positions", DEFAULT_MAX_POSITIONS)))  # GPT-2's
     longrope = longrope_length(raw)
     if longrope is not None and longrope < max_positions:
         return ContextLimit(longrope, "longrope's original_max_position_embeddings")

@@ -137,6 +137,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm.of(config, self.num_heads * self.head_dim)
             self.k_norm = RMSNorm.of(config, self.num_kv_heads * self.head_dim)
         self.norms_each_head, self.norms_all_heads = config.qk_norm, config.qk_norm_full
+        self.rotates = not config.learned_positions
         self.clip_qkv = config.clip_qkv
 
     def forward(
@@ -151,7 +152,8 @@ class Attention(nn.Module):
         qkv = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         if self.norms_each_head:
             self._normalize_heads_(qkv)
-        apply_rope_(qkv[:, : self.num_heads + self.num_kv_heads, : self.rotary_dim], *rope)
+        if self.rotates:
+            apply_rope_(qkv[:, : self.num_heads + self.num_kv_heads, : self.rotary_dim], *rope)
         write_kv(kv_layer, qkv[:, self.num_heads :], plan.slot_mapping)
         return self.o_proj(attend(qkv[:, : self.num_heads], kv_layer, plan, self.scale, self.softcap))
 
@@ -337,6 +339,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_positions = None
+        if config.learned_positions:
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         layer_class = SandwichDecoderLayer if config.sandwich_norms else \
             PostNormDecoderLayer if config.post_norms_only else \
             ParallelDecoderLayer if config.parallel_residual else DecoderLayer
@@ -401,7 +406,7 @@ class LlamaModel(nn.Module):
         positions = batch.positions.to(device)
         rope = self.rotary(positions)
         sliding_rope = rope if self.sliding_rotary is None else self.sliding_rotary(positions)
-        h = self._embed(batch.input_ids.to(device))
+        h = self._embed(batch.input_ids.to(device), positions)
         for layer, kv_layer, window in zip(self.layers, kv_cache, self.config.layer_windows, strict=True):
             h = layer(h, rope if window is None else sliding_rope, kv_layer, plans[window])
         h = self.norm(h[batch.logit_indices().to(device)])
@@ -412,8 +417,10 @@ class LlamaModel(nn.Module):
             logits = torch.tanh(logits / self.config.logits_softcap) * self.config.logits_softcap
         return logits.float().cpu()  # sampling runs on the host, with the host RNG a migration carries
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        if self.embed_positions is not None:
+            return h + self.embed_positions(positions)
         scale = self.config.embedding_scale
         if self.config.model_type in GEMMA_TYPES:  # transformers rounds sqrt(hidden_size) to the model's dtype first
             return h * torch.tensor(scale, dtype=h.dtype, device=h.device)

@@ -34,7 +34,10 @@ LayerNorm families (LayerNorms with a bias instead of RMSNorms):
 * "gpt_neox" (Pythia: q/k/v fused in the checkpoint, interleaved per head; `rotary_pct` of each
   head rotated, 1/4 by default, with base `rotary_emb_base`; attention and a plain
   `dense_h_to_4h` → gelu → `dense_4h_to_h` MLP in parallel (`use_parallel_residual`), each from its
-  own norm; biases on every projection with `attention_bias`; the LM head `embed_out`).
+  own norm; biases on every projection with `attention_bias`; the LM head `embed_out`);
+* "gpt2" (learned absolute position embeddings `wpe` instead of RoPE, served up to `n_positions`;
+  Conv1D weights stored transposed; q/k/v fused in `c_attn`; a plain `c_fc` → gelu_new → `c_proj`
+  MLP; biases everywhere; embeddings tied by default; `scale_attn_weights`).
 
 Sliding windows are read per layer, and longrope RoPE limits the longest sequence served
 (context_window.py); RoPE settings are read in rope.py.
@@ -52,10 +55,10 @@ from services.instance.engine.context_window import DEFAULT_MAX_POSITIONS, Conte
 from services.instance.engine.rope import RopeConfig, read_layer_ropes
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite",
-                         "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "starcoder2", "stablelm", "phi", "gpt_neox")
+                         "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "starcoder2", "stablelm", "phi", "gpt_neox", "gpt2")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
-LAYER_NORM_TYPES = ("starcoder2", "stablelm", "phi", "gpt_neox")  # LayerNorms with a bias instead of RMSNorms
+LAYER_NORM_TYPES = ("starcoder2", "stablelm", "phi", "gpt_neox", "gpt2")  # LayerNorms with a bias instead of RMSNorms
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new")  # the MLP's act
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -119,6 +122,7 @@ class ModelConfig:
     shared_block_norm: bool = False  # StableLM, Phi: with parallel_residual, one norm (input_layernorm) feeds both
     parallel_adds_attention_first: bool = False  # StableLM: (h + attn) + mlp; else h + (attn + mlp) (other rounding)
     lm_head_bias: bool = False  # Phi: the LM head carries a bias (its own head, even where its weight is tied)
+    learned_positions: bool = False  # GPT-2: learned absolute position embeddings added to the tokens'; no RoPE
 
     @property
     def context_length(self) -> int:
@@ -130,8 +134,8 @@ class ModelConfig:
 
     @property
     def has_fused_checkpoint(self) -> bool:
-        """Phi-3 checkpoints hold q/k/v and gate/up already fused; GPT-NeoX's q/k/v, interleaved per head."""
-        return self.model_type in ("phi3", "gpt_neox")
+        """Phi-3 checkpoints hold q/k/v and gate/up already fused; GPT-2's q/k/v; GPT-NeoX's, interleaved per head."""
+        return self.model_type in ("phi3", "gpt_neox", "gpt2")
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -143,19 +147,21 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         model_type = _model_type(raw)
+        if model_type == "gpt2":
+            raw = _gpt2_fields(raw)
         for name, why in _UNSUPPORTED_FIELDS.items():
             if raw.get(name):
                 raise ValueError(f"config.json: {name}: {why}")
         num_heads = _required_int(raw, "num_attention_heads")
         hidden_size = _required_int(raw, "hidden_size")
-        num_kv_heads = num_heads if model_type == "gpt_neox" else int(raw.get("num_key_value_heads") or num_heads)
+        num_kv_heads = num_heads if model_type in _MHA_ONLY else int(raw.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"config.json: num_attention_heads={num_heads} is not a multiple of "
                 f"num_key_value_heads={num_kv_heads}"
             )
         head_dim = int(raw.get("head_dim") or _DEFAULT_HEAD_DIMS.get(model_type) or hidden_size // num_heads)
-        if model_type in ("stablelm", "gpt_neox"):  # transformers ignores head_dim (and NeoX num_key_value_heads)
+        if model_type in ("stablelm", *_MHA_ONLY):  # transformers ignores head_dim (and these num_key_value_heads)
             head_dim = hidden_size // num_heads
         rope, sliding_rope = read_layer_ropes(raw, head_dim)
         return cls(
@@ -195,10 +201,11 @@ class ModelConfig:
 _DEFAULT_HEAD_DIMS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
 _DEFAULT_RMS_NORM_EPS = {"phi3": 1e-5, "mixtral": 1e-5, "olmo2": 1e-5, "olmoe": 1e-5}
 _NORM_EPS_FIELDS = {"starcoder2": "norm_epsilon", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps",
-                    "gpt_neox": "layer_norm_eps"}  # the LayerNorm families' name for it (default 1e-5)
+                    "gpt_neox": "layer_norm_eps", "gpt2": "layer_norm_epsilon"}
+_MHA_ONLY = ("gpt_neox", "gpt2")  # no grouped-query attention: num_key_value_heads is ignored  # the LayerNorm families' name for it (default 1e-5)
 _DEFAULT_ACTIVATIONS = {"gemma": "gelu_pytorch_tanh", "starcoder2": "gelu_pytorch_tanh", "phi": "gelu_new",
                         "gpt_neox": "gelu"}  # else silu
-_TIED_BY_DEFAULT = (*GEMMA_TYPES, "starcoder2")
+_TIED_BY_DEFAULT = (*GEMMA_TYPES, "starcoder2", "gpt2")
 # transformers' names for the same functions (FastGELUActivation is a tanh approximation; swish is SiLU)
 _ACTIVATION_ALIASES = {"gelu_fast": "gelu_pytorch_tanh", "swish": "silu"}
 # Fields that change the computation in ways this engine does not implement: refused by name.
@@ -261,6 +268,8 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
     if model_type == "gpt_neox":
         bias = bool(raw.get("attention_bias", True))
         return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": True}
+    if model_type == "gpt2":
+        return {"qkv_bias": True, "o_bias": True, "mlp_bias": True}
     attention_bias = bool(raw.get("attention_bias", False))
     return {"qkv_bias": _qkv_bias(raw, model_type, attention_bias),
             "o_bias": model_type not in ("qwen2", "qwen2_moe") and attention_bias,
@@ -279,7 +288,23 @@ def _block_layout(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
         return {"layer_norm": True, "gated_mlp": False, "parallel_residual": True, "shared_block_norm": True}
     if model_type == "gpt_neox":  # parallel blocks by default, each half its own norm
         return {"layer_norm": True, "gated_mlp": False, "parallel_residual": bool(raw.get("use_parallel_residual", True))}
-    return {"layer_norm": True, "gated_mlp": False}
+    return {"layer_norm": True, "gated_mlp": False, "learned_positions": model_type == "gpt2"}
+
+
+def _gpt2_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """GPT-2's config.json under the names the other families use (as transformers' GPT2Config maps them);
+    the settings this engine does not implement refused by name."""
+    if raw.get("scale_attn_by_inverse_layer_idx"):
+        raise ValueError("config.json: scale_attn_by_inverse_layer_idx: a score scale per layer is not supported")
+    def read(name: str, llama_name: str, default: int) -> Any:
+        return raw.get(name, raw.get(llama_name, default))
+
+    hidden_size = read("n_embd", "hidden_size", 768)
+    return {**raw, "hidden_size": hidden_size, "num_hidden_layers": read("n_layer", "num_hidden_layers", 12),
+            "num_attention_heads": read("n_head", "num_attention_heads", 12),
+            "max_position_embeddings": read("n_positions", "max_position_embeddings", 1024),
+            "intermediate_size": raw.get("n_inner") or 4 * hidden_size,
+            "hidden_act": raw.get("activation_function", "gelu_new")}
 
 
 def _qkv_bias(raw: dict[str, Any], model_type: str, attention_bias: bool) -> bool:
@@ -343,6 +368,8 @@ def _scales(raw: dict[str, Any], model_type: str, hidden_size: int) -> dict[str,
     """The family's constant factors (ModelConfig's fields from norm_weight_offset on)."""
     if model_type == "gemma":
         return {"norm_weight_offset": 1.0, "embedding_scale": math.sqrt(hidden_size)}
+    if model_type == "gpt2" and not raw.get("scale_attn_weights", True):
+        return {"attention_scale": 1.0}
     if model_type in ("gemma2", "gemma3_text"):
         softcaps = (50.0, 30.0) if model_type == "gemma2" else (None, None)  # transformers' defaults
         # Gemma 3 keeps attn_logit_softcapping in its config, but transformers never applies it.

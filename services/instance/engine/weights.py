@@ -132,6 +132,10 @@ _RENAMES = {
     "phi": (("self_attn.q_norm.", "self_attn.q_layernorm."), ("self_attn.k_norm.", "self_attn.k_layernorm."),
             ("self_attn.o_proj.", "self_attn.dense."), ("mlp.up_proj.", "mlp.fc1."), ("mlp.down_proj.", "mlp.fc2."),
             ("model.norm.", "model.final_layernorm.")),
+    "gpt2": (("model.embed_tokens.", "transformer.wte."), ("model.norm.", "transformer.ln_f."),
+             ("model.layers.", "transformer.h."), ("self_attn.qkv_proj.", "attn.c_attn."),
+             ("self_attn.o_proj.", "attn.c_proj."), ("mlp.up_proj.", "mlp.c_fc."), ("mlp.down_proj.", "mlp.c_proj."),
+             ("input_layernorm.", "ln_1."), ("post_attention_layernorm.", "ln_2.")),
     "gpt_neox": (("model.embed_tokens.", "gpt_neox.embed_in."), ("model.norm.", "gpt_neox.final_layer_norm."),
                  ("model.layers.", "gpt_neox.layers."), ("self_attn.qkv_proj.", "attention.query_key_value."),
                  ("self_attn.o_proj.", "attention.dense."), ("mlp.up_proj.", "mlp.dense_h_to_4h."),
@@ -143,6 +147,8 @@ def tensor_sources(config: ModelConfig) -> dict[str, list[str]]:
     """Every model tensor and the HF tensors it is made of."""
     sources = {"embed_tokens.weight": ["model.embed_tokens.weight"]}
     sources.update(_norm_sources(config, "norm", "model.norm"))
+    if config.learned_positions:
+        sources["embed_positions.weight"] = ["transformer.wpe.weight"]
     if not config.tie_word_embeddings:
         sources["lm_head.weight"] = ["lm_head.weight"]
     if config.lm_head_bias:  # a head of its own, its weight the embedding matrix where tied
@@ -160,9 +166,17 @@ def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     return name
 
 
+def _checkpoint_name(hf: str, files: dict[str, Path]) -> str:
+    """The name as the checkpoint spells it: GPT-2's first checkpoints leave out the `transformer.` prefix."""
+    bare = hf.removeprefix("transformer.")
+    return bare if hf not in files and bare in files else hf
+
+
 def _reordered(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """GPT-NeoX's fused q/k/v rows run head by head ([heads, 3, head_dim]); the model's run all queries, then
-    all keys, then all values ([3, heads, head_dim])."""
+    all keys, then all values ([3, heads, head_dim]). GPT-2's Conv1D weights are stored [in, out]."""
+    if config.model_type == "gpt2" and name.endswith("_proj.weight"):
+        return tensor.t().contiguous()
     if config.model_type != "gpt_neox" or ".qkv_proj." not in name:
         return tensor
     heads, head_dim = config.num_attention_heads, config.head_dim
@@ -173,7 +187,7 @@ def load_state_dict(
     model_dir: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
     files = checkpoint_files(model_dir)
-    sources = tensor_sources(config)
+    sources = {name: [_checkpoint_name(hf, files) for hf in parts] for name, parts in tensor_sources(config).items()}
     missing = sorted(hf for parts in sources.values() for hf in parts if hf not in files)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")

@@ -1,4 +1,4 @@
-"""LayerNorm decoder families (StarCoder2, StableLM, Phi, GPT-NeoX): greedy tokens equal transformers' on the same random weights
+"""LayerNorm decoder families (StarCoder2, StableLM, Phi, GPT-NeoX, GPT-2): greedy tokens equal transformers' on the same random weights
 (norms, their biases and the projections' biases random too; a prompt prefilled in chunks; sliding windows
 shorter than the sequences), alone and in a busy batch; float32 logits equal transformers' to a tight
 tolerance; and the config's fields are read as transformers reads them."""
@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import copy
 import pathlib
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from services.instance.engine.context_window import ContextLimit, context_limit
 from services.instance.engine.factory import EngineSpec, build_engine
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.model import ACTIVATIONS, allocate_kv_cache, load_model
@@ -42,7 +45,11 @@ FAMILIES = {
     "gpt_neox": (transformers.GPTNeoXConfig, dict(rotary_pct=0.25, rotary_emb_base=5000)),
     # sequential blocks, half of each head rotated
     "gpt_neox-sequential": (transformers.GPTNeoXConfig, dict(use_parallel_residual=False, rotary_pct=0.5)),
+    # learned absolute positions (as many as the longest sequence), Conv1D weights, fused c_attn, tied head
+    "gpt2": (transformers.GPT2Config, dict(n_embd=64, n_layer=3, n_head=4, n_inner=96, n_positions=64)),
 }
+GPT2_NAMES = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "max_position_embeddings"}  # GPT2Config's are n_embd, n_inner, n_layer, n_head, n_positions
 MODEL_TYPES = sorted({config_class.model_type for config_class, _ in FAMILIES.values()})
 PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2, 250, 31], [64, 65, 66, 67, 68, 69, 70, 71, 72], [9],
            [(7 * i) % 500 + 3 for i in range(40)]]  # prefilled in chunks
@@ -55,7 +62,8 @@ def family(request, tmp_path_factory) -> tuple[pathlib.Path, object]:
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         (model_dir / name).unlink()
     torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(config_class(**COMMON, **extras)).eval()
+    common = {k: v for k, v in COMMON.items() if config_class.model_type != "gpt2" or k not in GPT2_NAMES}
+    hf_model = transformers.AutoModelForCausalLM.from_config(config_class(**common, **extras)).eval()
     with torch.no_grad():
         for name, parameter in hf_model.named_parameters():
             if "norm" in name and name.endswith("weight"):
@@ -109,10 +117,11 @@ def test_bfloat16_norms_give_transformers_bits(family):
     model_dir, hf_model = family
     ours, theirs = load_model(model_dir, dtype=torch.bfloat16), copy.deepcopy(hf_model).to(torch.bfloat16)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    their_norm = getattr(theirs.base_model, "norm", None) or getattr(theirs.base_model, "final_layernorm", None) or \
-        theirs.base_model.final_layer_norm
-    their_attention = theirs.base_model.layers[0].self_attn if hasattr(theirs.base_model.layers[0], "self_attn") \
-        else theirs.base_model.layers[0].attention
+    base = theirs.base_model
+    their_norm = next(getattr(base, name) for name in ("norm", "final_layernorm", "final_layer_norm", "ln_f")
+                      if hasattr(base, name))
+    layer = base.h[0] if hasattr(base, "h") else base.layers[0]
+    their_attention = next(getattr(layer, name) for name in ("self_attn", "attention", "attn") if hasattr(layer, name))
     with torch.no_grad():
         assert torch.equal(ours.norm(x), their_norm(x))
         if getattr(their_attention, "q_layernorm", None) is not None:
@@ -123,7 +132,8 @@ def test_bfloat16_norms_give_transformers_bits(family):
 def test_config_reads_each_familys_fields_as_transformers_does(family):
     model_dir, hf_model = family
     config, theirs = ModelConfig.from_dir(model_dir), hf_model.config
-    assert config.layer_norm and config.rope.rotary_dim == config.head_dim * theirs.rope_parameters.get(
+    rope_parameters = getattr(theirs, "rope_parameters", None) or {}
+    assert config.layer_norm and config.rope.rotary_dim == config.head_dim * rope_parameters.get(
         "partial_rotary_factor", 1.0)
     if config.model_type == "starcoder2":
         assert config.norm_eps == theirs.norm_epsilon and config.layer_windows == (7, 7, 7)
@@ -143,11 +153,16 @@ def test_config_reads_each_familys_fields_as_transformers_does(family):
         assert config.qkv_bias and config.o_bias and config.mlp_bias and not config.tie_word_embeddings
         assert config.parallel_residual == theirs.use_parallel_residual and not config.shared_block_norm
         assert config.rope.theta == theirs.rope_parameters["rope_theta"]
+    elif config.model_type == "gpt2":
+        assert config.norm_eps == theirs.layer_norm_epsilon and config.activation == "gelu_new"
+        assert config.learned_positions and config.tie_word_embeddings and config.context_length == 64
+        assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_key_value_heads) == (
+            64, 96, 3, 4)
 
 
 # transformers' name for each family's norm epsilon
 EPS_FIELDS = {"starcoder2": "norm_epsilon", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps",
-              "gpt_neox": "layer_norm_eps"}
+              "gpt_neox": "layer_norm_eps", "gpt2": "layer_norm_epsilon"}
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -157,8 +172,11 @@ def test_fields_left_out_take_transformers_defaults(model_type):
                                     "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100})
     assert config.norm_eps == getattr(reference, EPS_FIELDS[model_type])
     assert config.tie_word_embeddings == reference.tie_word_embeddings
-    assert config.rope.theta == reference.rope_parameters["rope_theta"]
-    assert config.rope.rotary_dim == 16 * reference.rope_parameters.get("partial_rotary_factor", 1.0)
+    if model_type != "gpt2":  # no RoPE
+        assert config.rope.theta == reference.rope_parameters["rope_theta"]
+        assert config.rope.rotary_dim == 16 * reference.rope_parameters.get("partial_rotary_factor", 1.0)
+    else:
+        assert config.intermediate_size == 4 * 64 and config.context_length == reference.n_positions
     act = getattr(reference, "hidden_act", None) or reference.activation_function
     assert config.activation == act
 
@@ -190,3 +208,23 @@ def test_head_fields_are_read_where_transformers_reads_them(model_type, num_kv_h
                                     "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100,
                                     "num_key_value_heads": 2, "head_dim": 8})
     assert (config.num_key_value_heads, config.head_dim) == (num_kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("family", ["gpt2"], indirect=True)
+def test_a_gpt2_checkpoint_without_the_transformer_prefix_loads(family, tmp_path):
+    """openai-community/gpt2's own checkpoint names its tensors `h.0.attn.c_attn.weight`, `wte.weight`, ..."""
+    model_dir, _ = family
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare)
+    tensors = load_file(bare / "model.safetensors")
+    save_file({name.removeprefix("transformer."): tensor for name, tensor in tensors.items()}, bare / "model.safetensors")
+    assert torch.equal(prefill_logits(load_model(bare), PROMPTS[0]), prefill_logits(load_model(model_dir), PROMPTS[0]))
+
+
+def test_gpt2_settings_are_read_or_refused():
+    raw = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 100}
+    assert ModelConfig.from_dict({**raw, "scale_attn_weights": False}).attention_scale == 1.0
+    assert ModelConfig.from_dict(raw).attention_scale is None  # head_dim ** -0.5
+    assert context_limit(raw) == ContextLimit(128, "max_position_embeddings")  # what the frontend serves
+    with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
+        ModelConfig.from_dict({**raw, "scale_attn_by_inverse_layer_idx": True})

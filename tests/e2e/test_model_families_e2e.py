@@ -1,5 +1,5 @@
 """Other model families through the whole cluster: random Qwen3, Gemma, Gemma 2, Gemma 3,
-Phi-3, Granite, Mixtral and GPT-NeoX checkpoints written by transformers, served by the launcher, answered
+Phi-3, Granite, Mixtral, GPT-NeoX and GPT-2 checkpoints written by transformers, served by the launcher, answered
 greedily and migrated mid-stream; every token must equal transformers' `generate`, and the frontend serves the
 context the model allows (Phi-3's longrope). The sliding windows are far shorter than the
 sequences, so the windowed layers' masks are what is checked there."""
@@ -47,6 +47,8 @@ FAMILIES = {
     "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2), 1024),
     # LayerNorms, q/k/v fused and interleaved per head, partial rotary, parallel attention and plain MLP
     "gpt_neox": (transformers.GPTNeoXConfig, dict(), 1024),
+    # learned positions, no RoPE: served up to n_positions (GPT2Config's name for max_position_embeddings)
+    "gpt2": (transformers.GPT2Config, dict(max_position_embeddings=512), 512),
 }
 
 

@@ -15,8 +15,9 @@ that lives in shared memory instead).
 The families' differences (model_config.py) are a few constants and switches: the MLP's
 activation, Gemma's norm offset and embedding scale, Gemma 2's extra norms and soft-capping,
 Granite's multipliers, partial RoPE; the mixture-of-experts families swap the MLP of their
-sparse layers for `SparseMoeMLP`. The LayerNorm families (StarCoder2) take a LayerNorm
-(`make_norm`) and, where not gated, a `PlainMLP` (`make_mlp`).
+sparse layers for `SparseMoeMLP`. The LayerNorm families (StarCoder2, StableLM, Phi, GPT-NeoX,
+GPT-2) take a LayerNorm (`make_norm`), where not gated a `PlainMLP` (`make_mlp`), where their
+blocks are parallel a `ParallelDecoderLayer`, and GPT-2 learned positions instead of RoPE.
 """
 
 import math
@@ -200,7 +201,7 @@ class MLP(nn.Module):
 
 
 class PlainMLP(nn.Module):
-    """Not gated: down(act(up(x))) (StarCoder2's c_fc/c_proj)."""
+    """Not gated: down(act(up(x))) (StarCoder2, Phi, GPT-NeoX, GPT-2)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -282,8 +283,8 @@ class DecoderLayer(nn.Module):
 
 
 class ParallelDecoderLayer(DecoderLayer):
-    """StableLM (use_parallel_residual), Phi: attention and the MLP both read the block's input, normed once (one
-    norm shared) or each by its own norm, and both outputs are added to the input."""
+    """StableLM (use_parallel_residual), Phi, GPT-NeoX: attention and the MLP both read the block's input, normed
+    once (StableLM, Phi: one norm shared) or each by its own norm (GPT-NeoX), and both outputs are added to it."""
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__(config, index)

@@ -4,7 +4,9 @@ Reads `model.safetensors`, or the shards listed in `model.safetensors.index.json
 folder has no safetensors, PyTorch's `pytorch_model.bin` (or the shards of
 `pytorch_model.bin.index.json`), read with `torch.load(weights_only=True)`, which loads
 tensors only, never pickled code. It renames the Hugging Face tensors to the model's and fuses q/k/v and gate/up into
-one matrix each (Phi-3 checkpoints hold them fused already). Tensors are converted to the
+one matrix each (Phi-3 checkpoints hold them fused already). Families whose tensors are named
+otherwise get Llama's names renamed (`_RENAMES`); GPT-NeoX's fused q/k/v rows are regrouped and
+GPT-2's Conv1D weights transposed (`_reordered`). Tensors are converted to the
 requested dtype as they are read.
 Extra tensors in the checkpoint (e.g. `rotary_emb.inv_freq`) are ignored; a
 missing one is an error that names it.
@@ -95,9 +97,9 @@ def _layer_sources(config: ModelConfig, i: int) -> Iterator[tuple[str, list[str]
                 gate_up = ["gate_up"] if fused else ["gate", "up"]
                 yield f"{ours}mlp.gate_up_proj.{s}", [f"{hf}mlp.{p}_proj.{s}" for p in gate_up]
             yield f"{ours}mlp.down_proj.{s}", [f"{hf}mlp.down_proj.{s}"]
-    norms = [] if config.post_norms_only else ["input"]
-    norms += ([] if config.shared_block_norm else ["post_attention"]) + (["pre_feedforward", "post_feedforward"] if config.sandwich_norms else []) + (
-        ["post_feedforward"] if config.post_norms_only else [])
+    norms = ([] if config.post_norms_only else ["input"]) + ([] if config.shared_block_norm else ["post_attention"])
+    norms += ["pre_feedforward", "post_feedforward"] if config.sandwich_norms else []
+    norms += ["post_feedforward"] if config.post_norms_only else []
     for norm in norms:
         yield from _norm_sources(config, f"{ours}{norm}_layernorm", f"{hf}{norm}_layernorm")
 

@@ -437,7 +437,7 @@ def test_config_reads_checkpoint(checkpoint):
 @pytest.mark.parametrize(
     ("changes", "named"),
     [
-        ({"model_type": "gpt2"}, "model_type"),
+        ({"model_type": "gptj"}, "model_type"),
         ({"hidden_size": None}, "hidden_size"),
         ({"num_key_value_heads": 4}, "num_key_value_heads"),
         ({"rope_scaling": {"type": "ntk-by-parts", "factor": 2.0}}, "ntk-by-parts"),

@@ -141,7 +141,7 @@ def _partial_rotary_factor(raw: dict[str, Any], params: dict[str, Any], rope_typ
     if rope_type in ("default", "dynamic"):
         return 1.0
     raise ValueError(f"config.json: partial_rotary_factor={factor} with rope type {rope_type!r}: only "
-                     f"{', '.join(PARTIAL_ROTARY_TYPES)} rotates part of each head (transformers cannot run this "
+                     f"{', '.join(PARTIAL_ROTARY_TYPES)} rotate part of each head (transformers cannot run this "
                      "config either); remove partial_rotary_factor")
 
 

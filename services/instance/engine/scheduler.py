@@ -199,6 +199,9 @@ class Scheduler:
         return step.to_output(self.block_manager.block_size, self.recomputes_one_by_one)
 
     def _schedule_running(self, request: Request, step: _StepPlan) -> None:
+        if self._is_plain_decode(request) and step.budget_for(request):
+            step.add(request, 1)  # what the general path below comes to for it, without its checks
+            return
         if self._finished_as_too_long(request, step):
             return
         num_new = self._chunk(request, request.num_computed_tokens,
@@ -212,6 +215,12 @@ class Scheduler:
             return
         self.block_manager.allocate(request, request.num_computed_tokens + num_new)
         step.add(request, num_new)
+
+    def _is_plain_decode(self, request: Request) -> bool:
+        """One token left to compute, and its blocks hold it: nothing to cut, allocate or preempt (the
+        common step of a running request, taken without `_schedule_running`'s general path)."""
+        return (request.num_uncomputed_tokens == 1
+                and len(request.block_table) * self.block_manager.block_size >= request.num_tokens)
 
     def _chunk(self, request: Request, start: int, num_new: int) -> int:
         """The tokens from `start` to the next chunk boundary (or the prompt's end, or the end) if `num_new`

@@ -363,3 +363,33 @@ def test_where_decodes_could_take_the_whole_budget_chunks_are_cut_where_it_ends(
     scheduler.add(prompt)
     assert new_tokens(run_step(scheduler))["p"] == 4  # beside the 12 decodes
     assert prompt.status is RequestStatus.RUNNING
+
+
+def _pressure_run(scheduler: Scheduler) -> list[tuple]:
+    """Steps under block pressure (preemptions, chunked prefills, a prompt-logprobs request), as comparable tuples."""
+    requests = [make_request(3 + (7 * i) % 13, f"r{i}", priority=i % 3) for i in range(15)]
+    requests[4].sampling = SamplingParams(prompt_logprobs=1)
+    for r in requests:
+        scheduler.add(r)
+    steps = []
+    while scheduler.has_unfinished():
+        output = run_step(scheduler)
+        batch = output.batch
+        steps.append(([(s.request.request_id, s.num_new_tokens, s.is_sampled) for s in output.scheduled],
+                      [r.request_id for r in output.preempted],
+                      None if batch is None else (batch.input_ids.tolist(), batch.slot_mapping.tolist(),
+                                                  batch.block_tables.tolist(), batch.logit_lens)))
+        for r in list(scheduler.running):
+            if r.num_output_tokens >= 6:
+                scheduler.remove(r, FinishReason.LENGTH)
+    return steps
+
+
+def test_a_plain_decode_is_scheduled_as_the_general_path_schedules_it(monkeypatch):
+    """A running request's one token that fits its blocks skips the checks, chunking and allocation of the
+    general path (the engine's per-step cost with many decodes): the steps must come out the same."""
+    shortcut = _pressure_run(make_scheduler(num_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=10))
+    monkeypatch.setattr(Scheduler, "_is_plain_decode", lambda self, request: False)
+    general = _pressure_run(make_scheduler(num_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=10))
+    assert any(preempted for _, preempted, _ in general)  # the run does go through preemptions
+    assert shortcut == general

@@ -37,8 +37,8 @@ Every step, in this order:
    starts from the cached blocks of its prefix and computes only the rest (unless it
    asked for prompt logprobs: those need every prompt position's logits); one computing
    its output tokens again starts where it was first admitted from, else from cached blocks
-   ending at a chunk boundary of its prompt, or past its prompt: its prompt is cut where
-   it was the first time.
+   ending at a chunk boundary of its prompt (and is cut where it was first admitted from
+   too), or past its prompt: its prompt is cut where it was the first time.
 
 A prefill that reports prompt logprobs needs a logits row per token (vocabulary-wide), so
 such prefills share at most `max_prompt_logit_rows` tokens a step; the rest of their
@@ -223,8 +223,9 @@ class Scheduler:
                 and len(request.block_table) * self.block_manager.block_size >= request.num_tokens)
 
     def _chunk(self, request: Request, start: int, num_new: int) -> int:
-        """The tokens from `start` to the next chunk boundary (or the prompt's end, or the end) if `num_new`
-        reaches them, else 0. Output tokens computed again attend one by one (forward_batch.py): any cut
+        """The tokens from `start` to the next chunk boundary (or the prompt's end, or the end, or `first_start`:
+        a recompute starting below where the request first started is cut there too) if `num_new` reaches them,
+        else 0. Output tokens computed again attend one by one (forward_batch.py): any cut
         gives them the same bits, and a step takes as many as gather RECOMPUTED_OUTPUT_KEYS keys in all."""
         if request.wants_prompt_logits or self.prefill_chunk_tokens is None:
             return num_new
@@ -232,6 +233,8 @@ class Scheduler:
             return min(num_new, max(1, RECOMPUTED_OUTPUT_KEYS // (start + num_new)))
         prompt_end = request.num_prompt_tokens if start < request.num_prompt_tokens else request.num_tokens
         end = min(prompt_end, (start // self.prefill_chunk_tokens + 1) * self.prefill_chunk_tokens)
+        if request.first_start is not None and start < request.first_start:
+            end = min(end, request.first_start)
         return end - start if start + num_new >= end else 0
 
     def _finished_as_too_long(self, request: Request, step: _StepPlan) -> bool:

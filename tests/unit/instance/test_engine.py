@@ -400,6 +400,27 @@ def test_a_preempted_request_first_computed_after_a_cached_prompt_starts_there_a
     assert got.token_ids == roomy.token_ids and got.logprobs == roomy.logprobs
 
 
+@pytest.mark.parametrize("prompt_len, num_blocks", [(49, 7), (145, 13)])
+def test_a_request_first_computed_after_a_cached_prompt_recomputes_it_cut_there_once_those_blocks_are_gone(
+        gqa, make_engine, prompt_len, num_blocks):
+    """A request admitted after a sibling's cached prompt blocks (an n=2 choice) computed only its prompt's last
+    token; preempted, and readmitted once a later request evicted those blocks, it computes its prompt again from
+    its chunk boundary, cut where it first started too: the last token alone again, as it was. Before, that token
+    was computed within the whole prompt (other bits for 16k + 1 tokens with k odd): the same tokens, other
+    logprobs from the first one after the preemption, as an n=2 choice of a 145-token prompt showed from output
+    token 46 in a black-box cluster run under KV pressure."""
+    config = dict(block_size=16, max_num_seqs=4, enable_prefix_caching=True)
+    prompt, other = random_prompts([prompt_len, 40], seed=14)
+    first, second = (replace(SEEDED, max_tokens=60, logprobs=1, top_k=0, seed=seed) for seed in (1, 2))
+    arrivals = {0: [("a", prompt, first)], 2: [("b", prompt, second)]}
+    roomy = run(make_engine(gqa, **config), arrivals, logprobs=True)["b"]
+    tight = make_engine(gqa, num_blocks=num_blocks, **config)  # b is preempted; c evicts a's prompt blocks
+    arrivals[6] = [("c", other, replace(GREEDY, max_tokens=120), {"priority": 1})]
+    got = run(tight, arrivals, logprobs=True)["b"]
+    assert tight.scheduler.num_preemptions > 0
+    assert got.token_ids == roomy.token_ids and got.logprobs == roomy.logprobs
+
+
 def test_a_resume_goes_on_after_the_text_the_client_has(gqa, make_engine):
     """The client may hold less text than its tokens make (a possible stop string held back):
     with resume_text the resumed stream sends the rest, so the text joins up exactly."""

@@ -142,7 +142,7 @@ def request_state_to_proto(state: RequestState) -> instance_pb2.RequestState:
         request_id=state.request_id, prompt_token_ids=list(state.prompt_token_ids),
         output_token_ids=list(state.output_token_ids), sampling=sampling_to_proto(state.sampling), seed=state.seed,
         priority=state.priority, epoch=state.epoch, num_computed_tokens=state.num_computed_tokens,
-        text_sent=state.text_sent, num_resumed_tokens=state.num_resumed_tokens)
+        text_sent=state.text_sent, num_resumed_tokens=state.num_resumed_tokens, first_start=state.first_start)
 
 
 def request_state_from_proto(msg: instance_pb2.RequestState) -> RequestState:
@@ -152,7 +152,8 @@ def request_state_from_proto(msg: instance_pb2.RequestState) -> RequestState:
         request_id=RequestId(check_request_id(msg.request_id)), prompt_token_ids=tuple(msg.prompt_token_ids),
         output_token_ids=tuple(msg.output_token_ids), sampling=sampling_from_proto(msg.sampling), seed=msg.seed,
         priority=msg.priority, epoch=msg.epoch, num_computed_tokens=msg.num_computed_tokens,
-        text_sent=msg.text_sent, num_resumed_tokens=msg.num_resumed_tokens)
+        text_sent=msg.text_sent, num_resumed_tokens=msg.num_resumed_tokens,
+        first_start=msg.first_start if msg.HasField("first_start") else None)
 
 
 def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int, timestamp: float,

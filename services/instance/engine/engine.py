@@ -341,7 +341,7 @@ class LLMEngine:
             seed=state.seed, arrival_order=next(self._arrivals), text=text, priority=state.priority,
             epoch=state.epoch, num_resumed_tokens=state.num_resumed_tokens,
             output_token_ids=list(state.output_token_ids), block_table=blocks[:num_blocks],
-            num_computed_tokens=state.num_computed_tokens, guide=guide,
+            num_computed_tokens=state.num_computed_tokens, guide=guide, first_start=state.first_start,
         )  # fmt: skip
         self._requests[request.request_id] = request
         self.block_manager.register_computed(request)  # its K/V arrived with it
@@ -355,6 +355,9 @@ class LLMEngine:
         if not 0 <= state.num_computed_tokens < state.num_tokens:
             raise InvalidArgument(f"num_computed_tokens: must be in [0, {state.num_tokens}) (prompt + output), "
                                   f"got {state.num_computed_tokens}")
+        if state.first_start is not None and not 0 <= state.first_start < state.num_tokens:
+            raise InvalidArgument(f"first_start: must be in [0, {state.num_tokens}) (prompt + output) or unset, "
+                                  f"got {state.first_start}")
 
     def _request(self, request_id: str) -> Request:
         request = self._requests.get(RequestId(request_id))

@@ -7,7 +7,8 @@
 * `RequestState`: everything the destination needs to continue the request exactly as
   the source would have: tokens, sampling params and effective seed (the sampler's
   randomness for output token i depends only on (seed, i)), how many tokens' K/V were
-  copied, and how much text the client already has.
+  copied, how much text the client already has, and where its prompt was first computed
+  from (a recompute after a preemption on the destination cuts the prompt there again).
 * `pick_request`: which request a source moves when it is not told.
 """
 
@@ -67,6 +68,7 @@ class RequestState:
     num_computed_tokens: int  # tokens whose K/V are in the copied blocks (0: it was waiting)
     text_sent: str  # output text already handed to the client
     num_resumed_tokens: int
+    first_start: int | None = None  # Request.first_start: where its prompt was first computed from; None: unknown
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +94,7 @@ def export_state(request: Request) -> RequestState:
         output_token_ids=tuple(request.output_token_ids), sampling=request.sampling, seed=request.seed,
         priority=request.priority, epoch=request.epoch + 1, num_computed_tokens=request.num_computed_tokens,
         text_sent=request.text.text[:request.text.num_emitted_chars], num_resumed_tokens=request.num_resumed_tokens,
+        first_start=request.first_start,
     )  # fmt: skip
 
 

@@ -1,12 +1,18 @@
-"""The instance's proto edges: sampling parameters survive the wire whole (a migrated or handed-off
-request samples on the destination exactly as it did on the source)."""
+"""The instance's proto edges: sampling parameters and a migrating request's state survive the wire whole
+(a migrated or handed-off request samples on the destination exactly as it did on the source)."""
 
 import dataclasses
 
 import llguidance
 
-from services.instance.convert import sampling_from_proto, sampling_to_proto
-from services.instance.engine.request import SamplingParams
+from services.instance.convert import (
+    request_state_from_proto,
+    request_state_to_proto,
+    sampling_from_proto,
+    sampling_to_proto,
+)
+from services.instance.engine.migration_state import RequestState
+from services.instance.engine.request import RequestId, SamplingParams
 
 
 def test_every_sampling_field_survives_the_round_trip():
@@ -17,3 +23,14 @@ def test_every_sampling_field_survives_the_round_trip():
         grammar=llguidance.LLMatcher.grammar_from_regex("[0-9]+"))
     assert all(getattr(sampling, f.name) != f.default for f in dataclasses.fields(SamplingParams))
     assert sampling_from_proto(sampling_to_proto(sampling)) == sampling
+
+
+def test_a_request_state_survives_the_round_trip_and_an_old_source_sends_no_first_start():
+    state = RequestState(request_id=RequestId("r"), prompt_token_ids=(5, 6, 7), output_token_ids=(8,),
+                         sampling=SamplingParams(seed=3), seed=3, priority=1, epoch=2, num_computed_tokens=3,
+                         text_sent="x", num_resumed_tokens=1, first_start=0)
+    assert all(getattr(state, f.name) != f.default for f in dataclasses.fields(RequestState))
+    assert request_state_from_proto(request_state_to_proto(state)) == state
+    old = request_state_to_proto(state)
+    old.ClearField("first_start")  # a source from before first_start travelled
+    assert request_state_from_proto(old) == dataclasses.replace(state, first_start=None)

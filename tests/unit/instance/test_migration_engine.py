@@ -12,7 +12,7 @@ import llguidance
 import pytest
 import torch
 
-from services.common.errors import FailedPrecondition, NotFound, ResourceExhausted
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.instance.engine.engine import EngineConfig, LLMEngine, StepOutput
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.migration_state import MigrationSelection
@@ -45,14 +45,15 @@ def tiny(tiny_model_dir):
 def make_engine(tiny) -> Iterator[Callable[..., LLMEngine]]:
     caches: list[KvCache] = []
 
-    def make(num_blocks: int = NUM_BLOCKS, max_num_seqs: int = 8, max_num_batched_tokens: int = 256) -> LLMEngine:
+    def make(num_blocks: int = NUM_BLOCKS, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
+             block_size: int = BLOCK_SIZE) -> LLMEngine:
         model, tokenizer = tiny
         c = model.config
-        geometry = KvGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, BLOCK_SIZE, num_blocks,
+        geometry = KvGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, num_blocks,
                               torch.float32)
         cache = KvCache.create(f"ferry-kv-test-mig-{os.getpid()}-{uuid.uuid4().hex[:8]}", geometry)
         caches.append(cache)
-        config = EngineConfig(num_blocks=num_blocks, max_model_len=256, block_size=BLOCK_SIZE,
+        config = EngineConfig(num_blocks=num_blocks, max_model_len=256, block_size=block_size,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         return LLMEngine(model, tokenizer, cache, config)
 
@@ -69,10 +70,12 @@ class Stream:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None
+    logprobs: list = field(default_factory=list)  # with SamplingParams.logprobs
 
     def add(self, output: StepOutput) -> None:
         assert output.token_index == len(self.token_ids), "gap or duplicate token index"
         self.token_ids += output.new_token_ids
+        self.logprobs += output.logprobs or ()
         self.text += output.text
         self.finish_reason = output.finish_reason
 
@@ -324,6 +327,9 @@ def test_import_checks_the_reservation(make_engine):
     b.reserve_blocks("m", 1)
     with pytest.raises(Exception, match="num_computed_tokens"):
         b.import_request("m", state)  # 12 computed tokens need 3 blocks
+    b.reserve_blocks("m", 3)
+    with pytest.raises(InvalidArgument, match="first_start"):
+        b.import_request("m", replace(state, first_start=state.num_tokens))
     assert b.free_reservation("m")
     assert a.resume("r")
     harness.finish(a, "r")
@@ -377,6 +383,35 @@ def test_a_request_sharing_cached_blocks_migrates_and_its_blocks_are_cached_at_t
     assert harness.finish(b, "again").token_ids == reference.token_ids
     assert b.block_manager.prefix_cache.stats().num_hit_tokens == 8
     assert_no_blocks_held(a, b)
+
+
+def test_a_request_first_computed_after_a_cached_prompt_keeps_its_bits_when_preempted_after_it_migrated(make_engine):
+    """r (an n=2 choice) computed only its 49-token prompt's last token after a's cached prompt blocks; it migrates
+    to B, where an earlier request preempts it and evicts its blocks. Its recompute on B cuts the prompt where r
+    first started on A (first_start travels with the state): that token alone again, as it was, so r's logprobs
+    equal to the bit those of r never migrated nor preempted. Before, B restarted it at its chunk boundary and
+    computed that token within the whole prompt: other logprobs from the first token after the preemption."""
+    prompt = [(7 * i + 3) % 500 + 1 for i in range(49)]
+    sampling = replace(SEEDED, max_tokens=40, logprobs=1, top_k=0)
+    first = replace(sampling, seed=1)
+
+    def start_on(engine: LLMEngine, harness: Harness) -> None:
+        engine.add_request("a", prompt, first)
+        harness.run_until(engine, "a", 1)
+        engine.add_request("r", prompt, sampling)  # starts after a's 3 cached prompt blocks
+        harness.run_until(engine, "r", 5)
+
+    roomy, reference = make_engine(block_size=16), Harness()
+    start_on(roomy, reference)
+    a, b, harness = make_engine(block_size=16), make_engine(num_blocks=7, block_size=16), Harness()
+    b.add_request("x", [9] * 40, replace(GREEDY, max_tokens=60))  # earlier than r on b: r is the one preempted
+    harness.step(b)
+    start_on(a, harness)
+    migrate(a, b, "r")
+    got = harness.finish(b, "r")
+    assert b.scheduler.num_preemptions > 0
+    assert got.token_ids == reference.finish(roomy, "r").token_ids
+    assert got.logprobs == reference.streams["r"].logprobs
 
 
 def test_a_salted_request_is_cached_under_its_salt_at_the_destination(make_engine):

@@ -35,10 +35,11 @@ Every step, in this order:
    budget and free blocks allow. The head of the
    queue blocks the rest (strict priority). With prefix caching, an admitted request
    starts from the cached blocks of its prefix and computes only the rest (unless it
-   asked for prompt logprobs: those need every prompt position's logits); one computing
-   its output tokens again starts where it was first admitted from, else from cached blocks
-   ending at a chunk boundary of its prompt (and is cut where it was first admitted from
-   too), or past its prompt: its prompt is cut where it was the first time.
+   asked for prompt logprobs: those need every prompt position's logits); one admitted
+   before (preempted) or computing its output tokens again starts from cached blocks ending
+   at a chunk boundary of its prompt (or where it was first admitted from, if that is off
+   one), and is cut where it was first admitted from too, or past its prompt: its prompt is
+   cut where it was the first time.
 
 A prefill that reports prompt logprobs needs a logits row per token (vocabulary-wide), so
 such prefills share at most `max_prompt_logit_rows` tokens a step; the rest of their
@@ -295,18 +296,22 @@ class Scheduler:
             step.add(request, num_new)
 
     def _cached_start(self, request: Request) -> list[BlockId]:
-        """The cached blocks `request` starts from. One computing its output tokens again (a preemption's
-        recompute, a resume) starts where its prompt was first computed from (`first_start`), else at a chunk
-        boundary, or past its prompt: a chunk starting elsewhere in the prompt (after blocks still cached while
-        later ones were evicted, say) gives its rows other bits, as attention sums a chunk's rows in blocks of
-        its own, so the request went on with other logprobs."""
+        """The cached blocks `request` starts from. One admitted here before (a preemption's recompute, also
+        during its prefill) or computing its output tokens again (a resume) starts where its prompt was cut the
+        first time: at the last chunk boundary cached (its chunks are cut at `first_start` too), or past its
+        prompt; at `first_start` (where its prompt was first computed from) where that is not a chunk boundary
+        and is cached: its rows after it have bits of their own, and the blocks cached there may be a sibling's,
+        cut at the chunk boundary. A chunk starting elsewhere in the prompt (after blocks still cached while
+        later ones were evicted, or at a sibling's last cached block) gives its rows other bits, as attention
+        sums a chunk's rows in blocks of its own, so the request went on with other logprobs."""
         cached = self.block_manager.cached_prefix(request)
         num_cached_tokens = len(cached) * self.block_manager.block_size
-        if (request.num_output_tokens == 0 or self.prefill_chunk_tokens is None
-                or num_cached_tokens >= request.num_prompt_tokens):
+        is_new = request.first_start is None and request.num_output_tokens == 0
+        if is_new or self.prefill_chunk_tokens is None or num_cached_tokens >= request.num_prompt_tokens:
             return cached
-        if request.first_start is not None and num_cached_tokens >= request.first_start:
-            return cached[:request.first_start // self.block_manager.block_size]
+        first_start = request.first_start
+        if first_start is not None and num_cached_tokens >= first_start and first_start % self.prefill_chunk_tokens:
+            return cached[:first_start // self.block_manager.block_size]
         step = math.lcm(self.prefill_chunk_tokens, self.block_manager.block_size)
         return cached[:num_cached_tokens // step * step // self.block_manager.block_size]
 

@@ -63,7 +63,7 @@ def make_engine() -> Iterator[Callable[..., LLMEngine]]:
     def make(tiny: Tiny, num_blocks: int = 256, block_size: int = 4, max_num_seqs: int = 16,
              max_num_batched_tokens: int = 512, max_model_len: int = 1024,
              enable_prefix_caching: bool = True, priority_headroom_blocks: int = 0,
-             max_num_waiting: int = 0) -> LLMEngine:
+             max_num_waiting: int = 0, prefill_chunk_tokens: int = 0) -> LLMEngine:
         c = tiny.model.config
         geometry = KvGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, num_blocks,
                               torch.float32)
@@ -72,7 +72,8 @@ def make_engine() -> Iterator[Callable[..., LLMEngine]]:
         config = EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len, block_size=block_size,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               enable_prefix_caching=enable_prefix_caching,
-                              priority_headroom_blocks=priority_headroom_blocks, max_num_waiting=max_num_waiting)
+                              priority_headroom_blocks=priority_headroom_blocks, max_num_waiting=max_num_waiting,
+                              prefill_chunk_tokens=prefill_chunk_tokens)
         return LLMEngine(tiny.model, tiny.tokenizer, cache, config)
 
     yield make
@@ -416,6 +417,23 @@ def test_a_request_first_computed_after_a_cached_prompt_recomputes_it_cut_there_
     roomy = run(make_engine(gqa, **config), arrivals, logprobs=True)["b"]
     tight = make_engine(gqa, num_blocks=num_blocks, **config)  # b is preempted; c evicts a's prompt blocks
     arrivals[6] = [("c", other, replace(GREEDY, max_tokens=120), {"priority": 1})]
+    got = run(tight, arrivals, logprobs=True)["b"]
+    assert tight.scheduler.num_preemptions > 0
+    assert got.token_ids == roomy.token_ids and got.logprobs == roomy.logprobs
+
+
+def test_a_request_preempted_during_its_prefill_restarts_where_its_prompt_was_cut(gqa, make_engine):
+    """b starts after the 64 tokens of a's prompt a has computed (32-token chunks) and is preempted during its
+    own prefill, before its first token; readmitted once a's whole prompt is cached, it restarts at a chunk
+    boundary (96), not at a's last cached block: its prompt's last token alone has other bits than within its
+    chunk [96, 113). Before, it went on with other logprobs from its first token (an engine-level sweep of
+    n=2 choices under KV pressure found it)."""
+    config = dict(block_size=16, max_num_seqs=4, enable_prefix_caching=True, prefill_chunk_tokens=32)
+    prompt = random_prompts([113], seed=14)[0]
+    first, second = (replace(SEEDED, max_tokens=40, logprobs=1, top_k=0, seed=seed) for seed in (1, 2))
+    arrivals = {0: [("a", prompt, first)], 2: [("b", prompt, second)]}
+    roomy = run(make_engine(gqa, **config), arrivals, logprobs=True)["b"]
+    tight = make_engine(gqa, num_blocks=10, **config)  # b preempts itself when a takes the blocks for [96, 113)
     got = run(tight, arrivals, logprobs=True)["b"]
     assert tight.scheduler.num_preemptions > 0
     assert got.token_ids == roomy.token_ids and got.logprobs == roomy.logprobs

@@ -6,7 +6,7 @@ import pytest
 
 from services.instance.engine.block_manager import BlockManager
 from services.instance.engine.request import FinishReason, Request, RequestId, RequestStatus, SamplingParams
-from services.instance.engine.scheduler import Scheduler, SchedulerOutput
+from services.instance.engine.scheduler import Scheduler, SchedulerOutput, _StepPlan
 from services.instance.engine.text_output import TextOutput
 
 pytestmark = pytest.mark.timeout(20)
@@ -393,3 +393,22 @@ def test_a_plain_decode_is_scheduled_as_the_general_path_schedules_it(monkeypatc
     general = _pressure_run(make_scheduler(num_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=10))
     assert any(preempted for _, preempted, _ in general)  # the run does go through preemptions
     assert shortcut == general
+
+
+@pytest.mark.parametrize("first_start, start", [(0, 24), (16, 24), (12, 12)])
+def test_a_preempted_request_restarts_at_its_last_cached_chunk_boundary_unless_it_first_started_off_one(
+        first_start, start):
+    """A request preempted with 7 of its 30-token prompt's blocks still cached (8-token chunks) restarts at the last
+    chunk boundary among them, 24, where its prompt was cut the first time, not at 0 (its whole prompt again); one
+    first computed from 12, off a chunk boundary (after a sibling's cached blocks), restarts there: the blocks up
+    to 24 may be the sibling's, whose rows past 12 have other bits."""
+    scheduler = Scheduler(BlockManager(64, 4, enable_prefix_caching=True), 8, 64, prefill_chunk_tokens=8)
+    request = make_request(30, "r")
+    scheduler.add(request)
+    while not request.output_token_ids:
+        run_step(scheduler)
+        scheduler.block_manager.register_computed(request)  # the engine does, after each step
+    request.first_start = first_start
+    scheduler._preempt(request, _StepPlan(budget=0, logit_budget=0))
+    assert len(scheduler.block_manager.cached_prefix(request)) == 7
+    assert len(scheduler._cached_start(request)) * 4 == start

@@ -136,10 +136,13 @@ class BlockManager:
 
     def cached_prefix(self, request: Request) -> list[BlockId]:
         """The cached blocks `request` can start from: the longest run of its leading full blocks, leaving at
-        least its last token to compute (its logits give the next token)."""
+        least its last token to compute (its logits give the next token), and none from its first block that
+        another request's block was registered for (`Request.first_foreign_block`)."""
         if self.prefix_cache is None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if request.first_foreign_block is not None:
+            max_blocks = min(max_blocks, request.first_foreign_block)
         return self.cached_blocks(request.block_hashes(self.block_size, max_blocks))
 
     def num_blocks_to_admit(self, cached: list[BlockId], num_tokens: int) -> int:
@@ -180,7 +183,9 @@ class BlockManager:
             return
         hashes = request.block_hashes(self.block_size, num_full)
         for i in range(request.num_registered_blocks, num_full):
-            self.prefix_cache.register(request.block_table[i], hashes[i])
+            is_own = self.prefix_cache.register(request.block_table[i], hashes[i])
+            if not is_own and (request.first_foreign_block is None or i < request.first_foreign_block):
+                request.first_foreign_block = i
         request.num_registered_blocks = num_full
 
     def _check_held(self, block_ids: list[BlockId]) -> None:

@@ -72,12 +72,15 @@ class PrefixCache:
             blocks.append(block_id)
         return blocks
 
-    def register(self, block_id: BlockId, block_hash: BlockHash) -> None:
-        """Make a held, full block findable; a no-op if the hash or the block is registered already."""
-        if block_hash in self._block_of or block_id in self._hash_of:
-            return
+    def register(self, block_id: BlockId, block_hash: BlockHash) -> bool:
+        """Make a held, full block findable; a no-op if the hash or the block is registered already. False where
+        another block holds the hash (the same tokens, computed by another request): this one stays unfindable."""
+        holder = self._block_of.get(block_hash)
+        if holder is not None or block_id in self._hash_of:
+            return holder in (None, block_id)
         self._block_of[block_hash] = block_id
         self._hash_of[block_id] = block_hash
+        return True
 
     def is_registered(self, block_id: BlockId) -> bool:
         return block_id in self._hash_of

@@ -142,6 +142,11 @@ class Request:
     # preemption's recompute starts there again, so its prompt is cut where it was. None until admitted.
     first_start: int | None = None
     num_registered_blocks: int = 0  # leading blocks of block_table the prefix cache knows (or was asked to)
+    # Its first computed block whose hash another block held when it registered (the same tokens computed by
+    # another request: a greedy n > 1 sibling, say, whose rows may have other bits). A recompute starts from
+    # no cached block from there on, ever (the other's may be back there), so it goes on with its own bits.
+    # None: every block registered as its own.
+    first_foreign_block: int | None = None
     # sampling.prompt_logprobs: entry i is prompt token i + 1's, filled as prefill chunks run and
     # sent with output token 0. A preemption's recompute does not redo what is here.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)

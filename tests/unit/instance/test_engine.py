@@ -439,6 +439,25 @@ def test_a_request_preempted_during_its_prefill_restarts_where_its_prompt_was_cu
     assert got.token_ids == roomy.token_ids and got.logprobs == roomy.logprobs
 
 
+@pytest.mark.parametrize("num_blocks", [8, 9, 10])
+def test_a_greedy_choice_recomputed_does_not_take_its_siblings_blocks_of_the_same_tokens(gqa, make_engine,
+                                                                                        num_blocks):
+    """Greedy n=2 choices of a 49-token prompt generate the same tokens, so their blocks have the same hashes; b,
+    first computed after a's cached prompt, has other bits in them (its last prompt token alone). Preempted, b
+    restarts from none of a's blocks past its own first start, so it goes on with its own bits. Before, it took
+    a's blocks of its prompt's end and first output tokens: other logprobs from its first token after the
+    preemption (an engine-level sweep of n=2 choices under KV pressure found it)."""
+    config = dict(block_size=16, max_num_seqs=4, enable_prefix_caching=True)
+    prompt = random_prompts([49], seed=14)[0]
+    sampling = replace(GREEDY, max_tokens=60, logprobs=1)
+    arrivals = {0: [("a", prompt, sampling)], 2: [("b", prompt, sampling)]}
+    roomy = run(make_engine(gqa, **config), arrivals, logprobs=True)["b"]
+    tight = make_engine(gqa, num_blocks=num_blocks, **config)
+    got = run(tight, arrivals, logprobs=True)["b"]
+    assert tight.scheduler.num_preemptions > 0
+    assert got.token_ids == roomy.token_ids and got.logprobs == roomy.logprobs
+
+
 def test_a_resume_goes_on_after_the_text_the_client_has(gqa, make_engine):
     """The client may hold less text than its tokens make (a possible stop string held back):
     with resume_text the resumed stream sends the rest, so the text joins up exactly."""

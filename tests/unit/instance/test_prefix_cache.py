@@ -48,6 +48,24 @@ def test_full_blocks_stay_findable_after_free_and_count_as_free():
     assert manager.cached_prefix(again) == blocks[:2]
 
 
+def test_a_block_registered_after_another_of_the_same_tokens_marks_where_its_own_cached_blocks_end():
+    """Two requests that computed the same 10 tokens each in their own blocks (admitted in the same step): the
+    second's blocks stay unfindable, and its cached prefix stops before its first one (its own rows may have
+    other bits than the first's: a recompute must not take them), also after it started from the cache again."""
+    manager = BlockManager(16, BLOCK_SIZE, enable_prefix_caching=True)
+    first, second = make_request(10, "a"), make_request(10, "b")
+    for request in (first, second):
+        manager.allocate(request)
+        request.num_computed_tokens = request.num_tokens
+    for request in (first, second):
+        manager.register_computed(request)
+    assert (first.first_foreign_block, second.first_foreign_block) == (None, 0)
+    assert manager.cached_prefix(first) == first.block_table[:2] and manager.cached_prefix(second) == []
+    manager.free(second)
+    manager.start_from_cache(second, manager.cached_prefix(second))
+    assert second.first_foreign_block == 0 and second.block_table == []
+
+
 def test_a_hit_takes_idle_cached_blocks_out_of_the_free_count():
     manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
     manager.free(computed(manager, 9))

@@ -154,7 +154,8 @@ class ModelConfig:
                 raise ValueError(f"config.json: {name}: {why}")
         num_heads = _required_int(raw, "num_attention_heads")
         hidden_size = _required_int(raw, "hidden_size")
-        num_kv_heads = num_heads if model_type in _MHA_ONLY else int(raw.get("num_key_value_heads") or num_heads)
+        num_kv_heads = num_heads if model_type in _MHA_ONLY else int(
+            raw.get("num_key_value_heads") or _DEFAULT_KV_HEADS.get(model_type, num_heads))
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"config.json: num_attention_heads={num_heads} is not a multiple of "
@@ -199,6 +200,7 @@ class ModelConfig:
 
 # transformers' per-family defaults for fields a config.json may leave out
 _DEFAULT_HEAD_DIMS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
+_DEFAULT_KV_HEADS = {"starcoder2": 2, "stablelm": 32}  # else num_attention_heads
 _DEFAULT_RMS_NORM_EPS = {"phi3": 1e-5, "mixtral": 1e-5, "olmo2": 1e-5, "olmoe": 1e-5}
 _NORM_EPS_FIELDS = {"starcoder2": "norm_epsilon", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps",
                     "gpt_neox": "layer_norm_eps", "gpt2": "layer_norm_epsilon"}

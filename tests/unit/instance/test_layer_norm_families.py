@@ -168,8 +168,10 @@ EPS_FIELDS = {"starcoder2": "norm_epsilon", "stablelm": "layer_norm_eps", "phi":
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_fields_left_out_take_transformers_defaults(model_type):
     reference = transformers.AutoConfig.for_model(model_type)
+    # StableLM's default of 32 key/value heads does not divide 4 heads (test_num_key_value_heads_left_out_...)
+    kv_heads = {"num_key_value_heads": 4} if model_type == "stablelm" else {}
     config = ModelConfig.from_dict({"model_type": model_type, "hidden_size": 64, "intermediate_size": 96,
-                                    "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100})
+                                    "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100, **kv_heads})
     assert config.norm_eps == getattr(reference, EPS_FIELDS[model_type])
     assert config.tie_word_embeddings == reference.tie_word_embeddings
     if model_type != "gpt2":  # no RoPE
@@ -189,7 +191,7 @@ def test_gelu_new_gives_transformers_bits():
 @pytest.mark.parametrize("raw, rotary_dim, theta", [
     ({"model_type": "gpt_neox", "rotary_pct": 0.5, "rotary_emb_base": 20000}, 8, 20000.0),  # Pythia's config.json
     ({"model_type": "gpt_neox"}, 4, 10000.0),
-    ({"model_type": "stablelm", "partial_rotary_factor": 0.5, "rope_theta": 5000}, 8, 5000.0),
+    ({"model_type": "stablelm", "num_key_value_heads": 4, "partial_rotary_factor": 0.5, "rope_theta": 5000}, 8, 5000.0),
     ({"model_type": "phi", "partial_rotary_factor": 0.25}, 4, 10000.0),
 ])
 def test_the_old_spelling_of_partial_rotary_and_theta_is_read(raw, rotary_dim, theta):
@@ -228,3 +230,13 @@ def test_gpt2_settings_are_read_or_refused():
     assert context_limit(raw) == ContextLimit(128, "max_position_embeddings")  # what the frontend serves
     with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
         ModelConfig.from_dict({**raw, "scale_attn_by_inverse_layer_idx": True})
+
+
+@pytest.mark.parametrize("model_type, num_heads, num_kv_heads", [("starcoder2", 4, 2), ("stablelm", 64, 32)])
+def test_num_key_value_heads_left_out_takes_the_familys_default(model_type, num_heads, num_kv_heads):
+    """StarCoder2's config defaults to 2 key/value heads and StableLM's to 32, not to num_attention_heads:
+    a config.json without the field builds k_proj/v_proj that size in transformers (and in its checkpoint)."""
+    reference = transformers.AutoConfig.for_model(model_type, num_attention_heads=num_heads)
+    config = ModelConfig.from_dict({"model_type": model_type, "hidden_size": 512, "intermediate_size": 96,
+                                    "num_hidden_layers": 2, "num_attention_heads": num_heads, "vocab_size": 100})
+    assert config.num_key_value_heads == reference.num_key_value_heads == num_kv_heads

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_MAX_POSITIONS = 2048  # transformers' default where config.json has no max_position_embeddings
+GPT2_DEFAULT_POSITIONS = 1024  # GPT2Config's n_positions where config.json has none
 DEFAULT_WINDOWS = {"gemma2": 4096, "gemma3_text": 4096, "mistral": 4096}  # transformers' defaults where config.json has none
 SLIDING = "sliding_attention"
 
@@ -65,7 +66,8 @@ class ContextLimit:
 
 
 def context_limit(raw: dict[str, Any]) -> ContextLimit:
-    max_positions = int(raw.get("max_position_embeddings", raw.get("n_positions", DEFAULT_MAX_POSITIONS)))  # GPT-2's
+    default = raw.get("n_positions", GPT2_DEFAULT_POSITIONS if raw.get("model_type") == "gpt2" else DEFAULT_MAX_POSITIONS)
+    max_positions = int(raw.get("max_position_embeddings", default))  # GPT-2's n_positions
     longrope = longrope_length(raw)
     if longrope is not None and longrope < max_positions:
         return ContextLimit(longrope, "longrope's original_max_position_embeddings")

@@ -240,3 +240,10 @@ def test_num_key_value_heads_left_out_takes_the_familys_default(model_type, num_
     config = ModelConfig.from_dict({"model_type": model_type, "hidden_size": 512, "intermediate_size": 96,
                                     "num_hidden_layers": 2, "num_attention_heads": num_heads, "vocab_size": 100})
     assert config.num_key_value_heads == reference.num_key_value_heads == num_kv_heads
+
+
+def test_a_gpt2_config_without_n_positions_has_the_same_limit_in_the_frontend_and_the_engine():
+    """The frontend reads config.json as it is (context_limit); the engine after GPT-2's names are mapped: both take
+    GPT2Config's default of 1024 positions (the rows of `wpe`), not the 2048 of configs without max_position_embeddings."""
+    raw = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100}
+    assert context_limit(raw).length == ModelConfig.from_dict(raw).context_length == transformers.GPT2Config().n_positions

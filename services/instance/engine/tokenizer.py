@@ -60,7 +60,9 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         decoder_types = _decoder_types(backend)  # parses the whole tokenizer JSON: once
         self._is_byte_level = decoder_types >= {"ByteLevel"}
-        self._added_token_ids = frozenset(backend.get_added_tokens_decoder())  # special and added: plain text
+        added = backend.get_added_tokens_decoder()
+        self._added_token_ids = frozenset(added)  # special and added: plain text
+        self._special_token_ids = frozenset(i for i, token in added.items() if token.special)
         self._raw_byte_ids = (_raw_byte_ids(backend) if "ByteFallback" in decoder_types else frozenset()) \
             - self._added_token_ids
         self._anchor_id = _mid_text_anchor(backend, self._added_token_ids)
@@ -110,6 +112,10 @@ class Tokenizer:
         """A SentencePiece byte-fallback token (<0xNN>): its decoder decodes a run of them together,
         and a run that is not valid UTF-8 becomes one U+FFFD per byte."""
         return token_id in self._raw_byte_ids
+
+    def is_special(self, token_id: int) -> bool:
+        """A special token (what `skip_special_tokens` leaves out of the text)."""
+        return token_id in self._special_token_ids
 
     def token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes one token adds to a text after other text, also when they are only part of
@@ -210,8 +216,16 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, stop: int) -> str:
         return self._tokenizer.decode(self._ids[start:stop], skip_special_tokens=self._skip_special_tokens)
 
+    def _ends_in_raw_byte(self) -> bool:
+        """The last token the text is decoded from is a raw byte: a skipped special token after it leaves its
+        run open (the decoder joins the bytes on both sides of it)."""
+        for token_id in reversed(self._ids):
+            if not (self._skip_special_tokens and self._tokenizer.is_special(token_id)):
+                return self._tokenizer.is_raw_byte(token_id)
+        return False
+
     def _emit(self, is_final: bool) -> str:
-        if not is_final and self._ids and self._tokenizer.is_raw_byte(self._ids[-1]):
+        if not is_final and self._ends_in_raw_byte():
             return ""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset, len(self._ids))

@@ -234,6 +234,7 @@ def streamed_text(tokenizer: Tokenizer, ids: list[int]) -> str:
     ["<0xF0>", "<0x9F>", "<0x9A>", "<0x80>", "ok", "<0xE2>"],  # an emoji, then a dangling byte at the end
     ["▁hi", "<0x41>", "<0x42>", "<0xFF>", "<0x43>", "▁there"],
     ["<0xC3>", "<0xA9>", "é", "<0xC3>", "▁", "<0xA9>"],
+    ["<0x41>", "<s>", "<0x9F>", "▁there"],  # a skipped special token leaves the run open: "A" turns into U+FFFD
 ])
 def test_streamed_byte_fallback_text_equals_the_full_decode(pieces):
     tokenizer = sentencepiece_like_tokenizer()

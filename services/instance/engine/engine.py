@@ -405,8 +405,7 @@ class LLMEngine:
             self.block_manager.register_computed(s.request)
 
     def _postprocess(self, scheduled: SchedulerOutput, logits: torch.Tensor | None) -> list[StepOutput]:
-        outputs = [self._output(request, request.num_output_tokens, None, request.finish_reason)
-                   for request in scheduled.finished]  # too long for the whole cache
+        outputs = [self._output_too_long(request) for request in scheduled.finished]
         if logits is None or scheduled.batch is None:
             return outputs
         last_rows = self._record_prompt_logprobs(scheduled, logits)
@@ -472,6 +471,13 @@ class LLMEngine:
             return ()
         eos = () if sampling.ignore_eos else tuple(self.eos_token_ids)
         return (*sampling.stop_token_ids, *eos)
+
+    def _output_too_long(self, request: Request) -> StepOutput:
+        """A request the scheduler ended for outgrowing the whole cache (LENGTH), unless a stop string in
+        the text held back to the end cuts it (STOP), as at max_tokens."""
+        if request.text.finish():
+            request.finish_reason = FinishReason.STOP
+        return self._output(request, request.num_output_tokens, None, request.finish_reason)
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         reason = self._token_stop_reason(request, token_id)

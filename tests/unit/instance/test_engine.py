@@ -678,6 +678,24 @@ def test_a_stop_string_in_raw_bytes_held_back_to_the_end_stops_the_request(gqa, 
     assert got["stop"].text == "" and got["stop"].finish_reason is FinishReason.STOP
 
 
+def test_a_request_too_long_for_the_whole_cache_cut_at_a_stop_string_in_held_back_bytes_finishes_stop(
+        gqa, make_engine):
+    """The scheduler ends a request that outgrew the whole cache; the raw bytes held back to then are
+    looked through for stop strings as at max_tokens, and a cut there finishes it STOP, not LENGTH."""
+    backend = BackendTokenizer(models.WordLevel({**{f"<0x{b:02X}>": b for b in range(256)}, "<s>": 256}, "<s>"))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    engine = make_engine(gqa, num_blocks=4, block_size=4)  # 16 tokens in all
+    engine.tokenizer = Tokenizer(backend)
+    prompt = text_prompt(gqa, "Hello")
+    always_a = SamplingParams(temperature=0.0, max_tokens=64, logit_bias=((0x41, 100.0),))  # <0x41>: "A"
+    got = run(engine, {0: [("plain", prompt, always_a)]})
+    assert got["plain"].finish_reason is FinishReason.LENGTH and len(got["plain"].token_ids) < 64
+    assert got["plain"].text == "A" * len(got["plain"].token_ids)
+    got = run(engine, {0: [("stop", prompt, replace(always_a, stop=("AA",)))]})
+    assert got["stop"].text == "" and got["stop"].finish_reason is FinishReason.STOP
+    assert engine.block_manager.num_free_blocks == engine.config.num_blocks
+
+
 def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings(gqa, make_engine):
     """vLLM's min_tokens: no eos or stop token id among the first min_tokens tokens, and stop strings count
     only in text after them; a resumed request counts its resumed tokens."""

@@ -8,7 +8,8 @@ from the file the job names ("out"; vLLM logs to stdout):
     {"ms_per_token": ..., "tokens_per_s": ..., "vllm_version": "..."}
 
 Single stream: the same prompt generating 1 and then --single-tokens tokens; ms/token is the
-difference over the extra tokens (as for transformers). Throughput: the whole batch at once.
+difference over the extra tokens (as for transformers). Throughput: the whole batch at once,
+the median of "repeats" runs.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def main() -> None:
     for prompt in job["single_prompts"]:
         one, many = elapsed_s([prompt], 1), elapsed_s([prompt], job["single_tokens"])
         single.append((many - one) * 1000 / (job["single_tokens"] - 1))
-    batch_s = elapsed_s(job["batch_prompts"], job["output_len"])
+    batch_s = statistics.median(elapsed_s(job["batch_prompts"], job["output_len"]) for _ in range(job.get("repeats", 1)))
     with open(job["out"], "w") as out:
         json.dump({"ms_per_token": statistics.median(single),
                    "tokens_per_s": len(job["batch_prompts"]) * job["output_len"] / batch_s,

@@ -57,6 +57,12 @@ def read_stat(pid: int) -> ProcInfo | None:
         return None
 
 
+def is_running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for its new parent to reap it)."""
+    info = read_stat(pid)
+    return info is not None and not info.is_zombie
+
+
 def start_time(pid: int) -> int | None:
     info = read_stat(pid)
     return info.start_time if info else None

@@ -19,17 +19,9 @@ from services.common.errors import Unavailable
 from services.common.gen.ferry.v1 import common_pb2, manager_pb2, manager_pb2_grpc
 from services.transfer.client import TransferClient
 from tests.e2e.conftest import instances, launched_cluster, model_name, wait_for
+from tests.reaper import is_running
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def is_running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie waits for its new parent to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=["hangup", "killed"])

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from services.cluster.processes import ROOT
+from tests.reaper import is_running
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,15 +45,6 @@ CHILD_TEST = textwrap.dedent('''
         out.write_text(" ".join(map(str, pids)))
         time.sleep(600)
 ''')
-
-
-def is_running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def reapers_of(pytest_pid: int) -> list[int]:

@@ -14,13 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.instance.engine.context_window import ContextLimit, context_limit
-from services.instance.engine.factory import EngineSpec, build_engine
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.model import ACTIVATIONS, allocate_kv_cache, load_model
 from services.instance.engine.model_config import ModelConfig
-from services.instance.engine.request import SamplingParams
-from services.instance.models import build_tiny_model
 from services.instance.models.tiny_tokenizer import TINY_VOCAB_SIZE
+from tests.unit.instance.hf_families import PROMPTS, assert_greedy_equals_transformers, save_random_family_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,48 +49,19 @@ FAMILIES = {
 GPT2_NAMES = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "max_position_embeddings"}  # GPT2Config's are n_embd, n_inner, n_layer, n_head, n_positions
 MODEL_TYPES = sorted({config_class.model_type for config_class, _ in FAMILIES.values()})
-PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 2, 250, 31], [64, 65, 66, 67, 68, 69, 70, 71, 72], [9],
-           [(7 * i) % 500 + 3 for i in range(40)]]  # prefilled in chunks
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory) -> tuple[pathlib.Path, object]:
     config_class, extras = FAMILIES[request.param]
-    model_dir = build_tiny_model(tmp_path_factory.mktemp("models") / f"tiny-{request.param}", "gqa-tied")
-    for name in ("config.json", "model.safetensors", "generation_config.json"):
-        (model_dir / name).unlink()
-    torch.manual_seed(0)
     common = {k: v for k, v in COMMON.items() if config_class.model_type != "gpt2" or k not in GPT2_NAMES}
-    hf_model = transformers.AutoModelForCausalLM.from_config(config_class(**common, **extras)).eval()
-    with torch.no_grad():
-        for name, parameter in hf_model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                parameter.normal_(1.0, 0.1)
-            elif name.endswith("bias"):
-                parameter.normal_(0.0, 0.1)
-    hf_model.save_pretrained(model_dir)
-    return model_dir, hf_model
-
-
-def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
-    """transformers' greedy tokens, end-of-sequence included where it is the argmax (as `ignore_eos` takes it)."""
-    hf_model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        output = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-    return output[0, len(prompt):].tolist()
+    return save_random_family_model(tmp_path_factory.mktemp("models") / f"tiny-{request.param}",
+                                    config_class(**common, **extras))
 
 
 def test_greedy_tokens_equal_transformers_alone_and_batched(family, tmp_path):
     model_dir, hf_model = family
-    loaded = build_engine(EngineSpec(model_dir, kv_name=f"ferry-test-ln-{tmp_path.name}", kv_cache_mib=8,
-                                     max_num_seqs=8, max_num_batched_tokens=24))
-    try:
-        greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-        expected = [hf_greedy(hf_model, prompt, 20) for prompt in PROMPTS]
-        assert [loaded.engine.generate([prompt], greedy)[0] for prompt in PROMPTS] == expected
-        assert loaded.engine.generate(PROMPTS, greedy) == expected
-    finally:
-        loaded.close()
+    assert_greedy_equals_transformers(model_dir, hf_model, f"ferry-test-ln-{tmp_path.name}")
 
 
 def prefill_logits(model, prompt: list[int], block_size: int = 16) -> torch.Tensor:

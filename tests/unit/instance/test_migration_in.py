@@ -140,18 +140,15 @@ async def test_a_first_prepare_whose_grant_fails_holds_nothing():
     assert inbox.num_quarantined == 0
 
 
-async def test_a_reservation_given_up_while_its_grant_is_being_opened_never_leaves():
-    """An abort (or the watchdog) between the reserve and the grant frees the blocks unfenced; the
-    Prepare must then fail, so that no source ever learns those block ids."""
-    engine, slots = FakeEngine(), MigrationSlots(4)
-    inbox, fence = fenced_inbox(engine, slots)
+async def abort_while_the_grant_opens(inbox: MigrationInbox, fence: FakeFence, land_grant) -> None:
+    """A first Prepare aborted while its write grant is being opened; `land_grant(grant_id)` then
+    opens it. The Prepare must fail, so that no source ever learns its block ids."""
     granting, may_answer = asyncio.Event(), asyncio.Event()
-    plain_grant = fence.grant
 
     async def slow_grant(grant_id: int) -> None:
         granting.set()
         await may_answer.wait()
-        await plain_grant(grant_id)
+        await land_grant(grant_id)
     fence.grant = slow_grant
     prepare = asyncio.create_task(inbox.prepare("m-1", "r-1", "src", num_blocks=3))
     await granting.wait()
@@ -159,29 +156,27 @@ async def test_a_reservation_given_up_while_its_grant_is_being_opened_never_leav
     may_answer.set()
     with pytest.raises(Aborted, match="aborted while"):
         await prepare
+
+
+async def test_a_reservation_given_up_while_its_grant_is_being_opened_never_leaves():
+    """An abort (or the watchdog) between the reserve and the grant frees the blocks unfenced."""
+    engine, slots = FakeEngine(), MigrationSlots(4)
+    inbox, fence = fenced_inbox(engine, slots)
+    await abort_while_the_grant_opens(inbox, fence, fence.grant)
     assert engine.reservations == {} and slots.num_busy == 0 and inbox.num_incoming == 0
     assert fence.revoked == [1, 1]  # by the abort (before the grant landed), and again after it
 
 
 async def test_a_grant_that_opened_after_its_reservation_was_given_up_is_revoked_once_the_service_answers():
-    """The grant lands after an abort, and the transfer service then stops answering: the Prepare still
-    fails (no block id leaves), and the open grant is asked to close on every sweep until it is."""
+    """The grant lands after an abort, and the transfer service then stops answering: the open grant is
+    asked to close on every sweep until it is."""
     engine, slots = FakeEngine(), MigrationSlots(4)
     inbox, fence = fenced_inbox(engine, slots)
-    granting, may_answer = asyncio.Event(), asyncio.Event()
 
     async def grant_then_go_quiet(grant_id: int) -> None:
-        granting.set()
-        await may_answer.wait()
         fence.granted.append(grant_id)  # it opened ...
         fence.is_answering = False  # ... and then the service froze
-    fence.grant = grant_then_go_quiet
-    prepare = asyncio.create_task(inbox.prepare("m-1", "r-1", "src", num_blocks=3))
-    await granting.wait()
-    assert await inbox.abort("m-1")
-    may_answer.set()
-    with pytest.raises(Aborted, match="aborted while"):
-        await prepare
+    await abort_while_the_grant_opens(inbox, fence, grant_then_go_quiet)
     assert engine.reservations == {} and slots.num_busy == 0 and inbox.num_incoming == 0
     assert fence.granted == [1] and fence.revoked == [1]  # only the abort's revoke, before the grant landed
     now = asyncio.get_running_loop().time()

@@ -234,7 +234,9 @@ async def test_migrated_mid_stream_client_follows_the_hand_off(stubs, cluster, t
 async def test_blocks_cached_on_the_destination_are_not_sent_again(stubs, cluster, tiny_model_dir):
     """Every block full when the migration asked the destination (prompt + 40 tokens at least) is found in its
     prefix cache and never sent; what the request computes after that moves as usual (on a busy machine the
-    request can run on for many blocks before the pause, so only that lower bound is fixed)."""
+    request can run on for many blocks before the pause, so only that lower bound is fixed). When the pause
+    comes with the computed tokens ending on a block boundary, every block is cached there and none is
+    sent: one run in 16 or so (seen in a full run)."""
     wire, sampling = greedy(600)  # long enough to be still running when the migration starts, however busy
     prompt = [(t * 7) % 500 + 1 for t in PROMPT] * 3  # a prompt of its own, 3 times PROMPT's length
     earlier = ClientStream("cached-0")
@@ -247,7 +249,7 @@ async def test_blocks_cached_on_the_destination_are_not_sent_again(stubs, cluste
     assert client.token_ids == earlier.token_ids == reference(tiny_model_dir, prompt, sampling)
     num_blocks = -(-(len(prompt) + client.handoffs[0].next_token_index) // BLOCK_SIZE)
     num_cached = (len(prompt) + 40) // BLOCK_SIZE  # full when the destination was first asked
-    assert 0 < result.num_blocks <= num_blocks - num_cached
+    assert 0 <= result.num_blocks <= num_blocks - num_cached
     await assert_all_blocks_free(stubs)
 
 

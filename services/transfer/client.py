@@ -161,7 +161,7 @@ class TransferClients:
                  idle_close_s: float = IDLE_CLOSE_S, clock: Callable[[], float] = time.monotonic) -> None:
         self._piece_bytes = piece_bytes
         self._tls = tls
-        self._table: IdleClosingTable[TransferClient] = IdleClosingTable(_close_client, "peer_client",
+        self._table: IdleClosingTable[TransferClient] = IdleClosingTable(TransferClient.close, "peer_client",
                                                                          idle_close_s, clock)
 
     def __call__(self, address: str) -> TransferClient:
@@ -187,6 +187,3 @@ _WHY_TIMEOUT_S = 2.0  # for the question that follows such a failure
 def _is_failed_write(exc: grpc.aio.AioRpcError) -> bool:
     return exc.code() is grpc.StatusCode.INTERNAL and exc.details() == _FAILED_WRITE_DETAILS
 
-
-async def _close_client(client: TransferClient) -> None:
-    await client.close()

@@ -13,7 +13,8 @@ Invariant: a buffer is never written while a thread still reads it, and the slot
 holding both buffers is released only after `close()` has waited for every thread the
 pipeline started (threads cannot be cancelled; each one ends by itself, bounded by the
 transfer's deadline). Futures are awaited through `asyncio.shield` so a cancelled
-caller leaves them observable to `close()`.
+caller leaves them observable to `close()`, which also takes every error left unread (a
+broken channel fails every chunk in flight; the caller raises the first).
 """
 
 from __future__ import annotations
@@ -61,11 +62,13 @@ class GatherAhead:
         return chunk, staged
 
     async def close(self) -> None:
-        """Wait for the gather in flight; none starts after this is called."""
+        """Wait for the gather in flight (its error, if any, is the caller's to ignore: it is already
+        failing); none starts after this is called."""
         self._is_closed = True
         while self._pending is not None:
             pending = self._pending
             await asyncio.wait([pending])
+            retrieve_error(pending)
             if self._pending is pending:
                 self._pending = None
 
@@ -110,6 +113,8 @@ class BufferRing:
         pending = [future for future in self._busy if future is not None]
         if pending:
             await asyncio.wait(pending)
+        for future in pending:  # the first error already raised (`drain`): the others are the same break
+            retrieve_error(future)
         # A failed future holds its error, whose traceback holds the frames that hold this ring: without
         # this, that cycle (and the channel in those frames) would live until the garbage collector ran.
         self._busy = [None] * len(self._buffers)
@@ -122,6 +127,12 @@ class BufferRing:
             finally:
                 if future.done():
                     self._busy[position] = None
+
+
+def retrieve_error(future: asyncio.Future) -> BaseException | None:
+    """The error of a done future, marked as seen: asyncio logs "Future exception was never retrieved"
+    for one whose error nobody looked at (after a broken channel, every send in flight fails)."""
+    return None if future.cancelled() else future.exception()
 
 
 class ScatterBehind:

@@ -41,7 +41,7 @@ from services.transfer.deadline import Deadline
 from services.transfer.domain import IncomingBlocks, TransferBackend
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.metrics import IN_PLACE_BYTES
-from services.transfer.pipeline import ScatterBehind
+from services.transfer.pipeline import ScatterBehind, retrieve_error
 from services.transfer.staging import StagingPool, StagingSlot
 from services.transfer.threads import TransferThreads, run_in_thread
 from services.transfer.write_grants import WriteGrant
@@ -76,12 +76,12 @@ class _Progress:
     is_clean: bool = True
 
     def took(self, posted: deque[tuple[Chunk, torch.Tensor, asyncio.Future]]) -> None:
-        """Count the receives that were posted in chunk order and have all ended."""
+        """Count the receives that were posted in chunk order and have all ended (reading every error)."""
         for chunk, _buffer, future in posted:
-            if future.cancelled() or future.exception() is not None:
-                self.is_clean = False
-                return
-            self.next_chunk = chunk.index + 1
+            failed = future.cancelled() or retrieve_error(future) is not None
+            self.is_clean = self.is_clean and not failed
+            if self.is_clean:
+                self.next_chunk = chunk.index + 1
 
 
 class BlockReceiver:

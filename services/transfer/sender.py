@@ -195,15 +195,15 @@ class BlockSender:
         expect = asyncio.ensure_future(self._expect(peer, source, request, tag, deadline, sends_done))
         try:
             await self._send_chunks(channel, source, slot, tag, deadline)  # drops the channel if a send fails
-        except asyncio.CancelledError:
-            expect.cancel()
-            raise
         except FerryError:
             sends_done.set_result(False)
             # A peer that dropped its end broke our send: its answer says why.
             peer_error = await _peer_answer(expect)
             if peer_error is not None:
                 raise peer_error from None
+            raise
+        except BaseException:  # cancelled, or a bug: the peer's answer goes unread (cancel() marks one already in read)
+            expect.cancel()
             raise
         sends_done.set_result(True)
         await expect

@@ -1,0 +1,167 @@
+"""A gloo channel that breaks mid-transfer leaves no failed future or task unobserved.
+
+Real gloo groups in one process: the sender's end is dropped (closing its connections, as a
+dead peer's would) while sends and receives are in flight on both sides. Every future a
+transfer started must have its error retrieved, or asyncio logs "Future exception was never
+retrieved" (with a traceback) when the garbage collector finds it, a screenful per broken channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from services.common.errors import Unavailable
+from services.transfer.channels import ChannelTable
+from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
+from services.transfer.pipeline import ScatterBehind
+from services.transfer.receiver import BlockReceiver
+from services.transfer.sender import BlockSender
+from services.transfer.staging import StagingPool
+from services.transfer.threads import TransferThreads
+from tests.unit.transfer.factories import random_kv, tiny_geometry
+from tests.unit.transfer.test_channel_window import BLOCK_BYTES, FakeChannel, FakeChannels, FakeMappings
+
+pytestmark = pytest.mark.timeout(60)
+BREAK_AFTER_SCATTERS = 4
+
+
+class ReceiverThatSignals(BlockReceiver):
+    """Sets `scattered` once BREAK_AFTER_SCATTERS chunks have landed, and scatters nothing more until `resume`."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.scattered, self.resume = threading.Event(), threading.Event()
+        self.num_scattered = 0
+
+    def _scatter_behind(self, target, slot) -> ScatterBehind:
+        scatter_behind = super()._scatter_behind(target, slot)
+        scatter = scatter_behind._scatter
+
+        def scatter_and_signal(chunk, staged) -> None:
+            scatter(chunk, staged)
+            self.num_scattered += 1
+            if self.num_scattered == BREAK_AFTER_SCATTERS:
+                self.scattered.set()
+                self.resume.wait(10)
+        scatter_behind._scatter = scatter_and_signal
+        return scatter_behind
+
+
+class Peer:
+    piece_bytes = 1 << 20
+
+    def __init__(self, table: ChannelTable, receiver: BlockReceiver) -> None:
+        self.table, self.receiver = table, receiver
+
+    async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s):
+        await self.table.accept(peer_transfer_id, backend, store_address, rank, num_connections)
+
+    async def expect_blocks(self, header, backend, tag, timeout_s):
+        return await self.receiver.receive_on_channel(header, backend, tag, timeout_s)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+async def test_a_channel_broken_mid_transfer_leaves_no_error_unretrieved(in_place):
+    unretrieved: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    threads = TransferThreads.start(4)
+    sender_table = ChannelTable("A", "127.0.0.1", 10, threads.rendezvous, gloo_connections=2)
+    receiver_table = ChannelTable("B", "127.0.0.1", 10, threads.rendezvous)
+    try:
+        geometry = tiny_geometry(num_blocks=48)
+        kvs = {"src": random_kv(geometry, 1), "dst": torch.zeros(geometry.shape, dtype=geometry.dtype)}
+        mappings = FakeMappings(kvs, geometry)
+        receiver = ReceiverThatSignals(mappings, StagingPool(1, BLOCK_BYTES, 4), receiver_table, threads)
+        sender = BlockSender("A", (TransferBackend.GLOO,), mappings, StagingPool(1, BLOCK_BYTES, 4), sender_table,
+                             lambda address: Peer(receiver_table, receiver), threads,
+                             in_place_min_row_bytes=256 if in_place else 0)
+        # Staged: 48 one-block chunks. In place: consecutive on the source only, so the sender moves
+        # spans of 4 blocks row by row from one thread and the receiver stages them.
+        src_ids, dst_ids = tuple(range(48)), tuple(range(47, -1, -1))
+        transfer = asyncio.ensure_future(sender.transfer(
+            BlockTransfer(InstanceId("src"), src_ids, InstanceId("dst"), dst_ids, "b:1", TransferBackend.GLOO, False),
+            20))
+        assert await asyncio.to_thread(receiver.scattered.wait, 10)
+        sender_table.drop_outgoing("b:1", TransferBackend.GLOO)  # its connections close, as a dead peer's would
+        receiver.resume.set()
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(transfer, 20)
+        del transfer  # its error's traceback holds the transfer's frames
+        await _collect_garbage()
+    finally:
+        receiver.resume.set()
+        sender_table.close()
+        receiver_table.close()
+        threads.shutdown()
+        gc.collect()
+    assert _messages(unretrieved) == []
+
+
+class ChannelWhoseSendsBlock(FakeChannel):
+    """gloo's rule, but every send waits for `release` and then raises `error()`."""
+
+    def __init__(self, error: Callable[[], BaseException]) -> None:
+        super().__init__(TransferBackend.GLOO)
+        self.error, self.release = error, threading.Event()
+
+    def send(self, data, tag, timeout_s) -> None:
+        self.release.wait(timeout_s)
+        raise self.error()
+
+
+class PeerThatRefusesAtOnce:
+    piece_bytes = 1 << 20
+
+    async def expect_blocks(self, header, backend, tag, timeout_s):
+        raise Unavailable("the transfer service at b:1 did not answer: connection reset")
+
+
+async def _collect_garbage() -> None:
+    """Collect what the failed transfer left (a future's finalizer reports an error nobody read)."""
+    for _ in range(3):
+        gc.collect()
+        await asyncio.sleep(0.05)
+
+
+def _messages(unretrieved: list[dict[str, Any]]) -> list[str]:
+    return [f"{context['message']}: {context.get('exception')!r}" for context in unretrieved]
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "bug"])
+async def test_a_transfer_that_ends_without_reading_its_peers_answer_leaves_it_retrieved(ending):
+    """The peer answered (an error) while the sends still waited; then the transfer was cancelled, or a
+    send failed with an error that is not a broken channel. Its ExpectBlocks task was left failed, unread."""
+    unretrieved: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    geometry = tiny_geometry(num_blocks=24)
+    kvs = {"src": random_kv(geometry, 1), "dst": torch.zeros(geometry.shape, dtype=geometry.dtype)}
+    channel = ChannelWhoseSendsBlock(lambda: Unavailable("gloo send to b:1 failed") if ending == "cancelled"
+                                     else ValueError("a bug"))
+    threads = TransferThreads.start(4)
+    try:
+        sender = BlockSender("A", (TransferBackend.GLOO,), FakeMappings(kvs, geometry),
+                             StagingPool(1, BLOCK_BYTES, 4), FakeChannels(channel), lambda address: PeerThatRefusesAtOnce(),
+                             threads, in_place_min_row_bytes=0)
+        ids = tuple(range(12))
+        transfer = asyncio.ensure_future(sender.transfer(
+            BlockTransfer(InstanceId("src"), ids, InstanceId("dst"), ids, "b:1", TransferBackend.GLOO, False), 20))
+        await asyncio.sleep(0.3)  # the peer has answered; the sends wait
+        if ending == "cancelled":
+            transfer.cancel()
+        channel.release.set()
+        await asyncio.wait([transfer], timeout=10)
+        assert transfer.cancelled() if ending == "cancelled" else isinstance(transfer.exception(), ValueError)
+        del transfer  # its error's traceback holds the transfer's frames
+    finally:
+        channel.release.set()
+        threads.shutdown()
+    await _collect_garbage()
+    assert _messages(unretrieved) == []

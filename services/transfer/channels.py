@@ -24,8 +24,9 @@ rank-0 group (which blocks until the peer joins) and calls `open_remote` — an 
 asking the peer to join as rank 1 (`accept`). All constructors run on rendezvous threads
 (`TransferThreads.rendezvous`, not the io threads transfers wait in), at most
 `max_rendezvous` opens and as many joins at once (separately: an open waits for its peer's
-join): one past them waits for a thread until its timeout. An open waits
-at most `--channel-timeout-s`, or the transfer's remaining time if shorter. A peer that never
+join): one past them waits for a thread until its timeout. An open, a wait for another
+transfer's open to that peer included, takes at most `--channel-timeout-s`, or the transfer's
+remaining time if shorter. A peer that never
 joins (it died after the open began, or a firewall drops the connection) leaves the rank-0
 constructor blocked until then, and nothing wakes it; so a retry to that peer meanwhile fails
 at once (Unavailable) rather than block another thread: one such peer holds one thread.
@@ -271,17 +272,19 @@ class ChannelTable:
 
     async def outgoing(self, peer_address: str, backend: TransferBackend, open_remote: OpenRemote,
                        timeout_s: float | None = None) -> PairChannel:
-        """The channel to `peer_address`, opened on first use (this side is rank 0); an open waits at
-        most `timeout_s` (the transfer's remaining time) or the table's timeout, if shorter."""
+        """The channel to `peer_address`, opened on first use (this side is rank 0). The call, a wait for
+        another call's open to that peer included, takes at most `timeout_s` (the transfer's remaining
+        time) or the table's timeout, if shorter; then Unavailable."""
         check_backend_available(backend, self._nccl_device)
         key = (peer_address, backend)
-        async with self._locked(key):
+        deadline = Deadline.after(self._open_timeout_s(timeout_s))
+        async with self._locked(key, deadline):
             if key in self._outgoing and self._is_idle(self._outgoing[key], self._idle_close_s):
                 self.drop_outgoing(peer_address, backend)  # its peer may have dropped its end by now
             if key not in self._outgoing:
                 self._check_not_abandoned(key)
                 self._drop_idle()
-                self._outgoing[key] = await self._open(peer_address, backend, open_remote, self._open_timeout_s(timeout_s))
+                self._outgoing[key] = await self._open(peer_address, backend, open_remote, deadline.remaining_s())
             channel = self._outgoing[key]
             channel.last_used = time.monotonic()
             return channel
@@ -303,13 +306,23 @@ class ChannelTable:
         log.info("channel_accepted", peer_transfer_id=peer_id, backend=backend.value, store_address=store_address)
 
     @contextlib.asynccontextmanager
-    async def _locked(self, key: tuple[str, TransferBackend]) -> AsyncIterator[None]:
-        """Hold `key`'s lock; it is dropped once no caller holds or waits for it."""
+    async def _locked(self, key: tuple[str, TransferBackend], deadline: Deadline) -> AsyncIterator[None]:
+        """Hold `key`'s lock, waiting for it until `deadline` at most (then Unavailable); it is dropped
+        once no caller holds or waits for it."""
         entry = self._locks.setdefault(key, _KeyLock())
         entry.num_users += 1
         try:
-            async with entry.lock:
+            try:
+                async with asyncio.timeout(deadline.remaining_s()):
+                    await entry.lock.acquire()
+            except TimeoutError:
+                peer, backend = key
+                raise Unavailable(f"another transfer's open of the {backend.value} channel to {peer} was still "
+                                  "under way at this one's deadline; retry") from None
+            try:
                 yield
+            finally:
+                entry.lock.release()
         finally:
             entry.num_users -= 1
             if not entry.num_users:

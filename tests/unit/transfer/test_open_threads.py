@@ -72,6 +72,26 @@ async def test_an_open_waits_no_longer_than_the_transfer_that_wanted_it(node_and
         await node.channels.outgoing("dead:1", TransferBackend.GLOO, never_joins, timeout_s=0.5)
 
 
+async def test_a_transfer_waiting_for_another_ones_open_to_that_peer_fails_at_its_own_deadline(node_and_threads):
+    """The per-peer lock: a second transfer to a peer whose open hangs (the OpenChannel call does not
+    answer) waited for that open to give up, whatever its own deadline said."""
+    node, _ = node_and_threads
+
+    async def hangs(store_address: str, rank: int, num_connections: int) -> None:
+        await asyncio.sleep(CHANNEL_TIMEOUT_S)  # the OpenChannel RPC's deadline
+        raise Unavailable("the transfer service at slow:1 did not answer: deadline exceeded")
+    first = asyncio.ensure_future(node.channels.outgoing("slow:1", TransferBackend.GLOO, hangs))
+    await asyncio.sleep(0.2)  # it holds the peer's lock, in its open
+    start = time.monotonic()
+    with pytest.raises(Unavailable, match="retry"):
+        await node.channels.outgoing("slow:1", TransferBackend.GLOO, hangs, timeout_s=0.5)
+    assert 0.4 < time.monotonic() - start < 1.5  # was: until the first open gave up, CHANNEL_TIMEOUT_S
+    assert node.channels.num_locks == 1  # the first's; the one that gave up left nothing behind
+    with pytest.raises(Unavailable, match="did not answer"):
+        await first
+    assert node.channels.num_locks == 0
+
+
 async def test_opens_past_the_rendezvous_threads_wait_for_one_and_give_up_at_their_deadline(node_and_threads):
     node, threads = node_and_threads
     for n in range(threads.rendezvous_threads):  # dead peers, each holding a rendezvous thread

@@ -151,11 +151,9 @@ class TransferClients:
 
     A peer that restarts comes back under a new address (the default port is 0), so clients are not
     kept for ever: one neither taken nor called for `idle_close_s` is closed when a new address is
-    taken. One with a call under way never is, and a transfer takes its client when it starts, so
-    with `idle_close_s` well above the longest transfer (the app passes the channel table's, at least
-    4 x --transfer-timeout-s) none is closed between the calls of a transfer either, short of the
-    table's bound: were more than MAX_ENTRIES (4096) other addresses taken during one transfer, the least
-    recently used clients with no call under way would close early, a held one between its calls included."""
+    taken, and past MAX_ENTRIES (4096) addresses the least recently used ones close early. One with a
+    call under way never is; so a caller takes its client for each call and keeps none between calls
+    (the sender does), and a client closed meanwhile is made afresh on the next take."""
 
     def __init__(self, piece_bytes: int = DEFAULT_PIECE_BYTES, tls: TlsConfig | None = None,
                  idle_close_s: float = IDLE_CLOSE_S, clock: Callable[[], float] = time.monotonic) -> None:

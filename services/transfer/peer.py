@@ -23,4 +23,6 @@ class PeerTransferService(Protocol):
         """Ask the peer to receive the blocks on its channel from us; returns when all landed."""
 
 
-PeerFactory = Callable[[str], PeerTransferService]  # dst_transfer_address → a (cached) client
+# dst_transfer_address → a (cached) client. Take it for each call, keep none between calls: a cached client with
+# no call under way may be closed (TransferClients' bound), and a fresh one is made on the next take.
+PeerFactory = Callable[[str], PeerTransferService]

@@ -43,7 +43,7 @@ from services.transfer.deadline import Deadline
 from services.transfer.domain import BlockTransfer, IncomingBlocks, TransferBackend, TransferId, TransferResult
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.metrics import IN_PLACE_BYTES
-from services.transfer.peer import PeerFactory, PeerTransferService
+from services.transfer.peer import PeerFactory
 from services.transfer.pipeline import BufferRing, GatherAhead
 from services.transfer.staging import StagingPool, StagingSlot
 from services.transfer.threads import TransferThreads, run_in_thread
@@ -176,23 +176,22 @@ class BlockSender:
 
     async def _send_on_channel(self, request: BlockTransfer, source: SourceBlocks, deadline: Deadline) -> None:
         address, backend = request.dst_transfer_address, request.backend
-        peer = self._peers(address)
 
         async def open_remote(store_address: str, rank: int, num_connections: int) -> None:
-            await peer.open_channel(self._transfer_id, store_address, rank, backend, num_connections,
-                                    deadline.remaining_s())
+            await self._peers(address).open_channel(self._transfer_id, store_address, rank, backend, num_connections,
+                                                    deadline.remaining_s())
         channel = await self._channels.outgoing(address, backend, open_remote, deadline.remaining_s())
         staging = self._nccl_staging if backend is TransferBackend.NCCL else self._staging
         # The channel's turn first, then a staging slot: one waiting for a busy peer holds no slot that a
         # transfer to another peer could use.
         async with channel.transfer_turn(deadline), staging.slot(deadline.remaining_s()) as slot:
-            await self._send_and_expect(channel, peer, request, source, slot, deadline)
+            await self._send_and_expect(channel, request, source, slot, deadline)
 
-    async def _send_and_expect(self, channel: PairChannel, peer: PeerTransferService, request: BlockTransfer,
-                               source: SourceBlocks, slot: StagingSlot, deadline: Deadline) -> None:
+    async def _send_and_expect(self, channel: PairChannel, request: BlockTransfer, source: SourceBlocks,
+                               slot: StagingSlot, deadline: Deadline) -> None:
         tag = next(self._tags) * TAG_STRIDE % 2**31
         sends_done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # True: every message taken
-        expect = asyncio.ensure_future(self._expect(peer, source, request, tag, deadline, sends_done))
+        expect = asyncio.ensure_future(self._expect(source, request, tag, deadline, sends_done))
         try:
             await self._send_chunks(channel, source, slot, tag, deadline)  # drops the channel if a send fails
         except FerryError:
@@ -208,10 +207,11 @@ class BlockSender:
         sends_done.set_result(True)
         await expect
 
-    async def _expect(self, peer: PeerTransferService, source: SourceBlocks, request: BlockTransfer, tag: int,
-                      deadline: Deadline, sends_done: asyncio.Future[bool]) -> None:
+    async def _expect(self, source: SourceBlocks, request: BlockTransfer, tag: int, deadline: Deadline,
+                      sends_done: asyncio.Future[bool]) -> None:
         try:
-            await peer.expect_blocks(source.header, request.backend, tag, deadline.remaining_s())
+            await self._peers(request.dst_transfer_address).expect_blocks(source.header, request.backend, tag,
+                                                                          deadline.remaining_s())
         except BaseException as exc:
             # A receiver that refused the blocks takes the rest of our messages and keeps the channel, which
             # other transfers share, so our sends end too. One that did not take them (or is gone) leaves our

@@ -52,7 +52,7 @@ from services.common.errors import FailedPrecondition, Unavailable
 from services.transfer.chunk_plan import Chunk
 from services.transfer.deadline import Deadline
 from services.transfer.domain import CHANNEL_BACKENDS, IDLE_CLOSE_S, TransferBackend
-from services.transfer.threads import NUM_RENDEZVOUS_THREADS
+from services.transfer.threads import NUM_RENDEZVOUS_THREADS, retrieve_error
 
 log = structlog.get_logger(__name__)
 
@@ -431,6 +431,7 @@ class ChannelTable:
         self._num_rendezvous += 1
         future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         future.add_done_callback(lambda _: self._rendezvous_ended(slots))
+        future.add_done_callback(retrieve_error)  # a caller that gave up (cancelled, or its open failed) reads none
         return future
 
     def _rendezvous_ended(self, slots: asyncio.Semaphore) -> None:
@@ -440,7 +441,6 @@ class ChannelTable:
     def _abandon(self, key: tuple[str, TransferBackend], group_future: asyncio.Future) -> None:
         """The open failed: its rank-0 constructor gives up at the open's timeout (it holds no staging
         memory); until then, opens to that peer fail at once (`_check_not_abandoned`)."""
-        group_future.add_done_callback(_consume_result)
         if group_future.done():
             return
         self._abandoned[key] = group_future
@@ -461,11 +461,6 @@ class ChannelTable:
 class _KeyLock:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     num_users: int = 0  # callers holding or waiting for `lock`
-
-
-def _consume_result(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()  # the caller already failed with the RPC's error
 
 
 def configure_nccl(environ: MutableMapping[str, str]) -> None:

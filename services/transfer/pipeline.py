@@ -27,6 +27,7 @@ import torch
 
 from services.transfer.chunk_plan import Chunk, ChunkPlan
 from services.transfer.staging import StagingSlot
+from services.transfer.threads import retrieve_error
 
 GatherFn = Callable[[Chunk, torch.Tensor], torch.Tensor]  # (chunk, buffer) → the staged view
 ScatterFn = Callable[[Chunk, torch.Tensor], None]  # (chunk, staged view) → None
@@ -127,12 +128,6 @@ class BufferRing:
             finally:
                 if future.done():
                     self._busy[position] = None
-
-
-def retrieve_error(future: asyncio.Future) -> BaseException | None:
-    """The error of a done future, marked as seen: asyncio logs "Future exception was never retrieved"
-    for one whose error nobody looked at (after a broken channel, every send in flight fails)."""
-    return None if future.cancelled() else future.exception()
 
 
 class ScatterBehind:

@@ -41,9 +41,9 @@ from services.transfer.deadline import Deadline
 from services.transfer.domain import IncomingBlocks, TransferBackend
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.metrics import IN_PLACE_BYTES
-from services.transfer.pipeline import ScatterBehind, retrieve_error
+from services.transfer.pipeline import ScatterBehind
 from services.transfer.staging import StagingPool, StagingSlot
-from services.transfer.threads import TransferThreads, run_in_thread
+from services.transfer.threads import TransferThreads, retrieve_error, run_in_thread
 from services.transfer.write_grants import WriteGrant
 
 log = structlog.get_logger(__name__)

@@ -53,4 +53,12 @@ async def run_in_thread(executor: Executor, fn: Callable[..., Any], *args: Any) 
         return await asyncio.shield(future)
     except asyncio.CancelledError:
         await asyncio.wait([future])  # the thread may still touch staging memory
+        retrieve_error(future)  # a cancelled shield no longer reads it
         raise
+
+
+def retrieve_error(future: asyncio.Future) -> BaseException | None:
+    """The error of a done future, marked as read: asyncio logs "Future exception was never retrieved"
+    for one whose error nobody read (a broken channel fails every send and receive in flight, and the
+    caller raises the first; `asyncio.shield` stops reading its future once its own waiter is cancelled)."""
+    return None if future.cancelled() else future.exception()

@@ -390,6 +390,7 @@ async def test_killing_the_destination_mid_transfer_is_a_clean_unavailable(
             # The sender is still healthy: its staging slot came back and the next transfer to B works.
             await _transfer_and_check(s, caches, services["B"].address, "small", backend, (0, 1, 2), (5, 6, 7), True)
             await s.unmap_instance("a-bulk")
+            _assert_no_unread_errors(sender or services["A"])
     finally:
         victim.kill()
         if sender is not None:
@@ -432,12 +433,19 @@ async def test_killing_the_source_mid_in_place_transfer_frees_the_receiver(etcd,
                 a.transfer(BlockTransfer(InstanceId("a-small"), src_ids, InstanceId("b-small"), dst_ids,
                                          receiver.address, TransferBackend.GLOO, True), timeout_s=20)
                 for src_ids, dst_ids in moves)), 30)
+            _assert_no_unread_errors(receiver)
     finally:
         sender.kill()
         receiver.stop()
         for cache in (src, dst):
             cache.close()
             cache.unlink()
+
+
+def _assert_no_unread_errors(process: ServiceProcess) -> None:
+    """Every send and receive in flight on a broken channel fails; each error must be read, or asyncio
+    logs "Future exception was never retrieved" with a traceback for it (it did, one per receive)."""
+    assert "never retrieved" not in process.log_path.read_text(errors="replace")
 
 
 @pytest.mark.parametrize("backend", [TransferBackend.GRPC, TransferBackend.GLOO])

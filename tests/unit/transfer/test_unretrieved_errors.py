@@ -11,20 +11,23 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import torch
 
 from services.common.errors import Unavailable
+from services.common.etcd_launcher import free_port
 from services.transfer.channels import ChannelTable
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
 from services.transfer.pipeline import ScatterBehind
 from services.transfer.receiver import BlockReceiver
 from services.transfer.sender import BlockSender
 from services.transfer.staging import StagingPool
-from services.transfer.threads import TransferThreads
+from services.transfer.threads import TransferThreads, run_in_thread
 from tests.unit.transfer.factories import random_kv, tiny_geometry
 from tests.unit.transfer.test_channel_window import BLOCK_BYTES, FakeChannel, FakeChannels, FakeMappings
 
@@ -162,6 +165,49 @@ async def test_a_transfer_that_ends_without_reading_its_peers_answer_leaves_it_r
         del transfer  # its error's traceback holds the transfer's frames
     finally:
         channel.release.set()
+        threads.shutdown()
+    await _collect_garbage()
+    assert _messages(unretrieved) == []
+
+
+def _fails_after(delay_s: float) -> None:
+    time.sleep(delay_s)
+    raise Unavailable("gloo receive from D failed: connection reset by peer")
+
+
+async def test_a_thread_whose_waiter_was_cancelled_leaves_its_error_retrieved():
+    """A receiver's RPC is cancelled when its sender dies; the in-place receive it waited for (on an io
+    thread) then failed with nobody to read its error: asyncio.shield drops its own reader on cancel."""
+    unretrieved: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    with ThreadPoolExecutor(1) as executor:
+        waiter = asyncio.ensure_future(run_in_thread(executor, _fails_after, 0.2))
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        await asyncio.wait([waiter])
+        assert waiter.cancelled()
+        del waiter
+    await _collect_garbage()
+    assert _messages(unretrieved) == []
+
+
+async def test_a_join_whose_caller_was_cancelled_leaves_its_error_retrieved():
+    """OpenChannel cancelled (its sender died) while the join's store connect still tried, and then failed."""
+    unretrieved: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    threads = TransferThreads.start(1)
+    table = ChannelTable("B", "127.0.0.1", 10, threads.rendezvous)
+    try:
+        join = asyncio.ensure_future(table.accept("A", TransferBackend.GLOO, f"127.0.0.1:{free_port()}", 1, 1,
+                                                  timeout_s=1.0))  # nothing listens there
+        await asyncio.sleep(0.2)
+        join.cancel()
+        await asyncio.wait([join])
+        del join
+        while table.num_opens_under_way:  # the store connect gives up at its timeout
+            await asyncio.sleep(0.1)
+    finally:
+        table.close()
         threads.shutdown()
     await _collect_garbage()
     assert _messages(unretrieved) == []

@@ -100,9 +100,17 @@ class IdleClosingTable(Generic[T]):
         return list(self._entries)
 
     def _close_soon(self, value: T, address: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._close(value), name=f"close_{self._name}:{address}")
+        task = asyncio.get_running_loop().create_task(self._close_logged(value, address),
+                                                      name=f"close_{self._name}:{address}")
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+
+    async def _close_logged(self, value: T, address: str) -> None:
+        """Close one value in the background; a close that fails is logged (no one awaits the task for its error)."""
+        try:
+            await self._close(value)
+        except Exception as exc:  # noqa: BLE001 - a close that fails leaves nothing more to do than say so
+            log.warning("close_failed", what=self._name, address=address, error=repr(exc))
 
     async def wait_closed(self) -> None:
         """Wait for the closes under way; a waiter cancelled meanwhile leaves them to finish (shielded: a

@@ -4,6 +4,7 @@ one value per address, closed once idle when a new address is taken, never under
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -129,3 +130,30 @@ async def test_a_caller_cancelled_while_it_waits_for_the_closes_leaves_them_to_f
     for _ in range(5):
         await asyncio.sleep(0)
     assert things.closed == ["a"] and things.table.addresses == ["b"]
+
+
+async def test_a_close_that_fails_is_logged_and_leaves_no_error_unread():
+    """A close runs as a task no one need await (its waiter may have been cancelled, and `shield` then stops
+    reading it): its error must not reach asyncio's "Task exception was never retrieved"."""
+    loop = asyncio.get_running_loop()
+    unread: list[dict] = []
+    loop.set_exception_handler(lambda _loop, context: unread.append(context))
+
+    async def failing_close(_value: str) -> None:
+        await asyncio.sleep(0)
+        raise OSError("socket already gone")
+    clock = Clock()
+    table: IdleClosingTable[str] = IdleClosingTable(failing_close, "thing", IDLE_S, clock)
+    table.take("a", lambda _usage: "a")
+    clock.now += IDLE_S
+    table.take("b", lambda _usage: "b")  # starts a's close
+    waiter = asyncio.ensure_future(table.wait_closed())
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    for _ in range(5):
+        await asyncio.sleep(0)
+    gc.collect()
+    await asyncio.sleep(0)
+    assert unread == [] and table.addresses == ["b"]

@@ -71,6 +71,7 @@ class ResponseFormatter:
         self._hidden_markers = hidden_markers  # special tokens shown to the parser only (ServedModel.shown_marker_ids)
         self._streamed_calls = self._tool_call_parser()  # the stream's parser (None: no tool calls)
         self._num_streamed_calls = 0
+        self._unsent_prompt_ids: list[int] | None = None  # completions stream: for the choice's first chunk
 
     # ---- whole responses -------------------------------------------------------------
 
@@ -109,6 +110,8 @@ class ResponseFormatter:
         """Chunks sent before the first token's: the assistant role for chat, the prompt for an echo
         (sent once the first token came, which brings the prompt's logprobs)."""
         if not self._is_chat:
+            if self._parsed.return_token_ids:  # as vLLM: each choice's first chunk names its prompt's ids
+                self._unsent_prompt_ids = list(state.prompt_token_ids)
             return [self._echo_chunk(state)] if self._parsed.echo else []
         choice = {"index": self._index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
@@ -122,9 +125,15 @@ class ResponseFormatter:
     def _echo_chunk(self, state: ReqState) -> dict[str, Any]:
         logprobs = self._prompt_logprobs(state) if self._echoes_logprobs else None
         choice = {"index": self._index, "text": self._echo_text, "logprobs": logprobs, "finish_reason": None}
-        if self._parsed.return_token_ids:
-            choice["token_ids"] = []
+        self._add_token_ids(choice, [])
         return self._chunk_envelope([choice])
+
+    def _add_token_ids(self, choice: dict[str, Any], token_ids: list[int]) -> None:
+        if not self._parsed.return_token_ids:
+            return
+        if self._unsent_prompt_ids is not None:
+            choice["prompt_token_ids"], self._unsent_prompt_ids = self._unsent_prompt_ids, None
+        choice["token_ids"] = token_ids
 
     def chunk(self, delta: Delta) -> dict[str, Any]:
         if self._hides_output:
@@ -137,8 +146,7 @@ class ResponseFormatter:
         choice["logprobs"] = self._logprobs(delta.logprobs)
         has_called = self._streamed_calls is not None and self._streamed_calls.has_called
         choice["finish_reason"] = self._finish_reason(delta.finish_reason, has_called)
-        if self._parsed.return_token_ids:
-            choice["token_ids"] = list(delta.token_ids)
+        self._add_token_ids(choice, list(delta.token_ids))
         return self._chunk_envelope([choice])
 
     def _chat_delta(self, delta: Delta) -> dict[str, Any]:

@@ -53,8 +53,11 @@ def test_echo_puts_the_prompt_before_the_text_whole_and_streamed():
     parsed = parse_completion_request({"prompt": "say", "echo": True, "return_token_ids": True}, MODEL)
     f = ResponseFormatter(parsed, "cmpl-1", 1700000000, TOY_TOKENS, 0, echo_text="say")
     assert f.choice(finished_state())["text"] == "sayhi"
-    (first,) = f.first_chunks(make_state(prompt=(1, 2)))
-    assert first["choices"] == [{"index": 0, "text": "say", "logprobs": None, "finish_reason": None, "token_ids": []}]
+    state = make_state(prompt=(1, 2))
+    (first,) = f.first_chunks(state)
+    assert first["choices"] == [{"index": 0, "text": "say", "logprobs": None, "finish_reason": None,
+                                 "prompt_token_ids": [1, 2], "token_ids": []}]
+    assert "prompt_token_ids" not in f.chunk(state.accept(chunk(0, 7)))["choices"][0]  # named once, as vLLM does
     assert formatter().first_chunks(make_state(prompt=(1, 2))) == []  # no echo: nothing before the tokens
 
 
@@ -167,9 +170,10 @@ def test_completion_stream_chunks():
     delta = state.accept(chunk(0, 7))
     body = f.chunk(delta)
     assert body == {"id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "tiny",
-                    "choices": [{"index": 0, "text": "h", "logprobs": None, "finish_reason": None, "token_ids": [7]}],
+                    "choices": [{"index": 0, "text": "h", "logprobs": None, "finish_reason": None,
+                                 "prompt_token_ids": [1, 2, 3], "token_ids": [7]}],
                     "usage": None}
-    state.accept(chunk(1, finish=FinishReason.LENGTH))
+    assert "prompt_token_ids" not in f.chunk(state.accept(chunk(1, finish=FinishReason.LENGTH)))["choices"][0]
     usage = f.usage_chunk([state])
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
 

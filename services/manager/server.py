@@ -263,6 +263,9 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
     async def Migrate(self, request: manager_pb2.MigrateRequest, context) -> manager_pb2.MigrateResponse:
         """Live-migrate one request now (see Migrator.admin_order for the checks); the source's figures.
         With no request and no source named, the least free busy instance gives one of its requests."""
+        if request.src_instance_id and request.src_instance_id == request.dst_instance_id:
+            raise InvalidArgument(f"dst_instance_id: src_instance_id names {request.src_instance_id} too; name "
+                                  "another destination, or leave it empty for the freest serving instance")
         client = await self._leader_to_forward_to(context)
         if client is not None:
             return await client.migrate(request.request_id, request.src_instance_id, request.dst_instance_id,

@@ -208,6 +208,8 @@ async def test_admin_migrate_finds_the_request_and_checks_its_arguments(world):
         await client.migrate()
     with pytest.raises(NotFound, match="destination instance 'i-9'"):  # the bad argument first, idle or not
         await client.migrate(dst_instance_id="i-9")
+    with pytest.raises(InvalidArgument, match="dst_instance_id: src_instance_id names i-1 too"):  # idle or not
+        await client.migrate(src_instance_id="i-1", dst_instance_id="i-1")
     peers["i-0"].hold("r-1", "r-2")
     peers["i-1"].hold("r-3")
     await wait_until(lambda: _running_is(client, {"i-0": 2, "i-1": 1, "i-2": 0}), 5, "requests reported")

@@ -20,6 +20,8 @@ import os
 import pathlib
 import sys
 
+import structlog
+
 from services.cluster.launcher import ClusterSpec, LocalCluster, PortInUse, run_until_signalled
 from services.cluster.outputs import forgive_broken_outputs
 from services.cluster.processes import ROOT, ProcessDied, TlsRejected
@@ -29,6 +31,8 @@ from services.cluster.state_dir import StateDirInUse, StateDirUnusable
 from services.common.config import DefaultsHelpFormatter
 from services.common.etcd_launcher import EtcdStartFailed
 from services.common.logging import LogFormat, setup_logging
+
+log = structlog.get_logger(__name__)
 
 DEFAULT_MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
 VLLM_NOT_BUILT = ("--engine vllm is not built yet: live migration reads and writes an engine's block tables and KV "
@@ -214,10 +218,26 @@ def build_spec(args: argparse.Namespace) -> ClusterSpec:
                        http_host=args.http_host, health_timeout_s=args.health_timeout_s)
 
 
+def one_sided_pd(args: argparse.Namespace) -> str | None:
+    """What a cluster with prefill instances and none that decode (or the reverse) will do, in words;
+    None for a cluster with both kinds or none of either."""
+    decoders = args.instances + args.decode_instances
+    prefillers = args.instances + args.prefill_instances
+    if args.prefill_instances and not decoders:
+        return ("--prefill-instances without --decode-instances (or --instances): no instance decodes only, so "
+                "every request decodes on the prefill instance that prefilled it (no PD hand-off)")
+    if args.decode_instances and not prefillers:
+        return ("--decode-instances without --prefill-instances (or --instances): no instance prefills, so "
+                "every request is prefilled on a decode instance")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     forgive_broken_outputs()  # a closed terminal, or a pipe whose reader Ctrl-C ended, must not stop the stop
     setup_logging("cluster", LogFormat(args.log_format))
+    if (one_sided := one_sided_pd(args)) is not None:
+        log.warning("pd_one_sided", detail=one_sided)
     try:
         asyncio.run(run_until_signalled(LocalCluster(build_spec(args))))
     except (ProcessDied, TimeoutError, TlsRejected, PortInUse, StateDirInUse, StateDirUnusable,

@@ -27,6 +27,7 @@ import grpc
 import structlog
 from grpc._cython import cygrpc
 
+from services.common.log_sampling import LogSampler
 from services.common.logging import request_id_from_metadata, request_metadata
 from services.common.rpc_handler import Behavior, is_streaming_behavior, wrap_rpc_handler
 
@@ -156,46 +157,66 @@ def was_answered(exc: grpc.aio.AioRpcError) -> bool:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turns a raised `FerryError` into its status; any other exception into INTERNAL, logged."""
+    """Turns a raised `FerryError` into its status; any other exception into INTERNAL, logged.
+
+    `rpc_failed` lines are rate-limited (log_sampling.py): an outage fails every call alike (say each
+    Dispatch while no instance serves), so per (method, code, caller's host) the first is logged, then
+    at most one per 10 s with `suppressed`; the line names one of the calls' request ids."""
+
+    def __init__(self) -> None:
+        self._failure_log = LogSampler()
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        return wrap_rpc_handler(handler, lambda behavior: _map_errors(behavior, method))
+        return wrap_rpc_handler(handler, lambda behavior: self._map_errors(behavior, method))
 
+    def _map_errors(self, behavior: Behavior, method: str) -> Behavior:
+        if is_streaming_behavior(behavior):
+            async def stream_with_errors(request, context):
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                except Exception as exc:  # noqa: BLE001 — mapped to a status, never swallowed
+                    await self._abort(context, exc, method)
+            return stream_with_errors
 
-def _map_errors(behavior: Behavior, method: str) -> Behavior:
-    if is_streaming_behavior(behavior):
-        async def stream_with_errors(request, context):
+        async def call_with_errors(request, context):
             try:
-                async for response in behavior(request, context):
-                    yield response
+                return await behavior(request, context)
             except Exception as exc:  # noqa: BLE001 — mapped to a status, never swallowed
-                await _abort(context, exc, method)
-        return stream_with_errors
+                await self._abort(context, exc, method)
+        return call_with_errors
 
-    async def call_with_errors(request, context):
-        try:
-            return await behavior(request, context)
-        except Exception as exc:  # noqa: BLE001 — mapped to a status, never swallowed
-            await _abort(context, exc, method)
-    return call_with_errors
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+        if isinstance(exc, grpc.aio.AbortError):  # the handler already called context.abort
+            raise exc
+        if isinstance(exc, _SERVER_STOPPED):  # reading a request stream while this server shuts down
+            log.info("rpc_cut_by_shutdown", method=method)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another",
+                                trailing_metadata=_ANSWERED)
+        if isinstance(exc, FerryError):
+            self._log_failed(context, exc, method)
+            await context.abort(exc.grpc_code, exc.message,
+                                trailing_metadata=(*request_metadata(exc.request_id), *_ANSWERED))
+        log.error("rpc_crashed", method=method, exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, trailing_metadata=_ANSWERED)
+
+    def _log_failed(self, context: grpc.aio.ServicerContext, exc: FerryError, method: str) -> None:
+        peer = _peer_host(context.peer())
+        key = (method, exc.grpc_code, peer, exc.is_expected)  # an expected one (debug) holds back no info line
+        if (suppressed := self._failure_log.admit(key)) is not None:
+            (log.debug if exc.is_expected else log.info)("rpc_failed", method=method, code=exc.grpc_code.name,
+                                                          message=exc.message, peer=peer, suppressed=suppressed)
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
-    if isinstance(exc, grpc.aio.AbortError):  # the handler already called context.abort
-        raise exc
-    if isinstance(exc, _SERVER_STOPPED):  # reading a request stream while this server shuts down
-        log.info("rpc_cut_by_shutdown", method=method)
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another",
-                            trailing_metadata=_ANSWERED)
-    if isinstance(exc, FerryError):
-        (log.debug if exc.is_expected else log.info)("rpc_failed", method=method, code=exc.grpc_code.name,
-                                                      message=exc.message)
-        await context.abort(exc.grpc_code, exc.message,
-                            trailing_metadata=(*request_metadata(exc.request_id), *_ANSWERED))
-    log.error("rpc_crashed", method=method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, trailing_metadata=_ANSWERED)
+def _peer_host(peer: str) -> str:
+    """gRPC's peer ("ipv4:10.0.0.7:53412", "ipv6:[::1]:53412") without its port: a caller's connections
+    come from ever new ports, and a key per port would let one caller fill the sampler's table."""
+    kind, _, address = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return f"{kind}:{address.rpartition(':')[0]}"
+    return peer
 
 
 _ANSWERED = ((ANSWERED_KEY, "1"),)

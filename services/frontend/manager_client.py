@@ -1,6 +1,10 @@
 """Typed async client of `ManagerService/Dispatch` as the frontend uses it: the leader's
 address comes from a `LeaderSource`, the call has a short deadline, and any failure means
-"no manager answered" (None), which sends the caller to its local fallback."""
+"no manager answered" (None), which sends the caller to its local fallback.
+
+`manager_dispatch_failed` is rate-limited (log_sampling.py): a manager down or without instances
+fails every dispatch alike, so per (address, code) the first is logged, then one per 10 s with
+`suppressed`."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import structlog
 
 from services.common.errors import was_answered
 from services.common.grpc_server import secure_or_insecure_channel
+from services.common.log_sampling import LogSampler
 from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
 from services.common.gen.ferry.v1 import manager_pb2_grpc
@@ -44,6 +49,7 @@ class ManagerClient:
         self._address: str | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: manager_pb2_grpc.ManagerServiceStub | None = None
+        self._failure_log = LogSampler()
 
     async def dispatch(self, spec: GenerateSpec, exclude: Sequence[InstanceId]) -> Target | Declined | None:
         stub = await self._stub_for(self._leader.leader_address())
@@ -53,18 +59,21 @@ class ManagerClient:
             response = await stub.Dispatch(dispatch_request_to_proto(spec, exclude), timeout=self._timeout_s,
                                            metadata=request_metadata(spec.request_id))
         except grpc.aio.AioRpcError as exc:  # no answer in time, a standby, no instance: fall back
-            log.info("manager_dispatch_failed", request_id=spec.request_id, address=self._address,
-                     code=exc.code().name, details=exc.details())
+            self._log_failed(spec, exc.code().name, exc.details())
             if exc.code() is grpc.StatusCode.UNAVAILABLE and was_answered(exc):
                 return Declined(exc.details() or "no instance")
             return None
         except asyncio.CancelledError:
             if _is_cancelled(asyncio.current_task()):
                 raise  # our caller is cancelled (the client went away)
-            log.info("manager_dispatch_failed", request_id=spec.request_id, address=self._address,
-                     code="CANCELLED", details="the leader moved and its channel was closed")
+            self._log_failed(spec, "CANCELLED", "the leader moved and its channel was closed")
             return None  # the call died with the channel the leader moved away from: fall back
         return target_from_proto(response)
+
+    def _log_failed(self, spec: GenerateSpec, code: str, details: str | None) -> None:
+        if (suppressed := self._failure_log.admit((self._address, code))) is not None:
+            log.info("manager_dispatch_failed", request_id=spec.request_id, address=self._address, code=code,
+                     details=details, suppressed=suppressed)
 
     async def close(self) -> None:
         channel, self._channel, self._stub = self._channel, None, None

@@ -54,8 +54,12 @@ class Aborted(Exception):
 
 
 class FakeContext:
-    def __init__(self) -> None:
+    def __init__(self, peer: str = "ipv4:127.0.0.1:50000") -> None:
         self.status: tuple[grpc.StatusCode, str] | None = None
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
 
     async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata=()) -> None:
         self.status = (code, details)
@@ -67,13 +71,16 @@ class HandlerCallDetails:
     invocation_metadata = ()
 
 
-async def intercepted(behavior, streaming: bool):
+async def intercepted(behavior, streaming: bool, interceptor: errors.ErrorInterceptor | None = None,
+                      method: str = HandlerCallDetails.method):
     make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
 
     async def continuation(_details):
         return make(behavior)
 
-    handler = await errors.ErrorInterceptor().intercept_service(continuation, HandlerCallDetails())
+    details = HandlerCallDetails()
+    details.method = method
+    handler = await (interceptor or errors.ErrorInterceptor()).intercept_service(continuation, details)
     return handler.unary_stream if streaming else handler.unary_unary
 
 
@@ -136,3 +143,29 @@ async def test_an_expected_error_is_logged_at_debug(is_expected, level) -> None:
     assert context.status == (grpc.StatusCode.NOT_FOUND, "request r is not on instance i")
     assert [(e["event"], e["log_level"], e["code"]) for e in logs] == [("rpc_failed", level, "NOT_FOUND")]
 
+
+
+async def test_a_flood_of_failed_calls_logs_one_line_per_method_code_and_caller() -> None:
+    """Before, every failed call logged rpc_failed: an outage (each Dispatch refused while no instance
+    serves) logged one line per call. Now per (method, code, caller's host, not its port) the first is
+    logged, then one per 10 s with `suppressed`; distinct failures each still get their line."""
+    interceptor = errors.ErrorInterceptor()
+
+    async def fail(raised: errors.FerryError, peer: str, method: str = "/ferry.v1.ManagerService/Dispatch") -> None:
+        async def behavior(request, context):
+            raise raised
+        with pytest.raises(Aborted):
+            await (await intercepted(behavior, streaming=False, interceptor=interceptor, method=method))(
+                b"", FakeContext(peer))
+
+    with capture_logs() as logs:
+        for port in range(40000, 40050):  # one frontend, its calls on ever new connections
+            await fail(errors.Unavailable("no instance"), f"ipv4:10.0.0.7:{port}")
+        await fail(errors.Unavailable("no instance"), "ipv4:10.0.0.8:40000")  # another frontend
+        await fail(errors.ResourceExhausted("queue full"), "ipv4:10.0.0.7:40000")  # another code
+        await fail(errors.Unavailable("draining"), "ipv6:[::1]:40000", method="/ferry.v1.InstanceService/Generate")
+    lines = [(e["method"].rpartition("/")[2], e["code"], e["peer"], e["suppressed"])
+             for e in logs if e["event"] == "rpc_failed"]
+    assert lines == [("Dispatch", "UNAVAILABLE", "ipv4:10.0.0.7", 0), ("Dispatch", "UNAVAILABLE", "ipv4:10.0.0.8", 0),
+                     ("Dispatch", "RESOURCE_EXHAUSTED", "ipv4:10.0.0.7", 0),
+                     ("Generate", "UNAVAILABLE", "ipv6:[::1]", 0)]

@@ -6,6 +6,7 @@ import asyncio
 import socket
 
 import pytest
+from structlog.testing import capture_logs
 
 from services.common.etcd_launcher import free_port
 from services.frontend import manager_client
@@ -40,3 +41,18 @@ async def test_a_leader_change_falls_back_for_the_dispatch_in_flight_and_opens_o
         assert answers == [None, None, None] and await waiting is None  # each falls back
     assert len(opened) == 2, f"{len(opened) - 1} channels opened for one leader change"
     await client.close()
+
+
+async def test_a_flood_of_failed_dispatches_logs_one_line_per_address_and_code():
+    """Before, each dispatch a down manager failed logged manager_dispatch_failed: one line per request."""
+    first, second = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"  # nothing listens there
+    leader = MovingLeader(first)
+    client = ManagerClient(leader, timeout_s=2.0)
+    with capture_logs() as logs:
+        for _ in range(20):
+            assert await client.dispatch(make_spec(), []) is None
+        leader.address = second  # another manager: its own line
+        assert await client.dispatch(make_spec(), []) is None
+    await client.close()
+    lines = [(e["address"], e["code"], e["suppressed"]) for e in logs if e["event"] == "manager_dispatch_failed"]
+    assert lines == [(first, "UNAVAILABLE", 0), (second, "UNAVAILABLE", 0)]

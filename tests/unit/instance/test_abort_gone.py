@@ -28,6 +28,9 @@ class Refused(Exception):
 
 
 class FakeContext:
+    def peer(self):
+        return "ipv4:127.0.0.1:50000"
+
     async def abort(self, code, details, trailing_metadata=()):
         self.code = code
         raise Refused

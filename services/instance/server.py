@@ -104,11 +104,18 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
     async def Abort(self, request: instance_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> instance_pb2.AbortResponse:
         request_id = check_request_id(request.request_id)
-        was_running = await self._runner.abort(request_id) or await self._drop_unread_handoff(request_id)
+        # Shielded as one: a caller whose deadline passes first (the frontend's --abort-timeout-s, 2 s, against an
+        # engine step of seconds) cancels this handler, and must not stop it between the two (before, the copy of
+        # a request that left decoded for no client until the destination's watchdog dropped it).
+        was_running = await asyncio.shield(self._abort_or_drop(request_id))
         if not was_running:  # finished, or its client's cancelled stream freed it first: what the caller wants
             raise NotFound(f"request {request_id} is not on instance {self.identity.instance_id}", is_expected=True)
         log.info("request_aborted", request_id=request_id)
         return instance_pb2.AbortResponse(was_running=True)
+
+    async def _abort_or_drop(self, request_id: str) -> bool:
+        """Abort the request here; one that left moments ago has its copy dropped where it went."""
+        return await self._runner.abort(request_id) or await self._drop_unread_handoff(request_id)
 
     async def _drop_unread_handoff(self, request_id: str) -> bool:
         """A client aborting a request that migrated from here moments ago never read its hand-off (one that

@@ -19,10 +19,13 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from aiohttp import web
+
 from services.frontend.generation import RequestId
 from services.frontend.request_error import RequestError
 
 HEADER = "x-request-id"
+REQUEST_ID_KEY = web.RequestKey("request_id", str)  # ferry's id, on an HTTP request once it has one
 BODY_FIELD = "request_id"
 MAX_CLIENT_ID_CHARS = 128
 _NOT_VISIBLE_ASCII = re.compile(r"[^\x21-\x7e]")

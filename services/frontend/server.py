@@ -1,11 +1,12 @@
-"""The HTTP server: thin aiohttp handlers (body → openai_protocol → RequestRunner →
-openai_response → body) plus middlewares for errors, API keys and body size.
+"""The HTTP server: the routes and thin aiohttp handlers (body → openai_protocol →
+RequestRunner → openai_response → body), admission (--max-inflight) and request bodies
+(--max-body-bytes, --body-timeout-s). The middlewares live with their nouns: errors as HTTP
+answers (http_errors.py), CORS (cors.py), API keys (api_keys.py).
 
 A generation request: parse and validate, admit (bounded in-flight), tokenize, start one
 runner task per choice (`n` per prompt, and a completions batch may hold several prompts;
-each choice feeds its own `ReqState`), then answer from the states'
-deltas, merged by choice index. A streaming request waits for every choice's first delta
-before it sends the 200, so an error the instance raises early still gets its own status. A client that goes away cancels the
+each choice feeds its own `ReqState`), then answer from the states' deltas (answer.py: one
+JSON body, or an SSE stream merged by choice index). A client that goes away cancels the
 handler (handler_cancellation), which cancels the runner, which aborts the request on
 its instance.
 """
@@ -14,54 +15,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TypeVar
 
 import structlog
 from aiohttp import web
 
-from services.common.errors import FerryError, Internal, ResourceExhausted, Unauthenticated, Unavailable
-from services.common.log_sampling import LogSampler
+from services.common.errors import ResourceExhausted, Unavailable
 from services.common.prefix_hash import MAX_PREFIX_CHUNKS, prefix_chunk_keys
-from services.frontend.cors import CorsPolicy, Handler
+from services.frontend.answer import AnswerWriter, Choice, cancel_task
+from services.frontend.api_keys import ApiKeyPolicy
+from services.frontend.cors import CorsPolicy
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import GenerateSpec, RequestId
+from services.frontend.http_errors import RETRY_AFTER_S, BodyTimeout, ErrorAnswers, too_large
 from services.frontend.in_flight import InFlight
 from services.frontend.metrics import FrontendMetrics
-from services.frontend.openai_protocol import (Endpoint, ModelNotFound, ParsedRequest, error_body, error_body_for,
-                                               parse_chat_request, parse_completion_request, parse_json_body,
-                                               resolve_max_tokens)
+from services.frontend.openai_protocol import (Endpoint, ModelNotFound, ParsedRequest, parse_chat_request,
+                                               parse_completion_request, parse_json_body, resolve_max_tokens)
 from services.frontend.openapi import openapi_schema
-from services.frontend.openai_response import SSE_DONE, ResponseFormatter, sse, sse_error
+from services.frontend.openai_response import ResponseFormatter
 from services.frontend.req_state import Delta, ReqState
-from services.frontend.request_ids import HEADER as REQUEST_ID_HEADER
-from services.frontend.request_ids import client_request_id, new_request_id
+from services.frontend.request_ids import REQUEST_ID_KEY, client_request_id, new_request_id
 from services.frontend.request_runner import RequestRunner
 from services.frontend.served_model import PreparedPrompt, ServedModel
 from services.frontend.tokenize_protocol import parse_detokenize_request, parse_tokenize_request
 
 log = structlog.get_logger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
-_REQUEST_ID_KEY = web.RequestKey("request_id", str)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
-
-
-class PayloadTooLarge(FerryError):
-    """A body over --max-body-bytes (HTTP only: no gRPC row in the errors table)."""
-
-    http_status = 413
-
-
-class BodyTimeout(FerryError):
-    """A body that did not arrive within --body-timeout-s (a slow or stalled client; HTTP only)."""
-
-    http_status = 408
 
 
 class FrontendServer:
@@ -73,22 +58,23 @@ class FrontendServer:
         self._runner = runner
         self._dispatcher = dispatcher
         self._metrics = metrics
-        self._api_keys = tuple(api_keys)
         self._max_inflight = max_inflight
         self._max_body_bytes = max_body_bytes
         self._body_timeout_s = body_timeout_s
-        self._send_timeout_s = send_timeout_s
         self._cors = CorsPolicy(allowed_origins)
+        self._api_keys = ApiKeyPolicy(api_keys)
+        self._errors = ErrorAnswers(metrics)
+        self._answers = AnswerWriter(metrics, send_timeout_s)
         self._openapi_args = (model.name, max_body_bytes, bool(api_keys))
         self._num_inflight = 0
-        self._refusal_log = LogSampler()  # request_refused: one line per (route, status) per 10 s at most
         self.in_flight = InFlight()  # what a SIGTERM lets finish, then cuts (in_flight.py)
         self._started_at = int(time.time())
         self.is_accepting = True  # False while shutting down: /health and new requests answer 503
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self._max_body_bytes,
-                              middlewares=[self._error_middleware, self._cors.middleware, self._auth_middleware])
+                              middlewares=[self._errors.middleware, self._cors.middleware,
+                                           self._api_keys.middleware])
         app.on_response_prepare.append(self._cors.on_prepare)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -178,7 +164,7 @@ class FrontendServer:
             resolved = [resolve_max_tokens(parsed, len(ids), max_model_len, index)
                         for index, ids in enumerate(prompts)]  # a 400 for any prompt refuses them all
             request_id = new_request_id("chatcmpl" if endpoint is Endpoint.CHAT else "cmpl", client_id)
-            request[_REQUEST_ID_KEY] = request_id
+            request[REQUEST_ID_KEY] = request_id
             created = int(time.time())  # one for every choice and chunk of the response
             choices = [choice for index, (each, prompt) in enumerate(zip(resolved, prepared))
                        for choice in self._prompt_choices(each, request_id, prompt, index, created)]
@@ -193,15 +179,15 @@ class FrontendServer:
                 streams = [self._timed(c.state.deltas(), arrived_at) for c in choices]
                 with self.in_flight.serving([c.state for c in choices], tasks):
                     if parsed.stream:
-                        return await self._stream(request, parsed, request_id, choices, streams)
-                    return await self._complete(request_id, choices, streams)
+                        return await self._answers.stream(request, parsed, request_id, choices, streams)
+                    return await self._answers.complete(request_id, choices, streams)
             except asyncio.CancelledError:  # the client went away (handler_cancellation)
                 log.info("client_disconnected", request_id=request_id,
                          num_output_tokens=sum(c.state.num_output_tokens for c in choices))
                 raise
             finally:
                 for task in tasks:
-                    await _cancel(task)
+                    await cancel_task(task)
                 for choice in choices:
                     _log_finished(choice.state)
 
@@ -246,80 +232,16 @@ class FrontendServer:
     async def _read_json(self, request: web.Request) -> dict:
         """The body as a JSON object, within --max-body-bytes and --body-timeout-s."""
         if request.content_length is not None and request.content_length > self._max_body_bytes:
-            raise _too_large(self._max_body_bytes)
+            raise too_large(self._max_body_bytes)
         try:
             async with asyncio.timeout(self._body_timeout_s):
                 raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise _too_large(self._max_body_bytes) from None
+            raise too_large(self._max_body_bytes) from None
         except TimeoutError:
             raise BodyTimeout(f"the request body did not arrive within {self._body_timeout_s:g} s "
                               "(--body-timeout-s)") from None
         return parse_json_body(raw)
-
-    async def _complete(self, request_id: RequestId, choices: list[Choice],
-                        streams: list[AsyncIterator[Delta]]) -> web.Response:
-        drains = [asyncio.create_task(_drain(stream)) for stream in streams]
-        try:
-            await asyncio.gather(*drains)  # raises the first choice's error as it is
-        finally:
-            for drain in drains:
-                await _cancel(drain)
-        body = choices[0].formatter.response([c.state for c in choices], [c.formatter.choice(c.state) for c in choices])
-        return web.json_response(body, headers={REQUEST_ID_HEADER: request_id})
-
-    async def _stream(self, request: web.Request, parsed: ParsedRequest, request_id: RequestId,
-                      choices: list[Choice], streams: list[AsyncIterator[Delta]]) -> web.StreamResponse:
-        firsts = [await anext(stream) for stream in streams]  # an early error raises here, before the 200
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               REQUEST_ID_HEADER: request_id})
-        try:
-            await response.prepare(request)  # the client may be gone already
-            for choice, first in zip(choices, firsts):
-                for chunk in choice.formatter.first_chunks(choice.state):
-                    await self._send(request, response, sse(chunk))
-                await self._send(request, response, sse(choice.formatter.chunk(first)))
-            try:
-                async for index, delta in _merged(streams):
-                    await self._send(request, response, sse(choices[index].formatter.chunk(delta)))
-            except FerryError as exc:  # after the 200: an error event ends the stream
-                log.warning("stream_failed", request_id=request_id, error=exc.message)
-                self._metrics.stream_errors.labels(str(exc.http_status)).inc()
-                await self._send(request, response, sse_error(exc))
-            if parsed.include_usage and all(c.state.error is None for c in choices):
-                await self._send(request, response, sse(choices[0].formatter.usage_chunk([c.state for c in choices])))
-            await self._send(request, response, SSE_DONE)
-            async with self._client_reading(request):
-                await response.write_eof()
-        except ConnectionResetError:
-            log.info("client_disconnected", request_id=request_id,
-                     num_output_tokens=sum(c.state.num_output_tokens for c in choices))
-        except Exception:
-            if not response.prepared:
-                raise  # still before the 200: the error middleware answers a 500
-            log.exception("stream_crashed", request_id=request_id)
-            self._metrics.stream_errors.labels("500").inc()  # its error event is an Internal's
-            await _end_crashed_stream(request, response)
-        return response
-
-    async def _send(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
-        async with self._client_reading(request):
-            await response.write(data)
-
-    @contextlib.asynccontextmanager
-    async def _client_reading(self, request: web.Request) -> AsyncIterator[None]:
-        """A write the client must take in within --send-timeout-s: one that stops reading would
-        otherwise hold its handler, and its --max-inflight slots, for as long as it keeps the
-        connection open. Past the timeout the connection is dropped (ConnectionResetError)."""
-        try:
-            async with asyncio.timeout(self._send_timeout_s):
-                yield
-        except TimeoutError:
-            log.warning("client_not_reading", request_id=request.get(_REQUEST_ID_KEY),
-                        send_timeout_s=self._send_timeout_s)
-            if request.transport is not None:
-                request.transport.abort()
-            raise ConnectionResetError("the client took in nothing within --send-timeout-s") from None
 
     async def _timed(self, deltas: AsyncIterator[Delta], arrived_at: float) -> AsyncIterator[Delta]:
         last_token_at: float | None = None
@@ -349,124 +271,6 @@ class FrontendServer:
             self._num_inflight -= num_choices
             self._metrics.in_flight.dec(num_choices)
 
-    # ---- middlewares -------------------------------------------------------------------
-
-    @web.middleware
-    async def _error_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        try:
-            response = await handler(request)
-        except asyncio.CancelledError:  # the client went away: nginx's 499, so the request is still counted
-            self._metrics.requests.labels(_endpoint_label(request), "499").inc()
-            raise
-        except FerryError as exc:
-            _log_refused(request, exc, self._refusal_log)
-            response = self._error_response(request, exc.http_status, error_body_for(exc))
-        except web.HTTPException as exc:  # the router's 404/405, aiohttp's own 413
-            response = self._error_response(request, exc.status, error_body(
-                f"{exc.reason}: {request.method} {request.path}", code=exc.reason.lower().replace(" ", "_")))
-            if "Allow" in exc.headers:  # a 405 names the methods the path takes
-                response.headers["Allow"] = exc.headers["Allow"]
-        except Exception:  # a bug: a 500 without details; the traceback goes to the log
-            request.setdefault(_REQUEST_ID_KEY, f"crash-{uuid.uuid4().hex}")  # it crashed before it got one
-            log.exception("request_crashed", path=request.path, request_id=request[_REQUEST_ID_KEY])
-            response = self._error_response(request, 500, error_body(
-                "internal error; the server logged it under this request's x-request-id", type_="server_error"))
-        self._metrics.requests.labels(_endpoint_label(request), str(response.status)).inc()
-        return response
-
-    @web.middleware
-    async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self._api_keys and request.path not in OPEN_PATHS and not self._is_authorized(request):
-            raise ApiKeyError("missing or incorrect API key; send it as 'Authorization: Bearer <key>' "
-                              "(keys are set with --api-key)")
-        return await handler(request)
-
-    def _is_authorized(self, request: web.Request) -> bool:
-        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            return False
-        key_bytes = key.strip().encode(errors="surrogateescape")  # the header's bytes, UTF-8 or not
-        return any(hmac.compare_digest(key_bytes, allowed.encode()) for allowed in self._api_keys)
-
-    def _error_response(self, request: web.Request, status: int, body: dict) -> web.Response:
-        headers = {}
-        if request_id := request.get(_REQUEST_ID_KEY):
-            headers[REQUEST_ID_HEADER] = request_id
-        if status == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        if status in (429, 503):  # full, or nothing serves now: worth another try soon
-            headers["Retry-After"] = str(RETRY_AFTER_S)
-        return web.json_response(body, status=status, headers=headers)
-
-
-RETRY_AFTER_S = 1  # the Retry-After of 429s and 503s: load and membership change within seconds
-
-
-class ApiKeyError(Unauthenticated):
-    code = "invalid_api_key"
-    param = None
-
-
-def _log_refused(request: web.Request, exc: FerryError, sampler: LogSampler) -> None:
-    """A request answered with an error before it was admitted (a 400, 401, 404 model, 413, 429, ...):
-    it has no request id yet, so no other line names it; one admitted has its `request_finished`. A flood
-    of them logs one line per (route, status) per 10 s, with the number left out since (`suppressed`)."""
-    if _REQUEST_ID_KEY in request:
-        return
-    if (suppressed := sampler.admit((_endpoint_label(request), exc.http_status))) is not None:
-        log.info("request_refused", path=request.path, status=exc.http_status, error=exc.message,
-                 client_request_id=client_request_id(request.headers, {}), suppressed=suppressed)
-
-
-def _too_large(limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(f"the request body is larger than {limit} bytes (--max-body-bytes)")
-
-
-def _endpoint_label(request: web.Request) -> str:
-    resource = request.match_info.route.resource
-    return resource.canonical if resource is not None else "unmatched"
-
-
-@dataclass(frozen=True, slots=True)
-class Choice:
-    """One of the `n` answers to a request: its own instance request, state and formatter."""
-
-    state: ReqState
-    spec: GenerateSpec
-    formatter: ResponseFormatter
-
-
-async def _drain(deltas: AsyncIterator[Delta]) -> None:
-    async for _ in deltas:
-        pass
-
-
-async def _merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
-    """(choice index, delta) from every stream as they come; a stream's error raises here."""
-    if len(streams) == 1:  # the common case, without the tasks
-        async for delta in streams[0]:
-            yield 0, delta
-        return
-    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue(maxsize=4 * len(streams))
-
-    async def pump(index: int, stream: AsyncIterator[Delta]) -> None:
-        try:
-            async for delta in stream:
-                await queue.put((index, delta))
-            await queue.put((index, None))
-        except FerryError as exc:
-            await queue.put((index, exc))
-    pumps = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
-    try:
-        for _ in range(len(streams)):
-            while (item := await queue.get())[1] is not None:
-                if isinstance(item[1], BaseException):
-                    raise item[1]
-                yield item
-    finally:
-        for task in pumps:
-            await _cancel(task)
-
 
 def _log_finished(state: ReqState) -> None:
     log.info("request_finished", request_id=state.request_id, num_output_tokens=state.num_output_tokens,
@@ -487,23 +291,3 @@ async def _in_thread(fn: Callable[[_T], _R], arg: _T) -> _R:
         if not work.cancelled():
             work.exception()  # retrieved: nobody is left to hear of it
         raise
-
-
-async def _cancel(task: asyncio.Task) -> None:
-    if task.done():
-        return
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
-async def _end_crashed_stream(request: web.Request, response: web.StreamResponse) -> None:
-    """A bug after the 200: an error event and [DONE], so the client is not left waiting on an open stream."""
-    try:
-        await response.write(sse_error(Internal("internal error; the server logged it under this request's "
-                                                "x-request-id")))
-        await response.write(SSE_DONE)
-        await response.write_eof()
-    except Exception:  # noqa: BLE001 — the connection is broken as well: close it, which ends the stream too
-        if request.transport is not None:
-            request.transport.close()

@@ -1,0 +1,162 @@
+"""A generation's answer to its client, from its choices' deltas: one JSON body once every
+choice has finished, or an SSE stream of chunks merged by choice index as they come.
+
+A stream waits for every choice's first delta before it sends the 200, so an error the
+instance raises early still gets its own status; after the 200 an error ends the stream
+with an error event. Each write must be taken in within --send-timeout-s, or the
+connection is dropped (a client that stops reading would otherwise hold its handler and
+its --max-inflight slots for as long as it keeps the connection open).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import structlog
+from aiohttp import web
+
+from services.common.errors import FerryError, Internal
+from services.frontend.generation import GenerateSpec, RequestId
+from services.frontend.metrics import FrontendMetrics
+from services.frontend.openai_protocol import ParsedRequest
+from services.frontend.openai_response import SSE_DONE, ResponseFormatter, sse, sse_error
+from services.frontend.req_state import Delta, ReqState
+from services.frontend.request_ids import HEADER as REQUEST_ID_HEADER
+from services.frontend.request_ids import REQUEST_ID_KEY
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One of the `n` answers to a request: its own instance request, state and formatter."""
+
+    state: ReqState
+    spec: GenerateSpec
+    formatter: ResponseFormatter
+
+
+class AnswerWriter:
+    def __init__(self, metrics: FrontendMetrics, send_timeout_s: float) -> None:
+        self._metrics = metrics
+        self._send_timeout_s = send_timeout_s
+
+    async def complete(self, request_id: RequestId, choices: list[Choice],
+                       streams: list[AsyncIterator[Delta]]) -> web.Response:
+        drains = [asyncio.create_task(_drain(stream)) for stream in streams]
+        try:
+            await asyncio.gather(*drains)  # raises the first choice's error as it is
+        finally:
+            for drain in drains:
+                await cancel_task(drain)
+        body = choices[0].formatter.response([c.state for c in choices], [c.formatter.choice(c.state) for c in choices])
+        return web.json_response(body, headers={REQUEST_ID_HEADER: request_id})
+
+    async def stream(self, request: web.Request, parsed: ParsedRequest, request_id: RequestId,
+                     choices: list[Choice], streams: list[AsyncIterator[Delta]]) -> web.StreamResponse:
+        firsts = [await anext(stream) for stream in streams]  # an early error raises here, before the 200
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               REQUEST_ID_HEADER: request_id})
+        try:
+            await response.prepare(request)  # the client may be gone already
+            for choice, first in zip(choices, firsts):
+                for chunk in choice.formatter.first_chunks(choice.state):
+                    await self._send(request, response, sse(chunk))
+                await self._send(request, response, sse(choice.formatter.chunk(first)))
+            try:
+                async for index, delta in _merged(streams):
+                    await self._send(request, response, sse(choices[index].formatter.chunk(delta)))
+            except FerryError as exc:  # after the 200: an error event ends the stream
+                log.warning("stream_failed", request_id=request_id, error=exc.message)
+                self._metrics.stream_errors.labels(str(exc.http_status)).inc()
+                await self._send(request, response, sse_error(exc))
+            if parsed.include_usage and all(c.state.error is None for c in choices):
+                await self._send(request, response, sse(choices[0].formatter.usage_chunk([c.state for c in choices])))
+            await self._send(request, response, SSE_DONE)
+            async with self._client_reading(request):
+                await response.write_eof()
+        except ConnectionResetError:
+            log.info("client_disconnected", request_id=request_id,
+                     num_output_tokens=sum(c.state.num_output_tokens for c in choices))
+        except Exception:
+            if not response.prepared:
+                raise  # still before the 200: the error middleware answers a 500
+            log.exception("stream_crashed", request_id=request_id)
+            self._metrics.stream_errors.labels("500").inc()  # its error event is an Internal's
+            await _end_crashed_stream(request, response)
+        return response
+
+    async def _send(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
+        async with self._client_reading(request):
+            await response.write(data)
+
+    @contextlib.asynccontextmanager
+    async def _client_reading(self, request: web.Request) -> AsyncIterator[None]:
+        """A write the client must take in within --send-timeout-s: one that stops reading would
+        otherwise hold its handler, and its --max-inflight slots, for as long as it keeps the
+        connection open. Past the timeout the connection is dropped (ConnectionResetError)."""
+        try:
+            async with asyncio.timeout(self._send_timeout_s):
+                yield
+        except TimeoutError:
+            log.warning("client_not_reading", request_id=request.get(REQUEST_ID_KEY),
+                        send_timeout_s=self._send_timeout_s)
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("the client took in nothing within --send-timeout-s") from None
+
+
+async def cancel_task(task: asyncio.Task) -> None:
+    """Cancel `task` and wait for it to end (nothing to do once it is done)."""
+    if task.done():
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _drain(deltas: AsyncIterator[Delta]) -> None:
+    async for _ in deltas:
+        pass
+
+
+async def _merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from every stream as they come; a stream's error raises here."""
+    if len(streams) == 1:  # the common case, without the tasks
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue(maxsize=4 * len(streams))
+
+    async def pump(index: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+            await queue.put((index, None))
+        except FerryError as exc:
+            await queue.put((index, exc))
+    pumps = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        for _ in range(len(streams)):
+            while (item := await queue.get())[1] is not None:
+                if isinstance(item[1], BaseException):
+                    raise item[1]
+                yield item
+    finally:
+        for task in pumps:
+            await cancel_task(task)
+
+
+async def _end_crashed_stream(request: web.Request, response: web.StreamResponse) -> None:
+    """A bug after the 200: an error event and [DONE], so the client is not left waiting on an open stream."""
+    try:
+        await response.write(sse_error(Internal("internal error; the server logged it under this request's "
+                                                "x-request-id")))
+        await response.write(SSE_DONE)
+        await response.write_eof()
+    except Exception:  # noqa: BLE001 — the connection is broken as well: close it, which ends the stream too
+        if request.transport is not None:
+            request.transport.close()

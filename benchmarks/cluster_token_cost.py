@@ -6,7 +6,8 @@ reads them over `secure_or_insecure_channel`, once with no token (no interceptor
 with one (the client's call interceptors, the server's guard). Unary calls/s are measured the same
 way (an Abort-sized call). Each figure is the median of --repeats runs, the two modes taking turns
 (each first every other run). On a loaded machine compare the client's CPU time per message, which
-other processes disturb less than the wall-clock rates.
+other processes disturb less than the wall-clock rates, and best its event loop thread's alone: what
+the token adds runs there, while gRPC's own polling threads spend more the busier the host is.
 
     python benchmarks/cluster_token_cost.py
     python benchmarks/cluster_token_cost.py --messages 5000 --streams 8 --repeats 7
@@ -83,13 +84,14 @@ def start_server(token: str) -> tuple[multiprocessing.Process, int]:
 class Run:
     per_s: float  # messages (or calls) per second of wall time
     cpu_us: float  # the client process's CPU time per message (or call), all its threads, in microseconds
+    loop_cpu_us: float  # the same, its event loop's thread alone
 
 
 async def timed(work: Awaitable[int]) -> Run:
-    wall, cpu = time.perf_counter(), time.process_time()
+    wall, cpu, loop_cpu = time.perf_counter(), time.process_time(), time.thread_time()
     count = await work
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    return Run(count / wall, cpu / count * 1e6)
+    wall, cpu, loop_cpu = time.perf_counter() - wall, time.process_time() - cpu, time.thread_time() - loop_cpu
+    return Run(count / wall, cpu / count * 1e6, loop_cpu / count * 1e6)
 
 
 async def stream_run(channel: grpc.aio.Channel, num_messages: int, num_streams: int) -> Run:
@@ -145,7 +147,8 @@ def report(args: argparse.Namespace, rates: dict[str, dict[str, list[Run]]]) -> 
           f"medians of {args.repeats} runs")
     print(f"{'':26} {'no token':>10} {'token':>10} {'token/none':>11}")
     for kind, unit in (("stream", "messages"), ("unary", "calls")):
-        for label, read in ((f"{unit}/s", lambda run: run.per_s), (f"client CPU us/{unit[:-1]}", lambda run: run.cpu_us)):
+        for label, read in ((f"{unit}/s", lambda run: run.per_s), (f"client CPU us/{unit[:-1]}", lambda run: run.cpu_us),
+                            (f"loop CPU us/{unit[:-1]}", lambda run: run.loop_cpu_us)):
             off, on = (statistics.median(read(run) for run in rates[mode][kind]) for mode in ("off", "token"))
             print(f"{kind + ' ' + label:26} {off:>10,.1f} {on:>10,.1f} {on / off:>10.3f}x")
 

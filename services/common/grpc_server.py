@@ -176,14 +176,13 @@ def secure_or_insecure_channel(address: str, tls: TlsConfig | None,
     """A channel with ferry's options: TLS when `tls.ca_file` is set (mTLS if we have a certificate);
     every call carries `tls.cluster_token` when it is set."""
     merged = _merged(CHANNEL_OPTIONS, options)
-    if tls is None:
-        return grpc.aio.insecure_channel(address, options=merged)
-    if not tls.is_client_tls:
-        return cluster_token.with_token(grpc.aio.insecure_channel(address, options=merged), tls.cluster_token)
+    token = tls.cluster_token if tls is not None else ""
+    if tls is None or not tls.is_client_tls:
+        return cluster_token.with_token(grpc.aio.insecure_channel(address, options=merged), token)
     if tls.server_name:
         merged.append(("grpc.ssl_target_name_override", tls.server_name))
-    channel = grpc.aio.secure_channel(address, make_channel_credentials(tls), options=merged)
-    return cluster_token.with_token(channel, tls.cluster_token)
+    return cluster_token.with_token(grpc.aio.secure_channel(address, make_channel_credentials(tls), options=merged),
+                                    token)
 
 
 def _is_in_use(host: str, port: int) -> bool:

@@ -15,13 +15,19 @@ of an instance is derived, never stored:
 * SERVING   — otherwise.
 
 Dispatch picks SERVING instances that can prefill (a DECODE instance only when no prefill
-instance serves, or for a short prompt; PlaceDecode picks DECODE instances). Each dispatch is counted at
-once as a reservation on the chosen instance (+1 running, + its prompt blocks needed),
-until a report of that instance counts the request itself. A report drops only the
-reservations made `IN_TRANSIT_S` or more before it: a request dispatched just before a
-report may not have reached the instance yet (the frontend still has to send it), and
-dropping its reservation then made a burst pile onto one instance, the one that had just
-reported. So a burst of dispatches spreads out instead of piling on one instance.
+instance serves, or for a short prompt; PlaceDecode picks DECODE instances). Each dispatch (and
+each PD placement) is counted at once as a reservation on the chosen instance (+1 running, + its
+prompt blocks needed), until a report of that instance counts the request itself. A report says
+how many requests the instance has taken in since it started (`num_requests_admitted`: Generate
+and migrations in); one whose count rose by d since the last report on its stream drops the d
+oldest reservations, so a request is never counted twice. Those it does not count yet stay: a
+request dispatched just before a report may not have reached the instance yet (the frontend
+still has to send it), and dropping its reservation then made a burst pile onto one instance,
+the one that had just reported. A report also drops the reservations made `IN_TRANSIT_S` or more
+before it (a dispatch whose request never came), and that is all an instance that does not
+count (0, an older one) gets. The count is read as a difference only within one report
+stream (a restarted instance starts it again). So a burst of dispatches spreads out instead of
+piling on one instance, and a request counts once from its instance's first report of it.
 
 No transport here: the server feeds records and reports in, the clock is injectable.
 """
@@ -62,7 +68,10 @@ class ClusterView:
         self._sorted_ids: list[InstanceId] = []  # invariant: sorted(self._records); ties break by id
         self._heard_at: dict[InstanceId, float] = {}  # members only: last report, or first sighting before one
         self._reports: dict[InstanceId, Load] = {}  # last report of each instance
-        self._reserved: dict[InstanceId, list[tuple[float, int]]] = {}  # (dispatched at, blocks), not yet reported
+        self._reserved: dict[InstanceId, list[tuple[float, int]]] = {}  # (dispatched at, blocks), not yet
+        #   reported; oldest first
+        self._num_admitted_seen: dict[InstanceId, int] = {}  # num_requests_admitted of the last report on the
+        #   current stream (none: the next report's count is a baseline, not a difference)
         self._drained: set[InstanceId] = set()  # operator drain marks (may name absent instances)
         self._unanswered: set[InstanceId] = set()  # a peer could not reach it; until its next report
         self._num_dispatched: dict[InstanceId, int] = {}  # members only
@@ -98,7 +107,7 @@ class ClusterView:
         if self._records.pop(instance_id, None) is None:
             return
         self._sorted_ids = sorted(self._records)
-        for per_instance in (self._heard_at, self._reports, self._reserved, self._candidates):
+        for per_instance in (self._heard_at, self._reports, self._reserved, self._candidates, self._num_admitted_seen):
             per_instance.pop(instance_id, None)
         self._num_dispatched_to_departed += self._num_dispatched.pop(instance_id, 0)
         self._unanswered.discard(instance_id)
@@ -120,16 +129,14 @@ class ClusterView:
     # load (from ReportLoad streams)
 
     def apply_report(self, instance_id: InstanceId, load: Load) -> float:
-        """Keep `load` as the instance's last report; it counts the requests dispatched there up to
-        `IN_TRANSIT_S` before it, whose reservations go. A report from an id that is not a member (not
-        registered yet, gone, or made up: ReportLoad takes any id) is not kept; the next one counts.
+        """Keep `load` as the instance's last report; the reservations of the requests it counts go (see the
+        module's doc). A report from an id that is not a member (not registered yet, gone, or made up:
+        ReportLoad takes any id) is not kept; the next one counts.
         When it came (the clock's time), kept or not: for `note_report_stream_ended`."""
         if instance_id not in self._records:
             return self._clock()
         self._reports[instance_id] = load
-        in_transit_since = self._clock() - IN_TRANSIT_S
-        if reserved := [r for r in self._reserved.pop(instance_id, ()) if r[0] > in_transit_since]:
-            self._reserved[instance_id] = reserved
+        self._drop_counted_reservations(instance_id, self._num_newly_admitted(instance_id, load))
         self._candidates.pop(instance_id, None)
         self._unanswered.discard(instance_id)
         self._heard_at[instance_id] = heard_at = self._clock()
@@ -138,9 +145,27 @@ class ClusterView:
     def note_report_stream_ended(self, instance_id: InstanceId, last_heard_at: float) -> None:
         """The stream whose last report came at `last_heard_at` ended: UNHEALTHY until the next report,
         unless one was kept since (on the stream that replaced it). Also when that last report was not
-        kept (the id was no member then: its lease was lost) and the instance registered again since."""
+        kept (the id was no member then: its lease was lost) and the instance registered again since.
+        The next stream's first count is a baseline (the instance may have restarted under its id)."""
         if instance_id not in self._reports or self._heard_at[instance_id] <= last_heard_at:
             self.mark_unanswered(instance_id)
+            self._num_admitted_seen.pop(instance_id, None)
+
+    def _num_newly_admitted(self, instance_id: InstanceId, load: Load) -> int:
+        """How many more requests `load` says the instance took in than its last report on this stream did;
+        0 when that is not known: the stream's first report, an instance that does not count (always 0),
+        or one whose count went down (restarted under its id: the count is the new baseline)."""
+        seen = self._num_admitted_seen.get(instance_id)
+        self._num_admitted_seen[instance_id] = load.num_requests_admitted
+        return 0 if seen is None else max(0, load.num_requests_admitted - seen)
+
+    def _drop_counted_reservations(self, instance_id: InstanceId, num_counted: int) -> None:
+        """Drop the `num_counted` oldest reservations (at most those there are: requests sent without the
+        manager, as by a frontend's local fallback, have none), and those made `IN_TRANSIT_S` or more ago."""
+        in_transit_since = self._clock() - IN_TRANSIT_S
+        reserved = self._reserved.pop(instance_id, [])[num_counted:]
+        if reserved := [r for r in reserved if r[0] > in_transit_since]:
+            self._reserved[instance_id] = reserved
 
     def begin_migration_in(self, instance_id: InstanceId) -> None:
         """A migration this manager started into the instance: not drained before it ends (its report may
@@ -166,6 +191,7 @@ class ClusterView:
         now = self._clock()
         self._reports.clear()
         self._reserved.clear()
+        self._num_admitted_seen.clear()
         self._candidates.clear()
         self._unanswered.clear()
         self._heard_at = {instance_id: now for instance_id in self._records}

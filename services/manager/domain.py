@@ -99,6 +99,7 @@ class Load:
     num_prefix_hit_tokens: int = 0  # ... and those found in the cache
     num_headroom_blocks: int = 0  # kept free for the instance's high-priority requests
     num_incoming_migrations: int = 0  # reserved or committed-not-attached migrations into the instance
+    num_requests_admitted: int = 0  # taken in since the instance started (cumulative); 0 = not counted (older)
 
     @property
     def freeness(self) -> float:

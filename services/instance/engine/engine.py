@@ -115,6 +115,7 @@ class LoadSnapshot:
     freeness: float  # (free - needed by waiting - headroom) / (running + 1)
     decoding_ids: frozenset[str] = frozenset()  # running requests past their prefill: PD hand-off candidates
     num_headroom_blocks: int = 0  # kept free for high-priority requests (--priority-headroom-blocks each)
+    num_requests_admitted: int = 0  # taken in since start (added or imported): counted in this snapshot's figures
 
     @property
     def num_decoding(self) -> int:
@@ -162,6 +163,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.last_step_was_idle = False
         self.num_grammar_dead_ends = 0  # requests stopped where their grammar allowed no token (or refused one)
+        self.num_requests_admitted = 0  # requests taken in since start: added, or imported by a migration in
 
     # Requests in and out.
 
@@ -197,6 +199,7 @@ class LLMEngine:
         )  # fmt: skip
         self._requests[request_id] = request
         self.scheduler.add(request)
+        self.num_requests_admitted += 1
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its blocks; False if the engine does not have it."""
@@ -346,6 +349,7 @@ class LLMEngine:
         self._requests[request.request_id] = request
         self.block_manager.register_computed(request)  # its K/V arrived with it
         self.scheduler.adopt(request)
+        self.num_requests_admitted += 1
 
     def _check_import(self, state: RequestState) -> None:
         if state.request_id in self._requests:
@@ -536,7 +540,7 @@ class LLMEngine:
             num_total_blocks=self.block_manager.num_blocks, num_blocks_needed_by_waiting=num_needed,
             freeness=(num_free - num_needed - num_headroom) / (num_running + 1),
             decoding_ids=frozenset(r.request_id for r in self.scheduler.running if is_prefill_done(r)),
-            num_headroom_blocks=num_headroom,
+            num_headroom_blocks=num_headroom, num_requests_admitted=self.num_requests_admitted,
         )  # fmt: skip
 
     def prefix_cache_stats(self) -> PrefixCacheStats:

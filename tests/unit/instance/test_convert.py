@@ -6,11 +6,13 @@ import dataclasses
 import llguidance
 
 from services.instance.convert import (
+    load_to_proto,
     request_state_from_proto,
     request_state_to_proto,
     sampling_from_proto,
     sampling_to_proto,
 )
+from services.instance.engine.engine import LoadSnapshot
 from services.instance.engine.migration_state import RequestState
 from services.instance.engine.request import RequestId, SamplingParams
 
@@ -34,3 +36,9 @@ def test_a_request_state_survives_the_round_trip_and_an_old_source_sends_no_firs
     old = request_state_to_proto(state)
     old.ClearField("first_start")  # a source from before first_start travelled
     assert request_state_from_proto(old) == dataclasses.replace(state, first_start=None)
+
+
+def test_the_load_report_carries_the_requests_taken_in():
+    load = LoadSnapshot(num_running=2, num_waiting=1, num_free_blocks=10, num_total_blocks=16,
+                        num_blocks_needed_by_waiting=3, freeness=2.0, num_requests_admitted=9)
+    assert load_to_proto("i-1", load, num_requests_served=6, timestamp=1.0).num_requests_admitted == 9

@@ -169,3 +169,13 @@ async def test_a_report_that_raises_inside_the_stream_does_not_end_the_loop():
         await assert_cancels(loop)
     finally:
         await server.stop(0)
+
+
+def test_a_request_taken_in_is_reported_at_once_even_when_the_counts_look_the_same():
+    """One request finished and another came in between two reports: the manager drops the newcomer's
+    reservation only once a report counts it, so that report goes out now, not an interval later."""
+    before = common_pb2.LoadReport(num_running=2, num_total_blocks=64, num_requests_admitted=7)
+    assert not load_reporter._differs(common_pb2.LoadReport(num_running=2, num_total_blocks=64,
+                                                            num_requests_admitted=7), before)
+    assert load_reporter._differs(common_pb2.LoadReport(num_running=2, num_total_blocks=64,
+                                                        num_requests_admitted=8), before)

@@ -185,6 +185,28 @@ def test_migrated_twice_a_to_b_to_a(make_engine, sampling):
     assert_no_blocks_held(a, b)
 
 
+def test_the_load_counts_each_request_taken_in_added_or_migrated_in(make_engine):
+    """The manager drops a dispatch's reservation once the instance's report counts the request; a
+    refused one, a resume of a suspended one or a migration out takes nothing in."""
+    a, b, harness = make_engine(), make_engine(), Harness()
+    assert (a.load().num_requests_admitted, b.load().num_requests_admitted) == (0, 0)
+    a.add_request("r", PROMPT, GREEDY)
+    with pytest.raises(InvalidArgument):
+        a.add_request("r", PROMPT, GREEDY)  # a duplicate id
+    with pytest.raises(InvalidArgument):
+        a.add_request("bad", [], GREEDY)
+    assert a.load().num_requests_admitted == 1 and a.load().num_waiting == 1  # in the same snapshot
+    harness.run_until(a, "r", 3)
+    a.suspend("r")
+    assert a.resume("r") and a.load().num_requests_admitted == 1
+    migrate(a, b, "r")
+    assert (a.load().num_requests_admitted, b.load().num_requests_admitted) == (1, 1)
+    assert b.load().num_running == 1
+    harness.finish(b, "r")
+    assert b.load().num_requests_admitted == 1
+    assert_no_blocks_held(a, b)
+
+
 def test_multi_stage_copy_while_decoding(make_engine):
     reference = unmigrated(make_engine, SEEDED)
     a, b, harness = make_engine(), make_engine(), Harness()

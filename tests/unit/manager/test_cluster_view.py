@@ -67,6 +67,89 @@ def test_a_report_right_after_a_dispatch_keeps_its_reservation():
     assert view.load_of(InstanceId("a")).num_running == 4
 
 
+def counted(instance_id: str, num_running: int, num_requests_admitted: int) -> tuple[InstanceId, object]:
+    """A report of `instance_id` running `num_running`, having taken in `num_requests_admitted` since it started."""
+    return InstanceId(instance_id), make_load(num_running=num_running, num_requests_admitted=num_requests_admitted)
+
+
+def test_a_report_that_counts_a_dispatched_request_drops_its_reservation_at_once():
+    """Before, the report counted the request and its reservation stayed for IN_TRANSIT_S: admin showed
+    num_running 6 and 6 for 3 + 3 streams (black-box run), and dispatch and migration saw that too."""
+    clock = FakeClock()
+    view = make_view("a", "b", clock=clock, num_requests_admitted=5)  # an instance that counts
+    dispatcher = Dispatcher(view, leading(), "load")
+    picks = [dispatcher.dispatch(ask(f"r-{n}")).instance_id for n in range(6)]
+    assert sorted(picks) == ["a"] * 3 + ["b"] * 3
+    clock.advance(0.05)
+    view.apply_report(*counted("a", 3, 8))
+    view.apply_report(*counted("b", 3, 8))
+    assert [view.load_of(InstanceId(i)).num_running for i in ("a", "b")] == [3, 3]
+    assert view.totals().num_running == 6
+
+
+def test_a_dispatch_the_report_does_not_count_yet_stays_reserved():
+    clock = FakeClock()
+    view = make_view("a", clock=clock, num_requests_admitted=1)
+    for _ in range(3):
+        view.reserve(InstanceId("a"), 10)
+        clock.advance(0.01)
+    view.apply_report(*counted("a", 3, 3))  # two of the three arrived: the two oldest reservations go
+    assert view.load_of(InstanceId("a")).num_running == 4
+    view.reserve(InstanceId("a"), 10)  # newer than the report
+    view.apply_report(*counted("a", 3, 3))  # counts nothing new
+    assert view.load_of(InstanceId("a")).num_running == 5
+    view.apply_report(*counted("a", 5, 5))
+    assert view.load_of(InstanceId("a")).num_running == 5
+    clock.advance(IN_TRANSIT_S)
+    view.apply_report(*counted("a", 5, 5))  # still dropped by age alone
+    assert view.load_of(InstanceId("a")).num_running == 5
+
+
+def test_a_count_beyond_the_reservations_drops_only_what_there_is():
+    """A frontend's local fallback (or a migration in) adds requests the manager reserved nothing for."""
+    clock = FakeClock()
+    view = make_view("a", clock=clock, num_requests_admitted=1)
+    view.apply_report(*counted("a", 4, 5))
+    view.reserve(InstanceId("a"), 10)
+    assert view.load_of(InstanceId("a")).num_running == 5
+    view.apply_report(*counted("a", 5, 6))
+    assert view.load_of(InstanceId("a")).num_running == 5
+
+
+def test_a_count_that_went_down_is_a_new_baseline():
+    """The instance restarted under its id: its count started again."""
+    clock = FakeClock()
+    view = make_view("a", clock=clock, num_requests_admitted=40)
+    view.reserve(InstanceId("a"), 10)
+    view.apply_report(*counted("a", 0, 2))  # 2 < 40: nothing known to be counted
+    assert view.load_of(InstanceId("a")).num_running == 1
+    view.apply_report(*counted("a", 1, 3))
+    assert view.load_of(InstanceId("a")).num_running == 1
+
+
+def test_a_new_report_stream_starts_from_a_baseline():
+    clock = FakeClock()
+    view = make_view("a", clock=clock, num_requests_admitted=2)
+    view.note_report_stream_ended(InstanceId("a"), clock())
+    view.reserve(InstanceId("a"), 10)
+    view.apply_report(*counted("a", 1, 5))  # the first of a stream (maybe a restarted process): a baseline
+    assert view.load_of(InstanceId("a")).num_running == 2
+    view.apply_report(*counted("a", 2, 6))
+    assert view.load_of(InstanceId("a")).num_running == 2
+
+
+def test_an_instance_that_does_not_count_keeps_the_time_rule():
+    clock = FakeClock()
+    view = make_view("a", clock=clock)
+    view.reserve(InstanceId("a"), 10)
+    clock.advance(0.1)
+    view.apply_report(*counted("a", 1, 0))
+    assert view.load_of(InstanceId("a")).num_running == 2
+    clock.advance(IN_TRANSIT_S)
+    view.apply_report(*counted("a", 1, 0))
+    assert view.load_of(InstanceId("a")).num_running == 1
+
+
 def test_queue_policy_burst_spreads_too():
     view = make_view("a", "b", "c")
     dispatcher = Dispatcher(view, leading(), "queue")

@@ -178,6 +178,7 @@ def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int
         prefix_cache_hit_tokens=prefix_cache.num_hit_tokens,
         num_incoming_migrations=num_incoming_migrations,
         num_requests_admitted=load.num_requests_admitted,
+        num_requests_migrated_in=load.num_requests_migrated_in,
     )
 
 

@@ -18,16 +18,18 @@ Dispatch picks SERVING instances that can prefill (a DECODE instance only when n
 instance serves, or for a short prompt; PlaceDecode picks DECODE instances). Each dispatch (and
 each PD placement) is counted at once as a reservation on the chosen instance (+1 running, + its
 prompt blocks needed), until a report of that instance counts the request itself. A report says
-how many requests the instance has taken in since it started (`num_requests_admitted`: Generate
-and migrations in); one whose count rose by d since the last report on its stream drops the d
-oldest reservations, so a request is never counted twice. Those it does not count yet stay: a
-request dispatched just before a report may not have reached the instance yet (the frontend
-still has to send it), and dropping its reservation then made a burst pile onto one instance,
-the one that had just reported. A report also drops the reservations made `IN_TRANSIT_S` or more
-before it (a dispatch whose request never came), and that is all an instance that does not
-count (0, an older one) gets. The count is read as a difference only within one report
-stream (a restarted instance starts it again). So a burst of dispatches spreads out instead of
-piling on one instance, and a request counts once from its instance's first report of it.
+how many requests the instance has taken in since it started, by Generate
+(`num_requests_admitted`) and by migrations in (`num_requests_migrated_in`); one whose first
+count rose by d since the last report on its stream drops the d oldest dispatch reservations
+(the second count: PD placements'), so a request is never counted twice. Those it does not count
+yet stay: a request dispatched just before a report may not have reached the instance yet (the
+frontend still has to send it), and dropping its reservation then made a burst pile onto one
+instance, the one that had just reported. A report also drops the reservations made
+`IN_TRANSIT_S` or more before it (a dispatch whose request never came), and that is all an
+instance that does not count (0, an older one) gets. The counts are read as differences only
+within one report stream (a restarted instance starts them again). So a burst of dispatches
+spreads out instead of piling on one instance, and a request counts once from its instance's
+first report of it.
 
 No transport here: the server feeds records and reports in, the clock is injectable.
 """
@@ -60,6 +62,15 @@ class ClusterTotals:
     num_dispatched: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Reserved:
+    """A request placed on an instance that its reports do not count yet."""
+
+    at: float  # when it was reserved (the view's clock)
+    num_blocks: int
+    is_dispatch: bool  # a new request, sent by Generate; else a PD placement, which comes by a migration in
+
+
 class ClusterView:
     def __init__(self, report_timeout_s: float, clock: Clock = time.monotonic) -> None:
         self._report_timeout_s = report_timeout_s
@@ -68,10 +79,10 @@ class ClusterView:
         self._sorted_ids: list[InstanceId] = []  # invariant: sorted(self._records); ties break by id
         self._heard_at: dict[InstanceId, float] = {}  # members only: last report, or first sighting before one
         self._reports: dict[InstanceId, Load] = {}  # last report of each instance
-        self._reserved: dict[InstanceId, list[tuple[float, int]]] = {}  # (dispatched at, blocks), not yet
-        #   reported; oldest first
-        self._num_admitted_seen: dict[InstanceId, int] = {}  # num_requests_admitted of the last report on the
-        #   current stream (none: the next report's count is a baseline, not a difference)
+        self._reserved: dict[InstanceId, list[_Reserved]] = {}  # not yet reported; oldest first
+        self._counts_seen: dict[InstanceId, tuple[int, int]] = {}  # (num_requests_admitted,
+        #   num_requests_migrated_in) of the last report on the current stream (none: the next report's are a
+        #   baseline, not differences)
         self._drained: set[InstanceId] = set()  # operator drain marks (may name absent instances)
         self._unanswered: set[InstanceId] = set()  # a peer could not reach it; until its next report
         self._num_dispatched: dict[InstanceId, int] = {}  # members only
@@ -107,7 +118,7 @@ class ClusterView:
         if self._records.pop(instance_id, None) is None:
             return
         self._sorted_ids = sorted(self._records)
-        for per_instance in (self._heard_at, self._reports, self._reserved, self._candidates, self._num_admitted_seen):
+        for per_instance in (self._heard_at, self._reports, self._reserved, self._candidates, self._counts_seen):
             per_instance.pop(instance_id, None)
         self._num_dispatched_to_departed += self._num_dispatched.pop(instance_id, 0)
         self._unanswered.discard(instance_id)
@@ -136,7 +147,7 @@ class ClusterView:
         if instance_id not in self._records:
             return self._clock()
         self._reports[instance_id] = load
-        self._drop_counted_reservations(instance_id, self._num_newly_admitted(instance_id, load))
+        self._drop_counted_reservations(instance_id, *self._num_newly_counted(instance_id, load))
         self._candidates.pop(instance_id, None)
         self._unanswered.discard(instance_id)
         self._heard_at[instance_id] = heard_at = self._clock()
@@ -149,23 +160,35 @@ class ClusterView:
         The next stream's first count is a baseline (the instance may have restarted under its id)."""
         if instance_id not in self._reports or self._heard_at[instance_id] <= last_heard_at:
             self.mark_unanswered(instance_id)
-            self._num_admitted_seen.pop(instance_id, None)
+            self._counts_seen.pop(instance_id, None)
 
-    def _num_newly_admitted(self, instance_id: InstanceId, load: Load) -> int:
-        """How many more requests `load` says the instance took in than its last report on this stream did;
-        0 when that is not known: the stream's first report, an instance that does not count (always 0),
-        or one whose count went down (restarted under its id: the count is the new baseline)."""
-        seen = self._num_admitted_seen.get(instance_id)
-        self._num_admitted_seen[instance_id] = load.num_requests_admitted
-        return 0 if seen is None else max(0, load.num_requests_admitted - seen)
+    def _num_newly_counted(self, instance_id: InstanceId, load: Load) -> tuple[int, int]:
+        """How many more requests `load` says the instance took in, by Generate and by migrations in, than its
+        last report on this stream did; 0 where that is not known: the stream's first report, an instance
+        that does not count (always 0), or a count that went down (the instance restarted under its id: the
+        count is the new baseline)."""
+        counts = (load.num_requests_admitted, load.num_requests_migrated_in)
+        seen = self._counts_seen.get(instance_id)
+        self._counts_seen[instance_id] = counts
+        if seen is None:
+            return 0, 0
+        return max(0, counts[0] - seen[0]), max(0, counts[1] - seen[1])
 
-    def _drop_counted_reservations(self, instance_id: InstanceId, num_counted: int) -> None:
-        """Drop the `num_counted` oldest reservations (at most those there are: requests sent without the
-        manager, as by a frontend's local fallback, have none), and those made `IN_TRANSIT_S` or more ago."""
+    def _drop_counted_reservations(self, instance_id: InstanceId, num_dispatches: int, num_placements: int) -> None:
+        """Drop the `num_dispatches` oldest dispatch reservations and the `num_placements` oldest PD placement
+        ones (at most those there are: requests sent without the manager, as by a frontend's local fallback,
+        and migrations it did not place have none), and any made `IN_TRANSIT_S` or more ago."""
         in_transit_since = self._clock() - IN_TRANSIT_S
-        reserved = self._reserved.pop(instance_id, [])[num_counted:]
-        if reserved := [r for r in reserved if r[0] > in_transit_since]:
-            self._reserved[instance_id] = reserved
+        kept = []
+        for reserved in self._reserved.pop(instance_id, ()):
+            if reserved.is_dispatch and num_dispatches:
+                num_dispatches -= 1
+            elif not reserved.is_dispatch and num_placements:
+                num_placements -= 1
+            elif reserved.at > in_transit_since:
+                kept.append(reserved)
+        if kept:
+            self._reserved[instance_id] = kept
 
     def begin_migration_in(self, instance_id: InstanceId) -> None:
         """A migration this manager started into the instance: not drained before it ends (its report may
@@ -191,7 +214,7 @@ class ClusterView:
         now = self._clock()
         self._reports.clear()
         self._reserved.clear()
-        self._num_admitted_seen.clear()
+        self._counts_seen.clear()
         self._candidates.clear()
         self._unanswered.clear()
         self._heard_at = {instance_id: now for instance_id in self._records}
@@ -229,7 +252,7 @@ class ClusterView:
     def load_of(self, instance_id: InstanceId) -> Load:
         """Last reported load plus reservations; before any report, an empty cache of the record's size."""
         reserved = self._reserved.get(instance_id, ())
-        return self.reported_load_of(instance_id).plus(Reservation(len(reserved), sum(n for _, n in reserved)))
+        return self.reported_load_of(instance_id).plus(Reservation(len(reserved), sum(r.num_blocks for r in reserved)))
 
     def reported_load_of(self, instance_id: InstanceId) -> Load:
         """Last reported load; before any report, an empty cache of the record's size."""
@@ -274,7 +297,7 @@ class ClusterView:
     def reserve(self, instance_id: InstanceId, num_blocks: int, is_dispatch: bool = True) -> None:
         """Count a request just sent to `instance_id` until a report of it counts the request; a new
         request (`is_dispatch`, not a PD hand-off's) also counts in `num_dispatched`."""
-        self._reserved.setdefault(instance_id, []).append((self._clock(), num_blocks))
+        self._reserved.setdefault(instance_id, []).append(_Reserved(self._clock(), num_blocks, is_dispatch))
         if is_dispatch:
             self._num_dispatched[instance_id] = self._num_dispatched.get(instance_id, 0) + 1
         self._candidates.pop(instance_id, None)

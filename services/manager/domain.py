@@ -99,7 +99,9 @@ class Load:
     num_prefix_hit_tokens: int = 0  # ... and those found in the cache
     num_headroom_blocks: int = 0  # kept free for the instance's high-priority requests
     num_incoming_migrations: int = 0  # reserved or committed-not-attached migrations into the instance
-    num_requests_admitted: int = 0  # taken in since the instance started (cumulative); 0 = not counted (older)
+    # Taken in since the instance started (cumulative; 0 from an older instance, which does not count):
+    num_requests_admitted: int = 0  # by Generate
+    num_requests_migrated_in: int = 0  # by a committed migration in (a PD hand-off or any other)
 
     @property
     def freeness(self) -> float:

@@ -115,7 +115,9 @@ class LoadSnapshot:
     freeness: float  # (free - needed by waiting - headroom) / (running + 1)
     decoding_ids: frozenset[str] = frozenset()  # running requests past their prefill: PD hand-off candidates
     num_headroom_blocks: int = 0  # kept free for high-priority requests (--priority-headroom-blocks each)
-    num_requests_admitted: int = 0  # taken in since start (added or imported): counted in this snapshot's figures
+    # Taken in since start, counted in this snapshot's figures: added (Generate), imported (a migration in).
+    num_requests_admitted: int = 0
+    num_requests_migrated_in: int = 0
 
     @property
     def num_decoding(self) -> int:
@@ -163,7 +165,8 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.last_step_was_idle = False
         self.num_grammar_dead_ends = 0  # requests stopped where their grammar allowed no token (or refused one)
-        self.num_requests_admitted = 0  # requests taken in since start: added, or imported by a migration in
+        self.num_requests_admitted = 0  # requests added since start (Generate)
+        self.num_requests_migrated_in = 0  # requests imported since start (committed migrations in)
 
     # Requests in and out.
 
@@ -349,7 +352,7 @@ class LLMEngine:
         self._requests[request.request_id] = request
         self.block_manager.register_computed(request)  # its K/V arrived with it
         self.scheduler.adopt(request)
-        self.num_requests_admitted += 1
+        self.num_requests_migrated_in += 1
 
     def _check_import(self, state: RequestState) -> None:
         if state.request_id in self._requests:
@@ -541,6 +544,7 @@ class LLMEngine:
             freeness=(num_free - num_needed - num_headroom) / (num_running + 1),
             decoding_ids=frozenset(r.request_id for r in self.scheduler.running if is_prefill_done(r)),
             num_headroom_blocks=num_headroom, num_requests_admitted=self.num_requests_admitted,
+            num_requests_migrated_in=self.num_requests_migrated_in,
         )  # fmt: skip
 
     def prefix_cache_stats(self) -> PrefixCacheStats:

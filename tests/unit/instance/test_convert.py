@@ -40,5 +40,7 @@ def test_a_request_state_survives_the_round_trip_and_an_old_source_sends_no_firs
 
 def test_the_load_report_carries_the_requests_taken_in():
     load = LoadSnapshot(num_running=2, num_waiting=1, num_free_blocks=10, num_total_blocks=16,
-                        num_blocks_needed_by_waiting=3, freeness=2.0, num_requests_admitted=9)
-    assert load_to_proto("i-1", load, num_requests_served=6, timestamp=1.0).num_requests_admitted == 9
+                        num_blocks_needed_by_waiting=3, freeness=2.0, num_requests_admitted=9,
+                        num_requests_migrated_in=4)
+    report = load_to_proto("i-1", load, num_requests_served=6, timestamp=1.0)
+    assert (report.num_requests_admitted, report.num_requests_migrated_in) == (9, 4)

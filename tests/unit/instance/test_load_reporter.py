@@ -179,3 +179,5 @@ def test_a_request_taken_in_is_reported_at_once_even_when_the_counts_look_the_sa
                                                             num_requests_admitted=7), before)
     assert load_reporter._differs(common_pb2.LoadReport(num_running=2, num_total_blocks=64,
                                                         num_requests_admitted=8), before)
+    assert load_reporter._differs(common_pb2.LoadReport(num_running=2, num_total_blocks=64, num_requests_admitted=7,
+                                                        num_requests_migrated_in=1), before)

@@ -186,8 +186,9 @@ def test_migrated_twice_a_to_b_to_a(make_engine, sampling):
 
 
 def test_the_load_counts_each_request_taken_in_added_or_migrated_in(make_engine):
-    """The manager drops a dispatch's reservation once the instance's report counts the request; a
-    refused one, a resume of a suspended one or a migration out takes nothing in."""
+    """The manager drops a dispatch's (a PD placement's) reservation once the instance's report counts
+    the request added (migrated in); a refused one, a resume of a suspended one or a migration out
+    takes nothing in."""
     a, b, harness = make_engine(), make_engine(), Harness()
     assert (a.load().num_requests_admitted, b.load().num_requests_admitted) == (0, 0)
     a.add_request("r", PROMPT, GREEDY)
@@ -200,10 +201,13 @@ def test_the_load_counts_each_request_taken_in_added_or_migrated_in(make_engine)
     a.suspend("r")
     assert a.resume("r") and a.load().num_requests_admitted == 1
     migrate(a, b, "r")
-    assert (a.load().num_requests_admitted, b.load().num_requests_admitted) == (1, 1)
+    counts = lambda e: (e.load().num_requests_admitted, e.load().num_requests_migrated_in)  # noqa: E731
+    assert (counts(a), counts(b)) == ((1, 0), (0, 1))
     assert b.load().num_running == 1
-    harness.finish(b, "r")
-    assert b.load().num_requests_admitted == 1
+    migrate(b, a, "r")
+    assert (counts(a), counts(b)) == ((1, 1), (0, 1))
+    harness.finish(a, "r")
+    assert counts(a) == (1, 1)
     assert_no_blocks_held(a, b)
 
 

@@ -67,9 +67,11 @@ def test_a_report_right_after_a_dispatch_keeps_its_reservation():
     assert view.load_of(InstanceId("a")).num_running == 4
 
 
-def counted(instance_id: str, num_running: int, num_requests_admitted: int) -> tuple[InstanceId, object]:
-    """A report of `instance_id` running `num_running`, having taken in `num_requests_admitted` since it started."""
-    return InstanceId(instance_id), make_load(num_running=num_running, num_requests_admitted=num_requests_admitted)
+def counted(instance_id: str, num_running: int, num_requests_admitted: int,
+            num_requests_migrated_in: int = 0) -> tuple[InstanceId, object]:
+    """A report of `instance_id` running `num_running`, having taken in that many requests since it started."""
+    return InstanceId(instance_id), make_load(num_running=num_running, num_requests_admitted=num_requests_admitted,
+                                              num_requests_migrated_in=num_requests_migrated_in)
 
 
 def test_a_report_that_counts_a_dispatched_request_drops_its_reservation_at_once():
@@ -114,6 +116,21 @@ def test_a_count_beyond_the_reservations_drops_only_what_there_is():
     assert view.load_of(InstanceId("a")).num_running == 5
     view.apply_report(*counted("a", 5, 6))
     assert view.load_of(InstanceId("a")).num_running == 5
+
+
+def test_pd_placements_are_dropped_by_migrations_in_and_dispatches_by_generate_only():
+    """A migration the manager placed nothing for (its migration loop's, an operator's) must not take a
+    dispatch's reservation: that request may still be on its way."""
+    clock = FakeClock()
+    view = make_view("d", clock=clock, num_requests_admitted=1, num_requests_migrated_in=1)
+    view.reserve(InstanceId("d"), 10)  # a dispatch
+    view.reserve(InstanceId("d"), 10, is_dispatch=False)  # a PD placement
+    view.apply_report(*counted("d", 1, 1, 2))  # the hand-off committed
+    assert view.load_of(InstanceId("d")).num_running == 2
+    view.apply_report(*counted("d", 2, 1, 3))  # a migration nobody placed: the dispatch stays reserved
+    assert view.load_of(InstanceId("d")).num_running == 3
+    view.apply_report(*counted("d", 3, 2, 3))
+    assert view.load_of(InstanceId("d")).num_running == 3
 
 
 def test_a_count_that_went_down_is_a_new_baseline():

@@ -36,9 +36,10 @@ def test_priority_headroom_counts_against_freeness_as_the_instance_computes_it()
 
 
 def test_the_count_of_requests_taken_in_reaches_the_view_and_a_negative_one_is_refused():
-    assert load_from_proto(common_pb2.LoadReport(num_requests_admitted=12)).num_requests_admitted == 12
-    with pytest.raises(InvalidArgument, match="num_requests_admitted"):
-        load_from_proto(common_pb2.LoadReport(num_requests_admitted=-1))
+    load = load_from_proto(common_pb2.LoadReport(num_requests_admitted=12, num_requests_migrated_in=3))
+    assert (load.num_requests_admitted, load.num_requests_migrated_in) == (12, 3)
+    with pytest.raises(InvalidArgument, match="num_requests_migrated_in"):
+        load_from_proto(common_pb2.LoadReport(num_requests_migrated_in=-1))
 
 
 def test_a_reported_pd_hand_off_that_failed_is_kept_as_failed_with_its_reason():

@@ -54,9 +54,10 @@ class Peer:
 
     @property
     def held(self) -> Load:
-        """Its load as a source. A reservation is a request on its way (not movable yet) or, for up to
-        IN_TRANSIT_S, one the report counts already: counted twice, a lone request looked like two
-        and moved to an idle instance at once, leaving it busy instead."""
+        """Its load as a source. A reservation is a request on its way (not movable yet) or, from an
+        instance whose reports do not count the requests it took in, for up to IN_TRANSIT_S one the
+        report counts already: counted twice, a lone request looked like two and moved to an idle
+        instance at once, leaving it busy instead."""
         return self.load if self.reported is None else self.reported
 
     @property

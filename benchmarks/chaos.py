@@ -10,6 +10,10 @@ and exits 1 unless lost, duplicated and corrupted are all 0 and the survivors' K
 are all free again at the end.
 
     python benchmarks/chaos.py --duration 600 --seed 3
+    python benchmarks/chaos.py --duration 240 --seed 5 --transfer-backend gloo --state-dir /tmp/chaos-gloo
+
+With --state-dir the cluster's state, each service's log (logs/<name>.log) among it, stays
+there after the run; without it, it goes with a temporary folder.
 """
 
 from __future__ import annotations
@@ -35,7 +39,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--instances", type=int, default=3, help="instances (2 managers, 1 transfer service)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     parser.add_argument("--model", type=pathlib.Path, default=None, help="model folder (default: a tiny random model)")
+    parser.add_argument("--transfer-backend", default="grpc", choices=["grpc", "gloo", "shm"],
+                        help="every instance's --transfer-backend (the transfer service's default backend too)")
+    parser.add_argument("--state-dir", type=pathlib.Path, default=None,
+                        help="keep the cluster's state and service logs here (default: a temporary folder)")
     return parser.parse_args()
+
+
+def chaos_cluster(args: argparse.Namespace, model: pathlib.Path, state_dir: pathlib.Path) -> FaultCluster:
+    return FaultCluster(model, state_dir, num_instances=args.instances, transfer_backend=args.transfer_backend)
 
 
 def main() -> None:
@@ -45,7 +57,7 @@ def main() -> None:
         model = args.model or build_tiny_model(pathlib.Path(tmp) / "tiny", "gqa-tied", seed=0)
         reference = Reference(model)
         try:
-            with FaultCluster(model, pathlib.Path(tmp) / "state", num_instances=args.instances).running() as cluster:
+            with chaos_cluster(args, model, args.state_dir or pathlib.Path(tmp) / "state").running() as cluster:
                 result = asyncio.run(ChaosRun(cluster, reference, config).run())
         finally:
             reference.close()

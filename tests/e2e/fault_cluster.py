@@ -55,11 +55,13 @@ class FaultCluster:
     """`with FaultCluster(...).running() as cluster:` — every child is killed or stopped at the end."""
 
     def __init__(self, model_dir: pathlib.Path, state_dir: pathlib.Path, *, num_instances: int = 2,
-                 num_managers: int = 2, kv_cache_mib: int = 16, timings: FaultTimings = FaultTimings()) -> None:
+                 num_managers: int = 2, kv_cache_mib: int = 16, timings: FaultTimings = FaultTimings(),
+                 transfer_backend: str = "grpc") -> None:
         self.model_dir = model_dir
         self.timings = timings
         spec = ClusterSpec(model_dir=model_dir, roles=("both",) * num_instances, num_managers=num_managers,
-                           engine="torch", transfer_backend="grpc", http_port=free_port(), admin_port=free_port(),
+                           engine="torch", transfer_backend=transfer_backend, http_port=free_port(),
+                           admin_port=free_port(),
                            state_dir=state_dir, cluster="ferry", threads_per_instance=1, kv_cache_mib=kv_cache_mib,
                            log_format="console")
         self._cluster = LocalCluster(spec)

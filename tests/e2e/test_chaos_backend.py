@@ -1,0 +1,49 @@
+"""benchmarks/chaos.py --transfer-backend reaches the cluster it starts: every instance is
+started with it, the transfer service offers it by default, and the live migrations of a
+flooded workload report it."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import sys
+
+import pytest
+
+from services.common.gen.ferry.v1 import manager_pb2
+from tests.e2e.fault_cluster import Stream, client_session
+from tests.unit.benchmarks.loading import ROOT, load_benchmark
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def cmdline(pid: int) -> list[str]:
+    return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+async def committed_backends(cluster) -> list[str]:
+    """The backends of the live migrations a flooded workload of 8 streams made."""
+    await cluster.set_policy(dispatch="flood", migration_enabled=True, migration_threshold=0.0)
+    streams = [Stream(f"backend check {n}", 160) for n in range(8)]
+    async with client_session() as session:
+        await asyncio.gather(*(s.run(session, cluster.frontend_url, cluster.model_name) for s in streams))
+    assert all(s.is_ok for s in streams), [s.error for s in streams]
+    reply = await cluster.admin("ListMigrations", manager_pb2.ListMigrationsRequest())
+    return [m.backend for m in reply.migrations if m.outcome == "committed"]
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_transfer_backend_flag_reaches_the_processes(backend, tiny_model_dir, tmp_path, monkeypatch):
+    chaos = load_benchmark(ROOT / "benchmarks" / "chaos.py", monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["chaos.py", "--instances", "2", "--transfer-backend", backend])
+    args = chaos.parse_args()
+    with chaos.chaos_cluster(args, tiny_model_dir, tmp_path / "state").running() as cluster:
+        for name in cluster.names("instance"):
+            assert flag(cmdline(cluster.process(name).pid), "--transfer-backend") == backend
+        assert flag(cmdline(cluster.process("transfer-0").pid), "--default-backend") == backend
+        backends = asyncio.run(committed_backends(cluster))
+    assert backends and set(backends) == {backend}, backends

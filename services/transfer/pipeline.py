@@ -27,7 +27,7 @@ import torch
 
 from services.transfer.chunk_plan import Chunk, ChunkPlan
 from services.transfer.staging import StagingSlot
-from services.transfer.threads import retrieve_error
+from services.transfer.threads import wait_for_threads
 
 GatherFn = Callable[[Chunk, torch.Tensor], torch.Tensor]  # (chunk, buffer) → the staged view
 ScatterFn = Callable[[Chunk, torch.Tensor], None]  # (chunk, staged view) → None
@@ -68,8 +68,7 @@ class GatherAhead:
         self._is_closed = True
         while self._pending is not None:
             pending = self._pending
-            await asyncio.wait([pending])
-            retrieve_error(pending)
+            await wait_for_threads([pending])
             if self._pending is pending:
                 self._pending = None
 
@@ -111,11 +110,8 @@ class BufferRing:
             await self._wait(position)
 
     async def close(self) -> None:
-        pending = [future for future in self._busy if future is not None]
-        if pending:
-            await asyncio.wait(pending)
-        for future in pending:  # the first error already raised (`drain`): the others are the same break
-            retrieve_error(future)
+        # The first error already raised (`drain`): the others are the same break, read here.
+        await wait_for_threads(future for future in self._busy if future is not None)
         # A failed future holds its error, whose traceback holds the frames that hold this ring: without
         # this, that cycle (and the channel in those frames) would live until the garbage collector ran.
         self._busy = [None] * len(self._buffers)

@@ -43,7 +43,7 @@ from services.transfer.kv_mappings import KvMappings
 from services.transfer.metrics import IN_PLACE_BYTES
 from services.transfer.pipeline import ScatterBehind
 from services.transfer.staging import StagingPool, StagingSlot
-from services.transfer.threads import TransferThreads, retrieve_error, run_in_thread
+from services.transfer.threads import TransferThreads, retrieve_error, run_in_thread, wait_for_threads
 from services.transfer.write_grants import WriteGrant
 
 log = structlog.get_logger(__name__)
@@ -218,9 +218,9 @@ class BlockReceiver:
                 if (following := next(pending, None)) is not None:
                     await post(following)
         finally:
-            if posted:  # they write into the slot's buffers: wait before it is released
-                await asyncio.wait([future for _chunk, _buffer, future in posted])
-                progress.took(posted)
+            # They write into the slot's buffers: wait before it is released (also if cancelled meanwhile).
+            await wait_for_threads(future for _chunk, _buffer, future in posted)
+            progress.took(posted)
 
     async def _discard_rest(self, channel: PairChannel, header: IncomingBlocks, staging: StagingPool, tag: int,
                             deadline: Deadline, next_chunk: int) -> bool:

@@ -276,8 +276,13 @@ async def _ended_well_within(sends_done: asyncio.Future[bool], timeout_s: float)
 
 
 async def _peer_answer(expect: asyncio.Future) -> BaseException | None:
-    """The peer's error if it answers within PEER_ANSWER_GRACE_S, else None (and stop waiting)."""
-    done, _ = await asyncio.wait([expect], timeout=PEER_ANSWER_GRACE_S)
+    """The peer's error if it answers within PEER_ANSWER_GRACE_S, else None (and stop waiting, as when
+    our caller is cancelled meanwhile: cancel() also reads an answer that came in the same moment)."""
+    try:
+        done, _ = await asyncio.wait([expect], timeout=PEER_ANSWER_GRACE_S)
+    except asyncio.CancelledError:
+        expect.cancel()  # else the peer's later answer would go unread
+        raise
     if not done:
         expect.cancel()
         await asyncio.wait([expect])

@@ -16,7 +16,7 @@ Torch and numpy copies and gloo waits release the GIL, so all of these run while
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -52,9 +52,25 @@ async def run_in_thread(executor: Executor, fn: Callable[..., Any], *args: Any) 
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
-        await asyncio.wait([future])  # the thread may still touch staging memory
-        retrieve_error(future)  # a cancelled shield no longer reads it
+        await wait_for_threads([future])  # the thread may still touch staging memory; a cancelled shield reads no error
         raise
+
+
+async def wait_for_threads(futures: Iterable[asyncio.Future]) -> None:
+    """Wait until every future (a thread's work) is done and read their errors, also when the caller is
+    cancelled meanwhile (the cancel is raised after): a thread cannot be stopped and may still use staging
+    memory, which its caller gives back next. Bounded: each thread's work has its transfer's deadline."""
+    futures = list(futures)
+    is_cancelled = False
+    while pending := [future for future in futures if not future.done()]:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            is_cancelled = True
+    for future in futures:
+        retrieve_error(future)
+    if is_cancelled:
+        raise asyncio.CancelledError
 
 
 def retrieve_error(future: asyncio.Future) -> BaseException | None:

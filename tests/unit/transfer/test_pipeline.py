@@ -1,4 +1,5 @@
 import asyncio
+import gc
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -153,3 +154,33 @@ async def test_buffer_ring_hands_each_buffer_out_again_only_when_its_work_is_don
 def test_a_staging_slot_needs_two_buffers():
     with pytest.raises(ValueError, match="at least two"):
         StagingPool(1, 64, buffers_per_slot=1)
+
+
+async def test_a_buffer_ring_closed_by_a_cancelled_caller_still_waits_for_its_work_and_reads_its_errors(executor):
+    """close() is what keeps the slot taken until no thread uses its buffers: a caller cancelled while it
+    waited there (a receiver whose RPC was cancelled as its sender died) gave the slot back at once, and
+    left the work's errors unread ('Future exception was never retrieved')."""
+    unretrieved: list[dict] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    release = threading.Event()
+
+    def fails_when_released():
+        release.wait(5)
+        raise RuntimeError("gloo receive failed: connection reset by peer")
+
+    async with StagingPool(1, 512).slot(1.0) as slot:
+        ring = BufferRing(slot)
+        ring.hold(0, asyncio.get_running_loop().run_in_executor(executor, fails_when_released))
+        closing = asyncio.ensure_future(ring.close())
+        await asyncio.sleep(0.05)
+        closing.cancel()
+        await asyncio.sleep(0.1)
+        assert not closing.done()  # the work still uses a buffer
+        release.set()
+        await asyncio.wait([closing], timeout=5)
+        assert closing.cancelled()
+        del closing
+    for _ in range(3):
+        gc.collect()
+        await asyncio.sleep(0.02)
+    assert [context["message"] for context in unretrieved] == []

@@ -22,7 +22,7 @@ import torch
 from services.common.errors import Unavailable
 from services.common.etcd_launcher import free_port
 from services.transfer.channels import ChannelTable
-from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
+from services.transfer.domain import BlockTransfer, IncomingBlocks, InstanceId, TransferBackend
 from services.transfer.pipeline import ScatterBehind
 from services.transfer.receiver import BlockReceiver
 from services.transfer.sender import BlockSender
@@ -208,6 +208,102 @@ async def test_a_join_whose_caller_was_cancelled_leaves_its_error_retrieved():
             await asyncio.sleep(0.1)
     finally:
         table.close()
+        threads.shutdown()
+    await _collect_garbage()
+    assert _messages(unretrieved) == []
+
+
+class PeerThatAnswersLate:
+    """ExpectBlocks fails once `answer` is set (the peer says why only after our sends broke)."""
+
+    piece_bytes = 1 << 20
+
+    def __init__(self) -> None:
+        self.answer = asyncio.Event()
+
+    async def expect_blocks(self, header, backend, tag, timeout_s):
+        await self.answer.wait()
+        raise Unavailable("the transfer service at b:1 did not answer: deadline exceeded")
+
+
+async def test_a_transfer_cancelled_while_it_waits_for_its_peers_answer_leaves_it_retrieved():
+    """The sends broke (a FerryError), so the sender waits up to PEER_ANSWER_GRACE_S for the peer to say
+    why; the transfer's RPC is cancelled meanwhile (its deadline), and then the peer answers. Seen in a
+    two-service soak: 'Task exception was never retrieved' for BlockSender._expect."""
+    unretrieved: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    geometry = tiny_geometry(num_blocks=24)
+    kvs = {"src": random_kv(geometry, 1), "dst": torch.zeros(geometry.shape, dtype=geometry.dtype)}
+    channel = ChannelWhoseSendsBlock(lambda: Unavailable("gloo send to b:1 failed"))
+    peer = PeerThatAnswersLate()
+    threads = TransferThreads.start(4)
+    try:
+        sender = BlockSender("A", (TransferBackend.GLOO,), FakeMappings(kvs, geometry),
+                             StagingPool(1, BLOCK_BYTES, 4), FakeChannels(channel), lambda address: peer,
+                             threads, in_place_min_row_bytes=0)
+        ids = tuple(range(12))
+        transfer = asyncio.ensure_future(sender.transfer(
+            BlockTransfer(InstanceId("src"), ids, InstanceId("dst"), ids, "b:1", TransferBackend.GLOO, False), 20))
+        await asyncio.sleep(0.2)
+        channel.release.set()  # the sends break ...
+        await asyncio.sleep(0.2)  # ... and the sender waits for the peer's answer
+        transfer.cancel()
+        await asyncio.wait([transfer], timeout=10)
+        assert transfer.cancelled()
+        del transfer
+        peer.answer.set()  # the peer's error comes after the transfer ended
+        await asyncio.sleep(0.1)
+    finally:
+        channel.release.set()
+        threads.shutdown()
+    await _collect_garbage()
+    assert _messages(unretrieved) == []
+
+
+class ChannelWhoseReceivesFail(FakeChannel):
+    """The first receive fails at once; the others fail once `release` is set (a broken channel's)."""
+
+    def __init__(self) -> None:
+        super().__init__(TransferBackend.GLOO)
+        self.release, self.num_receives = threading.Event(), 0
+
+    def recv(self, out, tag, timeout_s) -> None:
+        with self.lock:
+            self.num_receives += 1
+            is_first = self.num_receives == 1
+        if not is_first:
+            self.release.wait(timeout_s)
+        raise Unavailable("gloo receive from A failed: connection reset by peer")
+
+
+async def test_a_receive_cancelled_while_it_waits_for_its_posted_receives_leaves_their_errors_retrieved():
+    """A killed sender: the first posted receive fails, and the receiver's ExpectBlocks is cancelled (the
+    sender's connection closed) while it waits for the other posted receives. Seen in a two-service soak:
+    'Future exception was never retrieved' for each of them. They write into the staging slot, so the
+    slot also stays taken until they have ended."""
+    unretrieved: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    geometry = tiny_geometry(num_blocks=24)
+    kvs = {"dst": torch.zeros(geometry.shape, dtype=geometry.dtype)}
+    channel = ChannelWhoseReceivesFail()
+    threads = TransferThreads.start(4)
+    staging = StagingPool(1, BLOCK_BYTES, 4)
+    try:
+        receiver = BlockReceiver(FakeMappings(kvs, geometry), staging, FakeChannels(channel), threads)
+        header = IncomingBlocks(InstanceId("dst"), tuple(range(12)), geometry, 1, 4, (), "A")  # whole 4-row blocks
+        receive = asyncio.ensure_future(receiver.receive_on_channel(header, TransferBackend.GLOO, 0, 20))
+        while channel.num_receives < 3:  # the window's receives are posted, the first has failed
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        receive.cancel()
+        await asyncio.sleep(0.1)
+        assert not receive.done()  # the posted receives still write into the slot's buffers
+        channel.release.set()
+        await asyncio.wait([receive], timeout=10)
+        assert receive.cancelled()
+        del receive
+    finally:
+        channel.release.set()
         threads.shutdown()
     await _collect_garbage()
     assert _messages(unretrieved) == []

@@ -102,6 +102,16 @@ async def _assert_dropped_on_b(stubs, request_id: str, started_at: float) -> Non
         await asyncio.sleep(0.05)
 
 
+async def _assert_every_block_free(stubs) -> None:
+    """Once nothing runs on either instance, every KV block of both is free again (none leaked)."""
+    deadline = time.monotonic() + DROP_WAIT_S
+    for name in ("a", "b"):
+        while (load := (await stubs[name].GetStatus(instance_pb2.GetStatusRequest(), timeout=5)).load) \
+                .num_free_blocks != load.num_total_blocks:
+            assert time.monotonic() < deadline, f"{name}: {load.num_free_blocks}/{load.num_total_blocks} blocks free"
+            await asyncio.sleep(0.05)
+
+
 async def _frontend_abort(instances, request_id: str) -> list[dict]:
     """Abort as the frontend sends it when its client went away; its log lines."""
     clients = InstanceClients(generate_timeout_s=30.0, abort_timeout_s=ABORT_TIMEOUT_S)
@@ -133,6 +143,7 @@ async def test_an_abort_that_outlives_the_frontends_deadline_still_drops_the_unr
     await _assert_dropped_on_b(stubs, request_id, started_at)
     async for _ in big:
         pass
+    await _assert_every_block_free(stubs)
 
 
 async def test_a_destination_slow_to_drop_the_copy_still_drops_it(stubs, instances):
@@ -150,3 +161,4 @@ async def test_a_destination_slow_to_drop_the_copy_still_drops_it(stubs, instanc
     logs = await abort
     assert [e["code"] for e in logs if e["event"] == "abort_failed"] == ["DEADLINE_EXCEEDED"]
     await _assert_dropped_on_b(stubs, request_id, started_at)
+    await _assert_every_block_free(stubs)

@@ -13,8 +13,9 @@ from typing import Any, Protocol
 
 import jinja2
 
-from services.frontend.openai_protocol import (ChatTemplateOptions, Endpoint, ParsedRequest, Prompt, RequestError,
-                                               check_in_vocabulary, check_prompt_token_ids)
+from services.frontend.chat_messages import ChatTemplateOptions
+from services.frontend.openai_protocol import (Endpoint, ParsedRequest, Prompt, RequestError, check_in_vocabulary,
+                                               check_prompt_token_ids)
 from services.frontend.structured_output import checked_grammar
 from services.frontend.tokenize_protocol import TokenizeRequest
 from services.frontend.tool_calls import (HERMES_CLOSE, HERMES_OPEN, MISTRAL_MARKERS, ToolCallFormat,

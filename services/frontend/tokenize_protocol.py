@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.frontend.openai_protocol import (ChatTemplateOptions, RequestError, chat_messages, chat_template_options,
-                                               check_model)
+from services.frontend.chat_messages import ChatTemplateOptions, chat_messages, chat_template_options
+from services.frontend.openai_protocol import RequestError, check_model
 from services.frontend.sampling_fields import opt_bool
 
 MAX_DETOKENIZE_TOKENS = 1 << 20

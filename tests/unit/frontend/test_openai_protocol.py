@@ -6,7 +6,8 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.frontend.generation import Sampling
-from services.frontend.openai_protocol import (ChatTemplateOptions, Endpoint, ModelNotFound, RequestError,
+from services.frontend.chat_messages import ChatTemplateOptions
+from services.frontend.openai_protocol import (Endpoint, ModelNotFound, RequestError,
                                                check_prompt_token_ids,
                                                error_body_for, parse_chat_request, parse_completion_request,
                                                parse_json_body, resolve_max_tokens)

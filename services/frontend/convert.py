@@ -40,7 +40,8 @@ def generate_request_to_proto(spec: GenerateSpec, can_prefill_on_decode: bool = 
         request_id=spec.request_id, prompt_token_ids=list(spec.prompt_token_ids),
         sampling=sampling_to_proto(spec.sampling), priority=spec.priority,
         resume_token_ids=list(spec.resume_token_ids), can_prefill_on_decode=can_prefill_on_decode,
-        resume_text=spec.resume_text if spec.resume_token_ids else None)
+        resume_text=spec.resume_text if spec.resume_token_ids else None,
+        resume_first_start=spec.resume_first_start)
 
 
 def chunk_from_proto(msg: instance_pb2.GenerateChunk) -> TokenChunk:
@@ -50,7 +51,8 @@ def chunk_from_proto(msg: instance_pb2.GenerateChunk) -> TokenChunk:
         logprobs=tuple(_logprob_from_proto(entry) for entry in msg.logprobs),
         num_prompt_tokens=msg.num_prompt_tokens,
         prompt_logprobs=tuple(_logprob_from_proto(entry) for entry in msg.prompt_logprobs),
-        handoff=_handoff_from_proto(msg.handoff) if msg.HasField("handoff") else None)
+        handoff=_handoff_from_proto(msg.handoff) if msg.HasField("handoff") else None,
+        first_start=msg.first_start if msg.HasField("first_start") else None)
 
 
 def attach_request_to_proto(request_id: RequestId, from_token_index: int, epoch: int) -> instance_pb2.AttachRequest:

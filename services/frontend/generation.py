@@ -51,6 +51,7 @@ class GenerateSpec:
     priority: int = 0
     resume_token_ids: tuple[int, ...] = ()
     resume_text: str = ""  # the text of resume_token_ids the client has (a held-back tail is not in it)
+    resume_first_start: int | None = None  # where the failed instance first computed the prompt from, if it said
     # For the manager's `prefix` policy, not the instance: chained hashes of the prompt's chunks
     # (prefix_hash.prefix_chunk_keys). Of the prompt only, also on a resume: that is what instances cache.
     prefix_chunk_keys: tuple[int, ...] = ()
@@ -87,6 +88,7 @@ class TokenChunk:
     num_prompt_tokens: int = 0  # set on the first chunk
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with num_prompt_logprobs, on token 0's: prompt tokens 1..
     handoff: Handoff | None = None  # set on the last chunk of a stream whose request moved away
+    first_start: int | None = None  # where the instance first computed the prompt from (a resume sends it back)
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,7 @@ class ReqState:
         self.error: FerryError | None = None  # set once; ends the stream
         self.num_resumes = 0
         self.num_handoffs = 0  # live migrations followed
+        self.first_start: int | None = None  # where the prompt was first computed from, once an instance said
         self._decode = decode
         self._markers = MarkerPlacer(markers, decode, prompt_token_ids) if markers else None
         self._pending: list[Delta] = []
@@ -68,6 +69,8 @@ class ReqState:
         """Take the new part of `chunk`; None if it held nothing new."""
         if self.is_done:
             return None
+        if chunk.first_start is not None and self.first_start is None:
+            self.first_start = chunk.first_start  # kept from the first instance that computed the prompt
         have = len(self.token_ids)
         if chunk.token_index > have:
             raise StreamGap(f"request {self.request_id}: chunk starts at token {chunk.token_index}, "

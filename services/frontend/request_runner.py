@@ -250,7 +250,8 @@ class RequestRunner:
 def _resumed(spec: GenerateSpec, state: ReqState) -> GenerateSpec:
     """`spec` going on after the tokens `state` holds (the first try: none), as instances and the
     manager's placement must see it."""
-    return replace(spec, resume_token_ids=tuple(state.token_ids), resume_text=state.plain_text)
+    return replace(spec, resume_token_ids=tuple(state.token_ids), resume_text=state.plain_text,
+                   resume_first_start=state.first_start)
 
 
 def with_pinned_seed(spec: GenerateSpec) -> GenerateSpec:

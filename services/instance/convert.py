@@ -72,6 +72,8 @@ def chunk_to_proto(output: StepOutput, epoch: int) -> instance_pb2.GenerateChunk
     )
     chunk.logprobs.extend(map(_logprob_to_proto, output.logprobs or ()))
     chunk.prompt_logprobs.extend(map(_logprob_to_proto, output.prompt_logprobs or ()))
+    if output.first_start is not None:
+        chunk.first_start = output.first_start
     return chunk
 
 

@@ -136,7 +136,8 @@ class EngineRunner:
 
     async def add(self, request_id: str, prompt_token_ids: list[int], sampling: Any,
                   priority: int = 0, resume_token_ids: tuple[int, ...] = (),
-                  resume_text: str | None = None, check_accepting: Callable[[], None] = lambda: None) -> RequestStream:
+                  resume_text: str | None = None, first_start: int | None = None,
+                  check_accepting: Callable[[], None] = lambda: None) -> RequestStream:
         """Admit a request; raises the engine's validation errors (InvalidArgument, ...). `check_accepting`
         raises once the instance takes no more work: it runs right before the stream opens, in the same
         step, so a shutdown that began while a grammar was built either sees the request or refuses it."""
@@ -148,7 +149,7 @@ class EngineRunner:
         def admit() -> None:
             self._engine.add_request(request_id, prompt_token_ids, sampling,
                                      priority=priority, resume_token_ids=resume_token_ids,
-                                     resume_text=resume_text, guide=guide)
+                                     resume_text=resume_text, guide=guide, first_start=first_start)
 
         return await self._open_stream(request_id, 0, admit, is_attached=True)
 

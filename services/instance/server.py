@@ -71,6 +71,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
             request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
             priority=request.priority, resume_token_ids=tuple(request.resume_token_ids),
             resume_text=request.resume_text if request.HasField("resume_text") else None,
+            first_start=request.resume_first_start if request.HasField("resume_first_start") else None,
             check_accepting=lambda: self._check_accepting("new requests"))  # again: SIGTERM may have come meanwhile
         log.info("request_started", request_id=request_id, num_prompt_tokens=len(request.prompt_token_ids),
                  num_resume_tokens=len(request.resume_token_ids))

@@ -93,6 +93,8 @@ async def test_bad_input_is_invalid_argument_naming_the_field(stub):
         "resume_token_ids": instance_pb2.GenerateRequest(
             request_id="b-7", prompt_token_ids=[1, 2], resume_token_ids=[3, 4],
             sampling=common_pb2.SamplingParams(max_tokens=8, grammar=llguidance.LLMatcher.grammar_from_regex("x"))),
+        "resume_first_start": instance_pb2.GenerateRequest(
+            request_id="b-8", prompt_token_ids=[1, 2], resume_token_ids=[3], resume_first_start=3, sampling=greedy(8)),
     }
     for field, request in cases.items():
         with pytest.raises(grpc.aio.AioRpcError) as error:
@@ -202,12 +204,14 @@ async def test_preemptions_are_counted_and_preempted_requests_keep_their_tokens(
 async def test_a_repeated_prompt_is_served_from_the_prefix_cache_with_the_same_tokens(stub, metrics_port,
                                                                                      tiny_model_dir):
     prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15]  # two full blocks of 4 and one token
-    runs = []
+    runs, first_starts = [], []
     for i in range(2):
         chunks = await collect(stub, instance_pb2.GenerateRequest(request_id=f"pc-{i}", prompt_token_ids=prompt,
                                                                   sampling=greedy(6)))
         runs.append([t for chunk in chunks for t in chunk.token_ids])
+        first_starts.append({chunk.first_start for chunk in chunks if chunk.HasField("first_start")})
     assert runs[0] == runs[1] == reference_tokens(tiny_model_dir, prompt, 6)
+    assert first_starts == [{0}, {8}]  # where each computed its prompt from (a resume sends it back)
     async with aiohttp.ClientSession() as session:
         async with session.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as response:
             text = await response.text()

@@ -103,6 +103,7 @@ class StepOutput:
     num_prompt_tokens: int
     # With sampling.prompt_logprobs, on the output of token 0: entry i is prompt token i + 1's.
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    first_start: int | None = None  # where the prompt was first computed from (Request.first_start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,11 +173,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                     priority: int = 0, resume_token_ids: Sequence[int] = (), resume_text: str | None = None,
-                    guide: Guide | None = None) -> None:
+                    guide: Guide | None = None, first_start: int | None = None) -> None:
         """Queue a request; raises InvalidArgument (bad input, duplicate id) or ResourceExhausted.
         A resume (`resume_token_ids`) goes on after `resume_text`, the part of their text the client
-        has; None counts all of it as sent. A request with a grammar takes `guide` if given (built off
-        the engine thread with `new_guide`), else builds it here."""
+        has; None counts all of it as sent, and its prompt is cut at `first_start` (where it was first
+        computed from on the instance that failed), so its rows get the bits they had there. A request
+        with a grammar takes `guide` if given (built off the engine thread with `new_guide`), else builds it here."""
         request_id = RequestId(request_id)
         if request_id in self._requests:
             raise InvalidArgument(f"request_id: {request_id!r} is already on this instance; ids must be unique")
@@ -184,6 +186,7 @@ class LLMEngine:
         resumed = [int(t) for t in resume_token_ids]
         sampling.validate(self.config.max_model_len, len(prompt))
         self._check_tokens(prompt, resumed, sampling)
+        _check_first_start(first_start, len(prompt) + len(resumed), field="resume_first_start")
         if not resumed:
             self._check_queue_room()
         if guide is None:
@@ -198,7 +201,7 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
             seed=sampling.seed if sampling.seed is not None else secrets.randbits(64),
             arrival_order=next(self._arrivals), text=text, priority=priority,
-            num_resumed_tokens=len(resumed), output_token_ids=resumed, guide=guide,
+            num_resumed_tokens=len(resumed), output_token_ids=resumed, guide=guide, first_start=first_start,
         )  # fmt: skip
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -362,9 +365,7 @@ class LLMEngine:
         if not 0 <= state.num_computed_tokens < state.num_tokens:
             raise InvalidArgument(f"num_computed_tokens: must be in [0, {state.num_tokens}) (prompt + output), "
                                   f"got {state.num_computed_tokens}")
-        if state.first_start is not None and not 0 <= state.first_start < state.num_tokens:
-            raise InvalidArgument(f"first_start: must be in [0, {state.num_tokens}) (prompt + output) or unset, "
-                                  f"got {state.first_start}")
+        _check_first_start(state.first_start, state.num_tokens, field="first_start")
 
     def _request(self, request_id: str) -> Request:
         request = self._requests.get(RequestId(request_id))
@@ -529,6 +530,7 @@ class LLMEngine:
             logprobs=None if token is None or token.logprob is None else (token.logprob,),
             num_prompt_tokens=request.num_prompt_tokens,
             prompt_logprobs=prompt_logprobs,
+            first_start=request.first_start,
         )
 
     # Reports.
@@ -620,3 +622,8 @@ def _check_geometry(config: EngineConfig, kv_cache: KvCache) -> None:
             f"the KV cache has {geometry.num_blocks} blocks of {geometry.block_size} tokens but the engine was "
             f"configured with --num-blocks {config.num_blocks} --block-size {config.block_size}"
         )
+
+
+def _check_first_start(first_start: int | None, num_tokens: int, field: str) -> None:
+    if first_start is not None and not 0 <= first_start < num_tokens:
+        raise InvalidArgument(f"{field}: must be in [0, {num_tokens}) (prompt + output) or unset, got {first_start}")

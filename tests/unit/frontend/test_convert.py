@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from services.common.prefix_hash import MAX_PREFIX_CHUNKS, prefix_chunk_keys
-from services.frontend.convert import dispatch_request_to_proto, generate_request_to_proto
+from services.common.gen.ferry.v1 import instance_pb2
+from services.frontend.convert import chunk_from_proto, dispatch_request_to_proto, generate_request_to_proto
 from services.frontend.generation import GenerateSpec, InstanceId, RequestId, Sampling
 
 pytestmark = pytest.mark.timeout(10)
@@ -43,3 +44,11 @@ def test_a_resumed_dispatch_keeps_the_prompts_keys():
 def test_stop_token_ids_reach_the_instance():
     stopping = replace(spec(), sampling=Sampling(temperature=0.0, max_tokens=8, stop_token_ids=(7, 9)))
     assert list(generate_request_to_proto(stopping).sampling.stop_token_ids) == [7, 9]
+
+
+def test_where_the_prompt_was_first_computed_from_goes_out_with_a_resume_and_comes_back_on_chunks():
+    resumed = replace(spec(), resume_token_ids=(100, 101), resume_first_start=32)
+    assert generate_request_to_proto(resumed).resume_first_start == 32
+    assert not generate_request_to_proto(spec()).HasField("resume_first_start")
+    assert chunk_from_proto(instance_pb2.GenerateChunk(token_index=0, first_start=16)).first_start == 16
+    assert chunk_from_proto(instance_pb2.GenerateChunk(token_index=0)).first_start is None

@@ -50,6 +50,19 @@ async def test_a_broken_stream_resumes_elsewhere_with_the_tokens_so_far():
     assert state.num_resumes == 1 and resumes == [1]
 
 
+async def test_a_resume_sends_back_where_the_first_instance_computed_the_prompt_from():
+    """The instance says where it first computed the prompt from (the tokens before came from its cache); a
+    resume elsewhere sends that back, so the prompt is cut there again and the tokens keep their bits."""
+    started = replace(chunk(0, 4, 5), first_start=2)
+    scripts = {"a": ([started], Unavailable("instance a died")),
+               "b": ([replace(chunk(2, 6, finish=FinishReason.STOP), first_start=2)], None)}
+    runner, instances, _ = make_runner(scripts, "a", "b")
+    state = make_state()
+    await runner.run(state, make_spec())
+    assert [(i, s.resume_first_start) for i, s in instances.specs] == [("a", None), ("b", 2)]
+    assert state.token_ids == [4, 5, 6]
+
+
 async def test_a_stream_that_ends_without_a_finish_is_resumed():
     scripts = {"a": ([chunk(0, 4)], None), "b": ([chunk(1, 5, finish=FinishReason.STOP)], None)}
     runner, instances, _ = make_runner(scripts, "a", "b")

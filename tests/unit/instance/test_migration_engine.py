@@ -71,9 +71,11 @@ class Stream:
     text: str = ""
     finish_reason: FinishReason | None = None
     logprobs: list = field(default_factory=list)  # with SamplingParams.logprobs
+    first_start: int | None = None  # as the outputs said (a frontend sends it back on a resume)
 
     def add(self, output: StepOutput) -> None:
         assert output.token_index == len(self.token_ids), "gap or duplicate token index"
+        self.first_start = output.first_start
         self.token_ids += output.new_token_ids
         self.logprobs += output.logprobs or ()
         self.text += output.text
@@ -438,6 +440,30 @@ def test_a_request_first_computed_after_a_cached_prompt_keeps_its_bits_when_pree
     assert b.scheduler.num_preemptions > 0
     assert got.token_ids == reference.finish(roomy, "r").token_ids
     assert got.logprobs == reference.streams["r"].logprobs
+
+
+def test_a_request_first_computed_after_a_cached_prompt_resumes_elsewhere_with_its_bits(make_engine):
+    """r computed only its 49-token prompt's last token after a's cached prompt blocks, and its outputs say so
+    (first_start 48). Its instance dies after 5 tokens; the frontend resumes it on another instance with those
+    tokens and that first_start: the prompt is cut there again (its last token alone, as it was), so r's later
+    logprobs equal to the bit those of r that never failed. Before, the resume did not know where r started and
+    computed that token within the whole prompt (other bits on CPUs whose SDPA gives a lone row other bits)."""
+    prompt = [(7 * i + 3) % 500 + 1 for i in range(49)]
+    sampling = replace(SEEDED, max_tokens=40, logprobs=1, top_k=0)
+    roomy, reference = make_engine(block_size=16), Harness()
+    roomy.add_request("a", prompt, replace(sampling, seed=1))
+    reference.run_until(roomy, "a", 1)
+    roomy.add_request("r", prompt, sampling)
+    expected = reference.finish(roomy, "r")
+    assert expected.first_start == 48
+    other, harness = make_engine(block_size=16), Harness()
+    harness.streams["r"] = Stream(token_ids=expected.token_ids[:5])  # what the client had
+    other.add_request("r", prompt, sampling, resume_token_ids=expected.token_ids[:5], first_start=48)
+    got = harness.finish(other, "r")
+    assert got.first_start == 48
+    assert got.token_ids == expected.token_ids and got.logprobs == expected.logprobs[5:]
+    with pytest.raises(InvalidArgument, match="resume_first_start"):
+        other.add_request("bad", prompt, sampling, resume_token_ids=expected.token_ids[:5], first_start=54)
 
 
 def test_a_salted_request_is_cached_under_its_salt_at_the_destination(make_engine):

@@ -25,8 +25,11 @@ from services.frontend.generation import GenerateSpec, RequestId, Target, TokenC
 
 log = structlog.get_logger(__name__)
 
-ABORT_TRIES = 3  # while the instance does not answer (UNAVAILABLE)
+ABORT_TRIES = 3  # while the instance does not answer (UNAVAILABLE, DEADLINE_EXCEEDED)
 ABORT_RETRY_PAUSE_S = 0.25  # then 0.5 s
+# Not answered: the instance is down, or its event loop was blocked past the deadline before the
+# handler ran (a handler that ran finishes the abort, so a repeat finds NOT_FOUND: harmless).
+_ABORT_RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 class InstanceClients:
@@ -104,8 +107,10 @@ class InstanceClients:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is grpc.StatusCode.NOT_FOUND:  # finished or already freed: nothing to do
                     return
-                if exc.code() is not grpc.StatusCode.UNAVAILABLE or attempt == ABORT_TRIES - 1:
+                if exc.code() not in _ABORT_RETRIED or attempt == ABORT_TRIES - 1:
                     log.warning("abort_failed", request_id=request_id, instance_id=target.instance_id,
                                 code=exc.code().name, details=exc.details(), num_tries=attempt + 1)
                     return
+                log.info("abort_retrying", request_id=request_id, instance_id=target.instance_id,
+                         code=exc.code().name, num_tries=attempt + 1)
             await asyncio.sleep(ABORT_RETRY_PAUSE_S * 2 ** attempt)

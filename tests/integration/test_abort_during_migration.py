@@ -123,6 +123,11 @@ async def _frontend_abort(instances, request_id: str) -> list[dict]:
     return logs
 
 
+def _first_abort_code(logs: list[dict]) -> str | None:
+    """How the frontend's first Abort try ended, if not in an answer (it is tried again then)."""
+    return next((e["code"] for e in logs if e["event"] in ("abort_retrying", "abort_failed")), None)
+
+
 async def test_an_abort_that_outlives_the_frontends_deadline_still_drops_the_unread_copy(stubs, instances):
     """A's engine is in a 3 s step when the Abort comes, so the frontend gives up after 2 s. Before, gRPC then
     cancelled A's Abort handler while it waited for the engine, and the drop of the copy on B that comes after
@@ -138,8 +143,7 @@ async def test_an_abort_that_outlives_the_frontends_deadline_still_drops_the_unr
     await asyncio.sleep(0.1)  # its prefill step (3 s) has begun
     started_at = time.monotonic()
     logs = await _frontend_abort(instances, request_id)
-    assert [e["code"] for e in logs if e["event"] == "abort_failed"] == ["DEADLINE_EXCEEDED"], (
-        "the scenario needs an Abort that outlives the frontend's deadline")
+    assert _first_abort_code(logs) == "DEADLINE_EXCEEDED", "the scenario needs an Abort that outlives the frontend's deadline"
     await _assert_dropped_on_b(stubs, request_id, started_at)
     async for _ in big:
         pass
@@ -159,6 +163,6 @@ async def test_a_destination_slow_to_drop_the_copy_still_drops_it(stubs, instanc
     finally:
         instances["b"].signal(signal.SIGCONT)
     logs = await abort
-    assert [e["code"] for e in logs if e["event"] == "abort_failed"] == ["DEADLINE_EXCEEDED"]
+    assert _first_abort_code(logs) == "DEADLINE_EXCEEDED"
     await _assert_dropped_on_b(stubs, request_id, started_at)
     await _assert_every_block_free(stubs)

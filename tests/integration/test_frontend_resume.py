@@ -341,6 +341,29 @@ async def test_an_abort_the_instance_did_not_answer_is_sent_again():
         await server.stop(0)
 
 
+async def test_an_abort_that_ran_past_its_deadline_is_sent_again():
+    # An instance whose event loop is blocked past the Abort's deadline never ran the handler: the request
+    # would decode there for no client until its watchdog. Before, only UNAVAILABLE was tried again.
+    class SlowOnce(ScriptedInstance):
+        async def Abort(self, request, context):
+            if not self.aborted:
+                self.aborted.append("(blocked)")
+                await asyncio.sleep(1.0)  # past the 0.3 s deadline
+            return await super().Abort(request, context)
+
+    from services.frontend.generation import Target
+    clients = InstanceClients(generate_timeout_s=5, abort_timeout_s=0.3)
+    instance = SlowOnce()
+    server = await start_grpc_server("127.0.0.1", 0, [(instance_pb2_grpc.add_InstanceServiceServicer_to_server,
+                                                       instance)], ["ferry.v1.InstanceService"])
+    try:
+        await asyncio.wait_for(clients.abort_soon(Target(InstanceId("a"), server.address), "r-1"), 5)
+        assert instance.aborted == ["(blocked)", "r-1"]
+    finally:
+        await clients.close()
+        await server.stop(0)
+
+
 async def test_closing_the_clients_ends_every_abort_and_leaves_no_channel():
     # close() waited one Abort timeout while an abort could still be between its tries, which then
     # dialled into the closed pool (found by review).

@@ -54,6 +54,9 @@ MARKLESS_S = 15.0  # a retiring instance without a drain mark this long serves a
 SILENT_RETIREMENT_S = 60.0
 
 
+MAX_SCALED_INSTANCES = 4096  # the most instances scaling may ask for (the tables keyed by peer hold that many)
+
+
 @dataclass(frozen=True, slots=True)
 class ScalingSettings:
     """The scaling part of the cluster policy (stored with it in etcd config/policy)."""
@@ -73,8 +76,8 @@ class ScalingSettings:
             raise InvalidArgument(f"scaling_low_freeness ({self.low_freeness}) must be below scaling_high_freeness "
                                   f"({self.high_freeness}), or every tick would both add and retire")
         for name in ("min_instances", "max_instances"):
-            if getattr(self, name) < 1:
-                raise InvalidArgument(f"scaling_{name} must be >= 1, got {getattr(self, name)}")
+            if not 1 <= getattr(self, name) <= MAX_SCALED_INSTANCES:
+                raise InvalidArgument(f"scaling_{name} must be in [1, {MAX_SCALED_INSTANCES}], got {getattr(self, name)}")
         if self.min_instances > self.max_instances:
             raise InvalidArgument(f"scaling_min_instances ({self.min_instances}) must be <= "
                                   f"scaling_max_instances ({self.max_instances})")

@@ -99,12 +99,14 @@ def test_settings_that_make_no_sense_are_refused_naming_the_field() -> None:
         ScalingSettings(low_freeness=10, high_freeness=10).check()
     with pytest.raises(InvalidArgument, match="scaling_min_instances"):
         ScalingSettings(min_instances=3, max_instances=2).check()
-    with pytest.raises(InvalidArgument, match="^scaling_max_instances must be >= 1, got 0"):
+    with pytest.raises(InvalidArgument, match=r"^scaling_max_instances must be in \[1, 4096\], got 0"):
         ScalingSettings(min_instances=1, max_instances=0).check()
-    with pytest.raises(InvalidArgument, match="^scaling_min_instances must be >= 1, got 0"):
+    with pytest.raises(InvalidArgument, match=r"^scaling_min_instances must be in \[1, 4096\], got 0"):
         ScalingSettings(min_instances=0, max_instances=2).check()
     with pytest.raises(InvalidArgument, match="scaling_high_freeness"):
         ScalingSettings(high_freeness=float("nan")).check()
+    with pytest.raises(InvalidArgument, match=r"^scaling_max_instances must be in \[1, 4096\], got 100000"):
+        ScalingSettings(max_instances=100000).check()
 
 
 async def test_adds_once_then_waits_for_the_instance_and_the_cooldown() -> None:

@@ -6,8 +6,13 @@ address is taken; one with a call under way (`Usage.call`) never is. The table i
 `max_entries` addresses, the least recently used entries with no call under way are closed
 even before they idled that long (entries with calls under way can take it past the bound).
 
+An address whose peer is known to be gone (a transfer service that left etcd or restarted) is
+closed at once with `close_address`: an entry with no call under way now, one with calls under way
+as soon as the last ends (a call to a dead peer fails by its deadline; one to a peer that is only
+briefly away completes). Either way a later `take` makes a fresh one.
+
 Closes run as tasks (taking an entry is synchronous); `wait_closed` waits for them, `close`
-closes every entry and waits for all.
+closes every entry (those waiting for their calls too) and waits for all.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class Usage:
     clock: Callable[[], float] = time.monotonic
     num_calls: int = 0
     last_used: float = field(default=0.0)
+    on_unused: Callable[[], None] | None = field(default=None, repr=False)  # called (once) when the last call ends
 
     def __post_init__(self) -> None:
         self.last_used = self.clock()
@@ -49,6 +55,16 @@ class Usage:
         finally:
             self.num_calls -= 1
             self.last_used = self.clock()
+            if not self.num_calls and self.on_unused is not None:
+                on_unused, self.on_unused = self.on_unused, None
+                on_unused()
+
+    def when_unused(self, callback: Callable[[], None]) -> None:
+        """Call `callback` now if no call is under way, else once the last one ends."""
+        if self.num_calls:
+            self.on_unused = callback
+        else:
+            callback()
 
     def touch(self) -> None:
         self.last_used = self.clock()
@@ -75,6 +91,7 @@ class IdleClosingTable(Generic[T]):
         self._max_entries = max_entries
         self._entries: dict[str, Entry[T]] = {}
         self._closing: set[asyncio.Task[None]] = set()  # closes under way, kept until they end
+        self._retired: dict[int, tuple[str, Entry[T]]] = {}  # out of the table, closed once their calls end (by id)
 
     def take(self, address: str, make: Callable[[Usage], T]) -> Entry[T]:
         """The entry of `address` (taking it counts as a use), made with `make(usage)` on first use;
@@ -95,9 +112,29 @@ class IdleClosingTable(Generic[T]):
         """Take `address`'s entry out of the table without closing it (the caller closes it)."""
         return self._entries.pop(address, None)
 
+    def close_address(self, address: str, why: str) -> bool:
+        """Take `address`'s entry out of the table and close it: now if no call is under way, else once the
+        last one ends (a later `take` makes a fresh one meanwhile). False if the address had no entry."""
+        entry = self._entries.pop(address, None)
+        if entry is None:
+            return False
+        self._retired[id(entry)] = (address, entry)
+        entry.usage.when_unused(lambda: self._close_retired(entry))
+        log.info(f"{self._name}_closed", peer=address, why=why, num_calls=entry.usage.num_calls)
+        return True
+
+    def _close_retired(self, entry: Entry[T]) -> None:
+        if (retired := self._retired.pop(id(entry), None)) is not None:
+            self._close_soon(entry.value, retired[0])
+
     @property
     def addresses(self) -> list[str]:
         return list(self._entries)
+
+    @property
+    def num_retired(self) -> int:
+        """Entries out of the table (`close_address`) whose calls have not all ended yet."""
+        return len(self._retired)
 
     def _close_soon(self, value: T, address: str) -> None:
         task = asyncio.get_running_loop().create_task(self._close_logged(value, address),
@@ -119,6 +156,8 @@ class IdleClosingTable(Generic[T]):
 
     async def close(self) -> None:
         entries, self._entries = list(self._entries.values()), {}
+        entries += [entry for _, entry in self._retired.values()]
+        self._retired = {}
         for entry in entries:
             await self._close(entry.value)
         await self.wait_closed()

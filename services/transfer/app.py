@@ -1,5 +1,8 @@
 """Wiring of one transfer service process: mappings, staging, channels, gRPC server, etcd.
 
+Peers: a watch of `transfer/` in etcd closes the channels and clients to a peer that left or
+restarted (`peer_watch.py`).
+
 Shutdown order (STYLE.md): health NOT_SERVING → revoke the etcd lease → server.stop(grace)
 → drop channels → close peer clients → stop worker threads → unmap KV memory.
 """
@@ -27,6 +30,7 @@ from services.transfer.config import TransferConfig
 from services.transfer.convert import geometry_from_record
 from services.transfer.domain import IDLE_CLOSE_S, InstanceId, TransferBackend, TransferId
 from services.transfer.kv_mappings import KvMappings
+from services.transfer.peer_watch import PeerWatch
 from services.transfer.receiver import BlockReceiver
 from services.transfer.sender import BlockSender
 from services.transfer.server import TransferNode, TransferServicer, add_transfer_servicer
@@ -63,7 +67,7 @@ async def main(config: TransferConfig) -> None:
     node = build_node(config, transfer_id, server, registry, peers, threads)
     servicer.node = node
     try:
-        await serve(config, node, server, registry)
+        await serve(config, node, server, registry, peers)
     finally:
         await server.stop(0)  # already stopped unless serving failed to start (etcd unreachable)
         node.channels.close()
@@ -115,13 +119,15 @@ def nccl_staging_device(config: TransferConfig) -> torch.device | None:
     return torch.device("cuda", config.nccl_device) if TransferBackend.NCCL in config.backends else None
 
 
-async def serve(config: TransferConfig, node: TransferNode, server: GrpcServer, registry: Registry | None) -> None:
+async def serve(config: TransferConfig, node: TransferNode, server: GrpcServer, registry: Registry | None,
+                peers: TransferClients) -> None:
     stop = stop_event()
     if registry is not None:
         await registry.wait_until_reachable(config.etcd_wait_s, stop)
         await _map_from_etcd(registry, node, config.map_instances)
         await registry.register("transfer", node.transfer_id, _record(node))
         await node.on_mappings_changed()  # instances mapped while register() wrote the record
+        await watch_peers(registry, node, peers)
     await server.set_serving(True)
     log.info("transfer_ready", transfer_id=node.transfer_id, address=node.address,
              backends=[b.value for b in node.backends], instance_ids=node.mappings.instance_ids())
@@ -134,6 +140,13 @@ async def serve(config: TransferConfig, node: TransferNode, server: GrpcServer, 
     if registry is not None:
         await registry.close()
     await server.stop(grace=2.0)
+
+
+async def watch_peers(registry: Registry, node: TransferNode, peers: TransferClients) -> None:
+    """Close the channels and clients to a peer transfer service as soon as it leaves etcd or restarts
+    (`PeerWatch`); the registry stops the view when it closes."""
+    view = await registry.watch("transfer")
+    view.on_change(PeerWatch(node.transfer_id, node.channels, peers, view.members).on_change)
 
 
 async def unmap_vanished_loop(node: TransferNode, interval_s: float = VANISHED_CHECK_INTERVAL_S) -> None:

@@ -83,6 +83,26 @@ class PairChannel:
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)  # serial channels: one transfer on it at a time
     last_used: float = field(default_factory=time.monotonic)  # when a transfer last took it
     num_connections: int = 1  # gloo: TCP connections of the group (a message takes tag % num_connections)
+    num_transfers: int = 0  # transfers on it now (`in_use`)
+    is_retired: bool = False  # out of its table because its peer is gone: closed once no transfer uses it
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Count a transfer on the channel for its duration: a retired channel closes when the last one ends."""
+        self.num_transfers += 1
+        try:
+            yield
+        finally:
+            self.num_transfers -= 1
+            if self.is_retired and not self.num_transfers:
+                self.close()
+
+    def retire(self) -> None:
+        """Its peer is gone: close it now if no transfer uses it, else once the last one ends (one on a
+        dead peer fails by its deadline; one on a peer only briefly away completes)."""
+        self.is_retired = True
+        if not self.num_transfers:
+            self.close()
 
     @property
     def is_serial(self) -> bool:
@@ -339,18 +359,36 @@ class ChannelTable:
         channel.last_used = time.monotonic()
         return channel
 
-    def drop_outgoing(self, peer_address: str, backend: TransferBackend) -> None:
+    def drop_outgoing(self, peer_address: str, backend: TransferBackend, only: PairChannel | None = None) -> None:
+        """`only`: close that channel, and take it out of the table if it is still there (not one opened since)."""
+        if only is not None and self._outgoing.get((peer_address, backend)) is not only:
+            only.close()  # already out of the table (dropped, or retired: its peer is gone)
+            return
         if (channel := self._outgoing.pop((peer_address, backend), None)) is not None:
             channel.close()
             log.info("channel_dropped", peer=peer_address, backend=backend.value, direction="outgoing")
 
     def drop_incoming(self, peer_id: str, backend: TransferBackend, only: PairChannel | None = None) -> None:
-        """`only`: drop it only if it is still this channel (not one the peer opened since)."""
+        """`only`: close that channel, and take it out of the table if it is still there (not one the peer
+        opened since)."""
         if only is not None and self._incoming.get((peer_id, backend)) is not only:
+            only.close()  # already out of the table (replaced, dropped, or retired: its peer is gone)
             return
         if (channel := self._incoming.pop((peer_id, backend), None)) is not None:
             channel.close()
             log.info("channel_dropped", peer=peer_id, backend=backend.value, direction="incoming")
+
+    def close_peer(self, peer_address: str, peer_id: str) -> int:
+        """A peer transfer service is gone (it left etcd, or restarted): take every channel to it out of the
+        table (outgoing ones to `peer_address`, incoming ones from `peer_id`) and close each now, or once the
+        transfers on it end (`PairChannel.retire`). Returns how many were taken out."""
+        gone = [(key, self._outgoing.pop(key), "outgoing") for key in list(self._outgoing) if key[0] == peer_address]
+        gone += [(key, self._incoming.pop(key), "incoming") for key in list(self._incoming) if key[0] == peer_id]
+        for (peer, backend), channel, direction in gone:
+            channel.retire()
+            log.info("channel_dropped", peer=peer, backend=backend.value, direction=direction, why="peer_gone",
+                     num_transfers=channel.num_transfers)
+        return len(gone)
 
     @property
     def num_channels(self) -> int:

@@ -153,7 +153,8 @@ class TransferClients:
     kept for ever: one neither taken nor called for `idle_close_s` is closed when a new address is
     taken, and past MAX_ENTRIES (4096) addresses the least recently used ones close early. One with a
     call under way never is; so a caller takes its client for each call and keeps none between calls
-    (the sender does), and a client closed meanwhile is made afresh on the next take."""
+    (the sender does), and a client closed meanwhile is made afresh on the next take. A peer known to be
+    gone (it left etcd, or restarted: `PeerWatch`) has its client closed at once (`close_peer`)."""
 
     def __init__(self, piece_bytes: int = DEFAULT_PIECE_BYTES, tls: TlsConfig | None = None,
                  idle_close_s: float = IDLE_CLOSE_S, clock: Callable[[], float] = time.monotonic) -> None:
@@ -169,6 +170,13 @@ class TransferClients:
     @property
     def addresses(self) -> list[str]:
         return self._table.addresses
+
+    def close_peer(self, address: str) -> int:
+        """Close the client of a peer that is gone (at once, or when its calls under way end); 0 or 1 closed."""
+        return int(self._table.close_address(address, "peer_gone"))
+
+    async def wait_closed(self) -> None:
+        await self._table.wait_closed()
 
     async def close(self) -> None:
         await self._table.close()

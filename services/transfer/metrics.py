@@ -19,6 +19,9 @@ TRANSFER_SECONDS = Histogram("ferry_transfer_duration_seconds", "Duration of suc
 IN_PLACE_BYTES = Counter("ferry_transfer_in_place_bytes_total",
                          "KV bytes gloo moved straight from (sent) or into (received) KV memory, with no staging copy",
                          ["side"])
+PEER_CLOSES = Counter("ferry_transfer_peer_closes_total",
+                      "Channels and peer clients closed because their peer transfer service left etcd or restarted",
+                      ["what"])
 
 
 @contextlib.contextmanager
@@ -43,6 +46,8 @@ def serve_metrics(port: int, host: str, backends: Sequence[str]) -> None:
             TRANSFERS.labels(backend, outcome)
         TRANSFERRED_BYTES.labels(backend)
         TRANSFER_SECONDS.labels(backend)
+    for what in ("channel", "client"):
+        PEER_CLOSES.labels(what)
     if "gloo" in backends:
         for side in ("sent", "received"):
             IN_PLACE_BYTES.labels(side)

@@ -132,6 +132,11 @@ class BlockReceiver:
         """gloo/nccl: one message per chunk on the channel the sender opened."""
         deadline = Deadline.after(timeout_s)
         channel = self._channels.incoming(header.src_transfer_id, backend)
+        with channel.in_use():
+            return await self._receive_on(channel, header, backend, tag, deadline)
+
+    async def _receive_on(self, channel: PairChannel, header: IncomingBlocks, backend: TransferBackend, tag: int,
+                          deadline: Deadline) -> int:
         staging = self._nccl_staging if backend is TransferBackend.NCCL else self._staging
         progress = _Progress()
         refusal: FerryError | None = None

@@ -184,14 +184,15 @@ class BlockSender:
         staging = self._nccl_staging if backend is TransferBackend.NCCL else self._staging
         # The channel's turn first, then a staging slot: one waiting for a busy peer holds no slot that a
         # transfer to another peer could use.
-        async with channel.transfer_turn(deadline), staging.slot(deadline.remaining_s()) as slot:
-            await self._send_and_expect(channel, request, source, slot, deadline)
+        with channel.in_use():
+            async with channel.transfer_turn(deadline), staging.slot(deadline.remaining_s()) as slot:
+                await self._send_and_expect(channel, request, source, slot, deadline)
 
     async def _send_and_expect(self, channel: PairChannel, request: BlockTransfer, source: SourceBlocks,
                                slot: StagingSlot, deadline: Deadline) -> None:
         tag = next(self._tags) * TAG_STRIDE % 2**31
         sends_done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # True: every message taken
-        expect = asyncio.ensure_future(self._expect(source, request, tag, deadline, sends_done))
+        expect = asyncio.ensure_future(self._expect(channel, source, request, tag, deadline, sends_done))
         try:
             await self._send_chunks(channel, source, slot, tag, deadline)  # drops the channel if a send fails
         except FerryError:
@@ -207,8 +208,8 @@ class BlockSender:
         sends_done.set_result(True)
         await expect
 
-    async def _expect(self, source: SourceBlocks, request: BlockTransfer, tag: int, deadline: Deadline,
-                      sends_done: asyncio.Future[bool]) -> None:
+    async def _expect(self, channel: PairChannel, source: SourceBlocks, request: BlockTransfer, tag: int,
+                      deadline: Deadline, sends_done: asyncio.Future[bool]) -> None:
         try:
             await self._peers(request.dst_transfer_address).expect_blocks(source.header, request.backend, tag,
                                                                           deadline.remaining_s())
@@ -217,7 +218,7 @@ class BlockSender:
             # other transfers share, so our sends end too. One that did not take them (or is gone) leaves our
             # sends waiting for their deadline: dropping the channel ends them at once.
             if not (isinstance(exc, CLEAN_REFUSALS) and await _ended_well_within(sends_done, PEER_ANSWER_GRACE_S)):
-                self._channels.drop_outgoing(request.dst_transfer_address, request.backend)
+                self._channels.drop_outgoing(request.dst_transfer_address, request.backend, only=channel)
             raise
 
     async def _send_chunks(self, channel: PairChannel, source: SourceBlocks, slot: StagingSlot, tag: int,
@@ -235,7 +236,7 @@ class BlockSender:
                 IN_PLACE_BYTES.labels("sent").inc(sum(view.numel() for view in views))
             await ring.drain()
         except BaseException:
-            self._channels.drop_outgoing(channel.peer, channel.backend)  # unmatched messages may be left on it
+            self._channels.drop_outgoing(channel.peer, channel.backend, only=channel)  # unmatched messages may be left
             raise
         finally:
             await ring.close()

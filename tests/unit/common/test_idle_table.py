@@ -157,3 +157,39 @@ async def test_a_close_that_fails_is_logged_and_leaves_no_error_unread():
     gc.collect()
     await asyncio.sleep(0)
     assert unread == [] and table.addresses == ["b"]
+
+
+async def test_close_address_closes_an_idle_value_at_once_and_a_busy_one_when_its_call_ends():
+    """A peer known to be gone (a transfer service that left etcd or restarted) has its value closed at once,
+    not after idling IDLE_S; one with a call under way keeps it until the call ends. Before, only the idle
+    close existed."""
+    things = Table(Clock())
+    things.take("a")
+    things.take("b")
+    assert things.table.close_address("a", "peer_gone")
+    await things.table.wait_closed()
+    assert things.closed == ["a"] and things.table.addresses == ["b"]
+    assert not things.table.close_address("a", "peer_gone")  # nothing left to close
+    with things.usages["b"].call():
+        assert things.table.close_address("b", "peer_gone")
+        await things.table.wait_closed()
+        assert things.closed == ["a"] and things.table.num_retired == 1  # under a call: kept
+        assert things.take("b") == "b" and things.usages["b"] is not None  # a fresh one meanwhile
+        fresh = things.table.get("b")
+    await things.table.wait_closed()
+    assert things.closed == ["a", "b"] and things.table.num_retired == 0
+    assert things.table.get("b") is fresh  # the fresh one stays
+    await things.table.close()
+    assert things.closed == ["a", "b", "b"]
+
+
+async def test_close_closes_values_still_waiting_for_their_calls():
+    things = Table(Clock())
+    things.take("a")
+    usage = things.usages["a"]
+    with usage.call():
+        things.table.close_address("a", "peer_gone")
+        await things.table.close()
+        assert things.closed == ["a"]
+    await things.table.wait_closed()
+    assert things.closed == ["a"]  # not twice when the call ends

@@ -42,7 +42,10 @@ class FakeChannel:
     tags: list[int] = field(default_factory=list)
     in_order_batches: int = 0
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
+    num_transfers: int = 0
+    is_retired: bool = False
     transfer_turn = PairChannel.transfer_turn
+    in_use = PairChannel.in_use
 
     @property
     def is_serial(self) -> bool:
@@ -93,7 +96,7 @@ class FakeChannels:
     def incoming(self, peer_id, backend):
         return self.channel
 
-    def drop_outgoing(self, peer_address, backend) -> None:
+    def drop_outgoing(self, peer_address, backend, only=None) -> None:
         pass
 
     def drop_incoming(self, peer_id, backend, only=None) -> None:
@@ -300,7 +303,7 @@ class ChannelsByPeer:
     def incoming(self, peer_id, backend):
         raise AssertionError("the sender's table is not asked for incoming channels")
 
-    def drop_outgoing(self, peer_address, backend) -> None:
+    def drop_outgoing(self, peer_address, backend, only=None) -> None:
         pass
 
 

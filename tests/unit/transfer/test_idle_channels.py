@@ -95,3 +95,46 @@ async def test_peers_that_could_not_be_reached_leave_no_lock_behind():
         finally:
             receiver.close()
             sender.close()
+
+
+async def test_close_peer_closes_its_channels_at_once_and_one_in_use_when_its_transfer_ends():
+    """A peer gone from etcd (left, or restarted) has its channels closed at once, not after idle_close_s:
+    outgoing ones by its address, incoming ones by its id; one a transfer uses now stays open until it ends."""
+    with ThreadPoolExecutor(8) as pool:
+        receiver = ChannelTable("B", "127.0.0.1", 10, pool, idle_close_s=60)
+        sender = ChannelTable("A", "127.0.0.1", 10, pool, idle_close_s=60)
+        try:
+            outgoing = await _open(sender, "A", receiver, "b:1")
+            incoming = receiver.incoming("A", TransferBackend.GLOO)
+            assert sender.close_peer("c:1", "C") == 0 and receiver.close_peer("a:1", "C") == 0  # other peers
+            with incoming.in_use():
+                assert receiver.close_peer("a:1", "A") == 1
+                assert incoming.group is not None and receiver.num_channels == 0  # a transfer still uses it
+                with pytest.raises(Exception, match="no gloo channel from transfer service 'A'"):
+                    receiver.incoming("A", TransferBackend.GLOO)  # no new transfer takes it
+            assert incoming.group is None
+            assert sender.close_peer("b:1", "B") == 1
+            assert outgoing.group is None and sender.num_channels == 0
+            again = await _open(sender, "A", receiver, "b:1")  # the next transfer opens afresh
+            assert again is not outgoing and again.group is not None
+        finally:
+            receiver.close()
+            sender.close()
+
+
+async def test_a_failed_transfer_on_a_retired_channel_closes_it_and_not_the_fresh_one():
+    """Once its peer is gone a channel leaves the table while its transfer runs, and the next transfer may open
+    a fresh one under the same address: the failing transfer's drop closes its own channel, never the fresh one."""
+    with ThreadPoolExecutor(8) as pool:
+        receiver = ChannelTable("B", "127.0.0.1", 10, pool, idle_close_s=60)
+        sender = ChannelTable("A", "127.0.0.1", 10, pool, idle_close_s=60)
+        try:
+            old = await _open(sender, "A", receiver, "b:1")
+            with old.in_use():
+                sender.close_peer("b:1", "B")
+                fresh = await _open(sender, "A", receiver, "b:1")
+                sender.drop_outgoing("b:1", TransferBackend.GLOO, only=old)  # the old transfer failed
+                assert old.group is None and fresh.group is not None and sender.num_channels == 1
+        finally:
+            receiver.close()
+            sender.close()

@@ -33,7 +33,7 @@ class RecordingChannels:
     def incoming(self, peer_id, backend):
         return self.channel
 
-    def drop_outgoing(self, peer_address, backend) -> None:
+    def drop_outgoing(self, peer_address, backend, only=None) -> None:
         self.dropped.append("outgoing")
 
     def drop_incoming(self, peer_id, backend, only=None) -> None:

@@ -1,0 +1,136 @@
+"""A transfer service closes its channels and client to a peer transfer service as soon as that peer leaves
+etcd or restarts, rather than after they idled for 10 minutes: real processes, a real etcd.
+
+S (the survivor) sends to P on gloo and grpc and P sends to S on gloo, so S holds an outgoing gloo channel
+and a client to P's address and an incoming gloo channel from P's id. P is then SIGKILLed and started again
+under its id on a new port (its old lease expires after --lease-ttl-s), and later stopped and replaced by a
+service under another id (its lease is revoked at once): each time S must close what it held to the old life
+within seconds, and transfers to the new life must work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+
+import pytest
+import torch
+
+from services.cluster.processes import ServiceProcess, stop_all
+from services.common.etcd_launcher import free_port
+from services.instance.engine.kv_cache import KvCache, KvGeometry
+from services.transfer.client import TransferClient
+from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
+from tests.integration.metrics_scrape import sample_value
+
+pytestmark = pytest.mark.timeout(180)
+
+GEOMETRY = KvGeometry(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, num_blocks=16, dtype=torch.float16)
+LEASE_TTL_S = 2
+CLOSE_WITHIN_S = 3 * LEASE_TTL_S  # after a kill: the lease expires, then etcd's watch tells S at once
+
+
+def _start(name: str, transfer_id: str, etcd, cluster: str, log_dir, *extra: str) -> ServiceProcess:
+    port = free_port()
+    args = ["--port", str(port), "--transfer-id", transfer_id, "--etcd-endpoints", etcd.endpoint, "--cluster", cluster,
+            "--num-threads", "1", "--lease-ttl-s", str(LEASE_TTL_S), "--log-format", "json", *extra]
+    return ServiceProcess(name, "transfer", args, f"127.0.0.1:{port}", log_dir).start()
+
+
+def _cache(name: str, seed: int) -> KvCache:
+    cache = KvCache.create(f"ferry-test-{name}-{uuid.uuid4().hex[:6]}", GEOMETRY)
+    cache.tensor.copy_(torch.randn(GEOMETRY.shape, generator=torch.Generator().manual_seed(seed)).to(GEOMETRY.dtype))
+    return cache
+
+
+async def _ready(process: ServiceProcess, instance_id: str, cache: KvCache) -> None:
+    await process.wait_healthy(60)
+    async with TransferClient(process.address) as client:
+        await client.map_instance(instance_id, cache.name, GEOMETRY)
+
+
+async def _move(src: ServiceProcess, src_cache: KvCache, src_id: str, dst: ServiceProcess, dst_cache: KvCache,
+                dst_id: str, backend: TransferBackend) -> None:
+    """Blocks 1, 5, 9 of src into 2, 3, 4 of dst, checked bit for bit."""
+    dst_cache.tensor.copy_(torch.randn(GEOMETRY.shape).to(GEOMETRY.dtype))
+    expected = dst_cache.tensor.clone()
+    expected[:, :, [2, 3, 4]] = src_cache.tensor[:, :, [1, 5, 9]]
+    async with TransferClient(src.address) as client:
+        await client.transfer(BlockTransfer(InstanceId(src_id), (1, 5, 9), InstanceId(dst_id), (2, 3, 4), dst.address,
+                                            backend, True), timeout_s=30)
+    assert torch.equal(dst_cache.tensor.view(torch.uint8), expected.view(torch.uint8))
+
+
+async def _both_ways(s: ServiceProcess, s_cache: KvCache, p: ServiceProcess, p_cache: KvCache) -> None:
+    for backend in (TransferBackend.GLOO, TransferBackend.GRPC):
+        await _move(s, s_cache, "s-kv", p, p_cache, "p-kv", backend)
+    await _move(p, p_cache, "p-kv", s, s_cache, "s-kv", TransferBackend.GLOO)
+
+
+def _peer_gone(process: ServiceProcess, peer_address: str) -> list[dict]:
+    events = []
+    for line in process.log_path.read_text(errors="replace").splitlines():
+        if '"peer_gone"' in line:
+            event = json.loads(line)
+            if event["event"] == "peer_gone" and event["peer"] == peer_address:
+                events.append(event)
+    return events
+
+
+async def _wait_peer_gone(process: ServiceProcess, peer_address: str, within_s: float) -> dict:
+    deadline = time.monotonic() + within_s
+    while not (events := _peer_gone(process, peer_address)):
+        assert time.monotonic() < deadline, f"no peer_gone for {peer_address} within {within_s} s"
+        await asyncio.sleep(0.05)
+    assert len(events) == 1
+    return events[0]
+
+
+def _num_threads(process: ServiceProcess) -> int:
+    return len(os.listdir(f"/proc/{process.pid}/task"))
+
+
+async def test_a_restarted_peers_old_channels_close_at_once_and_its_new_life_takes_transfers(etcd, cluster, tmp_path):
+    """Before, S kept its gloo channels (each a gloo group: threads, sockets, a store) and gRPC client to each
+    old life of P until they idled 10 minutes: with peers restarting, S's threads grew run after run."""
+    metrics_port = free_port()
+    s = _start("S", "S", etcd, cluster, tmp_path, "--metrics-port", str(metrics_port))
+    p = _start("P-1", "P", etcd, cluster, tmp_path)
+    s_cache, p_cache = _cache("s-kv", 1), _cache("p-kv", 2)
+    lives = [p]
+    try:
+        await asyncio.gather(_ready(s, "s-kv", s_cache), _ready(p, "p-kv", p_cache))
+        await _both_ways(s, s_cache, p, p_cache)
+        num_threads = _num_threads(s)
+
+        p.kill()  # its lease expires after LEASE_TTL_S; a new life takes its id on another port meanwhile
+        killed = time.monotonic()
+        p = _start("P-2", "P", etcd, cluster, tmp_path)
+        lives.append(p)
+        gone = await _wait_peer_gone(s, lives[0].address, CLOSE_WITHIN_S)
+        assert time.monotonic() - killed < CLOSE_WITHIN_S
+        assert (gone["peer_transfer_id"], gone["num_channels_closed"], gone["num_clients_closed"]) == ("P", 2, 1)
+        print("survivor threads", num_threads, "->", _num_threads(s))
+        assert _num_threads(s) < num_threads  # the two gloo groups' threads ended
+        await _ready(p, "p-kv", p_cache)
+        await _both_ways(s, s_cache, p, p_cache)  # fresh channels to the new life
+
+        p.stop()  # graceful: its lease is revoked as it stops, so S hears at once
+        await _wait_peer_gone(s, lives[1].address, LEASE_TTL_S)
+        p = _start("Q", "Q", etcd, cluster, tmp_path)
+        lives.append(p)
+        await _ready(p, "p-kv", p_cache)
+        await _both_ways(s, s_cache, p, p_cache)
+
+        assert sample_value(metrics_port, 'ferry_transfer_peer_closes_total{what="channel"}') == 4
+        assert sample_value(metrics_port, 'ferry_transfer_peer_closes_total{what="client"}') == 2
+        text = s.log_path.read_text(errors="replace")
+        assert "never retrieved" not in text and "Traceback" not in text and "close_failed" not in text
+    finally:
+        stop_all([s, *lives])
+        for cache in (s_cache, p_cache):
+            cache.close()
+            cache.unlink()

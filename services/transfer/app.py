@@ -127,7 +127,7 @@ async def serve(config: TransferConfig, node: TransferNode, server: GrpcServer, 
         await _map_from_etcd(registry, node, config.map_instances)
         await registry.register("transfer", node.transfer_id, _record(node))
         await node.on_mappings_changed()  # instances mapped while register() wrote the record
-        await watch_peers(registry, node, peers)
+        await watch_peers(registry, node, peers, 2 * config.lease_ttl_s)
     await server.set_serving(True)
     log.info("transfer_ready", transfer_id=node.transfer_id, address=node.address,
              backends=[b.value for b in node.backends], instance_ids=node.mappings.instance_ids())
@@ -142,11 +142,12 @@ async def serve(config: TransferConfig, node: TransferNode, server: GrpcServer, 
     await server.stop(grace=2.0)
 
 
-async def watch_peers(registry: Registry, node: TransferNode, peers: TransferClients) -> None:
+async def watch_peers(registry: Registry, node: TransferNode, peers: TransferClients, incoming_grace_s: float) -> None:
     """Close the channels and clients to a peer transfer service as soon as it leaves etcd or restarts
-    (`PeerWatch`); the registry stops the view when it closes."""
+    (`PeerWatch`; incoming channels of one that left after `incoming_grace_s`, unless it is back); the
+    registry stops the view when it closes."""
     view = await registry.watch("transfer")
-    view.on_change(PeerWatch(node.transfer_id, node.channels, peers, view.members).on_change)
+    view.on_change(PeerWatch(node.transfer_id, node.channels, peers, view.members, incoming_grace_s).on_change)
 
 
 async def unmap_vanished_loop(node: TransferNode, interval_s: float = VANISHED_CHECK_INTERVAL_S) -> None:

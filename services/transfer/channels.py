@@ -84,7 +84,8 @@ class PairChannel:
     last_used: float = field(default_factory=time.monotonic)  # when a transfer last took it
     num_connections: int = 1  # gloo: TCP connections of the group (a message takes tag % num_connections)
     num_transfers: int = 0  # transfers on it now (`in_use`)
-    is_retired: bool = False  # out of its table because its peer is gone: closed once no transfer uses it
+    # Out of its table because its peer is gone: called (once) with the channel when no transfer uses it.
+    close_when_unused: Callable[[PairChannel], None] | None = None
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:
@@ -94,15 +95,17 @@ class PairChannel:
             yield
         finally:
             self.num_transfers -= 1
-            if self.is_retired and not self.num_transfers:
-                self.close()
+            if self.close_when_unused is not None and not self.num_transfers:
+                close, self.close_when_unused = self.close_when_unused, None
+                close(self)
 
-    def retire(self) -> None:
-        """Its peer is gone: close it now if no transfer uses it, else once the last one ends (one on a
-        dead peer fails by its deadline; one on a peer only briefly away completes)."""
-        self.is_retired = True
-        if not self.num_transfers:
-            self.close()
+    def retire(self, close: Callable[[PairChannel], None]) -> None:
+        """Its peer is gone: `close(self)` now if no transfer uses it, else once the last one ends (one on
+        a dead peer fails by its deadline; one on a peer only briefly away completes)."""
+        if self.num_transfers:
+            self.close_when_unused = close
+        else:
+            close(self)
 
     @property
     def is_serial(self) -> bool:
@@ -289,6 +292,8 @@ class ChannelTable:
         # One lock per key while an `outgoing` call holds or waits for it; the last one out drops it, so a
         # peer that went away (a failed open, a channel dropped after a failed transfer) leaves none behind.
         self._locks: dict[tuple[str, TransferBackend], _KeyLock] = {}
+        # Channels of gone peers closing on threads (`close_outgoing`, `close_incoming`).
+        self._closing: set[asyncio.Future] = set()
 
     async def outgoing(self, peer_address: str, backend: TransferBackend, open_remote: OpenRemote,
                        timeout_s: float | None = None) -> PairChannel:
@@ -378,17 +383,38 @@ class ChannelTable:
             channel.close()
             log.info("channel_dropped", peer=peer_id, backend=backend.value, direction="incoming")
 
-    def close_peer(self, peer_address: str, peer_id: str) -> int:
-        """A peer transfer service is gone (it left etcd, or restarted): take every channel to it out of the
-        table (outgoing ones to `peer_address`, incoming ones from `peer_id`) and close each now, or once the
-        transfers on it end (`PairChannel.retire`). Returns how many were taken out."""
-        gone = [(key, self._outgoing.pop(key), "outgoing") for key in list(self._outgoing) if key[0] == peer_address]
-        gone += [(key, self._incoming.pop(key), "incoming") for key in list(self._incoming) if key[0] == peer_id]
-        for (peer, backend), channel, direction in gone:
-            channel.retire()
+    def close_outgoing(self, peer_address: str) -> int:
+        """A peer transfer service is gone (`PeerWatch`): take the channels to `peer_address` out of the table
+        and close each now, or once the transfers on it end (`PairChannel.retire`). Returns how many."""
+        return self._retire(self._outgoing, peer_address, "outgoing")
+
+    def close_incoming(self, peer_id: str) -> int:
+        """The same for the channels from transfer service `peer_id`."""
+        return self._retire(self._incoming, peer_id, "incoming")
+
+    def _retire(self, channels: dict[tuple[str, TransferBackend], PairChannel], peer: str, direction: str) -> int:
+        gone = [(key, channels.pop(key)) for key in list(channels) if key[0] == peer]
+        for (_, backend), channel in gone:
+            channel.retire(self._close_in_background)
             log.info("channel_dropped", peer=peer, backend=backend.value, direction=direction, why="peer_gone",
                      num_transfers=channel.num_transfers)
         return len(gone)
+
+    def _close_in_background(self, channel: PairChannel) -> None:
+        """Close on one of the loop's default threads: destroying a gloo group takes 20-50 ms (measured: the
+        first end of a pair to go waits for its connections), too long for the event loop when many go at once."""
+        future = asyncio.get_running_loop().run_in_executor(None, channel.close)
+        self._closing.add(future)
+        future.add_done_callback(self._closed)
+
+    def _closed(self, future: asyncio.Future) -> None:
+        self._closing.discard(future)
+        if (error := retrieve_error(future)) is not None:
+            log.warning("close_failed", what="channel", error=repr(error))
+
+    async def wait_closed(self) -> None:
+        """Wait for the channels of gone peers that are closing now."""
+        await asyncio.gather(*self._closing)
 
     @property
     def num_channels(self) -> int:

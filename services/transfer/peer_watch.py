@@ -5,21 +5,27 @@ A peer that restarts (a new process, new ports, often a new id) would leave its 
 groups (threads, sockets, a store) and gRPC client here until then: during a rolling restart of a
 fleet, that is growth without bound for 10 minutes. So this service watches `transfer/` in etcd.
 
-A life is what a peer's record says of its process: address, host and pid. It ended when its record
-left (the lease was revoked at shutdown or expired after a kill) or another life took its id (it
-restarted under the same `--transfer-id`, on its port or another). A change of the instances a peer
-maps is the same life. Then every outgoing channel and client to its address and every incoming
-channel from its id leave the tables at once; each is closed now, or once the transfers on it end
-(one on a dead peer fails by its deadline; one on a peer that was only briefly away completes). The
-next transfer opens afresh. A peer that lost its lease while alive (stalled past `--lease-ttl-s`)
-counts as gone too: its channels are reopened, once, on the next transfer each way.
+A life is what a peer's record says of its process: address, host and pid. A change of the instances
+it maps is the same life.
 
-Runs on the event loop, in the membership view's callback: taking entries out is synchronous, and
-closing an idle channel or client is bounded (gRPC clients close as tasks).
+* Another life took its id (it restarted under the same `--transfer-id`, on its port or another):
+  the old life is dead. Its outgoing channels and client (by its address) and its incoming channels
+  (by its id) close at once.
+* Its record left (the lease was revoked at shutdown, or expired: killed, or alive but stalled past
+  its lease TTL, a lapse its registry mends by registering again): the outgoing channels and client
+  close at once (this side just opens afresh if the peer is back). The incoming ones close once the
+  same life has stayed away for `incoming_grace_s`, or at once when another life takes its id: a
+  stalled peer's next transfer here comes on its old channel, which must still be open.
+
+"Close" takes the entry out of its table at once; it closes now, or once the transfers on it end
+(one on a dead peer fails by its deadline). The next transfer opens afresh. Runs on the event loop,
+in the membership view's callback and a timer per peer that left; closing is the tables' (bounded,
+in the background).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -34,8 +40,11 @@ log = structlog.get_logger(__name__)
 
 
 class ChannelCloser(Protocol):
-    def close_peer(self, peer_address: str, peer_id: str) -> int:
-        """Close the channels to a gone peer; how many."""
+    def close_outgoing(self, peer_address: str) -> int:
+        """Close the channels to a gone peer's address; how many."""
+
+    def close_incoming(self, peer_id: str) -> int:
+        """Close the channels from a gone peer's id; how many."""
 
 
 class ClientCloser(Protocol):
@@ -66,26 +75,68 @@ def lives_of(members: Mapping[str, Mapping[str, Any]], own_id: str) -> dict[str,
 
 class PeerWatch:
     def __init__(self, own_id: str, channels: ChannelCloser, clients: ClientCloser,
-                 members: Mapping[str, Mapping[str, Any]]) -> None:
-        """`members`: the transfer records now (the lives this service may already hold channels to)."""
+                 members: Mapping[str, Mapping[str, Any]], incoming_grace_s: float) -> None:
+        """`members`: the transfer records now (the lives this service may already hold channels to);
+        `incoming_grace_s`: how long a life that left may take to register again before its incoming
+        channels close (the app passes 2 x --lease-ttl-s)."""
         self._own_id = own_id
         self._channels = channels
         self._clients = clients
+        self._incoming_grace_s = incoming_grace_s
         self._lives = lives_of(members, own_id)
+        self._away: dict[str, tuple[PeerLife, asyncio.TimerHandle]] = {}  # lives that left, by id: incoming kept
 
     def on_change(self, change: MembershipChange) -> None:
-        """MembershipView's callback: close what the ended lives left (it sees every change, and compares
-        whole views, so changes it sees together are handled as well)."""
+        """MembershipView's callback. It compares whole views, so changes seen together (a resync after etcd
+        was unreachable) are handled as well as one at a time."""
         lives = lives_of(change.members, self._own_id)
+        self._check_away(lives)
         for member_id, life in self._lives.items():
             now = lives.get(member_id)
-            if now != life:
-                self.close_life(life, "left" if now is None else "restarted")
+            if now is None:
+                self._left(life)
+            elif now != life:
+                self._close(life, "restarted", is_incoming=True)
         self._lives = lives
 
-    def close_life(self, life: PeerLife, why: str) -> None:
-        num_channels = self._channels.close_peer(life.address, life.transfer_id)
+    @property
+    def num_away(self) -> int:
+        """Peers that left whose incoming channels are kept until they stay away for the grace."""
+        return len(self._away)
+
+    def _left(self, life: PeerLife) -> None:
+        self._close(life, "left", is_incoming=False)
+        timer = asyncio.get_running_loop().call_later(self._incoming_grace_s, self._stayed_away, life)
+        self._away[life.transfer_id] = (life, timer)
+
+    def _check_away(self, lives: Mapping[str, PeerLife]) -> None:
+        """A life that left and is back keeps its incoming channels; another life under its id ends them."""
+        for member_id, (life, timer) in list(self._away.items()):
+            if member_id not in lives:
+                continue
+            timer.cancel()
+            del self._away[member_id]
+            if lives[member_id] == life:
+                log.info("peer_back", peer_transfer_id=member_id, peer=life.address, pid=life.pid)
+            else:
+                self._close_incoming(life, "restarted")
+
+    def _stayed_away(self, life: PeerLife) -> None:
+        if (away := self._away.get(life.transfer_id)) is not None and away[0] == life:
+            del self._away[life.transfer_id]
+            self._close_incoming(life, "stayed_away")
+
+    def _close(self, life: PeerLife, why: str, is_incoming: bool) -> None:
+        num_channels = self._channels.close_outgoing(life.address)
         num_clients = self._clients.close_peer(life.address)
+        if is_incoming:
+            num_channels += self._channels.close_incoming(life.transfer_id)
+        self._log(life, why, num_channels, num_clients)
+
+    def _close_incoming(self, life: PeerLife, why: str) -> None:
+        self._log(life, why, self._channels.close_incoming(life.transfer_id), 0)
+
+    def _log(self, life: PeerLife, why: str, num_channels: int, num_clients: int) -> None:
         PEER_CLOSES.labels("channel").inc(num_channels)
         PEER_CLOSES.labels("client").inc(num_clients)
         log.info("peer_gone", peer_transfer_id=life.transfer_id, peer=life.address, pid=life.pid, why=why,

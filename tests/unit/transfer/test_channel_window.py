@@ -43,7 +43,7 @@ class FakeChannel:
     in_order_batches: int = 0
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     num_transfers: int = 0
-    is_retired: bool = False
+    close_when_unused = None
     transfer_turn = PairChannel.transfer_turn
     in_use = PairChannel.in_use
 

@@ -97,8 +97,8 @@ async def test_peers_that_could_not_be_reached_leave_no_lock_behind():
             sender.close()
 
 
-async def test_close_peer_closes_its_channels_at_once_and_one_in_use_when_its_transfer_ends():
-    """A peer gone from etcd (left, or restarted) has its channels closed at once, not after idle_close_s:
+async def test_a_gone_peers_channels_close_at_once_and_one_in_use_when_its_transfer_ends():
+    """A peer gone from etcd (left, or restarted) has its channels closed (PeerWatch), not after idle_close_s:
     outgoing ones by its address, incoming ones by its id; one a transfer uses now stays open until it ends."""
     with ThreadPoolExecutor(8) as pool:
         receiver = ChannelTable("B", "127.0.0.1", 10, pool, idle_close_s=60)
@@ -106,14 +106,18 @@ async def test_close_peer_closes_its_channels_at_once_and_one_in_use_when_its_tr
         try:
             outgoing = await _open(sender, "A", receiver, "b:1")
             incoming = receiver.incoming("A", TransferBackend.GLOO)
-            assert sender.close_peer("c:1", "C") == 0 and receiver.close_peer("a:1", "C") == 0  # other peers
+            assert sender.close_outgoing("c:1") == 0 and receiver.close_incoming("C") == 0  # other peers
+            assert sender.close_incoming("B") == 0 and receiver.close_outgoing("a:1") == 0  # the other direction
             with incoming.in_use():
-                assert receiver.close_peer("a:1", "A") == 1
+                assert receiver.close_incoming("A") == 1
+                await receiver.wait_closed()
                 assert incoming.group is not None and receiver.num_channels == 0  # a transfer still uses it
                 with pytest.raises(Exception, match="no gloo channel from transfer service 'A'"):
                     receiver.incoming("A", TransferBackend.GLOO)  # no new transfer takes it
+            await receiver.wait_closed()
             assert incoming.group is None
-            assert sender.close_peer("b:1", "B") == 1
+            assert sender.close_outgoing("b:1") == 1
+            await sender.wait_closed()
             assert outgoing.group is None and sender.num_channels == 0
             again = await _open(sender, "A", receiver, "b:1")  # the next transfer opens afresh
             assert again is not outgoing and again.group is not None
@@ -131,10 +135,11 @@ async def test_a_failed_transfer_on_a_retired_channel_closes_it_and_not_the_fres
         try:
             old = await _open(sender, "A", receiver, "b:1")
             with old.in_use():
-                sender.close_peer("b:1", "B")
+                sender.close_outgoing("b:1")
                 fresh = await _open(sender, "A", receiver, "b:1")
                 sender.drop_outgoing("b:1", TransferBackend.GLOO, only=old)  # the old transfer failed
                 assert old.group is None and fresh.group is not None and sender.num_channels == 1
+            await sender.wait_closed()
         finally:
             receiver.close()
             sender.close()

@@ -175,9 +175,6 @@ class TransferClients:
         """Close the client of a peer that is gone (at once, or when its calls under way end); 0 or 1 closed."""
         return int(self._table.close_address(address, "peer_gone"))
 
-    async def wait_closed(self) -> None:
-        await self._table.wait_closed()
-
     async def close(self) -> None:
         await self._table.close()
 

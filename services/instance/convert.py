@@ -123,7 +123,8 @@ def migration_result_to_proto(result: MigrationResult) -> instance_pb2.MigrateOu
     return instance_pb2.MigrateOutResponse(
         request_id=result.request_id, src_instance_id=result.src_instance_id, dst_instance_id=result.dst_instance_id,
         num_blocks=result.num_blocks, num_bytes=result.num_bytes, num_stages=result.num_stages,
-        backend=backend_to_proto(result.backend), duration_ms=result.duration_ms, downtime_ms=result.downtime_ms)
+        backend=backend_to_proto(result.backend), duration_ms=result.duration_ms, downtime_ms=result.downtime_ms,
+        num_cached_at_destination=result.num_cached_at_destination)
 
 
 def reservation_to_proto(reservation: Reservation) -> instance_pb2.PrepareMigrateInResponse:
@@ -131,12 +132,13 @@ def reservation_to_proto(reservation: Reservation) -> instance_pb2.PrepareMigrat
                                                  dst_transfer_address=reservation.transfer_address,
                                                  dst_transfer_id=reservation.transfer_id,
                                                  num_cached_blocks=reservation.num_cached_blocks,
-                                                 write_grant=reservation.write_grant)
+                                                 write_grant=reservation.write_grant,
+                                                 cached_block_checksums=list(reservation.cached_checksums))
 
 
 def reservation_from_proto(msg: instance_pb2.PrepareMigrateInResponse) -> Reservation:
     return Reservation(tuple(msg.block_ids), msg.dst_transfer_address, msg.dst_transfer_id, msg.num_cached_blocks,
-                       msg.write_grant)
+                       msg.write_grant, tuple(msg.cached_block_checksums))
 
 
 def request_state_to_proto(state: RequestState) -> instance_pb2.RequestState:

@@ -97,6 +97,7 @@ class MigrationResult:
     backend: TransferBackend
     duration_ms: float  # MigrateOut start (or, for a request held for its PD hand-off, its holding) → stream handed off
     downtime_ms: float  # suspended here → committed on the destination
+    num_cached_at_destination: int = 0  # leading blocks the destination had cached, with our bits: never sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +109,7 @@ class Reservation:
     transfer_id: str
     num_cached_blocks: int = 0  # leading block_ids the destination had cached: shared there, never copied into
     write_grant: int = 0  # named in every transfer into block_ids (the destination's fence; 0 = none)
+    cached_checksums: tuple[int, ...] = ()  # first answer: crc32 of each cached block (empty: an older destination)
 
 
 class DestinationPeer(Protocol):
@@ -115,7 +117,8 @@ class DestinationPeer(Protocol):
 
     async def prepare_migrate_in(self, migration_id: str, request_id: str, src_instance_id: str,
                                  num_blocks: int, grow_only: bool = False,
-                                 block_hashes: Sequence[bytes] = (), timeout_s: float | None = None) -> Reservation: ...
+                                 block_hashes: Sequence[bytes] = (), timeout_s: float | None = None,
+                                 keep_cached_blocks: int | None = None) -> Reservation: ...
 
     async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None: ...
 
@@ -146,6 +149,9 @@ class _Attempt:
     # valid only while the request has been preempted num_preemptions times.
     copied: dict[int, BlockId] = field(default_factory=dict)
     num_preemptions: int = 0
+    dst_checksums: tuple[int, ...] = ()  # crc32 of the destination's cached blocks it still reserves
+    checked_preemptions: int | None = None  # the request's num_preemptions when they were checked against ours
+    num_cached_rejected: int = 0  # cached blocks the destination gave up for fresh ones: other bits than ours
     num_live_stages: int = 0
     num_blocks: int = 0
     num_bytes: int = 0
@@ -156,7 +162,7 @@ class _Attempt:
 
     def pending(self, view: MigrationBlocks, full_only: bool) -> list[int]:
         """Block-table indexes whose current source block is not copied yet (all once a preemption moved them),
-        past the ones the destination had cached (their K/V depend on the tokens only: a preemption keeps them)."""
+        past the ones the destination had cached with our bits (checked again after a preemption: `_check_cached`)."""
         if view.num_preemptions != self.num_preemptions:
             self.copied.clear()
             self.num_preemptions = view.num_preemptions
@@ -327,6 +333,8 @@ class MigrationDriver:
         await self._reserve(a, view, RESERVATION_HEADROOM_BLOCKS)  # fresh now, so the paused copy asks nothing
         # suspend_held: a request parked for its PD hand-off meanwhile is ours now (the hand-off was refused: _moving)
         view, state = await self._suspend(a, lambda engine: engine.suspend_held(a.request_id))
+        if view.num_preemptions != a.checked_preemptions:  # recomputed since the check: maybe other bits now
+            await self._check_cached(a)
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
         self._check_not_aborted(a)
         await a.peer.commit_migrate_in(a.migration_id, state)
@@ -418,6 +426,41 @@ class MigrationDriver:
                                                         timeout_s=a.plan.prepare_timeout_s if is_first else None)
         if a.backend is None:
             a.backend = auto_backend(a.reservation, self._settings.transfer_id, self._settings.offered_backends)
+        if is_first:
+            a.dst_checksums = a.reservation.cached_checksums
+            await self._check_cached(a)
+
+    async def _check_cached(self, a: _Attempt) -> None:
+        """Keep on the destination only the cached blocks whose bits equal this request's blocks here.
+
+        A block's K/V bits depend on how its rows were computed (decoded one by one, within a prompt, a
+        prompt cut at another chunk), not only on its tokens, and the request must decode on the bits it
+        had here. So the first answer carries the cached blocks' crc32; at the first that differs from
+        ours (or past the blocks full here), a grow call with `keep_cached_blocks` swaps that one and the
+        rest for fresh blocks, which the stages copy into. Nothing was copied yet into those indexes. An
+        older destination sends no checksums: its cached blocks are taken as they are."""
+        num_cached = a.reservation.num_cached_blocks
+        if not num_cached or not a.dst_checksums:
+            return
+        engine = self._runner.engine
+
+        def own_checksums() -> tuple[int, tuple[int, ...]]:  # on the engine thread: the full blocks stay as they are
+            view = engine.migration_blocks(a.request_id)
+            return view.num_preemptions, engine.block_checksums(view.block_ids[:min(num_cached, view.num_full_blocks)])
+        a.checked_preemptions, own = await self._engine_call(a, own_checksums)
+        num_compared = min(len(own), len(a.dst_checksums), num_cached)
+        num_kept = next((i for i in range(num_compared) if own[i] != a.dst_checksums[i]), num_compared)
+        if num_kept == num_cached:
+            return
+        a.prepared_at = time.perf_counter()
+        a.reservation = await a.peer.prepare_migrate_in(a.migration_id, a.request_id, self._settings.instance_id,
+                                                        len(a.reservation.block_ids), grow_only=True,
+                                                        keep_cached_blocks=num_kept)
+        a.dst_checksums = a.dst_checksums[:num_kept]
+        a.num_cached_rejected += num_cached - num_kept
+        log.info("migration_cached_blocks_rejected", request_id=a.request_id, dst_instance_id=a.plan.dst_instance_id,
+                 migration_id=a.migration_id, num_cached_at_destination=num_kept,
+                 cached_blocks_rejected=num_cached - num_kept)
 
     async def _copy(self, a: _Attempt, view: MigrationBlocks, indexes: list[int], headroom: int) -> None:
         if not indexes:
@@ -484,10 +527,12 @@ class MigrationDriver:
             dst_instance_id=a.plan.dst_instance_id, num_blocks=a.num_blocks, num_bytes=a.num_bytes,
             num_stages=a.num_live_stages + 1, backend=a.backend,
             duration_ms=(now - min(a.started_at, a.suspended_at)) * 1e3,  # a PD hand-off's request was held first
-            downtime_ms=(a.committed_at - a.suspended_at) * 1e3)
+            downtime_ms=(a.committed_at - a.suspended_at) * 1e3,
+            num_cached_at_destination=a.reservation.num_cached_blocks if a.reservation else 0)
         log.info("migration_committed", request_id=a.request_id, dst_instance_id=a.plan.dst_instance_id,
                  num_stages=result.num_stages, num_blocks=result.num_blocks, num_bytes=result.num_bytes,
-                 num_cached_at_destination=a.reservation.num_cached_blocks if a.reservation else 0,
+                 num_cached_at_destination=result.num_cached_at_destination,
+                 cached_blocks_rejected=a.num_cached_rejected,
                  backend=a.backend.value, duration_ms=round(result.duration_ms, 2),
                  downtime_ms=round(result.downtime_ms, 2))
         return result

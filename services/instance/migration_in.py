@@ -45,7 +45,8 @@ log = structlog.get_logger(__name__)
 
 MAX_UNATTACHED_OUTPUTS = 4096  # outputs a migrated-in request may buffer before a client attaches
 
-_Reserved = tuple[tuple[int, ...], int]  # the reservation's block ids, and how many lead with cached blocks
+# The reservation's block ids, how many lead with cached blocks, and those blocks' crc32 (first Prepare only)
+_Reserved = tuple[tuple[int, ...], int, tuple[int, ...]]
 
 
 @dataclass(slots=True)
@@ -96,10 +97,13 @@ class MigrationInbox:
         return len(self._incoming)
 
     async def prepare(self, migration_id: str, request_id: str, src_instance_id: str,
-                      num_blocks: int, grow_only: bool = False, block_hashes: Sequence[BlockHash] = ()) -> Reservation:
+                      num_blocks: int, grow_only: bool = False, block_hashes: Sequence[BlockHash] = (),
+                      keep_cached_blocks: int | None = None) -> Reservation:
         """Reserve (or grow the reservation to) `num_blocks`; ResourceExhausted if short of blocks or slots.
         `grow_only`: the caller holds this reservation already; Aborted if it is gone (expired).
-        `block_hashes` (the request's full blocks; first call only): start from the blocks cached here."""
+        `block_hashes` (the request's full blocks; first call only): start from the blocks cached here, and
+        answer their crc32. `keep_cached_blocks` (a later call): keep only that many of them, fresh blocks
+        in the others' places (their bits were not the source's)."""
         if not migration_id or num_blocks < 0:
             raise InvalidArgument("migration_id: required; num_blocks: must be >= 0")
         if len(block_hashes) > num_blocks:
@@ -112,6 +116,9 @@ class MigrationInbox:
             raise Aborted(f"migration {migration_id}: the reservation here is gone (the watchdog freed it after "
                           f"{self._timeout_s:g} s without a call) or it was aborted; the blocks copied so far are lost")
         is_first = incoming is None
+        if is_first and keep_cached_blocks is not None:
+            raise InvalidArgument("keep_cached_blocks: only on a later call of the migration (grow_only), after the "
+                                  "first answered the cached blocks' checksums")
         if is_first:
             self._slots.acquire(migration_id)
             incoming = _Incoming(migration_id, request_id, src_instance_id, self._deadline(),
@@ -122,10 +129,13 @@ class MigrationInbox:
         engine = self._runner.engine
 
         def reserve() -> _Reserved:
+            if keep_cached_blocks is not None:
+                engine.keep_cached_reserved(migration_id, keep_cached_blocks)
             block_ids = engine.reserve_blocks(migration_id, num_blocks, block_hashes)
-            return block_ids, engine.num_cached_reserved(migration_id)
+            num_cached = engine.num_cached_reserved(migration_id)
+            return block_ids, num_cached, engine.block_checksums(block_ids[:num_cached]) if is_first else ()
         try:
-            block_ids, num_cached = await (self._reserve_granting(incoming, reserve) if is_first
+            block_ids, num_cached, checksums = await (self._reserve_granting(incoming, reserve) if is_first
                                            else self._runner.call(reserve))
         except BaseException:
             if is_first or not await self._runner.call(lambda: migration_id in engine.reservations):
@@ -135,7 +145,7 @@ class MigrationInbox:
                 self._revoking.setdefault(incoming.write_grant, None)
             raise
         return Reservation(tuple(block_ids), self._transfer.address, self._transfer.transfer_id, num_cached,
-                           incoming.write_grant)
+                           incoming.write_grant, checksums)
 
     async def _reserve_granting(self, incoming: _Incoming, reserve: Callable[[], _Reserved]) -> _Reserved:
         """The first Prepare: reserve on the engine while the write grant opens (no block id has left yet)."""

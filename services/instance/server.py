@@ -165,7 +165,9 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         self._check_accepting("migrations")
         reservation = await self.inbox.prepare(request.migration_id, request.request_id, request.src_instance_id,
                                                 request.num_blocks, grow_only=request.grow_only,
-                                                block_hashes=tuple(request.block_hashes))
+                                                block_hashes=tuple(request.block_hashes),
+                                                keep_cached_blocks=request.keep_cached_blocks
+                                                if request.HasField("keep_cached_blocks") else None)
         return reservation_to_proto(reservation)
 
     async def CommitMigrateIn(self, request: instance_pb2.CommitMigrateInRequest,

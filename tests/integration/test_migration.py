@@ -17,11 +17,14 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 import llguidance
+import numpy as np
 import pytest
+import torch
 
 from services.cluster.processes import ServiceProcess, stop_all
 from services.common.errors import error_from_rpc
 from services.common.etcd_launcher import free_port
+from services.common.prefix_hash import next_block_hash
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc, transfer_pb2
 from services.common.registry import Registry
 from services.instance.engine.factory import EngineSpec, build_engine
@@ -157,6 +160,7 @@ class ClientStream:
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # with sampling.logprobs: the chosen tokens' (float32)
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     handoffs: list[instance_pb2.Handoff] = field(default_factory=list)
 
@@ -171,6 +175,7 @@ class ClientStream:
                 return chunk.handoff
             assert chunk.token_index == len(self.token_ids) or not chunk.token_ids, "gap or duplicate token index"
             self.token_ids += chunk.token_ids
+            self.logprobs += [entry.logprob for entry in chunk.logprobs]
             if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 self.finish_reason = chunk.finish_reason
                 return None
@@ -250,6 +255,67 @@ async def test_blocks_cached_on_the_destination_are_not_sent_again(stubs, cluste
     num_blocks = -(-(len(prompt) + client.handoffs[0].next_token_index) // BLOCK_SIZE)
     num_cached = (len(prompt) + 40) // BLOCK_SIZE  # full when the destination was first asked
     assert 0 <= result.num_blocks <= num_blocks - num_cached
+    await assert_all_blocks_free(stubs)
+
+
+def _unmigrated_and_cached_bits(model_dir, prompt: list[int], sampling: SamplingParams,
+                                resent: list[int]) -> tuple[list[int], list[float], int]:
+    """`prompt` run alone, never migrated (its tokens and float32 logprobs), and how many leading blocks of
+    `resent` (that prompt and some of its output, sent as a prompt of its own) a fresh instance computes with
+    the bits the run computed them with (its prompt as a prompt, its output one token at a time)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the instances run (--num-threads 1)
+    loaded = [build_engine(EngineSpec(model_dir, kv_name=f"ferry-test-ref-{uuid.uuid4().hex[:6]}",
+                                      block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN))
+              for _ in range(2)]
+    try:
+        run, resend = (item.engine for item in loaded)
+        run.add_request("run", prompt, sampling)
+        outputs = []
+        while not outputs or outputs[-1].finish_reason is None:
+            outputs += run.step()
+        resend.generate([resent], replace(sampling, max_tokens=1, logprobs=0))
+        hashes: list[bytes] = []
+        for i in range(len(resent) // BLOCK_SIZE):
+            hashes.append(next_block_hash(hashes, resent[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]))
+        blocks = [engine.block_manager.cached_blocks(hashes) for engine in (run, resend)]
+        assert len(blocks[0]) == len(blocks[1]) == len(hashes)
+        kv = [item.kv_cache.tensor for item in loaded]  # [layers, 2, blocks, ...]
+        num_same = next((i for i, (x, y) in enumerate(zip(*blocks)) if not torch.equal(kv[0][:, :, x], kv[1][:, :, y])),
+                        len(hashes))
+    finally:
+        for item in loaded:
+            item.close()
+        torch.set_num_threads(threads)
+    tokens = [t for output in outputs for t in output.new_token_ids]
+    logprobs = [float(np.float32(entry.logprob)) for output in outputs for entry in output.logprobs or ()]
+    return tokens, logprobs, num_same
+
+
+async def test_cached_blocks_with_other_bits_than_the_sources_are_copied_over(stubs, cluster, tiny_model_dir):
+    """The destination holds blocks of the request's tokens computed otherwise: its prompt and first output
+    tokens sent as one prompt (a chat's next turn, a resend), prefilled there, where the request decoded its
+    output one token at a time. Bits differ, though the hashes are equal. Only the leading blocks whose crc32
+    equals the source's stay shared; the rest are copied, so the request goes on with the bits it had: tokens
+    and logprobs equal to the bit to the run never migrated (before: its later logprobs differed)."""
+    wire, sampling = greedy(900)  # long enough to be still running when the migration starts, however busy
+    wire.logprobs, sampling = 1, replace(sampling, logprobs=1)
+    prompt = [(t * 11) % 500 + 3 for t in PROMPT]  # a prompt of its own: nothing of it cached anywhere
+    client = ClientStream("rebits-1")
+    call = generate(stubs["a"], "rebits-1", wire, prompt=prompt)
+    await client.read(call, until_tokens=24)
+    resent = prompt + client.token_ids[:24]
+    other = ClientStream("rebits-0")
+    await other.follow(generate(stubs["b"], "rebits-0", greedy(1)[0], prompt=resent))  # b caches resent's blocks
+    result = await migrate_out(stubs["a"], "rebits-1", "b", cluster)
+    await client.follow(call)
+    tokens, logprobs, num_same = _unmigrated_and_cached_bits(tiny_model_dir, prompt, sampling, resent)
+    assert client.token_ids == tokens
+    assert client.logprobs == logprobs
+    assert num_same < len(resent) // BLOCK_SIZE, "the prefilled blocks have the decoded ones' bits: no test"
+    assert result.num_cached_at_destination == num_same
+    print(f"\nmigration rebits-1: {num_same} of {len(resent) // BLOCK_SIZE} cached blocks with the source's bits, "
+          f"blocks copied={result.num_blocks}")
     await assert_all_blocks_free(stubs)
 
 

@@ -14,7 +14,7 @@ Live migration (README "Live migration"), all between two steps:
     source:       pick_for_migration → migration_blocks (copy full blocks while it decodes)
                   → suspend → export_state → release (moved) | resume (migration failed)
     PD hand-off:  hold (parked right after its first token) → suspend_held → export_state → release | resume
-    destination:  reserve_blocks (grows) → import_request | free_reservation
+    destination:  reserve_blocks (grows; keep_cached_reserved) → import_request | free_reservation
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ from services.instance.engine.sampler import SampledToken, Sampler, SamplingRow
 from services.instance.engine.scheduler import Scheduler, SchedulerOutput
 from services.instance.engine.text_output import TextOutput
 from services.instance.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.transfer.block_copy import kv_rows
+from services.transfer.checksum import block_checksums
 
 log = structlog.get_logger(__name__)
 
@@ -318,6 +320,16 @@ class LLMEngine:
     def num_cached_reserved(self, migration_id: str) -> int:
         """Leading blocks of the migration's reservation that came from the prefix cache."""
         return self.reservations.num_cached(MigrationId(migration_id))
+
+    def keep_cached_reserved(self, migration_id: str, num_kept: int) -> tuple[BlockId, ...]:
+        """Keep only the first `num_kept` cached blocks of the reservation (the source found other bits in the
+        next one); fresh blocks take the others' places. Every block reserved, in order."""
+        return self.reservations.keep_cached(MigrationId(migration_id), num_kept)
+
+    def block_checksums(self, block_ids: Sequence[BlockId]) -> tuple[int, ...]:
+        """crc32 of each block over every layer's K and V (services/transfer/checksum.py), in order. Call it on
+        the engine thread, on blocks that are full and held (nothing writes into them)."""
+        return block_checksums(kv_rows(self.kv_cache.tensor), tuple(block_ids)) if block_ids else ()
 
     def free_reservation(self, migration_id: str) -> bool:
         return self.reservations.free(MigrationId(migration_id))

@@ -10,7 +10,9 @@ were handed out, which is the order of the request's block table.
 A reservation may start with blocks of this instance's prefix cache: the source sends the
 hashes of the request's full blocks, and the leading ones cached here already hold the
 right K/V. They are shared (other requests may hold them too), so the source never copies
-into them.
+into them. Right K/V by their tokens, that is: their bits depend on how the rows were computed
+(decoded one by one, or within a prompt cut elsewhere), so the source compares checksums and may
+keep only the first few (`keep_cached`): the others give way to fresh blocks it copies into.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NewType
 
-from services.common.errors import NotFound, ResourceExhausted
+from services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.common.prefix_hash import BlockHash
 from services.instance.engine.block_manager import BlockId, BlockManager
 
@@ -63,6 +65,26 @@ class Reservations:
                 f"cannot reserve {num_blocks} KV blocks for migration {migration_id}: {len(blocks)} reserved, "
                 f"{self._block_manager.num_free_blocks} free; pick another destination")
         blocks.extend(self._block_manager.allocate_blocks(num_more))
+        return tuple(blocks)
+
+    def keep_cached(self, migration_id: MigrationId, num_kept: int) -> tuple[BlockId, ...]:
+        """Keep only the first `num_kept` cached blocks: the others are let go (one holder less) and fresh
+        blocks take their places, so the order stays the request's; every block held, in order."""
+        blocks = list(self.blocks(migration_id))  # NotFound if none
+        num_cached = self._num_cached[migration_id]
+        if not 0 <= num_kept <= num_cached:
+            raise InvalidArgument(f"keep_cached_blocks: must be in [0, {num_cached}] (the cached blocks migration "
+                                  f"{migration_id} started with), got {num_kept}")
+        given_up = blocks[num_kept:num_cached]
+        self._block_manager.free_blocks(given_up)  # first: one nobody else holds may be the fresh one
+        if not self._block_manager.can_allocate(len(given_up)):
+            self._block_manager.hold_cached(given_up)  # as it was: still registered, nothing ran in between
+            raise ResourceExhausted(
+                f"cannot put {len(given_up)} fresh KV blocks in place of cached ones for migration {migration_id}: "
+                f"{self._block_manager.num_free_blocks} free; pick another destination")
+        blocks[num_kept:num_cached] = self._block_manager.allocate_blocks(len(given_up))
+        self._blocks[migration_id] = blocks
+        self._num_cached[migration_id] = num_kept
         return tuple(blocks)
 
     def blocks(self, migration_id: MigrationId) -> tuple[BlockId, ...]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2
+from services.common.prefix_hash import next_block_hash
 from services.common.errors import (Aborted, FailedPrecondition, FerryError, InvalidArgument, NotFound,
                                     ResourceExhausted, Unavailable)
 from services.instance.engine.engine import EngineConfig, LLMEngine, StepOutput
@@ -71,11 +72,11 @@ class FaultyPeer:
             raise self.faults[name]
 
     async def prepare_migrate_in(self, migration_id, request_id, src_instance_id, num_blocks,
-                                 grow_only=False, block_hashes=(), timeout_s=None) -> Reservation:
+                                 grow_only=False, block_hashes=(), timeout_s=None, keep_cached_blocks=None) -> Reservation:
         self.prepare_timeouts.append(timeout_s)
         self._check("prepare")
         return await self.dst.inbox.prepare(migration_id, request_id, src_instance_id, num_blocks, grow_only=grow_only,
-                                            block_hashes=block_hashes)
+                                            block_hashes=block_hashes, keep_cached_blocks=keep_cached_blocks)
 
     async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None:
         self._check("commit")
@@ -416,6 +417,63 @@ async def test_blocks_the_destination_has_cached_are_not_copied(pair, max_stages
     copied = [i for t in copier.transfers for i in t.dst_block_ids]
     assert result.num_blocks == len(copied) <= 2 < num_blocks  # the partial block (and one filled meanwhile)
     await assert_no_blocks_held(a, b)
+
+
+class PeerFromBefore(FaultyPeer):
+    """A destination from before the cached blocks' checksums: its answers carry none."""
+
+    async def prepare_migrate_in(self, *args, **kwargs) -> Reservation:
+        return dataclasses.replace(await super().prepare_migrate_in(*args, **kwargs), cached_checksums=())
+
+
+async def give_cached_block_other_bits(side: Side, tokens: list[int], index: int) -> None:
+    """Change the bits of the block `side` cached for block `index` of PROMPT + `tokens` (as if computed otherwise)."""
+    context = PROMPT + tokens
+    hashes: list[bytes] = []
+    for i in range(index + 1):
+        hashes.append(next_block_hash(hashes, context[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]))
+    block_id = side.engine.block_manager.cached_blocks(hashes)[index]
+    await side.runner.call(lambda: side.engine.kv_cache.tensor[:, :, block_id].add_(1.0))
+
+
+@pytest.mark.parametrize("max_stages", [3, 0], ids=["live", "stop-and-copy"])
+async def test_cached_blocks_are_copied_over_from_the_first_whose_bits_differ(pair, max_stages):
+    a, b = pair
+    expected = await reference(b)  # b computed (and cached) this very request's blocks
+    await give_cached_block_other_bits(b, expected, 3)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    copier, peer = TensorCopier(a, b), FaultyPeer(b)
+    result = await driver(a, peer, copier).migrate_out(dataclasses.replace(plan(), max_stages=max_stages))
+    handoff = await read(stream, tokens)
+    last = await read(b.inbox.attach("r", handoff.epoch), tokens)
+    assert tokens == expected and last.finish_reason is FinishReason.LENGTH
+    assert result.num_cached_at_destination == 3 and peer.calls.count("prepare") >= 2
+    num_blocks = -(-(len(PROMPT) + handoff.next_token_index - 1) // BLOCK_SIZE)  # the last token is not computed
+    assert result.num_blocks == sum(t.num_blocks for t in copier.transfers) == num_blocks - 3
+    await assert_no_blocks_held(a, b)
+
+
+async def test_a_destination_from_before_checksums_keeps_every_cached_block(pair):
+    a, b = pair
+    expected = await reference(b)
+    await give_cached_block_other_bits(b, expected, 3)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    result = await driver(a, PeerFromBefore(b), TensorCopier(a, b)).migrate_out(plan())
+    handoff = await read(stream, tokens)
+    await read(b.inbox.attach("r", handoff.epoch), tokens)
+    assert result.num_cached_at_destination >= (len(PROMPT) + 30) // BLOCK_SIZE  # as they are, block 3 too
+    await assert_no_blocks_held(a, b)
+
+
+async def test_keep_cached_blocks_is_for_a_later_call_only(pair):
+    _, b = pair
+    with pytest.raises(InvalidArgument, match="keep_cached_blocks"):
+        await b.inbox.prepare("m-x", "r-x", "a", num_blocks=1, keep_cached_blocks=0)
+    assert b.slots.num_busy == 0 and b.inbox.num_incoming == 0
 
 
 async def test_more_block_hashes_than_blocks_is_invalid(pair):

@@ -29,6 +29,9 @@ class FakeEngine:
     def num_cached_reserved(self, migration_id: str) -> int:
         return 0
 
+    def block_checksums(self, block_ids) -> tuple[int, ...]:
+        return tuple(0 for _ in block_ids)
+
     def free_reservation(self, migration_id: str) -> bool:
         if self.free_errors:
             raise self.free_errors.pop(0)

@@ -469,6 +469,38 @@ async def test_a_destination_from_before_checksums_keeps_every_cached_block(pair
     await assert_no_blocks_held(a, b)
 
 
+async def test_a_request_recomputed_during_its_migration_is_checked_again_once_paused(pair):
+    """The first check kept b's 7 cached blocks; then the request is preempted and its blocks computed again
+    while a live copy is under way, block 3 with other bits (as a recompute cut elsewhere gives them): once
+    paused it is checked again, and blocks 3 on are copied, during the downtime."""
+    a, b = pair
+    cached_run = await b.runner.add("ref", PROMPT, dataclasses.replace(SAMPLING, max_tokens=9))
+    await read(cached_run, [])  # b caches this request's first 7 blocks (its 28 computed tokens), with its bits
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    copier, peer = TensorCopier(a, b, pause=asyncio.Event()), FaultyPeer(b)
+    migration = asyncio.create_task(driver(a, peer, copier).migrate_out(plan()))
+    while not copier.num_calls:  # the first live stage copies blocks 7 on
+        await asyncio.sleep(0.01)
+    assert peer.calls == ["prepare"] and copier.transfers[0].src_block_ids  # every cached block kept so far
+
+    def recomputed_with_other_bits() -> int:
+        request = a.engine._request("r")
+        request.num_preemptions += 1
+        a.engine.kv_cache.tensor[:, :, request.block_table[3]].add_(1.0)
+        return request.block_table[3]
+    block_3 = await a.runner.call(recomputed_with_other_bits)
+    copier.pause.set()
+    result = await migration
+    assert result.num_cached_at_destination == 3
+    assert block_3 in copier.transfers[-1].src_block_ids  # copied in the last copy, the request paused
+    assert all(block_3 not in t.src_block_ids for t in copier.transfers[:-1])
+    handoff = await read(stream, tokens)
+    await read(b.inbox.attach("r", handoff.epoch), tokens)
+    await assert_no_blocks_held(a, b)
+
+
 async def test_keep_cached_blocks_is_for_a_later_call_only(pair):
     _, b = pair
     with pytest.raises(InvalidArgument, match="keep_cached_blocks"):

@@ -444,10 +444,13 @@ class MigrationDriver:
             return
         engine = self._runner.engine
 
-        def own_checksums() -> tuple[int, tuple[int, ...]]:  # on the engine thread: the full blocks stay as they are
+        def own_full_blocks() -> tuple[int, tuple[BlockId, ...]]:
             view = engine.migration_blocks(a.request_id)
-            return view.num_preemptions, engine.block_checksums(view.block_ids[:min(num_cached, view.num_full_blocks)])
-        a.checked_preemptions, own = await self._engine_call(a, own_checksums)
+            return view.num_preemptions, view.block_ids[:min(num_cached, view.num_full_blocks)]
+        a.checked_preemptions, block_ids = await self._engine_call(a, own_full_blocks)
+        # Off the engine thread (decoding goes on): full blocks are never written again; a preemption meanwhile
+        # (its blocks freed) is seen after the pause, which checks them again (_move).
+        own = await asyncio.to_thread(engine.block_checksums, block_ids)
         num_compared = min(len(own), len(a.dst_checksums), num_cached)
         num_kept = next((i for i in range(num_compared) if own[i] != a.dst_checksums[i]), num_compared)
         if num_kept == num_cached:

@@ -45,8 +45,7 @@ log = structlog.get_logger(__name__)
 
 MAX_UNATTACHED_OUTPUTS = 4096  # outputs a migrated-in request may buffer before a client attaches
 
-# The reservation's block ids, how many lead with cached blocks, and those blocks' crc32 (first Prepare only)
-_Reserved = tuple[tuple[int, ...], int, tuple[int, ...]]
+_Reserved = tuple[tuple[int, ...], int]  # the reservation's block ids, and how many lead with cached blocks
 
 
 @dataclass(slots=True)
@@ -132,10 +131,9 @@ class MigrationInbox:
             if keep_cached_blocks is not None:
                 engine.keep_cached_reserved(migration_id, keep_cached_blocks)
             block_ids = engine.reserve_blocks(migration_id, num_blocks, block_hashes)
-            num_cached = engine.num_cached_reserved(migration_id)
-            return block_ids, num_cached, engine.block_checksums(block_ids[:num_cached]) if is_first else ()
+            return block_ids, engine.num_cached_reserved(migration_id)
         try:
-            block_ids, num_cached, checksums = await (self._reserve_granting(incoming, reserve) if is_first
+            block_ids, num_cached = await (self._reserve_granting(incoming, reserve) if is_first
                                            else self._runner.call(reserve))
         except BaseException:
             if is_first or not await self._runner.call(lambda: migration_id in engine.reservations):
@@ -144,6 +142,8 @@ class MigrationInbox:
             if is_first:  # a grant whose answer was lost may still have opened: close it too
                 self._revoking.setdefault(incoming.write_grant, None)
             raise
+        # Off the engine thread (decoding goes on): the reservation holds the cached blocks, so nothing writes them.
+        checksums = await asyncio.to_thread(engine.block_checksums, block_ids[:num_cached]) if is_first else ()
         return Reservation(tuple(block_ids), self._transfer.address, self._transfer.transfer_id, num_cached,
                            incoming.write_grant, checksums)
 

@@ -327,8 +327,8 @@ class LLMEngine:
         return self.reservations.keep_cached(MigrationId(migration_id), num_kept)
 
     def block_checksums(self, block_ids: Sequence[BlockId]) -> tuple[int, ...]:
-        """crc32 of each block over every layer's K and V (services/transfer/checksum.py), in order. Call it on
-        the engine thread, on blocks that are full and held (nothing writes into them)."""
+        """crc32 of each block over every layer's K and V (services/transfer/checksum.py), in order. Reads
+        only the KV tensor: any thread may call it, on blocks that are full and held (nothing writes into them)."""
         return block_checksums(kv_rows(self.kv_cache.tensor), tuple(block_ids)) if block_ids else ()
 
     def free_reservation(self, migration_id: str) -> bool:

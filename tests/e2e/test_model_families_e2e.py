@@ -52,7 +52,14 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+# `make test` serves three (a cluster each costs ~15 s on CI's 2 cores): a sliding window with RoPEs of its own,
+# a mixture of experts, learned positions with GPT-2's Conv1D; the rest are slow-marked (each family's engine
+# is checked against transformers in tests/unit/instance/test_model_families.py either way).
+IN_MAKE_TEST = {"gemma3", "mixtral", "gpt2"}
+
+
+@pytest.fixture(scope="module", params=[name if name in IN_MAKE_TEST else pytest.param(name, marks=pytest.mark.slow)
+                                        for name in sorted(FAMILIES)])
 def family(request, tmp_path_factory) -> tuple[pathlib.Path, object, int]:
     """The tiny models' tokenizer with random weights of another family (and the transformers
     model, and the context the cluster should serve)."""

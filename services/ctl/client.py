@@ -191,7 +191,8 @@ def migrate_from_proto(reply: Any) -> MigrateResult:
     return MigrateResult(
         request_id=reply.request_id, src_instance_id=reply.src_instance_id, dst_instance_id=reply.dst_instance_id,
         num_blocks=reply.num_blocks, num_bytes=reply.num_bytes, num_stages=reply.num_stages, backend=reply.backend,
-        duration_ms=reply.duration_ms, downtime_ms=reply.downtime_ms)
+        duration_ms=reply.duration_ms, downtime_ms=reply.downtime_ms,
+        num_cached_at_destination=reply.num_cached_at_destination)
 
 
 def _full_enum_name(field: FieldDescriptor, value: Any) -> Any:

@@ -88,6 +88,7 @@ class MigrateResult:
     backend: str
     duration_ms: float
     downtime_ms: float
+    num_cached_at_destination: int = 0  # blocks the destination had cached with the same bits: not sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +109,7 @@ class MigrationRow:
     downtime_ms: float
     reason: str  # failed: the status code
     message: str  # failed: the details
+    num_cached_at_destination: int = 0  # blocks the destination had cached with the same bits: not sent
 
 
 def to_json(record: Any) -> Any:

@@ -101,9 +101,11 @@ def migrations_table(rows: Sequence[MigrationRow]) -> str:
 
 
 def migrate_table(result: MigrateResult) -> str:
-    return render_table(("REQUEST", "FROM", "TO", "BLOCKS", "BYTES", "STAGES", "BACKEND", "DURATION MS", "DOWNTIME MS"), [
-        (result.request_id, result.src_instance_id, result.dst_instance_id, result.num_blocks, result.num_bytes,
-         result.num_stages, result.backend, result.duration_ms, result.downtime_ms)])
+    return render_table(("REQUEST", "FROM", "TO", "BLOCKS", "CACHED", "BYTES", "STAGES", "BACKEND", "DURATION MS",
+                         "DOWNTIME MS"), [
+        (result.request_id, result.src_instance_id, result.dst_instance_id, result.num_blocks,
+         result.num_cached_at_destination, result.num_bytes, result.num_stages, result.backend, result.duration_ms,
+         result.downtime_ms)])
 
 
 def _value(value: object) -> str:

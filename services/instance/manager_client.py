@@ -44,7 +44,8 @@ class ManagerLink:
             request_id=result.request_id, src_instance_id=result.src_instance_id,
             dst_instance_id=result.dst_instance_id, num_blocks=result.num_blocks, num_bytes=result.num_bytes,
             num_stages=result.num_stages, backend=result.backend.value, duration_ms=result.duration_ms,
-            downtime_ms=result.downtime_ms, outcome="committed", trigger="pd", started_at=started_at)
+            downtime_ms=result.downtime_ms, num_cached_at_destination=result.num_cached_at_destination,
+            outcome="committed", trigger="pd", started_at=started_at)
         await self._call("ReportMigration", record, result.request_id)
 
     async def report_failed_migration(self, plan: MigrateOutPlan, src_instance_id: str, error: FerryError,

@@ -164,7 +164,8 @@ def migration_figures_from_proto(reply: instance_pb2.MigrateOutResponse) -> Migr
     backend = transfer_pb2.TransferBackend.Name(reply.backend).removeprefix(_BACKEND_PREFIX).lower()
     return MigrationFigures(request_id=reply.request_id, num_blocks=reply.num_blocks, num_bytes=reply.num_bytes,
                             num_stages=reply.num_stages, backend="" if backend == "unspecified" else backend,
-                            duration_ms=reply.duration_ms, downtime_ms=reply.downtime_ms)
+                            duration_ms=reply.duration_ms, downtime_ms=reply.downtime_ms,
+                            num_cached_at_destination=reply.num_cached_at_destination)
 
 
 def migrate_response_to_proto(record: MigrationRecord) -> manager_pb2.MigrateResponse:
@@ -172,7 +173,8 @@ def migrate_response_to_proto(record: MigrationRecord) -> manager_pb2.MigrateRes
     return manager_pb2.MigrateResponse(
         request_id=figures.request_id, src_instance_id=order.src_instance_id, dst_instance_id=order.dst_instance_id,
         num_blocks=figures.num_blocks, num_bytes=figures.num_bytes, num_stages=figures.num_stages,
-        backend=figures.backend, duration_ms=figures.duration_ms, downtime_ms=figures.downtime_ms)
+        backend=figures.backend, duration_ms=figures.duration_ms, downtime_ms=figures.downtime_ms,
+        num_cached_at_destination=figures.num_cached_at_destination)
 
 
 def migration_record_to_proto(record: MigrationRecord) -> manager_pb2.MigrationRecord:
@@ -181,12 +183,12 @@ def migration_record_to_proto(record: MigrationRecord) -> manager_pb2.MigrationR
         request_id=figures.request_id, src_instance_id=order.src_instance_id, dst_instance_id=order.dst_instance_id,
         num_blocks=figures.num_blocks, num_bytes=figures.num_bytes, num_stages=figures.num_stages,
         backend=figures.backend, duration_ms=figures.duration_ms, downtime_ms=figures.downtime_ms,
-        outcome=record.outcome.value, reason=record.reason, message=record.message, trigger=order.trigger.value,
+        num_cached_at_destination=figures.num_cached_at_destination, outcome=record.outcome.value, reason=record.reason, message=record.message, trigger=order.trigger.value,
         started_at=record.started_at)
 
 
 def _check_reported_figures(msg: manager_pb2.MigrationRecord) -> None:
-    for name in ("num_blocks", "num_bytes", "num_stages"):
+    for name in ("num_blocks", "num_bytes", "num_stages", "num_cached_at_destination"):
         if getattr(msg, name) < 0:
             raise InvalidArgument(f"{name}: must be >= 0, got {getattr(msg, name)}")
     for name in ("duration_ms", "downtime_ms", "started_at"):
@@ -211,7 +213,7 @@ def reported_migration_from_proto(msg: manager_pb2.MigrationRecord, src_address:
                            max_stages=0)
     figures = MigrationFigures(request_id=msg.request_id, num_blocks=msg.num_blocks, num_bytes=msg.num_bytes,
                                num_stages=msg.num_stages, backend=msg.backend, duration_ms=msg.duration_ms,
-                               downtime_ms=msg.downtime_ms)
+                               downtime_ms=msg.downtime_ms, num_cached_at_destination=msg.num_cached_at_destination)
     outcome = MigrationOutcome(msg.outcome or MigrationOutcome.COMMITTED.value)
     if outcome is MigrationOutcome.FAILED:
         reason = msg.reason if msg.reason in _STATUS_NAMES else "UNKNOWN"  # a metrics label: a closed set

@@ -73,6 +73,7 @@ class MigrationFigures:
     backend: str = ""
     duration_ms: float = 0.0
     downtime_ms: float = 0.0
+    num_cached_at_destination: int = 0  # leading blocks the destination had cached with the same bits: not sent
 
 
 @dataclass(frozen=True, slots=True)

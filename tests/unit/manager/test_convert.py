@@ -4,10 +4,13 @@ reservations (dispatches not yet reported) never touch them."""
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.common.gen.ferry.v1 import common_pb2, manager_pb2
-from services.manager.convert import instance_to_proto, load_from_proto, reported_migration_from_proto
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2
+from services.manager.convert import (instance_to_proto, load_from_proto, migrate_response_to_proto,
+                                      migration_figures_from_proto, migration_record_to_proto,
+                                      reported_migration_from_proto)
 from services.manager.domain import InstanceId, InstanceRecord, InstanceState, InstanceView, Reservation
-from services.manager.migration import MigrationOutcome
+from services.manager.migration import (MigrationOrder, MigrationOutcome, MigrationRecord, MigrationSelection,
+                                        MigrationTrigger)
 
 
 def test_prefix_cache_counters_reach_the_instance_row():
@@ -57,3 +60,19 @@ def test_a_reported_pd_hand_off_that_failed_is_kept_as_failed_with_its_reason():
         reported_migration_from_proto(msg, "", "")
     msg.outcome = ""  # instances before this field was read: committed
     assert reported_migration_from_proto(msg, "", "").is_committed
+
+
+def test_the_blocks_reused_at_the_destination_reach_the_admin_answer_and_the_history():
+    reply = instance_pb2.MigrateOutResponse(request_id="r-1", num_blocks=5, num_cached_at_destination=3)
+    figures = migration_figures_from_proto(reply)
+    assert figures.num_cached_at_destination == 3
+    order = MigrationOrder(InstanceId("a"), "127.0.0.1:1", InstanceId("b"), "127.0.0.1:2", MigrationTrigger.ADMIN,
+                           MigrationSelection.SHORTEST_RUNNING, request_id="r-1")
+    record = MigrationRecord(order, MigrationOutcome.COMMITTED, figures, 5.0)
+    assert migrate_response_to_proto(record).num_cached_at_destination == 3
+    reported = migration_record_to_proto(record)
+    assert reported.num_cached_at_destination == 3
+    assert reported_migration_from_proto(reported, "", "").figures.num_cached_at_destination == 3
+    reported.num_cached_at_destination = -1
+    with pytest.raises(InvalidArgument, match="num_cached_at_destination"):
+        reported_migration_from_proto(reported, "", "")

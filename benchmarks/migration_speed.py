@@ -55,7 +55,7 @@ from services.common.etcd_launcher import free_port  # noqa: E402
 from services.common.grpc_server import BULK_TRANSFER_OPTIONS, MESSAGE_OPTIONS, insecure_channel  # noqa: E402
 from services.common.heap import DEFAULT_KEEP_MIB, keep_freed_heap  # noqa: E402
 from services.instance.engine.kv_cache import KvCache, KvGeometry  # noqa: E402
-from services.transfer.channels import chunk_tag  # noqa: E402
+from services.transfer.pair_channel import chunk_tag  # noqa: E402
 from services.transfer.chunk_plan import IN_PLACE_MIN_ROW_BYTES  # noqa: E402
 from services.transfer.client import DEFAULT_PIECE_BYTES, TransferClient  # noqa: E402
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend  # noqa: E402

@@ -24,7 +24,8 @@ from services.common.periodic import periodic_loop
 from services.common.registry import Registry
 from services.common.signals import stop_event
 from services.transfer.metrics import serve_metrics
-from services.transfer.channels import ChannelTable, configure_nccl
+from services.transfer.channels import ChannelTable
+from services.transfer.pair_channel import configure_nccl
 from services.transfer.client import TransferClients
 from services.transfer.config import TransferConfig
 from services.transfer.convert import geometry_from_record

@@ -10,9 +10,9 @@ from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.heap import DEFAULT_KEEP_MIB
 from services.common.tls import TlsKnobs
 from services.common.logging import LogKnobs
-from services.transfer.channels import CHANNEL_BACKENDS, MAX_GLOO_CONNECTIONS, TAG_STRIDE, check_backend_available
 from services.transfer.chunk_plan import IN_PLACE_MIN_ROW_BYTES
-from services.transfer.domain import DEFAULT_PIECE_BYTES, TransferBackend
+from services.transfer.domain import CHANNEL_BACKENDS, DEFAULT_PIECE_BYTES, TransferBackend
+from services.transfer.pair_channel import MAX_GLOO_CONNECTIONS, TAG_STRIDE, check_backend_available
 
 
 @dataclass(frozen=True, slots=True)

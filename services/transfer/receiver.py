@@ -34,13 +34,14 @@ import torch
 
 from services.common.errors import FerryError, InvalidArgument, ResourceExhausted
 from services.transfer.block_copy import as_bytes, in_place_view, scatter_chunk, segments, staged_view
-from services.transfer.channels import ChannelTable, PairChannel, chunk_tag, span_messages
+from services.transfer.channels import ChannelTable
 from services.transfer.checksum import ChecksumVerifier
 from services.transfer.chunk_plan import Chunk, ChunkPlan, check_block_ids, check_compatible
 from services.transfer.deadline import Deadline
 from services.transfer.domain import IncomingBlocks, TransferBackend
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.metrics import IN_PLACE_BYTES
+from services.transfer.pair_channel import PairChannel, chunk_tag, span_messages
 from services.transfer.pipeline import ScatterBehind
 from services.transfer.staging import StagingPool, StagingSlot
 from services.transfer.threads import TransferThreads, retrieve_error, run_in_thread, wait_for_threads

@@ -34,7 +34,7 @@ import torch
 
 from services.common.errors import Aborted, FailedPrecondition, FerryError, InvalidArgument, NotFound, ResourceExhausted
 from services.transfer.block_copy import as_bytes, chunk_parts, copy_blocks, gather_chunk, segments, staged_view
-from services.transfer.channels import TAG_STRIDE, ChannelTable, PairChannel, chunk_tag, span_messages
+from services.transfer.channels import ChannelTable
 from services.transfer.checksum import block_checksums
 from services.transfer.chunk_plan import (IN_PLACE_MIN_ROW_BYTES, Chunk, ChunkPlan, check_block_ids, check_compatible,
                                           find_in_place_spans)
@@ -43,6 +43,7 @@ from services.transfer.deadline import Deadline
 from services.transfer.domain import BlockTransfer, IncomingBlocks, TransferBackend, TransferId, TransferResult
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.metrics import IN_PLACE_BYTES
+from services.transfer.pair_channel import TAG_STRIDE, PairChannel, chunk_tag, span_messages
 from services.transfer.peer import PeerFactory
 from services.transfer.pipeline import BufferRing, GatherAhead
 from services.transfer.staging import StagingPool, StagingSlot

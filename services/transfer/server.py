@@ -13,7 +13,8 @@ import structlog
 from services.common.errors import FerryError, InvalidArgument, Unavailable
 from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
 from services.transfer.metrics import observed_transfer
-from services.transfer.channels import MAX_GLOO_CONNECTIONS, MAX_TAG, TAG_STRIDE, ChannelTable
+from services.transfer.channels import ChannelTable
+from services.transfer.pair_channel import MAX_GLOO_CONNECTIONS, MAX_TAG, TAG_STRIDE
 from services.transfer.convert import (backend_from_proto, backend_to_proto, decode_receive_blocks_message,
                                        geometry_from_proto, header_from_proto, ipc_handle_from_proto, result_to_proto,
                                        transfer_from_proto)

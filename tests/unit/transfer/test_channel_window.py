@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from services.transfer.channels import PairChannel
+from services.transfer.pair_channel import PairChannel
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
 from services.transfer.receiver import BlockReceiver
 from services.transfer.sender import BlockSender

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.transfer.channels import NCCL_ENVIRONMENT, configure_nccl
+from services.transfer.pair_channel import NCCL_ENVIRONMENT, configure_nccl
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -42,7 +42,8 @@ from services.instance.manager_client import ManagerLink
 from services.instance.pd_handoff import DecodeHandoff
 from services.instance.role_marks import RoleMarks
 from services.instance.metrics import serve_metrics
-from services.instance.migration import MigrationDriver, MigrationSettings
+from services.instance.migration import MigrationDriver
+from services.instance.migration_domain import MigrationSettings
 from services.instance.migration_in import MigrationInbox, TransferEndpoint
 from services.instance.migration_slots import MigrationSlots
 from services.instance.runner import EngineRunner

@@ -19,7 +19,7 @@ from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
 from services.instance.convert import request_state_to_proto, reservation_from_proto
 from services.instance.engine.migration_state import RequestState
-from services.instance.migration import Reservation
+from services.instance.migration_domain import Reservation
 
 
 class InstanceClient:

@@ -12,7 +12,7 @@ from services.instance.engine.migration_state import MigrationSelection, Request
 from services.instance.engine.prefix_cache import NO_PREFIX_CACHE_STATS, PrefixCacheStats
 from services.instance.engine.request import RequestId, SamplingParams
 from services.instance.handoff import Handoff
-from services.instance.migration import MigrateOutPlan, MigrationResult, Reservation
+from services.instance.migration_domain import MigrateOutPlan, MigrationResult, Reservation
 from services.transfer.convert import backend_from_proto, backend_to_proto
 
 _MAX_REQUEST_ID_LEN = 256

@@ -18,7 +18,7 @@ from services.common.gen.ferry.v1 import manager_pb2, manager_pb2_grpc
 from services.common.channel_pool import ChannelPool
 from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
-from services.instance.migration import MigrateOutPlan, MigrationResult
+from services.instance.migration_domain import MigrateOutPlan, MigrationResult
 from services.instance.pd_handoff import DecodePlace
 
 

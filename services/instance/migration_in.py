@@ -36,7 +36,7 @@ from services.common.errors import Aborted, FailedPrecondition, InvalidArgument,
 from services.common.periodic import periodic_loop
 from services.common.prefix_hash import BlockHash
 from services.instance.engine.migration_state import RequestState
-from services.instance.migration import Reservation
+from services.instance.migration_domain import Reservation
 from services.instance.migration_slots import MigrationSlots
 from services.instance.runner import EngineRunner, RequestStream
 from services.instance.write_fence import NoWriteFence, WriteFence

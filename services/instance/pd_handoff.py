@@ -33,7 +33,8 @@ import structlog
 from services.common.errors import FerryError, ResourceExhausted
 from services.instance.config import InstanceRole, PdHandoff
 from services.instance.engine.migration_state import HeldRequest, MigrationSelection
-from services.instance.migration import MigrateOutPlan, MigrationDriver, MigrationResult
+from services.instance.migration import MigrationDriver
+from services.instance.migration_domain import MigrateOutPlan, MigrationResult
 from services.instance.runner import EngineRunner
 
 log = structlog.get_logger(__name__)

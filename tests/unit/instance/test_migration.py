@@ -26,7 +26,8 @@ from services.instance.engine.request import FinishReason, SamplingParams
 from services.instance.engine.tokenizer import Tokenizer
 from services.instance.config import InstanceRole, PdHandoff
 from services.instance.handoff import Handoff
-from services.instance.migration import MigrateOutPlan, MigrationDriver, MigrationSettings, Reservation
+from services.instance.migration import MigrationDriver
+from services.instance.migration_domain import MigrateOutPlan, MigrationSettings, Reservation
 from services.instance.migration_in import MigrationInbox, TransferEndpoint
 from services.instance.migration_slots import MigrationSlots
 from services.instance.pd_handoff import DecodeHandoff, DecodePlace

@@ -8,7 +8,7 @@ import pytest
 
 from services.common.errors import Internal, ResourceExhausted, Unavailable
 from services.instance.config import InstanceRole, PdHandoff
-from services.instance.migration import MigrateOutPlan, MigrationResult
+from services.instance.migration_domain import MigrateOutPlan, MigrationResult
 from services.instance.pd_handoff import DecodeHandoff, DecodePlace
 from services.transfer.domain import TransferBackend
 from tests.unit.loop_checks import assert_cancels, until

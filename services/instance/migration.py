@@ -31,7 +31,7 @@ import structlog
 from services.common.errors import Aborted, FailedPrecondition, FerryError, NotFound
 from services.instance.engine.block_manager import BlockId
 from services.instance.engine.migration_state import HeldRequest, MigrationBlocks, RequestState
-from services.instance.handoff import Handoff
+from services.instance.handoff import Handoff, RecentHandoffs
 from services.instance.migration_domain import (BlockTransferer, DestinationPeer, MigrateOutPlan, MigrationResult,
                                                 MigrationSettings, Reservation)
 from services.instance.migration_slots import MigrationSlots
@@ -49,9 +49,6 @@ RESERVATION_HEADROOM_BLOCKS = 2
 # How long MigrateOut of a request that migrated in waits for its client to follow it here (normally
 # milliseconds): until then the client knows it elsewhere and would miss a second hand-off.
 CLIENT_ATTACH_WAIT_S = 2.0
-# Hand-offs remembered (for --migration-reservation-timeout-s, the destination's wait for an attach), so that a
-# client's Abort of a request that left reaches its copy if the client never read the hand-off.
-MAX_RECENT_HANDOFFS = 4096
 
 
 @dataclass(slots=True)
@@ -104,7 +101,7 @@ class MigrationDriver:
         self._tasks: set[asyncio.Task[MigrationResult]] = set()
         self._moving: set[str] = set()  # request ids migrating out now
         self._drops: set[asyncio.Task[bool]] = set()  # AbortMigrateIn of copies whose hand-off nobody read
-        self._handed_off: dict[str, tuple[float, Handoff]] = {}  # request id → (monotonic, hand-off), oldest first
+        self._handed_off = RecentHandoffs(settings.reservation_timeout_s)
         # Told of each request a failed migration resumed: a state exported while it was parked (for its PD
         # hand-off) is stale from then on.
         self.on_resumed: Callable[[str], None] = lambda request_id: None
@@ -143,7 +140,7 @@ class MigrationDriver:
         drop the copy on the destination now with AbortMigrateIn, rather than let it decode for no client until
         that instance's watchdog does. The destination refuses it once a client attached. In the background
         (safe from a cancelled coroutine's finally block), within --migration-rpc-timeout-s; True if dropped."""
-        self._handed_off.pop(request_id, None)
+        self._handed_off.forget(request_id)
         task = asyncio.create_task(self._drop_unread(request_id, handoff), name=f"drop-{handoff.migration_id}")
         self._drops.add(task)
         task.add_done_callback(self._drops.discard)
@@ -151,22 +148,7 @@ class MigrationDriver:
 
     def recent_handoff(self, request_id: str) -> Handoff | None:
         """The hand-off of `request_id` from here, if one was made within --migration-reservation-timeout-s."""
-        self._forget_old_handoffs()
-        handed_off = self._handed_off.get(request_id)
-        return None if handed_off is None else handed_off[1]
-
-    def _note_handoff(self, request_id: str, handoff: Handoff) -> None:
-        self._handed_off.pop(request_id, None)  # re-inserted last: the dict stays oldest first
-        self._handed_off[request_id] = time.monotonic(), handoff
-        self._forget_old_handoffs()
-
-    def _forget_old_handoffs(self) -> None:
-        too_old = time.monotonic() - self._settings.reservation_timeout_s
-        while self._handed_off:
-            request_id, (handed_off_at, _) = next(iter(self._handed_off.items()))
-            if handed_off_at > too_old and len(self._handed_off) <= MAX_RECENT_HANDOFFS:
-                return
-            del self._handed_off[request_id]
+        return self._handed_off.get(request_id)
 
     async def _drop_unread(self, request_id: str, handoff: Handoff) -> bool:
         was_dropped = await self._quietly(self._peers(handoff.dst_address).abort_migrate_in(handoff.migration_id),
@@ -414,7 +396,7 @@ class MigrationDriver:
                           a.migration_id)
         try:
             await self._runner.hand_off(a.request_id, handoff)
-            self._note_handoff(a.request_id, handoff)
+            self._handed_off.note(a.request_id, handoff)
         except FerryError as exc:  # aborted here between export and release: nobody will attach
             log.info("migrated_request_gone", request_id=a.request_id, reason=exc.message)
             # By migration id, not a plain Abort: the destination drops the copy (it has no client yet)

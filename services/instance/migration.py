@@ -34,21 +34,19 @@ from services.instance.engine.migration_state import HeldRequest, MigrationBlock
 from services.instance.handoff import Handoff, RecentHandoffs
 from services.instance.migration_domain import (BlockTransferer, DestinationPeer, MigrateOutPlan, MigrationResult,
                                                 MigrationSettings, Reservation)
+from services.instance.migration_pick import MigrationPicker
 from services.instance.migration_slots import MigrationSlots
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
 
 if TYPE_CHECKING:
     from services.instance.engine.engine import LLMEngine
-    from services.instance.runner import EngineRunner, RequestStream
+    from services.instance.runner import EngineRunner
 
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
 
 # Blocks reserved beyond the request's current length, so the final stage rarely has to grow it.
 RESERVATION_HEADROOM_BLOCKS = 2
-# How long MigrateOut of a request that migrated in waits for its client to follow it here (normally
-# milliseconds): until then the client knows it elsewhere and would miss a second hand-off.
-CLIENT_ATTACH_WAIT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -99,7 +97,7 @@ class MigrationDriver:
         self._peers = peers  # destination address → its client
         self._transferer = transferer  # None without --transfer-address: migration is off
         self._tasks: set[asyncio.Task[MigrationResult]] = set()
-        self._moving: set[str] = set()  # request ids migrating out now
+        self._picker = MigrationPicker(runner, settings.instance_id)  # which request; claimed while it moves
         self._drops: set[asyncio.Task[bool]] = set()  # AbortMigrateIn of copies whose hand-off nobody read
         self._handed_off = RecentHandoffs(settings.reservation_timeout_s)
         # Told of each request a failed migration resumed: a state exported while it was parked (for its PD
@@ -109,7 +107,7 @@ class MigrationDriver:
     @property
     def moving(self) -> frozenset[str]:
         """Request ids migrating out now."""
-        return frozenset(self._moving)
+        return frozenset(self._picker.moving)
 
     async def migrate_out(self, plan: MigrateOutPlan) -> MigrationResult:
         """Move one request to `plan`'s destination; raises (and the request stays here) if it cannot."""
@@ -160,7 +158,7 @@ class MigrationDriver:
         return was_dropped
 
     async def _migrate(self, migration_id: str, plan: MigrateOutPlan) -> MigrationResult:
-        request_id, held = await self._pick(plan)  # now in _moving: no other migration may suspend it
+        request_id, held = await self._picker.pick(plan)  # now claimed: no other migration may suspend it
         attempt: _Attempt | None = None
         try:
             attempt = _Attempt(migration_id, request_id, plan, self._peers(plan.dst_address),
@@ -174,59 +172,7 @@ class MigrationDriver:
                 exc.request_id = exc.request_id or request_id
             raise
         finally:
-            self._moving.discard(request_id)
-
-    async def _pick(self, plan: MigrateOutPlan) -> tuple[str, HeldRequest | None]:
-        """The request to move, claimed in `_moving` (the caller discards it) before any await that could
-        let a second migration claim it too; and `plan.held` if the request is still parked as it says."""
-        if plan.request_id:
-            self._claim(plan.request_id)
-            try:
-                await self._wait_for_client(plan.request_id, self._runner.stream(plan.request_id))
-                held = await self._runner.call(lambda: self._check_movable(plan))
-            except BaseException:
-                self._moving.discard(plan.request_id)
-                raise
-            return plan.request_id, held
-        exclude = frozenset(self._moving) | plan.exclude_request_ids | self._runner.unattached_request_ids()
-        request_id = await self._runner.call(lambda: self._runner.engine.pick_for_migration(plan.selection, exclude))
-        if request_id is None:
-            raise FailedPrecondition(f"instance {self._settings.instance_id} has no request to migrate "
-                                     "(none decoding or waiting); try again once it has")
-        if request_id in self._moving:  # another migration picked it while we asked: it alone may suspend it
-            raise Aborted(f"request {request_id} was picked by another migration meanwhile; try again")
-        self._claim(request_id)
-        return request_id, None
-
-    def _check_movable(self, plan: MigrateOutPlan) -> HeldRequest | None:
-        """On the engine thread: NotFound or FailedPrecondition if the request cannot move; `plan.held` if it
-        is still parked as then. Another migration that failed meanwhile may have resumed it, and it decoded on
-        (its PD hand-off had taken the parked state before): that state is stale, it is suspended afresh."""
-        engine = self._runner.engine
-        engine.check_movable(plan.request_id)
-        if plan.held is None or engine.migration_blocks(plan.request_id) != plan.held.blocks:
-            return None
-        return plan.held
-
-    def _claim(self, request_id: str) -> None:
-        if request_id in self._moving:
-            raise FailedPrecondition(f"request {request_id} is already migrating; wait for it to end")
-        self._moving.add(request_id)
-
-    async def _wait_for_client(self, request_id: str, stream: RequestStream | None) -> None:
-        """A request that migrated in moves on only once its client attached here (it would follow
-        a hand-off it never read to the wrong instance, and have to resume). Aborted if that copy is
-        dropped or replaced meanwhile (a resume of the same request here): what the caller saved of
-        it (a PD hand-off's parked state) would move blocks that are no longer its."""
-        deadline = time.monotonic() + CLIENT_ATTACH_WAIT_S
-        while stream is not None and not stream.is_attached:
-            if self._runner.stream(request_id) is not stream:
-                raise Aborted(f"request {request_id} was dropped or replaced here while its migration waited "
-                              "for its client; nothing left to move")
-            if time.monotonic() >= deadline:
-                raise FailedPrecondition(f"request {request_id} migrated here moments ago and its client has not "
-                                         f"followed it after {CLIENT_ATTACH_WAIT_S:g} s; try again later")
-            await asyncio.sleep(0.02)
+            self._picker.release(request_id)
 
     async def _move(self, a: _Attempt) -> MigrationResult:
         if a.plan.max_stages == 0:
@@ -235,7 +181,7 @@ class MigrationDriver:
         await self._reserve(a, view, RESERVATION_HEADROOM_BLOCKS)
         view = await self._live_stages(a, view)
         await self._reserve(a, view, RESERVATION_HEADROOM_BLOCKS)  # fresh now, so the paused copy asks nothing
-        # suspend_held: a request parked for its PD hand-off meanwhile is ours now (the hand-off was refused: _moving)
+        # suspend_held: a request parked for its PD hand-off meanwhile is ours now (the hand-off was refused: claimed)
         view, state = await self._suspend(a, lambda engine: engine.suspend_held(a.request_id))
         if view.num_preemptions != a.checked_preemptions:  # recomputed since the check: maybe other bits now
             await self._check_cached(a)
@@ -408,7 +354,7 @@ class MigrationDriver:
         if a.committed_at is not None:
             return
         # Resumed if suspended, whoever suspended it: our suspend, or a PD hand-off that parked it meanwhile and
-        # left it to us (it is ours: _moving). False if it was not suspended (or is gone).
+        # left it to us (it is ours: claimed by our pick). False if it was not suspended (or is gone).
         resumed = await self._runner.call(lambda: self._runner.engine.resume(a.request_id))
         if resumed:
             self.on_resumed(a.request_id)

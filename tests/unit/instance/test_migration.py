@@ -573,7 +573,7 @@ async def test_a_request_moves_on_only_once_its_client_followed_it(pair):
 
 
 async def test_a_request_whose_client_never_follows_stays_put(pair, monkeypatch):
-    monkeypatch.setattr("services.instance.migration.CLIENT_ATTACH_WAIT_S", 0.2)
+    monkeypatch.setattr("services.instance.migration_pick.CLIENT_ATTACH_WAIT_S", 0.2)
     a, b = pair
     stream, tokens = await moved_a_to_b(a, b)
     with pytest.raises(FailedPrecondition, match="client has not followed it"):
@@ -844,7 +844,7 @@ async def test_a_hand_off_waiting_for_a_client_leaves_a_copy_that_replaced_its_r
     for its hand-off, which waits for r's client; the client never came and resumed r on b itself. The
     waiting hand-off then moved the resumed copy with the orphan's saved state and freed blocks (found
     by review). Now it sees its copy was replaced and leaves the new one to decode here."""
-    monkeypatch.setattr("services.instance.migration.CLIENT_ATTACH_WAIT_S", 10.0)
+    monkeypatch.setattr("services.instance.migration_pick.CLIENT_ATTACH_WAIT_S", 10.0)
     a, b = pair
     expected = await reference(a)
     b.slots = MigrationSlots(2)

@@ -7,7 +7,8 @@ buffers meanwhile, so the sender's chunks in flight spread over its connections.
 grpc: a message that carries a whole chunk (what ferry senders send) is scattered
 straight from the received bytes, with no staging copy; smaller pieces are assembled in
 the staging buffer. gloo: the rows of an in-place span whose destination ids are
-consecutive are received right where they belong, from one io thread, and only checked.
+consecutive are received right where they belong, from one io thread (in batches, whose
+views it makes too: see `segments`), and only checked.
 A checksum mismatch raises Aborted; a short or overlong stream raises InvalidArgument.
 Scattered blocks of a failed stream are garbage, but the failure is what the sender
 reports: nothing partially applied is ever called a success.
@@ -25,7 +26,7 @@ import asyncio
 import itertools
 import warnings
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +34,8 @@ import structlog
 import torch
 
 from services.common.errors import FerryError, InvalidArgument, ResourceExhausted
-from services.transfer.block_copy import as_bytes, in_place_view, scatter_chunk, segments, staged_view
+from services.transfer.block_copy import (as_bytes, in_place_view, in_place_views, scatter_chunk, segments,
+                                          staged_view)
 from services.transfer.channels import ChannelTable
 from services.transfer.checksum import ChecksumVerifier
 from services.transfer.chunk_plan import Chunk, ChunkPlan, check_block_ids, check_compatible
@@ -181,24 +183,24 @@ class BlockReceiver:
     async def _receive_chunks(self, channel: PairChannel, target: Destination, slot: StagingSlot,
                               scatterer: ScatterBehind, tag: int, deadline: Deadline, progress: _Progress) -> None:
         """Staged chunks through the buffers; in-place spans (gloo) straight into the KV memory."""
-        for chunks, views in segments(target.plan, target.rows, target.block_ids, channel.moves_in_place):
-            if views is None:
+        for chunks, in_place in segments(target.plan, target.rows, target.block_ids, channel.moves_in_place):
+            if not in_place:
                 await self._receive_staged(channel, target, chunks, slot, scatterer, tag, deadline, progress)
                 continue
             # The staged chunks before are all in (tags repeat every TAG_STRIDE chunks).
             target.grant.check()
             try:
-                await run_in_thread(self._threads.io, channel.recv_in_order, span_messages(chunks, views, tag),
+                await run_in_thread(self._threads.io, _receive_in_place, channel, target, chunks, tag,
                                     deadline.remaining_s())
             except BaseException:
                 progress.is_clean = False  # some of the span may still be on the channel
                 raise
             progress.next_chunk = chunks[-1].index + 1
-            IN_PLACE_BYTES.labels("received").inc(sum(view.numel() for view in views))
+            IN_PLACE_BYTES.labels("received").inc(sum(map(target.plan.chunk_bytes, chunks)))
             if target.verifier.is_enabled:  # on the copy thread, after the scatters before it
                 await run_in_thread(self._threads.copy, _verify_in_place, target, chunks)
 
-    async def _receive_staged(self, channel: PairChannel, target: Destination, chunks: list[Chunk],
+    async def _receive_staged(self, channel: PairChannel, target: Destination, chunks: Iterable[Chunk],
                               slot: StagingSlot, scatterer: ScatterBehind, tag: int, deadline: Deadline,
                               progress: _Progress) -> None:
         """Keep receives posted for the next chunks (all buffers but the one being scattered;
@@ -270,6 +272,12 @@ class BlockReceiver:
             target.verifier.update(chunk, staged)
             scatter_chunk(target.rows, target.block_ids, chunk, staged)
         return ScatterBehind(slot, verify_and_scatter, self._threads.copy)
+
+
+def _receive_in_place(channel: PairChannel, target: Destination, chunks: list[Chunk], tag: int,
+                      timeout_s: float) -> None:
+    """(io thread) An in-place batch's rows straight into the KV memory, their views made here too."""
+    channel.recv_in_order(span_messages(chunks, in_place_views(target.rows, target.block_ids, chunks), tag), timeout_s)
 
 
 def _verify_in_place(target: Destination, chunks: list[Chunk]) -> None:

@@ -15,7 +15,9 @@
   with its own tag, so they spread over the gloo connections. On gloo, runs of
   consecutive blocks (`find_in_place_spans`) travel row by row, sent straight from the
   KV memory where the source's ids are consecutive and received straight into it where
-  the destination's are.
+  the destination's are. The event loop hands those rows to an io thread in batches
+  (`segments`), which makes their views and posts them: a transfer of 64k small rows had
+  them all made on the loop, which it held for seconds.
 
 Nothing is reported as success unless every block reached the destination (and, with
 checksums, matched); any failure raises and a broken channel is dropped.
@@ -26,14 +28,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 import structlog
 import torch
 
 from services.common.errors import Aborted, FailedPrecondition, FerryError, InvalidArgument, NotFound, ResourceExhausted
-from services.transfer.block_copy import as_bytes, chunk_parts, copy_blocks, gather_chunk, segments, staged_view
+from services.transfer.block_copy import (as_bytes, chunk_parts, copy_blocks, gather_chunk, in_place_views, segments,
+                                          staged_view)
 from services.transfer.channels import ChannelTable
 from services.transfer.checksum import block_checksums
 from services.transfer.chunk_plan import (IN_PLACE_MIN_ROW_BYTES, Chunk, ChunkPlan, check_block_ids, check_compatible,
@@ -227,14 +230,14 @@ class BlockSender:
         """Staged chunks one by one through the buffers; in-place spans straight from the KV memory."""
         ring = BufferRing(slot)
         try:
-            for chunks, views in segments(source.plan, source.rows, source.block_ids, channel.moves_in_place):
-                if views is None:
+            for chunks, in_place in segments(source.plan, source.rows, source.block_ids, channel.moves_in_place):
+                if not in_place:
                     await self._send_staged(channel, source, ring, chunks, tag, deadline)
                     continue
                 await ring.drain()  # tags repeat every TAG_STRIDE chunks: the earlier sends go first
-                await run_in_thread(self._threads.io, channel.send_in_order, span_messages(chunks, views, tag),
+                await run_in_thread(self._threads.io, _send_in_place, channel, source, chunks, tag,
                                     deadline.remaining_s())
-                IN_PLACE_BYTES.labels("sent").inc(sum(view.numel() for view in views))
+                IN_PLACE_BYTES.labels("sent").inc(sum(map(source.plan.chunk_bytes, chunks)))
             await ring.drain()
         except BaseException:
             self._channels.drop_outgoing(channel.peer, channel.backend, only=channel)  # unmatched messages may be left
@@ -242,7 +245,7 @@ class BlockSender:
         finally:
             await ring.close()
 
-    async def _send_staged(self, channel: PairChannel, source: SourceBlocks, ring: BufferRing, chunks: list[Chunk],
+    async def _send_staged(self, channel: PairChannel, source: SourceBlocks, ring: BufferRing, chunks: Iterable[Chunk],
                            tag: int, deadline: Deadline) -> None:
         """Gather each chunk into a free buffer and start its send; the buffer stays busy until
         sent, which bounds the chunks in flight."""
@@ -256,6 +259,11 @@ class BlockSender:
             flat = staged.view(torch.uint8).view(-1)
             ring.hold(chunk.index, loop.run_in_executor(self._threads.io, channel.send, flat,
                                                         chunk_tag(tag, chunk.index), deadline.remaining_s()))
+
+
+def _send_in_place(channel: PairChannel, source: SourceBlocks, chunks: list[Chunk], tag: int, timeout_s: float) -> None:
+    """(io thread) An in-place batch's rows straight from the KV memory, their views made here too."""
+    channel.send_in_order(span_messages(chunks, in_place_views(source.rows, source.block_ids, chunks), tag), timeout_s)
 
 
 async def _messages(messages: GatherAhead) -> AsyncIterator[bytes]:

@@ -10,6 +10,7 @@ Anything else escaping main is a bug and keeps its traceback.
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 from collections.abc import Coroutine
 from typing import Any
@@ -32,6 +33,7 @@ class StoppedBeforeReady(Exception):
 
 
 def run_service(main: Coroutine[Any, Any, None]) -> None:
+    freeze_imported_objects()
     try:
         asyncio.run(_quiet_about_watch_teardown(main))
     except Exception as exc:  # noqa: BLE001 — re-raised unless it is a failure we can name
@@ -46,6 +48,15 @@ def run_service(main: Coroutine[Any, Any, None]) -> None:
         else:
             log.error("service_failed", code=failure.grpc_code.name, error=failure.message)
         sys.exit(1)
+
+
+def freeze_imported_objects() -> None:
+    """Keep what the imports made (torch's and grpc's modules, hundreds of thousands of objects that live as
+    long as the process) out of the garbage collector's full passes: each walked them all and held the event
+    loop some 80-90 ms (seen in a transfer service during a transfer; with them frozen, its longest loop wait
+    fell from 87 to 27 ms). Objects made later are collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _quiet_about_watch_teardown(main: Coroutine[Any, Any, None]) -> None:

@@ -335,14 +335,20 @@ class PostNormDecoderLayer(DecoderLayer):
         return self._add_residual_(h, self.post_feedforward_layernorm(self.mlp(h)))
 
 
+def _uninitialized_embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """An embedding without nn.Embedding's random init: the checkpoint's tensor replaces its weight. That
+    init (normal_) on the meta device imports torch's Python decompositions: ~1 s of CPU per instance start."""
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _uninitialized_embedding(config.vocab_size, config.hidden_size)
         self.embed_positions = None
         if config.learned_positions:
-            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            self.embed_positions = _uninitialized_embedding(config.max_position_embeddings, config.hidden_size)
         layer_class = SandwichDecoderLayer if config.sandwich_norms else \
             PostNormDecoderLayer if config.post_norms_only else \
             ParallelDecoderLayer if config.parallel_residual else DecoderLayer

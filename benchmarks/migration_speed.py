@@ -211,9 +211,13 @@ class TcpReference:
         self._buffer = memoryview(bytearray(max_bytes))
         self._process = multiprocessing.get_context("spawn").Process(target=_tcp_sink, args=(self._port, max_bytes),
                                                                     daemon=True)
+        self._sock: socket.socket | None = None  # until connected
 
-    def start(self) -> None:
+    def launch(self) -> None:
+        """Start the sink process (it takes a few seconds to import); `connect` waits for it."""
         self._process.start()
+
+    def connect(self) -> None:
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -232,7 +236,10 @@ class TcpReference:
         return time.perf_counter() - started
 
     def close(self) -> None:
-        self._sock.close()
+        if self._sock is not None:
+            self._sock.close()
+        elif self._process.is_alive():  # never connected
+            self._process.kill()
         self._process.join(10)
 
 
@@ -285,9 +292,12 @@ class GlooReference:
         self._size = torch.zeros(1, dtype=torch.int64)
         self._process = multiprocessing.get_context("spawn").Process(
             target=_gloo_sink, args=(self._port, max_bytes, chunk_bytes, num_connections, in_flight), daemon=True)
+        self._group: dist.ProcessGroupGloo | None = None  # until connected
 
-    def start(self) -> None:
+    def launch(self) -> None:
         self._process.start()
+
+    def connect(self) -> None:
         self._group = _gloo_pair(self._port, 0, self._num_connections)
 
     def send_s(self, num_bytes: int) -> float:
@@ -299,9 +309,11 @@ class GlooReference:
         return time.perf_counter() - started
 
     def close(self) -> None:
-        if self._process.is_alive():
+        if self._group is not None and self._process.is_alive():
             self._size.fill_(0)
             self._group.send([self._size], 1, 0).wait()
+        elif self._process.is_alive():  # never connected
+            self._process.kill()
         self._process.join(10)
 
 
@@ -333,8 +345,10 @@ class GrpcReference:
         self._process = multiprocessing.get_context("spawn").Process(target=_grpc_sink,
                                                                      args=(self._port, heap_keep_bytes), daemon=True)
 
-    async def start(self) -> None:
+    def launch(self) -> None:
         self._process.start()
+
+    async def connect(self) -> None:
         self._channel = insecure_channel(f"127.0.0.1:{self._port}", BULK_TRANSFER_OPTIONS)
         await asyncio.wait_for(self._channel.channel_ready(), 60)
         self._count = self._channel.stream_unary("/bench.Sink/Count")
@@ -383,12 +397,15 @@ async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[f
                  if TransferBackend.GRPC in backends else None)
     speeds: dict[str, list[float]] = {}
     try:
+        for reference in (tcp, gloo, bare_grpc):  # every process starts at once; each then waits for its own
+            if reference is not None:
+                reference.launch()
         await bench.start()
-        tcp.start()
+        tcp.connect()
         if gloo is not None:
-            gloo.start()
+            gloo.connect()
         if bare_grpc is not None:
-            await bare_grpc.start()
+            await bare_grpc.connect()
         for backend in backends:  # warm up: gloo rendezvous, connections, first-touch of staging
             await bench.transfer_s(backend, 1, rng)
         references = [("tcp_speed(GB/s)", "tcp"), ("memcpy_speed(GB/s)", "memcpy")]

@@ -58,6 +58,9 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+REPORT_LAG_S = 0.2  # a load report received this long after the last step was sent after it
+
+
 def policies(spec: str) -> list[tuple[str, bool]]:
     pairs = []
     for item in spec.split(","):
@@ -74,11 +77,18 @@ def salted(requests, salt: int):
     return [(at, [salt] + prompt, output_len) for at, prompt, output_len in requests]
 
 
-async def prefix_cache_tokens(admin: ManagerClient) -> tuple[int, int]:
-    """(queried, hit) prompt tokens of every instance's prefix cache so far, as last reported."""
-    await asyncio.sleep(0.5)  # a load report or more after the last step
-    infos = await admin.list_instances()
-    return (sum(i.prefix_cache_queried_tokens for i in infos), sum(i.prefix_cache_hit_tokens for i in infos))
+async def prefix_cache_tokens(admin: ManagerClient, timeout_s: float = 30.0) -> tuple[int, int]:
+    """(queried, hit) prompt tokens of every instance's prefix cache so far, from a load report of each that
+    the leader received at least REPORT_LAG_S after this call began: after the last step (reports every 75 ms)."""
+    asked_at = time.monotonic()
+    while True:
+        waited_s = time.monotonic() - asked_at
+        infos = await admin.list_instances()
+        if all(0 <= i.report_age_s <= waited_s - REPORT_LAG_S for i in infos):
+            return (sum(i.prefix_cache_queried_tokens for i in infos), sum(i.prefix_cache_hit_tokens for i in infos))
+        if waited_s > timeout_s:
+            raise TimeoutError(f"no fresh load report of every instance after {timeout_s} s")
+        await asyncio.sleep(0.05)
 
 
 async def run_policy(admin: ManagerClient, url: str, model: str, requests, dispatch: str, migrate: bool) -> dict:

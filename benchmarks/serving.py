@@ -229,7 +229,7 @@ def started_cluster(args: argparse.Namespace) -> Iterator[dict]:
             while not (state_dir / "cluster.json").exists():
                 if launcher.poll() is not None or time.monotonic() > deadline:
                     sys.exit("cluster failed to start:\n" + (pathlib.Path(tmp) / "launcher.log").read_text()[-3000:])
-                time.sleep(0.5)
+                time.sleep(0.1)
             yield json.loads((state_dir / "cluster.json").read_text())
         finally:
             launcher.send_signal(signal.SIGTERM)

@@ -4,8 +4,10 @@ ids that `config.json` and `generation_config.json` add.
 
 The chat template is rendered the way transformers renders it: a sandboxed jinja2
 environment with `trim_blocks`/`lstrip_blocks`, the `loopcontrols` extension, a
-`tojson` filter that keeps non-ASCII text, and `raise_exception`/`strftime_now`
-globals. Text produced by `apply_chat_template` already holds the template's
+`{% generation %}` block that renders its body (transformers' assistant-mask marker), a
+`tojson` filter that keeps non-ASCII text, `raise_exception`/`strftime_now` globals, and
+`tools`/`documents` defined (null when a request has none) beside every special token
+tokenizer_config.json names. Text produced by `apply_chat_template` already holds the template's
 special tokens, so `encode_chat` encodes it without adding more.
 """
 
@@ -19,13 +21,16 @@ from typing import Any
 import jinja2
 import structlog
 import tokenizers
-from jinja2.ext import loopcontrols
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 log = structlog.get_logger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's token for one raw byte
+# the special tokens transformers passes to a chat template (its SPECIAL_TOKENS_ATTRIBUTES)
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -78,7 +83,7 @@ class Tokenizer:
             raise ValueError(f"no tokenizer.json in {model_dir}: the model folder needs a fast tokenizer file")
         backend = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         config = _read_json(model_dir / "tokenizer_config.json")
-        special = {k: t for k in ("bos_token", "eos_token", "pad_token", "unk_token") if (t := _token(config.get(k)))}
+        special = {k: t for k in _SPECIAL_TOKEN_NAMES if (t := _token(config.get(k)))}
         eos_ids = [
             *_ids(_read_json(model_dir / "config.json").get("eos_token_id")),
             *_ids(_read_json(model_dir / "generation_config.json").get("eos_token_id")),
@@ -148,7 +153,8 @@ class Tokenizer:
         template = self._tool_use_template if variables.get("tools") and self._tool_use_template else self._template
         if template is None:
             raise ValueError("the model has no chat template (tokenizer_config.json chat_template); use completions")
-        text = template.render(**{**self.special_tokens, **variables, "messages": list(messages),
+        text = template.render(**{**self.special_tokens, "tools": None, "documents": None, **variables,
+                                  "messages": list(messages),
                                         "add_generation_prompt": add_generation_prompt})
         return _open_final_message(text, messages[-1].get("content")) if continue_final_message else text
 
@@ -294,8 +300,24 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _GenerationBlock(Extension):
+    """`{% generation %}...{% endgeneration %}`: renders its body. Templates written for training mark the
+    assistant's text with it (transformers' AssistantTracker; TRL's assistant-only loss)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationBlock, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -161,6 +161,51 @@ def test_chat_template_file_wins(model_dir, tmp_path):
     assert Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}]) == "[x]"
 
 
+def _with_template(model_dir: Path, tmp_path: Path, template: str, **special: str) -> Path:
+    (tmp_path / "tokenizer.json").write_text((model_dir / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, **special}))
+    return tmp_path
+
+
+QUIRKY_TEMPLATES = {
+    # transformers' assistant-mask marker (TRL's assistant-only loss): a fine-tuned model ships it; before, the
+    # template did not compile and the model could not be served (a black-box run)
+    "generation": "{% for m in messages %}{% if m.role == 'assistant' %}A: {% generation %}{{ m.content }}"
+                  "{% endgeneration %}{{ '\\n' }}{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}",
+    # transformers defines tools and documents (null without them): before, `is not none` was true and tojson failed
+    "tools": "{% if tools is not none %}TOOLS {{ tools | tojson }}\n{% endif %}{% if documents is not none %}DOCS\n"
+             "{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
+    # every special token tokenizer_config.json names (before: bos, eos, pad and unk only)
+    "special": "{% for m in messages %}{{ cls_token }}{{ m.content }}{{ sep_token }}{% endfor %}{{ mask_token }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(QUIRKY_TEMPLATES))
+def test_quirky_templates_render_like_transformers(model_dir, tmp_path, name):
+    special = {"bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>", "cls_token": "<s>",
+               "mask_token": "<|im_start|>"}
+    path = _with_template(model_dir, tmp_path, QUIRKY_TEMPLATES[name], **special)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "again"}]
+    expected = {
+        "generation": "user: Hi\nA: Hello\nuser: again\n",
+        "tools": "user: Hi\nassistant: Hello\nuser: again\n",
+        "special": "<s>Hi</s><s>Hello</s><s>again</s><|im_start|>",
+    }[name]
+    assert Tokenizer.from_dir(path).apply_chat_template(messages) == expected
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), **special)
+    assert reference.apply_chat_template(messages, chat_template=QUIRKY_TEMPLATES[name], tokenize=False,
+                                         add_generation_prompt=True) == expected
+
+
+def test_a_requests_tools_replace_the_null_default(model_dir, tmp_path):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    path = _with_template(model_dir, tmp_path, QUIRKY_TEMPLATES["tools"])
+    text = Tokenizer.from_dir(path).apply_chat_template([{"role": "user", "content": "Hi"}], tools=tools)
+    assert text == f"TOOLS {json.dumps(tools)}\nuser: Hi\n"
+
+
 def test_incremental_deltas_never_split_characters(tokenizer):
     ids = tokenizer.encode(UNICODE_TEXT, add_special_tokens=False)
     # The test is only meaningful if some token boundary falls inside a character.

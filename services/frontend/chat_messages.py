@@ -82,7 +82,9 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     return out | message_tool_fields(message, role, param)
 
 
-def _content(content: Any, role: str, param: str) -> str:
+def _content(content: Any, role: str, param: str) -> str | list[dict[str, str]]:
+    """A string, or a list of text parts (`{"type": "text", "text": ...}`): the tokenizer passes it on to a
+    template that loops over content and joins its texts with newlines for any other template."""
     if isinstance(content, str):
         return content
     if content is None and role == "assistant":
@@ -93,6 +95,6 @@ def _content(content: Any, role: str, param: str) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise RequestError(f"{param}[{i}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
                                    "are supported", param=param)
-            texts.append(part["text"])
-        return "\n".join(texts)  # as vLLM joins them
+            texts.append({"type": "text", "text": part["text"]})
+        return texts
     raise RequestError(f"{param}: expected a string or a list of text parts, got {_json_type(content)}", param=param)

@@ -75,6 +75,9 @@ class Tokenizer:
                                                                              skip_special_tokens=False)
         self._template = _compile(chat_template) if chat_template else None
         self._tool_use_template = _compile(tool_use_template) if tool_use_template else None
+        # templates that loop over a message's content take content lists as the request sent them
+        self._takes_content_lists = {id(t): _loops_over_content(source) for t, source in
+                                     ((self._template, chat_template), (self._tool_use_template, tool_use_template)) if t}
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -153,8 +156,9 @@ class Tokenizer:
         template = self._tool_use_template if variables.get("tools") and self._tool_use_template else self._template
         if template is None:
             raise ValueError("the model has no chat template (tokenizer_config.json chat_template); use completions")
+        messages = [_with_content(m, self._takes_content_lists[id(template)]) for m in messages]
         text = template.render(**{**self.special_tokens, "tools": None, "documents": None, **variables,
-                                  "messages": list(messages),
+                                  "messages": messages,
                                         "add_generation_prompt": add_generation_prompt})
         return _open_final_message(text, messages[-1].get("content")) if continue_final_message else text
 
@@ -174,9 +178,39 @@ def _mid_text_anchor(backend: tokenizers.Tokenizer, added_token_ids: frozenset[i
     return next((token_id for token_id in ordinary if backend.decode([token_id]).isalnum()), None)
 
 
+def _with_content(message: Mapping[str, Any], takes_lists: bool) -> Mapping[str, Any]:
+    """The message as its template reads it: a content list of text parts stays a list for a template that
+    loops over content (Gemma 3's, Llama 4's: as transformers, and vLLM's "openai" content format, pass
+    it), else its texts joined with newlines (vLLM's "string" format)."""
+    content = message.get("content")
+    if takes_lists or not isinstance(content, list):
+        return message
+    return {**message, "content": "\n".join(part["text"] for part in content)}
+
+
+def _loops_over_content(source: str) -> bool:
+    """The template has a `for` over a message's content (`message['content']`, `message.content`, or a
+    variable set to one), as vLLM detects the "openai" content format."""
+    tree = _compile_env().parse(source)
+    content_names = {node.target.name for node in tree.find_all(nodes.Assign)
+                     if isinstance(node.target, nodes.Name) and _is_content(node.node)}
+    return any(_is_content(loop.iter) or (isinstance(loop.iter, nodes.Name) and loop.iter.name in content_names)
+               for loop in tree.find_all(nodes.For))
+
+
+def _is_content(node: nodes.Node) -> bool:
+    while isinstance(node, nodes.Filter) and node.node is not None:  # content | selectattr(...)
+        node = node.node
+    return (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content") \
+        or (isinstance(node, nodes.Getattr) and node.attr == "content")
+
+
 def _open_final_message(text: str, final: Any) -> str:
     """`text` cut right after the final message's content (transformers' continue_final_message): a
-    template that trimmed the content's trailing whitespace is cut after the trimmed content."""
+    template that trimmed the content's trailing whitespace is cut after the trimmed content; of a content
+    list, after its last text part (as transformers)."""
+    if isinstance(final, list) and final:
+        final = final[-1]["text"]
     if not isinstance(final, str) or not final.strip() or final.strip() not in text:
         raise ValueError("continue_final_message: the final message's content must be non-empty text that the "
                          "chat template keeps")
@@ -315,9 +349,12 @@ class _GenerationBlock(Extension):
         return caller()
 
 
+def _compile_env() -> ImmutableSandboxedEnvironment:
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols])
+
+
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, loopcontrols])
+    env = _compile_env()
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -399,8 +399,9 @@ def test_chat_defaults_and_content_parts():
                             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                             {"role": "assistant", "content": None}])
     assert parsed.endpoint is Endpoint.CHAT
-    assert parsed.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
-                               {"role": "assistant", "content": ""})  # parts joined as vLLM joins them
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]  # the tokenizer joins them or not, per template
+    assert parsed.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": parts},
+                               {"role": "assistant", "content": ""})
     assert parsed.sampling.max_tokens is None  # rest of the context, once the prompt is known
     assert parsed.num_top_logprobs is None
 

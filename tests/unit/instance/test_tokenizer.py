@@ -206,6 +206,39 @@ def test_a_requests_tools_replace_the_null_default(model_dir, tmp_path):
     assert text == f"TOOLS {json.dumps(tools)}\nuser: Hi\n"
 
 
+# Gemma 3's way with content: a string, or a list whose text parts it trims and writes one after another
+LIST_CONTENT_TEMPLATE = (
+    "{% for message in messages %}<{{ message['role'] }}>{% if message['content'] is string %}"
+    "{{ message['content'] | trim }}{% else %}{% for item in message['content'] %}{% if item['type'] == 'text' %}"
+    "{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}</>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.mark.parametrize("template", [LIST_CONTENT_TEMPLATE, LIST_CONTENT_TEMPLATE.replace(
+    "{% for item in message['content'] %}", "{% set parts = message.content %}{% for item in parts %}")])
+def test_a_template_that_loops_over_content_gets_the_content_list_like_transformers(model_dir, tmp_path, template):
+    """Before, text parts were always joined with newlines, so such a template saw one text ("a\nb" where
+    transformers and vLLM render "ab"; a black-box run)."""
+    path = _with_template(model_dir, tmp_path, template)
+    parts = [{"type": "text", "text": " a "}, {"type": "text", "text": "b"}]
+    messages = [{"role": "user", "content": parts}, {"role": "assistant", "content": "c"}]
+    tokenizer = Tokenizer.from_dir(path)
+    assert tokenizer.apply_chat_template(messages) == "<user>ab</><assistant>c</><assistant>"
+    assert tokenizer.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=False,
+                                         continue_final_message=True) == "<user>ab"
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    assert reference.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                         add_generation_prompt=True) == tokenizer.apply_chat_template(messages)
+
+
+def test_a_template_that_reads_content_as_text_gets_the_parts_joined(tokenizer):
+    """As vLLM's "string" content format: text parts joined with newlines."""
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert tokenizer.apply_chat_template([{"role": "user", "content": parts}]) == \
+        tokenizer.apply_chat_template([{"role": "user", "content": "a\nb"}])
+
+
 def test_incremental_deltas_never_split_characters(tokenizer):
     ids = tokenizer.encode(UNICODE_TEXT, add_special_tokens=False)
     # The test is only meaningful if some token boundary falls inside a character.

@@ -62,12 +62,26 @@ async def _report_to(address: str, leader_view: LeaderView, servicer: InstanceSe
         call = stub.ReportLoad(_reports(servicer, interval_s, leader_changed, failures))
         log.info("load_stream_opened", leader=address)
         try:
-            await call
+            await _answer_unless_leader_changed(call, leader_changed)
         finally:
             leader_changed.cancel()
             call.cancel()
         if failures:
             raise failures[0]
+
+
+async def _answer_unless_leader_changed(call: grpc.aio.StreamUnaryCall, leader_changed: asyncio.Future) -> None:
+    """The stream's answer (raises its error), or nothing once the leader changed first: a leader frozen
+    past its lease (SIGSTOP, a hung host) keeps the stream open and never answers, and waiting for it held
+    reports from the new leader until keepalive dropped the connection, 5-10 s later."""
+    answer = asyncio.ensure_future(call)
+    try:
+        await asyncio.wait((answer, leader_changed), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not answer.done():
+            answer.cancel()  # the caller cancels the call itself right after
+    if answer.done() and not answer.cancelled():
+        answer.result()
 
 
 async def _reports(servicer: InstanceServicer, interval_s: float, leader_changed: asyncio.Future,

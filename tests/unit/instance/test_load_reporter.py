@@ -181,3 +181,61 @@ def test_a_request_taken_in_is_reported_at_once_even_when_the_counts_look_the_sa
                                                         num_requests_admitted=8), before)
     assert load_reporter._differs(common_pb2.LoadReport(num_running=2, num_total_blocks=64, num_requests_admitted=7,
                                                         num_requests_migrated_in=1), before)
+
+
+class FrozenManager(manager_pb2_grpc.ManagerServiceServicer):
+    """A leader that takes the stream and never answers it (SIGSTOPped, a hung host: the socket stays open)."""
+
+    async def ReportLoad(self, request_iterator, context):
+        await asyncio.sleep(3600)
+
+
+class HandOverLeaderKey(FakeLeaderKey):
+    """The leader key: the first leader until `switch()` names the next; `changed()` waits for the next switch."""
+
+    def __init__(self, leader: dict) -> None:
+        super().__init__(leader)
+        self._switched = asyncio.Event()
+
+    def switch(self, leader: dict) -> None:
+        self.values = [leader]
+        self._switched.set()
+        self._switched = asyncio.Event()
+
+    async def changed(self, since: int | None = None):
+        await self._switched.wait()
+        return type("Change", (), {"added": set(), "removed": set(), "updated": {LEADER_ID}})()
+
+
+class SteadyLoadServicer(FlakyLoadServicer):
+    def load_report(self) -> common_pb2.LoadReport:
+        return common_pb2.LoadReport(instance_id="i-1", num_total_blocks=10, timestamp=time.time())
+
+
+async def _serve(servicer: manager_pb2_grpc.ManagerServiceServicer) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    manager_pb2_grpc.add_ManagerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def test_a_new_leader_gets_reports_at_once_when_the_old_one_is_frozen():
+    """The old leader was SIGSTOPped past its lease and a standby took the key. The stream to the old one
+    stays open with no answer, and the loop awaited that answer after the leader changed, so the new
+    leader heard nothing from this instance (counted it UNHEALTHY) until keepalive dropped the old
+    connection 5-6 s later (found by a black-box run: both instances silent to the new leader 4.7 and 5.7 s)."""
+    counting = CountingManager()
+    (frozen, frozen_address), (manager, address) = await _serve(FrozenManager()), await _serve(counting)
+    try:
+        key = HandOverLeaderKey({"leader_id": "m-1", "address": frozen_address})
+        loop = asyncio.create_task(load_reporter.load_report_loop(FakeRegistry(key), SteadyLoadServicer(), 0.05))
+        await asyncio.sleep(0.3)  # the stream to the frozen leader is open
+        key.switch({"leader_id": "m-2", "address": address})
+        switched_at = time.monotonic()
+        await until(lambda: counting.reports, loop, timeout_s=5.0)
+        assert time.monotonic() - switched_at < 1.0
+        await assert_cancels(loop)
+    finally:
+        await frozen.stop(0)
+        await manager.stop(0)

@@ -18,7 +18,9 @@ below the band while one still drains, the retirement is called off (its drain m
 the target grows back) and the instance serves again at once, rather than being stopped
 and an instance started cold after it. Only
 clusters of `both` instances scale: with prefill/decode roles it holds back (which role
-to add is a PD question the band cannot answer). Retired instances leave the cluster
+to add is a PD question the band cannot answer). More serving instances than `max_instances`
+(the bound lowered by SetPolicy) retires one per action whatever the band says, and a burst
+does not call off a retirement that keeps the count within the bound. Retired instances leave the cluster
 with their drain mark; the leader deletes the mark once they are gone, so a later
 instance with the same id starts serving.
 """
@@ -94,9 +96,12 @@ class ScalingDecision:
     num_instances: int  # serving instances now
     average_freeness: float
     instance_id: InstanceId | None = None  # RETIRE: the instance to drain and stop
+    max_instances: int | None = None  # RETIRE because the count is above this scaling_max_instances, not the band
 
     @property
     def reason(self) -> str:
+        if self.max_instances is not None:
+            return f"{self.num_instances} instances is above scaling_max_instances ({self.max_instances})"
         side = "below" if self.action is ScalingAction.ADD else "above"
         return f"average freeness {self.average_freeness:.1f} over {self.num_instances} instances is {side} the band"
 
@@ -109,12 +114,19 @@ def decide(views: Sequence[InstanceView], settings: ScalingSettings) -> ScalingD
            for v in views):
         return None
     average = pooled_freeness(views)
+    if len(views) > settings.max_instances:  # the bound was lowered below the count: retire, whatever the band says
+        return ScalingDecision(ScalingAction.RETIRE, len(views), average, _idlest(views), settings.max_instances)
     if average < settings.low_freeness and len(views) < settings.max_instances:
         return ScalingDecision(ScalingAction.ADD, len(views), average)
     if average > settings.high_freeness and len(views) > settings.min_instances:
-        idlest = min(views, key=lambda v: (v.load.num_running + v.load.num_waiting, _newest_first(v.record.instance_id)))
-        return ScalingDecision(ScalingAction.RETIRE, len(views), average, idlest.record.instance_id)
+        return ScalingDecision(ScalingAction.RETIRE, len(views), average, _idlest(views))
     return None
+
+
+def _idlest(views: Sequence[InstanceView]) -> InstanceId:
+    """The instance with the fewest requests, the newest among equals."""
+    idlest = min(views, key=lambda v: (v.load.num_running + v.load.num_waiting, _newest_first(v.record.instance_id)))
+    return idlest.record.instance_id
 
 
 def _newest_first(instance_id: str) -> tuple[int, str]:
@@ -264,6 +276,8 @@ class Scaler:
         others = [v for v in views if v.record.instance_id not in retiring and v.state is InstanceState.SERVING
                   and v.report_age_s is not None]
         if not self.settings.is_enabled or not others:
+            return None
+        if len(others) + len(target.draining) > self.settings.max_instances:  # calling off would go over the bound
             return None
         average = pooled_freeness(others)
         return average if average < self.settings.low_freeness else None

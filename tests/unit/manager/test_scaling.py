@@ -338,3 +338,28 @@ async def test_an_add_waited_on_in_an_earlier_term_does_not_hold_the_next_one() 
     clock.advance(60)
     view.apply_report(InstanceId("i-0"), make_load(num_free_blocks=50, num_running=9))
     assert (await scaler.tick()).action is ScalingAction.ADD
+
+
+async def test_a_max_lowered_below_the_count_retires_one_at_a_time_whatever_the_band() -> None:
+    """An operator lowered scaling_max_instances under load (ferryctl policy set --set scaling_max_instances=1
+    with 2 instances busy): nothing happened while the band did not ask for a retirement (black-box run)."""
+    clock = FakeClock()
+    view = busy_view("i-0", "i-1", "i-2", clock=clock, free=50)  # freeness 5: below the band, a burst
+    lowered = dataclasses.replace(BAND, max_instances=1)
+    retire = decide(view.instances(), lowered)
+    assert retire.action is ScalingAction.RETIRE and retire.instance_id == "i-2"
+    assert retire.reason == "3 instances is above scaling_max_instances (1)"
+    store = FakeStore()
+    scaler = Scaler(view, leader(), store, lowered, interval_s=1, cooldown_s=30, clock=clock)
+    assert (await scaler.tick()).instance_id == "i-2"
+    assert store.target.num_instances == 2 and store.target.draining == ["i-2"]
+    view.apply_report(InstanceId("i-2"), make_load(num_free_blocks=50, num_running=9))  # still has requests
+    assert await scaler.tick() is None
+    assert store.target.draining == ["i-2"]  # the burst does not call it off: that would go over the bound
+    view.remove_member(InstanceId("i-2"))  # the launcher stopped it
+    assert await scaler.tick() is None  # the cooldown
+    clock.advance(31)
+    for instance_id in ("i-0", "i-1"):
+        view.apply_report(InstanceId(instance_id), make_load(num_free_blocks=50, num_running=9))
+    assert (await scaler.tick()).instance_id == "i-1"  # the next one, down to the bound
+    assert decide(busy_view("i-0", "i-1", clock=clock, free=50).instances(), BAND).action is ScalingAction.ADD

@@ -579,11 +579,16 @@ class LLMEngine:
             for r in tuple(self._requests.values())
         ]
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[list[int]]:
-        """Run `prompts` (token ids) to completion; their output token ids, in order. For tests and benchmarks."""
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 sampling: SamplingParams | Sequence[SamplingParams]) -> list[list[int]]:
+        """Run `prompts` (token ids) to completion, in one batch; their output token ids, in order. `sampling`:
+        one for every prompt, or one each. For tests and benchmarks."""
+        samplings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(samplings) != len(prompts):
+            raise InvalidArgument(f"{len(samplings)} sampling params for {len(prompts)} prompts")
         request_ids = [f"generate-{next(self._arrivals)}" for _ in prompts]
-        for request_id, prompt in zip(request_ids, prompts):
-            self.add_request(request_id, prompt, sampling)
+        for request_id, prompt, params in zip(request_ids, prompts, samplings):
+            self.add_request(request_id, prompt, params)
         tokens: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
         num_unfinished = len(request_ids)
         while num_unfinished:

@@ -187,6 +187,16 @@ def test_generate_convenience(gqa, make_engine):
     assert outputs == [reference_greedy(gqa, p, GREEDY.max_tokens) for p in prompts]
 
 
+def test_generate_takes_one_sampling_per_prompt(gqa, make_engine):
+    prompts = random_prompts([4, 11, 7])
+    budgets = [3, GREEDY.max_tokens, 1]
+    engine = make_engine(gqa)
+    outputs = engine.generate(prompts, [replace(GREEDY, max_tokens=m) for m in budgets])
+    assert outputs == [reference_greedy(gqa, p, m) for p, m in zip(prompts, budgets)]
+    with pytest.raises(InvalidArgument, match="2 sampling params for 3 prompts"):
+        engine.generate(prompts, [GREEDY, GREEDY])
+
+
 # (2) Seeded sampling ignores what else is in the batch.
 
 def test_seeded_sampling_alone_equals_inside_a_busy_batch(gqa, make_engine):

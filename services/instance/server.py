@@ -19,6 +19,7 @@ from services.instance.convert import (check_request_id, chunk_to_proto, handoff
                                        migrate_out_plan_from_proto, migration_result_to_proto,
                                        request_state_from_proto, reservation_to_proto, role_from_proto,
                                        role_to_proto, sampling_from_proto)
+from services.instance.engine.engine import StepOutput
 from services.instance.handoff import Handoff
 from services.instance.migration import MigrationDriver
 from services.instance.migration_in import MigrationInbox
@@ -93,7 +94,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
             async for output in stream:
                 if isinstance(output, Handoff):
                     yield handoff_chunk_to_proto(stream.request_id, output, stream.epoch)
-                elif output.finish_reason is not None or output.token_index + len(output.new_token_ids) > from_token_index:
+                elif _is_news(output, from_token_index):
                     yield chunk_to_proto(output, epoch=stream.epoch)
         finally:
             if not stream.is_finished:  # the client went away (or we are shutting down)
@@ -247,3 +248,10 @@ def _commit_deadline(time_remaining: float | None, deadline_unix_ms: int) -> flo
     if deadline_unix_ms > 0:
         deadlines.append(now + deadline_unix_ms / 1000 - time.time())
     return min(deadlines, default=None)
+
+
+def _is_news(output: StepOutput, from_token_index: int) -> bool:
+    """Whether a reader from `from_token_index` on needs `output`: a finish, tokens from there on, or a start
+    notice (no token: where the prompt was first computed from, which a resume sends back)."""
+    return (output.finish_reason is not None or not output.new_token_ids
+            or output.token_index + len(output.new_token_ids) > from_token_index)

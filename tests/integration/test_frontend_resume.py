@@ -50,9 +50,11 @@ class CharTokenizer:
 
 
 class ScriptedInstance(instance_pb2_grpc.InstanceServiceServicer):
-    def __init__(self, fail_after: int | None = None, delay_s: float = 0.0) -> None:
+    def __init__(self, fail_after: int | None = None, delay_s: float = 0.0, first_start: int | None = None) -> None:
         self.fail_after = fail_after  # tokens streamed before the stream breaks with UNAVAILABLE
         self.delay_s = delay_s
+        # Said first in a chunk with no token, as an instance does whose prefill takes more than a step.
+        self.first_start = first_start
         self.requests: list[instance_pb2.GenerateRequest] = []
         self.aborted: list[str] = []
         self.running: set[str] = set()
@@ -63,6 +65,9 @@ class ScriptedInstance(instance_pb2_grpc.InstanceServiceServicer):
         assert list(request.resume_token_ids) == [expected_token(prompt, i) for i in range(start)]
         self.running.add(request.request_id)
         try:
+            if self.first_start is not None:
+                yield instance_pb2.GenerateChunk(request_id=request.request_id, token_index=start,
+                                                 first_start=self.first_start)
             for index in range(start, request.sampling.max_tokens):
                 if self.fail_after is not None and index - start >= self.fail_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "instance is going away")
@@ -180,6 +185,25 @@ async def test_a_broken_stream_resumes_on_another_instance_without_gaps(cluster)
     assert not dying.requests[0].HasField("resume_text")
     assert healthy.requests[0].request_id == dying.requests[0].request_id == chunks[0]["id"]
     await eventually(lambda: dying.aborted == [chunks[0]["id"]], what="the broken one told to free its blocks")
+    assert metrics.resumes._value.get() == 1
+
+
+async def test_an_instance_lost_during_the_prefill_resumes_the_prompt_from_where_it_started(cluster):
+    """The dying instance said first_start in a chunk with no token (its prefill took more than a step), then
+    broke before its first token: the resume sends that first_start back (the prompt is cut there again, so
+    its bits stay those of a run that never failed). Chunks with no token reach the client as nothing."""
+    dying, healthy = ScriptedInstance(fail_after=0, first_start=48), ScriptedInstance(first_start=0)
+    base_url, metrics = await cluster(dying, healthy)
+    status, raw = await post(base_url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": True,
+                                        "return_token_ids": True})
+    assert status == 200
+    events = [line[len(b"data: "):] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[expected_token(PROMPT_IDS, i)] for i in range(6)]
+    (lost,), (resumed,) = dying.requests, healthy.requests
+    assert not lost.HasField("resume_first_start") and not resumed.resume_token_ids
+    assert resumed.HasField("resume_first_start") and resumed.resume_first_start == 48
     assert metrics.resumes._value.get() == 1
 
 

@@ -78,6 +78,21 @@ async def test_generate_streams_the_engines_greedy_tokens(stub, tiny_model_dir):
     assert "".join(chunk.text for chunk in chunks)
 
 
+async def test_a_prompt_prefilled_over_steps_says_where_it_started_before_its_first_token(stub, tiny_model_dir):
+    """A 240-token prompt takes two steps (chunks of 224): the stream's first chunk has no token and no finish
+    reason, only first_start, so a frontend that loses this instance during the prefill still resumes the
+    prompt cut where it was (before, first_start came with the first token only)."""
+    prompt = [(5 * i + 1) % 500 + 1 for i in range(240)]
+    chunks = await collect(stub, instance_pb2.GenerateRequest(request_id="fs-1", prompt_token_ids=prompt,
+                                                              sampling=greedy(4)))
+    first, *rest = chunks
+    assert (list(first.token_ids), first.text, first.finish_reason, first.token_index) == (
+        [], "", common_pb2.FINISH_REASON_UNSPECIFIED, 0)
+    assert first.HasField("first_start") and first.first_start == 0
+    assert all(chunk.token_ids for chunk in rest) and rest[0].token_index == 0
+    assert [t for chunk in rest for t in chunk.token_ids] == reference_tokens(tiny_model_dir, prompt, 4)
+
+
 async def test_bad_input_is_invalid_argument_naming_the_field(stub):
     cases = {
         "prompt": instance_pb2.GenerateRequest(request_id="b-1", prompt_token_ids=[], sampling=greedy(4)),

@@ -98,14 +98,16 @@ class EngineConfig:
 class StepOutput:
     request_id: RequestId
     token_index: int  # output index of new_token_ids[0] (resumed tokens count)
-    new_token_ids: tuple[int, ...]  # empty when the request finished without a new token
+    new_token_ids: tuple[int, ...]  # empty when the request finished without a new token, or started (first_start)
     text: str  # detokenized delta
     finish_reason: FinishReason | None  # None while the request runs
     logprobs: tuple[TokenLogprob, ...] | None  # one per new token, if the request asked for them
     num_prompt_tokens: int
     # With sampling.prompt_logprobs, on the output of token 0: entry i is prompt token i + 1's.
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
-    first_start: int | None = None  # where the prompt was first computed from (Request.first_start)
+    # Where the prompt was first computed from (Request.first_start). A request whose prompt takes more than a
+    # step gets an output with no token and no finish reason when it starts: only this is news in it.
+    first_start: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,6 +428,7 @@ class LLMEngine:
 
     def _postprocess(self, scheduled: SchedulerOutput, logits: torch.Tensor | None) -> list[StepOutput]:
         outputs = [self._output_too_long(request) for request in scheduled.finished]
+        outputs += self._start_notices(scheduled)
         if logits is None or scheduled.batch is None:
             return outputs
         last_rows = self._record_prompt_logprobs(scheduled, logits)
@@ -442,6 +445,14 @@ class LLMEngine:
         for (request, _row), token in zip(sampled, tokens):
             outputs.append(self._append_token(request, token))
         return outputs
+
+    def _start_notices(self, scheduled: SchedulerOutput) -> list[StepOutput]:
+        """A token-less output for each request whose prompt this step started computing (`first_start` just
+        set) without sampling its first token (a chunked prefill): a client that loses this instance before that
+        token still learns where the prompt was first computed from, and its resume sends it back, so the prompt
+        is cut there again (its logprobs keep their bits). Where the token comes in this step, its output says it."""
+        sampled = {id(s.request) for s in scheduled.scheduled if s.is_sampled}
+        return [self._output(r, r.num_output_tokens, None, None) for r in scheduled.started if id(r) not in sampled]
 
     def _record_prompt_logprobs(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[int]:
         """Add the prompt logprobs this step's prefill chunks computed to their requests (positions a

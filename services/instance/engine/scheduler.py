@@ -81,6 +81,7 @@ class SchedulerOutput:
     batch: ForwardBatch | None  # None when nothing runs this step
     preempted: list[Request] = field(default_factory=list)  # moved back to waiting this step
     finished: list[Request] = field(default_factory=list)  # finished here: longer than the whole cache
+    started: list[Request] = field(default_factory=list)  # admitted for the first time: first_start set this step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -290,6 +291,7 @@ class Scheduler:
             self.block_manager.start_from_cache(request, cached)
             if request.first_start is None:
                 request.first_start = num_cached_tokens
+                step.started.append(request)
             self.block_manager.allocate(request, num_cached_tokens + num_new)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=_priority_order)
@@ -325,6 +327,7 @@ class _StepPlan:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
+    started: list[Request] = field(default_factory=list)
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         is_sampled = request.num_computed_tokens + num_new_tokens == request.num_tokens
@@ -349,7 +352,7 @@ class _StepPlan:
     def to_output(self, block_size: int, recomputes_one_by_one: bool) -> SchedulerOutput:
         """Call after the scheduled tokens were counted as computed."""
         batch = build_forward_batch(self.scheduled, block_size, recomputes_one_by_one) if self.scheduled else None
-        return SchedulerOutput(self.scheduled, batch, self.preempted, self.finished)
+        return SchedulerOutput(self.scheduled, batch, self.preempted, self.finished, self.started)
 
 
 def build_forward_batch(scheduled: list[ScheduledRequest], block_size: int, recomputes_one_by_one: bool = True

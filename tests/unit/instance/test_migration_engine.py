@@ -466,6 +466,50 @@ def test_a_request_first_computed_after_a_cached_prompt_resumes_elsewhere_with_i
         other.add_request("bad", prompt, sampling, resume_token_ids=expected.token_ids[:5], first_start=54)
 
 
+def test_a_request_whose_instance_dies_during_its_prefill_after_a_cached_prefix_resumes_elsewhere_with_its_bits(
+        make_engine):
+    """r's 244-token prompt starts after a's 9 cached prompt blocks (first_start 144) and takes two steps (chunks
+    end at multiples of 240). The first step's output for r has no token but says where r started; its instance
+    dies before r's first token, and the frontend resumes it elsewhere with that first_start: the prompt is cut
+    there again, so r's logprobs equal to the bit those of r that never failed. Before, only an output with a
+    token said it: the resume computed the prompt from 0 in chunks of 240 (other logprobs from token 0 on an
+    AVX-512 machine, where a first_start of 48 with chunks of 112 gave the same bits either way)."""
+    shared = [(7 * i + 3) % 500 + 1 for i in range(145)]
+    prompt = shared[:144] + [(11 * i + 5) % 500 + 1 for i in range(100)]
+    sampling = replace(SEEDED, max_tokens=8, logprobs=1, top_k=0)
+
+    def start_on(engine: LLMEngine, harness: Harness) -> None:
+        engine.add_request("a", shared, replace(sampling, seed=1))
+        harness.run_until(engine, "a", 1)
+        engine.add_request("r", prompt, sampling)  # starts after a's 9 cached prompt blocks
+
+    roomy, reference = make_engine(block_size=16, max_num_batched_tokens=512), Harness()
+    start_on(roomy, reference)
+    expected = reference.finish(roomy, "r")
+    dying, harness = make_engine(block_size=16, max_num_batched_tokens=512), Harness()
+    start_on(dying, harness)
+    harness.step(dying)  # r's first chunk, [144, 240)
+    died = harness.streams["r"]
+    assert (died.token_ids, died.text, died.finish_reason, died.first_start) == ([], "", None, 144)
+    other = make_engine(block_size=16, max_num_batched_tokens=512)
+    other.add_request("r", prompt, sampling, first_start=died.first_start)  # the resume: no token to send back
+    got = harness.finish(other, "r")
+    assert got.token_ids == expected.token_ids and got.logprobs == expected.logprobs
+
+
+def test_only_a_prefill_longer_than_a_step_gets_an_output_without_a_token(make_engine):
+    """The start notice (no token, first_start) comes once, in the step that starts a prompt without sampling
+    its first token; a prompt computed in one step says first_start with its first token."""
+    engine = make_engine(block_size=16)
+    engine.add_request("short", PROMPT, GREEDY)
+    engine.add_request("long", [(5 * i + 1) % 500 + 1 for i in range(200)], GREEDY)
+    outputs = [o for _ in range(4) for o in engine.step()]
+    empty = [(o.request_id, o.token_index, o.first_start) for o in outputs if not o.new_token_ids]
+    assert empty == [("long", 0, 0)]
+    assert all(o.first_start == 0 for o in outputs)
+    assert [o.token_index for o in outputs if o.request_id == "long" and o.new_token_ids][0] == 0
+
+
 def test_a_salted_request_is_cached_under_its_salt_at_the_destination(make_engine):
     salted = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, cache_salt="tenant-a")
     reference = unmigrated(make_engine, salted)

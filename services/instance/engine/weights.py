@@ -185,6 +185,20 @@ def _reordered(config: ModelConfig, name: str, tensor: torch.Tensor) -> torch.Te
     return tensor.reshape(heads, 3, head_dim, -1).transpose(0, 1).reshape(tensor.shape)
 
 
+def _warn_if_tied_head_differs(config: ModelConfig, files: dict[str, Path], readers: dict, state: dict) -> None:
+    """With `tie_word_embeddings` the head is the embedding matrix (as vLLM serves it) and a checkpoint's own
+    `lm_head.weight` goes unused; say so where that tensor differs (transformers 5 keeps it instead, so its
+    outputs differ from ours)."""
+    head = _renamed("lm_head.weight", _RENAMES.get(config.model_type, ()))
+    if not config.tie_word_embeddings or config.lm_head_bias or head not in files:
+        return
+    embedding = state["embed_tokens.weight"]
+    if not torch.equal(readers[files[head]].get_tensor(head).to(embedding.dtype).to(embedding.device), embedding):
+        log.warning("tied_lm_head_ignored", tensor=head, reason="config.json sets tie_word_embeddings, so the "
+                    "head is the embedding matrix; the checkpoint's head differs from it and is not used "
+                    "(set tie_word_embeddings to false to serve it)")
+
+
 def load_state_dict(
     model_dir: str | Path, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
@@ -200,5 +214,6 @@ def load_state_dict(
         for name, parts in sources.items():
             tensors = [readers[files[hf]].get_tensor(hf).to(dtype) for hf in parts]
             state[name] = _reordered(config, name, tensors[0] if len(tensors) == 1 else torch.cat(tensors)).to(device)
+        _warn_if_tied_head_differs(config, files, readers, state)
     log.info("weights_loaded", model_dir=str(model_dir), num_tensors=len(state), num_files=len(readers))
     return state

@@ -619,3 +619,20 @@ def test_tensors_that_disagree_with_the_config_name_the_fields_to_check(tiny_mod
     (folder / "config.json").write_text(json.dumps({**raw, "intermediate_size": raw["intermediate_size"] * 2}))
     with pytest.raises(ValueError, match="do not have the shapes config.json gives .*intermediate_size.*size mismatch"):
         LlamaModel.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("head_differs", [True, False])
+def test_a_tied_model_says_when_it_ignores_a_checkpoint_head_that_differs(tiny_model_dir, tmp_path, head_differs):
+    """tie_word_embeddings makes the head the embedding matrix (as vLLM); a checkpoint's own `lm_head.weight`
+    that differs from it is unused, and transformers 5 would serve it: the log must say so."""
+    from structlog.testing import capture_logs
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, folder)
+    weights = load_file(folder / "model.safetensors")
+    embedding = weights["model.embed_tokens.weight"]
+    weights["lm_head.weight"] = embedding + 1 if head_differs else embedding.clone()
+    save_file(weights, folder / "model.safetensors")
+    with capture_logs() as logs:
+        model = load_model(folder, pack_weights=False)
+    warned = [e for e in logs if e["event"] == "tied_lm_head_ignored"]
+    assert model.lm_head is None and len(warned) == int(head_differs)

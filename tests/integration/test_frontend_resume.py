@@ -166,15 +166,25 @@ async def post(base_url, body):
             return response.status, await response.read()
 
 
+def sse_events(raw: bytes) -> list[bytes]:
+    """The data of each server-sent event of a stream's body, `[DONE]` included."""
+    return [line[len(b"data: "):] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+
+
+async def stream_chunks(base_url, body) -> list[dict]:
+    """A streamed request's chunks, once it answered 200 and ended with [DONE]."""
+    status, raw = await post(base_url, body)
+    assert status == 200
+    events = sse_events(raw)
+    assert events[-1] == b"[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
 async def test_a_broken_stream_resumes_on_another_instance_without_gaps(cluster):
     dying, healthy = ScriptedInstance(fail_after=4), ScriptedInstance()
     base_url, metrics = await cluster(dying, healthy)
-    status, raw = await post(base_url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "stream": True,
-                                        "return_token_ids": True})
-    assert status == 200
-    events = [line[len(b"data: "):] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
-    assert events[-1] == b"[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
+    chunks = await stream_chunks(base_url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "stream": True,
+                                            "return_token_ids": True})
     token_ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
     assert token_ids == [expected_token(PROMPT_IDS, i) for i in range(10)]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
@@ -194,12 +204,8 @@ async def test_an_instance_lost_during_the_prefill_resumes_the_prompt_from_where
     its bits stay those of a run that never failed). Chunks with no token reach the client as nothing."""
     dying, healthy = ScriptedInstance(fail_after=0, first_start=48), ScriptedInstance(first_start=0)
     base_url, metrics = await cluster(dying, healthy)
-    status, raw = await post(base_url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": True,
-                                        "return_token_ids": True})
-    assert status == 200
-    events = [line[len(b"data: "):] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
-    assert events[-1] == b"[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
+    chunks = await stream_chunks(base_url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": True,
+                                            "return_token_ids": True})
     assert [c["choices"][0]["token_ids"] for c in chunks] == [[expected_token(PROMPT_IDS, i)] for i in range(6)]
     (lost,), (resumed,) = dying.requests, healthy.requests
     assert not lost.HasField("resume_first_start") and not resumed.resume_token_ids
@@ -225,7 +231,7 @@ async def test_resumes_are_bounded_then_an_error_event(cluster):
     base_url, _ = await cluster(*instances, max_resumes=2)
     status, raw = await post(base_url, {"model": MODEL, "prompt": PROMPT, "max_tokens": 10, "stream": True})
     assert status == 200
-    events = [line[len(b"data: "):] for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+    events = sse_events(raw)
     error = json.loads(events[-2])["error"]
     assert "after 2 resumes" in error["message"] and error["type"] == "server_error"
     assert events[-1] == b"[DONE]"

@@ -14,8 +14,8 @@ Variants (--variants, comma-separated):
     pd          P prefill + D decode, the prefill instance pushes each hand-off (default)
     pd-manager  the same with --pd-handoff manager (the manager's migration loop moves them)
     pd-short    pd with the short-prompt rule on (prompts under --short-prompt-tokens prefill on decode)
-    pd-parked   pd with --pd-handoff-hold-s 86400: queued hand-offs stay parked however long the
-                queue stalls (the behaviour before that flag)
+    pd-parked   pd with --pd-handoff-hold-s 86400: queued hand-offs stay parked however long they
+                wait (the behaviour before that flag)
 
     python benchmarks/pd_compare.py --model models/smollm2-135m-instruct --pd 1:1 --num-requests 24 --rate 1
 

@@ -66,10 +66,10 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     pd_handoff: PdHandoff = knob(PdHandoff.PUSH, "who moves a request from a prefill instance to a decode instance "
                                                  "after its first token: push (this instance, at once) or manager "
                                                  "(the manager's migration loop, next tick)")
-    pd_handoff_hold_s: float = knob(1.0, "prefill role, push hand-off: when no hand-off has started or ended for "
-                                         "this long (one is stuck, e.g. on a frozen decode instance), the queued "
-                                         "prefilled requests decode here until a worker takes theirs; a queue that "
-                                         "moves keeps them parked however long it is. Also the deadline of a "
+    pd_handoff_hold_s: float = knob(1.0, "prefill role, push hand-off: a prefilled request parked this long in "
+                                         "the hand-off queue (a burst, or a hand-off stuck on a frozen decode "
+                                         "instance) decodes here until a worker takes it, so its client's pause "
+                                         "between first and second token stays about this long. Also the deadline of a "
                                          "hand-off's first PrepareMigrateIn (the parked request waits on it): a "
                                          "decode instance slower to answer leaves the request decoding here")
     engine: EngineKind = knob(EngineKind.TORCH, "inference engine: torch (runs the model) or sim (scheduler, KV "

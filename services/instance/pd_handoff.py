@@ -7,11 +7,13 @@ Design (`handoff_loop`: --max-concurrent-migrations workers, each one request at
     queue it  →  ask the leader for a decode instance (by load)  →  migrate it in one
     stop-and-copy stage  →  report the migration to the leader
 
-A held request never decodes here, so the prefill instance spends its steps on prefills
-and every request decodes on a decode instance, however long the queue. Only when the
-queue stalls, no worker taking or ending a hand-off for `hold_s` (--pd-handoff-hold-s: a
-hand-off to a frozen decode instance waits for its call's deadline), do the queued requests
-decode here meanwhile; a worker that takes one suspends it afresh. Nothing is dropped on
+A held request does not decode here, so the prefill instance spends its steps on prefills
+and every request decodes on a decode instance. But a request parked in the queue for
+`hold_s` (--pd-handoff-hold-s) decodes here meanwhile, so a client's pause between its first
+and second token stays about that long: under a burst the workers move one request each at
+a time (with 60 arrivals at once the last waited 17 s for its second token), and a hand-off
+to a frozen decode instance waits for its call's deadline. A worker that takes one suspends
+it afresh. Nothing is dropped on
 the way: if no decode instance serves (PlaceDecode UNAVAILABLE) or the migration fails,
 the request is resumed and keeps decoding here, and the manager's migration loop moves it
 once a decode instance is back (it counts in the load report's `num_prefilled`).
@@ -78,10 +80,9 @@ class DecodeHandoff:
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._pending: set[str] = set()  # queued or moving now: not reported as `num_prefilled`
         self._held: dict[str, HeldRequest] = {}  # parked in the step of their first token, with their state
-        self._queued: dict[str, None] = {}  # in the queue, no worker on it yet (in queue order)
-        self._decoding_while_queued: set[str] = set()  # resumed in a stall: decoding here until a worker takes it
-        self._last_progress = time.monotonic()  # a worker last took or ended a hand-off
-        self._stall_check: asyncio.TimerHandle | None = None
+        self._queued: dict[str, float] = {}  # in the queue, no worker on it yet (in queue order): when queued
+        self._decoding_while_queued: set[str] = set()  # resumed after hold_s parked: decoding here until a worker takes it
+        self._wait_check: asyncio.TimerHandle | None = None
         self._reports: set[asyncio.Task[None]] = set()
         self.is_decode_missing = False  # the last PlaceDecode found no decode instance
         self.num_handed_off = 0
@@ -116,31 +117,33 @@ class DecodeHandoff:
         else:  # parked at the next step boundary: it decodes on the decode instance
             self._runner.call_soon(lambda: engine.hold(request_id))
         self._queue.put_nowait(request_id)
-        self._queued[request_id] = None
-        self._check_stall_in(self._hold_s)
+        self._queued[request_id] = time.monotonic()
+        self._check_waits_in(self._hold_s)
 
-    def _check_stall_in(self, delay_s: float) -> None:
-        if self._stall_check is None:
-            self._stall_check = asyncio.get_running_loop().call_later(delay_s, self._check_stall)
+    def _check_waits_in(self, delay_s: float) -> None:
+        if self._wait_check is None:
+            self._wait_check = asyncio.get_running_loop().call_later(delay_s, self._check_waits)
 
-    def _check_stall(self) -> None:
-        """No hand-off taken or ended for `hold_s` while requests are queued: they decode here."""
-        self._stall_check = None
+    def _check_waits(self) -> None:
+        """Queued requests parked for `hold_s` decode here; check again when the next one will have waited that long."""
+        self._wait_check = None
         if not self._queued:
             return
-        stalled_s = time.monotonic() - self._last_progress
-        if stalled_s >= self._hold_s:
-            self._decode_queued_here(stalled_s)
-        self._check_stall_in(max(0.0, self._hold_s - stalled_s) or self._hold_s)
+        now = time.monotonic()
+        self._decode_here([r for r, queued_at in self._queued.items() if now - queued_at >= self._hold_s])
+        waiting = [queued_at for r, queued_at in self._queued.items() if r not in self._decoding_while_queued]
+        if waiting:
+            self._check_waits_in(max(0.0, min(waiting) + self._hold_s - now))
 
-    def _decode_queued_here(self, stalled_s: float) -> None:
-        """Resume the queued, parked requests. Commands reach the engine in order, so a resume
+    def _decode_here(self, waited: list[str]) -> None:
+        """Resume those of `waited` still parked. Commands reach the engine in order, so a resume
         comes before the suspend of the worker that takes the request later."""
         moving = self._migrations.moving  # another migration's: not ours to resume
-        parked = [r for r in self._queued if r not in self._decoding_while_queued and r not in moving]
-        if parked and not self._decoding_while_queued:
-            log.info("pd_handoff_queue_stalled", stalled_s=round(stalled_s, 2), num_queued=len(self._queued),
-                     action="queued requests decode here until a worker takes their hand-off")
+        parked = [r for r in waited if r not in self._decoding_while_queued and r not in moving]
+        if parked:
+            log.info("pd_handoff_queue_slow", num_resumed=len(parked), num_queued=len(self._queued),
+                     hold_s=self._hold_s,
+                     action="requests parked this long for their hand-off decode here until a worker takes it")
         engine = self._runner.engine
         for request_id in parked:
             self._decoding_while_queued.add(request_id)
@@ -151,7 +154,6 @@ class DecodeHandoff:
         """A worker starts the request's hand-off: it is no longer queued."""
         self._queued.pop(request_id, None)
         self._decoding_while_queued.discard(request_id)
-        self._last_progress = time.monotonic()
 
     async def move_decoding(self) -> int:
         """Queue every request decoding here (the role became PREFILL); how many."""
@@ -176,12 +178,11 @@ class DecodeHandoff:
                 log.exception("pd_handoff_crashed", request_id=request_id)
             finally:
                 self._pending.discard(request_id)
-                self._last_progress = time.monotonic()
 
     async def close(self) -> None:
-        if self._stall_check is not None:
-            self._stall_check.cancel()
-            self._stall_check = None
+        if self._wait_check is not None:
+            self._wait_check.cancel()
+            self._wait_check = None
         for task in list(self._reports):
             task.cancel()
         await asyncio.gather(*self._reports, return_exceptions=True)
@@ -230,7 +231,7 @@ class DecodeHandoff:
         return result
 
     def _is_moot(self, request_id: str) -> bool:
-        """The hand-off has nothing left to do: its request finished (decoding here in a stall), was aborted,
+        """The hand-off has nothing left to do: its request finished (decoding here while queued), was aborted,
         or another migration (a drain, the manager's loop) claimed it first and moves it."""
         return self._runner.stream(request_id) is None or request_id in self._migrations.moving
 

@@ -92,10 +92,13 @@ async def run_batch(cluster, admin, client, reference, num: int, tag: str) -> No
     prompts, max_tokens = mixed_batch(num, tag)
     results = await asyncio.gather(*(complete(client, cluster, p, m) for p, m in zip(prompts, max_tokens)))
     assert [tokens for _, tokens in results] == reference(prompts, max_tokens)
+    num_moved = 0
     for request_id, _ in results:  # prefilled on the prefill instance, decoded on a decode instance, one stage
-        moves = await committed(admin, request_id)
-        assert [(m.src_instance_id, m.trigger, m.num_stages) for m in moves] == [(PREFILL, "pd", 1)], moves
-        assert moves[0].dst_instance_id in (DECODE_1, DECODE_2)
+        moves = await committed(admin, request_id)  # none: parked --pd-handoff-hold-s, it finished there first
+        assert [(m.src_instance_id, m.trigger, m.num_stages) for m in moves] in ([], [(PREFILL, "pd", 1)]), moves
+        assert all(m.dst_instance_id in (DECODE_1, DECODE_2) for m in moves)
+        num_moved += len(moves)
+    assert num_moved >= 1  # on a loaded 2-core box 16 of 40 (hand-offs ~0.3 s each there: most finish first)
     await wait_blocks_back(admin, baseline)
 
 

@@ -225,6 +225,36 @@ async def test_a_request_taken_within_the_hold_time_stays_parked():
     await handoff.close()
 
 
+class SlowMigrations(FakeMigrations):
+    """Every MigrateOut takes `seconds`: a queue that moves, one request at a time."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    async def migrate_out(self, plan: MigrateOutPlan) -> MigrationResult:
+        await asyncio.sleep(self.seconds)
+        return await super().migrate_out(plan)
+
+
+async def test_requests_parked_hold_s_in_a_queue_that_moves_decode_here_until_taken():
+    """A burst: hand-offs go one at a time, so the queue moves but the last request waits for all. Before, a
+    queue that moved kept its requests parked however long (a black-box run: second tokens up to 18 s late)."""
+    engine, placer, migrations = FakeEngine(), FlakyPlacer(), SlowMigrations(0.05)
+    handoff = pushing(engine, placer, migrations, hold_s=0.3)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    request_ids = [f"r-{n}" for n in range(20)]  # ~1 s of hand-offs, one every 0.05 s
+    for request_id in request_ids:
+        handoff.note_prefilled(request_id)
+    await until(lambda: "r-19" in engine.resumed, loop)  # parked 0.3 s: it decodes here meanwhile
+    assert "r-0" not in engine.resumed  # taken at once
+    await until(lambda: handoff.num_handed_off == 20, loop)  # every one still moves, suspended afresh
+    assert [plan.request_id for plan in migrations.plans] == request_ids
+    assert all(plan.held is None for plan in migrations.plans)
+    await assert_cancels(loop)
+    await handoff.close()
+
+
 async def test_requests_parked_for_their_hand_off_are_not_taken_off_the_decoding_ones():
     """`num_decoding` counts running requests; parked ones are not among them. Before, each queued hand-off
     was subtracted again, so requests decoding here unhandled were reported as none."""

@@ -90,7 +90,9 @@ async def test_children_that_exit_start_again_and_the_cluster_serves_and_migrate
             # flood: every request to instance-0, the first serving by id
             await admin.SetPolicy(manager_pb2.Policy(dispatch="flood", migration_enabled=False), timeout=5)
             client = openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0)
-            prompt, max_tokens = "A request that moves onto a restarted instance", 400
+            # As long as the context allows, so it still runs when Migrate lands: 400 tokens took 1.0 s in all
+            # at load 14, 0.25 s of it before the migration committed (polling ListRequests, then Migrate).
+            prompt, max_tokens = "A request that moves onto a restarted instance", 1000
             completion = asyncio.ensure_future(client.completions.create(
                 model=model_name(cluster), prompt=prompt, max_tokens=max_tokens, temperature=0,
                 extra_body={"return_token_ids": True, "ignore_eos": True}))

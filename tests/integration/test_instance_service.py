@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 
 import aiohttp
 import grpc
@@ -55,8 +56,9 @@ def greedy(max_tokens: int, **fields) -> common_pb2.SamplingParams:
 
 
 def reference_tokens(model_dir, prompt: list[int], max_tokens: int) -> list[int]:
-    loaded = build_engine(EngineSpec(model_dir, kv_name="ferry-test-reference", block_size=4, num_blocks=NUM_BLOCKS,
-                                     max_model_len=256))
+    # a name of its own: another pytest on the machine (or one killed mid-test) may hold a fixed one
+    loaded = build_engine(EngineSpec(model_dir, kv_name=f"ferry-test-reference-{uuid.uuid4().hex[:6]}", block_size=4,
+                                     num_blocks=NUM_BLOCKS, max_model_len=256))
     try:
         return loaded.engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))[0]
     finally:

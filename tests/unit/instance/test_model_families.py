@@ -6,6 +6,7 @@ sparse MLP gives transformers' bits; and the config's MoE fields are read as tra
 from __future__ import annotations
 
 import copy
+import os
 import pathlib
 from dataclasses import replace
 
@@ -74,7 +75,7 @@ def test_logprobs_are_the_same_bits_alone_and_beside_requests_routed_elsewhere(f
     gives every row the same bits whatever the count (packed_linear), and each token's experts are added
     in expert order, so a request's bits depend on its own routing only."""
     model_dir, _ = family
-    loaded = build_engine(EngineSpec(model_dir, kv_name=f"ferry-test-moe-bits-{tmp_path.name}", kv_cache_mib=8,
+    loaded = build_engine(EngineSpec(model_dir, kv_name=f"ferry-test-moe-bits-{os.getpid()}-{tmp_path.name}", kv_cache_mib=8,
                                      max_num_batched_tokens=64, enable_prefix_caching=False))
     try:
         alone = logprob_trace(loaded.engine, PROMPTS[2], [])

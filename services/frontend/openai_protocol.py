@@ -77,6 +77,7 @@ class ParsedRequest:
     echo_only: bool = False  # completions echo with max_tokens 0: the prompt alone (one token runs, unseen)
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs in its shape (token id -> logprob, rank)
     max_tokens_field: str = "max_tokens"  # chat: "max_completion_tokens" where that gave it (errors name it)
+    max_tokens_is_default: bool = False  # completions without max_tokens: OpenAI's default 16 (errors say so)
     tool_use: ToolUse = ToolUse()  # chat: whether the answer's tool calls are parsed, and forced
     constraint: OutputConstraint | None = None  # structured output (response_format, guided_*): what the answer is
 
@@ -255,7 +256,9 @@ def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_
         raise RequestError(
             f"{which}this model's maximum context length is {max_model_len} tokens; you requested "
             f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
-            f"output); reduce {parsed.max_tokens_field} to at most {room} or shorten the prompt",
+            f"output{', the default max_tokens' if parsed.max_tokens_is_default else ''}); "
+            f"{'set' if parsed.max_tokens_is_default else 'reduce'} {parsed.max_tokens_field} to at most {room} "
+            "or shorten the prompt",
             param=parsed.max_tokens_field, code="context_length_exceeded")
     return replace(parsed, sampling=replace(parsed.sampling, max_tokens=max_tokens))
 
@@ -305,7 +308,8 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         tokens_as_ids=opt_bool(body, "return_tokens_as_token_ids") or False,
         priority=fields.opt_int(body, "priority", low=-fields.INT32_MAX, high=fields.INT32_MAX) or 0,
         num_top_logprobs=num_top_logprobs, n=fields.opt_int(body, "n", low=1, high=MAX_CHOICES) or 1,
-        truncate_prompt_tokens=fields.truncate_prompt_tokens(body), prompt_logprobs=sampling.num_prompt_logprobs)
+        truncate_prompt_tokens=fields.truncate_prompt_tokens(body), prompt_logprobs=sampling.num_prompt_logprobs,
+        max_tokens_is_default=max_tokens is None and default_max_tokens is not None)
     if parsed.num_choices > MAX_BATCH_CHOICES:
         raise RequestError(f"n: {parsed.n} choices for each of {parsed.num_prompts} prompts make "
                            f"{parsed.num_choices} answers; at most {MAX_BATCH_CHOICES} fit in one request", param="n")

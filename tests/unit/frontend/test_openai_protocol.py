@@ -495,6 +495,12 @@ def test_prompt_longer_than_the_context_is_rejected():
     assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
 
 
+def test_a_completion_without_max_tokens_is_told_its_default_16_did_not_fit():
+    """The client sent no max_tokens: the message must not read as if it asked for 16 (a black-box run)."""
+    with pytest.raises(RequestError, match=r"16 for the output, the default max_tokens\); set max_tokens to at most 6"):
+        resolve_max_tokens(completion(), num_prompt_tokens=58, max_model_len=64)
+
+
 def test_prompt_plus_max_tokens_over_the_context_is_rejected():
     with pytest.raises(RequestError, match="reduce max_tokens to at most 14") as info:
         resolve_max_tokens(completion(max_tokens=20), num_prompt_tokens=50, max_model_len=64)

@@ -27,7 +27,9 @@ def json_lines(path: pathlib.Path) -> list[dict]:
 
 
 async def stream_and_migrate(frontend_url: str, admin_address: str, model: str) -> str:
-    body = {"model": model, "prompt": "Follow me through the logs", "max_tokens": 600, "temperature": 0,
+    # As long as the tiny model's 1024-token context allows, so it still runs when the Migrate lands (on a loaded
+    # box the launcher test's 400 tokens took 1.0 s in all)
+    body = {"model": model, "prompt": "Follow me through the logs", "max_tokens": 1000, "temperature": 0,
             "ignore_eos": True, "stream": True}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         async with session.post(f"{frontend_url}/v1/completions", json=body,

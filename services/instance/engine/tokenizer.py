@@ -14,6 +14,7 @@ special tokens, so `encode_chat` encodes it without adding more.
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -73,11 +74,8 @@ class Tokenizer:
         self._anchor_id = _mid_text_anchor(backend, self._added_token_ids)
         self._anchor_text = "" if self._anchor_id is None else backend.decode([self._anchor_id],
                                                                              skip_special_tokens=False)
-        self._template = _compile(chat_template) if chat_template else None
-        self._tool_use_template = _compile(tool_use_template) if tool_use_template else None
-        # templates that loop over a message's content take content lists as the request sent them
-        self._takes_content_lists = {id(t): _loops_over_content(source) for t, source in
-                                     ((self._template, chat_template), (self._tool_use_template, tool_use_template)) if t}
+        self._template = _chat_template(chat_template) if chat_template else None
+        self._tool_use_template = _chat_template(tool_use_template) if tool_use_template else None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -153,13 +151,12 @@ class Tokenizer:
                             continue_final_message: bool = False, **variables: Any) -> str:
         """The template's text; `variables` (e.g. enable_thinking) go to the template beside the special tokens.
         `continue_final_message`: the text ends with the last message's content, left open (as transformers)."""
-        template = self._tool_use_template if variables.get("tools") and self._tool_use_template else self._template
-        if template is None:
+        chat = self._tool_use_template if variables.get("tools") and self._tool_use_template else self._template
+        if chat is None:
             raise ValueError("the model has no chat template (tokenizer_config.json chat_template); use completions")
-        messages = [_with_content(m, self._takes_content_lists[id(template)]) for m in messages]
-        text = template.render(**{**self.special_tokens, "tools": None, "documents": None, **variables,
-                                  "messages": messages,
-                                        "add_generation_prompt": add_generation_prompt})
+        messages = [_with_content(m, chat.takes_content_lists) for m in messages]
+        text = chat.template.render(**{**self.special_tokens, "tools": None, "documents": None, **variables,
+                                       "messages": messages, "add_generation_prompt": add_generation_prompt})
         return _open_final_message(text, messages[-1].get("content")) if continue_final_message else text
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
@@ -351,6 +348,16 @@ class _GenerationBlock(Extension):
 
 def _compile_env() -> ImmutableSandboxedEnvironment:
     return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols])
+
+
+@dataclass(frozen=True, slots=True)
+class _ChatTemplate:
+    template: jinja2.Template
+    takes_content_lists: bool  # it loops over a message's content: content lists reach it as the request sent them
+
+
+def _chat_template(source: str) -> _ChatTemplate:
+    return _ChatTemplate(_compile(source), _loops_over_content(source))
 
 
 def _compile(template: str) -> jinja2.Template:

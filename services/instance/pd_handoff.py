@@ -7,14 +7,13 @@ Design (`handoff_loop`: --max-concurrent-migrations workers, each one request at
     queue it  →  ask the leader for a decode instance (by load)  →  migrate it in one
     stop-and-copy stage  →  report the migration to the leader
 
-A held request does not decode here, so the prefill instance spends its steps on prefills
-and every request decodes on a decode instance. But a request parked in the queue for
-`hold_s` (--pd-handoff-hold-s) decodes here meanwhile, so a client's pause between its first
-and second token stays about that long: under a burst the workers move one request each at
-a time (with 60 arrivals at once the last waited 17 s for its second token), and a hand-off
-to a frozen decode instance waits for its call's deadline. A worker that takes one suspends
-it afresh. Nothing is dropped on
-the way: if no decode instance serves (PlaceDecode UNAVAILABLE) or the migration fails,
+A held request does not decode here, so the prefill instance spends its steps on prefills.
+But a request parked in the queue for `hold_s` (--pd-handoff-hold-s) decodes here meanwhile,
+so a client's pause between its first and second token stays about that long: under a burst
+the workers move one request each at a time (with 60 arrivals at once the last waited 17 s
+for its second token), and a hand-off to a frozen decode instance waits for its call's
+deadline. A worker that takes one suspends it afresh; one that finished here meanwhile never
+moves. Nothing is dropped on the way: if no decode instance serves (PlaceDecode UNAVAILABLE) or the migration fails,
 the request is resumed and keeps decoding here, and the manager's migration loop moves it
 once a decode instance is back (it counts in the load report's `num_prefilled`).
 With `--pd-handoff manager` this module only reports; the manager's loop moves everything.

@@ -9,12 +9,12 @@ and it can be told to fail after some tokens the way a dying instance does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import aiohttp
 import grpc
 import pytest
-from aiohttp import web
 
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc
 from services.common.grpc_server import start_grpc_server
@@ -28,6 +28,8 @@ from services.frontend.request_runner import RequestRunner
 from services.frontend.served_model import ServedModel
 from services.frontend.server import FrontendServer
 from tests.integration.eventually import eventually
+from tests.loopback_http import served_on_loopback
+from tests.unit.frontend.factories import FakeMembership
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -100,18 +102,10 @@ class ScriptedManager(manager_pb2_grpc.ManagerServiceServicer):
         return manager_pb2.DispatchResponse(instance_id=entry.instance_id, address=entry.address, policy="scripted")
 
 
-class StaticMembership:
-    def __init__(self, entries):
-        self.entries = entries
-
-    def instances(self):
-        return self.entries
-
-
 @pytest.fixture
 async def cluster():
     """Start scripted instances, then a frontend over them; yields (base_url, instances, metrics)."""
-    servers, frontends = [], []
+    servers = []
 
     async def start(*instances: ScriptedInstance, max_resumes: int = 3, manager: ScriptedManager | None = None,
                     generate_timeout_s: float = 30, manager_timeout_s: float = 5.0):
@@ -132,7 +126,7 @@ async def cluster():
                 ["ferry.v1.ManagerService"])
             servers.append(server)
             manager_client = ManagerClient(StaticLeader(server.address), timeout_s=manager_timeout_s)
-        dispatcher = Dispatcher(manager_client, StaticMembership(entries), cooldown_s=5.0,
+        dispatcher = Dispatcher(manager_client, FakeMembership(*entries), cooldown_s=5.0,
                                 on_fallback=metrics.dispatch_fallbacks.inc)
         clients = InstanceClients(generate_timeout_s=generate_timeout_s, abort_timeout_s=2)
         runner = RequestRunner(dispatcher, clients, max_resumes=max_resumes, on_resume=metrics.resumes.inc,
@@ -140,18 +134,11 @@ async def cluster():
         model = ServedModel(MODEL, max_model_len=512, vocab_size=128, tokenizer=CharTokenizer())
         app = FrontendServer(model, runner, dispatcher, metrics, api_keys=(), max_inflight=8,
                              max_body_bytes=1 << 20).app()
-        http = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await http.setup()
-        site = web.TCPSite(http, "127.0.0.1", 0)
-        await site.start()
-        frontends.append((http, clients))
-        port = http.addresses[0][1]
-        return f"http://127.0.0.1:{port}", metrics
+        frontends.push_async_callback(clients.close)
+        return await frontends.enter_async_context(served_on_loopback(app)), metrics
 
-    yield start
-    for http, clients in frontends:
-        await http.cleanup()
-        await clients.close()
+    async with contextlib.AsyncExitStack() as frontends:
+        yield start
     for server in servers:
         await server.stop(0)
 

@@ -9,7 +9,6 @@ import json
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from services.cluster.processes import ServiceProcess
 from services.common.errors import Unavailable
@@ -24,6 +23,8 @@ from services.frontend.metrics import FrontendMetrics
 from services.frontend.request_runner import RequestRunner
 from services.frontend.served_model import ServedModel
 from services.frontend.server import FrontendServer
+from tests.loopback_http import served_on_loopback
+from tests.unit.frontend.factories import FakeMembership
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -100,39 +101,35 @@ async def test_a_request_whose_instance_dies_during_its_prefill_resumes_with_its
                                      ["ferry.v1.ManagerService"])
     clients = WatchedClients(generate_timeout_s=60, abort_timeout_s=2)
     metrics = FrontendMetrics()
-    dispatcher = Dispatcher(ManagerClient(StaticLeader(server.address), timeout_s=5),
-                            type("Members", (), {"instances": lambda self: entries})(), cooldown_s=5.0)
+    dispatcher = Dispatcher(ManagerClient(StaticLeader(server.address), timeout_s=5), FakeMembership(*entries),
+                            cooldown_s=5.0)
     runner = RequestRunner(dispatcher, clients, max_resumes=2, on_resume=metrics.resumes.inc)
     model = ServedModel.load(tiny_model_dir, MODEL, max_model_len=1024)
-    http = web.AppRunner(FrontendServer(model, runner, dispatcher, metrics, api_keys=(), max_inflight=8,
-                                        max_body_bytes=1 << 20).app(), access_log=None)
-    await http.setup()
-    await web.TCPSite(http, "127.0.0.1", 0).start()
-    base_url = f"http://127.0.0.1:{http.addresses[0][1]}"
+    app = FrontendServer(model, runner, dispatcher, metrics, api_keys=(), max_inflight=8, max_body_bytes=1 << 20).app()
     sampling = {"max_tokens": 6, "temperature": 0.9, "top_p": 0.95, "seed": 77, "logprobs": 1,
                 "return_token_ids": True, "ignore_eos": True}
     try:
-        await complete(base_url, {"prompt": SHARED, "max_tokens": 1})
-        reference = (await complete(base_url, {"prompt": PROMPT, **sampling}))["choices"][0]
-        manager.prefer = "b"
-        salted = {**sampling, "cache_salt": "killed"}
-        await complete(base_url, {"prompt": SHARED, "max_tokens": 1, "cache_salt": "killed"})
-        seen_from_b = []
+        async with served_on_loopback(app) as base_url:
+            await complete(base_url, {"prompt": SHARED, "max_tokens": 1})
+            reference = (await complete(base_url, {"prompt": PROMPT, **sampling}))["choices"][0]
+            manager.prefer = "b"
+            salted = {**sampling, "cache_salt": "killed"}
+            await complete(base_url, {"prompt": SHARED, "max_tokens": 1, "cache_salt": "killed"})
+            seen_from_b = []
 
-        def kill_b_at_its_first_chunk(instance_id, chunk) -> bool:
-            if instance_id != "b":
-                return False
-            seen_from_b.append((list(chunk.token_ids), chunk.first_start))
-            instances["b"].kill()
-            return True
+            def kill_b_at_its_first_chunk(instance_id, chunk) -> bool:
+                if instance_id != "b":
+                    return False
+                seen_from_b.append((list(chunk.token_ids), chunk.first_start))
+                instances["b"].kill()
+                return True
 
-        clients.on_chunk = kill_b_at_its_first_chunk
-        resumed = (await complete(base_url, {"prompt": PROMPT, **salted}))["choices"][0]
-        assert seen_from_b == [([], 144)]  # no token yet: b died during the prefill
-        assert metrics.resumes._value.get() == 1
-        assert resumed["token_ids"] == reference["token_ids"]
-        assert resumed["logprobs"]["token_logprobs"] == reference["logprobs"]["token_logprobs"]
+            clients.on_chunk = kill_b_at_its_first_chunk
+            resumed = (await complete(base_url, {"prompt": PROMPT, **salted}))["choices"][0]
+            assert seen_from_b == [([], 144)]  # no token yet: b died during the prefill
+            assert metrics.resumes._value.get() == 1
+            assert resumed["token_ids"] == reference["token_ids"]
+            assert resumed["logprobs"]["token_logprobs"] == reference["logprobs"]["token_logprobs"]
     finally:
-        await http.cleanup()
         await clients.close()
         await server.stop(0)

@@ -12,13 +12,12 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from aiohttp import web
-
 from services.frontend.dispatch import Dispatcher
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.request_runner import RequestRunner
 from services.frontend.served_model import ServedModel
 from services.frontend.server import FrontendServer
+from tests.loopback_http import served_on_loopback
 from tests.unit.frontend.factories import FakeMembership, ScriptedInstances, entry
 
 
@@ -49,10 +48,5 @@ async def scripted_frontend(answers: dict | None = None, *, tokenizer: Any = Non
     runner = RequestRunner(dispatcher, ScriptedInstances(answers or {}), max_resumes=3)
     options = {"api_keys": (), "max_inflight": 8, "max_body_bytes": 1 << 20, **server_options}
     server = FrontendServer(model, runner, dispatcher, metrics or FrontendMetrics(), **options)
-    http = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
-    await http.setup()
-    try:
-        await web.TCPSite(http, "127.0.0.1", 0).start()
-        yield f"http://127.0.0.1:{http.addresses[0][1]}"
-    finally:
-        await http.cleanup()
+    async with served_on_loopback(server.app()) as base_url:
+        yield base_url

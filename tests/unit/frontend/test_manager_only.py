@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from services.common.errors import ResourceExhausted, Unavailable
 from services.frontend.dispatch import Dispatcher, NoInstances
@@ -15,6 +14,7 @@ from services.frontend.metrics import FrontendMetrics
 from services.frontend.request_runner import RequestRunner
 from services.frontend.served_model import ServedModel
 from services.frontend.server import FrontendServer
+from tests.loopback_http import served_on_loopback
 from tests.unit.frontend.factories import BreaksOnce, ScriptedInstances, chunk, make_spec, make_state
 from tests.unit.frontend.test_request_runner_handoff import ManagerPicks
 
@@ -31,18 +31,12 @@ async def test_health_is_ok_while_accepting():
     dispatcher = Dispatcher(ManagerPicks(), NoInstances(), cooldown_s=5)
     server = FrontendServer(model, RequestRunner(dispatcher, ScriptedInstances({}), max_resumes=3), dispatcher,
                             FrontendMetrics(), api_keys=(), max_inflight=8, max_body_bytes=1 << 20)
-    http = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
-    await http.setup()
-    await web.TCPSite(http, "127.0.0.1", 0).start()
-    try:
-        async with aiohttp.ClientSession() as session:
-            async with session.get(f"http://127.0.0.1:{http.addresses[0][1]}/health") as response:
-                assert response.status == 200 and (await response.json())["status"] == "ok"
-            server.is_accepting = False
-            async with session.get(f"http://127.0.0.1:{http.addresses[0][1]}/health") as response:
-                assert response.status == 503
-    finally:
-        await http.cleanup()
+    async with served_on_loopback(server.app()) as base_url, aiohttp.ClientSession() as session:
+        async with session.get(f"{base_url}/health") as response:
+            assert response.status == 200 and (await response.json())["status"] == "ok"
+        server.is_accepting = False
+        async with session.get(f"{base_url}/health") as response:
+            assert response.status == 503
 
 
 async def test_a_full_instance_sends_the_request_to_the_next_the_manager_picks():

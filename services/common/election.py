@@ -139,10 +139,15 @@ class Election:
         log.info("leader_resigned", key=self.key, leader_id=self.info.leader_id, epoch=epoch)
 
     async def close(self) -> None:
+        """Resign and close the client; closing again (the manager's shutdown, then its `finally`) is a no-op."""
         await self.resign()
         if self._client is not None:
             await self._client.close()
             self._client = None
+        # A leadership resign() could not give up (etcd away) holds a lease on the client just closed:
+        # its key expires with that lease. Kept, the next resign() or campaign() would call etcd on a
+        # closed client (an AttributeError: the manager exited 1 with a traceback when stopped with etcd).
+        self._abandoned = None
 
     async def _try_acquire(self, client: Etcd3Client) -> int | None:
         """Create the key if absent. None if we are leader now, else the revision to watch from."""

@@ -88,6 +88,18 @@ async def test_no_leader_and_campaign_after_close(candidates) -> None:
     assert await Election.leader(a) is None
 
 
+async def test_close_twice_while_etcd_is_away_ends_quietly(candidates, running_etcd: LocalEtcd) -> None:
+    """A manager closes its election twice on the way out (its shutdown, then its `finally`). With
+    etcd stopped first (`systemctl stop ferry.target` stops every unit at once), the first close could
+    not delete the key; the second one called etcd on the closed client: AttributeError, exit 1."""
+    a, _ = candidates
+    await asyncio.wait_for(a.campaign(), 5)
+    running_etcd.terminate()
+    await asyncio.wait_for(a.close(), 10)
+    await asyncio.wait_for(a.close(), 10)
+    assert not a.is_leader
+
+
 async def _until(predicate) -> None:
     while not predicate():
         await asyncio.sleep(0.05)

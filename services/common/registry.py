@@ -320,15 +320,16 @@ class Registry:
             self._keepalive_task = None
         for view in self._views:
             await view.close()
-        if self._lease is not None:
-            with contextlib.suppress(*ETCD_ERRORS):  # unreachable etcd: the lease expires by itself
-                await self._lease.revoke()
-            log.info("lease_revoked", lease_id=f"{self._lease.lease_id:x}")
-            self._lease = None
-        self.is_registered = False
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        async with self._lock:  # an update() in flight ends first; one after it finds us unregistered
+            if self._lease is not None:
+                with contextlib.suppress(*ETCD_ERRORS):  # unreachable etcd: the lease expires by itself
+                    await self._lease.revoke()
+                log.info("lease_revoked", lease_id=f"{self._lease.lease_id:x}")
+                self._lease = None
+            self.is_registered = False
+            if self._client is not None:
+                await self._client.close()
+                self._client = None
 
     async def __aenter__(self) -> Registry:
         await self._connect()

@@ -125,6 +125,19 @@ async def test_etcd_restart_is_survived(registries, running_etcd: LocalEtcd) -> 
     await eventually(lambda: member.is_registered, timeout_s=5, what="registered again")
 
 
+async def test_an_update_while_the_registry_closes_against_a_stopped_etcd(registries, running_etcd: LocalEtcd) -> None:
+    """A transfer service stopping with etcd (`systemctl stop ferry.target` stops every unit at once)
+    while an instance unmaps itself: the update waits for the close and is dropped. It used to put
+    on the channel close() had just closed: UsageError, a traceback in the transfer's log."""
+    member, _ = registries
+    await member.register("transfer", "t-1", {"instances": ["a"]})
+    running_etcd.terminate()
+    closing = asyncio.create_task(member.close())
+    await asyncio.sleep(0.05)  # close() is revoking the lease, retrying against the stopped etcd
+    await asyncio.wait_for(member.update("transfer", "t-1", {"instances": []}), 10)
+    await asyncio.wait_for(closing, 10)
+
+
 async def test_register_fails_fast_without_etcd(cluster: str) -> None:
     registry = Registry([f"127.0.0.1:{free_port()}"], cluster, ttl_s=TTL_S)
     with pytest.raises(Unavailable, match="--etcd-endpoints"):

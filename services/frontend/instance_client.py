@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import structlog
 
-from services.common.errors import Unavailable, error_from_rpc
+from services.common.errors import FerryError, PermissionDenied, Unauthenticated, Unavailable, error_from_rpc
 from services.common.channel_pool import ChannelPool
 from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
@@ -60,7 +60,7 @@ class InstanceClients:
                 while (msg := await self._next_chunk(call)) is not None:
                     yield chunk_from_proto(msg)
             except grpc.aio.AioRpcError as exc:
-                raise error_from_rpc(exc) from exc
+                raise _as_frontends_error(error_from_rpc(exc), address) from exc
             finally:
                 call.cancel()  # no-op after the stream ended; stops it when we leave early
 
@@ -114,3 +114,12 @@ class InstanceClients:
                 log.info("abort_retrying", request_id=request_id, instance_id=target.instance_id,
                          code=exc.code().name, num_tries=attempt + 1)
             await asyncio.sleep(ABORT_RETRY_PAUSE_S * 2 ** attempt)
+
+
+def _as_frontends_error(error: FerryError, address: str) -> FerryError:
+    """An instance refusing this frontend's credentials (cluster token, client certificate) is this
+    frontend's misconfiguration, not its client's: never a 401/403 that blames the client's API key.
+    UNAVAILABLE, so the request goes to an instance that accepts them; with none, the client gets a 503."""
+    if isinstance(error, (Unauthenticated, PermissionDenied)):
+        return Unavailable(f"the instance at {address} refused this frontend: {error.message}", error.request_id)
+    return error

@@ -15,10 +15,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cluster.processes import ServiceProcess
 from services.common.cluster_token import CLUSTER_TOKEN_KEY
+from services.common.errors import Unavailable
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import transfer_pb2, transfer_pb2_grpc
 from services.common.grpc_server import bind_grpc_server, secure_or_insecure_channel
 from services.common.tls import TlsConfig
+from services.frontend.generation import InstanceId, Target
+from services.frontend.instance_client import InstanceClients
+from tests.unit.frontend.factories import make_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,6 +107,31 @@ async def test_a_channel_without_the_token_is_refused_on_every_call_shape(echo_s
         assert await _call(channel, OPEN_SERVICE, shape)  # what the server leaves open answers anyone
         health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("client_token", ["", "another"])
+async def test_an_instance_refusing_the_frontend_is_its_own_misconfiguration_not_the_clients(client_token):
+    """A frontend started without the cluster's token (or with another): the instance refuses it, and its
+    OpenAI client got that 401/403 as `invalid_request_error`, as if its API key were wrong. The frontend
+    now takes it as that instance being unusable (UNAVAILABLE: another may accept it; the client gets a
+    503 server_error once none does), the message naming the instance and --cluster-token-file."""
+    server = bind_grpc_server("127.0.0.1", 0, ["ferry.v1.InstanceService"], tls=TlsConfig(cluster_token=TOKEN))
+    await server.start([(_add_generate, None)])
+    clients = InstanceClients(generate_timeout_s=5, abort_timeout_s=1, tls=TlsConfig(cluster_token=client_token))
+    try:
+        with pytest.raises(Unavailable) as caught:
+            async for _ in clients.generate(Target(InstanceId("i-0"), server.address), make_spec()):
+                pass
+        assert server.address in caught.value.message and "--cluster-token-file" in caught.value.message
+        assert caught.value.http_status == 503
+    finally:
+        await clients.close()
+        await server.stop(0)
+
+
+def _add_generate(_servicer, server: grpc.aio.Server) -> None:
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(_unary_stream)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("ferry.v1.InstanceService", handlers),))
 
 
 @pytest.fixture(scope="module")

@@ -137,12 +137,21 @@ def _fail(config: CtlConfig, exc: FerryError, status: int, is_manager_reached: b
     message = exc.message
     if isinstance(exc, Unavailable) and not is_manager_reached:
         message += f" (manager at --admin {config.admin}; set --admin or FERRY_CTL_ADMIN to another manager"
-        message += "; if it serves TLS, pass --tls-ca and, for mutual TLS, --tls-cert and --tls-key)" \
-            if not config.tls_ca else ")"
+        message += _tls_hint(config) + ")"
     if config.json:
         print(json.dumps({"error": message, "code": type(exc).__name__}))
     print(f"ferryctl: {message}", file=sys.stderr)
     return status
+
+
+def _tls_hint(config: CtlConfig) -> str:
+    """What TLS setting may be missing when the manager could not be reached (a refused handshake says
+    only "Socket closed"): under mutual TLS, ferryctl with --tls-ca alone was sent to another manager."""
+    if not config.tls_ca:
+        return "; if it serves TLS, pass --tls-ca and, for mutual TLS, --tls-cert and --tls-key"
+    if not config.tls_cert:
+        return "; if it requires client certificates (mutual TLS), pass --tls-cert and --tls-key"
+    return "; under mutual TLS, --tls-cert must be signed by the CA of the manager's --tls-client-ca"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -65,6 +65,23 @@ def test_only_a_manager_that_could_not_be_reached_gets_the_admin_hint(capsys):
     assert "26263" in err and "--admin" not in err
 
 
+def test_an_unreachable_manager_gets_the_tls_setting_that_may_be_missing(capsys, tmp_path):
+    """A manager under mutual TLS refuses a handshake without a client certificate ("Socket closed"):
+    ferryctl with --tls-ca alone only said to try another manager (black-box run of a TLS fleet)."""
+    for name in ("ca.pem", "cert.pem", "key.pem"):
+        (tmp_path / name).write_text("-")
+    ca = ["--tls-ca", str(tmp_path / "ca.pem")]
+    cert = ["--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")]
+    hints = {}
+    for name, argv in (("plain", []), ("ca", ca), ("mtls", ca + cert)):
+        config = resolve_config(build_parser().parse_args([*argv, "instances"]))
+        _fail(config, Unavailable("failed to connect to all addresses; Socket closed"), 1, is_manager_reached=False)
+        hints[name] = capsys.readouterr().err
+    assert "pass --tls-ca" in hints["plain"]
+    assert "--tls-ca" not in hints["ca"] and "pass --tls-cert and --tls-key" in hints["ca"]
+    assert "signed by the CA of the manager's --tls-client-ca" in hints["mtls"]
+
+
 @pytest.mark.parametrize("argv", [["top", "--iterations", "-1"], ["top", "--interval", "nan"],
                                   ["top", "--interval", "-1"], ["top", "--interval", "inf"]])
 def test_top_refuses_counts_and_intervals_it_cannot_use(argv, capsys):

@@ -137,7 +137,7 @@ def _fail(config: CtlConfig, exc: FerryError, status: int, is_manager_reached: b
     message = exc.message
     if isinstance(exc, Unavailable) and not is_manager_reached:
         message += f" (manager at --admin {config.admin}; set --admin or FERRY_CTL_ADMIN to another manager"
-        message += _tls_hint(config) + ")"
+        message += ("" if "Connection refused" in message else _tls_hint(config)) + ")"  # refused: nothing listens
     if config.json:
         print(json.dumps({"error": message, "code": type(exc).__name__}))
     print(f"ferryctl: {message}", file=sys.stderr)
@@ -151,7 +151,7 @@ def _tls_hint(config: CtlConfig) -> str:
         return "; if it serves TLS, pass --tls-ca and, for mutual TLS, --tls-cert and --tls-key"
     if not config.tls_cert:
         return "; if it requires client certificates (mutual TLS), pass --tls-cert and --tls-key"
-    return "; under mutual TLS, --tls-cert must be signed by the CA of the manager's --tls-client-ca"
+    return "; if it requires client certificates, --tls-cert must be signed by the CA of its --tls-client-ca"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

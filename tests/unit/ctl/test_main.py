@@ -79,7 +79,9 @@ def test_an_unreachable_manager_gets_the_tls_setting_that_may_be_missing(capsys,
         hints[name] = capsys.readouterr().err
     assert "pass --tls-ca" in hints["plain"]
     assert "--tls-ca" not in hints["ca"] and "pass --tls-cert and --tls-key" in hints["ca"]
-    assert "signed by the CA of the manager's --tls-client-ca" in hints["mtls"]
+    assert "signed by the CA of its --tls-client-ca" in hints["mtls"]
+    _fail(config, Unavailable("failed to connect to all addresses; Connection refused"), 1, is_manager_reached=False)
+    assert "tls" not in capsys.readouterr().err  # nothing listens there: no TLS setting would help
 
 
 @pytest.mark.parametrize("argv", [["top", "--iterations", "-1"], ["top", "--interval", "nan"],

@@ -81,6 +81,10 @@ class Registry:
         self._lease: Lease | None = None
         self._entries: dict[str, dict[str, Any]] = {}  # key → value this process wants in etcd
         self._needs_put = False  # entries must be written again (lease lost, or an update failed)
+        # Our lease expired: while it was gone another process may have registered one of our ids
+        # (a replacement started while this one was frozen). The newer process keeps the id.
+        self._may_be_taken = False
+        self._taken_keys: set[str] = set()  # logged as taken; logged again once it is ours
         self._lock = asyncio.Lock()  # guards _lease and writes of _entries
         self._renewed_at = 0.0  # monotonic time of the last successful grant or renewal
         self.is_registered = False
@@ -209,22 +213,50 @@ class Registry:
             if self._lease is not None and not await self._lease.keepalive():
                 log.warning("lease_expired", lease_id=f"{self._lease.lease_id:x}")
                 self._lease = None
+                self._may_be_taken = True
                 self._lost_registration()
             if self._lease is None:
                 self._lease = await Lease.grant(self._client, self.ttl_s, self._rpc_timeout_s)
             self._renewed_at = time.monotonic()
-            if self._needs_put or not self.is_registered:
-                await self._put_all()
+            if (self._needs_put or not self.is_registered) and not await self._put_all():
+                return  # an id of ours is another process's now: unregistered until it leaves
         self._set_registered(True)
 
-    async def _put_all(self) -> None:
-        for key, value in self._entries.items():
-            await self._put(key, value)
+    async def _put_all(self) -> bool:
+        """Write every entry; False (nothing registered) while another process holds one of our ids."""
+        if self._may_be_taken:
+            if not all([await self._put_unless_taken(key, value) for key, value in self._entries.items()]):
+                return False
+            self._may_be_taken = False
+        else:
+            for key, value in self._entries.items():
+                await self._put(key, value)
         if not self.is_registered and self._has_registered:
             self.num_reregistrations += 1
             log.info("members_reregistered", keys=sorted(self._entries), lease_id=f"{self._lease.lease_id:x}",
                      num_reregistrations=self.num_reregistrations)
         self._needs_put = False
+        return True
+
+    async def _put_unless_taken(self, key: str, value: dict[str, Any]) -> bool:
+        """Put `key` unless a lease other than ours holds it: after our lease expired, that is another
+        process registered under the same id (before, the process that came back overwrote it, and two
+        instances answered to one id: the manager routed to one, the transfer service mapped the other)."""
+        response = await self._client.kv.txn(
+            compare=[KVService.txn_compare_create_revision(key, 0)],
+            success=[KVService.txn_op_put(key, json.dumps(value, sort_keys=True), lease=self._lease.lease_id)],
+            failure=[KVService.txn_op_get(key)], timeout=self._rpc_timeout_s)
+        holders = [] if response.succeeded else response.responses[0].response_range.kvs
+        if not holders or holders[0].lease == self._lease.lease_id:
+            self._taken_keys.discard(key)
+            return True
+        if key not in self._taken_keys:
+            self._taken_keys.add(key)
+            log.error("member_id_taken", key=key, holder=_holder(holders[0].value),
+                      reason="another process registered this id while our lease was expired (a replacement "
+                      "started while this one was frozen?); this one stays unregistered, serving what it runs, "
+                      "until that one leaves: stop one of them")
+        return False
 
     async def _put(self, key: str, value: dict[str, Any]) -> None:
         await self._client.kv.put(key, json.dumps(value, sort_keys=True), lease=self._lease.lease_id,
@@ -337,3 +369,11 @@ class Registry:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+def _holder(raw: bytes) -> str:
+    """Who holds a key, for the log: its address where the value names one."""
+    try:
+        return str(json.loads(raw).get("address", "?"))
+    except (ValueError, AttributeError):
+        return "?"

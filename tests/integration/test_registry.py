@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from etcd3aio import Etcd3Client
@@ -87,6 +88,30 @@ async def test_revoked_lease_is_reregistered_under_the_same_id(registries, raw_e
     await eventually(lambda: view.get("i-1") == {"address": "a"}, what="key back in the view")
     response = await raw_etcd.kv.get(member.key("instances", "i-1"), timeout=5)
     assert response.kvs[0].lease == member.lease_id
+
+
+async def test_a_process_back_after_its_lease_expired_leaves_its_id_to_the_one_that_took_it(
+        etcd: LocalEtcd, cluster: str, registries, raw_etcd: Etcd3Client) -> None:
+    """An instance frozen past its lease (a hung host), a replacement started with the same id, then the
+    old one resumed: it re-registered over the replacement, so two processes answered to one id (the
+    manager routed to the old one, the transfer service mapped the new one's KV memory). It now stays
+    unregistered while the id is another's, and takes it back once that one leaves (black-box run)."""
+    old, _ = registries
+    await old.register("instances", "i-1", {"address": "old"})
+    replacement = Registry([etcd.endpoint], cluster, ttl_s=TTL_S)
+    try:
+        await raw_etcd.lease.revoke(old.lease_id, timeout=5)  # expired while the old one was frozen
+        await replacement.register("instances", "i-1", {"address": "new"})
+        await eventually(lambda: not old.is_registered, what="the old one noticing its lease expired")
+        await asyncio.sleep(2 * TTL_S)  # several keepalive rounds of the old one
+        response = await raw_etcd.kv.get(old.key("instances", "i-1"), timeout=5)
+        assert json.loads(response.kvs[0].value) == {"address": "new"} and not old.is_registered
+        assert response.kvs[0].lease == replacement.lease_id
+    finally:
+        await replacement.close()
+    await eventually(lambda: old.is_registered, what="the old one back once the id is free")
+    response = await raw_etcd.kv.get(old.key("instances", "i-1"), timeout=5)
+    assert json.loads(response.kvs[0].value) == {"address": "old"} and response.kvs[0].lease == old.lease_id
 
 
 async def test_paused_etcd_loses_registration_then_it_comes_back(registries, running_etcd: LocalEtcd) -> None:

@@ -6,7 +6,10 @@ whose stream just broke) and instances whose stream failed within the last coold
 seconds; it returns to them only when no other serving instance is known (one instance
 that dropped a stream is still better than none; the caller bounds the retries). Like the
 manager's dispatch it prefers prefill-capable instances (role prefill or both) and sends a
-request to a decode instance only when none of those serves.
+request to a decode instance only when none of those serves. An instance whose record says it
+serves shorter sequences than the request may reach (prompt + max_tokens) is never picked,
+by the manager or here: it would end the request early with `length` (a resume after a
+failure, admitted while only larger instances served).
 No transport here: the manager call and the membership view are passed in.
 """
 
@@ -76,24 +79,32 @@ class Dispatcher:
 
     async def pick(self, spec: GenerateSpec, exclude: Sequence[InstanceId] = ()) -> Target:
         """An instance for `spec`, one in `exclude` only if nothing else serves; Unavailable if none is known."""
+        too_short = self._too_short_for(spec)
         if self._manager is not None:
-            answer = await self._manager.dispatch(spec, exclude)
+            answer = await self._manager.dispatch(spec, [*exclude, *too_short])
             if isinstance(answer, Declined) and exclude and not self.lists_instances:
                 # no instance list to fall back on: as pick_locally does, one in `exclude` if nothing else
                 # serves (a one-instance cluster whose instance restarted)
                 answer = await self._manager.dispatch(spec, ())
                 if isinstance(answer, Target):
                     return answer
-            if isinstance(answer, Target) and answer.instance_id not in exclude:
+            if isinstance(answer, Target) and answer.instance_id not in exclude and answer.instance_id not in too_short:
                 return answer
-        target = self.pick_locally(exclude)
+        target = self.pick_locally(exclude, too_short)
         self._on_fallback()
         log.info("dispatch_fell_back", request_id=spec.request_id, instance_id=target.instance_id)
         return target
 
-    def pick_locally(self, exclude: Sequence[InstanceId] = ()) -> Target:
+    def pick_locally(self, exclude: Sequence[InstanceId] = (), too_short: Sequence[InstanceId] = ()) -> Target:
+        """Round robin over serving instances, never one in `too_short` (see `_too_short_for`)."""
         known = self._membership.instances()
         serving = sorted((e for e in known if e.is_serving), key=lambda e: e.instance_id)
+        if serving and all(e.instance_id in too_short for e in serving):
+            longest = max(e.max_model_len for e in serving)
+            raise Unavailable(f"no serving instance holds this request's prompt + max_tokens: the longest "
+                              f"sequence one serves now is {longest} tokens (an instance with a larger KV cache "
+                              "may be restarting)")
+        serving = [e for e in serving if e.instance_id not in too_short]
         if not serving and known:
             raise Unavailable(f"no serving instance: {len(known)} registered, none serving (drained, draining "
                               "or starting); undo a drain with `ferryctl drain ID --undo`")
@@ -113,6 +124,15 @@ class Dispatcher:
         entry = (prefill or pool)[next(self._turn) % len(prefill or pool)]
         return Target(entry.instance_id, entry.address, can_prefill_on_decode=entry.is_decode_only)
 
+    def _too_short_for(self, spec: GenerateSpec) -> list[InstanceId]:
+        """Instances whose record says they serve fewer tokens than `spec` may reach (prompt + max_tokens):
+        there it would finish early with `length`. The frontend admits a request against the least
+        serving instance's limit, so only one admitted before a smaller instance came is affected."""
+        if spec.sampling.max_tokens is None:
+            return []
+        num_tokens = len(spec.prompt_token_ids) + spec.sampling.max_tokens
+        return [e.instance_id for e in self._membership.instances() if 0 < e.max_model_len < num_tokens]
+
     def report_failure(self, instance_id: InstanceId) -> None:
         now = self._clock()
         self._failed_at = {i: at for i, at in self._failed_at.items() if now - at <= self._cooldown_s}
@@ -124,10 +144,12 @@ class Dispatcher:
     def num_registered(self) -> int:
         return len(self._membership.instances())
 
-    def serves_besides(self, exclude: Sequence[InstanceId]) -> bool:
-        """Whether an instance not in `exclude` serves (else a resume can only go back to one that failed).
-        Without an instance list (no etcd) only the manager knows: assumed so."""
-        return not self.lists_instances or any(e.is_serving and e.instance_id not in exclude for e in self._membership.instances())
+    def serves_besides(self, exclude: Sequence[InstanceId], spec: GenerateSpec | None = None) -> bool:
+        """Whether an instance not in `exclude` serves (else a resume can only go back to one that failed),
+        one that holds `spec` if given. Without an instance list (no etcd) only the manager knows: assumed so."""
+        too_short = self._too_short_for(spec) if spec is not None else []
+        return not self.lists_instances or any(e.is_serving and e.instance_id not in exclude and
+                                               e.instance_id not in too_short for e in self._membership.instances())
 
     def max_model_len(self, model_limit: int) -> int:
         """The longest sequence every serving instance takes: `model_limit`, or less where an

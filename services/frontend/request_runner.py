@@ -134,7 +134,7 @@ class RequestRunner:
                     full.clear()  # full a moment ago, maybe not now: a resume may go there
                     full_refusal = None
                     self._note_resume(state, owner.target, exc)
-                    await asyncio.sleep(self._resume_backoff(excluded) * 2 ** (state.num_resumes - 1))
+                    await asyncio.sleep(self._resume_backoff(excluded, spec) * 2 ** (state.num_resumes - 1))
             except ResourceExhausted as exc:  # that instance is full (its waiting queue); another may not be
                 if state.is_done or not self._try_another(state, owner.target, [*excluded, *full], exc):
                     state.fail(exc)
@@ -144,11 +144,12 @@ class RequestRunner:
             except FerryError as exc:
                 state.fail(exc)
 
-    def _resume_backoff(self, excluded: Sequence[InstanceId]) -> float:
-        """Short when another instance serves; when only instances that failed this request are left
-        (one instance, killed), long enough that its restart (a supervisor's 1 s, then loading the
-        model) can come within the resumes: 1 + 2 + 4 s with the default three."""
-        return self._resume_backoff_s if self._dispatcher.serves_besides(excluded) else self._lone_resume_backoff_s
+    def _resume_backoff(self, excluded: Sequence[InstanceId], spec: GenerateSpec) -> float:
+        """Short when another instance that holds the request serves; when only instances that failed this
+        request are left (one instance, killed; others too small for it), long enough that its restart (a
+        supervisor's 1 s, then loading the model) can come within the resumes: 1 + 2 + 4 s with the default three."""
+        return (self._resume_backoff_s if self._dispatcher.serves_besides(excluded, spec)
+                else self._lone_resume_backoff_s)
 
     async def _follow(self, owner: _Owner, state: ReqState, spec: GenerateSpec,
                       aborts: dict[InstanceId, Awaitable[None]]) -> None:

@@ -127,6 +127,36 @@ def test_the_longest_sequence_served_is_the_least_any_serving_instance_holds():
     assert instance_entry("a", {"address": "a:1", "max_model_len": "big"}).max_model_len == 0
 
 
+def _sized(instance_id: str, max_model_len: int, is_serving: bool = True) -> InstanceEntry:
+    return replace(entry(instance_id, is_serving), max_model_len=max_model_len)
+
+
+async def test_an_instance_serving_shorter_sequences_than_the_request_may_reach_is_never_picked():
+    """A black-box run (2026-12-06): a 100-token prompt with max_tokens 300, admitted while only instances of
+    448 tokens served, was resumed after its instance's SIGKILL on one of 160 that had joined since, and ended
+    after 60 tokens with finish_reason `length` and no error; a 250-token one got `invalid_request_error`
+    "shorten the prompt" mid-stream. Such an instance is now passed to the manager as excluded, and an answer
+    naming it, or the fallback, never takes it."""
+    spec = make_spec(max_tokens=300)  # 3 prompt tokens + 300
+    manager = FakeManager(Target(InstanceId("small"), "addr-small"))
+    dispatcher, _ = make_dispatcher(manager, _sized("big", 448), _sized("small", 160), _sized("unknown", 0))
+    picks = {(await dispatcher.pick(spec)).instance_id for _ in range(4)}
+    assert picks == {"big", "unknown"}  # 0: a record without the limit is taken as before
+    assert all(set(call[1]) == {"small"} for call in manager.calls)
+    assert (await dispatcher.pick(make_spec(max_tokens=150))).instance_id == "small"  # 153 tokens fit there
+    assert dispatcher.pick_locally(too_short=[InstanceId("small")]).instance_id != "small"
+
+
+async def test_a_request_no_serving_instance_can_hold_is_unavailable_saying_so():
+    dispatcher, _ = make_dispatcher(FakeManager(None), _sized("big", 448, is_serving=False), _sized("small", 160))
+    with pytest.raises(Unavailable, match="no serving instance holds this request's prompt \\+ max_tokens.*160 tokens"):
+        await dispatcher.pick(make_spec(max_tokens=300), exclude=[InstanceId("big")])
+    # so a resume waits as long as for a lone instance's restart, not the short pause meant for another instance
+    assert not dispatcher.serves_besides([InstanceId("big")], make_spec(max_tokens=300))
+    assert dispatcher.serves_besides([InstanceId("big")], make_spec(max_tokens=100))
+    assert dispatcher.serves_besides([InstanceId("big")])
+
+
 class FakeView:
     def __init__(self, **members) -> None:
         self.members = members

@@ -146,7 +146,8 @@ def request_state_to_proto(state: RequestState) -> instance_pb2.RequestState:
         request_id=state.request_id, prompt_token_ids=list(state.prompt_token_ids),
         output_token_ids=list(state.output_token_ids), sampling=sampling_to_proto(state.sampling), seed=state.seed,
         priority=state.priority, epoch=state.epoch, num_computed_tokens=state.num_computed_tokens,
-        text_sent=state.text_sent, num_resumed_tokens=state.num_resumed_tokens, first_start=state.first_start)
+        text_sent=state.text_sent, num_resumed_tokens=state.num_resumed_tokens, first_start=state.first_start,
+        max_num_tokens=state.max_num_tokens)
 
 
 def request_state_from_proto(msg: instance_pb2.RequestState) -> RequestState:
@@ -157,7 +158,7 @@ def request_state_from_proto(msg: instance_pb2.RequestState) -> RequestState:
         output_token_ids=tuple(msg.output_token_ids), sampling=sampling_from_proto(msg.sampling), seed=msg.seed,
         priority=msg.priority, epoch=msg.epoch, num_computed_tokens=msg.num_computed_tokens,
         text_sent=msg.text_sent, num_resumed_tokens=msg.num_resumed_tokens,
-        first_start=msg.first_start if msg.HasField("first_start") else None)
+        first_start=msg.first_start if msg.HasField("first_start") else None, max_num_tokens=msg.max_num_tokens)
 
 
 def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int, timestamp: float,

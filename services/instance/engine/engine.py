@@ -290,7 +290,7 @@ class LLMEngine:
 
     def export_state(self, request_id: str) -> RequestState:
         """The suspended request's state for its next owner (epoch + 1)."""
-        return export_state(self._suspended(request_id))
+        return export_state(self._suspended(request_id), self.config.max_model_len)
 
     def release(self, request_id: str) -> None:
         """The suspended request now runs elsewhere: free its blocks and forget it (no output)."""
@@ -375,6 +375,11 @@ class LLMEngine:
         if state.request_id in self._requests:
             raise FailedPrecondition(f"request {state.request_id} is already on this instance")
         state.sampling.validate(self.config.max_model_len, len(state.prompt_token_ids))
+        if state.max_num_tokens > self.config.max_model_len:  # here it would end early with LENGTH
+            raise ResourceExhausted(
+                f"request {state.request_id} may reach {state.max_num_tokens} tokens (prompt + max_tokens) on its "
+                f"source, but this instance serves at most {self.config.max_model_len} (max_model_len); pick "
+                "another destination")
         self._check_tokens(state.prompt_token_ids, list(state.output_token_ids), state.sampling)
         if not 0 <= state.num_computed_tokens < state.num_tokens:
             raise InvalidArgument(f"num_computed_tokens: must be in [0, {state.num_tokens}) (prompt + output), "

@@ -69,6 +69,7 @@ class RequestState:
     text_sent: str  # output text already handed to the client
     num_resumed_tokens: int
     first_start: int | None = None  # Request.first_start: where its prompt was first computed from; None: unknown
+    max_num_tokens: int = 0  # prompt + max_tokens within the source's max_model_len; 0: not known
 
     @property
     def num_tokens(self) -> int:
@@ -87,7 +88,7 @@ def migration_blocks(request: Request, block_size: int, max_model_len: int) -> M
     )  # fmt: skip
 
 
-def export_state(request: Request) -> RequestState:
+def export_state(request: Request, max_model_len: int) -> RequestState:
     """The state of a suspended request, for its next owner (epoch + 1)."""
     return RequestState(
         request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
@@ -95,6 +96,7 @@ def export_state(request: Request) -> RequestState:
         priority=request.priority, epoch=request.epoch + 1, num_computed_tokens=request.num_computed_tokens,
         text_sent=request.text.text[:request.text.num_emitted_chars], num_resumed_tokens=request.num_resumed_tokens,
         first_start=request.first_start,
+        max_num_tokens=min(request.num_prompt_tokens + request.sampling.max_tokens, max_model_len),
     )  # fmt: skip
 
 

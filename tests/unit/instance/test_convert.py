@@ -30,7 +30,7 @@ def test_every_sampling_field_survives_the_round_trip():
 def test_a_request_state_survives_the_round_trip_and_an_old_source_sends_no_first_start():
     state = RequestState(request_id=RequestId("r"), prompt_token_ids=(5, 6, 7), output_token_ids=(8,),
                          sampling=SamplingParams(seed=3), seed=3, priority=1, epoch=2, num_computed_tokens=3,
-                         text_sent="x", num_resumed_tokens=1, first_start=0)
+                         text_sent="x", num_resumed_tokens=1, first_start=0, max_num_tokens=40)
     assert all(getattr(state, f.name) != f.default for f in dataclasses.fields(RequestState))
     assert request_state_from_proto(request_state_to_proto(state)) == state
     old = request_state_to_proto(state)

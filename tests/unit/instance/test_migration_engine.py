@@ -46,14 +46,14 @@ def make_engine(tiny) -> Iterator[Callable[..., LLMEngine]]:
     caches: list[KvCache] = []
 
     def make(num_blocks: int = NUM_BLOCKS, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
-             block_size: int = BLOCK_SIZE) -> LLMEngine:
+             block_size: int = BLOCK_SIZE, max_model_len: int = 256) -> LLMEngine:
         model, tokenizer = tiny
         c = model.config
         geometry = KvGeometry(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, block_size, num_blocks,
                               torch.float32)
         cache = KvCache.create(f"ferry-kv-test-mig-{os.getpid()}-{uuid.uuid4().hex[:8]}", geometry)
         caches.append(cache)
-        config = EngineConfig(num_blocks=num_blocks, max_model_len=256, block_size=block_size,
+        config = EngineConfig(num_blocks=num_blocks, max_model_len=max_model_len, block_size=block_size,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         return LLMEngine(model, tokenizer, cache, config)
 
@@ -547,6 +547,42 @@ def test_a_request_preempted_by_a_resumed_one_past_the_cache_finishes_and_the_qu
     assert harness.streams["R"].finish_reason is FinishReason.LENGTH
     assert harness.streams["late"].token_ids and harness.streams["H"].finish_reason is FinishReason.LENGTH
     assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == 4
+
+
+def test_a_destination_serving_shorter_sequences_than_the_request_may_reach_refuses_it(make_engine):
+    """A black-box run (2026-12-06): a 10-token prompt with max_tokens 400, moved by an admin Migrate from an
+    instance serving 448 tokens to one with a smaller KV cache serving 320, ended there after 310 tokens with
+    finish reason length and no error. The state now says how far the request may go on its source, and such a
+    destination refuses it; it finishes on its source as never migrated."""
+    src, dst = make_engine(), make_engine(max_model_len=40)
+    harness, alone = Harness(), Harness()
+    sampling = replace(GREEDY, max_tokens=40)  # 11 + 40 = 51 tokens, more than the destination serves
+    reference = make_engine()
+    reference.add_request("long", PROMPT, sampling)
+    expected = alone.finish(reference, "long").token_ids
+    src.add_request("long", PROMPT, sampling)
+    harness.run_until(src, "long", 3)
+    view = src.suspend("long")
+    state = src.export_state("long")
+    assert state.max_num_tokens == 51
+    dst_blocks = dst.reserve_blocks("m-1", view.num_blocks)
+    copy_blocks(src, dst, view.block_ids, dst_blocks)
+    with pytest.raises(ResourceExhausted, match="may reach 51 tokens .* serves at most 40"):
+        dst.import_request("m-1", state)
+    assert "long" not in dst._requests
+    assert src.resume("long")
+    stream = harness.finish(src, "long")
+    assert stream.token_ids == expected and stream.finish_reason is FinishReason.LENGTH and len(expected) == 40
+    fits = replace(GREEDY, max_tokens=29)  # 11 + 29 = 40: the destination serves it whole
+    src.add_request("fits", PROMPT, fits)
+    harness.run_until(src, "fits", 3)
+    assert dst.free_reservation("m-1")
+    view = src.suspend("fits")
+    dst_blocks = dst.reserve_blocks("m-2", view.num_blocks)
+    copy_blocks(src, dst, view.block_ids, dst_blocks)
+    dst.import_request("m-2", src.export_state("fits"))
+    src.release("fits")
+    assert len(harness.finish(dst, "fits").token_ids) == 29
 
 
 def test_a_slot_reserved_for_a_migration_in_is_not_given_to_a_local_request(make_engine):

@@ -273,7 +273,8 @@ class MigrationDriver:
         a.reservation = await a.peer.prepare_migrate_in(a.migration_id, a.request_id, self._settings.instance_id,
                                                         num_wanted, grow_only=not is_first,
                                                         block_hashes=view.block_hashes if is_first else (),
-                                                        timeout_s=a.plan.prepare_timeout_s if is_first else None)
+                                                        timeout_s=a.plan.prepare_timeout_s if is_first else None,
+                                                        max_num_tokens=view.max_num_tokens if is_first else 0)
         if a.backend is None:
             a.backend = auto_backend(a.reservation, self._settings.transfer_id, self._settings.offered_backends)
         if is_first:

@@ -495,6 +495,20 @@ async def test_destination_dead_or_full_keeps_the_request_on_the_source(stubs, c
     await assert_all_blocks_free(stubs)
 
 
+async def test_a_destination_serving_shorter_sequences_than_the_request_may_reach_refuses_it_at_once(stubs):
+    """A black-box run (2026-12-06): a request moved to an instance with a smaller KV cache (a shorter
+    max_model_len) ended there early with finish reason length. The first Prepare says how far the request may
+    go on its source; such a destination refuses before it reserves a block (the commit checks it too)."""
+    baseline = await free_blocks(stubs["b"])
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await stubs["b"].PrepareMigrateIn(instance_pb2.PrepareMigrateInRequest(
+            migration_id="long-1", request_id="long", src_instance_id="test", num_blocks=2,
+            max_num_tokens=1 << 30), timeout=5)
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.value.details()
+    assert "may reach 1073741824 tokens" in error.value.details() and "serves at most" in error.value.details()
+    assert await free_blocks(stubs["b"]) == baseline
+
+
 async def test_destination_transfer_service_killed_mid_copy(stubs, cluster, tiny_model_dir, etcd):
     victim = _transfer(f"tv-{uuid.uuid4().hex[:4]}", etcd, cluster.name, cluster.log_dir)
     try:

@@ -50,6 +50,7 @@ class MigrationBlocks:
     num_preemptions: int  # changes when a preemption freed the blocks
     max_num_blocks: int  # blocks the request can grow to (prompt + max_tokens, within max_model_len)
     block_hashes: tuple[BlockHash, ...] = ()  # chained hashes of the full blocks (a destination's prefix cache)
+    max_num_tokens: int = 0  # tokens the request can grow to (prompt + max_tokens, within max_model_len)
 
     @property
     def num_blocks(self) -> int:
@@ -85,6 +86,7 @@ def migration_blocks(request: Request, block_size: int, max_model_len: int) -> M
         num_full_blocks=num_computed // block_size, num_computed_tokens=num_computed,
         num_preemptions=request.num_preemptions, max_num_blocks=num_blocks_for(max_num_tokens, block_size),
         block_hashes=tuple(request.block_hashes(block_size, num_computed // block_size)),
+        max_num_tokens=max_num_tokens,
     )  # fmt: skip
 
 

@@ -73,7 +73,8 @@ class FaultyPeer:
             raise self.faults[name]
 
     async def prepare_migrate_in(self, migration_id, request_id, src_instance_id, num_blocks,
-                                 grow_only=False, block_hashes=(), timeout_s=None, keep_cached_blocks=None) -> Reservation:
+                                 grow_only=False, block_hashes=(), timeout_s=None, keep_cached_blocks=None,
+                                 max_num_tokens=0) -> Reservation:
         self.prepare_timeouts.append(timeout_s)
         self._check("prepare")
         return await self.dst.inbox.prepare(migration_id, request_id, src_instance_id, num_blocks, grow_only=grow_only,

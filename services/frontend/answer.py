@@ -3,15 +3,18 @@ choice has finished, or an SSE stream of chunks merged by choice index as they c
 
 A stream waits for every choice's first delta before it sends the 200, so an error the
 instance raises early still gets its own status; after the 200 an error ends the stream
-with an error event. Each write must be taken in within --send-timeout-s, or the
-connection is dropped (a client that stops reading would otherwise hold its handler and
-its --max-inflight slots for as long as it keeps the connection open).
+with an error event. Each write, of a stream or of a JSON body, must be taken in within
+--send-timeout-s, or the connection is dropped: a client that stops reading would otherwise
+hold its handler and its --max-inflight slots (a stream), or its whole answer in memory (a
+JSON body, which aiohttp would write after the handler returned, with no deadline), for as
+long as it keeps the connection open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -29,6 +32,8 @@ from services.frontend.request_ids import REQUEST_ID_KEY
 
 log = structlog.get_logger(__name__)
 
+JSON_SLICE_BYTES = 1 << 16  # a JSON body is written in pieces of this size, each within --send-timeout-s
+
 
 @dataclass(frozen=True, slots=True)
 class Choice:
@@ -44,8 +49,8 @@ class AnswerWriter:
         self._metrics = metrics
         self._send_timeout_s = send_timeout_s
 
-    async def complete(self, request_id: RequestId, choices: list[Choice],
-                       streams: list[AsyncIterator[Delta]]) -> web.Response:
+    async def complete(self, request: web.Request, request_id: RequestId, choices: list[Choice],
+                       streams: list[AsyncIterator[Delta]]) -> web.StreamResponse:
         drains = [asyncio.create_task(_drain(stream)) for stream in streams]
         try:
             await asyncio.gather(*drains)  # raises the first choice's error as it is
@@ -53,7 +58,24 @@ class AnswerWriter:
             for drain in drains:
                 await cancel_task(drain)
         body = choices[0].formatter.response([c.state for c in choices], [c.formatter.choice(c.state) for c in choices])
-        return web.json_response(body, headers={REQUEST_ID_HEADER: request_id})
+        return await self._json(request, request_id, json.dumps(body).encode())
+
+    async def _json(self, request: web.Request, request_id: RequestId, data: bytes) -> web.StreamResponse:
+        """The JSON answer, written here, piece by piece within --send-timeout-s (what aiohttp
+        would write after the handler returned has no deadline)."""
+        response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8",
+                                               REQUEST_ID_HEADER: request_id})
+        response.content_length = len(data)
+        try:
+            async with self._client_reading(request):
+                await response.prepare(request)
+            for start in range(0, len(data), JSON_SLICE_BYTES):
+                await self._send(request, response, data[start:start + JSON_SLICE_BYTES])
+            async with self._client_reading(request):
+                await response.write_eof()
+        except ConnectionResetError:
+            log.info("client_disconnected", request_id=request_id, num_answer_bytes=len(data))
+        return response
 
     async def stream(self, request: web.Request, parsed: ParsedRequest, request_id: RequestId,
                      choices: list[Choice], streams: list[AsyncIterator[Delta]]) -> web.StreamResponse:

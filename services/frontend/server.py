@@ -180,7 +180,7 @@ class FrontendServer:
                 with self.in_flight.serving([c.state for c in choices], tasks):
                     if parsed.stream:
                         return await self._answers.stream(request, parsed, request_id, choices, streams)
-                    return await self._answers.complete(request_id, choices, streams)
+                    return await self._answers.complete(request, request_id, choices, streams)
             except asyncio.CancelledError:  # the client went away (handler_cancellation)
                 log.info("client_disconnected", request_id=request_id,
                          num_output_tokens=sum(c.state.num_output_tokens for c in choices))

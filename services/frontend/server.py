@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import structlog
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from services.common.errors import ResourceExhausted, Unavailable
 from services.common.prefix_hash import MAX_PREFIX_CHUNKS, prefix_chunk_keys
@@ -38,6 +39,7 @@ from services.frontend.openai_protocol import (Endpoint, ModelNotFound, ParsedRe
 from services.frontend.openapi import openapi_schema
 from services.frontend.openai_response import ResponseFormatter
 from services.frontend.req_state import Delta, ReqState
+from services.frontend.request_error import RequestError
 from services.frontend.request_ids import REQUEST_ID_KEY, client_request_id, new_request_id
 from services.frontend.request_runner import RequestRunner
 from services.frontend.served_model import PreparedPrompt, ServedModel
@@ -241,6 +243,8 @@ class FrontendServer:
         except TimeoutError:
             raise BodyTimeout(f"the request body did not arrive within {self._body_timeout_s:g} s "
                               "(--body-timeout-s)") from None
+        except RequestPayloadError as exc:  # not what its Content-Encoding says (or broken framing)
+            raise _unreadable_body(request, exc) from None
         return parse_json_body(raw)
 
     async def _timed(self, deltas: AsyncIterator[Delta], arrived_at: float) -> AsyncIterator[Delta]:
@@ -270,6 +274,15 @@ class FrontendServer:
         finally:
             self._num_inflight -= num_choices
             self._metrics.in_flight.dec(num_choices)
+
+
+def _unreadable_body(request: web.Request, exc: RequestPayloadError) -> RequestError:
+    """A 400 for a body aiohttp could not decode. The body is marked as read: aiohttp would otherwise
+    read it again after the answer, meet the same error and log it as an unhandled exception."""
+    request.content.feed_eof()
+    reason = getattr(exc.__cause__, "message", None) or str(exc)
+    return RequestError(f"the request body could not be read: {reason}; send it uncompressed, or compressed "
+                        "as its Content-Encoding header says (gzip, deflate)")
 
 
 def _log_finished(state: ReqState) -> None:

@@ -31,7 +31,7 @@ from services.frontend.api_keys import ApiKeyPolicy
 from services.frontend.cors import CorsPolicy
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import GenerateSpec, RequestId
-from services.frontend.http_errors import RETRY_AFTER_S, BodyTimeout, ErrorAnswers, too_large
+from services.frontend.http_errors import RETRY_AFTER_S, BodyTimeout, ErrorAnswers, quiet_bad_http_log, too_large
 from services.frontend.in_flight import InFlight
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.openai_protocol import (Endpoint, ModelNotFound, ParsedRequest, parse_chat_request,
@@ -74,6 +74,7 @@ class FrontendServer:
         self.is_accepting = True  # False while shutting down: /health and new requests answer 503
 
     def app(self) -> web.Application:
+        quiet_bad_http_log()
         app = web.Application(client_max_size=self._max_body_bytes,
                               middlewares=[self._errors.middleware, self._cors.middleware,
                                            self._api_keys.middleware])

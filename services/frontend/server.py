@@ -16,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
-from typing import TypeVar
 
 import structlog
 from aiohttp import web
@@ -34,6 +33,7 @@ from services.frontend.generation import GenerateSpec, RequestId
 from services.frontend.http_errors import RETRY_AFTER_S, BodyTimeout, ErrorAnswers, quiet_bad_http_log, too_large
 from services.frontend.in_flight import InFlight
 from services.frontend.metrics import FrontendMetrics
+from services.frontend.off_loop import in_thread
 from services.frontend.openai_protocol import (Endpoint, ModelNotFound, ParsedRequest, parse_chat_request,
                                                parse_completion_request, parse_json_body, resolve_max_tokens)
 from services.frontend.openapi import openapi_schema
@@ -46,9 +46,6 @@ from services.frontend.served_model import PreparedPrompt, ServedModel
 from services.frontend.tokenize_protocol import parse_detokenize_request, parse_tokenize_request
 
 log = structlog.get_logger(__name__)
-
-_T = TypeVar("_T")
-_R = TypeVar("_R")
 
 
 class FrontendServer:
@@ -120,7 +117,7 @@ class FrontendServer:
         """vLLM's /tokenize: a prompt's or a chat's token ids, without generating (one --max-inflight slot)."""
         parsed = parse_tokenize_request(await self._read_json(request), self._model.name)
         with self._admitted(1):
-            token_ids = await _in_thread(self._model.tokenize, parsed)
+            token_ids = await in_thread(self._model.tokenize, parsed)
         return web.json_response({"count": len(token_ids), "max_model_len": self._max_model_len(),
                                   "tokens": token_ids})
 
@@ -128,7 +125,7 @@ class FrontendServer:
         """vLLM's /detokenize: the text of token ids (one --max-inflight slot)."""
         token_ids = parse_detokenize_request(await self._read_json(request), self._model.name)
         with self._admitted(1):
-            text = await _in_thread(self._model.detokenize, token_ids)
+            text = await in_thread(self._model.detokenize, token_ids)
         return web.json_response({"prompt": text})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -160,9 +157,9 @@ class FrontendServer:
             if parsed.truncate_prompt_tokens == -1:  # as many as the served context holds (the KV caches' too)
                 parsed = replace(parsed, truncate_prompt_tokens=max_model_len)
             if parsed.needs_grammar:  # llguidance checks it: up to a few hundred ms
-                parsed = await _in_thread(self._model.constrained, parsed)
+                parsed = await in_thread(self._model.constrained, parsed)
                 self._metrics.constrained.labels(parsed.constraint_field).inc()
-            prepared = await _in_thread(self._model.prepared_prompts, parsed)
+            prepared = await in_thread(self._model.prepared_prompts, parsed)
             prompts = [p.token_ids for p in prepared]
             resolved = [resolve_max_tokens(parsed, len(ids), max_model_len, index)
                         for index, ids in enumerate(prompts)]  # a 400 for any prompt refuses them all
@@ -291,17 +288,3 @@ def _log_finished(state: ReqState) -> None:
              finish_reason=state.finish_reason and state.finish_reason.value,
              error=state.error and state.error.message, num_resumes=state.num_resumes,
              num_handoffs=state.num_handoffs)
-
-
-async def _in_thread(fn: Callable[[_T], _R], arg: _T) -> _R:
-    """`fn(arg)` in a worker thread. A caller cancelled meanwhile (the client left: handler_cancellation)
-    waits for the thread before it ends, so the --max-inflight slot it holds is not given back while the
-    thread still works (a second cancel, at shutdown, ends the wait, not the thread)."""
-    work = asyncio.ensure_future(asyncio.to_thread(fn, arg))
-    try:
-        return await asyncio.shield(work)
-    except asyncio.CancelledError:
-        await asyncio.wait([work])
-        if not work.cancelled():
-            work.exception()  # retrieved: nobody is left to hear of it
-        raise

@@ -3,10 +3,10 @@ choice has finished, or an SSE stream of chunks merged by choice index as they c
 
 A stream waits for every choice's first delta before it sends the 200, so an error the
 instance raises early still gets its own status; after the 200 an error ends the stream
-with an error event. Each write, of a stream or of a JSON body, must be taken in within
---send-timeout-s, or the connection is dropped: a client that stops reading would otherwise
-hold its handler and its --max-inflight slots (a stream), or its whole answer in memory (a
-JSON body, which aiohttp would write after the handler returned, with no deadline), for as
+with an error event. A client that takes in none of its answer (a stream, or a JSON body,
+which the handler writes itself: aiohttp would write it after the handler returned, with no
+deadline) for --send-timeout-s while a write waits on it is dropped (_ReadWatch): it would
+otherwise hold its handler and its --max-inflight slots, or its whole answer in memory, for as
 long as it keeps the connection open.
 """
 
@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
-from collections.abc import AsyncIterator
+import struct
+import termios
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 import structlog
@@ -33,7 +36,7 @@ from services.frontend.request_ids import REQUEST_ID_KEY
 
 log = structlog.get_logger(__name__)
 
-JSON_SLICE_BYTES = 1 << 16  # a JSON body is written in pieces of this size, each within --send-timeout-s
+JSON_SLICE_BYTES = 1 << 16  # a JSON body is written in pieces of this size (aiohttp drains its buffer past it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,18 +64,16 @@ class AnswerWriter:
         return await self._json(request, request_id, await in_thread(_json_body, choices))
 
     async def _json(self, request: web.Request, request_id: RequestId, data: bytes) -> web.StreamResponse:
-        """The JSON answer, written here, piece by piece within --send-timeout-s (what aiohttp
-        would write after the handler returned has no deadline)."""
+        """The JSON answer, written here piece by piece under the _ReadWatch (what aiohttp would
+        write after the handler returned has no deadline)."""
         response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8",
                                                REQUEST_ID_HEADER: request_id})
         response.content_length = len(data)
         try:
-            async with self._client_reading(request):
-                await response.prepare(request)
+            await self._taken_in(request, response.prepare(request))
             for start in range(0, len(data), JSON_SLICE_BYTES):
                 await self._send(request, response, data[start:start + JSON_SLICE_BYTES])
-            async with self._client_reading(request):
-                await response.write_eof()
+            await self._taken_in(request, response.write_eof())
         except ConnectionResetError:
             log.info("client_disconnected", request_id=request_id, num_answer_bytes=len(data))
         return response
@@ -98,8 +99,7 @@ class AnswerWriter:
             if parsed.include_usage and all(c.state.error is None for c in choices):
                 await self._send(request, response, sse(choices[0].formatter.usage_chunk([c.state for c in choices])))
             await self._send(request, response, SSE_DONE)
-            async with self._client_reading(request):
-                await response.write_eof()
+            await self._taken_in(request, response.write_eof())
         except ConnectionResetError:
             log.info("client_disconnected", request_id=request_id,
                      num_output_tokens=sum(c.state.num_output_tokens for c in choices))
@@ -112,23 +112,63 @@ class AnswerWriter:
         return response
 
     async def _send(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
-        async with self._client_reading(request):
-            await response.write(data)
+        await self._taken_in(request, response.write(data))
 
-    @contextlib.asynccontextmanager
-    async def _client_reading(self, request: web.Request) -> AsyncIterator[None]:
-        """A write the client must take in within --send-timeout-s: one that stops reading would
-        otherwise hold its handler, and its --max-inflight slots, for as long as it keeps the
-        connection open. Past the timeout the connection is dropped (ConnectionResetError)."""
+    async def _taken_in(self, request: web.Request, write: Awaitable[None]) -> None:
+        """Await `write`, whose bytes the client must take in (_ReadWatch cuts one that takes in nothing)."""
+        watch = _ReadWatch(request, self._send_timeout_s)
         try:
-            async with asyncio.timeout(self._send_timeout_s):
-                yield
-        except TimeoutError:
-            log.warning("client_not_reading", request_id=request.get(REQUEST_ID_KEY),
-                        send_timeout_s=self._send_timeout_s)
-            if request.transport is not None:
-                request.transport.abort()
-            raise ConnectionResetError("the client took in nothing within --send-timeout-s") from None
+            await write
+        finally:
+            watch.cancel()
+
+
+class _ReadWatch:
+    """Drops the connection once its client took in nothing for --send-timeout-s while a write waits on
+    it: one that stopped reading would otherwise hold its handler, and its --max-inflight slots or its
+    answer in memory, for as long as it kept the connection open. A client that reads, however slowly,
+    keeps it (before, a write had to be taken in whole within the timeout, and a write waits until the
+    buffers drain: megabytes with the kernel's). The drop cancels the handler, as a client gone does.
+    (The write is not cancelled instead: aiohttp's drain waiter would stay cancelled for the next write.)"""
+
+    def __init__(self, request: web.Request, timeout_s: float) -> None:
+        self._request = request
+        self._timeout_s = timeout_s
+        self._sent = _bytes_sent(request)
+        self._timer = asyncio.get_running_loop().call_later(timeout_s, self._check)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def _check(self) -> None:
+        sent = _bytes_sent(self._request)
+        if sent > self._sent:  # the client took some in: it gets another --send-timeout-s
+            self._sent = sent
+            self._timer = asyncio.get_running_loop().call_later(self._timeout_s, self._check)
+            return
+        log.warning("client_not_reading", request_id=self._request.get(REQUEST_ID_KEY), send_timeout_s=self._timeout_s)
+        if self._request.transport is not None:
+            self._request.transport.abort()
+
+
+def _bytes_sent(request: web.Request) -> int:
+    """Bytes of this connection's answers the client's side took (grows as the client reads): what left
+    aiohttp's buffer less what the kernel still holds unacknowledged (Linux; elsewhere, what left aiohttp's
+    buffer, which the kernel's send buffer, up to megabytes, hides for a while)."""
+    transport = request.transport
+    if transport is None:
+        return request.writer.output_size
+    return request.writer.output_size - transport.get_write_buffer_size() - _kernel_unacked(transport)
+
+
+def _kernel_unacked(transport: asyncio.BaseTransport) -> int:
+    sock = transport.get_extra_info("socket")
+    if sock is None or not hasattr(termios, "TIOCOUTQ"):
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
 
 
 async def cancel_task(task: asyncio.Task) -> None:

@@ -39,8 +39,10 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
     keepalive_timeout_s: float = knob(75.0, "seconds an HTTP connection may sit without a complete request (idle "
                                             "keep-alive, or headers arriving too slowly) before it is closed")
     body_timeout_s: float = knob(30.0, "seconds a request body may take to arrive; slower ones get 408")
-    send_timeout_s: float = knob(30.0, "seconds a streaming client may take to take in the next bytes of its answer; "
-                                       "one that stops reading is disconnected, freeing its --max-inflight slots")
+    send_timeout_s: float = knob(30.0, "seconds a client may take in none of its answer (a stream or a JSON body) "
+                                       "while the frontend waits to write more; one that stops reading is "
+                                       "disconnected, freeing its --max-inflight slots and its answer's memory (one "
+                                       "that reads, however slowly, is not)")
     tool_call_parser: ToolCallParserSetting = knob(
         ToolCallParserSetting.AUTO, "how tool calls are read from chat answers when a request sends tools (with "
         "tool_choice auto): hermes (<tool_call>{json}</tool_call>: Qwen2.5/3, Hermes, SmolLM3), llama3_json "

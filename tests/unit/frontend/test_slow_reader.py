@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 
 import aiohttp
 import pytest
@@ -59,3 +60,35 @@ async def test_a_client_that_stops_reading_gives_its_slot_back():
             assert statuses[-1] != 429, f"the stalled stream kept its slot: {len(statuses)} requests got 429"
         finally:
             stalled.close()
+
+
+def read_slowly_then_all(sock: socket.socket, slow_s: float, bytes_per_s: int) -> bytes:
+    """`bytes_per_s` for `slow_s`, in 4 KiB reads, then everything as fast as it comes."""
+    received = bytearray()
+    sock.settimeout(10)
+    for _ in range(int(slow_s * bytes_per_s / 4096)):
+        received += sock.recv(4096)
+        time.sleep(4096 / bytes_per_s)
+    try:
+        while data := sock.recv(1 << 16):
+            received += data
+            if received.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
+                break
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return bytes(received)
+
+
+async def test_a_client_that_reads_slowly_but_steadily_is_not_cut():
+    """Before, each write had to be taken in whole within --send-timeout-s, and a write waits until
+    aiohttp's buffer drops from over 64 KiB to 16 KiB: a client reading 16 KiB/s, taking in bytes every
+    0.25 s, was cut with --send-timeout-s 1 (about 1.6 KB/s with the default 30 s; found by black-box
+    check #3)."""
+    async with scripted_frontend({"a": (long_answer(), None)}, max_model_len=NUM_TOKENS + 100, max_inflight=1,
+                                 send_timeout_s=SEND_TIMEOUT_S) as base_url:
+        sock = open_stream_never_read(base_url)
+        try:
+            received = await asyncio.to_thread(read_slowly_then_all, sock, 6 * SEND_TIMEOUT_S, 16 * 1024)
+        finally:
+            sock.close()
+    assert b"data: [DONE]" in received[-100:], f"the stream was cut after {len(received)} bytes"

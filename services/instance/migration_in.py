@@ -263,10 +263,15 @@ class MigrationInbox:
         if stream.is_attached:
             raise FailedPrecondition(f"request {request_id} already has a client attached")
         self._runner.attach(stream)
-        # Only the committed one: an earlier attempt's reservation whose abort was lost is the watchdog's to free.
+        self.forget_committed(request_id)
+        return stream
+
+    def forget_committed(self, request_id: str) -> None:
+        """Forget the committed migration of `request_id` here (its client attached, or aborted it): nothing is
+        left for the watchdog to drop. Only the committed one: an earlier attempt's reservation whose abort was
+        lost is the watchdog's to free."""
         for incoming in [i for i in self._incoming.values() if i.request_id == request_id and i.epoch is not None]:
             self._forget(incoming.migration_id)
-        return stream
 
     async def watchdog_loop(self) -> None:
         """Free reservations whose source went quiet and migrated-in requests nobody attached to."""

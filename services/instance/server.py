@@ -117,7 +117,11 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
 
     async def _abort_or_drop(self, request_id: str) -> bool:
         """Abort the request here; one that left moments ago has its copy dropped where it went."""
-        return await self._runner.abort(request_id) or await self._drop_unread_handoff(request_id)
+        if await self._runner.abort(request_id):
+            if self.inbox is not None:  # migrated in, and its client left before it attached: nothing left to expire
+                self.inbox.forget_committed(request_id)
+            return True
+        return await self._drop_unread_handoff(request_id)
 
     async def _drop_unread_handoff(self, request_id: str) -> bool:
         """A client aborting a request that migrated from here moments ago never read its hand-off (one that

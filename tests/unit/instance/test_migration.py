@@ -1097,3 +1097,19 @@ async def test_hand_offs_are_remembered_within_a_bound(pair, monkeypatch):
     assert mover.recent_handoff("r1") is None and mover.recent_handoff("r3").migration_id == "m-r3"
     await asyncio.sleep(0.3)
     assert mover.recent_handoff("r3") is None
+
+
+async def test_a_client_leaving_after_the_hand_off_before_attaching_leaves_nothing_on_the_destination(pair):
+    """The client read the hand-off, then went away before its Attach: the frontend sends Abort to the
+    destination, which frees the request and forgets its migration. Before, the destination kept the
+    committed migration until its reservation timeout, then logged a `migration_in_expired` warning for
+    every such client (found by black-box check #3)."""
+    a, b = pair
+    stream, tokens = await moved_a_to_b(a, b)
+    assert isinstance(await read(stream, tokens), Handoff)
+    servicer = InstanceServicer(b.runner)
+    servicer.inbox = b.inbox
+    reply = await servicer.Abort(instance_pb2.AbortRequest(request_id="r"), None)
+    assert reply.was_running
+    assert b.inbox.num_incoming == 0
+    await assert_no_blocks_held(a, b)

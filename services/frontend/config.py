@@ -35,7 +35,8 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
                                           "empty = no CORS headers, so browsers refuse cross-origin calls")
     max_body_bytes: int = knob(MIB, "largest request body in bytes; larger ones get 413")
     max_inflight: int = knob(256, "most requests in flight (each choice of an n > 1 request counts, and each "
-                                   "/tokenize or /detokenize call); more get 429")
+                                   "/tokenize or /detokenize call, and each body being read, so bodies in memory "
+                                   "stay within this x --max-body-bytes); more get 429")
     keepalive_timeout_s: float = knob(75.0, "seconds an HTTP connection may sit without a complete request (idle "
                                             "keep-alive, or headers arriving too slowly) before it is closed")
     body_timeout_s: float = knob(30.0, "seconds a request body may take to arrive; slower ones get 408")

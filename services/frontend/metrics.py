@@ -37,8 +37,8 @@ class FrontendMetrics:
             "ferry_frontend_generation_tokens_total",
             "Output tokens streamed back from the instances, every choice's, counted as they arrive",
             registry=self.registry)
-        self.in_flight = Gauge("ferry_frontend_requests_in_flight", "--max-inflight slots taken: choices of generations "
-                               "and /tokenize or /detokenize calls being served",
+        self.in_flight = Gauge("ferry_frontend_requests_in_flight", "--max-inflight slots taken: choices of generations, "
+                               "/tokenize or /detokenize calls being served and bodies being read",
                                registry=self.registry)
         self.dispatch_fallbacks = Counter(
             "ferry_frontend_dispatch_fallbacks_total",

@@ -230,12 +230,18 @@ class FrontendServer:
         return parse_completion_request(body, self._model.name), client_id
 
     async def _read_json(self, request: web.Request) -> dict:
-        """The body as a JSON object, within --max-body-bytes and --body-timeout-s."""
+        """The body as a JSON object, within --max-body-bytes and --body-timeout-s. Read and parsed in a
+        --max-inflight slot of its own (the caller then admits the request as what it asks for, with no await
+        between), so the bodies in memory stay within --max-inflight x --max-body-bytes."""
         if request.content_length is not None and request.content_length > self._max_body_bytes:
             raise too_large(self._max_body_bytes)
+        with self._admitted(1):
+            return parse_json_body(await self._read_body(request))
+
+    async def _read_body(self, request: web.Request) -> bytes:
         try:
             async with asyncio.timeout(self._body_timeout_s):
-                raw = await request.read()
+                return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise too_large(self._max_body_bytes) from None
         except TimeoutError:
@@ -243,7 +249,6 @@ class FrontendServer:
                               "(--body-timeout-s)") from None
         except RequestPayloadError as exc:  # not what its Content-Encoding says (or broken framing)
             raise _unreadable_body(request, exc) from None
-        return parse_json_body(raw)
 
     async def _timed(self, deltas: AsyncIterator[Delta], arrived_at: float) -> AsyncIterator[Delta]:
         last_token_at: float | None = None
@@ -257,14 +262,14 @@ class FrontendServer:
     @contextlib.contextmanager
     def _admitted(self, num_choices: int):
         """Count the request's slots in flight (one per choice of a generation, one for a /tokenize or
-        /detokenize call); over --max-inflight it is a 429 (an idle frontend admits any one request,
-        however many choices it asks for)."""
+        /detokenize call, one for a body being read); over --max-inflight it is a 429 (an idle frontend
+        admits any one request, however many choices it asks for)."""
         if not self.is_accepting:
             raise Unavailable("this frontend is shutting down; retry on another one")
         if self._num_inflight and self._num_inflight + num_choices > self._max_inflight:
-            raise ResourceExhausted(f"{self._num_inflight} slots are in flight (one per generation choice or "
-                                    f"tokenize call) and this request adds {num_choices}, over the limit of "
-                                    f"{self._max_inflight} (--max-inflight); retry later")
+            raise ResourceExhausted(f"{self._num_inflight} slots are in flight (one per generation choice, "
+                                    f"tokenize call or body being read) and this request adds {num_choices}, "
+                                    f"over the limit of {self._max_inflight} (--max-inflight); retry later")
         self._num_inflight += num_choices
         self._metrics.in_flight.inc(num_choices)
         try:

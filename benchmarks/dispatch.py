@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import pathlib
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from etcd3aio import Etcd3Client  # noqa: E402
 from services.common.etcd_launcher import LocalEtcd, free_port  # noqa: E402
 from services.common.gen.ferry.v1 import common_pb2  # noqa: E402
 from services.manager.client import ManagerClient  # noqa: E402
+from services.manager.policies import POLICY_NAMES  # noqa: E402
 from tests.integration.manager_harness import start_manager  # noqa: E402
 
 CLUSTER = "bench"
@@ -45,8 +47,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=5.0, help="measured duration")
     parser.add_argument("--warmup-s", type=float, default=1.0, help="dispatching before the measured part")
     parser.add_argument("--report-interval-s", type=float, default=0.075, help="each instance's load report period")
-    parser.add_argument("--policy", default="load", help="the manager's --dispatch-policy")
-    return parser.parse_args()
+    parser.add_argument("--policy", default="load", choices=POLICY_NAMES, help="the manager's --dispatch-policy")
+    args = parser.parse_args()
+    positive = {"--instances": args.instances, "--rate": args.rate, "--seconds": args.seconds,
+                "--report-interval-s": args.report_interval_s}
+    if bad := [f"{flag} {value:g}" for flag, value in positive.items() if value <= 0]:
+        parser.error(f"{', '.join(bad)}: must be above 0")
+    if args.warmup_s < 0:
+        parser.error(f"--warmup-s {args.warmup_s:g}: must be 0 or more")
+    if args.rate * args.seconds < 1:
+        parser.error(f"--rate {args.rate:g} for --seconds {args.seconds:g} sends no dispatch")
+    return args
 
 
 async def register(etcd_endpoint: str, num_instances: int) -> None:
@@ -140,9 +151,18 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def main() -> None:
+def main() -> None:
     args = parse_args()
-    log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-"))
+    log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-"))  # the manager's log
+    try:
+        asyncio.run(run(args, log_dir))
+    except BaseException:
+        print(f"dispatch: the manager's log is kept in {log_dir}", file=sys.stderr)
+        raise
+    shutil.rmtree(log_dir)
+
+
+async def run(args: argparse.Namespace, log_dir: pathlib.Path) -> None:
     async with LocalEtcd() as etcd:
         await register(etcd.endpoint, args.instances)
         metrics_port = free_port()
@@ -162,6 +182,8 @@ async def main() -> None:
             reporters.terminate()
             reporters.join(5)
             await manager.stop()
+    if not latencies:
+        raise SystemExit("dispatch: every Dispatch failed (see errors above)")
     ms = [x * 1000 for x in latencies]
     print(f"dispatch: {len(ms)} calls at {args.rate:.0f}/s over {args.seconds:.0f} s, {args.instances} instances "
           f"reporting every {args.report_interval_s * 1000:.0f} ms, policy {args.policy}")
@@ -175,4 +197,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()

@@ -17,7 +17,7 @@ Downtime = last token streamed from the source → first token streamed from the
 destination, timed by the client (the pause happens at the step boundary right after the
 source's last token, so this is "paused → first token on the destination", plus one
 stream hop; it contains one decode step of the destination). The decode step is the
-mean inter-token time on the source just before (its last 8 tokens). The instance's own figure
+mean inter-token time on the source just before (its last 10 tokens). The instance's own figure
 (suspended → committed, from MigrateOut) is shown next to it. Target for live: flat
 (at the longest length ≤ 1.5× the shortest) and below one decode step + 20 ms.
 
@@ -27,7 +27,9 @@ The decode step of the tiny model grows with the context (CPU attention), so the
 "live_minus_step_ms" column — what the migration adds to a normal token — shows the
 flatness of the migration itself.
 
-Prints a table and writes migration_downtime.tsv and migration_downtime.png to --out-dir.
+Prints a table and writes migration_downtime.tsv and migration_downtime.png to --out-dir. The
+services' logs go to a temporary folder, removed after a run that succeeded (--keep-logs keeps
+it) and kept, and named, after one that failed.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import argparse
 import asyncio
 import pathlib
 import random
+import shutil
 import signal
 import statistics
 import sys
@@ -49,7 +52,7 @@ from tqdm import tqdm
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere, as the README shows
-from services.cluster.processes import ServiceProcess  # noqa: E402
+from services.cluster.processes import ProcessDied, ServiceProcess  # noqa: E402
 from services.common.etcd_launcher import free_port  # noqa: E402
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc  # noqa: E402
 from services.instance.engine.model_config import ModelConfig  # noqa: E402
@@ -62,6 +65,7 @@ TOKENS_AFTER = 3  # decoded on the destination after each move
 MAX_STEP_WINDOWS = 5  # windows of TOKENS_BEFORE tokens tried for one decode-step figure
 MIN_STEP_MS = 0.1  # a median inter-token time below this is tokens read in a burst, not decode steps
 MAX_OUTPUT_TOKENS = 4000  # never reached: each request is aborted once measured (a slow, loaded run must not finish it first)
+MIN_LENGTH = TOKENS_BEFORE + 3  # a prompt of one token at least
 MIN_OUTPUT_ROOM = 128  # tokens left to decode at the longest length: 2 + 5 step windows of 10, 3 + 3 + 1 after the moves, and what decodes during the live stages
 RPC_TIMEOUT_S = 120.0
 
@@ -80,15 +84,32 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-stages", type=int, default=3, help="instances' --migration-max-stages")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per instance")
-    parser.add_argument("--log-level", default="warning", help="the services' --log-level (their logs: see 'logs:')")
+    parser.add_argument("--log-level", default="warning", help="the services' --log-level")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="keep the services' logs (and the tiny model) after a run that succeeded and print "
+                             "their folder (a failed run always keeps them and names it)")
     parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("bench-results"),
                         help="where the TSV and PNG are written")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
     args = parser.parse_args()
     if args.quick:
         args.lengths, args.repeats = "256,8192", 1
-    args.lengths = [int(length) for length in args.lengths.split(",")]
+    try:
+        args.lengths = [int(length) for length in args.lengths.split(",")]
+    except ValueError:
+        parser.error(f"--lengths {args.lengths}: comma-separated token counts, e.g. 256,8192")
+    if problem := flag_problem(args):
+        parser.error(problem)
     return args
+
+
+def flag_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags the benchmark itself uses (the services check theirs), or None."""
+    if (shortest := min(args.lengths)) < MIN_LENGTH:
+        return f"--lengths: {shortest} is too short; each length is at least {MIN_LENGTH} tokens"
+    if args.repeats < 1:
+        return f"--repeats {args.repeats}: at least 1"
+    return None
 
 
 # -- the processes ------------------------------------------------------------------------
@@ -313,9 +334,7 @@ async def warm_up(pair: Pair, rng: random.Random) -> None:
 
 # -- the run ---------------------------------------------------------------------------------
 
-async def run(args: argparse.Namespace) -> list[Sample]:
-    work_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-downtime-"))
-    print(f"logs: {work_dir / 'logs'}", flush=True)
+async def run(args: argparse.Namespace, work_dir: pathlib.Path) -> list[Sample]:
     model_dir = args.model or build_tiny_model(work_dir / "model", TINY_SHAPE)
     pair = Pair(args, model_dir, work_dir / "logs")
     rng = random.Random(args.seed)
@@ -398,10 +417,24 @@ def plot(rows: list[Row], out_dir: pathlib.Path) -> pathlib.Path:
 
 def main() -> None:
     args = parse_args()
-    samples = asyncio.run(run(args))
+    work_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-downtime-"))  # the tiny model and logs/
+    try:
+        samples = asyncio.run(run(args, work_dir))
+    except SystemExit:  # --lengths longer than --model serves: nothing started
+        shutil.rmtree(work_dir)
+        raise
+    except ProcessDied as exc:
+        raise SystemExit(f"migration_downtime: {exc}\n(logs kept in {work_dir / 'logs'})") from None
+    except BaseException:
+        print(f"migration_downtime: logs kept in {work_dir / 'logs'}", file=sys.stderr)
+        raise
     rows = rows_of(samples, args.lengths)
     print(report(rows, args.out_dir))
     print(f"plot: {plot(rows, args.out_dir)}")
+    if args.keep_logs:
+        print(f"logs: {work_dir / 'logs'}")
+    else:
+        shutil.rmtree(work_dir)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import dataclasses
 import multiprocessing
 import pathlib
 import random
+import shutil
 import socket
 import statistics
 import sys
@@ -50,7 +51,7 @@ from tqdm import tqdm
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere, as the README shows
-from services.cluster.processes import ServiceProcess  # noqa: E402
+from services.cluster.processes import ProcessDied, ServiceProcess, stop_all  # noqa: E402
 from services.common.etcd_launcher import free_port  # noqa: E402
 from services.common.grpc_server import BULK_TRANSFER_OPTIONS, MESSAGE_OPTIONS, insecure_channel  # noqa: E402
 from services.common.heap import DEFAULT_KEEP_MIB, keep_freed_heap  # noqa: E402
@@ -101,7 +102,36 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("bench-results"),
                         help="where the TSV and PNG are written")
     parser.add_argument("--seed", type=int, default=0, help="seed of the scattered block ids")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if problem := flag_problem(args):
+        parser.error(problem)
+    return args
+
+
+LAYOUTS = {"scattered": ("", False), "contiguous": ("_contiguous", True)}  # name → (row suffix, is_contiguous)
+
+
+def flag_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags, before any process starts (argparse then exits 2 with it), or None."""
+    block_mb = KvGeometry(num_blocks=1, **LLAMA2_7B).bytes_per_block // MB
+    known = [backend.value for backend in TransferBackend]
+    backends, layouts = args.backends.split(","), args.layouts.split(",")
+    if args.max_mb < block_mb:
+        return f"--max-mb {args.max_mb}: the smallest migration is one {block_mb} MB block"
+    if unknown := [name for name in backends if name not in known]:
+        return f"--backends: unknown {','.join(unknown)} (of {','.join(known)})"
+    if "nccl" in backends and args.kv_device != "cuda":
+        return "--backends nccl needs --kv-device cuda"
+    if unknown := [name for name in layouts if name not in LAYOUTS]:
+        return f"--layouts: unknown {','.join(unknown)} (of {','.join(LAYOUTS)})"
+    counts = {"--repeats": (args.repeats, 1), "--warmups": (args.warmups, 0), "--settle-passes": (args.settle_passes, 0),
+              "--staging-kib": (args.staging_kib, 1), "--staging-buffers": (args.staging_buffers, 2),
+              "--gloo-connections": (args.gloo_connections, 1), "--grpc-piece-kib": (args.grpc_piece_kib, 1),
+              "--in-place-min-kib": (args.in_place_min_kib, 0), "--heap-keep-mib": (args.heap_keep_mib, 0)}
+    for flag, (value, least) in counts.items():
+        if value < least:
+            return f"{flag} {value}: at least {least}"
+    return None
 
 
 def sizes_mb(max_mb: int, block_mb: int) -> list[int]:
@@ -121,13 +151,24 @@ class Bench:
         self.geometry = KvGeometry(num_blocks=num_blocks, **LLAMA2_7B)
         tag = uuid.uuid4().hex[:6]
         src_device, dst_device = _kv_devices(kv_device)
-        self.src = KvCache.create(f"ferry-bench-src-{tag}", self.geometry, src_device)
-        self.dst = KvCache.create(f"ferry-bench-dst-{tag}", self.geometry, dst_device)
+        self.caches: list[KvCache] = []  # what close() unlinks, however far this got
+        self.clients: list[TransferClient] = []
+        self.src = self._cache(f"ferry-bench-src-{tag}", src_device)
+        self.dst = self._cache(f"ferry-bench-dst-{tag}", dst_device)
         self.src.tensor.copy_(torch.randn(self.geometry.shape, dtype=torch.float16, device=src_device))  # faults pages in
         self.dst.tensor.fill_(0)
         nccl_devices = (src_device.index or 0, dst_device.index or 0)
         self.services = [_service(name, [*service_flags, "--nccl-device", str(nccl_device)], log_dir)
                          for name, nccl_device in zip(("bench-a", "bench-b"), nccl_devices)]
+
+    def _cache(self, name: str, device: torch.device) -> KvCache:
+        try:
+            cache = KvCache.create(name, self.geometry, device)
+        except BaseException:
+            self._unlink_caches()
+            raise
+        self.caches.append(cache)
+        return cache
 
     async def start(self) -> None:
         for service in self.services:
@@ -136,6 +177,7 @@ class Bench:
             await service.wait_healthy(60)
         self.a = TransferClient(self.services[0].address, timeout_s=30)
         self.b = TransferClient(self.services[1].address, timeout_s=30)
+        self.clients = [self.a, self.b]
         await self.a.map_instance("src", self.src.name, self.geometry, self.src.ipc_handle)
         await self.a.map_instance("dst", self.dst.name, self.geometry, self.dst.ipc_handle)  # for SHM
         await self.b.map_instance("dst", self.dst.name, self.geometry, self.dst.ipc_handle)
@@ -155,13 +197,19 @@ class Bench:
         return time.perf_counter() - started
 
     async def close(self) -> None:
-        for client in (self.a, self.b):
-            await client.close()
-        for service in self.services:
-            service.stop()
-        for cache in (self.src, self.dst):
+        """Everything start() got to, also after it failed half way."""
+        try:
+            for client in self.clients:
+                await client.close()
+        finally:
+            stop_all(self.services)
+            self._unlink_caches()
+
+    def _unlink_caches(self) -> None:
+        for cache in self.caches:
             cache.close()
             cache.unlink()
+        self.caches = []
 
 
 def _kv_devices(kv_device: str) -> tuple[torch.device, torch.device]:
@@ -344,6 +392,7 @@ class GrpcReference:
         self._piece = b"\1" * piece_bytes
         self._process = multiprocessing.get_context("spawn").Process(target=_grpc_sink,
                                                                      args=(self._port, heap_keep_bytes), daemon=True)
+        self._channel: grpc.aio.Channel | None = None  # until connected
 
     def launch(self) -> None:
         self._process.start()
@@ -362,7 +411,8 @@ class GrpcReference:
         return time.perf_counter() - started
 
     async def close(self) -> None:
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
         self._process.kill()
         self._process.join(10)
 
@@ -380,14 +430,12 @@ class MemcpyReference:
 
 # -- the run --------------------------------------------------------------------------------
 
-async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[float]]]:
+async def measure(args: argparse.Namespace, log_dir: pathlib.Path) -> tuple[list[int], dict[str, list[float]]]:
     backends = [TransferBackend(name) for name in args.backends.split(",")]
     block_mb = KvGeometry(num_blocks=1, **LLAMA2_7B).bytes_per_block // MB
     sizes = sizes_mb(args.max_mb, block_mb)
     num_blocks = sizes[-1] // block_mb
     rng = random.Random(args.seed)
-    bench = Bench(num_blocks, service_flags(args), pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-")),
-                  args.kv_device)
     tcp, memcpy = TcpReference(sizes[-1] * MB), MemcpyReference(sizes[-1] * MB)
     gloo = (GlooReference(sizes[-1] * MB, args.staging_kib * 1024, args.gloo_connections, args.staging_buffers - 1)
             if TransferBackend.GLOO in backends else None)
@@ -395,6 +443,7 @@ async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[f
     keep_freed_heap(args.heap_keep_mib << 20)  # this process sends the bare grpc reference's stream
     bare_grpc = (GrpcReference(sizes[-1] * MB, grpc_piece_bytes, args.heap_keep_mib << 20)
                  if TransferBackend.GRPC in backends else None)
+    bench = Bench(num_blocks, service_flags(args), log_dir, args.kv_device)  # the last: it owns shared memory
     speeds: dict[str, list[float]] = {}
     try:
         for reference in (tcp, gloo, bare_grpc):  # every process starts at once; each then waits for its own
@@ -413,8 +462,7 @@ async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[f
             references.insert(1, ("gloo_raw_speed(GB/s)", "gloo_raw"))
         if bare_grpc is not None:
             references.insert(1, ("grpc_raw_speed(GB/s)", "grpc_raw"))
-        layouts = {"scattered": ("", False), "contiguous": ("_contiguous", True)}
-        rows = [(f"{b.value}{layouts[name][0]}_speed(GB/s)", (b, layouts[name][1]))
+        rows = [(f"{b.value}{LAYOUTS[name][0]}_speed(GB/s)", (b, LAYOUTS[name][1]))
                 for name in args.layouts.split(",") for b in backends] + references
         refs = References(tcp, gloo, bare_grpc, memcpy)
         progress = tqdm(total=len(rows) * (len(sizes) * args.repeats + args.settle_passes), desc="migration_speed",
@@ -435,12 +483,14 @@ async def measure(args: argparse.Namespace) -> tuple[list[int], dict[str, list[f
                   for label, _ in rows}
         progress.close()
     finally:
-        tcp.close()
-        if gloo is not None:
-            gloo.close()
-        if bare_grpc is not None:
-            await bare_grpc.close()
-        await bench.close()
+        try:
+            tcp.close()
+            if gloo is not None:
+                gloo.close()
+            if bare_grpc is not None:
+                await bare_grpc.close()
+        finally:
+            await bench.close()  # the services and the shared memory, whatever a reference did
     return sizes, speeds
 
 
@@ -499,7 +549,15 @@ def plot(sizes: list[int], speeds: dict[str, list[float]], out_dir: pathlib.Path
 
 def main() -> None:
     args = parse_args()
-    sizes, speeds = asyncio.run(measure(args))
+    log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-"))  # the two services' logs
+    try:
+        sizes, speeds = asyncio.run(measure(args, log_dir))
+    except ProcessDied as exc:
+        raise SystemExit(f"migration_speed: {exc}\n(service logs kept in {log_dir})") from None
+    except BaseException:
+        print(f"migration_speed: service logs kept in {log_dir}", file=sys.stderr)
+        raise
+    shutil.rmtree(log_dir)
     print(report(sizes, speeds, args.out_dir))
     print(f"plot: {plot(sizes, speeds, args.out_dir)}")
 

@@ -23,7 +23,7 @@ Variants (--variants, comma-separated):
 workload for FOR seconds, a hung host; the worst pause of each stream (its longest gap
 between two tokens) then shows what the others waited for it:
 
-    python benchmarks/pd_compare.py --pd 1:2 --variants pd,pd-parked --freeze-decode 2:8 \
+    python benchmarks/pd_compare.py --pd 1:2 --variants pd,pd-parked --freeze-decode 2:8 \\
         --num-requests 32 --rate 3 --launcher-args "--engine sim --kv-cache-mib 512"
 """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import re
 
 import pytest
 
@@ -35,3 +36,5 @@ def test_every_flag_has_help(script, monkeypatch):
     unexplained = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
     assert unexplained == [], f"{script.name}: no help for {unexplained}"
     assert parser.description
+    # A command continued with a lone backslash in a docstring is one line with a gap in --help.
+    assert not re.search(r"\S {4,}--", parser.description), f"{script.name}: a joined command line in its --help"

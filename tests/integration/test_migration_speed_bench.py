@@ -15,7 +15,11 @@ ROWS = ("grpc_speed(GB/s)", "gloo_speed(GB/s)", "shm_speed(GB/s)", "grpc_contigu
 
 @pytest.mark.timeout(240)
 def test_prints_every_backend_and_reference(tmp_path):
-    lines = run_benchmark("migration_speed.py", "--max-mb", "16", "--repeats", "1", "--out-dir", str(tmp_path), timeout_s=220)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    lines = run_benchmark("migration_speed.py", "--max-mb", "16", "--repeats", "1", "--out-dir", str(tmp_path),
+                          timeout_s=220, tmp_dir=temporary)
+    assert list(temporary.iterdir()) == []  # the services' log folder went with the run (it stayed, every run)
     assert lines[0] == "migration_size\t8.00 MB\t16.00 MB"
     table = {line.split("\t")[0]: line.split("\t")[1:] for line in lines[1:] if "\t" in line}
     assert tuple(table) == ROWS

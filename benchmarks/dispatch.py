@@ -20,6 +20,7 @@ import os
 import pathlib
 import random
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -153,9 +154,12 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-"))  # the manager's log
     try:
         asyncio.run(run(args, log_dir))
+    except KeyboardInterrupt:
+        raise SystemExit(f"dispatch: interrupted (the manager's log is kept in {log_dir})") from None
     except BaseException:
         print(f"dispatch: the manager's log is kept in {log_dir}", file=sys.stderr)
         raise

@@ -417,6 +417,7 @@ def plot(rows: list[Row], out_dir: pathlib.Path) -> pathlib.Path:
 
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     work_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-downtime-"))  # the tiny model and logs/
     try:
         samples = asyncio.run(run(args, work_dir))
@@ -425,6 +426,8 @@ def main() -> None:
         raise
     except ProcessDied as exc:
         raise SystemExit(f"migration_downtime: {exc}\n(logs kept in {work_dir / 'logs'})") from None
+    except KeyboardInterrupt:
+        raise SystemExit(f"migration_downtime: interrupted (services stopped; logs kept in {work_dir / 'logs'})") from None
     except BaseException:
         print(f"migration_downtime: logs kept in {work_dir / 'logs'}", file=sys.stderr)
         raise

@@ -35,6 +35,7 @@ import multiprocessing
 import pathlib
 import random
 import shutil
+import signal
 import socket
 import statistics
 import sys
@@ -549,11 +550,14 @@ def plot(sizes: list[int], speeds: dict[str, list[float]], out_dir: pathlib.Path
 
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-"))  # the two services' logs
     try:
         sizes, speeds = asyncio.run(measure(args, log_dir))
     except ProcessDied as exc:
         raise SystemExit(f"migration_speed: {exc}\n(service logs kept in {log_dir})") from None
+    except KeyboardInterrupt:
+        raise SystemExit(f"migration_speed: interrupted (services stopped; their logs kept in {log_dir})") from None
     except BaseException:
         print(f"migration_speed: service logs kept in {log_dir}", file=sys.stderr)
         raise

@@ -44,6 +44,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere, as the README shows
+from benchmarks.flags import at_least, names_of  # noqa: E402
 from services.transfer.block_copy import as_bytes, kv_rows  # noqa: E402
 from services.transfer.checksum import block_checksums  # noqa: E402
 
@@ -72,14 +73,14 @@ GEOMETRIES = {
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=64, help="blocks checksummed per call")
-    parser.add_argument("--spare-blocks", type=int, default=16,
+    parser.add_argument("--blocks", type=at_least(1), default=64, help="blocks checksummed per call")
+    parser.add_argument("--spare-blocks", type=at_least(0), default=16,
                         help="blocks in the cache beside those, so the ones checksummed are not all adjacent")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds; every candidate runs once a round")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--repeats", type=at_least(1), default=5, help="rounds; every candidate runs once a round")
+    parser.add_argument("--threads", type=at_least(1), default=1,
                         help="torch intra-op threads (an instance's --num-threads; the other candidates use one)")
     parser.add_argument("--device", default="cpu", help="where the cache lives: cpu, or cuda for a GPU's")
-    parser.add_argument("--geometries", default=",".join(GEOMETRIES),
+    parser.add_argument("--geometries", type=names_of(GEOMETRIES), default=",".join(GEOMETRIES),
                         help=f"comma-separated, of {', '.join(GEOMETRIES)}")
     parser.add_argument("--candidates", default="crc32,sum,adler32,sha1,blake2b",
                         help="comma-separated, of crc32, sum, adler32, sha1, blake2b")

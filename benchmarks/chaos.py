@@ -27,6 +27,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.flags import above_zero, at_least  # noqa: E402
 from services.instance.models.tiny import build_tiny_model  # noqa: E402
 from tests.e2e.chaos import ChaosConfig, ChaosRun  # noqa: E402
 from tests.e2e.fault_cluster import FaultCluster, Reference  # noqa: E402
@@ -34,10 +35,10 @@ from tests.e2e.fault_cluster import FaultCluster, Reference  # noqa: E402
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=300.0, help="seconds the workload keeps sending requests")
+    parser.add_argument("--duration", type=above_zero, default=300.0, help="seconds the workload keeps sending requests")
     parser.add_argument("--seed", type=int, default=0, help="seeds the workload and the faults")
-    parser.add_argument("--instances", type=int, default=3, help="instances (2 managers, 1 transfer service)")
-    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    parser.add_argument("--instances", type=at_least(1), default=3, help="instances (2 managers, 1 transfer service)")
+    parser.add_argument("--concurrency", type=at_least(1), default=8, help="requests in flight at once")
     parser.add_argument("--model", type=pathlib.Path, default=None, help="model folder (default: a tiny random model)")
     parser.add_argument("--transfer-backend", default="grpc", choices=["grpc", "gloo", "shm"],
                         help="every instance's --transfer-backend (the transfer service's default backend too)")

@@ -29,6 +29,8 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.flags import above_zero, at_least  # noqa: E402
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -140,10 +142,10 @@ async def measure(cluster: dict, num_clients: int, duration_s: float, max_tokens
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", type=int, default=200, help="concurrent streaming clients")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds the clients keep sending")
-    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
-    parser.add_argument("--instances", type=int, default=2, help="instances of the cluster this starts")
+    parser.add_argument("--clients", type=at_least(1), default=200, help="concurrent streaming clients")
+    parser.add_argument("--duration", type=above_zero, default=60.0, help="seconds the clients keep sending")
+    parser.add_argument("--max-tokens", type=at_least(1), default=32, help="output tokens per request")
+    parser.add_argument("--instances", type=at_least(1), default=2, help="instances of the cluster this starts")
     parser.add_argument("--model", type=pathlib.Path, default=None, help="model folder (default: a tiny random model)")
     parser.add_argument("--state-dir", type=pathlib.Path, default=None,
                         help="use the running cluster whose cluster.json is here instead of starting one")

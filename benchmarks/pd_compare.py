@@ -46,6 +46,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.flags import above_zero, at_least, prefill_decode  # noqa: E402
 from benchmarks.serving import RequestResult, run_workload, started_cluster, table  # noqa: E402
 
 VARIANTS = ("both", "pd", "pd-manager", "pd-short", "pd-parked")
@@ -55,10 +56,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=pathlib.Path, default=ROOT / "models" / "smollm2-135m-instruct",
                         help="model folder every instance serves")
-    parser.add_argument("--pd", default="1:1", help="P:D — prefill and decode instances (both-variant: P+D instances)")
+    parser.add_argument("--pd", type=prefill_decode, default="1:1", help="P:D — prefill and decode instances (both-variant: P+D instances)")
     parser.add_argument("--variants", default="both,pd,pd-manager", help=f"comma-separated, of {', '.join(VARIANTS)}")
-    parser.add_argument("--num-requests", type=int, default=24, help="requests sent to each variant")
-    parser.add_argument("--rate", type=float, default=1.0, help="mean arrival rate (requests/s, Poisson)")
+    parser.add_argument("--num-requests", type=at_least(1), default=24, help="requests sent to each variant")
+    parser.add_argument("--rate", type=above_zero, default=1.0, help="mean arrival rate (requests/s, Poisson)")
     parser.add_argument("--long-prompt", type=int, default=384, help="prompt tokens of a prefill-heavy request")
     parser.add_argument("--short-output", type=int, default=8, help="output tokens of a prefill-heavy request")
     parser.add_argument("--decode-prompt", type=int, default=16, help="prompt tokens of a long-decode request")

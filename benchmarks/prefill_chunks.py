@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from benchmarks.flags import at_least, int_list, names_or_ints  # noqa: E402
 from engine import add_model_args, greedy, model_dir_of, prompts  # noqa: E402
 
 from services.instance.engine.factory import EngineSpec, build_engine  # noqa: E402
@@ -47,14 +48,14 @@ FULL = "full"
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
-    parser.add_argument("--chunks", default=f"{FULL},{HALF},128,{BUDGET_END}",
+    parser.add_argument("--chunks", type=names_or_ints((HALF, FULL, BUDGET_END)), default=f"{FULL},{HALF},128,{BUDGET_END}",
                         help=f"comma-separated prefill chunk sizes: tokens, {HALF} (the default), {FULL} (the "
                              f"default before) or {BUDGET_END}; ratios are against the first")
-    parser.add_argument("--long-len", type=int, default=2000, help="tokens of the long prompt")
-    parser.add_argument("--short-lens", default="40,100,200,300", help="comma-separated tokens of the short prompts")
-    parser.add_argument("--decodes", type=int, default=4, help="streams decoding throughout")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="the step's token budget")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each chunk size (medians reported)")
+    parser.add_argument("--long-len", type=at_least(1), default=2000, help="tokens of the long prompt")
+    parser.add_argument("--short-lens", type=int_list(1), default="40,100,200,300", help="comma-separated tokens of the short prompts")
+    parser.add_argument("--decodes", type=at_least(0), default=4, help="streams decoding throughout")
+    parser.add_argument("--max-num-batched-tokens", type=at_least(1), default=512, help="the step's token budget")
+    parser.add_argument("--repeats", type=at_least(1), default=2, help="runs of each chunk size (medians reported)")
     return parser.parse_args()
 
 

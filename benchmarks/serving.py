@@ -42,6 +42,7 @@ from tqdm import tqdm
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.flags import above_zero, at_least, prefill_decode  # noqa: E402
 from services.common.etcd_launcher import free_port  # noqa: E402
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc  # noqa: E402
 
@@ -75,10 +76,10 @@ class Workload:
 
 def add_workload_args(parser: argparse.ArgumentParser, defaults: Workload) -> None:
     """The flags of the seeded Poisson workload with log-normal lengths."""
-    parser.add_argument("--num-requests", type=int, default=defaults.num_requests, help="requests to send")
-    parser.add_argument("--rate", type=float, default=defaults.rate, help="mean arrival rate (requests/s, Poisson)")
-    parser.add_argument("--prompt-mean", type=int, default=defaults.prompt_mean, help="median prompt length in tokens")
-    parser.add_argument("--output-mean", type=int, default=defaults.output_mean, help="median output length in tokens")
+    parser.add_argument("--num-requests", type=at_least(1), default=defaults.num_requests, help="requests to send")
+    parser.add_argument("--rate", type=above_zero, default=defaults.rate, help="mean arrival rate (requests/s, Poisson)")
+    parser.add_argument("--prompt-mean", type=at_least(1), default=defaults.prompt_mean, help="median prompt length in tokens")
+    parser.add_argument("--output-mean", type=at_least(1), default=defaults.output_mean, help="median output length in tokens")
     parser.add_argument("--sigma", type=float, default=defaults.sigma,
                         help="log-normal sigma of both lengths (long tail)")
     parser.add_argument("--max-prompt", type=int, default=defaults.max_prompt, help="prompt length cap")
@@ -97,8 +98,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--admin", help="admin address of that cluster (for the instances' step times)")
     parser.add_argument("--model", type=pathlib.Path, default=ROOT / "models" / "smollm2-135m-instruct",
                         help="model folder for a cluster started by this benchmark")
-    parser.add_argument("--instances", type=int, default=2, help="instances of a started cluster (role both)")
-    parser.add_argument("--pd", default="", help="P:D — start P prefill and D decode instances instead of --instances")
+    parser.add_argument("--instances", type=at_least(1), default=2, help="instances of a started cluster (role both)")
+    parser.add_argument("--pd", type=prefill_decode, default=None, help="P:D — start P prefill and D decode instances instead of --instances")
     parser.add_argument("--launcher-args", default="", help="extra flags for `services.cluster up` (quoted)")
     add_workload_args(parser, Workload())
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench-results", help="where JSON and PNG go")

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.flags import above_zero, at_least  # noqa: E402
 from services.cluster.processes import ServiceProcess, stop_all  # noqa: E402
 from services.common.errors import FerryError  # noqa: E402
 from services.common.etcd_launcher import LocalEtcd, free_port  # noqa: E402
@@ -181,13 +182,13 @@ def _random_move(rng: random.Random) -> tuple[str, str, list[int], list[int]]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=180.0, help="seconds the workers keep sending transfers")
+    parser.add_argument("--duration", type=above_zero, default=180.0, help="seconds the workers keep sending transfers")
     parser.add_argument("--seed", type=int, default=0, help="seeds the transfers and the faults")
     parser.add_argument("--backend", default="gloo", choices=["grpc", "gloo"], help="the transfers' backend")
-    parser.add_argument("--workers", type=int, default=6, help="transfers under way at once")
-    parser.add_argument("--min-timeout-s", type=float, default=1.0,
+    parser.add_argument("--workers", type=at_least(1), default=6, help="transfers under way at once")
+    parser.add_argument("--min-timeout-s", type=above_zero, default=1.0,
                         help="each transfer's deadline is drawn between this and 10 s")
-    parser.add_argument("--max-freeze-s", type=float, default=8.0,
+    parser.add_argument("--max-freeze-s", type=above_zero, default=8.0,
                         help="longest freeze (above the services' --channel-timeout-s 5: opens then time out)")
     parser.add_argument("--log-dir", type=pathlib.Path, default=None,
                         help="keep the services' logs here (default: a temporary folder)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import pathlib
+import signal
 import sys
 import tempfile
 
@@ -28,6 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.flags import above_zero, at_least  # noqa: E402
+from benchmarks.stopping import as_ctrl_c  # noqa: E402
 from services.instance.models.tiny import build_tiny_model  # noqa: E402
 from tests.e2e.chaos import ChaosConfig, ChaosRun  # noqa: E402
 from tests.e2e.fault_cluster import FaultCluster, Reference  # noqa: E402
@@ -53,6 +55,7 @@ def chaos_cluster(args: argparse.Namespace, model: pathlib.Path, state_dir: path
 
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, as_ctrl_c)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     config = ChaosConfig(seed=args.seed, duration_s=args.duration, concurrency=args.concurrency)
     with tempfile.TemporaryDirectory(prefix="ferry-chaos-") as tmp:
         model = args.model or build_tiny_model(pathlib.Path(tmp) / "tiny", "gqa-tied", seed=0)

@@ -37,6 +37,7 @@ from services.common.gen.ferry.v1 import common_pb2  # noqa: E402
 from services.manager.client import ManagerClient  # noqa: E402
 from services.manager.policies import POLICY_NAMES  # noqa: E402
 from tests.integration.manager_harness import start_manager  # noqa: E402
+from benchmarks.stopping import as_ctrl_c  # noqa: E402
 
 CLUSTER = "bench"
 
@@ -154,7 +155,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def main() -> None:
     args = parse_args()
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
+    signal.signal(signal.SIGTERM, as_ctrl_c)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-"))  # the manager's log
     try:
         asyncio.run(run(args, log_dir))

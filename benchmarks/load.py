@@ -24,12 +24,14 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+import signal
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.flags import above_zero, at_least  # noqa: E402
+from benchmarks.stopping import as_ctrl_c  # noqa: E402
 
 PERCENTILES = (50, 90, 99)
 
@@ -154,6 +156,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, as_ctrl_c)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     if args.state_dir:
         result = asyncio.run(measure(json.loads((args.state_dir / "cluster.json").read_text()), args.clients,
                                      args.duration, args.max_tokens))

@@ -57,6 +57,7 @@ from services.common.etcd_launcher import free_port  # noqa: E402
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc  # noqa: E402
 from services.instance.engine.model_config import ModelConfig  # noqa: E402
 from services.instance.models.tiny import build_tiny_model  # noqa: E402
+from benchmarks.stopping import as_ctrl_c  # noqa: E402
 
 MODES = ("live", "stop_copy", "recompute")
 TINY_SHAPE = "long-context"
@@ -417,7 +418,7 @@ def plot(rows: list[Row], out_dir: pathlib.Path) -> pathlib.Path:
 
 def main() -> None:
     args = parse_args()
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
+    signal.signal(signal.SIGTERM, as_ctrl_c)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     work_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-downtime-"))  # the tiny model and logs/
     try:
         samples = asyncio.run(run(args, work_dir))

@@ -61,6 +61,7 @@ from services.transfer.pair_channel import chunk_tag  # noqa: E402
 from services.transfer.chunk_plan import IN_PLACE_MIN_ROW_BYTES  # noqa: E402
 from services.transfer.client import DEFAULT_PIECE_BYTES, TransferClient  # noqa: E402
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend  # noqa: E402
+from benchmarks.stopping import as_ctrl_c  # noqa: E402
 
 MB = 2**20
 LLAMA2_7B = dict(num_layers=32, num_kv_heads=32, head_dim=128, block_size=16, dtype=torch.float16)
@@ -550,7 +551,7 @@ def plot(sizes: list[int], speeds: dict[str, list[float]], out_dir: pathlib.Path
 
 def main() -> None:
     args = parse_args()
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
+    signal.signal(signal.SIGTERM, as_ctrl_c)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-"))  # the two services' logs
     try:
         sizes, speeds = asyncio.run(measure(args, log_dir))

@@ -47,6 +47,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.flags import above_zero, at_least, prefill_decode  # noqa: E402
+from benchmarks.stopping import as_ctrl_c  # noqa: E402
 from benchmarks.serving import RequestResult, run_workload, started_cluster, table  # noqa: E402
 
 VARIANTS = ("both", "pd", "pd-manager", "pd-short", "pd-parked")
@@ -173,6 +174,7 @@ def main() -> None:
     from services.instance.engine.model_config import ModelConfig
 
     args = parse_args()
+    signal.signal(signal.SIGTERM, as_ctrl_c)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)
     if unknown:

@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import pathlib
+import signal
 import sys
 import time
 
@@ -35,6 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from serving import Workload, add_workload_args, run_workload, started_cluster, workload  # noqa: E402
 from services.instance.engine.model_config import ModelConfig  # noqa: E402
 from services.manager.client import ManagerClient  # noqa: E402
+from benchmarks.stopping import as_ctrl_c  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -149,6 +151,7 @@ async def bench(args: argparse.Namespace, cluster: dict) -> list[dict]:
 
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, as_ctrl_c)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     policies(args.policies)  # a typo fails before the cluster starts
     args.out_dir.mkdir(parents=True, exist_ok=True)
     os.environ.update(FERRY_INSTANCE_MAX_NUM_SEQS=str(args.max_num_seqs), FERRY_INSTANCE_SIM_STEP_MS=str(args.sim_step_ms),

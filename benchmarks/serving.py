@@ -43,6 +43,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.flags import above_zero, at_least, prefill_decode  # noqa: E402
+from benchmarks.stopping import as_ctrl_c  # noqa: E402
 from services.common.etcd_launcher import free_port  # noqa: E402
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc  # noqa: E402
 
@@ -285,6 +286,7 @@ async def sample_step_times(admin: str, samples: list[float], interval_s: float 
 
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, as_ctrl_c)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.url:
         summary = asyncio.run(bench(args, args.url, args.admin, args.model))

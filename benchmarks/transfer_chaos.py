@@ -37,6 +37,7 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.flags import above_zero, at_least  # noqa: E402
+from benchmarks.stopping import as_ctrl_c  # noqa: E402
 from services.cluster.processes import ServiceProcess, stop_all  # noqa: E402
 from services.common.errors import FerryError  # noqa: E402
 from services.common.etcd_launcher import LocalEtcd, free_port  # noqa: E402
@@ -220,6 +221,7 @@ def _report(chaos: TransferChaos, sides: dict[str, Side]) -> bool:
 
 def main() -> None:
     args = parse_args()
+    signal.signal(signal.SIGTERM, as_ctrl_c)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     torch.set_num_threads(1)
     caches = {name: KvCache.create(f"ferry-chaos-{name.lower()}-{uuid.uuid4().hex[:6]}", GEOMETRY) for name in "AB"}
     try:

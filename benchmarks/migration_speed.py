@@ -155,22 +155,21 @@ class Bench:
         src_device, dst_device = _kv_devices(kv_device)
         self.caches: list[KvCache] = []  # what close() unlinks, however far this got
         self.clients: list[TransferClient] = []
-        self.src = self._cache(f"ferry-bench-src-{tag}", src_device)
-        self.dst = self._cache(f"ferry-bench-dst-{tag}", dst_device)
-        self.src.tensor.copy_(torch.randn(self.geometry.shape, dtype=torch.float16, device=src_device))  # faults pages in
-        self.dst.tensor.fill_(0)
+        try:
+            self.src = self._cache(f"ferry-bench-src-{tag}", src_device)
+            self.dst = self._cache(f"ferry-bench-dst-{tag}", dst_device)
+            self.src.tensor.copy_(torch.randn(self.geometry.shape, dtype=torch.float16, device=src_device))  # faults pages in
+            self.dst.tensor.fill_(0)
+        except BaseException:  # no Bench to close: unlink here
+            self._unlink_caches()
+            raise
         nccl_devices = (src_device.index or 0, dst_device.index or 0)
         self.services = [_service(name, [*service_flags, "--nccl-device", str(nccl_device)], log_dir)
                          for name, nccl_device in zip(("bench-a", "bench-b"), nccl_devices)]
 
     def _cache(self, name: str, device: torch.device) -> KvCache:
-        try:
-            cache = KvCache.create(name, self.geometry, device)
-        except BaseException:
-            self._unlink_caches()
-            raise
-        self.caches.append(cache)
-        return cache
+        self.caches.append(KvCache.create(name, self.geometry, device))
+        return self.caches[-1]
 
     async def start(self) -> None:
         for service in self.services:

@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # benchmarks/engine.py, also when imported
 
 from services.instance.engine.engine import LLMEngine  # noqa: E402
 from services.instance.engine.factory import EngineSpec, build_engine  # noqa: E402

@@ -54,7 +54,7 @@ def test_readme_benchmark_commands_use_their_own_flags(monkeypatch):
     missing = sorted({name for name, _ in commands if not (ROOT / "benchmarks" / f"{name}.py").exists()})
     assert not missing, f"README quotes benchmarks that do not exist: {missing}"
     flags: dict[str, set[str]] = {}
-    for name in {name for name, _ in commands}:
+    for name in sorted({name for name, _ in commands}):
         parser = built_parser(ROOT / "benchmarks" / f"{name}.py", monkeypatch)
         flags[name] = {option for action in parser._actions for option in action.option_strings}
     wrong = sorted({(name, flag) for name, given in commands for flag in given if flag not in flags[name]})

@@ -44,7 +44,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere, as the README shows
-from benchmarks.flags import at_least, names_of  # noqa: E402
+from benchmarks.flags import HelpFormatter, at_least, names_of  # noqa: E402
 from services.transfer.block_copy import as_bytes, kv_rows  # noqa: E402
 from services.transfer.checksum import block_checksums  # noqa: E402
 
@@ -72,7 +72,7 @@ GEOMETRIES = {
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--blocks", type=at_least(1), default=64, help="blocks checksummed per call")
     parser.add_argument("--spare-blocks", type=at_least(0), default=16,
                         help="blocks in the cache beside those, so the ones checksummed are not all adjacent")

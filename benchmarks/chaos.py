@@ -28,7 +28,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.flags import above_zero, at_least  # noqa: E402
+from benchmarks.flags import HelpFormatter, above_zero, at_least  # noqa: E402
 from benchmarks.stopping import as_ctrl_c  # noqa: E402
 from services.instance.models.tiny import build_tiny_model  # noqa: E402
 from tests.e2e.chaos import ChaosConfig, ChaosRun  # noqa: E402
@@ -36,7 +36,7 @@ from tests.e2e.fault_cluster import FaultCluster, Reference  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--duration", type=above_zero, default=300.0, help="seconds the workload keeps sending requests")
     parser.add_argument("--seed", type=int, default=0, help="seeds the workload and the faults")
     parser.add_argument("--instances", type=at_least(1), default=3, help="instances (2 managers, 1 transfer service)")

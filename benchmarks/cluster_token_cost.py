@@ -29,7 +29,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.flags import at_least  # noqa: E402
+from benchmarks.flags import HelpFormatter, at_least  # noqa: E402
 from services.common.gen.ferry.v1 import instance_pb2  # noqa: E402
 from services.common.grpc_server import bind_grpc_server, secure_or_insecure_channel  # noqa: E402
 from services.common.tls import TlsConfig  # noqa: E402
@@ -43,7 +43,7 @@ CHUNK = instance_pb2.GenerateChunk(request_id="cmpl-0123456789abcdef", token_ind
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--messages", type=at_least(1), default=4000, help="messages per stream")
     parser.add_argument("--streams", type=at_least(1), default=4, help="concurrent server streams per run")
     parser.add_argument("--calls", type=at_least(1), default=2000, help="unary calls per run (4 at a time)")

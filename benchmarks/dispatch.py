@@ -38,12 +38,13 @@ from services.manager.client import ManagerClient  # noqa: E402
 from services.manager.policies import POLICY_NAMES  # noqa: E402
 from tests.integration.manager_harness import start_manager  # noqa: E402
 from benchmarks.stopping import as_ctrl_c  # noqa: E402
+from benchmarks.flags import HelpFormatter  # noqa: E402
 
 CLUSTER = "bench"
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--instances", type=int, default=64, help="registered (fake) instances to choose among")
     parser.add_argument("--rate", type=float, default=500.0, help="dispatches per second")
     parser.add_argument("--seconds", type=float, default=5.0, help="measured duration")

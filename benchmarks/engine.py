@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.flags import at_least  # noqa: E402
+from benchmarks.flags import HelpFormatter, at_least  # noqa: E402
 from services.instance.engine.factory import EngineSpec, build_engine  # noqa: E402
 from services.instance.engine.model_config import ModelConfig  # noqa: E402
 from services.instance.engine.request import SamplingParams  # noqa: E402
@@ -82,7 +82,7 @@ def build_moe_model(out_dir: pathlib.Path, seed: int = 0) -> pathlib.Path:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_model_args(parser)
     parser.add_argument("--prompt-len", type=at_least(1), default=256, help="prompt tokens for the single-stream run")
     parser.add_argument("--single-tokens", type=at_least(2), default=64, help="tokens generated in the single-stream run")

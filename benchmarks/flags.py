@@ -71,3 +71,7 @@ def _number(text: str, kind: type, what: str):
         return kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows the description as written and each flag's default after its help."""

@@ -30,7 +30,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.flags import above_zero, at_least  # noqa: E402
+from benchmarks.flags import HelpFormatter, above_zero, at_least  # noqa: E402
 from benchmarks.stopping import as_ctrl_c  # noqa: E402
 
 PERCENTILES = (50, 90, 99)
@@ -143,7 +143,7 @@ async def measure(cluster: dict, num_clients: int, duration_s: float, max_tokens
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--clients", type=at_least(1), default=200, help="concurrent streaming clients")
     parser.add_argument("--duration", type=above_zero, default=60.0, help="seconds the clients keep sending")
     parser.add_argument("--max-tokens", type=at_least(1), default=32, help="output tokens per request")

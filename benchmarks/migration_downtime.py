@@ -58,6 +58,7 @@ from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_
 from services.instance.engine.model_config import ModelConfig  # noqa: E402
 from services.instance.models.tiny import build_tiny_model  # noqa: E402
 from benchmarks.stopping import as_ctrl_c  # noqa: E402
+from benchmarks.flags import HelpFormatter  # noqa: E402
 
 MODES = ("live", "stop_copy", "recompute")
 TINY_SHAPE = "long-context"
@@ -72,7 +73,7 @@ RPC_TIMEOUT_S = 120.0
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--lengths", default="256,512,1024,2048,4096,8192", help="sequence lengths in tokens")
     parser.add_argument("--repeats", type=int, default=2, help="requests per length (the median counts)")
     parser.add_argument("--quick", action="store_true", help="lengths 256,8192 and one repeat")

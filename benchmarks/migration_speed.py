@@ -62,6 +62,7 @@ from services.transfer.chunk_plan import IN_PLACE_MIN_ROW_BYTES  # noqa: E402
 from services.transfer.client import DEFAULT_PIECE_BYTES, TransferClient  # noqa: E402
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend  # noqa: E402
 from benchmarks.stopping import as_ctrl_c  # noqa: E402
+from benchmarks.flags import HelpFormatter  # noqa: E402
 
 MB = 2**20
 LLAMA2_7B = dict(num_layers=32, num_kv_heads=32, head_dim=128, block_size=16, dtype=torch.float16)
@@ -69,7 +70,7 @@ BACKENDS = (TransferBackend.GRPC, TransferBackend.GLOO, TransferBackend.SHM)
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--max-mb", type=int, default=512, help="largest migration size in MB (sizes double from 8)")
     parser.add_argument("--repeats", type=int, default=5, help="transfers per size and backend (the median counts)")
     parser.add_argument("--backends", default="grpc,gloo,shm", help="comma-separated transfer backends to measure")

@@ -46,7 +46,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.flags import above_zero, at_least, prefill_decode  # noqa: E402
+from benchmarks.flags import HelpFormatter, above_zero, at_least, prefill_decode  # noqa: E402
 from benchmarks.stopping import as_ctrl_c  # noqa: E402
 from benchmarks.serving import RequestResult, run_workload, started_cluster, table  # noqa: E402
 
@@ -54,7 +54,7 @@ VARIANTS = ("both", "pd", "pd-manager", "pd-short", "pd-parked")
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--model", type=pathlib.Path, default=ROOT / "models" / "smollm2-135m-instruct",
                         help="model folder every instance serves")
     parser.add_argument("--pd", type=prefill_decode, default="1:1", help="P:D — prefill and decode instances (both-variant: P+D instances)")

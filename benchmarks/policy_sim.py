@@ -37,10 +37,11 @@ from serving import Workload, add_workload_args, run_workload, started_cluster, 
 from services.instance.engine.model_config import ModelConfig  # noqa: E402
 from services.manager.client import ManagerClient  # noqa: E402
 from benchmarks.stopping import as_ctrl_c  # noqa: E402
+from benchmarks.flags import HelpFormatter  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--model", type=pathlib.Path, default=ROOT / "models" / "smollm2-135m-instruct",
                         help="model folder (only config.json and the tokenizer are read)")
     parser.add_argument("--instances", type=int, default=4, help="sim instances")

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.flags import at_least, int_list, names_or_ints  # noqa: E402
+from benchmarks.flags import HelpFormatter, at_least, int_list, names_or_ints  # noqa: E402
 from engine import add_model_args, greedy, model_dir_of, prompts  # noqa: E402
 
 from services.instance.engine.factory import EngineSpec, build_engine  # noqa: E402
@@ -46,7 +46,7 @@ FULL = "full"
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_model_args(parser)
     parser.add_argument("--chunks", type=names_or_ints((HALF, FULL, BUDGET_END)), default=f"{FULL},{HALF},128,{BUDGET_END}",
                         help=f"comma-separated prefill chunk sizes: tokens, {HALF} (the default), {FULL} (the "

@@ -35,10 +35,11 @@ from services.instance.engine.factory import EngineSpec, build_engine  # noqa: E
 from services.instance.engine.model_config import ModelConfig  # noqa: E402
 from services.instance.engine.request import SamplingParams  # noqa: E402
 from engine import add_model_args, model_dir_of  # noqa: E402  (benchmarks/engine.py)
+from benchmarks.flags import HelpFormatter  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_model_args(parser)
     parser.add_argument("--prefix-len", type=int, default=512, help="tokens of the shared prefix")
     parser.add_argument("--suffix-len", type=int, default=32, help="tokens of each request's own part")

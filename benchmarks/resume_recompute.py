@@ -24,14 +24,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.flags import at_least, int_list  # noqa: E402
+from benchmarks.flags import HelpFormatter, at_least, int_list  # noqa: E402
 from engine import add_model_args, greedy, model_dir_of, prompts  # noqa: E402
 
 from services.instance.engine.factory import EngineSpec, build_engine  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_model_args(parser)
     parser.add_argument("--prompt-len", type=at_least(1), default=200, help="prompt tokens of the resumed request")
     parser.add_argument("--resumed", type=int_list(1), default="50,300", help="comma-separated counts of tokens already generated")

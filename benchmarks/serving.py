@@ -42,7 +42,7 @@ from tqdm import tqdm
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.flags import above_zero, at_least, prefill_decode  # noqa: E402
+from benchmarks.flags import HelpFormatter, above_zero, at_least, prefill_decode  # noqa: E402
 from benchmarks.stopping import as_ctrl_c  # noqa: E402
 from services.common.etcd_launcher import free_port  # noqa: E402
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc  # noqa: E402
@@ -94,7 +94,7 @@ def add_workload_args(parser: argparse.ArgumentParser, defaults: Workload) -> No
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--url", help="frontend base URL of a running cluster (default: start one)")
     parser.add_argument("--admin", help="admin address of that cluster (for the instances' step times)")
     parser.add_argument("--model", type=pathlib.Path, default=ROOT / "models" / "smollm2-135m-instruct",

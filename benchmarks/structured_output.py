@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmarks.flags import at_least  # noqa: E402
+from benchmarks.flags import HelpFormatter, at_least  # noqa: E402
 from engine import add_model_args, model_dir_of, prompts  # noqa: E402
 
 from services.instance.engine import guided  # noqa: E402
@@ -34,7 +34,7 @@ from services.instance.engine.request import SamplingParams  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_model_args(parser)
     parser.add_argument("--batch", type=at_least(1), default=8, help="concurrent requests")
     parser.add_argument("--prompt-len", type=at_least(1), default=64, help="prompt tokens of each request")

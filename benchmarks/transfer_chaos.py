@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.flags import above_zero, at_least  # noqa: E402
+from benchmarks.flags import HelpFormatter, above_zero, at_least  # noqa: E402
 from benchmarks.stopping import as_ctrl_c  # noqa: E402
 from services.cluster.processes import ServiceProcess, stop_all  # noqa: E402
 from services.common.errors import FerryError  # noqa: E402
@@ -182,7 +182,7 @@ def _random_move(rng: random.Random) -> tuple[str, str, list[int], list[int]]:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--duration", type=above_zero, default=180.0, help="seconds the workers keep sending transfers")
     parser.add_argument("--seed", type=int, default=0, help="seeds the transfers and the faults")
     parser.add_argument("--backend", default="gloo", choices=["grpc", "gloo"], help="the transfers' backend")

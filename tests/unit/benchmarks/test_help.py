@@ -36,5 +36,7 @@ def test_every_flag_has_help(script, monkeypatch):
     unexplained = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
     assert unexplained == [], f"{script.name}: no help for {unexplained}"
     assert parser.description
+    if len(parser._actions) > 1:  # flags besides --help: their defaults are shown (benchmarks/flags.HelpFormatter)
+        assert issubclass(parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter), script.name
     # A command continued with a lone backslash in a docstring is one line with a gap in --help.
     assert not re.search(r"\S {4,}--", parser.description), f"{script.name}: a joined command line in its --help"

@@ -61,7 +61,7 @@ from services.transfer.pair_channel import chunk_tag  # noqa: E402
 from services.transfer.chunk_plan import IN_PLACE_MIN_ROW_BYTES  # noqa: E402
 from services.transfer.client import DEFAULT_PIECE_BYTES, TransferClient  # noqa: E402
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend  # noqa: E402
-from benchmarks.stopping import as_ctrl_c  # noqa: E402
+from benchmarks.stopping import as_ctrl_c, raise_if_stopping  # noqa: E402
 from benchmarks.flags import HelpFormatter  # noqa: E402
 
 MB = 2**20
@@ -505,6 +505,7 @@ class References:
 
 
 async def _time_one(bench: Bench, references: References, what, size: int, block_mb: int, rng: random.Random) -> float:
+    raise_if_stopping()
     if what == "tcp":
         return references.tcp.send_s(size * MB)
     if what == "gloo_raw":

@@ -59,6 +59,7 @@ def test_sigterm_stops_the_services_and_unlinks_the_shared_memory(tmp_path):
     bench = subprocess.Popen([sys.executable, "benchmarks/migration_speed.py", "--max-mb", "16", "--repeats", "1000",
                               "--out-dir", str(tmp_path)], cwd=ROOT, env={**os.environ, "TMPDIR": str(temporary)},
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    children, segments = [], set()
     try:
         while "migration_speed:" not in bench.stderr.read(64):  # the progress bar: every process is up
             assert bench.poll() is None, "the benchmark ended before it measured"
@@ -68,11 +69,16 @@ def test_sigterm_stops_the_services_and_unlinks_the_shared_memory(tmp_path):
         assert len(segments) == 2 and len(children) >= 2
         bench.send_signal(signal.SIGTERM)
         _, stderr = bench.communicate(timeout=60)
-    finally:
+        assert bench.returncode == 1 and "migration_speed: interrupted (services stopped" in stderr, stderr[-2000:]
+        deadline = time.monotonic() + 10
+        while (left := [pid for pid in children if is_running(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left == []
+        assert [segment for segment in segments if pathlib.Path(segment).exists()] == []
+    finally:  # what a failed run left: the benchmark, its services (sessions of their own), its segments
         bench.kill()
-    assert bench.returncode == 1 and "migration_speed: interrupted (services stopped" in stderr, stderr[-2000:]
-    deadline = time.monotonic() + 10
-    while (left := [pid for pid in children if is_running(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert left == []
-    assert [segment for segment in segments if pathlib.Path(segment).exists()] == []
+        for pid in children:
+            if is_running(pid):
+                os.kill(pid, signal.SIGKILL)
+        for segment in segments:
+            pathlib.Path(segment).unlink(missing_ok=True)

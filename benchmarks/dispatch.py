@@ -19,7 +19,6 @@ import multiprocessing
 import os
 import pathlib
 import random
-import shutil
 import signal
 import statistics
 import sys
@@ -37,7 +36,7 @@ from services.common.gen.ferry.v1 import common_pb2  # noqa: E402
 from services.manager.client import ManagerClient  # noqa: E402
 from services.manager.policies import POLICY_NAMES  # noqa: E402
 from tests.integration.manager_harness import start_manager  # noqa: E402
-from benchmarks.stopping import as_ctrl_c  # noqa: E402
+from benchmarks.stopping import as_ctrl_c, logs_kept_on_failure  # noqa: E402
 from benchmarks.flags import HelpFormatter  # noqa: E402
 
 CLUSTER = "bench"
@@ -158,14 +157,8 @@ def main() -> None:
     args = parse_args()
     signal.signal(signal.SIGTERM, as_ctrl_c)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-"))  # the manager's log
-    try:
+    with logs_kept_on_failure("dispatch", log_dir, log_dir):
         asyncio.run(run(args, log_dir))
-    except KeyboardInterrupt:
-        raise SystemExit(f"dispatch: interrupted (the manager's log is kept in {log_dir})") from None
-    except BaseException:
-        print(f"dispatch: the manager's log is kept in {log_dir}", file=sys.stderr)
-        raise
-    shutil.rmtree(log_dir)
 
 
 async def run(args: argparse.Namespace, log_dir: pathlib.Path) -> None:

@@ -52,12 +52,12 @@ from tqdm import tqdm
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere, as the README shows
-from services.cluster.processes import ProcessDied, ServiceProcess  # noqa: E402
+from services.cluster.processes import ServiceProcess  # noqa: E402
 from services.common.etcd_launcher import free_port  # noqa: E402
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc  # noqa: E402
 from services.instance.engine.model_config import ModelConfig  # noqa: E402
 from services.instance.models.tiny import build_tiny_model  # noqa: E402
-from benchmarks.stopping import as_ctrl_c  # noqa: E402
+from benchmarks.stopping import as_ctrl_c, logs_kept_on_failure  # noqa: E402
 from benchmarks.flags import HelpFormatter  # noqa: E402
 
 MODES = ("live", "stop_copy", "recompute")
@@ -336,9 +336,8 @@ async def warm_up(pair: Pair, rng: random.Random) -> None:
 
 # -- the run ---------------------------------------------------------------------------------
 
-async def run(args: argparse.Namespace, work_dir: pathlib.Path) -> list[Sample]:
-    model_dir = args.model or build_tiny_model(work_dir / "model", TINY_SHAPE)
-    pair = Pair(args, model_dir, work_dir / "logs")
+async def run(args: argparse.Namespace, model_dir: pathlib.Path, log_dir: pathlib.Path) -> list[Sample]:
+    pair = Pair(args, model_dir, log_dir)
     rng = random.Random(args.seed)
     samples = []
     try:
@@ -421,25 +420,19 @@ def main() -> None:
     args = parse_args()
     signal.signal(signal.SIGTERM, as_ctrl_c)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     work_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-downtime-"))  # the tiny model and logs/
+    model_dir = args.model or build_tiny_model(work_dir / "model", TINY_SHAPE)
     try:
-        samples = asyncio.run(run(args, work_dir))
-    except SystemExit:  # --lengths longer than --model serves: nothing started
+        serving_length(args.lengths, model_dir)  # --lengths longer than the model serves: refused before any start
+    except SystemExit:
         shutil.rmtree(work_dir)
         raise
-    except ProcessDied as exc:
-        raise SystemExit(f"migration_downtime: {exc}\n(logs kept in {work_dir / 'logs'})") from None
-    except KeyboardInterrupt:
-        raise SystemExit(f"migration_downtime: interrupted (services stopped; logs kept in {work_dir / 'logs'})") from None
-    except BaseException:
-        print(f"migration_downtime: logs kept in {work_dir / 'logs'}", file=sys.stderr)
-        raise
+    with logs_kept_on_failure("migration_downtime", work_dir / "logs", work_dir, keep=args.keep_logs):
+        samples = asyncio.run(run(args, model_dir, work_dir / "logs"))
     rows = rows_of(samples, args.lengths)
     print(report(rows, args.out_dir))
     print(f"plot: {plot(rows, args.out_dir)}")
     if args.keep_logs:
         print(f"logs: {work_dir / 'logs'}")
-    else:
-        shutil.rmtree(work_dir)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ import dataclasses
 import multiprocessing
 import pathlib
 import random
-import shutil
 import signal
 import socket
 import statistics
@@ -52,7 +51,7 @@ from tqdm import tqdm
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere, as the README shows
-from services.cluster.processes import ProcessDied, ServiceProcess, stop_all  # noqa: E402
+from services.cluster.processes import ServiceProcess, stop_all  # noqa: E402
 from services.common.etcd_launcher import free_port  # noqa: E402
 from services.common.grpc_server import BULK_TRANSFER_OPTIONS, MESSAGE_OPTIONS, insecure_channel  # noqa: E402
 from services.common.heap import DEFAULT_KEEP_MIB, keep_freed_heap  # noqa: E402
@@ -61,7 +60,7 @@ from services.transfer.pair_channel import chunk_tag  # noqa: E402
 from services.transfer.chunk_plan import IN_PLACE_MIN_ROW_BYTES  # noqa: E402
 from services.transfer.client import DEFAULT_PIECE_BYTES, TransferClient  # noqa: E402
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend  # noqa: E402
-from benchmarks.stopping import as_ctrl_c, raise_if_stopping  # noqa: E402
+from benchmarks.stopping import as_ctrl_c, logs_kept_on_failure, raise_if_stopping  # noqa: E402
 from benchmarks.flags import HelpFormatter  # noqa: E402
 
 MB = 2**20
@@ -554,16 +553,8 @@ def main() -> None:
     args = parse_args()
     signal.signal(signal.SIGTERM, as_ctrl_c)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-bench-"))  # the two services' logs
-    try:
+    with logs_kept_on_failure("migration_speed", log_dir, log_dir):
         sizes, speeds = asyncio.run(measure(args, log_dir))
-    except ProcessDied as exc:
-        raise SystemExit(f"migration_speed: {exc}\n(service logs kept in {log_dir})") from None
-    except KeyboardInterrupt:
-        raise SystemExit(f"migration_speed: interrupted (services stopped; their logs kept in {log_dir})") from None
-    except BaseException:
-        print(f"migration_speed: service logs kept in {log_dir}", file=sys.stderr)
-        raise
-    shutil.rmtree(log_dir)
     print(report(sizes, speeds, args.out_dir))
     print(f"plot: {plot(sizes, speeds, args.out_dir)}")
 

@@ -80,8 +80,16 @@ async def _answer_unless_leader_changed(call: grpc.aio.StreamUnaryCall, leader_c
     finally:
         if not answer.done():
             answer.cancel()  # the caller cancels the call itself right after
+        # An answer that fails as this is cancelled (the manager resigning on shutdown) is read
+        # here, or asyncio logs it as "Task exception was never retrieved" with a traceback.
+        answer.add_done_callback(_read_error)
     if answer.done() and not answer.cancelled():
         answer.result()
+
+
+def _read_error(answer: asyncio.Future) -> None:
+    if not answer.cancelled():
+        answer.exception()
 
 
 async def _reports(servicer: InstanceServicer, interval_s: float, leader_changed: asyncio.Future,

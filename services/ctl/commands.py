@@ -46,15 +46,20 @@ async def policy(client: AdminClient, args: argparse.Namespace) -> Output:
     return current, policy_table(current)
 
 
+# Names an operator sees elsewhere for a policy field: `status` and the manager flag say dispatch_policy.
+FIELD_ALIASES = {"dispatch_policy": "dispatch"}
+
+
 def parse_assignment(item: str) -> tuple[str, object]:
     """`migration_threshold=8` -> ("migration_threshold", 8); JSON values where they parse, else text."""
     name, has_value, raw = item.partition("=")
     if not has_value or not name:
         raise ValueError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set migration_enabled=true")
+    name = FIELD_ALIASES.get(name.strip(), name.strip())
     try:
-        return name.strip(), json.loads(raw)
+        return name, json.loads(raw)
     except json.JSONDecodeError:
-        return name.strip(), raw
+        return name, raw
 
 
 async def drain(client: AdminClient, args: argparse.Namespace) -> Output:

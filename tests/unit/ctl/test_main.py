@@ -52,6 +52,8 @@ def test_policyparse_assignments_parse_json_values():
         "migration_selection", "MIGRATION_SELECTION_SHORTEST")
     with pytest.raises(ValueError, match="FIELD=VALUE"):
         parse_assignment("migration_enabled")
+    # `status` shows dispatch_policy and the manager's flag is --dispatch-policy: the policy field is dispatch
+    assert parse_assignment("dispatch_policy=prefix") == ("dispatch", "prefix")
 
 
 def test_only_a_manager_that_could_not_be_reached_gets_the_admin_hint(capsys):

@@ -27,33 +27,37 @@ def above_zero(text: str) -> float:
 
 def int_list(minimum: int) -> Callable[[str], str]:
     """Comma-separated ints of `minimum` or more; hands back the text (the script splits it)."""
-    def parse(text: str) -> str:
-        for item in text.split(","):
-            if _number(item, int, "comma-separated whole numbers") < minimum:
-                raise argparse.ArgumentTypeError(f"{item} is below {minimum}")
-        return text
-    return parse
+    def check(item: str) -> None:
+        if _number(item, int, "comma-separated whole numbers") < minimum:
+            raise argparse.ArgumentTypeError(f"{item} is below {minimum}")
+    return _each_item(check)
 
 
 def names_of(known: Iterable[str]) -> Callable[[str], str]:
     """Comma-separated names, each one of `known`; hands back the text."""
     known = tuple(known)
 
-    def parse(text: str) -> str:
-        if unknown := [name for name in text.split(",") if name not in known]:
-            raise argparse.ArgumentTypeError(f"unknown {','.join(unknown)} (of {','.join(known)})")
-        return text
-    return parse
+    def check(item: str) -> None:
+        if item not in known:
+            raise argparse.ArgumentTypeError(f"unknown {item} (of {','.join(known)})")
+    return _each_item(check)
 
 
 def names_or_ints(known: Iterable[str]) -> Callable[[str], str]:
     """Comma-separated items, each one of `known` or a whole number of 1 or more; hands back the text."""
     known = tuple(known)
 
+    def check(item: str) -> None:
+        if item not in known and _number(item, int, f"a whole number or one of {','.join(known)}") < 1:
+            raise argparse.ArgumentTypeError(f"{item} is below 1")
+    return _each_item(check)
+
+
+def _each_item(check: Callable[[str], None]) -> Callable[[str], str]:
+    """A comma-separated flag whose every item must pass `check`; hands back the text."""
     def parse(text: str) -> str:
         for item in text.split(","):
-            if item not in known and _number(item, int, f"a whole number or one of {','.join(known)}") < 1:
-                raise argparse.ArgumentTypeError(f"{item} is below 1")
+            check(item)
         return text
     return parse
 

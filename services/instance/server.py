@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import grpc
 import structlog
 
-from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
 from services.instance.config import InstanceRole
 from services.instance.convert import (check_request_id, chunk_to_proto, handoff_chunk_to_proto, load_to_proto,
@@ -20,6 +20,7 @@ from services.instance.convert import (check_request_id, chunk_to_proto, handoff
                                        request_state_from_proto, reservation_to_proto, role_from_proto,
                                        role_to_proto, sampling_from_proto)
 from services.instance.engine.engine import StepOutput
+from services.instance.engine.migration_state import check_serves_length
 from services.instance.handoff import Handoff
 from services.instance.migration import MigrationDriver
 from services.instance.migration_in import MigrationInbox
@@ -168,11 +169,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
     async def PrepareMigrateIn(self, request: instance_pb2.PrepareMigrateInRequest,
                                context: grpc.aio.ServicerContext) -> instance_pb2.PrepareMigrateInResponse:
         self._check_accepting("migrations")
-        if request.max_num_tokens > self.identity.max_model_len:  # it would end early here, with LENGTH
-            raise ResourceExhausted(
-                f"request {request.request_id} may reach {request.max_num_tokens} tokens (prompt + max_tokens) on "
-                f"its source, but this instance serves at most {self.identity.max_model_len} (max_model_len); "
-                "pick another destination")
+        check_serves_length(request.request_id, request.max_num_tokens, self.identity.max_model_len)
         reservation = await self.inbox.prepare(request.migration_id, request.request_id, request.src_instance_id,
                                                 request.num_blocks, grow_only=request.grow_only,
                                                 block_hashes=tuple(request.block_hashes),

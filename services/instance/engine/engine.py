@@ -37,6 +37,7 @@ from services.instance.engine.migration_state import (
     MigrationBlocks,
     MigrationSelection,
     RequestState,
+    check_serves_length,
     export_state,
     is_movable,
     is_prefill_done,
@@ -375,11 +376,7 @@ class LLMEngine:
         if state.request_id in self._requests:
             raise FailedPrecondition(f"request {state.request_id} is already on this instance")
         state.sampling.validate(self.config.max_model_len, len(state.prompt_token_ids))
-        if state.max_num_tokens > self.config.max_model_len:  # here it would end early with LENGTH
-            raise ResourceExhausted(
-                f"request {state.request_id} may reach {state.max_num_tokens} tokens (prompt + max_tokens) on its "
-                f"source, but this instance serves at most {self.config.max_model_len} (max_model_len); pick "
-                "another destination")
+        check_serves_length(state.request_id, state.max_num_tokens, self.config.max_model_len)
         self._check_tokens(state.prompt_token_ids, list(state.output_token_ids), state.sampling)
         if not 0 <= state.num_computed_tokens < state.num_tokens:
             raise InvalidArgument(f"num_computed_tokens: must be in [0, {state.num_tokens}) (prompt + output), "

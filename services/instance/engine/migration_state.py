@@ -18,6 +18,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from services.common.errors import ResourceExhausted
 from services.common.prefix_hash import BlockHash
 from services.instance.engine.block_manager import BlockId, num_blocks_for
 from services.instance.engine.request import Request, RequestId, RequestStatus, SamplingParams
@@ -130,3 +131,12 @@ def pick_request(requests: Iterable[Request], selection: MigrationSelection,
     if selection is MigrationSelection.LONGEST_RUNNING:
         return max(candidates, key=lambda r: (r.num_tokens, -r.arrival_order))
     return min(candidates, key=lambda r: (r.num_tokens, r.arrival_order))
+
+
+def check_serves_length(request_id: str, max_num_tokens: int, max_model_len: int) -> None:
+    """ResourceExhausted where a migrating request may reach more tokens (`max_num_tokens`, prompt + max_tokens
+    on its source; 0: not known) than this destination serves: here it would end early with LENGTH."""
+    if max_num_tokens > max_model_len:
+        raise ResourceExhausted(
+            f"request {request_id} may reach {max_num_tokens} tokens (prompt + max_tokens) on its source, but "
+            f"this instance serves at most {max_model_len} (max_model_len); pick another destination")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from dataclasses import replace
 
 import structlog
 from aiohttp import web
@@ -26,6 +27,7 @@ from services.frontend.instance_client import InstanceClients
 from services.frontend.manager_client import LeaderSource, ManagerClient, StaticLeader
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.request_runner import RequestRunner
+from services.frontend.sampling_defaults import load_sampling_defaults
 from services.frontend.served_model import ServedModel
 from services.frontend.server import FrontendServer
 
@@ -40,8 +42,7 @@ HANDLERS_EXIT_S = 1.0
 async def main(config: FrontendConfig) -> None:
     log.info("config_resolved", **as_dict(config))
     try:
-        model = await asyncio.to_thread(ServedModel.load, config.model, config.model_name, config.max_model_len,
-                                        config.tool_call_parser)
+        model = await asyncio.to_thread(load_model, config)
     except (ValueError, OSError) as exc:
         raise StartupError(str(exc)) from exc
     registry = Registry(config.etcd_endpoints, config.cluster,
@@ -71,6 +72,18 @@ async def main(config: FrontendConfig) -> None:
             await manager.close()
         if registry is not None:
             await registry.close()
+
+
+def load_model(config: FrontendConfig) -> ServedModel:
+    """The --model folder as served, with its generation config's sampling defaults (logged, as vLLM warns)."""
+    model = ServedModel.load(config.model, config.model_name, config.max_model_len, config.tool_call_parser)
+    defaults = load_sampling_defaults(config.model, config.generation_config, config.override_generation_config)
+    if defaults.as_fields():
+        log.info("sampling_defaults_applied", generation_config=config.generation_config,
+                 override_generation_config=config.override_generation_config or None, **defaults.as_fields(),
+                 hint="requests that leave these fields out get these values (the model creator's "
+                      "recommendation); start with --generation-config vllm for OpenAI's defaults")
+    return replace(model, sampling_defaults=defaults)
 
 
 async def watch_cluster(config: FrontendConfig, registry: Registry | None) -> tuple[Membership, LeaderSource | None]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from services.common.config import knob, parse_config
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.tls import PeerKnobs
+from services.frontend.sampling_defaults import override_values
 from services.frontend.tool_calls import ToolCallParserSetting
 from services.common.logging import LogKnobs
 
@@ -50,6 +51,13 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
         "(Llama 3.1+: the answer is {\"name\", \"parameters\"} JSON), mistral ([TOOL_CALLS] then a JSON list of "
         "calls, or name[ARGS]{...} calls where the chat template shows [ARGS]), auto (the format the chat template "
         "shows, if any) or none (tools only with tool_choice none)")
+    generation_config: str = knob(
+        "auto", "where requests' default temperature, top_p, top_k, min_p, repetition_penalty and chat max_tokens "
+        "(max_new_tokens) come from, as in vLLM: auto (the --model folder's generation_config.json, if any), vllm "
+        "(none: OpenAI's defaults) or a folder holding a generation_config.json; a value a request sends wins")
+    override_generation_config: str = knob(
+        "", "JSON object of those fields (generation_config.json's names) setting or replacing the generation "
+        "config's, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 512}'; null removes one; empty (the default): no overrides")
     max_model_len: int = knob(0, "longest prompt + output in tokens (0 = the longest the model serves: max_position_embeddings from config.json, or less for longrope RoPE)")
     dispatch_timeout_s: float = knob(0.2, "deadline of ManagerService/Dispatch; past it the frontend picks an instance itself")
     generate_timeout_s: float = knob(600.0, "longest wait for the next chunk of an instance's token stream "
@@ -79,6 +87,7 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
                              f"got {self.max_handoffs}")
         if self.max_model_len < 0:
             raise ValueError(f"--max-model-len must be >= 0 (0 = from config.json), got {self.max_model_len}")
+        override_values(self.override_generation_config)  # a ValueError naming the flag
         if not self.etcd_endpoints and not self.manager_address:
             raise ValueError("set --etcd-endpoints (membership and leader) or --manager-address (or both)")
 

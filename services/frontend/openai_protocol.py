@@ -22,6 +22,7 @@ from services.frontend.chat_messages import ChatTemplateOptions, chat_messages, 
 from services.frontend.generation import Sampling
 from services.frontend.request_error import RequestError, named_path
 from services.frontend.request_error import json_type as _json_type
+from services.frontend.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from services.frontend.sampling_fields import MAX_TOP_LOGPROBS, opt_bool
 from services.frontend.structured_output import OutputConstraint, output_constraint
 from services.frontend.tool_protocol import (ToolChoice, ToolUse, refuse_tool_calls,
@@ -78,6 +79,7 @@ class ParsedRequest:
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs in its shape (token id -> logprob, rank)
     max_tokens_field: str = "max_tokens"  # chat: "max_completion_tokens" where that gave it (errors name it)
     max_tokens_is_default: bool = False  # completions without max_tokens: OpenAI's default 16 (errors say so)
+    default_max_tokens: int | None = None  # chat without max_tokens: the model's max_new_tokens, else the context
     tool_use: ToolUse = ToolUse()  # chat: whether the answer's tool calls are parsed, and forced
     constraint: OutputConstraint | None = None  # structured output (response_format, guided_*): what the answer is
 
@@ -178,8 +180,12 @@ def _lone_surrogate_path(body: Any) -> str | None:
     return None
 
 
-def parse_completion_request(body: Mapping[str, Any], served_model: str) -> ParsedRequest:
+def parse_completion_request(body: Mapping[str, Any], served_model: str,
+                             defaults: SamplingDefaults = OPENAI_DEFAULTS) -> ParsedRequest:
+    """`defaults`: the model's sampling defaults (its generation config) for fields the body leaves
+    out; completions keep OpenAI's 16 for max_tokens, as vLLM does."""
     _reject_unsupported(body, Endpoint.COMPLETIONS)
+    body = defaults.filled(body)
     logprobs = fields.opt_int(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
     echo = opt_bool(body, "echo") or False
     max_tokens = _completion_max_tokens(body, echo)
@@ -202,8 +208,12 @@ def _completion_max_tokens(body: Mapping[str, Any], echo: bool) -> int | None:
     return max_tokens
 
 
-def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequest:
+def parse_chat_request(body: Mapping[str, Any], served_model: str,
+                       defaults: SamplingDefaults = OPENAI_DEFAULTS) -> ParsedRequest:
+    """`defaults`: the model's sampling defaults (its generation config) for fields the body leaves
+    out, its max_new_tokens the max_tokens of a request without one (at most what the context leaves)."""
     _reject_unsupported(body, Endpoint.CHAT)
+    body = defaults.filled(body)
     max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = fields.opt_int(body, max_tokens_field, low=1)
     fields.opt_int(body, "max_tokens", low=1)  # the deprecated field is still checked where the new one wins
@@ -215,7 +225,7 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str) -> ParsedRequ
     tools, constraint = tool_use(body), output_constraint(body)
     _check_constraint_with_tools(constraint, tools)
     return replace(parsed, chat_template=chat_template_options(body), max_tokens_field=max_tokens_field,
-                   tool_use=tools, constraint=constraint)
+                   tool_use=tools, constraint=constraint, default_max_tokens=defaults.max_tokens)
 
 
 def _check_constraint_with_tools(constraint: OutputConstraint | None, tools: ToolUse) -> None:
@@ -247,11 +257,10 @@ def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_
             param="messages" if parsed.endpoint is Endpoint.CHAT else "prompt", code="context_length_exceeded")
     max_tokens = parsed.sampling.max_tokens
     if max_tokens is None:
-        max_tokens = room
+        max_tokens = min(room, parsed.default_max_tokens or room)
     if parsed.sampling.min_tokens > max_tokens:
         raise RequestError(f"{which}min_tokens: {parsed.sampling.min_tokens} is more than max_tokens ({max_tokens}"
-                           f"{'' if parsed.sampling.max_tokens else ', what the context leaves'}); lower it",
-                           param="min_tokens")
+                           f"{_default_max_tokens_source(parsed, max_tokens, room)}); lower it", param="min_tokens")
     elif max_tokens > room:
         raise RequestError(
             f"{which}this model's maximum context length is {max_model_len} tokens; you requested "
@@ -261,6 +270,15 @@ def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_
             "or shorten the prompt",
             param=parsed.max_tokens_field, code="context_length_exceeded")
     return replace(parsed, sampling=replace(parsed.sampling, max_tokens=max_tokens))
+
+
+def _default_max_tokens_source(parsed: ParsedRequest, max_tokens: int, room: int) -> str:
+    """Where a max_tokens the request did not send came from, for a message."""
+    if parsed.sampling.max_tokens is not None:
+        return ""
+    if max_tokens < room:
+        return ", the model's default: max_new_tokens of its generation config"
+    return ", what the context leaves"
 
 
 def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int, name: str = "prompt") -> None:
@@ -283,7 +301,7 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
     if body.get("user") is not None and not isinstance(body["user"], str):  # OpenAI's end-user id: unused here
         raise RequestError(f"user: expected a string, got {_json_type(body['user'])}", param="user")
     sampling = Sampling(
-        temperature=fields.opt_float(body, "temperature", 1.0, low=0.0, high=2.0),
+        temperature=fields.temperature(body),
         top_p=fields.top_p(body),
         top_k=fields.top_k(body),
         seed=fields.seed(body),
@@ -296,7 +314,7 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         frequency_penalty=fields.opt_float(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
         logit_bias=fields.logit_bias(body),
         repetition_penalty=fields.repetition_penalty(body),
-        min_p=fields.opt_float(body, "min_p", 0.0, low=0.0, high=1.0),
+        min_p=fields.min_p(body),
         cache_salt=fields.cache_salt(body),
         min_tokens=fields.opt_int(body, "min_tokens", low=0) or 0,
         num_prompt_logprobs=fields.prompt_logprobs(body, stream),

@@ -66,6 +66,15 @@ def stop_token_ids(body: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def temperature(body: Mapping[str, Any]) -> float:
+    return opt_float(body, "temperature", 1.0, low=0.0, high=2.0)
+
+
+def min_p(body: Mapping[str, Any]) -> float:
+    """vLLM's extension: tokens below min_p x the most likely token's probability are left out."""
+    return opt_float(body, "min_p", 0.0, low=0.0, high=1.0)
+
+
 def top_p(body: Mapping[str, Any]) -> float:
     top_p = opt_float(body, "top_p", 1.0)
     if not 0.0 < top_p <= 1.0:

@@ -16,6 +16,7 @@ import jinja2
 from services.frontend.chat_messages import ChatTemplateOptions
 from services.frontend.openai_protocol import (Endpoint, ParsedRequest, Prompt, RequestError, check_in_vocabulary,
                                                check_prompt_token_ids)
+from services.frontend.sampling_defaults import SamplingDefaults
 from services.frontend.structured_output import checked_grammar
 from services.frontend.tokenize_protocol import TokenizeRequest
 from services.frontend.tool_calls import (HERMES_CLOSE, HERMES_OPEN, MISTRAL_MARKERS, ToolCallFormat,
@@ -53,6 +54,7 @@ class ServedModel:
     tool_call_format: ToolCallFormat | None = None  # how its answers call tools; None: not parsed
     tool_tag_token_ids: tuple[tuple[str, int], ...] = ()  # the format's tags its vocabulary holds as one token
     shown_marker_ids: tuple[tuple[int, str], ...] = ()  # mistral: special tokens shown to the tool-call parser
+    sampling_defaults: SamplingDefaults = SamplingDefaults()  # its generation config's (sampling_defaults.py)
 
     @classmethod
     def load(cls, folder: pathlib.Path, name: str, max_model_len: int = 0,

@@ -226,8 +226,8 @@ class FrontendServer:
         body = await self._read_json(request)
         client_id = client_request_id(request.headers, body)
         if endpoint is Endpoint.CHAT:
-            return parse_chat_request(body, self._model.name), client_id
-        return parse_completion_request(body, self._model.name), client_id
+            return parse_chat_request(body, self._model.name, self._model.sampling_defaults), client_id
+        return parse_completion_request(body, self._model.name, self._model.sampling_defaults), client_id
 
     async def _read_json(self, request: web.Request) -> dict:
         """The body as a JSON object, within --max-body-bytes and --body-timeout-s. Read and parsed in a

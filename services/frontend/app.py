@@ -79,8 +79,10 @@ def load_model(config: FrontendConfig) -> ServedModel:
     model = ServedModel.load(config.model, config.model_name, config.max_model_len, config.tool_call_parser)
     defaults = load_sampling_defaults(config.model, config.generation_config, config.override_generation_config)
     if defaults.as_fields():
+        chat_max_tokens = {"chat_max_tokens": defaults.max_tokens} if defaults.max_tokens is not None else {}
         log.info("sampling_defaults_applied", generation_config=config.generation_config,
-                 override_generation_config=config.override_generation_config or None, **defaults.as_fields(),
+                 override_generation_config=config.override_generation_config or None,
+                 **defaults.request_fields(), **chat_max_tokens,
                  hint="requests that leave these fields out get these values (the model creator's "
                       "recommendation); start with --generation-config vllm for OpenAI's defaults")
     return replace(model, sampling_defaults=defaults)

@@ -413,6 +413,49 @@ async def test_a_frontend_advertises_no_longer_context_than_the_instances_serve(
         frontend.stop()
 
 
+def model_with_generation_config(tiny_model_dir, folder, **fields) -> None:
+    """The tiny model in `folder` (links to its files), its generation_config.json given `fields`."""
+    folder.mkdir()
+    for path in tiny_model_dir.iterdir():
+        if path.name != "generation_config.json":
+            (folder / path.name).symlink_to(path)
+    generation_config = json.loads((tiny_model_dir / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation_config, **fields}))
+
+
+async def test_the_model_folders_generation_config_gives_requests_their_defaults(instance, etcd, tiny_model_dir,
+                                                                                 cluster_name, tmp_path):
+    """As vLLM: a model whose generation_config.json says temperature 0 and max_new_tokens 5 makes
+    an unseeded chat request that sends neither greedy and 5 tokens long; one that sends them gets
+    what it sent; completions keep OpenAI's 16 tokens. The frontend logs the defaults it applies."""
+    model_with_generation_config(tiny_model_dir, tmp_path / MODEL, temperature=0.0, max_new_tokens=5)
+    frontend = start_frontend("frontend-genconf", etcd, tmp_path / MODEL, cluster_name, tmp_path)
+    messages = [{"role": "user", "content": "hello there"}]
+    extra = {"model": MODEL, "ignore_eos": True, "return_token_ids": True}
+
+    async def ask(http, path, **fields) -> list[int]:
+        async with http.post(path, json={**extra, **fields}) as response:
+            reply = await response.json()
+        assert response.status == 200, reply
+        return reply["choices"][0]["token_ids"]
+
+    try:
+        await frontend.wait_healthy(60)
+        async with aiohttp.ClientSession(frontend.address, timeout=aiohttp.ClientTimeout(total=60)) as http:
+            defaulted = await ask(http, "/v1/chat/completions", messages=messages)
+            greedy = await ask(http, "/v1/chat/completions", messages=messages, temperature=0, max_tokens=5)
+            sampled = await ask(http, "/v1/chat/completions", messages=messages, temperature=1.0, seed=3,
+                                max_tokens=8)
+            completion = await ask(http, "/v1/completions", prompt=PROMPT_IDS)
+        assert len(defaulted) == 5 and defaulted == greedy
+        assert len(sampled) == 8 and sampled[:5] != greedy  # the request's own temperature wins
+        assert len(completion) == 16
+        applied = [line for line in frontend.log_path.read_text().splitlines() if "sampling_defaults_applied" in line]
+        assert len(applied) == 1 and "temperature=0.0" in applied[0] and "chat_max_tokens=5" in applied[0], applied
+    finally:
+        frontend.stop()
+
+
 async def test_models_health_and_metrics(http, frontend):
     async with http.get("/v1/models") as response:
         assert response.status == 200

@@ -61,3 +61,14 @@ def test_etcd_not_answering_at_startup(tiny_model_dir):
     assert_one_line_failure(start("instance", "--model", str(tiny_model_dir), "--etcd-endpoints", etcd,
                                   "--etcd-wait-s", "1", "--num-threads", "1", "--num-blocks", "64"), "service_failed",
                             *gave_up)
+
+
+def test_a_generation_config_a_request_could_not_send(tmp_path, tiny_model_dir):
+    """A model's sampling default that no request could send stops the frontend, naming the file
+    and the field; an override that is no JSON object is a usage error (exit 2) naming the flag."""
+    (tmp_path / "generation_config.json").write_text('{"temperature": -1, "top_p": 0.9}')
+    assert_one_line_failure(start("frontend", "--model", str(tiny_model_dir), "--generation-config", str(tmp_path),
+                                  "--manager-address", "127.0.0.1:1"),
+                            "startup_failed", f"{tmp_path / 'generation_config.json'}: temperature: must be between")
+    result = start("frontend", "--manager-address", "127.0.0.1:1", "--override-generation-config", "{temperature")
+    assert result.returncode == 2 and "--override-generation-config: not valid JSON" in result.stderr, result.stderr

@@ -3,8 +3,9 @@
 `python -m services.<service> ...` line uses that command's own flags, "the frontend's
 `--flag`" is the frontend's, a default quoted right after a flag is its default, every
 FERRY_<SERVICE>_<FIELD> is a field of that service's config, every ferry_* metric is
-defined, and the Layout block lists the tree (before, services/ctl/, deploy/ and scripts/
-were missing from it)."""
+defined, the Layout block lists the tree (before, services/ctl/, deploy/ and scripts/
+were missing from it), every ferryctl command quoted parses, and every gRPC method named
+exists with the grpcurl bodies given for it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import dataclasses
 import importlib
 import pathlib
 import re
+import shlex
 import subprocess
 
 import pytest
@@ -153,3 +155,60 @@ def test_quoted_defaults_are_the_defaults():
     wrong = [(line, flag, figure, next(iter(known[flag]))) for line, flag, figure in quoted
              if not isinstance(next(iter(known[flag])), (int, float)) or figure != next(iter(known[flag]))]
     assert not wrong, f"README quotes defaults the flags do not have (line, flag, README, code): {wrong}"
+
+
+def _code_text() -> list[str]:
+    """README's code: each fenced block's lines (continuations joined, `# comments` cut) and each inline span."""
+    spans = []
+    for block in re.findall(r"^ *```[^\n]*\n(.*?)^ *```", README, re.DOTALL | re.MULTILINE):
+        spans += [line.split(" #")[0] for line in re.sub(r"\\\n\s*", " ", block).splitlines()]
+    prose = re.sub(r"^ *```.*?^ *```", "", README, flags=re.DOTALL | re.MULTILINE)
+    spans += re.findall(r"^ {4}(\S.*)$", prose, re.MULTILINE)
+    spans += [re.sub(r"\s+", " ", span) for span in re.findall(r"(?<!`)`([^`]+)`(?!`)", prose)]
+    return spans
+
+
+def ferryctl_invocations() -> list[str]:
+    """The arguments of each `ferryctl ...` / `python -m services.ctl ...` README quotes."""
+    found = []
+    for span in _code_text():
+        for m in re.finditer(r"(?:\bferryctl|python -m services\.ctl(?![.\w]))((?: +[^\s`]+)*)", span):
+            found.append(m.group(1).strip())
+    return found
+
+
+def test_ferryctl_commands_parse():
+    """Every ferryctl command README quotes names a subcommand that exists, with flags and arguments it takes
+    (test_command_lines_use_their_own_flags checks flags against all of ferryctl's, not the subcommand's)."""
+    from services.ctl.__main__ import build_parser
+    invocations = [args for args in ferryctl_invocations() if args]
+    assert len(invocations) > 15
+    wrong = []
+    for args in invocations:
+        try:
+            build_parser().parse_args(shlex.split(args.replace("...", "x")))
+        except SystemExit:
+            wrong.append(args)
+    assert not wrong, f"README quotes ferryctl commands ferryctl refuses: {wrong}"
+
+
+def test_grpcurl_calls_name_real_methods():
+    """Every `ferry.v1.Service/Method` README names is a method of the protos, and every grpcurl `-d` body
+    README gives parses as that method's request (field and enum names included)."""
+    from google.protobuf import json_format
+    from google.protobuf.message_factory import GetMessageClass
+
+    from services.common.gen.ferry.v1 import instance_pb2, manager_pb2, transfer_pb2
+    services = {name: service for module in (instance_pb2, manager_pb2, transfer_pb2)
+                for name, service in module.DESCRIPTOR.services_by_name.items()}
+    text = re.sub(r"\s+", " ", README)
+    named = set(re.findall(r"ferry\.v1\.(\w+)/(\w+)", text))
+    assert len(named) >= 3
+    unknown = sorted(f"{service}/{method}" for service, method in named
+                     if service not in services or method not in services[service].methods_by_name)
+    assert not unknown, f"README names gRPC methods the protos lack: {unknown}"
+    bodies = re.findall(r"grpcurl [^`]*?-d '(\{[^']*\})'[^`]*?ferry\.v1\.(\w+)/(\w+)", text)
+    assert bodies
+    for body, service, method in bodies:
+        request = GetMessageClass(services[service].methods_by_name[method].input_type)()
+        json_format.Parse(body, request)

@@ -28,7 +28,7 @@ _FLAG = re.compile(r"--[a-z][a-z0-9-]*[a-z0-9]")
 _LITERAL_FLAG = re.compile(r"""["'](--[a-z][a-z0-9-]*)["']""")
 # Flags of other programs the README quotes: etcd, etcdctl, docker, vLLM.
 OTHER_TOOLS = frozenset({"--auto-compaction-mode", "--auto-compaction-retention", "--client-cert-auth",
-                         "--prefix", "--build", "--shm-size", "--trust-request-chat-template"})
+                         "--prefix", "--endpoints", "--build", "--shm-size", "--trust-request-chat-template"})
 SERVICES = ("frontend", "manager", "instance", "transfer")
 
 

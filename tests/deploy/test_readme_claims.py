@@ -142,9 +142,9 @@ def defaults() -> dict[str, set]:
     return found
 
 
-# "`--flag` (5 s", "`--flag` (default 60 s", "`--flag`, default 5 s", "`--flag`, 3 s": a plain
-# or seconds figure right after a flag is its default (one with another unit, "256 MiB", is left out).
-_QUOTED_DEFAULT = re.compile(r"`(--[a-z0-9-]+)`(?:,| \()\s*(?:default\s+)?(-?\d+(?:\.\d+)?)(?:\s*s\b)?(?=[,;:)]|\s+[^A-Za-z\s])")
+# "`--flag` (5 s", "`--flag` (default 60 s", "`--flag`, default 5 s", "`--flag`, 3 s", "`--flag` 16,": a
+# plain or seconds figure right after a flag is its default (one with another unit, "256 MiB", is left out).
+_QUOTED_DEFAULT = re.compile(r"`(--[a-z0-9-]+)`(?:,| \(| )\s*(?:default\s+)?(-?\d+(?:\.\d+)?)(?:\s*s\b)?(?=[,;:)]|\s+[^A-Za-z\s])")
 
 
 def test_quoted_defaults_are_the_defaults():

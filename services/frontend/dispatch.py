@@ -107,7 +107,7 @@ class Dispatcher:
         serving = [e for e in serving if e.instance_id not in too_short]
         if not serving and known:
             raise Unavailable(f"no serving instance: {len(known)} registered, none serving (drained, draining "
-                              "or starting); undo a drain with `ferryctl drain ID --undo`")
+                              "or starting); undo a drain with `python -m services.ctl drain ID --undo` (ferryctl)")
         if not serving and not self.lists_instances:
             raise Unavailable("the manager (--manager-address) placed no request: no instance serves, or the "
                               "manager did not answer")

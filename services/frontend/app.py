@@ -20,6 +20,7 @@ from services.common.election import watch_leader
 from services.common.registry import DRAIN_MARKS, Registry
 from services.common.signals import stop_event
 from services.common.startup import StartupError
+from services.frontend.bad_http import FrontendRunner
 from services.frontend.config import FrontendConfig
 from services.frontend.dispatch import Dispatcher, Membership, NoInstances
 from services.frontend.etcd_view import EtcdInstances, EtcdLeader
@@ -100,8 +101,8 @@ async def watch_cluster(config: FrontendConfig, registry: Registry | None) -> tu
 
 async def serve(config: FrontendConfig, server: FrontendServer, registry: Registry | None,
                 stop: asyncio.Event) -> None:
-    http = web.AppRunner(server.app(), handler_cancellation=True, access_log=None,
-                         shutdown_timeout=HANDLERS_EXIT_S, keepalive_timeout=config.keepalive_timeout_s)
+    http = FrontendRunner(server.app(), handler_cancellation=True, access_log=None,
+                          shutdown_timeout=HANDLERS_EXIT_S, keepalive_timeout=config.keepalive_timeout_s)
     await http.setup()
     site = web.TCPSite(http, config.host, config.port)
     try:
@@ -128,7 +129,7 @@ async def serve(config: FrontendConfig, server: FrontendServer, registry: Regist
     log.info("frontend_stopped", frontend_id=frontend_id)
 
 
-def _bound_port(http: web.AppRunner, configured: int) -> int:
+def _bound_port(http: FrontendRunner, configured: int) -> int:
     for address in http.addresses:
         if isinstance(address, tuple) and len(address) >= 2:
             return int(address[1])

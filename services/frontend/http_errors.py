@@ -6,20 +6,16 @@ answer in `ferry_frontend_requests_total`, a client gone as nginx's 499.
 
 A request refused before it got its request id (a 400, 401, 404 model, 408, 413, 429 or
 503) is logged as `request_refused`, at most one line per (route, status) per 10 s. HTTP that
-aiohttp cannot parse (a header line over 8190 bytes, too many headers, a bad chunk size) gets
-aiohttp's own plain-text 400 before any route; its ERROR with a traceback becomes one
-`bad_http_request` info line per kind per 10 s (BadHttpLog): the client's fault, at its will.
+aiohttp cannot parse is answered before any route or middleware (bad_http.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 
 import structlog
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from services.common.errors import FerryError
 from services.common.log_sampling import LogSampler
@@ -104,29 +100,3 @@ def _log_refused(request: web.Request, exc: FerryError, sampler: LogSampler) -> 
 def _endpoint_label(request: web.Request) -> str:
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else "unmatched"
-
-
-class BadHttpLog(logging.Filter):
-    """Drops aiohttp.server's records about a client's malformed HTTP (an HttpProcessingError with
-    a 4xx code: aiohttp answered it) and logs `bad_http_request` instead, sampled per kind."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._sampler = LogSampler()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if record.levelno < logging.WARNING or not isinstance(exc, HttpProcessingError) or not 400 <= exc.code < 500:
-            return True  # (aiohttp logs a first request's bad method, say TLS sent to this port, at debug)
-        if (suppressed := self._sampler.admit(type(exc).__name__)) is not None:
-            log.info("bad_http_request", error=type(exc).__name__, status=exc.code, message=exc.message[:200],
-                     remote=record.args[0] if isinstance(record.args, tuple) and record.args else None,
-                     suppressed=suppressed)
-        return False
-
-
-def quiet_bad_http_log() -> None:
-    """Install BadHttpLog on aiohttp.server's logger (once per process)."""
-    server_log = logging.getLogger("aiohttp.server")
-    if not any(isinstance(f, BadHttpLog) for f in server_log.filters):
-        server_log.addFilter(BadHttpLog())

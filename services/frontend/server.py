@@ -30,7 +30,8 @@ from services.frontend.api_keys import ApiKeyPolicy
 from services.frontend.cors import CorsPolicy
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import GenerateSpec, RequestId
-from services.frontend.http_errors import RETRY_AFTER_S, BodyTimeout, ErrorAnswers, quiet_bad_http_log, too_large
+from services.frontend.bad_http import quiet_bad_http_log
+from services.frontend.http_errors import RETRY_AFTER_S, BodyTimeout, ErrorAnswers, too_large
 from services.frontend.in_flight import InFlight
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.off_loop import in_thread

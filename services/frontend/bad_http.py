@@ -1,0 +1,99 @@
+"""HTTP that aiohttp's parser refuses (a bad request line, method or header, a header line over 8190 bytes,
+over 128 headers, a bad chunk size, TLS sent to this port). aiohttp answers it itself, before any route or
+middleware, with the status it chose and `Connection: close`; FrontendRunner's connections
+(JsonErrorRequestHandler) write that answer as an OpenAI error body instead of aiohttp's plain text, so a
+client's JSON error handling holds for it too. aiohttp's ERROR with a traceback for each becomes one
+`bad_http_request` info line per kind per 10 s (BadHttpLog): the client's fault, at its will.
+
+The hook is aiohttp's `RequestHandler.handle_error` (web_protocol.py), the one place that builds those
+answers (and the 500/504 of an error no middleware caught); aiohttp is pinned (pyproject.toml), and
+tests/unit/frontend/test_bad_http.py checks the answers on raw sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+import structlog
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from services.common.log_sampling import LogSampler
+from services.frontend.openai_protocol import error_body
+
+log = structlog.get_logger(__name__)
+
+MAX_MESSAGE_CHARS = 300  # of the parser's message in the body (it quotes the client's bytes, up to ~100)
+
+
+class JsonErrorRequestHandler(RequestHandler):
+    """aiohttp's per-connection handler, with its own error answers written as OpenAI error bodies."""
+
+    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        # aiohttp's logs the error (BadHttpLog samples it) and raises ConnectionError where a response has begun
+        super().handle_error(request, status, exc, message)
+        response = web.json_response(bad_http_body(status, message), status=status)
+        response.force_close()  # as aiohttp's: the connection's framing can no longer be trusted
+        return response
+
+
+def bad_http_body(status: int, message: str | None) -> dict:
+    """The OpenAI error body of an answer aiohttp makes itself: a parser's refusal (4xx, its message
+    on one line) or an error no middleware caught (5xx, no details: the log has them)."""
+    phrase = HTTPStatus(status).phrase
+    code = phrase.lower().replace(" ", "_").replace("-", "_")
+    if status >= 500:
+        return error_body(f"{phrase}; the server logged it", type_="server_error", code=code)
+    return error_body(f"the HTTP request could not be parsed: {_one_line(message or phrase)}", code=code)
+
+
+def _one_line(message: str) -> str:
+    """aiohttp's parser message ("Invalid header token:\\n\\n  b'Bad Header: y'\\n       ^") without its
+    newlines and the caret line that points into the quoted bytes."""
+    parts = [line.strip() for line in message.splitlines()]
+    text = " ".join(part for part in parts if part and part != "^")
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "..."
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class FrontendRunner(web.AppRunner):
+    """web.AppRunner whose connections answer in JSON what aiohttp answers itself (JsonErrorRequestHandler)."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()  # starts and freezes the app, as AppRunner does
+        return _JsonErrorServer(server.request_handler, request_factory=server.request_factory,
+                                handler_cancellation=server.handler_cancellation, **server._kwargs)
+
+
+class BadHttpLog(logging.Filter):
+    """Drops aiohttp.server's records about a client's malformed HTTP (an HttpProcessingError with
+    a 4xx code: aiohttp answered it) and logs `bad_http_request` instead, sampled per kind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sampler = LogSampler()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if record.levelno < logging.WARNING or not isinstance(exc, HttpProcessingError) or not 400 <= exc.code < 500:
+            return True  # (aiohttp logs a first request's bad method, say TLS sent to this port, at debug)
+        if (suppressed := self._sampler.admit(type(exc).__name__)) is not None:
+            log.info("bad_http_request", error=type(exc).__name__, status=exc.code, message=exc.message[:200],
+                     remote=record.args[0] if isinstance(record.args, tuple) and record.args else None,
+                     suppressed=suppressed)
+        return False
+
+
+def quiet_bad_http_log() -> None:
+    """Install BadHttpLog on aiohttp.server's logger (once per process)."""
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, BadHttpLog) for f in server_log.filters):
+        server_log.addFilter(BadHttpLog())

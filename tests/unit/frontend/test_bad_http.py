@@ -1,0 +1,113 @@
+"""HTTP that aiohttp cannot parse (a bad request line, method or header, a header line over 8190 bytes,
+too many headers, a bad chunk size, TLS on the HTTP port) gets a 400 with an OpenAI error body,
+the connection closed after it (as aiohttp's own answer: an HTTP/1.0 one), and one sampled `bad_http_request` info line.
+Before, each such request logged an ERROR with a 9-line traceback from aiohttp.server, so any client
+could fill the log with errors at will (found by black-box check #3); and until 2026-12-07 the answer was
+aiohttp's plain text ("Invalid header token: ..."), which an OpenAI client's JSON error handling
+could not read (a black-box run)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+
+import pytest
+from structlog.testing import capture_logs
+
+from services.frontend.bad_http import bad_http_body
+from tests.unit.frontend.scripted_frontend import scripted_frontend
+
+pytestmark = pytest.mark.timeout(30)
+
+BAD_REQUESTS = {
+    "long header": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 9000 + b"\r\n\r\n",
+    "many headers": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(200))
+                    + b"\r\n",
+    "bad chunk": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n",
+}
+
+MORE_BAD_REQUESTS = {  # (request, what the message names)
+    "garbage": (b"GARBAGE\r\n\r\n", "Invalid method encountered: b'GARBAGE'"),
+    "bad method": (b"G@T /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", "Invalid method encountered"),
+    "bad version": (b"GET /v1/models HTTP/9.9\r\nHost: x\r\n\r\n", "Invalid HTTP version"),
+    "bad header": (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
+                   "Invalid header token: b'Bad Header: y'"),
+    "NUL in header": (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n", "Invalid header value char"),
+    "long url": (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", "Got more than 8190 bytes"),
+    "Content-Length and chunked": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                                   b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "Transfer-Encoding can't be present"),
+    "TLS hello": (bytes.fromhex("16030100a5010000a10303") + bytes(40), "Received HTTPS traffic on an HTTP port"),
+}
+
+
+def exchange(base_url: str, data: bytes) -> bytes:
+    """All the server sends back before it closes the connection."""
+    with socket.create_connection(("127.0.0.1", int(base_url.rsplit(":", 1)[1])), timeout=5) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(65536):  # a timeout here (the connection left open) fails the test
+            answer += chunk
+        return answer
+
+
+def status_of(base_url: str, data: bytes) -> bytes:
+    return exchange(base_url, data).split(b"\r\n")[0]
+
+
+def parsed(answer: bytes) -> tuple[bytes, dict[bytes, bytes], dict]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status, *lines = head.split(b"\r\n")
+    headers = {name.lower(): value for name, _, value in (line.partition(b": ") for line in lines)}
+    assert int(headers[b"content-length"]) == len(body)  # all of it, then the server closed
+    return status, headers, json.loads(body)
+
+
+async def test_unparsable_requests_are_400s_logged_once_without_an_error(caplog):
+    caplog.set_level(logging.INFO)
+    async with scripted_frontend() as base_url:
+        with capture_logs() as logs:
+            for _ in range(3):
+                for data in BAD_REQUESTS.values():
+                    assert (await asyncio.to_thread(status_of, base_url, data)).endswith(b" 400 Bad Request")
+    errors = [(r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors
+    lines = [(e["error"], e["suppressed"]) for e in logs if e["event"] == "bad_http_request"]
+    assert lines == [("LineTooLong", 0), ("BadHttpMessage", 0)], lines  # 9 requests, one line per kind
+
+
+async def test_unparsable_requests_get_an_openai_error_body_and_a_closed_connection():
+    cases = {name: (data, None) for name, data in BAD_REQUESTS.items()} | MORE_BAD_REQUESTS
+    async with scripted_frontend() as base_url:
+        for name, (data, named) in cases.items():
+            status, headers, body = parsed(await asyncio.to_thread(exchange, base_url, data))
+            assert status.endswith(b" 400 Bad Request"), name
+            assert headers[b"content-type"] == b"application/json; charset=utf-8", name
+            error = body["error"]
+            assert error["type"] == "invalid_request_error" and error["code"] == "bad_request", name
+            assert error["param"] is None, name
+            assert error["message"].startswith("the HTTP request could not be parsed: "), name
+            assert "\n" not in error["message"] and len(error["message"]) < 400, name
+            assert named is None or named in error["message"], (name, error["message"])
+
+
+async def test_a_good_request_on_the_same_server_is_answered_as_before():
+    async with scripted_frontend() as base_url:
+        answer = await asyncio.to_thread(exchange, base_url, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
+                                                             b"Connection: close\r\n\r\n")
+    status, _, body = parsed(answer)
+    assert status == b"HTTP/1.1 200 OK" and body["data"][0]["id"] == "m"
+
+
+def test_errors_aiohttp_answers_itself_are_openai_bodies():
+    assert bad_http_body(500, None) == {"error": {
+        "message": "Internal Server Error; the server logged it", "type": "server_error", "param": None,
+        "code": "internal_server_error"}}
+    assert bad_http_body(504, None)["error"]["code"] == "gateway_timeout"
+    assert bad_http_body(431, None)["error"] == {
+        "message": "the HTTP request could not be parsed: Request Header Fields Too Large",
+        "type": "invalid_request_error", "param": None, "code": "request_header_fields_too_large"}
+    long = bad_http_body(400, "Invalid header token:\n\n  b'" + "x" * 500 + "'\n       ^")["error"]["message"]
+    assert long.startswith("the HTTP request could not be parsed: Invalid header token: b'xxx")
+    assert long.endswith("...") and len(long) == len("the HTTP request could not be parsed: ") + 303

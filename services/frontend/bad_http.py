@@ -8,6 +8,11 @@ client's JSON error handling holds for it too. aiohttp's ERROR with a traceback 
 The hook is aiohttp's `RequestHandler.handle_error` (web_protocol.py), the one place that builds those
 answers (and the 500/504 of an error no middleware caught); aiohttp is pinned (pyproject.toml), and
 tests/unit/frontend/test_bad_http.py checks the answers on raw sockets.
+
+A parse error in a body whose headers were already handed to a handler (a bad chunk size in a later
+packet) is the one case aiohttp gets wrong: its C parser drops that body without ending it, so the
+handler waited --body-timeout-s for the rest and answered 408. The handler's body now fails at once
+with the parser's reason, the handler answers it as a 400 (server.py), and the connection closes.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from http import HTTPStatus
 import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
 from services.common.log_sampling import LogSampler
@@ -40,6 +46,32 @@ class JsonErrorRequestHandler(RequestHandler):
         response.force_close()  # as aiohttp's: the connection's framing can no longer be trusted
         return response
 
+    def data_received(self, data: bytes) -> None:
+        num_messages = len(self._messages)
+        super().data_received(data)
+        if len(self._messages) > num_messages and isinstance(refused := self._messages[-1][0], _ErrInfo):
+            self._fail_cut_bodies(refused)
+
+    def _fail_cut_bodies(self, refused: _ErrInfo) -> None:
+        """The parser refused what came after headers it had handed on: fail the bodies it left unended
+        (the running handler's, or a queued request's) with its reason instead of answering the refusal
+        as a request of its own, and close the connection after their answers."""
+        queued = [payload for message, payload in list(self._messages)[:-1]]
+        running = [self._current_request.content] if self._current_request is not None else []
+        cut = [body for body in running + queued if body is not EMPTY_PAYLOAD and not body.is_eof()]
+        if not cut:
+            return  # a request of its own: handle_error answers it
+        self._messages.pop()
+        for body in cut:
+            _fail(body, refused.exc)
+        self.close()
+
+
+def _fail(body: StreamReader, cause: BaseException) -> None:
+    error = RequestPayloadError(f"the request body's framing is broken: {cause}")
+    error.__cause__ = cause  # the parser's message, for the 400 (server.py's _unreadable_body)
+    body.set_exception(error)
+
 
 def bad_http_body(status: int, message: str | None) -> dict:
     """The OpenAI error body of an answer aiohttp makes itself: a parser's refusal (4xx, its message
@@ -48,10 +80,10 @@ def bad_http_body(status: int, message: str | None) -> dict:
     code = phrase.lower().replace(" ", "_").replace("-", "_")
     if status >= 500:
         return error_body(f"{phrase}; the server logged it", type_="server_error", code=code)
-    return error_body(f"the HTTP request could not be parsed: {_one_line(message or phrase)}", code=code)
+    return error_body(f"the HTTP request could not be parsed: {one_line(message or phrase)}", code=code)
 
 
-def _one_line(message: str) -> str:
+def one_line(message: str) -> str:
     """aiohttp's parser message ("Invalid header token:\\n\\n  b'Bad Header: y'\\n       ^") without its
     newlines and the caret line that points into the quoted bytes."""
     parts = [line.strip() for line in message.splitlines()]

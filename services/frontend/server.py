@@ -21,6 +21,7 @@ from dataclasses import replace
 
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from services.common.errors import ResourceExhausted, Unavailable
@@ -30,7 +31,7 @@ from services.frontend.api_keys import ApiKeyPolicy
 from services.frontend.cors import CorsPolicy
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import GenerateSpec, RequestId
-from services.frontend.bad_http import quiet_bad_http_log
+from services.frontend.bad_http import one_line, quiet_bad_http_log
 from services.frontend.http_errors import RETRY_AFTER_S, BodyTimeout, ErrorAnswers, too_large
 from services.frontend.in_flight import InFlight
 from services.frontend.metrics import FrontendMetrics
@@ -248,7 +249,7 @@ class FrontendServer:
         except TimeoutError:
             raise BodyTimeout(f"the request body did not arrive within {self._body_timeout_s:g} s "
                               "(--body-timeout-s)") from None
-        except RequestPayloadError as exc:  # not what its Content-Encoding says (or broken framing)
+        except RequestPayloadError as exc:  # not what its Content-Encoding says, or broken framing (bad_http.py)
             raise _unreadable_body(request, exc) from None
 
     async def _timed(self, deltas: AsyncIterator[Delta], arrived_at: float) -> AsyncIterator[Delta]:
@@ -284,7 +285,11 @@ def _unreadable_body(request: web.Request, exc: RequestPayloadError) -> RequestE
     """A 400 for a body aiohttp could not decode. The body is marked as read: aiohttp would otherwise
     read it again after the answer, meet the same error and log it as an unhandled exception."""
     request.content.feed_eof()
-    reason = getattr(exc.__cause__, "message", None) or str(exc)
+    cause = exc.__cause__
+    reason = one_line(getattr(cause, "message", None) or str(exc))
+    if isinstance(cause, HttpProcessingError) and not isinstance(cause, ContentEncodingError):
+        return RequestError(f"the request body could not be read: {reason}; send it framed as its Content-Length "
+                            "or Transfer-Encoding: chunked header says")
     return RequestError(f"the request body could not be read: {reason}; send it uncompressed, or compressed "
                         "as its Content-Encoding header says (gzip, deflate)")
 

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import socket
+import time
 
 import pytest
 from structlog.testing import capture_logs
@@ -111,3 +112,33 @@ def test_errors_aiohttp_answers_itself_are_openai_bodies():
     long = bad_http_body(400, "Invalid header token:\n\n  b'" + "x" * 500 + "'\n       ^")["error"]["message"]
     assert long.startswith("the HTTP request could not be parsed: Invalid header token: b'xxx")
     assert long.endswith("...") and len(long) == len("the HTTP request could not be parsed: ") + 303
+
+
+def exchange_in_two(base_url: str, headers: bytes, rest: bytes) -> tuple[bytes, float]:
+    """What the server sends back to headers and, after a pause, the rest; and how long it took."""
+    with socket.create_connection(("127.0.0.1", int(base_url.rsplit(":", 1)[1])), timeout=5) as sock:
+        sock.sendall(headers)
+        time.sleep(0.2)  # the handler has the headers and waits for the body
+        started = time.monotonic()
+        sock.sendall(rest)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        return answer, time.monotonic() - started
+
+
+async def test_a_bad_chunk_after_the_headers_is_a_400_at_once_not_a_408_after_the_body_timeout():
+    """aiohttp's C parser drops a body whose chunk framing breaks after its headers were handed on
+    without ending it: the handler waited --body-timeout-s (30 s) and answered 408 (a black-box run)."""
+    headers = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n")
+    async with scripted_frontend(body_timeout_s=20.0) as base_url:
+        for rest in (b'5\r\n{"mod\r\nZZ\r\n', b"ZZ\r\n"):  # mid-body, and at the first chunk
+            answer, took_s = await asyncio.to_thread(exchange_in_two, base_url, headers, rest)
+            status, _, body = parsed(answer)  # one answer, then the connection closed
+            assert status == b"HTTP/1.1 400 Bad Request" and took_s < 2, (status, took_s)
+            message = body["error"]["message"]
+            assert message.startswith("the request body could not be read: Invalid character in chunk size"), message
+            assert "Transfer-Encoding: chunked" in message and "\n" not in message, message
+        assert (await asyncio.to_thread(status_of, base_url, b"GET /health HTTP/1.1\r\nHost: x\r\n"
+                                                            b"Connection: close\r\n\r\n")) == b"HTTP/1.1 200 OK"

@@ -56,7 +56,7 @@ class JsonErrorRequestHandler(RequestHandler):
         """The parser refused what came after headers it had handed on: fail the bodies it left unended
         (the running handler's, or a queued request's) with its reason instead of answering the refusal
         as a request of its own, and close the connection after their answers."""
-        queued = [payload for message, payload in list(self._messages)[:-1]]
+        queued = [payload for _, payload in list(self._messages)[:-1]]
         running = [self._current_request.content] if self._current_request is not None else []
         cut = [body for body in running + queued if body is not EMPTY_PAYLOAD and not body.is_eof()]
         if not cut:
@@ -71,6 +71,7 @@ def _fail(body: StreamReader, cause: BaseException) -> None:
     error = RequestPayloadError(f"the request body's framing is broken: {cause}")
     error.__cause__ = cause  # the parser's message, for the 400 (server.py's _unreadable_body)
     body.set_exception(error)
+    body.feed_eof()  # ended: aiohttp does not linger on it after the answer, meet the error and log it as unhandled
 
 
 def bad_http_body(status: int, message: str | None) -> dict:

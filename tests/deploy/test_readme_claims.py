@@ -1,11 +1,11 @@
-"""README's commands, flags, variables, metrics and Layout stay true to the code: every
-`--flag` it names is a flag of some ferry command (or of a named other tool), every
+"""README's (and docs/*.md's) commands, flags, variables, metrics and Layout stay true to the code: every
+`--flag` they name is a flag of some ferry command (or of a named other tool), every
 `python -m services.<service> ...` line uses that command's own flags, "the frontend's
 `--flag`" is the frontend's, a default quoted right after a flag is its default, every
 FERRY_<SERVICE>_<FIELD> is a field of that service's config, every ferry_* metric is
-defined, the Layout block lists the tree (before, services/ctl/, deploy/ and scripts/
-were missing from it), every ferryctl command quoted parses, and every gRPC method named
-exists with the grpcurl bodies given for it."""
+defined, README's Layout block lists the tree, every ferryctl command quoted parses, and every
+gRPC method named exists with the grpcurl bodies given for it. The checks read README and the
+pages under docs/ that README points to as one text, and name the page and line of what they find."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ pytestmark = pytest.mark.timeout(30)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+DOCS = {path.relative_to(ROOT).as_posix(): path.read_text() for path in sorted((ROOT / "docs").glob("*.md"))}
+# README, then each docs page, as one text whose offsets line_of maps back to a file and line.
+TEXT = README + "".join(f"\n\n{page}" for page in DOCS.values())
 _FLAG = re.compile(r"--[a-z][a-z0-9-]*[a-z0-9]")
 _LITERAL_FLAG = re.compile(r"""["'](--[a-z][a-z0-9-]*)["']""")
 # Flags of other programs the README quotes: etcd, etcdctl, docker, vLLM.
@@ -54,24 +57,38 @@ def every_flag() -> set[str]:
     return known | literal_flags("services/**/*.py", "benchmarks/*.py", "scripts/*.py") | OTHER_TOOLS
 
 
-def line_of(offset: int) -> int:
-    return README.count("\n", 0, offset) + 1
+def line_of(offset: int) -> str:
+    """`README.md:12` or `docs/x.md:3` for an offset in TEXT."""
+    start, name = 0, "README.md"
+    for page, body in zip(["README.md", *DOCS], [README, *DOCS.values()]):
+        if offset < start + len(body):
+            name = page
+            break
+        start += len(body) + 2
+    return f"{name}:{TEXT.count(chr(10), start, offset) + 1}"
+
+
+def test_docs_pages_are_read():
+    assert TEXT.startswith(README) and all(body in TEXT for body in DOCS.values())
+    assert line_of(0) == "README.md:1"
+    for name, body in DOCS.items():
+        assert line_of(TEXT.index(body)) == f"{name}:1"
 
 
 def test_every_flag_named_is_a_flag_of_something():
     known = every_flag()
-    unknown = sorted({(flag, line_of(m.start())) for m in _FLAG.finditer(README)
-                      if (flag := m.group()) not in known and not README.startswith(("*", "-*"), m.end())})
+    unknown = sorted({(flag, line_of(m.start())) for m in _FLAG.finditer(TEXT)
+                      if (flag := m.group()) not in known and not TEXT.startswith(("*", "-*"), m.end())})
     assert not unknown, f"README names flags that no ferry command (nor {sorted(OTHER_TOOLS)}) takes: {unknown}"
 
 
 def command_lines() -> list[tuple[int, str, str]]:
-    """(line, command, rest of the line) of each `python -m services.<command>` in README,
+    """(where, command, rest of the line) of each `python -m services.<command>` in README and docs,
     continuation lines of code blocks joined."""
-    text = re.sub(r"\\\n\s*", " ", README)
+    text = re.sub(r"\\\n\s*", " ", TEXT)
     found = []
     for m in re.finditer(r"python -m services\.(frontend|manager|instance|transfer|ctl|cluster up)(?![.\w])([^`\n#]*)", text):
-        found.append((README.count("\n", 0, README.find(m.group(0)[:40])) + 1, m.group(1), m.group(2)))
+        found.append((line_of(TEXT.find(m.group(0)[:40])), m.group(1), m.group(2)))
     return found
 
 
@@ -88,13 +105,13 @@ def test_possessive_flags_belong_to_their_service():
     """"the frontend's `--x`", "an instance's `--x`": `--x` is that service's flag."""
     owner = {"frontend": "frontend", "manager": "manager", "instance": "instance", "transfer service": "transfer"}
     wrong = [(line_of(m.start()), m.group(1), m.group(2))
-             for m in re.finditer(r"(frontend|manager|instance|transfer service)(?:'s|s') `(--[a-z0-9-]+)`", README)
+             for m in re.finditer(r"(frontend|manager|instance|transfer service)(?:'s|s') `(--[a-z0-9-]+)`", TEXT)
              if m.group(2) not in config_flags(owner[m.group(1)])]
     assert not wrong, f"README names a service's flag that its config lacks: {wrong}"
 
 
 def test_every_variable_named_is_a_config_field():
-    assert unknown_variables(re.sub(r"FERRY_\w+_\*", "", README)) == {}
+    assert unknown_variables(re.sub(r"FERRY_\w+_\*", "", TEXT)) == {}
 
 
 def layout() -> list[str]:
@@ -122,7 +139,7 @@ def test_every_metric_named_is_defined():
     """The reverse of test_metrics_doc: a metric README names anywhere is one a service defines."""
     defined = {m for path in (ROOT / "services").glob("*/metrics.py")
                for m in re.findall(r'"(ferry_[a-z0-9_]+)"', path.read_text())}
-    named = set(re.findall(r"\bferry_(?:frontend|manager|instance|transfer)_[a-z0-9_]*[a-z0-9]", README))
+    named = set(re.findall(r"\bferry_(?:frontend|manager|instance|transfer)_[a-z0-9_]*[a-z0-9]", TEXT))
     unknown = sorted(name for name in named
                      if not {name, re.sub(r"_(total|bucket|sum|count)$", "", name)} & defined)
     assert not unknown, f"README names metrics no service defines: {unknown}"
@@ -149,7 +166,7 @@ _QUOTED_DEFAULT = re.compile(r"`(--[a-z0-9-]+)`(?:,| \(| )\s*(?:default\s+)?(-?\
 
 def test_quoted_defaults_are_the_defaults():
     known = defaults()
-    quoted = [(line_of(m.start()), m.group(1), float(m.group(2))) for m in _QUOTED_DEFAULT.finditer(README)
+    quoted = [(line_of(m.start()), m.group(1), float(m.group(2))) for m in _QUOTED_DEFAULT.finditer(TEXT)
               if m.group(1) in known and len(known[m.group(1)]) == 1]
     assert len(quoted) > 15
     wrong = [(line, flag, figure, next(iter(known[flag]))) for line, flag, figure in quoted
@@ -158,11 +175,12 @@ def test_quoted_defaults_are_the_defaults():
 
 
 def _code_text() -> list[str]:
-    """README's code: each fenced block's lines (continuations joined, `# comments` cut) and each inline span."""
+    """README's and docs' code: each fenced block's lines (continuations joined, `# comments` cut) and each
+    inline span."""
     spans = []
-    for block in re.findall(r"^ *```[^\n]*\n(.*?)^ *```", README, re.DOTALL | re.MULTILINE):
+    for block in re.findall(r"^ *```[^\n]*\n(.*?)^ *```", TEXT, re.DOTALL | re.MULTILINE):
         spans += [line.split(" #")[0] for line in re.sub(r"\\\n\s*", " ", block).splitlines()]
-    prose = re.sub(r"^ *```.*?^ *```", "", README, flags=re.DOTALL | re.MULTILINE)
+    prose = re.sub(r"^ *```.*?^ *```", "", TEXT, flags=re.DOTALL | re.MULTILINE)
     spans += re.findall(r"^ {4}(\S.*)$", prose, re.MULTILINE)
     spans += [re.sub(r"\s+", " ", span) for span in re.findall(r"(?<!`)`([^`]+)`(?!`)", prose)]
     return spans
@@ -201,7 +219,7 @@ def test_grpcurl_calls_name_real_methods():
     from services.common.gen.ferry.v1 import instance_pb2, manager_pb2, transfer_pb2
     services = {name: service for module in (instance_pb2, manager_pb2, transfer_pb2)
                 for name, service in module.DESCRIPTOR.services_by_name.items()}
-    text = re.sub(r"\s+", " ", README)
+    text = re.sub(r"\s+", " ", TEXT)
     named = set(re.findall(r"ferry\.v1\.(\w+)/(\w+)", text))
     assert len(named) >= 3
     unknown = sorted(f"{service}/{method}" for service, method in named

@@ -1,4 +1,4 @@
-"""Every `benchmarks/<name>.py ...` command README quotes names a script that exists and gives it
+"""Every `benchmarks/<name>.py ...` command README (or a docs/*.md page) quotes names a script that exists and gives it
 only flags that script takes (test_readme_claims checks a flag is some command's; this checks it
 is this one's, so a figure's command still runs as quoted)."""
 
@@ -14,6 +14,7 @@ from tests.unit.benchmarks.test_help import built_parser
 pytestmark = pytest.mark.timeout(120)
 
 README = (ROOT / "README.md").read_text()
+TEXT = "\n\n".join([README, *(path.read_text() for path in sorted((ROOT / "docs").glob("*.md")))])
 _SCRIPT = re.compile(r"benchmarks/(\w+)\.py")
 _QUOTED = re.compile(r"\"[^\"]*\"|'[^']*'")  # --launcher-args "...": flags of another command
 
@@ -49,13 +50,13 @@ def test_commands_are_found_across_lines():
 
 
 def test_readme_benchmark_commands_use_their_own_flags(monkeypatch):
-    commands = benchmark_commands(README)
+    commands = benchmark_commands(TEXT)
     assert len(commands) > 20
     missing = sorted({name for name, _ in commands if not (ROOT / "benchmarks" / f"{name}.py").exists()})
-    assert not missing, f"README quotes benchmarks that do not exist: {missing}"
+    assert not missing, f"README or docs quote benchmarks that do not exist: {missing}"
     flags: dict[str, set[str]] = {}
     for name in sorted({name for name, _ in commands}):
         parser = built_parser(ROOT / "benchmarks" / f"{name}.py", monkeypatch)
         flags[name] = {option for action in parser._actions for option in action.option_strings}
     wrong = sorted({(name, flag) for name, given in commands for flag in given if flag not in flags[name]})
-    assert not wrong, f"README gives benchmarks flags they do not take: {wrong}"
+    assert not wrong, f"README or docs give benchmarks flags they do not take: {wrong}"

@@ -26,6 +26,7 @@ from etcd3aio import Etcd3Client, EtcdError
 
 from services.common.auth import read_token
 from services.common.config import knob
+from services.common.etcd_endpoints import resolve_endpoints, single_host_name
 from services.common.periodic import periodic_loop
 
 log = structlog.get_logger(__name__)
@@ -121,7 +122,7 @@ class _AuthenticatedClient(Etcd3Client):
 
 
 async def connect_etcd(endpoints: Sequence[str], access: EtcdAccess | None = None) -> Etcd3Client:
-    """An etcd client on `endpoints` ("host:port"); TLS and auth from `access`.
+    """An etcd client on `endpoints` ("host:port", names resolved to IPv4 now); TLS and auth from `access`.
 
     Without a user the channel connects lazily; with one, this authenticates at once and
     raises one of ETCD_ERRORS if etcd does not answer or refuses the credentials.
@@ -129,9 +130,11 @@ async def connect_etcd(endpoints: Sequence[str], access: EtcdAccess | None = Non
     if not endpoints:
         raise ValueError("no etcd endpoints; set --etcd-endpoints (e.g. 127.0.0.1:2379)")
     access = access or EtcdAccess()
+    if access.ca_file and not access.server_name and (name := single_host_name(endpoints)):
+        access = dataclasses.replace(access, server_name=name)  # dialed by address: check the cert for the name
     cls = _AuthenticatedClient if access.user else Etcd3Client
-    client = cls(list(endpoints), watch_reconnect_backoff_seconds=0.1, watch_max_reconnect_backoff_seconds=1.0,
-                 **access.client_kwargs())
+    client = cls(await resolve_endpoints(endpoints), watch_reconnect_backoff_seconds=0.1,
+                 watch_max_reconnect_backoff_seconds=1.0, **access.client_kwargs())
     client._manager.grpc_options.extend(_RECONNECT_OPTIONS)  # no public hook for channel options
     await client.connect()
     if access.user:

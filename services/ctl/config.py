@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from services.common.auth import read_token
 from services.common.config import knob
+from services.common.etcd_endpoints import check_address_flag
 from services.common.tls import ClientTlsKnobs
 
 
@@ -30,3 +31,4 @@ class CtlConfig(ClientTlsKnobs):
             raise ValueError(f"--timeout-s must be a positive number of seconds, got {self.timeout_s}")
         if not self.admin:
             raise ValueError("--admin is empty; give the manager's admin address, e.g. --admin 127.0.0.1:50051")
+        check_address_flag("--admin", [self.admin])

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 from services.common.config import knob, parse_config
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
+from services.common.etcd_endpoints import check_address_flag
+from services.common.logging import LogKnobs
 from services.common.tls import PeerKnobs
 from services.frontend.sampling_defaults import override_values
 from services.frontend.tool_calls import ToolCallParserSetting
-from services.common.logging import LogKnobs
 
 MIB = 1 << 20
 
@@ -88,6 +89,8 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
         if self.max_model_len < 0:
             raise ValueError(f"--max-model-len must be >= 0 (0 = from config.json), got {self.max_model_len}")
         override_values(self.override_generation_config)  # a ValueError naming the flag
+        check_address_flag("--etcd-endpoints", self.etcd_endpoints)
+        check_address_flag("--manager-address", [self.manager_address] if self.manager_address else [])
         if not self.etcd_endpoints and not self.manager_address:
             raise ValueError("set --etcd-endpoints (membership and leader) or --manager-address (or both)")
 

@@ -5,12 +5,13 @@ import pathlib
 from dataclasses import dataclass
 
 from services.common.config import knob
+from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
+from services.common.etcd_endpoints import check_address_flag
 from services.common.ids import check_id_flag
+from services.common.logging import LogKnobs
+from services.common.tls import TlsKnobs
 from services.instance.engine.device import resolve_device
 from services.instance.engine.scheduler import prefill_chunk_size
-from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
-from services.common.tls import TlsKnobs
-from services.common.logging import LogKnobs
 from services.transfer.domain import TransferBackend
 
 
@@ -147,6 +148,8 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
         self.tls.check()
         self.etcd_access.check()
         self.check_etcd_wait()
+        check_address_flag("--etcd-endpoints", self.etcd_endpoints)
+        check_address_flag("--transfer-address", [self.transfer_address] if self.transfer_address else [])
         if self.block_size <= 0:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
         for name in ("sim_step_ms", "sim_prefill_ms_per_token", "sim_decode_ms_per_seq", "engine_stall_timeout_s"):

@@ -6,15 +6,16 @@ from dataclasses import dataclass
 
 from services.common.auth import read_token
 from services.common.config import knob
-from services.common.ids import check_id_flag
-from services.common.etcd_client import EtcdKnobs
-from services.common.tls import TlsKnobs
-from services.common.logging import LogKnobs
 from services.common.errors import InvalidArgument
+from services.common.etcd_client import EtcdKnobs
+from services.common.etcd_endpoints import check_address_flag
+from services.common.ids import check_id_flag
+from services.common.logging import LogKnobs
+from services.common.tls import TlsKnobs
 from services.manager.migration import MigrationSelection, MigrationSettings
-from services.manager.scaling import ScalingSettings
 from services.manager.migration_policies import PAIRING_NAMES
 from services.manager.policies import DEFAULT_PREFIX_LOAD_SLACK, POLICY_NAMES
+from services.manager.scaling import ScalingSettings
 
 _BACKENDS = ("", "grpc", "gloo", "nccl", "shm")
 
@@ -72,6 +73,7 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
         check_id_flag("--manager-id", self.manager_id)
         if self.dispatch_policy not in POLICY_NAMES:
             raise ValueError(f"--dispatch-policy must be one of {', '.join(POLICY_NAMES)}, got {self.dispatch_policy!r}")
+        check_address_flag("--etcd-endpoints", self.etcd_endpoints)
         if not self.etcd_endpoints:
             raise ValueError("--etcd-endpoints is empty; the manager needs etcd (e.g. --etcd-endpoints 127.0.0.1:2379)")
         if self.lease_ttl_s < 1:

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from services.common.config import knob
 from services.common.errors import FailedPrecondition
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
+from services.common.etcd_endpoints import check_address_flag
 from services.common.heap import DEFAULT_KEEP_MIB
-from services.common.tls import TlsKnobs
 from services.common.logging import LogKnobs
+from services.common.tls import TlsKnobs
 from services.transfer.chunk_plan import IN_PLACE_MIN_ROW_BYTES
 from services.transfer.domain import CHANNEL_BACKENDS, DEFAULT_PIECE_BYTES, TransferBackend
 from services.transfer.pair_channel import MAX_GLOO_CONNECTIONS, TAG_STRIDE, check_backend_available
@@ -67,6 +68,7 @@ class TransferConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
         self.tls.check()
         self.etcd_access.check()
         self.check_etcd_wait()
+        check_address_flag("--etcd-endpoints", self.etcd_endpoints)
         if not self.backends:
             raise ValueError("--backends must name at least one of grpc, gloo, nccl, shm")
         if self.default_backend not in self.backends:

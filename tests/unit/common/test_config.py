@@ -283,3 +283,20 @@ def test_a_prefill_chunk_size_a_step_could_not_always_take_is_refused(capsys) ->
     with pytest.raises(SystemExit):
         config("--prefill-chunk-tokens", "-1")
     assert "--prefill-chunk-tokens must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("service, config_cls, argv, flag", [
+    ("frontend", FrontendConfig, ["--etcd-endpoints", "127.0.0.1:2379,etcd"], "--etcd-endpoints 'etcd'"),
+    ("frontend", FrontendConfig, ["--manager-address", "http://127.0.0.1:50051"], "--manager-address"),
+    ("manager", ManagerConfig, ["--etcd-endpoints", "127.0.0.1:abc"], "--etcd-endpoints '127.0.0.1:abc'"),
+    ("instance", InstanceConfig, ["--model", "m", "--transfer-address", "127.0.0.1:99999"], "--transfer-address"),
+    ("transfer", TransferConfig, ["--etcd-endpoints", "etcd:0"], "--etcd-endpoints 'etcd:0'"),
+])
+def test_a_malformed_address_is_a_usage_error_naming_its_flag(service, config_cls, argv, flag, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(config_cls, service, argv, env={})
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
+    # the forms compose and the systemd units write are accepted
+    assert parse_config(ManagerConfig, "manager", ["--etcd-endpoints", "etcd:2379,10.0.0.7:2379"],
+                        env={}).etcd_endpoints == ["etcd:2379", "10.0.0.7:2379"]

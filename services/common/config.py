@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import difflib
 import enum
+import math
 import os
 import pathlib
 import types
@@ -137,12 +138,26 @@ def convert(raw: Any, kind: Any) -> Any:
         return _convert_enum(raw, kind)
     if kind is pathlib.Path:
         return pathlib.Path(raw)
-    if kind in (int, float, str):
+    if kind is float:
+        return _finite_float(raw)
+    if kind in (int, str):
         try:
             return kind(raw)
         except ValueError:
             raise ValueError(f"expected {kind.__name__}, got {raw!r}") from None
     raise TypeError(f"unsupported config type {kind!r}")
+
+
+def _finite_float(raw: Any) -> float:
+    """A number of seconds, MiB, a threshold: nan and inf are never one (nan passes every `< 0` check,
+    and inf turns a deadline or a sleep into an OverflowError far from the flag)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"expected float, got {raw!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {raw!r}")
+    return value
 
 
 def _convert_enum(raw: Any, kind: type[enum.Enum]) -> enum.Enum:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from services.common.config import knob, parse_config
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.etcd_endpoints import check_address_flag
+from services.common.ids import check_id_flag
 from services.common.logging import LogKnobs
 from services.common.tls import PeerKnobs
 from services.frontend.sampling_defaults import override_values
@@ -74,6 +75,7 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
     shutdown_grace_s: float = knob(5.0, "seconds running requests get to finish on SIGTERM; those still running then end with an SSE error event (streams) or a 503")
 
     def __post_init__(self) -> None:
+        check_id_flag("--frontend-id", self.frontend_id)
         self.tls.check()
         self.etcd_access.check()
         self.check_etcd_wait()
@@ -81,6 +83,9 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
                      "keepalive_timeout_s", "body_timeout_s", "send_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("failed_instance_cooldown_s", "shutdown_grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.max_resumes < 0:
             raise ValueError(f"--max-resumes must be >= 0, got {self.max_resumes}")
         if self.max_handoffs < 1:

@@ -150,6 +150,13 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
         self.check_etcd_wait()
         check_address_flag("--etcd-endpoints", self.etcd_endpoints)
         check_address_flag("--transfer-address", [self.transfer_address] if self.transfer_address else [])
+        if self.lease_ttl_s < 1:
+            raise ValueError(f"--lease-ttl-s must be at least 1 (etcd leases are whole seconds), got {self.lease_ttl_s}")
+        for name in ("num_threads", "shutdown_grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.load_report_interval_s <= 0:
+            raise ValueError(f"--load-report-interval-s must be positive, got {self.load_report_interval_s}")
         if self.block_size <= 0:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
         for name in ("sim_step_ms", "sim_prefill_ms_per_token", "sim_decode_ms_per_seq", "engine_stall_timeout_s"):

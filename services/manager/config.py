@@ -84,7 +84,7 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         for name in ("migration_threshold", "migration_cooldown_s", "migration_failure_backoff_s", "scaling_cooldown_s",
-                     "pd_short_prompt_tokens", "prefix_load_slack"):
+                     "pd_short_prompt_tokens", "prefix_load_slack", "shutdown_grace_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.migration_pairing not in PAIRING_NAMES:

@@ -8,6 +8,7 @@ from services.common.config import knob
 from services.common.errors import FailedPrecondition
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.etcd_endpoints import check_address_flag
+from services.common.ids import check_id_flag
 from services.common.heap import DEFAULT_KEEP_MIB
 from services.common.logging import LogKnobs
 from services.common.tls import TlsKnobs
@@ -65,10 +66,18 @@ class TransferConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
                                  "server; e.g. 0.0.0.0 for a Prometheus on another machine, gRPC left on 127.0.0.1)")
 
     def __post_init__(self) -> None:
+        check_id_flag("--transfer-id", self.transfer_id)
         self.tls.check()
         self.etcd_access.check()
         self.check_etcd_wait()
         check_address_flag("--etcd-endpoints", self.etcd_endpoints)
+        if self.lease_ttl_s < 1:
+            raise ValueError(f"--lease-ttl-s must be at least 1 (etcd leases are whole seconds), got {self.lease_ttl_s}")
+        for name in ("transfer_timeout_s", "channel_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.num_threads < 0:
+            raise ValueError(f"--num-threads must be >= 0 (0 = torch's default), got {self.num_threads}")
         if not self.backends:
             raise ValueError("--backends must name at least one of grpc, gloo, nccl, shm")
         if self.default_backend not in self.backends:

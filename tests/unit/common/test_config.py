@@ -300,3 +300,52 @@ def test_a_malformed_address_is_a_usage_error_naming_its_flag(service, config_cl
     # the forms compose and the systemd units write are accepted
     assert parse_config(ManagerConfig, "manager", ["--etcd-endpoints", "etcd:2379,10.0.0.7:2379"],
                         env={}).etcd_endpoints == ["etcd:2379", "10.0.0.7:2379"]
+
+
+@pytest.mark.parametrize("raw", ["nan", "NaN", "inf", "1e999"])
+def test_a_float_knob_refuses_nan_and_infinity(raw: str, capsys) -> None:
+    # nan passed every `< 0` check (a manager ran with --lease-ttl-s nan and failed later, a traceback in its log)
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(ManagerConfig, "manager", ["--lease-ttl-s", raw], env={})
+    assert exit_info.value.code == 2
+    assert f"--lease-ttl-s: expected a finite number, got {raw!r}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(env={"FERRY_DEMO_RATIO": f"-{raw}"})
+    assert parse(["--ratio", "0.75"]).ratio == 0.75
+
+
+@pytest.mark.parametrize("service, config_cls, argv, error", [
+    ("frontend", FrontendConfig, ["--manager-address", "127.0.0.1:1", "--shutdown-grace-s", "-1"],
+     "--shutdown-grace-s must be >= 0"),
+    ("frontend", FrontendConfig, ["--manager-address", "127.0.0.1:1", "--failed-instance-cooldown-s", "-5"],
+     "--failed-instance-cooldown-s must be >= 0"),
+    ("manager", ManagerConfig, ["--shutdown-grace-s", "-1"], "--shutdown-grace-s must be >= 0"),
+    ("instance", InstanceConfig, ["--model", "m", "--lease-ttl-s", "0"], "--lease-ttl-s must be at least 1"),
+    ("instance", InstanceConfig, ["--model", "m", "--num-threads", "-1"], "--num-threads must be >= 0"),
+    ("instance", InstanceConfig, ["--model", "m", "--load-report-interval-s", "0"],
+     "--load-report-interval-s must be positive"),
+    ("instance", InstanceConfig, ["--model", "m", "--shutdown-grace-s", "-1"], "--shutdown-grace-s must be >= 0"),
+    ("transfer", TransferConfig, ["--lease-ttl-s", "0.5"], "--lease-ttl-s must be at least 1"),
+    ("transfer", TransferConfig, ["--transfer-timeout-s", "0"], "--transfer-timeout-s must be positive"),
+    ("transfer", TransferConfig, ["--channel-timeout-s", "-1"], "--channel-timeout-s must be positive"),
+    ("transfer", TransferConfig, ["--num-threads", "-1"], "--num-threads must be >= 0"),
+])
+def test_a_meaningless_number_is_a_usage_error(service, config_cls, argv, error, capsys) -> None:
+    """Each of these started before (a flag audit): a negative grace or thread count, a lease etcd
+    cannot grant, a load report loop with no pause."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(config_cls, service, argv, env={})
+    assert exit_info.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("service, config_cls, argv", [
+    ("frontend", FrontendConfig, ["--manager-address", "127.0.0.1:1", "--frontend-id", "edge/1"]),
+    ("transfer", TransferConfig, ["--transfer-id", "host a"]),
+])
+def test_frontend_and_transfer_ids_are_checked_as_instance_ids_are(service, config_cls, argv, capsys) -> None:
+    # the id names an etcd key (frontends/<id>, transfer/<id>); before, `edge/1` registered frontends/edge/1
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(config_cls, service, argv, env={})
+    assert exit_info.value.code == 2
+    assert "not an id: letters, digits" in capsys.readouterr().err

@@ -59,8 +59,11 @@ async def main(config: ManagerConfig) -> None:
     view = ClusterView(config.report_timeout_s)
     dispatcher = Dispatcher(view, leadership, config.dispatch_policy, config.pd_short_prompt_tokens,
                             config.prefix_load_slack)
-    etcd = await connect_etcd(config.etcd_endpoints, config.etcd_access)
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s, access=config.etcd_access)
+    stop = stop_event()
+    if config.etcd_user:  # the client authenticates as it connects: etcd must answer first
+        await registry.wait_until_reachable(config.etcd_wait_s, stop)
+    etcd = await connect_etcd(config.etcd_endpoints, config.etcd_access)
     store = ConfigStore(etcd, config.cluster, manager_id)
     instances = InstanceChannels(tls)
     journal = MigrationJournal(etcd, config.cluster, manager_id, config.migration_history_size)
@@ -72,7 +75,6 @@ async def main(config: ManagerConfig) -> None:
                           config.list_requests_timeout_s, config.admin_forward_timeout_s, config.migration_timeout_s,
                           tls=tls, admin_token=admin_token, journal=journal)
     await server.start(servicers(ManagerServicer(dispatcher, view, leadership, migrator), admin))
-    stop = stop_event()
     try:
         if config.metrics_port:
             serve_metrics(config.metrics_port, config.metrics_host or config.host, view, leadership,

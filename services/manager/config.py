@@ -30,6 +30,9 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
     manager_id: str = knob("", "unique id of this manager (default: <hostname>-<port>)")
     etcd_endpoints: list[str] = knob(["127.0.0.1:2379"], "etcd endpoints host:port (comma-separated)")
     cluster: str = knob("ferry", "cluster name: etcd keys live under /ferry/<cluster>/")
+    etcd_wait_s: float = knob(60.0, "with --etcd-user, how long to wait at startup for etcd to answer (it must "
+                                    "authenticate the manager first) before exiting 1 (0: at once); without a user "
+                                    "the manager starts at once and serves as a standby until it can campaign")
     lease_ttl_s: float = knob(5.0, "leader lease TTL in seconds: a standby takes over at most this long after the leader dies")
     dispatch_policy: str = knob("load", f"dispatch policy until one is stored in etcd ({', '.join(POLICY_NAMES)})")
     prefix_load_slack: int = knob(DEFAULT_PREFIX_LOAD_SLACK, "dispatch policy prefix: a request goes to the instance "
@@ -76,6 +79,8 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
         check_address_flag("--etcd-endpoints", self.etcd_endpoints)
         if not self.etcd_endpoints:
             raise ValueError("--etcd-endpoints is empty; the manager needs etcd (e.g. --etcd-endpoints 127.0.0.1:2379)")
+        if not 0 <= self.etcd_wait_s <= 86400:
+            raise ValueError(f"--etcd-wait-s must be 0..86400 seconds, got {self.etcd_wait_s}")
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl-s must be at least 1 (etcd leases are whole seconds), got {self.lease_ttl_s}")
         for name in ("report_timeout_s", "resync_interval_s", "list_requests_timeout_s", "admin_forward_timeout_s",

@@ -72,3 +72,12 @@ def test_a_generation_config_a_request_could_not_send(tmp_path, tiny_model_dir):
                             "startup_failed", f"{tmp_path / 'generation_config.json'}: temperature: must be between")
     result = start("frontend", "--manager-address", "127.0.0.1:1", "--override-generation-config", "{temperature")
     assert result.returncode == 2 and "--override-generation-config: not valid JSON" in result.stderr, result.stderr
+
+
+def test_a_manager_with_an_etcd_user_waits_for_etcd_then_says_why():
+    """A manager without an etcd user starts without etcd (a standby until it can campaign); with one
+    it must authenticate first. Before, it exited 1 at once with a traceback (Auth.Authenticate failed)."""
+    etcd = f"127.0.0.1:{free_port()}"
+    assert_one_line_failure(start("manager", "--port", "0", "--etcd-endpoints", etcd, "--etcd-user", "ferry",
+                                  "--etcd-password", "pw", "--etcd-wait-s", "1"), "service_failed",
+                            "did not answer within --etcd-wait-s 1", etcd)

@@ -9,6 +9,7 @@ with `request_metadata(request_id)`.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import enum
 import json
 import logging
@@ -54,9 +55,12 @@ class LogKnobs:
 
     def print_ready(self, member_id: str, address: str) -> None:
         """The line on stdout that says this process serves (`ready <id> <address>`, what harnesses
-        wait for); with --log-format json a JSON object, so a journal of JSON lines stays one."""
+        wait for); with --log-format json a JSON object with the level and timestamp every other
+        line has, so a journal of JSON lines stays one a log shipper can read throughout."""
         if self.log_format is LogFormat.JSON:
-            print(json.dumps({"event": "ready", "id": member_id, "address": address}), flush=True)
+            timestamp = datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+            print(json.dumps({"event": "ready", "id": member_id, "address": address, "level": "info",
+                              "timestamp": timestamp}), flush=True)
         else:
             print(f"ready {member_id} {address}", flush=True)
         notify_systemd("READY=1")  # a Type=notify unit counts as started from here

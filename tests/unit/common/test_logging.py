@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import logging
 
@@ -131,4 +132,8 @@ def test_the_ready_line_follows_the_log_format(capsys) -> None:
     Knobs().print_ready("instance-0", "127.0.0.1:5000")
     assert capsys.readouterr().out == "ready instance-0 127.0.0.1:5000\n"
     Knobs(log_format=LogFormat.JSON).print_ready("instance-0", "127.0.0.1:5000")
-    assert json.loads(capsys.readouterr().out) == {"event": "ready", "id": "instance-0", "address": "127.0.0.1:5000"}
+    line = json.loads(capsys.readouterr().out)
+    # level and timestamp as on every other JSON line (before, a shipper keyed on them dropped this one)
+    assert {k: line.pop(k) for k in ("event", "id", "address", "level")} == {
+        "event": "ready", "id": "instance-0", "address": "127.0.0.1:5000", "level": "info"}
+    assert datetime.datetime.fromisoformat(line.pop("timestamp")).tzinfo is not None and not line

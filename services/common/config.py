@@ -204,10 +204,14 @@ def _field_type(cls: type, field: dataclasses.Field) -> Any:
 
 
 def _show_defaults(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Each option's help ends with its default, unless the help says it already (`(default:
+    --host)`, `(default: <host>-<port>)`: before, those read "... (default: )" as well); an empty
+    one shows as `empty`, which the help of such a knob explains ("empty = ...")."""
     defaults = {f.name: _default(f) for f in dataclasses.fields(cls)}
     for action in parser._actions:
-        if action.dest in defaults and action.help:
-            action.help += f" (default: {defaults[action.dest]})".replace("%", "%%")
+        if action.dest in defaults and action.help and "(default" not in action.help:
+            shown = "empty" if defaults[action.dest] == "" else defaults[action.dest]
+            action.help += f" (default: {shown})".replace("%", "%%")
 
 
 def _default(field: dataclasses.Field) -> Any:

@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     role.add_argument("role", choices=ROLES, help="both: serves whole requests; prefill: prompts, then hands "
                                                   "each request to a decode instance; decode: takes those")
     top = command("top", "live view of instances and load")
-    top.add_argument("--interval", type=_positive_seconds, default=1.0, help="seconds between refreshes (default: 1)")
+    top.add_argument("--interval-s", "--interval", dest="interval", type=_positive_seconds, default=1.0, metavar="S",
+                     help="seconds between refreshes (default: 1)")
     top.add_argument("--iterations", type=_non_negative_int, default=0,
                      help="frames to draw, then exit (default: 0 = until Ctrl-C)")
     return parser
@@ -78,10 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _global_options() -> argparse.ArgumentParser:
     """CtlConfig's fields as flags that are only set when given (SUPPRESS), so they work before or after COMMAND."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", default=argparse.SUPPRESS, help="YAML file with any of the options below")
+    common.add_argument("--config", default=argparse.SUPPRESS,
+                        help="YAML file with any of the options below (field names as keys) [env FERRY_CTL_CONFIG]")
     for field in dataclasses.fields(CtlConfig):
         flag = f"--{field.name.replace('_', '-')}"
-        help_text = f"{field.metadata['help']} [env FERRY_CTL_{field.name.upper()}] (default: {field.default})"
+        shown = "empty" if field.default == "" else field.default
+        help_text = f"{field.metadata['help']} [env FERRY_CTL_{field.name.upper()}] (default: {shown})"
         if field.type in (bool, "bool"):
             common.add_argument(flag, dest=field.name, action="store_const", const="true", default=argparse.SUPPRESS,
                                 help=help_text)
@@ -92,14 +95,20 @@ def _global_options() -> argparse.ArgumentParser:
 
 
 def _positive_seconds(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}") from None
     if not 0 < value < float("inf"):  # nan fails too
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, 0 or more, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value

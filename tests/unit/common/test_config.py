@@ -349,3 +349,14 @@ def test_frontend_and_transfer_ids_are_checked_as_instance_ids_are(service, conf
         parse_config(config_cls, service, argv, env={})
     assert exit_info.value.code == 2
     assert "not an id: letters, digits" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("service, config_cls", [("frontend", FrontendConfig), ("instance", InstanceConfig),
+                                                 ("manager", ManagerConfig), ("transfer", TransferConfig)])
+def test_help_shows_each_default_once_and_an_empty_one_as_empty(service, config_cls) -> None:
+    # before: "unique id of this instance (default: <host>-<port>) [env ...] (default: )"
+    text = " ".join(build_parser(config_cls, service).format_help().split())
+    assert "(default: )" not in text
+    assert "(default: empty)" in text
+    for option in text.split(" --")[1:]:
+        assert option.count("(default") <= 1, option

@@ -87,7 +87,8 @@ def test_an_unreachable_manager_gets_the_tls_setting_that_may_be_missing(capsys,
 
 
 @pytest.mark.parametrize("argv", [["top", "--iterations", "-1"], ["top", "--interval", "nan"],
-                                  ["top", "--interval", "-1"], ["top", "--interval", "inf"]])
+                                  ["top", "--interval", "-1"], ["top", "--interval", "inf"],
+                                  ["top", "--interval-s", "soon"], ["top", "--iterations", "two"]])
 def test_top_refuses_counts_and_intervals_it_cannot_use(argv, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
@@ -98,3 +99,15 @@ def test_top_refuses_counts_and_intervals_it_cannot_use(argv, capsys):
 def test_timeout_must_be_a_positive_finite_number(value):
     with pytest.raises(SystemExit):
         resolve_config(build_parser().parse_args(["--timeout-s", value, "instances"]))
+
+
+def test_top_interval_is_named_in_seconds_like_every_other_duration_flag():
+    # --interval-s as scale_hooks and the services spell durations; --interval still works
+    assert build_parser().parse_args(["top", "--interval-s", "0.5"]).interval == 0.5
+    assert build_parser().parse_args(["top", "--interval", "2"]).interval == 2.0
+
+
+def test_global_help_shows_empty_defaults_as_empty_and_names_the_config_env():
+    text = " ".join(build_parser().format_help().split())
+    assert "(default: )" not in text and "[env FERRY_CTL_TOKEN] (default: empty)" in text
+    assert "FERRY_CTL_CONFIG" in text

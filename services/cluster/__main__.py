@@ -28,7 +28,7 @@ from services.cluster.processes import ROOT, ProcessDied, TlsRejected
 from services.cluster.security import ClusterSecurity
 from services.cluster.supervisor import RestartPolicy
 from services.cluster.state_dir import StateDirInUse, StateDirUnusable
-from services.common.config import DefaultsHelpFormatter
+from services.common.config import DefaultsHelpFormatter, OneLineErrorParser
 from services.common.etcd_launcher import EtcdStartFailed
 from services.common.logging import LogFormat, setup_logging
 
@@ -42,7 +42,7 @@ VLLM_NOT_BUILT = ("--engine vllm is not built yet: live migration reads and writ
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m services.cluster", description=__doc__,
+    parser = OneLineErrorParser(prog="python -m services.cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start a local cluster and run until Ctrl-C",

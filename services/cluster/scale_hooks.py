@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from services.cluster.scaling_follower import plan
-from services.common.config import DefaultsHelpFormatter, knob_help
+from services.common.config import DefaultsHelpFormatter, OneLineErrorParser, knob_help
 from services.common.etcd_client import EtcdAccess, EtcdKnobs
 from services.common.events import wait_set
 from services.common.logging import LogFormat, setup_logging
@@ -43,7 +43,7 @@ log = structlog.get_logger(__name__)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m services.cluster.scale_hooks", description=__doc__,
+    parser = OneLineErrorParser(prog="python -m services.cluster.scale_hooks", description=__doc__,
                                      formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--etcd-endpoints", required=True, help="etcd endpoints host:port, comma-separated")
     parser.add_argument("--cluster", default="ferry", help="cluster name (etcd keys live under /ferry/<cluster>/)")

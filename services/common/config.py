@@ -80,6 +80,15 @@ def parse_config(cls: type[C], service: str, argv: Sequence[str] | None = None,
         parser.error(str(exc))
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr, exit 2: argparse printed the whole
+    usage first (50 lines for an instance), which a crash-looping unit's journal repeated per restart
+    above the one line that says what is wrong; `--help` still shows it."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
     """The description as written; each option's help ends with its default, unless that is None
     (the help says what happens then) or the help already names it."""
@@ -93,7 +102,7 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser(cls: type, service: str, description: str | None = None,
                  prog: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog=prog or f"python -m services.{service}", description=description or cls.__doc__,
         epilog=f"Every flag can also be set as FERRY_{service.upper()}_<FLAG> (e.g. "
                f"{env_name(service, 'port')}) or in the --config YAML file. CLI beats env beats file beats default.",

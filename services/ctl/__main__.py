@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from services.common.config import parse_config
+from services.common.config import OneLineErrorParser, parse_config
 from services.common.errors import FerryError, Unavailable
 from services.ctl.client import ROLES, AdminClient, NotAvailableYet
 from services.ctl.commands import COMMANDS
@@ -31,7 +31,7 @@ EXIT_FAILED, EXIT_USAGE, EXIT_NOT_AVAILABLE = 1, 2, 3
 
 def build_parser() -> argparse.ArgumentParser:
     common = _global_options()
-    parser = argparse.ArgumentParser(prog="ferryctl", parents=[common], description=__doc__,
+    parser = OneLineErrorParser(prog="ferryctl", parents=[common], description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

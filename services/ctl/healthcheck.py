@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.config import OneLineErrorParser
 from services.common.grpc_server import secure_or_insecure_channel
 from services.common.tls import TlsConfig
 
@@ -65,7 +66,7 @@ def tls_from_environment(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.ctl.healthcheck", description=__doc__,
+    parser = OneLineErrorParser(prog="python -m services.ctl.healthcheck", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", help="host:port (gRPC) or http://host:port (HTTP)")
     parser.add_argument("--service", default="", help="gRPC service name to check (default: the whole server)")

@@ -360,3 +360,11 @@ def test_help_shows_each_default_once_and_an_empty_one_as_empty(service, config_
     assert "(default: empty)" in text
     for option in text.split(" --")[1:]:
         assert option.count("(default") <= 1, option
+
+
+def test_a_usage_error_is_one_line_naming_the_flag(capsys) -> None:
+    # before: argparse's whole usage (some 50 lines for an instance) above it, per restart of a failing unit
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(InstanceConfig, "instance", ["--model", "m", "--block-size", "many"], env={})
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "python -m services.instance: error: --block-size: expected int, got 'many'\n"

@@ -111,3 +111,10 @@ def test_global_help_shows_empty_defaults_as_empty_and_names_the_config_env():
     text = " ".join(build_parser().format_help().split())
     assert "(default: )" not in text and "[env FERRY_CTL_TOKEN] (default: empty)" in text
     assert "FERRY_CTL_CONFIG" in text
+
+
+def test_a_subcommand_usage_error_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["role", "instance-1"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "ferryctl role: error: the following arguments are required: role\n"

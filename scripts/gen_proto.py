@@ -4,6 +4,7 @@ The generated modules import each other as `ferry.v1.x_pb2`; we rewrite those
 imports to `services.common.gen.ferry.v1.x_pb2` so no sys.path tricks are needed.
 """
 
+import argparse
 import pathlib
 import re
 import sys
@@ -34,4 +35,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # no options; parsed so that --help shows this text (before, `--help` regenerated the code)
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     sys.exit(main())

@@ -22,3 +22,11 @@ def test_ruff_finds_nothing():
     completed = subprocess.run([RUFF, "check", "services", "benchmarks", "tests", "scripts"], cwd=ROOT,
                                capture_output=True, text=True, timeout=50)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
+
+
+def test_every_script_answers_help_without_doing_its_work():
+    # before, `python scripts/gen_proto.py --help` regenerated services/common/gen instead
+    for script in sorted((ROOT / "scripts").glob("*.py")):
+        result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60,
+                                cwd=ROOT)
+        assert result.returncode == 0 and result.stdout.startswith("usage:"), (script.name, result.stdout[:200])

@@ -21,20 +21,32 @@ def samples(port: int) -> dict[str, float]:
 
 
 def exposition_problems(text: str) -> list[str]:
-    """What an operator's Prometheus would trip over in one /metrics text: a ferry family
-    without HELP, a histogram whose buckets are not cumulative or do not end at +Inf = _count,
-    a request id as a label (one series per request)."""
-    problems = []
+    """What an operator's Prometheus would trip over in one /metrics text: a series exported twice,
+    a ferry family without HELP or TYPE, a counter not named *_total, a histogram whose buckets are
+    not cumulative or do not end at +Inf = _count, a request id as a label (one series per request)."""
+    problems = _duplicate_series(text)
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE "))
+    typed = set(types)
+    problems += [f"{name} is a counter not named *_total" for name, kind in types.items()
+                 if kind == "counter" and name.startswith("ferry_") and not name.endswith("_total")]
     for family in text_string_to_metric_families(text):  # raises on text Prometheus cannot parse
         if not family.name.startswith("ferry_"):
             continue
         if not family.documentation:
             problems.append(f"{family.name} has no HELP")
+        if family.name not in typed and f"{family.name}_total" not in typed:
+            problems.append(f"{family.name} has no TYPE (Prometheus reads it as untyped)")
         problems += [f"{family.name} is labelled by {label}" for sample in family.samples
                      for label in sample.labels if label in _PER_REQUEST_LABELS]
         if family.type == "histogram":
             problems += _histogram_problems(family)
     return problems
+
+
+def _duplicate_series(text: str) -> list[str]:
+    """A series (name and labels) exported twice: Prometheus rejects the whole scrape."""
+    series = [line.rpartition(" ")[0] for line in text.splitlines() if line and not line.startswith("#")]
+    return [f"{name} is exported twice" for name in sorted({s for s in series if series.count(s) > 1})]
 
 
 _PER_REQUEST_LABELS = frozenset({"request_id", "client_request_id", "migration_id"})

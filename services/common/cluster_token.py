@@ -47,8 +47,7 @@ class ClusterTokenKnobs:
     """The cluster-token flags of a ferry process that calls or serves internal services (mixed into its config)."""
 
     cluster_token: str = knob("", "shared secret of ferry's internal gRPC services: sent on every call to them "
-                                  f"(`{CLUSTER_TOKEN_KEY}` metadata) and required by this process's gRPC server "
-                                  "(the manager's AdminService excepted); empty = off. Prefer --cluster-token-file")
+                                  f"(`{CLUSTER_TOKEN_KEY}` metadata); empty = off. Prefer --cluster-token-file")
     cluster_token_file: str = knob("", "file holding --cluster-token (one for the whole cluster)")
 
     @property

@@ -29,7 +29,7 @@ import pathlib
 
 import grpc
 
-from services.common.cluster_token import ClusterTokenKnobs
+from services.common.cluster_token import CLUSTER_TOKEN_KEY, ClusterTokenKnobs
 from services.common.config import knob
 
 
@@ -93,6 +93,10 @@ class PeerKnobs(ClusterTokenKnobs, ClientTlsKnobs):
 @dataclasses.dataclass(frozen=True)
 class TlsKnobs(PeerKnobs):
     """TLS and cluster-token flags of a process with a gRPC server (mixed into its config dataclass)."""
+
+    cluster_token: str = knob("", "shared secret of ferry's internal gRPC services: sent on every call to them "
+                                  f"(`{CLUSTER_TOKEN_KEY}` metadata) and required by this process's gRPC server "
+                                  "(the manager's AdminService excepted); empty = off. Prefer --cluster-token-file")
 
     tls_cert: str = knob("", "PEM certificate of this process: served by its gRPC server (TLS) and presented as "
                              "client certificate when a server requires one (mTLS); empty = plaintext server")

@@ -368,3 +368,10 @@ def test_a_usage_error_is_one_line_naming_the_flag(capsys) -> None:
         parse_config(InstanceConfig, "instance", ["--model", "m", "--block-size", "many"], env={})
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "python -m services.instance: error: --block-size: expected int, got 'many'\n"
+
+
+def test_the_frontend_help_does_not_promise_a_grpc_server_it_does_not_have() -> None:
+    frontend = " ".join(build_parser(FrontendConfig, "frontend").format_help().split())
+    instance = " ".join(build_parser(InstanceConfig, "instance").format_help().split())
+    assert "this process's gRPC server" not in frontend  # it serves HTTP only; its token is only sent
+    assert "required by this process's gRPC server" in instance

@@ -152,7 +152,7 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
         check_address_flag("--transfer-address", [self.transfer_address] if self.transfer_address else [])
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl-s must be at least 1 (etcd leases are whole seconds), got {self.lease_ttl_s}")
-        for name in ("num_threads", "shutdown_grace_s"):
+        for name in ("num_threads", "shutdown_grace_s", "priority_headroom_blocks", "max_model_len"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.load_report_interval_s <= 0:

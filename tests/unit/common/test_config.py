@@ -325,6 +325,10 @@ def test_a_float_knob_refuses_nan_and_infinity(raw: str, capsys) -> None:
     ("instance", InstanceConfig, ["--model", "m", "--load-report-interval-s", "0"],
      "--load-report-interval-s must be positive"),
     ("instance", InstanceConfig, ["--model", "m", "--shutdown-grace-s", "-1"], "--shutdown-grace-s must be >= 0"),
+    # these two were refused only after the model had loaded (exit 1, seconds later)
+    ("instance", InstanceConfig, ["--model", "m", "--priority-headroom-blocks", "-1"],
+     "--priority-headroom-blocks must be >= 0"),
+    ("instance", InstanceConfig, ["--model", "m", "--max-model-len", "-1"], "--max-model-len must be >= 0"),
     ("transfer", TransferConfig, ["--lease-ttl-s", "0.5"], "--lease-ttl-s must be at least 1"),
     ("transfer", TransferConfig, ["--transfer-timeout-s", "0"], "--transfer-timeout-s must be positive"),
     ("transfer", TransferConfig, ["--channel-timeout-s", "-1"], "--channel-timeout-s must be positive"),

@@ -30,6 +30,7 @@ from services.cluster.supervisor import RestartPolicy
 from services.cluster.state_dir import StateDirInUse, StateDirUnusable
 from services.common.config import DefaultsHelpFormatter, OneLineErrorParser
 from services.common.etcd_launcher import EtcdStartFailed
+from services.common.ids import check_cluster_flag
 from services.common.logging import LogFormat, setup_logging
 
 log = structlog.get_logger(__name__)
@@ -121,6 +122,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         up.error(f"--http-port and --admin-port must differ (both are {args.http_port})")
     if not args.health_timeout_s > 0:  # NaN too
         up.error(f"--health-timeout-s must be positive, got {args.health_timeout_s:g}")
+    try:
+        check_cluster_flag(args.cluster)
+    except ValueError as exc:
+        up.error(str(exc))
     if args.kv_cache_mib <= 0:
         up.error(f"--kv-cache-mib must be positive, got {args.kv_cache_mib}")
     if args.threads_per_instance < 0:

@@ -39,6 +39,14 @@ def check_id_flag(flag: str, value: str) -> None:
         raise ValueError(f"{flag} {value[:40]!r}: {problem}")
 
 
+def check_cluster_flag(value: str) -> None:
+    """--cluster names the etcd prefix /ferry/<cluster>/: one id-like word (before, an empty name
+    gave /ferry//, and `a/b` nested one cluster's keys under another's)."""
+    if not value:
+        raise ValueError("--cluster is empty; name the cluster (etcd keys live under /ferry/<cluster>/), e.g. ferry")
+    check_id_flag("--cluster", value)
+
+
 def check_id(field: str, value: str) -> str:
     """`value` if it can be an id, else INVALID_ARGUMENT naming `field` (and the value, shortened)."""
     if (problem := id_problem(value)) is not None:

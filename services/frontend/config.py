@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from services.common.config import knob, parse_config
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.etcd_endpoints import check_address_flag
-from services.common.ids import check_id_flag
+from services.common.ids import check_cluster_flag, check_id_flag
 from services.common.logging import LogKnobs
 from services.common.tls import PeerKnobs
 from services.frontend.sampling_defaults import override_values
@@ -76,6 +76,7 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
 
     def __post_init__(self) -> None:
         check_id_flag("--frontend-id", self.frontend_id)
+        check_cluster_flag(self.cluster)
         self.tls.check()
         self.etcd_access.check()
         self.check_etcd_wait()

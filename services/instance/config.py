@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from services.common.config import knob
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.etcd_endpoints import check_address_flag
-from services.common.ids import check_id_flag
+from services.common.ids import check_cluster_flag, check_id_flag
 from services.common.logging import LogKnobs
 from services.common.tls import TlsKnobs
 from services.instance.engine.device import resolve_device
@@ -145,6 +145,7 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
 
     def __post_init__(self) -> None:
         check_id_flag("--instance-id", self.instance_id)
+        check_cluster_flag(self.cluster)
         self.tls.check()
         self.etcd_access.check()
         self.check_etcd_wait()

@@ -9,7 +9,7 @@ from services.common.config import knob
 from services.common.errors import InvalidArgument
 from services.common.etcd_client import EtcdKnobs
 from services.common.etcd_endpoints import check_address_flag
-from services.common.ids import check_id_flag
+from services.common.ids import check_cluster_flag, check_id_flag
 from services.common.logging import LogKnobs
 from services.common.tls import TlsKnobs
 from services.manager.migration import MigrationSelection, MigrationSettings
@@ -74,6 +74,7 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
 
     def __post_init__(self) -> None:
         check_id_flag("--manager-id", self.manager_id)
+        check_cluster_flag(self.cluster)
         if self.dispatch_policy not in POLICY_NAMES:
             raise ValueError(f"--dispatch-policy must be one of {', '.join(POLICY_NAMES)}, got {self.dispatch_policy!r}")
         check_address_flag("--etcd-endpoints", self.etcd_endpoints)

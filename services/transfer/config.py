@@ -8,7 +8,7 @@ from services.common.config import knob
 from services.common.errors import FailedPrecondition
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.etcd_endpoints import check_address_flag
-from services.common.ids import check_id_flag
+from services.common.ids import check_cluster_flag, check_id_flag
 from services.common.heap import DEFAULT_KEEP_MIB
 from services.common.logging import LogKnobs
 from services.common.tls import TlsKnobs
@@ -67,6 +67,7 @@ class TransferConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
 
     def __post_init__(self) -> None:
         check_id_flag("--transfer-id", self.transfer_id)
+        check_cluster_flag(self.cluster)
         self.tls.check()
         self.etcd_access.check()
         self.check_etcd_wait()

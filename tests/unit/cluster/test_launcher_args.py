@@ -171,3 +171,9 @@ def test_cluster_token_file_auto_is_generated_at_start_not_read_now(files, monke
     (files["token"].parent / "auto").write_text("a-file-called-auto\n")
     named = parse_args(["up", "--cluster-token-file", "./auto"]).security
     assert not named.generates_cluster_token and named.cluster_token_file == files["token"].parent / "auto"
+
+
+def test_the_cluster_name_is_checked_before_anything_starts(capsys):
+    # before, `up --cluster eu/prod` started etcd and children that used it as a nested etcd prefix
+    assert "--cluster 'eu/prod': not an id" in usage_error(["--cluster", "eu/prod"], capsys)
+    assert "--cluster is empty" in usage_error(["--cluster", ""], capsys)

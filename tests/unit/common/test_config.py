@@ -379,3 +379,16 @@ def test_the_frontend_help_does_not_promise_a_grpc_server_it_does_not_have() -> 
     instance = " ".join(build_parser(InstanceConfig, "instance").format_help().split())
     assert "this process's gRPC server" not in frontend  # it serves HTTP only; its token is only sent
     assert "required by this process's gRPC server" in instance
+
+
+@pytest.mark.parametrize("service, config_cls, required", [
+    ("frontend", FrontendConfig, ["--manager-address", "127.0.0.1:1"]), ("instance", InstanceConfig, ["--model", "m"]),
+    ("manager", ManagerConfig, []), ("transfer", TransferConfig, [])])
+@pytest.mark.parametrize("name, error", [("", "--cluster is empty"), ("eu/prod", "--cluster 'eu/prod': not an id")])
+def test_the_cluster_name_is_one_word(service, config_cls, required, name, error, capsys) -> None:
+    # it is the etcd prefix /ferry/<cluster>/: before, '' gave /ferry//, and eu/prod nested under eu
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(config_cls, service, [*required, "--cluster", name], env={})
+    assert exit_info.value.code == 2
+    assert error in capsys.readouterr().err
+    assert parse_config(config_cls, service, [*required, "--cluster", "prod-eu.2"], env={}).cluster == "prod-eu.2"

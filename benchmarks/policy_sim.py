@@ -1,19 +1,27 @@
-"""Dispatch and migration policies compared on one cluster of sim instances.
+"""Dispatch and migration policies compared on one cluster of sim instances, over several seeds.
 
 Starts `services.cluster up --engine sim` (instances with the real scheduler, KV cache and
 live migration, and a latency model instead of the forward pass: no weights, little CPU),
-then sends the same bursty, long-tailed workload once per policy (`dispatch:migration`,
-default `round_robin:off,load:off,load:on`) and prints the latency of each run with its
-ratio to the first:
+then, for each seed (`--seeds`), sends that seed's long-tailed workload once per policy
+(`dispatch:migration`, default `round_robin:off,load:off,load:on`). Arrivals are Poisson, or
+burstier with `--burstiness` below 1 (Gamma gaps, as vLLM's benchmark_serving). Prints one
+row per seed and policy, each with its ratios to the first policy of the same seed (the
+reference measured in the same run), then one row per policy of the medians over seeds and
+the range of each ratio:
 
-    policy  ttft_p50(ms)  ttft_p99(ms)  decode_p50(ms)  decode_p99(ms)  migrations  errors  prefix_hit  p99_ttft_vs_first
-    round_robin:off  ...
+    seed  policy  ttft_p50(ms)  ttft_p99(ms)  decode_p50(ms)  decode_p99(ms)  migrations  preemptions  errors  prefix_hit  p99_ttft_vs_first  p99_decode_vs_first
+    0     round_robin:off  ...
+    policy  seeds  ttft_p50(ms)  ttft_p99(ms)  decode_p50(ms)  decode_p99(ms)  migrations  preemptions  errors  p99_ttft_vs_first  range  p99_decode_vs_first  range
+    round_robin:off  5  ...
 
-Instances get few batch slots (--max-num-seqs), so an instance that drew long requests
-queues new ones; that is what load-aware dispatch and migration are for. Writes
-policy_sim.json and policy_sim.png (latency CDFs) to --out-dir.
+`decode` is the gap between a request's tokens at the client; `preemptions` are the running
+requests the instances sent back to their queue for KV blocks during the run (recomputed
+when readmitted), from their /metrics. Instances get few batch slots (--max-num-seqs), so an
+instance that drew long requests queues new ones; that is what load-aware dispatch and
+migration are for. Writes policy_sim.json and policy_sim.png (latency CDFs, every seed's
+requests together) to --out-dir.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/policy_sim.py --instances 4 --num-requests 120 --rate 6
+    PYTHONPATH=. .venv/bin/python benchmarks/policy_sim.py --instances 4 --num-requests 120 --rate 6 --seeds 0,1,2
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import signal
 import sys
 import time
 
+import aiohttp
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -37,7 +46,7 @@ from serving import Workload, add_workload_args, run_workload, started_cluster, 
 from services.instance.engine.model_config import ModelConfig  # noqa: E402
 from services.manager.client import ManagerClient  # noqa: E402
 from benchmarks.stopping import as_ctrl_c  # noqa: E402
-from benchmarks.flags import HelpFormatter  # noqa: E402
+from benchmarks.flags import HelpFormatter, int_list  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,8 +64,11 @@ def parse_args() -> argparse.Namespace:
                         help="sim prefill cost per computed prompt token (prefix cache hits cost nothing)")
     add_workload_args(parser, Workload(num_requests=120, rate=6.0, prompt_mean=64, output_mean=48, sigma=1.1,
                                        max_output=600))  # every policy gets the same requests
+    parser.add_argument("--seeds", type=int_list(0), default=None,
+                        help="comma-separated workload seeds, each run under every policy (default: --seed alone)")
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "bench-results", help="where JSON and PNG go")
     args = parser.parse_args()
+    args.seeds = [int(seed) for seed in (args.seeds or str(args.seed)).split(",")]
     args.pd, args.launcher_args = "", f"--engine sim --kv-cache-mib {args.kv_cache_mib}"
     return args
 
@@ -94,31 +106,86 @@ async def prefix_cache_tokens(admin: ManagerClient, timeout_s: float = 30.0) -> 
         await asyncio.sleep(0.05)
 
 
-async def run_policy(admin: ManagerClient, url: str, model: str, requests, dispatch: str, migrate: bool) -> dict:
+async def preemptions(metrics_urls: list[str]) -> int:
+    """Preemptions so far, summed over the instances (their ferry_instance_preemptions counters)."""
+    total = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        for url in metrics_urls:
+            async with session.get(url) as response:
+                text = await response.text()
+            total += sum(int(float(line.split()[-1])) for line in text.splitlines()
+                         if line.startswith("ferry_instance_preemptions_total"))
+    return total
+
+
+def instance_metrics_urls(cluster: dict) -> list[str]:
+    return [p["metrics_url"] for p in cluster["processes"] if p["name"].startswith("instance-")]
+
+
+async def run_policy(admin: ManagerClient, cluster: dict, model: str, requests, dispatch: str, migrate: bool) -> dict:
     await admin.update_policy(dispatch=dispatch, migration_enabled=migrate)
     started_at = time.time()
     queried_before, hit_before = await prefix_cache_tokens(admin)
-    results, elapsed = await run_workload(url, model, requests)
+    preempted_before = await preemptions(instance_metrics_urls(cluster))
+    results, elapsed = await run_workload(cluster["frontend_url"], model, requests)
     await admin.update_policy(migration_enabled=False)
     moved = await admin.list_migrations()
     queried, hit = await prefix_cache_tokens(admin)
     ok = [r for r in results if not r.error]
+    mine = [m for m in moved.migrations if m.started_at >= started_at]
     return {"policy": f"{dispatch}:{'on' if migrate else 'off'}", "elapsed_s": elapsed,
             "prefix_hit_rate": (hit - hit_before) / max(queried - queried_before, 1),
+            "num_preemptions": await preemptions(instance_metrics_urls(cluster)) - preempted_before,
             "ttft_ms": [r.ttft_ms for r in ok], "itl_ms": [gap for r in ok for gap in r.itl_ms],
-            "num_migrations": sum(m.started_at >= started_at and m.outcome == "committed" for m in moved.migrations),
+            "num_migrations": sum(m.outcome == "committed" for m in mine),
+            "migrations": [{"at_s": m.started_at - started_at, "src": m.src_instance_id, "dst": m.dst_instance_id,
+                            "outcome": m.outcome, "reason": m.reason, "num_blocks": m.num_blocks,
+                            "duration_ms": m.duration_ms, "downtime_ms": m.downtime_ms} for m in mine],
             "num_errors": len(results) - len(ok)}
 
 
-def report(runs: list[dict]) -> str:
-    lines = ["policy\tttft_p50(ms)\tttft_p99(ms)\tdecode_p50(ms)\tdecode_p99(ms)\tmigrations\terrors\tprefix_hit"
-             "\tp99_ttft_vs_first"]
-    first_p99 = np.percentile(runs[0]["ttft_ms"], 99)
+def p99(values: list[float]) -> float:
+    return float(np.percentile(values, 99))
+
+
+def with_ratios(runs: list[dict]) -> list[dict]:
+    """Each run with its p99s over those of the first policy of the same seed (measured in the same session)."""
+    first = {}
     for run in runs:
+        first.setdefault(run["seed"], run)
+    return [{**run, "ttft_vs_first": p99(run["ttft_ms"]) / p99(first[run["seed"]]["ttft_ms"]),
+             "decode_vs_first": p99(run["itl_ms"]) / p99(first[run["seed"]]["itl_ms"])} for run in runs]
+
+
+def report(runs: list[dict]) -> str:
+    lines = ["seed\tpolicy\tttft_p50(ms)\tttft_p99(ms)\tdecode_p50(ms)\tdecode_p99(ms)\tmigrations\tpreemptions"
+             "\terrors\tprefix_hit\tp99_ttft_vs_first\tp99_decode_vs_first"]
+    for run in with_ratios(runs):
         ttft, itl = run["ttft_ms"], run["itl_ms"]
-        lines.append(f"{run['policy']}\t{np.percentile(ttft, 50):.1f}\t{np.percentile(ttft, 99):.1f}\t"
-                     f"{np.percentile(itl, 50):.1f}\t{np.percentile(itl, 99):.1f}\t{run['num_migrations']}\t"
-                     f"{run['num_errors']}\t{run['prefix_hit_rate']:.2f}\t{np.percentile(ttft, 99) / first_p99:.2f}")
+        lines.append(f"{run['seed']}\t{run['policy']}\t{np.percentile(ttft, 50):.1f}\t{p99(ttft):.1f}\t"
+                     f"{np.percentile(itl, 50):.1f}\t{p99(itl):.1f}\t{run['num_migrations']}\t{run['num_preemptions']}\t"
+                     f"{run['num_errors']}\t{run['prefix_hit_rate']:.2f}\t{run['ttft_vs_first']:.2f}\t"
+                     f"{run['decode_vs_first']:.2f}")
+    return "\n".join(lines)
+
+
+def summary(runs: list[dict]) -> str:
+    """Per policy, the median over seeds of each figure (errors: the sum) and the range of each ratio."""
+    lines = ["policy\tseeds\tttft_p50(ms)\tttft_p99(ms)\tdecode_p50(ms)\tdecode_p99(ms)\tmigrations\tpreemptions"
+             "\terrors\tp99_ttft_vs_first\trange\tp99_decode_vs_first\trange"]
+    rated = with_ratios(runs)
+    for policy in dict.fromkeys(run["policy"] for run in rated):
+        mine = [run for run in rated if run["policy"] == policy]
+        medians = [np.median([figure(run) for run in mine]) for figure in (
+            lambda r: np.percentile(r["ttft_ms"], 50), lambda r: p99(r["ttft_ms"]),
+            lambda r: np.percentile(r["itl_ms"], 50), lambda r: p99(r["itl_ms"]))]
+        counts = [np.median([run[key] for run in mine]) for key in ("num_migrations", "num_preemptions")]
+        cells = [f"{value:.1f}" for value in medians] + [f"{value:g}" for value in counts]
+        cells.append(str(sum(run["num_errors"] for run in mine)))
+        for key in ("ttft_vs_first", "decode_vs_first"):
+            ratios = [run[key] for run in mine]
+            cells += [f"{np.median(ratios):.2f}", f"{min(ratios):.2f}-{max(ratios):.2f}"]
+        lines.append(f"{policy}\t{len(mine)}\t" + "\t".join(cells))
     return "\n".join(lines)
 
 
@@ -127,10 +194,10 @@ def plot(runs: list[dict], path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for run in runs:
+    for policy in dict.fromkeys(run["policy"] for run in runs):
         for axis, key in zip(axes, ("ttft_ms", "itl_ms")):
-            values = np.sort(run[key])
-            axis.plot(values, np.arange(1, len(values) + 1) / len(values), label=run["policy"])
+            values = np.sort([value for run in runs if run["policy"] == policy for value in run[key]])
+            axis.plot(values, np.arange(1, len(values) + 1) / len(values), label=policy)
     for axis, title in zip(axes, ("time to first token", "gap between tokens")):
         axis.set(xscale="log", xlabel="ms", ylabel="fraction of requests / gaps", title=title)
         axis.grid(alpha=0.3)
@@ -140,13 +207,16 @@ def plot(runs: list[dict], path: pathlib.Path) -> None:
 
 
 async def bench(args: argparse.Namespace, cluster: dict) -> list[dict]:
-    requests = workload(args, ModelConfig.from_dir(args.model).vocab_size)
-    runs = []
+    vocab_size = ModelConfig.from_dir(args.model).vocab_size
+    runs, salt = [], 0
     async with ManagerClient(cluster["admin_address"], timeout_s=10.0) as admin:
-        for salt, (dispatch, migrate) in enumerate(policies(args.policies), start=1):
-            print(f"policy {dispatch}, migration {'on' if migrate else 'off'}", flush=True)
-            runs.append(await run_policy(admin, cluster["frontend_url"], args.model.name, salted(requests, salt),
-                                         dispatch, migrate))
+        for seed in args.seeds:
+            requests = workload(argparse.Namespace(**{**vars(args), "seed": seed}), vocab_size)
+            for dispatch, migrate in policies(args.policies):
+                salt += 1
+                print(f"seed {seed}, policy {dispatch}, migration {'on' if migrate else 'off'}", flush=True)
+                run = await run_policy(admin, cluster, args.model.name, salted(requests, salt), dispatch, migrate)
+                runs.append({"seed": seed, **run})
     return runs
 
 
@@ -160,6 +230,7 @@ def main() -> None:
     with started_cluster(args) as cluster:
         runs = asyncio.run(bench(args, cluster))
     print(report(runs))
+    print(summary(runs))
     (args.out_dir / "policy_sim.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                               "runs": runs}))
     plot(runs, args.out_dir / "policy_sim.png")

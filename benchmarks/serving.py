@@ -76,9 +76,13 @@ class Workload:
 
 
 def add_workload_args(parser: argparse.ArgumentParser, defaults: Workload) -> None:
-    """The flags of the seeded Poisson workload with log-normal lengths."""
+    """The flags of the seeded workload: Poisson (or Gamma, --burstiness) arrivals, log-normal lengths."""
     parser.add_argument("--num-requests", type=at_least(1), default=defaults.num_requests, help="requests to send")
-    parser.add_argument("--rate", type=above_zero, default=defaults.rate, help="mean arrival rate (requests/s, Poisson)")
+    parser.add_argument("--rate", type=above_zero, default=defaults.rate, help="mean arrival rate (requests/s)")
+    parser.add_argument("--burstiness", type=above_zero, default=1.0,
+                        help="shape of the Gamma distribution of the gaps between arrivals, as vLLM's benchmark_serving "
+                             "--burstiness: 1 is a Poisson process, below 1 burstier (gaps vary by 1/sqrt(burstiness) "
+                             "of their mean: 0.25 gives bursts and lulls at the same mean rate), above 1 more even")
     parser.add_argument("--prompt-mean", type=at_least(1), default=defaults.prompt_mean, help="median prompt length in tokens")
     parser.add_argument("--output-mean", type=at_least(1), default=defaults.output_mean, help="median output length in tokens")
     parser.add_argument("--sigma", type=float, default=defaults.sigma,
@@ -115,13 +119,22 @@ def workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[float, lis
                 for _ in range(args.num_prefixes)]
     arrivals, now = [], 0.0
     for _ in range(args.num_requests):
-        now += rng.expovariate(args.rate)
+        now += arrival_gap(rng, args.rate, args.burstiness)
         prompt_len = min(args.max_prompt, max(4, int(rng.lognormvariate(np.log(args.prompt_mean), args.sigma))))
         output_len = min(args.max_output, max(2, int(rng.lognormvariate(np.log(args.output_mean), args.sigma))))
         prefix = rng.choice(prefixes) if prefixes else []
         prompt = prefix + [rng.randrange(100, vocab_size - 100) for _ in range(prompt_len)]
         arrivals.append((now, prompt, output_len))
     return arrivals
+
+
+def arrival_gap(rng: random.Random, rate: float, burstiness: float) -> float:
+    """Seconds to the next arrival: Gamma(shape=burstiness, scale=1/(rate*burstiness)), mean 1/rate, as vLLM's
+    benchmark_serving draws them. Burstiness 1 draws exactly what the Poisson workload always drew (same seed,
+    same requests)."""
+    if burstiness == 1.0:
+        return rng.expovariate(rate)
+    return rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
 
 
 async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], output_len: int) -> RequestResult:

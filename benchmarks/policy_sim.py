@@ -139,7 +139,7 @@ async def run_policy(admin: ManagerClient, cluster: dict, model: str, requests, 
             "ttft_ms": [r.ttft_ms for r in ok], "itl_ms": [gap for r in ok for gap in r.itl_ms],
             "num_migrations": sum(m.outcome == "committed" for m in mine),
             "migrations": [{"at_s": m.started_at - started_at, "src": m.src_instance_id, "dst": m.dst_instance_id,
-                            "outcome": m.outcome, "reason": m.reason, "num_blocks": m.num_blocks,
+                            "outcome": m.outcome, "reason": m.reason, "message": m.message, "num_blocks": m.num_blocks,
                             "duration_ms": m.duration_ms, "downtime_ms": m.downtime_ms} for m in mine],
             "num_errors": len(results) - len(ok)}
 

@@ -33,6 +33,8 @@ CASES = [
     ("serving", ["--num-requests", "0"], "argument --num-requests: 0 is below 1"),
     ("serving", ["--pd", "2"], "argument --pd: '2' is not P:D with 1 or more of each"),
     ("policy_sim", ["--rate", "0"], "argument --rate: 0 is not above 0"),
+    ("policy_sim", ["--burstiness", "0"], "argument --burstiness: 0 is not above 0"),
+    ("policy_sim", ["--seeds", "0,x"], "argument --seeds: 'x' is not comma-separated whole numbers"),
     ("pd_compare", ["--pd", "1:0"], "argument --pd: '1:0' is not P:D with 1 or more of each"),
     ("load", ["--duration", "-5"], "argument --duration: -5 is not above 0"),
     ("chaos", ["--instances", "0"], "argument --instances: 0 is below 1"),

@@ -184,6 +184,7 @@ def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int
         num_incoming_migrations=num_incoming_migrations,
         num_requests_admitted=load.num_requests_admitted,
         num_requests_migrated_in=load.num_requests_migrated_in,
+        num_free_slots=load.num_free_slots,
     )
 
 

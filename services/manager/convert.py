@@ -62,7 +62,8 @@ def role_to_proto(role: Role) -> int:
 
 _LOAD_COUNTS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_blocks_needed_by_waiting",
                 "num_requests_served", "num_prefilled", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
-                "num_headroom_blocks", "num_incoming_migrations", "num_requests_admitted", "num_requests_migrated_in")
+                "num_headroom_blocks", "num_incoming_migrations", "num_requests_admitted", "num_requests_migrated_in",
+                "num_free_slots")
 
 
 def load_from_proto(report: common_pb2.LoadReport) -> Load:
@@ -77,7 +78,8 @@ def load_from_proto(report: common_pb2.LoadReport) -> Load:
                 num_prefix_hit_tokens=report.prefix_cache_hit_tokens, num_headroom_blocks=report.num_headroom_blocks,
                 num_incoming_migrations=report.num_incoming_migrations,
                 num_requests_admitted=report.num_requests_admitted,
-                num_requests_migrated_in=report.num_requests_migrated_in)
+                num_requests_migrated_in=report.num_requests_migrated_in,
+                num_free_slots=report.num_free_slots if report.HasField("num_free_slots") else None)
 
 
 def state_to_proto(state: InstanceState) -> int:

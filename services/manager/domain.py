@@ -102,6 +102,7 @@ class Load:
     # Taken in since the instance started (cumulative; 0 from an older instance, which does not count):
     num_requests_admitted: int = 0  # by Generate
     num_requests_migrated_in: int = 0  # by a committed migration in (a PD hand-off or any other)
+    num_free_slots: int | None = None  # batch slots a request moved in would find free; None: not reported
 
     @property
     def freeness(self) -> float:
@@ -113,9 +114,11 @@ class Load:
         """This load with the manager's not-yet-reported dispatches added."""
         if not reservation.num_requests:
             return self
+        num_free_slots = (None if self.num_free_slots is None
+                          else max(self.num_free_slots - reservation.num_requests, 0))
         return dataclasses.replace(self, num_running=self.num_running + reservation.num_requests,
                                    num_blocks_needed_by_waiting=self.num_blocks_needed_by_waiting
-                                   + reservation.num_blocks)
+                                   + reservation.num_blocks, num_free_slots=num_free_slots)
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,6 +124,7 @@ class LoadSnapshot:
     # Taken in since start, counted in this snapshot's figures: added (Generate), imported (a migration in).
     num_requests_admitted: int = 0
     num_requests_migrated_in: int = 0
+    num_free_slots: int = 0  # batch slots no running, suspended, reserved or waiting request will take
 
     @property
     def num_decoding(self) -> int:
@@ -572,6 +573,8 @@ class LLMEngine:
             decoding_ids=frozenset(r.request_id for r in self.scheduler.running if is_prefill_done(r)),
             num_headroom_blocks=num_headroom, num_requests_admitted=self.num_requests_admitted,
             num_requests_migrated_in=self.num_requests_migrated_in,
+            num_free_slots=max(self.config.max_num_seqs - self.scheduler.num_busy_slots - len(self.reservations)
+                               - len(self.scheduler.waiting), 0),
         )  # fmt: skip
 
     def prefix_cache_stats(self) -> PrefixCacheStats:

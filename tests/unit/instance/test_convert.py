@@ -44,3 +44,4 @@ def test_the_load_report_carries_the_requests_taken_in():
                         num_requests_migrated_in=4)
     report = load_to_proto("i-1", load, num_requests_served=6, timestamp=1.0)
     assert (report.num_requests_admitted, report.num_requests_migrated_in) == (9, 4)
+    assert report.HasField("num_free_slots") and report.num_free_slots == 0  # none free is said, not left unset

@@ -299,10 +299,12 @@ def test_abort_frees_blocks_at_once_and_load_reports(gqa, make_engine):
     assert (load.num_running, load.num_waiting, load.num_free_blocks) == (1, 1, 20 - 3)
     assert load.num_blocks_needed_by_waiting == 8
     assert load.freeness == pytest.approx((17 - 8) / 2)
+    assert load.num_free_slots == 0  # the one slot runs "a", and "b" waits for it
     states = {r.request_id: (r.state, r.num_tokens) for r in engine.list_requests()}
     assert states == {"a": ("running", 10), "b": ("waiting", 29)}
     assert engine.abort("a")
     assert engine.block_manager.num_free_blocks == 20
+    assert engine.abort("b") and engine.load().num_free_slots == 1
 
 
 def test_high_priority_requests_keep_headroom_out_of_the_reported_freeness(gqa, make_engine):

@@ -593,7 +593,9 @@ def test_a_slot_reserved_for_a_migration_in_is_not_given_to_a_local_request(make
     dst.add_request("local-1", PROMPT[:5], GREEDY)
     harness.step(dst)
     view = src.suspend("moving")
+    assert dst.load().num_free_slots == 1
     dst_blocks = dst.reserve_blocks("m-1", view.num_blocks)
+    assert dst.load().num_free_slots == 0  # the manager sends no second migration here
     dst.add_request("local-2", PROMPT[:6], GREEDY)
     harness.step(dst)
     assert [r.request_id for r in dst.scheduler.running] == ["local-1"]  # local-2 waits for a slot

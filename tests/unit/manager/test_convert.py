@@ -45,6 +45,16 @@ def test_the_count_of_requests_taken_in_reaches_the_view_and_a_negative_one_is_r
         load_from_proto(common_pb2.LoadReport(num_requests_migrated_in=-1))
 
 
+def test_free_batch_slots_reach_the_view_unknown_from_an_older_instance_and_a_dispatch_takes_one():
+    assert load_from_proto(common_pb2.LoadReport(num_free_slots=0)).num_free_slots == 0
+    assert load_from_proto(common_pb2.LoadReport()).num_free_slots is None
+    load = load_from_proto(common_pb2.LoadReport(num_free_slots=2))
+    assert [load.plus(Reservation(n, 4 * n)).num_free_slots for n in (1, 2, 3)] == [1, 0, 0]
+    assert load_from_proto(common_pb2.LoadReport()).plus(Reservation(1, 4)).num_free_slots is None
+    with pytest.raises(InvalidArgument, match="num_free_slots"):
+        load_from_proto(common_pb2.LoadReport(num_free_slots=-1))
+
+
 def test_a_reported_pd_hand_off_that_failed_is_kept_as_failed_with_its_reason():
     msg = manager_pb2.MigrationRecord(request_id="r-1", src_instance_id="p-0", dst_instance_id="d-0", trigger="pd",
                                       outcome="failed", reason="RESOURCE_EXHAUSTED", message="slots busy",

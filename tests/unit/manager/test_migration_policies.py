@@ -129,3 +129,17 @@ def test_a_destination_that_cannot_take_a_request_leaves_the_next_one_to_try():
     small = peer("small", num_free_blocks=40, num_total_blocks=40)  # freeness 40
     big = peer("big", num_running=10, num_free_blocks=300)  # freeness 27.3
     assert pairs_of(LoadPairing().pair([loaded, small, big], threshold=1.0)) == [("a", "big")]
+
+
+def test_a_destination_without_a_free_batch_slot_leaves_the_next_one_to_try():
+    # Many free blocks but every batch slot taken (--max-num-seqs): the destination refuses the move
+    # (RESOURCE_EXHAUSTED) and the pair backs off. Before, the freest by blocks was picked anyway, and a
+    # third of policy_sim's load moves under bursts (--max-num-seqs 4) failed so.
+    loaded = peer("a", num_running=4, num_free_blocks=100, num_waiting=3, num_blocks_needed_by_waiting=30,
+                  num_free_slots=0)
+    full = peer("full", num_running=4, num_free_blocks=900, num_free_slots=0)  # freeness 180
+    roomy = peer("roomy", num_running=3, num_free_blocks=600, num_free_slots=1)  # freeness 150
+    assert pairs_of(LoadPairing().pair([loaded, full, roomy], threshold=1.0)) == [("a", "roomy")]
+    assert pairs_of(pair_drains([dataclasses.replace(loaded, is_draining=True)], [full, roomy])) == [("a", "roomy")]
+    unknown = peer("old", num_running=4, num_free_blocks=900)  # an older instance reports no slots: not ruled out
+    assert pairs_of(LoadPairing().pair([loaded, unknown], threshold=1.0)) == [("a", "old")]

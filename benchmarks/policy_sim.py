@@ -141,7 +141,7 @@ async def run_policy(admin: ManagerClient, cluster: dict, model: str, requests, 
             "migrations": [{"at_s": m.started_at - started_at, "src": m.src_instance_id, "dst": m.dst_instance_id,
                             "outcome": m.outcome, "reason": m.reason, "message": m.message, "num_blocks": m.num_blocks,
                             "duration_ms": m.duration_ms, "downtime_ms": m.downtime_ms} for m in mine],
-            "num_errors": len(results) - len(ok)}
+            "num_errors": len(results) - len(ok), "errors": [r.error for r in results if r.error]}
 
 
 def p99(values: list[float]) -> float:
@@ -217,6 +217,8 @@ async def bench(args: argparse.Namespace, cluster: dict) -> list[dict]:
                 print(f"seed {seed}, policy {dispatch}, migration {'on' if migrate else 'off'}", flush=True)
                 run = await run_policy(admin, cluster, args.model.name, salted(requests, salt), dispatch, migrate)
                 runs.append({"seed": seed, **run})
+                for error in run["errors"]:
+                    print(f"error: {error}", file=sys.stderr)
     return runs
 
 

@@ -1,10 +1,21 @@
-"""A seeded chaos run: a streaming workload while instances, the leader manager and the
-transfer service are SIGKILLed and started again at random (seeded) points, with live
-migration on. Used by tests/e2e/test_chaos.py and benchmarks/chaos.py.
+"""A seeded chaos run: a streaming workload while faults hit the cluster at random (seeded)
+points, with live migration on. Used by tests/e2e/test_chaos.py and benchmarks/chaos.py.
 
-Design: the workload loop sends requests (bounded concurrency) → the fault loop kills
-one process, waits, restarts it, waits, repeats → when the workload is done, compare
-every request with the reference engine and check block accounting.
+Fault kinds (`ChaosConfig.fault_kinds`; the default is the first three):
+* instance, leader, transfer: SIGKILL the busiest instance, the leader manager or the
+  transfer service, and start it again after `down_s`;
+* freeze: SIGSTOP one process of the cluster (an instance, the transfer service, the leader
+  or a standby manager, etcd, the frontend) for `freeze_s`, then SIGCONT; the range spans
+  the lease TTLs (2-3 s), so some freezes outlast a lease and some do not;
+* etcd: SIGKILL etcd and start it again on its data dir after `etcd_down_s` (every process
+  re-registers, a manager is elected again);
+* drain: admin Drain of a random instance until it is drained (nothing running or waiting
+  there), then Undrain, so it serves again.
+
+Design: the workload loop sends requests (bounded concurrency) → the fault loop throws one
+fault, lets the cluster recover (every instance reports to a leader again), waits, repeats →
+when the workload is done, compare every request with the reference engine and check block
+accounting.
 
 Each request is classified once it ends:
 * lost: no complete answer (an error event, an HTTP error, a stream without its finish);
@@ -21,11 +32,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import grpc
+import structlog
 
-from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
+from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc, manager_pb2
 from tests.e2e.fault_cluster import FaultCluster, Reference, Stream, client_session
 
-FAULT_KINDS = ("instance", "leader", "transfer")
+log = structlog.get_logger(__name__)
+
+FAULT_KINDS = ("instance", "leader", "transfer")  # the default: SIGKILL and restart
+ALL_FAULT_KINDS = (*FAULT_KINDS, "freeze", "etcd", "drain")
+FREEZE_TARGETS = ("instance", "transfer", "leader", "standby", "etcd", "frontend")
+DRAIN_TIMEOUT_S = 60.0  # a drained instance's requests migrate off within seconds
+RECOVERY_TIMEOUT_S = 60.0  # after a fault, until every instance reports to a leader again
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +57,9 @@ class ChaosConfig:
     max_tokens: int = 240
     fault_gap_s: tuple[float, float] = (0.5, 2.0)  # between a restart and the next kill
     down_s: tuple[float, float] = (0.2, 1.5)  # how long a killed process stays dead
+    fault_kinds: tuple[str, ...] = FAULT_KINDS  # of ALL_FAULT_KINDS
+    freeze_s: tuple[float, float] = (0.5, 8.0)  # how long a frozen process stays stopped
+    etcd_down_s: tuple[float, float] = (0.5, 8.0)  # how long a killed etcd stays dead
 
 
 @dataclass(slots=True)
@@ -49,17 +70,34 @@ class ChaosResult:
     corrupted: int = 0
     resumes: int = 0
     migrations: int = 0  # hand-offs the frontend followed (committed live migrations of streams)
-    faults: Counter = field(default_factory=Counter)
+    faults: Counter = field(default_factory=Counter)  # by kind
+    frozen: Counter = field(default_factory=Counter)  # freezes by target (instance, etcd, ...)
+    long_freezes: int = 0  # freezes longer than the frozen process's lease TTL (or, for etcd, every TTL)
     busy_instance_kills: int = 0  # instances killed moments after they reported running requests
+    drain_s: list[float] = field(default_factory=list)  # Drain to drained, each drain
+    stuck_drains: int = 0  # drains not done within DRAIN_TIMEOUT_S
     failures: list[str] = field(default_factory=list)  # one line per bad request
     elapsed_s: float = 0.0
 
+    @property
+    def is_ok(self) -> bool:
+        return self.lost == self.duplicated == self.corrupted == self.stuck_drains == 0
+
     def line(self) -> str:
-        faults = " ".join(f"killed_{kind}={n}" for kind, n in sorted(self.faults.items()))
+        faults = " ".join(f"{_LABELS[kind]}={n}" for kind, n in sorted(self.faults.items()))
+        if self.frozen:
+            faults += f" long_freezes={self.long_freezes} (" + " ".join(
+                f"frozen_{target}={n}" for target, n in sorted(self.frozen.items())) + ")"
+        if self.drain_s:
+            faults += f" drain_s_max={max(self.drain_s):.1f} stuck_drains={self.stuck_drains}"
         return (f"requests={self.num_requests} lost={self.lost} duplicated={self.duplicated} "
                 f"corrupted={self.corrupted} resumes={self.resumes} migrations={self.migrations} {faults} "
                 f"busy_instance_kills={self.busy_instance_kills} "
                 f"elapsed_s={self.elapsed_s:.1f}")
+
+
+_LABELS = {"instance": "killed_instance", "leader": "killed_leader", "transfer": "killed_transfer",
+           "freeze": "frozen", "etcd": "killed_etcd", "drain": "drained"}
 
 
 class ChaosRun:
@@ -113,22 +151,93 @@ class ChaosRun:
         return Stream(f"chaos request {n} of seed {self._config.seed}", max_tokens, 0.8, self._rng.randrange(1 << 32))
 
     async def _fault_loop(self, workload: asyncio.Task) -> None:
-        # Kinds come in seeded rounds of each kind once, so even a short run hits all three.
+        # Kinds come in seeded rounds of each kind once, so even a short run hits every kind.
         rng = self._fault_rng
+        all_kinds = self._config.fault_kinds
         kinds: list[str] = []
         while not workload.done():
             await _sleep_unless_done(workload, rng.uniform(*self._config.fault_gap_s))
             if workload.done():
                 return
-            kinds = kinds or rng.sample(FAULT_KINDS, len(FAULT_KINDS))
+            kinds = kinds or rng.sample(all_kinds, len(all_kinds))
             kind = kinds.pop()
-            name, is_busy = await self._victim(kind)
-            self._cluster.kill(name)
-            self.result.busy_instance_kills += is_busy
+            await self._throw(kind)
             self.result.faults[kind] += 1
-            await asyncio.sleep(rng.uniform(*self._config.down_s))
-            await self._cluster.restart(name)
-            await self._cluster.free_blocks(is_idle=False)  # every instance reports to the leader again
+            # every instance reports to a leader again
+            await self._cluster.free_blocks(is_idle=False, timeout_s=RECOVERY_TIMEOUT_S)
+
+    async def _throw(self, kind: str) -> None:
+        if kind == "freeze":
+            await self._freeze()
+        elif kind == "etcd":
+            await self._kill_etcd()
+        elif kind == "drain":
+            await self._drain()
+        else:
+            await self._kill(kind)
+
+    async def _kill(self, kind: str) -> None:
+        name, is_busy = await self._victim(kind)
+        seconds = self._fault_rng.uniform(*self._config.down_s)
+        log.info("chaos_killed", name=name, is_busy=is_busy, down_s=round(seconds, 2))
+        self._cluster.kill(name)
+        self.result.busy_instance_kills += is_busy
+        await asyncio.sleep(seconds)
+        await self._cluster.restart(name)
+
+    async def _freeze(self) -> None:
+        rng = self._fault_rng
+        target = rng.choice(FREEZE_TARGETS)
+        name = await self._freeze_victim(target)
+        seconds = rng.uniform(*self._config.freeze_s)
+        log.info("chaos_froze", name=name, freeze_s=round(seconds, 2))
+        self._cluster.freeze(name)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self._cluster.thaw(name)
+        self.result.frozen[target] += 1
+        self.result.long_freezes += seconds > self._cluster.lease_ttl_s(name)
+
+    async def _freeze_victim(self, target: str) -> str:
+        if target == "leader":
+            return await self._cluster.leader()
+        if target == "standby":
+            leader = await self._cluster.leader()
+            return self._fault_rng.choice([name for name in self._cluster.names("manager") if name != leader])
+        if target == "etcd":
+            return "etcd"
+        if target == "instance":
+            return self._fault_rng.choice(self._cluster.names("instance"))
+        return self._cluster.names(target)[0]
+
+    async def _kill_etcd(self) -> None:
+        seconds = self._fault_rng.uniform(*self._config.etcd_down_s)
+        log.info("chaos_killed", name="etcd", down_s=round(seconds, 2))
+        self._cluster.kill_etcd()
+        await asyncio.sleep(seconds)
+        await self._cluster.restart_etcd()
+        await self._cluster.leader(timeout_s=RECOVERY_TIMEOUT_S)
+
+    async def _drain(self) -> None:
+        """Drain a random instance until nothing runs or waits there, then take it back."""
+        name = self._fault_rng.choice(self._cluster.names("instance"))
+        started = time.monotonic()
+        log.info("chaos_draining", name=name)
+        await self._cluster.admin("Drain", manager_pb2.DrainRequest(instance_id=name))
+        while not await self._is_drained(name):
+            if time.monotonic() - started > DRAIN_TIMEOUT_S:
+                self.result.stuck_drains += 1
+                self.result.failures.append(f"drain of {name} not done after {DRAIN_TIMEOUT_S:.0f} s")
+                break
+            await asyncio.sleep(0.1)
+        self.result.drain_s.append(time.monotonic() - started)
+        log.info("chaos_drained", name=name, drain_s=round(self.result.drain_s[-1], 2))
+        await self._cluster.admin("Undrain", manager_pb2.UndrainRequest(instance_id=name))
+
+    async def _is_drained(self, name: str) -> bool:
+        info = (await self._cluster.instances()).get(name)
+        return info is not None and info.is_drained
 
     async def _victim(self, kind: str) -> tuple[str, bool]:
         """The process to kill, and whether it is an instance that just reported running requests."""

@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import pathlib
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -123,6 +124,37 @@ class FaultCluster:
             raise RuntimeError(f"{name} is still running (pid {process.pid}); kill it first")
         process.start()
         await process.wait_healthy(_HEALTH_TIMEOUT_S)
+
+    def freeze(self, name: str) -> None:
+        """SIGSTOP the child, or etcd (`name` "etcd"): its sockets stay open, nothing answers."""
+        if name == "etcd":
+            self.etcd.pause()
+        else:
+            self.process(name).signal(signal.SIGSTOP)
+
+    def thaw(self, name: str) -> None:
+        """SIGCONT what `freeze` stopped."""
+        if name == "etcd":
+            self.etcd.resume()
+        else:
+            self.process(name).signal(signal.SIGCONT)
+
+    def lease_ttl_s(self, name: str) -> float:
+        """The etcd lease TTL of the child (for etcd: the shortest, the first a freeze of it outlasts)."""
+        module = "etcd" if name == "etcd" else self.process(name).module
+        ttls = {"instance": self.timings.instance_lease_ttl_s, "manager": self.timings.manager_lease_ttl_s,
+                "transfer": self.timings.transfer_lease_ttl_s}
+        if module == "frontend":
+            return 5.0  # the frontend's registry keeps the default TTL (services/common/registry.py)
+        return ttls.get(module, min(ttls.values()))
+
+    def kill_etcd(self) -> None:
+        """SIGKILL etcd (a crash: no clean shutdown); `restart_etcd` brings it back on the same data dir."""
+        os.kill(self.etcd.pid, signal.SIGKILL)
+        self.etcd.terminate()  # reaps it and closes its log
+
+    async def restart_etcd(self) -> None:
+        await self.etcd.start_async()
 
     async def start_frontend(self, name: str, *args: str) -> ServiceProcess:
         """One more frontend on the same etcd, with extra flags (e.g. --max-resumes 0)."""

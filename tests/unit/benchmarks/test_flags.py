@@ -38,6 +38,8 @@ CASES = [
     ("pd_compare", ["--pd", "1:0"], "argument --pd: '1:0' is not P:D with 1 or more of each"),
     ("load", ["--duration", "-5"], "argument --duration: -5 is not above 0"),
     ("chaos", ["--instances", "0"], "argument --instances: 0 is below 1"),
+    ("chaos", ["--faults", "freeze,sigterm"],
+     "argument --faults: unknown sigterm (of instance,leader,transfer,freeze,etcd,drain)"),
     ("transfer_chaos", ["--workers", "0"], "argument --workers: 0 is below 1"),
 ]
 

@@ -37,6 +37,7 @@ from typing import Protocol
 import structlog
 
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.etcd_client import ETCD_ERRORS
 from services.common.periodic import periodic_loop
 from services.common.scaling_target import ScalingTarget
 from services.manager import metrics
@@ -185,6 +186,15 @@ class Scaler:
         await periodic_loop("scaling", self._interval_s, self.tick)
 
     async def tick(self) -> ScalingDecision | None:
+        """One look at the band. etcd unreachable (an outage, a restart) skips the tick with a warning,
+        not the loop's traceback: the next tick reads (and writes) again."""
+        try:
+            return await self._tick()
+        except ETCD_ERRORS as exc:
+            log.warning("scaling_tick_skipped", reason="etcd_unreachable", error=repr(exc))
+            return None
+
+    async def _tick(self) -> ScalingDecision | None:
         if not self._leadership.is_leader:
             self._has_read_target = False  # another leader may act meanwhile: read its target when we lead again
             self._adding = None  # (and its cooldown then stands for the add this term waited on)

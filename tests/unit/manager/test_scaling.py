@@ -2,6 +2,7 @@ import copy
 import dataclasses
 
 import pytest
+from etcd3aio.errors import EtcdConnectionError
 from structlog.testing import capture_logs
 
 from services.common.errors import FailedPrecondition, InvalidArgument
@@ -273,6 +274,24 @@ async def test_a_leader_that_was_standby_meanwhile_reads_the_target_again() -> N
     leadership.set_elected(True)
     assert await scaler.tick() is None
     assert store.target.stoppable == ["i-1"]  # drained (empty report): it took over the other's retirement
+
+
+class UnreachableStore(FakeStore):
+    """etcd down: every read fails as the etcd client's does."""
+
+    async def get_scaling_target(self):
+        raise EtcdConnectionError("KV.Range failed after 3 attempts: UNAVAILABLE (Connection refused)")
+
+
+async def test_a_leader_whose_etcd_is_away_skips_its_tick_with_a_warning() -> None:
+    # Found by a chaos run killing etcd: the first tick of a term that found etcd away logged a traceback
+    # (periodic_step_failed) every interval as if scaling had a bug.
+    clock = FakeClock()
+    scaler = Scaler(make_view("i-0", "i-1", clock=clock, num_free_blocks=1000), leader(), UnreachableStore(), BAND,
+                    interval_s=1, cooldown_s=0, clock=clock)
+    with capture_logs() as logs:
+        assert await scaler.tick() is None
+    assert [e["event"] for e in logs if e["log_level"] in ("warning", "error")] == ["scaling_tick_skipped"]
 
 
 async def test_a_standby_does_nothing() -> None:

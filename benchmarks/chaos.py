@@ -14,6 +14,7 @@ are all free again at the end.
     python benchmarks/chaos.py --duration 600 --seed 3
     python benchmarks/chaos.py --duration 240 --seed 5 --transfer-backend gloo --state-dir /tmp/chaos-gloo
     python benchmarks/chaos.py --duration 600 --seed 9 --faults instance,leader,transfer,freeze,etcd,drain
+    python benchmarks/chaos.py --duration 300 --seed 9 --pd 1:2 --faults freeze,etcd,drain
 
 With --state-dir the cluster's state, each service's log (logs/<name>.log) among it, stays
 there after the run; without it, it goes with a temporary folder.
@@ -31,7 +32,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.flags import HelpFormatter, above_zero, at_least, names_of  # noqa: E402
+from benchmarks.flags import HelpFormatter, above_zero, at_least, names_of, prefill_decode  # noqa: E402
 from benchmarks.stopping import as_ctrl_c  # noqa: E402
 from services.instance.models.tiny import build_tiny_model  # noqa: E402
 from tests.e2e.chaos import ALL_FAULT_KINDS, FAULT_KINDS, ChaosConfig, ChaosRun  # noqa: E402
@@ -43,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--duration", type=above_zero, default=300.0, help="seconds the workload keeps sending requests")
     parser.add_argument("--seed", type=int, default=0, help="seeds the workload and the faults")
     parser.add_argument("--instances", type=at_least(1), default=3, help="instances (2 managers, 1 transfer service)")
+    parser.add_argument("--pd", type=prefill_decode, default=None,
+                        help="P:D — P prefill and D decode instances instead of --instances")
     parser.add_argument("--concurrency", type=at_least(1), default=8, help="requests in flight at once")
     parser.add_argument("--model", type=pathlib.Path, default=None, help="model folder (default: a tiny random model)")
     parser.add_argument("--transfer-backend", default="grpc", choices=["grpc", "gloo", "shm"],
@@ -55,7 +58,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def chaos_cluster(args: argparse.Namespace, model: pathlib.Path, state_dir: pathlib.Path) -> FaultCluster:
-    return FaultCluster(model, state_dir, num_instances=args.instances, transfer_backend=args.transfer_backend)
+    roles: tuple[str, ...] = ()
+    if args.pd:
+        num_prefill, num_decode = (int(n) for n in args.pd.split(":"))
+        roles = ("prefill",) * num_prefill + ("decode",) * num_decode
+    return FaultCluster(model, state_dir, num_instances=args.instances, transfer_backend=args.transfer_backend,
+                        roles=roles)
 
 
 def main() -> None:

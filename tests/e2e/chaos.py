@@ -76,6 +76,7 @@ class ChaosResult:
     busy_instance_kills: int = 0  # instances killed moments after they reported running requests
     drain_s: list[float] = field(default_factory=list)  # Drain to drained, each drain
     stuck_drains: int = 0  # drains not done within DRAIN_TIMEOUT_S
+    busy_drains: int = 0  # instances drained moments after they reported running requests
     failures: list[str] = field(default_factory=list)  # one line per bad request
     elapsed_s: float = 0.0
 
@@ -89,7 +90,8 @@ class ChaosResult:
             faults += f" long_freezes={self.long_freezes} (" + " ".join(
                 f"frozen_{target}={n}" for target, n in sorted(self.frozen.items())) + ")"
         if self.drain_s:
-            faults += f" drain_s_max={max(self.drain_s):.1f} stuck_drains={self.stuck_drains}"
+            faults += (f" busy_drains={self.busy_drains} drain_s_max={max(self.drain_s):.1f}"
+                       f" stuck_drains={self.stuck_drains}")
         return (f"requests={self.num_requests} lost={self.lost} duplicated={self.duplicated} "
                 f"corrupted={self.corrupted} resumes={self.resumes} migrations={self.migrations} {faults} "
                 f"busy_instance_kills={self.busy_instance_kills} "
@@ -208,7 +210,7 @@ class ChaosRun:
         if target == "etcd":
             return "etcd"
         if target == "instance":
-            return self._fault_rng.choice(self._cluster.names("instance"))
+            return (await self._busiest_instance())[0]
         return self._cluster.names(target)[0]
 
     async def _kill_etcd(self) -> None:
@@ -220,10 +222,11 @@ class ChaosRun:
         await self._cluster.leader(timeout_s=RECOVERY_TIMEOUT_S)
 
     async def _drain(self) -> None:
-        """Drain a random instance until nothing runs or waits there, then take it back."""
-        name = self._fault_rng.choice(self._cluster.names("instance"))
+        """Drain the busiest instance until nothing runs or waits there, then take it back."""
+        name, is_busy = await self._busiest_instance()
+        self.result.busy_drains += is_busy
         started = time.monotonic()
-        log.info("chaos_draining", name=name)
+        log.info("chaos_draining", name=name, is_busy=is_busy)
         await self._cluster.admin("Drain", manager_pb2.DrainRequest(instance_id=name))
         while not await self._is_drained(name):
             if time.monotonic() - started > DRAIN_TIMEOUT_S:
@@ -245,9 +248,13 @@ class ChaosRun:
             return await self._cluster.leader(), False
         if kind == "transfer":
             return "transfer-0", False
+        return await self._busiest_instance()
+
+    async def _busiest_instance(self) -> tuple[str, bool]:
+        """The instance with the most running requests, and whether it has any."""
         # The busiest instance, asked directly (a new leader's view starts without load) and all at
-        # once (the kill follows the answers at once: requests last a fraction of a second), waiting
-        # briefly for one with running requests so the kill costs work; ties by the seeded draw.
+        # once (the fault follows the answers at once: requests last a fraction of a second), waiting
+        # briefly for one with running requests so the fault costs work; ties by the seeded draw.
         names = self._cluster.names("instance")
         self._fault_rng.shuffle(names)
         deadline = time.monotonic() + 5.0

@@ -57,10 +57,11 @@ class FaultCluster:
 
     def __init__(self, model_dir: pathlib.Path, state_dir: pathlib.Path, *, num_instances: int = 2,
                  num_managers: int = 2, kv_cache_mib: int = 16, timings: FaultTimings = FaultTimings(),
-                 transfer_backend: str = "grpc") -> None:
+                 transfer_backend: str = "grpc", roles: tuple[str, ...] = ()) -> None:
+        """`roles` (e.g. ("prefill", "decode", "decode")) instead of `num_instances` instances of role both."""
         self.model_dir = model_dir
         self.timings = timings
-        spec = ClusterSpec(model_dir=model_dir, roles=("both",) * num_instances, num_managers=num_managers,
+        spec = ClusterSpec(model_dir=model_dir, roles=roles or ("both",) * num_instances, num_managers=num_managers,
                            engine="torch", transfer_backend=transfer_backend, http_port=free_port(),
                            admin_port=free_port(),
                            state_dir=state_dir, cluster="ferry", threads_per_instance=1, kv_cache_mib=kv_cache_mib,

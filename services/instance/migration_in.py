@@ -150,11 +150,14 @@ class MigrationInbox:
     async def _reserve_granting(self, incoming: _Incoming, reserve: Callable[[], _Reserved]) -> _Reserved:
         """The first Prepare: reserve on the engine while the write grant opens (no block id has left yet)."""
         granting = asyncio.ensure_future(self._fence.grant(incoming.write_grant))
+        # Read even when this Prepare is cancelled while it waits for the grant (a PD hand-off's deadline, 1 s,
+        # is below the grant's, 2 s): its error was never retrieved, a traceback in the log.
+        granting.add_done_callback(_read_outcome)
         try:
             reserved = await self._runner.call(reserve)
         finally:
             await asyncio.wait([granting])
-            grant_error = None if granting.cancelled() else granting.exception()  # retrieved either way
+            grant_error = None if granting.cancelled() else granting.exception()
         if grant_error is not None:
             raise grant_error  # the transfer service did not take it
         if self._incoming.get(incoming.migration_id) is not incoming:
@@ -355,3 +358,9 @@ def _given_up(migration_id: str) -> Aborted:
 def _log_failure(task: asyncio.Future) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("migration_in_free_failed", exc_info=task.exception())
+
+
+def _read_outcome(task: asyncio.Future) -> None:
+    """Marks the task's error read: its caller raises it, or was cancelled and needs it no more."""
+    if not task.cancelled():
+        task.exception()

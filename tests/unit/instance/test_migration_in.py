@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -227,3 +228,38 @@ async def test_a_commit_taken_up_after_its_callers_deadline_is_refused_and_frees
     with pytest.raises(Aborted, match="after its caller's deadline"):
         await inbox.commit("m-1", object(), deadline=time.monotonic() - 0.1)  # the state is never read
     assert engine.freed == ["m-1"] and inbox.num_incoming == 0 and slots.num_busy == 0
+
+
+async def test_a_prepare_cancelled_while_its_grant_is_unanswered_leaves_no_unread_error():
+    """A PD hand-off's first Prepare has a 1 s deadline (--pd-handoff-hold-s), the grant RPC 2 s: with the
+    destination's transfer service frozen, the Prepare was cancelled while it waited for the grant, whose
+    failure nobody read: "Task exception was never retrieved" and a traceback as an [error] line in the
+    decode instance's log, once per hand-off tried (found by a PD chaos run freezing the transfer service)."""
+    engine, slots = FakeEngine(), MigrationSlots(4)
+    inbox, fence = fenced_inbox(engine, slots)
+    granting, may_answer = asyncio.Event(), asyncio.Event()
+
+    async def unanswered_grant(grant_id: int) -> None:
+        granting.set()
+        await may_answer.wait()
+        raise Unavailable("the transfer service did not answer: deadline exceeded")
+    fence.grant = unanswered_grant
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    try:
+        prepare = asyncio.create_task(inbox.prepare("m-1", "r-1", "src", num_blocks=3))
+        await granting.wait()
+        await asyncio.sleep(0)  # the reserve is done: it waits for the grant
+        prepare.cancel()  # the source's deadline
+        with pytest.raises(asyncio.CancelledError):
+            await prepare
+        may_answer.set()  # the grant fails after all
+        for _ in range(3):
+            await asyncio.sleep(0)
+        gc.collect()
+        assert not unretrieved, unretrieved
+    finally:
+        loop.set_exception_handler(previous)
+    assert engine.reservations == {} and slots.num_busy == 0 and inbox.num_incoming == 0

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc, manager_pb2
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc, manager_pb2
 from tests.e2e.fault_cluster import FaultCluster, Reference, Stream, client_session
 
 log = structlog.get_logger(__name__)
@@ -72,12 +72,13 @@ class ChaosResult:
     migrations: int = 0  # hand-offs the frontend followed (committed live migrations of streams)
     faults: Counter = field(default_factory=Counter)  # by kind
     frozen: Counter = field(default_factory=Counter)  # freezes by target (instance, etcd, ...)
-    long_freezes: int = 0  # freezes longer than the frozen process's lease TTL (or, for etcd, every TTL)
+    long_freezes: int = 0  # freezes longer than the frozen process's lease TTL (for etcd: the shortest TTL)
     busy_instance_kills: int = 0  # instances killed moments after they reported running requests
     drain_s: list[float] = field(default_factory=list)  # Drain to drained, each drain
-    stuck_drains: int = 0  # drains not done within DRAIN_TIMEOUT_S
+    stuck_drains: int = 0  # drains not done within DRAIN_TIMEOUT_S, or done while the instance still runs a request
     busy_drains: int = 0  # instances drained moments after they reported running requests
-    failures: list[str] = field(default_factory=list)  # one line per bad request
+    drains_with_work: int = 0  # drains whose instance still had requests when marked (they migrated off)
+    failures: list[str] = field(default_factory=list)  # one line per bad request or drain
     elapsed_s: float = 0.0
 
     @property
@@ -90,7 +91,7 @@ class ChaosResult:
             faults += f" long_freezes={self.long_freezes} (" + " ".join(
                 f"frozen_{target}={n}" for target, n in sorted(self.frozen.items())) + ")"
         if self.drain_s:
-            faults += (f" busy_drains={self.busy_drains} drain_s_max={max(self.drain_s):.1f}"
+            faults += (f" busy_drains={self.busy_drains} drains_with_work={self.drains_with_work} drain_s_max={max(self.drain_s):.1f}"
                        f" stuck_drains={self.stuck_drains}")
         return (f"requests={self.num_requests} lost={self.lost} duplicated={self.duplicated} "
                 f"corrupted={self.corrupted} resumes={self.resumes} migrations={self.migrations} {faults} "
@@ -227,7 +228,8 @@ class ChaosRun:
         self.result.busy_drains += is_busy
         started = time.monotonic()
         log.info("chaos_draining", name=name, is_busy=is_busy)
-        await self._cluster.admin("Drain", manager_pb2.DrainRequest(instance_id=name))
+        reply = await self._cluster.admin("Drain", manager_pb2.DrainRequest(instance_id=name))
+        self.result.drains_with_work += reply.num_remaining > 0
         while not await self._is_drained(name):
             if time.monotonic() - started > DRAIN_TIMEOUT_S:
                 self.result.stuck_drains += 1
@@ -235,8 +237,16 @@ class ChaosRun:
                 break
             await asyncio.sleep(0.1)
         self.result.drain_s.append(time.monotonic() - started)
-        log.info("chaos_drained", name=name, drain_s=round(self.result.drain_s[-1], 2))
+        log.info("chaos_drained", name=name, num_remaining=reply.num_remaining, drain_s=round(self.result.drain_s[-1], 2))
+        await self._check_empty(name)
         await self._cluster.admin("Undrain", manager_pb2.UndrainRequest(instance_id=name))
+
+    async def _check_empty(self, name: str) -> None:
+        """A drained instance, asked itself, runs and queues nothing (the leader's word is a load report)."""
+        load = await self._load(name)
+        if load is not None and load.num_running + load.num_waiting > 0:
+            self.result.stuck_drains += 1
+            self.result.failures.append(f"drained {name} still runs {load.num_running}, queues {load.num_waiting}")
 
     async def _is_drained(self, name: str) -> bool:
         info = (await self._cluster.instances()).get(name)
@@ -266,16 +276,21 @@ class ChaosRun:
             await asyncio.sleep(0.05)
 
     async def _num_running(self, name: str) -> int:
+        load = await self._load(name)
+        return -1 if load is None else load.num_running
+
+    async def _load(self, name: str) -> common_pb2.LoadReport | None:
+        """The instance's own load, or None if it does not answer."""
         process = self._cluster.process(name)
         if not process.is_alive():
-            return -1
+            return None
         async with grpc.aio.insecure_channel(process.address) as channel:
             try:
                 status = await instance_pb2_grpc.InstanceServiceStub(channel).GetStatus(
                     instance_pb2.GetStatusRequest(), timeout=2)
             except grpc.aio.AioRpcError:
-                return -1
-        return status.load.num_running
+                return None
+        return status.load
 
     async def _frontend_counts(self) -> tuple[int, int]:
         url = self._cluster.frontend_url

@@ -76,12 +76,14 @@ class _Owner:
 
 
 LONE_RESUME_BACKOFF_S = 1.0  # the first resume's wait when no other instance serves; it doubles
+NO_INSTANCE_WAIT_S = 2.0  # how long a new request that finds no instance registered at all waits for one
+NO_INSTANCE_POLL_S = 0.1  # how often it looks again meanwhile
 
 
 class RequestRunner:
     def __init__(self, dispatcher: Dispatcher, instances: InstanceStreams, *, max_resumes: int,
                  max_handoffs: int = 16, resume_backoff_s: float = 0.05,
-                 lone_resume_backoff_s: float = LONE_RESUME_BACKOFF_S,
+                 lone_resume_backoff_s: float = LONE_RESUME_BACKOFF_S, no_instance_wait_s: float = NO_INSTANCE_WAIT_S,
                  on_resume: Callable[[], None] = lambda: None, on_handoff: Callable[[], None] = lambda: None) -> None:
         self._dispatcher = dispatcher
         self._instances = instances
@@ -89,6 +91,7 @@ class RequestRunner:
         self._max_handoffs = max_handoffs
         self._resume_backoff_s = resume_backoff_s
         self._lone_resume_backoff_s = lone_resume_backoff_s
+        self._no_instance_wait_s = no_instance_wait_s
         self._on_resume = on_resume
         self._on_handoff = on_handoff
 
@@ -107,6 +110,7 @@ class RequestRunner:
         full: list[InstanceId] = []  # instances that refused it as full since its last resume
         full_refusal: ResourceExhausted | None = None  # the last of those refusals
         aborts: dict[InstanceId, Awaitable[None]] = {}  # Aborts sent to instances this request left
+        no_instance_until = asyncio.get_running_loop().time() + self._no_instance_wait_s
         while not state.is_done:
             try:
                 target = await self._dispatcher.pick(_resumed(spec, state), [*excluded, *full])
@@ -117,6 +121,8 @@ class RequestRunner:
                 if state.num_resumes and self._can_resume(state, exc):  # nobody serves for a moment (a restart)
                     self._note_resume_without_instance(state, exc)
                     await asyncio.sleep(self._lone_resume_backoff_s * 2 ** (state.num_resumes - 1))
+                    continue
+                if not state.num_resumes and await self._waited_for_an_instance(state, no_instance_until):
                     continue
                 state.fail(exc)
                 return
@@ -239,6 +245,18 @@ class RequestRunner:
             return False  # (placed again on one it was sent away from: nothing else is left)
         log.info("instance_full_trying_another", request_id=state.request_id, instance_id=target.instance_id,
                  error=exc.message)
+        return True
+
+    async def _waited_for_an_instance(self, state: ReqState, until: float) -> bool:
+        """A new request that finds no instance registered at all looks again a moment later, until `until`
+        (False once that passed, or while some instance is registered: a drained cluster is no moment). Every
+        lease can expire at once (etcd back from a freeze longer than the TTLs revokes them all) for the
+        0.1-0.5 s until each instance has registered again; a request there got a 503 (found by a chaos run)."""
+        loop = asyncio.get_running_loop()
+        if not self._dispatcher.lists_instances or self._dispatcher.num_registered() or loop.time() >= until:
+            return False
+        log.info("dispatch_waiting_for_instance", request_id=state.request_id, wait_s=round(until - loop.time(), 2))
+        await asyncio.sleep(NO_INSTANCE_POLL_S)
         return True
 
     def _note_resume_without_instance(self, state: ReqState, exc: Unavailable) -> None:

@@ -22,7 +22,7 @@ def make_runner(scripts, *instance_ids, max_resumes=3):
     instances = ScriptedInstances(scripts)
     dispatcher = Dispatcher(None, FakeMembership(*(entry(i) for i in instance_ids)), cooldown_s=5.0)
     resumes = []
-    runner = RequestRunner(dispatcher, instances, max_resumes=max_resumes, resume_backoff_s=0,
+    runner = RequestRunner(dispatcher, instances, max_resumes=max_resumes, resume_backoff_s=0, no_instance_wait_s=0.2,
                            on_resume=lambda: resumes.append(1))
     return runner, instances, resumes
 
@@ -108,6 +108,30 @@ async def test_an_empty_cluster_fails_with_the_dispatch_error():
     state = make_state()
     await runner.run(state, make_spec())
     assert isinstance(state.error, Unavailable) and "no serving instance" in state.error.message
+
+
+async def test_a_new_request_that_finds_no_instance_for_a_moment_waits_for_one():
+    """etcd back from a freeze longer than every lease's TTL revokes them all: for the moment until the
+    instances register again the frontend knows none, and a new request sent then got a 503 at once
+    (found by a PD chaos run freezing etcd for 5.5 s). It now looks again for up to 2 s."""
+    membership = FakeMembership()
+    asyncio.get_running_loop().call_later(0.15, lambda: membership.entries.append(entry("a")))  # registered again
+    runner = RequestRunner(Dispatcher(None, membership, cooldown_s=5),
+                           ScriptedInstances({"a": ([chunk(0, 4, finish=FinishReason.STOP)], None)}), max_resumes=3)
+    state = make_state()
+    started = asyncio.get_running_loop().time()
+    await runner.run(state, make_spec())
+    assert state.error is None, state.error.message
+    assert state.token_ids == [4] and state.num_resumes == 0
+    assert asyncio.get_running_loop().time() - started < 1.0  # as soon as one is there
+
+
+async def test_a_new_request_waits_for_no_instance_while_some_are_registered_but_drained():
+    runner = RequestRunner(Dispatcher(None, FakeMembership(entry("a", is_serving=False)), cooldown_s=5),
+                           ScriptedInstances({}), max_resumes=3)
+    state = make_state()
+    await asyncio.wait_for(runner.run(state, make_spec()), 0.5)
+    assert isinstance(state.error, Unavailable) and "none serving" in state.error.message
 
 
 async def test_other_errors_fail_at_once():

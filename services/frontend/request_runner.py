@@ -111,6 +111,7 @@ class RequestRunner:
         full_refusal: ResourceExhausted | None = None  # the last of those refusals
         aborts: dict[InstanceId, Awaitable[None]] = {}  # Aborts sent to instances this request left
         no_instance_until = asyncio.get_running_loop().time() + self._no_instance_wait_s
+        num_no_instance_waits = 0  # looks again for an instance while none is registered
         while not state.is_done:
             try:
                 target = await self._dispatcher.pick(_resumed(spec, state), [*excluded, *full])
@@ -122,7 +123,9 @@ class RequestRunner:
                     self._note_resume_without_instance(state, exc)
                     await asyncio.sleep(self._lone_resume_backoff_s * 2 ** (state.num_resumes - 1))
                     continue
-                if not state.num_resumes and await self._waited_for_an_instance(state, no_instance_until):
+                if not state.num_resumes and await self._waited_for_an_instance(state, no_instance_until,
+                                                                                num_no_instance_waits):
+                    num_no_instance_waits += 1
                     continue
                 state.fail(exc)
                 return
@@ -247,7 +250,7 @@ class RequestRunner:
                  error=exc.message)
         return True
 
-    async def _waited_for_an_instance(self, state: ReqState, until: float) -> bool:
+    async def _waited_for_an_instance(self, state: ReqState, until: float, num_waits: int) -> bool:
         """A new request that finds no instance registered at all looks again a moment later, until `until`
         (False once that passed, or while some instance is registered: a drained cluster is no moment). Every
         lease can expire at once (etcd back from a freeze longer than the TTLs revokes them all) for the
@@ -255,7 +258,8 @@ class RequestRunner:
         loop = asyncio.get_running_loop()
         if not self._dispatcher.lists_instances or self._dispatcher.num_registered() or loop.time() >= until:
             return False
-        log.info("dispatch_waiting_for_instance", request_id=state.request_id, wait_s=round(until - loop.time(), 2))
+        if not num_waits:
+            log.info("dispatch_waiting_for_instance", request_id=state.request_id, wait_s=round(until - loop.time(), 2))
         await asyncio.sleep(NO_INSTANCE_POLL_S)
         return True
 

@@ -1,15 +1,16 @@
 """Chaos for a while: a seeded streaming workload for --duration seconds while instances, the
 leader manager and the transfer service are SIGKILLed and restarted at random (seeded)
 points, with live migration on (tests/e2e/chaos.py; tests/e2e/test_chaos.py is the short form).
---faults picks other fault kinds: freeze (SIGSTOP a random process for 0.5-8 s), etcd
-(SIGKILL etcd, restart it on its data dir), drain (admin Drain, then Undrain).
+--faults picks other fault kinds: freeze (SIGSTOP one process of the cluster for 0.5-8 s),
+etcd (SIGKILL etcd, restart it on its data dir), drain (admin Drain, then Undrain); --pd P:D
+runs them on prefill and decode instances.
 
 Prints one line, e.g.
 
     requests=812 lost=0 duplicated=0 corrupted=0 resumes=57 migrations=140 killed_instance=9 ...
 
-and exits 1 unless lost, duplicated and corrupted are all 0, every drain ended, and the survivors' KV blocks
-are all free again at the end.
+and exits 1 unless lost, duplicated and corrupted are all 0, every drain ended with its instance
+empty, and the survivors' KV blocks are all free again at the end.
 
     python benchmarks/chaos.py --duration 600 --seed 3
     python benchmarks/chaos.py --duration 240 --seed 5 --transfer-backend gloo --state-dir /tmp/chaos-gloo

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 
 import grpc
@@ -14,6 +13,7 @@ from services.common.errors import Internal
 from services.common.gen.ferry.v1 import common_pb2, manager_pb2, manager_pb2_grpc
 from services.instance import load_reporter
 from tests.unit.loop_checks import assert_cancels, until
+from tests.loop_errors import collect_dropped_tasks, unretrieved_errors
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -258,10 +258,7 @@ async def test_an_answer_that_fails_as_the_loop_is_cancelled_is_not_logged_as_ne
     read, and asyncio logged "Task exception was never retrieved" with a traceback as an [error] line
     in the instance's log on every `cluster up` Ctrl-C that met it (found by a black-box run)."""
     loop = asyncio.get_running_loop()
-    unretrieved: list[dict] = []
-    previous = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
-    try:
+    with unretrieved_errors() as unretrieved:
         answer: asyncio.Future = loop.create_future()
         waiting = asyncio.ensure_future(load_reporter._answer_unless_leader_changed(_Answer(answer), loop.create_future()))
         await asyncio.sleep(0)  # waiting for the answer or a leader change
@@ -270,9 +267,5 @@ async def test_an_answer_that_fails_as_the_loop_is_cancelled_is_not_logged_as_ne
         with pytest.raises(asyncio.CancelledError):
             await waiting
         del waiting, answer
-        for _ in range(3):
-            await asyncio.sleep(0)
-        gc.collect()
+        await collect_dropped_tasks()
         assert not unretrieved, unretrieved
-    finally:
-        loop.set_exception_handler(previous)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 
 import pytest
 
@@ -11,6 +10,7 @@ from services.common.errors import Aborted, Unavailable
 from services.instance.migration_in import MigrationInbox, TransferEndpoint
 from services.instance.migration_slots import MigrationSlots
 from tests.unit.loop_checks import assert_cancels, until
+from tests.loop_errors import collect_dropped_tasks, unretrieved_errors
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -244,11 +244,7 @@ async def test_a_prepare_cancelled_while_its_grant_is_unanswered_leaves_no_unrea
         await may_answer.wait()
         raise Unavailable("the transfer service did not answer: deadline exceeded")
     fence.grant = unanswered_grant
-    loop = asyncio.get_running_loop()
-    unretrieved: list[dict] = []
-    previous = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
-    try:
+    with unretrieved_errors() as unretrieved:
         prepare = asyncio.create_task(inbox.prepare("m-1", "r-1", "src", num_blocks=3))
         await granting.wait()
         await asyncio.sleep(0)  # the reserve is done: it waits for the grant
@@ -256,10 +252,6 @@ async def test_a_prepare_cancelled_while_its_grant_is_unanswered_leaves_no_unrea
         with pytest.raises(asyncio.CancelledError):
             await prepare
         may_answer.set()  # the grant fails after all
-        for _ in range(3):
-            await asyncio.sleep(0)
-        gc.collect()
+        await collect_dropped_tasks()
         assert not unretrieved, unretrieved
-    finally:
-        loop.set_exception_handler(previous)
     assert engine.reservations == {} and slots.num_busy == 0 and inbox.num_incoming == 0

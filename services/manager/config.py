@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from services.common.auth import read_token
 from services.common.config import knob
 from services.common.errors import InvalidArgument
-from services.common.etcd_client import EtcdKnobs
+from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.etcd_endpoints import check_address_flag
 from services.common.ids import check_cluster_flag, check_id_flag
 from services.common.logging import LogKnobs
@@ -21,7 +21,7 @@ _BACKENDS = ("", "grpc", "gloo", "nccl", "shm")
 
 
 @dataclass(frozen=True, slots=True)
-class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
+class ManagerConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     """Cluster view, dispatch and admin API of a ferry cluster (ferry.v1.ManagerService + AdminService)."""
 
     host: str = knob("127.0.0.1", "address to bind the gRPC server to")
@@ -80,8 +80,7 @@ class ManagerConfig(EtcdKnobs, TlsKnobs, LogKnobs):
         check_address_flag("--etcd-endpoints", self.etcd_endpoints)
         if not self.etcd_endpoints:
             raise ValueError("--etcd-endpoints is empty; the manager needs etcd (e.g. --etcd-endpoints 127.0.0.1:2379)")
-        if not 0 <= self.etcd_wait_s <= 86400:
-            raise ValueError(f"--etcd-wait-s must be 0..86400 seconds, got {self.etcd_wait_s}")
+        self.check_etcd_wait()
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl-s must be at least 1 (etcd leases are whole seconds), got {self.lease_ttl_s}")
         for name in ("report_timeout_s", "resync_interval_s", "list_requests_timeout_s", "admin_forward_timeout_s",

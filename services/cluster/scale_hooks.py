@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import re
 import shlex
 import subprocess
@@ -33,7 +34,9 @@ import structlog
 from services.cluster.scaling_follower import plan
 from services.common.config import DefaultsHelpFormatter, OneLineErrorParser, knob_help
 from services.common.etcd_client import EtcdAccess, EtcdKnobs
+from services.common.etcd_endpoints import check_address_flag
 from services.common.events import wait_set
+from services.common.ids import check_cluster_flag
 from services.common.logging import LogFormat, setup_logging
 from services.common.registry import Registry
 from services.common.scaling_target import SCALING_TARGET_KEY, ScalingTarget
@@ -58,7 +61,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for knob_field in dataclasses.fields(EtcdKnobs):  # etcd TLS and auth, as every service takes them
         parser.add_argument(f"--{knob_field.name.replace('_', '-')}", default=knob_field.default,
                             help=knob_help(knob_field))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """A ValueError naming the flag for a value the follower could not run with."""
+    check_cluster_flag(args.cluster)
+    check_address_flag("--etcd-endpoints", args.etcd_endpoints.split(","))
+    for flag in ("interval_s", "command_timeout_s", "add_timeout_s"):
+        value = getattr(args, flag)
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive number of seconds, got {value}")
 
 
 def etcd_access(args: argparse.Namespace) -> EtcdAccess:

@@ -61,8 +61,17 @@ class TlsConfig:
             raise ValueError("--tls-client-ca (mTLS) needs a server certificate: set --tls-cert and --tls-key")
         for flag, path in (("--tls-cert", self.cert_file), ("--tls-key", self.key_file),
                            ("--tls-client-ca", self.client_ca_file), ("--tls-ca", self.ca_file)):
-            if path and not pathlib.Path(path).is_file():
-                raise ValueError(f"{flag} {path}: no such file")
+            if path and (problem := _file_problem(pathlib.Path(path))) is not None:
+                raise ValueError(f"{flag} {path}: {problem}")
+
+
+def _file_problem(path: pathlib.Path) -> str | None:
+    """Why `path` cannot be read as a PEM file, or None."""
+    if path.is_dir():
+        return "is a directory; give the PEM file itself"
+    if not path.is_file():
+        return "no such file"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

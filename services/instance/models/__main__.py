@@ -55,11 +55,18 @@ def main(argv: list[str] | None = None) -> int:
             gguf_path = args.gguf or default_gguf_path()
             print(f"importing {gguf_path} into {args.out}", file=sys.stderr)
             out = import_smollm2(args.out, gguf_path=gguf_path, force=args.force)
-    except (FileExistsError, FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (OSError, ValueError) as exc:
+        print(f"error: {_explain(exc, args.out)}", file=sys.stderr)
         return 2
     print(out)
     return 0
+
+
+def _explain(exc: OSError | ValueError, out: Path) -> str:
+    """Our own refusals as they are; an error of the OS (errno set) named with --out and its reason."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return f"cannot write --out {out}: {exc.strerror}"
+    return str(exc)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.cluster.scale_hooks import HookFollower, lowest_free_index
+from services.cluster.scale_hooks import HookFollower, lowest_free_index, parse_args
 from services.common.scaling_target import ScalingTarget
 
 pytestmark = pytest.mark.timeout(10)
@@ -25,3 +25,20 @@ def test_a_failed_stop_command_is_run_again_on_the_next_tick(tmp_path):
     (tmp_path / "stopped.ok").touch()
     follower.step(target, ["host-0", "host-1"])
     assert marker.exists() and follower.stop_requested == {"host-1"}
+
+
+@pytest.mark.parametrize(("flag", "value", "named"), [
+    ("--cluster", "", "--cluster is empty"),
+    ("--cluster", "a/b", "--cluster 'a/b'"),
+    ("--etcd-endpoints", "http://etcd:2379", "--etcd-endpoints 'http://etcd:2379'"),
+    ("--interval-s", "nan", "--interval-s must be a positive"),
+    ("--command-timeout-s", "0", "--command-timeout-s must be a positive"),
+    ("--add-timeout-s", "-1", "--add-timeout-s must be a positive"),
+])
+def test_a_bad_flag_is_a_one_line_usage_error_naming_it(flag, value, named, capsys):
+    argv = ["--etcd-endpoints", "127.0.0.1:2379", "--add-command", "true", "--stop-command", "true", flag, value]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert named in error and error.count("\n") == 1

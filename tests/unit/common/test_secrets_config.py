@@ -60,6 +60,8 @@ def test_tls_config_checks(tmp_path):
         TlsConfig(client_ca_file=str(pem)).check()
     with pytest.raises(ValueError, match="no such file"):
         TlsConfig(ca_file=str(tmp_path / "missing.pem")).check()
+    with pytest.raises(ValueError, match="--tls-ca .*: is a directory; give the PEM file itself"):
+        TlsConfig(ca_file=str(tmp_path)).check()
     TlsConfig(cert_file=str(pem), key_file=str(pem), client_ca_file=str(pem), ca_file=str(pem)).check()
     with pytest.raises(SystemExit):
         parse_config(InstanceConfig, "instance", ["--tls-cert", str(pem)], env={})

@@ -124,3 +124,14 @@ def test_cli_builds_and_documents_flags(tmp_path):
     helped = subprocess.run([*run, "build-tiny", "--help"], capture_output=True, text=True).stdout
     for flag in ("--out", "--shape", "--seed", "--force", "mha-untied"):
         assert flag in helped
+
+
+def test_an_unwritable_out_is_a_usage_error_naming_it(tmp_path, capsys):
+    from services.instance.models.__main__ import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker / "model"  # a folder inside a regular file cannot be made
+    assert main(["build-tiny", "--out", str(out), "--shape", "gqa-tied"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: cannot write --out {out}: ") and "Errno" not in error

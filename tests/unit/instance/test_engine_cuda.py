@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
+from services.instance.engine import attention
 from services.instance.engine.engine import EngineConfig, LLMEngine
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.model import load_model
@@ -23,7 +24,9 @@ pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 CUDA = torch.device("cuda", 0)
-LONG_PROMPT = 1100  # past attention.IN_PLACE_MIN_KEYS: decode reads its blocks in place
+# Past IN_PLACE_MIN_KEYS as the test sets it (the tiny models have 1024 positions, the default's
+# 1024 keys do not fit them): decode reads its blocks in place, in several segments.
+LONG_PROMPT, IN_PLACE_MIN_KEYS, SEGMENT_KEYS = 100, 48, 16
 
 
 @pytest.fixture(scope="module", params=["tiny_mha_model_dir", "tiny_model_dir"])
@@ -78,10 +81,16 @@ def test_greedy_on_cuda_matches_transformers_on_cuda(tiny_cuda, make_cuda_engine
     assert engine.block_manager.num_free_blocks == CONFIGS[config]["num_blocks"]
 
 
-def test_a_long_context_decodes_in_place_on_cuda(tiny_cuda, make_cuda_engine):
+def test_a_long_context_decodes_in_place_on_cuda(tiny_cuda, make_cuda_engine, monkeypatch):
+    monkeypatch.setattr(attention, "IN_PLACE_MIN_KEYS", IN_PLACE_MIN_KEYS)
+    monkeypatch.setattr(attention, "SEGMENT_KEYS", SEGMENT_KEYS)
+    read_in_place = []
+    attend_in_place = attention._attend_in_place
+    monkeypatch.setattr(attention, "_attend_in_place", lambda *args: read_in_place.append(1) or attend_in_place(*args))
     prompt = random_prompts([LONG_PROMPT], seed=9)[0]
     engine = make_cuda_engine(tiny_cuda, max_num_batched_tokens=256)
     collected = run(engine, {0: [("long", prompt, GREEDY), ("short", prompt[:40], GREEDY)]})
+    assert read_in_place
     assert collected["long"].token_ids == cuda_reference_greedy(tiny_cuda, prompt, GREEDY.max_tokens)
     assert collected["short"].token_ids == cuda_reference_greedy(tiny_cuda, prompt[:40], GREEDY.max_tokens)
 

@@ -62,7 +62,7 @@ async def main(config: TransferConfig) -> None:
     transfer_id = TransferId(config.transfer_id or f"{socket.gethostname()}-{server.port}")
     registry = Registry(config.etcd_endpoints, config.cluster, config.lease_ttl_s,
                         access=config.etcd_access) if config.etcd_endpoints else None
-    threads = TransferThreads.start(config.num_staging_slots * config.staging_buffers)
+    threads = TransferThreads.start(config.num_staging_slots * config.staging_buffers, nccl_staging_device(config))
     peers = TransferClients(piece_bytes=config.grpc_piece_kib * 1024, tls=config.tls,
                             idle_close_s=idle_close_s(config))
     node = build_node(config, transfer_id, server, registry, peers, threads)

@@ -11,6 +11,11 @@
   joins at once (no queue).
 
 Torch and numpy copies and gloo waits release the GIL, so all of these run while the event loop serves.
+
+With nccl, the `io` and `rendezvous` threads make `--nccl-device` their current CUDA device when they
+start: the CUDA current device is per thread and starts at 0, and NCCL expects it set to the
+communicator's device (torch: `torch.cuda.set_device`) where groups are built and their messages
+posted and waited for; a service on GPU 1 would otherwise also open a context on GPU 0.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 NUM_RENDEZVOUS_THREADS = 4  # opens at once, and as many joins
 
@@ -32,11 +39,13 @@ class TransferThreads:
     rendezvous_threads: int = NUM_RENDEZVOUS_THREADS
 
     @classmethod
-    def start(cls, buffers_per_direction: int) -> TransferThreads:
-        """`buffers_per_direction`: staging buffers of all slots of one pool."""
+    def start(cls, buffers_per_direction: int, nccl_device: torch.device | None = None) -> TransferThreads:
+        """`buffers_per_direction`: staging buffers of all slots of one pool; `nccl_device`: the CUDA device
+        of this service's nccl channels, if it offers nccl."""
+        on_device = {} if nccl_device is None else {"initializer": torch.cuda.set_device, "initargs": (nccl_device,)}
         return cls(ThreadPoolExecutor(1, thread_name_prefix="kv-copy"),
-                   ThreadPoolExecutor(2 * buffers_per_direction, thread_name_prefix="kv-io"),
-                   ThreadPoolExecutor(2 * NUM_RENDEZVOUS_THREADS, thread_name_prefix="kv-rendezvous"))
+                   ThreadPoolExecutor(2 * buffers_per_direction, thread_name_prefix="kv-io", **on_device),
+                   ThreadPoolExecutor(2 * NUM_RENDEZVOUS_THREADS, thread_name_prefix="kv-rendezvous", **on_device))
 
     def shutdown(self) -> None:
         """Wait for copies (they touch KV memory that is unmapped next); leave blocked channel

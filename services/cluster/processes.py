@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -33,6 +33,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # passes for it.
 HEALTH_SERVICES = {"manager": "ferry.v1.ManagerService", "instance": "ferry.v1.InstanceService",
                    "transfer": "ferry.v1.TransferService"}
+
+
+def child_python_path(environ: Mapping[str, str] = os.environ) -> str:
+    """PYTHONPATH for a child `python -m services...`: this checkout first, then this process's own
+    entries (packages installed only there, say wheels unpacked with `pip install --target` on a GPU
+    machine, must reach the child too)."""
+    inherited = [entry for entry in environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    return os.pathsep.join([str(ROOT), *inherited])
 
 
 class ProcessDied(RuntimeError):
@@ -88,7 +96,7 @@ class ServiceProcess:
     def start(self) -> ServiceProcess:
         self.stopping = False
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **self.env}
+        env = {**os.environ, "PYTHONPATH": child_python_path(), "PYTHONUNBUFFERED": "1", **self.env}
         rotate_log(self.log_path)
         with open(self.log_path, "ab") as log_file:
             command = [*self.prefix, sys.executable, "-m", f"services.{self.module}", *self.args]

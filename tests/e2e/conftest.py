@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from services.cluster.processes import ROOT
+from services.cluster.processes import ROOT, child_python_path
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import manager_pb2, manager_pb2_grpc
 from services.instance.engine.factory import EngineSpec, build_engine
@@ -38,7 +38,7 @@ def launched_cluster(model_dir: pathlib.Path, state_dir: pathlib.Path, *args: st
     log_path = state_dir.parent / f"{state_dir.name}-launcher.log"
     with open(log_path, "wb") as log:
         launcher = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                    env={**os.environ, "PYTHONPATH": child_python_path()})
     try:
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not state_file.exists():

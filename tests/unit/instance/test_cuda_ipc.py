@@ -11,6 +11,7 @@ import uuid
 import pytest
 import torch
 
+from services.cluster.processes import child_python_path
 from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import transfer_pb2
 from services.instance.engine.cuda_ipc import CudaIpcHandle, export_handle
@@ -74,7 +75,7 @@ def test_another_process_reads_and_writes_the_cache_through_its_handle():
     torch.cuda.synchronize()
     wire = ipc_handle_to_proto(cache.ipc_handle).SerializeToString()
     done = subprocess.run([sys.executable, "-c", WRITER], input=wire, capture_output=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": os.getcwd()}, check=False)
+                          env={**os.environ, "PYTHONPATH": child_python_path()}, check=False)
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode().startswith("cuda")
     assert torch.equal(cache.tensor[0, 1, 2], torch.full_like(cache.tensor[0, 1, 2], 5))

@@ -17,14 +17,32 @@ from services.transfer.block_copy import as_bytes
 from services.transfer.chunk_plan import Chunk, ChunkPlan
 
 
+# Bytes of a GPU cache's blocks copied to the host at a time for their crcs: a GPU's memory is mostly its
+# KV cache, so a copy of every block at once (a long migration's, or a destination's cached prefix) could
+# run it out of memory, and the caching allocator would keep that much reserved after.
+GATHER_BYTES = 64 << 20
+
+
 def block_checksums(rows: torch.Tensor, block_ids: tuple[int, ...]) -> tuple[int, ...]:
     """crc32 of each block of a `[rows, blocks, row_elems]` tensor, in `block_ids` order (blocks on a
-    GPU are copied to the host first)."""
+    GPU are copied to the host first, `gathered_checksums`)."""
     if rows.device.type != "cpu":
-        rows = rows.index_select(1, torch.tensor(block_ids, dtype=torch.int64, device=rows.device)).cpu()
-        block_ids = tuple(range(len(block_ids)))
+        return gathered_checksums(rows, block_ids, GATHER_BYTES)
     data = as_bytes(rows)
     return tuple(_fold(data[:, block_id], 0) for block_id in block_ids)
+
+
+def gathered_checksums(rows: torch.Tensor, block_ids: tuple[int, ...], max_bytes: int) -> tuple[int, ...]:
+    """`block_checksums` of blocks gathered on their device and copied to the host at most `max_bytes`
+    (and at least one block) at a time."""
+    block_bytes = rows.shape[0] * rows[0, 0].numel() * rows.element_size()
+    per_copy = max(1, max_bytes // block_bytes)
+    checksums: list[int] = []
+    for start in range(0, len(block_ids), per_copy):
+        ids = torch.tensor(block_ids[start:start + per_copy], dtype=torch.int64, device=rows.device)
+        data = as_bytes(rows.index_select(1, ids).cpu())
+        checksums += (_fold(data[:, i], 0) for i in range(len(ids)))
+    return tuple(checksums)
 
 
 class ChecksumVerifier:

@@ -6,7 +6,7 @@ import torch
 from services.common.errors import Aborted
 from services.instance.engine.kv_cache import KvGeometry
 from services.transfer.block_copy import gather_chunk, staged_view
-from services.transfer.checksum import ChecksumVerifier, block_checksums
+from services.transfer.checksum import ChecksumVerifier, block_checksums, gathered_checksums
 from services.transfer.chunk_plan import ChunkPlan
 from tests.unit.transfer.factories import random_kv, rows_of, tiny_geometry
 
@@ -83,3 +83,19 @@ def test_a_flipped_bit_in_a_row_of_an_odd_number_of_bytes_changes_its_checksum()
         _flip(kv, 2, row, bit)
         assert block_checksums(rows_of(kv), (2,)) != before, (row, bit)
         _flip(kv, 2, row, bit)
+
+
+def test_blocks_gathered_a_few_at_a_time_have_the_same_checksums(monkeypatch):
+    """A GPU cache's blocks go to the host at most GATHER_BYTES at a time (here the host stands in for the GPU):
+    the crcs are the direct ones, and no copy holds more than the bound (one block at least)."""
+    geometry = tiny_geometry()
+    rows = rows_of(random_kv(geometry, seed=7))
+    ids = tuple(random.Random(3).choices(range(geometry.num_blocks), k=11))
+    gathered: list[int] = []
+    index_select = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select",
+                        lambda self, *args: gathered.append(len(args[1])) or index_select(self, *args))
+    for max_bytes, per_copy in ((3 * geometry.bytes_per_block, 3), (1, 1), (1 << 30, 11)):
+        gathered.clear()
+        assert gathered_checksums(rows, ids, max_bytes) == block_checksums(rows, ids)
+        assert max(gathered) == per_copy and sum(gathered) == len(ids)

@@ -7,6 +7,8 @@ import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
+from services.common.task_errors import read_error
+
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -20,6 +22,5 @@ async def in_thread(fn: Callable[[_T], _R], arg: _T) -> _R:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
         await asyncio.wait([work])
-        if not work.cancelled():
-            work.exception()  # retrieved: nobody is left to hear of it
+        read_error(work)  # nobody is left to hear of it
         raise

@@ -21,6 +21,7 @@ from services.common.gen.ferry.v1 import common_pb2, manager_pb2_grpc
 from services.common.grpc_server import secure_or_insecure_channel
 from services.common.tls import TlsConfig
 from services.common.registry import Registry
+from services.common.task_errors import read_error
 from services.instance.server import InstanceServicer
 
 log = structlog.get_logger(__name__)
@@ -82,14 +83,9 @@ async def _answer_unless_leader_changed(call: grpc.aio.StreamUnaryCall, leader_c
             answer.cancel()  # the caller cancels the call itself right after
         # An answer that fails as this is cancelled (the manager resigning on shutdown) is read
         # here, or asyncio logs it as "Task exception was never retrieved" with a traceback.
-        answer.add_done_callback(_read_error)
+        answer.add_done_callback(read_error)
     if answer.done() and not answer.cancelled():
         answer.result()
-
-
-def _read_error(answer: asyncio.Future) -> None:
-    if not answer.cancelled():
-        answer.exception()
 
 
 async def _reports(servicer: InstanceServicer, interval_s: float, leader_changed: asyncio.Future,

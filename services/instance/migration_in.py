@@ -35,6 +35,7 @@ import structlog
 from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
 from services.common.periodic import periodic_loop
 from services.common.prefix_hash import BlockHash
+from services.common.task_errors import read_error
 from services.instance.engine.migration_state import RequestState
 from services.instance.migration_domain import Reservation
 from services.instance.migration_slots import MigrationSlots
@@ -152,12 +153,12 @@ class MigrationInbox:
         granting = asyncio.ensure_future(self._fence.grant(incoming.write_grant))
         # Read even when this Prepare is cancelled while it waits for the grant (a PD hand-off's deadline, 1 s,
         # is below the grant's, 2 s): its error was never retrieved, a traceback in the log.
-        granting.add_done_callback(_read_outcome)
+        granting.add_done_callback(read_error)
         try:
             reserved = await self._runner.call(reserve)
         finally:
             await asyncio.wait([granting])
-            grant_error = None if granting.cancelled() else granting.exception()
+            grant_error = read_error(granting)
         if grant_error is not None:
             raise grant_error  # the transfer service did not take it
         if self._incoming.get(incoming.migration_id) is not incoming:
@@ -356,11 +357,5 @@ def _given_up(migration_id: str) -> Aborted:
 
 
 def _log_failure(task: asyncio.Future) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("migration_in_free_failed", exc_info=task.exception())
-
-
-def _read_outcome(task: asyncio.Future) -> None:
-    """Marks the task's error read: its caller raises it, or was cancelled and needs it no more."""
-    if not task.cancelled():
-        task.exception()
+    if (error := read_error(task)) is not None:
+        log.error("migration_in_free_failed", exc_info=error)

@@ -32,6 +32,7 @@ import structlog
 from services.common.errors import FailedPrecondition, FerryError, NotFound
 from services.common.ids import check_id
 from services.common.periodic import periodic_loop
+from services.common.task_errors import read_error
 from services.manager import metrics
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId, InstanceState, InstanceView, Role
@@ -282,9 +283,7 @@ class Migrator:
 
     def _task_done(self, task: asyncio.Task[MigrationRecord]) -> None:
         self._tasks.discard(task)
-        if task.cancelled():
-            return
-        error = task.exception()  # a FerryError is recorded, counted and logged by migrate()
+        error = read_error(task)  # a FerryError is recorded, counted and logged by migrate()
         if error is not None and not isinstance(error, FerryError):
             log.error("migration_crashed", task=task.get_name(), exc_info=error)
 

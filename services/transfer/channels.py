@@ -31,11 +31,12 @@ import torch
 import torch.distributed as dist
 
 from services.common.errors import Unavailable
+from services.common.task_errors import read_error
 from services.transfer.deadline import Deadline
 from services.transfer.domain import IDLE_CLOSE_S, TransferBackend
 from services.transfer.pair_channel import (PairChannel, check_backend_available, client_store, create_group,
                                             master_store, store_prefix)
-from services.transfer.threads import NUM_RENDEZVOUS_THREADS, retrieve_error
+from services.transfer.threads import NUM_RENDEZVOUS_THREADS
 
 log = structlog.get_logger(__name__)
 
@@ -195,7 +196,7 @@ class ChannelTable:
 
     def _closed(self, future: asyncio.Future) -> None:
         self._closing.discard(future)
-        if (error := retrieve_error(future)) is not None:
+        if (error := read_error(future)) is not None:
             log.warning("close_failed", what="channel", error=repr(error))
 
     async def wait_closed(self) -> None:
@@ -281,7 +282,7 @@ class ChannelTable:
         self._num_rendezvous += 1
         future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         future.add_done_callback(lambda _: self._rendezvous_ended(slots))
-        future.add_done_callback(retrieve_error)  # a caller that gave up (cancelled, or its open failed) reads none
+        future.add_done_callback(read_error)  # a caller that gave up (cancelled, or its open failed) reads none
         return future
 
     def _rendezvous_ended(self, slots: asyncio.Semaphore) -> None:

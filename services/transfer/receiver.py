@@ -34,6 +34,7 @@ import structlog
 import torch
 
 from services.common.errors import FerryError, InvalidArgument, ResourceExhausted
+from services.common.task_errors import read_error
 from services.transfer.block_copy import (as_bytes, in_place_view, in_place_views, scatter_chunk, segments,
                                           staged_view)
 from services.transfer.channels import ChannelTable
@@ -46,7 +47,7 @@ from services.transfer.metrics import IN_PLACE_BYTES
 from services.transfer.pair_channel import PairChannel, chunk_tag, span_messages
 from services.transfer.pipeline import ScatterBehind
 from services.transfer.staging import StagingPool, StagingSlot
-from services.transfer.threads import TransferThreads, retrieve_error, run_in_thread, wait_for_threads
+from services.transfer.threads import TransferThreads, run_in_thread, wait_for_threads
 from services.transfer.write_grants import WriteGrant
 
 log = structlog.get_logger(__name__)
@@ -81,7 +82,7 @@ class _Progress:
     def took(self, posted: deque[tuple[Chunk, torch.Tensor, asyncio.Future]]) -> None:
         """Count the receives that were posted in chunk order and have all ended (reading every error)."""
         for chunk, _buffer, future in posted:
-            failed = future.cancelled() or retrieve_error(future) is not None
+            failed = future.cancelled() or read_error(future) is not None
             self.is_clean = self.is_clean and not failed
             if self.is_clean:
                 self.next_chunk = chunk.index + 1

@@ -35,6 +35,7 @@ import structlog
 import torch
 
 from services.common.errors import Aborted, FailedPrecondition, FerryError, InvalidArgument, NotFound, ResourceExhausted
+from services.common.task_errors import read_error
 from services.transfer.block_copy import (as_bytes, chunk_parts, copy_blocks, gather_chunk, in_place_views, segments,
                                           staged_view)
 from services.transfer.channels import ChannelTable
@@ -297,4 +298,4 @@ async def _peer_answer(expect: asyncio.Future) -> BaseException | None:
         expect.cancel()
         await asyncio.wait([expect])
         return None
-    return None if expect.cancelled() else expect.exception()
+    return read_error(expect)

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from services.common.task_errors import read_error
+
 NUM_RENDEZVOUS_THREADS = 4  # opens at once, and as many joins
 
 
@@ -77,13 +79,7 @@ async def wait_for_threads(futures: Iterable[asyncio.Future]) -> None:
         except asyncio.CancelledError:
             is_cancelled = True
     for future in futures:
-        retrieve_error(future)
+        read_error(future)  # a broken channel fails every transfer in flight; the caller raises the first
     if is_cancelled:
         raise asyncio.CancelledError
 
-
-def retrieve_error(future: asyncio.Future) -> BaseException | None:
-    """The error of a done future, marked as read: asyncio logs "Future exception was never retrieved"
-    for one whose error nobody read (a broken channel fails every send and receive in flight, and the
-    caller raises the first; `asyncio.shield` stops reading its future once its own waiter is cancelled)."""
-    return None if future.cancelled() else future.exception()

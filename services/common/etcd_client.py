@@ -26,7 +26,8 @@ from etcd3aio import Etcd3Client, EtcdError
 
 from services.common.auth import read_token
 from services.common.config import knob
-from services.common.etcd_endpoints import resolve_endpoints, single_host_name
+from services.common.etcd_endpoints import check_address_flag, resolve_endpoints, single_host_name
+from services.common.ids import check_cluster_flag
 from services.common.periodic import periodic_loop
 
 log = structlog.get_logger(__name__)
@@ -97,12 +98,17 @@ class EtcdKnobs:
 
 @dataclasses.dataclass(frozen=True)
 class EtcdStartupKnobs:
-    """How long a service that registers in etcd waits for it at startup (mixed into its config)."""
+    """How long a service that registers in etcd waits for it at startup, and the check of its etcd flags
+    (mixed into its config)."""
 
     etcd_wait_s: float = knob(60.0, "at startup, how long to wait for etcd to answer before exiting 1 (0: at "
                                     "once); a service that loses etcd later keeps running and re-registers")
 
-    def check_etcd_wait(self) -> None:
+    def check_etcd_flags(self, cluster: str, etcd_endpoints: Sequence[str]) -> None:
+        """--cluster, --etcd-endpoints (each service declares them, with its own default and help) and
+        --etcd-wait-s; a ValueError naming the first flag that is off."""
+        check_cluster_flag(cluster)
+        check_address_flag("--etcd-endpoints", etcd_endpoints)
         if not 0 <= self.etcd_wait_s <= 86400:
             raise ValueError(f"--etcd-wait-s must be 0..86400 seconds, got {self.etcd_wait_s}")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from services.common.config import knob, parse_config
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.etcd_endpoints import check_address_flag
-from services.common.ids import check_cluster_flag, check_id_flag
+from services.common.ids import check_id_flag
 from services.common.logging import LogKnobs
 from services.common.tls import PeerKnobs
 from services.frontend.sampling_defaults import override_values
@@ -76,10 +76,9 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
 
     def __post_init__(self) -> None:
         check_id_flag("--frontend-id", self.frontend_id)
-        check_cluster_flag(self.cluster)
+        self.check_etcd_flags(self.cluster, self.etcd_endpoints)
         self.tls.check()
         self.etcd_access.check()
-        self.check_etcd_wait()
         for name in ("max_body_bytes", "max_inflight", "dispatch_timeout_s", "generate_timeout_s", "abort_timeout_s",
                      "keepalive_timeout_s", "body_timeout_s", "send_timeout_s"):
             if getattr(self, name) <= 0:
@@ -95,7 +94,6 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
         if self.max_model_len < 0:
             raise ValueError(f"--max-model-len must be >= 0 (0 = from config.json), got {self.max_model_len}")
         override_values(self.override_generation_config)  # a ValueError naming the flag
-        check_address_flag("--etcd-endpoints", self.etcd_endpoints)
         check_address_flag("--manager-address", [self.manager_address] if self.manager_address else [])
         if not self.etcd_endpoints and not self.manager_address:
             raise ValueError("set --etcd-endpoints (membership and leader) or --manager-address (or both)")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from services.common.config import knob
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.etcd_endpoints import check_address_flag
-from services.common.ids import check_cluster_flag, check_id_flag
+from services.common.ids import check_id_flag
 from services.common.logging import LogKnobs
 from services.common.tls import TlsKnobs
 from services.instance.engine.device import resolve_device
@@ -145,11 +145,9 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
 
     def __post_init__(self) -> None:
         check_id_flag("--instance-id", self.instance_id)
-        check_cluster_flag(self.cluster)
+        self.check_etcd_flags(self.cluster, self.etcd_endpoints)
         self.tls.check()
         self.etcd_access.check()
-        self.check_etcd_wait()
-        check_address_flag("--etcd-endpoints", self.etcd_endpoints)
         check_address_flag("--transfer-address", [self.transfer_address] if self.transfer_address else [])
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl-s must be at least 1 (etcd leases are whole seconds), got {self.lease_ttl_s}")

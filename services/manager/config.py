@@ -8,8 +8,7 @@ from services.common.auth import read_token
 from services.common.config import knob
 from services.common.errors import InvalidArgument
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
-from services.common.etcd_endpoints import check_address_flag
-from services.common.ids import check_cluster_flag, check_id_flag
+from services.common.ids import check_id_flag
 from services.common.logging import LogKnobs
 from services.common.tls import TlsKnobs
 from services.manager.migration import MigrationSelection, MigrationSettings
@@ -74,13 +73,11 @@ class ManagerConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
 
     def __post_init__(self) -> None:
         check_id_flag("--manager-id", self.manager_id)
-        check_cluster_flag(self.cluster)
-        if self.dispatch_policy not in POLICY_NAMES:
-            raise ValueError(f"--dispatch-policy must be one of {', '.join(POLICY_NAMES)}, got {self.dispatch_policy!r}")
-        check_address_flag("--etcd-endpoints", self.etcd_endpoints)
+        self.check_etcd_flags(self.cluster, self.etcd_endpoints)
         if not self.etcd_endpoints:
             raise ValueError("--etcd-endpoints is empty; the manager needs etcd (e.g. --etcd-endpoints 127.0.0.1:2379)")
-        self.check_etcd_wait()
+        if self.dispatch_policy not in POLICY_NAMES:
+            raise ValueError(f"--dispatch-policy must be one of {', '.join(POLICY_NAMES)}, got {self.dispatch_policy!r}")
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl-s must be at least 1 (etcd leases are whole seconds), got {self.lease_ttl_s}")
         for name in ("report_timeout_s", "resync_interval_s", "list_requests_timeout_s", "admin_forward_timeout_s",

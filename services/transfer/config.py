@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from services.common.config import knob
 from services.common.errors import FailedPrecondition
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
-from services.common.etcd_endpoints import check_address_flag
-from services.common.ids import check_cluster_flag, check_id_flag
+from services.common.ids import check_id_flag
 from services.common.heap import DEFAULT_KEEP_MIB
 from services.common.logging import LogKnobs
 from services.common.tls import TlsKnobs
@@ -67,11 +66,9 @@ class TransferConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
 
     def __post_init__(self) -> None:
         check_id_flag("--transfer-id", self.transfer_id)
-        check_cluster_flag(self.cluster)
+        self.check_etcd_flags(self.cluster, self.etcd_endpoints)
         self.tls.check()
         self.etcd_access.check()
-        self.check_etcd_wait()
-        check_address_flag("--etcd-endpoints", self.etcd_endpoints)
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl-s must be at least 1 (etcd leases are whole seconds), got {self.lease_ttl_s}")
         for name in ("transfer_timeout_s", "channel_timeout_s"):

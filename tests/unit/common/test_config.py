@@ -392,3 +392,16 @@ def test_the_cluster_name_is_one_word(service, config_cls, required, name, error
     assert exit_info.value.code == 2
     assert error in capsys.readouterr().err
     assert parse_config(config_cls, service, [*required, "--cluster", "prod-eu.2"], env={}).cluster == "prod-eu.2"
+
+
+@pytest.mark.parametrize("service, config_cls, required", [
+    ("frontend", FrontendConfig, ["--manager-address", "127.0.0.1:1"]), ("instance", InstanceConfig, ["--model", "m"]),
+    ("manager", ManagerConfig, []), ("transfer", TransferConfig, [])])
+@pytest.mark.parametrize("argv, error", [(["--etcd-endpoints", "etcd:0"], "--etcd-endpoints 'etcd:0'"),
+                                         (["--etcd-wait-s", "-1"], "--etcd-wait-s must be 0..86400")])
+def test_every_service_checks_its_etcd_flags(service, config_cls, required, argv, error, capsys) -> None:
+    # one check (EtcdStartupKnobs.check_etcd_flags) for the flags every service declares
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(config_cls, service, [*required, *argv], env={})
+    assert exit_info.value.code == 2
+    assert error in capsys.readouterr().err

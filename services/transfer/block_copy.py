@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -102,7 +102,7 @@ def segments(plan: ChunkPlan, rows: torch.Tensor, block_ids: tuple[int, ...], is
 
     @functools.cache
     def ascends(start: int, stop: int) -> bool:  # a span's rows lie contiguously here (once per span)
-        return block_ids[start:stop] == tuple(range(block_ids[start], block_ids[start] + stop - start))
+        return is_consecutive(block_ids[start:stop])
 
     def moves_in_place(chunk: Chunk) -> bool:
         return lies_in_place and chunk.in_span and ascends(chunk.block_start, chunk.block_stop)
@@ -127,7 +127,7 @@ def in_place_view(rows: torch.Tensor, block_ids: tuple[int, ...], chunk: Chunk) 
     """The chunk where it lies in CPU `rows` if that is one contiguous piece (one row of
     consecutive ids), else None: then it goes through a staging buffer."""
     ids = block_ids[chunk.block_start:chunk.block_stop]
-    if rows.device.type != "cpu" or any(b != a + 1 for a, b in zip(ids, ids[1:])):
+    if rows.device.type != "cpu" or not is_consecutive(ids):
         return None
     view = rows[chunk.row_start:chunk.row_stop, ids[0]:ids[0] + len(ids)]
     return view if view.is_contiguous() else None
@@ -136,6 +136,11 @@ def in_place_view(rows: torch.Tensor, block_ids: tuple[int, ...], chunk: Chunk) 
 def as_bytes(rows: torch.Tensor) -> np.ndarray:
     """A uint8 numpy view of a CPU `[rows, blocks, row_elems]` tensor (any dtype, bf16 too)."""
     return rows.view(torch.uint8).numpy()
+
+
+def is_consecutive(ids: Sequence[int]) -> bool:
+    """Whether the (non-empty) ids ascend by one: their blocks' rows then lie contiguously in the KV memory."""
+    return tuple(ids) == tuple(range(ids[0], ids[0] + len(ids)))
 
 
 def block_runs(ids: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:

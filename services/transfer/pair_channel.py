@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from services.common.errors import FailedPrecondition, Unavailable
+from services.transfer.block_copy import in_place_views
 from services.transfer.chunk_plan import Chunk
 from services.transfer.deadline import Deadline
 from services.transfer.domain import CHANNEL_BACKENDS, TransferBackend
@@ -222,10 +223,12 @@ def _wait(work: dist.Work, deadline: float) -> None:
     work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
 
 
-def span_messages(chunks: Sequence[Chunk], views: Sequence[torch.Tensor], transfer_tag: int
-                  ) -> list[tuple[torch.Tensor, int]]:
-    """The (flat view, tag) messages of an in-place span's rows."""
-    return [(view, chunk_tag(transfer_tag, chunk.index)) for chunk, view in zip(chunks, views)]
+def move_in_place(move: Callable[[Sequence[tuple[torch.Tensor, int]], float], None], rows: torch.Tensor,
+                  block_ids: tuple[int, ...], chunks: list[Chunk], transfer_tag: int, timeout_s: float) -> None:
+    """(io thread) An in-place batch's rows straight from or into the KV memory `rows`, their views made
+    here too: `move` is the channel's `send_in_order` (source) or `recv_in_order` (destination)."""
+    views = in_place_views(rows, block_ids, chunks)
+    move([(view, chunk_tag(transfer_tag, chunk.index)) for chunk, view in zip(chunks, views)], timeout_s)
 
 
 def in_place_window(message_bytes: int) -> int:

@@ -35,8 +35,8 @@ import torch
 
 from services.common.errors import FerryError, InvalidArgument, ResourceExhausted
 from services.common.task_errors import read_error
-from services.transfer.block_copy import (as_bytes, in_place_view, in_place_views, scatter_chunk, segments,
-                                          staged_view)
+from services.instance.engine.kv_cache import KvGeometry
+from services.transfer.block_copy import as_bytes, in_place_view, scatter_chunk, segments, staged_view
 from services.transfer.channels import ChannelTable
 from services.transfer.checksum import ChecksumVerifier
 from services.transfer.chunk_plan import Chunk, ChunkPlan, check_block_ids, check_compatible
@@ -44,7 +44,7 @@ from services.transfer.deadline import Deadline
 from services.transfer.domain import IncomingBlocks, TransferBackend
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.metrics import IN_PLACE_BYTES
-from services.transfer.pair_channel import PairChannel, chunk_tag, span_messages
+from services.transfer.pair_channel import PairChannel, chunk_tag, move_in_place
 from services.transfer.pipeline import ScatterBehind
 from services.transfer.staging import StagingPool, StagingSlot
 from services.transfer.threads import TransferThreads, run_in_thread, wait_for_threads
@@ -191,8 +191,8 @@ class BlockReceiver:
             # The staged chunks before are all in (tags repeat every TAG_STRIDE chunks).
             target.grant.check()
             try:
-                await run_in_thread(self._threads.io, _receive_in_place, channel, target, chunks, tag,
-                                    deadline.remaining_s())
+                await run_in_thread(self._threads.io, move_in_place, channel.recv_in_order, target.rows,
+                                    target.block_ids, chunks, tag, deadline.remaining_s())
             except BaseException:
                 progress.is_clean = False  # some of the span may still be on the channel
                 raise
@@ -237,8 +237,7 @@ class BlockReceiver:
         one at a time in order (each takes one the sender has in flight). False if that failed: the
         caller then drops the channel."""
         try:
-            plan = ChunkPlan.from_header(header.geometry, len(header.dst_block_ids), header.blocks_per_chunk,
-                                         header.rows_per_chunk, header.in_place_spans)  # how the sender sends
+            plan = _header_plan(header, header.geometry)  # how the sender sends
             rest = await run_in_thread(self._threads.copy, _small_rest, plan, next_chunk)  # 64k chunks: ~0.3 s
             if rest is None:
                 return False  # taking it all would hold the sender longer than dropping costs the others
@@ -259,8 +258,7 @@ class BlockReceiver:
         rows, geometry = self._mappings.rows(header.dst_instance_id)
         check_compatible(header.geometry, geometry)
         check_block_ids(header.dst_block_ids, geometry.num_blocks, "dst_block_ids", is_unique=True)
-        plan = ChunkPlan.from_header(geometry, len(header.dst_block_ids), header.blocks_per_chunk,
-                                     header.rows_per_chunk, header.in_place_spans)
+        plan = _header_plan(header, geometry)
         if plan.max_chunk_bytes > self._staging.buffer_bytes:
             raise ResourceExhausted(f"chunks of {plan.max_chunk_bytes} bytes do not fit this service's staging "
                                     f"buffers of {self._staging.buffer_bytes} bytes; give both transfer services the "
@@ -275,10 +273,10 @@ class BlockReceiver:
         return ScatterBehind(slot, verify_and_scatter, self._threads.copy)
 
 
-def _receive_in_place(channel: PairChannel, target: Destination, chunks: list[Chunk], tag: int,
-                      timeout_s: float) -> None:
-    """(io thread) An in-place batch's rows straight into the KV memory, their views made here too."""
-    channel.recv_in_order(span_messages(chunks, in_place_views(target.rows, target.block_ids, chunks), tag), timeout_s)
+def _header_plan(header: IncomingBlocks, geometry: KvGeometry) -> ChunkPlan:
+    """The chunks the header's sender cuts the transfer into, over `geometry`."""
+    return ChunkPlan.from_header(geometry, len(header.dst_block_ids), header.blocks_per_chunk, header.rows_per_chunk,
+                                 header.in_place_spans)
 
 
 def _small_rest(plan: ChunkPlan, next_chunk: int) -> list[Chunk] | None:

@@ -36,8 +36,7 @@ import torch
 
 from services.common.errors import Aborted, FailedPrecondition, FerryError, InvalidArgument, NotFound, ResourceExhausted
 from services.common.task_errors import read_error
-from services.transfer.block_copy import (as_bytes, chunk_parts, copy_blocks, gather_chunk, in_place_views, segments,
-                                          staged_view)
+from services.transfer.block_copy import as_bytes, chunk_parts, copy_blocks, gather_chunk, segments, staged_view
 from services.transfer.channels import ChannelTable
 from services.transfer.checksum import block_checksums
 from services.transfer.chunk_plan import (IN_PLACE_MIN_ROW_BYTES, Chunk, ChunkPlan, check_block_ids, check_compatible,
@@ -47,7 +46,7 @@ from services.transfer.deadline import Deadline
 from services.transfer.domain import BlockTransfer, IncomingBlocks, TransferBackend, TransferId, TransferResult
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.metrics import IN_PLACE_BYTES
-from services.transfer.pair_channel import TAG_STRIDE, PairChannel, chunk_tag, span_messages
+from services.transfer.pair_channel import TAG_STRIDE, PairChannel, chunk_tag, move_in_place
 from services.transfer.peer import PeerFactory
 from services.transfer.pipeline import BufferRing, GatherAhead
 from services.transfer.staging import StagingPool, StagingSlot
@@ -236,8 +235,8 @@ class BlockSender:
                     await self._send_staged(channel, source, ring, chunks, tag, deadline)
                     continue
                 await ring.drain()  # tags repeat every TAG_STRIDE chunks: the earlier sends go first
-                await run_in_thread(self._threads.io, _send_in_place, channel, source, chunks, tag,
-                                    deadline.remaining_s())
+                await run_in_thread(self._threads.io, move_in_place, channel.send_in_order, source.rows,
+                                    source.block_ids, chunks, tag, deadline.remaining_s())
                 IN_PLACE_BYTES.labels("sent").inc(sum(map(source.plan.chunk_bytes, chunks)))
             await ring.drain()
         except BaseException:
@@ -260,11 +259,6 @@ class BlockSender:
             flat = staged.view(torch.uint8).view(-1)
             ring.hold(chunk.index, loop.run_in_executor(self._threads.io, channel.send, flat,
                                                         chunk_tag(tag, chunk.index), deadline.remaining_s()))
-
-
-def _send_in_place(channel: PairChannel, source: SourceBlocks, chunks: list[Chunk], tag: int, timeout_s: float) -> None:
-    """(io thread) An in-place batch's rows straight from the KV memory, their views made here too."""
-    channel.send_in_order(span_messages(chunks, in_place_views(source.rows, source.block_ids, chunks), tag), timeout_s)
 
 
 async def _messages(messages: GatherAhead) -> AsyncIterator[bytes]:

@@ -17,7 +17,7 @@ import os
 import pathlib
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import yaml
@@ -37,6 +37,21 @@ def knob(default: Any, help: str) -> Any:
 def knob_help(field: dataclasses.Field) -> str:
     """The help text a `knob` field was declared with."""
     return field.metadata.get(_HELP, "")
+
+
+def check_positive(config: object, names: Iterable[str], flag_prefix: str = "--") -> None:
+    """A ValueError naming the flag (`--field-name`) of the first of the fields `names` of `config`
+    that is not > 0 (nan included)."""
+    for name in names:
+        if not (value := getattr(config, name)) > 0:
+            raise ValueError(f"{flag_prefix}{_flag(name)} must be positive, got {value}")
+
+
+def check_non_negative(config: object, names: Iterable[str], flag_prefix: str = "--") -> None:
+    """As `check_positive`, for fields that must be >= 0."""
+    for name in names:
+        if not (value := getattr(config, name)) >= 0:
+            raise ValueError(f"{flag_prefix}{_flag(name)} must be >= 0, got {value}")
 
 
 def env_name(service: str, field_name: str) -> str:

@@ -8,7 +8,7 @@ import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.config import knob, parse_config
+from services.common.config import check_non_negative, check_positive, knob, parse_config
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.etcd_endpoints import check_address_flag
 from services.common.ids import check_id_flag
@@ -79,13 +79,9 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
         self.check_etcd_flags(self.cluster, self.etcd_endpoints)
         self.tls.check()
         self.etcd_access.check()
-        for name in ("max_body_bytes", "max_inflight", "dispatch_timeout_s", "generate_timeout_s", "abort_timeout_s",
-                     "keepalive_timeout_s", "body_timeout_s", "send_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("failed_instance_cooldown_s", "shutdown_grace_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        check_positive(self, ("max_body_bytes", "max_inflight", "dispatch_timeout_s", "generate_timeout_s",
+                              "abort_timeout_s", "keepalive_timeout_s", "body_timeout_s", "send_timeout_s"))
+        check_non_negative(self, ("failed_instance_cooldown_s", "shutdown_grace_s"))
         if self.max_resumes < 0:
             raise ValueError(f"--max-resumes must be >= 0, got {self.max_resumes}")
         if self.max_handoffs < 1:

@@ -4,7 +4,7 @@ import enum
 import pathlib
 from dataclasses import dataclass
 
-from services.common.config import knob
+from services.common.config import check_non_negative, check_positive, knob
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.etcd_endpoints import check_address_flag
 from services.common.ids import check_id_flag
@@ -151,16 +151,13 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
         check_address_flag("--transfer-address", [self.transfer_address] if self.transfer_address else [])
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl-s must be at least 1 (etcd leases are whole seconds), got {self.lease_ttl_s}")
-        for name in ("num_threads", "shutdown_grace_s", "priority_headroom_blocks", "max_model_len"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        check_non_negative(self, ("num_threads", "shutdown_grace_s", "priority_headroom_blocks", "max_model_len"))
         if self.load_report_interval_s <= 0:
             raise ValueError(f"--load-report-interval-s must be positive, got {self.load_report_interval_s}")
         if self.block_size <= 0:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
-        for name in ("sim_step_ms", "sim_prefill_ms_per_token", "sim_decode_ms_per_seq", "engine_stall_timeout_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        check_non_negative(self, ("sim_step_ms", "sim_prefill_ms_per_token", "sim_decode_ms_per_seq",
+                                  "engine_stall_timeout_s"))
         if self.num_blocks < 0:
             raise ValueError(f"--num-blocks must be >= 0 (0 = size from --kv-cache-mib), got {self.num_blocks}")
         if self.num_blocks == 0 and self.kv_cache_mib <= 0:
@@ -175,13 +172,9 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
         if self.prefill_chunk_tokens < 0:
             raise ValueError(f"--prefill-chunk-tokens must be >= 0 (0 = the default), got {self.prefill_chunk_tokens}")
         prefill_chunk_size(self.step_token_budget, self.max_num_seqs, self.block_size, self.prefill_chunk_tokens)
-        for name in ("migration_stage_blocks", "migration_max_stages"):  # 0 max stages = always stop-and-copy
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_concurrent_migrations", "migration_reservation_timeout_s", "migration_rpc_timeout_s",
-                     "migration_transfer_timeout_s", "pd_handoff_hold_s"):
-            if not getattr(self, name) > 0:  # (nan too)
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        check_non_negative(self, ("migration_stage_blocks", "migration_max_stages"))  # 0 stages = stop-and-copy
+        check_positive(self, ("max_concurrent_migrations", "migration_reservation_timeout_s", "migration_rpc_timeout_s",
+                              "migration_transfer_timeout_s", "pd_handoff_hold_s"))
         if self.migration_reservation_timeout_s <= self.migration_transfer_timeout_s:
             raise ValueError(f"--migration-reservation-timeout-s ({self.migration_reservation_timeout_s:g}) must exceed "
                              f"--migration-transfer-timeout-s ({self.migration_transfer_timeout_s:g}): a destination "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.auth import read_token
-from services.common.config import knob
+from services.common.config import check_non_negative, check_positive, knob
 from services.common.errors import InvalidArgument
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.ids import check_id_flag
@@ -80,15 +80,12 @@ class ManagerConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
             raise ValueError(f"--dispatch-policy must be one of {', '.join(POLICY_NAMES)}, got {self.dispatch_policy!r}")
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl-s must be at least 1 (etcd leases are whole seconds), got {self.lease_ttl_s}")
-        for name in ("report_timeout_s", "resync_interval_s", "list_requests_timeout_s", "admin_forward_timeout_s",
-                     "migration_interval_s", "migration_timeout_s", "migration_max_per_instance",
-                     "migration_history_size", "scaling_interval_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("migration_threshold", "migration_cooldown_s", "migration_failure_backoff_s", "scaling_cooldown_s",
-                     "pd_short_prompt_tokens", "prefix_load_slack", "shutdown_grace_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        check_positive(self, ("report_timeout_s", "resync_interval_s", "list_requests_timeout_s",
+                              "admin_forward_timeout_s", "migration_interval_s", "migration_timeout_s",
+                              "migration_max_per_instance", "migration_history_size", "scaling_interval_s"))
+        check_non_negative(self, ("migration_threshold", "migration_cooldown_s", "migration_failure_backoff_s",
+                                  "scaling_cooldown_s", "pd_short_prompt_tokens", "prefix_load_slack",
+                                  "shutdown_grace_s"))
         if self.migration_pairing not in PAIRING_NAMES:
             raise ValueError(f"--migration-pairing must be one of {', '.join(PAIRING_NAMES)}, got {self.migration_pairing!r}")
         self.tls.check()

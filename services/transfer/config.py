@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import knob
+from services.common.config import check_positive, knob
 from services.common.errors import FailedPrecondition
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
 from services.common.ids import check_id_flag
@@ -71,9 +71,7 @@ class TransferConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
         self.etcd_access.check()
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl-s must be at least 1 (etcd leases are whole seconds), got {self.lease_ttl_s}")
-        for name in ("transfer_timeout_s", "channel_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        check_positive(self, ("transfer_timeout_s", "channel_timeout_s"))
         if self.num_threads < 0:
             raise ValueError(f"--num-threads must be >= 0 (0 = torch's default), got {self.num_threads}")
         if not self.backends:
@@ -83,9 +81,7 @@ class TransferConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
                              f"{','.join(b.value for b in self.backends)}")
         if self.in_place_min_kib < 0:
             raise ValueError(f"--in-place-min-kib must be 0 (never) or positive, got {self.in_place_min_kib}")
-        for name in ("staging_kib", "num_staging_slots", "grpc_piece_kib"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        check_positive(self, ("staging_kib", "num_staging_slots", "grpc_piece_kib"))
         if not 0 <= self.heap_keep_mib < 2048:
             raise ValueError(f"--heap-keep-mib must be 0..2047, got {self.heap_keep_mib}")
         if not 2 <= self.staging_buffers <= TAG_STRIDE:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from services.common.config import check_positive
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.prefix_hash import BlockHash
 from services.instance.engine.block_manager import BlockId, BlockManager, num_blocks_for
@@ -86,9 +87,7 @@ class EngineConfig:
     prefill_chunk_tokens: int = 0  # prefill chunk boundaries (scheduler.py); 0 = half a step beside full decodes
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        check_positive(self, ("num_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"))
         if self.priority_headroom_blocks < 0:
             raise ValueError(f"--priority-headroom-blocks must be >= 0, got {self.priority_headroom_blocks}")
         if self.max_num_waiting < 0:

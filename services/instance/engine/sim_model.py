@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.config import check_non_negative
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.model_config import ModelConfig
 
@@ -46,9 +47,7 @@ class SimLatency:
     decode_ms_per_seq: float = 0.08  # each sequence that decodes one token in the step
 
     def __post_init__(self) -> None:
-        for name in ("step_ms", "prefill_ms_per_token", "decode_ms_per_seq"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--sim-{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        check_non_negative(self, ("step_ms", "prefill_ms_per_token", "decode_ms_per_seq"), flag_prefix="--sim-")
 
     def step_s(self, batch: ForwardBatch) -> float:
         num_prefill_tokens = sum(n for n in batch.query_lens if n > 1)

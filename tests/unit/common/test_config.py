@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import pathlib
 
 import pytest
 import torch
 
-from services.common.config import as_dict, build_parser, convert, env_name, knob, parse_config
+from services.common.config import (as_dict, build_parser, check_non_negative, check_positive, convert, env_name, knob,
+                                   parse_config)
 from services.common.logging import LogFormat, LogLevel
 from services.frontend.config import FrontendConfig
 from services.instance.config import BackendChoice, InstanceConfig
@@ -405,3 +407,21 @@ def test_every_service_checks_its_etcd_flags(service, config_cls, required, argv
         parse_config(config_cls, service, [*required, *argv], env={})
     assert exit_info.value.code == 2
     assert error in capsys.readouterr().err
+
+
+def test_check_positive_and_non_negative_name_the_first_flag_off() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Knobs:
+        grace_s: float = 0.0
+        timeout_s: float = 1.0
+        step_ms: float = -1.0
+
+    knobs = Knobs()
+    check_positive(knobs, ("timeout_s",))
+    check_non_negative(knobs, ("grace_s", "timeout_s"))
+    with pytest.raises(ValueError, match=r"^--grace-s must be positive, got 0.0$"):
+        check_positive(knobs, ("timeout_s", "grace_s"))
+    with pytest.raises(ValueError, match=r"^--sim-step-ms must be >= 0, got -1.0$"):
+        check_non_negative(knobs, ("grace_s", "step_ms"), flag_prefix="--sim-")
+    with pytest.raises(ValueError, match="must be positive, got nan"):
+        check_positive(Knobs(timeout_s=math.nan), ("timeout_s",))

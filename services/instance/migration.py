@@ -185,12 +185,7 @@ class MigrationDriver:
         view, state = await self._suspend(a, lambda engine: engine.suspend_held(a.request_id))
         if view.num_preemptions != a.checked_preemptions:  # recomputed since the check: maybe other bits now
             await self._check_cached(a)
-        await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
-        self._check_not_aborted(a)
-        await a.peer.commit_migrate_in(a.migration_id, state)
-        a.committed_at = time.perf_counter()
-        await self._hand_off(a, state)
-        return self._result(a)
+        return await self._copy_rest_and_commit(a, view, state)
 
     async def _move_in_one_stage(self, a: _Attempt) -> MigrationResult:
         """Suspend (unless the PD hand-off holds it already) and export at once, copy every block, commit."""
@@ -199,6 +194,10 @@ class MigrationDriver:
         else:
             view, state = await self._suspend(a, lambda engine: engine.suspend_held(a.request_id))
         await self._reserve(a, view, 0)  # first: the blocks the destination has cached need no copy
+        return await self._copy_rest_and_commit(a, view, state)
+
+    async def _copy_rest_and_commit(self, a: _Attempt, view: MigrationBlocks, state: RequestState) -> MigrationResult:
+        """The request is suspended: copy every block still to copy, commit at the destination, hand off."""
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
         self._check_not_aborted(a)
         await a.peer.commit_migrate_in(a.migration_id, state)

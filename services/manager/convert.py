@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import grpc
 
@@ -171,22 +172,22 @@ def migration_figures_from_proto(reply: instance_pb2.MigrateOutResponse) -> Migr
 
 
 def migrate_response_to_proto(record: MigrationRecord) -> manager_pb2.MigrateResponse:
-    order, figures = record.order, record.figures
-    return manager_pb2.MigrateResponse(
-        request_id=figures.request_id, src_instance_id=order.src_instance_id, dst_instance_id=order.dst_instance_id,
-        num_blocks=figures.num_blocks, num_bytes=figures.num_bytes, num_stages=figures.num_stages,
-        backend=figures.backend, duration_ms=figures.duration_ms, downtime_ms=figures.downtime_ms,
-        num_cached_at_destination=figures.num_cached_at_destination)
+    return manager_pb2.MigrateResponse(**_migration_fields(record))
 
 
 def migration_record_to_proto(record: MigrationRecord) -> manager_pb2.MigrationRecord:
+    return manager_pb2.MigrationRecord(**_migration_fields(record), outcome=record.outcome.value, reason=record.reason,
+                                       message=record.message, trigger=record.order.trigger.value,
+                                       started_at=record.started_at)
+
+
+def _migration_fields(record: MigrationRecord) -> dict[str, Any]:
+    """The fields MigrateResponse and MigrationRecord share: what moved where, and its figures."""
     order, figures = record.order, record.figures
-    return manager_pb2.MigrationRecord(
-        request_id=figures.request_id, src_instance_id=order.src_instance_id, dst_instance_id=order.dst_instance_id,
-        num_blocks=figures.num_blocks, num_bytes=figures.num_bytes, num_stages=figures.num_stages,
-        backend=figures.backend, duration_ms=figures.duration_ms, downtime_ms=figures.downtime_ms,
-        num_cached_at_destination=figures.num_cached_at_destination, outcome=record.outcome.value, reason=record.reason, message=record.message, trigger=order.trigger.value,
-        started_at=record.started_at)
+    return dict(request_id=figures.request_id, src_instance_id=order.src_instance_id,
+                dst_instance_id=order.dst_instance_id, num_blocks=figures.num_blocks, num_bytes=figures.num_bytes,
+                num_stages=figures.num_stages, backend=figures.backend, duration_ms=figures.duration_ms,
+                downtime_ms=figures.downtime_ms, num_cached_at_destination=figures.num_cached_at_destination)
 
 
 def _check_reported_figures(msg: manager_pb2.MigrationRecord) -> None:

@@ -7,10 +7,37 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from etcd3aio.errors import EtcdConnectionError
+
+
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def host_problem(host: str) -> str | None:
+    """Why `host` is neither an IP address nor a DNS name (labels of letters, digits, - and _
+    between dots), or None if it is one."""
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+        return None
+    except ValueError:
+        pass
+    labels = host.removesuffix(".").split(".")
+    if not host or len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return "expected an IP address or a host name (letters, digits, - and _ between dots)"
+    return None
+
+
+def check_host_flags(config: object, names: Iterable[str]) -> None:
+    """A usage error (ValueError naming the flag) for the first of `config`'s host fields that is
+    set and is no host; an empty one means its default."""
+    for name in names:
+        value = getattr(config, name)
+        if value and (problem := host_problem(value)) is not None:
+            raise ValueError(f"--{name.replace('_', '-')} {value!r}: {problem}")
 
 
 def address_problem(endpoint: str) -> str | None:
@@ -21,7 +48,7 @@ def address_problem(endpoint: str) -> str | None:
         return "expected host:port, e.g. 127.0.0.1:2379 (no scheme, no path)"
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         return f"the port must be 1..65535, got {port!r}"
-    return None
+    return host_problem(host)
 
 
 def check_address_flag(flag: str, endpoints: Sequence[str]) -> None:

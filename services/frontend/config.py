@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from services.common.config import check_non_negative, check_positive, knob, parse_config
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
-from services.common.etcd_endpoints import check_address_flag
+from services.common.etcd_endpoints import check_address_flag, check_host_flags
 from services.common.ids import check_id_flag
 from services.common.logging import LogKnobs
 from services.common.tls import PeerKnobs
@@ -77,6 +77,7 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
     def __post_init__(self) -> None:
         check_id_flag("--frontend-id", self.frontend_id)
         self.check_etcd_flags(self.cluster, self.etcd_endpoints)
+        check_host_flags(self, ("host",))
         self.tls.check()
         self.etcd_access.check()
         check_positive(self, ("max_body_bytes", "max_inflight", "dispatch_timeout_s", "generate_timeout_s",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.etcd_endpoints import check_host_flags
 from services.common.config import check_positive, knob
 from services.common.errors import FailedPrecondition
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
@@ -67,6 +68,7 @@ class TransferConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     def __post_init__(self) -> None:
         check_id_flag("--transfer-id", self.transfer_id)
         self.check_etcd_flags(self.cluster, self.etcd_endpoints)
+        check_host_flags(self, ("host", "advertise_host", "metrics_host"))
         self.tls.check()
         self.etcd_access.check()
         if self.lease_ttl_s < 1:

@@ -178,9 +178,12 @@ def test_env_name_and_as_dict_hides_secrets() -> None:
 
 
 
-@pytest.mark.parametrize("service, config_cls, required", [
-    ("frontend", FrontendConfig, ["--manager-address", "127.0.0.1:1"]), ("instance", InstanceConfig, ["--model", "m"]),
-    ("manager", ManagerConfig, []), ("transfer", TransferConfig, [])])
+EVERY_SERVICE = [("frontend", FrontendConfig, ["--manager-address", "127.0.0.1:1"]),
+                 ("instance", InstanceConfig, ["--model", "m"]), ("manager", ManagerConfig, []),
+                 ("transfer", TransferConfig, [])]
+
+
+@pytest.mark.parametrize("service, config_cls, required", EVERY_SERVICE)
 def test_every_service_checks_its_log_flags_when_parsing(service: str, config_cls: type, required: list[str],
                                                          capsys) -> None:
     config = parse_config(config_cls, service, required, env={env_name(service, "log_level"): "WARNING",
@@ -383,9 +386,7 @@ def test_the_frontend_help_does_not_promise_a_grpc_server_it_does_not_have() -> 
     assert "required by this process's gRPC server" in instance
 
 
-@pytest.mark.parametrize("service, config_cls, required", [
-    ("frontend", FrontendConfig, ["--manager-address", "127.0.0.1:1"]), ("instance", InstanceConfig, ["--model", "m"]),
-    ("manager", ManagerConfig, []), ("transfer", TransferConfig, [])])
+@pytest.mark.parametrize("service, config_cls, required", EVERY_SERVICE)
 @pytest.mark.parametrize("name, error", [("", "--cluster is empty"), ("eu/prod", "--cluster 'eu/prod': not an id")])
 def test_the_cluster_name_is_one_word(service, config_cls, required, name, error, capsys) -> None:
     # it is the etcd prefix /ferry/<cluster>/: before, '' gave /ferry//, and eu/prod nested under eu
@@ -396,9 +397,7 @@ def test_the_cluster_name_is_one_word(service, config_cls, required, name, error
     assert parse_config(config_cls, service, [*required, "--cluster", "prod-eu.2"], env={}).cluster == "prod-eu.2"
 
 
-@pytest.mark.parametrize("service, config_cls, required", [
-    ("frontend", FrontendConfig, ["--manager-address", "127.0.0.1:1"]), ("instance", InstanceConfig, ["--model", "m"]),
-    ("manager", ManagerConfig, []), ("transfer", TransferConfig, [])])
+@pytest.mark.parametrize("service, config_cls, required", EVERY_SERVICE)
 @pytest.mark.parametrize("argv, error", [(["--etcd-endpoints", "etcd:0"], "--etcd-endpoints 'etcd:0'"),
                                          (["--etcd-wait-s", "-1"], "--etcd-wait-s must be 0..86400")])
 def test_every_service_checks_its_etcd_flags(service, config_cls, required, argv, error, capsys) -> None:
@@ -425,3 +424,18 @@ def test_check_positive_and_non_negative_name_the_first_flag_off() -> None:
         check_non_negative(knobs, ("grace_s", "step_ms"), flag_prefix="--sim-")
     with pytest.raises(ValueError, match="must be positive, got nan"):
         check_positive(Knobs(timeout_s=math.nan), ("timeout_s",))
+
+
+@pytest.mark.parametrize("service, config_cls, required", EVERY_SERVICE)
+@pytest.mark.parametrize("host", ["not a host", "http://x", "-lead", "a..b"])
+def test_every_service_refuses_a_host_that_is_none(service, config_cls, required, host, capsys) -> None:
+    # a bind host that is no address failed only at bind, naming --port first; an advertised
+    # one was registered in etcd for every peer to fail to dial
+    flags = ["--host"] if service == "frontend" else ["--host", "--advertise-host", "--metrics-host"]
+    for flag in flags:
+        with pytest.raises(SystemExit) as exit_info:
+            parse_config(config_cls, service, [*required, f"{flag}={host}"], env={})
+        assert exit_info.value.code == 2
+        assert f"{flag} {host!r}: expected an IP address or a host name" in capsys.readouterr().err
+    for good in ("0.0.0.0", "::", "[::1]", "instance-0.ferry_net", "localhost"):
+        parse_config(config_cls, service, [*required, flags[-1], good], env={})

@@ -100,16 +100,12 @@ class KvCache:
         """Create the segment `name`, zero-filled, and map it; on a CUDA `device`, zeroed device memory."""
         if device is not None and device.type == "cuda":
             tensor = torch.zeros(geometry.shape, dtype=geometry.dtype, device=device)
-            return cls(name, geometry, tensor, owner=None, ipc_handle=export_handle(tensor))
+            marker = _create_segment(name, 1)  # the name only: while it is there, this process lives (open_ipc)
+            cache = cls(name, geometry, tensor, owner=marker, ipc_handle=export_handle(tensor))
+            atexit.register(cache.unlink)
+            return cache
         _check_shm_room(geometry.num_bytes)
-        try:
-            shm = shared_memory.SharedMemory(name=name, create=True, size=geometry.num_bytes)
-        except FileExistsError:
-            raise Internal(
-                f"shared memory {name!r} already exists: another process uses that name, or one that crashed "
-                f"left {SHM_DIR / name} behind (remove it)"
-            ) from None
-        shm.close()  # the name stays; torch maps the bytes itself below
+        shm = _create_segment(name, geometry.num_bytes)
         try:
             _reserve(SHM_DIR / name, geometry.num_bytes)
         except BaseException:
@@ -148,8 +144,12 @@ class KvCache:
 
     @classmethod
     def open_ipc(cls, name: str, geometry: KvGeometry, handle: CudaIpcHandle) -> KvCache:
-        """Map another process's cache on a GPU through its CUDA IPC handle."""
-        return cls(name, geometry, open_handle(handle, geometry.shape, geometry.dtype), owner=None, ipc_handle=handle)
+        """Map another process's cache on a GPU through its CUDA IPC handle. The creator keeps a
+        one-byte segment under `name` (`create`): once a successor on the host reclaims it, the
+        cache `is_name_gone` and the transfer service lets go of the dead instance's GPU memory,
+        which its mapping would otherwise hold for as long as it lives."""
+        return cls(name, geometry, open_handle(handle, geometry.shape, geometry.dtype), owner=None, ipc_handle=handle,
+                   file_id=segment_file_id(name))
 
     @property
     def is_owner(self) -> bool:
@@ -216,6 +216,30 @@ def _check_segment_name(name: str) -> None:
 
 
 _SHM_ADVICE = f"lower --kv-cache-mib (or --num-blocks), or give {SHM_DIR} more room (docker: --shm-size)"
+
+
+def _create_segment(name: str, size: int) -> shared_memory.SharedMemory:
+    """Create the shared memory segment `name` of `size` bytes (closed here: the name stays)."""
+    try:
+        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+    except FileExistsError:
+        raise Internal(
+            f"shared memory {name!r} already exists: another process uses that name, or one that crashed "
+            f"left {SHM_DIR / name} behind (remove it)"
+        ) from None
+    shm.close()  # torch maps the bytes itself, where there are any to map
+    return shm
+
+
+def segment_file_id(name: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the segment `name`, or None where there is none (an older instance on a
+    GPU kept no marker: its mapping is then never found vanished)."""
+    try:
+        _check_segment_name(name)
+        stat = (SHM_DIR / name).stat()
+    except (InvalidArgument, FileNotFoundError):
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 def _check_shm_room(num_bytes: int) -> None:

@@ -34,6 +34,7 @@ from services.instance.pd_handoff import DecodeHandoff, DecodePlace
 from services.instance.runner import EngineRunner, RequestStream
 from services.instance.server import InstanceIdentity, InstanceServicer
 from services.transfer.domain import BlockTransfer, TransferBackend, TransferResult
+from tests.loop_errors import collect_dropped_tasks, unretrieved_errors
 
 pytestmark = pytest.mark.timeout(60)
 torch.set_num_threads(1)
@@ -1112,4 +1113,33 @@ async def test_a_client_leaving_after_the_hand_off_before_attaching_leaves_nothi
     reply = await servicer.Abort(instance_pb2.AbortRequest(request_id="r"), None)
     assert reply.was_running
     assert b.inbox.num_incoming == 0
+    await assert_no_blocks_held(a, b)
+
+
+async def test_a_migration_failing_after_its_caller_gave_up_leaves_no_unread_error(pair):
+    """The manager's MigrateOut deadline passed (a source frozen mid-migration, a black-box run): the migration
+    goes on and logs its own failure (`migration_aborted`), but `asyncio.shield` stops reading a task once its
+    waiter is cancelled, so asyncio also logged the error as "Task exception was never retrieved", traceback
+    and all."""
+    a, b = pair
+    expected = await reference(a)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    copier = TensorCopier(a, b, pause=asyncio.Event(), fail_on=1)
+    with unretrieved_errors() as unretrieved:
+        migration = asyncio.create_task(driver(a, FaultyPeer(b), copier).migrate_out(plan()))
+        while not copier.num_calls:  # the first live stage's copy is under way
+            await asyncio.sleep(0.01)
+        migration.cancel()  # the caller's deadline
+        with pytest.raises(asyncio.CancelledError):
+            await migration
+        copier.pause.set()  # and the copy fails after all
+        async with asyncio.timeout(10):
+            while a.slots.num_busy:  # given back when the migration's task ends
+                await asyncio.sleep(0.01)
+        await collect_dropped_tasks()
+        assert not unretrieved, unretrieved
+    await read(stream, tokens)
+    assert tokens == expected
     await assert_no_blocks_held(a, b)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, TypeVar
 import structlog
 
 from services.common.errors import Aborted, FailedPrecondition, FerryError, NotFound
-from services.common.task_errors import read_error
+from services.common.task_errors import shielded
 from services.instance.engine.block_manager import BlockId
 from services.instance.engine.migration_state import HeldRequest, MigrationBlocks, RequestState
 from services.instance.handoff import Handoff, RecentHandoffs
@@ -125,8 +125,7 @@ class MigrationDriver:
         # Given back when the task ends, also one cancelled (close()) before it first ran
         task.add_done_callback(lambda _: self._slots.release(migration_id))
         # A caller cancelled meanwhile (the manager's deadline) stops reading it; _migrate logs its own failure
-        task.add_done_callback(read_error)
-        return await asyncio.shield(task)
+        return await shielded(task)
 
     async def close(self) -> None:
         """Cancel migrations in flight (shutdown); each resumes its request here before it ends."""

@@ -28,6 +28,7 @@ from typing import Any
 import structlog
 
 from services.common.errors import Aborted, FerryError, Internal, InvalidArgument, Unavailable
+from services.common.task_errors import shielded
 from services.instance.engine.engine import LLMEngine, LoadSnapshot, StepOutput
 from services.instance.engine.migration_state import HeldRequest
 from services.instance.handoff import Handoff
@@ -236,7 +237,7 @@ class EngineRunner:
         (after every output the engine published before, so the stream has no gap). Its id is free for a
         new request at once. A caller cancelled meanwhile does not stop it: the engine aborts the request
         anyway, and its stream must end with it."""
-        return await asyncio.shield(self._abort(request_id))
+        return await shielded(self._abort(request_id))
 
     async def _abort(self, request_id: str) -> bool:
         stream = self._streams.pop(request_id, None)

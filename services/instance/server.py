@@ -14,6 +14,7 @@ import structlog
 
 from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
+from services.common.task_errors import shielded
 from services.instance.config import InstanceRole
 from services.instance.convert import (check_request_id, chunk_to_proto, handoff_chunk_to_proto, load_to_proto,
                                        migrate_out_plan_from_proto, migration_result_to_proto,
@@ -110,7 +111,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         # Shielded as one: a caller whose deadline passes first (the frontend's --abort-timeout-s, 2 s, against an
         # engine step of seconds) cancels this handler, and must not stop it between the two (before, the copy of
         # a request that left decoded for no client until the destination's watchdog dropped it).
-        was_running = await asyncio.shield(self._abort_or_drop(request_id))
+        was_running = await shielded(self._abort_or_drop(request_id))
         if not was_running:  # finished, or its client's cancelled stream freed it first: what the caller wants
             raise NotFound(f"request {request_id} is not on instance {self.identity.instance_id}", is_expected=True)
         log.info("request_aborted", request_id=request_id)
@@ -130,7 +131,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         handoff = self.migrations.recent_handoff(request_id) if self.migrations is not None else None
         if handoff is None:
             return False
-        return await asyncio.shield(self.migrations.drop_unread_handoff(request_id, handoff))  # logs what it did
+        return await shielded(self.migrations.drop_unread_handoff(request_id, handoff))  # logs what it did
 
     async def GetStatus(self, request: instance_pb2.GetStatusRequest,
                         context: grpc.aio.ServicerContext) -> instance_pb2.GetStatusResponse:
@@ -206,7 +207,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         Generate calls are refused."""
         role = role_from_proto(request.role)
         # Shielded: a caller whose deadline passes must not leave the role changed here and not in etcd.
-        previous, num_moving = await asyncio.shield(self._set_role(role))
+        previous, num_moving = await shielded(self._set_role(role))
         log.info("instance_role_changed", instance_id=self.identity.instance_id, previous_role=previous.value,
                  role=role.value, num_moving=num_moving)
         return instance_pb2.SetRoleResponse(instance_id=self.identity.instance_id,

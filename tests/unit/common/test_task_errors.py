@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from services.common.task_errors import read_error
+from services.common.task_errors import read_error, shielded
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -41,3 +41,38 @@ async def test_a_read_error_is_never_logged_as_unretrieved(is_read):
     del task
     gc.collect()
     assert [context["message"] for context in unread] == ([] if is_read else ["Task exception was never retrieved"])
+
+
+@pytest.mark.parametrize("shield", [shielded, asyncio.shield])
+async def test_shielded_work_that_fails_after_its_caller_left_is_not_logged(shield):
+    """A caller cancelled while shielded work runs (an RPC's deadline) must not stop it; the work's later
+    error is read by `shielded`, while plain asyncio.shield leaves it unread (the check this test can fail)."""
+    loop = asyncio.get_running_loop()
+    unread: list[dict] = []
+    loop.set_exception_handler(lambda _loop, context: unread.append(context))
+    release = asyncio.Event()
+
+    async def fails_later() -> None:
+        await release.wait()
+        raise OSError("engine gone")
+
+    caller = asyncio.ensure_future(shield(fails_later()))
+    await asyncio.sleep(0.01)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    release.set()
+    await asyncio.sleep(0.01)
+    del caller
+    gc.collect()
+    expected = [] if shield is shielded else ["Task exception was never retrieved"]
+    assert [context["message"] for context in unread] == expected
+
+
+async def test_shielded_passes_the_result_and_the_error_through():
+    async def answer() -> int:
+        return 42
+
+    assert await shielded(answer()) == 42
+    with pytest.raises(OSError, match="peer gone"):
+        await shielded(_fails())

@@ -249,6 +249,10 @@ async def test_admin_orders_check_instances_and_pick_the_freest_destination():
     with pytest.raises(FailedPrecondition, match="destination p is a prefill instance"):
         migrator.admin_order("a", "p", "")
     assert migrator.admin_order("a", "", "").dst_instance_id != "p"  # never chosen either
+    for other in ("c", "d"):
+        view.mark_drained(InstanceId(other))
+    with pytest.raises(FailedPrecondition, match=r"take a request from a; start one, undrain one \(python -m "):
+        migrator.admin_order("a", "", "")
 
 
 async def test_admin_orders_without_a_destination_take_turns_among_equally_free_instances():

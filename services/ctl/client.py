@@ -162,7 +162,9 @@ def instance_from_proto(info: manager_pb2.InstanceInfo) -> InstanceRow:
         num_total_blocks=info.num_total_blocks, freeness=info.freeness, num_requests_served=info.num_requests_served,
         num_dispatched=info.num_dispatched, report_age_s=info.report_age_s,
         prefix_cache_queried_tokens=info.prefix_cache_queried_tokens,
-        prefix_cache_hit_tokens=info.prefix_cache_hit_tokens)
+        prefix_cache_hit_tokens=info.prefix_cache_hit_tokens,
+        num_free_slots=info.num_free_slots if info.HasField("num_free_slots") else None,
+        max_num_seqs=info.max_num_seqs)
 
 
 def request_from_proto(info: instance_pb2.RequestInfo) -> RequestRow:

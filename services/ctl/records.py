@@ -25,6 +25,14 @@ class InstanceRow:
     report_age_s: float  # -1 = no load report yet
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    num_free_slots: int | None = None  # batch slots free; None: the instance reported none (not known)
+    max_num_seqs: int = 0  # its batch slots; 0: not known (an older instance)
+
+    @property
+    def slots(self) -> str:
+        """Free batch slots over all of them: `3/8`, `?` for what is not known."""
+        free = "?" if self.num_free_slots is None else str(self.num_free_slots)
+        return f"{free}/{self.max_num_seqs or '?'}"
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -26,10 +26,10 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 def instances_table(rows: Sequence[InstanceRow]) -> str:
     if not rows:
         return "no instances registered"
-    headers = ("INSTANCE", "ROLE", "STATE", "RUNNING", "WAITING", "KV USED", "FREE/TOTAL", "FREENESS", "SERVED",
-               "PREFIX HIT", "ADDRESS")
+    headers = ("INSTANCE", "ROLE", "STATE", "RUNNING", "WAITING", "FREE SLOTS", "KV USED", "FREE/TOTAL", "FREENESS",
+               "SERVED", "PREFIX HIT", "ADDRESS")
     return render_table(headers, [
-        (r.instance_id, r.role, r.state, r.num_running, r.num_waiting, f"{r.kv_used_fraction:6.1%}",
+        (r.instance_id, r.role, r.state, r.num_running, r.num_waiting, r.slots, f"{r.kv_used_fraction:6.1%}",
          f"{r.num_free_blocks}/{r.num_total_blocks}", r.freeness, r.num_requests_served,
          f"{r.prefix_cache_hit_rate:6.1%}", r.address)
         for r in rows])
@@ -39,9 +39,10 @@ def load_table(rows: Sequence[InstanceRow], served_per_s: dict[str, float]) -> s
     """The `top` view: a KV usage bar and throughput per instance."""
     if not rows:
         return "no instances registered"
-    headers = ("INSTANCE", "ROLE", "STATE", "RUN", "WAIT", "KV USED", "", "FREENESS", "REQ/S", "SERVED", "REPORT AGE")
+    headers = ("INSTANCE", "ROLE", "STATE", "RUN", "WAIT", "SLOTS", "KV USED", "", "FREENESS", "REQ/S", "SERVED",
+               "REPORT AGE")
     return render_table(headers, [
-        (r.instance_id, r.role, r.state, r.num_running, r.num_waiting, _bar(r.kv_used_fraction),
+        (r.instance_id, r.role, r.state, r.num_running, r.num_waiting, r.slots, _bar(r.kv_used_fraction),
          f"{r.kv_used_fraction:6.1%}", r.freeness, served_per_s.get(r.instance_id, 0.0),
          r.num_requests_served, _age(r.report_age_s))
         for r in rows])

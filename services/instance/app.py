@@ -276,7 +276,8 @@ def instance_record(identity: InstanceIdentity, loaded: LoadedEngine, link: Tran
     return {
         "instance_id": identity.instance_id, "address": identity.address, "role": identity.role.value,
         "model": identity.model, "state": "serving", "pid": os.getpid(), "host": socket.gethostname(),
-        "max_model_len": loaded.max_model_len, "kv_shm_name": loaded.kv_cache.name,
+        "max_model_len": loaded.max_model_len, "max_num_seqs": loaded.engine.config.max_num_seqs,
+        "kv_shm_name": loaded.kv_cache.name,
         "kv_device": str(loaded.kv_cache.tensor.device),
         "transfer_address": link.address if link else "", "transfer_id": link.transfer_id if link else "",
         "kv": {"num_layers": geometry.num_layers, "num_kv_heads": geometry.num_kv_heads, "head_dim": geometry.head_dim,

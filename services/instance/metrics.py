@@ -31,6 +31,8 @@ class InstanceCollector:
             ("ferry_instance_total_blocks", "KV cache blocks", load.num_total_blocks),
             ("ferry_instance_freeness", "(free - needed by queued - priority headroom) blocks / (running + 1)",
              load.freeness),
+            ("ferry_instance_free_slots", "Batch slots (--max-num-seqs) no running, migrating, reserved or queued "
+             "request will take", load.num_free_slots),
             ("ferry_instance_step_time_ms_p50", "Median engine step time over the last 256 steps",
              runner.step_time_ms_p50),
             ("ferry_instance_open_streams", "Requests with an open output stream", runner.num_active),

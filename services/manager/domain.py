@@ -47,6 +47,7 @@ class InstanceRecord:
     host: str = ""
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int = 0
+    max_num_seqs: int = 0  # batch slots (its --max-num-seqs); 0: not in the record (an older instance)
     is_draining: bool = False  # the instance itself says it takes no new work (record state "draining")
 
     @property
@@ -78,6 +79,7 @@ class InstanceRecord:
                 instance_id=InstanceId(instance_id), address=str(data["address"]), role=role,
                 model=str(data.get("model", "")), pid=int(data.get("pid") or 0), host=str(data.get("host", "")),
                 block_size=int(kv.get("block_size") or DEFAULT_BLOCK_SIZE), num_blocks=int(kv.get("num_blocks") or 0),
+                max_num_seqs=int(data.get("max_num_seqs") or 0),
                 is_draining=str(data.get("state", "")).lower() == "draining",
             )
         except (TypeError, ValueError, AttributeError) as exc:

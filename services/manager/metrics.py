@@ -82,6 +82,8 @@ class InstanceLoadCollector:
         ("ferry_manager_instance_free_blocks", "Free KV blocks on the instance", lambda load: load.num_free_blocks),
         ("ferry_manager_instance_total_blocks", "KV blocks of the instance", lambda load: load.num_total_blocks),
         ("ferry_manager_instance_freeness", "(free - needed by queued - priority headroom) blocks / (running + 1)", lambda load: load.freeness),
+        ("ferry_manager_instance_free_slots", "Batch slots free on the instance (no sample until it reports them)",
+         lambda load: load.num_free_slots),
     )
 
     def __init__(self, view: ClusterView, leadership: Leadership) -> None:
@@ -99,7 +101,9 @@ class InstanceLoadCollector:
         for name, help_text, read in self._FIELDS:
             family = GaugeMetricFamily(name, help_text, labels=["instance_id"])
             for instance in instances:
-                family.add_metric([instance.record.instance_id], float(read(instance.load)))
+                value = read(instance.load)
+                if value is not None:  # not reported (an older instance): no sample rather than a made-up 0
+                    family.add_metric([instance.record.instance_id], float(value))
             yield family
 
 

@@ -24,6 +24,7 @@ from tests.integration.ops_cluster import ops_cluster
 pytestmark = pytest.mark.timeout(180)
 
 NUM_STREAMS = 6
+DEFAULT_MAX_NUM_SEQS = 64  # the instances' --max-num-seqs (ops_cluster does not set it)
 WATCH_S = 1.0  # past IN_TRANSIT_S: a reservation kept that long would show
 
 
@@ -62,6 +63,10 @@ async def test_six_streams_count_six_running_not_twelve(ops):
             rows = await manager.list_instances()
             samples.append((round(now, 3), sum(r.num_running for r in rows), sum(r.num_waiting for r in rows)))
             await asyncio.sleep(0.02)
+    # Each instance's batch slots (the default --max-num-seqs, from its etcd record) and those its 3 streams
+    # leave free (from its load report).
+    assert sorted((r.max_num_seqs, r.num_free_slots) for r in rows) == [(DEFAULT_MAX_NUM_SEQS,
+                                                                         DEFAULT_MAX_NUM_SEQS - 3)] * 2, rows
     if all_started_s > IN_TRANSIT_S - 0.15:
         pytest.skip(f"the streams took {all_started_s:.2f} s to start: past IN_TRANSIT_S, nothing shows twice")
     assert all(running + waiting <= NUM_STREAMS for _, running, waiting in samples), samples

@@ -197,6 +197,7 @@ async def test_metrics_endpoint_reports_load(stub, metrics_port):
     assert f'ferry_instance_total_blocks{{instance_id="it-0"}} {float(NUM_BLOCKS)}' in text
     assert 'ferry_instance_requests_served_total{instance_id="it-0"}' in text
     assert 'ferry_instance_grammar_dead_ends_total{instance_id="it-0"}' in text
+    assert 'ferry_instance_free_slots{instance_id="it-0"}' in text
 
 
 async def scrape(metrics_port: int, name: str) -> float:

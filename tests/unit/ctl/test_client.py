@@ -11,6 +11,12 @@ def test_instance_from_proto_names_enums_plainly():
         prefix_cache_hit_tokens=60))
     assert (row.instance_id, row.role, row.state) == ("i-0", "prefill", "draining")
     assert row.kv_used_fraction == 0.75 and row.prefix_cache_hit_rate == 0.75
+    assert (row.num_free_slots, row.max_num_seqs) == (None, 0)  # unset: not known, not 0 free
+
+
+def test_instance_from_proto_keeps_zero_free_slots_apart_from_unknown():
+    row = instance_from_proto(manager_pb2.InstanceInfo(instance_id="i-0", num_free_slots=0, max_num_seqs=4))
+    assert (row.num_free_slots, row.max_num_seqs, row.slots) == (0, 4, "0/4")
 
 
 def test_enum_label_keeps_unknown_numbers():

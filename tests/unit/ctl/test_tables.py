@@ -4,11 +4,12 @@ from services.ctl.tables import (drain_line, instances_table, load_table, migrat
                                 requests_table, status_table)
 
 
-def instance(instance_id="instance-0", free=192, total=256, served=7) -> InstanceRow:
+def instance(instance_id="instance-0", free=192, total=256, served=7, free_slots=5, max_num_seqs=8) -> InstanceRow:
     return InstanceRow(instance_id=instance_id, address="10.0.0.1:50061", role="both", state="serving", model="m",
                        host="h", pid=1, num_running=2, num_waiting=1, num_free_blocks=free, num_total_blocks=total,
                        freeness=42.5, num_requests_served=served, num_dispatched=9, report_age_s=0.05,
-                       prefix_cache_queried_tokens=400, prefix_cache_hit_tokens=100)
+                       prefix_cache_queried_tokens=400, prefix_cache_hit_tokens=100,
+                       num_free_slots=free_slots, max_num_seqs=max_num_seqs)
 
 
 def test_render_table_aligns_text_left_and_numbers_right():
@@ -18,15 +19,25 @@ def test_render_table_aligns_text_left_and_numbers_right():
 
 def test_instances_table():
     header, row = instances_table([instance()]).splitlines()
-    assert header.split() == ["INSTANCE", "ROLE", "STATE", "RUNNING", "WAITING", "KV", "USED", "FREE/TOTAL",
-                              "FREENESS", "SERVED", "PREFIX", "HIT", "ADDRESS"]
-    assert row.split() == ["instance-0", "both", "serving", "2", "1", "25.0%", "192/256", "42.50", "7", "25.0%",
+    assert header.split() == ["INSTANCE", "ROLE", "STATE", "RUNNING", "WAITING", "FREE", "SLOTS", "KV", "USED",
+                              "FREE/TOTAL", "FREENESS", "SERVED", "PREFIX", "HIT", "ADDRESS"]
+    assert row.split() == ["instance-0", "both", "serving", "2", "1", "5/8", "25.0%", "192/256", "42.50", "7", "25.0%",
                            "10.0.0.1:50061"]
     assert instances_table([]) == "no instances registered"
 
 
+def test_slots_show_what_is_not_known_as_a_question_mark():
+    """An instance that reported no free slots yet, or an older one without --max-num-seqs in its record."""
+    assert instance(free_slots=0).slots == "0/8"
+    assert instance(free_slots=None).slots == "?/8"
+    assert instance(free_slots=3, max_num_seqs=0).slots == "3/?"
+
+
 def test_load_table_draws_a_usage_bar_and_rates():
     text = load_table([instance(free=128)], {"instance-0": 1.5})
+    header, row = text.splitlines()
+    assert header.split()[:6] == ["INSTANCE", "ROLE", "STATE", "RUN", "WAIT", "SLOTS"]
+    assert row.split()[5] == "5/8"
     assert "[#####.....]" in text and " 1.50 " in text
 
 

@@ -55,6 +55,17 @@ def test_free_batch_slots_reach_the_view_unknown_from_an_older_instance_and_a_di
         load_from_proto(common_pb2.LoadReport(num_free_slots=-1))
 
 
+def test_free_slots_less_reservations_and_the_record_s_batch_size_reach_the_instance_row():
+    record = InstanceRecord.from_dict("i-0", {"address": "127.0.0.1:1", "max_num_seqs": 8})
+    reserved = load_from_proto(common_pb2.LoadReport(num_free_slots=3)).plus(Reservation(1, 4))
+    info = instance_to_proto(InstanceView(record, InstanceState.SERVING, reserved, num_dispatched=1, report_age_s=0.1))
+    assert (info.HasField("num_free_slots"), info.num_free_slots, info.max_num_seqs) == (True, 2, 8)
+    older = InstanceRecord.from_dict("i-1", {"address": "127.0.0.1:2"})  # no max_num_seqs, no slots reported
+    info = instance_to_proto(InstanceView(older, InstanceState.SERVING, load_from_proto(common_pb2.LoadReport()),
+                                          num_dispatched=0, report_age_s=0.1))
+    assert (info.HasField("num_free_slots"), info.max_num_seqs) == (False, 0)
+
+
 def test_a_reported_pd_hand_off_that_failed_is_kept_as_failed_with_its_reason():
     msg = manager_pb2.MigrationRecord(request_id="r-1", src_instance_id="p-0", dst_instance_id="d-0", trigger="pd",
                                       outcome="failed", reason="RESOURCE_EXHAUSTED", message="slots busy",

@@ -18,7 +18,7 @@ def scrape(is_leader: bool) -> str:
     leadership = Leadership("m-1", "127.0.0.1:50051")
     leadership.set_elected(is_leader)
     registry = CollectorRegistry()
-    registry.register(InstanceLoadCollector(make_view("a", "b", num_free_blocks=400, num_running=2), leadership))
+    registry.register(InstanceLoadCollector(make_view("a", "b", num_free_blocks=400, num_running=2, num_free_slots=3), leadership))
     return generate_latest(registry).decode()
 
 
@@ -28,6 +28,19 @@ def test_leader_exports_states_and_load_per_instance():
     assert 'ferry_manager_instances{state="unhealthy"} 0.0' in text
     assert 'ferry_manager_instance_free_blocks{instance_id="a"} 400.0' in text
     assert 'ferry_manager_instance_running{instance_id="b"} 2.0' in text
+    assert 'ferry_manager_instance_free_slots{instance_id="a"} 3.0' in text
+
+
+def test_an_instance_that_reports_no_free_slots_has_no_free_slots_sample():
+    """An older instance does not report them: no sample, not a 0 that reads as a full batch."""
+    leadership = Leadership("m-1", "127.0.0.1:50051")
+    leadership.set_elected(True)
+    registry = CollectorRegistry()
+    registry.register(InstanceLoadCollector(make_view("a", num_free_slots=None), leadership))
+    text = generate_latest(registry).decode()
+    assert "# TYPE ferry_manager_instance_free_slots gauge" in text
+    assert "ferry_manager_instance_free_slots{" not in text
+    assert 'ferry_manager_instance_running{instance_id="a"} 0.0' in text
 
 
 def test_standby_exports_the_families_without_samples():

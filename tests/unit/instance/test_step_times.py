@@ -32,7 +32,8 @@ def test_instance_exports_the_step_histogram():
     times = StepTimes()
     for seconds in (0.02, 0.07, 0.07):
         times.add(seconds)
-    load = SimpleNamespace(num_running=1, num_waiting=0, num_free_blocks=10, num_total_blocks=12, freeness=5.0)
+    load = SimpleNamespace(num_running=1, num_waiting=0, num_free_blocks=10, num_total_blocks=12, freeness=5.0,
+                           num_free_slots=3)
     stats = SimpleNamespace(hit_rate=0.0, num_queried_tokens=0, num_hit_tokens=0)
     runner = SimpleNamespace(load=load, step_time_ms_p50=times.median_ms, num_active=1, prefix_cache_stats=stats,
                              num_requests_served=0, num_steps=3, num_preemptions=0, num_grammar_dead_ends=0,
@@ -41,6 +42,7 @@ def test_instance_exports_the_step_histogram():
     registry.register(InstanceCollector(runner, "i-0"))
     text = generate_latest(registry).decode()
     assert not exposition_problems(text)
+    assert 'ferry_instance_free_slots{instance_id="i-0"} 3.0' in text
     assert 'ferry_instance_step_duration_seconds_bucket{instance_id="i-0",le="0.025"} 1.0' in text
     assert 'ferry_instance_step_duration_seconds_bucket{instance_id="i-0",le="0.1"} 3.0' in text
     assert 'ferry_instance_step_duration_seconds_count{instance_id="i-0"} 3.0' in text

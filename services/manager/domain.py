@@ -112,6 +112,11 @@ class Load:
         num_spoken_for = self.num_blocks_needed_by_waiting + self.num_headroom_blocks
         return (self.num_free_blocks - num_spoken_for) / (self.num_running + 1)
 
+    @property
+    def has_free_slot(self) -> bool:
+        """A request sent or moved here would find a batch slot; True where not reported (an older instance)."""
+        return self.num_free_slots is None or self.num_free_slots > 0
+
     def plus(self, reservation: Reservation) -> Load:
         """This load with the manager's not-yet-reported dispatches added."""
         if not reservation.num_requests:

@@ -68,8 +68,7 @@ class Peer:
     def can_receive(self) -> bool:
         """Decodes, has a free block and (where it reports them) a free batch slot: without one it refuses
         the migration (RESOURCE_EXHAUSTED), and the pair would back off while a destination with a slot waits."""
-        has_slot = self.load.num_free_slots is None or self.load.num_free_slots > 0
-        return self.role is not Role.PREFILL and self.load.num_free_blocks > 0 and has_slot
+        return self.role is not Role.PREFILL and self.load.num_free_blocks > 0 and self.load.has_free_slot
 
 
 def destination_order(peer: Peer) -> tuple[float, float, str]:

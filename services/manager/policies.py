@@ -5,7 +5,10 @@ already filtered the candidates: every one is SERVING, can prefill, and is not e
 and their loads include the reservations of earlier dispatches. A policy only ranks (and
 remembers its own choices: round_robin its cursor, prefix what it sent where).
 Ties always break by instance id (candidates arrive sorted by id, and every key ends
-with the id), never by dict order.
+with the id), never by dict order. `load` and `balanced` rank an instance whose batch is
+full (no free slot reported, reservations counted) after every instance with one: a request
+sent there waits in its queue while another instance would start it now (README "Dispatch
+under bursts" has the measurement).
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ class DispatchPolicy(abc.ABC):
 
 
 class LoadPolicy(DispatchPolicy):
-    """Highest freeness: the most free KV blocks per running request."""
+    """Highest freeness: the most free KV blocks per running request; a free batch slot first."""
 
     name = "load"
 
     def choose(self, candidates: Sequence[Candidate], ask: DispatchAsk) -> Candidate:
-        return min(candidates, key=lambda c: (-c.freeness, c.instance_id))
+        return min(candidates, key=lambda c: (_is_batch_full(c), -c.freeness, c.instance_id))
 
 
 class QueuePolicy(DispatchPolicy):
@@ -58,7 +61,13 @@ class BalancedPolicy(DispatchPolicy):
     name = "balanced"
 
     def choose(self, candidates: Sequence[Candidate], ask: DispatchAsk) -> Candidate:
-        return min(candidates, key=lambda c: (-c.freeness / (1 + c.load.num_waiting), c.instance_id))
+        return min(candidates, key=lambda c: (_is_batch_full(c), -c.freeness / (1 + c.load.num_waiting),
+                                              c.instance_id))
+
+
+def _is_batch_full(candidate: Candidate) -> bool:
+    """No batch slot free for the request (one that does not report slots counts as having one)."""
+    return not candidate.load.has_free_slot
 
 
 class RoundRobinPolicy(DispatchPolicy):

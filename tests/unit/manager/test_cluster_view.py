@@ -33,6 +33,19 @@ def test_burst_spreads_over_equal_instances_through_reservations():
     assert picks[:4] == ["a", "b", "c", "d"]  # ties by id
 
 
+def test_a_burst_fills_the_last_free_slot_then_goes_where_slots_are_free():
+    """Each dispatch takes a slot of the reported ones (a reservation), so a freer instance with one slot
+    left gets one request of the burst and the rest go to the instance that still has slots."""
+    view = ClusterView(report_timeout_s=3.0, clock=FakeClock())
+    for instance_id, load in (("a", make_load(num_free_blocks=4000, num_free_slots=1)),
+                              ("b", make_load(num_free_blocks=1000, num_free_slots=4))):
+        view.put_member(make_record(instance_id))
+        view.apply_report(InstanceId(instance_id), load)
+    dispatcher = Dispatcher(view, leading(), "load")
+    assert [dispatcher.dispatch(ask(f"r-{n}")).instance_id for n in range(4)] == ["a", "b", "b", "b"]
+    assert view.load_of(InstanceId("a")).num_free_slots == 0
+
+
 def test_reservation_adds_prompt_blocks_and_a_running_request():
     view = make_view("a", num_free_blocks=1000)
     view.reserve(InstanceId("a"), 11)

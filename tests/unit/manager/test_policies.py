@@ -40,6 +40,29 @@ def test_balanced_penalizes_a_queue_that_load_ignores():
     assert choose("balanced", full_batch, small) == "b"
 
 
+@pytest.mark.parametrize("name", ["load", "balanced"])
+def test_load_and_balanced_send_a_request_where_a_batch_slot_is_free_first(name):
+    """A request sent to a full batch waits in its queue while another instance would start it now."""
+    full = make_candidate("a", num_free_blocks=1000, num_free_slots=0)  # freest, but its batch is full
+    free = make_candidate("b", num_free_blocks=300, num_running=1, num_free_slots=1)
+    assert choose(name, full, free) == "b"
+    unknown = make_candidate("c", num_free_blocks=200, num_running=1)  # an older instance: counts as having one
+    assert choose(name, full, unknown) == "c"
+    assert choose(name, free, unknown) == "b"  # then by freeness
+    also_full = make_candidate("d", num_free_blocks=300, num_running=1, num_free_slots=0)
+    assert choose(name, also_full, full) == "a"  # every batch full: by freeness, as before
+
+
+def test_queue_and_prefix_affinity_do_not_look_at_slots():
+    """`queue` ranks by queue lengths already; `prefix` keeps a holder within its slack (its fallback is `load`)."""
+    assert choose("queue", make_candidate("a", num_free_slots=0), make_candidate("b", num_running=1)) == "a"
+    policy = PrefixPolicy()
+    policy.choose([make_candidate("a")], prefix_ask(1, 2))
+    full_holder = make_candidate("a", num_running=2, num_free_slots=0)
+    assert policy.choose([full_holder, make_candidate("b", num_free_slots=4)], prefix_ask(1, 2)).instance_id == "a"
+    assert policy.choose([full_holder, make_candidate("b", num_free_slots=4)], prefix_ask(7)).instance_id == "b"
+
+
 def test_round_robin_cycles_by_id_and_survives_membership_changes():
     policy = make_policy("round_robin")
     a, b, c = make_candidate("a"), make_candidate("b"), make_candidate("c")

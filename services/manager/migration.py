@@ -18,7 +18,8 @@ DEFAULT_PAIRING = "load"
 class MigrationSelection(enum.Enum):
     """How a source picks the request to hand over when the manager names none."""
 
-    SHORTEST_RUNNING = "shortest_running"  # fewest tokens: least KV to copy (the default)
+    # least KV to copy (the default): the oldest queued request while the source's batch is full, else fewest tokens
+    SHORTEST_RUNNING = "shortest_running"
     LONGEST_RUNNING = "longest_running"  # most tokens: frees the most blocks
     LAST_COME_FIRST = "last_come_first"  # the newest arrival
     PREFILL_DONE = "prefill_done"  # only requests with their first token, oldest first (the PD hand-off)

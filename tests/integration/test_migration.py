@@ -52,7 +52,8 @@ def _transfer(name: str, etcd, cluster: str, log_dir, metrics_port: int = 0) -> 
                           f"127.0.0.1:{port}", log_dir).start()
 
 
-def _instance(instance_id: str, transfer_address: str, etcd, cluster: str, log_dir) -> ServiceProcess:
+def _instance(instance_id: str, transfer_address: str, etcd, cluster: str, log_dir,
+              extra: tuple[str, ...] = ()) -> ServiceProcess:
     port = free_port()
     return ServiceProcess(
         instance_id, "instance",
@@ -62,7 +63,7 @@ def _instance(instance_id: str, transfer_address: str, etcd, cluster: str, log_d
          "--transfer-address", transfer_address, "--migration-stage-blocks", str(STAGE_BLOCKS),
          "--migration-max-stages", "3", "--migration-reservation-timeout-s", str(RESERVATION_TIMEOUT_S),
          "--migration-transfer-timeout-s", str(TRANSFER_TIMEOUT_S), "--verify-transfer-checksum",
-         "--max-concurrent-migrations", "2"],  # one more for the test that fills b with a reservation
+         "--max-concurrent-migrations", "2", *extra],  # one more for the test that fills b with a reservation
         f"127.0.0.1:{port}", log_dir).start()
 
 
@@ -492,6 +493,36 @@ async def test_destination_dead_or_full_keeps_the_request_on_the_source(stubs, c
     assert "blocks" in error.value.details()
     await client.follow(call)
     assert not client.handoffs and client.token_ids == reference(tiny_model_dir, PROMPT * 8, sampling)
+    await assert_all_blocks_free(stubs)
+
+
+async def test_a_source_with_a_full_batch_moves_its_queued_request_without_a_copy(stubs, cluster, etcd,
+                                                                                  tiny_model_dir):
+    """An instance with one batch slot, taken: MigrateOut naming no request moves the queued one (the
+    default selection), which needs no KV copy and no pause and starts on the destination at once, rather
+    than the running one, whose move would let the queued one start here only after a copy."""
+    source = _instance("q", cluster.address("ta"), etcd, cluster.name, cluster.log_dir, ("--max-num-seqs", "1"))
+    try:
+        await source.wait_healthy(90)
+        async with grpc.aio.insecure_channel(source.address) as channel:
+            stub = instance_pb2_grpc.InstanceServiceStub(channel)
+            wire, sampling = greedy(1000)
+            running = generate(stub, "q-running", wire)
+            await running.read()  # it holds the only slot
+            queued, client = generate(stub, "q-queued", wire, prompt=PROMPT[:12]), ClientStream("q-queued")
+            for _ in range(50):
+                if (await stub.GetStatus(instance_pb2.GetStatusRequest(), timeout=5)).load.num_waiting == 1:
+                    break
+                await asyncio.sleep(0.05)
+            result = await stub.MigrateOut(instance_pb2.MigrateOutRequest(
+                dst_instance_id="b", dst_address=cluster.address("b")), timeout=30)
+            assert (result.request_id, result.num_blocks, result.num_bytes) == ("q-queued", 0, 0)
+            await client.follow(queued)
+            assert [h.dst_instance_id for h in client.handoffs] == ["b"]
+            assert client.token_ids == reference(tiny_model_dir, PROMPT[:12], sampling)
+            running.cancel()  # it may have finished already; if not, its client leaving aborts it
+    finally:
+        stop_all([source])
     await assert_all_blocks_free(stubs)
 
 

@@ -232,8 +232,9 @@ class LLMEngine:
 
     def pick_for_migration(self, selection: MigrationSelection,
                            exclude: frozenset[str] = frozenset()) -> RequestId | None:
-        """The request `selection` would move (decoding ones before waiting ones); None if none can move."""
-        request = pick_request(self._requests.values(), selection, exclude)
+        """The request `selection` would move (see `pick_request`); None if none can move."""
+        request = pick_request(self._requests.values(), selection, exclude,
+                               is_batch_full=not self.scheduler.has_free_slot)
         return None if request is None else request.request_id
 
     def decoding_request_ids(self) -> list[RequestId]:
@@ -315,7 +316,7 @@ class LLMEngine:
         A new reservation starts with the cached blocks of the longest prefix of `block_hashes` (the request's
         full blocks): `num_cached_reserved` says how many, and nothing is copied into them."""
         is_new = migration_id not in self.reservations
-        if is_new and self.scheduler.num_busy_slots + len(self.reservations) >= self.config.max_num_seqs:
+        if is_new and not self.scheduler.has_free_slot:
             raise ResourceExhausted(f"no batch slot for migration {migration_id}: all {self.config.max_num_seqs} "
                                     "taken (--max-num-seqs); pick another destination")
         return self.reservations.reserve(MigrationId(migration_id), num_blocks, block_hashes)

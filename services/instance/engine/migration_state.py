@@ -25,7 +25,8 @@ from services.instance.engine.request import Request, RequestId, RequestStatus, 
 
 
 class MigrationSelection(enum.Enum):
-    SHORTEST_RUNNING = "shortest_running"  # fewest tokens (prompt + output): cheapest to move
+    # cheapest to move: a queued request while the batch is full (no copy, no pause), else the fewest tokens
+    SHORTEST_RUNNING = "shortest_running"
     LONGEST_RUNNING = "longest_running"  # most tokens: frees the most blocks
     LAST_COME_FIRST = "last_come_first"  # the latest admitted
     PREFILL_DONE = "prefill_done"  # only decoding requests, oldest first: the PD hand-off to a decode instance
@@ -115,9 +116,13 @@ def is_movable(request: Request) -> bool:
 
 
 def pick_request(requests: Iterable[Request], selection: MigrationSelection,
-                 exclude: frozenset[str] = frozenset()) -> Request | None:
+                 exclude: frozenset[str] = frozenset(), is_batch_full: bool = False) -> Request | None:
     """The request `selection` moves: of the lowest priority present (a higher-priority request is
-    paused and moved last), a decoding one, or a waiting one if none decodes."""
+    paused and moved last), a decoding one, or a waiting one if none decodes. Except that
+    SHORTEST_RUNNING, the cheapest move, takes the oldest waiting one while the batch is full
+    (`is_batch_full`: every slot running, migrating or held for a migration in): it needs no KV copy
+    and no pause, starts on the destination (which reserves it a slot) instead of waiting here for
+    one, and cannot be admitted here meanwhile (which would fail its move)."""
     movable = [r for r in requests if r.request_id not in exclude and is_movable(r)]
     if selection is MigrationSelection.PREFILL_DONE:  # never a waiting one: it would prefill on the destination
         return min((r for r in movable if is_prefill_done(r)), key=lambda r: r.arrival_order, default=None)
@@ -125,6 +130,9 @@ def pick_request(requests: Iterable[Request], selection: MigrationSelection,
         return None
     lowest = min(r.priority for r in movable)
     movable = [r for r in movable if r.priority == lowest]
+    waiting = [r for r in movable if r.status is RequestStatus.WAITING]
+    if selection is MigrationSelection.SHORTEST_RUNNING and is_batch_full and waiting:
+        return min(waiting, key=lambda r: r.arrival_order)
     candidates = [r for r in movable if r.status is RequestStatus.RUNNING] or movable
     if selection is MigrationSelection.LAST_COME_FIRST:
         return max(candidates, key=lambda r: r.arrival_order)

@@ -134,7 +134,7 @@ class Scheduler:
         # Invariant: both queues stay sorted by _priority_order; running requests hold blocks, waiting ones none.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.suspended: list[Request] = []  # migrating out: blocks kept, batch slot kept, never scheduled
+        self.suspended: list[Request] = []  # migrating out: blocks (and a running one's batch slot) kept, never scheduled
         self.num_preemptions = 0  # since start, for metrics
 
     def add(self, request: Request) -> None:
@@ -177,8 +177,14 @@ class Scheduler:
 
     @property
     def num_busy_slots(self) -> int:
-        """Batch slots taken: running requests and suspended (migrating) ones."""
-        return len(self.running) + len(self.suspended)
+        """Batch slots taken: running requests and suspended (migrating) ones that were running. A waiting
+        request moving out holds none: it goes back to the queue if its move fails."""
+        return len(self.running) + sum(1 for r in self.suspended if r.block_table)
+
+    @property
+    def has_free_slot(self) -> bool:
+        """A waiting request could join the batch: not every slot is running, suspended or held for a migration in."""
+        return self.num_busy_slots + self._num_reserved_slots() < self.max_num_seqs
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -276,7 +282,7 @@ class Scheduler:
         step.preempted.append(request)
 
     def _admit_waiting(self, step: _StepPlan) -> None:
-        while self.waiting and step.budget > 0 and self.num_busy_slots + self._num_reserved_slots() < self.max_num_seqs:
+        while self.waiting and step.budget > 0 and self.has_free_slot:
             request = self.waiting[0]
             if self._finished_as_too_long(request, step):
                 continue

@@ -258,6 +258,51 @@ def test_selection_policies(make_engine):
     assert engine.pick_for_migration(MigrationSelection.SHORTEST_RUNNING, exclude=frozenset({"short"})) == "mid"
 
 
+def test_shortest_running_moves_the_oldest_queued_request_while_the_batch_is_full(make_engine):
+    """A queued request needs no copy and no pause, and it waits here for a slot a destination has now;
+    the other selections keep their running picks."""
+    engine, harness = make_engine(max_num_seqs=2), Harness()
+    for request_id, length in (("short", 4), ("long", 12)):
+        engine.add_request(request_id, [7] * length, GREEDY)
+    harness.step(engine)
+    for request_id in ("queued-1", "queued-2"):
+        engine.add_request(request_id, [7] * 2, GREEDY)
+    harness.step(engine)
+    assert {r.request_id: r.state for r in engine.list_requests()} == {
+        "short": "running", "long": "running", "queued-1": "waiting", "queued-2": "waiting"}
+    assert engine.pick_for_migration(MigrationSelection.SHORTEST_RUNNING) == "queued-1"
+    assert engine.pick_for_migration(MigrationSelection.SHORTEST_RUNNING, frozenset({"queued-1"})) == "queued-2"
+    assert engine.pick_for_migration(MigrationSelection.LONGEST_RUNNING) == "long"
+    assert engine.pick_for_migration(MigrationSelection.LAST_COME_FIRST) == "long"
+    assert engine.pick_for_migration(MigrationSelection.PREFILL_DONE) == "short"
+
+
+def test_shortest_running_keeps_a_queued_request_that_a_free_slot_will_admit_here(make_engine):
+    """With a slot free the request starts at the next step here: a move would only delay it (and fail
+    if it was admitted meanwhile)."""
+    engine, harness = make_engine(max_num_seqs=3), Harness()
+    for request_id, length in (("short", 4), ("long", 12)):
+        engine.add_request(request_id, [7] * length, GREEDY)
+    harness.step(engine)
+    engine.add_request("queued", [7] * 2, GREEDY)
+    assert engine.pick_for_migration(MigrationSelection.SHORTEST_RUNNING) == "short"
+
+
+def test_a_queued_request_moving_out_holds_no_batch_slot(make_engine):
+    """Before, a suspended waiting request counted as a busy slot: while it moved, a slot freed here went
+    unused and the next queued request waited for the move to end."""
+    engine, harness = make_engine(max_num_seqs=1), Harness()
+    engine.add_request("busy", [9] * 4, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    harness.step(engine)
+    engine.add_request("moving", [7] * 2, GREEDY)
+    engine.add_request("next", [7] * 3, GREEDY)
+    engine.suspend("moving")
+    harness.finish(engine, "busy")
+    harness.run_until(engine, "next", 1)  # admitted into the freed slot while "moving" is still suspended
+    assert {r.request_id: r.state for r in engine.list_requests()}["next"] == "running"
+    assert engine.resume("moving") and engine.load().num_waiting == 1
+
+
 def test_a_request_midway_through_its_prefill_does_not_move(make_engine):
     """Its prompt logprobs so far would not travel; queued, or once it has a token, it moves."""
     engine, harness = make_engine(max_num_batched_tokens=16), Harness()

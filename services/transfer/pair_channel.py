@@ -292,6 +292,12 @@ def create_group(backend: TransferBackend, store: dist.Store, rank: int, host: s
             return dist.ProcessGroupGloo(store, rank, 2, options)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, 2, options)
+        group = dist.ProcessGroupNCCL(store, rank, 2, options)
+        # The communicator now, while both peers are in this rendezvous (as init_process_group does
+        # given a device_id), not lazily inside the first send or recv, where no wait timeout bounds it
+        # and a peer that has dropped its end by then would hold that io thread. The rendezvous
+        # thread's current device is --nccl-device (threads.py).
+        group.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+        return group
     except (RuntimeError, dist.DistError) as exc:
         raise Unavailable(f"{backend.value} rendezvous failed (rank {rank}): {exc}") from exc

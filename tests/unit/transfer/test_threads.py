@@ -1,5 +1,6 @@
 """The transfer service's worker threads: with nccl, those that build groups and post and wait for
-messages run with --nccl-device as their current CUDA device (per thread; it starts at 0)."""
+messages run with --nccl-device as their current CUDA device (per thread; it starts at 0), and a
+group builds its communicator while both peers are in the rendezvous."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import threading
 import pytest
 import torch
 
+from services.transfer.domain import TransferBackend
+from services.transfer.pair_channel import create_group
 from services.transfer.threads import TransferThreads
 
 pytestmark = pytest.mark.timeout(10)
@@ -34,3 +37,23 @@ def test_nccl_channel_threads_make_the_nccl_device_current(monkeypatch):
 
 def test_without_nccl_no_thread_touches_cuda(monkeypatch):
     assert _devices_set(monkeypatch, None) == set()
+
+
+def test_an_nccl_group_builds_its_communicator_in_the_rendezvous(monkeypatch):
+    """Not lazily in the first send or recv, which no wait timeout bounds (recorded: no NCCL here)."""
+    connected: list[torch.device] = []
+
+    class RecordingNccl:
+        Options = type("Options", (), {})
+
+        def __init__(self, store, rank, size, options) -> None:
+            self.timeout_s = options._timeout.total_seconds()
+
+        def eager_connect_single_device(self, device: torch.device) -> None:
+            connected.append(device)
+
+    monkeypatch.setattr(torch.distributed, "ProcessGroupNCCL", RecordingNccl, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    group = create_group(TransferBackend.NCCL, store=None, rank=0, host="127.0.0.1", timeout_s=7.0,
+                         num_connections=1)
+    assert connected == [torch.device("cuda", 1)] and group.timeout_s == 7.0

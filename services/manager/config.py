@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.auth import read_token
-from services.common.etcd_endpoints import check_host_flags
 from services.common.config import check_non_negative, check_positive, knob
 from services.common.errors import InvalidArgument
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
+from services.common.etcd_endpoints import check_host_flags
 from services.common.ids import check_id_flag
 from services.common.logging import LogKnobs
 from services.common.tls import TlsKnobs

@@ -374,9 +374,9 @@ class Migrator:
         others = [v for v in self._view.instances() if v.state is InstanceState.SERVING
                   and v.record.instance_id != src.record.instance_id and Peer.of(v, False).can_receive]
         if not others:
-            raise FailedPrecondition(f"no other serving instance with a free batch slot can take a request from "
-                                     f"{src.record.instance_id}; start one, undrain one (python -m services.ctl "
-                                     "drain ID --undo) or try again when one has a slot")
+            raise FailedPrecondition(f"no other serving instance has a free KV block and batch slot to take a request "
+                                     f"from {src.record.instance_id}; start one, undrain one (python -m services.ctl "
+                                     "drain ID --undo) or try again when one has room")
         return min(others, key=lambda v: destination_order(self._peer(v)))
 
 

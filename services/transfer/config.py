@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.etcd_endpoints import check_host_flags
 from services.common.config import check_positive, knob
 from services.common.errors import FailedPrecondition
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
+from services.common.etcd_endpoints import check_host_flags
 from services.common.ids import check_id_flag
 from services.common.heap import DEFAULT_KEEP_MIB
 from services.common.logging import LogKnobs

@@ -79,7 +79,7 @@ class InstanceRecord:
                 instance_id=InstanceId(instance_id), address=str(data["address"]), role=role,
                 model=str(data.get("model", "")), pid=int(data.get("pid") or 0), host=str(data.get("host", "")),
                 block_size=int(kv.get("block_size") or DEFAULT_BLOCK_SIZE), num_blocks=int(kv.get("num_blocks") or 0),
-                max_num_seqs=int(data.get("max_num_seqs") or 0),
+                max_num_seqs=max(int(data.get("max_num_seqs") or 0), 0),  # a hand-edited negative: not known
                 is_draining=str(data.get("state", "")).lower() == "draining",
             )
         except (TypeError, ValueError, AttributeError) as exc:

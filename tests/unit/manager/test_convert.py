@@ -64,6 +64,8 @@ def test_free_slots_less_reservations_and_the_record_s_batch_size_reach_the_inst
     info = instance_to_proto(InstanceView(older, InstanceState.SERVING, load_from_proto(common_pb2.LoadReport()),
                                           num_dispatched=0, report_age_s=0.1))
     assert (info.HasField("num_free_slots"), info.max_num_seqs) == (False, 0)
+    hand_edited = InstanceRecord.from_dict("i-2", {"address": "127.0.0.1:3", "max_num_seqs": -4})
+    assert hand_edited.max_num_seqs == 0  # shown as not known ("?"), never as "-4"
 
 
 def test_a_reported_pd_hand_off_that_failed_is_kept_as_failed_with_its_reason():

@@ -13,11 +13,22 @@ A parse error in a body whose headers were already handed to a handler (a bad ch
 packet) is the one case aiohttp gets wrong: its C parser drops that body without ending it, so the
 handler waited --body-timeout-s for the rest and answered 408. The handler's body now fails at once
 with the parser's reason, the handler answers it as a 400 (server.py), and the connection closes.
+
+Each of these answers carries an x-request-id made for it (request_ids.py) and is counted through the
+app's ON_OWN_ANSWER (ferry_frontend_requests_total, endpoint `unparsable`: http_errors.py).
+
+Pipelining: the parser returns the requests it parsed from a read only if the whole read parses, so a
+good request followed by garbage in the same read (one TCP packet) was lost: the garbage's 400 was the
+only answer. A request's headers end only at a blank line, so data_received hands the parser each read
+in pieces that end there (`_header_ends`): a request whose headers are complete is queued before the
+parser meets what follows; it is answered, then the 400, and the connection closes.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Callable, Iterator
 from http import HTTPStatus
 
 import structlog
@@ -29,28 +40,41 @@ from aiohttp.web_request import BaseRequest
 
 from services.common.log_sampling import LogSampler
 from services.frontend.openai_protocol import error_body
+from services.frontend.request_ids import HEADER as REQUEST_ID_HEADER
+from services.frontend.request_ids import answer_request_id
 
 log = structlog.get_logger(__name__)
 
 MAX_MESSAGE_CHARS = 300  # of the parser's message in the body (it quotes the client's bytes, up to ~100)
+_HEADERS_END = re.compile(rb"\n\r?\n")  # a blank line (the parser takes a bare LF as a line's end too)
+
+AnswerHook = Callable[[int], None]
+ON_OWN_ANSWER = web.AppKey("on_own_answer", AnswerHook)  # told the status of each answer aiohttp makes itself
 
 
 class JsonErrorRequestHandler(RequestHandler):
     """aiohttp's per-connection handler, with its own error answers written as OpenAI error bodies."""
 
+    on_answer: AnswerHook | None = None  # the app's ON_OWN_ANSWER, if it has one
+
     def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         # aiohttp's logs the error (BadHttpLog samples it) and raises ConnectionError where a response has begun
         super().handle_error(request, status, exc, message)
-        response = web.json_response(bad_http_body(status, message), status=status)
+        response = web.json_response(bad_http_body(status, message), status=status,
+                                     headers={REQUEST_ID_HEADER: answer_request_id(request)})
         response.force_close()  # as aiohttp's: the connection's framing can no longer be trusted
+        if self.on_answer is not None:
+            self.on_answer(status)
         return response
 
     def data_received(self, data: bytes) -> None:
-        num_messages = len(self._messages)
-        super().data_received(data)
-        if len(self._messages) > num_messages and isinstance(refused := self._messages[-1][0], _ErrInfo):
-            self._fail_cut_bodies(refused)
+        for piece in _header_ends(data):
+            num_messages = len(self._messages)
+            super().data_received(piece)
+            if len(self._messages) > num_messages and isinstance(refused := self._messages[-1][0], _ErrInfo):
+                self._fail_cut_bodies(refused)
+                return  # the parser is broken for good: the rest is not read
 
     def _fail_cut_bodies(self, refused: _ErrInfo) -> None:
         """The parser refused what came after headers it had handed on: fail the bodies it left unended
@@ -65,6 +89,17 @@ class JsonErrorRequestHandler(RequestHandler):
         for body in cut:
             _fail(body, refused.exc)
         self.close()
+
+
+def _header_ends(data: bytes) -> Iterator[bytes]:
+    """`data` cut after each blank line (as separate reads would deliver it): where a request's headers
+    can end. One piece for a read with none (a body's next bytes, say)."""
+    start = 0
+    for end in _HEADERS_END.finditer(data):
+        yield data[start:end.end()]
+        start = end.end()
+    if start < len(data) or not data:
+        yield data[start:]
 
 
 def _fail(body: StreamReader, cause: BaseException) -> None:
@@ -93,8 +128,14 @@ def one_line(message: str) -> str:
 
 
 class _JsonErrorServer(web.Server):
+    def __init__(self, *args, on_answer: AnswerHook | None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_answer = on_answer
+
     def __call__(self) -> RequestHandler:
-        return JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+        handler = JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+        handler.on_answer = self._on_answer
+        return handler
 
 
 class FrontendRunner(web.AppRunner):
@@ -103,7 +144,8 @@ class FrontendRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()  # starts and freezes the app, as AppRunner does
         return _JsonErrorServer(server.request_handler, request_factory=server.request_factory,
-                                handler_cancellation=server.handler_cancellation, **server._kwargs)
+                                handler_cancellation=server.handler_cancellation,
+                                on_answer=self.app.get(ON_OWN_ANSWER), **server._kwargs)
 
 
 class BadHttpLog(logging.Filter):

@@ -1,12 +1,14 @@
 """Errors as HTTP answers: the error middleware turns a raised `FerryError` into its status
-and OpenAI error body (with `x-request-id` where the request has one, `WWW-Authenticate` on
+and OpenAI error body (with an `x-request-id`, request_ids.py, `WWW-Authenticate` on
 a 401, `Retry-After` on a 429 or 503), aiohttp's own 404/405/413 into the same body, and
 anything else (a bug) into a 500 without details, its traceback in the log. It counts every
-answer in `ferry_frontend_requests_total`, a client gone as nginx's 499.
+answer in `ferry_frontend_requests_total`, a client gone as nginx's 499, and those aiohttp
+makes itself, HTTP it cannot parse as endpoint `unparsable` (count_own_answer).
 
 A request refused before it got its request id (a 400, 401, 404 model, 408, 413, 429 or
-503) is logged as `request_refused`, at most one line per (route, status) per 10 s. HTTP that
-aiohttp cannot parse is answered before any route or middleware (bad_http.py).
+503) is logged as `request_refused` with the id made for its answer (request_ids.py), at most one
+line per (route, status) per 10 s. HTTP that aiohttp cannot parse is answered before any route or
+middleware (bad_http.py).
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from services.frontend.cors import Handler
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.openai_protocol import error_body, error_body_for
 from services.frontend.request_ids import HEADER as REQUEST_ID_HEADER
-from services.frontend.request_ids import REQUEST_ID_KEY, client_request_id
+from services.frontend.request_ids import REQUEST_ID_KEY, answer_request_id, client_request_id
 
 log = structlog.get_logger(__name__)
 
 RETRY_AFTER_S = 1  # the Retry-After of 429s and 503s: load and membership change within seconds
+UNPARSABLE = "unparsable"  # the endpoint label of aiohttp's 4xx answers to HTTP it could not parse (bad_http.py)
+UNCAUGHT = "uncaught"  # ... and of its 5xx ones, to an error no middleware caught (none known)
 
 
 class PayloadTooLarge(FerryError):
@@ -74,11 +78,14 @@ class ErrorAnswers:
         self._metrics.requests.labels(_endpoint_label(request), str(response.status)).inc()
         return response
 
+    def count_own_answer(self, status: int) -> None:
+        """Count an answer aiohttp made itself (bad_http.py's ON_OWN_ANSWER), to HTTP no route saw: a
+        refusal of HTTP it could not parse (`unparsable`), or a 5xx of an error no middleware caught."""
+        self._metrics.requests.labels(UNPARSABLE if status < 500 else UNCAUGHT, str(status)).inc()
+
 
 def _error_response(request: web.Request, status: int, body: dict) -> web.Response:
-    headers = {}
-    if request_id := request.get(REQUEST_ID_KEY):
-        headers[REQUEST_ID_HEADER] = request_id
+    headers = {REQUEST_ID_HEADER: answer_request_id(request)}
     if status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     if status in (429, 503):  # full, or nothing serves now: worth another try soon
@@ -92,9 +99,11 @@ def _log_refused(request: web.Request, exc: FerryError, sampler: LogSampler) -> 
     of them logs one line per (route, status) per 10 s, with the number left out since (`suppressed`)."""
     if REQUEST_ID_KEY in request:
         return
+    request_id = answer_request_id(request)  # the answer's x-request-id
     if (suppressed := sampler.admit((_endpoint_label(request), exc.http_status))) is not None:
         log.info("request_refused", path=request.path, status=exc.http_status, error=exc.message,
-                 client_request_id=client_request_id(request.headers, {}), suppressed=suppressed)
+                 request_id=request_id, client_request_id=client_request_id(request.headers, {}),
+                 suppressed=suppressed)
 
 
 def _endpoint_label(request: web.Request) -> str:

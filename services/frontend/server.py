@@ -31,7 +31,7 @@ from services.frontend.api_keys import ApiKeyPolicy
 from services.frontend.cors import CorsPolicy
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import GenerateSpec, RequestId
-from services.frontend.bad_http import one_line, quiet_bad_http_log
+from services.frontend.bad_http import ON_OWN_ANSWER, one_line, quiet_bad_http_log
 from services.frontend.http_errors import RETRY_AFTER_S, BodyTimeout, ErrorAnswers, too_large
 from services.frontend.in_flight import InFlight
 from services.frontend.metrics import FrontendMetrics
@@ -42,7 +42,7 @@ from services.frontend.openapi import openapi_schema
 from services.frontend.openai_response import ResponseFormatter
 from services.frontend.req_state import Delta, ReqState
 from services.frontend.request_error import RequestError
-from services.frontend.request_ids import REQUEST_ID_KEY, client_request_id, new_request_id
+from services.frontend.request_ids import REQUEST_ID_KEY, client_request_id, new_request_id, stamp_request_id
 from services.frontend.request_runner import RequestRunner
 from services.frontend.served_model import PreparedPrompt, ServedModel
 from services.frontend.tokenize_protocol import parse_detokenize_request, parse_tokenize_request
@@ -78,6 +78,8 @@ class FrontendServer:
                               middlewares=[self._errors.middleware, self._cors.middleware,
                                            self._api_keys.middleware])
         app.on_response_prepare.append(self._cors.on_prepare)
+        app.on_response_prepare.append(stamp_request_id)  # every answer carries an x-request-id
+        app[ON_OWN_ANSWER] = self._errors.count_own_answer  # ... those aiohttp makes itself are counted too
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)

@@ -22,6 +22,7 @@ import sys
 
 import structlog
 
+from services.cluster.frontend_flags import check_frontend_words, frontend_words, launcher_set_flag
 from services.cluster.launcher import ClusterSpec, LocalCluster, PortInUse, run_until_signalled
 from services.cluster.outputs import forgive_broken_outputs
 from services.cluster.processes import ROOT, ProcessDied, TlsRejected
@@ -101,6 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="how long each child (etcd aside) may take to answer its health check, at start and when "
                          "scaling adds an instance; one still not healthy then makes `up` fail, naming it (raise it "
                          "for a model that loads slowly: the systemd instance unit allows 900 s)")
+    up.add_argument("--frontend-arg", action="append", default=[], metavar="'--FLAG VALUE'",
+                    help="flags for the frontend, as `python -m services.frontend --help` lists them (e.g. "
+                         "--frontend-arg='--api-key K1' --frontend-arg=--generation-config=vllm); repeat it; each "
+                         "value is split into words as a shell would. Checked before anything starts: a flag the "
+                         "frontend does not take, a bad value or one the launcher sets itself (--port: use "
+                         "--http-port) is a usage error naming it")
     _add_security_arguments(up)
     args = parser.parse_args(argv)
     if args.engine == "vllm":
@@ -136,8 +143,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         up.error("the cluster needs at least one instance: pass --instances N or --prefill-instances/--decode-instances")
     try:
         args.security = security_from_args(args)
+        args.frontend_arg = frontend_words(args.frontend_arg)
     except ValueError as exc:
         up.error(str(exc))
+    if (launcher_set := launcher_set_flag(args.frontend_arg)) is not None:
+        up.error(launcher_set)
+    check_frontend_words(args.frontend_arg)
     return args
 
 
@@ -220,7 +231,8 @@ def build_spec(args: argparse.Namespace) -> ClusterSpec:
                        threads_per_instance=threads, kv_cache_mib=args.kv_cache_mib, log_format=args.log_format,
                        security=args.security, autoscale_max_instances=args.autoscale_max_instances,
                        device=args.device, dtype=args.dtype, restart=RestartPolicy(on_failure=args.restart != "no"),
-                       http_host=args.http_host, health_timeout_s=args.health_timeout_s)
+                       http_host=args.http_host, health_timeout_s=args.health_timeout_s,
+                       frontend_args=args.frontend_arg)
 
 
 def one_sided_pd(args: argparse.Namespace) -> str | None:

@@ -69,6 +69,7 @@ class ClusterSpec:
     restart: RestartPolicy = RestartPolicy()  # children that exit on their own start again (supervisor.py)
     http_host: str = "127.0.0.1"  # where the frontend listens: this machine only, unless asked (0.0.0.0)
     health_timeout_s: float = HEALTH_TIMEOUT_S  # a child not healthy by then makes `up` fail, naming it
+    frontend_args: tuple[str, ...] = ()  # --frontend-arg's words, after the launcher's flags (frontend_flags.py)
 
     def instance_device(self, index: int) -> str:
         return f"cuda:{gpu_index(index)}" if self.device == "cuda" else self.device
@@ -273,7 +274,8 @@ class LocalCluster:
     def _frontend(self) -> ServiceProcess:
         args = ["--model", str(self.spec.model_dir), "--host", self.spec.http_host, "--port", str(self.spec.http_port),
                 *self._common_args(),
-                *self.spec.security.client_args()]  # its OpenAI API stays plain HTTP; its gRPC channels use TLS
+                *self.spec.security.client_args(),  # its OpenAI API stays plain HTTP; its gRPC channels use TLS
+                *self.spec.frontend_args]
         return ServiceProcess("frontend-0", "frontend", args, self.frontend_url, self.state_dir / "logs",
                               dies_with_parent=True, metrics_url=f"{self.frontend_url}/metrics")
 

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import difflib
 import enum
+import json
 import math
 import os
 import pathlib
@@ -164,6 +165,8 @@ def convert(raw: Any, kind: Any) -> Any:
         return pathlib.Path(raw)
     if kind is float:
         return _finite_float(raw)
+    if kind is str and isinstance(raw, Mapping):  # a YAML mapping for a JSON knob (--override-generation-config)
+        return json.dumps(raw)
     if kind in (int, str):
         try:
             return kind(raw)

@@ -59,7 +59,8 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
         "(none: OpenAI's defaults) or a folder holding a generation_config.json; a value a request sends wins")
     override_generation_config: str = knob(
         "", "JSON object of those fields (generation_config.json's names) setting or replacing the generation "
-        "config's, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 512}'; null removes one; empty (the default): no overrides")
+        "config's, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 512}' (in the --config YAML file a mapping "
+        "too); null removes one; empty (the default): no overrides")
     max_model_len: int = knob(0, "longest prompt + output in tokens (0 = the longest the model serves: max_position_embeddings from config.json, or less for longrope RoPE)")
     dispatch_timeout_s: float = knob(0.2, "deadline of ManagerService/Dispatch; past it the frontend picks an instance itself")
     generate_timeout_s: float = knob(600.0, "longest wait for the next chunk of an instance's token stream "
@@ -100,9 +101,10 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
         return self.served_model_name or self.model.name
 
 
-def load_config(argv: Sequence[str] | None = None) -> FrontendConfig:
-    """Parse the frontend's flags; list flags may be repeated (`--api-key a --api-key b`)."""
-    return parse_config(FrontendConfig, "frontend", _join_repeated_list_flags(argv))
+def load_config(argv: Sequence[str] | None = None, prog: str | None = None) -> FrontendConfig:
+    """Parse the frontend's flags; list flags may be repeated (`--api-key a --api-key b`). `prog` names
+    the command in a usage error (the launcher's, where it checks the flags it passes on)."""
+    return parse_config(FrontendConfig, "frontend", _join_repeated_list_flags(argv), prog=prog)
 
 
 def _join_repeated_list_flags(argv: Sequence[str] | None) -> list[str] | None:

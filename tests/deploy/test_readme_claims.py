@@ -96,9 +96,20 @@ def test_command_lines_use_their_own_flags():
     flags = command_flags()
     lines = command_lines()
     assert len(lines) > 15
-    wrong = [(line, command, flag) for line, command, rest in lines
-             for flag in _FLAG.findall(rest) if flag not in flags[command]]
+    wrong = [(line, owner, flag) for line, command, rest in lines for owner, words in passed_on(command, rest)
+             for flag in _FLAG.findall(words) if flag not in flags[owner]]
     assert not wrong, f"README gives these commands flags they do not take: {wrong}"
+
+
+_FRONTEND_ARG = re.compile(r"""--frontend-arg(?:=|\s+)('[^']*'|"[^"]*"|\S+)""")
+
+
+def passed_on(command: str, rest: str) -> list[tuple[str, str]]:
+    """(whose flags, text) of a command line: `up --frontend-arg` values hold the frontend's flags."""
+    if command != "cluster up":
+        return [(command, rest)]
+    return [(command, _FRONTEND_ARG.sub("--frontend-arg", rest)),
+            *(("frontend", value) for value in _FRONTEND_ARG.findall(rest))]
 
 
 def test_possessive_flags_belong_to_their_service():

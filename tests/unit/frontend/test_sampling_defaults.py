@@ -127,3 +127,22 @@ def test_max_new_tokens_is_chats_default_max_tokens_within_the_context():
 def test_the_flags_default_to_vllms():
     config = load_config(["--manager-address", "m:1"])
     assert (config.generation_config, config.override_generation_config) == ("auto", "")
+
+
+@pytest.mark.parametrize("yaml_value", ["{temperature: 0.5, max_new_tokens: 512, top_k: null}",
+                                        "'{\"temperature\": 0.5, \"max_new_tokens\": 512, \"top_k\": null}'"])
+def test_a_yaml_file_s_override_may_be_a_mapping_or_its_json(tmp_path, yaml_value):
+    """Before, a --config file's mapping became Python's text of it ("{'temperature': 0.5, ...}") and the
+    frontend refused it as not valid JSON: only a JSON string worked (a review)."""
+    (tmp_path / "frontend.yaml").write_text(f"manager_address: m:1\noverride_generation_config: {yaml_value}\n")
+    config = load_config(["--config", str(tmp_path / "frontend.yaml")])
+    assert json.loads(config.override_generation_config) == {"temperature": 0.5, "max_new_tokens": 512, "top_k": None}
+    defaults = load_sampling_defaults(model_dir(tmp_path, {"top_k": 20}), "auto", config.override_generation_config)
+    assert defaults == SamplingDefaults(temperature=0.5, max_tokens=512)
+
+
+def test_a_yaml_mapping_s_bad_field_stops_the_start_naming_the_flag(tmp_path, capsys):
+    (tmp_path / "frontend.yaml").write_text("manager_address: m:1\noverride_generation_config: {temprature: 0.5}\n")
+    with pytest.raises(SystemExit) as info:
+        load_config(["--config", str(tmp_path / "frontend.yaml")])
+    assert info.value.code == 2 and "--override-generation-config: unknown field 'temprature'" in capsys.readouterr().err

@@ -11,16 +11,10 @@ import pytest
 
 from services.cluster.__main__ import parse_args
 from services.cluster.launcher import LocalCluster
+from tests.unit.cluster.test_launcher_args import usage_error
 from tests.unit.cluster.test_ports import spec
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def usage_error(argv: list[str], capsys) -> str:
-    with pytest.raises(SystemExit) as exited:
-        parse_args(["up", *argv])
-    assert exited.value.code == 2
-    return capsys.readouterr().err
 
 
 def test_each_value_is_split_into_words_as_a_shell_would():

@@ -94,6 +94,9 @@ class JsonErrorRequestHandler(RequestHandler):
 def _header_ends(data: bytes) -> Iterator[bytes]:
     """`data` cut after each blank line (as separate reads would deliver it): where a request's headers
     can end. One piece for a read with none (a body's next bytes, say)."""
+    if b"\n" not in data:  # a compact JSON body's bytes: memchr's pace, not the regex's (30x slower)
+        yield data
+        return
     start = 0
     for end in _HEADERS_END.finditer(data):
         yield data[start:end.end()]

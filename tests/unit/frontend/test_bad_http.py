@@ -18,7 +18,7 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
-from services.frontend.bad_http import BadHttpLog, bad_http_body
+from services.frontend.bad_http import BadHttpLog, _header_ends, bad_http_body
 from services.frontend.metrics import FrontendMetrics
 from tests.unit.frontend.scripted_frontend import scripted_frontend
 
@@ -187,3 +187,11 @@ async def test_pipelined_requests_before_garbage_in_the_same_packet_are_answered
                                                          b"HTTP/1.0 400 Bad Request"], answers
             assert answers[0][1]["data"][0]["id"] == "m" and answers[1][1]["tokens"] == [0, 1]
             assert answers[2][1]["error"]["code"] == "bad_request"
+
+
+def test_a_read_is_cut_after_each_blank_line_and_an_empty_one_passes_on():
+    """aiohttp itself calls data_received(b"") to re-parse what it buffered: that must reach the parser."""
+    assert list(_header_ends(b"")) == [b""] and list(_header_ends(b'{"a": 1}')) == [b'{"a": 1}']
+    assert list(_header_ends(b"GET / HTTP/1.1\r\n\r\nGET / HTTP/1.0\n\nzz")) == [
+        b"GET / HTTP/1.1\r\n\r\n", b"GET / HTTP/1.0\n\n", b"zz"]
+    assert list(_header_ends(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")) == [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"]

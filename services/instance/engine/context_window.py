@@ -6,7 +6,7 @@ positions p - W < j <= p):
 
 * Mistral, Phi-3 and StarCoder2: `sliding_window` on every layer;
 * Qwen2/Qwen3: with `use_sliding_window`, the layers `layer_types` marks "sliding_attention",
-  or by default those from `max_window_layers` on;
+  or by default those from `max_window_layers` on; the window is 4096 unless config.json says otherwise;
 * Gemma 2 (every other layer) and Gemma 3 (five of every six): `layer_types`, or that default
   pattern; the window is 4096 unless config.json says otherwise.
 
@@ -19,7 +19,8 @@ from typing import Any
 
 DEFAULT_MAX_POSITIONS = 2048  # transformers' default where config.json has no max_position_embeddings
 GPT2_DEFAULT_POSITIONS = 1024  # GPT2Config's n_positions where config.json has none
-DEFAULT_WINDOWS = {"gemma2": 4096, "gemma3_text": 4096, "mistral": 4096}  # transformers' defaults where config.json has none
+# transformers' defaults where config.json has none (Qwen2/Qwen3's apply only with use_sliding_window)
+DEFAULT_WINDOWS = {"gemma2": 4096, "gemma3_text": 4096, "mistral": 4096, "qwen2": 4096, "qwen3": 4096}
 SLIDING = "sliding_attention"
 
 
@@ -43,7 +44,7 @@ def _sliding_layers(raw: dict[str, Any], model_type: str | None, num_layers: int
             return [kind == SLIDING for kind in layer_types]
         first = int(raw.get("max_window_layers", 28))
         return [i >= first for i in range(num_layers)]
-    if model_type in DEFAULT_WINDOWS:
+    if model_type in ("gemma2", "gemma3_text"):
         if layer_types:
             return [kind == SLIDING for kind in layer_types]
         pattern = 2 if model_type == "gemma2" else int(raw.get("sliding_window_pattern", 6))

@@ -636,3 +636,23 @@ def test_a_tied_model_says_when_it_ignores_a_checkpoint_head_that_differs(tiny_m
         model = load_model(folder, pack_weights=False)
     warned = [e for e in logs if e["event"] == "tied_lm_head_ignored"]
     assert model.lm_head is None and len(warned) == int(head_differs)
+
+
+WINDOWED_HF_CONFIG_CLASSES = {"mistral": "MistralConfig", "mixtral": "MixtralConfig", "phi3": "Phi3Config",
+                              "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "gemma2": "Gemma2Config",
+                              "gemma3_text": "Gemma3TextConfig", "starcoder2": "Starcoder2Config"}
+
+
+@pytest.mark.parametrize("model_type", sorted(WINDOWED_HF_CONFIG_CLASSES))
+def test_a_left_out_sliding_window_takes_transformers_default(model_type):
+    """Found by a black-box run: a Qwen2/Qwen3 config.json with `use_sliding_window` and no `sliding_window`
+    was served with no window at all, where transformers reads its default 4096 on the layers from
+    `max_window_layers` on (the outputs parted past 4096 tokens)."""
+    transformers = pytest.importorskip("transformers")
+    raw = {k: v for k, v in base_config(model_type=model_type, num_hidden_layers=6, head_dim=64, use_sliding_window=True,
+                                        max_window_layers=2).items() if k != "sliding_window"}
+    reference = getattr(transformers, WINDOWED_HF_CONFIG_CLASSES[model_type])(
+        **{k: v for k, v in raw.items() if k not in ("model_type", "torch_dtype", "eos_token_id")})
+    window = reference.sliding_window
+    layer_types = getattr(reference, "layer_types", None) or [S] * 6
+    assert list(ModelConfig.from_dict(raw).layer_windows) == [window if kind == S else None for kind in layer_types]

@@ -17,8 +17,13 @@ long-context models), which is exact only up to `original_max_position_embedding
 from dataclasses import dataclass
 from typing import Any
 
-DEFAULT_MAX_POSITIONS = 2048  # transformers' default where config.json has no max_position_embeddings
-GPT2_DEFAULT_POSITIONS = 1024  # GPT2Config's n_positions where config.json has none
+# transformers' config classes' max_position_embeddings where config.json has none (GPT-2: n_positions)
+DEFAULT_MAX_POSITIONS = 2048  # Llama's, Granite's, OLMo2's, Phi's, GPT-NeoX's
+FAMILY_MAX_POSITIONS = {
+    "gemma": 8192, "gemma2": 8192, "gemma3_text": 131072, "gpt2": 1024, "mistral": 131072, "mixtral": 131072,
+    "olmoe": 4096, "phi3": 4096, "qwen2": 32768, "qwen2_moe": 32768, "qwen3": 32768, "qwen3_moe": 32768,
+    "stablelm": 4096, "starcoder2": 4096,
+}
 # transformers' defaults where config.json has none (Qwen2/Qwen3's apply only with use_sliding_window)
 DEFAULT_WINDOWS = {"gemma2": 4096, "gemma3_text": 4096, "mistral": 4096, "qwen2": 4096, "qwen3": 4096}
 SLIDING = "sliding_attention"
@@ -66,13 +71,18 @@ class ContextLimit:
     set_by: str  # the config.json setting it comes from
 
 
+def max_positions(raw: dict[str, Any]) -> int:
+    """`max_position_embeddings` (GPT-2's `n_positions`), or the family's default as transformers reads it."""
+    default = FAMILY_MAX_POSITIONS.get(raw.get("model_type"), DEFAULT_MAX_POSITIONS)
+    return int(raw.get("max_position_embeddings", raw.get("n_positions", default)))
+
+
 def context_limit(raw: dict[str, Any]) -> ContextLimit:
-    default = raw.get("n_positions", GPT2_DEFAULT_POSITIONS if raw.get("model_type") == "gpt2" else DEFAULT_MAX_POSITIONS)
-    max_positions = int(raw.get("max_position_embeddings", default))  # GPT-2's n_positions
+    max_positions_ = max_positions(raw)
     longrope = longrope_length(raw)
-    if longrope is not None and longrope < max_positions:
+    if longrope is not None and longrope < max_positions_:
         return ContextLimit(longrope, "longrope's original_max_position_embeddings")
-    return ContextLimit(max_positions, "max_position_embeddings")
+    return ContextLimit(max_positions_, "max_position_embeddings")
 
 
 def checked_max_model_len(requested: int, limit: ContextLimit) -> int:

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from services.instance.engine.context_window import DEFAULT_MAX_POSITIONS, ContextLimit, context_limit, layer_windows
+from services.instance.engine.context_window import ContextLimit, context_limit, layer_windows, max_positions
 from services.instance.engine.rope import RopeConfig, read_layer_ropes
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite",
@@ -177,7 +177,7 @@ class ModelConfig:
             norm_eps=_norm_eps(raw, model_type),
             rope=rope,
             sliding_rope=sliding_rope,
-            max_position_embeddings=int(raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS)),
+            max_position_embeddings=max_positions(raw),
             context=context_limit(raw),
             layer_windows=layer_windows(raw, _required_int(raw, "num_hidden_layers")),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),

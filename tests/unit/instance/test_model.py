@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from services.instance.engine import attention
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.model import LlamaModel, allocate_kv_cache, load_model
-from services.instance.engine.context_window import checked_max_model_len
+from services.instance.engine.context_window import checked_max_model_len, context_limit, max_positions
 from services.instance.engine.factory import EngineSpec, build_engine, fitted_max_model_len
-from services.instance.engine.model_config import ModelConfig
+from services.instance.engine.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 from services.instance.engine.weights import checkpoint_files
 from services.instance.engine.packed_linear import PackedLinear
 
@@ -656,3 +656,14 @@ def test_a_left_out_sliding_window_takes_transformers_default(model_type):
     window = reference.sliding_window
     layer_types = getattr(reference, "layer_types", None) or [S] * 6
     assert list(ModelConfig.from_dict(raw).layer_windows) == [window if kind == S else None for kind in layer_types]
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_a_left_out_max_position_embeddings_takes_the_family_s_transformers_default(model_type):
+    """Found by a black-box run: every family was served 2048 positions (Llama's default) where config.json
+    has none, and yarn's original length was read from it; transformers' defaults differ per family."""
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoConfig.for_model(model_type)
+    expected = reference.n_positions if model_type == "gpt2" else reference.max_position_embeddings
+    raw = {"model_type": model_type}
+    assert (max_positions(raw), context_limit(raw).length) == (expected, expected)

@@ -123,6 +123,12 @@ class LocalCluster:
     def admin_address(self) -> str:
         return f"127.0.0.1:{self.spec.admin_port}"
 
+    @property
+    def admin_addresses(self) -> list[str]:
+        """Every manager's admin address, manager-0's (--admin-port) first: any of them answers."""
+        managers = [p.address for p in self.processes if p.name.startswith("manager-")]
+        return [self.admin_address, *(a for a in managers if a != self.admin_address)]
+
     async def start(self) -> None:
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -195,6 +201,7 @@ class LocalCluster:
         processes += [{"name": p.name, "pid": p.pid if p.is_alive() else None, "address": p.address,
                        "metrics_url": p.metrics_url} for p in self.processes]  # pid None: it exited (see the log)
         return {"frontend_url": self.frontend_url, "admin_address": self.admin_address,
+                "admin_addresses": self.admin_addresses,
                 "etcd_endpoint": self.etcd.endpoint, "cluster": self.spec.cluster,
                 "model": str(self.spec.model_dir), **self.spec.security.state(), "processes": processes}
 
@@ -499,7 +506,7 @@ def _activate_hint() -> str:
 
 
 def _ctl_command(cluster: LocalCluster, *args: str) -> str:
-    return shlex.join(["python", "-m", "services.ctl", "--admin", cluster.admin_address,
+    return shlex.join(["python", "-m", "services.ctl", "--admin", ",".join(cluster.admin_addresses),
                        *cluster.spec.security.ctl_args(), *args])
 
 

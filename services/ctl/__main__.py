@@ -1,6 +1,6 @@
 """`python -m services.ctl`: ferryctl, the admin API from a terminal.
 
-    python -m services.ctl [--admin HOST:PORT] [--token T] [--json] COMMAND ...
+    python -m services.ctl [--admin HOST:PORT[,HOST:PORT...]] [--token T] [--json] COMMAND ...
 
 Global options may come before or after the command and can be set as FERRY_CTL_ADMIN,
 FERRY_CTL_TOKEN, FERRY_CTL_JSON, FERRY_CTL_TIMEOUT_S. Exit status: 0 done, 1 the call
@@ -23,6 +23,7 @@ from services.common.errors import FerryError, Unavailable
 from services.ctl.client import ROLES, AdminClient, NotAvailableYet
 from services.ctl.commands import COMMANDS
 from services.ctl.config import CtlConfig
+from services.ctl.manager_pick import admin_addresses, first_reachable
 from services.ctl.records import to_json
 from services.ctl.top import run_top
 
@@ -124,7 +125,8 @@ def resolve_config(args: argparse.Namespace) -> CtlConfig:
 
 
 async def execute(config: CtlConfig, args: argparse.Namespace) -> int:
-    async with AdminClient(config.admin, config.resolved_token, config.timeout_s, config.tls) as client:
+    address = await first_reachable(admin_addresses(config.admin), config.tls, config.timeout_s)
+    async with AdminClient(address, config.resolved_token, config.timeout_s, config.tls) as client:
         try:
             if args.command == "top":
                 return 0 if await run_top(client, args.interval, args.iterations, config.json) else EXIT_FAILED
@@ -132,7 +134,7 @@ async def execute(config: CtlConfig, args: argparse.Namespace) -> int:
         except NotAvailableYet as exc:
             return _fail(config, exc, EXIT_NOT_AVAILABLE)
         except FerryError as exc:
-            return _fail(config, exc, EXIT_FAILED, is_manager_reached=client.is_connected())
+            return _fail(config, exc, EXIT_FAILED, is_manager_reached=client.is_connected(), address=address)
         except ValueError as exc:  # a malformed argument the parser could not see
             print(f"ferryctl: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -140,12 +142,14 @@ async def execute(config: CtlConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def _fail(config: CtlConfig, exc: FerryError, status: int, is_manager_reached: bool = True) -> int:
+def _fail(config: CtlConfig, exc: FerryError, status: int, is_manager_reached: bool = True, address: str = "") -> int:
     """Print the error; where the manager itself could not be reached, say which one was tried.
     (An UNAVAILABLE the manager answered with is about something behind it, e.g. a transfer service.)"""
     message = exc.message
     if isinstance(exc, Unavailable) and not is_manager_reached:
-        message += f" (manager at --admin {config.admin}; set --admin or FERRY_CTL_ADMIN to another manager"
+        address = address or config.admin
+        tried = f"--admin {address}" if len(admin_addresses(config.admin)) == 1 else f"{address} of --admin {config.admin}"
+        message += f" (manager at {tried}; set --admin or FERRY_CTL_ADMIN to another manager"
         message += ("" if "Connection refused" in message else _tls_hint(config)) + ")"  # refused: nothing listens
     if config.json:
         print(json.dumps({"error": message, "code": type(exc).__name__}))

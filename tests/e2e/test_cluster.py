@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 
 import aiohttp
 import grpc
 import openai
 import pytest
 
+from services.cluster.processes import ROOT
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc
 from services.instance.engine.factory import EngineSpec, build_engine
 from services.instance.engine.request import SamplingParams
@@ -164,3 +168,8 @@ async def test_leader_killed_standby_takes_over_and_requests_keep_flowing(client
     completion = await client.completions.create(model=model_name(cluster), prompt="after failover", max_tokens=8,
                                                  temperature=0)
     assert completion.usage.completion_tokens > 0
+    # cluster.json lists every manager, manager-0's first; ferryctl given them all reaches the live one
+    assert cluster["admin_addresses"] == [cluster["admin_address"], standby_address]
+    argv = [sys.executable, "-m", "services.ctl", "--json", "--admin", ",".join(cluster["admin_addresses"]), "status"]
+    ctl = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert ctl.returncode == 0 and json.loads(ctl.stdout)["answered_by"] == "manager-1", ctl.stderr

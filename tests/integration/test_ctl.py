@@ -57,6 +57,19 @@ def test_admin_address_from_the_environment(ops):
     assert status["answered_by"] == "manager-0"
 
 
+def test_several_admin_addresses_use_the_first_manager_that_accepts_a_connection(ops):
+    """Any manager answers the admin API: listing them all keeps ferryctl working while one is down."""
+    down = f"127.0.0.1:{free_port()}"
+    status = json.loads(ok(ctl("--json", "status", admin=f"{down},{ops.admin_address}")))
+    assert status["answered_by"] == "manager-0"
+    started = time.monotonic()
+    none = ctl("--timeout-s", "1", "instances", admin=f"{down},127.0.0.1:{free_port()}")
+    assert none.returncode == 1 and f"{down} of --admin {down},127.0.0.1:" in none.stderr, none.stderr
+    assert time.monotonic() - started < 30
+    bad = ctl("instances", admin=f"{ops.admin_address},nohost")
+    assert bad.returncode == 2 and "--admin 'nohost'" in bad.stderr, bad.stderr
+
+
 def test_policy_get_and_set(ops):
     assert ok(ctl("policy", "get", admin=ops.admin_address)).splitlines()[0].split() == ["dispatch", "load"]
     assert ok(ctl("policy", admin=ops.admin_address)).splitlines()[0].split() == ["dispatch", "load"]  # get: the default

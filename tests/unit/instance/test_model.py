@@ -219,11 +219,23 @@ def decode_path(request, monkeypatch) -> str:
     return request.param
 
 
-def test_greedy_decoding_matches_generate(checkpoint, model, decode_path):
-    """Staggered arrivals mix prefill and decode sequences in one batch; one prompt is prefilled in chunks."""
+GREEDY_NUM_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def greedy_prompts(checkpoint, model) -> list[tuple[list[int], list[int]]]:
+    """(prompt, transformers' greedy prompt + GREEDY_NUM_NEW tokens) of each prompt: generated once per
+    checkpoint, shared by the decode paths."""
     _, hf_model = checkpoint
-    num_new = 24
     prompts = [random_prompt(n, model.config.vocab_size, seed=100 + n) for n in (3, 11, 7, 19)]
+    return [(prompt, hf_model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_NUM_NEW, do_sample=False,
+                                       pad_token_id=0)[0].tolist()) for prompt in prompts]
+
+
+def test_greedy_decoding_matches_generate(greedy_prompts, model, decode_path):
+    """Staggered arrivals mix prefill and decode sequences in one batch; one prompt is prefilled in chunks."""
+    num_new = GREEDY_NUM_NEW
+    prompts = [prompt for prompt, _ in greedy_prompts]
     seqs = [Sequence(list(p)) for p in prompts]
     runner = PagedRunner(model)
     num_generated = [0] * len(seqs)
@@ -242,10 +254,7 @@ def test_greedy_decoding_matches_generate(checkpoint, model, decode_path):
                 seqs[i].tokens.append(int(row.argmax()))
                 num_generated[i] += 1
     assert num_generated == [num_new] * len(seqs)
-    for prompt, seq in zip(prompts, seqs):
-        expected = hf_model.generate(
-            torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False, pad_token_id=0,
-        )[0].tolist()
+    for (prompt, expected), seq in zip(greedy_prompts, seqs):
         assert len(expected) == len(prompt) + num_new
         assert seq.tokens == expected
 

@@ -24,7 +24,6 @@ from services.common.gen.ferry.v1 import manager_pb2, manager_pb2_grpc
 from services.instance.engine.factory import EngineSpec, build_engine
 from services.instance.engine.request import SamplingParams
 from services.instance.engine.tokenizer import Tokenizer
-from tests.torch_threads import one_torch_thread  # noqa: F401 (autouse)
 
 _START_TIMEOUT_S = 120
 

@@ -7,7 +7,6 @@ import uuid
 import pytest
 
 from services.common.etcd_launcher import LocalEtcd
-from tests.torch_threads import one_torch_thread  # noqa: F401 (autouse)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models
 
 pytestmark = pytest.mark.timeout(120)
-torch.set_num_threads(2)
 
 SHAPES = ("mha-untied", "gqa-tied")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

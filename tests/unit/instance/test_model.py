@@ -113,7 +113,6 @@ SHAPES = {
 def checkpoint(request, tmp_path_factory) -> tuple[Path, object]:
     """A saved random model (Llama unless the shape names another architecture) and the
     transformers model it came from."""
-    torch.set_num_threads(2)
     torch.manual_seed(0)
     shape = dict(SHAPES[request.param])
     architecture = shape.pop("architecture", "Llama")

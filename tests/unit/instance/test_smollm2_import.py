@@ -16,7 +16,6 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from services.instance.models import import_smollm2
 from services.instance.models.smollm2 import default_gguf_path
 
-torch.set_num_threads(2)
 SAMPLE_TEXTS = (
     "Hello world!",
     "What is the capital of France?",

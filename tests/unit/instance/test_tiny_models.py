@@ -6,13 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 from services.instance.models import TINY_SHAPES, build_tiny_model
 from services.instance.models.model_folder import REQUIRED_FILES
 
-torch.set_num_threads(2)
 PROMPTS = ("What is the capital of France?", "Once upon a time", "def add(a, b):")
 
 

@@ -111,10 +111,14 @@ SHAPES = {
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def checkpoint(request, tmp_path_factory) -> tuple[Path, object]:
+    return build_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def build_checkpoint(shape_name: str, path: Path) -> tuple[Path, object]:
     """A saved random model (Llama unless the shape names another architecture) and the
     transformers model it came from."""
     torch.manual_seed(0)
-    shape = dict(SHAPES[request.param])
+    shape = dict(SHAPES[shape_name])
     architecture = shape.pop("architecture", "Llama")
     hf_config = getattr(transformers, f"{architecture}Config")(
         **shape, max_position_embeddings=256, initializer_range=0.15,
@@ -122,7 +126,6 @@ def checkpoint(request, tmp_path_factory) -> tuple[Path, object]:
     )
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
     _randomize_biases_and_norms(hf_model)
-    path = tmp_path_factory.mktemp(request.param)
     hf_model.save_pretrained(path)
     return path, hf_model
 
@@ -225,13 +228,33 @@ GREEDY_NUM_NEW = 24
 def greedy_prompts(checkpoint, model) -> list[tuple[list[int], list[int]]]:
     """(prompt, transformers' greedy prompt + GREEDY_NUM_NEW tokens) of each prompt: generated once per
     checkpoint, shared by the decode paths."""
-    _, hf_model = checkpoint
-    prompts = [random_prompt(n, model.config.vocab_size, seed=100 + n) for n in (3, 11, 7, 19)]
+    return transformers_greedy(checkpoint[1], model.config.vocab_size)
+
+
+def transformers_greedy(hf_model, vocab_size: int) -> list[tuple[list[int], list[int]]]:
+    prompts = [random_prompt(n, vocab_size, seed=100 + n) for n in (3, 11, 7, 19)]
     return [(prompt, hf_model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY_NUM_NEW, do_sample=False,
                                        pad_token_id=0)[0].tolist()) for prompt in prompts]
 
 
 def test_greedy_decoding_matches_generate(greedy_prompts, model, decode_path):
+    assert_staggered_greedy_matches(greedy_prompts, model)
+
+
+@pytest.mark.parametrize("shape_name", ["gemma2", "mistral_window"])
+def test_greedy_decoding_on_two_torch_threads_matches_generate(shape_name, tmp_path):
+    """The tests run one torch thread (tests/torch_threads.py); an instance may run more (--num-threads):
+    two shapes on two threads, both sides."""
+    path, hf_model = build_checkpoint(shape_name, tmp_path)
+    torch.set_num_threads(2)
+    try:
+        model = load_model(path)
+        assert_staggered_greedy_matches(transformers_greedy(hf_model, model.config.vocab_size), model)
+    finally:
+        torch.set_num_threads(1)
+
+
+def assert_staggered_greedy_matches(greedy_prompts: list[tuple[list[int], list[int]]], model: LlamaModel) -> None:
     """Staggered arrivals mix prefill and decode sequences in one batch; one prompt is prefilled in chunks."""
     num_new = GREEDY_NUM_NEW
     prompts = [prompt for prompt, _ in greedy_prompts]

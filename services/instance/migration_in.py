@@ -198,12 +198,15 @@ class MigrationInbox:
         if not self._is_held(incoming):
             raise _given_up(migration_id)
         check_accepting()
-        await self._runner.adopt(state.request_id, state.epoch,
-                                 lambda: engine.import_request(migration_id, state, text, guide))
-        if not self._is_held(incoming):
+        stream = await self._runner.adopt(state.request_id, state.epoch,
+                                          lambda: engine.import_request(migration_id, state, text, guide))
+        if not self._is_held(incoming) or self._runner.stream(state.request_id) is not stream:
             # Given up (aborted, or the watchdog) while the import waited for the engine: nothing tracks the
-            # adopted request any more, so no watchdog would ever drop it; the source keeps the request.
-            await self._runner.abort(state.request_id)
+            # adopted request any more, so no watchdog would ever drop it; or its copy was dropped meanwhile (a
+            # resume of the request here took its place: `drop_unattached`). The source keeps the request.
+            if self._runner.stream(state.request_id) is stream:
+                await self._runner.abort(state.request_id)
+            await self.abort(migration_id)  # if still held: forget it and close its grant (the copy took its blocks)
             raise _given_up(migration_id)
         incoming.epoch = state.epoch
         incoming.expires_at = self._deadline()  # now the deadline to attach
@@ -252,9 +255,19 @@ class MigrationInbox:
         then resumes the request with Generate, maybe here, and the resume takes its place."""
         committed = [i for i in self._incoming.values() if i.request_id == request_id and i.epoch is not None]
         dropped = [await self.abort(incoming.migration_id) for incoming in committed]
+        dropped.append(await self._drop_admitting(request_id))
         if any(dropped):
             log.warning("migration_in_replaced_by_resume", request_id=request_id)
         return any(dropped)
+
+    async def _drop_admitting(self, request_id: str) -> bool:
+        """Drop the copy of `request_id` that a commit is admitting here now (its stream is open, and only
+        streams of requests that migrated in wait for a client); that commit then fails (`commit`)."""
+        stream = self._runner.stream(request_id)
+        if stream is None or stream.is_attached:
+            return False
+        await self._runner.abort(request_id)  # after the import on the engine thread: commands run in order
+        return True
 
     def attach(self, request_id: str, epoch: int) -> RequestStream:
         """The stream of a request that migrated in, for the client following its hand-off."""
@@ -352,8 +365,8 @@ class MigrationInbox:
 
 
 def _given_up(migration_id: str) -> Aborted:
-    return Aborted(f"migration {migration_id} was given up here while its commit was under way (aborted, or its "
-                   "source left etcd); the source keeps the request")
+    return Aborted(f"migration {migration_id} was given up here while its commit was under way (aborted, its "
+                   "source left etcd, or a resume of the request here took its place); the source keeps the request")
 
 
 def _log_failure(task: asyncio.Future) -> None:

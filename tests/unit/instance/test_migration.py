@@ -558,6 +558,37 @@ async def test_a_resume_replaces_a_migrated_in_request_nobody_attached_to(pair):
     await assert_no_blocks_held(a, b)
 
 
+async def test_a_resume_arriving_while_a_commit_admits_its_request_takes_its_place(pair):
+    """The source stalled with its commit under way (its streams ended UNAVAILABLE): the client resumes the
+    request on the destination while the commit's import waits there for a long engine step. The resume
+    takes the copy's place, and the commit fails. Before, the resume was refused as a duplicate id
+    (InvalidArgument, which the frontend does not retry: the client got an error) and the copy decoded
+    for nobody until the destination's watchdog dropped it."""
+    a, b = pair
+    expected = await reference(a)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    peer = FaultyPeer(b)
+    resumed: list[RequestStream] = []
+
+    async def commit_while_the_client_resumes(migration_id: str, state: RequestState) -> None:
+        b.runner.call_soon(lambda: time.sleep(0.5))  # the destination's engine is in a long step
+        commit = asyncio.create_task(b.inbox.commit(migration_id, state))
+        await wait_for(lambda: b.runner.stream("r") is not None)  # its import is queued on the engine thread
+        a.runner.abandon_all(Unavailable("the engine step has run for 30 s"))  # the client leaves a ...
+        await b.inbox.drop_unattached("r")  # ... and resumes on b, as Generate does
+        resumed.append(await b.runner.add("r", PROMPT, SAMPLING, resume_token_ids=tuple(tokens)))
+        await commit
+
+    peer.commit_migrate_in = commit_while_the_client_resumes
+    with pytest.raises(Aborted, match="given up"):
+        await driver(a, peer, TensorCopier(a, b)).migrate_out(plan())
+    last = await read(resumed[0], tokens)
+    assert tokens == expected and last.finish_reason is FinishReason.LENGTH
+    await assert_no_blocks_held(a, b)
+
+
 async def test_an_attached_request_is_never_dropped_for_a_resume(pair):
     a, b = pair
     stream, tokens = await moved_a_to_b(a, b)

@@ -565,12 +565,10 @@ async def test_a_resume_arriving_while_a_commit_admits_its_request_takes_its_pla
     (InvalidArgument, which the frontend does not retry: the client got an error) and the copy decoded
     for nobody until the destination's watchdog dropped it."""
     a, b = pair
+    peer, resumed = FaultyPeer(b), []
     expected = await reference(a)
     tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    await read(stream, tokens, until=30)
-    peer = FaultyPeer(b)
-    resumed: list[RequestStream] = []
+    await read(await a.runner.add("r", PROMPT, SAMPLING), tokens, until=30)
 
     async def commit_while_the_client_resumes(migration_id: str, state: RequestState) -> None:
         b.runner.call_soon(lambda: time.sleep(0.5))  # the destination's engine is in a long step

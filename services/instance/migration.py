@@ -41,7 +41,7 @@ from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
 
 if TYPE_CHECKING:
     from services.instance.engine.engine import LLMEngine
-    from services.instance.runner import EngineRunner
+    from services.instance.runner import EngineRunner, RequestStream
 
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
@@ -75,7 +75,7 @@ class _Attempt:
     num_bytes: int = 0
     suspended_at: float | None = None
     committed_at: float | None = None
-    stream: object | None = None  # the request's client stream when the migration began (an abort drops it)
+    stream: RequestStream | None = None  # the request's client stream when the migration began (an abort drops it)
     held: HeldRequest | None = None  # the plan's parked state, where the request was still parked so when claimed
 
     def pending(self, view: MigrationBlocks, full_only: bool) -> list[int]:
@@ -343,7 +343,7 @@ class MigrationDriver:
         handoff = Handoff(a.plan.dst_instance_id, a.plan.dst_address, state.epoch, len(state.output_token_ids),
                           a.migration_id)
         try:
-            await self._runner.hand_off(a.request_id, handoff)
+            await self._runner.hand_off(a.request_id, handoff, a.stream)
             self._handed_off.note(a.request_id, handoff)
         except FerryError as exc:  # aborted here between export and release: nobody will attach
             log.info("migrated_request_gone", request_id=a.request_id, reason=exc.message)

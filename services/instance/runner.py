@@ -160,15 +160,18 @@ class EngineRunner:
         Its outputs wait in the stream until a client attaches."""
         return await self._open_stream(request_id, epoch, admit, is_attached=False)
 
-    async def hand_off(self, request_id: str, handoff: Handoff) -> None:
+    async def hand_off(self, request_id: str, handoff: Handoff, stream: RequestStream | None) -> None:
         """The request now runs elsewhere: end its stream with `handoff` at once (the client
         attaches to the destination meanwhile), then release it on the engine thread.
+        `stream`: the request's stream when its migration began; another one under its id (a resume
+        here after that stream was aborted) is not the migrated request's, and is left alone.
 
         Every output it produced is already in the stream: it was suspended by an engine call
         that returned, and results and outputs reach the event loop in the order the engine
         thread sent them."""
-        stream = self._streams.pop(request_id, None)
+        stream = stream if stream is not None and self._streams.get(request_id) is stream else None
         if stream is not None:
+            del self._streams[request_id]
             stream.handoff = handoff
             stream.outputs.put_nowait(handoff)
         try:

@@ -412,7 +412,7 @@ async def test_a_hand_off_that_cannot_release_the_request_ends_it_here(pair):
     stream = await a.runner.add("r", PROMPT, SAMPLING)
     await read(stream, tokens, until=2)
     with pytest.raises(FailedPrecondition):  # running, not suspended: nothing to release
-        await a.runner.hand_off("r", Handoff("b", "127.0.0.1:2", 1, 2))
+        await a.runner.hand_off("r", Handoff("b", "127.0.0.1:2", 1, 2), stream)
     assert isinstance(await read(stream, tokens), Handoff)
     assert (await a.runner.call(a.engine.load)).num_running == 0
     await assert_no_blocks_held(a)
@@ -584,6 +584,32 @@ async def test_a_resume_arriving_while_a_commit_admits_its_request_takes_its_pla
         await driver(a, peer, TensorCopier(a, b)).migrate_out(plan())
     last = await read(resumed[0], tokens)
     assert tokens == expected and last.finish_reason is FinishReason.LENGTH
+    await assert_no_blocks_held(a, b)
+
+
+async def test_a_resume_on_the_source_during_the_commit_is_left_alone_by_the_hand_off(pair):
+    """The client's stream broke during the commit and its frontend resumed the request on the source (every
+    other instance was excluded or not serving): the hand-off belongs to the stream the migration began
+    with, which is gone. Before, it ended the resumed request's stream with the old hand-off and aborted
+    the resumed request."""
+    a, b = pair
+    expected = await reference(a)
+    tokens: list[int] = []
+    old = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(old, tokens, until=30)
+    peer, resumed = FaultyPeer(b), []
+    plain_commit = peer.commit_migrate_in
+
+    async def commit_as_the_client_resumes_here(migration_id: str, state: RequestState) -> None:
+        a.runner.abort_soon(old)  # the stream broke: its request is aborted (Generate's finally) ...
+        resumed.append(await a.runner.add("r", PROMPT, SAMPLING, resume_token_ids=tuple(tokens)))  # ... and resumed
+        await plain_commit(migration_id, state)
+
+    peer.commit_migrate_in = commit_as_the_client_resumes_here
+    await driver(a, peer, TensorCopier(a, b)).migrate_out(plan())
+    last = await read(resumed[0], tokens)
+    assert not isinstance(last, Handoff) and last.finish_reason is FinishReason.LENGTH and tokens == expected
+    assert b.runner.stream("r") is None and "abort_migrate_in" in peer.calls  # the copy nobody follows is dropped
     await assert_no_blocks_held(a, b)
 
 

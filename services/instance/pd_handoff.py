@@ -42,6 +42,7 @@ log = structlog.get_logger(__name__)
 
 _SLOT_RETRIES = 3  # a hand-off that finds the migration slots busy waits and tries again this often
 _SLOT_RETRY_S = 0.05
+_CLAIMED_RECHECK_S = 0.05  # how often a queued request another migration claimed is looked at past its hold time
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +131,12 @@ class DecodeHandoff:
             return
         now = time.monotonic()
         self._decode_here([r for r, queued_at in self._queued.items() if now - queued_at >= self._hold_s])
-        waiting = [queued_at for r, queued_at in self._queued.items() if r not in self._decoding_while_queued]
-        if waiting:
-            self._check_waits_in(max(0.0, min(waiting) + self._hold_s - now))
+        # Still parked past its wait: another migration holds it (`_decode_here` left it): look again a little later,
+        # not at once (that rescheduled itself without end, a busy event loop until the request was taken).
+        waits = [queued_at + self._hold_s - now for r, queued_at in self._queued.items()
+                 if r not in self._decoding_while_queued]
+        if waits:
+            self._check_waits_in(min(wait if wait > 0 else _CLAIMED_RECHECK_S for wait in waits))
 
     def _decode_here(self, waited: list[str]) -> None:
         """Resume those of `waited` still parked. Commands reach the engine in order, so a resume

@@ -309,3 +309,34 @@ async def test_a_hand_off_whose_request_another_migration_moves_is_no_failure():
     assert engine.resumed == []  # the other migration owns it
     await assert_cancels(loop)
     await handoff.close()
+
+
+async def test_a_queued_request_another_migration_holds_past_its_hold_time_does_not_spin_the_loop():
+    """A queued request another migration claimed (an operator's Migrate of it, or a rebalance that had it when
+    SetRole made this instance PREFILL) is not resumed at its hold time: that migration owns it. Before, the wait
+    check then rescheduled itself at once, again and again, a busy event loop until a worker or that migration
+    took the request (seconds behind a stuck hand-off)."""
+    engine, placer, migrations = FakeEngine(), FlakyPlacer(), StuckMigrations()
+    handoff = pushing(engine, placer, migrations, hold_s=0.05)
+    num_checks = 0
+    check_waits = handoff._check_waits
+
+    def counted_check_waits() -> None:
+        nonlocal num_checks
+        num_checks += 1
+        check_waits()
+    handoff._check_waits = counted_check_waits
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1")  # its hand-off gets stuck: the only worker is busy
+    await until(lambda: migrations.plans, loop)
+    migrations.moving = frozenset({"r-2"})  # claimed by another migration while queued here
+    handoff.note_prefilled("r-2", object())
+    handoff.note_prefilled("r-3", object())
+    await until(lambda: engine.resumed == ["r-3"], loop)  # r-3 decodes here; r-2 is the other migration's
+    await asyncio.sleep(0.3)
+    assert num_checks < 20, f"{num_checks} wait checks in 0.3 s"
+    migrations.moving = frozenset()  # that migration ended without a commit (its abandon resumed r-2)
+    await until(lambda: engine.resumed == ["r-3", "r-2"], loop)  # checked again: no longer parked here either
+    migrations.stuck.set()
+    await assert_cancels(loop)
+    await handoff.close()

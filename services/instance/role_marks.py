@@ -41,12 +41,15 @@ class RoleMarks:
         self._instance_id = instance_id
         self._command_line_role = command_line_role
         self._wanted: InstanceRole | None = None  # a role not written yet (None: all written)
-        self._is_set_here = False  # a SetRole kept a role: the mark is its (app.py lets it win over the stored one)
+        self._set_here: InstanceRole | None = None  # the role a SetRole kept: the mark is its, and it wins at start
         self._unwritten = asyncio.Event()
         self._lock = asyncio.Lock()
 
     async def restored_role(self) -> InstanceRole:
-        """The role to start with: the stored mark's, if that was set over this same `--role`."""
+        """The role to start with: the stored mark's, if that was set over this same `--role`; but the role of a
+        SetRole that came first (etcd away at start), whose mark is on its way, whatever the stored one says."""
+        if self._set_here is not None:
+            return self._set_here
         try:
             mark = await self._registry.get_json(role_mark_key(self._instance_id))
         except ValueError as exc:  # not JSON: left for an operator
@@ -54,8 +57,7 @@ class RoleMarks:
             return self._command_line_role
         except (Unavailable, *ETCD_ERRORS) as exc:
             self._log_unread(exc)
-            if not self._is_set_here:  # it runs with its --role: a mark left would name another, the next restart too
-                self._keep_later(self._command_line_role)
+            self._keep_later(self._command_line_role)  # it runs with its --role: a mark left would name another
             return self._command_line_role
         if mark is None:
             return self._command_line_role
@@ -78,7 +80,7 @@ class RoleMarks:
     async def keep(self, role: InstanceRole) -> None:
         """Store a role set at runtime (remove the mark when it is the command line's role again); if
         etcd does not take it now, `write_loop` tries again."""
-        self._is_set_here = True
+        self._set_here = role
         self._wanted = role
         if not await self._write_wanted():
             self._unwritten.set()

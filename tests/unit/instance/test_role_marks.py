@@ -106,6 +106,68 @@ async def test_a_set_role_before_an_unread_start_keeps_its_mark(writer):
     marks, etcd = writer
     etcd.is_away = True
     await marks.keep(DECODE)  # a SetRole while the instance starts (it wins over the stored role)
-    assert await marks.restored_role() is BOTH
+    assert await marks.restored_role() is DECODE  # the role it runs with (etcd was not read)
     etcd.is_away = False
     await settled(marks, etcd, "decode")
+
+
+class StartingEtcd(FlakyEtcd):
+    """Also the instance-record calls app.register_with_role and role_writer make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, dict] = {}
+
+    async def register(self, kind, member_id, value):
+        self._check()
+        self.records[member_id] = value
+
+    def holds(self, kind, member_id) -> bool:
+        return member_id in self.records
+
+    async def update(self, kind, member_id, value):
+        self._check()
+        self.records[member_id] = value
+
+
+async def start_after_a_set_role(command_line_role: InstanceRole, stored: dict, set_to: InstanceRole):
+    """An instance restarting with `command_line_role` and the mark `stored`, that gets SetRole(`set_to`) while
+    etcd is still away at its start (the manager still holds its old record), then registers."""
+    from services.common.gen.ferry.v1 import common_pb2, instance_pb2
+    from services.instance import app
+    from services.instance.convert import role_to_proto
+    from services.instance.server import InstanceIdentity, InstanceServicer
+
+    etcd = StartingEtcd()
+    etcd.marks[KEY] = stored
+    marks = RoleMarks(etcd, "i-0", command_line_role)
+    servicer = InstanceServicer(runner=None)
+    servicer.identity = InstanceIdentity("i-0", "127.0.0.1:2", command_line_role, "m", 1024, common_pb2.KvGeometry())
+    record = lambda identity: {"role": identity.role.value}  # noqa: E731
+    servicer.on_role_change = app.role_writer(etcd, marks, record)
+    etcd.is_away = True
+    await servicer.SetRole(instance_pb2.SetRoleRequest(role=role_to_proto(set_to)), None)  # its mark waits
+    etcd.is_away = False
+    await app.register_with_role(etcd, marks, servicer, command_line_role, record)
+    loop = asyncio.create_task(marks.write_loop())
+    return servicer, marks, etcd, loop
+
+
+async def test_a_set_role_back_to_the_command_line_role_before_registering_wins_over_the_stored_mark():
+    """Before, the stored decode came back at registration (the instance ran decode, the SetRole had answered
+    both, and its mark's removal followed): app.py took a role equal to the command line's for no SetRole."""
+    servicer, marks, etcd, loop = await start_after_a_set_role(
+        BOTH, {"instance_id": "i-0", "role": "decode", "command_line_role": "both"}, BOTH)
+    assert servicer.identity.role is BOTH and etcd.records["i-0"] == {"role": "both"}
+    await settled(marks, etcd, None)
+    loop.cancel()
+
+
+async def test_a_set_role_before_registering_keeps_its_mark_over_one_set_over_another_command_line():
+    """Before, the start dropped the stale mark by keeping the command line's role, which replaced the SetRole's
+    mark still to be written: the instance ran decode with no mark, and its next restart came back both."""
+    servicer, marks, etcd, loop = await start_after_a_set_role(
+        BOTH, {"instance_id": "i-0", "role": "prefill", "command_line_role": "prefill"}, DECODE)
+    assert servicer.identity.role is DECODE and etcd.records["i-0"] == {"role": "decode"}
+    await settled(marks, etcd, "decode")
+    loop.cancel()

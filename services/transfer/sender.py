@@ -235,8 +235,12 @@ class BlockSender:
                     await self._send_staged(channel, source, ring, chunks, tag, deadline)
                     continue
                 await ring.drain()  # tags repeat every TAG_STRIDE chunks: the earlier sends go first
+                # Cancelled, drop the channel before waiting for the thread: that ends its sends blocked on a
+                # peer that does not receive them, which would otherwise hold it until the deadline.
                 await run_in_thread(self._threads.io, move_in_place, channel.send_in_order, source.rows,
-                                    source.block_ids, chunks, tag, deadline.remaining_s())
+                                    source.block_ids, chunks, tag, deadline.remaining_s(),
+                                    on_cancel=lambda: self._channels.drop_outgoing(channel.peer, channel.backend,
+                                                                                   only=channel))
                 IN_PLACE_BYTES.labels("sent").inc(sum(map(source.plan.chunk_bytes, chunks)))
             await ring.drain()
         except BaseException:

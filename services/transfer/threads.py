@@ -57,12 +57,16 @@ class TransferThreads:
         self.rendezvous.shutdown(wait=False, cancel_futures=True)  # opens give up at their timeout
 
 
-async def run_in_thread(executor: Executor, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run `fn` on `executor`; if the caller is cancelled, wait for the thread before re-raising."""
+async def run_in_thread(executor: Executor, fn: Callable[..., Any], *args: Any,
+                        on_cancel: Callable[[], None] | None = None) -> Any:
+    """Run `fn` on `executor`; if the caller is cancelled, call `on_cancel` (what ends a thread blocked on a
+    peer: dropping its channel) and wait for the thread before re-raising."""
     future = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
+        if on_cancel is not None:
+            on_cancel()
         await wait_for_threads([future])  # the thread may still touch staging memory; a cancelled shield reads no error
         raise
 

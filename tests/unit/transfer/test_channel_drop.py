@@ -57,11 +57,11 @@ def gloo_pair():
     threads.shutdown()
 
 
-def _sender(threads, table: ChannelTable, peer) -> tuple[BlockSender, BlockTransfer]:
+def _sender(threads, table: ChannelTable, peer, in_place_min_row_bytes: int = 0) -> tuple[BlockSender, BlockTransfer]:
     geometry = tiny_geometry(num_blocks=24)
     kvs = {"src": random_kv(geometry, 1), "dst": torch.zeros(geometry.shape, dtype=geometry.dtype)}
     sender = BlockSender("A", (TransferBackend.GLOO,), FakeMappings(kvs, geometry), StagingPool(1, BLOCK_BYTES, 4),
-                         table, lambda address: peer, threads, in_place_min_row_bytes=0)
+                         table, lambda address: peer, threads, in_place_min_row_bytes=in_place_min_row_bytes)
     ids = tuple(range(12))
     return sender, BlockTransfer(InstanceId("src"), ids, InstanceId("dst"), ids, "b:1", TransferBackend.GLOO, False)
 
@@ -76,9 +76,13 @@ async def test_a_transfer_whose_expect_blocks_failed_fails_at_once_not_at_its_de
     assert sender_table.num_channels == 0
 
 
-async def test_a_cancelled_transfer_whose_peer_does_not_receive_ends_at_once(gloo_pair):
+@pytest.mark.parametrize("in_place_min_row_bytes", [0, 1], ids=["staged", "in_place"])
+async def test_a_cancelled_transfer_whose_peer_does_not_receive_ends_at_once(gloo_pair, in_place_min_row_bytes):
+    """In place, the rows' sends block an io thread the cancelled transfer waits for: it drops the channel
+    first (which ends them), as a staged transfer does before it waits for its sends."""
     threads, sender_table, receiver_table = gloo_pair
-    sender, transfer = _sender(threads, sender_table, PeerThatNeverReceives(receiver_table, expect_delay_s=60))
+    sender, transfer = _sender(threads, sender_table, PeerThatNeverReceives(receiver_table, expect_delay_s=60),
+                               in_place_min_row_bytes)
     task = asyncio.ensure_future(sender.transfer(transfer, DEADLINE_S))
     await asyncio.sleep(1.0)  # the channel is open and the first sends are blocked
     started = time.monotonic()
@@ -86,6 +90,7 @@ async def test_a_cancelled_transfer_whose_peer_does_not_receive_ends_at_once(glo
     with pytest.raises(asyncio.CancelledError):
         await task
     assert time.monotonic() - started < 5, "the cancelled transfer's sends waited for the deadline"
+    assert sender_table.num_channels == 0
 
 
 class PeerThatDroppedItsEnd:

@@ -155,6 +155,12 @@ class PairChannel:
         if group is not None and self.rank == 0 and self.backend is TransferBackend.GLOO:
             _close_gloo_connections(group, self.num_connections)
 
+    def check_open(self) -> None:
+        """Unavailable once dropped. A transfer that took the channel and then waited (its turn, a staging
+        slot) checks it before its ExpectBlocks: the peer may hold a fresh channel from us by now, on which
+        that call would post receives for messages that never come (held until the deadline, then breaking it)."""
+        self._live_group()
+
     def _live_group(self) -> dist.ProcessGroup:
         group = self.group
         if group is None:

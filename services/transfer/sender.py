@@ -194,6 +194,7 @@ class BlockSender:
 
     async def _send_and_expect(self, channel: PairChannel, request: BlockTransfer, source: SourceBlocks,
                                slot: StagingSlot, deadline: Deadline) -> None:
+        channel.check_open()  # not dropped while we waited for its turn and our slot
         tag = next(self._tags) * TAG_STRIDE % 2**31
         sends_done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # True: every message taken
         expect = asyncio.ensure_future(self._expect(channel, source, request, tag, deadline, sends_done))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from services.common.errors import Unavailable
+from services.common.task_errors import read_error
 from services.transfer.channels import ChannelTable
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
 from services.transfer.receiver import BlockReceiver
@@ -119,3 +120,60 @@ async def test_a_channel_the_receiver_dropped_mid_transfer_is_unavailable_and_re
     with pytest.raises(Unavailable, match="no gloo channel from transfer service 'A'"):
         await sender.transfer(transfer, DEADLINE_S)
     assert sender_table.num_channels == 0  # the retry opens afresh
+
+
+class ReceivingPeer:
+    """The destination service on real gloo: OpenChannel joins its table, ExpectBlocks goes to its receiver."""
+
+    piece_bytes = 1 << 20
+
+    def __init__(self, table: ChannelTable, receiver: BlockReceiver) -> None:
+        self.table, self.receiver = table, receiver
+
+    async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s):
+        await self.table.accept(peer_transfer_id, backend, store_address, rank, num_connections)
+
+    async def expect_blocks(self, header, backend, tag, timeout_s):
+        # A call of its own, as over gRPC: a caller that gives up cancels it and goes, leaving it to end.
+        call = asyncio.ensure_future(self.receiver.receive_on_channel(header, backend, tag, timeout_s))
+        call.add_done_callback(read_error)
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+
+
+async def test_a_transfer_whose_channel_was_replaced_while_it_waited_posts_nothing_on_the_new_one(gloo_pair):
+    """A transfer took the channel, then waited for a staging slot; meanwhile another transfer's failure
+    dropped that channel and the next transfer opened a fresh one, which the receiver took in its place.
+    The waiting transfer's ExpectBlocks then posted its receives on the fresh channel, where no message of
+    its ever comes: they held the receiver's slot until its deadline and then broke the fresh channel."""
+    threads, sender_table, receiver_table = gloo_pair
+    geometry = tiny_geometry(num_blocks=24)
+    kvs = {"src": random_kv(geometry, 1), "dst": torch.zeros(geometry.shape, dtype=geometry.dtype)}
+    mappings = FakeMappings(kvs, geometry)
+    receiver = BlockReceiver(mappings, StagingPool(1, BLOCK_BYTES, 4), receiver_table, threads)
+    peer = ReceivingPeer(receiver_table, receiver)
+    send_staging = StagingPool(1, BLOCK_BYTES, 4)
+    sender = BlockSender("A", (TransferBackend.GLOO,), mappings, send_staging, sender_table, lambda address: peer,
+                         threads, in_place_min_row_bytes=0)
+    ids = tuple(range(12))
+    first = BlockTransfer(InstanceId("src"), ids, InstanceId("dst"), ids, "b:1", TransferBackend.GLOO, False)
+    async with send_staging.slot(1):  # another transfer's
+        waiting = asyncio.ensure_future(sender.transfer(first, DEADLINE_S))
+        while not sender_table.num_channels:
+            await asyncio.sleep(0.01)  # it took the channel and waits for the slot
+        sender_table.drop_outgoing("b:1", TransferBackend.GLOO)  # another transfer on it failed
+        await sender_table.outgoing("b:1", TransferBackend.GLOO, lambda *args: peer.open_channel("A", *args[:2],
+                                                                                                 TransferBackend.GLOO,
+                                                                                                 args[2], 5))
+    with pytest.raises(Unavailable):
+        await asyncio.wait_for(waiting, 5)
+    later_ids = tuple(range(12, 24))
+    later = BlockTransfer(InstanceId("src"), later_ids, InstanceId("dst"), later_ids, "b:1", TransferBackend.GLOO,
+                          False)
+    started = time.monotonic()
+    await asyncio.wait_for(sender.transfer(later, DEADLINE_S), DEADLINE_S + 5)
+    assert time.monotonic() - started < 5, "the next transfer waited for the receives left on the fresh channel"
+    assert torch.equal(kvs["dst"][:, :, 12:], kvs["src"][:, :, 12:])

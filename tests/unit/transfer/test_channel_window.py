@@ -55,6 +55,9 @@ class FakeChannel:
     def moves_in_place(self) -> bool:
         return self.backend is TransferBackend.GLOO
 
+    def check_open(self) -> None:
+        pass  # never dropped
+
     def send(self, data: torch.Tensor, tag: int, timeout_s: float) -> None:
         with self.lock:
             self.sends_in_flight += 1

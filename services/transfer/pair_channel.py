@@ -70,6 +70,7 @@ class PairChannel:
     num_transfers: int = 0  # transfers on it now (`in_use`)
     # Out of its table because its peer is gone: called (once) with the channel when no transfer uses it.
     close_when_unused: Callable[[PairChannel], None] | None = None
+    is_retired: bool = False  # out of its table (`retire`): the transfers on it finish, no new one starts
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:
@@ -86,6 +87,7 @@ class PairChannel:
     def retire(self, close: Callable[[PairChannel], None]) -> None:
         """Its peer is gone: `close(self)` now if no transfer uses it, else once the last one ends (one on
         a dead peer fails by its deadline; one on a peer only briefly away completes)."""
+        self.is_retired = True
         if self.num_transfers:
             self.close_when_unused = close
         else:
@@ -156,9 +158,13 @@ class PairChannel:
             _close_gloo_connections(group, self.num_connections)
 
     def check_open(self) -> None:
-        """Unavailable once dropped. A transfer that took the channel and then waited (its turn, a staging
-        slot) checks it before its ExpectBlocks: the peer may hold a fresh channel from us by now, on which
-        that call would post receives for messages that never come (held until the deadline, then breaking it)."""
+        """Unavailable once dropped or retired. A transfer that took the channel and then waited (its turn, a
+        staging slot) checks it before its ExpectBlocks: the peer may hold a fresh channel from us by now, on
+        which that call would post receives for messages that never come (held until the deadline, then
+        breaking it)."""
+        if self.is_retired:
+            raise Unavailable(f"the {self.backend.value} channel with {self.peer} was retired (its peer left etcd) "
+                              "while this transfer waited for it; retry, which opens a fresh one")
         self._live_group()
 
     def _live_group(self) -> dist.ProcessGroup:

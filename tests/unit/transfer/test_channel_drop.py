@@ -144,11 +144,13 @@ class ReceivingPeer:
             raise
 
 
-async def test_a_transfer_whose_channel_was_replaced_while_it_waited_posts_nothing_on_the_new_one(gloo_pair):
+@pytest.mark.parametrize("how", ["dropped", "retired"])
+async def test_a_transfer_whose_channel_was_replaced_while_it_waited_posts_nothing_on_the_new_one(gloo_pair, how):
     """A transfer took the channel, then waited for a staging slot; meanwhile another transfer's failure
-    dropped that channel and the next transfer opened a fresh one, which the receiver took in its place.
-    The waiting transfer's ExpectBlocks then posted its receives on the fresh channel, where no message of
-    its ever comes: they held the receiver's slot until its deadline and then broke the fresh channel."""
+    dropped that channel (or etcd said the peer left: retired, it closes once unused) and the next transfer
+    opened a fresh one, which the receiver took in its place. The waiting transfer's ExpectBlocks then
+    posted its receives on the fresh channel, where no message of its ever comes: they held the
+    receiver's slot until its deadline and then broke the fresh channel."""
     threads, sender_table, receiver_table = gloo_pair
     geometry = tiny_geometry(num_blocks=24)
     kvs = {"src": random_kv(geometry, 1), "dst": torch.zeros(geometry.shape, dtype=geometry.dtype)}
@@ -164,7 +166,10 @@ async def test_a_transfer_whose_channel_was_replaced_while_it_waited_posts_nothi
         waiting = asyncio.ensure_future(sender.transfer(first, DEADLINE_S))
         while not sender_table.num_channels:
             await asyncio.sleep(0.01)  # it took the channel and waits for the slot
-        sender_table.drop_outgoing("b:1", TransferBackend.GLOO)  # another transfer on it failed
+        if how == "dropped":
+            sender_table.drop_outgoing("b:1", TransferBackend.GLOO)  # another transfer on it failed
+        else:
+            sender_table.close_outgoing("b:1")  # the peer's record left etcd (its lease lapsed while it stalled)
         await sender_table.outgoing("b:1", TransferBackend.GLOO, lambda *args: peer.open_channel("A", *args[:2],
                                                                                                  TransferBackend.GLOO,
                                                                                                  args[2], 5))

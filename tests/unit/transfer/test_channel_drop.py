@@ -24,6 +24,7 @@ from services.transfer.staging import StagingPool
 from services.transfer.threads import TransferThreads
 from tests.unit.transfer.factories import random_kv, tiny_geometry
 from tests.unit.transfer.test_channel_window import BLOCK_BYTES, FakeMappings
+from tests.unit.transfer.test_unretrieved_errors import Peer
 
 pytestmark = pytest.mark.timeout(60)
 DEADLINE_S = 20.0
@@ -122,16 +123,8 @@ async def test_a_channel_the_receiver_dropped_mid_transfer_is_unavailable_and_re
     assert sender_table.num_channels == 0  # the retry opens afresh
 
 
-class ReceivingPeer:
-    """The destination service on real gloo: OpenChannel joins its table, ExpectBlocks goes to its receiver."""
-
-    piece_bytes = 1 << 20
-
-    def __init__(self, table: ChannelTable, receiver: BlockReceiver) -> None:
-        self.table, self.receiver = table, receiver
-
-    async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s):
-        await self.table.accept(peer_transfer_id, backend, store_address, rank, num_connections)
+class ReceivingPeer(Peer):
+    """The destination service on real gloo, each ExpectBlocks a call of its own."""
 
     async def expect_blocks(self, header, backend, tag, timeout_s):
         # A call of its own, as over gRPC: a caller that gives up cancels it and goes, leaving it to end.

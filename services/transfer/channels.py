@@ -103,7 +103,7 @@ class ChannelTable:
 
     async def accept(self, peer_id: str, backend: TransferBackend, store_address: str, rank: int,
                      num_connections: int, timeout_s: float | None = None) -> None:
-        """Join the group the peer opened (replacing an older channel from it), within `timeout_s`
+        """Join the group the peer opened (replacing an older channel from it, which closes once unused), within `timeout_s`
         (the OpenChannel call's) or the table's timeout, if shorter."""
         check_backend_available(backend, self._nccl_device)
         timeout_s = self._open_timeout_s(timeout_s)
@@ -112,7 +112,10 @@ class ChannelTable:
         prefix = dist.PrefixStore(store_prefix(peer_id, self._transfer_id, backend), store)
         group = await self._rendezvous(self._join_slots, timeout_s, create_group, backend, prefix, rank, self._host,
                                        self._group_timeout_s(backend, timeout_s), num_connections)
-        self.drop_incoming(peer_id, backend)
+        # The old channel from that peer closes once no receive uses it: the peer opens afresh also when it
+        # retired its end (etcd said we left) while a transfer still ran on it, which completes.
+        if (old := self._incoming.pop((peer_id, backend), None)) is not None:
+            old.retire(self._close_in_background)
         self._drop_idle()
         self._incoming[(peer_id, backend)] = PairChannel(peer_id, backend, rank, group, store, self._device_for(backend))
         log.info("channel_accepted", peer_transfer_id=peer_id, backend=backend.value, store_address=store_address)

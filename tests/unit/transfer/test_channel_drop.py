@@ -17,6 +17,7 @@ import torch
 from services.common.errors import Unavailable
 from services.common.task_errors import read_error
 from services.transfer.channels import ChannelTable
+from services.transfer.pair_channel import PairChannel
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
 from services.transfer.receiver import BlockReceiver
 from services.transfer.sender import BlockSender
@@ -175,3 +176,40 @@ async def test_a_transfer_whose_channel_was_replaced_while_it_waited_posts_nothi
     await asyncio.wait_for(sender.transfer(later, DEADLINE_S), DEADLINE_S + 5)
     assert time.monotonic() - started < 5, "the next transfer waited for the receives left on the fresh channel"
     assert torch.equal(kvs["dst"][:, :, 12:], kvs["src"][:, :, 12:])
+
+
+async def test_a_transfer_in_flight_on_a_retired_channel_completes_when_a_fresh_one_is_opened(gloo_pair):
+    """etcd said the peer left (its lease lapsed while it stalled) during a transfer to it: the channel is
+    retired, closing once that transfer ends, and the next transfer opens a fresh one. The receiver took the
+    fresh channel in place of the old one and dropped it at once, under the transfer still on it, which failed."""
+    threads, sender_table, receiver_table = gloo_pair
+    geometry = tiny_geometry(num_blocks=24)
+    kvs = {"src": random_kv(geometry, 1), "dst": torch.zeros(geometry.shape, dtype=geometry.dtype)}
+    mappings = FakeMappings(kvs, geometry)
+    receive_staging = StagingPool(2, BLOCK_BYTES, 4)
+    receive_threads = TransferThreads.start(8)  # its own, as in a service of its own: the sends block the sender's
+    peer = ReceivingPeer(receiver_table, BlockReceiver(mappings, receive_staging, receiver_table, receive_threads))
+    sender = BlockSender("A", (TransferBackend.GLOO,), mappings, StagingPool(2, BLOCK_BYTES, 4), sender_table,
+                         lambda address: peer, threads, in_place_min_row_bytes=0)
+
+    def transfer(ids: tuple[int, ...]) -> BlockTransfer:
+        return BlockTransfer(InstanceId("src"), ids, InstanceId("dst"), ids, "b:1", TransferBackend.GLOO, False)
+    async with receive_staging.slot(1), receive_staging.slot(1):  # the receiver is busy: the first waits, on its channel
+        first = asyncio.ensure_future(sender.transfer(transfer(tuple(range(12))), DEADLINE_S))
+        while not (old := _incoming_in_use(receiver_table)):
+            await asyncio.sleep(0.01)
+        assert sender_table.close_outgoing("b:1") == 1  # retired: the first transfer still uses it
+        second = asyncio.ensure_future(sender.transfer(transfer(tuple(range(12, 24))), DEADLINE_S))
+        while _incoming_in_use(receiver_table) in (None, old):
+            await asyncio.sleep(0.01)  # the second opened a fresh channel and its receive waits for a slot too
+    try:
+        await asyncio.wait_for(asyncio.gather(first, second), DEADLINE_S)
+    finally:
+        receive_threads.shutdown()
+    assert torch.equal(kvs["dst"], kvs["src"])
+
+
+def _incoming_in_use(table: ChannelTable) -> PairChannel | None:
+    """The channel from "A" if a receive has taken it."""
+    channel = table.incoming("A", TransferBackend.GLOO) if table.num_channels else None
+    return channel if channel is not None and channel.num_transfers else None

@@ -103,8 +103,8 @@ class ChannelTable:
 
     async def accept(self, peer_id: str, backend: TransferBackend, store_address: str, rank: int,
                      num_connections: int, timeout_s: float | None = None) -> None:
-        """Join the group the peer opened (replacing an older channel from it, which closes once unused), within `timeout_s`
-        (the OpenChannel call's) or the table's timeout, if shorter."""
+        """Join the group the peer opened (replacing an older channel from it, which closes once unused),
+        within `timeout_s` (the OpenChannel call's) or the table's timeout, if shorter."""
         check_backend_available(backend, self._nccl_device)
         timeout_s = self._open_timeout_s(timeout_s)
         host, _, port = store_address.rpartition(":")

@@ -78,11 +78,11 @@ def max_positions(raw: dict[str, Any]) -> int:
 
 
 def context_limit(raw: dict[str, Any]) -> ContextLimit:
-    max_positions_ = max_positions(raw)
+    length = max_positions(raw)
     longrope = longrope_length(raw)
-    if longrope is not None and longrope < max_positions_:
+    if longrope is not None and longrope < length:
         return ContextLimit(longrope, "longrope's original_max_position_embeddings")
-    return ContextLimit(max_positions_, "max_position_embeddings")
+    return ContextLimit(length, "max_position_embeddings")
 
 
 def checked_max_model_len(requested: int, limit: ContextLimit) -> int:

@@ -196,7 +196,8 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         """Mark DRAINING (no new dispatches) in etcd config/drain/<id>, so a new leader keeps the mark.
 
         The leader's migration loop then moves every request off it; call Drain again (or
-        ListInstances) to see `is_drained` once nothing runs or waits there.
+        ListInstances) to see `is_drained` once nothing runs or waits there. One that left while the
+        mark was stored (its lease ended) keeps the mark and is answered without a state, as by Undrain.
         """
         instance_id = self._registered(request.instance_id)
         if (answer := await self._leader_answer(context, "Drain",
@@ -207,6 +208,9 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         except ETCD_ERRORS as exc:
             raise Unavailable(f"instance not drained: etcd did not store the mark ({exc or type(exc).__name__}); retry") from exc
         self._view.mark_drained(instance_id)
+        if not self._view.has_member(instance_id):  # its lease ended while etcd stored the mark
+            log.info("instance_drain_marked", instance_id=instance_id, is_registered=False)
+            return manager_pb2.DrainResponse(instance_id=instance_id)  # state unspecified: it is not there
         log.info("instance_drain_marked", instance_id=instance_id, is_drained=self._view.instance(instance_id).is_drained)
         return self._drain_answer(instance_id)
 

@@ -1,0 +1,110 @@
+"""Drain and retirement races a review of the manager found (each failed before its fix): an instance
+leaving while its Drain's mark was written, two call-offs of one retirement at once, and "drained" said
+while a migration out of the instance was still under way."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.gen.ferry.v1 import common_pb2, manager_pb2
+from services.manager.dispatcher import Dispatcher
+from services.manager.domain import InstanceId
+from services.manager.migration import MigrationSettings, MigrationTrigger
+from services.manager.scaling import Scaler, ScalingSettings
+from services.manager.server import AdminServicer
+from tests.unit.manager.factories import FakeClock, make_load, make_view
+from tests.unit.manager.test_control_plane_races import Ctx
+from tests.unit.manager.test_migrator import FakeSources, cluster, make_migrator, report, routes, settle
+from tests.unit.manager.test_scaling import BAND, FakeStore, leader
+
+pytestmark = pytest.mark.timeout(20)
+
+
+# 1. The instance's lease ended (it was killed) while its Drain waited for etcd to store the mark: the
+#    answer read the instance from the view after the await and raised KeyError (INTERNAL, a traceback).
+class DepartingStore(FakeStore):
+    """etcd stores the mark; meanwhile the membership watch removes the instance (its lease ended)."""
+
+    def __init__(self, view) -> None:
+        super().__init__()
+        self.view = view
+
+    async def put_drain(self, instance_id) -> None:
+        await asyncio.sleep(0)
+        self.view.remove_member(InstanceId(instance_id))
+        await super().put_drain(instance_id)
+
+
+async def test_a_drain_of_an_instance_that_leaves_meanwhile_answers_without_its_state():
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", clock=clock, num_free_blocks=1000)
+    leadership = leader()
+    store = DepartingStore(view)
+    scaler = Scaler(view, leadership, store, ScalingSettings(), interval_s=1, cooldown_s=0, clock=clock)
+    admin = AdminServicer(view, Dispatcher(view, leadership), leadership, store, None,
+                          make_migrator(view, clock, FakeSources()), scaler, 1.0, 1.0, 1.0)
+    answer = await admin.Drain(manager_pb2.DrainRequest(instance_id="i-1"), Ctx())
+    assert answer.instance_id == "i-1" and not answer.is_drained
+    assert answer.state == common_pb2.INSTANCE_STATE_UNSPECIFIED
+    assert store.drained == {"i-1"} and view.has_drain_mark("i-1")  # a restart under its id comes back drained
+
+
+# 2. Two call-offs of one retirement at once (an operator's Undrain sent twice, or an Undrain during the
+#    tick that calls the retirement off for a burst): each passed its "still retiring?" check before the
+#    other's etcd delete answered, and each gave the target one more instance: a launcher started one too many.
+class SlowDeleteStore(FakeStore):
+    async def delete_drain(self, instance_id) -> None:
+        await asyncio.sleep(0)  # etcd answers on a later turn of the event loop
+        await super().delete_drain(instance_id)
+
+
+async def retiring_i2(store: FakeStore) -> tuple[FakeClock, Scaler]:
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", "i-2", clock=clock, num_free_blocks=1000)
+    scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=0, clock=clock)
+    assert (await scaler.tick()).instance_id == "i-2"  # retiring: target 2
+    view.apply_report(InstanceId("i-2"), make_load(num_free_blocks=990, num_running=1))  # still draining
+    return clock, scaler
+
+
+async def test_two_undrains_of_a_retiring_instance_at_once_give_it_back_once():
+    store = SlowDeleteStore()
+    _, scaler = await retiring_i2(store)
+    await asyncio.gather(scaler.call_off(InstanceId("i-2")), scaler.call_off(InstanceId("i-2")))
+    assert store.target.num_instances == 3, f"target {store.target.num_instances}: i-2 was given back twice"
+    assert store.target.draining == [] and store.drained == set()
+
+
+async def test_an_undrain_during_a_burst_call_off_gives_the_instance_back_once():
+    store = SlowDeleteStore()
+    _, scaler = await retiring_i2(store)
+    scaler._view.apply_report(InstanceId("i-0"), make_load(num_free_blocks=50, num_running=9))  # the burst
+    scaler._view.apply_report(InstanceId("i-1"), make_load(num_free_blocks=50, num_running=9))
+    await asyncio.gather(scaler.tick(), scaler.call_off(InstanceId("i-2")))
+    assert store.target.num_instances == 3, f"target {store.target.num_instances}: i-2 was given back twice"
+
+
+# 3. A drain's last request taken out of its source's batch for the stop-and-copy stage is in no queue there:
+#    the source's report shows nothing running or waiting, and the instance was called drained (safe to
+#    stop: scaling listed it stoppable) while the copy and the commit were under way; a commit that then
+#    failed would resume the request on an instance being stopped.
+async def test_an_instance_a_migration_moves_a_request_out_of_is_not_drained_yet():
+    clock = FakeClock()
+    view = cluster(clock, a=1, b=0)
+    view.mark_drained(InstanceId("a"))
+    sources = FakeSources()
+    sources.gate = asyncio.Event()
+    migrator = make_migrator(view, clock, sources, settings=MigrationSettings(is_enabled=False))
+    assert routes(migrator.tick()) == [("a", "b", MigrationTrigger.DRAIN)]
+    await asyncio.sleep(0)  # MigrateOut a -> b in flight
+    clock.advance(0.1)
+    report(view, "a", 0)  # the request is suspended for its last stage: neither running nor waiting
+    is_drained = view.instance(InstanceId("a")).is_drained
+    sources.gate.set()
+    await settle(migrator)
+    assert not is_drained, "a was called drained (stoppable) while its last request was being moved out"
+    clock.advance(0.1)
+    report(view, "a", 0)
+    assert view.instance(InstanceId("a")).is_drained  # committed: now it is

@@ -327,10 +327,14 @@ class Scaler:
         self._stoppable_since.pop(instance_id, None)
 
     async def _call_off(self, target: ScalingTarget, instance_ids: list[InstanceId], reason: str) -> None:
-        """Those instances serve again: drain marks deleted, back in the target; the cooldown restarts."""
+        """Those instances serve again: drain marks deleted, back in the target; the cooldown restarts.
+        One that another call off gave back while etcd answered this one (an Undrain sent twice, one
+        during a burst's call off) is counted once."""
         for instance_id in instance_ids:
             await self._store.delete_drain(instance_id)
             self._view.unmark_drained(instance_id)
+            if instance_id not in target.draining + target.stoppable:
+                continue
             self._stop_retiring(target, instance_id)
             target.num_instances += 1
             metrics.SCALING_ACTIONS.labels("cancel_retire").inc()

@@ -87,7 +87,7 @@ class ClusterView:
         self._unanswered: set[InstanceId] = set()  # a peer could not reach it; until its next report
         self._num_dispatched: dict[InstanceId, int] = {}  # members only
         self._num_dispatched_to_departed = 0  # so the cluster's total stays cumulative
-        self._migrating_in: dict[InstanceId, int] = {}  # migrations this manager runs into each instance now
+        self._migrating: dict[InstanceId, int] = {}  # migrations this manager runs into or out of each instance now
         # Dispatch runs hundreds of times a second over every member, so two caches:
         self._eligible_ids: list[InstanceId] = []  # sorted members that are not draining (any role);
         #   rebuilt on every membership or drain change
@@ -190,16 +190,19 @@ class ClusterView:
         if kept:
             self._reserved[instance_id] = kept
 
-    def begin_migration_in(self, instance_id: InstanceId) -> None:
-        """A migration this manager started into the instance: not drained before it ends (its report may
-        not show the reservation yet)."""
-        self._migrating_in[instance_id] = self._migrating_in.get(instance_id, 0) + 1
+    def begin_migration(self, src_id: InstanceId, dst_id: InstanceId) -> None:
+        """A migration this manager started: neither instance is drained before it ends. Their reports may
+        show the request on neither: the destination's not the reservation yet, the source's not the
+        request it took out of its batch for the last stage."""
+        for instance_id in (src_id, dst_id):
+            self._migrating[instance_id] = self._migrating.get(instance_id, 0) + 1
 
-    def end_migration_in(self, instance_id: InstanceId) -> None:
-        if (count := self._migrating_in.get(instance_id, 0) - 1) > 0:
-            self._migrating_in[instance_id] = count
-        else:
-            self._migrating_in.pop(instance_id, None)
+    def end_migration(self, src_id: InstanceId, dst_id: InstanceId) -> None:
+        for instance_id in (src_id, dst_id):
+            if (count := self._migrating.get(instance_id, 0) - 1) > 0:
+                self._migrating[instance_id] = count
+            else:
+                self._migrating.pop(instance_id, None)
 
     def mark_unanswered(self, instance_id: InstanceId) -> None:
         """A peer could not reach the instance (a hand-off to it failed UNAVAILABLE) or its report stream
@@ -329,7 +332,7 @@ class ClusterView:
             num_dispatched=self._num_dispatched.get(instance_id, 0),
             report_age_s=self._clock() - self._heard_at[instance_id] if has_report else None,
             is_heard=not self._is_unhealthy(instance_id, self._clock() - self._report_timeout_s),
-            num_migrations_in=self._migrating_in.get(instance_id, 0),
+            num_migrations=self._migrating.get(instance_id, 0),
             reported_load=self.reported_load_of(instance_id),
         )
 

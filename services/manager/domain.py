@@ -186,7 +186,7 @@ class InstanceView:
     num_dispatched: int
     report_age_s: float | None  # None: no report received yet
     is_heard: bool = True  # it reported within --report-timeout-s (and no peer found it unreachable since)
-    num_migrations_in: int = 0  # migrations this manager runs into it now
+    num_migrations: int = 0  # migrations this manager runs into or out of it now
     reported_load: Load | None = None  # the last report alone (None: as `load`)
 
     @property
@@ -196,11 +196,12 @@ class InstanceView:
 
     @property
     def is_drained(self) -> bool:
-        """DRAINING, and a recent report shows nothing running or waiting: safe to stop. (A report older
-        than the timeout proves nothing: a standby may hold one from the term it led.)"""
+        """DRAINING, a recent report shows nothing running or waiting, and no migration of ours moves a
+        request into or out of it: safe to stop. (A report older than the timeout proves nothing: a standby
+        may hold one from the term it led.)"""
         return (self.state is InstanceState.DRAINING and self.report_age_s is not None and self.is_heard
                 and self.load.num_running == 0 and self.load.num_waiting == 0
-                and self.load.num_incoming_migrations == 0 and self.num_migrations_in == 0)
+                and self.load.num_incoming_migrations == 0 and self.num_migrations == 0)
 
 
 def pooled_freeness(views: Sequence[InstanceView]) -> float:

@@ -304,7 +304,7 @@ class Migrator:
     def _hold(self, order: MigrationOrder) -> None:
         for instance_id in (order.src_instance_id, order.dst_instance_id):
             self._in_flight[instance_id] = self._in_flight.get(instance_id, 0) + 1
-        self._view.begin_migration_in(order.dst_instance_id)
+        self._view.begin_migration(order.src_instance_id, order.dst_instance_id)
         metrics.MIGRATIONS_IN_FLIGHT.inc()
 
     def _release(self, order: MigrationOrder) -> None:
@@ -315,7 +315,7 @@ class Migrator:
                 del self._in_flight[instance_id]
             self._ended_at[instance_id] = now
         self._received_at[order.dst_instance_id] = now
-        self._view.end_migration_in(order.dst_instance_id)
+        self._view.end_migration(order.src_instance_id, order.dst_instance_id)
         metrics.MIGRATIONS_IN_FLIGHT.dec()
 
     def _keep(self, record: MigrationRecord, backs_off: bool = True) -> None:

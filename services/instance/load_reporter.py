@@ -3,13 +3,15 @@
 Load never goes through etcd: etcd only tells us who the leader is. The loop keeps
 one client stream open to the current leader, sends a report every interval and at
 once when the load changed a lot, and re-dials when the leader changes or the
-stream breaks (with bounded backoff).
+stream breaks (with bounded backoff). An unregistered instance reports nothing: its id is no
+member (the manager would drop the reports), or another process holds it (a replacement
+started while this one was frozen), whose load the reports would overwrite.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -41,7 +43,8 @@ async def load_report_loop(registry: Registry, servicer: InstanceServicer, inter
             if leader is None:
                 await _wait_for_leader(leader_view, timeout_s=2.0)
                 continue
-            await _report_to(leader.address, leader_view, servicer, interval_s, tls)
+            await _report_to(leader.address, leader_view, servicer, interval_s, tls,
+                             is_registered=lambda: registry.is_registered)
             backoff.reset()
         except grpc.aio.AioRpcError as exc:
             log.info("load_stream_broken", leader=leader.address, code=exc.code().name)
@@ -54,13 +57,13 @@ async def load_report_loop(registry: Registry, servicer: InstanceServicer, inter
 
 
 async def _report_to(address: str, leader_view: LeaderView, servicer: InstanceServicer, interval_s: float,
-                     tls: TlsConfig | None) -> None:
+                     tls: TlsConfig | None, is_registered: Callable[[], bool] = lambda: True) -> None:
     """Stream reports to `address` until the leader changes (returns) or the stream breaks (raises)."""
     async with secure_or_insecure_channel(address, tls) as channel:
         stub = manager_pb2_grpc.ManagerServiceStub(channel)
         leader_changed = asyncio.ensure_future(leader_view.changed())
         failures: list[Exception] = []
-        call = stub.ReportLoad(_reports(servicer, interval_s, leader_changed, failures))
+        call = stub.ReportLoad(_reports(servicer, interval_s, leader_changed, failures, is_registered))
         log.info("load_stream_opened", leader=address)
         try:
             await _answer_unless_leader_changed(call, leader_changed)
@@ -89,7 +92,7 @@ async def _answer_unless_leader_changed(call: grpc.aio.StreamUnaryCall, leader_c
 
 
 async def _reports(servicer: InstanceServicer, interval_s: float, leader_changed: asyncio.Future,
-                   failures: list[Exception]) -> AsyncIterator[common_pb2.LoadReport]:
+                   failures: list[Exception], is_registered: Callable[[], bool]) -> AsyncIterator[common_pb2.LoadReport]:
     """Reports until the leader changes. An error ends the stream and goes to `failures`: raised in here,
     gRPC would cancel the call, and awaiting it would raise CancelledError, which ends the whole loop."""
     changed = asyncio.Event()
@@ -100,7 +103,7 @@ async def _reports(servicer: InstanceServicer, interval_s: float, leader_changed
             report = servicer.load_report()
             is_due = last is None or _differs(report, last) or report.timestamp - last.timestamp >= interval_s
             # A stalled engine stays silent: the manager marks this instance UNHEALTHY and dispatches nothing to it.
-            if is_due and not servicer.is_engine_stalled():
+            if is_due and not servicer.is_engine_stalled() and is_registered():
                 yield report
                 last = report
             changed.clear()

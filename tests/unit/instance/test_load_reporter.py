@@ -38,6 +38,7 @@ class FakeLeaderKey:
 class FakeRegistry:
     def __init__(self, view: FakeLeaderKey) -> None:
         self.view = view
+        self.is_registered = True
 
     async def watch(self, kind: str, resync_interval_s: float = 5.0) -> FakeLeaderKey:
         return self.view
@@ -50,7 +51,7 @@ class FlakyStreams:
         self.errors = list(errors)
         self.addresses: list[str] = []
 
-    async def __call__(self, address, leader_view, servicer, interval_s, tls) -> None:
+    async def __call__(self, address, leader_view, servicer, interval_s, tls, **_) -> None:
         self.addresses.append(address)
         if self.errors:
             raise self.errors.pop(0)
@@ -109,7 +110,7 @@ async def test_a_stream_that_worked_is_redialed_at_once_a_failing_one_backs_off(
     # matters; it grew to 2 s for good after a few blips, since only a leader change reset it (found by review).
     pauses = []
 
-    async def broken_after(address, leader_view, servicer, interval_s, tls):
+    async def broken_after(address, leader_view, servicer, interval_s, tls, **_):
         await asyncio.sleep(lived_s)
         raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "blip")
 
@@ -269,3 +270,23 @@ async def test_an_answer_that_fails_as_the_loop_is_cancelled_is_not_logged_as_ne
         del waiting, answer
         await collect_dropped_tasks()
         assert not unretrieved, unretrieved
+
+
+async def test_an_instance_whose_id_another_process_holds_sends_no_reports_under_it():
+    """Frozen past its lease while a replacement registered its id, this process stays unregistered, serving
+    what it runs (`member_id_taken`). Its reports under that id reached the leader between the replacement's:
+    the manager's view of the id swung between the two loads (an empty one said "drained" of a busy
+    replacement), and each count that jumped between them dropped every reservation of the id."""
+    counting = CountingManager()
+    manager, address = await _serve(counting)
+    try:
+        registry = FakeRegistry(FakeLeaderKey({"leader_id": "m-1", "address": address}))
+        registry.is_registered = False  # member_id_taken
+        loop = asyncio.create_task(load_reporter.load_report_loop(registry, SteadyLoadServicer(), 0.05))
+        await asyncio.sleep(0.5)
+        assert counting.reports == [], f"{len(counting.reports)} reports sent under an id another process holds"
+        registry.is_registered = True  # the other process left; this one registered again
+        await until(lambda: counting.reports, loop, timeout_s=5.0)
+        await assert_cancels(loop)
+    finally:
+        await manager.stop(0)

@@ -198,6 +198,8 @@ class Scaler:
         if not self._leadership.is_leader:
             self._has_read_target = False  # another leader may act meanwhile: read its target when we lead again
             self._adding = None  # (and its cooldown then stands for the add this term waited on)
+            # "Seen since" counts only looks in a row: a new term's first look finds no instance reported yet.
+            self._markless, self._silent = _Lasting(MARKLESS_S), _Lasting(SILENT_RETIREMENT_S)
             return None
         if not self._has_read_target:
             self._adopt(await self._store.get_scaling_target())

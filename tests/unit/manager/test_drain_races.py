@@ -108,3 +108,29 @@ async def test_an_instance_a_migration_moves_a_request_out_of_is_not_drained_yet
     clock.advance(0.1)
     report(view, "a", 0)
     assert view.instance(InstanceId("a")).is_drained  # committed: now it is
+
+
+# 4. What the scaler saw in an earlier term (a retiring instance silent since then) was kept across the terms
+#    it did not lead: the first tick of its next term, before any instance had reported to it (each is in its
+#    grace, without a report), found the instance "silent" since that old time and listed it stoppable at once,
+#    though it had recovered meanwhile and still held requests.
+async def test_a_new_term_does_not_count_silence_seen_in_an_earlier_one():
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", clock=clock, num_free_blocks=1000)
+    leadership = leader()
+    store = FakeStore()
+    scaler = Scaler(view, leadership, store, BAND, interval_s=1, cooldown_s=0, clock=clock)
+    assert (await scaler.tick()).instance_id == "i-1"
+    view.apply_report(InstanceId("i-1"), make_load(num_free_blocks=990, num_running=1))
+    clock.advance(10)
+    view.apply_report(InstanceId("i-0"), make_load(num_free_blocks=1000))
+    assert await scaler.tick() is None  # i-1 silent (a hung step) for 10 s: still draining
+    leadership.set_elected(False)  # another manager leads for two minutes; i-1 recovers and reports to it
+    for _ in range(12):
+        clock.advance(10)
+        assert await scaler.tick() is None
+    leadership.set_elected(True)
+    view.start_leading()  # (the campaign's takeover): every member gets a fresh grace to report
+    assert await scaler.tick() is None
+    assert store.target.draining == ["i-1"] and store.target.stoppable == [], (
+        f"i-1 listed stoppable on the new term's first tick, before it could report: {store.target}")

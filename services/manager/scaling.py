@@ -36,7 +36,7 @@ from typing import Protocol
 
 import structlog
 
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.periodic import periodic_loop
 from services.common.scaling_target import ScalingTarget
@@ -186,13 +186,16 @@ class Scaler:
         await periodic_loop("scaling", self._interval_s, self.tick)
 
     async def tick(self) -> ScalingDecision | None:
-        """One look at the band. etcd unreachable (an outage, a restart) skips the tick with a warning,
-        not the loop's traceback: the next tick reads (and writes) again."""
+        """One look at the band. etcd unreachable (an outage, a restart), or a write refused because this
+        manager was deposed while it waited on etcd (the store's fence), skips the tick with a warning,
+        not the loop's traceback: the next tick reads (and writes) again, or sees it does not lead."""
         try:
             return await self._tick()
         except ETCD_ERRORS as exc:
             log.warning("scaling_tick_skipped", reason="etcd_unreachable", error=repr(exc))
-            return None
+        except Unavailable as exc:
+            log.warning("scaling_tick_skipped", reason="leadership_lost", error=exc.message)
+        return None
 
     async def _tick(self) -> ScalingDecision | None:
         if not self._leadership.is_leader:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from structlog.testing import capture_logs
 
+from services.common.errors import Unavailable
 from services.common.gen.ferry.v1 import common_pb2, manager_pb2
 from services.manager.dispatcher import Dispatcher
 from services.manager.domain import InstanceId
@@ -134,3 +136,23 @@ async def test_a_new_term_does_not_count_silence_seen_in_an_earlier_one():
     assert await scaler.tick() is None
     assert store.target.draining == ["i-1"] and store.target.stoppable == [], (
         f"i-1 listed stoppable on the new term's first tick, before it could report: {store.target}")
+
+
+# 5. A leader deposed in the middle of a scaling tick (its lease lost while it waited on etcd): the fenced
+#    write refused, as it should, but the refusal ended the tick with a `periodic_step_failed` traceback,
+#    which reads as a bug; a tick that finds etcd away is skipped with a warning, and so is this one.
+class DeposedStore(FakeStore):
+    async def put_drain(self, instance_id) -> None:
+        raise Unavailable(f"drain mark of {instance_id} not written: the leader key is no longer this manager's "
+                          "(epoch 7); another manager leads")
+
+
+async def test_a_leader_deposed_mid_tick_skips_the_tick_with_a_warning():
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", clock=clock, num_free_blocks=1000)
+    store = DeposedStore()
+    scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=0, clock=clock)
+    with capture_logs() as logs:
+        assert await scaler.tick() is None
+    assert [e["event"] for e in logs if e["log_level"] in ("warning", "error")] == ["scaling_tick_skipped"]
+    assert store.drained == set() and not view.has_drain_mark("i-1")

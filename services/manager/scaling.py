@@ -204,9 +204,7 @@ class Scaler:
             # "Seen since" counts only looks in a row: a new term's first look finds no instance reported yet.
             self._markless, self._silent = _Lasting(MARKLESS_S), _Lasting(SILENT_RETIREMENT_S)
             return None
-        if not self._has_read_target:
-            self._adopt(await self._store.get_scaling_target())
-            self._has_read_target = True
+        await self._read_target_once()
         if self._is_unwritten and self._target is not None:
             await self._write(self._target)
         views = self._view.instances()
@@ -217,6 +215,13 @@ class Scaler:
         if decision is not None:
             await self._act(decision)
         return decision
+
+    async def _read_target_once(self) -> None:
+        """On becoming leader, before this term acts on a target: the one in etcd, not one kept from an earlier
+        term (another leader may have written its own since)."""
+        if not self._has_read_target:
+            self._adopt(await self._store.get_scaling_target())
+            self._has_read_target = True
 
     def _warn_if_never_retiring(self, views: list[InstanceView]) -> None:
         """An idle instance's freeness is its whole cache in blocks: with caches no larger than `high_freeness`,
@@ -307,8 +312,11 @@ class Scaler:
         instance stays). Once it is stoppable its launcher may be stopping it: FailedPrecondition,
         unless it has been stoppable for UNFOLLOWED_RETIREMENT_S, longer than any launcher following
         the target takes (every second), so none follows (scaling turned on by a policy alone)."""
+        if not self._leadership.is_leader:
+            return
+        await self._read_target_once()  # an Undrain may come before this term's first tick
         target = self._target
-        if not self._leadership.is_leader or target is None:
+        if target is None:
             return
         if instance_id in target.stoppable:
             stoppable_for_s = self._clock() - self._stoppable_since.setdefault(instance_id, self._clock())

@@ -5,6 +5,7 @@ while a migration out of the instance was still under way."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from structlog.testing import capture_logs
@@ -14,6 +15,7 @@ from services.common.gen.ferry.v1 import common_pb2, manager_pb2
 from services.manager.dispatcher import Dispatcher
 from services.manager.domain import InstanceId
 from services.manager.migration import MigrationSettings, MigrationTrigger
+from services.common.scaling_target import ScalingTarget
 from services.manager.scaling import Scaler, ScalingSettings
 from services.manager.server import AdminServicer
 from tests.unit.manager.factories import FakeClock, make_load, make_view
@@ -156,3 +158,27 @@ async def test_a_leader_deposed_mid_tick_skips_the_tick_with_a_warning():
         assert await scaler.tick() is None
     assert [e["event"] for e in logs if e["log_level"] in ("warning", "error")] == ["scaling_tick_skipped"]
     assert store.drained == set() and not view.has_drain_mark("i-1")
+
+
+# 6. An Undrain reaching a manager that leads again, before its first scaling tick of the new term read the
+#    target: it called off a retirement of the target it kept from its earlier term and wrote that stale target
+#    over the one another leader wrote meanwhile, erasing the retirement that leader had started (its instance
+#    kept its drain mark, in no list: drained for good, and scaling held back by it for good).
+async def test_an_undrain_right_after_a_re_election_calls_off_against_the_current_target():
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", "i-2", clock=clock, num_free_blocks=1000)
+    leadership = leader()
+    store = FakeStore()
+    scaler = Scaler(view, leadership, store, BAND, interval_s=1, cooldown_s=0, clock=clock)
+    assert (await scaler.tick()).instance_id == "i-2"
+    leadership.set_elected(False)
+    assert await scaler.tick() is None
+    # Another leader's term: i-2's retirement called off by a burst, later i-1 retired.
+    store.target = ScalingTarget(2, draining=["i-1"], reason="the other leader retires i-1", manager_id="m-2",
+                                 updated_at=time.time())
+    store.drained = {"i-1"}
+    view.replace_drained(["i-1"])
+    leadership.set_elected(True)  # leading again; its first scaling tick has not run yet
+    await scaler.call_off(InstanceId("i-2"))  # an operator's Undrain of i-2 (serving already)
+    assert store.target.draining == ["i-1"] and store.target.num_instances == 2, (
+        f"the other leader's retirement of i-1 was written over: {store.target}")

@@ -1,6 +1,7 @@
 """Drain and retirement races a review of the manager found (each failed before its fix): an instance
-leaving while its Drain's mark was written, two call-offs of one retirement at once, and "drained" said
-while a migration out of the instance was still under way."""
+leaving while its Drain's mark was written, two call-offs of one retirement at once, "drained" said while a
+migration out of the instance was still under way, and scaling across leader changes (silence seen in an
+earlier term, a leader deposed mid-tick, an Undrain before a new term's first tick)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from structlog.testing import capture_logs
 
 from services.common.errors import Unavailable
 from services.common.gen.ferry.v1 import common_pb2, manager_pb2
+from services.common.scaling_target import ScalingTarget
 from services.manager.dispatcher import Dispatcher
 from services.manager.domain import InstanceId
 from services.manager.migration import MigrationSettings, MigrationTrigger
-from services.common.scaling_target import ScalingTarget
 from services.manager.scaling import Scaler, ScalingSettings
 from services.manager.server import AdminServicer
 from tests.unit.manager.factories import FakeClock, make_load, make_view

@@ -27,6 +27,7 @@ instance with the same id starts serving.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import math
 import time
@@ -173,6 +174,7 @@ class Scaler:
         self._adding: tuple[int, float] | None = None  # (members expected, give up at) after an ADD
         self._target: ScalingTarget | None = None  # what we last wrote, while instances retire
         self._has_read_target = False  # on becoming leader, pick up the retirements a predecessor started
+        self._reading_target = asyncio.Lock()
         self._stoppable_since: dict[InstanceId, float] = {}  # when we saw each retiring instance drained
         self._is_unwritten = False  # the last target's write failed: written again on the next tick
         self._markless = _Lasting(MARKLESS_S)  # retiring instances seen without a drain mark
@@ -219,9 +221,10 @@ class Scaler:
     async def _read_target_once(self) -> None:
         """On becoming leader, before this term acts on a target: the one in etcd, not one kept from an earlier
         term (another leader may have written its own since)."""
-        if not self._has_read_target:
-            self._adopt(await self._store.get_scaling_target())
-            self._has_read_target = True
+        async with self._reading_target:  # a tick and an Undrain at once: one read, one target object
+            if not self._has_read_target:
+                self._adopt(await self._store.get_scaling_target())
+                self._has_read_target = True
 
     def _warn_if_never_retiring(self, views: list[InstanceView]) -> None:
         """An idle instance's freeness is its whole cache in blocks: with caches no larger than `high_freeness`,

@@ -183,3 +183,28 @@ async def test_an_undrain_right_after_a_re_election_calls_off_against_the_curren
     await scaler.call_off(InstanceId("i-2"))  # an operator's Undrain of i-2 (serving already)
     assert store.target.draining == ["i-1"] and store.target.num_instances == 2, (
         f"the other leader's retirement of i-1 was written over: {store.target}")
+
+
+class CountingReadsStore(FakeStore):
+    def __init__(self, target: ScalingTarget) -> None:
+        super().__init__(target)
+        self.num_reads = 0
+
+    async def get_scaling_target(self):
+        self.num_reads += 1
+        await asyncio.sleep(0)
+        return await super().get_scaling_target()
+
+
+async def test_a_tick_and_an_undrain_at_a_terms_start_read_the_target_once():
+    """Both read it: the later read replaced the target the tick was changing with a copy from before."""
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", "i-2", clock=clock, num_free_blocks=1000)
+    view.mark_drained(InstanceId("i-2"))
+    store = CountingReadsStore(ScalingTarget(2, draining=["i-2"], reason="retire", manager_id="m-0",
+                                             updated_at=time.time() - 100))
+    store.drained = {"i-2"}
+    scaler = Scaler(view, leader(), store, BAND, interval_s=1, cooldown_s=0, clock=clock)
+    await asyncio.gather(scaler.tick(), scaler.call_off(InstanceId("i-0")))
+    assert store.num_reads == 1
+    assert scaler._target is not None and scaler._target.stoppable == ["i-2"] == store.target.stoppable

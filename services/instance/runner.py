@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from services.common.errors import Aborted, FerryError, Internal, InvalidArgument, Unavailable
+from services.common.errors import Aborted, FerryError, Internal, Unavailable
 from services.common.task_errors import shielded
 from services.instance.engine.engine import LLMEngine, LoadSnapshot, StepOutput
 from services.instance.engine.migration_state import HeldRequest
@@ -198,8 +198,9 @@ class EngineRunner:
                            is_attached: bool) -> RequestStream:
         if self.is_broken:
             raise Unavailable("the engine failed (see the instance log); send the request to another instance")
-        if request_id in self._streams:
-            raise InvalidArgument(f"request_id: {request_id} is already running on this instance")
+        if request_id in self._streams:  # a lost race (a resume here, another commit got in first): not a bad field
+            raise Aborted(f"request {request_id} is already running on this instance (another attempt at it got "
+                          "here first)")
         stream = RequestStream(request_id, asyncio.Queue(), epoch=epoch, is_attached=is_attached,
                                is_prefilling=epoch == 0)
         self._streams[request_id] = stream  # before admission: the first step may deliver at once

@@ -623,6 +623,23 @@ async def test_an_attached_request_is_never_dropped_for_a_resume(pair):
     await assert_no_blocks_held(a, b)
 
 
+async def test_a_commit_of_a_request_already_running_on_the_destination_is_refused_as_a_lost_race(pair):
+    """The client resumed the request on the destination (its source stalled) before the commit came: the
+    commit lost a race, and says ABORTED (retry the whole move), which the manager counts under that reason.
+    Before, INVALID_ARGUMENT, as if the source had sent a bad field."""
+    a, b = pair
+    tokens: list[int] = []
+    await read(await a.runner.add("r", PROMPT, SAMPLING), tokens, until=30)
+    resumed = await b.runner.add("r", PROMPT, SAMPLING, resume_token_ids=tuple(tokens))
+    with pytest.raises(Aborted, match="already running") as refused:
+        await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())
+    assert refused.value.grpc_code.name == "ABORTED"
+    assert b.runner.stream("r") is resumed and b.inbox.num_incoming == 0  # the resume goes on; nothing reserved
+    await a.runner.abort("r")
+    await b.runner.abort("r")
+    await assert_no_blocks_held(a, b)
+
+
 async def test_a_request_moves_on_only_once_its_client_followed_it(pair):
     """A→B, then B→A asked before the client attached on B: B waits for the client, so the client
     follows both hand-offs (moving it at once would send the client to B after B let it go)."""

@@ -269,7 +269,7 @@ class MigrationInbox:
         await self._runner.abort(request_id)  # after the import on the engine thread: commands run in order
         return True
 
-    def attach(self, request_id: str, epoch: int) -> RequestStream:
+    def attach(self, request_id: str, epoch: int, from_token_index: int = 0) -> RequestStream:
         """The stream of a request that migrated in, for the client following its hand-off."""
         stream = self._runner.stream(request_id)
         if stream is None:
@@ -279,7 +279,7 @@ class MigrationInbox:
                           "follow the latest hand-off")
         if stream.is_attached:
             raise FailedPrecondition(f"request {request_id} already has a client attached")
-        self._runner.attach(stream)
+        self._runner.attach(stream, from_token_index)
         self.forget_committed(request_id)
         return stream
 

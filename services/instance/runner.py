@@ -47,6 +47,7 @@ class RequestStream:
     request_id: str
     outputs: asyncio.Queue[StepOutput | Handoff | BaseException]
     epoch: int = 0  # the request's owner epoch on this instance
+    from_token_index: int = 0  # the first output its client asked for (a resume's tokens, an Attach's index)
     is_finished: bool = False
     is_attached: bool = False  # a client reads it (always for Generate; after Attach for migrated-in requests)
     is_prefilling: bool = False  # prefilled here (Generate) and no output yet: its first output ends the prefill
@@ -152,7 +153,9 @@ class EngineRunner:
                                      priority=priority, resume_token_ids=resume_token_ids,
                                      resume_text=resume_text, guide=guide, first_start=first_start)
 
-        return await self._open_stream(request_id, 0, admit, is_attached=True)
+        stream = await self._open_stream(request_id, 0, admit, is_attached=True)
+        stream.from_token_index = len(resume_token_ids)
+        return stream
 
     async def adopt(self, request_id: str, epoch: int, admit: Callable[[], None]) -> RequestStream:
         """Open the stream of a request migrating in and run `admit` (its import) on the engine thread.
@@ -181,14 +184,29 @@ class EngineRunner:
                 await self.call(lambda: self._engine.abort(request_id))
             raise
 
-    def attach(self, stream: RequestStream) -> None:
+    def attach(self, stream: RequestStream, from_token_index: int = 0) -> None:
         """A client reads `stream` now; one that already finished leaves the table (its outputs are queued)."""
-        stream.is_attached = True
+        stream.is_attached, stream.from_token_index = True, from_token_index
         if stream.has_unread_finish and self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
 
     def stream(self, request_id: str) -> RequestStream | None:
         return self._streams.get(request_id)
+
+    async def take_over(self, request_id: str, from_token_index: int) -> bool:
+        """A resume of `request_id` from output `from_token_index` on, while a client still reads it here: that
+        client is gone without this instance noticing (it was frozen while the client's connection dropped, and
+        the stream's end is still on its way), so its stream ends with UNAVAILABLE after the outputs it holds,
+        and the request is aborted. Aborted if that stream started from a later output: this resume is the older
+        attempt (a frontend's tokens only grow). False if no client reads the request here."""
+        stream = self._streams.get(request_id)
+        if stream is None or not stream.is_attached:
+            return False
+        if from_token_index < stream.from_token_index:
+            raise Aborted(f"request {request_id} runs here from output {stream.from_token_index} on; this older "
+                          f"attempt at it, from output {from_token_index}, is not taken up")
+        return await self.abort(request_id, Unavailable(f"request {request_id} was resumed on this instance by a "
+                                                        "newer attempt, which this stream's client is not"))
 
     def unattached_request_ids(self) -> frozenset[str]:
         """Requests that migrated in and that no client reads yet."""
@@ -236,14 +254,14 @@ class EngineRunner:
         del self._streams[stream.request_id]
         self.call_soon(lambda: self._engine.abort(stream.request_id))  # its error is logged; the thread goes on
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, ending: BaseException | None = None) -> bool:
         """Abort a request; a client still reading its stream gets a last output with finish reason ABORT
-        (after every output the engine published before, so the stream has no gap). Its id is free for a
-        new request at once. A caller cancelled meanwhile does not stop it: the engine aborts the request
-        anyway, and its stream must end with it."""
-        return await shielded(self._abort(request_id))
+        (or `ending`, raised) after every output the engine published before, so the stream has no gap. Its id
+        is free for a new request at once. A caller cancelled meanwhile does not stop it: the engine aborts the
+        request anyway, and its stream must end with it."""
+        return await shielded(self._abort(request_id, ending))
 
-    async def _abort(self, request_id: str) -> bool:
+    async def _abort(self, request_id: str, ending: BaseException | None) -> bool:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             self._aborting[request_id] = stream
@@ -253,7 +271,7 @@ class EngineRunner:
             if stream is not None and self._aborting.get(request_id) is stream:
                 del self._aborting[request_id]
         if stream is not None and not stream.is_finished:
-            stream.outputs.put_nowait(output or Aborted(f"request {request_id} aborted"))
+            stream.outputs.put_nowait(ending or output or Aborted(f"request {request_id} aborted"))
         return output is not None
 
     def abandon_all(self, error: BaseException) -> int:

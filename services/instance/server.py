@@ -70,6 +70,9 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                                      "or set can_prefill_on_decode when none serves")
         if self.inbox is not None:  # a resume of a request whose migration here nobody attached to replaces it
             await self.inbox.drop_unattached(request_id)
+        if await self._runner.take_over(request_id, len(request.resume_token_ids)):  # and one read by a client gone
+            log.warning("request_replaced_by_resume", request_id=request_id,
+                        from_token_index=len(request.resume_token_ids))
         stream = await self._runner.add(
             request_id, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
             priority=request.priority, resume_token_ids=tuple(request.resume_token_ids),
@@ -84,7 +87,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
     async def Attach(self, request: instance_pb2.AttachRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[instance_pb2.GenerateChunk]:
         request_id = check_request_id(request.request_id)
-        stream = self.inbox.attach(request_id, request.epoch)
+        stream = self.inbox.attach(request_id, request.epoch, request.from_token_index)
         log.info("request_attached", request_id=request_id, epoch=request.epoch,
                  from_token_index=request.from_token_index)
         async for chunk in self._chunks(stream, from_token_index=request.from_token_index):

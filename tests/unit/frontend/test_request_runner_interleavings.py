@@ -1,7 +1,7 @@
 """RequestRunner under seeded random interleavings: instances die and come back (before an Attach, between
 a commit and its hand-off being read, mid-resume), requests migrate on (back to instances they left, whose
 Abort may still be under way), Aborts land late, and clients leave at any await. A fake cluster keeps the
-instances' rules (epochs, Attach refusals, a duplicate id refused, an Abort by id that ends whatever runs
+instances' rules (epochs, Attach refusals, a resume replacing a stream, an Abort by id that ends whatever runs
 under it, a source's Abort dropping the copy its unread hand-off left). Checked for every seed: nothing lost,
 nothing repeated, one seed's tokens, and no copy a client attached to is left running (no sockets).
 Each mutation tried when this was written fails it: no wait for the Abort before a resume on the same
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.common.errors import Aborted, FailedPrecondition, NotFound, Unavailable
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import FinishReason, Handoff, InstanceId, Target, TokenChunk
 from services.frontend.request_runner import RequestRunner
@@ -108,10 +108,10 @@ class Cluster:
         if not self.alive[instance]:
             raise Unavailable("connection refused")
         assert list(spec.resume_token_ids) == REFERENCE[:len(spec.resume_token_ids)]
-        if (old := self.copies[instance].get(request_id)) is not None:
-            if old.is_attached:
-                raise InvalidArgument(f"request_id: {request_id} is already running on this instance")
-            del self.copies[instance][request_id]  # a resume replaces a copy nobody attached to
+        if (old := self.copies[instance].get(request_id)) is not None:  # a resume replaces a copy nobody attached
+            if old.is_attached:  # to, and one whose client left without the instance noticing (it was frozen)
+                old.outputs.put_nowait(Unavailable("resumed on this instance by a newer attempt"))
+            del self.copies[instance][request_id]
         copy = self.copies[instance][request_id] = Copy(len(spec.resume_token_ids), 0, is_attached=True)
         asyncio.get_running_loop().create_task(self._decode(instance, request_id, copy))
         async for item in self._stream(instance, request_id, copy, 0):

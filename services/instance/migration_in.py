@@ -35,6 +35,7 @@ import structlog
 from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
 from services.common.periodic import periodic_loop
 from services.common.prefix_hash import BlockHash
+from services.common.recent import Recent
 from services.common.task_errors import read_error
 from services.instance.engine.migration_state import RequestState
 from services.instance.migration_domain import Reservation
@@ -45,6 +46,7 @@ from services.instance.write_fence import NoWriteFence, WriteFence
 log = structlog.get_logger(__name__)
 
 MAX_UNATTACHED_OUTPUTS = 4096  # outputs a migrated-in request may buffer before a client attaches
+MAX_RECENT_ABORTS = 4096  # aborted migrations remembered (for --migration-reservation-timeout-s), to refuse late Prepares
 
 _Reserved = tuple[tuple[int, ...], int]  # the reservation's block ids, and how many lead with cached blocks
 
@@ -87,6 +89,9 @@ class MigrationInbox:
         # after (None: committed, the grant is just closed). Uncommitted ones are quarantined blocks.
         self._revoking: dict[int, str | None] = {}
         self._instances: Members | None = None  # set by watch_sources (instances registered in etcd)
+        # Migration ids aborted here: a first Prepare that its source's AbortMigrateIn overtook is refused, rather
+        # than hold its blocks until the watchdog frees them.
+        self._aborted: Recent[str, bool] = Recent(timeout_s, MAX_RECENT_ABORTS)
 
     def watch_sources(self, instances: Members) -> None:
         """Free a reservation once its source is gone from `instances`, not only after the timeout."""
@@ -112,6 +117,9 @@ class MigrationInbox:
         incoming = self._incoming.get(migration_id)
         if incoming is not None and incoming.epoch is not None:
             raise FailedPrecondition(f"migration {migration_id} is already committed")
+        if incoming is None and not grow_only and self._aborted.get(migration_id):
+            raise Aborted(f"migration {migration_id} was aborted here before this first PrepareMigrateIn came (its "
+                          "source gave up on it); nothing is reserved")
         if grow_only and incoming is None:
             raise Aborted(f"migration {migration_id}: the reservation here is gone (the watchdog freed it after "
                           f"{self._timeout_s:g} s without a call) or it was aborted; the blocks copied so far are lost")
@@ -232,7 +240,9 @@ class MigrationInbox:
                       "keeps the request and nothing was adopted here")
 
     async def abort(self, migration_id: str) -> bool:
-        """Free the reservation, or drop the committed request nobody attached to; False if neither."""
+        """Free the reservation, or drop the committed request nobody attached to; False if neither. A first
+        Prepare of the migration that comes after this is refused."""
+        self._aborted.note(migration_id, True)
         incoming = self._incoming.get(migration_id)
         if incoming is None:
             return False

@@ -255,3 +255,25 @@ async def test_a_prepare_cancelled_while_its_grant_is_unanswered_leaves_no_unrea
         await collect_dropped_tasks()
         assert not unretrieved, unretrieved
     assert engine.reservations == {} and slots.num_busy == 0 and inbox.num_incoming == 0
+
+
+async def test_a_prepare_overtaken_by_its_own_abort_is_refused_and_reserves_nothing():
+    """The source gave up (its Prepare's deadline passed) and sent AbortMigrateIn, which landed before that
+    Prepare did: the abort found nothing, and the Prepare then held its blocks (and a migration slot) until
+    the watchdog freed them, --migration-reservation-timeout-s later."""
+    engine, slots = FakeEngine(), MigrationSlots(4)
+    inbox, fence = fenced_inbox(engine, slots)
+    assert not await inbox.abort("m-1")
+    with pytest.raises(Aborted, match="m-1.*aborted"):
+        await inbox.prepare("m-1", "r-1", "src", num_blocks=3)
+    assert engine.reservations == {} and slots.num_busy == 0 and inbox.num_incoming == 0 and fence.granted == []
+    await inbox.prepare("m-2", "r-1", "src", num_blocks=3)  # another attempt at the request is welcome
+
+
+async def test_aborted_migrations_are_remembered_for_the_reservation_timeout():
+    engine, slots = FakeEngine(), MigrationSlots(4)
+    inbox = MigrationInbox(FakeRunner(engine), slots, timeout_s=0.1, transfer=TransferEndpoint("", ""))
+    assert not await inbox.abort("m-1")
+    await asyncio.sleep(0.15)
+    await inbox.prepare("m-1", "r-1", "src", num_blocks=1)  # a Prepare that late: the watchdog's again
+    assert inbox.num_incoming == 1

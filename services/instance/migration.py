@@ -260,8 +260,8 @@ class MigrationDriver:
         """Make the destination hold at least the request's blocks (+ headroom, within its final size).
 
         Before every copy: grow if the request outgrew the reservation, and restart the
-        destination's watchdog if it could fire before the copy ends (a reservation must
-        never expire while a copy writes into it)."""
+        destination's watchdog if it could fire before the copy, or the commit after it, ends
+        (a reservation must never expire while a copy writes into it or its commit is on the way)."""
         num_reserved = 0 if a.reservation is None else len(a.reservation.block_ids)
         is_fresh = time.perf_counter() - a.prepared_at < self._settings.touch_interval_s
         if a.reservation is not None and num_reserved >= view.num_blocks and is_fresh:

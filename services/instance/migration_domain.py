@@ -42,8 +42,9 @@ class MigrationSettings:
 
     @property
     def touch_interval_s(self) -> float:
-        """A reservation last prepared this long ago may expire before a copy that starts now ends."""
-        return self.reservation_timeout_s - self.transfer_timeout_s
+        """A reservation last prepared this long ago may expire before a copy that starts now, and the commit
+        after it, end (each may take its whole deadline); at or below 0, every copy refreshes it first."""
+        return self.reservation_timeout_s - self.transfer_timeout_s - self.rpc_timeout_s
 
 
 @dataclass(frozen=True, slots=True)

@@ -154,10 +154,11 @@ async def pair(tiny):
 
 def driver(src: Side, peer, copier, max_stages: int = 3, reservation_timeout_s: float = 5.0,
            backend: TransferBackend | None = TransferBackend.GRPC, transfer_id: str = "",
-           offered: tuple[TransferBackend, ...] = ()) -> MigrationDriver:
+           offered: tuple[TransferBackend, ...] = (), transfer_timeout_s: float = 1.0,
+           rpc_timeout_s: float = 1.0) -> MigrationDriver:
     settings = MigrationSettings(instance_id=src.name, transfer_backend=backend, stage_blocks=2,
-                                 max_stages=max_stages, is_checksum_verified=True, rpc_timeout_s=1.0,
-                                 transfer_timeout_s=1.0, reservation_timeout_s=reservation_timeout_s,
+                                 max_stages=max_stages, is_checksum_verified=True, rpc_timeout_s=rpc_timeout_s,
+                                 transfer_timeout_s=transfer_timeout_s, reservation_timeout_s=reservation_timeout_s,
                                  transfer_id=transfer_id, offered_backends=offered)
     return MigrationDriver(src.runner, settings, src.slots, lambda address: peer, copier)
 
@@ -310,6 +311,40 @@ async def test_commit_lost_on_the_way_back_drops_the_copy_on_the_destination(pai
         b.inbox.attach("r", 1)  # the destination dropped its copy
     await read(stream, tokens)
     assert tokens == expected
+    await assert_no_blocks_held(a, b)
+
+
+async def test_a_last_copy_starting_just_inside_the_refresh_interval_keeps_its_reservation_to_the_commit(pair):
+    """The Prepare's answer came back late (a busy destination, a slow network), so the last copy started just
+    inside the driver's refresh interval, which left a copy its whole deadline but not the commit after it:
+    the destination's watchdog, sweeping as such a copy and commit may end (simulated: the sweep's clock is
+    moved on), freed the reservation, and the commit failed NOT_FOUND."""
+    a, b = pair
+    reservation_timeout_s, transfer_timeout_s, rpc_timeout_s = 1.0, 0.5, 0.3
+    b.inbox = MigrationInbox(b.runner, b.slots, reservation_timeout_s, TransferEndpoint("127.0.0.1:1", "tb"))
+    expected = await reference(a)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    peer, copier = FaultyPeer(b), TensorCopier(a, b)
+    prepare, transfer = peer.prepare_migrate_in, copier.transfer
+
+    async def first_answer_late(*args, **kwargs) -> Reservation:
+        reservation = await prepare(*args, **kwargs)
+        if len(peer.calls) == 1:
+            await asyncio.sleep(0.35)  # past the refresh interval needed (0.2 s), within the one there was (0.5 s)
+        return reservation
+
+    async def copy_and_commit_taking_their_deadlines(transfer_, timeout_s, request_id=None) -> TransferResult:
+        await b.inbox.expire(time.monotonic() + transfer_timeout_s + 0.9 * rpc_timeout_s)
+        return await transfer(transfer_, timeout_s, request_id)
+    peer.prepare_migrate_in, copier.transfer = first_answer_late, copy_and_commit_taking_their_deadlines
+    mover = driver(a, peer, copier, reservation_timeout_s=reservation_timeout_s, transfer_timeout_s=transfer_timeout_s,
+                   rpc_timeout_s=rpc_timeout_s)
+    await mover.migrate_out(dataclasses.replace(plan(), max_stages=0))  # one stage: the request does not grow
+    handoff = await read(stream, tokens)
+    last = await read(b.inbox.attach("r", handoff.epoch), tokens)
+    assert tokens == expected and last.finish_reason is FinishReason.LENGTH
     await assert_no_blocks_held(a, b)
 
 

@@ -153,9 +153,7 @@ class EngineRunner:
                                      priority=priority, resume_token_ids=resume_token_ids,
                                      resume_text=resume_text, guide=guide, first_start=first_start)
 
-        stream = await self._open_stream(request_id, 0, admit, is_attached=True)
-        stream.from_token_index = len(resume_token_ids)
-        return stream
+        return await self._open_stream(request_id, 0, admit, is_attached=True, from_token_index=len(resume_token_ids))
 
     async def adopt(self, request_id: str, epoch: int, admit: Callable[[], None]) -> RequestStream:
         """Open the stream of a request migrating in and run `admit` (its import) on the engine thread.
@@ -194,33 +192,33 @@ class EngineRunner:
         return self._streams.get(request_id)
 
     async def take_over(self, request_id: str, from_token_index: int) -> bool:
-        """A resume of `request_id` from output `from_token_index` on, while a client still reads it here: that
-        client is gone without this instance noticing (it was frozen while the client's connection dropped, and
-        the stream's end is still on its way), so its stream ends with UNAVAILABLE after the outputs it holds,
-        and the request is aborted. Aborted if that stream started from a later output: this resume is the older
-        attempt (a frontend's tokens only grow). False if no client reads the request here."""
+        """A resume of `request_id` from output `from_token_index` on, while a client reads it here: one gone
+        unnoticed (this instance was frozen as its connection dropped). Its stream ends UNAVAILABLE after what it
+        holds, and the request is aborted; Aborted instead if that stream began at a later output (this resume
+        is the older attempt: a frontend's tokens only grow). False if no client reads the request here."""
         stream = self._streams.get(request_id)
         if stream is None or not stream.is_attached:
             return False
         if from_token_index < stream.from_token_index:
             raise Aborted(f"request {request_id} runs here from output {stream.from_token_index} on; this older "
                           f"attempt at it, from output {from_token_index}, is not taken up")
-        return await self.abort(request_id, Unavailable(f"request {request_id} was resumed on this instance by a "
-                                                        "newer attempt, which this stream's client is not"))
+        await self.abort(request_id, Unavailable(f"request {request_id} was resumed on this instance by a newer "
+                                                 "attempt, which this stream's client is not"))
+        return True
 
     def unattached_request_ids(self) -> frozenset[str]:
         """Requests that migrated in and that no client reads yet."""
         return frozenset(r for r, stream in self._streams.items() if not stream.is_attached)
 
     async def _open_stream(self, request_id: str, epoch: int, admit: Callable[[], None],
-                           is_attached: bool) -> RequestStream:
+                           is_attached: bool, from_token_index: int = 0) -> RequestStream:
         if self.is_broken:
             raise Unavailable("the engine failed (see the instance log); send the request to another instance")
         if request_id in self._streams:  # a lost race (a resume here, another commit got in first): not a bad field
             raise Aborted(f"request {request_id} is already running on this instance (another attempt at it got "
                           "here first)")
-        stream = RequestStream(request_id, asyncio.Queue(), epoch=epoch, is_attached=is_attached,
-                               is_prefilling=epoch == 0)
+        stream = RequestStream(request_id, asyncio.Queue(), epoch=epoch, from_token_index=from_token_index,
+                               is_attached=is_attached, is_prefilling=epoch == 0)
         self._streams[request_id] = stream  # before admission: the first step may deliver at once
         admitted = threading.Event()
 

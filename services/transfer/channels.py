@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -40,7 +41,8 @@ from services.transfer.threads import NUM_RENDEZVOUS_THREADS
 
 log = structlog.get_logger(__name__)
 
-OpenRemote = Callable[[str, int, int], Awaitable[None]]  # (store_address, rank, connections) → the peer joined
+# (store_address, rank, connections, channel_id) → the peer joined
+OpenRemote = Callable[[str, int, int, int], Awaitable[None]]
 
 
 class ChannelTable:
@@ -102,9 +104,10 @@ class ChannelTable:
             return channel
 
     async def accept(self, peer_id: str, backend: TransferBackend, store_address: str, rank: int,
-                     num_connections: int, timeout_s: float | None = None) -> None:
+                     num_connections: int, timeout_s: float | None = None, channel_id: int = 0) -> None:
         """Join the group the peer opened (replacing an older channel from it, which closes once unused),
-        within `timeout_s` (the OpenChannel call's) or the table's timeout, if shorter."""
+        within `timeout_s` (the OpenChannel call's) or the table's timeout, if shorter. `channel_id`: the
+        name the peer gave the channel (0: none, an older peer)."""
         check_backend_available(backend, self._nccl_device)
         timeout_s = self._open_timeout_s(timeout_s)
         host, _, port = store_address.rpartition(":")
@@ -117,8 +120,10 @@ class ChannelTable:
         if (old := self._incoming.pop((peer_id, backend), None)) is not None:
             old.retire(self._close_in_background)
         self._drop_idle()
-        self._incoming[(peer_id, backend)] = PairChannel(peer_id, backend, rank, group, store, self._device_for(backend))
-        log.info("channel_accepted", peer_transfer_id=peer_id, backend=backend.value, store_address=store_address)
+        self._incoming[(peer_id, backend)] = PairChannel(peer_id, backend, rank, group, store, self._device_for(backend),
+                                                         channel_id=channel_id)
+        log.info("channel_accepted", peer_transfer_id=peer_id, backend=backend.value, store_address=store_address,
+                 channel_id=channel_id)
 
     @contextlib.asynccontextmanager
     async def _locked(self, key: tuple[str, TransferBackend], deadline: Deadline) -> AsyncIterator[None]:
@@ -143,7 +148,8 @@ class ChannelTable:
             if not entry.num_users:
                 del self._locks[key]
 
-    def incoming(self, peer_id: str, backend: TransferBackend) -> PairChannel:
+    def incoming(self, peer_id: str, backend: TransferBackend, channel_id: int = 0) -> PairChannel:
+        """The channel from `peer_id`; `channel_id` (0: any) names the one the sender sends on."""
         channel = self._incoming.get((peer_id, backend))
         if channel is None:
             # Dropped (a transfer on it failed here, or it idled out) or never opened (this service restarted
@@ -151,6 +157,11 @@ class ChannelTable:
             # a migration takes those for a refusal and does not retry.
             raise Unavailable(f"no {backend.value} channel from transfer service {peer_id!r} (this end was dropped "
                               "after a failed transfer, or never opened); retry, which opens a fresh one")
+        if channel_id and channel.channel_id != channel_id:
+            # The sender opened a fresh channel since (its end of this one was dropped), and that OpenChannel
+            # overtook this call: receives posted on the fresh one would wait for messages that never come.
+            raise Unavailable(f"the {backend.value} channel from transfer service {peer_id!r} that these blocks were "
+                              "sent on was replaced by a newer one from it; retry, on the channel it has now")
         channel.last_used = time.monotonic()
         return channel
 
@@ -245,19 +256,21 @@ class ChannelTable:
                     timeout_s: float) -> PairChannel:
         store = await self._rendezvous(self._open_slots, timeout_s, master_store, self._host, timeout_s)
         prefix = dist.PrefixStore(store_prefix(self._transfer_id, "", backend), store)
+        channel_id = secrets.randbits(63) + 1  # unique per open, across restarts of either side
         # On its thread before the peer is asked to join: a join never waits for an open still waiting for a thread.
         group_future = await self._start_rendezvous(self._open_slots, timeout_s, create_group, backend, prefix, 0,
                                                     self._host, self._group_timeout_s(backend, timeout_s),
                                                     self._gloo_connections)
         try:
-            await open_remote(f"{self._host}:{store.port}", 1, self._gloo_connections)
+            await open_remote(f"{self._host}:{store.port}", 1, self._gloo_connections, channel_id)
             group = await asyncio.shield(group_future)
         except BaseException:
             self._abandon((peer_address, backend), group_future)
             raise
-        log.info("channel_opened", peer=peer_address, backend=backend.value, store_port=store.port)
+        log.info("channel_opened", peer=peer_address, backend=backend.value, store_port=store.port,
+                 channel_id=channel_id)
         return PairChannel(peer_address, backend, 0, group, store, self._device_for(backend),
-                           num_connections=self._gloo_connections)
+                           num_connections=self._gloo_connections, channel_id=channel_id)
 
     def _group_timeout_s(self, backend: TransferBackend, open_timeout_s: float) -> float:
         """gloo connects its pair within the group's timeout (each send and receive passes its own), so the

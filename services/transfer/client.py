@@ -117,15 +117,16 @@ class TransferClient:
                            "or ended the call early); retry")
 
     async def open_channel(self, peer_transfer_id: str, store_address: str, rank: int, backend: TransferBackend,
-                           num_connections: int, timeout_s: float) -> None:
+                           num_connections: int, timeout_s: float, channel_id: int) -> None:
         request = transfer_pb2.OpenChannelRequest(peer_transfer_id=peer_transfer_id, store_address=store_address,
                                                   rank=rank, backend=backend_to_proto(backend),
-                                                  num_connections=num_connections)
+                                                  num_connections=num_connections, channel_id=channel_id)
         await self._call(self._stub.OpenChannel, request, timeout_s)
 
-    async def expect_blocks(self, header: IncomingBlocks, backend: TransferBackend, tag: int, timeout_s: float) -> int:
+    async def expect_blocks(self, header: IncomingBlocks, backend: TransferBackend, tag: int, timeout_s: float,
+                            channel_id: int) -> int:
         request = transfer_pb2.ExpectBlocksRequest(header=header_to_proto(header), backend=backend_to_proto(backend),
-                                                   tag=tag)
+                                                   tag=tag, channel_id=channel_id)
         return (await self._call(self._stub.ExpectBlocks, request, timeout_s)).num_bytes
 
     async def _call(self, method, request, timeout_s: float | None = None, metadata: Sequence = ()):

@@ -71,6 +71,7 @@ class PairChannel:
     # Out of its table because its peer is gone: called (once) with the channel when no transfer uses it.
     close_when_unused: Callable[[PairChannel], None] | None = None
     is_retired: bool = False  # out of its table (`retire`): the transfers on it finish, no new one starts
+    channel_id: int = 0  # random, chosen by the sender at the open; each ExpectBlocks names it (0: an older sender)
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:

@@ -16,11 +16,12 @@ class PeerTransferService(Protocol):
         at most `piece_bytes` of data each); returns bytes received."""
 
     async def open_channel(self, peer_transfer_id: str, store_address: str, rank: int, backend: TransferBackend,
-                           num_connections: int, timeout_s: float) -> None:
-        """Ask the peer to join the pair group whose TCPStore is at `store_address`."""
+                           num_connections: int, timeout_s: float, channel_id: int) -> None:
+        """Ask the peer to join the pair group whose TCPStore is at `store_address`, named `channel_id`."""
 
-    async def expect_blocks(self, header: IncomingBlocks, backend: TransferBackend, tag: int, timeout_s: float) -> int:
-        """Ask the peer to receive the blocks on its channel from us; returns when all landed."""
+    async def expect_blocks(self, header: IncomingBlocks, backend: TransferBackend, tag: int, timeout_s: float,
+                            channel_id: int) -> int:
+        """Ask the peer to receive the blocks on the channel `channel_id` from us; returns when all landed."""
 
 
 # dst_transfer_address → a (cached) client. Take it for each call, keep none between calls: a cached client with

@@ -132,10 +132,10 @@ class BlockReceiver:
         return plan
 
     async def receive_on_channel(self, header: IncomingBlocks, backend: TransferBackend, tag: int,
-                                 timeout_s: float) -> int:
-        """gloo/nccl: one message per chunk on the channel the sender opened."""
+                                 timeout_s: float, channel_id: int = 0) -> int:
+        """gloo/nccl: one message per chunk on the channel the sender opened (`channel_id`; 0: its current one)."""
         deadline = Deadline.after(timeout_s)
-        channel = self._channels.incoming(header.src_transfer_id, backend)
+        channel = self._channels.incoming(header.src_transfer_id, backend, channel_id)
         with channel.in_use():
             return await self._receive_on(channel, header, backend, tag, deadline)
 

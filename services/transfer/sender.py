@@ -181,9 +181,9 @@ class BlockSender:
     async def _send_on_channel(self, request: BlockTransfer, source: SourceBlocks, deadline: Deadline) -> None:
         address, backend = request.dst_transfer_address, request.backend
 
-        async def open_remote(store_address: str, rank: int, num_connections: int) -> None:
+        async def open_remote(store_address: str, rank: int, num_connections: int, channel_id: int) -> None:
             await self._peers(address).open_channel(self._transfer_id, store_address, rank, backend, num_connections,
-                                                    deadline.remaining_s())
+                                                    deadline.remaining_s(), channel_id)
         channel = await self._channels.outgoing(address, backend, open_remote, deadline.remaining_s())
         staging = self._nccl_staging if backend is TransferBackend.NCCL else self._staging
         # The channel's turn first, then a staging slot: one waiting for a busy peer holds no slot that a
@@ -217,7 +217,7 @@ class BlockSender:
                       deadline: Deadline, sends_done: asyncio.Future[bool]) -> None:
         try:
             await self._peers(request.dst_transfer_address).expect_blocks(source.header, request.backend, tag,
-                                                                          deadline.remaining_s())
+                                                                          deadline.remaining_s(), channel.channel_id)
         except BaseException as exc:
             # A receiver that refused the blocks takes the rest of our messages and keeps the channel, which
             # other transfers share, so our sends end too. One that did not take them (or is gone) leaves our

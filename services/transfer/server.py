@@ -102,7 +102,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             raise InvalidArgument(f"num_connections: must be 0..{MAX_GLOO_CONNECTIONS}, got {request.num_connections}")
         await self.node.channels.accept(request.peer_transfer_id, backend_from_proto(request.backend),
                                         request.store_address, request.rank, max(1, request.num_connections),
-                                        self._timeout_s(context))
+                                        self._timeout_s(context), request.channel_id)
         return transfer_pb2.OpenChannelResponse()
 
     async def ExpectBlocks(self, request: transfer_pb2.ExpectBlocksRequest,
@@ -111,7 +111,7 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             raise InvalidArgument(f"tag: must be 0..{MAX_TAG} (chunk tags add up to {TAG_STRIDE - 1}), got {request.tag}")
         header = header_from_proto(request.header)
         num_bytes = await self.node.receiver.receive_on_channel(
-            header, backend_from_proto(request.backend), request.tag, self._timeout_s(context))
+            header, backend_from_proto(request.backend), request.tag, self._timeout_s(context), request.channel_id)
         return transfer_pb2.ExpectBlocksResponse(num_blocks=len(header.dst_block_ids), num_bytes=num_bytes)
 
     async def GrantWrites(self, request: transfer_pb2.GrantWritesRequest,

@@ -20,6 +20,7 @@ from services.transfer.channels import ChannelTable
 from services.transfer.pair_channel import PairChannel
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
 from services.transfer.receiver import BlockReceiver
+from services.transfer import sender as sender_module
 from services.transfer.sender import BlockSender
 from services.transfer.staging import StagingPool
 from services.transfer.threads import TransferThreads
@@ -41,10 +42,12 @@ class PeerThatNeverReceives:
         self.table = table
         self.expect_delay_s = expect_delay_s
 
-    async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s):
-        await self.table.accept(peer_transfer_id, backend, store_address, rank, num_connections)
+    async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s,
+                           channel_id=0):
+        await self.table.accept(peer_transfer_id, backend, store_address, rank, num_connections,
+                                channel_id=channel_id)
 
-    async def expect_blocks(self, header, backend, tag, timeout_s):
+    async def expect_blocks(self, header, backend, tag, timeout_s, channel_id=0):
         await asyncio.sleep(self.expect_delay_s)
         raise Unavailable("the transfer service at b:1 did not answer: connection reset")
 
@@ -106,12 +109,14 @@ class PeerThatDroppedItsEnd:
         self.table = table
         self.receiver = BlockReceiver(None, StagingPool(1, BLOCK_BYTES, 4), table, threads)
 
-    async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s):
-        await self.table.accept(peer_transfer_id, backend, store_address, rank, num_connections)
+    async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s,
+                           channel_id=0):
+        await self.table.accept(peer_transfer_id, backend, store_address, rank, num_connections,
+                                channel_id=channel_id)
 
-    async def expect_blocks(self, header, backend, tag, timeout_s):
+    async def expect_blocks(self, header, backend, tag, timeout_s, channel_id=0):
         self.table.drop_incoming(header.src_transfer_id, backend)
-        return await self.receiver.receive_on_channel(header, backend, tag, timeout_s)
+        return await self.receiver.receive_on_channel(header, backend, tag, timeout_s, channel_id)
 
 
 async def test_a_channel_the_receiver_dropped_mid_transfer_is_unavailable_and_reopened_on_retry(gloo_pair):
@@ -127,9 +132,9 @@ async def test_a_channel_the_receiver_dropped_mid_transfer_is_unavailable_and_re
 class ReceivingPeer(Peer):
     """The destination service on real gloo, each ExpectBlocks a call of its own."""
 
-    async def expect_blocks(self, header, backend, tag, timeout_s):
+    async def expect_blocks(self, header, backend, tag, timeout_s, channel_id=0):
         # A call of its own, as over gRPC: a caller that gives up cancels it and goes, leaving it to end.
-        call = asyncio.ensure_future(self.receiver.receive_on_channel(header, backend, tag, timeout_s))
+        call = asyncio.ensure_future(self.receiver.receive_on_channel(header, backend, tag, timeout_s, channel_id))
         call.add_done_callback(read_error)
         try:
             return await asyncio.shield(call)
@@ -164,9 +169,7 @@ async def test_a_transfer_whose_channel_was_replaced_while_it_waited_posts_nothi
             sender_table.drop_outgoing("b:1", TransferBackend.GLOO)  # another transfer on it failed
         else:
             sender_table.close_outgoing("b:1")  # the peer's record left etcd (its lease lapsed while it stalled)
-        await sender_table.outgoing("b:1", TransferBackend.GLOO, lambda *args: peer.open_channel("A", *args[:2],
-                                                                                                 TransferBackend.GLOO,
-                                                                                                 args[2], 5))
+        await sender_table.outgoing("b:1", TransferBackend.GLOO, _opening(peer))
     with pytest.raises(Unavailable):
         await asyncio.wait_for(waiting, 5)
     later_ids = tuple(range(12, 24))
@@ -209,7 +212,74 @@ async def test_a_transfer_in_flight_on_a_retired_channel_completes_when_a_fresh_
     assert torch.equal(kvs["dst"], kvs["src"])
 
 
+def _opening(peer: ReceivingPeer):
+    """`ChannelTable.outgoing`'s open_remote, as BlockSender makes it for sender "A"."""
+    async def open_remote(store_address: str, rank: int, num_connections: int, channel_id: int) -> None:
+        await peer.open_channel("A", store_address, rank, TransferBackend.GLOO, num_connections, 5, channel_id)
+    return open_remote
+
+
 def _incoming_in_use(table: ChannelTable) -> PairChannel | None:
     """The channel from "A" if a receive has taken it."""
     channel = table.incoming("A", TransferBackend.GLOO) if table.num_channels else None
     return channel if channel is not None and channel.num_transfers else None
+
+
+class PeerWhoseFirstExpectArrivesLate(ReceivingPeer):
+    """The first ExpectBlocks reaches the receiver only once `arrive` is set: it was on its way when the
+    sender's channel was replaced by a fresh one, whose OpenChannel overtook it."""
+
+    def __init__(self, table: ChannelTable, receiver: BlockReceiver) -> None:
+        super().__init__(table, receiver)
+        self.sent, self.arrive = asyncio.Event(), asyncio.Event()
+
+    async def expect_blocks(self, header, backend, tag, timeout_s, channel_id=0):
+        if not self.sent.is_set():
+            self.sent.set()
+            await self.arrive.wait()
+        return await super().expect_blocks(header, backend, tag, timeout_s, channel_id)
+
+
+async def test_an_expect_blocks_that_arrives_after_its_channel_was_replaced_is_refused_at_once(gloo_pair, monkeypatch):
+    """A transfer sent its ExpectBlocks; then its channel was dropped (another transfer on it failed) and the
+    next transfer opened a fresh one, whose OpenChannel reached the receiver first. The late ExpectBlocks
+    posted its receives on the fresh channel, where no message of its ever comes: they held the receiver's
+    slot until the deadline (and then broke the fresh channel). It names its channel now, and is refused."""
+    monkeypatch.setattr(sender_module, "PEER_ANSWER_GRACE_S", 10.0)  # the sender waits for the answer meanwhile
+    threads, sender_table, receiver_table = gloo_pair
+    geometry = tiny_geometry(num_blocks=24)
+    kvs = {"src": random_kv(geometry, 1), "dst": torch.zeros(geometry.shape, dtype=geometry.dtype)}
+    mappings = FakeMappings(kvs, geometry)
+    receive_threads = TransferThreads.start(8)
+    peer = PeerWhoseFirstExpectArrivesLate(receiver_table, BlockReceiver(mappings, StagingPool(1, BLOCK_BYTES, 4),
+                                                                         receiver_table, receive_threads))
+    sender = BlockSender("A", (TransferBackend.GLOO,), mappings, StagingPool(2, BLOCK_BYTES, 4), sender_table,
+                         lambda address: peer, threads, in_place_min_row_bytes=0)
+
+    def transfer(ids: tuple[int, ...]) -> BlockTransfer:
+        return BlockTransfer(InstanceId("src"), ids, InstanceId("dst"), ids, "b:1", TransferBackend.GLOO, False)
+    try:
+        first = asyncio.ensure_future(sender.transfer(transfer(tuple(range(12))), DEADLINE_S))
+        await asyncio.wait_for(peer.sent.wait(), 5)
+        sender_table.drop_outgoing("b:1", TransferBackend.GLOO)  # another transfer on it failed
+        await sender_table.outgoing("b:1", TransferBackend.GLOO, _opening(peer))
+        peer.arrive.set()
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(first, 5)
+        started = time.monotonic()
+        await asyncio.wait_for(sender.transfer(transfer(tuple(range(12, 24))), DEADLINE_S), DEADLINE_S + 5)
+        assert time.monotonic() - started < 5, "the next transfer waited for the receives left on the fresh channel"
+    finally:
+        receive_threads.shutdown()
+    assert torch.equal(kvs["dst"][:, :, 12:], kvs["src"][:, :, 12:])
+
+
+async def test_the_receiver_takes_the_channel_named_or_any_from_an_older_sender_that_names_none(gloo_pair):
+    _threads, sender_table, receiver_table = gloo_pair
+    peer = ReceivingPeer(receiver_table, None)
+    channel = await sender_table.outgoing("b:1", TransferBackend.GLOO, _opening(peer))
+    assert channel.channel_id and receiver_table.incoming("A", TransferBackend.GLOO, channel.channel_id).channel_id \
+        == channel.channel_id
+    assert receiver_table.incoming("A", TransferBackend.GLOO).channel_id == channel.channel_id  # 0: not named
+    with pytest.raises(Unavailable, match="replaced by a newer one"):
+        receiver_table.incoming("A", TransferBackend.GLOO, channel.channel_id + 1)

@@ -43,6 +43,7 @@ class FakeChannel:
     in_order_batches: int = 0
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     num_transfers: int = 0
+    channel_id: int = 0
     close_when_unused = None
     transfer_turn = PairChannel.transfer_turn
     in_use = PairChannel.in_use
@@ -96,7 +97,7 @@ class FakeChannels:
     async def outgoing(self, peer_address, backend, open_remote, timeout_s=None):
         return self.channel
 
-    def incoming(self, peer_id, backend):
+    def incoming(self, peer_id, backend, channel_id=0):
         return self.channel
 
     def drop_outgoing(self, peer_address, backend, only=None) -> None:
@@ -123,8 +124,8 @@ class DirectPeer:
     def __init__(self, receiver: BlockReceiver) -> None:
         self.receiver = receiver
 
-    async def expect_blocks(self, header, backend, tag, timeout_s):
-        return await self.receiver.receive_on_channel(header, backend, tag, timeout_s)
+    async def expect_blocks(self, header, backend, tag, timeout_s, channel_id=0):
+        return await self.receiver.receive_on_channel(header, backend, tag, timeout_s, channel_id)
 
 
 @pytest.mark.parametrize("backend, buffers, most_in_flight", [
@@ -303,7 +304,7 @@ class ChannelsByPeer:
     async def outgoing(self, peer_address, backend, open_remote, timeout_s=None):
         return self.channels[peer_address]
 
-    def incoming(self, peer_id, backend):
+    def incoming(self, peer_id, backend, channel_id=0):
         raise AssertionError("the sender's table is not asked for incoming channels")
 
     def drop_outgoing(self, peer_address, backend, only=None) -> None:
@@ -317,9 +318,9 @@ class LatePeer(DirectPeer):
         super().__init__(receiver)
         self.delay_s = delay_s
 
-    async def expect_blocks(self, header, backend, tag, timeout_s):
+    async def expect_blocks(self, header, backend, tag, timeout_s, channel_id=0):
         await asyncio.sleep(self.delay_s)
-        return await super().expect_blocks(header, backend, tag, timeout_s)
+        return await super().expect_blocks(header, backend, tag, timeout_s, channel_id)
 
 
 async def test_an_nccl_transfer_waiting_for_a_busy_peer_holds_no_slot_another_peer_needs():

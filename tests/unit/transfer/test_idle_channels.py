@@ -15,8 +15,9 @@ IDLE_S = 0.5
 
 
 async def _open(sender: ChannelTable, sender_id: str, receiver: ChannelTable, address: str = "b:1"):
-    async def open_remote(store_address: str, rank: int, num_connections: int) -> None:
-        await receiver.accept(sender_id, TransferBackend.GLOO, store_address, rank, num_connections)
+    async def open_remote(store_address: str, rank: int, num_connections: int, channel_id: int) -> None:
+        await receiver.accept(sender_id, TransferBackend.GLOO, store_address, rank, num_connections,
+                              channel_id=channel_id)
     return await sender.outgoing(address, TransferBackend.GLOO, open_remote)
 
 
@@ -79,7 +80,7 @@ async def test_peers_that_could_not_be_reached_leave_no_lock_behind():
     """Before, every (address, backend) ever dialled kept its asyncio.Lock for good, also when its open
     failed (a peer that went away, restarted on a new port) or its channel was dropped after a failed
     transfer: the table grew by one lock per peer incarnation for as long as the service ran."""
-    async def refuse(store_address: str, rank: int, num_connections: int) -> None:
+    async def refuse(store_address: str, rank: int, num_connections: int, channel_id: int) -> None:
         raise ConnectionError("peer gone")
     with ThreadPoolExecutor(8) as pool:
         sender = ChannelTable("A", "127.0.0.1", 1, pool, idle_close_s=IDLE_S)

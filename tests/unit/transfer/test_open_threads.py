@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 CHANNEL_TIMEOUT_S = 3.0
 
 
-async def never_joins(store_address: str, rank: int, num_connections: int) -> None:
+async def never_joins(store_address: str, rank: int, num_connections: int, channel_id: int) -> None:
     raise Unavailable("the transfer service at dead:1 did not answer: connection refused")
 
 
@@ -77,7 +77,7 @@ async def test_a_transfer_waiting_for_another_ones_open_to_that_peer_fails_at_it
     answer) waited for that open to give up, whatever its own deadline said."""
     node, _ = node_and_threads
 
-    async def hangs(store_address: str, rank: int, num_connections: int) -> None:
+    async def hangs(store_address: str, rank: int, num_connections: int, channel_id: int) -> None:
         await asyncio.sleep(CHANNEL_TIMEOUT_S)  # the OpenChannel RPC's deadline
         raise Unavailable("the transfer service at slow:1 did not answer: deadline exceeded")
     first = asyncio.ensure_future(node.channels.outgoing("slow:1", TransferBackend.GLOO, hangs))
@@ -115,8 +115,9 @@ async def test_opens_in_both_directions_at_once_do_not_hold_each_others_joins_ba
                   for name, threads in (("A", a_threads), ("B", b_threads))}
 
         async def open_to(src: str, dst: str):
-            async def open_remote(store_address: str, rank: int, num_connections: int) -> None:
-                await tables[dst].accept(src, TransferBackend.GLOO, store_address, rank, num_connections)
+            async def open_remote(store_address: str, rank: int, num_connections: int, channel_id: int) -> None:
+                await tables[dst].accept(src, TransferBackend.GLOO, store_address, rank, num_connections,
+                                         channel_id=channel_id)
             return await tables[src].outgoing(f"{dst}:1", TransferBackend.GLOO, open_remote)
         try:
             start = time.monotonic()

@@ -103,15 +103,16 @@ class ClosablePeer(DirectPeer):
     async def close(self) -> None:
         self.is_closed = True
 
-    async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s):
+    async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s,
+                           channel_id=0):
         with self.usage.call():
             assert not self.is_closed
 
-    async def expect_blocks(self, header, backend, tag, timeout_s):
+    async def expect_blocks(self, header, backend, tag, timeout_s, channel_id=0):
         with self.usage.call():
             if self.is_closed:
                 raise RuntimeError("Channel is closed")  # what grpc.aio raises (UsageError)
-            return await super().expect_blocks(header, backend, tag, timeout_s)
+            return await super().expect_blocks(header, backend, tag, timeout_s, channel_id)
 
 
 class OpeningChannels(FakeChannels):
@@ -122,7 +123,7 @@ class OpeningChannels(FakeChannels):
         self.after_open = after_open
 
     async def outgoing(self, peer_address, backend, open_remote, timeout_s=None):
-        await open_remote("127.0.0.1:1", 1, 1)
+        await open_remote("127.0.0.1:1", 1, 1, 7)
         self.after_open()
         return self.channel
 

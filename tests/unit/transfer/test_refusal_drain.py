@@ -30,7 +30,7 @@ class RecordingChannels:
     async def outgoing(self, peer_address, backend, open_remote, timeout_s=None):
         return self.channel
 
-    def incoming(self, peer_id, backend):
+    def incoming(self, peer_id, backend, channel_id=0):
         return self.channel
 
     def drop_outgoing(self, peer_address, backend, only=None) -> None:
@@ -150,7 +150,7 @@ class RefusingPeer:
 
     piece_bytes = 1 << 20
 
-    async def expect_blocks(self, header, backend, tag, timeout_s):
+    async def expect_blocks(self, header, backend, tag, timeout_s, channel_id=0):
         await asyncio.sleep(0.2)
         raise Aborted("write grant 7 of instance 'dst' was revoked while blocks were arriving")
 

@@ -63,11 +63,13 @@ class Peer:
     def __init__(self, table: ChannelTable, receiver: BlockReceiver) -> None:
         self.table, self.receiver = table, receiver
 
-    async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s):
-        await self.table.accept(peer_transfer_id, backend, store_address, rank, num_connections)
+    async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s,
+                           channel_id=0):
+        await self.table.accept(peer_transfer_id, backend, store_address, rank, num_connections,
+                                channel_id=channel_id)
 
-    async def expect_blocks(self, header, backend, tag, timeout_s):
-        return await self.receiver.receive_on_channel(header, backend, tag, timeout_s)
+    async def expect_blocks(self, header, backend, tag, timeout_s, channel_id=0):
+        return await self.receiver.receive_on_channel(header, backend, tag, timeout_s, channel_id)
 
 
 @pytest.mark.parametrize("in_place", [False, True])
@@ -123,7 +125,7 @@ class ChannelWhoseSendsBlock(FakeChannel):
 class PeerThatRefusesAtOnce:
     piece_bytes = 1 << 20
 
-    async def expect_blocks(self, header, backend, tag, timeout_s):
+    async def expect_blocks(self, header, backend, tag, timeout_s, channel_id=0):
         raise Unavailable("the transfer service at b:1 did not answer: connection reset")
 
 
@@ -221,7 +223,7 @@ class PeerThatAnswersLate:
     def __init__(self) -> None:
         self.answer = asyncio.Event()
 
-    async def expect_blocks(self, header, backend, tag, timeout_s):
+    async def expect_blocks(self, header, backend, tag, timeout_s, channel_id=0):
         await self.answer.wait()
         raise Unavailable("the transfer service at b:1 did not answer: deadline exceeded")
 

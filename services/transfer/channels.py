@@ -37,6 +37,7 @@ from services.transfer.deadline import Deadline
 from services.transfer.domain import IDLE_CLOSE_S, TransferBackend
 from services.transfer.pair_channel import (PairChannel, check_backend_available, client_store, create_group,
                                             master_store, store_prefix)
+from services.transfer.peer_address import peer_key
 from services.transfer.threads import NUM_RENDEZVOUS_THREADS
 
 log = structlog.get_logger(__name__)
@@ -88,8 +89,10 @@ class ChannelTable:
                        timeout_s: float | None = None) -> PairChannel:
         """The channel to `peer_address`, opened on first use (this side is rank 0). The call, a wait for
         another call's open to that peer included, takes at most `timeout_s` (the transfer's remaining
-        time) or the table's timeout, if shorter; then Unavailable."""
+        time) or the table's timeout, if shorter; then Unavailable. Spellings of one address share a channel
+        (`peer_key`); `open_remote` dials the address as the caller spells it."""
         check_backend_available(backend, self._nccl_device)
+        peer_address = peer_key(peer_address)
         key = (peer_address, backend)
         deadline = Deadline.after(self._open_timeout_s(timeout_s))
         async with self._locked(key, deadline):
@@ -167,6 +170,7 @@ class ChannelTable:
 
     def drop_outgoing(self, peer_address: str, backend: TransferBackend, only: PairChannel | None = None) -> None:
         """`only`: close that channel, and take it out of the table if it is still there (not one opened since)."""
+        peer_address = peer_key(peer_address)
         if only is not None and self._outgoing.get((peer_address, backend)) is not only:
             only.close()  # already out of the table (dropped, or retired: its peer is gone)
             return
@@ -186,8 +190,9 @@ class ChannelTable:
 
     def close_outgoing(self, peer_address: str) -> int:
         """A peer transfer service is gone (`PeerWatch`): take the channels to `peer_address` out of the table
-        and close each now, or once the transfers on it end (`PairChannel.retire`). Returns how many."""
-        return self._retire(self._outgoing, peer_address, "outgoing")
+        (under any spelling) and close each now, or once the transfers on it end (`PairChannel.retire`). Returns
+        how many."""
+        return self._retire(self._outgoing, peer_key(peer_address), "outgoing")
 
     def close_incoming(self, peer_id: str) -> int:
         """The same for the channels from transfer service `peer_id`."""

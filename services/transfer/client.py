@@ -26,6 +26,7 @@ from services.transfer.convert import (backend_from_proto, backend_to_proto, geo
                                        ipc_handle_to_proto, result_from_proto, transfer_to_proto)
 from services.transfer.domain import (DEFAULT_PIECE_BYTES, IDLE_CLOSE_S, BlockTransfer, IncomingBlocks,
                                       TransferBackend, TransferResult)
+from services.transfer.peer_address import peer_key
 
 log = structlog.get_logger(__name__)
 
@@ -155,7 +156,8 @@ class TransferClients:
     taken, and past MAX_ENTRIES (4096) addresses the least recently used ones close early. One with a
     call under way never is; so a caller takes its client for each call and keeps none between calls
     (the sender does), and a client closed meanwhile is made afresh on the next take. A peer known to be
-    gone (it left etcd, or restarted: `PeerWatch`) has its client closed at once (`close_peer`)."""
+    gone (it left etcd, or restarted: `PeerWatch`) has its clients closed at once (`close_peer`), under every
+    spelling of its address."""
 
     def __init__(self, piece_bytes: int = DEFAULT_PIECE_BYTES, tls: TlsConfig | None = None,
                  idle_close_s: float = IDLE_CLOSE_S, clock: Callable[[], float] = time.monotonic) -> None:
@@ -173,8 +175,11 @@ class TransferClients:
         return self._table.addresses
 
     def close_peer(self, address: str) -> int:
-        """Close the client of a peer that is gone (at once, or when its calls under way end); 0 or 1 closed."""
-        return int(self._table.close_address(address, "peer_gone"))
+        """Close the clients of a peer that is gone (at once, or when their calls under way end), one per spelling
+        of its address (`peer_key`: each dials the address as given); how many."""
+        key = peer_key(address)
+        spellings = [spelled for spelled in self._table.addresses if peer_key(spelled) == key]
+        return sum(self._table.close_address(spelled, "peer_gone") for spelled in spellings)
 
     async def close(self) -> None:
         await self._table.close()

@@ -49,7 +49,7 @@ class ChannelCloser(Protocol):
 
 class ClientCloser(Protocol):
     def close_peer(self, address: str) -> int:
-        """Close the client of a gone peer; how many (0 or 1)."""
+        """Close the clients of a gone peer (one per spelling of its address); how many."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ import sys
 import structlog
 
 from services.cluster.frontend_flags import check_frontend_words, frontend_words, launcher_set_flag
-from services.cluster.launcher import ClusterSpec, LocalCluster, PortInUse, run_until_signalled
+from services.cluster.launcher import TRANSFER_THREADS, ClusterSpec, LocalCluster, PortInUse, run_until_signalled
 from services.cluster.outputs import forgive_broken_outputs
 from services.cluster.processes import ROOT, ProcessDied, TlsRejected
 from services.cluster.security import ClusterSecurity
@@ -85,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     up.add_argument("--cluster", default="ferry", help="cluster name (etcd keys live under /ferry/<cluster>/)")
     up.add_argument("--threads-per-instance", type=int, default=0,
                     help="torch threads per instance (0 = cores / instances, at least 1)")
+    up.add_argument("--transfer-threads", type=int, default=TRANSFER_THREADS,
+                    help="torch threads of each transfer service, for its gathers, scatters and same-host copies "
+                         "(0 = torch's default: one per core, contending with the instances' threads)")
     up.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per instance in MiB")
     up.add_argument("--log-format", default="console", choices=["console", "json"],
                     help="log format of every process (the launcher's banner and `ready` line on stdout stay text)")
@@ -137,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         up.error(f"--kv-cache-mib must be positive, got {args.kv_cache_mib}")
     if args.threads_per_instance < 0:
         up.error(f"--threads-per-instance must be >= 0 (0 = cores / instances), got {args.threads_per_instance}")
+    if args.transfer_threads < 0:
+        up.error(f"--transfer-threads must be >= 0 (0 = torch's default), got {args.transfer_threads}")
     if args.transfer_backend == "nccl":
         _check_nccl_usable(up, args)
     if args.instances + args.prefill_instances + args.decode_instances == 0:
@@ -232,7 +237,7 @@ def build_spec(args: argparse.Namespace) -> ClusterSpec:
                        security=args.security, autoscale_max_instances=args.autoscale_max_instances,
                        device=args.device, dtype=args.dtype, restart=RestartPolicy(on_failure=args.restart != "no"),
                        http_host=args.http_host, health_timeout_s=args.health_timeout_s,
-                       frontend_args=args.frontend_arg)
+                       frontend_args=args.frontend_arg, transfer_threads=args.transfer_threads)
 
 
 def one_sided_pd(args: argparse.Namespace) -> str | None:

@@ -46,6 +46,9 @@ HEALTH_TIMEOUT_S = 180.0  # --health-timeout-s: how long each child may take to 
 # SIGTERM → SIGKILL: above any shutdown grace a child is given (their default is 5 s; a frontend
 # finishing long streams may be given more), as systemd's TimeoutStopSec=30s in deploy/systemd.
 STOP_TIMEOUT_S = 30.0
+# --transfer-threads: torch threads of each transfer service (its gathers, scatters and same-host copies). torch's
+# default, a thread per core, would contend with the instances, each pinned to its share of the cores.
+TRANSFER_THREADS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,7 @@ class ClusterSpec:
     http_host: str = "127.0.0.1"  # where the frontend listens: this machine only, unless asked (0.0.0.0)
     health_timeout_s: float = HEALTH_TIMEOUT_S  # a child not healthy by then makes `up` fail, naming it
     frontend_args: tuple[str, ...] = ()  # --frontend-arg's words, after the launcher's flags (frontend_flags.py)
+    transfer_threads: int = TRANSFER_THREADS  # each transfer service's --num-threads (0 = torch's default)
 
     def instance_device(self, index: int) -> str:
         return f"cuda:{gpu_index(index)}" if self.device == "cuda" else self.device
@@ -263,7 +267,8 @@ class LocalCluster:
         port = free_port()
         default_backend = "grpc" if self.spec.transfer_backend == "auto" else self.spec.transfer_backend
         args = ["--port", str(port), "--transfer-id", f"transfer-{index}", "--default-backend", default_backend,
-                *self._common_args(), *self.spec.security.server_args()]
+                "--num-threads", str(self.spec.transfer_threads), *self._common_args(),
+                *self.spec.security.server_args()]
         if self.spec.transfer_per_instance:
             args += ["--backends", "grpc,nccl", "--nccl-device", str(gpu_index(index))]
         return self._grpc_service(f"transfer-{index}", "transfer", args, port)

@@ -49,3 +49,16 @@ def test_nccl_without_two_gpus_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         parse_args(["up", "--transfer-backend", "nccl"])
     assert "--transfer-backend nccl needs 2 or more CUDA devices" in capsys.readouterr().err
+
+
+def test_transfer_services_run_a_few_torch_threads_not_one_per_core():
+    """A transfer service left at torch's default took a thread per core for its gathers and scatters, next
+    to instances pinned to their share of the cores."""
+    for transfer_backend in ("auto", "nccl"):
+        transfers = [p for p in data_plane(transfer_backend) if p.name.startswith("transfer-")]
+        assert [flag(p, "--num-threads") for p in transfers] == ["2"] * len(transfers)
+    spec_ = dataclasses.replace(spec(18000, 18001), transfer_threads=3)
+    cluster = LocalCluster(spec_)
+    cluster.etcd = types.SimpleNamespace(endpoint="127.0.0.1:2379")
+    assert flag(cluster._data_plane()[0], "--num-threads") == "3"
+    assert parse_args(["up", "--transfer-threads", "3"]).transfer_threads == 3

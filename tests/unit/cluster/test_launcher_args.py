@@ -104,6 +104,7 @@ def test_a_missing_or_empty_token_file_is_named(files, capsys, tmp_path):
     (["--http-port", "18220", "--admin-port", "18220"], "--http-port and --admin-port must differ"),
     (["--kv-cache-mib", "0"], "--kv-cache-mib must be positive, got 0"),
     (["--threads-per-instance", "-1"], "--threads-per-instance must be >= 0"),
+    (["--transfer-threads", "-1"], "--transfer-threads must be >= 0"),
 ])
 def test_unusable_ports_caches_and_threads_are_usage_errors(capsys, argv, words):
     assert words in usage_error(argv, capsys)

@@ -261,7 +261,7 @@ class ChannelTable:
                     timeout_s: float) -> PairChannel:
         store = await self._rendezvous(self._open_slots, timeout_s, master_store, self._host, timeout_s)
         prefix = dist.PrefixStore(store_prefix(self._transfer_id, "", backend), store)
-        channel_id = secrets.randbits(63) + 1  # unique per open, across restarts of either side
+        channel_id = secrets.randbits(63) + 1  # random: no two opens share one, across restarts of either side too
         # On its thread before the peer is asked to join: a join never waits for an open still waiting for a thread.
         group_future = await self._start_rendezvous(self._open_slots, timeout_s, create_group, backend, prefix, 0,
                                                     self._host, self._group_timeout_s(backend, timeout_s),

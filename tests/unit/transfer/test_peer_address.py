@@ -54,3 +54,4 @@ async def test_the_record_of_a_peer_that_left_closes_its_client_under_every_spel
 ])
 def test_peer_key(spelled, key):
     assert peer_key(spelled) == key
+    assert peer_key(key) == key  # the tables key what they hold again (drop_outgoing of a channel's peer)

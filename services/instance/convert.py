@@ -116,7 +116,8 @@ def migrate_out_plan_from_proto(msg: instance_pb2.MigrateOutRequest) -> MigrateO
         request_id=msg.request_id, dst_instance_id=msg.dst_instance_id, dst_address=msg.dst_address,
         dst_transfer_address=msg.dst_transfer_address, backend=backend, selection=_SELECTION_FROM_PROTO[msg.selection],
         exclude_request_ids=frozenset(msg.exclude_request_ids),
-        max_stages=msg.max_stages if msg.HasField("max_stages") else None)
+        max_stages=msg.max_stages if msg.HasField("max_stages") else None,
+        can_decode_on_prefill=msg.can_decode_on_prefill)
 
 
 def migration_result_to_proto(result: MigrationResult) -> instance_pb2.MigrateOutResponse:

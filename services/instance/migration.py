@@ -275,7 +275,8 @@ class MigrationDriver:
                                                         num_wanted, grow_only=not is_first,
                                                         block_hashes=view.block_hashes if is_first else (),
                                                         timeout_s=a.plan.prepare_timeout_s if is_first else None,
-                                                        max_num_tokens=view.max_num_tokens if is_first else 0)
+                                                        max_num_tokens=view.max_num_tokens if is_first else 0,
+                                                        can_decode_on_prefill=a.plan.can_decode_on_prefill)
         if a.backend is None:
             a.backend = auto_backend(a.reservation, self._settings.transfer_id, self._settings.offered_backends)
         if is_first:

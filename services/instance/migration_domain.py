@@ -25,6 +25,7 @@ class MigrateOutPlan:
     # the first PrepareMigrateIn's deadline where shorter than --migration-rpc-timeout-s (a PD hand-off, whose request
     # waits parked meanwhile: --pd-handoff-hold-s); None = that flag
     prepare_timeout_s: float | None = None
+    can_decode_on_prefill: bool = False  # a PREFILL destination chosen on purpose (a drain with nowhere else to go)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +80,8 @@ class DestinationPeer(Protocol):
     async def prepare_migrate_in(self, migration_id: str, request_id: str, src_instance_id: str,
                                  num_blocks: int, grow_only: bool = False,
                                  block_hashes: Sequence[bytes] = (), timeout_s: float | None = None,
-                                 keep_cached_blocks: int | None = None, max_num_tokens: int = 0) -> Reservation: ...
+                                 keep_cached_blocks: int | None = None, max_num_tokens: int = 0,
+                                 can_decode_on_prefill: bool = False) -> Reservation: ...
 
     async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None: ...
 

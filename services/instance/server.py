@@ -173,6 +173,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
     async def PrepareMigrateIn(self, request: instance_pb2.PrepareMigrateInRequest,
                                context: grpc.aio.ServicerContext) -> instance_pb2.PrepareMigrateInResponse:
         self._check_accepting("migrations")
+        if not request.grow_only and not request.can_decode_on_prefill:  # one under way goes on
+            self._check_takes_decodes(request.request_id)
         check_serves_length(request.request_id, request.max_num_tokens, self.identity.max_model_len)
         reservation = await self.inbox.prepare(request.migration_id, request.request_id, request.src_instance_id,
                                                 request.num_blocks, grow_only=request.grow_only,
@@ -232,6 +234,14 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
     def on_load_change(self, callback: Callable[[], None]) -> None:
         """Call `callback` on the event loop whenever the engine's load changes."""
         self._runner.on_load_change = lambda _load: callback()
+
+    def _check_takes_decodes(self, request_id: str) -> None:
+        """A PREFILL instance takes no request to decode by migration (it would decode it, or hand it straight on),
+        unless the manager chose it on purpose (`can_decode_on_prefill`: the last decode instance drained)."""
+        if self.identity.role is InstanceRole.PREFILL:
+            raise FailedPrecondition(f"instance {self.identity.instance_id} has role prefill and takes no migrations "
+                                     f"in (request {request_id}); migrate it to a decode or both instance, or set "
+                                     "can_decode_on_prefill when none can take it")
 
     def _check_accepting(self, what: str) -> None:
         if not self.is_accepting:

@@ -61,6 +61,7 @@ class MigrationOrder:
     backend: str = ""  # transfer backend (grpc, gloo, nccl, shm); empty: the source's default
     exclude_request_ids: frozenset[str] = field(default_factory=frozenset)  # just migrated: not again yet
     max_stages: int | None = None  # live stages; None = the source's default, 0 = one stop-and-copy (PD)
+    can_decode_on_prefill: bool = False  # the destination is a PREFILL instance chosen on purpose (a drain's last resort)
 
 
 @dataclass(frozen=True, slots=True)

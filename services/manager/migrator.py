@@ -266,7 +266,8 @@ class Migrator:
         excluded = frozenset() if pair.trigger is MigrationTrigger.DRAIN else self._cooled_request_ids()
         return MigrationOrder(pair.src.instance_id, pair.src.address, pair.dst.instance_id, pair.dst.address,
                               pair.trigger, self._settings.selection, backend=self._limits.backend,
-                              exclude_request_ids=excluded)
+                              exclude_request_ids=excluded,
+                              can_decode_on_prefill=pair.dst.role is Role.PREFILL)  # a drain's last resort
 
     def _start(self, order: MigrationOrder) -> asyncio.Task[MigrationRecord]:
         task = asyncio.get_running_loop().create_task(self.migrate(order), name=f"migrate:{order.src_instance_id}")

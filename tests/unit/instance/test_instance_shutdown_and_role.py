@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import llguidance
 import pytest
 
-from services.common.errors import Unavailable
+from services.common.errors import FailedPrecondition, Unavailable
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2
 from services.instance import app
 from services.instance.config import InstanceRole
@@ -168,3 +168,24 @@ async def test_a_set_role_while_the_instance_registers_reaches_its_record():
     await set_role
     assert servicer.identity.role is InstanceRole.DECODE
     assert registry.records["i-0"] == {"role": "decode"}
+
+
+async def test_a_prefill_instance_refuses_migrations_in_unless_chosen_on_purpose(pair):
+    """Before, a PREFILL instance reserved for any migration in: a manager whose view still showed it decode (its
+    record on its way, etcd away) placed decode work on it, and the request decoded there among the prefills."""
+    _, b = pair
+    servicer = servicer_for(b, InstanceRole.PREFILL)
+    ask = dict(migration_id="m-1", request_id="r", src_instance_id="a", num_blocks=2)
+    with pytest.raises(FailedPrecondition, match="role prefill"):
+        await servicer.PrepareMigrateIn(instance_pb2.PrepareMigrateInRequest(**ask), None)
+    assert b.engine.load().num_free_blocks == test_migration.NUM_BLOCKS  # nothing reserved
+    # a drain with no other destination (the last decode instance drained) chose it on purpose
+    reply = await servicer.PrepareMigrateIn(instance_pb2.PrepareMigrateInRequest(**ask, can_decode_on_prefill=True),
+                                            None)
+    assert len(reply.block_ids) == 2
+    # one under way when the role changed goes on
+    servicer.identity = dataclasses.replace(servicer.identity, role=InstanceRole.PREFILL)
+    grown = await servicer.PrepareMigrateIn(instance_pb2.PrepareMigrateInRequest(**{**ask, "num_blocks": 3},
+                                                                                  grow_only=True), None)
+    assert len(grown.block_ids) == 3
+    assert await b.inbox.abort("m-1")

@@ -25,6 +25,7 @@ from services.instance.engine.model import load_model
 from services.instance.engine.request import FinishReason, SamplingParams
 from services.instance.engine.tokenizer import Tokenizer
 from services.instance.config import InstanceRole, PdHandoff
+from services.instance.convert import migrate_out_plan_from_proto
 from services.instance.handoff import Handoff
 from services.instance.migration import MigrationDriver
 from services.instance.migration_domain import MigrateOutPlan, MigrationSettings, Reservation
@@ -67,6 +68,7 @@ class FaultyPeer:
         self.faults: dict[str, FerryError] = {}
         self.calls: list[str] = []
         self.prepare_timeouts: list[float | None] = []
+        self.prepare_on_purpose: list[bool] = []  # each call's can_decode_on_prefill
 
     def _check(self, name: str) -> None:
         self.calls.append(name)
@@ -75,8 +77,9 @@ class FaultyPeer:
 
     async def prepare_migrate_in(self, migration_id, request_id, src_instance_id, num_blocks,
                                  grow_only=False, block_hashes=(), timeout_s=None, keep_cached_blocks=None,
-                                 max_num_tokens=0) -> Reservation:
+                                 max_num_tokens=0, can_decode_on_prefill=False) -> Reservation:
         self.prepare_timeouts.append(timeout_s)
+        self.prepare_on_purpose.append(can_decode_on_prefill)
         self._check("prepare")
         return await self.dst.inbox.prepare(migration_id, request_id, src_instance_id, num_blocks, grow_only=grow_only,
                                             block_hashes=block_hashes, keep_cached_blocks=keep_cached_blocks)
@@ -221,6 +224,23 @@ async def test_a_plans_short_prepare_deadline_holds_for_the_first_reservation_on
     peer = FaultyPeer(b)
     await driver(a, peer, TensorCopier(a, b)).migrate_out(dataclasses.replace(plan(), prepare_timeout_s=0.5))
     assert peer.prepare_timeouts[0] == 0.5 and set(peer.prepare_timeouts[1:]) <= {None}
+    handoff = await read(stream, tokens)
+    await read(b.inbox.attach("r", handoff.epoch), tokens)
+    await assert_no_blocks_held(a, b)
+
+
+async def test_a_drain_onto_a_prefill_instance_tells_it_the_manager_chose_it(pair):
+    """A PREFILL destination refuses migrations in unless the first Prepare says so (the last decode instance
+    drained: nowhere else to go); the manager's MigrateOut says it, the source passes it on."""
+    a, b = pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    peer = FaultyPeer(b)
+    request = instance_pb2.MigrateOutRequest(dst_instance_id="b", dst_address="127.0.0.1:2", request_id="r",
+                                             can_decode_on_prefill=True)
+    await driver(a, peer, TensorCopier(a, b)).migrate_out(migrate_out_plan_from_proto(request))
+    assert peer.prepare_on_purpose[0] is True
     handoff = await read(stream, tokens)
     await read(b.inbox.attach("r", handoff.epoch), tokens)
     await assert_no_blocks_held(a, b)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from services.common.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted, Unavailable
-from services.manager import metrics
+from services.manager import convert, metrics
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId, Role
 from services.manager.leadership import Leadership
@@ -496,3 +496,37 @@ async def test_a_lone_request_just_dispatched_is_not_counted_twice_and_stays():
     report(view, "a", 3)  # three it holds: one moves
     assert routes(migrator.tick()) == [("a", "b", MigrationTrigger.LOAD)]
     await settle(migrator)
+
+
+async def test_a_drain_onto_a_prefill_instance_says_it_chose_it_on_purpose():
+    """A PREFILL instance refuses migrations in (FAILED_PRECONDITION) unless the order says the manager chose it on
+    purpose: a drain of the last decode instance, whose requests have nowhere else to go."""
+    clock = FakeClock()
+    view = ClusterView(report_timeout_s=3.0, clock=clock)
+    for instance_id, role in (("d", Role.DECODE), ("p", Role.PREFILL), ("b", Role.BOTH)):
+        view.put_member(make_record(instance_id, role=role))
+    report(view, "d", 3)
+    report(view, "p", 0)
+    report(view, "b", 5)
+    view.mark_drained(InstanceId("d"))
+    migrator = make_migrator(view, clock, FakeSources(), settings=MigrationSettings(is_enabled=False))
+    [order] = migrator.plan()
+    assert (order.dst_instance_id, order.can_decode_on_prefill) == ("b", False)  # a decoding one can take them
+    view.mark_drained(InstanceId("b"))
+    [order] = migrator.plan()  # (b waits for a destination of its own)
+    assert (order.dst_instance_id, order.can_decode_on_prefill) == ("p", True)  # the last resort
+    assert convert.migrate_out_request_to_proto(order).can_decode_on_prefill
+
+
+async def test_a_destination_that_refuses_by_its_role_leaves_the_next_tick_to_another():
+    """Its record may still show it decode (the SetRole's record on its way): the pair backs off."""
+    clock = FakeClock()
+    view = cluster(clock, a=8, b=0, c=2)
+    sources = FakeSources(FailedPrecondition("instance b has role prefill and takes no migrations in"))
+    migrator = make_migrator(view, clock, sources, failure_backoff_s=2.0)
+    assert routes(migrator.tick()) == [("a", "b", MigrationTrigger.LOAD)]
+    await settle(migrator)
+    clock.advance(0.5)
+    for instance_id, num_running in (("a", 8), ("b", 0), ("c", 2)):
+        report(view, instance_id, num_running)
+    assert routes(migrator.plan()) == [("a", "c", MigrationTrigger.LOAD)]

@@ -9,6 +9,7 @@ a leader that is down or misses the deadline: Unavailable).
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
 import grpc
 
@@ -31,9 +32,10 @@ class ManagerLink:
         self._timeout_s = timeout_s
         self._pool = ChannelPool(tls)
 
-    async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int) -> DecodePlace:
+    async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int,
+                           refused: Collection[str] = ()) -> DecodePlace:
         request = manager_pb2.PlaceDecodeRequest(request_id=request_id, src_instance_id=src_instance_id,
-                                                 num_blocks=num_blocks)
+                                                 num_blocks=num_blocks, exclude_instance_ids=sorted(refused))
         # A short deadline: the request waits parked at its first token meanwhile, and so does every
         # one queued behind it (a frozen leader cost each of them the whole RPC timeout).
         reply = await self._call("PlaceDecode", request, request_id, min(self._timeout_s, PLACE_DECODE_TIMEOUT_S))

@@ -110,6 +110,11 @@ class MigrationDriver:
         """Request ids migrating out now."""
         return frozenset(self._picker.moving)
 
+    @property
+    def has_free_slot(self) -> bool:
+        """Whether `migrate_out` may start one now (else it refuses at once: --max-concurrent-migrations)."""
+        return self._slots.has_free
+
     async def migrate_out(self, plan: MigrateOutPlan) -> MigrationResult:
         """Move one request to `plan`'s destination; raises (and the request stays here) if it cannot."""
         if self._transferer is None:

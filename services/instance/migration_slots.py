@@ -21,11 +21,15 @@ class MigrationSlots:
     def num_busy(self) -> int:
         return len(self._holders)
 
+    @property
+    def has_free(self) -> bool:
+        return len(self._holders) < self.max_concurrent
+
     def acquire(self, migration_id: str) -> None:
         """Take a slot for `migration_id` (idempotent); ResourceExhausted when all are busy."""
         if migration_id in self._holders:
             return
-        if len(self._holders) >= self.max_concurrent:
+        if not self.has_free:
             raise ResourceExhausted(
                 f"this instance already runs {len(self._holders)} migration(s), the most "
                 f"--max-concurrent-migrations {self.max_concurrent} allows; retry later or pick another instance")

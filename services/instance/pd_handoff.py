@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from services.common.errors import FerryError, ResourceExhausted
+from services.common.errors import FerryError, NotFound, ResourceExhausted
 from services.instance.config import InstanceRole, PdHandoff
 from services.instance.engine.migration_state import HeldRequest, MigrationSelection
 from services.instance.migration import MigrationDriver
@@ -40,7 +40,9 @@ from services.instance.runner import EngineRunner
 
 log = structlog.get_logger(__name__)
 
-_SLOT_RETRIES = 3  # a hand-off that finds the migration slots busy waits and tries again this often
+# A hand-off's MigrateOut tries: one that finds our migration slots busy waits a little (_SLOT_RETRY_S, growing),
+# one the destination refused for want of room (RESOURCE_EXHAUSTED) takes the next freest decode instance.
+_NUM_TRIES = 4
 _SLOT_RETRY_S = 0.05
 _CLAIMED_RECHECK_S = 0.05  # how often a queued request another migration claimed is looked at past its hold time
 
@@ -56,7 +58,8 @@ class DecodePlace:
 class DecodePlacer(Protocol):
     """The leader manager's PD calls (services/instance/manager_client.py: ManagerLink)."""
 
-    async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int) -> DecodePlace: ...
+    async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int,
+                           refused: Collection[str] = ()) -> DecodePlace: ...
 
     async def report_migration(self, result: MigrationResult, started_at: float) -> None: ...
 
@@ -210,7 +213,10 @@ class DecodeHandoff:
     async def _try_hand_off(self, request_id: str, held: HeldRequest | None) -> MigrationResult | None:
         started_at = time.time()
         try:
-            place = await self._placer.place_decode(request_id, self._instance_id, 0)
+            num_blocks = held.blocks.num_blocks if held is not None else await self._num_blocks(request_id)
+            place = await self._placer.place_decode(request_id, self._instance_id, num_blocks)
+        except NotFound:
+            return None  # finished meanwhile
         except FerryError as exc:
             self._note_decode_missing(request_id, exc)
             return None
@@ -218,36 +224,58 @@ class DecodeHandoff:
         plan = MigrateOutPlan(request_id=request_id, dst_instance_id=place.instance_id, dst_address=place.address,
                               dst_transfer_address="", backend=None, selection=MigrationSelection.PREFILL_DONE,
                               max_stages=0, held=held, prepare_timeout_s=self._hold_s)
-        try:
-            result = await self._migrate(plan)
-        except FerryError as exc:  # it decodes here; the manager's loop retries it
+        plan, outcome = await self._migrate(plan, num_blocks)
+        if isinstance(outcome, FerryError):  # it decodes here; the manager's loop retries it
             if self._is_moot(request_id):
-                log.info("pd_handoff_moot", request_id=request_id, reason=exc.message)
+                log.info("pd_handoff_moot", request_id=request_id, reason=outcome.message)
                 return None
             log.info("pd_handoff_failed", request_id=plan.request_id, dst_instance_id=plan.dst_instance_id,
-                     code=exc.grpc_code.name, reason=exc.message)
-            self._in_background(self._placer.report_failed_migration(plan, self._instance_id, exc, started_at),
+                     code=outcome.grpc_code.name, reason=outcome.message)
+            self._in_background(self._placer.report_failed_migration(plan, self._instance_id, outcome, started_at),
                                 request_id)
             return None
         self.num_handed_off += 1
-        self._in_background(self._placer.report_migration(result, started_at), request_id)
-        return result
+        self._in_background(self._placer.report_migration(outcome, started_at), request_id)
+        return outcome
+
+    async def _num_blocks(self, request_id: str) -> int:
+        """KV blocks the request holds now (PlaceDecode picks a decode instance with room for them); NotFound if
+        it finished."""
+        return await self._runner.call(lambda: self._runner.engine.migration_blocks(request_id).num_blocks)
 
     def _is_moot(self, request_id: str) -> bool:
         """The hand-off has nothing left to do: its request finished (decoding here while queued), was aborted,
         or another migration (a drain, the manager's loop) claimed it first and moves it."""
         return self._runner.stream(request_id) is None or request_id in self._migrations.moving
 
-    async def _migrate(self, plan: MigrateOutPlan) -> MigrationResult:
-        for attempt in range(_SLOT_RETRIES):
+    async def _migrate(self, plan: MigrateOutPlan,
+                       num_blocks: int) -> tuple[MigrateOutPlan, MigrationResult | FerryError]:
+        """Up to _NUM_TRIES tries; the last plan tried, with its result or its error. A destination that refused
+        for want of blocks or slots (RESOURCE_EXHAUSTED) is not tried again: the next try goes to the freest
+        decode instance that did not refuse. While our own migration slots are busy, a try waits a little."""
+        refused: list[str] = []
+        for attempt in range(1, _NUM_TRIES):
+            if not self._migrations.has_free_slot:
+                await asyncio.sleep(_SLOT_RETRY_S * attempt)  # the same destination, a little later
+                continue
+            outcome = await self._try(plan)
+            if not isinstance(outcome, ResourceExhausted):
+                return plan, outcome
+            refused.append(plan.dst_instance_id)  # no room there (our slot was free)
             try:
-                return await self._migrations.migrate_out(plan)
-            except ResourceExhausted:  # our slots (or the destination's) are busy: wait a little
-                await asyncio.sleep(_SLOT_RETRY_S * (attempt + 1))
-                # The failed attempt may have resumed it (it decodes here meanwhile): its parked
-                # state is stale, the next attempt suspends it afresh.
-                plan = dataclasses.replace(plan, held=None)
-        return await self._migrations.migrate_out(plan)
+                place = await self._placer.place_decode(plan.request_id, self._instance_id, num_blocks, refused)
+            except FerryError:
+                return plan, outcome  # none left that did not refuse, or no leader answers: the refusal stands
+            # The failed attempt may have resumed the request (it decodes here meanwhile): its parked state is
+            # stale, the next attempt suspends it afresh.
+            plan = dataclasses.replace(plan, dst_instance_id=place.instance_id, dst_address=place.address, held=None)
+        return plan, await self._try(plan)
+
+    async def _try(self, plan: MigrateOutPlan) -> MigrationResult | FerryError:
+        try:
+            return await self._migrations.migrate_out(plan)
+        except FerryError as exc:
+            return exc
 
     def _note_decode_missing(self, request_id: str, exc: FerryError) -> None:
         self.num_kept_for_lack_of_decode += 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import structlog
 
-from services.common.errors import Unavailable
+from services.common.errors import ResourceExhausted, Unavailable
 from services.common.periodic import periodic_loop
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import (ALL_ROLES, DECODE_ROLES, PREFILL_ROLES, Candidate, DispatchAsk, InstanceId,
@@ -60,10 +60,13 @@ class Dispatcher:
         return Placement(chosen.instance_id, chosen.address, self._policy.name,
                          can_prefill_on_decode=record.role is Role.DECODE)
 
-    def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int) -> Placement:
-        """The DECODE instance (most free) a prefilled request moves to; BOTH instances if no DECODE one serves.
+    def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int,
+                     refused: frozenset[InstanceId] = frozenset()) -> Placement:
+        """The DECODE instance (most free) a prefilled request holding `num_blocks` moves to, one with room for
+        them first; BOTH instances if no DECODE one serves. `refused`: those that just refused it (no room).
 
-        Unavailable when neither serves: the request keeps decoding where it is."""
+        Unavailable when neither serves, ResourceExhausted when all that serve refused it: the request keeps
+        decoding where it is."""
         self._leadership.check_leader()
         exclude = frozenset({InstanceId(src_instance_id)})
         candidates = self._reported_first(self._view.candidates(exclude, DECODE_ROLES)
@@ -73,6 +76,11 @@ class Dispatcher:
             raise Unavailable(f"no decode instance serves; request {request_id} keeps decoding on "
                               f"{src_instance_id} (start one, or SetRole an instance to ROLE_DECODE)")
         self.role_gaps.note_present(Role.DECODE)
+        candidates = [c for c in candidates if c.instance_id not in refused]
+        if not candidates:
+            raise ResourceExhausted(f"every decode instance refused request {request_id} ({', '.join(sorted(refused))}:"
+                                    f" no free KV blocks or batch slot); it keeps decoding on {src_instance_id}")
+        candidates = [c for c in candidates if c.load.has_room_for(num_blocks)] or candidates  # (a view may be stale)
         chosen = _DECODE_POLICY.choose(candidates, DispatchAsk(request_id))
         self._view.reserve(chosen.instance_id, num_blocks, is_dispatch=False)  # dispatched already, to its prefill
         return Placement(chosen.instance_id, chosen.address, "pd")

@@ -117,6 +117,11 @@ class Load:
         """A request sent or moved here would find a batch slot; True where not reported (an older instance)."""
         return self.num_free_slots is None or self.num_free_slots > 0
 
+    def has_room_for(self, num_blocks: int) -> bool:
+        """A request holding `num_blocks` moved here would find them free (after what queued requests and the
+        manager's reservations need) and a batch slot; otherwise it refuses the move (RESOURCE_EXHAUSTED)."""
+        return self.num_free_blocks - self.num_blocks_needed_by_waiting >= num_blocks and self.has_free_slot
+
     def plus(self, reservation: Reservation) -> Load:
         """This load with the manager's not-yet-reported dispatches added."""
         if not reservation.num_requests:

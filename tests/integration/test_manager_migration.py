@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -21,6 +22,7 @@ from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import (common_pb2, instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc,
                                           transfer_pb2)
 from services.common.grpc_server import insecure_channel, start_grpc_server
+from services.instance.manager_client import ManagerLink
 from services.manager.client import ManagerClient
 from tests.integration.manager_harness import SimulatedInstance, leader_of, start_manager, wait_until
 
@@ -365,3 +367,21 @@ async def _num_migrations(client: ManagerClient, at_least: int) -> bool:
 
 async def _is_drained(client: ManagerClient, instance_id: str) -> bool:
     return {i.instance_id: i.is_drained for i in await client.list_instances()}[instance_id]
+
+
+async def test_place_decode_picks_an_instance_with_room_and_skips_those_that_refused(world):
+    """A PD hand-off's PlaceDecode says how many blocks the request holds and which decode instances just refused
+    it (RESOURCE_EXHAUSTED); the leader places it where it fits, on one that did not refuse."""
+    manager, client, peers = await world(3)
+    peers["i-1"].hold("a", "b", "c", "d", "e")  # 950 free blocks, 5 running: freeness 158
+    peers["i-2"].sim.num_free_blocks = 300  # freeness 300, but no room for 500 blocks
+    await wait_until(lambda: _free_is(client, "i-2", 300), 5, "loads reported")
+    await wait_until(lambda: _free_is(client, "i-1", 950), 5, "loads reported")
+    link = ManagerLink(SimpleNamespace(leader=SimpleNamespace(address=manager.address)), timeout_s=5.0)
+    try:
+        assert (await link.place_decode("r-1", "i-0", 500)).instance_id == "i-1"
+        assert (await link.place_decode("r-2", "i-0", 1, refused=["i-1"])).instance_id == "i-2"
+        with pytest.raises(ResourceExhausted, match="every decode instance refused request r-3"):
+            await link.place_decode("r-3", "i-0", 1, refused=["i-1", "i-2"])
+    finally:
+        await link.close()

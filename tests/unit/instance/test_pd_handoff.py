@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,6 +22,10 @@ class FakeEngine:
         self.resume_errors = list(resume_errors)
         self.held: list[str] = []
         self.resumed: list[str] = []
+        self.num_blocks: dict[str, int] = {}  # KV blocks each request holds (1 if not set)
+
+    def migration_blocks(self, request_id: str) -> SimpleNamespace:
+        return SimpleNamespace(num_blocks=self.num_blocks.get(request_id, 1))
 
     def hold(self, request_id: str) -> None:
         self.held.append(request_id)
@@ -52,6 +57,7 @@ class FakeMigrations:
     """MigrateOut raises the scripted errors in turn, then moves the request."""
 
     moving = frozenset()
+    has_free_slot = True  # our --max-concurrent-migrations slots
 
     def __init__(self, *errors: BaseException) -> None:
         self.errors = list(errors)
@@ -66,23 +72,33 @@ class FakeMigrations:
 
 
 class FlakyPlacer:
-    """PlaceDecode raises the scripted errors in turn, then names d-1."""
+    """PlaceDecode raises the scripted errors in turn, then names d-1 (with `decode_ids`: the first not refused)."""
 
-    def __init__(self, *errors: BaseException) -> None:
+    def __init__(self, *errors: BaseException, decode_ids: tuple[str, ...] = ()) -> None:
         self.errors = list(errors)
+        self.decode_ids = decode_ids
+        self.asks: list[tuple[str, int, tuple[str, ...]]] = []  # (request id, num_blocks, refused) of each call
         self.reported: list[str] = []
         self.failed: list[tuple[str, str, str]] = []
 
-    async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int) -> DecodePlace:
+    async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int,
+                           refused=()) -> DecodePlace:
+        self.asks.append((request_id, num_blocks, tuple(refused)))
         if self.errors:
             raise self.errors.pop(0)
-        return DecodePlace("d-1", "127.0.0.1:1")
+        if not self.decode_ids:
+            return DecodePlace("d-1", "127.0.0.1:1")
+        left = [i for i in self.decode_ids if i not in refused]
+        if not left:
+            raise ResourceExhausted(f"every decode instance refused request {request_id}")
+        return DecodePlace(left[0], f"addr-{left[0]}")
 
     async def report_migration(self, result: MigrationResult, started_at: float) -> None:
         self.reported.append(result.request_id)
 
     async def report_failed_migration(self, plan, src_instance_id: str, error, started_at: float) -> None:
         self.failed.append((plan.request_id, src_instance_id, error.grpc_code.name))
+        self.failed_at = plan.dst_instance_id
 
 
 class StuckMigrations(FakeMigrations):
@@ -98,6 +114,11 @@ class StuckMigrations(FakeMigrations):
             await self.stuck.wait()
             raise Unavailable("the destination did not answer before the deadline")
         return await super().migrate_out(plan)
+
+
+def parked(num_blocks: int) -> SimpleNamespace:
+    """Stands for the HeldRequest the runner parked with the first token."""
+    return SimpleNamespace(blocks=SimpleNamespace(num_blocks=num_blocks))
 
 
 def pushing(engine: FakeEngine, placer: FlakyPlacer, migrations: FakeMigrations,
@@ -149,7 +170,7 @@ async def test_a_failed_resume_does_not_stop_the_workers():
 async def test_a_retried_hand_off_does_not_reuse_the_parked_state():
     """A failed attempt may resume the request (it decodes here meanwhile): the retry must
     suspend it afresh, never copy the state parked at its first token."""
-    held = object()  # stands for the HeldRequest the runner parked with the first token
+    held = parked(3)  # stands for the HeldRequest the runner parked with the first token
     engine, placer = FakeEngine(), FlakyPlacer()
     migrations = FakeMigrations(ResourceExhausted("the destination runs a migration already"))
     handoff = pushing(engine, placer, migrations)
@@ -198,9 +219,9 @@ async def test_requests_queued_behind_a_stuck_hand_off_decode_here_until_a_worke
     engine, placer, migrations = FakeEngine(), FlakyPlacer(), StuckMigrations()
     handoff = pushing(engine, placer, migrations, hold_s=0.05)
     loop = asyncio.create_task(handoff.handoff_loop())
-    held = object()
-    for request_id, parked in (("r-1", None), ("r-2", held), ("r-3", None)):
-        handoff.note_prefilled(request_id, parked)
+    held = parked(2)
+    for request_id, state in (("r-1", None), ("r-2", held), ("r-3", None)):
+        handoff.note_prefilled(request_id, state)
     await until(lambda: engine.resumed == ["r-2", "r-3"], loop)  # r-1's hand-off is stuck; they decode here
     assert handoff.num_prefilled({"r-2", "r-3"}) == 0  # queued: their hand-offs will move them
     assert handoff.num_prefilled({"x"}) == 1  # one whose hand-off failed earlier: the manager's (r-2, r-3 finished)
@@ -330,13 +351,73 @@ async def test_a_queued_request_another_migration_holds_past_its_hold_time_does_
     handoff.note_prefilled("r-1")  # its hand-off gets stuck: the only worker is busy
     await until(lambda: migrations.plans, loop)
     migrations.moving = frozenset({"r-2"})  # claimed by another migration while queued here
-    handoff.note_prefilled("r-2", object())
-    handoff.note_prefilled("r-3", object())
+    handoff.note_prefilled("r-2", parked(2))
+    handoff.note_prefilled("r-3", parked(2))
     await until(lambda: engine.resumed == ["r-3"], loop)  # r-3 decodes here; r-2 is the other migration's
     await asyncio.sleep(0.3)
     assert num_checks < 20, f"{num_checks} wait checks in 0.3 s"
     migrations.moving = frozenset()  # that migration ended without a commit (its abandon resumed r-2)
     await until(lambda: engine.resumed == ["r-3", "r-2"], loop)  # checked again: no longer parked here either
     migrations.stuck.set()
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_a_decode_instance_without_room_is_skipped_for_the_next_freest():
+    """Before, a hand-off tried the decode instance that had refused it (RESOURCE_EXHAUSTED: no free blocks or
+    batch slot) four times in a row, and then decoded here, while another decode instance had room."""
+    engine, placer = FakeEngine(), FlakyPlacer(decode_ids=("d-1", "d-2", "d-3"))
+    migrations = FakeMigrations(ResourceExhausted("instance d-1 has 2 free KV blocks, the request needs 5"))
+    handoff = pushing(engine, placer, migrations)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1", parked(5))
+    await until(lambda: placer.reported == ["r-1"], loop)
+    assert [plan.dst_instance_id for plan in migrations.plans] == ["d-1", "d-2"]
+    assert placer.asks == [("r-1", 5, ()), ("r-1", 5, ("d-1",))]
+    assert [plan.held is None for plan in migrations.plans] == [False, True]  # the failed try may have resumed it
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_a_hand_off_every_decode_instance_refused_is_reported_at_the_last_one_and_decodes_here():
+    engine, placer = FakeEngine(), FlakyPlacer(decode_ids=("d-1", "d-2"))
+    full = ResourceExhausted("no batch slot")
+    migrations = FakeMigrations(full, full)
+    handoff = pushing(engine, placer, migrations)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1", parked(2))
+    await until(lambda: placer.failed == [("r-1", "p-1", "RESOURCE_EXHAUSTED")], loop)
+    assert placer.failed_at == "d-2" and [plan.dst_instance_id for plan in migrations.plans] == ["d-1", "d-2"]
+    assert engine.resumed == ["r-1"] and not handoff.is_decode_missing  # full, not missing
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_our_own_busy_migration_slots_wait_for_the_same_destination():
+    """Our slots (--max-concurrent-migrations) are no reason to pass the destination over."""
+    engine, placer, migrations = FakeEngine(), FlakyPlacer(decode_ids=("d-1", "d-2")), FakeMigrations()
+    migrations.has_free_slot = False
+    handoff = pushing(engine, placer, migrations)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1", parked(2))
+    await asyncio.sleep(0.02)
+    migrations.has_free_slot = True  # a migration in ended
+    await until(lambda: handoff.num_handed_off == 1, loop)
+    assert [plan.dst_instance_id for plan in migrations.plans] == ["d-1"] and len(placer.asks) == 1
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_place_decode_is_told_how_many_blocks_the_request_holds():
+    """Before, every PlaceDecode said 0 blocks: the manager could neither pick a decode instance with room for them
+    nor count them against the one it picked (the next placement of a burst saw it as free as before)."""
+    engine, placer, migrations = FakeEngine(), FlakyPlacer(), FakeMigrations()
+    engine.num_blocks["r-2"] = 7  # decoding here (SetRole to PREFILL): the engine says
+    handoff = pushing(engine, placer, migrations)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1", parked(3))  # parked at its first token: its state says
+    handoff.note_prefilled("r-2")
+    await until(lambda: handoff.num_handed_off == 2, loop)
+    assert placer.asks == [("r-1", 3, ()), ("r-2", 7, ())]
     await assert_cancels(loop)
     await handoff.close()

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.common.errors import Unavailable
+from services.common.errors import ResourceExhausted, Unavailable
 from services.manager import metrics
 from services.manager.cluster_view import ClusterView
 from services.manager.dispatcher import Dispatcher
@@ -161,3 +161,28 @@ def test_migration_loop_orders_one_stage_hand_offs_of_prefilled_requests():
     [order] = migrator.plan()  # the load-balancing loop is off: PD hand-offs run regardless
     assert (order.src_instance_id, order.dst_instance_id, order.trigger) == ("p", "d", MigrationTrigger.PD)
     assert order.selection is MigrationSelection.PREFILL_DONE and order.max_stages == 0
+
+
+def test_place_decode_prefers_a_decode_instance_with_room_for_the_requests_blocks():
+    """The freest by freeness may lack the blocks (or a batch slot) of a long request: it would refuse the copy."""
+    view = pd_view(p=Role.PREFILL, d1=Role.DECODE, d2=Role.DECODE, d3=Role.DECODE)
+    view.apply_report(InstanceId("d1"), make_load(num_free_blocks=100, num_total_blocks=100))  # freest, too small
+    view.apply_report(InstanceId("d2"), make_load(num_free_blocks=300, num_running=5, num_free_slots=0))  # no slot
+    view.apply_report(InstanceId("d3"), make_load(num_free_blocks=400, num_running=5))
+    dispatcher = Dispatcher(view, leading())
+    assert dispatcher.place_decode("r1", "p", 150).instance_id == "d3"
+    assert view.load_of(InstanceId("d3")).num_blocks_needed_by_waiting == 150  # counted until d3 reports it
+    assert dispatcher.place_decode("r2", "p", 20).instance_id == "d1"  # room enough: the freest
+    # none has room (a stale view, or a request larger than any): the freest still gets to say
+    assert dispatcher.place_decode("r3", "p", 10_000).instance_id == "d1"
+
+
+def test_place_decode_skips_the_decode_instances_that_refused_and_says_when_none_is_left():
+    view = pd_view(p=Role.PREFILL, d1=Role.DECODE, d2=Role.DECODE, b=Role.BOTH)
+    view.apply_report(InstanceId("d2"), make_load(num_free_blocks=500))
+    dispatcher = Dispatcher(view, leading())
+    assert dispatcher.place_decode("r", "p", 4).instance_id == "d1"
+    assert dispatcher.place_decode("r", "p", 4, refused=frozenset({InstanceId("d1")})).instance_id == "d2"
+    with pytest.raises(ResourceExhausted, match="every decode instance refused request r"):
+        dispatcher.place_decode("r", "p", 4, refused=frozenset({InstanceId("d1"), InstanceId("d2")}))
+    assert missing(dispatcher, Role.DECODE) == 0  # full is not missing: no role fallback counted

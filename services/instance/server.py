@@ -57,6 +57,9 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         self.handoff: DecodeHandoff | None = None
         self.on_role_change: Callable[[InstanceIdentity], Awaitable[None]] | None = None
         self.role_lock = asyncio.Lock()  # one role change at a time, start-up's registration included (app.py)
+        # The role a SetRole is writing to etcd, before it is the role here: managers may act on the new record
+        # already, so meanwhile this instance refuses only what both roles refuse (`_refuses_as`).
+        self._role_being_set: InstanceRole | None = None
 
     async def Generate(self, request: instance_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[instance_pb2.GenerateChunk]:
@@ -64,7 +67,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         self._check_accepting("new requests")
         if not request.HasField("sampling"):
             raise InvalidArgument("sampling: required (at least sampling.max_tokens)")
-        if self.identity.role is InstanceRole.DECODE and not request.can_prefill_on_decode:
+        if self._refuses_as(InstanceRole.DECODE) and not request.can_prefill_on_decode:
             raise FailedPrecondition(f"instance {self.identity.instance_id} has role decode and takes no new "
                                      "prefills; send the request to a prefill instance (the manager's Dispatch), "
                                      "or set can_prefill_on_decode when none serves")
@@ -225,9 +228,13 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         stays as it was and the error goes to the caller."""
         async with self.role_lock:  # one change at a time: the etcd record follows the last one
             previous, changed = self.identity.role, replace(self.identity, role=role)
-            if self.on_role_change is not None:
-                await self.on_role_change(changed)  # the record first: the role here follows it
-            self.identity = changed
+            self._role_being_set = role
+            try:
+                if self.on_role_change is not None:
+                    await self.on_role_change(changed)  # the record first: the role here follows it
+                self.identity = changed
+            finally:
+                self._role_being_set = None
             num_moving = await self.handoff.move_decoding() if role is InstanceRole.PREFILL and self.handoff else 0
         return previous, num_moving
 
@@ -235,10 +242,15 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         """Call `callback` on the event loop whenever the engine's load changes."""
         self._runner.on_load_change = lambda _load: callback()
 
+    def _refuses_as(self, role: InstanceRole) -> bool:
+        """Whether this instance refuses the work `role` refuses: its role is that one, and no SetRole to another is
+        writing its etcd record (managers that read the new record already send work the new role takes)."""
+        return self.identity.role is role and self._role_being_set in (None, role)
+
     def _check_takes_decodes(self, request_id: str) -> None:
         """A PREFILL instance takes no request to decode by migration (it would decode it, or hand it straight on),
         unless the manager chose it on purpose (`can_decode_on_prefill`: the last decode instance drained)."""
-        if self.identity.role is InstanceRole.PREFILL:
+        if self._refuses_as(InstanceRole.PREFILL):
             raise FailedPrecondition(f"instance {self.identity.instance_id} has role prefill and takes no migrations "
                                      f"in (request {request_id}); migrate it to a decode or both instance, or set "
                                      "can_decode_on_prefill when none can take it")

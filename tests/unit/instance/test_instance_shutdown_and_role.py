@@ -189,3 +189,54 @@ async def test_a_prefill_instance_refuses_migrations_in_unless_chosen_on_purpose
                                                                                   grow_only=True), None)
     assert len(grown.block_ids) == 3
     assert await b.inbox.abort("m-1")
+
+
+async def test_while_a_set_role_writes_its_record_the_instance_refuses_only_what_both_roles_refuse(pair):
+    """The record goes first, so managers act on the new role a write (the role mark's) before it is the role here.
+    Before, a decode instance becoming prefill refused the Generate calls a manager already sent it as decode, and a
+    prefill instance becoming decode refused the hand-offs placed on it as prefill."""
+    a, b = pair
+    may_write = asyncio.Event()
+
+    async def slow_write(identity: InstanceIdentity) -> None:  # the record written, the role mark on its way
+        await may_write.wait()
+    generate = instance_pb2.GenerateRequest(request_id="g", prompt_token_ids=PROMPT,
+                                            sampling=sampling_to_proto(SAMPLING))
+    to_prefill = servicer_for(a, InstanceRole.DECODE)
+    to_prefill.on_role_change = slow_write
+    set_role = asyncio.create_task(to_prefill.SetRole(instance_pb2.SetRoleRequest(role=common_pb2.ROLE_PREFILL), None))
+    await asyncio.sleep(0.05)
+    stream = to_prefill.Generate(generate, None)
+    assert (await anext(stream)).request_id == "g"  # taken, not refused as decode
+    await stream.aclose()
+
+    to_decode = servicer_for(b, InstanceRole.PREFILL)
+    to_decode.on_role_change = slow_write
+    set_decode = asyncio.create_task(to_decode.SetRole(instance_pb2.SetRoleRequest(role=common_pb2.ROLE_DECODE), None))
+    await asyncio.sleep(0.05)
+    await to_decode.PrepareMigrateIn(instance_pb2.PrepareMigrateInRequest(
+        migration_id="m-1", request_id="r", src_instance_id="a", num_blocks=2), None)  # taken, not refused as prefill
+    assert await b.inbox.abort("m-1")
+    may_write.set()
+    await set_role
+    await set_decode
+    with pytest.raises(FailedPrecondition, match="role prefill"):  # each SetRole done: its role alone says
+        await to_prefill.PrepareMigrateIn(instance_pb2.PrepareMigrateInRequest(
+            migration_id="m-2", request_id="r", src_instance_id="b", num_blocks=2), None)
+    with pytest.raises(FailedPrecondition, match="role decode"):
+        await anext(to_decode.Generate(generate, None))
+
+
+async def test_a_set_role_whose_record_cannot_be_written_refuses_as_before(pair):
+    a, _ = pair
+    servicer = servicer_for(a, InstanceRole.DECODE)
+
+    async def etcd_away(identity: InstanceIdentity) -> None:
+        raise Unavailable("etcd is unreachable")
+    servicer.on_role_change = etcd_away
+    with pytest.raises(Unavailable):
+        await servicer.SetRole(instance_pb2.SetRoleRequest(role=common_pb2.ROLE_PREFILL), None)
+    generate = instance_pb2.GenerateRequest(request_id="g", prompt_token_ids=PROMPT,
+                                            sampling=sampling_to_proto(SAMPLING))
+    with pytest.raises(FailedPrecondition, match="role decode"):
+        await anext(servicer.Generate(generate, None))

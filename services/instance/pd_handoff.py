@@ -214,9 +214,10 @@ class DecodeHandoff:
         started_at = time.time()
         try:
             num_blocks = held.blocks.num_blocks if held is not None else await self._num_blocks(request_id)
-            place = await self._placer.place_decode(request_id, self._instance_id, num_blocks)
         except NotFound:
             return None  # finished meanwhile
+        try:
+            place = await self._placer.place_decode(request_id, self._instance_id, num_blocks)
         except FerryError as exc:
             self._note_decode_missing(request_id, exc)
             return None

@@ -421,3 +421,20 @@ async def test_place_decode_is_told_how_many_blocks_the_request_holds():
     assert placer.asks == [("r-1", 3, ()), ("r-2", 7, ())]
     await assert_cancels(loop)
     await handoff.close()
+
+
+async def test_a_request_that_finished_before_its_blocks_were_counted_ends_its_hand_off_quietly():
+    from services.common.errors import NotFound
+
+    engine, placer, migrations = FakeEngine(), FlakyPlacer(), FakeMigrations()
+
+    def finished(request_id: str):
+        raise NotFound(f"request {request_id} is not on this instance")
+    engine.migration_blocks = finished
+    handoff = pushing(engine, placer, migrations)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1")  # decoding here (not parked): its blocks are asked of the engine
+    await until(lambda: "r-1" not in handoff._pending, loop)
+    assert placer.asks == [] and placer.failed == [] and migrations.plans == []
+    await assert_cancels(loop)
+    await handoff.close()

@@ -14,7 +14,7 @@ serving path (client inter-token latency minus the instances' own step time):
 and writes JSON and a PNG latency CDF to --out-dir.
 
     python benchmarks/serving.py --model models/smollm2-135m-instruct --instances 2 --rate 2 --num-requests 100
-    python benchmarks/serving.py --url http://127.0.0.1:8000 --admin 127.0.0.1:50051   # an existing cluster
+    python benchmarks/serving.py --url http://127.0.0.1:8000 --admin 127.0.0.1:50051   # an existing cluster (--model: the folder it serves)
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--url", help="frontend base URL of a running cluster (default: start one)")
     parser.add_argument("--admin", help="admin address of that cluster (for the instances' step times)")
     parser.add_argument("--model", type=pathlib.Path, default=ROOT / "models" / "smollm2-135m-instruct",
-                        help="model folder for a cluster started by this benchmark")
+                        help="model folder: the cluster this benchmark starts serves it, and prompts are "
+                             "drawn from its vocabulary (with --url, the served model's)")
     parser.add_argument("--instances", type=at_least(1), default=2, help="instances of a started cluster (role both)")
     parser.add_argument("--pd", type=prefill_decode, default=None, help="P:D — start P prefill and D decode instances instead of --instances")
     parser.add_argument("--launcher-args", default="", help="extra flags for `services.cluster up` (quoted)")
@@ -278,14 +279,33 @@ def report(args: argparse.Namespace, results: list[RequestResult], elapsed: floa
 async def bench(args: argparse.Namespace, url: str, admin: str | None, model_dir: pathlib.Path) -> dict:
     from services.instance.engine.model_config import ModelConfig
 
-    requests = workload(args, ModelConfig.from_dir(model_dir).vocab_size)
+    vocab_size = ModelConfig.from_dir(model_dir).vocab_size
+    requests = workload(args, vocab_size)
+    model = await served_model(url, model_dir, vocab_size)
     step_times: list[float] = []
     sampler = asyncio.create_task(sample_step_times(admin, step_times)) if admin else None
-    results, elapsed = await run_workload(url, model_dir.name, requests)
+    results, elapsed = await run_workload(url, model, requests)
     if sampler is not None:
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
     return report(args, results, elapsed, step_times)
+
+
+async def served_model(url: str, model_dir: pathlib.Path, vocab_size: int) -> str:
+    """The name the cluster at `url` serves (its `--served-model-name`, or its model folder's name),
+    after checking that it takes the prompts' token ids, drawn from `model_dir`'s vocabulary: a
+    cluster serving another model would refuse every request."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        async with session.get(f"{url}/v1/models") as response:
+            response.raise_for_status()
+            served = (await response.json())["data"][0]["id"]
+        async with session.post(f"{url}/detokenize", json={"tokens": [vocab_size - 101]}) as response:
+            if response.status == 400:
+                error = (await response.json())["error"]["message"]
+                sys.exit(f"the cluster at {url} serves {served!r}, whose vocabulary is not that of --model "
+                         f"{model_dir} ({error}): pass --model with the folder of the model it serves")
+            response.raise_for_status()
+    return served
 
 
 async def sample_step_times(admin: str, samples: list[float], interval_s: float = STEP_SAMPLE_INTERVAL_S) -> None:
@@ -311,6 +331,9 @@ def main() -> None:
     plot_cdf(summary["ttft_ms"], summary["itl_ms"], args.out_dir / f"{args.tag}.png",
              f"{args.tag}: {args.num_requests} requests at {args.rate}/s")
     print(f"wrote {json_path} and {args.out_dir / (args.tag + '.png')}")
+    if summary["num_errors"]:
+        sys.exit(f"{summary['num_errors']} of {args.num_requests} requests failed (listed above): the figures "
+                 "leave them out")
 
 
 if __name__ == "__main__":

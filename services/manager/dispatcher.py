@@ -17,7 +17,7 @@ from services.common.errors import ResourceExhausted, Unavailable
 from services.common.periodic import periodic_loop
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import (ALL_ROLES, DECODE_ROLES, PREFILL_ROLES, Candidate, DispatchAsk, InstanceId,
-                                     Placement, Role)
+                                     Placement, Role, serves_shorter)
 from services.manager.leadership import Leadership
 from services.manager.policies import DEFAULT_POLICY, DEFAULT_PREFIX_LOAD_SLACK, DispatchPolicy, LoadPolicy, make_policy
 from services.manager.role_gaps import RoleGaps
@@ -81,7 +81,7 @@ class Dispatcher:
             raise ResourceExhausted(f"every decode instance refused request {request_id} ({', '.join(sorted(refused))}:"
                                     f" no free KV blocks or batch slot); it keeps decoding on {src_instance_id}")
         candidates = [c for c in candidates if c.load.has_room_for(num_blocks)] or candidates  # (a view may be stale)
-        chosen = _DECODE_POLICY.choose(candidates, DispatchAsk(request_id))
+        chosen = _DECODE_POLICY.choose(self._serving_as_long_as(src_instance_id, candidates), DispatchAsk(request_id))
         self._view.reserve(chosen.instance_id, num_blocks, is_dispatch=False)  # dispatched already, to its prefill
         return Placement(chosen.instance_id, chosen.address, "pd")
 
@@ -95,6 +95,14 @@ class Dispatcher:
             self.role_gaps.note_present(Role.PREFILL)
         if self.role_gaps.is_missing(Role.DECODE) and self._view.candidates(roles=DECODE_ROLES | {Role.BOTH}):
             self.role_gaps.note_present(Role.DECODE)
+
+    def _serving_as_long_as(self, src_instance_id: str, candidates: list[Candidate]) -> list[Candidate]:
+        """Those that serve sequences as long as the source does, if any: a shorter one refuses the hand-off
+        of every request that may grow past its limit."""
+        src_len = self._view.record(InstanceId(src_instance_id)).max_model_len if self._view.has_member(
+            src_instance_id) else 0
+        return [c for c in candidates
+                if not serves_shorter(src_len, self._view.record(c.instance_id).max_model_len)] or candidates
 
     def _reported_first(self, candidates: list[Candidate]) -> list[Candidate]:
         """Those that reported in this term, if any did. One still in its grace looks empty (no load

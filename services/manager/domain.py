@@ -48,6 +48,7 @@ class InstanceRecord:
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int = 0
     max_num_seqs: int = 0  # batch slots (its --max-num-seqs); 0: not in the record (an older instance)
+    max_model_len: int = 0  # longest sequence (prompt + output) it serves; 0: not in the record
     is_draining: bool = False  # the instance itself says it takes no new work (record state "draining")
 
     @property
@@ -80,10 +81,17 @@ class InstanceRecord:
                 model=str(data.get("model", "")), pid=int(data.get("pid") or 0), host=str(data.get("host", "")),
                 block_size=int(kv.get("block_size") or DEFAULT_BLOCK_SIZE), num_blocks=int(kv.get("num_blocks") or 0),
                 max_num_seqs=max(int(data.get("max_num_seqs") or 0), 0),  # a hand-edited negative: not known
+                max_model_len=max(int(data.get("max_model_len") or 0), 0),
                 is_draining=str(data.get("state", "")).lower() == "draining",
             )
         except (TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"instance {instance_id}: malformed record ({exc})") from None
+
+
+def serves_shorter(src_max_model_len: int, dst_max_model_len: int) -> bool:
+    """Does the destination serve shorter sequences than the source (both known)? It refuses each of the
+    source's requests that may grow past its limit, whatever its free blocks."""
+    return 0 < dst_max_model_len < src_max_model_len
 
 
 @dataclass(frozen=True, slots=True)

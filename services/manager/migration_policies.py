@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.manager.domain import InstanceId, InstanceView, Load, Role
+from services.manager.domain import InstanceId, InstanceView, Load, Role, serves_shorter
 from services.manager.migration import MigrationTrigger
 
 
@@ -42,11 +42,12 @@ class Peer:
     is_draining: bool
     last_received_at: float = -math.inf  # when a migration to it last ended (the migrator's clock)
     reported: Load | None = None  # last report alone: what it holds now, what a move can take (None: `load`)
+    max_model_len: int = 0  # longest sequence it serves (its etcd record); 0: not known
 
     @classmethod
     def of(cls, view: InstanceView, is_draining: bool, last_received_at: float = -math.inf) -> Peer:
         return cls(view.record.instance_id, view.record.address, view.record.role, view.load, view.load.freeness,
-                   is_draining, last_received_at, view.reported_load)
+                   is_draining, last_received_at, view.reported_load, view.record.max_model_len)
 
     @property
     def num_requests(self) -> int:
@@ -76,6 +77,13 @@ def destination_order(peer: Peer) -> tuple[float, float, str]:
     return -peer.freeness, peer.last_received_at, peer.instance_id
 
 
+def longest_first(src: Peer, destinations: Sequence[Peer]) -> list[Peer]:
+    """`destinations` (in their order) that serve sequences as long as `src` does, then the rest: a drain
+    that tried the freest first spent its grace on refusals while an instance that takes every request
+    waited."""
+    return sorted(destinations, key=lambda d: serves_shorter(src.max_model_len, d.max_model_len))
+
+
 @dataclass(frozen=True, slots=True)
 class Pair:
     src: Peer
@@ -97,7 +105,8 @@ def _assign(sources: Sequence[Peer], destinations: Sequence[Peer], trigger: Migr
     pairs: list[Pair] = []
     taken: set[InstanceId] = set()
     for src in sources:
-        dst = next((d for d in destinations if d.instance_id not in taken and allowed(src, d)), None)
+        dst = next((d for d in longest_first(src, destinations) if d.instance_id not in taken and allowed(src, d)),
+                   None)
         if dst is not None:
             pairs.append(Pair(src, dst, trigger))
             taken.add(dst.instance_id)
@@ -140,7 +149,7 @@ class LoadPairing(PairingPolicy):
             src_freeness = src.held.freeness
             if not free or free[0].freeness - src_freeness <= threshold:
                 break  # gaps only shrink from here
-            dst = next((d for d in free if allowed(src, d) and d.freeness - src_freeness > threshold
+            dst = next((d for d in longest_first(src, free) if allowed(src, d) and d.freeness - src_freeness > threshold
                         and stays_freer_after_move(src.held, d.load)), None)
             if dst is not None:  # else every destination worth it backs off or cannot take one: the next source
                 pairs.append(Pair(src, dst, MigrationTrigger.LOAD))

@@ -292,6 +292,8 @@ def test_record_from_json_reads_kv_geometry_and_rejects_garbage():
     record = InstanceRecord.from_json("i-1", b'{"address": "h:1", "role": "prefill", "pid": 7, "host": "h",'
                                              b' "model": "m", "kv": {"block_size": 32, "num_blocks": 64}}')
     assert (record.role, record.block_size, record.num_blocks, record.pid) == (Role.PREFILL, 32, 64, 7)
+    assert record.max_model_len == 0  # not in the record: not known
+    assert InstanceRecord.from_json("i-1", b'{"address": "h:1", "max_model_len": 1024}').max_model_len == 1024
     with pytest.raises(ValueError, match="no address"):
         InstanceRecord.from_json("i-2", b"{}")
     with pytest.raises(ValueError, match="role 'gpu'"):

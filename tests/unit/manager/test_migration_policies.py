@@ -143,3 +143,21 @@ def test_a_destination_without_a_free_batch_slot_leaves_the_next_one_to_try():
     assert pairs_of(pair_drains([dataclasses.replace(loaded, is_draining=True)], [full, roomy])) == [("a", "roomy")]
     unknown = peer("old", num_running=4, num_free_blocks=900)  # an older instance reports no slots: not ruled out
     assert pairs_of(LoadPairing().pair([loaded, unknown], threshold=1.0)) == [("a", "old")]
+
+
+def test_an_instance_serving_shorter_sequences_is_the_last_destination_tried():
+    # Found by an outside-in run: a third instance joined with --max-model-len 256 (and the most free blocks)
+    # while requests that may reach ~350 tokens ran; the first was stopped (SIGTERM). Its drain kept pairing
+    # it with the short one, which refused each request (longer than it serves), so within the 5 s grace
+    # only one of three requests moved to the instance that serves 1024 tokens; the others were cut and resumed.
+    draining = dataclasses.replace(peer("a", num_running=3, num_free_blocks=970, is_draining=True), max_model_len=1024)
+    short = dataclasses.replace(peer("short", num_free_blocks=8000, num_total_blocks=8000), max_model_len=256)
+    long = dataclasses.replace(peer("long", num_running=3, num_free_blocks=980), max_model_len=1024)
+    unknown = peer("old", num_running=3, num_free_blocks=960)  # no max_model_len in its record: not ruled out
+    assert pairs_of(pair_drains([draining], [short, long])) == [("a", "long")]
+    assert pairs_of(pair_drains([draining], [short, unknown])) == [("a", "old")]
+    assert pairs_of(pair_drains([draining], [short])) == [("a", "short")]  # the only one: its requests may fit
+    loaded = dataclasses.replace(peer("a", num_running=30, num_free_blocks=700), max_model_len=1024)
+    assert pairs_of(LoadPairing().pair([loaded, short, long], threshold=1.0)) == [("a", "long")]
+    as_long = dataclasses.replace(short, max_model_len=1024)
+    assert pairs_of(LoadPairing().pair([loaded, as_long, long], threshold=1.0)) == [("a", "short")]  # freest

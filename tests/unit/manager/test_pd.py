@@ -111,6 +111,21 @@ def test_place_decode_picks_the_freest_decode_instance_and_reserves_it():
     assert view.load_of(InstanceId("d2")).num_running == 1  # reserved until its next report
 
 
+def test_place_decode_prefers_decode_instances_serving_sequences_as_long_as_the_source():
+    # A freer decode instance that serves shorter sequences (--max-model-len) refuses the hand-off of every
+    # request that may grow past its limit: the request would decode on its prefill instance instead.
+    view = ClusterView(report_timeout_s=3.0, clock=FakeClock())
+    for instance_id, role, max_model_len in [("p", Role.PREFILL, 1024), ("short", Role.DECODE, 256),
+                                             ("long", Role.DECODE, 1024)]:
+        view.put_member(dataclasses.replace(make_record(instance_id, role=role), max_model_len=max_model_len))
+        view.apply_report(InstanceId(instance_id), make_load())
+    view.apply_report(InstanceId("long"), make_load(num_free_blocks=500, num_running=3))
+    dispatcher = Dispatcher(view, leading())
+    assert dispatcher.place_decode("r1", "p", 4).instance_id == "long"
+    view.remove_member(InstanceId("long"))
+    assert dispatcher.place_decode("r2", "p", 4).instance_id == "short"  # the only one: the request may fit
+
+
 def test_place_decode_without_decode_instances_is_unavailable_and_counted():
     view = pd_view(p=Role.PREFILL, q=Role.PREFILL)
     dispatcher = Dispatcher(view, leading())

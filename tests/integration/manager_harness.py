@@ -121,6 +121,7 @@ class SimulatedInstance:
     num_waiting: int = 0
     report_interval_s: float = 0.05
     is_reporting: bool = True  # False: the stream stays open but says nothing
+    max_model_len: int = 0  # in the record when set: the longest sequence it serves
     num_streams_opened: int = 0
     server: GrpcServer | None = None
     _task: asyncio.Task | None = field(default=None, repr=False)
@@ -129,7 +130,7 @@ class SimulatedInstance:
         return {"instance_id": self.instance_id, "address": self.address, "role": "both", "model": "sim",
                 "state": "serving", "pid": 4242, "host": "sim-host",
                 "kv": {"block_size": 16, "num_blocks": 1000, "num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
-                       "dtype": "float32"}}
+                       "dtype": "float32"}} | ({"max_model_len": self.max_model_len} if self.max_model_len else {})
 
     async def register(self, etcd: Etcd3Client, cluster: str) -> None:
         await etcd.kv.put(f"/ferry/{cluster}/instances/{self.instance_id}", json.dumps(self.record()))

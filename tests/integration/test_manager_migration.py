@@ -92,7 +92,7 @@ async def world(etcd, etcd_client, cluster, tmp_path):
     """start(n, *manager_args) → (manager, client, {id: MigratingInstance}); everything stops at the end."""
     managers, sims, clients = [], [], []
 
-    async def start(num_instances: int, *args: str, metrics_port: int = 0):
+    async def start(num_instances: int, *args: str, metrics_port: int = 0, max_model_lens: tuple[int, ...] = ()):
         manager = await start_manager(etcd.endpoint, cluster, f"m-{len(managers)}", tmp_path,
                                       "--report-timeout-s", "2", "--migration-interval-s", "0.1",
                                       "--metrics-port", str(metrics_port), *args)
@@ -100,7 +100,8 @@ async def world(etcd, etcd_client, cluster, tmp_path):
         await wait_until(lambda: _leads(manager), 10, "manager leading")
         peers: dict[str, MigratingInstance] = {}
         for n in range(num_instances):
-            sim = SimulatedInstance(f"i-{n}", "", report_interval_s=0.05)
+            sim = SimulatedInstance(f"i-{n}", "", report_interval_s=0.05,
+                                    max_model_len=max_model_lens[n] if max_model_lens else 0)
             servicer = peers[sim.instance_id] = MigratingInstance(sim, peers)
             sim.server = await start_grpc_server("127.0.0.1", 0, [(
                 instance_pb2_grpc.add_InstanceServiceServicer_to_server, servicer)], ["ferry.v1.InstanceService"])
@@ -189,6 +190,20 @@ async def test_drain_moves_everything_off_and_then_reports_drained(world):
     again = await client.drain("i-1")
     assert again.is_drained and again.num_remaining == 0
     assert {m.trigger for m in (await client.list_migrations()).migrations} == {"drain"}
+
+
+async def test_a_drain_passes_over_a_freer_instance_that_serves_shorter_sequences(world):
+    # Found outside-in: an instance that joined with --max-model-len 256 and the most free blocks drew every
+    # move of a drain and refused each request that may grow past 256 tokens, so a SIGTERMed instance spent
+    # its grace on refusals and its requests were cut and resumed instead of migrated.
+    _, client, peers = await world(3, max_model_lens=(256, 1024, 1024))
+    peers["i-2"].hold("r-x")  # i-0, the short one, stays the freest
+    peers["i-1"].hold("r-a", "r-b", "r-c")
+    await wait_until(lambda: _running_is(client, {"i-0": 0, "i-1": 3, "i-2": 1}), 5, "requests reported")
+    await client.drain("i-1")
+    await wait_until(lambda: _is_drained(client, "i-1"), 15, "i-1 drained")
+    assert [call.dst_instance_id for call in peers["i-1"].calls] == ["i-2"] * 3
+    assert sorted(peers["i-2"].request_ids) == ["r-a", "r-b", "r-c", "r-x"]
 
 
 async def test_a_request_not_found_while_an_instance_is_silent_is_unavailable_not_not_found(world):

@@ -33,9 +33,10 @@ class ManagerLink:
         self._pool = ChannelPool(tls)
 
     async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int,
-                           refused: Collection[str] = ()) -> DecodePlace:
+                           refused: Collection[str] = (), max_num_tokens: int = 0) -> DecodePlace:
         request = manager_pb2.PlaceDecodeRequest(request_id=request_id, src_instance_id=src_instance_id,
-                                                 num_blocks=num_blocks, exclude_instance_ids=sorted(refused))
+                                                 num_blocks=num_blocks, exclude_instance_ids=sorted(refused),
+                                                 max_num_tokens=max_num_tokens)
         # A short deadline: the request waits parked at its first token meanwhile, and so does every
         # one queued behind it (a frozen leader cost each of them the whole RPC timeout).
         reply = await self._call("PlaceDecode", request, request_id, min(self._timeout_s, PLACE_DECODE_TIMEOUT_S))

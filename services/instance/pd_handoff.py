@@ -59,7 +59,7 @@ class DecodePlacer(Protocol):
     """The leader manager's PD calls (services/instance/manager_client.py: ManagerLink)."""
 
     async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int,
-                           refused: Collection[str] = ()) -> DecodePlace: ...
+                           refused: Collection[str] = (), max_num_tokens: int = 0) -> DecodePlace: ...
 
     async def report_migration(self, result: MigrationResult, started_at: float) -> None: ...
 
@@ -216,8 +216,9 @@ class DecodeHandoff:
             num_blocks = held.blocks.num_blocks if held is not None else await self._num_blocks(request_id)
         except NotFound:
             return None  # finished meanwhile
+        reach = held.state.max_num_tokens if held is not None else 0  # prompt + max_tokens (0: not known)
         try:
-            place = await self._placer.place_decode(request_id, self._instance_id, num_blocks)
+            place = await self._placer.place_decode(request_id, self._instance_id, num_blocks, max_num_tokens=reach)
         except FerryError as exc:
             self._note_decode_missing(request_id, exc)
             return None
@@ -225,7 +226,7 @@ class DecodeHandoff:
         plan = MigrateOutPlan(request_id=request_id, dst_instance_id=place.instance_id, dst_address=place.address,
                               dst_transfer_address="", backend=None, selection=MigrationSelection.PREFILL_DONE,
                               max_stages=0, held=held, prepare_timeout_s=self._hold_s)
-        plan, outcome = await self._migrate(plan, num_blocks)
+        plan, outcome = await self._migrate(plan, num_blocks, reach)
         if isinstance(outcome, FerryError):  # it decodes here; the manager's loop retries it
             if self._is_moot(request_id):
                 log.info("pd_handoff_moot", request_id=request_id, reason=outcome.message)
@@ -249,8 +250,8 @@ class DecodeHandoff:
         or another migration (a drain, the manager's loop) claimed it first and moves it."""
         return self._runner.stream(request_id) is None or request_id in self._migrations.moving
 
-    async def _migrate(self, plan: MigrateOutPlan,
-                       num_blocks: int) -> tuple[MigrateOutPlan, MigrationResult | FerryError]:
+    async def _migrate(self, plan: MigrateOutPlan, num_blocks: int,
+                       reach: int) -> tuple[MigrateOutPlan, MigrationResult | FerryError]:
         """Up to _NUM_TRIES tries; the last plan tried, with its result or its error. A destination that refused
         for want of blocks or slots (RESOURCE_EXHAUSTED) is not tried again: the next try goes to the freest
         decode instance that did not refuse. While our own migration slots are busy, a try waits a little."""
@@ -264,7 +265,8 @@ class DecodeHandoff:
                 return plan, outcome
             refused.append(plan.dst_instance_id)  # no room there (our slot was free)
             try:
-                place = await self._placer.place_decode(plan.request_id, self._instance_id, num_blocks, refused)
+                place = await self._placer.place_decode(plan.request_id, self._instance_id, num_blocks, refused,
+                                                        max_num_tokens=reach)
             except FerryError:
                 return plan, outcome  # none left that did not refuse, or no leader answers: the refusal stands
             # The failed attempt may have resumed the request (it decodes here meanwhile): its parked state is

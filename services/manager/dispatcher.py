@@ -61,12 +61,13 @@ class Dispatcher:
                          can_prefill_on_decode=record.role is Role.DECODE)
 
     def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int,
-                     refused: frozenset[InstanceId] = frozenset()) -> Placement:
+                     refused: frozenset[InstanceId] = frozenset(), max_num_tokens: int = 0) -> Placement:
         """The DECODE instance (most free) a prefilled request holding `num_blocks` moves to, one with room for
         them first; BOTH instances if no DECODE one serves. `refused`: those that just refused it (no room).
+        Those serving shorter sequences than the request may reach (`max_num_tokens`, 0: not known) would refuse it.
 
-        Unavailable when neither serves, ResourceExhausted when all that serve refused it: the request keeps
-        decoding where it is."""
+        Unavailable when none serves (or none serves sequences that long), ResourceExhausted when all that serve
+        refused it: the request keeps decoding where it is."""
         self._leadership.check_leader()
         exclude = frozenset({InstanceId(src_instance_id)})
         candidates = self._reported_first(self._view.candidates(exclude, DECODE_ROLES)
@@ -76,12 +77,17 @@ class Dispatcher:
             raise Unavailable(f"no decode instance serves; request {request_id} keeps decoding on "
                               f"{src_instance_id} (start one, or SetRole an instance to ROLE_DECODE)")
         self.role_gaps.note_present(Role.DECODE)
+        candidates = [c for c in candidates
+                      if not serves_shorter(max_num_tokens, self._view.record(c.instance_id).max_model_len)]
+        if not candidates:
+            raise Unavailable(f"no decode instance serves sequences of {max_num_tokens} tokens (prompt + max_tokens); "
+                              f"request {request_id} keeps decoding on {src_instance_id}")
         candidates = [c for c in candidates if c.instance_id not in refused]
         if not candidates:
             raise ResourceExhausted(f"every decode instance refused request {request_id} ({', '.join(sorted(refused))}:"
                                     f" no free KV blocks or batch slot); it keeps decoding on {src_instance_id}")
         candidates = [c for c in candidates if c.load.has_room_for(num_blocks)] or candidates  # (a view may be stale)
-        chosen = _DECODE_POLICY.choose(self._serving_as_long_as(src_instance_id, candidates), DispatchAsk(request_id))
+        chosen = _DECODE_POLICY.choose(candidates, DispatchAsk(request_id))
         self._view.reserve(chosen.instance_id, num_blocks, is_dispatch=False)  # dispatched already, to its prefill
         return Placement(chosen.instance_id, chosen.address, "pd")
 
@@ -95,14 +101,6 @@ class Dispatcher:
             self.role_gaps.note_present(Role.PREFILL)
         if self.role_gaps.is_missing(Role.DECODE) and self._view.candidates(roles=DECODE_ROLES | {Role.BOTH}):
             self.role_gaps.note_present(Role.DECODE)
-
-    def _serving_as_long_as(self, src_instance_id: str, candidates: list[Candidate]) -> list[Candidate]:
-        """Those that serve sequences as long as the source does, if any: a shorter one refuses the hand-off
-        of every request that may grow past its limit."""
-        src_len = self._view.record(InstanceId(src_instance_id)).max_model_len if self._view.has_member(
-            src_instance_id) else 0
-        return [c for c in candidates
-                if not serves_shorter(src_len, self._view.record(c.instance_id).max_model_len)] or candidates
 
     def _reported_first(self, candidates: list[Candidate]) -> list[Candidate]:
         """Those that reported in this term, if any did. One still in its grace looks empty (no load

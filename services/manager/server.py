@@ -79,7 +79,8 @@ class ManagerServicer(manager_pb2_grpc.ManagerServiceServicer):
             raise InvalidArgument("request_id and src_instance_id: both required")
         placement = self._dispatcher.place_decode(request.request_id, request.src_instance_id,
                                                   max(request.num_blocks, 0),
-                                                  frozenset(InstanceId(i) for i in request.exclude_instance_ids))
+                                                  frozenset(InstanceId(i) for i in request.exclude_instance_ids),
+                                                  max(request.max_num_tokens, 0))
         return manager_pb2.PlaceDecodeResponse(instance_id=placement.instance_id, address=placement.address)
 
     async def ReportMigration(self, request: manager_pb2.MigrationRecord,

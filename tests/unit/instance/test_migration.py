@@ -848,7 +848,7 @@ async def test_a_request_parked_for_a_hand_off_that_no_longer_runs_decodes_here(
 class DecodePlacer:
     """A manager that places every PD hand-off on instance b."""
 
-    async def place_decode(self, request_id, src_instance_id, num_blocks, refused=()):
+    async def place_decode(self, request_id, src_instance_id, num_blocks, refused=(), max_num_tokens=0):
         return DecodePlace("b", "127.0.0.1:2")
 
     async def report_migration(self, result, started_at):
@@ -979,7 +979,7 @@ async def test_a_request_migrated_in_before_its_first_token_onto_a_pushing_prefi
 
 
 class PlaceOnA(DecodePlacer):
-    async def place_decode(self, request_id, src_instance_id, num_blocks, refused=()):
+    async def place_decode(self, request_id, src_instance_id, num_blocks, refused=(), max_num_tokens=0):
         return DecodePlace("a", "127.0.0.1:1")
 
 
@@ -1056,7 +1056,7 @@ class SlowDecodePlacer(DecodePlacer):
     def __init__(self) -> None:
         self.asked, self.answer = asyncio.Event(), asyncio.Event()
 
-    async def place_decode(self, request_id, src_instance_id, num_blocks, refused=()):
+    async def place_decode(self, request_id, src_instance_id, num_blocks, refused=(), max_num_tokens=0):
         self.asked.set()
         await self.answer.wait()
         return await super().place_decode(request_id, src_instance_id, num_blocks)

@@ -80,10 +80,12 @@ class FlakyPlacer:
         self.asks: list[tuple[str, int, tuple[str, ...]]] = []  # (request id, num_blocks, refused) of each call
         self.reported: list[str] = []
         self.failed: list[tuple[str, str, str]] = []
+        self.reaches: list[int] = []  # each call's max_num_tokens
 
     async def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int,
-                           refused=()) -> DecodePlace:
+                           refused=(), max_num_tokens: int = 0) -> DecodePlace:
         self.asks.append((request_id, num_blocks, tuple(refused)))
+        self.reaches.append(max_num_tokens)
         if self.errors:
             raise self.errors.pop(0)
         if not self.decode_ids:
@@ -116,9 +118,11 @@ class StuckMigrations(FakeMigrations):
         return await super().migrate_out(plan)
 
 
-def parked(num_blocks: int) -> SimpleNamespace:
-    """Stands for the HeldRequest the runner parked with the first token."""
-    return SimpleNamespace(blocks=SimpleNamespace(num_blocks=num_blocks))
+def parked(num_blocks: int = 2, max_num_tokens: int = 0) -> SimpleNamespace:
+    """Stands for the HeldRequest the runner parked with the first token (its blocks and its state's reach
+    are read)."""
+    return SimpleNamespace(blocks=SimpleNamespace(num_blocks=num_blocks),
+                           state=SimpleNamespace(max_num_tokens=max_num_tokens))
 
 
 def pushing(engine: FakeEngine, placer: FlakyPlacer, migrations: FakeMigrations,
@@ -170,7 +174,7 @@ async def test_a_failed_resume_does_not_stop_the_workers():
 async def test_a_retried_hand_off_does_not_reuse_the_parked_state():
     """A failed attempt may resume the request (it decodes here meanwhile): the retry must
     suspend it afresh, never copy the state parked at its first token."""
-    held = parked(3)  # stands for the HeldRequest the runner parked with the first token
+    held = parked(3, max_num_tokens=350)  # stands for the HeldRequest the runner parked with the first token
     engine, placer = FakeEngine(), FlakyPlacer()
     migrations = FakeMigrations(ResourceExhausted("the destination runs a migration already"))
     handoff = pushing(engine, placer, migrations)
@@ -178,6 +182,7 @@ async def test_a_retried_hand_off_does_not_reuse_the_parked_state():
     handoff.note_prefilled("r-1", held)
     await until(lambda: handoff.num_handed_off == 1, loop)
     assert [plan.held for plan in migrations.plans] == [held, None]
+    assert placer.reaches[0] == 350  # the manager passes over decode instances serving shorter sequences
     assert engine.held == []  # parked by the runner already
     await assert_cancels(loop)
     await handoff.close()

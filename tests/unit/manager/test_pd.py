@@ -111,9 +111,9 @@ def test_place_decode_picks_the_freest_decode_instance_and_reserves_it():
     assert view.load_of(InstanceId("d2")).num_running == 1  # reserved until its next report
 
 
-def test_place_decode_prefers_decode_instances_serving_sequences_as_long_as_the_source():
-    # A freer decode instance that serves shorter sequences (--max-model-len) refuses the hand-off of every
-    # request that may grow past its limit: the request would decode on its prefill instance instead.
+def test_place_decode_passes_over_decode_instances_serving_shorter_sequences_than_the_request_may_reach():
+    # Found outside-in: a decode instance with --max-model-len 256 and the most free blocks drew hand-offs of
+    # requests that may reach ~350 tokens and refused each (they decoded on the prefill instance instead).
     view = ClusterView(report_timeout_s=3.0, clock=FakeClock())
     for instance_id, role, max_model_len in [("p", Role.PREFILL, 1024), ("short", Role.DECODE, 256),
                                              ("long", Role.DECODE, 1024)]:
@@ -121,9 +121,12 @@ def test_place_decode_prefers_decode_instances_serving_sequences_as_long_as_the_
         view.apply_report(InstanceId(instance_id), make_load())
     view.apply_report(InstanceId("long"), make_load(num_free_blocks=500, num_running=3))
     dispatcher = Dispatcher(view, leading())
-    assert dispatcher.place_decode("r1", "p", 4).instance_id == "long"
+    assert dispatcher.place_decode("r1", "p", 4, max_num_tokens=300).instance_id == "long"
+    assert dispatcher.place_decode("r2", "p", 4, max_num_tokens=256).instance_id == "short"  # fits: the freest
+    assert dispatcher.place_decode("r3", "p", 4).instance_id == "short"  # reach not known: by load alone
     view.remove_member(InstanceId("long"))
-    assert dispatcher.place_decode("r2", "p", 4).instance_id == "short"  # the only one: the request may fit
+    with pytest.raises(Unavailable, match="no decode instance serves sequences of 300 tokens"):
+        dispatcher.place_decode("r4", "p", 4, max_num_tokens=300)
 
 
 def test_place_decode_without_decode_instances_is_unavailable_and_counted():

@@ -263,6 +263,11 @@ class LocalEtcd:
             # Keep an hour of history, not all of it: every migration (and PD hand-off) writes its record,
             # and an uncompacted database grows until etcd's quota stops every write.
             "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "1h",
+            # One member elects itself; the defaults (100 ms / 1 s, sized for peers across a network) only
+            # delay that: healthy 0.3-1.0 s after a fresh start and 1.1-2.0 s after a restart on its data,
+            # 0.1-0.5 s with these (no peer to hear from, so no leadership to lose under load). Idle, it
+            # then ticks 1.2% of a core instead of 0.6% (10 ms / 100 ms: faster still, but 1.9%).
+            "--heartbeat-interval", "25", "--election-timeout", "250",
         ]
         return command if self._durable else [*command, "--unsafe-no-fsync"]
 

@@ -55,8 +55,6 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere, as the README sh
 from services.cluster.processes import ServiceProcess  # noqa: E402
 from services.common.etcd_launcher import free_port  # noqa: E402
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc  # noqa: E402
-from services.instance.engine.model_config import ModelConfig  # noqa: E402
-from services.instance.models.tiny import build_tiny_model  # noqa: E402
 from benchmarks.stopping import as_ctrl_c, logs_kept_on_failure  # noqa: E402
 from benchmarks.flags import HelpFormatter  # noqa: E402
 
@@ -119,6 +117,8 @@ def flag_problem(args: argparse.Namespace) -> str | None:
 def serving_length(lengths: list[int], model_dir: pathlib.Path) -> int:
     """The instances' --max-model-len: room for every request to go on decoding until it is measured
     (capped by the model's context, which must leave MIN_OUTPUT_ROOM tokens at the longest length)."""
+    from services.instance.engine.model_config import ModelConfig  # here: torch, 2 s of CPU, only once flags are good
+
     context = ModelConfig.from_dir(model_dir).context_length
     if context - max(lengths) < MIN_OUTPUT_ROOM:
         raise SystemExit(f"--lengths: the model serves {context} tokens; the longest length may be "
@@ -420,6 +420,8 @@ def main() -> None:
     args = parse_args()
     signal.signal(signal.SIGTERM, as_ctrl_c)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
     work_dir = pathlib.Path(tempfile.mkdtemp(prefix="ferry-downtime-"))  # the tiny model and logs/
+    from services.instance.models.tiny import build_tiny_model  # here, as ModelConfig in serving_length
+
     model_dir = args.model or build_tiny_model(work_dir / "model", TINY_SHAPE)
     try:
         serving_length(args.lengths, model_dir)  # --lengths longer than the model serves: refused before any start

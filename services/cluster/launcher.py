@@ -1,7 +1,8 @@
 """Single-machine cluster: etcd, manager, instances and frontend as child processes.
 
-Start order: etcd, then the first manager (so it leads), then every other child at
-once; `ready` once all are healthy. On SIGINT/SIGTERM/SIGHUP every child is
+Start order: etcd, then the first manager with the transfer service(s), the instances and
+the frontend, then, once that manager serves (so it leads), the standby managers; `ready`
+once all are healthy. On SIGINT/SIGTERM/SIGHUP every child is
 stopped by its PID (the frontend first, then the others side by side, then etcd), and
 nothing else is touched. A child that exits on its own starts again (supervisor.py), unless
 `--restart no`. If the launcher itself is
@@ -152,11 +153,16 @@ class LocalCluster:
             async with self.registry() as registry:
                 await reset_target(registry, len(self.spec.roles))
                 await align_stored_scaling(registry, len(self.spec.roles), self.spec.autoscale_max_instances)
-        await self._start_and_wait([self._manager(0)])  # alone first, so it leads (the admin port is the leader's)
-        # The rest together: each finds what it needs as it comes (an instance retries its
-        # transfer service, the frontend watches etcd for instances).
+        # The standbys only once the first manager serves, so it leads (the admin port is the leader's).
+        # Everything else starts with it: each finds what it needs as it comes (an instance retries its
+        # transfer service and waits for a leader to report to, the frontend watches etcd for instances),
+        # and their imports (torch: seconds of CPU) need not wait for the manager's.
+        leader, serving = self._manager(0), [*self._data_plane(), self._frontend()]
+        self._start([leader, *serving])
+        await self._wait_healthy([leader])
         standbys = [self._manager(i) for i in range(1, self.spec.num_managers)]
-        await self._start_and_wait([*standbys, *self._data_plane(), self._frontend()])
+        self._start(standbys)
+        await self._wait_healthy([*serving, *standbys])
         self.write_state()
 
     def _data_plane(self) -> list[ServiceProcess]:
@@ -176,7 +182,8 @@ class LocalCluster:
         transfer_address = next(p.address for p in self.processes if p.name == "transfer-0")
         process = self._instance(self._next_instance_index, "both", transfer_address)
         self._next_instance_index += 1
-        await self._start_and_wait([process])
+        self._start([process])
+        await self._wait_healthy([process])
         return process
 
     def registry(self) -> Registry:
@@ -227,11 +234,13 @@ class LocalCluster:
                 log.error("state_write_failed", path=str(self.state_dir / "cluster.json"), error=str(exc))
             self.is_state_stale = True
 
-    async def _start_and_wait(self, processes: list[ServiceProcess]) -> None:
+    def _start(self, processes: list[ServiceProcess]) -> None:
         for process in processes:
             process.start()
             self.processes.append(process)
             log.info("process_started", name=process.name, pid=process.pid, address=process.address)
+
+    async def _wait_healthy(self, processes: list[ServiceProcess]) -> None:
         hint = " (--health-timeout-s: raise it for a child that needs longer, such as an instance loading a " \
                "large model)"
         await asyncio.gather(*(p.wait_healthy(self.spec.health_timeout_s, hint) for p in processes))

@@ -36,6 +36,7 @@ DRAIN_MARKS = "config/drain"  # `config/drain/<instance id>`: an operator draine
 ROLE_MARKS = "config/roles"  # `config/roles/<instance id>`: a role set at runtime (the instance writes it)
 
 RegistrationCallback = Callable[[bool], None]
+_HELD_RECHECK_S = 0.25  # register(): how often an id another lease holds is looked at again
 
 
 def cluster_prefix(cluster: str) -> str:
@@ -147,8 +148,7 @@ class Registry:
                 if self._lease is None:
                     self._lease = await Lease.grant(client, self.ttl_s, self._rpc_timeout_s)
                     self._renewed_at = time.monotonic()
-                await self._put(key, value)
-                self._entries[key] = value
+            await self._claim(key, value)
         except ETCD_ERRORS as exc:
             raise Unavailable(f"cannot register {key} in etcd at {','.join(self.endpoints)}: {exc!r}; "
                               "check that etcd runs there (--etcd-endpoints)") from exc
@@ -157,6 +157,40 @@ class Registry:
             self._set_registered(True)
         if self._keepalive_task is None:
             self._keepalive_task = asyncio.create_task(self._keepalive_loop(), name="registry_keepalive_loop")
+
+    async def _claim(self, key: str, value: dict[str, Any]) -> None:
+        """Put `key` (and keep it as ours) unless another live process holds it. A member record (one naming
+        an address) held under another lease at our own address is our predecessor's, taken over at once: a
+        live one would still hold that port (servers bind without SO_REUSEPORT). Any other holder is waited
+        for until its lease could have run out (a crashed process's key lasts one TTL); one that still renews
+        it is another live process registered under this id: FailedPrecondition, naming it, not a silent
+        overwrite (both processes then answered to one id)."""
+        give_up_at: float | None = None
+        while True:
+            async with self._lock:
+                holder = await self._put_unless_held(key, value) if value.get("address") else None
+                if holder is None or _holder(holder.value) == value["address"]:
+                    if holder is not None or not value.get("address"):  # a predecessor's, or no member record
+                        await self._put(key, value)
+                    self._entries[key] = value
+                    return
+            if give_up_at is None:
+                give_up_at = time.monotonic() + await self._granted_ttl_s(holder.lease) + 1.0
+                log.warning("member_id_held", key=key, holder=_holder(holder.value),
+                            action="waiting for its lease to run out (a process that stopped) before registering")
+            if time.monotonic() >= give_up_at:
+                raise FailedPrecondition(
+                    f"{key} is registered by another live process (at {_holder(holder.value)}) that keeps renewing "
+                    "its lease: two processes cannot answer to one id; stop that one, or give this one another id")
+            await asyncio.sleep(_HELD_RECHECK_S)
+
+    async def _granted_ttl_s(self, lease_id: int) -> float:
+        """The TTL etcd granted a lease (ours where etcd cannot say)."""
+        with contextlib.suppress(*ETCD_ERRORS):
+            response = await self._client.lease.time_to_live(lease_id, timeout=self._rpc_timeout_s)
+            if response.grantedTTL > 0:
+                return float(response.grantedTTL)
+        return self.ttl_s
 
     def holds(self, kind: str, member_id: str) -> bool:
         """Whether register() put this entry (and unregister() did not remove it)."""
@@ -242,21 +276,31 @@ class Registry:
         """Put `key` unless a lease other than ours holds it: after our lease expired, that is another
         process registered under the same id (before, the process that came back overwrote it, and two
         instances answered to one id: the manager routed to one, the transfer service mapped the other)."""
+        holder = await self._put_unless_held(key, value)
+        if holder is None:
+            self._taken_keys.discard(key)
+            return True
+        if key not in self._taken_keys:
+            self._taken_keys.add(key)
+            log.error("member_id_taken", key=key, holder=_holder(holder.value),
+                      reason="another process registered this id while our lease was expired (a replacement "
+                      "started while this one was frozen?); this one stays unregistered, serving what it runs, "
+                      "until that one leaves: stop one of them")
+        return False
+
+    async def _put_unless_held(self, key: str, value: dict[str, Any]) -> Any | None:
+        """Put `key` if it is absent or ours (None); else the key-value of the lease that holds it."""
         response = await self._client.kv.txn(
             compare=[KVService.txn_compare_create_revision(key, 0)],
             success=[KVService.txn_op_put(key, json.dumps(value, sort_keys=True), lease=self._lease.lease_id)],
             failure=[KVService.txn_op_get(key)], timeout=self._rpc_timeout_s)
         holders = [] if response.succeeded else response.responses[0].response_range.kvs
-        if not holders or holders[0].lease == self._lease.lease_id:
-            self._taken_keys.discard(key)
-            return True
-        if key not in self._taken_keys:
-            self._taken_keys.add(key)
-            log.error("member_id_taken", key=key, holder=_holder(holders[0].value),
-                      reason="another process registered this id while our lease was expired (a replacement "
-                      "started while this one was frozen?); this one stays unregistered, serving what it runs, "
-                      "until that one leaves: stop one of them")
-        return False
+        if not holders:
+            return None
+        if holders[0].lease == self._lease.lease_id:
+            await self._put(key, value)  # ours: write the new value
+            return None
+        return holders[0]
 
     async def _put(self, key: str, value: dict[str, Any]) -> None:
         await self._client.kv.put(key, json.dumps(value, sort_keys=True), lease=self._lease.lease_id,

@@ -8,7 +8,7 @@ import json
 import pytest
 from etcd3aio import Etcd3Client
 
-from services.common.errors import Unavailable
+from services.common.errors import FailedPrecondition, Unavailable
 from services.common.etcd_launcher import LocalEtcd, free_port
 from services.common.registry import Registry
 from tests.integration.eventually import eventually
@@ -100,8 +100,9 @@ async def test_a_process_back_after_its_lease_expired_leaves_its_id_to_the_one_t
     await old.register("instances", "i-1", {"address": "old"})
     replacement = Registry([etcd.endpoint], cluster, ttl_s=TTL_S)
     try:
-        await raw_etcd.lease.revoke(old.lease_id, timeout=5)  # expired while the old one was frozen
-        await replacement.register("instances", "i-1", {"address": "new"})
+        async with old._lock:  # the old one frozen: no keepalive of it between the expiry and the replacement
+            await raw_etcd.lease.revoke(old.lease_id, timeout=5)  # expired while the old one was frozen
+            await replacement.register("instances", "i-1", {"address": "new"})
         await eventually(lambda: not old.is_registered, what="the old one noticing its lease expired")
         await asyncio.sleep(2 * TTL_S)  # several keepalive rounds of the old one
         response = await raw_etcd.kv.get(old.key("instances", "i-1"), timeout=5)
@@ -112,6 +113,51 @@ async def test_a_process_back_after_its_lease_expired_leaves_its_id_to_the_one_t
     await eventually(lambda: old.is_registered, what="the old one back once the id is free")
     response = await raw_etcd.kv.get(old.key("instances", "i-1"), timeout=5)
     assert json.loads(response.kvs[0].value) == {"address": "old"} and response.kvs[0].lease == old.lease_id
+
+
+async def test_an_id_a_live_process_holds_is_refused_not_taken(etcd: LocalEtcd, cluster: str, registries,
+                                                             raw_etcd: Etcd3Client) -> None:
+    """Two live processes started with one id: the second one's put overwrote the first's record, and the
+    first, still renewing its own lease and sure it was registered, reported load under the id the record
+    gave another address (found by a test race). The second now waits out the holder's lease and then
+    refuses to start, naming the holder; the first keeps its record."""
+    first, _ = registries
+    await first.register("instances", "i-1", {"address": "127.0.0.1:1"})
+    second = Registry([etcd.endpoint], cluster, ttl_s=TTL_S)
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(FailedPrecondition, match=r"i-1 is registered by another live process \(at 127.0.0.1:1\)"):
+            await second.register("instances", "i-1", {"address": "127.0.0.1:2"})
+        assert asyncio.get_running_loop().time() - started >= TTL_S  # it gave the holder a lease's time to go
+        response = await raw_etcd.kv.get(first.key("instances", "i-1"), timeout=5)
+        assert json.loads(response.kvs[0].value) == {"address": "127.0.0.1:1"}
+        assert response.kvs[0].lease == first.lease_id and first.is_registered
+    finally:
+        await second.close()
+
+
+async def test_an_id_held_by_a_process_that_stopped_is_taken_once_its_lease_runs_out(
+        etcd: LocalEtcd, cluster: str, raw_etcd: Etcd3Client) -> None:
+    """A crashed process's record outlives it by one TTL: its restart on another port waits for it; one on
+    the same address is the predecessor's own socket (no live process shares a port) and takes it at once."""
+    key_of = Registry([etcd.endpoint], cluster).key
+    for member_id, address in (("i-1", "127.0.0.1:1"), ("i-2", "127.0.0.1:3")):
+        lease = await raw_etcd.lease.grant(ttl=2, timeout=5)  # a process that died: nobody renews it
+        await raw_etcd.kv.put(key_of("instances", member_id), json.dumps({"address": address}), lease=lease.ID,
+                              timeout=5)
+    restarted = Registry([etcd.endpoint], cluster, ttl_s=TTL_S)
+    try:
+        started = asyncio.get_running_loop().time()
+        await restarted.register("instances", "i-2", {"address": "127.0.0.1:3"})  # same address: at once
+        assert asyncio.get_running_loop().time() - started < 1.0
+        await restarted.register("instances", "i-1", {"address": "127.0.0.1:2"})  # another port: after the TTL
+        assert asyncio.get_running_loop().time() - started >= 1.0
+        for member_id, address in (("i-1", "127.0.0.1:2"), ("i-2", "127.0.0.1:3")):
+            response = await raw_etcd.kv.get(key_of("instances", member_id), timeout=5)
+            assert json.loads(response.kvs[0].value) == {"address": address}
+            assert response.kvs[0].lease == restarted.lease_id
+    finally:
+        await restarted.close()
 
 
 async def test_paused_etcd_loses_registration_then_it_comes_back(registries, running_etcd: LocalEtcd) -> None:

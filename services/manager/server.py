@@ -41,7 +41,7 @@ from services.manager.instance_client import InstanceChannels
 from services.manager.leadership import Leadership
 from services.manager.migration_journal import MigrationJournal
 from services.manager.scaling import Scaler
-from services.manager.migrator import Migrator
+from services.manager.migrator import UNANSWERED_CHECK_TIMEOUT_S, Migrator
 from services.manager.migration_policies import PAIRING_NAMES
 from services.manager.policies import POLICY_NAMES
 
@@ -134,11 +134,14 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         self._migrator = migrator
         self._list_requests_timeout_s = list_requests_timeout_s
         self._forward_timeout_s = forward_timeout_s
-        self._migrate_timeout_s = migrate_timeout_s
+        # A forwarded Migrate waits as long as the leader's slowest one, plus the forwarding itself.
+        self._forwarded_migrate_timeout_s = leader_migrate_time_s(migrate_timeout_s,
+                                                                  list_requests_timeout_s) + forward_timeout_s
         self._tls = tls  # of the channel to the leader when forwarding
         self._admin_token = admin_token  # the leader checks the same token
         self._leader_client: ManagerClient | None = None
         self._retired_clients: set[ManagerClient] = set()  # of former leaders, until their calls could end
+        self._retire_tasks: set[asyncio.Task[None]] = set()  # each closes one of them when its time comes
         self._journal = journal  # the history in etcd; None: this manager's memory only
         self._scaler = scaler
 
@@ -275,7 +278,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         client = await self._leader_to_forward_to(context)
         if client is not None:
             return await client.migrate(request.request_id, request.src_instance_id, request.dst_instance_id,
-                                        timeout_s=self._migrate_timeout_s + self._forward_timeout_s,
+                                        timeout_s=self._forwarded_migrate_timeout_s,
                                         is_forwarded=True)
         self._leadership.check_leader()
         src_id = request.src_instance_id
@@ -338,22 +341,25 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         return reply
 
     async def close(self) -> None:
+        for task in self._retire_tasks:
+            task.cancel()
+        await asyncio.gather(*self._retire_tasks, return_exceptions=True)
         for client in [self._leader_client, *self._retired_clients]:
             if client is not None:
                 await client.close()
 
     def _retire(self, client: ManagerClient) -> None:
         """A client of a former leader: forwarded calls may still be using it (a Migrate runs up to
-        --migrate-timeout-s), so it is closed once the longest of them could have ended, not now."""
+        leader_migrate_time_s), so it is closed once the longest of them could have ended, not now."""
         self._retired_clients.add(client)
-        loop = asyncio.get_running_loop()
-        loop.call_later(self._migrate_timeout_s + self._forward_timeout_s + 1,
-                        lambda: loop.create_task(self._close_retired(client)))
+        task = asyncio.create_task(self._close_retired(client, self._forwarded_migrate_timeout_s + 1))
+        self._retire_tasks.add(task)  # asyncio keeps only a weak reference
+        task.add_done_callback(self._retire_tasks.discard)
 
-    async def _close_retired(self, client: ManagerClient) -> None:
-        if client in self._retired_clients:
-            self._retired_clients.discard(client)
-            await client.close()
+    async def _close_retired(self, client: ManagerClient, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        self._retired_clients.discard(client)
+        await client.close()
 
     async def _fan_out_list_requests(self, ids: list[InstanceId],
                                      must_answer: bool) -> tuple[list[instance_pb2.RequestInfo], list[InstanceId]]:
@@ -405,6 +411,13 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
             self._leader_client = ManagerClient(leader.address, timeout_s=self._forward_timeout_s, tls=self._tls,
                                                 admin_token=self._admin_token)
         return self._leader_client
+
+
+def leader_migrate_time_s(migrate_timeout_s: float, list_requests_timeout_s: float) -> float:
+    """The longest an AdminService.Migrate can take on the leader: finding the request's instance (a
+    ListRequests fan-out), the MigrateOut call, asking the destination whether an unanswered one moved
+    the request, and finding where a request the source did not hold runs (a second fan-out)."""
+    return 2 * list_requests_timeout_s + migrate_timeout_s + UNANSWERED_CHECK_TIMEOUT_S
 
 
 def servicers(manager: ManagerServicer, admin: AdminServicer) -> list[tuple[AddServicerFn, Any]]:

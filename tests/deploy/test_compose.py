@@ -14,6 +14,7 @@ import subprocess
 
 import pytest
 
+from services.cluster.launcher import TRANSFER_THREADS
 from tests.deploy.knobs import unknown_variables
 
 pytestmark = pytest.mark.timeout(60)
@@ -124,3 +125,8 @@ def test_every_variable_is_documented_with_its_default():
 def test_service_variables_exist_in_their_configs():
     unknown = unknown_variables(COMPOSE.read_text())
     assert unknown == {}, f"docker-compose.yml sets variables no config reads: {unknown}"
+
+
+def test_the_transfer_service_gets_the_launchers_thread_count(resolved):
+    """Not torch's default (a thread per core, contending with the instances): as `--transfer-threads`."""
+    assert resolved["services"]["transfer"]["environment"]["FERRY_TRANSFER_NUM_THREADS"] == str(TRANSFER_THREADS)

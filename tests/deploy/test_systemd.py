@@ -14,6 +14,7 @@ import subprocess
 
 import pytest
 
+from services.cluster.launcher import TRANSFER_THREADS
 from tests.deploy.knobs import unknown_variables
 
 pytestmark = pytest.mark.timeout(60)
@@ -143,3 +144,8 @@ def test_install_runs_the_pins_script_with_the_venvs_python():
     no requirements."""
     install = (UNIT_DIR / "INSTALL.md").read_text()
     assert "scripts/pins.py" in install and "python3 scripts/pins.py" not in install
+
+
+def test_the_transfer_service_gets_the_launchers_thread_count():
+    """Not torch's default (a thread per core, contending with the instances): as `--transfer-threads`."""
+    assert env_file("transfer.env")["FERRY_TRANSFER_NUM_THREADS"] == str(TRANSFER_THREADS)

@@ -1,5 +1,8 @@
 """Client channels to peers that come and go (instances), one per address, made on first use.
 
+Spellings of one address (`localhost:P`, `127.0.0.1:P`; `[::1]:P`, `::1:P`) share a channel: it is
+keyed by `peer_key` and dials the spelling it was first asked for.
+
 A fleet that scales and restarts instances on fresh ports meets new addresses for as long
 as it runs, so channels are not kept for ever (`IdleClosingTable`): one that no call has used for
 `idle_close_s` is closed when the next new address is dialled. A channel is never closed
@@ -22,6 +25,7 @@ import grpc
 
 from services.common.grpc_server import secure_or_insecure_channel
 from services.common.idle_table import IDLE_CLOSE_S, Entry, IdleClosingTable, Usage
+from services.common.peer_address import peer_key
 from services.common.tls import TlsConfig
 
 OWN_CONNECTIONS = [("grpc.use_local_subchannel_pool", 1)]
@@ -38,9 +42,10 @@ class ChannelPool:
     @contextlib.asynccontextmanager
     async def use(self, address: str) -> AsyncIterator[grpc.aio.Channel]:
         """The channel to `address`, kept open until the block ends."""
-        retired = self._retire_if_backing_off(address)
-        is_new = self._table.get(address) is None
-        entry = self._table.take(address, self._dial(address))
+        key = peer_key(address)
+        retired = self._retire_if_backing_off(key)
+        is_new = self._table.get(key) is None
+        entry = self._table.take(key, self._dial(address))
         try:
             with entry.usage.call():
                 if retired is not None:
@@ -53,6 +58,7 @@ class ChannelPool:
 
     @property
     def addresses(self) -> list[str]:
+        """The open channels' addresses, each as `peer_key` spells it."""
         return self._table.addresses
 
     async def close(self) -> None:
@@ -64,12 +70,12 @@ class ChannelPool:
     def _dial(self, address: str) -> Callable[[Usage], grpc.aio.Channel]:
         return lambda _usage: secure_or_insecure_channel(address, self._tls, OWN_CONNECTIONS)
 
-    def _retire_if_backing_off(self, address: str) -> Entry[grpc.aio.Channel] | None:
+    def _retire_if_backing_off(self, key: str) -> Entry[grpc.aio.Channel] | None:
         """A channel backing off from a peer that may be back is replaced (dialled afresh)."""
-        entry = self._table.get(address)
+        entry = self._table.get(key)
         if entry is None or entry.value.get_state() is not grpc.ChannelConnectivity.TRANSIENT_FAILURE:
             return None
-        self._table.pop(address)
+        self._table.pop(key)
         self._retired.append(entry)
         return entry
 

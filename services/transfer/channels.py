@@ -37,7 +37,7 @@ from services.transfer.deadline import Deadline
 from services.transfer.domain import IDLE_CLOSE_S, TransferBackend
 from services.transfer.pair_channel import (PairChannel, check_backend_available, client_store, create_group,
                                             master_store, store_prefix)
-from services.transfer.peer_address import peer_key
+from services.common.peer_address import peer_key
 from services.transfer.threads import NUM_RENDEZVOUS_THREADS
 
 log = structlog.get_logger(__name__)

@@ -26,7 +26,7 @@ from services.transfer.convert import (backend_from_proto, backend_to_proto, geo
                                        ipc_handle_to_proto, result_from_proto, transfer_to_proto)
 from services.transfer.domain import (DEFAULT_PIECE_BYTES, IDLE_CLOSE_S, BlockTransfer, IncomingBlocks,
                                       TransferBackend, TransferResult)
-from services.transfer.peer_address import peer_key
+from services.common.peer_address import peer_key
 
 log = structlog.get_logger(__name__)
 

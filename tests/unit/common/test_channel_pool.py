@@ -27,6 +27,17 @@ async def test_one_channel_per_address_while_it_is_used():
     assert pool.addresses == []
 
 
+async def test_spellings_of_one_address_share_its_channel():
+    # An instance named by its etcd record (127.0.0.1:P) and by a caller (localhost:P) had two channels.
+    pool = ChannelPool(idle_close_s=60.0, clock=Clock())
+    async with pool.use("localhost:1") as first, pool.use("127.0.0.1:1") as again, pool.use("LocalHost.:01") as third:
+        assert first is again is third
+    async with pool.use("[::1]:2") as first, pool.use("[0:0::1]:2") as again:
+        assert first is again
+    assert len(pool.addresses) == 2
+    await pool.close()
+
+
 async def test_an_idle_channel_closes_when_a_new_address_is_dialled_and_a_busy_one_stays():
     clock = Clock()
     pool = ChannelPool(idle_close_s=60.0, clock=clock)

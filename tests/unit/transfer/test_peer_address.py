@@ -11,7 +11,6 @@ import pytest
 
 from services.transfer.channels import ChannelTable
 from services.transfer.client import TransferClients
-from services.transfer.peer_address import peer_key
 from tests.unit.transfer.test_idle_channels import _open
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,14 +43,3 @@ async def test_the_record_of_a_peer_that_left_closes_its_client_under_every_spel
     assert clients.close_peer("127.0.0.1:7001") == 2
     assert clients.addresses == ["127.0.0.1:7002"]
     await clients.close()
-
-
-@pytest.mark.parametrize("spelled, key", [
-    ("127.0.0.1:7001", "127.0.0.1:7001"), ("localhost:7001", "127.0.0.1:7001"), ("LOCALHOST.:007001", "127.0.0.1:7001"),
-    ("[::1]:7001", "[::1]:7001"), ("::1:7001", "[::1]:7001"), ("[0:0:0:0:0:0:0:1]:7001", "[::1]:7001"),
-    ("[::ffff:10.0.0.5]:7001", "10.0.0.5:7001"), ("Transfer-1.Example.com:7001", "transfer-1.example.com:7001"),
-    ("no-port", "no-port"), ("host:port", "host:port"),
-])
-def test_peer_key(spelled, key):
-    assert peer_key(spelled) == key
-    assert peer_key(key) == key  # the tables key what they hold again (drop_outgoing of a channel's peer)

@@ -1,6 +1,9 @@
-"""One key per peer transfer service address, however it is spelled.
+"""One key per peer address, however it is spelled.
 
-A peer is named by address in two places: a transfer's destination (`dst_transfer_address`, from the
+`ChannelPool` (instances, managers, frontends dialling each other) keys its channels by it, so
+`localhost:P`, `127.0.0.1:P` and an etcd record's spelling share one channel.
+
+A peer transfer service is named by address in two places: a transfer's destination (`dst_transfer_address`, from the
 destination instance's reservation or an operator's call) and the peer's etcd record (what `PeerWatch`
 closes by). Spellings of one address (`localhost:P` and `127.0.0.1:P`; `[::1]:P`, `::1:P` and
 `[0:0::1]:P`; letter case, a trailing dot, a zero-padded port) gave two outgoing channels to one peer,

@@ -81,7 +81,7 @@ class ClusterStatus:
 class DrainResult:
     instance_id: str
     state: str
-    is_drained: bool  # nothing runs or waits there any more
+    is_drained: bool  # nothing runs, waits or is suspended there any more
     num_remaining: int  # running + waiting requests still on it (the leader migrates them off)
 
 

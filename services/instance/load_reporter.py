@@ -113,8 +113,9 @@ async def _reports(servicer: InstanceServicer, interval_s: float, leader_changed
 
 
 def _differs(a: common_pb2.LoadReport, b: common_pb2.LoadReport) -> bool:
-    """A big change: requests started, came in or finished, or blocks moved by more than 1/16 of the cache."""
-    return (a.num_running != b.num_running or a.num_waiting != b.num_waiting
+    """A big change: requests started, came in, were suspended or finished, or blocks moved by more than 1/16
+    of the cache."""
+    return (a.num_running != b.num_running or a.num_waiting != b.num_waiting or a.num_suspended != b.num_suspended
             or a.num_prefilled != b.num_prefilled or a.num_requests_admitted != b.num_requests_admitted
             or a.num_requests_migrated_in != b.num_requests_migrated_in
             or abs(a.num_free_blocks - b.num_free_blocks) * 16 > max(1, a.num_total_blocks))

@@ -80,7 +80,9 @@ class EngineRunner:
         # Streams whose abort waits for the engine: out of the table (their id is free for a new request at
         # once), but what the engine published before the abort still reaches them.
         self._aborting: dict[str, RequestStream] = {}
-        self._load = engine.load()  # replaced whole after every step; readers never see a torn value
+        # (load, requests suspended): replaced whole after every step and command; readers never see a torn
+        # value, nor a request suspended or resumed in between counted in neither figure.
+        self._snapshot: tuple[LoadSnapshot, int] = (engine.load(), _num_suspended(engine))
         self.prefix_cache_stats = engine.prefix_cache_stats()  # the same, for metrics
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
         self.num_requests_served = 0
@@ -109,7 +111,13 @@ class EngineRunner:
 
     @property
     def load(self) -> LoadSnapshot:
-        return self._load
+        return self._snapshot[0]
+
+    @property
+    def load_and_suspended(self) -> tuple[LoadSnapshot, int]:
+        """The load and, of the same moment, the requests out of the batch that it counts neither running nor
+        waiting: parked for their PD hand-off, or suspended for a migration's last stage."""
+        return self._snapshot
 
     @property
     def step_time_ms_p50(self) -> float:
@@ -377,11 +385,11 @@ class EngineRunner:
 
     def _snapshot_load(self) -> None:
         self.prefix_cache_stats = self._engine.prefix_cache_stats()
-        load = self._engine.load()
-        if load != self._load:
-            self._load = load
+        snapshot = (self._engine.load(), _num_suspended(self._engine))
+        if snapshot != self._snapshot:
+            self._snapshot = snapshot
             if self.on_load_change is not None:
-                self._loop.call_soon_threadsafe(self.on_load_change, load)
+                self._loop.call_soon_threadsafe(self.on_load_change, snapshot[0])
 
     def _publish(self, outputs: list[StepOutput], held: dict[str, HeldRequest]) -> None:
         if outputs:
@@ -423,3 +431,8 @@ def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> N
         future.set_exception(exc)
     else:
         future.set_result(result)
+
+
+def _num_suspended(engine: LLMEngine) -> int:
+    """Requests out of the engine's batch and queue that it still holds (on the engine thread)."""
+    return len(engine.scheduler.suspended)

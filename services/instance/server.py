@@ -264,12 +264,13 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
 
     def load_report(self) -> common_pb2.LoadReport:
         runner = self._runner
-        load = runner.load
+        load, num_suspended = runner.load_and_suspended
         num_prefilled = self.handoff.num_prefilled(load.decoding_ids) if self.handoff is not None else 0
         return load_to_proto(self.identity.instance_id, load, runner.num_requests_served, time.time(),
                              runner.step_time_ms_p50, runner.num_steps, num_prefilled=num_prefilled,
                              prefix_cache=runner.prefix_cache_stats,
-                             num_incoming_migrations=self.inbox.num_incoming if self.inbox is not None else 0)
+                             num_incoming_migrations=self.inbox.num_incoming if self.inbox is not None else 0,
+                             num_suspended=num_suspended)
 
 
 def _commit_deadline(time_remaining: float | None, deadline_unix_ms: int) -> float | None:

@@ -113,6 +113,12 @@ class Load:
     num_requests_admitted: int = 0  # by Generate
     num_requests_migrated_in: int = 0  # by a committed migration in (a PD hand-off or any other)
     num_free_slots: int | None = None  # batch slots a request moved in would find free; None: not reported
+    num_suspended: int = 0  # out of the batch, neither running nor waiting: parked for a PD hand-off, or migrating out
+
+    @property
+    def num_held(self) -> int:
+        """Requests the instance holds: running, waiting, or suspended (0: it may be stopped)."""
+        return self.num_running + self.num_waiting + self.num_suspended
 
     @property
     def freeness(self) -> float:
@@ -209,12 +215,12 @@ class InstanceView:
 
     @property
     def is_drained(self) -> bool:
-        """DRAINING, a recent report shows nothing running or waiting, and no migration of ours moves a
-        request into or out of it: safe to stop. (A report older than the timeout proves nothing: a standby
-        may hold one from the term it led.)"""
+        """DRAINING, a recent report shows nothing running, waiting or suspended (parked for a PD hand-off, or
+        moving out in a migration a previous leader started), and no migration of ours moves a request into or
+        out of it: safe to stop. (A report older than the timeout proves nothing: a standby may hold one from
+        the term it led.)"""
         return (self.state is InstanceState.DRAINING and self.report_age_s is not None and self.is_heard
-                and self.load.num_running == 0 and self.load.num_waiting == 0
-                and self.load.num_incoming_migrations == 0 and self.num_migrations == 0)
+                and self.load.num_held == 0 and self.load.num_incoming_migrations == 0 and self.num_migrations == 0)
 
 
 def pooled_freeness(views: Sequence[InstanceView]) -> float:

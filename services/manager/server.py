@@ -201,7 +201,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         """Mark DRAINING (no new dispatches) in etcd config/drain/<id>, so a new leader keeps the mark.
 
         The leader's migration loop then moves every request off it; call Drain again (or
-        ListInstances) to see `is_drained` once nothing runs or waits there. One that left while the
+        ListInstances) to see `is_drained` once nothing runs, waits or is suspended there. One that left while the
         mark was stored (its lease ended) keeps the mark and is answered without a state, as by Undrain.
         """
         instance_id = self._registered(request.instance_id)
@@ -267,7 +267,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         view = self._view.instance(instance_id)
         return manager_pb2.DrainResponse(instance_id=instance_id, state=convert.state_to_proto(view.state),
                                          is_drained=view.is_drained,
-                                         num_remaining=view.load.num_running + view.load.num_waiting)
+                                         num_remaining=view.load.num_held)
 
     async def Migrate(self, request: manager_pb2.MigrateRequest, context) -> manager_pb2.MigrateResponse:
         """Live-migrate one request now (see Migrator.admin_order for the checks); the source's figures.

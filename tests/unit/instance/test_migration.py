@@ -473,6 +473,38 @@ async def test_a_request_parked_at_its_first_token_moves_with_no_engine_call(pai
     await assert_no_blocks_held(a, b)
 
 
+async def test_the_load_report_counts_a_request_parked_or_suspended_for_its_move(pair):
+    """Out of the batch, a request counts as neither running nor waiting: one parked for its PD hand-off (this
+    instance runs those itself) and one a migration suspended for its last stage (maybe one a previous leader
+    started) made a draining instance look empty, and an operator who stopped it then lost the request."""
+    a, b = pair
+    servicer = servicer_moving_to(a, FaultyPeer(b))
+    parked = {}
+    a.runner.holds_first_tokens = lambda: True
+    a.runner.on_prefilled = lambda request_id, held: parked.setdefault(request_id, held)
+    try:
+        stream = await a.runner.add("r", PROMPT, SAMPLING)
+        await read(stream, [], until=1)
+        while "r" not in parked:
+            await asyncio.sleep(0.001)
+        await a.runner.call(lambda: None)  # the load snapshot after that step
+        report = servicer.load_report()
+        assert (report.num_running, report.num_waiting, report.num_suspended) == (0, 0, 1)
+        a.runner.holds_first_tokens = lambda: False
+        assert await a.runner.call(lambda: a.engine.resume("r"))
+        report = servicer.load_report()
+        assert (report.num_running, report.num_suspended) == (1, 0)
+        await a.runner.call(lambda: a.engine.suspend("r"))  # a migration's last stage
+        report = servicer.load_report()
+        assert (report.num_running, report.num_waiting, report.num_suspended) == (0, 0, 1)
+        assert await a.runner.call(lambda: a.engine.resume("r"))
+    finally:
+        a.runner.holds_first_tokens = lambda: False
+        a.runner.on_prefilled = None
+    await read(stream, [0])
+    await assert_no_blocks_held(a, b)
+
+
 async def test_a_hand_off_that_cannot_release_the_request_ends_it_here(pair):
     """Once the client was told to go elsewhere, the request must not keep running here (a
     resume may bring it back under the same id): if the release fails, it is aborted."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,6 +21,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.request_ids: list[str] = []
+        self.scheduler = SimpleNamespace(suspended=[])  # none out of the batch
 
     def load(self) -> tuple[int, ...]:
         return (len(self.request_ids),)

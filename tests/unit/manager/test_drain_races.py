@@ -14,6 +14,7 @@ from structlog.testing import capture_logs
 from services.common.errors import Unavailable
 from services.common.gen.ferry.v1 import common_pb2, manager_pb2
 from services.common.scaling_target import ScalingTarget
+from services.manager import convert
 from services.manager.dispatcher import Dispatcher
 from services.manager.domain import InstanceId
 from services.manager.migration import MigrationSettings, MigrationTrigger
@@ -208,3 +209,27 @@ async def test_a_tick_and_an_undrain_at_a_terms_start_read_the_target_once():
     await asyncio.gather(scaler.tick(), scaler.call_off(InstanceId("i-0")))
     assert store.num_reads == 1
     assert scaler._target is not None and scaler._target.stoppable == ["i-2"] == store.target.stoppable
+
+
+# 10. Requests the manager's own bookkeeping cannot see: one a previous leader's migration suspended for its last
+#     stage (no migration of ours moves it), or one parked on a prefill instance for its PD hand-off (the instance
+#     runs those itself). Neither is running nor waiting, so the instance was called drained, and an operator who
+#     stopped it then lost the request. The instance now counts them in its report (num_suspended).
+@pytest.mark.parametrize("how", ["a previous leader's migration", "a PD hand-off"])
+async def test_an_instance_holding_a_suspended_request_is_not_drained(how):
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", clock=clock, num_free_blocks=1000)
+    leadership = leader()
+    store = FakeStore()
+    scaler = Scaler(view, leadership, store, ScalingSettings(), interval_s=1, cooldown_s=0, clock=clock)
+    admin = AdminServicer(view, Dispatcher(view, leadership), leadership, store, None,
+                          make_migrator(view, clock, FakeSources()), scaler, 1.0, 1.0, 1.0)
+    report = common_pb2.LoadReport(instance_id="i-1", num_free_blocks=990, num_total_blocks=1000, num_suspended=1)
+    view.apply_report(InstanceId("i-1"), convert.load_from_proto(report))
+    answer = await admin.Drain(manager_pb2.DrainRequest(instance_id="i-1"), Ctx())
+    assert not answer.is_drained and answer.num_remaining == 1, f"called drained while it holds {how}'s request"
+    clock.advance(0.1)
+    view.apply_report(InstanceId("i-1"), convert.load_from_proto(common_pb2.LoadReport(
+        instance_id="i-1", num_free_blocks=1000, num_total_blocks=1000)))  # moved: gone from here
+    answer = await admin.Drain(manager_pb2.DrainRequest(instance_id="i-1"), Ctx())
+    assert answer.is_drained and answer.num_remaining == 0

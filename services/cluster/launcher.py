@@ -38,6 +38,7 @@ from services.common.errors import FerryError
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.events import wait_set
 from services.common.etcd_launcher import LocalEtcd, free_port, reserve_port
+from services.common.peer_address import host_port
 from services.common.ports import bind_error
 from services.common.registry import DRAIN_MARKS, ROLE_MARKS, Registry
 
@@ -122,7 +123,7 @@ class LocalCluster:
     @property
     def frontend_url(self) -> str:
         host = self.spec.http_host if self.spec.http_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        return f"http://{f'[{host}]' if ':' in host else host}:{self.spec.http_port}"  # an IPv6 literal in brackets
+        return f"http://{host_port(host, self.spec.http_port)}"
 
     @property
     def admin_address(self) -> str:

@@ -40,6 +40,21 @@ def check_host_flags(config: object, names: Iterable[str]) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {value!r}: {problem}")
 
 
+# ferry's gRPC services run on IPv4 (README "IPv6"): etcd3aio dials an `ipv4:` target, and peers' addresses in etcd
+# records and the gloo/nccl channels' rendezvous are IPv4 addresses or names. The frontend's HTTP port may be IPv6.
+IPV6_UNSUPPORTED = ("IPv6 addresses are not supported for ferry's gRPC services and etcd (only the frontend's "
+                    "HTTP --host may be one); use an IPv4 address such as 127.0.0.1, or a host name")
+
+
+def check_grpc_host_flags(config: object, names: Iterable[str]) -> None:
+    """A usage error (ValueError naming the flag) for an IPv6 address in a host field of a gRPC service's config.
+    `--host ::` (every address, IPv4 too) is allowed: the service advertises 127.0.0.1 or --advertise-host."""
+    for name in names:
+        value = getattr(config, name)
+        if _is_ipv6(value) and not (name == "host" and value == "::"):
+            raise ValueError(f"--{name.replace('_', '-')} {value!r}: {IPV6_UNSUPPORTED}")
+
+
 def address_problem(endpoint: str) -> str | None:
     """Why `endpoint` (an etcd endpoint, a --manager-address, a --transfer-address) is not `host:port`
     with a port 1..65535, or None if it is."""
@@ -48,7 +63,7 @@ def address_problem(endpoint: str) -> str | None:
         return "expected host:port, e.g. 127.0.0.1:2379 (no scheme, no path)"
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         return f"the port must be 1..65535, got {port!r}"
-    return host_problem(host)
+    return host_problem(host) or (IPV6_UNSUPPORTED if _is_ipv6(host) else None)
 
 
 def check_address_flag(flag: str, endpoints: Sequence[str]) -> None:
@@ -89,6 +104,14 @@ def single_host_name(endpoints: Sequence[str]) -> str | None:
 def _is_ipv4(host: str) -> bool:
     try:
         ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        ipaddress.IPv6Address(host.removeprefix("[").removesuffix("]"))
     except ValueError:
         return False
     return True

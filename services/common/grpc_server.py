@@ -30,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common import cluster_token
 from services.common.errors import ErrorInterceptor
 from services.common.logging import RequestIdInterceptor
+from services.common.peer_address import host_port
 from services.common.ports import bind_error
 from services.common.request_decoding import DecodeInterceptor
 from services.common.startup import StartupError
@@ -106,8 +107,8 @@ class GrpcServer:
 
     @property
     def address(self) -> str:
-        """`host:port` that other processes dial (wildcard binds advertise 127.0.0.1)."""
-        return f"{self.advertise_host}:{self.port}"
+        """`host:port` that other processes dial (wildcard binds advertise 127.0.0.1; IPv6 in brackets)."""
+        return host_port(self.advertise_host, self.port)
 
     async def set_serving(self, is_serving: bool) -> None:
         """Health status for "" and every service: SERVING or NOT_SERVING."""
@@ -197,7 +198,7 @@ def _tls_mode(tls: TlsConfig | None) -> str:
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
-    target = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    target = host_port(host, port)
     if port and _is_in_use(host, port):  # say so plainly (gRPC's own words are a C log line and "set GRPC_VERBOSITY")
         raise StartupError(f"cannot bind gRPC server to {target}: the port is already in use (another ferry process "
                            "or program holds it); pick another --port or --host")

@@ -20,6 +20,12 @@ import ipaddress
 LOOPBACK_NAME = "localhost"  # keyed as 127.0.0.1, where ferry's services bind by default
 
 
+def host_port(host: str, port: int) -> str:
+    """`host:port` as gRPC, HTTP URLs and etcd records want it: an IPv6 literal in brackets (`[::1]:P`)."""
+    host = host.removeprefix("[").removesuffix("]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def peer_key(address: str) -> str:
     """`address` (`host:port`) in one spelling: IP addresses in their compressed form (IPv6 in brackets, an
     IPv4-mapped one as IPv4), names in lower case without a trailing dot, localhost as 127.0.0.1, the port

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from services.common.config import as_dict
 from services.common.election import watch_leader
+from services.common.peer_address import host_port
 from services.common.registry import DRAIN_MARKS, Registry
 from services.common.signals import stop_event
 from services.common.startup import StartupError
@@ -112,7 +113,7 @@ async def serve(config: FrontendConfig, server: FrontendServer, registry: Regist
         raise StartupError(f"--port {config.port}: cannot serve HTTP on {config.host or '0.0.0.0'}: "
                            f"{exc.strerror or exc}; pick another --port or --host") from exc
     port = _bound_port(http, config.port)
-    address = f"{'127.0.0.1' if config.host in _WILDCARD_HOSTS else config.host}:{port}"
+    address = host_port("127.0.0.1" if config.host in _WILDCARD_HOSTS else config.host, port)
     frontend_id = config.frontend_id or f"{socket.gethostname()}-{port}"
     if registry is not None:
         await registry.register("frontends", frontend_id, {"frontend_id": frontend_id, "address": address,

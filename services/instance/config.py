@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from services.common.config import check_non_negative, check_positive, knob
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
-from services.common.etcd_endpoints import check_address_flag, check_host_flags
+from services.common.etcd_endpoints import check_address_flag, check_grpc_host_flags, check_host_flags
 from services.common.ids import check_id_flag
 from services.common.logging import LogKnobs
 from services.common.tls import TlsKnobs
@@ -147,6 +147,7 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
         check_id_flag("--instance-id", self.instance_id)
         self.check_etcd_flags(self.cluster, self.etcd_endpoints)
         check_host_flags(self, ("host", "advertise_host", "metrics_host"))
+        check_grpc_host_flags(self, ("host", "advertise_host"))
         self.tls.check()
         self.etcd_access.check()
         check_address_flag("--transfer-address", [self.transfer_address] if self.transfer_address else [])

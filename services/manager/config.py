@@ -8,7 +8,7 @@ from services.common.auth import read_token
 from services.common.config import check_non_negative, check_positive, knob
 from services.common.errors import InvalidArgument
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
-from services.common.etcd_endpoints import check_host_flags
+from services.common.etcd_endpoints import check_grpc_host_flags, check_host_flags
 from services.common.ids import check_id_flag
 from services.common.logging import LogKnobs
 from services.common.tls import TlsKnobs
@@ -76,6 +76,7 @@ class ManagerConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
         check_id_flag("--manager-id", self.manager_id)
         self.check_etcd_flags(self.cluster, self.etcd_endpoints)
         check_host_flags(self, ("host", "advertise_host", "metrics_host"))
+        check_grpc_host_flags(self, ("host", "advertise_host"))
         if not self.etcd_endpoints:
             raise ValueError("--etcd-endpoints is empty; the manager needs etcd (e.g. --etcd-endpoints 127.0.0.1:2379)")
         if self.dispatch_policy not in POLICY_NAMES:

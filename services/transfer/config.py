@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from services.common.config import check_positive, knob
 from services.common.errors import FailedPrecondition
 from services.common.etcd_client import EtcdKnobs, EtcdStartupKnobs
-from services.common.etcd_endpoints import check_host_flags
+from services.common.etcd_endpoints import check_grpc_host_flags, check_host_flags
 from services.common.ids import check_id_flag
 from services.common.heap import DEFAULT_KEEP_MIB
 from services.common.logging import LogKnobs
@@ -69,6 +69,7 @@ class TransferConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
         check_id_flag("--transfer-id", self.transfer_id)
         self.check_etcd_flags(self.cluster, self.etcd_endpoints)
         check_host_flags(self, ("host", "advertise_host", "metrics_host"))
+        check_grpc_host_flags(self, ("host", "advertise_host"))
         self.tls.check()
         self.etcd_access.check()
         if self.lease_ttl_s < 1:

@@ -172,3 +172,15 @@ async def test_a_port_held_by_another_program_is_named_in_use() -> None:
         other.listen()
         with pytest.raises(StartupError, match="the port is already in use"):
             await start_grpc_server("127.0.0.1", other.getsockname()[1], [], [])
+
+
+async def test_a_server_on_ipv6_loopback_advertises_its_address_in_brackets() -> None:
+    # `::1:P` (no brackets) was advertised, which gRPC peers cannot dial.
+    server = await start_grpc_server("::1", 0, [], [SERVICE])
+    try:
+        assert server.address == f"[::1]:{server.port}"
+        async with insecure_channel(server.address) as channel:
+            response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await server.stop(0)

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -81,3 +82,28 @@ def test_a_manager_with_an_etcd_user_waits_for_etcd_then_says_why():
     assert_one_line_failure(start("manager", "--port", "0", "--etcd-endpoints", etcd, "--etcd-user", "ferry",
                                   "--etcd-password", "pw", "--etcd-wait-s", "1"), "service_failed",
                             "did not answer within --etcd-wait-s 1", etcd)
+
+
+def test_grpc_services_refuse_ipv6_naming_the_flag():
+    """They bound `::1` and advertised `::1:P`, which no peer could dial (README "IPv6")."""
+    for service, flag, value in [("manager", "--host", "::1"), ("transfer", "--advertise-host", "::1"),
+                                 ("manager", "--etcd-endpoints", "[::1]:2379")]:
+        result = start(service, flag, value)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert f"{flag} {value!r}: IPv6 addresses are not supported" in result.stderr, result.stderr[-2000:]
+
+
+def test_a_frontend_serves_http_on_ipv6_loopback(tiny_model_dir):
+    """Its address (the ready line, its etcd record) is `[::1]:P`, a URL clients can use; was `::1:P`."""
+    process = subprocess.Popen([sys.executable, "-m", "services.frontend", "--model", str(tiny_model_dir),
+                                "--manager-address", "127.0.0.1:1", "--host", "::1", "--port", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        ready = process.stdout.readline().split()
+        assert ready[:1] == ["ready"] and ready[2].startswith("http://[::1]:"), ready
+        with urllib.request.urlopen(f"{ready[2]}/v1/models", timeout=10) as response:
+            assert response.status == 200
+    finally:
+        process.terminate()
+        process.wait(30)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.peer_address import peer_key
+from services.common.peer_address import host_port, peer_key
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -18,3 +18,9 @@ pytestmark = pytest.mark.timeout(10)
 def test_peer_key(spelled, key):
     assert peer_key(spelled) == key
     assert peer_key(key) == key  # the tables key what they hold again (drop_outgoing of a channel's peer)
+
+
+@pytest.mark.parametrize("host, address", [("127.0.0.1", "127.0.0.1:7"), ("instance-0", "instance-0:7"),
+                                           ("::1", "[::1]:7"), ("[::1]", "[::1]:7"), ("::", "[::]:7")])
+def test_host_port(host, address):
+    assert host_port(host, 7) == address

@@ -53,6 +53,13 @@ class RequestStream:
     is_prefilling: bool = False  # prefilled here (Generate) and no output yet: its first output ends the prefill
     has_unread_finish: bool = False  # finished before a client attached: kept until one does (or the watchdog)
     handoff: Handoff | None = None  # queued as its last item (the request moved); read once is_finished
+    # The first of the engine thread's publishes that can hold its outputs: set there when its request was
+    # admitted. Earlier ones are another request's under the same id (one aborted for a resume of it here).
+    first_publish: int | None = None
+
+    def takes(self, publish: int) -> bool:
+        """Whether outputs of the engine thread's `publish`-th publish under its id are its request's."""
+        return self.first_publish is not None and publish >= self.first_publish
 
     @property
     def has_unread_handoff(self) -> bool:
@@ -85,6 +92,7 @@ class EngineRunner:
         self._snapshot: tuple[LoadSnapshot, int] = (engine.load(), _num_suspended(engine))
         self.prefix_cache_stats = engine.prefix_cache_stats()  # the same, for metrics
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
+        self._num_publishes = 0  # steps' outputs sent to the event loop so far (engine thread only)
         self.num_requests_served = 0
         self.step_times = StepTimes()  # the engine thread adds each step's; /metrics and load reports read them
         self.num_steps = 0
@@ -232,6 +240,7 @@ class EngineRunner:
 
         def admit_and_note() -> None:
             admit()
+            stream.first_publish = self._num_publishes  # what was published before is an earlier request's
             admitted.set()
         try:
             await self.call(admit_and_note)
@@ -393,13 +402,14 @@ class EngineRunner:
 
     def _publish(self, outputs: list[StepOutput], held: dict[str, HeldRequest]) -> None:
         if outputs:
-            self._loop.call_soon_threadsafe(self._deliver, outputs, held)
+            self._loop.call_soon_threadsafe(self._deliver, outputs, held, self._num_publishes)
+            self._num_publishes += 1
 
-    def _deliver(self, outputs: list[StepOutput], held: dict[str, HeldRequest]) -> None:
+    def _deliver(self, outputs: list[StepOutput], held: dict[str, HeldRequest], publish: int) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
-            if stream is None:
-                if aborting := self._aborting.get(output.request_id):
+            if stream is None or not stream.takes(publish):  # none, or a new request's under an aborted one's id
+                if (aborting := self._aborting.get(output.request_id)) and aborting.takes(publish):
                     aborting.outputs.put_nowait(output)  # published before its abort: no gap in its stream
                 continue
             stream.outputs.put_nowait(output)

@@ -129,3 +129,60 @@ async def test_a_command_whose_load_snapshot_fails_still_returns_its_result():
         assert engine.num_load_failures == 1
     finally:
         runner.stop()
+
+
+class LongStepEngine(FakeEngine):
+    """One long step (until `release`) that gives r-1 its output token 5; idle after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_step, self.release = threading.Event(), threading.Event()
+        self.last_step_was_idle = False
+        self.has_stepped = False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.request_ids) and not self.has_stepped
+
+    def step(self) -> list[StepOutput]:
+        self.has_stepped = True
+        self.in_step.set()
+        assert self.release.wait(5.0)
+        return [StepOutput("r-1", 5, (42,), "x", None, None, num_prompt_tokens=3)]
+
+    def abort(self, request_id: str) -> bool:
+        return self.abort_with_output(request_id) is not None
+
+    def abort_with_output(self, request_id: str) -> StepOutput:
+        self.request_ids.remove(request_id)
+        return StepOutput(request_id, 6, (), "", FinishReason.ABORT, None, num_prompt_tokens=3)
+
+
+@pytest.mark.parametrize("waits", [True, False], ids=["abort", "abort_soon"])
+async def test_what_a_step_gave_an_aborted_request_never_reaches_a_new_one_under_its_id(waits):
+    """A resume of the same request on this instance while the abort of its old copy waits for a long step:
+    the step's output is the old copy's (to its own stream, if it still has a reader), never the new one's
+    (before, the new stream got the old copy's token 5 first: a token of another request, or its finish)."""
+    engine = LongStepEngine()
+    runner = EngineRunner(engine, asyncio.get_running_loop())
+    runner.start()
+    try:
+        old = await runner.add("r-1", [1, 2, 3], sampling=SamplingParams())
+        assert await asyncio.to_thread(engine.in_step.wait, 2.0)
+        if waits:
+            aborting = asyncio.create_task(runner.abort("r-1"))
+        else:
+            runner.abort_soon(old)
+        await asyncio.sleep(0.05)
+        adding = asyncio.create_task(runner.add("r-1", [1, 2, 3], sampling=SamplingParams(),
+                                                resume_token_ids=(7, 7, 7, 7, 7)))
+        await asyncio.sleep(0.05)
+        engine.release.set()
+        if waits:
+            assert await asyncio.wait_for(aborting, 2.0)
+            assert [(o.token_index, o.finish_reason) async for o in old] == [(5, None), (6, FinishReason.ABORT)]
+        new = await asyncio.wait_for(adding, 2.0)
+        await runner.call(lambda: None)  # whatever the step published has been delivered
+        assert new.outputs.empty() and runner.stream("r-1") is new
+    finally:
+        engine.release.set()
+        runner.stop()

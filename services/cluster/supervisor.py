@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import signal
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -75,6 +76,12 @@ class Supervisor:
         self._policy = policy
         self._histories: dict[str, _History] = {}
 
+    def forget_others(self, names: Collection[str]) -> None:
+        """Drop the histories of children no longer listed (instances that scaling retired: their names
+        never come back), so a launcher that scales for weeks keeps one history per child it runs."""
+        for name in self._histories.keys() - set(names):
+            del self._histories[name]
+
     def action(self, name: str, is_down: bool, now: float, failed: bool = True) -> Action:
         """`failed`: it did not exit cleanly (exit status 0, as after a SIGTERM, is left down)."""
         history = self._histories.setdefault(name, _History())
@@ -113,6 +120,11 @@ class Supervisor:
         """Whether child `name`, down after such an exit, is (or will be) started again."""
         return self.restarts_after(failed) and not self.has_given_up(name)
 
+    @property
+    def num_known(self) -> int:
+        """Children with a history here (at most those of the launcher's list at its last look)."""
+        return len(self._histories)
+
     def num_restarts(self, name: str) -> int:
         return len(self._histories.get(name, _History()).restarts)
 
@@ -134,6 +146,7 @@ def exited_cleanly(returncode: int | None) -> bool:
 async def supervise_step(supervisor: Supervisor, children: list[Child], now: float) -> bool:
     """Look at every child once; True when one exited or was started again (cluster.json then changes)."""
     changed = False
+    supervisor.forget_others([child.name for child in children])
     for child in children:
         is_down = not child.is_alive() and not child.is_stopping()  # is_alive() first: it reaps, setting returncode
         failed = child.any_exit_fails or not exited_cleanly(child.returncode)

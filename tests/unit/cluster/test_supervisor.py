@@ -122,6 +122,20 @@ async def test_a_failed_restart_counts_against_the_budget_and_the_launcher_goes_
     assert child.num_starts == 2 and supervisor.has_given_up("broken")
 
 
+async def test_children_that_left_are_forgotten_so_autoscaling_for_weeks_keeps_a_bounded_table():
+    """Scaling retires instances and starts new ones under new names (instance-3, instance-4, ...): a
+    child gone from the launcher's list leaves no history behind, while the others keep theirs."""
+    supervisor = Supervisor(RestartPolicy(burst=1, first_delay_s=0.0))
+    given_up = FakeChild("etcd", fails=True)
+    for now in range(3):
+        await supervise_step(supervisor, [given_up], float(now))
+    assert supervisor.has_given_up("etcd")
+    for index in range(1000):  # add one, retire the one before: one instance at a time besides etcd
+        await supervise_step(supervisor, [given_up, FakeChild(f"instance-{index}", alive=True)], 10.0 + index)
+    assert supervisor.num_known == 2
+    assert supervisor.has_given_up("etcd")  # still listed: its history stays
+
+
 def test_the_launcher_counts_a_failed_child_as_running_until_the_supervisor_gives_up(tmp_path):
     import pathlib
 

@@ -151,6 +151,9 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
             async for line in response.content:
                 if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                     continue
+                if line.startswith(b'data: {"error"'):  # after the 200 an error event ends the stream
+                    result.error = f"error event: {line[6:].strip()[:200].decode(errors='replace')}"
+                    return result
                 now = time.perf_counter()
                 if result.num_tokens == 0:
                     result.ttft_ms = (now - start) * 1000

@@ -15,7 +15,7 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 
-from services.common.errors import FerryError, error_from_rpc
+from services.common.errors import FerryError, Unavailable, error_from_rpc
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2, manager_pb2_grpc
 from services.common.auth import bearer_metadata
 from services.common.grpc_server import secure_or_insecure_channel
@@ -27,8 +27,9 @@ UNREACHABLE_KEY = "x-ferry-unreachable-instances"  # trailing metadata of a part
 ROLES = ("both", "prefill", "decode")
 
 
-# A migration copies a request's whole KV cache, after its prefill if it is still prefilling: it
-# may take the manager's --migration-timeout-s (60 s) and the forwarding between managers.
+# A migration copies a request's whole KV cache, after its prefill if it is still prefilling: at the
+# manager's defaults a Migrate takes up to 67 s (services/manager/server.py leader_migrate_time_s: its
+# --migration-timeout-s, 60 s, + 6 s, + 1 s forwarded by a standby); --timeout-s waits longer.
 MIGRATE_TIMEOUT_S = 75.0
 
 
@@ -116,8 +117,11 @@ class AdminClient:
         """Move a running request (or the manager's pick from `src_instance_id`) to another instance."""
         fields = {"request_id": request_id, "src_instance_id": src_instance_id, "dst_instance_id": dst_instance_id}
         request = manager_pb2.MigrateRequest(**{k: v for k, v in fields.items() if v})
-        return migrate_from_proto(await self._call_optional("Migrate", request,
-                                                            max(self._timeout_s, MIGRATE_TIMEOUT_S)))
+        deadline_s = max(self._timeout_s, MIGRATE_TIMEOUT_S)
+        past_deadline = (f"ferryctl stopped waiting after {deadline_s:g} s; the migration may still end (see "
+                         "`ferryctl migrations`): for a manager whose --migration-timeout-s is above 60 s, pass "
+                         "--timeout-s above it plus 10 s")
+        return migrate_from_proto(await self._call_optional("Migrate", request, deadline_s, past_deadline))
 
     async def set_role(self, instance_id: str, role: str) -> str:
         """Change an instance's role (both | prefill | decode); returns the role it now has."""
@@ -128,7 +132,9 @@ class AdminClient:
                                                                                      role=wire_role))
         return enum_label(common_pb2.Role, reply.role, "ROLE_")
 
-    async def _call_optional(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+    async def _call_optional(self, method: str, request: Any, timeout_s: float | None = None,
+                             past_deadline: str = "") -> Any:
+        """`past_deadline`: the message of the Unavailable raised when the call outlives its deadline."""
         try:
             return await getattr(self._admin, method)(request, timeout=timeout_s or self._timeout_s,
                                                       metadata=self._metadata or None)
@@ -136,6 +142,8 @@ class AdminClient:
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
                 raise NotAvailableYet(f"{method} is not available: the manager at {self.address} does not "
                                       f"implement AdminService/{method} (it runs an older ferry; upgrade it)") from None
+            if past_deadline and exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise Unavailable(past_deadline) from None
             raise error_from_rpc(exc) from None
 
     async def _call(self, method, request):

@@ -4,7 +4,7 @@ live migration (its transfer service link, the source driver, the destination in
 Shutdown order (STYLE.md): health NOT_SERVING → revoke the etcd lease → let running
 requests finish (bounded) → server.stop(grace) → cancel background tasks and migrations →
 close channels, unmap from the transfer service → stop the engine thread → free the shared
-KV memory.
+KV memory (only once that thread has ended: a step still running keeps it until the process exits).
 """
 
 from __future__ import annotations
@@ -55,6 +55,9 @@ from services.instance.write_fence import TransferWriteFence
 log = structlog.get_logger(__name__)
 
 INSTANCE_SERVICE = "ferry.v1.InstanceService"
+# The wait at exit for a step still running: within the launcher's 30 s between SIGTERM and SIGKILL
+# with --shutdown-grace-s (5 s) before it, and systemd's TimeoutStopSec=60s.
+ENGINE_STOP_TIMEOUT_S = 20.0
 
 
 async def main(config: InstanceConfig) -> None:
@@ -71,8 +74,16 @@ async def main(config: InstanceConfig) -> None:
     try:
         await serve(config, loaded, runner)
     finally:
-        runner.stop()
+        stop_engine(runner, loaded)
+
+
+def stop_engine(runner: EngineRunner, loaded: LoadedEngine, timeout_s: float = ENGINE_STOP_TIMEOUT_S) -> None:
+    """Free the KV cache once the engine thread has ended; a step still running then (a long prefill on a
+    slow CPU) keeps it, and the process exit unmaps it and removes its name."""
+    if runner.stop(timeout_s):
         loaded.close()
+    else:
+        log.warning("engine_step_outlived_shutdown", timeout_s=timeout_s)
 
 
 async def serve(config: InstanceConfig, loaded: LoadedEngine, runner: EngineRunner) -> None:

@@ -107,10 +107,12 @@ class EngineRunner:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """Whether the engine thread ended within `timeout_s` (a step it runs ends first)."""
         self._stopping.set()
         self._wakeup.set()
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     @property
     def engine(self) -> LLMEngine:

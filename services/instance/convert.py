@@ -109,6 +109,8 @@ def migrate_out_plan_from_proto(msg: instance_pb2.MigrateOutRequest) -> MigrateO
         check_request_id(msg.request_id)
     if msg.HasField("max_stages") and msg.max_stages < 0:
         raise InvalidArgument(f"max_stages: must be >= 0 (0 = one stop-and-copy stage), got {msg.max_stages}")
+    if msg.dst_max_model_len < 0:
+        raise InvalidArgument(f"dst_max_model_len: must be >= 0 (0 = not known), got {msg.dst_max_model_len}")
     if msg.selection not in _SELECTION_FROM_PROTO:
         raise InvalidArgument(f"selection: {msg.selection} is not a MigrationSelection value")
     backend = None if msg.backend == transfer_pb2.TRANSFER_BACKEND_UNSPECIFIED else backend_from_proto(msg.backend)
@@ -117,7 +119,7 @@ def migrate_out_plan_from_proto(msg: instance_pb2.MigrateOutRequest) -> MigrateO
         dst_transfer_address=msg.dst_transfer_address, backend=backend, selection=_SELECTION_FROM_PROTO[msg.selection],
         exclude_request_ids=frozenset(msg.exclude_request_ids),
         max_stages=msg.max_stages if msg.HasField("max_stages") else None,
-        can_decode_on_prefill=msg.can_decode_on_prefill)
+        can_decode_on_prefill=msg.can_decode_on_prefill, dst_max_model_len=msg.dst_max_model_len)
 
 
 def migration_result_to_proto(result: MigrationResult) -> instance_pb2.MigrateOutResponse:

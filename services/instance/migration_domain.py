@@ -26,6 +26,7 @@ class MigrateOutPlan:
     # waits parked meanwhile: --pd-handoff-hold-s); None = that flag
     prepare_timeout_s: float | None = None
     can_decode_on_prefill: bool = False  # a PREFILL destination chosen on purpose (a drain with nowhere else to go)
+    dst_max_model_len: int = 0  # the destination's max_model_len (0: not known): a pick by `selection` fits it
 
 
 @dataclass(frozen=True, slots=True)

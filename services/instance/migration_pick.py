@@ -40,10 +40,13 @@ class MigrationPicker:
                 raise
             return plan.request_id, held
         exclude = frozenset(self.moving) | plan.exclude_request_ids | self._runner.unattached_request_ids()
-        request_id = await self._runner.call(lambda: self._runner.engine.pick_for_migration(plan.selection, exclude))
+        request_id = await self._runner.call(
+            lambda: self._runner.engine.pick_for_migration(plan.selection, exclude, plan.dst_max_model_len))
         if request_id is None:
+            fitting = (f", none that fits the destination's max_model_len of {plan.dst_max_model_len} tokens "
+                       "(prompt + max_tokens)" if plan.dst_max_model_len else "")
             raise FailedPrecondition(f"instance {self._instance_id} has no request to migrate "
-                                     "(none decoding or waiting); try again once it has")
+                                     f"(none decoding or waiting{fitting}); try again once it has")
         if request_id in self.moving:  # another migration picked it while we asked: it alone may suspend it
             raise Aborted(f"request {request_id} was picked by another migration meanwhile; try again")
         self._claim(request_id)

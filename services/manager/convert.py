@@ -153,7 +153,7 @@ def migrate_out_request_to_proto(order: MigrationOrder) -> instance_pb2.MigrateO
         request_id=order.request_id, dst_instance_id=order.dst_instance_id, dst_address=order.dst_address,
         backend=backend_to_proto(order.backend), selection=_SELECTION_TO_PROTO[order.selection],
         exclude_request_ids=sorted(order.exclude_request_ids), max_stages=order.max_stages,
-        can_decode_on_prefill=order.can_decode_on_prefill)
+        can_decode_on_prefill=order.can_decode_on_prefill, dst_max_model_len=order.dst_max_model_len)
 
 
 def backend_to_proto(name: str) -> int:

@@ -62,6 +62,7 @@ class MigrationOrder:
     exclude_request_ids: frozenset[str] = field(default_factory=frozenset)  # just migrated: not again yet
     max_stages: int | None = None  # live stages; None = the source's default, 0 = one stop-and-copy (PD)
     can_decode_on_prefill: bool = False  # the destination is a PREFILL instance chosen on purpose (a drain's last resort)
+    dst_max_model_len: int = 0  # the destination's max_model_len (its record; 0: not known): the source picks what fits
 
 
 @dataclass(frozen=True, slots=True)

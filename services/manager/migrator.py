@@ -207,7 +207,7 @@ class Migrator:
                                      "instance, or leave dst_instance_id (ferryctl --dst) empty")
         return MigrationOrder(src.record.instance_id, src.record.address, dst.record.instance_id, dst.record.address,
                               MigrationTrigger.ADMIN, self._settings.selection, request_id=request_id,
-                              backend=self._limits.backend)
+                              backend=self._limits.backend, dst_max_model_len=dst.record.max_model_len)
 
     def busiest_source(self, dst_id: str = "") -> str:
         """Where an admin Migrate that names no request and no source moves from: the least free
@@ -262,11 +262,11 @@ class Migrator:
         if pair.trigger is MigrationTrigger.PD:  # one stop-and-copy stage of a request with its first token
             return MigrationOrder(pair.src.instance_id, pair.src.address, pair.dst.instance_id, pair.dst.address,
                                   pair.trigger, MigrationSelection.PREFILL_DONE, backend=self._limits.backend,
-                                  max_stages=0)
+                                  max_stages=0, dst_max_model_len=pair.dst.max_model_len)
         excluded = frozenset() if pair.trigger is MigrationTrigger.DRAIN else self._cooled_request_ids()
         return MigrationOrder(pair.src.instance_id, pair.src.address, pair.dst.instance_id, pair.dst.address,
                               pair.trigger, self._settings.selection, backend=self._limits.backend,
-                              exclude_request_ids=excluded,
+                              exclude_request_ids=excluded, dst_max_model_len=pair.dst.max_model_len,
                               can_decode_on_prefill=pair.dst.role is Role.PREFILL)  # a drain's last resort
 
     def _start(self, order: MigrationOrder) -> asyncio.Task[MigrationRecord]:

@@ -42,6 +42,7 @@ from services.instance.engine.migration_state import (
     export_state,
     is_movable,
     is_prefill_done,
+    max_num_tokens_of,
     migration_blocks,
     pick_request,
 )
@@ -230,11 +231,13 @@ class LLMEngine:
 
     # Live migration: the source side.
 
-    def pick_for_migration(self, selection: MigrationSelection,
-                           exclude: frozenset[str] = frozenset()) -> RequestId | None:
-        """The request `selection` would move (see `pick_request`); None if none can move."""
-        request = pick_request(self._requests.values(), selection, exclude,
-                               is_batch_full=not self.scheduler.has_free_slot)
+    def pick_for_migration(self, selection: MigrationSelection, exclude: frozenset[str] = frozenset(),
+                           dst_max_model_len: int = 0) -> RequestId | None:
+        """The request `selection` would move (see `pick_request`) of those a destination serving
+        `dst_max_model_len` tokens (0: not known) takes; None if none can move."""
+        fits = [r for r in self._requests.values()
+                if not dst_max_model_len or max_num_tokens_of(r, self.config.max_model_len) <= dst_max_model_len]
+        request = pick_request(fits, selection, exclude, is_batch_full=not self.scheduler.has_free_slot)
         return None if request is None else request.request_id
 
     def decoding_request_ids(self) -> list[RequestId]:

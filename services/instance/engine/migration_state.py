@@ -79,9 +79,15 @@ class RequestState:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
+def max_num_tokens_of(request: Request, max_model_len: int) -> int:
+    """The tokens `request` can grow to here (prompt + max_tokens, within `max_model_len`): what a
+    destination checks against its own max_model_len (`check_serves_length`)."""
+    return min(request.num_prompt_tokens + request.sampling.max_tokens, max_model_len)
+
+
 def migration_blocks(request: Request, block_size: int, max_model_len: int) -> MigrationBlocks:
     num_computed = request.num_computed_tokens
-    max_num_tokens = min(request.num_prompt_tokens + request.sampling.max_tokens, max_model_len)
+    max_num_tokens = max_num_tokens_of(request, max_model_len)
     return MigrationBlocks(
         request_id=request.request_id, status=request.status,
         block_ids=tuple(request.block_table[:num_blocks_for(num_computed, block_size)]),
@@ -100,7 +106,7 @@ def export_state(request: Request, max_model_len: int) -> RequestState:
         priority=request.priority, epoch=request.epoch + 1, num_computed_tokens=request.num_computed_tokens,
         text_sent=request.text.text[:request.text.num_emitted_chars], num_resumed_tokens=request.num_resumed_tokens,
         first_start=request.first_start,
-        max_num_tokens=min(request.num_prompt_tokens + request.sampling.max_tokens, max_model_len),
+        max_num_tokens=max_num_tokens_of(request, max_model_len),
     )  # fmt: skip
 
 

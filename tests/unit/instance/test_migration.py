@@ -421,6 +421,29 @@ async def test_refusals(pair):
     await assert_no_blocks_held(a, b)
 
 
+async def test_a_pick_for_a_destination_serving_shorter_sequences_takes_a_request_that_fits(pair):
+    """The manager's MigrateOut names the destination's max_model_len: the source picks among the requests
+    that fit it (prompt + max_tokens), since the destination refuses the others; with none, it says why."""
+    a, b = pair
+    long_tokens: list[int] = []
+    long = await a.runner.add("long", PROMPT, SAMPLING)  # 20 + 400 tokens
+    await read(long, long_tokens, until=2)
+    short_tokens: list[int] = []
+    short = await a.runner.add("short", PROMPT, dataclasses.replace(SAMPLING, max_tokens=100))  # 20 + 100
+    await read(short, short_tokens, until=2)
+    request = instance_pb2.MigrateOutRequest(dst_instance_id="b", dst_address="127.0.0.1:2", dst_max_model_len=119,
+                                             selection=instance_pb2.MIGRATION_SELECTION_LONGEST_RUNNING)
+    with pytest.raises(FailedPrecondition, match="none that fits the destination's max_model_len of 119 tokens"):
+        await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(migrate_out_plan_from_proto(request))
+    request.dst_max_model_len = 120
+    result = await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(migrate_out_plan_from_proto(request))
+    assert result.request_id == "short"
+    handoff = await read(short, short_tokens)
+    await read(b.inbox.attach("short", handoff.epoch), short_tokens)
+    await a.runner.abort("long")
+    await assert_no_blocks_held(a, b)
+
+
 async def test_a_waiting_request_moves_without_blocks(pair):
     a, b = pair
     expected = await reference(a)

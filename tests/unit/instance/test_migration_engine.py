@@ -258,6 +258,19 @@ def test_selection_policies(make_engine):
     assert engine.pick_for_migration(MigrationSelection.SHORTEST_RUNNING, exclude=frozenset({"short"})) == "mid"
 
 
+def test_a_destination_serving_shorter_sequences_gets_a_request_that_fits_it(make_engine):
+    """With the destination's max_model_len the pick skips what it would refuse (prompt + max_tokens
+    above it): the policy's pick among the rest, or none."""
+    engine, harness = make_engine(), Harness()
+    for request_id, length in (("mid", 8), ("short", 4), ("long", 12)):  # + MAX_TOKENS: 32, 28, 36
+        engine.add_request(request_id, [7] * length, GREEDY)
+    harness.step(engine)
+    assert engine.pick_for_migration(MigrationSelection.LONGEST_RUNNING, dst_max_model_len=0) == "long"
+    assert engine.pick_for_migration(MigrationSelection.LONGEST_RUNNING, dst_max_model_len=32) == "mid"
+    assert engine.pick_for_migration(MigrationSelection.SHORTEST_RUNNING, dst_max_model_len=28) == "short"
+    assert engine.pick_for_migration(MigrationSelection.SHORTEST_RUNNING, dst_max_model_len=27) is None
+
+
 def test_shortest_running_moves_the_oldest_queued_request_while_the_batch_is_full(make_engine):
     """A queued request needs no copy and no pause, and it waits here for a slot a destination has now;
     the other selections keep their running picks."""

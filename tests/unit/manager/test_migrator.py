@@ -530,3 +530,22 @@ async def test_a_destination_that_refuses_by_its_role_leaves_the_next_tick_to_an
     for instance_id, num_running in (("a", 8), ("b", 0), ("c", 2)):
         report(view, instance_id, num_running)
     assert routes(migrator.plan()) == [("a", "c", MigrationTrigger.LOAD)]
+
+
+async def test_orders_name_the_destinations_max_model_len_so_the_source_picks_a_request_it_takes():
+    """A destination serving shorter sequences refuses the source's requests that may grow past them; when
+    it is the only one, the source must pick among the others, or the drain offers it the same refused one
+    after each back-off. 0 where its record has none (an older instance): the source picks as before."""
+    clock = FakeClock()
+    view = ClusterView(report_timeout_s=3.0, clock=clock)
+    for instance_id, max_model_len in (("a", 1024), ("short", 256)):
+        view.put_member(dataclasses.replace(make_record(instance_id), max_model_len=max_model_len))
+        report(view, instance_id, 3 if instance_id == "a" else 0)
+    view.mark_drained(InstanceId("a"))
+    migrator = make_migrator(view, clock, FakeSources(), settings=MigrationSettings(is_enabled=False))
+    [order] = migrator.plan()
+    assert (order.dst_instance_id, order.dst_max_model_len) == ("short", 256)
+    assert convert.migrate_out_request_to_proto(order).dst_max_model_len == 256
+    assert migrator.admin_order("a", "short", "").dst_max_model_len == 256
+    view.put_member(make_record("short"))  # its record without max_model_len
+    assert migrator.admin_order("a", "short", "").dst_max_model_len == 0

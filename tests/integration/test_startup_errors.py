@@ -107,3 +107,22 @@ def test_a_frontend_serves_http_on_ipv6_loopback(tiny_model_dir):
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_a_second_process_under_a_live_ones_id_refuses_to_start(etcd, cluster):
+    """Two transfer services started with one --transfer-id: the second overwrote the first's record and
+    both answered to the id. Now it waits out the holder's lease, then says who holds the id and exits 1."""
+    flags = ("--transfer-id", "t-dup", "--etcd-endpoints", etcd.endpoint, "--cluster", cluster,
+             "--lease-ttl-s", "1", "--port", "0", "--metrics-port", "0")
+    first = subprocess.Popen([sys.executable, "-m", "services.transfer", *flags], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        ready = first.stdout.readline().split()
+        assert ready[:1] == ["ready"], ready
+        second = start("transfer", *flags)
+        assert_one_line_failure(second, "service_failed", "FAILED_PRECONDITION", "t-dup",
+                                "registered by another live process", f"at {ready[2]}")
+        assert first.poll() is None  # the holder goes on
+    finally:
+        first.terminate()
+        first.wait(30)

@@ -7,6 +7,9 @@ GEN := services/common/gen/.generated
 MODEL_DIR ?= models/smollm2-135m-instruct
 PROTOS := $(wildcard proto/ferry/v1/*.proto)
 PYTEST_ARGS ?=
+# Test files run on this many pytest-xdist workers, each file whole on one worker (its module
+# fixtures start once). Most of the suite waits on real processes starting, so 2 suit 2 cores.
+PYTEST_WORKERS ?= 2
 
 .PHONY: install proto model run test test-all test-cuda bench lint clean
 
@@ -34,7 +37,7 @@ run: install model
 
 # The suite without its long scenarios (each @slow test has a small form that runs here).
 test: install
-	$(PY) -m pytest -q -m "not slow" --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" -n $(PYTEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 # Everything, including the long forms (10 s etcd outage, 200-request chaos, ...).
 test-all: install

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
 
+from services.common.etcd_launcher import PORT_RANGE_ENV, port_range
 from services.instance.models.tiny import build_tiny_model
 from tests.torch_threads import one_torch_thread  # noqa: F401 (autouse: every test module)
 
 # Every process a test starts ends with this pytest, even a SIGKILLed one (tests/reaper.py).
 pytest_plugins = ["tests.reaper_plugin"]
+
+
+def pytest_configure() -> None:
+    """Under pytest-xdist (`make test` runs two workers), each worker and every process it starts
+    picks ports from a slice of its own: two workers never race for one not yet bound."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker and count and PORT_RANGE_ENV not in os.environ:
+        low, high = port_range()
+        width = (high - low + 1) // int(count)
+        first = low + int(worker.removeprefix("gw")) * width
+        os.environ[PORT_RANGE_ENV] = f"{first}-{first + width - 1}"
 
 
 @pytest.fixture(scope="session")

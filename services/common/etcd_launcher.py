@@ -54,6 +54,7 @@ def etcd_binary() -> pathlib.Path:
 
 
 _LOWEST_PORT = 10000
+PORT_RANGE_ENV = "FERRY_PORT_RANGE"
 _FREE_PORT_TRIES = 200
 _PORT_PICKER = random.SystemRandom()  # unaffected by anyone seeding the `random` module
 _MAX_PROMISED_PORTS = 4096
@@ -67,14 +68,14 @@ def reserve_port(port: int) -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now, picked at random *below* the kernel's ephemeral range:
-    a port from that range (what binding port 0 gives) can be taken by any outgoing
+    """A port nothing listens on now, picked at random from `port_range()`, by default *below*
+    the kernel's ephemeral range: a port from that range (what binding port 0 gives) can be taken by any outgoing
     connection before the process that was promised it binds it. Never one this process
     handed out before or reserved (the last `_MAX_PROMISED_PORTS`): two children started
     one after the other must not be promised the same port."""
-    first_ephemeral = _first_ephemeral_port()
+    low, high = port_range()
     for _ in range(_FREE_PORT_TRIES):
-        port = _PORT_PICKER.randrange(_LOWEST_PORT, first_ephemeral)
+        port = _PORT_PICKER.randrange(low, high + 1)
         if port in _promised_ports:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -84,6 +85,8 @@ def free_port(host: str = "127.0.0.1") -> int:
                 continue
         _promise(port)
         return port
+    if os.environ.get(PORT_RANGE_ENV, "").strip():
+        raise OSError(f"no free port in {PORT_RANGE_ENV}={low}-{high} after {_FREE_PORT_TRIES} tries: widen it")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a crowded range: let the kernel pick
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -94,6 +97,24 @@ def _promise(port: int) -> None:
     _promised_ports.move_to_end(port)
     while len(_promised_ports) > _MAX_PROMISED_PORTS:
         _promised_ports.popitem(last=False)
+
+
+def port_range() -> tuple[int, int]:
+    """The ports `free_port` picks from, both ends included: $FERRY_PORT_RANGE (`LOW-HIGH`) if
+    set, else 10000 up to the kernel's ephemeral range. Processes that pick ports side by side
+    (parallel test workers, two launchers on one host) each get a range of their own, so neither
+    is promised a port the other was promised and has not bound yet."""
+    spec = os.environ.get(PORT_RANGE_ENV, "").strip()
+    if not spec:
+        return _LOWEST_PORT, _first_ephemeral_port() - 1
+    low, sep, high = spec.partition("-")
+    try:
+        bounds = int(low), int(high)
+    except ValueError:
+        bounds = (0, 0)
+    if not sep or not 1024 <= bounds[0] < bounds[1] <= 65535:
+        raise ValueError(f"{PORT_RANGE_ENV}={spec!r}: expected LOW-HIGH, two ports from 1024 to 65535, LOW < HIGH")
+    return bounds
 
 
 def _first_ephemeral_port() -> int:

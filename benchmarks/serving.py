@@ -149,7 +149,9 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
                 result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return result
             async for line in response.content:
-                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                if line.strip() == b"data: [DONE]":
+                    return result
+                if not line.startswith(b"data: "):
                     continue
                 if line.startswith(b'data: {"error"'):  # after the 200 an error event ends the stream
                     result.error = f"error event: {line[6:].strip()[:200].decode(errors='replace')}"
@@ -161,6 +163,8 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
                     result.itl_ms.append((now - last) * 1000)
                 last = now
                 result.num_tokens += 1
+            # The frontend ends every stream with [DONE]; one that ends before (a proxy whose upstream died) was cut
+            result.error = f"truncated: the stream ended without data: [DONE] after {result.num_tokens} tokens"
     except aiohttp.ClientError as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result

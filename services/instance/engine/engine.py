@@ -633,10 +633,10 @@ class LLMEngine:
             bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise InvalidArgument(f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt) + len(resumed) > self.config.max_model_len:
+        if resumed and len(prompt) + len(resumed) >= self.config.max_model_len:  # the request ended there (LENGTH)
             raise InvalidArgument(
-                f"resume_token_ids: prompt + resumed tokens ({len(prompt) + len(resumed)}) exceed the model's "
-                f"context of {self.config.max_model_len} (max_model_len)"
+                f"resume_token_ids: prompt + resumed tokens ({len(prompt) + len(resumed)}) fill the model's "
+                f"context of {self.config.max_model_len} (max_model_len); nothing is left to generate"
             )
         if len(resumed) >= sampling.max_tokens:
             raise InvalidArgument(

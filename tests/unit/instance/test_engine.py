@@ -551,6 +551,22 @@ def test_max_model_len_finishes_with_length(gqa, make_engine):
     assert len(got.token_ids) == 3 and got.finish_reason is FinishReason.LENGTH
 
 
+def test_a_resume_that_fills_the_context_is_refused(gqa, make_engine):
+    """The request that never stopped ended (LENGTH) as its tokens filled max_model_len: a resume of all of them
+    has nothing left to generate, as one past max_tokens, and is refused naming the field (before: it made one
+    token past the context). A prompt alone that fills the context still makes its one token."""
+    prompt = random_prompts([6], seed=8)[0]
+    sampling = SamplingParams(temperature=0.0, max_tokens=50)
+    full = run(make_engine(gqa, max_model_len=9), {0: [("r", prompt, sampling)]})["r"]
+    resumed = run(make_engine(gqa, max_model_len=9),
+                  {0: [("r", prompt, sampling, {"resume_token_ids": full.token_ids[:2]})]})["r"]
+    assert resumed.token_ids == full.token_ids[2:] and resumed.finish_reason is FinishReason.LENGTH
+    with pytest.raises(InvalidArgument, match=r"^resume_token_ids: .*\(9\) fill the model's context of 9"):
+        make_engine(gqa, max_model_len=9).add_request("r", prompt, sampling, resume_token_ids=full.token_ids)
+    whole = run(make_engine(gqa, max_model_len=6), {0: [("r", prompt, sampling)]})["r"]
+    assert len(whole.token_ids) == 1 and whole.finish_reason is FinishReason.LENGTH
+
+
 def test_stop_token_ids_and_eos(gqa, make_engine):
     prompt = text_prompt(gqa, "The capital of France is")
     full = greedy_tokens(gqa, make_engine, prompt)

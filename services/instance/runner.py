@@ -193,12 +193,18 @@ class EngineRunner:
             del self._streams[request_id]
             stream.handoff = handoff
             stream.outputs.put_nowait(handoff)
-        try:
-            await self.call(lambda: self._engine.release(request_id))
-        except FerryError:
-            if stream is not None:  # announced elsewhere, so it must not go on here (a resume may come back)
-                await self.call(lambda: self._engine.abort(request_id))
-            raise
+
+        def release() -> None:
+            try:
+                self._engine.release(request_id)
+            except FerryError:
+                # Announced elsewhere, so it must not go on here. In the same command: once it returns, a resume
+                # of the request may be admitted here under its id, and that copy is not this hand-off's.
+                if stream is not None:
+                    self._engine.abort(request_id)
+                raise
+
+        await self.call(release)
 
     def attach(self, stream: RequestStream, from_token_index: int = 0) -> None:
         """A client reads `stream` now; one that already finished leaves the table (its outputs are queued)."""

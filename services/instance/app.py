@@ -4,7 +4,8 @@ live migration (its transfer service link, the source driver, the destination in
 Shutdown order (STYLE.md): health NOT_SERVING → revoke the etcd lease → let running
 requests finish (bounded) → server.stop(grace) → cancel background tasks and migrations →
 close channels, unmap from the transfer service → stop the engine thread → free the shared
-KV memory (only once that thread has ended: a step still running keeps it until the process exits).
+KV memory (only once that thread has ended: a process whose step still runs then ends at once, skipping
+the interpreter's teardown, which torch would not survive).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -73,17 +75,34 @@ async def main(config: InstanceConfig) -> None:
     runner.start()
     try:
         await serve(config, loaded, runner)
-    finally:
-        stop_engine(runner, loaded)
+    except BaseException as exc:
+        end_engine(runner, loaded, exc)
+        raise
+    end_engine(runner, loaded)
 
 
-def stop_engine(runner: EngineRunner, loaded: LoadedEngine, timeout_s: float = ENGINE_STOP_TIMEOUT_S) -> None:
-    """Free the KV cache once the engine thread has ended; a step still running then (a long prefill on a
-    slow CPU) keeps it, and the process exit unmaps it and removes its name."""
+def end_engine(runner: EngineRunner, loaded: LoadedEngine, error: BaseException | None = None) -> None:
+    """Stop the engine thread and free the KV cache. A step still running after the wait (a long prefill on a
+    slow CPU, a hung accelerator) must not meet the interpreter's teardown, where torch aborts the process
+    (SIGABRT, "terminate called without an active exception"): the process ends at once instead, with the KV
+    memory's name removed (the step's mapping stays valid) and the log flushed; status 1 if `error` ended main."""
+    if stop_engine(runner, loaded):
+        return
+    if error is not None:  # run_service would have logged it; it is skipped with the teardown
+        log.error("service_failed", error=repr(error))
+    loaded.kv_cache.unlink()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if error is None else 1)
+
+
+def stop_engine(runner: EngineRunner, loaded: LoadedEngine, timeout_s: float = ENGINE_STOP_TIMEOUT_S) -> bool:
+    """Free the KV cache once the engine thread has ended; False if a step still runs then (it keeps the cache)."""
     if runner.stop(timeout_s):
         loaded.close()
-    else:
-        log.warning("engine_step_outlived_shutdown", timeout_s=timeout_s)
+        return True
+    log.warning("engine_step_outlived_shutdown", timeout_s=timeout_s)
+    return False
 
 
 async def serve(config: InstanceConfig, loaded: LoadedEngine, runner: EngineRunner) -> None:

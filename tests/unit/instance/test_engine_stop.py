@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import pathlib
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from types import SimpleNamespace
 
@@ -74,3 +78,69 @@ async def test_a_step_past_the_wait_keeps_the_cache_and_the_next_stop_frees_it(l
     app.stop_engine(runner, loaded, timeout_s=5)
     assert engine.num_cache_reads == 1 and loaded.kv_cache.tensor.numel() == 0
     assert not (SHM_DIR / loaded.kv_cache.name).exists()
+
+
+# An instance process whose engine step (torch work) outlasts the shutdown's wait for it.
+STEP_PAST_SHUTDOWN = '''
+import asyncio, sys, threading, time
+from types import SimpleNamespace
+import torch
+from services.common.config import parse_config
+from services.common.startup import run_service
+from services.instance import app
+from services.instance.config import InstanceConfig
+from services.instance.engine.factory import LoadedEngine
+from services.instance.engine.kv_cache import KvCache
+from services.instance.engine.prefix_cache import PrefixCacheStats
+from services.instance.runner import EngineRunner
+from tests.unit.instance.test_engine_stop import GEOMETRY
+
+class TorchStepEngine:
+    scheduler, last_step_was_idle, stepping = SimpleNamespace(suspended=[]), False, threading.Event()
+    load, has_unfinished = lambda self: (0,), lambda self: True
+    prefix_cache_stats = lambda self: PrefixCacheStats(0, 0)
+    def step(self):
+        self.stepping.set()
+        a, until = torch.randn(256, 256), time.monotonic() + 60
+        while time.monotonic() < until:
+            a = (a @ a).tanh()
+        return []
+
+class QuickStopRunner(EngineRunner):
+    def stop(self, timeout_s=10.0):
+        return super().stop(0.5)
+
+engine = TorchStepEngine()
+loaded = LoadedEngine(engine, KvCache.create(sys.argv[1], GEOMETRY), 16)
+
+async def serve(config, loaded, runner):
+    await asyncio.to_thread(engine.stepping.wait, 20)
+    if sys.argv[2] == "failed":
+        raise RuntimeError("serving failed")
+
+app.build_engine, app.reclaim_stale_segments, app.serve = lambda spec: loaded, lambda: [], serve
+app.EngineRunner = QuickStopRunner
+run_service(app.main(parse_config(InstanceConfig, "instance", [])))
+'''
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("ending", "status"), [("stopped", 0), ("failed", 1)])
+def test_a_step_past_the_shutdown_wait_ends_the_process_without_its_teardown(ending, status):
+    """Interpreter teardown under a step still running torch aborted the process (SIGABRT, "terminate called
+    without an active exception"): the instance leaves at once instead, exiting 0 after a clean shutdown (1 if
+    serving failed, logged), with its KV memory's name removed and its log flushed."""
+    name = f"ferry-kv-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    root = pathlib.Path(__file__).resolve().parents[3]
+    try:
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", STEP_PAST_SHUTDOWN, name, ending], cwd=root, capture_output=True,
+                              text=True, timeout=50, env={**os.environ, "PYTHONPATH": str(root)})
+        log = done.stdout + done.stderr
+        assert done.returncode == status, log[-3000:]
+        assert time.monotonic() - started < 40  # not after the step: it runs 60 s
+        assert "engine_step_outlived_shutdown" in log and "terminate called" not in log
+        assert ("serving failed" in log) == (ending == "failed")
+        assert not (SHM_DIR / name).exists()
+    finally:
+        (SHM_DIR / name).unlink(missing_ok=True)

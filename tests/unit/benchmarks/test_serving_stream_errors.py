@@ -65,3 +65,4 @@ async def test_a_stream_that_ends_without_done_fails_the_request(monkeypatch):
 async def test_a_cut_connection_fails_the_request(monkeypatch):
     result = await sent(monkeypatch, TOKEN, TOKEN, ending="cut")
     assert result.error.startswith("ClientPayloadError") and result.num_tokens == 2
+

@@ -191,14 +191,9 @@ async def test_what_a_step_gave_an_aborted_request_never_reaches_a_new_one_under
 
 
 class ReleaseRacingEngine(FakeEngine):
-    """Its release waits until `release` is set, then fails: the request is no longer here (NotFound)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.release_gate = threading.Event()
+    """A hand-off's release finds the request gone (NotFound): it finished or was aborted meanwhile."""
 
     def release(self, request_id: str) -> None:
-        assert self.release_gate.wait(5.0)
         raise NotFound(f"request {request_id} is not on this instance")
 
     def abort(self, request_id: str) -> bool:
@@ -212,22 +207,23 @@ async def test_a_failed_hand_off_aborts_only_the_copy_it_handed_off():
     """The hand-off's release fails, and a resume of the same request is admitted here before the hand-off's
     fallback abort could run: that abort is the handed-off copy's, never the resume's (before, an abort by id
     after the failed release ended the resume that had come in meanwhile)."""
-    engine = ReleaseRacingEngine()
+    engine, busy = ReleaseRacingEngine(), threading.Event()
     runner = EngineRunner(engine, asyncio.get_running_loop())
     runner.start()
     try:
         old = await runner.add("r-1", [1, 2, 3], sampling=SamplingParams())
         engine.request_ids.remove("r-1")  # finished or aborted in the engine: the release will find nothing
+        runner.call_soon(lambda: busy.wait(5.0))  # the engine thread in a long step: commands queue up
         handing = asyncio.create_task(runner.hand_off("r-1", Handoff("b", "b:1", 1, 0), old))
-        await asyncio.sleep(0.05)  # the engine thread is in the release now; the id is free here
+        await asyncio.sleep(0.05)  # the release is queued; the id is free here
         adding = asyncio.create_task(runner.add("r-1", [1, 2, 3], sampling=SamplingParams(), resume_token_ids=(7,)))
-        await asyncio.sleep(0.05)
-        engine.release_gate.set()
+        await asyncio.sleep(0.05)  # the resume's admission is queued after the release
+        busy.set()
         with pytest.raises(NotFound):
             await asyncio.wait_for(handing, 2.0)
         new = await asyncio.wait_for(adding, 2.0)
         await runner.call(lambda: None)  # any abort the hand-off queued has run
         assert engine.request_ids == ["r-1"] and runner.stream("r-1") is new
     finally:
-        engine.release_gate.set()
+        busy.set()
         runner.stop()

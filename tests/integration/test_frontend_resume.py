@@ -15,6 +15,7 @@ import json
 import aiohttp
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc
 from services.common.grpc_server import start_grpc_server
@@ -356,6 +357,21 @@ async def test_an_abort_the_instance_did_not_answer_is_sent_again():
     finally:
         await clients.close()
         await server.stop(0)
+
+
+async def test_an_abort_of_a_dead_instance_warns_once_when_its_tries_are_spent():
+    # After a resume off a dead instance the frontend still tries its Abort 3 times (it may be alive behind a
+    # partition): one warning when they are spent, the tries before it at info.
+    from services.common.etcd_launcher import free_port
+    from services.frontend.generation import Target
+    clients = InstanceClients(generate_timeout_s=5, abort_timeout_s=0.5)
+    try:
+        with capture_logs() as logs:
+            await asyncio.wait_for(clients.abort_soon(Target(InstanceId("a"), f"127.0.0.1:{free_port()}"), "r-1"), 5)
+    finally:
+        await clients.close()
+    tries = [(e["event"], e["log_level"], e["num_tries"]) for e in logs if e["event"].startswith("abort_")]
+    assert tries == [("abort_retrying", "info", 1), ("abort_retrying", "info", 2), ("abort_failed", "warning", 3)]
 
 
 async def test_an_abort_that_ran_past_its_deadline_is_sent_again():

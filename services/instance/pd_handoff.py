@@ -213,10 +213,11 @@ class DecodeHandoff:
     async def _try_hand_off(self, request_id: str, held: HeldRequest | None) -> MigrationResult | None:
         started_at = time.time()
         try:
-            num_blocks = held.blocks.num_blocks if held is not None else await self._num_blocks(request_id)
+            # prompt + max_tokens: PlaceDecode passes over decode instances serving shorter sequences
+            num_blocks, reach = ((held.blocks.num_blocks, held.state.max_num_tokens) if held is not None
+                                 else await self._size(request_id))
         except NotFound:
             return None  # finished meanwhile
-        reach = held.state.max_num_tokens if held is not None else 0  # prompt + max_tokens (0: not known)
         try:
             place = await self._placer.place_decode(request_id, self._instance_id, num_blocks, max_num_tokens=reach)
         except FerryError as exc:
@@ -240,10 +241,11 @@ class DecodeHandoff:
         self._in_background(self._placer.report_migration(outcome, started_at), request_id)
         return outcome
 
-    async def _num_blocks(self, request_id: str) -> int:
-        """KV blocks the request holds now (PlaceDecode picks a decode instance with room for them); NotFound if
-        it finished."""
-        return await self._runner.call(lambda: self._runner.engine.migration_blocks(request_id).num_blocks)
+    async def _size(self, request_id: str) -> tuple[int, int]:
+        """KV blocks the request holds now (PlaceDecode picks a decode instance with room for them) and the tokens
+        it may reach; NotFound if it finished."""
+        view = await self._runner.call(lambda: self._runner.engine.migration_blocks(request_id))
+        return view.num_blocks, view.max_num_tokens
 
     def _is_moot(self, request_id: str) -> bool:
         """The hand-off has nothing left to do: its request finished (decoding here while queued), was aborted,

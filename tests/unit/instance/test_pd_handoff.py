@@ -23,9 +23,11 @@ class FakeEngine:
         self.held: list[str] = []
         self.resumed: list[str] = []
         self.num_blocks: dict[str, int] = {}  # KV blocks each request holds (1 if not set)
+        self.reaches: dict[str, int] = {}  # each request's prompt + max_tokens (0 if not set)
 
     def migration_blocks(self, request_id: str) -> SimpleNamespace:
-        return SimpleNamespace(num_blocks=self.num_blocks.get(request_id, 1))
+        return SimpleNamespace(num_blocks=self.num_blocks.get(request_id, 1),
+                               max_num_tokens=self.reaches.get(request_id, 0))
 
     def hold(self, request_id: str) -> None:
         self.held.append(request_id)
@@ -424,6 +426,22 @@ async def test_place_decode_is_told_how_many_blocks_the_request_holds():
     handoff.note_prefilled("r-2")
     await until(lambda: handoff.num_handed_off == 2, loop)
     assert placer.asks == [("r-1", 3, ()), ("r-2", 7, ())]
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_a_hand_off_without_parked_state_tells_place_decode_the_requests_reach():
+    """Before, a request decoding here when its hand-off began (parked past --pd-handoff-hold-s, or a SetRole to
+    PREFILL) was placed with reach 0, by load alone: it could land on a decode instance serving shorter sequences,
+    which refused it or ended it early."""
+    engine, placer, migrations = FakeEngine(), FlakyPlacer(), FakeMigrations()
+    engine.reaches["r-2"] = 900  # decoding here: the engine says
+    handoff = pushing(engine, placer, migrations)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1", parked(3, max_num_tokens=500))  # parked at its first token: its state says
+    handoff.note_prefilled("r-2")
+    await until(lambda: handoff.num_handed_off == 2, loop)
+    assert placer.reaches == [500, 900]
     await assert_cancels(loop)
     await handoff.close()
 

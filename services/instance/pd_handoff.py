@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from services.common.errors import FerryError, NotFound, ResourceExhausted
+from services.common.errors import FailedPrecondition, FerryError, NotFound, ResourceExhausted
 from services.instance.config import InstanceRole, PdHandoff
 from services.instance.engine.migration_state import HeldRequest, MigrationSelection
 from services.instance.migration import MigrationDriver
@@ -41,9 +41,12 @@ from services.instance.runner import EngineRunner
 log = structlog.get_logger(__name__)
 
 # A hand-off's MigrateOut tries: one that finds our migration slots busy waits a little (_SLOT_RETRY_S, growing),
-# one the destination refused for want of room (RESOURCE_EXHAUSTED) takes the next freest decode instance.
+# one the destination refused (`_REFUSALS`) takes the next freest decode instance.
 _NUM_TRIES = 4
 _SLOT_RETRY_S = 0.05
+# A destination's refusals: no room (RESOURCE_EXHAUSTED), or its role is PREFILL now (FAILED_PRECONDITION: a SetRole
+# while etcd was away, which the managers have not seen, so PlaceDecode still names it).
+_REFUSALS = (ResourceExhausted, FailedPrecondition)
 _CLAIMED_RECHECK_S = 0.05  # how often a queued request another migration claimed is looked at past its hold time
 
 
@@ -255,17 +258,17 @@ class DecodeHandoff:
     async def _migrate(self, plan: MigrateOutPlan, num_blocks: int,
                        reach: int) -> tuple[MigrateOutPlan, MigrationResult | FerryError]:
         """Up to _NUM_TRIES tries; the last plan tried, with its result or its error. A destination that refused
-        for want of blocks or slots (RESOURCE_EXHAUSTED) is not tried again: the next try goes to the freest
-        decode instance that did not refuse. While our own migration slots are busy, a try waits a little."""
+        (`_REFUSALS`: no blocks or slots, or its role) is not tried again: the next try goes to the freest decode
+        instance that did not refuse. While our own migration slots are busy, a try waits a little."""
         refused: list[str] = []
         for attempt in range(1, _NUM_TRIES):
             if not self._migrations.has_free_slot:
                 await asyncio.sleep(_SLOT_RETRY_S * attempt)  # the same destination, a little later
                 continue
             outcome = await self._try(plan)
-            if not isinstance(outcome, ResourceExhausted):
+            if not isinstance(outcome, _REFUSALS):
                 return plan, outcome
-            refused.append(plan.dst_instance_id)  # no room there (our slot was free)
+            refused.append(plan.dst_instance_id)  # no room there (our slot was free), or not a decode instance now
             try:
                 place = await self._placer.place_decode(plan.request_id, self._instance_id, num_blocks, refused,
                                                         max_num_tokens=reach)

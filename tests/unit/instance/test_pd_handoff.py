@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.common.errors import Internal, ResourceExhausted, Unavailable
+from services.common.errors import FailedPrecondition, Internal, ResourceExhausted, Unavailable
 from services.instance.config import InstanceRole, PdHandoff
 from services.instance.migration_domain import MigrateOutPlan, MigrationResult
 from services.instance.pd_handoff import DecodeHandoff, DecodePlace
@@ -382,6 +382,23 @@ async def test_a_decode_instance_without_room_is_skipped_for_the_next_freest():
     assert [plan.dst_instance_id for plan in migrations.plans] == ["d-1", "d-2"]
     assert placer.asks == [("r-1", 5, ()), ("r-1", 5, ("d-1",))]
     assert [plan.held is None for plan in migrations.plans] == [False, True]  # the failed try may have resumed it
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_a_decode_instance_that_refuses_by_role_is_skipped_for_the_next_freest():
+    """A SetRole to PREFILL while etcd is away changes the role there before the managers see it, so PlaceDecode
+    may still name that instance, which refuses (FAILED_PRECONDITION). Before, the request then decoded here, on
+    the prefill instance, until the manager's migration loop moved it."""
+    engine, placer = FakeEngine(), FlakyPlacer(decode_ids=("d-1", "d-2"))
+    migrations = FakeMigrations(FailedPrecondition("instance d-1 has role prefill and takes no migrations in"))
+    handoff = pushing(engine, placer, migrations)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1", parked(4, max_num_tokens=300))
+    await until(lambda: placer.reported == ["r-1"], loop)
+    assert [plan.dst_instance_id for plan in migrations.plans] == ["d-1", "d-2"]
+    assert placer.asks == [("r-1", 4, ()), ("r-1", 4, ("d-1",))] and placer.reaches == [300, 300]
+    assert engine.resumed == [] and placer.failed == []
     await assert_cancels(loop)
     await handoff.close()
 

@@ -128,7 +128,8 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
                                                         "call from the source (or a migrated-in request for its "
                                                         "client to attach) before they are freed")
     migration_rpc_timeout_s: float = knob(5.0, "deadline of each Prepare/Commit/AbortMigrateIn call to a destination")
-    migration_transfer_timeout_s: float = knob(20.0, "deadline of each migration stage's block copy (keep it below "
+    migration_transfer_timeout_s: float = knob(20.0, "deadline of each migration stage's block copy (it and "
+                                                     "--migration-rpc-timeout-s must sum to less than "
                                                      "--migration-reservation-timeout-s)")
     verify_transfer_checksum: bool = knob(False, "check a crc32 of every migrated KV block at the destination")
     metrics_port: int = knob(0, "port of the Prometheus /metrics endpoint (0 = off)")
@@ -177,10 +178,12 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
         check_non_negative(self, ("migration_stage_blocks", "migration_max_stages"))  # 0 stages = stop-and-copy
         check_positive(self, ("max_concurrent_migrations", "migration_reservation_timeout_s", "migration_rpc_timeout_s",
                               "migration_transfer_timeout_s", "pd_handoff_hold_s"))
-        if self.migration_reservation_timeout_s <= self.migration_transfer_timeout_s:
+        if self.migration_reservation_timeout_s <= self.migration_transfer_timeout_s + self.migration_rpc_timeout_s:
             raise ValueError(f"--migration-reservation-timeout-s ({self.migration_reservation_timeout_s:g}) must exceed "
-                             f"--migration-transfer-timeout-s ({self.migration_transfer_timeout_s:g}): a destination "
-                             "reservation that expires while its stage's copy may still run fails a healthy, slow migration")
+                             f"--migration-transfer-timeout-s ({self.migration_transfer_timeout_s:g}) + "
+                             f"--migration-rpc-timeout-s ({self.migration_rpc_timeout_s:g}): a destination reservation "
+                             "that expires while its stage's copy, or the commit after it, may still run fails a "
+                             "healthy, slow migration")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if resolve_device(self.device).type != "cpu" and self.engine is EngineKind.SIM:

@@ -45,7 +45,8 @@ class MigrationSettings:
     @property
     def touch_interval_s(self) -> float:
         """A reservation last prepared this long ago may expire before a copy that starts now, and the commit
-        after it, end (each may take its whole deadline); at or below 0, every copy refreshes it first."""
+        after it, end (each may take its whole deadline); the instance's config keeps it above 0 (at or below,
+        every copy would refresh it first, and a copy and commit taking their deadlines could still outlive it)."""
         return self.reservation_timeout_s - self.transfer_timeout_s - self.rpc_timeout_s
 
 

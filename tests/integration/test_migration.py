@@ -38,8 +38,9 @@ NUM_BLOCKS = 256
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 1024
 STAGE_BLOCKS = 4  # small, so a request of a few dozen tokens already migrates in several stages
-RESERVATION_TIMEOUT_S = 3.0
+RESERVATION_TIMEOUT_S = 5.0
 TRANSFER_TIMEOUT_S = 2.5
+RPC_TIMEOUT_S = 2.0  # the reservation must outlast a copy and the commit after it (the config refuses less)
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 31, 8, 64, 2, 11, 19, 23, 29, 37, 41, 43, 47, 53]
 
 
@@ -62,7 +63,8 @@ def _instance(instance_id: str, transfer_address: str, etcd, cluster: str, log_d
          "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
          "--transfer-address", transfer_address, "--migration-stage-blocks", str(STAGE_BLOCKS),
          "--migration-max-stages", "3", "--migration-reservation-timeout-s", str(RESERVATION_TIMEOUT_S),
-         "--migration-transfer-timeout-s", str(TRANSFER_TIMEOUT_S), "--verify-transfer-checksum",
+         "--migration-transfer-timeout-s", str(TRANSFER_TIMEOUT_S), "--migration-rpc-timeout-s", str(RPC_TIMEOUT_S),
+         "--verify-transfer-checksum",
          "--max-concurrent-migrations", "2", *extra],  # one more for the test that fills b with a reservation
         f"127.0.0.1:{port}", log_dir).start()
 
@@ -343,7 +345,7 @@ async def test_a_client_gone_before_reading_its_hand_off_leaves_no_copy_decoding
     aborts the request where it last knew it, the source, which drops the copy on the destination at once.
     Before, the Abort found nothing on the source, and the copy decoded for no client until the destination's
     watchdog dropped it (`migration_in_expired`) after --migration-reservation-timeout-s."""
-    wire, _ = greedy(1000)  # would still be decoding long after the watchdog's 3 s
+    wire, _ = greedy(1000)  # would still be decoding long after the watchdog's 5 s
     client = ClientStream("unread-1")
     call = generate(stubs["a"], "unread-1", wire)
     await client.read(call, until_tokens=10)

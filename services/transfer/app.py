@@ -29,7 +29,7 @@ from services.transfer.pair_channel import configure_nccl
 from services.transfer.client import TransferClients
 from services.transfer.config import TransferConfig
 from services.transfer.convert import geometry_from_record
-from services.transfer.domain import IDLE_CLOSE_S, InstanceId, TransferBackend, TransferId
+from services.transfer.domain import IDLE_CLOSE_S, InstanceId, TransferBackend, TransferId, new_incarnation
 from services.transfer.kv_mappings import KvMappings
 from services.transfer.peer_watch import PeerWatch
 from services.transfer.receiver import BlockReceiver
@@ -93,7 +93,7 @@ def build_node(config: TransferConfig, transfer_id: TransferId, server: GrpcServ
     channel_host = config.advertise_host or server.advertise_host
     channels = ChannelTable(transfer_id, channel_host, config.channel_timeout_s, threads.rendezvous,
                             config.gloo_connections, config.nccl_device, idle_close_s=idle_close_s(config),
-                            max_rendezvous=threads.rendezvous_threads)
+                            max_rendezvous=threads.rendezvous_threads, incarnation=new_incarnation())
     backends = tuple(config.backends)
     sender = BlockSender(transfer_id, backends, mappings, send_staging, channels, peers, threads,
                          in_place_min_row_bytes=config.in_place_min_kib * 1024, nccl_staging=send_nccl_staging)
@@ -174,4 +174,5 @@ async def _map_from_etcd(registry: Registry, node: TransferNode, instance_ids: l
 
 def _record(node: TransferNode) -> dict:
     return {"transfer_id": node.transfer_id, "address": node.address, "backends": [b.value for b in node.backends],
-            "instance_ids": node.mappings.instance_ids(), "pid": os.getpid(), "host": socket.gethostname()}
+            "instance_ids": node.mappings.instance_ids(), "pid": os.getpid(), "host": socket.gethostname(),
+            "incarnation": node.channels.incarnation}

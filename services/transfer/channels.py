@@ -42,8 +42,8 @@ from services.transfer.threads import NUM_RENDEZVOUS_THREADS
 
 log = structlog.get_logger(__name__)
 
-# (store_address, rank, connections, channel_id) → the peer joined
-OpenRemote = Callable[[str, int, int, int], Awaitable[None]]
+# (store_address, rank, connections, channel_id) → the peer joined; its life (Incarnation; 0 or None: unknown)
+OpenRemote = Callable[[str, int, int, int], Awaitable[int | None]]
 
 
 class ChannelTable:
@@ -55,14 +55,19 @@ class ChannelTable:
     afresh rather than used after such a pause; incoming ones are dropped after twice that. So the
     sender, who drops first, never sends on a channel its peer has already dropped (a transfer
     takes both ends, so the receiver's idle time is never shorter). `idle_close_s` must be well above
-    the longest transfer (the app passes at least 4 x --transfer-timeout-s)."""
+    the longest transfer (the app passes at least 4 x --transfer-timeout-s).
+
+    Each channel knows which life of its peer joined it (`PairChannel.peer_incarnation`, from OpenChannel), so the
+    end of a peer's older life closes only that life's channels: a peer restarted on its own port answers before it
+    registers, and the channels its new life opens meanwhile outlive the news of the old life's end."""
 
     def __init__(self, transfer_id: str, host: str, timeout_s: float, executor: Executor,
                  gloo_connections: int = 1, nccl_device: int = 0, idle_close_s: float = IDLE_CLOSE_S,
-                 max_rendezvous: int = NUM_RENDEZVOUS_THREADS) -> None:
+                 max_rendezvous: int = NUM_RENDEZVOUS_THREADS, incarnation: int = 0) -> None:
         """`executor`: the rendezvous threads (2 x `max_rendezvous`: opens and joins); `timeout_s`: the longest
-        an open or join waits."""
+        an open or join waits; `incarnation`: this process's life, told to every peer a channel opens with."""
         self._transfer_id = transfer_id
+        self.incarnation = incarnation
         self._idle_close_s = idle_close_s
         self._host = host
         self._timeout_s = timeout_s
@@ -107,10 +112,11 @@ class ChannelTable:
             return channel
 
     async def accept(self, peer_id: str, backend: TransferBackend, store_address: str, rank: int,
-                     num_connections: int, timeout_s: float | None = None, channel_id: int = 0) -> None:
+                     num_connections: int, timeout_s: float | None = None, channel_id: int = 0,
+                     peer_incarnation: int = 0) -> None:
         """Join the group the peer opened (replacing an older channel from it, which closes once unused),
         within `timeout_s` (the OpenChannel call's) or the table's timeout, if shorter. `channel_id`: the
-        name the peer gave the channel (0: none, an older peer)."""
+        name the peer gave the channel, `peer_incarnation` its life (0: none, an older peer)."""
         check_backend_available(backend, self._nccl_device)
         timeout_s = self._open_timeout_s(timeout_s)
         host, _, port = store_address.rpartition(":")
@@ -124,9 +130,9 @@ class ChannelTable:
             old.retire(self._close_in_background)
         self._drop_idle()
         self._incoming[(peer_id, backend)] = PairChannel(peer_id, backend, rank, group, store, self._device_for(backend),
-                                                         channel_id=channel_id)
+                                                         channel_id=channel_id, peer_incarnation=peer_incarnation)
         log.info("channel_accepted", peer_transfer_id=peer_id, backend=backend.value, store_address=store_address,
-                 channel_id=channel_id)
+                 channel_id=channel_id, peer_incarnation=peer_incarnation)
 
     @contextlib.asynccontextmanager
     async def _locked(self, key: tuple[str, TransferBackend], deadline: Deadline) -> AsyncIterator[None]:
@@ -188,18 +194,21 @@ class ChannelTable:
             channel.close()
             log.info("channel_dropped", peer=peer_id, backend=backend.value, direction="incoming")
 
-    def close_outgoing(self, peer_address: str) -> int:
-        """A peer transfer service is gone (`PeerWatch`): take the channels to `peer_address` out of the table
-        (under any spelling) and close each now, or once the transfers on it end (`PairChannel.retire`). Returns
+    def close_outgoing(self, peer_address: str, incarnation: int = 0) -> int:
+        """A life of a peer transfer service is gone (`PeerWatch`): take its channels to `peer_address` out of the
+        table (under any spelling) and close each now, or once the transfers on it end (`PairChannel.retire`).
+        `incarnation`: that life (0: unknown, every channel there); a channel another life joined stays. Returns
         how many."""
-        return self._retire(self._outgoing, peer_key(peer_address), "outgoing")
+        return self._retire(self._outgoing, peer_key(peer_address), incarnation, "outgoing")
 
-    def close_incoming(self, peer_id: str) -> int:
+    def close_incoming(self, peer_id: str, incarnation: int = 0) -> int:
         """The same for the channels from transfer service `peer_id`."""
-        return self._retire(self._incoming, peer_id, "incoming")
+        return self._retire(self._incoming, peer_id, incarnation, "incoming")
 
-    def _retire(self, channels: dict[tuple[str, TransferBackend], PairChannel], peer: str, direction: str) -> int:
-        gone = [(key, channels.pop(key)) for key in list(channels) if key[0] == peer]
+    def _retire(self, channels: dict[tuple[str, TransferBackend], PairChannel], peer: str, incarnation: int,
+                direction: str) -> int:
+        gone = [(key, channels.pop(key)) for key, channel in list(channels.items())
+                if key[0] == peer and _may_be_of(channel, incarnation)]
         for (_, backend), channel in gone:
             channel.retire(self._close_in_background)
             log.info("channel_dropped", peer=peer, backend=backend.value, direction=direction, why="peer_gone",
@@ -267,15 +276,16 @@ class ChannelTable:
                                                     self._host, self._group_timeout_s(backend, timeout_s),
                                                     self._gloo_connections)
         try:
-            await open_remote(f"{self._host}:{store.port}", 1, self._gloo_connections, channel_id)
+            peer_incarnation = await open_remote(f"{self._host}:{store.port}", 1, self._gloo_connections, channel_id)
             group = await asyncio.shield(group_future)
         except BaseException:
             self._abandon((peer_address, backend), group_future)
             raise
         log.info("channel_opened", peer=peer_address, backend=backend.value, store_port=store.port,
-                 channel_id=channel_id)
+                 channel_id=channel_id, peer_incarnation=peer_incarnation or 0)
         return PairChannel(peer_address, backend, 0, group, store, self._device_for(backend),
-                           num_connections=self._gloo_connections, channel_id=channel_id)
+                           num_connections=self._gloo_connections, channel_id=channel_id,
+                           peer_incarnation=peer_incarnation or 0)
 
     def _group_timeout_s(self, backend: TransferBackend, open_timeout_s: float) -> float:
         """gloo connects its pair within the group's timeout (each send and receive passes its own), so the
@@ -327,6 +337,11 @@ class ChannelTable:
             peer, backend = key
             raise Unavailable(f"the last {backend.value} open to {peer} still waits for it to join (up to "
                               f"{self._timeout_s:.3g} s, --channel-timeout-s); retry")
+
+
+def _may_be_of(channel: PairChannel, incarnation: int) -> bool:
+    """Whether `channel` may belong to that life of its peer: unless both are known and differ."""
+    return not incarnation or not channel.peer_incarnation or channel.peer_incarnation == incarnation
 
 
 @dataclass(slots=True)

@@ -118,11 +118,12 @@ class TransferClient:
                            "or ended the call early); retry")
 
     async def open_channel(self, peer_transfer_id: str, store_address: str, rank: int, backend: TransferBackend,
-                           num_connections: int, timeout_s: float, channel_id: int) -> None:
+                           num_connections: int, timeout_s: float, channel_id: int, incarnation: int = 0) -> int:
         request = transfer_pb2.OpenChannelRequest(peer_transfer_id=peer_transfer_id, store_address=store_address,
                                                   rank=rank, backend=backend_to_proto(backend),
-                                                  num_connections=num_connections, channel_id=channel_id)
-        await self._call(self._stub.OpenChannel, request, timeout_s)
+                                                  num_connections=num_connections, channel_id=channel_id,
+                                                  peer_incarnation=incarnation)
+        return (await self._call(self._stub.OpenChannel, request, timeout_s)).incarnation
 
     async def expect_blocks(self, header: IncomingBlocks, backend: TransferBackend, tag: int, timeout_s: float,
                             channel_id: int) -> int:

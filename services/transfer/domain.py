@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import secrets
 from dataclasses import dataclass
 from typing import NewType
 
@@ -11,6 +12,13 @@ from services.instance.engine.kv_cache import KvGeometry
 
 InstanceId = NewType("InstanceId", str)
 TransferId = NewType("TransferId", str)
+# One process life of a transfer service: random, chosen at its start, in its etcd record and every OpenChannel it
+# sends or answers, so a channel knows which life of its peer joined it (0: unknown, a peer from before).
+Incarnation = NewType("Incarnation", int)
+
+
+def new_incarnation() -> Incarnation:
+    return Incarnation(secrets.randbits(63) + 1)
 
 
 class TransferBackend(enum.Enum):

@@ -72,6 +72,7 @@ class PairChannel:
     close_when_unused: Callable[[PairChannel], None] | None = None
     is_retired: bool = False  # out of its table (`retire`): the transfers on it finish, no new one starts
     channel_id: int = 0  # random, chosen by the sender at the open; each ExpectBlocks names it (0: an older sender)
+    peer_incarnation: int = 0  # the life of the peer that joined it (0: unknown, a peer from before the field)
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:

@@ -16,8 +16,9 @@ class PeerTransferService(Protocol):
         at most `piece_bytes` of data each); returns bytes received."""
 
     async def open_channel(self, peer_transfer_id: str, store_address: str, rank: int, backend: TransferBackend,
-                           num_connections: int, timeout_s: float, channel_id: int) -> None:
-        """Ask the peer to join the pair group whose TCPStore is at `store_address`, named `channel_id`."""
+                           num_connections: int, timeout_s: float, channel_id: int, incarnation: int = 0) -> int:
+        """Ask the peer to join the pair group whose TCPStore is at `store_address`, named `channel_id`;
+        `incarnation`: our life. Returns the peer's life (0: unknown)."""
 
     async def expect_blocks(self, header: IncomingBlocks, backend: TransferBackend, tag: int, timeout_s: float,
                             channel_id: int) -> int:

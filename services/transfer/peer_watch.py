@@ -5,8 +5,9 @@ A peer that restarts (a new process, new ports, often a new id) would leave its 
 groups (threads, sockets, a store) and gRPC client here until then: during a rolling restart of a
 fleet, that is growth without bound for 10 minutes. So this service watches `transfer/` in etcd.
 
-A life is what a peer's record says of its process: address, host and pid. A change of the instances
-it maps is the same life.
+A life is what a peer's record says of its process: address, host, pid and incarnation (random, chosen at its
+start). A change of the instances it maps is the same life. The tables close only the channels that life joined
+(`ChannelTable`): a peer restarted on its own port may open channels here before its new record arrives.
 
 * Another life took its id (it restarted under the same `--transfer-id`, on its port or another):
   the old life is dead. Its outgoing channels and client (by its address) and its incoming channels
@@ -40,11 +41,11 @@ log = structlog.get_logger(__name__)
 
 
 class ChannelCloser(Protocol):
-    def close_outgoing(self, peer_address: str) -> int:
-        """Close the channels to a gone peer's address; how many."""
+    def close_outgoing(self, peer_address: str, incarnation: int = 0) -> int:
+        """Close the channels to a gone peer life's address (those that life joined); how many."""
 
-    def close_incoming(self, peer_id: str) -> int:
-        """Close the channels from a gone peer's id; how many."""
+    def close_incoming(self, peer_id: str, incarnation: int = 0) -> int:
+        """Close the channels from a gone peer life's id (those that life opened); how many."""
 
 
 class ClientCloser(Protocol):
@@ -60,11 +61,12 @@ class PeerLife:
     address: str
     host: str
     pid: int
+    incarnation: int = 0  # random, chosen at the process's start (0: a peer from before the field)
 
     @classmethod
     def from_record(cls, transfer_id: str, record: Mapping[str, Any]) -> PeerLife:
         return cls(TransferId(transfer_id), str(record.get("address", "")), str(record.get("host", "")),
-                   int(record.get("pid", 0)))
+                   int(record.get("pid", 0)), int(record.get("incarnation", 0)))
 
 
 def lives_of(members: Mapping[str, Mapping[str, Any]], own_id: str) -> dict[str, PeerLife]:
@@ -127,14 +129,14 @@ class PeerWatch:
             self._close_incoming(life, "stayed_away")
 
     def _close(self, life: PeerLife, why: str, is_incoming: bool) -> None:
-        num_channels = self._channels.close_outgoing(life.address)
+        num_channels = self._channels.close_outgoing(life.address, incarnation=life.incarnation)
         num_clients = self._clients.close_peer(life.address)
         if is_incoming:
-            num_channels += self._channels.close_incoming(life.transfer_id)
+            num_channels += self._channels.close_incoming(life.transfer_id, incarnation=life.incarnation)
         self._log(life, why, num_channels, num_clients)
 
     def _close_incoming(self, life: PeerLife, why: str) -> None:
-        self._log(life, why, self._channels.close_incoming(life.transfer_id), 0)
+        self._log(life, why, self._channels.close_incoming(life.transfer_id, incarnation=life.incarnation), 0)
 
     def _log(self, life: PeerLife, why: str, num_channels: int, num_clients: int) -> None:
         PEER_CLOSES.labels("channel").inc(num_channels)

@@ -181,9 +181,10 @@ class BlockSender:
     async def _send_on_channel(self, request: BlockTransfer, source: SourceBlocks, deadline: Deadline) -> None:
         address, backend = request.dst_transfer_address, request.backend
 
-        async def open_remote(store_address: str, rank: int, num_connections: int, channel_id: int) -> None:
-            await self._peers(address).open_channel(self._transfer_id, store_address, rank, backend, num_connections,
-                                                    deadline.remaining_s(), channel_id)
+        async def open_remote(store_address: str, rank: int, num_connections: int, channel_id: int) -> int:
+            return await self._peers(address).open_channel(self._transfer_id, store_address, rank, backend,
+                                                           num_connections, deadline.remaining_s(), channel_id,
+                                                           incarnation=self._channels.incarnation)
         channel = await self._channels.outgoing(address, backend, open_remote, deadline.remaining_s())
         staging = self._nccl_staging if backend is TransferBackend.NCCL else self._staging
         # The channel's turn first, then a staging slot: one waiting for a busy peer holds no slot that a

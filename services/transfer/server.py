@@ -102,8 +102,8 @@ class TransferServicer(transfer_pb2_grpc.TransferServiceServicer):
             raise InvalidArgument(f"num_connections: must be 0..{MAX_GLOO_CONNECTIONS}, got {request.num_connections}")
         await self.node.channels.accept(request.peer_transfer_id, backend_from_proto(request.backend),
                                         request.store_address, request.rank, max(1, request.num_connections),
-                                        self._timeout_s(context), request.channel_id)
-        return transfer_pb2.OpenChannelResponse()
+                                        self._timeout_s(context), request.channel_id, request.peer_incarnation)
+        return transfer_pb2.OpenChannelResponse(incarnation=self.node.channels.incarnation)
 
     async def ExpectBlocks(self, request: transfer_pb2.ExpectBlocksRequest,
                            context: grpc.aio.ServicerContext) -> transfer_pb2.ExpectBlocksResponse:

@@ -24,6 +24,7 @@ import torch
 from services.cluster.processes import ServiceProcess, stop_all
 from services.common.etcd_launcher import free_port
 from services.instance.engine.kv_cache import KvCache, KvGeometry
+from services.common.errors import FerryError, Unavailable
 from services.transfer.client import TransferClient
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
 from tests.integration.metrics_scrape import sample_value
@@ -32,13 +33,15 @@ pytestmark = pytest.mark.timeout(180)
 
 GEOMETRY = KvGeometry(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, num_blocks=16, dtype=torch.float16)
 LEASE_TTL_S = 2
+LONG_LEASE_TTL_S = 30  # outlasts a pause of etcd while a peer restarts
 CLOSE_WITHIN_S = 3 * LEASE_TTL_S  # after a kill: the lease expires, then etcd's watch tells S at once
 
 
-def _start(name: str, transfer_id: str, etcd, cluster: str, log_dir, *extra: str) -> ServiceProcess:
-    port = free_port()
+def _start(name: str, transfer_id: str, etcd, cluster: str, log_dir, *extra: str, port: int = 0,
+           lease_ttl_s: float = LEASE_TTL_S) -> ServiceProcess:
+    port = port or free_port()
     args = ["--port", str(port), "--transfer-id", transfer_id, "--etcd-endpoints", etcd.endpoint, "--cluster", cluster,
-            "--num-threads", "1", "--lease-ttl-s", str(LEASE_TTL_S), "--log-format", "json", *extra]
+            "--num-threads", "1", "--lease-ttl-s", str(lease_ttl_s), "--log-format", "json", *extra]
     return ServiceProcess(name, "transfer", args, f"127.0.0.1:{port}", log_dir).start()
 
 
@@ -55,14 +58,14 @@ async def _ready(process: ServiceProcess, instance_id: str, cache: KvCache) -> N
 
 
 async def _move(src: ServiceProcess, src_cache: KvCache, src_id: str, dst: ServiceProcess, dst_cache: KvCache,
-                dst_id: str, backend: TransferBackend) -> None:
+                dst_id: str, backend: TransferBackend, timeout_s: float = 30) -> None:
     """Blocks 1, 5, 9 of src into 2, 3, 4 of dst, checked bit for bit."""
     dst_cache.tensor.copy_(torch.randn(GEOMETRY.shape).to(GEOMETRY.dtype))
     expected = dst_cache.tensor.clone()
     expected[:, :, [2, 3, 4]] = src_cache.tensor[:, :, [1, 5, 9]]
     async with TransferClient(src.address) as client:
         await client.transfer(BlockTransfer(InstanceId(src_id), (1, 5, 9), InstanceId(dst_id), (2, 3, 4), dst.address,
-                                            backend, True), timeout_s=30)
+                                            backend, True), timeout_s=timeout_s)
     assert torch.equal(dst_cache.tensor.view(torch.uint8), expected.view(torch.uint8))
 
 
@@ -147,6 +150,68 @@ async def test_a_restarted_peers_old_channels_close_at_once_and_its_new_life_tak
 
         assert sample_value(metrics_port, 'ferry_transfer_peer_closes_total{what="channel"}') == 4
         assert sample_value(metrics_port, 'ferry_transfer_peer_closes_total{what="client"}') == 2
+        text = s.log_path.read_text(errors="replace")
+        assert "never retrieved" not in text and "Traceback" not in text and "close_failed" not in text
+    finally:
+        stop_all([s, *lives])
+        for cache in (s_cache, p_cache):
+            cache.close()
+            cache.unlink()
+
+
+def _events(process: ServiceProcess, name: str) -> list[dict]:
+    return [json.loads(line) for line in process.log_path.read_text(errors="replace").splitlines()
+            if f'"{name}"' in line and json.loads(line)["event"] == name]
+
+
+async def _mapped_before_registering(process: ServiceProcess, instance_id: str, cache: KvCache, within_s: float) -> None:
+    """Map `cache` as soon as the process answers (it serves before it registers: etcd may be away)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            async with TransferClient(process.address) as client:
+                await client.map_instance(instance_id, cache.name, GEOMETRY)
+            return
+        except FerryError:
+            assert process.is_alive and time.monotonic() < deadline, f"{process.address} did not answer"
+            await asyncio.sleep(0.2)
+
+
+async def test_a_peer_restarted_on_its_port_keeps_the_channels_its_new_life_opened_before_it_registered(
+        running_etcd, cluster, tmp_path):
+    """A peer restarted on its own port answers before it registers, so channels between it and S can open before
+    S hears of its new life. S's close of the old life then took those too (a channel did not know which life of
+    its peer joined it): the new life's next transfer to S failed UNAVAILABLE (S had no channel from it any more),
+    and S's next one to it opened one more. Each OpenChannel now says which life of each end joined it."""
+    etcd, port = running_etcd, free_port()
+    s = _start("S", "S", etcd, cluster, tmp_path, lease_ttl_s=LONG_LEASE_TTL_S)
+    p = _start("P-1", "P", etcd, cluster, tmp_path, port=port, lease_ttl_s=LONG_LEASE_TTL_S)
+    s_cache, p_cache = _cache("s-kv", 1), _cache("p-kv", 2)
+    lives = [p]
+    try:
+        await asyncio.gather(_ready(s, "s-kv", s_cache), _ready(p, "p-kv", p_cache))
+        await _both_ways(s, s_cache, p, p_cache)  # S: a gloo channel to P's address and one from P's id
+        p.kill()
+        etcd.pause()  # P's next life answers, but cannot register: S hears of it only once etcd is back
+        try:
+            p = _start("P-2", "P", etcd, cluster, tmp_path, port=port, lease_ttl_s=LONG_LEASE_TTL_S)
+            lives.append(p)
+            await _mapped_before_registering(p, "p-kv", p_cache, 60)
+            await _move(p, p_cache, "p-kv", s, s_cache, "s-kv", TransferBackend.GLOO)  # S: a channel from P-2
+            try:  # S's channel to the old life fails the first transfer; the retry opens one to P-2
+                await _move(s, s_cache, "s-kv", p, p_cache, "p-kv", TransferBackend.GLOO, timeout_s=10)
+            except Unavailable:
+                await _move(s, s_cache, "s-kv", p, p_cache, "p-kv", TransferBackend.GLOO)
+        finally:
+            etcd.resume()
+        await _until(lambda: any(e["why"] == "restarted" for e in _peer_gone(s, p.address)), 30)
+        num_opens = len(_events(s, "channel_accepted")), len(_events(p, "channel_accepted"))
+        await _move(p, p_cache, "p-kv", s, s_cache, "s-kv", TransferBackend.GLOO)  # before: UNAVAILABLE
+        await _move(s, s_cache, "s-kv", p, p_cache, "p-kv", TransferBackend.GLOO)  # before: a fresh open
+        assert (len(_events(s, "channel_accepted")), len(_events(p, "channel_accepted"))) == num_opens
+        # The old life's channels had gone already: the outgoing one with its failed transfer, the incoming one
+        # when P-2's replaced it.
+        assert sum(e["num_channels_closed"] for e in _peer_gone(s, p.address)) == 0
         text = s.log_path.read_text(errors="replace")
         assert "never retrieved" not in text and "Traceback" not in text and "close_failed" not in text
     finally:

@@ -43,7 +43,7 @@ class PeerThatNeverReceives:
         self.expect_delay_s = expect_delay_s
 
     async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s,
-                           channel_id=0):
+                           channel_id=0, incarnation=0):
         await self.table.accept(peer_transfer_id, backend, store_address, rank, num_connections,
                                 channel_id=channel_id)
 
@@ -110,7 +110,7 @@ class PeerThatDroppedItsEnd:
         self.receiver = BlockReceiver(None, StagingPool(1, BLOCK_BYTES, 4), table, threads)
 
     async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s,
-                           channel_id=0):
+                           channel_id=0, incarnation=0):
         await self.table.accept(peer_transfer_id, backend, store_address, rank, num_connections,
                                 channel_id=channel_id)
 

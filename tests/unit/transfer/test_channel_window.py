@@ -91,6 +91,8 @@ class FakeChannel:
 
 
 class FakeChannels:
+    incarnation = 0  # this process's life, named in the opens (ChannelTable's)
+
     def __init__(self, channel: FakeChannel) -> None:
         self.channel = channel
 

@@ -104,7 +104,7 @@ class ClosablePeer(DirectPeer):
         self.is_closed = True
 
     async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s,
-                           channel_id=0):
+                           channel_id=0, incarnation=0):
         with self.usage.call():
             assert not self.is_closed
 

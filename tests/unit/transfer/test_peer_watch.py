@@ -21,13 +21,16 @@ class Closer:
 
     def __init__(self) -> None:
         self.closed: list[tuple[str, str]] = []
+        self.lives: list[int] = []  # the incarnation each channel close named
 
-    def close_outgoing(self, peer_address: str) -> int:
+    def close_outgoing(self, peer_address: str, incarnation: int = 0) -> int:
         self.closed.append(("outgoing", peer_address))
+        self.lives.append(incarnation)
         return 1
 
-    def close_incoming(self, peer_id: str) -> int:
+    def close_incoming(self, peer_id: str, incarnation: int = 0) -> int:
         self.closed.append(("incoming", peer_id))
+        self.lives.append(incarnation)
         return 1
 
     def close_peer(self, address: str) -> int:
@@ -35,9 +38,10 @@ class Closer:
         return 1
 
 
-def _record(address: str, pid: int, instance_ids: tuple[str, ...] = ()) -> dict:
-    return {"transfer_id": "?", "address": address, "backends": ["grpc", "gloo"], "instance_ids": list(instance_ids),
-            "pid": pid, "host": "h"}
+def _record(address: str, pid: int, instance_ids: tuple[str, ...] = (), incarnation: int | None = None) -> dict:
+    record = {"transfer_id": "?", "address": address, "backends": ["grpc", "gloo"], "instance_ids": list(instance_ids),
+              "pid": pid, "host": "h"}
+    return record if incarnation is None else {**record, "incarnation": incarnation}
 
 
 def _change(members: dict) -> MembershipChange:
@@ -100,3 +104,15 @@ async def test_changes_seen_together_close_every_ended_life_once():
     await asyncio.sleep(2 * GRACE_S)
     assert sorted(closer.closed) == [("client", "h:1"), ("client", "h:2"), ("incoming", "A"), ("incoming", "B"),
                                      ("outgoing", "h:1"), ("outgoing", "h:2")]
+
+
+async def test_the_closes_name_the_life_that_ended():
+    """The channels a newer life under the id opened stay (ChannelTable keeps those another life joined): a peer
+    restarted on its own port opens channels before its record says it restarted."""
+    watch, closer = _watch({"A": _record("h:1", 10, incarnation=7), "B": _record("h:2", 20, incarnation=8)})
+    watch.on_change(_change({"A": _record("h:1", 11, incarnation=9)}))  # A restarted on its port, B left
+    assert closer.closed == [("outgoing", "h:1"), ("client", "h:1"), ("incoming", "A"), ("outgoing", "h:2"),
+                             ("client", "h:2")]
+    assert closer.lives == [7, 7, 8]
+    await asyncio.sleep(2 * GRACE_S)
+    assert closer.closed[5:] == [("incoming", "B")] and closer.lives[3:] == [8]

@@ -64,7 +64,7 @@ class Peer:
         self.table, self.receiver = table, receiver
 
     async def open_channel(self, peer_transfer_id, store_address, rank, backend, num_connections, timeout_s,
-                           channel_id=0):
+                           channel_id=0, incarnation=0):
         await self.table.accept(peer_transfer_id, backend, store_address, rank, num_connections,
                                 channel_id=channel_id)
 

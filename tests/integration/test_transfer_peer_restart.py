@@ -111,6 +111,18 @@ def _num_fds(process: ServiceProcess) -> int:
     return len(os.listdir(f"/proc/{process.pid}/fd"))
 
 
+def _assert_clean_log(process: ServiceProcess) -> None:
+    text = process.log_path.read_text(errors="replace")
+    assert "never retrieved" not in text and "Traceback" not in text and "close_failed" not in text
+
+
+def _clean_up(processes: list[ServiceProcess], *caches: KvCache) -> None:
+    stop_all(processes)
+    for cache in caches:
+        cache.close()
+        cache.unlink()
+
+
 async def test_a_restarted_peers_old_channels_close_at_once_and_its_new_life_takes_transfers(etcd, cluster, tmp_path):
     """Before, S kept its gloo channels (each a gloo group: threads, sockets, a store) and gRPC client to each
     old life of P until they idled 10 minutes: with peers restarting, S's threads grew run after run."""
@@ -150,13 +162,9 @@ async def test_a_restarted_peers_old_channels_close_at_once_and_its_new_life_tak
 
         assert sample_value(metrics_port, 'ferry_transfer_peer_closes_total{what="channel"}') == 4
         assert sample_value(metrics_port, 'ferry_transfer_peer_closes_total{what="client"}') == 2
-        text = s.log_path.read_text(errors="replace")
-        assert "never retrieved" not in text and "Traceback" not in text and "close_failed" not in text
+        _assert_clean_log(s)
     finally:
-        stop_all([s, *lives])
-        for cache in (s_cache, p_cache):
-            cache.close()
-            cache.unlink()
+        _clean_up([s, *lives], s_cache, p_cache)
 
 
 def _events(process: ServiceProcess, name: str) -> list[dict]:
@@ -212,10 +220,6 @@ async def test_a_peer_restarted_on_its_port_keeps_the_channels_its_new_life_open
         # The old life's channels had gone already: the outgoing one with its failed transfer, the incoming one
         # when P-2's replaced it.
         assert sum(e["num_channels_closed"] for e in _peer_gone(s, p.address)) == 0
-        text = s.log_path.read_text(errors="replace")
-        assert "never retrieved" not in text and "Traceback" not in text and "close_failed" not in text
+        _assert_clean_log(s)
     finally:
-        stop_all([s, *lives])
-        for cache in (s_cache, p_cache):
-            cache.close()
-            cache.unlink()
+        _clean_up([s, *lives], s_cache, p_cache)

@@ -202,7 +202,9 @@ async def test_a_drain_passes_over_a_freer_instance_that_serves_shorter_sequence
     await wait_until(lambda: _running_is(client, {"i-0": 0, "i-1": 3, "i-2": 1}), 5, "requests reported")
     await client.drain("i-1")
     await wait_until(lambda: _is_drained(client, "i-1"), 15, "i-1 drained")
-    assert [call.dst_instance_id for call in peers["i-1"].calls] == ["i-2"] * 3
+    # Every move went to i-2 (a move asked again on a load report not yet updated may add a call, refused NOT_FOUND).
+    calls = [(call.request_id, call.dst_instance_id) for call in peers["i-1"].calls]
+    assert {dst for _, dst in calls} == {"i-2"}, calls
     assert sorted(peers["i-2"].request_ids) == ["r-a", "r-b", "r-c", "r-x"]
 
 

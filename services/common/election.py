@@ -4,7 +4,8 @@ Campaign: a transaction creates the key under this candidate's lease only if it 
 exist; otherwise watch it until it is deleted (resign, revoked or expired lease) and try
 again. The leader renews its lease every TTL/3; if etcd says the lease is gone, or no
 renewal succeeded for a TTL, it has lost: `is_leader` turns False and `lost` is set, and
-the manager must step down (it may campaign again). `holds_lease` is stricter: it also
+the manager must step down (it may campaign again); so when a renewal's read-back finds the
+key deleted or another's (an operator's `etcdctl del`). `holds_lease` is stricter: it also
 turns False once a TTL has passed since the last renewal was asked for, by the local
 clock, so a leader that was frozen (SIGSTOP, a stalled VM) past its TTL stops acting the
 moment it runs again, before the renewal that would tell it it lost. `epoch` (the key's
@@ -180,9 +181,10 @@ class Election:
                         return
 
     async def _leadership_loop(self) -> None:
-        # Renew every TTL/3. Lost when etcd says the lease is gone, or after a TTL with no
-        # successful renewal, whatever kept it from succeeding (etcd may have expired it and
-        # another candidate may lead).
+        # Renew every TTL/3. Lost when etcd says the lease is gone, when the key is no longer
+        # ours (deleted, maybe taken by another candidate: read back after each renewal), or
+        # after a TTL with no successful renewal, whatever kept it from succeeding (etcd may
+        # have expired it and another candidate may lead).
         renewed_at = time.monotonic()
         while True:
             await asyncio.sleep(self.ttl_s / 3)
@@ -192,10 +194,18 @@ class Election:
                     return self._lose_leadership("lease_expired")
                 renewed_at = time.monotonic()
                 self._lease_valid_until = asked_at + self.ttl_s
+                if not await self._holds_key():
+                    return self._lose_leadership("key_lost")
             except Exception as exc:  # noqa: BLE001 — etcd away or anything unexpected: a failed renewal
                 _log_renew_failed(exc)
                 if time.monotonic() - renewed_at > self.ttl_s:
                     return self._lose_leadership("lease_not_renewed")
+
+    async def _holds_key(self) -> bool:
+        """Whether the leader key is still the one we created (one read per renewal): an operator may have
+        deleted it (`etcdctl del`), and then another candidate took it, while our lease lives on."""
+        response = await self._lease.client.kv.get(self.key, timeout=self._rpc_timeout_s)
+        return bool(response.kvs) and response.kvs[0].create_revision == self.epoch
 
     def _lose_leadership(self, reason: str) -> None:
         log.warning("leadership_lost", key=self.key, leader_id=self.info.leader_id, epoch=self.epoch, reason=reason)

@@ -7,7 +7,9 @@ Losing the lease never interrupts the caller's work. When renewals fail for long
 the TTL, or etcd says the lease is gone, the registry marks itself unregistered (the
 holder should stop taking new work; see `is_registered` and `on_registration_change`),
 keeps trying, grants a new lease when etcd is back, and puts every entry again under
-the same ids.
+the same ids. A registered member also reads its keys back with each renewal (one etcd read): a key an
+operator deleted is put again at once, and one another process's lease holds now is left to it (logged
+`member_id_taken`; unregistered until that one leaves), as after a lease expiry.
 """
 
 from __future__ import annotations
@@ -232,6 +234,7 @@ class Registry:
         # Renew every TTL/3. A failed renewal (whatever the error) is retried with backoff;
         # after a TTL without one the registration counts as lost. Once etcd answers again:
         # renew the old lease if it survived, else grant a new one, and write every entry again.
+        # Each renewal also reads our keys back (one read): one deleted or taken is put again.
         backoff = Backoff.up_to(self.ttl_s / 3)
         while True:
             try:
@@ -252,9 +255,30 @@ class Registry:
             if self._lease is None:
                 self._lease = await Lease.grant(self._client, self.ttl_s, self._rpc_timeout_s)
             self._renewed_at = time.monotonic()
+            if self.is_registered and not self._needs_put:
+                await self._check_keys()
             if (self._needs_put or not self.is_registered) and not await self._put_all():
                 return  # an id of ours is another process's now: unregistered until it leaves
         self._set_registered(True)
+
+    async def _check_keys(self) -> None:
+        """Whether each of our keys still carries our lease, in one read per renewal: an operator may have
+        deleted one (`etcdctl del`), or another process put its own record over it. Then we are registered no
+        more (logged) until it is ours again: put back at once where the key is free, and where another lease
+        holds it, once that one leaves (as after our own lease expired)."""
+        keys = list(self._entries)
+        if not keys:
+            return
+        response = await self._client.kv.txn(compare=[], success=[KVService.txn_op_get(key) for key in keys],
+                                             timeout=self._rpc_timeout_s)
+        for key, reply in zip(keys, response.responses, strict=True):
+            kvs = reply.response_range.kvs
+            if kvs and kvs[0].lease == self._lease.lease_id:
+                continue
+            log.warning("member_key_lost", key=key, holder=_holder(kvs[0].value) if kvs else None,
+                        reason="another lease holds it" if kvs else "deleted", action="registering again")
+            self._may_be_taken = True
+            self._lost_registration()
 
     async def _put_all(self) -> bool:
         """Write every entry; False (nothing registered) while another process holds one of our ids."""

@@ -151,3 +151,18 @@ async def test_a_leader_gone_during_an_etcd_restart_does_not_block_the_next_elec
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_leader_whose_key_was_deleted_and_taken_by_another_steps_down(candidates, etcd: LocalEtcd) -> None:
+    """An operator deleted the leader key (`etcdctl del`) while the leader's lease lived on: a standby took the
+    key, and the old leader, renewing its lease and never reading its key, led on too (two leaders). It now
+    checks its key each renewal and steps down once the key is gone or another's."""
+    a, b = candidates
+    await asyncio.wait_for(a.campaign(), 5)
+    b_campaign = asyncio.create_task(b.campaign())
+    async with Etcd3Client([etcd.endpoint]) as client:
+        await client.kv.delete(a.key, timeout=5)
+    await asyncio.wait_for(b_campaign, 5)
+    assert b.is_leader
+    await asyncio.wait_for(a.lost.wait(), TTL_S + 1)
+    assert not a.is_leader and b.is_leader

@@ -231,3 +231,38 @@ async def test_config_json_round_trip(registries) -> None:
     assert await observer.get_json("config/policy") == {"dispatch": "load", "threshold": 3.5}
     await member.close()  # persistent: survives the writer's lease
     assert await observer.get_json("config/policy") == {"dispatch": "load", "threshold": 3.5}
+
+
+async def test_a_key_deleted_behind_a_live_members_back_is_put_again(registries, raw_etcd: Etcd3Client) -> None:
+    """An operator's `etcdctl del` of a live member's key: the member renewed its lease and never looked at the
+    key again, so it stayed out of every view for good while sure it was registered. It now re-checks its keys
+    (one read per renewal) and puts a lost one back under its lease."""
+    member, observer = registries
+    await member.register("instances", "i-1", {"address": "127.0.0.1:1"})
+    view = await observer.watch("instances", resync_interval_s=1.0)
+    await raw_etcd.kv.delete(member.key("instances", "i-1"), timeout=5)
+    await asyncio.sleep(2 * TTL_S)  # several renewals
+    response = await raw_etcd.kv.get(member.key("instances", "i-1"), timeout=5)
+    assert response.kvs and response.kvs[0].lease == member.lease_id, "the deleted key was never put back"
+    await eventually(lambda: view.get("i-1") == {"address": "127.0.0.1:1"}, what="the key back in a view")
+    assert member.is_registered and member.num_reregistrations == 1
+
+
+async def test_a_key_another_lease_overwrote_leaves_the_member_unregistered_until_it_is_free(
+        etcd: LocalEtcd, cluster: str, registries, raw_etcd: Etcd3Client) -> None:
+    """A replacement's record put over a live member's key (under the replacement's lease) after a long pause:
+    the member, still renewing its own lease, went on as registered under an id whose record names another
+    process. It now sees the key carries another lease, says so (`member_id_taken`), stays unregistered while
+    that lease holds the id, and registers again once it is free."""
+    member, _ = registries
+    await member.register("instances", "i-1", {"address": "127.0.0.1:1"})
+    lease = await raw_etcd.lease.grant(ttl=60, timeout=5)  # the replacement's, renewed by nobody here
+    await raw_etcd.kv.put(member.key("instances", "i-1"), json.dumps({"address": "127.0.0.1:1"}), lease=lease.ID,
+                          timeout=5)
+    await eventually(lambda: not member.is_registered, timeout_s=3 * TTL_S, what="the member noticing")
+    response = await raw_etcd.kv.get(member.key("instances", "i-1"), timeout=5)
+    assert response.kvs[0].lease == lease.ID  # not taken back while the other lease holds it
+    await raw_etcd.lease.revoke(lease.ID, timeout=5)
+    await eventually(lambda: member.is_registered, timeout_s=3 * TTL_S, what="registered again once free")
+    response = await raw_etcd.kv.get(member.key("instances", "i-1"), timeout=5)
+    assert response.kvs[0].lease == member.lease_id

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,6 +23,11 @@ class FakeKv:
 
     async def put(self, key, value, lease=None, timeout=None) -> None:
         self.puts.append((key, lease))
+
+    async def txn(self, compare, success, failure=(), timeout=None):
+        """The keepalive's read-back of our keys: each still under the lease."""
+        held = SimpleNamespace(kvs=[SimpleNamespace(lease=FakeLease.lease_id, value=b"{}")])
+        return SimpleNamespace(succeeded=True, responses=[SimpleNamespace(response_range=held) for _ in success])
 
 
 class FakeEtcd:

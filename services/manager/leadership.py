@@ -29,12 +29,15 @@ class Leadership:
         self._is_elected = False  # invariant: True only while this manager holds the election
         self._holds_lease = holds_lease  # Election.holds_lease
         self._watched: Leader | None = None  # the leader key as last seen (None: no leader)
+        self.term = 0  # counts this manager's elections: what a term read from etcd holds only for that term
 
     @property
     def is_leader(self) -> bool:
         return self._is_elected and self._holds_lease()
 
     def set_elected(self, is_elected: bool) -> None:
+        if is_elected and not self._is_elected:
+            self.term += 1
         self._is_elected = is_elected
 
     @property

@@ -51,6 +51,9 @@ log = structlog.get_logger(__name__)
 ADD_TIMEOUT_S = 300.0  # an asked-for instance that has not registered by then is asked for again
 # A stoppable instance still there after this long is one no launcher follows: Undrain may keep it.
 UNFOLLOWED_RETIREMENT_S = 10.0
+# A retiring instance absent from the membership this long is gone (stopped): its marks go. Not one whose lease
+# blipped (expired, and it registered again at once): its retirement carries on.
+RETIRED_GONE_S = 10.0
 MARKLESS_S = 15.0  # a retiring instance without a drain mark this long serves again (its mark went another way;
 #   longer than the settings watch takes to come back after an etcd outage, up to its 5 s backoff)
 # A draining instance that sends no load report this long (a hung step: its stall watchdog ended its streams,
@@ -173,12 +176,16 @@ class Scaler:
         self._last_action_at = -math.inf
         self._adding: tuple[int, float] | None = None  # (members expected, give up at) after an ADD
         self._target: ScalingTarget | None = None  # what we last wrote, while instances retire
-        self._has_read_target = False  # on becoming leader, pick up the retirements a predecessor started
+        # The leadership term whose target we read (on becoming leader, pick up the retirements a predecessor
+        # started): a new term, even one begun inside a tick, reads it again before acting or writing.
+        self._read_in_term: int | None = None
         self._reading_target = asyncio.Lock()
         self._stoppable_since: dict[InstanceId, float] = {}  # when we saw each retiring instance drained
+        self._writing = asyncio.Lock()  # target writes one at a time: the last one sent is the last one to land
         self._is_unwritten = False  # the last target's write failed: written again on the next tick
         self._markless = _Lasting(MARKLESS_S)  # retiring instances seen without a drain mark
         self._silent = _Lasting(SILENT_RETIREMENT_S)  # draining instances seen without a recent report
+        self._gone = _Lasting(RETIRED_GONE_S)  # retiring instances seen absent from the membership
         self._never_retiring_warned: tuple[ScalingSettings, int] | None = None
 
     def set_settings(self, settings: ScalingSettings) -> None:
@@ -201,10 +208,6 @@ class Scaler:
 
     async def _tick(self) -> ScalingDecision | None:
         if not self._leadership.is_leader:
-            self._has_read_target = False  # another leader may act meanwhile: read its target when we lead again
-            self._adding = None  # (and its cooldown then stands for the add this term waited on)
-            # "Seen since" counts only looks in a row: a new term's first look finds no instance reported yet.
-            self._markless, self._silent = _Lasting(MARKLESS_S), _Lasting(SILENT_RETIREMENT_S)
             return None
         await self._read_target_once()
         if self._is_unwritten and self._target is not None:
@@ -222,9 +225,22 @@ class Scaler:
         """On becoming leader, before this term acts on a target: the one in etcd, not one kept from an earlier
         term (another leader may have written its own since)."""
         async with self._reading_target:  # a tick and an Undrain at once: one read, one target object
-            if not self._has_read_target:
+            term = self._leadership.term
+            if self._read_in_term != term:
+                self._adding = None  # another leader may have acted meanwhile (its cooldown stands for our add)
+                # "Seen since" counts only looks in a row: a new term's first look finds no instance reported yet.
+                self._markless, self._silent = _Lasting(MARKLESS_S), _Lasting(SILENT_RETIREMENT_S)
+                self._gone = _Lasting(RETIRED_GONE_S)
                 self._adopt(await self._store.get_scaling_target())
-                self._has_read_target = True
+                self._read_in_term = term
+
+    def _check_term(self) -> None:
+        """Before each etcd write: Unavailable if a new term began after this one read the target (deposed and
+        elected again while a tick waited on etcd; the fence checks only the current epoch). The next tick reads
+        the target again."""
+        if self._leadership.term != self._read_in_term:
+            raise Unavailable("scaling write not made: this manager was deposed and elected again while it waited "
+                              "on etcd; the next tick reads the stored target again")
 
     def _warn_if_never_retiring(self, views: list[InstanceView]) -> None:
         """An idle instance's freeness is its whole cache in blocks: with caches no larger than `high_freeness`,
@@ -263,7 +279,9 @@ class Scaler:
             return False
         present = {v.record.instance_id: v for v in views}
         before = (list(target.draining), list(target.stoppable))
-        for instance_id in [i for i in target.stoppable + target.draining if i not in present]:
+        absent = [i for i in target.stoppable + target.draining if i not in present]
+        for instance_id in self._gone.lasting(absent, self._clock()):
+            self._check_term()
             await self._store.forget_retired(instance_id)  # gone: a later instance with its id serves, own role
             self._stop_retiring(target, instance_id)
             log.info("scaling_instance_retired", instance_id=instance_id)
@@ -273,7 +291,7 @@ class Scaler:
             await self._call_off(target, [instance_id], f"retirement of {instance_id} called off: its drain "
                                                          "mark is gone")
         silent = self._silent_ones(target, present)
-        for instance_id in [i for i in target.draining if present[i].is_drained or i in silent]:
+        for instance_id in [i for i in target.draining if i in present and (present[i].is_drained or i in silent)]:
             target.draining.remove(instance_id)
             target.stoppable.append(instance_id)
             self._stoppable_since[instance_id] = self._clock()
@@ -290,7 +308,8 @@ class Scaler:
 
     def _silent_ones(self, target: ScalingTarget, present: dict[InstanceId, InstanceView]) -> list[InstanceId]:
         """Draining instances that have sent this leader no load report for SILENT_RETIREMENT_S."""
-        silent = [i for i in target.draining if not present[i].is_heard or present[i].report_age_s is None]
+        silent = [i for i in target.draining if i in present and (not present[i].is_heard
+                                                                   or present[i].report_age_s is None)]
         return self._silent.lasting(silent, self._clock())
 
     def _others_short_of_band(self, views: list[InstanceView], target: ScalingTarget) -> float | None:
@@ -347,6 +366,7 @@ class Scaler:
         One that another call off gave back while etcd answered this one (an Undrain sent twice, one
         during a burst's call off) is counted once."""
         for instance_id in instance_ids:
+            self._check_term()
             await self._store.delete_drain(instance_id)
             self._view.unmark_drained(instance_id)
             if instance_id not in target.draining + target.stoppable:
@@ -366,6 +386,7 @@ class Scaler:
             assert decision.instance_id is not None
             target = ScalingTarget(decision.num_instances - 1, draining=[decision.instance_id], reason=decision.reason)
             self._target = target  # before any await: followed from here even if a write below fails
+            self._check_term()
             await self._store.put_drain(decision.instance_id)
             self._view.mark_drained(decision.instance_id)
         self._target = target
@@ -378,8 +399,11 @@ class Scaler:
 
     async def _write(self, target: ScalingTarget) -> None:
         """Put the target in etcd; if that fails it is put again on the next tick (the failure propagates:
-        the loop logs it)."""
-        target.manager_id, target.updated_at = self._store.manager_id, time.time()
-        self._is_unwritten = True
-        await self._store.put_scaling_target(target)
-        self._is_unwritten = False
+        the loop logs it). One write at a time (a tick's and an Undrain's may overlap), so the flag says
+        whether the last one landed, not whichever answered last."""
+        async with self._writing:
+            self._check_term()
+            target.manager_id, target.updated_at = self._store.manager_id, time.time()
+            self._is_unwritten = True
+            await self._store.put_scaling_target(target)
+            self._is_unwritten = False

@@ -6,9 +6,12 @@ earlier term, a leader deposed mid-tick, an Undrain before a new term's first ti
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import time
 
 import pytest
+from etcd3aio.errors import EtcdConnectionError
 from structlog.testing import capture_logs
 
 from services.common.errors import Unavailable
@@ -18,7 +21,7 @@ from services.manager import convert
 from services.manager.dispatcher import Dispatcher
 from services.manager.domain import InstanceId
 from services.manager.migration import MigrationSettings, MigrationTrigger
-from services.manager.scaling import Scaler, ScalingSettings
+from services.manager.scaling import RETIRED_GONE_S, Scaler, ScalingSettings
 from services.manager.server import AdminServicer
 from tests.unit.manager.factories import FakeClock, make_load, make_view
 from tests.unit.manager.test_control_plane_races import Ctx
@@ -233,3 +236,114 @@ async def test_an_instance_holding_a_suspended_request_is_not_drained(how):
         instance_id="i-1", num_free_blocks=1000, num_total_blocks=1000)))  # moved: gone from here
     answer = await admin.Drain(manager_pb2.DrainRequest(instance_id="i-1"), Ctx())
     assert answer.is_drained and answer.num_remaining == 0
+
+
+# 11. A retiring instance's lease blip (its lease expired and it registered again at once, as after a short etcd
+#     outage or freeze): the tick that ran while its key was gone took it for retired and gone, deleted its drain
+#     mark and dropped it from the target, so it came back serving and its retirement began again from the start
+#     (a later tick, a cooldown later). It continues: only an instance gone for RETIRED_GONE_S is forgotten.
+async def test_a_retiring_instances_lease_blip_does_not_restart_its_retirement():
+    store = FakeStore()
+    clock, scaler = await retiring_i2(store)
+    view = scaler._view
+    record = view.record(InstanceId("i-2"))
+    view.remove_member(InstanceId("i-2"))  # its lease expired ...
+    clock.advance(1)
+    await scaler.tick()
+    view.put_member(record)  # ... and it registered again at once
+    view.apply_report(InstanceId("i-2"), make_load(num_free_blocks=990, num_running=1))
+    clock.advance(1)
+    assert await scaler.tick() is None
+    assert store.forgotten == [] and store.drained == {"i-2"}, "the blip ended i-2's retirement (mark deleted)"
+    assert store.target.draining == ["i-2"] and store.target.num_instances == 2
+    view.apply_report(InstanceId("i-2"), make_load(num_free_blocks=1000))  # its last request moved off
+    clock.advance(1)
+    await scaler.tick()
+    assert store.target.stoppable == ["i-2"]  # the same retirement, carried on
+    view.remove_member(InstanceId("i-2"))  # the launcher stopped it: gone for good
+    for _ in range(int(RETIRED_GONE_S) + 1):
+        clock.advance(1)
+        await scaler.tick()
+    assert store.forgotten == ["i-2"] and store.target.stoppable == [] and store.drained == set()
+
+
+# 12. Two scaler writes of the target at once (a tick's and an Undrain's call-off) shared one "unwritten" flag: the
+#     newer write failed, the older one then succeeded and cleared the flag, so etcd kept the older target (without
+#     the call-off) until the next scaling action. Writes now go one at a time, and the flag is the last one's.
+class OverlappingWritesStore(FakeStore):
+    """The first target write is slow and lands; the second one (started meanwhile) fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slow = asyncio.Event()
+        self.num_calls = 0
+
+    async def put_scaling_target(self, target: ScalingTarget) -> None:
+        self.num_calls += 1
+        if self.num_calls == 1:
+            written = copy.deepcopy(target)  # what went on the wire: serialized when sent
+            await self.slow.wait()
+            self.target = written
+            return
+        if self.num_calls == 2:
+            raise EtcdConnectionError("KV.Txn failed: UNAVAILABLE")
+        await super().put_scaling_target(target)
+
+
+async def test_a_failed_write_overlapping_an_older_one_that_lands_is_written_again():
+    store = FakeStore()
+    clock, scaler = await retiring_i2(store)
+    overlapping = OverlappingWritesStore()
+    overlapping.target, overlapping.drained = store.target, store.drained
+    scaler._store = overlapping
+    scaler._cooldown_s = 30  # no new scaling action rewrites the target meanwhile
+    first = asyncio.create_task(scaler._write(scaler._target))  # e.g. a tick's rewrite of the target
+    await asyncio.sleep(0)
+    undrain = asyncio.create_task(scaler.call_off(InstanceId("i-2")))  # target 3, sent while the first waits
+    await asyncio.sleep(0)
+    overlapping.slow.set()
+    await first
+    with pytest.raises(EtcdConnectionError):
+        await undrain
+    clock.advance(1)
+    await scaler.tick()
+    assert overlapping.target.num_instances == 3 and overlapping.target.draining == [], (
+        f"etcd kept the target from before the call-off: {overlapping.target}")
+
+
+# 13. A re-election inside one scaling tick (this manager lost its lease while the tick waited on etcd, another
+#     manager led for a moment, and this one won again before the next tick): no tick saw it not leading, so the
+#     stored target was never read again and the next term acted on the one kept from the earlier term, writing it
+#     over what the other leader wrote. A new term (counted by Leadership) reads the stored target again.
+class ReElectedMidTickStore(FakeStore):
+    def __init__(self, leadership) -> None:
+        super().__init__()
+        self.leadership = leadership
+        self.re_elect = False
+
+    async def put_drain(self, instance_id) -> None:
+        await super().put_drain(instance_id)
+        if self.re_elect:
+            self.re_elect = False
+            self.leadership.set_elected(False)  # deposed while etcd answered ...
+            self.target = ScalingTarget(3, reason="the other leader called it off", manager_id="m-2",
+                                        updated_at=time.time())
+            self.drained.discard(instance_id)
+            self.leadership.set_elected(True)  # ... and elected again before the next tick
+
+
+async def test_a_re_election_inside_a_tick_reads_the_stored_target_again():
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", "i-2", clock=clock, num_free_blocks=1000)
+    leadership = leader()
+    store = ReElectedMidTickStore(leadership)
+    scaler = Scaler(view, leadership, store, BAND, interval_s=1, cooldown_s=30, clock=clock)
+    store.re_elect = True
+    with contextlib.suppress(Unavailable):
+        await scaler.tick()  # retires i-2; the other leader's term passes while its drain mark is written
+    view.unmark_drained(InstanceId("i-2"))
+    view.apply_report(InstanceId("i-2"), make_load(num_free_blocks=990, num_running=1))
+    clock.advance(1)
+    await scaler.tick()
+    assert store.target.num_instances == 3 and store.target.draining == [], (
+        f"the earlier term's target was written over the stored one: {store.target}")

@@ -10,7 +10,7 @@ from services.common.scaling_target import ScalingTarget
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId, InstanceState, Role
 from services.manager.leadership import Leadership
-from services.manager.scaling import SILENT_RETIREMENT_S, UNFOLLOWED_RETIREMENT_S, ScalingAction, Scaler, ScalingSettings, decide
+from services.manager.scaling import RETIRED_GONE_S, SILENT_RETIREMENT_S, UNFOLLOWED_RETIREMENT_S, ScalingAction, Scaler, ScalingSettings, decide
 from tests.unit.manager.factories import FakeClock, make_load, make_record, make_view
 
 pytestmark = pytest.mark.timeout(10)
@@ -141,6 +141,9 @@ async def test_retires_by_draining_then_marks_stoppable_then_forgets_the_drain_m
     num_writes = store.num_writes
     assert await scaler.tick() is None and store.num_writes == num_writes  # nothing changed, nothing written
     view.remove_member(InstanceId("i-1"))  # the launcher stopped it
+    assert await scaler.tick() is None
+    assert store.drained == {"i-1"} and store.forgotten == []  # not yet: a lease blip is no departure
+    clock.advance(RETIRED_GONE_S)
     assert await scaler.tick() is None
     assert store.drained == set() and store.target.stoppable == []
     assert store.forgotten == ["i-1"]  # its role mark too: a later instance under its id takes its own --role

@@ -7,7 +7,7 @@ Losing the lease never interrupts the caller's work. When renewals fail for long
 the TTL, or etcd says the lease is gone, the registry marks itself unregistered (the
 holder should stop taking new work; see `is_registered` and `on_registration_change`),
 keeps trying, grants a new lease when etcd is back, and puts every entry again under
-the same ids. A registered member also reads its keys back with each renewal (one etcd read): a key an
+the same ids. A registered member also reads its member records back with each renewal (one etcd read): one an
 operator deleted is put again at once, and one another process's lease holds now is left to it (logged
 `member_id_taken`; unregistered until that one leaves), as after a lease expiry.
 """
@@ -262,11 +262,12 @@ class Registry:
         self._set_registered(True)
 
     async def _check_keys(self) -> None:
-        """Whether each of our keys still carries our lease, in one read per renewal: an operator may have
-        deleted one (`etcdctl del`), or another process put its own record over it. Then we are registered no
-        more (logged) until it is ours again: put back at once where the key is free, and where another lease
-        holds it, once that one leaves (as after our own lease expired)."""
-        keys = list(self._entries)
+        """Whether each of our member records (an entry naming an address) still carries our lease, in one read
+        per renewal: an operator may have deleted one (`etcdctl del`), or another process put its own record over
+        it. Then we are registered no more (logged) until it is ours again: put back at once where the key is free,
+        and where another lease holds it, once that one leaves (as after our own lease expired). Other entries (an
+        instance's own drain mark) are left to whoever deleted them (an operator's Undrain)."""
+        keys = [key for key, value in self._entries.items() if value.get("address")]
         if not keys:
             return
         response = await self._client.kv.txn(compare=[], success=[KVService.txn_op_get(key) for key in keys],

@@ -3,13 +3,17 @@
 | key                  | value                                            |
 |----------------------|--------------------------------------------------|
 | config/policy        | {"dispatch": "load", "migration": {"enabled": true, "threshold": 1.0, "selection": "shortest_running", "pairing": "load"}} |
-| config/drain/<id>    | {"instance_id": id, "drained_by": manager_id, "drained_at": unix s} |
+| config/drain/<id>    | {"instance_id": id, "drained_by": manager_id, "drained_at": unix s, "owner": "operator" or "scaler"} |
 | config/roles/<id>    | a role set at runtime, written by the instance itself (instance/role_marks.py); the scaler deletes it with the drain mark of a retired instance |
 
 The policy's optional "scaling" entry holds the scaling band ({"enabled", "low_freeness",
 "high_freeness", "min_instances", "max_instances"}). Outside config/ (no manager applies
 it), the leader writes its scaling decisions to scaling/target for launchers to follow
 (scaling.py).
+
+A drain mark's owner is who set it: an operator's Drain, or the leader retiring the instance. Calling a
+retirement off deletes only the scaler's mark (and one without an owner, written before owners were
+recorded), so an operator's Drain of a retiring instance outlasts a burst; an operator's Undrain deletes any.
 
 Keys have no lease: they outlive every manager, so a restarted manager and a new leader
 see the same policy and drain marks. Every manager runs `watch_loop`, so a change made
@@ -21,9 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -44,11 +49,25 @@ from services.manager.scaling import ScalingSettings
 log = structlog.get_logger(__name__)
 
 ETCD_TIMEOUT_S = 2.0
+DRAIN_DELETE_TRIES = 3  # a scaler's call-off reads the mark and deletes it unless it changed meanwhile
 CONFIG_RESYNC_S = 30.0  # the config watch reads everything again at least this often, change or not
 POLICY_UPDATE_TRIES = 5
 StoredPolicy = tuple[str | None, MigrationSettings | None, ScalingSettings | None]  # None: not stored (or unusable)
 PolicyMerge = Callable[[str | None, MigrationSettings | None, ScalingSettings | None],
                        tuple[str, MigrationSettings, ScalingSettings]]
+
+
+class DrainOwner(enum.Enum):
+    OPERATOR = "operator"  # AdminService.Drain
+    SCALER = "scaler"  # the leader retiring the instance
+
+
+def drain_owner(raw: bytes) -> DrainOwner | None:
+    """Who set a stored drain mark; None for a mark without an owner (or not ours to read): treated as before."""
+    try:
+        return DrainOwner(json.loads(raw).get("owner"))
+    except (ValueError, AttributeError):
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +117,9 @@ class ConfigStore:
                       "into it; retry")
 
     async def put_drain(self, instance_id: InstanceId) -> None:
-        await self.client.kv.put(self.drain_key(instance_id), self.drain_mark(instance_id), timeout=ETCD_TIMEOUT_S)
+        """An operator's Drain."""
+        await self.client.kv.put(self.drain_key(instance_id), self.drain_mark(instance_id, DrainOwner.OPERATOR),
+                                 timeout=ETCD_TIMEOUT_S)
 
     async def delete_drain(self, instance_id: InstanceId) -> None:
         await self.client.kv.delete(self.drain_key(instance_id), timeout=ETCD_TIMEOUT_S)
@@ -109,8 +130,9 @@ class ConfigStore:
     def role_key(self, instance_id: InstanceId) -> str:
         return f"{self._role_prefix}{instance_id}"
 
-    def drain_mark(self, instance_id: InstanceId) -> str:
-        return json.dumps({"instance_id": instance_id, "drained_by": self.manager_id, "drained_at": time.time()})
+    def drain_mark(self, instance_id: InstanceId, owner: DrainOwner) -> str:
+        return json.dumps({"instance_id": instance_id, "drained_by": self.manager_id, "drained_at": time.time(),
+                           "owner": owner.value})
 
     async def get_scaling_target(self) -> ScalingTarget | None:
         reply = await self.client.kv.get(self.scaling_target_key, timeout=ETCD_TIMEOUT_S)
@@ -250,12 +272,26 @@ class LeaderFencedStore:
         await self._write("scaling target", KVService.txn_op_put(key, json.dumps(target.to_json())))
 
     async def put_drain(self, instance_id: InstanceId) -> None:
-        op = KVService.txn_op_put(self._store.drain_key(instance_id), self._store.drain_mark(instance_id))
+        op = KVService.txn_op_put(self._store.drain_key(instance_id),
+                                  self._store.drain_mark(instance_id, DrainOwner.SCALER))
         await self._write(f"drain mark of {instance_id}", op)
 
-    async def delete_drain(self, instance_id: InstanceId) -> None:
-        await self._write(f"removal of the drain mark of {instance_id}",
-                          KVService.txn_op_delete(self._store.drain_key(instance_id)))
+    async def delete_drain(self, instance_id: InstanceId) -> bool:
+        """A retirement called off: its drain mark goes, unless it is an operator's (a Drain of the retiring
+        instance stands). False when kept. The mark is deleted only as read (one written meanwhile is read again)."""
+        key = self._store.drain_key(instance_id)
+        for _ in range(DRAIN_DELETE_TRIES):
+            reply = await self._store.client.kv.get(key, timeout=ETCD_TIMEOUT_S)
+            if not reply.kvs:
+                return True
+            if drain_owner(reply.kvs[0].value) is DrainOwner.OPERATOR:
+                log.info("drain_mark_kept", instance_id=instance_id, owner=DrainOwner.OPERATOR.value)
+                return False
+            if await self._write(f"removal of the drain mark of {instance_id}", KVService.txn_op_delete(key),
+                                 compare=[KVService.txn_compare_value(key, reply.kvs[0].value)]):
+                return True
+        raise Aborted(f"drain mark of {instance_id} not removed: it changed {DRAIN_DELETE_TRIES} times while the "
+                      "retirement was called off; the next tick tries again")
 
     async def forget_retired(self, instance_id: InstanceId) -> None:
         """A retired instance is gone: its drain mark and role mark go, so a later instance with its id
@@ -264,14 +300,19 @@ class LeaderFencedStore:
                           KVService.txn_op_delete(self._store.drain_key(instance_id)),
                           KVService.txn_op_delete(self._store.role_key(instance_id)))
 
-    async def _write(self, what: str, *ops: object) -> None:
-        """`ops` in one transaction, only while this manager's leader key stands."""
+    async def _write(self, what: str, *ops: object, compare: Sequence[object] = ()) -> bool:
+        """`ops` in one transaction, only while this manager's leader key stands (else Unavailable) and
+        `compare` holds (else False)."""
         epoch = self._epoch()
         if epoch is None:
             raise Unavailable(f"{what} not written: this manager does not lead now")
         txn = await self._store.client.kv.txn(
-            compare=[KVService.txn_compare_create_revision(self._leader_key, epoch)], success=list(ops),
-            timeout=ETCD_TIMEOUT_S)
-        if not txn.succeeded:
+            compare=[KVService.txn_compare_create_revision(self._leader_key, epoch), *compare], success=list(ops),
+            failure=[KVService.txn_op_get(self._leader_key)], timeout=ETCD_TIMEOUT_S)
+        if txn.succeeded:
+            return True
+        leader = txn.responses[0].response_range.kvs
+        if not leader or leader[0].create_revision != epoch:
             raise Unavailable(f"{what} not written: the leader key is no longer this manager's (epoch {epoch}); "
                               "another manager leads")
+        return False

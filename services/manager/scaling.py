@@ -146,7 +146,7 @@ class ScalingStore(Protocol):
     async def get_scaling_target(self) -> ScalingTarget | None: ...
     async def put_scaling_target(self, target: ScalingTarget) -> None: ...
     async def put_drain(self, instance_id: InstanceId) -> None: ...
-    async def delete_drain(self, instance_id: InstanceId) -> None: ...
+    async def delete_drain(self, instance_id: InstanceId) -> bool: ...  # False: an operator's mark, kept
     async def forget_retired(self, instance_id: InstanceId) -> None: ...  # its drain and role marks
 
 
@@ -367,8 +367,8 @@ class Scaler:
         during a burst's call off) is counted once."""
         for instance_id in instance_ids:
             self._check_term()
-            await self._store.delete_drain(instance_id)
-            self._view.unmark_drained(instance_id)
+            if await self._store.delete_drain(instance_id):  # an operator's Drain of it stands
+                self._view.unmark_drained(instance_id)
             if instance_id not in target.draining + target.stoppable:
                 continue
             self._stop_retiring(target, instance_id)

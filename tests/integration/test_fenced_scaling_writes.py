@@ -4,15 +4,26 @@ deposed between two awaits, still acting on its old epoch, writes nothing over i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 
 import pytest
 from etcd3aio import Etcd3Client
 
 from services.common.election import Election
 from services.common.errors import Unavailable
+from services.common.gen.ferry.v1 import manager_pb2
 from services.common.scaling_target import ScalingTarget
 from services.manager.config_store import ConfigStore
+from services.manager.dispatcher import Dispatcher
 from services.manager.domain import InstanceId
+from services.manager.leadership import Leadership
+from services.manager.scaling import Scaler
+from services.manager.server import AdminServicer
+from tests.unit.manager.factories import FakeClock, make_load, make_view
+from tests.unit.manager.test_control_plane_races import Ctx
+from tests.unit.manager.test_migrator import FakeSources, make_migrator
+from tests.unit.manager.test_scaling import BAND
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,5 +84,42 @@ async def test_a_retired_instance_leaves_neither_drain_mark_nor_role_mark(etcd, 
         await store.fenced_by(election.key, lambda: election.epoch).forget_retired(InstanceId("i-3"))
         assert not (await client.kv.get(store.drain_key(InstanceId("i-3")))).kvs
         assert not (await client.kv.get(store.role_key(InstanceId("i-3")))).kvs
+    finally:
+        await election.close()
+
+
+async def test_a_burst_calls_off_a_retirement_but_keeps_an_operators_drain_of_it(etcd, cluster, client):
+    """An operator drained an instance scaling was retiring; a burst then called the retirement off and deleted the
+    drain mark, the operator's with it: the instance served again. Marks record their owner now, and a call-off
+    deletes only the scaler's (or an ownerless one, written before owners were recorded)."""
+    election = Election([etcd.endpoint], cluster, "m-a", "127.0.0.1:1001", ttl_s=2.0)
+    try:
+        await asyncio.wait_for(election.campaign(), 5)
+        clock = FakeClock()
+        view = make_view("i-0", "i-1", "i-2", "i-3", clock=clock, num_free_blocks=1000)
+        leadership = Leadership("m-a", "127.0.0.1:1001")
+        leadership.set_elected(True)
+        store = ConfigStore(client, cluster, "m-a")
+        scaler = Scaler(view, leadership, store.fenced_by(election.key, lambda: election.epoch),
+                        dataclasses.replace(BAND, max_instances=4), interval_s=1, cooldown_s=0, clock=clock)
+        admin = AdminServicer(view, Dispatcher(view, leadership), leadership, store, None,
+                              make_migrator(view, clock, FakeSources()), scaler, 1.0, 1.0, 1.0)
+        assert (await scaler.tick()).instance_id == "i-3"  # retiring: the scaler's mark
+        view.apply_report(InstanceId("i-3"), make_load(num_free_blocks=990, num_running=1))  # still draining
+        await admin.Drain(manager_pb2.DrainRequest(instance_id="i-3"), Ctx())  # the operator's mark
+        old_mark = {"instance_id": "i-2", "drained_by": "m-0", "drained_at": 1.0}  # a predecessor's, no owner
+        await client.kv.put(store.drain_key(InstanceId("i-2")), json.dumps(old_mark))
+        view.mark_drained(InstanceId("i-2"))
+        scaler._target.draining.append(InstanceId("i-2"))
+        for instance_id in ("i-0", "i-1"):  # the burst
+            view.apply_report(InstanceId(instance_id), make_load(num_free_blocks=50, num_running=9))
+        clock.advance(1)
+        await scaler.tick()
+        assert scaler._target.draining == [] and "called off" in scaler._target.reason
+        settings, _ = await store.read()
+        assert settings.drained == {"i-3"}, f"drain marks left: {sorted(settings.drained)}"
+        assert view.has_drain_mark("i-3") and not view.has_drain_mark("i-2")
+        await admin.Undrain(manager_pb2.UndrainRequest(instance_id="i-3"), Ctx())  # the operator's own undo
+        assert (await store.read())[0].drained == frozenset()
     finally:
         await election.close()

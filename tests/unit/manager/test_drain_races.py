@@ -64,9 +64,9 @@ async def test_a_drain_of_an_instance_that_leaves_meanwhile_answers_without_its_
 #    tick that calls the retirement off for a burst): each passed its "still retiring?" check before the
 #    other's etcd delete answered, and each gave the target one more instance: a launcher started one too many.
 class SlowDeleteStore(FakeStore):
-    async def delete_drain(self, instance_id) -> None:
+    async def delete_drain(self, instance_id) -> bool:
         await asyncio.sleep(0)  # etcd answers on a later turn of the event loop
-        await super().delete_drain(instance_id)
+        return await super().delete_drain(instance_id)
 
 
 async def retiring_i2(store: FakeStore) -> tuple[FakeClock, Scaler]:

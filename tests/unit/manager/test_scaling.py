@@ -43,8 +43,9 @@ class FakeStore:
     async def put_drain(self, instance_id) -> None:
         self.drained.add(instance_id)
 
-    async def delete_drain(self, instance_id) -> None:
+    async def delete_drain(self, instance_id) -> bool:
         self.drained.discard(instance_id)
+        return True
 
     async def forget_retired(self, instance_id) -> None:
         self.drained.discard(instance_id)

@@ -108,7 +108,7 @@ class MigrationRow:
     src_instance_id: str
     dst_instance_id: str
     trigger: str  # load | drain | admin
-    outcome: str  # committed | failed
+    outcome: str  # committed | failed | unknown
     num_blocks: int
     num_bytes: int
     num_stages: int

@@ -115,8 +115,11 @@ class MigrationDriver:
         """Whether `migrate_out` may start one now (else it refuses at once: --max-concurrent-migrations)."""
         return self._slots.has_free
 
-    async def migrate_out(self, plan: MigrateOutPlan) -> MigrationResult:
-        """Move one request to `plan`'s destination; raises (and the request stays here) if it cannot."""
+    async def migrate_out(self, plan: MigrateOutPlan,
+                          on_picked: Callable[[str], Awaitable[None]] | None = None) -> MigrationResult:
+        """Move one request to `plan`'s destination; raises (and the request stays here) if it cannot.
+        `on_picked(request_id)` (which must not raise) is awaited once the request is picked: MigrateOut tells its
+        caller then, so one whose deadline passes knows which request to look for on the destination."""
         if self._transferer is None:
             raise FailedPrecondition("live migration needs a transfer service: start this instance with "
                                      "--transfer-address <host:port of the co-located transfer service>")
@@ -124,7 +127,7 @@ class MigrationDriver:
             raise FailedPrecondition(f"the destination {plan.dst_instance_id} is this instance; pick another one")
         migration_id = f"{self._settings.instance_id}-{uuid.uuid4().hex[:12]}"
         self._slots.acquire(migration_id)
-        task = asyncio.create_task(self._migrate(migration_id, plan), name=f"migrate-{migration_id}")
+        task = asyncio.create_task(self._migrate(migration_id, plan, on_picked), name=f"migrate-{migration_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         # Given back when the task ends, also one cancelled (close()) before it first ran
@@ -164,10 +167,13 @@ class MigrationDriver:
                  migration_id=handoff.migration_id, was_dropped=was_dropped)
         return was_dropped
 
-    async def _migrate(self, migration_id: str, plan: MigrateOutPlan) -> MigrationResult:
+    async def _migrate(self, migration_id: str, plan: MigrateOutPlan,
+                       on_picked: Callable[[str], Awaitable[None]] | None) -> MigrationResult:
         request_id, held = await self._picker.pick(plan)  # now claimed: no other migration may suspend it
         attempt: _Attempt | None = None
         try:
+            if on_picked is not None:
+                await on_picked(request_id)
             attempt = _Attempt(migration_id, request_id, plan, self._peers(plan.dst_address),
                                plan.backend or self._settings.transfer_backend,
                                stream=self._runner.stream(request_id), held=held)

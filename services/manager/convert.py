@@ -211,7 +211,7 @@ def reported_migration_from_proto(msg: manager_pb2.MigrationRecord, src_address:
     """A PD hand-off an instance ran on its own (ReportMigration): committed, or failed with a reason."""
     if not msg.request_id or not msg.src_instance_id or not msg.dst_instance_id:
         raise InvalidArgument("request_id, src_instance_id and dst_instance_id: all required")
-    if msg.outcome not in ("", *(o.value for o in MigrationOutcome)):
+    if msg.outcome not in ("", MigrationOutcome.COMMITTED.value, MigrationOutcome.FAILED.value):
         raise InvalidArgument(f"outcome: expected committed or failed, got {msg.outcome[:40]!r}")
     _check_reported_figures(msg)
     order = MigrationOrder(InstanceId(msg.src_instance_id), src_address, InstanceId(msg.dst_instance_id), dst_address,

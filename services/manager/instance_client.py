@@ -11,7 +11,7 @@ import grpc
 from services.common.errors import Unavailable, error_from_rpc
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
 from services.common.channel_pool import ChannelPool
-from services.common.logging import request_metadata
+from services.common.logging import request_id_from_metadata, request_metadata
 from services.common.tls import TlsConfig
 from services.manager import convert
 from services.manager.migration import MigrationFigures, MigrationOrder
@@ -44,9 +44,11 @@ class InstanceChannels:
         except grpc.aio.AioRpcError as exc:
             error = error_from_rpc(exc)
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                # the source names its pick in the initial metadata: the request to look for on the destination
+                picked = request_id_from_metadata(exc.initial_metadata())
                 error = Unavailable(f"MigrateOut on source instance {order.src_instance_id} at {order.src_address}: "
                                     f"{error.message} (if it is down or frozen, ListInstances shows it unhealthy "
-                                    "once its lease ends)", request_id=error.request_id)
+                                    "once its lease ends)", request_id=error.request_id or picked or "")
             raise error from exc
         return convert.migration_figures_from_proto(reply)
 

@@ -35,6 +35,7 @@ class MigrationTrigger(enum.Enum):
 class MigrationOutcome(enum.Enum):
     COMMITTED = "committed"  # the destination owns the request
     FAILED = "failed"  # aborted before commit: the request still runs on the source
+    UNKNOWN = "unknown"  # the source gave no answer and the instances did not tell (migration_settle.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +88,8 @@ class MigrationRecord:
     outcome: MigrationOutcome
     figures: MigrationFigures  # zeros (and the ordered request id, if any) when it failed
     started_at: float  # unix seconds
-    reason: str = ""  # failed: the gRPC status name of MigrateOut, e.g. RESOURCE_EXHAUSTED
-    message: str = ""  # failed: the status details; committed: a note (the source gave no answer, yet it moved)
+    reason: str = ""  # failed, unknown: the gRPC status name of MigrateOut, e.g. RESOURCE_EXHAUSTED
+    message: str = ""  # failed, unknown: the status details; committed: a note (the source gave no answer, yet it moved)
 
     @property
     def is_committed(self) -> bool:

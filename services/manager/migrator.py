@@ -14,7 +14,10 @@ is left alone for `cooldown_s` (the source is told to skip it when it picks); wi
 pairing's hysteresis (migration_policies.py) nothing ping-pongs. Drains move requests
 whether or not the load-balancing loop is on. A MigrateOut failure is recorded, counted
 by gRPC status and logged, and never ends the loop: the request runs on at the source,
-and that (source, destination) pair waits `failure_backoff_s` before its next try. A tick
+and that (source, destination) pair waits `failure_backoff_s` before its next try. One the
+source never answered (UNAVAILABLE, DEADLINE_EXCEEDED) may have committed: unless the
+destination holds the request at once, it is kept as `unknown` and found out later
+(migration_settle.py), and counted then. A tick
 that raises (a bug, a race in the view) is logged and the next tick runs (`periodic_loop`).
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +43,7 @@ from services.manager.domain import InstanceId, InstanceState, InstanceView, Rol
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger)
+from services.manager.migration_settle import LOOKS_AT_S, Settler
 from services.manager.migration_policies import (Pair, PairingPolicy, Peer, destination_order, make_pairing, pair_drains,
                                                  pair_prefilled)
 
@@ -56,6 +61,7 @@ class MigratorLimits:
     history_size: int = 256  # migration records kept (the oldest go first)
     failure_backoff_s: float = 2.0  # a (source, destination) pair whose migration failed is not tried again sooner
     backend: str = ""  # transfer backend asked for; empty: each source's default
+    settle_looks_at_s: tuple[float, ...] = LOOKS_AT_S  # when an unanswered migration's instances are asked again
 
 
 class MigrateOutClient(Protocol):
@@ -98,6 +104,7 @@ class Migrator:
         self._record_sink = record_sink  # also gets every kept record (the etcd journal)
         self._tasks: set[asyncio.Task[None]] = set()
         self._announced_drained: set[InstanceId] = set()
+        self._settler = Settler(client, self._settled, limits.settle_looks_at_s)  # unanswered ones: what became of them
 
     @property
     def settings(self) -> MigrationSettings:
@@ -176,8 +183,9 @@ class Migrator:
             elapsed_ms = (self._clock() - started) * 1e3
             figures = MigrationFigures(order.request_id or exc.request_id, duration_ms=elapsed_ms)
             if not await self._moved_unanswered(order, exc, figures.request_id):
-                self._keep(MigrationRecord(order, MigrationOutcome.FAILED, figures, started_at,
-                                           reason=status_name(exc), message=exc.message))
+                outcome = MigrationOutcome.UNKNOWN if status_name(exc) in UNANSWERED_STATUSES else MigrationOutcome.FAILED
+                self._keep(MigrationRecord(order, outcome, figures, started_at, reason=status_name(exc),
+                                           message=exc.message))
                 raise
             message = f"the source gave no answer ({exc.message}), but the destination holds the request"
         finally:
@@ -236,6 +244,7 @@ class Migrator:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._settler.close()
 
     # internals
 
@@ -320,7 +329,25 @@ class Migrator:
         metrics.MIGRATIONS_IN_FLIGHT.dec()
 
     def _keep(self, record: MigrationRecord, backs_off: bool = True) -> None:
+        """In the history; journaled, counted and logged now, or once settled where its outcome is unknown."""
         self._history.append(record)
+        if not record.is_committed and backs_off:
+            self._failed_at[record.order.src_instance_id, record.order.dst_instance_id] = self._clock()
+        if record.outcome is MigrationOutcome.UNKNOWN:
+            log.warning("migration_unanswered", request_id=record.figures.request_id, reason=record.reason,
+                        src_instance_id=record.order.src_instance_id, dst_instance_id=record.order.dst_instance_id,
+                        action="asking the instances whether it committed")
+            self._settler.follow(record)
+            return
+        self._account(record)
+
+    def _settled(self, unknown: MigrationRecord, record: MigrationRecord) -> None:
+        """What an unanswered migration turned out to be: it replaces its `unknown` record in the history."""
+        with contextlib.suppress(ValueError):  # gone from the history already (a long one): counted all the same
+            self._history[self._history.index(unknown)] = record
+        self._account(record)
+
+    def _account(self, record: MigrationRecord) -> None:
         if self._record_sink is not None:
             self._record_sink(record)
         order, figures = record.order, record.figures
@@ -328,9 +355,10 @@ class Migrator:
         fields = dict(request_id=figures.request_id, src_instance_id=order.src_instance_id,
                       dst_instance_id=order.dst_instance_id, trigger=order.trigger.value,
                       duration_ms=round(figures.duration_ms, 2))
+        if record.outcome is MigrationOutcome.UNKNOWN:
+            log.warning("migration_outcome_unknown", reason=record.reason, error=record.message, **fields)
+            return
         if not record.is_committed:
-            if backs_off:
-                self._failed_at[order.src_instance_id, order.dst_instance_id] = self._clock()
             metrics.MIGRATION_FAILURES.labels(record.reason).inc()
             log.warning("migration_failed", reason=record.reason, error=record.message, **fields)
             return

@@ -23,7 +23,11 @@ from services.common.gen.ferry.v1 import (common_pb2, instance_pb2, instance_pb2
                                           transfer_pb2)
 from services.common.grpc_server import insecure_channel, start_grpc_server
 from services.instance.manager_client import ManagerLink
+from services.instance.server import InstanceServicer
 from services.manager.client import ManagerClient
+from services.manager.domain import InstanceId
+from services.manager.instance_client import InstanceChannels
+from services.manager.migration import MigrationOrder, MigrationTrigger
 from tests.integration.manager_harness import SimulatedInstance, leader_of, start_manager, wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -402,3 +406,36 @@ async def test_place_decode_picks_an_instance_with_room_and_skips_those_that_ref
             await link.place_decode("r-3", "i-0", 1, refused=["i-1", "i-2"])
     finally:
         await link.close()
+
+
+class PickThenHang:
+    """A source's MigrationDriver that picks `r-42`, says so, then runs past the manager's deadline."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+
+    async def migrate_out(self, plan, on_picked=None):
+        await on_picked("r-42")
+        await self.done.wait()
+        raise Aborted("never mind")
+
+
+async def test_a_migrate_out_past_its_deadline_names_the_request_its_source_picked():
+    """A loop migration (the source picks) whose MigrateOut outlived the manager's deadline failed with no request
+    id, so the manager could not ask the destination whether it committed: recorded failed, maybe wrongly. The
+    source now names its pick in the call's initial metadata, and the deadline error carries it (real gRPC)."""
+    servicer = InstanceServicer(runner=None)
+    servicer.migrations = PickThenHang()
+    server = await start_grpc_server("127.0.0.1", 0, [(instance_pb2_grpc.add_InstanceServiceServicer_to_server,
+                                                       servicer)], ["ferry.v1.InstanceService"])
+    channels = InstanceChannels()
+    try:
+        order = MigrationOrder(InstanceId("a"), server.address, InstanceId("b"), "127.0.0.1:1", MigrationTrigger.LOAD)
+        with pytest.raises(Unavailable) as raised:
+            await channels.migrate_out(order, timeout_s=0.5)
+        assert raised.value.__cause__.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert raised.value.request_id == "r-42"
+    finally:
+        servicer.migrations.done.set()
+        await channels.close()
+        await server.stop(0)

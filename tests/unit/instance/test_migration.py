@@ -228,6 +228,26 @@ async def test_driver_moves_the_request_and_the_client_follows(pair):
     await assert_no_blocks_held(a, b)
 
 
+async def test_the_picked_request_is_announced_before_anything_moves(pair):
+    """MigrateOut names its pick at once (initial metadata), so a manager whose deadline passes meanwhile can ask
+    the destination about that request (the migration runs on here)."""
+    a, b = pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=5)
+    copier = TensorCopier(a, b)
+    announced = []
+
+    async def on_picked(request_id: str) -> None:
+        announced.append((request_id, len(copier.transfers)))
+
+    await driver(a, FaultyPeer(b), copier).migrate_out(plan(request_id=""), on_picked=on_picked)
+    assert announced == [("r", 0)]
+    handoff = await read(stream, tokens)
+    await read(b.inbox.attach("r", handoff.epoch), tokens)
+    await assert_no_blocks_held(a, b)
+
+
 async def test_a_plans_short_prepare_deadline_holds_for_the_first_reservation_only(pair):
     """A PD hand-off waits parked while its destination prepares: a frozen one costs it --pd-handoff-hold-s,
     not --migration-rpc-timeout-s (5 s). Later calls that grow the reservation take the usual deadline."""

@@ -1,0 +1,84 @@
+"""Migrations whose source gave no answer (UNAVAILABLE, DEADLINE_EXCEEDED): found out by asking the instances.
+
+A source that froze, died or outlasted the manager's deadline may have committed anyway: its migration runs on
+as a task of its own once the caller gave up (services/instance/migration.py), so the destination can take the
+request after the deadline. Such a migration is kept as `unknown` (in the history at once) and then looked at
+with backoff (`looks_at_s`, from when the call ended), by asking the destination whether it holds the request
+(ListRequests; the source names its pick in MigrateOut's initial metadata, so a loop migration's request is known
+too). It is `committed` once the destination holds it; at the last look, `failed` if the source still holds it
+and the destination does not; otherwise (it finished meanwhile, no instance answered, or the request is not
+known) it stays `unknown`. Bounded: at most MAX_UNSETTLED followed at once (one more is settled `unknown` at once),
+each looked at len(looks_at_s) times at most.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import structlog
+
+from services.common.errors import FerryError
+from services.manager.migration import MigrationOutcome, MigrationRecord
+
+log = structlog.get_logger(__name__)
+
+LOOKS_AT_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # after the call ended
+LOOK_TIMEOUT_S = 2.0  # one ListRequests
+MAX_UNSETTLED = 64
+
+
+class RequestHolders(Protocol):
+    async def holds_request(self, address: str, request_id: str, timeout_s: float) -> bool:
+        """Whether the instance holds the request, unfinished (FerryError if it does not answer)."""
+
+
+class Settler:
+    def __init__(self, holders: RequestHolders, on_settled: Callable[[MigrationRecord, MigrationRecord], None],
+                 looks_at_s: Sequence[float] = LOOKS_AT_S) -> None:
+        self._holders = holders
+        self._on_settled = on_settled  # (the unknown record, what it turned out to be)
+        self._looks_at_s = looks_at_s
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def follow(self, record: MigrationRecord) -> None:
+        """Find out what became of `record` (outcome unknown) in the background; `on_settled` is told."""
+        if not record.figures.request_id or len(self._tasks) >= MAX_UNSETTLED:
+            self._on_settled(record, record)  # nothing to ask about (or too many at once): unknown it stays
+            return
+        task = asyncio.get_running_loop().create_task(self._settle(record),
+                                                      name=f"settle:{record.figures.request_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _settle(self, record: MigrationRecord) -> None:
+        order, request_id = record.order, record.figures.request_id
+        waited_s = 0.0
+        for look_at_s in self._looks_at_s:
+            await asyncio.sleep(look_at_s - waited_s)
+            waited_s = look_at_s
+            if await self._holds(order.dst_address, request_id):
+                return self._settled(record, MigrationOutcome.COMMITTED, "committed after all: the destination holds "
+                                     "the request")
+        if await self._holds(order.src_address, request_id):
+            return self._settled(record, MigrationOutcome.FAILED, "not committed: the source still holds the request "
+                                 "and the destination does not")
+        self._settled(record, MigrationOutcome.UNKNOWN, record.message)
+
+    async def _holds(self, address: str, request_id: str) -> bool:
+        try:
+            return await self._holders.holds_request(address, request_id, LOOK_TIMEOUT_S)
+        except FerryError:
+            return False  # no answer: look again (or stay unknown)
+
+    def _settled(self, record: MigrationRecord, outcome: MigrationOutcome, note: str) -> None:
+        message = record.message if outcome is MigrationOutcome.UNKNOWN else f"{note} ({record.message})"
+        reason = "" if outcome is MigrationOutcome.COMMITTED else record.reason
+        self._on_settled(record, dataclasses.replace(record, outcome=outcome, reason=reason, message=message))

@@ -286,7 +286,9 @@ async def test_a_source_that_moved_the_request_but_gave_no_answer_is_settled_by_
     with pytest.raises(Unavailable, match="MigrateOut on source instance i-0 at .*: "):
         await client.migrate(request_id="r-2", src_instance_id="i-0", dst_instance_id="i-1")
     (record,) = (await client.list_migrations(request_id="r-2")).migrations
-    assert (record.outcome, record.reason) == ("failed", "UNAVAILABLE")
+    # Not on the destination (yet): a source that gave no answer may have committed all the same, so
+    # "unknown" until the destination or the source tells (test_migration_settle.py), not "failed".
+    assert (record.outcome, record.reason) == ("unknown", "UNAVAILABLE")
 
 
 async def test_a_hand_off_that_could_not_reach_its_destination_takes_it_out_of_placements(world):

@@ -2,7 +2,8 @@
 
 A source that froze, died or outlasted the manager's deadline may have committed anyway: its migration runs on
 as a task of its own once the caller gave up (services/instance/migration.py), so the destination can take the
-request after the deadline. Such a migration is kept as `unknown` (in the history at once) and then looked at
+request after the deadline. Unless the destination holds the request at once (`moved_at_once`: committed), such
+a migration is kept as `unknown` (in the history at once) and then looked at
 with backoff (`looks_at_s`, from when the call ended), by asking the destination whether it holds the request
 (ListRequests; the source names its pick in MigrateOut's initial metadata, so a loop migration's request is known
 too). It is `committed` once the destination holds it; at the last look, `failed` if the source still holds it
@@ -21,12 +22,13 @@ from typing import Protocol
 import structlog
 
 from services.common.errors import FerryError
-from services.manager.migration import MigrationOutcome, MigrationRecord
+from services.manager.migration import MigrationOrder, MigrationOutcome, MigrationRecord
 
 log = structlog.get_logger(__name__)
 
+UNANSWERED_STATUSES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # the source gave no answer: it may have committed
+UNANSWERED_CHECK_TIMEOUT_S = 2.0  # one ListRequests asking an instance whether it holds the request
 LOOKS_AT_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # after the call ended
-LOOK_TIMEOUT_S = 2.0  # one ListRequests
 MAX_UNSETTLED = 64
 
 
@@ -42,6 +44,15 @@ class Settler:
         self._on_settled = on_settled  # (the unknown record, what it turned out to be)
         self._looks_at_s = looks_at_s
         self._tasks: set[asyncio.Task[None]] = set()
+
+    async def moved_at_once(self, order: MigrationOrder, request_id: str, error: str) -> bool:
+        """Whether the destination holds the request right after the source gave no answer (it froze or died
+        after the commit): then it is committed, and no more needs finding out."""
+        if not request_id or not await self._holds(order.dst_address, request_id):
+            return False
+        log.warning("migration_unanswered_but_moved", request_id=request_id, src_instance_id=order.src_instance_id,
+                    dst_instance_id=order.dst_instance_id, error=error)
+        return True
 
     def follow(self, record: MigrationRecord) -> None:
         """Find out what became of `record` (outcome unknown) in the background; `on_settled` is told."""
@@ -74,7 +85,7 @@ class Settler:
 
     async def _holds(self, address: str, request_id: str) -> bool:
         try:
-            return await self._holders.holds_request(address, request_id, LOOK_TIMEOUT_S)
+            return await self._holders.holds_request(address, request_id, UNANSWERED_CHECK_TIMEOUT_S)
         except FerryError:
             return False  # no answer: look again (or stay unknown)
 

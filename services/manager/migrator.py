@@ -43,7 +43,7 @@ from services.manager.domain import InstanceId, InstanceState, InstanceView, Rol
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger)
-from services.manager.migration_settle import LOOKS_AT_S, Settler
+from services.manager.migration_settle import LOOKS_AT_S, UNANSWERED_STATUSES, Settler
 from services.manager.migration_policies import (Pair, PairingPolicy, Peer, destination_order, make_pairing, pair_drains,
                                                  pair_prefilled)
 
@@ -75,8 +75,6 @@ class MigrateOutClient(Protocol):
 DEFAULT_SETTINGS = MigrationSettings()
 OWED_TRIGGERS = (MigrationTrigger.DRAIN, MigrationTrigger.PD)  # requests that must move, whatever the load
 OWED_WORK_INTERVAL_S = 0.05  # ticks while such migrations run (each order still waits for its pair to settle)
-UNANSWERED_STATUSES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # the source gave no answer: it may have committed
-UNANSWERED_CHECK_TIMEOUT_S = 2.0  # asking the destination whether an unanswered migration moved its request
 OWED_SETTLE_S = 1.0  # ... and this long after the last one ended, for the pair's fresh load reports
 
 
@@ -182,8 +180,9 @@ class Migrator:
         except FerryError as exc:
             elapsed_ms = (self._clock() - started) * 1e3
             figures = MigrationFigures(order.request_id or exc.request_id, duration_ms=elapsed_ms)
-            if not await self._moved_unanswered(order, exc, figures.request_id):
-                outcome = MigrationOutcome.UNKNOWN if status_name(exc) in UNANSWERED_STATUSES else MigrationOutcome.FAILED
+            is_unanswered = status_name(exc) in UNANSWERED_STATUSES  # it may have committed
+            if not (is_unanswered and await self._settler.moved_at_once(order, figures.request_id, exc.message)):
+                outcome = MigrationOutcome.UNKNOWN if is_unanswered else MigrationOutcome.FAILED
                 self._keep(MigrationRecord(order, outcome, figures, started_at, reason=status_name(exc),
                                            message=exc.message))
                 raise
@@ -296,20 +295,6 @@ class Migrator:
         error = read_error(task)  # a FerryError is recorded, counted and logged by migrate()
         if error is not None and not isinstance(error, FerryError):
             log.error("migration_crashed", task=task.get_name(), exc_info=error)
-
-    async def _moved_unanswered(self, order: MigrationOrder, error: FerryError, request_id: str) -> bool:
-        """Whether a migration whose source gave no answer (it froze or died, maybe after the commit) moved
-        its request after all: the destination holds it. Only a refusal or a clean "no" means it did not."""
-        if status_name(error) not in UNANSWERED_STATUSES or not request_id:
-            return False
-        try:
-            if not await self._client.holds_request(order.dst_address, request_id, UNANSWERED_CHECK_TIMEOUT_S):
-                return False
-        except FerryError:
-            return False
-        log.warning("migration_unanswered_but_moved", request_id=request_id, src_instance_id=order.src_instance_id,
-                    dst_instance_id=order.dst_instance_id, error=error.message)
-        return True
 
     def _hold(self, order: MigrationOrder) -> None:
         for instance_id in (order.src_instance_id, order.dst_instance_id):

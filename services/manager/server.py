@@ -41,7 +41,8 @@ from services.manager.instance_client import InstanceChannels
 from services.manager.leadership import Leadership
 from services.manager.migration_journal import MigrationJournal
 from services.manager.scaling import Scaler
-from services.manager.migrator import UNANSWERED_CHECK_TIMEOUT_S, Migrator
+from services.manager.migration_settle import UNANSWERED_CHECK_TIMEOUT_S
+from services.manager.migrator import Migrator
 from services.manager.migration_policies import PAIRING_NAMES
 from services.manager.policies import POLICY_NAMES
 

@@ -30,7 +30,8 @@ async def requests(client: AdminClient, args: argparse.Namespace) -> Output:
 
 async def status(client: AdminClient, args: argparse.Namespace) -> Output:
     cluster = await client.cluster_status()
-    return cluster, status_table(cluster)
+    num_unreported = sum(not row.has_report for row in await client.list_instances())
+    return cluster, status_table(cluster, num_unreported)
 
 
 async def policy(client: AdminClient, args: argparse.Namespace) -> Output:

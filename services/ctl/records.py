@@ -29,6 +29,12 @@ class InstanceRow:
     max_num_seqs: int = 0  # its batch slots; 0: not known (an older instance)
 
     @property
+    def has_report(self) -> bool:
+        """False while the manager that answered has no load report of it (a leader elected or restarted
+        moments ago, or a standby answering alone): its load fields are then zeros, not its load."""
+        return self.report_age_s >= 0
+
+    @property
     def slots(self) -> str:
         """Free batch slots over all of them: `3/8`, `?` for what is not known."""
         free = "?" if self.num_free_slots is None else str(self.num_free_slots)

@@ -9,13 +9,15 @@ import time
 from services.ctl.records import ClusterStatus, DrainResult, InstanceRow, MigrateResult, MigrationRow, RequestList
 
 _BAR_WIDTH = 10
+UNKNOWN = "?"  # a cell whose figure the answering manager does not have
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """Columns padded to their widest cell; numeric columns right-aligned."""
     cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    numeric = [bool(rows) and all(isinstance(row[i], (int, float)) for row in rows) for i in range(len(headers))]
+    numeric = [bool(rows) and all(isinstance(row[i], (int, float)) or row[i] == UNKNOWN for row in rows)
+               for i in range(len(headers))]
     lines = []
     for row in cells:
         padded = [c.rjust(w) if is_num else c.ljust(w) for c, w, is_num in zip(row, widths, numeric, strict=True)]
@@ -29,9 +31,9 @@ def instances_table(rows: Sequence[InstanceRow]) -> str:
     headers = ("INSTANCE", "ROLE", "STATE", "RUNNING", "WAITING", "FREE SLOTS", "KV USED", "FREE/TOTAL", "FREENESS",
                "SERVED", "PREFIX HIT", "ADDRESS")
     return render_table(headers, [
-        (r.instance_id, r.role, r.state, r.num_running, r.num_waiting, r.slots, f"{r.kv_used_fraction:6.1%}",
-         f"{r.num_free_blocks}/{r.num_total_blocks}", r.freeness, r.num_requests_served,
-         f"{r.prefix_cache_hit_rate:6.1%}", r.address)
+        (r.instance_id, r.role, r.state, _load(r, r.num_running), _load(r, r.num_waiting), r.slots,
+         _load(r, f"{r.kv_used_fraction:6.1%}"), f"{_load(r, r.num_free_blocks)}/{r.num_total_blocks}",
+         _load(r, r.freeness), _load(r, r.num_requests_served), _load(r, f"{r.prefix_cache_hit_rate:6.1%}"), r.address)
         for r in rows])
 
 
@@ -42,9 +44,9 @@ def load_table(rows: Sequence[InstanceRow], served_per_s: dict[str, float]) -> s
     headers = ("INSTANCE", "ROLE", "STATE", "RUN", "WAIT", "SLOTS", "KV USED", "", "FREENESS", "REQ/S", "SERVED",
                "REPORT AGE")
     return render_table(headers, [
-        (r.instance_id, r.role, r.state, r.num_running, r.num_waiting, r.slots, _bar(r.kv_used_fraction),
-         f"{r.kv_used_fraction:6.1%}", r.freeness, served_per_s.get(r.instance_id, 0.0),
-         r.num_requests_served, _age(r.report_age_s))
+        (r.instance_id, r.role, r.state, _load(r, r.num_running), _load(r, r.num_waiting), r.slots,
+         _load(r, _bar(r.kv_used_fraction)), _load(r, f"{r.kv_used_fraction:6.1%}"), _load(r, r.freeness),
+         _load(r, served_per_s.get(r.instance_id, 0.0)), _load(r, r.num_requests_served), _age(r.report_age_s))
         for r in rows])
 
 
@@ -60,8 +62,11 @@ def requests_table(listing: RequestList) -> str:
     return "\n".join(lines)
 
 
-def status_table(status: ClusterStatus) -> str:
+def status_table(status: ClusterStatus, num_unreported: int = 0) -> str:
+    """`num_unreported`: instances whose load the answering manager has not heard yet (ListInstances)."""
     leader = f"{status.leader_id} ({status.leader_address})" if status.leader_id else "none elected"
+    unreported = [("load unknown", f"{_count(num_unreported, 'instance')} not reported to {status.answered_by} yet: "
+                                   "the figures above count them as idle")] if num_unreported else []
     return render_table(("", ""), [
         ("leader", leader),
         ("answered by", status.answered_by),
@@ -71,6 +76,7 @@ def status_table(status: ClusterStatus) -> str:
         ("requests", f"{status.num_running} running, {status.num_waiting} waiting"),
         ("dispatched", str(status.num_dispatched)),
         ("average freeness", f"{status.average_freeness:.1f}"),
+        *unreported,
     ]).split("\n", 1)[1]
 
 
@@ -107,6 +113,12 @@ def migrate_table(result: MigrateResult) -> str:
         (result.request_id, result.src_instance_id, result.dst_instance_id, result.num_blocks,
          result.num_cached_at_destination, result.num_bytes, result.num_stages, result.backend, result.duration_ms,
          result.downtime_ms)])
+
+
+def _load(row: InstanceRow, value: object) -> object:
+    """`value`, or `?` while the answering manager has no load report of `row`: its zeros would show a
+    busy instance as idle (for a second or two after a leader change, the whole cluster)."""
+    return value if row.has_report else UNKNOWN
 
 
 def _value(value: object) -> str:

@@ -32,6 +32,8 @@ class Throughput:
     def update(self, rows: list[InstanceRow], now: float) -> dict[str, float]:
         rates = {}
         for row in rows:
+            if not row.has_report:  # its count reads 0 until the (new) leader hears from it
+                continue
             before = self._last.get(row.instance_id)
             if before is not None and now > before[0]:
                 rates[row.instance_id] = max(0, row.num_requests_served - before[1]) / (now - before[0])

@@ -10,10 +10,15 @@ import sys
 import time
 import uuid
 
+import asyncio
+
 import pytest
+from etcd3aio import Etcd3Client
 
 from services.cluster.processes import ROOT
 from services.common.etcd_launcher import free_port
+from services.manager.client import ManagerClient
+from tests.integration.manager_harness import SimulatedInstance, start_manager, wait_until
 from tests.integration.ops_cluster import INSTANCE_ID, OTHER_INSTANCE_ID, ops_cluster, running_request
 
 pytestmark = pytest.mark.timeout(180)
@@ -229,3 +234,33 @@ def test_drain_last(ops):
         f"instance {INSTANCE_ID} is serving: new requests reach it again")
     states = {i["instance_id"]: i["state"] for i in json.loads(ok(ctl("--json", "instances", admin=ops.admin_address)))}
     assert states == {INSTANCE_ID: "serving", OTHER_INSTANCE_ID: "serving"}
+
+
+async def test_an_instance_the_manager_has_no_load_report_of_shows_unknown_load_not_idle(etcd, cluster, tmp_path):
+    """A leader elected or restarted moments ago has heard no load report yet (1-2 s with real instances):
+    `instances` showed every instance idle (0 running, every block free) while they ran requests, and
+    `status` counted them so. Here one instance reports 3 running, another is registered but silent."""
+    manager = await start_manager(etcd.endpoint, cluster, "m-ctl", tmp_path, "--report-timeout-s", "60")
+    busy = SimulatedInstance("i-busy", "127.0.0.1:9301", num_running=3, num_free_blocks=900)
+    silent = SimulatedInstance("i-silent", "127.0.0.1:9302")
+    etcd_client = Etcd3Client([etcd.endpoint])
+    await etcd_client.connect()
+    try:
+        for instance in (busy, silent):
+            await instance.register(etcd_client, cluster)
+        busy.start_reporting(lambda: [manager.address])
+        async with ManagerClient(manager.address) as client:
+            async def both_listed_busy_heard():
+                infos = {i.instance_id: i for i in await client.list_instances()}
+                return len(infos) == 2 and infos["i-busy"].report_age_s >= 0
+            await wait_until(both_listed_busy_heard, 20, "i-busy reported and i-silent listed")
+        table = ok(await asyncio.to_thread(ctl, "instances", admin=manager.address))
+        rows = {line.split()[0]: line.split() for line in table.splitlines()[1:]}
+        assert rows["i-busy"][3:8] == ["3", "0", "?/?", "10.0%", "900/1000"]
+        assert rows["i-silent"][3:11] == ["?", "?", "?/?", "?", "?/1000", "?", "?", "?"]
+        status = ok(await asyncio.to_thread(ctl, "status", admin=manager.address))
+        assert "1 instance not reported to m-ctl yet: the figures above count them as idle" in status
+    finally:
+        await busy.stop()
+        await etcd_client.close()
+        await manager.stop()

@@ -4,10 +4,11 @@ from services.ctl.tables import (drain_line, instances_table, load_table, migrat
                                 requests_table, status_table)
 
 
-def instance(instance_id="instance-0", free=192, total=256, served=7, free_slots=5, max_num_seqs=8) -> InstanceRow:
+def instance(instance_id="instance-0", free=192, total=256, served=7, free_slots=5, max_num_seqs=8,
+             report_age_s=0.05) -> InstanceRow:
     return InstanceRow(instance_id=instance_id, address="10.0.0.1:50061", role="both", state="serving", model="m",
                        host="h", pid=1, num_running=2, num_waiting=1, num_free_blocks=free, num_total_blocks=total,
-                       freeness=42.5, num_requests_served=served, num_dispatched=9, report_age_s=0.05,
+                       freeness=42.5, num_requests_served=served, num_dispatched=9, report_age_s=report_age_s,
                        prefix_cache_queried_tokens=400, prefix_cache_hit_tokens=100,
                        num_free_slots=free_slots, max_num_seqs=max_num_seqs)
 
@@ -31,6 +32,25 @@ def test_slots_show_what_is_not_known_as_a_question_mark():
     assert instance(free_slots=0).slots == "0/8"
     assert instance(free_slots=None).slots == "?/8"
     assert instance(free_slots=3, max_num_seqs=0).slots == "3/?"
+
+
+def test_an_instance_not_reported_yet_shows_its_load_as_unknown_not_idle():
+    """A leader elected (or restarted) moments ago, or a standby answering alone, has no load report of an
+    instance yet: the view's zeros showed a busy cluster as idle (0 running, every block free)."""
+    unreported = instance("instance-1", free=256, served=0, free_slots=None, report_age_s=-1.0)
+    lines = instances_table([instance(), unreported]).splitlines()
+    assert lines[2].split() == ["instance-1", "both", "serving", "?", "?", "?/8", "?", "?/256", "?", "?", "?",
+                                "10.0.0.1:50061"]
+    assert lines[1].split()[3:5] == ["2", "1"]  # a reported one as before
+    top = load_table([unreported], {}).splitlines()[1].split()
+    assert top[3:11] == ["?", "?", "?/8", "?", "?", "?", "?", "?"] and top[11:] == ["no", "report"]
+
+
+def test_status_says_how_many_instances_its_figures_count_as_idle():
+    status = ClusterStatus("manager-1", "10.0.0.1:50051", "manager-1", "load", 3, 3, 0, 0, 0, 0, 0, 256.0)
+    assert "load unknown" not in status_table(status)
+    assert status_table(status, num_unreported=3).splitlines()[-1].split(None, 2)[2] == (
+        "3 instances not reported to manager-1 yet: the figures above count them as idle")
 
 
 def test_load_table_draws_a_usage_bar_and_rates():

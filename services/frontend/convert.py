@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2
-from services.frontend.generation import (FinishReason, GenerateSpec, Handoff, InstanceId, RequestId, Sampling, Target,
-                                          TokenChunk, TokenLogprob)
+from services.frontend.generation import (CopyRef, FinishReason, GenerateSpec, Handoff, InstanceId, RequestId, Sampling,
+                                          Target, TokenChunk, TokenLogprob)
 
 _FINISH_REASON_FROM_PROTO = {
     common_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -41,7 +41,7 @@ def generate_request_to_proto(spec: GenerateSpec, can_prefill_on_decode: bool = 
         sampling=sampling_to_proto(spec.sampling), priority=spec.priority,
         resume_token_ids=list(spec.resume_token_ids), can_prefill_on_decode=can_prefill_on_decode,
         resume_text=spec.resume_text if spec.resume_token_ids else None,
-        resume_first_start=spec.resume_first_start)
+        resume_first_start=spec.resume_first_start, attempt=spec.attempt)
 
 
 def chunk_from_proto(msg: instance_pb2.GenerateChunk) -> TokenChunk:
@@ -53,6 +53,12 @@ def chunk_from_proto(msg: instance_pb2.GenerateChunk) -> TokenChunk:
         prompt_logprobs=tuple(_logprob_from_proto(entry) for entry in msg.prompt_logprobs),
         handoff=_handoff_from_proto(msg.handoff) if msg.HasField("handoff") else None,
         first_start=msg.first_start if msg.HasField("first_start") else None)
+
+
+def abort_request_to_proto(request_id: RequestId, copy: CopyRef | None) -> instance_pb2.AbortRequest:
+    if copy is None:
+        return instance_pb2.AbortRequest(request_id=request_id)
+    return instance_pb2.AbortRequest(request_id=request_id, attempt=copy.attempt, epoch=copy.epoch)
 
 
 def attach_request_to_proto(request_id: RequestId, from_token_index: int, epoch: int) -> instance_pb2.AttachRequest:

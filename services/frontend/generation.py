@@ -55,6 +55,16 @@ class GenerateSpec:
     # For the manager's `prefix` policy, not the instance: chained hashes of the prompt's chunks
     # (prefix_hash.prefix_chunk_keys). Of the prompt only, also on a resume: that is what instances cache.
     prefix_chunk_keys: tuple[int, ...] = ()
+    attempt: int = 0  # this frontend's try at the request: 1 for its first Generate, one more per Generate after it
+
+
+@dataclass(frozen=True, slots=True)
+class CopyRef:
+    """The copy of a request an Abort ends: the attempt whose Generate began it, and its owner epoch. An instance
+    holding a newer copy (a resume there, a hand-off back there) leaves it alone when the Abort lands late."""
+
+    attempt: int
+    epoch: int
 
 
 @dataclass(frozen=True, slots=True)

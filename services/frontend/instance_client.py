@@ -20,8 +20,9 @@ from services.common.channel_pool import ChannelPool
 from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
-from services.frontend.convert import attach_request_to_proto, chunk_from_proto, generate_request_to_proto
-from services.frontend.generation import GenerateSpec, RequestId, Target, TokenChunk
+from services.frontend.convert import (abort_request_to_proto, attach_request_to_proto, chunk_from_proto,
+                                       generate_request_to_proto)
+from services.frontend.generation import CopyRef, GenerateSpec, RequestId, Target, TokenChunk
 
 log = structlog.get_logger(__name__)
 
@@ -76,9 +77,10 @@ class InstanceClients:
                               "(--generate-timeout-s): taken as failed") from None
         return None if msg is grpc.aio.EOF else msg
 
-    def abort_soon(self, target: Target, request_id: RequestId) -> asyncio.Task[None]:
-        """Abort in a task kept until it ends (so a cancelled caller still frees the instance's blocks)."""
-        task = asyncio.get_running_loop().create_task(self._abort(target, request_id), name=f"abort:{request_id}")
+    def abort_soon(self, target: Target, request_id: RequestId, copy: CopyRef | None = None) -> asyncio.Task[None]:
+        """Abort `copy` (None: whatever copy runs there) in a task kept until it ends (so a cancelled caller still
+        frees the instance's blocks)."""
+        task = asyncio.get_running_loop().create_task(self._abort(target, request_id, copy), name=f"abort:{request_id}")
         self._abort_tasks.add(task)
         task.add_done_callback(self._abort_tasks.discard)
         return task
@@ -93,14 +95,14 @@ class InstanceClients:
             await asyncio.gather(*pending, return_exceptions=True)
         await self._pool.close()
 
-    async def _abort(self, target: Target, request_id: RequestId) -> None:
+    async def _abort(self, target: Target, request_id: RequestId, copy: CopyRef | None) -> None:
         """Abort, tried ABORT_TRIES times while the instance does not answer (a request it holds with no
         client, such as one handed to it whose Attach failed, would decode until its watchdog drops it)."""
         for attempt in range(ABORT_TRIES):
             try:
                 async with self._pool.use(target.address) as channel:
                     await instance_pb2_grpc.InstanceServiceStub(channel).Abort(
-                        instance_pb2.AbortRequest(request_id=request_id), timeout=self._abort_timeout_s,
+                        abort_request_to_proto(request_id, copy), timeout=self._abort_timeout_s,
                         metadata=request_metadata(request_id))
                 log.info("request_aborted", request_id=request_id, instance_id=target.instance_id)
                 return

@@ -27,6 +27,9 @@ Whenever a stream is left before its finish chunk (also when the client went awa
 this task is cancelled) the request's *current owner* (the last instance it was handed
 off to) gets an `Abort`, so it frees the request's KV blocks; a resume that lands on
 that same instance waits for the Abort first, so the request id is free again there.
+Each Generate opened for the request is a new attempt (1, 2, ...), and the Abort names
+the copy it ends (attempt, epoch): one that lands late, after a resume on that instance
+or a hand-off back to it, leaves the newer copy alone.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import structlog
 from services.common.errors import (Aborted, FailedPrecondition, FerryError, Internal, NotFound, ResourceExhausted,
                                     Unavailable)
 from services.frontend.dispatch import Dispatcher
-from services.frontend.generation import GenerateSpec, Handoff, InstanceId, RequestId, Target, TokenChunk
+from services.frontend.generation import CopyRef, GenerateSpec, Handoff, InstanceId, RequestId, Target, TokenChunk
 from services.frontend.req_state import ReqState
 
 log = structlog.get_logger(__name__)
@@ -61,8 +64,9 @@ class InstanceStreams(Protocol):
                epoch: int) -> AsyncIterator[TokenChunk]:
         """The destination's chunks of a handed-off request, from `from_token_index` on."""
 
-    def abort_soon(self, target: Target, request_id: RequestId) -> Awaitable[None]:
-        """Send Abort in the background (never blocks); the result ends when it did (never raises)."""
+    def abort_soon(self, target: Target, request_id: RequestId, copy: CopyRef | None = None) -> Awaitable[None]:
+        """Send Abort of `copy` (None: any) in the background (never blocks); the result ends when it did
+        (never raises)."""
 
 
 @dataclass(slots=True)
@@ -70,6 +74,7 @@ class _Owner:
     """The instance that holds the request now, and its epoch (grows with each hand-off)."""
 
     target: Target
+    attempt: int  # the Generate this copy began with: 1 for the request's first, one more for each after it
     epoch: int = 0
     num_idle_handoffs: int = 0  # hand-offs followed since the last one after which a token came
     num_tokens_at_handoff: int = -1  # output tokens held at the last hand-off
@@ -112,6 +117,7 @@ class RequestRunner:
         aborts: dict[InstanceId, Awaitable[None]] = {}  # Aborts sent to instances this request left
         no_instance_until = asyncio.get_running_loop().time() + self._no_instance_wait_s
         num_no_instance_waits = 0  # looks again for an instance while none is registered
+        num_attempts = 0  # Generates opened for the request
         while not state.is_done:
             try:
                 target = await self._dispatcher.pick(_resumed(spec, state), [*excluded, *full])
@@ -134,7 +140,8 @@ class RequestRunner:
                 return
             if (abort := aborts.pop(target.instance_id, None)) is not None:
                 await asyncio.shield(abort)  # a cancelled caller must not cancel the Abort: it frees blocks
-            owner = _Owner(target)
+            num_attempts += 1
+            owner = _Owner(target, num_attempts)
             try:
                 await self._follow(owner, state, spec, aborts)
             except Unavailable as exc:
@@ -163,7 +170,7 @@ class RequestRunner:
     async def _follow(self, owner: _Owner, state: ReqState, spec: GenerateSpec,
                       aborts: dict[InstanceId, Awaitable[None]]) -> None:
         """Generate on `owner`, resuming after the tokens `state` holds, then follow its hand-offs."""
-        chunks = self._generated(owner, _resumed(spec, state))
+        chunks = self._generated(owner, replace(_resumed(spec, state), attempt=owner.attempt))
         try:
             while (handoff := await self._feed(chunks, owner, state)) is not None:
                 self._hand_off(owner, state, handoff)
@@ -171,7 +178,8 @@ class RequestRunner:
                 chunks = self._attached(owner, state)
         finally:
             if state.finish_reason is None:  # broken, failed or cancelled: free the owner's blocks
-                aborts[owner.target.instance_id] = self._instances.abort_soon(owner.target, spec.request_id)
+                aborts[owner.target.instance_id] = self._instances.abort_soon(
+                    owner.target, spec.request_id, CopyRef(owner.attempt, owner.epoch))
 
     async def _feed(self, chunks: AsyncIterator[TokenChunk], owner: _Owner, state: ReqState) -> Handoff | None:
         """Feed one stream's chunks into `state`; the hand-off it ends with, or None once the request is done."""

@@ -42,9 +42,10 @@ class InstanceClient:
                                                        can_decode_on_prefill=can_decode_on_prefill)
         return reservation_from_proto(await self._call("PrepareMigrateIn", request, request_id, timeout_s))
 
-    async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None:
+    async def commit_migrate_in(self, migration_id: str, state: RequestState, attempt: int = 0) -> None:
         request = instance_pb2.CommitMigrateInRequest(migration_id=migration_id, state=request_state_to_proto(state),
-                                                      deadline_unix_ms=int((time.time() + self._timeout_s) * 1000))
+                                                      deadline_unix_ms=int((time.time() + self._timeout_s) * 1000),
+                                                      attempt=attempt)
         await self._call("CommitMigrateIn", request, state.request_id)
 
     async def abort_migrate_in(self, migration_id: str) -> bool:

@@ -213,7 +213,7 @@ class MigrationDriver:
         """The request is suspended: copy every block still to copy, commit at the destination, hand off."""
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
         self._check_not_aborted(a)
-        await a.peer.commit_migrate_in(a.migration_id, state)
+        await a.peer.commit_migrate_in(a.migration_id, state, attempt=a.stream.attempt if a.stream else 0)
         a.committed_at = time.perf_counter()
         await self._hand_off(a, state)
         return self._result(a)

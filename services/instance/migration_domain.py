@@ -85,7 +85,8 @@ class DestinationPeer(Protocol):
                                  keep_cached_blocks: int | None = None, max_num_tokens: int = 0,
                                  can_decode_on_prefill: bool = False) -> Reservation: ...
 
-    async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None: ...
+    async def commit_migrate_in(self, migration_id: str, state: RequestState, attempt: int = 0) -> None:
+        """`attempt`: the frontend's attempt at the request here (request_copy), kept with its copy there."""
 
     async def abort_migrate_in(self, migration_id: str) -> bool: ...
 

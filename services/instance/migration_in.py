@@ -40,6 +40,7 @@ from services.common.task_errors import read_error
 from services.instance.engine.migration_state import RequestState
 from services.instance.migration_domain import Reservation
 from services.instance.migration_slots import MigrationSlots
+from services.instance.request_copy import CopyRef
 from services.instance.runner import EngineRunner, RequestStream
 from services.instance.write_fence import NoWriteFence, WriteFence
 
@@ -176,7 +177,7 @@ class MigrationInbox:
         return reserved
 
     async def commit(self, migration_id: str, state: RequestState, deadline: float | None = None,
-                     check_accepting: Callable[[], None] = lambda: None) -> None:
+                     check_accepting: Callable[[], None] = lambda: None, attempt: int = 0) -> None:
         """Adopt the request: it joins the running batch with its K/V in the reserved blocks.
 
         `check_accepting` raises once the instance takes no more work (SIGTERM); it runs again right before
@@ -206,7 +207,7 @@ class MigrationInbox:
         if not self._is_held(incoming):
             raise _given_up(migration_id)
         check_accepting()
-        stream = await self._runner.adopt(state.request_id, state.epoch,
+        stream = await self._runner.adopt(state.request_id, CopyRef(attempt, state.epoch),
                                           lambda: engine.import_request(migration_id, state, text, guide))
         if not self._is_held(incoming) or self._runner.stream(state.request_id) is not stream:
             # Given up (aborted, or the watchdog) while the import waited for the engine: nothing tracks the

@@ -32,6 +32,7 @@ from services.common.task_errors import shielded
 from services.instance.engine.engine import LLMEngine, LoadSnapshot, StepOutput
 from services.instance.engine.migration_state import HeldRequest
 from services.instance.handoff import Handoff
+from services.instance.request_copy import ANY_COPY, CopyRef
 from services.instance.step_times import StepTimes
 
 log = structlog.get_logger(__name__)
@@ -47,6 +48,7 @@ class RequestStream:
     request_id: str
     outputs: asyncio.Queue[StepOutput | Handoff | BaseException]
     epoch: int = 0  # the request's owner epoch on this instance
+    attempt: int = 0  # the frontend's attempt at the request that this copy belongs to (0: unknown; request_copy)
     from_token_index: int = 0  # the first output its client asked for (a resume's tokens, an Attach's index)
     is_finished: bool = False
     is_attached: bool = False  # a client reads it (always for Generate; after Attach for migrated-in requests)
@@ -157,7 +159,7 @@ class EngineRunner:
     async def add(self, request_id: str, prompt_token_ids: list[int], sampling: Any,
                   priority: int = 0, resume_token_ids: tuple[int, ...] = (),
                   resume_text: str | None = None, first_start: int | None = None,
-                  check_accepting: Callable[[], None] = lambda: None) -> RequestStream:
+                  check_accepting: Callable[[], None] = lambda: None, attempt: int = 0) -> RequestStream:
         """Admit a request; raises the engine's validation errors (InvalidArgument, ...). `check_accepting`
         raises once the instance takes no more work: it runs right before the stream opens, in the same
         step, so a shutdown that began while a grammar was built either sees the request or refuses it."""
@@ -171,13 +173,14 @@ class EngineRunner:
                                      priority=priority, resume_token_ids=resume_token_ids,
                                      resume_text=resume_text, guide=guide, first_start=first_start)
 
-        return await self._open_stream(request_id, 0, admit, is_attached=True, from_token_index=len(resume_token_ids))
+        return await self._open_stream(request_id, CopyRef(attempt, 0), admit, is_attached=True,
+                                       from_token_index=len(resume_token_ids))
 
-    async def adopt(self, request_id: str, epoch: int, admit: Callable[[], None]) -> RequestStream:
+    async def adopt(self, request_id: str, copy: CopyRef, admit: Callable[[], None]) -> RequestStream:
         """Open the stream of a request migrating in and run `admit` (its import) on the engine thread.
 
         Its outputs wait in the stream until a client attaches."""
-        return await self._open_stream(request_id, epoch, admit, is_attached=False)
+        return await self._open_stream(request_id, copy, admit, is_attached=False)
 
     async def hand_off(self, request_id: str, handoff: Handoff, stream: RequestStream | None) -> None:
         """The request now runs elsewhere: end its stream with `handoff` at once (the client
@@ -234,15 +237,16 @@ class EngineRunner:
         """Requests that migrated in and that no client reads yet."""
         return frozenset(r for r, stream in self._streams.items() if not stream.is_attached)
 
-    async def _open_stream(self, request_id: str, epoch: int, admit: Callable[[], None],
+    async def _open_stream(self, request_id: str, copy: CopyRef, admit: Callable[[], None],
                            is_attached: bool, from_token_index: int = 0) -> RequestStream:
         if self.is_broken:
             raise Unavailable("the engine failed (see the instance log); send the request to another instance")
         if request_id in self._streams:  # a lost race (a resume here, another commit got in first): not a bad field
             raise Aborted(f"request {request_id} is already running on this instance (another attempt at it got "
                           "here first)")
-        stream = RequestStream(request_id, asyncio.Queue(), epoch=epoch, from_token_index=from_token_index,
-                               is_attached=is_attached, is_prefilling=epoch == 0)
+        stream = RequestStream(request_id, asyncio.Queue(), epoch=copy.epoch, attempt=copy.attempt,
+                               from_token_index=from_token_index, is_attached=is_attached,
+                               is_prefilling=copy.epoch == 0)
         self._streams[request_id] = stream  # before admission: the first step may deliver at once
         admitted = threading.Event()
 
@@ -277,14 +281,18 @@ class EngineRunner:
         del self._streams[stream.request_id]
         self.call_soon(lambda: self._engine.abort(stream.request_id))  # its error is logged; the thread goes on
 
-    async def abort(self, request_id: str, ending: BaseException | None = None) -> bool:
+    async def abort(self, request_id: str, ending: BaseException | None = None, copy: CopyRef = ANY_COPY) -> bool:
         """Abort a request; a client still reading its stream gets a last output with finish reason ABORT
         (or `ending`, raised) after every output the engine published before, so the stream has no gap. Its id
         is free for a new request at once. A caller cancelled meanwhile does not stop it: the engine aborts the
-        request anyway, and its stream must end with it."""
-        return await shielded(self._abort(request_id, ending))
+        request anyway, and its stream must end with it. A copy newer than `copy` is left alone (False)."""
+        return await shielded(self._abort(request_id, ending, copy))
 
-    async def _abort(self, request_id: str, ending: BaseException | None) -> bool:
+    async def _abort(self, request_id: str, ending: BaseException | None, copy: CopyRef) -> bool:
+        if (newer := self._streams.get(request_id)) is not None and copy.is_older_than(newer.attempt, newer.epoch):
+            log.info("abort_of_older_copy_ignored", request_id=request_id, attempt=copy.attempt, epoch=copy.epoch,
+                     running_attempt=newer.attempt, running_epoch=newer.epoch)
+            return False
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             self._aborting[request_id] = stream

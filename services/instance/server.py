@@ -27,6 +27,7 @@ from services.instance.handoff import Handoff
 from services.instance.migration import MigrationDriver
 from services.instance.migration_in import MigrationInbox
 from services.instance.pd_handoff import DecodeHandoff
+from services.instance.request_copy import CopyRef
 from services.instance.runner import EngineRunner, RequestStream
 
 log = structlog.get_logger(__name__)
@@ -82,7 +83,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
             priority=request.priority, resume_token_ids=tuple(request.resume_token_ids),
             resume_text=request.resume_text if request.HasField("resume_text") else None,
             first_start=request.resume_first_start if request.HasField("resume_first_start") else None,
-            check_accepting=lambda: self._check_accepting("new requests"))  # again: SIGTERM may have come meanwhile
+            check_accepting=lambda: self._check_accepting("new requests"),  # again: SIGTERM may have come meanwhile
+            attempt=request.attempt)
         log.info("request_started", request_id=request_id, num_prompt_tokens=len(request.prompt_token_ids),
                  num_resume_tokens=len(request.resume_token_ids))
         async for chunk in self._chunks(stream, from_token_index=0):
@@ -118,18 +120,21 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         # Shielded as one: a caller whose deadline passes first (the frontend's --abort-timeout-s, 2 s, against an
         # engine step of seconds) cancels this handler, and must not stop it between the two (before, the copy of
         # a request that left decoded for no client until the destination's watchdog dropped it).
-        was_running = await shielded(self._abort_or_drop(request_id))
+        was_running = await shielded(self._abort_or_drop(request_id, CopyRef(request.attempt, request.epoch)))
         if not was_running:  # finished, or its client's cancelled stream freed it first: what the caller wants
             raise NotFound(f"request {request_id} is not on instance {self.identity.instance_id}", is_expected=True)
         log.info("request_aborted", request_id=request_id)
         return instance_pb2.AbortResponse(was_running=True)
 
-    async def _abort_or_drop(self, request_id: str) -> bool:
-        """Abort the request here; one that left moments ago has its copy dropped where it went."""
-        if await self._runner.abort(request_id):
+    async def _abort_or_drop(self, request_id: str, copy: CopyRef) -> bool:
+        """Abort the request here unless a copy newer than `copy` runs; one that left moments ago has its copy
+        dropped where it went."""
+        if await self._runner.abort(request_id, copy=copy):
             if self.inbox is not None:  # migrated in, and its client left before it attached: nothing left to expire
                 self.inbox.forget_committed(request_id)
             return True
+        if self._runner.stream(request_id) is not None:  # a newer copy: the Abort was sent before it came
+            return False
         return await self._drop_unread_handoff(request_id)
 
     async def _drop_unread_handoff(self, request_id: str) -> bool:
@@ -195,7 +200,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         self._check_accepting("migrations")  # shutting down: the source keeps the request rather than hand it here
         await self.inbox.commit(request.migration_id, request_state_from_proto(request.state),
                                  _commit_deadline(context.time_remaining(), request.deadline_unix_ms),
-                                 check_accepting=lambda: self._check_accepting("migrations"))
+                                 check_accepting=lambda: self._check_accepting("migrations"), attempt=request.attempt)
         return instance_pb2.CommitMigrateInResponse()
 
     async def AbortMigrateIn(self, request: instance_pb2.AbortMigrateInRequest,

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 
 from services.common.errors import FerryError, Unavailable
 from services.frontend.dispatch import InstanceEntry
-from services.frontend.generation import (FinishReason, GenerateSpec, Handoff, InstanceId, RequestId, Sampling,
+from services.frontend.generation import (CopyRef, FinishReason, GenerateSpec, Handoff, InstanceId, RequestId, Sampling,
                                           Target, TokenChunk)
 from services.frontend.req_state import ReqState
 
@@ -98,6 +98,7 @@ class ScriptedInstances:
         self.specs: list[tuple[str, GenerateSpec]] = []
         self.attaches: list[tuple[str, RequestId, int, int]] = []  # (instance, request, from_token_index, epoch)
         self.aborted: list[tuple[str, RequestId]] = []
+        self.aborted_copies: list[CopyRef | None] = []  # what each of those named
 
     async def generate(self, target: Target, spec: GenerateSpec) -> AsyncIterator[TokenChunk]:
         self.specs.append((target.instance_id, spec))
@@ -116,8 +117,9 @@ class ScriptedInstances:
         if error is not None:
             raise error
 
-    def abort_soon(self, target: Target, request_id: RequestId) -> Awaitable[None]:
+    def abort_soon(self, target: Target, request_id: RequestId, copy: CopyRef | None = None) -> Awaitable[None]:
         self.aborted.append((target.instance_id, request_id))
+        self.aborted_copies.append(copy)
         done = asyncio.get_running_loop().create_future()
         done.set_result(None)
         return done

@@ -9,7 +9,7 @@ import pytest
 
 from services.common.errors import Internal, InvalidArgument, ResourceExhausted, Unavailable
 from services.frontend.dispatch import Dispatcher
-from services.frontend.generation import FinishReason
+from services.frontend.generation import CopyRef, FinishReason
 from services.frontend.request_runner import RequestRunner
 
 from tests.unit.frontend.factories import (BreaksOnce, FakeManager, FakeMembership, ScriptedInstances, chunk, entry,
@@ -89,6 +89,9 @@ async def test_the_only_instance_is_tried_again_after_its_abort():
     await runner.run(state, make_spec())
     assert state.token_ids == [4, 5] and instances.aborted == [("a", "cmpl-1")]
     assert [s.resume_token_ids for _, s in instances.specs] == [(), (4,)]
+    # each Generate is an attempt, and the Abort names the copy it ends: one landing late (the instance was frozen)
+    # leaves the resumed copy alone there (before, it could end it)
+    assert [s.attempt for _, s in instances.specs] == [1, 2] and instances.aborted_copies == [CopyRef(1, 0)]
     # nothing else serves: it waited the long backoff (time for a supervisor to restart the instance)
     assert asyncio.get_running_loop().time() - started >= 0.3
 
@@ -231,8 +234,8 @@ async def test_a_client_leaving_while_the_resume_waits_for_an_abort_does_not_can
     release = asyncio.Event()
 
     class SlowAborts(ScriptedInstances):
-        def abort_soon(self, target, request_id):
-            super().abort_soon(target, request_id)
+        def abort_soon(self, target, request_id, copy=None):
+            super().abort_soon(target, request_id, copy)
 
             async def abort():
                 await release.wait()  # the Abort RPC in flight (a busy instance, a slow network)

@@ -8,7 +8,7 @@ import pytest
 
 from services.common.errors import Aborted, NotFound, Unavailable
 from services.frontend.dispatch import Dispatcher
-from services.frontend.generation import FinishReason, InstanceId, Target
+from services.frontend.generation import CopyRef, FinishReason, InstanceId, Target
 from services.frontend.request_runner import RequestRunner
 
 from tests.unit.frontend.factories import FakeMembership, ScriptedInstances, chunk, decode, handoff, make_spec, make_state
@@ -117,6 +117,8 @@ async def test_a_destination_that_breaks_mid_stream_is_resumed_from_the_tokens_h
     state = await run(runner)
     assert_one_stream(state, [4, 5, 6, 7])
     assert instances.specs[-1][1].resume_token_ids == (4, 5, 6) and instances.aborted == [("b", "cmpl-1")]
+    # the copy b held: attempt 1's, at the epoch the hand-off gave it (a late Abort leaves a newer one alone)
+    assert instances.aborted_copies == [CopyRef(1, 1)] and instances.specs[-1][1].attempt == 2
 
 
 async def test_handoffs_with_no_token_between_are_bounded_then_the_request_resumes_elsewhere():
@@ -177,7 +179,7 @@ async def test_an_abort_still_being_tried_is_called_off_when_the_request_is_hand
                 await asyncio.sleep(0.2)
                 yield item
 
-        def abort_soon(self, target, request_id):
+        def abort_soon(self, target, request_id, copy=None):
             async def land():
                 await asyncio.sleep(0.3)  # a second try, 0.25 s after a refused first
                 events.append(("abort_landed", target.instance_id))

@@ -1,8 +1,8 @@
 """RequestRunner under seeded random interleavings: instances die and come back (before an Attach, between
 a commit and its hand-off being read, mid-resume), requests migrate on (back to instances they left, whose
 Abort may still be under way), Aborts land late, and clients leave at any await. A fake cluster keeps the
-instances' rules (epochs, Attach refusals, a resume replacing a stream, an Abort by id that ends whatever runs
-under it, a source's Abort dropping the copy its unread hand-off left). Checked for every seed: nothing lost,
+instances' rules (epochs, Attach refusals, a resume replacing a stream, an Abort that ends what runs under its
+id unless that is a newer copy than it names, a source's Abort dropping the copy its unread hand-off left). Checked for every seed: nothing lost,
 nothing repeated, one seed's tokens, and no copy a client attached to is left running (no sockets).
 Each mutation tried when this was written fails it: no wait for the Abort before a resume on the same
 instance, no calling off an Abort when the request is handed back there."""
@@ -17,7 +17,7 @@ import pytest
 
 from services.common.errors import Aborted, FailedPrecondition, NotFound, Unavailable
 from services.frontend.dispatch import Dispatcher
-from services.frontend.generation import FinishReason, Handoff, InstanceId, Target, TokenChunk
+from services.frontend.generation import CopyRef, FinishReason, Handoff, InstanceId, Target, TokenChunk
 from services.frontend.request_runner import RequestRunner
 from tests.unit.frontend.factories import FakeMembership, decode, entry, make_spec, make_state
 
@@ -35,6 +35,7 @@ class Copy:
     next_index: int
     epoch: int
     is_attached: bool
+    attempt: int = 0  # the Generate it began with (GenerateSpec.attempt), kept across migrations
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
@@ -78,7 +79,7 @@ class Cluster:
         if not destinations:
             return
         destination = self.rng.choice(destinations)
-        moved = Copy(copy.next_index, copy.epoch + 1, is_attached=False)
+        moved = Copy(copy.next_index, copy.epoch + 1, is_attached=False, attempt=copy.attempt)
         self.copies[destination][request_id] = moved
         del self.copies[source][request_id]
         self.handed_off[(source, request_id)] = (destination, moved)
@@ -112,7 +113,8 @@ class Cluster:
             if old.is_attached:  # to, and one whose client left without the instance noticing (it was frozen)
                 old.outputs.put_nowait(Unavailable("resumed on this instance by a newer attempt"))
             del self.copies[instance][request_id]
-        copy = self.copies[instance][request_id] = Copy(len(spec.resume_token_ids), 0, is_attached=True)
+        copy = self.copies[instance][request_id] = Copy(len(spec.resume_token_ids), 0, is_attached=True,
+                                                        attempt=spec.attempt)
         asyncio.get_running_loop().create_task(self._decode(instance, request_id, copy))
         async for item in self._stream(instance, request_id, copy, 0):
             yield item
@@ -131,13 +133,16 @@ class Cluster:
         async for item in self._stream(instance, request_id, copy, from_token_index):
             yield item
 
-    def abort_soon(self, target: Target, request_id) -> asyncio.Task:
-        """Lands a moment later: ends whatever runs under the id there (its reader gets ABORT), or drops the
-        copy an unread hand-off from there left."""
+    def abort_soon(self, target: Target, request_id, ref: CopyRef | None = None) -> asyncio.Task:
+        """Lands a moment later: ends what runs under the id there (its reader gets ABORT) unless it is newer than
+        `ref`, or drops the copy an unread hand-off from there left."""
         async def abort() -> None:
             await asyncio.sleep(self.rng.random() * 0.02)
             instance = target.instance_id
             if not self.alive[instance]:
+                return
+            if (newer := self.copies[instance].get(request_id)) is not None and ref is not None and \
+                    (ref.attempt, ref.epoch) < (newer.attempt, newer.epoch):
                 return
             if (copy := self.copies[instance].pop(request_id, None)) is not None:
                 copy.outputs.put_nowait(TokenChunk(copy.next_index, (), "", FinishReason.ABORT, epoch=copy.epoch))

@@ -19,8 +19,11 @@ pytestmark = pytest.mark.timeout(10)
 
 
 class GoneRunner:
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, copy=None) -> bool:
         return False
+
+    def stream(self, request_id: str) -> None:
+        return None
 
 
 class Refused(Exception):

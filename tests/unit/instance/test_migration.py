@@ -84,9 +84,9 @@ class FaultyPeer:
         return await self.dst.inbox.prepare(migration_id, request_id, src_instance_id, num_blocks, grow_only=grow_only,
                                             block_hashes=block_hashes, keep_cached_blocks=keep_cached_blocks)
 
-    async def commit_migrate_in(self, migration_id: str, state: RequestState) -> None:
+    async def commit_migrate_in(self, migration_id: str, state: RequestState, attempt: int = 0) -> None:
         self._check("commit")
-        await self.dst.inbox.commit(migration_id, state)
+        await self.dst.inbox.commit(migration_id, state, attempt=attempt)
 
     async def abort_migrate_in(self, migration_id: str) -> bool:
         self.calls.append("abort_migrate_in")
@@ -354,7 +354,7 @@ async def test_commit_lost_on_the_way_back_drops_the_copy_on_the_destination(pai
     await read(stream, tokens, until=10)
     peer = FaultyPeer(b)
 
-    async def commit_then_fail(migration_id, state):
+    async def commit_then_fail(migration_id, state, attempt=0):
         await b.inbox.commit(migration_id, state)
         raise Unavailable("deadline exceeded: the commit's answer never came")
 
@@ -714,7 +714,7 @@ async def test_a_resume_arriving_while_a_commit_admits_its_request_takes_its_pla
     tokens: list[int] = []
     await read(await a.runner.add("r", PROMPT, SAMPLING), tokens, until=30)
 
-    async def commit_while_the_client_resumes(migration_id: str, state: RequestState) -> None:
+    async def commit_while_the_client_resumes(migration_id: str, state: RequestState, attempt: int = 0) -> None:
         b.runner.call_soon(lambda: time.sleep(0.5))  # the destination's engine is in a long step
         commit = asyncio.create_task(b.inbox.commit(migration_id, state))
         await wait_for(lambda: b.runner.stream("r") is not None)  # its import is queued on the engine thread
@@ -744,7 +744,7 @@ async def test_a_resume_on_the_source_during_the_commit_is_left_alone_by_the_han
     peer, resumed = FaultyPeer(b), []
     plain_commit = peer.commit_migrate_in
 
-    async def commit_as_the_client_resumes_here(migration_id: str, state: RequestState) -> None:
+    async def commit_as_the_client_resumes_here(migration_id: str, state: RequestState, attempt: int = 0) -> None:
         a.runner.abort_soon(old)  # the stream broke: its request is aborted (Generate's finally) ...
         resumed.append(await a.runner.add("r", PROMPT, SAMPLING, resume_token_ids=tuple(tokens)))  # ... and resumed
         await plain_commit(migration_id, state)
@@ -859,7 +859,7 @@ async def test_a_client_leaving_right_after_the_commit_leaves_nothing_on_the_des
     peer = FaultyPeer(b)
     plain_commit = peer.commit_migrate_in
 
-    async def commit_then_client_leaves(migration_id: str, state: RequestState) -> None:
+    async def commit_then_client_leaves(migration_id: str, state: RequestState, attempt: int = 0) -> None:
         await plain_commit(migration_id, state)
         await a.runner.abort("r")
     peer.commit_migrate_in = commit_then_client_leaves
@@ -879,7 +879,7 @@ async def test_a_commit_cancelled_during_its_import_leaves_no_copy_running_on_th
     await read(stream, tokens, until=30)
     peer = FaultyPeer(b)
 
-    async def commit_past_its_deadline(migration_id, state):
+    async def commit_past_its_deadline(migration_id, state, attempt=0):
         b.runner.call_soon(lambda: time.sleep(0.5))  # the destination's engine is in a long step
         handler = asyncio.create_task(b.inbox.commit(migration_id, state))
         while b.runner.stream(state.request_id) is None:  # the import is queued on the engine thread
@@ -1119,7 +1119,7 @@ async def test_a_commit_racing_the_watchdog_leaves_no_copy_nobody_tracks_on_the_
     peer = FaultyPeer(b)
     committed: list[BaseException | None] = []
 
-    async def commit_while_the_source_is_declared_gone(migration_id, state):
+    async def commit_while_the_source_is_declared_gone(migration_id, state, attempt=0):
         b.runner.call_soon(lambda: time.sleep(0.3))  # the destination's engine is in a long step
         committing = asyncio.create_task(b.inbox.commit(migration_id, state))
         while b.runner.stream(state.request_id) is None:  # the import is queued on the engine thread

@@ -108,8 +108,20 @@ class AnswerWriter:
                 raise  # still before the 200: the error middleware answers a 500
             log.exception("stream_crashed", request_id=request_id)
             self._metrics.stream_errors.labels("500").inc()  # its error event is an Internal's
-            await _end_crashed_stream(request, response)
+            await self._end_crashed_stream(request, response)
         return response
+
+    async def _end_crashed_stream(self, request: web.Request, response: web.StreamResponse) -> None:
+        """A bug after the 200: an error event and [DONE], so the client is not left waiting on an open stream;
+        under the _ReadWatch like every write (before, a client that stopped reading held the handler here)."""
+        try:
+            await self._send(request, response, sse_error(Internal("internal error; the server logged it under "
+                                                                   "this request's x-request-id")))
+            await self._send(request, response, SSE_DONE)
+            await self._taken_in(request, response.write_eof())
+        except Exception:  # noqa: BLE001 — the connection is broken as well: close it, which ends the stream too
+            if request.transport is not None:
+                request.transport.close()
 
     async def _send(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
         await self._taken_in(request, response.write(data))
@@ -217,15 +229,3 @@ async def _merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[in
     finally:
         for task in pumps:
             await cancel_task(task)
-
-
-async def _end_crashed_stream(request: web.Request, response: web.StreamResponse) -> None:
-    """A bug after the 200: an error event and [DONE], so the client is not left waiting on an open stream."""
-    try:
-        await response.write(sse_error(Internal("internal error; the server logged it under this request's "
-                                                "x-request-id")))
-        await response.write(SSE_DONE)
-        await response.write_eof()
-    except Exception:  # noqa: BLE001 — the connection is broken as well: close it, which ends the stream too
-        if request.transport is not None:
-            request.transport.close()

@@ -13,6 +13,8 @@ import time
 import aiohttp
 import pytest
 
+from services.frontend import answer
+from services.frontend.answer import AnswerWriter
 from services.frontend.generation import FinishReason
 from tests.unit.frontend.factories import chunk
 from tests.unit.frontend.scripted_frontend import scripted_frontend
@@ -92,3 +94,32 @@ async def test_a_client_that_reads_slowly_but_steadily_is_not_cut():
         finally:
             sock.close()
     assert b"data: [DONE]" in received[-100:], f"the stream was cut after {len(received)} bytes"
+
+
+async def test_a_stream_that_crashes_while_its_client_stopped_reading_gives_its_slot_back(monkeypatch):
+    """A bug after the 200 ends the stream with an error event and [DONE] (_end_crashed_stream). Before, those
+    writes had no read watch: a client that stopped reading held the handler, and its slot, for ever."""
+    requests = []
+    original_stream, original_sse = AnswerWriter.stream, answer.sse
+
+    async def noting_the_request(self, request, *args):
+        requests.append(request)
+        return await original_stream(self, request, *args)
+
+    def crashing_once_the_client_is_behind(chunk):
+        if requests and requests[0].protocol.writing_paused:  # buffers full: the end's writes will wait
+            raise RuntimeError("a bug in the formatting")
+        return original_sse(chunk)
+    monkeypatch.setattr(AnswerWriter, "stream", noting_the_request)
+    monkeypatch.setattr(answer, "sse", crashing_once_the_client_is_behind)
+    async with scripted_frontend({"a": (long_answer(), None)}, max_model_len=NUM_TOKENS + 100, max_inflight=1,
+                                 send_timeout_s=SEND_TIMEOUT_S) as base_url:
+        stalled = open_stream_never_read(base_url)
+        try:
+            deadline = asyncio.get_running_loop().time() + 20
+            while (status := await status_of_next_request(base_url)) == 429 and \
+                    asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.5)
+            assert status != 429, "the crashed stream kept its slot"
+        finally:
+            stalled.close()

@@ -1,8 +1,10 @@
 """Wiring of one frontend process: model files, etcd views, dispatcher, clients, HTTP server.
 
-Shutdown order (STYLE.md): stop accepting (/health 503, new requests 503) → revoke the
-etcd lease → give running requests --shutdown-grace-s, then end those left with an error a
-client can read (in_flight.py) → stop the HTTP server → close the gRPC channels.
+Shutdown order (STYLE.md): stop accepting (/health 503, new requests 503) → take our
+`frontends/<id>` key out of etcd → give running requests --shutdown-grace-s, then end those
+left with an error a client can read (in_flight.py) → stop the HTTP server → close the gRPC
+channels → revoke the etcd lease. The lease and the watches live through the grace: a request
+resumed then goes where the cluster is now (instances that joined or left meanwhile).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from aiohttp import web
 
 from services.common.config import as_dict
 from services.common.election import watch_leader
+from services.common.errors import Unavailable
 from services.common.peer_address import host_port
 from services.common.registry import DRAIN_MARKS, Registry
 from services.common.signals import stop_event
@@ -124,10 +127,19 @@ async def serve(config: FrontendConfig, server: FrontendServer, registry: Regist
     log.info("frontend_stopping", frontend_id=frontend_id)
     server.is_accepting = False
     if registry is not None:
-        await registry.close()  # revokes the lease: our frontends/<id> key goes with it
+        await _leave(registry, frontend_id)
     await server.in_flight.finish_or_cut(config.shutdown_grace_s)
     await http.cleanup()  # every handler has ended or is writing its last bytes
     log.info("frontend_stopped", frontend_id=frontend_id)
+
+
+async def _leave(registry: Registry, frontend_id: str) -> None:
+    """Our frontends/<id> key out of etcd, the lease and the instance watches kept for the grace (main closes the
+    registry after it: before, closing it here froze the view that resumes during the grace dispatch from)."""
+    try:
+        await registry.unregister("frontends", frontend_id)
+    except Unavailable as exc:  # etcd away: the key goes when the lease is revoked or expires
+        log.warning("frontend_unregister_failed", frontend_id=frontend_id, error=exc.message)
 
 
 def _bound_port(http: FrontendRunner, configured: int) -> int:

@@ -18,6 +18,7 @@ import torch
 from services.cluster.processes import ServiceProcess
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
+from services.common.registry import Registry
 from services.instance.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -756,3 +757,41 @@ async def _wait_listening(base_url: str) -> None:
                     return
             except aiohttp.ClientConnectionError:
                 await asyncio.sleep(0.2)
+
+
+@pytest.mark.timeout(90)
+async def test_during_the_shutdown_grace_the_frontend_still_sees_instances_come_and_go(
+        slow_cluster, etcd, tiny_model_dir, tmp_path):
+    """Requests resumed during the grace dispatch from the frontend's view of instances/. Before, SIGTERM closed
+    the etcd registry, watches included, so that view froze: an instance that joined then was never seen (and
+    one that left was still tried). /health reads the same view."""
+    _, _, name = slow_cluster
+    frontend = start_frontend("frontend-grace-view", etcd, tiny_model_dir, name, tmp_path, "--shutdown-grace-s", "30")
+    try:
+        await frontend.wait_healthy(60)
+        async with aiohttp.ClientSession(base_url=frontend.address, timeout=aiohttp.ClientTimeout(total=30)) as http, \
+                Registry([etcd.endpoint], name) as joiner:
+            body = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 200, "ignore_eos": True, "stream": True}
+            streaming = await http.post(COMPLETIONS, json=body)  # 10 s at 50 ms a step: the grace lasts
+            await streaming.content.readline()
+            frontend.signal(signal.SIGTERM)
+            assert (await _health_when(http, lambda h: h["status"] == "stopping"))["num_registered"] == 1
+            await joiner.register("instances", "joined-in-grace", {"address": "127.0.0.1:1", "state": "serving"})
+            assert (await _health_when(http, lambda h: h["num_registered"] == 2))["num_registered"] == 2
+            await joiner.unregister("instances", "joined-in-grace")
+            assert (await _health_when(http, lambda h: h["num_registered"] == 1))["num_registered"] == 1
+            streaming.close()  # the grace ends with the last request
+        assert await asyncio.to_thread(frontend.popen.wait, 10) == 0
+    finally:
+        frontend.stop()
+
+
+async def _health_when(http: aiohttp.ClientSession, condition, timeout_s: float = 5.0) -> dict:
+    """The frontend's /health body once `condition` holds of it, or the last one after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        async with http.get("/health") as reply:
+            health = await reply.json()
+        if condition(health) or asyncio.get_running_loop().time() > deadline:
+            return health
+        await asyncio.sleep(0.1)

@@ -19,6 +19,7 @@ class Handoff:
     epoch: int  # the request's epoch on the new owner
     next_token_index: int  # the first output index the new owner streams
     migration_id: str = ""  # the migration that moved it: its key for AbortMigrateIn on the new owner
+    attempt: int = 0  # the frontend's attempt the moved copy belongs to (request_copy); 0: unknown
 
 
 class RecentHandoffs(Recent[str, Handoff]):

@@ -78,6 +78,11 @@ class _Attempt:
     stream: RequestStream | None = None  # the request's client stream when the migration began (an abort drops it)
     held: HeldRequest | None = None  # the plan's parked state, where the request was still parked so when claimed
 
+    @property
+    def frontend_attempt(self) -> int:
+        """The frontend's attempt at the request that the moving copy belongs to (request_copy); 0: unknown."""
+        return self.stream.attempt if self.stream is not None else 0
+
     def pending(self, view: MigrationBlocks, full_only: bool) -> list[int]:
         """Block-table indexes whose current source block is not copied yet (all once a preemption moved them),
         past the ones the destination had cached with our bits (checked again after a preemption: `_check_cached`)."""
@@ -213,7 +218,7 @@ class MigrationDriver:
         """The request is suspended: copy every block still to copy, commit at the destination, hand off."""
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
         self._check_not_aborted(a)
-        await a.peer.commit_migrate_in(a.migration_id, state, attempt=a.stream.attempt if a.stream else 0)
+        await a.peer.commit_migrate_in(a.migration_id, state, attempt=a.frontend_attempt)
         a.committed_at = time.perf_counter()
         await self._hand_off(a, state)
         return self._result(a)
@@ -353,7 +358,7 @@ class MigrationDriver:
     async def _hand_off(self, a: _Attempt, state: RequestState) -> None:
         """Past the commit: end the client stream with the hand-off and free the blocks here."""
         handoff = Handoff(a.plan.dst_instance_id, a.plan.dst_address, state.epoch, len(state.output_token_ids),
-                          a.migration_id)
+                          a.migration_id, a.frontend_attempt)
         try:
             await self._runner.hand_off(a.request_id, handoff, a.stream)
             self._handed_off.note(a.request_id, handoff)

@@ -135,13 +135,14 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
             return True
         if self._runner.stream(request_id) is not None:  # a newer copy: the Abort was sent before it came
             return False
-        return await self._drop_unread_handoff(request_id)
+        return await self._drop_unread_handoff(request_id, copy)
 
-    async def _drop_unread_handoff(self, request_id: str) -> bool:
+    async def _drop_unread_handoff(self, request_id: str, copy: CopyRef) -> bool:
         """A client aborting a request that migrated from here moments ago never read its hand-off (one that
-        did aborts the destination): drop the copy there, which nobody will attach to. False if none is."""
+        did aborts the destination): drop the copy there, which nobody will attach to. False if none is, or if
+        the copy that left is newer than `copy` (a late Abort: its frontend attaches to it)."""
         handoff = self.migrations.recent_handoff(request_id) if self.migrations is not None else None
-        if handoff is None:
+        if handoff is None or copy.is_older_than(handoff.attempt, handoff.epoch - 1):  # its epoch here: one less
             return False
         return await shielded(self.migrations.drop_unread_handoff(request_id, handoff))  # logs what it did
 

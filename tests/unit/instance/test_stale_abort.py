@@ -14,7 +14,7 @@ from tests.unit.instance import test_migration
 from tests.unit.instance.test_generate_resume import read_tokens
 from tests.unit.instance.test_instance_shutdown_and_role import servicer_for
 from tests.unit.instance.test_migration import (PROMPT, SAMPLING, FaultyPeer, TensorCopier, assert_no_blocks_held,
-                                                driver, plan, read, reference)
+                                                driver, plan, read, reference, servicer_moving_to)
 
 pytestmark = pytest.mark.timeout(60)
 pair, tiny = test_migration.pair, test_migration.tiny  # its fixtures: two engine runners on the tiny model
@@ -76,4 +76,21 @@ async def test_a_migrated_in_copy_keeps_its_attempt_and_an_older_ones_abort_leav
             await servicer.Abort(late, None)
     last = await read(b.inbox.attach("r", handoff.epoch, len(tokens)), tokens)
     assert tokens == expected and last.finish_reason is not None
+    await assert_no_blocks_held(a, b)
+
+
+async def test_an_older_attempts_abort_on_the_source_leaves_the_copy_its_unread_hand_off_left(pair):
+    """The source forwards an Abort of a request that left moments ago to its copy, which nobody attached to yet
+    (the client never read the hand-off). Not a late Abort of an older attempt: the frontend is about to attach."""
+    a, b = pair
+    servicer = servicer_moving_to(a, FaultyPeer(b))
+    stream = await a.runner.add("r", PROMPT, SAMPLING, attempt=2)
+    chunks = servicer._chunks(stream, from_token_index=0)
+    await servicer.migrations.migrate_out(plan())
+    assert [chunk async for chunk in chunks][-1].HasField("handoff")  # sent; the frontend attaches next
+    with pytest.raises(NotFound):
+        await servicer.Abort(abort(attempt=1, epoch=0), None)
+    assert b.runner.stream("r") is not None and b.inbox.num_incoming == 1
+    assert (await servicer.Abort(abort(attempt=2, epoch=0), None)).was_running  # its own: the copy is dropped
+    assert b.runner.stream("r") is None and b.inbox.num_incoming == 0
     await assert_no_blocks_held(a, b)

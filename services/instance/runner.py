@@ -218,15 +218,16 @@ class EngineRunner:
     def stream(self, request_id: str) -> RequestStream | None:
         return self._streams.get(request_id)
 
-    async def take_over(self, request_id: str, from_token_index: int) -> bool:
+    async def take_over(self, request_id: str, from_token_index: int, attempt: int = 0) -> bool:
         """A resume of `request_id` from output `from_token_index` on, while a client reads it here: one gone
         unnoticed (this instance was frozen as its connection dropped). Its stream ends UNAVAILABLE after what it
         holds, and the request is aborted; Aborted instead if that stream began at a later output (this resume
-        is the older attempt: a frontend's tokens only grow). False if no client reads the request here."""
+        is the older attempt: a frontend's tokens only grow) or belongs to a later attempt (request_copy).
+        False if no client reads the request here."""
         stream = self._streams.get(request_id)
         if stream is None or not stream.is_attached:
             return False
-        if from_token_index < stream.from_token_index:
+        if from_token_index < stream.from_token_index or CopyRef(attempt).is_older_than(stream.attempt, 0):
             raise Aborted(f"request {request_id} runs here from output {stream.from_token_index} on; this older "
                           f"attempt at it, from output {from_token_index}, is not taken up")
         await self.abort(request_id, Unavailable(f"request {request_id} was resumed on this instance by a newer "

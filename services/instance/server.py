@@ -75,7 +75,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                                      "or set can_prefill_on_decode when none serves")
         if self.inbox is not None:  # a resume of a request whose migration here nobody attached to replaces it
             await self.inbox.drop_unattached(request_id)
-        if await self._runner.take_over(request_id, len(request.resume_token_ids)):  # and one read by a client gone
+        if await self._runner.take_over(request_id, len(request.resume_token_ids), request.attempt):  # one whose client left
             log.warning("request_replaced_by_resume", request_id=request_id,
                         from_token_index=len(request.resume_token_ids))
         stream = await self._runner.add(

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.errors import NotFound
+from services.common.errors import Aborted, NotFound
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2
 from services.instance.convert import sampling_to_proto
 from tests.unit.instance import test_migration
@@ -94,3 +94,20 @@ async def test_an_older_attempts_abort_on_the_source_leaves_the_copy_its_unread_
     assert (await servicer.Abort(abort(attempt=2, epoch=0), None)).was_running  # its own: the copy is dropped
     assert b.runner.stream("r") is None and b.inbox.num_incoming == 0
     await assert_no_blocks_held(a, b)
+
+
+async def test_an_older_attempt_from_as_many_tokens_is_refused_and_leaves_the_newer_alone(pair):
+    """Two resumes from the same tokens (no token came between them) taken up in the wrong order: the token count
+    cannot tell them apart, the attempt can. Before, the older took the newer's place, and its client was gone."""
+    a, _ = pair
+    expected = await reference(a)
+    servicer = servicer_for(a)
+    tokens: list[int] = []
+    await read_tokens(generate(servicer, attempt=1), tokens, until=10)
+    newer, held = generate(servicer, attempt=3, resume_token_ids=tokens), list(tokens)
+    await read_tokens(newer, tokens, until=15)
+    with pytest.raises(Aborted, match="older attempt"):
+        await anext(generate(servicer, attempt=2, resume_token_ids=held))
+    last = await read_tokens(newer, tokens)
+    assert tokens == expected and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    await assert_no_blocks_held(a)

@@ -6,11 +6,11 @@ from __future__ import annotations
 from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, transfer_pb2
 from services.instance.config import InstanceRole
-from services.instance.engine.engine import LoadSnapshot, StepOutput
+from services.instance.engine.engine import LoadSnapshot, RequestSnapshot, StepOutput
 from services.instance.engine.logprobs import TokenLogprob
 from services.instance.engine.migration_state import MigrationSelection, RequestState
 from services.instance.engine.prefix_cache import NO_PREFIX_CACHE_STATS, PrefixCacheStats
-from services.instance.engine.request import RequestId, SamplingParams
+from services.instance.engine.request import RequestId, RequestOrigin, SamplingParams
 from services.instance.handoff import Handoff
 from services.instance.migration_domain import MigrateOutPlan, MigrationResult, Reservation
 from services.transfer.convert import backend_from_proto, backend_to_proto
@@ -198,6 +198,20 @@ _ROLE_TO_PROTO = {
     InstanceRole.DECODE: common_pb2.ROLE_DECODE,
 }
 _ROLE_FROM_PROTO = {v: k for k, v in _ROLE_TO_PROTO.items()}
+
+
+_ORIGIN_TO_PROTO = {
+    RequestOrigin.DISPATCHED: instance_pb2.REQUEST_ORIGIN_DISPATCHED,
+    RequestOrigin.RESUMED: instance_pb2.REQUEST_ORIGIN_RESUMED,
+    RequestOrigin.MIGRATED_IN: instance_pb2.REQUEST_ORIGIN_MIGRATED_IN,
+}
+
+
+def request_info_to_proto(info: RequestSnapshot, instance_id: str) -> instance_pb2.RequestInfo:
+    return instance_pb2.RequestInfo(
+        request_id=info.request_id, instance_id=instance_id, num_tokens=info.num_tokens, state=info.state,
+        num_output_tokens=info.num_output_tokens, origin=_ORIGIN_TO_PROTO[info.origin],
+        migrated_from_instance_id=info.migrated_from)
 
 
 def role_to_proto(role: InstanceRole) -> int:

@@ -207,8 +207,9 @@ class MigrationInbox:
         if not self._is_held(incoming):
             raise _given_up(migration_id)
         check_accepting()
-        stream = await self._runner.adopt(state.request_id, CopyRef(attempt, state.epoch),
-                                          lambda: engine.import_request(migration_id, state, text, guide))
+        stream = await self._runner.adopt(
+            state.request_id, CopyRef(attempt, state.epoch),
+            lambda: engine.import_request(migration_id, state, text, guide, incoming.src_instance_id))
         if not self._is_held(incoming) or self._runner.stream(state.request_id) is not stream:
             # Given up (aborted, or the watchdog) while the import waited for the engine: nothing tracks the
             # adopted request any more, so no watchdog would ever drop it; or its copy was dropped meanwhile (a

@@ -19,7 +19,7 @@ from services.common.task_errors import shielded
 from services.instance.config import InstanceRole
 from services.instance.convert import (check_request_id, chunk_to_proto, handoff_chunk_to_proto, load_to_proto,
                                        migrate_out_plan_from_proto, migration_result_to_proto,
-                                       request_state_from_proto, reservation_to_proto, role_from_proto,
+                                       request_info_to_proto, request_state_from_proto, reservation_to_proto, role_from_proto,
                                        role_to_proto, sampling_from_proto)
 from services.instance.engine.engine import StepOutput
 from services.instance.engine.migration_state import check_serves_length
@@ -161,11 +161,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                 infos = await self._runner.call(lambda: self._runner.engine.list_requests())
         except TimeoutError:  # the engine is in a long step (a big prefill chunk): read the table as it is
             infos = self._runner.engine.list_requests()
-        return instance_pb2.ListRequestsResponse(requests=[
-            instance_pb2.RequestInfo(request_id=info.request_id, instance_id=self.identity.instance_id,
-                                     num_tokens=info.num_tokens, state=info.state,
-                                     num_output_tokens=info.num_output_tokens)
-            for info in infos])
+        return instance_pb2.ListRequestsResponse(
+            requests=[request_info_to_proto(info, self.identity.instance_id) for info in infos])
 
     # Live migration (README "Live migration").
 

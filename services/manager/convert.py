@@ -15,6 +15,7 @@ from services.manager.scaling import ScalingSettings
 from services.manager.domain import DispatchAsk, InstanceId, InstanceState, InstanceView, Load, Placement, Role
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger)
+from services.manager.migration_settle import HeldRequest, RequestOrigin
 
 _ROLE_TO_PROTO = {Role.BOTH: common_pb2.ROLE_BOTH, Role.PREFILL: common_pb2.ROLE_PREFILL,
                   Role.DECODE: common_pb2.ROLE_DECODE}
@@ -172,6 +173,15 @@ def migration_figures_from_proto(reply: instance_pb2.MigrateOutResponse) -> Migr
                             num_stages=reply.num_stages, backend="" if backend == "unspecified" else backend,
                             duration_ms=reply.duration_ms, downtime_ms=reply.downtime_ms,
                             num_cached_at_destination=reply.num_cached_at_destination)
+
+
+_ORIGIN_FROM_PROTO = {instance_pb2.REQUEST_ORIGIN_DISPATCHED: RequestOrigin.DISPATCHED,
+                      instance_pb2.REQUEST_ORIGIN_RESUMED: RequestOrigin.RESUMED,
+                      instance_pb2.REQUEST_ORIGIN_MIGRATED_IN: RequestOrigin.MIGRATED_IN}
+
+
+def held_request_from_proto(info: instance_pb2.RequestInfo) -> HeldRequest:
+    return HeldRequest(_ORIGIN_FROM_PROTO.get(info.origin, RequestOrigin.UNKNOWN), info.migrated_from_instance_id)
 
 
 def migrate_response_to_proto(record: MigrationRecord) -> manager_pb2.MigrateResponse:

@@ -15,6 +15,7 @@ from services.common.logging import request_id_from_metadata, request_metadata
 from services.common.tls import TlsConfig
 from services.manager import convert
 from services.manager.migration import MigrationFigures, MigrationOrder
+from services.manager.migration_settle import HeldRequest
 
 
 class InstanceChannels:
@@ -30,9 +31,10 @@ class InstanceChannels:
             raise error_from_rpc(exc) from None
         return list(reply.requests)
 
-    async def holds_request(self, address: str, request_id: str, timeout_s: float) -> bool:
-        return any(info.request_id == request_id and info.state != "finished"
-                   for info in await self.list_requests(address, timeout_s))
+    async def held_request(self, address: str, request_id: str, timeout_s: float) -> HeldRequest | None:
+        """The request on the instance, unfinished, and how it came there; None if it has none."""
+        return next((convert.held_request_from_proto(info) for info in await self.list_requests(address, timeout_s)
+                     if info.request_id == request_id and info.state != "finished"), None)
 
     async def migrate_out(self, order: MigrationOrder, timeout_s: float) -> MigrationFigures:
         """Ask the source to move a request to the destination; returns once committed (or raises)."""

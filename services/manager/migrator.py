@@ -43,7 +43,7 @@ from services.manager.domain import InstanceId, InstanceState, InstanceView, Rol
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger)
-from services.manager.migration_settle import LOOKS_AT_S, UNANSWERED_STATUSES, Settler
+from services.manager.migration_settle import LOOKS_AT_S, UNANSWERED_STATUSES, HeldRequest, Settler
 from services.manager.migration_policies import (Pair, PairingPolicy, Peer, destination_order, make_pairing, pair_drains,
                                                  pair_prefilled)
 
@@ -68,8 +68,8 @@ class MigrateOutClient(Protocol):
     async def migrate_out(self, order: MigrationOrder, timeout_s: float) -> MigrationFigures:
         """Run the migration on the source; FerryError (cause: the gRPC error) if it was not committed."""
 
-    async def holds_request(self, address: str, request_id: str, timeout_s: float) -> bool:
-        """Whether the instance holds the request, unfinished."""
+    async def held_request(self, address: str, request_id: str, timeout_s: float) -> HeldRequest | None:
+        """The request on the instance, unfinished, and how it came there; None if it has none."""
 
 
 DEFAULT_SETTINGS = MigrationSettings()

@@ -53,6 +53,7 @@ from services.instance.engine.request import (
     FinishReason,
     Request,
     RequestId,
+    RequestOrigin,
     RequestStatus,
     SamplingParams,
 )
@@ -140,6 +141,8 @@ class RequestSnapshot:
     num_output_tokens: int  # resumed tokens included
     num_computed_tokens: int
     num_blocks: int
+    origin: RequestOrigin = RequestOrigin.DISPATCHED
+    migrated_from: str = ""  # with MIGRATED_IN: the migration's source instance
 
     @property
     def num_tokens(self) -> int:
@@ -208,6 +211,7 @@ class LLMEngine:
             seed=sampling.seed if sampling.seed is not None else secrets.randbits(64),
             arrival_order=next(self._arrivals), text=text, priority=priority,
             num_resumed_tokens=len(resumed), output_token_ids=resumed, guide=guide, first_start=first_start,
+            origin=RequestOrigin.RESUMED if resumed else RequestOrigin.DISPATCHED,
         )  # fmt: skip
         self._requests[request_id] = request
         self.scheduler.add(request)
@@ -350,9 +354,10 @@ class LLMEngine:
         return text
 
     def import_request(self, migration_id: str, state: RequestState, text: TextOutput | None = None,
-                       guide: Guide | None = None) -> None:
+                       guide: Guide | None = None, src_instance_id: str = "") -> None:
         """Adopt a migrated request whose first `num_computed_tokens` tokens' K/V are in the reserved blocks
-        (`text` and `guide`: built off the engine thread with `restore_text` and `new_guide`, or here)."""
+        (`text` and `guide`: built off the engine thread with `restore_text` and `new_guide`, or here), sent by
+        `src_instance_id` (ListRequests names it)."""
         self._check_import(state)
         if guide is None:
             guide = self.new_guide(state.sampling, state.output_token_ids)
@@ -370,6 +375,7 @@ class LLMEngine:
             epoch=state.epoch, num_resumed_tokens=state.num_resumed_tokens,
             output_token_ids=list(state.output_token_ids), block_table=blocks[:num_blocks],
             num_computed_tokens=state.num_computed_tokens, guide=guide, first_start=state.first_start,
+            origin=RequestOrigin.MIGRATED_IN, migrated_from=src_instance_id,
         )  # fmt: skip
         self._requests[request.request_id] = request
         self.block_manager.register_computed(request)  # its K/V arrived with it
@@ -593,7 +599,8 @@ class LLMEngine:
             RequestSnapshot(
                 request_id=r.request_id, status=r.status, priority=r.priority,
                 num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens,
-                num_computed_tokens=r.num_computed_tokens, num_blocks=len(r.block_table),
+                num_computed_tokens=r.num_computed_tokens, num_blocks=len(r.block_table), origin=r.origin,
+                migrated_from=r.migrated_from,
             )  # fmt: skip
             for r in tuple(self._requests.values())
         ]

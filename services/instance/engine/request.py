@@ -38,6 +38,14 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"  # done; its blocks are back in the free list
 
 
+class RequestOrigin(enum.Enum):
+    """How a request came to this engine (ListRequests: the manager tells a migration's commit from a resume)."""
+
+    DISPATCHED = "dispatched"  # add_request
+    RESUMED = "resumed"  # add_request with resumed tokens (the frontend's failover)
+    MIGRATED_IN = "migrated_in"  # import_request (a committed migration in)
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"  # eos, a stop token id or a stop string
     LENGTH = "length"  # max_tokens, the model's context, or more KV blocks than the cache has
@@ -152,6 +160,8 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     _block_hashes: list[BlockHash] = field(default_factory=list)  # chained hashes of full blocks, grown lazily
     guide: Guide | None = None  # sampling.grammar's state past output_token_ids (constrained decoding)
+    origin: RequestOrigin = RequestOrigin.DISPATCHED
+    migrated_from: str = ""  # with MIGRATED_IN: the instance id of the migration's source
 
     @property
     def num_prompt_tokens(self) -> int:

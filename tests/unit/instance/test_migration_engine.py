@@ -17,7 +17,7 @@ from services.instance.engine.engine import EngineConfig, LLMEngine, StepOutput
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.migration_state import MigrationSelection
 from services.instance.engine.model import load_model
-from services.instance.engine.request import FinishReason, RequestStatus, SamplingParams
+from services.instance.engine.request import FinishReason, RequestOrigin, RequestStatus, SamplingParams
 from services.instance.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -127,7 +127,7 @@ def migrate(src: LLMEngine, dst: LLMEngine, request_id: str, harness: Harness | 
     pending = [i for i in range(view.num_blocks) if copied.get(i) != view.block_ids[i]]
     copy_blocks(src, dst, [view.block_ids[i] for i in pending], [reserved[i] for i in pending])
     state = src.export_state(request_id)
-    dst.import_request(migration_id, state)
+    dst.import_request(migration_id, state, src_instance_id="the-source")
     src.release(request_id)
 
 
@@ -211,6 +211,20 @@ def test_the_load_counts_each_request_taken_in_added_or_migrated_in(make_engine)
     harness.finish(a, "r")
     assert counts(a) == (1, 1)
     assert_no_blocks_held(a, b)
+
+
+def test_list_requests_says_how_each_request_came(make_engine):
+    """The manager counts an unanswered MigrateOut committed only for a request migrated in from its source: a
+    resume of the request on the destination (the frontend's failover) is no commit (found by a black-box run)."""
+    a, b, harness = make_engine(), make_engine(), Harness()
+    a.add_request("r", PROMPT, GREEDY)
+    b.add_request("resumed", PROMPT, GREEDY, resume_token_ids=[5, 6])
+    harness.run_until(a, "r", 2)
+    migrate(a, b, "r")
+    origins = {r.request_id: (r.origin, r.migrated_from) for r in b.list_requests()}
+    assert origins == {"r": (RequestOrigin.MIGRATED_IN, "the-source"), "resumed": (RequestOrigin.RESUMED, "")}
+    a.add_request("dispatched", PROMPT, GREEDY)
+    assert {r.request_id: r.origin for r in a.list_requests()}["dispatched"] is RequestOrigin.DISPATCHED
 
 
 def test_multi_stage_copy_while_decoding(make_engine):

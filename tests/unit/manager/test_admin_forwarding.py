@@ -14,6 +14,7 @@ from services.common.errors import Unavailable
 from services.common.gen.ferry.v1 import instance_pb2, manager_pb2, manager_pb2_grpc
 from services.manager.cluster_view import ClusterView
 from services.manager.leadership import Leader, Leadership
+from services.manager.migration_settle import HeldRequest, RequestOrigin
 from services.manager.migrator import Migrator, MigratorLimits
 from services.manager.server import AdminServicer
 from tests.unit.manager.factories import FakeClock, make_view
@@ -81,9 +82,9 @@ class UnansweredSource:
         await asyncio.sleep(timeout_s)
         raise Unavailable("the source did not answer in time")
 
-    async def holds_request(self, address, request_id, timeout_s):
+    async def held_request(self, address, request_id, timeout_s):
         await asyncio.sleep(timeout_s * 0.9)
-        return True
+        return HeldRequest(RequestOrigin.MIGRATED_IN, "a")
 
 
 async def test_a_forwarded_migrate_waits_as_long_as_the_leaders_slowest_migrate():

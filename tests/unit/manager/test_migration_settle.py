@@ -13,9 +13,11 @@ import pytest
 from services.common.errors import Unavailable
 from services.manager import metrics
 from services.manager.migration import MigrationOutcome, MigrationTrigger
+from services.manager.migration_settle import HeldRequest, RequestOrigin
 from tests.unit.loop_checks import until
 from tests.unit.manager.factories import FakeClock
-from tests.unit.manager.test_migrator import FakeSources, RpcCause, cluster, make_migrator, routes, settle
+from tests.unit.manager.test_migrator import (MIGRATED_IN_FROM_A, FakeSources, RpcCause, cluster, make_migrator,
+                                              routes, settle)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -53,7 +55,7 @@ async def a_loop_migration_unanswered(status: str, request_id: str):
 async def test_a_loop_migration_past_its_deadline_that_commits_later_is_recorded_committed():
     committed, failed = counted("committed"), failures("DEADLINE_EXCEEDED")
     migrator, sources, record = await a_loop_migration_unanswered("DEADLINE_EXCEEDED", "r-7")
-    sources.held.add((record.order.dst_address, "r-7"))  # the source's migration committed after the deadline
+    sources.held[record.order.dst_address, "r-7"] = MIGRATED_IN_FROM_A  # the source's migration committed after the deadline
     await until(lambda: migrator.history()[0].is_committed, asyncio.current_task())
     assert "committed after all" in migrator.history()[0].message
     assert counted("committed") == committed + 1 and failures("DEADLINE_EXCEEDED") == failed
@@ -63,9 +65,32 @@ async def test_a_loop_migration_past_its_deadline_that_commits_later_is_recorded
 async def test_an_unanswered_migration_whose_request_stayed_on_the_source_is_failed():
     failed = failures("UNAVAILABLE")
     migrator, sources, record = await a_loop_migration_unanswered("UNAVAILABLE", "r-8")
-    sources.held.add((record.order.src_address, "r-8"))
+    sources.held[record.order.src_address, "r-8"] = HeldRequest(RequestOrigin.DISPATCHED)
     await until(lambda: migrator.history()[0].outcome is MigrationOutcome.FAILED, asyncio.current_task())
     assert failures("UNAVAILABLE") == failed + 1
+    await migrator.close()
+
+
+async def test_an_unanswered_migration_whose_request_the_frontend_resumed_on_the_destination_is_failed():
+    """Found by a black-box run: the source froze past the deadline, the frontend resumed the request on the
+    destination, and the destination holding it was taken for a commit (the source logged migration_aborted)."""
+    committed, failed = counted("committed"), failures("DEADLINE_EXCEEDED")
+    migrator, sources, record = await a_loop_migration_unanswered("DEADLINE_EXCEEDED", "r-10")
+    sources.held[record.order.dst_address, "r-10"] = HeldRequest(RequestOrigin.RESUMED)
+    await until(lambda: migrator.history()[0].outcome is MigrationOutcome.FAILED, asyncio.current_task())
+    assert "holds the request resumed, not migrated in from a" in migrator.history()[0].message
+    assert counted("committed") == committed and failures("DEADLINE_EXCEEDED") == failed + 1
+    await migrator.close()
+
+
+async def test_an_unanswered_migration_an_older_destination_holds_stays_unknown():
+    """A destination from before RequestInfo.origin cannot say how it got the request: neither outcome."""
+    unknown = counted("unknown")
+    migrator, sources, record = await a_loop_migration_unanswered("DEADLINE_EXCEEDED", "r-11")
+    sources.held[record.order.dst_address, "r-11"] = HeldRequest(RequestOrigin.UNKNOWN)
+    sources.held[record.order.src_address, "r-11"] = HeldRequest(RequestOrigin.DISPATCHED)
+    await until(lambda: counted("unknown") == unknown + 1, asyncio.current_task())
+    assert migrator.history()[0].outcome is MigrationOutcome.UNKNOWN
     await migrator.close()
 
 

@@ -14,6 +14,7 @@ from services.manager.domain import InstanceId, Role
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger)
+from services.manager.migration_settle import HeldRequest, RequestOrigin
 from services.manager.migrator import OWED_SETTLE_S, OWED_WORK_INTERVAL_S, Migrator, MigratorLimits
 from tests.unit.loop_checks import assert_cancels, until
 from tests.unit.manager.factories import FakeClock, make_load, make_record
@@ -21,6 +22,8 @@ from tests.unit.manager.factories import FakeClock, make_load, make_record
 pytestmark = pytest.mark.timeout(10)
 
 ON = MigrationSettings(is_enabled=True, threshold=1.0)
+
+MIGRATED_IN_FROM_A = HeldRequest(RequestOrigin.MIGRATED_IN, "a")  # what a destination says of a request a moved there
 
 
 class FakeSources:
@@ -30,10 +33,10 @@ class FakeSources:
         self.answers = list(answers)
         self.orders = []
         self.gate: asyncio.Event | None = None
-        self.held: set[tuple[str, str]] = set()  # (address, request id) that holds_request answers True for
+        self.held: dict[tuple[str, str], HeldRequest] = {}  # (address, request id): what held_request answers
 
-    async def holds_request(self, address, request_id, timeout_s):
-        return (address, request_id) in self.held
+    async def held_request(self, address, request_id, timeout_s):
+        return self.held.get((address, request_id))
 
     async def migrate_out(self, order, timeout_s):
         self.orders.append(order)
@@ -388,7 +391,7 @@ async def test_an_unanswered_migrate_whose_request_is_on_the_destination_is_reco
     sources = FakeSources(unanswered, unanswered)
     migrator = make_migrator(view, clock, sources)
     order = migrator.admin_order("a", "b", "r-5")
-    sources.held.add((order.dst_address, "r-5"))
+    sources.held[order.dst_address, "r-5"] = MIGRATED_IN_FROM_A
     record = await migrator.migrate(order)
     assert record.outcome is MigrationOutcome.COMMITTED and "gave no answer" in record.message
     sources.held.clear()  # not there (yet): asked again later (test_migration_settle.py)
@@ -399,13 +402,33 @@ async def test_an_unanswered_migrate_whose_request_is_on_the_destination_is_reco
     await migrator.close()
 
 
+@pytest.mark.parametrize("held", [HeldRequest(RequestOrigin.RESUMED), HeldRequest(RequestOrigin.MIGRATED_IN, "c"),
+                                  HeldRequest(RequestOrigin.UNKNOWN)])
+async def test_an_unanswered_migrate_whose_request_came_to_the_destination_another_way_is_not_committed(held):
+    """The source froze past the deadline and the frontend resumed the request on the destination (or it came
+    there from elsewhere, or an older destination cannot say): that is no commit of this migration. Before, a
+    destination holding the request at all made Migrate answer ok with 0 blocks, recorded committed."""
+    clock = FakeClock()
+    view = cluster(clock, a=2, b=0)
+    unanswered = Unavailable("the source did not answer in time")
+    unanswered.__cause__ = RpcCause("DEADLINE_EXCEEDED")
+    sources = FakeSources(unanswered)
+    migrator = make_migrator(view, clock, sources)
+    order = migrator.admin_order("a", "b", "r-5")
+    sources.held[order.dst_address, "r-5"] = held
+    with pytest.raises(Unavailable):
+        await migrator.migrate(order)
+    assert [r.outcome for r in migrator.history(request_id="r-5")] == [MigrationOutcome.UNKNOWN]
+    await migrator.close()
+
+
 async def test_a_refused_migrate_is_failed_whatever_the_destination_holds():
     clock = FakeClock()
     view = cluster(clock, a=2, b=0)
     sources = FakeSources(Aborted("the request finished mid-migration"))
     migrator = make_migrator(view, clock, sources)
     order = migrator.admin_order("a", "b", "r-6")
-    sources.held.add((order.dst_address, "r-6"))
+    sources.held[order.dst_address, "r-6"] = MIGRATED_IN_FROM_A
     with pytest.raises(Aborted):
         await migrator.migrate(order)
 

@@ -10,6 +10,7 @@ from services.ctl.records import ClusterStatus, DrainResult, InstanceRow, Migrat
 
 _BAR_WIDTH = 10
 UNKNOWN = "?"  # a cell whose figure the answering manager does not have
+MESSAGE_CHARS = 100  # a migration's message in `migrations` (the whole of it: --json)
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -101,10 +102,17 @@ def migrations_table(rows: Sequence[MigrationRow]) -> str:
     if not rows:
         return "no migrations"
     return render_table(("STARTED", "REQUEST", "FROM", "TO", "TRIGGER", "OUTCOME", "BLOCKS", "STAGES", "BACKEND",
-                         "DURATION MS", "DOWNTIME MS", "REASON"), [
+                         "DURATION MS", "DOWNTIME MS", "REASON", "MESSAGE"), [
         (time.strftime("%H:%M:%S", time.localtime(r.started_at)), r.request_id or "-", r.src_instance_id,
          r.dst_instance_id, r.trigger, r.outcome, r.num_blocks, r.num_stages, r.backend, r.duration_ms,
-         r.downtime_ms, r.reason) for r in rows])
+         r.downtime_ms, r.reason, _why(r)) for r in rows])
+
+
+def _why(row: MigrationRow) -> str:
+    """What went wrong, shortened (the whole message is in --json); nothing for a committed migration."""
+    if row.outcome == "committed" or not row.message:
+        return ""
+    return row.message if len(row.message) <= MESSAGE_CHARS else row.message[:MESSAGE_CHARS - 3] + "..."
 
 
 def migrate_table(result: MigrateResult) -> str:

@@ -94,6 +94,18 @@ def test_policy_and_migrations_tables():
     assert migrations_table([]) == "no migrations"
 
 
+def test_the_migrations_table_says_why_one_did_not_commit():
+    """Its message was in --json only: a failed or unknown migration showed a status code and no reason."""
+    committed = MigrationRow(0.0, "r-1", "i-0", "i-1", "admin", "committed", 4, 1024, 2, "grpc", 12.5, 1.25, "",
+                             "the source gave no answer, but the destination holds the request")
+    failed = MigrationRow(0.0, "r-2", "i-0", "i-1", "load", "failed", 0, 0, 0, "", 30.0, 0.0, "DEADLINE_EXCEEDED",
+                          "not committed: the destination holds the request resumed " + "x" * 200)
+    header, first, second = migrations_table([committed, failed]).splitlines()
+    assert header.split()[-2:] == ["REASON", "MESSAGE"] and first.split()[-1] == "1.25"
+    assert second.endswith("DEADLINE_EXCEEDED  not committed: the destination holds the request resumed "
+                           + "x" * 40 + "...")
+
+
 def test_to_json_flattens_records():
     listing = RequestList((RequestRow("r-1", "i", "running", 3, 1),), ())
     assert to_json(listing) == {"requests": [{"request_id": "r-1", "instance_id": "i", "state": "running",

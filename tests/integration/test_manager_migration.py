@@ -47,31 +47,40 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
         self.list_delay_s = 0.0  # how long ListRequests takes (an instance busy in a long step)
         self.answer_delay_s = 0.0  # how long MigrateOut waits after the move before it answers (a frozen source)
         self.moved_meanwhile_to = ""  # non-empty: another migration moved the request there just before MigrateOut
+        self.hang_s = 0.0  # how long MigrateOut waits before it moves anything (a source frozen before the commit)
+        self.origins: dict[str, tuple[int, str]] = {}  # request id: (RequestInfo.origin, migrated_from_instance_id)
 
-    def hold(self, *request_ids: str) -> None:
+    def hold(self, *request_ids: str, origin: int = instance_pb2.REQUEST_ORIGIN_DISPATCHED,
+             migrated_from: str = "") -> None:
         self.request_ids.extend(request_ids)
+        self.origins.update({r: (origin, migrated_from) for r in request_ids})
         self._sync()
+
+    def migrated_in(self, request_id: str, src_instance_id: str) -> None:
+        self.hold(request_id, origin=instance_pb2.REQUEST_ORIGIN_MIGRATED_IN, migrated_from=src_instance_id)
 
     async def ListRequests(self, request, context):
         await asyncio.sleep(self.list_delay_s)
         return instance_pb2.ListRequestsResponse(requests=[
-            instance_pb2.RequestInfo(request_id=r, instance_id=self.sim.instance_id, num_tokens=20, state="running")
+            instance_pb2.RequestInfo(request_id=r, instance_id=self.sim.instance_id, num_tokens=20, state="running",
+                                     origin=self.origins[r][0], migrated_from_instance_id=self.origins[r][1])
             for r in self.request_ids])
 
     async def MigrateOut(self, request, context):
         self.calls.append(request)
+        await asyncio.sleep(self.hang_s)
         if self.refuse:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.refuse)
         candidates = [r for r in self.request_ids if r not in request.exclude_request_ids]
         request_id = request.request_id or (candidates[0] if candidates else "")
         if self.moved_meanwhile_to and request_id in self.request_ids:
             self.request_ids.remove(request_id)
-            self.peers[self.moved_meanwhile_to].hold(request_id)
+            self.peers[self.moved_meanwhile_to].migrated_in(request_id, self.sim.instance_id)
         if request_id not in self.request_ids:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"request {request_id!r} is not here")
         self.request_ids.remove(request_id)
         self._sync()
-        self.peers[request.dst_instance_id].hold(request_id)
+        self.peers[request.dst_instance_id].migrated_in(request_id, self.sim.instance_id)
         await asyncio.sleep(self.answer_delay_s)
         return instance_pb2.MigrateOutResponse(
             request_id=request_id, src_instance_id=self.sim.instance_id, dst_instance_id=request.dst_instance_id,
@@ -289,6 +298,25 @@ async def test_a_source_that_moved_the_request_but_gave_no_answer_is_settled_by_
     # Not on the destination (yet): a source that gave no answer may have committed all the same, so
     # "unknown" until the destination or the source tells (test_migration_settle.py), not "failed".
     assert (record.outcome, record.reason) == ("unknown", "UNAVAILABLE")
+
+
+async def test_a_request_the_frontend_resumed_on_the_destination_while_its_source_froze_is_no_commit(world):
+    """Found by a black-box run: the source froze past the MigrateOut deadline, the frontend resumed the request on
+    the destination, and the destination holding it made Migrate answer ok with 0 blocks, recorded committed,
+    while the source logged migration_aborted. The destination says how it came by the request: a resume."""
+    _, client, peers = await world(2, "--migration-timeout-s", "1")
+    peers["i-0"].hold("r-1")
+    peers["i-0"].hang_s = 30.0  # frozen before anything moved
+    peers["i-1"].hold("r-1", origin=instance_pb2.REQUEST_ORIGIN_RESUMED)
+    with pytest.raises(Unavailable, match="MigrateOut on source instance i-0"):
+        await client.migrate(request_id="r-1", src_instance_id="i-0", dst_instance_id="i-1")
+    await wait_until(lambda: _outcome_is(client, "r-1", "failed"), 10, "the migration settled failed")
+    (record,) = (await client.list_migrations(request_id="r-1")).migrations
+    assert "holds the request resumed, not migrated in from i-0" in record.message
+
+
+async def _outcome_is(client: ManagerClient, request_id: str, outcome: str) -> bool:
+    return [r.outcome for r in (await client.list_migrations(request_id=request_id)).migrations] == [outcome]
 
 
 async def test_a_hand_off_that_could_not_reach_its_destination_takes_it_out_of_placements(world):

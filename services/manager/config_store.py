@@ -272,9 +272,13 @@ class LeaderFencedStore:
         await self._write("scaling target", KVService.txn_op_put(key, json.dumps(target.to_json())))
 
     async def put_drain(self, instance_id: InstanceId) -> None:
-        op = KVService.txn_op_put(self._store.drain_key(instance_id),
-                                  self._store.drain_mark(instance_id, DrainOwner.SCALER))
-        await self._write(f"drain mark of {instance_id}", op)
+        """The leader retiring the instance: its mark, unless one is there already (an operator's Drain that landed
+        while the tick waited on etcd stands, and so outlasts a call-off)."""
+        key = self._store.drain_key(instance_id)
+        op = KVService.txn_op_put(key, self._store.drain_mark(instance_id, DrainOwner.SCALER))
+        if not await self._write(f"drain mark of {instance_id}", op,
+                                 compare=[KVService.txn_compare_create_revision(key, 0)]):
+            log.info("drain_mark_kept", instance_id=instance_id, reason="the instance is marked already")
 
     async def delete_drain(self, instance_id: InstanceId) -> bool:
         """A retirement called off: its drain mark goes, unless it is an operator's (a Drain of the retiring

@@ -14,7 +14,7 @@ from services.common.election import Election
 from services.common.errors import Unavailable
 from services.common.gen.ferry.v1 import manager_pb2
 from services.common.scaling_target import ScalingTarget
-from services.manager.config_store import ConfigStore
+from services.manager.config_store import ConfigStore, DrainOwner, drain_owner
 from services.manager.dispatcher import Dispatcher
 from services.manager.domain import InstanceId
 from services.manager.leadership import Leadership
@@ -121,5 +121,26 @@ async def test_a_burst_calls_off_a_retirement_but_keeps_an_operators_drain_of_it
         assert view.has_drain_mark("i-3") and not view.has_drain_mark("i-2")
         await admin.Undrain(manager_pb2.UndrainRequest(instance_id="i-3"), Ctx())  # the operator's own undo
         assert (await store.read())[0].drained == frozenset()
+    finally:
+        await election.close()
+
+
+async def test_the_scalers_drain_mark_never_overwrites_an_operators(etcd, cluster, client):
+    """An operator's Drain that landed while a tick waited to mark the instance it had chosen to retire: the
+    scaler's put wrote its own mark over the operator's, so a burst's call-off then deleted it and the instance
+    served again, as if never drained. The scaler now marks only an instance without a mark."""
+    election = Election([etcd.endpoint], cluster, "m-a", "127.0.0.1:1001", ttl_s=2.0)
+    try:
+        await asyncio.wait_for(election.campaign(), 5)
+        store = ConfigStore(client, cluster, "m-a")
+        fenced = store.fenced_by(election.key, lambda: election.epoch)
+        await store.put_drain(InstanceId("i-3"))  # the operator's Drain, just before the tick's write
+        await fenced.put_drain(InstanceId("i-3"))
+        (mark,) = (await client.kv.get(store.drain_key(InstanceId("i-3")))).kvs
+        assert drain_owner(mark.value) is DrainOwner.OPERATOR
+        assert not await fenced.delete_drain(InstanceId("i-3"))  # a call-off keeps it
+        await fenced.put_drain(InstanceId("i-4"))  # no mark there: the scaler's
+        (mark,) = (await client.kv.get(store.drain_key(InstanceId("i-4")))).kvs
+        assert drain_owner(mark.value) is DrainOwner.SCALER
     finally:
         await election.close()

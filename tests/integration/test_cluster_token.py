@@ -60,25 +60,28 @@ def _add_echo(service: str):
     return add
 
 
-async def _late(messages: list[bytes]):
-    """The request messages, sent a little after the call opens. A server that refuses the call
-    answers at once; a client still writing then can see the write fail first (INTERNAL "Internal
-    error from Core", ~1 in 10 stream-stream calls here, a grpc race on the client): ferry has no
-    stream-stream RPC, and its stream-unary ones (ReportLoad, ReceiveBlocks) see the status."""
+async def _late(messages: tuple[bytes, ...]):
+    """The request messages, sent a little after the call opens."""
     for message in messages:
         await asyncio.sleep(0.02)
         yield message
 
 
-async def _call(channel: grpc.aio.Channel, service: str, shape: str) -> list[bytes]:
+async def _call(channel: grpc.aio.Channel, service: str, shape: str,
+                stream_messages: tuple[bytes, ...] = (b"x", b"y")) -> list[bytes]:
+    """One call of `shape`. A server that refuses the call answers at once; a client still writing a
+    stream then can see the write fail first (INTERNAL "Internal error from Core", a grpc race on the
+    client, more often the busier the machine): ferry has no stream-stream RPC, and its stream-unary
+    ones (ReportLoad, ReceiveBlocks) see the status. So calls meant to be refused send no stream
+    messages (`stream_messages=()`): the refusal rests on the metadata alone."""
     method = f"/{service}/{shape}"
     if shape == "UnaryUnary":
         return [await channel.unary_unary(method)(b"x", timeout=5)]
     if shape == "UnaryStream":
         return [chunk async for chunk in channel.unary_stream(method)(b"x", timeout=5)]
     if shape == "StreamUnary":
-        return [await channel.stream_unary(method)(_late([b"x", b"y"]), timeout=5)]
-    return [chunk async for chunk in channel.stream_stream(method)(_late([b"x", b"y"]), timeout=5)]
+        return [await channel.stream_unary(method)(_late(stream_messages), timeout=5)]
+    return [chunk async for chunk in channel.stream_stream(method)(_late(stream_messages), timeout=5)]
 
 
 @pytest.fixture
@@ -102,7 +105,7 @@ async def test_a_channel_with_the_token_is_served_on_every_call_shape(echo_serve
 async def test_a_channel_without_the_token_is_refused_on_every_call_shape(echo_server, shape, client_token, code):
     async with secure_or_insecure_channel(echo_server.address, TlsConfig(cluster_token=client_token)) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await _call(channel, SERVICE, shape)
+            await _call(channel, SERVICE, shape, stream_messages=())
         assert caught.value.code() is code and "--cluster-token-file" in caught.value.details()
         assert await _call(channel, OPEN_SERVICE, shape)  # what the server leaves open answers anyone
         health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)

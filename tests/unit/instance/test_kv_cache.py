@@ -122,9 +122,11 @@ def test_killed_creator_is_cleaned_up_by_the_resource_tracker(name):
 
 
 def test_a_cache_larger_than_the_free_shared_memory_is_refused_and_leaves_nothing(name):
+    # Larger than all of SHM_DIR, not just than what is free now: a parallel test worker that frees a
+    # segment meanwhile must not make it fit (it would then reserve every free page of the host's tmpfs).
     stats = os.statvfs(SHM_DIR)
-    free_blocks = stats.f_bavail * stats.f_frsize // GEOMETRY.bytes_per_block
-    too_big = KvGeometry(2, 2, 4, 4, free_blocks + 1024, torch.float32)
+    all_blocks = stats.f_blocks * stats.f_frsize // GEOMETRY.bytes_per_block
+    too_big = KvGeometry(2, 2, 4, 4, all_blocks + 1024, torch.float32)
     with pytest.raises(ResourceExhausted, match="lower --kv-cache-mib"):
         KvCache.create(name, too_big)
 

@@ -49,6 +49,7 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
         self.moved_meanwhile_to = ""  # non-empty: another migration moved the request there just before MigrateOut
         self.hang_s = 0.0  # how long MigrateOut waits before it moves anything (a source frozen before the commit)
         self.origins: dict[str, tuple[int, str]] = {}  # request id: (RequestInfo.origin, migrated_from_instance_id)
+        self.max_sequence_len = 0  # non-zero: how long its requests may grow; a destination serving less gets none
 
     def hold(self, *request_ids: str, origin: int = instance_pb2.REQUEST_ORIGIN_DISPATCHED,
              migrated_from: str = "") -> None:
@@ -71,6 +72,9 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
         await asyncio.sleep(self.hang_s)
         if self.refuse:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.refuse)
+        if 0 < request.dst_max_model_len < self.max_sequence_len:  # as a real source refuses it
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no request that fits the destination's "
+                                f"max_model_len of {request.dst_max_model_len} tokens")
         candidates = [r for r in self.request_ids if r not in request.exclude_request_ids]
         request_id = request.request_id or (candidates[0] if candidates else "")
         if self.moved_meanwhile_to and request_id in self.request_ids:
@@ -209,15 +213,20 @@ async def test_a_drain_passes_over_a_freer_instance_that_serves_shorter_sequence
     # Found outside-in: an instance that joined with --max-model-len 256 and the most free blocks drew every
     # move of a drain and refused each request that may grow past 256 tokens, so a SIGTERMed instance spent
     # its grace on refusals and its requests were cut and resumed instead of migrated.
-    _, client, peers = await world(3, max_model_lens=(256, 1024, 1024))
+    # A refused pair backs off for longer than the test runs.
+    _, client, peers = await world(3, "--migration-failure-backoff-s", "60", max_model_lens=(256, 1024, 1024))
     peers["i-2"].hold("r-x")  # i-0, the short one, stays the freest
     peers["i-1"].hold("r-a", "r-b", "r-c")
+    peers["i-1"].max_sequence_len = 1024  # none fits on i-0
     await wait_until(lambda: _running_is(client, {"i-0": 0, "i-1": 3, "i-2": 1}), 5, "requests reported")
     await client.drain("i-1")
     await wait_until(lambda: _is_drained(client, "i-1"), 15, "i-1 drained")
-    # Every move went to i-2 (a move asked again on a load report not yet updated may add a call, refused NOT_FOUND).
+    # The first move (every instance settled) went to i-2. A later one may have gone to i-0 once, refused: after
+    # a move both sides sit out until their next load report, and i-1's may come before i-2's (2 runs in 12
+    # with a CPU hog beside); one refusal backs the pair off (a move asked again on a load report not yet
+    # updated may add a call, refused NOT_FOUND).
     calls = [(call.request_id, call.dst_instance_id) for call in peers["i-1"].calls]
-    assert {dst for _, dst in calls} == {"i-2"}, calls
+    assert calls[0][1] == "i-2" and [dst for _, dst in calls].count("i-0") <= 1, calls
     assert sorted(peers["i-2"].request_ids) == ["r-a", "r-b", "r-c", "r-x"]
 
 

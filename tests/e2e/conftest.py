@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import openai
@@ -88,8 +88,12 @@ async def admin(cluster):
 
 
 @pytest.fixture
-def client(cluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0, timeout=240)
+async def client(cluster) -> AsyncIterator[openai.AsyncOpenAI]:
+    # Closed on this test's loop: left to the GC, openai's __del__ closes it in a task on whatever loop runs then
+    # (a later test's), which fails ('Event loop is closed') with no one to read the error.
+    async with openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0,
+                                  timeout=240) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 
 import aiohttp
 import grpc
@@ -32,8 +33,12 @@ def cluster(two_instance_cluster):
 
 
 @pytest.fixture
-def client(cluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0, timeout=60)
+async def client(cluster) -> AsyncIterator[openai.AsyncOpenAI]:
+    # Closed on this test's loop: left to the GC, openai's __del__ closes it in a task on whatever loop runs then
+    # (a later test's), which fails ('Event loop is closed') with no one to read the error.
+    async with openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0,
+                                  timeout=60) as client:
+        yield client
 
 
 def model_name(cluster) -> str:

@@ -85,9 +85,10 @@ def test_cluster_json_says_how_to_connect(cluster, pki, token_file):
 
 async def test_chat_completion_through_the_frontend(cluster):
     """frontend → manager (Dispatch) → instance (Generate), instance → transfer: all over mutual TLS."""
-    client = openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0, timeout=60)
-    chat = await client.chat.completions.create(model=model_name(cluster), messages=[{"role": "user", "content": "hi"}],
-                                                max_tokens=8, temperature=0)
+    async with openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0,
+                                  timeout=60) as client:
+        chat = await client.chat.completions.create(model=model_name(cluster), max_tokens=8, temperature=0,
+                                                    messages=[{"role": "user", "content": "hi"}])
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
 
 

@@ -83,13 +83,15 @@ async def test_children_that_exit_start_again_and_the_cluster_serves_and_migrate
     instance with its reference tokens."""
     state_dir = tmp_path / "state"
     with launched_cluster(tiny_model_dir, state_dir, "--instances", "2", "--kv-cache-mib", "16") as cluster:
-        async with grpc.aio.insecure_channel(cluster["admin_address"]) as channel:
+        # The client closes on this test's loop (left to the GC, it closes in a task on a later test's loop and fails).
+        async with (grpc.aio.insecure_channel(cluster["admin_address"]) as channel,
+                    openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused",
+                                       max_retries=0) as client):
             admin = manager_pb2_grpc.AdminServiceStub(channel)
             for killed in (["instance-1"], ["etcd", "transfer-0"]):
                 await kill_and_wait_for_restarts(admin, state_dir, killed)
             # flood: every request to instance-0, the first serving by id
             await admin.SetPolicy(manager_pb2.Policy(dispatch="flood", migration_enabled=False), timeout=5)
-            client = openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0)
             # As long as the context allows, so it still runs when Migrate lands: 400 tokens took 1.0 s in all
             # at load 14, 0.25 s of it before the migration committed (polling ListRequests, then Migrate).
             prompt, max_tokens = "A request that moves onto a restarted instance", 1000

@@ -38,7 +38,10 @@ async def test_the_leader_adds_and_retires_instances_and_the_launcher_follows(ti
     state_dir = tmp_path / "state"
     with launched_cluster(tiny_model_dir, state_dir, "--instances", "1", "--engine", "sim", "--kv-cache-mib", "16",
                           "--autoscale-max-instances", "2") as cluster:
-        async with grpc.aio.insecure_channel(cluster["admin_address"]) as channel:
+        # The client closes on this test's loop (left to the GC, it closes in a task on a later test's loop and fails).
+        async with (grpc.aio.insecure_channel(cluster["admin_address"]) as channel,
+                    openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0,
+                                       timeout=120) as client):
             admin = manager_pb2_grpc.AdminServiceStub(channel)
             policy = await admin.GetPolicy(manager_pb2.GetPolicyRequest(), timeout=5)
             assert policy.scaling_enabled and (policy.scaling_min_instances, policy.scaling_max_instances) == (1, 2)
@@ -52,8 +55,6 @@ async def test_the_leader_adds_and_retires_instances_and_the_launcher_follows(ti
             await wait_for(two_serving, 120, "a second instance serving and in cluster.json")
 
             prompts = [f"Stream {i}: count the steps of a long staircase." for i in range(4)]
-            client = openai.AsyncOpenAI(base_url=f"{cluster['frontend_url']}/v1", api_key="unused", max_retries=0,
-                                        timeout=120)
             streams = [await client.completions.create(model=model_name(cluster), prompt=prompt, max_tokens=MAX_TOKENS,
                                                        temperature=0, stream=True,
                                                        extra_body={"return_token_ids": True, "ignore_eos": True})

@@ -34,7 +34,10 @@ pytestmark = pytest.mark.timeout(180)
 GEOMETRY = KvGeometry(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, num_blocks=16, dtype=torch.float16)
 LEASE_TTL_S = 2
 LONG_LEASE_TTL_S = 30  # outlasts a pause of etcd while a peer restarts
-CLOSE_WITHIN_S = 3 * LEASE_TTL_S  # after a kill: the lease expires, then etcd's watch tells S at once
+# After a kill: the lease expires (LEASE_TTL_S), then etcd's watch tells S at once; an incoming channel whose peer
+# has not come back closes 2 x LEASE_TTL_S after that. Plus 4 s for a loaded 2-core machine (two test workers and
+# the processes they start): still minutes short of the 10 min idle close this tells apart.
+CLOSE_WITHIN_S = 3 * LEASE_TTL_S + 4
 
 
 def _start(name: str, transfer_id: str, etcd, cluster: str, log_dir, *extra: str, port: int = 0,
@@ -141,10 +144,12 @@ async def test_a_restarted_peers_old_channels_close_at_once_and_its_new_life_tak
         p = _start("P-2", "P", etcd, cluster, tmp_path)
         lives.append(p)
         # Its record expired ("left": outgoing channel and client) and the new life took its id ("restarted":
-        # the incoming channel too), or the new life replaced the record before it expired (all at once).
+        # the incoming channel too), or the new life replaced the record before it expired (all at once). A new
+        # life slower to start than 2 lease TTLs (a torch import on a loaded machine) finds the incoming channel
+        # closed already: its old life stayed away.
         events = await _wait_closed(s, lives[0].address, 2, CLOSE_WITHIN_S)
         assert time.monotonic() - killed < CLOSE_WITHIN_S
-        assert {e["peer_transfer_id"] for e in events} == {"P"} and events[-1]["why"] == "restarted"
+        assert {e["peer_transfer_id"] for e in events} == {"P"} and events[-1]["why"] in ("restarted", "stayed_away")
         # The two gloo groups (4 connections each) end on a background thread: measured 26 -> 14 threads
         # and 70 -> 17 file descriptors within 0.2 s.
         await _until(lambda: _num_threads(s) <= num_threads - 8 and _num_fds(s) <= num_fds - 30, CLOSE_WITHIN_S)

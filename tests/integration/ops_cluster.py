@@ -78,15 +78,19 @@ def _instance(instance_id: str, model_dir: pathlib.Path, transfer_address: str, 
 
 
 async def _wait_serving(ops: OpsCluster) -> None:
-    """Until the leader lists both instances as serving (their load reports arrive)."""
+    """Until the leader lists both instances as serving with a load report kept. Serving alone is not enough:
+    an instance is listed serving from its etcd record on (in its first grace), and while another one has
+    reported, dispatch passes it over (Dispatcher._reported_first), so a burst dispatched then all went to
+    the other instance (a first report late under load: test_dispatch_reservations saw 6 on instance-1)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     async with AdminClient(ops.admin_address, timeout_s=2.0) as client:
         while time.monotonic() < deadline:
-            serving = {r.instance_id for r in await client.list_instances() if r.state == "serving"}
-            if serving == {INSTANCE_ID, OTHER_INSTANCE_ID}:
+            reported = {r.instance_id for r in await client.list_instances()
+                        if r.state == "serving" and r.report_age_s >= 0}
+            if reported == {INSTANCE_ID, OTHER_INSTANCE_ID}:
                 return
             await asyncio.sleep(0.2)
-    raise TimeoutError(f"the instances never became serving at the manager\n{ops.log_tails()}")
+    raise TimeoutError(f"the instances never became serving, reported, at the manager\n{ops.log_tails()}")
 
 
 @contextlib.contextmanager

@@ -29,11 +29,13 @@ from typing import ClassVar
 
 import structlog
 
+from services.cluster.first_reports import FIRST_REPORTS_TIMEOUT_S, wait_for_first_reports
 from services.cluster.processes import ServiceProcess, stop_all
 from services.cluster.scaling_follower import align_stored_scaling, follow_scaling, reset_target
 from services.cluster.security import ClusterSecurity
 from services.cluster.supervisor import RestartPolicy, Supervisor, exited_cleanly, supervise_step
 from services.cluster.state_dir import StateDirLock, StateDirUnusable
+from services.common.auth import read_token
 from services.common.errors import FerryError
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.events import wait_set
@@ -41,6 +43,7 @@ from services.common.etcd_launcher import LocalEtcd, free_port, reserve_port
 from services.common.peer_address import host_port
 from services.common.ports import bind_error
 from services.common.registry import DRAIN_MARKS, ROLE_MARKS, Registry
+from services.manager.client import ManagerClient
 
 log = structlog.get_logger(__name__)
 
@@ -164,6 +167,7 @@ class LocalCluster:
         standbys = [self._manager(i) for i in range(1, self.spec.num_managers)]
         self._start(standbys)
         await self._wait_healthy([*serving, *standbys])
+        await self._wait_first_reports()
         self.write_state()
 
     def _data_plane(self) -> list[ServiceProcess]:
@@ -245,6 +249,18 @@ class LocalCluster:
         hint = " (--health-timeout-s: raise it for a child that needs longer, such as an instance loading a " \
                "large model)"
         await asyncio.gather(*(p.wait_healthy(self.spec.health_timeout_s, hint) for p in processes))
+
+    async def _wait_first_reports(self) -> None:
+        """Until the leader can dispatch to every instance (first_reports.py); bounded, then a warning."""
+        security = self.spec.security
+        token = read_token("", str(security.admin_token_file), "admin-token") if security.has_admin_token else ""
+        instance_ids = [p.name for p in self.processes if p.name.startswith("instance-")]
+        async with ManagerClient(self.admin_address, timeout_s=2.0, admin_token=token,
+                                 tls=security.tls_config() if security.is_tls else None) as manager:
+            silent = await wait_for_first_reports(manager, instance_ids)
+        if silent:
+            log.warning("first_load_reports_missing", instance_ids=sorted(silent), timeout_s=FIRST_REPORTS_TIMEOUT_S,
+                        action="ready anyway: the leader dispatches to them once they report")
 
     def _common_args(self) -> list[str]:
         return ["--etcd-endpoints", self.etcd.endpoint, "--cluster", self.spec.cluster,

@@ -35,7 +35,6 @@ from services.cluster.scaling_follower import align_stored_scaling, follow_scali
 from services.cluster.security import ClusterSecurity
 from services.cluster.supervisor import RestartPolicy, Supervisor, exited_cleanly, supervise_step
 from services.cluster.state_dir import StateDirLock, StateDirUnusable
-from services.common.auth import read_token
 from services.common.errors import FerryError
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.events import wait_set
@@ -253,10 +252,9 @@ class LocalCluster:
     async def _wait_first_reports(self) -> None:
         """Until the leader can dispatch to every instance (first_reports.py); bounded, then a warning."""
         security = self.spec.security
-        token = read_token("", str(security.admin_token_file), "admin-token") if security.has_admin_token else ""
         instance_ids = [p.name for p in self.processes if p.name.startswith("instance-")]
-        async with ManagerClient(self.admin_address, timeout_s=2.0, admin_token=token,
-                                 tls=security.tls_config() if security.is_tls else None) as manager:
+        async with ManagerClient(self.admin_address, timeout_s=2.0, admin_token=security.admin_token(),
+                                 tls=security.dial_tls()) as manager:
             silent = await wait_for_first_reports(manager, instance_ids)
         if silent:
             log.warning("first_load_reports_missing", instance_ids=sorted(silent), timeout_s=FIRST_REPORTS_TIMEOUT_S,
@@ -272,7 +270,7 @@ class LocalCluster:
         security = self.spec.security
         metrics_port = free_port()
         return ServiceProcess(name, module, [*args, "--metrics-port", str(metrics_port)], f"127.0.0.1:{port}",
-                              self.state_dir / "logs", tls=security.tls_config() if security.is_tls else None,
+                              self.state_dir / "logs", tls=security.dial_tls(),
                               dies_with_parent=True, metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
 
     def _manager(self, index: int) -> ServiceProcess:

@@ -86,6 +86,14 @@ class ClusterSecurity:
         return TlsConfig(cert_file=_str(self.tls_cert), key_file=_str(self.tls_key), ca_file=_str(self.tls_ca),
                          client_ca_file=_str(self.tls_client_ca))
 
+    def dial_tls(self) -> TlsConfig | None:
+        """What the launcher's own gRPC calls dial with: `tls_config()` under TLS, else plaintext (None)."""
+        return self.tls_config() if self.is_tls else None
+
+    def admin_token(self) -> str:
+        """The admin token the launcher's own admin calls send ("" without one)."""
+        return read_token("", str(self.admin_token_file), "admin-token") if self.has_admin_token else ""
+
     def client_args(self) -> list[str]:
         """TLS and cluster-token flags of a process that only dials gRPC servers (the frontend)."""
         token = ["--cluster-token-file", str(self.cluster_token_file)] if self.has_cluster_token else []

@@ -4,7 +4,7 @@
 |----------------------|--------------------------------------------------|
 | config/policy        | {"dispatch": "load", "migration": {"enabled": true, "threshold": 1.0, "selection": "shortest_running", "pairing": "load"}} |
 | config/drain/<id>    | {"instance_id": id, "drained_by": manager_id, "drained_at": unix s, "owner": "operator" or "scaler"} |
-| config/roles/<id>    | a role set at runtime, written by the instance itself (instance/role_marks.py); the scaler deletes it with the drain mark of a retired instance |
+| config/roles/<id>    | a role set at runtime, written by the instance itself (instance/role_marks.py); the scaler deletes it once a retired instance is gone |
 
 The policy's optional "scaling" entry holds the scaling band ({"enabled", "low_freeness",
 "high_freeness", "min_instances", "max_instances"}). Outside config/ (no manager applies
@@ -13,7 +13,8 @@ it), the leader writes its scaling decisions to scaling/target for launchers to 
 
 A drain mark's owner is who set it: an operator's Drain, or the leader retiring the instance. Calling a
 retirement off deletes only the scaler's mark (and one without an owner, written before owners were
-recorded), so an operator's Drain of a retiring instance outlasts a burst; an operator's Undrain deletes any.
+recorded), so an operator's Drain of a retiring instance outlasts a burst, and so does forgetting a retired
+instance once it is gone (a later instance under its id starts drained); an operator's Undrain deletes any.
 
 Keys have no lease: they outlive every manager, so a restarted manager and a new leader
 see the same policy and drain marks. Every manager runs `watch_loop`, so a change made
@@ -282,27 +283,35 @@ class LeaderFencedStore:
 
     async def delete_drain(self, instance_id: InstanceId) -> bool:
         """A retirement called off: its drain mark goes, unless it is an operator's (a Drain of the retiring
-        instance stands). False when kept. The mark is deleted only as read (one written meanwhile is read again)."""
+        instance stands). False when kept."""
+        return await self._delete_scalers_drain(instance_id, f"removal of the drain mark of {instance_id}")
+
+    async def forget_retired(self, instance_id: InstanceId) -> None:
+        """A retired instance is gone: its role mark goes, so a later instance with its id starts with its own
+        --role, and so does the scaler's drain mark, so it serves. An operator's Drain of it stands: the later
+        instance starts drained, as the operator asked, until an Undrain."""
+        await self._delete_scalers_drain(instance_id, f"removal of the marks of retired {instance_id}",
+                                         KVService.txn_op_delete(self._store.role_key(instance_id)))
+
+    async def _delete_scalers_drain(self, instance_id: InstanceId, what: str, *also: object) -> bool:
+        """Delete the drain mark unless it is an operator's, with `also` in the same transaction either way; False
+        when the mark was kept. The mark is deleted only as read (one written meanwhile is read again)."""
         key = self._store.drain_key(instance_id)
         for _ in range(DRAIN_DELETE_TRIES):
             reply = await self._store.client.kv.get(key, timeout=ETCD_TIMEOUT_S)
-            if not reply.kvs:
-                return True
-            if drain_owner(reply.kvs[0].value) is DrainOwner.OPERATOR:
+            mark = reply.kvs[0].value if reply.kvs else None
+            is_kept = mark is not None and drain_owner(mark) is DrainOwner.OPERATOR
+            if is_kept:
                 log.info("drain_mark_kept", instance_id=instance_id, owner=DrainOwner.OPERATOR.value)
-                return False
-            if await self._write(f"removal of the drain mark of {instance_id}", KVService.txn_op_delete(key),
-                                 compare=[KVService.txn_compare_value(key, reply.kvs[0].value)]):
+            if mark is None or is_kept:
+                if also:
+                    await self._write(what, *also)
+                return not is_kept
+            if await self._write(what, KVService.txn_op_delete(key), *also,
+                                 compare=[KVService.txn_compare_value(key, mark)]):
                 return True
-        raise Aborted(f"drain mark of {instance_id} not removed: it changed {DRAIN_DELETE_TRIES} times while the "
-                      "retirement was called off; the next tick tries again")
-
-    async def forget_retired(self, instance_id: InstanceId) -> None:
-        """A retired instance is gone: its drain mark and role mark go, so a later instance with its id
-        serves, with its own --role."""
-        await self._write(f"removal of the marks of retired {instance_id}",
-                          KVService.txn_op_delete(self._store.drain_key(instance_id)),
-                          KVService.txn_op_delete(self._store.role_key(instance_id)))
+        raise Aborted(f"{what} not made: the drain mark changed {DRAIN_DELETE_TRIES} times meanwhile; the next tick "
+                      "tries again")
 
     async def _write(self, what: str, *ops: object, compare: Sequence[object] = ()) -> bool:
         """`ops` in one transaction, only while this manager's leader key stands (else Unavailable) and

@@ -21,8 +21,8 @@ clusters of `both` instances scale: with prefill/decode roles it holds back (whi
 to add is a PD question the band cannot answer). More serving instances than `max_instances`
 (the bound lowered by SetPolicy) retires one per action whatever the band says, and a burst
 does not call off a retirement that keeps the count within the bound. Retired instances leave the cluster
-with their drain mark; the leader deletes the mark once they are gone, so a later
-instance with the same id starts serving.
+with their drain mark; the leader deletes its mark once they are gone, so a later
+instance with the same id starts serving (an operator's Drain of it stands).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class ScalingStore(Protocol):
     async def put_scaling_target(self, target: ScalingTarget) -> None: ...
     async def put_drain(self, instance_id: InstanceId) -> None: ...
     async def delete_drain(self, instance_id: InstanceId) -> bool: ...  # False: an operator's mark, kept
-    async def forget_retired(self, instance_id: InstanceId) -> None: ...  # its drain and role marks
+    async def forget_retired(self, instance_id: InstanceId) -> None: ...  # its role mark, and its drain mark unless an operator's
 
 
 @dataclass(slots=True)

@@ -88,6 +88,31 @@ async def test_a_retired_instance_leaves_neither_drain_mark_nor_role_mark(etcd, 
         await election.close()
 
 
+async def test_a_retired_instance_keeps_an_operators_drain_mark(etcd, cluster, client):
+    """An operator drained an instance scaling was retiring; once it had left, the leader deleted every drain
+    mark of it, the operator's included, so a later instance under its id served. Only the scaler's mark (or an
+    ownerless one) goes now; the role mark goes either way."""
+    election = Election([etcd.endpoint], cluster, "m-a", "127.0.0.1:1001", ttl_s=2.0)
+    try:
+        await asyncio.wait_for(election.campaign(), 5)
+        store = ConfigStore(client, cluster, "m-a")
+        fenced = store.fenced_by(election.key, lambda: election.epoch)
+        for instance_id in ("i-3", "i-4"):
+            await client.kv.put(store.role_key(InstanceId(instance_id)), '{"role": "prefill"}')
+        await store.put_drain(InstanceId("i-3"))  # the operator's Drain
+        await fenced.put_drain(InstanceId("i-4"))  # the scaler's
+        await fenced.forget_retired(InstanceId("i-3"))
+        await fenced.forget_retired(InstanceId("i-4"))
+        (mark,) = (await client.kv.get(store.drain_key(InstanceId("i-3")))).kvs
+        assert drain_owner(mark.value) is DrainOwner.OPERATOR
+        assert not (await client.kv.get(store.drain_key(InstanceId("i-4")))).kvs
+        for instance_id in ("i-3", "i-4"):
+            assert not (await client.kv.get(store.role_key(InstanceId(instance_id)))).kvs
+        await fenced.forget_retired(InstanceId("i-5"))  # no marks at all: nothing to do, no error
+    finally:
+        await election.close()
+
+
 async def test_a_burst_calls_off_a_retirement_but_keeps_an_operators_drain_of_it(etcd, cluster, client):
     """An operator drained an instance scaling was retiring; a burst then called the retirement off and deleted the
     drain mark, the operator's with it: the instance served again. Marks record their owner now, and a call-off

@@ -5,9 +5,9 @@ exist; otherwise watch it until it is deleted (resign, revoked or expired lease)
 again. The leader renews its lease every TTL/3; if etcd says the lease is gone, or no
 renewal succeeded for a TTL, it has lost: `is_leader` turns False and `lost` is set, and
 the manager must step down (it may campaign again); so when a renewal's read-back finds the
-key deleted or another's (an operator's `etcdctl del`). `holds_lease` is stricter: it also
-turns False once a TTL has passed since the last renewal was asked for, by the local
-clock, so a leader that was frozen (SIGSTOP, a stalled VM) past its TTL stops acting the
+key deleted or another's (an operator's `etcdctl del`), and then it revokes the lease, which
+holds nothing now. `holds_lease` is stricter: it also turns False once a TTL has passed
+since the last renewal was asked for, by the local clock, so a leader that was frozen (SIGSTOP, a stalled VM) past its TTL stops acting the
 moment it runs again, before the renewal that would tell it it lost. `epoch` (the key's
 create revision) grows with every new leader; use it to fence requests from a deposed one.
 
@@ -195,11 +195,14 @@ class Election:
                 renewed_at = time.monotonic()
                 self._lease_valid_until = asked_at + self.ttl_s
                 if not await self._holds_key():
-                    return self._lose_leadership("key_lost")
+                    break
             except Exception as exc:  # noqa: BLE001 — etcd away or anything unexpected: a failed renewal
                 _log_renew_failed(exc)
                 if time.monotonic() - renewed_at > self.ttl_s:
                     return self._lose_leadership("lease_not_renewed")
+        lease = self._lease
+        self._lose_leadership("key_lost")
+        await self._revoke_unused(lease)  # stepped down first: the revoke never holds that up
 
     async def _holds_key(self) -> bool:
         """Whether the leader key is still the one we created (one read per renewal): an operator may have
@@ -215,6 +218,16 @@ class Election:
         self._lease_valid_until = float("-inf")
         self._lease = None  # gone or unusable; the next campaign grants a new one
         self.lost.set()
+
+    async def _revoke_unused(self, lease: Lease) -> None:
+        """After stepping down (`lost` is set already): the lease of a leadership whose key is gone holds nothing
+        now; revoke it rather than leave it to etcd for a TTL. Within the RPC timeout; a failure is only logged
+        (it expires by itself)."""
+        try:
+            await lease.revoke()
+        except ETCD_ERRORS as exc:
+            log.info("unused_lease_not_revoked", lease_id=f"{lease.lease_id:x}", error=repr(exc),
+                     action="it expires by itself within its TTL")
 
     async def _give_up_abandoned(self) -> None:
         """Delete our leader key of a leadership we gave up while etcd was away, if etcd kept it (a

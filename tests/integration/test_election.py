@@ -166,3 +166,21 @@ async def test_a_leader_whose_key_was_deleted_and_taken_by_another_steps_down(ca
     assert b.is_leader
     await asyncio.wait_for(a.lost.wait(), TTL_S + 1)
     assert not a.is_leader and b.is_leader
+
+
+async def test_a_leader_whose_key_was_deleted_revokes_its_lease(candidates, etcd: LocalEtcd) -> None:
+    """A leader that stepped down because its key was gone (`key_lost`) left its lease, renewed until then, to
+    run out: it held nothing for a TTL. It is revoked at once now, after the step-down."""
+    a, _ = candidates
+    await asyncio.wait_for(a.campaign(), 5)
+    lease_id = a._lease.lease_id
+    async with Etcd3Client([etcd.endpoint]) as client:
+        await client.kv.delete(a.key, timeout=5)
+        await asyncio.wait_for(a.lost.wait(), TTL_S + 1)
+        ttls: list[int] = []
+        deadline = time.monotonic() + TTL_S / 4  # well before the lease, renewed just before, could run out
+        while time.monotonic() < deadline and (not ttls or ttls[-1] != -1):
+            ttls.append((await client.lease.time_to_live(lease_id, timeout=5)).TTL)
+            await asyncio.sleep(0.05)
+    assert ttls[-1] == -1, f"the old lease lives on, TTL {ttls[-1]} s"
+    assert not a.is_leader

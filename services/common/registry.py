@@ -9,7 +9,9 @@ holder should stop taking new work; see `is_registered` and `on_registration_cha
 keeps trying, grants a new lease when etcd is back, and puts every entry again under
 the same ids. A registered member also reads its member records back with each renewal (one etcd read): one an
 operator deleted is put again at once, and one another process's lease holds now is left to it (logged
-`member_id_taken`; unregistered until that one leaves), as after a lease expiry.
+`member_id_taken`; unregistered until that one leaves), as after a lease expiry. A mark (an entry naming no
+address: an instance's self-drain) is put back only after it went with a lease of ours; one deleted or written over
+by someone else (an operator's Undrain or Drain) is withdrawn (`member_mark_withdrawn`).
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ class Registry:
         self._client: Etcd3Client | None = None
         self._lease: Lease | None = None
         self._entries: dict[str, dict[str, Any]] = {}  # key → value this process wants in etcd
+        # Marks (entries naming no address: an instance's self-drain) → the lease each was last put under. One
+        # gone while that lease lives was deleted by someone (an operator's Undrain): withdrawn, never put back.
+        self._mark_leases: dict[str, int] = {}
         self._needs_put = False  # entries must be written again (lease lost, or an update failed)
         # Our lease expired: while it was gone another process may have registered one of our ids
         # (a replacement started while this one was frozen). The newer process keeps the id.
@@ -175,6 +180,8 @@ class Registry:
                     if holder is not None or not value.get("address"):  # a predecessor's, or no member record
                         await self._put(key, value)
                     self._entries[key] = value
+                    if not value.get("address"):
+                        self._mark_leases[key] = self._lease.lease_id
                     return
             if give_up_at is None:
                 give_up_at = time.monotonic() + await self._granted_ttl_s(holder.lease) + 1.0
@@ -219,6 +226,7 @@ class Registry:
         client = await self._connect()
         async with self._lock:
             self._entries.pop(key, None)
+            self._mark_leases.pop(key, None)
             try:
                 await client.kv.delete(key, timeout=self._rpc_timeout_s)
             except ETCD_ERRORS as exc:
@@ -265,9 +273,10 @@ class Registry:
         """Whether each of our member records (an entry naming an address) still carries our lease, in one read
         per renewal: an operator may have deleted one (`etcdctl del`), or another process put its own record over
         it. Then we are registered no more (logged) until it is ours again: put back at once where the key is free,
-        and where another lease holds it, once that one leaves (as after our own lease expired). Other entries (an
-        instance's own drain mark) are left to whoever deleted them (an operator's Undrain)."""
-        keys = [key for key, value in self._entries.items() if value.get("address")]
+        and where another lease holds it, once that one leaves (as after our own lease expired). A mark (an
+        instance's own drain mark) gone is left to whoever deleted it or wrote over it (an operator's Undrain, or
+        Drain): withdrawn here, never put back."""
+        keys = list(self._entries)
         if not keys:
             return
         response = await self._client.kv.txn(compare=[], success=[KVService.txn_op_get(key) for key in keys],
@@ -276,6 +285,9 @@ class Registry:
             kvs = reply.response_range.kvs
             if kvs and kvs[0].lease == self._lease.lease_id:
                 continue
+            if key in self._mark_leases:
+                self._withdraw_mark(key, "another holds it" if kvs else "deleted")
+                continue
             log.warning("member_key_lost", key=key, holder=_holder(kvs[0].value) if kvs else None,
                         reason="another lease holds it" if kvs else "deleted", action="registering again")
             self._may_be_taken = True
@@ -283,19 +295,47 @@ class Registry:
 
     async def _put_all(self) -> bool:
         """Write every entry; False (nothing registered) while another process holds one of our ids."""
+        records = [(key, value) for key, value in self._entries.items() if key not in self._mark_leases]
         if self._may_be_taken:
-            if not all([await self._put_unless_taken(key, value) for key, value in self._entries.items()]):
+            if not all([await self._put_unless_taken(key, value) for key, value in records]):
                 return False
             self._may_be_taken = False
         else:
-            for key, value in self._entries.items():
+            for key, value in records:
                 await self._put(key, value)
+        for key in list(self._mark_leases):
+            await self._put_mark(key, self._entries[key])
         if not self.is_registered and self._has_registered:
             self.num_reregistrations += 1
             log.info("members_reregistered", keys=sorted(self._entries), lease_id=f"{self._lease.lease_id:x}",
                      num_reregistrations=self.num_reregistrations)
         self._needs_put = False
         return True
+
+    async def _put_mark(self, key: str, value: dict[str, Any]) -> None:
+        """Put one of our marks again if it is still ours to put: one that went with a lease of ours that ended
+        (expired while etcd was away) is put back; one deleted while the lease it was put under lived (an
+        operator's Undrain) or written over by another (an operator's Drain) is withdrawn."""
+        kvs = (await self._client.kv.get(key, timeout=self._rpc_timeout_s)).kvs
+        if kvs and kvs[0].lease != self._lease.lease_id:
+            return self._withdraw_mark(key, "another holds it")
+        if not kvs and self._mark_leases[key] == self._lease.lease_id:
+            return self._withdraw_mark(key, "deleted")
+        created = kvs[0].create_revision if kvs else 0  # unchanged since read, or not put
+        txn = await self._client.kv.txn(
+            compare=[KVService.txn_compare_create_revision(key, created)],
+            success=[KVService.txn_op_put(key, json.dumps(value, sort_keys=True), lease=self._lease.lease_id)],
+            timeout=self._rpc_timeout_s)
+        if not txn.succeeded:
+            return self._withdraw_mark(key, "changed while put back")
+        self._mark_leases[key] = self._lease.lease_id
+
+    def _withdraw_mark(self, key: str, reason: str) -> None:
+        """Someone else decided about our mark (an operator's Undrain deleted it, or Drain wrote over it): not ours
+        any more, never put back."""
+        self._entries.pop(key, None)
+        self._mark_leases.pop(key, None)
+        log.info("member_mark_withdrawn", key=key, reason=reason, action="left to whoever changed it")
 
     async def _put_unless_taken(self, key: str, value: dict[str, Any]) -> bool:
         """Put `key` unless a lease other than ours holds it: after our lease expired, that is another

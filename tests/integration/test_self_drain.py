@@ -3,12 +3,16 @@ yields to an operator's mark, and a restarted process clears one its killed pred
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 from etcd3aio import Etcd3Client
 
 from services.common.etcd_launcher import LocalEtcd
 from services.common.registry import DRAIN_MARKS, Registry
 from services.instance.app import clear_stale_self_drain, drain_self
+from tests.integration.eventually import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,3 +54,55 @@ async def test_a_mark_that_is_not_json_does_not_stop_the_restart(processes, etcd
     await clear_stale_self_drain(restarted, INSTANCE)  # no exception: the mark is left for an operator
     async with Etcd3Client([etcd.endpoint]) as client:
         assert (await client.kv.get(f"/ferry/{cluster}/{MARK}")).kvs
+
+
+@pytest.fixture
+async def draining(etcd: LocalEtcd, cluster: str):
+    """A registered instance's registry (short TTL) that has drained itself, and a raw etcd client (the operator)."""
+    registry = Registry([etcd.endpoint], cluster, ttl_s=2.0)
+    await registry.register("instances", INSTANCE, {"address": "127.0.0.1:1"})
+    await drain_self(registry, INSTANCE)
+    async with Etcd3Client([etcd.endpoint]) as client:
+        yield registry, client
+    await registry.close()
+
+
+async def test_a_lost_member_key_put_back_does_not_restore_a_self_drain_an_operator_undid(draining, cluster) -> None:
+    """An operator's Undrain deleted the self-drain mark, and the instance's record was lost too (an `etcdctl del`):
+    putting the record back put the mark back with it, and the instance drained again. A mark deleted while the
+    lease it was put under lives is withdrawn now, never put back."""
+    registry, client = draining
+    record, mark = registry.key("instances", INSTANCE), f"/ferry/{cluster}/{MARK}"
+    await client.kv.delete(mark, timeout=5)  # the operator's Undrain
+    await client.kv.delete(record, timeout=5)
+    await eventually(lambda: registry.num_reregistrations == 1, what="the record put back")
+    await asyncio.sleep(1.0)  # a renewal or two more
+    assert (await client.kv.get(record, timeout=5)).kvs
+    assert not (await client.kv.get(mark, timeout=5)).kvs, "the operator's Undrain was undone"
+    assert not registry.holds(DRAIN_MARKS, INSTANCE)
+
+
+async def test_a_self_drain_gone_with_an_expired_lease_is_put_back(draining, cluster) -> None:
+    """The mark lives under the instance's lease: a lease lost (etcd away past the TTL) takes it, and the instance,
+    still draining itself, puts it back with its record."""
+    registry, client = draining
+    old_lease = registry.lease_id
+    await client.lease.revoke(old_lease, timeout=5)
+    await eventually(lambda: registry.num_reregistrations == 1, what="re-registration")
+    (kv,) = (await client.kv.get(f"/ferry/{cluster}/{MARK}", timeout=5)).kvs
+    assert kv.lease == registry.lease_id != old_lease and json.loads(kv.value)["drained_by"] == "shutdown"
+
+
+async def test_an_operators_drain_over_a_self_drain_leaves_the_instance_registered(draining, cluster) -> None:
+    """An operator's Drain written over the self-drain mark (no lease), then a lost lease: the registry took the mark
+    for an id another process held (`member_id_taken`) and stayed unregistered. The mark is the operator's now:
+    withdrawn here, and the instance registers again."""
+    registry, client = draining
+    operator_mark = {"instance_id": INSTANCE, "drained_by": "m-1", "drained_at": 1.0, "owner": "operator"}
+    await registry.put_json(MARK, operator_mark)
+    await client.lease.revoke(registry.lease_id, timeout=5)
+    await eventually(lambda: registry.num_reregistrations == 1 and registry.is_registered, what="re-registration")
+    assert await registry.get_json(MARK) == operator_mark
+    await registry.close()  # its lease goes: the operator's mark stays
+    async with Etcd3Client(registry.endpoints) as other:
+        assert json.loads((await other.kv.get(f"/ferry/{cluster}/{MARK}", timeout=5)).kvs[0].value) == operator_mark

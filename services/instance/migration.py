@@ -34,7 +34,7 @@ from services.instance.engine.block_manager import BlockId
 from services.instance.engine.migration_state import HeldRequest, MigrationBlocks, RequestState
 from services.instance.handoff import Handoff, RecentHandoffs
 from services.instance.migration_domain import (BlockTransferer, DestinationPeer, MigrateOutPlan, MigrationResult,
-                                                MigrationSettings, Reservation)
+                                                MigrationSettings, RefusedByDestination, Reservation)
 from services.instance.migration_pick import MigrationPicker
 from services.instance.migration_slots import MigrationSlots
 from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
@@ -287,12 +287,17 @@ class MigrationDriver:
         a.is_prepare_sent = True
         a.prepared_at = time.perf_counter()
         is_first = a.reservation is None
-        a.reservation = await a.peer.prepare_migrate_in(a.migration_id, a.request_id, self._settings.instance_id,
-                                                        num_wanted, grow_only=not is_first,
-                                                        block_hashes=view.block_hashes if is_first else (),
-                                                        timeout_s=a.plan.prepare_timeout_s if is_first else None,
-                                                        max_num_tokens=view.max_num_tokens if is_first else 0,
-                                                        can_decode_on_prefill=a.plan.can_decode_on_prefill)
+        try:
+            a.reservation = await a.peer.prepare_migrate_in(
+                a.migration_id, a.request_id, self._settings.instance_id, num_wanted, grow_only=not is_first,
+                block_hashes=view.block_hashes if is_first else (),
+                timeout_s=a.plan.prepare_timeout_s if is_first else None,
+                max_num_tokens=view.max_num_tokens if is_first else 0,
+                can_decode_on_prefill=a.plan.can_decode_on_prefill)
+        except FailedPrecondition as exc:
+            if not is_first:
+                raise
+            raise RefusedByDestination(exc.message, exc.request_id) from exc
         if a.backend is None:
             a.backend = auto_backend(a.reservation, self._settings.transfer_id, self._settings.offered_backends)
         if is_first:

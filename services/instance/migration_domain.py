@@ -7,8 +7,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.common.errors import FailedPrecondition
 from services.instance.engine.migration_state import HeldRequest, MigrationSelection, RequestState
 from services.transfer.domain import BlockTransfer, TransferBackend, TransferResult
+
+
+class RefusedByDestination(FailedPrecondition):
+    """The destination turned the move down at its first PrepareMigrateIn by a precondition of its own (its role
+    is PREFILL now), with its message: another destination may take the request. A FAILED_PRECONDITION of the
+    source's own (no --transfer-address) is a plain FailedPrecondition: every destination would meet it."""
 
 
 @dataclass(frozen=True, slots=True)

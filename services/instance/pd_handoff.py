@@ -35,7 +35,7 @@ from services.common.errors import FailedPrecondition, FerryError, NotFound, Res
 from services.instance.config import InstanceRole, PdHandoff
 from services.instance.engine.migration_state import HeldRequest, MigrationSelection
 from services.instance.migration import MigrationDriver
-from services.instance.migration_domain import MigrateOutPlan, MigrationResult
+from services.instance.migration_domain import MigrateOutPlan, MigrationResult, RefusedByDestination
 from services.instance.runner import EngineRunner
 
 log = structlog.get_logger(__name__)
@@ -45,8 +45,9 @@ log = structlog.get_logger(__name__)
 _NUM_TRIES = 4
 _SLOT_RETRY_S = 0.05
 # A destination's refusals: no room (RESOURCE_EXHAUSTED), or its role is PREFILL now (FAILED_PRECONDITION: a SetRole
-# while etcd was away, which the managers have not seen, so PlaceDecode still names it).
-_REFUSALS = (ResourceExhausted, FailedPrecondition)
+# while etcd was away, which the managers have not seen, so PlaceDecode still names it). Not a FAILED_PRECONDITION
+# of this instance's own (no --transfer-address): every destination would meet it, so the hand-off ends at once.
+_REFUSALS = (ResourceExhausted, RefusedByDestination)
 _CLAIMED_RECHECK_S = 0.05  # how often a queued request another migration claimed is looked at past its hold time
 
 
@@ -235,8 +236,7 @@ class DecodeHandoff:
             if self._is_moot(request_id):
                 log.info("pd_handoff_moot", request_id=request_id, reason=outcome.message)
                 return None
-            log.info("pd_handoff_failed", request_id=plan.request_id, dst_instance_id=plan.dst_instance_id,
-                     code=outcome.grpc_code.name, reason=outcome.message)
+            _log_failed(plan, outcome)
             self._in_background(self._placer.report_failed_migration(plan, self._instance_id, outcome, started_at),
                                 request_id)
             return None
@@ -311,3 +311,14 @@ class DecodeHandoff:
             await report
         except FerryError as exc:  # only the history misses it
             log.warning("pd_handoff_report_failed", request_id=request_id, reason=exc.message)
+
+
+def _log_failed(plan: MigrateOutPlan, error: FerryError) -> None:
+    fields = {"request_id": plan.request_id, "dst_instance_id": plan.dst_instance_id, "code": error.grpc_code.name,
+              "reason": error.message}
+    if isinstance(error, FailedPrecondition) and not isinstance(error, RefusedByDestination):
+        # this instance's own (no --transfer-address): another destination would meet it too, so none was tried
+        log.warning("pd_handoff_failed", **fields, refused_by="this instance",
+                    action="the request decodes here; the reason names what to change on this instance")
+    else:
+        log.info("pd_handoff_failed", **fields)

@@ -28,7 +28,7 @@ from services.instance.config import InstanceRole, PdHandoff
 from services.instance.convert import migrate_out_plan_from_proto
 from services.instance.handoff import Handoff
 from services.instance.migration import MigrationDriver
-from services.instance.migration_domain import MigrateOutPlan, MigrationSettings, Reservation
+from services.instance.migration_domain import MigrateOutPlan, MigrationSettings, RefusedByDestination, Reservation
 from services.instance.migration_in import MigrationInbox, TransferEndpoint
 from services.instance.migration_slots import MigrationSlots
 from services.instance.pd_handoff import DecodeHandoff, DecodePlace
@@ -437,6 +437,23 @@ async def test_refusals(pair):
     with pytest.raises(ResourceExhausted, match="max-concurrent-migrations"):
         await driver(a, FaultyPeer(b), copier).migrate_out(plan())
     assert await b.inbox.abort("other")
+    await a.runner.abort("r")
+    await assert_no_blocks_held(a, b)
+
+
+async def test_a_destinations_refusal_by_role_is_told_apart_from_the_sources_own(pair):
+    """The PD hand-off tries the next decode instance after a destination's refusal by role, and must not after a
+    FAILED_PRECONDITION of the source's own (no --transfer-address), which every destination would meet."""
+    a, b = pair
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, [], until=2)
+    peer = FaultyPeer(b)
+    peer.faults["prepare"] = FailedPrecondition("instance b has role prefill and takes no migrations in")
+    with pytest.raises(RefusedByDestination, match="role prefill"):
+        await driver(a, peer, TensorCopier(a, b)).migrate_out(plan())
+    with pytest.raises(FailedPrecondition, match="--transfer-address") as own:
+        await driver(a, FaultyPeer(b), None).migrate_out(plan())
+    assert not isinstance(own.value, RefusedByDestination)
     await a.runner.abort("r")
     await assert_no_blocks_held(a, b)
 

@@ -9,7 +9,7 @@ import pytest
 
 from services.common.errors import FailedPrecondition, Internal, ResourceExhausted, Unavailable
 from services.instance.config import InstanceRole, PdHandoff
-from services.instance.migration_domain import MigrateOutPlan, MigrationResult
+from services.instance.migration_domain import MigrateOutPlan, MigrationResult, RefusedByDestination
 from services.instance.pd_handoff import DecodeHandoff, DecodePlace
 from services.transfer.domain import TransferBackend
 from tests.unit.loop_checks import assert_cancels, until
@@ -391,7 +391,7 @@ async def test_a_decode_instance_that_refuses_by_role_is_skipped_for_the_next_fr
     may still name that instance, which refuses (FAILED_PRECONDITION). Before, the request then decoded here, on
     the prefill instance, until the manager's migration loop moved it."""
     engine, placer = FakeEngine(), FlakyPlacer(decode_ids=("d-1", "d-2"))
-    migrations = FakeMigrations(FailedPrecondition("instance d-1 has role prefill and takes no migrations in"))
+    migrations = FakeMigrations(RefusedByDestination("instance d-1 has role prefill and takes no migrations in"))
     handoff = pushing(engine, placer, migrations)
     loop = asyncio.create_task(handoff.handoff_loop())
     handoff.note_prefilled("r-1", parked(4, max_num_tokens=300))
@@ -399,6 +399,24 @@ async def test_a_decode_instance_that_refuses_by_role_is_skipped_for_the_next_fr
     assert [plan.dst_instance_id for plan in migrations.plans] == ["d-1", "d-2"]
     assert placer.asks == [("r-1", 4, ()), ("r-1", 4, ("d-1",))] and placer.reaches == [300, 300]
     assert engine.resumed == [] and placer.failed == []
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_a_refusal_of_the_prefill_instances_own_ends_the_hand_off_at_once():
+    """A prefill instance started without --transfer-address refuses every MigrateOut itself (FAILED_PRECONDITION):
+    the hand-off took that for the decode instance's refusal by role and asked for the next one, four tries in all,
+    each parking the request again. It ends at the first now, and the request decodes here."""
+    engine, placer = FakeEngine(), FlakyPlacer(decode_ids=("d-1", "d-2", "d-3"))
+    migrations = FakeMigrations(*[FailedPrecondition("live migration needs a transfer service: start this instance "
+                                                     "with --transfer-address")] * 4)
+    handoff = pushing(engine, placer, migrations)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1", parked(2))
+    await until(lambda: placer.failed == [("r-1", "p-1", "FAILED_PRECONDITION")], loop)
+    assert [plan.dst_instance_id for plan in migrations.plans] == ["d-1"]
+    assert placer.asks == [("r-1", 2, ())]
+    assert engine.resumed == ["r-1"]  # it decodes here
     await assert_cancels(loop)
     await handoff.close()
 

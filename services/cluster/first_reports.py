@@ -1,9 +1,11 @@
 """`ready` means ready to dispatch: the leader holds a load report of every instance the launcher started.
 
 An instance passes its health check just before its first load report reaches the leader, and until then
-the dispatcher passes it over while another instance has reported (services/manager/dispatcher.py
+the dispatcher passed it over while another instance had reported (services/manager/dispatcher.py
 `_reported_first`: after a takeover, a dead instance whose key outlives it must not draw dispatches). So a
-burst sent right at `ready` went to whichever instance reported first. Bounded: after
+burst sent right at `ready` went to whichever instance reported first. The leader now takes one registered
+during its term as idle until it reports; this wait still covers an instance that registered before (a
+standby that took over meanwhile), and `ready` still means every load is known. Bounded: after
 FIRST_REPORTS_TIMEOUT_S the launcher goes on and names the instances still silent.
 """
 

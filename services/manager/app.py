@@ -85,7 +85,7 @@ async def main(config: ManagerConfig) -> None:
         _apply_members(view, members.members)
         apply = lambda settings: _apply_settings(dispatcher, migrator, scaler, view, config, settings)  # noqa: E731
         await _apply_stored_settings(store, apply)  # before we can win: dispatch with the stored policy
-        campaign = Campaign(election, await watch_leader(registry), leadership, view)
+        campaign = Campaign(election, await watch_leader(registry), leadership, view, lambda: members.is_synced)
         async with asyncio.TaskGroup() as tasks:
             loops = [tasks.create_task(store.watch_loop(apply), name="config_watch_loop"),
                      tasks.create_task(campaign.leader_watch_loop(), name="leader_watch_loop"),

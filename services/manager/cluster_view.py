@@ -85,6 +85,9 @@ class ClusterView:
         #   baseline, not differences)
         self._drained: set[InstanceId] = set()  # operator drain marks (may name absent instances)
         self._unanswered: set[InstanceId] = set()  # a peer could not reach it; until its next report
+        # Members first seen after this term began, over a membership known then: a live process registered each
+        # (a dead one's key outliving it is older). None: not leading, or the membership was not read yet then.
+        self._joined_in_term: set[InstanceId] | None = None
         self._num_dispatched: dict[InstanceId, int] = {}  # members only
         self._num_dispatched_to_departed = 0  # so the cluster's total stays cumulative
         self._migrating: dict[InstanceId, int] = {}  # migrations this manager runs into or out of each instance now
@@ -112,6 +115,8 @@ class ClusterView:
         if old is None:
             self._heard_at[record.instance_id] = self._clock()
             self._sorted_ids = sorted(self._records)
+            if self._joined_in_term is not None:
+                self._joined_in_term.add(record.instance_id)
         self._rebuild_eligible()
 
     def remove_member(self, instance_id: InstanceId) -> None:
@@ -120,6 +125,8 @@ class ClusterView:
         self._sorted_ids = sorted(self._records)
         for per_instance in (self._heard_at, self._reports, self._reserved, self._candidates, self._counts_seen):
             per_instance.pop(instance_id, None)
+        if self._joined_in_term is not None:
+            self._joined_in_term.discard(instance_id)
         self._num_dispatched_to_departed += self._num_dispatched.pop(instance_id, 0)
         self._unanswered.discard(instance_id)
         self._rebuild_eligible()
@@ -130,6 +137,12 @@ class ClusterView:
     def has_reported(self, instance_id: InstanceId) -> bool:
         """Whether the instance reported its load in this term (else it is in its first grace)."""
         return instance_id in self._reports
+
+    def is_vouched_for(self, instance_id: InstanceId) -> bool:
+        """Whether the instance is known to live: it reported in this term, or registered during it (a process
+        just started, still in its first grace: taken as idle). Not a member left from before the term that has
+        not reported yet: it may be a dead instance whose key outlives it."""
+        return instance_id in self._reports or instance_id in (self._joined_in_term or ())
 
     def record(self, instance_id: InstanceId) -> InstanceRecord:
         return self._records[instance_id]
@@ -212,9 +225,12 @@ class ClusterView:
             self._unanswered.add(instance_id)
             self._candidates.pop(instance_id, None)
 
-    def start_leading(self) -> None:
-        """Forget reports from an earlier term and give every member a fresh grace to report to us."""
+    def start_leading(self, is_membership_read: bool = True) -> None:
+        """Forget reports from an earlier term and give every member a fresh grace to report to us. Members that
+        register from now on are vouched for before their first report (`is_vouched_for`), if the membership was
+        read already (`is_membership_read`; else those seen first from now on may be old keys of dead instances)."""
         now = self._clock()
+        self._joined_in_term = set() if is_membership_read else None
         self._reports.clear()
         self._reserved.clear()
         self._counts_seen.clear()

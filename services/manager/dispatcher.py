@@ -103,10 +103,12 @@ class Dispatcher:
             self.role_gaps.note_present(Role.DECODE)
 
     def _reported_first(self, candidates: list[Candidate]) -> list[Candidate]:
-        """Those that reported in this term, if any did. One still in its grace looks empty (no load
-        known): after a takeover a dead instance whose key outlives it would draw most dispatches
-        for --report-timeout-s while the live ones already report."""
-        return [c for c in candidates if self._view.has_reported(c.instance_id)] or candidates
+        """Those known to live (reported in this term, or registered during it: `is_vouched_for`), if any are.
+        One still in its grace looks empty (no load known): after a takeover a dead instance whose key outlives
+        it would draw most dispatches for --report-timeout-s while the live ones already report. One that
+        registered in this term is a live process: passed over, it drew nothing until its first report, so a
+        burst right after a start all went to the instance that reported first."""
+        return [c for c in candidates if self._view.is_vouched_for(c.instance_id)] or candidates
 
     def _dispatch_candidates(self, ask: DispatchAsk) -> list[Candidate]:
         return self._reported_first(self._role_candidates(ask))

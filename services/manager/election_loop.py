@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 import structlog
 
@@ -25,9 +26,11 @@ log = structlog.get_logger(__name__)
 
 
 class Campaign:
-    def __init__(self, election: Election, leader_view: LeaderView, leadership: Leadership, view: ClusterView) -> None:
+    def __init__(self, election: Election, leader_view: LeaderView, leadership: Leadership, view: ClusterView,
+                 is_membership_read: Callable[[], bool] = lambda: True) -> None:
         self._election = election
         self._leader_view = leader_view
+        self._is_membership_read = is_membership_read  # the etcd membership behind `view` was read at least once
         self._leadership = leadership
         self._view = view
 
@@ -63,7 +66,7 @@ class Campaign:
             await self._election.close()
 
     def _take_over(self) -> None:
-        self._view.start_leading()
+        self._view.start_leading(self._is_membership_read())
         self._leadership.set_elected(True)
         log.info("leadership_taken", manager_id=self._leadership.me.manager_id, epoch=self._election.epoch)
 

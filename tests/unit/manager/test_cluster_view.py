@@ -355,6 +355,41 @@ def test_after_a_takeover_an_instance_that_reports_is_preferred_to_a_silent_one(
     assert dispatcher.dispatch(ask(exclude=("a",))).instance_id == "b"
 
 
+def test_a_burst_right_after_start_spreads_over_an_instance_that_has_not_reported_yet():
+    """A deployment without the launcher's wait for first reports (systemd, docker compose): the leader passed over
+    an instance in its first grace while another had reported, so a burst right after start all went to the one that
+    reported first. One that registered in this term is a live process: taken as idle until its first report. A
+    member left from before the term (maybe a dead instance's key) still draws nothing while another reports."""
+    clock = FakeClock()
+    view = ClusterView(report_timeout_s=3.0, clock=clock)
+    view.put_member(make_record("old"))  # there when this manager took office, silent since
+    view.start_leading()
+    for instance_id in ("a", "b"):
+        view.put_member(make_record(instance_id))
+    view.apply_report(InstanceId("a"), make_load(num_free_blocks=1000))
+    dispatcher = Dispatcher(view, leading(), "load")
+    picks = [dispatcher.dispatch(ask(f"r-{n}")).instance_id for n in range(8)]
+    assert sorted(picks) == ["a"] * 4 + ["b"] * 4, picks
+    clock.advance(3.5)  # b never reported: its grace is over
+    view.apply_report(InstanceId("a"), make_load(num_free_blocks=1000))
+    assert [c.instance_id for c in view.candidates()] == ["a"]
+
+
+def test_members_first_seen_after_a_takeover_before_the_membership_was_read_are_not_vouched_for():
+    """A leader that took office before its etcd membership view had read anything sees every member first after
+    that, dead instances' leftover keys too: none of them draws dispatches while another reports."""
+    view = ClusterView(report_timeout_s=3.0, clock=FakeClock())
+    view.start_leading(is_membership_read=False)
+    for instance_id in ("a", "dead"):
+        view.put_member(make_record(instance_id))
+    view.apply_report(InstanceId("a"), make_load(num_free_blocks=100))
+    dispatcher = Dispatcher(view, leading(), "load")
+    assert {dispatcher.dispatch(ask(f"r-{n}")).instance_id for n in range(4)} == {"a"}
+    view.start_leading()  # the next term, over a membership read by then: both were there before it
+    view.apply_report(InstanceId("a"), make_load(num_free_blocks=100))
+    assert {dispatcher.dispatch(ask(f"s-{n}")).instance_id for n in range(4)} == {"a"}
+
+
 def test_a_new_instance_is_dispatched_to_once_it_reports():
     view = make_view("a", num_free_blocks=100, num_running=4)
     view.put_member(make_record("b"))

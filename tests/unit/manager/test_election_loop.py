@@ -48,11 +48,11 @@ class FlakyClusterView(ClusterView):
         super().__init__(report_timeout_s=3.0)
         self.num_terms = 0
 
-    def start_leading(self) -> None:
+    def start_leading(self, is_membership_read: bool = True) -> None:
         self.num_terms += 1
         if self.num_terms == 1:
             raise RuntimeError("boom")
-        super().start_leading()
+        super().start_leading(is_membership_read)
 
 
 class FakeLeaderView:

@@ -17,7 +17,7 @@ import torch
 class TokenLogprob:
     token_id: int  # the chosen (or prompt) token
     logprob: float
-    top_token_ids: tuple[int, ...]  # the n most likely tokens, most likely first
+    top_token_ids: tuple[int, ...]  # the n most likely tokens, most likely first (equal logprobs: lower id first)
     top_logprobs: tuple[float, ...]
     rank: int = 1  # 1 + how many tokens are strictly more likely than token_id
 
@@ -29,9 +29,21 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Seque
     logprobs = logits.float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
-    most = max(num_top)
-    top_values, top_ids = logprobs.topk(min(most, logits.shape[1]), dim=-1) if most else (logprobs[:, :0],) * 2
+    most = min(max(num_top), logits.shape[1])
+    top_values, top_ids = _top(logprobs, most) if most else (logprobs[:, :0],) * 2
     ids, chosen_values = token_ids.tolist(), chosen.squeeze(1).tolist()
     return [TokenLogprob(token_id=int(ids[i]), logprob=chosen_values[i], top_token_ids=tuple(top_ids[i, :n].tolist()),
                          top_logprobs=tuple(top_values[i, :n].tolist()), rank=ranks[i])
             for i, n in enumerate(num_top)]
+
+
+def _top(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's `k` largest logprobs and their token ids, ties by token id ascending. `topk` alone orders equal
+    values as it pleases (another batch, after a migration or a resume, gave another order): here it takes every
+    token tied with the k-th too, sorts those by id, then stably by logprob."""
+    kth = logprobs.topk(k, dim=-1).values[:, -1:]
+    num_candidates = int((logprobs >= kth).sum(dim=1).max())
+    values, ids = logprobs.topk(num_candidates, dim=-1)
+    ids, by_id = ids.sort(dim=-1)
+    values, order = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    return values[:, :k], ids.gather(1, order)[:, :k]

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from services.instance.engine.logprobs import token_logprobs
 from services.instance.engine.request import SamplingParams
 from services.instance.engine.sampler import Sampler, SamplingRow, adjusted_logits
 
@@ -215,3 +216,16 @@ def test_the_grammar_wins_over_banned_tokens_where_it_allows_nothing_else():
     row = SamplingRow(SamplingParams(temperature=0.0), seed=1, token_index=0, banned_token_ids=(7, 7), allowed=some)
     assert adjusted_logits(logits, [row])[0, 7] == float("-inf")
     assert tokens(logits, [row])[0] in (9, 11)
+
+
+def test_top_logprobs_with_equal_values_come_lowest_token_id_first():
+    """`topk` orders ties as it pleases (here: 3, 4, 1, 0, 2 of five equal ones), so after a migration or a
+    resume, in another batch, the same token's top logprobs could come in another order."""
+    logits = torch.zeros(3, 49152)
+    logits[1, 40000:] = 1.0  # the top 5 are all tied, far from id 0
+    logits[2, ::2] = 1.0  # ties among the top, and tokens tied with the 5th left out
+    logits[2, 7] = 2.0
+    entries = token_logprobs(logits, torch.tensor([0, 0, 0]), [5, 5, 3])
+    assert [entry.top_token_ids for entry in entries] == [(0, 1, 2, 3, 4), (40000, 40001, 40002, 40003, 40004),
+                                                          (7, 0, 2)]
+    assert entries[2].top_logprobs[1] == entries[2].top_logprobs[2] < entries[2].top_logprobs[0]

@@ -120,11 +120,12 @@ class MigrationDriver:
         """Whether `migrate_out` may start one now (else it refuses at once: --max-concurrent-migrations)."""
         return self._slots.has_free
 
-    async def migrate_out(self, plan: MigrateOutPlan,
-                          on_picked: Callable[[str], Awaitable[None]] | None = None) -> MigrationResult:
+    async def migrate_out(self, plan: MigrateOutPlan, on_picked: Callable[[str], Awaitable[None]] | None = None,
+                          copy: RequestStream | None = None) -> MigrationResult:
         """Move one request to `plan`'s destination; raises (and the request stays here) if it cannot.
         `on_picked(request_id)` (which must not raise) is awaited once the request is picked: MigrateOut tells its
-        caller then, so one whose deadline passes knows which request to look for on the destination."""
+        caller then, so one whose deadline passes knows which request to look for on the destination.
+        `copy`: the copy of `plan.request_id` to move (its stream); Aborted if another copy took its id."""
         if self._transferer is None:
             raise FailedPrecondition("live migration needs a transfer service: start this instance with "
                                      "--transfer-address <host:port of the co-located transfer service>")
@@ -132,7 +133,7 @@ class MigrationDriver:
             raise FailedPrecondition(f"the destination {plan.dst_instance_id} is this instance; pick another one")
         migration_id = f"{self._settings.instance_id}-{uuid.uuid4().hex[:12]}"
         self._slots.acquire(migration_id)
-        task = asyncio.create_task(self._migrate(migration_id, plan, on_picked), name=f"migrate-{migration_id}")
+        task = asyncio.create_task(self._migrate(migration_id, plan, on_picked, copy), name=f"migrate-{migration_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         # Given back when the task ends, also one cancelled (close()) before it first ran
@@ -173,15 +174,17 @@ class MigrationDriver:
         return was_dropped
 
     async def _migrate(self, migration_id: str, plan: MigrateOutPlan,
-                       on_picked: Callable[[str], Awaitable[None]] | None) -> MigrationResult:
-        request_id, held = await self._picker.pick(plan)  # now claimed: no other migration may suspend it
+                       on_picked: Callable[[str], Awaitable[None]] | None,
+                       copy: RequestStream | None) -> MigrationResult:
+        # Now claimed: no other migration may suspend it. `stream`: the copy this migration moves, and the only
+        # one it acts on (a copy that takes the id meanwhile, a resume of the request here, is left alone).
+        request_id, held, stream = await self._picker.pick(plan, copy)
         attempt: _Attempt | None = None
         try:
+            attempt = _Attempt(migration_id, request_id, plan, self._peers(plan.dst_address),
+                               plan.backend or self._settings.transfer_backend, stream=stream, held=held)
             if on_picked is not None:
                 await on_picked(request_id)
-            attempt = _Attempt(migration_id, request_id, plan, self._peers(plan.dst_address),
-                               plan.backend or self._settings.transfer_backend,
-                               stream=self._runner.stream(request_id), held=held)
             return await self._move(attempt)
         except BaseException as exc:
             if attempt is not None:
@@ -242,7 +245,7 @@ class MigrationDriver:
         stream here at once and frees its blocks on the engine thread soon after, where another request
         may write into them, maybe while they were being copied. So a request whose stream is gone is not
         committed: the destination would take those blocks, and cache them under the request's hashes."""
-        if a.stream is None or self._runner.stream(a.request_id) is not a.stream:
+        if not self._runner.owns(a.stream):
             raise Aborted(f"request {a.request_id} was aborted during its last copy to {a.plan.dst_instance_id}; "
                           "nothing left to move")
 
@@ -260,17 +263,21 @@ class MigrationDriver:
         return view, state
 
     async def _view(self, a: _Attempt, is_first: bool = False) -> MigrationBlocks:
-        if is_first:
-            return await self._runner.call(lambda: self._runner.engine.migration_blocks(a.request_id))
-        return await self._engine_call(a, lambda: self._runner.engine.migration_blocks(a.request_id))
+        return await self._engine_call(a, lambda: self._runner.engine.migration_blocks(a.request_id), is_first)
 
-    async def _engine_call(self, a: _Attempt, fn: Callable[[], object]):
-        """An engine call on a request that was here when the migration began: NotFound means it finished."""
+    async def _engine_call(self, a: _Attempt, fn: Callable[[], object], is_first: bool = False):
+        """An engine call on the copy the migration moves, if it still owns its id (Aborted if not); past the
+        first, NotFound means it finished."""
+        gone = Aborted(f"request {a.request_id} finished or was aborted while migrating to {a.plan.dst_instance_id}; "
+                       "nothing left to move")
+        if not self._runner.owns(a.stream):  # (a copy resumed here since is not this migration's)
+            raise gone
         try:
             return await self._runner.call(fn)
         except NotFound:
-            raise Aborted(f"request {a.request_id} finished or was aborted while migrating to "
-                          f"{a.plan.dst_instance_id}; nothing left to move") from None
+            if is_first:
+                raise
+            raise gone from None
 
     async def _reserve(self, a: _Attempt, view: MigrationBlocks, headroom: int) -> None:
         """Make the destination hold at least the request's blocks (+ headroom, within its final size).
@@ -378,8 +385,9 @@ class MigrationDriver:
         if a.committed_at is not None:
             return
         # Resumed if suspended, whoever suspended it: our suspend, or a PD hand-off that parked it meanwhile and
-        # left it to us (it is ours: claimed by our pick). False if it was not suspended (or is gone).
-        resumed = await self._runner.call(lambda: self._runner.engine.resume(a.request_id))
+        # left it to us (it is ours: claimed by our pick). False if it was not suspended, or is gone: aborted, maybe
+        # resumed here since as another copy, which is not ours to resume (its own PD hand-off may have parked it).
+        resumed = await self._runner.resume(a.stream)
         if resumed:
             self.on_resumed(a.request_id)
         if a.is_prepare_sent:

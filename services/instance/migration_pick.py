@@ -27,18 +27,24 @@ class MigrationPicker:
         self._instance_id = instance_id
         self.moving: set[str] = set()  # request ids migrating out now
 
-    async def pick(self, plan: MigrateOutPlan) -> tuple[str, HeldRequest | None]:
+    async def pick(self, plan: MigrateOutPlan, copy: RequestStream | None = None
+                   ) -> tuple[str, HeldRequest | None, RequestStream | None]:
         """The request to move, claimed (in `moving`, until `release`) before any await that could let a
-        second migration claim it too; and `plan.held` if the request is still parked as it says."""
+        second migration claim it too; `plan.held` if the request is still parked as it says; and the stream of
+        the copy picked (`copy` if given: Aborted if another copy runs under the id now)."""
         if plan.request_id:
             self._claim(plan.request_id)
+            stream = self._runner.stream(plan.request_id)
             try:
-                await self._wait_for_client(plan.request_id, self._runner.stream(plan.request_id))
+                if copy is not None and stream is not copy:
+                    raise Aborted(f"request {plan.request_id} was aborted (maybe resumed here as another copy) "
+                                  "before its migration began; nothing left to move")
+                await self._wait_for_client(plan.request_id, stream)
                 held = await self._runner.call(lambda: self._check_movable(plan))
             except BaseException:
                 self.moving.discard(plan.request_id)
                 raise
-            return plan.request_id, held
+            return plan.request_id, held, stream
         exclude = frozenset(self.moving) | plan.exclude_request_ids | self._runner.unattached_request_ids()
         request_id = await self._runner.call(
             lambda: self._runner.engine.pick_for_migration(plan.selection, exclude, plan.dst_max_model_len))
@@ -50,7 +56,7 @@ class MigrationPicker:
         if request_id in self.moving:  # another migration picked it while we asked: it alone may suspend it
             raise Aborted(f"request {request_id} was picked by another migration meanwhile; try again")
         self._claim(request_id)
-        return request_id, None
+        return request_id, None, self._runner.stream(request_id)
 
     def release(self, request_id: str) -> None:
         """Its migration ended."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from services.instance.config import InstanceRole, PdHandoff
 from services.instance.engine.migration_state import HeldRequest, MigrationSelection
 from services.instance.migration import MigrationDriver
 from services.instance.migration_domain import MigrateOutPlan, MigrationResult, RefusedByDestination
-from services.instance.runner import EngineRunner
+from services.instance.runner import EngineRunner, RequestStream
 
 log = structlog.get_logger(__name__)
 
@@ -87,6 +86,9 @@ class DecodeHandoff:
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._pending: set[str] = set()  # queued or moving now: not reported as `num_prefilled`
         self._held: dict[str, HeldRequest] = {}  # parked in the step of their first token, with their state
+        # The copy each queued or moving hand-off moves: the request's stream when it was queued. A copy that
+        # took its id since (a resume of the request here, a hand-off back) is not the hand-off's to move or resume.
+        self._copies: dict[str, RequestStream | None] = {}
         self._queued: dict[str, float] = {}  # in the queue, no worker on it yet (in queue order): when queued
         self._decoding_while_queued: set[str] = set()  # resumed after hold_s parked: decoding here until a worker takes it
         self._wait_check: asyncio.TimerHandle | None = None
@@ -119,6 +121,7 @@ class DecodeHandoff:
                 self._runner.call_soon(lambda: engine.resume(request_id))
             return
         self._pending.add(request_id)
+        self._copies[request_id] = self._runner.stream(request_id)
         if held is not None:
             self._held[request_id] = held
         else:  # parked at the next step boundary: it decodes on the decode instance
@@ -154,11 +157,10 @@ class DecodeHandoff:
             log.info("pd_handoff_queue_slow", num_resumed=len(parked), num_queued=len(self._queued),
                      hold_s=self._hold_s,
                      action="requests parked this long for their hand-off decode here until a worker takes it")
-        engine = self._runner.engine
         for request_id in parked:
             self._decoding_while_queued.add(request_id)
             self._held.pop(request_id, None)  # stale once it decodes: its hand-off suspends it afresh
-            self._runner.call_soon(functools.partial(engine.resume, request_id))
+            self._runner.resume_soon(self._copies.get(request_id))
 
     def _take(self, request_id: str) -> None:
         """A worker starts the request's hand-off: it is no longer queued."""
@@ -198,11 +200,11 @@ class DecodeHandoff:
         await asyncio.gather(*self._reports, return_exceptions=True)
 
     async def _hand_off(self, request_id: str) -> None:
-        held = self._held.pop(request_id, None)
-        if self._runner.stream(request_id) is None:
-            return  # aborted meanwhile
+        held, copy = self._held.pop(request_id, None), self._copies.pop(request_id, None)
+        if not self._runner.owns(copy):
+            return  # aborted meanwhile (and maybe resumed here: a copy this hand-off leaves alone)
         try:
-            result = await self._try_hand_off(request_id, held) if self.is_pushing else None
+            result = await self._try_hand_off(copy, held) if self.is_pushing else None
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():
                 raise  # we are shutting down
@@ -212,10 +214,10 @@ class DecodeHandoff:
             log.exception("pd_handoff_crashed", request_id=request_id, action="it decodes here")
             result = None
         if result is None and request_id not in self._migrations.moving:  # (another migration owns it otherwise)
-            await self._runner.call(lambda: self._runner.engine.resume(request_id))  # it decodes here after all
+            await self._runner.resume(copy)  # it decodes here after all
 
-    async def _try_hand_off(self, request_id: str, held: HeldRequest | None) -> MigrationResult | None:
-        started_at = time.time()
+    async def _try_hand_off(self, copy: RequestStream, held: HeldRequest | None) -> MigrationResult | None:
+        started_at, request_id = time.time(), copy.request_id
         try:
             # prompt + max_tokens: PlaceDecode passes over decode instances serving shorter sequences
             num_blocks, reach = ((held.blocks.num_blocks, held.state.max_num_tokens) if held is not None
@@ -231,9 +233,9 @@ class DecodeHandoff:
         plan = MigrateOutPlan(request_id=request_id, dst_instance_id=place.instance_id, dst_address=place.address,
                               dst_transfer_address="", backend=None, selection=MigrationSelection.PREFILL_DONE,
                               max_stages=0, held=held, prepare_timeout_s=self._hold_s)
-        plan, outcome = await self._migrate(plan, num_blocks, reach)
+        plan, outcome = await self._migrate(plan, copy, num_blocks, reach)
         if isinstance(outcome, FerryError):  # it decodes here; the manager's loop retries it
-            if self._is_moot(request_id):
+            if self._is_moot(copy):
                 log.info("pd_handoff_moot", request_id=request_id, reason=outcome.message)
                 return None
             _log_failed(plan, outcome)
@@ -250,12 +252,13 @@ class DecodeHandoff:
         view = await self._runner.call(lambda: self._runner.engine.migration_blocks(request_id))
         return view.num_blocks, view.max_num_tokens
 
-    def _is_moot(self, request_id: str) -> bool:
-        """The hand-off has nothing left to do: its request finished (decoding here while queued), was aborted,
-        or another migration (a drain, the manager's loop) claimed it first and moves it."""
-        return self._runner.stream(request_id) is None or request_id in self._migrations.moving
+    def _is_moot(self, copy: RequestStream) -> bool:
+        """The hand-off has nothing left to do: its request finished (decoding here while queued), was aborted
+        (maybe resumed here since: another copy), or another migration (a drain, the manager's loop) claimed it
+        first and moves it."""
+        return not self._runner.owns(copy) or copy.request_id in self._migrations.moving
 
-    async def _migrate(self, plan: MigrateOutPlan, num_blocks: int,
+    async def _migrate(self, plan: MigrateOutPlan, copy: RequestStream, num_blocks: int,
                        reach: int) -> tuple[MigrateOutPlan, MigrationResult | FerryError]:
         """Up to _NUM_TRIES tries; the last plan tried, with its result or its error. A destination that refused
         (`_REFUSALS`: no blocks or slots, or its role) is not tried again: the next try goes to the freest decode
@@ -265,7 +268,7 @@ class DecodeHandoff:
             if not self._migrations.has_free_slot:
                 await asyncio.sleep(_SLOT_RETRY_S * attempt)  # the same destination, a little later
                 continue
-            outcome = await self._try(plan)
+            outcome = await self._try(plan, copy)
             if not isinstance(outcome, _REFUSALS):
                 return plan, outcome
             refused.append(plan.dst_instance_id)  # no room there (our slot was free), or not a decode instance now
@@ -277,11 +280,11 @@ class DecodeHandoff:
             # The failed attempt may have resumed the request (it decodes here meanwhile): its parked state is
             # stale, the next attempt suspends it afresh.
             plan = dataclasses.replace(plan, dst_instance_id=place.instance_id, dst_address=place.address, held=None)
-        return plan, await self._try(plan)
+        return plan, await self._try(plan, copy)
 
-    async def _try(self, plan: MigrateOutPlan) -> MigrationResult | FerryError:
+    async def _try(self, plan: MigrateOutPlan, copy: RequestStream) -> MigrationResult | FerryError:
         try:
-            return await self._migrations.migrate_out(plan)
+            return await self._migrations.migrate_out(plan, copy=copy)
         except FerryError as exc:
             return exc
 

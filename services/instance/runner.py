@@ -185,17 +185,18 @@ class EngineRunner:
     async def hand_off(self, request_id: str, handoff: Handoff, stream: RequestStream | None) -> None:
         """The request now runs elsewhere: end its stream with `handoff` at once (the client
         attaches to the destination meanwhile), then release it on the engine thread.
-        `stream`: the request's stream when its migration began; another one under its id (a resume
-        here after that stream was aborted) is not the migrated request's, and is left alone.
+        `stream`: the request's stream when its migration began. Aborted, and nothing released, if that copy
+        no longer owns the id: it was aborted (its abort is queued), and another copy under its id (a resume
+        here, maybe parked by its own PD hand-off) is not the migrated request.
 
         Every output it produced is already in the stream: it was suspended by an engine call
         that returned, and results and outputs reach the event loop in the order the engine
         thread sent them."""
-        stream = stream if stream is not None and self._streams.get(request_id) is stream else None
-        if stream is not None:
-            del self._streams[request_id]
-            stream.handoff = handoff
-            stream.outputs.put_nowait(handoff)
+        if not self.owns(stream):
+            raise Aborted(f"request {request_id} was aborted here before its hand-off to {handoff.dst_instance_id}")
+        del self._streams[request_id]
+        stream.handoff = handoff
+        stream.outputs.put_nowait(handoff)
 
         def release() -> None:
             try:
@@ -203,11 +204,29 @@ class EngineRunner:
             except FerryError:
                 # Announced elsewhere, so it must not go on here. In the same command: once it returns, a resume
                 # of the request may be admitted here under its id, and that copy is not this hand-off's.
-                if stream is not None:
-                    self._engine.abort(request_id)
+                self._engine.abort(request_id)
                 raise
 
         await self.call(release)
+
+    def owns(self, stream: RequestStream | None) -> bool:
+        """Whether `stream`'s copy of its request still owns the id here. An engine command on the id queued
+        while it does acts on that copy: another copy is admitted only after this stream left the table (its
+        abort queued first), and commands run in order."""
+        return stream is not None and self._streams.get(stream.request_id) is stream
+
+    async def resume(self, stream: RequestStream | None) -> bool:
+        """Put `stream`'s request back into the batch if it is suspended (a failed migration, a hand-off that
+        could not happen). False if it was not suspended, or if it no longer owns its id (aborted; a newer
+        copy under the id, which whoever suspended it resumes, is left alone)."""
+        if not self.owns(stream):
+            return False
+        return await self.call(lambda: self._engine.resume(stream.request_id))
+
+    def resume_soon(self, stream: RequestStream | None) -> None:
+        """`resume` without waiting."""
+        if self.owns(stream):
+            self.call_soon(functools.partial(self._engine.resume, stream.request_id))
 
     def attach(self, stream: RequestStream, from_token_index: int = 0) -> None:
         """A client reads `stream` now; one that already finished leaves the table (its outputs are queued)."""

@@ -44,6 +44,7 @@ class FakeRunner:
     def __init__(self, engine: FakeEngine) -> None:
         self.engine = engine
         self.gone: set[str] = set()
+        self._streams: dict[str, SimpleNamespace] = {}
 
     def call_soon(self, fn) -> None:
         fn()
@@ -51,8 +52,19 @@ class FakeRunner:
     async def call(self, fn):
         return fn()
 
-    def stream(self, request_id: str) -> object | None:
-        return None if request_id in self.gone else object()
+    def stream(self, request_id: str) -> SimpleNamespace | None:
+        return None if request_id in self.gone else self._streams.setdefault(request_id, SimpleNamespace(
+            request_id=request_id))
+
+    def owns(self, stream) -> bool:
+        return stream is not None and self.stream(stream.request_id) is stream
+
+    async def resume(self, stream) -> bool:
+        return self.owns(stream) and self.engine.resume(stream.request_id) is None
+
+    def resume_soon(self, stream) -> None:
+        if self.owns(stream):
+            self.engine.resume(stream.request_id)
 
 
 class FakeMigrations:
@@ -65,7 +77,7 @@ class FakeMigrations:
         self.errors = list(errors)
         self.plans: list[MigrateOutPlan] = []
 
-    async def migrate_out(self, plan: MigrateOutPlan) -> MigrationResult:
+    async def migrate_out(self, plan: MigrateOutPlan, copy=None) -> MigrationResult:
         self.plans.append(plan)
         if self.errors:
             raise self.errors.pop(0)
@@ -112,7 +124,7 @@ class StuckMigrations(FakeMigrations):
         super().__init__()
         self.stuck = asyncio.Event()
 
-    async def migrate_out(self, plan: MigrateOutPlan) -> MigrationResult:
+    async def migrate_out(self, plan: MigrateOutPlan, copy=None) -> MigrationResult:
         if not self.plans:
             self.plans.append(plan)
             await self.stuck.wait()
@@ -260,7 +272,7 @@ class SlowMigrations(FakeMigrations):
         super().__init__()
         self.seconds = seconds
 
-    async def migrate_out(self, plan: MigrateOutPlan) -> MigrationResult:
+    async def migrate_out(self, plan: MigrateOutPlan, copy=None) -> MigrationResult:
         await asyncio.sleep(self.seconds)
         return await super().migrate_out(plan)
 
@@ -301,7 +313,7 @@ async def test_a_hand_off_whose_request_finished_meanwhile_is_no_failure():
     from services.common.errors import NotFound
 
     class FinishesFirst(FakeMigrations):
-        async def migrate_out(self, plan):
+        async def migrate_out(self, plan, copy=None):
             handoff._runner.gone.add(plan.request_id)
             return await super().migrate_out(plan)
 
@@ -323,7 +335,7 @@ async def test_a_hand_off_whose_request_another_migration_moves_is_no_failure():
     from services.common.errors import FailedPrecondition
 
     class MovedByAnother(FakeMigrations):
-        async def migrate_out(self, plan):
+        async def migrate_out(self, plan, copy=None):
             self.moving = frozenset({plan.request_id})  # the drain's claim
             return await super().migrate_out(plan)
 

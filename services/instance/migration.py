@@ -14,7 +14,9 @@ here and frees the destination's reservation (its watchdog does it if we cannot)
 it the request belongs to the destination, whatever happens here. The migration runs as
 a task of its own, so a caller that gives up (deadline, cancel) never leaves it half done.
 No transport in here: the destination and the transfer service come in as protocols
-(migration_domain.py).
+(migration_domain.py). Beside it: the pick (migration_pick.py), each migration's state and its
+engine calls on the copy it moves (migration_attempt.py), the destination's reservation
+(migration_reserve.py).
 """
 
 from __future__ import annotations
@@ -23,75 +25,32 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
 from services.common.errors import Aborted, FailedPrecondition, FerryError, NotFound
 from services.common.task_errors import shielded
-from services.instance.engine.block_manager import BlockId
-from services.instance.engine.migration_state import HeldRequest, MigrationBlocks, RequestState
+from services.instance.engine.migration_state import MigrationBlocks, RequestState
 from services.instance.handoff import Handoff, RecentHandoffs
+from services.instance.migration_attempt import MigrationInFlight, call_on_copy
 from services.instance.migration_domain import (BlockTransferer, DestinationPeer, MigrateOutPlan, MigrationResult,
-                                                MigrationSettings, RefusedByDestination, Reservation)
+                                                MigrationSettings)
 from services.instance.migration_pick import MigrationPicker
+from services.instance.migration_reserve import ReservationKeeper
 from services.instance.migration_slots import MigrationSlots
-from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
+from services.transfer.domain import BlockTransfer, InstanceId
 
 if TYPE_CHECKING:
     from services.instance.engine.engine import LLMEngine
-    from services.instance.runner import EngineRunner, RequestStream
+    from services.instance.request_stream import RequestStream
+    from services.instance.runner import EngineRunner
 
 log = structlog.get_logger(__name__)
 _T = TypeVar("_T")
 
 # Blocks reserved beyond the request's current length, so the final stage rarely has to grow it.
 RESERVATION_HEADROOM_BLOCKS = 2
-
-
-@dataclass(slots=True)
-class _Attempt:
-    """One migration in flight; owned by its task."""
-
-    migration_id: str
-    request_id: str
-    plan: MigrateOutPlan
-    peer: DestinationPeer
-    backend: TransferBackend | None  # None (auto) until the first reservation names the destination's service
-    started_at: float = field(default_factory=time.perf_counter)
-    reservation: Reservation | None = None
-    is_prepare_sent: bool = False  # the destination may hold a reservation (even if the call failed)
-    prepared_at: float = 0.0  # the last Prepare's start: the destination's watchdog restarted then
-    # Invariant: copied[i] is the source block whose K/V now sit in reservation.block_ids[i];
-    # valid only while the request has been preempted num_preemptions times.
-    copied: dict[int, BlockId] = field(default_factory=dict)
-    num_preemptions: int = 0
-    dst_checksums: tuple[int, ...] = ()  # crc32 of the destination's cached blocks it still reserves
-    checked_preemptions: int | None = None  # the request's num_preemptions when they were checked against ours
-    num_cached_rejected: int = 0  # cached blocks the destination gave up for fresh ones: other bits than ours
-    num_live_stages: int = 0
-    num_blocks: int = 0
-    num_bytes: int = 0
-    suspended_at: float | None = None
-    committed_at: float | None = None
-    stream: RequestStream | None = None  # the request's client stream when the migration began (an abort drops it)
-    held: HeldRequest | None = None  # the plan's parked state, where the request was still parked so when claimed
-
-    @property
-    def frontend_attempt(self) -> int:
-        """The frontend's attempt at the request that the moving copy belongs to (request_copy); 0: unknown."""
-        return self.stream.attempt if self.stream is not None else 0
-
-    def pending(self, view: MigrationBlocks, full_only: bool) -> list[int]:
-        """Block-table indexes whose current source block is not copied yet (all once a preemption moved them),
-        past the ones the destination had cached with our bits (checked again after a preemption: `_check_cached`)."""
-        if view.num_preemptions != self.num_preemptions:
-            self.copied.clear()
-            self.num_preemptions = view.num_preemptions
-        start = self.reservation.num_cached_blocks if self.reservation is not None else 0
-        end = view.num_full_blocks if full_only else view.num_blocks
-        return [i for i in range(start, end) if self.copied.get(i) != view.block_ids[i]]
 
 
 class MigrationDriver:
@@ -104,6 +63,7 @@ class MigrationDriver:
         self._transferer = transferer  # None without --transfer-address: migration is off
         self._tasks: set[asyncio.Task[MigrationResult]] = set()
         self._picker = MigrationPicker(runner, settings.instance_id)  # which request; claimed while it moves
+        self._reservations = ReservationKeeper(runner, settings)  # each migration's blocks on its destination
         self._drops: set[asyncio.Task[bool]] = set()  # AbortMigrateIn of copies whose hand-off nobody read
         self._handed_off = RecentHandoffs(settings.reservation_timeout_s)
         # Told of each request a failed migration resumed: a state exported while it was parked (for its PD
@@ -179,10 +139,10 @@ class MigrationDriver:
         # Now claimed: no other migration may suspend it. `stream`: the copy this migration moves, and the only
         # one it acts on (a copy that takes the id meanwhile, a resume of the request here, is left alone).
         request_id, held, stream = await self._picker.pick(plan, copy)
-        attempt: _Attempt | None = None
+        attempt: MigrationInFlight | None = None
         try:
-            attempt = _Attempt(migration_id, request_id, plan, self._peers(plan.dst_address),
-                               plan.backend or self._settings.transfer_backend, stream=stream, held=held)
+            attempt = MigrationInFlight(migration_id, request_id, plan, self._peers(plan.dst_address),
+                                        plan.backend or self._settings.transfer_backend, stream=stream, held=held)
             if on_picked is not None:
                 await on_picked(request_id)
             return await self._move(attempt)
@@ -195,29 +155,30 @@ class MigrationDriver:
         finally:
             self._picker.release(request_id)
 
-    async def _move(self, a: _Attempt) -> MigrationResult:
+    async def _move(self, a: MigrationInFlight) -> MigrationResult:
         if a.plan.max_stages == 0:
             return await self._move_in_one_stage(a)
         view = await self._view(a, is_first=True)
-        await self._reserve(a, view, RESERVATION_HEADROOM_BLOCKS)
+        await self._reservations.reserve(a, view, RESERVATION_HEADROOM_BLOCKS)
         view = await self._live_stages(a, view)
-        await self._reserve(a, view, RESERVATION_HEADROOM_BLOCKS)  # fresh now, so the paused copy asks nothing
+        await self._reservations.reserve(a, view, RESERVATION_HEADROOM_BLOCKS)  # fresh: the paused copy asks nothing
         # suspend_held: a request parked for its PD hand-off meanwhile is ours now (the hand-off was refused: claimed)
         view, state = await self._suspend(a, lambda engine: engine.suspend_held(a.request_id))
         if view.num_preemptions != a.checked_preemptions:  # recomputed since the check: maybe other bits now
-            await self._check_cached(a)
+            await self._reservations.check_cached(a)
         return await self._copy_rest_and_commit(a, view, state)
 
-    async def _move_in_one_stage(self, a: _Attempt) -> MigrationResult:
+    async def _move_in_one_stage(self, a: MigrationInFlight) -> MigrationResult:
         """Suspend (unless the PD hand-off holds it already) and export at once, copy every block, commit."""
         if a.held is not None:
             view, state, a.suspended_at = a.held.blocks, a.held.state, a.held.held_at
         else:
             view, state = await self._suspend(a, lambda engine: engine.suspend_held(a.request_id))
-        await self._reserve(a, view, 0)  # first: the blocks the destination has cached need no copy
+        await self._reservations.reserve(a, view, 0)  # first: the blocks the destination has cached need no copy
         return await self._copy_rest_and_commit(a, view, state)
 
-    async def _copy_rest_and_commit(self, a: _Attempt, view: MigrationBlocks, state: RequestState) -> MigrationResult:
+    async def _copy_rest_and_commit(self, a: MigrationInFlight, view: MigrationBlocks,
+                                    state: RequestState) -> MigrationResult:
         """The request is suspended: copy every block still to copy, commit at the destination, hand off."""
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
         self._check_not_aborted(a)
@@ -226,7 +187,7 @@ class MigrationDriver:
         await self._hand_off(a, state)
         return self._result(a)
 
-    async def _live_stages(self, a: _Attempt, view: MigrationBlocks) -> MigrationBlocks:
+    async def _live_stages(self, a: MigrationInFlight, view: MigrationBlocks) -> MigrationBlocks:
         """Copy full blocks while the request decodes, until few remain or the stages run out;
         returns the request's blocks as last seen."""
         max_stages = self._settings.max_stages if a.plan.max_stages is None else a.plan.max_stages
@@ -240,7 +201,7 @@ class MigrationDriver:
             a.num_live_stages += 1
         return view
 
-    def _check_not_aborted(self, a: _Attempt) -> None:
+    def _check_not_aborted(self, a: MigrationInFlight) -> None:
         """Before the commit, on the event loop: an abort of the request (its client left) drops its
         stream here at once and frees its blocks on the engine thread soon after, where another request
         may write into them, maybe while they were being copied. So a request whose stream is gone is not
@@ -249,7 +210,7 @@ class MigrationDriver:
             raise Aborted(f"request {a.request_id} was aborted during its last copy to {a.plan.dst_instance_id}; "
                           "nothing left to move")
 
-    async def _suspend(self, a: _Attempt, suspend: Callable[[LLMEngine], MigrationBlocks]
+    async def _suspend(self, a: MigrationInFlight, suspend: Callable[[LLMEngine], MigrationBlocks]
                        ) -> tuple[MigrationBlocks, RequestState]:
         """Take the request out of the batch at the next step boundary and export its state in the
         same engine call (nothing changes while it is suspended); the downtime starts there."""
@@ -259,97 +220,18 @@ class MigrationDriver:
             view = suspend(engine)
             return view, engine.export_state(a.request_id), time.perf_counter()
         # A failure from here on is undone by _abandon, which resumes the request if it is suspended.
-        view, state, a.suspended_at = await self._engine_call(a, suspend_and_export)
+        view, state, a.suspended_at = await call_on_copy(self._runner, a, suspend_and_export)
         return view, state
 
-    async def _view(self, a: _Attempt, is_first: bool = False) -> MigrationBlocks:
-        return await self._engine_call(a, lambda: self._runner.engine.migration_blocks(a.request_id), is_first)
+    async def _view(self, a: MigrationInFlight, is_first: bool = False) -> MigrationBlocks:
+        return await call_on_copy(self._runner, a, lambda: self._runner.engine.migration_blocks(a.request_id),
+                                  is_first)
 
-    async def _engine_call(self, a: _Attempt, fn: Callable[[], object], is_first: bool = False):
-        """An engine call on the copy the migration moves, if it still owns its id (Aborted if not); past the
-        first, NotFound means it finished."""
-        gone = Aborted(f"request {a.request_id} finished or was aborted while migrating to {a.plan.dst_instance_id}; "
-                       "nothing left to move")
-        if not self._runner.owns(a.stream):  # (a copy resumed here since is not this migration's)
-            raise gone
-        try:
-            return await self._runner.call(fn)
-        except NotFound:
-            if is_first:
-                raise
-            raise gone from None
 
-    async def _reserve(self, a: _Attempt, view: MigrationBlocks, headroom: int) -> None:
-        """Make the destination hold at least the request's blocks (+ headroom, within its final size).
-
-        Before every copy: grow if the request outgrew the reservation, and restart the
-        destination's watchdog if it could fire before the copy, or the commit after it, ends
-        (a reservation must never expire while a copy writes into it or its commit is on the way)."""
-        num_reserved = 0 if a.reservation is None else len(a.reservation.block_ids)
-        is_fresh = time.perf_counter() - a.prepared_at < self._settings.touch_interval_s
-        if a.reservation is not None and num_reserved >= view.num_blocks and is_fresh:
-            return
-        headroom = headroom if view.num_blocks else 0  # a waiting request moves without blocks
-        num_wanted = max(num_reserved, view.num_blocks, min(view.num_blocks + headroom, view.max_num_blocks))
-        a.is_prepare_sent = True
-        a.prepared_at = time.perf_counter()
-        is_first = a.reservation is None
-        try:
-            a.reservation = await a.peer.prepare_migrate_in(
-                a.migration_id, a.request_id, self._settings.instance_id, num_wanted, grow_only=not is_first,
-                block_hashes=view.block_hashes if is_first else (),
-                timeout_s=a.plan.prepare_timeout_s if is_first else None,
-                max_num_tokens=view.max_num_tokens if is_first else 0,
-                can_decode_on_prefill=a.plan.can_decode_on_prefill)
-        except FailedPrecondition as exc:
-            if not is_first:
-                raise
-            raise RefusedByDestination(exc.message, exc.request_id) from exc
-        if a.backend is None:
-            a.backend = auto_backend(a.reservation, self._settings.transfer_id, self._settings.offered_backends)
-        if is_first:
-            a.dst_checksums = a.reservation.cached_checksums
-            await self._check_cached(a)
-
-    async def _check_cached(self, a: _Attempt) -> None:
-        """Keep on the destination only the cached blocks whose bits equal this request's blocks here.
-
-        A block's K/V bits depend on how its rows were computed (decoded one by one, within a prompt, a
-        prompt cut at another chunk), not only on its tokens, and the request must decode on the bits it
-        had here. So the first answer carries the cached blocks' crc32; at the first that differs from
-        ours (or past the blocks full here), a grow call with `keep_cached_blocks` swaps that one and the
-        rest for fresh blocks, which the stages copy into. Nothing was copied yet into those indexes. An
-        older destination sends no checksums: its cached blocks are taken as they are."""
-        num_cached = a.reservation.num_cached_blocks
-        if not num_cached or not a.dst_checksums:
-            return
-        engine = self._runner.engine
-
-        def own_full_blocks() -> tuple[int, tuple[BlockId, ...]]:
-            view = engine.migration_blocks(a.request_id)
-            return view.num_preemptions, view.block_ids[:min(num_cached, view.num_full_blocks)]
-        a.checked_preemptions, block_ids = await self._engine_call(a, own_full_blocks)
-        # Off the engine thread (decoding goes on): full blocks are never written again; a preemption meanwhile
-        # (its blocks freed) is seen after the pause, which checks them again (_move).
-        own = await asyncio.to_thread(engine.block_checksums, block_ids)
-        num_compared = min(len(own), len(a.dst_checksums), num_cached)
-        num_kept = next((i for i in range(num_compared) if own[i] != a.dst_checksums[i]), num_compared)
-        if num_kept == num_cached:
-            return
-        a.prepared_at = time.perf_counter()
-        a.reservation = await a.peer.prepare_migrate_in(a.migration_id, a.request_id, self._settings.instance_id,
-                                                        len(a.reservation.block_ids), grow_only=True,
-                                                        keep_cached_blocks=num_kept)
-        a.dst_checksums = a.dst_checksums[:num_kept]
-        a.num_cached_rejected += num_cached - num_kept
-        log.info("migration_cached_blocks_rejected", request_id=a.request_id, dst_instance_id=a.plan.dst_instance_id,
-                 migration_id=a.migration_id, num_cached_at_destination=num_kept,
-                 cached_blocks_rejected=num_cached - num_kept)
-
-    async def _copy(self, a: _Attempt, view: MigrationBlocks, indexes: list[int], headroom: int) -> None:
+    async def _copy(self, a: MigrationInFlight, view: MigrationBlocks, indexes: list[int], headroom: int) -> None:
         if not indexes:
             return
-        await self._reserve(a, view, headroom)
+        await self._reservations.reserve(a, view, headroom)
         transfer = BlockTransfer(
             src_instance_id=InstanceId(self._settings.instance_id),
             src_block_ids=tuple(view.block_ids[i] for i in indexes),
@@ -367,7 +249,7 @@ class MigrationDriver:
         a.num_blocks += result.num_blocks
         a.num_bytes += result.num_bytes
 
-    async def _hand_off(self, a: _Attempt, state: RequestState) -> None:
+    async def _hand_off(self, a: MigrationInFlight, state: RequestState) -> None:
         """Past the commit: end the client stream with the hand-off and free the blocks here."""
         handoff = Handoff(a.plan.dst_instance_id, a.plan.dst_address, state.epoch, len(state.output_token_ids),
                           a.migration_id, a.frontend_attempt)
@@ -380,7 +262,7 @@ class MigrationDriver:
             # and forgets the migration, which it would otherwise hold until its reservation timeout.
             await self._quietly(a.peer.abort_migrate_in(a.migration_id), "abort_migrate_in_after_commit")
 
-    async def _abandon(self, a: _Attempt, exc: BaseException) -> None:
+    async def _abandon(self, a: MigrationInFlight, exc: BaseException) -> None:
         """Before the commit: the request runs on here, the destination lets go of what it reserved."""
         if a.committed_at is not None:
             return
@@ -405,7 +287,7 @@ class MigrationDriver:
             log.warning("migration_cleanup_failed", call=what, reason=exc.message)
             return None
 
-    def _result(self, a: _Attempt) -> MigrationResult:
+    def _result(self, a: MigrationInFlight) -> MigrationResult:
         now = time.perf_counter()
         result = MigrationResult(
             request_id=a.request_id, src_instance_id=self._settings.instance_id,
@@ -421,15 +303,3 @@ class MigrationDriver:
                  backend=a.backend.value, duration_ms=round(result.duration_ms, 2),
                  downtime_ms=round(result.downtime_ms, 2))
         return result
-
-
-def auto_backend(reservation: Reservation, own_transfer_id: str,
-                 offered: tuple[TransferBackend, ...]) -> TransferBackend:
-    """SHM when the destination's KV memory is mapped by our own transfer service (one host: a
-    direct copy, no socket) and it offers shm; otherwise GRPC (works between any two services),
-    unless our service does not offer it: then the first socket backend it does offer."""
-    if own_transfer_id and reservation.transfer_id == own_transfer_id and TransferBackend.SHM in offered:
-        return TransferBackend.SHM
-    if not offered or TransferBackend.GRPC in offered:  # not offered: unknown, grpc is everyone's default
-        return TransferBackend.GRPC
-    return next((b for b in (TransferBackend.GLOO, TransferBackend.NCCL) if b in offered), TransferBackend.GRPC)

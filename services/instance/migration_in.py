@@ -41,7 +41,8 @@ from services.instance.engine.migration_state import RequestState
 from services.instance.migration_domain import Reservation
 from services.instance.migration_slots import MigrationSlots
 from services.instance.request_copy import CopyRef
-from services.instance.runner import EngineRunner, RequestStream
+from services.instance.request_stream import RequestStream
+from services.instance.runner import EngineRunner
 from services.instance.write_fence import NoWriteFence, WriteFence
 
 log = structlog.get_logger(__name__)

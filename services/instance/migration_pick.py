@@ -12,7 +12,8 @@ from services.instance.engine.migration_state import HeldRequest
 from services.instance.migration_domain import MigrateOutPlan
 
 if TYPE_CHECKING:
-    from services.instance.runner import EngineRunner, RequestStream
+    from services.instance.request_stream import RequestStream
+    from services.instance.runner import EngineRunner
 
 # How long MigrateOut of a request that migrated in waits for its client to follow it here (normally
 # milliseconds): until then the client knows it elsewhere and would miss a second hand-off.

@@ -35,7 +35,8 @@ from services.instance.config import InstanceRole, PdHandoff
 from services.instance.engine.migration_state import HeldRequest, MigrationSelection
 from services.instance.migration import MigrationDriver
 from services.instance.migration_domain import MigrateOutPlan, MigrationResult, RefusedByDestination
-from services.instance.runner import EngineRunner, RequestStream
+from services.instance.request_stream import RequestStream
+from services.instance.runner import EngineRunner
 
 log = structlog.get_logger(__name__)
 

@@ -28,7 +28,8 @@ from services.instance.migration import MigrationDriver
 from services.instance.migration_in import MigrationInbox
 from services.instance.pd_handoff import DecodeHandoff
 from services.instance.request_copy import CopyRef
-from services.instance.runner import EngineRunner, RequestStream
+from services.instance.request_stream import RequestStream
+from services.instance.runner import EngineRunner
 
 log = structlog.get_logger(__name__)
 

@@ -1,0 +1,109 @@
+"""A migration's reservation on its destination as the source keeps it: grown and refreshed before each copy,
+and cut back to the cached blocks whose bits equal ours; and which transfer backend copies into it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from services.common.errors import FailedPrecondition
+from services.instance.engine.block_manager import BlockId
+from services.instance.engine.migration_state import MigrationBlocks
+from services.instance.migration_attempt import MigrationInFlight, call_on_copy
+from services.instance.migration_domain import MigrationSettings, RefusedByDestination, Reservation
+from services.transfer.domain import TransferBackend
+
+if TYPE_CHECKING:
+    from services.instance.runner import EngineRunner
+
+log = structlog.get_logger(__name__)
+
+
+class ReservationKeeper:
+    """Keeps each migration's reservation on its destination as its copies need it (MigrationDriver)."""
+
+    def __init__(self, runner: EngineRunner, settings: MigrationSettings) -> None:
+        self._runner = runner
+        self._settings = settings
+
+    async def reserve(self, a: MigrationInFlight, view: MigrationBlocks, headroom: int) -> None:
+        """Make the destination hold at least the request's blocks (+ headroom, within its final size).
+
+        Before every copy: grow if the request outgrew the reservation, and restart the
+        destination's watchdog if it could fire before the copy, or the commit after it, ends
+        (a reservation must never expire while a copy writes into it or its commit is on the way)."""
+        num_reserved = 0 if a.reservation is None else len(a.reservation.block_ids)
+        is_fresh = time.perf_counter() - a.prepared_at < self._settings.touch_interval_s
+        if a.reservation is not None and num_reserved >= view.num_blocks and is_fresh:
+            return
+        headroom = headroom if view.num_blocks else 0  # a waiting request moves without blocks
+        num_wanted = max(num_reserved, view.num_blocks, min(view.num_blocks + headroom, view.max_num_blocks))
+        a.is_prepare_sent = True
+        a.prepared_at = time.perf_counter()
+        is_first = a.reservation is None
+        try:
+            a.reservation = await a.peer.prepare_migrate_in(
+                a.migration_id, a.request_id, self._settings.instance_id, num_wanted, grow_only=not is_first,
+                block_hashes=view.block_hashes if is_first else (),
+                timeout_s=a.plan.prepare_timeout_s if is_first else None,
+                max_num_tokens=view.max_num_tokens if is_first else 0,
+                can_decode_on_prefill=a.plan.can_decode_on_prefill)
+        except FailedPrecondition as exc:
+            if not is_first:
+                raise
+            raise RefusedByDestination(exc.message, exc.request_id) from exc
+        if a.backend is None:
+            a.backend = auto_backend(a.reservation, self._settings.transfer_id, self._settings.offered_backends)
+        if is_first:
+            a.dst_checksums = a.reservation.cached_checksums
+            await self.check_cached(a)
+
+    async def check_cached(self, a: MigrationInFlight) -> None:
+        """Keep on the destination only the cached blocks whose bits equal this request's blocks here.
+
+        A block's K/V bits depend on how its rows were computed (decoded one by one, within a prompt, a
+        prompt cut at another chunk), not only on its tokens, and the request must decode on the bits it
+        had here. So the first answer carries the cached blocks' crc32; at the first that differs from
+        ours (or past the blocks full here), a grow call with `keep_cached_blocks` swaps that one and the
+        rest for fresh blocks, which the stages copy into. Nothing was copied yet into those indexes. An
+        older destination sends no checksums: its cached blocks are taken as they are."""
+        num_cached = a.reservation.num_cached_blocks
+        if not num_cached or not a.dst_checksums:
+            return
+        engine = self._runner.engine
+
+        def own_full_blocks() -> tuple[int, tuple[BlockId, ...]]:
+            view = engine.migration_blocks(a.request_id)
+            return view.num_preemptions, view.block_ids[:min(num_cached, view.num_full_blocks)]
+        a.checked_preemptions, block_ids = await call_on_copy(self._runner, a, own_full_blocks)
+        # Off the engine thread (decoding goes on): full blocks are never written again; a preemption meanwhile
+        # (its blocks freed) is seen after the pause, which checks them again (_move).
+        own = await asyncio.to_thread(engine.block_checksums, block_ids)
+        num_compared = min(len(own), len(a.dst_checksums), num_cached)
+        num_kept = next((i for i in range(num_compared) if own[i] != a.dst_checksums[i]), num_compared)
+        if num_kept == num_cached:
+            return
+        a.prepared_at = time.perf_counter()
+        a.reservation = await a.peer.prepare_migrate_in(a.migration_id, a.request_id, self._settings.instance_id,
+                                                        len(a.reservation.block_ids), grow_only=True,
+                                                        keep_cached_blocks=num_kept)
+        a.dst_checksums = a.dst_checksums[:num_kept]
+        a.num_cached_rejected += num_cached - num_kept
+        log.info("migration_cached_blocks_rejected", request_id=a.request_id, dst_instance_id=a.plan.dst_instance_id,
+                 migration_id=a.migration_id, num_cached_at_destination=num_kept,
+                 cached_blocks_rejected=num_cached - num_kept)
+
+
+def auto_backend(reservation: Reservation, own_transfer_id: str,
+                 offered: tuple[TransferBackend, ...]) -> TransferBackend:
+    """SHM when the destination's KV memory is mapped by our own transfer service (one host: a
+    direct copy, no socket) and it offers shm; otherwise GRPC (works between any two services),
+    unless our service does not offer it: then the first socket backend it does offer."""
+    if own_transfer_id and reservation.transfer_id == own_transfer_id and TransferBackend.SHM in offered:
+        return TransferBackend.SHM
+    if not offered or TransferBackend.GRPC in offered:  # not offered: unknown, grpc is everyone's default
+        return TransferBackend.GRPC
+    return next((b for b in (TransferBackend.GLOO, TransferBackend.NCCL) if b in offered), TransferBackend.GRPC)

@@ -211,7 +211,7 @@ def request_info_to_proto(info: RequestSnapshot, instance_id: str) -> instance_p
     return instance_pb2.RequestInfo(
         request_id=info.request_id, instance_id=instance_id, num_tokens=info.num_tokens, state=info.state,
         num_output_tokens=info.num_output_tokens, origin=_ORIGIN_TO_PROTO[info.origin],
-        migrated_from_instance_id=info.migrated_from)
+        migrated_from_instance_id=info.migrated_from, migration_id=info.migration_id)
 
 
 def role_to_proto(role: InstanceRole) -> int:

@@ -80,11 +80,12 @@ class MigrationDriver:
         """Whether `migrate_out` may start one now (else it refuses at once: --max-concurrent-migrations)."""
         return self._slots.has_free
 
-    async def migrate_out(self, plan: MigrateOutPlan, on_picked: Callable[[str], Awaitable[None]] | None = None,
+    async def migrate_out(self, plan: MigrateOutPlan, on_picked: Callable[[str, str], Awaitable[None]] | None = None,
                           copy: RequestStream | None = None) -> MigrationResult:
         """Move one request to `plan`'s destination; raises (and the request stays here) if it cannot.
-        `on_picked(request_id)` (which must not raise) is awaited once the request is picked: MigrateOut tells its
-        caller then, so one whose deadline passes knows which request to look for on the destination.
+        `on_picked(request_id, migration_id)` (which must not raise) is awaited once the request is picked:
+        MigrateOut tells its caller then, so one whose deadline passes knows which request to look for on the
+        destination, and under which migration id (RequestInfo.migration_id) it would hold it.
         `copy`: the copy of `plan.request_id` to move (its stream); Aborted if another copy took its id."""
         if self._transferer is None:
             raise FailedPrecondition("live migration needs a transfer service: start this instance with "
@@ -134,7 +135,7 @@ class MigrationDriver:
         return was_dropped
 
     async def _migrate(self, migration_id: str, plan: MigrateOutPlan,
-                       on_picked: Callable[[str], Awaitable[None]] | None,
+                       on_picked: Callable[[str, str], Awaitable[None]] | None,
                        copy: RequestStream | None) -> MigrationResult:
         # Now claimed: no other migration may suspend it. `stream`: the copy this migration moves, and the only
         # one it acts on (a copy that takes the id meanwhile, a resume of the request here, is left alone).
@@ -144,7 +145,7 @@ class MigrationDriver:
             attempt = MigrationInFlight(migration_id, request_id, plan, self._peers(plan.dst_address),
                                         plan.backend or self._settings.transfer_backend, stream=stream, held=held)
             if on_picked is not None:
-                await on_picked(request_id)
+                await on_picked(request_id, migration_id)
             return await self._move(attempt)
         except BaseException as exc:
             if attempt is not None:

@@ -14,7 +14,7 @@ import structlog
 
 from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
-from services.common.logging import request_metadata
+from services.common.pick_announcement import pick_to_metadata
 from services.common.task_errors import shielded
 from services.instance.config import InstanceRole
 from services.instance.convert import (check_request_id, chunk_to_proto, handoff_chunk_to_proto, load_to_proto,
@@ -171,7 +171,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                          context: grpc.aio.ServicerContext) -> instance_pb2.MigrateOutResponse:
         try:
             result = await self.migrations.migrate_out(migrate_out_plan_from_proto(request),
-                                                       on_picked=lambda request_id: _announce(context, request_id))
+                                                       on_picked=lambda *pick: _announce(context, *pick))
         except Unavailable as exc:
             # This instance answers: a peer did not (the destination or a transfer service). Said
             # as UNAVAILABLE, the manager would take it for this source being down or frozen.
@@ -296,10 +296,11 @@ def _is_news(output: StepOutput, from_token_index: int) -> bool:
             or output.token_index + len(output.new_token_ids) > from_token_index)
 
 
-async def _announce(context: grpc.aio.ServicerContext, request_id: str) -> None:
-    """Name a MigrateOut's picked request in the call's initial metadata: a caller whose deadline passes (the
-    migration runs on here) reads it from its error and asks the destination whether the request arrived."""
+async def _announce(context: grpc.aio.ServicerContext, request_id: str, migration_id: str) -> None:
+    """Name a MigrateOut's picked request and its migration id in the call's initial metadata: a caller whose
+    deadline passes (the migration runs on here) reads them from its error and asks the destination whether
+    the request arrived under that migration (services/common/pick_announcement.py)."""
     try:
-        await context.send_initial_metadata(request_metadata(request_id))
+        await context.send_initial_metadata(pick_to_metadata(request_id, migration_id))
     except Exception as exc:  # noqa: BLE001 — the call is over already (cancelled by its deadline): no one to tell
         log.debug("migration_pick_not_announced", request_id=request_id, error=repr(exc))

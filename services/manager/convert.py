@@ -181,7 +181,8 @@ _ORIGIN_FROM_PROTO = {instance_pb2.REQUEST_ORIGIN_DISPATCHED: RequestOrigin.DISP
 
 
 def held_request_from_proto(info: instance_pb2.RequestInfo) -> HeldRequest:
-    return HeldRequest(_ORIGIN_FROM_PROTO.get(info.origin, RequestOrigin.UNKNOWN), info.migrated_from_instance_id)
+    return HeldRequest(_ORIGIN_FROM_PROTO.get(info.origin, RequestOrigin.UNKNOWN), info.migrated_from_instance_id,
+                       info.migration_id)
 
 
 def migrate_response_to_proto(record: MigrationRecord) -> manager_pb2.MigrateResponse:

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import grpc
 
-from services.common.errors import Unavailable, error_from_rpc
+from services.common.errors import FerryError, error_from_rpc
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
 from services.common.channel_pool import ChannelPool
-from services.common.logging import request_id_from_metadata, request_metadata
+from services.common.logging import request_metadata
+from services.common.pick_announcement import pick_from_metadata
 from services.common.tls import TlsConfig
 from services.manager import convert
 from services.manager.migration import MigrationFigures, MigrationOrder
-from services.manager.migration_settle import HeldRequest
+from services.manager.migration_settle import HeldRequest, SourceUnanswered, SourceUnreached
+
+NEVER_CONNECTED_DETAILS = "failed to connect to all addresses"  # gRPC core's pick failure: the call was never sent
 
 
 class InstanceChannels:
@@ -44,14 +47,7 @@ class InstanceChannels:
                     convert.migrate_out_request_to_proto(order), timeout=timeout_s,
                     metadata=request_metadata(order.request_id) or None)
         except grpc.aio.AioRpcError as exc:
-            error = error_from_rpc(exc)
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                # the source names its pick in the initial metadata: the request to look for on the destination
-                picked = request_id_from_metadata(exc.initial_metadata())
-                error = Unavailable(f"MigrateOut on source instance {order.src_instance_id} at {order.src_address}: "
-                                    f"{error.message} (if it is down or frozen, ListInstances shows it unhealthy "
-                                    "once its lease ends)", request_id=error.request_id or picked or "")
-            raise error from exc
+            raise _migrate_out_error(order, exc) from exc
         return convert.migration_figures_from_proto(reply)
 
     async def set_role(self, address: str, role: int, timeout_s: float) -> instance_pb2.SetRoleResponse:
@@ -65,3 +61,27 @@ class InstanceChannels:
 
     async def close(self) -> None:
         await self._pool.close()
+
+
+def _migrate_out_error(order: MigrationOrder, exc: grpc.aio.AioRpcError) -> FerryError:
+    """The ferry error of a failed MigrateOut; one the source gave no answer to names the pick it announced."""
+    error = error_from_rpc(exc)
+    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return error
+    where = f"MigrateOut on source instance {order.src_instance_id} at {order.src_address}"
+    if _never_connected(exc):
+        return SourceUnreached(f"{where} never reached it, so nothing was migrated: {error.message} (is it "
+                               "running? ListInstances shows it unhealthy once its lease ends)",
+                               request_id=order.request_id)
+    pick = pick_from_metadata(exc.initial_metadata())  # the request to look for on the destination, and how
+    return SourceUnanswered(f"{where}: {error.message} (if it is down or frozen, ListInstances shows it unhealthy "
+                            "once its lease ends)", request_id=error.request_id or pick.request_id,
+                            migration_id=pick.migration_id)
+
+
+def _never_connected(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the call failed before it was sent: gRPC's picker found no connection to the source (every address
+    refused or unreachable), so no initial metadata came either. A call sent on a connection that then broke
+    says otherwise ("Socket closed", "Cancelling all calls", ...): the source may have begun it."""
+    return (exc.code() is grpc.StatusCode.UNAVAILABLE and not exc.initial_metadata()
+            and (exc.details() or "").startswith(NEVER_CONNECTED_DETAILS))

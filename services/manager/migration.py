@@ -78,6 +78,7 @@ class MigrationFigures:
     duration_ms: float = 0.0
     downtime_ms: float = 0.0
     num_cached_at_destination: int = 0  # leading blocks the destination had cached with the same bits: not sent
+    migration_id: str = ""  # the source's id of it, where it gave no answer but announced it with its pick
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,9 @@ Keys sort by start time (20-digit nanoseconds), so a range read is the history o
 first. The leader appends each record it keeps (its migrations and the PD hand-offs
 instances report); one writer task puts them, so a slow or absent etcd never holds a
 migration up: the queue is bounded and a record that finds it full, or whose put fails,
-is only logged (the leader's in-memory history still has it). After each put the oldest
-keys beyond `--migration-history-size` are deleted. Keys have no lease: a new leader, and
+is only logged (the leader's in-memory history still has it). A migration whose source gave
+no answer is put `unknown` at once, and what it turned out to be is put under the same key
+(migration_settle.py). After each put the oldest keys beyond `--migration-history-size` are deleted. Keys have no lease: a new leader, and
 ferryctl through any manager, read the same history.
 """
 
@@ -23,12 +24,13 @@ from etcd3aio import Etcd3Client, SortOrder, prefix_range_end
 
 from services.common.gen.ferry.v1 import manager_pb2
 from services.manager import convert
-from services.manager.migration import MigrationRecord
+from services.manager.migration import MigrationOutcome, MigrationRecord
 
 log = structlog.get_logger(__name__)
 
 ETCD_TIMEOUT_S = 2.0
 QUEUE_SIZE = 256
+MAX_UNKNOWN_KEYS = 256  # keys of unknown records kept for their replacement
 
 
 class MigrationJournal:
@@ -37,34 +39,36 @@ class MigrationJournal:
         self._prefix = f"/ferry/{cluster}/migrations/"
         self._manager_id = manager_id
         self._size = size
-        self._queue: asyncio.Queue[MigrationRecord] = asyncio.Queue(maxsize=QUEUE_SIZE)
+        self._queue: asyncio.Queue[tuple[MigrationRecord, MigrationRecord | None]] = asyncio.Queue(maxsize=QUEUE_SIZE)
         self._sequence = itertools.count()
+        self._unknown_keys: dict[MigrationRecord, str] = {}  # the key of each unknown record put, till it is replaced
 
-    def append(self, record: MigrationRecord) -> None:
-        """Queue `record` for etcd; never blocks."""
+    def append(self, record: MigrationRecord, replaces: MigrationRecord | None = None) -> None:
+        """Queue `record` for etcd, in place of the unknown record `replaces` if given; never blocks."""
         try:
-            self._queue.put_nowait(record)
+            self._queue.put_nowait((record, replaces))
         except asyncio.QueueFull:
             log.warning("migration_journal_full", request_id=record.figures.request_id, queued=QUEUE_SIZE)
 
     async def writer_loop(self) -> None:
         """Put queued records, one at a time, forever; a failed put loses only that record."""
         while True:
-            record = await self._queue.get()
+            record, replaces = await self._queue.get()
             try:
-                await self._put(record)
+                await self._put(record, replaces)
                 await self._trim()
             except Exception as exc:  # noqa: BLE001 — etcd down or refusing: the record stays in memory only
                 log.warning("migration_journal_write_failed", request_id=record.figures.request_id,
                             error=f"{type(exc).__name__}: {exc}")
 
     async def history(self, recent: list[MigrationRecord]) -> list[manager_pb2.MigrationRecord]:
-        """The newest `size` of the stored history and this manager's `recent` records not stored
-        yet, oldest first (raises one of ETCD_ERRORS if etcd does not answer)."""
-        stored = await self.read()
-        seen = {_identity(record) for record in stored}
-        unstored = [r for r in map(convert.migration_record_to_proto, recent) if _identity(r) not in seen]
-        return sorted(stored + unstored, key=lambda record: record.started_at)[-self._size:]
+        """The newest `size` of the stored history and this manager's `recent` records, oldest first; a
+        recent one in place of its stored copy (an unknown one settled since, not rewritten yet). Raises one
+        of ETCD_ERRORS if etcd does not answer."""
+        fresh = [convert.migration_record_to_proto(r) for r in recent]
+        seen = {_identity(record) for record in fresh}
+        stored = [r for r in await self.read() if _identity(r) not in seen]
+        return sorted(stored + fresh, key=lambda record: record.started_at)[-self._size:]
 
     async def read(self) -> list[manager_pb2.MigrationRecord]:
         """The stored history, oldest first (raises one of ETCD_ERRORS if etcd does not answer)."""
@@ -72,10 +76,16 @@ class MigrationJournal:
                                           sort_order=SortOrder.ASCEND, timeout=ETCD_TIMEOUT_S)
         return [manager_pb2.MigrationRecord.FromString(kv.value) for kv in reply.kvs]
 
-    async def _put(self, record: MigrationRecord) -> None:
-        key = f"{self._prefix}{int(record.started_at * 1e9):020d}-{self._manager_id}-{next(self._sequence)}"
+    async def _put(self, record: MigrationRecord, replaces: MigrationRecord | None) -> None:
+        key = self._unknown_keys.pop(replaces, None) if replaces is not None else None
+        if key is None:  # (the unknown one's put failed, or was forgotten: a key of its own)
+            key = f"{self._prefix}{int(record.started_at * 1e9):020d}-{self._manager_id}-{next(self._sequence)}"
         value = convert.migration_record_to_proto(record).SerializeToString()
         await self._client.kv.put(key, value, timeout=ETCD_TIMEOUT_S)
+        if record.outcome is MigrationOutcome.UNKNOWN:
+            self._unknown_keys[record] = key
+            while len(self._unknown_keys) > MAX_UNKNOWN_KEYS:  # never replaced (settled by a manager that lost)
+                del self._unknown_keys[next(iter(self._unknown_keys))]
 
     async def _trim(self) -> None:
         end = prefix_range_end(self._prefix)
@@ -88,4 +98,4 @@ class MigrationJournal:
 
 
 def _identity(record: manager_pb2.MigrationRecord) -> tuple:
-    return record.started_at, record.request_id, record.src_instance_id, record.dst_instance_id, record.outcome
+    return record.started_at, record.request_id, record.src_instance_id, record.dst_instance_id

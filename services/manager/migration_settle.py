@@ -3,15 +3,25 @@
 A source that froze, died or outlasted the manager's deadline may have committed anyway: its migration runs on
 as a task of its own once the caller gave up (services/instance/migration.py), so the destination can take the
 request after the deadline. Unless the destination holds the request at once (`moved_at_once`: committed), such
-a migration is kept as `unknown` (in the history at once) and then looked at
+a migration is kept as `unknown` (in the history, and in the etcd journal, at once) and then looked at
 with backoff (`looks_at_s`, from when the call ended), by asking the destination whether it holds the request
-(ListRequests; the source names its pick in MigrateOut's initial metadata, so a loop migration's request is known
-too). It is `committed` once the destination holds it migrated in from this source; `failed` once the
-destination holds it another way (the frontend resumed it there after the source stopped answering: a commit of
-it is refused there from then on), or at the last look if the source still holds it and the destination does
-not; otherwise (it finished meanwhile, no instance answered, the request is not known, or a destination from
-before RequestInfo.origin holds it) it stays `unknown`. Bounded: at most MAX_UNSETTLED followed at once (one more is settled `unknown` at once),
-each looked at len(looks_at_s) times at most.
+(ListRequests). The source names its pick and the migration's id in MigrateOut's initial metadata
+(services/common/pick_announcement.py), so a loop migration's request is known too, and the destination's
+answer is matched to this very migration (RequestInfo.migration_id), not to an earlier or later move of the same
+request over the same pair. It is `committed` once the destination holds it under this migration's id; `failed`
+once the destination holds it another way (the frontend resumed it there after the source stopped answering: a
+commit of it is refused there from then on; or another migration brought it), or at the last look if the source
+still holds it and the destination does not; otherwise (it finished meanwhile, no instance answered, the request
+is not known, or a destination from before RequestInfo.origin holds it) it stays `unknown`. Where either side is
+from before RequestInfo.migration_id, a request migrated in from this migration's source counts as its commit.
+
+Only the leader finds out: a manager that stops leading (or stops) settles what it still follows as `unknown`
+at once, so each is counted once and none is lost, and leaves the journal's `unknown` record as it is (a
+non-leader writes nothing). Bounded: at most MAX_UNSETTLED followed at once (one more is settled `unknown` at
+once), each looked at len(looks_at_s) times at most.
+
+A call that never reached the source (`SourceUnreached`: the connection was refused) started nothing there:
+it is `failed` at once, not unanswered.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from typing import Protocol
 
 import structlog
 
-from services.common.errors import FerryError
+from services.common.errors import FerryError, Unavailable
 from services.manager.migration import MigrationOrder, MigrationOutcome, MigrationRecord
 
 log = structlog.get_logger(__name__)
@@ -34,6 +44,20 @@ UNANSWERED_STATUSES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # the source gave no
 UNANSWERED_CHECK_TIMEOUT_S = 2.0  # one ListRequests asking an instance whether it holds the request
 LOOKS_AT_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # after the call ended
 MAX_UNSETTLED = 64
+NOT_LEADING = "not found out: this manager stopped leading (or stopped) first"
+
+
+class SourceUnanswered(Unavailable):
+    """MigrateOut's source gave no answer (UNAVAILABLE, DEADLINE_EXCEEDED) after the call reached it: it may have
+    committed. `request_id` and `migration_id`: its pick as it announced it ("" where it did not)."""
+
+    def __init__(self, message: str, request_id: str = "", migration_id: str = "") -> None:
+        super().__init__(message, request_id)
+        self.migration_id = migration_id
+
+
+class SourceUnreached(Unavailable):
+    """MigrateOut never reached the source (its connection was refused): no migration started there."""
 
 
 class RequestOrigin(enum.Enum):
@@ -51,17 +75,26 @@ class HeldRequest:
 
     origin: RequestOrigin
     migrated_from: str = ""  # with MIGRATED_IN: the migration's source instance id
+    migration_id: str = ""  # with MIGRATED_IN: that migration's id ("" from an instance from before the field)
 
-    def is_committed_by(self, order: MigrationOrder) -> bool:
-        return self.origin is RequestOrigin.MIGRATED_IN and self.migrated_from == order.src_instance_id
+    def is_committed_by(self, order: MigrationOrder, migration_id: str) -> bool:
+        """Whether this is the copy the migration `migration_id` (as its source announced it; "" if it did not)
+        committed; by the source instance where either side does not know the id."""
+        if self.origin is not RequestOrigin.MIGRATED_IN:
+            return False
+        if migration_id and self.migration_id:
+            return self.migration_id == migration_id
+        return self.migrated_from == order.src_instance_id
 
-    def is_not_committed_by(self, order: MigrationOrder) -> bool:
+    def is_not_committed_by(self, order: MigrationOrder, migration_id: str) -> bool:
         """Held some other way: this migration can no longer commit there (a request is adopted only once)."""
-        return self.origin is not RequestOrigin.UNKNOWN and not self.is_committed_by(order)
+        return self.origin is not RequestOrigin.UNKNOWN and not self.is_committed_by(order, migration_id)
 
     def describe(self) -> str:
-        source = f" from {self.migrated_from or '?'}" if self.origin is RequestOrigin.MIGRATED_IN else ""
-        return f"{self.origin.value}{source}"
+        if self.origin is not RequestOrigin.MIGRATED_IN:
+            return self.origin.value
+        return f"{self.origin.value} from {self.migrated_from or '?'}" + (
+            f" by migration {self.migration_id}" if self.migration_id else "")
 
 
 class RequestHolders(Protocol):
@@ -69,22 +102,30 @@ class RequestHolders(Protocol):
         """The request on the instance, unfinished; None if it has none (FerryError if it does not answer)."""
 
 
+def this_migration(record: MigrationRecord) -> str:
+    migration_id = record.figures.migration_id
+    return f"migrated in by migration {migration_id}" if migration_id else f"migrated in from {record.order.src_instance_id}"
+
+
 class Settler:
     def __init__(self, holders: RequestHolders, on_settled: Callable[[MigrationRecord, MigrationRecord], None],
-                 looks_at_s: Sequence[float] = LOOKS_AT_S) -> None:
+                 looks_at_s: Sequence[float] = LOOKS_AT_S, is_leading: Callable[[], bool] = lambda: True) -> None:
         self._holders = holders
-        self._on_settled = on_settled  # (the unknown record, what it turned out to be)
+        self._on_settled = on_settled  # (the unknown record, what it turned out to be); told once per record
         self._looks_at_s = looks_at_s
+        self._is_leading = is_leading  # only the leader finds out; a manager that stopped leading stops looking
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def moved_at_once(self, order: MigrationOrder, request_id: str, error: str) -> bool:
+    async def moved_at_once(self, record: MigrationRecord) -> bool:
         """Whether the destination holds the request right after the source gave no answer (it froze or died
         after the commit): then it is committed, and no more needs finding out."""
-        held = await self._held(order.dst_address, request_id) if request_id else None
-        if held is None or not held.is_committed_by(order):
+        order, figures = record.order, record.figures
+        held = await self._held(order.dst_address, figures.request_id) if figures.request_id else None
+        if held is None or not held.is_committed_by(order, figures.migration_id):
             return False
-        log.warning("migration_unanswered_but_moved", request_id=request_id, src_instance_id=order.src_instance_id,
-                    dst_instance_id=order.dst_instance_id, error=error)
+        log.warning("migration_unanswered_but_moved", request_id=figures.request_id,
+                    migration_id=figures.migration_id, src_instance_id=order.src_instance_id,
+                    dst_instance_id=order.dst_instance_id, error=record.message)
         return True
 
     def follow(self, record: MigrationRecord) -> None:
@@ -98,27 +139,37 @@ class Settler:
         task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
+        """Stop looking: each record still followed is settled `unknown` (counted, not lost)."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _settle(self, record: MigrationRecord) -> None:
-        order, request_id = record.order, record.figures.request_id
+        try:
+            outcome, note = await self._find_out(record)
+        except asyncio.CancelledError:
+            self._settled(record, MigrationOutcome.UNKNOWN, NOT_LEADING)
+            raise
+        self._settled(record, outcome, note)
+
+    async def _find_out(self, record: MigrationRecord) -> tuple[MigrationOutcome, str]:
+        order, request_id, migration_id = record.order, record.figures.request_id, record.figures.migration_id
         waited_s, held = 0.0, None
         for look_at_s in self._looks_at_s:
             await asyncio.sleep(look_at_s - waited_s)
             waited_s = look_at_s
+            if not self._is_leading():
+                return MigrationOutcome.UNKNOWN, NOT_LEADING
             held = await self._held(order.dst_address, request_id)
-            if held is not None and held.is_committed_by(order):
-                return self._settled(record, MigrationOutcome.COMMITTED, "committed after all: the destination holds "
-                                     f"the request migrated in from {order.src_instance_id}")
-            if held is not None and held.is_not_committed_by(order):
-                return self._settled(record, MigrationOutcome.FAILED, "not committed: the destination holds the "
-                                     f"request {held.describe()}, not migrated in from {order.src_instance_id}")
+            if held is not None and held.is_committed_by(order, migration_id):
+                return MigrationOutcome.COMMITTED, (f"committed after all: the destination holds the request "
+                                                    f"{held.describe()}")
+            if held is not None and held.is_not_committed_by(order, migration_id):
+                return MigrationOutcome.FAILED, (f"not committed: the destination holds the request "
+                                                 f"{held.describe()}, not {this_migration(record)}")
         if held is None and await self._held(order.src_address, request_id) is not None:
-            return self._settled(record, MigrationOutcome.FAILED, "not committed: the source still holds the request "
-                                 "and the destination does not")
-        self._settled(record, MigrationOutcome.UNKNOWN, record.message)
+            return MigrationOutcome.FAILED, "not committed: the source still holds the request and the destination does not"
+        return MigrationOutcome.UNKNOWN, ""
 
     async def _held(self, address: str, request_id: str) -> HeldRequest | None:
         try:
@@ -127,6 +178,6 @@ class Settler:
             return None  # no answer: look again (or stay unknown)
 
     def _settled(self, record: MigrationRecord, outcome: MigrationOutcome, note: str) -> None:
-        message = record.message if outcome is MigrationOutcome.UNKNOWN else f"{note} ({record.message})"
+        message = f"{note} ({record.message})" if note else record.message
         reason = "" if outcome is MigrationOutcome.COMMITTED else record.reason
         self._on_settled(record, dataclasses.replace(record, outcome=outcome, reason=reason, message=message))

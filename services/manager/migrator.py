@@ -16,8 +16,9 @@ whether or not the load-balancing loop is on. A MigrateOut failure is recorded, 
 by gRPC status and logged, and never ends the loop: the request runs on at the source,
 and that (source, destination) pair waits `failure_backoff_s` before its next try. One the
 source never answered (UNAVAILABLE, DEADLINE_EXCEEDED) may have committed: unless the
-destination holds the request at once, it is kept as `unknown` and found out later
-(migration_settle.py), and counted then. A tick
+destination holds the request at once, it is kept (and journaled) as `unknown` and found out
+later, while this manager leads (migration_settle.py), and counted then. One that never
+reached the source (connection refused) is failed at once. A tick
 that raises (a bug, a race in the view) is logged and the next tick runs (`periodic_loop`).
 """
 
@@ -43,7 +44,8 @@ from services.manager.domain import InstanceId, InstanceState, InstanceView, Rol
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger)
-from services.manager.migration_settle import LOOKS_AT_S, UNANSWERED_STATUSES, HeldRequest, Settler
+from services.manager.migration_settle import (LOOKS_AT_S, UNANSWERED_STATUSES, HeldRequest, Settler,
+                                               SourceUnanswered, SourceUnreached)
 from services.manager.migration_policies import (Pair, PairingPolicy, Peer, destination_order, make_pairing, pair_drains,
                                                  pair_prefilled)
 
@@ -66,7 +68,9 @@ class MigratorLimits:
 
 class MigrateOutClient(Protocol):
     async def migrate_out(self, order: MigrationOrder, timeout_s: float) -> MigrationFigures:
-        """Run the migration on the source; FerryError (cause: the gRPC error) if it was not committed."""
+        """Run the migration on the source; FerryError (cause: the gRPC error) if it was not committed:
+        SourceUnanswered (with the pick the source announced) if it gave no answer, SourceUnreached if the
+        call never reached it."""
 
     async def held_request(self, address: str, request_id: str, timeout_s: float) -> HeldRequest | None:
         """The request on the instance, unfinished, and how it came there; None if it has none."""
@@ -82,7 +86,7 @@ class Migrator:
     def __init__(self, view: ClusterView, leadership: Leadership, client: MigrateOutClient, limits: MigratorLimits,
                  settings: MigrationSettings = DEFAULT_SETTINGS, clock: Clock = time.monotonic,
                  wall_clock: Clock = time.time,
-                 record_sink: Callable[[MigrationRecord], None] | None = None) -> None:
+                 record_sink: Callable[[MigrationRecord, MigrationRecord | None], None] | None = None) -> None:
         self._view = view
         self._leadership = leadership
         self._client = client
@@ -99,10 +103,13 @@ class Migrator:
         self._cooled: dict[str, float] = {}  # request id -> when it committed somewhere
         self._failed_at: dict[tuple[InstanceId, InstanceId], float] = {}  # (src, dst) -> its last failure
         self._history: collections.deque[MigrationRecord] = collections.deque(maxlen=limits.history_size)
-        self._record_sink = record_sink  # also gets every kept record (the etcd journal)
+        # Also gets every kept record (the etcd journal), and what an unknown one turned out to be: (record, the
+        # unknown record it replaces), the latter only while leading.
+        self._record_sink = record_sink
         self._tasks: set[asyncio.Task[None]] = set()
         self._announced_drained: set[InstanceId] = set()
-        self._settler = Settler(client, self._settled, limits.settle_looks_at_s)  # unanswered ones: what became of them
+        self._settler = Settler(client, self._settled, limits.settle_looks_at_s,  # unanswered ones: what became of them
+                                is_leading=lambda: leadership.is_leader)
 
     @property
     def settings(self) -> MigrationSettings:
@@ -179,12 +186,15 @@ class Migrator:
             figures = await self._client.migrate_out(order, self._limits.timeout_s)
         except FerryError as exc:
             elapsed_ms = (self._clock() - started) * 1e3
-            figures = MigrationFigures(order.request_id or exc.request_id, duration_ms=elapsed_ms)
-            is_unanswered = status_name(exc) in UNANSWERED_STATUSES  # it may have committed
-            if not (is_unanswered and await self._settler.moved_at_once(order, figures.request_id, exc.message)):
-                outcome = MigrationOutcome.UNKNOWN if is_unanswered else MigrationOutcome.FAILED
-                self._keep(MigrationRecord(order, outcome, figures, started_at, reason=status_name(exc),
-                                           message=exc.message))
+            migration_id = exc.migration_id if isinstance(exc, SourceUnanswered) else ""
+            figures = MigrationFigures(order.request_id or exc.request_id, duration_ms=elapsed_ms,
+                                       migration_id=migration_id)
+            # it may have committed (a call that never reached the source started nothing)
+            is_unanswered = status_name(exc) in UNANSWERED_STATUSES and not isinstance(exc, SourceUnreached)
+            outcome = MigrationOutcome.UNKNOWN if is_unanswered else MigrationOutcome.FAILED
+            failed = MigrationRecord(order, outcome, figures, started_at, reason=status_name(exc), message=exc.message)
+            if not (is_unanswered and await self._settler.moved_at_once(failed)):
+                self._keep(failed)
                 raise
             message = f"the source gave no answer ({exc.message}), but the destination holds the request"
         finally:
@@ -314,10 +324,12 @@ class Migrator:
         metrics.MIGRATIONS_IN_FLIGHT.dec()
 
     def _keep(self, record: MigrationRecord, backs_off: bool = True) -> None:
-        """In the history; journaled, counted and logged now, or once settled where its outcome is unknown."""
+        """In the history and journaled; counted and logged now, or once settled where its outcome is unknown."""
         self._history.append(record)
         if not record.is_committed and backs_off:
             self._failed_at[record.order.src_instance_id, record.order.dst_instance_id] = self._clock()
+        if self._record_sink is not None:
+            self._record_sink(record, None)
         if record.outcome is MigrationOutcome.UNKNOWN:
             log.warning("migration_unanswered", request_id=record.figures.request_id, reason=record.reason,
                         src_instance_id=record.order.src_instance_id, dst_instance_id=record.order.dst_instance_id,
@@ -327,14 +339,16 @@ class Migrator:
         self._account(record)
 
     def _settled(self, unknown: MigrationRecord, record: MigrationRecord) -> None:
-        """What an unanswered migration turned out to be: it replaces its `unknown` record in the history."""
+        """What an unanswered migration turned out to be: it replaces its `unknown` record in the history, and
+        in the journal while this manager leads (a non-leader writes nothing: the journal keeps it unknown)."""
         with contextlib.suppress(ValueError):  # gone from the history already (a long one): counted all the same
             self._history[self._history.index(unknown)] = record
+        if record != unknown and self._record_sink is not None and self._leadership.is_leader:
+            self._record_sink(record, unknown)
         self._account(record)
 
     def _account(self, record: MigrationRecord) -> None:
-        if self._record_sink is not None:
-            self._record_sink(record)
+        """Counted (metrics) and logged, once per migration."""
         order, figures = record.order, record.figures
         metrics.MIGRATIONS.labels(record.outcome.value, order.trigger.value).inc()
         fields = dict(request_id=figures.request_id, src_instance_id=order.src_instance_id,

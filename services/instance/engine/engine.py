@@ -143,6 +143,7 @@ class RequestSnapshot:
     num_blocks: int
     origin: RequestOrigin = RequestOrigin.DISPATCHED
     migrated_from: str = ""  # with MIGRATED_IN: the migration's source instance
+    migration_id: str = ""  # with MIGRATED_IN: the migration that brought it here
 
     @property
     def num_tokens(self) -> int:
@@ -375,7 +376,7 @@ class LLMEngine:
             epoch=state.epoch, num_resumed_tokens=state.num_resumed_tokens,
             output_token_ids=list(state.output_token_ids), block_table=blocks[:num_blocks],
             num_computed_tokens=state.num_computed_tokens, guide=guide, first_start=state.first_start,
-            origin=RequestOrigin.MIGRATED_IN, migrated_from=src_instance_id,
+            origin=RequestOrigin.MIGRATED_IN, migrated_from=src_instance_id, migration_id=migration_id,
         )  # fmt: skip
         self._requests[request.request_id] = request
         self.block_manager.register_computed(request)  # its K/V arrived with it
@@ -600,7 +601,7 @@ class LLMEngine:
                 request_id=r.request_id, status=r.status, priority=r.priority,
                 num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens,
                 num_computed_tokens=r.num_computed_tokens, num_blocks=len(r.block_table), origin=r.origin,
-                migrated_from=r.migrated_from,
+                migrated_from=r.migrated_from, migration_id=r.migration_id,
             )  # fmt: skip
             for r in tuple(self._requests.values())
         ]

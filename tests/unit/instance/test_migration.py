@@ -22,7 +22,7 @@ from services.instance.engine.engine import EngineConfig, LLMEngine, StepOutput
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.migration_state import RequestState
 from services.instance.engine.model import load_model
-from services.instance.engine.request import FinishReason, SamplingParams
+from services.instance.engine.request import FinishReason, RequestOrigin, SamplingParams
 from services.instance.engine.tokenizer import Tokenizer
 from services.instance.config import InstanceRole, PdHandoff
 from services.instance.convert import migrate_out_plan_from_proto
@@ -229,8 +229,9 @@ async def test_driver_moves_the_request_and_the_client_follows(pair):
 
 
 async def test_the_picked_request_is_announced_before_anything_moves(pair):
-    """MigrateOut names its pick at once (initial metadata), so a manager whose deadline passes meanwhile can ask
-    the destination about that request (the migration runs on here)."""
+    """MigrateOut names its pick and the migration's id at once (initial metadata), so a manager whose deadline
+    passes meanwhile can ask the destination whether it holds that request under that migration (the migration
+    runs on here); a second move of the same request over the same pair has another id."""
     a, b = pair
     tokens: list[int] = []
     stream = await a.runner.add("r", PROMPT, SAMPLING)
@@ -238,11 +239,14 @@ async def test_the_picked_request_is_announced_before_anything_moves(pair):
     copier = TensorCopier(a, b)
     announced = []
 
-    async def on_picked(request_id: str) -> None:
-        announced.append((request_id, len(copier.transfers)))
+    async def on_picked(request_id: str, migration_id: str) -> None:
+        announced.append((request_id, migration_id, len(copier.transfers)))
 
     await driver(a, FaultyPeer(b), copier).migrate_out(plan(request_id=""), on_picked=on_picked)
-    assert announced == [("r", 0)]
+    ((request_id, migration_id, num_copied_then),) = announced
+    assert (request_id, num_copied_then) == ("r", 0) and migration_id.startswith("a-")
+    (held,) = b.engine.list_requests()
+    assert (held.origin, held.migrated_from, held.migration_id) == (RequestOrigin.MIGRATED_IN, "a", migration_id)
     handoff = await read(stream, tokens)
     await read(b.inbox.attach("r", handoff.epoch), tokens)
     await assert_no_blocks_held(a, b)

@@ -10,10 +10,10 @@ import asyncio
 
 import pytest
 
-from services.common.errors import Unavailable
 from services.manager import metrics
+from services.manager.leadership import Leadership
 from services.manager.migration import MigrationOutcome, MigrationTrigger
-from services.manager.migration_settle import HeldRequest, RequestOrigin
+from services.manager.migration_settle import HeldRequest, RequestOrigin, SourceUnanswered, SourceUnreached
 from tests.unit.loop_checks import until
 from tests.unit.manager.factories import FakeClock
 from tests.unit.manager.test_migrator import (MIGRATED_IN_FROM_A, FakeSources, RpcCause, cluster, make_migrator,
@@ -24,11 +24,15 @@ pytestmark = pytest.mark.timeout(10)
 LOOKS_AT_S = (0.01, 0.02, 0.05)
 
 
-def unanswered(status: str, request_id: str) -> Unavailable:
+def unanswered(status: str, request_id: str, migration_id: str = "") -> SourceUnanswered:
     """What the manager's client raises: the source named its pick in the call's initial metadata."""
-    error = Unavailable("MigrateOut on source instance a: Deadline Exceeded", request_id=request_id)
+    error = SourceUnanswered("MigrateOut on source instance a: Deadline Exceeded", request_id, migration_id)
     error.__cause__ = RpcCause(status)
     return error
+
+
+def migrated_in_from_a(migration_id: str) -> HeldRequest:
+    return HeldRequest(RequestOrigin.MIGRATED_IN, "a", migration_id)
 
 
 def counted(outcome: str, trigger: str = "load") -> float:
@@ -39,11 +43,11 @@ def failures(reason: str) -> float:
     return metrics.MIGRATION_FAILURES.labels(reason)._value.get()
 
 
-async def a_loop_migration_unanswered(status: str, request_id: str):
+async def a_loop_migration_unanswered(status: str, request_id: str, migration_id: str = "", **kwargs):
     clock = FakeClock()
     view = cluster(clock, a=3, b=0)
-    sources = FakeSources(unanswered(status, request_id))
-    migrator = make_migrator(view, clock, sources, settle_looks_at_s=LOOKS_AT_S)
+    sources = FakeSources(unanswered(status, request_id, migration_id))
+    migrator = make_migrator(view, clock, sources, **{"settle_looks_at_s": LOOKS_AT_S, **kwargs})
     assert routes(migrator.tick()) == [("a", "b", MigrationTrigger.LOAD)]
     await settle(migrator)
     (record,) = migrator.history()
@@ -101,4 +105,88 @@ async def test_an_unanswered_migration_nobody_can_tell_about_stays_unknown_and_i
     await asyncio.sleep(2 * LOOKS_AT_S[-1])
     assert migrator.history()[0].outcome is MigrationOutcome.UNKNOWN
     assert counted("unknown") == unknown + 1 and failures("DEADLINE_EXCEEDED") == failed
+    await migrator.close()
+
+
+async def test_an_earlier_move_of_the_request_over_the_same_pair_is_no_commit_of_this_one():
+    """Before, the destination holding the request migrated in from this source was taken for this migration's
+    commit: an earlier (or later) move of the same request over the same pair counted as it. The source now
+    announces the migration's id with its pick and the destination keeps it on the request (RequestInfo)."""
+    committed, failed = counted("committed"), failures("DEADLINE_EXCEEDED")
+    migrator, sources, record = await a_loop_migration_unanswered("DEADLINE_EXCEEDED", "r-12", "a-2")
+    assert record.figures.migration_id == "a-2"
+    sources.held[record.order.dst_address, "r-12"] = migrated_in_from_a("a-1")  # the first move's copy
+    await until(lambda: migrator.history()[0].outcome is MigrationOutcome.FAILED, asyncio.current_task())
+    assert "migrated_in from a by migration a-1, not migrated in by migration a-2" in migrator.history()[0].message
+    assert counted("committed") == committed and failures("DEADLINE_EXCEEDED") == failed + 1
+    await migrator.close()
+
+
+async def test_the_copy_of_this_very_migration_is_its_commit():
+    committed = counted("committed")
+    migrator, sources, record = await a_loop_migration_unanswered("DEADLINE_EXCEEDED", "r-13", "a-3")
+    sources.held[record.order.dst_address, "r-13"] = migrated_in_from_a("a-3")
+    await until(lambda: migrator.history()[0].is_committed, asyncio.current_task())
+    assert counted("committed") == committed + 1
+    await migrator.close()
+
+
+async def test_an_unanswered_migration_is_journaled_unknown_at_once_and_then_in_its_place():
+    """The etcd journal shows an unanswered migration as unknown at once (another manager, or ferryctl through it,
+    sees it); what it turned out to be replaces it there."""
+    journaled = []
+    migrator, sources, record = await a_loop_migration_unanswered(
+        "DEADLINE_EXCEEDED", "r-14", "a-4", record_sink=lambda *written: journaled.append(written))
+    assert journaled == [(record, None)]
+    sources.held[record.order.dst_address, "r-14"] = migrated_in_from_a("a-4")
+    await until(lambda: len(journaled) == 2, asyncio.current_task())
+    settled, replaced = journaled[1]
+    assert settled.is_committed and replaced == record
+    await migrator.close()
+
+
+async def test_a_manager_that_stops_leading_stops_settling_and_counts_the_rest_unknown_writing_nothing():
+    """Before, the manager that started a migration went on settling it after another took over, and wrote its
+    outcome to the shared journal as a non-leader."""
+    leadership = Leadership("m-1", "127.0.0.1:1")
+    leadership.set_elected(True)
+    journaled, unknown, committed = [], counted("unknown"), counted("committed")
+    migrator, sources, record = await a_loop_migration_unanswered(
+        "DEADLINE_EXCEEDED", "r-15", "a-5", leadership=leadership,
+        record_sink=lambda *written: journaled.append(written))
+    leadership.set_elected(False)  # another manager leads now
+    sources.held[record.order.dst_address, "r-15"] = migrated_in_from_a("a-5")  # a leader would find it committed
+    await until(lambda: counted("unknown") == unknown + 1, asyncio.current_task())
+    (kept,) = migrator.history()
+    assert kept.outcome is MigrationOutcome.UNKNOWN and "stopped leading" in kept.message
+    assert journaled == [(record, None)]  # the journal keeps the unknown record: nothing written since
+    await asyncio.sleep(2 * LOOKS_AT_S[-1])
+    assert counted("unknown") == unknown + 1 and counted("committed") == committed
+    await migrator.close()
+
+
+async def test_a_manager_that_stops_counts_what_it_still_followed_as_unknown():
+    """Before, close() cancelled the settling and the records still unknown were never counted anywhere."""
+    unknown = counted("unknown")
+    migrator, _, _ = await a_loop_migration_unanswered("UNAVAILABLE", "r-16", "a-6", settle_looks_at_s=(30.0,))
+    await migrator.close()
+    assert counted("unknown") == unknown + 1
+    (kept,) = migrator.history()
+    assert kept.outcome is MigrationOutcome.UNKNOWN and "stopped leading (or stopped)" in kept.message
+
+
+async def test_a_call_that_never_reached_the_source_is_failed_at_once():
+    """The connection was refused: no migration started there, so there is nothing to find out."""
+    failed, unknown = failures("UNAVAILABLE"), counted("unknown")
+    clock = FakeClock()
+    view = cluster(clock, a=3, b=0)
+    refused = SourceUnreached("MigrateOut on source instance a at 127.0.0.1:1 never reached it")
+    refused.__cause__ = RpcCause("UNAVAILABLE")
+    migrator = make_migrator(view, clock, FakeSources(refused), settle_looks_at_s=LOOKS_AT_S)
+    migrator.tick()
+    await settle(migrator)
+    (record,) = migrator.history()
+    assert (record.outcome, record.reason) == (MigrationOutcome.FAILED, "UNAVAILABLE")
+    assert "never reached" in record.message
+    assert failures("UNAVAILABLE") == failed + 1 and counted("unknown") == unknown
     await migrator.close()

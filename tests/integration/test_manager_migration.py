@@ -28,6 +28,7 @@ from services.manager.client import ManagerClient
 from services.manager.domain import InstanceId
 from services.manager.instance_client import InstanceChannels
 from services.manager.migration import MigrationOrder, MigrationTrigger
+from services.manager.migration_settle import SourceUnanswered
 from tests.integration.manager_harness import SimulatedInstance, leader_of, start_manager, wait_until
 
 pytestmark = pytest.mark.timeout(90)
@@ -300,13 +301,26 @@ async def test_a_source_that_moved_the_request_but_gave_no_answer_is_settled_by_
     assert (moved.request_id, moved.dst_instance_id, moved.num_blocks) == ("r-1", "i-1", 0)  # no figures
     (record,) = (await client.list_migrations(request_id="r-1")).migrations
     assert record.outcome == "committed" and "gave no answer" in record.message
-    await peers["i-0"].sim.server.stop(0)  # gone: nothing moves, and the error names the source
+    peers["i-0"].answer_delay_s, peers["i-0"].hang_s = 0.0, 30.0  # frozen before anything moved
     with pytest.raises(Unavailable, match="MigrateOut on source instance i-0 at .*: "):
         await client.migrate(request_id="r-2", src_instance_id="i-0", dst_instance_id="i-1")
     (record,) = (await client.list_migrations(request_id="r-2")).migrations
     # Not on the destination (yet): a source that gave no answer may have committed all the same, so
     # "unknown" until the destination or the source tells (test_migration_settle.py), not "failed".
-    assert (record.outcome, record.reason) == ("unknown", "UNAVAILABLE")
+    assert (record.outcome, record.reason) == ("unknown", "DEADLINE_EXCEEDED")
+
+
+async def test_a_migrate_that_never_reached_its_source_is_failed_not_unknown(world):
+    """Before, a source whose connection was refused (stopped) was recorded like one that froze after the commit:
+    "unknown". gRPC failed the call before sending it, so nothing can have moved: "failed", saying so."""
+    _, client, peers = await world(2, "--migration-timeout-s", "1")
+    peers["i-0"].hold("r-1")
+    await wait_until(lambda: _running_is(client, {"i-0": 1, "i-1": 0}), 5, "requests reported")
+    await peers["i-0"].sim.server.stop(0)  # gone: the error names the source
+    with pytest.raises(Unavailable, match="MigrateOut on source instance i-0 at .* never reached it"):
+        await client.migrate(request_id="r-1", src_instance_id="i-0", dst_instance_id="i-1")
+    (record,) = (await client.list_migrations(request_id="r-1")).migrations
+    assert (record.outcome, record.reason) == ("failed", "UNAVAILABLE") and "nothing was migrated" in record.message
 
 
 async def test_a_request_the_frontend_resumed_on_the_destination_while_its_source_froze_is_no_commit(world):
@@ -454,7 +468,7 @@ class PickThenHang:
         self.done = asyncio.Event()
 
     async def migrate_out(self, plan, on_picked=None):
-        await on_picked("r-42")
+        await on_picked("r-42", "a-0123")
         await self.done.wait()
         raise Aborted("never mind")
 
@@ -470,10 +484,10 @@ async def test_a_migrate_out_past_its_deadline_names_the_request_its_source_pick
     channels = InstanceChannels()
     try:
         order = MigrationOrder(InstanceId("a"), server.address, InstanceId("b"), "127.0.0.1:1", MigrationTrigger.LOAD)
-        with pytest.raises(Unavailable) as raised:
+        with pytest.raises(SourceUnanswered) as raised:
             await channels.migrate_out(order, timeout_s=0.5)
         assert raised.value.__cause__.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-        assert raised.value.request_id == "r-42"
+        assert (raised.value.request_id, raised.value.migration_id) == ("r-42", "a-0123")
     finally:
         servicer.migrations.done.set()
         await channels.close()

@@ -4,6 +4,7 @@ merged with what the leader has not written yet, and never in the way of a migra
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -89,3 +90,18 @@ async def test_a_paused_etcd_loses_a_record_not_the_writer(journal, etcd):
         etcd.resume()
     journal.append(record(2))
     assert (await stored_ids(journal, "req-2"))[-1] == "req-2"
+
+
+async def test_an_unknown_record_is_replaced_in_place_by_what_it_turned_out_to_be(journal):
+    """An unanswered migration is journaled unknown at once (a new leader sees it) and its outcome, once found
+    out, replaces it: one record, not an unknown one and a committed one side by side."""
+    unknown = record(1, MigrationOutcome.UNKNOWN)
+    journal.append(unknown)
+    await stored_ids(journal, "req-1")
+    assert [r.outcome for r in await journal.read()] == ["unknown"]
+    settled = dataclasses.replace(unknown, outcome=MigrationOutcome.COMMITTED, message="committed after all")
+    assert [(r.request_id, r.outcome) for r in await journal.history([settled])] == [("req-1", "committed")]
+    journal.append(settled, replaces=unknown)
+    journal.append(record(2))
+    await stored_ids(journal, "req-2")
+    assert [(r.request_id, r.outcome) for r in await journal.read()] == [("req-1", "committed"), ("req-2", "committed")]

@@ -7,14 +7,15 @@ import llguidance
 
 from services.instance.convert import (
     load_to_proto,
+    request_info_to_proto,
     request_state_from_proto,
     request_state_to_proto,
     sampling_from_proto,
     sampling_to_proto,
 )
-from services.instance.engine.engine import LoadSnapshot
+from services.instance.engine.engine import LoadSnapshot, RequestSnapshot
 from services.instance.engine.migration_state import RequestState
-from services.instance.engine.request import RequestId, SamplingParams
+from services.instance.engine.request import RequestId, RequestOrigin, RequestStatus, SamplingParams
 
 
 def test_every_sampling_field_survives_the_round_trip():
@@ -45,3 +46,11 @@ def test_the_load_report_carries_the_requests_taken_in():
     report = load_to_proto("i-1", load, num_requests_served=6, timestamp=1.0)
     assert (report.num_requests_admitted, report.num_requests_migrated_in) == (9, 4)
     assert report.HasField("num_free_slots") and report.num_free_slots == 0  # none free is said, not left unset
+
+
+def test_a_request_info_names_the_migration_that_brought_the_request():
+    """The manager matches an unanswered migration by its id (RequestInfo.migration_id), not by its source alone."""
+    snapshot = RequestSnapshot(RequestId("r"), RequestStatus.RUNNING, 0, 4, 2, 5, 1, RequestOrigin.MIGRATED_IN,
+                               migrated_from="a", migration_id="a-0123")
+    info = request_info_to_proto(snapshot, "b")
+    assert (info.migrated_from_instance_id, info.migration_id) == ("a", "a-0123")

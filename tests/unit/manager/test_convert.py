@@ -5,12 +5,14 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2
-from services.manager.convert import (instance_to_proto, load_from_proto, migrate_response_to_proto,
+from services.manager.convert import (held_request_from_proto, instance_to_proto, load_from_proto,
+                                      migrate_response_to_proto,
                                       migration_figures_from_proto, migration_record_to_proto,
                                       reported_migration_from_proto)
 from services.manager.domain import InstanceId, InstanceRecord, InstanceState, InstanceView, Reservation
 from services.manager.migration import (MigrationOrder, MigrationOutcome, MigrationRecord, MigrationSelection,
                                         MigrationTrigger)
+from services.manager.migration_settle import HeldRequest, RequestOrigin
 
 
 def test_prefix_cache_counters_reach_the_instance_row():
@@ -99,3 +101,9 @@ def test_the_blocks_reused_at_the_destination_reach_the_admin_answer_and_the_his
     reported.num_cached_at_destination = -1
     with pytest.raises(InvalidArgument, match="num_cached_at_destination"):
         reported_migration_from_proto(reported, "", "")
+
+
+def test_a_held_request_names_the_migration_that_brought_it():
+    info = instance_pb2.RequestInfo(request_id="r", state="running", origin=instance_pb2.REQUEST_ORIGIN_MIGRATED_IN,
+                                    migrated_from_instance_id="a", migration_id="a-0123")
+    assert held_request_from_proto(info) == HeldRequest(RequestOrigin.MIGRATED_IN, "a", "a-0123")

@@ -261,17 +261,21 @@ class MigrationInbox:
         await self._runner.abort(incoming.request_id)
         return True
 
-    async def drop_unattached(self, request_id: str) -> bool:
-        """Drop a request that migrated in but that no client attached to; False if there is none.
+    async def drop_unattached(self, request_id: str) -> str:
+        """Drop a request that migrated in but that no client attached to; the id of the migration that
+        committed the dropped copy, "" if there is none (a copy a commit is still admitting is dropped too,
+        and that commit then fails: no id).
 
         Its source can die between the commit and the hand-off reaching the client: the client
-        then resumes the request with Generate, maybe here, and the resume takes its place."""
+        then resumes the request with Generate, maybe here, and the resume takes its place (and the id:
+        the manager asking about that migration learns it committed, RequestInfo.migration_id)."""
         committed = [i for i in self._incoming.values() if i.request_id == request_id and i.epoch is not None]
-        dropped = [await self.abort(incoming.migration_id) for incoming in committed]
-        dropped.append(await self._drop_admitting(request_id))
-        if any(dropped):
-            log.warning("migration_in_replaced_by_resume", request_id=request_id)
-        return any(dropped)
+        replaced = [incoming.migration_id for incoming in committed if await self.abort(incoming.migration_id)]
+        is_admitting_dropped = await self._drop_admitting(request_id)
+        if replaced or is_admitting_dropped:
+            log.warning("migration_in_replaced_by_resume", request_id=request_id,
+                        migration_id=replaced[-1] if replaced else "")
+        return replaced[-1] if replaced else ""
 
     async def _drop_admitting(self, request_id: str) -> bool:
         """Drop the copy of `request_id` that a commit is admitting here now (its stream is open, and only

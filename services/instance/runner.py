@@ -57,10 +57,12 @@ class EngineRunner(EngineThread):
     async def add(self, request_id: str, prompt_token_ids: list[int], sampling: Any,
                   priority: int = 0, resume_token_ids: tuple[int, ...] = (),
                   resume_text: str | None = None, first_start: int | None = None,
-                  check_accepting: Callable[[], None] = lambda: None, attempt: int = 0) -> RequestStream:
+                  check_accepting: Callable[[], None] = lambda: None, attempt: int = 0,
+                  replaced_migration_id: str = "") -> RequestStream:
         """Admit a request; raises the engine's validation errors (InvalidArgument, ...). `check_accepting`
         raises once the instance takes no more work: it runs right before the stream opens, in the same
-        step, so a shutdown that began while a grammar was built either sees the request or refuses it."""
+        step, so a shutdown that began while a grammar was built either sees the request or refuses it.
+        `replaced_migration_id`: a resume's, the migration whose copy here it replaced (engine.add_request)."""
         guide = None  # a grammar is built off the engine thread: a complex one takes a while
         if sampling.grammar:
             guide = await asyncio.to_thread(self._engine.new_guide, sampling, resume_token_ids, "resume_token_ids")
@@ -69,7 +71,8 @@ class EngineRunner(EngineThread):
         def admit() -> None:
             self._engine.add_request(request_id, prompt_token_ids, sampling,
                                      priority=priority, resume_token_ids=resume_token_ids,
-                                     resume_text=resume_text, guide=guide, first_start=first_start)
+                                     resume_text=resume_text, guide=guide, first_start=first_start,
+                                     replaced_migration_id=replaced_migration_id)
 
         return await self._open_stream(request_id, CopyRef(attempt, 0), admit, is_attached=True,
                                        from_token_index=len(resume_token_ids))

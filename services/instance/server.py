@@ -74,8 +74,9 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
             raise FailedPrecondition(f"instance {self.identity.instance_id} has role decode and takes no new "
                                      "prefills; send the request to a prefill instance (the manager's Dispatch), "
                                      "or set can_prefill_on_decode when none serves")
-        if self.inbox is not None:  # a resume of a request whose migration here nobody attached to replaces it
-            await self.inbox.drop_unattached(request_id)
+        replaced = ""  # a resume of a request whose migration here nobody attached to replaces it
+        if self.inbox is not None:
+            replaced = await self.inbox.drop_unattached(request_id)
         if await self._runner.take_over(request_id, len(request.resume_token_ids), request.attempt):  # one whose client left
             log.warning("request_replaced_by_resume", request_id=request_id,
                         from_token_index=len(request.resume_token_ids))
@@ -85,7 +86,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
             resume_text=request.resume_text if request.HasField("resume_text") else None,
             first_start=request.resume_first_start if request.HasField("resume_first_start") else None,
             check_accepting=lambda: self._check_accepting("new requests"),  # again: SIGTERM may have come meanwhile
-            attempt=request.attempt)
+            attempt=request.attempt, replaced_migration_id=replaced)
         log.info("request_started", request_id=request_id, num_prompt_tokens=len(request.prompt_token_ids),
                  num_resume_tokens=len(request.resume_token_ids))
         async for chunk in self._chunks(stream, from_token_index=0):

@@ -8,9 +8,10 @@ with backoff (`looks_at_s`, from when the call ended), by asking the destination
 (ListRequests). The source names its pick and the migration's id in MigrateOut's initial metadata
 (services/common/pick_announcement.py), so a loop migration's request is known too, and the destination's
 answer is matched to this very migration (RequestInfo.migration_id), not to an earlier or later move of the same
-request over the same pair. It is `committed` once the destination holds it under this migration's id; `failed`
-once the destination holds it another way (the frontend resumed it there after the source stopped answering: a
-commit of it is refused there from then on; or another migration brought it), or at the last look if the source
+request over the same pair. It is `committed` once the destination holds it under this migration's id (also
+where the frontend's resume replaced the copy this migration committed there, whose hand-off never reached the
+client); `failed` once the destination holds it another way (the frontend resumed it there after the source
+stopped answering: a commit of it is refused there from then on; or another migration brought it), or at the last look if the source
 still holds it and the destination does not; otherwise (it finished meanwhile, no instance answered, the request
 is not known, or a destination from before RequestInfo.origin holds it) it stays `unknown`. Where either side is
 from before RequestInfo.migration_id, a request migrated in from this migration's source counts as its commit.
@@ -75,22 +76,26 @@ class HeldRequest:
 
     origin: RequestOrigin
     migrated_from: str = ""  # with MIGRATED_IN: the migration's source instance id
-    migration_id: str = ""  # with MIGRATED_IN: that migration's id ("" from an instance from before the field)
+    # MIGRATED_IN: that migration's id ("" from an instance from before the field); RESUMED: the migration whose
+    # committed copy, which no client attached to (its hand-off was lost), the frontend's resume replaced
+    migration_id: str = ""
 
     def is_committed_by(self, order: MigrationOrder, migration_id: str) -> bool:
-        """Whether this is the copy the migration `migration_id` (as its source announced it; "" if it did not)
-        committed; by the source instance where either side does not know the id."""
-        if self.origin is not RequestOrigin.MIGRATED_IN:
-            return False
+        """Whether the migration `migration_id` (as its source announced it; "" if it did not) committed this
+        copy, or the one a resume replaced; by the source instance where either side does not know the id."""
         if migration_id and self.migration_id:
-            return self.migration_id == migration_id
-        return self.migrated_from == order.src_instance_id
+            return self.migration_id == migration_id and self.origin in (RequestOrigin.MIGRATED_IN,
+                                                                         RequestOrigin.RESUMED)
+        return self.origin is RequestOrigin.MIGRATED_IN and self.migrated_from == order.src_instance_id
 
     def is_not_committed_by(self, order: MigrationOrder, migration_id: str) -> bool:
         """Held some other way: this migration can no longer commit there (a request is adopted only once)."""
         return self.origin is not RequestOrigin.UNKNOWN and not self.is_committed_by(order, migration_id)
 
     def describe(self) -> str:
+        if self.origin is RequestOrigin.RESUMED and self.migration_id:
+            return (f"resumed in place of the copy migration {self.migration_id} committed there (its hand-off "
+                    "never reached the client)")
         if self.origin is not RequestOrigin.MIGRATED_IN:
             return self.origin.value
         return f"{self.origin.value} from {self.migrated_from or '?'}" + (

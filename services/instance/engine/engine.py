@@ -143,7 +143,7 @@ class RequestSnapshot:
     num_blocks: int
     origin: RequestOrigin = RequestOrigin.DISPATCHED
     migrated_from: str = ""  # with MIGRATED_IN: the migration's source instance
-    migration_id: str = ""  # with MIGRATED_IN: the migration that brought it here
+    migration_id: str = ""  # MIGRATED_IN: the migration that brought it; RESUMED: the one whose copy it replaced
 
     @property
     def num_tokens(self) -> int:
@@ -183,12 +183,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                     priority: int = 0, resume_token_ids: Sequence[int] = (), resume_text: str | None = None,
-                    guide: Guide | None = None, first_start: int | None = None) -> None:
+                    guide: Guide | None = None, first_start: int | None = None,
+                    replaced_migration_id: str = "") -> None:
         """Queue a request; raises InvalidArgument (bad input, duplicate id) or ResourceExhausted.
         A resume (`resume_token_ids`) goes on after `resume_text`, the part of their text the client
         has; None counts all of it as sent, and its prompt is cut at `first_start` (where it was first
         computed from on the instance that failed), so its rows get the bits they had there. A request
-        with a grammar takes `guide` if given (built off the engine thread with `new_guide`), else builds it here."""
+        with a grammar takes `guide` if given (built off the engine thread with `new_guide`), else builds it here.
+        A resume that replaced the copy a migration committed here, which no client attached to (its hand-off
+        never reached the client), keeps `replaced_migration_id` (ListRequests: that migration did commit)."""
         request_id = RequestId(request_id)
         if request_id in self._requests:
             raise InvalidArgument(f"request_id: {request_id!r} is already on this instance; ids must be unique")
@@ -213,6 +216,7 @@ class LLMEngine:
             arrival_order=next(self._arrivals), text=text, priority=priority,
             num_resumed_tokens=len(resumed), output_token_ids=resumed, guide=guide, first_start=first_start,
             origin=RequestOrigin.RESUMED if resumed else RequestOrigin.DISPATCHED,
+            migration_id=replaced_migration_id if resumed else "",
         )  # fmt: skip
         self._requests[request_id] = request
         self.scheduler.add(request)

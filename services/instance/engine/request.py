@@ -162,7 +162,9 @@ class Request:
     guide: Guide | None = None  # sampling.grammar's state past output_token_ids (constrained decoding)
     origin: RequestOrigin = RequestOrigin.DISPATCHED
     migrated_from: str = ""  # with MIGRATED_IN: the instance id of the migration's source
-    migration_id: str = ""  # with MIGRATED_IN: the migration that brought it here
+    # MIGRATED_IN: the migration that brought it here; RESUMED: the migration whose committed copy, which no client
+    # attached to, this resume replaced (its hand-off never reached the client)
+    migration_id: str = ""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,6 +10,7 @@ import pytest
 from services.common.errors import Aborted, Unavailable
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2
 from services.instance.convert import sampling_to_proto
+from services.instance.engine.request import RequestOrigin
 from tests.unit.instance import test_migration
 from tests.unit.instance.test_instance_shutdown_and_role import servicer_for
 from tests.unit.instance.test_migration import PROMPT, SAMPLING, assert_no_blocks_held, reference
@@ -65,3 +66,23 @@ async def test_an_older_attempt_arriving_after_a_newer_one_is_refused_and_leaves
     last = await read_tokens(newer, tokens)
     assert tokens == expected and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
     await assert_no_blocks_held(a)
+
+
+async def test_a_resume_in_place_of_a_migrated_in_copy_keeps_that_migrations_id(pair):
+    """The source froze between the commit and the hand-off reaching the client; the frontend resumed the request
+    on the destination, which dropped the unattached copy for it. The manager, asking the destination about that
+    unanswered migration, found a resume and recorded `failed`, though the migration had committed: the
+    destination now names the migration whose copy the resume replaced (RequestInfo.migration_id)."""
+    a, b = pair
+    expected = await reference(a)
+    stream, tokens = await test_migration.moved_a_to_b(a, b)
+    assert isinstance(await test_migration.read(stream, tokens), test_migration.Handoff)  # never reaches the client
+    (copy,) = b.engine.list_requests()
+    assert copy.migration_id.startswith("a-")
+    chunks = generate(servicer_for(b), resume_token_ids=tokens)
+    await read_tokens(chunks, tokens, until=len(tokens) + 1)
+    (resumed,) = b.engine.list_requests()
+    assert (resumed.origin, resumed.migration_id) == (RequestOrigin.RESUMED, copy.migration_id)
+    await read_tokens(chunks, tokens)
+    assert tokens == expected
+    await assert_no_blocks_held(a, b)

@@ -190,3 +190,25 @@ async def test_a_call_that_never_reached_the_source_is_failed_at_once():
     assert "never reached" in record.message
     assert failures("UNAVAILABLE") == failed + 1 and counted("unknown") == unknown
     await migrator.close()
+
+
+async def test_a_commit_whose_hand_off_was_lost_is_committed_though_the_frontend_resumed_it():
+    """The source froze after the commit, before its hand-off reached the client; the frontend resumed the request
+    on the destination, in place of the copy nobody attached to. Before, that settled `failed` (held by a resume);
+    the destination now names the migration whose copy the resume replaced, and the migration did commit."""
+    committed, failed = counted("committed"), failures("DEADLINE_EXCEEDED")
+    migrator, sources, record = await a_loop_migration_unanswered("DEADLINE_EXCEEDED", "r-17", "a-7")
+    sources.held[record.order.dst_address, "r-17"] = HeldRequest(RequestOrigin.RESUMED, migration_id="a-7")
+    await until(lambda: migrator.history()[0].is_committed, asyncio.current_task())
+    assert "resumed in place of the copy migration a-7 committed there" in migrator.history()[0].message
+    assert counted("committed") == committed + 1 and failures("DEADLINE_EXCEEDED") == failed
+    await migrator.close()
+
+
+async def test_a_resume_in_place_of_another_migrations_copy_is_no_commit_of_this_one():
+    failed = failures("DEADLINE_EXCEEDED")
+    migrator, sources, record = await a_loop_migration_unanswered("DEADLINE_EXCEEDED", "r-18", "a-8")
+    sources.held[record.order.dst_address, "r-18"] = HeldRequest(RequestOrigin.RESUMED, migration_id="a-1")
+    await until(lambda: migrator.history()[0].outcome is MigrationOutcome.FAILED, asyncio.current_task())
+    assert failures("DEADLINE_EXCEEDED") == failed + 1
+    await migrator.close()

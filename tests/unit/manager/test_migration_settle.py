@@ -12,7 +12,7 @@ import pytest
 
 from services.manager import metrics
 from services.manager.leadership import Leadership
-from services.manager.migration import MigrationOutcome, MigrationTrigger
+from services.manager.migration import MigrationOutcome, MigrationRecord, MigrationTrigger
 from services.manager.migration_settle import HeldRequest, RequestOrigin, SourceUnanswered, SourceUnreached
 from tests.unit.loop_checks import until
 from tests.unit.manager.factories import FakeClock
@@ -56,6 +56,19 @@ async def a_loop_migration_unanswered(status: str, request_id: str, migration_id
     return migrator, sources, record
 
 
+async def settled_once_the_destination_holds(held: HeldRequest, outcome: MigrationOutcome, request_id: str,
+                                             migration_id: str = "") -> MigrationRecord:
+    """An unanswered loop migration (DEADLINE_EXCEEDED) whose destination then holds its request as `held`:
+    its record once settled `outcome` (the migrator closed)."""
+    migrator, sources, record = await a_loop_migration_unanswered("DEADLINE_EXCEEDED", request_id, migration_id)
+    assert record.figures.migration_id == migration_id
+    sources.held[record.order.dst_address, request_id] = held
+    await until(lambda: migrator.history()[0].outcome is outcome, asyncio.current_task())
+    (settled,) = migrator.history()
+    await migrator.close()
+    return settled
+
+
 async def test_a_loop_migration_past_its_deadline_that_commits_later_is_recorded_committed():
     committed, failed = counted("committed"), failures("DEADLINE_EXCEEDED")
     migrator, sources, record = await a_loop_migration_unanswered("DEADLINE_EXCEEDED", "r-7")
@@ -79,12 +92,10 @@ async def test_an_unanswered_migration_whose_request_the_frontend_resumed_on_the
     """Found by a black-box run: the source froze past the deadline, the frontend resumed the request on the
     destination, and the destination holding it was taken for a commit (the source logged migration_aborted)."""
     committed, failed = counted("committed"), failures("DEADLINE_EXCEEDED")
-    migrator, sources, record = await a_loop_migration_unanswered("DEADLINE_EXCEEDED", "r-10")
-    sources.held[record.order.dst_address, "r-10"] = HeldRequest(RequestOrigin.RESUMED)
-    await until(lambda: migrator.history()[0].outcome is MigrationOutcome.FAILED, asyncio.current_task())
-    assert "holds the request resumed, not migrated in from a" in migrator.history()[0].message
+    settled = await settled_once_the_destination_holds(HeldRequest(RequestOrigin.RESUMED), MigrationOutcome.FAILED,
+                                                       "r-10")
+    assert "holds the request resumed, not migrated in from a" in settled.message
     assert counted("committed") == committed and failures("DEADLINE_EXCEEDED") == failed + 1
-    await migrator.close()
 
 
 async def test_an_unanswered_migration_an_older_destination_holds_stays_unknown():
@@ -113,22 +124,16 @@ async def test_an_earlier_move_of_the_request_over_the_same_pair_is_no_commit_of
     commit: an earlier (or later) move of the same request over the same pair counted as it. The source now
     announces the migration's id with its pick and the destination keeps it on the request (RequestInfo)."""
     committed, failed = counted("committed"), failures("DEADLINE_EXCEEDED")
-    migrator, sources, record = await a_loop_migration_unanswered("DEADLINE_EXCEEDED", "r-12", "a-2")
-    assert record.figures.migration_id == "a-2"
-    sources.held[record.order.dst_address, "r-12"] = migrated_in_from_a("a-1")  # the first move's copy
-    await until(lambda: migrator.history()[0].outcome is MigrationOutcome.FAILED, asyncio.current_task())
-    assert "migrated_in from a by migration a-1, not migrated in by migration a-2" in migrator.history()[0].message
+    first_moves_copy = migrated_in_from_a("a-1")
+    settled = await settled_once_the_destination_holds(first_moves_copy, MigrationOutcome.FAILED, "r-12", "a-2")
+    assert "migrated_in from a by migration a-1, not migrated in by migration a-2" in settled.message
     assert counted("committed") == committed and failures("DEADLINE_EXCEEDED") == failed + 1
-    await migrator.close()
 
 
 async def test_the_copy_of_this_very_migration_is_its_commit():
     committed = counted("committed")
-    migrator, sources, record = await a_loop_migration_unanswered("DEADLINE_EXCEEDED", "r-13", "a-3")
-    sources.held[record.order.dst_address, "r-13"] = migrated_in_from_a("a-3")
-    await until(lambda: migrator.history()[0].is_committed, asyncio.current_task())
+    await settled_once_the_destination_holds(migrated_in_from_a("a-3"), MigrationOutcome.COMMITTED, "r-13", "a-3")
     assert counted("committed") == committed + 1
-    await migrator.close()
 
 
 async def test_an_unanswered_migration_is_journaled_unknown_at_once_and_then_in_its_place():
@@ -197,18 +202,14 @@ async def test_a_commit_whose_hand_off_was_lost_is_committed_though_the_frontend
     on the destination, in place of the copy nobody attached to. Before, that settled `failed` (held by a resume);
     the destination now names the migration whose copy the resume replaced, and the migration did commit."""
     committed, failed = counted("committed"), failures("DEADLINE_EXCEEDED")
-    migrator, sources, record = await a_loop_migration_unanswered("DEADLINE_EXCEEDED", "r-17", "a-7")
-    sources.held[record.order.dst_address, "r-17"] = HeldRequest(RequestOrigin.RESUMED, migration_id="a-7")
-    await until(lambda: migrator.history()[0].is_committed, asyncio.current_task())
-    assert "resumed in place of the copy migration a-7 committed there" in migrator.history()[0].message
+    resumed_in_place = HeldRequest(RequestOrigin.RESUMED, migration_id="a-7")
+    settled = await settled_once_the_destination_holds(resumed_in_place, MigrationOutcome.COMMITTED, "r-17", "a-7")
+    assert "resumed in place of the copy migration a-7 committed there" in settled.message
     assert counted("committed") == committed + 1 and failures("DEADLINE_EXCEEDED") == failed
-    await migrator.close()
 
 
 async def test_a_resume_in_place_of_another_migrations_copy_is_no_commit_of_this_one():
     failed = failures("DEADLINE_EXCEEDED")
-    migrator, sources, record = await a_loop_migration_unanswered("DEADLINE_EXCEEDED", "r-18", "a-8")
-    sources.held[record.order.dst_address, "r-18"] = HeldRequest(RequestOrigin.RESUMED, migration_id="a-1")
-    await until(lambda: migrator.history()[0].outcome is MigrationOutcome.FAILED, asyncio.current_task())
+    resumed_in_place = HeldRequest(RequestOrigin.RESUMED, migration_id="a-1")
+    await settled_once_the_destination_holds(resumed_in_place, MigrationOutcome.FAILED, "r-18", "a-8")
     assert failures("DEADLINE_EXCEEDED") == failed + 1
-    await migrator.close()

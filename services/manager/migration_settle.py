@@ -16,9 +16,9 @@ still holds it and the destination does not; otherwise (it finished meanwhile, n
 is not known, or a destination from before RequestInfo.origin holds it) it stays `unknown`. Where either side is
 from before RequestInfo.migration_id, a request migrated in from this migration's source counts as its commit.
 
-Only the leader finds out: a manager that stops leading (or stops) settles what it still follows as `unknown`
-at once, so each is counted once and none is lost, and leaves the journal's `unknown` record as it is (a
-non-leader writes nothing). Bounded: at most MAX_UNSETTLED followed at once (one more is settled `unknown` at
+Only the leader finds out, in the term that kept the record: a manager that stops leading (or stops) settles
+what it still follows as `unknown` at once, so each is counted once and none is lost, and leaves the journal's
+`unknown` record as it is (a non-leader writes nothing). Bounded: at most MAX_UNSETTLED followed at once (one more is settled `unknown` at
 once), each looked at len(looks_at_s) times at most.
 
 A call that never reached the source (`SourceUnreached`: the connection was refused) started nothing there:
@@ -114,11 +114,13 @@ def this_migration(record: MigrationRecord) -> str:
 
 class Settler:
     def __init__(self, holders: RequestHolders, on_settled: Callable[[MigrationRecord, MigrationRecord], None],
-                 looks_at_s: Sequence[float] = LOOKS_AT_S, is_leading: Callable[[], bool] = lambda: True) -> None:
+                 looks_at_s: Sequence[float] = LOOKS_AT_S, leading_term: Callable[[], int | None] = lambda: 0) -> None:
         self._holders = holders
         self._on_settled = on_settled  # (the unknown record, what it turned out to be); told once per record
         self._looks_at_s = looks_at_s
-        self._is_leading = is_leading  # only the leader finds out; a manager that stopped leading stops looking
+        # This manager's term while it leads, else None: only the leader finds out, and only in the term that kept
+        # the record (a manager that stopped leading, even if it leads again since, stops looking)
+        self._leading_term = leading_term
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def moved_at_once(self, record: MigrationRecord) -> bool:
@@ -135,10 +137,13 @@ class Settler:
 
     def follow(self, record: MigrationRecord) -> None:
         """Find out what became of `record` (outcome unknown) in the background; `on_settled` is told."""
+        term = self._leading_term()
+        if term is None:
+            return self._settled(record, MigrationOutcome.UNKNOWN, NOT_LEADING)
         if not record.figures.request_id or len(self._tasks) >= MAX_UNSETTLED:
             self._on_settled(record, record)  # nothing to ask about (or too many at once): unknown it stays
             return
-        task = asyncio.get_running_loop().create_task(self._settle(record),
+        task = asyncio.get_running_loop().create_task(self._settle(record, term),
                                                       name=f"settle:{record.figures.request_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -149,21 +154,23 @@ class Settler:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    async def _settle(self, record: MigrationRecord) -> None:
+    async def _settle(self, record: MigrationRecord, term: int) -> None:
         try:
-            outcome, note = await self._find_out(record)
+            outcome, note = await self._find_out(record, term)
         except asyncio.CancelledError:
             self._settled(record, MigrationOutcome.UNKNOWN, NOT_LEADING)
             raise
+        if self._leading_term() != term:  # lost the lead while it asked
+            outcome, note = MigrationOutcome.UNKNOWN, NOT_LEADING
         self._settled(record, outcome, note)
 
-    async def _find_out(self, record: MigrationRecord) -> tuple[MigrationOutcome, str]:
+    async def _find_out(self, record: MigrationRecord, term: int) -> tuple[MigrationOutcome, str]:
         order, request_id, migration_id = record.order, record.figures.request_id, record.figures.migration_id
         waited_s, held = 0.0, None
         for look_at_s in self._looks_at_s:
             await asyncio.sleep(look_at_s - waited_s)
             waited_s = look_at_s
-            if not self._is_leading():
+            if self._leading_term() != term:
                 return MigrationOutcome.UNKNOWN, NOT_LEADING
             held = await self._held(order.dst_address, request_id)
             if held is not None and held.is_committed_by(order, migration_id):

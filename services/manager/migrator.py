@@ -109,7 +109,7 @@ class Migrator:
         self._tasks: set[asyncio.Task[None]] = set()
         self._announced_drained: set[InstanceId] = set()
         self._settler = Settler(client, self._settled, limits.settle_looks_at_s,  # unanswered ones: what became of them
-                                is_leading=lambda: leadership.is_leader)
+                                leading_term=lambda: leadership.term if leadership.is_leader else None)
 
     @property
     def settings(self) -> MigrationSettings:
@@ -343,7 +343,8 @@ class Migrator:
         in the journal while this manager leads (a non-leader writes nothing: the journal keeps it unknown)."""
         with contextlib.suppress(ValueError):  # gone from the history already (a long one): counted all the same
             self._history[self._history.index(unknown)] = record
-        if record != unknown and self._record_sink is not None and self._leadership.is_leader:
+        is_found_out = record.outcome is not MigrationOutcome.UNKNOWN  # (else the journal has it as it is)
+        if is_found_out and self._record_sink is not None and self._leadership.is_leader:
             self._record_sink(record, unknown)
         self._account(record)
 

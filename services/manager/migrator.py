@@ -192,9 +192,10 @@ class Migrator:
             # it may have committed (a call that never reached the source started nothing)
             is_unanswered = status_name(exc) in UNANSWERED_STATUSES and not isinstance(exc, SourceUnreached)
             outcome = MigrationOutcome.UNKNOWN if is_unanswered else MigrationOutcome.FAILED
-            failed = MigrationRecord(order, outcome, figures, started_at, reason=status_name(exc), message=exc.message)
-            if not (is_unanswered and await self._settler.moved_at_once(failed)):
-                self._keep(failed)
+            not_committed = MigrationRecord(order, outcome, figures, started_at, reason=status_name(exc),
+                                            message=exc.message)
+            if not (is_unanswered and await self._settler.moved_at_once(not_committed)):
+                self._keep(not_committed)
                 raise
             message = f"the source gave no answer ({exc.message}), but the destination holds the request"
         finally:

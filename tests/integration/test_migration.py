@@ -27,6 +27,7 @@ from services.common.etcd_launcher import free_port
 from services.common.prefix_hash import next_block_hash
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc, transfer_pb2
 from services.common.registry import Registry
+from services.common.pick_announcement import pick_from_metadata
 from services.instance.engine.factory import EngineSpec, build_engine
 from services.instance.engine.request import SamplingParams
 from services.transfer.client import TransferClient
@@ -226,7 +227,14 @@ async def test_migrated_mid_stream_client_follows_the_hand_off(stubs, cluster, t
     client = ClientStream("mid-1")
     call = generate(stubs["a"], "mid-1", wire)
     await client.read(call, until_tokens=12)
-    result = await migrate_out(stubs["a"], "mid-1", "b", cluster)
+    migrating = migrate_out(stubs["a"], "mid-1", "b", cluster)
+    # the pick and the migration's id, announced at once: what a manager whose deadline passes asks b about
+    announced = pick_from_metadata(await migrating.initial_metadata())
+    result = await migrating
+    (held,) = (await stubs["b"].ListRequests(instance_pb2.ListRequestsRequest(), timeout=5)).requests
+    assert (announced.request_id, held.request_id, held.origin) == ("mid-1", "mid-1",
+                                                                   instance_pb2.REQUEST_ORIGIN_MIGRATED_IN)
+    assert (held.migrated_from_instance_id, held.migration_id) == ("a", announced.migration_id)
     await client.follow(call)
     assert client.token_ids == reference(tiny_model_dir, PROMPT, sampling)
     assert client.finish_reason == common_pb2.FINISH_REASON_LENGTH

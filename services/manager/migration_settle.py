@@ -1,28 +1,28 @@
 """Migrations whose source gave no answer (UNAVAILABLE, DEADLINE_EXCEEDED): found out by asking the instances.
 
-A source that froze, died or outlasted the manager's deadline may have committed anyway: its migration runs on
-as a task of its own once the caller gave up (services/instance/migration.py), so the destination can take the
-request after the deadline. Unless the destination holds the request at once (`moved_at_once`: committed), such
-a migration is kept as `unknown` (in the history, and in the etcd journal, at once) and then looked at
-with backoff (`looks_at_s`, from when the call ended), by asking the destination whether it holds the request
-(ListRequests). The source names its pick and the migration's id in MigrateOut's initial metadata
-(services/common/pick_announcement.py), so a loop migration's request is known too, and the destination's
-answer is matched to this very migration (RequestInfo.migration_id), not to an earlier or later move of the same
-request over the same pair. It is `committed` once the destination holds it under this migration's id (also
-where the frontend's resume replaced the copy this migration committed there, whose hand-off never reached the
-client); `failed` once the destination holds it another way (the frontend resumed it there after the source
-stopped answering: a commit of it is refused there from then on; or another migration brought it), or at the last look if the source
-still holds it and the destination does not; otherwise (it finished meanwhile, no instance answered, the request
-is not known, or a destination from before RequestInfo.origin holds it) it stays `unknown`. Where either side is
-from before RequestInfo.migration_id, a request migrated in from this migration's source counts as its commit.
+A source that froze, died or outlasted the manager's deadline may have committed anyway: its migration runs on as a
+task of its own once the caller gave up (services/instance/migration.py), so the destination can take the request
+after the deadline. Unless the destination holds the request at once (`moved_at_once`: committed), such a migration
+is kept as `unknown` (in the history, and in the etcd journal, at once) and then looked at with backoff
+(`looks_at_s`, from when the call ended), by asking the destination whether it holds the request (ListRequests).
+The source names its pick and the migration's id in MigrateOut's initial metadata
+(services/common/pick_announcement.py), so a loop migration's request is known too, and the destination's answer is
+matched to this very migration (RequestInfo.migration_id), not to an earlier or later move of the same request over
+the same pair. It is `committed` once the destination holds it under this migration's id (also where the frontend's
+resume replaced the copy this migration committed there, whose hand-off never reached the client); `failed` once
+the destination holds it another way (the frontend resumed it there after the source stopped answering: a commit of
+it is refused there from then on; or another migration brought it), or at the last look if the source still holds
+it and the destination does not; otherwise (it finished meanwhile, no instance answered, the request is not known,
+or a destination from before RequestInfo.origin holds it) it stays `unknown`. Where either side is from before
+RequestInfo.migration_id, a request migrated in from this migration's source counts as its commit.
 
-Only the leader finds out, in the term that kept the record: a manager that stops leading (or stops) settles
-what it still follows as `unknown` at once, so each is counted once and none is lost, and leaves the journal's
-`unknown` record as it is (a non-leader writes nothing). Bounded: at most MAX_UNSETTLED followed at once (one more is settled `unknown` at
-once), each looked at len(looks_at_s) times at most.
+Only the leader finds out, in the term that kept the record: a manager that stops leading (or stops) settles what
+it still follows as `unknown` at once, so each is counted once and none is lost, and leaves the journal's `unknown`
+record as it is (a non-leader writes nothing). Bounded: at most MAX_UNSETTLED followed at once (one more is settled
+`unknown` at once), each looked at len(looks_at_s) times at most.
 
-A call that never reached the source (`SourceUnreached`: the connection was refused) started nothing there:
-it is `failed` at once, not unanswered.
+A call that never reached the source (`SourceUnreached`: the connection was refused) started nothing there: it is
+`failed` at once, not unanswered.
 """
 
 from __future__ import annotations
@@ -109,7 +109,9 @@ class RequestHolders(Protocol):
 
 def this_migration(record: MigrationRecord) -> str:
     migration_id = record.figures.migration_id
-    return f"migrated in by migration {migration_id}" if migration_id else f"migrated in from {record.order.src_instance_id}"
+    if migration_id:
+        return f"migrated in by migration {migration_id}"
+    return f"migrated in from {record.order.src_instance_id}"
 
 
 class Settler:
@@ -180,7 +182,8 @@ class Settler:
                 return MigrationOutcome.FAILED, (f"not committed: the destination holds the request "
                                                  f"{held.describe()}, not {this_migration(record)}")
         if held is None and await self._held(order.src_address, request_id) is not None:
-            return MigrationOutcome.FAILED, "not committed: the source still holds the request and the destination does not"
+            return MigrationOutcome.FAILED, ("not committed: the source still holds the request and the destination "
+                                             "does not")
         return MigrationOutcome.UNKNOWN, ""
 
     async def _held(self, address: str, request_id: str) -> HeldRequest | None:

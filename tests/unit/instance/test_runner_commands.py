@@ -35,7 +35,7 @@ class FakeEngine:
         return PrefixCacheStats(0, 0)
 
     def add_request(self, request_id, prompt_token_ids, sampling, priority=0, resume_token_ids=(), resume_text=None,
-                    guide=None, first_start=None) -> None:
+                    guide=None, first_start=None, replaced_migration_id="") -> None:
         self.request_ids.append(request_id)
 
     def abort(self, request_id: str) -> bool:

@@ -10,8 +10,8 @@ instances report); one writer task puts them, so a slow or absent etcd never hol
 migration up: the queue is bounded and a record that finds it full, or whose put fails,
 is only logged (the leader's in-memory history still has it). A migration whose source gave
 no answer is put `unknown` at once, and what it turned out to be is put under the same key
-(migration_settle.py). After each put the oldest keys beyond `--migration-history-size` are deleted. Keys have no lease: a new leader, and
-ferryctl through any manager, read the same history.
+(migration_settle.py). After each put the oldest keys beyond `--migration-history-size` are
+deleted. Keys have no lease: a new leader, and ferryctl through any manager, read the same history.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from http import HTTPStatus
 
 import structlog
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
@@ -45,8 +45,11 @@ from services.frontend.request_ids import answer_request_id
 
 log = structlog.get_logger(__name__)
 
+DECODED_CODINGS = ("gzip", "deflate")  # request body codings aiohttp decodes without an optional module
+UNSUPPORTED_CODING = "unsupported_content_encoding"  # the error code of a body in any other coding
 MAX_MESSAGE_CHARS = 300  # of the parser's message in the body (it quotes the client's bytes, up to ~100)
 _HEADERS_END = re.compile(rb"\n\r?\n")  # a blank line (the parser takes a bare LF as a line's end too)
+_MODULE_MISSING = re.compile(r"content-encoding: .*\((\w+)\)\. Please install")  # br, zstd: aiohttp's advice
 
 AnswerHook = Callable[[int], None]
 ON_OWN_ANSWER = web.AppKey("on_own_answer", AnswerHook)  # told the status of each answer aiohttp makes itself
@@ -61,7 +64,10 @@ class JsonErrorRequestHandler(RequestHandler):
                      message: str | None = None) -> web.StreamResponse:
         # aiohttp's logs the error (BadHttpLog samples it) and raises ConnectionError where a response has begun
         super().handle_error(request, status, exc, message)
-        response = web.json_response(bad_http_body(status, message), status=status,
+        code = None
+        if isinstance(exc, ContentEncodingError) and message and (missing := _MODULE_MISSING.search(message)):
+            message, code = unsupported_coding(missing[1]), UNSUPPORTED_CODING  # not "Please install `Brotli`"
+        response = web.json_response(bad_http_body(status, message, code), status=status,
                                      headers={REQUEST_ID_HEADER: answer_request_id(request)})
         response.force_close()  # as aiohttp's: the connection's framing can no longer be trusted
         if self.on_answer is not None:
@@ -112,14 +118,20 @@ def _fail(body: StreamReader, cause: BaseException) -> None:
     body.feed_eof()  # ended: aiohttp does not linger on it after the answer, meet the error and log it as unhandled
 
 
-def bad_http_body(status: int, message: str | None) -> dict:
+def bad_http_body(status: int, message: str | None, code: str | None = None) -> dict:
     """The OpenAI error body of an answer aiohttp makes itself: a parser's refusal (4xx, its message
     on one line) or an error no middleware caught (5xx, no details: the log has them)."""
     phrase = HTTPStatus(status).phrase
-    code = phrase.lower().replace(" ", "_").replace("-", "_")
+    code = code or phrase.lower().replace(" ", "_").replace("-", "_")
     if status >= 500:
         return error_body(f"{phrase}; the server logged it", type_="server_error", code=code)
     return error_body(f"the HTTP request could not be parsed: {one_line(message or phrase)}", code=code)
+
+
+def unsupported_coding(coding: str) -> str:
+    """The 400's message for a request body in a Content-Encoding this server does not decode."""
+    return (f"the request body's Content-Encoding {coding!r} is not one this server decodes; send it "
+            f"uncompressed, or compressed with {' or '.join(DECODED_CODINGS)}")
 
 
 def one_line(message: str) -> str:

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
 import structlog
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
@@ -31,7 +31,8 @@ from services.frontend.api_keys import ApiKeyPolicy
 from services.frontend.cors import CorsPolicy
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import GenerateSpec, RequestId
-from services.frontend.bad_http import ON_OWN_ANSWER, one_line, quiet_bad_http_log
+from services.frontend.bad_http import (DECODED_CODINGS, ON_OWN_ANSWER, UNSUPPORTED_CODING, one_line, quiet_bad_http_log,
+                                        unsupported_coding)
 from services.frontend.http_errors import RETRY_AFTER_S, BodyTimeout, ErrorAnswers, too_large
 from services.frontend.in_flight import InFlight
 from services.frontend.metrics import FrontendMetrics
@@ -243,6 +244,9 @@ class FrontendServer:
             return parse_json_body(await self._read_body(request))
 
     async def _read_body(self, request: web.Request) -> bytes:
+        coding = request.headers.get(hdrs.CONTENT_ENCODING, "")
+        if coding.strip().lower() not in ("", "identity", *DECODED_CODINGS):  # aiohttp passes others on undecoded
+            raise RequestError(unsupported_coding(coding), code=UNSUPPORTED_CODING)
         try:
             async with asyncio.timeout(self._body_timeout_s):
                 return await request.read()

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from services.common.errors import FailedPrecondition, FerryError, NotFound, ResourceExhausted
+from services.common.errors import FailedPrecondition, FerryError, NotFound, ResourceExhausted, Unavailable
 from services.instance.config import InstanceRole, PdHandoff
 from services.instance.engine.migration_state import HeldRequest, MigrationSelection
 from services.instance.migration import MigrationDriver
@@ -41,13 +41,16 @@ from services.instance.runner import EngineRunner
 log = structlog.get_logger(__name__)
 
 # A hand-off's MigrateOut tries: one that finds our migration slots busy waits a little (_SLOT_RETRY_S, growing),
-# one the destination refused (`_REFUSALS`) takes the next freest decode instance.
+# one the destination refused or that could not reach it (`_TRY_ANOTHER`) takes the next freest decode instance.
 _NUM_TRIES = 4
 _SLOT_RETRY_S = 0.05
-# A destination's refusals: no room (RESOURCE_EXHAUSTED), or its role is PREFILL now (FAILED_PRECONDITION: a SetRole
-# while etcd was away, which the managers have not seen, so PlaceDecode still names it). Not a FAILED_PRECONDITION
-# of this instance's own (no --transfer-address): every destination would meet it, so the hand-off ends at once.
-_REFUSALS = (ResourceExhausted, RefusedByDestination)
+# Failures another decode instance may not meet: no room there (RESOURCE_EXHAUSTED), its role is PREFILL now
+# (FAILED_PRECONDITION: a SetRole while etcd was away, which the managers have not seen, so PlaceDecode still names
+# it), or it died or froze (UNAVAILABLE: the managers name it until its lease expires, so under a burst every
+# hand-off would fail on it and decode here). Each leaves the request here, so the next try is safe. Not a
+# FAILED_PRECONDITION of this instance's own (no --transfer-address): every destination would meet it, so the
+# hand-off ends at once.
+_TRY_ANOTHER = (ResourceExhausted, RefusedByDestination, Unavailable)
 _CLAIMED_RECHECK_S = 0.05  # how often a queued request another migration claimed is looked at past its hold time
 
 
@@ -261,23 +264,23 @@ class DecodeHandoff:
 
     async def _migrate(self, plan: MigrateOutPlan, copy: RequestStream, num_blocks: int,
                        reach: int) -> tuple[MigrateOutPlan, MigrationResult | FerryError]:
-        """Up to _NUM_TRIES tries; the last plan tried, with its result or its error. A destination that refused
-        (`_REFUSALS`: no blocks or slots, or its role) is not tried again: the next try goes to the freest decode
-        instance that did not refuse. While our own migration slots are busy, a try waits a little."""
+        """Up to _NUM_TRIES tries; the last plan tried, with its result or its error. A destination that refused or
+        could not be reached (`_TRY_ANOTHER`: no blocks or slots, its role, gone) is not tried again: the next try
+        goes to the freest decode instance not tried. While our own migration slots are busy, a try waits a little."""
         refused: list[str] = []
         for attempt in range(1, _NUM_TRIES):
             if not self._migrations.has_free_slot:
                 await asyncio.sleep(_SLOT_RETRY_S * attempt)  # the same destination, a little later
                 continue
             outcome = await self._try(plan, copy)
-            if not isinstance(outcome, _REFUSALS):
+            if not isinstance(outcome, _TRY_ANOTHER):
                 return plan, outcome
-            refused.append(plan.dst_instance_id)  # no room there (our slot was free), or not a decode instance now
+            refused.append(plan.dst_instance_id)  # no room there (our slot was free), not a decode instance now, gone
             try:
                 place = await self._placer.place_decode(plan.request_id, self._instance_id, num_blocks, refused,
                                                         max_num_tokens=reach)
             except FerryError:
-                return plan, outcome  # none left that did not refuse, or no leader answers: the refusal stands
+                return plan, outcome  # none left not tried, or no leader answers: the failure stands
             # The failed attempt may have resumed the request (it decodes here meanwhile): its parked state is
             # stale, the next attempt suspends it afresh.
             plan = dataclasses.replace(plan, dst_instance_id=place.instance_id, dst_address=place.address, held=None)

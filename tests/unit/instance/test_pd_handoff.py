@@ -205,15 +205,31 @@ async def test_a_retried_hand_off_does_not_reuse_the_parked_state():
 async def test_a_hand_off_that_fails_is_reported_to_the_history_and_decodes_here():
     engine, placer = FakeEngine(), FlakyPlacer()
     busy = ResourceExhausted("the destination runs a migration already")
-    migrations = FakeMigrations(busy, busy, busy, busy, Unavailable("the destination is gone"))
+    migrations = FakeMigrations(busy, busy, busy, busy, Internal("the copy's checksum differs"))
     handoff = pushing(engine, placer, migrations)
     loop = asyncio.create_task(handoff.handoff_loop())
     handoff.note_prefilled("r-1")  # four busy answers in a row: given up
     await until(lambda: placer.failed == [("r-1", "p-1", "RESOURCE_EXHAUSTED")], loop)
     handoff.note_prefilled("r-2")  # not worth a retry
     await until(lambda: len(placer.failed) == 2, loop)
-    assert placer.failed[1] == ("r-2", "p-1", "UNAVAILABLE")
+    assert placer.failed[1] == ("r-2", "p-1", "INTERNAL")
     assert engine.resumed == ["r-1", "r-2"] and placer.reported == [] and handoff.num_handed_off == 0
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_a_hand_off_to_a_decode_instance_that_is_gone_tries_the_next_one():
+    """A decode instance killed under a burst stays named by PlaceDecode until its lease expires; before, each
+    hand-off that failed UNAVAILABLE there left its request decoding on the prefill instance."""
+    engine, placer = FakeEngine(), FlakyPlacer(decode_ids=("d-1", "d-2"))
+    migrations = FakeMigrations(Unavailable("failed to connect to all addresses"))
+    handoff = pushing(engine, placer, migrations)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1")
+    await until(lambda: handoff.num_handed_off == 1, loop)
+    assert [plan.dst_instance_id for plan in migrations.plans] == ["d-1", "d-2"]
+    assert placer.asks[1][2] == ("d-1",)  # the second place excludes the one that was gone
+    assert placer.failed == [] and placer.reported == ["r-1"]
     await assert_cancels(loop)
     await handoff.close()
 
@@ -235,7 +251,7 @@ async def test_a_place_decode_cut_under_the_worker_resumes_the_request_and_the_w
 async def test_requests_queued_behind_a_stuck_hand_off_decode_here_until_a_worker_takes_them():
     """Before, a hand-off to a frozen decode instance kept every queued request parked (no token)
     until its call's deadline, 5 s by default."""
-    engine, placer, migrations = FakeEngine(), FlakyPlacer(), StuckMigrations()
+    engine, placer, migrations = FakeEngine(), FlakyPlacer(decode_ids=("d-1",)), StuckMigrations()  # no other
     handoff = pushing(engine, placer, migrations, hold_s=0.05)
     loop = asyncio.create_task(handoff.handoff_loop())
     held = parked(2)

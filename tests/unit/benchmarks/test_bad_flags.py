@@ -11,9 +11,10 @@ import sys
 
 import pytest
 
+from tests.torch_children import TORCH_CHILD_TIMEOUT_S
 from tests.unit.benchmarks.loading import ROOT
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(TORCH_CHILD_TIMEOUT_S + 30)  # migration_speed.py imports torch before its flags
 
 CASES = [
     ("migration_speed.py", ["--max-mb", "4"], "--max-mb 4: the smallest migration is one 8 MB block"),
@@ -33,7 +34,7 @@ CASES = [
 def test_bad_flags_are_a_usage_error(script, flags, message, tmp_path):
     completed = subprocess.run([sys.executable, f"benchmarks/{script}", *flags, *out_dir(script, tmp_path)],
                                cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True,
-                               timeout=50)
+                               timeout=TORCH_CHILD_TIMEOUT_S)
     assert completed.returncode == 2, completed.stderr[-2000:]
     assert message in completed.stderr
     assert "Traceback" not in completed.stderr

@@ -13,8 +13,9 @@ import torch
 
 from services.common.errors import Internal, InvalidArgument, NotFound, ResourceExhausted
 from services.instance.engine.kv_cache import SHM_DIR, KvCache, KvGeometry
+from tests.torch_children import TORCH_CHILD_TIMEOUT_S
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(TORCH_CHILD_TIMEOUT_S + 60)  # one child at most, but for the test that marks its own
 
 GEOMETRY = KvGeometry(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, num_blocks=8, dtype=torch.float32)
 
@@ -27,7 +28,7 @@ def name():
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TORCH_CHILD_TIMEOUT_S,
                           env={**os.environ, "PYTHONPATH": os.getcwd()}, check=False)
 
 
@@ -110,7 +111,7 @@ def test_killed_creator_is_cleaned_up_by_the_resource_tracker(name):
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
-        assert proc.stdout.readline().strip() == "created"
+        assert proc.stdout.readline().strip() == "created"  # bounded by the test's timeout
         assert (SHM_DIR / name).exists()
     finally:
         os.kill(proc.pid, signal.SIGKILL)
@@ -168,6 +169,7 @@ def test_prefault_in_background_finishes_and_a_gpu_or_closed_cache_is_left_alone
         assert not cache.prefault()  # nothing mapped any more
 
 
+@pytest.mark.timeout(2 * TORCH_CHILD_TIMEOUT_S + 60)
 def test_a_process_that_exits_while_prefaulting_exits_cleanly(name):
     # As a daemon thread, a prefault still inside madvise when the process closed its cache and
     # exited aborted it ("terminate called without an active exception", exit status -6).

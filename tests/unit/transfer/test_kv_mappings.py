@@ -1,4 +1,3 @@
-import os
 import signal
 import subprocess
 import sys
@@ -50,23 +49,22 @@ def _mapped_deleted_files() -> str:
         return maps.read()
 
 
-def test_an_instance_killed_without_unmapping_is_unmapped_once_its_segment_name_is_gone(tmp_path):
+def test_an_instance_killed_without_unmapping_is_unmapped_once_its_segment_name_is_gone():
     """A SIGKILLed instance cannot unmap itself; its resource tracker (or the next instance on the host)
     removes the segment's name, but the service kept the whole KV cache mapped, and listed the instance,
     for as long as it ran (unless an instance came back under the same id)."""
     geometry = tiny_geometry()
     name = f"ferry-unit-{uuid.uuid4().hex[:8]}"
-    ready = tmp_path / "ready"
+    # The segment made as KvCache.create makes it (its resource tracker unlinks it once the creator is killed),
+    # by a child that imports no torch: that took a loaded machine longer than this test's bounds.
     child = subprocess.Popen([sys.executable, "-c", (
-        "import pathlib, time, torch\n"
-        "from services.instance.engine.kv_cache import KvCache, KvGeometry\n"
-        f"cache = KvCache.create({name!r}, KvGeometry(2, 2, 8, 4, 12, torch.float16))\n"
-        f"pathlib.Path({str(ready)!r}).touch()\n"
-        "time.sleep(60)\n")], env={**os.environ, "PYTHONPATH": os.getcwd()})
+        "import time\n"
+        "from multiprocessing import shared_memory\n"
+        f"shared_memory.SharedMemory({name!r}, create=True, size={geometry.num_bytes})\n"
+        "print('created', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 20
-        while not ready.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert child.stdout.readline() == "created\n"
         with KvCache.create(f"ferry-unit-{uuid.uuid4().hex[:8]}", geometry) as live:
             mappings = KvMappings("t-0")
             mappings.map("killed", name, geometry)
@@ -74,7 +72,9 @@ def test_an_instance_killed_without_unmapping_is_unmapped_once_its_segment_name_
             assert mappings.wait_prefaulted("killed", 10) and mappings.unmap_vanished() == []
             child.send_signal(signal.SIGKILL)
             child.wait()
-            while (SHM_DIR / name).exists() and time.monotonic() < deadline:  # its resource tracker unlinks it
+            deadline = time.monotonic() + 20
+            while (SHM_DIR / name).exists():  # its resource tracker unlinks it
+                assert time.monotonic() < deadline, "the killed creator's resource tracker left its segment"
                 time.sleep(0.05)
             assert f"{name} (deleted)" in _mapped_deleted_files()  # the memory is still held here
             assert mappings.unmap_vanished() == ["killed"]
@@ -83,6 +83,8 @@ def test_an_instance_killed_without_unmapping_is_unmapped_once_its_segment_name_
             mappings.close()
     finally:
         child.kill()
+        child.wait()
+        child.stdout.close()
         (SHM_DIR / name).unlink(missing_ok=True)
 
 

@@ -40,16 +40,29 @@ PROBE_S = 0.01
 # Measured on the 2-core dev machine, the probe's longest wait (and its median): the in-place
 # transfer 2.4-2.9 s (0.2-0.3 ms) before, 0.10-0.14 s (0.7-0.9 ms) after, that being one full
 # garbage collection (~90 ms over torch's objects; not with gc.freeze()); the refusal 1.41-1.48 s
-# before, 5-10 ms after.
+# before, 5-10 ms after. The bound is on the loop thread's CPU time between two wakes: at load 12 a wait
+# of 0.81 s came with no long step at all (the process waited for a core).
 MAX_LOOP_LAG_S = 0.5
 
 
-async def _probe_loop(lags: list[float], stop: asyncio.Event) -> None:
-    """How late each PROBE_S sleep wakes: the longest is the longest step something else took."""
+@dataclasses.dataclass
+class Lags:
+    late_s: list[float] = dataclasses.field(default_factory=list)  # how late each wake came (wall clock)
+    held_s: list[float] = dataclasses.field(default_factory=list)  # the loop thread's CPU time meanwhile
+
+    def __str__(self) -> str:
+        return (f"loop lag: median {statistics.median(self.late_s) * 1e3:.1f} ms, longest {max(self.late_s) * 1e3:.1f} "
+                f"ms; loop thread busy at most {max(self.held_s) * 1e3:.1f} ms between two wakes")
+
+
+async def _probe_loop(lags: Lags, stop: asyncio.Event) -> None:
+    """How late each PROBE_S sleep wakes, and how much of that the loop's thread ran: the longest is the longest
+    step something else took on the loop, whatever else the machine runs."""
     while not stop.is_set():
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         await asyncio.sleep(PROBE_S)
-        lags.append(time.perf_counter() - started - PROBE_S)
+        lags.late_s.append(time.perf_counter() - started - PROBE_S)
+        lags.held_s.append(time.thread_time() - cpu)
 
 
 async def test_an_in_place_transfer_of_many_small_rows_keeps_the_event_loop_responsive():
@@ -60,7 +73,7 @@ async def test_an_in_place_transfer_of_many_small_rows_keeps_the_event_loop_resp
     receiver_table = ChannelTable("B", "127.0.0.1", 10, threads.rendezvous)
     kvs = {"src": random_kv(MANY_ROWS, 1), "dst": torch.zeros(MANY_ROWS.shape, dtype=MANY_ROWS.dtype)}
     mappings = FakeMappings(kvs, MANY_ROWS)
-    lags: list[float] = []
+    lags = Lags()
     stop = asyncio.Event()
     try:
         receiver = BlockReceiver(mappings, StagingPool(1, STAGING_BYTES, 4), receiver_table, threads)
@@ -79,8 +92,8 @@ async def test_an_in_place_transfer_of_many_small_rows_keeps_the_event_loop_resp
         receiver_table.close()
         threads.shutdown()
     assert torch.equal(kvs["dst"].view(torch.uint8), kvs["src"].view(torch.uint8))
-    print(f"loop lag: median {statistics.median(lags) * 1e3:.1f} ms, longest {max(lags) * 1e3:.1f} ms")
-    assert max(lags) < MAX_LOOP_LAG_S
+    print(lags)
+    assert max(lags.held_s) < MAX_LOOP_LAG_S
 
 
 @pytest.mark.parametrize("side, in_place_batches", [("src", [8, IN_PLACE_BATCH_ROWS, 300 - IN_PLACE_BATCH_ROWS]), ("dst", [8, 4])])
@@ -115,7 +128,7 @@ async def test_a_refused_transfer_of_many_small_chunks_keeps_the_event_loop_resp
     kvs = {"dst": torch.zeros(destination.shape, dtype=destination.dtype)}
     channel = FakeChannel(TransferBackend.GLOO)
     threads = TransferThreads.start(4)
-    lags: list[float] = []
+    lags = Lags()
     stop = asyncio.Event()
     try:
         receiver = BlockReceiver(FakeMappings(kvs, destination), StagingPool(1, 256, 4), FakeChannels(channel), threads)
@@ -130,5 +143,5 @@ async def test_a_refused_transfer_of_many_small_chunks_keeps_the_event_loop_resp
         stop.set()
         threads.shutdown()
     assert channel.slots == {}  # too much to take: the channel is dropped, nothing received
-    print(f"loop lag: median {statistics.median(lags) * 1e3:.1f} ms, longest {max(lags) * 1e3:.1f} ms")
-    assert max(lags) < MAX_LOOP_LAG_S
+    print(lags)
+    assert max(lags.held_s) < MAX_LOOP_LAG_S

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pathlib
 import signal
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -32,6 +34,7 @@ from services.instance.engine.factory import EngineSpec, build_engine
 from services.instance.engine.request import SamplingParams
 from services.transfer.client import TransferClient
 from services.transfer.convert import geometry_from_record
+from tests.integration.paced_steps import pace
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,6 +46,10 @@ RESERVATION_TIMEOUT_S = 5.0
 TRANSFER_TIMEOUT_S = 2.5
 RPC_TIMEOUT_S = 2.0  # the reservation must outlast a copy and the commit after it (the config refuses less)
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 31, 8, 64, 2, 11, 19, 23, 29, 37, 41, 43, 47, 53]
+# While a test paces an instance (Cluster.paced), its steps take at least this long: a request with 500 tokens
+# to go then runs on for 25 s at least, longer than any move that keeps to this module's deadlines, however busy
+# the machine. Outside those moves, requests decode at full speed (1000 tokens in about 2 s on a quiet machine).
+PACE_MS = 50
 
 
 def _transfer(name: str, etcd, cluster: str, log_dir, metrics_port: int = 0) -> ServiceProcess:
@@ -54,9 +61,14 @@ def _transfer(name: str, etcd, cluster: str, log_dir, metrics_port: int = 0) -> 
                           f"127.0.0.1:{port}", log_dir).start()
 
 
+def _pace_file(log_dir, instance_id: str) -> pathlib.Path:
+    return pathlib.Path(log_dir) / f"{instance_id}.pace"
+
+
 def _instance(instance_id: str, transfer_address: str, etcd, cluster: str, log_dir,
               extra: tuple[str, ...] = ()) -> ServiceProcess:
     port = free_port()
+    paced_steps = [sys.executable, "-m", "tests.integration.paced_steps", str(_pace_file(log_dir, instance_id))]
     return ServiceProcess(
         instance_id, "instance",
         ["--model", str(_instance.model_dir), "--port", str(port), "--instance-id", instance_id, "--num-threads", "1",
@@ -67,7 +79,7 @@ def _instance(instance_id: str, transfer_address: str, etcd, cluster: str, log_d
          "--migration-transfer-timeout-s", str(TRANSFER_TIMEOUT_S), "--migration-rpc-timeout-s", str(RPC_TIMEOUT_S),
          "--verify-transfer-checksum",
          "--max-concurrent-migrations", "2", *extra],  # one more for the test that fills b with a reservation
-        f"127.0.0.1:{port}", log_dir).start()
+        f"127.0.0.1:{port}", log_dir, prefix=paced_steps).start()
 
 
 @dataclass
@@ -79,6 +91,11 @@ class Cluster:
 
     def address(self, name: str) -> str:
         return self.processes[name].address
+
+    def paced(self, *instance_ids: str) -> contextlib.AbstractContextManager[None]:
+        """Inside: the instances' steps take PACE_MS at least (a migration's source, so that its request
+        cannot end before the move, which takes it at a step boundary)."""
+        return pace([_pace_file(self.log_dir, instance_id) for instance_id in instance_ids], PACE_MS)
 
 
 @pytest.fixture(scope="module")
@@ -227,11 +244,12 @@ async def test_migrated_mid_stream_client_follows_the_hand_off(stubs, cluster, t
     client = ClientStream("mid-1")
     call = generate(stubs["a"], "mid-1", wire)
     await client.read(call, until_tokens=12)
-    migrating = migrate_out(stubs["a"], "mid-1", "b", cluster)
-    # the pick and the migration's id, announced at once: what a manager whose deadline passes asks b about
-    announced = pick_from_metadata(await migrating.initial_metadata())
-    result = await migrating
-    (held,) = (await stubs["b"].ListRequests(instance_pb2.ListRequestsRequest(), timeout=5)).requests
+    with cluster.paced("a", "b"):  # b too: it must still hold the request when asked
+        migrating = migrate_out(stubs["a"], "mid-1", "b", cluster)
+        # the pick and the migration's id, announced at once: what a manager whose deadline passes asks b about
+        announced = pick_from_metadata(await migrating.initial_metadata())
+        result = await migrating
+        (held,) = (await stubs["b"].ListRequests(instance_pb2.ListRequestsRequest(), timeout=5)).requests
     assert (announced.request_id, held.request_id, held.origin) == ("mid-1", "mid-1",
                                                                    instance_pb2.REQUEST_ORIGIN_MIGRATED_IN)
     assert (held.migrated_from_instance_id, held.migration_id) == ("a", announced.migration_id)
@@ -253,14 +271,15 @@ async def test_blocks_cached_on_the_destination_are_not_sent_again(stubs, cluste
     request can run on for many blocks before the pause, so only that lower bound is fixed). When the pause
     comes with the computed tokens ending on a block boundary, every block is cached there and none is
     sent: one run in 16 or so (seen in a full run)."""
-    wire, sampling = greedy(600)  # long enough to be still running when the migration starts, however busy
+    wire, sampling = greedy(600)
     prompt = [(t * 7) % 500 + 1 for t in PROMPT] * 3  # a prompt of its own, 3 times PROMPT's length
     earlier = ClientStream("cached-0")
     await earlier.follow(generate(stubs["b"], "cached-0", wire, prompt=prompt))  # b computes and caches it all
     client = ClientStream("cached-1")
     call = generate(stubs["a"], "cached-1", wire, prompt=prompt)
     await client.read(call, until_tokens=40)
-    result = await migrate_out(stubs["a"], "cached-1", "b", cluster)
+    with cluster.paced("a"):
+        result = await migrate_out(stubs["a"], "cached-1", "b", cluster)
     await client.follow(call)
     assert client.token_ids == earlier.token_ids == reference(tiny_model_dir, prompt, sampling)
     num_blocks = -(-(len(prompt) + client.handoffs[0].next_token_index) // BLOCK_SIZE)
@@ -311,16 +330,17 @@ async def test_cached_blocks_with_other_bits_than_the_sources_are_copied_over(st
     output one token at a time. Bits differ, though the hashes are equal. Only the leading blocks whose crc32
     equals the source's stay shared; the rest are copied, so the request goes on with the bits it had: tokens
     and logprobs equal to the bit to the run never migrated (before: its later logprobs differed)."""
-    wire, sampling = greedy(900)  # long enough to be still running when the migration starts, however busy
+    wire, sampling = greedy(900)
     wire.logprobs, sampling = 1, replace(sampling, logprobs=1)
     prompt = [(t * 11) % 500 + 3 for t in PROMPT]  # a prompt of its own: nothing of it cached anywhere
     client = ClientStream("rebits-1")
     call = generate(stubs["a"], "rebits-1", wire, prompt=prompt)
     await client.read(call, until_tokens=24)
     resent = prompt + client.token_ids[:24]
-    other = ClientStream("rebits-0")
-    await other.follow(generate(stubs["b"], "rebits-0", greedy(1)[0], prompt=resent))  # b caches resent's blocks
-    result = await migrate_out(stubs["a"], "rebits-1", "b", cluster)
+    with cluster.paced("a"):
+        other = ClientStream("rebits-0")
+        await other.follow(generate(stubs["b"], "rebits-0", greedy(1)[0], prompt=resent))  # b caches resent's blocks
+        result = await migrate_out(stubs["a"], "rebits-1", "b", cluster)
     await client.follow(call)
     tokens, logprobs, num_same = _unmigrated_and_cached_bits(tiny_model_dir, prompt, sampling, resent)
     assert client.token_ids == tokens
@@ -335,11 +355,12 @@ async def test_cached_blocks_with_other_bits_than_the_sources_are_copied_over(st
 async def test_a_resume_with_generate_replaces_a_migrated_request_nobody_attached_to(stubs, cluster, tiny_model_dir):
     """The source dies between the commit and the hand-off reaching the client, which then resumes the
     request by Generate (with the tokens it has) on the destination, where the committed copy waits."""
-    wire, sampling = greedy(1000)  # still running when the migration comes, however busy the machine
+    wire, sampling = greedy(1000)
     client = ClientStream("orphan-1")
     call = generate(stubs["a"], "orphan-1", wire)
     await client.read(call, until_tokens=10)
-    await migrate_out(stubs["a"], "orphan-1", "b", cluster)
+    with cluster.paced("a"):
+        await migrate_out(stubs["a"], "orphan-1", "b", cluster)
     await client.read(call)  # the hand-off, which in the failure never arrives: the client resumes instead
     resume = stubs["b"].Generate(instance_pb2.GenerateRequest(
         request_id="orphan-1", prompt_token_ids=PROMPT, sampling=wire, resume_token_ids=client.token_ids), timeout=60)
@@ -355,19 +376,20 @@ async def test_a_client_gone_before_reading_its_hand_off_leaves_no_copy_decoding
     aborts the request where it last knew it, the source, which drops the copy on the destination at once.
     Before, the Abort found nothing on the source, and the copy decoded for no client until the destination's
     watchdog dropped it (`migration_in_expired`) after --migration-reservation-timeout-s."""
-    wire, _ = greedy(1000)  # would still be decoding long after the watchdog's 5 s
+    wire, _ = greedy(1000)
     client = ClientStream("unread-1")
     call = generate(stubs["a"], "unread-1", wire)
     await client.read(call, until_tokens=10)
-    await migrate_out(stubs["a"], "unread-1", "b", cluster)
-    call.cancel()  # the hand-off is never read (a hand-off gRPC had not sent yet drops the copy already)
-    with contextlib.suppress(grpc.aio.AioRpcError):  # NOT_FOUND: dropped already
-        await stubs["a"].Abort(instance_pb2.AbortRequest(request_id="unread-1"), timeout=5)
-    deadline = time.monotonic() + RESERVATION_TIMEOUT_S / 2
-    while "unread-1" in [r.request_id for r in (await stubs["b"].ListRequests(
-            instance_pb2.ListRequestsRequest(), timeout=5)).requests]:
-        assert time.monotonic() < deadline, "the copy on b still decodes for no client"
-        await asyncio.sleep(0.05)
+    with cluster.paced("a", "b"):  # b too: a copy left there would still be decoding long after the watchdog's 5 s
+        await migrate_out(stubs["a"], "unread-1", "b", cluster)
+        call.cancel()  # the hand-off is never read (a hand-off gRPC had not sent yet drops the copy already)
+        with contextlib.suppress(grpc.aio.AioRpcError):  # NOT_FOUND: dropped already
+            await stubs["a"].Abort(instance_pb2.AbortRequest(request_id="unread-1"), timeout=5)
+        deadline = time.monotonic() + RESERVATION_TIMEOUT_S / 2
+        while "unread-1" in [r.request_id for r in (await stubs["b"].ListRequests(
+                instance_pb2.ListRequestsRequest(), timeout=5)).requests]:
+            assert time.monotonic() < deadline, "the copy on b still decodes for no client"
+            await asyncio.sleep(0.05)
     await assert_all_blocks_free(stubs)
 
 async def test_seeded_request_migrated_a_to_b_to_a(stubs, cluster, tiny_model_dir):
@@ -375,12 +397,15 @@ async def test_seeded_request_migrated_a_to_b_to_a(stubs, cluster, tiny_model_di
     client = ClientStream("twice-1")
     call = generate(stubs["a"], "twice-1", wire)
     await client.read(call, until_tokens=5)
-    await migrate_out(stubs["a"], "twice-1", "b", cluster, selection=instance_pb2.MIGRATION_SELECTION_LONGEST_RUNNING)
+    with cluster.paced("a"):
+        await migrate_out(stubs["a"], "twice-1", "b", cluster,
+                          selection=instance_pb2.MIGRATION_SELECTION_LONGEST_RUNNING)
     handoff = await client.read(call)
     attach = stubs["b"].Attach(instance_pb2.AttachRequest(request_id="twice-1", from_token_index=handoff.next_token_index,
                                                           epoch=handoff.epoch), timeout=60)
     await client.read(attach, until_tokens=len(client.token_ids) + 20)
-    back = await migrate_out(stubs["b"], "", "a", cluster)  # b picks: its only request
+    with cluster.paced("b"):
+        back = await migrate_out(stubs["b"], "", "a", cluster)  # b picks: its only request
     assert back.request_id == "twice-1"
     await client.follow(attach)
     assert client.token_ids == reference(tiny_model_dir, PROMPT, sampling)
@@ -389,64 +414,27 @@ async def test_seeded_request_migrated_a_to_b_to_a(stubs, cluster, tiny_model_di
 
 
 async def test_a_request_with_a_grammar_keeps_to_it_across_two_moves(stubs, cluster, tiny_model_dir):
-    """Each destination rebuilds the grammar's state from the tokens so far: same tokens as never moved.
-
-    The request decodes its 513 tokens in about 1.5 s, while on a loaded machine a move (its live stages
-    copying over two more processes) or the test process between two calls can take as long: the request
-    then finishes before a move picks it (NOT_FOUND) or while it runs (ABORTED, "finished ... while
-    migrating"); seen in 2 runs of 8 beside two CPU hogs and another test run. Such a try must still have run to its grammar's
-    end with the reference's tokens on the instance it was left on; a new request then tries again, and one
-    of them must make both moves."""
+    """Each destination rebuilds the grammar's state from the tokens so far: same tokens as never moved."""
     wire, sampling = seeded(600, seed=5)
-    # At least 120 words (513 tokens here), so that most tries outlive both moves.
+    # At least 120 words (513 tokens here): still running after both moves (each made while its source is paced).
     wire.grammar = llguidance.LLMatcher.grammar_from_regex("([a-z]+ ){120,200}[a-z]+[.]")
     sampling = replace(sampling, grammar=wire.grammar)
-    for attempt in range(1, GRAMMAR_MOVE_ATTEMPTS + 1):
-        client = await _moved_there_and_back(stubs, cluster, f"grammar-{attempt}", wire)
-        assert client.token_ids == reference(tiny_model_dir, PROMPT, sampling)
-        assert client.finish_reason == common_pb2.FINISH_REASON_STOP  # the grammar ended it, nothing else
-        if len(client.handoffs) == 2:
-            break
-    assert [h.dst_instance_id for h in client.handoffs] == ["b", "a"], \
-        f"every one of {GRAMMAR_MOVE_ATTEMPTS} tries finished before its second move"
-    print(f"\ngrammar moves: both made by try {attempt}")
-    await assert_all_blocks_free(stubs)
-
-
-GRAMMAR_MOVE_ATTEMPTS = 5
-FINISHED_WHILE_MIGRATING = "finished or was aborted while migrating"  # the source's words (migration.py)
-
-
-async def _moved_there_and_back(stubs, cluster: Cluster, request_id: str, wire) -> ClientStream:
-    """Generate on a, move to b after 4 tokens, back to a 8 tokens later; the client follows to the end.
-    A move that finds the request finished is left out: fewer hand-offs."""
-    client = ClientStream(request_id)
-    call = generate(stubs["a"], request_id, wire)
+    client = ClientStream("grammar-1")
+    call = generate(stubs["a"], "grammar-1", wire)
     await client.read(call, until_tokens=4)
-    if await _moved_unless_finished(stubs["a"], request_id, "b", cluster):
-        handoff = await client.read(call)
-        call = stubs["b"].Attach(instance_pb2.AttachRequest(request_id=request_id,
-                                                            from_token_index=handoff.next_token_index,
-                                                            epoch=handoff.epoch), timeout=60)
-        await client.read(call, until_tokens=len(client.token_ids) + 8)
-        if client.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
-            await _moved_unless_finished(stubs["b"], request_id, "a", cluster)
-    if client.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
-        await client.follow(call)
-    return client
-
-
-async def _moved_unless_finished(stub, request_id: str, dst: str, cluster: Cluster) -> bool:
-    """False if the request was gone from the source when the move picked it, or before the move suspended it
-    (the caller checks that it finished: an abort would end its stream short); other failures raise."""
-    try:
-        await migrate_out(stub, request_id, dst, cluster)
-    except grpc.aio.AioRpcError as error:
-        if error.code() == grpc.StatusCode.NOT_FOUND or (
-                error.code() == grpc.StatusCode.ABORTED and FINISHED_WHILE_MIGRATING in error.details()):
-            return False
-        raise
-    return True
+    with cluster.paced("a"):
+        await migrate_out(stubs["a"], "grammar-1", "b", cluster)
+    handoff = await client.read(call)
+    call = stubs["b"].Attach(instance_pb2.AttachRequest(request_id="grammar-1", from_token_index=handoff.next_token_index,
+                                                        epoch=handoff.epoch), timeout=60)
+    await client.read(call, until_tokens=len(client.token_ids) + 8)
+    with cluster.paced("b"):
+        await migrate_out(stubs["b"], "grammar-1", "a", cluster)
+    await client.follow(call)
+    assert client.token_ids == reference(tiny_model_dir, PROMPT, sampling)
+    assert client.finish_reason == common_pb2.FINISH_REASON_STOP  # the grammar ended it, nothing else
+    assert [h.dst_instance_id for h in client.handoffs] == ["b", "a"]
+    await assert_all_blocks_free(stubs)
 
 
 async def instance_record(etcd, cluster: Cluster, instance_id: str) -> dict:
@@ -469,7 +457,7 @@ async def test_a_copy_by_a_service_the_destination_did_not_grant_writes_on_is_re
             client = ClientStream("shm-1")
             call = generate(stubs["a"], "shm-1", wire, prompt=prompt)
             await client.read(call, until_tokens=3)
-            with pytest.raises(grpc.aio.AioRpcError) as error:
+            with cluster.paced("a"), pytest.raises(grpc.aio.AioRpcError) as error:
                 await migrate_out(stubs["a"], "shm-1", "b", cluster, backend=transfer_pb2.TRANSFER_BACKEND_SHM)
             assert error.value.code() == grpc.StatusCode.ABORTED, error.value.details()  # a peer's refusal
             assert "not migrated, it keeps running on a" in error.value.details()
@@ -489,7 +477,8 @@ async def test_gloo_backend_migrates_a_seeded_request_in_stages(stubs, cluster, 
     client = ClientStream("gloo-1")
     call = generate(stubs["a"], "gloo-1", wire)
     await client.read(call, until_tokens=30)
-    result = await migrate_out(stubs["a"], "gloo-1", "b", cluster, backend=transfer_pb2.TRANSFER_BACKEND_GLOO)
+    with cluster.paced("a"):
+        result = await migrate_out(stubs["a"], "gloo-1", "b", cluster, backend=transfer_pb2.TRANSFER_BACKEND_GLOO)
     await client.follow(call)
     assert result.backend == transfer_pb2.TRANSFER_BACKEND_GLOO and result.num_stages >= 2
     assert client.token_ids == reference(tiny_model_dir, PROMPT, sampling)
@@ -504,16 +493,17 @@ async def test_attach_checks_request_and_epoch(stubs, cluster):
     client = ClientStream("epoch-1")
     call = generate(stubs["a"], "epoch-1", wire)
     await client.read(call, until_tokens=2)
-    await migrate_out(stubs["a"], "epoch-1", "b", cluster)
-    handoff = await client.read(call)
-    with pytest.raises(grpc.aio.AioRpcError) as error:
-        await stubs["b"].Attach(instance_pb2.AttachRequest(request_id="epoch-1", epoch=handoff.epoch + 1),
-                                timeout=5).read()
-    assert error.value.code() == grpc.StatusCode.ABORTED
-    attach = stubs["b"].Attach(instance_pb2.AttachRequest(request_id="epoch-1", from_token_index=handoff.next_token_index,
-                                                          epoch=handoff.epoch), timeout=60)
-    await client.read(attach, until_tokens=len(client.token_ids) + 1)
-    attach.cancel()  # the client goes away: the request is aborted on b
+    with cluster.paced("a", "b"):  # running on b while the attaches come
+        await migrate_out(stubs["a"], "epoch-1", "b", cluster)
+        handoff = await client.read(call)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stubs["b"].Attach(instance_pb2.AttachRequest(request_id="epoch-1", epoch=handoff.epoch + 1),
+                                    timeout=5).read()
+        assert error.value.code() == grpc.StatusCode.ABORTED
+        attach = stubs["b"].Attach(instance_pb2.AttachRequest(
+            request_id="epoch-1", from_token_index=handoff.next_token_index, epoch=handoff.epoch), timeout=60)
+        await client.read(attach, until_tokens=len(client.token_ids) + 1)
+        attach.cancel()  # the client goes away: the request is aborted on b
     await assert_all_blocks_free(stubs)
 
 
@@ -522,25 +512,26 @@ async def test_destination_dead_or_full_keeps_the_request_on_the_source(stubs, c
     client = ClientStream("full-1")
     call = generate(stubs["a"], "full-1", wire, prompt=PROMPT * 8)  # 160 prompt tokens: 40 blocks
     await client.read(call, until_tokens=3)
-    with pytest.raises(grpc.aio.AioRpcError) as error:  # a picks the request itself, and names it in the error
-        await stubs["a"].MigrateOut(instance_pb2.MigrateOutRequest(
-            dst_instance_id="ghost", dst_address=f"127.0.0.1:{free_port()}"), timeout=30)
-    # a answers, so not UNAVAILABLE (the manager would take a for down): ABORTED, naming who did not answer
-    assert error.value.code() == grpc.StatusCode.ABORTED, error.value.details()
-    assert "keeps running on a" in error.value.details() and "destination instance at" in error.value.details()
-    assert error_from_rpc(error.value).request_id == "full-1"
-    # b full: a reservation leaves it 8 free blocks (the request holds 40); quicker than requests filling it,
-    # which a loaded machine prefilled so slowly that the request had finished by then
-    await stubs["b"].PrepareMigrateIn(instance_pb2.PrepareMigrateInRequest(
-        migration_id="hog-1", request_id="hog", src_instance_id="test",
-        num_blocks=await free_blocks(stubs["b"]) - 8), timeout=5)
-    try:
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await migrate_out(stubs["a"], "full-1", "b", cluster)
-    finally:
-        await stubs["b"].AbortMigrateIn(instance_pb2.AbortMigrateInRequest(migration_id="hog-1"), timeout=5)
-    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.value.details()
-    assert "blocks" in error.value.details()
+    with cluster.paced("a"):  # still running on a after both tries
+        with pytest.raises(grpc.aio.AioRpcError) as error:  # a picks the request itself, and names it in the error
+            await stubs["a"].MigrateOut(instance_pb2.MigrateOutRequest(
+                dst_instance_id="ghost", dst_address=f"127.0.0.1:{free_port()}"), timeout=30)
+        # a answers, so not UNAVAILABLE (the manager would take a for down): ABORTED, naming who did not answer
+        assert error.value.code() == grpc.StatusCode.ABORTED, error.value.details()
+        assert "keeps running on a" in error.value.details() and "destination instance at" in error.value.details()
+        assert error_from_rpc(error.value).request_id == "full-1"
+        # b full: a reservation leaves it 8 free blocks (the request holds 40); quicker than requests filling it,
+        # which a loaded machine prefilled so slowly that the request had finished by then
+        await stubs["b"].PrepareMigrateIn(instance_pb2.PrepareMigrateInRequest(
+            migration_id="hog-1", request_id="hog", src_instance_id="test",
+            num_blocks=await free_blocks(stubs["b"]) - 8), timeout=5)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await migrate_out(stubs["a"], "full-1", "b", cluster)
+        finally:
+            await stubs["b"].AbortMigrateIn(instance_pb2.AbortMigrateInRequest(migration_id="hog-1"), timeout=5)
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.value.details()
+        assert "blocks" in error.value.details()
     await client.follow(call)
     assert not client.handoffs and client.token_ids == reference(tiny_model_dir, PROMPT * 8, sampling)
     await assert_all_blocks_free(stubs)
@@ -557,15 +548,16 @@ async def test_a_source_with_a_full_batch_moves_its_queued_request_without_a_cop
         async with grpc.aio.insecure_channel(source.address) as channel:
             stub = instance_pb2_grpc.InstanceServiceStub(channel)
             wire, sampling = greedy(1000)
-            running = generate(stub, "q-running", wire)
-            await running.read()  # it holds the only slot
-            queued, client = generate(stub, "q-queued", wire, prompt=PROMPT[:12]), ClientStream("q-queued")
-            for _ in range(50):
-                if (await stub.GetStatus(instance_pb2.GetStatusRequest(), timeout=5)).load.num_waiting == 1:
-                    break
-                await asyncio.sleep(0.05)
-            result = await stub.MigrateOut(instance_pb2.MigrateOutRequest(
-                dst_instance_id="b", dst_address=cluster.address("b")), timeout=30)
+            with cluster.paced("q"):  # the running request holds the slot until the move is done
+                running = generate(stub, "q-running", wire)
+                await running.read()  # it holds the only slot
+                queued, client = generate(stub, "q-queued", wire, prompt=PROMPT[:12]), ClientStream("q-queued")
+                for _ in range(50):
+                    if (await stub.GetStatus(instance_pb2.GetStatusRequest(), timeout=5)).load.num_waiting == 1:
+                        break
+                    await asyncio.sleep(0.05)
+                result = await stub.MigrateOut(instance_pb2.MigrateOutRequest(
+                    dst_instance_id="b", dst_address=cluster.address("b")), timeout=30)
             assert (result.request_id, result.num_blocks, result.num_bytes) == ("q-queued", 0, 0)
             await client.follow(queued)
             assert [h.dst_instance_id for h in client.handoffs] == ["b"]
@@ -601,14 +593,15 @@ async def test_destination_transfer_service_killed_mid_copy(stubs, cluster, tiny
         client = ClientStream("kill-1")
         call = generate(stubs["a"], "kill-1", wire, prompt=PROMPT * 2)
         await client.read(call, until_tokens=4)
-        victim.signal(signal.SIGSTOP)  # the first stage's copy hangs in it ...
-        migration = asyncio.ensure_future(migrate_out(stubs["a"], "kill-1", "b", cluster,
-                                                      dst_transfer_address=victim.address))
-        await asyncio.sleep(0.7)
-        assert not migration.done()
-        victim.kill()  # ... until it dies mid-copy
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await migration
+        with cluster.paced("a"):
+            victim.signal(signal.SIGSTOP)  # the first stage's copy hangs in it ...
+            migration = asyncio.ensure_future(migrate_out(stubs["a"], "kill-1", "b", cluster,
+                                                          dst_transfer_address=victim.address))
+            await asyncio.sleep(0.7)
+            assert not migration.done()
+            victim.kill()  # ... until it dies mid-copy
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await migration
         assert error.value.code() == grpc.StatusCode.ABORTED, error.value.details()
         assert "keeps running on a" in error.value.details()
     finally:

@@ -47,8 +47,9 @@ def leading(lease: FakeLease, ttl_s: float = TTL_S) -> Election:
 
 async def test_unexpected_renewal_errors_do_not_end_the_leadership():
     lease = FakeLease(RuntimeError("boom"))
-    # A TTL of 1.5 s: a starved machine that wakes the loop a TTL late would (rightly) step it down.
-    election = leading(lease, ttl_s=1.5)
+    # A TTL of 3 s: a starved machine that wakes the loop a TTL late would (rightly) step it down; at load 14 on
+    # two cores, one of 1.5 s was (the loop woke over a second late).
+    election = leading(lease, ttl_s=3.0)
     loop = asyncio.create_task(election._leadership_loop())
     await until(lambda: lease.num_renewals >= 2, loop, timeout_s=8.0)
     assert election.is_leader and not election.lost.is_set()
@@ -68,7 +69,7 @@ async def test_a_leader_that_cannot_renew_for_a_ttl_steps_down_whatever_the_erro
 async def test_the_campaign_outlives_unexpected_errors_and_wins():
     election = candidate(ttl_s=30.0)  # no renewal during the test
     election._client = SimpleNamespace(lease=FakeLeases(RuntimeError("boom"), KeyError("race")), kv=FakeKv())
-    await asyncio.wait_for(election.campaign(), 3.0)
+    await asyncio.wait_for(election.campaign(), 8.0)  # 0.3 s of backoff; 3 s ran out at load 14 on two cores
     assert election.epoch == 41
     await election._stop_leadership_loop()
 

@@ -127,6 +127,7 @@ async def cluster():
                 ["ferry.v1.ManagerService"])
             servers.append(server)
             manager_client = ManagerClient(StaticLeader(server.address), timeout_s=manager_timeout_s)
+            frontends.push_async_callback(manager_client.close)  # on this test's loop, as the frontend's app does
         dispatcher = Dispatcher(manager_client, FakeMembership(*entries), cooldown_s=5.0,
                                 on_fallback=metrics.dispatch_fallbacks.inc)
         clients = InstanceClients(generate_timeout_s=generate_timeout_s, abort_timeout_s=2)

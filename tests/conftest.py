@@ -12,7 +12,7 @@ from services.instance.models.tiny import build_tiny_model
 from tests.torch_threads import one_torch_thread  # noqa: F401 (autouse: every test module)
 
 # Every process a test starts ends with this pytest, even a SIGKILLed one (tests/reaper.py).
-pytest_plugins = ["tests.reaper_plugin"]
+pytest_plugins = ["tests.reaper_plugin", "tests.grpc_loop_plugin"]
 
 
 def pytest_configure() -> None:

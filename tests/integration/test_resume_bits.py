@@ -101,8 +101,8 @@ async def test_a_request_whose_instance_dies_during_its_prefill_resumes_with_its
                                      ["ferry.v1.ManagerService"])
     clients = WatchedClients(generate_timeout_s=60, abort_timeout_s=2)
     metrics = FrontendMetrics()
-    dispatcher = Dispatcher(ManagerClient(StaticLeader(server.address), timeout_s=5), FakeMembership(*entries),
-                            cooldown_s=5.0)
+    manager_client = ManagerClient(StaticLeader(server.address), timeout_s=5)
+    dispatcher = Dispatcher(manager_client, FakeMembership(*entries), cooldown_s=5.0)
     runner = RequestRunner(dispatcher, clients, max_resumes=2, on_resume=metrics.resumes.inc)
     model = ServedModel.load(tiny_model_dir, MODEL, max_model_len=1024)
     app = FrontendServer(model, runner, dispatcher, metrics, api_keys=(), max_inflight=8, max_body_bytes=1 << 20).app()
@@ -132,4 +132,5 @@ async def test_a_request_whose_instance_dies_during_its_prefill_resumes_with_its
             assert resumed["logprobs"]["token_logprobs"] == reference["logprobs"]["token_logprobs"]
     finally:
         await clients.close()
+        await manager_client.close()
         await server.stop(0)

@@ -62,9 +62,10 @@ async def test_a_ttl_of_unexpected_errors_loses_the_registration_and_renewals_re
     changes = []
     registry.on_registration_change(changes.append)
     loop = asyncio.create_task(registry._keepalive_loop())
-    await until(lambda: not registry.is_registered, loop)
+    # Hang guards within the module's 10 s (a TTL of failures, 0.6 s, took over 3 s at load 12 on two cores).
+    await until(lambda: not registry.is_registered, loop, timeout_s=4.5)
     lease.error = None
-    await until(lambda: registry.is_registered, loop)
+    await until(lambda: registry.is_registered, loop, timeout_s=4.5)
     assert changes == [False, True]
     assert registry._client.kv.puts == [("/ferry/test/instances/i-1", FakeLease.lease_id)]
     assert registry.num_reregistrations == 1

@@ -99,3 +99,17 @@ async def test_deltas_published_before_the_error_reach_the_client_before_it():
     with pytest.raises(Unavailable):
         await consumer
     assert seen == [(4,), (5,)], f"token 1 was accepted (state.token_ids={state.token_ids}) but never yielded"
+
+
+
+def test_texts_read_between_pieces_hold_everything_accepted():
+    """The texts are kept in pieces, joined when read: reads in between see all of it, and later pieces add on."""
+    state = make_state()
+    expected = ""
+    for index in range(300):
+        piece = "" if index % 7 == 0 else f"<{index}>"  # empty texts too (a token that completes no character)
+        state.accept(TokenChunk(token_index=index, token_ids=(7,), text=piece, finish_reason=None))
+        expected += piece
+        if index % 50 == 0:
+            assert state.text == state.plain_text == expected
+    assert state.text == state.plain_text == expected

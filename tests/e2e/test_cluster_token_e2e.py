@@ -42,20 +42,36 @@ def cluster(tiny_model_dir, tmp_path_factory):
 
 async def test_a_chat_streams_and_migrates_with_the_token_on_every_internal_call(cluster, admin, client):
     await admin.SetPolicy(manager_pb2.Policy(dispatch="load", migration_enabled=False), timeout=5)
+    for _ in range(3):  # the tiny model decodes fast: a loaded machine's client may read on after the request ended
+        moved, num_chunks, finish_reason = await _stream_and_migrate(cluster, admin, client)
+        assert finish_reason == "length" and num_chunks > 2
+        if moved is not None:
+            break
+    assert moved is not None and moved.src_instance_id != moved.dst_instance_id and moved.num_blocks > 0
+    assert moved.backend == "grpc"
+
+
+async def _stream_and_migrate(cluster, admin, client) -> tuple[manager_pb2.MigrateResponse | None, int, str | None]:
+    """A chat streamed whole, migrated at its second chunk; None for the move if the request had finished there
+    (the client reads behind the instance)."""
     stream = await client.chat.completions.create(
-        model=model_name(cluster), messages=[{"role": "user", "content": "Tell a long story"}], max_tokens=300,
+        model=model_name(cluster), messages=[{"role": "user", "content": "Tell a long story"}], max_tokens=900,
         temperature=0, stream=True, extra_body={"ignore_eos": True})
-    num_chunks, moved, finish_reason = 0, None, None
+    num_chunks, moved, finish_reason, tried = 0, None, None, False
     async for chunk in stream:
         if not chunk.choices:
             continue
         num_chunks += 1
         finish_reason = chunk.choices[0].finish_reason or finish_reason
-        if moved is None and num_chunks >= 8:
-            moved = await admin.Migrate(manager_pb2.MigrateRequest(request_id=chunk.id), timeout=60)
-    assert moved is not None and moved.src_instance_id != moved.dst_instance_id and moved.num_blocks > 0
-    assert moved.backend == "grpc"
-    assert finish_reason == "length" and num_chunks > 8
+        if not tried and num_chunks >= 2:
+            tried = True
+            try:
+                moved = await admin.Migrate(manager_pb2.MigrateRequest(request_id=chunk.id), timeout=60)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND):
+                    raise
+                assert "finished" in exc.details(), exc.details()
+    return moved, num_chunks, finish_reason
 
 
 async def test_an_instance_refuses_a_caller_without_the_token(cluster):

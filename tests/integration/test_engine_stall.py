@@ -1,5 +1,5 @@
 """An engine step that does not return: a real instance process whose sim engine takes
-2.5 s a step, watched with a 0.5 s stall timeout. Its stream must end UNAVAILABLE long
+4 s a step, watched with a 0.5 s stall timeout. Its stream must end UNAVAILABLE long
 before the step returns, it must refuse new work and say NOT_SERVING meanwhile, and once
 the step returns it serves again with the abandoned request gone."""
 
@@ -18,7 +18,7 @@ from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_
 
 pytestmark = pytest.mark.timeout(120)
 
-STEP_S = 2.5
+STEP_S = 4.0
 STALL_TIMEOUT_S = 0.5
 
 

@@ -31,6 +31,7 @@ import torch
 from services.common.config import check_positive
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.prefix_hash import BlockHash
+from services.instance.engine.admission_checks import check_first_start, check_queue_room, check_tokens
 from services.instance.engine.block_manager import BlockId, BlockManager, num_blocks_for
 from services.instance.engine.kv_cache import KvCache
 from services.instance.engine.migration_state import (
@@ -46,6 +47,7 @@ from services.instance.engine.migration_state import (
     migration_blocks,
     pick_request,
 )
+from services.instance.engine.finish_rules import banned_token_ids, reason_when_too_long, stop_reason
 from services.instance.engine.forward_batch import ForwardModel
 from services.instance.engine.guided import GrammarCompiler, Guide
 from services.instance.engine.prefix_cache import NO_PREFIX_CACHE_STATS, PrefixCacheStats
@@ -199,9 +201,9 @@ class LLMEngine:
         resumed = [int(t) for t in resume_token_ids]
         sampling.validate(self.config.max_model_len, len(prompt))
         self._check_tokens(prompt, resumed, sampling)
-        _check_first_start(first_start, len(prompt) + len(resumed), field="resume_first_start")
+        check_first_start(first_start, len(prompt) + len(resumed), field="resume_first_start")
         if not resumed:
-            self._check_queue_room()
+            check_queue_room(len(self.scheduler.waiting), self.config.max_num_waiting)
         if guide is None:
             guide = self.new_guide(sampling, resumed, tokens_field="resume_token_ids")
         text = self._new_text(prompt, sampling)
@@ -396,7 +398,7 @@ class LLMEngine:
         if not 0 <= state.num_computed_tokens < state.num_tokens:
             raise InvalidArgument(f"num_computed_tokens: must be in [0, {state.num_tokens}) (prompt + output), "
                                   f"got {state.num_computed_tokens}")
-        _check_first_start(state.first_start, state.num_tokens, field="first_start")
+        check_first_start(state.first_start, state.num_tokens, field="first_start")
 
     def _request(self, request_id: str) -> Request:
         request = self._requests.get(RequestId(request_id))
@@ -457,7 +459,7 @@ class LLMEngine:
         if not sampled:
             return outputs
         sampling_rows = [SamplingRow(r.sampling, r.seed, r.num_output_tokens, r.output_token_ids, r.prompt_token_ids,
-                                     self._banned_token_ids(r), allowed.get(r.request_id)) for r, _row in sampled]
+                                     banned_token_ids(r, self.eos_token_ids), allowed.get(r.request_id)) for r, _row in sampled]
         tokens = self.sampler(logits[[row for _r, row in sampled]], sampling_rows)
         for (request, _row), token in zip(sampled, tokens):
             outputs.append(self._append_token(request, token))
@@ -500,7 +502,7 @@ class LLMEngine:
         if request.guide is not None and not request.guide.accept(token.token_id):
             self.num_grammar_dead_ends += 1
             log.warning("grammar_refused_sampled_token", request_id=request.request_id, error=request.guide.error)
-        reason = self._stop_reason(request, token.token_id)
+        reason = stop_reason(request, token.token_id, self.eos_token_ids, self.config.max_model_len)
         if reason is not None:
             self.scheduler.remove(request, reason)
         return self._output(request, token_index, token, reason, prompt_logprobs)
@@ -512,50 +514,10 @@ class LLMEngine:
         self.scheduler.remove(request, FinishReason.STOP)
         return self._output(request, request.num_output_tokens, None, FinishReason.STOP)
 
-    def _banned_token_ids(self, request: Request) -> tuple[int, ...]:
-        """Tokens the next one may not be: its stop token ids and eos until it has min_tokens tokens."""
-        sampling = request.sampling
-        if request.num_output_tokens >= sampling.min_tokens:
-            return ()
-        eos = () if sampling.ignore_eos else tuple(self.eos_token_ids)
-        return (*sampling.stop_token_ids, *eos)
-
     def _output_too_long(self, request: Request) -> StepOutput:
-        """A request the scheduler ended for outgrowing the whole cache (LENGTH), unless a stop string in
-        the text held back to the end cuts it (STOP), as at max_tokens."""
-        if request.text.finish():
-            request.finish_reason = FinishReason.STOP
+        """A request the scheduler ended for outgrowing the whole cache (see `reason_when_too_long`)."""
+        request.finish_reason = reason_when_too_long(request)
         return self._output(request, request.num_output_tokens, None, request.finish_reason)
-
-    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        reason = self._token_stop_reason(request, token_id)
-        if reason is FinishReason.LENGTH and request.text.finish():
-            return FinishReason.STOP  # a stop string in the text held back to the end
-        return reason
-
-    def _token_stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        sampling = request.sampling
-        if request.num_output_tokens < sampling.min_tokens:
-            request.text.append(token_id)  # the text grows; stop strings do not count yet (TextOutput)
-            return self._grammar_reason(request) or self._length_reason(request)
-        if token_id in sampling.stop_token_ids:
-            return FinishReason.STOP  # its text is left out
-        if token_id in self.eos_token_ids and not sampling.ignore_eos:
-            return FinishReason.STOP
-        if request.text.append(token_id):
-            return FinishReason.STOP
-        return self._grammar_reason(request) or self._length_reason(request)
-
-    @staticmethod
-    def _grammar_reason(request: Request) -> FinishReason | None:
-        """Stop where the request's grammar is complete (or broken: it can allow nothing more)."""
-        guide = request.guide
-        return FinishReason.STOP if guide is not None and (guide.is_complete or guide.error) else None
-
-    def _length_reason(self, request: Request) -> FinishReason | None:
-        if request.num_output_tokens >= request.sampling.max_tokens or request.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _output(self, request: Request, token_index: int, token: SampledToken | None, reason: FinishReason | None,
                 prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> StepOutput:
@@ -629,38 +591,10 @@ class LLMEngine:
                     num_unfinished -= output.finish_reason is not None
         return [tokens[request_id] for request_id in request_ids]
 
-    def _check_queue_room(self) -> None:
-        """A new request past the waiting-queue bound is refused (resumed ones never are: their streams
-        are already under way, and the cluster holds them anyway)."""
-        num_waiting = len(self.scheduler.waiting)
-        if self.config.max_num_waiting and num_waiting >= self.config.max_num_waiting:
-            raise ResourceExhausted(f"{num_waiting} requests are already waiting for a batch slot on this "
-                                    f"instance (--max-waiting-requests {self.config.max_num_waiting}); "
-                                    "retry later or on another instance")
 
-    def _check_tokens(self, prompt: tuple[int, ...], resumed: list[int], sampling: SamplingParams) -> None:
-        for field, ids in (("prompt_token_ids", prompt), ("resume_token_ids", resumed),
-                           ("logit_bias", [t for t, _ in sampling.logit_bias]),
-                           ("stop_token_ids", sampling.stop_token_ids)):
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise InvalidArgument(f"{field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if resumed and len(prompt) + len(resumed) >= self.config.max_model_len:  # the request ended there (LENGTH)
-            raise InvalidArgument(
-                f"resume_token_ids: prompt + resumed tokens ({len(prompt) + len(resumed)}) fill the model's "
-                f"context of {self.config.max_model_len} (max_model_len); nothing is left to generate"
-            )
-        if len(resumed) >= sampling.max_tokens:
-            raise InvalidArgument(
-                f"resume_token_ids: {len(resumed)} tokens already generated, max_tokens is {sampling.max_tokens}; "
-                "nothing is left to generate"
-            )
-        num_needed = num_blocks_for(len(prompt) + len(resumed), self.config.block_size)
-        if num_needed > self.config.num_blocks:
-            raise ResourceExhausted(
-                f"prompt needs {num_needed} KV blocks but this instance's cache has {self.config.num_blocks} "
-                "(--num-blocks); send it to an instance with a larger cache"
-            )
+    def _check_tokens(self, prompt: Sequence[int], resumed: Sequence[int], sampling: SamplingParams) -> None:
+        check_tokens(prompt, resumed, sampling, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len,
+                     block_size=self.config.block_size, num_blocks=self.config.num_blocks)
 
 
 def _check_geometry(config: EngineConfig, kv_cache: KvCache) -> None:
@@ -670,8 +604,3 @@ def _check_geometry(config: EngineConfig, kv_cache: KvCache) -> None:
             f"the KV cache has {geometry.num_blocks} blocks of {geometry.block_size} tokens but the engine was "
             f"configured with --num-blocks {config.num_blocks} --block-size {config.block_size}"
         )
-
-
-def _check_first_start(first_start: int | None, num_tokens: int, field: str) -> None:
-    if first_start is not None and not 0 <= first_start < num_tokens:
-        raise InvalidArgument(f"{field}: must be in [0, {num_tokens}) (prompt + output) or unset, got {first_start}")

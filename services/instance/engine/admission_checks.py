@@ -1,0 +1,54 @@
+"""What a request must satisfy to enter the engine: added, resumed, or imported by a migration.
+
+Each check raises the error its caller's client should see: InvalidArgument naming the field for input
+that can never run here, ResourceExhausted for what another instance (or a later try) could take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.common.errors import InvalidArgument, ResourceExhausted
+from services.instance.engine.block_manager import num_blocks_for
+from services.instance.engine.request import SamplingParams
+
+
+def check_queue_room(num_waiting: int, max_num_waiting: int) -> None:
+    """A new request past the waiting-queue bound (0: none) is refused (resumed ones never are: their
+    streams are already under way, and the cluster holds them anyway)."""
+    if max_num_waiting and num_waiting >= max_num_waiting:
+        raise ResourceExhausted(f"{num_waiting} requests are already waiting for a batch slot on this "
+                                f"instance (--max-waiting-requests {max_num_waiting}); "
+                                "retry later or on another instance")
+
+
+def check_tokens(prompt: Sequence[int], resumed: Sequence[int], sampling: SamplingParams, *, vocab_size: int,
+                 max_model_len: int, block_size: int, num_blocks: int) -> None:
+    """Token ids inside the vocabulary, something left to generate, and a context that fits the cache."""
+    for field, ids in (("prompt_token_ids", prompt), ("resume_token_ids", resumed),
+                       ("logit_bias", [t for t, _ in sampling.logit_bias]),
+                       ("stop_token_ids", sampling.stop_token_ids)):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"{field}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if resumed and len(prompt) + len(resumed) >= max_model_len:  # the request ended there (LENGTH)
+        raise InvalidArgument(
+            f"resume_token_ids: prompt + resumed tokens ({len(prompt) + len(resumed)}) fill the model's "
+            f"context of {max_model_len} (max_model_len); nothing is left to generate"
+        )
+    if len(resumed) >= sampling.max_tokens:
+        raise InvalidArgument(
+            f"resume_token_ids: {len(resumed)} tokens already generated, max_tokens is {sampling.max_tokens}; "
+            "nothing is left to generate"
+        )
+    num_needed = num_blocks_for(len(prompt) + len(resumed), block_size)
+    if num_needed > num_blocks:
+        raise ResourceExhausted(
+            f"prompt needs {num_needed} KV blocks but this instance's cache has {num_blocks} "
+            "(--num-blocks); send it to an instance with a larger cache"
+        )
+
+
+def check_first_start(first_start: int | None, num_tokens: int, field: str) -> None:
+    if first_start is not None and not 0 <= first_start < num_tokens:
+        raise InvalidArgument(f"{field}: must be in [0, {num_tokens}) (prompt + output) or unset, got {first_start}")

@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from services.cluster.launcher import NUM_BLOCKS_VARIABLE, ClusterSpec, LocalCluster, Serving, ready_banner
+from services.cluster.launcher import ClusterSpec, LocalCluster
+from services.cluster.ready_banner import NUM_BLOCKS_VARIABLE, Serving, ready_banner
 
 
 def banner(tmp_path, serving: Serving) -> str:

@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from services.cluster.launcher import ClusterSpec, LocalCluster, ready_banner
+from services.cluster.launcher import ClusterSpec, LocalCluster
+from services.cluster.ready_banner import ready_banner
 from services.cluster.security import ClusterSecurity
 
 CA, CERT, KEY, TOKEN, CLUSTER_TOKEN = (pathlib.Path(f"/etc/ferry/{name}") for name in

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from services.instance.engine.context_window import ContextLimit, context_limit
 from services.instance.engine.forward_batch import ForwardBatch
-from services.instance.engine.model import ACTIVATIONS, allocate_kv_cache, load_model
+from services.instance.engine.mlp import ACTIVATIONS
+from services.instance.engine.model import allocate_kv_cache, load_model
 from services.instance.engine.model_config import ModelConfig
 from services.instance.models.tiny_tokenizer import TINY_VOCAB_SIZE
 from tests.unit.instance.hf_families import PROMPTS, assert_greedy_equals_transformers, save_random_family_model

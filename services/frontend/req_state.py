@@ -91,7 +91,7 @@ class ReqState:
         if not new_ids and chunk.finish_reason is None:
             return None
         plain = chunk.text if skip == 0 else self._text_of(new_ids)
-        text = plain if self._markers is None else self._markers.place(self.token_ids, new_ids, self.plain_text + plain)
+        text = plain if self._markers is None else self._markers.place(self.token_ids, new_ids, plain)
         delta = Delta(have, tuple(new_ids), text, tuple(chunk.logprobs[skip:]), chunk.finish_reason)
         if have == 0 and chunk.token_index == 0:
             self.prompt_logprobs = chunk.prompt_logprobs

@@ -9,6 +9,7 @@ from typing import Any
 
 from services.frontend.request_error import RequestError
 from services.frontend.request_error import json_type as _json_type
+from services.frontend.request_error import shown
 from services.frontend.sampling_fields import opt_bool
 from services.frontend.tool_protocol import checked_tools, message_tool_fields
 
@@ -31,9 +32,12 @@ def chat_template_options(body: Mapping[str, Any]) -> ChatTemplateOptions:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         kwargs = {}
-    if not isinstance(kwargs, dict) or len(kwargs) > MAX_TEMPLATE_KWARGS or "messages" in kwargs:
+    if not isinstance(kwargs, dict) or len(kwargs) > MAX_TEMPLATE_KWARGS:
         raise RequestError(f"chat_template_kwargs: expected an object of at most {MAX_TEMPLATE_KWARGS} template "
                            "variables (not messages)", param="chat_template_kwargs")
+    if "messages" in kwargs:
+        raise RequestError("chat_template_kwargs.messages: the request's messages are the template's; leave it out",
+                           param="chat_template_kwargs.messages")
     kwargs = dict(kwargs)
     options = {}
     for name in ("add_generation_prompt", "continue_final_message"):  # as vLLM: chat_template_kwargs wins
@@ -90,11 +94,18 @@ def _content(content: Any, role: str, param: str) -> str | list[dict[str, str]]:
     if content is None and role == "assistant":
         return ""
     if isinstance(content, list):
-        texts = []
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(f"{param}[{i}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                   "are supported", param=param)
-            texts.append({"type": "text", "text": part["text"]})
-        return texts
+        return [_text_part(part, f"{param}[{i}]") for i, part in enumerate(content)]
     raise RequestError(f"{param}: expected a string or a list of text parts, got {_json_type(content)}", param=param)
+
+
+def _text_part(part: Any, param: str) -> dict[str, str]:
+    """`{"type": "text", "text": ...}`; an error names the part's field that is wrong."""
+    if not isinstance(part, dict):
+        raise RequestError(f"{param}: expected a text part ({{\"type\": \"text\", \"text\": ...}}), got "
+                           f"{_json_type(part)}", param=param)
+    if part.get("type") != "text":
+        raise RequestError(f"{param}.type: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported, "
+                           f"got {shown(part.get('type'))}", param=f"{param}.type")
+    if not isinstance(part.get("text"), str):
+        raise RequestError(f"{param}.text: expected a string, got {_json_type(part.get('text'))}", param=f"{param}.text")
+    return {"type": "text", "text": part["text"]}

@@ -22,6 +22,7 @@ from services.frontend.chat_messages import ChatTemplateOptions, chat_messages, 
 from services.frontend.generation import Sampling
 from services.frontend.request_error import RequestError, named_path
 from services.frontend.request_error import json_type as _json_type
+from services.frontend.request_error import shown
 from services.frontend.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from services.frontend.sampling_fields import MAX_TOP_LOGPROBS, opt_bool
 from services.frontend.structured_output import OutputConstraint, output_constraint
@@ -281,18 +282,23 @@ def _default_max_tokens_source(parsed: ParsedRequest, max_tokens: int, room: int
     return ", what the context leaves"
 
 
-def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int, name: str = "prompt") -> None:
-    """`name`: the field the tokens came from ("prompt", "prompt[2]" in a batch, "messages")."""
+def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int, name: str = "prompt",
+                           first_index: int | None = None) -> None:
+    """`name`: the field the tokens came from ("prompt", "prompt[2]" in a batch, "messages"); `first_index`:
+    see check_in_vocabulary."""
     if not token_ids:
-        raise RequestError(f"{name}: the prompt is empty; send at least one token", param=name.partition("[")[0])
-    check_in_vocabulary(token_ids, vocab_size, name)
+        raise RequestError(f"{name}: the prompt is empty; send at least one token", param=name)
+    check_in_vocabulary(token_ids, vocab_size, name, first_index)
 
 
-def check_in_vocabulary(token_ids: Sequence[int], vocab_size: int, name: str) -> None:
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+def check_in_vocabulary(token_ids: Sequence[int], vocab_size: int, name: str, first_index: int | None = None) -> None:
+    """`first_index`: where token_ids[0] is in the request's list `name`, so an error names the id's element
+    (`prompt[5]`); None where the ids are not the request's own (encoded from text or a chat template)."""
+    bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise RequestError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})",
-                           param=name.partition("[")[0])
+        path = name if first_index is None else f"{name}[{first_index + bad}]"
+        raise RequestError(f"{path}: token id {token_ids[bad]} is outside the vocabulary [0, {vocab_size})",
+                           param=path)
 
 
 def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, prompts, messages,
@@ -353,9 +359,13 @@ def _reject_non_text_output(body: Mapping[str, Any]) -> None:
     if body.get("audio") is not None:
         raise RequestError("audio: this model answers in text only; leave audio out", param="audio")
     modalities = body.get("modalities")
-    if modalities is not None and (not isinstance(modalities, list) or any(m != "text" for m in modalities)):
-        raise RequestError(f"modalities: only [\"text\"] is supported, got {str(modalities)[:60]}",
+    if modalities is not None and not isinstance(modalities, list):
+        raise RequestError(f"modalities: only [\"text\"] is supported, got {_json_type(modalities)}",
                            param="modalities")
+    bad = next((i for i, m in enumerate(modalities or ()) if m != "text"), None)
+    if bad is not None:
+        raise RequestError(f"modalities[{bad}]: only [\"text\"] is supported, got {shown(modalities[bad])}",
+                           param=f"modalities[{bad}]")
 
 
 def _reject_unserved_output(body: Mapping[str, Any]) -> None:

@@ -46,3 +46,11 @@ def json_type(value: Any) -> str:
     if isinstance(value, list):
         return "an array"
     return "an object"
+
+
+def shown(value: Any) -> str:
+    """A value as an error message shows what it got: a short string quoted, a long or empty one by its
+    length, anything else by its JSON type (json_type)."""
+    if isinstance(value, str):
+        return f"{len(value)} characters" if len(value) > 40 or not value else repr(value)
+    return json_type(value)

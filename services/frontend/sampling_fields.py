@@ -31,14 +31,21 @@ def stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+    if isinstance(stop, str):
+        named = [("stop", stop)]
+    elif isinstance(stop, list):
+        named = [(f"stop[{i}]", s) for i, s in enumerate(stop)]
+    else:
         raise RequestError(f"stop: expected a string or a list of strings, got {_json_type(stop)}", param="stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise RequestError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
-    if any(not s for s in stops):
-        raise RequestError("stop: stop strings must not be empty", param="stop")
-    return tuple(stops)
+    for path, s in named:
+        if not isinstance(s, str):
+            raise RequestError(f"{path}: expected a string, got {_json_type(s)}", param=path)
+    if len(named) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(named)}", param="stop")
+    for path, s in named:
+        if not s:
+            raise RequestError(f"{path}: stop strings must not be empty", param=path)
+    return tuple(s for _, s in named)
 
 
 def truncate_prompt_tokens(body: Mapping[str, Any]) -> int | None:
@@ -156,7 +163,8 @@ def logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
         if len(key) > _MAX_TOKEN_ID_DIGITS or not _TOKEN_ID_KEY.fullmatch(key) or int(key) > INT32_MAX:
             raise RequestError(f"logit_bias: keys are token ids (non-negative integers), got {str(key)[:20]!r}",
                                param="logit_bias")
-        biases[int(key)] = opt_float({"logit_bias": bias}, "logit_bias", 0.0, low=-100.0, high=100.0)
+        path = f"logit_bias.{key}"
+        biases[int(key)] = opt_float({path: bias}, path, 0.0, low=-100.0, high=100.0)
     return tuple(sorted(biases.items()))
 
 

@@ -98,8 +98,9 @@ class ServedModel:
     def _check_sampling_tokens(self, parsed: ParsedRequest) -> None:
         """Token ids in the sampling fields are checked here, before any dispatch (the engine checks
         them again): a 400 that costs no instance a call."""
-        check_in_vocabulary(parsed.sampling.stop_token_ids, self.vocab_size, "stop_token_ids")
-        check_in_vocabulary([token_id for token_id, _ in parsed.sampling.logit_bias], self.vocab_size, "logit_bias")
+        check_in_vocabulary(parsed.sampling.stop_token_ids, self.vocab_size, "stop_token_ids", first_index=0)
+        for token_id, _ in parsed.sampling.logit_bias:
+            check_in_vocabulary([token_id], self.vocab_size, f"logit_bias.{token_id}")
 
     def constrained(self, parsed: ParsedRequest) -> ParsedRequest:
         """The request with its grammar (`sampling.grammar`): its structured output, its forced tool
@@ -126,7 +127,9 @@ class ServedModel:
 
     def _prepared(self, prompt: Prompt, name: str, parsed: ParsedRequest) -> PreparedPrompt:
         all_ids = self._prompt_token_ids(prompt, parsed.add_special_tokens)
-        token_ids = self._checked(self._truncated(all_ids, parsed.truncate_prompt_tokens), name)
+        token_ids = self._truncated(all_ids, parsed.truncate_prompt_tokens)
+        is_ids = not isinstance(prompt, str)  # the request's own list: an error names the id (`prompt[5]`)
+        check_prompt_token_ids(token_ids, self.vocab_size, name, len(all_ids) - len(token_ids) if is_ids else None)
         if not parsed.echo:
             return PreparedPrompt(token_ids)
         # the prompt as the model saw it: as given, or where truncate_prompt_tokens cut it, the kept tokens'
@@ -162,7 +165,7 @@ class ServedModel:
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """`/detokenize`: the text of any ids in the vocabulary, special tokens included."""
-        check_in_vocabulary(token_ids, self.vocab_size, "tokens")
+        check_in_vocabulary(token_ids, self.vocab_size, "tokens", first_index=0)
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 
 import llguidance
 
-from services.frontend.request_error import RequestError, json_type
+from services.frontend.request_error import RequestError, json_type, shown
 
 MAX_GRAMMAR_BYTES = 256 * 1024  # the instance refuses a longer grammar
 MAX_GUIDED_CHOICES = 256
@@ -101,10 +101,12 @@ def _response_format(value: Any) -> OutputConstraint | None:
         return _json_constraint(param, ANY_JSON_OBJECT)
     if kind == "json_schema":
         return _json_constraint(param, _openai_json_schema(value.get("json_schema")))
-    got = repr(str(kind)[:40]) if isinstance(value, dict) else json_type(value)
+    if isinstance(value, dict):  # the type is what is wrong
+        raise RequestError(f"{param}.type: expected \"text\", \"json_object\" or \"json_schema\", got {shown(kind)}",
+                           param=f"{param}.type")
     raise RequestError(f"{param}: expected {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}} or {{\"type\": "
-                       f"\"json_schema\", \"json_schema\": {{\"name\": ..., \"schema\": {{...}}}}}}, got {got}",
-                       param=param)
+                       f"\"json_schema\", \"json_schema\": {{\"name\": ..., \"schema\": {{...}}}}}}, got "
+                       f"{json_type(value)}", param=param)
 
 
 def _openai_json_schema(value: Any) -> dict[str, Any]:
@@ -114,7 +116,7 @@ def _openai_json_schema(value: Any) -> dict[str, Any]:
     name = value.get("name")
     if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
         raise RequestError(f"{param}.name: required, 1 to 64 characters of a-z, A-Z, 0-9, _ and -, got "
-                           f"{_shown(name)}", param=f"{param}.name")
+                           f"{shown(name)}", param=f"{param}.name")
     for key, type_, kind in (("strict", bool, "true or false"), ("description", str, "a string")):
         if value.get(key) is not None and not isinstance(value[key], type_):
             raise RequestError(f"{param}.{key}: expected {kind}, got {json_type(value[key])}", param=f"{param}.{key}")
@@ -164,7 +166,7 @@ def _guided_field(kind: str, param: str, value: Any) -> OutputConstraint:
     if kind == "choice":
         return OutputConstraint(param, _choice_grammar(param, value))
     if not isinstance(value, str) or not value:
-        raise RequestError(f"{param}: expected a non-empty string, got {_shown(value)}", param=param)
+        raise RequestError(f"{param}: expected a non-empty string, got {shown(value)}", param=param)
     if kind == "regex":
         return OutputConstraint(param, llguidance.LLMatcher.grammar_from_regex(value))
     return OutputConstraint(param, llguidance.LLMatcher.grammar_from_lark(value))
@@ -189,7 +191,7 @@ def _choice_grammar(param: str, value: Any) -> str:
     for i, choice in enumerate(value):
         if not isinstance(choice, str) or not 1 <= len(choice) <= MAX_CHOICE_CHARS:
             raise RequestError(f"{param}[{i}]: expected a string of 1 to {MAX_CHOICE_CHARS} characters, got "
-                               f"{_shown(choice)}", param=param)
+                               f"{shown(choice)}", param=param)
     # Lark string literals take JSON's escapes; the answer is exactly one of them
     return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
 
@@ -205,9 +207,3 @@ def _json_constraint(param: str, schema: Mapping[str, Any]) -> OutputConstraint:
 def _first_lines(error: str, limit: int = 600) -> str:
     """llguidance's reason, trimmed to what a client reads (its messages can quote the grammar)."""
     return error.strip()[:limit]
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, str):
-        return f"{len(value)} characters" if len(value) > 40 or not value else repr(value)
-    return json_type(value)

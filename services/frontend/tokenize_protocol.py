@@ -16,7 +16,8 @@ from typing import Any
 
 from services.frontend.chat_messages import ChatTemplateOptions, chat_messages, chat_template_options
 from services.frontend.openai_protocol import RequestError, check_model
-from services.frontend.sampling_fields import opt_bool
+from services.frontend.request_error import json_type
+from services.frontend.sampling_fields import is_int, opt_bool
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
@@ -48,8 +49,12 @@ def parse_tokenize_request(body: Mapping[str, Any], served_model: str) -> Tokeni
 def parse_detokenize_request(body: Mapping[str, Any], served_model: str) -> list[int]:
     check_model(body, served_model)
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise RequestError("tokens: required, a list of token ids (integers)", param="tokens")
+    if not isinstance(tokens, list):
+        raise RequestError(f"tokens: required, a list of token ids (integers), got {json_type(tokens)}", param="tokens")
+    bad = next((i for i, t in enumerate(tokens) if not is_int(t)), None)
+    if bad is not None:
+        raise RequestError(f"tokens[{bad}]: expected a token id (an integer), got {json_type(tokens[bad])}",
+                           param=f"tokens[{bad}]")
     if len(tokens) > MAX_DETOKENIZE_TOKENS:
         raise RequestError(f"tokens: at most {MAX_DETOKENIZE_TOKENS}, got {len(tokens)}", param="tokens")
     return tokens

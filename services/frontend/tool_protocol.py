@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.frontend.request_error import RequestError
+from services.frontend.request_error import RequestError, json_type, shown
 
 MAX_TOOLS = 128
 MAX_TOOL_CALLS_IN_MESSAGE = 128
@@ -98,11 +98,7 @@ def _functions(tools: list[dict[str, Any]]) -> tuple[FunctionTool, ...]:
 
 def _named(choice: dict[str, Any], functions: tuple[FunctionTool, ...]) -> FunctionTool:
     """tool_choice {"type": "function", "function": {"name": ...}}: the function it names."""
-    function = choice.get("function")
-    name = function.get("name") if isinstance(function, dict) else None
-    if choice.get("type", "function") != "function" or not isinstance(name, str):
-        raise RequestError("tool_choice: expected \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
-                           "\"function\": {\"name\": ...}}", param="tool_choice")
+    name = _function_name(choice, "tool_choice")
     named = next((f for f in functions if f.name == name), None)
     if named is None:
         raise RequestError(f"tool_choice.function.name: no tool named {name[:64]!r} in tools (they are "
@@ -132,12 +128,28 @@ def checked_tools(tools: Any) -> list[dict[str, Any]]:
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise RequestError(f"tools: expected a list of at most {MAX_TOOLS} tools", param="tools")
     for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or tool.get("type", "function") != "function" \
-                or not isinstance(function.get("name"), str):
-            raise RequestError(f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
-                        param=f"tools[{i}]")
+        _function_name(tool, f"tools[{i}]")
     return tools
+
+
+def _function_name(value: Any, param: str, checks_type: bool = True) -> str:
+    """The name in `{"type": "function", "function": {"name": ...}}` (a tool, a tool_choice, a call in a message,
+    whose "type" is not read); "type" may be left out. An error names the field that is wrong
+    (`tools[0].function.name`)."""
+    if not isinstance(value, dict):
+        raise RequestError(f"{param}: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got "
+                           f"{json_type(value)}", param=param)
+    if checks_type and value.get("type", "function") != "function":
+        raise RequestError(f"{param}.type: only \"function\" is supported, got {shown(value['type'])}",
+                           param=f"{param}.type")
+    function = value.get("function")
+    if not isinstance(function, dict):
+        raise RequestError(f"{param}.function: expected an object with a name, got {json_type(function)}",
+                           param=f"{param}.function")
+    if not isinstance(function.get("name"), str):
+        raise RequestError(f"{param}.function.name: expected a string, got {json_type(function.get('name'))}",
+                           param=f"{param}.function.name")
+    return function["name"]
 
 
 def message_tool_fields(message: Mapping[str, Any], role: str, param: str) -> dict[str, Any]:
@@ -161,11 +173,8 @@ def message_tool_fields(message: Mapping[str, Any], role: str, param: str) -> di
 
 
 def _call(call: Any, param: str) -> dict[str, Any]:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise RequestError(f"{param}: expected {{\"type\": \"function\", \"function\": {{\"name\": ..., \"arguments\": "
-                    "...}}", param=param)
-    arguments = function.get("arguments", {})
+    name = _function_name(call, param, checks_type=False)
+    arguments = call["function"].get("arguments", {})
     if isinstance(arguments, str):  # OpenAI sends a JSON string; templates render an object (vLLM's rule)
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
@@ -173,7 +182,7 @@ def _call(call: Any, param: str) -> dict[str, Any]:
             raise RequestError(f"{param}.function.arguments: not valid JSON", param=f"{param}.function.arguments") from None
     if not isinstance(arguments, dict):
         raise RequestError(f"{param}.function.arguments: expected a JSON object", param=f"{param}.function.arguments")
-    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    out = {"type": "function", "function": {"name": name, "arguments": arguments}}
     if isinstance(call.get("id"), str):
         out["id"] = call["id"]
     return out

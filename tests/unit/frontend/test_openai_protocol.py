@@ -143,8 +143,9 @@ def test_chat_template_options():
     assert chat().chat_template == ChatTemplateOptions(True, ())
     options = chat(add_generation_prompt=False, chat_template_kwargs={"enable_thinking": False, "a": 1}).chat_template
     assert options == ChatTemplateOptions(False, (("a", 1), ("enable_thinking", False)))
-    for kwargs in ([1], {"messages": []}, {f"k{i}": i for i in range(33)}):
+    for kwargs in ([1], {f"k{i}": i for i in range(33)}):
         rejects(chat, {"chat_template_kwargs": kwargs}, "chat_template_kwargs", param="chat_template_kwargs")
+    rejects(chat, {"chat_template_kwargs": {"messages": []}}, "leave it out", param="chat_template_kwargs.messages")
 
 
 @pytest.mark.parametrize("fields, name", [
@@ -281,8 +282,9 @@ def test_missing_prompt():
     ({"top_k": -2}, ["top_k"], "top_k"),
     ({"seed": "x"}, ["seed", "expected an integer"], "seed"),
     ({"stop": 5}, ["stop", "a string or a list of strings"], "stop"),
-    ({"stop": ["a", 1]}, ["stop", "a string or a list of strings"], "stop"),
-    ({"stop": [""]}, ["stop", "empty"], "stop"),
+    ({"stop": ["a", 1]}, ["stop[1]", "expected a string", "number 1"], "stop[1]"),
+    ({"stop": [""]}, ["stop[0]", "empty"], "stop[0]"),
+    ({"stop": ""}, ["stop", "empty"], "stop"),
     ({"stop": ["x"] * 17}, ["stop", "at most 16"], "stop"),
     ({"stream": "yes"}, ["stream", "true or false"], "stream"),
     ({"stream_options": {"include_usage": True}}, ["stream_options", "stream is true"], "stream_options"),
@@ -313,19 +315,19 @@ def test_missing_prompt():
     ({"logit_bias": {"¹": 5}}, ["logit_bias", "token ids"], "logit_bias"),  # str.isdigit() says yes, int() no
     ({"logit_bias": {"٣": 5}}, ["logit_bias", "token ids"], "logit_bias"),
     ({"tool_choice": "required"}, ["tool_choice", "only allowed with tools"], "tool_choice"),
-    ({"logit_bias": {"1": 101}}, ["logit_bias", "between -100.0 and 100.0"], "logit_bias"),
+    ({"logit_bias": {"1": 101}}, ["logit_bias.1", "between -100.0 and 100.0"], "logit_bias.1"),
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, ["logit_bias", "at most 1024"], "logit_bias"),
-    ({"response_format": {"type": "yaml"}}, ["response_format", "'yaml'", "json_schema"], "response_format"),
+    ({"response_format": {"type": "yaml"}}, ["response_format.type", "'yaml'", "json_schema"], "response_format.type"),
     ({"response_format": "json"}, ["response_format", "a string"], "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, ["tools", "chat completions", "tool_choice"], "tools"),
     ({"functions": [{"name": "f"}]}, ["functions", "not supported"], "functions"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, ["audio", "text only"], "audio"),
-    ({"modalities": ["text", "audio"]}, ["modalities", "only [\"text\"]"], "modalities"),
+    ({"modalities": ["text", "audio"]}, ["modalities[1]", "only [\"text\"]", "'audio'"], "modalities[1]"),
     ({"modalities": "text"}, ["modalities"], "modalities"),
     ({"model": 7}, ["model", "expected a string"], "model"),
     ({"temperature": 10**400}, ["temperature", "too large"], "temperature"),
     ({"top_p": -10**400}, ["top_p", "too large"], "top_p"),
-    ({"logit_bias": {"1": 10**400}}, ["logit_bias", "too large"], "logit_bias"),
+    ({"logit_bias": {"1": 10**400}}, ["logit_bias.1", "too large"], "logit_bias.1"),
     ({"logit_bias": {"1" * 5000: 1}}, ["logit_bias", "token ids"], "logit_bias"),  # int() refuses 4300+ digits
     ({"user": 5}, ["user", "expected a string", "number"], "user"),
 ])
@@ -459,7 +461,7 @@ def test_chat_logprobs():
     ({"messages": [{"role": "user", "content": 5}]}, ["messages[0].content"], "messages[0].content"),
     ({"messages": [{"role": "user"}]}, ["messages[0].content"], "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     ["only text parts"], "messages[0].content[0]"),
+     ["only text parts", "'image_url'"], "messages[0].content[0].type"),
     ({"max_completion_tokens": 0}, ["max_completion_tokens", ">= 1"], "max_completion_tokens"),
     ({"logprobs": 1}, ["logprobs", "true or false"], "logprobs"),
     ({"top_logprobs": 2}, ["top_logprobs", "logprobs=true"], "top_logprobs"),
@@ -560,7 +562,7 @@ def test_tool_choice_required_and_named_force_calls_of_the_tools_they_name():
 @pytest.mark.parametrize("fields,words,param", [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
      ["tool_choice.function.name", "'get_time'", "'get_weather'"], "tool_choice.function.name"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, ["tool_choice", "\"required\""], "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, ["tool_choice.function", "null"], "tool_choice.function"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, ["tool_choice", "'sometimes'"], "tool_choice"),
     ({"tools": [{"function": {"name": "f", "parameters": [1]}}]}, ["tools[0].function.parameters", "JSON schema"],
      "tools[0].function.parameters"),
@@ -572,7 +574,7 @@ def test_tool_choice_required_and_named_force_calls_of_the_tools_they_name():
      "guided_regex"),
     ({"tool_choice": "auto"}, ["tool_choice", "only allowed with tools"], "tool_choice"),
     ({"tools": TOOLS, "parallel_tool_calls": "no"}, ["parallel_tool_calls", "true or false"], "parallel_tool_calls"),
-    ({"tools": [{"type": "function", "function": {}}]}, ["tools[0]"], "tools[0]"),
+    ({"tools": [{"type": "function", "function": {}}]}, ["tools[0].function.name", "null"], "tools[0].function.name"),
     ({"functions": [{"name": "f"}]}, ["functions", "not supported", "tools"], "functions"),
 ])
 def test_bad_tool_fields(fields, words, param):
@@ -605,7 +607,8 @@ def test_tool_calls_and_results_in_the_history_reach_the_template_as_transformer
 @pytest.mark.parametrize("message,words,param", [
     ({"role": "user", "content": "x", "tool_calls": []}, ["only assistant"], "messages[0].tool_calls"),
     ({"role": "assistant", "tool_calls": {"a": 1}}, ["expected a list"], "messages[0].tool_calls"),
-    ({"role": "assistant", "tool_calls": [{"function": {}}]}, ["\"name\""], "messages[0].tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": [{"function": {}}]}, ["expected a string"],
+     "messages[0].tool_calls[0].function.name"),
     ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
      ["not valid JSON"], "messages[0].tool_calls[0].function.arguments"),
     ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]},

@@ -29,15 +29,17 @@ def test_prompts_as_text_and_as_token_ids(model):
     (text_ids,) = token_ids_of(model, parse_completion_request({"prompt": "the cat"}, "tiny"))
     assert text_ids and model.decode(text_ids) == "the cat"
     assert token_ids_of(model, parse_completion_request({"prompt": [3, 4, 5]}, "tiny")) == [[3, 4, 5]]
-    with pytest.raises(RequestError, match="^prompt: token id 512 is outside the vocabulary"):
+    with pytest.raises(RequestError, match=r"^prompt\[1\]: token id 512 is outside the vocabulary") as info:
         token_ids_of(model, parse_completion_request({"prompt": [3, 512]}, "tiny"))
+    assert info.value.param == "prompt[1]"
 
 
 def test_a_batch_gives_each_prompt_its_ids_and_names_the_bad_one(model):
     batch = token_ids_of(model, parse_completion_request({"prompt": ["the cat", [3, 4]]}, "tiny"))
     assert [model.decode(batch[0]), batch[1]] == ["the cat", [3, 4]]
-    with pytest.raises(RequestError, match=r"^prompt\[1\]: token id 512"):
+    with pytest.raises(RequestError, match=r"^prompt\[1\]\[1\]: token id 512") as info:
         token_ids_of(model, parse_completion_request({"prompt": ["the cat", [3, 512]]}, "tiny"))
+    assert info.value.param == "prompt[1][1]"
 
 
 def test_add_special_tokens_false_encodes_the_text_alone(model):
@@ -51,6 +53,11 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(model):
         return token_ids_of(model, parse_completion_request({"prompt": [3, 4, 5, 6], **fields}, "tiny"))
     assert ids(truncate_prompt_tokens=2) == [[5, 6]] and ids(truncate_prompt_tokens=9) == [[3, 4, 5, 6]]
     assert ids(truncate_prompt_tokens=-1) == [[3, 4, 5, 6]]  # the context (1024) holds them all
+    assert token_ids_of(model, parse_completion_request({"prompt": [512, 4, 5], "truncate_prompt_tokens": 2},
+                                                        "tiny")) == [[4, 5]]  # cut before it is checked
+    with pytest.raises(RequestError, match=r"^prompt\[2\]: token id 512") as info:  # its index in the request
+        token_ids_of(model, parse_completion_request({"prompt": [3, 4, 512], "truncate_prompt_tokens": 2}, "tiny"))
+    assert info.value.param == "prompt[2]"
     chat = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": 3}, "tiny")
     (whole,) = token_ids_of(model, parse_chat_request({"messages": [{"role": "user", "content": "hi"}]}, "tiny"))
     assert token_ids_of(model, chat) == [whole[-3:]]
@@ -168,9 +175,11 @@ def test_hermes_tags_the_tokenizer_hides_are_shown_to_the_tool_call_parser_only(
 
 
 def test_sampling_token_ids_outside_the_vocabulary_are_refused_before_any_dispatch(model):
-    for field, value in (("stop_token_ids", [3, 512]), ("logit_bias", {"512": 1.0})):
-        with pytest.raises(RequestError, match=rf"^{field}: token id 512 is outside the vocabulary"):
+    for field, value, path in (("stop_token_ids", [3, 512], r"stop_token_ids\[1\]"),
+                               ("logit_bias", {"3": 2.0, "512": 1.0}, r"logit_bias\.512")):
+        with pytest.raises(RequestError, match=rf"^{path}: token id 512 is outside the vocabulary") as info:
             token_ids_of(model, parse_completion_request({"prompt": "x", field: value}, "tiny"))
+        assert info.value.param == path.replace("\\", "")
     assert token_ids_of(model, parse_completion_request({"prompt": [3], "stop_token_ids": [511]}, "tiny")) == [[3]]
 
 

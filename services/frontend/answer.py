@@ -124,7 +124,10 @@ class AnswerWriter:
                 request.transport.close()
 
     async def _send(self, request: web.Request, response: web.StreamResponse, data: bytes) -> None:
-        await self._taken_in(request, response.write(data))
+        if _writes_at_once(request, len(data)):  # most of a stream's writes: no timer nor ioctl for each token
+            await response.write(data)
+        else:
+            await self._taken_in(request, response.write(data))
 
     async def _taken_in(self, request: web.Request, write: Awaitable[None]) -> None:
         """Await `write`, whose bytes the client must take in (_ReadWatch cuts one that takes in nothing)."""
@@ -161,6 +164,19 @@ class _ReadWatch:
         log.warning("client_not_reading", request_id=self._request.get(REQUEST_ID_KEY), send_timeout_s=self._timeout_s)
         if self._request.transport is not None:
             self._request.transport.abort()
+
+
+def _writes_at_once(request: web.Request, num_bytes: int) -> bool:
+    """A write of `num_bytes` cannot wait on the client: the connection's transport is not paused and stays at or
+    under its high-water mark with them (asyncio pauses it, and only then does aiohttp's write wait, above that)."""
+    transport = request.transport
+    limits = getattr(transport, "get_write_buffer_limits", None)
+    if transport is None or limits is None or request.protocol.writing_paused:
+        return False
+    return transport.get_write_buffer_size() + num_bytes + _FRAMING_BYTES <= limits()[1]
+
+
+_FRAMING_BYTES = 1024  # more than chunked encoding adds around a write (a size line and CRLFs)
 
 
 def _bytes_sent(request: web.Request) -> int:

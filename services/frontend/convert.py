@@ -48,9 +48,9 @@ def chunk_from_proto(msg: instance_pb2.GenerateChunk) -> TokenChunk:
     return TokenChunk(
         token_index=msg.token_index, token_ids=tuple(msg.token_ids), text=msg.text,
         finish_reason=_FINISH_REASON_FROM_PROTO.get(msg.finish_reason), epoch=msg.epoch,
-        logprobs=tuple(_logprob_from_proto(entry) for entry in msg.logprobs),
+        logprobs=tuple(map(_logprob_from_proto, msg.logprobs)) if msg.logprobs else (),  # (most chunks: none)
         num_prompt_tokens=msg.num_prompt_tokens,
-        prompt_logprobs=tuple(_logprob_from_proto(entry) for entry in msg.prompt_logprobs),
+        prompt_logprobs=tuple(map(_logprob_from_proto, msg.prompt_logprobs)) if msg.prompt_logprobs else (),
         handoff=_handoff_from_proto(msg.handoff) if msg.HasField("handoff") else None,
         first_start=msg.first_start if msg.HasField("first_start") else None)
 

@@ -32,10 +32,11 @@ class TokenStrings(Protocol):
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+_SSE_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # one for every chunk (json.dumps makes one a call)
 
 
 def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _SSE_JSON.encode(payload).encode() + b"\n\n"
 
 
 def sse_error(error: FerryError) -> bytes:

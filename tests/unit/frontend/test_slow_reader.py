@@ -123,3 +123,24 @@ async def test_a_stream_that_crashes_while_its_client_stopped_reading_gives_its_
             assert status != 429, "the crashed stream kept its slot"
         finally:
             stalled.close()
+
+
+async def test_a_client_that_keeps_up_costs_no_read_watch_a_token(monkeypatch):
+    """Each token's write had its own watch (a timer set and cancelled, an ioctl): only a write that can wait on
+    the client, its transport paused or near its high-water mark, needs one."""
+    num_watches = [0]
+
+    class CountedWatch(answer._ReadWatch):
+        def __init__(self, *args) -> None:
+            num_watches[0] += 1
+            super().__init__(*args)
+    monkeypatch.setattr(answer, "_ReadWatch", CountedWatch)
+    num_tokens = 2000
+    script = [chunk(i, i % 20, finish=FinishReason.LENGTH if i == num_tokens - 1 else None) for i in range(num_tokens)]
+    async with scripted_frontend({"a": (script, None)}, max_model_len=num_tokens + 100) as base_url, \
+            aiohttp.ClientSession() as session:
+        body = {"model": "m", "prompt": "ab", "max_tokens": num_tokens, "stream": True}
+        async with session.post(f"{base_url}/v1/completions", json=body) as reply:
+            events = [line async for line in reply.content if line.startswith(b"data: ")]
+    assert len(events) == num_tokens + 1 and events[-1] == b"data: [DONE]\n"
+    assert num_watches[0] <= num_tokens // 10, num_watches[0]  # was one a write: num_tokens + 2

@@ -51,12 +51,16 @@ class FerryError(Exception):
     http_status: ClassVar[int] = 500
     caller_action: ClassVar[CallerAction] = CallerAction.REPORT
 
-    def __init__(self, message: str, request_id: str = "", *, is_expected: bool = False) -> None:
+    def __init__(self, message: str, request_id: str = "", *, is_expected: bool = False,
+                 trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.message = message
         self.request_id = request_id  # the request it concerns, where the caller may not know it (a picked one)
         # An answer the caller counts on (an Abort of a request already gone): its rpc_failed line is at debug.
         self.is_expected = is_expected
+        # Sent with the status: what the caller must tell apart reliably, not by the message's words (a
+        # MigrateOut refused by its source's own busy slots, pick_announcement.py). Not carried on by error_from_rpc.
+        self.trailing_metadata = trailing_metadata
 
     @property
     def is_retryable(self) -> bool:
@@ -198,7 +202,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if isinstance(exc, FerryError):
             self._log_failed(context, exc, method)
             await context.abort(exc.grpc_code, exc.message,
-                                trailing_metadata=(*request_metadata(exc.request_id), *_ANSWERED))
+                                trailing_metadata=(*request_metadata(exc.request_id), *exc.trailing_metadata,
+                                                   *_ANSWERED))
         log.error("rpc_crashed", method=method, exc_info=exc)
         await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, trailing_metadata=_ANSWERED)
 

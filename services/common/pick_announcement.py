@@ -1,6 +1,10 @@
 """What a MigrateOut's source announces in the call's initial metadata once it picked: the request and the
 migration's id. A caller whose deadline passes (the migration runs on at the source) reads them from its error
-and asks the destination whether it holds the request under that migration id (RequestInfo.migration_id)."""
+and asks the destination whether it holds the request under that migration id (RequestInfo.migration_id).
+
+And in the trailing metadata of a RESOURCE_EXHAUSTED it refused with at once, before any pick: that its own
+migration slots were busy (--max-concurrent-migrations), not the destination's (whose refusal it passes on
+with the same status and words). The manager counts that apart: nothing was tried, no pair is to blame."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from typing import Any
 from services.common.logging import REQUEST_ID_KEY, request_id_from_metadata
 
 MIGRATION_ID_KEY = "x-ferry-migration-id"
+SOURCE_BUSY_KEY = "x-ferry-source-busy"
+SOURCE_BUSY = ((SOURCE_BUSY_KEY, "1"),)  # the trailing metadata of a source's own busy refusal
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,3 +32,8 @@ def pick_from_metadata(metadata: Any) -> AnnouncedPick:
     migration_id = next((v if isinstance(v, str) else v.decode() for k, v in metadata or () if k == MIGRATION_ID_KEY),
                         "")
     return AnnouncedPick(request_id_from_metadata(metadata) or "", migration_id)
+
+
+def is_source_busy(trailing_metadata: Any) -> bool:
+    """Whether a MigrateOut's status came from its source's own busy migration slots."""
+    return any(key == SOURCE_BUSY_KEY for key, _ in trailing_metadata or ())

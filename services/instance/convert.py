@@ -167,7 +167,8 @@ def request_state_from_proto(msg: instance_pb2.RequestState) -> RequestState:
 def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int, timestamp: float,
                   step_time_ms_p50: float = 0.0, num_steps: int = 0, num_prefilled: int = 0,
                   prefix_cache: PrefixCacheStats = NO_PREFIX_CACHE_STATS,
-                  num_incoming_migrations: int = 0, num_suspended: int = 0) -> common_pb2.LoadReport:
+                  num_incoming_migrations: int = 0, num_suspended: int = 0,
+                  num_free_migration_out_slots: int | None = None) -> common_pb2.LoadReport:
     return common_pb2.LoadReport(
         instance_id=instance_id,
         num_running=load.num_running,
@@ -189,6 +190,7 @@ def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int
         num_requests_migrated_in=load.num_requests_migrated_in,
         num_free_slots=load.num_free_slots,
         num_suspended=num_suspended,
+        num_free_migration_out_slots=num_free_migration_out_slots,
     )
 
 

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
-from services.common.errors import Aborted, FailedPrecondition, FerryError, NotFound
+from services.common.errors import Aborted, FailedPrecondition, FerryError, NotFound, ResourceExhausted
+from services.common.pick_announcement import SOURCE_BUSY
 from services.common.task_errors import shielded
 from services.instance.engine.migration_state import MigrationBlocks, RequestState
 from services.instance.handoff import Handoff, RecentHandoffs
@@ -80,6 +81,11 @@ class MigrationDriver:
         """Whether `migrate_out` may start one now (else it refuses at once: --max-concurrent-migrations)."""
         return self._slots.has_free
 
+    @property
+    def num_free_slots(self) -> int:
+        """Migration slots `migrate_out` would find free now (LoadReport.num_free_migration_out_slots)."""
+        return self._slots.num_free
+
     async def migrate_out(self, plan: MigrateOutPlan, on_picked: Callable[[str, str], Awaitable[None]] | None = None,
                           copy: RequestStream | None = None) -> MigrationResult:
         """Move one request to `plan`'s destination; raises (and the request stays here) if it cannot.
@@ -93,7 +99,10 @@ class MigrationDriver:
         if plan.dst_instance_id == self._settings.instance_id:
             raise FailedPrecondition(f"the destination {plan.dst_instance_id} is this instance; pick another one")
         migration_id = f"{self._settings.instance_id}-{uuid.uuid4().hex[:12]}"
-        self._slots.acquire(migration_id)
+        try:
+            self._slots.acquire(migration_id)
+        except ResourceExhausted as exc:  # said apart from the destination's refusal, which has the same words
+            raise ResourceExhausted(exc.message, trailing_metadata=SOURCE_BUSY) from exc
         task = asyncio.create_task(self._migrate(migration_id, plan, on_picked, copy), name=f"migrate-{migration_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

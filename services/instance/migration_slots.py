@@ -22,8 +22,12 @@ class MigrationSlots:
         return len(self._holders)
 
     @property
+    def num_free(self) -> int:
+        return max(self.max_concurrent - len(self._holders), 0)
+
+    @property
     def has_free(self) -> bool:
-        return len(self._holders) < self.max_concurrent
+        return self.num_free > 0
 
     def acquire(self, migration_id: str) -> None:
         """Take a slot for `migration_id` (idempotent); ResourceExhausted when all are busy."""

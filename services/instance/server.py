@@ -277,7 +277,9 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                              runner.step_time_ms_p50, runner.num_steps, num_prefilled=num_prefilled,
                              prefix_cache=runner.prefix_cache_stats,
                              num_incoming_migrations=self.inbox.num_incoming if self.inbox is not None else 0,
-                             num_suspended=num_suspended)
+                             num_suspended=num_suspended,
+                             num_free_migration_out_slots=self.migrations.num_free_slots
+                             if self.migrations is not None else None)
 
 
 def _commit_deadline(time_remaining: float | None, deadline_unix_ms: int) -> float | None:

@@ -1234,6 +1234,21 @@ async def test_a_client_attaching_leaves_an_earlier_failed_attempts_reservation_
     await assert_no_blocks_held(a, b)
 
 
+async def test_the_load_report_says_how_many_migration_slots_a_migrate_out_would_find_free(pair):
+    """The manager's loop asks no source whose slots are all taken (its own PD hand-offs hold them): refused at
+    once, such a MigrateOut was counted a failed migration and backed the pair off."""
+    a, b = pair
+    servicer = servicer_moving_to(a, FaultyPeer(b))
+    report = servicer.load_report()
+    assert report.HasField("num_free_migration_out_slots") and report.num_free_migration_out_slots == 1
+    a.slots.acquire("a-pd-handoff")  # a hand-off of its own (or a migration in) holds the one slot
+    try:
+        assert servicer.load_report().num_free_migration_out_slots == 0
+    finally:
+        a.slots.release("a-pd-handoff")
+    assert servicer.load_report().num_free_migration_out_slots == 1
+
+
 async def test_a_migration_cancelled_before_its_task_first_ran_gives_its_slot_back():
     """close() (shutdown) cancels a migration whose task never started: its slot was taken all the same."""
     slots = MigrationSlots(1)

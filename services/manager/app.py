@@ -3,15 +3,16 @@
 Every manager watches instances/ and config/ and serves AdminService; only the elected
 leader serves Dispatch and takes load reports (see server.py).
 
-Shutdown order (STYLE.md): health NOT_SERVING → resign (revoke the election lease, so a
-standby takes over at once) → server.stop(grace) → cancel background loops → close
-channels and etcd clients.
+Shutdown order (STYLE.md): health NOT_SERVING → cancel background loops → cut the
+migrations still running short (each kept `unknown`: its source runs it on) and flush the
+migration journal while still leading → resign (revoke the election lease, so a standby
+takes over at once) → server.stop(grace) → close channels and etcd clients.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import structlog
@@ -92,12 +93,13 @@ async def main(config: ManagerConfig) -> None:
                      tasks.create_task(campaign.campaign_loop(), name="campaign_loop"),
                      tasks.create_task(migrator.migration_loop(), name="migration_loop"),
                      tasks.create_task(scaler.scaling_loop(), name="scaling_loop"),
-                     tasks.create_task(dispatcher.role_gap_loop(), name="role_gap_loop"),
-                     tasks.create_task(journal.writer_loop(), name="migration_journal_loop")]
+                     tasks.create_task(dispatcher.role_gap_loop(), name="role_gap_loop")]
+            journal_loop = tasks.create_task(journal.writer_loop(), name="migration_journal_loop")
             log.info("manager_ready", manager_id=manager_id, address=server.address)
             config.print_ready(manager_id, server.address)
             await stop.wait()
-            await _shutdown(config, server, campaign, loops)
+            await _shutdown(config, server, campaign, loops,
+                            lambda: _close_migrations(migrator, journal, journal_loop))
     finally:
         await server.stop(0)  # stopped already unless something failed on the way (a taken --metrics-port)
         await migrator.close()
@@ -108,15 +110,25 @@ async def main(config: ManagerConfig) -> None:
         await etcd.close()
 
 
-async def _shutdown(config: ManagerConfig, server: GrpcServer, campaign: Campaign, loops: list[asyncio.Task]) -> None:
+async def _shutdown(config: ManagerConfig, server: GrpcServer, campaign: Campaign, loops: list[asyncio.Task],
+                    close_migrations: Callable[[], Awaitable[None]]) -> None:
     log.info("manager_stopping")
     await server.set_serving(False)
     for loop in loops:
         loop.cancel()
     await asyncio.gather(*loops, return_exceptions=True)
+    await close_migrations()  # while still leading: the journal takes records only from the leader
     await campaign.resign()
     await server.stop(config.shutdown_grace_s)
     log.info("manager_stopped")
+
+
+async def _close_migrations(migrator: Migrator, journal: MigrationJournal, journal_loop: asyncio.Task) -> None:
+    """Migrations still running are kept `unknown`, and the journal written, within its flush timeout."""
+    await migrator.close()
+    await journal.flush()
+    journal_loop.cancel()
+    await asyncio.gather(journal_loop, return_exceptions=True)
 
 
 def _apply_members(view: ClusterView, members: Mapping[str, dict[str, Any]]) -> None:

@@ -65,7 +65,7 @@ def role_to_proto(role: Role) -> int:
 _LOAD_COUNTS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_blocks_needed_by_waiting",
                 "num_requests_served", "num_prefilled", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
                 "num_headroom_blocks", "num_incoming_migrations", "num_requests_admitted", "num_requests_migrated_in",
-                "num_free_slots", "num_suspended")
+                "num_free_slots", "num_suspended", "num_free_migration_out_slots")
 
 
 def load_from_proto(report: common_pb2.LoadReport) -> Load:
@@ -82,7 +82,9 @@ def load_from_proto(report: common_pb2.LoadReport) -> Load:
                 num_requests_admitted=report.num_requests_admitted,
                 num_requests_migrated_in=report.num_requests_migrated_in,
                 num_free_slots=report.num_free_slots if report.HasField("num_free_slots") else None,
-                num_suspended=report.num_suspended)
+                num_suspended=report.num_suspended,
+                num_free_migration_out_slots=report.num_free_migration_out_slots
+                if report.HasField("num_free_migration_out_slots") else None)
 
 
 def state_to_proto(state: InstanceState) -> int:

@@ -114,6 +114,7 @@ class Load:
     num_requests_migrated_in: int = 0  # by a committed migration in (a PD hand-off or any other)
     num_free_slots: int | None = None  # batch slots a request moved in would find free; None: not reported
     num_suspended: int = 0  # out of the batch, neither running nor waiting: parked for a PD hand-off, or migrating out
+    num_free_migration_out_slots: int | None = None  # what a MigrateOut would find free there; None: not reported
 
     @property
     def num_held(self) -> int:
@@ -130,6 +131,11 @@ class Load:
     def has_free_slot(self) -> bool:
         """A request sent or moved here would find a batch slot; True where not reported (an older instance)."""
         return self.num_free_slots is None or self.num_free_slots > 0
+
+    @property
+    def can_migrate_out(self) -> bool:
+        """A MigrateOut sent there would find a migration slot free; True where not reported (an older instance)."""
+        return self.num_free_migration_out_slots is None or self.num_free_migration_out_slots > 0
 
     def has_room_for(self, num_blocks: int) -> bool:
         """A request holding `num_blocks` moved here would find them free (after what queued requests and the

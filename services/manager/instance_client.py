@@ -12,10 +12,10 @@ from services.common.errors import FerryError, error_from_rpc
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
 from services.common.channel_pool import ChannelPool
 from services.common.logging import request_metadata
-from services.common.pick_announcement import pick_from_metadata
+from services.common.pick_announcement import is_source_busy, pick_from_metadata
 from services.common.tls import TlsConfig
 from services.manager import convert
-from services.manager.migration import MigrationFigures, MigrationOrder
+from services.manager.migration import MigrationFigures, MigrationOrder, SourceBusy
 from services.manager.migration_settle import HeldRequest, SourceUnanswered, SourceUnreached
 
 NEVER_CONNECTED_DETAILS = "failed to connect to all addresses"  # gRPC core's pick failure: the call was never sent
@@ -66,6 +66,8 @@ class InstanceChannels:
 def _migrate_out_error(order: MigrationOrder, exc: grpc.aio.AioRpcError) -> FerryError:
     """The ferry error of a failed MigrateOut; one the source gave no answer to names the pick it announced."""
     error = error_from_rpc(exc)
+    if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and is_source_busy(exc.trailing_metadata()):
+        return SourceBusy(f"source instance {order.src_instance_id} is busy: {error.message}", order.request_id)
     if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return error
     where = f"MigrateOut on source instance {order.src_instance_id} at {order.src_address}"

@@ -25,6 +25,9 @@ MIGRATIONS = Counter("ferry_manager_migrations_total", "Live migrations attempte
                      ["outcome", "trigger"])
 MIGRATION_FAILURES = Counter("ferry_manager_migration_failures_total",
                              "Live migrations that failed, by the gRPC status of MigrateOut", ["reason"])
+MIGRATIONS_SOURCE_BUSY = Counter("ferry_manager_migrations_source_busy_total",
+                                 "MigrateOut calls their source refused at once, its own migration slots "
+                                 "(--max-concurrent-migrations) busy: nothing tried, no failed migration", ["trigger"])
 SCALING_ACTIONS = Counter("ferry_manager_scaling_actions_total",
                           "Scaling decisions the leader wrote to scaling/target, by action (add, retire, cancel_retire)", ["action"])
 MIGRATED_BYTES = Counter("ferry_manager_migrated_bytes_total", "KV cache bytes moved by committed migrations")
@@ -61,6 +64,8 @@ def export_zero_series() -> None:
     for outcome in MigrationOutcome:
         for trigger in MigrationTrigger:
             MIGRATIONS.labels(outcome.value, trigger.value)
+    for trigger in MigrationTrigger:
+        MIGRATIONS_SOURCE_BUSY.labels(trigger.value)
     for action in ("add", "retire", "cancel_retire"):
         SCALING_ACTIONS.labels(action)
 

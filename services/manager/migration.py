@@ -10,9 +10,16 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from services.common.errors import ResourceExhausted
 from services.manager.domain import InstanceId
 
 DEFAULT_PAIRING = "load"
+
+
+class SourceBusy(ResourceExhausted):
+    """MigrateOut refused at once by its source: its own migration slots are busy (its PD hand-offs, say). Nothing
+    was tried, so it is no failed migration (not in the history, no backoff of the pair); a destination's refusal,
+    which the source passes on with the same status, is one."""
 
 
 class MigrationSelection(enum.Enum):

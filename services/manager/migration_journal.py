@@ -12,6 +12,8 @@ is only logged (the leader's in-memory history still has it). A migration whose 
 no answer is put `unknown` at once, and what it turned out to be is put under the same key
 (migration_settle.py). After each put the oldest keys beyond `--migration-history-size` are
 deleted. Keys have no lease: a new leader, and ferryctl through any manager, read the same history.
+A manager puts only records of migrations begun in its current term as leader (migrator.py); at shutdown
+it flushes the queue, within FLUSH_TIMEOUT_S, before it resigns.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ log = structlog.get_logger(__name__)
 ETCD_TIMEOUT_S = 2.0
 QUEUE_SIZE = 256
 MAX_UNKNOWN_KEYS = 256  # keys of unknown records kept for their replacement
+FLUSH_TIMEOUT_S = 2.0  # at shutdown: the records still queued get this long
 
 
 class MigrationJournal:
@@ -60,6 +63,17 @@ class MigrationJournal:
             except Exception as exc:  # noqa: BLE001 — etcd down or refusing: the record stays in memory only
                 log.warning("migration_journal_write_failed", request_id=record.figures.request_id,
                             error=f"{type(exc).__name__}: {exc}")
+            finally:
+                self._queue.task_done()
+
+    async def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+        """Wait until the records queued so far are written (or failed), for at most `timeout_s`: at shutdown,
+        while writer_loop still runs and this manager still leads. What is left unwritten is logged."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._queue.join()
+        except TimeoutError:
+            log.warning("migration_journal_unflushed", num_records=self._queue.qsize(), timeout_s=timeout_s)
 
     async def history(self, recent: list[MigrationRecord]) -> list[manager_pb2.MigrationRecord]:
         """The newest `size` of the stored history and this manager's `recent` records, oldest first; a

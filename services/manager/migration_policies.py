@@ -12,7 +12,8 @@ after its last migration) and asks for pairs:
   that are left. A policy is a small class behind the ABC; `load` is the default.
 
 Invariants of every plan: a peer is in at most one pair; a source is never its own
-destination; a destination can decode (not PREFILL-only) and has free blocks. Among equally free
+destination and has a migration slot free (where it reports them: its own PD hand-offs may
+hold them all); a destination can decode (not PREFILL-only) and has free blocks. Among equally free
 destinations the one that received a migration least recently goes first (so idle
 instances take turns instead of the lowest id taking every request), then the instance id;
 never dict order. No transport and no clock here.
@@ -64,6 +65,11 @@ class Peer:
     @property
     def num_held(self) -> int:
         return self.held.num_running + self.held.num_waiting
+
+    @property
+    def can_send(self) -> bool:
+        """Has a migration slot free (where it reports them): without one a MigrateOut is refused at once."""
+        return self.held.can_migrate_out
 
     @property
     def can_receive(self) -> bool:
@@ -138,7 +144,7 @@ class LoadPairing(PairingPolicy):
 
     def pair(self, peers: Sequence[Peer], threshold: float, allowed: PairFilter = _any_pair) -> list[Pair]:
         ranked = sorted(peers, key=lambda p: (p.held.freeness, p.instance_id))
-        sources = [p for p in ranked if p.num_held > 0 and p.role is not Role.PREFILL]  # those leave by PD
+        sources = [p for p in ranked if p.num_held > 0 and p.role is not Role.PREFILL and p.can_send]  # PREFILL: PD
         destinations = sorted((p for p in peers if p.can_receive), key=destination_order)
         pairs: list[Pair] = []
         used: set[InstanceId] = set()
@@ -163,7 +169,7 @@ def pair_drains(draining: Sequence[Peer], serving: Sequence[Peer], allowed: Pair
     draining): they decode too, and hand the requests on once a decode instance serves again."""
     destinations = (sorted((p for p in serving if p.can_receive), key=destination_order)
                     or sorted((p for p in serving if p.load.num_free_blocks > 0), key=destination_order))
-    sources = [p for p in sorted(draining, key=lambda p: p.instance_id) if p.num_requests]
+    sources = [p for p in sorted(draining, key=lambda p: p.instance_id) if p.num_requests and p.can_send]
     return _assign(sources, destinations, MigrationTrigger.DRAIN, allowed)
 
 
@@ -174,7 +180,7 @@ def pair_prefilled(serving: Sequence[Peer], allowed: PairFilter = _any_pair) -> 
     The PD hand-off when the manager drives it (instances started with --pd-handoff manager),
     and the healing path in every mode: requests that decoded on a prefill instance while no
     decode instance served, or whose pushed hand-off failed, leave once one serves."""
-    sources = sorted((p for p in serving if p.role is Role.PREFILL and p.load.num_prefilled > 0),
+    sources = sorted((p for p in serving if p.role is Role.PREFILL and p.load.num_prefilled > 0 and p.can_send),
                      key=lambda p: p.instance_id)
     role = Role.DECODE if any(p.role is Role.DECODE for p in serving) else Role.BOTH
     destinations = sorted((p for p in serving if p.role is role and p.can_receive), key=destination_order)

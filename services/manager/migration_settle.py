@@ -16,7 +16,7 @@ it and the destination does not; otherwise (it finished meanwhile, no instance a
 or a destination from before RequestInfo.origin holds it) it stays `unknown`. Where either side is from before
 RequestInfo.migration_id, a request migrated in from this migration's source counts as its commit.
 
-Only the leader finds out, in the term that kept the record: a manager that stops leading (or stops) settles what
+Only the leader finds out, in the term its migration began in: a manager that stops leading (or stops) settles what
 it still follows as `unknown` at once, so each is counted once and none is lost, and leaves the journal's `unknown`
 record as it is (a non-leader writes nothing). Bounded: at most MAX_UNSETTLED followed at once (one more is settled
 `unknown` at once), each looked at len(looks_at_s) times at most.
@@ -137,10 +137,11 @@ class Settler:
                     dst_instance_id=order.dst_instance_id, error=record.message)
         return True
 
-    def follow(self, record: MigrationRecord) -> None:
-        """Find out what became of `record` (outcome unknown) in the background; `on_settled` is told."""
-        term = self._leading_term()
-        if term is None:
+    def follow(self, record: MigrationRecord, term: int | None) -> None:
+        """Find out what became of `record` (outcome unknown) in the background; `on_settled` is told.
+        `term`: the leading term its migration began in (None: not leading then); unless this manager still
+        leads in it, it stays unknown."""
+        if term is None or term != self._leading_term():
             return self._settled(record, MigrationOutcome.UNKNOWN, NOT_LEADING)
         if not record.figures.request_id or len(self._tasks) >= MAX_UNSETTLED:
             self._on_settled(record, record)  # nothing to ask about (or too many at once): unknown it stays

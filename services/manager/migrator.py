@@ -18,7 +18,11 @@ and that (source, destination) pair waits `failure_backoff_s` before its next tr
 source never answered (UNAVAILABLE, DEADLINE_EXCEEDED) may have committed: unless the
 destination holds the request at once, it is kept (and journaled) as `unknown` and found out
 later, while this manager leads (migration_settle.py), and counted then. One that never
-reached the source (connection refused) is failed at once. A tick
+reached the source (connection refused) is failed at once. A source reporting no free
+migration slot (its own PD hand-offs hold them) is asked for none; one that refuses at once all
+the same (SourceBusy) made no migration: counted apart, no record, no backoff. A MigrateOut still
+running at close() (shutdown) is kept `unknown`. Records go to the journal only while this manager
+leads in the term their migration began in. A tick
 that raises (a bug, a race in the view) is logged and the next tick runs (`periodic_loop`).
 """
 
@@ -43,7 +47,7 @@ from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId, InstanceState, InstanceView, Role
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
-                                        MigrationSelection, MigrationSettings, MigrationTrigger)
+                                        MigrationSelection, MigrationSettings, MigrationTrigger, SourceBusy)
 from services.manager.migration_settle import (LOOKS_AT_S, UNANSWERED_STATUSES, HeldRequest, Settler,
                                                SourceUnanswered, SourceUnreached)
 from services.manager.migration_policies import (Pair, PairingPolicy, Peer, destination_order, make_pairing, pair_drains,
@@ -80,6 +84,8 @@ DEFAULT_SETTINGS = MigrationSettings()
 OWED_TRIGGERS = (MigrationTrigger.DRAIN, MigrationTrigger.PD)  # requests that must move, whatever the load
 OWED_WORK_INTERVAL_S = 0.05  # ticks while such migrations run (each order still waits for its pair to settle)
 OWED_SETTLE_S = 1.0  # ... and this long after the last one ended, for the pair's fresh load reports
+CUT_SHORT = ("this manager stopped while MigrateOut ran; the source runs it on (ListRequests shows where the "
+             "request is)")
 
 
 class Migrator:
@@ -109,7 +115,7 @@ class Migrator:
         self._tasks: set[asyncio.Task[None]] = set()
         self._announced_drained: set[InstanceId] = set()
         self._settler = Settler(client, self._settled, limits.settle_looks_at_s,  # unanswered ones: what became of them
-                                leading_term=lambda: leadership.term if leadership.is_leader else None)
+                                leading_term=self._leading_term)
 
     @property
     def settings(self) -> MigrationSettings:
@@ -178,12 +184,38 @@ class Migrator:
     # one migration
 
     async def migrate(self, order: MigrationOrder) -> MigrationRecord:
-        """Run `order` to its end and keep its record; re-raises the source's error if it failed."""
-        started, started_at = self._clock(), self._wall_clock()
+        """Run `order` to its end and keep its record; re-raises the source's error if it failed. A refusal of
+        the source's own busy slots (SourceBusy) keeps none; one cut short by close() is kept `unknown`. The
+        journal gets the record only while this manager still leads in the term the migration began in (a
+        manager that lost the lead meanwhile writes nothing: the history there is the new leader's)."""
+        started, started_at, term = self._clock(), self._wall_clock(), self._leading_term()
         self._hold(order)
-        message = ""
+        has_run = True
+        try:
+            record, error = await self._outcome(order, started, started_at)
+        except SourceBusy as exc:
+            has_run = False
+            self._note_source_busy(order, exc)
+            raise
+        except asyncio.CancelledError:  # close(): this manager stops, the source runs it on
+            figures = MigrationFigures(order.request_id, duration_ms=(self._clock() - started) * 1e3)
+            self._keep(MigrationRecord(order, MigrationOutcome.UNKNOWN, figures, started_at, reason="CANCELLED",
+                                       message=CUT_SHORT), term, is_followed=False)
+            raise
+        finally:
+            self._release(order, has_run)
+        self._keep(record, term)
+        if error is not None:
+            raise error
+        return record
+
+    async def _outcome(self, order: MigrationOrder, started: float,
+                       started_at: float) -> tuple[MigrationRecord, FerryError | None]:
+        """MigrateOut's record, and its error where it did not commit (SourceBusy: raised, no record)."""
         try:
             figures = await self._client.migrate_out(order, self._limits.timeout_s)
+        except SourceBusy:
+            raise
         except FerryError as exc:
             elapsed_ms = (self._clock() - started) * 1e3
             migration_id = exc.migration_id if isinstance(exc, SourceUnanswered) else ""
@@ -195,14 +227,10 @@ class Migrator:
             not_committed = MigrationRecord(order, outcome, figures, started_at, reason=status_name(exc),
                                             message=exc.message)
             if not (is_unanswered and await self._settler.moved_at_once(not_committed)):
-                self._keep(not_committed)
-                raise
-            message = f"the source gave no answer ({exc.message}), but the destination holds the request"
-        finally:
-            self._release(order)
-        record = MigrationRecord(order, MigrationOutcome.COMMITTED, figures, started_at, message=message)
-        self._keep(record)
-        return record
+                return not_committed, exc
+            return MigrationRecord(order, MigrationOutcome.COMMITTED, figures, started_at, message=(
+                f"the source gave no answer ({exc.message}), but the destination holds the request")), None
+        return MigrationRecord(order, MigrationOutcome.COMMITTED, figures, started_at), None
 
     async def migrate_to_the_end(self, order: MigrationOrder) -> MigrationRecord:
         """`migrate` in a task of its own: a caller that gives up (an admin client's deadline) does not
@@ -243,7 +271,7 @@ class Migrator:
     def keep_reported(self, record: MigrationRecord) -> None:
         """A migration an instance ran on its own (the PD push): kept, counted and logged like ours. One that
         failed does not hold back our own next try for that pair (its push often just met a busy slot)."""
-        self._keep(record, backs_off=False)
+        self._keep(record, self._leading_term(), backs_off=False)
 
     def history(self, instance_id: str = "", request_id: str = "") -> list[MigrationRecord]:
         """Kept records, oldest first, optionally only those of one instance or one request."""
@@ -251,6 +279,8 @@ class Migrator:
                 and (not request_id or r.figures.request_id == request_id)]
 
     async def close(self) -> None:
+        """Stop (shutdown): each MigrateOut still running is cut short and kept `unknown` (its source runs it
+        on); the journal gets those records while this manager leads (flush it before resigning)."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -313,31 +343,47 @@ class Migrator:
         self._view.begin_migration(order.src_instance_id, order.dst_instance_id)
         metrics.MIGRATIONS_IN_FLIGHT.inc()
 
-    def _release(self, order: MigrationOrder) -> None:
+    def _release(self, order: MigrationOrder, has_run: bool = True) -> None:
+        """Both sit out until their next report; only the source where it refused at once (`has_run` False:
+        its next report shows its migration slots; the destination saw nothing)."""
         now = self._clock()
         for instance_id in (order.src_instance_id, order.dst_instance_id):
             self._in_flight[instance_id] -= 1
             if not self._in_flight[instance_id]:
                 del self._in_flight[instance_id]
-            self._ended_at[instance_id] = now
-        self._received_at[order.dst_instance_id] = now
+        self._ended_at[order.src_instance_id] = now
+        if has_run:
+            self._ended_at[order.dst_instance_id] = now
+            self._received_at[order.dst_instance_id] = now
         self._view.end_migration(order.src_instance_id, order.dst_instance_id)
         metrics.MIGRATIONS_IN_FLIGHT.dec()
 
-    def _keep(self, record: MigrationRecord, backs_off: bool = True) -> None:
-        """In the history and journaled; counted and logged now, or once settled where its outcome is unknown."""
+    def _keep(self, record: MigrationRecord, term: int | None, backs_off: bool = True,
+              is_followed: bool = True) -> None:
+        """In the history, and journaled if this manager still leads in `term` (the one the migration began
+        in); counted and logged now, or once settled where its outcome is unknown (and `is_followed`)."""
         self._history.append(record)
         if not record.is_committed and backs_off:
             self._failed_at[record.order.src_instance_id, record.order.dst_instance_id] = self._clock()
-        if self._record_sink is not None:
+        is_in_term = term is not None and term == self._leading_term()
+        if self._record_sink is not None and is_in_term:
             self._record_sink(record, None)
-        if record.outcome is MigrationOutcome.UNKNOWN:
+        if record.outcome is MigrationOutcome.UNKNOWN and is_followed:
             log.warning("migration_unanswered", request_id=record.figures.request_id, reason=record.reason,
                         src_instance_id=record.order.src_instance_id, dst_instance_id=record.order.dst_instance_id,
                         action="asking the instances whether it committed")
-            self._settler.follow(record)
+            self._settler.follow(record, term)
             return
         self._account(record)
+
+    def _leading_term(self) -> int | None:
+        return self._leadership.term if self._leadership.is_leader else None
+
+    def _note_source_busy(self, order: MigrationOrder, error: SourceBusy) -> None:
+        """Counted apart and logged: no failed migration (nothing was tried), no backoff of the pair."""
+        metrics.MIGRATIONS_SOURCE_BUSY.labels(order.trigger.value).inc()
+        log.info("migration_source_busy", src_instance_id=order.src_instance_id,
+                 dst_instance_id=order.dst_instance_id, trigger=order.trigger.value, error=error.message)
 
     def _settled(self, unknown: MigrationRecord, record: MigrationRecord) -> None:
         """What an unanswered migration turned out to be: it replaces its `unknown` record in the history, and

@@ -122,6 +122,7 @@ class SimulatedInstance:
     report_interval_s: float = 0.05
     is_reporting: bool = True  # False: the stream stays open but says nothing
     max_model_len: int = 0  # in the record when set: the longest sequence it serves
+    num_free_migration_out_slots: int | None = None  # reported when set (None: as an older instance, not known)
     num_streams_opened: int = 0
     server: GrpcServer | None = None
     _task: asyncio.Task | None = field(default=None, repr=False)
@@ -161,7 +162,8 @@ class SimulatedInstance:
             if self.is_reporting:
                 yield common_pb2.LoadReport(
                     instance_id=self.instance_id, num_running=self.num_running, num_waiting=self.num_waiting,
-                    num_free_blocks=self.num_free_blocks, num_total_blocks=1000)
+                    num_free_blocks=self.num_free_blocks, num_total_blocks=1000,
+                    num_free_migration_out_slots=self.num_free_migration_out_slots)
             await asyncio.sleep(self.report_interval_s)
 
 

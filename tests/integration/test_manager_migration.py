@@ -9,6 +9,7 @@ books (their next load reports show it) the way a committed migration would.
 from __future__ import annotations
 
 import asyncio
+import re
 import urllib.request
 from types import SimpleNamespace
 
@@ -21,13 +22,18 @@ from services.common.errors import (Aborted, FailedPrecondition, InvalidArgument
 from services.common.etcd_launcher import free_port
 from services.common.gen.ferry.v1 import (common_pb2, instance_pb2, instance_pb2_grpc, manager_pb2, manager_pb2_grpc,
                                           transfer_pb2)
+from services.common.election import leader_key
 from services.common.grpc_server import insecure_channel, start_grpc_server
+from services.common.pick_announcement import SOURCE_BUSY
 from services.instance.manager_client import ManagerLink
+from services.instance.migration import MigrationDriver
+from services.instance.migration_domain import MigrationSettings
+from services.instance.migration_slots import MigrationSlots
 from services.instance.server import InstanceServicer
 from services.manager.client import ManagerClient
 from services.manager.domain import InstanceId
 from services.manager.instance_client import InstanceChannels
-from services.manager.migration import MigrationOrder, MigrationTrigger
+from services.manager.migration import MigrationOrder, MigrationTrigger, SourceBusy
 from services.manager.migration_settle import SourceUnanswered
 from tests.integration.manager_harness import SimulatedInstance, leader_of, start_manager, wait_until
 
@@ -44,6 +50,8 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
         self.peers = peers
         self.request_ids: list[str] = []
         self.refuse: str = ""  # non-empty: MigrateOut answers RESOURCE_EXHAUSTED with this text
+        self.is_busy = False  # MigrateOut refused as a source whose own migration slots are busy refuses it
+        self.gate: asyncio.Event | None = None  # set: MigrateOut waits for it before it moves anything
         self.calls: list[instance_pb2.MigrateOutRequest] = []
         self.list_delay_s = 0.0  # how long ListRequests takes (an instance busy in a long step)
         self.answer_delay_s = 0.0  # how long MigrateOut waits after the move before it answers (a frozen source)
@@ -71,6 +79,11 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
     async def MigrateOut(self, request, context):
         self.calls.append(request)
         await asyncio.sleep(self.hang_s)
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.is_busy:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "this instance already runs 1 migration(s), "
+                                "the most --max-concurrent-migrations 1 allows", trailing_metadata=SOURCE_BUSY)
         if self.refuse:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.refuse)
         if 0 < request.dst_max_model_len < self.max_sequence_len:  # as a real source refuses it
@@ -492,3 +505,99 @@ async def test_a_migrate_out_past_its_deadline_names_the_request_its_source_pick
         servicer.migrations.done.set()
         await channels.close()
         await server.stop(0)
+
+
+async def test_a_source_whose_own_migration_slots_are_busy_is_no_failed_migration(world):
+    """A PD prefill instance's own hand-offs held its one migration slot: the loop's MigrateOut, refused at once
+    by the source, was recorded failed RESOURCE_EXHAUSTED and backed the pair off 2 s. The source marks that
+    refusal (trailing metadata), so it is counted apart: no record, no failure, no backoff."""
+    port = free_port()
+    _, client, peers = await world(2, "--migration-enabled", "--migration-threshold", "0",
+                                   "--migration-failure-backoff-s", "60", metrics_port=port)
+    peers["i-0"].is_busy = True
+    peers["i-0"].hold("r-1", "r-2", "r-3", "r-4")
+    await wait_until(lambda: len(peers["i-0"].calls) >= 3, 10, "refused calls")
+    with pytest.raises(ResourceExhausted, match="source instance i-0 is busy: this instance already runs"):
+        await client.migrate(request_id="r-4", dst_instance_id="i-1")  # the operator is told, as before
+    assert (await client.list_migrations()).migrations == []
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'ferry_manager_migration_failures_total{reason="RESOURCE_EXHAUSTED"}' not in text
+    assert float(re.search(r'ferry_manager_migrations_source_busy_total\{trigger="load"\} (\S+)', text)[1]) >= 3
+    assert 'ferry_manager_migrations_source_busy_total{trigger="admin"} 1.0' in text
+    peers["i-0"].is_busy = False  # a failure would hold the pair back for 60 s
+    await wait_until(lambda: _running_is(client, {"i-0": 2, "i-1": 2}), 10, "moved once the slot was free")
+    assert {m.outcome for m in (await client.list_migrations()).migrations} == {"committed"}
+
+
+async def test_the_loop_asks_no_source_that_reports_no_free_migration_slot(world):
+    _, client, peers = await world(2, "--migration-enabled", "--migration-threshold", "0")
+    peers["i-0"].sim.num_free_migration_out_slots = 0
+    peers["i-0"].hold("r-1", "r-2")
+    await wait_until(lambda: _running_is(client, {"i-0": 2, "i-1": 0}), 5, "requests reported")
+    await asyncio.sleep(1.0)  # ten ticks
+    assert peers["i-0"].calls == []
+    peers["i-0"].sim.num_free_migration_out_slots = 1
+    await wait_until(lambda: _running_is(client, {"i-0": 1, "i-1": 1}), 10, "moved once a slot was free")
+
+
+async def test_a_source_busy_refusal_is_marked_by_the_instance_itself():
+    """The real instance side: a MigrateOut that finds the source's migration slots taken (its PD hand-off)
+    comes back over gRPC as SourceBusy, not as a plain RESOURCE_EXHAUSTED like a destination's refusal."""
+    slots = MigrationSlots(1)
+    slots.acquire("a-pd-handoff")
+    settings = MigrationSettings(instance_id="a", transfer_backend=None, stage_blocks=2, max_stages=3,
+                                 is_checksum_verified=True, rpc_timeout_s=1.0, transfer_timeout_s=1.0,
+                                 reservation_timeout_s=5.0)
+    servicer = InstanceServicer(runner=None)
+    servicer.migrations = MigrationDriver(None, settings, slots, lambda address: None, object())
+    server = await start_grpc_server("127.0.0.1", 0, [(instance_pb2_grpc.add_InstanceServiceServicer_to_server,
+                                                       servicer)], ["ferry.v1.InstanceService"])
+    channels = InstanceChannels()
+    try:
+        order = MigrationOrder(InstanceId("a"), server.address, InstanceId("b"), "127.0.0.1:1", MigrationTrigger.PD)
+        with pytest.raises(SourceBusy, match="source instance a is busy: .*--max-concurrent-migrations 1"):
+            await channels.migrate_out(order, timeout_s=5)
+    finally:
+        await channels.close()
+        await server.stop(0)
+
+
+async def test_a_migrate_out_running_when_the_manager_stops_is_kept_unknown(world, etcd_client, cluster):
+    """It was cancelled and never recorded: the source runs it on, so the history lost a migration."""
+    manager, client, peers = await world(2, "--migration-enabled", "--migration-threshold", "0")
+    peers["i-0"].hang_s = 60.0
+    peers["i-0"].hold("r-1", "r-2")
+    await wait_until(lambda: peers["i-0"].calls, 10, "a MigrateOut under way")
+    started = asyncio.get_running_loop().time()
+    assert await manager.stop() == 0
+    assert asyncio.get_running_loop().time() - started < 8.0
+    (stored,) = await _stored_migrations(etcd_client, cluster)
+    assert (stored.outcome, stored.reason, stored.src_instance_id, stored.trigger) == (
+        "unknown", "CANCELLED", "i-0", "load")
+    assert "this manager stopped while MigrateOut ran" in stored.message
+
+
+async def test_a_migration_that_ends_after_its_manager_lost_the_lead_is_not_journaled(world, etcd_client, cluster):
+    """The record of a term that ended belongs to the history the new leader keeps: only a migration begun in the
+    current term is written (as the settling of unanswered ones already was)."""
+    manager, client, peers = await world(2, "--lease-ttl-s", "3")
+    peers["i-0"].hold("r-1", "r-2")
+    await wait_until(lambda: _running_is(client, {"i-0": 2, "i-1": 0}), 5, "requests reported")
+    peers["i-0"].gate = asyncio.Event()
+    migrating = asyncio.create_task(client.migrate(request_id="r-1", dst_instance_id="i-1"))
+    await wait_until(lambda: peers["i-0"].calls, 5, "MigrateOut under way")
+    await etcd_client.kv.delete(leader_key(cluster))  # an operator's etcdctl del: the term ends
+    await wait_until(lambda: "leadership_lost" in manager.log_path.read_text(), 10, "the lead lost")
+    peers["i-0"].gate.set()
+    assert (await migrating).request_id == "r-1"
+    await wait_until(lambda: _leads(manager), 10, "leading again, in a new term")
+    await client.migrate(request_id="r-2", dst_instance_id="i-1")  # the journal works: this one is written
+    await wait_until(lambda: _stored_migrations(etcd_client, cluster), 5, "a record stored")
+    await asyncio.sleep(0.5)
+    assert [m.request_id for m in await _stored_migrations(etcd_client, cluster)] == ["r-2"]
+
+
+async def _stored_migrations(etcd_client: Etcd3Client, cluster: str) -> list[manager_pb2.MigrationRecord]:
+    prefix = f"/ferry/{cluster}/migrations/"
+    reply = await etcd_client.kv.get(prefix, range_end=prefix_range_end(prefix))
+    return [manager_pb2.MigrationRecord.FromString(kv.value) for kv in reply.kvs]

@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--undo", action="store_true",
                        help="delete the drain mark: new requests reach the instance again (AdminService/Undrain)")
     migrate = command("migrate", "live-migrate a running request, KV cache and all, to another instance "
-                                 "(waits up to 75 s for it, or --timeout-s if longer: above a manager's "
-                                 "--migration-timeout-s + 10 s)")
+                                 "(waits as long as the manager says its Migrate may take, from its "
+                                 "--migration-timeout-s, + 5 s; 75 s for an older manager; or --timeout-s if longer)")
     migrate.add_argument("--request", help="request id (default: the manager picks one on --src)")
     migrate.add_argument("--src", help="source instance id (default: the request's instance, or with no --request "
                                        "the least free instance that has a request)")

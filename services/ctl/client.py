@@ -27,10 +27,12 @@ UNREACHABLE_KEY = "x-ferry-unreachable-instances"  # trailing metadata of a part
 ROLES = ("both", "prefill", "decode")
 
 
-# A migration copies a request's whole KV cache, after its prefill if it is still prefilling: at the
-# manager's defaults a Migrate takes up to 67 s (services/manager/server.py leader_migrate_time_s: its
-# --migration-timeout-s, 60 s, + 6 s, + 1 s forwarded by a standby); --timeout-s waits longer.
+# A migration copies a request's whole KV cache, after its prefill if it is still prefilling. The manager says
+# how long its Migrate may take (GetClusterStatusResponse.migrate_time_s: services/manager/server.py
+# leader_migrate_time_s, + a standby's forwarding; 67 s at its defaults); ferryctl waits that + MIGRATE_MARGIN_S,
+# or MIGRATE_TIMEOUT_S where an older manager does not say; --timeout-s waits longer.
 MIGRATE_TIMEOUT_S = 75.0
+MIGRATE_MARGIN_S = 5.0
 
 
 class NotAvailableYet(FerryError):
@@ -117,11 +119,25 @@ class AdminClient:
         """Move a running request (or the manager's pick from `src_instance_id`) to another instance."""
         fields = {"request_id": request_id, "src_instance_id": src_instance_id, "dst_instance_id": dst_instance_id}
         request = manager_pb2.MigrateRequest(**{k: v for k, v in fields.items() if v})
-        deadline_s = max(self._timeout_s, MIGRATE_TIMEOUT_S)
+        migrate_time_s = await self._migrate_time_s()
+        deadline_s = max(self._timeout_s, migrate_time_s + MIGRATE_MARGIN_S if migrate_time_s else MIGRATE_TIMEOUT_S)
+        if migrate_time_s:
+            why = (f"the manager's Migrate takes up to {migrate_time_s:g} s, from its --migration-timeout-s; pass a "
+                   "longer --timeout-s to wait longer")
+        else:
+            why = "for a manager whose --migration-timeout-s is above 60 s, pass --timeout-s above it plus 10 s"
         past_deadline = (f"ferryctl stopped waiting after {deadline_s:g} s; the migration may still end (see "
-                         "`ferryctl migrations`): for a manager whose --migration-timeout-s is above 60 s, pass "
-                         "--timeout-s above it plus 10 s")
+                         f"`ferryctl migrations`): {why}")
         return migrate_from_proto(await self._call_optional("Migrate", request, deadline_s, past_deadline))
+
+    async def _migrate_time_s(self) -> float:
+        """How long the manager says its Migrate may take; 0 where it does not say (an older manager) or does
+        not answer (the Migrate then tells why)."""
+        try:
+            reply = await self._call(self._admin.GetClusterStatus, manager_pb2.GetClusterStatusRequest())
+        except FerryError:  # not swallowed: the Migrate right after meets the same and raises it
+            return 0.0
+        return reply.migrate_time_s
 
     async def set_role(self, instance_id: str, role: str) -> str:
         """Change an instance's role (both | prefill | decode); returns the role it now has."""

@@ -105,12 +105,13 @@ def instance_to_proto(view: InstanceView) -> manager_pb2.InstanceInfo:
 
 
 def cluster_status_to_proto(totals: ClusterTotals, *, leader_id: str, leader_address: str, policy: str,
-                            answered_by: str) -> manager_pb2.GetClusterStatusResponse:
+                            answered_by: str, migrate_time_s: float) -> manager_pb2.GetClusterStatusResponse:
     return manager_pb2.GetClusterStatusResponse(
         leader_id=leader_id, leader_address=leader_address, num_instances=totals.num_instances,
         num_serving=totals.num_serving, num_draining=totals.num_draining, num_unhealthy=totals.num_unhealthy,
         num_running=totals.num_running, num_waiting=totals.num_waiting, average_freeness=totals.average_freeness,
-        dispatch_policy=policy, num_dispatched=totals.num_dispatched, answered_by=answered_by)
+        dispatch_policy=policy, num_dispatched=totals.num_dispatched, answered_by=answered_by,
+        migrate_time_s=migrate_time_s)
 
 
 # migration

@@ -159,7 +159,8 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         leader = self._leadership.leader
         return convert.cluster_status_to_proto(
             self._view.totals(), leader_id=leader.manager_id if leader else "", answered_by=self._leadership.me.manager_id,
-            leader_address=leader.address if leader else "", policy=self._dispatcher.policy_name)
+            leader_address=leader.address if leader else "", policy=self._dispatcher.policy_name,
+            migrate_time_s=self._forwarded_migrate_timeout_s)
 
     async def ListRequests(self, request: manager_pb2.AdminListRequestsRequest, context) -> instance_pb2.ListRequestsResponse:
         """Ask every instance (or the one named) for its requests, each with a deadline."""

@@ -258,7 +258,9 @@ async def test_a_request_not_found_while_an_instance_is_silent_is_unavailable_no
 
 
 async def test_admin_migrate_finds_the_request_and_checks_its_arguments(world):
-    _, client, peers = await world(3)
+    _, client, peers = await world(3, "--migration-timeout-s", "90")
+    # what ferryctl migrate waits for: 90 s + two ListRequests fan-outs (2 s each) + a check (2 s) + forwarding (1 s)
+    assert (await client.get_cluster_status()).migrate_time_s == 97.0
     with pytest.raises(FailedPrecondition, match="nothing to migrate"):
         await client.migrate()
     with pytest.raises(NotFound, match="destination instance 'i-9'"):  # the bad argument first, idle or not

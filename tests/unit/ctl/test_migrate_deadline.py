@@ -1,6 +1,7 @@
-"""ferryctl migrate waits for the manager's worst case: the leader's (services/manager/server.py
-leader_migrate_time_s) plus a standby's forwarding, at the manager's defaults; past its deadline it
-says which flag waits longer, since a manager run with a larger --migration-timeout-s takes longer."""
+"""ferryctl migrate waits for the manager's worst case: what the manager says (GetClusterStatusResponse.
+migrate_time_s: the leader's services/manager/server.py leader_migrate_time_s plus a standby's forwarding) and a
+margin; for an older manager, which does not say, that at the manager's defaults; past its deadline it says
+which flag waits longer."""
 
 from __future__ import annotations
 
@@ -46,3 +47,39 @@ async def test_a_migrate_past_the_deadline_names_the_flag_that_waits_longer(monk
         await server.stop(None)
     assert "stopped waiting after 0.3 s" in raised.value.message
     assert "--timeout-s" in raised.value.message and "ferryctl migrations" in raised.value.message
+
+
+class SaysItsMigrateTime(manager_pb2_grpc.AdminServiceServicer):
+    def __init__(self, migrate_time_s: float, takes_s: float) -> None:
+        self.migrate_time_s = migrate_time_s
+        self.takes_s = takes_s
+
+    async def GetClusterStatus(self, request, context):
+        return manager_pb2.GetClusterStatusResponse(migrate_time_s=self.migrate_time_s)
+
+    async def Migrate(self, request, context):
+        await asyncio.sleep(self.takes_s)
+        return manager_pb2.MigrateResponse(request_id="r-1")
+
+
+async def _migrate_on(servicer: manager_pb2_grpc.AdminServiceServicer) -> manager_pb2.MigrateResponse:
+    server = grpc.aio.server()
+    manager_pb2_grpc.add_AdminServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with AdminClient(f"127.0.0.1:{port}", timeout_s=0.1) as client:
+            return await client.migrate(src_instance_id="a")
+    finally:
+        await server.stop(None)
+
+
+async def test_a_migrate_waits_as_long_as_the_manager_says_its_migrate_takes(monkeypatch):
+    """A manager run with a longer --migration-timeout-s: ferryctl gave up at 75 s whatever it said."""
+    monkeypatch.setattr(ctl_client, "MIGRATE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(ctl_client, "MIGRATE_MARGIN_S", 0.3)
+    assert (await _migrate_on(SaysItsMigrateTime(migrate_time_s=0.8, takes_s=0.7))).request_id == "r-1"
+    with pytest.raises(Unavailable) as raised:
+        await _migrate_on(SaysItsMigrateTime(migrate_time_s=0.2, takes_s=10))
+    assert "stopped waiting after 0.5 s" in raised.value.message
+    assert "the manager's Migrate takes up to 0.2 s" in raised.value.message

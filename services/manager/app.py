@@ -4,8 +4,8 @@ Every manager watches instances/ and config/ and serves AdminService; only the e
 leader serves Dispatch and takes load reports (see server.py).
 
 Shutdown order (STYLE.md): health NOT_SERVING → cancel background loops → cut the
-migrations still running short (each kept `unknown`: its source runs it on) and flush the
-migration journal while still leading → resign (revoke the election lease, so a standby
+migrations still running after --shutdown-grace-s short (each kept `unknown`: its source runs
+it on) and flush the migration journal while still leading → resign (revoke the election lease, so a standby
 takes over at once) → server.stop(grace) → close channels and etcd clients.
 """
 
@@ -99,7 +99,7 @@ async def main(config: ManagerConfig) -> None:
             config.print_ready(manager_id, server.address)
             await stop.wait()
             await _shutdown(config, server, campaign, loops,
-                            lambda: _close_migrations(migrator, journal, journal_loop))
+                            lambda: _close_migrations(migrator, journal, journal_loop, config.shutdown_grace_s))
     finally:
         await server.stop(0)  # stopped already unless something failed on the way (a taken --metrics-port)
         await migrator.close()
@@ -123,9 +123,11 @@ async def _shutdown(config: ManagerConfig, server: GrpcServer, campaign: Campaig
     log.info("manager_stopped")
 
 
-async def _close_migrations(migrator: Migrator, journal: MigrationJournal, journal_loop: asyncio.Task) -> None:
-    """Migrations still running are kept `unknown`, and the journal written, within its flush timeout."""
-    await migrator.close()
+async def _close_migrations(migrator: Migrator, journal: MigrationJournal, journal_loop: asyncio.Task,
+                            grace_s: float) -> None:
+    """Migrations still running after `grace_s` are kept `unknown`, and the journal written, within its flush
+    timeout."""
+    await migrator.close(grace_s)
     await journal.flush()
     journal_loop.cancel()
     await asyncio.gather(journal_loop, return_exceptions=True)

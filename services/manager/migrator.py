@@ -278,9 +278,12 @@ class Migrator:
         return [r for r in self._history if (not instance_id or r.involves(instance_id))
                 and (not request_id or r.figures.request_id == request_id)]
 
-    async def close(self) -> None:
-        """Stop (shutdown): each MigrateOut still running is cut short and kept `unknown` (its source runs it
-        on); the journal gets those records while this manager leads (flush it before resigning)."""
+    async def close(self, grace_s: float = 0.0) -> None:
+        """Stop (shutdown): MigrateOut calls still running get `grace_s` to end, then are cut short and kept
+        `unknown` (their sources run them on); the journal gets those records while this manager leads (flush it
+        before resigning)."""
+        if self._tasks and grace_s > 0:
+            await asyncio.wait(list(self._tasks), timeout=grace_s)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

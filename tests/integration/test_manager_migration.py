@@ -579,6 +579,22 @@ async def test_a_migrate_out_running_when_the_manager_stops_is_kept_unknown(worl
     assert "this manager stopped while MigrateOut ran" in stored.message
 
 
+async def test_a_migrate_out_that_ends_within_the_shutdown_grace_keeps_its_outcome(world, etcd_client, cluster):
+    manager, client, peers = await world(2, "--shutdown-grace-s", "5")
+    peers["i-0"].hold("r-1")
+    await wait_until(lambda: _running_is(client, {"i-0": 1, "i-1": 0}), 5, "request reported")
+    peers["i-0"].gate = asyncio.Event()
+    migrating = asyncio.create_task(client.migrate(request_id="r-1", dst_instance_id="i-1"))
+    await wait_until(lambda: peers["i-0"].calls, 5, "MigrateOut under way")
+    stopping = asyncio.create_task(manager.stop())
+    await wait_until(lambda: "manager_stopping" in manager.log_path.read_text(), 5, "the manager stopping")
+    peers["i-0"].gate.set()
+    assert (await migrating).request_id == "r-1"  # the operator's Migrate is answered, not cut
+    assert await stopping == 0
+    assert [(m.request_id, m.outcome) for m in await _stored_migrations(etcd_client, cluster)] == [
+        ("r-1", "committed")]
+
+
 async def test_a_migration_that_ends_after_its_manager_lost_the_lead_is_not_journaled(world, etcd_client, cluster):
     """The record of a term that ended belongs to the history the new leader keeps: only a migration begun in the
     current term is written (as the settling of unanswered ones already was)."""

@@ -124,6 +124,7 @@ class Settler:
         # the record (a manager that stopped leading, even if it leads again since, stops looking)
         self._leading_term = leading_term
         self._tasks: set[asyncio.Task[None]] = set()
+        self._unsettled: set[MigrationRecord] = set()  # followed, `on_settled` not told yet
 
     async def moved_at_once(self, record: MigrationRecord) -> bool:
         """Whether the destination holds the request right after the source gave no answer (it froze or died
@@ -149,6 +150,7 @@ class Settler:
         task = asyncio.get_running_loop().create_task(self._settle(record, term),
                                                       name=f"settle:{record.figures.request_id}")
         self._tasks.add(task)
+        self._unsettled.add(record)
         task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
@@ -156,6 +158,8 @@ class Settler:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for record in list(self._unsettled):  # its task was cancelled before it first ran: _settle never saw it
+            self._settled(record, MigrationOutcome.UNKNOWN, NOT_LEADING)
 
     async def _settle(self, record: MigrationRecord, term: int) -> None:
         try:
@@ -194,6 +198,7 @@ class Settler:
             return None  # no answer: look again (or stay unknown)
 
     def _settled(self, record: MigrationRecord, outcome: MigrationOutcome, note: str) -> None:
+        self._unsettled.discard(record)
         message = f"{note} ({record.message})" if note else record.message
         reason = "" if outcome is MigrationOutcome.COMMITTED else record.reason
         self._on_settled(record, dataclasses.replace(record, outcome=outcome, reason=reason, message=message))

@@ -12,8 +12,10 @@ import pytest
 
 from services.manager import metrics
 from services.manager.leadership import Leadership
-from services.manager.migration import MigrationOutcome, MigrationRecord, MigrationTrigger
-from services.manager.migration_settle import HeldRequest, RequestOrigin, SourceUnanswered, SourceUnreached
+from services.manager.domain import InstanceId
+from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
+                                        MigrationTrigger)
+from services.manager.migration_settle import HeldRequest, RequestOrigin, Settler, SourceUnanswered, SourceUnreached
 from tests.unit.loop_checks import until
 from tests.unit.manager.factories import FakeClock
 from tests.unit.manager.test_migrator import (MIGRATED_IN_FROM_A, FakeSources, RpcCause, cluster, make_migrator,
@@ -216,3 +218,17 @@ async def test_a_resume_in_place_of_another_migrations_copy_is_no_commit_of_this
     resumed_in_place = HeldRequest(RequestOrigin.RESUMED, migration_id="a-1")
     await settled_once_the_destination_holds(resumed_in_place, MigrationOutcome.FAILED, "r-18", "a-8")
     assert failures("DEADLINE_EXCEEDED") == failed + 1
+
+
+async def test_a_record_followed_right_before_close_is_counted_unknown_too():
+    """close() cancelled a settling task that had not run yet: its coroutine never started, so the record was
+    never settled (not counted, its `unknown` never noted)."""
+    told = []
+    order = MigrationOrder(InstanceId("a"), "127.0.0.1:1", InstanceId("b"), "127.0.0.1:2", MigrationTrigger.LOAD)
+    record = MigrationRecord(order, MigrationOutcome.UNKNOWN, MigrationFigures("r-17"), 5.0, reason="UNAVAILABLE")
+    settler = Settler(FakeSources(), lambda unknown, settled: told.append((unknown, settled)), LOOKS_AT_S,
+                      leading_term=lambda: 1)
+    settler.follow(record, 1)
+    await settler.close()  # no yield between: the task never ran
+    ((unknown, settled),) = told
+    assert unknown == record and settled.outcome is MigrationOutcome.UNKNOWN and "stopped" in settled.message

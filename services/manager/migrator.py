@@ -43,6 +43,7 @@ from services.common.ids import check_id
 from services.common.periodic import periodic_loop
 from services.common.task_errors import read_error
 from services.manager import metrics
+from services.manager.migration_accounting import account, note_source_busy
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId, InstanceState, InstanceView, Role
 from services.manager.leadership import Leadership
@@ -195,7 +196,7 @@ class Migrator:
             record, error = await self._outcome(order, started, started_at)
         except SourceBusy as exc:
             has_run = False
-            self._note_source_busy(order, exc)
+            note_source_busy(order, exc)
             raise
         except asyncio.CancelledError:  # close(): this manager stops, the source runs it on
             figures = MigrationFigures(order.request_id, duration_ms=(self._clock() - started) * 1e3)
@@ -382,12 +383,6 @@ class Migrator:
     def _leading_term(self) -> int | None:
         return self._leadership.term if self._leadership.is_leader else None
 
-    def _note_source_busy(self, order: MigrationOrder, error: SourceBusy) -> None:
-        """Counted apart and logged: no failed migration (nothing was tried), no backoff of the pair."""
-        metrics.MIGRATIONS_SOURCE_BUSY.labels(order.trigger.value).inc()
-        log.info("migration_source_busy", src_instance_id=order.src_instance_id,
-                 dst_instance_id=order.dst_instance_id, trigger=order.trigger.value, error=error.message)
-
     def _settled(self, unknown: MigrationRecord, record: MigrationRecord) -> None:
         """What an unanswered migration turned out to be: it replaces its `unknown` record in the history, and
         in the journal while this manager leads (a non-leader writes nothing: the journal keeps it unknown)."""
@@ -399,28 +394,10 @@ class Migrator:
         self._account(record)
 
     def _account(self, record: MigrationRecord) -> None:
-        """Counted (metrics) and logged, once per migration."""
-        order, figures = record.order, record.figures
-        metrics.MIGRATIONS.labels(record.outcome.value, order.trigger.value).inc()
-        fields = dict(request_id=figures.request_id, src_instance_id=order.src_instance_id,
-                      dst_instance_id=order.dst_instance_id, trigger=order.trigger.value,
-                      duration_ms=round(figures.duration_ms, 2))
-        if record.outcome is MigrationOutcome.UNKNOWN:
-            log.warning("migration_outcome_unknown", reason=record.reason, error=record.message, **fields)
-            return
-        if not record.is_committed:
-            metrics.MIGRATION_FAILURES.labels(record.reason).inc()
-            log.warning("migration_failed", reason=record.reason, error=record.message, **fields)
-            return
-        self._cooled[figures.request_id] = self._clock()
-        metrics.MIGRATED_BYTES.inc(figures.num_bytes)
-        metrics.MIGRATED_BLOCKS.inc(figures.num_blocks)
-        if figures.downtime_ms > 0:  # not known where the source gave no answer
-            metrics.MIGRATION_DOWNTIME.observe(figures.downtime_ms / 1e3)
-        metrics.MIGRATION_DURATION.observe(figures.duration_ms / 1e3)
-        log.info("request_migrated", num_blocks=figures.num_blocks, num_bytes=figures.num_bytes,
-                 num_stages=figures.num_stages, backend=figures.backend, downtime_ms=round(figures.downtime_ms, 2),
-                 **fields)
+        """Counted and logged (migration_accounting.py), once per migration; a committed request cools down."""
+        account(record)
+        if record.is_committed:
+            self._cooled[record.figures.request_id] = self._clock()
 
     def _is_not_backing_off(self, src: Peer, dst: Peer) -> bool:
         key = (src.instance_id, dst.instance_id)

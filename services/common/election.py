@@ -29,9 +29,10 @@ from etcd3aio import Etcd3Client
 from etcd3aio.kv import KVService
 
 from services.common.backoff import Backoff
+from services.common.cluster_keys import cluster_prefix
 from services.common.etcd_client import DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, EtcdAccess, Lease, connect_etcd
 from services.common.membership import MembershipView
-from services.common.registry import Registry, cluster_prefix
+from services.common.registry import Registry
 
 log = structlog.get_logger(__name__)
 

@@ -18,21 +18,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import grpc
 import structlog
-from etcd3aio import Etcd3Client, EtcdPermissionDeniedError, EtcdUnauthenticatedError, prefix_range_end
 from etcd3aio.kv import KVService
 
+from services.common import etcd_wait
 from services.common.backoff import Backoff
-from services.common.errors import FailedPrecondition, Unavailable
-from services.common.etcd_client import DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, EtcdAccess, Lease, connect_etcd
-from services.common.membership import MembershipView
-from services.common.startup import StoppedBeforeReady
+from services.common.cluster_keys import ClusterKeys, cluster_prefix
+from services.common.errors import Unavailable
+from services.common.etcd_client import DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, EtcdAccess, Lease
+from services.common.member_ids import (TakenIds, granted_ttl_s, held_by_live_process, holder, put_unless_held,
+                                        put_value)
+from services.common.registry_marks import Marks
 
 log = structlog.get_logger(__name__)
 
@@ -43,72 +43,29 @@ RegistrationCallback = Callable[[bool], None]
 _HELD_RECHECK_S = 0.25  # register(): how often an id another lease holds is looked at again
 
 
-def cluster_prefix(cluster: str) -> str:
-    return f"/ferry/{cluster}/"
-
-
-def _is_unreachable(exc: BaseException) -> bool:
-    """Anything but a refusal of our credentials or permissions: etcd down, starting, busy or restarting
-    (waiting may mend it). etcd refuses auth with INVALID_ARGUMENT ("authentication failed", "user name is
-    empty") as well as UNAUTHENTICATED and PERMISSION_DENIED."""
-    if isinstance(exc, (EtcdUnauthenticatedError, EtcdPermissionDeniedError)):
-        return False
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code() not in _REFUSALS
-    return True
-
-
-_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
-
-
-async def _pause(delay_s: float, stop: asyncio.Event | None) -> None:
-    """Sleep `delay_s`; StoppedBeforeReady as soon as `stop` is set."""
-    if stop is None:
-        await asyncio.sleep(delay_s)
-        return
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), delay_s)
-    if stop.is_set():
-        raise StoppedBeforeReady("stopped while waiting for etcd")
-
-
-class Registry:
+class Registry(ClusterKeys):
     """Registers this process's entries under one lease and watches other members."""
 
     def __init__(self, endpoints: Sequence[str], cluster: str, ttl_s: float = 5.0,
                  rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S, access: EtcdAccess | None = None) -> None:
-        self.endpoints = list(endpoints)
-        self.access = access  # TLS and auth of the etcd client
-        self.cluster = cluster
+        # A hung etcd is noticed within the TTL.
+        super().__init__(endpoints, cluster, min(rpc_timeout_s, ttl_s / 2), access)
         self.ttl_s = ttl_s
-        self._rpc_timeout_s = min(rpc_timeout_s, ttl_s / 2)  # a hung etcd is noticed within the TTL
-        self._client: Etcd3Client | None = None
         self._lease: Lease | None = None
         self._entries: dict[str, dict[str, Any]] = {}  # key → value this process wants in etcd
-        # Marks (entries naming no address: an instance's self-drain) → the lease each was last put under. One
-        # gone while that lease lives was deleted by someone (an operator's Undrain): withdrawn, never put back.
-        self._mark_leases: dict[str, int] = {}
+        self._marks = Marks()  # entries naming no address (an instance's self-drain): see registry_marks.py
         self._needs_put = False  # entries must be written again (lease lost, or an update failed)
         # Our lease expired: while it was gone another process may have registered one of our ids
         # (a replacement started while this one was frozen). The newer process keeps the id.
         self._may_be_taken = False
-        self._taken_keys: set[str] = set()  # logged as taken; logged again once it is ours
+        self._taken = TakenIds()
         self._lock = asyncio.Lock()  # guards _lease and writes of _entries
         self._renewed_at = 0.0  # monotonic time of the last successful grant or renewal
         self.is_registered = False
         self.num_reregistrations = 0
         self._has_registered = False
         self._callbacks: list[RegistrationCallback] = []
-        self._views: list[MembershipView] = []
         self._keepalive_task: asyncio.Task[None] | None = None
-
-    # -- keys --------------------------------------------------------------------------
-
-    def key(self, kind: str, member_id: str) -> str:
-        return f"{cluster_prefix(self.cluster)}{kind}/{member_id}"
-
-    def prefix(self, kind: str) -> str:
-        return f"{cluster_prefix(self.cluster)}{kind}/"
 
     @property
     def lease_id(self) -> int | None:
@@ -121,27 +78,8 @@ class Registry:
         `wait_s` seconds (--etcd-wait-s); then raise Unavailable, or StoppedBeforeReady once `stop`
         is set. An etcd that refuses our credentials or permissions is reported at once: waiting
         would not mend it."""
-        deadline = time.monotonic() + wait_s
-        backoff = Backoff.up_to(2.0, initial_s=0.2)
-        while True:
-            try:
-                client = await self._connect()
-                await client.kv.get(cluster_prefix(self.cluster), timeout=self._rpc_timeout_s)
-            except ETCD_ERRORS as exc:
-                if not _is_unreachable(exc):  # refused: waiting would not mend it
-                    raise FailedPrecondition(f"etcd at {','.join(self.endpoints)} refused us: {exc!r}; check "
-                                             "--etcd-user/--etcd-password and the user's role") from exc
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Unavailable(f"etcd at {','.join(self.endpoints)} did not answer within --etcd-wait-s "
-                                      f"{wait_s:g}: {exc!r}; check that etcd runs there (--etcd-endpoints)") from exc
-                if not backoff.num_attempts:
-                    log.warning("etcd_not_answering_waiting", endpoints=self.endpoints, wait_s=wait_s, error=repr(exc))
-                await _pause(min(backoff.next_delay(), left), stop)
-            else:
-                if backoff.num_attempts:
-                    log.info("etcd_answered", endpoints=self.endpoints, num_attempts=backoff.num_attempts + 1)
-                return
+        await etcd_wait.wait_until_reachable(self._connect, self.endpoints, cluster_prefix(self.cluster), wait_s,
+                                             self._rpc_timeout_s, stop)
 
     async def register(self, kind: str, member_id: str, value: dict[str, Any]) -> None:
         """Put the key under this registry's lease and keep it there until close().
@@ -175,31 +113,23 @@ class Registry:
         give_up_at: float | None = None
         while True:
             async with self._lock:
-                holder = await self._put_unless_held(key, value) if value.get("address") else None
-                if holder is None or _holder(holder.value) == value["address"]:
-                    if holder is not None or not value.get("address"):  # a predecessor's, or no member record
+                held = await put_unless_held(self._client, key, value, self._lease.lease_id,
+                                             self._rpc_timeout_s) if value.get("address") else None
+                if held is None or holder(held.value) == value["address"]:
+                    if held is not None or not value.get("address"):  # a predecessor's, or no member record
                         await self._put(key, value)
                     self._entries[key] = value
                     if not value.get("address"):
-                        self._mark_leases[key] = self._lease.lease_id
+                        self._marks.note(key, self._lease.lease_id)
                     return
             if give_up_at is None:
-                give_up_at = time.monotonic() + await self._granted_ttl_s(holder.lease) + 1.0
-                log.warning("member_id_held", key=key, holder=_holder(holder.value),
+                ttl_s = await granted_ttl_s(self._client, held.lease, self.ttl_s, self._rpc_timeout_s)
+                give_up_at = time.monotonic() + ttl_s + 1.0
+                log.warning("member_id_held", key=key, holder=holder(held.value),
                             action="waiting for its lease to run out (a process that stopped) before registering")
             if time.monotonic() >= give_up_at:
-                raise FailedPrecondition(
-                    f"{key} is registered by another live process (at {_holder(holder.value)}) that keeps renewing "
-                    "its lease: two processes cannot answer to one id; stop that one, or give this one another id")
+                raise held_by_live_process(key, held)
             await asyncio.sleep(_HELD_RECHECK_S)
-
-    async def _granted_ttl_s(self, lease_id: int) -> float:
-        """The TTL etcd granted a lease (ours where etcd cannot say)."""
-        with contextlib.suppress(*ETCD_ERRORS):
-            response = await self._client.lease.time_to_live(lease_id, timeout=self._rpc_timeout_s)
-            if response.grantedTTL > 0:
-                return float(response.grantedTTL)
-        return self.ttl_s
 
     def holds(self, kind: str, member_id: str) -> bool:
         """Whether register() put this entry (and unregister() did not remove it)."""
@@ -226,7 +156,7 @@ class Registry:
         client = await self._connect()
         async with self._lock:
             self._entries.pop(key, None)
-            self._mark_leases.pop(key, None)
+            self._marks.forget(key)
             try:
                 await client.kv.delete(key, timeout=self._rpc_timeout_s)
             except ETCD_ERRORS as exc:
@@ -285,26 +215,29 @@ class Registry:
             kvs = reply.response_range.kvs
             if kvs and kvs[0].lease == self._lease.lease_id:
                 continue
-            if key in self._mark_leases:
+            if key in self._marks:
                 self._withdraw_mark(key, "another holds it" if kvs else "deleted")
                 continue
-            log.warning("member_key_lost", key=key, holder=_holder(kvs[0].value) if kvs else None,
+            log.warning("member_key_lost", key=key, holder=holder(kvs[0].value) if kvs else None,
                         reason="another lease holds it" if kvs else "deleted", action="registering again")
             self._may_be_taken = True
             self._lost_registration()
 
     async def _put_all(self) -> bool:
         """Write every entry; False (nothing registered) while another process holds one of our ids."""
-        records = [(key, value) for key, value in self._entries.items() if key not in self._mark_leases]
+        records = [(key, value) for key, value in self._entries.items() if key not in self._marks]
         if self._may_be_taken:
-            if not all([await self._put_unless_taken(key, value) for key, value in records]):
+            if not all([await self._taken.put_unless_taken(self._client, key, value, self._lease.lease_id,
+                                                           self._rpc_timeout_s) for key, value in records]):
                 return False
             self._may_be_taken = False
         else:
             for key, value in records:
                 await self._put(key, value)
-        for key in list(self._mark_leases):
-            await self._put_mark(key, self._entries[key])
+        for key in self._marks.keys():
+            if (reason := await self._marks.put_back(self._client, key, self._entries[key], self._lease.lease_id,
+                                                     self._rpc_timeout_s)) is not None:
+                self._withdraw_mark(key, reason)
         if not self.is_registered and self._has_registered:
             self.num_reregistrations += 1
             log.info("members_reregistered", keys=sorted(self._entries), lease_id=f"{self._lease.lease_id:x}",
@@ -312,64 +245,12 @@ class Registry:
         self._needs_put = False
         return True
 
-    async def _put_mark(self, key: str, value: dict[str, Any]) -> None:
-        """Put one of our marks again if it is still ours to put: one that went with a lease of ours that ended
-        (expired while etcd was away) is put back; one deleted while the lease it was put under lived (an
-        operator's Undrain) or written over by another (an operator's Drain) is withdrawn."""
-        kvs = (await self._client.kv.get(key, timeout=self._rpc_timeout_s)).kvs
-        if kvs and kvs[0].lease != self._lease.lease_id:
-            return self._withdraw_mark(key, "another holds it")
-        if not kvs and self._mark_leases[key] == self._lease.lease_id:
-            return self._withdraw_mark(key, "deleted")
-        created = kvs[0].create_revision if kvs else 0  # unchanged since read, or not put
-        txn = await self._client.kv.txn(
-            compare=[KVService.txn_compare_create_revision(key, created)],
-            success=[KVService.txn_op_put(key, json.dumps(value, sort_keys=True), lease=self._lease.lease_id)],
-            timeout=self._rpc_timeout_s)
-        if not txn.succeeded:
-            return self._withdraw_mark(key, "changed while put back")
-        self._mark_leases[key] = self._lease.lease_id
-
     def _withdraw_mark(self, key: str, reason: str) -> None:
-        """Someone else decided about our mark (an operator's Undrain deleted it, or Drain wrote over it): not ours
-        any more, never put back."""
         self._entries.pop(key, None)
-        self._mark_leases.pop(key, None)
-        log.info("member_mark_withdrawn", key=key, reason=reason, action="left to whoever changed it")
+        self._marks.withdraw(key, reason)
 
-    async def _put_unless_taken(self, key: str, value: dict[str, Any]) -> bool:
-        """Put `key` unless a lease other than ours holds it: after our lease expired, that is another
-        process registered under the same id (before, the process that came back overwrote it, and two
-        instances answered to one id: the manager routed to one, the transfer service mapped the other)."""
-        holder = await self._put_unless_held(key, value)
-        if holder is None:
-            self._taken_keys.discard(key)
-            return True
-        if key not in self._taken_keys:
-            self._taken_keys.add(key)
-            log.error("member_id_taken", key=key, holder=_holder(holder.value),
-                      reason="another process registered this id while our lease was expired (a replacement "
-                      "started while this one was frozen?); this one stays unregistered, serving what it runs, "
-                      "until that one leaves: stop one of them")
-        return False
-
-    async def _put_unless_held(self, key: str, value: dict[str, Any]) -> Any | None:
-        """Put `key` if it is absent or ours (None); else the key-value of the lease that holds it."""
-        response = await self._client.kv.txn(
-            compare=[KVService.txn_compare_create_revision(key, 0)],
-            success=[KVService.txn_op_put(key, json.dumps(value, sort_keys=True), lease=self._lease.lease_id)],
-            failure=[KVService.txn_op_get(key)], timeout=self._rpc_timeout_s)
-        holders = [] if response.succeeded else response.responses[0].response_range.kvs
-        if not holders:
-            return None
-        if holders[0].lease == self._lease.lease_id:
-            await self._put(key, value)  # ours: write the new value
-            return None
-        return holders[0]
-
-    async def _put(self, key: str, value: dict[str, Any]) -> None:
-        await self._client.kv.put(key, json.dumps(value, sort_keys=True), lease=self._lease.lease_id,
-                                  timeout=self._rpc_timeout_s)
+    async def _put(self, key: str, value: dict[str, Any]) -> Any:
+        return await put_value(self._client, key, value, self._lease.lease_id, self._rpc_timeout_s)
 
     def _note_renew_failed(self, exc: BaseException) -> None:
         silent_s = time.monotonic() - self._renewed_at
@@ -396,61 +277,7 @@ class Registry:
             except Exception:  # noqa: BLE001 — one broken subscriber must not stop renewals
                 log.exception("registration_callback_failed", callback=repr(callback))
 
-    # -- watching and config -----------------------------------------------------------
-
-    async def watch(self, kind: str, resync_interval_s: float = 5.0, initial_sync_timeout_s: float = 2.0
-                    ) -> MembershipView:
-        """A live view of `/ferry/<cluster>/<kind>/`, after its first read (or the timeout)."""
-        view = MembershipView(await self._connect(), self.prefix(kind), resync_interval_s, self._rpc_timeout_s)
-        view.start()
-        self._views.append(view)
-        if not await view.wait_synced(initial_sync_timeout_s):
-            log.warning("membership_not_synced", prefix=view.prefix, timeout_s=initial_sync_timeout_s)
-        return view
-
-    async def read(self, kind: str) -> dict[str, Any]:
-        """id → JSON value of everything under `/ferry/<cluster>/<kind>/` now (one read, no watch)."""
-        client = await self._connect()
-        prefix = self.prefix(kind)
-        response = await client.kv.get(prefix, range_end=prefix_range_end(prefix), timeout=self._rpc_timeout_s)
-        return {kv.key.decode().removeprefix(prefix): json.loads(kv.value) for kv in response.kvs}
-
-    async def get_json(self, key: str) -> Any | None:
-        """Value of `/ferry/<cluster>/<key>` (e.g. key="config/policy"), None if absent."""
-        client = await self._connect()
-        response = await client.kv.get(cluster_prefix(self.cluster) + key, timeout=self._rpc_timeout_s)
-        return json.loads(response.kvs[0].value) if response.kvs else None
-
-    async def delete_json_if(self, key: str, condition: Callable[[Any], bool]) -> bool:
-        """Delete `/ferry/<cluster>/<key>` if its JSON value meets `condition`, in one transaction with
-        that read (a value written in between stays). False if absent, not JSON, or kept."""
-        client = await self._connect()
-        full_key = cluster_prefix(self.cluster) + key
-        response = await client.kv.get(full_key, timeout=self._rpc_timeout_s)
-        if not response.kvs:
-            return False
-        raw = response.kvs[0].value
-        try:
-            if not condition(json.loads(raw)):
-                return False
-        except ValueError:
-            return False
-        txn = await client.kv.txn(compare=[KVService.txn_compare_value(full_key, raw)],
-                                  success=[KVService.txn_op_delete(full_key)], timeout=self._rpc_timeout_s)
-        return txn.succeeded
-
-    async def put_json(self, key: str, value: Any) -> None:
-        """Persistent (lease-less) put of `/ferry/<cluster>/<key>`."""
-        client = await self._connect()
-        await client.kv.put(cluster_prefix(self.cluster) + key, json.dumps(value, sort_keys=True),
-                            timeout=self._rpc_timeout_s)
-
     # -- lifecycle ---------------------------------------------------------------------
-
-    async def _connect(self) -> Etcd3Client:
-        if self._client is None:
-            self._client = await connect_etcd(self.endpoints, self.access)
-        return self._client
 
     async def close(self) -> None:
         """Stop renewing, revoke the lease (deleting our keys), stop views, close the client."""
@@ -459,8 +286,7 @@ class Registry:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._keepalive_task
             self._keepalive_task = None
-        for view in self._views:
-            await view.close()
+        await self._close_views()
         async with self._lock:  # an update() in flight ends first; one after it finds us unregistered
             if self._lease is not None:
                 with contextlib.suppress(*ETCD_ERRORS):  # unreachable etcd: the lease expires by itself
@@ -468,21 +294,4 @@ class Registry:
                 log.info("lease_revoked", lease_id=f"{self._lease.lease_id:x}")
                 self._lease = None
             self.is_registered = False
-            if self._client is not None:
-                await self._client.close()
-                self._client = None
-
-    async def __aenter__(self) -> Registry:
-        await self._connect()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-
-def _holder(raw: bytes) -> str:
-    """Who holds a key, for the log: its address where the value names one."""
-    try:
-        return str(json.loads(raw).get("address", "?"))
-    except (ValueError, AttributeError):
-        return "?"
+            await self._close_client()

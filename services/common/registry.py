@@ -11,7 +11,8 @@ the same ids. A registered member also reads its member records back with each r
 operator deleted is put again at once, and one another process's lease holds now is left to it (logged
 `member_id_taken`; unregistered until that one leaves), as after a lease expiry. A mark (an entry naming no
 address: an instance's self-drain) is put back only after it went with a lease of ours; one deleted or written over
-by someone else (an operator's Undrain or Drain) is withdrawn (`member_mark_withdrawn`).
+by someone else (an operator's Undrain or Drain), even just before that lease expired, is withdrawn
+(`member_mark_withdrawn`; registry_marks.py).
 """
 
 from __future__ import annotations
@@ -116,11 +117,11 @@ class Registry(ClusterKeys):
                 held = await put_unless_held(self._client, key, value, self._lease.lease_id,
                                              self._rpc_timeout_s) if value.get("address") else None
                 if held is None or holder(held.value) == value["address"]:
-                    if held is not None or not value.get("address"):  # a predecessor's, or no member record
+                    if not value.get("address"):  # a mark
+                        self._marks.note(key, self._lease.lease_id, (await self._put(key, value)).header.revision)
+                    elif held is not None:  # a predecessor's record
                         await self._put(key, value)
                     self._entries[key] = value
-                    if not value.get("address"):
-                        self._marks.note(key, self._lease.lease_id)
                     return
             if give_up_at is None:
                 ttl_s = await granted_ttl_s(self._client, held.lease, self.ttl_s, self._rpc_timeout_s)
@@ -236,7 +237,7 @@ class Registry(ClusterKeys):
                 await self._put(key, value)
         for key in self._marks.keys():
             if (reason := await self._marks.put_back(self._client, key, self._entries[key], self._lease.lease_id,
-                                                     self._rpc_timeout_s)) is not None:
+                                                     [record for record, _ in records], self._rpc_timeout_s)) is not None:
                 self._withdraw_mark(key, reason)
         if not self.is_registered and self._has_registered:
             self.num_reregistrations += 1

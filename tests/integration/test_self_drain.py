@@ -106,3 +106,53 @@ async def test_an_operators_drain_over_a_self_drain_leaves_the_instance_register
     await registry.close()  # its lease goes: the operator's mark stays
     async with Etcd3Client(registry.endpoints) as other:
         assert json.loads((await other.kv.get(f"/ferry/{cluster}/{MARK}", timeout=5)).kvs[0].value) == operator_mark
+
+
+async def _expire_while_frozen(registry: Registry, client: Etcd3Client, while_frozen=None) -> None:
+    """The instance's keepalive held (its lock: no renewal, no read-back of its keys) until its 2 s lease has expired
+    in etcd, `while_frozen` done first: as for an instance frozen, or cut off from etcd, in its last renewals."""
+    lease_id = registry.lease_id
+    async with registry._lock:
+        if while_frozen is not None:
+            await while_frozen()
+        while (await client.lease.time_to_live(lease_id, timeout=5)).TTL != -1:  # 0: under a second left
+            await asyncio.sleep(0.1)
+
+
+async def test_an_undrain_no_renewal_saw_before_the_lease_expired_stands(draining, cluster) -> None:
+    """An operator's Undrain of the self-drain mark in the last moments of the instance's lease, before a renewal read
+    its keys back: the mark was gone when the lease expired either way, so the registry took the Undrain for the
+    lease's doing and put the mark back, and the instance drained again. It now reads in etcd's history that the mark
+    went while the lease still held the instance's record, and withdraws it."""
+    registry, client = draining
+    mark = f"/ferry/{cluster}/{MARK}"
+    await _expire_while_frozen(registry, client, lambda: client.kv.delete(mark, timeout=5))  # the Undrain
+    await eventually(lambda: registry.num_reregistrations == 1, what="re-registration")
+    record = (await client.kv.get(registry.key("instances", INSTANCE), timeout=5)).kvs
+    assert record and record[0].lease == registry.lease_id
+    assert not (await client.kv.get(mark, timeout=5)).kvs, "the operator's Undrain was undone"
+    assert not registry.holds(DRAIN_MARKS, INSTANCE) and registry.is_registered
+
+
+async def test_a_self_drain_that_expired_with_the_lease_while_frozen_is_put_back(draining, cluster) -> None:
+    """The same freeze without an Undrain: the mark went with the lease and is put back under the new one."""
+    registry, client = draining
+    old_lease = registry.lease_id
+    await _expire_while_frozen(registry, client)
+    await eventually(lambda: registry.num_reregistrations == 1, what="re-registration")
+    (kv,) = (await client.kv.get(f"/ferry/{cluster}/{MARK}", timeout=5)).kvs
+    assert kv.lease == registry.lease_id != old_lease and registry.holds(DRAIN_MARKS, INSTANCE)
+
+
+async def test_a_self_drain_whose_history_was_compacted_is_put_back(draining, cluster) -> None:
+    """Where etcd no longer holds the history (compacted: it keeps an hour) the registry cannot tell an Undrain from
+    the lease's expiry: it puts the mark back, as before, rather than wait or fail its renewals."""
+    registry, client = draining
+
+    async def undrain_and_compact() -> None:
+        reply = await client.kv.delete(f"/ferry/{cluster}/{MARK}", timeout=5)
+        await client.kv.compact(reply.header.revision, physical=True, timeout=5)
+    await _expire_while_frozen(registry, client, undrain_and_compact)
+    await eventually(lambda: registry.num_reregistrations == 1, what="re-registration")
+    (kv,) = (await client.kv.get(f"/ferry/{cluster}/{MARK}", timeout=5)).kvs
+    assert kv.lease == registry.lease_id and registry.is_registered

@@ -156,3 +156,27 @@ async def test_a_self_drain_whose_history_was_compacted_is_put_back(draining, cl
     await eventually(lambda: registry.num_reregistrations == 1, what="re-registration")
     (kv,) = (await client.kv.get(f"/ferry/{cluster}/{MARK}", timeout=5)).kvs
     assert kv.lease == registry.lease_id and registry.is_registered
+
+
+async def test_a_self_drain_the_instance_updated_then_lost_with_its_lease_is_put_back(draining, cluster) -> None:
+    """The instance's own later put of its mark (under the same lease) is no one else's change: put back."""
+    registry, client = draining
+    await registry.update(DRAIN_MARKS, INSTANCE, {"instance_id": INSTANCE, "drained_by": "shutdown", "drained_at": 2.0})
+    await _expire_while_frozen(registry, client)
+    await eventually(lambda: registry.num_reregistrations == 1, what="re-registration")
+    (kv,) = (await client.kv.get(f"/ferry/{cluster}/{MARK}", timeout=5)).kvs
+    assert kv.lease == registry.lease_id and json.loads(kv.value)["drained_at"] == 2.0
+
+
+async def test_an_operators_drain_then_undrain_no_renewal_saw_stands(draining, cluster) -> None:
+    """An operator's Drain over the self-drain, then Undrain, both before a renewal read the mark back and the lease
+    expired: the mark is the operator's decision, withdrawn, not put back."""
+    registry, client = draining
+    mark = f"/ferry/{cluster}/{MARK}"
+
+    async def drain_and_undrain() -> None:
+        await client.kv.put(mark, json.dumps({"instance_id": INSTANCE, "owner": "operator"}), timeout=5)
+        await client.kv.delete(mark, timeout=5)
+    await _expire_while_frozen(registry, client, drain_and_undrain)
+    await eventually(lambda: registry.num_reregistrations == 1, what="re-registration")
+    assert not (await client.kv.get(mark, timeout=5)).kvs and not registry.holds(DRAIN_MARKS, INSTANCE)

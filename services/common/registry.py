@@ -152,14 +152,18 @@ class Registry(ClusterKeys):
                 log.warning("member_update_deferred", key=key, error=repr(exc))
 
     async def unregister(self, kind: str, member_id: str) -> None:
-        """Delete one entry (e.g. when draining); raises Unavailable if etcd cannot be reached."""
+        """Delete one entry (e.g. when draining) where it is still ours: one under another lease (another process
+        registered our id while our lease was expired) stays. Raises Unavailable if etcd cannot be reached."""
         key = self.key(kind, member_id)
         client = await self._connect()
         async with self._lock:
             self._entries.pop(key, None)
             self._marks.forget(key)
             try:
-                await client.kv.delete(key, timeout=self._rpc_timeout_s)
+                kvs = (await client.kv.get(key, timeout=self._rpc_timeout_s)).kvs
+                if kvs and self._lease is not None and kvs[0].lease == self._lease.lease_id:
+                    await client.kv.txn(compare=[KVService.txn_compare_create_revision(key, kvs[0].create_revision)],
+                                        success=[KVService.txn_op_delete(key)], timeout=self._rpc_timeout_s)
             except ETCD_ERRORS as exc:
                 raise Unavailable(f"cannot delete {key} from etcd: {exc!r}; it expires with the lease") from exc
         log.info("member_unregistered", key=key)

@@ -115,6 +115,26 @@ async def test_a_process_back_after_its_lease_expired_leaves_its_id_to_the_one_t
     assert json.loads(response.kvs[0].value) == {"address": "old"} and response.kvs[0].lease == old.lease_id
 
 
+async def test_an_unregister_after_the_lease_expired_leaves_the_id_to_the_process_that_took_it(
+        etcd: LocalEtcd, cluster: str, registries, raw_etcd: Etcd3Client) -> None:
+    """A frontend frozen past its lease, a replacement registered under its id, then the old one stopped: its
+    unregister deleted the replacement's record, so the id was out of every view while the replacement served.
+    Only a key under our own lease is deleted now."""
+    old, _ = registries
+    await old.register("frontends", "f-1", {"address": "old"})
+    replacement = Registry([etcd.endpoint], cluster, ttl_s=TTL_S)
+    try:
+        async with old._lock:  # the old one frozen: no keepalive of it between the expiry and its unregister
+            await raw_etcd.lease.revoke(old.lease_id, timeout=5)  # expired while the old one was frozen
+            await replacement.register("frontends", "f-1", {"address": "new"})
+        await old.unregister("frontends", "f-1")
+        response = await raw_etcd.kv.get(old.key("frontends", "f-1"), timeout=5)
+        assert response.kvs, "the old process deleted the replacement's record"
+        assert response.kvs[0].lease == replacement.lease_id
+    finally:
+        await replacement.close()
+
+
 async def test_an_id_a_live_process_holds_is_refused_not_taken(etcd: LocalEtcd, cluster: str, registries,
                                                              raw_etcd: Etcd3Client) -> None:
     """Two live processes started with one id: the second one's put overwrote the first's record, and the

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 from etcd3aio import Etcd3Client
@@ -97,19 +99,12 @@ async def test_a_process_back_after_its_lease_expired_leaves_its_id_to_the_one_t
     manager routed to the old one, the transfer service mapped the new one's KV memory). It now stays
     unregistered while the id is another's, and takes it back once that one leaves (black-box run)."""
     old, _ = registries
-    await old.register("instances", "i-1", {"address": "old"})
-    replacement = Registry([etcd.endpoint], cluster, ttl_s=TTL_S)
-    try:
-        async with old._lock:  # the old one frozen: no keepalive of it between the expiry and the replacement
-            await raw_etcd.lease.revoke(old.lease_id, timeout=5)  # expired while the old one was frozen
-            await replacement.register("instances", "i-1", {"address": "new"})
+    async with _replaced_while_frozen(old, etcd, cluster, raw_etcd, "instances", "i-1") as replacement:
         await eventually(lambda: not old.is_registered, what="the old one noticing its lease expired")
         await asyncio.sleep(2 * TTL_S)  # several keepalive rounds of the old one
         response = await raw_etcd.kv.get(old.key("instances", "i-1"), timeout=5)
         assert json.loads(response.kvs[0].value) == {"address": "new"} and not old.is_registered
         assert response.kvs[0].lease == replacement.lease_id
-    finally:
-        await replacement.close()
     await eventually(lambda: old.is_registered, what="the old one back once the id is free")
     response = await raw_etcd.kv.get(old.key("instances", "i-1"), timeout=5)
     assert json.loads(response.kvs[0].value) == {"address": "old"} and response.kvs[0].lease == old.lease_id
@@ -121,16 +116,25 @@ async def test_an_unregister_after_the_lease_expired_leaves_the_id_to_the_proces
     unregister deleted the replacement's record, so the id was out of every view while the replacement served.
     Only a key under our own lease is deleted now."""
     old, _ = registries
-    await old.register("frontends", "f-1", {"address": "old"})
-    replacement = Registry([etcd.endpoint], cluster, ttl_s=TTL_S)
-    try:
-        async with old._lock:  # the old one frozen: no keepalive of it between the expiry and its unregister
-            await raw_etcd.lease.revoke(old.lease_id, timeout=5)  # expired while the old one was frozen
-            await replacement.register("frontends", "f-1", {"address": "new"})
+    async with _replaced_while_frozen(old, etcd, cluster, raw_etcd, "frontends", "f-1") as replacement:
         await old.unregister("frontends", "f-1")
         response = await raw_etcd.kv.get(old.key("frontends", "f-1"), timeout=5)
         assert response.kvs, "the old process deleted the replacement's record"
         assert response.kvs[0].lease == replacement.lease_id
+
+
+@contextlib.asynccontextmanager
+async def _replaced_while_frozen(old: Registry, etcd: LocalEtcd, cluster: str, raw_etcd: Etcd3Client, kind: str,
+                                 member_id: str) -> AsyncIterator[Registry]:
+    """`old` registered under the id, its lease expired while it was frozen (its keepalive held: nothing of it ran
+    between the expiry and the replacement), and a replacement registered under the id meanwhile: its registry."""
+    await old.register(kind, member_id, {"address": "old"})
+    replacement = Registry([etcd.endpoint], cluster, ttl_s=TTL_S)
+    try:
+        async with old._lock:
+            await raw_etcd.lease.revoke(old.lease_id, timeout=5)  # expired while the old one was frozen
+            await replacement.register(kind, member_id, {"address": "new"})
+        yield replacement
     finally:
         await replacement.close()
 

@@ -82,8 +82,9 @@ class Registry(ClusterKeys):
         await etcd_wait.wait_until_reachable(self._connect, self.endpoints, cluster_prefix(self.cluster), wait_s,
                                              self._rpc_timeout_s, stop)
 
-    async def register(self, kind: str, member_id: str, value: dict[str, Any]) -> None:
-        """Put the key under this registry's lease and keep it there until close().
+    async def register(self, kind: str, member_id: str, value: dict[str, Any]) -> bool:
+        """Put the key under this registry's lease and keep it there until close(). False for a mark (a value naming
+        no address) where another's mark is there already: left to it, not held.
 
         Raises Unavailable if etcd cannot be reached now (startup should fail fast).
         """
@@ -94,35 +95,40 @@ class Registry(ClusterKeys):
                 if self._lease is None:
                     self._lease = await Lease.grant(client, self.ttl_s, self._rpc_timeout_s)
                     self._renewed_at = time.monotonic()
-            await self._claim(key, value)
+            is_held = await self._claim(key, value)
         except ETCD_ERRORS as exc:
             raise Unavailable(f"cannot register {key} in etcd at {','.join(self.endpoints)}: {exc!r}; "
                               "check that etcd runs there (--etcd-endpoints)") from exc
-        log.info("member_registered", key=key, lease_id=f"{self._lease.lease_id:x}")
+        if is_held:
+            log.info("member_registered", key=key, lease_id=f"{self._lease.lease_id:x}")
         if not self._needs_put:  # otherwise the keepalive loop is re-registering the others
             self._set_registered(True)
         if self._keepalive_task is None:
             self._keepalive_task = asyncio.create_task(self._keepalive_loop(), name="registry_keepalive_loop")
+        return is_held
 
-    async def _claim(self, key: str, value: dict[str, Any]) -> None:
-        """Put `key` (and keep it as ours) unless another live process holds it. A member record (one naming
-        an address) held under another lease at our own address is our predecessor's, taken over at once: a
-        live one would still hold that port (servers bind without SO_REUSEPORT). Any other holder is waited
-        for until its lease could have run out (a crashed process's key lasts one TTL); one that still renews
-        it is another live process registered under this id: FailedPrecondition, naming it, not a silent
-        overwrite (both processes then answered to one id)."""
+    async def _claim(self, key: str, value: dict[str, Any]) -> bool:
+        """Put `key` (and keep it as ours) unless another live process holds it; a mark, unless another's is
+        there (False). A member record (one naming an address) held under another lease at our own address is
+        our predecessor's, taken over at once: a live one would still hold that port (servers bind without
+        SO_REUSEPORT). Any other holder is waited for until its lease could have run out (a crashed process's
+        key lasts one TTL); one that still renews it is another live process registered under this id:
+        FailedPrecondition, naming it, not a silent overwrite (both processes then answered to one id)."""
         give_up_at: float | None = None
         while True:
             async with self._lock:
-                held = await put_unless_held(self._client, key, value, self._lease.lease_id,
-                                             self._rpc_timeout_s) if value.get("address") else None
+                if not value.get("address"):  # a mark
+                    is_held = await self._marks.put_new(self._client, key, value, self._lease.lease_id,
+                                                        self._rpc_timeout_s)
+                    if is_held:
+                        self._entries[key] = value
+                    return is_held
+                held = await put_unless_held(self._client, key, value, self._lease.lease_id, self._rpc_timeout_s)
                 if held is None or holder(held.value) == value["address"]:
-                    if not value.get("address"):  # a mark
-                        self._marks.note(key, self._lease.lease_id, (await self._put(key, value)).header.revision)
-                    elif held is not None:  # a predecessor's record
+                    if held is not None:  # a predecessor's record
                         await self._put(key, value)
                     self._entries[key] = value
-                    return
+                    return True
             if give_up_at is None:
                 ttl_s = await granted_ttl_s(self._client, held.lease, self.ttl_s, self._rpc_timeout_s)
                 give_up_at = time.monotonic() + ttl_s + 1.0

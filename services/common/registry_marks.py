@@ -21,6 +21,8 @@ import structlog
 from etcd3aio import Etcd3Client
 from etcd3aio.kv import KVService
 
+from services.common.member_ids import put_value
+
 log = structlog.get_logger(__name__)
 
 _EVENT_PUT = 0  # mvccpb.Event.EventType
@@ -54,6 +56,24 @@ class Marks:
         any more, never put back."""
         self.forget(key)
         log.info("member_mark_withdrawn", key=key, reason=reason, action="left to whoever changed it")
+
+    async def put_new(self, client: Etcd3Client, key: str, value: dict[str, Any], lease_id: int,
+                      timeout_s: float) -> bool:
+        """Put a mark of ours under `lease_id` where no one else's is, in one transaction with that check: False
+        (left to it, not ours) where another's is there (an operator's Drain that landed just before)."""
+        txn = await client.kv.txn(
+            compare=[KVService.txn_compare_create_revision(key, 0)],
+            success=[KVService.txn_op_put(key, json.dumps(value, sort_keys=True), lease=lease_id)],
+            failure=[KVService.txn_op_get(key)], timeout=timeout_s)
+        if txn.succeeded:
+            revision = txn.header.revision
+        elif txn.responses[0].response_range.kvs[0].lease == lease_id:  # ours already: the new value
+            revision = (await put_value(client, key, value, lease_id, timeout_s)).header.revision
+        else:
+            log.info("member_mark_left", key=key, reason="another's mark is there", action="left to it")
+            return False
+        self.note(key, lease_id, revision)
+        return True
 
     async def put_back(self, client: Etcd3Client, key: str, value: dict[str, Any], lease_id: int,
                        records: Sequence[str], timeout_s: float) -> str | None:

@@ -253,13 +253,12 @@ async def shutdown(config: InstanceConfig, server, servicer: InstanceServicer, r
 
 
 async def drain_self(registry: Registry, instance_id: str) -> None:
-    """A drain mark under our lease (unless an operator's is there already): the leader moves our
-    requests off as for `Drain`, and the mark vanishes with the lease, so no restart comes back drained. A lease
-    lost meanwhile puts it back; an operator's Undrain of it stands (the registry withdraws it)."""
+    """A drain mark under our lease (unless an operator's is there already, checked in the same etcd transaction):
+    the leader moves our requests off as for `Drain`, and the mark vanishes with the lease, so no restart comes back
+    drained. A lease lost meanwhile puts it back; an operator's Undrain of it stands (the registry withdraws it)."""
     try:
-        if await registry.get_json(f"{DRAIN_MARKS}/{instance_id}") is None:
-            await registry.register(DRAIN_MARKS, instance_id, {"instance_id": instance_id,
-                                                               "drained_by": "shutdown", "drained_at": time.time()})
+        if await registry.register(DRAIN_MARKS, instance_id, {"instance_id": instance_id,
+                                                              "drained_by": "shutdown", "drained_at": time.time()}):
             log.info("instance_draining_itself", instance_id=instance_id)
     except (Unavailable, *ETCD_ERRORS) as exc:  # etcd away: nothing will migrate; the grace still applies
         log.warning("self_drain_failed", instance_id=instance_id, error=str(exc) or type(exc).__name__)

@@ -180,3 +180,41 @@ async def test_an_operators_drain_then_undrain_no_renewal_saw_stands(draining, c
     await _expire_while_frozen(registry, client, drain_and_undrain)
     await eventually(lambda: registry.num_reregistrations == 1, what="re-registration")
     assert not (await client.kv.get(mark, timeout=5)).kvs and not registry.holds(DRAIN_MARKS, INSTANCE)
+
+
+async def test_an_operators_drain_landing_just_before_the_self_drain_is_kept(etcd, cluster, monkeypatch) -> None:
+    """An operator's Drain that landed between the instance's look for a mark and its own put of one: the self-drain
+    went over it, under the instance's lease, and the operator's Drain went with that lease when the instance
+    stopped. The self-drain is now put only where no mark is, in one etcd transaction with that check."""
+    registry = Registry([etcd.endpoint], cluster, ttl_s=2.0)
+    mark = f"/ferry/{cluster}/{MARK}"
+    operator_mark = json.dumps({"instance_id": INSTANCE, "drained_by": "m-1", "drained_at": 1.0, "owner": "operator"})
+    try:
+        await registry.register("instances", INSTANCE, {"address": "127.0.0.1:1"})
+        async with Etcd3Client([etcd.endpoint]) as operator:
+            _before_writes_of(registry._client.kv, mark, lambda: operator.kv.put(mark, operator_mark, timeout=5),
+                              monkeypatch)
+            await drain_self(registry, INSTANCE)
+            assert not registry.holds(DRAIN_MARKS, INSTANCE)
+            await registry.close()  # its lease goes: the operator's mark stays
+            (kept,) = (await operator.kv.get(mark, timeout=5)).kvs
+            assert kept.value.decode() == operator_mark and kept.lease == 0
+    finally:
+        await registry.close()
+
+
+def _before_writes_of(kv, key: str, first, monkeypatch) -> None:
+    """A hook: `first()` runs once, just before the first put of `key` through `kv` (a put, or a transaction's)."""
+    originals = {"put": kv.put, "txn": kv.txn}
+
+    def hooked(name: str):
+        async def write(*args, **kwargs):
+            ops = kwargs.get("success", ())
+            if (args[0] == key) if name == "put" else any(op.request_put.key == key.encode() for op in ops):
+                for original_name, original in originals.items():
+                    monkeypatch.setattr(kv, original_name, original)
+                await first()
+            return await originals[name](*args, **kwargs)
+        return write
+    for name in originals:
+        monkeypatch.setattr(kv, name, hooked(name))

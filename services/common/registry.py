@@ -215,24 +215,30 @@ class Registry(ClusterKeys):
         per renewal: an operator may have deleted one (`etcdctl del`), or another process put its own record over
         it. Then we are registered no more (logged) until it is ours again: put back at once where the key is free,
         and where another lease holds it, once that one leaves (as after our own lease expired). A mark (an
-        instance's own drain mark) gone is left to whoever deleted it or wrote over it (an operator's Undrain, or
-        Drain): withdrawn here, never put back."""
+        instance's own drain mark) gone while this read shows our records under the lease is left to whoever
+        deleted it or wrote over it (an operator's Undrain, or Drain): withdrawn here, never put back. Records
+        gone too may mean the lease ended since its renewal (revoked; expired while we were frozen): the marks are
+        judged with the records put back (registry_marks.py)."""
         keys = list(self._entries)
         if not keys:
             return
         response = await self._client.kv.txn(compare=[], success=[KVService.txn_op_get(key) for key in keys],
                                              timeout=self._rpc_timeout_s)
+        gone_marks: list[tuple[str, str]] = []
         for key, reply in zip(keys, response.responses, strict=True):
             kvs = reply.response_range.kvs
             if kvs and kvs[0].lease == self._lease.lease_id:
                 continue
             if key in self._marks:
-                self._withdraw_mark(key, "another holds it" if kvs else "deleted")
+                gone_marks.append((key, "another holds it" if kvs else "deleted"))
                 continue
             log.warning("member_key_lost", key=key, holder=holder(kvs[0].value) if kvs else None,
                         reason="another lease holds it" if kvs else "deleted", action="registering again")
             self._may_be_taken = True
             self._lost_registration()
+        if not self._needs_put:  # every record under the lease at this read: the lease lived when the marks went
+            for key, reason in gone_marks:
+                self._withdraw_mark(key, reason)
 
     async def _put_all(self) -> bool:
         """Write every entry; False (nothing registered) while another process holds one of our ids."""

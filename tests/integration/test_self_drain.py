@@ -9,6 +9,7 @@ import json
 import pytest
 from etcd3aio import Etcd3Client
 
+from services.common.etcd_client import Lease
 from services.common.etcd_launcher import LocalEtcd
 from services.common.registry import DRAIN_MARKS, Registry
 from services.instance.app import clear_stale_self_drain, drain_self
@@ -91,6 +92,26 @@ async def test_a_self_drain_gone_with_an_expired_lease_is_put_back(draining, clu
     await eventually(lambda: registry.num_reregistrations == 1, what="re-registration")
     (kv,) = (await client.kv.get(f"/ferry/{cluster}/{MARK}", timeout=5)).kvs
     assert kv.lease == registry.lease_id != old_lease and json.loads(kv.value)["drained_by"] == "shutdown"
+
+
+async def test_a_self_drain_gone_with_a_lease_that_ended_just_after_a_renewal_is_put_back(
+        draining, cluster, monkeypatch) -> None:
+    """The lease ended between a renewal and that renewal's read-back of the keys (revoked then, or expired while the
+    instance was frozen between the two): the read found the record and the mark both gone, and the mark was taken
+    for one an operator's Undrain deleted while the lease lived: withdrawn, never put back. A mark is judged so now
+    only where the same read shows the lease still holding the records."""
+    registry, client = draining
+    old_lease, renew = registry.lease_id, Lease.keepalive
+
+    async def renew_then_end(lease: Lease) -> bool:
+        is_alive = await renew(lease)
+        if is_alive and lease.lease_id == old_lease:
+            await client.lease.revoke(old_lease, timeout=5)  # just after the renewal etcd answered
+        return is_alive
+    monkeypatch.setattr(Lease, "keepalive", renew_then_end)
+    await eventually(lambda: registry.num_reregistrations == 1, what="re-registration")
+    (kv,) = (await client.kv.get(f"/ferry/{cluster}/{MARK}", timeout=5)).kvs
+    assert kv.lease == registry.lease_id != old_lease and registry.holds(DRAIN_MARKS, INSTANCE)
 
 
 async def test_an_operators_drain_over_a_self_drain_leaves_the_instance_registered(draining, cluster) -> None:

@@ -168,7 +168,8 @@ def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int
                   step_time_ms_p50: float = 0.0, num_steps: int = 0, num_prefilled: int = 0,
                   prefix_cache: PrefixCacheStats = NO_PREFIX_CACHE_STATS,
                   num_incoming_migrations: int = 0, num_suspended: int = 0,
-                  num_free_migration_out_slots: int | None = None) -> common_pb2.LoadReport:
+                  num_free_migration_out_slots: int | None = None,
+                  step_time_ms_token_weighted_p50: float = 0.0) -> common_pb2.LoadReport:
     return common_pb2.LoadReport(
         instance_id=instance_id,
         num_running=load.num_running,
@@ -181,6 +182,7 @@ def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int
         num_requests_served=num_requests_served,
         timestamp=timestamp,
         step_time_ms_p50=step_time_ms_p50,
+        step_time_ms_token_weighted_p50=step_time_ms_token_weighted_p50,
         num_steps=num_steps,
         num_prefilled=num_prefilled,
         prefix_cache_queried_tokens=prefix_cache.num_queried_tokens,

@@ -85,6 +85,11 @@ class EngineThread:
         return self.step_times.median_ms
 
     @property
+    def step_time_ms_token_weighted_p50(self) -> float:
+        """The same steps' median weighted by the tokens each produced (0 before a step made a token)."""
+        return self.step_times.token_weighted_median_ms
+
+    @property
     def num_preemptions(self) -> int:
         """Requests sent back to the queue to free KV blocks since start (an int the engine thread bumps)."""
         return self._engine.scheduler.num_preemptions
@@ -158,7 +163,7 @@ class EngineThread:
             self._step_started_at = None
         if self._engine.last_step_was_idle:
             return False
-        self.step_times.add(time.perf_counter() - started)
+        self.step_times.add(time.perf_counter() - started, sum(len(o.new_token_ids) for o in outputs))
         self.num_steps += 1
         self._publish(outputs, held)
         return True

@@ -1,4 +1,5 @@
-"""benchmarks/serving.py's overhead line: the client's decode p50 minus the instances' step p50."""
+"""benchmarks/serving.py's overhead line: the client's decode p50 minus the instances' step p50 weighted by
+each step's tokens (the plain median beside it)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,27 @@ def test_a_negative_overhead_says_why(monkeypatch, capsys):
     the instances' step p50: the overhead line marks the negative figure and --help explains it."""
     serving = load_benchmark(ROOT / "benchmarks" / "serving.py", monkeypatch)
     bursty = serving.RequestResult(3, 5, ttft_ms=20.0, itl_ms=[0.01, 0.01, 0.01, 9.0], num_tokens=5)
-    summary = serving.report(argparse.Namespace(), [bursty], 1.0, [1.7])
+    summary = serving.report(argparse.Namespace(), [bursty], 1.0, [serving.StepSample(1.7, 1.9)])
     assert summary["overhead_ms_p50"] < 0 and "(negative: tokens came in bursts, see --help)" in capsys.readouterr().out
     assert "bursts" in serving.__doc__
+
+
+def test_the_overhead_is_taken_against_the_token_weighted_step(monkeypatch, capsys):
+    """Long steps carry big batches: the median token waited a 29 ms step while the median step took 12 ms. Against
+    the plain median the path seemed to add 18 ms per token; it added 1."""
+    serving = load_benchmark(ROOT / "benchmarks" / "serving.py", monkeypatch)
+    tokens = serving.RequestResult(3, 7, ttft_ms=20.0, itl_ms=[11.0, 11.0, 30.0, 30.0, 30.0, 30.0], num_tokens=7)
+    summary = serving.report(argparse.Namespace(), [tokens], 1.0,
+                             [serving.StepSample(12.0, 29.0), serving.StepSample(12.0, 29.0)])
+    out = capsys.readouterr().out
+    assert summary["overhead_ms_p50"] == pytest.approx(1.0)
+    assert summary["overhead_vs_plain_step_ms_p50"] == pytest.approx(18.0)
+    assert "instance step p50 token-weighted 29.00 ms (plain 12.00 ms)\tadded 1.00 ms/token" in out
+
+
+def test_instances_that_report_no_token_weighted_step_fall_back_to_the_plain_one(monkeypatch, capsys):
+    serving = load_benchmark(ROOT / "benchmarks" / "serving.py", monkeypatch)
+    tokens = serving.RequestResult(3, 4, ttft_ms=20.0, itl_ms=[14.0, 14.0, 14.0], num_tokens=4)
+    summary = serving.report(argparse.Namespace(), [tokens], 1.0, [serving.StepSample(12.0, 0.0)])
+    assert summary["overhead_ms_p50"] == pytest.approx(2.0)
+    assert "instance step p50 12.00 ms (plain: the instances report no token-weighted one)" in capsys.readouterr().out

@@ -76,6 +76,16 @@ class MigrationDriver:
         """Request ids migrating out now."""
         return frozenset(self._picker.moving)
 
+    def moves(self, copy: RequestStream | None) -> bool:
+        """Whether a migration out moves `copy` now: it claimed the id while this copy owned it. Not one that
+        claimed it for an older copy (aborted since: a resume of the request here replaced it)."""
+        return copy is not None and self._picker.moving.get(copy.request_id) is copy
+
+    @property
+    def can_migrate(self) -> bool:
+        """Whether this instance has a transfer service (--transfer-address): `migrate_out` refuses every call if not."""
+        return self._transferer is not None
+
     @property
     def has_free_slot(self) -> bool:
         """Whether `migrate_out` may start one now (else it refuses at once: --max-concurrent-migrations)."""
@@ -93,7 +103,7 @@ class MigrationDriver:
         MigrateOut tells its caller then, so one whose deadline passes knows which request to look for on the
         destination, and under which migration id (RequestInfo.migration_id) it would hold it.
         `copy`: the copy of `plan.request_id` to move (its stream); Aborted if another copy took its id."""
-        if self._transferer is None:
+        if not self.can_migrate:
             raise FailedPrecondition("live migration needs a transfer service: start this instance with "
                                      "--transfer-address <host:port of the co-located transfer service>")
         if plan.dst_instance_id == self._settings.instance_id:

@@ -26,7 +26,9 @@ class MigrationPicker:
     def __init__(self, runner: EngineRunner, instance_id: str) -> None:
         self._runner = runner
         self._instance_id = instance_id
-        self.moving: set[str] = set()  # request ids migrating out now
+        # Request ids migrating out now, each with the copy its migration moves (its stream when claimed): a copy that
+        # took the id since (a resume of the request here) is not that migration's.
+        self.moving: dict[str, RequestStream | None] = {}
 
     async def pick(self, plan: MigrateOutPlan, copy: RequestStream | None = None
                    ) -> tuple[str, HeldRequest | None, RequestStream | None]:
@@ -34,8 +36,7 @@ class MigrationPicker:
         second migration claim it too; `plan.held` if the request is still parked as it says; and the stream of
         the copy picked (`copy` if given: Aborted if another copy runs under the id now)."""
         if plan.request_id:
-            self._claim(plan.request_id)
-            stream = self._runner.stream(plan.request_id)
+            stream = self._claim(plan.request_id)
             try:
                 if copy is not None and stream is not copy:
                     raise Aborted(f"request {plan.request_id} was aborted (maybe resumed here as another copy) "
@@ -43,7 +44,7 @@ class MigrationPicker:
                 await self._wait_for_client(plan.request_id, stream)
                 held = await self._runner.call(lambda: self._check_movable(plan))
             except BaseException:
-                self.moving.discard(plan.request_id)
+                self.release(plan.request_id)
                 raise
             return plan.request_id, held, stream
         exclude = frozenset(self.moving) | plan.exclude_request_ids | self._runner.unattached_request_ids()
@@ -56,12 +57,11 @@ class MigrationPicker:
                                      f"(none decoding or waiting{fitting}); try again once it has")
         if request_id in self.moving:  # another migration picked it while we asked: it alone may suspend it
             raise Aborted(f"request {request_id} was picked by another migration meanwhile; try again")
-        self._claim(request_id)
-        return request_id, None, self._runner.stream(request_id)
+        return request_id, None, self._claim(request_id)
 
     def release(self, request_id: str) -> None:
         """Its migration ended."""
-        self.moving.discard(request_id)
+        self.moving.pop(request_id, None)
 
     def _check_movable(self, plan: MigrateOutPlan) -> HeldRequest | None:
         """On the engine thread: NotFound or FailedPrecondition if the request cannot move; `plan.held` if it
@@ -73,10 +73,12 @@ class MigrationPicker:
             return None
         return plan.held
 
-    def _claim(self, request_id: str) -> None:
+    def _claim(self, request_id: str) -> RequestStream | None:
+        """Claim the copy that owns `request_id` now; its stream."""
         if request_id in self.moving:
             raise FailedPrecondition(f"request {request_id} is already migrating; wait for it to end")
-        self.moving.add(request_id)
+        stream = self.moving[request_id] = self._runner.stream(request_id)
+        return stream
 
     async def _wait_for_client(self, request_id: str, stream: RequestStream | None) -> None:
         """A request that migrated in moves on only once its client attached here (it would follow

@@ -13,10 +13,14 @@ so a client's pause between its first and second token stays about that long: un
 the workers move one request each at a time (with 60 arrivals at once the last waited 17 s
 for its second token), and a hand-off to a frozen decode instance waits for its call's
 deadline. A worker that takes one suspends it afresh; one that finished here meanwhile never
-moves. Nothing is dropped on the way: if no decode instance serves (PlaceDecode UNAVAILABLE) or the migration fails,
+moves. A hand-off moves one copy of its request: a copy that took the id since (the frontend resumed the
+request here) gets a hand-off of its own at its first token, also while the old one's still runs.
+Nothing is dropped on the way: if no decode instance serves (PlaceDecode UNAVAILABLE) or the migration fails,
 the request is resumed and keeps decoding here, and the manager's migration loop moves it
 once a decode instance is back (it counts in the load report's `num_prefilled`).
 With `--pd-handoff manager` this module only reports; the manager's loop moves everything.
+An instance without a transfer service (no --transfer-address) cannot migrate: it parks and pushes nothing, and
+says so once per role change (`pd_handoff_off`, at its first prefill and at each SetRole to PREFILL).
 """
 
 from __future__ import annotations
@@ -87,23 +91,38 @@ class DecodeHandoff:
         self._placer = placer  # None without etcd: nobody to ask, requests decode here
         self._mode = mode
         self._role = role
-        self._queue: asyncio.Queue[str] = asyncio.Queue()
-        self._pending: set[str] = set()  # queued or moving now: not reported as `num_prefilled`
+        self._queue: asyncio.Queue[str] = asyncio.Queue()  # request ids, each at most once while in `_queued`
+        # Hand-offs queued or moving now (not reported as `num_prefilled`), each with the copy it moves: the
+        # request's stream when it was queued. A copy that took the id since (a resume of the request here, a hand-off
+        # back) replaces it: the id's queue entry, or a new one if a worker has the old copy, moves the new copy.
+        self._pending: dict[str, RequestStream | None] = {}
         self._held: dict[str, HeldRequest] = {}  # parked in the step of their first token, with their state
-        # The copy each queued or moving hand-off moves: the request's stream when it was queued. A copy that
-        # took its id since (a resume of the request here, a hand-off back) is not the hand-off's to move or resume.
-        self._copies: dict[str, RequestStream | None] = {}
-        self._queued: dict[str, float] = {}  # in the queue, no worker on it yet (in queue order): when queued
+        self._queued: dict[str, float] = {}  # in the queue, no worker on it yet: when its copy was queued
         self._decoding_while_queued: set[str] = set()  # resumed after hold_s parked: decoding here until a worker takes it
         self._wait_check: asyncio.TimerHandle | None = None
         self._reports: set[asyncio.Task[None]] = set()
         self.is_decode_missing = False  # the last PlaceDecode found no decode instance
+        self._has_said_off = False  # `pd_handoff_off` logged since the last role change
         self.num_handed_off = 0
         self.num_kept_for_lack_of_decode = 0
 
     @property
     def is_pushing(self) -> bool:
+        return self._is_push_due and self._migrations.can_migrate
+
+    @property
+    def _is_push_due(self) -> bool:
+        """Hand-offs are this instance's to push (whether it can migrate or not)."""
         return self._placer is not None and self._mode is PdHandoff.PUSH and self._role() is InstanceRole.PREFILL
+
+    def _say_if_off(self) -> None:
+        """Once per role change: hand-offs are due here but this instance cannot migrate."""
+        if self._has_said_off or not self._is_push_due or self._migrations.can_migrate:
+            return
+        self._has_said_off = True
+        log.warning("pd_handoff_off", reason="this prefill instance has no transfer service, so it cannot migrate",
+                    action="prefilled requests decode here; start the instance with --transfer-address <host:port of "
+                           "its co-located transfer service>")
 
     def num_prefilled(self, decoding_ids: Collection[str]) -> int:
         """Decoding requests waiting for a hand-off nobody runs yet (the manager's loop moves them):
@@ -111,7 +130,7 @@ class DecodeHandoff:
         or decoding meanwhile, or moving) nor another migration handles."""
         if self._role() is not InstanceRole.PREFILL:
             return 0
-        return len(set(decoding_ids) - self._pending - self._migrations.moving)
+        return len(set(decoding_ids).difference(self._pending, self._migrations.moving))
 
     def _forget_held(self, request_id: str) -> None:
         self._held.pop(request_id, None)  # its hand-off, if still queued, suspends it afresh
@@ -119,18 +138,21 @@ class DecodeHandoff:
     def note_prefilled(self, request_id: str, held: HeldRequest | None = None) -> None:
         """The request's first token was delivered (on the event loop): queue its hand-off.
         `held`: the runner parked it already, in the step that made the token."""
-        engine = self._runner.engine
-        if not self.is_pushing or request_id in self._pending:
+        engine, copy = self._runner.engine, self._runner.stream(request_id)
+        self._say_if_off()
+        if not self.is_pushing or (request_id in self._pending and self._pending[request_id] is copy):
             if held is not None:  # parked for a hand-off that will not run (the role changed since): decode here
                 self._runner.call_soon(lambda: engine.resume(request_id))
             return
-        self._pending.add(request_id)
-        self._copies[request_id] = self._runner.stream(request_id)
+        self._pending[request_id] = copy  # a hand-off of an older copy (aborted since) is left to end by itself
+        self._decoding_while_queued.discard(request_id)
         if held is not None:
             self._held[request_id] = held
         else:  # parked at the next step boundary: it decodes on the decode instance
+            self._held.pop(request_id, None)  # (an older copy's)
             self._runner.call_soon(lambda: engine.hold(request_id))
-        self._queue.put_nowait(request_id)
+        if request_id not in self._queued:  # else the older copy's queue entry, no worker on it yet, moves this one
+            self._queue.put_nowait(request_id)
         self._queued[request_id] = time.monotonic()
         self._check_waits_in(self._hold_s)
 
@@ -155,8 +177,8 @@ class DecodeHandoff:
     def _decode_here(self, waited: list[str]) -> None:
         """Resume those of `waited` still parked. Commands reach the engine in order, so a resume
         comes before the suspend of the worker that takes the request later."""
-        moving = self._migrations.moving  # another migration's: not ours to resume
-        parked = [r for r in waited if r not in self._decoding_while_queued and r not in moving]
+        parked = [r for r in waited if r not in self._decoding_while_queued
+                  and not self._migrations.moves(self._pending.get(r))]  # (another migration's: not ours to resume)
         if parked:
             log.info("pd_handoff_queue_slow", num_resumed=len(parked), num_queued=len(self._queued),
                      hold_s=self._hold_s,
@@ -164,15 +186,23 @@ class DecodeHandoff:
         for request_id in parked:
             self._decoding_while_queued.add(request_id)
             self._held.pop(request_id, None)  # stale once it decodes: its hand-off suspends it afresh
-            self._runner.resume_soon(self._copies.get(request_id))
+            self._runner.resume_soon(self._pending.get(request_id))
 
-    def _take(self, request_id: str) -> None:
-        """A worker starts the request's hand-off: it is no longer queued."""
+    def _take(self, request_id: str) -> RequestStream | None:
+        """A worker starts the request's hand-off: it is no longer queued. The copy it moves."""
         self._queued.pop(request_id, None)
         self._decoding_while_queued.discard(request_id)
+        return self._pending.get(request_id)
+
+    def _end(self, request_id: str, copy: RequestStream | None) -> None:
+        """A worker ended the hand-off of `copy`: no longer pending, unless a newer copy's is."""
+        if request_id in self._pending and self._pending[request_id] is copy:
+            del self._pending[request_id]
 
     async def move_decoding(self) -> int:
         """Queue every request decoding here (the role became PREFILL); how many."""
+        self._has_said_off = False
+        self._say_if_off()
         request_ids = await self._runner.call(lambda: self._runner.engine.decoding_request_ids())
         for request_id in request_ids:
             self.note_prefilled(request_id)
@@ -187,13 +217,13 @@ class DecodeHandoff:
     async def _worker_loop(self) -> None:
         while True:
             request_id = await self._queue.get()
-            self._take(request_id)
+            copy = self._take(request_id)
             try:
                 await self._hand_off(request_id)
             except Exception:  # noqa: BLE001 — one request's failure must not stop the hand-offs (or the instance)
                 log.exception("pd_handoff_crashed", request_id=request_id)
             finally:
-                self._pending.discard(request_id)
+                self._end(request_id, copy)
 
     async def close(self) -> None:
         if self._wait_check is not None:
@@ -204,10 +234,11 @@ class DecodeHandoff:
         await asyncio.gather(*self._reports, return_exceptions=True)
 
     async def _hand_off(self, request_id: str) -> None:
-        held, copy = self._held.pop(request_id, None), self._copies.pop(request_id, None)
+        held, copy = self._held.pop(request_id, None), self._pending.get(request_id)
         if not self._runner.owns(copy):
             return  # aborted meanwhile (and maybe resumed here: a copy this hand-off leaves alone)
         try:
+            await self._wait_for_older_copys_migration(copy)
             result = await self._try_hand_off(copy, held) if self.is_pushing else None
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():
@@ -217,8 +248,17 @@ class DecodeHandoff:
         except Exception:  # noqa: BLE001 — unexpected (refusals are handled inside): it must not stay held
             log.exception("pd_handoff_crashed", request_id=request_id, action="it decodes here")
             result = None
-        if result is None and request_id not in self._migrations.moving:  # (another migration owns it otherwise)
+        if result is None and not self._migrations.moves(copy):  # (another migration owns it otherwise)
             await self._runner.resume(copy)  # it decodes here after all
+
+    async def _wait_for_older_copys_migration(self, copy: RequestStream) -> None:
+        """A migration that claimed the id for an older copy (aborted since: a resume of the request here replaced
+        it), its PD hand-off or another, keeps the claim until its next engine call or RPC ends; no migration of
+        this copy can claim it until then. Wait for that, up to `hold_s`, this copy still parked."""
+        deadline = time.monotonic() + self._hold_s
+        while (copy.request_id in self._migrations.moving and not self._migrations.moves(copy)
+               and time.monotonic() < deadline):
+            await asyncio.sleep(_CLAIMED_RECHECK_S)
 
     async def _try_hand_off(self, copy: RequestStream, held: HeldRequest | None) -> MigrationResult | None:
         started_at, request_id = time.time(), copy.request_id
@@ -260,7 +300,7 @@ class DecodeHandoff:
         """The hand-off has nothing left to do: its request finished (decoding here while queued), was aborted
         (maybe resumed here since: another copy), or another migration (a drain, the manager's loop) claimed it
         first and moves it."""
-        return not self._runner.owns(copy) or copy.request_id in self._migrations.moving
+        return not self._runner.owns(copy) or self._migrations.moves(copy)
 
     async def _migrate(self, plan: MigrateOutPlan, copy: RequestStream, num_blocks: int,
                        reach: int) -> tuple[MigrateOutPlan, MigrationResult | FerryError]:

@@ -1069,8 +1069,8 @@ async def test_a_request_migrated_in_before_its_first_token_onto_a_pushing_prefi
     for stream in busy:
         await read(stream, [], until=1)
     stream = await a.runner.add("r", PROMPT, SAMPLING)  # waiting: no batch slot on a
-    handoff = DecodeHandoff("b", b.runner, driver(b, None, None), DecodePlacer(), PdHandoff.PUSH,
-                            lambda: InstanceRole.PREFILL)
+    mover = driver(b, FaultyPeer(a), TensorCopier(b, a))  # b can migrate (it has a transfer service)
+    handoff = DecodeHandoff("b", b.runner, mover, DecodePlacer(), PdHandoff.PUSH, lambda: InstanceRole.PREFILL)
     b.runner.on_prefilled = handoff.note_prefilled
     b.runner.holds_first_tokens = lambda: handoff.is_pushing
     try:
@@ -1126,6 +1126,42 @@ async def test_a_hand_off_waiting_for_a_client_leaves_a_copy_that_replaced_its_r
     last = await asyncio.wait_for(read(resumed, tokens), 30)
     assert tokens == expected and last.finish_reason is FinishReason.LENGTH
     await assert_no_blocks_held(a, b)
+
+
+async def test_a_copy_resumed_while_its_old_copys_hand_off_copies_gets_a_hand_off_of_its_own(pair):
+    """a pushes (PREFILL). r's hand-off to b is in its copy when the frontend resumes r on a (it aborts the old copy
+    and sends a new Generate); the new copy's first token comes with the old hand-off pending. Before, the new copy
+    was resumed at once and decoded on the prefill instance; now the old hand-off fails (its copy is gone) and the
+    new copy's own moves it to b."""
+    a, b = pair
+    expected = await reference(a)
+    copier = TensorCopier(a, b, pause=asyncio.Event())
+    pusher = DecodeHandoff("a", a.runner, driver(a, FaultyPeer(b), copier), DecodePlacer(), PdHandoff.PUSH,
+                           lambda: InstanceRole.PREFILL)
+    a.runner.on_prefilled = pusher.note_prefilled
+    a.runner.holds_first_tokens = lambda: pusher.is_pushing
+    workers = asyncio.create_task(pusher.handoff_loop())
+    try:
+        await read(await a.runner.add("r", PROMPT, SAMPLING), [], until=1)
+        async with asyncio.timeout(10):
+            while not copier.num_calls:  # the old copy's hand-off is in its copy
+                await asyncio.sleep(0.01)
+        await a.runner.abort("r")  # the frontend's resume of r here
+        tokens: list[int] = []
+        resumed = await a.runner.add("r", PROMPT, SAMPLING)
+        await read(resumed, tokens, until=1)
+        assert "r" in pusher._queued  # its own hand-off is queued (before: it was resumed here)
+        copier.pause.set()
+        last = await asyncio.wait_for(read(resumed, tokens), 30)
+        assert isinstance(last, Handoff) and last.dst_instance_id == "b"
+        await asyncio.wait_for(read(b.inbox.attach("r", last.epoch), tokens), 30)
+        assert tokens == expected and pusher.num_handed_off == 1
+        await assert_no_blocks_held(a, b)
+    finally:
+        copier.pause.set()  # (a failed check leaves the old copy's hand-off waiting in its copy)
+        workers.cancel()
+        await asyncio.gather(workers, return_exceptions=True)
+        await pusher.close()
 
 
 async def test_a_commit_racing_the_watchdog_leaves_no_copy_nobody_tracks_on_the_destination(pair):

@@ -6,8 +6,9 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from structlog.testing import capture_logs
 
-from services.common.errors import FailedPrecondition, Internal, ResourceExhausted, Unavailable
+from services.common.errors import Aborted, FailedPrecondition, Internal, ResourceExhausted, Unavailable
 from services.instance.config import InstanceRole, PdHandoff
 from services.instance.migration_domain import MigrateOutPlan, MigrationResult, RefusedByDestination
 from services.instance.pd_handoff import DecodeHandoff, DecodePlace
@@ -59,6 +60,11 @@ class FakeRunner:
     def owns(self, stream) -> bool:
         return stream is not None and self.stream(stream.request_id) is stream
 
+    def replace(self, request_id: str) -> SimpleNamespace:
+        """The copy running under `request_id` was aborted and a resume of the request here took the id."""
+        stream = self._streams[request_id] = SimpleNamespace(request_id=request_id)
+        return stream
+
     async def resume(self, stream) -> bool:
         return self.owns(stream) and self.engine.resume(stream.request_id) is None
 
@@ -72,13 +78,20 @@ class FakeMigrations:
 
     moving = frozenset()
     has_free_slot = True  # our --max-concurrent-migrations slots
+    can_migrate = True  # False: no --transfer-address
 
     def __init__(self, *errors: BaseException) -> None:
         self.errors = list(errors)
         self.plans: list[MigrateOutPlan] = []
+        self.copies: list = []  # the copy each MigrateOut was asked to move
+        self.claimed: dict = {}  # request id in `moving` → the copy its migration moves (default: the one asked)
+
+    def moves(self, copy) -> bool:
+        return copy is not None and copy.request_id in self.moving and self.claimed.get(copy.request_id, copy) is copy
 
     async def migrate_out(self, plan: MigrateOutPlan, copy=None) -> MigrationResult:
         self.plans.append(plan)
+        self.copies.append(copy)
         if self.errors:
             raise self.errors.pop(0)
         return MigrationResult(plan.request_id, "p-1", plan.dst_instance_id, num_blocks=1, num_bytes=64, num_stages=1,
@@ -522,5 +535,133 @@ async def test_a_request_that_finished_before_its_blocks_were_counted_ends_its_h
     handoff.note_prefilled("r-1")  # decoding here (not parked): its blocks are asked of the engine
     await until(lambda: "r-1" not in handoff._pending, loop)
     assert placer.asks == [] and placer.failed == [] and migrations.plans == []
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+class CopyMigrations(FakeMigrations):
+    """MigrateOut of a copy that no longer owns its id fails as the driver's does (Aborted); one of an id
+    another migration claims is refused (FailedPrecondition). With `stuck`, the first waits for it."""
+
+    def __init__(self, runner: FakeRunner, stuck: asyncio.Event | None = None) -> None:
+        super().__init__()
+        self.runner, self.stuck = runner, stuck
+
+    async def migrate_out(self, plan: MigrateOutPlan, copy=None) -> MigrationResult:
+        if plan.request_id in self.moving:
+            raise FailedPrecondition(f"request {plan.request_id} is already migrating; wait for it to end")
+        if self.stuck is not None and not self.plans:
+            self.plans.append(plan)
+            self.copies.append(copy)
+            await self.stuck.wait()
+        elif self.runner.owns(copy):
+            return await super().migrate_out(plan, copy)
+        raise Aborted(f"request {plan.request_id} finished or was aborted while migrating")
+
+
+def pushing_copies(stuck: asyncio.Event | None = None, hold_s: float = 1.0
+                   ) -> tuple[FakeEngine, FakeRunner, CopyMigrations, DecodeHandoff]:
+    engine = FakeEngine()
+    runner = FakeRunner(engine)
+    migrations = CopyMigrations(runner, stuck)
+    handoff = DecodeHandoff("p-1", runner, migrations, FlakyPlacer(), PdHandoff.PUSH, lambda: InstanceRole.PREFILL,
+                            hold_s=hold_s)
+    return engine, runner, migrations, handoff
+
+
+async def test_a_copy_that_replaced_its_request_while_the_old_ones_hand_off_moved_gets_its_own():
+    """The frontend resumed r-1 here (its stream broke) while the first copy's hand-off was in its MigrateOut: the new
+    copy's first token came with that hand-off pending. Before, the new copy was resumed at once and decoded here,
+    on the prefill instance, until the manager's migration loop moved it (if at all)."""
+    engine, runner, migrations, handoff = pushing_copies(stuck=asyncio.Event())
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1", parked(2))
+    await until(lambda: migrations.plans, loop)  # the first copy's MigrateOut hangs
+    old, new = runner.stream("r-1"), runner.replace("r-1")
+    held = parked(3)
+    handoff.note_prefilled("r-1", held)  # the new copy's first token, parked in its step
+    await asyncio.sleep(0.05)
+    assert engine.resumed == [] and engine.held == []  # parked for its own hand-off
+    migrations.stuck.set()  # the old copy's MigrateOut fails: its copy is gone
+    await until(lambda: handoff.num_handed_off == 1, loop)
+    assert migrations.copies == [old, new] and migrations.plans[1].held is held
+    assert engine.resumed == [] and "r-1" not in handoff._pending
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_a_copy_that_replaced_its_request_while_the_old_one_was_queued_takes_its_queue_entry():
+    """As above, the old copy's hand-off still queued (the only worker busy): the worker moves the new copy, with its
+    own parked state, once. Before, the new copy decoded here and the worker found the old one gone."""
+    engine, runner, migrations, handoff = pushing_copies(stuck=asyncio.Event())
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-0", parked(2))
+    await until(lambda: migrations.plans, loop)  # the only worker is stuck on r-0
+    handoff.note_prefilled("r-1", parked(2))
+    new = runner.replace("r-1")
+    held = parked(4)
+    handoff.note_prefilled("r-1", held)
+    await asyncio.sleep(0.05)
+    assert engine.resumed == []
+    runner.replace("r-0")  # (r-0's MigrateOut then fails, and its new copy is not the hand-off's)
+    migrations.stuck.set()
+    await until(lambda: handoff.num_handed_off == 1, loop)
+    assert migrations.copies[1:] == [new] and migrations.plans[1].held is held
+    assert engine.resumed == [] and handoff._pending == {} and handoff._queue.empty()
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_a_copy_waits_for_the_migration_its_older_copy_claimed_before_its_hand_off():
+    """The manager's loop claimed r-1 for the old copy, which the frontend then replaced here. That migration ends at
+    its next call; the new copy's hand-off waits for it. Before, its MigrateOut was refused (already migrating),
+    taken for another migration moving this copy, and the new copy stayed parked for good."""
+    engine, runner, migrations, handoff = pushing_copies()
+    migrations.moving, migrations.claimed["r-1"] = frozenset({"r-1"}), runner.stream("r-1")
+    new = runner.replace("r-1")
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1", parked(2))
+    await asyncio.sleep(0.1)
+    assert migrations.plans == []  # it waits, parked
+    migrations.moving = frozenset()  # that migration failed on the old copy
+    await until(lambda: handoff.num_handed_off == 1, loop)
+    assert migrations.copies == [new] and engine.resumed == []
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_a_copy_whose_older_copys_migration_keeps_the_claim_past_hold_s_decodes_here():
+    engine, runner, migrations, handoff = pushing_copies(hold_s=0.1)
+    migrations.moving, migrations.claimed["r-1"] = frozenset({"r-1"}), runner.stream("r-1")
+    runner.replace("r-1")
+    loop = asyncio.create_task(handoff.handoff_loop())
+    handoff.note_prefilled("r-1", parked(2))
+    await until(lambda: engine.resumed == ["r-1"], loop)  # not left parked
+    assert handoff.num_handed_off == 0 and "r-1" not in handoff._pending
+    await assert_cancels(loop)
+    await handoff.close()
+
+
+async def test_a_prefill_instance_that_cannot_migrate_parks_nothing_and_says_so_once_per_role_change():
+    """Without --transfer-address every MigrateOut here is refused. Before, each request was parked at its first token,
+    placed on a decode instance (PlaceDecode), refused, reported as a failed migration and resumed, with a warning per
+    hand-off; and a SetRole to PREFILL answered that every decoding request moves (`num_moving`) though none could."""
+    engine, placer, migrations = FakeEngine(), FlakyPlacer(), FakeMigrations()
+    migrations.can_migrate = False
+    handoff = pushing(engine, placer, migrations)
+    loop = asyncio.create_task(handoff.handoff_loop())
+    with capture_logs() as logs:
+        for request_id in ("r-1", "r-2", "r-3"):
+            handoff.note_prefilled(request_id)
+        assert not handoff.is_pushing  # the runner parks no first token
+        await asyncio.sleep(0.05)
+        engine.decoding_request_ids = lambda: ["r-1", "r-2", "r-3"]
+        assert await handoff.move_decoding() == 0  # a SetRole to PREFILL again: nothing moves
+        handoff.note_prefilled("r-4")
+    assert engine.held == [] and placer.asks == [] and placer.failed == [] and migrations.plans == []
+    warnings = [entry for entry in logs if entry["log_level"] == "warning"]
+    assert [entry["event"] for entry in warnings] == ["pd_handoff_off", "pd_handoff_off"]
+    assert "--transfer-address" in warnings[0]["action"]
+    assert handoff.num_prefilled({"r-1", "r-2"}) == 2  # decoding here: the load report says so
     await assert_cancels(loop)
     await handoff.close()

@@ -14,16 +14,16 @@ serving path (client inter-token latency minus the instances' own step time):
 and writes JSON and a PNG latency CDF to --out-dir.
 
 The overhead line is the client's decode p50 minus the instances' median step weighted by the
-tokens each step made (LoadReport.step_time_ms_token_weighted_p50, sampled every 3 s; the plain
+tokens each step made (LoadReport.step_time_ms_token_weighted_p50, sampled every 3 s from each instance that stepped
+since the last sample; the plain
 median step is printed beside it): what the serving path (instance, gRPC, frontend, HTTP) adds
 to a typical token while a step is much longer than that path's cost per token (SmolLM2 on
 CPU: steps of 30-120 ms). Weighted, because a client's token gaps follow the tokens: a step of a
 batch of 8 is 8 gaps of its length, a step of 1 request one, and under load the long steps are
 the big batches, so the plain median step sits below the median token's and the figure swung
-with the mix of batch sizes (-4 to +6 ms at load average ~10). A
-tiny model's steps of 1-2 ms outpace that path: tokens then reach the client in bursts, several
-events per read, whose gaps of ~0 ms pull the client p50 below the step p50, and the figure goes
-negative (marked so). There the path, not the engine, sets the pace: read the decode mean and
+with the mix of batch sizes (-4 to +6 ms at load average ~10). A tiny model's steps of 1-2 ms
+outpace that path: tokens then reach the client in bursts, several events per read, whose gaps
+of ~0 ms pull the client p50 below the step p50, and the figure goes negative (marked so). There the path, not the engine, sets the pace: read the decode mean and
 the throughput instead. An instance from before the weighted figure reports 0 for it: the line
 then falls back to the plain median, and says so.
 
@@ -213,18 +213,28 @@ class StepSample:
     token_weighted_ms: float  # 0 from an instance that does not report it
 
 
-async def instance_step_times(admin: str) -> list[StepSample]:
+async def instance_step_times(admin: str, num_steps_seen: dict[str, int]) -> list[StepSample]:
+    """Each instance's step medians, if it stepped since the last look (`num_steps_seen`: its step count then)."""
     async with grpc.aio.insecure_channel(admin) as channel:
         instances = (await manager_pb2_grpc.AdminServiceStub(channel).ListInstances(
             manager_pb2.ListInstancesRequest(), timeout=5)).instances
-    step_times = []
+    loads = []
     for instance in instances:
         async with grpc.aio.insecure_channel(instance.address) as channel:
-            status = await instance_pb2_grpc.InstanceServiceStub(channel).GetStatus(
-                instance_pb2.GetStatusRequest(), timeout=5)
-        if status.load.num_steps:
-            step_times.append(StepSample(status.load.step_time_ms_p50, status.load.step_time_ms_token_weighted_p50))
-    return step_times
+            loads.append((await instance_pb2_grpc.InstanceServiceStub(channel).GetStatus(
+                instance_pb2.GetStatusRequest(), timeout=5)).load)
+    return fresh_step_samples(loads, num_steps_seen)
+
+
+def fresh_step_samples(loads: list, num_steps_seen: dict[str, int]) -> list[StepSample]:
+    """The step medians of the load reports whose instance stepped since `num_steps_seen` (updated). An idle
+    instance's window still holds its last busy steps: sampled again and again, they outweighed the busy one's."""
+    samples = []
+    for load in loads:
+        if load.num_steps > num_steps_seen.get(load.instance_id, 0):
+            samples.append(StepSample(load.step_time_ms_p50, load.step_time_ms_token_weighted_p50))
+        num_steps_seen[load.instance_id] = load.num_steps
+    return samples
 
 
 def table(name: str, values: list[float]) -> str:
@@ -357,9 +367,10 @@ async def sample_step_times(admin: str, samples: list[StepSample], interval_s: f
     """Every `interval_s` while the workload runs, each instance's median steps over its last
     256 steps: the steps that made the tokens the client is timing (read once at the end, the
     window would hold the short steps of the run's tail)."""
+    num_steps_seen: dict[str, int] = {}
     while True:
         await asyncio.sleep(interval_s)
-        samples += await instance_step_times(admin)
+        samples += await instance_step_times(admin, num_steps_seen)
 
 
 def main() -> None:

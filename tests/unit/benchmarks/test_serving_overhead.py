@@ -41,3 +41,20 @@ def test_instances_that_report_no_token_weighted_step_fall_back_to_the_plain_one
     summary = serving.report(argparse.Namespace(), [tokens], 1.0, [serving.StepSample(12.0, 0.0)])
     assert summary["overhead_ms_p50"] == pytest.approx(2.0)
     assert "instance step p50 12.00 ms (plain: the instances report no token-weighted one)" in capsys.readouterr().out
+
+
+def test_an_instance_that_took_no_step_since_the_last_sample_is_not_sampled_again(monkeypatch):
+    """Its window still holds its last busy steps: sampled every 3 s while idle, those outweighed the busy instance's
+    (a run's tail: one instance idle for a minute gave a third of the samples)."""
+    from services.common.gen.ferry.v1 import common_pb2
+
+    serving = load_benchmark(ROOT / "benchmarks" / "serving.py", monkeypatch)
+    seen: dict[str, int] = {}
+
+    def load(instance_id: str, num_steps: int, plain: float) -> common_pb2.LoadReport:
+        return common_pb2.LoadReport(instance_id=instance_id, num_steps=num_steps, step_time_ms_p50=plain,
+                                     step_time_ms_token_weighted_p50=plain + 1)
+    first = serving.fresh_step_samples([load("i-0", 10, 40.0), load("i-1", 0, 0.0)], seen)
+    assert first == [serving.StepSample(40.0, 41.0)]  # i-1 never stepped
+    again = serving.fresh_step_samples([load("i-0", 10, 40.0), load("i-1", 5, 30.0)], seen)
+    assert again == [serving.StepSample(30.0, 31.0)]  # i-0 idle since

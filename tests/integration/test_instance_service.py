@@ -150,6 +150,12 @@ async def test_abort_and_cancel_free_every_block(stub):
     assert status.load.num_running == 0 and status.load.num_waiting == 0
 
 
+async def test_status_reports_the_step_medians_plain_and_token_weighted(stub):
+    await collect(stub, instance_pb2.GenerateRequest(request_id="w-1", prompt_token_ids=[1, 2, 3], sampling=greedy(4)))
+    load = (await stub.GetStatus(instance_pb2.GetStatusRequest(), timeout=5)).load
+    assert load.num_steps > 0 and load.step_time_ms_p50 > 0 and load.step_time_ms_token_weighted_p50 > 0
+
+
 async def test_status_reports_identity_and_geometry(stub):
     status = await stub.GetStatus(instance_pb2.GetStatusRequest(), timeout=5)
     assert status.instance_id == "it-0"

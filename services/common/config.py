@@ -164,10 +164,15 @@ def convert(raw: Any, kind: Any) -> Any:
         return _convert_enum(raw, kind)
     if kind is pathlib.Path:
         return pathlib.Path(raw)
+    if isinstance(raw, bool):  # a YAML file's true/false/yes/no/on/off: int(True) is 1, str(False) 'False'
+        raise ValueError(f"expected {kind.__name__}, got the boolean {raw!r} (YAML reads an unquoted "
+                         "true/false/yes/no/on/off so: quote it)")
     if kind is float:
         return _finite_float(raw)
     if kind is str and isinstance(raw, Mapping):  # a YAML mapping for a JSON knob (--override-generation-config)
         return json.dumps(raw)
+    if kind is int and isinstance(raw, float) and not raw.is_integer():  # int() would cut 8000.5 to 8000
+        raise ValueError(f"expected int, got {raw!r}")
     if kind in (int, str):
         try:
             return kind(raw)

@@ -161,6 +161,22 @@ def test_required_field_missing_is_a_usage_error(capsys) -> None:
     assert parse_config(Required, "demo", ["--instance-id", "i-1"], {}).instance_id == "i-1"
 
 
+def test_a_yaml_value_of_another_type_is_refused_not_coerced(tmp_path: pathlib.Path, capsys) -> None:
+    """A YAML file gives typed values: `port: 8000.5` became port 8000, `ratio: yes` 1.0 and `name: off` 'False'."""
+    for line, error in (("port: 8000.5", "demo.yaml:port: expected int, got 8000.5"),
+                        ("port: true", "demo.yaml:port: expected int, got the boolean True"),
+                        ("ratio: yes", "demo.yaml:ratio: expected float, got the boolean True"),
+                        ("name: off", "demo.yaml:name: expected str, got the boolean False (YAML reads"),
+                        ("sizes: [1, 2.5]", "demo.yaml:sizes: expected int, got 2.5")):
+        (tmp_path / "demo.yaml").write_text(line + "\n")
+        with pytest.raises(SystemExit):
+            parse(["--config", str(tmp_path / "demo.yaml")])
+        assert error in capsys.readouterr().err
+    (tmp_path / "demo.yaml").write_text("port: 8000.0\nratio: 1\nname: 2024\nis_verbose: yes\n")
+    config = parse(["--config", str(tmp_path / "demo.yaml")])
+    assert (config.port, config.ratio, config.name, config.is_verbose) == (8000, 1.0, "2024", True)
+
+
 def test_convert_errors() -> None:
     with pytest.raises(ValueError, match="expected true or false"):
         convert("maybe", bool)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import re
 import time
 
 import pytest
@@ -347,3 +348,32 @@ async def test_a_re_election_inside_a_tick_reads_the_stored_target_again():
     await scaler.tick()
     assert store.target.num_instances == 3 and store.target.draining == [], (
         f"the earlier term's target was written over the stored one: {store.target}")
+
+
+# 7. etcd frozen (SIGSTOP) during a Drain, Undrain or SetPolicy: the put timed out with a TimeoutError whose text is
+#    empty, and the answer said "etcd did not store the mark (); retry": an exception is always truthy, so
+#    `exc or type(exc).__name__` never fell back to the name.
+class TimingOutStore(FakeStore):
+    async def put_drain(self, instance_id) -> None:
+        raise TimeoutError()
+
+    async def delete_drain(self, instance_id) -> bool:
+        raise TimeoutError()
+
+    async def update_policy(self, merge):
+        raise TimeoutError()
+
+
+async def test_an_etcd_timeout_is_named_in_the_answer():
+    clock = FakeClock()
+    view = make_view("i-0", "i-1", clock=clock, num_free_blocks=1000)
+    leadership, store = leader(), TimingOutStore()
+    scaler = Scaler(view, leadership, store, ScalingSettings(), interval_s=1, cooldown_s=0, clock=clock)
+    admin = AdminServicer(view, Dispatcher(view, leadership), leadership, store, None,
+                          make_migrator(view, clock, FakeSources()), scaler, 1.0, 1.0, 1.0)
+    calls = ((admin.Drain, manager_pb2.DrainRequest(instance_id="i-1"), "etcd did not store the mark (TimeoutError)"),
+             (admin.Undrain, manager_pb2.UndrainRequest(instance_id="i-1"), "etcd did not delete the mark (TimeoutError)"),
+             (admin.SetPolicy, manager_pb2.Policy(dispatch="load"), "etcd did not store it (TimeoutError)"))
+    for rpc, request, message in calls:
+        with pytest.raises(Unavailable, match=re.escape(message)):
+            await rpc(request, Ctx())

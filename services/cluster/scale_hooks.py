@@ -33,6 +33,7 @@ import structlog
 
 from services.cluster.scaling_follower import plan
 from services.common.config import DefaultsHelpFormatter, OneLineErrorParser, knob_help
+from services.common.error_text import error_text
 from services.common.etcd_client import EtcdAccess, EtcdKnobs
 from services.common.etcd_endpoints import check_address_flag
 from services.common.events import wait_set
@@ -147,7 +148,7 @@ async def follow(args: argparse.Namespace, access: EtcdAccess) -> None:
                 target = ScalingTarget.from_json(await registry.get_json(SCALING_TARGET_KEY))
                 await asyncio.to_thread(follower.step, target, sorted(members.members))
             except Exception as exc:  # noqa: BLE001 — etcd away: try again next tick
-                log.warning("scale_hooks_step_failed", error=str(exc) or type(exc).__name__)
+                log.warning("scale_hooks_step_failed", error=error_text(exc))
             await wait_set(stop, args.interval_s)
 
 

@@ -27,6 +27,7 @@ from typing import Protocol
 import structlog
 
 from services.cluster.processes import ServiceProcess
+from services.common.error_text import error_text
 from services.common.events import wait_set
 from services.common.registry import Registry
 from services.common.scaling_target import SCALING_TARGET_KEY, ScalingTarget
@@ -119,6 +120,6 @@ async def follow_scaling(cluster: ScalableCluster, registry: Registry, stop: asy
         try:
             await follow_step(cluster, registry)
         except Exception as exc:  # noqa: BLE001 — the launcher keeps serving; the next step tries again
-            log.warning("scaling_follow_failed", error=str(exc) or type(exc).__name__, retry_in_s=FAILURE_DELAY_S)
+            log.warning("scaling_follow_failed", error=error_text(exc), retry_in_s=FAILURE_DELAY_S)
             delay_s = FAILURE_DELAY_S  # e.g. an instance that would not start: do not start one every second
         await wait_set(stop, delay_s)

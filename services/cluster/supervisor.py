@@ -24,6 +24,8 @@ from typing import Protocol
 
 import structlog
 
+from services.common.error_text import error_text
+
 log = structlog.get_logger(__name__)
 
 
@@ -167,7 +169,7 @@ async def _restart(child: Child, attempt: int) -> None:
     try:
         pid = await child.restart()
     except Exception as exc:  # noqa: BLE001 — it counts as a restart; the next look may try again
-        log.warning("process_restart_failed", name=child.name, attempt=attempt, error=str(exc) or type(exc).__name__)
+        log.warning("process_restart_failed", name=child.name, attempt=attempt, error=error_text(exc))
         return
     log.warning("process_restarted", name=child.name, pid=pid, attempt=attempt)
 

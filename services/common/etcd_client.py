@@ -26,6 +26,7 @@ from etcd3aio import Etcd3Client, EtcdError
 
 from services.common.auth import read_token
 from services.common.config import knob
+from services.common.error_text import error_text
 from services.common.etcd_endpoints import check_address_flag, resolve_endpoints, single_host_name
 from services.common.ids import check_cluster_flag
 from services.common.periodic import periodic_loop
@@ -167,7 +168,7 @@ async def _refresh_token(client: Etcd3Client, access: EtcdAccess) -> None:
     try:
         await _authenticate(client, access)
     except ETCD_ERRORS as exc:  # the old token serves until it expires; try again next interval
-        log.warning("etcd_authentication_failed", user=access.user, error=str(exc) or type(exc).__name__)
+        log.warning("etcd_authentication_failed", user=access.user, error=error_text(exc))
 
 
 @dataclasses.dataclass(slots=True)

@@ -24,6 +24,7 @@ import torch
 
 from services.common.config import as_dict
 from services.common.election import watch_leader
+from services.common.error_text import error_text
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2_grpc
 from services.common.grpc_server import GrpcServer, start_grpc_server
 from services.common.errors import Internal, Unavailable
@@ -261,7 +262,7 @@ async def drain_self(registry: Registry, instance_id: str) -> None:
                                                               "drained_by": "shutdown", "drained_at": time.time()}):
             log.info("instance_draining_itself", instance_id=instance_id)
     except (Unavailable, *ETCD_ERRORS) as exc:  # etcd away: nothing will migrate; the grace still applies
-        log.warning("self_drain_failed", instance_id=instance_id, error=str(exc) or type(exc).__name__)
+        log.warning("self_drain_failed", instance_id=instance_id, error=error_text(exc))
 
 
 async def clear_stale_self_drain(registry: Registry, instance_id: str) -> None:
@@ -271,7 +272,7 @@ async def clear_stale_self_drain(registry: Registry, instance_id: str) -> None:
         if await registry.delete_json_if(f"{DRAIN_MARKS}/{instance_id}", _is_self_drain):
             log.info("stale_self_drain_cleared", instance_id=instance_id)
     except (Unavailable, *ETCD_ERRORS) as exc:  # it still goes with the old lease, within seconds
-        log.warning("stale_self_drain_not_cleared", instance_id=instance_id, error=str(exc) or type(exc).__name__)
+        log.warning("stale_self_drain_not_cleared", instance_id=instance_id, error=error_text(exc))
 
 
 def _is_self_drain(mark: Any) -> bool:

@@ -21,6 +21,7 @@ import time
 import structlog
 
 from services.common.backoff import Backoff
+from services.common.error_text import error_text
 from services.common.errors import Unavailable
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.registry import ROLE_MARKS, Registry
@@ -92,7 +93,7 @@ class RoleMarks:
 
     def _log_unread(self, exc: Exception) -> None:
         log.warning("role_mark_unread", instance_id=self._instance_id, role=self._command_line_role.value,
-                    error=str(exc) or type(exc).__name__)
+                    error=error_text(exc))
 
     async def write_loop(self) -> None:
         """Write a mark that did not go through, with backoff, until etcd takes it (the newest role)."""
@@ -128,7 +129,7 @@ class RoleMarks:
                     "command_line_role": self._command_line_role.value, "set_at": time.time()})
         except (Unavailable, *ETCD_ERRORS) as exc:
             log.warning("role_mark_not_written", instance_id=self._instance_id, role=role.value,
-                        error=str(exc) or type(exc).__name__)
+                        error=error_text(exc))
             return False
         return True
 

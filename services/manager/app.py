@@ -20,6 +20,7 @@ import structlog
 from services.common.auth import TokenInterceptor
 from services.common.config import as_dict
 from services.common.election import Election, watch_leader
+from services.common.error_text import error_text
 from services.common.etcd_client import ETCD_ERRORS, connect_etcd
 from services.common.grpc_server import GrpcServer, bind_grpc_server
 from services.common.ids import default_id
@@ -170,6 +171,6 @@ async def _apply_stored_settings(store: ConfigStore, apply: Callable[[ClusterSet
     try:
         settings, _ = await store.read()
     except ETCD_ERRORS as exc:  # config_watch_loop keeps trying
-        log.warning("stored_settings_unread", error=str(exc) or type(exc).__name__)
+        log.warning("stored_settings_unread", error=error_text(exc))
         return
     apply(settings)

@@ -37,6 +37,7 @@ from etcd3aio import Etcd3Client, prefix_range_end
 from etcd3aio.kv import KVService
 
 from services.common.backoff import Backoff
+from services.common.error_text import error_text
 from services.common.errors import Aborted, Unavailable
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.registry import DRAIN_MARKS, ROLE_MARKS
@@ -166,7 +167,7 @@ class ConfigStore:
                     async with asyncio.timeout(resync_s):
                         await self._wait_for_change(revision)
             except ETCD_ERRORS as exc:
-                log.warning("config_watch_failed", error=str(exc) or type(exc).__name__)
+                log.warning("config_watch_failed", error=error_text(exc))
                 await backoff.sleep()
             except Exception:  # noqa: BLE001 — e.g. settings `apply` refused: keep watching for the next change
                 log.exception("config_watch_crashed")

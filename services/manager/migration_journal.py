@@ -24,6 +24,7 @@ import itertools
 import structlog
 from etcd3aio import Etcd3Client, SortOrder, prefix_range_end
 
+from services.common.error_text import typed_error_text
 from services.common.gen.ferry.v1 import manager_pb2
 from services.manager import convert
 from services.manager.migration import MigrationOutcome, MigrationRecord
@@ -62,7 +63,7 @@ class MigrationJournal:
                 await self._trim()
             except Exception as exc:  # noqa: BLE001 — etcd down or refusing: the record stays in memory only
                 log.warning("migration_journal_write_failed", request_id=record.figures.request_id,
-                            error=f"{type(exc).__name__}: {exc}")
+                            error=typed_error_text(exc))
             finally:
                 self._queue.task_done()
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import structlog
 
+from services.common.error_text import error_text, typed_error_text
 from services.common.errors import Aborted, FerryError, InvalidArgument, NotFound, Unavailable
 from services.common.ids import check_id
 from services.common.etcd_client import ETCD_ERRORS
@@ -191,7 +192,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         try:
             dispatch, migration, scaling = await self._store.update_policy(merge)
         except ETCD_ERRORS as exc:
-            raise Unavailable(f"policy not changed: etcd did not store it ({str(exc) or type(exc).__name__}); retry") from exc
+            raise Unavailable(f"policy not changed: etcd did not store it ({error_text(exc)}); retry") from exc
         self._dispatcher.set_policy(dispatch)
         self._migrator.set_settings(migration)
         self._scaler.set_settings(scaling)
@@ -213,7 +214,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         try:
             await self._store.put_drain(instance_id)
         except ETCD_ERRORS as exc:
-            raise Unavailable(f"instance not drained: etcd did not store the mark ({str(exc) or type(exc).__name__}); retry") from exc
+            raise Unavailable(f"instance not drained: etcd did not store the mark ({error_text(exc)}); retry") from exc
         self._view.mark_drained(instance_id)
         if not self._view.has_member(instance_id):  # its lease ended while etcd stored the mark
             log.info("instance_drain_marked", instance_id=instance_id, is_registered=False)
@@ -237,7 +238,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
             await self._scaler.call_off(instance_id)
             await self._store.delete_drain(instance_id)
         except ETCD_ERRORS as exc:
-            raise Unavailable(f"instance still drained: etcd did not delete the mark ({str(exc) or type(exc).__name__}); "
+            raise Unavailable(f"instance still drained: etcd did not delete the mark ({error_text(exc)}); "
                               "retry") from exc
         self._view.unmark_drained(instance_id)
         log.info("instance_drain_removed", instance_id=instance_id)
@@ -328,7 +329,7 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
             try:
                 return await self._journal.history(recent)
             except ETCD_ERRORS as exc:
-                log.warning("migration_history_unread", error=f"{type(exc).__name__}: {exc}")
+                log.warning("migration_history_unread", error=typed_error_text(exc))
         return [convert.migration_record_to_proto(r) for r in recent]
 
     async def SetRole(self, request: manager_pb2.AdminSetRoleRequest, context) -> instance_pb2.SetRoleResponse:

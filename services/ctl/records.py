@@ -27,6 +27,12 @@ class InstanceRow:
     prefix_cache_hit_tokens: int = 0
     num_free_slots: int | None = None  # batch slots free; None: the instance reported none (not known)
     max_num_seqs: int = 0  # its batch slots; 0: not known (an older instance)
+    is_drained: bool = False  # draining, and nothing runs, waits or is suspended there any more
+
+    @property
+    def shown_state(self) -> str:
+        """The STATE column: `drained` for a draining instance that is empty (safe to stop)."""
+        return "drained" if self.is_drained else self.state
 
     @property
     def has_report(self) -> bool:

@@ -32,7 +32,7 @@ def instances_table(rows: Sequence[InstanceRow]) -> str:
     headers = ("INSTANCE", "ROLE", "STATE", "RUNNING", "WAITING", "FREE SLOTS", "KV USED", "FREE/TOTAL", "FREENESS",
                "SERVED", "PREFIX HIT", "ADDRESS")
     return render_table(headers, [
-        (r.instance_id, r.role, r.state, _load(r, r.num_running), _load(r, r.num_waiting), r.slots,
+        (r.instance_id, r.role, r.shown_state, _load(r, r.num_running), _load(r, r.num_waiting), r.slots,
          _load(r, f"{r.kv_used_fraction:6.1%}"), f"{_load(r, r.num_free_blocks)}/{r.num_total_blocks}",
          _load(r, r.freeness), _load(r, r.num_requests_served), _load(r, f"{r.prefix_cache_hit_rate:6.1%}"), r.address)
         for r in rows])
@@ -45,7 +45,7 @@ def load_table(rows: Sequence[InstanceRow], served_per_s: dict[str, float]) -> s
     headers = ("INSTANCE", "ROLE", "STATE", "RUN", "WAIT", "SLOTS", "KV USED", "", "FREENESS", "REQ/S", "SERVED",
                "REPORT AGE")
     return render_table(headers, [
-        (r.instance_id, r.role, r.state, _load(r, r.num_running), _load(r, r.num_waiting), r.slots,
+        (r.instance_id, r.role, r.shown_state, _load(r, r.num_running), _load(r, r.num_waiting), r.slots,
          _load(r, _bar(r.kv_used_fraction)), _load(r, f"{r.kv_used_fraction:6.1%}"), _load(r, r.freeness),
          _load(r, served_per_s.get(r.instance_id, 0.0)), _load(r, r.num_requests_served), _age(r.report_age_s))
         for r in rows])

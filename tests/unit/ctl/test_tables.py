@@ -1,3 +1,5 @@
+import dataclasses
+
 from services.ctl.records import (ClusterStatus, DrainResult, InstanceRow, MigrationRow, RequestList, RequestRow,
                                  to_json)
 from services.ctl.tables import (drain_line, instances_table, load_table, migrations_table, policy_table, render_table,
@@ -25,6 +27,15 @@ def test_instances_table():
     assert row.split() == ["instance-0", "both", "serving", "2", "1", "5/8", "25.0%", "192/256", "42.50", "7", "25.0%",
                            "10.0.0.1:50061"]
     assert instances_table([]) == "no instances registered"
+
+
+def test_a_draining_instance_that_is_empty_shows_drained():
+    """STATE said `draining` for good once a drain had emptied the instance; only `ferryctl drain ID` said drained."""
+    draining = dataclasses.replace(instance("instance-1"), state="draining")
+    drained = dataclasses.replace(instance("instance-2"), state="draining", is_drained=True)
+    for table in (instances_table, lambda rows: load_table(rows, {})):
+        rows = [line.split() for line in table([instance(), draining, drained]).splitlines()[1:]]
+        assert [row[2] for row in rows] == ["serving", "draining", "drained"]
 
 
 def test_slots_show_what_is_not_known_as_a_question_mark():

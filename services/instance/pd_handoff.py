@@ -127,8 +127,9 @@ class DecodeHandoff:
     def num_prefilled(self, decoding_ids: Collection[str]) -> int:
         """Decoding requests waiting for a hand-off nobody runs yet (the manager's loop moves them):
         of the running requests past their prefill, those neither a hand-off here (queued, parked
-        or decoding meanwhile, or moving) nor another migration handles."""
-        if self._role() is not InstanceRole.PREFILL:
+        or decoding meanwhile, or moving) nor another migration handles. None on an instance that cannot
+        migrate (no --transfer-address): they decode here, and every MigrateOut the loop sent would be refused."""
+        if self._role() is not InstanceRole.PREFILL or not self._migrations.can_migrate:
             return 0
         return len(set(decoding_ids).difference(self._pending, self._migrations.moving))
 

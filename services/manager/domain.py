@@ -114,7 +114,9 @@ class Load:
     num_requests_migrated_in: int = 0  # by a committed migration in (a PD hand-off or any other)
     num_free_slots: int | None = None  # batch slots a request moved in would find free; None: not reported
     num_suspended: int = 0  # out of the batch, neither running nor waiting: parked for a PD hand-off, or migrating out
-    num_free_migration_out_slots: int | None = None  # what a MigrateOut would find free there; None: not reported
+    # Its migration slots free (--max-concurrent-migrations, one pool for migrations in and out): what a MigrateOut
+    # to or from it would find; None: not reported (an older instance)
+    num_free_migration_out_slots: int | None = None
 
     @property
     def num_held(self) -> int:
@@ -133,8 +135,9 @@ class Load:
         return self.num_free_slots is None or self.num_free_slots > 0
 
     @property
-    def can_migrate_out(self) -> bool:
-        """A MigrateOut sent there would find a migration slot free; True where not reported (an older instance)."""
+    def has_free_migration_slot(self) -> bool:
+        """A migration out of it or into it would find a migration slot free (one pool serves both: its
+        PrepareMigrateIn is refused RESOURCE_EXHAUSTED without one); True where not reported (an older instance)."""
         return self.num_free_migration_out_slots is None or self.num_free_migration_out_slots > 0
 
     def has_room_for(self, num_blocks: int) -> bool:

@@ -12,11 +12,12 @@ after its last migration) and asks for pairs:
   that are left. A policy is a small class behind the ABC; `load` is the default.
 
 Invariants of every plan: a peer is in at most one pair; a source is never its own
-destination and has a migration slot free (where it reports them: its own PD hand-offs may
-hold them all); a destination can decode (not PREFILL-only) and has free blocks. Among equally free
-destinations the one that received a migration least recently goes first (so idle
-instances take turns instead of the lowest id taking every request), then the instance id;
-never dict order. No transport and no clock here.
+destination; both have a migration slot free (where they report them: one pool for migrations in
+and out, which their own PD hand-offs may hold); a destination can decode (not PREFILL-only) and
+has free blocks and a batch slot (a drain's last resort excepted). Among equally free
+destinations the one that received a migration least recently goes first (so idle instances
+take turns instead of the lowest id taking every request), then the instance id; never dict
+order. No transport and no clock here.
 """
 
 from __future__ import annotations
@@ -69,13 +70,19 @@ class Peer:
     @property
     def can_send(self) -> bool:
         """Has a migration slot free (where it reports them): without one a MigrateOut is refused at once."""
-        return self.held.can_migrate_out
+        return self.held.has_free_migration_slot
+
+    @property
+    def has_room(self) -> bool:
+        """Decodes, has a free block and (where it reports them) a free batch slot."""
+        return self.role is not Role.PREFILL and self.load.num_free_blocks > 0 and self.load.has_free_slot
 
     @property
     def can_receive(self) -> bool:
-        """Decodes, has a free block and (where it reports them) a free batch slot: without one it refuses
-        the migration (RESOURCE_EXHAUSTED), and the pair would back off while a destination with a slot waits."""
-        return self.role is not Role.PREFILL and self.load.num_free_blocks > 0 and self.load.has_free_slot
+        """Has room and (where it reports them) a free migration slot (its own migrations, its PD hand-offs say,
+        may hold them all): without both it refuses the migration (RESOURCE_EXHAUSTED), and the pair would back
+        off while a destination with room waits."""
+        return self.has_room and self.load.has_free_migration_slot
 
 
 def destination_order(peer: Peer) -> tuple[float, float, str]:
@@ -167,8 +174,10 @@ def pair_drains(draining: Sequence[Peer], serving: Sequence[Peer], allowed: Pair
     """Each draining peer that holds requests, by id, with the freest serving destination not yet taken.
     PREFILL instances take them only when no other serving instance can (the last decode instance is
     draining): they decode too, and hand the requests on once a decode instance serves again."""
-    destinations = (sorted((p for p in serving if p.can_receive), key=destination_order)
-                    or sorted((p for p in serving if p.load.num_free_blocks > 0), key=destination_order))
+    destinations = sorted((p for p in serving if p.can_receive), key=destination_order)
+    if not any(p.has_room for p in serving):  # (not where one has room but its migration slots are busy a while)
+        destinations = sorted((p for p in serving if p.load.num_free_blocks > 0 and p.load.has_free_migration_slot),
+                              key=destination_order)
     sources = [p for p in sorted(draining, key=lambda p: p.instance_id) if p.num_requests and p.can_send]
     return _assign(sources, destinations, MigrationTrigger.DRAIN, allowed)
 

@@ -38,7 +38,7 @@ from typing import Protocol
 
 import structlog
 
-from services.common.errors import FailedPrecondition, FerryError, NotFound
+from services.common.errors import FailedPrecondition, FerryError, NotFound, ResourceExhausted
 from services.common.ids import check_id
 from services.common.periodic import periodic_loop
 from services.common.task_errors import read_error
@@ -235,8 +235,20 @@ class Migrator:
 
     async def migrate_to_the_end(self, order: MigrationOrder) -> MigrationRecord:
         """`migrate` in a task of its own: a caller that gives up (an admin client's deadline) does not
-        cut the migration short, and its record is kept however it ends."""
-        return await asyncio.shield(self._start(order))
+        cut the migration short, and its record is kept however it ends. Tried also where the destination
+        reports no free migration slot (named by the operator): its refusal then says so."""
+        is_dst_busy = (self._view.has_member(order.dst_instance_id)
+                       and not self._view.instance(order.dst_instance_id).load.has_free_migration_slot)
+        try:
+            return await asyncio.shield(self._start(order))
+        except ResourceExhausted as exc:
+            if not is_dst_busy or isinstance(exc, SourceBusy):
+                raise
+            raise ResourceExhausted(f"destination instance {order.dst_instance_id} refused the migration: "
+                                    f"{exc.message} (it reported no free migration slot: its own migrations in or "
+                                    "out hold its --max-concurrent-migrations; retry when they end, or name another "
+                                    "dst_instance_id, or none for the freest instance with room)",
+                                    exc.request_id) from exc
 
     def admin_order(self, src_id: str, dst_id: str, request_id: str) -> MigrationOrder:
         """An AdminService.Migrate order: NotFound for unknown instances, FailedPrecondition for a bad destination."""
@@ -430,9 +442,9 @@ class Migrator:
         others = [v for v in self._view.instances() if v.state is InstanceState.SERVING
                   and v.record.instance_id != src.record.instance_id and Peer.of(v, False).can_receive]
         if not others:
-            raise FailedPrecondition(f"no other serving instance has a free KV block and batch slot to take a request "
-                                     f"from {src.record.instance_id}; start one, undrain one (python -m services.ctl "
-                                     "drain ID --undo) or try again when one has room")
+            raise FailedPrecondition(f"no other serving instance has a free KV block, batch slot and migration slot "
+                                     f"to take a request from {src.record.instance_id}; start one, undrain one "
+                                     "(python -m services.ctl drain ID --undo) or try again when one has room")
         return min(others, key=lambda v: destination_order(self._peer(v)))
 
 

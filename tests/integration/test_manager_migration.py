@@ -86,6 +86,9 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
                                 "the most --max-concurrent-migrations 1 allows", trailing_metadata=SOURCE_BUSY)
         if self.refuse:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.refuse)
+        if self.peers[request.dst_instance_id].sim.num_free_migration_out_slots == 0:  # its PrepareMigrateIn refused
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "this instance already runs 1 migration(s), "
+                                "the most --max-concurrent-migrations 1 allows; retry later or pick another instance")
         if 0 < request.dst_max_model_len < self.max_sequence_len:  # as a real source refuses it
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no request that fits the destination's "
                                 f"max_model_len of {request.dst_max_model_len} tokens")
@@ -540,6 +543,26 @@ async def test_the_loop_asks_no_source_that_reports_no_free_migration_slot(world
     assert peers["i-0"].calls == []
     peers["i-0"].sim.num_free_migration_out_slots = 1
     await wait_until(lambda: _running_is(client, {"i-0": 1, "i-1": 1}), 10, "moved once a slot was free")
+
+
+async def test_the_loop_sends_nothing_to_a_destination_that_reports_no_free_migration_slot(world):
+    """Its migration slots (one pool for migrations in and out) were busy with its own migrations: the loop picked it
+    all the same, its PrepareMigrateIn was refused, the migration recorded failed and the pair backed off. An admin
+    Migrate naming it is still tried, and its refusal names it."""
+    _, client, peers = await world(3, "--migration-enabled", "--migration-threshold", "0",
+                                   "--migration-failure-backoff-s", "3")
+    peers["i-1"].sim.num_free_migration_out_slots = 0  # the freest, and busy
+    peers["i-0"].hold("r-1", "r-2", "r-3", "r-4")
+    await wait_until(lambda: _running_is(client, {"i-0": 2, "i-1": 0, "i-2": 2}), 10, "moved to the free one")
+    assert {call.dst_instance_id for call in peers["i-0"].calls} == {"i-2"}
+    assert {m.outcome for m in (await client.list_migrations()).migrations} == {"committed"}
+    with pytest.raises(ResourceExhausted, match="destination instance i-1 refused the migration: .*it reported no "
+                       "free migration slot"):
+        await client.migrate(request_id=peers["i-0"].request_ids[0], dst_instance_id="i-1")
+    assert peers["i-0"].calls[-1].dst_instance_id == "i-1"  # tried
+    peers["i-1"].sim.num_free_migration_out_slots = None  # an older instance: not known, not ruled out (once the
+    # pair's backoff after the refusal ends)
+    await wait_until(lambda: peers["i-1"].request_ids, 15, "moved to the instance that no longer says it is busy")
 
 
 async def test_a_source_busy_refusal_is_marked_by_the_instance_itself():

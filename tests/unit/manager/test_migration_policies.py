@@ -8,7 +8,7 @@ import pytest
 
 from services.manager.domain import InstanceId, Role
 from services.manager.migration import MigrationTrigger
-from services.manager.migration_policies import (LoadPairing, Peer, make_pairing, pair_drains,
+from services.manager.migration_policies import (LoadPairing, Peer, make_pairing, pair_drains, pair_prefilled,
                                                  stays_freer_after_move)
 from tests.unit.manager.factories import make_load
 
@@ -161,3 +161,32 @@ def test_an_instance_serving_shorter_sequences_is_the_last_destination_tried():
     assert pairs_of(LoadPairing().pair([loaded, short, long], threshold=1.0)) == [("a", "long")]
     as_long = dataclasses.replace(short, max_model_len=1024)
     assert pairs_of(LoadPairing().pair([loaded, as_long, long], threshold=1.0)) == [("a", "short")]  # freest
+
+
+def test_a_destination_whose_migration_slots_are_busy_leaves_the_next_one_to_try():
+    # Its own migrations (its PD hand-offs, a migration out) hold its --max-concurrent-migrations, one pool for
+    # migrations in and out: its PrepareMigrateIn is refused RESOURCE_EXHAUSTED. Before, it was picked anyway: the
+    # migration failed and the pair backed off while a destination with a free slot waited.
+    loaded = peer("a", num_running=4, num_free_blocks=100)
+    busy = peer("busy", num_running=1, num_free_blocks=900, num_free_migration_out_slots=0)  # the freest
+    free = peer("free", num_running=2, num_free_blocks=800, num_free_migration_out_slots=1)
+    assert pairs_of(LoadPairing().pair([loaded, busy, free], threshold=1.0)) == [("a", "free")]
+    assert pairs_of(pair_drains([dataclasses.replace(loaded, is_draining=True)], [busy, free])) == [("a", "free")]
+    old = peer("old", num_running=1, num_free_blocks=900)  # an older instance reports no slots: not ruled out
+    assert pairs_of(LoadPairing().pair([loaded, old, free], threshold=1.0)) == [("a", "old")]
+    decode = dataclasses.replace(busy, role=Role.DECODE)
+    prefill = peer("p", num_running=1, num_free_blocks=990, role=Role.PREFILL)
+    prefill = dataclasses.replace(prefill, load=dataclasses.replace(prefill.load, num_prefilled=1))
+    assert pairs_of(pair_prefilled([prefill, decode])) == []
+    assert pairs_of(pair_prefilled([prefill, dataclasses.replace(free, role=Role.DECODE)])) == [("p", "free")]
+
+
+def test_a_drain_waits_for_a_busy_decode_instance_rather_than_fall_back_to_a_prefill_one():
+    # The last resort (a PREFILL destination) is for when no decoding instance has room, not for one whose
+    # migration slots are busy for a while.
+    draining = [peer("d", num_running=3, num_free_blocks=970, role=Role.DECODE, is_draining=True)]
+    busy = peer("d2", num_running=2, num_free_blocks=980, role=Role.DECODE, num_free_migration_out_slots=0)
+    prefill = peer("p0", role=Role.PREFILL)
+    assert pairs_of(pair_drains(draining, [prefill, busy])) == []
+    busy_prefill = peer("p1", role=Role.PREFILL, num_free_migration_out_slots=0)
+    assert pairs_of(pair_drains(draining, [busy_prefill])) == []

@@ -260,6 +260,27 @@ async def test_admin_orders_check_instances_and_pick_the_freest_destination():
         migrator.admin_order("a", "", "")
 
 
+async def test_admin_migrate_takes_no_busy_destination_unless_named_and_then_says_why_it_was_refused():
+    """A destination reporting no free migration slot (one pool for migrations in and out) refuses the move: an
+    admin Migrate naming no destination takes another; one naming it is still tried, and its refusal says so."""
+    clock = FakeClock()
+    view = cluster(clock, a=5, b=1, c=2)
+    report(view, "b", 1, num_free_migration_out_slots=0)  # the freest, but its slots are busy
+    refusal = ResourceExhausted("this instance already runs 1 migration(s), the most --max-concurrent-migrations "
+                                "1 allows; retry later or pick another instance")
+    sources = FakeSources(refusal)
+    migrator = make_migrator(view, clock, sources)
+    assert migrator.admin_order("a", "", "r-1").dst_instance_id == "c"
+    with pytest.raises(ResourceExhausted, match=r"destination instance b refused the migration: this instance "
+                       r"already runs .* \(it reported no free migration slot: .*--max-concurrent-migrations"):
+        await migrator.migrate_to_the_end(migrator.admin_order("a", "b", "r-1"))
+    assert routes(sources.orders) == [("a", "b", MigrationTrigger.ADMIN)]  # tried all the same
+    report(view, "c", 2, num_free_migration_out_slots=0)
+    with pytest.raises(FailedPrecondition, match="no other serving instance has a free KV block, batch slot and "
+                       "migration slot"):
+        migrator.admin_order("a", "", "r-1")
+
+
 async def test_admin_orders_without_a_destination_take_turns_among_equally_free_instances():
     """One request moved on and on with no dst: it must visit every idle instance, not bounce between two."""
     clock = FakeClock()

@@ -6,19 +6,23 @@ Every call has a deadline; failures come back as ferry errors whose `__cause__` 
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 import grpc
 
-from services.common.errors import FerryError, error_from_rpc
+from services.common.errors import FerryError, Internal, error_from_rpc
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
 from services.common.channel_pool import ChannelPool
 from services.common.logging import request_metadata
-from services.common.pick_announcement import is_source_busy, pick_from_metadata
+from services.common.pick_announcement import AnnouncedPick, is_source_busy, pick_from_metadata
 from services.common.tls import TlsConfig
 from services.manager import convert
 from services.manager.migration import MigrationFigures, MigrationOrder, SourceBusy
 from services.manager.migration_settle import HeldRequest, SourceUnanswered, SourceUnreached
 
 NEVER_CONNECTED_DETAILS = "failed to connect to all addresses"  # gRPC core's pick failure: the call was never sent
+MIGRATE_OUT_PATH = f"/{instance_pb2.DESCRIPTOR.services_by_name['InstanceService'].full_name}/MigrateOut"
 
 
 class InstanceChannels:
@@ -39,13 +43,18 @@ class InstanceChannels:
         return next((convert.held_request_from_proto(info) for info in await self.list_requests(address, timeout_s)
                      if info.request_id == request_id and info.state != "finished"), None)
 
-    async def migrate_out(self, order: MigrationOrder, timeout_s: float) -> MigrationFigures:
-        """Ask the source to move a request to the destination; returns once committed (or raises)."""
+    async def migrate_out(self, order: MigrationOrder, timeout_s: float,
+                          on_picked: Callable[[AnnouncedPick], None] = lambda pick: None) -> MigrationFigures:
+        """Ask the source to move a request to the destination; returns once committed (or raises). `on_picked` is
+        told the source's pick as soon as it announces it, so a caller cancelled before the answer (the manager
+        stopping) knows the request and the migration's id too."""
         try:
             async with self._pool.use(order.src_address) as channel:
-                reply = await instance_pb2_grpc.InstanceServiceStub(channel).MigrateOut(
+                call = channel.unary_stream(MIGRATE_OUT_PATH, instance_pb2.MigrateOutRequest.SerializeToString,
+                                            instance_pb2.MigrateOutResponse.FromString)(
                     convert.migrate_out_request_to_proto(order), timeout=timeout_s,
                     metadata=request_metadata(order.request_id) or None)
+                reply = await _read_announced(call, on_picked)
         except grpc.aio.AioRpcError as exc:
             raise _migrate_out_error(order, exc) from exc
         return convert.migration_figures_from_proto(reply)
@@ -61,6 +70,23 @@ class InstanceChannels:
 
     async def close(self) -> None:
         await self._pool.close()
+
+
+async def _read_announced(call: grpc.aio.UnaryStreamCall, on_picked: Callable[[AnnouncedPick], None]
+                          ) -> instance_pb2.MigrateOutResponse:
+    """MigrateOut's one reply, read as a stream: a unary call gets the initial metadata (the pick the source
+    announces) only with its answer, a stream as it comes. A caller cancelled meanwhile cancels the call."""
+    try:
+        pick = pick_from_metadata(await call.initial_metadata())
+        if pick.request_id:
+            on_picked(pick)
+        reply = await call.read()
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    if reply is grpc.aio.EOF:  # (a source answers once, or fails)
+        raise Internal("MigrateOut ended with no answer and no error; is the source a ferry instance?")
+    return reply
 
 
 def _migrate_out_error(order: MigrationOrder, exc: grpc.aio.AioRpcError) -> FerryError:

@@ -41,6 +41,7 @@ import structlog
 from services.common.errors import FailedPrecondition, FerryError, NotFound, ResourceExhausted
 from services.common.ids import check_id
 from services.common.periodic import periodic_loop
+from services.common.pick_announcement import AnnouncedPick
 from services.common.task_errors import read_error
 from services.manager import metrics
 from services.manager.migration_accounting import account, note_source_busy
@@ -72,10 +73,11 @@ class MigratorLimits:
 
 
 class MigrateOutClient(Protocol):
-    async def migrate_out(self, order: MigrationOrder, timeout_s: float) -> MigrationFigures:
+    async def migrate_out(self, order: MigrationOrder, timeout_s: float,
+                          on_picked: Callable[[AnnouncedPick], None]) -> MigrationFigures:
         """Run the migration on the source; FerryError (cause: the gRPC error) if it was not committed:
         SourceUnanswered (with the pick the source announced) if it gave no answer, SourceUnreached if the
-        call never reached it."""
+        call never reached it. `on_picked`: told the pick as soon as the source announces it."""
 
     async def held_request(self, address: str, request_id: str, timeout_s: float) -> HeldRequest | None:
         """The request on the instance, unfinished, and how it came there; None if it has none."""
@@ -186,20 +188,23 @@ class Migrator:
 
     async def migrate(self, order: MigrationOrder) -> MigrationRecord:
         """Run `order` to its end and keep its record; re-raises the source's error if it failed. A refusal of
-        the source's own busy slots (SourceBusy) keeps none; one cut short by close() is kept `unknown`. The
-        journal gets the record only while this manager still leads in the term the migration began in (a
-        manager that lost the lead meanwhile writes nothing: the history there is the new leader's)."""
+        the source's own busy slots (SourceBusy) keeps none; one cut short by close() is kept `unknown`, with
+        the request and the migration id its source announced (if it did). The journal gets the record only
+        while this manager still leads in the term the migration began in (a manager that lost the lead
+        meanwhile writes nothing: the history there is the new leader's)."""
         started, started_at, term = self._clock(), self._wall_clock(), self._leading_term()
         self._hold(order)
-        has_run = True
+        has_run, picks = True, []  # what the source announced (its pick, the migration's id) as it came
         try:
-            record, error = await self._outcome(order, started, started_at)
+            record, error = await self._outcome(order, started, started_at, picks.append)
         except SourceBusy as exc:
             has_run = False
             note_source_busy(order, exc)
             raise
         except asyncio.CancelledError:  # close(): this manager stops, the source runs it on
-            figures = MigrationFigures(order.request_id, duration_ms=(self._clock() - started) * 1e3)
+            picked = picks[-1] if picks else AnnouncedPick()
+            figures = MigrationFigures(order.request_id or picked.request_id, migration_id=picked.migration_id,
+                                       duration_ms=(self._clock() - started) * 1e3)
             self._keep(MigrationRecord(order, MigrationOutcome.UNKNOWN, figures, started_at, reason="CANCELLED",
                                        message=CUT_SHORT), term, is_followed=False)
             raise
@@ -210,11 +215,11 @@ class Migrator:
             raise error
         return record
 
-    async def _outcome(self, order: MigrationOrder, started: float,
-                       started_at: float) -> tuple[MigrationRecord, FerryError | None]:
+    async def _outcome(self, order: MigrationOrder, started: float, started_at: float,
+                       on_picked: Callable[[AnnouncedPick], None]) -> tuple[MigrationRecord, FerryError | None]:
         """MigrateOut's record, and its error where it did not commit (SourceBusy: raised, no record)."""
         try:
-            figures = await self._client.migrate_out(order, self._limits.timeout_s)
+            figures = await self._client.migrate_out(order, self._limits.timeout_s, on_picked)
         except SourceBusy:
             raise
         except FerryError as exc:

@@ -24,7 +24,7 @@ from services.common.gen.ferry.v1 import (common_pb2, instance_pb2, instance_pb2
                                           transfer_pb2)
 from services.common.election import leader_key
 from services.common.grpc_server import insecure_channel, start_grpc_server
-from services.common.pick_announcement import SOURCE_BUSY
+from services.common.pick_announcement import SOURCE_BUSY, AnnouncedPick, pick_to_metadata
 from services.instance.manager_client import ManagerLink
 from services.instance.migration import MigrationDriver
 from services.instance.migration_domain import MigrationSettings
@@ -57,6 +57,7 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
         self.answer_delay_s = 0.0  # how long MigrateOut waits after the move before it answers (a frozen source)
         self.moved_meanwhile_to = ""  # non-empty: another migration moved the request there just before MigrateOut
         self.hang_s = 0.0  # how long MigrateOut waits before it moves anything (a source frozen before the commit)
+        self.hang_after_pick_s = 0.0  # ... after it announced its pick (initial metadata), as a real source does
         self.origins: dict[str, tuple[int, str]] = {}  # request id: (RequestInfo.origin, migrated_from_instance_id)
         self.max_sequence_len = 0  # non-zero: how long its requests may grow; a destination serving less gets none
 
@@ -94,6 +95,10 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
                                 f"max_model_len of {request.dst_max_model_len} tokens")
         candidates = [r for r in self.request_ids if r not in request.exclude_request_ids]
         request_id = request.request_id or (candidates[0] if candidates else "")
+        if self.hang_after_pick_s:
+            migration_id = f"{self.sim.instance_id}-m{len(self.calls)}"
+            await context.send_initial_metadata(pick_to_metadata(request_id, migration_id))
+            await asyncio.sleep(self.hang_after_pick_s)
         if self.moved_meanwhile_to and request_id in self.request_ids:
             self.request_ids.remove(request_id)
             self.peers[self.moved_meanwhile_to].migrated_in(request_id, self.sim.instance_id)
@@ -510,6 +515,42 @@ async def test_a_migrate_out_past_its_deadline_names_the_request_its_source_pick
         servicer.migrations.done.set()
         await channels.close()
         await server.stop(0)
+
+
+async def test_a_migrate_out_names_its_pick_as_soon_as_the_source_announces_it():
+    """MigrateOut is unary: its initial metadata came only with the answer, so a call cancelled before (the manager
+    stopping) never knew the request. Read as a stream, the pick is told at once; a cancelled caller cancels it."""
+    servicer = InstanceServicer(runner=None)
+    servicer.migrations = PickThenHang()
+    server = await start_grpc_server("127.0.0.1", 0, [(instance_pb2_grpc.add_InstanceServiceServicer_to_server,
+                                                       servicer)], ["ferry.v1.InstanceService"])
+    channels = InstanceChannels()
+    picks: list[AnnouncedPick] = []
+    try:
+        order = MigrationOrder(InstanceId("a"), server.address, InstanceId("b"), "127.0.0.1:1", MigrationTrigger.LOAD)
+        call = asyncio.create_task(channels.migrate_out(order, 30.0, picks.append))
+        await wait_until(lambda: picks, 5, "the pick told")
+        assert picks == [AnnouncedPick("r-42", "a-0123")] and not call.done()
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    finally:
+        servicer.migrations.done.set()
+        await channels.close()
+        await server.stop(0)
+
+
+async def test_a_migrate_out_cut_short_by_a_stopping_manager_keeps_the_request_its_source_announced(
+        world, etcd_client, cluster):
+    """Its CANCELLED record had no request id: nobody could find out where the request went."""
+    manager, client, peers = await world(2, "--migration-enabled", "--migration-threshold", "0")
+    peers["i-0"].hang_after_pick_s = 60.0
+    peers["i-0"].hold("r-1", "r-2")
+    await wait_until(lambda: peers["i-0"].calls, 10, "a MigrateOut under way")
+    await asyncio.sleep(0.3)  # the pick announced
+    assert await manager.stop() == 0
+    (stored,) = await _stored_migrations(etcd_client, cluster)
+    assert (stored.outcome, stored.reason, stored.request_id) == ("unknown", "CANCELLED", "r-1")
 
 
 async def test_a_source_whose_own_migration_slots_are_busy_is_no_failed_migration(world):

@@ -78,7 +78,7 @@ class SlowInstances:
 class UnansweredSource:
     """MigrateOutClient: the source gives no answer in time, yet the destination holds the request (it committed)."""
 
-    async def migrate_out(self, order, timeout_s):
+    async def migrate_out(self, order, timeout_s, on_picked):
         await asyncio.sleep(timeout_s)
         raise Unavailable("the source did not answer in time")
 

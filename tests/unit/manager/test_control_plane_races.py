@@ -54,7 +54,7 @@ async def test_a_drain_tries_another_destination_when_the_freest_one_keeps_refus
     refusals = [ResourceExhausted("destination b: no free batch slot") for _ in range(50)]
 
     class RefusingB(FakeSources):
-        async def migrate_out(self, order, timeout_s):
+        async def migrate_out(self, order, timeout_s, on_picked):
             self.orders.append(order)
             if order.dst_instance_id == "b":
                 raise refusals.pop(0)

@@ -38,7 +38,7 @@ class FakeSources:
     async def held_request(self, address, request_id, timeout_s):
         return self.held.get((address, request_id))
 
-    async def migrate_out(self, order, timeout_s):
+    async def migrate_out(self, order, timeout_s, on_picked):
         self.orders.append(order)
         if self.gate is not None:
             await self.gate.wait()
@@ -465,7 +465,7 @@ class MovingSources(FakeSources):
         self.pending: list[tuple[int, asyncio.Event]] = []
         self.tick = 0
 
-    async def migrate_out(self, order, timeout_s):
+    async def migrate_out(self, order, timeout_s, on_picked):
         self.orders.append(order)
         done = asyncio.Event()
         self.pending.append((self.tick, done))

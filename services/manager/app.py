@@ -70,7 +70,7 @@ async def main(config: ManagerConfig) -> None:
     instances = InstanceChannels(tls)
     journal = MigrationJournal(etcd, config.cluster, manager_id, config.migration_history_size)
     migrator = Migrator(view, leadership, instances, _migrator_limits(config), config.migration,
-                        record_sink=journal.append)
+                        record_sink=journal.append, journaled=journal)
     scaler = Scaler(view, leadership, store.fenced_by(election.key, lambda: election.epoch), config.scaling,
                     config.scaling_interval_s, config.scaling_cooldown_s)
     admin = AdminServicer(view, dispatcher, leadership, store, instances, migrator, scaler,

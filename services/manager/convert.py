@@ -195,7 +195,24 @@ def migrate_response_to_proto(record: MigrationRecord) -> manager_pb2.MigrateRes
 def migration_record_to_proto(record: MigrationRecord) -> manager_pb2.MigrationRecord:
     return manager_pb2.MigrationRecord(**_migration_fields(record), outcome=record.outcome.value, reason=record.reason,
                                        message=record.message, trigger=record.order.trigger.value,
-                                       started_at=record.started_at)
+                                       started_at=record.started_at, migration_id=record.figures.migration_id)
+
+
+def journaled_migration_from_proto(msg: manager_pb2.MigrationRecord, src_address: str,
+                                   dst_address: str) -> MigrationRecord:
+    """A record as the journal stored it (ValueError if it names no known outcome or trigger); the instances'
+    addresses are not stored: today's are given."""
+    order = MigrationOrder(InstanceId(msg.src_instance_id), src_address, InstanceId(msg.dst_instance_id), dst_address,
+                           MigrationTrigger(msg.trigger), request_id=msg.request_id)
+    return MigrationRecord(order, MigrationOutcome(msg.outcome), _record_figures(msg), msg.started_at,
+                           reason=msg.reason, message=msg.message)
+
+
+def _record_figures(msg: manager_pb2.MigrationRecord) -> MigrationFigures:
+    return MigrationFigures(request_id=msg.request_id, num_blocks=msg.num_blocks, num_bytes=msg.num_bytes,
+                            num_stages=msg.num_stages, backend=msg.backend, duration_ms=msg.duration_ms,
+                            downtime_ms=msg.downtime_ms, num_cached_at_destination=msg.num_cached_at_destination,
+                            migration_id=msg.migration_id)
 
 
 def _migration_fields(record: MigrationRecord) -> dict[str, Any]:
@@ -231,9 +248,7 @@ def reported_migration_from_proto(msg: manager_pb2.MigrationRecord, src_address:
     order = MigrationOrder(InstanceId(msg.src_instance_id), src_address, InstanceId(msg.dst_instance_id), dst_address,
                            MigrationTrigger.PD, MigrationSelection.PREFILL_DONE, request_id=msg.request_id,
                            max_stages=0)
-    figures = MigrationFigures(request_id=msg.request_id, num_blocks=msg.num_blocks, num_bytes=msg.num_bytes,
-                               num_stages=msg.num_stages, backend=msg.backend, duration_ms=msg.duration_ms,
-                               downtime_ms=msg.downtime_ms, num_cached_at_destination=msg.num_cached_at_destination)
+    figures = _record_figures(msg)
     outcome = MigrationOutcome(msg.outcome or MigrationOutcome.COMMITTED.value)
     if outcome is MigrationOutcome.FAILED:
         reason = msg.reason if msg.reason in _STATUS_NAMES else "UNKNOWN"  # a metrics label: a closed set

@@ -11,6 +11,7 @@ streams to the right manager.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,12 +25,15 @@ class Leader:
 
 
 class Leadership:
-    def __init__(self, manager_id: str, address: str, holds_lease: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, manager_id: str, address: str, holds_lease: Callable[[], bool] = lambda: True,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.me = Leader(manager_id, address)
         self._is_elected = False  # invariant: True only while this manager holds the election
         self._holds_lease = holds_lease  # Election.holds_lease
+        self._wall_clock = wall_clock
         self._watched: Leader | None = None  # the leader key as last seen (None: no leader)
         self.term = 0  # counts this manager's elections: what a term read from etcd holds only for that term
+        self.elected_at = 0.0  # unix seconds when the term began: what began before it is an earlier term's
 
     @property
     def is_leader(self) -> bool:
@@ -38,6 +42,7 @@ class Leadership:
     def set_elected(self, is_elected: bool) -> None:
         if is_elected and not self._is_elected:
             self.term += 1
+            self.elected_at = self._wall_clock()
         self._is_elected = is_elected
 
     @property

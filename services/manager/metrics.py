@@ -28,6 +28,10 @@ MIGRATION_FAILURES = Counter("ferry_manager_migration_failures_total",
 MIGRATIONS_SOURCE_BUSY = Counter("ferry_manager_migrations_source_busy_total",
                                  "MigrateOut calls their source refused at once, its own migration slots "
                                  "(--max-concurrent-migrations) busy: nothing tried, no failed migration", ["trigger"])
+MIGRATIONS_ADOPTED = Counter("ferry_manager_migrations_adopted_total",
+                             "Migrations an earlier leader's term left unknown that this leader looked into, by what "
+                             "they turned out to be (unknown: still not found out); not in migrations_total, which "
+                             "the earlier leader counted them in", ["outcome"])
 SCALING_ACTIONS = Counter("ferry_manager_scaling_actions_total",
                           "Scaling decisions the leader wrote to scaling/target, by action (add, retire, cancel_retire)", ["action"])
 MIGRATED_BYTES = Counter("ferry_manager_migrated_bytes_total", "KV cache bytes moved by committed migrations")
@@ -66,6 +70,8 @@ def export_zero_series() -> None:
             MIGRATIONS.labels(outcome.value, trigger.value)
     for trigger in MigrationTrigger:
         MIGRATIONS_SOURCE_BUSY.labels(trigger.value)
+    for outcome in MigrationOutcome:
+        MIGRATIONS_ADOPTED.labels(outcome.value)
     for action in ("add", "retire", "cancel_retire"):
         SCALING_ACTIONS.labels(action)
 

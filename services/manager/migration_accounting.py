@@ -1,4 +1,5 @@
-"""Each migration counted (metrics) and logged once, whoever ran it and however it ended."""
+"""Each migration counted (metrics) and logged once, whoever ran it and however it ended; apart, what a migration an
+earlier term left unknown turned out to be."""
 
 from __future__ import annotations
 
@@ -39,3 +40,13 @@ def note_source_busy(order: MigrationOrder, error: SourceBusy) -> None:
     metrics.MIGRATIONS_SOURCE_BUSY.labels(order.trigger.value).inc()
     log.info("migration_source_busy", src_instance_id=order.src_instance_id,
              dst_instance_id=order.dst_instance_id, trigger=order.trigger.value, error=error.message)
+
+
+def account_adopted(record: MigrationRecord) -> None:
+    """What a migration an earlier term left unknown turned out to be: counted apart (the earlier leader counted it
+    unknown in ferry_manager_migrations_total) and logged."""
+    order = record.order
+    metrics.MIGRATIONS_ADOPTED.labels(record.outcome.value).inc()
+    log.info("migration_adopted_settled", outcome=record.outcome.value, request_id=record.figures.request_id,
+             migration_id=record.figures.migration_id, src_instance_id=order.src_instance_id,
+             dst_instance_id=order.dst_instance_id, trigger=order.trigger.value, message=record.message)

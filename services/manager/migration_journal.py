@@ -13,13 +13,15 @@ no answer is put `unknown` at once, and what it turned out to be is put under th
 (migration_settle.py). After each put the oldest keys beyond `--migration-history-size` are
 deleted. Keys have no lease: a new leader, and ferryctl through any manager, read the same history.
 A manager puts only records of migrations begun in its current term as leader (migrator.py); at shutdown
-it flushes the queue, within FLUSH_TIMEOUT_S, before it resigns.
+it flushes the queue, within FLUSH_TIMEOUT_S, before it resigns. A new leader reads the `unknown` records
+an earlier term left, to settle them in place (`unknown_records`, migration_adopt.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 
 import structlog
 from etcd3aio import Etcd3Client, SortOrder, prefix_range_end
@@ -87,9 +89,33 @@ class MigrationJournal:
 
     async def read(self) -> list[manager_pb2.MigrationRecord]:
         """The stored history, oldest first (raises one of ETCD_ERRORS if etcd does not answer)."""
+        return [record for _, record in await self._read_keyed()]
+
+    async def unknown_records(self, started_after: float, started_before: float, limit: int,
+                              address_of: Callable[[str], str]) -> list[MigrationRecord]:
+        """The newest `limit` stored `unknown` records with a request id begun in [started_after, started_before),
+        with their instances' addresses now (`address_of`: "" if gone); what becomes of each is put in its place
+        (`append(settled, replaces=it)`). Raises one of ETCD_ERRORS if etcd does not answer."""
+        found = []
+        for key, msg in reversed(await self._read_keyed()):
+            if (msg.outcome != MigrationOutcome.UNKNOWN.value or not msg.request_id
+                    or not started_after <= msg.started_at < started_before):
+                continue
+            try:
+                record = convert.journaled_migration_from_proto(msg, address_of(msg.src_instance_id),
+                                                                address_of(msg.dst_instance_id))
+            except ValueError:  # an unknown trigger (a newer manager's): left as it is
+                continue
+            self._keep_unknown_key(record, key)
+            found.append(record)
+            if len(found) >= limit:
+                break
+        return found
+
+    async def _read_keyed(self) -> list[tuple[str, manager_pb2.MigrationRecord]]:
         reply = await self._client.kv.get(self._prefix, range_end=prefix_range_end(self._prefix),
                                           sort_order=SortOrder.ASCEND, timeout=ETCD_TIMEOUT_S)
-        return [manager_pb2.MigrationRecord.FromString(kv.value) for kv in reply.kvs]
+        return [(kv.key.decode(), manager_pb2.MigrationRecord.FromString(kv.value)) for kv in reply.kvs]
 
     async def _put(self, record: MigrationRecord, replaces: MigrationRecord | None) -> None:
         key = self._unknown_keys.pop(replaces, None) if replaces is not None else None
@@ -98,9 +124,12 @@ class MigrationJournal:
         value = convert.migration_record_to_proto(record).SerializeToString()
         await self._client.kv.put(key, value, timeout=ETCD_TIMEOUT_S)
         if record.outcome is MigrationOutcome.UNKNOWN:
-            self._unknown_keys[record] = key
-            while len(self._unknown_keys) > MAX_UNKNOWN_KEYS:  # never replaced (settled by a manager that lost)
-                del self._unknown_keys[next(iter(self._unknown_keys))]
+            self._keep_unknown_key(record, key)
+
+    def _keep_unknown_key(self, record: MigrationRecord, key: str) -> None:
+        self._unknown_keys[record] = key
+        while len(self._unknown_keys) > MAX_UNKNOWN_KEYS:  # never replaced (settled by a manager that lost)
+            del self._unknown_keys[next(iter(self._unknown_keys))]
 
     async def _trim(self) -> None:
         end = prefix_range_end(self._prefix)

@@ -22,7 +22,8 @@ reached the source (connection refused) is failed at once. A source reporting no
 migration slot (its own PD hand-offs hold them) is asked for none; one that refuses at once all
 the same (SourceBusy) made no migration: counted apart, no record, no backoff. A MigrateOut still
 running at close() (shutdown) is kept `unknown`. Records go to the journal only while this manager
-leads in the term their migration began in. A tick
+leads in the term their migration began in; those an earlier term left `unknown` there are adopted and settled
+on the first tick of each term (migration_adopt.py). A tick
 that raises (a bug, a race in the view) is logged and the next tick runs (`periodic_loop`).
 """
 
@@ -45,6 +46,7 @@ from services.common.pick_announcement import AnnouncedPick
 from services.common.task_errors import read_error
 from services.manager import metrics
 from services.manager.migration_accounting import account, note_source_busy
+from services.manager.migration_adopt import Adopter, UnknownRecords
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId, InstanceState, InstanceView, Role
 from services.manager.leadership import Leadership
@@ -95,7 +97,8 @@ class Migrator:
     def __init__(self, view: ClusterView, leadership: Leadership, client: MigrateOutClient, limits: MigratorLimits,
                  settings: MigrationSettings = DEFAULT_SETTINGS, clock: Clock = time.monotonic,
                  wall_clock: Clock = time.time,
-                 record_sink: Callable[[MigrationRecord, MigrationRecord | None], None] | None = None) -> None:
+                 record_sink: Callable[[MigrationRecord, MigrationRecord | None], None] | None = None,
+                 journaled: UnknownRecords | None = None) -> None:
         self._view = view
         self._leadership = leadership
         self._client = client
@@ -119,6 +122,9 @@ class Migrator:
         self._announced_drained: set[InstanceId] = set()
         self._settler = Settler(client, self._settled, limits.settle_looks_at_s,  # unanswered ones: what became of them
                                 leading_term=self._leading_term)
+        # The unknown ones an earlier term left in the journal (`journaled`), settled once this manager leads
+        self._adopter = Adopter(journaled, client, leadership, self._address_of, record_sink,
+                                limits.settle_looks_at_s) if journaled is not None else None
 
     @property
     def settings(self) -> MigrationSettings:
@@ -148,6 +154,8 @@ class Migrator:
 
     async def _tick_if_leading(self) -> None:
         if self._leadership.is_leader:
+            if self._adopter is not None:
+                self._adopter.adopt_once_per_term()
             self.tick()
 
     def tick(self) -> list[MigrationOrder]:
@@ -306,6 +314,8 @@ class Migrator:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._settler.close()
+        if self._adopter is not None:
+            await self._adopter.close()
 
     # internals
 
@@ -442,6 +452,9 @@ class Migrator:
         if not self._view.has_member(instance_id):
             raise NotFound(f"{role} instance {instance_id!r} is not registered; see ListInstances for the ids")
         return self._view.instance(InstanceId(instance_id))
+
+    def _address_of(self, instance_id: str) -> str:
+        return self._view.instance(InstanceId(instance_id)).record.address if self._view.has_member(instance_id) else ""
 
     def _freest_other(self, src: InstanceView) -> InstanceView:
         others = [v for v in self._view.instances() if v.state is InstanceState.SERVING

@@ -58,13 +58,14 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
         self.moved_meanwhile_to = ""  # non-empty: another migration moved the request there just before MigrateOut
         self.hang_s = 0.0  # how long MigrateOut waits before it moves anything (a source frozen before the commit)
         self.hang_after_pick_s = 0.0  # ... after it announced its pick (initial metadata), as a real source does
-        self.origins: dict[str, tuple[int, str]] = {}  # request id: (RequestInfo.origin, migrated_from_instance_id)
+        # request id: (RequestInfo.origin, migrated_from_instance_id, migration_id)
+        self.origins: dict[str, tuple[int, str, str]] = {}
         self.max_sequence_len = 0  # non-zero: how long its requests may grow; a destination serving less gets none
 
     def hold(self, *request_ids: str, origin: int = instance_pb2.REQUEST_ORIGIN_DISPATCHED,
-             migrated_from: str = "") -> None:
+             migrated_from: str = "", migration_id: str = "") -> None:
         self.request_ids.extend(request_ids)
-        self.origins.update({r: (origin, migrated_from) for r in request_ids})
+        self.origins.update({r: (origin, migrated_from, migration_id) for r in request_ids})
         self._sync()
 
     def migrated_in(self, request_id: str, src_instance_id: str) -> None:
@@ -74,7 +75,8 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
         await asyncio.sleep(self.list_delay_s)
         return instance_pb2.ListRequestsResponse(requests=[
             instance_pb2.RequestInfo(request_id=r, instance_id=self.sim.instance_id, num_tokens=20, state="running",
-                                     origin=self.origins[r][0], migrated_from_instance_id=self.origins[r][1])
+                                     origin=self.origins[r][0], migrated_from_instance_id=self.origins[r][1],
+                                     migration_id=self.origins[r][2])
             for r in self.request_ids])
 
     async def MigrateOut(self, request, context):
@@ -551,6 +553,35 @@ async def test_a_migrate_out_cut_short_by_a_stopping_manager_keeps_the_request_i
     assert await manager.stop() == 0
     (stored,) = await _stored_migrations(etcd_client, cluster)
     assert (stored.outcome, stored.reason, stored.request_id) == ("unknown", "CANCELLED", "r-1")
+
+
+async def test_the_next_leader_settles_a_migration_its_predecessor_left_unknown(world, etcd, etcd_client, cluster,
+                                                                              tmp_path):
+    """A leader followed only its own unknown records: one whose shutdown cut a MigrateOut short left it unknown in
+    the journal for good, though its source ran it on and committed. The next leader adopts and settles it."""
+    manager, client, peers = await world(2, "--migration-enabled", "--migration-threshold", "0")
+    peers["i-0"].hang_after_pick_s = 60.0
+    peers["i-0"].hold("r-1", "r-2")
+    await wait_until(lambda: peers["i-0"].calls, 10, "a MigrateOut under way")
+    await asyncio.sleep(0.3)  # the pick announced
+    assert await manager.stop() == 0
+    (left,) = await _stored_migrations(etcd_client, cluster)
+    assert (left.outcome, left.reason, left.request_id, left.migration_id) == ("unknown", "CANCELLED", "r-1",
+                                                                               "i-0-m1")
+    peers["i-0"].request_ids.remove("r-1")  # the source ran it on: committed
+    peers["i-1"].hold("r-1", origin=instance_pb2.REQUEST_ORIGIN_MIGRATED_IN, migrated_from="i-0",
+                      migration_id="i-0-m1")
+    successor = await start_manager(etcd.endpoint, cluster, "m-successor", tmp_path)
+    try:
+        async def settled():
+            (stored,) = await _stored_migrations(etcd_client, cluster)  # in place: still one record
+            return stored if stored.outcome != "unknown" else None
+        stored = await wait_until(settled, 15, "the record settled by the next leader")
+        assert (stored.outcome, stored.request_id, stored.reason) == ("committed", "r-1", "")
+        assert "by migration i-0-m1" in stored.message
+        assert "migration_adopted_settled" in successor.log_path.read_text()
+    finally:
+        await successor.stop()
 
 
 async def test_a_source_whose_own_migration_slots_are_busy_is_no_failed_migration(world):

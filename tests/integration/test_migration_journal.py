@@ -105,3 +105,31 @@ async def test_an_unknown_record_is_replaced_in_place_by_what_it_turned_out_to_b
     journal.append(record(2))
     await stored_ids(journal, "req-2")
     assert [(r.request_id, r.outcome) for r in await journal.read()] == [("req-1", "committed"), ("req-2", "committed")]
+
+
+async def test_a_new_leader_reads_the_unknown_records_an_earlier_one_left_and_settles_them_in_place(
+        journal, client, cluster):
+    def left(n: int, outcome: MigrationOutcome = MigrationOutcome.UNKNOWN, request_id: str | None = None):
+        kept = record(n, outcome)
+        figures = dataclasses.replace(kept.figures, migration_id=f"i0-m{n}",
+                                      request_id=kept.figures.request_id if request_id is None else request_id)
+        return dataclasses.replace(kept, figures=figures, reason="CANCELLED")
+
+    for kept in (left(1), left(2, MigrationOutcome.FAILED), left(3, request_id=""), left(4), left(5)):
+        journal.append(kept)
+    await stored_ids(journal, "req-5")
+    next_leader = MigrationJournal(client, cluster, "manager-1", size=SIZE)
+    addresses = {"i0": "10.0.0.1:50", "i1": "10.0.0.2:50"}
+    found = await next_leader.unknown_records(1_700_000_000.5, 1_700_000_005.0, 10, addresses.get)  # not 5
+    assert [(r.figures.request_id, r.figures.migration_id) for r in found] == [("req-4", "i0-m4"), ("req-1", "i0-m1")]
+    assert (found[0].order.src_address, found[0].order.dst_address, found[0].reason) == (
+        "10.0.0.1:50", "10.0.0.2:50", "CANCELLED")
+    assert [r.figures.request_id for r in await next_leader.unknown_records(0, 2e9, 1, addresses.get)] == ["req-5"]
+    writer = asyncio.create_task(next_leader.writer_loop())
+    try:
+        next_leader.append(dataclasses.replace(found[0], outcome=MigrationOutcome.COMMITTED), replaces=found[0])
+        await next_leader.flush()
+    finally:
+        writer.cancel()
+    assert [(r.request_id, r.outcome) for r in await journal.read()] == [
+        ("req-1", "unknown"), ("req-2", "failed"), ("", "unknown"), ("req-4", "committed"), ("req-5", "unknown")]

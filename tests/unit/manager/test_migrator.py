@@ -73,12 +73,13 @@ def report(view, instance_id: str, num_running: int, **load) -> None:
                                                          num_running=num_running, **load))
 
 
-def make_migrator(view, clock, sources, settings=ON, leadership=None, record_sink=None, **limits) -> Migrator:
+def make_migrator(view, clock, sources, settings=ON, leadership=None, record_sink=None, journaled=None,
+                  **limits) -> Migrator:
     if leadership is None:
         leadership = Leadership("m-1", "127.0.0.1:1")
         leadership.set_elected(True)
     return Migrator(view, leadership, sources, MigratorLimits(**limits), settings, clock=clock, wall_clock=lambda: 5.0,
-                    record_sink=record_sink)
+                    record_sink=record_sink, journaled=journaled)
 
 
 def routes(orders) -> list[tuple[str, str, MigrationTrigger]]:

@@ -30,7 +30,7 @@ from services.common.tls import TlsConfig
 from services.manager.cluster_view import ClusterView
 from services.manager.config import ManagerConfig
 from services.manager.config_store import ClusterSettings, ConfigStore
-from services.manager.migration_journal import MigrationJournal
+from services.manager.migration_journal import LeaderFence, MigrationJournal
 from services.manager.dispatcher import Dispatcher
 from services.manager.domain import InstanceRecord
 from services.manager.election_loop import Campaign
@@ -68,7 +68,8 @@ async def main(config: ManagerConfig) -> None:
     etcd = await connect_etcd(config.etcd_endpoints, config.etcd_access)
     store = ConfigStore(etcd, config.cluster, manager_id)
     instances = InstanceChannels(tls)
-    journal = MigrationJournal(etcd, config.cluster, manager_id, config.migration_history_size)
+    journal = MigrationJournal(etcd, config.cluster, manager_id, config.migration_history_size,
+                               LeaderFence(election.key, lambda: election.epoch))
     migrator = Migrator(view, leadership, instances, _migrator_limits(config), config.migration,
                         record_sink=journal.append, journaled=journal)
     scaler = Scaler(view, leadership, store.fenced_by(election.key, lambda: election.epoch), config.scaling,

@@ -12,8 +12,10 @@ is only logged (the leader's in-memory history still has it). A migration whose 
 no answer is put `unknown` at once, and what it turned out to be is put under the same key
 (migration_settle.py). After each put the oldest keys beyond `--migration-history-size` are
 deleted. Keys have no lease: a new leader, and ferryctl through any manager, read the same history.
-A manager puts only records of migrations begun in its current term as leader (migrator.py); at shutdown
-it flushes the queue, within FLUSH_TIMEOUT_S, before it resigns. A new leader reads the `unknown` records
+A manager puts only records of migrations begun in its current term as leader (migrator.py), each in a
+transaction that checks the leader key is still the one of the term that appended it (`LeaderFence`: a put
+queued before the lead was lost lands nowhere, not over a newer leader's record); at shutdown it flushes the
+queue, within FLUSH_TIMEOUT_S, before it resigns. A new leader reads the `unknown` records
 an earlier term left, to settle them in place (`unknown_records`, migration_adopt.py).
 """
 
@@ -22,9 +24,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 from etcd3aio import Etcd3Client, SortOrder, prefix_range_end
+from etcd3aio.kv import KVService
 
 from services.common.error_text import typed_error_text
 from services.common.gen.ferry.v1 import manager_pb2
@@ -39,30 +43,48 @@ MAX_UNKNOWN_KEYS = 256  # keys of unknown records kept for their replacement
 FLUSH_TIMEOUT_S = 2.0  # at shutdown: the records still queued get this long
 
 
+@dataclass(frozen=True, slots=True)
+class LeaderFence:
+    """The election's leader key, and this manager's epoch (the key's create revision) while it leads, else None."""
+
+    key: str
+    epoch: Callable[[], int | None]
+
+
+Queued = tuple[MigrationRecord, MigrationRecord | None, int | None]  # (record, the one it replaces, epoch)
+
+
 class MigrationJournal:
-    def __init__(self, client: Etcd3Client, cluster: str, manager_id: str, size: int) -> None:
+    def __init__(self, client: Etcd3Client, cluster: str, manager_id: str, size: int,
+                 fence: LeaderFence | None = None) -> None:
         self._client = client
         self._prefix = f"/ferry/{cluster}/migrations/"
         self._manager_id = manager_id
         self._size = size
-        self._queue: asyncio.Queue[tuple[MigrationRecord, MigrationRecord | None]] = asyncio.Queue(maxsize=QUEUE_SIZE)
+        self._fence = fence  # None: every record is put (tests)
+        self._queue: asyncio.Queue[Queued] = asyncio.Queue(maxsize=QUEUE_SIZE)
         self._sequence = itertools.count()
         self._unknown_keys: dict[MigrationRecord, str] = {}  # the key of each unknown record put, till it is replaced
 
     def append(self, record: MigrationRecord, replaces: MigrationRecord | None = None) -> None:
-        """Queue `record` for etcd, in place of the unknown record `replaces` if given; never blocks."""
+        """Queue `record` for etcd, in place of the unknown record `replaces` if given; never blocks. With a fence,
+        it is put only while the leader key is still the one of the term that appended it."""
+        epoch = self._fence.epoch() if self._fence is not None else None
+        if self._fence is not None and epoch is None:
+            log.info("migration_record_not_journaled", request_id=record.figures.request_id, reason="not leading")
+            return
         try:
-            self._queue.put_nowait((record, replaces))
+            self._queue.put_nowait((record, replaces, epoch))
         except asyncio.QueueFull:
             log.warning("migration_journal_full", request_id=record.figures.request_id, queued=QUEUE_SIZE)
 
     async def writer_loop(self) -> None:
         """Put queued records, one at a time, forever; a failed put loses only that record."""
         while True:
-            record, replaces = await self._queue.get()
+            record, replaces, epoch = await self._queue.get()
             try:
-                await self._put(record, replaces)
-                await self._trim()
+                if await self._put(record, replaces, epoch):
+                    await self._trim()
             except Exception as exc:  # noqa: BLE001 — etcd down or refusing: the record stays in memory only
                 log.warning("migration_journal_write_failed", request_id=record.figures.request_id,
                             error=typed_error_text(exc))
@@ -117,14 +139,27 @@ class MigrationJournal:
                                           sort_order=SortOrder.ASCEND, timeout=ETCD_TIMEOUT_S)
         return [(kv.key.decode(), manager_pb2.MigrationRecord.FromString(kv.value)) for kv in reply.kvs]
 
-    async def _put(self, record: MigrationRecord, replaces: MigrationRecord | None) -> None:
+    async def _put(self, record: MigrationRecord, replaces: MigrationRecord | None, epoch: int | None) -> bool:
+        """Put `record` (False where the fence refused it: another term leads now)."""
         key = self._unknown_keys.pop(replaces, None) if replaces is not None else None
         if key is None:  # (the unknown one's put failed, or was forgotten: a key of its own)
             key = f"{self._prefix}{int(record.started_at * 1e9):020d}-{self._manager_id}-{next(self._sequence)}"
         value = convert.migration_record_to_proto(record).SerializeToString()
-        await self._client.kv.put(key, value, timeout=ETCD_TIMEOUT_S)
+        if not await self._put_fenced(key, value, epoch):
+            log.info("migration_record_not_journaled", request_id=record.figures.request_id, epoch=epoch,
+                     reason="the leader key is no longer this term's: another term leads")
+            return False
         if record.outcome is MigrationOutcome.UNKNOWN:
             self._keep_unknown_key(record, key)
+        return True
+
+    async def _put_fenced(self, key: str, value: bytes, epoch: int | None) -> bool:
+        if self._fence is None or epoch is None:
+            await self._client.kv.put(key, value, timeout=ETCD_TIMEOUT_S)
+            return True
+        txn = await self._client.kv.txn(compare=[KVService.txn_compare_create_revision(self._fence.key, epoch)],
+                                        success=[KVService.txn_op_put(key, value)], timeout=ETCD_TIMEOUT_S)
+        return txn.succeeded
 
     def _keep_unknown_key(self, record: MigrationRecord, key: str) -> None:
         self._unknown_keys[record] = key

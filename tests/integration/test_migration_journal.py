@@ -13,7 +13,7 @@ from services.common.etcd_client import ETCD_ERRORS, connect_etcd
 from services.manager.domain import InstanceId
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationTrigger)
-from services.manager.migration_journal import MigrationJournal
+from services.manager.migration_journal import LeaderFence, MigrationJournal
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -133,3 +133,33 @@ async def test_a_new_leader_reads_the_unknown_records_an_earlier_one_left_and_se
         writer.cancel()
     assert [(r.request_id, r.outcome) for r in await journal.read()] == [
         ("req-1", "unknown"), ("req-2", "failed"), ("", "unknown"), ("req-4", "committed"), ("req-5", "unknown")]
+
+
+async def test_a_record_is_put_only_while_the_term_that_appended_it_leads(client, cluster):
+    """The leader checked its term when it kept a record, but the put came later from the queue: one queued before it
+    lost the lead landed after, maybe over what the next leader had put under the same key."""
+    leader_key = f"/ferry/{cluster}/manager/leader"
+    await client.kv.put(leader_key, "m-0")
+    epoch = (await client.kv.get(leader_key)).kvs[0].create_revision
+    epochs = [epoch]
+    journal = MigrationJournal(client, cluster, "m-0", size=SIZE, fence=LeaderFence(leader_key, lambda: epochs[-1]))
+    journal.append(record(1))
+    journal.append(record(2))  # queued in the term, put after it ended
+    await client.kv.delete(leader_key)
+    await client.kv.put(leader_key, "m-1")  # another term
+    epochs.append(None)
+    journal.append(record(3))  # not leading: not even queued
+    writer = asyncio.create_task(journal.writer_loop())
+    try:
+        await journal.flush()
+    finally:
+        writer.cancel()
+    assert await journal.read() == []
+    epochs.append((await client.kv.get(leader_key)).kvs[0].create_revision)  # this manager leads again
+    journal.append(record(4))
+    writer = asyncio.create_task(journal.writer_loop())
+    try:
+        await journal.flush()
+    finally:
+        writer.cancel()
+    assert [r.request_id for r in await journal.read()] == ["req-4"]

@@ -63,7 +63,7 @@ class Dispatcher:
     def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int,
                      refused: frozenset[InstanceId] = frozenset(), max_num_tokens: int = 0) -> Placement:
         """The DECODE instance (most free) a prefilled request holding `num_blocks` moves to, one with room for
-        them first; BOTH instances if no DECODE one serves. `refused`: those that just refused it (no room).
+        them and a free migration slot first; BOTH instances if no DECODE one serves. `refused`: those that just refused it (no room).
         Those serving shorter sequences than the request may reach (`max_num_tokens`, 0: not known) would refuse it.
 
         Unavailable when none serves (or none serves sequences that long), ResourceExhausted when all that serve
@@ -86,7 +86,8 @@ class Dispatcher:
         if not candidates:
             raise ResourceExhausted(f"every decode instance refused request {request_id} ({', '.join(sorted(refused))}:"
                                     f" no free KV blocks or batch slot); it keeps decoding on {src_instance_id}")
-        candidates = [c for c in candidates if c.load.has_room_for(num_blocks)] or candidates  # (a view may be stale)
+        candidates = ([c for c in candidates if c.load.has_room_for(num_blocks) and c.load.has_free_migration_slot]
+                      or candidates)  # (a view may be stale)
         chosen = _DECODE_POLICY.choose(candidates, DispatchAsk(request_id))
         self._view.reserve(chosen.instance_id, num_blocks, is_dispatch=False)  # dispatched already, to its prefill
         return Placement(chosen.instance_id, chosen.address, "pd")

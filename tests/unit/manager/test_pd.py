@@ -195,6 +195,18 @@ def test_place_decode_prefers_a_decode_instance_with_room_for_the_requests_block
     assert dispatcher.place_decode("r3", "p", 10_000).instance_id == "d1"
 
 
+def test_place_decode_prefers_a_decode_instance_with_a_free_migration_slot():
+    """One whose migration slots (one pool, in and out) its own migrations hold refuses the hand-off at once: the
+    push spent one of its few tries (and a round trip) there while another decode instance was free."""
+    view = pd_view(p=Role.PREFILL, d1=Role.DECODE, d2=Role.DECODE)
+    view.apply_report(InstanceId("d1"), make_load(num_free_blocks=900, num_free_migration_out_slots=0))  # freest
+    view.apply_report(InstanceId("d2"), make_load(num_free_blocks=400, num_running=5, num_free_migration_out_slots=1))
+    dispatcher = Dispatcher(view, leading())
+    assert dispatcher.place_decode("r1", "p", 10).instance_id == "d2"
+    view.apply_report(InstanceId("d2"), make_load(num_free_blocks=400, num_running=5, num_free_migration_out_slots=0))
+    assert dispatcher.place_decode("r2", "p", 10).instance_id == "d1"  # all busy: the freest still gets to say
+
+
 def test_place_decode_skips_the_decode_instances_that_refused_and_says_when_none_is_left():
     view = pd_view(p=Role.PREFILL, d1=Role.DECODE, d2=Role.DECODE, b=Role.BOTH)
     view.apply_report(InstanceId("d2"), make_load(num_free_blocks=500))

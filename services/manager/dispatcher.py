@@ -63,8 +63,9 @@ class Dispatcher:
     def place_decode(self, request_id: str, src_instance_id: str, num_blocks: int,
                      refused: frozenset[InstanceId] = frozenset(), max_num_tokens: int = 0) -> Placement:
         """The DECODE instance (most free) a prefilled request holding `num_blocks` moves to, one with room for
-        them and a free migration slot first; BOTH instances if no DECODE one serves. `refused`: those that just refused it (no room).
-        Those serving shorter sequences than the request may reach (`max_num_tokens`, 0: not known) would refuse it.
+        them and a free migration slot first; BOTH instances if no DECODE one serves. `refused`: those that just
+        refused it (no room). Those serving shorter sequences than the request may reach (`max_num_tokens`, 0: not
+        known) would refuse it.
 
         Unavailable when none serves (or none serves sequences that long), ResourceExhausted when all that serve
         refused it: the request keeps decoding where it is."""

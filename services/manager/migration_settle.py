@@ -18,8 +18,8 @@ RequestInfo.migration_id, a request migrated in from this migration's source cou
 
 Only the leader finds out, in the term its migration began in: a manager that stops leading (or stops) settles what
 it still follows as `unknown` at once, so each is counted once and none is lost, and leaves the journal's `unknown`
-record as it is (a non-leader writes nothing; the next leader adopts it: migration_adopt.py). Bounded: at most MAX_UNSETTLED followed at once (one more is settled
-`unknown` at once), each looked at len(looks_at_s) times at most.
+record as it is (a non-leader writes nothing; the next leader adopts it: migration_adopt.py). Bounded: at most
+MAX_UNSETTLED followed at once (one more is settled `unknown` at once), each looked at len(looks_at_s) times at most.
 
 A call that never reached the source (`SourceUnreached`: the connection was refused) started nothing there: it is
 `failed` at once, not unanswered.

@@ -22,9 +22,9 @@ reached the source (connection refused) is failed at once. A source reporting no
 migration slot (its own PD hand-offs hold them) is asked for none; one that refuses at once all
 the same (SourceBusy) made no migration: counted apart, no record, no backoff. A MigrateOut still
 running at close() (shutdown) is kept `unknown`. Records go to the journal only while this manager
-leads in the term their migration began in; those an earlier term left `unknown` there are adopted and settled
-on the first tick of each term (migration_adopt.py). A tick
-that raises (a bug, a race in the view) is logged and the next tick runs (`periodic_loop`).
+leads in the term their migration began in; those an earlier term left `unknown` there are adopted
+and settled from the first tick of each term (migration_adopt.py). A tick that raises (a bug, a
+race in the view) is logged and the next tick runs (`periodic_loop`).
 """
 
 from __future__ import annotations

@@ -170,12 +170,14 @@ class LoadPairing(PairingPolicy):
         return pairs
 
 
-def pair_drains(draining: Sequence[Peer], serving: Sequence[Peer], allowed: PairFilter = _any_pair) -> list[Pair]:
+def pair_drains(draining: Sequence[Peer], serving: Sequence[Peer], allowed: PairFilter = _any_pair,
+                may_use_prefill: bool = True) -> list[Pair]:
     """Each draining peer that holds requests, by id, with the freest serving destination not yet taken.
     PREFILL instances take them only when no other serving instance can (the last decode instance is
-    draining): they decode too, and hand the requests on once a decode instance serves again."""
+    draining) and `may_use_prefill` (no decoding instance sits this tick out): they decode too, and hand the
+    requests on once a decode instance serves again."""
     destinations = sorted((p for p in serving if p.can_receive), key=destination_order)
-    if not any(p.has_room for p in serving):  # (not where one has room but its migration slots are busy a while)
+    if may_use_prefill and not any(p.has_room for p in serving):  # (not one whose migration slots are busy a while)
         destinations = sorted((p for p in serving if p.load.num_free_blocks > 0 and p.load.has_free_migration_slot),
                               key=destination_order)
     sources = [p for p in sorted(draining, key=lambda p: p.instance_id) if p.num_requests and p.can_send]

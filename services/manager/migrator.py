@@ -184,7 +184,8 @@ class Migrator:
         peers = self._peers()
         serving = [p for p in peers if not p.is_draining]
         allowed = self._is_not_backing_off  # a destination that keeps refusing leaves the next-freest one to try
-        pairs = pair_drains([p for p in peers if p.is_draining], serving, allowed)
+        pairs = pair_drains([p for p in peers if p.is_draining], serving, allowed,
+                            may_use_prefill=not self._is_a_decoder_sitting_out(peers))
         pairs += pair_prefilled([p for p in serving if p.instance_id not in _taken(pairs)], allowed)
         if self._settings.is_enabled:  # loads do not show a move in flight yet: a busy peer sits load moves out
             pairs += self._pairing.pair([p for p in serving if p.instance_id not in _taken(pairs)
@@ -333,6 +334,13 @@ class Migrator:
                 continue
             peers.append(self._peer(view))
         return peers
+
+    def _is_a_decoder_sitting_out(self, peers: list[Peer]) -> bool:
+        """Whether a serving instance that decodes is no peer this tick (a migration of ours holds it, or it waits
+        for its next report after one): a drain waits for it rather than send its requests to a PREFILL one."""
+        ids = {p.instance_id for p in peers}
+        return any(v.state is InstanceState.SERVING and v.record.role is not Role.PREFILL and v.is_heard
+                   and v.record.instance_id not in ids for v in self._view.instances())
 
     def _peer(self, view: InstanceView) -> Peer:
         return Peer.of(view, is_draining=view.state is InstanceState.DRAINING,

@@ -566,6 +566,27 @@ async def test_a_drain_onto_a_prefill_instance_says_it_chose_it_on_purpose():
     assert convert.migrate_out_request_to_proto(order).can_decode_on_prefill
 
 
+async def test_a_drain_waits_for_a_decode_instance_that_sits_a_tick_out_rather_than_use_a_prefill_one():
+    """After a drain's move to the only other decode instance, the drained one reported first: the decode instance,
+    waiting for its own report, was no peer, and the next request went to the PREFILL instance (the last resort,
+    for when no decode instance serves), which hands it on again."""
+    clock = FakeClock()
+    view = ClusterView(report_timeout_s=3.0, clock=clock)
+    for instance_id, role in (("d1", Role.DECODE), ("d2", Role.DECODE), ("p", Role.PREFILL)):
+        view.put_member(make_record(instance_id, role=role))
+        report(view, instance_id, 3 if instance_id == "d1" else 0)
+    view.mark_drained(InstanceId("d1"))
+    migrator = make_migrator(view, clock, FakeSources(), settings=MigrationSettings(is_enabled=False))
+    assert routes(migrator.tick()) == [("d1", "d2", MigrationTrigger.DRAIN)]
+    await settle(migrator)
+    clock.advance(0.1)
+    report(view, "d1", 2)  # d2's report is not in yet
+    assert migrator.tick() == []
+    report(view, "d2", 1)
+    assert routes(migrator.tick()) == [("d1", "d2", MigrationTrigger.DRAIN)]
+    await settle(migrator)
+
+
 async def test_a_destination_that_refuses_by_its_role_leaves_the_next_tick_to_another():
     """Its record may still show it decode (the SetRole's record on its way): the pair backs off."""
     clock = FakeClock()

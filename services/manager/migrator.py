@@ -39,12 +39,12 @@ from typing import Protocol
 
 import structlog
 
-from services.common.errors import FailedPrecondition, FerryError, NotFound, ResourceExhausted
-from services.common.ids import check_id
+from services.common.errors import FerryError, ResourceExhausted
 from services.common.periodic import periodic_loop
 from services.common.pick_announcement import AnnouncedPick
 from services.common.task_errors import read_error
 from services.manager import metrics
+from services.manager.admin_orders import AdminOrders
 from services.manager.migration_accounting import account, note_source_busy
 from services.manager.migration_adopt import Adopter, UnknownRecords
 from services.manager.cluster_view import ClusterView
@@ -54,7 +54,7 @@ from services.manager.migration import (MigrationFigures, MigrationOrder, Migrat
                                         MigrationSelection, MigrationSettings, MigrationTrigger, SourceBusy)
 from services.manager.migration_settle import (LOOKS_AT_S, UNANSWERED_STATUSES, HeldRequest, Settler,
                                                SourceUnanswered, SourceUnreached)
-from services.manager.migration_policies import (Pair, PairingPolicy, Peer, destination_order, make_pairing, pair_drains,
+from services.manager.migration_policies import (Pair, PairingPolicy, Peer, make_pairing, pair_drains,
                                                  pair_prefilled)
 
 log = structlog.get_logger(__name__)
@@ -120,6 +120,7 @@ class Migrator:
         self._record_sink = record_sink
         self._tasks: set[asyncio.Task[None]] = set()
         self._announced_drained: set[InstanceId] = set()
+        self._admin_orders = AdminOrders(view, self._peer)
         self._settler = Settler(client, self._settled, limits.settle_looks_at_s,  # unanswered ones: what became of them
                                 leading_term=self._leading_term)
         # The unknown ones an earlier term left in the journal (`journaled`), settled once this manager leads
@@ -265,35 +266,11 @@ class Migrator:
                                     exc.request_id) from exc
 
     def admin_order(self, src_id: str, dst_id: str, request_id: str) -> MigrationOrder:
-        """An AdminService.Migrate order: NotFound for unknown instances, FailedPrecondition for a bad destination."""
-        src = self._member(src_id, "source", "src_instance_id")
-        dst = self._member(dst_id, "destination", "dst_instance_id") if dst_id else self._freest_other(src)
-        if dst.record.instance_id == src.record.instance_id:
-            raise FailedPrecondition(f"source and destination are both {src_id}; name another dst_instance_id "
-                                     "(ferryctl --dst) or leave it empty for the freest serving instance")
-        if dst.state is not InstanceState.SERVING:
-            raise FailedPrecondition(f"destination {dst.record.instance_id} is {dst.state.value}; "
-                                     "pick a serving instance (see ListInstances)")
-        if dst.record.role is Role.PREFILL:
-            raise FailedPrecondition(f"destination {dst.record.instance_id} is a prefill instance: it would hand "
-                                     "the request straight on to a decode instance; name a decode or mixed "
-                                     "instance, or leave dst_instance_id (ferryctl --dst) empty")
-        return MigrationOrder(src.record.instance_id, src.record.address, dst.record.instance_id, dst.record.address,
-                              MigrationTrigger.ADMIN, self._settings.selection, request_id=request_id,
-                              backend=self._limits.backend, dst_max_model_len=dst.record.max_model_len)
+        """An AdminService.Migrate order (admin_orders.py has the checks)."""
+        return self._admin_orders.order(src_id, dst_id, request_id, self._settings.selection, self._limits.backend)
 
     def busiest_source(self, dst_id: str = "") -> str:
-        """Where an admin Migrate that names no request and no source moves from: the least free
-        instance (ties by id) with a request running or waiting, other than `dst_id` (NotFound if that
-        names no instance: said before "nothing to migrate", which would send the caller elsewhere)."""
-        if dst_id:
-            self._member(dst_id, "destination", "dst_instance_id")
-        busy = [v for v in self._view.instances() if v.held_load.num_running + v.held_load.num_waiting > 0
-                and v.state is not InstanceState.UNHEALTHY and v.record.instance_id != dst_id]
-        if not busy:
-            raise FailedPrecondition("nothing to migrate: no instance reports a running or waiting request "
-                                     "(see ListRequests)")
-        return min(busy, key=lambda v: (v.held_load.freeness, v.record.instance_id)).record.instance_id
+        return self._admin_orders.busiest_source(dst_id)
 
     def keep_reported(self, record: MigrationRecord) -> None:
         """A migration an instance ran on its own (the PD push): kept, counted and logged like ours. One that
@@ -455,23 +432,8 @@ class Migrator:
             log.info("instance_drained_empty", instance_id=instance_id)
         self._announced_drained = drained
 
-    def _member(self, instance_id: str, role: str, field: str) -> InstanceView:
-        check_id(field, instance_id)
-        if not self._view.has_member(instance_id):
-            raise NotFound(f"{role} instance {instance_id!r} is not registered; see ListInstances for the ids")
-        return self._view.instance(InstanceId(instance_id))
-
     def _address_of(self, instance_id: str) -> str:
         return self._view.instance(InstanceId(instance_id)).record.address if self._view.has_member(instance_id) else ""
-
-    def _freest_other(self, src: InstanceView) -> InstanceView:
-        others = [v for v in self._view.instances() if v.state is InstanceState.SERVING
-                  and v.record.instance_id != src.record.instance_id and Peer.of(v, False).can_receive]
-        if not others:
-            raise FailedPrecondition(f"no other serving instance has a free KV block, batch slot and migration slot "
-                                     f"to take a request from {src.record.instance_id}; start one, undrain one "
-                                     "(python -m services.ctl drain ID --undo) or try again when one has room")
-        return min(others, key=lambda v: destination_order(self._peer(v)))
 
 
 def _taken(pairs: list[Pair]) -> set[InstanceId]:

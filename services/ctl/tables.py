@@ -68,6 +68,10 @@ def status_table(status: ClusterStatus, num_unreported: int = 0) -> str:
     leader = f"{status.leader_id} ({status.leader_address})" if status.leader_id else "none elected"
     unreported = [("load unknown", f"{_count(num_unreported, 'instance')} not reported to {status.answered_by} yet: "
                                    "the figures above count them as idle")] if num_unreported else []
+    leaderless = [] if status.leader_id else [
+        ("no leader", f"{status.answered_by}'s view: no load reports reach it, so it counts instances as unhealthy "
+                      "that may well serve (etcd unreachable, or an election under way; frontends place requests "
+                      "themselves meanwhile)")]
     return render_table(("", ""), [
         ("leader", leader),
         ("answered by", status.answered_by),
@@ -78,6 +82,7 @@ def status_table(status: ClusterStatus, num_unreported: int = 0) -> str:
         ("dispatched", str(status.num_dispatched)),
         ("average freeness", f"{status.average_freeness:.1f}"),
         *unreported,
+        *leaderless,
     ]).split("\n", 1)[1]
 
 

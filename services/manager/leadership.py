@@ -47,7 +47,11 @@ class Leadership:
 
     @property
     def leader(self) -> Leader | None:
-        return self.me if self.is_leader else self._watched
+        """This manager while it leads; else the leader key as last seen, except a key that still names this
+        manager after it lost (etcd away past the lease TTL: no manager leads until the key changes)."""
+        if self.is_leader:
+            return self.me
+        return None if self._watched == self.me else self._watched
 
     def set_watched_leader(self, leader: Leader | None) -> None:
         self._watched = leader
@@ -56,8 +60,8 @@ class Leadership:
         """Raise Unavailable (naming the leader, if known) unless this manager leads."""
         if self.is_leader:
             return
-        leader = self._watched
-        if leader is None or leader == self.me:  # no leader, or the key still names us after we lost
+        leader = self.leader
+        if leader is None:  # no leader, or the key still names us after we lost
             raise Unavailable(f"manager {self.me.manager_id} is not the leader and no leader is elected yet; "
                               "dispatch locally and retry")
         raise Unavailable(f"not the leader; leader is at {leader.address} (manager {leader.manager_id})")

@@ -321,6 +321,26 @@ async def test_standby_refuses_dispatch_then_takes_over_when_the_leader_dies(man
         await wait_reported(to_standby, "i-a")  # the instance found the new leader
 
 
+async def test_a_leader_cut_off_from_etcd_past_its_ttl_says_no_manager_leads(managers, running_etcd):
+    """etcd down longer than the lease TTL: the leader steps down, but the leader key it last saw still names
+    it (the watch cannot see the key go). Its GetClusterStatus said `leader m-1` all the same, so `ferryctl
+    status` named a leader that neither dispatched nor took load reports for as long as etcd stayed away."""
+    leader = await managers("m-1")
+    await lead(leader)
+    running_etcd.terminate()
+    stopped_at = time.monotonic()
+    async with ManagerClient(leader.address) as client:
+        async def no_leader():
+            status = await client.get_cluster_status()
+            return status.leader_id == "" and status.answered_by == "m-1"
+        await wait_until(no_leader, LEASE_TTL_S + 5, "m-1 saying no manager leads")
+        print(f"no leader reported {time.monotonic() - stopped_at:.2f} s after etcd stopped (TTL {LEASE_TTL_S} s)")
+        with pytest.raises(Unavailable, match="no leader is elected yet"):
+            await client.dispatch("r-1", 10)
+        running_etcd.start()
+        await lead(leader)  # back by itself once etcd answers
+
+
 async def _try_dispatch(client: ManagerClient):
     try:
         return await client.dispatch("r-takeover", 10, timeout_s=0.5)

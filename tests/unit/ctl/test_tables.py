@@ -64,6 +64,16 @@ def test_status_says_how_many_instances_its_figures_count_as_idle():
         "3 instances not reported to manager-1 yet: the figures above count them as idle")
 
 
+def test_status_without_a_leader_says_whose_view_it_is():
+    """etcd down past the lease TTL: the manager answering leads no more and gets no load reports, so its
+    view has every instance unhealthy; the operator is told why rather than left to believe it."""
+    status = ClusterStatus("", "", "manager-0", "load", 3, 0, 0, 3, 4, 0, 0, 0.0)
+    lines = status_table(status).splitlines()
+    assert lines[0].split() == ["leader", "none", "elected"]
+    assert lines[-1].startswith("no leader") and "manager-0's view" in lines[-1] and "etcd unreachable" in lines[-1]
+    assert "no leader" not in status_table(dataclasses.replace(status, leader_id="manager-0"))
+
+
 def test_load_table_draws_a_usage_bar_and_rates():
     text = load_table([instance(free=128)], {"instance-0": 1.5})
     header, row = text.splitlines()

@@ -10,6 +10,7 @@ from services.ctl.records import ClusterStatus, DrainResult, InstanceRow, Migrat
 
 _BAR_WIDTH = 10
 UNKNOWN = "?"  # a cell whose figure the answering manager does not have
+NOT_MEASURED = "-"  # a rate with one sample so far (the first frame of `top`)
 MESSAGE_CHARS = 100  # a migration's message in `migrations` (the whole of it: --json)
 
 
@@ -39,7 +40,8 @@ def instances_table(rows: Sequence[InstanceRow]) -> str:
 
 
 def load_table(rows: Sequence[InstanceRow], served_per_s: dict[str, float]) -> str:
-    """The `top` view: a KV usage bar and throughput per instance."""
+    """The `top` view: a KV usage bar and throughput per instance (`-` where no rate is measured yet: the first
+    frame, so the snapshot of `top --iterations 1`, had 0.00 for a busy instance)."""
     if not rows:
         return "no instances registered"
     headers = ("INSTANCE", "ROLE", "STATE", "RUN", "WAIT", "SLOTS", "KV USED", "", "FREENESS", "REQ/S", "SERVED",
@@ -47,7 +49,7 @@ def load_table(rows: Sequence[InstanceRow], served_per_s: dict[str, float]) -> s
     return render_table(headers, [
         (r.instance_id, r.role, r.shown_state, _load(r, r.num_running), _load(r, r.num_waiting), r.slots,
          _load(r, _bar(r.kv_used_fraction)), _load(r, f"{r.kv_used_fraction:6.1%}"), _load(r, r.freeness),
-         _load(r, served_per_s.get(r.instance_id, 0.0)), _load(r, r.num_requests_served), _age(r.report_age_s))
+         _load(r, served_per_s.get(r.instance_id, NOT_MEASURED)), _load(r, r.num_requests_served), _age(r.report_age_s))
         for r in rows])
 
 

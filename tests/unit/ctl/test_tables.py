@@ -82,6 +82,12 @@ def test_load_table_draws_a_usage_bar_and_rates():
     assert "[#####.....]" in text and " 1.50 " in text
 
 
+def test_load_table_shows_a_rate_not_measured_yet_as_a_dash_not_zero():
+    """The first frame (all of `top --iterations 1`) has one sample of each counter: no rate, not 0.00."""
+    row = load_table([instance(free=128)], {}).splitlines()[1].split()
+    assert row[9] == "-" and row[10] == "7"
+
+
 def test_requests_table_names_silent_instances():
     listing = RequestList((RequestRow("r-1", "instance-0", "running", 12, 6),), ("instance-1",))
     lines = requests_table(listing).splitlines()

@@ -111,8 +111,10 @@ class MigrationInbox:
         `block_hashes` (the request's full blocks; first call only): start from the blocks cached here, and
         answer their crc32. `keep_cached_blocks` (a later call): keep only that many of them, fresh blocks
         in the others' places (their bits were not the source's)."""
-        if not migration_id or num_blocks < 0:
-            raise InvalidArgument("migration_id: required; num_blocks: must be >= 0")
+        if not migration_id:
+            raise InvalidArgument("migration_id: required")
+        if num_blocks < 0:
+            raise InvalidArgument(f"num_blocks: must be >= 0, got {num_blocks}")
         if len(block_hashes) > num_blocks:
             raise InvalidArgument(f"block_hashes: {len(block_hashes)} hashes for {num_blocks} blocks; send the hashes "
                                   "of the request's full blocks only")

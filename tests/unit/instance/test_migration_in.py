@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.common.errors import Aborted, Unavailable
+from services.common.errors import Aborted, InvalidArgument, Unavailable
 from services.instance.migration_in import MigrationInbox, TransferEndpoint
 from services.instance.migration_slots import MigrationSlots
 from tests.unit.loop_checks import assert_cancels, until
@@ -277,3 +277,15 @@ async def test_aborted_migrations_are_remembered_for_the_reservation_timeout():
     await asyncio.sleep(0.15)
     await inbox.prepare("m-1", "r-1", "src", num_blocks=1)  # a Prepare that late: the watchdog's again
     assert inbox.num_incoming == 1
+
+
+async def test_a_bad_prepare_names_the_field_that_is_wrong_only():
+    """An empty migration_id was refused with 'migration_id: required; num_blocks: must be >= 0', naming a
+    num_blocks of 0 that is fine (h_ops7: PrepareMigrateIn {} through reflection)."""
+    inbox = MigrationInbox(FakeRunner(FakeEngine()), MigrationSlots(4), timeout_s=1.0, transfer=TransferEndpoint("", ""))
+    with pytest.raises(InvalidArgument) as missing_id:
+        await inbox.prepare("", "r-1", "src", num_blocks=0)
+    assert missing_id.value.message == "migration_id: required"
+    with pytest.raises(InvalidArgument) as negative:
+        await inbox.prepare("m-1", "r-1", "src", num_blocks=-2)
+    assert negative.value.message == "num_blocks: must be >= 0, got -2"

@@ -34,6 +34,8 @@ _BACKEND_PREFIX = "TRANSFER_BACKEND_"
 
 
 def dispatch_ask_from_proto(request: manager_pb2.DispatchRequest) -> DispatchAsk:
+    if not request.request_id:
+        raise InvalidArgument("request_id: required (the id the request will run under on its instance)")
     if request.num_prompt_tokens < 0:
         raise InvalidArgument(f"num_prompt_tokens must be >= 0, got {request.num_prompt_tokens}")
     if request.max_tokens < 0:

@@ -5,7 +5,7 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2
-from services.manager.convert import (held_request_from_proto, instance_to_proto, load_from_proto,
+from services.manager.convert import (dispatch_ask_from_proto, held_request_from_proto, instance_to_proto, load_from_proto,
                                       migrate_response_to_proto,
                                       migration_figures_from_proto, migration_record_to_proto,
                                       reported_migration_from_proto)
@@ -107,3 +107,11 @@ def test_a_held_request_names_the_migration_that_brought_it():
     info = instance_pb2.RequestInfo(request_id="r", state="running", origin=instance_pb2.REQUEST_ORIGIN_MIGRATED_IN,
                                     migrated_from_instance_id="a", migration_id="a-0123")
     assert held_request_from_proto(info) == HeldRequest(RequestOrigin.MIGRATED_IN, "a", "a-0123")
+
+
+def test_a_dispatch_without_a_request_id_is_refused_naming_the_field():
+    """Dispatch {} placed a request (counting a reservation for one that would never come, logged with an
+    empty request_id) where every other RPC that takes a request refuses it (h_ops7, reflection)."""
+    with pytest.raises(InvalidArgument, match="^request_id: required"):
+        dispatch_ask_from_proto(manager_pb2.DispatchRequest(num_prompt_tokens=3))
+    assert dispatch_ask_from_proto(manager_pb2.DispatchRequest(request_id="r-1", num_prompt_tokens=3)).request_id == "r-1"

@@ -29,6 +29,7 @@ from etcd3aio.kv import KVService
 from services.common import etcd_wait
 from services.common.backoff import Backoff
 from services.common.cluster_keys import ClusterKeys, cluster_prefix
+from services.common.error_text import error_text
 from services.common.errors import Unavailable
 from services.common.etcd_client import DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, EtcdAccess, Lease
 from services.common.member_ids import (TakenIds, granted_ttl_s, held_by_live_process, holder, put_unless_held,
@@ -296,6 +297,17 @@ class Registry(ClusterKeys):
 
     # -- lifecycle ---------------------------------------------------------------------
 
+    async def _revoke_lease(self, lease: Lease) -> None:
+        """Revoke `lease`, deleting our keys at once; an etcd that does not answer leaves them to the lease's TTL
+        (counted again from when etcd serves again, if it was down), which the log then says."""
+        try:
+            await lease.revoke()
+        except ETCD_ERRORS as exc:
+            log.warning("lease_not_revoked", lease_id=f"{lease.lease_id:x}", error=error_text(exc),
+                        expires_within_s=self.ttl_s)
+            return
+        log.info("lease_revoked", lease_id=f"{lease.lease_id:x}")
+
     async def close(self) -> None:
         """Stop renewing, revoke the lease (deleting our keys), stop views, close the client."""
         if self._keepalive_task is not None:
@@ -306,9 +318,7 @@ class Registry(ClusterKeys):
         await self._close_views()
         async with self._lock:  # an update() in flight ends first; one after it finds us unregistered
             if self._lease is not None:
-                with contextlib.suppress(*ETCD_ERRORS):  # unreachable etcd: the lease expires by itself
-                    await self._lease.revoke()
-                log.info("lease_revoked", lease_id=f"{self._lease.lease_id:x}")
+                await self._revoke_lease(self._lease)
                 self._lease = None
             self.is_registered = False
             await self._close_client()

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from etcd3aio import Etcd3Client
+from structlog.testing import capture_logs
 
 from services.common.errors import FailedPrecondition, Unavailable
 from services.common.etcd_launcher import LocalEtcd, free_port
@@ -231,6 +232,24 @@ async def test_an_update_while_the_registry_closes_against_a_stopped_etcd(regist
     await asyncio.sleep(0.05)  # close() is revoking the lease, retrying against the stopped etcd
     await asyncio.wait_for(member.update("transfer", "t-1", {"instances": []}), 10)
     await asyncio.wait_for(closing, 10)
+
+
+async def test_a_close_says_whether_its_lease_was_revoked(registries, running_etcd: LocalEtcd) -> None:
+    """An instance SIGTERMed while etcd was down logged `lease_revoked` though the revoke had failed: its
+    record stays a TTL after etcd serves again (etcd restores leases), and the log said it was gone."""
+    member, observer = registries
+    await member.register("instance", "i-1", {"address": "127.0.0.1:1"})
+    with capture_logs() as logs:
+        await asyncio.wait_for(member.close(), 10)
+    assert [e["event"] for e in logs if e["event"].startswith("lease_")] == ["lease_revoked"]
+
+    await observer.register("instance", "i-2", {"address": "127.0.0.1:2"})
+    running_etcd.terminate()
+    with capture_logs() as logs:
+        await asyncio.wait_for(observer.close(), 20)
+    lease_events = [e for e in logs if e["event"].startswith("lease_")]
+    assert [e["event"] for e in lease_events] == ["lease_not_revoked"]
+    assert lease_events[0]["log_level"] == "warning" and lease_events[0]["expires_within_s"] == TTL_S
 
 
 async def test_register_fails_fast_without_etcd(cluster: str) -> None:

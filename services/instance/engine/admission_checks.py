@@ -17,8 +17,8 @@ def check_queue_room(num_waiting: int, max_num_waiting: int) -> None:
     """A new request past the waiting-queue bound (0: none) is refused (resumed ones never are: their
     streams are already under way, and the cluster holds them anyway)."""
     if max_num_waiting and num_waiting >= max_num_waiting:
-        raise ResourceExhausted(f"{num_waiting} requests are already waiting for a batch slot on this "
-                                f"instance (--max-waiting-requests {max_num_waiting}); "
+        raise ResourceExhausted(f"{num_waiting} requests are already waiting to start on this "
+                                f"instance (for a batch slot or KV blocks; --max-waiting-requests {max_num_waiting}); "
                                 "retry later or on another instance")
 
 

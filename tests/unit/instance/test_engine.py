@@ -648,7 +648,7 @@ def test_the_waiting_queue_is_bounded_for_new_requests_only(gqa, make_engine):
     engine = make_engine(gqa, max_num_seqs=1, max_num_waiting=2)
     engine.add_request("a", [1, 2], GREEDY)
     engine.add_request("b", [1, 2], GREEDY)
-    with pytest.raises(ResourceExhausted, match="2 requests are already waiting.*--max-waiting-requests 2"):
+    with pytest.raises(ResourceExhausted, match="2 requests are already waiting to start.*batch slot or KV blocks; --max-waiting-requests 2"):
         engine.add_request("c", [1, 2], GREEDY)
     engine.add_request("resumed", [1, 2], replace(GREEDY, max_tokens=8), resume_token_ids=[3])  # a stream under way
     engine.step()  # "a" runs; "b" and "resumed" wait

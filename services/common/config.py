@@ -67,7 +67,7 @@ def parse_config(cls: type[C], service: str, argv: Sequence[str] | None = None,
     parser = build_parser(cls, service, description, prog)
     args = parser.parse_args(argv)
     config_path = args.config or env.get(env_name(service, "config"))
-    file_values = _load_file(config_path, parser)
+    file_values, file_texts = _load_file(config_path, parser)
     _check_file_keys(cls, file_values, config_path, parser)
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
@@ -76,7 +76,8 @@ def parse_config(cls: type[C], service: str, argv: Sequence[str] | None = None,
         if raw is None and env_name(service, field.name) in env:
             raw, source = env[env_name(service, field.name)], env_name(service, field.name)
         if raw is None and field.name in file_values:  # an explicit `null` in the file means None
-            raw, source = file_values[field.name], f"{config_path}:{field.name}"
+            raw, source = _as_written(file_values[field.name], file_texts.get(field.name), kind), \
+                f"{config_path}:{field.name}"
             if raw is None:
                 values[field.name] = None
                 continue
@@ -281,13 +282,37 @@ def _check_file_keys(cls: type, file_values: Mapping[str, Any], path: str | None
         parser.error(f"--config {path}: unknown option(s) {hints}; `--help` lists them (file keys use _ for -)")
 
 
-def _load_file(path: str | None, parser: argparse.ArgumentParser) -> dict[str, Any]:
+def _load_file(path: str | None, parser: argparse.ArgumentParser) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The file's values as YAML types them, and as written (every scalar as its text: `0001`, not 1)."""
     if path is None:
-        return {}
+        return {}, {}
     try:
-        data = yaml.safe_load(pathlib.Path(path).read_text()) or {}
+        text = pathlib.Path(path).read_text()
+        data = yaml.safe_load(text) or {}
+        written = yaml.load(text, Loader=yaml.BaseLoader) or {}  # BaseLoader: str, list, dict only
     except (OSError, yaml.YAMLError) as exc:
         parser.error(f"--config {path}: {exc}")
     if not isinstance(data, dict):
         parser.error(f"--config {path}: expected a mapping of option names to values")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+    return ({str(k).replace("-", "_"): v for k, v in data.items()},
+            {str(k).replace("-", "_"): v for k, v in written.items()})
+
+
+def _as_written(value: Any, text: Any, kind: Any) -> Any:
+    """A text knob (str, a path, a list of them) takes the file's scalars as written: YAML reads `instance_id: 0001`
+    as the number 1, `name: 1.10` as 1.1 and `cluster: off` as False before a type is known. Anything else (an
+    explicit null, a mapping for a JSON knob, a number for a number knob) keeps the value YAML gave it."""
+    is_list = typing.get_origin(kind) in (list, tuple)
+    inner = typing.get_args(kind)[0] if is_list else _optional_inner(kind)
+    if value is None or inner not in (str, pathlib.Path):
+        return value
+    if is_list and isinstance(value, list) and isinstance(text, list) and all(isinstance(t, str) for t in text):
+        return text
+    return text if isinstance(text, str) and not isinstance(value, (Mapping, list)) else value
+
+
+def _optional_inner(kind: Any) -> Any:
+    """`T` for `T | None`, else `kind`."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return next((arg for arg in typing.get_args(kind) if arg is not type(None)), kind)
+    return kind

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
+from etcd3aio import Etcd3Client
 from etcd3aio.kv import KVService
 
 from services.common import etcd_wait
@@ -63,7 +64,8 @@ class Registry(ClusterKeys):
         self._taken = TakenIds()
         self._lock = asyncio.Lock()  # guards _lease and writes of _entries
         self._renewed_at = 0.0  # monotonic time of the last successful grant or renewal
-        self.is_registered = False
+        self._lease_valid_until = float("-inf")  # monotonic: a TTL after the last grant or renewal was asked for
+        self._is_registered = False  # as the keepalive loop last found it (is_registered adds the local clock)
         self.num_reregistrations = 0
         self._has_registered = False
         self._callbacks: list[RegistrationCallback] = []
@@ -72,6 +74,13 @@ class Registry(ClusterKeys):
     @property
     def lease_id(self) -> int | None:
         return self._lease.lease_id if self._lease else None
+
+    @property
+    def is_registered(self) -> bool:
+        """Registered, and by our own clock the lease cannot have expired yet: a process frozen past its TTL
+        (SIGSTOP, a stalled VM) is unregistered the moment it runs again, before the renewal that would tell it
+        (as `Election.holds_lease`). Whoever acts under our ids outside etcd (load reports) asks this."""
+        return self._is_registered and time.monotonic() < self._lease_valid_until
 
     # -- registration ------------------------------------------------------------------
 
@@ -87,15 +96,17 @@ class Registry(ClusterKeys):
         """Put the key under this registry's lease and keep it there until close(). False for a mark (a value naming
         no address) where another's mark is there already: left to it, not held.
 
-        Raises Unavailable if etcd cannot be reached now (startup should fail fast).
+        Raises Unavailable if etcd cannot be reached now (startup should fail fast). A lease the local clock says may
+        have ended (the process was frozen past its TTL) is renewed first, or replaced and every entry put again.
         """
         client = await self._connect()
         key = self.key(kind, member_id)
         try:
+            if self._lease is not None and time.monotonic() >= self._lease_valid_until:
+                await self._renew_or_reregister()  # frozen past the TTL: not under a lease etcd may have ended
             async with self._lock:
                 if self._lease is None:
-                    self._lease = await Lease.grant(client, self.ttl_s, self._rpc_timeout_s)
-                    self._renewed_at = time.monotonic()
+                    await self._grant(client)
             is_held = await self._claim(key, value)
         except ETCD_ERRORS as exc:
             raise Unavailable(f"cannot register {key} in etcd at {','.join(self.endpoints)}: {exc!r}; "
@@ -150,7 +161,7 @@ class Registry(ClusterKeys):
             raise KeyError(f"{key} is not registered; call register() first")
         async with self._lock:
             self._entries[key] = value
-            if not self.is_registered:
+            if not self._is_registered:
                 return  # written on re-registration
             try:
                 await self._put(key, value)
@@ -197,17 +208,19 @@ class Registry(ClusterKeys):
 
     async def _renew_or_reregister(self) -> None:
         async with self._lock:
+            asked_at = time.monotonic()
             if self._lease is not None and not await self._lease.keepalive():
                 log.warning("lease_expired", lease_id=f"{self._lease.lease_id:x}")
                 self._lease = None
                 self._may_be_taken = True
                 self._lost_registration()
             if self._lease is None:
-                self._lease = await Lease.grant(self._client, self.ttl_s, self._rpc_timeout_s)
-            self._renewed_at = time.monotonic()
-            if self.is_registered and not self._needs_put:
+                await self._grant(self._client)
+            else:
+                self._note_renewed(asked_at)
+            if self._is_registered and not self._needs_put:
                 await self._check_keys()
-            if (self._needs_put or not self.is_registered) and not await self._put_all():
+            if (self._needs_put or not self._is_registered) and not await self._put_all():
                 return  # an id of ours is another process's now: unregistered until it leaves
         self._set_registered(True)
 
@@ -256,7 +269,7 @@ class Registry(ClusterKeys):
             if (reason := await self._marks.put_back(self._client, key, self._entries[key], self._lease.lease_id,
                                                      [record for record, _ in records], self._rpc_timeout_s)) is not None:
                 self._withdraw_mark(key, reason)
-        if not self.is_registered and self._has_registered:
+        if not self._is_registered and self._has_registered:
             self.num_reregistrations += 1
             log.info("members_reregistered", keys=sorted(self._entries), lease_id=f"{self._lease.lease_id:x}",
                      num_reregistrations=self.num_reregistrations)
@@ -267,6 +280,16 @@ class Registry(ClusterKeys):
         self._entries.pop(key, None)
         self._marks.withdraw(key, reason)
 
+    async def _grant(self, client: Etcd3Client) -> None:
+        asked_at = time.monotonic()
+        self._lease = await Lease.grant(client, self.ttl_s, self._rpc_timeout_s)
+        self._note_renewed(asked_at)
+
+    def _note_renewed(self, asked_at: float) -> None:
+        """etcd granted or renewed the lease we asked for at `asked_at`: it lives at least a TTL from then."""
+        self._renewed_at = time.monotonic()
+        self._lease_valid_until = asked_at + self.ttl_s
+
     async def _put(self, key: str, value: dict[str, Any]) -> Any:
         return await put_value(self._client, key, value, self._lease.lease_id, self._rpc_timeout_s)
 
@@ -276,7 +299,7 @@ class Registry(ClusterKeys):
             log.debug("lease_renew_failed", error=repr(exc), silent_s=round(silent_s, 2))
         else:  # not etcd being away: a bug or an answer we did not expect
             log.warning("lease_renew_failed", error=repr(exc), silent_s=round(silent_s, 2), exc_info=exc)
-        if self.is_registered and silent_s > self.ttl_s:
+        if self._is_registered and silent_s > self.ttl_s:
             log.warning("lease_lost", error=repr(exc), silent_s=round(silent_s, 2), ttl_s=self.ttl_s)
             self._lost_registration()
 
@@ -285,9 +308,9 @@ class Registry(ClusterKeys):
         self._set_registered(False)
 
     def _set_registered(self, is_registered: bool) -> None:
-        if is_registered == self.is_registered:
+        if is_registered == self._is_registered:
             return
-        self.is_registered = is_registered
+        self._is_registered = is_registered
         self._has_registered = self._has_registered or is_registered
         for callback in list(self._callbacks):
             try:
@@ -320,5 +343,5 @@ class Registry(ClusterKeys):
             if self._lease is not None:
                 await self._revoke_lease(self._lease)
                 self._lease = None
-            self.is_registered = False
+            self._is_registered = False
             await self._close_client()

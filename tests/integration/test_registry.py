@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -183,6 +184,24 @@ async def test_an_id_held_by_a_process_that_stopped_is_taken_once_its_lease_runs
             assert response.kvs[0].lease == restarted.lease_id
     finally:
         await restarted.close()
+
+
+async def test_a_process_frozen_past_its_ttl_is_unregistered_the_moment_it_runs_again(registries,
+                                                                                     raw_etcd: Etcd3Client) -> None:
+    """A process frozen (SIGSTOP, a stalled VM) past its lease TTL counted itself registered, and sent load reports
+    under its id (another process's by then, maybe), until its next renewal came back. Like a leader's
+    `holds_lease`, `is_registered` now also asks the local clock: False from the first moment it runs again."""
+    member, _ = registries
+    states = []
+    member.on_registration_change(states.append)
+    await member.register("instances", "i-1", {"address": "127.0.0.1:1"})
+    old_lease = member.lease_id
+    time.sleep(TTL_S + 0.5)  # the whole event loop frozen: no renewal ran
+    assert not member.is_registered, "a process frozen past its lease counted itself registered"
+    await eventually(lambda: member.is_registered, what="registered again")
+    assert states == [True, False, True] and member.lease_id != old_lease
+    response = await raw_etcd.kv.get(member.key("instances", "i-1"), timeout=5)
+    assert response.kvs[0].lease == member.lease_id
 
 
 async def test_paused_etcd_loses_registration_then_it_comes_back(registries, running_etcd: LocalEtcd) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from etcd3aio import Etcd3Client
@@ -201,6 +202,24 @@ async def test_an_operators_drain_then_undrain_no_renewal_saw_stands(draining, c
     await _expire_while_frozen(registry, client, drain_and_undrain)
     await eventually(lambda: registry.num_reregistrations == 1, what="re-registration")
     assert not (await client.kv.get(mark, timeout=5)).kvs and not registry.holds(DRAIN_MARKS, INSTANCE)
+
+
+async def test_a_self_drain_right_after_a_freeze_past_the_lease_goes_under_a_new_lease(etcd, cluster) -> None:
+    """SIGTERM handled the moment a process frozen past its lease TTL ran again: the self-drain mark was put under
+    the lease etcd had ended, etcd refused it (`self_drain_failed`), and nothing moved its requests off before the
+    grace cut them. A lease the local clock says may be gone is renewed, or replaced, before the mark is put."""
+    registry = Registry([etcd.endpoint], cluster, ttl_s=2.0)
+    try:
+        await registry.register("instances", INSTANCE, {"address": "127.0.0.1:1"})
+        old_lease = registry.lease_id
+        time.sleep(3.0)  # the whole event loop frozen past the TTL: etcd ends the lease
+        await drain_self(registry, INSTANCE)
+        assert registry.holds(DRAIN_MARKS, INSTANCE), "the self-drain was lost with the ended lease"
+        (kv,) = (await registry._client.kv.get(f"/ferry/{cluster}/{MARK}", timeout=5)).kvs
+        assert kv.lease == registry.lease_id != old_lease and json.loads(kv.value)["drained_by"] == "shutdown"
+        await eventually(lambda: registry.is_registered, what="registered again")
+    finally:
+        await registry.close()
 
 
 async def test_an_operators_drain_landing_just_before_the_self_drain_is_kept(etcd, cluster, monkeypatch) -> None:

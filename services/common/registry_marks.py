@@ -7,6 +7,9 @@ A mark gone when the registry comes back after its lease expired went either wit
 Undrain that no renewal read back before the lease ended: the renewals had stopped). etcd's history tells them
 apart: the lease's expiry deletes all its keys in one revision, so a mark deleted while a member record of ours
 was still under that lease went before it. Where the history is gone (etcd keeps an hour) the mark is put back.
+A mark gone under the lease we are putting our keys back under (a record of ours was deleted) counts as deleted only
+where etcd says, after that read, that the lease still lives: else it may have gone with the lease, which ended in
+between, and is judged as above once the registry holds a new one.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import structlog
-from etcd3aio import Etcd3Client
+from etcd3aio import Etcd3Client, EtcdError
 from etcd3aio.kv import KVService
 
 from services.common.member_ids import put_value
@@ -81,13 +84,13 @@ class Marks:
         it is not ours any more (the caller withdraws it). One that went with a lease of ours that ended (expired
         while etcd was away) is put back; one deleted while the lease it was put under lived (an operator's
         Undrain; `records`: our member records' keys, which tell) or written over by another (an operator's
-        Drain) is not."""
+        Drain) is not. Raises EtcdError where `lease_id` ended as we put our keys back under it."""
         reply = await client.kv.get(key, timeout=timeout_s)
         kvs = reply.kvs
         if kvs and kvs[0].lease != lease_id:
             return "another holds it"
         if not kvs and self._leases[key] == lease_id:
-            return "deleted"
+            return await _deleted_under(client, lease_id, timeout_s)
         if not kvs and not await self._went_with_its_lease(client, key, records, reply.header.revision, timeout_s):
             return "deleted or written over before its lease ended"
         created = kvs[0].create_revision if kvs else 0  # unchanged since read, or not put
@@ -118,6 +121,16 @@ class Marks:
             compare=[], success=[KVService.txn_op_get(record, revision=change.kv.mod_revision) for record in records],
             timeout=timeout_s)
         return not any(kv.lease == lease_id for reply in at_deletion.responses for kv in reply.response_range.kvs)
+
+
+async def _deleted_under(client: Etcd3Client, lease_id: int, timeout_s: float) -> str:
+    """Why our mark, put under `lease_id` (the lease we put it back under) and read as gone, is not ours: "deleted"
+    while that lease lived, where etcd says after the read that it still lives. Else the lease ended since it
+    carried our records just now (revoked; expired while we were frozen), maybe taking the mark with it: raises
+    EtcdError, so this round fails and the next, under a new lease, reads the mark's history (_went_with_its_lease)."""
+    if (await client.lease.time_to_live(lease_id, timeout=timeout_s)).TTL >= 0:  # -1: gone; 0: under a second left
+        return "deleted"
+    raise EtcdError(f"lease {lease_id:x} ended as our keys were put back under it; trying again under a new one")
 
 
 async def _first_change(client: Etcd3Client, key: str, after: int, lease_id: int, timeout_s: float) -> Any | None:

@@ -13,6 +13,7 @@ from etcd3aio import Etcd3Client
 from services.common.etcd_client import Lease
 from services.common.etcd_launcher import LocalEtcd
 from services.common.registry import DRAIN_MARKS, Registry
+from services.common.registry_marks import Marks
 from services.instance.app import clear_stale_self_drain, drain_self
 from tests.integration.eventually import eventually
 
@@ -128,6 +129,44 @@ async def test_an_operators_drain_over_a_self_drain_leaves_the_instance_register
     await registry.close()  # its lease goes: the operator's mark stays
     async with Etcd3Client(registry.endpoints) as other:
         assert json.loads((await other.kv.get(f"/ferry/{cluster}/{MARK}", timeout=5)).kvs[0].value) == operator_mark
+
+
+async def test_a_self_drain_gone_with_a_lease_that_ended_as_the_records_were_put_back_is_put_back(
+        draining, cluster, monkeypatch) -> None:
+    """The lease ended (revoked, or expired while the instance was frozen) between the registry's put of its records
+    back under it (one was deleted: `etcdctl del`) and its read of the mark: the mark, put under that lease and gone
+    with it, was taken for one an operator's Undrain deleted while the lease lived, and withdrawn for good. A mark
+    gone under the current lease now counts as deleted only where etcd says after the read that the lease lives;
+    else that round fails, and the next, under a new lease, reads etcd's history as for any lease that ended."""
+    registry, client = draining
+    old_lease, put_back = registry.lease_id, Marks.put_back
+
+    async def end_lease_then_put_back(marks: Marks, etcd: Etcd3Client, key: str, value, lease_id: int, *args):
+        if lease_id == old_lease:
+            await client.lease.revoke(old_lease, timeout=5)  # just after the records' put
+        return await put_back(marks, etcd, key, value, lease_id, *args)
+    monkeypatch.setattr(Marks, "put_back", end_lease_then_put_back)
+    await client.kv.delete(registry.key("instances", INSTANCE), timeout=5)  # the operator's `etcdctl del`
+    await eventually(lambda: registry.lease_id != old_lease and registry.is_registered, what="re-registration")
+    (kv,) = (await client.kv.get(f"/ferry/{cluster}/{MARK}", timeout=5)).kvs
+    assert kv.lease == registry.lease_id and registry.holds(DRAIN_MARKS, INSTANCE), "the self-drain was withdrawn"
+
+
+async def test_a_self_drain_an_operator_deleted_while_the_records_were_put_back_stays_deleted(
+        draining, cluster, monkeypatch) -> None:
+    """The same moment with the lease alive and the mark deleted by an operator's Undrain: withdrawn, as before."""
+    registry, client = draining
+    old_lease, put_back = registry.lease_id, Marks.put_back
+    mark = f"/ferry/{cluster}/{MARK}"
+
+    async def undrain_then_put_back(marks: Marks, etcd: Etcd3Client, key: str, value, lease_id: int, *args):
+        await client.kv.delete(mark, timeout=5)
+        return await put_back(marks, etcd, key, value, lease_id, *args)
+    monkeypatch.setattr(Marks, "put_back", undrain_then_put_back)
+    await client.kv.delete(registry.key("instances", INSTANCE), timeout=5)
+    await eventually(lambda: not registry.holds(DRAIN_MARKS, INSTANCE), what="the mark withdrawn")
+    await eventually(lambda: registry.is_registered, what="registered")
+    assert registry.lease_id == old_lease and not (await client.kv.get(mark, timeout=5)).kvs
 
 
 async def _expire_while_frozen(registry: Registry, client: Etcd3Client, while_frozen=None) -> None:

@@ -226,11 +226,15 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         """Delete the drain mark: new requests reach the instance again. A scaling retirement of it
         that still drains is called off; one already stoppable is FAILED_PRECONDITION. An instance
         that drains itself (shutting down: its own etcd record says so) stays DRAINING. The mark of an
-        instance that is not registered now (stopped; one coming back under its id would drain) goes too."""
+        instance that is not registered now (stopped; one coming back under its id would drain) goes too. One with
+        neither is NOT_FOUND, also one whose lease lapsed (etcd away, a freeze) in its own shutdown: its drain mark
+        went with that lease, and it puts the mark back when it registers again, seconds later; undone then."""
         if request.instance_id and self._view.has_drain_mark(request.instance_id):
             instance_id = InstanceId(request.instance_id)
         else:
-            instance_id = self._registered(request.instance_id)
+            instance_id = self._registered(request.instance_id, "it has no drain mark either: nothing was undone. "
+                                           "One whose etcd lease lapsed registers again within seconds (one shutting "
+                                           "down drains itself again then): undrain it once ListInstances lists it")
         if (answer := await self._leader_answer(context, "Undrain",
                                                 lambda c: c.undrain(instance_id, is_forwarded=True))) is not None:
             return answer
@@ -258,12 +262,12 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
             log.warning("admin_forward_failed", method=method, leader=client.address, error=exc.message)
             return None
 
-    def _registered(self, instance_id: str) -> InstanceId:
+    def _registered(self, instance_id: str, why_absent: str = "see ListInstances for the ids") -> InstanceId:
         if not instance_id:
             raise InvalidArgument("instance_id: required (see ListInstances for the ids)")
         check_id("instance_id", instance_id)
         if not self._view.has_member(instance_id):
-            raise NotFound(f"instance {instance_id!r} is not registered; see ListInstances for the ids")
+            raise NotFound(f"instance {instance_id!r} is not registered; {why_absent}")
         return InstanceId(instance_id)
 
     def _drain_answer(self, instance_id: InstanceId) -> manager_pb2.DrainResponse:

@@ -156,7 +156,10 @@ async def test_exclude_drain_and_silence_keep_dispatch_away(managers, instances)
         assert (await client.undrain("i-a")).state == common_pb2.INSTANCE_STATE_SERVING
         assert (await client.dispatch("r-6", 10)).instance_id == "i-a"  # flood: the first serving instance again
         assert (await client.undrain("i-a")).state == common_pb2.INSTANCE_STATE_SERVING  # twice: no harm
-        with pytest.raises(NotFound, match="'i-zz' is not registered"):
+        # An instance whose lease lapsed in its shutdown is absent with its self-drain mark for a moment, and puts
+        # the mark back when it registers again: the error says nothing was undone, and when to ask again.
+        with pytest.raises(NotFound, match="'i-zz' is not registered; it has no drain mark either: nothing was undone. .* "
+                                           "undrain it once ListInstances lists it"):
             await client.undrain("i-zz")
 
 

@@ -149,6 +149,18 @@ class Registry(ClusterKeys):
             if time.monotonic() >= give_up_at:
                 raise held_by_live_process(key, held)
             await asyncio.sleep(_HELD_RECHECK_S)
+            await self._renew_while_waiting()
+
+    async def _renew_while_waiting(self) -> None:
+        """register() waiting out another's lease keeps ours meanwhile: before the first registration no keepalive
+        loop runs, and the wait (the holder's TTL and a second) outlived our lease: the put after it failed
+        ('requested lease not found'), and a process restarted on another port exited naming etcd as unreachable."""
+        if self._keepalive_task is not None or time.monotonic() - self._renewed_at < self.ttl_s / 3:
+            return
+        async with self._lock:
+            asked_at = time.monotonic()
+            if await self._lease.keepalive():
+                self._note_renewed(asked_at)
 
     def holds(self, kind: str, member_id: str) -> bool:
         """Whether register() put this entry (and unregister() did not remove it)."""

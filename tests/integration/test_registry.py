@@ -204,6 +204,25 @@ async def test_a_process_frozen_past_its_ttl_is_unregistered_the_moment_it_runs_
     assert response.kvs[0].lease == member.lease_id
 
 
+async def test_a_first_registration_waiting_out_a_dead_holders_lease_keeps_its_own(
+        etcd: LocalEtcd, cluster: str, raw_etcd: Etcd3Client) -> None:
+    """A process restarted on another port under the id of one that crashed, as its first registration: it waits out
+    the dead one's lease (its TTL and a second), and no keepalive loop ran yet to renew its own, which had expired
+    by then: the put failed ('requested lease not found') and it exited with Unavailable naming etcd. Its lease is
+    renewed while it waits now."""
+    key = Registry([etcd.endpoint], cluster).key("instances", "i-1")
+    lease = await raw_etcd.lease.grant(ttl=int(TTL_S) + 1, timeout=5)  # the crashed one's (as long as ours, or longer)
+    await raw_etcd.kv.put(key, json.dumps({"address": "127.0.0.1:1"}), lease=lease.ID, timeout=5)
+    restarted = Registry([etcd.endpoint], cluster, ttl_s=TTL_S)
+    try:
+        assert await restarted.register("instances", "i-1", {"address": "127.0.0.1:2"})
+        response = await raw_etcd.kv.get(key, timeout=5)
+        assert json.loads(response.kvs[0].value) == {"address": "127.0.0.1:2"}
+        assert response.kvs[0].lease == restarted.lease_id and restarted.is_registered
+    finally:
+        await restarted.close()
+
+
 async def test_paused_etcd_loses_registration_then_it_comes_back(registries, running_etcd: LocalEtcd) -> None:
     member, observer = registries
     await member.register("instances", "i-1", {"address": "a"})

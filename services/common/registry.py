@@ -102,7 +102,7 @@ class Registry(ClusterKeys):
         client = await self._connect()
         key = self.key(kind, member_id)
         try:
-            if self._lease is not None and time.monotonic() >= self._lease_valid_until:
+            if self._keepalive_task is not None and time.monotonic() >= self._lease_valid_until:
                 await self._renew_or_reregister()  # frozen past the TTL: not under a lease etcd may have ended
             async with self._lock:
                 if self._lease is None:

@@ -191,8 +191,7 @@ def parse_completion_request(body: Mapping[str, Any], served_model: str,
     echo = opt_bool(body, "echo") or False
     max_tokens = _completion_max_tokens(body, echo)
     parsed = _parsed(body, served_model, Endpoint.COMPLETIONS, prompts=_prompts(body), messages=None,
-                     max_tokens=max(1, max_tokens) if max_tokens is not None else None, default_max_tokens=16,
-                     num_top_logprobs=logprobs)
+                     max_tokens=max_tokens, default_max_tokens=16, num_top_logprobs=logprobs)
     if echo and logprobs is not None:  # the prompt's logprobs come first (the engine computes them in its prefill)
         wanted = max(logprobs, parsed.prompt_logprobs or 0)  # one engine ask serves echo and vLLM's prompt_logprobs
         parsed = replace(parsed, sampling=replace(parsed.sampling, num_prompt_logprobs=wanted))
@@ -219,14 +218,15 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str,
     max_tokens = fields.opt_int(body, max_tokens_field, low=1)
     fields.opt_int(body, "max_tokens", low=1)  # the deprecated field is still checked where the new one wins
     parsed = _parsed(body, served_model, Endpoint.CHAT, prompts=(), messages=chat_messages(body),
-                     max_tokens=max_tokens, default_max_tokens=None, num_top_logprobs=_chat_logprobs(body))
+                     max_tokens=max_tokens, default_max_tokens=None, num_top_logprobs=_chat_logprobs(body),
+                     max_tokens_field=max_tokens_field)
     if opt_bool(body, "add_special_tokens"):
         raise RequestError("add_special_tokens: the chat template writes the special tokens; leave it out or false",
                            param="add_special_tokens")
     tools, constraint = tool_use(body), output_constraint(body)
     _check_constraint_with_tools(constraint, tools)
-    return replace(parsed, chat_template=chat_template_options(body), max_tokens_field=max_tokens_field,
-                   tool_use=tools, constraint=constraint, default_max_tokens=defaults.max_tokens)
+    return replace(parsed, chat_template=chat_template_options(body), tool_use=tools, constraint=constraint,
+                   default_max_tokens=defaults.max_tokens)
 
 
 def _check_constraint_with_tools(constraint: OutputConstraint | None, tools: ToolUse) -> None:
@@ -248,38 +248,53 @@ def _check_constraint_with_tools(constraint: OutputConstraint | None, tools: Too
 def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int,
                        prompt_index: int = 0) -> ParsedRequest:
     """Fix max_tokens against the context: the rest of it by default, 400 if the request can't fit.
-    In a batch, the message names the prompt (`prompt_index`)."""
+    A 400 names the field to change, first in its message and as its param (as OpenAI's does): the
+    prompt (`prompt`, `prompt[i]` of a batch, `messages`) where it leaves no room for any output,
+    else max_tokens (or max_completion_tokens, where that gave it) or min_tokens."""
     room = max_model_len - num_prompt_tokens
-    which = f"prompt[{prompt_index}]: " if parsed.is_batch else ""
+    prompt = _prompt_field(parsed, prompt_index)
     if room <= 0:
         raise RequestError(
-            f"{which}the prompt is {num_prompt_tokens} tokens, but this model's maximum context length is "
-            f"{max_model_len} tokens (prompt and output together); shorten the prompt",
-            param="messages" if parsed.endpoint is Endpoint.CHAT else "prompt", code="context_length_exceeded")
+            f"{prompt}: {_prompt_noun(parsed)} {num_prompt_tokens} tokens, but this model's maximum context length "
+            f"is {max_model_len} tokens (prompt and output together); shorten it",
+            param=prompt, code="context_length_exceeded")
     max_tokens = parsed.sampling.max_tokens
-    if max_tokens is None:
+    if max_tokens is None:  # chat without one: what the context leaves, or the model's default
         max_tokens = min(room, parsed.default_max_tokens or room)
-    if parsed.sampling.min_tokens > max_tokens:
-        raise RequestError(f"{which}min_tokens: {parsed.sampling.min_tokens} is more than max_tokens ({max_tokens}"
-                           f"{_default_max_tokens_source(parsed, max_tokens, room)}); lower it", param="min_tokens")
+        if parsed.sampling.min_tokens > max_tokens:
+            source = "the model's default: max_new_tokens of its generation config" if max_tokens < room else \
+                "what the context leaves"
+            raise RequestError(f"min_tokens: {parsed.sampling.min_tokens} is more than max_tokens ({max_tokens}, "
+                               f"{source}); lower it", param="min_tokens")
     elif max_tokens > room:
+        field, is_default = parsed.max_tokens_field, parsed.max_tokens_is_default
+        shown_prompt = prompt if parsed.is_batch else "the prompt"
         raise RequestError(
-            f"{which}this model's maximum context length is {max_model_len} tokens; you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} for the "
-            f"output{', the default max_tokens' if parsed.max_tokens_is_default else ''}); "
-            f"{'set' if parsed.max_tokens_is_default else 'reduce'} {parsed.max_tokens_field} to at most {room} "
-            "or shorten the prompt",
-            param=parsed.max_tokens_field, code="context_length_exceeded")
+            f"{field}: this model's maximum context length is {max_model_len} tokens; you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in {shown_prompt}, {max_tokens} for the "
+            f"output{', the default max_tokens' if is_default else ''}); {'set' if is_default else 'reduce'} "
+            f"{field} to at most {room} or shorten {shown_prompt}",
+            param=field, code="context_length_exceeded")
     return replace(parsed, sampling=replace(parsed.sampling, max_tokens=max_tokens))
 
 
-def _default_max_tokens_source(parsed: ParsedRequest, max_tokens: int, room: int) -> str:
-    """Where a max_tokens the request did not send came from, for a message."""
-    if parsed.sampling.max_tokens is not None:
-        return ""
-    if max_tokens < room:
-        return ", the model's default: max_new_tokens of its generation config"
-    return ", what the context leaves"
+def _prompt_field(parsed: ParsedRequest, prompt_index: int) -> str:
+    """The request field that holds prompt `prompt_index`."""
+    if parsed.endpoint is Endpoint.CHAT:
+        return "messages"
+    return f"prompt[{prompt_index}]" if parsed.is_batch else "prompt"
+
+
+def _prompt_noun(parsed: ParsedRequest) -> str:
+    return "the chat template makes the messages" if parsed.endpoint is Endpoint.CHAT else "the prompt is"
+
+
+def _check_min_tokens(min_tokens: int, max_tokens: int | None, field: str, is_default: bool) -> None:
+    """min_tokens against a max_tokens known before the prompt is (a chat's default waits for it: resolve_max_tokens)."""
+    if max_tokens is not None and min_tokens > max_tokens:
+        default = ", the default of completions" if is_default else ""
+        raise RequestError(f"min_tokens: {min_tokens} is more than {field} ({max_tokens}{default}); lower it"
+                           f"{f' or set {field}' if is_default else ''}", param="min_tokens")
 
 
 def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int, name: str = "prompt",
@@ -302,8 +317,11 @@ def check_in_vocabulary(token_ids: Sequence[int], vocab_size: int, name: str, fi
 
 
 def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, prompts, messages,
-            max_tokens: int | None, default_max_tokens: int | None, num_top_logprobs: int | None) -> ParsedRequest:
+            max_tokens: int | None, default_max_tokens: int | None, num_top_logprobs: int | None,
+            max_tokens_field: str = "max_tokens") -> ParsedRequest:
+    """`max_tokens`: the request's (0: a completions echo of the prompt alone, which runs one token, unseen)."""
     stream = opt_bool(body, "stream") or False
+    output_tokens = max_tokens if max_tokens is not None else default_max_tokens
     if body.get("user") is not None and not isinstance(body["user"], str):  # OpenAI's end-user id: unused here
         raise RequestError(f"user: expected a string, got {_json_type(body['user'])}", param="user")
     sampling = Sampling(
@@ -311,7 +329,7 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         top_p=fields.top_p(body),
         top_k=fields.top_k(body),
         seed=fields.seed(body),
-        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        max_tokens=None if output_tokens is None else max(1, output_tokens),
         stop=fields.stop_strings(body),
         stop_token_ids=fields.stop_token_ids(body),
         ignore_eos=opt_bool(body, "ignore_eos") or False,
@@ -333,7 +351,8 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         priority=fields.opt_int(body, "priority", low=-fields.INT32_MAX, high=fields.INT32_MAX) or 0,
         num_top_logprobs=num_top_logprobs, n=fields.opt_int(body, "n", low=1, high=MAX_CHOICES) or 1,
         truncate_prompt_tokens=fields.truncate_prompt_tokens(body), prompt_logprobs=sampling.num_prompt_logprobs,
-        max_tokens_is_default=max_tokens is None and default_max_tokens is not None)
+        max_tokens_field=max_tokens_field, max_tokens_is_default=max_tokens is None and default_max_tokens is not None)
+    _check_min_tokens(sampling.min_tokens, output_tokens, max_tokens_field, parsed.max_tokens_is_default)
     if parsed.num_choices > MAX_BATCH_CHOICES:
         raise RequestError(f"n: {parsed.n} choices for each of {parsed.num_prompts} prompts make "
                            f"{parsed.num_choices} answers; at most {MAX_BATCH_CHOICES} fit in one request", param="n")

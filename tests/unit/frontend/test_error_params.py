@@ -8,7 +8,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from tests.unit.frontend.scripted_frontend import scripted_frontend
+from tests.unit.frontend.scripted_frontend import ThreadNotingTokenizer, scripted_frontend
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -83,3 +83,56 @@ async def test_a_bad_field_is_a_400_naming_its_exact_path(param):
     message = answer["error"]["message"]
     assert answer == {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
     assert message.startswith(f"{param}: "), message
+
+
+class ChatTokenizer(ThreadNotingTokenizer):
+    """Letters a..t; a chat is its messages' contents, joined."""
+
+    def encode_chat(self, messages, add_generation_prompt=True, continue_final_message=False, **variables):
+        return self.encode("".join(m["content"] for m in messages))
+
+
+LONG, ROOMY = "a" * 70, "a" * 50  # the context: 64 tokens, one a letter
+CONTEXT_OVERFLOWS = {  # param (named first in the message too), what else the message says, body
+    "the prompt": ("prompt", "the prompt is 70 tokens", completion(prompt=LONG)),
+    "a batch's prompt": ("prompt[1]", "the prompt is 70 tokens", completion(prompt=["ab", LONG])),
+    "a batch's prompt, n=2": ("prompt[1]", "the prompt is 70 tokens", completion(prompt=["ab", LONG], n=2)),
+    "an echo of the prompt alone": ("prompt", "the prompt is 64 tokens",
+                                    completion(prompt="a" * 64, echo=True, max_tokens=0)),
+    "the messages": ("messages", "the messages 70 tokens", chat({"role": "user", "content": LONG})),
+    "prompt and max_tokens": ("max_tokens", "(50 in the prompt, 20 for the output); reduce max_tokens to at most 14",
+                              completion(prompt=ROOMY, max_tokens=20)),
+    "a batch's prompt and max_tokens": ("max_tokens", "(50 in prompt[1], 20 for the output)",
+                                        completion(prompt=["ab", ROOMY], max_tokens=20)),
+    "a batch's prompt and the default max_tokens": (
+        "max_tokens", "(50 in prompt[0], 16 for the output, the default max_tokens); set max_tokens to at most 14",
+        completion(prompt=[ROOMY, "ab"])),
+    "a batch's prompt and max_tokens, n=2": ("max_tokens", "(50 in prompt[1], 20 for the output)",
+                                             completion(prompt=["ab", ROOMY], max_tokens=20, n=2)),
+    "an echo and max_tokens": ("max_tokens", "(50 in the prompt, 20 for the output)",
+                               completion(prompt=ROOMY, echo=True, max_tokens=20)),
+    "messages and max_completion_tokens": ("max_completion_tokens", "reduce max_completion_tokens to at most 14",
+                                           chat({"role": "user", "content": ROOMY}, max_completion_tokens=20)),
+    "min_tokens over a batch's max_tokens": ("min_tokens", "5 is more than max_tokens (4)",
+                                             completion(prompt=["ab", "cd"], min_tokens=5, max_tokens=4)),
+    "min_tokens over an echo's max_tokens 0": ("min_tokens", "2 is more than max_tokens (0)",
+                                               completion(echo=True, max_tokens=0, min_tokens=2)),
+    "min_tokens over what the context leaves": ("min_tokens", "20 is more than max_tokens (14, what the context leaves)",
+                                                chat({"role": "user", "content": ROOMY}, min_tokens=20)),
+}
+
+
+@pytest.mark.parametrize("case", CONTEXT_OVERFLOWS)
+async def test_a_request_over_the_context_names_the_field_to_change_in_message_and_param(case):
+    """OpenAI names the field the client should change: the prompt where it alone leaves no room for output,
+    max_tokens where prompt and max_tokens together do not fit. A batch's prompt[1] with too many max_tokens was
+    a message starting `prompt[1]: ` with param max_tokens, and min_tokens over max_tokens `prompt[0]: min_tokens:`."""
+    param, words, (route, body) = CONTEXT_OVERFLOWS[case]
+    async with scripted_frontend(max_model_len=64, tokenizer=ChatTokenizer()) as base_url, \
+            aiohttp.ClientSession() as session:
+        for stream in (False, True):
+            async with session.post(base_url + route, json={**body, "stream": stream}) as response:
+                status, error = response.status, (await response.json())["error"]
+            assert status == 400 and error["param"] == param, error
+            assert error["message"].startswith(f"{param}: ") and words in error["message"], error
+            assert error["code"] == (None if param == "min_tokens" else "context_length_exceeded"), error

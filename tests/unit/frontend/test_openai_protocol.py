@@ -511,7 +511,8 @@ def test_prompt_plus_max_tokens_over_the_context_is_rejected():
 
 def test_a_batch_prompt_over_the_context_is_named():
     batch = completion(prompt=["a", "b"], max_tokens=20)
-    with pytest.raises(RequestError, match=r"^prompt\[1\]: this model's maximum context length is 64"):
+    with pytest.raises(RequestError, match=r"^max_tokens: this model's maximum context length is 64 tokens; you "
+                                           r"requested 70 tokens \(50 in prompt\[1\], .* or shorten prompt\[1\]$"):
         resolve_max_tokens(batch, num_prompt_tokens=50, max_model_len=64, prompt_index=1)
     with pytest.raises(RequestError, match=r"^prompt\[0\]: the prompt is 70 tokens"):
         resolve_max_tokens(batch, num_prompt_tokens=70, max_model_len=64, prompt_index=0)

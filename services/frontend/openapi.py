@@ -195,8 +195,9 @@ def _schemas(model_name: str, max_model_len: int) -> dict[str, Any]:
     }
     tool_call = {"type": "object", "required": ["function"], "properties": {
         "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
-        "function": {"type": "object", "required": ["name"], "properties": {
-            "name": {"type": "string"}, "arguments": {"type": "string", "description": "a JSON object"}}}}}
+        "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+            "name": {"type": "string", "minLength": 1},
+            "arguments": {"type": "string", "description": "a JSON object's text"}}}}}
     message = {"type": "object", "required": ["role"], "properties": {
         "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
         "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {

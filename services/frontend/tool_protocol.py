@@ -132,22 +132,21 @@ def checked_tools(tools: Any) -> list[dict[str, Any]]:
     return tools
 
 
-def _function_name(value: Any, param: str, checks_type: bool = True) -> str:
-    """The name in `{"type": "function", "function": {"name": ...}}` (a tool, a tool_choice, a call in a message,
-    whose "type" is not read); "type" may be left out. An error names the field that is wrong
-    (`tools[0].function.name`)."""
+def _function_name(value: Any, param: str) -> str:
+    """The name in `{"type": "function", "function": {"name": ...}}` (a tool, a tool_choice, a call in a message);
+    "type" may be left out. An error names the field that is wrong (`tools[0].function.name`)."""
     if not isinstance(value, dict):
         raise RequestError(f"{param}: expected {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got "
                            f"{json_type(value)}", param=param)
-    if checks_type and value.get("type", "function") != "function":
+    if value.get("type", "function") != "function":
         raise RequestError(f"{param}.type: only \"function\" is supported, got {shown(value['type'])}",
                            param=f"{param}.type")
     function = value.get("function")
     if not isinstance(function, dict):
         raise RequestError(f"{param}.function: expected an object with a name, got {json_type(function)}",
                            param=f"{param}.function")
-    if not isinstance(function.get("name"), str):
-        raise RequestError(f"{param}.function.name: expected a string, got {json_type(function.get('name'))}",
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        raise RequestError(f"{param}.function.name: expected a non-empty string, got {shown(function.get('name'))}",
                            param=f"{param}.function.name")
     return function["name"]
 
@@ -173,16 +172,31 @@ def message_tool_fields(message: Mapping[str, Any], role: str, param: str) -> di
 
 
 def _call(call: Any, param: str) -> dict[str, Any]:
-    name = _function_name(call, param, checks_type=False)
-    arguments = call["function"].get("arguments", {})
-    if isinstance(arguments, str):  # OpenAI sends a JSON string; templates render an object (vLLM's rule)
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            raise RequestError(f"{param}.function.arguments: not valid JSON", param=f"{param}.function.arguments") from None
-    if not isinstance(arguments, dict):
-        raise RequestError(f"{param}.function.arguments: expected a JSON object", param=f"{param}.function.arguments")
-    out = {"type": "function", "function": {"name": name, "arguments": arguments}}
-    if isinstance(call.get("id"), str):
-        out["id"] = call["id"]
+    """A call as OpenAI writes it: `{"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}`
+    ("id" and "type" may be left out), its arguments a JSON object's text, which becomes the object
+    templates render (vLLM's rule)."""
+    name = _function_name(call, param)
+    out = {"type": "function", "function": {"name": name, "arguments": _arguments(call["function"], param)}}
+    call_id = call.get("id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise RequestError(f"{param}.id: expected a string, got {json_type(call_id)}", param=f"{param}.id")
+    if call_id is not None:
+        out["id"] = call_id
     return out
+
+
+def _arguments(function: Mapping[str, Any], param: str) -> dict[str, Any]:
+    param = f"{param}.function.arguments"
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):
+        raise RequestError(f"{param}: expected a string (a JSON object's text, as OpenAI writes it), got "
+                           f"{json_type(arguments)}", param=param)
+    try:
+        arguments = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        raise RequestError(f"{param}: not valid JSON", param=param) from None
+    except RecursionError:
+        raise RequestError(f"{param}: the JSON nests too deeply", param=param) from None
+    if not isinstance(arguments, dict):
+        raise RequestError(f"{param}: expected a JSON object, got {json_type(arguments)}", param=param)
+    return arguments

@@ -75,7 +75,53 @@ BAD_BODIES = {  # path (vocabulary: 32 ids): body
 
 @pytest.mark.parametrize("param", BAD_BODIES)
 async def test_a_bad_field_is_a_400_naming_its_exact_path(param):
-    route, body = BAD_BODIES[param]
+    await assert_refused_naming(param, *BAD_BODIES[param])
+
+
+def called(**fields):
+    """A chat whose history holds an assistant's tool call: a valid one with `fields` set (None: left out)."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for path, value in fields.items():
+        holder, key = (call["function"], path.removeprefix("function_")) if path.startswith("function_") else \
+            (call, path)
+        holder.pop(key) if value is None else holder.__setitem__(key, value)
+    return chat(USER, {"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+CALL = "messages[1].tool_calls[0]"
+BAD_TOOL_CALLS = [  # (path, body): each field of a call in the history, checked as OpenAI types it
+    (f"{CALL}.type", called(type="tool")),
+    (f"{CALL}.type", called(type=5)),
+    (f"{CALL}.function.name", called(function_name="")),
+    (f"{CALL}.function.name", called(function_name=None)),
+    (f"{CALL}.function.arguments", called(function_arguments={"city": "Paris"})),  # an object, not its text
+    (f"{CALL}.function.arguments", called(function_arguments=None)),
+    (f"{CALL}.function.arguments", called(function_arguments=7)),
+    (f"{CALL}.function.arguments", called(function_arguments="[1]")),
+    (f"{CALL}.function.arguments", called(function_arguments="[" * 100_000 + "]" * 100_000)),  # was a 500
+    (f"{CALL}.function", called(function="f")),
+    (f"{CALL}.id", called(id=5)),
+    ("tools[0].function.name", chat(tools=[{"type": "function", "function": {"name": ""}}])),
+]
+
+
+@pytest.mark.parametrize("param, request_", BAD_TOOL_CALLS)
+async def test_a_bad_tool_call_in_the_history_is_a_400_naming_its_field(param, request_):
+    """A call's type was not read (any value passed), its name could be empty, its arguments an object or left out,
+    its id any JSON value (dropped), and arguments nested deeper than the JSON parser recurses was a 500."""
+    await assert_refused_naming(param, *request_)
+
+
+async def test_a_well_formed_tool_call_in_the_history_is_taken():
+    """The test above changes one field of this call at a time."""
+    _, body = called()
+    async with scripted_frontend(max_model_len=64, tokenizer=ChatTokenizer()) as base_url, \
+            aiohttp.ClientSession() as session:
+        async with session.post(base_url + "/tokenize", json=body) as response:
+            assert response.status == 200, await response.text()
+
+
+async def assert_refused_naming(param: str, route: str, body: dict) -> None:
     async with scripted_frontend(max_model_len=64) as base_url, aiohttp.ClientSession() as session:
         async with session.post(base_url + route, json=body) as response:
             status, answer = response.status, await response.json()

@@ -608,7 +608,7 @@ def test_tool_calls_and_results_in_the_history_reach_the_template_as_transformer
 @pytest.mark.parametrize("message,words,param", [
     ({"role": "user", "content": "x", "tool_calls": []}, ["only assistant"], "messages[0].tool_calls"),
     ({"role": "assistant", "tool_calls": {"a": 1}}, ["expected a list"], "messages[0].tool_calls"),
-    ({"role": "assistant", "tool_calls": [{"function": {}}]}, ["expected a string"],
+    ({"role": "assistant", "tool_calls": [{"function": {}}]}, ["expected a non-empty string"],
      "messages[0].tool_calls[0].function.name"),
     ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]},
      ["not valid JSON"], "messages[0].tool_calls[0].function.arguments"),

@@ -179,6 +179,8 @@ def _schema_object(param: str, value: Any) -> dict[str, Any]:
             value = json.loads(value)
         except ValueError as exc:
             raise RequestError(f"{param}: a JSON schema as text must be valid JSON: {exc}", param=param) from None
+        except RecursionError:
+            raise RequestError(f"{param}: the schema nests too deeply", param=param) from None
     if not isinstance(value, dict):
         raise RequestError(f"{param}: expected a JSON schema (an object), got {json_type(value)}", param=param)
     return value

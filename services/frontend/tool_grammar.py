@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from services.frontend.request_error import RequestError
 from services.frontend.structured_output import (JSON_WHITESPACE, OutputConstraint, checked_grammar,
                                                 json_schema_grammar)
 from services.frontend.tool_calls import HERMES_CLOSE, HERMES_OPEN, MISTRAL_ARGS, MISTRAL_CALLS, ToolCallFormat
@@ -102,11 +103,14 @@ def _args_function_rule(function: FunctionTool, tag_token_ids: Mapping[str, int]
 def _checked_function_schema(function: FunctionTool, arguments_key: str) -> str:
     """The JSON schema of one whole call of `function` (JSON text), checked on its own so that a
     bad `parameters` is a 400 naming its tool."""
-    parameters = _rebased_refs(json.loads(function.parameters), f"#/properties/{arguments_key}")
+    param = f"tools[{function.index}].function.parameters"
+    try:
+        parameters = _rebased_refs(json.loads(function.parameters), f"#/properties/{arguments_key}")
+    except RecursionError:  # two frames a level: a schema the request body could nest
+        raise RequestError(f"{param}: the schema nests too deeply", param=param) from None
     call = {"type": "object", "properties": {"name": {"const": function.name}, arguments_key: parameters},
             "required": ["name", arguments_key], "additionalProperties": False}
     schema = _with_whitespace(call)
-    param = f"tools[{function.index}].function.parameters"
     checked_grammar(json_schema_grammar(schema, param), param)
     return schema
 

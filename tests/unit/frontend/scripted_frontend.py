@@ -17,6 +17,7 @@ from services.frontend.metrics import FrontendMetrics
 from services.frontend.request_runner import RequestRunner
 from services.frontend.served_model import ServedModel
 from services.frontend.server import FrontendServer
+from services.frontend.tool_calls import ToolCallFormat
 from tests.loopback_http import served_on_loopback
 from tests.unit.frontend.factories import FakeMembership, ScriptedInstances, entry
 
@@ -41,11 +42,12 @@ class ThreadNotingTokenizer:
 @contextlib.asynccontextmanager
 async def scripted_frontend(answers: dict | None = None, *, tokenizer: Any = None, max_model_len: int = 1000,
                             metrics: FrontendMetrics | None = None, is_serving: bool = True,
-                            **server_options: Any) -> AsyncIterator[str]:
+                            tool_call_format: ToolCallFormat | None = None, **server_options: Any) -> AsyncIterator[str]:
     """The frontend's base URL ("http://127.0.0.1:PORT"); instance "a" (serving unless `is_serving` is
     False) answers from `answers` (ScriptedInstances' script). `server_options` override FrontendServer's
     test defaults."""
-    model = ServedModel("m", max_model_len=max_model_len, vocab_size=32, tokenizer=tokenizer or ThreadNotingTokenizer())
+    model = ServedModel("m", max_model_len=max_model_len, vocab_size=32, tokenizer=tokenizer or ThreadNotingTokenizer(),
+                        tool_call_format=tool_call_format)
     dispatcher = Dispatcher(None, FakeMembership(entry("a", is_serving)), cooldown_s=5)
     runner = RequestRunner(dispatcher, ScriptedInstances(answers or {}), max_resumes=3)
     options = {"api_keys": (), "max_inflight": 8, "max_body_bytes": 1 << 20, **server_options}

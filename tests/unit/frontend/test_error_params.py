@@ -8,6 +8,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
+from services.frontend.tool_calls import ToolCallFormat
 from tests.unit.frontend.scripted_frontend import ThreadNotingTokenizer, scripted_frontend
 
 pytestmark = pytest.mark.timeout(30)
@@ -121,8 +122,34 @@ async def test_a_well_formed_tool_call_in_the_history_is_taken():
             assert response.status == 200, await response.text()
 
 
-async def assert_refused_naming(param: str, route: str, body: dict) -> None:
-    async with scripted_frontend(max_model_len=64) as base_url, aiohttp.ClientSession() as session:
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+DEEP_TEXT = "[" * 100_000 + "]" * 100_000  # deeper than the JSON parser recurses, in a string
+DEEP_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": nested_schema(600)}}}}]  # within the body's nesting, not the grammar's
+TOO_DEEP = [  # (path, body): were 500s (RecursionError)
+    ("guided_json", completion(guided_json=DEEP_TEXT)),
+    ("structured_outputs.json", chat(structured_outputs={"json": DEEP_TEXT})),
+    ("tools[0].function.parameters", chat(tools=DEEP_TOOLS, tool_choice="required")),
+    ("tools[0].function.parameters", chat(tools=DEEP_TOOLS, tool_choice={"type": "function", "function": {"name": "f"}})),
+    ("tools[0].function.parameters", chat(tools=DEEP_TOOLS, response_format={"type": "json_object"})),
+]
+
+
+@pytest.mark.parametrize("param, request_", TOO_DEEP)
+async def test_json_nested_too_deeply_for_the_frontend_is_a_400_naming_its_field(param, request_):
+    """A schema as text nested deeper than json.loads recurses, and tool parameters whose $refs were rebased
+    two frames a level, crashed the request with a 500."""
+    await assert_refused_naming(param, *request_, tool_call_format=ToolCallFormat.HERMES)
+
+
+async def assert_refused_naming(param: str, route: str, body: dict, **frontend_options) -> None:
+    async with scripted_frontend(max_model_len=64, **frontend_options) as base_url, aiohttp.ClientSession() as session:
         async with session.post(base_url + route, json=body) as response:
             status, answer = response.status, await response.json()
     assert status == 400, answer

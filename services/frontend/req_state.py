@@ -11,7 +11,7 @@ stream that sent it must not be trusted with (`StreamGap`). So a resume that sen
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from services.common.errors import FerryError, Unavailable
@@ -38,8 +38,8 @@ class Delta:
 
 class ReqState:
     def __init__(self, request_id: RequestId, prompt_token_ids: Sequence[int], decode: Decode,
-                 markers: Mapping[int, str] | None = None) -> None:
-        """`markers`: special tokens (id -> text) put back into `text` for a tool-call parser (shown_markers.py)."""
+                 markers: MarkerPlacer | None = None) -> None:
+        """`markers`: puts special tokens back into `text` for a tool-call parser (shown_markers.py)."""
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.token_ids: list[int] = []  # invariant: token_ids[i] is output token i; never shrinks
@@ -56,7 +56,7 @@ class ReqState:
         self.num_handoffs = 0  # live migrations followed
         self.first_start: int | None = None  # where the prompt was first computed from, once an instance said
         self._decode = decode
-        self._markers = MarkerPlacer(markers, decode, prompt_token_ids) if markers else None
+        self._markers = markers
         self._pending: list[Delta] = []
         self._event = asyncio.Event()
 

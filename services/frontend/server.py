@@ -46,6 +46,7 @@ from services.frontend.request_error import RequestError
 from services.frontend.request_ids import REQUEST_ID_KEY, client_request_id, new_request_id, stamp_request_id
 from services.frontend.request_runner import RequestRunner
 from services.frontend.served_model import PreparedPrompt, ServedModel
+from services.frontend.shown_markers import MarkerPlacer
 from services.frontend.tokenize_protocol import parse_detokenize_request, parse_tokenize_request
 
 log = structlog.get_logger(__name__)
@@ -223,7 +224,8 @@ class FrontendServer:
     def _req_state(self, parsed: ParsedRequest, request_id: RequestId, prompt_ids: Sequence[int]) -> ReqState:
         """A choice's state; where its answer's tool calls are read, with the markers the parser needs in its text."""
         reads_calls = parsed.endpoint is Endpoint.CHAT and parsed.tool_use.parses_calls
-        markers = dict(self._model.shown_marker_ids) if reads_calls else None
+        markers = MarkerPlacer(dict(self._model.shown_marker_ids), self._model.tokenizer, prompt_ids) \
+            if reads_calls and self._model.shown_marker_ids else None
         return ReqState(request_id, prompt_ids, self._model.decode, markers)
 
     async def _parse(self, request: web.Request, endpoint: Endpoint) -> tuple[ParsedRequest, str | None]:

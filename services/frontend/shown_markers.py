@@ -11,21 +11,25 @@ A marker whose text a stop string cut off never goes out.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-Decode = Callable[[Sequence[int]], str]
+from services.instance.engine.tokenizer import IncrementalDetokenizer, Tokenizer  # tokenizers, no torch
+
 DETOKENIZER_CONTEXT = 4  # prompt tokens the instance decodes its output after (engine._DETOKENIZER_CONTEXT)
 
 
 class MarkerPlacer:
-    """Fed each chunk's new ids and the instance's new text for them, in order; keeps no text, so a
-    chunk costs its own length (it was given the whole text so far: quadratic in the output)."""
+    """Fed each chunk's new ids and the instance's new text for them, in order; keeps no text. A marker's
+    position comes from an incremental detokenizer (the instance's) fed the ids since the marker before:
+    placing it costs those ids, not the whole output so far (each marker decoded all of it: markers x
+    length). A chunk without a marker decodes nothing."""
 
-    def __init__(self, markers: Mapping[int, str], decode: Decode, prompt_token_ids: Sequence[int]) -> None:
+    def __init__(self, markers: Mapping[int, str], tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> None:
         self._markers = dict(markers)  # token id -> its text
-        self._decode = decode  # special tokens left out, as the instance decodes
-        self._context = list(prompt_token_ids[-DETOKENIZER_CONTEXT:])
-        self._context_length = len(decode(self._context))
+        # the instance's text of the output (special tokens left out), fed only up to each marker
+        self._detokenizer = IncrementalDetokenizer(tokenizer, context_ids=prompt_token_ids[-DETOKENIZER_CONTEXT:])
+        self._num_fed = 0  # output ids given to the detokenizer
+        self._num_decoded = 0  # characters it emitted for them
         self._waiting: deque[tuple[int, str]] = deque()  # (position in the instance's text, marker) not out yet
         self._num_placed = 0  # characters of the instance's text that went out (every chunk's text so far)
 
@@ -34,7 +38,7 @@ class MarkerPlacer:
         markers in place."""
         for offset, token_id in enumerate(new_ids):
             if token_id in self._markers:
-                position = self._text_length([*output_ids, *new_ids[:offset]])
+                position = self._text_length(output_ids, new_ids[:offset])
                 self._waiting.append((max(position, self._num_placed), self._markers[token_id]))
         start, end = self._num_placed, self._num_placed + len(plain)
         pieces, placed = [], start
@@ -46,5 +50,10 @@ class MarkerPlacer:
         self._num_placed = end
         return "".join(pieces)
 
-    def _text_length(self, output_ids: Sequence[int]) -> int:
-        return len(self._decode([*self._context, *output_ids])) - self._context_length
+    def _text_length(self, output_ids: Sequence[int], new_ids: Sequence[int]) -> int:
+        """Characters of the instance's text of `output_ids` then `new_ids` (what decoding them after the
+        prompt's last tokens gives), from the ids not fed yet."""
+        not_fed = [*output_ids[self._num_fed:], *new_ids[max(0, self._num_fed - len(output_ids)):]]
+        self._num_decoded += len(self._detokenizer.feed(not_fed))
+        self._num_fed += len(not_fed)
+        return self._num_decoded + len(self._detokenizer.held_back())

@@ -250,6 +250,14 @@ class IncrementalDetokenizer:
         """Whatever is still held back, e.g. a trailing incomplete character as U+FFFD."""
         return self._emit(is_final=True)
 
+    def held_back(self) -> str:
+        """What `flush` would emit now, without emitting it: the deltas so far and this make the text of
+        every id fed so far (the frontend places tool-call markers by it)."""
+        if self._read_offset == len(self._ids):
+            return ""  # all emitted: the window decodes to nothing more
+        new_text, num_prefix_chars = self._window()
+        return new_text[num_prefix_chars + self._num_early_chars:]
+
     def _decode(self, start: int, stop: int) -> str:
         return self._tokenizer.decode(self._ids[start:stop], skip_special_tokens=self._skip_special_tokens)
 
@@ -261,17 +269,21 @@ class IncrementalDetokenizer:
                 return self._tokenizer.is_raw_byte(token_id)
         return False
 
+    def _window(self) -> tuple[str, int]:
+        """The text of the ids from prefix_offset on, and how much of it the ids before read_offset make."""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        return self._decode(self._prefix_offset, len(self._ids)), len(prefix_text)
+
     def _emit(self, is_final: bool) -> str:
         if not is_final and self._ends_in_raw_byte():
             return ""
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        new_text = self._decode(self._prefix_offset, len(self._ids))
-        start = len(prefix_text) + self._num_early_chars
+        new_text, num_prefix_chars = self._window()
+        start = num_prefix_chars + self._num_early_chars
         if len(new_text) <= start:
             return ""
         if new_text.endswith(REPLACEMENT_CHAR) and not is_final:
             whole = new_text.rstrip(REPLACEMENT_CHAR)  # what comes before the split character is final
-            self._num_early_chars = max(len(whole) - len(prefix_text), self._num_early_chars)
+            self._num_early_chars = max(len(whole) - num_prefix_chars, self._num_early_chars)
             return whole[start:]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._num_early_chars = 0

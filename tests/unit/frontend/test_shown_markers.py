@@ -12,9 +12,11 @@ from tokenizers import AddedToken, Tokenizer as HfTokenizer
 from services.frontend.generation import FinishReason, TokenChunk
 from services.frontend.req_state import ReqState
 from services.frontend.served_model import ServedModel
+from services.frontend.shown_markers import MarkerPlacer
 from services.frontend.tool_calls import ToolCallFormat, ToolCallParser
 from services.instance.engine.text_output import TextOutput
-from services.instance.engine.tokenizer import IncrementalDetokenizer
+from services.instance.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.unit.instance.test_tokenizer import sentencepiece_like_tokenizer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -35,7 +37,7 @@ def stream(model: ServedModel, answer: list[int], stop: tuple[str, ...]) -> tupl
     """The answer token by token through the instance's text output (stop strings held back) into the
     frontend's state and parser, as a stream runs; the state, and what the parser read."""
     instance_text = TextOutput(IncrementalDetokenizer(model.tokenizer, context_ids=PROMPT[-4:]), stop)
-    state = ReqState("r", PROMPT, model.decode, dict(model.shown_marker_ids))
+    state = ReqState("r", PROMPT, model.decode, MarkerPlacer(dict(model.shown_marker_ids), model.tokenizer, PROMPT))
     parser = ToolCallParser(ToolCallFormat.HERMES, hidden_markers=tuple(tag for _, tag in model.shown_marker_ids))
     parsed = []
     for index, token_id in enumerate(answer):
@@ -73,31 +75,49 @@ def test_a_marker_after_a_stop_string_never_goes_out(model):
     assert state.text == state.plain_text == "Done. " and state.finish_reason is FinishReason.STOP
 
 
-# ---- cost and placement of markers, on a toy vocabulary -----------------------------------------------------
+# ---- placement of markers against decoding the whole output at each, and its cost ------------------------------
 
 MARKERS = {90: "<tool_call>", 91: "</tool_call>"}  # special tokens: the instance's text leaves them out
 
 
-def toy_decode(ids) -> str:
+def toy_decode(ids, skip_special_tokens=True) -> str:
     """Token i (not a marker) is the letter chr(ord('a') + i % 26), written 1 + i % 3 times."""
     return "".join(chr(ord("a") + i % 26) * (1 + i % 3) for i in ids if i not in MARKERS)
 
 
-class WholeTextPlacer:
-    """The placement MarkerPlacer made before it was fed pieces: given the instance's whole text at every chunk
-    (the reference for what each chunk must send)."""
+class ToyTokenizer:
+    """toy_decode as a tokenizer (what an incremental detokenizer asks of one), counting the ids it decodes."""
 
-    def __init__(self, prompt) -> None:
-        self._context = list(prompt[-4:])
+    def __init__(self) -> None:
+        self.num_decoded = 0
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        self.num_decoded += len(ids)
+        return toy_decode(ids)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in MARKERS
+
+    def is_raw_byte(self, token_id: int) -> bool:
+        return False
+
+
+class WholeTextPlacer:
+    """The placement MarkerPlacer made before: each marker placed by decoding the prompt's last 4 tokens and the
+    whole output before it, given the instance's whole text at every chunk (the reference for what each chunk
+    must send)."""
+
+    def __init__(self, prompt, markers, decode) -> None:
+        self._context, self._markers, self._decode = list(prompt[-4:]), markers, decode
         self._waiting: list[tuple[int, str]] = []
         self._num_placed = 0
 
     def place(self, output_ids, new_ids, plain_text: str) -> str:
         for offset, token_id in enumerate(new_ids):
-            if token_id in MARKERS:
+            if token_id in self._markers:
                 ids = [*self._context, *output_ids, *new_ids[:offset]]
-                position = len(toy_decode(ids)) - len(toy_decode(self._context))
-                self._waiting.append((max(position, self._num_placed), MARKERS[token_id]))
+                position = len(self._decode(ids)) - len(self._decode(self._context))
+                self._waiting.append((max(position, self._num_placed), self._markers[token_id]))
         pieces, placed = [], self._num_placed
         while self._waiting and self._waiting[0][0] <= len(plain_text):
             position, marker = self._waiting.pop(0)
@@ -108,19 +128,34 @@ class WholeTextPlacer:
         return "".join(pieces)
 
 
-def instance_chunks(rng, answer: list[int], cut: int | None):
+def instance_chunks(rng, answer: list[int], cut: int | None, decode, prompt=PROMPT):
     """The answer in chunks of 1-4 tokens, each with the text the instance releases by then: a prefix of the
     answer's text, held back by 0-6 characters (a stop string starting), all of it (or up to `cut`, where a
     stop string ended it) with the last chunk."""
-    text = toy_decode(answer) if cut is None else toy_decode(answer)[:cut]
+    context = list(prompt[-4:])
+    text_of = lambda ids: decode([*context, *ids])[len(decode(context)):]  # noqa: E731
+    text = text_of(answer) if cut is None else text_of(answer)[:cut]
     released, index = 0, 0
     while index < len(answer):
         ids = answer[index:index + rng.randint(1, 4)]
         is_last = index + len(ids) == len(answer)
-        upto = len(text) if is_last else max(released, min(len(text), len(toy_decode(answer[:index + len(ids)]))
+        upto = len(text) if is_last else max(released, min(len(text), len(text_of(answer[:index + len(ids)]))
                                                              - rng.randint(0, 6)))
         yield TokenChunk(index, tuple(ids), text[released:upto], FinishReason.STOP if is_last else None)
         released, index = upto, index + len(ids)
+
+
+def check_against_whole_text_placement(rng, tokenizer, markers: dict[int, str], answer: list[int], prompt=PROMPT):
+    """Each chunk sends exactly what the whole-text placement sent, on a random chunking, with or without a cut."""
+    decode = tokenizer.decode
+    cut = rng.randint(0, len(decode(answer))) if rng.random() < 0.3 else None
+    state = ReqState("r", prompt, decode, MarkerPlacer(markers, tokenizer, prompt))
+    reference, plain_text = WholeTextPlacer(prompt, markers, decode), ""
+    for piece in instance_chunks(rng, answer, cut, decode, prompt):
+        expected = reference.place(state.token_ids, piece.token_ids, plain_text + piece.text)
+        plain_text += piece.text
+        assert state.accept(piece).text == expected, (answer, cut)
+    assert state.plain_text == plain_text
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -130,19 +165,48 @@ def test_each_chunk_sends_what_placing_in_the_whole_text_sent(seed):
     rng = random.Random(seed)
     answer = [rng.choice([rng.randrange(26), 90, 91]) if rng.random() < 0.3 else rng.randrange(26)
               for _ in range(rng.randint(1, 60))]
-    cut = rng.randint(0, len(toy_decode(answer))) if rng.random() < 0.3 else None
-    state, reference = ReqState("r", PROMPT, toy_decode, MARKERS), WholeTextPlacer(PROMPT)
-    plain_text = ""
-    for piece in instance_chunks(rng, answer, cut):
-        expected = reference.place(state.token_ids, piece.token_ids, plain_text + piece.text)
-        plain_text += piece.text
-        assert state.accept(piece).text == expected, (answer, cut)
-    assert state.plain_text == plain_text
+    check_against_whole_text_placement(rng, ToyTokenizer(), MARKERS, answer)
 
 
-def test_a_long_answer_with_markers_costs_its_length_not_its_length_squared(monkeypatch):
-    """Each token gave the placer the whole text so far (joined, then copied once more): these 20k tokens read
-    7.8e8 characters, quadratic in the output. Counted: the text the placer is given, and what the state joins."""
+def test_markers_among_split_characters_go_where_decoding_the_whole_text_put_them(model):
+    """A real byte-level BPE vocabulary: markers right after a token that ends mid-character (held back by the
+    incremental detokenizer), between the pieces of one, and around words, on random streams."""
+    tokenizer, markers = model.tokenizer, dict(model.shown_marker_ids)
+    words = [ids for text in ("Paris", " the", " é", "😀", "{\"a\": 1}", "\n", " 東京") for ids in
+             [tokenizer.encode(text, add_special_tokens=False)]]
+    split = [i for i in range(tokenizer.vocab_size) if "\ufffd" in tokenizer.decode([i])][:20]  # part of a character
+    assert split, "the tiny vocabulary has byte pieces"
+    rng = random.Random(0)
+    for _ in range(200):
+        answer = []
+        for _ in range(rng.randint(1, 25)):
+            kind = rng.random()
+            answer += [rng.choice(list(markers))] if kind < 0.25 else [rng.choice(split)] if kind < 0.5 else \
+                rng.choice(words)
+        prompt = [*rng.choice(words), *rng.choice([[], [rng.choice(split)]])]
+        check_against_whole_text_placement(rng, tokenizer, markers, answer, prompt)
+
+
+def test_markers_among_byte_fallback_runs_go_where_decoding_the_whole_text_put_them():
+    """SentencePiece's byte fallback: a run of <0xNN> bytes decodes as a whole (a marker inside it leaves it
+    open), which the incremental detokenizer holds back until a token ends it."""
+    tokenizer = sentencepiece_like_tokenizer()
+    tokenizer.backend.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
+    tokenizer = Tokenizer(tokenizer.backend)
+    markers = {tokenizer.backend.token_to_id(m): m for m in ("[TOOL_CALLS]", "[ARGS]")}
+    pieces = [f"<0x{b:02X}>" for b in (0x41, 0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0xFF)] + \
+        ["▁hi", "▁there", "é", "▁", "ok", "<s>"]
+    ids = [tokenizer.backend.token_to_id(p) for p in pieces]
+    rng = random.Random(1)
+    for _ in range(300):
+        answer = [rng.choice(list(markers)) if rng.random() < 0.2 else rng.choice(ids) for _ in range(rng.randint(1, 20))]
+        check_against_whole_text_placement(rng, tokenizer, markers, answer, [rng.choice(ids) for _ in range(5)])
+
+
+def test_a_long_answer_with_markers_decodes_its_length_not_markers_times_its_length(monkeypatch):
+    """Each marker decoded the prompt's tail and the whole output before it: these 20k tokens with a marker every
+    50 decoded 4e6 ids, markers x length. Counted too: the text the placer is given, and what the state joins
+    (each token gave the placer the whole text so far: 7.8e8 characters)."""
     from services.frontend import req_state, shown_markers
     num_read = [0]
     place, joined = shown_markers.MarkerPlacer.place, req_state._Pieces.joined
@@ -157,11 +221,13 @@ def test_a_long_answer_with_markers_costs_its_length_not_its_length_squared(monk
         return text
     monkeypatch.setattr(shown_markers.MarkerPlacer, "place", counted_place)
     monkeypatch.setattr(req_state._Pieces, "joined", counted_joined)
-    state = ReqState("r", PROMPT, toy_decode, MARKERS)
+    tokenizer = ToyTokenizer()
+    state = ReqState("r", PROMPT, toy_decode, MarkerPlacer(MARKERS, tokenizer, PROMPT))
     num_tokens = 20_000
     for index in range(num_tokens):
-        token_id = 90 + index // 500 % 2 if index % 500 == 499 else index % 26  # a marker every 500 tokens
+        token_id = 90 + index // 50 % 2 if index % 50 == 49 else index % 26  # a marker every 50 tokens
         state.accept(TokenChunk(index, (token_id,), toy_decode([token_id]), None))
     text = state.text  # read once, here
-    assert text.count("<tool_call>") == text.count("</tool_call>") == 20
+    assert text.count("<tool_call>") == text.count("</tool_call>") == 200
     assert num_read[0] <= 2 * len(text), num_read[0]  # each character given once, joined once
+    assert tokenizer.num_decoded <= 4 * num_tokens, tokenizer.num_decoded  # each id decoded a few times at most

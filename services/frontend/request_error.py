@@ -3,6 +3,7 @@ field the message names."""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -31,6 +32,16 @@ def named_path(message: str, param: str | None) -> str | None:
     if param is None or path == param or path.startswith((f"{param}[", f"{param}.")):
         return path
     return param
+
+
+def json_text(text: str, param: str) -> Any:
+    """`text` parsed as JSON; a 400 naming `param` where it is not JSON, or nests deeper than the parser recurses."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise RequestError(f"{param}: not valid JSON: {exc}", param=param) from None
+    except RecursionError:
+        raise RequestError(f"{param}: the JSON nests too deeply", param=param) from None
 
 
 def json_type(value: Any) -> str:

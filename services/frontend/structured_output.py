@@ -27,7 +27,7 @@ from typing import Any
 
 import llguidance
 
-from services.frontend.request_error import RequestError, json_type, shown
+from services.frontend.request_error import RequestError, json_text, json_type, shown
 
 MAX_GRAMMAR_BYTES = 256 * 1024  # the instance refuses a longer grammar
 MAX_GUIDED_CHOICES = 256
@@ -175,12 +175,7 @@ def _guided_field(kind: str, param: str, value: Any) -> OutputConstraint:
 def _schema_object(param: str, value: Any) -> dict[str, Any]:
     """A JSON schema given as an object or as its JSON text (vLLM takes both)."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise RequestError(f"{param}: a JSON schema as text must be valid JSON: {exc}", param=param) from None
-        except RecursionError:
-            raise RequestError(f"{param}: the schema nests too deeply", param=param) from None
+        value = json_text(value, param)
     if not isinstance(value, dict):
         raise RequestError(f"{param}: expected a JSON schema (an object), got {json_type(value)}", param=param)
     return value

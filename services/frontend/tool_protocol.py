@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.frontend.request_error import RequestError, json_type, shown
+from services.frontend.request_error import RequestError, json_text, json_type, shown
 
 MAX_TOOLS = 128
 MAX_TOOL_CALLS_IN_MESSAGE = 128
@@ -191,12 +191,7 @@ def _arguments(function: Mapping[str, Any], param: str) -> dict[str, Any]:
     if not isinstance(arguments, str):
         raise RequestError(f"{param}: expected a string (a JSON object's text, as OpenAI writes it), got "
                            f"{json_type(arguments)}", param=param)
-    try:
-        arguments = json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
-        raise RequestError(f"{param}: not valid JSON", param=param) from None
-    except RecursionError:
-        raise RequestError(f"{param}: the JSON nests too deeply", param=param) from None
+    arguments = json_text(arguments, param) if arguments.strip() else {}
     if not isinstance(arguments, dict):
         raise RequestError(f"{param}: expected a JSON object, got {json_type(arguments)}", param=param)
     return arguments

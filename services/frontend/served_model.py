@@ -38,6 +38,8 @@ class TextTokenizer(Protocol):
 
     def token_bytes(self, token_id: int) -> bytes: ...
 
+    def detokenizer_context(self, prompt_ids: Sequence[int]) -> tuple[int, ...]: ...
+
 
 @dataclass(frozen=True, slots=True)
 class PreparedPrompt:

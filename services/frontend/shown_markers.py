@@ -15,8 +15,6 @@ from collections.abc import Mapping, Sequence
 
 from services.instance.engine.tokenizer import IncrementalDetokenizer, Tokenizer  # tokenizers, no torch
 
-DETOKENIZER_CONTEXT = 4  # prompt tokens the instance decodes its output after (engine._DETOKENIZER_CONTEXT)
-
 
 class MarkerPlacer:
     """Fed each chunk's new ids and the instance's new text for them, in order; keeps no text. A marker's
@@ -27,7 +25,7 @@ class MarkerPlacer:
     def __init__(self, markers: Mapping[int, str], tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> None:
         self._markers = dict(markers)  # token id -> its text
         # the instance's text of the output (special tokens left out), fed only up to each marker
-        self._detokenizer = IncrementalDetokenizer(tokenizer, context_ids=prompt_token_ids[-DETOKENIZER_CONTEXT:])
+        self._detokenizer = IncrementalDetokenizer(tokenizer, context_ids=tokenizer.detokenizer_context(prompt_token_ids))
         self._num_fed = 0  # output ids given to the detokenizer
         self._num_decoded = 0  # characters it emitted for them
         self._waiting: deque[tuple[int, str]] = deque()  # (position in the instance's text, marker) not out yet

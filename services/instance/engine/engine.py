@@ -70,9 +70,6 @@ from services.transfer.checksum import block_checksums
 
 log = structlog.get_logger(__name__)
 
-# Prompt tokens the detokenizer sees before the output, so the first output token
-# decodes as a continuation (leading spaces, characters split across tokens).
-_DETOKENIZER_CONTEXT = 4
 # Vocabulary-wide logits rows of prompt-logprobs prefills in one step (elements; fp32: 128 MiB, twice that
 # with their log_softmax): 682 prompt tokens a step for a 49152-token vocabulary, 256 for 128k.
 PROMPT_LOGITS_BUDGET = 1 << 25
@@ -420,7 +417,7 @@ class LLMEngine:
             if sampling.grammar else None
 
     def _new_text(self, prompt: tuple[int, ...], sampling: SamplingParams) -> TextOutput:
-        detokenizer = IncrementalDetokenizer(self.tokenizer, context_ids=prompt[-_DETOKENIZER_CONTEXT:])
+        detokenizer = IncrementalDetokenizer(self.tokenizer, self.tokenizer.detokenizer_context(prompt))
         return TextOutput(detokenizer, tuple(sampling.stop), sampling.min_tokens)
 
     # One step.

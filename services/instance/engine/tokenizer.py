@@ -30,6 +30,8 @@ log = structlog.get_logger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's token for one raw byte
+_MAX_UTF8_CONTINUATION_BYTES = 3  # after a character's first byte
+_DETOKENIZER_CONTEXT = 4  # prompt ids an output is decoded after (detokenizer_context)
 # the special tokens transformers passes to a chat template (its SPECIAL_TOKENS_ATTRIBUTES)
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -118,6 +120,23 @@ class Tokenizer:
         """A SentencePiece byte-fallback token (<0xNN>): its decoder decodes a run of them together,
         and a run that is not valid UTF-8 becomes one U+FFFD per byte."""
         return token_id in self._raw_byte_ids
+
+    def detokenizer_context(self, prompt_ids: Sequence[int]) -> tuple[int, ...]:
+        """The prompt's last ids an output is decoded after (so its first token decodes as a continuation:
+        a leading space, a character split across tokens): the last 4, or up to 3 more where those start
+        inside a character spelled in <0xNN> tokens. The decoder turns a run of them that is not valid
+        UTF-8 into one U+FFFD per byte, so from mid-character an output going on with raw bytes (a Chinese
+        answer to a Chinese prompt on Llama 2 or Mistral) came out U+FFFD until its first other token."""
+        start = max(0, len(prompt_ids) - _DETOKENIZER_CONTEXT)
+        for _ in range(_MAX_UTF8_CONTINUATION_BYTES):
+            if start == 0 or not self._is_mid_character_byte(prompt_ids[start]):
+                break
+            start -= 1
+        return tuple(prompt_ids[start:])
+
+    def _is_mid_character_byte(self, token_id: int) -> bool:
+        """A <0xNN> token of a UTF-8 continuation byte (0x80-0xBF), which never starts a character."""
+        return self.is_raw_byte(token_id) and 0x80 <= self.token_bytes(token_id)[0] <= 0xBF
 
     def is_special(self, token_id: int) -> bool:
         """A special token (what `skip_special_tokens` leaves out of the text)."""

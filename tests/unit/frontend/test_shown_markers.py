@@ -36,7 +36,8 @@ def model(tiny_model_dir, tmp_path_factory) -> ServedModel:
 def stream(model: ServedModel, answer: list[int], stop: tuple[str, ...]) -> tuple[ReqState, list]:
     """The answer token by token through the instance's text output (stop strings held back) into the
     frontend's state and parser, as a stream runs; the state, and what the parser read."""
-    instance_text = TextOutput(IncrementalDetokenizer(model.tokenizer, context_ids=PROMPT[-4:]), stop)
+    context = model.tokenizer.detokenizer_context(PROMPT)
+    instance_text = TextOutput(IncrementalDetokenizer(model.tokenizer, context_ids=context), stop)
     state = ReqState("r", PROMPT, model.decode, MarkerPlacer(dict(model.shown_marker_ids), model.tokenizer, PROMPT))
     parser = ToolCallParser(ToolCallFormat.HERMES, hidden_markers=tuple(tag for _, tag in model.shown_marker_ids))
     parsed = []
@@ -101,14 +102,17 @@ class ToyTokenizer:
     def is_raw_byte(self, token_id: int) -> bool:
         return False
 
+    def detokenizer_context(self, prompt_ids) -> tuple[int, ...]:
+        return tuple(prompt_ids[-4:])
+
 
 class WholeTextPlacer:
-    """The placement MarkerPlacer made before: each marker placed by decoding the prompt's last 4 tokens and the
+    """The placement MarkerPlacer made before: each marker placed by decoding the prompt's context and the
     whole output before it, given the instance's whole text at every chunk (the reference for what each chunk
     must send)."""
 
-    def __init__(self, prompt, markers, decode) -> None:
-        self._context, self._markers, self._decode = list(prompt[-4:]), markers, decode
+    def __init__(self, context, markers, decode) -> None:
+        self._context, self._markers, self._decode = list(context), markers, decode
         self._waiting: list[tuple[int, str]] = []
         self._num_placed = 0
 
@@ -128,11 +132,11 @@ class WholeTextPlacer:
         return "".join(pieces)
 
 
-def instance_chunks(rng, answer: list[int], cut: int | None, decode, prompt=PROMPT):
+def instance_chunks(rng, answer: list[int], cut: int | None, decode, context):
     """The answer in chunks of 1-4 tokens, each with the text the instance releases by then: a prefix of the
     answer's text, held back by 0-6 characters (a stop string starting), all of it (or up to `cut`, where a
     stop string ended it) with the last chunk."""
-    context = list(prompt[-4:])
+    context = list(context)
     text_of = lambda ids: decode([*context, *ids])[len(decode(context)):]  # noqa: E731
     text = text_of(answer) if cut is None else text_of(answer)[:cut]
     released, index = 0, 0
@@ -150,8 +154,9 @@ def check_against_whole_text_placement(rng, tokenizer, markers: dict[int, str], 
     decode = tokenizer.decode
     cut = rng.randint(0, len(decode(answer))) if rng.random() < 0.3 else None
     state = ReqState("r", prompt, decode, MarkerPlacer(markers, tokenizer, prompt))
-    reference, plain_text = WholeTextPlacer(prompt, markers, decode), ""
-    for piece in instance_chunks(rng, answer, cut, decode, prompt):
+    context = tokenizer.detokenizer_context(prompt)  # what the instance decodes the output after
+    reference, plain_text = WholeTextPlacer(context, markers, decode), ""
+    for piece in instance_chunks(rng, answer, cut, decode, context):
         expected = reference.place(state.token_ids, piece.token_ids, plain_text + piece.text)
         plain_text += piece.text
         assert state.accept(piece).text == expected, (answer, cut)

@@ -750,6 +750,22 @@ def test_a_stop_string_in_raw_bytes_held_back_to_the_end_stops_the_request(gqa, 
     assert got["stop"].text == "" and got["stop"].finish_reason is FinishReason.STOP
 
 
+def test_raw_bytes_after_a_prompt_ending_in_raw_byte_characters_decode_as_the_whole_text_does(gqa, make_engine):
+    """A prompt whose last 4 tokens start inside a character spelled in <0xNN> tokens ("北京": E5 8C 97,
+    E4 BA AC): the detokenizer's context began at 0x97, a run the decoder turned into U+FFFD per byte,
+    and output bytes continuing it came out U+FFFD too ("A" became "\ufffd", a Chinese answer garbled)."""
+    backend = BackendTokenizer(models.WordLevel({**{f"<0x{b:02X}>": b for b in range(256)}, "<s>": 256}, "<s>"))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    engine = make_engine(gqa)
+    engine.tokenizer = Tokenizer(backend)
+    prompt = list("Hi北京".encode())  # a byte's id is its value
+    always_a = SamplingParams(temperature=0.0, max_tokens=3, logit_bias=((0x41, 100.0),))  # <0x41>: "A"
+    got = run(engine, {0: [("a", prompt, always_a)]})
+    assert got["a"].token_ids == [0x41] * 3
+    assert backend.decode(prompt + got["a"].token_ids) == "Hi北京AAA"
+    assert got["a"].text == "AAA"
+
+
 def test_a_request_too_long_for_the_whole_cache_cut_at_a_stop_string_in_held_back_bytes_finishes_stop(
         gqa, make_engine):
     """The scheduler ends a request that outgrew the whole cache; the raw bytes held back to then are

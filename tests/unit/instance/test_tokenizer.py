@@ -330,6 +330,20 @@ def test_streamed_random_byte_fallback_text_equals_the_full_decode():
         assert streamed_text(tokenizer, ids) == tokenizer.decode(ids), ids
 
 
+@pytest.mark.parametrize(("prompt_text", "num_context"), [("北京", 6), ("a北京", 6), ("🐶🐱", 4), ("ok", 2)])
+def test_output_bytes_after_a_prompt_of_byte_characters_stream_as_the_whole_text_decodes(prompt_text, num_context):
+    """The context of the prompt's last 4 ids is widened back to a character's first byte: from
+    mid-character the decoder turned the whole run, the output's bytes too, into U+FFFD."""
+    tokenizer = sentencepiece_like_tokenizer()
+    prompt = [tokenizer.backend.token_to_id(f"<0x{b:02X}>") for b in prompt_text.encode()]
+    output = [tokenizer.backend.token_to_id(f"<0x{b:02X}>") for b in "是A".encode()]
+    context = tokenizer.detokenizer_context(prompt)
+    assert len(context) == num_context  # 北京: from 北's first byte, not its last
+    detok = IncrementalDetokenizer(tokenizer, context_ids=context)
+    text = "".join(detok.feed([i]) for i in output) + detok.flush()
+    assert tokenizer.decode(prompt + output) == prompt_text + text == prompt_text + "是A"
+
+
 def metaspace_tokenizer() -> Tokenizer:
     """Mistral-like: BPE over "▁"-marked words, whose decoder drops the space before the text's first word."""
     backend = BackendTokenizer(models.BPE(unk_token="<unk>"))

@@ -3,7 +3,10 @@
 Design: the engine (`LLMEngine`) is plain, single-threaded logic. `EngineThread` owns it on
 one thread whose loop reads aloud:
 
-    run queued commands  →  step if there is work  →  publish outputs  →  snapshot load
+    run queued commands  →  step if there is work  →  snapshot load  →  publish outputs
+
+The load is taken before the outputs go out, so a client that got a request's last token and then
+asks for the instance's status (GetStatus, a load report) sees that request gone.
 
 Commands (add, abort, list) are closures queued from the event loop; their results come
 back as asyncio futures. A step's outputs go to the event loop with
@@ -145,7 +148,7 @@ class EngineThread:
             if self.is_broken or not self._engine.has_unfinished() or not self._step():
                 self._wakeup.wait(_IDLE_WAIT_S)  # a command (a new request, an abort, a freed reservation) wakes us
                 self._wakeup.clear()
-            self._snapshot_load_logged()
+                self._snapshot_load_logged()  # (a step took its own, before its outputs went out)
 
     def _step(self) -> bool:
         """One engine step; False if it had nothing to run (then it counts as no step)."""
@@ -165,6 +168,7 @@ class EngineThread:
             return False
         self.step_times.add(time.perf_counter() - started, sum(len(o.new_token_ids) for o in outputs))
         self.num_steps += 1
+        self._snapshot_load_logged()
         self._publish(outputs, held)
         return True
 

@@ -108,3 +108,34 @@ async def test_each_engine_step_counts_the_tokens_its_outputs_carry():
         assert runner._step()
     assert runner.num_steps == 3
     assert runner.step_time_ms_token_weighted_p50 >= 50 > runner.step_time_ms_p50
+
+
+class FinishingStep(ScriptedSteps):
+    """One step that finishes the one request running: its load changes with the step."""
+
+    def __init__(self) -> None:
+        super().__init__((0.0, [StepOutput("r-0", 1, (7,), "", "stop", None, 3)]))
+        self.num_running = 1
+
+    def load(self) -> tuple[int, ...]:
+        return (self.num_running,)
+
+    def step(self) -> list[StepOutput]:
+        self.num_running = 0
+        return super().step()
+
+
+async def test_a_steps_load_is_taken_before_its_outputs_go_out():
+    """The load was taken after the outputs were handed to the event loop: a client that got a request's last
+    token and asked GetStatus at once could still see it running (test_instance_service flaked so, under load)."""
+    seen_at_publish = []
+
+    class Runner(EngineRunner):
+        def _publish(self, outputs, held):
+            seen_at_publish.append(self.load)
+            super()._publish(outputs, held)
+
+    runner = Runner(FinishingStep(), asyncio.get_running_loop())
+    assert runner.load == (1,)
+    assert runner._step()
+    assert seen_at_publish == [(0,)]

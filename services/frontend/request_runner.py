@@ -45,6 +45,7 @@ import structlog
 
 from services.common.errors import (Aborted, FailedPrecondition, FerryError, Internal, NotFound, ResourceExhausted,
                                     Unavailable)
+from services.common.log_sampling import LogSampler
 from services.frontend.dispatch import Dispatcher
 from services.frontend.generation import CopyRef, GenerateSpec, Handoff, InstanceId, RequestId, Target, TokenChunk
 from services.frontend.req_state import ReqState
@@ -99,6 +100,7 @@ class RequestRunner:
         self._no_instance_wait_s = no_instance_wait_s
         self._on_resume = on_resume
         self._on_handoff = on_handoff
+        self._full_log = LogSampler()  # instance_full_trying_another: one line per instance per 10 s at most
 
     async def run(self, state: ReqState, spec: GenerateSpec) -> None:
         """Feed `state` until the request finishes or fails (never raises, but when cancelled)."""
@@ -254,8 +256,9 @@ class RequestRunner:
         serves (a full instance costs no resume: those are for failures)."""
         if target.instance_id in skipped or not self._dispatcher.serves_besides([*skipped, target.instance_id]):
             return False  # (placed again on one it was sent away from: nothing else is left)
-        log.info("instance_full_trying_another", request_id=state.request_id, instance_id=target.instance_id,
-                 error=exc.message)
+        if (suppressed := self._full_log.admit(target.instance_id)) is not None:  # a full cluster refuses each
+            log.info("instance_full_trying_another", request_id=state.request_id, instance_id=target.instance_id,
+                     error=exc.message, suppressed=suppressed)
         return True
 
     async def _waited_for_an_instance(self, state: ReqState, until: float, num_waits: int) -> bool:

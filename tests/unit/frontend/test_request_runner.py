@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+from structlog.testing import capture_logs
 
 from services.common.errors import Internal, InvalidArgument, ResourceExhausted, Unavailable
 from services.frontend.dispatch import Dispatcher
@@ -159,6 +160,19 @@ async def test_full_everywhere_is_the_last_refusal():
     state = make_state()
     await runner.run(state, make_spec())
     assert state.error is full and sorted(i for i, _ in instances.specs) == ["a", "b"]
+
+
+async def test_a_full_cluster_logs_one_trying_another_line_per_instance():
+    """Before, each refused attempt logged instance_full_trying_another: a full cluster flooded the log."""
+    full = ResourceExhausted("full")
+    runner, _, _ = make_runner({"a": ([], full), "b": ([], full)}, "a", "b")
+    with capture_logs() as logs:
+        for _ in range(10):
+            state = make_state()
+            await runner.run(state, make_spec())
+            assert state.error is full
+    lines = [(e["instance_id"], e["suppressed"]) for e in logs if e["event"] == "instance_full_trying_another"]
+    assert lines and len(lines) == len({i for i, _ in lines}) and {s for _, s in lines} == {0}
 
 
 async def test_cancelling_the_runner_aborts_on_the_instance():

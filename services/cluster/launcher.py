@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import structlog
 
+from services.common.error_text import error_text
 from services.cluster.first_reports import FIRST_REPORTS_TIMEOUT_S, wait_for_first_reports
 from services.cluster.processes import ServiceProcess, stop_all
 from services.cluster.ready_banner import print_ready
@@ -231,7 +232,7 @@ class LocalCluster:
             self.is_state_stale = False
         except OSError as exc:
             if not self.is_state_stale:
-                log.error("state_write_failed", path=str(self.state_dir / "cluster.json"), error=str(exc))
+                log.error("state_write_failed", path=str(self.state_dir / "cluster.json"), error=error_text(exc))
             self.is_state_stale = True
 
     def _start(self, processes: list[ServiceProcess]) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from services.common.error_text import typed_error_text
 from services.cluster.security import ClusterSecurity
 from services.common.errors import FerryError
 from services.common.etcd_client import ETCD_ERRORS
@@ -64,7 +65,7 @@ async def print_ready(cluster: LocalCluster) -> None:
     try:
         serving = await read_serving(cluster)
     except (*ETCD_ERRORS, FerryError, ValueError) as exc:  # the banner goes out anyway, without those lines
-        log.warning("serving_summary_unavailable", error=repr(exc))
+        log.warning("serving_summary_unavailable", error=typed_error_text(exc))
         serving = None
     print(ready_banner(cluster, serving), flush=True)
 

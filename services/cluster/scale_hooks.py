@@ -33,7 +33,7 @@ import structlog
 
 from services.cluster.scaling_follower import plan
 from services.common.config import DefaultsHelpFormatter, OneLineErrorParser, knob_help
-from services.common.error_text import error_text
+from services.common.error_text import error_text, typed_error_text
 from services.common.etcd_client import EtcdAccess, EtcdKnobs
 from services.common.etcd_endpoints import check_address_flag
 from services.common.events import wait_set
@@ -131,7 +131,7 @@ class HookFollower:
         try:
             done = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=self.command_timeout_s)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            log.warning("scale_hook_failed", command=command, error=str(exc))
+            log.warning("scale_hook_failed", command=command, error=typed_error_text(exc))
             return False
         if done.returncode != 0:
             log.warning("scale_hook_failed", command=command, returncode=done.returncode, stderr=done.stderr[-2000:])

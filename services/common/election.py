@@ -28,6 +28,7 @@ import structlog
 from etcd3aio import Etcd3Client
 from etcd3aio.kv import KVService
 
+from services.common.error_text import error_text, typed_error_text
 from services.common.backoff import Backoff
 from services.common.cluster_keys import cluster_prefix
 from services.common.etcd_client import DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS, EtcdAccess, Lease, connect_etcd
@@ -101,10 +102,10 @@ class Election:
                     await self._wait_for_vacancy(client, revision + 1)
                 backoff.reset()
             except ETCD_ERRORS as exc:
-                log.debug("campaign_attempt_failed", key=self.key, error=repr(exc))
+                log.debug("campaign_attempt_failed", key=self.key, error=error_text(exc))
                 await backoff.sleep()
             except Exception as exc:  # noqa: BLE001 — not etcd being away: a bug or an unexpected answer; try again
-                log.warning("campaign_attempt_failed", key=self.key, error=repr(exc), exc_info=exc)
+                log.warning("campaign_attempt_failed", key=self.key, error=error_text(exc), exc_info=exc)
                 await backoff.sleep()
         log.info("leader_elected", key=self.key, leader_id=self.info.leader_id, epoch=self.epoch)
         self._leadership_task = asyncio.create_task(self._leadership_loop(), name="election_leadership_loop")
@@ -136,7 +137,7 @@ class Election:
             if epoch is not None:
                 self._abandoned = (lease, epoch)  # the next campaign deletes the key first
             log.info("leader_resign_failed", key=self.key, leader_id=self.info.leader_id, epoch=epoch,
-                     error=repr(exc))
+                     error=error_text(exc))
             return
         log.info("leader_resigned", key=self.key, leader_id=self.info.leader_id, epoch=epoch)
 
@@ -227,7 +228,7 @@ class Election:
         try:
             await lease.revoke()
         except ETCD_ERRORS as exc:
-            log.info("unused_lease_not_revoked", lease_id=f"{lease.lease_id:x}", error=repr(exc),
+            log.info("unused_lease_not_revoked", lease_id=f"{lease.lease_id:x}", error=error_text(exc),
                      action="it expires by itself within its TTL")
 
     async def _give_up_abandoned(self) -> None:
@@ -260,9 +261,9 @@ class Election:
 
 def _log_renew_failed(exc: Exception) -> None:
     if isinstance(exc, ETCD_ERRORS):
-        log.debug("leader_renew_failed", error=repr(exc))
+        log.debug("leader_renew_failed", error=error_text(exc))
     else:  # not etcd being away: a bug or an answer we did not expect
-        log.warning("leader_renew_failed", error=repr(exc), exc_info=exc)
+        log.warning("leader_renew_failed", error=error_text(exc), exc_info=exc)
 
 
 class LeaderView:
@@ -284,7 +285,7 @@ class LeaderView:
         except (KeyError, TypeError, AttributeError) as exc:
             if value != self._unreadable:
                 self._unreadable = value
-                log.warning("leader_key_unreadable", value=repr(value)[:200], error=repr(exc))
+                log.warning("leader_key_unreadable", value=repr(value)[:200], error=typed_error_text(exc))
             return None
 
     @property

@@ -12,6 +12,7 @@ import grpc
 import structlog
 from etcd3aio import Etcd3Client, EtcdPermissionDeniedError, EtcdUnauthenticatedError
 
+from services.common.error_text import error_text
 from services.common.backoff import Backoff
 from services.common.errors import FailedPrecondition, Unavailable
 from services.common.etcd_client import ETCD_ERRORS
@@ -34,14 +35,14 @@ async def wait_until_reachable(connect: Callable[[], Awaitable[Etcd3Client]], en
             await client.kv.get(key, timeout=rpc_timeout_s)
         except ETCD_ERRORS as exc:
             if not _is_unreachable(exc):  # refused: waiting would not mend it
-                raise FailedPrecondition(f"etcd at {','.join(endpoints)} refused us: {exc!r}; check "
+                raise FailedPrecondition(f"etcd at {','.join(endpoints)} refused us: {error_text(exc)}; check "
                                          "--etcd-user/--etcd-password and the user's role") from exc
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Unavailable(f"etcd at {','.join(endpoints)} did not answer within --etcd-wait-s "
-                                  f"{wait_s:g}: {exc!r}; check that etcd runs there (--etcd-endpoints)") from exc
+                                  f"{wait_s:g}: {error_text(exc)}; check that etcd runs there (--etcd-endpoints)") from exc
             if not backoff.num_attempts:
-                log.warning("etcd_not_answering_waiting", endpoints=list(endpoints), wait_s=wait_s, error=repr(exc))
+                log.warning("etcd_not_answering_waiting", endpoints=list(endpoints), wait_s=wait_s, error=error_text(exc))
             await _pause(min(backoff.next_delay(), left), stop)
         else:
             if backoff.num_attempts:

@@ -26,6 +26,8 @@ from typing import Generic, TypeVar
 
 import structlog
 
+from services.common.error_text import typed_error_text
+
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
@@ -147,7 +149,7 @@ class IdleClosingTable(Generic[T]):
         try:
             await self._close(value)
         except Exception as exc:  # noqa: BLE001 - a close that fails leaves nothing more to do than say so
-            log.warning("close_failed", what=self._name, address=address, error=repr(exc))
+            log.warning("close_failed", what=self._name, address=address, error=typed_error_text(exc))
 
     async def wait_closed(self) -> None:
         """Wait for the closes under way; a waiter cancelled meanwhile leaves them to finish (shielded: a

@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 from etcd3aio import Etcd3Client, prefix_range_end
 
+from services.common.error_text import error_text, typed_error_text
 from services.common.backoff import Backoff
 from services.common.etcd_client import DEFAULT_RPC_TIMEOUT_S, ETCD_ERRORS
 
@@ -128,7 +129,7 @@ class MembershipView:
                 self._note_unreachable(exc)
                 await backoff.sleep()
             except Exception as exc:  # noqa: BLE001 — a bug or an unexpected answer: the view must stay live
-                log.warning("membership_sync_crashed", prefix=self.prefix, error=repr(exc), exc_info=exc)
+                log.warning("membership_sync_crashed", prefix=self.prefix, error=typed_error_text(exc), exc_info=exc)
                 self._is_reachable = False  # the next successful read logs membership_resynced
                 await backoff.sleep()
 
@@ -198,7 +199,7 @@ class MembershipView:
 
     def _note_unreachable(self, exc: BaseException) -> None:
         if self._is_reachable:
-            log.warning("membership_sync_failed", prefix=self.prefix, error=repr(exc),
+            log.warning("membership_sync_failed", prefix=self.prefix, error=error_text(exc),
                         num_members_kept=len(self._members))
         self._is_reachable = False
 

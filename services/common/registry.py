@@ -109,7 +109,7 @@ class Registry(ClusterKeys):
                     await self._grant(client)
             is_held = await self._claim(key, value)
         except ETCD_ERRORS as exc:
-            raise Unavailable(f"cannot register {key} in etcd at {','.join(self.endpoints)}: {exc!r}; "
+            raise Unavailable(f"cannot register {key} in etcd at {','.join(self.endpoints)}: {error_text(exc)}; "
                               "check that etcd runs there (--etcd-endpoints)") from exc
         if is_held:
             log.info("member_registered", key=key, lease_id=f"{self._lease.lease_id:x}")
@@ -179,7 +179,7 @@ class Registry(ClusterKeys):
                 await self._put(key, value)
             except ETCD_ERRORS as exc:
                 self._needs_put = True
-                log.warning("member_update_deferred", key=key, error=repr(exc))
+                log.warning("member_update_deferred", key=key, error=error_text(exc))
 
     async def unregister(self, kind: str, member_id: str) -> None:
         """Delete one entry (e.g. when draining) where it is still ours: one under another lease (another process
@@ -195,7 +195,7 @@ class Registry(ClusterKeys):
                     await client.kv.txn(compare=[KVService.txn_compare_create_revision(key, kvs[0].create_revision)],
                                         success=[KVService.txn_op_delete(key)], timeout=self._rpc_timeout_s)
             except ETCD_ERRORS as exc:
-                raise Unavailable(f"cannot delete {key} from etcd: {exc!r}; it expires with the lease") from exc
+                raise Unavailable(f"cannot delete {key} from etcd: {error_text(exc)}; it expires with the lease") from exc
         log.info("member_unregistered", key=key)
 
     def on_registration_change(self, callback: RegistrationCallback) -> Callable[[], None]:
@@ -308,11 +308,11 @@ class Registry(ClusterKeys):
     def _note_renew_failed(self, exc: BaseException) -> None:
         silent_s = time.monotonic() - self._renewed_at
         if isinstance(exc, ETCD_ERRORS):
-            log.debug("lease_renew_failed", error=repr(exc), silent_s=round(silent_s, 2))
+            log.debug("lease_renew_failed", error=error_text(exc), silent_s=round(silent_s, 2))
         else:  # not etcd being away: a bug or an answer we did not expect
-            log.warning("lease_renew_failed", error=repr(exc), silent_s=round(silent_s, 2), exc_info=exc)
+            log.warning("lease_renew_failed", error=error_text(exc), silent_s=round(silent_s, 2), exc_info=exc)
         if self._is_registered and silent_s > self.ttl_s:
-            log.warning("lease_lost", error=repr(exc), silent_s=round(silent_s, 2), ttl_s=self.ttl_s)
+            log.warning("lease_lost", error=error_text(exc), silent_s=round(silent_s, 2), ttl_s=self.ttl_s)
             self._lost_registration()
 
     def _lost_registration(self) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from services.common.config import as_dict
 from services.common.election import watch_leader
-from services.common.error_text import error_text
+from services.common.error_text import error_text, typed_error_text
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2_grpc
 from services.common.grpc_server import GrpcServer, start_grpc_server
 from services.common.errors import Internal, Unavailable
@@ -90,7 +90,7 @@ def end_engine(runner: EngineRunner, loaded: LoadedEngine, error: BaseException 
     if stop_engine(runner, loaded):
         return
     if error is not None:  # run_service would have logged it; it is skipped with the teardown
-        log.error("service_failed", error=repr(error))
+        log.error("service_failed", error=typed_error_text(error))
     loaded.kv_cache.unlink()
     sys.stdout.flush()
     sys.stderr.flush()

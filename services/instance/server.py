@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import grpc
 import structlog
 
+from services.common.error_text import typed_error_text
 from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
 from services.common.pick_announcement import pick_to_metadata
@@ -307,4 +308,4 @@ async def _announce(context: grpc.aio.ServicerContext, request_id: str, migratio
     try:
         await context.send_initial_metadata(pick_to_metadata(request_id, migration_id))
     except Exception as exc:  # noqa: BLE001 — the call is over already (cancelled by its deadline): no one to tell
-        log.debug("migration_pick_not_announced", request_id=request_id, error=repr(exc))
+        log.debug("migration_pick_not_announced", request_id=request_id, error=typed_error_text(exc))

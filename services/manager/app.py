@@ -141,7 +141,7 @@ def _apply_members(view: ClusterView, members: Mapping[str, dict[str, Any]]) -> 
         try:
             records.append(InstanceRecord.from_dict(instance_id, value))
         except ValueError as exc:
-            log.warning("instance_record_invalid", instance_id=instance_id, error=str(exc))
+            log.warning("instance_record_invalid", instance_id=instance_id, error=error_text(exc))
     view.replace_members(records)
 
 

@@ -37,7 +37,7 @@ from etcd3aio import Etcd3Client, prefix_range_end
 from etcd3aio.kv import KVService
 
 from services.common.backoff import Backoff
-from services.common.error_text import error_text
+from services.common.error_text import error_text, typed_error_text
 from services.common.errors import Aborted, Unavailable
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.registry import DRAIN_MARKS, ROLE_MARKS
@@ -208,7 +208,7 @@ class ConfigStore:
             return scaling_from_json(value)
         except Exception as exc:  # noqa: BLE001 — malformed: log and keep the flags' settings
             log.warning("stored_scaling_policy_ignored", key=self._policy_key, value=raw.decode(errors="replace"),
-                        error=str(exc))
+                        error=typed_error_text(exc))
             return None
 
     def _parse_migration(self, value: object, raw: bytes) -> MigrationSettings | None:
@@ -216,7 +216,7 @@ class ConfigStore:
             return migration_from_json(value)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             log.warning("stored_migration_policy_ignored", key=self._policy_key, value=raw.decode(errors="replace"),
-                        error=str(exc))
+                        error=typed_error_text(exc))
             return None
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import structlog
 
+from services.common.error_text import typed_error_text
 from services.common.backoff import Backoff
 from services.common.election import Election, LeaderInfo, LeaderView
 from services.manager.cluster_view import ClusterView
@@ -76,7 +77,7 @@ class Campaign:
         try:
             await self._election.resign()
         except Exception as exc:  # noqa: BLE001 — the lease then expires by itself within its TTL
-            log.warning("resign_failed", error=repr(exc))
+            log.warning("resign_failed", error=typed_error_text(exc))
 
     def _step_down(self) -> None:
         self._leadership.set_elected(False)

@@ -37,6 +37,7 @@ from typing import Protocol
 
 import structlog
 
+from services.common.error_text import error_text
 from services.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.common.etcd_client import ETCD_ERRORS
 from services.common.periodic import periodic_loop
@@ -201,7 +202,7 @@ class Scaler:
         try:
             return await self._tick()
         except ETCD_ERRORS as exc:
-            log.warning("scaling_tick_skipped", reason="etcd_unreachable", error=repr(exc))
+            log.warning("scaling_tick_skipped", reason="etcd_unreachable", error=error_text(exc))
         except Unavailable as exc:
             log.warning("scaling_tick_skipped", reason="leadership_lost", error=exc.message)
         return None

@@ -31,6 +31,7 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from services.common.error_text import typed_error_text
 from services.common.errors import Unavailable
 from services.common.task_errors import read_error
 from services.transfer.deadline import Deadline
@@ -225,7 +226,7 @@ class ChannelTable:
     def _closed(self, future: asyncio.Future) -> None:
         self._closing.discard(future)
         if (error := read_error(future)) is not None:
-            log.warning("close_failed", what="channel", error=repr(error))
+            log.warning("close_failed", what="channel", error=typed_error_text(error))
 
     async def wait_closed(self) -> None:
         """Wait for the channels of gone peers that are closing now."""

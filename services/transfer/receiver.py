@@ -33,6 +33,7 @@ import numpy as np
 import structlog
 import torch
 
+from services.common.error_text import typed_error_text
 from services.common.errors import FerryError, InvalidArgument, ResourceExhausted
 from services.common.task_errors import read_error
 from services.instance.engine.kv_cache import KvGeometry
@@ -250,7 +251,7 @@ class BlockReceiver:
                     await run_in_thread(self._threads.io, channel.recv, scratch[:num_bytes],
                                         chunk_tag(tag, chunk.index), deadline.remaining_s())
         except Exception as exc:  # noqa: BLE001 - any failure here means the channel is not clean
-            log.info("refused_blocks_not_drained", src_transfer_id=header.src_transfer_id, reason=str(exc)[:200])
+            log.info("refused_blocks_not_drained", src_transfer_id=header.src_transfer_id, reason=typed_error_text(exc)[:200])
             return False
         return True
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from etcd3aio import Etcd3Client
+from structlog.testing import capture_logs
 
 from services.common.etcd_client import Lease
 from services.common.etcd_launcher import LocalEtcd
@@ -258,6 +259,22 @@ async def test_a_self_drain_right_after_a_freeze_past_the_lease_goes_under_a_new
         assert kv.lease == registry.lease_id != old_lease and json.loads(kv.value)["drained_by"] == "shutdown"
         await eventually(lambda: registry.is_registered, what="registered again")
     finally:
+        await registry.close()
+
+
+async def test_a_self_drain_etcd_cannot_take_logs_the_error_as_text(running_etcd, cluster) -> None:
+    """Before, `self_drain_failed` said "...: EtcdConnectionError('KV.Txn failed after 3 attempts: ...')" (the
+    registry wrote the exception's repr): the message alone now, as every other log line has it (error_text)."""
+    registry = Registry([running_etcd.endpoint], cluster, ttl_s=5.0)
+    try:
+        await registry.register("instances", INSTANCE, {"address": "127.0.0.1:1"})
+        running_etcd.stop()
+        with capture_logs() as logs:
+            await drain_self(registry, INSTANCE)
+        (error,) = [e["error"] for e in logs if e["event"] == "self_drain_failed"]
+        assert "failed after" in error and "Error(" not in error, error
+    finally:
+        running_etcd.start()
         await registry.close()
 
 

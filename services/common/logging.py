@@ -1,4 +1,5 @@
-"""Logging setup: structlog for ferry code, the same renderer for stdlib loggers (grpc, etcd3aio).
+"""Logging setup: structlog for ferry code, the same renderer for stdlib loggers (grpc, etcd3aio),
+whose lines ferry knows become its events (library_logs.py).
 
 Events are snake_case past-tense facts with fields. `service` is on every line;
 `request_id` is on every line logged while a gRPC call runs, bound by
@@ -21,6 +22,7 @@ import grpc
 import structlog
 
 from services.common.config import knob
+from services.common.library_logs import structure_library_line
 from services.common.rpc_handler import Behavior, is_streaming_behavior, wrap_rpc_handler
 from services.common.sd_notify import notify_systemd
 
@@ -150,8 +152,9 @@ def _exc_formatter(fmt: LogFormat) -> Processor:
 def _route_stdlib_logging(shared: list[Processor], renderer: Processor, level_no: int) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, structure_library_line, *shared],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        pass_foreign_args=True,  # for structure_library_line, which takes them out again
     ))
     if level_no > logging.DEBUG:
         handler.addFilter(_is_not_client_gone_noise)

@@ -149,7 +149,8 @@ def repetition_penalty(body: Mapping[str, Any]) -> float:
 
 
 def logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
-    """OpenAI's {"token id": bias}: ids as decimal strings, biases in [-100, 100]."""
+    """OpenAI's {"token id": bias}: ids as decimal strings, each token once ("1" and "01" are one token: a 400,
+    not the last one winning), biases numbers in [-100, 100] (null is refused, as vLLM does)."""
     value = body.get("logit_bias")
     if value is None:
         return ()
@@ -158,14 +159,25 @@ def logit_bias(body: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
                            param="logit_bias")
     if len(value) > MAX_LOGIT_BIAS_ENTRIES:
         raise RequestError(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(value)}", param="logit_bias")
-    biases = {}
+    biases: dict[int, float] = {}
+    keys: dict[int, str] = {}  # the key each token id was given by
     for key, bias in value.items():
-        if len(key) > _MAX_TOKEN_ID_DIGITS or not _TOKEN_ID_KEY.fullmatch(key) or int(key) > INT32_MAX:
-            raise RequestError(f"logit_bias: keys are token ids (non-negative integers), got {str(key)[:20]!r}",
-                               param="logit_bias")
+        token_id = _logit_bias_token_id(key)
+        if token_id in keys:
+            raise RequestError(f"logit_bias: keys {keys[token_id]!r} and {key!r} both name token {token_id}; give "
+                               "each token once", param="logit_bias")
         path = f"logit_bias.{key}"
-        biases[int(key)] = opt_float({path: bias}, path, 0.0, low=-100.0, high=100.0)
+        if bias is None:
+            raise RequestError(f"{path}: expected a number, got null; leave the token out for no bias", param=path)
+        keys[token_id], biases[token_id] = key, opt_float({path: bias}, path, 0.0, low=-100.0, high=100.0)
     return tuple(sorted(biases.items()))
+
+
+def _logit_bias_token_id(key: str) -> int:
+    if len(key) > _MAX_TOKEN_ID_DIGITS or not _TOKEN_ID_KEY.fullmatch(key) or int(key) > INT32_MAX:
+        raise RequestError(f"logit_bias: keys are token ids (non-negative integers), got {str(key)[:20]!r}",
+                           param="logit_bias")
+    return int(key)
 
 
 def opt_float(body: Mapping[str, Any], name: str, default: float, low: float | None = None,

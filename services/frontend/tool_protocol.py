@@ -64,9 +64,9 @@ def tool_use(body: Mapping[str, Any]) -> ToolUse:
     """Check `tools`, `tool_choice` and `parallel_tool_calls` of a chat request."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     _check_no_functions_nor_lone_choice(body)
-    if not tools:
+    if tools is None or not checked_tools(tools):  # checked with any tool_choice: "none" shows them to the model
         return ToolUse()
-    functions = _functions(checked_tools(tools))
+    functions = _functions(tools)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("parallel_tool_calls: expected true or false", param="parallel_tool_calls")
@@ -108,9 +108,9 @@ def _named(choice: dict[str, Any], functions: tuple[FunctionTool, ...]) -> Funct
 
 
 def refuse_tool_calls(body: Mapping[str, Any]) -> None:
-    """Completions: tools shown with tool_choice "none" are let through (and unused); calls are chat's."""
-    _check_no_functions_nor_lone_choice(body)
-    if body.get("tools") and body.get("tool_choice", "auto") != "none":
+    """Completions: tools with tool_choice "none" are checked as chat's and let through (unused); calls are
+    chat's."""
+    if tool_use(body).parses_calls:
         raise RequestError("tools: tool calls are answered by chat completions (/v1/chat/completions); leave tools "
                            "out or set tool_choice to \"none\"", param="tools")
 

@@ -79,6 +79,21 @@ async def test_a_bad_field_is_a_400_naming_its_exact_path(param):
     await assert_refused_naming(param, *BAD_BODIES[param])
 
 
+ONCE_LET_THROUGH = [  # (path, body): each was answered, as if the field were well formed
+    ("logit_bias", completion(logit_bias={"1": 5, "01": -5})),  # one token twice: the last key won
+    ("logit_bias.1", completion(logit_bias={"1": None})),  # null read as no bias (vLLM refuses it)
+    ("tools", completion(tools={"f": 1}, tool_choice="none")),  # tools unchecked under tool_choice "none"
+    ("tools[0].function", completion(tools=[{"type": "function"}], tool_choice="none")),
+    ("tools", chat(tools={}, tool_choice="none")),  # an empty object read as no tools
+    ("tools", chat(tools="")),
+]
+
+
+@pytest.mark.parametrize("param, request_", ONCE_LET_THROUGH)
+async def test_a_malformed_field_once_let_through_is_a_400_naming_it(param, request_):
+    await assert_refused_naming(param, *request_)
+
+
 def called(**fields):
     """A chat whose history holds an assistant's tool call: a valid one with `fields` set (None: left out)."""
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}

@@ -329,6 +329,8 @@ def test_missing_prompt():
     ({"top_p": -10**400}, ["top_p", "too large"], "top_p"),
     ({"logit_bias": {"1": 10**400}}, ["logit_bias.1", "too large"], "logit_bias.1"),
     ({"logit_bias": {"1" * 5000: 1}}, ["logit_bias", "token ids"], "logit_bias"),  # int() refuses 4300+ digits
+    ({"logit_bias": {"1": 5, "01": 1}}, ["logit_bias", "'1' and '01' both name token 1"], "logit_bias"),
+    ({"logit_bias": {"7": None}}, ["logit_bias.7", "expected a number, got null"], "logit_bias.7"),
     ({"user": 5}, ["user", "expected a string", "number"], "user"),
 ])
 def test_bad_completion_fields(fields, words, param):

@@ -324,25 +324,7 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
     output_tokens = max_tokens if max_tokens is not None else default_max_tokens
     if body.get("user") is not None and not isinstance(body["user"], str):  # OpenAI's end-user id: unused here
         raise RequestError(f"user: expected a string, got {_json_type(body['user'])}", param="user")
-    sampling = Sampling(
-        temperature=fields.temperature(body),
-        top_p=fields.top_p(body),
-        top_k=fields.top_k(body),
-        seed=fields.seed(body),
-        max_tokens=None if output_tokens is None else max(1, output_tokens),
-        stop=fields.stop_strings(body),
-        stop_token_ids=fields.stop_token_ids(body),
-        ignore_eos=opt_bool(body, "ignore_eos") or False,
-        num_logprobs=0 if num_top_logprobs is None else max(1, num_top_logprobs),
-        presence_penalty=fields.opt_float(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
-        frequency_penalty=fields.opt_float(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
-        logit_bias=fields.logit_bias(body),
-        repetition_penalty=fields.repetition_penalty(body),
-        min_p=fields.min_p(body),
-        cache_salt=fields.cache_salt(body),
-        min_tokens=fields.opt_int(body, "min_tokens", low=0) or 0,
-        num_prompt_logprobs=fields.prompt_logprobs(body, stream),
-    )
+    sampling = fields.sampling(body, output_tokens, num_top_logprobs, stream)
     parsed = ParsedRequest(
         endpoint=endpoint, model=check_model(body, served_model), prompts=prompts, messages=messages,
         sampling=sampling, stream=stream, include_usage=_include_usage(body, stream),
@@ -353,10 +335,14 @@ def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, p
         truncate_prompt_tokens=fields.truncate_prompt_tokens(body), prompt_logprobs=sampling.num_prompt_logprobs,
         max_tokens_field=max_tokens_field, max_tokens_is_default=max_tokens is None and default_max_tokens is not None)
     _check_min_tokens(sampling.min_tokens, output_tokens, max_tokens_field, parsed.max_tokens_is_default)
+    _check_num_choices(parsed)
+    return parsed
+
+
+def _check_num_choices(parsed: ParsedRequest) -> None:
     if parsed.num_choices > MAX_BATCH_CHOICES:
         raise RequestError(f"n: {parsed.n} choices for each of {parsed.num_prompts} prompts make "
                            f"{parsed.num_choices} answers; at most {MAX_BATCH_CHOICES} fit in one request", param="n")
-    return parsed
 
 
 def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:

@@ -1,6 +1,7 @@
 """The sampling fields of an OpenAI (or vLLM) request body, each read and checked on its own:
 a `RequestError` (HTTP 400) naming the field for anything else, as openai_protocol.py promises.
-Generic readers (`opt_bool`, `opt_int`, `opt_float`) check a field's JSON type and range."""
+Generic readers (`opt_bool`, `opt_int`, `opt_float`) check a field's JSON type and range; `sampling`
+reads them all into the request's `Sampling`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from services.common.prefix_hash import MAX_CACHE_SALT_CHARS
+from services.frontend.generation import Sampling
 from services.frontend.request_error import RequestError
 from services.frontend.request_error import json_type as _json_type
 
@@ -25,6 +27,30 @@ _MAX_TOKEN_ID_DIGITS = 10  # a longer key is no int32 (and int() refuses 4300+ d
 # Fractions travel as float32, where a positive value below ~1e-45 becomes 0, which the wire reads
 # as "unset" (top_p 1, repetition_penalty off). Smaller ones are raised to this; they mean the same.
 _MIN_WIRE_FRACTION = 1e-30
+
+
+def sampling(body: Mapping[str, Any], output_tokens: int | None, num_top_logprobs: int | None,
+             stream: bool) -> Sampling:
+    """The body's sampling fields, each checked; `output_tokens`: max_tokens or its default (0: an echo alone)."""
+    return Sampling(
+        temperature=temperature(body),
+        top_p=top_p(body),
+        top_k=top_k(body),
+        seed=seed(body),
+        max_tokens=None if output_tokens is None else max(1, output_tokens),
+        stop=stop_strings(body),
+        stop_token_ids=stop_token_ids(body),
+        ignore_eos=opt_bool(body, "ignore_eos") or False,
+        num_logprobs=0 if num_top_logprobs is None else max(1, num_top_logprobs),
+        presence_penalty=opt_float(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
+        frequency_penalty=opt_float(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
+        logit_bias=logit_bias(body),
+        repetition_penalty=repetition_penalty(body),
+        min_p=min_p(body),
+        cache_salt=cache_salt(body),
+        min_tokens=opt_int(body, "min_tokens", low=0) or 0,
+        num_prompt_logprobs=prompt_logprobs(body, stream),
+    )
 
 
 def stop_strings(body: Mapping[str, Any]) -> tuple[str, ...]:

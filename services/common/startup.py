@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 from prometheus_client import disable_created_metrics, start_http_server
 
+from services.common.error_text import error_text
 from services.common.errors import FerryError
 from services.common.teardown_noise import install_exception_handler
 
@@ -44,7 +45,7 @@ def run_service(main: Coroutine[Any, Any, None]) -> None:
         if failure is None:
             raise
         if isinstance(failure, StartupError):
-            log.error("startup_failed", error=str(failure))
+            log.error("startup_failed", error=error_text(failure))
         else:
             log.error("service_failed", code=failure.grpc_code.name, error=failure.message)
         sys.exit(1)

@@ -152,8 +152,14 @@ def parked(num_blocks: int = 2, max_num_tokens: int = 0) -> SimpleNamespace:
                            state=SimpleNamespace(max_num_tokens=max_num_tokens))
 
 
+# The hold time of a test that does not pass its own: never reached before the test's timeout. With 1 s, a loaded
+# machine that paused this process for a second between a note_prefilled and the worker's start had the hold timer
+# resume requests the test expected parked (['r-1', 'r-2', 'r-1'] resumed where ['r-1'] was).
+_HOLD_S = 60.0
+
+
 def pushing(engine: FakeEngine, placer: FlakyPlacer, migrations: FakeMigrations,
-            hold_s: float = 1.0) -> DecodeHandoff:
+            hold_s: float = _HOLD_S) -> DecodeHandoff:
     return DecodeHandoff("p-1", FakeRunner(engine), migrations, placer, PdHandoff.PUSH, lambda: InstanceRole.PREFILL,
                          hold_s=hold_s)
 
@@ -559,7 +565,7 @@ class CopyMigrations(FakeMigrations):
         raise Aborted(f"request {plan.request_id} finished or was aborted while migrating")
 
 
-def pushing_copies(stuck: asyncio.Event | None = None, hold_s: float = 1.0
+def pushing_copies(stuck: asyncio.Event | None = None, hold_s: float = _HOLD_S
                    ) -> tuple[FakeEngine, FakeRunner, CopyMigrations, DecodeHandoff]:
     engine = FakeEngine()
     runner = FakeRunner(engine)

@@ -6,6 +6,7 @@ import os
 import pathlib
 
 import pytest
+import structlog
 
 from services.common.etcd_launcher import PORT_RANGE_ENV, port_range
 from services.instance.models.tiny import build_tiny_model
@@ -16,6 +17,21 @@ pytest_plugins = ["tests.reaper_plugin", "tests.grpc_loop_plugin"]
 
 
 def pytest_configure() -> None:
+    plain_tracebacks()
+    split_ports()
+
+
+def plain_tracebacks() -> None:
+    """Service code run in-process logs a traceback plain, as the services do (services/common/logging.py).
+    structlog's default renders it with rich, every frame's locals included, in the logging call on the event
+    loop: 0.4 s a log.exception on a quiet machine, 8 s at load 15, past the bounds of tests that wait for a
+    loop that logs one (test_the_watchdog_outlives_a_failed_abort_and_frees_the_rest failed so)."""
+    processors = [p for p in structlog.get_config()["processors"] if not isinstance(p, structlog.dev.ConsoleRenderer)]
+    structlog.configure(processors=[*processors,
+                                    structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)])
+
+
+def split_ports() -> None:
     """Under pytest-xdist (`make test` runs two workers), each worker and every process it starts
     picks ports from a slice of its own: two workers never race for one not yet bound."""
     worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")

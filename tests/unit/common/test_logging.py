@@ -26,6 +26,7 @@ def test_request_metadata_round_trip() -> None:
 
 def test_json_lines_carry_service_and_context(capsys) -> None:
     root_handlers, root_level = logging.getLogger().handlers[:], logging.getLogger().level
+    structlog_config = structlog.get_config()  # (tests/conftest.py's: plain tracebacks)
     setup_logging("demo", LogFormat.JSON, "info")
     try:
         log = structlog.get_logger("test")
@@ -39,7 +40,7 @@ def test_json_lines_carry_service_and_context(capsys) -> None:
         line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
         assert line["event"] == "stdlib_line" and line["service"] == "demo" and line["logger"] == "grpc"
     finally:
-        structlog.reset_defaults()
+        structlog.configure(**structlog_config)
         logging.getLogger().handlers[:] = root_handlers
         logging.getLogger().setLevel(root_level)
 
@@ -48,6 +49,7 @@ def test_a_console_traceback_leaves_out_the_frames_local_variables(capsys) -> No
     # rich's tracebacks (structlog's default where rich is installed) print each frame's locals:
     # a crash holding a deeply nested request body printed it once a frame, for minutes
     root_handlers, root_level = logging.getLogger().handlers[:], logging.getLogger().level
+    structlog_config = structlog.get_config()  # (tests/conftest.py's: plain tracebacks)
     setup_logging("demo", LogFormat.CONSOLE, "info")
     try:
         big_body = {"prompt": "secret-" + "x" * 100_000}
@@ -59,7 +61,7 @@ def test_a_console_traceback_leaves_out_the_frames_local_variables(capsys) -> No
         assert "request_crashed" in err and "ValueError: crash with a body of 1 keys" in err
         assert "secret-" not in err and len(err) < 5_000
     finally:
-        structlog.reset_defaults()
+        structlog.configure(**structlog_config)
         logging.getLogger().handlers[:] = root_handlers
         logging.getLogger().setLevel(root_level)
 
@@ -71,6 +73,7 @@ def test_grpcs_error_for_a_status_its_client_no_longer_waits_for_is_left_out(cap
         pass
 
     root_handlers, root_level = logging.getLogger().handlers[:], logging.getLogger().level
+    structlog_config = structlog.get_config()  # (tests/conftest.py's: plain tracebacks)
     setup_logging("demo", LogFormat.CONSOLE, "info")
     try:
         grpc_log = logging.getLogger("grpc._cython.cygrpc")
@@ -83,7 +86,7 @@ def test_grpcs_error_for_a_status_its_client_no_longer_waits_for_is_left_out(cap
         err = capsys.readouterr().err
         assert "SendStatusFromServerOperation" not in err and "a real failure" in err
     finally:
-        structlog.reset_defaults()
+        structlog.configure(**structlog_config)
         logging.getLogger().handlers[:] = root_handlers
         logging.getLogger().setLevel(root_level)
 

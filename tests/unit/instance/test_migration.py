@@ -583,12 +583,17 @@ async def test_a_hand_off_that_cannot_release_the_request_ends_it_here(pair):
     await assert_no_blocks_held(a)
 
 
+# The cached-block tests' request, run on the destination first: 90 tokens left when it migrates after 30, where 400
+# made each of them decode 800 tokens (7-20 s a test at load 8, past the module's 60 s timeout at load 16)
+CACHED_RUN = dataclasses.replace(SAMPLING, max_tokens=120)
+
+
 @pytest.mark.parametrize("max_stages", [3, 0], ids=["live", "stop-and-copy"])
 async def test_blocks_the_destination_has_cached_are_not_copied(pair, max_stages):
     a, b = pair
-    expected = await run_alone(b)  # b computed (and cached) this very request's blocks
+    expected = await run_alone(b, CACHED_RUN.max_tokens)  # b computed (and cached) this very request's blocks
     tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    stream = await a.runner.add("r", PROMPT, CACHED_RUN)
     await read(stream, tokens, until=30)
     num_full = (len(PROMPT) + len(tokens) - 1) // BLOCK_SIZE  # 12 or more: full when the migration began
     copier = TensorCopier(a, b)
@@ -626,10 +631,10 @@ async def give_cached_block_other_bits(side: Side, tokens: list[int], index: int
 @pytest.mark.parametrize("max_stages", [3, 0], ids=["live", "stop-and-copy"])
 async def test_cached_blocks_are_copied_over_from_the_first_whose_bits_differ(pair, max_stages):
     a, b = pair
-    expected = await run_alone(b)  # b computed (and cached) this very request's blocks
+    expected = await run_alone(b, CACHED_RUN.max_tokens)  # b computed (and cached) this very request's blocks
     await give_cached_block_other_bits(b, expected, 3)
     tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    stream = await a.runner.add("r", PROMPT, CACHED_RUN)
     await read(stream, tokens, until=30)
     copier, peer = TensorCopier(a, b), FaultyPeer(b)
     result = await driver(a, peer, copier).migrate_out(dataclasses.replace(plan(), max_stages=max_stages))
@@ -644,10 +649,10 @@ async def test_cached_blocks_are_copied_over_from_the_first_whose_bits_differ(pa
 
 async def test_a_destination_from_before_checksums_keeps_every_cached_block(pair):
     a, b = pair
-    expected = await run_alone(b)
+    expected = await run_alone(b, CACHED_RUN.max_tokens)
     await give_cached_block_other_bits(b, expected, 3)
     tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    stream = await a.runner.add("r", PROMPT, CACHED_RUN)
     await read(stream, tokens, until=30)
     result = await driver(a, PeerFromBefore(b), TensorCopier(a, b)).migrate_out(plan())
     handoff = await read(stream, tokens)

@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("--src", help="source instance id (default: the request's instance, or with no --request "
                                        "the least free instance that has a request)")
     migrate.add_argument("--dst", help="destination instance id (default: the freest instance)")
-    migrations = command("migrations", "the leader's recent migrations (committed, failed, unknown)")
+    migrations = command("migrations", "the leader's recent migrations (committed, failed, refused, unknown)")
     migrations.add_argument("--instance", help="only migrations from or to this instance")
     migrations.add_argument("--request", help="only this request's migrations")
     role = command("role", "change an instance's prefill/decode role")

@@ -119,16 +119,16 @@ class MigrationRow:
     request_id: str
     src_instance_id: str
     dst_instance_id: str
-    trigger: str  # load | drain | admin
-    outcome: str  # committed | failed | unknown
+    trigger: str  # load | drain | admin | pd
+    outcome: str  # committed | failed | refused | unknown
     num_blocks: int
     num_bytes: int
     num_stages: int
     backend: str
     duration_ms: float
     downtime_ms: float
-    reason: str  # failed: the status code
-    message: str  # failed: the details
+    reason: str  # failed, refused, unknown: the status code
+    message: str  # failed, refused, unknown: the details
     num_cached_at_destination: int = 0  # blocks the destination had cached with the same bits: not sent
 
 

@@ -237,22 +237,25 @@ def _check_reported_figures(msg: manager_pb2.MigrationRecord) -> None:
 
 
 _STATUS_NAMES = frozenset(code.name for code in grpc.StatusCode)
+_REPORTED_OUTCOMES = tuple(o.value for o in (MigrationOutcome.COMMITTED, MigrationOutcome.FAILED,
+                                             MigrationOutcome.REFUSED))
 
 
 def reported_migration_from_proto(msg: manager_pb2.MigrationRecord, src_address: str,
                                   dst_address: str) -> MigrationRecord:
-    """A PD hand-off an instance ran on its own (ReportMigration): committed, or failed with a reason."""
+    """A PD hand-off an instance ran on its own (ReportMigration): committed, or failed with a reason (refused where
+    that is RESOURCE_EXHAUSTED: the decode instance had no room)."""
     if not msg.request_id or not msg.src_instance_id or not msg.dst_instance_id:
         raise InvalidArgument("request_id, src_instance_id and dst_instance_id: all required")
-    if msg.outcome not in ("", MigrationOutcome.COMMITTED.value, MigrationOutcome.FAILED.value):
-        raise InvalidArgument(f"outcome: expected committed or failed, got {msg.outcome[:40]!r}")
+    if msg.outcome not in ("", *_REPORTED_OUTCOMES):
+        raise InvalidArgument(f"outcome: expected committed, failed or refused, got {msg.outcome[:40]!r}")
     _check_reported_figures(msg)
     order = MigrationOrder(InstanceId(msg.src_instance_id), src_address, InstanceId(msg.dst_instance_id), dst_address,
                            MigrationTrigger.PD, MigrationSelection.PREFILL_DONE, request_id=msg.request_id,
                            max_stages=0)
     figures = _record_figures(msg)
-    outcome = MigrationOutcome(msg.outcome or MigrationOutcome.COMMITTED.value)
-    if outcome is MigrationOutcome.FAILED:
-        reason = msg.reason if msg.reason in _STATUS_NAMES else "UNKNOWN"  # a metrics label: a closed set
-        return MigrationRecord(order, outcome, figures, msg.started_at, reason=reason, message=msg.message[:1024])
-    return MigrationRecord(order, outcome, figures, msg.started_at)
+    if msg.outcome in ("", MigrationOutcome.COMMITTED.value):
+        return MigrationRecord(order, MigrationOutcome.COMMITTED, figures, msg.started_at)
+    reason = msg.reason if msg.reason in _STATUS_NAMES else "UNKNOWN"  # a metrics label: a closed set
+    return MigrationRecord(order, MigrationOutcome.not_committed(reason), figures, msg.started_at, reason=reason,
+                           message=msg.message[:1024])

@@ -24,7 +24,8 @@ IS_LEADER = Gauge("ferry_manager_is_leader", "1 while this manager is the electe
 MIGRATIONS = Counter("ferry_manager_migrations_total", "Live migrations attempted, by outcome and trigger",
                      ["outcome", "trigger"])
 MIGRATION_FAILURES = Counter("ferry_manager_migration_failures_total",
-                             "Live migrations that failed, by the gRPC status of MigrateOut", ["reason"])
+                             "Live migrations that failed (a fault; not those refused for want of room), by the gRPC status of MigrateOut",
+                             ["reason"])
 MIGRATIONS_SOURCE_BUSY = Counter("ferry_manager_migrations_source_busy_total",
                                  "MigrateOut calls their source refused at once, its own migration slots "
                                  "(--max-concurrent-migrations) busy: nothing tried, no failed migration", ["trigger"])

@@ -14,6 +14,7 @@ from services.common.errors import ResourceExhausted
 from services.manager.domain import InstanceId
 
 DEFAULT_PAIRING = "load"
+REFUSED_STATUS = "RESOURCE_EXHAUSTED"  # a migration that ended with it was refused for want of room, no fault
 
 
 class SourceBusy(ResourceExhausted):
@@ -41,8 +42,17 @@ class MigrationTrigger(enum.Enum):
 
 class MigrationOutcome(enum.Enum):
     COMMITTED = "committed"  # the destination owns the request
-    FAILED = "failed"  # aborted before commit: the request still runs on the source
+    FAILED = "failed"  # aborted before commit by a fault: the request still runs on the source
+    # Not taken for want of room (RESOURCE_EXHAUSTED): the destination (or a transfer service on the way) had no
+    # free KV blocks, batch slot or migration slot since the load report it was picked on; the request still runs
+    # on the source. No fault: under KV pressure a load report a tick old makes these.
+    REFUSED = "refused"
     UNKNOWN = "unknown"  # the source gave no answer and the instances did not tell (migration_settle.py)
+
+    @classmethod
+    def not_committed(cls, reason: str) -> MigrationOutcome:
+        """The outcome of a migration that was not committed, by the gRPC status name it ended with."""
+        return cls.REFUSED if reason == REFUSED_STATUS else cls.FAILED
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +106,8 @@ class MigrationRecord:
     outcome: MigrationOutcome
     figures: MigrationFigures  # zeros (and the ordered request id, if any) when it failed
     started_at: float  # unix seconds
-    reason: str = ""  # failed, unknown: the gRPC status name of MigrateOut, e.g. RESOURCE_EXHAUSTED
-    message: str = ""  # failed, unknown: the status details; committed: a note (the source gave no answer, yet it moved)
+    reason: str = ""  # failed, refused, unknown: the gRPC status name of MigrateOut (refused: RESOURCE_EXHAUSTED)
+    message: str = ""  # failed, refused, unknown: the status details; committed: a note (the source gave no answer, yet it moved)
 
     @property
     def is_committed(self) -> bool:

@@ -12,7 +12,7 @@ log = structlog.get_logger(__name__)
 
 
 def account(record: MigrationRecord) -> None:
-    """Counted (metrics) and logged: committed with its figures, failed by reason, or unknown."""
+    """Counted (metrics) and logged: committed with its figures, failed by reason, refused, or unknown."""
     order, figures = record.order, record.figures
     metrics.MIGRATIONS.labels(record.outcome.value, order.trigger.value).inc()
     fields = dict(request_id=figures.request_id, src_instance_id=order.src_instance_id,
@@ -20,6 +20,9 @@ def account(record: MigrationRecord) -> None:
                   duration_ms=round(figures.duration_ms, 2))
     if record.outcome is MigrationOutcome.UNKNOWN:
         log.warning("migration_outcome_unknown", reason=record.reason, error=record.message, **fields)
+        return
+    if record.outcome is MigrationOutcome.REFUSED:  # no fault: not in the failures, logged below a warning
+        log.info("migration_refused", reason=record.reason, error=record.message, **fields)
         return
     if not record.is_committed:
         metrics.MIGRATION_FAILURES.labels(record.reason).inc()

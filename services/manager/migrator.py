@@ -14,7 +14,10 @@ is left alone for `cooldown_s` (the source is told to skip it when it picks); wi
 pairing's hysteresis (migration_policies.py) nothing ping-pongs. Drains move requests
 whether or not the load-balancing loop is on. A MigrateOut failure is recorded, counted
 by gRPC status and logged, and never ends the loop: the request runs on at the source,
-and that (source, destination) pair waits `failure_backoff_s` before its next try. One the
+and that (source, destination) pair waits `failure_backoff_s` before its next try. One refused
+for want of room (RESOURCE_EXHAUSTED: the destination filled since the report it was picked on) is
+recorded `refused`, not `failed` (no fault), and backs its pair off the same (the next-freest
+destination gets the next try). One the
 source never answered (UNAVAILABLE, DEADLINE_EXCEEDED) may have committed: unless the
 destination holds the request at once, it is kept (and journaled) as `unknown` and found out
 later, while this manager leads (migration_settle.py), and counted then. One that never
@@ -239,7 +242,7 @@ class Migrator:
                                        migration_id=migration_id)
             # it may have committed (a call that never reached the source started nothing)
             is_unanswered = status_name(exc) in UNANSWERED_STATUSES and not isinstance(exc, SourceUnreached)
-            outcome = MigrationOutcome.UNKNOWN if is_unanswered else MigrationOutcome.FAILED
+            outcome = MigrationOutcome.UNKNOWN if is_unanswered else MigrationOutcome.not_committed(status_name(exc))
             not_committed = MigrationRecord(order, outcome, figures, started_at, reason=status_name(exc),
                                             message=exc.message)
             if not (is_unanswered and await self._settler.moved_at_once(not_committed)):
@@ -250,20 +253,22 @@ class Migrator:
 
     async def migrate_to_the_end(self, order: MigrationOrder) -> MigrationRecord:
         """`migrate` in a task of its own: a caller that gives up (an admin client's deadline) does not
-        cut the migration short, and its record is kept however it ends. Tried also where the destination
-        reports no free migration slot (named by the operator): its refusal then says so."""
+        cut the migration short, and its record is kept however it ends. A refusal for want of room
+        (RESOURCE_EXHAUSTED, recorded `refused`) says so, and where the destination reported no free migration
+        slot (an operator may name such a one: it is tried) that too."""
         is_dst_busy = (self._view.has_member(order.dst_instance_id)
                        and not self._view.instance(order.dst_instance_id).load.has_free_migration_slot)
         try:
             return await asyncio.shield(self._start(order))
         except ResourceExhausted as exc:
-            if not is_dst_busy or isinstance(exc, SourceBusy):
+            if isinstance(exc, SourceBusy):
                 raise
+            busy = (" (it reported no free migration slot: its own migrations in or out hold its "
+                    "--max-concurrent-migrations; retry when they end, or name another dst_instance_id, or none for "
+                    "the freest instance with room)") if is_dst_busy else ""
             raise ResourceExhausted(f"destination instance {order.dst_instance_id} refused the migration: "
-                                    f"{exc.message} (it reported no free migration slot: its own migrations in or "
-                                    "out hold its --max-concurrent-migrations; retry when they end, or name another "
-                                    "dst_instance_id, or none for the freest instance with room)",
-                                    exc.request_id) from exc
+                                    f"{exc.message}{busy} (recorded refused: the request runs on at "
+                                    f"{order.src_instance_id})", exc.request_id) from exc
 
     def admin_order(self, src_id: str, dst_id: str, request_id: str) -> MigrationOrder:
         """An AdminService.Migrate order (admin_orders.py has the checks)."""

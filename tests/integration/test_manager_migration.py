@@ -206,14 +206,21 @@ async def test_the_loop_spreads_a_flooded_instance_and_keeps_a_history(world):
     assert "ferry_manager_migration_downtime_seconds_count 6.0" in text
 
 
-async def test_failures_are_counted_by_status_and_the_loop_lives_on(world):
-    _, client, peers = await world(2, "--migration-enabled", "--migration-threshold", "0")
+async def test_refusals_are_counted_apart_from_failures_and_the_loop_lives_on(world):
+    """A destination with no room (RESOURCE_EXHAUSTED) is no fault: recorded and counted `refused`, not `failed`
+    (before, `failed`, and the README's PromQL for faults had to leave RESOURCE_EXHAUSTED out)."""
+    port = free_port()
+    _, client, peers = await world(2, "--migration-enabled", "--migration-threshold", "0", metrics_port=port)
     peers["i-0"].refuse = "destination i-1 has no free batch slot"
     peers["i-0"].hold("r-1", "r-2", "r-3", "r-4")
-    await wait_until(lambda: _num_migrations(client, 2), 10, "two failed attempts")
-    failed = (await client.list_migrations()).migrations
-    assert {(m.outcome, m.reason) for m in failed} == {("failed", "RESOURCE_EXHAUSTED")}
-    assert failed[0].message == "destination i-1 has no free batch slot"
+    await wait_until(lambda: _num_migrations(client, 2), 10, "two refused attempts")
+    refused = (await client.list_migrations()).migrations
+    assert {(m.outcome, m.reason) for m in refused} == {("refused", "RESOURCE_EXHAUSTED")}
+    assert refused[0].message == "destination i-1 has no free batch slot"
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert float(re.search(r'ferry_manager_migrations_total\{outcome="refused",trigger="load"\} (\S+)', text)[1]) >= 2
+    assert 'ferry_manager_migrations_total{outcome="failed",trigger="load"} 0.0' in text
+    assert 'ferry_manager_migration_failures_total{reason="RESOURCE_EXHAUSTED"}' not in text
     peers["i-0"].refuse = ""
     await wait_until(lambda: _running_is(client, {"i-0": 2, "i-1": 2}), 10, "the loop recovered")
 
@@ -296,10 +303,11 @@ async def test_admin_migrate_finds_the_request_and_checks_its_arguments(world):
     with pytest.raises(FailedPrecondition, match="source and destination are both i-1"):
         await client.migrate(request_id="r-3", dst_instance_id="i-1")
     peers["i-1"].refuse = "no room on i-2"
-    with pytest.raises(ResourceExhausted, match="no room on i-2"):
+    with pytest.raises(ResourceExhausted, match="destination instance i-2 refused the migration: no room on i-2 "
+                       r"\(recorded refused: the request runs on at i-1\)"):
         await client.migrate(request_id="r-3", dst_instance_id="i-2")
     history = (await client.list_migrations(request_id="r-3")).migrations
-    assert [(m.outcome, m.reason, m.trigger) for m in history] == [("failed", "RESOURCE_EXHAUSTED", "admin")]
+    assert [(m.outcome, m.reason, m.trigger) for m in history] == [("refused", "RESOURCE_EXHAUSTED", "admin")]
     peers["i-1"].refuse = ""
     await wait_until(lambda: _running_is(client, {"i-0": 0, "i-1": 2, "i-2": 1}), 5, "moves reported")
     busiest = await client.migrate()  # nothing named: the least free busy instance gives one to the freest
@@ -439,7 +447,7 @@ async def test_the_history_outlives_the_manager_that_kept_it(world, etcd, etcd_c
     with pytest.raises(ResourceExhausted):
         await client.migrate(src_instance_id="i-1", dst_instance_id="i-0")
     kept = [(m.request_id, m.outcome, m.src_instance_id) for m in (await client.list_migrations()).migrations]
-    assert kept == [("r-1", "committed", "i-0"), ("", "failed", "i-1")]
+    assert kept == [("r-1", "committed", "i-0"), ("", "refused", "i-1")]
     await wait_until(lambda: _num_stored_migrations(etcd_client, cluster, 2), 10, "both records in etcd")
     assert await manager.stop() == 0
     successor = await start_manager(etcd.endpoint, cluster, "m-successor", tmp_path)

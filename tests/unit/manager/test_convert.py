@@ -72,12 +72,17 @@ def test_free_slots_less_reservations_and_the_record_s_batch_size_reach_the_inst
 
 def test_a_reported_pd_hand_off_that_failed_is_kept_as_failed_with_its_reason():
     msg = manager_pb2.MigrationRecord(request_id="r-1", src_instance_id="p-0", dst_instance_id="d-0", trigger="pd",
-                                      outcome="failed", reason="RESOURCE_EXHAUSTED", message="slots busy",
+                                      outcome="failed", reason="UNAVAILABLE", message="decode instance gone",
                                       duration_ms=3.0, started_at=5.0)
     record = reported_migration_from_proto(msg, "127.0.0.1:1", "127.0.0.1:2")
-    assert record.outcome is MigrationOutcome.FAILED and (record.reason, record.message) == ("RESOURCE_EXHAUSTED",
-                                                                                           "slots busy")
+    assert record.outcome is MigrationOutcome.FAILED and (record.reason, record.message) == ("UNAVAILABLE",
+                                                                                           "decode instance gone")
     assert record.figures.request_id == "r-1" and record.order.dst_instance_id == "d-0"
+    # The decode instance had no room: refused, whether the instance says failed (as every one does) or refused
+    for outcome in ("failed", "refused"):
+        msg.outcome, msg.reason = outcome, "RESOURCE_EXHAUSTED"
+        refused = reported_migration_from_proto(msg, "", "")
+        assert (refused.outcome, refused.reason) == (MigrationOutcome.REFUSED, "RESOURCE_EXHAUSTED")
     msg.reason = "x" * 300  # a metrics label: only gRPC status names pass
     assert reported_migration_from_proto(msg, "", "").reason == "UNKNOWN"
     msg.outcome = "exploded"

@@ -57,7 +57,7 @@ def test_migration_and_scaling_counters_start_at_zero():
     or an alert on failed drains read "no data" rather than 0."""
     export_zero_series()
     text = generate_latest(REGISTRY).decode()
-    for outcome in ("committed", "failed"):
+    for outcome in ("committed", "failed", "refused", "unknown"):
         for trigger in ("load", "drain", "admin", "pd"):
             assert f'ferry_manager_migrations_total{{outcome="{outcome}",trigger="{trigger}"}}' in text
     assert 'ferry_manager_scaling_actions_total{action="retire"}' in text

@@ -176,13 +176,16 @@ async def test_a_request_that_just_moved_is_excluded_until_its_cooldown_ends():
 
 
 async def test_failures_are_recorded_by_grpc_status_and_the_loop_goes_on():
+    """A destination's refusal for want of room (RESOURCE_EXHAUSTED: it filled since the report it was picked on) is
+    no fault: recorded and counted `refused`, not `failed`, and not in the failures by status. Before, under KV
+    pressure dozens of such `failed` migrations came (the README's PromQL for faults left their status out)."""
     clock = FakeClock()
     view = cluster(clock, a=8, b=0)
     unimplemented = Unavailable("Method not found!")
     unimplemented.__cause__ = RpcCause("UNIMPLEMENTED")
     sources = FakeSources(ResourceExhausted("destination has 2 free blocks, needs 6"), unimplemented)
     migrator = make_migrator(view, clock, sources, failure_backoff_s=2.0)
-    before = metrics.MIGRATION_FAILURES.labels("RESOURCE_EXHAUSTED")._value.get()
+    before = _outcome_counts()
     for _ in range(2):
         migrator.tick()
         await settle(migrator)
@@ -193,10 +196,18 @@ async def test_failures_are_recorded_by_grpc_status_and_the_loop_goes_on():
         clock.advance(1.5)
     first, second = migrator.history()
     assert (first.outcome, first.reason, first.message) == (
-        MigrationOutcome.FAILED, "RESOURCE_EXHAUSTED", "destination has 2 free blocks, needs 6")
-    assert second.reason == "UNIMPLEMENTED"
-    assert metrics.MIGRATION_FAILURES.labels("RESOURCE_EXHAUSTED")._value.get() - before == 1
+        MigrationOutcome.REFUSED, "RESOURCE_EXHAUSTED", "destination has 2 free blocks, needs 6")
+    assert (second.outcome, second.reason) == (MigrationOutcome.FAILED, "UNIMPLEMENTED")
+    assert {k: n - before[k] for k, n in _outcome_counts().items()} == {
+        "refused": 1, "failed": 1, "failures RESOURCE_EXHAUSTED": 0, "failures UNIMPLEMENTED": 1}
     assert migrator._in_flight == {}
+
+
+def _outcome_counts() -> dict[str, float]:
+    """Load migrations refused and failed, and failures by status (ferry_manager_migration_failures_total)."""
+    counts = {o: metrics.MIGRATIONS.labels(o, "load")._value.get() for o in ("refused", "failed")}
+    return counts | {f"failures {r}": metrics.MIGRATION_FAILURES.labels(r)._value.get()
+                     for r in ("RESOURCE_EXHAUSTED", "UNIMPLEMENTED")}
 
 
 async def test_a_failure_is_recorded_under_the_request_the_source_picked():

@@ -180,7 +180,7 @@ class MigrationDriver:
             return await self._move_in_one_stage(a)
         view = await self._view(a, is_first=True)
         await self._reservations.reserve(a, view, RESERVATION_HEADROOM_BLOCKS)
-        view = await self._live_stages(a, view)
+        view = await self._live_stages(a)
         await self._reservations.reserve(a, view, RESERVATION_HEADROOM_BLOCKS)  # fresh: the paused copy asks nothing
         # suspend_held: a request parked for its PD hand-off meanwhile is ours now (the hand-off was refused: claimed)
         view, state = await self._suspend(a, lambda engine: engine.suspend_held(a.request_id))
@@ -207,18 +207,20 @@ class MigrationDriver:
         await self._hand_off(a, state)
         return self._result(a)
 
-    async def _live_stages(self, a: MigrationInFlight, view: MigrationBlocks) -> MigrationBlocks:
-        """Copy full blocks while the request decodes, until few remain or the stages run out;
-        returns the request's blocks as last seen."""
+    async def _live_stages(self, a: MigrationInFlight) -> MigrationBlocks:
+        """Copy full blocks while the request decodes, until few remain or the stages run out; returns the
+        request's blocks as last seen. Each stage copies the blocks as they are when it starts: the first
+        those after the first Prepare answered (the blocks filled while it ran go live, not in the pause,
+        however slow the destination was), the last view is the one after the last copy."""
         max_stages = self._settings.max_stages if a.plan.max_stages is None else a.plan.max_stages
-        for stage in range(max_stages):
-            if stage:
-                view = await self._view(a)
+        view = await self._view(a)
+        for _ in range(max_stages):
             full = a.pending(view, full_only=True)
             if not full or len(a.pending(view, full_only=False)) <= self._settings.stage_blocks:
                 break
             await self._copy(a, view, full, headroom=RESERVATION_HEADROOM_BLOCKS)
             a.num_live_stages += 1
+            view = await self._view(a)
         return view
 
     def _check_not_aborted(self, a: MigrationInFlight) -> None:

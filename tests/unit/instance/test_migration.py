@@ -267,6 +267,54 @@ async def test_a_plans_short_prepare_deadline_holds_for_the_first_reservation_on
     await assert_no_blocks_held(a, b)
 
 
+class SlowFirstPrepare(FaultyPeer):
+    """A destination whose first PrepareMigrateIn returns only once the source's request filled `num_blocks` more
+    blocks (a busy destination, a slow network); notes the source's full blocks when that answer came back."""
+
+    def __init__(self, dst: Side, src: Side, num_blocks: int) -> None:
+        super().__init__(dst)
+        self.src, self.num_blocks = src, num_blocks
+        self.full_at_answer: set[int] | None = None  # source block ids full when the first Prepare answered
+
+    async def prepare_migrate_in(self, *args, **kwargs) -> Reservation:
+        is_first = self.full_at_answer is None
+        if is_first:
+            start = len(await self._full_blocks())
+            async with asyncio.timeout(10):
+                while len(await self._full_blocks()) < start + self.num_blocks:
+                    await asyncio.sleep(0.005)
+        reservation = await super().prepare_migrate_in(*args, **kwargs)
+        if is_first:
+            self.full_at_answer = set(await self._full_blocks())
+        return reservation
+
+    async def _full_blocks(self) -> tuple[int, ...]:
+        def full() -> tuple[int, ...]:
+            view = self.src.engine.migration_blocks("r")
+            return tuple(view.block_ids[:view.num_full_blocks])
+        return await self.src.runner.call(full)
+
+
+async def test_blocks_filled_during_the_first_prepare_are_copied_live_not_paused(pair):
+    """The first live stage copied the blocks full before the first PrepareMigrateIn, so those the request filled
+    while a slow Prepare ran waited for the paused copy (more downtime; with one live stage, every one of them).
+    It takes the request's blocks once Prepare answered: the paused copy has none that were full by then."""
+    a, b = pair
+    expected = await run_alone(a, CACHED_RUN.max_tokens)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, CACHED_RUN)
+    await read(stream, tokens, until=10)
+    peer, copier = SlowFirstPrepare(b, a, num_blocks=4), TensorCopier(a, b)
+    await driver(a, peer, copier, max_stages=1).migrate_out(plan())
+    handoff = await read(stream, tokens)
+    last = await read(b.inbox.attach("r", handoff.epoch), tokens)
+    assert tokens == expected and last.finish_reason is FinishReason.LENGTH
+    live, paused = copier.transfers
+    assert peer.full_at_answer <= set(live.src_block_ids)
+    assert not peer.full_at_answer & set(paused.src_block_ids), (len(live.src_block_ids), len(paused.src_block_ids))
+    await assert_no_blocks_held(a, b)
+
+
 async def test_a_drain_onto_a_prefill_instance_tells_it_the_manager_chose_it(pair):
     """A PREFILL destination refuses migrations in unless the first Prepare says so (the last decode instance
     drained: nowhere else to go); the manager's MigrateOut says it, the source passes it on."""

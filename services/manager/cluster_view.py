@@ -29,7 +29,9 @@ instance, the one that had just reported. A report also drops the reservations m
 instance that does not count (0, an older one) gets. The counts are read as differences only
 within one report stream (a restarted instance starts them again). So a burst of dispatches
 spreads out instead of piling on one instance, and a request counts once from its instance's
-first report of it.
+first report of it. A migration this manager starts into an instance is counted there the same way
+(a running request, the source's average request's blocks, and a migration slot) until a report of
+that instance shows it (migrating in, or migrated in) or the migration ends (incoming_migrations.py).
 
 No transport here: the server feeds records and reports in, the clock is injectable.
 """
@@ -44,6 +46,7 @@ from services.manager.domain import (
     PREFILL_ROLES, Candidate, InstanceId, InstanceRecord, InstanceState, InstanceView, Load, Reservation, Role,
     pooled_freeness,
 )
+from services.manager.incoming_migrations import IncomingMigrations
 
 IN_TRANSIT_S = 0.5  # a dispatched request reaches its instance, and is counted in its reports, within this
 
@@ -91,6 +94,7 @@ class ClusterView:
         self._num_dispatched: dict[InstanceId, int] = {}  # members only
         self._num_dispatched_to_departed = 0  # so the cluster's total stays cumulative
         self._migrating: dict[InstanceId, int] = {}  # migrations this manager runs into or out of each instance now
+        self._incoming = IncomingMigrations()  # ... those into each, in its load until a report shows them
         # Dispatch runs hundreds of times a second over every member, so two caches:
         self._eligible_ids: list[InstanceId] = []  # sorted members that are not draining (any role);
         #   rebuilt on every membership or drain change
@@ -125,6 +129,7 @@ class ClusterView:
         self._sorted_ids = sorted(self._records)
         for per_instance in (self._heard_at, self._reports, self._reserved, self._candidates, self._counts_seen):
             per_instance.pop(instance_id, None)
+        self._incoming.forget(instance_id)
         if self._joined_in_term is not None:
             self._joined_in_term.discard(instance_id)
         self._num_dispatched_to_departed += self._num_dispatched.pop(instance_id, 0)
@@ -160,7 +165,9 @@ class ClusterView:
         if instance_id not in self._records:
             return self._clock()
         self._reports[instance_id] = load
-        self._drop_counted_reservations(instance_id, *self._num_newly_counted(instance_id, load))
+        num_dispatches, num_migrated_in = self._num_newly_counted(instance_id, load)
+        self._drop_counted_reservations(instance_id, num_dispatches, num_migrated_in)
+        self._incoming.note_report(instance_id, load.num_incoming_migrations + num_migrated_in)
         self._candidates.pop(instance_id, None)
         self._unanswered.discard(instance_id)
         self._heard_at[instance_id] = heard_at = self._clock()
@@ -203,14 +210,20 @@ class ClusterView:
         if kept:
             self._reserved[instance_id] = kept
 
-    def begin_migration(self, src_id: InstanceId, dst_id: InstanceId) -> None:
+    def begin_migration(self, src_id: InstanceId, dst_id: InstanceId, num_blocks: int = 0) -> int:
         """A migration this manager started: neither instance is drained before it ends. Their reports may
         show the request on neither: the destination's not the reservation yet, the source's not the
-        request it took out of its batch for the last stage."""
+        request it took out of its batch for the last stage. Until a report of the destination shows it, it
+        holds there a running request, `num_blocks` (an estimate) and a migration slot (incoming_migrations.py).
+        Its token, for `end_migration`."""
         for instance_id in (src_id, dst_id):
             self._migrating[instance_id] = self._migrating.get(instance_id, 0) + 1
+        self._candidates.pop(dst_id, None)
+        return self._incoming.begin(dst_id, num_blocks)
 
-    def end_migration(self, src_id: InstanceId, dst_id: InstanceId) -> None:
+    def end_migration(self, src_id: InstanceId, dst_id: InstanceId, token: int = 0) -> None:
+        self._incoming.end(dst_id, token)
+        self._candidates.pop(dst_id, None)
         for instance_id in (src_id, dst_id):
             if (count := self._migrating.get(instance_id, 0) - 1) > 0:
                 self._migrating[instance_id] = count
@@ -269,9 +282,11 @@ class ClusterView:
         return self._heard_at[instance_id] < heard_since or instance_id in self._unanswered
 
     def load_of(self, instance_id: InstanceId) -> Load:
-        """Last reported load plus reservations; before any report, an empty cache of the record's size."""
+        """Last reported load plus reservations (dispatches, migrations in); before any report, an empty cache of
+        the record's size."""
         reserved = self._reserved.get(instance_id, ())
-        return self.reported_load_of(instance_id).plus(Reservation(len(reserved), sum(r.num_blocks for r in reserved)))
+        dispatched = Reservation(len(reserved), sum(r.num_blocks for r in reserved))
+        return self.reported_load_of(instance_id).plus(dispatched + self._incoming.reservation(instance_id))
 
     def reported_load_of(self, instance_id: InstanceId) -> Load:
         """Last reported load; before any report, an empty cache of the record's size."""

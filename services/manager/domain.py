@@ -146,22 +146,30 @@ class Load:
         return self.num_free_blocks - self.num_blocks_needed_by_waiting >= num_blocks and self.has_free_slot
 
     def plus(self, reservation: Reservation) -> Load:
-        """This load with the manager's not-yet-reported dispatches added."""
+        """This load with the manager's not-yet-reported dispatches and migrations in added."""
         if not reservation.num_requests:
             return self
         num_free_slots = (None if self.num_free_slots is None
                           else max(self.num_free_slots - reservation.num_requests, 0))
+        num_free_migration_slots = (None if self.num_free_migration_out_slots is None
+                                    else max(self.num_free_migration_out_slots - reservation.num_migrations, 0))
         return dataclasses.replace(self, num_running=self.num_running + reservation.num_requests,
                                    num_blocks_needed_by_waiting=self.num_blocks_needed_by_waiting
-                                   + reservation.num_blocks, num_free_slots=num_free_slots)
+                                   + reservation.num_blocks, num_free_slots=num_free_slots,
+                                   num_free_migration_out_slots=num_free_migration_slots)
 
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """Requests dispatched to an instance since its last load report (it has not counted them yet)."""
+    """Requests placed on an instance (dispatched, or migrating in) that its last load report does not count yet."""
 
     num_requests: int = 0
     num_blocks: int = 0
+    num_migrations: int = 0  # of those, migrations in (by this manager): each also holds one of its migration slots
+
+    def __add__(self, other: Reservation) -> Reservation:
+        return Reservation(self.num_requests + other.num_requests, self.num_blocks + other.num_blocks,
+                           self.num_migrations + other.num_migrations)
 
 
 @dataclass(frozen=True, slots=True)

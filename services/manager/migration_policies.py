@@ -201,7 +201,7 @@ def pair_prefilled(serving: Sequence[Peer], allowed: PairFilter = _any_pair) -> 
 def stays_freer_after_move(src: Load, dst: Load) -> bool:
     """Would `dst` still be at least as free as `src` after one average request of `src` moved over?
     (A priority headroom stays where it is: migrations move the lowest-priority requests first.)"""
-    num_blocks = _blocks_per_request(src)
+    num_blocks = blocks_per_request(src)
     if src.num_running:
         src_after = dataclasses.replace(src, num_running=src.num_running - 1,
                                         num_free_blocks=src.num_free_blocks + num_blocks)
@@ -213,7 +213,8 @@ def stays_freer_after_move(src: Load, dst: Load) -> bool:
     return dst_after.num_free_blocks >= 0 and dst_after.freeness >= src_after.freeness
 
 
-def _blocks_per_request(load: Load) -> int:
+def blocks_per_request(load: Load) -> int:
+    """KV blocks an average request of the instance holds (running) or needs (queued, when none runs)."""
     if load.num_running:
         return math.ceil(max(load.num_total_blocks - load.num_free_blocks, 0) / load.num_running)
     return math.ceil(load.num_blocks_needed_by_waiting / max(load.num_waiting, 1))

@@ -57,8 +57,8 @@ from services.manager.migration import (MigrationFigures, MigrationOrder, Migrat
                                         MigrationSelection, MigrationSettings, MigrationTrigger, SourceBusy)
 from services.manager.migration_settle import (LOOKS_AT_S, UNANSWERED_STATUSES, HeldRequest, Settler,
                                                SourceUnanswered, SourceUnreached)
-from services.manager.migration_policies import (Pair, PairingPolicy, Peer, make_pairing, pair_drains,
-                                                 pair_prefilled)
+from services.manager.migration_policies import (Pair, PairingPolicy, Peer, blocks_per_request, make_pairing,
+                                                 pair_drains, pair_prefilled)
 
 log = structlog.get_logger(__name__)
 
@@ -206,7 +206,7 @@ class Migrator:
         while this manager still leads in the term the migration began in (a manager that lost the lead
         meanwhile writes nothing: the history there is the new leader's)."""
         started, started_at, term = self._clock(), self._wall_clock(), self._leading_term()
-        self._hold(order)
+        token = self._hold(order)
         has_run, picks = True, []  # what the source announced (its pick, the migration's id) as it came
         try:
             record, error = await self._outcome(order, started, started_at, picks.append)
@@ -222,7 +222,7 @@ class Migrator:
                                        message=CUT_SHORT), term, is_followed=False)
             raise
         finally:
-            self._release(order, has_run)
+            self._release(order, token, has_run)
         self._keep(record, term)
         if error is not None:
             raise error
@@ -358,13 +358,17 @@ class Migrator:
         if error is not None and not isinstance(error, FerryError):
             log.error("migration_crashed", task=task.get_name(), exc_info=error)
 
-    def _hold(self, order: MigrationOrder) -> None:
+    def _hold(self, order: MigrationOrder) -> int:
+        """A slot on both; the destination's view counts the request (an average one of the source's) till a
+        report of it does. The view's token of it."""
         for instance_id in (order.src_instance_id, order.dst_instance_id):
             self._in_flight[instance_id] = self._in_flight.get(instance_id, 0) + 1
-        self._view.begin_migration(order.src_instance_id, order.dst_instance_id)
         metrics.MIGRATIONS_IN_FLIGHT.inc()
+        is_known = self._view.has_member(order.src_instance_id)
+        num_blocks = blocks_per_request(self._view.instance(order.src_instance_id).held_load) if is_known else 0
+        return self._view.begin_migration(order.src_instance_id, order.dst_instance_id, num_blocks)
 
-    def _release(self, order: MigrationOrder, has_run: bool = True) -> None:
+    def _release(self, order: MigrationOrder, token: int, has_run: bool = True) -> None:
         """Both sit out until their next report; only the source where it refused at once (`has_run` False:
         its next report shows its migration slots; the destination saw nothing)."""
         now = self._clock()
@@ -376,7 +380,7 @@ class Migrator:
         if has_run:
             self._ended_at[order.dst_instance_id] = now
             self._received_at[order.dst_instance_id] = now
-        self._view.end_migration(order.src_instance_id, order.dst_instance_id)
+        self._view.end_migration(order.src_instance_id, order.dst_instance_id, token)
         metrics.MIGRATIONS_IN_FLIGHT.dec()
 
     def _keep(self, record: MigrationRecord, term: int | None, backs_off: bool = True,

@@ -603,6 +603,27 @@ async def test_a_source_whose_own_migration_slots_are_busy_is_no_failed_migratio
     assert {m.outcome for m in (await client.list_migrations()).migrations} == {"committed"}
 
 
+async def test_a_drains_next_move_passes_over_the_destination_its_move_in_flight_filled(world):
+    """--migration-max-per-instance 2: the freest destination, with one migration slot free, took the drain's first
+    move; its reports did not show it yet, and the next tick sent the second there too (refused). The manager
+    counts a migration it started in its destination's load (a batch slot, a migration slot, blocks) until a
+    report shows it or it ends: the second goes to the next-freest instance."""
+    _, client, peers = await world(3, "--migration-max-per-instance", "2", "--migration-failure-backoff-s", "60")
+    peers["i-1"].sim.num_free_migration_out_slots = 1  # (its reports never show a migration in: as if all came
+    # before its PrepareMigrateIn)
+    peers["i-2"].hold("r-x")
+    peers["i-0"].hold("r-1", "r-2")
+    peers["i-0"].gate = asyncio.Event()  # the drain's moves hang until it is set
+    await wait_until(lambda: _running_is(client, {"i-0": 2, "i-1": 0, "i-2": 1}), 5, "requests reported")
+    await client.drain("i-0")
+    await wait_until(lambda: len(peers["i-0"].calls) >= 2, 10, "two moves under way")
+    await asyncio.sleep(0.5)  # (ticks every 0.05 s while a drain moves)
+    assert [call.dst_instance_id for call in peers["i-0"].calls] == ["i-1", "i-2"]
+    peers["i-0"].gate.set()
+    await wait_until(lambda: _is_drained(client, "i-0"), 15, "i-0 drained")
+    assert {m.outcome for m in (await client.list_migrations()).migrations} == {"committed"}
+
+
 async def test_the_loop_asks_no_source_that_reports_no_free_migration_slot(world):
     _, client, peers = await world(2, "--migration-enabled", "--migration-threshold", "0")
     peers["i-0"].sim.num_free_migration_out_slots = 0

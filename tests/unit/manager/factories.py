@@ -27,11 +27,13 @@ def make_record(instance_id: str, role: Role = Role.BOTH, num_blocks: int = 1000
 def make_load(num_free_blocks: int = 1000, num_running: int = 0, num_waiting: int = 0,
               num_blocks_needed_by_waiting: int = 0, num_total_blocks: int = 1000,
               num_requests_admitted: int = 0, num_requests_migrated_in: int = 0,
-              num_free_slots: int | None = None, num_free_migration_out_slots: int | None = None) -> Load:
+              num_free_slots: int | None = None, num_free_migration_out_slots: int | None = None,
+              num_incoming_migrations: int = 0) -> Load:
     return Load(num_running=num_running, num_waiting=num_waiting, num_free_blocks=num_free_blocks,
                 num_total_blocks=num_total_blocks, num_blocks_needed_by_waiting=num_blocks_needed_by_waiting,
                 num_requests_admitted=num_requests_admitted, num_requests_migrated_in=num_requests_migrated_in,
-                num_free_slots=num_free_slots, num_free_migration_out_slots=num_free_migration_out_slots)
+                num_free_slots=num_free_slots, num_free_migration_out_slots=num_free_migration_out_slots,
+                num_incoming_migrations=num_incoming_migrations)
 
 
 def make_candidate(instance_id: str, **load) -> Candidate:

@@ -146,6 +146,48 @@ def test_pd_placements_are_dropped_by_migrations_in_and_dispatches_by_generate_o
     assert view.load_of(InstanceId("d")).num_running == 3
 
 
+def incoming(num_incoming_migrations: int, num_requests_migrated_in: int = 0, **load) -> object:
+    return make_load(num_free_slots=2, num_free_migration_out_slots=2, num_incoming_migrations=num_incoming_migrations,
+                     num_requests_migrated_in=num_requests_migrated_in, **load)
+
+
+def test_a_migration_in_holds_a_slot_blocks_and_a_migration_slot_until_a_report_shows_it():
+    """A destination's last report may predate a migration just started into it: picked again on it (a second
+    migration in the same tick, an admin Migrate beside the loop, --migration-max-per-instance above 1), it
+    refused the next one for the batch slot or migration slot the first had taken."""
+    d = InstanceId("d")
+    view = make_view("d")
+    view.apply_report(d, incoming(0))
+    first = view.begin_migration(InstanceId("s"), d, num_blocks=10)
+    second = view.begin_migration(InstanceId("t"), d, num_blocks=10)
+    load = view.load_of(d)
+    assert (load.num_running, load.num_blocks_needed_by_waiting, load.num_free_slots,
+            load.num_free_migration_out_slots) == (2, 20, 0, 0)
+    assert not view.instance(d).load.has_free_migration_slot and view.instance(d).reported_load.num_running == 0
+    view.apply_report(d, incoming(0))  # taken before either Prepare
+    assert view.load_of(d).num_running == 2
+    view.apply_report(d, incoming(1, num_free_blocks=990))  # the first one reserved there: its report counts it
+    assert (view.load_of(d).num_running, view.load_of(d).num_blocks_needed_by_waiting) == (1, 10)
+    view.apply_report(d, incoming(1, num_free_blocks=990))  # still that one: the second is not shown yet
+    assert view.load_of(d).num_running == 1
+    view.end_migration(InstanceId("s"), d, first)  # refused, say: the destination let go of its reservation
+    assert view.load_of(d).num_running == 1  # the second is not shown yet
+    view.apply_report(d, incoming(0, num_requests_migrated_in=1, num_running=1))  # the second committed at once
+    assert view.load_of(d).num_running == 1
+    view.end_migration(InstanceId("t"), d, second)
+    assert view.load_of(d) == view.reported_load_of(d)
+
+
+def test_a_migration_in_no_report_shows_is_held_until_it_ends():
+    d = InstanceId("d")
+    view = make_view("d", num_free_slots=1)
+    token = view.begin_migration(InstanceId("s"), d, num_blocks=4)
+    view.apply_report(d, make_load(num_free_slots=1))  # an instance that does not report incoming migrations
+    assert view.load_of(d).num_free_slots == 0 and view.candidates()[0].load.num_free_slots == 0
+    view.end_migration(InstanceId("s"), d, token)
+    assert view.load_of(d).num_free_slots == 1 and view.candidates()[0].load.num_free_slots == 1
+
+
 def test_a_count_that_went_down_is_a_new_baseline():
     """The instance restarted under its id: its count started again."""
     clock = FakeClock()

@@ -517,6 +517,36 @@ async def test_load_moves_with_more_slots_per_instance_never_swap_a_pair():
     assert ("b", "a") not in routes and abs(running["a"] - running["b"]) <= 2, (routes, running)
 
 
+@pytest.mark.parametrize("room", [dict(num_free_migration_out_slots=1), dict(num_free_slots=1)],
+                         ids=["migration-slot", "batch-slot"])
+async def test_a_destination_a_migration_just_started_into_is_not_picked_again_on_a_report_from_before(room):
+    """With --migration-max-per-instance 2, a drain's second move went to the destination with room for one
+    request that its first move had just taken: planned on a report that did not show the first one yet, it was
+    refused (RESOURCE_EXHAUSTED). The first holds a batch slot and a migration slot there until a report shows it
+    or it ends, so the second goes to the next-freest destination."""
+    clock = FakeClock()
+    view = cluster(clock, b=0, c=2, d=1)
+    view.mark_drained(InstanceId("c"))
+    report(view, "b", 0, **room)
+    sources = FakeSources()
+    sources.gate = asyncio.Event()
+    migrator = make_migrator(view, clock, sources, max_per_instance=2)
+    assert routes(migrator.tick()) == [("c", "b", MigrationTrigger.DRAIN)]  # one pair per destination a tick
+    await asyncio.sleep(0)
+    clock.advance(0.1)
+    for instance_id, num_running in (("b", 0), ("c", 2), ("d", 1)):  # sent before b's PrepareMigrateIn
+        report(view, instance_id, num_running, **room if instance_id == "b" else {})
+    assert routes(migrator.plan()) == [("c", "d", MigrationTrigger.DRAIN)]
+    report(view, "b", 0, **{k: 0 for k in room}, num_incoming_migrations=1)  # shows it: full
+    assert routes(migrator.plan()) == [("c", "d", MigrationTrigger.DRAIN)]
+    sources.gate.set()
+    await settle(migrator)
+    clock.advance(0.1)
+    for instance_id, num_running in (("b", 1), ("c", 1), ("d", 3)):
+        report(view, instance_id, num_running, **room if instance_id == "b" else {})
+    assert routes(migrator.plan()) == [("c", "b", MigrationTrigger.DRAIN)]  # ended: b has room for one more again
+
+
 async def test_what_is_kept_per_instance_goes_when_it_leaves():
     clock = FakeClock()
     view = ClusterView(report_timeout_s=3.0, clock=clock)

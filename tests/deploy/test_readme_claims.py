@@ -77,8 +77,9 @@ def test_docs_pages_are_read():
 
 def test_every_flag_named_is_a_flag_of_something():
     known = every_flag()
-    unknown = sorted({(flag, line_of(m.start())) for m in _FLAG.finditer(TEXT)
-                      if (flag := m.group()) not in known and not TEXT.startswith(("*", "-*"), m.end())})
+    text = re.sub(r"\]\(#[^)]*\)", lambda m: " " * len(m.group()), TEXT)  # a heading's anchor (`#on-a-gpu---device-cuda`)
+    unknown = sorted({(flag, line_of(m.start())) for m in _FLAG.finditer(text)
+                      if (flag := m.group()) not in known and not text.startswith(("*", "-*"), m.end())})
     assert not unknown, f"README names flags that no ferry command (nor {sorted(OTHER_TOOLS)}) takes: {unknown}"
 
 
@@ -241,3 +242,36 @@ def test_grpcurl_calls_name_real_methods():
     for body, service, method in bodies:
         request = GetMessageClass(services[service].methods_by_name[method].input_type)()
         json_format.Parse(body, request)
+
+
+def heading_anchors(page: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but `-` and `_` dropped, spaces `-`."""
+    headings = re.findall(r"^#{1,6} +(.+?) *$", re.sub(r"^ *```.*?^ *```", "", page, flags=re.DOTALL | re.MULTILINE),
+                          re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_links_reach_their_pages_and_headings():
+    """Every relative link of README and docs/*.md names a file that exists (relative to the page, as GitHub
+    reads it) and, with `#anchor`, a heading of that page."""
+    pages = {"README.md": README, **DOCS}
+    broken = []
+    for name, body in pages.items():
+        for target in re.findall(r"\]\(([^)\s]+)\)", body):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (ROOT / name).parent / path if path else ROOT / name
+            if not resolved.exists():
+                broken.append((name, target))
+            elif anchor and resolved.suffix == ".md" and anchor not in heading_anchors(resolved.read_text()):
+                broken.append((name, target))
+    assert not broken, f"links to files or headings that do not exist (page, link): {broken}"
+
+
+def test_contents_lists_every_section():
+    contents = README[README.index("**Contents**"):README.index("\n## ")]
+    listed = set(re.findall(r"\]\(#([^)]+)\)", contents))
+    sections = {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+                for heading in re.findall(r"^## +(.+?) *$", README, re.MULTILINE)}
+    assert sections - listed == set(), f"README's Contents leaves out {sorted(sections - listed)}"

@@ -26,6 +26,7 @@ import uuid
 import torch
 from tqdm import tqdm
 
+from services.common.config import DefaultsHelpFormatter
 from services.instance.engine.engine import LLMEngine
 from services.instance.engine.factory import EngineSpec, build_engine
 from services.instance.engine.request import SamplingParams
@@ -36,7 +37,7 @@ _PROMPT_TOKEN = 100  # any id
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.instance.engine.sim_profile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--model", type=pathlib.Path, required=True, help="Hugging Face model folder to profile")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="weights and KV cache dtype, as the instance's --dtype")

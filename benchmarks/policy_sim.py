@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from serving import Workload, add_workload_args, run_workload, started_cluster, workload  # noqa: E402
 from services.instance.engine.model_config import ModelConfig  # noqa: E402
 from services.manager.client import ManagerClient  # noqa: E402
+from services.manager.policies import POLICY_NAMES  # noqa: E402
 from benchmarks.stopping import as_ctrl_c  # noqa: E402
 from benchmarks.flags import HelpFormatter, int_list  # noqa: E402
 
@@ -54,7 +55,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", type=pathlib.Path, default=ROOT / "models" / "smollm2-135m-instruct",
                         help="model folder (only config.json and the tokenizer are read)")
     parser.add_argument("--instances", type=int, default=4, help="sim instances")
-    parser.add_argument("--policies", default="round_robin:off,load:off,load:on",
+    parser.add_argument("--policies", default="round_robin:off,load:off,load:on", type=policy_list,
                         help="comma-separated dispatch:migration pairs, run in this order on the same cluster")
     parser.add_argument("--max-num-seqs", type=int, default=8, help="batch slots per instance")
     parser.add_argument("--sim-step-ms", type=float, default=30.0, help="sim step time (slower than a GPU, so the "
@@ -76,14 +77,20 @@ def parse_args() -> argparse.Namespace:
 REPORT_LAG_S = 0.2  # a load report received this long after the last step was sent after it
 
 
-def policies(spec: str) -> list[tuple[str, bool]]:
-    pairs = []
-    for item in spec.split(","):
+def policy_list(text: str) -> str:
+    """--policies: comma-separated dispatch:on|off pairs, each dispatch a policy the manager has; hands back the
+    text. A typo is a usage error before the cluster starts (the manager refused it only after)."""
+    for item in text.split(","):
         dispatch, _, migration = item.partition(":")
         if migration not in ("on", "off"):
-            raise SystemExit(f"--policies: {item!r} is not dispatch:on or dispatch:off")
-        pairs.append((dispatch, migration == "on"))
-    return pairs
+            raise argparse.ArgumentTypeError(f"{item!r} is not dispatch:on or dispatch:off")
+        if dispatch not in POLICY_NAMES:
+            raise argparse.ArgumentTypeError(f"unknown dispatch policy {dispatch!r} (of {','.join(POLICY_NAMES)})")
+    return text
+
+
+def policies(spec: str) -> list[tuple[str, bool]]:
+    return [(dispatch, migration == "on") for dispatch, _, migration in (item.partition(":") for item in spec.split(","))]
 
 
 def salted(requests, salt: int):
@@ -225,7 +232,6 @@ async def bench(args: argparse.Namespace, cluster: dict) -> list[dict]:
 def main() -> None:
     args = parse_args()
     signal.signal(signal.SIGTERM, as_ctrl_c)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
-    policies(args.policies)  # a typo fails before the cluster starts
     args.out_dir.mkdir(parents=True, exist_ok=True)
     os.environ.update(FERRY_INSTANCE_MAX_NUM_SEQS=str(args.max_num_seqs), FERRY_INSTANCE_SIM_STEP_MS=str(args.sim_step_ms),
                       FERRY_INSTANCE_SIM_PREFILL_MS_PER_TOKEN=str(args.sim_prefill_ms_per_token))

@@ -35,6 +35,8 @@ CASES = [
     ("policy_sim", ["--rate", "0"], "argument --rate: 0 is not above 0"),
     ("policy_sim", ["--burstiness", "0"], "argument --burstiness: 0 is not above 0"),
     ("policy_sim", ["--seeds", "0,x"], "argument --seeds: 'x' is not comma-separated whole numbers"),
+    ("policy_sim", ["--policies", "load:off,nope:on"], "argument --policies: unknown dispatch policy 'nope' (of load,"),
+    ("policy_sim", ["--policies", "load"], "argument --policies: 'load' is not dispatch:on or dispatch:off"),
     ("pd_compare", ["--pd", "1:0"], "argument --pd: '1:0' is not P:D with 1 or more of each"),
     ("load", ["--duration", "-5"], "argument --duration: -5 is not above 0"),
     ("chaos", ["--instances", "0"], "argument --instances: 0 is below 1"),
@@ -53,6 +55,7 @@ def test_a_flag_it_cannot_run_with_is_a_usage_error(name, flags, message, monkey
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["engine", "serving", "pd_compare", "prefill_chunks", "block_checksum", "chaos"])
+@pytest.mark.parametrize("name", ["engine", "serving", "pd_compare", "prefill_chunks", "block_checksum", "chaos",
+                                  "policy_sim"])
 def test_the_defaults_pass(name, monkeypatch):
     PARSE(built_parser(ROOT / "benchmarks" / f"{name}.py", monkeypatch), [])

@@ -46,7 +46,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.flags import HelpFormatter, above_zero, at_least, prefill_decode  # noqa: E402
+from benchmarks.flags import HelpFormatter, above_zero, at_least, names_of, prefill_decode  # noqa: E402
 from benchmarks.stopping import as_ctrl_c  # noqa: E402
 from benchmarks.serving import RequestResult, run_workload, started_cluster, table  # noqa: E402
 
@@ -58,7 +58,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", type=pathlib.Path, default=ROOT / "models" / "smollm2-135m-instruct",
                         help="model folder every instance serves")
     parser.add_argument("--pd", type=prefill_decode, default="1:1", help="P:D — prefill and decode instances (both-variant: P+D instances)")
-    parser.add_argument("--variants", default="both,pd,pd-manager", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", type=names_of(VARIANTS), default="both,pd,pd-manager",
+                        help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--num-requests", type=at_least(1), default=24, help="requests sent to each variant")
     parser.add_argument("--rate", type=above_zero, default=1.0, help="mean arrival rate (requests/s, Poisson)")
     parser.add_argument("--long-prompt", type=int, default=384, help="prompt tokens of a prefill-heavy request")
@@ -69,11 +70,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--short-prompt-tokens", type=int, default=64, help="pd-short: the rule's threshold")
     parser.add_argument("--launcher-args", default="--kv-cache-mib 512", help="extra flags for services.cluster up")
     parser.add_argument("--seed", type=int, default=0, help="seed of the request mix and arrival times")
-    parser.add_argument("--freeze-decode", default="", metavar="AT:FOR",
+    parser.add_argument("--freeze-decode", type=at_for, default="", metavar="AT:FOR",
                         help="freeze the last decode instance AT s into the workload for FOR s (empty: no freeze)")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "bench-results" / "pd_compare.json",
                         help="where the figures are written as JSON")
     return parser.parse_args()
+
+
+def at_for(text: str) -> str:
+    """--freeze-decode: AT:FOR in seconds, or empty; hands back the text."""
+    if text and not re.fullmatch(r"\d+(\.\d+)?:\d+(\.\d+)?", text):
+        raise argparse.ArgumentTypeError(f"want AT:FOR in seconds (e.g. 2:8), got {text!r}")
+    return text
 
 
 def workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[float, list[int], int]]:
@@ -175,12 +183,7 @@ def main() -> None:
 
     args = parse_args()
     signal.signal(signal.SIGTERM, as_ctrl_c)  # timeout(1), kill: stop as Ctrl-C does, cleaning up
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = set(variants) - set(VARIANTS)
-    if unknown:
-        sys.exit(f"--variants: unknown {', '.join(sorted(unknown))}; pick from {', '.join(VARIANTS)}")
-    if args.freeze_decode and not re.fullmatch(r"\d+(\.\d+)?:\d+(\.\d+)?", args.freeze_decode):
-        sys.exit(f"--freeze-decode: want AT:FOR in seconds (e.g. 2:8), got {args.freeze_decode!r}")
+    variants = args.variants.split(",")
     requests = workload(args, ModelConfig.from_dir(args.model).vocab_size)
     summaries = {}
     for variant in variants:

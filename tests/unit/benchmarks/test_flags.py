@@ -38,6 +38,8 @@ CASES = [
     ("policy_sim", ["--policies", "load:off,nope:on"], "argument --policies: unknown dispatch policy 'nope' (of load,"),
     ("policy_sim", ["--policies", "load"], "argument --policies: 'load' is not dispatch:on or dispatch:off"),
     ("pd_compare", ["--pd", "1:0"], "argument --pd: '1:0' is not P:D with 1 or more of each"),
+    ("pd_compare", ["--variants", "both,pd-fast"], "argument --variants: unknown pd-fast (of both,pd,"),
+    ("pd_compare", ["--freeze-decode", "2s"], "argument --freeze-decode: want AT:FOR in seconds (e.g. 2:8), got '2s'"),
     ("load", ["--duration", "-5"], "argument --duration: -5 is not above 0"),
     ("chaos", ["--instances", "0"], "argument --instances: 0 is below 1"),
     ("chaos", ["--faults", "freeze,sigterm"],

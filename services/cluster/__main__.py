@@ -87,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="torch threads per instance (0 = cores / instances, at least 1)")
     up.add_argument("--transfer-threads", type=int, default=TRANSFER_THREADS,
                     help="torch threads of each transfer service, for its gathers, scatters and same-host copies "
-                         "(0 = torch's default: one per core, contending with the instances' threads)")
+                         "(0 = as many as torch picks: one per core, contending with the instances' threads)")
     up.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per instance in MiB")
     up.add_argument("--log-format", default="console", choices=["console", "json"],
                     help="log format of every process (the launcher's banner and `ready` line on stdout stay text)")

@@ -31,7 +31,7 @@ class PdHandoff(enum.Enum):
 class BackendChoice(enum.Enum):
     """--transfer-backend: one transfer backend for every migration, or AUTO: shm where this
     instance's own transfer service maps the destination's KV memory too (both on this host)
-    and offers shm, grpc otherwise."""
+    and offers shm, grpc otherwise (the first of gloo and nccl it offers, when it offers no grpc)."""
 
     AUTO = "auto"
     GRPC = "grpc"
@@ -118,8 +118,9 @@ class InstanceConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     transfer_backend: BackendChoice = knob(BackendChoice.AUTO, "how KV blocks travel when a migration names no "
                                                                "backend: auto (shm when this instance's transfer "
                                                                "service also maps the destination, i.e. the same "
-                                                               "host, and offers shm; grpc otherwise), grpc, gloo, "
-                                                               "nccl or shm")
+                                                               "host, and offers shm; grpc otherwise, or the first "
+                                                               "of gloo and nccl it offers when it offers no grpc), "
+                                                               "grpc, gloo, nccl or shm")
     migration_stage_blocks: int = knob(16, "live migration stops the request and copies the rest once at most this "
                                            "many of its blocks are left to copy")
     migration_max_stages: int = knob(3, "live copy stages (while the request decodes) before the final stop-and-copy")

@@ -186,6 +186,27 @@ def test_quoted_defaults_are_the_defaults():
     assert not wrong, f"README quotes defaults the flags do not have (line, flag, README, code): {wrong}"
 
 
+def service_default(service: str, flag: str):
+    module_name, class_name = SERVICE_CONFIGS[service]
+    fields = {f.name: f for f in dataclasses.fields(getattr(importlib.import_module(module_name), class_name))}
+    return fields[flag[2:].replace("-", "_")].default
+
+
+def test_a_services_quoted_default_is_that_services():
+    """"the frontend's `--shutdown-grace-s` (5 s)": checked against the frontend's default, also where other
+    services' flag of that name has another (the manager's is 2 s), which test_quoted_defaults_are_the_defaults
+    leaves out."""
+    owner = {"frontend": "frontend", "manager": "manager", "instance": "instance", "transfer service": "transfer"}
+    quoted = [(line_of(m.start()), owner[m.group(1)], m.group(2), float(m.group(3)))
+              for m in re.finditer(r"(frontend|manager|instance|transfer service)(?:'s|s')\s+" + _QUOTED_DEFAULT.pattern,
+                                   TEXT)
+              if m.group(2)[2:].replace("-", "_") in config_fields(owner[m.group(1)])]
+    assert quoted
+    wrong = [(line, service, flag, figure, service_default(service, flag)) for line, service, flag, figure in quoted
+             if figure != service_default(service, flag)]
+    assert not wrong, f"README quotes a service's default its flag does not have (line, service, flag, README, code): {wrong}"
+
+
 def _code_text() -> list[str]:
     """README's and docs' code: each fenced block's lines (continuations joined, `# comments` cut) and each
     inline span."""

@@ -296,3 +296,10 @@ def test_contents_lists_every_section():
     sections = {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
                 for heading in re.findall(r"^## +(.+?) *$", README, re.MULTILINE)}
     assert sections - listed == set(), f"README's Contents leaves out {sorted(sections - listed)}"
+
+
+def test_make_targets_named_exist():
+    targets = set(re.findall(r"^([a-z][a-z-]*):", (ROOT / "Makefile").read_text(), re.MULTILINE))
+    named = {m.group(1) for span in _code_text() for m in re.finditer(r"\bmake ([a-z][a-z-]*)", span)}
+    assert len(named) >= 5
+    assert named <= targets, f"README names make targets the Makefile lacks: {sorted(named - targets)}"

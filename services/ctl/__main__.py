@@ -131,7 +131,7 @@ async def execute(config: CtlConfig, args: argparse.Namespace) -> int:
         try:
             if args.command == "top":
                 return 0 if await run_top(client, args.interval, args.iterations, config.json) else EXIT_FAILED
-            record, text = await COMMANDS[args.command](client, args)
+            record, text, *notes = await COMMANDS[args.command](client, args)
         except NotAvailableYet as exc:
             return _fail(config, exc, EXIT_NOT_AVAILABLE)
         except FerryError as exc:
@@ -140,6 +140,8 @@ async def execute(config: CtlConfig, args: argparse.Namespace) -> int:
             print(f"ferryctl: {exc}", file=sys.stderr)
             return EXIT_USAGE
     print(json.dumps(to_json(record), indent=2) if config.json else text)
+    for note in notes if config.json else ():  # the caveats the text carries, kept off the JSON scripts read
+        print(f"ferryctl: {note}", file=sys.stderr)
     return 0
 
 

@@ -20,8 +20,8 @@ from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2, 
 from services.common.auth import bearer_metadata
 from services.common.grpc_server import secure_or_insecure_channel
 from services.common.tls import TlsConfig
-from services.ctl.records import (ClusterStatus, DrainResult, InstanceRow, MigrateResult, MigrationRow, RequestList,
-                                 RequestRow)
+from services.ctl.records import (ClusterStatus, DrainResult, InstanceListing, InstanceRow, MigrateResult, MigrationRow,
+                                 RequestList, RequestRow)
 
 UNREACHABLE_KEY = "x-ferry-unreachable-instances"  # trailing metadata of a partial ListRequests
 ROLES = ("both", "prefill", "decode")
@@ -61,8 +61,13 @@ class AdminClient:
         await self.close()
 
     async def list_instances(self) -> list[InstanceRow]:
+        return list((await self.instance_listing()).rows)
+
+    async def instance_listing(self) -> InstanceListing:
+        """The instances, by id, with whose view they are."""
         reply = await self._call(self._admin.ListInstances, manager_pb2.ListInstancesRequest())
-        return sorted((instance_from_proto(i) for i in reply.instances), key=lambda row: row.instance_id)
+        rows = sorted((instance_from_proto(i) for i in reply.instances), key=lambda row: row.instance_id)
+        return InstanceListing(tuple(rows), leader_id=reply.leader_id, answered_by=reply.answered_by)
 
     async def list_requests(self, instance_id: str = "") -> RequestList:
         call = self._admin.ListRequests(manager_pb2.AdminListRequestsRequest(instance_id=instance_id),
@@ -188,7 +193,7 @@ def instance_from_proto(info: manager_pb2.InstanceInfo) -> InstanceRow:
         prefix_cache_queried_tokens=info.prefix_cache_queried_tokens,
         prefix_cache_hit_tokens=info.prefix_cache_hit_tokens,
         num_free_slots=info.num_free_slots if info.HasField("num_free_slots") else None,
-        max_num_seqs=info.max_num_seqs, is_drained=info.is_drained)
+        max_num_seqs=info.max_num_seqs, is_drained=info.is_drained, num_preemptions=info.num_preemptions)
 
 
 def request_from_proto(info: instance_pb2.RequestInfo) -> RequestRow:

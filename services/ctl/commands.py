@@ -1,6 +1,7 @@
 """One coroutine per ferryctl subcommand: call the admin API, return what to print.
 
-Each returns `(record, text)`: the record for --json, the text for a terminal.
+Each returns `(record, text)`: the record for --json, the text for a terminal; or `(record, text, note)`,
+where `note` is a caveat that --json prints on stderr (the text has it already).
 """
 
 from __future__ import annotations
@@ -11,16 +12,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.ctl.client import AdminClient
-from services.ctl.tables import (drain_line, instances_table, migrate_table, migrations_table, policy_table,
-                                requests_table, status_table)
+from services.ctl.tables import (drain_line, leaderless_note, listing_table, migrate_table, migrations_table,
+                                policy_table, requests_table, status_table)
 
-Output = tuple[Any, str]
+Output = tuple[Any, str] | tuple[Any, str, str]
 Command = Callable[[AdminClient, argparse.Namespace], Awaitable[Output]]
 
 
 async def instances(client: AdminClient, args: argparse.Namespace) -> Output:
-    rows = await client.list_instances()
-    return rows, instances_table(rows)
+    listing = await client.instance_listing()
+    rows, text = list(listing.rows), listing_table(listing)
+    return (rows, text, leaderless_note(listing)) if listing.is_leaderless else (rows, text)
 
 
 async def requests(client: AdminClient, args: argparse.Namespace) -> Output:

@@ -28,6 +28,7 @@ class InstanceRow:
     num_free_slots: int | None = None  # batch slots free; None: the instance reported none (not known)
     max_num_seqs: int = 0  # its batch slots; 0: not known (an older instance)
     is_drained: bool = False  # draining, and nothing runs, waits or is suspended there any more
+    num_preemptions: int = 0  # running requests sent back to its queue to free KV blocks since it started
 
     @property
     def shown_state(self) -> str:
@@ -56,6 +57,21 @@ class InstanceRow:
         if self.num_total_blocks <= 0:
             return 0.0
         return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceListing:
+    """ListInstances: the instances, and whose view they are."""
+
+    rows: tuple[InstanceRow, ...]
+    leader_id: str  # empty: no manager leads
+    answered_by: str  # the manager whose view this is; empty from an older manager, which does not say
+
+    @property
+    def is_leaderless(self) -> bool:
+        """No manager leads, so no load reports reach the one that answered: it shows every instance
+        unhealthy, though they may well serve."""
+        return bool(self.answered_by) and not self.leader_id
 
 
 @dataclass(frozen=True, slots=True)

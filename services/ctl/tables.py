@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import time
 
-from services.ctl.records import ClusterStatus, DrainResult, InstanceRow, MigrateResult, MigrationRow, RequestList
+from services.ctl.records import (ClusterStatus, DrainResult, InstanceListing, InstanceRow, MigrateResult, MigrationRow,
+                                 RequestList)
 
 _BAR_WIDTH = 10
 UNKNOWN = "?"  # a cell whose figure the answering manager does not have
@@ -31,25 +32,45 @@ def instances_table(rows: Sequence[InstanceRow]) -> str:
     if not rows:
         return "no instances registered"
     headers = ("INSTANCE", "ROLE", "STATE", "RUNNING", "WAITING", "FREE SLOTS", "KV USED", "FREE/TOTAL", "FREENESS",
-               "SERVED", "PREFIX HIT", "ADDRESS")
+               "SERVED", "PREEMPTED", "PREFIX HIT", "ADDRESS")
     return render_table(headers, [
         (r.instance_id, r.role, r.shown_state, _load(r, r.num_running), _load(r, r.num_waiting), r.slots,
          _load(r, f"{r.kv_used_fraction:6.1%}"), f"{_load(r, r.num_free_blocks)}/{r.num_total_blocks}",
-         _load(r, r.freeness), _load(r, r.num_requests_served), _load(r, f"{r.prefix_cache_hit_rate:6.1%}"), r.address)
+         _load(r, r.freeness), _load(r, r.num_requests_served), _load(r, r.num_preemptions),
+         _load(r, f"{r.prefix_cache_hit_rate:6.1%}"), r.address)
         for r in rows])
 
 
-def load_table(rows: Sequence[InstanceRow], served_per_s: dict[str, float]) -> str:
-    """The `top` view: a KV usage bar and throughput per instance (`-` where no rate is measured yet: the first
-    frame, so the snapshot of `top --iterations 1`, had 0.00 for a busy instance)."""
+def listing_table(listing: InstanceListing) -> str:
+    """`instances`: the table, and below it, where no manager leads, why every instance shows unhealthy."""
+    return "\n".join([instances_table(listing.rows), *([leaderless_note(listing)] if listing.is_leaderless else [])])
+
+
+def leaderless_note(listing: InstanceListing) -> str:
+    return f"no leader: {leaderless_view(listing.answered_by)}"
+
+
+def leaderless_view(answered_by: str) -> str:
+    """What the view of `answered_by`, a manager that answered while no manager leads, is worth."""
+    return (f"{answered_by}'s view: no load reports reach it, so it counts instances as unhealthy that may well "
+            "serve (etcd unreachable, or an election under way; frontends place requests themselves meanwhile)")
+
+
+def load_table(rows: Sequence[InstanceRow], served_per_s: dict[str, float],
+               preempted_per_s: dict[str, float] | None = None) -> str:
+    """The `top` view: a KV usage bar, throughput and preemptions (KV pressure) per instance (`-` where no rate is
+    measured yet: the first frame, so the snapshot of `top --iterations 1`, had 0.00 for a busy instance)."""
     if not rows:
         return "no instances registered"
-    headers = ("INSTANCE", "ROLE", "STATE", "RUN", "WAIT", "SLOTS", "KV USED", "", "FREENESS", "REQ/S", "SERVED",
-               "REPORT AGE")
+    preempted_per_s = preempted_per_s or {}
+    headers = ("INSTANCE", "ROLE", "STATE", "RUN", "WAIT", "SLOTS", "KV USED", "", "FREENESS", "REQ/S", "PREEMPT/S",
+               "SERVED", "REPORT AGE")
     return render_table(headers, [
         (r.instance_id, r.role, r.shown_state, _load(r, r.num_running), _load(r, r.num_waiting), r.slots,
          _load(r, _bar(r.kv_used_fraction)), _load(r, f"{r.kv_used_fraction:6.1%}"), _load(r, r.freeness),
-         _load(r, served_per_s.get(r.instance_id, NOT_MEASURED)), _load(r, r.num_requests_served), _age(r.report_age_s))
+         _load(r, served_per_s.get(r.instance_id, NOT_MEASURED)),
+         _load(r, preempted_per_s.get(r.instance_id, NOT_MEASURED)), _load(r, r.num_requests_served),
+         _age(r.report_age_s))
         for r in rows])
 
 
@@ -70,10 +91,7 @@ def status_table(status: ClusterStatus, num_unreported: int = 0) -> str:
     leader = f"{status.leader_id} ({status.leader_address})" if status.leader_id else "none elected"
     unreported = [("load unknown", f"{_count(num_unreported, 'instance')} not reported to {status.answered_by} yet: "
                                    "the figures above count them as idle")] if num_unreported else []
-    leaderless = [] if status.leader_id else [
-        ("no leader", f"{status.answered_by}'s view: no load reports reach it, so it counts instances as unhealthy "
-                      "that may well serve (etcd unreachable, or an election under way; frontends place requests "
-                      "themselves meanwhile)")]
+    leaderless = [] if status.leader_id else [("no leader", leaderless_view(status.answered_by))]
     return render_table(("", ""), [
         ("leader", leader),
         ("answered by", status.answered_by),

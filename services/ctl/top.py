@@ -11,7 +11,9 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TextIO
 
 from services.common.errors import FerryError
@@ -24,9 +26,10 @@ NUM_MIGRATIONS_SHOWN = 8
 
 
 @dataclass(slots=True)
-class Throughput:
-    """Requests served per second per instance, from the counter's change between frames."""
+class CounterRate:
+    """A counter's rate per second per instance (requests served, preemptions), from its change between frames."""
 
+    counter: Callable[[InstanceRow], int]
     _last: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     def update(self, rows: list[InstanceRow], now: float) -> dict[str, float]:
@@ -34,43 +37,55 @@ class Throughput:
         for row in rows:
             if not row.has_report:  # its count reads 0 until the (new) leader hears from it
                 continue
-            before = self._last.get(row.instance_id)
+            before, count = self._last.get(row.instance_id), self.counter(row)
             if before is not None and now > before[0]:
-                rates[row.instance_id] = max(0, row.num_requests_served - before[1]) / (now - before[0])
-            self._last[row.instance_id] = (now, row.num_requests_served)
+                rates[row.instance_id] = max(0, count - before[1]) / (now - before[0])  # restarted: not negative
+            self._last[row.instance_id] = (now, count)
         return rates
+
+
+SERVED, PREEMPTED = attrgetter("num_requests_served"), attrgetter("num_preemptions")
+
+
+@dataclass(slots=True)
+class Rates:
+    """The rates `top` shows: requests served and preemptions (KV pressure) per second."""
+
+    served: CounterRate = field(default_factory=lambda: CounterRate(SERVED))
+    preempted: CounterRate = field(default_factory=lambda: CounterRate(PREEMPTED))
 
 
 async def run_top(client: AdminClient, interval_s: float, iterations: int, as_json: bool,
                   out: TextIO = sys.stdout) -> bool:
     """Draw `iterations` frames (0 = until interrupted); a failed poll is shown, not fatal. True if the
     last frame was drawn from the manager's answer (a snapshot that failed exits non-zero)."""
-    throughput = Throughput()
+    rates = Rates()
     is_tty = out.isatty() and not as_json
     frame, is_answered = 0, False
     while iterations == 0 or frame < iterations:
         if frame:
             await asyncio.sleep(interval_s)
         frame += 1
-        text, is_answered = await _frame(client, throughput, as_json)
+        text, is_answered = await _frame(client, rates, as_json)
         out.write((_CLEAR if is_tty else "") + text + "\n")
         out.flush()
     return is_answered
 
 
-async def _frame(client: AdminClient, throughput: Throughput, as_json: bool) -> tuple[str, bool]:
+async def _frame(client: AdminClient, rates: Rates, as_json: bool) -> tuple[str, bool]:
     try:
         status, rows, migrations = await asyncio.gather(client.cluster_status(), client.list_instances(),
                                                         _recent_migrations(client))
     except FerryError as exc:
         text = json.dumps({"error": exc.message}) if as_json else f"{_clock()}  admin {client.address}: {exc.message}"
         return text, False
-    rates = throughput.update(rows, time.monotonic())
+    now = time.monotonic()
+    served_per_s, preempted_per_s = rates.served.update(rows, now), rates.preempted.update(rows, now)
     if as_json:
         return json.dumps({"time": time.time(), "status": to_json(status), "instances": to_json(rows),
-                           "served_per_s": rates,
+                           "served_per_s": served_per_s, "preempted_per_s": preempted_per_s,
                            "migrations": None if migrations is None else to_json(migrations)}), True
-    lines = [*_header(client.address, status), "", load_table(rows, rates)]
+    lines = [*_header(client.address, status), "", load_table(rows, served_per_s, preempted_per_s)]
     if migrations is not None:
         lines += ["", f"latest migrations (newest last, up to {NUM_MIGRATIONS_SHOWN})", migrations_table(migrations)]
     return "\n".join(lines), True

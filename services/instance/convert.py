@@ -169,7 +169,7 @@ def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int
                   prefix_cache: PrefixCacheStats = NO_PREFIX_CACHE_STATS,
                   num_incoming_migrations: int = 0, num_suspended: int = 0,
                   num_free_migration_out_slots: int | None = None,
-                  step_time_ms_token_weighted_p50: float = 0.0) -> common_pb2.LoadReport:
+                  step_time_ms_token_weighted_p50: float = 0.0, num_preemptions: int = 0) -> common_pb2.LoadReport:
     return common_pb2.LoadReport(
         instance_id=instance_id,
         num_running=load.num_running,
@@ -193,6 +193,7 @@ def load_to_proto(instance_id: str, load: LoadSnapshot, num_requests_served: int
         num_free_slots=load.num_free_slots,
         num_suspended=num_suspended,
         num_free_migration_out_slots=num_free_migration_out_slots,
+        num_preemptions=num_preemptions,
     )
 
 

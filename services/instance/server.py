@@ -281,7 +281,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                              num_suspended=num_suspended,
                              num_free_migration_out_slots=self.migrations.num_free_slots
                              if self.migrations is not None else None,
-                             step_time_ms_token_weighted_p50=runner.step_time_ms_token_weighted_p50)
+                             step_time_ms_token_weighted_p50=runner.step_time_ms_token_weighted_p50,
+                             num_preemptions=runner.num_preemptions)
 
 
 def _commit_deadline(time_remaining: float | None, deadline_unix_ms: int) -> float | None:

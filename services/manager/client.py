@@ -62,9 +62,12 @@ class ManagerClient:
     # AdminService
 
     async def list_instances(self, is_forwarded: bool = False) -> list[manager_pb2.InstanceInfo]:
-        reply = await self._call(self._admin.ListInstances, manager_pb2.ListInstancesRequest(),
-                                 metadata=_forwarded(is_forwarded))
-        return list(reply.instances)
+        return list((await self.instance_listing(is_forwarded)).instances)
+
+    async def instance_listing(self, is_forwarded: bool = False) -> manager_pb2.ListInstancesResponse:
+        """The instances with whose view they are (leader_id, answered_by)."""
+        return await self._call(self._admin.ListInstances, manager_pb2.ListInstancesRequest(),
+                                metadata=_forwarded(is_forwarded))
 
     async def list_requests(self, instance_id: str = "") -> list[instance_pb2.RequestInfo]:
         reply = await self._call(self._admin.ListRequests, manager_pb2.AdminListRequestsRequest(instance_id=instance_id))

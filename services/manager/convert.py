@@ -67,7 +67,7 @@ def role_to_proto(role: Role) -> int:
 _LOAD_COUNTS = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "num_blocks_needed_by_waiting",
                 "num_requests_served", "num_prefilled", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
                 "num_headroom_blocks", "num_incoming_migrations", "num_requests_admitted", "num_requests_migrated_in",
-                "num_free_slots", "num_suspended", "num_free_migration_out_slots")
+                "num_free_slots", "num_suspended", "num_free_migration_out_slots", "num_preemptions")
 
 
 def load_from_proto(report: common_pb2.LoadReport) -> Load:
@@ -86,7 +86,8 @@ def load_from_proto(report: common_pb2.LoadReport) -> Load:
                 num_free_slots=report.num_free_slots if report.HasField("num_free_slots") else None,
                 num_suspended=report.num_suspended,
                 num_free_migration_out_slots=report.num_free_migration_out_slots
-                if report.HasField("num_free_migration_out_slots") else None)
+                if report.HasField("num_free_migration_out_slots") else None,
+                num_preemptions=report.num_preemptions)
 
 
 def state_to_proto(state: InstanceState) -> int:
@@ -103,7 +104,7 @@ def instance_to_proto(view: InstanceView) -> manager_pb2.InstanceInfo:
         num_dispatched=view.num_dispatched, report_age_s=-1.0 if view.report_age_s is None else view.report_age_s,
         is_drained=view.is_drained, prefix_cache_queried_tokens=load.num_prefix_queried_tokens,
         prefix_cache_hit_tokens=load.num_prefix_hit_tokens, num_free_slots=load.num_free_slots,
-        max_num_seqs=record.max_num_seqs)
+        max_num_seqs=record.max_num_seqs, num_preemptions=load.num_preemptions)
 
 
 def cluster_status_to_proto(totals: ClusterTotals, *, leader_id: str, leader_address: str, policy: str,

@@ -117,6 +117,7 @@ class Load:
     # Its migration slots free (--max-concurrent-migrations, one pool for migrations in and out): what a MigrateOut
     # to or from it would find; None: not reported (an older instance)
     num_free_migration_out_slots: int | None = None
+    num_preemptions: int = 0  # running requests sent back to its queue to free KV blocks since it started
 
     @property
     def num_held(self) -> int:

@@ -148,10 +148,13 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         self._scaler = scaler
 
     async def ListInstances(self, request, context) -> manager_pb2.ListInstancesResponse:
-        if (instances := await self._leader_answer(context, "ListInstances",
-                                                   lambda c: c.list_instances(is_forwarded=True))) is not None:
-            return manager_pb2.ListInstancesResponse(instances=instances)
-        return manager_pb2.ListInstancesResponse(instances=[convert.instance_to_proto(v) for v in self._view.instances()])
+        if (answer := await self._leader_answer(context, "ListInstances",
+                                                lambda c: c.instance_listing(is_forwarded=True))) is not None:
+            return answer
+        leader = self._leadership.leader
+        return manager_pb2.ListInstancesResponse(instances=[convert.instance_to_proto(v) for v in self._view.instances()],
+                                                 leader_id=leader.manager_id if leader else "",
+                                                 answered_by=self._leadership.me.manager_id)
 
     async def GetClusterStatus(self, request, context) -> manager_pb2.GetClusterStatusResponse:
         if (answer := await self._leader_answer(context, "GetClusterStatus",

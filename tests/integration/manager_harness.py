@@ -123,6 +123,7 @@ class SimulatedInstance:
     is_reporting: bool = True  # False: the stream stays open but says nothing
     max_model_len: int = 0  # in the record when set: the longest sequence it serves
     num_free_migration_out_slots: int | None = None  # reported when set (None: as an older instance, not known)
+    num_preemptions: int = 0  # running requests it sent back to its queue since it started (KV pressure)
     num_streams_opened: int = 0
     server: GrpcServer | None = None
     _task: asyncio.Task | None = field(default=None, repr=False)
@@ -163,7 +164,8 @@ class SimulatedInstance:
                 yield common_pb2.LoadReport(
                     instance_id=self.instance_id, num_running=self.num_running, num_waiting=self.num_waiting,
                     num_free_blocks=self.num_free_blocks, num_total_blocks=1000,
-                    num_free_migration_out_slots=self.num_free_migration_out_slots)
+                    num_free_migration_out_slots=self.num_free_migration_out_slots,
+                    num_preemptions=self.num_preemptions)
             await asyncio.sleep(self.report_interval_s)
 
 

@@ -11,14 +11,16 @@ import time
 import uuid
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from etcd3aio import Etcd3Client
 
 from services.cluster.processes import ROOT
-from services.common.etcd_launcher import free_port
+from services.common.etcd_launcher import LocalEtcd, free_port
 from services.manager.client import ManagerClient
-from tests.integration.manager_harness import SimulatedInstance, start_manager, wait_until
+from tests.integration.manager_harness import ManagerProcess, SimulatedInstance, start_manager, wait_until
 from tests.integration.ops_cluster import INSTANCE_ID, OTHER_INSTANCE_ID, ops_cluster, running_request
 
 pytestmark = pytest.mark.timeout(180)
@@ -264,3 +266,80 @@ async def test_an_instance_the_manager_has_no_load_report_of_shows_unknown_load_
         await busy.stop()
         await etcd_client.close()
         await manager.stop()
+
+
+@contextlib.asynccontextmanager
+async def reporting_to_a_manager(etcd_endpoint: str, cluster: str, tmp_path, manager_id: str,
+                                 instance: SimulatedInstance, *manager_args: str) -> AsyncIterator[ManagerProcess]:
+    """A real manager process, and `instance` registered in etcd and reporting its load to it."""
+    manager = await start_manager(etcd_endpoint, cluster, manager_id, tmp_path, *manager_args)
+    try:
+        etcd_client = Etcd3Client([etcd_endpoint])
+        await etcd_client.connect()
+        try:
+            await instance.register(etcd_client, cluster)
+        finally:
+            await etcd_client.close()
+        instance.start_reporting(lambda: [manager.address])
+        yield manager
+    finally:
+        await instance.stop()
+        await manager.stop()
+
+
+async def test_instances_during_an_etcd_outage_say_no_manager_leads_and_whose_view_it_is(cluster, tmp_path):
+    """etcd away past the lease TTL: the leader steps down, no load report reaches it, and it shows every
+    instance unhealthy. `status` and `top` said no manager leads and whose view that was; `instances` showed
+    the unhealthy rows with no word of why. Its own etcd: stopping the module's would cut the ops cluster's."""
+    instance = SimulatedInstance("i-serving", "127.0.0.1:9303")
+    with LocalEtcd() as etcd:
+        async with reporting_to_a_manager(etcd.endpoint, cluster, tmp_path, "m-alone", instance, "--lease-ttl-s", "2",
+                                          "--report-timeout-s", "1") as manager, \
+                ManagerClient(manager.address) as client:
+            async def serving_with_a_leader():
+                infos, status = await client.list_instances(), await client.get_cluster_status()
+                return status.leader_id == "m-alone" and [i.report_age_s >= 0 for i in infos] == [True]
+            await wait_until(serving_with_a_leader, 20, "i-serving reported to leader m-alone")
+            table = ok(await asyncio.to_thread(ctl, "instances", admin=manager.address))
+            assert "no leader" not in table and table.splitlines()[1].split()[2] == "serving"
+            await asyncio.to_thread(etcd.terminate)
+
+            async def leaderless():
+                return (await client.get_cluster_status()).leader_id == ""
+            await wait_until(leaderless, 20, "m-alone saying no manager leads")
+            result = await asyncio.to_thread(ctl, "instances", admin=manager.address)
+            header, row, *notes = ok(result).splitlines()
+            assert row.split()[:3] == ["i-serving", "both", "unhealthy"]
+            assert notes == ["no leader: m-alone's view: no load reports reach it, so it counts instances as "
+                             "unhealthy that may well serve (etcd unreachable, or an election under way; frontends "
+                             "place requests themselves meanwhile)"]
+            as_json = await asyncio.to_thread(ctl, "--json", "instances", admin=manager.address)
+            assert [i["state"] for i in json.loads(ok(as_json))] == ["unhealthy"]  # still the list scripts read
+            assert as_json.stderr.strip() == f"ferryctl: {notes[0]}"
+
+
+async def test_top_shows_each_instances_preemptions_per_second(etcd, cluster, tmp_path):
+    """Preemptions (KV pressure) were in /metrics alone: the load report did not carry them, and `top` and
+    `instances` could not show them."""
+    pressed = SimulatedInstance("i-pressed", "127.0.0.1:9304", num_running=4, num_free_blocks=0, num_preemptions=5)
+    async with reporting_to_a_manager(etcd.endpoint, cluster, tmp_path, "m-kv", pressed, "--report-timeout-s",
+                                      "60") as manager:
+        async with ManagerClient(manager.address) as client:
+            async def reported():
+                return [i.num_preemptions for i in await client.list_instances()] == [5]
+            await wait_until(reported, 20, "i-pressed's preemptions reported")
+        (row,) = json.loads(ok(await asyncio.to_thread(ctl, "--json", "instances", admin=manager.address)))
+        assert row["num_preemptions"] == 5
+        table = ok(await asyncio.to_thread(ctl, "instances", admin=manager.address)).splitlines()
+        assert table[0].split()[11:13] == ["SERVED", "PREEMPTED"] and table[1].split()[10] == "5"
+        top = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.ctl", "--admin", manager.address, "--json", "top", "--iterations", "2",
+            "--interval-s", "3", cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=asyncio.subprocess.PIPE)
+        first = json.loads(await asyncio.wait_for(top.stdout.readline(), 60))
+        pressed.num_preemptions = 11  # 6 more before the second frame, 3 s later
+        second = json.loads(await asyncio.wait_for(top.stdout.readline(), 60))
+        assert await top.wait() == 0
+        assert first["preempted_per_s"] == {} and 1.0 <= second["preempted_per_s"]["i-pressed"] <= 2.0
+        frame = ok(await asyncio.to_thread(ctl, "top", "--iterations", "1", admin=manager.address)).splitlines()
+        header = next(line for line in frame if line.startswith("INSTANCE"))
+        assert "REQ/S  PREEMPT/S" in header

@@ -1,18 +1,18 @@
 import dataclasses
 
-from services.ctl.records import (ClusterStatus, DrainResult, InstanceRow, MigrationRow, RequestList, RequestRow,
-                                 to_json)
-from services.ctl.tables import (drain_line, instances_table, load_table, migrations_table, policy_table, render_table,
-                                requests_table, status_table)
+from services.ctl.records import (ClusterStatus, DrainResult, InstanceListing, InstanceRow, MigrationRow, RequestList,
+                                 RequestRow, to_json)
+from services.ctl.tables import (drain_line, instances_table, listing_table, load_table, migrations_table, policy_table,
+                                render_table, requests_table, status_table)
 
 
 def instance(instance_id="instance-0", free=192, total=256, served=7, free_slots=5, max_num_seqs=8,
-             report_age_s=0.05) -> InstanceRow:
+             report_age_s=0.05, preemptions=3) -> InstanceRow:
     return InstanceRow(instance_id=instance_id, address="10.0.0.1:50061", role="both", state="serving", model="m",
                        host="h", pid=1, num_running=2, num_waiting=1, num_free_blocks=free, num_total_blocks=total,
                        freeness=42.5, num_requests_served=served, num_dispatched=9, report_age_s=report_age_s,
                        prefix_cache_queried_tokens=400, prefix_cache_hit_tokens=100,
-                       num_free_slots=free_slots, max_num_seqs=max_num_seqs)
+                       num_free_slots=free_slots, max_num_seqs=max_num_seqs, num_preemptions=preemptions)
 
 
 def test_render_table_aligns_text_left_and_numbers_right():
@@ -23,9 +23,9 @@ def test_render_table_aligns_text_left_and_numbers_right():
 def test_instances_table():
     header, row = instances_table([instance()]).splitlines()
     assert header.split() == ["INSTANCE", "ROLE", "STATE", "RUNNING", "WAITING", "FREE", "SLOTS", "KV", "USED",
-                              "FREE/TOTAL", "FREENESS", "SERVED", "PREFIX", "HIT", "ADDRESS"]
-    assert row.split() == ["instance-0", "both", "serving", "2", "1", "5/8", "25.0%", "192/256", "42.50", "7", "25.0%",
-                           "10.0.0.1:50061"]
+                              "FREE/TOTAL", "FREENESS", "SERVED", "PREEMPTED", "PREFIX", "HIT", "ADDRESS"]
+    assert row.split() == ["instance-0", "both", "serving", "2", "1", "5/8", "25.0%", "192/256", "42.50", "7", "3",
+                           "25.0%", "10.0.0.1:50061"]
     assert instances_table([]) == "no instances registered"
 
 
@@ -50,11 +50,11 @@ def test_an_instance_not_reported_yet_shows_its_load_as_unknown_not_idle():
     instance yet: the view's zeros showed a busy cluster as idle (0 running, every block free)."""
     unreported = instance("instance-1", free=256, served=0, free_slots=None, report_age_s=-1.0)
     lines = instances_table([instance(), unreported]).splitlines()
-    assert lines[2].split() == ["instance-1", "both", "serving", "?", "?", "?/8", "?", "?/256", "?", "?", "?",
+    assert lines[2].split() == ["instance-1", "both", "serving", "?", "?", "?/8", "?", "?/256", "?", "?", "?", "?",
                                 "10.0.0.1:50061"]
     assert lines[1].split()[3:5] == ["2", "1"]  # a reported one as before
     top = load_table([unreported], {}).splitlines()[1].split()
-    assert top[3:11] == ["?", "?", "?/8", "?", "?", "?", "?", "?"] and top[11:] == ["no", "report"]
+    assert top[3:12] == ["?", "?", "?/8", "?", "?", "?", "?", "?", "?"] and top[12:] == ["no", "report"]
 
 
 def test_status_says_how_many_instances_its_figures_count_as_idle():
@@ -74,18 +74,31 @@ def test_status_without_a_leader_says_whose_view_it_is():
     assert "no leader" not in status_table(dataclasses.replace(status, leader_id="manager-0"))
 
 
+def test_instances_without_a_leader_say_whose_view_it_is_as_status_does():
+    """`instances` showed every instance unhealthy with no word of why while `status` and `top` said no manager
+    leads; an older manager, which does not say who answered, gets no note."""
+    rows = (dataclasses.replace(instance(), state="unhealthy"),)
+    lines = listing_table(InstanceListing(rows, leader_id="", answered_by="manager-0")).splitlines()
+    assert len(lines) == 3 and lines[1].split()[2] == "unhealthy"
+    status = ClusterStatus("", "", "manager-0", "load", 1, 0, 0, 1, 0, 0, 0, 0.0)
+    assert lines[2] == "no leader: " + status_table(status).splitlines()[-1].split(None, 2)[2]
+    assert listing_table(InstanceListing(rows, "manager-0", "manager-1")) == instances_table(rows)
+    assert listing_table(InstanceListing(rows, "", "")) == instances_table(rows)
+
+
 def test_load_table_draws_a_usage_bar_and_rates():
-    text = load_table([instance(free=128)], {"instance-0": 1.5})
+    text = load_table([instance(free=128)], {"instance-0": 1.5}, {"instance-0": 0.25})
     header, row = text.splitlines()
     assert header.split()[:6] == ["INSTANCE", "ROLE", "STATE", "RUN", "WAIT", "SLOTS"]
-    assert row.split()[5] == "5/8"
-    assert "[#####.....]" in text and " 1.50 " in text
+    assert header.split()[-6:] == ["FREENESS", "REQ/S", "PREEMPT/S", "SERVED", "REPORT", "AGE"]
+    assert row.split()[5] == "5/8" and row.split()[9:12] == ["1.50", "0.25", "7"]
+    assert "[#####.....]" in text
 
 
 def test_load_table_shows_a_rate_not_measured_yet_as_a_dash_not_zero():
     """The first frame (all of `top --iterations 1`) has one sample of each counter: no rate, not 0.00."""
     row = load_table([instance(free=128)], {}).splitlines()[1].split()
-    assert row[9] == "-" and row[10] == "7"
+    assert row[9:12] == ["-", "-", "7"]
 
 
 def test_requests_table_names_silent_instances():

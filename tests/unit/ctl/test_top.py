@@ -2,12 +2,12 @@ import subprocess
 import sys
 
 from services.common.etcd_launcher import free_port
-from services.ctl.top import Throughput
+from services.ctl.top import PREEMPTED, SERVED, CounterRate
 from tests.unit.ctl.test_tables import instance
 
 
 def test_throughput_is_the_served_counter_rate():
-    throughput = Throughput()
+    throughput = CounterRate(SERVED)
     assert throughput.update([instance(served=10)], now=100.0) == {}
     assert throughput.update([instance(served=14)], now=102.0) == {"instance-0": 2.0}
     assert throughput.update([instance(served=3)], now=103.0) == {"instance-0": 0.0}  # restarted: no negative rate
@@ -15,10 +15,16 @@ def test_throughput_is_the_served_counter_rate():
 
 def test_throughput_skips_an_instance_the_manager_has_not_heard_from():
     """After a leader change its count reads 0 until the instance reports: no spike of its whole count after."""
-    throughput = Throughput()
+    throughput = CounterRate(SERVED)
     throughput.update([instance(served=1000)], now=100.0)
     assert throughput.update([instance(served=0, report_age_s=-1.0)], now=101.0) == {}
     assert throughput.update([instance(served=1006)], now=103.0) == {"instance-0": 2.0}
+
+
+def test_preemptions_per_second_are_the_preemption_counter_rate():
+    preempted = CounterRate(PREEMPTED)
+    assert preempted.update([instance(preemptions=4)], now=100.0) == {}
+    assert preempted.update([instance(preemptions=10)], now=104.0) == {"instance-0": 1.5}
 
 
 def test_a_snapshot_of_a_manager_that_does_not_answer_exits_non_zero():

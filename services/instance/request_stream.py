@@ -10,7 +10,7 @@ from services.instance.engine.engine import StepOutput
 from services.instance.handoff import Handoff
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # one stream is one request's copy: equal only to itself (sets of them)
 class RequestStream:
     """The outputs of one request, in order; ends after the output with a finish reason,
     or with a `Handoff` when the request moved to another instance."""

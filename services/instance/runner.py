@@ -138,6 +138,10 @@ class EngineRunner(EngineThread):
     def stream(self, request_id: str) -> RequestStream | None:
         return self._streams.get(request_id)
 
+    def open_streams(self) -> tuple[RequestStream, ...]:
+        """The streams of the requests here, running or waiting for a client to attach."""
+        return tuple(self._streams.values())
+
     async def take_over(self, request_id: str, from_token_index: int, attempt: int = 0) -> bool:
         """A resume of `request_id` from output `from_token_index` on, while a client reads it here: one gone
         unnoticed (this instance was frozen as its connection dropped). Its stream ends UNAVAILABLE after what it

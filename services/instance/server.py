@@ -64,6 +64,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
         # The role a SetRole is writing to etcd, before it is the role here: managers may act on the new record
         # already, so meanwhile this instance refuses only what both roles refuse (`_refuses_as`).
         self._role_being_set: InstanceRole | None = None
+        self._streams_sent: set[RequestStream] = set()  # those Generate and Attach calls send now
 
     async def Generate(self, request: instance_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[instance_pb2.GenerateChunk]:
@@ -104,6 +105,7 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
 
     async def _chunks(self, stream: RequestStream, from_token_index: int) -> AsyncIterator[instance_pb2.GenerateChunk]:
         """The stream's chunks from `from_token_index` on; a client that goes away aborts the request."""
+        self._streams_sent.add(stream)
         try:
             async for output in stream:
                 if isinstance(output, Handoff):
@@ -111,11 +113,17 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                 elif _is_news(output, from_token_index):
                     yield chunk_to_proto(output, epoch=stream.epoch)
         finally:
+            self._streams_sent.discard(stream)
             if not stream.is_finished:  # the client went away (or we are shutting down)
                 self._runner.abort_soon(stream)
                 if stream.has_unread_handoff and self.migrations is not None:  # nobody can follow it: drop the copy
                     self.migrations.drop_unread_handoff(stream.request_id, stream.handoff)
                 log.info("request_cancelled", request_id=stream.request_id)
+
+    def open_streams(self) -> set[RequestStream]:
+        """The streams whose client has not read their end: those being sent (a finished request's last chunks
+        among them) and those of requests migrated in that no client attached to yet."""
+        return self._streams_sent | set(self._runner.open_streams())
 
     async def Abort(self, request: instance_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> instance_pb2.AbortResponse:

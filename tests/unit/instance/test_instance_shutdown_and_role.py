@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from types import SimpleNamespace
 
 import llguidance
 import pytest
+from structlog.testing import capture_logs
 
 from services.common.errors import FailedPrecondition, Unavailable
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2
@@ -86,6 +88,82 @@ async def test_a_generate_building_its_grammar_when_sigterm_comes_is_refused_not
     with pytest.raises(Unavailable, match="not accepting new requests"):
         await first
     assert b.runner.num_active == 0
+
+
+class StoppingServer(FakeServer):
+    """grpc.aio's `stop(grace)` over the calls in `calls`: each may end within `grace`, then what is left is
+    cancelled. `on_stop` runs as the stop begins."""
+
+    def __init__(self, calls: list[asyncio.Task], on_stop=lambda: None) -> None:
+        self.calls, self.on_stop = calls, on_stop
+
+    async def stop(self, grace: float) -> None:
+        self.on_stop()
+        _, running = await asyncio.wait(self.calls, timeout=grace)
+        for call in running:
+            call.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
+
+def hold_the_last_token(engine, release: threading.Event) -> None:
+    """`engine`'s step that finishes a request keeps its outputs (the last token) until `release` is set."""
+    step = engine.step
+
+    def held_step():
+        outputs = step()
+        if any(o.finish_reason is not None for o in outputs):
+            release.wait(30)
+        return outputs
+    engine.step = held_step
+
+
+async def generate_to_the_end(servicer: InstanceServicer, request_id: str, max_tokens: int) -> list:
+    sampling = sampling_to_proto(dataclasses.replace(SAMPLING, max_tokens=max_tokens))
+    return [chunk async for chunk in servicer.Generate(instance_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=PROMPT, sampling=sampling), None)]
+
+
+async def admitted(runner) -> None:
+    """Until the request is in (a SIGTERM before would refuse it)."""
+    async with asyncio.timeout(20):
+        while not runner.num_active:
+            await asyncio.sleep(0.01)
+
+
+async def stopped(servicer: InstanceServicer, server: FakeServer, runner, grace_s: float) -> dict:
+    """Shut down as SIGTERM does; the `instance_stopped` line."""
+    with capture_logs() as logs:
+        await app.shutdown(SimpleNamespace(shutdown_grace_s=grace_s), server, servicer, runner, registry=None)
+    (line,) = [entry for entry in logs if entry["event"] == "instance_stopped"]
+    return line
+
+
+async def test_a_request_whose_last_token_comes_right_at_the_grace_deadline_is_not_counted_cut(pair):
+    """Its last token was made as the grace ran out and reached the client in the server's stop: shutdown
+    counted the streams still open before that stop, and logged `instance_stopped num_cut=1` for a request
+    its client had whole."""
+    _, b = pair
+    servicer, release = servicer_for(b), threading.Event()
+    hold_the_last_token(b.engine, release)
+    call = asyncio.create_task(generate_to_the_end(servicer, "r-last", max_tokens=6))
+    await admitted(b.runner)
+    line = await stopped(servicer, StoppingServer([call], on_stop=release.set), b.runner, grace_s=0.3)
+    chunks = await call
+    assert chunks[-1].finish_reason != 0 and sum(len(c.token_ids) for c in chunks) == 6  # its client had it all
+    assert line["num_cut"] == 0
+
+
+async def test_a_request_still_running_when_the_servers_stop_ends_is_counted_cut(pair):
+    _, b = pair
+    servicer, release = servicer_for(b), threading.Event()
+    hold_the_last_token(b.engine, release)
+    call = asyncio.create_task(generate_to_the_end(servicer, "r-cut", max_tokens=6))
+    try:
+        await admitted(b.runner)
+        line = await stopped(servicer, StoppingServer([call]), b.runner, grace_s=0.3)
+    finally:
+        release.set()
+    assert call.cancelled() and line["num_cut"] == 1
 
 
 async def test_a_set_role_whose_caller_gives_up_still_changes_the_record_and_then_the_role(pair):

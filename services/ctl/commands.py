@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.ctl.client import AdminClient
-from services.ctl.tables import (drain_line, leaderless_note, listing_table, migrate_table, migrations_table,
-                                policy_table, requests_table, status_table)
+from services.ctl.tables import (drain_line, listing_table, migrate_table, migrations_table, policy_table,
+                                requests_table, status_table, view_note)
 
 Output = tuple[Any, str] | tuple[Any, str, str]
 Command = Callable[[AdminClient, argparse.Namespace], Awaitable[Output]]
@@ -22,7 +22,7 @@ Command = Callable[[AdminClient, argparse.Namespace], Awaitable[Output]]
 async def instances(client: AdminClient, args: argparse.Namespace) -> Output:
     listing = await client.instance_listing()
     rows, text = list(listing.rows), listing_table(listing)
-    return (rows, text, leaderless_note(listing)) if listing.is_leaderless else (rows, text)
+    return (rows, text) if listing.is_leaders_view else (rows, text, view_note(listing))
 
 
 async def requests(client: AdminClient, args: argparse.Namespace) -> Output:

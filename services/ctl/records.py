@@ -68,10 +68,11 @@ class InstanceListing:
     answered_by: str  # the manager whose view this is; empty from an older manager, which does not say
 
     @property
-    def is_leaderless(self) -> bool:
-        """No manager leads, so no load reports reach the one that answered: it shows every instance
-        unhealthy, though they may well serve."""
-        return bool(self.answered_by) and not self.leader_id
+    def is_leaders_view(self) -> bool:
+        """Answered by the leader (or by an older manager, which does not say). Else no load reports reach the
+        manager that answered (no manager leads, or a standby answered alone: the leader did not in time), and
+        it shows the instances unhealthy, though they may well serve."""
+        return not self.answered_by or self.answered_by == self.leader_id
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,12 +42,16 @@ def instances_table(rows: Sequence[InstanceRow]) -> str:
 
 
 def listing_table(listing: InstanceListing) -> str:
-    """`instances`: the table, and below it, where no manager leads, why every instance shows unhealthy."""
-    return "\n".join([instances_table(listing.rows), *([leaderless_note(listing)] if listing.is_leaderless else [])])
+    """`instances`: the table, and below it, where the view is not the leader's, why the instances show unhealthy."""
+    return "\n".join([instances_table(listing.rows), *([view_note(listing)] if not listing.is_leaders_view else [])])
 
 
-def leaderless_note(listing: InstanceListing) -> str:
-    return f"no leader: {leaderless_view(listing.answered_by)}"
+def view_note(listing: InstanceListing) -> str:
+    """Whose view a listing that is not the leader's is, and what it is worth."""
+    if not listing.leader_id:
+        return f"no leader: {leaderless_view(listing.answered_by)}"
+    return (f"not the leader's view: {listing.answered_by} answered alone (the leader, {listing.leader_id}, did not "
+            "in time) and gets no load reports, so it counts instances as unhealthy that may well serve")
 
 
 def leaderless_view(answered_by: str) -> str:

@@ -82,8 +82,17 @@ def test_instances_without_a_leader_say_whose_view_it_is_as_status_does():
     assert len(lines) == 3 and lines[1].split()[2] == "unhealthy"
     status = ClusterStatus("", "", "manager-0", "load", 1, 0, 0, 1, 0, 0, 0, 0.0)
     assert lines[2] == "no leader: " + status_table(status).splitlines()[-1].split(None, 2)[2]
-    assert listing_table(InstanceListing(rows, "manager-0", "manager-1")) == instances_table(rows)
+    assert listing_table(InstanceListing(rows, "manager-0", "manager-0")) == instances_table(rows)
     assert listing_table(InstanceListing(rows, "", "")) == instances_table(rows)
+
+
+def test_instances_answered_by_a_standby_alone_say_it_is_not_the_leaders_view():
+    """A standby whose forward to the leader failed (a leader killed moments ago, its key not yet expired) answers
+    from its own view, with no load reports: every instance unhealthy, and no word of it before."""
+    rows = (dataclasses.replace(instance(), state="unhealthy", report_age_s=-1.0),)
+    *_, note = listing_table(InstanceListing(rows, leader_id="manager-0", answered_by="manager-1")).splitlines()
+    assert note == ("not the leader's view: manager-1 answered alone (the leader, manager-0, did not in time) and "
+                    "gets no load reports, so it counts instances as unhealthy that may well serve")
 
 
 def test_load_table_draws_a_usage_bar_and_rates():

@@ -5,7 +5,8 @@
 Global options may come before or after the command and can be set as FERRY_CTL_ADMIN,
 FERRY_CTL_TOKEN, FERRY_CTL_JSON, FERRY_CTL_TIMEOUT_S. Exit status: 0 done, 1 the call
 failed (the message says why), 2 usage error, 3 the manager does not implement the call
-(it runs an older ferry).
+(it runs an older ferry). A caveat about an answer (`instances` from a manager that is not the leader
+and has no load reports) is a line under the table, and on stderr with --json; the exit status is 0.
 """
 
 from __future__ import annotations

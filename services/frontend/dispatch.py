@@ -9,7 +9,10 @@ manager's dispatch it prefers prefill-capable instances (role prefill or both) a
 request to a decode instance only when none of those serves. An instance whose record says it
 serves shorter sequences than the request may reach (prompt + max_tokens) is never picked,
 by the manager or here: it would end the request early with `length` (a resume after a
-failure, admitted while only larger instances served).
+failure, admitted while only larger instances served). Nor is one of another model: its record names a
+vocabulary of another size than the frontend's --model (it would refuse the prompt's token ids as outside
+its vocabulary, a 400 for a good request, or read them as other tokens); the load policy sent every request
+to such an instance, the freest, while the right ones idled (`instance_model_mismatch`, logged once).
 No transport here: the manager call and the membership view are passed in.
 """
 
@@ -38,6 +41,8 @@ class InstanceEntry:
     is_serving: bool
     is_decode_only: bool = False  # role decode: takes new requests only when no prefill-capable instance serves
     max_model_len: int = 0  # the longest sequence it serves (its KV cache may hold less than the model); 0: unknown
+    model: str = ""  # the model folder's name it registered
+    vocab_size: int = 0  # its model's vocabulary; 0: unknown (a record from before the field)
 
 
 class ManagerDispatch(Protocol):
@@ -64,7 +69,7 @@ class Dispatcher:
     def __init__(self, manager: ManagerDispatch | None, membership: Membership, *, cooldown_s: float,
                  on_fallback: Callable[[], None] = lambda: None,
                  on_role_fallback: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, vocab_size: int = 0) -> None:
         self._manager = manager
         self._membership = membership
         self.lists_instances = not isinstance(membership, NoInstances)  # else the manager alone knows them
@@ -76,21 +81,23 @@ class Dispatcher:
         # that failed and left is never looked up again, and ids are fresh per start in some deployments)
         self._failed_at: dict[InstanceId, float] = {}
         self._turn = itertools.count()
+        self._vocab_size = vocab_size  # our model's (0: instances are not checked)
+        self._other_model: frozenset[InstanceId] = frozenset()  # as last seen, each logged once when it appeared
 
     async def pick(self, spec: GenerateSpec, exclude: Sequence[InstanceId] = ()) -> Target:
         """An instance for `spec`, one in `exclude` only if nothing else serves; Unavailable if none is known."""
-        too_short = self._too_short_for(spec)
+        unfit = [*self._too_short_for(spec), *self._other_model_ids()]
         if self._manager is not None:
-            answer = await self._manager.dispatch(spec, [*exclude, *too_short])
+            answer = await self._manager.dispatch(spec, [*exclude, *unfit])
             if isinstance(answer, Declined) and exclude and not self.lists_instances:
                 # no instance list to fall back on: as pick_locally does, one in `exclude` if nothing else
                 # serves (a one-instance cluster whose instance restarted)
                 answer = await self._manager.dispatch(spec, ())
                 if isinstance(answer, Target):
                     return answer
-            if isinstance(answer, Target) and answer.instance_id not in exclude and answer.instance_id not in too_short:
+            if isinstance(answer, Target) and answer.instance_id not in exclude and answer.instance_id not in unfit:
                 return answer
-        target = self.pick_locally(exclude, too_short)
+        target = self.pick_locally(exclude, unfit)
         self._on_fallback()
         log.info("dispatch_fell_back", request_id=spec.request_id, instance_id=target.instance_id)
         return target
@@ -99,6 +106,11 @@ class Dispatcher:
         """Round robin over serving instances, never one in `too_short` (see `_too_short_for`)."""
         known = self._membership.instances()
         serving = sorted((e for e in known if e.is_serving), key=lambda e: e.instance_id)
+        other_model = self._other_model_ids()
+        if serving and all(e.instance_id in other_model for e in serving):
+            raise Unavailable(f"no serving instance serves this frontend's model: {self._other_model_text(serving)}; "
+                              "start instances with the frontend's --model folder")
+        serving = [e for e in serving if e.instance_id not in other_model]
         if serving and all(e.instance_id in too_short for e in serving):
             longest = max(e.max_model_len for e in serving)
             raise Unavailable(f"no serving instance holds this request's prompt + max_tokens: the longest "
@@ -133,13 +145,32 @@ class Dispatcher:
         num_tokens = len(spec.prompt_token_ids) + spec.sampling.max_tokens
         return [e.instance_id for e in self._membership.instances() if 0 < e.max_model_len < num_tokens]
 
+    def _other_model_ids(self) -> frozenset[InstanceId]:
+        """Instances whose record names a vocabulary other than our model's; logs each once when it appears."""
+        entries = [e for e in self._membership.instances() if self._is_other_model(e)]
+        ids = frozenset(e.instance_id for e in entries)
+        for e in entries:
+            if e.instance_id not in self._other_model:
+                log.warning("instance_model_mismatch", instance_id=e.instance_id, model=e.model,
+                            vocab_size=e.vocab_size, own_vocab_size=self._vocab_size,
+                            action="no request goes to it: start it with the frontend's --model folder")
+        self._other_model = ids
+        return ids
+
+    def _is_other_model(self, e: InstanceEntry) -> bool:
+        return self._vocab_size > 0 and 0 < e.vocab_size != self._vocab_size
+
+    def _other_model_text(self, entries: Sequence[InstanceEntry]) -> str:
+        shown = ", ".join(f"{e.instance_id} ({e.model or 'a model'} with {e.vocab_size} tokens)" for e in entries[:4])
+        return f"{shown}, not this frontend's vocabulary of {self._vocab_size} tokens"
+
     def report_failure(self, instance_id: InstanceId) -> None:
         now = self._clock()
         self._failed_at = {i: at for i, at in self._failed_at.items() if now - at <= self._cooldown_s}
         self._failed_at[instance_id] = now
 
     def num_serving(self) -> int:
-        return sum(e.is_serving for e in self._membership.instances())
+        return sum(e.is_serving and not self._is_other_model(e) for e in self._membership.instances())
 
     def num_registered(self) -> int:
         return len(self._membership.instances())
@@ -147,14 +178,15 @@ class Dispatcher:
     def serves_besides(self, exclude: Sequence[InstanceId], spec: GenerateSpec | None = None) -> bool:
         """Whether an instance not in `exclude` serves (else a resume can only go back to one that failed),
         one that holds `spec` if given. Without an instance list (no etcd) only the manager knows: assumed so."""
-        too_short = self._too_short_for(spec) if spec is not None else []
+        unfit = [*(self._too_short_for(spec) if spec is not None else []), *self._other_model_ids()]
         return not self.lists_instances or any(e.is_serving and e.instance_id not in exclude and
-                                               e.instance_id not in too_short for e in self._membership.instances())
+                                               e.instance_id not in unfit for e in self._membership.instances())
 
     def max_model_len(self, model_limit: int) -> int:
         """The longest sequence every serving instance takes: `model_limit`, or less where an
         instance's record says its KV cache holds fewer tokens (any instance may get a request)."""
-        limits = [e.max_model_len for e in self._membership.instances() if e.is_serving and e.max_model_len > 0]
+        limits = [e.max_model_len for e in self._membership.instances()
+                  if e.is_serving and e.max_model_len > 0 and not self._is_other_model(e)]
         return min([model_limit, *limits])
 
     def _recently_failed(self, instance_id: InstanceId) -> bool:

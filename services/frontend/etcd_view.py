@@ -23,10 +23,14 @@ def instance_entry(instance_id: str, value: Mapping[str, Any]) -> InstanceEntry 
         return None
     state = str(value.get("state", "serving")).lower()
     is_decode_only = str(value.get("role", "both")).lower() == "decode"
-    max_model_len = value.get("max_model_len")
     return InstanceEntry(InstanceId(instance_id), address, is_serving=state in _SERVING_STATES,
-                         is_decode_only=is_decode_only,
-                         max_model_len=max_model_len if isinstance(max_model_len, int) and max_model_len > 0 else 0)
+                         is_decode_only=is_decode_only, max_model_len=_positive_int(value.get("max_model_len")),
+                         model=str(value.get("model", "")), vocab_size=_positive_int(value.get("vocab_size")))
+
+
+def _positive_int(value: Any) -> int:
+    """A record's count, or 0 (unknown) when it is missing or not a positive int."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 class EtcdInstances:

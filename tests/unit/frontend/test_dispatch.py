@@ -199,3 +199,39 @@ async def test_a_malformed_leader_key_sends_dispatch_to_the_fallback_not_the_req
         assert (await dispatcher.pick(make_spec())).instance_id == "a"
     finally:
         await manager.close()
+
+
+def _of_vocab(instance_id: str, vocab_size: int, is_serving: bool = True) -> InstanceEntry:
+    return replace(entry(instance_id, is_serving), model=f"model-{vocab_size}", vocab_size=vocab_size)
+
+
+async def test_an_instance_of_another_vocabulary_is_never_picked_nor_counted():
+    """A black-box run on three "hosts" (2026-12-07): an instance started with another --model (a tiny
+    512-token model beside SmolLM2's 49152) joined the cluster; the load policy sent every request to it, the
+    freest, and each got a 400 "token id 3575 is outside the vocabulary [0, 512)" while the two SmolLM2
+    instances idled. Such an instance is now passed to the manager as excluded and never taken here."""
+    manager = FakeManager(Target(InstanceId("other"), "addr-other"))
+    other = replace(_of_vocab("other", 512), max_model_len=100)
+    dispatcher = Dispatcher(manager, FakeMembership(other, _of_vocab("ours", 49152),
+                                                    _of_vocab("old", 0)), cooldown_s=5.0, vocab_size=49152)
+    assert {(await dispatcher.pick(make_spec())).instance_id for _ in range(4)} == {"ours", "old"}  # 0: unknown
+    assert all(set(call[1]) == {"other"} for call in manager.calls)
+    assert dispatcher.num_serving() == 2
+    assert dispatcher.max_model_len(8192) == 8192  # its shorter limit is not the cluster's
+    assert not dispatcher.serves_besides([InstanceId("ours"), InstanceId("old")])
+    assert Dispatcher(None, FakeMembership(_of_vocab("other", 512)), cooldown_s=1).num_serving() == 1  # unchecked
+
+
+async def test_a_cluster_of_another_models_instances_alone_is_unavailable_saying_so():
+    dispatcher = Dispatcher(FakeManager(None), FakeMembership(_of_vocab("other", 512)), cooldown_s=5.0,
+                            vocab_size=49152)
+    with pytest.raises(Unavailable, match=r"no serving instance serves this frontend's model: other \(model-512 with "
+                                          r"512 tokens\), not this frontend's vocabulary of 49152 tokens.*--model"):
+        await dispatcher.pick(make_spec())
+
+
+def test_the_etcd_record_names_the_instances_model_and_vocabulary():
+    parsed = instance_entry("a", {"address": "a:1", "model": "smollm2", "vocab_size": 49152})
+    assert (parsed.model, parsed.vocab_size) == ("smollm2", 49152)
+    assert instance_entry("a", {"address": "a:1", "vocab_size": True}).vocab_size == 0
+    assert instance_entry("a", {"address": "a:1"}).vocab_size == 0

@@ -57,6 +57,8 @@ class ReservationKeeper:
             raise RefusedByDestination(exc.message, exc.request_id) from exc
         if a.backend is None:
             a.backend = auto_backend(a.reservation, self._settings.transfer_id, self._settings.offered_backends)
+        elif a.backend is TransferBackend.SHM and is_first:
+            check_shm_reaches(a.reservation, self._settings.transfer_id, a.plan.dst_instance_id)
         if is_first:
             a.dst_checksums = a.reservation.cached_checksums
             await self.check_cached(a)
@@ -107,3 +109,16 @@ def auto_backend(reservation: Reservation, own_transfer_id: str,
     if not offered or TransferBackend.GRPC in offered:  # not offered: unknown, grpc is everyone's default
         return TransferBackend.GRPC
     return next((b for b in (TransferBackend.GLOO, TransferBackend.NCCL) if b in offered), TransferBackend.GRPC)
+
+
+def check_shm_reaches(reservation: Reservation, own_transfer_id: str, dst_instance_id: str) -> None:
+    """FAILED_PRECONDITION when shm, named for this migration, cannot reach the destination: shm copies between
+    the instances one transfer service maps (one host). Before, the copy failed in our transfer service with its
+    raw API's advice ("not mapped ...; call MapInstance on it first"), wrong for an operator who set the manager's
+    --migration-backend shm on a fleet of several hosts."""
+    if reservation.transfer_id and reservation.transfer_id != own_transfer_id:
+        raise FailedPrecondition(
+            f"the shm backend copies only between instances whose KV memory one transfer service maps (one host): "
+            f"{dst_instance_id}'s is mapped by transfer service {reservation.transfer_id!r}, this instance's by "
+            f"{own_transfer_id or 'none'!r}; leave the backend auto (the manager's --migration-backend, this "
+            "instance's --transfer-backend): shm within a host, grpc across hosts")

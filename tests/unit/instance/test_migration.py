@@ -358,6 +358,25 @@ async def test_auto_backend_copies_in_shared_memory_only_within_one_transfer_ser
     await assert_no_blocks_held(a, b)
 
 
+async def test_shm_named_for_a_destination_of_another_transfer_service_is_refused_before_any_copy(pair):
+    """A black-box run on three loopback "hosts" with the manager's --migration-backend shm: a migration across
+    hosts failed in the source's transfer service with "instance ... is not mapped by transfer service ...;
+    call MapInstance on it first (or start it with --map-instances)", advice that cannot work on another host."""
+    a, b = pair  # b's reservations name transfer service "tb"
+    expected_tokens = await reference(a)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    copier = TensorCopier(a, b)
+    with pytest.raises(FailedPrecondition, match="shm backend copies only between .*b's is mapped by transfer "
+                                                 "service 'tb', this instance's by 'ta'.*auto"):
+        await driver(a, FaultyPeer(b), copier, backend=TransferBackend.SHM, transfer_id="ta").migrate_out(plan())
+    assert copier.transfers == []
+    await read(stream, tokens)  # it went on here
+    assert tokens == expected_tokens
+    await assert_no_blocks_held(a, b)
+
+
 @pytest.mark.parametrize("fault", ["prepare", "commit", "transfer-live", "transfer-final"])
 async def test_every_failure_before_commit_resumes_on_the_source(pair, fault):
     a, b = pair

@@ -335,6 +335,15 @@ async def test_a_drain_onto_a_prefill_instance_tells_it_the_manager_chose_it(pai
 GRPC_SHM = (TransferBackend.GRPC, TransferBackend.SHM)
 
 
+async def decoding_past_30(a: Side) -> tuple[list[int], list[int], RequestStream]:
+    """The reference tokens, and request "r" running on `a` with its first 30 tokens read (and the list of them)."""
+    expected = await reference(a)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    return expected, tokens, stream
+
+
 @pytest.mark.parametrize(("own_transfer_id", "offered", "expected"), [
     ("tb", GRPC_SHM, TransferBackend.SHM),  # our transfer service maps the destination too: one host
     ("tb", (TransferBackend.GRPC,), TransferBackend.GRPC),  # ... but does not offer shm
@@ -344,10 +353,7 @@ GRPC_SHM = (TransferBackend.GRPC, TransferBackend.SHM)
 async def test_auto_backend_copies_in_shared_memory_only_within_one_transfer_service(pair, own_transfer_id, offered,
                                                                                      expected):
     a, b = pair  # b's reservations name transfer service "tb"
-    expected_tokens = await reference(a)
-    tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    await read(stream, tokens, until=30)
+    expected_tokens, tokens, stream = await decoding_past_30(a)
     copier = TensorCopier(a, b)
     result = await driver(a, FaultyPeer(b), copier, backend=None, transfer_id=own_transfer_id,
                           offered=offered).migrate_out(plan())
@@ -363,10 +369,7 @@ async def test_shm_named_for_a_destination_of_another_transfer_service_is_refuse
     hosts failed in the source's transfer service with "instance ... is not mapped by transfer service ...;
     call MapInstance on it first (or start it with --map-instances)", advice that cannot work on another host."""
     a, b = pair  # b's reservations name transfer service "tb"
-    expected_tokens = await reference(a)
-    tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    await read(stream, tokens, until=30)
+    expected_tokens, tokens, stream = await decoding_past_30(a)
     copier = TensorCopier(a, b)
     with pytest.raises(FailedPrecondition, match="shm backend copies only between .*b's is mapped by transfer "
                                                  "service 'tb', this instance's by 'ta'.*auto"):

@@ -152,6 +152,9 @@ def convert(raw: Any, kind: Any) -> Any:
         (inner,) = typing.get_args(kind)[:1]
         items = raw if isinstance(raw, (list, tuple)) else [s for s in str(raw).split(",") if s.strip()]
         return origin(convert(item.strip() if isinstance(item, str) else item, inner) for item in items)
+    if isinstance(raw, (list, tuple)) or (isinstance(raw, Mapping) and kind is not str):
+        what = "a mapping" if isinstance(raw, Mapping) else "a list"  # from a YAML file: str() or int() took it
+        raise ValueError(f"expected {getattr(kind, '__name__', kind)}, got {what} {raw!r}")
     if kind is bool:
         if isinstance(raw, bool):
             return raw

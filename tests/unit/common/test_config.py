@@ -176,6 +176,22 @@ def test_a_yaml_value_of_another_type_is_refused_not_coerced(tmp_path: pathlib.P
     assert (config.port, config.ratio, config.name, config.is_verbose) == (8000, 1.0, "2024", True)
 
 
+def test_a_yaml_list_or_mapping_for_a_single_value_is_refused_as_such(tmp_path: pathlib.Path, capsys) -> None:
+    """A black-box run (2026-12-07): `max_num_seqs: [1, 2]` stopped an instance with Python's own "int() argument
+    must be a string, a bytes-like object or a real number, not 'list'", and `name: [a, b]` became the name
+    "['a', 'b']"; a JSON knob's mapping (`override_generation_config`) is still taken."""
+    for line, error in (("port: [1, 2]", "demo.yaml:port: expected int, got a list [1, 2]"),
+                        ("name: [a, b]", "demo.yaml:name: expected str, got a list ['a', 'b']"),
+                        ("ratio: {a: 1}", "demo.yaml:ratio: expected float, got a mapping {'a': 1}"),
+                        ("limit: [3]", "demo.yaml:limit: expected int, got a list [3]"),
+                        ("model_dir: [m]", "demo.yaml:model_dir: expected Path, got a list ['m']")):
+        (tmp_path / "demo.yaml").write_text(line + "\n")
+        with pytest.raises(SystemExit):
+            parse(["--config", str(tmp_path / "demo.yaml")])
+        assert error in capsys.readouterr().err
+    assert convert({"temperature": 0.5}, str) == '{"temperature": 0.5}'
+
+
 def test_a_text_knob_in_the_yaml_file_is_its_text_as_written(tmp_path: pathlib.Path) -> None:
     """YAML types a scalar before ferry knows the knob's type: `name: 0001` became '1' (an instance id that
     matched no other process's), `1.10` '1.1', `off` 'False', `0x1F` '31'. A str, path or list-of-str knob now takes

@@ -208,6 +208,14 @@ def _convert_enum(raw: Any, kind: type[enum.Enum]) -> enum.Enum:
     raise ValueError(f"expected one of {', '.join(str(m.value) for m in kind)}, got {raw!r}")
 
 
+def path_shown(path: str | os.PathLike) -> str:
+    """`path` for an error message: a relative one says where it was looked for. Relative paths, in a --config
+    file as on the command line, are taken from the working directory, not from the file's folder."""
+    if pathlib.Path(path).is_absolute():
+        return str(path)
+    return f"{path} (relative to the working directory {os.getcwd()}, not to a --config file)"
+
+
 def as_dict(config: Any) -> dict[str, Any]:
     """A loggable view of a config (enums as values, paths as strings, secrets hidden)."""
     out = {}

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import jinja2
 
+from services.common.config import path_shown
 from services.frontend.chat_messages import ChatTemplateOptions
 from services.frontend.openai_protocol import (Endpoint, ParsedRequest, Prompt, RequestError, check_in_vocabulary,
                                                check_prompt_token_ids)
@@ -68,7 +69,7 @@ class ServedModel:
         try:
             config = json.loads(config_path.read_text())
         except (OSError, ValueError) as exc:
-            raise ValueError(f"--model {folder}: cannot read {config_path}: {exc}") from exc
+            raise ValueError(f"--model {path_shown(folder)}: cannot read {config_path}: {exc}") from exc
         context = checked_max_model_len(max_model_len, context_limit(config))
         tokenizer = Tokenizer.from_dir(folder)
         model = cls(name=name, max_model_len=context, vocab_size=int(config["vocab_size"]), tokenizer=tokenizer)

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from services.common.config import path_shown
 from services.instance.engine.context_window import ContextLimit, context_limit, layer_windows, max_positions
 from services.instance.engine.rope import RopeConfig, read_layer_ropes
 
@@ -141,7 +142,7 @@ class ModelConfig:
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise ValueError(f"no config.json in {model_dir}: pass --model a Hugging Face model folder")
+            raise ValueError(f"no config.json in {path_shown(model_dir)}: pass --model a Hugging Face model folder")
         return cls.from_dict(json.loads(path.read_text()))
 
     @classmethod

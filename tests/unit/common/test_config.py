@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import math
 import pathlib
+import re
 import time
 
 import pytest
@@ -525,3 +526,20 @@ def test_parsing_a_config_takes_a_few_milliseconds_of_cpu(service, config_cls, r
     for _ in range(5):
         parse_config(config_cls, service, required, env={})
     assert (time.process_time() - started) / 5 < 0.03
+
+
+def test_a_relative_model_folder_not_found_says_where_it_was_looked_for(tmp_path, monkeypatch) -> None:
+    """A black-box run (2026-12-07): `model: models/smollm2-135m-instruct` in a --config file, the service started
+    from another folder, said only "no config.json in models/smollm2-135m-instruct": relative to what? The working
+    directory, as every relative path of a flag, variable or file."""
+    from services.frontend.served_model import ServedModel
+    from services.instance.engine.model_config import ModelConfig
+
+    monkeypatch.chdir(tmp_path)
+    where = re.escape(f"models/x (relative to the working directory {tmp_path}, not to a --config file)")
+    with pytest.raises(ValueError, match=f"no config.json in {where}: pass --model"):
+        ModelConfig.from_dir("models/x")
+    with pytest.raises(ValueError, match=f"--model {where}: cannot read"):
+        ServedModel.load(pathlib.Path("models/x"), "x")
+    with pytest.raises(ValueError, match=f"no config.json in {re.escape(str(tmp_path))}: pass"):
+        ModelConfig.from_dir(tmp_path)

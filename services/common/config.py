@@ -69,6 +69,7 @@ def parse_config(cls: type[C], service: str, argv: Sequence[str] | None = None,
     config_path = args.config or env.get(env_name(service, "config"))
     file_values, file_texts = _load_file(config_path, parser)
     _check_file_keys(cls, file_values, config_path, parser)
+    _check_env_names(cls, service, env, parser)
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         kind = _field_type(cls, field)
@@ -288,14 +289,28 @@ def _check_file_keys(cls: type, file_values: Mapping[str, Any], path: str | None
     known = {field.name for field in dataclasses.fields(cls)}
     unknown = sorted(set(file_values) - known)
     if unknown:
-        close = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
-        hints = ", ".join(f"{name} (did you mean {match[0]}?)" if match else name for name, match in close.items())
-        parser.error(f"--config {path}: unknown option(s) {hints}; `--help` lists them (file keys use _ for -)")
+        parser.error(f"--config {path}: unknown option(s) {_hints(unknown, known)}; `--help` lists them "
+                     "(file keys use _ for -)")
+
+
+def _check_env_names(cls: type, service: str, env: Mapping[str, str], parser: argparse.ArgumentParser) -> None:
+    """A FERRY_<SERVICE>_ variable that names no option is a typo as well: an env file's
+    FERRY_INSTANCE_KV_CACHE_MB was ignored without a word, the default taken."""
+    known = {env_name(service, field.name) for field in dataclasses.fields(cls)} | {env_name(service, "config")}
+    unknown = sorted(name for name in env if name.startswith(env_name(service, "")) and name not in known)
+    if unknown:
+        parser.error(f"unknown environment variable(s) {_hints(unknown, known)}; `--help` lists them")
+
+
+def _hints(unknown: Iterable[str], known: Iterable[str]) -> str:
+    """The unknown names, each with the nearest known one where there is one."""
+    close = {name: difflib.get_close_matches(name, list(known), n=1) for name in unknown}
+    return ", ".join(f"{name} (did you mean {match[0]}?)" if match else name for name, match in close.items())
 
 
 def _load_file(path: str | None, parser: argparse.ArgumentParser) -> tuple[dict[str, Any], dict[str, Any]]:
     """The file's values as YAML types them, and as written (every scalar as its text: `0001`, not 1)."""
-    if path is None:
+    if not path:  # none, or an env file's empty FERRY_<SERVICE>_CONFIG= (was read as the folder '.')
         return {}, {}
     try:
         text = pathlib.Path(path).read_text()

@@ -193,6 +193,20 @@ def test_a_yaml_list_or_mapping_for_a_single_value_is_refused_as_such(tmp_path: 
     assert convert({"temperature": 0.5}, str) == '{"temperature": 0.5}'
 
 
+def test_an_unknown_variable_of_the_services_prefix_is_refused_with_a_suggestion(capsys) -> None:
+    """A black-box run (2026-12-07): FERRY_INSTANCE_KV_CACHE_MB=48 (an env file's typo of ..._MIB) was ignored
+    without a word and the instance took the default 512 MiB, where the same typo in a --config file is refused.
+    Other services' variables and other FERRY_ names are not this service's to judge."""
+    with pytest.raises(SystemExit):
+        parse(env={"FERRY_DEMO_PORTT": "1", "FERRY_DEMO_NAME": "x"})
+    assert "unknown environment variable(s) FERRY_DEMO_PORTT (did you mean FERRY_DEMO_PORT?)" in capsys.readouterr().err
+    env = {"FERRY_DEMO_PORT": "1", "FERRY_DEMO_CONFIG": "", "FERRY_OTHER_PORTT": "1", "FERRY_PORT_RANGE": "1-2"}
+    assert parse(env=env).port == 1
+    with pytest.raises(SystemExit):
+        parse_config(InstanceConfig, "instance", [], {"FERRY_INSTANCE_KV_CACHE_MB": "48"})
+    assert "FERRY_INSTANCE_KV_CACHE_MB (did you mean FERRY_INSTANCE_KV_CACHE_MIB?)" in capsys.readouterr().err
+
+
 def test_a_text_knob_in_the_yaml_file_is_its_text_as_written(tmp_path: pathlib.Path) -> None:
     """YAML types a scalar before ferry knows the knob's type: `name: 0001` became '1' (an instance id that
     matched no other process's), `1.10` '1.1', `off` 'False', `0x1F` '31'. A str, path or list-of-str knob now takes

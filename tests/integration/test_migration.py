@@ -445,7 +445,10 @@ async def instance_record(etcd, cluster: Cluster, instance_id: str) -> dict:
 async def test_a_copy_by_a_service_the_destination_did_not_grant_writes_on_is_refused(stubs, cluster, tiny_model_dir,
                                                                                      etcd):
     """ta maps b as well (so it could copy into b's memory directly, shm), but b fences its blocks on its
-    own transfer service tb: ta's copy is refused before it writes, and the request stays on a.
+    own transfer service tb: ta's copy is refused before it writes, and the request stays on a. The source
+    now refuses it before asking ta (shm named for a destination another transfer service maps); the fence
+    refusing such a copy in ta is test_transfer.py's
+    test_a_fenced_instance_takes_writes_only_under_an_open_grant_on_the_service_that_writes (shm among them).
     (Instances that share one transfer service, as `make run` starts them, migrate over shm: e2e tests.)"""
     record = await instance_record(etcd, cluster, "b")
     assert record["transfer_address"] == cluster.address("tb") and record["transfer_id"] == "tb"
@@ -459,9 +462,9 @@ async def test_a_copy_by_a_service_the_destination_did_not_grant_writes_on_is_re
             await client.read(call, until_tokens=3)
             with cluster.paced("a"), pytest.raises(grpc.aio.AioRpcError) as error:
                 await migrate_out(stubs["a"], "shm-1", "b", cluster, backend=transfer_pb2.TRANSFER_BACKEND_SHM)
-            assert error.value.code() == grpc.StatusCode.ABORTED, error.value.details()  # a peer's refusal
-            assert "not migrated, it keeps running on a" in error.value.details()
-            assert "write grant" in error.value.details()
+            assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION, error.value.details()
+            assert "shm backend copies only between instances whose KV memory one transfer service maps" in \
+                error.value.details()
             await client.follow(call)
         finally:
             await ta.unmap_instance("b")

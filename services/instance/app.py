@@ -228,7 +228,7 @@ def wire_migration(config: InstanceConfig, servicer: InstanceServicer, runner: E
         reservation_timeout_s=config.migration_reservation_timeout_s,
         transfer_id=link.transfer_id if link else "", offered_backends=link.backends if link else ())
     servicer.migrations = MigrationDriver(runner, settings, slots, peers, link.client if link else None)
-    endpoint = TransferEndpoint(link.address, link.transfer_id) if link else TransferEndpoint("", "")
+    endpoint = TransferEndpoint(link.peer_address, link.transfer_id) if link else TransferEndpoint("", "")
     fence = TransferWriteFence(link.client, servicer.identity.instance_id) if link else None
     servicer.inbox = MigrationInbox(runner, slots, config.migration_reservation_timeout_s, endpoint, fence)
 
@@ -311,7 +311,7 @@ def instance_record(identity: InstanceIdentity, loaded: LoadedEngine, link: Tran
         "vocab_size": loaded.engine.vocab_size,
         "kv_shm_name": loaded.kv_cache.name,
         "kv_device": str(loaded.kv_cache.tensor.device),
-        "transfer_address": link.address if link else "", "transfer_id": link.transfer_id if link else "",
+        "transfer_address": link.peer_address if link else "", "transfer_id": link.transfer_id if link else "",
         "kv": {"num_layers": geometry.num_layers, "num_kv_heads": geometry.num_kv_heads, "head_dim": geometry.head_dim,
                "block_size": geometry.block_size, "num_blocks": geometry.num_blocks,
                "dtype": geometry.dtype_name},

@@ -36,10 +36,19 @@ class TransferLink:
     client: TransferClient
     transfer_id: str
     backends: tuple[TransferBackend, ...] = ()  # what the service offers
+    advertised: str = ""  # the address the service gives others (its --advertise-host); "": an older service
 
     @property
     def address(self) -> str:
+        """Where this instance reaches it (--transfer-address: 127.0.0.1:P in the shipped env files)."""
         return self.client.address
+
+    @property
+    def peer_address(self) -> str:
+        """Where other hosts' transfer services reach it: the service's own advertised address. A destination
+        named its --transfer-address before, so with the env files' 127.0.0.1:P across machines the source's
+        transfer service sent the blocks to its own host and every migration between hosts failed."""
+        return self.advertised or self.address
 
 
 async def connect_transfer(address: str, instance_id: str, kv_cache: KvCache, rpc_timeout_s: float,
@@ -60,8 +69,10 @@ async def connect_transfer(address: str, instance_id: str, kv_cache: KvCache, rp
                                   f"{CONNECT_TIMEOUT_S:g} s ({exc.message}); start it first "
                                   "(python -m services.transfer)") from None
             await backoff.sleep()
-    log.info("kv_cache_mapped", transfer_address=address, transfer_id=status.transfer_id, shm_name=kv_cache.name)
-    return TransferLink(client, status.transfer_id, tuple(backend_from_proto(b) for b in status.backends))
+    log.info("kv_cache_mapped", transfer_address=address, transfer_id=status.transfer_id, shm_name=kv_cache.name,
+             transfer_advertised_address=status.address)
+    return TransferLink(client, status.transfer_id, tuple(backend_from_proto(b) for b in status.backends),
+                        status.address)
 
 
 async def transfer_mapping_loop(link: TransferLink, instance_id: str, kv_cache: KvCache,

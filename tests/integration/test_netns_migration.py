@@ -1,6 +1,12 @@
 """Migration between two hosts: instance A in this network namespace, instance B in a
 namespace of its own, joined by a veth pair (the project's own test hosts, made and
-removed by this test). KV blocks cross the link over the grpc transfer backend."""
+removed by this test). KV blocks cross the link over the grpc transfer backend.
+
+Two setups: every service on the host's link address, and the systemd env files' across
+machines (INSTALL.md): the transfer service bound to 0.0.0.0 advertising the link address, each
+instance reaching its own at `--transfer-address 127.0.0.1:P` as shipped. In the second, a
+destination named its transfer service to the source as 127.0.0.1:P, so the source's transfer
+service sent the blocks to its own host (a black-box run on three "hosts", 2026-12-07)."""
 
 from __future__ import annotations
 
@@ -62,28 +68,33 @@ def host_b():
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=10)  # removes the veth pair
 
 
-def _start(name: str, module: str, host: str, args: list[str], log_dir, prefix: list[str]) -> ServiceProcess:
+def _start(name: str, module: str, host: str, args: list[str], log_dir, prefix: list[str],
+           bind: str = "") -> ServiceProcess:
     port = free_port()
-    return ServiceProcess(name, module, ["--host", host, "--port", str(port), *args], f"{host}:{port}",
+    binding = ["--host", bind, "--advertise-host", host] if bind else ["--host", host]
+    return ServiceProcess(name, module, [*binding, "--port", str(port), *args], f"{host}:{port}",
                           log_dir, prefix=prefix).start()
 
 
-@pytest.fixture(scope="module")
-def two_hosts(host_b, tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["link-address", "as-shipped"])
+def two_hosts(request, host_b, tiny_model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("netns-logs")
     on_b = ["ip", "netns", "exec", host_b]
+    as_shipped = request.param == "as-shipped"
     processes = {}
     try:
         for side, host, prefix in (("a", HOST_A, []), ("b", HOST_B, on_b)):
             processes[f"t{side}"] = _start(f"transfer-{side}", "transfer", host,
-                                           ["--transfer-id", f"t{side}", "--num-threads", "1"], log_dir, prefix)
+                                           ["--transfer-id", f"t{side}", "--num-threads", "1"], log_dir, prefix,
+                                           bind="0.0.0.0" if as_shipped else "")
             asyncio.run(processes[f"t{side}"].wait_healthy(60))
+            transfer_port = processes[f"t{side}"].address.rpartition(":")[2]
             processes[side] = _start(
                 side, "instance", host,
                 ["--model", str(tiny_model_dir), "--instance-id", side, "--num-threads", "1",
                  "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
-                 "--transfer-address", processes[f"t{side}"].address, "--transfer-backend", "grpc",
-                 "--verify-transfer-checksum"], log_dir, prefix)
+                 "--transfer-address", f"127.0.0.1:{transfer_port}" if as_shipped else processes[f"t{side}"].address,
+                 "--transfer-backend", "grpc", "--verify-transfer-checksum"], log_dir, prefix)
         for side in ("a", "b"):
             asyncio.run(processes[side].wait_healthy(90))
         yield processes

@@ -50,6 +50,15 @@ class InstanceRecord:
     max_num_seqs: int = 0  # batch slots (its --max-num-seqs); 0: not in the record (an older instance)
     max_model_len: int = 0  # longest sequence (prompt + output) it serves; 0: not in the record
     is_draining: bool = False  # the instance itself says it takes no new work (record state "draining")
+    kv_layout: tuple = ()  # (layers, kv heads, head dim, block size, dtype) of its KV cache; (): not in the record
+    vocab_size: int = 0  # its model's vocabulary; 0: not in the record (an older instance)
+
+    def holds_same_model(self, other: InstanceRecord) -> bool:
+        """Whether requests can move between the two: blocks copy only between caches of one layout (else the
+        copy fails, "kv geometry mismatch"), and token ids mean the same only under one vocabulary. What a
+        record does not say (an older instance's) is taken as the same."""
+        return ((not self.kv_layout or not other.kv_layout or self.kv_layout == other.kv_layout)
+                and (not self.vocab_size or not other.vocab_size or self.vocab_size == other.vocab_size))
 
     @property
     def can_prefill(self) -> bool:
@@ -83,6 +92,9 @@ class InstanceRecord:
                 max_num_seqs=max(int(data.get("max_num_seqs") or 0), 0),  # a hand-edited negative: not known
                 max_model_len=max(int(data.get("max_model_len") or 0), 0),
                 is_draining=str(data.get("state", "")).lower() == "draining",
+                kv_layout=tuple(kv.get(k) for k in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"))
+                if kv else (),
+                vocab_size=max(int(data.get("vocab_size") or 0), 0),
             )
         except (TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"instance {instance_id}: malformed record ({exc})") from None

@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.manager.domain import InstanceId, InstanceView, Load, Role, serves_shorter
+from services.manager.domain import InstanceId, InstanceRecord, InstanceView, Load, Role, serves_shorter
 from services.manager.migration import MigrationTrigger
 
 
@@ -45,11 +45,17 @@ class Peer:
     last_received_at: float = -math.inf  # when a migration to it last ended (the migrator's clock)
     reported: Load | None = None  # last report alone: what it holds now, what a move can take (None: `load`)
     max_model_len: int = 0  # longest sequence it serves (its etcd record); 0: not known
+    record: InstanceRecord | None = None  # its etcd record (None: a peer made without one)
 
     @classmethod
     def of(cls, view: InstanceView, is_draining: bool, last_received_at: float = -math.inf) -> Peer:
         return cls(view.record.instance_id, view.record.address, view.record.role, view.load, view.load.freeness,
-                   is_draining, last_received_at, view.reported_load, view.record.max_model_len)
+                   is_draining, last_received_at, view.reported_load, view.record.max_model_len, view.record)
+
+    def holds_same_model(self, other: Peer) -> bool:
+        """InstanceRecord.holds_same_model: an instance started with another --model is never paired with it
+        (each tick tried it first, the freest, and failed its copy before trying the next-freest)."""
+        return self.record is None or other.record is None or self.record.holds_same_model(other.record)
 
     @property
     def num_requests(self) -> int:

@@ -187,7 +187,8 @@ class Migrator:
     def plan(self) -> list[MigrationOrder]:
         peers = self._peers()
         serving = [p for p in peers if not p.is_draining]
-        allowed = self._is_not_backing_off  # a destination that keeps refusing leaves the next-freest one to try
+        def allowed(src: Peer, dst: Peer) -> bool:  # one that keeps refusing leaves the next-freest one to try
+            return src.holds_same_model(dst) and self._is_not_backing_off(src, dst)
         pairs = pair_drains([p for p in peers if p.is_draining], serving, allowed,
                             may_use_prefill=not self._is_a_decoder_sitting_out(peers))
         pairs += pair_prefilled([p for p in serving if p.instance_id not in _taken(pairs)], allowed)

@@ -10,7 +10,7 @@ import pytest
 from services.common.errors import Aborted, FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from services.manager import convert, metrics
 from services.manager.cluster_view import ClusterView
-from services.manager.domain import InstanceId, Role
+from services.manager.domain import InstanceId, InstanceRecord, Role
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger)
@@ -659,3 +659,28 @@ async def test_orders_name_the_destinations_max_model_len_so_the_source_picks_a_
     assert migrator.admin_order("a", "short", "").dst_max_model_len == 256
     view.put_member(make_record("short"))  # its record without max_model_len
     assert migrator.admin_order("a", "short", "").dst_max_model_len == 0
+
+
+async def test_an_instance_of_another_model_is_never_paired():
+    """A black-box run on three "hosts" (2026-12-07): a tiny model's instance (3 layers, 512 tokens) beside
+    SmolLM2's (30 layers) was the freest, so it was the first destination tried, and its copy failed "kv geometry
+    mismatch" before the next-freest was tried. A record without the fields (an older instance) pairs as before."""
+    clock = FakeClock()
+    view = cluster(clock, a=8, b=0, c=4, d=6)
+    smol = {"kv_layout": (30, 3, 64, 16, "float32"), "vocab_size": 49152}
+    for instance_id, fields in {"a": smol, "b": {"kv_layout": (3, 2, 16, 16, "float32"), "vocab_size": 512},
+                                "c": smol, "d": {**smol, "vocab_size": 32000}}.items():
+        view.put_member(dataclasses.replace(make_record(instance_id), **fields))
+    migrator = make_migrator(view, clock, FakeSources())
+    assert routes(migrator.plan()) == [("a", "c", MigrationTrigger.LOAD)]
+    view.mark_drained(InstanceId("a"))
+    assert routes(migrator.plan()) == [("a", "c", MigrationTrigger.DRAIN)]
+    view.put_member(dataclasses.replace(make_record("b"), vocab_size=49152))  # an older record: no kv layout
+    assert routes(migrator.plan())[0] == ("a", "b", MigrationTrigger.DRAIN)
+
+
+def test_the_record_gives_the_kv_layout_and_vocabulary():
+    record = InstanceRecord.from_dict("x", {"address": "a:1", "vocab_size": 512, "kv": {
+        "num_layers": 3, "num_kv_heads": 2, "head_dim": 16, "block_size": 4, "num_blocks": 64, "dtype": "float32"}})
+    assert (record.kv_layout, record.vocab_size) == ((3, 2, 16, 4, "float32"), 512)
+    assert (InstanceRecord.from_dict("x", {"address": "a:1"}).kv_layout, record.holds_same_model(record)) == ((), True)

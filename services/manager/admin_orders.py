@@ -31,6 +31,10 @@ class AdminOrders:
         if dst.state is not InstanceState.SERVING:
             raise FailedPrecondition(f"destination {dst.record.instance_id} is {dst.state.value}; "
                                      "pick a serving instance (see ListInstances)")
+        if not src.record.holds_same_model(dst.record):
+            raise FailedPrecondition(f"destination {dst.record.instance_id} serves another model than "
+                                     f"{src.record.instance_id} (its etcd record names another KV layout or "
+                                     "vocabulary): requests move only between instances of one model")
         if dst.record.role is Role.PREFILL:
             raise FailedPrecondition(f"destination {dst.record.instance_id} is a prefill instance: it would hand "
                                      "the request straight on to a decode instance; name a decode or mixed "
@@ -60,7 +64,8 @@ class AdminOrders:
 
     def _freest_other(self, src: InstanceView) -> InstanceView:
         others = [v for v in self.view.instances() if v.state is InstanceState.SERVING
-                  and v.record.instance_id != src.record.instance_id and Peer.of(v, False).can_receive]
+                  and v.record.instance_id != src.record.instance_id and src.record.holds_same_model(v.record)
+                  and Peer.of(v, False).can_receive]
         if not others:
             raise FailedPrecondition(f"no other serving instance has a free KV block, batch slot and migration slot "
                                      f"to take a request from {src.record.instance_id}; start one, undrain one "

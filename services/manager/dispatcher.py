@@ -71,8 +71,8 @@ class Dispatcher:
         refused it: the request keeps decoding where it is."""
         self._leadership.check_leader()
         exclude = frozenset({InstanceId(src_instance_id)})
-        candidates = self._reported_first(self._view.candidates(exclude, DECODE_ROLES)
-                                          or self._view.candidates(exclude, frozenset({Role.BOTH})))
+        candidates = self._reported_first(self._of_model(src_instance_id, exclude, DECODE_ROLES)
+                                          or self._of_model(src_instance_id, exclude, frozenset({Role.BOTH})))
         if not candidates:
             self.role_gaps.note_missing(Role.DECODE, request_id)
             raise Unavailable(f"no decode instance serves; request {request_id} keeps decoding on "
@@ -92,6 +92,16 @@ class Dispatcher:
         chosen = _DECODE_POLICY.choose(candidates, DispatchAsk(request_id))
         self._view.reserve(chosen.instance_id, num_blocks, is_dispatch=False)  # dispatched already, to its prefill
         return Placement(chosen.instance_id, chosen.address, "pd")
+
+    def _of_model(self, src_instance_id: str, exclude: frozenset[InstanceId], roles: frozenset[Role]) -> list[Candidate]:
+        """The candidates of `roles` a request of `src_instance_id` can move to: an instance of another model (its
+        record names another KV layout or vocabulary) would fail the copy, "kv geometry mismatch", or decode on
+        as another model."""
+        candidates = self._view.candidates(exclude, roles)
+        if not self._view.has_member(src_instance_id):
+            return candidates
+        src = self._view.record(InstanceId(src_instance_id))
+        return [c for c in candidates if src.holds_same_model(self._view.record(c.instance_id))]
 
     async def role_gap_loop(self, interval_s: float = ROLE_GAP_INTERVAL_S) -> None:
         await periodic_loop("role_gap_loop", interval_s, self._refresh_role_gaps)

@@ -679,6 +679,21 @@ async def test_an_instance_of_another_model_is_never_paired():
     assert routes(migrator.plan())[0] == ("a", "b", MigrationTrigger.DRAIN)
 
 
+async def test_an_admin_migrate_never_goes_to_an_instance_of_another_model():
+    """The same run: `ferryctl migrate --request ID` (no --dst) took the freest instance, the tiny model's, and
+    failed "kv geometry mismatch" every time, with two SmolLM2 instances free."""
+    clock = FakeClock()
+    view = cluster(clock, a=5, b=0, c=1)
+    smol = {"kv_layout": (30, 3, 64, 16, "float32"), "vocab_size": 49152}
+    for instance_id, fields in {"a": smol, "b": {"kv_layout": (3, 2, 16, 16, "float32"), "vocab_size": 512},
+                                "c": smol}.items():
+        view.put_member(dataclasses.replace(make_record(instance_id), **fields))
+    migrator = make_migrator(view, clock, FakeSources())
+    assert migrator.admin_order("a", "", "r-1").dst_instance_id == "c"
+    with pytest.raises(FailedPrecondition, match="destination b serves another model than a .*one model"):
+        migrator.admin_order("a", "b", "r-1")
+
+
 def test_the_record_gives_the_kv_layout_and_vocabulary():
     record = InstanceRecord.from_dict("x", {"address": "a:1", "vocab_size": 512, "kv": {
         "num_layers": 3, "num_kv_heads": 2, "head_dim": 16, "block_size": 4, "num_blocks": 64, "dtype": "float32"}})

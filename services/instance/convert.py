@@ -6,7 +6,8 @@ from __future__ import annotations
 from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, transfer_pb2
 from services.instance.config import InstanceRole
-from services.instance.engine.engine import LoadSnapshot, RequestSnapshot, StepOutput
+from services.instance.engine.engine_reports import LoadSnapshot, RequestSnapshot
+from services.instance.engine.step_output import StepOutput
 from services.instance.engine.logprobs import TokenLogprob
 from services.instance.engine.migration_state import MigrationSelection, RequestState
 from services.instance.engine.prefix_cache import NO_PREFIX_CACHE_STATS, PrefixCacheStats

@@ -25,7 +25,9 @@ from typing import Any
 
 import structlog
 
-from services.instance.engine.engine import LLMEngine, LoadSnapshot, StepOutput
+from services.instance.engine.engine import LLMEngine
+from services.instance.engine.engine_reports import LoadSnapshot
+from services.instance.engine.step_output import StepOutput
 from services.instance.engine.migration_state import HeldRequest
 from services.instance.step_times import StepTimes
 

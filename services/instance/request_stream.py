@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from services.instance.engine.engine import StepOutput
+from services.instance.engine.step_output import StepOutput
 from services.instance.handoff import Handoff
 
 

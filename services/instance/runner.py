@@ -24,7 +24,8 @@ import structlog
 
 from services.common.errors import Aborted, FerryError, Internal, Unavailable
 from services.common.task_errors import shielded
-from services.instance.engine.engine import LLMEngine, StepOutput
+from services.instance.engine.engine import LLMEngine
+from services.instance.engine.step_output import StepOutput
 from services.instance.engine.migration_state import HeldRequest
 from services.instance.engine_thread import EngineThread
 from services.instance.handoff import Handoff

@@ -22,7 +22,7 @@ from services.instance.convert import (check_request_id, chunk_to_proto, handoff
                                        migrate_out_plan_from_proto, migration_result_to_proto,
                                        request_info_to_proto, request_state_from_proto, reservation_to_proto, role_from_proto,
                                        role_to_proto, sampling_from_proto)
-from services.instance.engine.engine import StepOutput
+from services.instance.engine.step_output import StepOutput
 from services.instance.engine.migration_state import check_serves_length
 from services.instance.handoff import Handoff
 from services.instance.migration import MigrationDriver

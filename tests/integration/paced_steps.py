@@ -15,7 +15,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from services.instance.engine.engine import LLMEngine, StepOutput
+from services.instance.engine.engine import LLMEngine
+from services.instance.engine.step_output import StepOutput
 
 
 def pace_ms(pace_file: pathlib.Path) -> float:

@@ -15,6 +15,11 @@ Live migration (README "Live migration"), all between two steps:
                   → suspend → export_state → release (moved) | resume (migration failed)
     PD hand-off:  hold (parked right after its first token) → suspend_held → export_state → release | resume
     destination:  reserve_blocks (grows; keep_cached_reserved) → import_request | free_reservation
+
+This module keeps the request table and the order of things; the rules live beside it: engine_config.py
+(configuration), admission_checks.py (what may enter), request_text.py (a request's text on entry),
+finish_rules.py (when it stops), prompt_logprobs.py, step_output.py (what a step says), migration_state.py
+(what a migration reads and hands over), engine_reports.py (load and ListRequests).
 """
 
 from __future__ import annotations
@@ -23,34 +28,42 @@ import itertools
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import structlog
 import torch
 
-from services.common.config import check_positive
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.prefix_hash import BlockHash
-from services.instance.engine.admission_checks import check_first_start, check_queue_room, check_tokens
+from services.instance.engine.admission_checks import (
+    TokenLimits,
+    check_first_start,
+    check_import,
+    check_queue_room,
+    check_tokens,
+)
 from services.instance.engine.block_manager import BlockId, BlockManager, num_blocks_for
+from services.instance.engine.engine_config import EngineConfig, check_geometry
+from services.instance.engine.engine_reports import LoadSnapshot, RequestSnapshot, load_snapshot, request_snapshot
+from services.instance.engine.finish_rules import banned_token_ids, reason_when_too_long, stop_reason
+from services.instance.engine.forward_batch import ForwardModel
+from services.instance.engine.guided import GrammarCompiler, Guide
 from services.instance.engine.kv_cache import KvCache
+from services.instance.engine.logprobs import TokenLogprob
 from services.instance.engine.migration_state import (
     HeldRequest,
     MigrationBlocks,
     MigrationSelection,
     RequestState,
-    check_serves_length,
+    check_movable,
     export_state,
-    is_movable,
+    imported_request,
     is_prefill_done,
     max_num_tokens_of,
     migration_blocks,
     pick_request,
 )
-from services.instance.engine.finish_rules import banned_token_ids, reason_when_too_long, stop_reason
-from services.instance.engine.forward_batch import ForwardModel
-from services.instance.engine.guided import GrammarCompiler, Guide
 from services.instance.engine.prefix_cache import NO_PREFIX_CACHE_STATS, PrefixCacheStats
+from services.instance.engine.prompt_logprobs import PROMPT_LOGITS_BUDGET, record_prompt_logprobs
 from services.instance.engine.request import (
     FinishReason,
     Request,
@@ -60,102 +73,20 @@ from services.instance.engine.request import (
     SamplingParams,
 )
 from services.instance.engine.reservations import MigrationId, Reservations
-from services.instance.engine.logprobs import TokenLogprob, token_logprobs
 from services.instance.engine.sampler import SampledToken, Sampler, SamplingRow
 from services.instance.engine.scheduler import Scheduler, SchedulerOutput
+from services.instance.engine.step_output import StepOutput, step_output
+from services.instance.engine.request_text import migrated_text, resumed_text
 from services.instance.engine.text_output import TextOutput
-from services.instance.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from services.instance.engine.tokenizer import Tokenizer
 from services.transfer.block_copy import kv_rows
 from services.transfer.checksum import block_checksums
 
 log = structlog.get_logger(__name__)
 
-# Vocabulary-wide logits rows of prompt-logprobs prefills in one step (elements; fp32: 128 MiB, twice that
-# with their log_softmax): 682 prompt tokens a step for a 49152-token vocabulary, 256 for 128k.
-PROMPT_LOGITS_BUDGET = 1 << 25
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    num_blocks: int  # KV cache blocks; must match the KvCache's geometry
-    max_model_len: int  # longest sequence, prompt + output
-    block_size: int = 16  # tokens per KV block; must match the KvCache's geometry
-    max_num_seqs: int = 64  # batch slots: most running requests
-    max_num_batched_tokens: int = 2048  # most tokens (prefill chunks + decodes) in one step
-    enable_prefix_caching: bool = True  # reuse the K/V of full blocks other requests computed (prefix_cache.py)
-    priority_headroom_blocks: int = 0  # blocks each high-priority (priority > 0) request keeps out of freeness
-    max_num_waiting: int = 0  # new requests queued for a batch slot beyond which more are refused; 0 = no bound
-    prefill_chunk_tokens: int = 0  # prefill chunk boundaries (scheduler.py); 0 = half a step beside full decodes
-
-    def __post_init__(self) -> None:
-        check_positive(self, ("num_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"))
-        if self.priority_headroom_blocks < 0:
-            raise ValueError(f"--priority-headroom-blocks must be >= 0, got {self.priority_headroom_blocks}")
-        if self.max_num_waiting < 0:
-            raise ValueError(f"--max-waiting-requests must be >= 0 (0 = no bound), got {self.max_num_waiting}")
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutput:
-    request_id: RequestId
-    token_index: int  # output index of new_token_ids[0] (resumed tokens count)
-    new_token_ids: tuple[int, ...]  # empty when the request finished without a new token, or started (first_start)
-    text: str  # detokenized delta
-    finish_reason: FinishReason | None  # None while the request runs
-    logprobs: tuple[TokenLogprob, ...] | None  # one per new token, if the request asked for them
-    num_prompt_tokens: int
-    # With sampling.prompt_logprobs, on the output of token 0: entry i is prompt token i + 1's.
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
-    # Where the prompt was first computed from (Request.first_start). A request whose prompt takes more than a
-    # step gets an output with no token and no finish reason when it starts: only this is news in it.
-    first_start: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSnapshot:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_blocks_needed_by_waiting: int
-    freeness: float  # (free - needed by waiting - headroom) / (running + 1)
-    decoding_ids: frozenset[str] = frozenset()  # running requests past their prefill: PD hand-off candidates
-    num_headroom_blocks: int = 0  # kept free for high-priority requests (--priority-headroom-blocks each)
-    # Taken in since start, counted in this snapshot's figures: added (Generate), imported (a migration in).
-    num_requests_admitted: int = 0
-    num_requests_migrated_in: int = 0
-    num_free_slots: int = 0  # batch slots no running, suspended, reserved or waiting request will take
-
-    @property
-    def num_decoding(self) -> int:
-        return len(self.decoding_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestSnapshot:
-    request_id: RequestId
-    status: RequestStatus
-    priority: int
-    num_prompt_tokens: int
-    num_output_tokens: int  # resumed tokens included
-    num_computed_tokens: int
-    num_blocks: int
-    origin: RequestOrigin = RequestOrigin.DISPATCHED
-    migrated_from: str = ""  # with MIGRATED_IN: the migration's source instance
-    migration_id: str = ""  # MIGRATED_IN: the migration that brought it; RESUMED: the one whose copy it replaced
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prompt_tokens + self.num_output_tokens
-
-    @property
-    def state(self) -> str:
-        return self.status.value
-
-
 class LLMEngine:
     def __init__(self, model: ForwardModel, tokenizer: Tokenizer, kv_cache: KvCache, config: EngineConfig) -> None:
-        _check_geometry(config, kv_cache)
+        check_geometry(config, kv_cache)
         self.model = model
         self.tokenizer = tokenizer
         self.kv_cache = kv_cache
@@ -171,6 +102,7 @@ class LLMEngine:
         self.vocab_size: int = model.config.vocab_size
         self.eos_token_ids = frozenset(model.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer.backend, self.vocab_size, self.eos_token_ids)
+        self._limits = TokenLimits(self.vocab_size, config.max_model_len, config.block_size, config.num_blocks)
         self._requests: dict[RequestId, Request] = {}  # waiting + running + suspended; finished ones leave at once
         self._arrivals = itertools.count()
         self.last_step_was_idle = False
@@ -196,19 +128,10 @@ class LLMEngine:
             raise InvalidArgument(f"request_id: {request_id!r} is already on this instance; ids must be unique")
         prompt = tuple(int(t) for t in prompt_token_ids)
         resumed = [int(t) for t in resume_token_ids]
-        sampling.validate(self.config.max_model_len, len(prompt))
-        self._check_tokens(prompt, resumed, sampling)
-        check_first_start(first_start, len(prompt) + len(resumed), field="resume_first_start")
-        if not resumed:
-            check_queue_room(len(self.scheduler.waiting), self.config.max_num_waiting)
+        self._check_new(prompt, resumed, sampling, first_start)
         if guide is None:
             guide = self.new_guide(sampling, resumed, tokens_field="resume_token_ids")
-        text = self._new_text(prompt, sampling)
-        if resume_text is None:
-            text.prime(resumed)
-        elif not text.restore(resumed, len(resumed), resume_text):
-            raise InvalidArgument(f"resume_text: {resume_text[:40]!r}... is not how the text of resume_token_ids "
-                                  "starts; send the text the client received of those tokens")
+        text = resumed_text(self.tokenizer, prompt, sampling, resumed, resume_text)
         request = Request(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
             seed=sampling.seed if sampling.seed is not None else secrets.randbits(64),
@@ -220,6 +143,14 @@ class LLMEngine:
         self._requests[request_id] = request
         self.scheduler.add(request)
         self.num_requests_admitted += 1
+
+    def _check_new(self, prompt: tuple[int, ...], resumed: list[int], sampling: SamplingParams,
+                   first_start: int | None) -> None:
+        sampling.validate(self.config.max_model_len, len(prompt))
+        check_tokens(prompt, resumed, sampling, self._limits)
+        check_first_start(first_start, len(prompt) + len(resumed), field="resume_first_start")
+        if not resumed:
+            check_queue_room(len(self.scheduler.waiting), self.config.max_num_waiting)
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now and free its blocks; False if the engine does not have it."""
@@ -258,18 +189,8 @@ class LLMEngine:
         return migration_blocks(self._request(request_id), self.config.block_size, self.config.max_model_len)
 
     def check_movable(self, request_id: str) -> None:
-        """NotFound if gone; FailedPrecondition while its prompt is partly computed (a chunked prefill):
-        what it computed so far of its prompt's logprobs does not travel, and a moment later it can."""
-        request = self._request(request_id)
-        if request.status is RequestStatus.SUSPENDED or is_movable(request):
-            return
-        if request.output_token_ids:  # preempted, and its context is being computed again
-            raise FailedPrecondition(
-                f"request {request_id} is recomputing its context after a preemption ({request.num_computed_tokens} "
-                f"of {request.num_tokens} tokens computed); it can migrate once that is done")
-        raise FailedPrecondition(
-            f"request {request_id} is prefilling ({request.num_computed_tokens} of {request.num_prompt_tokens} "
-            "prompt tokens computed); it can migrate while queued or once it has its first token")
+        """NotFound if gone; FailedPrecondition while its prompt is partly computed (`check_movable`)."""
+        check_movable(self._request(request_id))
 
     def suspend(self, request_id: str) -> MigrationBlocks:
         """Take the request out of the batch (it keeps its blocks) so its last blocks can be copied."""
@@ -351,11 +272,7 @@ class LLMEngine:
 
     def restore_text(self, state: RequestState) -> TextOutput:
         """The text state the source had. Reads only the tokenizer: may run off the engine thread."""
-        text = self._new_text(state.prompt_token_ids, state.sampling)
-        if not text.restore(list(state.output_token_ids), state.num_resumed_tokens, state.text_sent):
-            raise FailedPrecondition(f"request {state.request_id}: the text the source sent does not match this "
-                                     "instance's detokenization; migrate only between instances of the same model")
-        return text
+        return migrated_text(self.tokenizer, state)
 
     def import_request(self, migration_id: str, state: RequestState, text: TextOutput | None = None,
                        guide: Guide | None = None, src_instance_id: str = "") -> None:
@@ -366,36 +283,28 @@ class LLMEngine:
         if guide is None:
             guide = self.new_guide(state.sampling, state.output_token_ids)
         num_blocks = num_blocks_for(state.num_computed_tokens, self.config.block_size)
-        num_reserved = len(self.reservations.blocks(MigrationId(migration_id)))
-        if num_reserved < num_blocks:
-            raise InvalidArgument(f"num_computed_tokens: {state.num_computed_tokens} tokens need {num_blocks} blocks, "
-                                  f"migration {migration_id} reserved {num_reserved}")
+        self._check_reserved(migration_id, num_blocks, state.num_computed_tokens)
         text = text if text is not None else self.restore_text(state)
         blocks = self.reservations.take(MigrationId(migration_id))
         self.block_manager.free_blocks(blocks[num_blocks:])  # headroom the source no longer needs
-        request = Request(
-            request_id=state.request_id, prompt_token_ids=state.prompt_token_ids, sampling=state.sampling,
-            seed=state.seed, arrival_order=next(self._arrivals), text=text, priority=state.priority,
-            epoch=state.epoch, num_resumed_tokens=state.num_resumed_tokens,
-            output_token_ids=list(state.output_token_ids), block_table=blocks[:num_blocks],
-            num_computed_tokens=state.num_computed_tokens, guide=guide, first_start=state.first_start,
-            origin=RequestOrigin.MIGRATED_IN, migrated_from=src_instance_id, migration_id=migration_id,
-        )  # fmt: skip
+        request = imported_request(state, text=text, guide=guide, block_table=blocks[:num_blocks],
+                                   arrival_order=next(self._arrivals), src_instance_id=src_instance_id,
+                                   migration_id=migration_id)
         self._requests[request.request_id] = request
         self.block_manager.register_computed(request)  # its K/V arrived with it
         self.scheduler.adopt(request)
         self.num_requests_migrated_in += 1
 
+    def _check_reserved(self, migration_id: str, num_blocks: int, num_computed_tokens: int) -> None:
+        num_reserved = len(self.reservations.blocks(MigrationId(migration_id)))
+        if num_reserved < num_blocks:
+            raise InvalidArgument(f"num_computed_tokens: {num_computed_tokens} tokens need {num_blocks} blocks, "
+                                  f"migration {migration_id} reserved {num_reserved}")
+
     def _check_import(self, state: RequestState) -> None:
         if state.request_id in self._requests:
             raise FailedPrecondition(f"request {state.request_id} is already on this instance")
-        state.sampling.validate(self.config.max_model_len, len(state.prompt_token_ids))
-        check_serves_length(state.request_id, state.max_num_tokens, self.config.max_model_len)
-        self._check_tokens(state.prompt_token_ids, list(state.output_token_ids), state.sampling)
-        if not 0 <= state.num_computed_tokens < state.num_tokens:
-            raise InvalidArgument(f"num_computed_tokens: must be in [0, {state.num_tokens}) (prompt + output), "
-                                  f"got {state.num_computed_tokens}")
-        check_first_start(state.first_start, state.num_tokens, field="first_start")
+        check_import(state, self._limits)
 
     def _request(self, request_id: str) -> Request:
         request = self._requests.get(RequestId(request_id))
@@ -415,10 +324,6 @@ class LLMEngine:
         a complex grammar takes a while to build (llguidance lets go of the GIL meanwhile)."""
         return self.grammars.guide(sampling.grammar, output_token_ids, tokens_field=tokens_field) \
             if sampling.grammar else None
-
-    def _new_text(self, prompt: tuple[int, ...], sampling: SamplingParams) -> TextOutput:
-        detokenizer = IncrementalDetokenizer(self.tokenizer, self.tokenizer.detokenizer_context(prompt))
-        return TextOutput(detokenizer, tuple(sampling.stop), sampling.min_tokens)
 
     # One step.
 
@@ -447,7 +352,7 @@ class LLMEngine:
         outputs += self._start_notices(scheduled)
         if logits is None or scheduled.batch is None:
             return outputs
-        last_rows = self._record_prompt_logprobs(scheduled, logits)
+        last_rows = record_prompt_logprobs(scheduled, logits)
         sampled = [(s.request, row) for s, row in zip(scheduled.scheduled, last_rows) if s.is_sampled]
         allowed = {r.request_id: r.guide.allowed() for r, _row in sampled if r.guide is not None}
         for request in [r for r, _row in sampled if r.request_id in allowed and not allowed[r.request_id].any()]:
@@ -469,27 +374,6 @@ class LLMEngine:
         is cut there again (its logprobs keep their bits). Where the token comes in this step, its output says it."""
         sampled = {id(s.request) for s in scheduled.scheduled if s.is_sampled}
         return [self._output(r, r.num_output_tokens, None, None) for r in scheduled.started if id(r) not in sampled]
-
-    def _record_prompt_logprobs(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[int]:
-        """Add the prompt logprobs this step's prefill chunks computed to their requests (positions a
-        preemption's recompute ran again are skipped); returns each scheduled request's last logits row."""
-        last_rows = []
-        row = 0
-        for s, num_logits in zip(scheduled.scheduled, scheduled.batch.num_logits):
-            row += num_logits
-            last_rows.append(row - 1)
-            request = s.request
-            if not request.wants_prompt_logits:  # its only row is its last token's
-                continue
-            stop = request.num_computed_tokens  # the chunk is positions [start, stop): row of position p predicts p + 1
-            start = stop - s.num_new_tokens
-            first = len(request.prompt_logprobs) + 1  # the next prompt token without its logprob
-            targets = range(first, min(stop, request.num_prompt_tokens - 1) + 1) if first > start else range(0)
-            rows = [row - num_logits + target - 1 - start for target in targets]
-            request.prompt_logprobs += token_logprobs(
-                logits[rows], torch.tensor([request.prompt_token_ids[t] for t in targets], dtype=torch.int64),
-                [request.sampling.prompt_logprobs] * len(rows))
-        return last_rows
 
     def _append_token(self, request: Request, token: SampledToken) -> StepOutput:
         token_index = request.num_output_tokens
@@ -520,35 +404,13 @@ class LLMEngine:
                 prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> StepOutput:
         if reason is not None:
             self._requests.pop(request.request_id, None)
-        return StepOutput(
-            request_id=request.request_id,
-            token_index=token_index,
-            new_token_ids=() if token is None else (token.token_id,),
-            text=request.text.take_delta(is_final=reason is not None),
-            finish_reason=reason,
-            logprobs=None if token is None or token.logprob is None else (token.logprob,),
-            num_prompt_tokens=request.num_prompt_tokens,
-            prompt_logprobs=prompt_logprobs,
-            first_start=request.first_start,
-        )
+        return step_output(request, token_index, token, reason, prompt_logprobs)
 
     # Reports.
 
     def load(self) -> LoadSnapshot:
-        num_running, num_free = len(self.scheduler.running), self.block_manager.num_free_blocks
-        num_needed = self.scheduler.num_blocks_needed_by_waiting()
-        num_headroom = self.config.priority_headroom_blocks * sum(
-            r.priority > 0 for r in (*self.scheduler.running, *self.scheduler.waiting))
-        return LoadSnapshot(
-            num_running=num_running, num_waiting=len(self.scheduler.waiting), num_free_blocks=num_free,
-            num_total_blocks=self.block_manager.num_blocks, num_blocks_needed_by_waiting=num_needed,
-            freeness=(num_free - num_needed - num_headroom) / (num_running + 1),
-            decoding_ids=frozenset(r.request_id for r in self.scheduler.running if is_prefill_done(r)),
-            num_headroom_blocks=num_headroom, num_requests_admitted=self.num_requests_admitted,
-            num_requests_migrated_in=self.num_requests_migrated_in,
-            num_free_slots=max(self.config.max_num_seqs - self.scheduler.num_busy_slots - len(self.reservations)
-                               - len(self.scheduler.waiting), 0),
-        )  # fmt: skip
+        return load_snapshot(self.scheduler, self.config, len(self.reservations), self.num_requests_admitted,
+                             self.num_requests_migrated_in)
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Prompt tokens admitted so far and how many came from the prefix cache (zeros when it is off)."""
@@ -559,15 +421,7 @@ class LLMEngine:
         """The requests on this engine. Also safe from another thread while a step runs (admin
         reads during a long prefill step): the request table is copied in one step under the GIL,
         and a request's fields may then be read mid-step."""
-        return [
-            RequestSnapshot(
-                request_id=r.request_id, status=r.status, priority=r.priority,
-                num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens,
-                num_computed_tokens=r.num_computed_tokens, num_blocks=len(r.block_table), origin=r.origin,
-                migrated_from=r.migrated_from, migration_id=r.migration_id,
-            )  # fmt: skip
-            for r in tuple(self._requests.values())
-        ]
+        return [request_snapshot(r) for r in tuple(self._requests.values())]
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams]) -> list[list[int]]:
@@ -588,16 +442,3 @@ class LLMEngine:
                     num_unfinished -= output.finish_reason is not None
         return [tokens[request_id] for request_id in request_ids]
 
-
-    def _check_tokens(self, prompt: Sequence[int], resumed: Sequence[int], sampling: SamplingParams) -> None:
-        check_tokens(prompt, resumed, sampling, vocab_size=self.vocab_size, max_model_len=self.config.max_model_len,
-                     block_size=self.config.block_size, num_blocks=self.config.num_blocks)
-
-
-def _check_geometry(config: EngineConfig, kv_cache: KvCache) -> None:
-    geometry = kv_cache.geometry
-    if (geometry.num_blocks, geometry.block_size) != (config.num_blocks, config.block_size):
-        raise ValueError(
-            f"the KV cache has {geometry.num_blocks} blocks of {geometry.block_size} tokens but the engine was "
-            f"configured with --num-blocks {config.num_blocks} --block-size {config.block_size}"
-        )

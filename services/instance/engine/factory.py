@@ -15,7 +15,8 @@ import structlog
 import torch
 
 from services.instance.engine.context_window import checked_max_model_len
-from services.instance.engine.engine import EngineConfig, LLMEngine
+from services.instance.engine.engine import LLMEngine
+from services.instance.engine.engine_config import EngineConfig
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.forward_batch import ForwardModel
 from services.instance.engine.model import load_model

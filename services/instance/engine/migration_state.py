@@ -9,7 +9,9 @@
   randomness for output token i depends only on (seed, i)), how many tokens' K/V were
   copied, how much text the client already has, and where its prompt was first computed
   from (a recompute after a preemption on the destination cuts the prompt there again).
-* `pick_request`: which request a source moves when it is not told.
+* `imported_request`: the request a `RequestState` becomes on its destination.
+* `pick_request`: which request a source moves when it is not told; `check_movable`: whether the one it
+  is told can move now.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from services.common.errors import ResourceExhausted
+from services.common.errors import FailedPrecondition, ResourceExhausted
 from services.common.prefix_hash import BlockHash
 from services.instance.engine.block_manager import BlockId, num_blocks_for
-from services.instance.engine.request import Request, RequestId, RequestStatus, SamplingParams
+from services.instance.engine.guided import Guide
+from services.instance.engine.request import Request, RequestId, RequestOrigin, RequestStatus, SamplingParams
+from services.instance.engine.text_output import TextOutput
 
 
 class MigrationSelection(enum.Enum):
@@ -110,6 +114,20 @@ def export_state(request: Request, max_model_len: int) -> RequestState:
     )  # fmt: skip
 
 
+def imported_request(state: RequestState, *, text: TextOutput, guide: Guide | None, block_table: list[BlockId],
+                     arrival_order: int, src_instance_id: str, migration_id: str) -> Request:
+    """The request `export_state` exported, on its new owner, its first `state.num_computed_tokens`
+    tokens' K/V in `block_table` (copied from `src_instance_id` by migration `migration_id`)."""
+    return Request(
+        request_id=state.request_id, prompt_token_ids=state.prompt_token_ids, sampling=state.sampling,
+        seed=state.seed, arrival_order=arrival_order, text=text, priority=state.priority,
+        epoch=state.epoch, num_resumed_tokens=state.num_resumed_tokens,
+        output_token_ids=list(state.output_token_ids), block_table=block_table,
+        num_computed_tokens=state.num_computed_tokens, guide=guide, first_start=state.first_start,
+        origin=RequestOrigin.MIGRATED_IN, migrated_from=src_instance_id, migration_id=migration_id,
+    )  # fmt: skip
+
+
 def is_prefill_done(request: Request) -> bool:
     """Decoding: running, prompt computed, at least one output token."""
     return (request.status is RequestStatus.RUNNING and request.num_output_tokens >= 1
@@ -119,6 +137,21 @@ def is_prefill_done(request: Request) -> bool:
 def is_movable(request: Request) -> bool:
     """Decoding (prompt computed, at least one output token) or still waiting."""
     return request.status is RequestStatus.WAITING or is_prefill_done(request)
+
+
+def check_movable(request: Request) -> None:
+    """FailedPrecondition while its prompt is partly computed (a chunked prefill) or its context is computed
+    again after a preemption: what it computed so far of its prompt's logprobs does not travel, and a moment
+    later it can move. A suspended (migrating or held) request passes."""
+    if request.status is RequestStatus.SUSPENDED or is_movable(request):
+        return
+    if request.output_token_ids:  # preempted, and its context is being computed again
+        raise FailedPrecondition(
+            f"request {request.request_id} is recomputing its context after a preemption "
+            f"({request.num_computed_tokens} of {request.num_tokens} tokens computed); it can migrate once that is done")
+    raise FailedPrecondition(
+        f"request {request.request_id} is prefilling ({request.num_computed_tokens} of {request.num_prompt_tokens} "
+        "prompt tokens computed); it can migrate while queued or once it has its first token")
 
 
 def pick_request(requests: Iterable[Request], selection: MigrationSelection,

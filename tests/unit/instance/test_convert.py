@@ -13,7 +13,7 @@ from services.instance.convert import (
     sampling_from_proto,
     sampling_to_proto,
 )
-from services.instance.engine.engine import LoadSnapshot, RequestSnapshot
+from services.instance.engine.engine_reports import LoadSnapshot, RequestSnapshot
 from services.instance.engine.migration_state import RequestState
 from services.instance.engine.request import RequestId, RequestOrigin, RequestStatus, SamplingParams
 

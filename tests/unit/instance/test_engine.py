@@ -17,7 +17,9 @@ from transformers import GenerationConfig, LlamaForCausalLM
 
 from services.common.errors import InvalidArgument, ResourceExhausted
 from services.instance.engine import attention
-from services.instance.engine.engine import EngineConfig, LLMEngine, StepOutput
+from services.instance.engine.engine import LLMEngine
+from services.instance.engine.engine_config import EngineConfig
+from services.instance.engine.step_output import StepOutput
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.model import LlamaModel, load_model
 from services.instance.engine.request import FinishReason, SamplingParams

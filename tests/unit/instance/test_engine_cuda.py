@@ -13,7 +13,8 @@ import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
 from services.instance.engine import attention
-from services.instance.engine.engine import EngineConfig, LLMEngine
+from services.instance.engine.engine import LLMEngine
+from services.instance.engine.engine_config import EngineConfig
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.model import load_model
 from services.instance.engine.request import FinishReason, SamplingParams

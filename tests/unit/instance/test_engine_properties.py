@@ -21,7 +21,9 @@ import llguidance
 import pytest
 
 from services.common.errors import FailedPrecondition, ResourceExhausted
-from services.instance.engine.engine import EngineConfig, LLMEngine, StepOutput
+from services.instance.engine.engine import LLMEngine
+from services.instance.engine.engine_config import EngineConfig
+from services.instance.engine.step_output import StepOutput
 from services.instance.engine.migration_state import is_movable, is_prefill_done
 from services.instance.engine.request import FinishReason, RequestStatus, SamplingParams
 from tests.unit.instance.test_engine import gqa, make_engine  # noqa: F401 (fixtures)

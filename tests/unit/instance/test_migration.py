@@ -18,7 +18,9 @@ from services.common.gen.ferry.v1 import common_pb2, instance_pb2
 from services.common.prefix_hash import next_block_hash
 from services.common.errors import (Aborted, FailedPrecondition, FerryError, InvalidArgument, NotFound,
                                     ResourceExhausted, Unavailable)
-from services.instance.engine.engine import EngineConfig, LLMEngine, StepOutput
+from services.instance.engine.engine import LLMEngine
+from services.instance.engine.engine_config import EngineConfig
+from services.instance.engine.step_output import StepOutput
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.migration_state import RequestState
 from services.instance.engine.model import load_model

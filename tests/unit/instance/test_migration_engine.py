@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from services.instance.engine.engine import EngineConfig, LLMEngine, StepOutput
+from services.instance.engine.engine import LLMEngine
+from services.instance.engine.engine_config import EngineConfig
+from services.instance.engine.step_output import StepOutput
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.migration_state import MigrationSelection
 from services.instance.engine.model import load_model

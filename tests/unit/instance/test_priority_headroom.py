@@ -8,7 +8,7 @@ from services.common.config import parse_config
 from services.instance.app import engine_spec
 from services.instance.config import InstanceConfig
 from services.instance.convert import load_to_proto
-from services.instance.engine.engine import LoadSnapshot
+from services.instance.engine.engine_reports import LoadSnapshot
 
 pytestmark = pytest.mark.timeout(10)
 

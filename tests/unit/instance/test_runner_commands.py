@@ -10,7 +10,7 @@ import pytest
 
 from services.common.errors import NotFound
 from services.instance.engine.prefix_cache import PrefixCacheStats
-from services.instance.engine.engine import StepOutput
+from services.instance.engine.step_output import StepOutput
 from services.instance.engine.request import FinishReason, SamplingParams
 from services.instance.handoff import Handoff
 from services.instance.runner import EngineRunner

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from services.instance.engine.engine import EngineConfig, LLMEngine
+from services.instance.engine.engine import LLMEngine
+from services.instance.engine.engine_config import EngineConfig
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.model_config import ModelConfig

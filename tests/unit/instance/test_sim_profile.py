@@ -10,7 +10,8 @@ import torch
 
 from services.common.config import parse_config
 from services.instance.config import InstanceConfig
-from services.instance.engine.engine import EngineConfig, LLMEngine
+from services.instance.engine.engine import LLMEngine
+from services.instance.engine.engine_config import EngineConfig
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.model_config import ModelConfig
 from services.instance.engine.sim_model import SimLatency, SimModel

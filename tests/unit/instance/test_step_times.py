@@ -12,7 +12,7 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from services.instance.engine.engine import StepOutput
+from services.instance.engine.step_output import StepOutput
 from services.instance.engine.prefix_cache import PrefixCacheStats
 from services.instance.metrics import InstanceCollector
 from services.instance.runner import EngineRunner

@@ -39,7 +39,7 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
 from services.common.log_sampling import LogSampler
-from services.frontend.openai_protocol import error_body
+from services.frontend.error_bodies import error_body
 from services.frontend.request_ids import HEADER as REQUEST_ID_HEADER
 from services.frontend.request_ids import answer_request_id
 

@@ -23,7 +23,7 @@ from services.common.errors import FerryError
 from services.common.log_sampling import LogSampler
 from services.frontend.cors import Handler
 from services.frontend.metrics import FrontendMetrics
-from services.frontend.openai_protocol import error_body, error_body_for
+from services.frontend.error_bodies import error_body, error_body_for
 from services.frontend.request_ids import HEADER as REQUEST_ID_HEADER
 from services.frontend.request_ids import REQUEST_ID_KEY, answer_request_id, client_request_id
 

@@ -1,46 +1,34 @@
-"""OpenAI request bodies → validated `ParsedRequest`s, with OpenAI-style error bodies.
+"""OpenAI request bodies (completions, chat) → validated `ParsedRequest`s.
 
-No sockets and no tokenizer here: the server tokenizes the prompt, then calls
-`resolve_max_tokens` and `check_prompt_token_ids`. Every problem with the input raises
-`RequestError` (HTTP 400) whose message names the field; nothing here may raise anything
-else for a bad body.
+No sockets and no tokenizer here: the server reads the body (json_body.py), parses it here, tokenizes
+the prompt, then checks it (prompt_checks.py: `resolve_max_tokens`, `check_prompt_token_ids`). Every
+problem with the input raises `RequestError` (HTTP 400) whose message names the field; nothing here may
+raise anything else for a bad body. Fields ferry does not serve are refused in unserved_fields.py;
+error_bodies.py writes OpenAI's error body.
 """
 
 from __future__ import annotations
 
 import enum
-import json
-import re
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.common.errors import FerryError, NotFound
+from services.common.errors import NotFound
 from services.frontend import sampling_fields as fields
 from services.frontend.chat_messages import ChatTemplateOptions, chat_messages, chat_template_options
 from services.frontend.generation import Sampling
-from services.frontend.request_error import RequestError, named_path
+from services.frontend.request_error import RequestError
 from services.frontend.request_error import json_type as _json_type
-from services.frontend.request_error import shown
 from services.frontend.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from services.frontend.sampling_fields import MAX_TOP_LOGPROBS, opt_bool
 from services.frontend.structured_output import OutputConstraint, output_constraint
-from services.frontend.tool_protocol import (ToolChoice, ToolUse, refuse_tool_calls,
-                                             tool_use)
+from services.frontend.tool_protocol import ToolChoice, ToolUse, tool_use
+from services.frontend.unserved_fields import reject_unserved_chat_fields, reject_unserved_completion_fields
 
 MAX_CHOICES = 16  # most `n`: each choice is a request of its own
 MAX_PROMPTS = 64  # most prompts in one completions request (a batch)
 MAX_BATCH_CHOICES = 128  # most prompts × n in one request
-_OUTPUT_FLAGS = {"include_stop_str_in_output": False, "skip_special_tokens": True, "use_beam_search": False}
-_UNSUPPORTED_SAMPLING = ("bad_words", "allowed_token_ids")  # vLLM's, refused unless empty
-_REFUSED_FIELDS = {  # vLLM's, which change what is served: refused rather than ignored
-    "chat_template": "a request's own chat template is not run (the model's is; vLLM takes one only with "
-                     "--trust-request-chat-template)",
-    "logits_processors": "logits processors are not run",
-    "prompt_embeds": "prompts are taken as text or token ids, not embeddings",
-    "guided_whitespace_pattern": "constrained JSON is written with one fixed whitespace (\", \" and \": \")",
-}
 
 
 Prompt = str | tuple[int, ...]  # text or token ids
@@ -111,81 +99,11 @@ class ParsedRequest:
         return len(self.prompts) > 1
 
 
-def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-_ERROR_TYPE_BY_STATUS = {401: "invalid_request_error", 403: "invalid_request_error", 404: "invalid_request_error",
-                         409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
-
-
-def error_body_for(error: FerryError) -> dict[str, Any]:
-    """The OpenAI error body of any ferry error (400s keep their param and code; a 400 from an
-    instance names its field as the message's `field: ...` prefix)."""
-    status = error.http_status
-    type_ = _ERROR_TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
-    param = getattr(error, "param", None)
-    if param is None and status == 400:
-        param = named_path(error.message, None)
-    return error_body(error.message, type_=type_, param=param, code=getattr(error, "code", None))
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        if "integer string conversion" in str(exc):  # Python's int() guard, whose message names sys.*
-            raise RequestError(f"the request body holds an integer longer than {sys.get_int_max_str_digits()} "
-                               "digits", code="invalid_json") from None
-        raise RequestError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-    except RecursionError:
-        raise RequestError("the request body nests JSON arrays or objects too deeply", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {_json_type(body)}", code="invalid_json")
-    if _MAYBE_SURROGATE.search(raw) and (path := _lone_surrogate_path(body)) is not None:
-        raise RequestError(f"{path}: contains a lone UTF-16 surrogate (a \\ud800-\\udfff escape not part of a "
-                           "pair), which is not text; send well-formed Unicode", param=path, code="invalid_text")
-    return body
-
-
-# JSON's \ud800-\udfff escapes, or their raw bytes (json.loads lets both through as surrogates).
-_MAYBE_SURROGATE = re.compile(rb"\\[uU][dD][89a-fA-F]|\xed[\xa0-\xbf]")
-
-
-def _is_text(value: str) -> bool:
-    """False for a string holding a lone surrogate (UTF-8, and so protobuf, cannot encode it)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _lone_surrogate_path(body: Any) -> str | None:
-    """Where in a parsed body the first string holding a lone surrogate is (`stop[0]`,
-    `messages[1].content`), or None. Walks with a stack of its own: json.loads takes bodies
-    nested deeper than Python's recursion limit allows recursing through."""
-    stack: list[tuple[Any, str]] = [(body, "")]
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, str):
-            if not _is_text(value):
-                return path or "(body)"
-        elif isinstance(value, dict):
-            if not all(_is_text(key) for key in value):  # a bad key: name the object holding it
-                return path or "(body)"
-            stack.extend(reversed([(item, f"{path}.{key}" if path else key) for key, item in value.items()]))
-        elif isinstance(value, list):
-            stack.extend(reversed([(item, f"{path}[{i}]") for i, item in enumerate(value)]))
-    return None
-
-
 def parse_completion_request(body: Mapping[str, Any], served_model: str,
                              defaults: SamplingDefaults = OPENAI_DEFAULTS) -> ParsedRequest:
     """`defaults`: the model's sampling defaults (its generation config) for fields the body leaves
     out; completions keep OpenAI's 16 for max_tokens, as vLLM does."""
-    _reject_unsupported(body, Endpoint.COMPLETIONS)
+    reject_unserved_completion_fields(body)
     body = defaults.filled(body)
     logprobs = fields.opt_int(body, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
     echo = opt_bool(body, "echo") or False
@@ -212,7 +130,7 @@ def parse_chat_request(body: Mapping[str, Any], served_model: str,
                        defaults: SamplingDefaults = OPENAI_DEFAULTS) -> ParsedRequest:
     """`defaults`: the model's sampling defaults (its generation config) for fields the body leaves
     out, its max_new_tokens the max_tokens of a request without one (at most what the context leaves)."""
-    _reject_unsupported(body, Endpoint.CHAT)
+    reject_unserved_chat_fields(body)
     body = defaults.filled(body)
     max_tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = fields.opt_int(body, max_tokens_field, low=1)
@@ -245,75 +163,12 @@ def _check_constraint_with_tools(constraint: OutputConstraint | None, tools: Too
                            param=constraint.param)
 
 
-def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int,
-                       prompt_index: int = 0) -> ParsedRequest:
-    """Fix max_tokens against the context: the rest of it by default, 400 if the request can't fit.
-    A 400 names the field to change, first in its message and as its param (as OpenAI's does): the
-    prompt (`prompt`, `prompt[i]` of a batch, `messages`) where it leaves no room for any output,
-    else max_tokens (or max_completion_tokens, where that gave it) or min_tokens."""
-    room = max_model_len - num_prompt_tokens
-    prompt = _prompt_field(parsed, prompt_index)
-    if room <= 0:
-        raise RequestError(
-            f"{prompt}: {_prompt_noun(parsed)} {num_prompt_tokens} tokens, but this model's maximum context length "
-            f"is {max_model_len} tokens (prompt and output together); shorten it",
-            param=prompt, code="context_length_exceeded")
-    max_tokens = parsed.sampling.max_tokens
-    if max_tokens is None:  # chat without one: what the context leaves, or the model's default
-        max_tokens = min(room, parsed.default_max_tokens or room)
-        if parsed.sampling.min_tokens > max_tokens:
-            source = "the model's default: max_new_tokens of its generation config" if max_tokens < room else \
-                "what the context leaves"
-            raise RequestError(f"min_tokens: {parsed.sampling.min_tokens} is more than max_tokens ({max_tokens}, "
-                               f"{source}); lower it", param="min_tokens")
-    elif max_tokens > room:
-        field, is_default = parsed.max_tokens_field, parsed.max_tokens_is_default
-        shown_prompt = prompt if parsed.is_batch else "the prompt"
-        raise RequestError(
-            f"{field}: this model's maximum context length is {max_model_len} tokens; you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in {shown_prompt}, {max_tokens} for the "
-            f"output{', the default max_tokens' if is_default else ''}); {'set' if is_default else 'reduce'} "
-            f"{field} to at most {room} or shorten {shown_prompt}",
-            param=field, code="context_length_exceeded")
-    return replace(parsed, sampling=replace(parsed.sampling, max_tokens=max_tokens))
-
-
-def _prompt_field(parsed: ParsedRequest, prompt_index: int) -> str:
-    """The request field that holds prompt `prompt_index`."""
-    if parsed.endpoint is Endpoint.CHAT:
-        return "messages"
-    return f"prompt[{prompt_index}]" if parsed.is_batch else "prompt"
-
-
-def _prompt_noun(parsed: ParsedRequest) -> str:
-    return "the chat template makes the messages" if parsed.endpoint is Endpoint.CHAT else "the prompt is"
-
-
 def _check_min_tokens(min_tokens: int, max_tokens: int | None, field: str, is_default: bool) -> None:
     """min_tokens against a max_tokens known before the prompt is (a chat's default waits for it: resolve_max_tokens)."""
     if max_tokens is not None and min_tokens > max_tokens:
         default = ", the default of completions" if is_default else ""
         raise RequestError(f"min_tokens: {min_tokens} is more than {field} ({max_tokens}{default}); lower it"
                            f"{f' or set {field}' if is_default else ''}", param="min_tokens")
-
-
-def check_prompt_token_ids(token_ids: Sequence[int], vocab_size: int, name: str = "prompt",
-                           first_index: int | None = None) -> None:
-    """`name`: the field the tokens came from ("prompt", "prompt[2]" in a batch, "messages"); `first_index`:
-    see check_in_vocabulary."""
-    if not token_ids:
-        raise RequestError(f"{name}: the prompt is empty; send at least one token", param=name)
-    check_in_vocabulary(token_ids, vocab_size, name, first_index)
-
-
-def check_in_vocabulary(token_ids: Sequence[int], vocab_size: int, name: str, first_index: int | None = None) -> None:
-    """`first_index`: where token_ids[0] is in the request's list `name`, so an error names the id's element
-    (`prompt[5]`); None where the ids are not the request's own (encoded from text or a chat template)."""
-    bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        path = name if first_index is None else f"{name}[{first_index + bad}]"
-        raise RequestError(f"{path}: token id {token_ids[bad]} is outside the vocabulary [0, {vocab_size})",
-                           param=path)
 
 
 def _parsed(body: Mapping[str, Any], served_model: str, endpoint: Endpoint, *, prompts, messages,
@@ -343,48 +198,6 @@ def _check_num_choices(parsed: ParsedRequest) -> None:
     if parsed.num_choices > MAX_BATCH_CHOICES:
         raise RequestError(f"n: {parsed.n} choices for each of {parsed.num_prompts} prompts make "
                            f"{parsed.num_choices} answers; at most {MAX_BATCH_CHOICES} fit in one request", param="n")
-
-
-def _reject_unsupported(body: Mapping[str, Any], endpoint: Endpoint) -> None:
-    if endpoint is Endpoint.COMPLETIONS:
-        best_of = fields.opt_int(body, "best_of", low=1)
-        if best_of not in (None, 1):
-            raise RequestError(f"best_of: only best_of=1 is supported, got {best_of}", param="best_of")
-        if body.get("suffix") is not None:
-            raise RequestError("suffix: not supported; leave it out", param="suffix")
-        refuse_tool_calls(body)
-    elif opt_bool(body, "echo"):  # vLLM's chat echo (the last message's text first) is not served
-        raise RequestError("echo: not supported for chat completions (completions take it); leave it out",
-                           param="echo")
-    _reject_unserved_output(body)
-
-
-def _reject_non_text_output(body: Mapping[str, Any]) -> None:
-    """OpenAI's audio output: the model writes text only."""
-    if body.get("audio") is not None:
-        raise RequestError("audio: this model answers in text only; leave audio out", param="audio")
-    modalities = body.get("modalities")
-    if modalities is not None and not isinstance(modalities, list):
-        raise RequestError(f"modalities: only [\"text\"] is supported, got {_json_type(modalities)}",
-                           param="modalities")
-    bad = next((i for i, m in enumerate(modalities or ()) if m != "text"), None)
-    if bad is not None:
-        raise RequestError(f"modalities[{bad}]: only [\"text\"] is supported, got {shown(modalities[bad])}",
-                           param=f"modalities[{bad}]")
-
-
-def _reject_unserved_output(body: Mapping[str, Any]) -> None:
-    """Output options ferry would otherwise ignore are refused rather than answered without them."""
-    _reject_non_text_output(body)
-    for name in _UNSUPPORTED_SAMPLING:
-        if body.get(name) not in (None, []):
-            raise RequestError(f"{name}: not supported; leave it out", param=name)
-    for name, why in _REFUSED_FIELDS.items():
-        if body.get(name) is not None:
-            raise RequestError(f"{name}: not supported: {why}; leave it out", param=name)
-    for name, default in _OUTPUT_FLAGS.items():  # vLLM's output options; only their defaults are served
-        if opt_bool(body, name) not in (None, default):
-            raise RequestError(f"{name}: only {str(default).lower()} is supported; leave it out", param=name)
 
 
 def check_model(body: Mapping[str, Any], served_model: str) -> str:

@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 from services.common.errors import FerryError
 from services.frontend.generation import FinishReason, TokenLogprob
-from services.frontend.openai_protocol import Endpoint, ParsedRequest, error_body_for
+from services.frontend.error_bodies import error_body_for
+from services.frontend.openai_protocol import Endpoint, ParsedRequest
 from services.frontend.req_state import Delta, ReqState
 from services.frontend.tool_calls import Parsed, ToolCallFormat, ToolCallParser
 

@@ -57,7 +57,7 @@ class SamplingDefaults:
         return {**body, **missing} if missing else body
 
     def request_fields(self) -> dict[str, float | int]:
-        """The sampling fields set (max_tokens is not one: openai_protocol weighs it against the context)."""
+        """The sampling fields set (max_tokens is not one: prompt_checks weighs it against the context)."""
         return {name: value for name, value in self.as_fields().items() if name != "max_tokens"}
 
     def as_fields(self) -> dict[str, float | int]:

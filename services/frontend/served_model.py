@@ -15,8 +15,8 @@ import jinja2
 
 from services.common.config import path_shown
 from services.frontend.chat_messages import ChatTemplateOptions
-from services.frontend.openai_protocol import (Endpoint, ParsedRequest, Prompt, RequestError, check_in_vocabulary,
-                                               check_prompt_token_ids)
+from services.frontend.openai_protocol import Endpoint, ParsedRequest, Prompt, RequestError
+from services.frontend.prompt_checks import check_in_vocabulary, check_prompt_token_ids
 from services.frontend.sampling_defaults import SamplingDefaults
 from services.frontend.structured_output import checked_grammar
 from services.frontend.tokenize_protocol import TokenizeRequest

@@ -37,9 +37,11 @@ from services.frontend.http_errors import RETRY_AFTER_S, BodyTimeout, ErrorAnswe
 from services.frontend.in_flight import InFlight
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.off_loop import in_thread
+from services.frontend.json_body import parse_json_body
 from services.frontend.openai_protocol import (Endpoint, ModelNotFound, ParsedRequest, parse_chat_request,
-                                               parse_completion_request, parse_json_body, resolve_max_tokens)
+                                               parse_completion_request)
 from services.frontend.openapi import openapi_schema
+from services.frontend.prompt_checks import resolve_max_tokens
 from services.frontend.openai_response import ResponseFormatter
 from services.frontend.req_state import Delta, ReqState
 from services.frontend.request_error import RequestError

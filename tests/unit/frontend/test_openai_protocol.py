@@ -7,10 +7,11 @@ import pytest
 from services.common.errors import InvalidArgument
 from services.frontend.generation import Sampling
 from services.frontend.chat_messages import ChatTemplateOptions
-from services.frontend.openai_protocol import (Endpoint, ModelNotFound, RequestError,
-                                               check_prompt_token_ids,
-                                               error_body_for, parse_chat_request, parse_completion_request,
-                                               parse_json_body, resolve_max_tokens)
+from services.frontend.error_bodies import error_body_for
+from services.frontend.json_body import parse_json_body
+from services.frontend.openai_protocol import (Endpoint, ModelNotFound, RequestError, parse_chat_request,
+                                               parse_completion_request)
+from services.frontend.prompt_checks import check_prompt_token_ids, resolve_max_tokens
 
 pytestmark = pytest.mark.timeout(10)
 

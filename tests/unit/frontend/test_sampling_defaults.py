@@ -8,8 +8,8 @@ import json
 import pytest
 
 from services.frontend.config import load_config
-from services.frontend.openai_protocol import (RequestError, parse_chat_request, parse_completion_request,
-                                               resolve_max_tokens)
+from services.frontend.openai_protocol import RequestError, parse_chat_request, parse_completion_request
+from services.frontend.prompt_checks import resolve_max_tokens
 from services.frontend.sampling_defaults import SamplingDefaults, load_sampling_defaults
 
 pytestmark = pytest.mark.timeout(10)

@@ -1,5 +1,5 @@
-"""A tokenized prompt against what the model serves: its vocabulary (`check_prompt_token_ids`) and its context
-(`resolve_max_tokens` fixes max_tokens against it).
+"""A tokenized prompt against what the model serves: its vocabulary (`check_prompt_token_ids`), its context
+(`resolve_max_tokens` fixes max_tokens against it), and an instance's refusal of it (`in_client_terms`).
 
 The server tokenizes the prompt (served_model.py), then calls these; each problem is a 400 naming the field
 the client sent the prompt in: `prompt`, `prompt[i]` of a batch, or `messages`.
@@ -7,11 +7,17 @@ the client sent the prompt in: `prompt`, `prompt[i]` of a batch, or `messages`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
+from typing import TypeVar
 
+from services.common.errors import FerryError, InvalidArgument
 from services.frontend.openai_protocol import Endpoint, ParsedRequest
 from services.frontend.request_error import RequestError
+
+T = TypeVar("T")
+
+INSTANCE_PROMPT_FIELD = "prompt_token_ids"  # the prompt's field in the instance's GenerateRequest
 
 
 def resolve_max_tokens(parsed: ParsedRequest, num_prompt_tokens: int, max_model_len: int,
@@ -76,3 +82,25 @@ def check_in_vocabulary(token_ids: Sequence[int], vocab_size: int, name: str, fi
         raise RequestError(f"{path}: token id {token_ids[bad]} is outside the vocabulary [0, {vocab_size})",
                            param=path)
 
+
+def in_client_terms(error: FerryError, parsed: ParsedRequest, prompt_index: int) -> FerryError:
+    """An instance's 400 about the prompt names the client's field for it, not the instance's
+    `prompt_token_ids`: the prompt can be too long for an instance serving a shorter context than the
+    least this frontend knew of when it checked (resolve_max_tokens), one that registered meanwhile."""
+    prefix = f"{INSTANCE_PROMPT_FIELD}: "
+    if not isinstance(error, InvalidArgument) or not error.message.startswith(prefix):
+        return error
+    return InvalidArgument(f"{prompt_field(parsed, prompt_index)}: {error.message[len(prefix):]}", error.request_id)
+
+
+async def prompt_errors_in_client_terms(items: AsyncIterator[T], parsed: ParsedRequest,
+                                        prompt_index: int) -> AsyncIterator[T]:
+    """`items` (a choice's deltas), whose error, if any, is raised `in_client_terms`."""
+    try:
+        async for item in items:
+            yield item
+    except InvalidArgument as exc:
+        renamed = in_client_terms(exc, parsed, prompt_index)
+        if renamed is exc:
+            raise
+        raise renamed from exc

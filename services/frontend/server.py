@@ -41,7 +41,7 @@ from services.frontend.json_body import parse_json_body
 from services.frontend.openai_protocol import (Endpoint, ModelNotFound, ParsedRequest, parse_chat_request,
                                                parse_completion_request)
 from services.frontend.openapi import openapi_schema
-from services.frontend.prompt_checks import resolve_max_tokens
+from services.frontend.prompt_checks import prompt_errors_in_client_terms, resolve_max_tokens
 from services.frontend.openai_response import ResponseFormatter
 from services.frontend.req_state import Delta, ReqState
 from services.frontend.request_error import RequestError
@@ -184,7 +184,8 @@ class FrontendServer:
             tasks = [asyncio.create_task(self._runner.run(c.state, c.spec), name=f"request:{c.state.request_id}")
                      for c in choices]
             try:
-                streams = [self._timed(c.state.deltas(), arrived_at) for c in choices]
+                streams = [self._timed(prompt_errors_in_client_terms(c.state.deltas(), parsed, index // parsed.n),
+                                       arrived_at) for index, c in enumerate(choices)]
                 with self.in_flight.serving([c.state for c in choices], tasks):
                     if parsed.stream:
                         return await self._answers.stream(request, parsed, request_id, choices, streams)

@@ -42,14 +42,15 @@ class ThreadNotingTokenizer:
 @contextlib.asynccontextmanager
 async def scripted_frontend(answers: dict | None = None, *, tokenizer: Any = None, max_model_len: int = 1000,
                             metrics: FrontendMetrics | None = None, is_serving: bool = True,
-                            tool_call_format: ToolCallFormat | None = None, **server_options: Any) -> AsyncIterator[str]:
+                            tool_call_format: ToolCallFormat | None = None, instances: ScriptedInstances | None = None,
+                            **server_options: Any) -> AsyncIterator[str]:
     """The frontend's base URL ("http://127.0.0.1:PORT"); instance "a" (serving unless `is_serving` is
-    False) answers from `answers` (ScriptedInstances' script). `server_options` override FrontendServer's
-    test defaults."""
+    False) answers from `answers` (ScriptedInstances' script), or as `instances` do. `server_options` override
+    FrontendServer's test defaults."""
     model = ServedModel("m", max_model_len=max_model_len, vocab_size=32, tokenizer=tokenizer or ThreadNotingTokenizer(),
                         tool_call_format=tool_call_format)
     dispatcher = Dispatcher(None, FakeMembership(entry("a", is_serving)), cooldown_s=5)
-    runner = RequestRunner(dispatcher, ScriptedInstances(answers or {}), max_resumes=3)
+    runner = RequestRunner(dispatcher, instances or ScriptedInstances(answers or {}), max_resumes=3)
     options = {"api_keys": (), "max_inflight": 8, "max_body_bytes": 1 << 20, **server_options}
     server = FrontendServer(model, runner, dispatcher, metrics or FrontendMetrics(), **options)
     async with served_on_loopback(server.app()) as base_url:

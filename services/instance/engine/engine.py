@@ -16,10 +16,10 @@ Live migration (README "Live migration"), all between two steps:
     PD hand-off:  hold (parked right after its first token) → suspend_held → export_state → release | resume
     destination:  reserve_blocks (grows; keep_cached_reserved) → import_request | free_reservation
 
-This module keeps the request table and the order of things; the rules live beside it: engine_config.py
+This module keeps the request table and the order of things; the rest lives beside it: engine_config.py
 (configuration), admission_checks.py (what may enter), request_text.py (a request's text on entry),
-finish_rules.py (when it stops), prompt_logprobs.py, step_output.py (what a step says), migration_state.py
-(what a migration reads and hands over), engine_reports.py (load and ListRequests).
+engine_step.py (one step), finish_rules.py (when a request stops), step_output.py (what a step says of it),
+migration_state.py (what a migration reads and hands over), engine_reports.py (load and ListRequests).
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ import itertools
 import secrets
 import time
 from collections.abc import Sequence
-
-import structlog
-import torch
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from services.common.prefix_hash import BlockHash
@@ -44,11 +41,10 @@ from services.instance.engine.admission_checks import (
 from services.instance.engine.block_manager import BlockId, BlockManager, num_blocks_for
 from services.instance.engine.engine_config import EngineConfig, check_geometry
 from services.instance.engine.engine_reports import LoadSnapshot, RequestSnapshot, load_snapshot, request_snapshot
-from services.instance.engine.finish_rules import banned_token_ids, reason_when_too_long, stop_reason
+from services.instance.engine.engine_step import StepRunner
 from services.instance.engine.forward_batch import ForwardModel
 from services.instance.engine.guided import GrammarCompiler, Guide
 from services.instance.engine.kv_cache import KvCache
-from services.instance.engine.logprobs import TokenLogprob
 from services.instance.engine.migration_state import (
     HeldRequest,
     MigrationBlocks,
@@ -63,7 +59,7 @@ from services.instance.engine.migration_state import (
     pick_request,
 )
 from services.instance.engine.prefix_cache import NO_PREFIX_CACHE_STATS, PrefixCacheStats
-from services.instance.engine.prompt_logprobs import PROMPT_LOGITS_BUDGET, record_prompt_logprobs
+from services.instance.engine.prompt_logprobs import PROMPT_LOGITS_BUDGET
 from services.instance.engine.request import (
     FinishReason,
     Request,
@@ -73,8 +69,7 @@ from services.instance.engine.request import (
     SamplingParams,
 )
 from services.instance.engine.reservations import MigrationId, Reservations
-from services.instance.engine.sampler import SampledToken, Sampler, SamplingRow
-from services.instance.engine.scheduler import Scheduler, SchedulerOutput
+from services.instance.engine.scheduler import Scheduler
 from services.instance.engine.step_output import StepOutput, step_output
 from services.instance.engine.request_text import migrated_text, resumed_text
 from services.instance.engine.text_output import TextOutput
@@ -82,7 +77,6 @@ from services.instance.engine.tokenizer import Tokenizer
 from services.transfer.block_copy import kv_rows
 from services.transfer.checksum import block_checksums
 
-log = structlog.get_logger(__name__)
 
 class LLMEngine:
     def __init__(self, model: ForwardModel, tokenizer: Tokenizer, kv_cache: KvCache, config: EngineConfig) -> None:
@@ -98,15 +92,14 @@ class LLMEngine:
                                    num_reserved_slots=lambda: len(self.reservations),
                                    recomputes_one_by_one=kv_cache.tensor.device.type == "cpu",
                                    prefill_chunk_tokens=config.prefill_chunk_tokens)
-        self.sampler = Sampler()
         self.vocab_size: int = model.config.vocab_size
-        self.eos_token_ids = frozenset(model.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
-        self.grammars = GrammarCompiler(tokenizer.backend, self.vocab_size, self.eos_token_ids)
+        eos_token_ids = frozenset(model.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer.backend, self.vocab_size, eos_token_ids)
         self._limits = TokenLimits(self.vocab_size, config.max_model_len, config.block_size, config.num_blocks)
         self._requests: dict[RequestId, Request] = {}  # waiting + running + suspended; finished ones leave at once
         self._arrivals = itertools.count()
-        self.last_step_was_idle = False
-        self.num_grammar_dead_ends = 0  # requests stopped where their grammar allowed no token (or refused one)
+        self._steps = StepRunner(model, kv_cache, self.scheduler, eos_token_ids, config.max_model_len,
+                                 forget=self._forget)
         self.num_requests_admitted = 0  # requests added since start (Generate)
         self.num_requests_migrated_in = 0  # requests imported since start (committed migrations in)
 
@@ -163,7 +156,22 @@ class LLMEngine:
         if request is None:
             return None
         self.scheduler.remove(request, FinishReason.ABORT)
-        return self._output(request, request.num_output_tokens, None, FinishReason.ABORT)
+        self._forget(request)
+        return step_output(request, request.num_output_tokens, None, FinishReason.ABORT)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end a request unless it ignores eos: the model's and the tokenizer's."""
+        return self._steps.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, token_ids: frozenset[int]) -> None:  # tests take another token as eos
+        self._steps.eos_token_ids = token_ids
+
+    @property
+    def num_grammar_dead_ends(self) -> int:
+        """Requests stopped where their grammar allowed no token (or refused one)."""
+        return self._steps.num_grammar_dead_ends
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -306,6 +314,9 @@ class LLMEngine:
             raise FailedPrecondition(f"request {state.request_id} is already on this instance")
         check_import(state, self._limits)
 
+    def _forget(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+
     def _request(self, request_id: str) -> Request:
         request = self._requests.get(RequestId(request_id))
         if request is None:
@@ -328,83 +339,13 @@ class LLMEngine:
     # One step.
 
     def step(self) -> list[StepOutput]:
-        """One batch; `last_step_was_idle` says afterwards whether it had nothing to do (the waiting
-        requests cannot be admitted until blocks or slots are freed: wait for a command then)."""
-        scheduled = self.scheduler.schedule()
-        self.last_step_was_idle = scheduled.batch is None and not scheduled.finished and not scheduled.preempted
-        logits = self._run(scheduled)
-        self._register_computed(scheduled)
-        return self._postprocess(scheduled, logits)
+        """One batch (engine_step.py); `last_step_was_idle` says afterwards whether it had nothing to do (the
+        waiting requests cannot be admitted until blocks or slots are freed: wait for a command then)."""
+        return self._steps.step()
 
-    def _run(self, scheduled: SchedulerOutput) -> torch.Tensor | None:
-        if scheduled.batch is None:
-            return None
-        with torch.inference_mode():
-            return self.model(scheduled.batch, self.kv_cache.tensor)
-
-    def _register_computed(self, scheduled: SchedulerOutput) -> None:
-        """The step wrote its K/V: blocks it filled become findable by later requests (not by this step's)."""
-        for s in scheduled.scheduled:
-            self.block_manager.register_computed(s.request)
-
-    def _postprocess(self, scheduled: SchedulerOutput, logits: torch.Tensor | None) -> list[StepOutput]:
-        outputs = [self._output_too_long(request) for request in scheduled.finished]
-        outputs += self._start_notices(scheduled)
-        if logits is None or scheduled.batch is None:
-            return outputs
-        last_rows = record_prompt_logprobs(scheduled, logits)
-        sampled = [(s.request, row) for s, row in zip(scheduled.scheduled, last_rows) if s.is_sampled]
-        allowed = {r.request_id: r.guide.allowed() for r, _row in sampled if r.guide is not None}
-        for request in [r for r, _row in sampled if r.request_id in allowed and not allowed[r.request_id].any()]:
-            outputs.append(self._end_at_grammar_dead_end(request))
-        sampled = [(r, row) for r, row in sampled if not r.is_finished]
-        if not sampled:
-            return outputs
-        sampling_rows = [SamplingRow(r.sampling, r.seed, r.num_output_tokens, r.output_token_ids, r.prompt_token_ids,
-                                     banned_token_ids(r, self.eos_token_ids), allowed.get(r.request_id)) for r, _row in sampled]
-        tokens = self.sampler(logits[[row for _r, row in sampled]], sampling_rows)
-        for (request, _row), token in zip(sampled, tokens):
-            outputs.append(self._append_token(request, token))
-        return outputs
-
-    def _start_notices(self, scheduled: SchedulerOutput) -> list[StepOutput]:
-        """A token-less output for each request whose prompt this step started computing (`first_start` just
-        set) without sampling its first token (a chunked prefill): a client that loses this instance before that
-        token still learns where the prompt was first computed from, and its resume sends it back, so the prompt
-        is cut there again (its logprobs keep their bits). Where the token comes in this step, its output says it."""
-        sampled = {id(s.request) for s in scheduled.scheduled if s.is_sampled}
-        return [self._output(r, r.num_output_tokens, None, None) for r in scheduled.started if id(r) not in sampled]
-
-    def _append_token(self, request: Request, token: SampledToken) -> StepOutput:
-        token_index = request.num_output_tokens
-        prompt_logprobs = tuple(request.prompt_logprobs) if request.wants_prompt_logits else None
-        request.prompt_logprobs = []  # sent now: never again
-        request.output_token_ids.append(token.token_id)
-        if request.guide is not None and not request.guide.accept(token.token_id):
-            self.num_grammar_dead_ends += 1
-            log.warning("grammar_refused_sampled_token", request_id=request.request_id, error=request.guide.error)
-        reason = stop_reason(request, token.token_id, self.eos_token_ids, self.config.max_model_len)
-        if reason is not None:
-            self.scheduler.remove(request, reason)
-        return self._output(request, token_index, token, reason, prompt_logprobs)
-
-    def _end_at_grammar_dead_end(self, request: Request) -> StepOutput:
-        """The grammar allows no token of this vocabulary (see guided.py on special tokens): stop here."""
-        self.num_grammar_dead_ends += 1
-        log.warning("grammar_allows_no_token", request_id=request.request_id, num_output_tokens=request.num_output_tokens)
-        self.scheduler.remove(request, FinishReason.STOP)
-        return self._output(request, request.num_output_tokens, None, FinishReason.STOP)
-
-    def _output_too_long(self, request: Request) -> StepOutput:
-        """A request the scheduler ended for outgrowing the whole cache (see `reason_when_too_long`)."""
-        request.finish_reason = reason_when_too_long(request)
-        return self._output(request, request.num_output_tokens, None, request.finish_reason)
-
-    def _output(self, request: Request, token_index: int, token: SampledToken | None, reason: FinishReason | None,
-                prompt_logprobs: tuple[TokenLogprob, ...] | None = None) -> StepOutput:
-        if reason is not None:
-            self._requests.pop(request.request_id, None)
-        return step_output(request, token_index, token, reason, prompt_logprobs)
+    @property
+    def last_step_was_idle(self) -> bool:
+        return self._steps.last_step_was_idle
 
     # Reports.
 

@@ -4,11 +4,12 @@ Failures are injected at each step; the request must always end correctly on one
 block may stay held anywhere."""
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -43,7 +44,11 @@ pytestmark = pytest.mark.timeout(60)
 torch.set_num_threads(1)
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 31, 8, 64, 2, 11, 19, 23, 29, 37, 41, 43, 47, 53]
-SAMPLING = SamplingParams(temperature=0.8, top_k=30, seed=5, max_tokens=400, ignore_eos=True)
+# Tests move their request after reading 30 tokens or fewer: 90 left then, many more than the steps a move takes
+# here. 400 made each test decode 370 tokens after its move (7-20 s a test at load 8). A test that waits while its
+# request must decode on (0.2 s, longer than 90 steps on a quiet machine) paces that engine meanwhile (`paced`).
+SAMPLING = SamplingParams(temperature=0.8, top_k=30, seed=5, max_tokens=120, ignore_eos=True)
+PACE_S = 0.05  # a paced engine's steps take this long at least: 90 steps 4.5 s
 NUM_BLOCKS = 160
 BLOCK_SIZE = 4
 
@@ -131,6 +136,24 @@ class TensorCopier:
                 await asyncio.sleep(0.005)
 
 
+@contextlib.contextmanager
+def paced(*sides: Side) -> Iterator[None]:
+    """Inside: each step of the sides' engines takes PACE_S at least (the engine thread sleeps first), so their
+    requests decode on through a wait of the test's own however fast or busy the machine."""
+    def pace(step: Callable[[], list[StepOutput]]) -> Callable[[], list[StepOutput]]:
+        def paced_step() -> list[StepOutput]:
+            time.sleep(PACE_S)
+            return step()
+        return paced_step
+    for side in sides:
+        side.engine.step = pace(side.engine.step)
+    try:
+        yield
+    finally:
+        for side in sides:
+            del side.engine.step  # the class's again
+
+
 @pytest.fixture
 async def pair(tiny):
     caches, sides = [], {}
@@ -192,17 +215,18 @@ async def run_alone(side: Side, max_tokens: int = SAMPLING.max_tokens) -> list[i
     return tokens
 
 
-_reference: list[int] = []  # PROMPT's tokens never migrated: the same on every engine here, so run once
+_references: dict[int, list[int]] = {}  # by max_tokens, PROMPT's tokens never migrated: the same on every engine
 
 
-async def reference(side: Side) -> list[int]:
-    """PROMPT's tokens run alone (on `side` the first time: 400 steps a test cost a third of this module's
-    time). `side` caches PROMPT's blocks as that run would, so a request started after it hits them."""
-    if not _reference:
-        _reference.extend(await run_alone(side))
+async def reference(side: Side, sampling: SamplingParams = SAMPLING) -> list[int]:
+    """PROMPT's tokens run alone, on `side` the first time for this max_tokens (run in every test, they cost a
+    third of this module's time). `side` caches PROMPT's blocks as that run would, so a request started after it
+    hits them."""
+    if sampling.max_tokens not in _references:
+        _references[sampling.max_tokens] = await run_alone(side, sampling.max_tokens)
     else:
         await run_alone(side, max_tokens=1)
-    return list(_reference)
+    return list(_references[sampling.max_tokens])
 
 
 async def assert_no_blocks_held(*sides: Side) -> None:
@@ -483,7 +507,7 @@ async def test_lost_reservation_is_detected_before_more_copies(pair):
     a, b = pair
     tokens: list[int] = []
     stream = await a.runner.add("r", PROMPT, SAMPLING)
-    await read(stream, tokens, until=60)
+    await read(stream, tokens, until=30)
     copier = TensorCopier(a, b, pause=asyncio.Event())
     mover = driver(a, FaultyPeer(b), copier, reservation_timeout_s=1.0)  # = the transfer timeout: every copy re-prepares
     migration = asyncio.create_task(mover.migrate_out(plan()))
@@ -540,7 +564,7 @@ async def test_a_pick_for_a_destination_serving_shorter_sequences_takes_a_reques
     that fit it (prompt + max_tokens), since the destination refuses the others; with none, it says why."""
     a, b = pair
     long_tokens: list[int] = []
-    long = await a.runner.add("long", PROMPT, SAMPLING)  # 20 + 400 tokens
+    long = await a.runner.add("long", PROMPT, SAMPLING)  # 20 + 120 tokens
     await read(long, long_tokens, until=2)
     short_tokens: list[int] = []
     short = await a.runner.add("short", PROMPT, dataclasses.replace(SAMPLING, max_tokens=100))  # 20 + 100
@@ -561,13 +585,14 @@ async def test_a_pick_for_a_destination_serving_shorter_sequences_takes_a_reques
 async def test_a_waiting_request_moves_without_blocks(pair):
     a, b = pair
     expected = await reference(a)
-    busy = [await a.runner.add(f"busy-{i}", [9 + i] * 8, SAMPLING) for i in range(4)]  # every batch slot of a
-    for stream in busy:
-        await read(stream, [], until=1)
-    tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    copier = TensorCopier(a, b)
-    result = await driver(a, FaultyPeer(b), copier).migrate_out(plan())
+    with paced(a):  # the busy requests hold every batch slot of a until r moved
+        busy = [await a.runner.add(f"busy-{i}", [9 + i] * 8, SAMPLING) for i in range(4)]
+        for stream in busy:
+            await read(stream, [], until=1)
+        tokens: list[int] = []
+        stream = await a.runner.add("r", PROMPT, SAMPLING)
+        copier = TensorCopier(a, b)
+        result = await driver(a, FaultyPeer(b), copier).migrate_out(plan())
     assert result.num_blocks == 0 and not copier.transfers
     handoff = await read(stream, tokens)
     assert isinstance(handoff, Handoff) and handoff.next_token_index == 0
@@ -656,17 +681,12 @@ async def test_a_hand_off_that_cannot_release_the_request_ends_it_here(pair):
     await assert_no_blocks_held(a)
 
 
-# The cached-block tests' request, run on the destination first: 90 tokens left when it migrates after 30, where 400
-# made each of them decode 800 tokens (7-20 s a test at load 8, past the module's 60 s timeout at load 16)
-CACHED_RUN = dataclasses.replace(SAMPLING, max_tokens=120)
-
-
 @pytest.mark.parametrize("max_stages", [3, 0], ids=["live", "stop-and-copy"])
 async def test_blocks_the_destination_has_cached_are_not_copied(pair, max_stages):
     a, b = pair
-    expected = await run_alone(b, CACHED_RUN.max_tokens)  # b computed (and cached) this very request's blocks
+    expected = await run_alone(b, SAMPLING.max_tokens)  # b computed (and cached) this very request's blocks
     tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, CACHED_RUN)
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
     await read(stream, tokens, until=30)
     num_full = (len(PROMPT) + len(tokens) - 1) // BLOCK_SIZE  # 12 or more: full when the migration began
     copier = TensorCopier(a, b)
@@ -704,10 +724,10 @@ async def give_cached_block_other_bits(side: Side, tokens: list[int], index: int
 @pytest.mark.parametrize("max_stages", [3, 0], ids=["live", "stop-and-copy"])
 async def test_cached_blocks_are_copied_over_from_the_first_whose_bits_differ(pair, max_stages):
     a, b = pair
-    expected = await run_alone(b, CACHED_RUN.max_tokens)  # b computed (and cached) this very request's blocks
+    expected = await run_alone(b, SAMPLING.max_tokens)  # b computed (and cached) this very request's blocks
     await give_cached_block_other_bits(b, expected, 3)
     tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, CACHED_RUN)
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
     await read(stream, tokens, until=30)
     copier, peer = TensorCopier(a, b), FaultyPeer(b)
     result = await driver(a, peer, copier).migrate_out(dataclasses.replace(plan(), max_stages=max_stages))
@@ -722,10 +742,10 @@ async def test_cached_blocks_are_copied_over_from_the_first_whose_bits_differ(pa
 
 async def test_a_destination_from_before_checksums_keeps_every_cached_block(pair):
     a, b = pair
-    expected = await run_alone(b, CACHED_RUN.max_tokens)
+    expected = await run_alone(b, SAMPLING.max_tokens)
     await give_cached_block_other_bits(b, expected, 3)
     tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, CACHED_RUN)
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
     await read(stream, tokens, until=30)
     result = await driver(a, PeerFromBefore(b), TensorCopier(a, b)).migrate_out(plan())
     handoff = await read(stream, tokens)
@@ -892,16 +912,17 @@ async def test_a_request_moves_on_only_once_its_client_followed_it(pair):
     follows both hand-offs (moving it at once would send the client to B after B let it go)."""
     a, b = pair
     expected = await reference(a)
-    stream, tokens = await moved_a_to_b(a, b)
-    back = driver(b, FaultyPeer(a), TensorCopier(b, a))
-    with pytest.raises(FailedPrecondition, match="no request to migrate"):
-        await back.migrate_out(plan(request_id="", dst="a"))  # picking skips a request nobody reads yet
-    moving_back = asyncio.create_task(back.migrate_out(plan(dst="a")))
-    await asyncio.sleep(0.2)
-    assert not moving_back.done()  # waits for the client
-    first = await read(stream, tokens)
-    on_b = b.inbox.attach("r", first.epoch)
-    second = await read(on_b, tokens)
+    with paced(b):  # r decodes on b through the 0.2 s below, and until it moved back
+        stream, tokens = await moved_a_to_b(a, b)
+        back = driver(b, FaultyPeer(a), TensorCopier(b, a))
+        with pytest.raises(FailedPrecondition, match="no request to migrate"):
+            await back.migrate_out(plan(request_id="", dst="a"))  # picking skips a request nobody reads yet
+        moving_back = asyncio.create_task(back.migrate_out(plan(dst="a")))
+        await asyncio.sleep(0.2)
+        assert not moving_back.done()  # waits for the client
+        first = await read(stream, tokens)
+        on_b = b.inbox.attach("r", first.epoch)
+        second = await read(on_b, tokens)
     assert isinstance(second, Handoff) and second.epoch == 2 and (await moving_back).dst_instance_id == "a"
     last = await read(a.inbox.attach("r", second.epoch), tokens)
     assert tokens == expected and last.finish_reason is FinishReason.LENGTH
@@ -911,9 +932,10 @@ async def test_a_request_moves_on_only_once_its_client_followed_it(pair):
 async def test_a_request_whose_client_never_follows_stays_put(pair, monkeypatch):
     monkeypatch.setattr("services.instance.migration_pick.CLIENT_ATTACH_WAIT_S", 0.2)
     a, b = pair
-    stream, tokens = await moved_a_to_b(a, b)
-    with pytest.raises(FailedPrecondition, match="client has not followed it"):
-        await driver(b, FaultyPeer(a), TensorCopier(b, a)).migrate_out(plan(dst="a"))
+    with paced(b):  # r decodes on b through the 0.2 s wait
+        stream, tokens = await moved_a_to_b(a, b)
+        with pytest.raises(FailedPrecondition, match="client has not followed it"):
+            await driver(b, FaultyPeer(a), TensorCopier(b, a)).migrate_out(plan(dst="a"))
     handoff = await read(stream, tokens)
     last = await read(b.inbox.attach("r", handoff.epoch), tokens)
     assert last.finish_reason is FinishReason.LENGTH
@@ -1104,7 +1126,8 @@ async def test_a_parked_request_whose_migration_fails_before_its_suspend_decodes
 
 async def a_hand_off_beside_a_failing_migration(a, b, placer: DecodePlacer):
     """Request r decoding on a (30 tokens read), a push hand-off queue for it, and a rebalancing migration
-    of it started, whose copy will fail once `copier.pause` is set."""
+    of it started, whose copy will fail once `copier.pause` is set. r decodes on after that failure until the
+    test hands it off: the test paces a meanwhile."""
     tokens: list[int] = []
     stream = await a.runner.add("r", PROMPT, SAMPLING)
     await read(stream, tokens, until=30)
@@ -1121,15 +1144,16 @@ async def test_a_pd_hand_off_after_another_migration_resumed_its_request_sends_f
     the request as it is now, not the state exported when it was parked."""
     a, b = pair
     stream, tokens, copier, handoff, migration = await a_hand_off_beside_a_failing_migration(a, b, DecodePlacer())
-    while not copier.num_calls:  # in its first live stage
-        await asyncio.sleep(0.01)
-    held = await a.runner.call(lambda: a.engine.hold_and_export("r"))  # parked at a step boundary
-    handoff.note_prefilled("r", held)  # its hand-off is queued (no worker runs it yet)
-    copier.pause.set()
-    with pytest.raises(Unavailable, match="is gone"):
-        await migration  # ... and resumed the request
-    await read(stream, tokens, until=len(tokens) + 10)  # it decodes on
-    await handoff._hand_off("r")  # the queued hand-off runs now
+    with paced(a):  # r still decodes when its hand-off comes
+        while not copier.num_calls:  # in its first live stage
+            await asyncio.sleep(0.01)
+        held = await a.runner.call(lambda: a.engine.hold_and_export("r"))  # parked at a step boundary
+        handoff.note_prefilled("r", held)  # its hand-off is queued (no worker runs it yet)
+        copier.pause.set()
+        with pytest.raises(Unavailable, match="is gone"):
+            await migration  # ... and resumed the request
+        await read(stream, tokens, until=len(tokens) + 10)  # it decodes on
+        await handoff._hand_off("r")  # the queued hand-off runs now
     await follow_the_hand_off_to_b(a, b, stream, tokens)
 
 
@@ -1147,16 +1171,17 @@ async def test_a_request_migrated_in_before_its_first_token_onto_a_pushing_prefi
     Generate streams queued one, so it stayed parked (holding its blocks and slot) until the client's
     --generate-timeout-s."""
     a, b = pair
-    busy = [await a.runner.add(f"busy-{i}", [9 + i] * 8, SAMPLING) for i in range(4)]  # every batch slot of a
-    for stream in busy:
-        await read(stream, [], until=1)
-    stream = await a.runner.add("r", PROMPT, SAMPLING)  # waiting: no batch slot on a
     mover = driver(b, FaultyPeer(a), TensorCopier(b, a))  # b can migrate (it has a transfer service)
     handoff = DecodeHandoff("b", b.runner, mover, DecodePlacer(), PdHandoff.PUSH, lambda: InstanceRole.PREFILL)
     b.runner.on_prefilled = handoff.note_prefilled
     b.runner.holds_first_tokens = lambda: handoff.is_pushing
     try:
-        assert (await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())).num_blocks == 0
+        with paced(a):  # the busy requests hold every batch slot of a until r moved
+            busy = [await a.runner.add(f"busy-{i}", [9 + i] * 8, SAMPLING) for i in range(4)]
+            for stream in busy:
+                await read(stream, [], until=1)
+            stream = await a.runner.add("r", PROMPT, SAMPLING)  # waiting: no batch slot on a
+            assert (await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())).num_blocks == 0
         tokens: list[int] = []
         last = await read(stream, tokens)
         assert isinstance(last, Handoff) and last.next_token_index == 0
@@ -1189,11 +1214,12 @@ async def test_a_hand_off_waiting_for_a_client_leaves_a_copy_that_replaced_its_r
                            PdHandoff.PUSH, lambda: InstanceRole.PREFILL)
     b.runner.on_prefilled = pusher.note_prefilled
     b.runner.holds_first_tokens = lambda: pusher.is_pushing
-    busy = [await a.runner.add(f"busy-{i}", [9 + i] * 8, SAMPLING) for i in range(4)]
-    for stream in busy:
-        await read(stream, [], until=1)
-    first = await a.runner.add("r", PROMPT, SAMPLING)  # waiting on a
-    await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())  # the orphan on b
+    with paced(a):  # the busy requests hold every batch slot of a until r moved
+        busy = [await a.runner.add(f"busy-{i}", [9 + i] * 8, SAMPLING) for i in range(4)]
+        for stream in busy:
+            await read(stream, [], until=1)
+        first = await a.runner.add("r", PROMPT, SAMPLING)  # waiting on a
+        await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())  # the orphan on b
     assert isinstance(await read(first, []), Handoff)  # never reaches the client
     for i in range(4):
         await a.runner.abort(f"busy-{i}")
@@ -1298,18 +1324,19 @@ async def test_a_pd_hand_off_whose_request_was_resumed_while_it_asked_for_a_plac
     a, b = pair
     placer = SlowDecodePlacer()
     stream, tokens, copier, handoff, migration = await a_hand_off_beside_a_failing_migration(a, b, placer)
-    while not copier.num_calls:  # in its first live stage
-        await asyncio.sleep(0.01)
-    held = await a.runner.call(lambda: a.engine.hold_and_export("r"))  # parked at a step boundary
-    handoff.note_prefilled("r", held)
-    pushing = asyncio.create_task(handoff._hand_off("r"))  # a worker takes it and asks for a place
-    await placer.asked.wait()
-    copier.pause.set()
-    with pytest.raises(Unavailable, match="is gone"):
-        await migration  # ... and resumed the request
-    await read(stream, tokens, until=len(tokens) + 10)  # it decodes on
-    placer.answer.set()
-    await pushing
+    with paced(a):  # r still decodes when its hand-off gets its place
+        while not copier.num_calls:  # in its first live stage
+            await asyncio.sleep(0.01)
+        held = await a.runner.call(lambda: a.engine.hold_and_export("r"))  # parked at a step boundary
+        handoff.note_prefilled("r", held)
+        pushing = asyncio.create_task(handoff._hand_off("r"))  # a worker takes it and asks for a place
+        await placer.asked.wait()
+        copier.pause.set()
+        with pytest.raises(Unavailable, match="is gone"):
+            await migration  # ... and resumed the request
+        await read(stream, tokens, until=len(tokens) + 10)  # it decodes on
+        placer.answer.set()
+        await pushing
     await follow_the_hand_off_to_b(a, b, stream, tokens)
 
 

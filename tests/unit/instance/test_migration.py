@@ -326,9 +326,9 @@ async def test_blocks_filled_during_the_first_prepare_are_copied_live_not_paused
     while a slow Prepare ran waited for the paused copy (more downtime; with one live stage, every one of them).
     It takes the request's blocks once Prepare answered: the paused copy has none that were full by then."""
     a, b = pair
-    expected = await run_alone(a, CACHED_RUN.max_tokens)
+    expected = await run_alone(a, SAMPLING.max_tokens)
     tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, CACHED_RUN)
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
     await read(stream, tokens, until=10)
     peer, copier = SlowFirstPrepare(b, a, num_blocks=4), TensorCopier(a, b)
     await driver(a, peer, copier, max_stages=1).migrate_out(plan())

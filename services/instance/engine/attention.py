@@ -46,6 +46,8 @@ a float32 cache: in a lower precision the gathered path's float32 accumulation i
 keeps a sequence's tokens close to exact.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -390,7 +392,25 @@ def _sdpa_decode(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGroup,
                  softcap: float | None) -> torch.Tensor:
     k, v = _gather(kv_layer, group.gather_indices[i], group.num_keys)
     mask = None if group.mask is None else group.mask[group.chunks[i]]
-    return _sdpa(q, k, v, mask, scale, softcap)
+    with _one_thread(q.device):
+        return _sdpa(q, k, v, mask, scale, softcap)
+
+
+@contextmanager
+def _one_thread(device: torch.device) -> Iterator[None]:
+    """Torch ops inside run on one CPU thread. SDPA's CPU kernel gives a (sequence, KV head) pair other bits on
+    another OpenMP thread than on the first (each thread has its own scratch), and which thread takes a pair
+    depends on the pairs before it in the call, so on two threads a decode sequence got other bits in a batch
+    than alone. On one thread every pair is the first thread's, as alone."""
+    num_threads = torch.get_num_threads()
+    if device.type != "cpu" or num_threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(num_threads)
 
 
 def _attend_in_place(q: torch.Tensor, kv_layer: torch.Tensor, group: InPlaceGroup, scale: float,

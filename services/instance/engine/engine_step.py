@@ -72,7 +72,9 @@ class StepRunner:
             return outputs
         sampling_rows = [SamplingRow(r.sampling, r.seed, r.num_output_tokens, r.output_token_ids, r.prompt_token_ids,
                                      banned_token_ids(r, self.eos_token_ids), allowed.get(r.request_id)) for r, _row in sampled]
-        tokens = self.sampler(logits[[row for _r, row in sampled]], sampling_rows)
+        rows = [row for _r, row in sampled]
+        # every row in order (a batch of decodes): no copy of the logits (32 x 49k floats: ~1 ms a step)
+        tokens = self.sampler(logits if rows == list(range(len(logits))) else logits[rows], sampling_rows)
         for (request, _row), token in zip(sampled, tokens):
             outputs.append(self._append_token(request, token))
         return outputs

@@ -36,7 +36,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(gate).mul_(up))  # the activation's own output: multiplied in place
 
 
 class PlainMLP(nn.Module):

@@ -380,20 +380,20 @@ def _attend_decode(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGrou
     if group.token_index is not None:
         q = q[group.token_index.flatten()]
     q = q.view(q.shape[0], num_kv_heads, -1, head_dim)
-    if len(group.chunks) == 1:
-        return _sdpa_decode(q, kv_layer, group, 0, scale, softcap).view(q.shape[0], -1, head_dim)
-    out = q.new_empty(q.shape)
-    for i, chunk in enumerate(group.chunks):
-        out[chunk] = _sdpa_decode(q[chunk], kv_layer, group, i, scale, softcap)
-    return out.view(q.shape[0], -1, head_dim)
+    with _one_thread(q.device):  # SDPA, for its bits; the gathers, small copies, faster on one thread too
+        if len(group.chunks) == 1:
+            return _sdpa_decode(q, kv_layer, group, 0, scale, softcap).view(q.shape[0], -1, head_dim)
+        out = q.new_empty(q.shape)
+        for i, chunk in enumerate(group.chunks):
+            out[chunk] = _sdpa_decode(q[chunk], kv_layer, group, i, scale, softcap)
+        return out.view(q.shape[0], -1, head_dim)
 
 
 def _sdpa_decode(q: torch.Tensor, kv_layer: torch.Tensor, group: AttentionGroup, i: int, scale: float,
                  softcap: float | None) -> torch.Tensor:
     k, v = _gather(kv_layer, group.gather_indices[i], group.num_keys)
     mask = None if group.mask is None else group.mask[group.chunks[i]]
-    with _one_thread(q.device):
-        return _sdpa(q, k, v, mask, scale, softcap)
+    return _sdpa(q, k, v, mask, scale, softcap)
 
 
 @contextmanager

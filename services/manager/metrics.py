@@ -71,8 +71,9 @@ def export_zero_series() -> None:
             MIGRATIONS.labels(outcome.value, trigger.value)
     for trigger in MigrationTrigger:
         MIGRATIONS_SOURCE_BUSY.labels(trigger.value)
-    for outcome in MigrationOutcome:
-        MIGRATIONS_ADOPTED.labels(outcome.value)
+    for outcome in MigrationOutcome:  # adoption asks the destination: never a refusal
+        if outcome is not MigrationOutcome.REFUSED:
+            MIGRATIONS_ADOPTED.labels(outcome.value)
     for action in ("add", "retire", "cancel_retire"):
         SCALING_ACTIONS.labels(action)
 

@@ -61,6 +61,8 @@ def test_migration_and_scaling_counters_start_at_zero():
         for trigger in ("load", "drain", "admin", "pd"):
             assert f'ferry_manager_migrations_total{{outcome="{outcome}",trigger="{trigger}"}}' in text
     assert 'ferry_manager_scaling_actions_total{action="retire"}' in text
+    assert 'ferry_manager_migrations_adopted_total{outcome="unknown"}' in text
+    assert 'ferry_manager_migrations_adopted_total{outcome="refused"}' not in text  # adoption never learns of one
 
 
 def scrape_role_gaps(leadership: Leadership, dispatcher: Dispatcher) -> str:

@@ -19,7 +19,7 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     """Columns padded to their widest cell; numeric columns right-aligned."""
     cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    numeric = [bool(rows) and all(isinstance(row[i], (int, float)) or row[i] == UNKNOWN for row in rows)
+    numeric = [bool(rows) and all(isinstance(row[i], (int, float)) or row[i] in (UNKNOWN, NOT_MEASURED) for row in rows)
                for i in range(len(headers))]
     lines = []
     for row in cells:

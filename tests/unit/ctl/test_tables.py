@@ -20,6 +20,12 @@ def test_render_table_aligns_text_left_and_numbers_right():
     assert text.splitlines() == ["NAME         N", "a            1", "long-name  100"]
 
 
+def test_a_number_column_with_an_unmeasured_cell_stays_right_aligned():
+    """`top`'s REQ/S was left-aligned whenever one row showed `-` (no rate yet)."""
+    text = render_table(("NAME", "REQ/S"), [("a", 12.5), ("b", "-")])
+    assert text.splitlines() == ["NAME  REQ/S", "a     12.50", "b         -"]
+
+
 def test_instances_table():
     header, row = instances_table([instance()]).splitlines()
     assert header.split() == ["INSTANCE", "ROLE", "STATE", "RUNNING", "WAITING", "FREE", "SLOTS", "KV", "USED",

@@ -335,9 +335,13 @@ async def test_blocks_filled_during_the_first_prepare_are_copied_live_not_paused
     handoff = await read(stream, tokens)
     last = await read(b.inbox.attach("r", handoff.epoch), tokens)
     assert tokens == expected and last.finish_reason is FinishReason.LENGTH
-    live, paused = copier.transfers
+    # The paused copy may have nothing to copy (no transfer): the request filled no block after the live stage
+    # and its last KV position ended a block (a slow engine on a busy machine).
+    live, *paused = copier.transfers
+    paused_ids = {block_id for transfer in paused for block_id in transfer.src_block_ids}
+    assert len(paused) <= 1
     assert peer.full_at_answer <= set(live.src_block_ids)
-    assert not peer.full_at_answer & set(paused.src_block_ids), (len(live.src_block_ids), len(paused.src_block_ids))
+    assert not peer.full_at_answer & paused_ids, (len(live.src_block_ids), len(paused_ids))
     await assert_no_blocks_held(a, b)
 
 

@@ -146,6 +146,9 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
         self._retire_tasks: set[asyncio.Task[None]] = set()  # each closes one of them when its time comes
         self._journal = journal  # the history in etcd; None: this manager's memory only
         self._scaler = scaler
+        # SetPolicy stores and applies under it: applied in the order stored (an earlier merge applied last would
+        # undo a later one's field here until the config watch applied what is stored).
+        self._policy_lock = asyncio.Lock()
 
     async def ListInstances(self, request, context) -> manager_pb2.ListInstancesResponse:
         if (answer := await self._leader_answer(context, "ListInstances",
@@ -192,13 +195,14 @@ class AdminServicer(manager_pb2_grpc.AdminServiceServicer):
                                       f"one of: {', '.join(PAIRING_NAMES)}")
             return dispatch, migration, convert.scaling_settings_from_proto(request,
                                                                             stored_scaling or self._scaler.settings)
-        try:
-            dispatch, migration, scaling = await self._store.update_policy(merge)
-        except ETCD_ERRORS as exc:
-            raise Unavailable(f"policy not changed: etcd did not store it ({error_text(exc)}); retry") from exc
-        self._dispatcher.set_policy(dispatch)
-        self._migrator.set_settings(migration)
-        self._scaler.set_settings(scaling)
+        async with self._policy_lock:
+            try:
+                dispatch, migration, scaling = await self._store.update_policy(merge)
+            except ETCD_ERRORS as exc:
+                raise Unavailable(f"policy not changed: etcd did not store it ({error_text(exc)}); retry") from exc
+            self._dispatcher.set_policy(dispatch)
+            self._migrator.set_settings(migration)
+            self._scaler.set_settings(scaling)
         log.info("policy_set", dispatch=dispatch, migration_enabled=migration.is_enabled,
                  scaling_enabled=scaling.is_enabled)
         return convert.policy_to_proto(self._dispatcher.policy_name, self._migrator.settings, self._scaler.settings)

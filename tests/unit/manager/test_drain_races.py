@@ -377,3 +377,40 @@ async def test_an_etcd_timeout_is_named_in_the_answer():
     for rpc, request, message in calls:
         with pytest.raises(Unavailable, match=re.escape(message)):
             await rpc(request, Ctx())
+
+
+# 8. Two SetPolicy calls at once, each a partial change: etcd stored both merges in turn (compare-and-put), but the
+#    call stored first came back from etcd last and applied its merge here over the later one's: GetPolicy said
+#    the later call's field was never set, until the config watch applied what was stored (seen in CI).
+class FirstAnswerLateStore(FakeStore):
+    """Stores each merge at once, in call order; the first call's answer waits (up to 0.2 s) for another's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stored = (None, None, None)
+        self.num_calls = 0
+        self.another_answered = asyncio.Event()
+
+    async def update_policy(self, merge):
+        self.num_calls += 1
+        is_first = self.num_calls == 1
+        self.stored = merged = merge(*self.stored)
+        if is_first:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.another_answered.wait(), 0.2)
+        else:
+            self.another_answered.set()
+        return merged
+
+
+async def test_partial_policy_changes_at_once_are_applied_in_the_order_stored():
+    clock = FakeClock()
+    view = make_view("i-0", clock=clock, num_free_blocks=1000)
+    leadership, store = leader(), FirstAnswerLateStore()
+    scaler = Scaler(view, leadership, store, ScalingSettings(), interval_s=1, cooldown_s=0, clock=clock)
+    admin = AdminServicer(view, Dispatcher(view, leadership), leadership, store, None,
+                          make_migrator(view, clock, FakeSources()), scaler, 1.0, 1.0, 1.0)
+    await asyncio.gather(admin.SetPolicy(manager_pb2.Policy(dispatch="flood"), Ctx()),
+                         admin.SetPolicy(manager_pb2.Policy(migration_threshold=3.5), Ctx()))
+    policy = await admin.GetPolicy(manager_pb2.GetPolicyRequest(), Ctx())
+    assert (policy.dispatch, policy.migration_threshold) == ("flood", 3.5)

@@ -4,7 +4,11 @@ and asks the destination whether it holds the request under that migration id (R
 
 And in the trailing metadata of a RESOURCE_EXHAUSTED it refused with at once, before any pick: that its own
 migration slots were busy (--max-concurrent-migrations), not the destination's (whose refusal it passes on
-with the same status and words). The manager counts that apart: nothing was tried, no pair is to blame."""
+with the same status and words). The manager counts that apart: nothing was tried, no pair is to blame.
+
+And in the trailing metadata of a RESOURCE_EXHAUSTED that came later, from a party of the migration: which one ran out
+(`x-ferry-refused-by`): the destination (no free blocks, batch slot or migration slot: recorded `refused`, no fault)
+or a transfer service on the way (its staging slots stayed busy: recorded `failed`, a capacity to raise)."""
 
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ from services.common.logging import REQUEST_ID_KEY, request_id_from_metadata
 MIGRATION_ID_KEY = "x-ferry-migration-id"
 SOURCE_BUSY_KEY = "x-ferry-source-busy"
 SOURCE_BUSY = ((SOURCE_BUSY_KEY, "1"),)  # the trailing metadata of a source's own busy refusal
+REFUSED_BY_KEY = "x-ferry-refused-by"
+REFUSED_BY_DESTINATION = "destination"
+REFUSED_BY_TRANSFER = "transfer"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,3 +44,14 @@ def pick_from_metadata(metadata: Any) -> AnnouncedPick:
 def is_source_busy(trailing_metadata: Any) -> bool:
     """Whether a MigrateOut's status came from its source's own busy migration slots."""
     return any(key == SOURCE_BUSY_KEY for key, _ in trailing_metadata or ())
+
+
+def refused_by_metadata(party: str) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata of a MigrateOut refused for want of room by `party` (REFUSED_BY_*)."""
+    return ((REFUSED_BY_KEY, party),)
+
+
+def refused_by(trailing_metadata: Any) -> str:
+    """Which party of a MigrateOut ran out (REFUSED_BY_*); "" where the source did not say (one from before)."""
+    return next((v if isinstance(v, str) else v.decode() for k, v in trailing_metadata or () if k == REFUSED_BY_KEY),
+                "")

@@ -14,12 +14,13 @@ from collections.abc import Collection
 import grpc
 
 from services.common.election import LeaderView
-from services.common.errors import FerryError, Unavailable, error_from_rpc
+from services.common.errors import FerryError, ResourceExhausted, Unavailable, error_from_rpc
 from services.common.gen.ferry.v1 import manager_pb2, manager_pb2_grpc
 from services.common.channel_pool import ChannelPool
 from services.common.tls import TlsConfig
 from services.common.logging import request_metadata
-from services.instance.migration_domain import MigrateOutPlan, MigrationResult
+from services.common.pick_announcement import REFUSED_BY_DESTINATION, REFUSED_BY_TRANSFER
+from services.instance.migration_domain import MigrateOutPlan, MigrationResult, RefusedByTransfer
 from services.instance.pd_handoff import DecodePlace
 
 
@@ -57,7 +58,8 @@ class ManagerLink:
         record = manager_pb2.MigrationRecord(
             request_id=plan.request_id, src_instance_id=src_instance_id, dst_instance_id=plan.dst_instance_id,
             duration_ms=max(0.0, (time.time() - started_at) * 1e3), outcome="failed",
-            reason=error.grpc_code.name, message=error.message, trigger="pd", started_at=started_at)
+            reason=error.grpc_code.name, message=error.message, trigger="pd", started_at=started_at,
+            refused_by=_refused_by(error))
         await self._call("ReportMigration", record, plan.request_id)
 
     async def close(self) -> None:
@@ -76,3 +78,10 @@ class ManagerLink:
         if leader is None or not leader.address:
             raise Unavailable("no leader manager is known (etcd manager/leader is empty); start a manager")
         return leader.address
+
+
+def _refused_by(error: FerryError) -> str:
+    """Which party ran out, for a RESOURCE_EXHAUSTED (pick_announcement.py's words); "" for other errors."""
+    if not isinstance(error, ResourceExhausted):
+        return ""
+    return REFUSED_BY_TRANSFER if isinstance(error, RefusedByTransfer) else REFUSED_BY_DESTINATION

@@ -36,7 +36,7 @@ from services.instance.engine.migration_state import MigrationBlocks, RequestSta
 from services.instance.handoff import Handoff, RecentHandoffs
 from services.instance.migration_attempt import MigrationInFlight, call_on_copy
 from services.instance.migration_domain import (BlockTransferer, DestinationPeer, MigrateOutPlan, MigrationResult,
-                                                MigrationSettings)
+                                                MigrationSettings, RefusedByTransfer)
 from services.instance.migration_pick import MigrationPicker
 from services.instance.migration_reserve import ReservationKeeper
 from services.instance.migration_slots import MigrationSlots
@@ -267,6 +267,11 @@ class MigrationDriver:
         except (FailedPrecondition, NotFound) as exc:  # a transfer service refused: a revoked grant, an unmapped cache
             raise Aborted(f"request {a.request_id} not migrated, it keeps running on {self._settings.instance_id}: "
                           f"the copy to {a.plan.dst_instance_id} was refused: {exc.message}") from exc
+        except ResourceExhausted as exc:  # staging slots busy: no want of room at the destination
+            raise RefusedByTransfer(
+                f"request {a.request_id} not migrated, it keeps running on {self._settings.instance_id}: a transfer "
+                f"service had no room for the copy to {a.plan.dst_instance_id} (this instance's, or the one at "
+                f"{transfer.dst_transfer_address}): {exc.message}", a.request_id) from exc
         a.copied.update((i, view.block_ids[i]) for i in indexes)
         a.num_blocks += result.num_blocks
         a.num_bytes += result.num_bytes

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, ResourceExhausted
 from services.instance.engine.migration_state import HeldRequest, MigrationSelection, RequestState
 from services.transfer.domain import BlockTransfer, TransferBackend, TransferResult
 
@@ -16,6 +16,12 @@ class RefusedByDestination(FailedPrecondition):
     """The destination turned the move down at its first PrepareMigrateIn by a precondition of its own (its role
     is PREFILL now), with its message: another destination may take the request. A FAILED_PRECONDITION of the
     source's own (no --transfer-address) is a plain FailedPrecondition: every destination would meet it."""
+
+
+class RefusedByTransfer(ResourceExhausted):
+    """A transfer service on the way (this instance's, or the destination's) had no room for a copy: its staging
+    slots stayed busy. Told apart from the destination's refusal for want of room (MigrateOut's trailing metadata
+    `x-ferry-refused-by`): the destination had room, and the manager records a fault, not a refusal."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,9 +13,11 @@ import grpc
 import structlog
 
 from services.common.error_text import typed_error_text
-from services.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from services.common.errors import (Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted,
+                                    Unavailable)
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
-from services.common.pick_announcement import pick_to_metadata
+from services.common.pick_announcement import (REFUSED_BY_DESTINATION, REFUSED_BY_TRANSFER, pick_to_metadata,
+                                               refused_by_metadata)
 from services.common.task_errors import shielded
 from services.instance.config import InstanceRole
 from services.instance.convert import (check_request_id, chunk_to_proto, handoff_chunk_to_proto, load_to_proto,
@@ -26,6 +28,7 @@ from services.instance.engine.step_output import StepOutput
 from services.instance.engine.migration_state import check_serves_length
 from services.instance.handoff import Handoff
 from services.instance.migration import MigrationDriver
+from services.instance.migration_domain import RefusedByTransfer
 from services.instance.migration_in import MigrationInbox
 from services.instance.pd_handoff import DecodeHandoff
 from services.instance.request_copy import CopyRef
@@ -187,6 +190,10 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
             # as UNAVAILABLE, the manager would take it for this source being down or frozen.
             raise Aborted(f"request not migrated, it keeps running on {self.identity.instance_id}: {exc.message}",
                           request_id=exc.request_id) from exc
+        except ResourceExhausted as exc:
+            if exc.trailing_metadata:  # the source's own busy slots (x-ferry-source-busy): as it is
+                raise
+            raise _saying_who_ran_out(exc) from exc
         return migration_result_to_proto(result)
 
     async def PrepareMigrateIn(self, request: instance_pb2.PrepareMigrateInRequest,
@@ -308,6 +315,14 @@ def _is_news(output: StepOutput, from_token_index: int) -> bool:
     notice (no token: where the prompt was first computed from, which a resume sends back)."""
     return (output.finish_reason is not None or not output.new_token_ids
             or output.token_index + len(output.new_token_ids) > from_token_index)
+
+
+def _saying_who_ran_out(exc: ResourceExhausted) -> ResourceExhausted:
+    """A MigrateOut's RESOURCE_EXHAUSTED, its trailing metadata naming the party that ran out: a transfer service
+    (its staging slots stayed busy) or the destination (no blocks, batch slot or migration slot, or it serves
+    shorter sequences than the request may reach)."""
+    party = REFUSED_BY_TRANSFER if isinstance(exc, RefusedByTransfer) else REFUSED_BY_DESTINATION
+    return ResourceExhausted(exc.message, exc.request_id, trailing_metadata=refused_by_metadata(party))
 
 
 async def _announce(context: grpc.aio.ServicerContext, request_id: str, migration_id: str) -> None:

@@ -9,6 +9,7 @@ import grpc
 
 from services.common.errors import InvalidArgument
 from services.common.gen.ferry.v1 import common_pb2, instance_pb2, manager_pb2, transfer_pb2
+from services.common.pick_announcement import REFUSED_BY_TRANSFER
 from services.common.prefix_hash import MAX_PREFIX_CHUNKS
 from services.manager.cluster_view import ClusterTotals
 from services.manager.scaling import ScalingSettings
@@ -258,5 +259,5 @@ def reported_migration_from_proto(msg: manager_pb2.MigrationRecord, src_address:
     if msg.outcome in ("", MigrationOutcome.COMMITTED.value):
         return MigrationRecord(order, MigrationOutcome.COMMITTED, figures, msg.started_at)
     reason = msg.reason if msg.reason in _STATUS_NAMES else "UNKNOWN"  # a metrics label: a closed set
-    return MigrationRecord(order, MigrationOutcome.not_committed(reason), figures, msg.started_at, reason=reason,
-                           message=msg.message[:1024])
+    outcome = MigrationOutcome.not_committed(reason, is_transfer_busy=msg.refused_by == REFUSED_BY_TRANSFER)
+    return MigrationRecord(order, outcome, figures, msg.started_at, reason=reason, message=msg.message[:1024])

@@ -15,10 +15,11 @@ from services.common.errors import FerryError, Internal, error_from_rpc
 from services.common.gen.ferry.v1 import instance_pb2, instance_pb2_grpc
 from services.common.channel_pool import ChannelPool
 from services.common.logging import request_metadata
-from services.common.pick_announcement import AnnouncedPick, is_source_busy, pick_from_metadata
+from services.common.pick_announcement import (REFUSED_BY_TRANSFER, AnnouncedPick, is_source_busy, pick_from_metadata,
+                                               refused_by)
 from services.common.tls import TlsConfig
 from services.manager import convert
-from services.manager.migration import MigrationFigures, MigrationOrder, SourceBusy
+from services.manager.migration import MigrationFigures, MigrationOrder, SourceBusy, TransferBusy
 from services.manager.migration_settle import HeldRequest, SourceUnanswered, SourceUnreached
 
 NEVER_CONNECTED_DETAILS = "failed to connect to all addresses"  # gRPC core's pick failure: the call was never sent
@@ -94,6 +95,8 @@ def _migrate_out_error(order: MigrationOrder, exc: grpc.aio.AioRpcError) -> Ferr
     error = error_from_rpc(exc)
     if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and is_source_busy(exc.trailing_metadata()):
         return SourceBusy(f"source instance {order.src_instance_id} is busy: {error.message}", order.request_id)
+    if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and refused_by(exc.trailing_metadata()) == REFUSED_BY_TRANSFER:
+        return TransferBusy(error.message, error.request_id or order.request_id)
     if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return error
     where = f"MigrateOut on source instance {order.src_instance_id} at {order.src_address}"

@@ -23,6 +23,13 @@ class SourceBusy(ResourceExhausted):
     which the source passes on with the same status, is one."""
 
 
+class TransferBusy(ResourceExhausted):
+    """MigrateOut failed because a transfer service on the way (the source's or the destination's) had no free
+    staging slot for the copy (its source says so: x-ferry-refused-by: transfer). The destination had room, so it is
+    no refusal: recorded `failed` (reason RESOURCE_EXHAUSTED, the only failure with that reason), a capacity to raise
+    (--num-staging-slots), and it backs its pair off like any failure."""
+
+
 class MigrationSelection(enum.Enum):
     """How a source picks the request to hand over when the manager names none."""
 
@@ -43,16 +50,18 @@ class MigrationTrigger(enum.Enum):
 class MigrationOutcome(enum.Enum):
     COMMITTED = "committed"  # the destination owns the request
     FAILED = "failed"  # aborted before commit by a fault: the request still runs on the source
-    # Not taken for want of room (RESOURCE_EXHAUSTED): the destination (or a transfer service on the way) had no
-    # free KV blocks, batch slot or migration slot since the load report it was picked on; the request still runs
-    # on the source. No fault: under KV pressure a load report a tick old makes these.
+    # Not taken for want of room (RESOURCE_EXHAUSTED): the destination had no free KV blocks, batch slot or
+    # migration slot since the load report it was picked on; the request still runs on the source. No fault: under
+    # KV pressure a load report a tick old makes these. (A transfer service whose staging slots stayed busy is a
+    # failure: TransferBusy.)
     REFUSED = "refused"
     UNKNOWN = "unknown"  # the source gave no answer and the instances did not tell (migration_settle.py)
 
     @classmethod
-    def not_committed(cls, reason: str) -> MigrationOutcome:
-        """The outcome of a migration that was not committed, by the gRPC status name it ended with."""
-        return cls.REFUSED if reason == REFUSED_STATUS else cls.FAILED
+    def not_committed(cls, reason: str, is_transfer_busy: bool = False) -> MigrationOutcome:
+        """The outcome of a migration that was not committed, by the gRPC status name it ended with (a
+        RESOURCE_EXHAUSTED of a transfer service, `is_transfer_busy`, is a failure: the destination had room)."""
+        return cls.REFUSED if reason == REFUSED_STATUS and not is_transfer_busy else cls.FAILED
 
 
 @dataclass(frozen=True, slots=True)

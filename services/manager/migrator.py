@@ -17,7 +17,8 @@ by gRPC status and logged, and never ends the loop: the request runs on at the s
 and that (source, destination) pair waits `failure_backoff_s` before its next try. One refused
 for want of room (RESOURCE_EXHAUSTED: the destination filled since the report it was picked on) is
 recorded `refused`, not `failed` (no fault), and backs its pair off the same (the next-freest
-destination gets the next try). One the
+destination gets the next try); one where a transfer service's staging slots stayed busy (the source
+says which party ran out: x-ferry-refused-by) is `failed`. One the
 source never answered (UNAVAILABLE, DEADLINE_EXCEEDED) may have committed: unless the
 destination holds the request at once, it is kept (and journaled) as `unknown` and found out
 later, while this manager leads (migration_settle.py), and counted then. One that never
@@ -54,7 +55,8 @@ from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId, InstanceState, InstanceView, Role
 from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
-                                        MigrationSelection, MigrationSettings, MigrationTrigger, SourceBusy)
+                                        MigrationSelection, MigrationSettings, MigrationTrigger, SourceBusy,
+                                        TransferBusy)
 from services.manager.migration_settle import (LOOKS_AT_S, UNANSWERED_STATUSES, HeldRequest, Settler,
                                                SourceUnanswered, SourceUnreached)
 from services.manager.migration_policies import (Pair, PairingPolicy, Peer, blocks_per_request, make_pairing,
@@ -243,7 +245,8 @@ class Migrator:
                                        migration_id=migration_id)
             # it may have committed (a call that never reached the source started nothing)
             is_unanswered = status_name(exc) in UNANSWERED_STATUSES and not isinstance(exc, SourceUnreached)
-            outcome = MigrationOutcome.UNKNOWN if is_unanswered else MigrationOutcome.not_committed(status_name(exc))
+            outcome = (MigrationOutcome.UNKNOWN if is_unanswered
+                       else MigrationOutcome.not_committed(status_name(exc), isinstance(exc, TransferBusy)))
             not_committed = MigrationRecord(order, outcome, figures, started_at, reason=status_name(exc),
                                             message=exc.message)
             if not (is_unanswered and await self._settler.moved_at_once(not_committed)):
@@ -256,11 +259,16 @@ class Migrator:
         """`migrate` in a task of its own: a caller that gives up (an admin client's deadline) does not
         cut the migration short, and its record is kept however it ends. A refusal for want of room
         (RESOURCE_EXHAUSTED, recorded `refused`) says so, and where the destination reported no free migration
-        slot (an operator may name such a one: it is tried) that too."""
+        slot (an operator may name such a one: it is tried) that too; one where a transfer service had no free
+        staging slot (TransferBusy, recorded `failed`) names the transfer service, not the destination."""
         is_dst_busy = (self._view.has_member(order.dst_instance_id)
                        and not self._view.instance(order.dst_instance_id).load.has_free_migration_slot)
         try:
             return await asyncio.shield(self._start(order))
+        except TransferBusy as exc:
+            raise TransferBusy(f"a transfer service, not destination instance {order.dst_instance_id}, refused the "
+                               f"migration: {exc.message} (recorded failed: the request runs on at "
+                               f"{order.src_instance_id})", exc.request_id) from exc
         except ResourceExhausted as exc:
             if isinstance(exc, SourceBusy):
                 raise

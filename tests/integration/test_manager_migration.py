@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import urllib.request
 from types import SimpleNamespace
 
@@ -24,10 +25,10 @@ from services.common.gen.ferry.v1 import (common_pb2, instance_pb2, instance_pb2
                                           transfer_pb2)
 from services.common.election import leader_key
 from services.common.grpc_server import insecure_channel, start_grpc_server
-from services.common.pick_announcement import SOURCE_BUSY, AnnouncedPick, pick_to_metadata
+from services.common.pick_announcement import SOURCE_BUSY, AnnouncedPick, pick_to_metadata, refused_by_metadata
 from services.instance.manager_client import ManagerLink
 from services.instance.migration import MigrationDriver
-from services.instance.migration_domain import MigrationSettings
+from services.instance.migration_domain import MigrateOutPlan, MigrationSettings, RefusedByTransfer
 from services.instance.migration_slots import MigrationSlots
 from services.instance.server import InstanceServicer
 from services.manager.client import ManagerClient
@@ -50,6 +51,7 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
         self.peers = peers
         self.request_ids: list[str] = []
         self.refuse: str = ""  # non-empty: MigrateOut answers RESOURCE_EXHAUSTED with this text
+        self.refused_by = ""  # ... naming the party that ran out in x-ferry-refused-by ("": none, an older source)
         self.is_busy = False  # MigrateOut refused as a source whose own migration slots are busy refuses it
         self.gate: asyncio.Event | None = None  # set: MigrateOut waits for it before it moves anything
         self.calls: list[instance_pb2.MigrateOutRequest] = []
@@ -88,7 +90,8 @@ class MigratingInstance(instance_pb2_grpc.InstanceServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "this instance already runs 1 migration(s), "
                                 "the most --max-concurrent-migrations 1 allows", trailing_metadata=SOURCE_BUSY)
         if self.refuse:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.refuse)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.refuse,
+                                trailing_metadata=refused_by_metadata(self.refused_by) if self.refused_by else ())
         if self.peers[request.dst_instance_id].sim.num_free_migration_out_slots == 0:  # its PrepareMigrateIn refused
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "this instance already runs 1 migration(s), "
                                 "the most --max-concurrent-migrations 1 allows; retry later or pick another instance")
@@ -223,6 +226,51 @@ async def test_refusals_are_counted_apart_from_failures_and_the_loop_lives_on(wo
     assert 'ferry_manager_migration_failures_total{reason="RESOURCE_EXHAUSTED"}' not in text
     peers["i-0"].refuse = ""
     await wait_until(lambda: _running_is(client, {"i-0": 2, "i-1": 2}), 10, "the loop recovered")
+
+
+async def test_a_busy_transfer_service_is_a_failure_named_as_such_not_the_destinations_refusal(world):
+    """A transfer service whose staging slots stayed busy also ends MigrateOut RESOURCE_EXHAUSTED: it was recorded
+    `refused` (no fault) and admin Migrate said "the destination refused". The source names the party that ran out
+    (x-ferry-refused-by): a transfer service's is `failed`, counted in the failures, and Migrate names it."""
+    port = free_port()
+    _, client, peers = await world(3, "--migration-enabled", "--migration-threshold", "0", metrics_port=port)
+    busy = ("request r-1 not migrated, it keeps running on i-0: a transfer service had no room for the copy to i-1: "
+            "all 4 staging slots stayed busy for 5.0 s")
+    peers["i-0"].refuse, peers["i-0"].refused_by = busy, "transfer"
+    peers["i-0"].hold("r-1", "r-2", "r-3", "r-4")
+    await wait_until(lambda: _num_migrations(client, 1), 10, "a failed attempt")
+    failed = (await client.list_migrations()).migrations
+    assert {(m.outcome, m.reason, m.message) for m in failed} == {("failed", "RESOURCE_EXHAUSTED", busy)}
+    with pytest.raises(ResourceExhausted, match="a transfer service, not destination instance i-2, refused the "
+                       "migration: request r-1 .* stayed busy for 5.0 s \\(recorded failed: the request runs on at "
+                       "i-0\\)") as error:
+        await client.migrate(request_id="r-1", dst_instance_id="i-2")
+    assert "destination instance i-2 refused" not in error.value.message
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert float(re.search(r'ferry_manager_migration_failures_total\{reason="RESOURCE_EXHAUSTED"\} (\S+)', text)[1]) >= 2
+    assert 'ferry_manager_migrations_total{outcome="refused",trigger="admin"} 0.0' in text
+    # a destination's refusal, named as such, is still `refused`
+    peers["i-0"].refuse, peers["i-0"].refused_by = "no free batch slot on i-2", "destination"
+    with pytest.raises(ResourceExhausted, match="destination instance i-2 refused the migration: no free batch"):
+        await client.migrate(request_id="r-2", dst_instance_id="i-2")
+    assert [m.outcome for m in (await client.list_migrations(request_id="r-2")).migrations] == ["refused"]
+
+
+async def test_a_pd_hand_off_a_busy_transfer_service_failed_is_reported_failed(world):
+    """A prefill instance's own hand-off reports its failure (ReportMigration), RESOURCE_EXHAUSTED both where the
+    decode instance had no room and where a transfer service's staging slots stayed busy: the latter was kept
+    `refused` too. The report names the party (refused_by); an older instance's, naming none, reads as before."""
+    manager, client, _ = await world(2)
+    link = ManagerLink(SimpleNamespace(leader=SimpleNamespace(address=manager.address)), timeout_s=5.0)
+    try:
+        for request_id, error in (("r-t", RefusedByTransfer("all 4 staging slots stayed busy for 5.0 s")),
+                                  ("r-d", ResourceExhausted("no free batch slot on i-1"))):
+            plan = MigrateOutPlan(request_id, "i-1", "", "", None)
+            await link.report_failed_migration(plan, "i-0", error, time.time())
+    finally:
+        await link.close()
+    kept = {m.request_id: (m.outcome, m.reason) for m in (await client.list_migrations()).migrations}
+    assert kept == {"r-t": ("failed", "RESOURCE_EXHAUSTED"), "r-d": ("refused", "RESOURCE_EXHAUSTED")}
 
 
 async def test_drain_moves_everything_off_and_then_reports_drained(world):

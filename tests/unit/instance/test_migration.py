@@ -12,13 +12,15 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
+import grpc
 import pytest
 import torch
 
-from services.common.gen.ferry.v1 import common_pb2, instance_pb2
+from services.common.gen.ferry.v1 import common_pb2, instance_pb2, instance_pb2_grpc
+from services.common.pick_announcement import REFUSED_BY_DESTINATION, REFUSED_BY_TRANSFER, is_source_busy, refused_by
 from services.common.prefix_hash import next_block_hash
-from services.common.errors import (Aborted, FailedPrecondition, FerryError, InvalidArgument, NotFound,
-                                    ResourceExhausted, Unavailable)
+from services.common.errors import (Aborted, ErrorInterceptor, FailedPrecondition, FerryError, InvalidArgument,
+                                    NotFound, ResourceExhausted, Unavailable)
 from services.instance.engine.engine import LLMEngine
 from services.instance.engine.engine_config import EngineConfig
 from services.instance.engine.step_output import StepOutput
@@ -1543,4 +1545,48 @@ async def test_a_migration_failing_after_its_caller_gave_up_leaves_no_unread_err
         assert not unretrieved, unretrieved
     await read(stream, tokens)
     assert tokens == expected
+    await assert_no_blocks_held(a, b)
+
+
+class BusyTransferService(TensorCopier):
+    """A transfer service whose staging slots stay busy: every copy is refused RESOURCE_EXHAUSTED."""
+
+    async def transfer(self, transfer: BlockTransfer, timeout_s: float, request_id=None) -> TransferResult:
+        self.num_calls += 1
+        raise ResourceExhausted("all 4 staging slots stayed busy for 1.0 s; retry later or raise --num-staging-slots")
+
+
+async def test_migrate_out_names_the_party_that_ran_out_of_room(pair):
+    """A transfer service whose staging slots stayed busy and a destination with no room both end MigrateOut
+    RESOURCE_EXHAUSTED. Before, the manager recorded both `refused` ("the destination refused"); the source's
+    trailing metadata now says which party ran out (x-ferry-refused-by), over a real gRPC call."""
+    a, b = pair
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    tokens: list[int] = []
+    await read(stream, tokens, until=2)
+    servicer = servicer_moving_to(a, FaultyPeer(b))
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    instance_pb2_grpc.add_InstanceServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    request = instance_pb2.MigrateOutRequest(request_id="r", dst_instance_id="b", dst_address="127.0.0.1:2")
+    full = FaultyPeer(b)
+    full.faults["prepare"] = ResourceExhausted("no batch slot for migration m: all 4 are taken")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = instance_pb2_grpc.InstanceServiceStub(channel)
+            for migrations, party, says in (
+                    (driver(a, FaultyPeer(b), BusyTransferService(a, b)), REFUSED_BY_TRANSFER,
+                     "a transfer service had no room for the copy to b"),
+                    (driver(a, full, TensorCopier(a, b)), REFUSED_BY_DESTINATION, "no batch slot")):
+                servicer.migrations = migrations
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await stub.MigrateOut(request, timeout=20)
+                assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.value.details()
+                assert refused_by(error.value.trailing_metadata()) == party and says in error.value.details()
+                assert not is_source_busy(error.value.trailing_metadata())
+    finally:
+        await server.stop(None)
+    last = await read(stream, tokens)  # it went on here
+    assert last.finish_reason is FinishReason.LENGTH
     await assert_no_blocks_held(a, b)

@@ -181,11 +181,12 @@ def pair_drains(draining: Sequence[Peer], serving: Sequence[Peer], allowed: Pair
     """Each draining peer that holds requests, by id, with the freest serving destination not yet taken.
     PREFILL instances take them only when no other serving instance can (the last decode instance is
     draining) and `may_use_prefill` (no decoding instance sits this tick out): they decode too, and hand the
-    requests on once a decode instance serves again."""
+    requests on once a decode instance serves again. In that last resort one with a free batch slot goes first."""
     destinations = sorted((p for p in serving if p.can_receive), key=destination_order)
     if may_use_prefill and not any(p.has_room for p in serving):  # (not one whose migration slots are busy a while)
+        # A free batch slot first: one without refuses the move (RESOURCE_EXHAUSTED) unless a slot freed since
         destinations = sorted((p for p in serving if p.load.num_free_blocks > 0 and p.load.has_free_migration_slot),
-                              key=destination_order)
+                              key=lambda p: (not p.load.has_free_slot, *destination_order(p)))
     sources = [p for p in sorted(draining, key=lambda p: p.instance_id) if p.num_requests and p.can_send]
     return _assign(sources, destinations, MigrationTrigger.DRAIN, allowed)
 

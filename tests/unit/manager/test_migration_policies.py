@@ -181,6 +181,20 @@ def test_a_destination_whose_migration_slots_are_busy_leaves_the_next_one_to_try
     assert pairs_of(pair_prefilled([prefill, dataclasses.replace(free, role=Role.DECODE)])) == [("p", "free")]
 
 
+def test_a_drains_last_resort_prefers_a_destination_with_a_free_batch_slot():
+    """No serving instance has room (a decode instance with free blocks but its batch full, a PREFILL one): the last
+    resort took the freest, the one without a batch slot, which refuses the move, and the drain backed off while
+    the PREFILL instance with a slot waited. A free batch slot goes first; among those, the freest."""
+    draining = [peer("d", num_running=3, num_free_blocks=970, role=Role.DECODE, is_draining=True)]
+    full_batch = peer("d2", role=Role.DECODE, num_free_slots=0)  # the freest: no request runs, none fits
+    prefill = peer("p0", num_running=2, num_free_blocks=980, role=Role.PREFILL, num_free_slots=2)
+    freer_prefill = peer("p1", num_running=1, num_free_blocks=990, role=Role.PREFILL)  # reports no slots: has one
+    assert full_batch.freeness > freer_prefill.freeness > prefill.freeness
+    assert pairs_of(pair_drains(draining, [full_batch, prefill])) == [("d", "p0")]
+    assert pairs_of(pair_drains(draining, [full_batch, prefill, freer_prefill])) == [("d", "p1")]
+    assert pairs_of(pair_drains(draining, [full_batch])) == [("d", "d2")]  # still a last resort when alone
+
+
 def test_a_drain_waits_for_a_busy_decode_instance_rather_than_fall_back_to_a_prefill_one():
     # The last resort (a PREFILL destination) is for when no decoding instance has room, not for one whose
     # migration slots are busy for a while.

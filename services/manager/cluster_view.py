@@ -219,7 +219,7 @@ class ClusterView:
         for instance_id in (src_id, dst_id):
             self._migrating[instance_id] = self._migrating.get(instance_id, 0) + 1
         self._candidates.pop(dst_id, None)
-        return self._incoming.begin(dst_id, num_blocks)
+        return self._incoming.begin(dst_id, num_blocks, src_id)
 
     def end_migration(self, src_id: InstanceId, dst_id: InstanceId, token: int = 0) -> None:
         self._incoming.end(dst_id, token)
@@ -365,6 +365,7 @@ class ClusterView:
             is_heard=not self._is_unhealthy(instance_id, self._clock() - self._report_timeout_s),
             num_migrations=self._migrating.get(instance_id, 0),
             reported_load=self.reported_load_of(instance_id),
+            migrating_in_from=self._incoming.held_from(instance_id),
         )
 
     def _is_draining(self, instance_id: InstanceId) -> bool:

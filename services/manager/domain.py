@@ -237,6 +237,8 @@ class InstanceView:
     is_heard: bool = True  # it reported within --report-timeout-s (and no peer found it unreachable since)
     num_migrations: int = 0  # migrations this manager runs into or out of it now
     reported_load: Load | None = None  # the last report alone (None: as `load`)
+    # Migrations of this manager into it that `load` holds and no report of it shows yet: (source, blocks) each
+    migrating_in_from: tuple[tuple[InstanceId, int], ...] = ()
 
     @property
     def held_load(self) -> Load:
@@ -257,6 +259,11 @@ def pooled_freeness(views: Sequence[InstanceView]) -> float:
     """The instances' freeness as if they were one instance: every free block (less what queued
     requests need) over every running request, plus one per instance. Not the mean of their
     freeness: an empty instance (its free blocks over 1) beside a backed-up one would make the
-    cluster look idle, and a just-added instance would be retired at once, over and over."""
-    free = sum(v.load.num_free_blocks - v.load.num_blocks_needed_by_waiting for v in views)
-    return free / (sum(v.load.num_running for v in views) + len(views))
+    cluster look idle, and a just-added instance would be retired at once, over and over.
+    A migration in flight between two of them is counted once, where its source's report counts it: the
+    destination's hold of it (a running request and its blocks, until a report there shows it) is left out.
+    Counted on both, a burst of moves looked like more load than there was, and scaling keeps this in a band."""
+    ids = {v.record.instance_id for v in views}
+    within = [num_blocks for v in views for src_id, num_blocks in v.migrating_in_from if src_id in ids]
+    free = sum(v.load.num_free_blocks - v.load.num_blocks_needed_by_waiting for v in views) + sum(within)
+    return free / (sum(v.load.num_running for v in views) - len(within) + len(views))

@@ -14,7 +14,9 @@ estimate of its blocks (as needed, like a dispatch's) and one migration slot (`R
   out until their next reports, which show what became of it.
 
 Others' migrations into it (a PD push, another manager's) count in those figures too, so ours may be taken as
-shown a report early: no worse than without this. No clock, no transport.
+shown a report early: no worse than without this. Each keeps its source: the source's report counts the request
+meanwhile, so the cluster's pooled freeness takes the held one out where its source is in the pool too
+(domain.pooled_freeness). No clock, no transport.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from services.manager.domain import InstanceId, Reservation
 class _Incoming:
     token: int
     num_blocks: int
+    src_id: InstanceId  # the instance it comes from (its reports count the request until it leaves)
     is_shown: bool = False  # a report of the destination counts it (invariant: never goes back to False)
 
 
@@ -37,10 +40,10 @@ class IncomingMigrations:
     _by_dst: dict[InstanceId, list[_Incoming]] = field(default_factory=dict)  # oldest first
     _tokens: itertools.count = field(default_factory=lambda: itertools.count(1))
 
-    def begin(self, dst_id: InstanceId, num_blocks: int) -> int:
-        """A migration into `dst_id` started, expected to take `num_blocks`; its token for `end`."""
+    def begin(self, dst_id: InstanceId, num_blocks: int, src_id: InstanceId) -> int:
+        """A migration from `src_id` into `dst_id` started, expected to take `num_blocks`; its token for `end`."""
         token = next(self._tokens)
-        self._by_dst.setdefault(dst_id, []).append(_Incoming(token, max(num_blocks, 0)))
+        self._by_dst.setdefault(dst_id, []).append(_Incoming(token, max(num_blocks, 0), src_id))
         return token
 
     def end(self, dst_id: InstanceId, token: int) -> None:
@@ -64,6 +67,10 @@ class IncomingMigrations:
         """What ours that no report shows yet hold of `dst_id`."""
         hidden = [i for i in self._by_dst.get(dst_id, ()) if not i.is_shown]
         return Reservation(len(hidden), sum(i.num_blocks for i in hidden), num_migrations=len(hidden))
+
+    def held_from(self, dst_id: InstanceId) -> tuple[tuple[InstanceId, int], ...]:
+        """Ours into `dst_id` that no report shows yet, each as (its source, its blocks): what `reservation` holds."""
+        return tuple((i.src_id, i.num_blocks) for i in self._by_dst.get(dst_id, ()) if not i.is_shown)
 
     def forget(self, dst_id: InstanceId) -> None:
         """It left: its migrations end with errors (their `end` then finds nothing)."""

@@ -9,6 +9,7 @@ from services.manager.cluster_view import IN_TRANSIT_S, ClusterView
 from services.manager.dispatcher import Dispatcher
 from services.manager.domain import DispatchAsk, InstanceId, InstanceRecord, InstanceState, Role
 from services.manager.leadership import Leader, Leadership
+from services.manager.scaling import ScalingSettings, decide
 from tests.unit.manager.factories import FakeClock, make_load, make_record, make_view
 
 pytestmark = pytest.mark.timeout(10)
@@ -439,3 +440,24 @@ def test_a_new_instance_is_dispatched_to_once_it_reports():
     assert dispatcher.dispatch(ask()).instance_id == "a"
     view.apply_report(InstanceId("b"), make_load(num_free_blocks=1000))
     assert dispatcher.dispatch(ask()).instance_id == "b"
+
+
+def test_a_migration_in_flight_counts_once_in_the_pooled_freeness_scaling_keeps_in_its_band():
+    """The destination holds a migration in flight (a running request, its blocks) until a report there shows it,
+    while the source's report still counts the request: pooled over both, it counted twice, and a burst of moves
+    looked like more load than there was (scaling added an instance). Once where both are in the pool; a request
+    coming in from outside it (a draining instance) does add load to it."""
+    s, d = InstanceId("s"), InstanceId("d")
+    view = make_view("s", "d", num_total_blocks=100, num_free_blocks=100)
+    view.apply_report(s, make_load(num_running=8, num_free_blocks=20, num_total_blocks=100))
+    assert view.totals().average_freeness == 12.0  # (20 + 100) / (8 + 2)
+    settings = ScalingSettings(is_enabled=True, low_freeness=11.0, high_freeness=50.0, max_instances=4)
+    token = view.begin_migration(s, d, num_blocks=10)
+    assert view.totals().average_freeness == 12.0  # not (20 + 100 - 10) / (8 + 1 + 2) = 10, under the band
+    assert decide(view.instances(), settings) is None
+    assert view.load_of(d).num_running == 1  # the destination's own load still holds it (pairing, dispatch)
+    view.end_migration(s, d, token)
+    view.put_member(make_record("x", is_draining=True))
+    view.apply_report(InstanceId("x"), make_load(num_running=1, num_free_blocks=90, num_total_blocks=100))
+    view.begin_migration(InstanceId("x"), d, num_blocks=10)
+    assert view.totals().average_freeness == 10.0  # x is not serving: its request comes into the pool

@@ -1,4 +1,5 @@
-"""Live migration from the manager's side: the migration loop, admin migrations, the history.
+"""Live migration from the manager's side: the migration loop and admin migrations; their pacing is in
+migration_pacing.py, the history (and the journal's feed) in migration_records.py.
 
 Design of `migration_loop` (every manager runs it; it acts only while leading):
 
@@ -7,7 +8,7 @@ Design of `migration_loop` (every manager runs it; it acts only while leading):
 
 A migration holds a slot on both of its instances until MigrateOut returns (at most
 `max_per_instance` at once on one instance); then both sit out until their next load
-report (an older one still shows the request where it was). Loads do not show a move in
+report (an older one still shows the request where it was): migration_pacing.py. Loads do not show a move in
 flight either, so load moves stay one at a time per instance whatever `max_per_instance`
 is (two at once overshot and swapped the pair); drains and PD hand-offs use the other slots. A request that committed
 is left alone for `cooldown_s` (the source is told to skip it when it picks); with the
@@ -25,8 +26,8 @@ later, while this manager leads (migration_settle.py), and counted then. One tha
 reached the source (connection refused) is failed at once. A source reporting no free
 migration slot (its own PD hand-offs hold them) is asked for none; one that refuses at once all
 the same (SourceBusy) made no migration: counted apart, no record, no backoff. A MigrateOut still
-running at close() (shutdown) is kept `unknown`. Records go to the journal only while this manager
-leads in the term their migration began in; those an earlier term left `unknown` there are adopted
+running at close() (shutdown) is kept `unknown`. Records (migration_records.py) go to the journal only while
+this manager leads in the term their migration began in; those an earlier term left `unknown` there are adopted
 and settled from the first tick of each term (migration_adopt.py). A tick that raises (a bug, a
 race in the view) is logged and the next tick runs (`periodic_loop`).
 """
@@ -34,8 +35,6 @@ race in the view) is logged and the next tick runs (`periodic_loop`).
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ from services.common.pick_announcement import AnnouncedPick
 from services.common.task_errors import read_error
 from services.manager import metrics
 from services.manager.admin_orders import AdminOrders
-from services.manager.migration_accounting import account, note_source_busy
+from services.manager.migration_accounting import note_source_busy
 from services.manager.migration_adopt import Adopter, UnknownRecords
 from services.manager.cluster_view import ClusterView
 from services.manager.domain import InstanceId, InstanceState, InstanceView, Role
@@ -57,8 +56,10 @@ from services.manager.leadership import Leadership
 from services.manager.migration import (MigrationFigures, MigrationOrder, MigrationOutcome, MigrationRecord,
                                         MigrationSelection, MigrationSettings, MigrationTrigger, SourceBusy,
                                         TransferBusy)
-from services.manager.migration_settle import (LOOKS_AT_S, UNANSWERED_STATUSES, HeldRequest, Settler,
-                                               SourceUnanswered, SourceUnreached)
+from services.manager.migration_pacing import MigrationPacing
+from services.manager.migration_records import MigrationRecords, RecordSink
+from services.manager.migration_settle import (LOOKS_AT_S, UNANSWERED_STATUSES, HeldRequest, SourceUnanswered,
+                                               SourceUnreached)
 from services.manager.migration_policies import (Pair, PairingPolicy, Peer, blocks_per_request, make_pairing,
                                                  pair_drains, pair_prefilled)
 
@@ -102,8 +103,7 @@ class Migrator:
     def __init__(self, view: ClusterView, leadership: Leadership, client: MigrateOutClient, limits: MigratorLimits,
                  settings: MigrationSettings = DEFAULT_SETTINGS, clock: Clock = time.monotonic,
                  wall_clock: Clock = time.time,
-                 record_sink: Callable[[MigrationRecord, MigrationRecord | None], None] | None = None,
-                 journaled: UnknownRecords | None = None) -> None:
+                 record_sink: RecordSink | None = None, journaled: UnknownRecords | None = None) -> None:
         self._view = view
         self._leadership = leadership
         self._client = client
@@ -112,22 +112,13 @@ class Migrator:
         self._wall_clock = wall_clock
         self._settings = settings
         self._pairing: PairingPolicy = make_pairing(settings.pairing)
-        self._in_flight: dict[InstanceId, int] = {}  # invariant: MigrateOut calls running per instance, > 0
-        self._ended_at: dict[InstanceId, float] = {}  # its last migration ended then; sits out until a newer report
-        self._received_at: dict[InstanceId, float] = {}  # a migration to it last ended then (ties go to others)
-        self._num_owed_in_flight = 0  # drain and PD migrations started and not ended
-        self._owed_ended_at = float("-inf")  # when the last of them ended
-        self._cooled: dict[str, float] = {}  # request id -> when it committed somewhere
-        self._failed_at: dict[tuple[InstanceId, InstanceId], float] = {}  # (src, dst) -> its last failure
-        self._history: collections.deque[MigrationRecord] = collections.deque(maxlen=limits.history_size)
-        # Also gets every kept record (the etcd journal), and what an unknown one turned out to be: (record, the
-        # unknown record it replaces), the latter only while leading.
-        self._record_sink = record_sink
+        self._pacing = MigrationPacing(limits.max_per_instance, limits.cooldown_s, limits.failure_backoff_s, clock)
+        # The history, the journal's feed (`record_sink`), the unanswered ones followed till settled
+        self._records = MigrationRecords(limits.history_size, leadership, client, limits.settle_looks_at_s,
+                                         record_sink, on_counted=self._counted)
         self._tasks: set[asyncio.Task[None]] = set()
         self._announced_drained: set[InstanceId] = set()
         self._admin_orders = AdminOrders(view, self._peer)
-        self._settler = Settler(client, self._settled, limits.settle_looks_at_s,  # unanswered ones: what became of them
-                                leading_term=self._leading_term)
         # The unknown ones an earlier term left in the journal (`journaled`), settled once this manager leads
         self._adopter = Adopter(journaled, client, leadership, self._address_of, record_sink,
                                 limits.settle_looks_at_s) if journaled is not None else None
@@ -155,7 +146,7 @@ class Migrator:
         """The tick interval, or OWED_WORK_INTERVAL_S while drains or PD hand-offs are moving requests:
         those must move whatever the load, so the next goes as soon as its pair settled, not a tick later.
         A drain with nowhere to go (no destination, or backing off) starts nothing and keeps the usual pace."""
-        is_moving = self._num_owed_in_flight > 0 or self._clock() - self._owed_ended_at < OWED_SETTLE_S
+        is_moving = self._pacing.is_moving_owed(OWED_SETTLE_S)
         return min(self._limits.interval_s, OWED_WORK_INTERVAL_S) if is_moving else self._limits.interval_s
 
     async def _tick_if_leading(self) -> None:
@@ -170,33 +161,21 @@ class Migrator:
         for order in orders:
             self._start(order)
         self._announce_drained()
-        self._cooled_request_ids()  # forgets the cooled-down ones, also while no load order asks
-        self._forget_departed()
+        self._pacing.cooled_request_ids()  # forgets the cooled-down ones, also while no load order asks
+        self._pacing.forget_departed(self._view.has_member)
         return orders
-
-    def _forget_departed(self) -> None:
-        """Drop what is kept per instance once it has left (ids of restarted instances can be new each time),
-        and the failures of pairs whose backoff is over (else one per pair of members could stay)."""
-        is_member = self._view.has_member
-        for per_instance in (self._ended_at, self._received_at):
-            for instance_id in [i for i in per_instance if not is_member(i)]:
-                del per_instance[instance_id]
-        backed_off_since = self._clock() - self._limits.failure_backoff_s
-        for pair in [p for p, failed_at in self._failed_at.items()
-                     if failed_at <= backed_off_since or not (is_member(p[0]) and is_member(p[1]))]:
-            del self._failed_at[pair]
 
     def plan(self) -> list[MigrationOrder]:
         peers = self._peers()
         serving = [p for p in peers if not p.is_draining]
         def allowed(src: Peer, dst: Peer) -> bool:  # one that keeps refusing leaves the next-freest one to try
-            return src.holds_same_model(dst) and self._is_not_backing_off(src, dst)
+            return src.holds_same_model(dst) and self._pacing.is_not_backing_off(src.instance_id, dst.instance_id)
         pairs = pair_drains([p for p in peers if p.is_draining], serving, allowed,
                             may_use_prefill=not self._is_a_decoder_sitting_out(peers))
         pairs += pair_prefilled([p for p in serving if p.instance_id not in _taken(pairs)], allowed)
         if self._settings.is_enabled:  # loads do not show a move in flight yet: a busy peer sits load moves out
             pairs += self._pairing.pair([p for p in serving if p.instance_id not in _taken(pairs)
-                                         and not self._in_flight.get(p.instance_id)],
+                                         and not self._pacing.is_busy(p.instance_id)],
                                         self._settings.threshold, allowed)
         return [self._order(pair) for pair in pairs]
 
@@ -208,7 +187,7 @@ class Migrator:
         the request and the migration id its source announced (if it did). The journal gets the record only
         while this manager still leads in the term the migration began in (a manager that lost the lead
         meanwhile writes nothing: the history there is the new leader's)."""
-        started, started_at, term = self._clock(), self._wall_clock(), self._leading_term()
+        started, started_at, term = self._clock(), self._wall_clock(), self._records.leading_term()
         token = self._hold(order)
         has_run, picks = True, []  # what the source announced (its pick, the migration's id) as it came
         try:
@@ -249,7 +228,7 @@ class Migrator:
                        else MigrationOutcome.not_committed(status_name(exc), isinstance(exc, TransferBusy)))
             not_committed = MigrationRecord(order, outcome, figures, started_at, reason=status_name(exc),
                                             message=exc.message)
-            if not (is_unanswered and await self._settler.moved_at_once(not_committed)):
+            if not (is_unanswered and await self._records.moved_at_once(not_committed)):
                 return not_committed, exc
             return MigrationRecord(order, MigrationOutcome.COMMITTED, figures, started_at, message=(
                 f"the source gave no answer ({exc.message}), but the destination holds the request")), None
@@ -289,12 +268,11 @@ class Migrator:
     def keep_reported(self, record: MigrationRecord) -> None:
         """A migration an instance ran on its own (the PD push): kept, counted and logged like ours. One that
         failed does not hold back our own next try for that pair (its push often just met a busy slot)."""
-        self._keep(record, self._leading_term(), backs_off=False)
+        self._keep(record, self._records.leading_term(), backs_off=False)
 
     def history(self, instance_id: str = "", request_id: str = "") -> list[MigrationRecord]:
         """Kept records, oldest first, optionally only those of one instance or one request."""
-        return [r for r in self._history if (not instance_id or r.involves(instance_id))
-                and (not request_id or r.figures.request_id == request_id)]
+        return self._records.history(instance_id, request_id)
 
     async def close(self, grace_s: float = 0.0) -> None:
         """Stop (shutdown): MigrateOut calls still running get `grace_s` to end, then are cut short and kept
@@ -305,7 +283,7 @@ class Migrator:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._settler.close()
+        await self._records.close()
         if self._adopter is not None:
             await self._adopter.close()
 
@@ -319,9 +297,9 @@ class Migrator:
             instance_id = view.record.instance_id
             if view.state is InstanceState.UNHEALTHY or view.report_age_s is None or not view.is_heard:
                 continue  # (a draining instance gone silent shows DRAINING: its MigrateOut would only hang)
-            if self._in_flight.get(instance_id, 0) >= self._limits.max_per_instance:
+            if self._pacing.is_at_limit(instance_id):
                 continue
-            if now - view.report_age_s <= self._ended_at.get(instance_id, float("-inf")):
+            if self._pacing.is_waiting_for_report(instance_id, reported_at=now - view.report_age_s):
                 continue
             peers.append(self._peer(view))
         return peers
@@ -335,14 +313,14 @@ class Migrator:
 
     def _peer(self, view: InstanceView) -> Peer:
         return Peer.of(view, is_draining=view.state is InstanceState.DRAINING,
-                       last_received_at=self._received_at.get(view.record.instance_id, float("-inf")))
+                       last_received_at=self._pacing.last_received_at(view.record.instance_id))
 
     def _order(self, pair: Pair) -> MigrationOrder:
         if pair.trigger is MigrationTrigger.PD:  # one stop-and-copy stage of a request with its first token
             return MigrationOrder(pair.src.instance_id, pair.src.address, pair.dst.instance_id, pair.dst.address,
                                   pair.trigger, MigrationSelection.PREFILL_DONE, backend=self._limits.backend,
                                   max_stages=0, dst_max_model_len=pair.dst.max_model_len)
-        excluded = frozenset() if pair.trigger is MigrationTrigger.DRAIN else self._cooled_request_ids()
+        excluded = frozenset() if pair.trigger is MigrationTrigger.DRAIN else self._pacing.cooled_request_ids()
         return MigrationOrder(pair.src.instance_id, pair.src.address, pair.dst.instance_id, pair.dst.address,
                               pair.trigger, self._settings.selection, backend=self._limits.backend,
                               exclude_request_ids=excluded, dst_max_model_len=pair.dst.max_model_len,
@@ -353,13 +331,9 @@ class Migrator:
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         if order.trigger in OWED_TRIGGERS:  # counted from here, so the tick that started it already sees it
-            self._num_owed_in_flight += 1
-            task.add_done_callback(self._owed_task_done)
+            self._pacing.begin_owed()
+            task.add_done_callback(lambda _: self._pacing.end_owed())
         return task
-
-    def _owed_task_done(self, task: asyncio.Task[MigrationRecord]) -> None:
-        self._num_owed_in_flight -= 1
-        self._owed_ended_at = self._clock()
 
     def _task_done(self, task: asyncio.Task[MigrationRecord]) -> None:
         self._tasks.discard(task)
@@ -370,8 +344,7 @@ class Migrator:
     def _hold(self, order: MigrationOrder) -> int:
         """A slot on both; the destination's view counts the request (an average one of the source's) till a
         report of it does. The view's token of it."""
-        for instance_id in (order.src_instance_id, order.dst_instance_id):
-            self._in_flight[instance_id] = self._in_flight.get(instance_id, 0) + 1
+        self._pacing.hold(order)
         metrics.MIGRATIONS_IN_FLIGHT.inc()
         is_known = self._view.has_member(order.src_instance_id)
         num_blocks = blocks_per_request(self._view.instance(order.src_instance_id).held_load) if is_known else 0
@@ -380,69 +353,21 @@ class Migrator:
     def _release(self, order: MigrationOrder, token: int, has_run: bool = True) -> None:
         """Both sit out until their next report; only the source where it refused at once (`has_run` False:
         its next report shows its migration slots; the destination saw nothing)."""
-        now = self._clock()
-        for instance_id in (order.src_instance_id, order.dst_instance_id):
-            self._in_flight[instance_id] -= 1
-            if not self._in_flight[instance_id]:
-                del self._in_flight[instance_id]
-        self._ended_at[order.src_instance_id] = now
-        if has_run:
-            self._ended_at[order.dst_instance_id] = now
-            self._received_at[order.dst_instance_id] = now
+        self._pacing.release(order, has_run)
         self._view.end_migration(order.src_instance_id, order.dst_instance_id, token)
         metrics.MIGRATIONS_IN_FLIGHT.dec()
 
     def _keep(self, record: MigrationRecord, term: int | None, backs_off: bool = True,
               is_followed: bool = True) -> None:
-        """In the history, and journaled if this manager still leads in `term` (the one the migration began
-        in); counted and logged now, or once settled where its outcome is unknown (and `is_followed`)."""
-        self._history.append(record)
+        """Kept (migration_records.py); one not committed backs its pair off (`backs_off`)."""
         if not record.is_committed and backs_off:
-            self._failed_at[record.order.src_instance_id, record.order.dst_instance_id] = self._clock()
-        is_in_term = term is not None and term == self._leading_term()
-        if self._record_sink is not None and is_in_term:
-            self._record_sink(record, None)
-        if record.outcome is MigrationOutcome.UNKNOWN and is_followed:
-            log.warning("migration_unanswered", request_id=record.figures.request_id, reason=record.reason,
-                        src_instance_id=record.order.src_instance_id, dst_instance_id=record.order.dst_instance_id,
-                        action="asking the instances whether it committed")
-            self._settler.follow(record, term)
-            return
-        self._account(record)
+            self._pacing.note_failed(record.order.src_instance_id, record.order.dst_instance_id)
+        self._records.keep(record, term, is_followed)
 
-    def _leading_term(self) -> int | None:
-        return self._leadership.term if self._leadership.is_leader else None
-
-    def _settled(self, unknown: MigrationRecord, record: MigrationRecord) -> None:
-        """What an unanswered migration turned out to be: it replaces its `unknown` record in the history, and
-        in the journal while this manager leads (a non-leader writes nothing: the journal keeps it unknown)."""
-        with contextlib.suppress(ValueError):  # gone from the history already (a long one): counted all the same
-            self._history[self._history.index(unknown)] = record
-        is_found_out = record.outcome is not MigrationOutcome.UNKNOWN  # (else the journal has it as it is)
-        if is_found_out and self._record_sink is not None and self._leadership.is_leader:
-            self._record_sink(record, unknown)
-        self._account(record)
-
-    def _account(self, record: MigrationRecord) -> None:
-        """Counted and logged (migration_accounting.py), once per migration; a committed request cools down."""
-        account(record)
+    def _counted(self, record: MigrationRecord) -> None:
+        """Told once per migration as it is counted: a committed request cools down."""
         if record.is_committed:
-            self._cooled[record.figures.request_id] = self._clock()
-
-    def _is_not_backing_off(self, src: Peer, dst: Peer) -> bool:
-        key = (src.instance_id, dst.instance_id)
-        failed_at = self._failed_at.get(key)
-        if failed_at is None:
-            return True
-        if self._clock() - failed_at >= self._limits.failure_backoff_s:
-            del self._failed_at[key]
-            return True
-        return False
-
-    def _cooled_request_ids(self) -> frozenset[str]:
-        horizon = self._clock() - self._limits.cooldown_s
-        self._cooled = {r: t for r, t in self._cooled.items() if t > horizon}
-        return frozenset(self._cooled)
+            self._pacing.note_committed(record.figures.request_id)
 
     def _announce_drained(self) -> None:
         drained = {v.record.instance_id for v in self._view.instances() if v.is_drained}

@@ -42,7 +42,7 @@ async def test_cooled_request_ids_are_forgotten_even_with_the_load_loop_off():
         clock.advance(1.0)
         migrator.tick()  # the loop keeps ticking (drains, PD healing), load-balancing off
     await settle(migrator)
-    assert len(migrator._cooled) <= 20, f"{len(migrator._cooled)} request ids kept for a 10 s cooldown"
+    assert len(migrator._pacing._cooled) <= 20, f"{len(migrator._pacing._cooled)} request ids kept for a 10 s cooldown"
 
 
 # 2. A destination that keeps refusing (batch slots full, blocks free) stalls a drain for ever:
@@ -318,12 +318,12 @@ async def test_failed_pairs_are_forgotten_once_their_backoff_is_over():
             if src != dst:
                 with pytest.raises(Unavailable):
                     await migrator.migrate(migrator.admin_order(src, dst, ""))
-    assert len(migrator._failed_at) == len(ids) * (len(ids) - 1)
+    assert len(migrator._pacing._failed_at) == len(ids) * (len(ids) - 1)
     clock.advance(2.0)
     for i in ids:
         report(view, i, 0)
     migrator.tick()
-    assert len(migrator._failed_at) == 0, f"{len(migrator._failed_at)} pairs kept past their 2 s backoff"
+    assert len(migrator._pacing._failed_at) == 0, f"{len(migrator._pacing._failed_at)} pairs kept past their 2 s backoff"
 
 
 # 12. Scaler._stoppable_since kept the instances of a target a new term no longer follows (another leader

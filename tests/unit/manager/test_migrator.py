@@ -200,7 +200,7 @@ async def test_failures_are_recorded_by_grpc_status_and_the_loop_goes_on():
     assert (second.outcome, second.reason) == (MigrationOutcome.FAILED, "UNIMPLEMENTED")
     assert {k: n - before[k] for k, n in _outcome_counts().items()} == {
         "refused": 1, "failed": 1, "failures RESOURCE_EXHAUSTED": 0, "failures UNIMPLEMENTED": 1}
-    assert migrator._in_flight == {}
+    assert migrator._pacing._in_flight == {}
 
 
 def _outcome_counts() -> dict[str, float]:
@@ -564,10 +564,10 @@ async def test_what_is_kept_per_instance_goes_when_it_leaves():
         clock.advance(1.0)
         report(view, "gone", 30)
         report(view, "stay", 0)
-    assert migrator._ended_at and migrator._received_at and migrator._failed_at
+    assert migrator._pacing._ended_at and migrator._pacing._received_at and migrator._pacing._failed_at
     view.remove_member(InstanceId("gone"))
     migrator.tick()
-    assert "gone" not in {*migrator._ended_at, *migrator._received_at, *(i for p in migrator._failed_at for i in p)}
+    assert "gone" not in {*migrator._pacing._ended_at, *migrator._pacing._received_at, *(i for p in migrator._pacing._failed_at for i in p)}
 
 
 async def test_a_lone_request_just_dispatched_is_not_counted_twice_and_stays():

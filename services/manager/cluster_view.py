@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from services.manager.domain import (
     PREFILL_ROLES, Candidate, InstanceId, InstanceRecord, InstanceState, InstanceView, Load, Reservation, Role,
-    pooled_freeness,
+    migrations_within, pooled_freeness,
 )
 from services.manager.incoming_migrations import IncomingMigrations
 
@@ -351,7 +351,9 @@ class ClusterView:
             num_instances=len(views), num_serving=len(serving),
             num_draining=sum(v.state is InstanceState.DRAINING for v in views),
             num_unhealthy=sum(v.state is InstanceState.UNHEALTHY for v in views),
-            num_running=sum(v.load.num_running for v in views), num_waiting=sum(v.load.num_waiting for v in views),
+            # a migration in flight counted once, on its source (the destination's load holds it too)
+            num_running=sum(v.load.num_running for v in views) - len(migrations_within(views)),
+            num_waiting=sum(v.load.num_waiting for v in views),
             average_freeness=pooled_freeness(serving) if serving else 0.0,  # what scaling keeps in its band
             num_dispatched=sum(self._num_dispatched.values()) + self._num_dispatched_to_departed,
         )

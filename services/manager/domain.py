@@ -255,6 +255,13 @@ class InstanceView:
                 and self.load.num_held == 0 and self.load.num_incoming_migrations == 0 and self.num_migrations == 0)
 
 
+def migrations_within(views: Sequence[InstanceView]) -> list[int]:
+    """The blocks of each migration of ours in flight between two of `views` that its destination's load holds
+    (no report there shows it yet): its source's report counts the request meanwhile."""
+    ids = {v.record.instance_id for v in views}
+    return [num_blocks for v in views for src_id, num_blocks in v.migrating_in_from if src_id in ids]
+
+
 def pooled_freeness(views: Sequence[InstanceView]) -> float:
     """The instances' freeness as if they were one instance: every free block (less what queued
     requests need) over every running request, plus one per instance. Not the mean of their
@@ -263,7 +270,6 @@ def pooled_freeness(views: Sequence[InstanceView]) -> float:
     A migration in flight between two of them is counted once, where its source's report counts it: the
     destination's hold of it (a running request and its blocks, until a report there shows it) is left out.
     Counted on both, a burst of moves looked like more load than there was, and scaling keeps this in a band."""
-    ids = {v.record.instance_id for v in views}
-    within = [num_blocks for v in views for src_id, num_blocks in v.migrating_in_from if src_id in ids]
+    within = migrations_within(views)
     free = sum(v.load.num_free_blocks - v.load.num_blocks_needed_by_waiting for v in views) + sum(within)
     return free / (sum(v.load.num_running for v in views) - len(within) + len(views))

@@ -454,6 +454,7 @@ def test_a_migration_in_flight_counts_once_in_the_pooled_freeness_scaling_keeps_
     settings = ScalingSettings(is_enabled=True, low_freeness=11.0, high_freeness=50.0, max_instances=4)
     token = view.begin_migration(s, d, num_blocks=10)
     assert view.totals().average_freeness == 12.0  # not (20 + 100 - 10) / (8 + 1 + 2) = 10, under the band
+    assert view.totals().num_running == 8  # GetClusterStatus: one request moving, not two
     assert decide(view.instances(), settings) is None
     assert view.load_of(d).num_running == 1  # the destination's own load still holds it (pairing, dispatch)
     view.end_migration(s, d, token)
@@ -461,3 +462,4 @@ def test_a_migration_in_flight_counts_once_in_the_pooled_freeness_scaling_keeps_
     view.apply_report(InstanceId("x"), make_load(num_running=1, num_free_blocks=90, num_total_blocks=100))
     view.begin_migration(InstanceId("x"), d, num_blocks=10)
     assert view.totals().average_freeness == 10.0  # x is not serving: its request comes into the pool
+    assert view.totals().num_running == 9  # but x is a member: its report counts the request (8 on s, 1 on x)

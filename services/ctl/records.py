@@ -105,6 +105,11 @@ class ClusterStatus:
     num_dispatched: int
     average_freeness: float
 
+    @property
+    def is_leaders_view(self) -> bool:
+        """As `InstanceListing.is_leaders_view`: answered by the leader (or by an older manager, which does not say)."""
+        return not self.answered_by or self.answered_by == self.leader_id
+
 
 @dataclass(frozen=True, slots=True)
 class DrainResult:

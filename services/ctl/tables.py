@@ -46,8 +46,8 @@ def listing_table(listing: InstanceListing) -> str:
     return "\n".join([instances_table(listing.rows), *([view_note(listing)] if not listing.is_leaders_view else [])])
 
 
-def view_note(listing: InstanceListing) -> str:
-    """Whose view a listing that is not the leader's is, and what it is worth."""
+def view_note(listing: InstanceListing | ClusterStatus) -> str:
+    """Whose view an answer that is not the leader's is, and what it is worth."""
     if not listing.leader_id:
         return f"no leader: {leaderless_view(listing.answered_by)}"
     return (f"not the leader's view: {listing.answered_by} answered alone (the leader, {listing.leader_id}, did not "

@@ -19,7 +19,7 @@ from typing import TextIO
 from services.common.errors import FerryError
 from services.ctl.client import AdminClient, NotAvailableYet
 from services.ctl.records import ClusterStatus, InstanceRow, MigrationRow, to_json
-from services.ctl.tables import load_table, migrations_table
+from services.ctl.tables import load_table, migrations_table, view_note
 
 _CLEAR = "\x1b[H\x1b[2J"
 NUM_MIGRATIONS_SHOWN = 8
@@ -100,11 +100,15 @@ async def _recent_migrations(client: AdminClient) -> list[MigrationRow] | None:
 
 
 def _header(address: str, status: ClusterStatus) -> list[str]:
+    """Which manager answered (a standby answering alone, or any manager while none leads, has no load reports:
+    its view shows serving instances as unhealthy, and a line under the header says so, as `instances` does)."""
     leader = f"{status.leader_id} ({status.leader_address})" if status.leader_id else "none elected"
-    return [f"ferry top  {_clock()}  admin {address}  leader {leader}  policy {status.dispatch_policy}",
+    answered_by = f"  answered by {status.answered_by}" if status.answered_by else ""  # an older manager does not say
+    return [f"ferry top  {_clock()}  admin {address}{answered_by}  leader {leader}  policy {status.dispatch_policy}",
             f"instances {status.num_instances}: {status.num_serving} serving, {status.num_draining} draining, "
             f"{status.num_unhealthy} unhealthy   requests: {status.num_running} running, {status.num_waiting} waiting   "
-            f"dispatched {status.num_dispatched}   average freeness {status.average_freeness:.1f}"]
+            f"dispatched {status.num_dispatched}   average freeness {status.average_freeness:.1f}",
+            *([] if status.is_leaders_view else [view_note(status)])]
 
 
 def _clock() -> str:

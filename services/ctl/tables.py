@@ -29,16 +29,33 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
 
 def instances_table(rows: Sequence[InstanceRow]) -> str:
+    """One line per instance, within 120 columns for ids like `instance-12`, IPv4 addresses and host names of up
+    to 10 characters; a HOST column (before ADDRESS) only when the instances sit on more than one host."""
     if not rows:
         return "no instances registered"
-    headers = ("INSTANCE", "ROLE", "STATE", "RUNNING", "WAITING", "FREE SLOTS", "KV USED", "FREE/TOTAL", "FREENESS",
-               "SERVED", "PREEMPTED", "PREFIX HIT", "ADDRESS")
+    hosts = host_names(rows)
+    headers = ("INSTANCE", "ROLE", "STATE", "RUN", "WAIT", "SLOTS", "KV FREE", "FREENESS", "SERVED", "PREEMPT",
+               "CACHE HIT", *(("HOST",) if hosts else ()), "ADDRESS")
     return render_table(headers, [
         (r.instance_id, r.role, r.shown_state, _load(r, r.num_running), _load(r, r.num_waiting), r.slots,
-         _load(r, f"{r.kv_used_fraction:6.1%}"), f"{_load(r, r.num_free_blocks)}/{r.num_total_blocks}",
-         _load(r, r.freeness), _load(r, r.num_requests_served), _load(r, r.num_preemptions),
-         _load(r, f"{r.prefix_cache_hit_rate:6.1%}"), r.address)
-        for r in rows])
+         f"{_load(r, r.num_free_blocks)}/{r.num_total_blocks}", _load(r, r.freeness), _load(r, r.num_requests_served),
+         _load(r, r.num_preemptions), _load(r, f"{r.prefix_cache_hit_rate:6.1%}"), *(hosts[i:i + 1]), r.address)
+        for i, r in enumerate(rows)])
+
+
+def host_names(rows: Sequence[InstanceRow]) -> list[str]:
+    """Each row's host as the HOST column shows it, or [] where they all sit on one host (the column would repeat
+    one name). Names are cut at their first dot (`hostname -s`) unless that makes two hosts look alike; `?` for an
+    instance that does not say (an older one)."""
+    full = [r.host or UNKNOWN for r in rows]
+    if len(set(full) - {UNKNOWN}) < 2:
+        return []
+    short = [name if _is_ipv4(name) else name.split(".", 1)[0] for name in full]
+    return short if len(set(short)) == len(set(full)) else full
+
+
+def _is_ipv4(name: str) -> bool:
+    return name.replace(".", "").isdigit()
 
 
 def listing_table(listing: InstanceListing) -> str:

@@ -2,8 +2,8 @@ import dataclasses
 
 from services.ctl.records import (ClusterStatus, DrainResult, InstanceListing, InstanceRow, MigrationRow, RequestList,
                                  RequestRow, to_json)
-from services.ctl.tables import (drain_line, instances_table, listing_table, load_table, migrations_table, policy_table,
-                                render_table, requests_table, status_table)
+from services.ctl.tables import (drain_line, host_names, instances_table, listing_table, load_table, migrations_table,
+                                policy_table, render_table, requests_table, status_table)
 
 
 def instance(instance_id="instance-0", free=192, total=256, served=7, free_slots=5, max_num_seqs=8,
@@ -28,11 +28,38 @@ def test_a_number_column_with_an_unmeasured_cell_stays_right_aligned():
 
 def test_instances_table():
     header, row = instances_table([instance()]).splitlines()
-    assert header.split() == ["INSTANCE", "ROLE", "STATE", "RUNNING", "WAITING", "FREE", "SLOTS", "KV", "USED",
-                              "FREE/TOTAL", "FREENESS", "SERVED", "PREEMPTED", "PREFIX", "HIT", "ADDRESS"]
-    assert row.split() == ["instance-0", "both", "serving", "2", "1", "5/8", "25.0%", "192/256", "42.50", "7", "3",
+    assert header.split() == ["INSTANCE", "ROLE", "STATE", "RUN", "WAIT", "SLOTS", "KV", "FREE", "FREENESS",
+                              "SERVED", "PREEMPT", "CACHE", "HIT", "ADDRESS"]
+    assert row.split() == ["instance-0", "both", "serving", "2", "1", "5/8", "192/256", "42.50", "7", "3",
                            "25.0%", "10.0.0.1:50061"]
     assert instances_table([]) == "no instances registered"
+
+
+def _on_hosts(hosts: list[str]) -> list[InstanceRow]:
+    return [dataclasses.replace(instance(f"instance-{i}", free=900, total=1000, served=1234, max_num_seqs=64,
+                                         free_slots=60), host=host, address=f"10.0.0.{i // 2 + 1}:50061",
+                                num_running=4, num_waiting=12, freeness=123.4) for i, host in enumerate(hosts)]
+
+
+def test_instances_on_several_hosts_show_each_ones_host():
+    """HOST was in --json alone: an operator could not see from the table which machine to look at."""
+    rows = _on_hosts([f"gpu-node-{i // 2 + 1}.example.internal" for i in range(12)])
+    header, *lines = instances_table(rows).splitlines()
+    assert header.split()[-2:] == ["HOST", "ADDRESS"]
+    assert [line.split()[-2] for line in lines[::2]] == [f"gpu-node-{n}" for n in range(1, 7)]
+    assert max(len(line) for line in [header, *lines]) <= 120
+
+
+def test_instances_on_one_host_have_no_host_column():
+    header, *_ = instances_table(_on_hosts(["gpu-node-1"] * 3)).splitlines()
+    assert "HOST" not in header.split()
+
+
+def test_host_names_stay_whole_where_cutting_them_makes_two_alike():
+    assert host_names(_on_hosts(["a.rack1", "a.rack2"])) == ["a.rack1", "a.rack2"]
+    assert host_names(_on_hosts(["10.0.0.1", "10.0.0.2"])) == ["10.0.0.1", "10.0.0.2"]
+    assert host_names(_on_hosts(["a.rack1", "", "b.rack1"])) == ["a", "?", "b"]  # an older instance does not say
+    assert host_names(_on_hosts(["", "a.rack1"])) == []
 
 
 def test_a_draining_instance_that_is_empty_shows_drained():
@@ -56,7 +83,7 @@ def test_an_instance_not_reported_yet_shows_its_load_as_unknown_not_idle():
     instance yet: the view's zeros showed a busy cluster as idle (0 running, every block free)."""
     unreported = instance("instance-1", free=256, served=0, free_slots=None, report_age_s=-1.0)
     lines = instances_table([instance(), unreported]).splitlines()
-    assert lines[2].split() == ["instance-1", "both", "serving", "?", "?", "?/8", "?", "?/256", "?", "?", "?", "?",
+    assert lines[2].split() == ["instance-1", "both", "serving", "?", "?", "?/8", "?/256", "?", "?", "?", "?",
                                 "10.0.0.1:50061"]
     assert lines[1].split()[3:5] == ["2", "1"]  # a reported one as before
     top = load_table([unreported], {}).splitlines()[1].split()

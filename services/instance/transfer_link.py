@@ -75,19 +75,46 @@ async def connect_transfer(address: str, instance_id: str, kv_cache: KvCache, rp
                         status.address)
 
 
+@dataclass(slots=True)
+class TransferOutage:
+    """Whether the last GetStatus of the transfer service failed: an outage is logged once at warning when it
+    starts and once at info when it ends, not once per check (every second)."""
+
+    started_at: float | None = None  # loop time of the first failed check; None: the service answers
+    num_failed_checks: int = 0
+
+    def failed(self, link: TransferLink, reason: str, now: float) -> None:
+        self.num_failed_checks += 1
+        if self.started_at is None:
+            self.started_at = now
+            log.warning("transfer_status_unavailable", transfer_address=link.address, reason=reason,
+                        hint="migrations to and from this instance fail until its transfer service "
+                             "(--transfer-address) answers; logged once until it does")
+
+    def answered(self, link: TransferLink, now: float) -> None:
+        if self.started_at is not None:
+            log.info("transfer_status_recovered", transfer_address=link.address,
+                     down_s=round(now - self.started_at, 1), num_failed_checks=self.num_failed_checks)
+        self.started_at, self.num_failed_checks = None, 0
+
+
 async def transfer_mapping_loop(link: TransferLink, instance_id: str, kv_cache: KvCache,
                                 interval_s: float = MAPPING_CHECK_INTERVAL_S) -> None:
     """Map `kv_cache` again whenever the transfer service no longer lists this instance (it restarted)."""
-    await periodic_loop("transfer_mapping_loop", interval_s, lambda: _check_mapping(link, instance_id, kv_cache))
+    outage = TransferOutage()
+    await periodic_loop("transfer_mapping_loop", interval_s, lambda: _check_mapping(link, instance_id, kv_cache, outage))
 
 
-async def _check_mapping(link: TransferLink, instance_id: str, kv_cache: KvCache) -> None:
+async def _check_mapping(link: TransferLink, instance_id: str, kv_cache: KvCache, outage: TransferOutage) -> None:
+    loop = asyncio.get_running_loop()
     try:
-        if instance_id not in (await link.client.get_status()).instance_ids:
+        mapped_ids = (await link.client.get_status()).instance_ids
+        outage.answered(link, loop.time())
+        if instance_id not in mapped_ids:
             await link.client.map_instance(instance_id, kv_cache.name, kv_cache.geometry, kv_cache.ipc_handle)
             log.info("kv_cache_remapped", transfer_address=link.address, shm_name=kv_cache.name)
     except Unavailable as exc:  # down or restarting: try again next interval
-        log.debug("transfer_status_unavailable", transfer_address=link.address, reason=exc.message)
+        outage.failed(link, exc.message, loop.time())
     except FerryError as exc:  # any other refusal: try again next interval (anything else: periodic_loop logs it)
         log.warning("kv_cache_remap_failed", transfer_address=link.address, reason=exc.message,
                     code=exc.grpc_code.name)

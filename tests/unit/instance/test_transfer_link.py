@@ -84,3 +84,24 @@ async def test_disconnecting_logs_which_instance_was_unmapped_where_or_why_not(o
         assert entry["event"] == "kv_cache_unmapped" and entry["was_mapped"] is outcome
     else:
         assert entry["event"] == "kv_cache_unmap_failed"
+
+
+async def test_a_transfer_service_outage_is_one_warning_and_one_recovery_line():
+    """`transfer_status_unavailable` was at debug: an operator never saw that the instance could not reach its
+    transfer service (every migration to or from it failing). Logged every second it would flood the log."""
+    from structlog.testing import capture_logs
+
+    from services.instance.transfer_link import TransferOutage, _check_mapping
+
+    down = [Unavailable("connection refused")] * 5
+    client = FlakyTransferClient([*down, ["instance-0"], ["instance-0"], *down[:2], ["instance-0"]])
+    cache = SimpleNamespace(name="ferry-kv-test", geometry=None, ipc_handle=None)
+    outage, link = TransferOutage(), TransferLink(client, "transfer-0")
+    with capture_logs() as logs:
+        for _ in range(10):
+            await _check_mapping(link, "instance-0", cache, outage)
+    assert [(e["event"], e["log_level"]) for e in logs] == [
+        ("transfer_status_unavailable", "warning"), ("transfer_status_recovered", "info"),
+        ("transfer_status_unavailable", "warning"), ("transfer_status_recovered", "info")]
+    assert logs[0]["reason"] == "connection refused" and "--transfer-address" in logs[0]["hint"]
+    assert [e["num_failed_checks"] for e in logs[1::2]] == [5, 2] and client.mapped == []

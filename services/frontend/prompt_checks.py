@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from services.common.errors import FerryError, InvalidArgument
 from services.frontend.openai_protocol import Endpoint, ParsedRequest
+from services.instance.engine.context_window import OVER_CONTEXT  # no torch
 from services.frontend.request_error import RequestError
 
 T = TypeVar("T")
@@ -86,11 +87,15 @@ def check_in_vocabulary(token_ids: Sequence[int], vocab_size: int, name: str, fi
 def in_client_terms(error: FerryError, parsed: ParsedRequest, prompt_index: int) -> FerryError:
     """An instance's 400 about the prompt names the client's field for it, not the instance's
     `prompt_token_ids`: the prompt can be too long for an instance serving a shorter context than the
-    least this frontend knew of when it checked (resolve_max_tokens), one that registered meanwhile."""
+    least this frontend knew of when it checked (resolve_max_tokens), one that registered meanwhile.
+    It has the param and code the frontend's own check gives (`context_length_exceeded` for a prompt over
+    the context, as OpenAI's)."""
     prefix = f"{INSTANCE_PROMPT_FIELD}: "
     if not isinstance(error, InvalidArgument) or not error.message.startswith(prefix):
         return error
-    return InvalidArgument(f"{prompt_field(parsed, prompt_index)}: {error.message[len(prefix):]}", error.request_id)
+    field = prompt_field(parsed, prompt_index)
+    code = "context_length_exceeded" if OVER_CONTEXT in error.message else None
+    return RequestError(f"{field}: {error.message[len(prefix):]}", param=field, code=code, request_id=error.request_id)
 
 
 async def prompt_errors_in_client_terms(items: AsyncIterator[T], parsed: ParsedRequest,

@@ -13,8 +13,8 @@ from services.common.errors import InvalidArgument
 class RequestError(InvalidArgument):
     """A bad request body: HTTP 400 with the OpenAI error shape."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, request_id: str = "") -> None:
+        super().__init__(message, request_id)
         self.param = named_path(message, param)
         self.code = code
 

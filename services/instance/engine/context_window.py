@@ -27,6 +27,9 @@ FAMILY_MAX_POSITIONS = {
 # transformers' defaults where config.json has none (Qwen2/Qwen3's apply only with use_sliding_window)
 DEFAULT_WINDOWS = {"gemma2": 4096, "gemma3_text": 4096, "mistral": 4096, "qwen2": 4096, "qwen3": 4096}
 SLIDING = "sliding_attention"
+# How an instance's refusal of a prompt longer than its context says so (SamplingParams.validate): the frontend
+# finds it in the message to give the client OpenAI's `context_length_exceeded` code (prompt_checks.py).
+OVER_CONTEXT = "more than the model's context"
 
 
 def layer_windows(raw: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:

@@ -15,6 +15,7 @@ from typing import NewType
 from services.common.errors import InvalidArgument
 from services.common.prefix_hash import MAX_CACHE_SALT_CHARS, BlockHash, next_block_hash
 from services.instance.engine.block_manager import BlockId
+from services.instance.engine.context_window import OVER_CONTEXT
 from services.instance.engine.guided import Guide
 from services.instance.engine.logprobs import TokenLogprob
 from services.instance.engine.text_output import TextOutput
@@ -88,8 +89,8 @@ class SamplingParams:
             raise InvalidArgument("prompt_token_ids: the prompt is empty; send at least one token")
         if num_prompt_tokens > max_model_len:
             raise InvalidArgument(
-                f"prompt_token_ids: the prompt has {num_prompt_tokens} tokens, more than the model's "
-                f"context of {max_model_len} (max_model_len); shorten the prompt"
+                f"prompt_token_ids: the prompt has {num_prompt_tokens} tokens, {OVER_CONTEXT} of {max_model_len} "
+                "(max_model_len); shorten the prompt"
             )
         if self.max_tokens <= 0:
             raise InvalidArgument(f"max_tokens: must be positive, got {self.max_tokens}")

@@ -58,6 +58,16 @@ def test_the_instances_prompt_field_becomes_the_clients():
         assert error.message == (f"{field}: the prompt has 6 tokens, more than the model's context of 4 "
                                  "(max_model_len); shorten the prompt")
         assert error.request_id == "cmpl-1"
+        assert (error.param, error.code) == (field, "context_length_exceeded")  # as the frontend's own check
+
+
+def test_an_instances_refusal_of_an_empty_prompt_has_no_context_code():
+    parsed = parse_completion_request({"prompt": "abcdef"}, "m")
+    with pytest.raises(InvalidArgument) as info:
+        SamplingParams(max_tokens=1).validate(INSTANCE_MAX_MODEL_LEN, 0)
+    error = in_client_terms(InvalidArgument(info.value.message), parsed, 0)
+    assert (error.message, error.param, error.code) == (
+        "prompt: the prompt is empty; send at least one token", "prompt", None)
 
 
 def test_other_errors_pass_as_they_are():
@@ -85,4 +95,5 @@ async def test_a_prompt_an_instance_refuses_as_too_long_is_400_naming_the_client
                 answer = await response.json()
     assert response.status == 400, answer
     assert answer["error"]["param"] == field
+    assert answer["error"]["code"] == "context_length_exceeded"  # it was null: the frontend's own check says so
     assert answer["error"]["message"].startswith(f"{field}: the prompt has 6 tokens, more than the model's context")

@@ -68,7 +68,8 @@ async def main(config: FrontendConfig) -> None:
     server = FrontendServer(model, runner, dispatcher, metrics, api_keys=config.api_key,
                             max_inflight=config.max_inflight, max_body_bytes=config.max_body_bytes,
                             body_timeout_s=config.body_timeout_s, send_timeout_s=config.send_timeout_s,
-                            allowed_origins=config.allowed_origins)
+                            allowed_origins=config.allowed_origins,
+                            reject_unknown_fields=config.reject_unknown_fields)
     try:
         await serve(config, server, registry, stop)
     finally:

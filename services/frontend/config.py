@@ -61,6 +61,11 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
         "", "JSON object of those fields (generation_config.json's names) setting or replacing the generation "
         "config's, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 512}' (in the --config YAML file a mapping "
         "too); null removes one; empty (the default): no overrides")
+    reject_unknown_fields: bool = knob(
+        False, "answer a request with a top-level field the frontend does not know (a misspelt max_token, another "
+        "server's option) with a 400 \"Unrecognized request argument supplied\", as OpenAI does; off (the default, "
+        "as vLLM): such a field is ignored, named in the answer's x-ferry-ignored-fields header and logged "
+        "(unknown_request_fields) once per field name")
     max_model_len: int = knob(0, "longest prompt + output in tokens (0 = the longest the model serves: max_position_embeddings from config.json, or less for longrope RoPE)")
     dispatch_timeout_s: float = knob(0.2, "deadline of ManagerService/Dispatch; past it the frontend picks an instance itself")
     generate_timeout_s: float = knob(600.0, "longest wait for the next chunk of an instance's token stream "

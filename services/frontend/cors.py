@@ -4,9 +4,9 @@ A page on another origin first sends a preflight (`OPTIONS` with `Origin` and
 `Access-Control-Request-Method`), without its API key; an allowed origin gets a 204
 that names the methods and headers it may use, before the API-key check. Every answer
 to an allowed origin (streams included, since the headers go on at prepare time) then
-carries `Access-Control-Allow-Origin` and exposes `x-request-id` and `retry-after`. Nothing is added for
-other origins, and with no `--allowed-origins` nothing at all, so browsers refuse
-cross-origin calls as they do by default. No cookies are involved (keys travel in
+carries `Access-Control-Allow-Origin` and exposes `x-request-id`, `retry-after` and
+`x-ferry-ignored-fields`. Nothing is added for other origins, and with no `--allowed-origins` nothing at
+all, so browsers refuse cross-origin calls as they do by default. No cookies are involved (keys travel in
 `Authorization`), so credentials are never allowed.
 """
 
@@ -20,7 +20,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 ALLOWED_METHODS = "GET, POST, OPTIONS"
 DEFAULT_ALLOWED_HEADERS = "Authorization, Content-Type, X-Request-Id"
-EXPOSED_HEADERS = "x-request-id, retry-after"
+EXPOSED_HEADERS = "x-request-id, retry-after, x-ferry-ignored-fields"
 PREFLIGHT_MAX_AGE_S = 600
 
 

@@ -71,7 +71,11 @@ def _generation(operation_id: str, request: str, response: str, errors: dict) ->
         "requestBody": {"required": True, "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{request}"}}}},
         "responses": {
             "200": {"description": "the result (JSON), or with stream=true server-sent events ending in [DONE]",
-                    "headers": {"x-request-id": {"schema": {"type": "string"}}},
+                    "headers": {"x-request-id": {"schema": {"type": "string"}},
+                                "x-ferry-ignored-fields": {
+                                    "description": "the request's top-level fields the server does not know and "
+                                                   "ignored (comma-separated); absent where it knew them all",
+                                    "schema": {"type": "string"}}},
                     "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{response}"}},
                                 "text/event-stream": {"schema": _SSE_EVENT}}},
             **errors,

@@ -50,6 +50,7 @@ from services.frontend.request_runner import RequestRunner
 from services.frontend.served_model import PreparedPrompt, ServedModel
 from services.frontend.shown_markers import MarkerPlacer
 from services.frontend.tokenize_protocol import parse_detokenize_request, parse_tokenize_request
+from services.frontend.unknown_fields import IGNORED_FIELDS_KEY, UnknownFieldPolicy, stamp_ignored_fields
 
 log = structlog.get_logger(__name__)
 
@@ -58,7 +59,7 @@ class FrontendServer:
     def __init__(self, model: ServedModel, runner: RequestRunner, dispatcher: Dispatcher, metrics: FrontendMetrics,
                  *, api_keys: Sequence[str], max_inflight: int, max_body_bytes: int,
                  body_timeout_s: float = 30.0, send_timeout_s: float = 30.0,
-                 allowed_origins: Sequence[str] = ()) -> None:
+                 allowed_origins: Sequence[str] = (), reject_unknown_fields: bool = False) -> None:
         self._model = model
         self._runner = runner
         self._dispatcher = dispatcher
@@ -68,6 +69,7 @@ class FrontendServer:
         self._body_timeout_s = body_timeout_s
         self._cors = CorsPolicy(allowed_origins)
         self._api_keys = ApiKeyPolicy(api_keys)
+        self._unknown_fields = UnknownFieldPolicy(reject_unknown_fields)
         self._errors = ErrorAnswers(metrics)
         self._answers = AnswerWriter(metrics, send_timeout_s)
         self._openapi_args = (model.name, max_body_bytes, bool(api_keys))
@@ -83,6 +85,7 @@ class FrontendServer:
                                            self._api_keys.middleware])
         app.on_response_prepare.append(self._cors.on_prepare)
         app.on_response_prepare.append(stamp_request_id)  # every answer carries an x-request-id
+        app.on_response_prepare.append(stamp_ignored_fields)  # ... and one that ignored fields names them
         app[ON_OWN_ANSWER] = self._errors.count_own_answer  # ... those aiohttp makes itself are counted too
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -234,6 +237,8 @@ class FrontendServer:
     async def _parse(self, request: web.Request, endpoint: Endpoint) -> tuple[ParsedRequest, str | None]:
         """The request, and the id its client named it with (request_ids.py), if any."""
         body = await self._read_json(request)
+        if ignored := self._unknown_fields.check(body, endpoint):
+            request[IGNORED_FIELDS_KEY] = ignored
         client_id = client_request_id(request.headers, body)
         if endpoint is Endpoint.CHAT:
             return parse_chat_request(body, self._model.name, self._model.sampling_defaults), client_id

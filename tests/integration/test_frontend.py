@@ -596,7 +596,7 @@ async def test_a_browser_page_on_an_allowed_origin_may_call_the_api(frontend):
                 "Origin": ORIGIN, "Authorization": f"Bearer {KEYS[0]}"}) as response:
             assert response.status == 200 and (await response.text()).endswith("data: [DONE]\n\n")
             assert response.headers["Access-Control-Allow-Origin"] == ORIGIN
-            assert response.headers["Access-Control-Expose-Headers"] == "x-request-id, retry-after"
+            assert response.headers["Access-Control-Expose-Headers"] == "x-request-id, retry-after, x-ferry-ignored-fields"
         async with session.post(COMPLETIONS, json=body, headers={"Origin": ORIGIN}) as response:
             assert response.status == 401  # the page can read why
             assert response.headers["Access-Control-Allow-Origin"] == ORIGIN

@@ -193,7 +193,8 @@ def instance_from_proto(info: manager_pb2.InstanceInfo) -> InstanceRow:
         prefix_cache_queried_tokens=info.prefix_cache_queried_tokens,
         prefix_cache_hit_tokens=info.prefix_cache_hit_tokens,
         num_free_slots=info.num_free_slots if info.HasField("num_free_slots") else None,
-        max_num_seqs=info.max_num_seqs, is_drained=info.is_drained, num_preemptions=info.num_preemptions)
+        max_num_seqs=info.max_num_seqs, is_drained=info.is_drained, num_preemptions=info.num_preemptions,
+        model_fingerprint=info.model_fingerprint)
 
 
 def request_from_proto(info: instance_pb2.RequestInfo) -> RequestRow:

@@ -29,6 +29,7 @@ class InstanceRow:
     max_num_seqs: int = 0  # its batch slots; 0: not known (an older instance)
     is_drained: bool = False  # draining, and nothing runs, waits or is suspended there any more
     num_preemptions: int = 0  # running requests sent back to its queue to free KV blocks since it started
+    model_fingerprint: str = ""  # a hash of its weights: two fine-tunes of one base differ here; "": not known
 
     @property
     def shown_state(self) -> str:

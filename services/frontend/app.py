@@ -61,7 +61,8 @@ async def main(config: FrontendConfig) -> None:
     manager = ManagerClient(leader, config.dispatch_timeout_s, config.tls) if leader is not None else None
     dispatcher = Dispatcher(manager, membership, cooldown_s=config.failed_instance_cooldown_s,
                             on_fallback=metrics.dispatch_fallbacks.inc,
-                            on_role_fallback=metrics.dispatch_role_fallbacks.inc, vocab_size=model.vocab_size)
+                            on_role_fallback=metrics.dispatch_role_fallbacks.inc, vocab_size=model.vocab_size,
+                            model_fingerprint=model.fingerprint)
     instances = InstanceClients(config.generate_timeout_s, config.abort_timeout_s, config.tls)
     runner = RequestRunner(dispatcher, instances, max_resumes=config.max_resumes, max_handoffs=config.max_handoffs,
                            on_resume=metrics.resumes.inc, on_handoff=metrics.handoffs.inc)

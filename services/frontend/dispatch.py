@@ -12,7 +12,9 @@ by the manager or here: it would end the request early with `length` (a resume a
 failure, admitted while only larger instances served). Nor is one of another model: its record names a
 vocabulary of another size than the frontend's --model (it would refuse the prompt's token ids as outside
 its vocabulary, a 400 for a good request, or read them as other tokens); the load policy sent every request
-to such an instance, the freest, while the right ones idled (`instance_model_mismatch`, logged once).
+to such an instance, the freest, while the right ones idled (`instance_model_mismatch`, logged once). Nor one
+whose record names other weights (a model fingerprint other than the --model folder's: another fine-tune of
+the same base, which would answer as that fine-tune); a record or a folder without a fingerprint is not checked.
 No transport here: the manager call and the membership view are passed in.
 """
 
@@ -43,6 +45,7 @@ class InstanceEntry:
     max_model_len: int = 0  # the longest sequence it serves (its KV cache may hold less than the model); 0: unknown
     model: str = ""  # the model folder's name it registered
     vocab_size: int = 0  # its model's vocabulary; 0: unknown (a record from before the field)
+    model_fingerprint: str = ""  # a hash of its weights (model_fingerprint.py); "": unknown
 
 
 class ManagerDispatch(Protocol):
@@ -69,7 +72,8 @@ class Dispatcher:
     def __init__(self, manager: ManagerDispatch | None, membership: Membership, *, cooldown_s: float,
                  on_fallback: Callable[[], None] = lambda: None,
                  on_role_fallback: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic, vocab_size: int = 0) -> None:
+                 clock: Callable[[], float] = time.monotonic, vocab_size: int = 0,
+                 model_fingerprint: str = "") -> None:
         self._manager = manager
         self._membership = membership
         self.lists_instances = not isinstance(membership, NoInstances)  # else the manager alone knows them
@@ -82,6 +86,7 @@ class Dispatcher:
         self._failed_at: dict[InstanceId, float] = {}
         self._turn = itertools.count()
         self._vocab_size = vocab_size  # our model's (0: instances are not checked)
+        self._model_fingerprint = model_fingerprint  # our weights' ("": not checked; our folder holds none)
         self._other_model: frozenset[InstanceId] = frozenset()  # as last seen, each logged once when it appeared
 
     async def pick(self, spec: GenerateSpec, exclude: Sequence[InstanceId] = ()) -> Target:
@@ -146,23 +151,29 @@ class Dispatcher:
         return [e.instance_id for e in self._membership.instances() if 0 < e.max_model_len < num_tokens]
 
     def _other_model_ids(self) -> frozenset[InstanceId]:
-        """Instances whose record names a vocabulary other than our model's; logs each once when it appears."""
+        """Instances whose record names a vocabulary or weights other than our model's; logs each once when it
+        appears."""
         entries = [e for e in self._membership.instances() if self._is_other_model(e)]
         ids = frozenset(e.instance_id for e in entries)
         for e in entries:
             if e.instance_id not in self._other_model:
                 log.warning("instance_model_mismatch", instance_id=e.instance_id, model=e.model,
                             vocab_size=e.vocab_size, own_vocab_size=self._vocab_size,
+                            model_fingerprint=e.model_fingerprint or None,
+                            own_model_fingerprint=self._model_fingerprint or None,
                             action="no request goes to it: start it with the frontend's --model folder")
         self._other_model = ids
         return ids
 
     def _is_other_model(self, e: InstanceEntry) -> bool:
-        return self._vocab_size > 0 and 0 < e.vocab_size != self._vocab_size
+        return ((self._vocab_size > 0 and 0 < e.vocab_size != self._vocab_size)
+                or bool(self._model_fingerprint and e.model_fingerprint and e.model_fingerprint != self._model_fingerprint))
 
     def _other_model_text(self, entries: Sequence[InstanceEntry]) -> str:
-        shown = ", ".join(f"{e.instance_id} ({e.model or 'a model'} with {e.vocab_size} tokens)" for e in entries[:4])
-        return f"{shown}, not this frontend's vocabulary of {self._vocab_size} tokens"
+        shown = ", ".join(f"{e.instance_id} ({e.model or 'a model'} with {e.vocab_size} tokens"
+                          f"{f', weights {e.model_fingerprint}' if e.model_fingerprint else ''})" for e in entries[:4])
+        weights = f" and weights {self._model_fingerprint}" if self._model_fingerprint else ""
+        return f"{shown}, not this frontend's vocabulary of {self._vocab_size} tokens{weights}"
 
     def report_failure(self, instance_id: InstanceId) -> None:
         now = self._clock()

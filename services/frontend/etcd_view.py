@@ -25,12 +25,18 @@ def instance_entry(instance_id: str, value: Mapping[str, Any]) -> InstanceEntry 
     is_decode_only = str(value.get("role", "both")).lower() == "decode"
     return InstanceEntry(InstanceId(instance_id), address, is_serving=state in _SERVING_STATES,
                          is_decode_only=is_decode_only, max_model_len=_positive_int(value.get("max_model_len")),
-                         model=str(value.get("model", "")), vocab_size=_positive_int(value.get("vocab_size")))
+                         model=str(value.get("model", "")), vocab_size=_positive_int(value.get("vocab_size")),
+                         model_fingerprint=_text(value.get("model_fingerprint")))
 
 
 def _positive_int(value: Any) -> int:
     """A record's count, or 0 (unknown) when it is missing or not a positive int."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _text(value: Any) -> str:
+    """A record's string, or "" (unknown) when it is missing or not a string."""
+    return value if isinstance(value, str) else ""
 
 
 class EtcdInstances:

@@ -24,6 +24,7 @@ from services.frontend.tool_calls import (HERMES_CLOSE, HERMES_OPEN, MISTRAL_MAR
                                           ToolCallParserSetting)
 from services.frontend.tool_grammar import tool_call_grammar
 from services.instance.engine.context_window import checked_max_model_len, context_limit  # no torch
+from services.instance.engine.model_fingerprint import model_fingerprint  # no torch
 from services.instance.engine.tokenizer import Tokenizer  # tokenizers + jinja2, no torch
 
 
@@ -58,6 +59,7 @@ class ServedModel:
     tool_tag_token_ids: tuple[tuple[str, int], ...] = ()  # the format's tags its vocabulary holds as one token
     shown_marker_ids: tuple[tuple[int, str], ...] = ()  # mistral: special tokens shown to the tool-call parser
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # its generation config's (sampling_defaults.py)
+    fingerprint: str = ""  # of the weights in its folder (model_fingerprint.py); "": the folder holds none
 
     @classmethod
     def load(cls, folder: pathlib.Path, name: str, max_model_len: int = 0,
@@ -72,7 +74,8 @@ class ServedModel:
             raise ValueError(f"--model {path_shown(folder)}: cannot read {config_path}: {exc}") from exc
         context = checked_max_model_len(max_model_len, context_limit(config))
         tokenizer = Tokenizer.from_dir(folder)
-        model = cls(name=name, max_model_len=context, vocab_size=int(config["vocab_size"]), tokenizer=tokenizer)
+        model = cls(name=name, max_model_len=context, vocab_size=int(config["vocab_size"]), tokenizer=tokenizer,
+                    fingerprint=model_fingerprint(folder))
         return model.with_tool_calls(tool_call_parser.format_for(tokenizer.tool_use_template or tokenizer.chat_template))
 
     def with_tool_calls(self, format_: ToolCallFormat | None) -> ServedModel:

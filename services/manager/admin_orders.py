@@ -33,8 +33,9 @@ class AdminOrders:
                                      "pick a serving instance (see ListInstances)")
         if not src.record.holds_same_model(dst.record):
             raise FailedPrecondition(f"destination {dst.record.instance_id} serves another model than "
-                                     f"{src.record.instance_id} (its etcd record names another KV layout or "
-                                     "vocabulary): requests move only between instances of one model")
+                                     f"{src.record.instance_id} (its etcd record names another KV layout, "
+                                     "vocabulary or model fingerprint: other weights, such as another fine-tune): "
+                                     "requests move only between instances of one model")
         if dst.record.role is Role.PREFILL:
             raise FailedPrecondition(f"destination {dst.record.instance_id} is a prefill instance: it would hand "
                                      "the request straight on to a decode instance; name a decode or mixed "

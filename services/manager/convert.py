@@ -105,7 +105,8 @@ def instance_to_proto(view: InstanceView) -> manager_pb2.InstanceInfo:
         num_dispatched=view.num_dispatched, report_age_s=-1.0 if view.report_age_s is None else view.report_age_s,
         is_drained=view.is_drained, prefix_cache_queried_tokens=load.num_prefix_queried_tokens,
         prefix_cache_hit_tokens=load.num_prefix_hit_tokens, num_free_slots=load.num_free_slots,
-        max_num_seqs=record.max_num_seqs, num_preemptions=load.num_preemptions)
+        max_num_seqs=record.max_num_seqs, num_preemptions=load.num_preemptions,
+        model_fingerprint=record.model_fingerprint)
 
 
 def cluster_status_to_proto(totals: ClusterTotals, *, leader_id: str, leader_address: str, policy: str,

@@ -95,8 +95,8 @@ class Dispatcher:
 
     def _of_model(self, src_instance_id: str, exclude: frozenset[InstanceId], roles: frozenset[Role]) -> list[Candidate]:
         """The candidates of `roles` a request of `src_instance_id` can move to: an instance of another model (its
-        record names another KV layout or vocabulary) would fail the copy, "kv geometry mismatch", or decode on
-        as another model."""
+        record names another KV layout, vocabulary or model fingerprint) would fail the copy, "kv geometry
+        mismatch", or decode on as another model (another fine-tune: other answers, silently)."""
         candidates = self._view.candidates(exclude, roles)
         if not self._view.has_member(src_instance_id):
             return candidates

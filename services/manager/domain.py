@@ -52,13 +52,17 @@ class InstanceRecord:
     is_draining: bool = False  # the instance itself says it takes no new work (record state "draining")
     kv_layout: tuple = ()  # (layers, kv heads, head dim, block size, dtype) of its KV cache; (): not in the record
     vocab_size: int = 0  # its model's vocabulary; 0: not in the record (an older instance)
+    model_fingerprint: str = ""  # a hash of its weights (model_fingerprint.py); "": not in the record, or no weights
 
     def holds_same_model(self, other: InstanceRecord) -> bool:
         """Whether requests can move between the two: blocks copy only between caches of one layout (else the
-        copy fails, "kv geometry mismatch"), and token ids mean the same only under one vocabulary. What a
-        record does not say (an older instance's) is taken as the same."""
+        copy fails, "kv geometry mismatch"), token ids mean the same only under one vocabulary, and a request
+        goes on as it began only on the same weights (two fine-tunes of one base share layout and vocabulary:
+        their fingerprints differ). What a record does not say (an older instance's) is taken as the same."""
         return ((not self.kv_layout or not other.kv_layout or self.kv_layout == other.kv_layout)
-                and (not self.vocab_size or not other.vocab_size or self.vocab_size == other.vocab_size))
+                and (not self.vocab_size or not other.vocab_size or self.vocab_size == other.vocab_size)
+                and (not self.model_fingerprint or not other.model_fingerprint
+                     or self.model_fingerprint == other.model_fingerprint))
 
     @property
     def can_prefill(self) -> bool:
@@ -95,6 +99,7 @@ class InstanceRecord:
                 kv_layout=tuple(kv.get(k) for k in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"))
                 if kv else (),
                 vocab_size=max(int(data.get("vocab_size") or 0), 0),
+                model_fingerprint=str(data.get("model_fingerprint") or ""),
             )
         except (TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"instance {instance_id}: malformed record ({exc})") from None

@@ -21,6 +21,7 @@ from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.forward_batch import ForwardModel
 from services.instance.engine.model import load_model
 from services.instance.engine.model_config import ModelConfig
+from services.instance.engine.model_fingerprint import model_fingerprint
 from services.instance.engine.sim_model import SimLatency, SimModel
 from services.instance.engine.tokenizer import Tokenizer
 
@@ -51,6 +52,7 @@ class LoadedEngine:
     engine: LLMEngine
     kv_cache: KvCache
     max_model_len: int
+    model_fingerprint: str = ""  # of the weights in its folder (model_fingerprint.py); "": the folder holds none
 
     def close(self) -> None:
         """Unmap and remove the shared KV memory (call once the engine is done)."""
@@ -59,6 +61,8 @@ class LoadedEngine:
 
 
 def build_engine(spec: EngineSpec) -> LoadedEngine:
+    fingerprint = model_fingerprint(spec.model_dir)  # first: a file it cannot read leaves no KV memory behind
+    log.info("model_fingerprinted", model_dir=str(spec.model_dir), model_fingerprint=fingerprint or None)
     model = _model(spec)
     config = model.config
     per_block = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
@@ -77,7 +81,7 @@ def build_engine(spec: EngineSpec) -> LoadedEngine:
                                  max_num_waiting=spec.max_num_waiting,
                                  prefill_chunk_tokens=spec.prefill_chunk_tokens)
     engine = LLMEngine(model, Tokenizer.from_dir(spec.model_dir), kv_cache, engine_config)
-    return LoadedEngine(engine, kv_cache, max_model_len)
+    return LoadedEngine(engine, kv_cache, max_model_len, fingerprint)
 
 
 def fitted_max_model_len(max_model_len: int, *, is_explicit: bool, kv_tokens: int) -> int:

@@ -230,8 +230,32 @@ async def test_a_cluster_of_another_models_instances_alone_is_unavailable_saying
         await dispatcher.pick(make_spec())
 
 
+async def test_an_instance_of_another_fine_tune_is_never_picked_nor_counted():
+    """Two fine-tunes of one base (same vocabulary and layout, other weights): an instance started with the other
+    one's folder answered this frontend's requests as that fine-tune, silently. Its record's model fingerprint
+    differs from the --model folder's, so it is excluded like another vocabulary's; one without a fingerprint (an
+    older instance) is taken, and a frontend whose folder holds no weights checks none."""
+    manager = FakeManager(Target(InstanceId("tuned"), "addr-tuned"))
+    ours, tuned, old = (replace(_of_vocab(i, 49152), model_fingerprint=f) for i, f in
+                        (("ours", "1111111111111111"), ("tuned", "2222222222222222"), ("old", "")))
+    dispatcher = Dispatcher(manager, FakeMembership(ours, tuned, old), cooldown_s=5.0, vocab_size=49152,
+                            model_fingerprint="1111111111111111")
+    assert {(await dispatcher.pick(make_spec())).instance_id for _ in range(4)} == {"ours", "old"}
+    assert all(set(call[1]) == {"tuned"} for call in manager.calls)
+    assert dispatcher.num_serving() == 2
+    alone = Dispatcher(FakeManager(None), FakeMembership(tuned), cooldown_s=5.0, vocab_size=49152,
+                       model_fingerprint="1111111111111111")
+    with pytest.raises(Unavailable, match=r"tuned \(model-49152 with 49152 tokens, weights 2222222222222222\), not "
+                                          r"this frontend's vocabulary of 49152 tokens and weights 1111111111111111"):
+        await alone.pick(make_spec())
+    assert Dispatcher(None, FakeMembership(tuned), cooldown_s=1, vocab_size=49152).num_serving() == 1  # unchecked
+
+
 def test_the_etcd_record_names_the_instances_model_and_vocabulary():
     parsed = instance_entry("a", {"address": "a:1", "model": "smollm2", "vocab_size": 49152})
     assert (parsed.model, parsed.vocab_size) == ("smollm2", 49152)
     assert instance_entry("a", {"address": "a:1", "vocab_size": True}).vocab_size == 0
     assert instance_entry("a", {"address": "a:1"}).vocab_size == 0
+    assert instance_entry("a", {"address": "a:1", "model_fingerprint": "89c9c3224d2ef4bb"}).model_fingerprint == (
+        "89c9c3224d2ef4bb")
+    assert instance_entry("a", {"address": "a:1", "model_fingerprint": 7}).model_fingerprint == ""

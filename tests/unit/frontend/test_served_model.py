@@ -6,6 +6,7 @@ import pytest
 
 from services.frontend.openai_protocol import RequestError, parse_chat_request, parse_completion_request
 from services.frontend.served_model import ServedModel
+from services.instance.engine.model_fingerprint import model_fingerprint
 
 
 pytestmark = pytest.mark.timeout(60)
@@ -23,6 +24,11 @@ def model(tiny_model_dir) -> ServedModel:
 def test_context_and_vocabulary_come_from_config_json(tiny_model_dir, model):
     assert model.max_model_len == 1024 and model.vocab_size == 512
     assert ServedModel.load(tiny_model_dir, "tiny", max_model_len=128).max_model_len == 128
+
+
+def test_the_weights_fingerprint_is_the_folders_as_an_instance_computes_it(tiny_model_dir, model):
+    """The frontend excludes instances of other weights by comparing this with their records' (dispatch.py)."""
+    assert model.fingerprint == model_fingerprint(tiny_model_dir) != ""
 
 
 def test_prompts_as_text_and_as_token_ids(model):

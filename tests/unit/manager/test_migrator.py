@@ -694,8 +694,34 @@ async def test_an_admin_migrate_never_goes_to_an_instance_of_another_model():
         migrator.admin_order("a", "b", "r-1")
 
 
+async def test_two_fine_tunes_of_one_base_are_never_paired():
+    """Two fine-tunes of one base share KV layout and vocabulary: only the weights' fingerprints tell them apart.
+    Moved from one to the other, a request went on with the other's weights (wrong answers, silently). Neither
+    balancing, a drain nor an admin Migrate pairs them; a record without a fingerprint (an older instance) pairs
+    as before."""
+    clock = FakeClock()
+    view = cluster(clock, a=8, b=0, c=4)
+    smol = {"kv_layout": (30, 3, 64, 16, "float32"), "vocab_size": 49152}
+    for instance_id, fingerprint in {"a": "aaaa000000000001", "b": "bbbb000000000002", "c": "aaaa000000000001"}.items():
+        view.put_member(dataclasses.replace(make_record(instance_id), **smol, model_fingerprint=fingerprint))
+    migrator = make_migrator(view, clock, FakeSources())
+    assert routes(migrator.plan()) == [("a", "c", MigrationTrigger.LOAD)]
+    assert migrator.admin_order("a", "", "r-1").dst_instance_id == "c"
+    with pytest.raises(FailedPrecondition, match="destination b serves another model than a .*fingerprint"):
+        migrator.admin_order("a", "b", "r-1")
+    view.mark_drained(InstanceId("a"))
+    assert routes(migrator.plan()) == [("a", "c", MigrationTrigger.DRAIN)]
+    view.put_member(dataclasses.replace(make_record("b"), **smol))  # an older record: no fingerprint
+    assert routes(migrator.plan())[0] == ("a", "b", MigrationTrigger.DRAIN)
+
+
 def test_the_record_gives_the_kv_layout_and_vocabulary():
     record = InstanceRecord.from_dict("x", {"address": "a:1", "vocab_size": 512, "kv": {
         "num_layers": 3, "num_kv_heads": 2, "head_dim": 16, "block_size": 4, "num_blocks": 64, "dtype": "float32"}})
     assert (record.kv_layout, record.vocab_size) == ((3, 2, 16, 4, "float32"), 512)
     assert (InstanceRecord.from_dict("x", {"address": "a:1"}).kv_layout, record.holds_same_model(record)) == ((), True)
+    tuned = InstanceRecord.from_dict("y", {"address": "a:2", "model_fingerprint": "89c9c3224d2ef4bb"})
+    assert (tuned.model_fingerprint, InstanceRecord.from_dict("x", {"address": "a:1"}).model_fingerprint) == (
+        "89c9c3224d2ef4bb", "")
+    assert record.holds_same_model(tuned) and not tuned.holds_same_model(
+        dataclasses.replace(tuned, model_fingerprint="0123456789abcdef"))

@@ -146,6 +146,23 @@ def test_place_decode_passes_over_decode_instances_of_another_model():
         dispatcher.place_decode("r2", "p", 4)
 
 
+def test_place_decode_passes_over_decode_instances_of_another_fine_tune():
+    """Same layout and vocabulary, other weights (another fine-tune of the base): the hand-off goes to a decode
+    instance of the source's fingerprint, never the freer one of the other's."""
+    view = ClusterView(report_timeout_s=3.0, clock=FakeClock())
+    smol = {"kv_layout": (30, 3, 64, 16, "float32"), "vocab_size": 49152}
+    for instance_id, role, fingerprint in [("p", Role.PREFILL, "1111111111111111"), ("d", Role.DECODE, "1111111111111111"),
+                                           ("tuned", Role.DECODE, "2222222222222222")]:
+        view.put_member(dataclasses.replace(make_record(instance_id, role=role), **smol, model_fingerprint=fingerprint))
+        view.apply_report(InstanceId(instance_id), make_load())
+    view.apply_report(InstanceId("d"), make_load(num_free_blocks=500, num_running=3))
+    dispatcher = Dispatcher(view, leading())
+    assert dispatcher.place_decode("r1", "p", 4).instance_id == "d"
+    view.remove_member(InstanceId("d"))
+    with pytest.raises(Unavailable, match="no decode instance serves"):
+        dispatcher.place_decode("r2", "p", 4)
+
+
 def test_place_decode_without_decode_instances_is_unavailable_and_counted():
     view = pd_view(p=Role.PREFILL, q=Role.PREFILL)
     dispatcher = Dispatcher(view, leading())

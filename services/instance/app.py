@@ -146,7 +146,9 @@ async def serve_on(server: GrpcServer, servicer: InstanceServicer, config: Insta
             background = [tasks.create_task(servicer.inbox.watchdog_loop()),
                           tasks.create_task(stall.watch_loop(), name="engine_stall_watch_loop")]
             if link is not None:
-                background.append(tasks.create_task(transfer_mapping_loop(link, instance_id, loaded.kv_cache)))
+                on_changed = transfer_follower(servicer, registry, lambda i: instance_record(i, loaded, link))
+                background.append(tasks.create_task(transfer_mapping_loop(link, instance_id, loaded.kv_cache,
+                                                                          on_changed=on_changed)))
             if registry is not None:
                 background.append(tasks.create_task(role_marks.write_loop(), name="role_mark_write_loop"))
                 await registry.wait_until_reachable(config.etcd_wait_s, stop)
@@ -192,6 +194,22 @@ async def register_with_role(registry: Registry, role_marks: RoleMarks, servicer
         if servicer.identity.role is command_line_role:  # else a SetRole came first, and wins
             servicer.identity = replace(servicer.identity, role=role)
         await registry.register("instances", servicer.identity.instance_id, record(servicer.identity))
+
+
+def transfer_follower(servicer: InstanceServicer, registry: Registry | None,
+                      record: Callable[[InstanceIdentity], dict]) -> Callable[[TransferLink], Awaitable[None]]:
+    """What a new life of the transfer service that advertises another address, id or backends changes here
+    (transfer_link.py): the reservations handed to sources name it, migrations out pick backends by it, and the
+    etcd record names it (under the role lock, as SetRole rewrites the record)."""
+    async def follow(link: TransferLink) -> None:
+        servicer.inbox.use_transfer(TransferEndpoint(link.peer_address, link.transfer_id))
+        servicer.migrations.use_transfer_service(link.transfer_id, link.backends)
+        if registry is None:
+            return
+        async with servicer.role_lock:
+            if registry.holds("instances", servicer.identity.instance_id):  # else register() writes it
+                await registry.update("instances", servicer.identity.instance_id, record(servicer.identity))
+    return follow
 
 
 def wire_pd(config: InstanceConfig, servicer: InstanceServicer, runner: EngineRunner,

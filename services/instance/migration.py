@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import replace
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -40,7 +41,7 @@ from services.instance.migration_domain import (BlockTransferer, DestinationPeer
 from services.instance.migration_pick import MigrationPicker
 from services.instance.migration_reserve import ReservationKeeper
 from services.instance.migration_slots import MigrationSlots
-from services.transfer.domain import BlockTransfer, InstanceId
+from services.transfer.domain import BlockTransfer, InstanceId, TransferBackend
 
 if TYPE_CHECKING:
     from services.instance.engine.engine import LLMEngine
@@ -70,6 +71,12 @@ class MigrationDriver:
         # Told of each request a failed migration resumed: a state exported while it was parked (for its PD
         # hand-off) is stale from then on.
         self.on_resumed: Callable[[str], None] = lambda request_id: None
+
+    def use_transfer_service(self, transfer_id: str, backends: tuple[TransferBackend, ...]) -> None:
+        """The co-located transfer service's id and backends from now on (a new life of it, transfer_link.py):
+        `auto_backend` picks shm, or grpc, by them."""
+        self._settings = replace(self._settings, transfer_id=transfer_id, offered_backends=backends)
+        self._reservations.use_settings(self._settings)
 
     @property
     def moving(self) -> frozenset[str]:

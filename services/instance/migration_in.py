@@ -95,6 +95,10 @@ class MigrationInbox:
         # than hold its blocks until the watchdog frees them.
         self._aborted: Recent[str, bool] = Recent(timeout_s, MAX_RECENT_ABORTS)
 
+    def use_transfer(self, transfer: TransferEndpoint) -> None:
+        """Name `transfer` in the reservations made from now on (a new life of the service, transfer_link.py)."""
+        self._transfer = transfer
+
     def watch_sources(self, instances: Members) -> None:
         """Free a reservation once its source is gone from `instances`, not only after the timeout."""
         self._instances = instances

@@ -29,6 +29,9 @@ class ReservationKeeper:
         self._runner = runner
         self._settings = settings
 
+    def use_settings(self, settings: MigrationSettings) -> None:
+        self._settings = settings
+
     async def reserve(self, a: MigrationInFlight, view: MigrationBlocks, headroom: int) -> None:
         """Make the destination hold at least the request's blocks (+ headroom, within its final size).
 

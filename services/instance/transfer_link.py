@@ -6,13 +6,19 @@ blocks in place; migrations then ask it to copy blocks.
 The service may still be starting: mapping is retried with backoff until
 CONNECT_TIMEOUT_S, then startup fails naming the flag. A transfer service that restarts
 forgets its mappings: `transfer_mapping_loop` notices (this instance is missing from its
-status) and maps the KV memory again, so migrations work again without restarting us.
+status) and maps the KV memory again, so migrations work again without restarting us. That new life may
+advertise another address (restarted with another --advertise-host), or carry another id or backends: they are
+read from its status at the remap, the link takes them, and `on_changed` passes them on (the etcd record, the
+reservations this instance hands its sources). Before, the address read at startup named the service until the
+instance restarted, so every migration into this instance sent its blocks to the old address and failed.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
@@ -31,8 +37,11 @@ CONNECT_TIMEOUT_S = 30.0
 MAPPING_CHECK_INTERVAL_S = 1.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TransferLink:
+    """Not frozen: `transfer_mapping_loop` rewrites the service's fields when a new life of it answers (every
+    holder of the link then reads the new ones: the etcd record's writer)."""
+
     client: TransferClient
     transfer_id: str
     backends: tuple[TransferBackend, ...] = ()  # what the service offers
@@ -75,6 +84,13 @@ async def connect_transfer(address: str, instance_id: str, kv_cache: KvCache, rp
                         status.address)
 
 
+LinkChanged = Callable[[TransferLink], Awaitable[None]]
+
+
+async def _unchanged(link: TransferLink) -> None:
+    pass
+
+
 @dataclass(slots=True)
 class TransferOutage:
     """Whether the last GetStatus of the transfer service failed: an outage is logged once at warning when it
@@ -99,25 +115,43 @@ class TransferOutage:
 
 
 async def transfer_mapping_loop(link: TransferLink, instance_id: str, kv_cache: KvCache,
-                                interval_s: float = MAPPING_CHECK_INTERVAL_S) -> None:
-    """Map `kv_cache` again whenever the transfer service no longer lists this instance (it restarted)."""
+                                interval_s: float = MAPPING_CHECK_INTERVAL_S, on_changed: LinkChanged = _unchanged) -> None:
+    """Map `kv_cache` again whenever the transfer service no longer lists this instance (it restarted); where that
+    new life advertises another address, id or backends, update `link` and await `on_changed(link)`."""
     outage = TransferOutage()
-    await periodic_loop("transfer_mapping_loop", interval_s, lambda: _check_mapping(link, instance_id, kv_cache, outage))
+    await periodic_loop("transfer_mapping_loop", interval_s,
+                        lambda: _check_mapping(link, instance_id, kv_cache, outage, on_changed))
 
 
-async def _check_mapping(link: TransferLink, instance_id: str, kv_cache: KvCache, outage: TransferOutage) -> None:
+async def _check_mapping(link: TransferLink, instance_id: str, kv_cache: KvCache, outage: TransferOutage,
+                         on_changed: LinkChanged) -> None:
     loop = asyncio.get_running_loop()
     try:
-        mapped_ids = (await link.client.get_status()).instance_ids
+        status = await link.client.get_status()
         outage.answered(link, loop.time())
-        if instance_id not in mapped_ids:
+        if instance_id not in status.instance_ids:
             await link.client.map_instance(instance_id, kv_cache.name, kv_cache.geometry, kv_cache.ipc_handle)
             log.info("kv_cache_remapped", transfer_address=link.address, shm_name=kv_cache.name)
+            if _take_life(link, status):
+                await on_changed(link)
     except Unavailable as exc:  # down or restarting: try again next interval
         outage.failed(link, exc.message, loop.time())
     except FerryError as exc:  # any other refusal: try again next interval (anything else: periodic_loop logs it)
         log.warning("kv_cache_remap_failed", transfer_address=link.address, reason=exc.message,
                     code=exc.grpc_code.name)
+
+
+def _take_life(link: TransferLink, status: Any) -> bool:
+    """Take the id, backends and advertised address of the service's life that answered `status` (its
+    GetStatus reply); whether any changed."""
+    life = (status.transfer_id, tuple(backend_from_proto(b) for b in status.backends), status.address)
+    if life == (link.transfer_id, link.backends, link.advertised):
+        return False
+    log.info("transfer_service_changed", transfer_address=link.address, transfer_id=status.transfer_id,
+             previous_transfer_id=link.transfer_id, transfer_advertised_address=status.address,
+             previous_advertised_address=link.advertised, backends=[b.value for b in life[1]])
+    link.transfer_id, link.backends, link.advertised = life
+    return True
 
 
 async def disconnect_transfer(link: TransferLink, instance_id: str) -> None:

@@ -396,6 +396,21 @@ async def test_auto_backend_copies_in_shared_memory_only_within_one_transfer_ser
     await assert_no_blocks_held(a, b)
 
 
+async def test_auto_backend_follows_a_new_life_of_the_transfer_service(pair):
+    """The co-located transfer service came back under another id (transfer_link.py follows it): the backend is
+    picked by the new id, here the destination's own service (shm), where the old id said another host (grpc)."""
+    a, b = pair  # b's reservations name transfer service "tb"
+    expected_tokens, tokens, stream = await decoding_past_30(a)
+    copier = TensorCopier(a, b)
+    migrations = driver(a, FaultyPeer(b), copier, backend=None, transfer_id="ta", offered=GRPC_SHM)
+    migrations.use_transfer_service("tb", GRPC_SHM)
+    assert (await migrations.migrate_out(plan())).backend is TransferBackend.SHM
+    handoff = await read(stream, tokens)
+    await read(b.inbox.attach("r", handoff.epoch), tokens)
+    assert tokens == expected_tokens
+    await assert_no_blocks_held(a, b)
+
+
 async def test_shm_named_for_a_destination_of_another_transfer_service_is_refused_before_any_copy(pair):
     """A black-box run on three loopback "hosts" with the manager's --migration-backend shm: a migration across
     hosts failed in the source's transfer service with "instance ... is not mapped by transfer service ...;

@@ -10,6 +10,8 @@ import pytest
 
 from services.common.errors import Internal, Unavailable
 from services.instance.transfer_link import TransferLink, transfer_mapping_loop
+from services.transfer.convert import backend_to_proto
+from services.transfer.domain import TransferBackend
 from tests.unit.loop_checks import assert_cancels, until
 
 pytestmark = pytest.mark.timeout(30)
@@ -22,12 +24,14 @@ class FlakyTransferClient:
     answers: list[BaseException | list[str]]
     address: str = "127.0.0.1:1"
     mapped: list[str] = field(default_factory=list)
+    advertised: str = ""  # what its GetStatus says the service's address is
 
     async def get_status(self):
         answer = self.answers.pop(0) if self.answers else ["instance-0"]
         if isinstance(answer, BaseException):
             raise answer
-        return SimpleNamespace(instance_ids=answer)
+        return SimpleNamespace(instance_ids=answer, transfer_id="transfer-0", address=self.advertised,
+                               backends=[backend_to_proto(TransferBackend.GRPC)])
 
     async def map_instance(self, instance_id: str, shm_name: str, geometry, cuda_ipc=None) -> int:
         self.mapped.append(instance_id)
@@ -46,6 +50,23 @@ async def test_mapping_loop_outlives_refusals_and_maps_again():
     finally:
         loop.cancel()
     assert client.mapped == ["instance-0"]
+
+
+async def test_a_new_life_advertising_another_address_is_followed():
+    """A transfer service restarted with another --advertise-host: the remap takes its new address (and id and
+    backends), and `on_changed` passes it on, once; a restart that changed nothing calls nothing."""
+    client = FlakyTransferClient([[], ["instance-0"], []], advertised="10.0.0.2:7000")
+    link = TransferLink(client, "transfer-0", (TransferBackend.GRPC,), "10.0.0.1:7000")
+    changed: list[tuple[str, str]] = []
+
+    async def on_changed(new: TransferLink) -> None:
+        changed.append((new.peer_address, new.transfer_id))
+    cache = SimpleNamespace(name="ferry-kv-test", geometry=None, ipc_handle=None)
+    loop = asyncio.create_task(transfer_mapping_loop(link, "instance-0", cache, interval_s=0.01, on_changed=on_changed))
+    await until(lambda: len(client.mapped) == 2, loop)
+    await assert_cancels(loop)
+    assert changed == [("10.0.0.2:7000", "transfer-0")]
+    assert (link.peer_address, link.backends) == ("10.0.0.2:7000", (TransferBackend.GRPC,))
 
 
 async def test_mapping_loop_outlives_any_error_and_cancels():

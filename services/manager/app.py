@@ -3,6 +3,8 @@
 Every manager watches instances/ and config/ and serves AdminService; only the elected
 leader serves Dispatch and takes load reports (see server.py).
 
+Its id is claimed in etcd before it serves (id_claim.py): a live manager holding it stops this one at startup.
+
 Shutdown order (STYLE.md): health NOT_SERVING → cancel background loops → cut the
 migrations still running after --shutdown-grace-s short (each kept `unknown`: its source runs
 it on) and flush the migration journal while still leading → resign (revoke the election lease, so a standby
@@ -34,6 +36,7 @@ from services.manager.migration_journal import LeaderFence, MigrationJournal
 from services.manager.dispatcher import Dispatcher
 from services.manager.domain import InstanceRecord
 from services.manager.election_loop import Campaign
+from services.manager.id_claim import ManagerIdClaim
 from services.manager.instance_client import InstanceChannels
 from services.manager.leadership import Leadership
 from services.manager.metrics import serve_metrics, watch_membership_staleness
@@ -77,8 +80,10 @@ async def main(config: ManagerConfig) -> None:
     admin = AdminServicer(view, dispatcher, leadership, store, instances, migrator, scaler,
                           config.list_requests_timeout_s, config.admin_forward_timeout_s, config.migration_timeout_s,
                           tls=tls, admin_token=admin_token, journal=journal)
-    await server.start(servicers(ManagerServicer(dispatcher, view, leadership, migrator), admin))
+    id_claim = ManagerIdClaim(registry, manager_id, server.address, is_default_id=not config.manager_id)
     try:
+        await id_claim.claim()  # a live manager holding our id: StartupError, before we serve (etcd away: later)
+        await server.start(servicers(ManagerServicer(dispatcher, view, leadership, migrator), admin))
         if config.metrics_port:
             serve_metrics(config.metrics_port, config.metrics_host or config.host, view, leadership,
                           dispatcher.role_gaps.is_missing)
@@ -92,7 +97,7 @@ async def main(config: ManagerConfig) -> None:
         async with asyncio.TaskGroup() as tasks:
             loops = [tasks.create_task(store.watch_loop(apply), name="config_watch_loop"),
                      tasks.create_task(campaign.leader_watch_loop(), name="leader_watch_loop"),
-                     tasks.create_task(campaign.campaign_loop(), name="campaign_loop"),
+                     tasks.create_task(_campaign_once_claimed(id_claim, campaign), name="campaign_loop"),
                      tasks.create_task(migrator.migration_loop(), name="migration_loop"),
                      tasks.create_task(scaler.scaling_loop(), name="scaling_loop"),
                      tasks.create_task(dispatcher.role_gap_loop(), name="role_gap_loop")]
@@ -110,6 +115,12 @@ async def main(config: ManagerConfig) -> None:
         await instances.close()
         await registry.close()
         await etcd.close()
+
+
+async def _campaign_once_claimed(id_claim: ManagerIdClaim, campaign: Campaign) -> None:
+    """Campaign only under an id this manager holds (id_claim.py): etcd may not have answered the claim at startup."""
+    await id_claim.claim_loop()
+    await campaign.campaign_loop()
 
 
 async def _shutdown(config: ManagerConfig, server: GrpcServer, campaign: Campaign, loops: list[asyncio.Task],

@@ -27,7 +27,8 @@ class ManagerConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     host: str = knob("127.0.0.1", "address to bind the gRPC server to")
     port: int = knob(50051, "gRPC port for ManagerService and AdminService (0 = pick a free one)")
     advertise_host: str = knob("", "host other processes use to reach this manager (default: --host)")
-    manager_id: str = knob("", "unique id of this manager (default: <hostname>-<port>)")
+    manager_id: str = knob("", "unique id of this manager (default: <hostname>-<port>); one a live manager holds "
+                               "in etcd stops this one at startup (exit 1)")
     etcd_endpoints: list[str] = knob(["127.0.0.1:2379"], "etcd endpoints host:port (comma-separated)")
     cluster: str = knob("ferry", "cluster name: etcd keys live under /ferry/<cluster>/")
     etcd_wait_s: float = knob(60.0, "with --etcd-user, how long to wait at startup for etcd to answer (it must "

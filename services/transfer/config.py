@@ -30,7 +30,8 @@ class TransferConfig(EtcdKnobs, EtcdStartupKnobs, TlsKnobs, LogKnobs):
     lease_ttl_s: float = knob(5.0, "etcd lease TTL in seconds")
     backends: list[TransferBackend] = knob(
         [TransferBackend.GRPC, TransferBackend.GLOO, TransferBackend.SHM],
-        "backends this service offers, comma-separated (add nccl on CUDA hosts)")
+        "backends this service sends with, comma-separated (add nccl on CUDA hosts); it receives whatever a peer "
+        "sends (grpc always, gloo/nccl where this host runs them): the sender picks the backend")
     default_backend: TransferBackend = knob(TransferBackend.GRPC, "backend for Transfer calls that name none")
     map_instances: list[str] = knob([], "instance ids to map at startup, read from their etcd records "
                                         "(kv_shm_name, kv); needs --etcd-endpoints")

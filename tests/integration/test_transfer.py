@@ -125,6 +125,28 @@ async def test_registers_address_backends_and_mapped_instances(etcd, cluster_nam
     assert set(record["instance_ids"]) == {"a-small", "b-small", "a-wide", "b-wide"}
 
 
+async def test_backends_limit_what_a_service_sends_with_not_what_it_receives(etcd, cluster_name, services, caches,
+                                                                              tmp_path):
+    """`--backends gloo` (README "Transfer backends"): the service sends with gloo alone, and still takes blocks a
+    default service sends it on grpc. The sender picks the backend and does not know the receiver's list (a
+    reservation names its transfer service, not its backends); refused, every migration from a default host into
+    this one would fail. Its record and GetStatus list what it sends with."""
+    only_gloo = _start("G", etcd, cluster_name, tmp_path, "--backends", "gloo", "--default-backend", "gloo")
+    try:
+        await only_gloo.wait_healthy(60)
+        async with TransferClient(services["A"].address) as a, TransferClient(only_gloo.address) as g:
+            assert [b.value for b in await g.backends()] == ["gloo"]
+            await a.map_instance("a-small", caches["a-small"].name, SMALL)
+            await g.map_instance("b-small", caches["b-small"].name, SMALL)
+            await _transfer_and_check(a, caches, only_gloo.address, "small", TransferBackend.GRPC, (1, 2), (3, 4), True)
+            await g.map_instance("b-small-src", caches["b-small"].name, SMALL)
+            with pytest.raises(FailedPrecondition, match="backend grpc is not offered by transfer service 'G'"):
+                await g.transfer(BlockTransfer(InstanceId("b-small-src"), (1,), InstanceId("a-small"), (2,),
+                                               services["A"].address, TransferBackend.GRPC, False), timeout_s=20)
+    finally:
+        only_gloo.stop()
+
+
 async def test_a_gpu_cache_this_service_cannot_open_is_failed_precondition(services):
     """A CUDA IPC handle of a GPU the service cannot see (here: no CUDA at all, or a made-up
     UUID) is refused with a message saying what is missing, and nothing is mapped."""

@@ -124,7 +124,7 @@ async def transfer_mapping_loop(link: TransferLink, instance_id: str, kv_cache: 
 
 
 async def _check_mapping(link: TransferLink, instance_id: str, kv_cache: KvCache, outage: TransferOutage,
-                         on_changed: LinkChanged) -> None:
+                         on_changed: LinkChanged = _unchanged) -> None:
     loop = asyncio.get_running_loop()
     try:
         status = await link.client.get_status()

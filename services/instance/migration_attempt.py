@@ -57,11 +57,12 @@ class MigrationInFlight:
     def pending(self, view: MigrationBlocks, full_only: bool) -> list[int]:
         """Block-table indexes whose current source block is not copied yet (all once a preemption moved them),
         past the ones the destination had cached with our bits (checked again after a preemption:
-        `ReservationKeeper.check_cached`)."""
+        `ReservationKeeper.check_cached`) and those given back out of the sliding window."""
         if view.num_preemptions != self.num_preemptions:
             self.copied.clear()
             self.num_preemptions = view.num_preemptions
         start = self.reservation.num_cached_blocks if self.reservation is not None else 0
+        start = max(start, view.num_dropped_blocks)
         end = view.num_full_blocks if full_only else view.num_blocks
         return [i for i in range(start, end) if self.copied.get(i) != view.block_ids[i]]
 

@@ -80,15 +80,17 @@ class ReservationKeeper:
             return
         engine = self._runner.engine
 
-        def own_full_blocks() -> tuple[int, tuple[BlockId, ...]]:
+        def own_full_blocks() -> tuple[int, int, tuple[BlockId, ...]]:
             view = engine.migration_blocks(a.request_id)
-            return view.num_preemptions, view.block_ids[:min(num_cached, view.num_full_blocks)]
-        a.checked_preemptions, block_ids = await call_on_copy(self._runner, a, own_full_blocks)
+            num_own = min(num_cached, view.num_full_blocks)
+            return view.num_preemptions, min(view.num_dropped_blocks, num_own), view.block_ids[:num_own]
+        a.checked_preemptions, num_dropped, block_ids = await call_on_copy(self._runner, a, own_full_blocks)
         # Off the engine thread (decoding goes on): full blocks are never written again; a preemption meanwhile
-        # (its blocks freed) is seen after the pause, which checks them again (_move).
-        own = await asyncio.to_thread(engine.block_checksums, block_ids)
+        # (its blocks freed) is seen after the pause, which checks them again (_move). Blocks given back out of
+        # the window here are not compared: the destination gives them back too, unread.
+        own = (0,) * num_dropped + await asyncio.to_thread(engine.block_checksums, block_ids[num_dropped:])
         num_compared = min(len(own), len(a.dst_checksums), num_cached)
-        num_kept = next((i for i in range(num_compared) if own[i] != a.dst_checksums[i]), num_compared)
+        num_kept = next((i for i in range(num_dropped, num_compared) if own[i] != a.dst_checksums[i]), num_compared)
         if num_kept == num_cached:
             return
         a.prepared_at = time.perf_counter()

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.errors import InvalidArgument, ResourceExhausted
-from services.instance.engine.block_manager import num_blocks_for
+from services.instance.engine.block_manager import max_blocks_held
 from services.instance.engine.migration_state import RequestState, check_serves_length
 from services.instance.engine.request import SamplingParams
 
@@ -23,6 +23,7 @@ class TokenLimits:
     max_model_len: int
     block_size: int
     num_blocks: int
+    window: int | None = None  # every layer's sliding window: a request holds only its window's blocks
 
 
 def check_queue_room(num_waiting: int, max_num_waiting: int) -> None:
@@ -53,7 +54,7 @@ def check_tokens(prompt: Sequence[int], resumed: Sequence[int], sampling: Sampli
             f"resume_token_ids: {len(resumed)} tokens already generated, max_tokens is {sampling.max_tokens}; "
             "nothing is left to generate"
         )
-    num_needed = num_blocks_for(len(prompt) + len(resumed), limits.block_size)
+    num_needed = max_blocks_held(len(prompt) + len(resumed), limits.block_size, limits.window)
     if num_needed > limits.num_blocks:
         raise ResourceExhausted(
             f"prompt needs {num_needed} KV blocks but this instance's cache has {limits.num_blocks} "

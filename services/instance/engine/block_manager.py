@@ -8,6 +8,12 @@ reads them). A block goes back to the free list when its count drops to 0.
 
 A request's blocks are its `block_table`: token t lives in `block_table[t // block_size]`.
 
+Sliding windows: where every layer of the model attends through a window of W tokens (`window`), a
+block all of whose positions are at least W behind the next token to compute is never read again,
+so it goes back (`drop_out_of_window`). Its entry in the block table becomes `OUT_OF_WINDOW_BLOCK`,
+so positions still index the table; `Request.num_dropped_blocks` says how many leading entries
+these are. A request then holds at most `max_blocks_held` blocks once its prompt is computed.
+
 With prefix caching (prefix_cache.py), a full block whose K/V are computed is registered
 under the hash of its tokens; when its count drops to 0 it stays findable (*evictable*)
 and is handed out again only when no other free block is left.
@@ -27,6 +33,9 @@ if TYPE_CHECKING:
     from services.instance.engine.request import Request
 
 BlockId = NewType("BlockId", int)
+# What a block table keeps in place of a block given back out of the window: any real block would do (attention
+# masks those positions); only `Request.num_dropped_blocks` says which entries these are.
+OUT_OF_WINDOW_BLOCK = BlockId(0)
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -34,8 +43,22 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def max_blocks_held(num_tokens: int, block_size: int, window: int | None) -> int:
+    """The most blocks a sequence of `num_tokens` tokens holds at once while it decodes: all of them, or with
+    a window on every layer, those spanning the window's W keys (ceil(W / block_size) + 1 at most)."""
+    num_blocks = num_blocks_for(num_tokens, block_size)
+    return num_blocks if window is None else min(num_blocks, num_blocks_for(window, block_size) + 1)
+
+
+def num_blocks_out_of_window(num_computed_tokens: int, block_size: int, window: int | None) -> int:
+    """Leading blocks the next token (position `num_computed_tokens`) and every later one no longer read: their
+    positions are all <= position - window (a query at p sees keys p - window < j <= p)."""
+    return 0 if window is None else max(num_computed_tokens - window + 1, 0) // block_size
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 window: int | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
@@ -45,6 +68,8 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._free_blocks: list[BlockId] = [BlockId(i) for i in range(num_blocks)]
         self.prefix_cache: PrefixCache | None = PrefixCache() if enable_prefix_caching else None
+        self.window = window  # every layer's sliding window (the widest), or None: some layer reads everything
+        self.num_blocks_dropped = 0  # blocks given back out of the window since start
 
     @property
     def num_free_blocks(self) -> int:
@@ -125,12 +150,31 @@ class BlockManager:
         self.allocate(request, request.num_computed_tokens + 1)
 
     def free(self, request: Request) -> None:
-        """Release every block of `request` and empty its block table.
+        """Release every block `request` holds and empty its block table.
 
         Last block first, so that of a released sequence the cache evicts its tail before its prefix."""
-        blocks, request.block_table = request.block_table, []
+        blocks, request.block_table = request.block_table[request.num_dropped_blocks:], []
         request.num_registered_blocks = 0
+        request.num_dropped_blocks = 0
         self.free_blocks(blocks[::-1])
+
+    def max_blocks_held(self, num_tokens: int) -> int:
+        return max_blocks_held(num_tokens, self.block_size, self.window)
+
+    def drop_out_of_window(self, request: Request) -> None:
+        """Give back `request`'s leading blocks that no layer reads again (none without a window on every
+        layer). Call before scheduling its next tokens; a registered block stays cached (evictable)."""
+        num_out = min(num_blocks_out_of_window(request.num_computed_tokens, self.block_size, self.window),
+                      len(request.block_table))
+        first = request.num_dropped_blocks
+        if num_out <= first:
+            return
+        blocks = request.block_table[first:num_out]
+        request.block_table[first:num_out] = [OUT_OF_WINDOW_BLOCK] * (num_out - first)
+        request.num_dropped_blocks = num_out
+        request.num_registered_blocks = max(request.num_registered_blocks, num_out)  # never register a placeholder
+        self.free_blocks(blocks)
+        self.num_blocks_dropped += len(blocks)
 
     # Prefix caching (no-ops without a prefix cache).
 
@@ -147,8 +191,10 @@ class BlockManager:
 
     def num_blocks_to_admit(self, cached: list[BlockId], num_tokens: int) -> int:
         """Free blocks that admitting a request with `cached` as its first blocks and room for `num_tokens`
-        tokens uses up: its new blocks, plus the cached ones nobody holds (they stop counting as free)."""
-        num_idle_cached = sum(self._ref_counts[b] == 0 for b in cached)
+        tokens uses up: its new blocks, plus the cached ones nobody holds (they stop counting as free) that
+        are not out of the window already (those go back at once: `drop_out_of_window`)."""
+        num_out = num_blocks_out_of_window(len(cached) * self.block_size, self.block_size, self.window)
+        num_idle_cached = sum(self._ref_counts[b] == 0 for b in cached[num_out:])
         return max(num_blocks_for(num_tokens, self.block_size) - len(cached), 0) + num_idle_cached
 
     def cached_blocks(self, hashes: Sequence[BlockHash]) -> list[BlockId]:

@@ -41,6 +41,14 @@ def layer_windows(raw: dict[str, Any], num_layers: int) -> tuple[int | None, ...
     return tuple(window if is_sliding else None for is_sliding in _sliding_layers(raw, model_type, num_layers))
 
 
+def kv_window(windows: tuple[int | None, ...]) -> int | None:
+    """How far back any layer reads: the widest window where every layer has one (the KV blocks behind
+    it can be given back, block_manager.py), else None (some layer reads the whole context)."""
+    if not windows or any(window is None for window in windows):
+        return None
+    return max(window for window in windows if window is not None)
+
+
 def _sliding_layers(raw: dict[str, Any], model_type: str | None, num_layers: int) -> list[bool]:
     layer_types = raw.get("layer_types")
     if model_type in ("mistral", "mixtral", "phi3", "starcoder2"):

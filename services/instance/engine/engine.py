@@ -39,6 +39,7 @@ from services.instance.engine.admission_checks import (
     check_tokens,
 )
 from services.instance.engine.block_manager import BlockId, BlockManager, num_blocks_for
+from services.instance.engine.context_window import kv_window
 from services.instance.engine.engine_config import EngineConfig, check_geometry
 from services.instance.engine.engine_reports import LoadSnapshot, RequestSnapshot, load_snapshot, request_snapshot
 from services.instance.engine.engine_step import StepRunner
@@ -85,7 +86,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.kv_cache = kv_cache
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        window = kv_window(model.config.layer_windows)  # blocks behind it go back (block_manager.py)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching, window)
         self.reservations = Reservations(self.block_manager)  # blocks (and a batch slot each) held for requests migrating in
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_prompt_logit_rows=PROMPT_LOGITS_BUDGET // model.config.vocab_size,
@@ -95,7 +97,7 @@ class LLMEngine:
         self.vocab_size: int = model.config.vocab_size
         eos_token_ids = frozenset(model.config.eos_token_ids) | frozenset(tokenizer.eos_token_ids)
         self.grammars = GrammarCompiler(tokenizer.backend, self.vocab_size, eos_token_ids)
-        self._limits = TokenLimits(self.vocab_size, config.max_model_len, config.block_size, config.num_blocks)
+        self._limits = TokenLimits(self.vocab_size, config.max_model_len, config.block_size, config.num_blocks, window)
         self._requests: dict[RequestId, Request] = {}  # waiting + running + suspended; finished ones leave at once
         self._arrivals = itertools.count()
         self._steps = StepRunner(model, kv_cache, self.scheduler, eos_token_ids, config.max_model_len,
@@ -299,6 +301,7 @@ class LLMEngine:
                                    arrival_order=next(self._arrivals), src_instance_id=src_instance_id,
                                    migration_id=migration_id)
         self._requests[request.request_id] = request
+        self.block_manager.drop_out_of_window(request)  # the source copied none of these (MigrationBlocks)
         self.block_manager.register_computed(request)  # its K/V arrived with it
         self.scheduler.adopt(request)
         self.num_requests_migrated_in += 1

@@ -39,7 +39,7 @@ class RequestSnapshot:
     num_prompt_tokens: int
     num_output_tokens: int  # resumed tokens included
     num_computed_tokens: int
-    num_blocks: int
+    num_blocks: int  # KV blocks it holds (none of those given back out of its sliding window)
     origin: RequestOrigin = RequestOrigin.DISPATCHED
     migrated_from: str = ""  # with MIGRATED_IN: the migration's source instance
     migration_id: str = ""  # MIGRATED_IN: the migration that brought it; RESUMED: the one whose copy it replaced
@@ -76,6 +76,6 @@ def request_snapshot(request: Request) -> RequestSnapshot:
     return RequestSnapshot(
         request_id=r.request_id, status=r.status, priority=r.priority,
         num_prompt_tokens=r.num_prompt_tokens, num_output_tokens=r.num_output_tokens,
-        num_computed_tokens=r.num_computed_tokens, num_blocks=len(r.block_table), origin=r.origin,
+        num_computed_tokens=r.num_computed_tokens, num_blocks=len(r.block_table) - r.num_dropped_blocks, origin=r.origin,
         migrated_from=r.migrated_from, migration_id=r.migration_id,
     )  # fmt: skip

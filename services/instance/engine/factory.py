@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from services.instance.engine.context_window import checked_max_model_len
+from services.instance.engine.block_manager import max_blocks_held, num_blocks_for
+from services.instance.engine.context_window import checked_max_model_len, kv_window
 from services.instance.engine.engine import LLMEngine
 from services.instance.engine.engine_config import EngineConfig
 from services.instance.engine.kv_cache import KvCache, KvGeometry
@@ -69,7 +70,9 @@ def build_engine(spec: EngineSpec) -> LoadedEngine:
                            spec.block_size, 1, spec.dtype).bytes_per_block
     num_blocks = spec.num_blocks or max(1, spec.kv_cache_mib * 2**20 // per_block)
     max_model_len = fitted_max_model_len(checked_max_model_len(spec.max_model_len, config.context),
-                                         is_explicit=spec.max_model_len > 0, kv_tokens=num_blocks * spec.block_size)
+                                         is_explicit=spec.max_model_len > 0, kv_tokens=num_blocks * spec.block_size,
+                                         window_tokens=_window_tokens(config, spec.block_size,
+                                                                      spec.max_num_batched_tokens))
     geometry = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
                           spec.block_size, num_blocks, spec.dtype)
     kv_cache = KvCache.create(spec.kv_name, geometry, spec.device)
@@ -84,11 +87,24 @@ def build_engine(spec: EngineSpec) -> LoadedEngine:
     return LoadedEngine(engine, kv_cache, max_model_len, fingerprint)
 
 
-def fitted_max_model_len(max_model_len: int, *, is_explicit: bool, kv_tokens: int) -> int:
+def _window_tokens(config: ModelConfig, block_size: int, max_num_batched_tokens: int) -> int | None:
+    """With a sliding window on every layer, the KV tokens one sequence alone needs at most: its window's
+    blocks and a whole step's tokens (a prefill chunk is admitted whole); None where some layer reads the
+    whole context."""
+    window = kv_window(config.layer_windows)
+    if window is None:
+        return None
+    return (max_blocks_held(window + block_size, block_size, window)
+            + num_blocks_for(max_num_batched_tokens, block_size)) * block_size
+
+
+def fitted_max_model_len(max_model_len: int, *, is_explicit: bool, kv_tokens: int,
+                         window_tokens: int | None = None) -> int:
     """The longest sequence this instance serves: no longer than its KV cache holds, since one
     request alone must always be able to finish. The model's own limit is lowered to it (and
-    logged); an explicit --max-model-len above it is refused."""
-    if max_model_len <= kv_tokens:
+    logged); an explicit --max-model-len above it is refused. With a sliding window on every layer,
+    a request needs only `window_tokens` of KV (its window and a step): where they fit, any length does."""
+    if max_model_len <= kv_tokens or (window_tokens is not None and window_tokens <= kv_tokens):
         return max_model_len
     if is_explicit:
         raise ValueError(f"--max-model-len {max_model_len} does not fit the KV cache, which holds {kv_tokens} tokens; "

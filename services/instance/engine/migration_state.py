@@ -57,6 +57,9 @@ class MigrationBlocks:
     max_num_blocks: int  # blocks the request can grow to (prompt + max_tokens, within max_model_len)
     block_hashes: tuple[BlockHash, ...] = ()  # chained hashes of the full blocks (a destination's prefix cache)
     max_num_tokens: int = 0  # tokens the request can grow to (prompt + max_tokens, within max_model_len)
+    # Leading block_ids given back out of the sliding window (placeholders, block_manager.py): never copied; the
+    # destination, reading the same window, gives back at least these as it imports the request.
+    num_dropped_blocks: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -98,7 +101,7 @@ def migration_blocks(request: Request, block_size: int, max_model_len: int) -> M
         num_full_blocks=num_computed // block_size, num_computed_tokens=num_computed,
         num_preemptions=request.num_preemptions, max_num_blocks=num_blocks_for(max_num_tokens, block_size),
         block_hashes=tuple(request.block_hashes(block_size, num_computed // block_size)),
-        max_num_tokens=max_num_tokens,
+        max_num_tokens=max_num_tokens, num_dropped_blocks=request.num_dropped_blocks,
     )  # fmt: skip
 
 

@@ -151,6 +151,9 @@ class Request:
     # preemption's recompute starts there again, so its prompt is cut where it was. None until admitted.
     first_start: int | None = None
     num_registered_blocks: int = 0  # leading blocks of block_table the prefix cache knows (or was asked to)
+    # Leading entries of block_table given back out of the sliding window (block_manager.py): placeholders,
+    # held by nobody for this request, never read again. Only grows while it holds blocks; 0 once it holds none.
+    num_dropped_blocks: int = 0
     # Its first computed block whose hash another block held when it registered (the same tokens computed by
     # another request: a greedy n > 1 sibling, say, whose rows may have other bits). A recompute starts from
     # no cached block from there on, ever (the other's may be back there), so it goes on with its own bits.

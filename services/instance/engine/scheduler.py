@@ -29,7 +29,9 @@ Every step, in this order:
    to waiting with the tokens it generated; its next prefill recomputes
    prompt + generated tokens. A request that would not fit even alone in the
    cache finishes with LENGTH (running, or at the head of the waiting queue, where
-   a preempted one may have come with more tokens than the cache holds).
+   a preempted one may have come with more tokens than the cache holds). With a
+   sliding window on every layer, each running request first gives back the blocks
+   behind its window (`BlockManager.drop_out_of_window`), and only its window must fit.
 3. If nothing was preempted, waiting requests are admitted in priority order while
    batch slots (`max_num_seqs`, less those reserved for requests migrating in),
    budget and free blocks allow. The head of the
@@ -63,7 +65,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.instance.engine.block_manager import BlockId, BlockManager, num_blocks_for
+from services.instance.engine.block_manager import BlockId, BlockManager
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.request import FinishReason, Request, RequestStatus
 
@@ -190,10 +192,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def num_blocks_needed_by_waiting(self) -> int:
-        return sum(num_blocks_for(r.num_tokens, self.block_manager.block_size) for r in self.waiting)
+        """Blocks the waiting requests will hold (with a window on every layer, each its window's at most)."""
+        return sum(self.block_manager.max_blocks_held(r.num_tokens) for r in self.waiting)
 
     def schedule(self) -> SchedulerOutput:
         step = _StepPlan(budget=self.max_num_batched_tokens, logit_budget=self.max_prompt_logit_rows)
+        for request in self.running:
+            self.block_manager.drop_out_of_window(request)
         decodes_first = sorted(self.running, key=lambda r: (r.num_uncomputed_tokens > 1, _priority_order(r)))
         for request in decodes_first:
             if step.budget == 0:
@@ -246,8 +251,9 @@ class Scheduler:
         return end - start if start + num_new >= end else 0
 
     def _finished_as_too_long(self, request: Request, step: _StepPlan) -> bool:
-        """Finish `request` with LENGTH if it could never fit, even alone in the cache."""
-        if num_blocks_for(request.num_tokens, self.block_manager.block_size) <= self.block_manager.num_blocks:
+        """Finish `request` with LENGTH if it could never fit, even alone in the cache (with a window on every
+        layer, its window must: prefill chunks shrink to the blocks left)."""
+        if self.block_manager.max_blocks_held(request.num_tokens) <= self.block_manager.num_blocks:
             return False
         self.remove(request, FinishReason.LENGTH)
         step.finished.append(request)
@@ -295,6 +301,7 @@ class Scheduler:
                 return
             self.waiting.pop(0)
             self.block_manager.start_from_cache(request, cached)
+            self.block_manager.drop_out_of_window(request)  # cached blocks behind the window go back at once
             if request.first_start is None:
                 request.first_start = num_cached_tokens
                 step.started.append(request)

@@ -16,7 +16,8 @@ profile of your deployment.
 The tokens come from the KV cache, so migration is checked as with the torch engine. Each
 new token writes its id into its KV slot (layer 0, K, head 0, elements 0-2: three bytes
 of the id, exact in every KV dtype), and the next token of a sequence is a hash of every
-id in its cache with its position. A request whose blocks were lost or garbled in a move
+id in its cache with its position (with a sliding window on every layer, of the ids in
+the window only, as the blocks behind it are given back). A request whose blocks were lost or garbled in a move
 continues with other tokens than one that never moved; with greedy sampling a request's
 tokens depend only on its prompt.
 """
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.config import check_non_negative
+from services.instance.engine.context_window import kv_window
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.model_config import ModelConfig
 
@@ -67,6 +69,7 @@ class SimModel:
         if config.head_dim < ID_BYTES:
             raise ValueError(f"config.json: head_dim={config.head_dim}; the sim engine needs at least {ID_BYTES}")
         self.config = config
+        self.window = kv_window(config.layer_windows)  # None: every token of the context counts
         self.latency = latency
         self._sleep = sleep
 
@@ -90,6 +93,8 @@ class SimModel:
         slots = blocks * block_size + positions % block_size
         ids = _read_ids(marks, slots)
         ids = ids.masked_fill(positions >= context_lens[:, None], 0)
+        if self.window is not None:  # as attention through the window: the query at context_len - 1 sees W keys
+            ids = ids.masked_fill(positions < context_lens[:, None] - self.window, 0)
         digest = (ids * _position_weights(positions)).sum(dim=1) + context_lens
         return _mix(digest) % self.config.vocab_size
 

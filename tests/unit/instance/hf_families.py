@@ -54,5 +54,7 @@ def assert_greedy_equals_transformers(model_dir: pathlib.Path, hf_model, kv_name
         expected = [hf_greedy(hf_model, prompt, 20) for prompt in PROMPTS]
         assert [loaded.engine.generate([prompt], greedy)[0] for prompt in PROMPTS] == expected
         assert loaded.engine.generate(PROMPTS, greedy) == expected
+        if loaded.engine.block_manager.window is not None:  # a window on every layer: blocks behind it went back
+            assert loaded.engine.block_manager.num_blocks_dropped >= 4
     finally:
         loaded.close()

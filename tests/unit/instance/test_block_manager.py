@@ -3,7 +3,7 @@
 import pytest
 
 from services.common.errors import Internal, ResourceExhausted
-from services.instance.engine.block_manager import BlockManager, num_blocks_for
+from services.instance.engine.block_manager import OUT_OF_WINDOW_BLOCK, BlockManager, max_blocks_held, num_blocks_for
 from services.instance.engine.request import Request, RequestId, SamplingParams
 from services.instance.engine.text_output import TextOutput
 
@@ -111,3 +111,70 @@ def test_freed_blocks_are_reused():
     c = make_request(4, "c")
     manager.allocate(c)
     assert sorted(c.block_table + b.block_table) == [0, 1, 2]
+
+
+# Sliding windows: blocks behind every layer's window go back.
+
+def test_blocks_behind_the_window_go_back_and_the_table_keeps_placeholders():
+    manager = BlockManager(num_blocks=16, block_size=4, window=7)
+    request = make_request(30)
+    manager.allocate(request)
+    held = list(request.block_table)
+    for num_computed, num_out in ((5, 0), (9, 0), (10, 1), (13, 1), (14, 2), (29, 5)):
+        request.num_computed_tokens = num_computed  # the next token sits at position num_computed
+        manager.drop_out_of_window(request)
+        # block b goes once its last position, 4b + 3, is at or behind num_computed - 7
+        assert request.num_dropped_blocks == num_out, num_computed
+        assert request.block_table[:num_out] == [OUT_OF_WINDOW_BLOCK] * num_out
+        assert request.block_table[num_out:] == held[num_out:]
+        assert manager.num_free_blocks == 16 - 8 + num_out
+    assert manager.num_blocks_dropped == 5
+    manager.free(request)  # only the blocks still held: no double free of the placeholders
+    assert manager.num_free_blocks == 16 and request.num_dropped_blocks == 0
+
+
+def test_without_a_window_on_every_layer_nothing_goes_back():
+    manager = BlockManager(num_blocks=16, block_size=4)
+    request = make_request(30)
+    manager.allocate(request)
+    request.num_computed_tokens = 29
+    manager.drop_out_of_window(request)
+    assert request.num_dropped_blocks == 0 and manager.num_free_blocks == 8
+
+
+def _request_of(tokens: range, name: str) -> Request:
+    return Request(RequestId(name), tuple(tokens), SamplingParams(), seed=0, arrival_order=0,
+                   text=TextOutput(_NoText(), ()))
+
+
+def test_a_block_given_back_before_it_registered_never_registers():
+    """An imported request gives back the blocks behind its window (never copied into) before registering."""
+    manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True, window=5)
+    request = _request_of(range(1, 17), "imported")
+    manager.allocate(request)
+    request.num_computed_tokens = 12  # the next token, at 12, sees keys 8-12: blocks 0 (0-3) and 1 (4-7) are out
+    manager.drop_out_of_window(request)
+    manager.register_computed(request)
+    assert request.num_dropped_blocks == 2 and request.num_registered_blocks == 3
+    assert manager.prefix_cache.num_registered == 1  # block 2 only: no placeholder under a hash
+    assert manager.cached_prefix(_request_of(range(1, 17), "twin")) == []  # no chain from block 0
+
+
+def test_a_registered_block_given_back_stays_cached_until_it_is_reused():
+    manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True, window=5)
+    request = _request_of(range(1, 17), "r")
+    manager.allocate(request)
+    request.num_computed_tokens = 12
+    manager.register_computed(request)
+    dropped = request.block_table[:2]
+    manager.drop_out_of_window(request)
+    assert manager.num_free_blocks == 8 - 4 + 2  # evictable: free, and their K/V still right
+    assert manager.cached_prefix(_request_of(range(1, 17), "twin"))[:2] == dropped
+    manager.allocate_blocks(manager.num_free_blocks)  # never-cached blocks first, then the evictable ones
+    assert manager.cached_prefix(_request_of(range(1, 17), "twin")) == []  # forgotten as they were reused
+
+
+def test_the_most_blocks_held_is_the_windows():
+    assert [max_blocks_held(n, 4, 7) for n in (1, 4, 8, 9, 100)] == [1, 1, 2, 3, 3]
+    assert max_blocks_held(100, 4, None) == 25
+    assert BlockManager(num_blocks=4, block_size=16, window=4096).max_blocks_held(32768) == 257

@@ -21,6 +21,7 @@ from services.common.pick_announcement import REFUSED_BY_DESTINATION, REFUSED_BY
 from services.common.prefix_hash import next_block_hash
 from services.common.errors import (Aborted, ErrorInterceptor, FailedPrecondition, FerryError, InvalidArgument,
                                     NotFound, ResourceExhausted, Unavailable)
+from services.instance.engine.block_manager import num_blocks_out_of_window
 from services.instance.engine.engine import LLMEngine
 from services.instance.engine.engine_config import EngineConfig
 from services.instance.engine.step_output import StepOutput
@@ -156,8 +157,31 @@ def paced(*sides: Side) -> Iterator[None]:
             del side.engine.step  # the class's again
 
 
+WINDOW = 8  # windowed_pair's
+
+
+@pytest.fixture(scope="module")
+def tiny_windowed(tiny_model_dir):
+    """The tiny model with a sliding window of WINDOW tokens on every layer: the blocks behind it go back."""
+    model = load_model(tiny_model_dir)
+    model.config = dataclasses.replace(model.config, layer_windows=(WINDOW,) * model.config.num_hidden_layers)
+    return model, Tokenizer.from_dir(tiny_model_dir)
+
+
 @pytest.fixture
 async def pair(tiny):
+    async with sides_of(tiny) as sides:
+        yield sides
+
+
+@pytest.fixture
+async def windowed_pair(tiny_windowed):
+    async with sides_of(tiny_windowed) as sides:
+        yield sides
+
+
+@contextlib.asynccontextmanager
+async def sides_of(tiny) -> AsyncIterator[tuple[Side, Side]]:
     caches, sides = [], {}
     loop = asyncio.get_running_loop()
     for name in ("a", "b"):
@@ -174,12 +198,14 @@ async def pair(tiny):
         slots = MigrationSlots(1)
         inbox = MigrationInbox(runner, slots, timeout_s=5.0, transfer=TransferEndpoint("127.0.0.1:1", f"t{name}"))
         sides[name] = Side(name, engine, runner, slots, inbox)
-    yield sides["a"], sides["b"]
-    for side in sides.values():
-        side.runner.stop()
-    for cache in caches:
-        cache.close()
-        cache.unlink()
+    try:
+        yield sides["a"], sides["b"]
+    finally:
+        for side in sides.values():
+            side.runner.stop()
+        for cache in caches:
+            cache.close()
+            cache.unlink()
 
 
 def driver(src: Side, peer, copier, max_stages: int = 3, reservation_timeout_s: float = 5.0,
@@ -722,6 +748,43 @@ async def test_blocks_the_destination_has_cached_are_not_copied(pair, max_stages
     # migration (live: one or two; eight with a loaded machine's 0.3 s pause, so no fixed bound)
     copied = [i for t in copier.transfers for i in t.dst_block_ids]
     assert result.num_blocks == len(copied) == num_blocks - result.num_cached_at_destination
+    await assert_no_blocks_held(a, b)
+
+
+@pytest.mark.parametrize("max_stages", [3, 0], ids=["live", "stop-and-copy"])
+async def test_a_windowed_request_moves_only_the_blocks_its_window_holds(windowed_pair, max_stages):
+    """With a window on every layer, the blocks behind it went back on the source: none is copied (without:
+    the first stage copied the ten given back before the move began), the destination gives back those
+    places unread, and the request goes on with the tokens it had."""
+    a, b = windowed_pair
+    expected = await run_alone(a, SAMPLING.max_tokens)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    copier = TensorCopier(a, b)
+    result = await driver(a, FaultyPeer(b), copier).migrate_out(dataclasses.replace(plan(), max_stages=max_stages))
+    handoff = await read(stream, tokens)
+    last = await read(b.inbox.attach("r", handoff.epoch), tokens)
+    assert tokens == expected and last.finish_reason is FinishReason.LENGTH
+    num_blocks = -(-(len(PROMPT) + handoff.next_token_index - 1) // BLOCK_SIZE)  # the last token is not computed
+    num_dropped = num_blocks_out_of_window(len(PROMPT) + 30 - 1, BLOCK_SIZE, WINDOW)  # 10, before the move began
+    assert result.num_blocks == sum(t.num_blocks for t in copier.transfers) <= num_blocks - num_dropped
+    await assert_no_blocks_held(a, b)
+
+
+async def test_a_windowed_request_keeps_the_destinations_cached_blocks_behind_its_window(windowed_pair):
+    """The source's blocks behind the window are placeholders, so their checksums are not compared: the
+    destination keeps its cached blocks there (without: every cached block was given up at the first)."""
+    a, b = windowed_pair
+    expected = await run_alone(b, SAMPLING.max_tokens)  # b computed (and cached) this very request's blocks
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    num_full = (len(PROMPT) + len(tokens) - 1) // BLOCK_SIZE
+    result = await driver(a, FaultyPeer(b), TensorCopier(a, b)).migrate_out(plan())
+    handoff = await read(stream, tokens)
+    await read(b.inbox.attach("r", handoff.epoch), tokens)
+    assert tokens == expected and result.num_cached_at_destination >= num_full
     await assert_no_blocks_held(a, b)
 
 

@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.instance.engine import attention
+from services.instance.engine.block_manager import OUT_OF_WINDOW_BLOCK, num_blocks_out_of_window
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.model import LlamaModel, allocate_kv_cache, load_model
-from services.instance.engine.context_window import checked_max_model_len, context_limit, max_positions
+from services.instance.engine.context_window import checked_max_model_len, context_limit, kv_window, max_positions
 from services.instance.engine.factory import EngineSpec, build_engine, fitted_max_model_len
 from services.instance.engine.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 from services.instance.engine.weights import checkpoint_files
@@ -151,14 +152,21 @@ class Sequence:
     tokens: list[int]  # every token the sequence has, prompt and generated
     num_cached: int = 0  # tokens whose K/V are in the cache
     blocks: list[int] = field(default_factory=list)
+    num_dropped: int = 0  # leading blocks given back out of the sliding window (placeholders in `blocks`)
 
 
 class PagedRunner:
-    """Builds ForwardBatches the way a scheduler would, over shuffled, non-contiguous blocks."""
+    """Builds ForwardBatches the way a scheduler would, over shuffled, non-contiguous blocks. With a
+    sliding window on every layer, the blocks behind a sequence's window go back before each step, and
+    the next blocks allocated are those (so their K/V are overwritten at once): the block table keeps
+    a placeholder, as the block manager does."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int = 96, block_size: int = 4, is_shuffled: bool = True) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int = 96, block_size: int = 4, is_shuffled: bool = True,
+                 gives_back: bool = True) -> None:
         self.model = model
         self.block_size = block_size
+        self.window = kv_window(model.config.layer_windows) if gives_back else None
+        self.num_blocks_dropped = 0
         self.kv_cache = allocate_kv_cache(model.config, num_blocks, block_size, dtype=model.dtype)
         self.free_blocks = list(reversed(range(num_blocks)))  # popped from the end: lowest id first
         if is_shuffled:
@@ -172,6 +180,7 @@ class PagedRunner:
         """The forward batch of `n` uncached tokens of each sequence (counted as cached from now on)."""
         ids, positions, slots = [], [], []
         for seq, n in work:
+            self._drop_out_of_window(seq)
             new = range(seq.num_cached, seq.num_cached + n)
             while len(seq.blocks) * self.block_size < new.stop:
                 seq.blocks.append(self.free_blocks.pop())
@@ -188,6 +197,18 @@ class PagedRunner:
             context_lens=torch.tensor([seq.num_cached for seq, _ in work]),
             block_tables=torch.tensor([seq.blocks + [0] * (max_blocks - len(seq.blocks)) for seq, _ in work]),
         )
+
+
+    def _drop_out_of_window(self, seq: Sequence) -> None:
+        num_out = min(num_blocks_out_of_window(seq.num_cached, self.block_size, self.window), len(seq.blocks))
+        for i in range(seq.num_dropped, num_out):
+            self.free_blocks.append(seq.blocks[i])  # popped next: another sequence writes into it at once
+            seq.blocks[i] = OUT_OF_WINDOW_BLOCK
+            self.num_blocks_dropped += 1
+        seq.num_dropped = max(seq.num_dropped, num_out)
+
+    def num_blocks_held(self, seq: Sequence) -> int:
+        return len(seq.blocks) - seq.num_dropped
 
 
 def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
@@ -279,6 +300,10 @@ def assert_staggered_greedy_matches(greedy_prompts: list[tuple[list[int], list[i
     for (prompt, expected), seq in zip(greedy_prompts, seqs):
         assert len(expected) == len(prompt) + num_new
         assert seq.tokens == expected
+    if runner.window is not None:  # a window on every layer: its blocks were given back and reused meanwhile
+        assert runner.num_blocks_dropped == sum(seq.num_dropped for seq in seqs) >= 10
+        max_held = -(-runner.window // runner.block_size) + 1
+        assert all(runner.num_blocks_held(seq) <= max_held for seq in seqs), [runner.num_blocks_held(s) for s in seqs]
 
 
 def test_chunked_prefill_matches_single_chunk(model):
@@ -318,7 +343,8 @@ def test_decode_read_in_place_matches_transformers(checkpoint, model, is_shuffle
     _, hf_model = checkpoint
     prompts = [random_prompt(n, model.config.vocab_size, seed=300 + n) for n in (5, 12, 17, 30)]
     seqs = [Sequence(list(p)) for p in prompts]
-    runner = PagedRunner(model, block_size=4, is_shuffled=is_shuffled)
+    # no block given back behind a window: one reused out of order would make unshuffled blocks not consecutive
+    runner = PagedRunner(model, block_size=4, is_shuffled=is_shuffled, gives_back=False)
     for seq in seqs:  # one at a time, so each gets its blocks together
         runner.step([(seq, len(seq.tokens) - 1)])
     batch = runner.batch([(s, 1) for s in seqs])

@@ -34,8 +34,11 @@ def sim(tiny_model_dir) -> tuple[ModelConfig, Tokenizer]:
 def make_engine(sim) -> Iterator[Callable[..., LLMEngine]]:
     caches: list[KvCache] = []
 
-    def make(num_blocks: int = 64, dtype: torch.dtype = torch.float32, enable_prefix_caching: bool = True) -> LLMEngine:
+    def make(num_blocks: int = 64, dtype: torch.dtype = torch.float32, enable_prefix_caching: bool = True,
+             window: int | None = None) -> LLMEngine:
         config, tokenizer = sim
+        if window is not None:  # a sliding window on every layer
+            config = replace(config, layer_windows=(window,) * config.num_hidden_layers)
         geometry = KvGeometry(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, BLOCK_SIZE,
                               num_blocks, dtype)
         cache = KvCache.create(f"ferry-kv-test-sim-{os.getpid()}-{uuid.uuid4().hex[:8]}", geometry)
@@ -56,6 +59,17 @@ def test_greedy_tokens_depend_on_the_prompt_only(make_engine):
     batched = make_engine().generate([[3, 1, 4], PROMPT, PROMPT[:5]], GREEDY)
     assert batched[1] == alone and batched[0] != alone and batched[2] != alone
     assert len(set(alone)) > len(alone) // 2  # not stuck on a few tokens
+
+
+def test_with_a_window_on_every_layer_tokens_depend_on_the_window_only(make_engine):
+    """The blocks behind the window go back (and are written by others) as with the torch engine, so the sim
+    engine hashes the window's ids only: two prompts that differ only far behind it continue alike."""
+    engine = make_engine(num_blocks=12, window=6)
+    prompt = [(7 * i) % 200 + 3 for i in range(30)]
+    first, second, other = engine.generate([prompt, [499, *prompt[1:]], [*prompt[:-1], 498]], GREEDY)
+    assert first == second != other
+    assert engine.block_manager.num_blocks_dropped > 0
+    assert_no_blocks_held(engine)
 
 
 def test_cached_prefix_blocks_give_the_same_tokens_as_computing_them(make_engine):

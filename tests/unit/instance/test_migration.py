@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -54,6 +55,7 @@ SAMPLING = SamplingParams(temperature=0.8, top_k=30, seed=5, max_tokens=120, ign
 PACE_S = 0.05  # a paced engine's steps take this long at least: 90 steps 4.5 s
 NUM_BLOCKS = 160
 BLOCK_SIZE = 4
+LONG_STEP_MAX_S = 30.0  # a `long_step` the test never ends (it failed first) ends by itself after this
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +168,19 @@ def tiny_windowed(tiny_model_dir):
     model = load_model(tiny_model_dir)
     model.config = dataclasses.replace(model.config, layer_windows=(WINDOW,) * model.config.num_hidden_layers)
     return model, Tokenizer.from_dir(tiny_model_dir)
+
+
+@contextlib.contextmanager
+def long_step(side: Side) -> Iterator[threading.Event]:
+    """Inside: `side`'s engine thread is in a step that lasts until the test sets the event yielded (or the block
+    ends), so what the test queues on that thread meanwhile waits behind it however slow or busy the machine. (A
+    step of a fixed 0.3-0.5 s let a loaded machine run the queued call before the test's next move.)"""
+    ends = threading.Event()
+    side.runner.call_soon(lambda: ends.wait(LONG_STEP_MAX_S))
+    try:
+        yield ends
+    finally:
+        ends.set()
 
 
 @pytest.fixture
@@ -922,11 +937,14 @@ async def test_a_resume_arriving_while_a_commit_admits_its_request_takes_its_pla
     await read(await a.runner.add("r", PROMPT, SAMPLING), tokens, until=30)
 
     async def commit_while_the_client_resumes(migration_id: str, state: RequestState, attempt: int = 0) -> None:
-        b.runner.call_soon(lambda: time.sleep(0.5))  # the destination's engine is in a long step
-        commit = asyncio.create_task(b.inbox.commit(migration_id, state))
-        await wait_for(lambda: b.runner.stream("r") is not None)  # its import is queued on the engine thread
-        a.runner.abandon_all(Unavailable("the engine step has run for 30 s"))  # the client leaves a ...
-        await b.inbox.drop_unattached("r")  # ... and resumes on b, as Generate does
+        with long_step(b) as step:  # the destination's engine is in a long step
+            commit = asyncio.create_task(b.inbox.commit(migration_id, state))
+            await wait_for(lambda: b.runner.stream("r") is not None)  # its import is queued on the engine thread
+            a.runner.abandon_all(Unavailable("the engine step has run for 30 s"))  # the client leaves a ...
+            dropping = asyncio.create_task(b.inbox.drop_unattached("r"))  # ... and resumes on b, as Generate does
+            await wait_for(lambda: b.runner.stream("r") is None)  # the copy is dropped; its abort queued
+            step.set()
+        await dropping
         resumed.append(await b.runner.add("r", PROMPT, SAMPLING, resume_token_ids=tuple(tokens)))
         await commit
 
@@ -1089,13 +1107,12 @@ async def test_a_commit_cancelled_during_its_import_leaves_no_copy_running_on_th
     peer = FaultyPeer(b)
 
     async def commit_past_its_deadline(migration_id, state, attempt=0):
-        b.runner.call_soon(lambda: time.sleep(0.5))  # the destination's engine is in a long step
-        handler = asyncio.create_task(b.inbox.commit(migration_id, state))
-        while b.runner.stream(state.request_id) is None:  # the import is queued on the engine thread
-            await asyncio.sleep(0.001)
-        handler.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await handler
+        with long_step(b):  # the destination's engine is in a long step
+            handler = asyncio.create_task(b.inbox.commit(migration_id, state))
+            await wait_for(lambda: b.runner.stream(state.request_id) is not None)  # the import is queued
+            handler.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await handler
         raise Unavailable("deadline exceeded: CommitMigrateIn")
 
     peer.commit_migrate_in = commit_past_its_deadline
@@ -1369,11 +1386,13 @@ async def test_a_commit_racing_the_watchdog_leaves_no_copy_nobody_tracks_on_the_
     committed: list[BaseException | None] = []
 
     async def commit_while_the_source_is_declared_gone(migration_id, state, attempt=0):
-        b.runner.call_soon(lambda: time.sleep(0.3))  # the destination's engine is in a long step
-        committing = asyncio.create_task(b.inbox.commit(migration_id, state))
-        while b.runner.stream(state.request_id) is None:  # the import is queued on the engine thread
-            await asyncio.sleep(0.001)
-        await b.inbox.abort(migration_id)  # the watchdog's sweep: the source is gone from etcd
+        with long_step(b) as step:  # the destination's engine is in a long step
+            committing = asyncio.create_task(b.inbox.commit(migration_id, state))
+            await wait_for(lambda: b.runner.stream(state.request_id) is not None)  # the import is queued
+            aborting = asyncio.create_task(b.inbox.abort(migration_id))  # the watchdog's sweep: the source left etcd
+            await wait_for(lambda: b.inbox.num_incoming == 0)  # given up; its blocks are freed after the import
+            step.set()
+        await aborting
         committed.extend(await asyncio.gather(committing, return_exceptions=True))
         raise Unavailable("the source died: the commit's answer never reached it")
 
@@ -1431,13 +1450,14 @@ async def test_dropping_a_migrated_in_request_cut_short_by_its_callers_deadline_
     a, b = pair
     stream, tokens = await moved_a_to_b(a, b)
     assert isinstance(await read(stream, tokens), Handoff)  # the hand-off that never reaches the client
-    b.runner.call_soon(lambda: time.sleep(0.3))  # b's engine is in a long step
-    dropping = asyncio.create_task(b.inbox.drop_unattached("r"))
-    await asyncio.sleep(0.05)
-    dropping.cancel()  # the caller's deadline
-    with pytest.raises(asyncio.CancelledError):
-        await dropping
-    async with asyncio.timeout(5):
+    with long_step(b):  # b's engine is in a long step
+        dropping = asyncio.create_task(b.inbox.drop_unattached("r"))
+        await wait_for(lambda: b.inbox.num_incoming == 0)  # forgotten; the request's abort is on its way ...
+        await asyncio.sleep(0.05)  # ... and queued behind the step (a few turns of the event loop)
+        dropping.cancel()  # the caller's deadline
+        with pytest.raises(asyncio.CancelledError):
+            await dropping
+    async with asyncio.timeout(20):
         while b.runner.stream("r") is not None:  # the engine aborts the request once its step ends
             await asyncio.sleep(0.01)
     resumed = await b.runner.add("r", PROMPT, SAMPLING, resume_token_ids=tuple(tokens))
@@ -1511,7 +1531,7 @@ async def streaming_on_a(a: Side, b: Side) -> tuple[FaultyPeer, InstanceServicer
     return peer, servicer, servicer._chunks(stream, from_token_index=0)
 
 
-async def wait_for(condition, timeout_s: float = 5.0) -> None:
+async def wait_for(condition, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "timed out waiting"

@@ -498,9 +498,11 @@ async def test_request_finishing_mid_migration_aborts_it(pair):
     stream = await a.runner.add("r", PROMPT, sampling)
     await read(stream, tokens, until=30)
     copier = TensorCopier(a, b, pause=asyncio.Event())
-    migration = asyncio.create_task(driver(a, FaultyPeer(b), copier).migrate_out(plan()))
-    while not copier.num_calls:
-        await asyncio.sleep(0.01)
+    with paced(a):  # its last 30 steps outlast the move's way to its first copy (about 11 steps at load 12)
+        migration = asyncio.create_task(driver(a, FaultyPeer(b), copier).migrate_out(plan()))
+        while not copier.num_calls:
+            assert not migration.done(), migration
+            await asyncio.sleep(0.01)
     await read(stream, tokens)  # the first stage's copy is stuck; the request runs to its end meanwhile
     copier.pause.set()
     with pytest.raises(Aborted, match="finished or was aborted"):

@@ -9,6 +9,7 @@ import dataclasses
 import os
 import threading
 import time
+import types
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -1594,12 +1595,15 @@ async def test_a_hand_off_its_client_read_leaves_the_copy_to_it(pair):
 async def test_hand_offs_are_remembered_within_a_bound(pair, monkeypatch):
     """For the destination's attach wait (--migration-reservation-timeout-s), and at most MAX_RECENT_HANDOFFS."""
     monkeypatch.setattr("services.instance.handoff.MAX_RECENT_HANDOFFS", 2)
+    now = [1000.0]  # their clock (a process paused 0.2 s between the note and the first look made them old)
+    monkeypatch.setattr("services.common.recent.time", types.SimpleNamespace(monotonic=lambda: now[0]))
     a, b = pair
     mover = driver(a, FaultyPeer(b), TensorCopier(a, b), reservation_timeout_s=0.2)
     for request_id in ("r1", "r2", "r3"):
         mover._handed_off.note(request_id, Handoff("b", "127.0.0.1:2", 1, 0, f"m-{request_id}"))
+    now[0] += 0.19
     assert mover.recent_handoff("r1") is None and mover.recent_handoff("r3").migration_id == "m-r3"
-    await asyncio.sleep(0.3)
+    now[0] += 0.02
     assert mover.recent_handoff("r3") is None
 
 

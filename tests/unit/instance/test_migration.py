@@ -1012,23 +1012,33 @@ async def test_a_commit_of_a_request_already_running_on_the_destination_is_refus
     await assert_no_blocks_held(a, b)
 
 
-async def test_a_request_moves_on_only_once_its_client_followed_it(pair):
+async def test_a_request_moves_on_only_once_its_client_followed_it(pair, monkeypatch):
     """A→B, then B→A asked before the client attached on B: B waits for the client, so the client
     follows both hand-offs (moving it at once would send the client to B after B let it go)."""
+    # 2 s by default, of which a busy machine can spend much before the client below attaches
+    monkeypatch.setattr("services.instance.migration_pick.CLIENT_ATTACH_WAIT_S", 30.0)
     a, b = pair
     expected = await reference(a)
     with paced(b):  # r decodes on b through the 0.2 s below, and until it moved back
         stream, tokens = await moved_a_to_b(a, b)
-        back = driver(b, FaultyPeer(a), TensorCopier(b, a))
+        peer, attached_at_prepare = FaultyPeer(a), []
+        prepare = peer.prepare_migrate_in
+
+        async def prepare_noting_the_client(*args, **kwargs) -> Reservation:
+            attached_at_prepare.append(b.runner.stream("r").is_attached)
+            return await prepare(*args, **kwargs)
+        peer.prepare_migrate_in = prepare_noting_the_client
+        back = driver(b, peer, TensorCopier(b, a))
         with pytest.raises(FailedPrecondition, match="no request to migrate"):
             await back.migrate_out(plan(request_id="", dst="a"))  # picking skips a request nobody reads yet
         moving_back = asyncio.create_task(back.migrate_out(plan(dst="a")))
         await asyncio.sleep(0.2)
-        assert not moving_back.done()  # waits for the client
+        assert not moving_back.done() and not attached_at_prepare  # waits for the client
         first = await read(stream, tokens)
         on_b = b.inbox.attach("r", first.epoch)
         second = await read(on_b, tokens)
     assert isinstance(second, Handoff) and second.epoch == 2 and (await moving_back).dst_instance_id == "a"
+    assert attached_at_prepare[0]  # (the move's pace on a busy machine did not decide it)
     last = await read(a.inbox.attach("r", second.epoch), tokens)
     assert tokens == expected and last.finish_reason is FinishReason.LENGTH
     await assert_no_blocks_held(a, b)
@@ -1314,8 +1324,8 @@ async def test_a_hand_off_waiting_for_a_client_leaves_a_copy_that_replaced_its_r
     expected = await reference(a)
     b.slots = MigrationSlots(2)
     b.inbox = MigrationInbox(b.runner, b.slots, timeout_s=5.0, transfer=TransferEndpoint("127.0.0.1:2", "tb"))
-    pusher = DecodeHandoff("b", b.runner, driver(b, FaultyPeer(a), TensorCopier(b, a)), PlaceOnA(),
-                           PdHandoff.PUSH, lambda: InstanceRole.PREFILL)
+    pushes = driver(b, FaultyPeer(a), TensorCopier(b, a))
+    pusher = DecodeHandoff("b", b.runner, pushes, PlaceOnA(), PdHandoff.PUSH, lambda: InstanceRole.PREFILL)
     b.runner.on_prefilled = pusher.note_prefilled
     b.runner.holds_first_tokens = lambda: pusher.is_pushing
     with paced(a):  # the busy requests hold every batch slot of a until r moved
@@ -1329,8 +1339,8 @@ async def test_a_hand_off_waiting_for_a_client_leaves_a_copy_that_replaced_its_r
         await a.runner.abort(f"busy-{i}")
     while "r" not in pusher._held:
         await asyncio.sleep(0.01)
-    stale = asyncio.create_task(pusher._hand_off("r"))  # waits for the orphan's client
-    await asyncio.sleep(0.1)
+    stale = asyncio.create_task(pusher._hand_off("r"))
+    await wait_for(lambda: "r" in pushes.moving)  # claimed: it waits for the orphan's client
     assert await b.inbox.drop_unattached("r")  # the client resumes r on b (Generate)
     tokens: list[int] = []
     resumed = await b.runner.add("r", PROMPT, SAMPLING)

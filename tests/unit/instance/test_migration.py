@@ -45,7 +45,7 @@ from services.instance.server import InstanceIdentity, InstanceServicer
 from services.transfer.domain import BlockTransfer, TransferBackend, TransferResult
 from tests.loop_errors import collect_dropped_tasks, unretrieved_errors
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)  # 60 s: the live cached-blocks test took 18 s of it at load 20
 torch.set_num_threads(1)
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 31, 8, 64, 2, 11, 19, 23, 29, 37, 41, 43, 47, 53]

@@ -129,31 +129,19 @@ def test_place_decode_passes_over_decode_instances_serving_shorter_sequences_tha
         dispatcher.place_decode("r4", "p", 4, max_num_tokens=300)
 
 
-def test_place_decode_passes_over_decode_instances_of_another_model():
-    """A black-box run on three "hosts" (2026-12-07): an instance of another model, the freest, drew every move
-    (each failed "kv geometry mismatch"); a hand-off is placed on a decode instance of the source's model."""
+SMOL = {"kv_layout": (30, 3, 64, 16, "float32"), "vocab_size": 49152, "model_fingerprint": "1111111111111111"}
+
+
+# A black-box run on three "hosts" (2026-12-07): an instance of another model, the freest, drew every move (each
+# failed "kv geometry mismatch"). Another fine-tune of the base (same layout and vocabulary, other weights) is
+# passed over as well: a hand-off goes to a decode instance of the source's model and fingerprint.
+@pytest.mark.parametrize("other", [{"kv_layout": (3, 2, 16, 16, "float32"), "vocab_size": 512},
+                                   {"model_fingerprint": "2222222222222222"}], ids=["other_model", "other_fine_tune"])
+def test_place_decode_passes_over_decode_instances_of_another_model(other):
     view = ClusterView(report_timeout_s=3.0, clock=FakeClock())
-    smol = {"kv_layout": (30, 3, 64, 16, "float32"), "vocab_size": 49152}
-    for instance_id, role, fields in [("p", Role.PREFILL, smol), ("d", Role.DECODE, smol),
-                                      ("tiny", Role.DECODE, {"kv_layout": (3, 2, 16, 16, "float32"), "vocab_size": 512})]:
+    for instance_id, role, fields in [("p", Role.PREFILL, SMOL), ("d", Role.DECODE, SMOL),
+                                      ("other", Role.DECODE, {**SMOL, **other})]:
         view.put_member(dataclasses.replace(make_record(instance_id, role=role), **fields))
-        view.apply_report(InstanceId(instance_id), make_load())
-    view.apply_report(InstanceId("d"), make_load(num_free_blocks=500, num_running=3))
-    dispatcher = Dispatcher(view, leading())
-    assert dispatcher.place_decode("r1", "p", 4).instance_id == "d"
-    view.remove_member(InstanceId("d"))
-    with pytest.raises(Unavailable, match="no decode instance serves"):
-        dispatcher.place_decode("r2", "p", 4)
-
-
-def test_place_decode_passes_over_decode_instances_of_another_fine_tune():
-    """Same layout and vocabulary, other weights (another fine-tune of the base): the hand-off goes to a decode
-    instance of the source's fingerprint, never the freer one of the other's."""
-    view = ClusterView(report_timeout_s=3.0, clock=FakeClock())
-    smol = {"kv_layout": (30, 3, 64, 16, "float32"), "vocab_size": 49152}
-    for instance_id, role, fingerprint in [("p", Role.PREFILL, "1111111111111111"), ("d", Role.DECODE, "1111111111111111"),
-                                           ("tuned", Role.DECODE, "2222222222222222")]:
-        view.put_member(dataclasses.replace(make_record(instance_id, role=role), **smol, model_fingerprint=fingerprint))
         view.apply_report(InstanceId(instance_id), make_load())
     view.apply_report(InstanceId("d"), make_load(num_free_blocks=500, num_running=3))
     dispatcher = Dispatcher(view, leading())

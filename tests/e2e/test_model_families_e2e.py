@@ -1,5 +1,7 @@
 """Other model families through the whole cluster: random Qwen3, Gemma, Gemma 2, Gemma 3,
-Phi-3, Granite, Mixtral, GPT-NeoX and GPT-2 checkpoints written by transformers, served by the launcher, answered
+Phi-3, Granite, Mixtral, GPT-NeoX, GPT-2, SmolLM3, OLMo, Cohere, Cohere 2, GPT-J, OPT, Falcon, GLM, GLM-4, Helium,
+ERNIE 4.5, Seed-OSS, EXAONE 4, Hunyuan, Ministral, OLMo 3, Arcee and GPT-BigCode checkpoints written by
+transformers, served by the launcher, answered
 greedily and migrated mid-stream; every token must equal transformers' `generate`, and the frontend serves the
 context the model allows (Phi-3's longrope). The sliding windows are far shorter than the
 sequences, so the windowed layers' masks are what is checked there."""
@@ -49,6 +51,49 @@ FAMILIES = {
     "gpt_neox": (transformers.GPTNeoXConfig, dict(), 1024),
     # learned positions, no RoPE: served up to n_positions (GPT2Config's name for max_position_embeddings)
     "gpt2": (transformers.GPT2Config, dict(max_position_embeddings=512), 512),
+    # NoPE on the second layer, which slides
+    "smollm3": (transformers.SmolLM3Config, dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=16),
+                1024),
+    # LayerNorms without parameters, q/k/v clamped
+    "olmo": (transformers.OlmoConfig, dict(clip_qkv=2.0), 1024),
+    # parallel blocks from one bias-free LayerNorm, interleaved RoPE, per-head q/k LayerNorms, logit_scale
+    "cohere": (transformers.CohereConfig, dict(use_qk_norm=True, logit_scale=0.5), 1024),
+    # a sliding layer with RoPE, then a global one without
+    "cohere2": (transformers.Cohere2Config, dict(sliding_window=16, sliding_window_pattern=2), 1024),
+    # parallel blocks, interleaved partial RoPE, a biased LM head
+    "gptj": (transformers.GPTJConfig, dict(rotary_dim=8, tie_word_embeddings=False), 1024),
+    # learned positions at an offset of 2, ReLU
+    "opt": (transformers.OPTConfig, dict(ffn_dim=128, word_embed_proj_dim=64), 1024),
+    # Falcon-40B's layout: q/k/v grouped by key/value head, parallel blocks from two norms
+    "falcon": (transformers.FalconConfig, dict(new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=128),
+               1024),
+    # interleaved RoPE over half of each head, q/k/v biases, fused gate/up
+    "glm": (transformers.GlmConfig, dict(head_dim=16), 1024),
+    # besides: norms after attention and after the MLP
+    "glm4": (transformers.Glm4Config, dict(head_dim=16), 1024),
+    # interleaved RoPE, norms scaling in float32
+    "helium": (transformers.HeliumConfig, dict(head_dim=16), 1024),
+    # interleaved RoPE, biases everywhere
+    "ernie4_5": (transformers.Ernie4_5Config, dict(head_dim=16, use_bias=True), 1024),
+    # q/k/v and o biases
+    "seed_oss": (transformers.SeedOssConfig, dict(head_dim=16, attention_out_bias=True), 1024),
+    # norms after attention and the MLP, per-head q/k norms, a sliding layer with RoPE then a global one without
+    "exaone4": (transformers.Exaone4Config, dict(head_dim=16, sliding_window=16, sliding_window_pattern=2), 1024),
+    # per-head q/k norms after RoPE, NTK alpha
+    "hunyuan_v1_dense": (transformers.HunYuanDenseV1Config, dict(
+        head_dim=16, rope_parameters={"rope_type": "dynamic", "alpha": 50.0, "rope_theta": 10000.0, "factor": 1.0}),
+        1024),
+    # a window on the first layer only
+    "ministral": (transformers.MinistralConfig, dict(head_dim=16, sliding_window=16,
+                                                     layer_types=["sliding_attention", "full_attention"]), 1024),
+    # OLMo2's blocks, a sliding layer then a full one, each with its own RoPE
+    "olmo3": (transformers.Olmo3Config, dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                                             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0},
+                                                              "sliding_attention": {"rope_type": "default"}}), 1024),
+    # a plain relu2 MLP
+    "arcee": (transformers.ArceeConfig, dict(head_dim=16), 1024),
+    # StarCoder 1: learned positions, multi-query attention fused in c_attn
+    "gpt_bigcode": (transformers.GPTBigCodeConfig, dict(max_position_embeddings=512), 512),
 }
 
 

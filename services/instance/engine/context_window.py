@@ -7,8 +7,11 @@ positions p - W < j <= p):
 * Mistral, Phi-3 and StarCoder2: `sliding_window` on every layer;
 * Qwen2/Qwen3: with `use_sliding_window`, the layers `layer_types` marks "sliding_attention",
   or by default those from `max_window_layers` on; the window is 4096 unless config.json says otherwise;
-* Gemma 2 (every other layer) and Gemma 3 (five of every six): `layer_types`, or that default
-  pattern; the window is 4096 unless config.json says otherwise.
+* Gemma 2 (every other layer), Gemma 3 (five of every six) and Cohere 2 (three of every four):
+  `layer_types`, or that default pattern; the window is 4096 unless config.json says otherwise;
+* EXAONE 4 and OLMo 3 (three of every four) as Cohere 2; Ministral: `layer_types`, or every layer;
+* SmolLM3: with `use_sliding_window` and a `sliding_window`, the layers `layer_types` marks, or by
+  default its NoPE layers (`no_rope_layers`).
 
 The served context is `max_position_embeddings`, or less for longrope RoPE (Phi-3/Phi-4
 long-context models), which is exact only up to `original_max_position_embeddings` (rope.py).
@@ -22,10 +25,13 @@ DEFAULT_MAX_POSITIONS = 2048  # Llama's, Granite's, OLMo2's, Phi's, GPT-NeoX's
 FAMILY_MAX_POSITIONS = {
     "gemma": 8192, "gemma2": 8192, "gemma3_text": 131072, "gpt2": 1024, "mistral": 131072, "mixtral": 131072,
     "olmoe": 4096, "phi3": 4096, "qwen2": 32768, "qwen2_moe": 32768, "qwen3": 32768, "qwen3_moe": 32768,
-    "stablelm": 4096, "starcoder2": 4096,
+    "stablelm": 4096, "starcoder2": 4096, "smollm3": 32768, "cohere": 8192, "cohere2": 8192,
+    "glm": 131072, "glm4": 131072, "helium": 4096, "ernie4_5": 131072, "seed_oss": 524288,
+    "ministral": 131072, "arcee": 4096, "gpt_bigcode": 1024,
 }
 # transformers' defaults where config.json has none (Qwen2/Qwen3's apply only with use_sliding_window)
-DEFAULT_WINDOWS = {"gemma2": 4096, "gemma3_text": 4096, "mistral": 4096, "qwen2": 4096, "qwen3": 4096}
+DEFAULT_WINDOWS = {"gemma2": 4096, "gemma3_text": 4096, "mistral": 4096, "qwen2": 4096, "qwen3": 4096, "cohere2": 4096,
+                   "exaone4": 4096, "ministral": 4096, "olmo3": 4096}
 SLIDING = "sliding_attention"
 # How an instance's refusal of a prompt longer than its context says so (SamplingParams.validate): the frontend
 # finds it in the message to give the client OpenAI's `context_length_exceeded` code (prompt_checks.py).
@@ -60,10 +66,24 @@ def _sliding_layers(raw: dict[str, Any], model_type: str | None, num_layers: int
             return [kind == SLIDING for kind in layer_types]
         first = int(raw.get("max_window_layers", 28))
         return [i >= first for i in range(num_layers)]
-    if model_type in ("gemma2", "gemma3_text"):
+    if model_type == "smollm3":
+        if not raw.get("use_sliding_window"):
+            return [False] * num_layers
         if layer_types:
             return [kind == SLIDING for kind in layer_types]
-        pattern = 2 if model_type == "gemma2" else int(raw.get("sliding_window_pattern", 6))
+        interval = max(int(raw.get("no_rope_layer_interval", 4)), 1)  # 0 is refused by rope.nope_layers
+        uses_rope = raw.get("no_rope_layers") or [(i + 1) % interval != 0 for i in range(num_layers)]
+        return [not flag for flag in uses_rope]
+    if model_type == "ministral":
+        return [kind == SLIDING for kind in layer_types] if layer_types else [True] * num_layers
+    if model_type in ("gemma2", "gemma3_text", "cohere2", "exaone4", "olmo3"):
+        if layer_types:
+            return [kind == SLIDING for kind in layer_types]
+        pattern = {"gemma2": 2, "gemma3_text": 6, "cohere2": 4, "exaone4": 4, "olmo3": 4}[model_type]
+        pattern = raw.get("sliding_window_pattern", pattern) if model_type not in ("gemma2", "olmo3") else pattern
+        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern <= 0:
+            raise ValueError("config.json: sliding_window_pattern must be a positive integer where layer_types is "
+                             f"not given, got {pattern!r}")
         return [bool((i + 1) % pattern) for i in range(num_layers)]
     return [False] * num_layers
 

@@ -21,6 +21,8 @@ ACTIVATIONS = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": gelu_new,
+    "relu": F.relu,
+    "relu2": lambda x: torch.square(F.relu(x)),  # transformers' ReLUSquaredActivation (Arcee)
 }
 
 

@@ -14,10 +14,13 @@ that lives in shared memory instead).
 
 The families' differences (model_config.py) are a few constants and switches: the MLP's
 activation, Gemma's norm offset and embedding scale, Gemma 2's extra norms and soft-capping,
-Granite's multipliers, partial RoPE; the mixture-of-experts families swap the MLP of their
-sparse layers for `SparseMoeMLP`. The LayerNorm families (StarCoder2, StableLM, Phi, GPT-NeoX,
-GPT-2) take a LayerNorm (`make_norm`), where not gated a `PlainMLP` (`make_mlp`), where their
-blocks are parallel a `ParallelDecoderLayer`, and GPT-2 learned positions instead of RoPE.
+Granite's multipliers, partial RoPE, layers without RoPE (SmolLM3, Cohere 2, EXAONE 4); the
+mixture-of-experts families swap the MLP of their sparse layers for `SparseMoeMLP`. The LayerNorm
+families (StarCoder2, StableLM, Phi, GPT-NeoX, GPT-2, GPT-J, OPT, Falcon, OLMo, Cohere) take a
+LayerNorm (`make_norm`), where not gated a `PlainMLP` (`make_mlp`), where their blocks are
+parallel a `ParallelDecoderLayer`, and GPT-2 and OPT learned positions instead of RoPE. RoPE over
+adjacent pairs of dims (Cohere, GPT-J, GLM, Helium, ERNIE) is served by permuting q/k rows at load
+(weights.py), so one rotation serves every family.
 """
 
 from pathlib import Path
@@ -65,8 +68,11 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(config: ModelConfig, size: int) -> nn.Module:
-    """The family's norm over `size` features: a LayerNorm with a bias, or an RMSNorm."""
-    return nn.LayerNorm(size, eps=config.norm_eps) if config.layer_norm else RMSNorm.of(config, size)
+    """The family's norm over `size` features: a LayerNorm (with a weight and a bias; Cohere's without the bias,
+    OLMo's with neither), or an RMSNorm."""
+    if not config.layer_norm:
+        return RMSNorm.of(config, size)
+    return nn.LayerNorm(size, eps=config.norm_eps, elementwise_affine=config.norm_affine, bias=config.norm_bias)
 
 
 class HeadwiseLayerNorm(nn.Module):
@@ -116,7 +122,7 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -138,7 +144,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm.of(config, self.num_heads * self.head_dim)
             self.k_norm = RMSNorm.of(config, self.num_kv_heads * self.head_dim)
         self.norms_each_head, self.norms_all_heads = config.qk_norm, config.qk_norm_full
-        self.rotates = not config.learned_positions
+        self.norms_after_rope = config.qk_norm_after_rope
+        self.rotates = config.rotates(index)  # not with learned positions, nor on NoPE layers
         self.clip_qkv = config.clip_qkv
 
     def forward(
@@ -151,10 +158,12 @@ class Attention(nn.Module):
         if self.clip_qkv is not None:
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         qkv = qkv.view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        if self.norms_each_head:
+        if self.norms_each_head and not self.norms_after_rope:
             self._normalize_heads_(qkv)
         if self.rotates:
             apply_rope_(qkv[:, : self.num_heads + self.num_kv_heads, : self.rotary_dim], *rope)
+        if self.norms_after_rope:  # Hunyuan
+            self._normalize_heads_(qkv)
         write_kv(kv_layer, qkv[:, self.num_heads :], plan.slot_mapping)
         return self.o_proj(attend(qkv[:, : self.num_heads], kv_layer, plan, self.scale, self.softcap))
 
@@ -166,7 +175,7 @@ class Attention(nn.Module):
         keys.copy_(self.k_norm(keys))
 
     def _normalize_heads_(self, qkv: torch.Tensor) -> None:
-        """Qwen3, Gemma 3: RMSNorm over head_dim of every query head and every key head, in place."""
+        """Qwen3, Gemma 3, EXAONE 4, Hunyuan: RMSNorm over head_dim of every query and key head, in place."""
         queries, keys = qkv[:, : self.num_heads], qkv[:, self.num_heads : self.num_heads + self.num_kv_heads]
         queries.copy_(self.q_norm(queries))
         keys.copy_(self.k_norm(keys))
@@ -176,7 +185,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.input_layernorm = make_norm(config, config.hidden_size)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, index)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
         self.mlp = make_mlp(config, index)
         self.residual_scale = config.residual_scale
@@ -327,6 +336,8 @@ class LlamaModel(nn.Module):
             h = layer(h, rope if window is None else sliding_rope, kv_layer, plans[window])
         h = self.norm(h[batch.logit_indices().to(device)])
         logits = F.linear(h, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(h)
+        if self.config.logits_scale != 1.0:
+            logits = logits * self.config.logits_scale
         if self.config.logits_divisor != 1.0:
             logits = logits / self.config.logits_divisor
         if self.config.logits_softcap is not None:

@@ -14,6 +14,8 @@ Llama-family decoders are supported (pre-norm blocks, RoPE, GQA, gated MLP), eac
   Gemma-style RMSNorm over each query and key head, and a RoPE of their own on the sliding
   layers);
 * "granite" (embedding, residual, attention and logits multipliers);
+* "smollm3" (no RoPE on the layers `no_rope_layers` marks 0, by default every `no_rope_layer_interval`-th;
+  with `use_sliding_window`, a sliding window on the layers `layer_types` marks, by default the NoPE ones);
 * "olmo2" (norms after attention and after the MLP only, none before; an RMSNorm over all
   query heads together and one over all key heads, before RoPE);
 * mixture-of-experts MLPs: "mixtral" (Mistral's attention), "qwen2_moe" (Qwen2's, plus a
@@ -37,7 +39,30 @@ LayerNorm families (LayerNorms with a bias instead of RMSNorms):
   own norm; biases on every projection with `attention_bias`; the LM head `embed_out`);
 * "gpt2" (learned absolute position embeddings `wpe` instead of RoPE, served up to `n_positions`;
   Conv1D weights stored transposed; q/k/v fused in `c_attn`; a plain `c_fc` → gelu_new → `c_proj`
-  MLP; biases everywhere; embeddings tied by default; `scale_attn_weights`).
+  MLP; biases everywhere; embeddings tied by default; `scale_attn_weights`); "gpt_bigcode" (StarCoder 1: the same in
+  Linear weights, a gelu_pytorch_tanh MLP, one key/value head with `multi_query`);
+* "gptj" (GPT-2's field names; attention and a plain `fc_in` → gelu_new → `fc_out` MLP from one norm; RoPE of base
+  10000 over the first `rotary_dim` dims of each head, in adjacent pairs; no attention biases; a biased LM head);
+* "opt" (learned positions, row p + 2 for position p; a plain `fc1` → relu → `fc2` MLP of `ffn_dim`; biases with
+  `enable_bias`; norms without parameters with `layer_norm_elementwise_affine` false; the post-norm and
+  projected-embedding layouts of OPT-350m refused);
+* "falcon" (q/k/v fused in `query_key_value`, grouped by key/value head: `num_kv_heads` with
+  `new_decoder_architecture`, else one with `multi_query`, else one per query head; parallel blocks from one norm,
+  or from `ln_attn` and `ln_mlp` in the new architecture, or sequential ones without `parallel_attn`; `bias`; ALiBi
+  refused);
+* "olmo" (the first OLMo: Llama's blocks with LayerNorms without weight or bias, `clip_qkv`);
+* "cohere" (Command-R: attention and a gated MLP from one LayerNorm without bias, added in that order; RoPE in
+  adjacent pairs; logits multiplied by `logit_scale`; with `use_qk_norm` a LayerNorm over each query and key head);
+  "cohere2" (besides: a sliding window on three layers of four, and no RoPE on the others);
+* Llamas with RoPE in adjacent pairs ("helium": norms scaling in float32; "ernie4_5": biases everywhere with
+  `use_bias`; "glm": half of each head rotated, q/k/v biases, gate/up fused in the checkpoint; "glm4": besides, Gemma
+  2's norms around attention and the MLP) or other biases ("seed_oss": `attention_out_bias`);
+* "exaone4" (OLMo2's norms after attention and after the MLP only, with Llama's rounding; an RMSNorm over each query
+  and key head before RoPE; with a `sliding_window`, three sliding layers in four and no RoPE on the others);
+* "hunyuan_v1_dense" (an RMSNorm over each query and key head after RoPE; NTK `alpha` stretching the RoPE base);
+* "ministral" (Mistral's attention, the window on the layers `layer_types` marks);
+* "olmo3" (OLMo2's blocks with a sliding window on three layers of four, which rotate by a RoPE of their own:
+  the same base, no scaling); "arcee" (AFM: a plain `up_proj` → relu2 → `down_proj` MLP).
 
 Sliding windows are read per layer, and longrope RoPE limits the longest sequence served
 (context_window.py); RoPE settings are read in rope.py.
@@ -53,14 +78,23 @@ import torch
 
 from services.common.config import path_shown
 from services.instance.engine.context_window import ContextLimit, context_limit, layer_windows, max_positions
-from services.instance.engine.rope import RopeConfig, read_layer_ropes
+from services.instance.engine.rope import RopeConfig, nope_layers, read_layer_ropes
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "granite",
-                         "olmo2", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "starcoder2", "stablelm", "phi", "gpt_neox", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text",
+                         "granite", "smollm3", "glm", "glm4", "helium", "ernie4_5", "seed_oss", "exaone4",
+                         "hunyuan_v1_dense", "arcee", "olmo2", "olmo3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+                         "starcoder2", "stablelm", "phi", "gpt_neox", "gpt2", "gpt_bigcode", "gptj", "opt", "falcon",
+                         "olmo", "cohere", "cohere2")
 MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")
-LAYER_NORM_TYPES = ("starcoder2", "stablelm", "phi", "gpt_neox", "gpt2")  # LayerNorms with a bias instead of RMSNorms
-SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new")  # the MLP's act
+# LayerNorms instead of RMSNorms (with a bias, but OLMo's have no parameters at all and Cohere's no bias)
+LAYER_NORM_TYPES = ("starcoder2", "stablelm", "phi", "gpt_neox", "gpt2", "gpt_bigcode", "gptj", "opt", "falcon", "olmo",
+                    "cohere", "cohere2")
+GPT2_TYPES = ("gpt2", "gpt_bigcode")  # GPT-2's layout: learned positions `wpe`, q/k/v fused in `c_attn`
+COHERE_TYPES = ("cohere", "cohere2")
+# RoPE over adjacent pairs of dims (2i, 2i + 1), not over halves (i, i + rotary_dim / 2)
+INTERLEAVED_ROPE_TYPES = (*COHERE_TYPES, "gptj", "glm", "glm4", "helium", "ernie4_5")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2")  # the MLP's act
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -124,6 +158,12 @@ class ModelConfig:
     parallel_adds_attention_first: bool = False  # StableLM: (h + attn) + mlp; else h + (attn + mlp) (other rounding)
     lm_head_bias: bool = False  # Phi: the LM head carries a bias (its own head, even where its weight is tied)
     learned_positions: bool = False  # GPT-2: learned absolute position embeddings added to the tokens'; no RoPE
+    nope_layers: tuple[bool, ...] = ()  # SmolLM3, Cohere 2: per layer, True where it skips RoPE (NoPE); (): none does
+    rope_interleaved: bool = False  # Cohere, GPT-J: RoPE rotates adjacent pairs of dims (q/k rows permuted at load)
+    norm_affine: bool = True  # False: OLMo's LayerNorms have neither weight nor bias
+    norm_bias: bool = True  # with layer_norm: False where the LayerNorms have a weight only (Cohere)
+    logits_scale: float = 1.0  # Cohere: logit_scale, multiplying the logits
+    qk_norm_after_rope: bool = False  # Hunyuan: with qk_norm, each query and key head is normed after RoPE
 
     @property
     def context_length(self) -> int:
@@ -133,10 +173,20 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def rotates(self, layer: int) -> bool:
+        """Whether layer `layer` applies RoPE to its queries and keys."""
+        return not self.learned_positions and not (self.nope_layers and self.nope_layers[layer])
+
     @property
     def has_fused_checkpoint(self) -> bool:
-        """Phi-3 checkpoints hold q/k/v and gate/up already fused; GPT-2's q/k/v; GPT-NeoX's, interleaved per head."""
-        return self.model_type in ("phi3", "gpt_neox", "gpt2")
+        """Phi-3 checkpoints hold q/k/v and gate/up already fused; GPT-2's q/k/v; GPT-NeoX's and Falcon's, grouped
+        per head (weights.py)."""
+        return self.model_type in ("phi3", "gpt_neox", "gpt2", "gpt_bigcode", "falcon")
+
+    @property
+    def has_fused_gate_up(self) -> bool:
+        """Phi-3's and GLM's checkpoints hold gate/up fused in `gate_up_proj`."""
+        return self.model_type in ("phi3", "glm", "glm4")
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -148,8 +198,12 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         model_type = _model_type(raw)
-        if model_type == "gpt2":
+        if model_type in (*GPT2_TYPES, "gptj"):
             raw = _gpt2_fields(raw)
+        if model_type == "opt":
+            raw = _opt_fields(raw)
+        if model_type == "falcon":
+            raw = _falcon_fields(raw)
         for name, why in _UNSUPPORTED_FIELDS.items():
             if raw.get(name):
                 raise ValueError(f"config.json: {name}: {why}")
@@ -163,14 +217,16 @@ class ModelConfig:
                 f"num_key_value_heads={num_kv_heads}"
             )
         head_dim = int(raw.get("head_dim") or _DEFAULT_HEAD_DIMS.get(model_type) or hidden_size // num_heads)
-        if model_type in ("stablelm", *_MHA_ONLY):  # transformers ignores head_dim (and these num_key_value_heads)
+        if model_type in ("stablelm", "cohere2", "falcon", *_MHA_ONLY):  # transformers ignores their head_dim
             head_dim = hidden_size // num_heads
         rope, sliding_rope = read_layer_ropes(raw, head_dim)
+        num_layers = _required_int(raw, "num_hidden_layers")
+        windows = layer_windows(raw, num_layers)
         return cls(
             model_type=model_type,
             hidden_size=hidden_size,
             intermediate_size=_required_int(raw, "intermediate_size"),
-            num_hidden_layers=_required_int(raw, "num_hidden_layers"),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
             head_dim=head_dim,
@@ -180,19 +236,22 @@ class ModelConfig:
             sliding_rope=sliding_rope,
             max_position_embeddings=max_positions(raw),
             context=context_limit(raw),
-            layer_windows=layer_windows(raw, _required_int(raw, "num_hidden_layers")),
+            layer_windows=windows,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text") or bool(
-                model_type in ("stablelm", "phi") and raw.get("qk_layernorm")),
-            qk_norm_full=model_type in ("olmo2", "olmoe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4", "hunyuan_v1_dense") or bool(
+                model_type in ("stablelm", "phi") and raw.get("qk_layernorm")) or _cohere_qk_norm(raw),
+            qk_norm_full=model_type in ("olmo2", "olmo3", "olmoe"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
             torch_dtype=_dtype_name(raw),
             activation=_activation(raw, model_type),
-            moe=_moe(raw, model_type, _required_int(raw, "num_hidden_layers")),
-            post_norms_only=model_type == "olmo2",
-            norm_scales_in_float32=model_type == "olmo2",
-            clip_qkv=float(raw["clip_qkv"]) if model_type == "olmoe" and raw.get("clip_qkv") is not None else None,
+            moe=_moe(raw, model_type, num_layers),
+            post_norms_only=model_type in ("olmo2", "olmo3", "exaone4"),
+            qk_norm_after_rope=model_type == "hunyuan_v1_dense",
+            clip_qkv=_clip_qkv(raw, model_type),
+            nope_layers=nope_layers(raw, windows),
+            rope_interleaved=model_type in INTERLEAVED_ROPE_TYPES,
+            norm_scales_in_float32=model_type in ("olmo2", "olmo3", "helium"),
             **_biases(raw, model_type),
             **_block_layout(raw, model_type),
             **_scales(raw, model_type, hidden_size),
@@ -200,15 +259,23 @@ class ModelConfig:
 
 
 # transformers' per-family defaults for fields a config.json may leave out
-_DEFAULT_HEAD_DIMS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}
-_DEFAULT_KV_HEADS = {"starcoder2": 2, "stablelm": 32}  # else num_attention_heads
-_DEFAULT_RMS_NORM_EPS = {"phi3": 1e-5, "mixtral": 1e-5, "olmo2": 1e-5, "olmoe": 1e-5}
+_DEFAULT_HEAD_DIMS = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256, "glm": 128, "glm4": 128,
+                      "helium": 128, "ernie4_5": 128, "seed_oss": 128}
+_DEFAULT_KV_HEADS = {"starcoder2": 2, "stablelm": 32, "glm": 2, "glm4": 2, "helium": 20, "ernie4_5": 2,
+                     "seed_oss": 8, "exaone4": 32, "ministral": 8}  # else num_attention_heads
+_DEFAULT_RMS_NORM_EPS = {"phi3": 1e-5, "mixtral": 1e-5, "olmo2": 1e-5, "olmo3": 1e-5, "olmoe": 1e-5, "arcee": 1e-5, "glm": 1.5625e-07,
+                         "glm4": 1.5625e-07, "helium": 1e-8, "ernie4_5": 1e-5,
+                         "exaone4": 1e-5, "hunyuan_v1_dense": 1e-5}
 _NORM_EPS_FIELDS = {"starcoder2": "norm_epsilon", "stablelm": "layer_norm_eps", "phi": "layer_norm_eps",
-                    "gpt_neox": "layer_norm_eps", "gpt2": "layer_norm_epsilon"}
-_MHA_ONLY = ("gpt_neox", "gpt2")  # no grouped-query attention: num_key_value_heads is ignored  # the LayerNorm families' name for it (default 1e-5)
+                    "gpt_neox": "layer_norm_eps", "gpt2": "layer_norm_epsilon", "gptj": "layer_norm_epsilon",
+                    "gpt_bigcode": "layer_norm_epsilon",
+                    "falcon": "layer_norm_epsilon",
+                    "cohere": "layer_norm_eps", "cohere2": "layer_norm_eps",
+                    "olmo": None, "opt": None}  # OLMo's and OPT's are 1e-5, whatever config.json says
+_MHA_ONLY = ("gpt_neox", "gpt2", "gptj", "opt")  # no grouped-query attention: num_key_value_heads is ignored  # the LayerNorm families' name for it (default 1e-5)
 _DEFAULT_ACTIVATIONS = {"gemma": "gelu_pytorch_tanh", "starcoder2": "gelu_pytorch_tanh", "phi": "gelu_new",
-                        "gpt_neox": "gelu"}  # else silu
-_TIED_BY_DEFAULT = (*GEMMA_TYPES, "starcoder2", "gpt2")
+                        "gpt_neox": "gelu", "falcon": "gelu", "arcee": "relu2"}  # else silu
+_TIED_BY_DEFAULT = (*GEMMA_TYPES, "starcoder2", *GPT2_TYPES, "opt", "falcon", "smollm3", "ernie4_5", *COHERE_TYPES)
 # transformers' names for the same functions (FastGELUActivation is a tanh approximation; swish is SiLU)
 _ACTIVATION_ALIASES = {"gelu_fast": "gelu_pytorch_tanh", "swish": "silu"}
 # Fields that change the computation in ways this engine does not implement: refused by name.
@@ -255,7 +322,8 @@ def _activation(raw: dict[str, Any], model_type: str) -> str:
 
 def _norm_eps(raw: dict[str, Any], model_type: str) -> float:
     if model_type in LAYER_NORM_TYPES:
-        return float(raw.get(_NORM_EPS_FIELDS[model_type], 1e-5))
+        field = _NORM_EPS_FIELDS[model_type]
+        return float(raw.get(field, 1e-5)) if field else 1e-5
     return float(raw.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS.get(model_type, 1e-6)))
 
 
@@ -271,9 +339,27 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
     if model_type == "gpt_neox":
         bias = bool(raw.get("attention_bias", True))
         return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": True}
-    if model_type == "gpt2":
+    if model_type in GPT2_TYPES:
         return {"qkv_bias": True, "o_bias": True, "mlp_bias": True}
-    attention_bias = bool(raw.get("attention_bias", False))
+    if model_type == "gptj":  # attention without biases, the MLP and the LM head with
+        return {"qkv_bias": False, "o_bias": False, "mlp_bias": True, "lm_head_bias": True}
+    if model_type == "falcon":
+        bias = bool(raw.get("bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bias}
+    if model_type == "opt":
+        bias = bool(raw.get("enable_bias", True))
+        return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bias}
+    attention_bias = bool(raw.get("attention_bias", model_type in ("glm", "glm4", "seed_oss")))
+    if model_type in ("exaone4", "ministral"):  # no biases at all, whatever the config says
+        return {"qkv_bias": False, "o_bias": False, "mlp_bias": False}
+    if model_type in ("olmo", "hunyuan_v1_dense", *COHERE_TYPES):  # their MLPs have no biases, whatever mlp_bias says
+        return {"qkv_bias": attention_bias, "o_bias": attention_bias, "mlp_bias": False}
+    if model_type in ("glm", "glm4", "helium", "seed_oss"):  # q/k/v biases only (Seed-OSS: o's its own switch)
+        return {"qkv_bias": attention_bias, "o_bias": bool(raw.get("attention_out_bias", False)),
+                "mlp_bias": model_type != "glm" and model_type != "glm4" and bool(raw.get("mlp_bias", False))}
+    if model_type == "ernie4_5":
+        bias = bool(raw.get("use_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bias}
     return {"qkv_bias": _qkv_bias(raw, model_type, attention_bias),
             "o_bias": model_type not in ("qwen2", "qwen2_moe") and attention_bias,
             "mlp_bias": bool(raw.get("mlp_bias", False))}
@@ -281,6 +367,10 @@ def _biases(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
 
 def _block_layout(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
     """The LayerNorm families' norms and MLPs (ModelConfig's fields from layer_norm on)."""
+    if model_type == "glm4":  # Gemma 2's norms around attention and the MLP, named otherwise (weights.py)
+        return {"sandwich_norms": True}
+    if model_type == "arcee":  # a plain up -> relu2 -> down MLP
+        return {"gated_mlp": False}
     if model_type not in LAYER_NORM_TYPES:
         return {}
     if model_type == "stablelm":
@@ -289,25 +379,103 @@ def _block_layout(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
                 "parallel_residual": parallel, "shared_block_norm": parallel, "parallel_adds_attention_first": True}
     if model_type == "phi":
         return {"layer_norm": True, "gated_mlp": False, "parallel_residual": True, "shared_block_norm": True}
+    if model_type == "olmo":  # Llama's blocks and MLP; LayerNorms without parameters
+        return {"layer_norm": True, "norm_affine": False}
+    if model_type in COHERE_TYPES:  # attention and MLP from one norm (a LayerNorm without bias), added in that order
+        return {"layer_norm": True, "norm_bias": False, "parallel_residual": True, "shared_block_norm": True,
+                "parallel_adds_attention_first": True, "qk_norm_per_head_weights": _cohere_qk_norm(raw)}
+    if model_type == "gptj":  # attention and a plain MLP from one norm
+        return {"layer_norm": True, "gated_mlp": False, "parallel_residual": True, "shared_block_norm": True}
+    if model_type == "opt":  # learned positions, Llama's blocks with a plain MLP
+        return {"layer_norm": True, "gated_mlp": False, "learned_positions": True,
+                "norm_affine": bool(raw.get("layer_norm_elementwise_affine", True))}
+    if model_type == "falcon":  # parallel blocks from one norm, or (falcon_two_norms) each half its own
+        return {"layer_norm": True, "gated_mlp": False, "parallel_residual": bool(raw["parallel_attn"]),
+                "shared_block_norm": bool(raw["parallel_attn"]) and not _falcon_two_norms(raw)}
     if model_type == "gpt_neox":  # parallel blocks by default, each half its own norm
         return {"layer_norm": True, "gated_mlp": False, "parallel_residual": bool(raw.get("use_parallel_residual", True))}
-    return {"layer_norm": True, "gated_mlp": False, "learned_positions": model_type == "gpt2"}
+    return {"layer_norm": True, "gated_mlp": False, "learned_positions": model_type in GPT2_TYPES}
+
+
+def _clip_qkv(raw: dict[str, Any], model_type: str) -> float | None:
+    """OLMo, OLMoE: queries, keys and values are clamped to [-clip_qkv, clip_qkv]."""
+    return float(raw["clip_qkv"]) if model_type in ("olmo", "olmoe") and raw.get("clip_qkv") is not None else None
+
+
+def _cohere_qk_norm(raw: dict[str, Any]) -> bool:
+    """Cohere's use_qk_norm (Command R+): a LayerNorm without bias over each query and key head, each its own
+    weights."""
+    return raw.get("model_type") == "cohere" and bool(raw.get("use_qk_norm"))
+
+
+# GPT2Config's and GPTJConfig's sizes where config.json has none
+_GPT_DEFAULTS = {"gpt2": {"n_embd": 768, "n_layer": 12, "n_head": 12, "activation_function": "gelu_new"},
+                 "gpt_bigcode": {"n_embd": 768, "n_layer": 12, "n_head": 12,
+                                 "activation_function": "gelu_pytorch_tanh"},
+                 "gptj": {"n_embd": 4096, "n_layer": 28, "n_head": 16, "activation_function": "gelu_new"}}
 
 
 def _gpt2_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """GPT-2's config.json under the names the other families use (as transformers' GPT2Config maps them);
-    the settings this engine does not implement refused by name."""
+    """GPT-2's, GPT-BigCode's and GPT-J's config.json under the names the other families use (as transformers'
+    config classes map them; GPT-BigCode: one key/value head with multi_query); the settings this engine does not
+    implement refused by name."""
     if raw.get("scale_attn_by_inverse_layer_idx"):
         raise ValueError("config.json: scale_attn_by_inverse_layer_idx: a score scale per layer is not supported")
-    def read(name: str, llama_name: str, default: int) -> Any:
-        return raw.get(name, raw.get(llama_name, default))
+    defaults = _GPT_DEFAULTS[raw["model_type"]]
 
-    hidden_size = read("n_embd", "hidden_size", 768)
-    return {**raw, "hidden_size": hidden_size, "num_hidden_layers": read("n_layer", "num_hidden_layers", 12),
-            "num_attention_heads": read("n_head", "num_attention_heads", 12),
-            "max_position_embeddings": read("n_positions", "max_position_embeddings", 1024),
+    def read(name: str, llama_name: str) -> Any:
+        return raw.get(name, raw.get(llama_name, defaults[name]))
+
+    hidden_size = read("n_embd", "hidden_size")
+    return {**raw, "hidden_size": hidden_size, "num_hidden_layers": read("n_layer", "num_hidden_layers"),
+            "num_attention_heads": read("n_head", "num_attention_heads"), "max_position_embeddings": max_positions(raw),
             "intermediate_size": raw.get("n_inner") or 4 * hidden_size,
-            "hidden_act": raw.get("activation_function", "gelu_new")}
+            "hidden_act": raw.get("activation_function", defaults["activation_function"]),
+            **({"num_key_value_heads": 1 if raw.get("multi_query", True) else read("n_head", "num_attention_heads")}
+               if raw["model_type"] == "gpt_bigcode" else {})}
+
+
+def _opt_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """OPT's config.json under the other families' names; its post-norm (OPT-350m) and projected-embedding layouts
+    refused by name."""
+    hidden_size = raw.get("hidden_size", 768)
+    if not raw.get("do_layer_norm_before", True):
+        raise ValueError("config.json: do_layer_norm_before=false: OPT's post-norm blocks (OPT-350m) are not supported")
+    if raw.get("word_embed_proj_dim", hidden_size) != hidden_size:
+        raise ValueError("config.json: word_embed_proj_dim differs from hidden_size: OPT's projected embeddings "
+                         "(project_in/project_out) are not supported")
+    if raw.get("_remove_final_layer_norm"):
+        raise ValueError("config.json: _remove_final_layer_norm: OPT without its final LayerNorm is not supported")
+    return {**raw, "intermediate_size": raw.get("ffn_dim", 3072), "hidden_act": raw.get("activation_function", "relu"),
+            "hidden_size": hidden_size, "num_hidden_layers": raw.get("num_hidden_layers", 12),
+            "num_attention_heads": raw.get("num_attention_heads", 12)}  # OPTConfig's defaults
+
+
+def _falcon_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Falcon's config.json under the other families' names (its key/value heads: `num_kv_heads` with
+    new_decoder_architecture, else 1 with multi_query, else one per query head); ALiBi refused."""
+    if raw.get("alibi"):
+        raise ValueError("config.json: alibi=true: Falcon's ALiBi position biases (Falcon-RW) are not supported; "
+                         "ferry serves the rotary Falcons")
+    hidden_size = raw.get("n_embed") or raw.get("hidden_size", 4544)
+    num_heads = raw.get("num_attention_heads", raw.get("n_head", 71))
+    new_architecture, parallel = bool(raw.get("new_decoder_architecture")), bool(raw.get("parallel_attn", True))
+    if new_architecture and not parallel:
+        raise ValueError("config.json: parallel_attn=false with new_decoder_architecture: transformers cannot run "
+                         "this config either")
+    kv_heads = (raw.get("num_kv_heads") or num_heads) if new_architecture else \
+        1 if raw.get("multi_query", True) else num_heads
+    return {**raw, "hidden_size": hidden_size, "num_attention_heads": num_heads, "num_key_value_heads": kv_heads,
+            "num_hidden_layers": raw.get("num_hidden_layers", raw.get("n_layer", 32)),
+            "intermediate_size": raw.get("ffn_hidden_size") or 4 * hidden_size,
+            "hidden_act": raw.get("activation", "gelu"), "parallel_attn": parallel,
+            "new_decoder_architecture": new_architecture}
+
+
+def _falcon_two_norms(raw: dict[str, Any]) -> bool:
+    """Falcon's new decoder architecture norms attention's and the MLP's input apart (`ln_attn`, `ln_mlp`) unless
+    num_ln_in_parallel_attn is 1 (Falcon 2)."""
+    return bool(raw.get("new_decoder_architecture")) and raw.get("num_ln_in_parallel_attn") in (None, 2)
 
 
 def _qkv_bias(raw: dict[str, Any], model_type: str, attention_bias: bool) -> bool:
@@ -371,7 +539,7 @@ def _scales(raw: dict[str, Any], model_type: str, hidden_size: int) -> dict[str,
     """The family's constant factors (ModelConfig's fields from norm_weight_offset on)."""
     if model_type == "gemma":
         return {"norm_weight_offset": 1.0, "embedding_scale": math.sqrt(hidden_size)}
-    if model_type == "gpt2" and not raw.get("scale_attn_weights", True):
+    if model_type in GPT2_TYPES and not raw.get("scale_attn_weights", True):
         return {"attention_scale": 1.0}
     if model_type in ("gemma2", "gemma3_text"):
         softcaps = (50.0, 30.0) if model_type == "gemma2" else (None, None)  # transformers' defaults
@@ -381,6 +549,8 @@ def _scales(raw: dict[str, Any], model_type: str, hidden_size: int) -> dict[str,
                 "attention_scale": float(raw.get("query_pre_attn_scalar", 256)) ** -0.5,
                 "attention_softcap": attention_softcap,
                 "logits_softcap": raw.get("final_logit_softcapping", softcaps[1]), "sandwich_norms": True}
+    if model_type in COHERE_TYPES:
+        return {"logits_scale": float(raw.get("logit_scale", 0.0625))}
     if model_type == "granite":
         return {"embedding_scale": float(raw.get("embedding_multiplier", 1.0)),
                 "residual_scale": float(raw.get("residual_multiplier", 1.0)),

@@ -15,7 +15,12 @@ transformers >= 5 (`rope_parameters`). Supported types, each computed as transfo
 
 `partial_rotary_factor` < 1 rotates only the first part of each head (`rotary_dim`).
 
-Gemma 3 rotates its sliding-window layers with a RoPE of their own (`read_layer_ropes`):
+SmolLM3, Cohere 2 and EXAONE 4 leave RoPE out on some layers (NoPE: `nope_layers`); GPT-J's is
+always of base 10000 over `rotary_dim` dims; Hunyuan's `dynamic` RoPE with an `alpha` is a
+larger base.
+
+Gemma 3 and OLMo 3 rotate their sliding-window layers with a RoPE of their own (`read_layer_ropes`; OLMo 3's
+has its base and no scaling):
 `rope_parameters` keyed by layer type, or the old `rope_theta` (global, scaled by
 `rope_scaling`) and `rope_local_base_freq`.
 """
@@ -26,8 +31,10 @@ from typing import Any
 
 import torch
 
-PARTIAL_ROTARY_TYPES = ("phi3", "stablelm", "phi", "gpt_neox")  # model types whose RoPE rotates only partial_rotary_factor of each head
-_DEFAULT_PARTIAL_ROTARY = {"stablelm": 0.25, "phi": 0.5, "gpt_neox": 0.25}  # transformers' partial_rotary_factor where config.json has none
+# model types whose RoPE rotates only partial_rotary_factor of each head, and transformers' factor where config.json
+# has none (GPT-J's rotary_dim: read_layer_ropes)
+PARTIAL_ROTARY_TYPES = ("phi3", "stablelm", "phi", "gpt_neox", "glm", "glm4")
+_DEFAULT_PARTIAL_ROTARY = {"stablelm": 0.25, "phi": 0.5, "gpt_neox": 0.25, "glm": 0.5, "glm4": 0.5}
 SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn", "longrope")
 
 
@@ -57,19 +64,48 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 
 def read_layer_ropes(raw: dict[str, Any], head_dim: int) -> tuple[RopeConfig, RopeConfig | None]:
     """(the RoPE of full-attention layers, that of sliding-window layers if it differs)."""
-    if raw.get("model_type") != "gemma3_text":
+    if raw.get("model_type") == "gptj":  # a plain RoPE of base 10000 over the first rotary_dim dims, whatever else
+        rotary_dim = raw.get("rotary_dim", 64) or head_dim  # GPTJConfig's default; null: the whole head
+        return RopeConfig(10000.0, _rotary_dim(rotary_dim / head_dim, head_dim)), None
+    if raw.get("model_type") not in ("gemma3_text", "olmo3"):
         return read_rope(raw, head_dim), None
     params = raw.get("rope_parameters") or {}
     if FULL in params or SLIDING in params:
         full, sliding = dict(params.get(FULL) or {}), dict(params.get(SLIDING) or {})
     else:
         full, sliding = dict(raw.get("rope_scaling") or {}), {}
+    if raw["model_type"] == "olmo3":  # one base for both, the scaling on the full-attention layers only
+        full.setdefault("rope_theta", raw.get("rope_theta", 500_000.0))
+        sliding.setdefault("rope_theta", raw.get("rope_theta", 500_000.0))
     full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))  # transformers' defaults per layer type
     sliding.setdefault("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
     return read_rope(raw, head_dim, full), read_rope(raw, head_dim, sliding)
 
 
-_DEFAULT_THETAS = {"mixtral": 1_000_000.0}  # transformers' rope_theta where a config.json leaves it out (else 10000)
+_DEFAULT_THETAS = {"mixtral": 1_000_000.0, "smollm3": 2_000_000.0, "cohere": 500_000.0, "helium": 100_000.0,
+                   "ernie4_5": 500_000.0}  # transformers' rope_theta where a config.json leaves it out (else 10000)
+
+
+def nope_layers(raw: dict[str, Any], windows: tuple[int | None, ...]) -> tuple[bool, ...]:
+    """Per layer, True where it applies no RoPE at all (NoPE); () where every layer does. SmolLM3: where
+    `no_rope_layers` says 0 (by default every `no_rope_layer_interval`-th layer); Cohere 2: its global layers,
+    those without a sliding window (`windows`, context_window.layer_windows), and EXAONE 4's where it has a
+    sliding_window at all."""
+    model_type, num_layers = raw.get("model_type"), len(windows)
+    if model_type == "cohere2" or model_type == "exaone4" and raw.get("sliding_window", 4096) is not None:
+        return tuple(window is None for window in windows)
+    if model_type != "smollm3":
+        return ()
+    uses_rope = raw.get("no_rope_layers")
+    if uses_rope is None:
+        interval = int(raw.get("no_rope_layer_interval", 4))
+        if interval <= 0:
+            raise ValueError(f"config.json: no_rope_layer_interval must be a positive integer, got {interval}")
+        uses_rope = [(i + 1) % interval != 0 for i in range(num_layers)]
+    if not isinstance(uses_rope, list) or len(uses_rope) != num_layers:
+        raise ValueError(f"config.json: no_rope_layers must list one 0 or 1 per layer ({num_layers}), "
+                         f"got {uses_rope!r}")
+    return tuple(not flag for flag in uses_rope)
 
 
 def read_rope(raw: dict[str, Any], head_dim: int, params: dict[str, Any] | None = None) -> RopeConfig:
@@ -80,6 +116,8 @@ def read_rope(raw: dict[str, Any], head_dim: int, params: dict[str, Any] | None 
     default_theta = raw.get("rotary_emb_base", _DEFAULT_THETAS.get(raw.get("model_type"), 10000.0))  # NeoX's name
     theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if raw.get("model_type") == "hunyuan_v1_dense" and rope_type == "dynamic" and params.get("alpha"):
+        theta *= float(params["alpha"]) ** (head_dim / (head_dim - 2))  # Hunyuan's NTK alpha: a larger base
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"config.json: rope_scaling type {rope_type!r} is not supported; "

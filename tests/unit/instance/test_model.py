@@ -494,11 +494,11 @@ def test_config_reads_checkpoint(checkpoint):
 @pytest.mark.parametrize(
     ("changes", "named"),
     [
-        ({"model_type": "gptj"}, "model_type"),
+        ({"model_type": "bloom"}, "model_type"),
         ({"hidden_size": None}, "hidden_size"),
         ({"num_key_value_heads": 4}, "num_key_value_heads"),
         ({"rope_scaling": {"type": "ntk-by-parts", "factor": 2.0}}, "ntk-by-parts"),
-        ({"hidden_act": "relu"}, "hidden_act"),
+        ({"hidden_act": "quick_gelu"}, "hidden_act"),
         ({"torch_dtype": "int8"}, "torch_dtype"),
         ({"model_type": "phi3", "partial_rotary_factor": 0.3}, "partial_rotary_factor"),
         ({"partial_rotary_factor": 0.5, "rope_scaling": {"type": "linear", "factor": 2.0}}, "only phi3"),

@@ -65,7 +65,7 @@ async def main(config: FrontendConfig) -> None:
                             model_fingerprint=model.fingerprint)
     instances = InstanceClients(config.generate_timeout_s, config.abort_timeout_s, config.tls)
     runner = RequestRunner(dispatcher, instances, max_resumes=config.max_resumes, max_handoffs=config.max_handoffs,
-                           on_resume=metrics.resumes.inc, on_handoff=metrics.handoffs.inc)
+                           resume_wait_s=config.resume_wait_s, on_resume=metrics.resumes.inc, on_handoff=metrics.handoffs.inc)
     server = FrontendServer(model, runner, dispatcher, metrics, api_keys=config.api_key,
                             max_inflight=config.max_inflight, max_body_bytes=config.max_body_bytes,
                             body_timeout_s=config.body_timeout_s, send_timeout_s=config.send_timeout_s,

@@ -73,7 +73,13 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
                                             "instance is taken as failed and the request resumes elsewhere. The "
                                             "stream as a whole has no deadline")
     abort_timeout_s: float = knob(2.0, "deadline of InstanceService/Abort sent when a client goes away")
-    max_resumes: int = knob(3, "how often a request is re-dispatched after its instance failed mid-stream")
+    max_resumes: int = knob(3, "how often a request is re-dispatched after its instance failed mid-stream (only "
+                               "an instance that took the request and failed counts; see --resume-wait-s)")
+    resume_wait_s: float = knob(30.0, "longest wait of a resume for a serving instance when none serves (a lone "
+                                      "instance frozen or restarting: its lease lapsed); it resumes as soon as one "
+                                      "registers, and the wait spends no resume. The default covers an instance "
+                                      "lease TTL (5 s) plus a launcher's or systemd's restart under load (a tiny "
+                                      "model's took 17 s at load average 20); 0: fail at once")
     max_handoffs: int = knob(16, "most live-migration hand-offs one request follows in a row with no "
                                     "new token between them; past it the request is resumed elsewhere (any number "
                                     "of hand-offs with progress between them is followed)")
@@ -88,7 +94,7 @@ class FrontendConfig(EtcdKnobs, EtcdStartupKnobs, PeerKnobs, LogKnobs):
         self.etcd_access.check()
         check_positive(self, ("max_body_bytes", "max_inflight", "dispatch_timeout_s", "generate_timeout_s",
                               "abort_timeout_s", "keepalive_timeout_s", "body_timeout_s", "send_timeout_s"))
-        check_non_negative(self, ("failed_instance_cooldown_s", "shutdown_grace_s"))
+        check_non_negative(self, ("failed_instance_cooldown_s", "shutdown_grace_s", "resume_wait_s"))
         if self.max_resumes < 0:
             raise ValueError(f"--max-resumes must be >= 0, got {self.max_resumes}")
         if self.max_handoffs < 1:

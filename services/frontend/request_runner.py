@@ -18,7 +18,12 @@ hand-off → until the finish chunk.
   the instance that broke and resume with `resume_token_ids` = the tokens the client
   already has, at most `max_resumes` times, with a short growing pause; then the
   request fails with an explicit error. Any other error (bad input, cache full) fails
-  the request at once.
+  the request at once. Only an instance that took the request and failed (it sent a
+  chunk, or it had not failed this request before) spends a resume: a resume that finds
+  no serving instance (a lone instance frozen or restarting: its lease lapsed), or only
+  the instance that failed it, failing again before it answers (a dead one's record not
+  yet gone), waits for one, up to `resume_wait_s` per wait, and goes on as soon as one
+  serves (`resume_waiting_for_instance`, once per wait).
 * Seed: a sampled request without a seed gets one here, before its first dispatch, so
   every instance it runs on (after a resume too) samples token i from the same (seed, i)
   and the continuation is the one the first instance would have produced.
@@ -79,17 +84,28 @@ class _Owner:
     epoch: int = 0
     num_idle_handoffs: int = 0  # hand-offs followed since the last one after which a token came
     num_tokens_at_handoff: int = -1  # output tokens held at the last hand-off
+    num_chunks: int = 0  # chunks it sent: none, and it never took the request
+
+
+@dataclass(slots=True)
+class _InstanceWait:
+    """A resume's wait for a serving instance: until when (None: not waiting); ends when an instance answers."""
+
+    until: float | None = None
 
 
 LONE_RESUME_BACKOFF_S = 1.0  # the first resume's wait when no other instance serves; it doubles
 NO_INSTANCE_WAIT_S = 2.0  # how long a new request that finds no instance registered at all waits for one
-NO_INSTANCE_POLL_S = 0.1  # how often it looks again meanwhile
+NO_INSTANCE_POLL_S = 0.1  # how often it looks again meanwhile (a resume waiting for an instance too)
+RESUME_WAIT_S = 30.0  # a resume's longest wait for a serving instance (--resume-wait-s)
+MANAGER_ONLY_POLL_S = 0.5  # without an instance list (no etcd) the wait asks the manager this often
 
 
 class RequestRunner:
     def __init__(self, dispatcher: Dispatcher, instances: InstanceStreams, *, max_resumes: int,
                  max_handoffs: int = 16, resume_backoff_s: float = 0.05,
                  lone_resume_backoff_s: float = LONE_RESUME_BACKOFF_S, no_instance_wait_s: float = NO_INSTANCE_WAIT_S,
+                 resume_wait_s: float = RESUME_WAIT_S,
                  on_resume: Callable[[], None] = lambda: None, on_handoff: Callable[[], None] = lambda: None) -> None:
         self._dispatcher = dispatcher
         self._instances = instances
@@ -98,6 +114,7 @@ class RequestRunner:
         self._resume_backoff_s = resume_backoff_s
         self._lone_resume_backoff_s = lone_resume_backoff_s
         self._no_instance_wait_s = no_instance_wait_s
+        self._resume_wait_s = resume_wait_s
         self._on_resume = on_resume
         self._on_handoff = on_handoff
         self._full_log = LogSampler()  # instance_full_trying_another: one line per instance per 10 s at most
@@ -120,6 +137,7 @@ class RequestRunner:
         no_instance_until = asyncio.get_running_loop().time() + self._no_instance_wait_s
         num_no_instance_waits = 0  # looks again for an instance while none is registered
         num_attempts = 0  # Generates opened for the request
+        wait = _InstanceWait()  # a resume waiting for a serving instance
         while not state.is_done:
             try:
                 target = await self._dispatcher.pick(_resumed(spec, state), [*excluded, *full])
@@ -127,10 +145,10 @@ class RequestRunner:
                 if full_refusal is not None:  # every instance left refused it as full: the client gets that (429)
                     state.fail(full_refusal)
                     return
-                if state.num_resumes and self._can_resume(state, exc):  # nobody serves for a moment (a restart)
-                    self._note_resume_without_instance(state, exc)
-                    await asyncio.sleep(self._lone_resume_backoff_s * 2 ** (state.num_resumes - 1))
-                    continue
+                if state.num_resumes:  # nobody serves for a moment (a lone instance frozen or restarting)
+                    if await self._waited_for_a_resume_instance(state, spec, wait, exc, NO_INSTANCE_POLL_S):
+                        continue
+                    return
                 if not state.num_resumes and await self._waited_for_an_instance(state, no_instance_until,
                                                                                 num_no_instance_waits):
                     num_no_instance_waits += 1
@@ -147,7 +165,14 @@ class RequestRunner:
             try:
                 await self._follow(owner, state, spec, aborts)
             except Unavailable as exc:
-                if not state.is_done and self._can_resume(state, exc):
+                if state.is_done:
+                    continue
+                if not owner.num_chunks and target.instance_id in excluded:  # picked as nothing else serves,
+                    # and failed again before it answered (dead, its record not gone yet; still frozen): no resume
+                    await self._waited_for_a_resume_instance(state, spec, wait, exc, self._lone_resume_backoff_s)
+                    continue
+                wait.until = None
+                if self._can_resume(state, exc):
                     excluded.append(owner.target.instance_id)
                     full.clear()  # full a moment ago, maybe not now: a resume may go there
                     full_refusal = None
@@ -164,8 +189,8 @@ class RequestRunner:
 
     def _resume_backoff(self, excluded: Sequence[InstanceId], spec: GenerateSpec) -> float:
         """Short when another instance that holds the request serves; when only instances that failed this
-        request are left (one instance, killed; others too small for it), long enough that its restart (a
-        supervisor's 1 s, then loading the model) can come within the resumes: 1 + 2 + 4 s with the default three."""
+        request are left (one instance, killed; others too small for it) 1, 2, 4 s: a restart takes that long at
+        least, and while it runs the resume waits for an instance anyway (`_waited_for_a_resume_instance`)."""
         return (self._resume_backoff_s if self._dispatcher.serves_besides(excluded, spec)
                 else self._lone_resume_backoff_s)
 
@@ -190,6 +215,7 @@ class RequestRunner:
                 if chunk.epoch < owner.epoch:  # from before a hand-off: the new owner streams these tokens
                     continue
                 owner.epoch = chunk.epoch
+                owner.num_chunks += 1
                 state.accept(chunk)
                 if state.is_done:
                     return None
@@ -274,11 +300,27 @@ class RequestRunner:
         await asyncio.sleep(NO_INSTANCE_POLL_S)
         return True
 
-    def _note_resume_without_instance(self, state: ReqState, exc: Unavailable) -> None:
-        """A resume that found no instance to go to counts as one: the next waits longer."""
-        state.num_resumes += 1
-        log.warning("stream_resume_found_no_instance", request_id=state.request_id,
-                    num_tokens=state.num_output_tokens, num_resumes=state.num_resumes, error=exc.message)
+    async def _waited_for_a_resume_instance(self, state: ReqState, spec: GenerateSpec, wait: _InstanceWait,
+                                            exc: Unavailable, pause_s: float) -> bool:
+        """A resume that found no instance to go to (or only the one that failed it, failing again unanswered)
+        waits `pause_s`, then until an instance serves, within --resume-wait-s of the wait's start: True to
+        look again, False once the request failed (the wait ran out). Spends no resume: a lone instance frozen
+        or restarted past its lease's TTL (seconds under load) is served again, whatever --max-resumes says."""
+        loop = asyncio.get_running_loop()
+        if wait.until is None:
+            wait.until = loop.time() + self._resume_wait_s
+            log.warning("resume_waiting_for_instance", request_id=state.request_id, num_tokens=state.num_output_tokens,
+                        num_resumes=state.num_resumes, wait_s=self._resume_wait_s, error=exc.message)
+        lists_instances = self._dispatcher.lists_instances  # else only the manager knows: ask it now and then
+        await asyncio.sleep(max(0.0, min(pause_s if lists_instances else max(pause_s, MANAGER_ONLY_POLL_S),
+                                         wait.until - loop.time())))
+        while lists_instances and not self._dispatcher.serves_besides((), spec) and loop.time() < wait.until:
+            await asyncio.sleep(max(0.0, min(NO_INSTANCE_POLL_S, wait.until - loop.time())))
+        if loop.time() < wait.until:
+            return True
+        state.fail(Unavailable(f"request {state.request_id} found no serving instance to resume on within "
+                               f"{self._resume_wait_s:g} s (--resume-wait-s); last error: {exc.message}"))
+        return False
 
 
 def _resumed(spec: GenerateSpec, state: ReqState) -> GenerateSpec:

@@ -21,7 +21,7 @@ def test_api_keys_repeat_or_comma_separate():
 def test_defaults_and_model_name(tmp_path):
     config = load_config(["--model", str(tmp_path / "tiny-x"), "--manager-address", "m:1"])
     assert config.model_name == "tiny-x" and config.port == 8000 and config.dispatch_timeout_s == 0.2
-    assert config.max_resumes == 3 and config.max_body_bytes == 1 << 20 and config.api_key == []
+    assert config.max_resumes == 3 and config.resume_wait_s == 30.0 and config.max_body_bytes == 1 << 20 and config.api_key == []
     named = load_config(["--manager-address", "m:1", "--served-model-name", "served"])
     assert named.model_name == "served"
 
@@ -41,6 +41,7 @@ def test_rejects_nonsense(capsys):
 @pytest.mark.parametrize("flag, value, message", [
     ("--max-handoffs", "0", "--max-handoffs must be >= 1"),
     ("--etcd-wait-s", "-1", "--etcd-wait-s must be 0..86400"),
+    ("--resume-wait-s", "-1", "--resume-wait-s must be >= 0"),
 ])
 def test_rejects_values_that_would_break_a_request_or_the_start(flag, value, message, capsys):
     with pytest.raises(SystemExit):

@@ -287,7 +287,7 @@ async def test_resume_dispatch_tells_the_manager_about_the_resumed_tokens():
 
 async def test_a_resume_that_finds_no_instance_for_a_moment_waits_for_it_within_its_resumes():
     """One instance, restarted: its key leaves etcd before the restart registers it again. A resume
-    that finds nobody waits (the lone-instance backoff, counted as a resume) instead of failing."""
+    that finds nobody waits for it (spending no resume) instead of failing."""
     membership = FakeMembership(entry("a"))
 
     class Restarting(ScriptedInstances):
@@ -312,6 +312,78 @@ async def test_a_resume_that_finds_no_instance_for_a_moment_waits_for_it_within_
     await runner.run(state, make_spec())
     assert state.error is None, f"failed after {state.num_resumes} of 3 resumes: {state.error.message}"
     assert state.token_ids == [4, 5]
+
+
+class LoneRestarting(ScriptedInstances):
+    """Instance "a": token 4, then it dies (its key leaves `membership`); back `down_s` later; the resume ends with 5.
+    While it is down but still listed (`listed_while_down`: its lease not yet lapsed) a Generate fails at once."""
+
+    def __init__(self, membership, down_s, listed_while_down=False):
+        super().__init__({})
+        self.membership, self.down_s, self.listed_while_down, self.is_down = membership, down_s, listed_while_down, False
+
+    async def generate(self, target, spec):
+        self.specs.append((target.instance_id, spec))
+        if self.is_down:
+            raise Unavailable("failed to connect to all addresses: Connection refused")
+        if len(self.specs) > 1:
+            yield chunk(len(spec.resume_token_ids), 5, finish=FinishReason.STOP)
+            return
+        yield chunk(0, 4)
+        self.is_down = True
+        if not self.listed_while_down:
+            self.membership.entries = []
+        asyncio.get_running_loop().call_later(self.down_s, self.come_back)
+        raise Unavailable("instance a died")
+
+    def come_back(self):
+        self.is_down = False
+        self.membership.entries = [entry("a")]
+
+
+@pytest.mark.parametrize("listed_while_down", [False, True])
+async def test_a_resume_waits_for_a_lone_instance_longer_than_its_resumes_would_and_spends_none(listed_while_down):
+    """Before, each look that found no instance (or the dead one's address refusing) spent a resume: with
+    --max-resumes 1 the request failed at the first. Now the wait spends none, ends as soon as the instance is
+    back (not after a growing blind pause), and logs resume_waiting_for_instance once."""
+    membership = FakeMembership(entry("a"))
+    instances = LoneRestarting(membership, down_s=0.5, listed_while_down=listed_while_down)
+    resumes = []
+    runner = RequestRunner(Dispatcher(None, membership, cooldown_s=5), instances, max_resumes=1,
+                           resume_backoff_s=0, lone_resume_backoff_s=0.05, resume_wait_s=5.0,
+                           on_resume=lambda: resumes.append(1))
+    state = make_state()
+    started = asyncio.get_running_loop().time()
+    with capture_logs() as logs:
+        await runner.run(state, make_spec())
+    took_s = asyncio.get_running_loop().time() - started
+    assert state.error is None, state.error.message
+    assert state.token_ids == [4, 5] and state.num_resumes == 1 and resumes == [1]
+    assert 0.5 <= took_s < 1.5, took_s
+    assert [e["event"] for e in logs].count("resume_waiting_for_instance") == 1
+
+
+async def test_a_resume_waits_for_an_instance_no_longer_than_resume_wait_s():
+    membership = FakeMembership(entry("a"))
+    runner = RequestRunner(Dispatcher(None, membership, cooldown_s=5), LoneRestarting(membership, down_s=60),
+                           max_resumes=3, resume_backoff_s=0, lone_resume_backoff_s=0.05, resume_wait_s=0.3)
+    state = make_state()
+    started = asyncio.get_running_loop().time()
+    await runner.run(state, make_spec())
+    assert 0.3 <= asyncio.get_running_loop().time() - started < 1.0
+    assert isinstance(state.error, Unavailable) and "--resume-wait-s" in state.error.message
+    assert "no serving instance is known" in state.error.message and state.num_resumes == 1
+
+
+async def test_a_client_that_goes_away_ends_the_wait_for_an_instance_at_once():
+    membership = FakeMembership(entry("a"))
+    runner = RequestRunner(Dispatcher(None, membership, cooldown_s=5), LoneRestarting(membership, down_s=60),
+                           max_resumes=3, resume_backoff_s=0, lone_resume_backoff_s=0.05, resume_wait_s=30)
+    task = asyncio.create_task(runner.run(make_state(), make_spec()))
+    await asyncio.sleep(0.3)
+    assert not task.done()  # waiting for the instance
+    task.cancel()
+    await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 0.5)
 
 
 async def test_a_full_instance_does_not_cost_a_later_failure_its_resume():

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+import re
 import time
+from collections.abc import Sequence
 
 from services.ctl.records import (ClusterStatus, DrainResult, InstanceListing, InstanceRow, MigrateResult, MigrationRow,
                                  RequestList)
@@ -13,19 +13,25 @@ _BAR_WIDTH = 10
 UNKNOWN = "?"  # a cell whose figure the answering manager does not have
 NOT_MEASURED = "-"  # a rate with one sample so far (the first frame of `top`)
 MESSAGE_CHARS = 100  # a migration's message in `migrations` (the whole of it: --json)
+FIGURE_TEXT = re.compile(r"-?\d+(\.\d+)?%|(\d+|\?)/\d+")  # a share (`12.5%`) or a count of a total (`7/64`, `?/64`)
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """Columns padded to their widest cell; numeric columns right-aligned."""
     cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    numeric = [bool(rows) and all(isinstance(row[i], (int, float)) or row[i] in (UNKNOWN, NOT_MEASURED) for row in rows)
-               for i in range(len(headers))]
+    numeric = [bool(rows) and all(_is_figure(row[i]) for row in rows) for i in range(len(headers))]
     lines = []
     for row in cells:
         padded = [c.rjust(w) if is_num else c.ljust(w) for c, w, is_num in zip(row, widths, numeric, strict=True)]
         lines.append("  ".join(padded).rstrip())
     return "\n".join(lines)
+
+
+def _is_figure(value: object) -> bool:
+    """A cell that reads as a number (right-aligned, digits under digits)."""
+    return (isinstance(value, (int, float)) or value in (UNKNOWN, NOT_MEASURED)
+            or (isinstance(value, str) and FIGURE_TEXT.fullmatch(value) is not None))
 
 
 def instances_table(rows: Sequence[InstanceRow]) -> str:
@@ -39,7 +45,7 @@ def instances_table(rows: Sequence[InstanceRow]) -> str:
     return render_table(headers, [
         (r.instance_id, r.role, r.shown_state, _load(r, r.num_running), _load(r, r.num_waiting), r.slots,
          f"{_load(r, r.num_free_blocks)}/{r.num_total_blocks}", _load(r, r.freeness), _load(r, r.num_requests_served),
-         _load(r, r.num_preemptions), _load(r, f"{r.prefix_cache_hit_rate:6.1%}"), *(hosts[i:i + 1]), r.address)
+         _load(r, r.num_preemptions), _load(r, f"{r.prefix_cache_hit_rate:.1%}"), *(hosts[i:i + 1]), r.address)
         for i, r in enumerate(rows)])
 
 
@@ -88,7 +94,7 @@ def load_table(rows: Sequence[InstanceRow], served_per_s: dict[str, float],
                "SERVED", "REPORT AGE")
     return render_table(headers, [
         (r.instance_id, r.role, r.shown_state, _load(r, r.num_running), _load(r, r.num_waiting), r.slots,
-         _load(r, _bar(r.kv_used_fraction)), _load(r, f"{r.kv_used_fraction:6.1%}"), _load(r, r.freeness),
+         _load(r, _bar(r.kv_used_fraction)), _load(r, f"{r.kv_used_fraction:.1%}"), _load(r, r.freeness),
          _load(r, served_per_s.get(r.instance_id, NOT_MEASURED)),
          _load(r, preempted_per_s.get(r.instance_id, NOT_MEASURED)), _load(r, r.num_requests_served),
          _age(r.report_age_s))

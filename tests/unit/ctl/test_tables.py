@@ -26,6 +26,13 @@ def test_a_number_column_with_an_unmeasured_cell_stays_right_aligned():
     assert text.splitlines() == ["NAME  REQ/S", "a     12.50", "b         -"]
 
 
+def test_shares_and_counts_of_a_total_are_right_aligned_as_numbers():
+    """CACHE HIT (`0.0%`), SLOTS (`64/64`) and KV FREE (`364/364`) were text: left-aligned under their headers, the
+    digits of two rows out of line. An IPv4 host name stays text."""
+    text = render_table(("HIT", "KV FREE", "HOST"), [("0.0%", "64/364", "10.0.0.1"), ("12.5%", "?/364", "10.0.0.22")])
+    assert text.splitlines() == ["  HIT  KV FREE  HOST", " 0.0%   64/364  10.0.0.1", "12.5%    ?/364  10.0.0.22"]
+
+
 def test_instances_table():
     header, row = instances_table([instance()]).splitlines()
     assert header.split() == ["INSTANCE", "ROLE", "STATE", "RUN", "WAIT", "SLOTS", "KV", "FREE", "FREENESS",

@@ -189,6 +189,11 @@ class BlockManager:
             max_blocks = min(max_blocks, request.first_foreign_block)
         return self.cached_blocks(request.block_hashes(self.block_size, max_blocks))
 
+    def num_blocks_for_chunk(self, start: int, end: int) -> int:
+        """Blocks a request computing tokens `start` to `end` holds in that step: those its window still reads
+        at `start` (all, without a window) to the last."""
+        return num_blocks_for(end, self.block_size) - num_blocks_out_of_window(start, self.block_size, self.window)
+
     def num_blocks_to_admit(self, cached: list[BlockId], num_tokens: int) -> int:
         """Free blocks that admitting a request with `cached` as its first blocks and room for `num_tokens`
         tokens uses up: its new blocks, plus the cached ones nobody holds (they stop counting as free) that

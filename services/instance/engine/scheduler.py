@@ -31,7 +31,8 @@ Every step, in this order:
    cache finishes with LENGTH (running, or at the head of the waiting queue, where
    a preempted one may have come with more tokens than the cache holds). With a
    sliding window on every layer, each running request first gives back the blocks
-   behind its window (`BlockManager.drop_out_of_window`), and only its window must fit.
+   behind its window (`BlockManager.drop_out_of_window`), and only its window must fit;
+   a waiting one whose first chunk alone would not fit finishes with LENGTH too.
 3. If nothing was preempted, waiting requests are admitted in priority order while
    batch slots (`max_num_seqs`, less those reserved for requests migrating in),
    budget and free blocks allow. The head of the
@@ -259,6 +260,16 @@ class Scheduler:
         step.finished.append(request)
         return True
 
+    def _chunk_never_fits(self, request: Request, start: int, end: int, step: _StepPlan) -> bool:
+        """Finish `request` with LENGTH if its first chunk (tokens `start` to `end`) would not fit even alone in the
+        cache: a prompt longer than the cache that its window fits (`_finished_as_too_long` lets it by) whose
+        chunk is longer than the cache, which an engine built without the factory's check may be given."""
+        if self.block_manager.num_blocks_for_chunk(start, end) <= self.block_manager.num_blocks:
+            return False
+        self.remove(request, FinishReason.LENGTH)
+        step.finished.append(request)
+        return True
+
     def _make_room(self, request: Request, num_tokens: int, step: _StepPlan) -> None:
         """Preempt worse requests until `request` can hold `num_tokens` tokens, or none is left."""
         while not self.block_manager.can_allocate(self.block_manager.num_blocks_needed(request, num_tokens)):
@@ -296,6 +307,8 @@ class Scheduler:
             num_cached_tokens = len(cached) * self.block_manager.block_size
             num_new = self._chunk(request, num_cached_tokens,
                                   min(request.num_tokens - num_cached_tokens, step.budget_for(request)))
+            if num_new > 0 and self._chunk_never_fits(request, num_cached_tokens, num_cached_tokens + num_new, step):
+                continue
             if num_new == 0 or not self.block_manager.can_allocate(self.block_manager.num_blocks_to_admit(cached, num_cached_tokens
                                                                                           + num_new)):
                 return

@@ -15,6 +15,7 @@ from services.instance.engine.engine_config import EngineConfig
 from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.model_config import ModelConfig
+from services.instance.engine.request import FinishReason
 from services.instance.engine.sim_model import SimLatency, SimModel
 from services.instance.engine.tokenizer import Tokenizer
 from tests.unit.instance.test_migration_engine import GREEDY, PROMPT, SEEDED, Harness, assert_no_blocks_held, migrate
@@ -69,6 +70,26 @@ def test_with_a_window_on_every_layer_tokens_depend_on_the_window_only(make_engi
     first, second, other = engine.generate([prompt, [499, *prompt[1:]], [*prompt[:-1], 498]], GREEDY)
     assert first == second != other
     assert engine.block_manager.num_blocks_dropped > 0
+    assert_no_blocks_held(engine)
+
+
+def test_a_windowed_prompt_whose_first_chunk_outgrows_the_cache_finishes_with_length(make_engine):
+    """An engine built straight from EngineConfig (no factory check that a window plus a step fits the
+    cache): the window of a 60-token prompt fits 8 blocks, so it is taken, but its first chunk (the whole
+    prompt, 15 blocks) never does. It finishes with LENGTH and the next request runs (without: it waited
+    at the head of the queue forever, and the one behind it with it)."""
+    engine = make_engine(num_blocks=8, window=6)
+    engine.add_request("long", [(7 * i) % 200 + 3 for i in range(60)], GREEDY)
+    engine.add_request("short", PROMPT[:5], GREEDY)
+    reasons: dict[str, FinishReason] = {}
+    num_tokens = {"long": 0, "short": 0}
+    for _ in range(GREEDY.max_tokens + 10):  # bounded: without the fix no step finishes anything
+        for output in engine.step():
+            num_tokens[output.request_id] += len(output.new_token_ids)
+            if output.finish_reason is not None:
+                reasons[output.request_id] = output.finish_reason
+    assert reasons == {"long": FinishReason.LENGTH, "short": FinishReason.LENGTH}
+    assert num_tokens == {"long": 0, "short": GREEDY.max_tokens}
     assert_no_blocks_held(engine)
 
 

@@ -327,6 +327,7 @@ def instance_record(identity: InstanceIdentity, loaded: LoadedEngine, link: Tran
         "model": identity.model, "state": "serving", "pid": os.getpid(), "host": socket.gethostname(),
         "max_model_len": loaded.max_model_len, "max_num_seqs": loaded.engine.config.max_num_seqs,
         "vocab_size": loaded.engine.vocab_size, "model_fingerprint": loaded.model_fingerprint,
+        "kv_window_tokens": loaded.engine.block_manager.window or 0,
         "kv_shm_name": loaded.kv_cache.name,
         "kv_device": str(loaded.kv_cache.tensor.device),
         "transfer_address": link.peer_address if link else "", "transfer_id": link.transfer_id if link else "",

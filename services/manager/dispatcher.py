@@ -56,7 +56,7 @@ class Dispatcher:
             raise Unavailable(self._view.explain_no_candidate(ask.exclude_instance_ids))
         chosen = self._policy.choose(candidates, ask)
         record = self._view.record(chosen.instance_id)
-        self._view.reserve(chosen.instance_id, ask.num_prompt_blocks(record.block_size))
+        self._view.reserve(chosen.instance_id, ask.num_prompt_blocks(record.block_size, record.kv_window_tokens))
         return Placement(chosen.instance_id, chosen.address, self._policy.name,
                          can_prefill_on_decode=record.role is Role.DECODE)
 

@@ -53,6 +53,9 @@ class InstanceRecord:
     kv_layout: tuple = ()  # (layers, kv heads, head dim, block size, dtype) of its KV cache; (): not in the record
     vocab_size: int = 0  # its model's vocabulary; 0: not in the record (an older instance)
     model_fingerprint: str = ""  # a hash of its weights (model_fingerprint.py); "": not in the record, or no weights
+    # Its model's sliding window where every layer has one (a request holds only that window's KV blocks); 0: none,
+    # or not in the record (an older instance)
+    kv_window_tokens: int = 0
 
     def holds_same_model(self, other: InstanceRecord) -> bool:
         """Whether requests can move between the two: blocks copy only between caches of one layout (else the
@@ -100,6 +103,7 @@ class InstanceRecord:
                 if kv else (),
                 vocab_size=max(int(data.get("vocab_size") or 0), 0),
                 model_fingerprint=str(data.get("model_fingerprint") or ""),
+                kv_window_tokens=max(int(data.get("kv_window_tokens") or 0), 0),
             )
         except (TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"instance {instance_id}: malformed record ({exc})") from None
@@ -215,9 +219,15 @@ class DispatchAsk:
     exclude_instance_ids: frozenset[InstanceId] = field(default_factory=frozenset)
     prefix_chunk_keys: tuple[int, ...] = ()  # chained hashes of the prompt's chunks (prefix_hash.py), first first
 
-    def num_prompt_blocks(self, block_size: int) -> int:
-        """KV blocks the prompt fills (plus the slot of the first generated token)."""
-        return math.ceil((max(self.num_prompt_tokens, 0) + 1) / max(block_size, 1))
+    def num_prompt_blocks(self, block_size: int, kv_window_tokens: int = 0) -> int:
+        """KV blocks the prompt fills (plus the slot of the first generated token); with a sliding window of
+        `kv_window_tokens` on every layer (0: none), no more than the instance holds for one request at once:
+        the window's blocks and one more (services/instance/engine/block_manager.max_blocks_held)."""
+        block_size = max(block_size, 1)
+        num_blocks = math.ceil((max(self.num_prompt_tokens, 0) + 1) / block_size)
+        if kv_window_tokens <= 0:
+            return num_blocks
+        return min(num_blocks, math.ceil(kv_window_tokens / block_size) + 1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,11 +13,16 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from services.common.gen.ferry.v1 import common_pb2
+from services.instance.config import InstanceRole
+from services.instance.app import instance_record
 from services.instance.engine.block_manager import max_blocks_held, num_blocks_out_of_window
 from services.instance.engine.engine import LLMEngine
 from services.instance.engine.factory import EngineSpec, LoadedEngine, build_engine, fitted_max_model_len
 from services.instance.engine.request import SamplingParams
 from services.instance.migration_attempt import MigrationInFlight
+from services.instance.server import InstanceIdentity
+from services.manager.domain import DispatchAsk, InstanceRecord
 from services.instance.models.tiny_tokenizer import TINY_VOCAB_SIZE
 from tests.unit.instance.hf_families import hf_greedy, save_random_family_model
 
@@ -230,3 +235,15 @@ def test_the_served_context_is_lowered_only_where_the_window_does_not_fit_the_ca
 
 def test_a_cache_too_small_for_the_window_lowers_the_context(make_engine):
     assert make_engine(num_blocks=6).max_model_len == 24  # 24 tokens < 28: as without a window
+
+
+def test_the_etcd_record_says_the_window_the_manager_counts_a_prompts_blocks_by(make_engine):
+    """kv_window_tokens in the instance's etcd record: the manager's dispatch counts no more blocks for a prompt
+    than the window's (services/manager/domain.py DispatchAsk.num_prompt_blocks), as the load report does."""
+    loaded = make_engine(num_blocks=10)
+    identity = InstanceIdentity("i-1", "127.0.0.1:1", InstanceRole.BOTH, "tiny-mistral", loaded.max_model_len,
+                                common_pb2.KvGeometry())
+    record = InstanceRecord.from_dict("i-1", instance_record(identity, loaded))
+    assert record.kv_window_tokens == WINDOW
+    assert DispatchAsk("r", num_prompt_tokens=200).num_prompt_blocks(record.block_size, record.kv_window_tokens) \
+        == MAX_HELD == max_blocks_held(201, BLOCK_SIZE, WINDOW)

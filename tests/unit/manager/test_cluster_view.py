@@ -121,6 +121,27 @@ def test_a_dispatch_the_report_does_not_count_yet_stays_reserved():
     assert view.load_of(InstanceId("a")).num_running == 5
 
 
+def test_a_dispatch_to_a_windowed_instance_reserves_only_the_windows_blocks():
+    """A request on an instance whose every layer has a 64-token window holds ceil(64 / 16) + 1 = 5 blocks at
+    most, however long its prompt: the dispatch counts those (without the record's kv_window_tokens: all 63)."""
+    view = ClusterView(report_timeout_s=3.0, clock=FakeClock())
+    windowed = InstanceRecord.from_json("w", b'{"address": "h:1", "kv_window_tokens": 64,'
+                                             b' "kv": {"block_size": 16, "num_blocks": 1000}}')
+    older = InstanceRecord.from_json("o", b'{"address": "h:2", "kv": {"block_size": 16, "num_blocks": 1000}}')
+    assert (windowed.kv_window_tokens, older.kv_window_tokens) == (64, 0)
+    for record in (windowed, older):
+        view.put_member(record)
+        view.apply_report(record.instance_id, make_load(num_free_blocks=1000))
+    dispatcher = Dispatcher(view, leading(), "load")
+    long_prompt = ask("r", num_prompt_tokens=1000)
+    assert (long_prompt.num_prompt_blocks(16, 64), long_prompt.num_prompt_blocks(16)) == (5, 63)
+    assert ask("s", num_prompt_tokens=20).num_prompt_blocks(16, 64) == 2  # a short prompt: its own blocks
+    for _ in range(2):  # the less loaded one each time: one dispatch to each
+        dispatcher.dispatch(long_prompt)
+    assert view.load_of(InstanceId("w")).num_blocks_needed_by_waiting == 5
+    assert view.load_of(InstanceId("o")).num_blocks_needed_by_waiting == 63
+
+
 def test_a_count_beyond_the_reservations_drops_only_what_there_is():
     """A frontend's local fallback (or a migration in) adds requests the manager reserved nothing for."""
     clock = FakeClock()

@@ -32,14 +32,16 @@ class InstanceClient:
                                  num_blocks: int, grow_only: bool = False,
                                  block_hashes: Sequence[bytes] = (), timeout_s: float | None = None,
                                  keep_cached_blocks: int | None = None, max_num_tokens: int = 0,
-                                 can_decode_on_prefill: bool = False) -> Reservation:
+                                 can_decode_on_prefill: bool = False,
+                                 num_leading_blocks_not_held: int = 0) -> Reservation:
         """`timeout_s`: a deadline shorter than the client's own, for this call only."""
         request = instance_pb2.PrepareMigrateInRequest(migration_id=migration_id, request_id=request_id,
                                                        src_instance_id=src_instance_id, num_blocks=num_blocks,
                                                        grow_only=grow_only, block_hashes=list(block_hashes),
                                                        keep_cached_blocks=keep_cached_blocks,
                                                        max_num_tokens=max_num_tokens,
-                                                       can_decode_on_prefill=can_decode_on_prefill)
+                                                       can_decode_on_prefill=can_decode_on_prefill,
+                                                       num_leading_blocks_not_held=num_leading_blocks_not_held)
         return reservation_from_proto(await self._call("PrepareMigrateIn", request, request_id, timeout_s))
 
     async def commit_migrate_in(self, migration_id: str, state: RequestState, attempt: int = 0) -> None:

@@ -207,6 +207,7 @@ class MigrationDriver:
     async def _copy_rest_and_commit(self, a: MigrationInFlight, view: MigrationBlocks,
                                     state: RequestState) -> MigrationResult:
         """The request is suspended: copy every block still to copy, commit at the destination, hand off."""
+        self._check_reads_no_placeholder(a, view)
         await self._copy(a, view, a.pending(view, full_only=False), headroom=0)
         self._check_not_aborted(a)
         await a.peer.commit_migrate_in(a.migration_id, state, attempt=a.frontend_attempt)
@@ -229,6 +230,15 @@ class MigrationDriver:
             a.num_live_stages += 1
             view = await self._view(a)
         return view
+
+    def _check_reads_no_placeholder(self, a: MigrationInFlight, view: MigrationBlocks) -> None:
+        """The destination reserved no block for the leading entries behind the window when the move began; a
+        request recomputed since (a preemption) may read some of them again: it stays here (the destination
+        would refuse the commit too)."""
+        if view.num_dropped_blocks < a.num_not_held_at_destination:
+            raise Aborted(f"request {a.request_id} not migrated, it keeps running on {self._settings.instance_id}: "
+                          f"recomputed since its move began, it reads block {view.num_dropped_blocks} again, behind "
+                          f"its window then, for which {a.plan.dst_instance_id} reserved none; move it again")
 
     def _check_not_aborted(self, a: MigrationInFlight) -> None:
         """Before the commit, on the event loop: an abort of the request (its client left) drops its

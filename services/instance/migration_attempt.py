@@ -38,6 +38,9 @@ class MigrationInFlight:
     # valid only while the request has been preempted num_preemptions times.
     copied: dict[int, BlockId] = field(default_factory=dict)
     num_preemptions: int = 0
+    # Leading block-table entries the first Prepare said we no longer hold (behind the sliding window): the
+    # destination holds placeholders there, never copied into; the request must not read them at the commit.
+    num_not_held_at_destination: int = 0
     dst_checksums: tuple[int, ...] = ()  # crc32 of the destination's cached blocks it still reserves
     checked_preemptions: int | None = None  # the request's num_preemptions when they were checked against ours
     num_cached_rejected: int = 0  # cached blocks the destination gave up for fresh ones: other bits than ours
@@ -62,7 +65,7 @@ class MigrationInFlight:
             self.copied.clear()
             self.num_preemptions = view.num_preemptions
         start = self.reservation.num_cached_blocks if self.reservation is not None else 0
-        start = max(start, view.num_dropped_blocks)
+        start = max(start, view.num_dropped_blocks, self.num_not_held_at_destination)
         end = view.num_full_blocks if full_only else view.num_blocks
         return [i for i in range(start, end) if self.copied.get(i) != view.block_ids[i]]
 

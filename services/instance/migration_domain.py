@@ -96,7 +96,8 @@ class DestinationPeer(Protocol):
                                  num_blocks: int, grow_only: bool = False,
                                  block_hashes: Sequence[bytes] = (), timeout_s: float | None = None,
                                  keep_cached_blocks: int | None = None, max_num_tokens: int = 0,
-                                 can_decode_on_prefill: bool = False) -> Reservation: ...
+                                 can_decode_on_prefill: bool = False,
+                                 num_leading_blocks_not_held: int = 0) -> Reservation: ...
 
     async def commit_migrate_in(self, migration_id: str, state: RequestState, attempt: int = 0) -> None:
         """`attempt`: the frontend's attempt at the request here (request_copy), kept with its copy there."""

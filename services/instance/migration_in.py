@@ -109,16 +109,20 @@ class MigrationInbox:
 
     async def prepare(self, migration_id: str, request_id: str, src_instance_id: str,
                       num_blocks: int, grow_only: bool = False, block_hashes: Sequence[BlockHash] = (),
-                      keep_cached_blocks: int | None = None) -> Reservation:
+                      keep_cached_blocks: int | None = None, num_leading_blocks_not_held: int = 0) -> Reservation:
         """Reserve (or grow the reservation to) `num_blocks`; ResourceExhausted if short of blocks or slots.
         `grow_only`: the caller holds this reservation already; Aborted if it is gone (expired).
         `block_hashes` (the request's full blocks; first call only): start from the blocks cached here, and
         answer their crc32. `keep_cached_blocks` (a later call): keep only that many of them, fresh blocks
-        in the others' places (their bits were not the source's)."""
+        in the others' places (their bits were not the source's). `num_leading_blocks_not_held` (first call
+        only): the leading block-table entries behind the request's sliding window, which the source no longer
+        holds: no block is reserved for them (placeholders in the answer, checksum 0)."""
         if not migration_id:
             raise InvalidArgument("migration_id: required")
         if num_blocks < 0:
             raise InvalidArgument(f"num_blocks: must be >= 0, got {num_blocks}")
+        if num_leading_blocks_not_held < 0:
+            raise InvalidArgument(f"num_leading_blocks_not_held: must be >= 0, got {num_leading_blocks_not_held}")
         if len(block_hashes) > num_blocks:
             raise InvalidArgument(f"block_hashes: {len(block_hashes)} hashes for {num_blocks} blocks; send the hashes "
                                   "of the request's full blocks only")
@@ -147,7 +151,7 @@ class MigrationInbox:
         def reserve() -> _Reserved:
             if keep_cached_blocks is not None:
                 engine.keep_cached_reserved(migration_id, keep_cached_blocks)
-            block_ids = engine.reserve_blocks(migration_id, num_blocks, block_hashes)
+            block_ids = engine.reserve_blocks(migration_id, num_blocks, block_hashes, num_leading_blocks_not_held)
             return block_ids, engine.num_cached_reserved(migration_id)
         try:
             block_ids, num_cached = await (self._reserve_granting(incoming, reserve) if is_first
@@ -160,7 +164,10 @@ class MigrationInbox:
                 self._revoking.setdefault(incoming.write_grant, None)
             raise
         # Off the engine thread (decoding goes on): the reservation holds the cached blocks, so nothing writes them.
-        checksums = await asyncio.to_thread(engine.block_checksums, block_ids[:num_cached]) if is_first else ()
+        num_not_held = min(num_leading_blocks_not_held, num_cached)
+        checksums = (0,) * num_not_held + await asyncio.to_thread(engine.block_checksums,
+                                                                  block_ids[num_not_held:num_cached]) \
+            if is_first else ()
         return Reservation(tuple(block_ids), self._transfer.address, self._transfer.transfer_id, num_cached,
                            incoming.write_grant, checksums)
 

@@ -47,13 +47,16 @@ class ReservationKeeper:
         a.is_prepare_sent = True
         a.prepared_at = time.perf_counter()
         is_first = a.reservation is None
+        if is_first:
+            a.num_not_held_at_destination = view.num_dropped_blocks
         try:
             a.reservation = await a.peer.prepare_migrate_in(
                 a.migration_id, a.request_id, self._settings.instance_id, num_wanted, grow_only=not is_first,
                 block_hashes=view.block_hashes if is_first else (),
                 timeout_s=a.plan.prepare_timeout_s if is_first else None,
                 max_num_tokens=view.max_num_tokens if is_first else 0,
-                can_decode_on_prefill=a.plan.can_decode_on_prefill)
+                can_decode_on_prefill=a.plan.can_decode_on_prefill,
+                num_leading_blocks_not_held=a.num_not_held_at_destination if is_first else 0)
         except FailedPrecondition as exc:
             if not is_first:
                 raise
@@ -83,7 +86,8 @@ class ReservationKeeper:
         def own_full_blocks() -> tuple[int, int, tuple[BlockId, ...]]:
             view = engine.migration_blocks(a.request_id)
             num_own = min(num_cached, view.num_full_blocks)
-            return view.num_preemptions, min(view.num_dropped_blocks, num_own), view.block_ids[:num_own]
+            num_unread = max(view.num_dropped_blocks, a.num_not_held_at_destination)  # placeholders here or there
+            return view.num_preemptions, min(num_unread, num_own), view.block_ids[:num_own]
         a.checked_preemptions, num_dropped, block_ids = await call_on_copy(self._runner, a, own_full_blocks)
         # Off the engine thread (decoding goes on): full blocks are never written again; a preemption meanwhile
         # (its blocks freed) is seen after the pause, which checks them again (_move). Blocks given back out of

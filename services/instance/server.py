@@ -206,7 +206,8 @@ class InstanceServicer(instance_pb2_grpc.InstanceServiceServicer):
                                                 request.num_blocks, grow_only=request.grow_only,
                                                 block_hashes=tuple(request.block_hashes),
                                                 keep_cached_blocks=request.keep_cached_blocks
-                                                if request.HasField("keep_cached_blocks") else None)
+                                                if request.HasField("keep_cached_blocks") else None,
+                                                num_leading_blocks_not_held=request.num_leading_blocks_not_held)
         return reservation_to_proto(reservation)
 
     async def CommitMigrateIn(self, request: instance_pb2.CommitMigrateInRequest,

@@ -176,6 +176,12 @@ class BlockManager:
         self.free_blocks(blocks)
         self.num_blocks_dropped += len(blocks)
 
+    def adopt_out_of_window(self, request: Request, num_not_held: int) -> None:
+        """`request` (migrated in, its block table fresh from a reservation) has `num_not_held` leading
+        placeholders that nobody holds: count them as given back out of the window, never registered."""
+        request.num_dropped_blocks = max(request.num_dropped_blocks, num_not_held)
+        request.num_registered_blocks = max(request.num_registered_blocks, num_not_held)
+
     # Prefix caching (no-ops without a prefix cache).
 
     def cached_prefix(self, request: Request) -> list[BlockId]:

@@ -38,7 +38,7 @@ from services.instance.engine.admission_checks import (
     check_queue_room,
     check_tokens,
 )
-from services.instance.engine.block_manager import BlockId, BlockManager, num_blocks_for
+from services.instance.engine.block_manager import BlockId, BlockManager, num_blocks_for, num_blocks_out_of_window
 from services.instance.engine.context_window import kv_window
 from services.instance.engine.engine_config import EngineConfig, check_geometry
 from services.instance.engine.engine_reports import LoadSnapshot, RequestSnapshot, load_snapshot, request_snapshot
@@ -252,16 +252,21 @@ class LLMEngine:
 
     # Live migration: the destination side.
 
-    def reserve_blocks(self, migration_id: str, num_blocks: int,
-                       block_hashes: Sequence[BlockHash] = ()) -> tuple[BlockId, ...]:
-        """Grow the migration's reservation to `num_blocks`; ResourceExhausted if short of blocks or slots.
-        A new reservation starts with the cached blocks of the longest prefix of `block_hashes` (the request's
-        full blocks): `num_cached_reserved` says how many, and nothing is copied into them."""
+    def reserve_blocks(self, migration_id: str, num_blocks: int, block_hashes: Sequence[BlockHash] = (),
+                       num_not_held: int = 0) -> tuple[BlockId, ...]:
+        """Grow the migration's reservation to `num_blocks` block-table entries; ResourceExhausted if short of
+        blocks or slots. A new reservation starts with `num_not_held` placeholders (the leading entries behind
+        the request's sliding window, which its source no longer holds: no block here), then the cached blocks
+        of the longest prefix of `block_hashes` (the request's full blocks): `num_cached_reserved` says how
+        many entries those reach, and nothing is copied into them."""
         is_new = migration_id not in self.reservations
         if is_new and not self.scheduler.has_free_slot:
             raise ResourceExhausted(f"no batch slot for migration {migration_id}: all {self.config.max_num_seqs} "
                                     "taken (--max-num-seqs); pick another destination")
-        return self.reservations.reserve(MigrationId(migration_id), num_blocks, block_hashes)
+        if is_new and num_not_held and self.block_manager.window is None:
+            raise InvalidArgument(f"num_leading_blocks_not_held: {num_not_held}, but this instance's model has no "
+                                  "sliding window on every layer: it reads every block of a request")
+        return self.reservations.reserve(MigrationId(migration_id), num_blocks, block_hashes, num_not_held)
 
     def num_cached_reserved(self, migration_id: str) -> int:
         """Leading blocks of the migration's reservation that came from the prefix cache."""
@@ -295,12 +300,15 @@ class LLMEngine:
         num_blocks = num_blocks_for(state.num_computed_tokens, self.config.block_size)
         self._check_reserved(migration_id, num_blocks, state.num_computed_tokens)
         text = text if text is not None else self.restore_text(state)
+        num_not_held = self.reservations.num_not_held(MigrationId(migration_id))
         blocks = self.reservations.take(MigrationId(migration_id))
-        self.block_manager.free_blocks(blocks[num_blocks:])  # headroom the source no longer needs
+        self.block_manager.free_blocks(blocks[num_blocks:])  # headroom the source no longer needs (_check_reserved:
+        # num_not_held <= num_blocks)
         request = imported_request(state, text=text, guide=guide, block_table=blocks[:num_blocks],
                                    arrival_order=next(self._arrivals), src_instance_id=src_instance_id,
                                    migration_id=migration_id)
         self._requests[request.request_id] = request
+        self.block_manager.adopt_out_of_window(request, num_not_held)  # placeholders from the reservation
         self.block_manager.drop_out_of_window(request)  # the source copied none of these (MigrationBlocks)
         self.block_manager.register_computed(request)  # its K/V arrived with it
         self.scheduler.adopt(request)
@@ -311,6 +319,12 @@ class LLMEngine:
         if num_reserved < num_blocks:
             raise InvalidArgument(f"num_computed_tokens: {num_computed_tokens} tokens need {num_blocks} blocks, "
                                   f"migration {migration_id} reserved {num_reserved}")
+        num_not_held = self.reservations.num_not_held(MigrationId(migration_id))
+        num_out = num_blocks_out_of_window(num_computed_tokens, self.config.block_size, self.block_manager.window)
+        if num_not_held > num_out:  # the request was recomputed on its source since the first Prepare
+            raise FailedPrecondition(f"num_computed_tokens: at {num_computed_tokens} tokens the request still reads "
+                                     f"blocks from {num_out} on, but migration {migration_id} reserved no block for "
+                                     f"the first {num_not_held} (num_leading_blocks_not_held); start it again")
 
     def _check_import(self, state: RequestState) -> None:
         if state.request_id in self._requests:

@@ -90,12 +90,14 @@ class FaultyPeer:
 
     async def prepare_migrate_in(self, migration_id, request_id, src_instance_id, num_blocks,
                                  grow_only=False, block_hashes=(), timeout_s=None, keep_cached_blocks=None,
-                                 max_num_tokens=0, can_decode_on_prefill=False) -> Reservation:
+                                 max_num_tokens=0, can_decode_on_prefill=False,
+                                 num_leading_blocks_not_held=0) -> Reservation:
         self.prepare_timeouts.append(timeout_s)
         self.prepare_on_purpose.append(can_decode_on_prefill)
         self._check("prepare")
         return await self.dst.inbox.prepare(migration_id, request_id, src_instance_id, num_blocks, grow_only=grow_only,
-                                            block_hashes=block_hashes, keep_cached_blocks=keep_cached_blocks)
+                                            block_hashes=block_hashes, keep_cached_blocks=keep_cached_blocks,
+                                            num_leading_blocks_not_held=num_leading_blocks_not_held)
 
     async def commit_migrate_in(self, migration_id: str, state: RequestState, attempt: int = 0) -> None:
         self._check("commit")
@@ -803,6 +805,59 @@ async def test_a_windowed_request_keeps_the_destinations_cached_blocks_behind_it
     handoff = await read(stream, tokens)
     await read(b.inbox.attach("r", handoff.epoch), tokens)
     assert tokens == expected and result.num_cached_at_destination >= num_full
+    await assert_no_blocks_held(a, b)
+
+
+@pytest.mark.parametrize("max_stages", [3, 0], ids=["live", "stop-and-copy"])
+async def test_a_windowed_request_moves_to_a_destination_with_room_for_its_window_only(windowed_pair, max_stages):
+    """The destination reserves no block for the entries behind the window (num_leading_blocks_not_held): with
+    12 blocks free where the block table has 25 entries, it takes the request (without: RESOURCE_EXHAUSTED at
+    the first Prepare, which asked for all of them), which goes on with the tokens it had; no block leaks."""
+    a, b = windowed_pair
+    expected = await run_alone(a, SAMPLING.max_tokens)
+    hog = await b.runner.call(lambda: b.engine.block_manager.allocate_blocks(NUM_BLOCKS - 12))
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=80)
+    num_dropped = num_blocks_out_of_window(len(PROMPT) + 80 - 1, BLOCK_SIZE, WINDOW)
+    assert num_dropped >= 23 and -(-(len(PROMPT) + 80) // BLOCK_SIZE) > 12
+    peer = FaultyPeer(b)
+    result = await driver(a, peer, TensorCopier(a, b)).migrate_out(dataclasses.replace(plan(), max_stages=max_stages))
+    handoff = await read(stream, tokens)
+    last = await read(b.inbox.attach("r", handoff.epoch), tokens)
+    assert tokens == expected and last.finish_reason is FinishReason.LENGTH
+    assert result.num_blocks <= 2 * (-(-WINDOW // BLOCK_SIZE) + 1)
+    await b.runner.call(lambda: b.engine.block_manager.free_blocks(hog))
+    await assert_no_blocks_held(a, b)
+
+
+async def test_a_destination_without_a_window_refuses_entries_not_held(pair):
+    """Its model reads every block: a Prepare naming leading entries the source does not hold is refused."""
+    _, b = pair
+    with pytest.raises(InvalidArgument, match="num_leading_blocks_not_held"):
+        await b.inbox.prepare("m", "r", "a", 10, num_leading_blocks_not_held=4)
+    with pytest.raises(InvalidArgument, match="num_leading_blocks_not_held"):
+        await b.inbox.prepare("m2", "r", "a", 10, num_leading_blocks_not_held=-1)
+    await assert_no_blocks_held(b)
+
+
+async def test_a_commit_that_would_read_an_entry_not_held_is_refused(windowed_pair):
+    """A request recomputed on its source since the first Prepare (a preemption) may read entries behind the
+    window again, for which the destination reserved no block: the destination refuses the commit (it would
+    read another request's block there) and its reservation still frees every block it holds."""
+    a, b = windowed_pair
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=5)  # 24 tokens computed: 4 blocks behind the window
+    view = await a.runner.call(lambda: a.engine.suspend("r"))
+    state = await a.runner.call(lambda: a.engine.export_state("r"))
+    num_out = num_blocks_out_of_window(state.num_computed_tokens, BLOCK_SIZE, WINDOW)
+    await b.inbox.prepare("m", "r", "a", view.num_blocks, num_leading_blocks_not_held=num_out + 1)
+    with pytest.raises(FailedPrecondition, match="num_leading_blocks_not_held"):
+        await b.inbox.commit("m", state)
+    assert await b.inbox.abort("m")
+    assert await a.runner.call(lambda: a.engine.resume("r"))
+    await read(stream, tokens)
     await assert_no_blocks_held(a, b)
 
 

@@ -23,7 +23,7 @@ class FakeEngine:
         self.reservations: dict[str, int] = {}
         self.freed: list[str] = []
 
-    def reserve_blocks(self, migration_id: str, num_blocks: int, block_hashes=()) -> list[int]:
+    def reserve_blocks(self, migration_id: str, num_blocks: int, block_hashes=(), num_not_held: int = 0) -> list[int]:
         self.reservations[migration_id] = num_blocks
         return list(range(num_blocks))
 

@@ -5,7 +5,7 @@ import pytest
 
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.common.prefix_hash import block_hash
-from services.instance.engine.block_manager import BlockManager
+from services.instance.engine.block_manager import OUT_OF_WINDOW_BLOCK, BlockManager
 from services.instance.engine.reservations import MigrationId, Reservations
 
 pytestmark = pytest.mark.timeout(10)
@@ -69,3 +69,24 @@ def test_no_room_for_fresh_blocks_leaves_the_reservation_as_it_was():
     assert reservations.free(M)
     manager.free_blocks(other)
     assert manager.num_free_blocks == 3
+
+
+def test_entries_behind_the_window_are_placeholders_held_by_nobody():
+    """num_not_held leading entries (the source no longer holds them): no block is reserved there, cached
+    blocks there are not held, keep_cached never swaps a placeholder, and freeing gives back only what is held."""
+    manager = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=True, window=4)
+    other = cached(manager, 4, num_shared=0)  # blocks 0-3 cached, idle
+    reservations = Reservations(manager)
+    blocks = reservations.reserve(M, 7, HASHES, num_not_held=2)
+    assert blocks[:2] == (OUT_OF_WINDOW_BLOCK,) * 2 and blocks[2:4] == tuple(other[2:4])
+    assert reservations.num_not_held(M) == 2 and reservations.num_cached(M) == 4 and reservations.num_blocks == 5
+    assert manager.num_free_blocks == 12 - 5 and [manager.ref_count(b) for b in other] == [0, 0, 1, 1]
+    kept = reservations.keep_cached(M, 1)  # below the offset: only the held cached ones are swapped
+    assert kept[:2] == blocks[:2] and not set(kept[2:4]) & set(other) and manager.num_free_blocks == 12 - 5
+    assert reservations.reserve(M, 9, num_not_held=5)[:7] == kept  # a later call: the same offset, 2 blocks more
+    assert reservations.num_blocks == 7
+    assert reservations.free(M) and manager.num_free_blocks == 12
+    assert all(manager.ref_count(b) == 0 for b in range(12))
+    with pytest.raises(InvalidArgument, match="num_leading_blocks_not_held"):
+        reservations.reserve(MigrationId("m-2"), 3, num_not_held=4)
+    assert len(reservations) == 0

@@ -831,6 +831,38 @@ async def test_a_windowed_request_moves_to_a_destination_with_room_for_its_windo
     await assert_no_blocks_held(a, b)
 
 
+async def test_a_request_that_reads_an_entry_the_destination_holds_no_block_for_stays(windowed_pair, monkeypatch):
+    """As after a preemption between the first Prepare and the commit of a live move (a stop-and-copy one
+    reserves from the suspended request's view): the first view says one entry more is
+    behind the window than the request reads at the end. The source copies nothing into a placeholder and
+    keeps the request, committing nothing (without its check: the commit went out and the destination refused
+    it); the request goes on with its tokens and nothing leaks."""
+    a, b = windowed_pair
+    expected = await run_alone(a, SAMPLING.max_tokens)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=30)
+    views = 0
+    real = a.engine.migration_blocks
+
+    def first_overstated(request_id):
+        nonlocal views
+        view, views = real(request_id), views + 1
+        return dataclasses.replace(view, num_dropped_blocks=view.num_dropped_blocks + 1) if views == 1 else view
+    monkeypatch.setattr(a.engine, "migration_blocks", first_overstated)
+    a.engine.step = lambda: []  # r decodes no further during the move: nothing gives back the overstated entry
+    try:
+        peer = FaultyPeer(b)
+        with pytest.raises(Aborted, match="reserved none"):
+            await driver(a, peer, TensorCopier(a, b)).migrate_out(plan())
+    finally:
+        del a.engine.step  # the class's again
+    assert "commit" not in peer.calls
+    await read(stream, tokens)
+    assert tokens == expected
+    await assert_no_blocks_held(a, b)
+
+
 async def test_a_destination_without_a_window_refuses_entries_not_held(pair):
     """Its model reads every block: a Prepare naming leading entries the source does not hold is refused."""
     _, b = pair

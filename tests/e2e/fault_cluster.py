@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import grpc
 import llguidance
+import pytest
 import torch
 
 from services.cluster.launcher import ClusterSpec, LocalCluster
@@ -367,3 +368,11 @@ class Reference:
 def _is_idle(info: manager_pb2.InstanceInfo) -> bool:
     """No request runs or waits there (a request of an earlier test may still be releasing its blocks)."""
     return info.num_running == 0 and info.num_waiting == 0
+
+
+@pytest.fixture(scope="module", name="reference")
+def fault_reference(tiny_model_dir) -> Iterator[Reference]:
+    """The fault tests' `reference` (a module that imports this gets it in place of conftest's generate function)."""
+    reference = Reference(tiny_model_dir)
+    yield reference
+    reference.close()

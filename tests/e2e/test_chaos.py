@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.chaos import ChaosConfig, ChaosRun
-from tests.e2e.fault_cluster import FaultCluster, Reference
+from tests.e2e.fault_cluster import FaultCluster
+from tests.e2e.fault_cluster import fault_reference  # noqa: F401 (the module's `reference` fixture)
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +21,6 @@ def cluster(tiny_model_dir, tmp_path_factory):
     with FaultCluster(tiny_model_dir, tmp_path_factory.mktemp("chaos"), num_instances=3,
                       num_managers=2).running() as cluster:
         yield cluster
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    reference = Reference(tiny_model_dir)
-    yield reference
-    reference.close()
 
 
 async def check(cluster, reference, config: ChaosConfig) -> None:

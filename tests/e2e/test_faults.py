@@ -24,6 +24,7 @@ from services.common.grpc_server import KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S
 from services.transfer.client import TransferClient
 from tests.e2e.conftest import wait_for
 from tests.e2e.fault_cluster import FaultCluster, FaultTimings, Reference, Stream, client_session, wait_for_tokens
+from tests.e2e.fault_cluster import fault_reference  # noqa: F401 (the module's `reference` fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -40,13 +41,6 @@ def cluster(tiny_model_dir, tmp_path_factory):
     with FaultCluster(tiny_model_dir, tmp_path_factory.mktemp("faults"), num_instances=3, num_managers=2,
                       timings=TIMINGS).running() as cluster:
         yield cluster
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    reference = Reference(tiny_model_dir)
-    yield reference
-    reference.close()
 
 
 @pytest.fixture(scope="module")

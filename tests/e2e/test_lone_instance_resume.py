@@ -14,6 +14,7 @@ import asyncio
 import pytest
 
 from tests.e2e.fault_cluster import FaultCluster, FaultTimings, Reference, Stream, client_session, wait_for_tokens
+from tests.e2e.fault_cluster import fault_reference  # noqa: F401 (the module's `reference` fixture)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,13 +30,6 @@ def cluster(tiny_model_dir, tmp_path_factory):
     with FaultCluster(tiny_model_dir, tmp_path_factory.mktemp("lone"), num_instances=1, num_managers=1,
                       timings=FaultTimings(instance_lease_ttl_s=2.0)).running() as cluster:
         yield cluster
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    reference = Reference(tiny_model_dir)
-    yield reference
-    reference.close()
 
 
 def streams(tag: str) -> list[Stream]:

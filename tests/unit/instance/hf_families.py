@@ -9,6 +9,8 @@ import pathlib
 import torch
 
 from services.instance.engine.factory import EngineSpec, build_engine
+from services.instance.engine.forward_batch import ForwardBatch
+from services.instance.engine.model import allocate_kv_cache, load_model
 from services.instance.engine.request import SamplingParams
 from services.instance.models import build_tiny_model
 
@@ -58,3 +60,21 @@ def assert_greedy_equals_transformers(model_dir: pathlib.Path, hf_model, kv_name
             assert loaded.engine.block_manager.num_blocks_dropped >= 4
     finally:
         loaded.close()
+
+
+def prefill_logits(model, prompt: list[int], block_size: int = 16) -> torch.Tensor:
+    """The last token's logits of one prompt prefilled whole."""
+    num_blocks = -(-len(prompt) // block_size)
+    cache = allocate_kv_cache(model.config, num_blocks, block_size, dtype=model.dtype)
+    batch = ForwardBatch(input_ids=torch.tensor(prompt), positions=torch.arange(len(prompt)),
+                         slot_mapping=torch.arange(len(prompt)), query_lens=[len(prompt)],
+                         context_lens=torch.tensor([len(prompt)]), block_tables=torch.arange(num_blocks)[None])
+    return model(batch, cache)[0]
+
+
+def assert_float32_logits_equal_transformers(model_dir: pathlib.Path, hf_model) -> None:
+    """The last token's float32 logits of a prompt prefilled whole, within 1e-5 of transformers'."""
+    prompt = PROMPTS[4]
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prefill_logits(load_model(model_dir), prompt), expected, rtol=1e-5, atol=1e-5)

@@ -14,12 +14,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.instance.engine.context_window import ContextLimit, context_limit
-from services.instance.engine.forward_batch import ForwardBatch
 from services.instance.engine.mlp import ACTIVATIONS
-from services.instance.engine.model import allocate_kv_cache, load_model
+from services.instance.engine.model import load_model
 from services.instance.engine.model_config import ModelConfig
 from services.instance.models.tiny_tokenizer import TINY_VOCAB_SIZE
-from tests.unit.instance.hf_families import PROMPTS, assert_greedy_equals_transformers, save_random_family_model
+from tests.unit.instance.hf_families import (PROMPTS, assert_float32_logits_equal_transformers,
+                                             assert_greedy_equals_transformers, prefill_logits, save_random_family_model)
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,22 +65,8 @@ def test_greedy_tokens_equal_transformers_alone_and_batched(family, tmp_path):
     assert_greedy_equals_transformers(model_dir, hf_model, f"ferry-test-ln-{tmp_path.name}")
 
 
-def prefill_logits(model, prompt: list[int], block_size: int = 16) -> torch.Tensor:
-    """The last token's logits of one prompt prefilled whole."""
-    num_blocks = -(-len(prompt) // block_size)
-    cache = allocate_kv_cache(model.config, num_blocks, block_size, dtype=model.dtype)
-    batch = ForwardBatch(input_ids=torch.tensor(prompt), positions=torch.arange(len(prompt)),
-                         slot_mapping=torch.arange(len(prompt)), query_lens=[len(prompt)],
-                         context_lens=torch.tensor([len(prompt)]), block_tables=torch.arange(num_blocks)[None])
-    return model(batch, cache)[0]
-
-
 def test_float32_logits_equal_transformers(family):
-    model_dir, hf_model = family
-    prompt = PROMPTS[4]
-    with torch.no_grad():
-        expected = hf_model(torch.tensor([prompt])).logits[0, -1]
-    torch.testing.assert_close(prefill_logits(load_model(model_dir), prompt), expected, rtol=1e-5, atol=1e-5)
+    assert_float32_logits_equal_transformers(*family)
 
 
 def test_bfloat16_norms_give_transformers_bits(family):

@@ -25,8 +25,8 @@ import torch
 from services.instance.engine.model import load_model
 from services.instance.engine.model_config import ModelConfig
 from services.instance.models.tiny_tokenizer import TINY_VOCAB_SIZE
-from tests.unit.instance.hf_families import PROMPTS, assert_greedy_equals_transformers, save_random_family_model
-from tests.unit.instance.test_layer_norm_families import prefill_logits
+from tests.unit.instance.hf_families import (PROMPTS, assert_float32_logits_equal_transformers,
+                                             assert_greedy_equals_transformers, prefill_logits, save_random_family_model)
 
 transformers = pytest.importorskip("transformers")
 
@@ -119,11 +119,7 @@ def test_greedy_tokens_equal_transformers_alone_and_batched(family, tmp_path):
 
 
 def test_float32_logits_equal_transformers(family):
-    model_dir, hf_model = family
-    prompt = PROMPTS[4]
-    with torch.no_grad():
-        expected = hf_model(torch.tensor([prompt])).logits[0, -1]
-    torch.testing.assert_close(prefill_logits(load_model(model_dir), prompt), expected, rtol=1e-5, atol=1e-5)
+    assert_float32_logits_equal_transformers(*family)
 
 
 def test_bfloat16_norms_give_transformers_bits(family):

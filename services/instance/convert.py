@@ -137,12 +137,13 @@ def reservation_to_proto(reservation: Reservation) -> instance_pb2.PrepareMigrat
                                                  dst_transfer_id=reservation.transfer_id,
                                                  num_cached_blocks=reservation.num_cached_blocks,
                                                  write_grant=reservation.write_grant,
-                                                 cached_block_checksums=list(reservation.cached_checksums))
+                                                 cached_block_checksums=list(reservation.cached_checksums),
+                                                 num_leading_blocks_not_held=reservation.num_not_held)
 
 
 def reservation_from_proto(msg: instance_pb2.PrepareMigrateInResponse) -> Reservation:
     return Reservation(tuple(msg.block_ids), msg.dst_transfer_address, msg.dst_transfer_id, msg.num_cached_blocks,
-                       msg.write_grant, tuple(msg.cached_block_checksums))
+                       msg.write_grant, tuple(msg.cached_block_checksums), msg.num_leading_blocks_not_held)
 
 
 def request_state_to_proto(state: RequestState) -> instance_pb2.RequestState:

@@ -87,6 +87,7 @@ class Reservation:
     num_cached_blocks: int = 0  # leading block_ids the destination had cached: shared there, never copied into
     write_grant: int = 0  # named in every transfer into block_ids (the destination's fence; 0 = none)
     cached_checksums: tuple[int, ...] = ()  # first answer: crc32 of each cached block (empty: an older destination)
+    num_not_held: int = 0  # first answer: the leading entries kept as placeholders (behind the window; 0: older)
 
 
 class DestinationPeer(Protocol):

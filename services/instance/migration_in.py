@@ -169,7 +169,7 @@ class MigrationInbox:
                                                                   block_ids[num_not_held:num_cached]) \
             if is_first else ()
         return Reservation(tuple(block_ids), self._transfer.address, self._transfer.transfer_id, num_cached,
-                           incoming.write_grant, checksums)
+                           incoming.write_grant, checksums, num_leading_blocks_not_held if is_first else 0)
 
     async def _reserve_granting(self, incoming: _Incoming, reserve: Callable[[], _Reserved]) -> _Reserved:
         """The first Prepare: reserve on the engine while the write grant opens (no block id has left yet)."""

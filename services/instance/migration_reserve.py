@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from services.common.errors import FailedPrecondition
+from services.common.errors import Aborted, FailedPrecondition
 from services.instance.engine.block_manager import BlockId
 from services.instance.engine.migration_state import MigrationBlocks
 from services.instance.migration_attempt import MigrationInFlight, call_on_copy
@@ -61,6 +61,12 @@ class ReservationKeeper:
             if not is_first:
                 raise
             raise RefusedByDestination(exc.message, exc.request_id) from exc
+        if is_first and a.reservation.num_not_held != a.num_not_held_at_destination:
+            raise Aborted(f"request {a.request_id} not migrated, it keeps running on {self._settings.instance_id}: "
+                          f"destination {a.plan.dst_instance_id} kept {a.reservation.num_not_held} of the "
+                          f"{a.num_not_held_at_destination} entries behind the request's sliding window without a "
+                          "block (an older version: it would cache blocks never copied into as the request's "
+                          "prefix); upgrade it")
         if a.backend is None:
             a.backend = auto_backend(a.reservation, self._settings.transfer_id, self._settings.offered_backends)
         elif a.backend is TransferBackend.SHM and is_first:

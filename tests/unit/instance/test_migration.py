@@ -831,6 +831,33 @@ async def test_a_windowed_request_moves_to_a_destination_with_room_for_its_windo
     await assert_no_blocks_held(a, b)
 
 
+class OlderDestination(FaultyPeer):
+    """A destination from before num_leading_blocks_not_held: it ignores it (reserves a block for every entry)
+    and echoes none."""
+
+    async def prepare_migrate_in(self, *args, num_leading_blocks_not_held=0, **kwargs) -> Reservation:
+        return await super().prepare_migrate_in(*args, **kwargs)
+
+
+async def test_a_windowed_request_does_not_move_to_a_destination_too_old_for_its_window(windowed_pair):
+    """The source copies no block behind the window; an older destination reserved real blocks there and, at
+    the commit, cached them as the request's prefix though nothing was copied into them (a later request sharing
+    the prefix would read stale K/V: wrong tokens, no error). Its reply echoes no placeholder count, so the move
+    is aborted before any copy; the request goes on with its tokens and nothing leaks."""
+    a, b = windowed_pair
+    expected = await run_alone(a, SAMPLING.max_tokens)
+    tokens: list[int] = []
+    stream = await a.runner.add("r", PROMPT, SAMPLING)
+    await read(stream, tokens, until=80)
+    copier = TensorCopier(a, b)
+    with pytest.raises(Aborted, match="older version"):
+        await driver(a, OlderDestination(b), copier).migrate_out(plan())
+    assert copier.transfers == []
+    last = await read(stream, tokens)
+    assert tokens == expected and last.finish_reason is FinishReason.LENGTH
+    await assert_no_blocks_held(a, b)
+
+
 async def test_a_request_that_reads_an_entry_the_destination_holds_no_block_for_stays(windowed_pair, monkeypatch):
     """As after a preemption between the first Prepare and the commit of a live move (a stop-and-copy one
     reserves from the suspended request's view): the first view says one entry more is

@@ -24,7 +24,7 @@ from services.frontend.tool_calls import (HERMES_CLOSE, HERMES_OPEN, MISTRAL_MAR
                                           ToolCallParserSetting)
 from services.frontend.tool_grammar import tool_call_grammar
 from services.instance.engine.context_window import checked_max_model_len, context_limit  # no torch
-from services.instance.engine.model_fingerprint import model_fingerprint  # no torch
+from services.instance.engine.model_fingerprint import fingerprint_if_readable  # no torch
 from services.instance.engine.tokenizer import Tokenizer  # tokenizers + jinja2, no torch
 
 
@@ -75,7 +75,7 @@ class ServedModel:
         context = checked_max_model_len(max_model_len, context_limit(config))
         tokenizer = Tokenizer.from_dir(folder)
         model = cls(name=name, max_model_len=context, vocab_size=int(config["vocab_size"]), tokenizer=tokenizer,
-                    fingerprint=model_fingerprint(folder))
+                    fingerprint=fingerprint_if_readable(folder))
         return model.with_tool_calls(tool_call_parser.format_for(tokenizer.tool_use_template or tokenizer.chat_template))
 
     def with_tool_calls(self, format_: ToolCallFormat | None) -> ServedModel:

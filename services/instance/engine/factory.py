@@ -22,7 +22,7 @@ from services.instance.engine.kv_cache import KvCache, KvGeometry
 from services.instance.engine.forward_batch import ForwardModel
 from services.instance.engine.model import load_model
 from services.instance.engine.model_config import ModelConfig
-from services.instance.engine.model_fingerprint import model_fingerprint
+from services.instance.engine.model_fingerprint import fingerprint_if_readable, model_fingerprint
 from services.instance.engine.sim_model import SimLatency, SimModel
 from services.instance.engine.tokenizer import Tokenizer
 
@@ -62,7 +62,9 @@ class LoadedEngine:
 
 
 def build_engine(spec: EngineSpec) -> LoadedEngine:
-    fingerprint = model_fingerprint(spec.model_dir)  # first: a file it cannot read leaves no KV memory behind
+    # First: a file it cannot read leaves no KV memory behind (the sim engine reads no weights: it goes on).
+    fingerprint = (model_fingerprint(spec.model_dir) if spec.sim_latency is None
+                   else fingerprint_if_readable(spec.model_dir))
     log.info("model_fingerprinted", model_dir=str(spec.model_dir), model_fingerprint=fingerprint or None)
     model = _model(spec)
     config = model.config

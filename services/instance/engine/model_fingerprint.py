@@ -27,10 +27,24 @@ import os
 import struct
 from pathlib import Path
 
+import structlog
+
 WINDOW_BYTES = 256  # read at a tensor's start, middle and end
 BIN_WINDOWS = 64  # windows spread over a pytorch_model*.bin file
 _HEADER_LEN = struct.Struct("<Q")  # safetensors: the JSON header's length, then the header
 _MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+
+
+def fingerprint_if_readable(model_dir: str | Path) -> str:
+    """model_fingerprint, or "" (compares equal to anything) with a warning where a weight file cannot be read:
+    for the sim engine and the frontend, which load no weights (a Git LFS pointer or a truncated file must not
+    stop them, as it did not before the fingerprint)."""
+    try:
+        return model_fingerprint(model_dir)
+    except (OSError, ValueError) as exc:
+        structlog.get_logger(__name__).warning("model_fingerprint_unreadable", model_dir=str(model_dir),
+                                               error=str(exc), hint="not told apart from other weights")
+        return ""
 
 
 def model_fingerprint(model_dir: str | Path) -> str:

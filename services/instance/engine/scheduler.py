@@ -198,8 +198,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         step = _StepPlan(budget=self.max_num_batched_tokens, logit_budget=self.max_prompt_logit_rows)
-        for request in self.running:
-            self.block_manager.drop_out_of_window(request)
+        if self.block_manager.window is not None:  # no window: nothing to give back (a hot path)
+            for request in self.running:
+                self.block_manager.drop_out_of_window(request)
         decodes_first = sorted(self.running, key=lambda r: (r.num_uncomputed_tokens > 1, _priority_order(r)))
         for request in decodes_first:
             if step.budget == 0:

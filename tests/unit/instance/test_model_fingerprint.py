@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from structlog.testing import capture_logs
 
 from services.instance.engine import model_fingerprint as fingerprint_module
-from services.instance.engine.model_fingerprint import WINDOW_BYTES, model_fingerprint
+from services.instance.engine.model_fingerprint import WINDOW_BYTES, fingerprint_if_readable, model_fingerprint
 from services.instance.models import build_tiny_model
 
 pytestmark = pytest.mark.timeout(60)
@@ -76,6 +77,15 @@ def test_a_broken_weights_file_is_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(ValueError, match="model.safetensors: not a safetensors file"):
         model_fingerprint(tmp_path)
+
+
+def test_the_sim_engine_and_the_frontend_go_on_without_one_where_a_weights_file_is_unreadable(tmp_path):
+    """They load no weights, and a Git LFS pointer in place of the weights did not stop them before the
+    fingerprint: "" (compares equal to anything), with a warning."""
+    (tmp_path / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:ab\n")
+    with capture_logs() as logs:
+        assert fingerprint_if_readable(tmp_path) == ""
+    assert [entry["event"] for entry in logs] == ["model_fingerprint_unreadable"]
 
 
 def test_it_reads_three_windows_per_tensor_not_the_weights(tmp_path, monkeypatch):

@@ -372,10 +372,7 @@ async def test_blocks_filled_during_the_first_prepare_are_copied_live_not_paused
     while a slow Prepare ran waited for the paused copy (more downtime; with one live stage, every one of them).
     It takes the request's blocks once Prepare answered: the paused copy has none that were full by then."""
     a, b = pair
-    expected = await run_alone(a, SAMPLING.max_tokens)
-    tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    await read(stream, tokens, until=10)
+    expected, tokens, stream = await decoding_alone_past(a, 10)
     peer, copier = SlowFirstPrepare(b, a, num_blocks=4), TensorCopier(a, b)
     await driver(a, peer, copier, max_stages=1).migrate_out(plan())
     handoff = await read(stream, tokens)
@@ -413,11 +410,20 @@ GRPC_SHM = (TransferBackend.GRPC, TransferBackend.SHM)
 
 async def decoding_past_30(a: Side) -> tuple[list[int], list[int], RequestStream]:
     """The reference tokens, and request "r" running on `a` with its first 30 tokens read (and the list of them)."""
-    expected = await reference(a)
+    return await reference(a), *await running_past(a, 30)
+
+
+async def decoding_alone_past(a: Side, until: int) -> tuple[list[int], list[int], RequestStream]:
+    """PROMPT run alone on `a` first (its own tokens: a windowed pair's differ from the shared references), then
+    request "r" running on `a` with its first `until` tokens read (and the list of them)."""
+    return await run_alone(a, SAMPLING.max_tokens), *await running_past(a, until)
+
+
+async def running_past(a: Side, until: int) -> tuple[list[int], RequestStream]:
     tokens: list[int] = []
     stream = await a.runner.add("r", PROMPT, SAMPLING)
-    await read(stream, tokens, until=30)
-    return expected, tokens, stream
+    await read(stream, tokens, until=until)
+    return tokens, stream
 
 
 @pytest.mark.parametrize(("own_transfer_id", "offered", "expected"), [
@@ -777,10 +783,7 @@ async def test_a_windowed_request_moves_only_the_blocks_its_window_holds(windowe
     the first stage copied the ten given back before the move began), the destination gives back those
     places unread, and the request goes on with the tokens it had."""
     a, b = windowed_pair
-    expected = await run_alone(a, SAMPLING.max_tokens)
-    tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    await read(stream, tokens, until=30)
+    expected, tokens, stream = await decoding_alone_past(a, 30)
     copier = TensorCopier(a, b)
     result = await driver(a, FaultyPeer(b), copier).migrate_out(dataclasses.replace(plan(), max_stages=max_stages))
     handoff = await read(stream, tokens)
@@ -845,10 +848,7 @@ async def test_a_windowed_request_does_not_move_to_a_destination_too_old_for_its
     the prefix would read stale K/V: wrong tokens, no error). Its reply echoes no placeholder count, so the move
     is aborted before any copy; the request goes on with its tokens and nothing leaks."""
     a, b = windowed_pair
-    expected = await run_alone(a, SAMPLING.max_tokens)
-    tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    await read(stream, tokens, until=80)
+    expected, tokens, stream = await decoding_alone_past(a, 80)
     copier = TensorCopier(a, b)
     with pytest.raises(Aborted, match="older version"):
         await driver(a, OlderDestination(b), copier).migrate_out(plan())
@@ -865,10 +865,7 @@ async def test_a_request_that_reads_an_entry_the_destination_holds_no_block_for_
     keeps the request, committing nothing (without its check: the commit went out and the destination refused
     it); the request goes on with its tokens and nothing leaks."""
     a, b = windowed_pair
-    expected = await run_alone(a, SAMPLING.max_tokens)
-    tokens: list[int] = []
-    stream = await a.runner.add("r", PROMPT, SAMPLING)
-    await read(stream, tokens, until=30)
+    expected, tokens, stream = await decoding_alone_past(a, 30)
     views = 0
     real = a.engine.migration_blocks
 
